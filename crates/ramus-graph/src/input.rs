@@ -1,0 +1,165 @@
+//! Input graphs (Cavs' `G`): one sample's structure — vertices with ordered
+//! children, a token id and an optional class label per vertex. Trees,
+//! chains (sequences) and DAGs share this one representation.
+
+use crate::GraphError;
+
+/// Marker for "no label" in [`InputGraph::labels`].
+pub const NO_LABEL: i32 = -1;
+
+/// One sample's structure. Vertices are numbered `0..len()`; the children of
+/// a vertex are listed in order (child 0 first). Every child must have a
+/// smaller id than its parent (a topological numbering: post-order for
+/// trees, left-to-right for chains), which makes cycles impossible and lets
+/// schedules be computed in one pass.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct InputGraph {
+    /// `child_offsets[v]..child_offsets[v + 1]` indexes `children` for vertex `v`.
+    child_offsets: Vec<u32>,
+    children: Vec<u32>,
+    /// Token (word id) of each vertex; internal tree nodes use token 0.
+    pub tokens: Vec<u32>,
+    /// Class label of each vertex, or [`NO_LABEL`].
+    pub labels: Vec<i32>,
+}
+
+impl InputGraph {
+    /// An empty graph, to be filled with [`InputGraph::push_vertex`].
+    pub fn new() -> Self {
+        InputGraph { child_offsets: vec![0], ..Default::default() }
+    }
+
+    /// Appends a vertex whose children are `children` (ids of vertices added
+    /// before it) and returns its id.
+    pub fn push_vertex(&mut self, children: &[u32], token: u32, label: i32) -> Result<u32, GraphError> {
+        let id = self.tokens.len() as u32;
+        if let Some(&bad) = children.iter().find(|&&c| c >= id) {
+            return Err(GraphError::Structure(format!(
+                "vertex {id}: child {bad} is not an earlier vertex (children must be added before their parents)"
+            )));
+        }
+        self.children.extend_from_slice(children);
+        self.child_offsets.push(self.children.len() as u32);
+        self.tokens.push(token);
+        self.labels.push(label);
+        Ok(id)
+    }
+
+    /// A chain `0 <- 1 <- ... <- n-1`: vertex `t` has vertex `t-1` as its only child.
+    pub fn chain(tokens: &[u32], labels: &[i32]) -> Result<Self, GraphError> {
+        if tokens.len() != labels.len() {
+            return Err(GraphError::Structure(format!(
+                "chain: {} tokens but {} labels",
+                tokens.len(),
+                labels.len()
+            )));
+        }
+        let mut g = InputGraph::new();
+        for (t, (&tok, &lab)) in tokens.iter().zip(labels).enumerate() {
+            if t == 0 {
+                g.push_vertex(&[], tok, lab)?;
+            } else {
+                g.push_vertex(&[t as u32 - 1], tok, lab)?;
+            }
+        }
+        Ok(g)
+    }
+
+    /// Number of vertices.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// True when the graph has no vertex.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// Ordered children of vertex `v`.
+    pub fn children(&self, v: usize) -> &[u32] {
+        &self.children[self.child_offsets[v] as usize..self.child_offsets[v + 1] as usize]
+    }
+
+    /// Total number of child edges.
+    pub fn num_edges(&self) -> usize {
+        self.children.len()
+    }
+
+    /// Vertices that are nobody's child (the root of a tree, the last
+    /// vertex of a chain, the sinks of a DAG), in increasing id order.
+    pub fn roots(&self) -> Vec<u32> {
+        let mut has_parent = vec![false; self.len()];
+        for &c in &self.children {
+            has_parent[c as usize] = true;
+        }
+        (0..self.len() as u32).filter(|&v| !has_parent[v as usize]).collect()
+    }
+
+    /// Height of every vertex: 0 for leaves, else 1 + the largest child height.
+    pub fn heights(&self) -> Vec<u32> {
+        let mut h = vec![0u32; self.len()];
+        for v in 0..self.len() {
+            h[v] = self.children(v).iter().map(|&c| h[c as usize] + 1).max().unwrap_or(0);
+        }
+        h
+    }
+
+    /// True when every vertex has at most one parent (a forest).
+    pub fn is_forest(&self) -> bool {
+        let mut seen = vec![false; self.len()];
+        for &c in &self.children {
+            if std::mem::replace(&mut seen[c as usize], true) {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Label of the first root, if it has one (the sentence label of a tree).
+    pub fn root_label(&self) -> Option<i32> {
+        let r = *self.roots().last()?;
+        let l = self.labels[r as usize];
+        (l != NO_LABEL).then_some(l)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builds_tree_and_reports_structure() {
+        let mut g = InputGraph::new();
+        let a = g.push_vertex(&[], 1, 2).unwrap();
+        let b = g.push_vertex(&[], 2, 3).unwrap();
+        let r = g.push_vertex(&[a, b], 0, 4).unwrap();
+        assert_eq!(g.children(r as usize), &[0, 1]);
+        assert_eq!(g.roots(), vec![2]);
+        assert_eq!(g.heights(), vec![0, 0, 1]);
+        assert!(g.is_forest());
+        assert_eq!(g.root_label(), Some(4));
+    }
+
+    #[test]
+    fn rejects_forward_child() {
+        let mut g = InputGraph::new();
+        assert!(g.push_vertex(&[0], 0, 0).is_err());
+    }
+
+    #[test]
+    fn dag_with_shared_child_is_not_forest() {
+        let mut g = InputGraph::new();
+        g.push_vertex(&[], 0, NO_LABEL).unwrap();
+        g.push_vertex(&[0], 0, NO_LABEL).unwrap();
+        g.push_vertex(&[0, 1], 0, NO_LABEL).unwrap();
+        assert!(!g.is_forest());
+        assert_eq!(g.roots(), vec![2]);
+    }
+
+    #[test]
+    fn chain_links_predecessors() {
+        let g = InputGraph::chain(&[5, 6, 7], &[6, 7, NO_LABEL]).unwrap();
+        assert_eq!(g.children(2), &[1]);
+        assert_eq!(g.heights(), vec![0, 1, 2]);
+    }
+}

@@ -1,0 +1,34 @@
+//! Ramus input graphs: the per-sample structures (trees, chains, DAGs) that
+//! vertex functions are evaluated over, the readers that build them from
+//! files, the vocabulary, the built-in synthetic treebank, and the batch
+//! schedules (Cavs batching policy, DyNet agenda) that execution engines run.
+
+pub mod input;
+pub mod ptb;
+pub mod schedule;
+pub mod synthetic;
+pub mod text;
+pub mod vocab;
+
+pub use input::{InputGraph, NO_LABEL};
+pub use schedule::{BatchingPolicy, FunctionSelector, Schedule, Task};
+pub use vocab::Vocab;
+
+use std::path::PathBuf;
+
+/// Errors from building, reading or scheduling input graphs.
+#[derive(Debug, thiserror::Error)]
+pub enum GraphError {
+    /// Malformed text, with the place it was found.
+    #[error("{file}:{line}:{column}: {message}")]
+    Parse { file: String, line: usize, column: usize, message: String },
+    /// A structural problem (bad child id, mismatched lengths).
+    #[error("invalid graph: {0}")]
+    Structure(String),
+    /// An empty batch or a batch that cannot be scheduled.
+    #[error("cannot schedule batch: {0}")]
+    Schedule(String),
+    /// A file that could not be read.
+    #[error("cannot read {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+}
