@@ -11,7 +11,7 @@ pub mod text;
 pub mod vocab;
 
 pub use input::{InputGraph, NO_LABEL};
-pub use schedule::{BatchingPolicy, FunctionSelector, Schedule, Task};
+pub use schedule::{BatchingPolicy, FunctionRows, Schedule, Task};
 pub use vocab::Vocab;
 
 use std::path::PathBuf;

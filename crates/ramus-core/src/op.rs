@@ -1,0 +1,286 @@
+//! The op registry (NNVM style): every op is declared once, as a type
+//! implementing [`OpDef`], with its attributes — shape inference, gradient
+//! builder (`FGradient`: emits backward ops into a graph), an elementwise
+//! code template for fusion code generation, a CPU kernel and a cost
+//! estimate. [`OpRegistry`] finds ops by name and holds user-defined
+//! composite ops built from registered ones.
+
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+use std::sync::Arc;
+
+use crate::error::{CoreError, Result};
+use crate::graph::{DType, GraphBuilder, Space, Sym, ValueType};
+use crate::real::Real;
+
+/// Estimated work of one op application.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Cost {
+    /// Floating-point operations.
+    pub flops: f64,
+    /// Bytes read and written (f32 elements).
+    pub bytes: f64,
+}
+
+/// A registered op. See the module docs.
+pub trait OpDef: Send + Sync + Debug + CpuKernel {
+    /// The registry name.
+    fn name(&self) -> &'static str;
+    /// Attribute values, rendered for listings and cache keys ("" if none).
+    fn attrs(&self) -> String {
+        String::new()
+    }
+    /// Name plus attributes, e.g. `slice[0..256]`.
+    fn signature(&self) -> String {
+        let a = self.attrs();
+        if a.is_empty() {
+            self.name().to_string()
+        } else {
+            format!("{}[{a}]", self.name())
+        }
+    }
+    /// Result type for the given input types, or a message saying what is wrong.
+    fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String>;
+    /// Emits the gradient of each input into `g` (`FGradient`).
+    fn gradient(&self, g: &mut GradCtx<'_>);
+    /// The elementwise code template if the op is elementwise: a C
+    /// expression over `{0}`, `{1}`, ... (float operands), e.g. `({0} + {1})`.
+    fn elementwise_template(&self) -> Option<String> {
+        None
+    }
+    /// Estimated cost for `rows` rows.
+    fn cost(&self, inputs: &[&ValueType], out: &ValueType, rows: usize) -> Cost {
+        let n = if out.is_rows() { rows * out.width() } else { out.width() } as f64;
+        let reads: f64 =
+            inputs.iter().map(|t| if t.is_rows() { rows * t.width() } else { t.width() } as f64).sum();
+        Cost { flops: n, bytes: 4.0 * (n + reads) }
+    }
+}
+
+/// Data of one kernel argument.
+#[derive(Clone, Copy, Debug)]
+pub enum ArgData<'a, T> {
+    Float(&'a [T]),
+    Index(&'a [u32]),
+}
+
+/// One kernel argument: its declared type, its row count at run time
+/// (1 for static values) and its data.
+#[derive(Clone, Copy, Debug)]
+pub struct Arg<'a, T> {
+    pub ty: &'a ValueType,
+    pub rows: usize,
+    pub data: ArgData<'a, T>,
+}
+
+impl<'a, T> Arg<'a, T> {
+    /// The float data (kernels are only handed index data where they declared it).
+    pub fn floats(&self, op: &str) -> Result<&'a [T]> {
+        match self.data {
+            ArgData::Float(d) => Ok(d),
+            ArgData::Index(_) => Err(CoreError::kernel(op, "expected a float argument, got indices")),
+        }
+    }
+    /// The index data.
+    pub fn indices(&self, op: &str) -> Result<&'a [u32]> {
+        match self.data {
+            ArgData::Index(d) => Ok(d),
+            ArgData::Float(_) => Err(CoreError::kernel(op, "expected an index argument, got floats")),
+        }
+    }
+}
+
+/// Everything a CPU kernel sees: arguments, the output buffer (overwritten,
+/// sized `out_rows * width`), and the edge topology of the rows being run.
+pub struct KernelCtx<'a, T> {
+    pub args: &'a [Arg<'a, T>],
+    pub out: &'a mut [T],
+    pub out_rows: usize,
+    /// Number of vertex rows in this run.
+    pub vertex_rows: usize,
+    /// For each edge row of this run, the vertex row (0-based in this run) it belongs to.
+    pub edge_parent: &'a [u32],
+}
+
+/// Object-safe CPU kernel entry points, one per element type. Ops implement
+/// the generic [`Kernel`] instead and get this through a blanket impl.
+pub trait CpuKernel {
+    fn run_f32(&self, ctx: &mut KernelCtx<'_, f32>) -> Result<()>;
+    fn run_f64(&self, ctx: &mut KernelCtx<'_, f64>) -> Result<()>;
+}
+
+/// A CPU kernel written once for every [`Real`] type.
+pub trait Kernel {
+    fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()>;
+}
+
+impl<K: Kernel> CpuKernel for K {
+    fn run_f32(&self, ctx: &mut KernelCtx<'_, f32>) -> Result<()> {
+        self.run(ctx)
+    }
+    fn run_f64(&self, ctx: &mut KernelCtx<'_, f64>) -> Result<()> {
+        self.run(ctx)
+    }
+}
+
+/// One gradient contribution for an op input.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum GradTerm {
+    /// A value of the input's own type.
+    Dense(Sym),
+    /// Rows to add into a static input at the positions given by an index
+    /// value (embedding tables: only looked-up rows get gradient).
+    Rows { values: Sym, index: Sym },
+}
+
+/// The view a gradient builder gets: the backward graph under construction,
+/// the forward values of the op's inputs and output (as backward-graph
+/// values) and the gradient flowing into the output.
+pub struct GradCtx<'a> {
+    pub b: &'a mut GraphBuilder,
+    inputs: Vec<Sym>,
+    output: Sym,
+    out_grad: Sym,
+    pub(crate) grads: Vec<Option<GradTerm>>,
+}
+
+impl<'a> GradCtx<'a> {
+    pub(crate) fn new(b: &'a mut GraphBuilder, inputs: Vec<Sym>, output: Sym, out_grad: Sym) -> Self {
+        let n = inputs.len();
+        GradCtx { b, inputs, output, out_grad, grads: vec![None; n] }
+    }
+    /// Number of op inputs.
+    pub fn inputs_len(&self) -> usize {
+        self.inputs.len()
+    }
+    /// Forward value of input `i`.
+    pub fn input(&self, i: usize) -> Sym {
+        self.inputs[i]
+    }
+    /// Forward value of the op's output.
+    pub fn output(&self) -> Sym {
+        self.output
+    }
+    /// Gradient flowing into the output.
+    pub fn grad(&self) -> Sym {
+        self.out_grad
+    }
+    /// Type of input `i`.
+    pub fn input_type(&self, i: usize) -> Option<ValueType> {
+        self.b.ty(self.inputs[i]).cloned()
+    }
+    /// Sets the gradient of input `i`, reducing over rows when the input is
+    /// a broadcast row and the gradient has rows.
+    pub fn set(&mut self, i: usize, grad: Sym) {
+        let (Some(in_ty), Some(g_ty)) = (self.input_type(i), self.b.ty(grad).cloned()) else {
+            return;
+        };
+        let grad = if in_ty.space == Space::Static && g_ty.is_rows() {
+            let summed = self.b.sum_rows(grad);
+            if in_ty.shape != self.b.ty(summed).map(|t| t.shape.clone()).unwrap_or_default() {
+                self.b.reshape(summed, &in_ty.shape)
+            } else {
+                summed
+            }
+        } else {
+            grad
+        };
+        self.grads[i] = Some(GradTerm::Dense(grad));
+    }
+    /// Sets a sparse row gradient for static input `i`.
+    pub fn set_rows(&mut self, i: usize, values: Sym, index: Sym) {
+        self.grads[i] = Some(GradTerm::Rows { values, index });
+    }
+}
+
+/// A user-defined op composed from registered ones.
+pub type CompositeBuilder = Arc<dyn Fn(&mut GraphBuilder, &[Sym]) -> Sym + Send + Sync>;
+
+/// Makes a primitive op from numeric attributes.
+pub type PrimitiveMaker = fn(&[f64]) -> std::result::Result<Arc<dyn OpDef>, String>;
+
+enum Entry {
+    Primitive { doc: &'static str, make: PrimitiveMaker },
+    Composite { doc: String, arity: usize, build: CompositeBuilder },
+}
+
+/// Ops by name: the built-in primitives plus user composites.
+pub struct OpRegistry {
+    entries: BTreeMap<String, Entry>,
+}
+
+impl OpRegistry {
+    /// A registry with every built-in primitive op.
+    pub fn standard() -> Self {
+        let mut r = OpRegistry { entries: BTreeMap::new() };
+        for (name, doc, make) in crate::ops::primitives() {
+            r.entries.insert(name.to_string(), Entry::Primitive { doc, make });
+        }
+        r
+    }
+
+    /// Registers `name` as a composition of registered ops taking `arity`
+    /// inputs. Its gradient, fusion and kernels come from the ops it uses.
+    pub fn register_composite(
+        &mut self,
+        name: &str,
+        arity: usize,
+        doc: &str,
+        build: impl Fn(&mut GraphBuilder, &[Sym]) -> Sym + Send + Sync + 'static,
+    ) -> Result<()> {
+        if self.entries.contains_key(name) {
+            return Err(CoreError::Model { model: "op registry".into(), message: format!("op `{name}` already exists") });
+        }
+        self.entries.insert(name.to_string(), Entry::Composite { doc: doc.to_string(), arity, build: Arc::new(build) });
+        Ok(())
+    }
+
+    /// Applies op `name` with numeric attributes `attrs` to `inputs`.
+    pub fn call(&self, b: &mut GraphBuilder, name: &str, inputs: &[Sym], attrs: &[f64]) -> Sym {
+        match self.entries.get(name) {
+            None => b.fail(name, format!("no such op (known: {})", self.names().join(", "))),
+            Some(Entry::Primitive { make, .. }) => match make(attrs) {
+                Ok(op) => b.apply(op, inputs),
+                Err(e) => b.fail(name, e),
+            },
+            Some(Entry::Composite { arity, build, .. }) => {
+                if inputs.len() != *arity {
+                    b.fail(name, format!("takes {arity} inputs, got {}", inputs.len()))
+                } else {
+                    build(b, inputs)
+                }
+            }
+        }
+    }
+
+    /// Registered names in order.
+    pub fn names(&self) -> Vec<&str> {
+        self.entries.keys().map(String::as_str).collect()
+    }
+
+    /// One-line documentation of `name`.
+    pub fn doc(&self, name: &str) -> Option<String> {
+        self.entries.get(name).map(|e| match e {
+            Entry::Primitive { doc, .. } => doc.to_string(),
+            Entry::Composite { doc, .. } => format!("(composite) {doc}"),
+        })
+    }
+}
+
+/// Checks that `t` is a float value.
+pub(crate) fn want_float(t: &ValueType, what: &str) -> std::result::Result<(), String> {
+    if t.dtype == DType::Float {
+        Ok(())
+    } else {
+        Err(format!("{what} must be float, got {t}"))
+    }
+}
+
+/// Checks the input count.
+pub(crate) fn want_arity(inputs: &[&ValueType], n: usize) -> std::result::Result<(), String> {
+    if inputs.len() == n {
+        Ok(())
+    } else {
+        Err(format!("takes {n} inputs, got {}", inputs.len()))
+    }
+}

@@ -1,0 +1,196 @@
+//! The built-in primitive ops and the builder methods that apply them.
+
+pub mod elementwise;
+pub mod loss;
+pub mod matmul;
+pub mod structure;
+
+use std::sync::Arc;
+
+use crate::graph::{GraphBuilder, Sym};
+use crate::op::{OpDef, PrimitiveMaker};
+
+pub use elementwise::*;
+pub use loss::{SoftmaxXent, SoftmaxXentBackward};
+pub use matmul::MatMul;
+pub use structure::*;
+
+fn attr(attrs: &[f64], i: usize, name: &str) -> Result<f64, String> {
+    attrs.get(i).copied().ok_or_else(|| format!("missing attribute {i} ({name})"))
+}
+
+fn usize_attr(attrs: &[f64], i: usize, name: &str) -> Result<usize, String> {
+    let v = attr(attrs, i, name)?;
+    if v < 0.0 || v.fract() != 0.0 {
+        return Err(format!("attribute {name} must be a non-negative integer, got {v}"));
+    }
+    Ok(v as usize)
+}
+
+fn arc(op: impl OpDef + 'static) -> Result<Arc<dyn OpDef>, String> {
+    Ok(Arc::new(op))
+}
+
+/// `(name, doc, constructor from numeric attributes)` for every primitive.
+pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> {
+    vec![
+        ("neg", "-x", |_| arc(Neg)),
+        ("exp", "exp(x)", |_| arc(Exp)),
+        ("log", "natural log", |_| arc(Log)),
+        ("sigmoid", "logistic sigmoid", |_| arc(Sigmoid)),
+        ("tanh", "hyperbolic tangent", |_| arc(Tanh)),
+        ("relu", "max(x, 0)", |_| arc(Relu)),
+        ("scale", "a * x; attrs [a]", |a| arc(Scale(attr(a, 0, "a")?))),
+        ("add_scalar", "x + a; attrs [a]", |a| arc(AddScalar(attr(a, 0, "a")?))),
+        ("rsub_scalar", "a - x; attrs [a]", |a| arc(RsubScalar(attr(a, 0, "a")?))),
+        ("add", "a + b (static rows broadcast)", |_| arc(Add)),
+        ("sub", "a - b (static rows broadcast)", |_| arc(Sub)),
+        ("mul", "a * b (static rows broadcast)", |_| arc(Mul)),
+        ("div", "a / b (static rows broadcast)", |_| arc(Div)),
+        ("sigmoid_backward", "g * y * (1 - y)", |_| arc(SigmoidBackward)),
+        ("tanh_backward", "g * (1 - y^2)", |_| arc(TanhBackward)),
+        ("relu_backward", "x > 0 ? g : 0", |_| arc(ReluBackward)),
+        ("matmul", "op(A)·op(B); attrs [trans_a, trans_b] as 0/1", |a| {
+            arc(MatMul { trans_a: attr(a, 0, "trans_a").unwrap_or(0.0) != 0.0, trans_b: attr(a, 1, "trans_b").unwrap_or(0.0) != 0.0 })
+        }),
+        ("concat", "concatenate rows along features", |_| arc(Concat)),
+        ("slice", "columns start..start+len; attrs [start, len]", |a| {
+            arc(Slice { start: usize_attr(a, 0, "start")?, len: usize_attr(a, 1, "len")? })
+        }),
+        ("pad", "place rows at column start of zero rows of width total; attrs [start, total]", |a| {
+            arc(Pad { start: usize_attr(a, 0, "start")?, total: usize_attr(a, 1, "total")? })
+        }),
+        ("sum_children", "sum of edge rows into their parent vertex", |_| arc(SumChildren)),
+        ("expand_children", "copy vertex rows to their child edges", |_| arc(ExpandChildren)),
+        ("sum_rows", "sum over rows", |_| arc(SumRows { mean: false })),
+        ("mean_rows", "mean over rows", |_| arc(SumRows { mean: true })),
+        ("broadcast_rows", "repeat a static row for each row of a reference", |_| arc(BroadcastRows { mean: false })),
+        ("embedding", "table rows looked up by token", |_| arc(Embedding)),
+        ("softmax_xent", "per-row softmax cross-entropy against labels", |_| arc(SoftmaxXent)),
+    ]
+}
+
+/// Builder methods, one per op (plus `linear` and `split`, which compose).
+impl GraphBuilder {
+    fn op1(&mut self, op: impl OpDef + 'static, x: Sym) -> Sym {
+        self.apply(Arc::new(op), &[x])
+    }
+    fn op2(&mut self, op: impl OpDef + 'static, a: Sym, b: Sym) -> Sym {
+        self.apply(Arc::new(op), &[a, b])
+    }
+    pub fn neg(&mut self, x: Sym) -> Sym {
+        self.op1(Neg, x)
+    }
+    pub fn exp(&mut self, x: Sym) -> Sym {
+        self.op1(Exp, x)
+    }
+    pub fn log(&mut self, x: Sym) -> Sym {
+        self.op1(Log, x)
+    }
+    pub fn sigmoid(&mut self, x: Sym) -> Sym {
+        self.op1(Sigmoid, x)
+    }
+    pub fn tanh(&mut self, x: Sym) -> Sym {
+        self.op1(Tanh, x)
+    }
+    pub fn relu(&mut self, x: Sym) -> Sym {
+        self.op1(Relu, x)
+    }
+    /// `a * x`
+    pub fn scale(&mut self, x: Sym, a: f64) -> Sym {
+        self.op1(Scale(a), x)
+    }
+    /// `x + a`
+    pub fn add_scalar(&mut self, x: Sym, a: f64) -> Sym {
+        self.op1(AddScalar(a), x)
+    }
+    /// `a - x`
+    pub fn rsub_scalar(&mut self, x: Sym, a: f64) -> Sym {
+        self.op1(RsubScalar(a), x)
+    }
+    pub fn add(&mut self, a: Sym, b: Sym) -> Sym {
+        self.op2(Add, a, b)
+    }
+    pub fn sub(&mut self, a: Sym, b: Sym) -> Sym {
+        self.op2(Sub, a, b)
+    }
+    pub fn mul(&mut self, a: Sym, b: Sym) -> Sym {
+        self.op2(Mul, a, b)
+    }
+    pub fn div(&mut self, a: Sym, b: Sym) -> Sym {
+        self.op2(Div, a, b)
+    }
+    /// `g * y * (1 - y)`
+    pub fn sigmoid_backward(&mut self, y: Sym, g: Sym) -> Sym {
+        self.op2(SigmoidBackward, y, g)
+    }
+    /// `g * (1 - y^2)`
+    pub fn tanh_backward(&mut self, y: Sym, g: Sym) -> Sym {
+        self.op2(TanhBackward, y, g)
+    }
+    /// `x > 0 ? g : 0`
+    pub fn relu_backward(&mut self, x: Sym, g: Sym) -> Sym {
+        self.op2(ReluBackward, x, g)
+    }
+    /// `op(a) · op(b)`
+    pub fn matmul(&mut self, a: Sym, b: Sym, trans_a: bool, trans_b: bool) -> Sym {
+        self.op2(MatMul { trans_a, trans_b }, a, b)
+    }
+    /// `x · Wᵀ (+ bias)` for a PyTorch-layout weight `W: [out, in]`.
+    pub fn linear(&mut self, x: Sym, w: Sym, bias: Option<Sym>) -> Sym {
+        let y = self.matmul(x, w, false, true);
+        match bias {
+            Some(b) => self.add(y, b),
+            None => y,
+        }
+    }
+    pub fn concat(&mut self, xs: &[Sym]) -> Sym {
+        self.apply(Arc::new(Concat), xs)
+    }
+    /// Columns `start..start + len`.
+    pub fn slice(&mut self, x: Sym, start: usize, len: usize) -> Sym {
+        self.op1(Slice { start, len }, x)
+    }
+    /// Splits the features into `parts` equal slices.
+    pub fn split(&mut self, x: Sym, parts: usize) -> Vec<Sym> {
+        let w = self.width(x);
+        if parts == 0 || w % parts != 0 {
+            let s = self.fail("split", format!("width {w} does not split into {parts} equal parts"));
+            return vec![s; parts];
+        }
+        (0..parts).map(|i| self.slice(x, i * w / parts, w / parts)).collect()
+    }
+    /// Places `x` at column `start` of zero rows of width `total`.
+    pub fn pad(&mut self, x: Sym, start: usize, total: usize) -> Sym {
+        self.op1(Pad { start, total }, x)
+    }
+    /// Child-sum: edge rows summed into their parent vertex.
+    pub fn sum_children(&mut self, x: Sym) -> Sym {
+        self.op1(SumChildren, x)
+    }
+    /// Each vertex row copied to the vertex's child edges.
+    pub fn expand_children(&mut self, x: Sym) -> Sym {
+        self.op1(ExpandChildren, x)
+    }
+    pub fn sum_rows(&mut self, x: Sym) -> Sym {
+        self.op1(SumRows { mean: false }, x)
+    }
+    pub fn mean_rows(&mut self, x: Sym) -> Sym {
+        self.op1(SumRows { mean: true }, x)
+    }
+    /// A static row repeated for every row of `like` (divided by the row count when `mean`).
+    pub fn broadcast_rows(&mut self, s: Sym, like: Sym, mean: bool) -> Sym {
+        self.op2(BroadcastRows { mean }, s, like)
+    }
+    pub fn reshape(&mut self, x: Sym, shape: &[usize]) -> Sym {
+        self.op1(Reshape { shape: shape.to_vec() }, x)
+    }
+    /// Rows of `table` selected by index rows `tokens`.
+    pub fn embedding(&mut self, table: Sym, tokens: Sym) -> Sym {
+        self.op2(Embedding, table, tokens)
+    }
+    /// Per-row softmax cross-entropy of `scores` against index rows `labels`.
+    pub fn softmax_xent(&mut self, scores: Sym, labels: Sym) -> Sym {
+        self.op2(SoftmaxXent, scores, labels)
+    }
+}

@@ -1,0 +1,421 @@
+//! Ops that move or reduce data rather than compute on it elementwise:
+//! feature-axis concat / slice / pad, child-set sum and expansion, row
+//! reductions and broadcasts, reshape and embedding lookup.
+
+use crate::error::{CoreError, Result};
+use crate::graph::{DType, Space, ValueType};
+use crate::op::{want_arity, want_float, Cost, GradCtx, Kernel, KernelCtx, OpDef};
+use crate::real::Real;
+
+fn row_chunks<'a, T>(data: &'a [T], width: usize, rows: usize) -> impl Iterator<Item = &'a [T]> {
+    data[..rows * width].chunks(width.max(1)).take(rows)
+}
+
+/// Concatenation of row values along the feature axis.
+#[derive(Clone, Copy, Debug)]
+pub struct Concat;
+
+impl OpDef for Concat {
+    fn name(&self) -> &'static str {
+        "concat"
+    }
+    fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
+        let first = inputs.first().ok_or("needs at least one operand")?;
+        if !first.is_rows() {
+            return Err("operands must be row values".into());
+        }
+        for t in inputs {
+            want_float(t, "operand")?;
+            if t.space != first.space {
+                return Err(format!("operands in different spaces: {first} vs {t}"));
+            }
+        }
+        Ok(ValueType::rows(first.space, inputs.iter().map(|t| t.width()).sum()))
+    }
+    fn gradient(&self, g: &mut GradCtx<'_>) {
+        let gr = g.grad();
+        let mut start = 0;
+        for i in 0..g.inputs_len() {
+            let w = g.input_type(i).map(|t| t.width()).unwrap_or(0);
+            let s = g.b.slice(gr, start, w);
+            g.set(i, s);
+            start += w;
+        }
+    }
+}
+
+impl Kernel for Concat {
+    fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
+        let rows = ctx.out_rows;
+        let width = ctx.out.len() / rows.max(1);
+        let mut start = 0;
+        for a in ctx.args {
+            let w = a.ty.width();
+            for (r, src) in row_chunks(a.floats("concat")?, w, rows).enumerate() {
+                ctx.out[r * width + start..r * width + start + w].copy_from_slice(src);
+            }
+            start += w;
+        }
+        Ok(())
+    }
+}
+
+/// Columns `start..start + len` of a row value.
+#[derive(Clone, Copy, Debug)]
+pub struct Slice {
+    pub start: usize,
+    pub len: usize,
+}
+
+impl OpDef for Slice {
+    fn name(&self) -> &'static str {
+        "slice"
+    }
+    fn attrs(&self) -> String {
+        format!("{}..{}", self.start, self.start + self.len)
+    }
+    fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
+        want_arity(inputs, 1)?;
+        let t = inputs[0];
+        want_float(t, "operand")?;
+        if !t.is_rows() {
+            return Err("operand must be a row value".into());
+        }
+        if self.len == 0 || self.start + self.len > t.width() {
+            return Err(format!("columns {}..{} out of range for width {}", self.start, self.start + self.len, t.width()));
+        }
+        Ok(ValueType::rows(t.space, self.len))
+    }
+    fn gradient(&self, g: &mut GradCtx<'_>) {
+        let total = g.input_type(0).map(|t| t.width()).unwrap_or(0);
+        let gr = g.grad();
+        let p = g.b.pad(gr, self.start, total);
+        g.set(0, p);
+    }
+    fn elementwise_template(&self) -> Option<String> {
+        None
+    }
+}
+
+impl Kernel for Slice {
+    fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
+        let a = &ctx.args[0];
+        let w = a.ty.width();
+        for (r, src) in row_chunks(a.floats("slice")?, w, ctx.out_rows).enumerate() {
+            ctx.out[r * self.len..(r + 1) * self.len].copy_from_slice(&src[self.start..self.start + self.len]);
+        }
+        Ok(())
+    }
+}
+
+/// Places a row value at columns `start..` of zero rows of width `total`
+/// (the gradient of [`Slice`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Pad {
+    pub start: usize,
+    pub total: usize,
+}
+
+impl OpDef for Pad {
+    fn name(&self) -> &'static str {
+        "pad"
+    }
+    fn attrs(&self) -> String {
+        format!("{}/{}", self.start, self.total)
+    }
+    fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
+        want_arity(inputs, 1)?;
+        let t = inputs[0];
+        want_float(t, "operand")?;
+        if !t.is_rows() || self.start + t.width() > self.total {
+            return Err(format!("cannot place {t} at column {} of width {}", self.start, self.total));
+        }
+        Ok(ValueType::rows(t.space, self.total))
+    }
+    fn gradient(&self, g: &mut GradCtx<'_>) {
+        let w = g.input_type(0).map(|t| t.width()).unwrap_or(0);
+        let gr = g.grad();
+        let s = g.b.slice(gr, self.start, w);
+        g.set(0, s);
+    }
+}
+
+impl Kernel for Pad {
+    fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
+        let a = &ctx.args[0];
+        let w = a.ty.width();
+        ctx.out.iter_mut().for_each(|x| *x = T::ZERO);
+        for (r, src) in row_chunks(a.floats("pad")?, w, ctx.out_rows).enumerate() {
+            let o = r * self.total + self.start;
+            ctx.out[o..o + w].copy_from_slice(src);
+        }
+        Ok(())
+    }
+}
+
+/// Sum of edge rows into their parent vertex rows (child-sum).
+#[derive(Clone, Copy, Debug)]
+pub struct SumChildren;
+
+impl OpDef for SumChildren {
+    fn name(&self) -> &'static str {
+        "sum_children"
+    }
+    fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
+        want_arity(inputs, 1)?;
+        let t = inputs[0];
+        want_float(t, "operand")?;
+        if t.space != Space::Edge {
+            return Err(format!("operand must be an edge value (from gather_all), got {t}"));
+        }
+        Ok(ValueType::rows(Space::Vertex, t.width()))
+    }
+    fn gradient(&self, g: &mut GradCtx<'_>) {
+        let gr = g.grad();
+        let e = g.b.expand_children(gr);
+        g.set(0, e);
+    }
+}
+
+impl Kernel for SumChildren {
+    fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
+        let a = &ctx.args[0];
+        let w = a.ty.width();
+        let d = a.floats("sum_children")?;
+        ctx.out.iter_mut().for_each(|x| *x = T::ZERO);
+        if ctx.edge_parent.len() != a.rows {
+            return Err(CoreError::kernel("sum_children", "edge topology does not match the operand's rows"));
+        }
+        for (e, &p) in ctx.edge_parent.iter().enumerate() {
+            let p = p as usize;
+            if p >= ctx.out_rows {
+                return Err(CoreError::kernel("sum_children", format!("edge {e} has parent row {p} out of range")));
+            }
+            for (o, &x) in ctx.out[p * w..(p + 1) * w].iter_mut().zip(&d[e * w..(e + 1) * w]) {
+                *o += x;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Copies each vertex row to every child edge of that vertex (the gradient
+/// of [`SumChildren`]; also lets a vertex value meet per-child values).
+#[derive(Clone, Copy, Debug)]
+pub struct ExpandChildren;
+
+impl OpDef for ExpandChildren {
+    fn name(&self) -> &'static str {
+        "expand_children"
+    }
+    fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
+        want_arity(inputs, 1)?;
+        let t = inputs[0];
+        want_float(t, "operand")?;
+        if t.space != Space::Vertex {
+            return Err(format!("operand must be a vertex value, got {t}"));
+        }
+        Ok(ValueType::rows(Space::Edge, t.width()))
+    }
+    fn gradient(&self, g: &mut GradCtx<'_>) {
+        let gr = g.grad();
+        let s = g.b.sum_children(gr);
+        g.set(0, s);
+    }
+}
+
+impl Kernel for ExpandChildren {
+    fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
+        let a = &ctx.args[0];
+        let w = a.ty.width();
+        let d = a.floats("expand_children")?;
+        for (e, &p) in ctx.edge_parent.iter().enumerate() {
+            let p = p as usize;
+            if p >= a.rows {
+                return Err(CoreError::kernel("expand_children", format!("edge {e} has parent row {p} out of range")));
+            }
+            ctx.out[e * w..(e + 1) * w].copy_from_slice(&d[p * w..(p + 1) * w]);
+        }
+        Ok(())
+    }
+}
+
+/// Sum (or mean) over rows: rows of width `w` → static `[w]`.
+#[derive(Clone, Copy, Debug)]
+pub struct SumRows {
+    pub mean: bool,
+}
+
+impl OpDef for SumRows {
+    fn name(&self) -> &'static str {
+        if self.mean {
+            "mean_rows"
+        } else {
+            "sum_rows"
+        }
+    }
+    fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
+        want_arity(inputs, 1)?;
+        let t = inputs[0];
+        want_float(t, "operand")?;
+        if !t.is_rows() {
+            return Err(format!("operand must be a row value, got {t}"));
+        }
+        Ok(ValueType::fixed(&[t.width()]))
+    }
+    fn gradient(&self, g: &mut GradCtx<'_>) {
+        let (gr, x) = (g.grad(), g.input(0));
+        let b = g.b.broadcast_rows(gr, x, self.mean);
+        g.set(0, b);
+    }
+}
+
+impl Kernel for SumRows {
+    fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
+        let a = &ctx.args[0];
+        let w = a.ty.width();
+        ctx.out.iter_mut().for_each(|x| *x = T::ZERO);
+        for src in row_chunks(a.floats(self.name())?, w, a.rows) {
+            for (o, &x) in ctx.out.iter_mut().zip(src) {
+                *o += x;
+            }
+        }
+        if self.mean && a.rows > 0 {
+            let inv = T::ONE / T::from_f64(a.rows as f64);
+            ctx.out.iter_mut().for_each(|x| *x *= inv);
+        }
+        Ok(())
+    }
+}
+
+/// Repeats a static row for every row of a reference value (divided by the
+/// row count when `mean`): the gradient of [`SumRows`].
+#[derive(Clone, Copy, Debug)]
+pub struct BroadcastRows {
+    pub mean: bool,
+}
+
+impl OpDef for BroadcastRows {
+    fn name(&self) -> &'static str {
+        if self.mean {
+            "broadcast_rows_mean"
+        } else {
+            "broadcast_rows"
+        }
+    }
+    fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
+        want_arity(inputs, 2)?;
+        let (s, r) = (inputs[0], inputs[1]);
+        want_float(s, "operand")?;
+        if s.is_rows() || !r.is_rows() {
+            return Err(format!("needs a static value and a row reference, got {s} and {r}"));
+        }
+        Ok(ValueType::rows(r.space, s.width()))
+    }
+    fn gradient(&self, g: &mut GradCtx<'_>) {
+        let gr = g.grad();
+        let s = g.b.apply(std::sync::Arc::new(SumRows { mean: self.mean }), &[gr]);
+        let shape = g.input_type(0).map(|t| t.shape).unwrap_or_default();
+        let s = if g.b.ty(s).map(|t| t.shape != shape).unwrap_or(false) { g.b.reshape(s, &shape) } else { s };
+        g.set(0, s);
+    }
+}
+
+impl Kernel for BroadcastRows {
+    fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
+        let s = ctx.args[0].floats(self.name())?;
+        let rows = ctx.args[1].rows;
+        let scale = if self.mean && rows > 0 { T::ONE / T::from_f64(rows as f64) } else { T::ONE };
+        for o in ctx.out.chunks_mut(s.len().max(1)) {
+            for (o, &x) in o.iter_mut().zip(s) {
+                *o = x * scale;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A static value viewed with another shape of the same element count.
+#[derive(Clone, Debug)]
+pub struct Reshape {
+    pub shape: Vec<usize>,
+}
+
+impl OpDef for Reshape {
+    fn name(&self) -> &'static str {
+        "reshape"
+    }
+    fn attrs(&self) -> String {
+        format!("{:?}", self.shape)
+    }
+    fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
+        want_arity(inputs, 1)?;
+        let t = inputs[0];
+        want_float(t, "operand")?;
+        if t.is_rows() || t.width() != self.shape.iter().product::<usize>() {
+            return Err(format!("cannot view {t} as {:?}", self.shape));
+        }
+        Ok(ValueType::fixed(&self.shape))
+    }
+    fn gradient(&self, g: &mut GradCtx<'_>) {
+        let shape = g.input_type(0).map(|t| t.shape).unwrap_or_default();
+        let gr = g.grad();
+        let r = g.b.reshape(gr, &shape);
+        g.set(0, r);
+    }
+    fn cost(&self, _: &[&ValueType], out: &ValueType, _: usize) -> Cost {
+        Cost { flops: 0.0, bytes: 8.0 * out.width() as f64 }
+    }
+}
+
+impl Kernel for Reshape {
+    fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
+        ctx.out.copy_from_slice(&ctx.args[0].floats("reshape")?[..ctx.out.len()]);
+        Ok(())
+    }
+}
+
+/// Looks up rows of a `[V, H]` table by an index row (word embeddings).
+#[derive(Clone, Copy, Debug)]
+pub struct Embedding;
+
+impl OpDef for Embedding {
+    fn name(&self) -> &'static str {
+        "embedding"
+    }
+    fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
+        want_arity(inputs, 2)?;
+        let (table, idx) = (inputs[0], inputs[1]);
+        want_float(table, "table")?;
+        if table.is_rows() || table.shape.len() != 2 {
+            return Err(format!("table must be a static [V, H] matrix, got {table}"));
+        }
+        if idx.dtype != DType::Index || !idx.is_rows() {
+            return Err(format!("second operand must be index rows (tokens), got {idx}"));
+        }
+        Ok(ValueType::rows(idx.space, table.shape[1]))
+    }
+    fn gradient(&self, g: &mut GradCtx<'_>) {
+        let (gr, idx) = (g.grad(), g.input(1));
+        g.set_rows(0, gr, idx);
+    }
+    fn cost(&self, _: &[&ValueType], out: &ValueType, rows: usize) -> Cost {
+        Cost { flops: 0.0, bytes: 8.0 * (rows * out.width()) as f64 }
+    }
+}
+
+impl Kernel for Embedding {
+    fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
+        let table = ctx.args[0].floats("embedding")?;
+        let (vocab, h) = (ctx.args[0].ty.shape[0], ctx.args[0].ty.shape[1]);
+        let idx = ctx.args[1].indices("embedding")?;
+        for (r, &i) in idx.iter().take(ctx.out_rows).enumerate() {
+            let i = i as usize;
+            if i >= vocab {
+                return Err(CoreError::kernel("embedding", format!("token id {i} out of range for a table of {vocab} rows")));
+            }
+            ctx.out[r * h..(r + 1) * h].copy_from_slice(&table[i * h..(i + 1) * h]);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,171 @@
+//! Parameter values and gradient buffers of a model.
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, StandardNormal, Uniform};
+
+use crate::error::{CoreError, Result};
+use crate::model::{Init, Model, ParamSpec};
+use crate::real::Real;
+use crate::tensor::Tensor;
+
+/// Draws initial values for one parameter.
+fn init_values(spec: &ParamSpec, rng: &mut ChaCha8Rng) -> Vec<f64> {
+    let n: usize = spec.shape.iter().product();
+    let fan_in = *spec.shape.last().unwrap_or(&1) as f64;
+    let fan_out = if spec.shape.len() > 1 { spec.shape[0] as f64 } else { 1.0 };
+    let uniform = |bound: f64, rng: &mut ChaCha8Rng| -> Vec<f64> {
+        match Uniform::new_inclusive(-bound, bound) {
+            Ok(d) => (0..n).map(|_| d.sample(rng)).collect(),
+            Err(_) => vec![0.0; n],
+        }
+    };
+    match spec.init {
+        Init::Zeros => vec![0.0; n],
+        Init::Normal { std } => (0..n).map(|_| { let z: f64 = StandardNormal.sample(rng); std * z }).collect(),
+        Init::Uniform { bound } => uniform(bound, rng),
+        Init::LinearDefault => uniform(1.0 / fan_in.max(1.0).sqrt(), rng),
+        Init::Xavier => uniform((6.0 / (fan_in + fan_out)).sqrt(), rng),
+    }
+}
+
+/// The values of a model's parameters, in declaration order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Params<T> {
+    pub values: Vec<Tensor<T>>,
+}
+
+impl<T: Real> Params<T> {
+    /// Initial values drawn from each parameter's initialiser. Parameter `i`
+    /// uses its own stream derived from `seed`, so adding a parameter does not
+    /// change the others.
+    pub fn init(model: &Model, seed: u64) -> Self {
+        let values = model
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, spec)| {
+                let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(i as u64 + 1)));
+                let v = init_values(spec, &mut rng).into_iter().map(T::from_f64).collect();
+                Tensor::from_vec(&spec.shape, v).unwrap_or_else(|_| Tensor::zeros(&spec.shape))
+            })
+            .collect();
+        Params { values }
+    }
+
+    /// Values given explicitly, checked against the model's shapes.
+    pub fn from_tensors(model: &Model, values: Vec<Tensor<T>>) -> Result<Self> {
+        if values.len() != model.params.len() {
+            return Err(CoreError::model(&model.name, format!("expected {} parameters, got {}", model.params.len(), values.len())));
+        }
+        for (spec, v) in model.params.iter().zip(&values) {
+            if v.shape() != spec.shape.as_slice() {
+                return Err(CoreError::TensorShape { name: spec.name.clone(), expected: spec.shape.clone(), got: v.shape().to_vec() });
+            }
+        }
+        Ok(Params { values })
+    }
+
+    /// Converts the element type.
+    pub fn cast<U: Real>(&self) -> Params<U> {
+        Params { values: self.values.iter().map(|t| t.cast()).collect() }
+    }
+}
+
+/// Gradient buffers: one dense tensor per parameter, plus the set of rows
+/// touched by sparse (embedding) updates so that clearing and optimizer
+/// steps only visit those rows.
+#[derive(Clone, Debug)]
+pub struct Grads<T> {
+    pub values: Vec<Tensor<T>>,
+    /// For parameters that only received row gradients: the touched rows
+    /// (sorted, unique). `None` means the gradient is dense.
+    pub touched_rows: Vec<Option<Vec<u32>>>,
+    /// Per-parameter marks used while collecting touched rows.
+    row_marks: Vec<Vec<bool>>,
+    dense: Vec<bool>,
+}
+
+impl<T: Real> Grads<T> {
+    /// Zero gradients shaped like `model`'s parameters.
+    pub fn zeros(model: &Model) -> Self {
+        let values: Vec<Tensor<T>> = model.params.iter().map(|p| Tensor::zeros(&p.shape)).collect();
+        let n = values.len();
+        Grads { values, touched_rows: vec![Some(Vec::new()); n], row_marks: vec![Vec::new(); n], dense: vec![false; n] }
+    }
+
+    /// Notes that parameter `p` received a dense gradient.
+    pub fn mark_dense(&mut self, p: usize) {
+        self.dense[p] = true;
+        self.touched_rows[p] = None;
+    }
+
+    /// Notes that row `row` of parameter `p` received gradient.
+    pub fn mark_row(&mut self, p: usize, row: u32) {
+        if self.dense[p] {
+            return;
+        }
+        let rows = self.values[p].shape().first().copied().unwrap_or(0);
+        let marks = &mut self.row_marks[p];
+        if marks.len() != rows {
+            marks.resize(rows, false);
+        }
+        if let Some(m) = marks.get_mut(row as usize) {
+            if !*m {
+                *m = true;
+                if let Some(t) = self.touched_rows[p].as_mut() {
+                    t.push(row);
+                }
+            }
+        }
+    }
+
+    /// Sorts touched-row lists (call once after a backward pass).
+    pub fn finish_rows(&mut self) {
+        for t in self.touched_rows.iter_mut().flatten() {
+            t.sort_unstable();
+        }
+    }
+
+    /// Width of one row of parameter `p` (for row-wise updates).
+    pub fn row_width(&self, p: usize) -> usize {
+        let s = self.values[p].shape();
+        s.iter().skip(1).product()
+    }
+
+    /// Resets all gradients to zero, visiting only touched rows where possible.
+    pub fn clear(&mut self) {
+        for p in 0..self.values.len() {
+            if self.dense[p] {
+                self.values[p].fill_zero();
+            } else if let Some(rows) = &self.touched_rows[p] {
+                let w = self.row_width(p);
+                let data = self.values[p].data_mut();
+                for &r in rows {
+                    data[r as usize * w..(r as usize + 1) * w].iter_mut().for_each(|x| *x = T::ZERO);
+                    self.row_marks[p][r as usize] = false;
+                }
+            }
+            self.dense[p] = false;
+            self.touched_rows[p] = Some(Vec::new());
+        }
+    }
+
+    /// Global L2 norm of all gradients.
+    pub fn norm(&self) -> f64 {
+        let mut s = 0.0;
+        for p in 0..self.values.len() {
+            match &self.touched_rows[p] {
+                None => s += self.values[p].data().iter().map(|&x| x.to_f64() * x.to_f64()).sum::<f64>(),
+                Some(rows) => {
+                    let w = self.row_width(p);
+                    let d = self.values[p].data();
+                    for &r in rows {
+                        s += d[r as usize * w..(r as usize + 1) * w].iter().map(|&x| x.to_f64() * x.to_f64()).sum::<f64>();
+                    }
+                }
+            }
+        }
+        s.sqrt()
+    }
+}
