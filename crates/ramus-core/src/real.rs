@@ -35,6 +35,8 @@ pub trait Real:
     fn tanh(self) -> Self;
     fn sqrt(self) -> Self;
     fn max(self, other: Self) -> Self;
+    /// Runs an op's CPU kernel for this element type.
+    fn run_kernel(kernel: &dyn crate::op::CpuKernel, ctx: &mut crate::op::KernelCtx<'_, Self>) -> crate::error::Result<()>;
     /// `c = alpha * a * b + beta * c` on strided matrices (row stride, column stride).
     #[allow(clippy::too_many_arguments)]
     fn gemm(
@@ -53,7 +55,7 @@ pub trait Real:
 }
 
 macro_rules! impl_real {
-    ($t:ty, $name:literal, $gemm:path) => {
+    ($t:ty, $name:literal, $gemm:path, $run:ident) => {
         impl Real for $t {
             const ZERO: Self = 0.0;
             const ONE: Self = 1.0;
@@ -85,6 +87,12 @@ macro_rules! impl_real {
             #[inline(always)]
             fn max(self, other: Self) -> Self {
                 <$t>::max(self, other)
+            }
+            fn run_kernel(
+                kernel: &dyn crate::op::CpuKernel,
+                ctx: &mut crate::op::KernelCtx<'_, Self>,
+            ) -> crate::error::Result<()> {
+                kernel.$run(ctx)
             }
             fn gemm(
                 m: usize,
@@ -138,8 +146,8 @@ macro_rules! impl_real {
     };
 }
 
-impl_real!(f32, "f32", matrixmultiply::sgemm);
-impl_real!(f64, "f64", matrixmultiply::dgemm);
+impl_real!(f32, "f32", matrixmultiply::sgemm, run_f32);
+impl_real!(f64, "f64", matrixmultiply::dgemm, run_f64);
 
 /// Numerically stable logistic function.
 #[inline(always)]

@@ -1,1 +1,8 @@
-//! placeholder
+//! Ramus on the CPU: the batched engine (Cavs' scheduling, dynamic tensors
+//! and lazy batching) that every other engine is checked against.
+
+pub mod engine;
+pub mod error;
+
+pub use engine::{Batch, CpuEngine, ForwardOutput, Mode};
+pub use error::{EngineError, Result};

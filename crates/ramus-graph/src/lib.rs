@@ -12,7 +12,7 @@ pub mod vocab;
 
 pub use input::{InputGraph, NO_LABEL};
 pub use schedule::{BatchingPolicy, FunctionRows, Schedule, Task};
-pub use vocab::Vocab;
+pub use vocab::{Vocab, VocabMode};
 
 use std::path::PathBuf;
 

@@ -1,0 +1,568 @@
+//! The CPU batched engine (Cavs on the CPU) — the numerical reference.
+//!
+//! Forward: every vertex function first runs its *eager* ops once over all
+//! of its rows (embeddings, input projections); then, task by task in
+//! schedule order, one gather fills the task's `gather` rows from the vertex
+//! state buffer, the *per-task* ops run on the task's contiguous row range
+//! of each dynamic tensor, and one copy scatters the new states; finally the
+//! *lazy* ops (e.g. what only feeds `push`) run once over all rows and the
+//! head runs over the pushed values of its rows.
+//!
+//! Backward mirrors it: the head's backward seeds the push gradients, `∂F`'s
+//! eager ops run once, tasks are popped in reverse with child gradients
+//! scatter-added into the state-gradient buffer, and the lazy ops — the
+//! weight-gradient GEMMs among them — run once over all tasks' rows (lazy
+//! batching). Kernels split large ops over threads.
+
+use ramus_core::graph::{DType, Graph, NodeId, NodeKind, Role, Source, Space};
+use ramus_core::op::{Arg, ArgData, KernelCtx};
+use ramus_core::{CoreError, Grads, HeadRows, Model, Params, Real};
+use ramus_graph::{BatchingPolicy, InputGraph, Schedule, NO_LABEL};
+
+use crate::error::{EngineError, Result};
+
+/// A batch of input graphs with its schedule.
+pub struct Batch<'a> {
+    pub graphs: Vec<&'a InputGraph>,
+    pub schedule: Schedule,
+}
+
+impl<'a> Batch<'a> {
+    /// Schedules `graphs` for `model` under `policy`.
+    pub fn new(model: &Model, graphs: Vec<&'a InputGraph>, policy: BatchingPolicy) -> Result<Self> {
+        let selector = model.selector;
+        let schedule = Schedule::build(&graphs, policy, model.functions.len(), |k| selector.select(k))?;
+        Ok(Batch { graphs, schedule })
+    }
+    /// Number of graphs.
+    pub fn len(&self) -> usize {
+        self.graphs.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.graphs.is_empty()
+    }
+}
+
+/// Whether a forward pass computes the loss (needs labels) or only scores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Train,
+    Infer,
+}
+
+/// What a forward pass returns.
+#[derive(Clone, Debug)]
+pub struct ForwardOutput<T> {
+    /// Mean loss over head rows (train mode).
+    pub loss: Option<f64>,
+    /// Vertex number of every head row.
+    pub head_vertices: Vec<u32>,
+    /// Scores, `head_vertices.len() × classes` (if the head declares logits).
+    pub logits: Vec<T>,
+    pub classes: usize,
+}
+
+impl<T: Real> ForwardOutput<T> {
+    /// Argmax class of each head row.
+    pub fn predictions(&self) -> Vec<u32> {
+        if self.classes == 0 {
+            return Vec::new();
+        }
+        self.logits
+            .chunks(self.classes)
+            .map(|row| {
+                let mut best = 0;
+                for (i, &v) in row.iter().enumerate() {
+                    if v > row[best] {
+                        best = i;
+                    }
+                }
+                best as u32
+            })
+            .collect()
+    }
+}
+
+/// Values of one graph's nodes for a batch: floats or indices per node.
+#[derive(Default)]
+struct Arena<T> {
+    vals: Vec<Vec<T>>,
+    idx: Vec<Vec<u32>>,
+}
+
+impl<T: Real> Arena<T> {
+    fn prepare(&mut self, graph: &Graph, rows: usize, edges: usize) {
+        self.vals.resize_with(graph.nodes.len(), Vec::new);
+        self.idx.resize_with(graph.nodes.len(), Vec::new);
+        for (n, node) in graph.nodes.iter().enumerate() {
+            let count = match node.ty.space {
+                Space::Vertex => rows,
+                Space::Edge => edges,
+                Space::Static => 1,
+            };
+            let len = count * node.ty.width();
+            if matches!(node.kind, NodeKind::Param(_)) || matches!(node.kind, NodeKind::Input(Source::Forward(_))) {
+                self.vals[n].clear();
+                self.idx[n].clear();
+                continue;
+            }
+            match node.ty.dtype {
+                DType::Float => self.vals[n].resize(len, T::ZERO),
+                DType::Index => self.idx[n].resize(len, 0),
+            }
+        }
+    }
+}
+
+/// A contiguous run of vertex rows and edge rows.
+#[derive(Clone, Copy, Debug)]
+struct Range {
+    r0: usize,
+    r1: usize,
+    e0: usize,
+    e1: usize,
+}
+
+/// The CPU batched engine. Holds its buffers between batches so steady-state
+/// training does not reallocate.
+pub struct CpuEngine<T> {
+    fwd: Vec<Arena<T>>,
+    bwd: Vec<Arena<T>>,
+    head_fwd: Arena<T>,
+    head_bwd: Arena<T>,
+    state: Vec<T>,
+    state_grad: Vec<T>,
+    edge_local: Vec<u32>,
+    head_vertices: Vec<u32>,
+    pull_values: Option<Vec<T>>,
+    pull_grads: Vec<Vec<T>>,
+    forward_done: bool,
+}
+
+impl<T: Real> Default for CpuEngine<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T: Real> CpuEngine<T> {
+    pub fn new() -> Self {
+        CpuEngine {
+            fwd: Vec::new(),
+            bwd: Vec::new(),
+            head_fwd: Arena::default(),
+            head_bwd: Arena::default(),
+            state: Vec::new(),
+            state_grad: Vec::new(),
+            edge_local: Vec::new(),
+            head_vertices: Vec::new(),
+            pull_values: None,
+            pull_grads: Vec::new(),
+            forward_done: false,
+        }
+    }
+
+    /// Supplies `pull()` inputs for the next batch: `width` floats per vertex number.
+    pub fn set_pull_values(&mut self, values: Option<Vec<T>>) {
+        self.pull_values = values;
+    }
+
+    /// Gradients of `pull()` inputs from the last backward pass, per function, by row.
+    pub fn pull_grads(&self) -> &[Vec<T>] {
+        &self.pull_grads
+    }
+
+    /// Runs the forward pass over `batch`.
+    pub fn forward(&mut self, model: &Model, params: &Params<T>, batch: &Batch<'_>, mode: Mode) -> Result<ForwardOutput<T>> {
+        let s = &batch.schedule;
+        let n_fn = model.functions.len();
+        self.fwd.resize_with(n_fn, Arena::default);
+        let w = model.state_width;
+        self.state.clear();
+        self.state.resize(s.num_vertices() * w, T::ZERO);
+        for (f, func) in model.functions.iter().enumerate() {
+            let rows = &s.functions[f];
+            let arena = &mut self.fwd[f];
+            arena.prepare(&func.forward, rows.rows(), rows.edges());
+            if let Some(tok) = func.forward.input_node(Source::Token) {
+                for (dst, &v) in arena.idx[tok].iter_mut().zip(&rows.vertex) {
+                    *dst = s.tokens[v as usize];
+                }
+            }
+            if let Some(pull) = func.forward.input_node(Source::Pull) {
+                let pw = func.forward.nodes[pull].ty.width();
+                let values = self.pull_values.as_ref().ok_or_else(|| {
+                    EngineError::Input(format!("vertex function `{}` pulls external inputs, but none were supplied", func.name))
+                })?;
+                if values.len() != s.num_vertices() * pw {
+                    return Err(EngineError::Input(format!(
+                        "pull values hold {} floats, expected {} vertices x {pw}",
+                        values.len(),
+                        s.num_vertices()
+                    )));
+                }
+                for (r, &v) in rows.vertex.iter().enumerate() {
+                    let v = v as usize;
+                    arena.vals[pull][r * pw..(r + 1) * pw].copy_from_slice(&values[v * pw..(v + 1) * pw]);
+                }
+            }
+            let all = Range { r0: 0, r1: rows.rows(), e0: 0, e1: rows.edges() };
+            for &n in &func.forward_plan.eager {
+                run_node(&func.forward, n, arena, None, params, all, &rows.edge_parent)?;
+            }
+        }
+        for task in &s.tasks {
+            let f = task.function;
+            let func = &model.functions[f];
+            let rows = &s.functions[f];
+            let arena = &mut self.fwd[f];
+            let range = Range {
+                r0: task.row_offset as usize,
+                r1: (task.row_offset + task.len) as usize,
+                e0: task.edge_offset as usize,
+                e1: (task.edge_offset + task.edge_len) as usize,
+            };
+            // gather: one copy pass per gathered symbol
+            for (n, node) in func.forward.nodes.iter().enumerate() {
+                match node.kind {
+                    NodeKind::Input(Source::Gather(k)) => {
+                        for r in range.r0..range.r1 {
+                            let dst = &mut arena.vals[n][r * w..(r + 1) * w];
+                            match rows.child(r, k) {
+                                Some(c) => dst.copy_from_slice(&self.state[c as usize * w..(c as usize + 1) * w]),
+                                None => dst.iter_mut().for_each(|x| *x = T::ZERO),
+                            }
+                        }
+                    }
+                    NodeKind::Input(Source::GatherAll) => {
+                        for e in range.e0..range.e1 {
+                            let c = rows.edge_child[e] as usize;
+                            arena.vals[n][e * w..(e + 1) * w].copy_from_slice(&self.state[c * w..(c + 1) * w]);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            local_edges(&mut self.edge_local, &rows.edge_parent[range.e0..range.e1], range.r0);
+            for &n in &func.forward_plan.per_task {
+                run_node(&func.forward, n, arena, None, params, range, &self.edge_local)?;
+            }
+            // scatter: the task's rows are contiguous in both the dynamic
+            // tensor and the state buffer, so this is one copy
+            if let Some(sc) = func.scatter {
+                let src = &arena.vals[sc][range.r0 * w..range.r1 * w];
+                self.state[task.begin as usize * w..(task.begin + task.len) as usize * w].copy_from_slice(src);
+            }
+        }
+        for (f, func) in model.functions.iter().enumerate() {
+            let rows = &s.functions[f];
+            let all = Range { r0: 0, r1: rows.rows(), e0: 0, e1: rows.edges() };
+            for &n in &func.forward_plan.lazy {
+                run_node(&func.forward, n, &mut self.fwd[f], None, params, all, &rows.edge_parent)?;
+            }
+        }
+        let out = self.run_head(model, params, s, mode)?;
+        self.forward_done = mode == Mode::Train;
+        Ok(out)
+    }
+
+    fn run_head(&mut self, model: &Model, params: &Params<T>, s: &Schedule, mode: Mode) -> Result<ForwardOutput<T>> {
+        let head = &model.head;
+        self.head_vertices.clear();
+        match head.rows {
+            HeadRows::Roots => self.head_vertices.extend_from_slice(&s.roots),
+            HeadRows::Labelled => {
+                self.head_vertices.extend(s.number.iter().copied().filter(|&v| s.labels[v as usize] != NO_LABEL))
+            }
+        }
+        let h = self.head_vertices.len();
+        if h == 0 {
+            return Err(EngineError::Input("the batch has no vertex for the head (no labelled vertex)".into()));
+        }
+        let g = &head.forward;
+        self.head_fwd.prepare(g, h, 0);
+        if let Some(inp) = g.input_node(Source::HeadInput) {
+            let pw = g.nodes[inp].ty.width();
+            for (i, &v) in self.head_vertices.iter().enumerate() {
+                let (f, r) = (s.vertex_function[v as usize] as usize, s.vertex_row[v as usize] as usize);
+                let push = model.functions[f].push.ok_or_else(|| EngineError::Input("no push".into()))?;
+                self.head_fwd.vals[inp][i * pw..(i + 1) * pw].copy_from_slice(&self.fwd[f].vals[push][r * pw..(r + 1) * pw]);
+            }
+        }
+        let needed = match (mode, head.logits) {
+            (Mode::Infer, Some(l)) => ancestors(g, &[l]),
+            (Mode::Infer, None) => vec![false; g.nodes.len()],
+            (Mode::Train, _) => vec![true; g.nodes.len()],
+        };
+        if let Some(lab) = g.input_node(Source::Label) {
+            if needed[lab] {
+                for (i, &v) in self.head_vertices.iter().enumerate() {
+                    let l = s.labels[v as usize];
+                    if l < 0 {
+                        let gi = s.graph[v as usize];
+                        return Err(EngineError::Input(format!("graph {gi} of the batch has a head vertex without a label")));
+                    }
+                    self.head_fwd.idx[lab][i] = l as u32;
+                }
+            }
+        }
+        let all = Range { r0: 0, r1: h, e0: 0, e1: 0 };
+        for n in 0..g.nodes.len() {
+            if needed[n] && matches!(g.nodes[n].kind, NodeKind::Op(_)) {
+                run_node(g, n, &mut self.head_fwd, None, params, all, &[])?;
+            }
+        }
+        let loss = (mode == Mode::Train).then(|| self.head_fwd.vals[head.loss][0].to_f64());
+        let (logits, classes) = match head.logits {
+            Some(l) => (self.head_fwd.vals[l].clone(), g.nodes[l].ty.width()),
+            None => (Vec::new(), 0),
+        };
+        Ok(ForwardOutput { loss, head_vertices: self.head_vertices.clone(), logits, classes })
+    }
+
+    /// Runs the backward pass for the last `forward(.., Mode::Train)` and
+    /// adds the parameter gradients into `grads`.
+    pub fn backward(&mut self, model: &Model, params: &Params<T>, batch: &Batch<'_>, grads: &mut Grads<T>) -> Result<()> {
+        if !std::mem::take(&mut self.forward_done) {
+            return Err(EngineError::Input("backward needs a preceding forward pass in train mode".into()));
+        }
+        let s = &batch.schedule;
+        let w = model.state_width;
+        // head backward
+        let head = &model.head;
+        let hb = &head.backward;
+        let h = self.head_vertices.len();
+        self.head_bwd.prepare(hb, h, 0);
+        let loss_output = head.forward.outputs.iter().position(|o| o.role == Role::Loss);
+        if let Some(seed) = loss_output.and_then(|i| hb.input_node(Source::OutputGrad(i))) {
+            self.head_bwd.vals[seed][0] = T::ONE;
+        }
+        let all = Range { r0: 0, r1: h, e0: 0, e1: 0 };
+        for n in 0..hb.nodes.len() {
+            if matches!(hb.nodes[n].kind, NodeKind::Op(_)) {
+                run_node(hb, n, &mut self.head_bwd, Some(&self.head_fwd), params, all, &[])?;
+            }
+        }
+        accumulate_param_grads(hb, &self.head_bwd, Some(&self.head_fwd), grads)?;
+        // push gradients into each function's backward arena
+        self.bwd.resize_with(model.functions.len(), Arena::default);
+        for (f, func) in model.functions.iter().enumerate() {
+            let rows = &s.functions[f];
+            self.bwd[f].prepare(&func.backward, rows.rows(), rows.edges());
+            for v in self.bwd[f].vals.iter_mut() {
+                v.iter_mut().for_each(|x| *x = T::ZERO);
+            }
+        }
+        if let Some(out) = hb.output(Role::HeadInputGrad) {
+            let pw = hb.nodes[out.node].ty.width();
+            let src = resolve_floats(hb, out.node, &self.head_bwd, Some(&self.head_fwd))?;
+            for (i, &v) in self.head_vertices.iter().enumerate() {
+                let (f, r) = (s.vertex_function[v as usize] as usize, s.vertex_row[v as usize] as usize);
+                let func = &model.functions[f];
+                let push_out = func.forward.outputs.iter().position(|o| o.role == Role::Push);
+                if let Some(pg) = push_out.and_then(|i| func.backward.input_node(Source::OutputGrad(i))) {
+                    for (d, &x) in self.bwd[f].vals[pg][r * pw..(r + 1) * pw].iter_mut().zip(&src[i * pw..(i + 1) * pw]) {
+                        *d += x;
+                    }
+                }
+            }
+        }
+        self.state_grad.clear();
+        self.state_grad.resize(s.num_vertices() * w, T::ZERO);
+        for (f, func) in model.functions.iter().enumerate() {
+            let rows = &s.functions[f];
+            let all = Range { r0: 0, r1: rows.rows(), e0: 0, e1: rows.edges() };
+            for &n in &func.backward_plan.eager {
+                run_node(&func.backward, n, &mut self.bwd[f], Some(&self.fwd[f]), params, all, &rows.edge_parent)?;
+            }
+        }
+        for task in s.tasks.iter().rev() {
+            let f = task.function;
+            let func = &model.functions[f];
+            let rows = &s.functions[f];
+            let range = Range {
+                r0: task.row_offset as usize,
+                r1: (task.row_offset + task.len) as usize,
+                e0: task.edge_offset as usize,
+                e1: (task.edge_offset + task.edge_len) as usize,
+            };
+            let scatter_out = func.forward.outputs.iter().position(|o| o.role == Role::Scatter);
+            if let Some(sg) = scatter_out.and_then(|i| func.backward.input_node(Source::OutputGrad(i))) {
+                let src = &self.state_grad[task.begin as usize * w..(task.begin + task.len) as usize * w];
+                self.bwd[f].vals[sg][range.r0 * w..range.r1 * w].copy_from_slice(src);
+            }
+            local_edges(&mut self.edge_local, &rows.edge_parent[range.e0..range.e1], range.r0);
+            for &n in &func.backward_plan.per_task {
+                run_node(&func.backward, n, &mut self.bwd[f], Some(&self.fwd[f]), params, range, &self.edge_local)?;
+            }
+            for o in &func.backward.outputs {
+                match o.role {
+                    Role::ChildGrad(k) => {
+                        let src = resolve_floats(&func.backward, o.node, &self.bwd[f], Some(&self.fwd[f]))?;
+                        for r in range.r0..range.r1 {
+                            if let Some(c) = rows.child(r, k) {
+                                let dst = &mut self.state_grad[c as usize * w..(c as usize + 1) * w];
+                                for (d, &x) in dst.iter_mut().zip(&src[r * w..(r + 1) * w]) {
+                                    *d += x;
+                                }
+                            }
+                        }
+                    }
+                    Role::ChildGradAll => {
+                        let src = resolve_floats(&func.backward, o.node, &self.bwd[f], Some(&self.fwd[f]))?;
+                        for e in range.e0..range.e1 {
+                            let c = rows.edge_child[e] as usize;
+                            for (d, &x) in self.state_grad[c * w..(c + 1) * w].iter_mut().zip(&src[e * w..(e + 1) * w]) {
+                                *d += x;
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        self.pull_grads.resize_with(model.functions.len(), Vec::new);
+        for (f, func) in model.functions.iter().enumerate() {
+            let rows = &s.functions[f];
+            let all = Range { r0: 0, r1: rows.rows(), e0: 0, e1: rows.edges() };
+            for &n in &func.backward_plan.lazy {
+                run_node(&func.backward, n, &mut self.bwd[f], Some(&self.fwd[f]), params, all, &rows.edge_parent)?;
+            }
+            accumulate_param_grads(&func.backward, &self.bwd[f], Some(&self.fwd[f]), grads)?;
+            self.pull_grads[f].clear();
+            if let Some(o) = func.backward.output(Role::PullGrad) {
+                self.pull_grads[f].extend_from_slice(resolve_floats(&func.backward, o.node, &self.bwd[f], Some(&self.fwd[f]))?);
+            }
+        }
+        grads.finish_rows();
+        Ok(())
+    }
+}
+
+/// Edge parents relative to the first row of the run.
+fn local_edges(buf: &mut Vec<u32>, parents: &[u32], r0: usize) {
+    buf.clear();
+    buf.extend(parents.iter().map(|&p| p - r0 as u32));
+}
+
+/// Nodes that `roots` depend on.
+fn ancestors(g: &Graph, roots: &[NodeId]) -> Vec<bool> {
+    let mut need = vec![false; g.nodes.len()];
+    for &r in roots {
+        need[r] = true;
+    }
+    for i in (0..g.nodes.len()).rev() {
+        if need[i] {
+            for &x in &g.nodes[i].inputs {
+                need[x] = true;
+            }
+        }
+    }
+    need
+}
+
+/// The float buffer holding node `n`'s value (following `Forward` references).
+fn resolve_floats<'a, T: Real>(g: &Graph, n: NodeId, own: &'a Arena<T>, fwd: Option<&'a Arena<T>>) -> Result<&'a [T]> {
+    match g.nodes[n].kind {
+        NodeKind::Input(Source::Forward(m)) => {
+            Ok(&fwd.ok_or_else(|| EngineError::Input("forward value requested outside a backward graph".into()))?.vals[m])
+        }
+        _ => Ok(&own.vals[n]),
+    }
+}
+
+fn resolve_indices<'a, T: Real>(g: &Graph, n: NodeId, own: &'a Arena<T>, fwd: Option<&'a Arena<T>>) -> Result<&'a [u32]> {
+    match g.nodes[n].kind {
+        NodeKind::Input(Source::Forward(m)) => {
+            Ok(&fwd.ok_or_else(|| EngineError::Input("forward value requested outside a backward graph".into()))?.idx[m])
+        }
+        _ => Ok(&own.idx[n]),
+    }
+}
+
+/// Runs op node `n` of `g` over `range`.
+fn run_node<T: Real>(
+    g: &Graph,
+    n: NodeId,
+    own: &mut Arena<T>,
+    fwd: Option<&Arena<T>>,
+    params: &Params<T>,
+    range: Range,
+    edge_parent: &[u32],
+) -> Result<()> {
+    let node = &g.nodes[n];
+    let NodeKind::Op(op) = &node.kind else { return Ok(()) };
+    let mut out = std::mem::take(&mut own.vals[n]);
+    let result = (|| {
+        let mut args: Vec<Arg<'_, T>> = Vec::with_capacity(node.inputs.len());
+        for &i in &node.inputs {
+            let ty = &g.nodes[i].ty;
+            let (lo, hi) = match ty.space {
+                Space::Vertex => (range.r0, range.r1),
+                Space::Edge => (range.e0, range.e1),
+                Space::Static => (0, 1),
+            };
+            let wdt = ty.width();
+            let data = match (&g.nodes[i].kind, ty.dtype) {
+                (NodeKind::Param(p), _) => ArgData::Float(params.values[*p].data()),
+                (_, DType::Float) => ArgData::Float(&resolve_floats(g, i, own, fwd)?[lo * wdt..hi * wdt]),
+                (_, DType::Index) => ArgData::Index(&resolve_indices(g, i, own, fwd)?[lo * wdt..hi * wdt]),
+            };
+            args.push(Arg { ty, rows: hi - lo, data });
+        }
+        let (lo, hi) = match node.ty.space {
+            Space::Vertex => (range.r0, range.r1),
+            Space::Edge => (range.e0, range.e1),
+            Space::Static => (0, 1),
+        };
+        let wdt = node.ty.width();
+        let mut ctx = KernelCtx {
+            args: &args,
+            out: &mut out[lo * wdt..hi * wdt],
+            out_rows: hi - lo,
+            vertex_rows: range.r1 - range.r0,
+            edge_parent,
+        };
+        T::run_kernel(op.as_ref(), &mut ctx).map_err(EngineError::from)
+    })();
+    own.vals[n] = out;
+    result.map_err(|e| match e {
+        EngineError::Core(CoreError::Kernel { op, message }) => {
+            EngineError::Core(CoreError::Kernel { op, message: format!("{message} (node %{n})") })
+        }
+        e => e,
+    })
+}
+
+/// Adds the graph's parameter-gradient outputs into `grads`.
+fn accumulate_param_grads<T: Real>(g: &Graph, own: &Arena<T>, fwd: Option<&Arena<T>>, grads: &mut Grads<T>) -> Result<()> {
+    for o in &g.outputs {
+        match o.role {
+            Role::ParamGrad(p) => {
+                let src = resolve_floats(g, o.node, own, fwd)?;
+                grads.mark_dense(p);
+                for (d, &x) in grads.values[p].data_mut().iter_mut().zip(src) {
+                    *d += x;
+                }
+            }
+            Role::ParamRowGrad(p) => {
+                let values = resolve_floats(g, o.node, own, fwd)?;
+                let index = resolve_indices(g, o.aux.unwrap_or(o.node), own, fwd)?;
+                let width = grads.row_width(p);
+                let rows = grads.values[p].shape().first().copied().unwrap_or(0);
+                for (r, &i) in index.iter().enumerate() {
+                    if i as usize >= rows {
+                        return Err(EngineError::Input(format!("row index {i} out of range for a parameter of {rows} rows")));
+                    }
+                    grads.mark_row(p, i);
+                    let dst = &mut grads.values[p].data_mut()[i as usize * width..(i as usize + 1) * width];
+                    for (d, &x) in dst.iter_mut().zip(&values[r * width..(r + 1) * width]) {
+                        *d += x;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
