@@ -174,6 +174,19 @@ impl<T: Real> CpuEngine<T> {
 
     /// Runs the forward pass over `batch`.
     pub fn forward(&mut self, model: &Model, params: &Params<T>, batch: &Batch<'_>, mode: Mode) -> Result<ForwardOutput<T>> {
+        self.forward_rows(model, params, batch, mode, model.head.rows)
+    }
+
+    /// Runs the forward pass with the head applied to `rows` instead of the
+    /// model's own choice (e.g. every labelled node for all-node accuracy).
+    pub fn forward_rows(
+        &mut self,
+        model: &Model,
+        params: &Params<T>,
+        batch: &Batch<'_>,
+        mode: Mode,
+        rows: HeadRows,
+    ) -> Result<ForwardOutput<T>> {
         let s = &batch.schedule;
         let n_fn = model.functions.len();
         self.fwd.resize_with(n_fn, Arena::default);
@@ -261,15 +274,15 @@ impl<T: Real> CpuEngine<T> {
                 run_node(&func.forward, n, &mut self.fwd[f], None, params, all, &rows.edge_parent)?;
             }
         }
-        let out = self.run_head(model, params, s, mode)?;
+        let out = self.run_head(model, params, s, mode, rows)?;
         self.forward_done = mode == Mode::Train;
         Ok(out)
     }
 
-    fn run_head(&mut self, model: &Model, params: &Params<T>, s: &Schedule, mode: Mode) -> Result<ForwardOutput<T>> {
+    fn run_head(&mut self, model: &Model, params: &Params<T>, s: &Schedule, mode: Mode, rows: HeadRows) -> Result<ForwardOutput<T>> {
         let head = &model.head;
         self.head_vertices.clear();
-        match head.rows {
+        match rows {
             HeadRows::Roots => self.head_vertices.extend_from_slice(&s.roots),
             HeadRows::Labelled => {
                 self.head_vertices.extend(s.number.iter().copied().filter(|&v| s.labels[v as usize] != NO_LABEL))

@@ -1,1 +1,13 @@
-//! placeholder
+//! Ramus models and training: the model zoo, optimizers, checkpoints and
+//! the training / evaluation loops.
+
+pub mod checkpoint;
+pub mod error;
+pub mod models;
+pub mod optim;
+pub mod train;
+
+pub use error::{NnError, Result};
+pub use models::{build_model, data_kind, DataKind, ModelConfig, MODEL_NAMES};
+pub use optim::{Optimizer, OptimizerConfig, OptimizerKind};
+pub use train::{evaluate, EvalResult, Trainer};

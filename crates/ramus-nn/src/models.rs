@@ -1,0 +1,252 @@
+//! The model zoo, each declared once through the Cavs API:
+//! * `treelstm` — the reference benchmark model: child-sum Tree-LSTM, root
+//!   loss, parameters named and shaped exactly as in the PyTorch anchor
+//!   (`shared/bench/torch_treelstm.py`);
+//! * `treelstm-nary` — Tai et al.'s binary (N-ary, N = 2) constituency
+//!   Tree-LSTM with a loss at every labelled node;
+//! * `treefc` — TF Fold's Tree-FC benchmark cell `h = tanh(W [h_l; h_r] + b)`;
+//! * `lstm-lm` — an LSTM language model over sentences as chains.
+
+use ramus_core::model::{FunctionSelector, HeadBuilder, HeadRows, Init, ModelBuilder, VertexFnBuilder};
+use ramus_core::{Model, Result, Sym};
+
+/// What kind of data a model reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataKind {
+    /// Labelled PTB-bracket trees (SST format).
+    Trees,
+    /// Plain-text sentences, one per line, as chains.
+    Sentences,
+}
+
+/// Sizes a model is built with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModelConfig {
+    pub vocab: usize,
+    pub hidden: usize,
+    /// Classes of tree models (5 for SST); ignored by the language model.
+    pub classes: usize,
+}
+
+/// Names accepted by [`build_model`].
+pub const MODEL_NAMES: [&str; 4] = ["treelstm", "treelstm-nary", "treefc", "lstm-lm"];
+
+/// The data a model reads.
+pub fn data_kind(name: &str) -> Option<DataKind> {
+    match name {
+        "treelstm" | "treelstm-nary" | "treefc" => Some(DataKind::Trees),
+        "lstm-lm" => Some(DataKind::Sentences),
+        _ => None,
+    }
+}
+
+/// Builds model `name`.
+pub fn build_model(name: &str, cfg: &ModelConfig) -> Result<Model> {
+    let mut model = match name {
+        "treelstm" => reference_treelstm(cfg),
+        "treelstm-nary" => nary_treelstm(cfg),
+        "treefc" => tree_fc(cfg),
+        "lstm-lm" => lstm_lm(cfg),
+        _ => {
+            return Err(ramus_core::CoreError::Unknown {
+                kind: "model",
+                name: name.to_string(),
+                hint: format!(" (known: {})", MODEL_NAMES.join(", ")),
+            })
+        }
+    }?;
+    model.settings.insert("model".into(), name.into());
+    model.settings.insert("vocab".into(), cfg.vocab.to_string());
+    model.settings.insert("hidden".into(), cfg.hidden.to_string());
+    model.settings.insert("classes".into(), cfg.classes.to_string());
+    Ok(model)
+}
+
+/// PyTorch's `nn.Linear` bias initialiser for `fan_in` inputs.
+fn linear_bias(fan_in: usize) -> Init {
+    Init::Uniform { bound: 1.0 / (fan_in as f64).sqrt() }
+}
+
+/// `i, o, u` gates from a `[3H]` pre-activation: `c = σ(i)·tanh(u) (+ extra)`,
+/// `h = σ(o)·tanh(c)`. Returns `(h, c)`.
+fn lstm_cell_out(f: &mut VertexFnBuilder, iou: Sym, c_extra: Option<Sym>) -> (Sym, Sym) {
+    let parts = f.split(iou, 3);
+    let i = f.sigmoid(parts[0]);
+    let o = f.sigmoid(parts[1]);
+    let u = f.tanh(parts[2]);
+    let mut c = f.mul(i, u);
+    if let Some(extra) = c_extra {
+        c = f.add(c, extra);
+    }
+    let tc = f.tanh(c);
+    let h = f.mul(o, tc);
+    (h, c)
+}
+
+/// Linear classifier head with mean softmax cross-entropy.
+fn classifier_head(h: &mut HeadBuilder, w_out: usize, b_out: usize) {
+    let x = h.input();
+    let (w, b) = (h.param(w_out), h.param(b_out));
+    let logits = h.linear(x, w, Some(b));
+    let labels = h.labels();
+    let per_row = h.softmax_xent(logits, labels);
+    let loss = h.mean_rows(per_row);
+    h.loss(loss);
+    h.logits(logits);
+}
+
+/// The reference child-sum Tree-LSTM (see the module docs). State = `[h; c]`.
+fn reference_treelstm(cfg: &ModelConfig) -> Result<Model> {
+    let (v, hd, k) = (cfg.vocab, cfg.hidden, cfg.classes);
+    let mut m = ModelBuilder::new("treelstm", 2 * hd);
+    let emb = m.param("emb", &[v, hd], Init::Normal { std: 1.0 });
+    let w_iou = m.param("W_iou", &[3 * hd, hd], Init::LinearDefault);
+    let u_iou = m.param("U_iou", &[3 * hd, hd], Init::LinearDefault);
+    let b_iou = m.param("b_iou", &[3 * hd], Init::Zeros);
+    let u_f = m.param("U_f", &[hd, hd], Init::LinearDefault);
+    let b_f = m.param("b_f", &[hd], Init::Zeros);
+    let w_out = m.param("W_out", &[k, hd], Init::LinearDefault);
+    let b_out = m.param("b_out", &[k], linear_bias(hd));
+    let leaf = m.vertex_fn("leaf", |f| {
+        let x = f.embed(emb);
+        let (w, b) = (f.param(w_iou), f.param(b_iou));
+        let iou = f.linear(x, w, Some(b));
+        let (h, c) = lstm_cell_out(f, iou, None);
+        let state = f.concat(&[h, c]);
+        f.scatter(state);
+        f.push(h);
+    })?;
+    let internal = m.vertex_fn("internal", |f| {
+        let kids = f.gather_all();
+        let h_k = f.slice(kids, 0, hd);
+        let c_k = f.slice(kids, hd, hd);
+        let h_sum = f.sum_children(h_k);
+        let (u, b) = (f.param(u_iou), f.param(b_iou));
+        let iou = f.linear(h_sum, u, Some(b));
+        let (uf, bf) = (f.param(u_f), f.param(b_f));
+        let f_pre = f.linear(h_k, uf, Some(bf));
+        let f_k = f.sigmoid(f_pre);
+        let fc = f.mul(f_k, c_k);
+        let fc_sum = f.sum_children(fc);
+        let (h, c) = lstm_cell_out(f, iou, Some(fc_sum));
+        let state = f.concat(&[h, c]);
+        f.scatter(state);
+        f.push(h);
+    })?;
+    m.select(FunctionSelector::LeafInternal { leaf, internal });
+    m.head(HeadRows::Roots, hd, |h| classifier_head(h, w_out, b_out))?;
+    m.build()
+}
+
+/// Binary constituency Tree-LSTM (Tai et al. 2015, N-ary with N = 2) with
+/// a loss at every labelled node. State = `[h; c]`.
+fn nary_treelstm(cfg: &ModelConfig) -> Result<Model> {
+    let (v, hd, k) = (cfg.vocab, cfg.hidden, cfg.classes);
+    let mut m = ModelBuilder::new("treelstm-nary", 2 * hd);
+    let emb = m.param("emb", &[v, hd], Init::Normal { std: 0.1 });
+    let w_iou = m.param("W_iou", &[3 * hd, hd], Init::LinearDefault);
+    let b_leaf = m.param("b_leaf", &[3 * hd], Init::Zeros);
+    let u_iou = m.param("U_iou", &[3 * hd, 2 * hd], Init::LinearDefault);
+    let b_iou = m.param("b_iou", &[3 * hd], Init::Zeros);
+    let u_f = m.param("U_f", &[2 * hd, 2 * hd], Init::LinearDefault);
+    let b_f = m.param("b_f", &[2 * hd], Init::Uniform { bound: 0.0 });
+    let w_out = m.param("W_out", &[k, hd], Init::LinearDefault);
+    let b_out = m.param("b_out", &[k], linear_bias(hd));
+    let leaf = m.vertex_fn("leaf", |f| {
+        let x = f.embed(emb);
+        let (w, b) = (f.param(w_iou), f.param(b_leaf));
+        let iou = f.linear(x, w, Some(b));
+        let (h, c) = lstm_cell_out(f, iou, None);
+        let state = f.concat(&[h, c]);
+        f.scatter(state);
+        f.push(h);
+    })?;
+    let internal = m.vertex_fn("internal", |f| {
+        let (l, r) = (f.gather(0), f.gather(1));
+        let (h_l, c_l) = (f.slice(l, 0, hd), f.slice(l, hd, hd));
+        let (h_r, c_r) = (f.slice(r, 0, hd), f.slice(r, hd, hd));
+        let hlr = f.concat(&[h_l, h_r]);
+        let (u, b) = (f.param(u_iou), f.param(b_iou));
+        let iou = f.linear(hlr, u, Some(b));
+        let (uf, bf) = (f.param(u_f), f.param(b_f));
+        let f_pre = f.linear(hlr, uf, Some(bf));
+        let gates = f.sigmoid(f_pre);
+        let (f_l, f_r) = (f.slice(gates, 0, hd), f.slice(gates, hd, hd));
+        let fl_c = f.mul(f_l, c_l);
+        let fr_c = f.mul(f_r, c_r);
+        let extra = f.add(fl_c, fr_c);
+        let (h, c) = lstm_cell_out(f, iou, Some(extra));
+        let state = f.concat(&[h, c]);
+        f.scatter(state);
+        f.push(h);
+    })?;
+    m.select(FunctionSelector::LeafInternal { leaf, internal });
+    m.head(HeadRows::Labelled, hd, |h| classifier_head(h, w_out, b_out))?;
+    m.build()
+}
+
+/// Tree-FC: leaves are word vectors, internal nodes `tanh(W [h_l; h_r] + b)`.
+fn tree_fc(cfg: &ModelConfig) -> Result<Model> {
+    let (v, hd, k) = (cfg.vocab, cfg.hidden, cfg.classes);
+    let mut m = ModelBuilder::new("treefc", hd);
+    let emb = m.param("emb", &[v, hd], Init::Normal { std: 0.1 });
+    let w = m.param("W", &[hd, 2 * hd], Init::Xavier);
+    let b = m.param("b", &[hd], Init::Zeros);
+    let w_out = m.param("W_out", &[k, hd], Init::LinearDefault);
+    let b_out = m.param("b_out", &[k], linear_bias(hd));
+    let leaf = m.vertex_fn("leaf", |f| {
+        let x = f.embed(emb);
+        let h = f.tanh(x);
+        f.scatter(h);
+        f.push(h);
+    })?;
+    let internal = m.vertex_fn("internal", |f| {
+        let (l, r) = (f.gather(0), f.gather(1));
+        let lr = f.concat(&[l, r]);
+        let (wp, bp) = (f.param(w), f.param(b));
+        let z = f.linear(lr, wp, Some(bp));
+        let h = f.tanh(z);
+        f.scatter(h);
+        f.push(h);
+    })?;
+    m.select(FunctionSelector::LeafInternal { leaf, internal });
+    m.head(HeadRows::Roots, hd, |h| classifier_head(h, w_out, b_out))?;
+    m.build()
+}
+
+/// LSTM language model: each chain vertex reads its token and its
+/// predecessor's state and predicts the next token (the vertex label).
+fn lstm_lm(cfg: &ModelConfig) -> Result<Model> {
+    let (v, hd) = (cfg.vocab, cfg.hidden);
+    let mut m = ModelBuilder::new("lstm-lm", 2 * hd);
+    let emb = m.param("emb", &[v, hd], Init::Uniform { bound: 0.1 });
+    let w_x = m.param("W_x", &[4 * hd, hd], Init::LinearDefault);
+    let w_h = m.param("W_h", &[4 * hd, hd], Init::LinearDefault);
+    let b = m.param("b", &[4 * hd], Init::Zeros);
+    let w_out = m.param("W_out", &[v, hd], Init::LinearDefault);
+    let b_out = m.param("b_out", &[v], linear_bias(hd));
+    m.vertex_fn("step", |f| {
+        let x = f.embed(emb);
+        let prev = f.gather(0);
+        let (h_prev, c_prev) = (f.slice(prev, 0, hd), f.slice(prev, hd, hd));
+        let (wx, wh, bb) = (f.param(w_x), f.param(w_h), f.param(b));
+        let zx = f.linear(x, wx, Some(bb));
+        let zh = f.linear(h_prev, wh, None);
+        let z = f.add(zx, zh);
+        let g = f.split(z, 4);
+        let i = f.sigmoid(g[0]);
+        let fg = f.sigmoid(g[1]);
+        let o = f.sigmoid(g[2]);
+        let u = f.tanh(g[3]);
+        let keep = f.mul(fg, c_prev);
+        let write = f.mul(i, u);
+        let c = f.add(keep, write);
+        let tc = f.tanh(c);
+        let h = f.mul(o, tc);
+        let state = f.concat(&[h, c]);
+        f.scatter(state);
+        f.push(h);
+    })?;
+    m.head(HeadRows::Labelled, hd, |h| classifier_head(h, w_out, b_out))?;
+    m.build()
+}

@@ -1,0 +1,130 @@
+//! Optimizers: SGD, Adagrad and Adam with decoupled weight decay, plus
+//! global gradient-norm clipping. Parameters whose gradient only touched
+//! some rows (embedding tables) are updated on those rows alone, so a step
+//! costs in proportion to the words in the batch, not the vocabulary.
+
+use ramus_core::{Grads, Params, Real, Tensor};
+
+/// Which update rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OptimizerKind {
+    Sgd,
+    Adagrad,
+    Adam,
+}
+
+impl std::str::FromStr for OptimizerKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "sgd" => Ok(OptimizerKind::Sgd),
+            "adagrad" => Ok(OptimizerKind::Adagrad),
+            "adam" => Ok(OptimizerKind::Adam),
+            _ => Err(format!("unknown optimizer `{s}` (expected sgd, adagrad or adam)")),
+        }
+    }
+}
+
+/// Optimizer settings.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OptimizerConfig {
+    pub kind: OptimizerKind,
+    pub lr: f64,
+    /// SGD/Adagrad: L2 penalty added to the gradient; Adam: decoupled decay (AdamW).
+    pub weight_decay: f64,
+    /// Rescale gradients so their global L2 norm is at most this.
+    pub clip_norm: Option<f64>,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+}
+
+impl OptimizerConfig {
+    /// Defaults for `kind` at learning rate `lr`.
+    pub fn new(kind: OptimizerKind, lr: f64) -> Self {
+        let eps = if kind == OptimizerKind::Adagrad { 1e-10 } else { 1e-8 };
+        OptimizerConfig { kind, lr, weight_decay: 0.0, clip_norm: None, beta1: 0.9, beta2: 0.999, eps }
+    }
+}
+
+/// Optimizer state for a model's parameters.
+pub struct Optimizer<T> {
+    pub config: OptimizerConfig,
+    first: Vec<Tensor<T>>,
+    second: Vec<Tensor<T>>,
+    steps: u64,
+}
+
+impl<T: Real> Optimizer<T> {
+    /// Fresh state for `params`.
+    pub fn new(config: OptimizerConfig, params: &Params<T>) -> Self {
+        let zeros = |used: bool| -> Vec<Tensor<T>> {
+            params.values.iter().map(|p| if used { Tensor::zeros(p.shape()) } else { Tensor::zeros(&[0]) }).collect()
+        };
+        Optimizer {
+            first: zeros(config.kind == OptimizerKind::Adam),
+            second: zeros(config.kind != OptimizerKind::Sgd),
+            config,
+            steps: 0,
+        }
+    }
+
+    /// Number of steps taken.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// Applies one update from `grads`. Returns the gradient norm before clipping.
+    pub fn step(&mut self, params: &mut Params<T>, grads: &Grads<T>) -> f64 {
+        let c = self.config;
+        let norm = grads.norm();
+        let clip = match c.clip_norm {
+            Some(max) if norm > max && norm > 0.0 => max / norm,
+            _ => 1.0,
+        };
+        self.steps += 1;
+        let t = self.steps as f64;
+        let (bc1, bc2) = (1.0 - c.beta1.powf(t), 1.0 - c.beta2.powf(t));
+        let lr = T::from_f64(c.lr);
+        let (clip, wd) = (T::from_f64(clip), T::from_f64(c.weight_decay));
+        let (b1, b2, eps) = (T::from_f64(c.beta1), T::from_f64(c.beta2), T::from_f64(c.eps));
+        let (inv_bc1, inv_bc2) = (T::from_f64(1.0 / bc1), T::from_f64(1.0 / bc2));
+        for p in 0..params.values.len() {
+            let width = grads.row_width(p);
+            let ranges: Vec<(usize, usize)> = match &grads.touched_rows[p] {
+                None => vec![(0, params.values[p].len())],
+                Some(rows) => rows.iter().map(|&r| (r as usize * width, (r as usize + 1) * width)).collect(),
+            };
+            let (pv, gv) = (params.values[p].data_mut(), grads.values[p].data());
+            for (a, b) in ranges {
+                match c.kind {
+                    OptimizerKind::Sgd => {
+                        for (w, &g) in pv[a..b].iter_mut().zip(&gv[a..b]) {
+                            let g = g * clip + wd * *w;
+                            *w -= lr * g;
+                        }
+                    }
+                    OptimizerKind::Adagrad => {
+                        let acc = self.second[p].data_mut();
+                        for ((w, &g), s) in pv[a..b].iter_mut().zip(&gv[a..b]).zip(&mut acc[a..b]) {
+                            let g = g * clip + wd * *w;
+                            *s += g * g;
+                            *w -= lr * g / (s.sqrt() + eps);
+                        }
+                    }
+                    OptimizerKind::Adam => {
+                        let (m, v) = (self.first[p].data_mut(), self.second[p].data_mut());
+                        for (((w, &g), m), v) in pv[a..b].iter_mut().zip(&gv[a..b]).zip(&mut m[a..b]).zip(&mut v[a..b]) {
+                            let g = g * clip;
+                            *m = b1 * *m + (T::ONE - b1) * g;
+                            *v = b2 * *v + (T::ONE - b2) * g * g;
+                            *w -= lr * wd * *w;
+                            *w -= lr * (*m * inv_bc1) / ((*v * inv_bc2).sqrt() + eps);
+                        }
+                    }
+                }
+            }
+        }
+        norm
+    }
+}

@@ -1,0 +1,132 @@
+//! Training and evaluation loops over the CPU engine.
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use ramus_core::{Grads, HeadRows, Model, Params, Real};
+use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_graph::{BatchingPolicy, InputGraph};
+
+use crate::error::{NnError, Result};
+use crate::optim::{Optimizer, OptimizerConfig};
+
+/// Accuracy and loss over a data set.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EvalResult {
+    /// Mean loss per batch, weighted by graphs.
+    pub loss: f64,
+    /// Fraction of graphs whose root is classified correctly.
+    pub root_accuracy: f64,
+    /// Fraction of labelled vertices classified correctly.
+    pub node_accuracy: f64,
+    pub graphs: usize,
+}
+
+/// A model, its parameters, gradients, optimizer state and engine.
+pub struct Trainer<T> {
+    pub model: Model,
+    pub params: Params<T>,
+    pub grads: Grads<T>,
+    pub optimizer: Optimizer<T>,
+    pub engine: CpuEngine<T>,
+    pub policy: BatchingPolicy,
+}
+
+impl<T: Real> Trainer<T> {
+    pub fn new(model: Model, params: Params<T>, config: OptimizerConfig) -> Self {
+        let grads = Grads::zeros(&model);
+        let optimizer = Optimizer::new(config, &params);
+        Trainer { model, params, grads, optimizer, engine: CpuEngine::new(), policy: BatchingPolicy::Cavs }
+    }
+
+    /// Forward, backward and one optimizer step on `graphs`; returns the loss.
+    pub fn train_batch(&mut self, graphs: &[&InputGraph]) -> Result<f64> {
+        let batch = Batch::new(&self.model, graphs.to_vec(), self.policy)?;
+        let out = self.engine.forward(&self.model, &self.params, &batch, Mode::Train)?;
+        self.grads.clear();
+        self.engine.backward(&self.model, &self.params, &batch, &mut self.grads)?;
+        self.optimizer.step(&mut self.params, &self.grads);
+        out.loss.ok_or_else(|| NnError::Config("forward pass returned no loss".into()))
+    }
+
+    /// One epoch over `data` in shuffled batches; `progress(batches_done,
+    /// graphs_done, loss)` is called after each batch. Returns the mean loss.
+    pub fn train_epoch(
+        &mut self,
+        data: &[InputGraph],
+        batch_size: usize,
+        rng: &mut ChaCha8Rng,
+        mut progress: impl FnMut(usize, usize, f64),
+    ) -> Result<f64> {
+        if batch_size == 0 {
+            return Err(NnError::Config("batch size must be at least 1".into()));
+        }
+        let mut order: Vec<usize> = (0..data.len()).collect();
+        order.shuffle(rng);
+        let (mut total, mut seen) = (0.0, 0usize);
+        for (b, chunk) in order.chunks(batch_size).enumerate() {
+            let graphs: Vec<&InputGraph> = chunk.iter().map(|&i| &data[i]).collect();
+            let loss = self.train_batch(&graphs)?;
+            total += loss * graphs.len() as f64;
+            seen += graphs.len();
+            progress(b + 1, seen, loss);
+        }
+        Ok(total / seen.max(1) as f64)
+    }
+
+    /// Loss, root accuracy and all-node accuracy over `data`.
+    pub fn evaluate(&mut self, data: &[InputGraph], batch_size: usize) -> Result<EvalResult> {
+        evaluate(&self.model, &self.params, &mut self.engine, self.policy, data, batch_size)
+    }
+}
+
+/// Loss, root accuracy and all-node accuracy of `params` over `data`.
+pub fn evaluate<T: Real>(
+    model: &Model,
+    params: &Params<T>,
+    engine: &mut CpuEngine<T>,
+    policy: BatchingPolicy,
+    data: &[InputGraph],
+    batch_size: usize,
+) -> Result<EvalResult> {
+    let (mut loss, mut root_ok, mut node_ok, mut nodes) = (0.0, 0usize, 0usize, 0usize);
+    for chunk in data.chunks(batch_size.max(1)) {
+        let graphs: Vec<&InputGraph> = chunk.iter().collect();
+        let batch = Batch::new(model, graphs, policy)?;
+        let s = &batch.schedule;
+        let out = engine.forward(model, params, &batch, Mode::Train)?;
+        loss += out.loss.unwrap_or(0.0) * chunk.len() as f64;
+        let all = match model.head.rows {
+            HeadRows::Labelled => out,
+            HeadRows::Roots => {
+                let preds = out.predictions();
+                root_ok += out.head_vertices.iter().zip(&preds).filter(|(&v, &p)| s.labels[v as usize] == p as i32).count();
+                engine.forward_rows(model, params, &batch, Mode::Infer, HeadRows::Labelled)?
+            }
+        };
+        let preds = all.predictions();
+        let mut is_root = vec![false; s.num_vertices()];
+        s.roots.iter().for_each(|&r| is_root[r as usize] = true);
+        for (&v, &p) in all.head_vertices.iter().zip(&preds) {
+            let ok = s.labels[v as usize] == p as i32;
+            node_ok += ok as usize;
+            nodes += 1;
+            if model.head.rows == HeadRows::Labelled && is_root[v as usize] {
+                root_ok += ok as usize;
+            }
+        }
+    }
+    let n = data.len().max(1) as f64;
+    Ok(EvalResult {
+        loss: loss / n,
+        root_accuracy: root_ok as f64 / n,
+        node_accuracy: node_ok as f64 / nodes.max(1) as f64,
+        graphs: data.len(),
+    })
+}
+
+/// A reproducible shuffling stream.
+pub fn rng(seed: u64) -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(seed)
+}

@@ -1,0 +1,164 @@
+//! Whole-model gradients on random small graphs against central finite
+//! differences of the loss, in f64, for every model of the zoo; and the
+//! agenda policy against the Cavs policy.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use ramus_core::{Grads, Params};
+use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_graph::{BatchingPolicy, InputGraph};
+use ramus_nn::{build_model, ModelConfig};
+
+/// A random tree with `leaves` leaves; internal arity drawn from `arities`.
+fn random_tree(rng: &mut ChaCha8Rng, leaves: usize, arities: &[usize], cfg: &ModelConfig) -> InputGraph {
+    let mut g = InputGraph::new();
+    let mut frontier: Vec<u32> = (0..leaves)
+        .map(|_| {
+            let tok = rng.random_range(0..cfg.vocab as u32);
+            g.push_vertex(&[], tok, rng.random_range(0..cfg.classes as i32)).unwrap()
+        })
+        .collect();
+    while frontier.len() > 1 {
+        let k = arities[rng.random_range(0..arities.len())].min(frontier.len());
+        let at = rng.random_range(0..=frontier.len() - k);
+        let kids: Vec<u32> = frontier.drain(at..at + k).collect();
+        let v = g.push_vertex(&kids, 0, rng.random_range(0..cfg.classes as i32)).unwrap();
+        frontier.insert(at, v);
+    }
+    g
+}
+
+fn random_chain(rng: &mut ChaCha8Rng, len: usize, cfg: &ModelConfig) -> InputGraph {
+    let toks: Vec<u32> = (0..len).map(|_| rng.random_range(0..cfg.vocab as u32)).collect();
+    let labels: Vec<i32> = (0..len).map(|_| rng.random_range(0..cfg.vocab as i32)).collect();
+    InputGraph::chain(&toks, &labels).unwrap()
+}
+
+fn loss_and_grads(
+    model: &ramus_core::Model,
+    params: &Params<f64>,
+    graphs: &[InputGraph],
+    policy: BatchingPolicy,
+) -> (f64, Grads<f64>) {
+    let mut engine = CpuEngine::<f64>::new();
+    let batch = Batch::new(model, graphs.iter().collect(), policy).unwrap();
+    let out = engine.forward(model, params, &batch, Mode::Train).unwrap();
+    let mut grads = Grads::zeros(model);
+    engine.backward(model, params, &batch, &mut grads).unwrap();
+    (out.loss.unwrap(), grads)
+}
+
+fn loss_only(model: &ramus_core::Model, params: &Params<f64>, graphs: &[InputGraph]) -> f64 {
+    let mut engine = CpuEngine::<f64>::new();
+    let batch = Batch::new(model, graphs.iter().collect(), BatchingPolicy::Cavs).unwrap();
+    engine.forward(model, params, &batch, Mode::Train).unwrap().loss.unwrap()
+}
+
+fn check_model(name: &str, graphs: &[InputGraph], cfg: &ModelConfig) {
+    let model = build_model(name, cfg).unwrap();
+    let mut params: Params<f64> = Params::init(&model, 11);
+    // non-zero biases so every term of the gradient is exercised
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    for t in params.values.iter_mut() {
+        for x in t.data_mut() {
+            *x += rng.random_range(-0.3..0.3);
+        }
+    }
+    let (_, grads) = loss_and_grads(&model, &params, graphs, BatchingPolicy::Cavs);
+    let eps = 1e-6;
+    let mut checked = 0;
+    for p in 0..params.values.len() {
+        for i in 0..params.values[p].len() {
+            let orig = params.values[p].data()[i];
+            params.values[p].data_mut()[i] = orig + eps;
+            let up = loss_only(&model, &params, graphs);
+            params.values[p].data_mut()[i] = orig - eps;
+            let down = loss_only(&model, &params, graphs);
+            params.values[p].data_mut()[i] = orig;
+            let fd = (up - down) / (2.0 * eps);
+            let an = grads.values[p].data()[i];
+            let tol = 1e-6 * fd.abs().max(an.abs()) + 1e-8;
+            assert!(
+                (fd - an).abs() <= tol,
+                "{name}: d loss / d {}[{i}]: autodiff {an:.10e} vs finite difference {fd:.10e}",
+                model.params[p].name
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 50, "{name}: too few parameters checked");
+    assert!(grads.norm() > 1e-6, "{name}: gradient vanished");
+}
+
+fn small() -> ModelConfig {
+    ModelConfig { vocab: 7, hidden: 3, classes: 3 }
+}
+
+#[test]
+fn reference_treelstm_gradients_match_finite_differences() {
+    let cfg = small();
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    // child-sum over any arity: 1, 2 and 3 children
+    let graphs: Vec<InputGraph> = (0..3).map(|i| random_tree(&mut rng, 2 + 2 * i, &[1, 2, 3], &cfg)).collect();
+    check_model("treelstm", &graphs, &cfg);
+}
+
+#[test]
+fn nary_treelstm_gradients_match_finite_differences() {
+    let cfg = small();
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let graphs: Vec<InputGraph> = (0..3).map(|i| random_tree(&mut rng, 2 + 2 * i, &[2], &cfg)).collect();
+    check_model("treelstm-nary", &graphs, &cfg);
+}
+
+#[test]
+fn treefc_gradients_match_finite_differences() {
+    let cfg = small();
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let graphs: Vec<InputGraph> = (0..3).map(|i| random_tree(&mut rng, 2 + 3 * i, &[2], &cfg)).collect();
+    check_model("treefc", &graphs, &cfg);
+}
+
+#[test]
+fn lstm_lm_gradients_match_finite_differences() {
+    let cfg = ModelConfig { vocab: 6, hidden: 3, classes: 0 };
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    let graphs: Vec<InputGraph> = [1, 4, 6].iter().map(|&n| random_chain(&mut rng, n, &cfg)).collect();
+    check_model("lstm-lm", &graphs, &cfg);
+}
+
+#[test]
+fn agenda_policy_gives_the_same_loss_and_gradients() {
+    let cfg = small();
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let graphs: Vec<InputGraph> = (0..5).map(|i| random_tree(&mut rng, 1 + 3 * i, &[1, 2, 3], &cfg)).collect();
+    for name in ["treelstm", "treefc"] {
+        let graphs: Vec<InputGraph> = if name == "treefc" {
+            (0..5).map(|i| random_tree(&mut rng, 1 + 3 * i, &[2], &cfg)).collect()
+        } else {
+            graphs.clone()
+        };
+        let model = build_model(name, &cfg).unwrap();
+        let params: Params<f64> = Params::init(&model, 3);
+        let (l1, g1) = loss_and_grads(&model, &params, &graphs, BatchingPolicy::Cavs);
+        let (l2, g2) = loss_and_grads(&model, &params, &graphs, BatchingPolicy::Agenda);
+        assert!((l1 - l2).abs() < 1e-12, "{name}: losses differ {l1} vs {l2}");
+        for (a, b) in g1.values.iter().zip(&g2.values) {
+            assert!(a.max_abs_diff(b).unwrap() < 1e-12);
+        }
+    }
+}
+
+#[test]
+fn batched_equals_one_graph_at_a_time() {
+    // the mean loss over a batch equals the mean of per-graph losses
+    let cfg = small();
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    let graphs: Vec<InputGraph> = (0..4).map(|i| random_tree(&mut rng, 2 + i, &[2], &cfg)).collect();
+    let model = build_model("treelstm", &cfg).unwrap();
+    let params: Params<f64> = Params::init(&model, 8);
+    let batched = loss_only(&model, &params, &graphs);
+    let single: f64 =
+        graphs.iter().map(|g| loss_only(&model, &params, std::slice::from_ref(g))).sum::<f64>() / graphs.len() as f64;
+    assert!((batched - single).abs() < 1e-12, "{batched} vs {single}");
+}
