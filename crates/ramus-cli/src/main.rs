@@ -1,1 +1,232 @@
-fn main(){}
+//! The `ramus` command: train, evaluate, benchmark and inspect models.
+
+mod bench;
+mod data;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use ramus_core::Params;
+use ramus_graph::BatchingPolicy;
+use ramus_nn::checkpoint;
+use ramus_nn::{build_model, data_kind, DataKind, ModelConfig, OptimizerConfig, OptimizerKind, Trainer};
+
+#[derive(Parser)]
+#[command(name = "ramus", version, about = "Train and serve dynamic neural networks (trees, sequences, DAGs)")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model (with no --data: the built-in synthetic treebank).
+    Train(TrainArgs),
+    /// Evaluate a checkpoint on a data file.
+    Eval(EvalArgs),
+    /// Time inference and training of the reference Tree-LSTM on the first trees of a file.
+    Bench(bench::BenchArgs),
+    /// Print a model's vertex functions, derivatives and execution plans.
+    Inspect {
+        #[arg(long, default_value = "treelstm")]
+        model: String,
+        #[arg(long, default_value_t = 8)]
+        hidden: usize,
+    },
+}
+
+#[derive(clap::Args)]
+struct TrainArgs {
+    /// Directory with train.txt, dev.txt (or valid.txt) and test.txt.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// One of: treelstm (the reference child-sum model, root loss),
+    /// treelstm-nary (binary Tree-LSTM, loss at every node), treefc, lstm-lm.
+    #[arg(long, default_value = "treelstm-nary")]
+    model: String,
+    #[arg(long, default_value_t = 64)]
+    hidden: usize,
+    #[arg(long, default_value_t = 5)]
+    epochs: usize,
+    #[arg(long, default_value_t = 25)]
+    batch_size: usize,
+    /// sgd, adagrad or adam.
+    #[arg(long, default_value = "adagrad")]
+    optimizer: String,
+    #[arg(long, default_value_t = 0.05)]
+    lr: f64,
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f64,
+    /// Clip the global gradient norm to this value.
+    #[arg(long)]
+    clip: Option<f64>,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Batching policy: cavs or agenda.
+    #[arg(long, default_value = "cavs")]
+    policy: String,
+    /// Write a safetensors checkpoint here after training.
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// No progress bars (log lines only).
+    #[arg(long)]
+    quiet: bool,
+}
+
+#[derive(clap::Args)]
+struct EvalArgs {
+    /// A file of trees (or sentences, for a language model).
+    #[arg(long)]
+    data: PathBuf,
+    #[arg(long)]
+    checkpoint: PathBuf,
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Train(a) => train(a),
+        Command::Eval(a) => eval(a),
+        Command::Bench(a) => bench::run(a),
+        Command::Inspect { model, hidden } => inspect(&model, hidden),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
+
+fn train(a: TrainArgs) -> AnyResult {
+    let kind = data_kind(&a.model)
+        .ok_or_else(|| format!("unknown model `{}` (known: {})", a.model, ramus_nn::MODEL_NAMES.join(", ")))?;
+    let policy: BatchingPolicy = a.policy.parse()?;
+    let opt: OptimizerKind = a.optimizer.parse()?;
+    if a.batch_size == 0 || a.hidden == 0 {
+        return Err("--batch-size and --hidden must be at least 1".into());
+    }
+    let data = data::load_splits(a.data.as_deref(), kind)?;
+    println!(
+        "data: {} ({} train / {} dev / {} test, vocabulary {})",
+        data.source,
+        data.train.len(),
+        data.dev.len(),
+        data.test.len(),
+        data.vocab.len()
+    );
+    let cfg = ModelConfig { vocab: data.vocab.len(), hidden: a.hidden, classes: data.classes };
+    let model = build_model(&a.model, &cfg)?;
+    let params = Params::<f32>::init(&model, a.seed);
+    let mut oc = OptimizerConfig::new(opt, a.lr);
+    oc.weight_decay = a.weight_decay;
+    oc.clip_norm = a.clip;
+    let mut trainer = Trainer::new(model, params, oc);
+    trainer.policy = policy;
+    let mut rng = ramus_nn::train::rng(a.seed);
+    println!(
+        "model: {} hidden {} | optimizer {} lr {} | batch {} | {} threads",
+        a.model,
+        a.hidden,
+        a.optimizer,
+        a.lr,
+        a.batch_size,
+        rayon::current_num_threads()
+    );
+    let started = Instant::now();
+    for epoch in 1..=a.epochs {
+        let bar = if a.quiet { ProgressBar::hidden() } else { ProgressBar::new(data.train.len() as u64) };
+        bar.set_style(
+            ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {per_sec} loss {msg}")
+                .map_err(|e| e.to_string())?
+                .progress_chars("=> "),
+        );
+        bar.set_prefix(epoch.to_string());
+        let t0 = Instant::now();
+        let loss = trainer.train_epoch(&data.train, a.batch_size, &mut rng, |_, seen, loss| {
+            bar.set_position(seen as u64);
+            bar.set_message(format!("{loss:.4}"));
+        })?;
+        bar.finish_and_clear();
+        let secs = t0.elapsed().as_secs_f64();
+        let dev = trainer.evaluate(&data.dev, 64)?;
+        println!(
+            "epoch {epoch}: train loss {loss:.4} | dev loss {:.4} root acc {:.2}% all-node acc {:.2}% | {:.0} sent/s",
+            dev.loss,
+            100.0 * dev.root_accuracy,
+            100.0 * dev.node_accuracy,
+            data.train.len() as f64 / secs
+        );
+    }
+    let test = trainer.evaluate(&data.test, 64)?;
+    println!(
+        "test: loss {:.4} root acc {:.2}% all-node acc {:.2}% ({} graphs) | trained in {:.1} s",
+        test.loss,
+        100.0 * test.root_accuracy,
+        100.0 * test.node_accuracy,
+        test.graphs,
+        started.elapsed().as_secs_f64()
+    );
+    if let Some(path) = a.save {
+        checkpoint::save(&path, &trainer.model, &trainer.params, &data.vocab)?;
+        println!("saved {}", path.display());
+    }
+    Ok(())
+}
+
+fn eval(a: EvalArgs) -> AnyResult {
+    let (info, bytes) = checkpoint::read_info(&a.checkpoint)?;
+    let setting = |k: &str| -> AnyResult<usize> {
+        let v = info.settings.get(k).ok_or_else(|| format!("checkpoint settings lack `{k}`"))?;
+        Ok(v.parse().map_err(|_| format!("checkpoint setting `{k}` = `{v}` is not a number"))?)
+    };
+    let cfg = ModelConfig { vocab: setting("vocab")?, hidden: setting("hidden")?, classes: setting("classes")? };
+    if cfg.vocab != info.vocab.len() {
+        return Err(format!("checkpoint vocabulary has {} words but the model was built for {}", info.vocab.len(), cfg.vocab).into());
+    }
+    let model = build_model(&info.model, &cfg)?;
+    let params = checkpoint::load_params(&a.checkpoint, &bytes, &model)?;
+    let kind = data_kind(&info.model).ok_or("checkpoint names an unknown model")?;
+    let graphs = data::read_frozen(&a.data, kind, &info.vocab)?;
+    let mut engine = ramus_cpu::CpuEngine::<f32>::new();
+    let r = ramus_nn::evaluate(&model, &params, &mut engine, BatchingPolicy::Cavs, &graphs, a.batch_size)?;
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "model": info.model, "data": a.data.display().to_string(), "graphs": r.graphs,
+                "loss": r.loss, "root_accuracy": r.root_accuracy, "node_accuracy": r.node_accuracy,
+            })
+        );
+    } else {
+        println!(
+            "{}: {} graphs | loss {:.4} | root acc {:.2}% | all-node acc {:.2}%",
+            a.data.display(),
+            r.graphs,
+            r.loss,
+            100.0 * r.root_accuracy,
+            100.0 * r.node_accuracy
+        );
+    }
+    Ok(())
+}
+
+fn inspect(model: &str, hidden: usize) -> AnyResult {
+    let kind = data_kind(model).ok_or_else(|| format!("unknown model `{model}`"))?;
+    let classes = if kind == DataKind::Trees { 5 } else { 0 };
+    let m = build_model(model, &ModelConfig { vocab: 100, hidden, classes })?;
+    print!("{}", m.listing());
+    Ok(())
+}
