@@ -116,7 +116,7 @@ unary_op!(
 );
 unary_op!(
     /// `exp(x)`
-    Exp, "exp", "expf({0})", |x| x.exp(), |g| { let (gr, y) = (g.grad(), g.output()); g.b.mul(gr, y) }
+    Exp, "exp", "expf({0})", |x| x.exp_fast(), |g| { let (gr, y) = (g.grad(), g.output()); g.b.mul(gr, y) }
 );
 unary_op!(
     /// Natural logarithm.
@@ -129,7 +129,7 @@ unary_op!(
 );
 unary_op!(
     /// Hyperbolic tangent.
-    Tanh, "tanh", "tanhf({0})", |x| x.tanh(), |g| { let (gr, y) = (g.grad(), g.output()); g.b.tanh_backward(y, gr) }
+    Tanh, "tanh", "tanhf({0})", |x| x.tanh_fast(), |g| { let (gr, y) = (g.grad(), g.output()); g.b.tanh_backward(y, gr) }
 );
 unary_op!(
     /// `max(x, 0)`

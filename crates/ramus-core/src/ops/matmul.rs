@@ -94,7 +94,7 @@ impl OpDef for MatMul {
 }
 
 /// Row counts up to this use the matrix-vector path (no packing of B).
-const SMALL_M: usize = 4;
+const SMALL_M: usize = 8;
 
 impl Kernel for MatMul {
     fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
@@ -116,7 +116,20 @@ impl Kernel for MatMul {
         }
         let sa = if self.trans_a { (1, a_cols as isize) } else { (a_cols as isize, 1) };
         let sb = if self.trans_b { (1, b_cols as isize) } else { (b_cols as isize, 1) };
-        T::gemm(m, k, n, T::ONE, ad, sa, bd, sb, T::ZERO, ctx.out, n as isize);
+        // Large products split their output rows over the thread pool, each
+        // block a single-threaded GEMM on a slice of A.
+        let threads = rayon::current_num_threads();
+        if threads > 1 && m >= 64 && m * k * n >= 1 << 21 {
+            let block = m.div_ceil(threads);
+            ctx.out.par_chunks_mut(block * n).enumerate().for_each(|(i, c)| {
+                let r0 = i * block;
+                let rows = c.len() / n;
+                let a_off = r0 * sa.0 as usize;
+                T::gemm(rows, k, n, T::ONE, &ad[a_off..], sa, bd, sb, T::ZERO, c, n as isize);
+            });
+        } else {
+            T::gemm(m, k, n, T::ONE, ad, sa, bd, sb, T::ZERO, ctx.out, n as isize);
+        }
         Ok(())
     }
 }
@@ -126,54 +139,91 @@ impl Kernel for MatMul {
 /// otherwise scaled-row accumulation (B is `[k, n]`). Splits columns over
 /// threads when B is large.
 fn small_m<T: Real>(a: &[T], b: &[T], out: &mut [T], m: usize, k: usize, n: usize, trans_b: bool) {
-    let parallel = k * n >= 1 << 16;
-    if trans_b {
-        // out[r][j] = dot(a[r], b[j])
-        let col = |j: usize, r: usize| dot(&a[r * k..(r + 1) * k], &b[j * k..(j + 1) * k]);
-        if parallel {
-            let mut tmp = vec![T::ZERO; m * n];
-            tmp.par_chunks_mut(m).enumerate().for_each(|(j, o)| {
-                for (r, o) in o.iter_mut().enumerate() {
-                    *o = col(j, r);
+    // Columns are split into one contiguous block per thread when B is big
+    // enough for the split to beat the cost of waking a second thread.
+    let threads = if k * n >= 1 << 17 { rayon::current_num_threads().clamp(1, 8) } else { 1 };
+    let block = n.div_ceil(threads);
+    // out is row-major [m, n]; each thread fills columns [j0, j1) of every row.
+    let fill = |j0: usize, j1: usize, cols: &mut [T]| {
+        // cols is [m, j1 - j0] row-major
+        let w = j1 - j0;
+        if trans_b {
+            // four rows of A against each row of B: B is read once per four rows
+            let mut r = 0;
+            while r + 4 <= m {
+                let rows = [&a[r * k..(r + 1) * k], &a[(r + 1) * k..(r + 2) * k], &a[(r + 2) * k..(r + 3) * k], &a[(r + 3) * k..(r + 4) * k]];
+                for j in j0..j1 {
+                    let d = dot4(rows, &b[j * k..(j + 1) * k]);
+                    for (q, v) in d.into_iter().enumerate() {
+                        cols[(r + q) * w + j - j0] = v;
+                    }
                 }
-            });
-            for r in 0..m {
-                for j in 0..n {
-                    out[r * n + j] = tmp[j * m + r];
+                r += 4;
+            }
+            for r in r..m {
+                let ar = &a[r * k..(r + 1) * k];
+                for j in j0..j1 {
+                    cols[r * w + j - j0] = dot(ar, &b[j * k..(j + 1) * k]);
                 }
             }
         } else {
-            for r in 0..m {
-                for j in 0..n {
-                    out[r * n + j] = col(j, r);
-                }
-            }
-        }
-    } else {
-        for r in 0..m {
-            let row = &mut out[r * n..(r + 1) * n];
-            row.iter_mut().for_each(|x| *x = T::ZERO);
-            let ar = &a[r * k..(r + 1) * k];
-            if parallel {
-                const CHUNK: usize = 256;
-                row.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| {
-                    let j0 = c * CHUNK;
-                    for (p, &av) in ar.iter().enumerate() {
-                        let brow = &b[p * n + j0..p * n + j0 + o.len()];
-                        for (o, &bv) in o.iter_mut().zip(brow) {
-                            *o += av * bv;
-                        }
-                    }
-                });
-            } else {
-                for (p, &av) in ar.iter().enumerate() {
-                    for (o, &bv) in row.iter_mut().zip(&b[p * n..(p + 1) * n]) {
+            cols.iter_mut().for_each(|x| *x = T::ZERO);
+            // each row of B is read once and added into every output row
+            for p in 0..k {
+                let brow = &b[p * n + j0..p * n + j1];
+                for r in 0..m {
+                    let av = a[r * k + p];
+                    for (o, &bv) in cols[r * w..(r + 1) * w].iter_mut().zip(brow) {
                         *o += av * bv;
                     }
                 }
             }
         }
+    };
+    if threads == 1 {
+        fill(0, n, out);
+        return;
     }
+    let mut parts: Vec<Vec<T>> = (0..threads).map(|t| vec![T::ZERO; m * (n.min((t + 1) * block) - (t * block).min(n))]).collect();
+    parts.par_iter_mut().enumerate().for_each(|(t, cols)| {
+        let (j0, j1) = ((t * block).min(n), n.min((t + 1) * block));
+        if j1 > j0 {
+            fill(j0, j1, cols);
+        }
+    });
+    for (t, cols) in parts.iter().enumerate() {
+        let (j0, j1) = ((t * block).min(n), n.min((t + 1) * block));
+        let w = j1 - j0;
+        for r in 0..m {
+            out[r * n + j0..r * n + j1].copy_from_slice(&cols[r * w..(r + 1) * w]);
+        }
+    }
+}
+
+/// Four dot products against one shared vector `y`.
+#[inline]
+fn dot4<T: Real>(x: [&[T]; 4], y: &[T]) -> [T; 4] {
+    let mut acc = [[T::ZERO; 8]; 4];
+    let n8 = y.len() / 8 * 8;
+    for i in (0..n8).step_by(8) {
+        let ys = &y[i..i + 8];
+        for q in 0..4 {
+            let xs = &x[q][i..i + 8];
+            for l in 0..8 {
+                acc[q][l] += xs[l] * ys[l];
+            }
+        }
+    }
+    let mut out = [T::ZERO; 4];
+    for q in 0..4 {
+        let a = &acc[q];
+        let mut s = (a[0] + a[4]) + (a[1] + a[5]) + ((a[2] + a[6]) + (a[3] + a[7]));
+        for i in n8..y.len() {
+            s += x[q][i] * y[i];
+        }
+        out[q] = s;
+    }
+    out
 }
 
 /// Dot product with eight independent accumulators (vectorizes).
