@@ -10,7 +10,7 @@ use std::time::Instant;
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use ramus_core::Params;
+use ramus_core::{HeadRows, Params};
 use ramus_graph::BatchingPolicy;
 use ramus_nn::checkpoint;
 use ramus_nn::{build_model, data_kind, DataKind, ModelConfig, OptimizerConfig, OptimizerKind, Trainer};
@@ -69,6 +69,9 @@ struct TrainArgs {
     /// Batching policy: cavs or agenda.
     #[arg(long, default_value = "cavs")]
     policy: String,
+    /// Where the loss is taken: `root` or `all` labelled nodes (default: the model's own choice).
+    #[arg(long)]
+    loss_at: Option<String>,
     /// Write a safetensors checkpoint here after training.
     #[arg(long)]
     save: Option<PathBuf>,
@@ -128,7 +131,13 @@ fn train(a: TrainArgs) -> AnyResult {
         data.vocab.len()
     );
     let cfg = ModelConfig { vocab: data.vocab.len(), hidden: a.hidden, classes: data.classes };
-    let model = build_model(&a.model, &cfg)?;
+    let mut model = build_model(&a.model, &cfg)?;
+    match a.loss_at.as_deref() {
+        None => {}
+        Some("root") => model.head.rows = HeadRows::Roots,
+        Some("all") => model.head.rows = HeadRows::Labelled,
+        Some(other) => return Err(format!("--loss-at must be root or all, got `{other}`").into()),
+    }
     let params = Params::<f32>::init(&model, a.seed);
     let mut oc = OptimizerConfig::new(opt, a.lr);
     oc.weight_decay = a.weight_decay;

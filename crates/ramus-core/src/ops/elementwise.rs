@@ -45,6 +45,9 @@ fn run_rows<T: Real>(
     name: &str,
     f: impl Fn(&[&[T]], &mut [T]) + Sync,
 ) -> Result<()> {
+    if ctx.out.is_empty() {
+        return Ok(());
+    }
     let rows = ctx.out_rows.max(1);
     let width = ctx.out.len() / rows;
     let mut ins: Vec<(&[T], bool)> = Vec::with_capacity(ctx.args.len());

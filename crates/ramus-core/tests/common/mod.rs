@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use ramus_core::autodiff::differentiate;
 use ramus_core::op::{Arg, ArgData, KernelCtx};
-use ramus_core::{DType, Graph, GraphBuilder, NodeKind, OpDef, ParamId, Real, Role, Source, Space, Sym, ValueType};
+use ramus_core::{
+    DType, Graph, GraphBuilder, NodeKind, OpDef, ParamId, Real, Role, Source, Space, Sym, ValueType,
+};
 
 // ---------------------------------------------------------------- PRNG
 
@@ -54,7 +56,9 @@ impl Rng {
     }
     /// Indices in [0, bound).
     pub fn idx(&mut self, n: usize, bound: usize) -> Vec<u32> {
-        (0..n).map(|_| (self.next_u64() % bound as u64) as u32).collect()
+        (0..n)
+            .map(|_| (self.next_u64() % bound as u64) as u32)
+            .collect()
     }
 }
 
@@ -105,7 +109,10 @@ pub struct Topo {
 impl Topo {
     /// `n` vertices and no edges.
     pub fn vertices(n: usize) -> Topo {
-        Topo { vertex_rows: n, edge_parent: vec![] }
+        Topo {
+            vertex_rows: n,
+            edge_parent: vec![],
+        }
     }
     /// Vertex `v` has `children[v]` child edges; edges are grouped by parent.
     pub fn from_children(children: &[usize]) -> Topo {
@@ -113,7 +120,10 @@ impl Topo {
         for (v, &c) in children.iter().enumerate() {
             edge_parent.extend(std::iter::repeat(v as u32).take(c));
         }
-        Topo { vertex_rows: children.len(), edge_parent }
+        Topo {
+            vertex_rows: children.len(),
+            edge_parent,
+        }
     }
     pub fn edges(&self) -> usize {
         self.edge_parent.len()
@@ -137,14 +147,31 @@ impl Topo {
 /// Runs `op`'s f64 kernel on `args` (declared type and data each). The
 /// output type comes from `op.infer`; the output buffer is pre-filled with
 /// NaN so that elements a kernel forgets to write are caught.
-pub fn run_op(op: &dyn OpDef, args: &[(ValueType, Val)], topo: &Topo) -> Result<(ValueType, Vec<f64>), String> {
+pub fn run_op(
+    op: &dyn OpDef,
+    args: &[(ValueType, Val)],
+    topo: &Topo,
+) -> Result<(ValueType, Vec<f64>), String> {
     let tys: Vec<&ValueType> = args.iter().map(|(t, _)| t).collect();
     let out_ty = op.infer(&tys)?;
     for (i, (t, v)) in args.iter().enumerate() {
-        assert_eq!(v.len(), topo.len(t), "test bug: argument {i} of {} has {} elements, type {t} needs {}", op.name(), v.len(), topo.len(t));
+        assert_eq!(
+            v.len(),
+            topo.len(t),
+            "test bug: argument {i} of {} has {} elements, type {t} needs {}",
+            op.name(),
+            v.len(),
+            topo.len(t)
+        );
     }
-    let kargs: Vec<Arg<'_, f64>> =
-        args.iter().map(|(t, v)| Arg { ty: t, rows: topo.rows(t.space), data: v.arg_data() }).collect();
+    let kargs: Vec<Arg<'_, f64>> = args
+        .iter()
+        .map(|(t, v)| Arg {
+            ty: t,
+            rows: topo.rows(t.space),
+            data: v.arg_data(),
+        })
+        .collect();
     let mut out = vec![f64::NAN; topo.len(&out_ty)];
     let mut ctx = KernelCtx {
         args: &kargs,
@@ -158,7 +185,11 @@ pub fn run_op(op: &dyn OpDef, args: &[(ValueType, Val)], topo: &Topo) -> Result<
 }
 
 /// Same as [`run_op`] in f32 (inputs rounded to f32, output widened back).
-pub fn run_op_f32(op: &dyn OpDef, args: &[(ValueType, Val)], topo: &Topo) -> Result<Vec<f64>, String> {
+pub fn run_op_f32(
+    op: &dyn OpDef,
+    args: &[(ValueType, Val)],
+    topo: &Topo,
+) -> Result<Vec<f64>, String> {
     let tys: Vec<&ValueType> = args.iter().map(|(t, _)| t).collect();
     let out_ty = op.infer(&tys)?;
     let floats: Vec<Vec<f32>> = args
@@ -204,26 +235,49 @@ pub struct Env {
 
 /// Evaluates `g` node by node. In a backward graph `Forward(n)` reads node
 /// `n` of `fwd` and `OutputGrad(i)` reads `out_grads[i]`.
-pub fn eval(g: &Graph, env: &Env, fwd: Option<&[Val]>, out_grads: &HashMap<usize, Vec<f64>>) -> Result<Vec<Val>, String> {
+pub fn eval(
+    g: &Graph,
+    env: &Env,
+    fwd: Option<&[Val]>,
+    out_grads: &HashMap<usize, Vec<f64>>,
+) -> Result<Vec<Val>, String> {
     let topo = &env.topo;
     let mut vals: Vec<Val> = Vec::with_capacity(g.nodes.len());
     for (n, node) in g.nodes.iter().enumerate() {
         let v = match &node.kind {
-            NodeKind::Input(Source::Forward(m)) => {
-                fwd.ok_or("Forward input outside a backward graph")?.get(*m).ok_or("Forward index out of range")?.clone()
-            }
-            NodeKind::Input(Source::OutputGrad(i)) => {
-                Val::F(out_grads.get(i).cloned().ok_or_else(|| format!("no gradient seed for output {i}"))?)
-            }
-            NodeKind::Input(s) => env.inputs.get(s).cloned().ok_or_else(|| format!("no data for input {s:?}"))?,
-            NodeKind::Param(p) => Val::F(env.params.get(*p).cloned().ok_or_else(|| format!("no data for param {p}"))?),
+            NodeKind::Input(Source::Forward(m)) => fwd
+                .ok_or("Forward input outside a backward graph")?
+                .get(*m)
+                .ok_or("Forward index out of range")?
+                .clone(),
+            NodeKind::Input(Source::OutputGrad(i)) => Val::F(
+                out_grads
+                    .get(i)
+                    .cloned()
+                    .ok_or_else(|| format!("no gradient seed for output {i}"))?,
+            ),
+            NodeKind::Input(s) => env
+                .inputs
+                .get(s)
+                .cloned()
+                .ok_or_else(|| format!("no data for input {s:?}"))?,
+            NodeKind::Param(p) => Val::F(
+                env.params
+                    .get(*p)
+                    .cloned()
+                    .ok_or_else(|| format!("no data for param {p}"))?,
+            ),
             NodeKind::Op(op) => {
                 let args: Vec<Arg<'_, f64>> = node
                     .inputs
                     .iter()
                     .map(|&i| {
                         let ty = &g.nodes[i].ty;
-                        Arg { ty, rows: topo.rows(ty.space), data: vals[i].arg_data() }
+                        Arg {
+                            ty,
+                            rows: topo.rows(ty.space),
+                            data: vals[i].arg_data(),
+                        }
                     })
                     .collect();
                 let mut out = vec![f64::NAN; topo.len(&node.ty)];
@@ -234,14 +288,23 @@ pub fn eval(g: &Graph, env: &Env, fwd: Option<&[Val]>, out_grads: &HashMap<usize
                     vertex_rows: topo.vertex_rows,
                     edge_parent: &topo.edge_parent,
                 };
-                f64::run_kernel(op.as_ref(), &mut ctx).map_err(|e| format!("node %{n} ({}): {e}", op.signature()))?;
+                f64::run_kernel(op.as_ref(), &mut ctx)
+                    .map_err(|e| format!("node %{n} ({}): {e}", op.signature()))?;
                 Val::F(out)
             }
         };
         let want = topo.len(&node.ty);
-        let dtype_ok = matches!((&v, node.ty.dtype), (Val::F(_), DType::Float) | (Val::I(_), DType::Index));
+        let dtype_ok = matches!(
+            (&v, node.ty.dtype),
+            (Val::F(_), DType::Float) | (Val::I(_), DType::Index)
+        );
         if v.len() != want || !dtype_ok {
-            return Err(format!("node %{n} ({}) holds {} elements, its type {} needs {want}", node.describe(&[]), v.len(), node.ty));
+            return Err(format!(
+                "node %{n} ({}) holds {} elements, its type {} needs {want}",
+                node.describe(&[]),
+                v.len(),
+                node.ty
+            ));
         }
         vals.push(v);
     }
@@ -266,17 +329,27 @@ pub struct GradReport {
 
 impl GradReport {
     pub fn get(&self, slot: Slot) -> (&[f64], &[f64]) {
-        let (_, a, n) = self.slots.iter().find(|(s, ..)| *s == slot).unwrap_or_else(|| panic!("no slot {slot:?}"));
+        let (_, a, n) = self
+            .slots
+            .iter()
+            .find(|(s, ..)| *s == slot)
+            .unwrap_or_else(|| panic!("no slot {slot:?}"));
         (a, n)
     }
     /// The gradient is not trivially zero (so agreeing with FD means something).
     pub fn assert_nonzero(&self, slot: Slot) {
         let (_, n) = self.get(slot);
-        assert!(n.iter().any(|x| x.abs() > 1e-3), "gradient of {slot:?} is (numerically) zero: {n:?}");
+        assert!(
+            n.iter().any(|x| x.abs() > 1e-3),
+            "gradient of {slot:?} is (numerically) zero: {n:?}"
+        );
     }
     pub fn assert_zero(&self, slot: Slot) {
         let (a, n) = self.get(slot);
-        assert!(a.iter().chain(n).all(|x| *x == 0.0 || x.abs() < 1e-9), "gradient of {slot:?} should be zero: {a:?} / {n:?}");
+        assert!(
+            a.iter().chain(n).all(|x| *x == 0.0 || x.abs() < 1e-9),
+            "gradient of {slot:?} should be zero: {a:?} / {n:?}"
+        );
     }
     /// Every checked slot except `except` has a non-trivial gradient.
     pub fn assert_all_nonzero_except(&self, except: &[Slot]) {
@@ -308,8 +381,19 @@ fn seeds(graph: &Graph, fwd: &[Val], rng: &mut Rng) -> HashMap<usize, Vec<f64>> 
 
 /// `sum_i <seed_i, output_i>` for the forward graph on `env`.
 fn objective(graph: &Graph, env: &Env, seeds: &HashMap<usize, Vec<f64>>) -> f64 {
-    let vals = eval(graph, env, None, &HashMap::new()).unwrap_or_else(|e| panic!("forward evaluation failed: {e}"));
-    seeds.iter().map(|(&i, s)| vals[graph.outputs[i].node].f().iter().zip(s).map(|(y, s)| y * s).sum::<f64>()).sum()
+    let vals = eval(graph, env, None, &HashMap::new())
+        .unwrap_or_else(|e| panic!("forward evaluation failed: {e}"));
+    seeds
+        .iter()
+        .map(|(&i, s)| {
+            vals[graph.outputs[i].node]
+                .f()
+                .iter()
+                .zip(s)
+                .map(|(y, s)| y * s)
+                .sum::<f64>()
+        })
+        .sum()
 }
 
 fn slot_mut(env: &mut Env, slot: Slot, k: usize) -> &mut f64 {
@@ -332,17 +416,23 @@ pub const ATOL: f64 = 1e-8;
 /// random cotangent for any other seeded output). Panics on any mismatch.
 pub fn grad_check(graph: &Graph, param_shapes: &[Vec<usize>], env: &Env, seed: u64) -> GradReport {
     let mut rng = Rng::new(seed);
-    let fwd = eval(graph, env, None, &HashMap::new()).unwrap_or_else(|e| panic!("forward evaluation failed: {e}"));
+    let fwd = eval(graph, env, None, &HashMap::new())
+        .unwrap_or_else(|e| panic!("forward evaluation failed: {e}"));
     let seeds = seeds(graph, &fwd, &mut rng);
     assert!(!seeds.is_empty(), "test bug: graph has no seeded output");
-    let bwd = differentiate(graph, param_shapes, "test").unwrap_or_else(|e| panic!("differentiate failed: {e}"));
+    let bwd = differentiate(graph, param_shapes, "test")
+        .unwrap_or_else(|e| panic!("differentiate failed: {e}"));
     let bvals = eval(&bwd, env, Some(&fwd), &seeds)
         .unwrap_or_else(|e| panic!("backward evaluation failed: {e}\n{}", bwd.listing(&[])));
 
     // analytic gradients, zero where autodiff emits nothing
     let mut slots: Vec<Slot> = Vec::new();
     let mut analytic: HashMap<Slot, Vec<f64>> = HashMap::new();
-    let mut inputs: Vec<_> = env.inputs.iter().filter(|(_, v)| matches!(v, Val::F(_))).collect();
+    let mut inputs: Vec<_> = env
+        .inputs
+        .iter()
+        .filter(|(_, v)| matches!(v, Val::F(_)))
+        .collect();
     inputs.sort_by_key(|(s, _)| format!("{s:?}"));
     for (s, v) in inputs {
         slots.push(Slot::Input(*s));
@@ -362,18 +452,31 @@ pub fn grad_check(graph: &Graph, param_shapes: &[Vec<usize>], env: &Env, seed: u
             Role::HeadInputGrad => Slot::Input(Source::HeadInput),
             r => panic!("unexpected output role {r:?} in a backward graph"),
         };
-        let acc = analytic.get_mut(&slot).unwrap_or_else(|| panic!("gradient output {:?} for a leaf with no data", o.role));
+        let acc = analytic
+            .get_mut(&slot)
+            .unwrap_or_else(|| panic!("gradient output {:?} for a leaf with no data", o.role));
         if let Role::ParamRowGrad(p) = o.role {
             let idx = bvals[o.aux.expect("ParamRowGrad without an index node")].i();
             let width: usize = param_shapes[p][1..].iter().product();
-            assert_eq!(values.len(), idx.len() * width, "row gradient of param {p}: {} values for {} indices", values.len(), idx.len());
+            assert_eq!(
+                values.len(),
+                idx.len() * width,
+                "row gradient of param {p}: {} values for {} indices",
+                values.len(),
+                idx.len()
+            );
             for (r, &i) in idx.iter().enumerate() {
                 for j in 0..width {
                     acc[i as usize * width + j] += values[r * width + j];
                 }
             }
         } else {
-            assert_eq!(values.len(), acc.len(), "gradient output {:?} has the wrong size", o.role);
+            assert_eq!(
+                values.len(),
+                acc.len(),
+                "gradient output {:?} has the wrong size",
+                o.role
+            );
             for (a, v) in acc.iter_mut().zip(values) {
                 *a += v;
             }
@@ -407,7 +510,10 @@ pub fn grad_check(graph: &Graph, param_shapes: &[Vec<usize>], env: &Env, seed: u
         }
         report.push((slot, a.clone(), numeric));
     }
-    GradReport { slots: report, backward: bwd }
+    GradReport {
+        slots: report,
+        backward: bwd,
+    }
 }
 
 // ---------------------------------------------------------------- building cases
@@ -424,17 +530,29 @@ impl Case {
     pub fn new(topo: Topo, params: Vec<(Vec<usize>, Vec<f64>)>) -> Case {
         let shapes: Vec<Vec<usize>> = params.iter().map(|(s, _)| s.clone()).collect();
         for (s, d) in &params {
-            assert_eq!(s.iter().product::<usize>(), d.len(), "test bug: param data does not match shape {s:?}");
+            assert_eq!(
+                s.iter().product::<usize>(),
+                d.len(),
+                "test bug: param data does not match shape {s:?}"
+            );
         }
         Case {
             b: GraphBuilder::new("test", &shapes),
-            env: Env { topo, inputs: HashMap::new(), params: params.into_iter().map(|(_, d)| d).collect() },
+            env: Env {
+                topo,
+                inputs: HashMap::new(),
+                params: params.into_iter().map(|(_, d)| d).collect(),
+            },
             shapes,
         }
     }
     /// An engine input with data.
     pub fn input(&mut self, s: Source, ty: ValueType, v: Val) -> Sym {
-        assert_eq!(v.len(), self.env.topo.len(&ty), "test bug: data for {s:?} does not match {ty}");
+        assert_eq!(
+            v.len(),
+            self.env.topo.len(&ty),
+            "test bug: data for {s:?} does not match {ty}"
+        );
         self.env.inputs.insert(s, v);
         self.b.input(s, ty)
     }
@@ -449,7 +567,10 @@ impl Case {
     /// Finishes the graph with `y` as its (seeded) loss output.
     pub fn finish(mut self, y: Sym) -> (Graph, Vec<Vec<usize>>, Env) {
         self.b.output(Role::Loss, y, None);
-        let g = self.b.finish().unwrap_or_else(|e| panic!("building the test graph failed: {e}"));
+        let g = self
+            .b
+            .finish()
+            .unwrap_or_else(|e| panic!("building the test graph failed: {e}"));
         (g, self.shapes, self.env)
     }
     /// Finishes with `y` as the loss and runs [`grad_check`].
@@ -469,8 +590,17 @@ pub fn arc(op: impl OpDef + 'static) -> Arc<dyn OpDef> {
 /// Asserts `got` matches `want` elementwise within `tol * (1 + |want|)`.
 #[track_caller]
 pub fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length {} vs expected {}", got.len(), want.len());
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "{what}: length {} vs expected {}",
+        got.len(),
+        want.len()
+    );
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!((g - w).abs() <= tol * (1.0 + w.abs()), "{what}: element {i}: got {g}, expected {w}\ngot  {got:?}\nwant {want:?}");
+        assert!(
+            (g - w).abs() <= tol * (1.0 + w.abs()),
+            "{what}: element {i}: got {g}, expected {w}\ngot  {got:?}\nwant {want:?}"
+        );
     }
 }
