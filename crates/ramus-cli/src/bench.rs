@@ -56,14 +56,25 @@ pub fn run(a: BenchArgs) -> AnyResult {
     let sizes: Vec<usize> = a
         .batch_sizes
         .split(',')
-        .map(|s| s.trim().parse::<usize>().map_err(|_| format!("bad batch size `{s}` in --batch-sizes")))
+        .map(|s| {
+            s.trim()
+                .parse::<usize>()
+                .map_err(|_| format!("bad batch size `{s}` in --batch-sizes"))
+        })
         .collect::<Result<_, _>>()?;
-    if sizes.iter().any(|&b| b == 0) {
+    if sizes.contains(&0) {
         return Err("batch sizes must be at least 1".into());
     }
     let mut vocab = Vocab::new();
     let trees = ptb::read_trees(&a.trees, VocabMode::Grow(&mut vocab))?;
-    let model = build_model("treelstm", &ModelConfig { vocab: vocab.len(), hidden: a.hidden, classes: 5 })?;
+    let model = build_model(
+        "treelstm",
+        &ModelConfig {
+            vocab: vocab.len(),
+            hidden: a.hidden,
+            classes: 5,
+        },
+    )?;
     let mut params = Params::<f32>::init(&model, 0);
     let mut opt = Optimizer::new(OptimizerConfig::new(OptimizerKind::Sgd, 0.05), &params);
     let mut grads = Grads::zeros(&model);
@@ -71,7 +82,12 @@ pub fn run(a: BenchArgs) -> AnyResult {
     let mut results = Vec::new();
     for &bs in &sizes {
         if bs > trees.len() {
-            return Err(format!("batch size {bs} exceeds the {} trees in {}", trees.len(), a.trees.display()).into());
+            return Err(format!(
+                "batch size {bs} exceeds the {} trees in {}",
+                trees.len(),
+                a.trees.display()
+            )
+            .into());
         }
         let batch: Vec<&InputGraph> = trees[..bs].iter().collect();
         let nodes: usize = batch.iter().map(|g| g.len()).sum();
@@ -100,7 +116,14 @@ pub fn run(a: BenchArgs) -> AnyResult {
         let out = Command::new(&a.python)
             .arg(&anchor)
             .arg(&a.trees)
-            .args(["--device", "cpu", "--hidden", &a.hidden.to_string(), "--batch-sizes", &a.batch_sizes])
+            .args([
+                "--device",
+                "cpu",
+                "--hidden",
+                &a.hidden.to_string(),
+                "--batch-sizes",
+                &a.batch_sizes,
+            ])
             .args(["--reps", &a.reps.to_string(), "--skip-eager"])
             .output()
             .map_err(|e| format!("cannot run {} {}: {e}", a.python, anchor.display()))?;
@@ -109,7 +132,9 @@ pub fn run(a: BenchArgs) -> AnyResult {
         }
         for line in String::from_utf8_lossy(&out.stdout).lines() {
             println!("{line}");
-            let Ok(t) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+            let Ok(t) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
             if let Some(r) = results.iter().find(|r| r["batch"] == t["batch"]) {
                 let ratio = |k: &str, inverse: bool| -> Option<f64> {
                     let (x, y) = (r[k].as_f64()?, t[k].as_f64()?);

@@ -13,10 +13,16 @@ use indicatif::{ProgressBar, ProgressStyle};
 use ramus_core::{HeadRows, Params};
 use ramus_graph::BatchingPolicy;
 use ramus_nn::checkpoint;
-use ramus_nn::{build_model, data_kind, DataKind, ModelConfig, OptimizerConfig, OptimizerKind, Trainer};
+use ramus_nn::{
+    build_model, data_kind, DataKind, ModelConfig, OptimizerConfig, OptimizerKind, Trainer,
+};
 
 #[derive(Parser)]
-#[command(name = "ramus", version, about = "Train and serve dynamic neural networks (trees, sequences, DAGs)")]
+#[command(
+    name = "ramus",
+    version,
+    about = "Train and serve dynamic neural networks (trees, sequences, DAGs)"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -114,8 +120,13 @@ fn main() -> ExitCode {
 type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 fn train(a: TrainArgs) -> AnyResult {
-    let kind = data_kind(&a.model)
-        .ok_or_else(|| format!("unknown model `{}` (known: {})", a.model, ramus_nn::MODEL_NAMES.join(", ")))?;
+    let kind = data_kind(&a.model).ok_or_else(|| {
+        format!(
+            "unknown model `{}` (known: {})",
+            a.model,
+            ramus_nn::MODEL_NAMES.join(", ")
+        )
+    })?;
     let policy: BatchingPolicy = a.policy.parse()?;
     let opt: OptimizerKind = a.optimizer.parse()?;
     if a.batch_size == 0 || a.hidden == 0 {
@@ -130,7 +141,11 @@ fn train(a: TrainArgs) -> AnyResult {
         data.test.len(),
         data.vocab.len()
     );
-    let cfg = ModelConfig { vocab: data.vocab.len(), hidden: a.hidden, classes: data.classes };
+    let cfg = ModelConfig {
+        vocab: data.vocab.len(),
+        hidden: a.hidden,
+        classes: data.classes,
+    };
     let mut model = build_model(&a.model, &cfg)?;
     match a.loss_at.as_deref() {
         None => {}
@@ -156,11 +171,17 @@ fn train(a: TrainArgs) -> AnyResult {
     );
     let started = Instant::now();
     for epoch in 1..=a.epochs {
-        let bar = if a.quiet { ProgressBar::hidden() } else { ProgressBar::new(data.train.len() as u64) };
+        let bar = if a.quiet {
+            ProgressBar::hidden()
+        } else {
+            ProgressBar::new(data.train.len() as u64)
+        };
         bar.set_style(
-            ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {per_sec} loss {msg}")
-                .map_err(|e| e.to_string())?
-                .progress_chars("=> "),
+            ProgressStyle::with_template(
+                "epoch {prefix} [{bar:30}] {pos}/{len} {per_sec} loss {msg}",
+            )
+            .map_err(|e| e.to_string())?
+            .progress_chars("=> "),
         );
         bar.set_prefix(epoch.to_string());
         let t0 = Instant::now();
@@ -198,19 +219,39 @@ fn train(a: TrainArgs) -> AnyResult {
 fn eval(a: EvalArgs) -> AnyResult {
     let (info, bytes) = checkpoint::read_info(&a.checkpoint)?;
     let setting = |k: &str| -> AnyResult<usize> {
-        let v = info.settings.get(k).ok_or_else(|| format!("checkpoint settings lack `{k}`"))?;
-        Ok(v.parse().map_err(|_| format!("checkpoint setting `{k}` = `{v}` is not a number"))?)
+        let v = info
+            .settings
+            .get(k)
+            .ok_or_else(|| format!("checkpoint settings lack `{k}`"))?;
+        Ok(v.parse()
+            .map_err(|_| format!("checkpoint setting `{k}` = `{v}` is not a number"))?)
     };
-    let cfg = ModelConfig { vocab: setting("vocab")?, hidden: setting("hidden")?, classes: setting("classes")? };
+    let cfg = ModelConfig {
+        vocab: setting("vocab")?,
+        hidden: setting("hidden")?,
+        classes: setting("classes")?,
+    };
     if cfg.vocab != info.vocab.len() {
-        return Err(format!("checkpoint vocabulary has {} words but the model was built for {}", info.vocab.len(), cfg.vocab).into());
+        return Err(format!(
+            "checkpoint vocabulary has {} words but the model was built for {}",
+            info.vocab.len(),
+            cfg.vocab
+        )
+        .into());
     }
     let model = build_model(&info.model, &cfg)?;
     let params = checkpoint::load_params(&a.checkpoint, &bytes, &model)?;
     let kind = data_kind(&info.model).ok_or("checkpoint names an unknown model")?;
     let graphs = data::read_frozen(&a.data, kind, &info.vocab)?;
     let mut engine = ramus_cpu::CpuEngine::<f32>::new();
-    let r = ramus_nn::evaluate(&model, &params, &mut engine, BatchingPolicy::Cavs, &graphs, a.batch_size)?;
+    let r = ramus_nn::evaluate(
+        &model,
+        &params,
+        &mut engine,
+        BatchingPolicy::Cavs,
+        &graphs,
+        a.batch_size,
+    )?;
     if a.json {
         println!(
             "{}",
@@ -235,7 +276,14 @@ fn eval(a: EvalArgs) -> AnyResult {
 fn inspect(model: &str, hidden: usize) -> AnyResult {
     let kind = data_kind(model).ok_or_else(|| format!("unknown model `{model}`"))?;
     let classes = if kind == DataKind::Trees { 5 } else { 0 };
-    let m = build_model(model, &ModelConfig { vocab: 100, hidden, classes })?;
+    let m = build_model(
+        model,
+        &ModelConfig {
+            vocab: 100,
+            hidden,
+            classes,
+        },
+    )?;
     print!("{}", m.listing());
     Ok(())
 }

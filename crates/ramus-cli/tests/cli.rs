@@ -5,7 +5,10 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 
 fn ramus(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ramus")).args(args).output().expect("run ramus")
+    Command::new(env!("CARGO_BIN_EXE_ramus"))
+        .args(args)
+        .output()
+        .expect("run ramus")
 }
 
 fn tmp(name: &str) -> PathBuf {
@@ -24,32 +27,76 @@ fn assert_one_line_error(o: &Output, needle: &str) {
     let err = stderr(o);
     let lines: Vec<&str> = err.lines().collect();
     assert_eq!(lines.len(), 1, "expected one line, got: {err}");
-    assert!(lines[0].starts_with("error: ") && lines[0].contains(needle), "{err}");
+    assert!(
+        lines[0].starts_with("error: ") && lines[0].contains(needle),
+        "{err}"
+    );
     assert!(!err.contains("panicked"), "{err}");
 }
 
 #[test]
 fn train_save_eval_on_built_in_data() {
     let ckpt = tmp("m.safetensors");
-    let o = ramus(&["train", "--epochs", "1", "--hidden", "16", "--quiet", "--save", ckpt.to_str().unwrap()]);
+    let o = ramus(&[
+        "train",
+        "--epochs",
+        "1",
+        "--hidden",
+        "16",
+        "--quiet",
+        "--save",
+        ckpt.to_str().unwrap(),
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(out.contains("built-in synthetic treebank") && out.contains("epoch 1:") && out.contains("test:"), "{out}");
+    assert!(
+        out.contains("built-in synthetic treebank")
+            && out.contains("epoch 1:")
+            && out.contains("test:"),
+        "{out}"
+    );
     // evaluate the checkpoint on a tree file written by hand
     let trees = tmp("trees.txt");
     std::fs::write(&trees, "(3 (2 not) (1 bad))\n(1 (2 the) (4 wonderful))\n").unwrap();
-    let o = ramus(&["eval", "--data", trees.to_str().unwrap(), "--checkpoint", ckpt.to_str().unwrap(), "--json"]);
+    let o = ramus(&[
+        "eval",
+        "--data",
+        trees.to_str().unwrap(),
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["graphs"], 2);
     assert!(v["root_accuracy"].as_f64().unwrap() >= 0.0 && v["loss"].as_f64().unwrap() > 0.0);
     // benchmark prints one JSON object per batch size
-    let o = ramus(&["bench", trees.to_str().unwrap(), "--hidden", "8", "--batch-sizes", "1,2", "--reps", "2"]);
+    let o = ramus(&[
+        "bench",
+        trees.to_str().unwrap(),
+        "--hidden",
+        "8",
+        "--batch-sizes",
+        "1,2",
+        "--reps",
+        "2",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let lines: Vec<serde_json::Value> =
-        String::from_utf8_lossy(&o.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(lines.len(), 2);
-    for key in ["system", "engine", "device", "hidden", "batch", "nodes", "infer_ms", "train_sent_per_s"] {
+    for key in [
+        "system",
+        "engine",
+        "device",
+        "hidden",
+        "batch",
+        "nodes",
+        "infer_ms",
+        "train_sent_per_s",
+    ] {
         assert!(lines[1].get(key).is_some(), "missing {key}");
     }
     assert_eq!(lines[1]["nodes"], 6);
@@ -57,21 +104,45 @@ fn train_save_eval_on_built_in_data() {
 
 #[test]
 fn bad_input_gives_one_line_errors() {
-    assert_one_line_error(&ramus(&["train", "--model", "nope", "--epochs", "1"]), "unknown model `nope`");
-    assert_one_line_error(&ramus(&["train", "--data", "/nonexistent/dir", "--epochs", "1"]), "/nonexistent/dir");
+    assert_one_line_error(
+        &ramus(&["train", "--model", "nope", "--epochs", "1"]),
+        "unknown model `nope`",
+    );
+    assert_one_line_error(
+        &ramus(&["train", "--data", "/nonexistent/dir", "--epochs", "1"]),
+        "/nonexistent/dir",
+    );
     let bad = tmp("bad.txt");
     std::fs::write(&bad, "(3 (2 fine) (1 bad)\n").unwrap();
-    assert_one_line_error(&ramus(&["bench", bad.to_str().unwrap(), "--hidden", "4"]), "bad.txt:1:");
+    assert_one_line_error(
+        &ramus(&["bench", bad.to_str().unwrap(), "--hidden", "4"]),
+        "bad.txt:1:",
+    );
     let missing = tmp("missing.safetensors");
     assert_one_line_error(
-        &ramus(&["eval", "--data", bad.to_str().unwrap(), "--checkpoint", missing.to_str().unwrap()]),
+        &ramus(&[
+            "eval",
+            "--data",
+            bad.to_str().unwrap(),
+            "--checkpoint",
+            missing.to_str().unwrap(),
+        ]),
         "missing.safetensors",
     );
     let garbage = tmp("garbage.safetensors");
     std::fs::write(&garbage, b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ").unwrap();
     assert_one_line_error(
-        &ramus(&["eval", "--data", bad.to_str().unwrap(), "--checkpoint", garbage.to_str().unwrap()]),
+        &ramus(&[
+            "eval",
+            "--data",
+            bad.to_str().unwrap(),
+            "--checkpoint",
+            garbage.to_str().unwrap(),
+        ]),
         "garbage.safetensors",
     );
-    assert_one_line_error(&ramus(&["train", "--optimizer", "rmsprop", "--epochs", "1"]), "rmsprop");
+    assert_one_line_error(
+        &ramus(&["train", "--optimizer", "rmsprop", "--epochs", "1"]),
+        "rmsprop",
+    );
 }

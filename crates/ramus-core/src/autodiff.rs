@@ -34,7 +34,9 @@ pub fn differentiate(graph: &Graph, param_shapes: &[Vec<usize>], context: &str) 
         if let NodeKind::Param(p) = graph.nodes[n].kind {
             return b.param(p);
         }
-        *forward.entry(n).or_insert_with(|| b.input(Source::Forward(n), graph.nodes[n].ty.clone()))
+        *forward
+            .entry(n)
+            .or_insert_with(|| b.input(Source::Forward(n), graph.nodes[n].ty.clone()))
     };
     for n in (0..graph.nodes.len()).rev() {
         let Some(ts) = terms.remove(&n) else { continue };
@@ -63,11 +65,16 @@ pub fn differentiate(graph: &Graph, param_shapes: &[Vec<usize>], context: &str) 
                         Some(_) if in_node.ty.dtype == DType::Index => {}
                         Some(GradTerm::Dense(s)) => terms.entry(input).or_default().push(s),
                         Some(GradTerm::Rows { values, index }) => match in_node.kind {
-                            NodeKind::Param(p) => b.output(Role::ParamRowGrad(p), values, Some(index)),
+                            NodeKind::Param(p) => {
+                                b.output(Role::ParamRowGrad(p), values, Some(index))
+                            }
                             _ => {
                                 return Err(CoreError::model(
                                     context,
-                                    format!("op `{}` gives a row gradient to a non-parameter input", op.name()),
+                                    format!(
+                                        "op `{}` gives a row gradient to a non-parameter input",
+                                        op.name()
+                                    ),
                                 ))
                             }
                         },

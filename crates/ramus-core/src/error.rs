@@ -5,28 +5,46 @@
 pub enum CoreError {
     /// A shape, space or dtype mismatch found while building a graph.
     #[error("{context}: op `{op}`: {message}")]
-    Shape { context: String, op: String, message: String },
+    Shape {
+        context: String,
+        op: String,
+        message: String,
+    },
     /// A model declaration that cannot be executed (missing scatter, bad head, ...).
     #[error("model `{model}`: {message}")]
     Model { model: String, message: String },
     /// A name that was looked up and not found.
     #[error("unknown {kind} `{name}`{hint}")]
-    Unknown { kind: &'static str, name: String, hint: String },
+    Unknown {
+        kind: &'static str,
+        name: String,
+        hint: String,
+    },
     /// A kernel that was given inconsistent arguments at run time.
     #[error("kernel `{op}`: {message}")]
     Kernel { op: String, message: String },
     /// A tensor whose shape does not match what was expected.
     #[error("tensor `{name}`: expected shape {expected:?}, got {got:?}")]
-    TensorShape { name: String, expected: Vec<usize>, got: Vec<usize> },
+    TensorShape {
+        name: String,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+    },
 }
 
 pub type Result<T, E = CoreError> = std::result::Result<T, E>;
 
 impl CoreError {
     pub(crate) fn kernel(op: &str, message: impl Into<String>) -> Self {
-        CoreError::Kernel { op: op.to_string(), message: message.into() }
+        CoreError::Kernel {
+            op: op.to_string(),
+            message: message.into(),
+        }
     }
     pub(crate) fn model(model: &str, message: impl Into<String>) -> Self {
-        CoreError::Model { model: model.to_string(), message: message.into() }
+        CoreError::Model {
+            model: model.to_string(),
+            message: message.into(),
+        }
     }
 }

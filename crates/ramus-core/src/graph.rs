@@ -50,15 +50,27 @@ pub struct ValueType {
 impl ValueType {
     /// Float rows of the given width.
     pub fn rows(space: Space, width: usize) -> Self {
-        ValueType { space, dtype: DType::Float, shape: vec![width] }
+        ValueType {
+            space,
+            dtype: DType::Float,
+            shape: vec![width],
+        }
     }
     /// One index per row.
     pub fn index_rows(space: Space) -> Self {
-        ValueType { space, dtype: DType::Index, shape: vec![1] }
+        ValueType {
+            space,
+            dtype: DType::Index,
+            shape: vec![1],
+        }
     }
     /// A static float tensor.
     pub fn fixed(shape: &[usize]) -> Self {
-        ValueType { space: Space::Static, dtype: DType::Float, shape: shape.to_vec() }
+        ValueType {
+            space: Space::Static,
+            dtype: DType::Float,
+            shape: shape.to_vec(),
+        }
     }
     /// Elements per row (row spaces) or in total (static).
     pub fn width(&self) -> usize {
@@ -69,7 +81,9 @@ impl ValueType {
     }
     /// True for a static value usable as a broadcast row of `width` elements.
     pub fn is_broadcast_row(&self, width: usize) -> bool {
-        self.space == Space::Static && self.width() == width && self.shape.iter().filter(|&&d| d != 1).count() <= 1
+        self.space == Space::Static
+            && self.width() == width
+            && self.shape.iter().filter(|&&d| d != 1).count() <= 1
     }
 }
 
@@ -139,7 +153,10 @@ impl Node {
     pub fn describe(&self, params: &[String]) -> String {
         match &self.kind {
             NodeKind::Op(op) => op.signature(),
-            NodeKind::Param(p) => format!("param {}", params.get(*p).map(String::as_str).unwrap_or("?")),
+            NodeKind::Param(p) => format!(
+                "param {}",
+                params.get(*p).map(String::as_str).unwrap_or("?")
+            ),
             NodeKind::Input(s) => format!("{s:?}").to_lowercase(),
         }
     }
@@ -195,7 +212,9 @@ impl Graph {
 
     /// The node that supplies `source`, if the graph reads it.
     pub fn input_node(&self, source: Source) -> Option<NodeId> {
-        self.nodes.iter().position(|n| matches!(n.kind, NodeKind::Input(s) if s == source))
+        self.nodes
+            .iter()
+            .position(|n| matches!(n.kind, NodeKind::Input(s) if s == source))
     }
 
     /// Users of every node (nodes that read it), in node order.
@@ -244,7 +263,11 @@ impl Graph {
         let outputs = self
             .outputs
             .iter()
-            .map(|o| Output { role: o.role, node: remap[o.node], aux: o.aux.map(|a| remap[a]) })
+            .map(|o| Output {
+                role: o.role,
+                node: remap[o.node],
+                aux: o.aux.map(|a| remap[a]),
+            })
             .collect();
         Graph { nodes, outputs }
     }
@@ -254,10 +277,20 @@ impl Graph {
         let mut s = String::new();
         for (i, n) in self.nodes.iter().enumerate() {
             let ins: Vec<String> = n.inputs.iter().map(|x| format!("%{x}")).collect();
-            s += &format!("%{i} = {}({}) : {}\n", n.describe(params), ins.join(", "), n.ty);
+            s += &format!(
+                "%{i} = {}({}) : {}\n",
+                n.describe(params),
+                ins.join(", "),
+                n.ty
+            );
         }
         for o in &self.outputs {
-            s += &format!("{:?} <- %{}{}\n", o.role, o.node, o.aux.map(|a| format!(" at %{a}")).unwrap_or_default());
+            s += &format!(
+                "{:?} <- %{}{}\n",
+                o.role,
+                o.node,
+                o.aux.map(|a| format!(" at %{a}")).unwrap_or_default()
+            );
         }
         s
     }
@@ -319,8 +352,11 @@ impl GraphBuilder {
     /// Records an error (only the first is kept).
     pub fn fail(&mut self, op: &str, message: impl Into<String>) -> Sym {
         if self.error.is_none() {
-            self.error =
-                Some(CoreError::Shape { context: self.context.clone(), op: op.to_string(), message: message.into() });
+            self.error = Some(CoreError::Shape {
+                context: self.context.clone(),
+                op: op.to_string(),
+                message: message.into(),
+            });
         }
         Sym::POISON
     }
@@ -348,7 +384,10 @@ impl GraphBuilder {
         if let Some(&n) = self.input_nodes.get(&source) {
             if self.graph.nodes[n].ty != ty {
                 let have = self.graph.nodes[n].ty.clone();
-                return self.fail("input", format!("{source:?} declared twice with types {have} and {ty}"));
+                return self.fail(
+                    "input",
+                    format!("{source:?} declared twice with types {have} and {ty}"),
+                );
             }
             return Sym(n);
         }
@@ -363,7 +402,10 @@ impl GraphBuilder {
             return Sym::POISON;
         }
         if let Some(bad) = inputs.iter().find(|s| s.0 >= self.graph.nodes.len()) {
-            return self.fail(op.name(), format!("input %{} is not a value of this graph", bad.0));
+            return self.fail(
+                op.name(),
+                format!("input %{} is not a value of this graph", bad.0),
+            );
         }
         let tys: Vec<&ValueType> = inputs.iter().map(|s| &self.graph.nodes[s.0].ty).collect();
         match op.infer(&tys) {
@@ -381,11 +423,17 @@ impl GraphBuilder {
         if value == Sym::POISON || aux == Some(Sym::POISON) {
             return;
         }
-        if !matches!(role, Role::ParamRowGrad(_)) && self.graph.outputs.iter().any(|o| o.role == role) {
+        if !matches!(role, Role::ParamRowGrad(_))
+            && self.graph.outputs.iter().any(|o| o.role == role)
+        {
             self.fail(&format!("{role:?}"), "declared twice");
             return;
         }
-        self.graph.outputs.push(Output { role, node: value.0, aux: aux.map(|a| a.0) });
+        self.graph.outputs.push(Output {
+            role,
+            node: value.0,
+            aux: aux.map(|a| a.0),
+        });
     }
 
     /// Finishes the graph, returning the first recorded error if any.

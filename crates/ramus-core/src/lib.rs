@@ -48,7 +48,10 @@ pub mod real;
 pub mod tensor;
 
 pub use error::{CoreError, Result};
-pub use graph::{DType, Graph, GraphBuilder, Node, NodeId, NodeKind, Output, ParamId, Role, Source, Space, Sym, ValueType};
+pub use graph::{
+    DType, Graph, GraphBuilder, Node, NodeId, NodeKind, Output, ParamId, Role, Source, Space, Sym,
+    ValueType,
+};
 pub use model::{FunctionSelector, HeadRows, Init, Model, ModelBuilder, ParamSpec};
 pub use op::{OpDef, OpRegistry};
 pub use params::{Grads, Params};

@@ -17,9 +17,13 @@ use crate::plan::{classify, ExecPlan};
 pub enum Init {
     Zeros,
     /// Normal with mean 0 and the given standard deviation.
-    Normal { std: f64 },
+    Normal {
+        std: f64,
+    },
     /// Uniform on `[-bound, bound]`.
-    Uniform { bound: f64 },
+    Uniform {
+        bound: f64,
+    },
     /// PyTorch's `nn.Linear` default: uniform on `±1/sqrt(fan_in)` (fan_in = last dim).
     LinearDefault,
     /// Glorot/Xavier uniform: `±sqrt(6 / (fan_in + fan_out))`.
@@ -115,11 +119,18 @@ impl Model {
     }
     /// The id of parameter `name`.
     pub fn param_id(&self, name: &str) -> Result<usize> {
-        self.params.iter().position(|p| p.name == name).ok_or_else(|| CoreError::Unknown {
-            kind: "parameter",
-            name: name.to_string(),
-            hint: format!(" in model `{}` (has: {})", self.name, self.param_names().join(", ")),
-        })
+        self.params
+            .iter()
+            .position(|p| p.name == name)
+            .ok_or_else(|| CoreError::Unknown {
+                kind: "parameter",
+                name: name.to_string(),
+                hint: format!(
+                    " in model `{}` (has: {})",
+                    self.name,
+                    self.param_names().join(", ")
+                ),
+            })
     }
     /// A readable listing of every graph (for `ramus inspect`).
     pub fn listing(&self) -> String {
@@ -129,12 +140,26 @@ impl Model {
             s += &format!("param {} {:?} {:?}\n", p.name, p.shape, p.init);
         }
         for f in &self.functions {
-            s += &format!("\nvertex function {}\n{}", f.name, f.forward.listing(&names));
-            s += &format!("eager {:?}\nper-task {:?}\nlazy {:?}\n", f.forward_plan.eager, f.forward_plan.per_task, f.forward_plan.lazy);
+            s += &format!(
+                "\nvertex function {}\n{}",
+                f.name,
+                f.forward.listing(&names)
+            );
+            s += &format!(
+                "eager {:?}\nper-task {:?}\nlazy {:?}\n",
+                f.forward_plan.eager, f.forward_plan.per_task, f.forward_plan.lazy
+            );
             s += &format!("\n∂{}\n{}", f.name, f.backward.listing(&names));
-            s += &format!("eager {:?}\nper-task {:?}\nlazy {:?}\n", f.backward_plan.eager, f.backward_plan.per_task, f.backward_plan.lazy);
+            s += &format!(
+                "eager {:?}\nper-task {:?}\nlazy {:?}\n",
+                f.backward_plan.eager, f.backward_plan.per_task, f.backward_plan.lazy
+            );
         }
-        s += &format!("\nhead ({:?})\n{}", self.head.rows, self.head.forward.listing(&names));
+        s += &format!(
+            "\nhead ({:?})\n{}",
+            self.head.rows,
+            self.head.forward.listing(&names)
+        );
         s += &format!("\n∂head\n{}", self.head.backward.listing(&names));
         s
     }
@@ -162,21 +187,25 @@ impl VertexFnBuilder {
     /// The scattered state of child `k` (zeros where a vertex has no child `k`).
     pub fn gather(&mut self, k: usize) -> Sym {
         let w = self.state_width;
-        self.b.input(Source::Gather(k), ValueType::rows(Space::Vertex, w))
+        self.b
+            .input(Source::Gather(k), ValueType::rows(Space::Vertex, w))
     }
     /// The scattered state of every child: one edge row per child, in child
     /// order. Reduce with `sum_children`.
     pub fn gather_all(&mut self) -> Sym {
         let w = self.state_width;
-        self.b.input(Source::GatherAll, ValueType::rows(Space::Edge, w))
+        self.b
+            .input(Source::GatherAll, ValueType::rows(Space::Edge, w))
     }
     /// An external float input of `width` per vertex.
     pub fn pull(&mut self, width: usize) -> Sym {
-        self.b.input(Source::Pull, ValueType::rows(Space::Vertex, width))
+        self.b
+            .input(Source::Pull, ValueType::rows(Space::Vertex, width))
     }
     /// The vertex's token id.
     pub fn token(&mut self) -> Sym {
-        self.b.input(Source::Token, ValueType::index_rows(Space::Vertex))
+        self.b
+            .input(Source::Token, ValueType::index_rows(Space::Vertex))
     }
     /// Pulls the vertex's token and looks it up in `table` (an embedding).
     pub fn embed(&mut self, table: usize) -> Sym {
@@ -187,9 +216,14 @@ impl VertexFnBuilder {
     /// Sets the vertex state that parents gather.
     pub fn scatter(&mut self, state: Sym) {
         let w = self.b.width(state);
-        if !self.b.failed() && (w != self.state_width || self.b.ty(state).map(|t| t.space) != Some(Space::Vertex)) {
+        if !self.b.failed()
+            && (w != self.state_width || self.b.ty(state).map(|t| t.space) != Some(Space::Vertex))
+        {
             let sw = self.state_width;
-            self.b.fail("scatter", format!("state must be vertex rows of width {sw}, got width {w}"));
+            self.b.fail(
+                "scatter",
+                format!("state must be vertex rows of width {sw}, got width {w}"),
+            );
             return;
         }
         self.b.output(Role::Scatter, state, None);
@@ -226,16 +260,27 @@ impl HeadBuilder {
     /// The pushed value of each head row.
     pub fn input(&mut self) -> Sym {
         let w = self.input_width;
-        self.b.input(Source::HeadInput, ValueType::rows(Space::Vertex, w))
+        self.b
+            .input(Source::HeadInput, ValueType::rows(Space::Vertex, w))
     }
     /// The label of each head row.
     pub fn labels(&mut self) -> Sym {
-        self.b.input(Source::Label, ValueType::index_rows(Space::Vertex))
+        self.b
+            .input(Source::Label, ValueType::index_rows(Space::Vertex))
     }
     /// Declares the scalar loss (a static `[1]` value).
     pub fn loss(&mut self, loss: Sym) {
-        if self.b.ty(loss).map(|t| t.space == Space::Static && t.width() == 1) != Some(true) && !self.b.failed() {
-            self.b.fail("loss", "loss must be a static scalar (reduce rows with mean_rows / sum_rows)");
+        if self
+            .b
+            .ty(loss)
+            .map(|t| t.space == Space::Static && t.width() == 1)
+            != Some(true)
+            && !self.b.failed()
+        {
+            self.b.fail(
+                "loss",
+                "loss must be a static scalar (reduce rows with mean_rows / sum_rows)",
+            );
             return;
         }
         self.b.output(Role::Loss, loss, None);
@@ -273,7 +318,11 @@ impl ModelBuilder {
 
     /// Declares a parameter and returns its id.
     pub fn param(&mut self, name: &str, shape: &[usize], init: Init) -> usize {
-        self.params.push(ParamSpec { name: name.to_string(), shape: shape.to_vec(), init });
+        self.params.push(ParamSpec {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            init,
+        });
         self.params.len() - 1
     }
 
@@ -287,9 +336,16 @@ impl ModelBuilder {
     }
 
     /// Declares a vertex function and returns its index.
-    pub fn vertex_fn(&mut self, name: &str, body: impl FnOnce(&mut VertexFnBuilder)) -> Result<usize> {
+    pub fn vertex_fn(
+        &mut self,
+        name: &str,
+        body: impl FnOnce(&mut VertexFnBuilder),
+    ) -> Result<usize> {
         let context = format!("model `{}`, vertex function `{name}`", self.name);
-        let mut f = VertexFnBuilder { b: GraphBuilder::new(&context, &self.shapes()), state_width: self.state_width };
+        let mut f = VertexFnBuilder {
+            b: GraphBuilder::new(&context, &self.shapes()),
+            state_width: self.state_width,
+        };
         body(&mut f);
         let graph = f.b.finish()?;
         self.functions.push((name.to_string(), graph));
@@ -302,9 +358,17 @@ impl ModelBuilder {
     }
 
     /// Declares the head, attached to `rows`, over values of `input_width`.
-    pub fn head(&mut self, rows: HeadRows, input_width: usize, body: impl FnOnce(&mut HeadBuilder)) -> Result<()> {
+    pub fn head(
+        &mut self,
+        rows: HeadRows,
+        input_width: usize,
+        body: impl FnOnce(&mut HeadBuilder),
+    ) -> Result<()> {
         let context = format!("model `{}`, head", self.name);
-        let mut h = HeadBuilder { b: GraphBuilder::new(&context, &self.shapes()), input_width };
+        let mut h = HeadBuilder {
+            b: GraphBuilder::new(&context, &self.shapes()),
+            input_width,
+        };
         body(&mut h);
         self.head = Some((rows, h.b.finish()?));
         Ok(())
@@ -319,16 +383,26 @@ impl ModelBuilder {
         let selector = match self.selector {
             Some(s) => s,
             None if self.functions.len() == 1 => FunctionSelector::Single(0),
-            None => return Err(err("declares several vertex functions but no selector".into())),
+            None => {
+                return Err(err(
+                    "declares several vertex functions but no selector".into()
+                ))
+            }
         };
         let used: Vec<usize> = match selector {
             FunctionSelector::Single(f) => vec![f],
             FunctionSelector::LeafInternal { leaf, internal } => vec![leaf, internal],
         };
         if let Some(&bad) = used.iter().find(|&&f| f >= self.functions.len()) {
-            return Err(err(format!("selector names function {bad}, but only {} exist", self.functions.len())));
+            return Err(err(format!(
+                "selector names function {bad}, but only {} exist",
+                self.functions.len()
+            )));
         }
-        let (rows, head_graph) = self.head.clone().ok_or_else(|| err("declares no head".into()))?;
+        let (rows, head_graph) = self
+            .head
+            .clone()
+            .ok_or_else(|| err("declares no head".into()))?;
         let shapes = self.shapes();
         let mut functions = Vec::new();
         let mut push_width = None;
@@ -337,11 +411,15 @@ impl ModelBuilder {
             let scatter = forward.output(Role::Scatter).map(|o| o.node);
             let push = forward.output(Role::Push).map(|o| o.node);
             let Some(push_node) = push else {
-                return Err(err(format!("vertex function `{name}` never pushes a value for the head")));
+                return Err(err(format!(
+                    "vertex function `{name}` never pushes a value for the head"
+                )));
             };
             let w = forward.nodes[push_node].ty.width();
             if *push_width.get_or_insert(w) != w {
-                return Err(err(format!("vertex functions push values of different widths ({w} in `{name}`)")));
+                return Err(err(format!(
+                    "vertex functions push values of different widths ({w} in `{name}`)"
+                )));
             }
             let gather_arity = forward
                 .nodes
@@ -352,9 +430,12 @@ impl ModelBuilder {
                 })
                 .max()
                 .unwrap_or(0);
-            let reads_children = gather_arity > 0 || forward.input_node(Source::GatherAll).is_some();
+            let reads_children =
+                gather_arity > 0 || forward.input_node(Source::GatherAll).is_some();
             if reads_children && scatter.is_none() {
-                return Err(err(format!("vertex function `{name}` gathers children but never scatters a state")));
+                return Err(err(format!(
+                    "vertex function `{name}` gathers children but never scatters a state"
+                )));
             }
             let backward = differentiate(forward, &shapes, &context)?;
             let forward_plan = classify(
@@ -384,10 +465,16 @@ impl ModelBuilder {
         let head_input = head_graph.input_node(Source::HeadInput);
         if let (Some(n), Some(w)) = (head_input, push_width) {
             if head_graph.nodes[n].ty.width() != w {
-                return Err(err(format!("head reads width {} but vertex functions push width {w}", head_graph.nodes[n].ty.width())));
+                return Err(err(format!(
+                    "head reads width {} but vertex functions push width {w}",
+                    head_graph.nodes[n].ty.width()
+                )));
             }
         }
-        let loss = head_graph.output(Role::Loss).map(|o| o.node).ok_or_else(|| err("head declares no loss".into()))?;
+        let loss = head_graph
+            .output(Role::Loss)
+            .map(|o| o.node)
+            .ok_or_else(|| err("head declares no loss".into()))?;
         let logits = head_graph.output(Role::Logits).map(|o| o.node);
         let head_backward = differentiate(&head_graph, &shapes, &format!("{}/head", self.name))?;
         Ok(Model {
@@ -395,7 +482,13 @@ impl ModelBuilder {
             params: self.params.clone(),
             functions,
             selector,
-            head: Head { rows, forward: head_graph, backward: head_backward, loss, logits },
+            head: Head {
+                rows,
+                forward: head_graph,
+                backward: head_backward,
+                loss,
+                logits,
+            },
             state_width: self.state_width,
             settings: self.settings.clone(),
         })

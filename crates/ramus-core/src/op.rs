@@ -50,10 +50,17 @@ pub trait OpDef: Send + Sync + Debug + CpuKernel {
     }
     /// Estimated cost for `rows` rows.
     fn cost(&self, inputs: &[&ValueType], out: &ValueType, rows: usize) -> Cost {
-        let n = if out.is_rows() { rows * out.width() } else { out.width() } as f64;
+        let n = if out.is_rows() {
+            rows * out.width()
+        } else {
+            out.width()
+        } as f64;
         let reads: f64 =
             inputs.iter().map(|t| if t.is_rows() { rows * t.width() } else { t.width() } as f64).sum();
-        Cost { flops: n, bytes: 4.0 * (n + reads) }
+        Cost {
+            flops: n,
+            bytes: 4.0 * (n + reads),
+        }
     }
 }
 
@@ -78,14 +85,20 @@ impl<'a, T> Arg<'a, T> {
     pub fn floats(&self, op: &str) -> Result<&'a [T]> {
         match self.data {
             ArgData::Float(d) => Ok(d),
-            ArgData::Index(_) => Err(CoreError::kernel(op, "expected a float argument, got indices")),
+            ArgData::Index(_) => Err(CoreError::kernel(
+                op,
+                "expected a float argument, got indices",
+            )),
         }
     }
     /// The index data.
     pub fn indices(&self, op: &str) -> Result<&'a [u32]> {
         match self.data {
             ArgData::Index(d) => Ok(d),
-            ArgData::Float(_) => Err(CoreError::kernel(op, "expected an index argument, got floats")),
+            ArgData::Float(_) => Err(CoreError::kernel(
+                op,
+                "expected an index argument, got floats",
+            )),
         }
     }
 }
@@ -145,9 +158,20 @@ pub struct GradCtx<'a> {
 }
 
 impl<'a> GradCtx<'a> {
-    pub(crate) fn new(b: &'a mut GraphBuilder, inputs: Vec<Sym>, output: Sym, out_grad: Sym) -> Self {
+    pub(crate) fn new(
+        b: &'a mut GraphBuilder,
+        inputs: Vec<Sym>,
+        output: Sym,
+        out_grad: Sym,
+    ) -> Self {
         let n = inputs.len();
-        GradCtx { b, inputs, output, out_grad, grads: vec![None; n] }
+        GradCtx {
+            b,
+            inputs,
+            output,
+            out_grad,
+            grads: vec![None; n],
+        }
     }
     /// Number of op inputs.
     pub fn inputs_len(&self) -> usize {
@@ -177,7 +201,13 @@ impl<'a> GradCtx<'a> {
         };
         let grad = if in_ty.space == Space::Static && g_ty.is_rows() {
             let summed = self.b.sum_rows(grad);
-            if in_ty.shape != self.b.ty(summed).map(|t| t.shape.clone()).unwrap_or_default() {
+            if in_ty.shape
+                != self
+                    .b
+                    .ty(summed)
+                    .map(|t| t.shape.clone())
+                    .unwrap_or_default()
+            {
                 self.b.reshape(summed, &in_ty.shape)
             } else {
                 summed
@@ -200,8 +230,15 @@ pub type CompositeBuilder = Arc<dyn Fn(&mut GraphBuilder, &[Sym]) -> Sym + Send 
 pub type PrimitiveMaker = fn(&[f64]) -> std::result::Result<Arc<dyn OpDef>, String>;
 
 enum Entry {
-    Primitive { doc: &'static str, make: PrimitiveMaker },
-    Composite { doc: String, arity: usize, build: CompositeBuilder },
+    Primitive {
+        doc: &'static str,
+        make: PrimitiveMaker,
+    },
+    Composite {
+        doc: String,
+        arity: usize,
+        build: CompositeBuilder,
+    },
 }
 
 /// Ops by name: the built-in primitives plus user composites.
@@ -212,9 +249,12 @@ pub struct OpRegistry {
 impl OpRegistry {
     /// A registry with every built-in primitive op.
     pub fn standard() -> Self {
-        let mut r = OpRegistry { entries: BTreeMap::new() };
+        let mut r = OpRegistry {
+            entries: BTreeMap::new(),
+        };
         for (name, doc, make) in crate::ops::primitives() {
-            r.entries.insert(name.to_string(), Entry::Primitive { doc, make });
+            r.entries
+                .insert(name.to_string(), Entry::Primitive { doc, make });
         }
         r
     }
@@ -229,16 +269,29 @@ impl OpRegistry {
         build: impl Fn(&mut GraphBuilder, &[Sym]) -> Sym + Send + Sync + 'static,
     ) -> Result<()> {
         if self.entries.contains_key(name) {
-            return Err(CoreError::Model { model: "op registry".into(), message: format!("op `{name}` already exists") });
+            return Err(CoreError::Model {
+                model: "op registry".into(),
+                message: format!("op `{name}` already exists"),
+            });
         }
-        self.entries.insert(name.to_string(), Entry::Composite { doc: doc.to_string(), arity, build: Arc::new(build) });
+        self.entries.insert(
+            name.to_string(),
+            Entry::Composite {
+                doc: doc.to_string(),
+                arity,
+                build: Arc::new(build),
+            },
+        );
         Ok(())
     }
 
     /// Applies op `name` with numeric attributes `attrs` to `inputs`.
     pub fn call(&self, b: &mut GraphBuilder, name: &str, inputs: &[Sym], attrs: &[f64]) -> Sym {
         match self.entries.get(name) {
-            None => b.fail(name, format!("no such op (known: {})", self.names().join(", "))),
+            None => b.fail(
+                name,
+                format!("no such op (known: {})", self.names().join(", ")),
+            ),
             Some(Entry::Primitive { make, .. }) => match make(attrs) {
                 Ok(op) => b.apply(op, inputs),
                 Err(e) => b.fail(name, e),

@@ -13,7 +13,11 @@ use crate::tensor::Tensor;
 fn init_values(spec: &ParamSpec, rng: &mut ChaCha8Rng) -> Vec<f64> {
     let n: usize = spec.shape.iter().product();
     let fan_in = *spec.shape.last().unwrap_or(&1) as f64;
-    let fan_out = if spec.shape.len() > 1 { spec.shape[0] as f64 } else { 1.0 };
+    let fan_out = if spec.shape.len() > 1 {
+        spec.shape[0] as f64
+    } else {
+        1.0
+    };
     let uniform = |bound: f64, rng: &mut ChaCha8Rng| -> Vec<f64> {
         match Uniform::new_inclusive(-bound, bound) {
             Ok(d) => (0..n).map(|_| d.sample(rng)).collect(),
@@ -22,7 +26,12 @@ fn init_values(spec: &ParamSpec, rng: &mut ChaCha8Rng) -> Vec<f64> {
     };
     match spec.init {
         Init::Zeros => vec![0.0; n],
-        Init::Normal { std } => (0..n).map(|_| { let z: f64 = StandardNormal.sample(rng); std * z }).collect(),
+        Init::Normal { std } => (0..n)
+            .map(|_| {
+                let z: f64 = StandardNormal.sample(rng);
+                std * z
+            })
+            .collect(),
         Init::Uniform { bound } => uniform(bound, rng),
         Init::LinearDefault => uniform(1.0 / fan_in.max(1.0).sqrt(), rng),
         Init::Xavier => uniform((6.0 / (fan_in + fan_out)).sqrt(), rng),
@@ -45,8 +54,13 @@ impl<T: Real> Params<T> {
             .iter()
             .enumerate()
             .map(|(i, spec)| {
-                let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(i as u64 + 1)));
-                let v = init_values(spec, &mut rng).into_iter().map(T::from_f64).collect();
+                let mut rng = ChaCha8Rng::seed_from_u64(
+                    seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(i as u64 + 1)),
+                );
+                let v = init_values(spec, &mut rng)
+                    .into_iter()
+                    .map(T::from_f64)
+                    .collect();
                 Tensor::from_vec(&spec.shape, v).unwrap_or_else(|_| Tensor::zeros(&spec.shape))
             })
             .collect();
@@ -56,11 +70,22 @@ impl<T: Real> Params<T> {
     /// Values given explicitly, checked against the model's shapes.
     pub fn from_tensors(model: &Model, values: Vec<Tensor<T>>) -> Result<Self> {
         if values.len() != model.params.len() {
-            return Err(CoreError::model(&model.name, format!("expected {} parameters, got {}", model.params.len(), values.len())));
+            return Err(CoreError::model(
+                &model.name,
+                format!(
+                    "expected {} parameters, got {}",
+                    model.params.len(),
+                    values.len()
+                ),
+            ));
         }
         for (spec, v) in model.params.iter().zip(&values) {
             if v.shape() != spec.shape.as_slice() {
-                return Err(CoreError::TensorShape { name: spec.name.clone(), expected: spec.shape.clone(), got: v.shape().to_vec() });
+                return Err(CoreError::TensorShape {
+                    name: spec.name.clone(),
+                    expected: spec.shape.clone(),
+                    got: v.shape().to_vec(),
+                });
             }
         }
         Ok(Params { values })
@@ -68,7 +93,9 @@ impl<T: Real> Params<T> {
 
     /// Converts the element type.
     pub fn cast<U: Real>(&self) -> Params<U> {
-        Params { values: self.values.iter().map(|t| t.cast()).collect() }
+        Params {
+            values: self.values.iter().map(|t| t.cast()).collect(),
+        }
     }
 }
 
@@ -89,9 +116,18 @@ pub struct Grads<T> {
 impl<T: Real> Grads<T> {
     /// Zero gradients shaped like `model`'s parameters.
     pub fn zeros(model: &Model) -> Self {
-        let values: Vec<Tensor<T>> = model.params.iter().map(|p| Tensor::zeros(&p.shape)).collect();
+        let values: Vec<Tensor<T>> = model
+            .params
+            .iter()
+            .map(|p| Tensor::zeros(&p.shape))
+            .collect();
         let n = values.len();
-        Grads { values, touched_rows: vec![Some(Vec::new()); n], row_marks: vec![Vec::new(); n], dense: vec![false; n] }
+        Grads {
+            values,
+            touched_rows: vec![Some(Vec::new()); n],
+            row_marks: vec![Vec::new(); n],
+            dense: vec![false; n],
+        }
     }
 
     /// Notes that parameter `p` received a dense gradient.
@@ -142,7 +178,9 @@ impl<T: Real> Grads<T> {
                 let w = self.row_width(p);
                 let data = self.values[p].data_mut();
                 for &r in rows {
-                    data[r as usize * w..(r as usize + 1) * w].iter_mut().for_each(|x| *x = T::ZERO);
+                    data[r as usize * w..(r as usize + 1) * w]
+                        .iter_mut()
+                        .for_each(|x| *x = T::ZERO);
                     self.row_marks[p][r as usize] = false;
                 }
             }
@@ -156,12 +194,21 @@ impl<T: Real> Grads<T> {
         let mut s = 0.0;
         for p in 0..self.values.len() {
             match &self.touched_rows[p] {
-                None => s += self.values[p].data().iter().map(|&x| x.to_f64() * x.to_f64()).sum::<f64>(),
+                None => {
+                    s += self.values[p]
+                        .data()
+                        .iter()
+                        .map(|&x| x.to_f64() * x.to_f64())
+                        .sum::<f64>()
+                }
                 Some(rows) => {
                     let w = self.row_width(p);
                     let d = self.values[p].data();
                     for &r in rows {
-                        s += d[r as usize * w..(r as usize + 1) * w].iter().map(|&x| x.to_f64() * x.to_f64()).sum::<f64>();
+                        s += d[r as usize * w..(r as usize + 1) * w]
+                            .iter()
+                            .map(|&x| x.to_f64() * x.to_f64())
+                            .sum::<f64>();
                     }
                 }
             }

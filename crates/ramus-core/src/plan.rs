@@ -32,7 +32,12 @@ pub struct ExecPlan {
 }
 
 /// Classifies `graph`'s op nodes; see the module docs.
-pub fn classify(graph: &Graph, is_dynamic: impl Fn(Source) -> bool, task_output: impl Fn(Role) -> bool, context: &str) -> Result<ExecPlan> {
+pub fn classify(
+    graph: &Graph,
+    is_dynamic: impl Fn(Source) -> bool,
+    task_output: impl Fn(Role) -> bool,
+    context: &str,
+) -> Result<ExecPlan> {
     let n = graph.nodes.len();
     let mut dynamic = vec![false; n];
     for (i, node) in graph.nodes.iter().enumerate() {
@@ -53,9 +58,14 @@ pub fn classify(graph: &Graph, is_dynamic: impl Fn(Source) -> bool, task_output:
             }
         }
     }
-    let mut plan = ExecPlan { phase: vec![None; n], ..Default::default() };
+    let mut plan = ExecPlan {
+        phase: vec![None; n],
+        ..Default::default()
+    };
     for (i, node) in graph.nodes.iter().enumerate() {
-        let NodeKind::Op(op) = &node.kind else { continue };
+        let NodeKind::Op(op) = &node.kind else {
+            continue;
+        };
         let phase = if !dynamic[i] {
             Phase::Eager
         } else if feeds_task[i] {

@@ -41,7 +41,10 @@ pub trait Real:
     /// `tanh` built on [`Real::exp_fast`] (f32 absolute error below 1e-7).
     fn tanh_fast(self) -> Self;
     /// Runs an op's CPU kernel for this element type.
-    fn run_kernel(kernel: &dyn crate::op::CpuKernel, ctx: &mut crate::op::KernelCtx<'_, Self>) -> crate::error::Result<()>;
+    fn run_kernel(
+        kernel: &dyn crate::op::CpuKernel,
+        ctx: &mut crate::op::KernelCtx<'_, Self>,
+    ) -> crate::error::Result<()>;
     /// `c = alpha * a * b + beta * c` on strided matrices (row stride, column stride).
     #[allow(clippy::too_many_arguments)]
     fn gemm(
@@ -130,8 +133,14 @@ macro_rules! impl_real {
                         ((rows - 1) as isize * rs + (cols - 1) as isize * cs) as usize
                     }
                 };
-                assert!(a.len() > last(m, k, rsa, csa) || k == 0, "gemm: A too short");
-                assert!(b.len() > last(k, n, rsb, csb) || k == 0, "gemm: B too short");
+                assert!(
+                    a.len() > last(m, k, rsa, csa) || k == 0,
+                    "gemm: A too short"
+                );
+                assert!(
+                    b.len() > last(k, n, rsb, csb) || k == 0,
+                    "gemm: B too short"
+                );
                 assert!(c.len() > last(m, n, rsc, 1), "gemm: C too short");
                 // SAFETY: the asserts above check that every element addressed
                 // through the given dimensions and strides lies inside the
@@ -159,8 +168,22 @@ macro_rules! impl_real {
     };
 }
 
-impl_real!(f32, "f32", matrixmultiply::sgemm, run_f32, exp_f32, tanh_f32);
-impl_real!(f64, "f64", matrixmultiply::dgemm, run_f64, f64::exp, f64::tanh);
+impl_real!(
+    f32,
+    "f32",
+    matrixmultiply::sgemm,
+    run_f32,
+    exp_f32,
+    tanh_f32
+);
+impl_real!(
+    f64,
+    "f64",
+    matrixmultiply::dgemm,
+    run_f64,
+    f64::exp,
+    f64::tanh
+);
 
 /// Logistic function `1 / (1 + exp(-x))`; branch-free, saturates cleanly.
 #[inline(always)]
@@ -183,7 +206,7 @@ fn exp_f32(x: f32) -> f32 {
     let p = p * r + 8.333_452e-3;
     let p = p * r + 4.166_579_6e-2;
     let p = p * r + 1.666_666_5e-1;
-    let p = p * r + 5.000_000_1e-1;
+    let p = p * r + 0.5;
     let y = p * r * r + r + 1.0;
     // scale by 2^n through the exponent bits (n in [-126, 128) after clamping)
     let bits = ((n as i32 + 127) as u32) << 23;
@@ -215,7 +238,19 @@ mod tests {
             }
         }
         let mut c = vec![1.0; m * n];
-        f64::gemm(m, k, n, 1.0, &a, (k as isize, 1), &b_t, (1, k as isize), 1.0, &mut c, n as isize);
+        f64::gemm(
+            m,
+            k,
+            n,
+            1.0,
+            &a,
+            (k as isize, 1),
+            &b_t,
+            (1, k as isize),
+            1.0,
+            &mut c,
+            n as isize,
+        );
         for i in 0..m {
             for j in 0..n {
                 let want: f64 = 1.0 + (0..k).map(|p| a[i * k + p] * b[p * n + j]).sum::<f64>();
@@ -230,7 +265,10 @@ mod tests {
         while x < 90.0 {
             let (e, want) = (exp_f32(x), (x as f64).exp());
             if want > 1e-37 && x <= 88.0 {
-                assert!(((e as f64 - want) / want).abs() < 3e-7, "exp({x}) = {e} vs {want}");
+                assert!(
+                    ((e as f64 - want) / want).abs() < 3e-7,
+                    "exp({x}) = {e} vs {want}"
+                );
             }
             let (t, want) = (tanh_f32(x), (x as f64).tanh());
             assert!((t as f64 - want).abs() < 2e-7, "tanh({x}) = {t} vs {want}");

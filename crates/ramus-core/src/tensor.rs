@@ -13,7 +13,10 @@ pub struct Tensor<T> {
 impl<T: Real> Tensor<T> {
     /// A tensor of zeros.
     pub fn zeros(shape: &[usize]) -> Self {
-        Tensor { shape: shape.to_vec(), data: vec![T::ZERO; shape.iter().product()] }
+        Tensor {
+            shape: shape.to_vec(),
+            data: vec![T::ZERO; shape.iter().product()],
+        }
     }
 
     /// Wraps `data`, checking it holds exactly `shape`'s element count.
@@ -26,7 +29,10 @@ impl<T: Real> Tensor<T> {
                 got: vec![data.len()],
             });
         }
-        Ok(Tensor { shape: shape.to_vec(), data })
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            data,
+        })
     }
 
     pub fn shape(&self) -> &[usize] {
@@ -55,12 +61,19 @@ impl<T: Real> Tensor<T> {
 
     /// Converts the element type (e.g. f32 weights to f64 for gradient checks).
     pub fn cast<U: Real>(&self) -> Tensor<U> {
-        Tensor { shape: self.shape.clone(), data: self.data.iter().map(|&x| U::from_f64(x.to_f64())).collect() }
+        Tensor {
+            shape: self.shape.clone(),
+            data: self.data.iter().map(|&x| U::from_f64(x.to_f64())).collect(),
+        }
     }
 
     /// Euclidean norm, accumulated in f64.
     pub fn norm(&self) -> f64 {
-        self.data.iter().map(|&x| x.to_f64() * x.to_f64()).sum::<f64>().sqrt()
+        self.data
+            .iter()
+            .map(|&x| x.to_f64() * x.to_f64())
+            .sum::<f64>()
+            .sqrt()
     }
 
     /// Largest absolute elementwise difference to `other` (shapes must match).
@@ -72,6 +85,11 @@ impl<T: Real> Tensor<T> {
                 got: other.shape.clone(),
             });
         }
-        Ok(self.data.iter().zip(&other.data).map(|(&a, &b)| (a - b).to_f64().abs()).fold(0.0, f64::max))
+        Ok(self
+            .data
+            .iter()
+            .zip(&other.data)
+            .map(|(&a, &b)| (a - b).to_f64().abs())
+            .fold(0.0, f64::max))
     }
 }

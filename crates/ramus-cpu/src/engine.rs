@@ -31,7 +31,9 @@ impl<'a> Batch<'a> {
     /// Schedules `graphs` for `model` under `policy`.
     pub fn new(model: &Model, graphs: Vec<&'a InputGraph>, policy: BatchingPolicy) -> Result<Self> {
         let selector = model.selector;
-        let schedule = Schedule::build(&graphs, policy, model.functions.len(), |k| selector.select(k))?;
+        let schedule = Schedule::build(&graphs, policy, model.functions.len(), |k| {
+            selector.select(k)
+        })?;
         Ok(Batch { graphs, schedule })
     }
     /// Number of graphs.
@@ -101,7 +103,9 @@ impl<T: Real> Arena<T> {
                 Space::Static => 1,
             };
             let len = count * node.ty.width();
-            if matches!(node.kind, NodeKind::Param(_)) || matches!(node.kind, NodeKind::Input(Source::Forward(_))) {
+            if matches!(node.kind, NodeKind::Param(_))
+                || matches!(node.kind, NodeKind::Input(Source::Forward(_)))
+            {
                 self.vals[n].clear();
                 self.idx[n].clear();
                 continue;
@@ -173,7 +177,13 @@ impl<T: Real> CpuEngine<T> {
     }
 
     /// Runs the forward pass over `batch`.
-    pub fn forward(&mut self, model: &Model, params: &Params<T>, batch: &Batch<'_>, mode: Mode) -> Result<ForwardOutput<T>> {
+    pub fn forward(
+        &mut self,
+        model: &Model,
+        params: &Params<T>,
+        batch: &Batch<'_>,
+        mode: Mode,
+    ) -> Result<ForwardOutput<T>> {
         self.forward_rows(model, params, batch, mode, model.head.rows)
     }
 
@@ -205,7 +215,10 @@ impl<T: Real> CpuEngine<T> {
             if let Some(pull) = func.forward.input_node(Source::Pull) {
                 let pw = func.forward.nodes[pull].ty.width();
                 let values = self.pull_values.as_ref().ok_or_else(|| {
-                    EngineError::Input(format!("vertex function `{}` pulls external inputs, but none were supplied", func.name))
+                    EngineError::Input(format!(
+                        "vertex function `{}` pulls external inputs, but none were supplied",
+                        func.name
+                    ))
                 })?;
                 if values.len() != s.num_vertices() * pw {
                     return Err(EngineError::Input(format!(
@@ -216,12 +229,26 @@ impl<T: Real> CpuEngine<T> {
                 }
                 for (r, &v) in rows.vertex.iter().enumerate() {
                     let v = v as usize;
-                    arena.vals[pull][r * pw..(r + 1) * pw].copy_from_slice(&values[v * pw..(v + 1) * pw]);
+                    arena.vals[pull][r * pw..(r + 1) * pw]
+                        .copy_from_slice(&values[v * pw..(v + 1) * pw]);
                 }
             }
-            let all = Range { r0: 0, r1: rows.rows(), e0: 0, e1: rows.edges() };
+            let all = Range {
+                r0: 0,
+                r1: rows.rows(),
+                e0: 0,
+                e1: rows.edges(),
+            };
             for &n in &func.forward_plan.eager {
-                run_node(&func.forward, n, arena, None, params, all, &rows.edge_parent)?;
+                run_node(
+                    &func.forward,
+                    n,
+                    arena,
+                    None,
+                    params,
+                    all,
+                    &rows.edge_parent,
+                )?;
             }
         }
         for task in &s.tasks {
@@ -242,7 +269,9 @@ impl<T: Real> CpuEngine<T> {
                         for r in range.r0..range.r1 {
                             let dst = &mut arena.vals[n][r * w..(r + 1) * w];
                             match rows.child(r, k) {
-                                Some(c) => dst.copy_from_slice(&self.state[c as usize * w..(c as usize + 1) * w]),
+                                Some(c) => dst.copy_from_slice(
+                                    &self.state[c as usize * w..(c as usize + 1) * w],
+                                ),
                                 None => dst.iter_mut().for_each(|x| *x = T::ZERO),
                             }
                         }
@@ -250,28 +279,55 @@ impl<T: Real> CpuEngine<T> {
                     NodeKind::Input(Source::GatherAll) => {
                         for e in range.e0..range.e1 {
                             let c = rows.edge_child[e] as usize;
-                            arena.vals[n][e * w..(e + 1) * w].copy_from_slice(&self.state[c * w..(c + 1) * w]);
+                            arena.vals[n][e * w..(e + 1) * w]
+                                .copy_from_slice(&self.state[c * w..(c + 1) * w]);
                         }
                     }
                     _ => {}
                 }
             }
-            local_edges(&mut self.edge_local, &rows.edge_parent[range.e0..range.e1], range.r0);
+            local_edges(
+                &mut self.edge_local,
+                &rows.edge_parent[range.e0..range.e1],
+                range.r0,
+            );
             for &n in &func.forward_plan.per_task {
-                run_node(&func.forward, n, arena, None, params, range, &self.edge_local)?;
+                run_node(
+                    &func.forward,
+                    n,
+                    arena,
+                    None,
+                    params,
+                    range,
+                    &self.edge_local,
+                )?;
             }
             // scatter: the task's rows are contiguous in both the dynamic
             // tensor and the state buffer, so this is one copy
             if let Some(sc) = func.scatter {
                 let src = &arena.vals[sc][range.r0 * w..range.r1 * w];
-                self.state[task.begin as usize * w..(task.begin + task.len) as usize * w].copy_from_slice(src);
+                self.state[task.begin as usize * w..(task.begin + task.len) as usize * w]
+                    .copy_from_slice(src);
             }
         }
         for (f, func) in model.functions.iter().enumerate() {
             let rows = &s.functions[f];
-            let all = Range { r0: 0, r1: rows.rows(), e0: 0, e1: rows.edges() };
+            let all = Range {
+                r0: 0,
+                r1: rows.rows(),
+                e0: 0,
+                e1: rows.edges(),
+            };
             for &n in &func.forward_plan.lazy {
-                run_node(&func.forward, n, &mut self.fwd[f], None, params, all, &rows.edge_parent)?;
+                run_node(
+                    &func.forward,
+                    n,
+                    &mut self.fwd[f],
+                    None,
+                    params,
+                    all,
+                    &rows.edge_parent,
+                )?;
             }
         }
         let out = self.run_head(model, params, s, mode, rows)?;
@@ -279,27 +335,45 @@ impl<T: Real> CpuEngine<T> {
         Ok(out)
     }
 
-    fn run_head(&mut self, model: &Model, params: &Params<T>, s: &Schedule, mode: Mode, rows: HeadRows) -> Result<ForwardOutput<T>> {
+    fn run_head(
+        &mut self,
+        model: &Model,
+        params: &Params<T>,
+        s: &Schedule,
+        mode: Mode,
+        rows: HeadRows,
+    ) -> Result<ForwardOutput<T>> {
         let head = &model.head;
         self.head_vertices.clear();
         match rows {
             HeadRows::Roots => self.head_vertices.extend_from_slice(&s.roots),
-            HeadRows::Labelled => {
-                self.head_vertices.extend(s.number.iter().copied().filter(|&v| s.labels[v as usize] != NO_LABEL))
-            }
+            HeadRows::Labelled => self.head_vertices.extend(
+                s.number
+                    .iter()
+                    .copied()
+                    .filter(|&v| s.labels[v as usize] != NO_LABEL),
+            ),
         }
         let h = self.head_vertices.len();
         if h == 0 {
-            return Err(EngineError::Input("the batch has no vertex for the head (no labelled vertex)".into()));
+            return Err(EngineError::Input(
+                "the batch has no vertex for the head (no labelled vertex)".into(),
+            ));
         }
         let g = &head.forward;
         self.head_fwd.prepare(g, h, 0);
         if let Some(inp) = g.input_node(Source::HeadInput) {
             let pw = g.nodes[inp].ty.width();
             for (i, &v) in self.head_vertices.iter().enumerate() {
-                let (f, r) = (s.vertex_function[v as usize] as usize, s.vertex_row[v as usize] as usize);
-                let push = model.functions[f].push.ok_or_else(|| EngineError::Input("no push".into()))?;
-                self.head_fwd.vals[inp][i * pw..(i + 1) * pw].copy_from_slice(&self.fwd[f].vals[push][r * pw..(r + 1) * pw]);
+                let (f, r) = (
+                    s.vertex_function[v as usize] as usize,
+                    s.vertex_row[v as usize] as usize,
+                );
+                let push = model.functions[f]
+                    .push
+                    .ok_or_else(|| EngineError::Input("no push".into()))?;
+                self.head_fwd.vals[inp][i * pw..(i + 1) * pw]
+                    .copy_from_slice(&self.fwd[f].vals[push][r * pw..(r + 1) * pw]);
             }
         }
         let needed = match (mode, head.logits) {
@@ -313,15 +387,22 @@ impl<T: Real> CpuEngine<T> {
                     let l = s.labels[v as usize];
                     if l < 0 {
                         let gi = s.graph[v as usize];
-                        return Err(EngineError::Input(format!("graph {gi} of the batch has a head vertex without a label")));
+                        return Err(EngineError::Input(format!(
+                            "graph {gi} of the batch has a head vertex without a label"
+                        )));
                     }
                     self.head_fwd.idx[lab][i] = l as u32;
                 }
             }
         }
-        let all = Range { r0: 0, r1: h, e0: 0, e1: 0 };
-        for n in 0..g.nodes.len() {
-            if needed[n] && matches!(g.nodes[n].kind, NodeKind::Op(_)) {
+        let all = Range {
+            r0: 0,
+            r1: h,
+            e0: 0,
+            e1: 0,
+        };
+        for (n, node) in g.nodes.iter().enumerate() {
+            if needed[n] && matches!(node.kind, NodeKind::Op(_)) {
                 run_node(g, n, &mut self.head_fwd, None, params, all, &[])?;
             }
         }
@@ -330,14 +411,27 @@ impl<T: Real> CpuEngine<T> {
             Some(l) => (self.head_fwd.vals[l].clone(), g.nodes[l].ty.width()),
             None => (Vec::new(), 0),
         };
-        Ok(ForwardOutput { loss, head_vertices: self.head_vertices.clone(), logits, classes })
+        Ok(ForwardOutput {
+            loss,
+            head_vertices: self.head_vertices.clone(),
+            logits,
+            classes,
+        })
     }
 
     /// Runs the backward pass for the last `forward(.., Mode::Train)` and
     /// adds the parameter gradients into `grads`.
-    pub fn backward(&mut self, model: &Model, params: &Params<T>, batch: &Batch<'_>, grads: &mut Grads<T>) -> Result<()> {
+    pub fn backward(
+        &mut self,
+        model: &Model,
+        params: &Params<T>,
+        batch: &Batch<'_>,
+        grads: &mut Grads<T>,
+    ) -> Result<()> {
         if !std::mem::take(&mut self.forward_done) {
-            return Err(EngineError::Input("backward needs a preceding forward pass in train mode".into()));
+            return Err(EngineError::Input(
+                "backward needs a preceding forward pass in train mode".into(),
+            ));
         }
         let s = &batch.schedule;
         let w = model.state_width;
@@ -346,14 +440,31 @@ impl<T: Real> CpuEngine<T> {
         let hb = &head.backward;
         let h = self.head_vertices.len();
         self.head_bwd.prepare(hb, h, 0);
-        let loss_output = head.forward.outputs.iter().position(|o| o.role == Role::Loss);
+        let loss_output = head
+            .forward
+            .outputs
+            .iter()
+            .position(|o| o.role == Role::Loss);
         if let Some(seed) = loss_output.and_then(|i| hb.input_node(Source::OutputGrad(i))) {
             self.head_bwd.vals[seed][0] = T::ONE;
         }
-        let all = Range { r0: 0, r1: h, e0: 0, e1: 0 };
+        let all = Range {
+            r0: 0,
+            r1: h,
+            e0: 0,
+            e1: 0,
+        };
         for n in 0..hb.nodes.len() {
             if matches!(hb.nodes[n].kind, NodeKind::Op(_)) {
-                run_node(hb, n, &mut self.head_bwd, Some(&self.head_fwd), params, all, &[])?;
+                run_node(
+                    hb,
+                    n,
+                    &mut self.head_bwd,
+                    Some(&self.head_fwd),
+                    params,
+                    all,
+                    &[],
+                )?;
             }
         }
         accumulate_param_grads(hb, &self.head_bwd, Some(&self.head_fwd), grads)?;
@@ -370,11 +481,23 @@ impl<T: Real> CpuEngine<T> {
             let pw = hb.nodes[out.node].ty.width();
             let src = resolve_floats(hb, out.node, &self.head_bwd, Some(&self.head_fwd))?;
             for (i, &v) in self.head_vertices.iter().enumerate() {
-                let (f, r) = (s.vertex_function[v as usize] as usize, s.vertex_row[v as usize] as usize);
+                let (f, r) = (
+                    s.vertex_function[v as usize] as usize,
+                    s.vertex_row[v as usize] as usize,
+                );
                 let func = &model.functions[f];
-                let push_out = func.forward.outputs.iter().position(|o| o.role == Role::Push);
-                if let Some(pg) = push_out.and_then(|i| func.backward.input_node(Source::OutputGrad(i))) {
-                    for (d, &x) in self.bwd[f].vals[pg][r * pw..(r + 1) * pw].iter_mut().zip(&src[i * pw..(i + 1) * pw]) {
+                let push_out = func
+                    .forward
+                    .outputs
+                    .iter()
+                    .position(|o| o.role == Role::Push);
+                if let Some(pg) =
+                    push_out.and_then(|i| func.backward.input_node(Source::OutputGrad(i)))
+                {
+                    for (d, &x) in self.bwd[f].vals[pg][r * pw..(r + 1) * pw]
+                        .iter_mut()
+                        .zip(&src[i * pw..(i + 1) * pw])
+                    {
                         *d += x;
                     }
                 }
@@ -384,9 +507,22 @@ impl<T: Real> CpuEngine<T> {
         self.state_grad.resize(s.num_vertices() * w, T::ZERO);
         for (f, func) in model.functions.iter().enumerate() {
             let rows = &s.functions[f];
-            let all = Range { r0: 0, r1: rows.rows(), e0: 0, e1: rows.edges() };
+            let all = Range {
+                r0: 0,
+                r1: rows.rows(),
+                e0: 0,
+                e1: rows.edges(),
+            };
             for &n in &func.backward_plan.eager {
-                run_node(&func.backward, n, &mut self.bwd[f], Some(&self.fwd[f]), params, all, &rows.edge_parent)?;
+                run_node(
+                    &func.backward,
+                    n,
+                    &mut self.bwd[f],
+                    Some(&self.fwd[f]),
+                    params,
+                    all,
+                    &rows.edge_parent,
+                )?;
             }
         }
         for task in s.tasks.iter().rev() {
@@ -399,22 +535,47 @@ impl<T: Real> CpuEngine<T> {
                 e0: task.edge_offset as usize,
                 e1: (task.edge_offset + task.edge_len) as usize,
             };
-            let scatter_out = func.forward.outputs.iter().position(|o| o.role == Role::Scatter);
-            if let Some(sg) = scatter_out.and_then(|i| func.backward.input_node(Source::OutputGrad(i))) {
-                let src = &self.state_grad[task.begin as usize * w..(task.begin + task.len) as usize * w];
+            let scatter_out = func
+                .forward
+                .outputs
+                .iter()
+                .position(|o| o.role == Role::Scatter);
+            if let Some(sg) =
+                scatter_out.and_then(|i| func.backward.input_node(Source::OutputGrad(i)))
+            {
+                let src =
+                    &self.state_grad[task.begin as usize * w..(task.begin + task.len) as usize * w];
                 self.bwd[f].vals[sg][range.r0 * w..range.r1 * w].copy_from_slice(src);
             }
-            local_edges(&mut self.edge_local, &rows.edge_parent[range.e0..range.e1], range.r0);
+            local_edges(
+                &mut self.edge_local,
+                &rows.edge_parent[range.e0..range.e1],
+                range.r0,
+            );
             for &n in &func.backward_plan.per_task {
-                run_node(&func.backward, n, &mut self.bwd[f], Some(&self.fwd[f]), params, range, &self.edge_local)?;
+                run_node(
+                    &func.backward,
+                    n,
+                    &mut self.bwd[f],
+                    Some(&self.fwd[f]),
+                    params,
+                    range,
+                    &self.edge_local,
+                )?;
             }
             for o in &func.backward.outputs {
                 match o.role {
                     Role::ChildGrad(k) => {
-                        let src = resolve_floats(&func.backward, o.node, &self.bwd[f], Some(&self.fwd[f]))?;
+                        let src = resolve_floats(
+                            &func.backward,
+                            o.node,
+                            &self.bwd[f],
+                            Some(&self.fwd[f]),
+                        )?;
                         for r in range.r0..range.r1 {
                             if let Some(c) = rows.child(r, k) {
-                                let dst = &mut self.state_grad[c as usize * w..(c as usize + 1) * w];
+                                let dst =
+                                    &mut self.state_grad[c as usize * w..(c as usize + 1) * w];
                                 for (d, &x) in dst.iter_mut().zip(&src[r * w..(r + 1) * w]) {
                                     *d += x;
                                 }
@@ -422,10 +583,18 @@ impl<T: Real> CpuEngine<T> {
                         }
                     }
                     Role::ChildGradAll => {
-                        let src = resolve_floats(&func.backward, o.node, &self.bwd[f], Some(&self.fwd[f]))?;
+                        let src = resolve_floats(
+                            &func.backward,
+                            o.node,
+                            &self.bwd[f],
+                            Some(&self.fwd[f]),
+                        )?;
                         for e in range.e0..range.e1 {
                             let c = rows.edge_child[e] as usize;
-                            for (d, &x) in self.state_grad[c * w..(c + 1) * w].iter_mut().zip(&src[e * w..(e + 1) * w]) {
+                            for (d, &x) in self.state_grad[c * w..(c + 1) * w]
+                                .iter_mut()
+                                .zip(&src[e * w..(e + 1) * w])
+                            {
                                 *d += x;
                             }
                         }
@@ -437,14 +606,32 @@ impl<T: Real> CpuEngine<T> {
         self.pull_grads.resize_with(model.functions.len(), Vec::new);
         for (f, func) in model.functions.iter().enumerate() {
             let rows = &s.functions[f];
-            let all = Range { r0: 0, r1: rows.rows(), e0: 0, e1: rows.edges() };
+            let all = Range {
+                r0: 0,
+                r1: rows.rows(),
+                e0: 0,
+                e1: rows.edges(),
+            };
             for &n in &func.backward_plan.lazy {
-                run_node(&func.backward, n, &mut self.bwd[f], Some(&self.fwd[f]), params, all, &rows.edge_parent)?;
+                run_node(
+                    &func.backward,
+                    n,
+                    &mut self.bwd[f],
+                    Some(&self.fwd[f]),
+                    params,
+                    all,
+                    &rows.edge_parent,
+                )?;
             }
             accumulate_param_grads(&func.backward, &self.bwd[f], Some(&self.fwd[f]), grads)?;
             self.pull_grads[f].clear();
             if let Some(o) = func.backward.output(Role::PullGrad) {
-                self.pull_grads[f].extend_from_slice(resolve_floats(&func.backward, o.node, &self.bwd[f], Some(&self.fwd[f]))?);
+                self.pull_grads[f].extend_from_slice(resolve_floats(
+                    &func.backward,
+                    o.node,
+                    &self.bwd[f],
+                    Some(&self.fwd[f]),
+                )?);
             }
         }
         grads.finish_rows();
@@ -475,20 +662,34 @@ fn ancestors(g: &Graph, roots: &[NodeId]) -> Vec<bool> {
 }
 
 /// The float buffer holding node `n`'s value (following `Forward` references).
-fn resolve_floats<'a, T: Real>(g: &Graph, n: NodeId, own: &'a Arena<T>, fwd: Option<&'a Arena<T>>) -> Result<&'a [T]> {
+fn resolve_floats<'a, T: Real>(
+    g: &Graph,
+    n: NodeId,
+    own: &'a Arena<T>,
+    fwd: Option<&'a Arena<T>>,
+) -> Result<&'a [T]> {
     match g.nodes[n].kind {
-        NodeKind::Input(Source::Forward(m)) => {
-            Ok(&fwd.ok_or_else(|| EngineError::Input("forward value requested outside a backward graph".into()))?.vals[m])
-        }
+        NodeKind::Input(Source::Forward(m)) => Ok(&fwd
+            .ok_or_else(|| {
+                EngineError::Input("forward value requested outside a backward graph".into())
+            })?
+            .vals[m]),
         _ => Ok(&own.vals[n]),
     }
 }
 
-fn resolve_indices<'a, T: Real>(g: &Graph, n: NodeId, own: &'a Arena<T>, fwd: Option<&'a Arena<T>>) -> Result<&'a [u32]> {
+fn resolve_indices<'a, T: Real>(
+    g: &Graph,
+    n: NodeId,
+    own: &'a Arena<T>,
+    fwd: Option<&'a Arena<T>>,
+) -> Result<&'a [u32]> {
     match g.nodes[n].kind {
-        NodeKind::Input(Source::Forward(m)) => {
-            Ok(&fwd.ok_or_else(|| EngineError::Input("forward value requested outside a backward graph".into()))?.idx[m])
-        }
+        NodeKind::Input(Source::Forward(m)) => Ok(&fwd
+            .ok_or_else(|| {
+                EngineError::Input("forward value requested outside a backward graph".into())
+            })?
+            .idx[m]),
         _ => Ok(&own.idx[n]),
     }
 }
@@ -504,7 +705,9 @@ fn run_node<T: Real>(
     edge_parent: &[u32],
 ) -> Result<()> {
     let node = &g.nodes[n];
-    let NodeKind::Op(op) = &node.kind else { return Ok(()) };
+    let NodeKind::Op(op) = &node.kind else {
+        return Ok(());
+    };
     let mut out = std::mem::take(&mut own.vals[n]);
     let result = (|| {
         let mut args: Vec<Arg<'_, T>> = Vec::with_capacity(node.inputs.len());
@@ -518,10 +721,18 @@ fn run_node<T: Real>(
             let wdt = ty.width();
             let data = match (&g.nodes[i].kind, ty.dtype) {
                 (NodeKind::Param(p), _) => ArgData::Float(params.values[*p].data()),
-                (_, DType::Float) => ArgData::Float(&resolve_floats(g, i, own, fwd)?[lo * wdt..hi * wdt]),
-                (_, DType::Index) => ArgData::Index(&resolve_indices(g, i, own, fwd)?[lo * wdt..hi * wdt]),
+                (_, DType::Float) => {
+                    ArgData::Float(&resolve_floats(g, i, own, fwd)?[lo * wdt..hi * wdt])
+                }
+                (_, DType::Index) => {
+                    ArgData::Index(&resolve_indices(g, i, own, fwd)?[lo * wdt..hi * wdt])
+                }
             };
-            args.push(Arg { ty, rows: hi - lo, data });
+            args.push(Arg {
+                ty,
+                rows: hi - lo,
+                data,
+            });
         }
         let (lo, hi) = match node.ty.space {
             Space::Vertex => (range.r0, range.r1),
@@ -541,14 +752,22 @@ fn run_node<T: Real>(
     own.vals[n] = out;
     result.map_err(|e| match e {
         EngineError::Core(CoreError::Kernel { op, message }) => {
-            EngineError::Core(CoreError::Kernel { op, message: format!("{message} (node %{n})") })
+            EngineError::Core(CoreError::Kernel {
+                op,
+                message: format!("{message} (node %{n})"),
+            })
         }
         e => e,
     })
 }
 
 /// Adds the graph's parameter-gradient outputs into `grads`.
-fn accumulate_param_grads<T: Real>(g: &Graph, own: &Arena<T>, fwd: Option<&Arena<T>>, grads: &mut Grads<T>) -> Result<()> {
+fn accumulate_param_grads<T: Real>(
+    g: &Graph,
+    own: &Arena<T>,
+    fwd: Option<&Arena<T>>,
+    grads: &mut Grads<T>,
+) -> Result<()> {
     for o in &g.outputs {
         match o.role {
             Role::ParamGrad(p) => {
@@ -565,10 +784,13 @@ fn accumulate_param_grads<T: Real>(g: &Graph, own: &Arena<T>, fwd: Option<&Arena
                 let rows = grads.values[p].shape().first().copied().unwrap_or(0);
                 for (r, &i) in index.iter().enumerate() {
                     if i as usize >= rows {
-                        return Err(EngineError::Input(format!("row index {i} out of range for a parameter of {rows} rows")));
+                        return Err(EngineError::Input(format!(
+                            "row index {i} out of range for a parameter of {rows} rows"
+                        )));
                     }
                     grads.mark_row(p, i);
-                    let dst = &mut grads.values[p].data_mut()[i as usize * width..(i as usize + 1) * width];
+                    let dst = &mut grads.values[p].data_mut()
+                        [i as usize * width..(i as usize + 1) * width];
                     for (d, &x) in dst.iter_mut().zip(&values[r * width..(r + 1) * width]) {
                         *d += x;
                     }

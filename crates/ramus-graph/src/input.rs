@@ -26,12 +26,20 @@ pub struct InputGraph {
 impl InputGraph {
     /// An empty graph, to be filled with [`InputGraph::push_vertex`].
     pub fn new() -> Self {
-        InputGraph { child_offsets: vec![0], ..Default::default() }
+        InputGraph {
+            child_offsets: vec![0],
+            ..Default::default()
+        }
     }
 
     /// Appends a vertex whose children are `children` (ids of vertices added
     /// before it) and returns its id.
-    pub fn push_vertex(&mut self, children: &[u32], token: u32, label: i32) -> Result<u32, GraphError> {
+    pub fn push_vertex(
+        &mut self,
+        children: &[u32],
+        token: u32,
+        label: i32,
+    ) -> Result<u32, GraphError> {
         let id = self.tokens.len() as u32;
         if let Some(&bad) = children.iter().find(|&&c| c >= id) {
             return Err(GraphError::Structure(format!(
@@ -92,14 +100,21 @@ impl InputGraph {
         for &c in &self.children {
             has_parent[c as usize] = true;
         }
-        (0..self.len() as u32).filter(|&v| !has_parent[v as usize]).collect()
+        (0..self.len() as u32)
+            .filter(|&v| !has_parent[v as usize])
+            .collect()
     }
 
     /// Height of every vertex: 0 for leaves, else 1 + the largest child height.
     pub fn heights(&self) -> Vec<u32> {
         let mut h = vec![0u32; self.len()];
         for v in 0..self.len() {
-            h[v] = self.children(v).iter().map(|&c| h[c as usize] + 1).max().unwrap_or(0);
+            h[v] = self
+                .children(v)
+                .iter()
+                .map(|&c| h[c as usize] + 1)
+                .max()
+                .unwrap_or(0);
         }
         h
     }

@@ -21,7 +21,12 @@ use std::path::PathBuf;
 pub enum GraphError {
     /// Malformed text, with the place it was found.
     #[error("{file}:{line}:{column}: {message}")]
-    Parse { file: String, line: usize, column: usize, message: String },
+    Parse {
+        file: String,
+        line: usize,
+        column: usize,
+        message: String,
+    },
     /// A structural problem (bad child id, mismatched lengths).
     #[error("invalid graph: {0}")]
     Structure(String),
@@ -30,5 +35,8 @@ pub enum GraphError {
     Schedule(String),
     /// A file that could not be read.
     #[error("cannot read {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }

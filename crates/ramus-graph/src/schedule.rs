@@ -35,7 +35,9 @@ impl std::str::FromStr for BatchingPolicy {
         match s {
             "cavs" => Ok(BatchingPolicy::Cavs),
             "agenda" => Ok(BatchingPolicy::Agenda),
-            _ => Err(format!("unknown batching policy `{s}` (expected cavs or agenda)")),
+            _ => Err(format!(
+                "unknown batching policy `{s}` (expected cavs or agenda)"
+            )),
         }
     }
 }
@@ -77,7 +79,10 @@ impl FunctionRows {
     }
     /// The vertex number of child `k` of row `r`, if it has one.
     pub fn child(&self, r: usize, k: usize) -> Option<u32> {
-        let (a, b) = (self.edge_offsets[r] as usize, self.edge_offsets[r + 1] as usize);
+        let (a, b) = (
+            self.edge_offsets[r] as usize,
+            self.edge_offsets[r + 1] as usize,
+        );
         (k < b - a).then(|| self.edge_child[a + k])
     }
 }
@@ -130,7 +135,9 @@ impl Schedule {
         let mut graph_offsets = vec![0u32];
         for (i, g) in graphs.iter().enumerate() {
             if g.is_empty() {
-                return Err(GraphError::Schedule(format!("graph {i} of the batch has no vertex")));
+                return Err(GraphError::Schedule(format!(
+                    "graph {i} of the batch has no vertex"
+                )));
             }
             graph_offsets.push(graph_offsets[i] + g.len() as u32);
         }
@@ -161,7 +168,8 @@ impl Schedule {
                 function[id] = f as u32;
             }
         }
-        let kids_of = |id: usize| &children[child_offsets[id] as usize..child_offsets[id + 1] as usize];
+        let kids_of =
+            |id: usize| &children[child_offsets[id] as usize..child_offsets[id + 1] as usize];
         let groups = match policy {
             BatchingPolicy::Cavs => levels(n, &height, &function, num_functions),
             BatchingPolicy::Agenda => agenda(n, &kids_of, &height, &function, num_functions),
@@ -170,7 +178,10 @@ impl Schedule {
         let mut number = vec![0u32; n];
         let mut tasks = Vec::with_capacity(groups.len());
         let mut functions = vec![
-            FunctionRows { edge_offsets: vec![0], ..Default::default() };
+            FunctionRows {
+                edge_offsets: vec![0],
+                ..Default::default()
+            };
             num_functions
         ];
         let mut done = 0usize;
@@ -233,14 +244,20 @@ impl Schedule {
                     s.first_leaf = s.first_leaf.min(num as u32);
                 }
             }
-            s.roots.extend(g.roots().into_iter().map(|r| s.number[base + r as usize]));
+            s.roots
+                .extend(g.roots().into_iter().map(|r| s.number[base + r as usize]));
         }
         Ok(s)
     }
 }
 
 /// Cavs policy: tasks are (height, function) buckets in height order.
-fn levels(n: usize, height: &[u32], function: &[u32], num_functions: usize) -> Vec<(usize, Vec<u32>)> {
+fn levels(
+    n: usize,
+    height: &[u32],
+    function: &[u32],
+    num_functions: usize,
+) -> Vec<(usize, Vec<u32>)> {
     let max_h = height.iter().copied().max().unwrap_or(0) as usize;
     let mut buckets = vec![Vec::new(); (max_h + 1) * num_functions];
     for v in 0..n {
@@ -277,10 +294,18 @@ fn agenda<'a>(
     }
     let mut groups = Vec::new();
     loop {
-        let best = (0..num_functions).filter(|&f| !ready[f].is_empty()).min_by(|&a, &b| {
-            let avg = |f: usize| ready[f].iter().map(|&v| height[v as usize] as f64).sum::<f64>() / ready[f].len() as f64;
-            avg(a).total_cmp(&avg(b))
-        });
+        let best = (0..num_functions)
+            .filter(|&f| !ready[f].is_empty())
+            .min_by(|&a, &b| {
+                let avg = |f: usize| {
+                    ready[f]
+                        .iter()
+                        .map(|&v| height[v as usize] as f64)
+                        .sum::<f64>()
+                        / ready[f].len() as f64
+                };
+                avg(a).total_cmp(&avg(b))
+            });
         let Some(f) = best else { break };
         let mut members = std::mem::take(&mut ready[f]);
         members.sort_unstable();
@@ -333,7 +358,11 @@ mod tests {
         let mut seen = vec![false; n];
         let mut top = n as u32;
         for t in &s.tasks {
-            assert_eq!(t.begin + t.len, top, "tasks are contiguous blocks from the top");
+            assert_eq!(
+                t.begin + t.len,
+                top,
+                "tasks are contiguous blocks from the top"
+            );
             top = t.begin;
             for v in t.begin..t.begin + t.len {
                 assert!(!std::mem::replace(&mut seen[v as usize], true));
@@ -383,7 +412,10 @@ mod tests {
         let graphs = [&a, &b];
         let s = Schedule::build(&graphs, BatchingPolicy::Agenda, 2, leaf_internal).unwrap();
         check_invariants(&s, &graphs);
-        assert_eq!(s.tasks.iter().map(|t| t.len as usize).sum::<usize>(), a.len() + b.len());
+        assert_eq!(
+            s.tasks.iter().map(|t| t.len as usize).sum::<usize>(),
+            a.len() + b.len()
+        );
     }
 
     #[test]

@@ -27,7 +27,11 @@ pub struct CheckpointInfo {
 
 /// Writes `params` of `model` with `vocab` to `path`.
 pub fn save(path: &Path, model: &Model, params: &Params<f32>, vocab: &Vocab) -> Result<()> {
-    let bytes: Vec<Vec<u8>> = params.values.iter().map(|t| t.data().iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
+    let bytes: Vec<Vec<u8>> = params
+        .values
+        .iter()
+        .map(|t| t.data().iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
     let mut views = Vec::new();
     for ((spec, t), b) in model.params.iter().zip(&params.values).zip(&bytes) {
         let view = TensorView::new(Dtype::F32, t.shape().to_vec(), b)
@@ -36,22 +40,49 @@ pub fn save(path: &Path, model: &Model, params: &Params<f32>, vocab: &Vocab) -> 
     }
     let mut meta = HashMap::new();
     meta.insert(KEY_MODEL.to_string(), model.name.clone());
-    meta.insert(KEY_SETTINGS.to_string(), serde_json::to_string(&model.settings).map_err(|e| NnError::Checkpoint(e.to_string()))?);
+    meta.insert(
+        KEY_SETTINGS.to_string(),
+        serde_json::to_string(&model.settings).map_err(|e| NnError::Checkpoint(e.to_string()))?,
+    );
     meta.insert(KEY_VOCAB.to_string(), vocab.to_json());
-    let data = safetensors::serialize(views, Some(meta)).map_err(|e| NnError::Checkpoint(e.to_string()))?;
-    std::fs::write(path, data).map_err(|e| NnError::Io { path: path.to_path_buf(), source: e })
+    let data = safetensors::serialize(views, Some(meta))
+        .map_err(|e| NnError::Checkpoint(e.to_string()))?;
+    std::fs::write(path, data).map_err(|e| NnError::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })
 }
 
 /// Reads the metadata of the checkpoint at `path`.
 pub fn read_info(path: &Path) -> Result<(CheckpointInfo, Vec<u8>)> {
-    let data = std::fs::read(path).map_err(|e| NnError::Io { path: path.to_path_buf(), source: e })?;
+    let data = std::fs::read(path).map_err(|e| NnError::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
     let bad = |m: String| NnError::Checkpoint(format!("{}: {m}", path.display()));
-    let (_, header) = safetensors::SafeTensors::read_metadata(&data).map_err(|e| bad(format!("not a safetensors file ({e})")))?;
-    let meta = header.metadata().clone().ok_or_else(|| bad("no Ramus metadata".into()))?;
-    let get = |k: &str| meta.get(k).cloned().ok_or_else(|| bad(format!("metadata lacks `{k}`")));
-    let settings = serde_json::from_str(&get(KEY_SETTINGS)?).map_err(|e| bad(format!("bad settings: {e}")))?;
-    let vocab = Vocab::from_json(&get(KEY_VOCAB)?).map_err(|e| bad(format!("bad vocabulary: {e}")))?;
-    Ok((CheckpointInfo { model: get(KEY_MODEL)?, settings, vocab }, data))
+    let (_, header) = safetensors::SafeTensors::read_metadata(&data)
+        .map_err(|e| bad(format!("not a safetensors file ({e})")))?;
+    let meta = header
+        .metadata()
+        .clone()
+        .ok_or_else(|| bad("no Ramus metadata".into()))?;
+    let get = |k: &str| {
+        meta.get(k)
+            .cloned()
+            .ok_or_else(|| bad(format!("metadata lacks `{k}`")))
+    };
+    let settings =
+        serde_json::from_str(&get(KEY_SETTINGS)?).map_err(|e| bad(format!("bad settings: {e}")))?;
+    let vocab =
+        Vocab::from_json(&get(KEY_VOCAB)?).map_err(|e| bad(format!("bad vocabulary: {e}")))?;
+    Ok((
+        CheckpointInfo {
+            model: get(KEY_MODEL)?,
+            settings,
+            vocab,
+        },
+        data,
+    ))
 }
 
 /// Loads parameters for `model` from checkpoint bytes, checking names and shapes.
@@ -60,14 +91,32 @@ pub fn load_params(path: &Path, data: &[u8], model: &Model) -> Result<Params<f32
     let st = safetensors::SafeTensors::deserialize(data).map_err(|e| bad(e.to_string()))?;
     let mut values = Vec::new();
     for spec in &model.params {
-        let t = st.tensor(&spec.name).map_err(|_| bad(format!("missing tensor `{}` of model `{}`", spec.name, model.name)))?;
+        let t = st.tensor(&spec.name).map_err(|_| {
+            bad(format!(
+                "missing tensor `{}` of model `{}`",
+                spec.name, model.name
+            ))
+        })?;
         if t.dtype() != Dtype::F32 {
-            return Err(bad(format!("tensor `{}` has dtype {:?}, expected F32", spec.name, t.dtype())));
+            return Err(bad(format!(
+                "tensor `{}` has dtype {:?}, expected F32",
+                spec.name,
+                t.dtype()
+            )));
         }
         if t.shape() != spec.shape.as_slice() {
-            return Err(bad(format!("tensor `{}` has shape {:?}, model expects {:?}", spec.name, t.shape(), spec.shape)));
+            return Err(bad(format!(
+                "tensor `{}` has shape {:?}, model expects {:?}",
+                spec.name,
+                t.shape(),
+                spec.shape
+            )));
         }
-        let v: Vec<f32> = t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        let v: Vec<f32> = t
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
         values.push(Tensor::from_vec(&spec.shape, v)?);
     }
     Ok(Params::from_tensors(model, values)?)

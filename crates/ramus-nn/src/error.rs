@@ -13,7 +13,10 @@ pub enum NnError {
     #[error("checkpoint: {0}")]
     Checkpoint(String),
     #[error("cannot access {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{0}")]
     Config(String),
 }

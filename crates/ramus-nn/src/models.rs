@@ -7,7 +7,9 @@
 //! * `treefc` — TF Fold's Tree-FC benchmark cell `h = tanh(W [h_l; h_r] + b)`;
 //! * `lstm-lm` — an LSTM language model over sentences as chains.
 
-use ramus_core::model::{FunctionSelector, HeadBuilder, HeadRows, Init, ModelBuilder, VertexFnBuilder};
+use ramus_core::model::{
+    FunctionSelector, HeadBuilder, HeadRows, Init, ModelBuilder, VertexFnBuilder,
+};
 use ramus_core::{Model, Result, Sym};
 
 /// What kind of data a model reads.
@@ -57,14 +59,20 @@ pub fn build_model(name: &str, cfg: &ModelConfig) -> Result<Model> {
     }?;
     model.settings.insert("model".into(), name.into());
     model.settings.insert("vocab".into(), cfg.vocab.to_string());
-    model.settings.insert("hidden".into(), cfg.hidden.to_string());
-    model.settings.insert("classes".into(), cfg.classes.to_string());
+    model
+        .settings
+        .insert("hidden".into(), cfg.hidden.to_string());
+    model
+        .settings
+        .insert("classes".into(), cfg.classes.to_string());
     Ok(model)
 }
 
 /// PyTorch's `nn.Linear` bias initialiser for `fan_in` inputs.
 fn linear_bias(fan_in: usize) -> Init {
-    Init::Uniform { bound: 1.0 / (fan_in as f64).sqrt() }
+    Init::Uniform {
+        bound: 1.0 / (fan_in as f64).sqrt(),
+    }
 }
 
 /// `i, o, u` gates from a `[3H]` pre-activation: `c = σ(i)·tanh(u) (+ extra)`,

@@ -20,7 +20,9 @@ impl std::str::FromStr for OptimizerKind {
             "sgd" => Ok(OptimizerKind::Sgd),
             "adagrad" => Ok(OptimizerKind::Adagrad),
             "adam" => Ok(OptimizerKind::Adam),
-            _ => Err(format!("unknown optimizer `{s}` (expected sgd, adagrad or adam)")),
+            _ => Err(format!(
+                "unknown optimizer `{s}` (expected sgd, adagrad or adam)"
+            )),
         }
     }
 }
@@ -42,8 +44,20 @@ pub struct OptimizerConfig {
 impl OptimizerConfig {
     /// Defaults for `kind` at learning rate `lr`.
     pub fn new(kind: OptimizerKind, lr: f64) -> Self {
-        let eps = if kind == OptimizerKind::Adagrad { 1e-10 } else { 1e-8 };
-        OptimizerConfig { kind, lr, weight_decay: 0.0, clip_norm: None, beta1: 0.9, beta2: 0.999, eps }
+        let eps = if kind == OptimizerKind::Adagrad {
+            1e-10
+        } else {
+            1e-8
+        };
+        OptimizerConfig {
+            kind,
+            lr,
+            weight_decay: 0.0,
+            clip_norm: None,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps,
+        }
     }
 }
 
@@ -59,7 +73,17 @@ impl<T: Real> Optimizer<T> {
     /// Fresh state for `params`.
     pub fn new(config: OptimizerConfig, params: &Params<T>) -> Self {
         let zeros = |used: bool| -> Vec<Tensor<T>> {
-            params.values.iter().map(|p| if used { Tensor::zeros(p.shape()) } else { Tensor::zeros(&[0]) }).collect()
+            params
+                .values
+                .iter()
+                .map(|p| {
+                    if used {
+                        Tensor::zeros(p.shape())
+                    } else {
+                        Tensor::zeros(&[0])
+                    }
+                })
+                .collect()
         };
         Optimizer {
             first: zeros(config.kind == OptimizerKind::Adam),
@@ -87,13 +111,20 @@ impl<T: Real> Optimizer<T> {
         let (bc1, bc2) = (1.0 - c.beta1.powf(t), 1.0 - c.beta2.powf(t));
         let lr = T::from_f64(c.lr);
         let (clip, wd) = (T::from_f64(clip), T::from_f64(c.weight_decay));
-        let (b1, b2, eps) = (T::from_f64(c.beta1), T::from_f64(c.beta2), T::from_f64(c.eps));
+        let (b1, b2, eps) = (
+            T::from_f64(c.beta1),
+            T::from_f64(c.beta2),
+            T::from_f64(c.eps),
+        );
         let (inv_bc1, inv_bc2) = (T::from_f64(1.0 / bc1), T::from_f64(1.0 / bc2));
         for p in 0..params.values.len() {
             let width = grads.row_width(p);
             let ranges: Vec<(usize, usize)> = match &grads.touched_rows[p] {
                 None => vec![(0, params.values[p].len())],
-                Some(rows) => rows.iter().map(|&r| (r as usize * width, (r as usize + 1) * width)).collect(),
+                Some(rows) => rows
+                    .iter()
+                    .map(|&r| (r as usize * width, (r as usize + 1) * width))
+                    .collect(),
             };
             let (pv, gv) = (params.values[p].data_mut(), grads.values[p].data());
             for (a, b) in ranges {
@@ -114,7 +145,12 @@ impl<T: Real> Optimizer<T> {
                     }
                     OptimizerKind::Adam => {
                         let (m, v) = (self.first[p].data_mut(), self.second[p].data_mut());
-                        for (((w, &g), m), v) in pv[a..b].iter_mut().zip(&gv[a..b]).zip(&mut m[a..b]).zip(&mut v[a..b]) {
+                        for (((w, &g), m), v) in pv[a..b]
+                            .iter_mut()
+                            .zip(&gv[a..b])
+                            .zip(&mut m[a..b])
+                            .zip(&mut v[a..b])
+                        {
                             let g = g * clip;
                             *m = b1 * *m + (T::ONE - b1) * g;
                             *v = b2 * *v + (T::ONE - b2) * g * g;

@@ -37,17 +37,28 @@ impl<T: Real> Trainer<T> {
     pub fn new(model: Model, params: Params<T>, config: OptimizerConfig) -> Self {
         let grads = Grads::zeros(&model);
         let optimizer = Optimizer::new(config, &params);
-        Trainer { model, params, grads, optimizer, engine: CpuEngine::new(), policy: BatchingPolicy::Cavs }
+        Trainer {
+            model,
+            params,
+            grads,
+            optimizer,
+            engine: CpuEngine::new(),
+            policy: BatchingPolicy::Cavs,
+        }
     }
 
     /// Forward, backward and one optimizer step on `graphs`; returns the loss.
     pub fn train_batch(&mut self, graphs: &[&InputGraph]) -> Result<f64> {
         let batch = Batch::new(&self.model, graphs.to_vec(), self.policy)?;
-        let out = self.engine.forward(&self.model, &self.params, &batch, Mode::Train)?;
+        let out = self
+            .engine
+            .forward(&self.model, &self.params, &batch, Mode::Train)?;
         self.grads.clear();
-        self.engine.backward(&self.model, &self.params, &batch, &mut self.grads)?;
+        self.engine
+            .backward(&self.model, &self.params, &batch, &mut self.grads)?;
         self.optimizer.step(&mut self.params, &self.grads);
-        out.loss.ok_or_else(|| NnError::Config("forward pass returned no loss".into()))
+        out.loss
+            .ok_or_else(|| NnError::Config("forward pass returned no loss".into()))
     }
 
     /// One epoch over `data` in shuffled batches; `progress(batches_done,
@@ -77,7 +88,14 @@ impl<T: Real> Trainer<T> {
 
     /// Loss, root accuracy and all-node accuracy over `data`.
     pub fn evaluate(&mut self, data: &[InputGraph], batch_size: usize) -> Result<EvalResult> {
-        evaluate(&self.model, &self.params, &mut self.engine, self.policy, data, batch_size)
+        evaluate(
+            &self.model,
+            &self.params,
+            &mut self.engine,
+            self.policy,
+            data,
+            batch_size,
+        )
     }
 }
 
@@ -101,7 +119,12 @@ pub fn evaluate<T: Real>(
             HeadRows::Labelled => out,
             HeadRows::Roots => {
                 let preds = out.predictions();
-                root_ok += out.head_vertices.iter().zip(&preds).filter(|(&v, &p)| s.labels[v as usize] == p as i32).count();
+                root_ok += out
+                    .head_vertices
+                    .iter()
+                    .zip(&preds)
+                    .filter(|(&v, &p)| s.labels[v as usize] == p as i32)
+                    .count();
                 engine.forward_rows(model, params, &batch, Mode::Infer, HeadRows::Labelled)?
             }
         };

@@ -2,35 +2,47 @@
 //! differences of the loss, in f64, for every model of the zoo; and the
 //! agenda policy against the Cavs policy.
 
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 use ramus_core::{Grads, Params};
 use ramus_cpu::{Batch, CpuEngine, Mode};
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{build_model, ModelConfig};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 
 /// A random tree with `leaves` leaves; internal arity drawn from `arities`.
-fn random_tree(rng: &mut ChaCha8Rng, leaves: usize, arities: &[usize], cfg: &ModelConfig) -> InputGraph {
+fn random_tree(
+    rng: &mut ChaCha8Rng,
+    leaves: usize,
+    arities: &[usize],
+    cfg: &ModelConfig,
+) -> InputGraph {
     let mut g = InputGraph::new();
     let mut frontier: Vec<u32> = (0..leaves)
         .map(|_| {
             let tok = rng.random_range(0..cfg.vocab as u32);
-            g.push_vertex(&[], tok, rng.random_range(0..cfg.classes as i32)).unwrap()
+            g.push_vertex(&[], tok, rng.random_range(0..cfg.classes as i32))
+                .unwrap()
         })
         .collect();
     while frontier.len() > 1 {
         let k = arities[rng.random_range(0..arities.len())].min(frontier.len());
         let at = rng.random_range(0..=frontier.len() - k);
         let kids: Vec<u32> = frontier.drain(at..at + k).collect();
-        let v = g.push_vertex(&kids, 0, rng.random_range(0..cfg.classes as i32)).unwrap();
+        let v = g
+            .push_vertex(&kids, 0, rng.random_range(0..cfg.classes as i32))
+            .unwrap();
         frontier.insert(at, v);
     }
     g
 }
 
 fn random_chain(rng: &mut ChaCha8Rng, len: usize, cfg: &ModelConfig) -> InputGraph {
-    let toks: Vec<u32> = (0..len).map(|_| rng.random_range(0..cfg.vocab as u32)).collect();
-    let labels: Vec<i32> = (0..len).map(|_| rng.random_range(0..cfg.vocab as i32)).collect();
+    let toks: Vec<u32> = (0..len)
+        .map(|_| rng.random_range(0..cfg.vocab as u32))
+        .collect();
+    let labels: Vec<i32> = (0..len)
+        .map(|_| rng.random_range(0..cfg.vocab as i32))
+        .collect();
     InputGraph::chain(&toks, &labels).unwrap()
 }
 
@@ -51,7 +63,11 @@ fn loss_and_grads(
 fn loss_only(model: &ramus_core::Model, params: &Params<f64>, graphs: &[InputGraph]) -> f64 {
     let mut engine = CpuEngine::<f64>::new();
     let batch = Batch::new(model, graphs.iter().collect(), BatchingPolicy::Cavs).unwrap();
-    engine.forward(model, params, &batch, Mode::Train).unwrap().loss.unwrap()
+    engine
+        .forward(model, params, &batch, Mode::Train)
+        .unwrap()
+        .loss
+        .unwrap()
 }
 
 fn check_model(name: &str, graphs: &[InputGraph], cfg: &ModelConfig) {
@@ -91,7 +107,11 @@ fn check_model(name: &str, graphs: &[InputGraph], cfg: &ModelConfig) {
 }
 
 fn small() -> ModelConfig {
-    ModelConfig { vocab: 7, hidden: 3, classes: 3 }
+    ModelConfig {
+        vocab: 7,
+        hidden: 3,
+        classes: 3,
+    }
 }
 
 #[test]
@@ -99,7 +119,9 @@ fn reference_treelstm_gradients_match_finite_differences() {
     let cfg = small();
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     // child-sum over any arity: 1, 2 and 3 children
-    let graphs: Vec<InputGraph> = (0..3).map(|i| random_tree(&mut rng, 2 + 2 * i, &[1, 2, 3], &cfg)).collect();
+    let graphs: Vec<InputGraph> = (0..3)
+        .map(|i| random_tree(&mut rng, 2 + 2 * i, &[1, 2, 3], &cfg))
+        .collect();
     check_model("treelstm", &graphs, &cfg);
 }
 
@@ -107,7 +129,9 @@ fn reference_treelstm_gradients_match_finite_differences() {
 fn nary_treelstm_gradients_match_finite_differences() {
     let cfg = small();
     let mut rng = ChaCha8Rng::seed_from_u64(2);
-    let graphs: Vec<InputGraph> = (0..3).map(|i| random_tree(&mut rng, 2 + 2 * i, &[2], &cfg)).collect();
+    let graphs: Vec<InputGraph> = (0..3)
+        .map(|i| random_tree(&mut rng, 2 + 2 * i, &[2], &cfg))
+        .collect();
     check_model("treelstm-nary", &graphs, &cfg);
 }
 
@@ -115,15 +139,24 @@ fn nary_treelstm_gradients_match_finite_differences() {
 fn treefc_gradients_match_finite_differences() {
     let cfg = small();
     let mut rng = ChaCha8Rng::seed_from_u64(3);
-    let graphs: Vec<InputGraph> = (0..3).map(|i| random_tree(&mut rng, 2 + 3 * i, &[2], &cfg)).collect();
+    let graphs: Vec<InputGraph> = (0..3)
+        .map(|i| random_tree(&mut rng, 2 + 3 * i, &[2], &cfg))
+        .collect();
     check_model("treefc", &graphs, &cfg);
 }
 
 #[test]
 fn lstm_lm_gradients_match_finite_differences() {
-    let cfg = ModelConfig { vocab: 6, hidden: 3, classes: 0 };
+    let cfg = ModelConfig {
+        vocab: 6,
+        hidden: 3,
+        classes: 0,
+    };
     let mut rng = ChaCha8Rng::seed_from_u64(4);
-    let graphs: Vec<InputGraph> = [1, 4, 6].iter().map(|&n| random_chain(&mut rng, n, &cfg)).collect();
+    let graphs: Vec<InputGraph> = [1, 4, 6]
+        .iter()
+        .map(|&n| random_chain(&mut rng, n, &cfg))
+        .collect();
     check_model("lstm-lm", &graphs, &cfg);
 }
 
@@ -131,10 +164,14 @@ fn lstm_lm_gradients_match_finite_differences() {
 fn agenda_policy_gives_the_same_loss_and_gradients() {
     let cfg = small();
     let mut rng = ChaCha8Rng::seed_from_u64(9);
-    let graphs: Vec<InputGraph> = (0..5).map(|i| random_tree(&mut rng, 1 + 3 * i, &[1, 2, 3], &cfg)).collect();
+    let graphs: Vec<InputGraph> = (0..5)
+        .map(|i| random_tree(&mut rng, 1 + 3 * i, &[1, 2, 3], &cfg))
+        .collect();
     for name in ["treelstm", "treefc"] {
         let graphs: Vec<InputGraph> = if name == "treefc" {
-            (0..5).map(|i| random_tree(&mut rng, 1 + 3 * i, &[2], &cfg)).collect()
+            (0..5)
+                .map(|i| random_tree(&mut rng, 1 + 3 * i, &[2], &cfg))
+                .collect()
         } else {
             graphs.clone()
         };
@@ -142,7 +179,10 @@ fn agenda_policy_gives_the_same_loss_and_gradients() {
         let params: Params<f64> = Params::init(&model, 3);
         let (l1, g1) = loss_and_grads(&model, &params, &graphs, BatchingPolicy::Cavs);
         let (l2, g2) = loss_and_grads(&model, &params, &graphs, BatchingPolicy::Agenda);
-        assert!((l1 - l2).abs() < 1e-12, "{name}: losses differ {l1} vs {l2}");
+        assert!(
+            (l1 - l2).abs() < 1e-12,
+            "{name}: losses differ {l1} vs {l2}"
+        );
         for (a, b) in g1.values.iter().zip(&g2.values) {
             assert!(a.max_abs_diff(b).unwrap() < 1e-12);
         }
@@ -154,11 +194,16 @@ fn batched_equals_one_graph_at_a_time() {
     // the mean loss over a batch equals the mean of per-graph losses
     let cfg = small();
     let mut rng = ChaCha8Rng::seed_from_u64(21);
-    let graphs: Vec<InputGraph> = (0..4).map(|i| random_tree(&mut rng, 2 + i, &[2], &cfg)).collect();
+    let graphs: Vec<InputGraph> = (0..4)
+        .map(|i| random_tree(&mut rng, 2 + i, &[2], &cfg))
+        .collect();
     let model = build_model("treelstm", &cfg).unwrap();
     let params: Params<f64> = Params::init(&model, 8);
     let batched = loss_only(&model, &params, &graphs);
-    let single: f64 =
-        graphs.iter().map(|g| loss_only(&model, &params, std::slice::from_ref(g))).sum::<f64>() / graphs.len() as f64;
+    let single: f64 = graphs
+        .iter()
+        .map(|g| loss_only(&model, &params, std::slice::from_ref(g)))
+        .sum::<f64>()
+        / graphs.len() as f64;
     assert!((batched - single).abs() < 1e-12, "{batched} vs {single}");
 }

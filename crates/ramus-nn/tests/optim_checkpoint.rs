@@ -8,7 +8,15 @@ use ramus_nn::checkpoint;
 use ramus_nn::{build_model, ModelConfig, Optimizer, OptimizerConfig, OptimizerKind};
 
 fn setup() -> (ramus_core::Model, Params<f64>, Grads<f64>) {
-    let model = build_model("treefc", &ModelConfig { vocab: 5, hidden: 2, classes: 2 }).unwrap();
+    let model = build_model(
+        "treefc",
+        &ModelConfig {
+            vocab: 5,
+            hidden: 2,
+            classes: 2,
+        },
+    )
+    .unwrap();
     let params = Params::init(&model, 4);
     let mut g = InputGraph::new();
     let a = g.push_vertex(&[], 1, 0).unwrap();
@@ -16,9 +24,13 @@ fn setup() -> (ramus_core::Model, Params<f64>, Grads<f64>) {
     g.push_vertex(&[a, b], 0, 1).unwrap();
     let batch = Batch::new(&model, vec![&g], BatchingPolicy::Cavs).unwrap();
     let mut engine = CpuEngine::new();
-    engine.forward(&model, &params, &batch, Mode::Train).unwrap();
+    engine
+        .forward(&model, &params, &batch, Mode::Train)
+        .unwrap();
     let mut grads = Grads::zeros(&model);
-    engine.backward(&model, &params, &batch, &mut grads).unwrap();
+    engine
+        .backward(&model, &params, &batch, &mut grads)
+        .unwrap();
     (model, params, grads)
 }
 
@@ -28,9 +40,16 @@ fn sgd_adagrad_adam_follow_their_formulas() {
     let emb = model.param_id("emb").unwrap();
     // embeddings got row gradients for tokens 1 and 3 only
     assert_eq!(grads.touched_rows[emb].as_deref(), Some(&[1u32, 3][..]));
-    for kind in [OptimizerKind::Sgd, OptimizerKind::Adagrad, OptimizerKind::Adam] {
+    for kind in [
+        OptimizerKind::Sgd,
+        OptimizerKind::Adagrad,
+        OptimizerKind::Adam,
+    ] {
         let mut p = p0.clone();
-        let cfg = OptimizerConfig { weight_decay: 0.1, ..OptimizerConfig::new(kind, 0.5) };
+        let cfg = OptimizerConfig {
+            weight_decay: 0.1,
+            ..OptimizerConfig::new(kind, 0.5)
+        };
         let mut opt = Optimizer::new(cfg, &p);
         opt.step(&mut p, &grads);
         for (i, (new, old)) in p.values.iter().zip(&p0.values).enumerate() {
@@ -57,7 +76,11 @@ fn sgd_adagrad_adam_follow_their_formulas() {
                         }
                     }
                 };
-                assert!((n - want).abs() < 1e-12, "{kind:?} {}[{j}]: {n} vs {want}", model.params[i].name);
+                assert!(
+                    (n - want).abs() < 1e-12,
+                    "{kind:?} {}[{j}]: {n} vs {want}",
+                    model.params[i].name
+                );
             }
         }
     }
@@ -69,16 +92,33 @@ fn clipping_bounds_the_step() {
     let norm = grads.norm();
     assert!(norm > 0.0);
     let mut p = p0.clone();
-    let cfg = OptimizerConfig { clip_norm: Some(norm / 4.0), ..OptimizerConfig::new(OptimizerKind::Sgd, 1.0) };
+    let cfg = OptimizerConfig {
+        clip_norm: Some(norm / 4.0),
+        ..OptimizerConfig::new(OptimizerKind::Sgd, 1.0)
+    };
     let reported = Optimizer::new(cfg, &p).step(&mut p, &grads);
     assert!((reported - norm).abs() < 1e-12);
-    let moved: f64 = p.values.iter().zip(&p0.values).flat_map(|(a, b)| a.data().iter().zip(b.data()).map(|(x, y)| (x - y).powi(2))).sum::<f64>().sqrt();
-    assert!((moved - norm / 4.0).abs() < 1e-9, "step length {moved} vs {}", norm / 4.0);
+    let moved: f64 = p
+        .values
+        .iter()
+        .zip(&p0.values)
+        .flat_map(|(a, b)| a.data().iter().zip(b.data()).map(|(x, y)| (x - y).powi(2)))
+        .sum::<f64>()
+        .sqrt();
+    assert!(
+        (moved - norm / 4.0).abs() < 1e-9,
+        "step length {moved} vs {}",
+        norm / 4.0
+    );
 }
 
 #[test]
 fn checkpoint_round_trips_and_rejects_mismatches() {
-    let cfg = ModelConfig { vocab: 6, hidden: 3, classes: 5 };
+    let cfg = ModelConfig {
+        vocab: 6,
+        hidden: 3,
+        classes: 5,
+    };
     let model = build_model("treelstm", &cfg).unwrap();
     let params = Params::<f32>::init(&model, 9);
     let mut vocab = Vocab::new();
@@ -99,10 +139,15 @@ fn checkpoint_round_trips_and_rejects_mismatches() {
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut names: Vec<String> = st.names().into_iter().map(String::from).collect();
     names.sort();
-    assert_eq!(names, ["U_f", "U_iou", "W_iou", "W_out", "b_f", "b_iou", "b_out", "emb"]);
+    assert_eq!(
+        names,
+        ["U_f", "U_iou", "W_iou", "W_out", "b_f", "b_iou", "b_out", "emb"]
+    );
     // a model of another size is refused with the tensor named
     let other = build_model("treelstm", &ModelConfig { hidden: 4, ..cfg }).unwrap();
-    let err = checkpoint::load_params(&path, &bytes, &other).unwrap_err().to_string();
+    let err = checkpoint::load_params(&path, &bytes, &other)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("emb") && err.contains("shape"), "{err}");
     // garbage is refused
     std::fs::write(dir.join("bad"), b"not a checkpoint").unwrap();
@@ -122,6 +167,9 @@ fn inference_needs_no_labels_but_training_does() {
     let mut engine = CpuEngine::new();
     let out = engine.forward(&model, &p32, &batch, Mode::Infer).unwrap();
     assert_eq!(out.predictions().len(), 1);
-    let err = engine.forward(&model, &p32, &batch, Mode::Train).unwrap_err().to_string();
+    let err = engine
+        .forward(&model, &p32, &batch, Mode::Train)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("without a label"), "{err}");
 }

@@ -13,8 +13,23 @@ fn treebank(train: usize, dev: usize) -> (Vec<InputGraph>, Vec<InputGraph>, Voca
     (tr, dv, vocab)
 }
 
-fn trainer(name: &str, vocab: usize, hidden: usize, classes: usize, opt: OptimizerKind, lr: f64) -> Trainer<f32> {
-    let model = build_model(name, &ModelConfig { vocab, hidden, classes }).unwrap();
+fn trainer(
+    name: &str,
+    vocab: usize,
+    hidden: usize,
+    classes: usize,
+    opt: OptimizerKind,
+    lr: f64,
+) -> Trainer<f32> {
+    let model = build_model(
+        name,
+        &ModelConfig {
+            vocab,
+            hidden,
+            classes,
+        },
+    )
+    .unwrap();
     let params = Params::init(&model, 1);
     Trainer::new(model, params, OptimizerConfig::new(opt, lr))
 }
@@ -22,7 +37,14 @@ fn trainer(name: &str, vocab: usize, hidden: usize, classes: usize, opt: Optimiz
 #[test]
 fn binary_treelstm_learns_negation_scope() {
     let (train, dev, vocab) = treebank(1200, 300);
-    let mut t = trainer("treelstm-nary", vocab.len(), 32, 5, OptimizerKind::Adagrad, 0.05);
+    let mut t = trainer(
+        "treelstm-nary",
+        vocab.len(),
+        32,
+        5,
+        OptimizerKind::Adagrad,
+        0.05,
+    );
     let before = t.evaluate(&dev, 64).unwrap();
     let mut rng = ramus_nn::train::rng(1);
     for _ in 0..4 {
@@ -30,16 +52,32 @@ fn binary_treelstm_learns_negation_scope() {
     }
     let after = t.evaluate(&dev, 64).unwrap();
     println!("dev before {before:?}\ndev after {after:?}");
-    assert!(after.loss < 0.5 * before.loss, "loss {} -> {}", before.loss, after.loss);
+    assert!(
+        after.loss < 0.5 * before.loss,
+        "loss {} -> {}",
+        before.loss,
+        after.loss
+    );
     // a bag-of-words baseline gets 47 % root accuracy on this data
-    assert!(after.root_accuracy >= 0.85, "root accuracy {}", after.root_accuracy);
-    assert!(after.node_accuracy >= 0.90, "all-node accuracy {}", after.node_accuracy);
+    assert!(
+        after.root_accuracy >= 0.85,
+        "root accuracy {}",
+        after.root_accuracy
+    );
+    assert!(
+        after.node_accuracy >= 0.90,
+        "all-node accuracy {}",
+        after.node_accuracy
+    );
 }
 
 #[test]
 fn reference_treelstm_and_treefc_losses_fall() {
     let (train, _, vocab) = treebank(300, 1);
-    for (name, opt, lr) in [("treelstm", OptimizerKind::Adam, 0.01), ("treefc", OptimizerKind::Sgd, 0.3)] {
+    for (name, opt, lr) in [
+        ("treelstm", OptimizerKind::Adam, 0.01),
+        ("treefc", OptimizerKind::Sgd, 0.3),
+    ] {
         let mut t = trainer(name, vocab.len(), 24, 5, opt, lr);
         let before = t.evaluate(&train, 64).unwrap();
         let mut rng = ramus_nn::train::rng(2);
@@ -48,8 +86,16 @@ fn reference_treelstm_and_treefc_losses_fall() {
         }
         let after = t.evaluate(&train, 64).unwrap();
         println!("{name}: {before:?} -> {after:?}");
-        assert!(after.loss < 0.8 * before.loss, "{name}: loss {} -> {}", before.loss, after.loss);
-        assert!(after.root_accuracy > before.root_accuracy + 0.1, "{name}: accuracy did not rise");
+        assert!(
+            after.loss < 0.8 * before.loss,
+            "{name}: loss {} -> {}",
+            before.loss,
+            after.loss
+        );
+        assert!(
+            after.root_accuracy > before.root_accuracy + 0.1,
+            "{name}: accuracy did not rise"
+        );
     }
 }
 
@@ -61,11 +107,15 @@ fn lstm_language_model_loss_falls() {
     let sentences: Vec<String> = (0..150)
         .map(|s: usize| {
             let (start, len) = ((s * 7) % 20, 4 + s % 6);
-            (0..len).map(|i| words[(start + i) % 20].as_str()).collect::<Vec<_>>().join(" ")
+            (0..len)
+                .map(|i| words[(start + i) % 20].as_str())
+                .collect::<Vec<_>>()
+                .join(" ")
         })
         .collect();
     let mut lm_vocab = Vocab::new();
-    let data = text::parse_sentences(&sentences.join("\n"), "lm", VocabMode::Grow(&mut lm_vocab)).unwrap();
+    let data =
+        text::parse_sentences(&sentences.join("\n"), "lm", VocabMode::Grow(&mut lm_vocab)).unwrap();
     let mut t = trainer("lstm-lm", lm_vocab.len(), 32, 0, OptimizerKind::Adam, 0.02);
     let before = t.evaluate(&data, 64).unwrap();
     let mut rng = ramus_nn::train::rng(3);
@@ -74,6 +124,15 @@ fn lstm_language_model_loss_falls() {
     }
     let after = t.evaluate(&data, 64).unwrap();
     println!("lstm-lm: {before:?} -> {after:?}");
-    assert!(after.loss < 0.5 * before.loss, "loss {} -> {}", before.loss, after.loss);
-    assert!(after.node_accuracy > 0.6, "next-word accuracy {}", after.node_accuracy);
+    assert!(
+        after.loss < 0.5 * before.loss,
+        "loss {} -> {}",
+        before.loss,
+        after.loss
+    );
+    assert!(
+        after.node_accuracy > 0.6,
+        "next-word accuracy {}",
+        after.node_accuracy
+    );
 }

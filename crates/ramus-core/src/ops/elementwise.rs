@@ -25,7 +25,10 @@ pub(crate) fn infer_elementwise(inputs: &[&ValueType]) -> std::result::Result<Va
         }
         for t in inputs.iter().filter(|t| !t.is_rows()) {
             if !t.is_broadcast_row(first.width()) {
-                return Err(format!("static operand {t} does not broadcast over rows of width {}", first.width()));
+                return Err(format!(
+                    "static operand {t} does not broadcast over rows of width {}",
+                    first.width()
+                ));
             }
         }
         Ok(ValueType::rows(first.space, first.width()))
@@ -56,19 +59,29 @@ fn run_rows<T: Real>(
         let per_row = a.ty.is_rows();
         let need = if per_row { rows * width } else { width };
         if d.len() < need {
-            return Err(crate::error::CoreError::kernel(name, format!("operand has {} elements, need {need}", d.len())));
+            return Err(crate::error::CoreError::kernel(
+                name,
+                format!("operand has {} elements, need {need}", d.len()),
+            ));
         }
         ins.push((d, per_row));
     }
     let body = |r: usize, out_row: &mut [T]| {
         let mut row_ins: [&[T]; 4] = [&[]; 4];
         for (k, (d, per_row)) in ins.iter().enumerate() {
-            row_ins[k] = if *per_row { &d[r * width..(r + 1) * width] } else { &d[..width] };
+            row_ins[k] = if *per_row {
+                &d[r * width..(r + 1) * width]
+            } else {
+                &d[..width]
+            };
         }
         f(&row_ins[..ins.len()], out_row);
     };
     if rows * width >= PARALLEL_MIN_ELEMENTS && rows > 1 {
-        ctx.out.par_chunks_mut(width).enumerate().for_each(|(r, o)| body(r, o));
+        ctx.out
+            .par_chunks_mut(width)
+            .enumerate()
+            .for_each(|(r, o)| body(r, o));
     } else {
         for (r, o) in ctx.out.chunks_mut(width).enumerate() {
             body(r, o);
@@ -297,4 +310,3 @@ binary_op!(
         g.set(1, dup);
     }
 );
-

@@ -13,7 +13,9 @@ fn check_labels(inputs: &[&ValueType]) -> std::result::Result<(), String> {
         return Err(format!("scores must be row values, got {logits}"));
     }
     if labels.dtype != DType::Index || labels.space != logits.space {
-        return Err(format!("labels must be index rows in the scores' space, got {labels}"));
+        return Err(format!(
+            "labels must be index rows in the scores' space, got {labels}"
+        ));
     }
     Ok(())
 }
@@ -34,7 +36,10 @@ fn softmax_row<T: Real>(x: &[T], p: &mut [T]) -> (T, T) {
 fn label_of(op: &str, labels: &[u32], r: usize, classes: usize) -> Result<usize> {
     let l = labels[r] as usize;
     if l >= classes {
-        return Err(CoreError::kernel(op, format!("label {l} of row {r} out of range for {classes} classes")));
+        return Err(CoreError::kernel(
+            op,
+            format!("label {l} of row {r} out of range for {classes} classes"),
+        ));
     }
     Ok(l)
 }
@@ -54,7 +59,8 @@ impl OpDef for SoftmaxXent {
     }
     fn gradient(&self, g: &mut GradCtx<'_>) {
         let (x, l, gr) = (g.input(0), g.input(1), g.grad());
-        let d = g.b.apply(std::sync::Arc::new(SoftmaxXentBackward), &[x, l, gr]);
+        let d =
+            g.b.apply(std::sync::Arc::new(SoftmaxXentBackward), &[x, l, gr]);
         g.set(0, d);
     }
 }
@@ -95,7 +101,10 @@ impl OpDef for SoftmaxXentBackward {
         Ok(inputs[0].clone())
     }
     fn gradient(&self, g: &mut GradCtx<'_>) {
-        g.b.fail("softmax_xent_backward", "second derivatives of the loss are not supported");
+        g.b.fail(
+            "softmax_xent_backward",
+            "second derivatives of the loss are not supported",
+        );
     }
 }
 

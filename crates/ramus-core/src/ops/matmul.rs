@@ -22,9 +22,23 @@ pub struct MatMul {
 }
 
 /// Dimensions `(m, k, n)` of the product for concrete row counts.
-fn dims(op: &MatMul, a: &ValueType, a_rows: usize, b: &ValueType, b_rows: usize) -> (usize, usize, usize) {
-    let (ar, ac) = if a.is_rows() { (a_rows, a.width()) } else { (a.shape[0], a.shape[1]) };
-    let (br, bc) = if b.is_rows() { (b_rows, b.width()) } else { (b.shape[0], b.shape[1]) };
+fn dims(
+    op: &MatMul,
+    a: &ValueType,
+    a_rows: usize,
+    b: &ValueType,
+    b_rows: usize,
+) -> (usize, usize, usize) {
+    let (ar, ac) = if a.is_rows() {
+        (a_rows, a.width())
+    } else {
+        (a.shape[0], a.shape[1])
+    };
+    let (br, bc) = if b.is_rows() {
+        (b_rows, b.width())
+    } else {
+        (b.shape[0], b.shape[1])
+    };
     let (m, k) = if op.trans_a { (ac, ar) } else { (ar, ac) };
     let n = if op.trans_b { br } else { bc };
     (m, k, n)
@@ -35,7 +49,11 @@ impl OpDef for MatMul {
         "matmul"
     }
     fn attrs(&self) -> String {
-        format!("{}{}", if self.trans_a { "Aᵀ" } else { "A" }, if self.trans_b { "Bᵀ" } else { "B" })
+        format!(
+            "{}{}",
+            if self.trans_a { "Aᵀ" } else { "A" },
+            if self.trans_b { "Bᵀ" } else { "B" }
+        )
     }
     fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
         want_arity(inputs, 2)?;
@@ -44,7 +62,10 @@ impl OpDef for MatMul {
         want_float(b, "B")?;
         for (t, name) in [(a, "A"), (b, "B")] {
             if !t.is_rows() && t.shape.len() != 2 {
-                return Err(format!("static {name} must be a matrix, got shape {:?}", t.shape));
+                return Err(format!(
+                    "static {name} must be a matrix, got shape {:?}",
+                    t.shape
+                ));
             }
         }
         match (a.is_rows(), b.is_rows()) {
@@ -52,9 +73,16 @@ impl OpDef for MatMul {
                 if self.trans_a {
                     return Err("rows operand A cannot be transposed against a static B".into());
                 }
-                let (k, n) = if self.trans_b { (b.shape[1], b.shape[0]) } else { (b.shape[0], b.shape[1]) };
+                let (k, n) = if self.trans_b {
+                    (b.shape[1], b.shape[0])
+                } else {
+                    (b.shape[0], b.shape[1])
+                };
                 if k != a.width() {
-                    return Err(format!("inner dimensions differ: A has width {}, op(B) is {k}x{n}", a.width()));
+                    return Err(format!(
+                        "inner dimensions differ: A has width {}, op(B) is {k}x{n}",
+                        a.width()
+                    ));
                 }
                 Ok(ValueType::rows(a.space, n))
             }
@@ -65,8 +93,16 @@ impl OpDef for MatMul {
                 Ok(ValueType::fixed(&[a.width(), b.width()]))
             }
             (false, false) => {
-                let (m, k) = if self.trans_a { (a.shape[1], a.shape[0]) } else { (a.shape[0], a.shape[1]) };
-                let (k2, n) = if self.trans_b { (b.shape[1], b.shape[0]) } else { (b.shape[0], b.shape[1]) };
+                let (m, k) = if self.trans_a {
+                    (a.shape[1], a.shape[0])
+                } else {
+                    (a.shape[0], a.shape[1])
+                };
+                let (k2, n) = if self.trans_b {
+                    (b.shape[1], b.shape[0])
+                } else {
+                    (b.shape[0], b.shape[1])
+                };
                 if k != k2 {
                     return Err(format!("inner dimensions differ: {k} vs {k2}"));
                 }
@@ -78,9 +114,18 @@ impl OpDef for MatMul {
     fn gradient(&self, g: &mut GradCtx<'_>) {
         let (a, b, dc) = (g.input(0), g.input(1), g.grad());
         let (da, db) = match (self.trans_a, self.trans_b) {
-            (false, false) => (g.b.matmul(dc, b, false, true), g.b.matmul(a, dc, true, false)),
-            (false, true) => (g.b.matmul(dc, b, false, false), g.b.matmul(dc, a, true, false)),
-            (true, false) => (g.b.matmul(b, dc, false, true), g.b.matmul(a, dc, false, false)),
+            (false, false) => (
+                g.b.matmul(dc, b, false, true),
+                g.b.matmul(a, dc, true, false),
+            ),
+            (false, true) => (
+                g.b.matmul(dc, b, false, false),
+                g.b.matmul(dc, a, true, false),
+            ),
+            (true, false) => (
+                g.b.matmul(b, dc, false, true),
+                g.b.matmul(a, dc, false, false),
+            ),
             (true, true) => (g.b.matmul(b, dc, true, true), g.b.matmul(dc, a, true, true)),
         };
         g.set(0, da);
@@ -88,8 +133,15 @@ impl OpDef for MatMul {
     }
     fn cost(&self, inputs: &[&ValueType], out: &ValueType, rows: usize) -> Cost {
         let (m, k, n) = dims(self, inputs[0], rows, inputs[1], rows);
-        let out_elems = if out.is_rows() { rows * out.width() } else { out.width() };
-        Cost { flops: 2.0 * (m * k * n) as f64, bytes: 4.0 * (m * k + k * n + out_elems) as f64 }
+        let out_elems = if out.is_rows() {
+            rows * out.width()
+        } else {
+            out.width()
+        };
+        Cost {
+            flops: 2.0 * (m * k * n) as f64,
+            bytes: 4.0 * (m * k + k * n + out_elems) as f64,
+        }
     }
 }
 
@@ -101,10 +153,21 @@ impl Kernel for MatMul {
         let (a, b) = (&ctx.args[0], &ctx.args[1]);
         let (ad, bd) = (a.floats("matmul")?, b.floats("matmul")?);
         let (m, k, n) = dims(self, a.ty, a.rows, b.ty, b.rows);
-        let a_cols = if a.ty.is_rows() { a.ty.width() } else { a.ty.shape[1] };
-        let b_cols = if b.ty.is_rows() { b.ty.width() } else { b.ty.shape[1] };
+        let a_cols = if a.ty.is_rows() {
+            a.ty.width()
+        } else {
+            a.ty.shape[1]
+        };
+        let b_cols = if b.ty.is_rows() {
+            b.ty.width()
+        } else {
+            b.ty.shape[1]
+        };
         if ctx.out.len() != m * n {
-            return Err(CoreError::kernel("matmul", format!("output has {} elements, expected {m}x{n}", ctx.out.len())));
+            return Err(CoreError::kernel(
+                "matmul",
+                format!("output has {} elements, expected {m}x{n}", ctx.out.len()),
+            ));
         }
         if k == 0 {
             ctx.out.iter_mut().for_each(|x| *x = T::ZERO);
@@ -114,21 +177,56 @@ impl Kernel for MatMul {
             small_m(ad, bd, ctx.out, m, k, n, self.trans_b);
             return Ok(());
         }
-        let sa = if self.trans_a { (1, a_cols as isize) } else { (a_cols as isize, 1) };
-        let sb = if self.trans_b { (1, b_cols as isize) } else { (b_cols as isize, 1) };
+        let sa = if self.trans_a {
+            (1, a_cols as isize)
+        } else {
+            (a_cols as isize, 1)
+        };
+        let sb = if self.trans_b {
+            (1, b_cols as isize)
+        } else {
+            (b_cols as isize, 1)
+        };
         // Large products split their output rows over the thread pool, each
         // block a single-threaded GEMM on a slice of A.
         let threads = rayon::current_num_threads();
         if threads > 1 && m >= 64 && m * k * n >= 1 << 21 {
             let block = m.div_ceil(threads);
-            ctx.out.par_chunks_mut(block * n).enumerate().for_each(|(i, c)| {
-                let r0 = i * block;
-                let rows = c.len() / n;
-                let a_off = r0 * sa.0 as usize;
-                T::gemm(rows, k, n, T::ONE, &ad[a_off..], sa, bd, sb, T::ZERO, c, n as isize);
-            });
+            ctx.out
+                .par_chunks_mut(block * n)
+                .enumerate()
+                .for_each(|(i, c)| {
+                    let r0 = i * block;
+                    let rows = c.len() / n;
+                    let a_off = r0 * sa.0 as usize;
+                    T::gemm(
+                        rows,
+                        k,
+                        n,
+                        T::ONE,
+                        &ad[a_off..],
+                        sa,
+                        bd,
+                        sb,
+                        T::ZERO,
+                        c,
+                        n as isize,
+                    );
+                });
         } else {
-            T::gemm(m, k, n, T::ONE, ad, sa, bd, sb, T::ZERO, ctx.out, n as isize);
+            T::gemm(
+                m,
+                k,
+                n,
+                T::ONE,
+                ad,
+                sa,
+                bd,
+                sb,
+                T::ZERO,
+                ctx.out,
+                n as isize,
+            );
         }
         Ok(())
     }
@@ -141,7 +239,11 @@ impl Kernel for MatMul {
 fn small_m<T: Real>(a: &[T], b: &[T], out: &mut [T], m: usize, k: usize, n: usize, trans_b: bool) {
     // Columns are split into one contiguous block per thread when B is big
     // enough for the split to beat the cost of waking a second thread.
-    let threads = if k * n >= 1 << 17 { rayon::current_num_threads().clamp(1, 8) } else { 1 };
+    let threads = if k * n >= 1 << 17 {
+        rayon::current_num_threads().clamp(1, 8)
+    } else {
+        1
+    };
     let block = n.div_ceil(threads);
     // out is row-major [m, n]; each thread fills columns [j0, j1) of every row.
     let fill = |j0: usize, j1: usize, cols: &mut [T]| {
@@ -151,7 +253,12 @@ fn small_m<T: Real>(a: &[T], b: &[T], out: &mut [T], m: usize, k: usize, n: usiz
             // four rows of A against each row of B: B is read once per four rows
             let mut r = 0;
             while r + 4 <= m {
-                let rows = [&a[r * k..(r + 1) * k], &a[(r + 1) * k..(r + 2) * k], &a[(r + 2) * k..(r + 3) * k], &a[(r + 3) * k..(r + 4) * k]];
+                let rows = [
+                    &a[r * k..(r + 1) * k],
+                    &a[(r + 1) * k..(r + 2) * k],
+                    &a[(r + 2) * k..(r + 3) * k],
+                    &a[(r + 3) * k..(r + 4) * k],
+                ];
                 for j in j0..j1 {
                     let d = dot4(rows, &b[j * k..(j + 1) * k]);
                     for (q, v) in d.into_iter().enumerate() {
@@ -184,7 +291,9 @@ fn small_m<T: Real>(a: &[T], b: &[T], out: &mut [T], m: usize, k: usize, n: usiz
         fill(0, n, out);
         return;
     }
-    let mut parts: Vec<Vec<T>> = (0..threads).map(|t| vec![T::ZERO; m * (n.min((t + 1) * block) - (t * block).min(n))]).collect();
+    let mut parts: Vec<Vec<T>> = (0..threads)
+        .map(|t| vec![T::ZERO; m * (n.min((t + 1) * block) - (t * block).min(n))])
+        .collect();
     parts.par_iter_mut().enumerate().for_each(|(t, cols)| {
         let (j0, j1) = ((t * block).min(n), n.min((t + 1) * block));
         if j1 > j0 {

@@ -16,13 +16,18 @@ pub use matmul::MatMul;
 pub use structure::*;
 
 fn attr(attrs: &[f64], i: usize, name: &str) -> Result<f64, String> {
-    attrs.get(i).copied().ok_or_else(|| format!("missing attribute {i} ({name})"))
+    attrs
+        .get(i)
+        .copied()
+        .ok_or_else(|| format!("missing attribute {i} ({name})"))
 }
 
 fn usize_attr(attrs: &[f64], i: usize, name: &str) -> Result<usize, String> {
     let v = attr(attrs, i, name)?;
     if v < 0.0 || v.fract() != 0.0 {
-        return Err(format!("attribute {name} must be a non-negative integer, got {v}"));
+        return Err(format!(
+            "attribute {name} must be a non-negative integer, got {v}"
+        ));
     }
     Ok(v as usize)
 }
@@ -40,33 +45,84 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
         ("sigmoid", "logistic sigmoid", |_| arc(Sigmoid)),
         ("tanh", "hyperbolic tangent", |_| arc(Tanh)),
         ("relu", "max(x, 0)", |_| arc(Relu)),
-        ("scale", "a * x; attrs [a]", |a| arc(Scale(attr(a, 0, "a")?))),
-        ("add_scalar", "x + a; attrs [a]", |a| arc(AddScalar(attr(a, 0, "a")?))),
-        ("rsub_scalar", "a - x; attrs [a]", |a| arc(RsubScalar(attr(a, 0, "a")?))),
+        ("scale", "a * x; attrs [a]", |a| {
+            arc(Scale(attr(a, 0, "a")?))
+        }),
+        ("add_scalar", "x + a; attrs [a]", |a| {
+            arc(AddScalar(attr(a, 0, "a")?))
+        }),
+        ("rsub_scalar", "a - x; attrs [a]", |a| {
+            arc(RsubScalar(attr(a, 0, "a")?))
+        }),
         ("add", "a + b (static rows broadcast)", |_| arc(Add)),
         ("sub", "a - b (static rows broadcast)", |_| arc(Sub)),
         ("mul", "a * b (static rows broadcast)", |_| arc(Mul)),
         ("div", "a / b (static rows broadcast)", |_| arc(Div)),
-        ("sigmoid_backward", "g * y * (1 - y)", |_| arc(SigmoidBackward)),
+        ("sigmoid_backward", "g * y * (1 - y)", |_| {
+            arc(SigmoidBackward)
+        }),
         ("tanh_backward", "g * (1 - y^2)", |_| arc(TanhBackward)),
         ("relu_backward", "x > 0 ? g : 0", |_| arc(ReluBackward)),
-        ("matmul", "op(A)·op(B); attrs [trans_a, trans_b] as 0/1", |a| {
-            arc(MatMul { trans_a: attr(a, 0, "trans_a").unwrap_or(0.0) != 0.0, trans_b: attr(a, 1, "trans_b").unwrap_or(0.0) != 0.0 })
-        }),
+        (
+            "matmul",
+            "op(A)·op(B); attrs [trans_a, trans_b] as 0/1",
+            |a| {
+                arc(MatMul {
+                    trans_a: attr(a, 0, "trans_a").unwrap_or(0.0) != 0.0,
+                    trans_b: attr(a, 1, "trans_b").unwrap_or(0.0) != 0.0,
+                })
+            },
+        ),
         ("concat", "concatenate rows along features", |_| arc(Concat)),
-        ("slice", "columns start..start+len; attrs [start, len]", |a| {
-            arc(Slice { start: usize_attr(a, 0, "start")?, len: usize_attr(a, 1, "len")? })
+        (
+            "slice",
+            "columns start..start+len; attrs [start, len]",
+            |a| {
+                arc(Slice {
+                    start: usize_attr(a, 0, "start")?,
+                    len: usize_attr(a, 1, "len")?,
+                })
+            },
+        ),
+        (
+            "pad",
+            "place rows at column start of zero rows of width total; attrs [start, total]",
+            |a| {
+                arc(Pad {
+                    start: usize_attr(a, 0, "start")?,
+                    total: usize_attr(a, 1, "total")?,
+                })
+            },
+        ),
+        (
+            "sum_children",
+            "sum of edge rows into their parent vertex",
+            |_| arc(SumChildren),
+        ),
+        (
+            "expand_children",
+            "copy vertex rows to their child edges",
+            |_| arc(ExpandChildren),
+        ),
+        ("sum_rows", "sum over rows", |_| {
+            arc(SumRows { mean: false })
         }),
-        ("pad", "place rows at column start of zero rows of width total; attrs [start, total]", |a| {
-            arc(Pad { start: usize_attr(a, 0, "start")?, total: usize_attr(a, 1, "total")? })
+        ("mean_rows", "mean over rows", |_| {
+            arc(SumRows { mean: true })
         }),
-        ("sum_children", "sum of edge rows into their parent vertex", |_| arc(SumChildren)),
-        ("expand_children", "copy vertex rows to their child edges", |_| arc(ExpandChildren)),
-        ("sum_rows", "sum over rows", |_| arc(SumRows { mean: false })),
-        ("mean_rows", "mean over rows", |_| arc(SumRows { mean: true })),
-        ("broadcast_rows", "repeat a static row for each row of a reference", |_| arc(BroadcastRows { mean: false })),
-        ("embedding", "table rows looked up by token", |_| arc(Embedding)),
-        ("softmax_xent", "per-row softmax cross-entropy against labels", |_| arc(SoftmaxXent)),
+        (
+            "broadcast_rows",
+            "repeat a static row for each row of a reference",
+            |_| arc(BroadcastRows { mean: false }),
+        ),
+        ("embedding", "table rows looked up by token", |_| {
+            arc(Embedding)
+        }),
+        (
+            "softmax_xent",
+            "per-row softmax cross-entropy against labels",
+            |_| arc(SoftmaxXent),
+        ),
     ]
 }
 
@@ -154,11 +210,16 @@ impl GraphBuilder {
     /// Splits the features into `parts` equal slices.
     pub fn split(&mut self, x: Sym, parts: usize) -> Vec<Sym> {
         let w = self.width(x);
-        if parts == 0 || w % parts != 0 {
-            let s = self.fail("split", format!("width {w} does not split into {parts} equal parts"));
+        if parts == 0 || !w.is_multiple_of(parts) {
+            let s = self.fail(
+                "split",
+                format!("width {w} does not split into {parts} equal parts"),
+            );
             return vec![s; parts];
         }
-        (0..parts).map(|i| self.slice(x, i * w / parts, w / parts)).collect()
+        (0..parts)
+            .map(|i| self.slice(x, i * w / parts, w / parts))
+            .collect()
     }
     /// Places `x` at column `start` of zero rows of width `total`.
     pub fn pad(&mut self, x: Sym, start: usize, total: usize) -> Sym {
@@ -183,7 +244,12 @@ impl GraphBuilder {
         self.op2(BroadcastRows { mean }, s, like)
     }
     pub fn reshape(&mut self, x: Sym, shape: &[usize]) -> Sym {
-        self.op1(Reshape { shape: shape.to_vec() }, x)
+        self.op1(
+            Reshape {
+                shape: shape.to_vec(),
+            },
+            x,
+        )
     }
     /// Rows of `table` selected by index rows `tokens`.
     pub fn embedding(&mut self, table: Sym, tokens: Sym) -> Sym {

@@ -7,7 +7,7 @@ use crate::graph::{DType, Space, ValueType};
 use crate::op::{want_arity, want_float, Cost, GradCtx, Kernel, KernelCtx, OpDef};
 use crate::real::Real;
 
-fn row_chunks<'a, T>(data: &'a [T], width: usize, rows: usize) -> impl Iterator<Item = &'a [T]> {
+fn row_chunks<T>(data: &[T], width: usize, rows: usize) -> impl Iterator<Item = &[T]> {
     data[..rows * width].chunks(width.max(1)).take(rows)
 }
 
@@ -30,7 +30,10 @@ impl OpDef for Concat {
                 return Err(format!("operands in different spaces: {first} vs {t}"));
             }
         }
-        Ok(ValueType::rows(first.space, inputs.iter().map(|t| t.width()).sum()))
+        Ok(ValueType::rows(
+            first.space,
+            inputs.iter().map(|t| t.width()).sum(),
+        ))
     }
     fn gradient(&self, g: &mut GradCtx<'_>) {
         let gr = g.grad();
@@ -82,7 +85,12 @@ impl OpDef for Slice {
             return Err("operand must be a row value".into());
         }
         if self.len == 0 || self.start + self.len > t.width() {
-            return Err(format!("columns {}..{} out of range for width {}", self.start, self.start + self.len, t.width()));
+            return Err(format!(
+                "columns {}..{} out of range for width {}",
+                self.start,
+                self.start + self.len,
+                t.width()
+            ));
         }
         Ok(ValueType::rows(t.space, self.len))
     }
@@ -102,7 +110,8 @@ impl Kernel for Slice {
         let a = &ctx.args[0];
         let w = a.ty.width();
         for (r, src) in row_chunks(a.floats("slice")?, w, ctx.out_rows).enumerate() {
-            ctx.out[r * self.len..(r + 1) * self.len].copy_from_slice(&src[self.start..self.start + self.len]);
+            ctx.out[r * self.len..(r + 1) * self.len]
+                .copy_from_slice(&src[self.start..self.start + self.len]);
         }
         Ok(())
     }
@@ -128,7 +137,10 @@ impl OpDef for Pad {
         let t = inputs[0];
         want_float(t, "operand")?;
         if !t.is_rows() || self.start + t.width() > self.total {
-            return Err(format!("cannot place {t} at column {} of width {}", self.start, self.total));
+            return Err(format!(
+                "cannot place {t} at column {} of width {}",
+                self.start, self.total
+            ));
         }
         Ok(ValueType::rows(t.space, self.total))
     }
@@ -166,7 +178,9 @@ impl OpDef for SumChildren {
         let t = inputs[0];
         want_float(t, "operand")?;
         if t.space != Space::Edge {
-            return Err(format!("operand must be an edge value (from gather_all), got {t}"));
+            return Err(format!(
+                "operand must be an edge value (from gather_all), got {t}"
+            ));
         }
         Ok(ValueType::rows(Space::Vertex, t.width()))
     }
@@ -184,14 +198,23 @@ impl Kernel for SumChildren {
         let d = a.floats("sum_children")?;
         ctx.out.iter_mut().for_each(|x| *x = T::ZERO);
         if ctx.edge_parent.len() != a.rows {
-            return Err(CoreError::kernel("sum_children", "edge topology does not match the operand's rows"));
+            return Err(CoreError::kernel(
+                "sum_children",
+                "edge topology does not match the operand's rows",
+            ));
         }
         for (e, &p) in ctx.edge_parent.iter().enumerate() {
             let p = p as usize;
             if p >= ctx.out_rows {
-                return Err(CoreError::kernel("sum_children", format!("edge {e} has parent row {p} out of range")));
+                return Err(CoreError::kernel(
+                    "sum_children",
+                    format!("edge {e} has parent row {p} out of range"),
+                ));
             }
-            for (o, &x) in ctx.out[p * w..(p + 1) * w].iter_mut().zip(&d[e * w..(e + 1) * w]) {
+            for (o, &x) in ctx.out[p * w..(p + 1) * w]
+                .iter_mut()
+                .zip(&d[e * w..(e + 1) * w])
+            {
                 *o += x;
             }
         }
@@ -232,7 +255,10 @@ impl Kernel for ExpandChildren {
         for (e, &p) in ctx.edge_parent.iter().enumerate() {
             let p = p as usize;
             if p >= a.rows {
-                return Err(CoreError::kernel("expand_children", format!("edge {e} has parent row {p} out of range")));
+                return Err(CoreError::kernel(
+                    "expand_children",
+                    format!("edge {e} has parent row {p} out of range"),
+                ));
             }
             ctx.out[e * w..(e + 1) * w].copy_from_slice(&d[p * w..(p + 1) * w]);
         }
@@ -308,15 +334,22 @@ impl OpDef for BroadcastRows {
         let (s, r) = (inputs[0], inputs[1]);
         want_float(s, "operand")?;
         if s.is_rows() || !r.is_rows() {
-            return Err(format!("needs a static value and a row reference, got {s} and {r}"));
+            return Err(format!(
+                "needs a static value and a row reference, got {s} and {r}"
+            ));
         }
         Ok(ValueType::rows(r.space, s.width()))
     }
     fn gradient(&self, g: &mut GradCtx<'_>) {
         let gr = g.grad();
-        let s = g.b.apply(std::sync::Arc::new(SumRows { mean: self.mean }), &[gr]);
+        let s =
+            g.b.apply(std::sync::Arc::new(SumRows { mean: self.mean }), &[gr]);
         let shape = g.input_type(0).map(|t| t.shape).unwrap_or_default();
-        let s = if g.b.ty(s).map(|t| t.shape != shape).unwrap_or(false) { g.b.reshape(s, &shape) } else { s };
+        let s = if g.b.ty(s).map(|t| t.shape != shape).unwrap_or(false) {
+            g.b.reshape(s, &shape)
+        } else {
+            s
+        };
         g.set(0, s);
     }
 }
@@ -325,7 +358,11 @@ impl Kernel for BroadcastRows {
     fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
         let s = ctx.args[0].floats(self.name())?;
         let rows = ctx.args[1].rows;
-        let scale = if self.mean && rows > 0 { T::ONE / T::from_f64(rows as f64) } else { T::ONE };
+        let scale = if self.mean && rows > 0 {
+            T::ONE / T::from_f64(rows as f64)
+        } else {
+            T::ONE
+        };
         for o in ctx.out.chunks_mut(s.len().max(1)) {
             for (o, &x) in o.iter_mut().zip(s) {
                 *o = x * scale;
@@ -364,13 +401,17 @@ impl OpDef for Reshape {
         g.set(0, r);
     }
     fn cost(&self, _: &[&ValueType], out: &ValueType, _: usize) -> Cost {
-        Cost { flops: 0.0, bytes: 8.0 * out.width() as f64 }
+        Cost {
+            flops: 0.0,
+            bytes: 8.0 * out.width() as f64,
+        }
     }
 }
 
 impl Kernel for Reshape {
     fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
-        ctx.out.copy_from_slice(&ctx.args[0].floats("reshape")?[..ctx.out.len()]);
+        ctx.out
+            .copy_from_slice(&ctx.args[0].floats("reshape")?[..ctx.out.len()]);
         Ok(())
     }
 }
@@ -391,7 +432,9 @@ impl OpDef for Embedding {
             return Err(format!("table must be a static [V, H] matrix, got {table}"));
         }
         if idx.dtype != DType::Index || !idx.is_rows() {
-            return Err(format!("second operand must be index rows (tokens), got {idx}"));
+            return Err(format!(
+                "second operand must be index rows (tokens), got {idx}"
+            ));
         }
         Ok(ValueType::rows(idx.space, table.shape[1]))
     }
@@ -400,7 +443,10 @@ impl OpDef for Embedding {
         g.set_rows(0, gr, idx);
     }
     fn cost(&self, _: &[&ValueType], out: &ValueType, rows: usize) -> Cost {
-        Cost { flops: 0.0, bytes: 8.0 * (rows * out.width()) as f64 }
+        Cost {
+            flops: 0.0,
+            bytes: 8.0 * (rows * out.width()) as f64,
+        }
     }
 }
 
@@ -412,7 +458,10 @@ impl Kernel for Embedding {
         for (r, &i) in idx.iter().take(ctx.out_rows).enumerate() {
             let i = i as usize;
             if i >= vocab {
-                return Err(CoreError::kernel("embedding", format!("token id {i} out of range for a table of {vocab} rows")));
+                return Err(CoreError::kernel(
+                    "embedding",
+                    format!("token id {i} out of range for a table of {vocab} rows"),
+                ));
             }
             ctx.out[r * h..(r + 1) * h].copy_from_slice(&table[i * h..(i + 1) * h]);
         }

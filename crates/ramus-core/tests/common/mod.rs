@@ -118,7 +118,7 @@ impl Topo {
     pub fn from_children(children: &[usize]) -> Topo {
         let mut edge_parent = Vec::new();
         for (v, &c) in children.iter().enumerate() {
-            edge_parent.extend(std::iter::repeat(v as u32).take(c));
+            edge_parent.extend(std::iter::repeat_n(v as u32, c));
         }
         Topo {
             vertex_rows: children.len(),
