@@ -91,7 +91,7 @@ fn run_rows<T: Real>(
 }
 
 /// Outputs at least this large are split over threads.
-pub(crate) const PARALLEL_MIN_ELEMENTS: usize = 1 << 16;
+pub(crate) const PARALLEL_MIN_ELEMENTS: usize = 1 << 17;
 
 macro_rules! unary_op {
     ($(#[$doc:meta])* $ty:ident, $name:literal, $tmpl:literal, |$x:ident| $f:expr, |$g:ident| $grad:expr) => {

@@ -239,7 +239,7 @@ impl Kernel for MatMul {
 fn small_m<T: Real>(a: &[T], b: &[T], out: &mut [T], m: usize, k: usize, n: usize, trans_b: bool) {
     // Columns are split into one contiguous block per thread when B is big
     // enough for the split to beat the cost of waking a second thread.
-    let threads = if k * n >= 1 << 17 {
+    let threads = if m * k * n >= 1 << 21 {
         rayon::current_num_threads().clamp(1, 8)
     } else {
         1
