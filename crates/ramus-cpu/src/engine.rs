@@ -17,7 +17,7 @@
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, Role, Source, Space};
 use ramus_core::op::{Arg, ArgData, KernelCtx};
 use ramus_core::{CoreError, Grads, HeadRows, Model, Params, Real};
-use ramus_graph::{BatchingPolicy, InputGraph, Schedule, NO_LABEL};
+use ramus_graph::{BatchingPolicy, FunctionRows, InputGraph, Schedule, Task, NO_LABEL};
 
 use crate::error::{EngineError, Result};
 
@@ -127,6 +127,27 @@ struct Range {
     e1: usize,
 }
 
+impl Range {
+    /// Every row and edge of a vertex function.
+    fn all(rows: &FunctionRows) -> Self {
+        Range {
+            r0: 0,
+            r1: rows.rows(),
+            e0: 0,
+            e1: rows.edges(),
+        }
+    }
+    /// The rows and edges of one task.
+    fn task(t: &Task) -> Self {
+        Range {
+            r0: t.row_offset as usize,
+            r1: (t.row_offset + t.len) as usize,
+            e0: t.edge_offset as usize,
+            e1: (t.edge_offset + t.edge_len) as usize,
+        }
+    }
+}
+
 /// The CPU batched engine. Holds its buffers between batches so steady-state
 /// training does not reallocate.
 pub struct CpuEngine<T> {
@@ -233,35 +254,23 @@ impl<T: Real> CpuEngine<T> {
                         .copy_from_slice(&values[v * pw..(v + 1) * pw]);
                 }
             }
-            let all = Range {
-                r0: 0,
-                r1: rows.rows(),
-                e0: 0,
-                e1: rows.edges(),
-            };
-            for &n in &func.forward_plan.eager {
-                run_node(
-                    &func.forward,
-                    n,
-                    arena,
-                    None,
-                    params,
-                    all,
-                    &rows.edge_parent,
-                )?;
-            }
+            let all = Range::all(rows);
+            run_nodes(
+                &func.forward,
+                &func.forward_plan.eager,
+                arena,
+                None,
+                params,
+                all,
+                &rows.edge_parent,
+            )?;
         }
         for task in &s.tasks {
             let f = task.function;
             let func = &model.functions[f];
             let rows = &s.functions[f];
             let arena = &mut self.fwd[f];
-            let range = Range {
-                r0: task.row_offset as usize,
-                r1: (task.row_offset + task.len) as usize,
-                e0: task.edge_offset as usize,
-                e1: (task.edge_offset + task.edge_len) as usize,
-            };
+            let range = Range::task(task);
             // gather: one copy pass per gathered symbol
             for (n, node) in func.forward.nodes.iter().enumerate() {
                 match node.kind {
@@ -291,17 +300,15 @@ impl<T: Real> CpuEngine<T> {
                 &rows.edge_parent[range.e0..range.e1],
                 range.r0,
             );
-            for &n in &func.forward_plan.per_task {
-                run_node(
-                    &func.forward,
-                    n,
-                    arena,
-                    None,
-                    params,
-                    range,
-                    &self.edge_local,
-                )?;
-            }
+            run_nodes(
+                &func.forward,
+                &func.forward_plan.per_task,
+                arena,
+                None,
+                params,
+                range,
+                &self.edge_local,
+            )?;
             // scatter: the task's rows are contiguous in both the dynamic
             // tensor and the state buffer, so this is one copy
             if let Some(sc) = func.scatter {
@@ -312,23 +319,16 @@ impl<T: Real> CpuEngine<T> {
         }
         for (f, func) in model.functions.iter().enumerate() {
             let rows = &s.functions[f];
-            let all = Range {
-                r0: 0,
-                r1: rows.rows(),
-                e0: 0,
-                e1: rows.edges(),
-            };
-            for &n in &func.forward_plan.lazy {
-                run_node(
-                    &func.forward,
-                    n,
-                    &mut self.fwd[f],
-                    None,
-                    params,
-                    all,
-                    &rows.edge_parent,
-                )?;
-            }
+            let all = Range::all(rows);
+            run_nodes(
+                &func.forward,
+                &func.forward_plan.lazy,
+                &mut self.fwd[f],
+                None,
+                params,
+                all,
+                &rows.edge_parent,
+            )?;
         }
         let out = self.run_head(model, params, s, mode, rows)?;
         self.forward_done = mode == Mode::Train;
@@ -507,34 +507,22 @@ impl<T: Real> CpuEngine<T> {
         self.state_grad.resize(s.num_vertices() * w, T::ZERO);
         for (f, func) in model.functions.iter().enumerate() {
             let rows = &s.functions[f];
-            let all = Range {
-                r0: 0,
-                r1: rows.rows(),
-                e0: 0,
-                e1: rows.edges(),
-            };
-            for &n in &func.backward_plan.eager {
-                run_node(
-                    &func.backward,
-                    n,
-                    &mut self.bwd[f],
-                    Some(&self.fwd[f]),
-                    params,
-                    all,
-                    &rows.edge_parent,
-                )?;
-            }
+            let all = Range::all(rows);
+            run_nodes(
+                &func.backward,
+                &func.backward_plan.eager,
+                &mut self.bwd[f],
+                Some(&self.fwd[f]),
+                params,
+                all,
+                &rows.edge_parent,
+            )?;
         }
         for task in s.tasks.iter().rev() {
             let f = task.function;
             let func = &model.functions[f];
             let rows = &s.functions[f];
-            let range = Range {
-                r0: task.row_offset as usize,
-                r1: (task.row_offset + task.len) as usize,
-                e0: task.edge_offset as usize,
-                e1: (task.edge_offset + task.edge_len) as usize,
-            };
+            let range = Range::task(task);
             let scatter_out = func
                 .forward
                 .outputs
@@ -552,17 +540,15 @@ impl<T: Real> CpuEngine<T> {
                 &rows.edge_parent[range.e0..range.e1],
                 range.r0,
             );
-            for &n in &func.backward_plan.per_task {
-                run_node(
-                    &func.backward,
-                    n,
-                    &mut self.bwd[f],
-                    Some(&self.fwd[f]),
-                    params,
-                    range,
-                    &self.edge_local,
-                )?;
-            }
+            run_nodes(
+                &func.backward,
+                &func.backward_plan.per_task,
+                &mut self.bwd[f],
+                Some(&self.fwd[f]),
+                params,
+                range,
+                &self.edge_local,
+            )?;
             for o in &func.backward.outputs {
                 match o.role {
                     Role::ChildGrad(k) => {
@@ -606,23 +592,16 @@ impl<T: Real> CpuEngine<T> {
         self.pull_grads.resize_with(model.functions.len(), Vec::new);
         for (f, func) in model.functions.iter().enumerate() {
             let rows = &s.functions[f];
-            let all = Range {
-                r0: 0,
-                r1: rows.rows(),
-                e0: 0,
-                e1: rows.edges(),
-            };
-            for &n in &func.backward_plan.lazy {
-                run_node(
-                    &func.backward,
-                    n,
-                    &mut self.bwd[f],
-                    Some(&self.fwd[f]),
-                    params,
-                    all,
-                    &rows.edge_parent,
-                )?;
-            }
+            let all = Range::all(rows);
+            run_nodes(
+                &func.backward,
+                &func.backward_plan.lazy,
+                &mut self.bwd[f],
+                Some(&self.fwd[f]),
+                params,
+                all,
+                &rows.edge_parent,
+            )?;
             accumulate_param_grads(&func.backward, &self.bwd[f], Some(&self.fwd[f]), grads)?;
             self.pull_grads[f].clear();
             if let Some(o) = func.backward.output(Role::PullGrad) {
@@ -692,6 +671,22 @@ fn resolve_indices<'a, T: Real>(
             .idx[m]),
         _ => Ok(&own.idx[n]),
     }
+}
+
+/// Runs the op nodes `nodes` of `g` over `range`, in order.
+fn run_nodes<T: Real>(
+    g: &Graph,
+    nodes: &[NodeId],
+    own: &mut Arena<T>,
+    fwd: Option<&Arena<T>>,
+    params: &Params<T>,
+    range: Range,
+    edge_parent: &[u32],
+) -> Result<()> {
+    for &n in nodes {
+        run_node(g, n, own, fwd, params, range, edge_parent)?;
+    }
+    Ok(())
 }
 
 /// Runs op node `n` of `g` over `range`.
