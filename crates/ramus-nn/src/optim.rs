@@ -98,12 +98,14 @@ impl<T: Real> Optimizer<T> {
         self.steps
     }
 
-    /// Applies one update from `grads`. Returns the gradient norm before clipping.
-    pub fn step(&mut self, params: &mut Params<T>, grads: &Grads<T>) -> f64 {
+    /// Applies one update from `grads`. Returns the gradient norm before
+    /// clipping when clipping is configured.
+    pub fn step(&mut self, params: &mut Params<T>, grads: &Grads<T>) -> Option<f64> {
         let c = self.config;
-        let norm = grads.norm();
-        let clip = match c.clip_norm {
-            Some(max) if norm > max && norm > 0.0 => max / norm,
+        // the global norm is only needed (and only computed) when clipping
+        let norm = c.clip_norm.map(|_| grads.norm());
+        let clip = match (c.clip_norm, norm) {
+            (Some(max), Some(norm)) if norm > max && norm > 0.0 => max / norm,
             _ => 1.0,
         };
         self.steps += 1;
