@@ -14,7 +14,8 @@ use ramus_core::{HeadRows, Params};
 use ramus_graph::BatchingPolicy;
 use ramus_nn::checkpoint;
 use ramus_nn::{
-    build_model, data_kind, DataKind, ModelConfig, OptimizerConfig, OptimizerKind, Trainer,
+    build_model, build_model_with, data_kind, DataKind, ModelConfig, ModelOptions, OptimizerConfig,
+    OptimizerKind, Trainer,
 };
 
 #[derive(Parser)]
@@ -75,6 +76,9 @@ struct TrainArgs {
     /// Batching policy: cavs or agenda.
     #[arg(long, default_value = "cavs")]
     policy: String,
+    /// Dropout rate on word embeddings and the classifier input.
+    #[arg(long, default_value_t = 0.0)]
+    dropout: f64,
     /// Where the loss is taken: `root` or `all` labelled nodes (default: the model's own choice).
     #[arg(long)]
     loss_at: Option<String>,
@@ -146,7 +150,7 @@ fn train(a: TrainArgs) -> AnyResult {
         hidden: a.hidden,
         classes: data.classes,
     };
-    let mut model = build_model(&a.model, &cfg)?;
+    let mut model = build_model_with(&a.model, &cfg, &ModelOptions { dropout: a.dropout })?;
     match a.loss_at.as_deref() {
         None => {}
         Some("root") => model.head.rows = HeadRows::Roots,
@@ -159,6 +163,7 @@ fn train(a: TrainArgs) -> AnyResult {
     oc.clip_norm = a.clip;
     let mut trainer = Trainer::new(model, params, oc);
     trainer.policy = policy;
+    trainer.engine.set_seed(a.seed);
     let mut rng = ramus_nn::train::rng(a.seed);
     println!(
         "model: {} hidden {} | optimizer {} lr {} | batch {} | {} threads",

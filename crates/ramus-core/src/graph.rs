@@ -116,6 +116,9 @@ pub enum Source {
     Label,
     /// The pushed value of each vertex the head is attached to.
     HeadInput,
+    /// A dropout mask (0 or `1 / (1 - rate)` per element while training, 1
+    /// otherwise) for dropout site `site`, `rate` in units of 1e-4.
+    DropoutMask { site: u16, rate: u16 },
     /// In a backward graph: the forward value of node `n` of the forward graph.
     Forward(NodeId),
     /// In a backward graph: the gradient flowing into forward output `i`.
@@ -442,6 +445,14 @@ impl GraphBuilder {
             Some(e) => Err(e),
             None => Ok(self.graph),
         }
+    }
+
+    /// Number of dropout sites declared so far.
+    pub fn dropout_sites(&self) -> usize {
+        self.input_nodes
+            .keys()
+            .filter(|s| matches!(s, Source::DropoutMask { .. }))
+            .count()
     }
 
     /// Read access to the graph built so far.

@@ -19,6 +19,9 @@ use ramus_core::op::{Arg, ArgData, KernelCtx};
 use ramus_core::{CoreError, Grads, HeadRows, Model, Params, Real};
 use ramus_graph::{BatchingPolicy, FunctionRows, InputGraph, Schedule, Task, NO_LABEL};
 
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
 use crate::error::{EngineError, Result};
 
 /// A batch of input graphs with its schedule.
@@ -45,10 +48,15 @@ impl<'a> Batch<'a> {
     }
 }
 
-/// Whether a forward pass computes the loss (needs labels) or only scores.
+/// Whether a forward pass computes the loss (needs labels) or only scores,
+/// and whether dropout is active.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
+    /// Loss and scores with dropout active; a backward pass may follow.
     Train,
+    /// Loss and scores without dropout (evaluation).
+    Evaluate,
+    /// Scores only (no labels needed), without dropout.
     Infer,
 }
 
@@ -162,6 +170,7 @@ pub struct CpuEngine<T> {
     pull_values: Option<Vec<T>>,
     pull_grads: Vec<Vec<T>>,
     forward_done: bool,
+    rng: ChaCha8Rng,
 }
 
 impl<T: Real> Default for CpuEngine<T> {
@@ -184,7 +193,13 @@ impl<T: Real> CpuEngine<T> {
             pull_values: None,
             pull_grads: Vec::new(),
             forward_done: false,
+            rng: ChaCha8Rng::seed_from_u64(0),
         }
+    }
+
+    /// Reseeds the stream dropout masks are drawn from.
+    pub fn set_seed(&mut self, seed: u64) {
+        self.rng = ChaCha8Rng::seed_from_u64(seed);
     }
 
     /// Supplies `pull()` inputs for the next batch: `width` floats per vertex number.
@@ -228,6 +243,7 @@ impl<T: Real> CpuEngine<T> {
             let rows = &s.functions[f];
             let arena = &mut self.fwd[f];
             arena.prepare(&func.forward, rows.rows(), rows.edges());
+            fill_dropout_masks(&func.forward, arena, mode == Mode::Train, &mut self.rng);
             if let Some(tok) = func.forward.input_node(Source::Token) {
                 for (dst, &v) in arena.idx[tok].iter_mut().zip(&rows.vertex) {
                     *dst = s.tokens[v as usize];
@@ -362,6 +378,7 @@ impl<T: Real> CpuEngine<T> {
         }
         let g = &head.forward;
         self.head_fwd.prepare(g, h, 0);
+        fill_dropout_masks(g, &mut self.head_fwd, mode == Mode::Train, &mut self.rng);
         if let Some(inp) = g.input_node(Source::HeadInput) {
             let pw = g.nodes[inp].ty.width();
             for (i, &v) in self.head_vertices.iter().enumerate() {
@@ -379,7 +396,7 @@ impl<T: Real> CpuEngine<T> {
         let needed = match (mode, head.logits) {
             (Mode::Infer, Some(l)) => ancestors(g, &[l]),
             (Mode::Infer, None) => vec![false; g.nodes.len()],
-            (Mode::Train, _) => vec![true; g.nodes.len()],
+            (Mode::Train | Mode::Evaluate, _) => vec![true; g.nodes.len()],
         };
         if let Some(lab) = g.input_node(Source::Label) {
             if needed[lab] {
@@ -406,7 +423,7 @@ impl<T: Real> CpuEngine<T> {
                 run_node(g, n, &mut self.head_fwd, None, params, all, &[])?;
             }
         }
-        let loss = (mode == Mode::Train).then(|| self.head_fwd.vals[head.loss][0].to_f64());
+        let loss = (mode != Mode::Infer).then(|| self.head_fwd.vals[head.loss][0].to_f64());
         let (logits, classes) = match head.logits {
             Some(l) => (self.head_fwd.vals[l].clone(), g.nodes[l].ty.width()),
             None => (Vec::new(), 0),
@@ -615,6 +632,31 @@ impl<T: Real> CpuEngine<T> {
         }
         grads.finish_rows();
         Ok(())
+    }
+}
+
+/// Fills every dropout mask of `g`: Bernoulli keep masks scaled by
+/// `1 / (1 - rate)` while training, ones otherwise.
+fn fill_dropout_masks<T: Real>(
+    g: &Graph,
+    arena: &mut Arena<T>,
+    training: bool,
+    rng: &mut ChaCha8Rng,
+) {
+    for (n, node) in g.nodes.iter().enumerate() {
+        if let NodeKind::Input(Source::DropoutMask { rate, .. }) = node.kind {
+            let rate = f64::from(rate) * 1e-4;
+            let keep = T::from_f64(1.0 / (1.0 - rate));
+            for x in arena.vals[n].iter_mut() {
+                *x = if !training {
+                    T::ONE
+                } else if rng.random::<f64>() < rate {
+                    T::ZERO
+                } else {
+                    keep
+                };
+            }
+        }
     }
 }
 

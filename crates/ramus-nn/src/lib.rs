@@ -8,6 +8,8 @@ pub mod optim;
 pub mod train;
 
 pub use error::{NnError, Result};
-pub use models::{build_model, data_kind, DataKind, ModelConfig, MODEL_NAMES};
+pub use models::{
+    build_model, build_model_with, data_kind, DataKind, ModelConfig, ModelOptions, MODEL_NAMES,
+};
 pub use optim::{Optimizer, OptimizerConfig, OptimizerKind};
 pub use train::{evaluate, EvalResult, Trainer};

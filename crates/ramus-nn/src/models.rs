@@ -42,13 +42,26 @@ pub fn data_kind(name: &str) -> Option<DataKind> {
     }
 }
 
-/// Builds model `name`.
+/// Training-only options that do not change a model's parameters.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ModelOptions {
+    /// Dropout rate on word embeddings and on the classifier input (0 = off).
+    pub dropout: f64,
+}
+
+/// Builds model `name` (no dropout).
 pub fn build_model(name: &str, cfg: &ModelConfig) -> Result<Model> {
+    build_model_with(name, cfg, &ModelOptions::default())
+}
+
+/// Builds model `name` with training options.
+pub fn build_model_with(name: &str, cfg: &ModelConfig, opts: &ModelOptions) -> Result<Model> {
+    let p = opts.dropout;
     let mut model = match name {
-        "treelstm" => reference_treelstm(cfg),
-        "treelstm-nary" => nary_treelstm(cfg),
-        "treefc" => tree_fc(cfg),
-        "lstm-lm" => lstm_lm(cfg),
+        "treelstm" => reference_treelstm(cfg, p),
+        "treelstm-nary" => nary_treelstm(cfg, p),
+        "treefc" => tree_fc(cfg, p),
+        "lstm-lm" => lstm_lm(cfg, p),
         _ => {
             return Err(ramus_core::CoreError::Unknown {
                 kind: "model",
@@ -91,9 +104,10 @@ fn lstm_cell_out(f: &mut VertexFnBuilder, iou: Sym, c_extra: Option<Sym>) -> (Sy
     (h, c)
 }
 
-/// Linear classifier head with mean softmax cross-entropy.
-fn classifier_head(h: &mut HeadBuilder, w_out: usize, b_out: usize) {
+/// Linear classifier head with mean softmax cross-entropy (and dropout on its input).
+fn classifier_head(h: &mut HeadBuilder, w_out: usize, b_out: usize, dropout: f64) {
     let x = h.input();
+    let x = h.dropout(x, dropout);
     let (w, b) = (h.param(w_out), h.param(b_out));
     let logits = h.linear(x, w, Some(b));
     let labels = h.labels();
@@ -104,7 +118,7 @@ fn classifier_head(h: &mut HeadBuilder, w_out: usize, b_out: usize) {
 }
 
 /// The reference child-sum Tree-LSTM (see the module docs). State = `[h; c]`.
-fn reference_treelstm(cfg: &ModelConfig) -> Result<Model> {
+fn reference_treelstm(cfg: &ModelConfig, dropout: f64) -> Result<Model> {
     let (v, hd, k) = (cfg.vocab, cfg.hidden, cfg.classes);
     let mut m = ModelBuilder::new("treelstm", 2 * hd);
     let emb = m.param("emb", &[v, hd], Init::Normal { std: 1.0 });
@@ -117,6 +131,7 @@ fn reference_treelstm(cfg: &ModelConfig) -> Result<Model> {
     let b_out = m.param("b_out", &[k], linear_bias(hd));
     let leaf = m.vertex_fn("leaf", |f| {
         let x = f.embed(emb);
+        let x = f.dropout(x, dropout);
         let (w, b) = (f.param(w_iou), f.param(b_iou));
         let iou = f.linear(x, w, Some(b));
         let (h, c) = lstm_cell_out(f, iou, None);
@@ -142,13 +157,15 @@ fn reference_treelstm(cfg: &ModelConfig) -> Result<Model> {
         f.push(h);
     })?;
     m.select(FunctionSelector::LeafInternal { leaf, internal });
-    m.head(HeadRows::Roots, hd, |h| classifier_head(h, w_out, b_out))?;
+    m.head(HeadRows::Roots, hd, |h| {
+        classifier_head(h, w_out, b_out, dropout)
+    })?;
     m.build()
 }
 
 /// Binary constituency Tree-LSTM (Tai et al. 2015, N-ary with N = 2) with
 /// a loss at every labelled node. State = `[h; c]`.
-fn nary_treelstm(cfg: &ModelConfig) -> Result<Model> {
+fn nary_treelstm(cfg: &ModelConfig, dropout: f64) -> Result<Model> {
     let (v, hd, k) = (cfg.vocab, cfg.hidden, cfg.classes);
     let mut m = ModelBuilder::new("treelstm-nary", 2 * hd);
     let emb = m.param("emb", &[v, hd], Init::Normal { std: 0.1 });
@@ -162,6 +179,7 @@ fn nary_treelstm(cfg: &ModelConfig) -> Result<Model> {
     let b_out = m.param("b_out", &[k], linear_bias(hd));
     let leaf = m.vertex_fn("leaf", |f| {
         let x = f.embed(emb);
+        let x = f.dropout(x, dropout);
         let (w, b) = (f.param(w_iou), f.param(b_leaf));
         let iou = f.linear(x, w, Some(b));
         let (h, c) = lstm_cell_out(f, iou, None);
@@ -189,12 +207,14 @@ fn nary_treelstm(cfg: &ModelConfig) -> Result<Model> {
         f.push(h);
     })?;
     m.select(FunctionSelector::LeafInternal { leaf, internal });
-    m.head(HeadRows::Labelled, hd, |h| classifier_head(h, w_out, b_out))?;
+    m.head(HeadRows::Labelled, hd, |h| {
+        classifier_head(h, w_out, b_out, dropout)
+    })?;
     m.build()
 }
 
 /// Tree-FC: leaves are word vectors, internal nodes `tanh(W [h_l; h_r] + b)`.
-fn tree_fc(cfg: &ModelConfig) -> Result<Model> {
+fn tree_fc(cfg: &ModelConfig, dropout: f64) -> Result<Model> {
     let (v, hd, k) = (cfg.vocab, cfg.hidden, cfg.classes);
     let mut m = ModelBuilder::new("treefc", hd);
     let emb = m.param("emb", &[v, hd], Init::Normal { std: 0.1 });
@@ -204,6 +224,7 @@ fn tree_fc(cfg: &ModelConfig) -> Result<Model> {
     let b_out = m.param("b_out", &[k], linear_bias(hd));
     let leaf = m.vertex_fn("leaf", |f| {
         let x = f.embed(emb);
+        let x = f.dropout(x, dropout);
         let h = f.tanh(x);
         f.scatter(h);
         f.push(h);
@@ -218,13 +239,15 @@ fn tree_fc(cfg: &ModelConfig) -> Result<Model> {
         f.push(h);
     })?;
     m.select(FunctionSelector::LeafInternal { leaf, internal });
-    m.head(HeadRows::Roots, hd, |h| classifier_head(h, w_out, b_out))?;
+    m.head(HeadRows::Roots, hd, |h| {
+        classifier_head(h, w_out, b_out, dropout)
+    })?;
     m.build()
 }
 
 /// LSTM language model: each chain vertex reads its token and its
 /// predecessor's state and predicts the next token (the vertex label).
-fn lstm_lm(cfg: &ModelConfig) -> Result<Model> {
+fn lstm_lm(cfg: &ModelConfig, dropout: f64) -> Result<Model> {
     let (v, hd) = (cfg.vocab, cfg.hidden);
     let mut m = ModelBuilder::new("lstm-lm", 2 * hd);
     let emb = m.param("emb", &[v, hd], Init::Uniform { bound: 0.1 });
@@ -235,6 +258,7 @@ fn lstm_lm(cfg: &ModelConfig) -> Result<Model> {
     let b_out = m.param("b_out", &[v], linear_bias(hd));
     m.vertex_fn("step", |f| {
         let x = f.embed(emb);
+        let x = f.dropout(x, dropout);
         let prev = f.gather(0);
         let (h_prev, c_prev) = (f.slice(prev, 0, hd), f.slice(prev, hd, hd));
         let (wx, wh, bb) = (f.param(w_x), f.param(w_h), f.param(b));
@@ -255,6 +279,8 @@ fn lstm_lm(cfg: &ModelConfig) -> Result<Model> {
         f.scatter(state);
         f.push(h);
     })?;
-    m.head(HeadRows::Labelled, hd, |h| classifier_head(h, w_out, b_out))?;
+    m.head(HeadRows::Labelled, hd, |h| {
+        classifier_head(h, w_out, b_out, dropout)
+    })?;
     m.build()
 }

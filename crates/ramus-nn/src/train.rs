@@ -113,7 +113,7 @@ pub fn evaluate<T: Real>(
         let graphs: Vec<&InputGraph> = chunk.iter().collect();
         let batch = Batch::new(model, graphs, policy)?;
         let s = &batch.schedule;
-        let out = engine.forward(model, params, &batch, Mode::Train)?;
+        let out = engine.forward(model, params, &batch, Mode::Evaluate)?;
         loss += out.loss.unwrap_or(0.0) * chunk.len() as f64;
         let all = match model.head.rows {
             HeadRows::Labelled => out,

@@ -207,3 +207,71 @@ fn batched_equals_one_graph_at_a_time() {
         / graphs.len() as f64;
     assert!((batched - single).abs() < 1e-12, "{batched} vs {single}");
 }
+
+/// Loss with dropout masks drawn from a fixed seed, so every evaluation
+/// sees the same masks.
+fn seeded_loss(
+    model: &ramus_core::Model,
+    params: &Params<f64>,
+    graphs: &[InputGraph],
+    mode: Mode,
+) -> f64 {
+    let mut engine = CpuEngine::<f64>::new();
+    engine.set_seed(77);
+    let batch = Batch::new(model, graphs.iter().collect(), BatchingPolicy::Cavs).unwrap();
+    engine
+        .forward(model, params, &batch, mode)
+        .unwrap()
+        .loss
+        .unwrap()
+}
+
+#[test]
+fn dropout_gradients_match_finite_differences_with_fixed_masks() {
+    let cfg = small();
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    let graphs: Vec<InputGraph> = (0..3)
+        .map(|i| random_tree(&mut rng, 3 + i, &[2], &cfg))
+        .collect();
+    let opts = ramus_nn::ModelOptions { dropout: 0.4 };
+    let model = ramus_nn::build_model_with("treelstm", &cfg, &opts).unwrap();
+    let mut params: Params<f64> = Params::init(&model, 2);
+    let mut engine = CpuEngine::<f64>::new();
+    engine.set_seed(77);
+    let batch = Batch::new(&model, graphs.iter().collect(), BatchingPolicy::Cavs).unwrap();
+    let train_loss = engine
+        .forward(&model, &params, &batch, Mode::Train)
+        .unwrap()
+        .loss
+        .unwrap();
+    let mut grads = Grads::zeros(&model);
+    engine
+        .backward(&model, &params, &batch, &mut grads)
+        .unwrap();
+    // dropout is active in training and off in evaluation, where the model
+    // equals the one built without dropout
+    let eval_loss = seeded_loss(&model, &params, &graphs, Mode::Evaluate);
+    let plain = build_model("treelstm", &cfg).unwrap();
+    assert!((eval_loss - seeded_loss(&plain, &params, &graphs, Mode::Evaluate)).abs() < 1e-12);
+    assert!(
+        (train_loss - eval_loss).abs() > 1e-6,
+        "dropout changed nothing"
+    );
+    let eps = 1e-6;
+    for p in 0..params.values.len() {
+        for i in (0..params.values[p].len()).step_by(3) {
+            let orig = params.values[p].data()[i];
+            params.values[p].data_mut()[i] = orig + eps;
+            let up = seeded_loss(&model, &params, &graphs, Mode::Train);
+            params.values[p].data_mut()[i] = orig - eps;
+            let down = seeded_loss(&model, &params, &graphs, Mode::Train);
+            params.values[p].data_mut()[i] = orig;
+            let (fd, an) = ((up - down) / (2.0 * eps), grads.values[p].data()[i]);
+            assert!(
+                (fd - an).abs() <= 1e-6 * fd.abs().max(an.abs()) + 1e-8,
+                "{}[{i}]: {an} vs {fd}",
+                model.params[p].name
+            );
+        }
+    }
+}

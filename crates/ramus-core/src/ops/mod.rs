@@ -7,7 +7,7 @@ pub mod structure;
 
 use std::sync::Arc;
 
-use crate::graph::{GraphBuilder, Sym};
+use crate::graph::{GraphBuilder, Sym, ValueType};
 use crate::op::{OpDef, PrimitiveMaker};
 
 pub use elementwise::*;
@@ -254,6 +254,30 @@ impl GraphBuilder {
     /// Rows of `table` selected by index rows `tokens`.
     pub fn embedding(&mut self, table: Sym, tokens: Sym) -> Sym {
         self.op2(Embedding, table, tokens)
+    }
+    /// Inverted dropout: while training each element is zeroed with
+    /// probability `rate` and the rest scaled by `1 / (1 - rate)`; outside
+    /// training it is the identity. `rate` is rounded to 1e-4.
+    pub fn dropout(&mut self, x: Sym, rate: f64) -> Sym {
+        if !(0.0..1.0).contains(&rate) {
+            return self.fail("dropout", format!("rate {rate} is not in [0, 1)"));
+        }
+        let rate = (rate * 1e4).round() as u16;
+        if rate == 0 {
+            return x;
+        }
+        let Some(ty) = self.ty(x).cloned() else {
+            return x;
+        };
+        if !ty.is_rows() {
+            return self.fail("dropout", format!("operand must be row values, got {ty}"));
+        }
+        let site = self.dropout_sites() as u16;
+        let mask = self.input(
+            crate::graph::Source::DropoutMask { site, rate },
+            ValueType::rows(ty.space, ty.width()),
+        );
+        self.mul(x, mask)
     }
     /// Per-row softmax cross-entropy of `scores` against index rows `labels`.
     pub fn softmax_xent(&mut self, scores: Sym, labels: Sym) -> Sym {
