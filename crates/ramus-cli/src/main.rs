@@ -175,6 +175,7 @@ fn train(a: TrainArgs) -> AnyResult {
         rayon::current_num_threads()
     );
     let started = Instant::now();
+    let mut best: Option<(f64, usize, Params<f32>)> = None;
     for epoch in 1..=a.epochs {
         let bar = if a.quiet {
             ProgressBar::hidden()
@@ -204,6 +205,22 @@ fn train(a: TrainArgs) -> AnyResult {
             100.0 * dev.node_accuracy,
             data.train.len() as f64 / secs
         );
+        // keep the parameters of the epoch with the best dev root accuracy
+        if best
+            .as_ref()
+            .is_none_or(|(acc, _, _)| dev.root_accuracy > *acc)
+        {
+            best = Some((dev.root_accuracy, epoch, trainer.params.clone()));
+        }
+    }
+    if let Some((acc, epoch, params)) = best {
+        if epoch != a.epochs {
+            println!(
+                "using the parameters of epoch {epoch} (best dev root acc {:.2}%)",
+                100.0 * acc
+            );
+        }
+        trainer.params = params;
     }
     let test = trainer.evaluate(&data.test, 64)?;
     println!(
