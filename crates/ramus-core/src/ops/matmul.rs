@@ -250,27 +250,25 @@ fn small_m<T: Real>(a: &[T], b: &[T], out: &mut [T], m: usize, k: usize, n: usiz
         // cols is [m, j1 - j0] row-major
         let w = j1 - j0;
         if trans_b {
-            // four rows of A against each row of B: B is read once per four rows
-            let mut r = 0;
-            while r + 4 <= m {
-                let rows = [
-                    &a[r * k..(r + 1) * k],
-                    &a[(r + 1) * k..(r + 2) * k],
-                    &a[(r + 2) * k..(r + 3) * k],
-                    &a[(r + 3) * k..(r + 4) * k],
-                ];
-                for j in j0..j1 {
-                    let d = dot4(rows, &b[j * k..(j + 1) * k]);
-                    for (q, v) in d.into_iter().enumerate() {
+            // B's rows are the outer loop, so each is read from memory once
+            // and meets every row of A (which stays in L1), four at a time
+            for j in j0..j1 {
+                let bj = &b[j * k..(j + 1) * k];
+                let mut r = 0;
+                while r + 4 <= m {
+                    let rows = [
+                        &a[r * k..(r + 1) * k],
+                        &a[(r + 1) * k..(r + 2) * k],
+                        &a[(r + 2) * k..(r + 3) * k],
+                        &a[(r + 3) * k..(r + 4) * k],
+                    ];
+                    for (q, v) in dot4(rows, bj).into_iter().enumerate() {
                         cols[(r + q) * w + j - j0] = v;
                     }
+                    r += 4;
                 }
-                r += 4;
-            }
-            for r in r..m {
-                let ar = &a[r * k..(r + 1) * k];
-                for j in j0..j1 {
-                    cols[r * w + j - j0] = dot(ar, &b[j * k..(j + 1) * k]);
+                for r in r..m {
+                    cols[r * w + j - j0] = dot(&a[r * k..(r + 1) * k], bj);
                 }
             }
         } else {
@@ -309,28 +307,41 @@ fn small_m<T: Real>(a: &[T], b: &[T], out: &mut [T], m: usize, k: usize, n: usiz
     }
 }
 
-/// Four dot products against one shared vector `y`.
+/// Four dot products against one shared vector `y` (y is loaded once for
+/// all four rows; fixed-size chunks keep the loop free of bounds checks, so
+/// it vectorizes).
 #[inline]
 fn dot4<T: Real>(x: [&[T]; 4], y: &[T]) -> [T; 4] {
     let mut acc = [[T::ZERO; 8]; 4];
-    let n8 = y.len() / 8 * 8;
-    for i in (0..n8).step_by(8) {
-        let ys = &y[i..i + 8];
-        for q in 0..4 {
-            let xs = &x[q][i..i + 8];
-            for l in 0..8 {
-                acc[q][l] += xs[l] * ys[l];
-            }
+    let (yc, _) = y.as_chunks::<8>();
+    let n8 = yc.len() * 8;
+    let (x0, _) = x[0][..n8].as_chunks::<8>();
+    let (x1, _) = x[1][..n8].as_chunks::<8>();
+    let (x2, _) = x[2][..n8].as_chunks::<8>();
+    let (x3, _) = x[3][..n8].as_chunks::<8>();
+    for i in 0..yc
+        .len()
+        .min(x0.len())
+        .min(x1.len())
+        .min(x2.len())
+        .min(x3.len())
+    {
+        let ys = &yc[i];
+        let (a, b, c, d) = (&x0[i], &x1[i], &x2[i], &x3[i]);
+        for l in 0..8 {
+            acc[0][l] += a[l] * ys[l];
+            acc[1][l] += b[l] * ys[l];
+            acc[2][l] += c[l] * ys[l];
+            acc[3][l] += d[l] * ys[l];
         }
     }
     let mut out = [T::ZERO; 4];
     for q in 0..4 {
         let a = &acc[q];
-        let mut s = (a[0] + a[4]) + (a[1] + a[5]) + ((a[2] + a[6]) + (a[3] + a[7]));
+        out[q] = (a[0] + a[4]) + (a[1] + a[5]) + ((a[2] + a[6]) + (a[3] + a[7]));
         for i in n8..y.len() {
-            s += x[q][i] * y[i];
+            out[q] += x[q][i] * y[i];
         }
-        out[q] = s;
     }
     out
 }
@@ -339,11 +350,11 @@ fn dot4<T: Real>(x: [&[T]; 4], y: &[T]) -> [T; 4] {
 #[inline]
 pub(crate) fn dot<T: Real>(x: &[T], y: &[T]) -> T {
     let mut acc = [T::ZERO; 8];
-    let (xc, yc) = (x.chunks_exact(8), y.chunks_exact(8));
-    let (xr, yr) = (xc.remainder(), yc.remainder());
-    for (xs, ys) in xc.zip(yc) {
-        for i in 0..8 {
-            acc[i] += xs[i] * ys[i];
+    let (xc, xr) = x.as_chunks::<8>();
+    let (yc, yr) = y.as_chunks::<8>();
+    for (xs, ys) in xc.iter().zip(yc) {
+        for l in 0..8 {
+            acc[l] += xs[l] * ys[l];
         }
     }
     let mut s = (acc[0] + acc[4]) + (acc[1] + acc[5]) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
