@@ -682,37 +682,45 @@ fn ancestors(g: &Graph, roots: &[NodeId]) -> Vec<bool> {
     need
 }
 
-/// The float buffer holding node `n`'s value (following `Forward` references).
+/// The arena and node whose buffer holds node `n`'s value: a backward
+/// graph's `Forward(m)` inputs live in the forward arena as node `m`.
+fn source<'a, T: Real>(
+    g: &Graph,
+    n: NodeId,
+    own: &'a Arena<T>,
+    fwd: Option<&'a Arena<T>>,
+) -> Result<(&'a Arena<T>, NodeId)> {
+    match g.nodes[n].kind {
+        NodeKind::Input(Source::Forward(m)) => {
+            let fwd = fwd.ok_or_else(|| {
+                EngineError::Input("forward value requested outside a backward graph".into())
+            })?;
+            Ok((fwd, m))
+        }
+        _ => Ok((own, n)),
+    }
+}
+
+/// The float buffer holding node `n`'s value.
 fn resolve_floats<'a, T: Real>(
     g: &Graph,
     n: NodeId,
     own: &'a Arena<T>,
     fwd: Option<&'a Arena<T>>,
 ) -> Result<&'a [T]> {
-    match g.nodes[n].kind {
-        NodeKind::Input(Source::Forward(m)) => Ok(&fwd
-            .ok_or_else(|| {
-                EngineError::Input("forward value requested outside a backward graph".into())
-            })?
-            .vals[m]),
-        _ => Ok(&own.vals[n]),
-    }
+    let (arena, m) = source(g, n, own, fwd)?;
+    Ok(&arena.vals[m])
 }
 
+/// The index buffer holding node `n`'s value.
 fn resolve_indices<'a, T: Real>(
     g: &Graph,
     n: NodeId,
     own: &'a Arena<T>,
     fwd: Option<&'a Arena<T>>,
 ) -> Result<&'a [u32]> {
-    match g.nodes[n].kind {
-        NodeKind::Input(Source::Forward(m)) => Ok(&fwd
-            .ok_or_else(|| {
-                EngineError::Input("forward value requested outside a backward graph".into())
-            })?
-            .idx[m]),
-        _ => Ok(&own.idx[n]),
-    }
+    let (arena, m) = source(g, n, own, fwd)?;
+    Ok(&arena.idx[m])
 }
 
 /// Runs the op nodes `nodes` of `g` over `range`, in order.

@@ -104,6 +104,27 @@ fn lstm_cell_out(f: &mut VertexFnBuilder, iou: Sym, c_extra: Option<Sym>) -> (Sy
     (h, c)
 }
 
+/// The Tree-LSTM leaf: `iou = W x + b` on the (dropped-out) word vector,
+/// `c = σ(i)·tanh(u)`, `h = σ(o)·tanh(c)`; scatters `[h; c]`, pushes `h`.
+fn lstm_leaf(
+    m: &mut ModelBuilder,
+    emb: usize,
+    w_iou: usize,
+    b: usize,
+    dropout: f64,
+) -> Result<usize> {
+    m.vertex_fn("leaf", |f| {
+        let x = f.embed(emb);
+        let x = f.dropout(x, dropout);
+        let (w, b) = (f.param(w_iou), f.param(b));
+        let iou = f.linear(x, w, Some(b));
+        let (h, c) = lstm_cell_out(f, iou, None);
+        let state = f.concat(&[h, c]);
+        f.scatter(state);
+        f.push(h);
+    })
+}
+
 /// Linear classifier head with mean softmax cross-entropy (and dropout on its input).
 fn classifier_head(h: &mut HeadBuilder, w_out: usize, b_out: usize, dropout: f64) {
     let x = h.input();
@@ -129,16 +150,7 @@ fn reference_treelstm(cfg: &ModelConfig, dropout: f64) -> Result<Model> {
     let b_f = m.param("b_f", &[hd], Init::Zeros);
     let w_out = m.param("W_out", &[k, hd], Init::LinearDefault);
     let b_out = m.param("b_out", &[k], linear_bias(hd));
-    let leaf = m.vertex_fn("leaf", |f| {
-        let x = f.embed(emb);
-        let x = f.dropout(x, dropout);
-        let (w, b) = (f.param(w_iou), f.param(b_iou));
-        let iou = f.linear(x, w, Some(b));
-        let (h, c) = lstm_cell_out(f, iou, None);
-        let state = f.concat(&[h, c]);
-        f.scatter(state);
-        f.push(h);
-    })?;
+    let leaf = lstm_leaf(&mut m, emb, w_iou, b_iou, dropout)?;
     let internal = m.vertex_fn("internal", |f| {
         let kids = f.gather_all();
         let h_k = f.slice(kids, 0, hd);
@@ -177,16 +189,7 @@ fn nary_treelstm(cfg: &ModelConfig, dropout: f64) -> Result<Model> {
     let b_f = m.param("b_f", &[2 * hd], Init::Uniform { bound: 0.0 });
     let w_out = m.param("W_out", &[k, hd], Init::LinearDefault);
     let b_out = m.param("b_out", &[k], linear_bias(hd));
-    let leaf = m.vertex_fn("leaf", |f| {
-        let x = f.embed(emb);
-        let x = f.dropout(x, dropout);
-        let (w, b) = (f.param(w_iou), f.param(b_leaf));
-        let iou = f.linear(x, w, Some(b));
-        let (h, c) = lstm_cell_out(f, iou, None);
-        let state = f.concat(&[h, c]);
-        f.scatter(state);
-        f.push(h);
-    })?;
+    let leaf = lstm_leaf(&mut m, emb, w_iou, b_leaf, dropout)?;
     let internal = m.vertex_fn("internal", |f| {
         let (l, r) = (f.gather(0), f.gather(1));
         let (h_l, c_l) = (f.slice(l, 0, hd), f.slice(l, hd, hd));
