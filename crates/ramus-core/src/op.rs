@@ -48,6 +48,13 @@ pub trait OpDef: Send + Sync + Debug + CpuKernel {
     fn elementwise_template(&self) -> Option<String> {
         None
     }
+    /// For ops whose second operand is a static matrix used by many tasks
+    /// (weights): `Some(trans_b)` asks the engine to pack `op(B)` once per
+    /// pass and hand it over in [`KernelCtx::packed_b`] when a run has at most
+    /// `rows_limit` rows.
+    fn packed_operand(&self) -> Option<PackedOperand> {
+        None
+    }
     /// Estimated cost for `rows` rows.
     fn cost(&self, inputs: &[&ValueType], out: &ValueType, rows: usize) -> Cost {
         let n = if out.is_rows() {
@@ -62,6 +69,13 @@ pub trait OpDef: Send + Sync + Debug + CpuKernel {
             bytes: 4.0 * (n + reads),
         }
     }
+}
+
+/// How an op wants its static second operand packed (see [`OpDef::packed_operand`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PackedOperand {
+    pub trans_b: bool,
+    pub rows_limit: usize,
 }
 
 /// Data of one kernel argument.
@@ -113,6 +127,9 @@ pub struct KernelCtx<'a, T> {
     pub vertex_rows: usize,
     /// For each edge row of this run, the vertex row (0-based in this run) it belongs to.
     pub edge_parent: &'a [u32],
+    /// The static second operand pre-packed by the engine, for ops that ask
+    /// for it through [`OpDef::packed_operand`].
+    pub packed_b: Option<&'a crate::ops::matmul::PackedB<T>>,
 }
 
 /// Object-safe CPU kernel entry points, one per element type. Ops implement

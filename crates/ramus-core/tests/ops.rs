@@ -2236,6 +2236,7 @@ fn kernels_reject_inconsistent_arguments() {
         out_rows: 2,
         vertex_rows: 2,
         edge_parent: &[0, 0, 1],
+        packed_b: None,
     };
     let err = f64::run_kernel(&SumChildren, &mut ctx)
         .unwrap_err()
@@ -2256,6 +2257,7 @@ fn kernels_reject_inconsistent_arguments() {
         out_rows: 2,
         vertex_rows: 2,
         edge_parent: &[],
+        packed_b: None,
     };
     let err = f64::run_kernel(&Exp, &mut ctx).unwrap_err().to_string();
     assert!(err.contains("exp") && err.contains("need 8"), "{err}");
@@ -2274,6 +2276,7 @@ fn kernels_reject_inconsistent_arguments() {
         out_rows: 2,
         vertex_rows: 2,
         edge_parent: &[],
+        packed_b: None,
     };
     let err = f64::run_kernel(&Neg, &mut ctx).unwrap_err().to_string();
     assert!(err.contains("expected a float argument"), "{err}");

@@ -14,8 +14,11 @@
 //! weight-gradient GEMMs among them — run once over all tasks' rows (lazy
 //! batching). Kernels split large ops over threads.
 
-use ramus_core::graph::{DType, Graph, NodeId, NodeKind, Role, Source, Space};
+use std::collections::HashMap;
+
+use ramus_core::graph::{DType, Graph, NodeId, NodeKind, ParamId, Role, Source, Space};
 use ramus_core::op::{Arg, ArgData, KernelCtx};
+use ramus_core::ops::matmul::PackedB;
 use ramus_core::{CoreError, Grads, HeadRows, Model, Params, Real};
 use ramus_graph::{BatchingPolicy, FunctionRows, InputGraph, Schedule, Task, NO_LABEL};
 
@@ -171,7 +174,12 @@ pub struct CpuEngine<T> {
     pull_grads: Vec<Vec<T>>,
     forward_done: bool,
     rng: ChaCha8Rng,
+    packs: Packs<T>,
 }
+
+/// Weights packed for small-row products, by (parameter, transposed), valid
+/// for one pass (parameters do not change within a pass).
+type Packs<T> = HashMap<(ParamId, bool), PackedB<T>>;
 
 impl<T: Real> Default for CpuEngine<T> {
     fn default() -> Self {
@@ -194,6 +202,7 @@ impl<T: Real> CpuEngine<T> {
             pull_grads: Vec::new(),
             forward_done: false,
             rng: ChaCha8Rng::seed_from_u64(0),
+            packs: HashMap::new(),
         }
     }
 
@@ -234,6 +243,7 @@ impl<T: Real> CpuEngine<T> {
         rows: HeadRows,
     ) -> Result<ForwardOutput<T>> {
         let s = &batch.schedule;
+        self.packs.clear();
         let n_fn = model.functions.len();
         self.fwd.resize_with(n_fn, Arena::default);
         let w = model.state_width;
@@ -279,6 +289,7 @@ impl<T: Real> CpuEngine<T> {
                 params,
                 all,
                 &rows.edge_parent,
+                &mut self.packs,
             )?;
         }
         for task in &s.tasks {
@@ -324,6 +335,7 @@ impl<T: Real> CpuEngine<T> {
                 params,
                 range,
                 &self.edge_local,
+                &mut self.packs,
             )?;
             // scatter: the task's rows are contiguous in both the dynamic
             // tensor and the state buffer, so this is one copy
@@ -344,6 +356,7 @@ impl<T: Real> CpuEngine<T> {
                 params,
                 all,
                 &rows.edge_parent,
+                &mut self.packs,
             )?;
         }
         let out = self.run_head(model, params, s, mode, rows)?;
@@ -420,7 +433,16 @@ impl<T: Real> CpuEngine<T> {
         };
         for (n, node) in g.nodes.iter().enumerate() {
             if needed[n] && matches!(node.kind, NodeKind::Op(_)) {
-                run_node(g, n, &mut self.head_fwd, None, params, all, &[])?;
+                run_node(
+                    g,
+                    n,
+                    &mut self.head_fwd,
+                    None,
+                    params,
+                    all,
+                    &[],
+                    &mut self.packs,
+                )?;
             }
         }
         let loss = (mode != Mode::Infer).then(|| self.head_fwd.vals[head.loss][0].to_f64());
@@ -451,6 +473,7 @@ impl<T: Real> CpuEngine<T> {
             ));
         }
         let s = &batch.schedule;
+        self.packs.clear();
         let w = model.state_width;
         // head backward
         let head = &model.head;
@@ -481,6 +504,7 @@ impl<T: Real> CpuEngine<T> {
                     params,
                     all,
                     &[],
+                    &mut self.packs,
                 )?;
             }
         }
@@ -533,6 +557,7 @@ impl<T: Real> CpuEngine<T> {
                 params,
                 all,
                 &rows.edge_parent,
+                &mut self.packs,
             )?;
         }
         for task in s.tasks.iter().rev() {
@@ -565,6 +590,7 @@ impl<T: Real> CpuEngine<T> {
                 params,
                 range,
                 &self.edge_local,
+                &mut self.packs,
             )?;
             for o in &func.backward.outputs {
                 match o.role {
@@ -618,6 +644,7 @@ impl<T: Real> CpuEngine<T> {
                 params,
                 all,
                 &rows.edge_parent,
+                &mut self.packs,
             )?;
             accumulate_param_grads(&func.backward, &self.bwd[f], Some(&self.fwd[f]), grads)?;
             self.pull_grads[f].clear();
@@ -732,11 +759,49 @@ fn run_nodes<T: Real>(
     params: &Params<T>,
     range: Range,
     edge_parent: &[u32],
+    packs: &mut Packs<T>,
 ) -> Result<()> {
     for &n in nodes {
-        run_node(g, n, own, fwd, params, range, edge_parent)?;
+        run_node(g, n, own, fwd, params, range, edge_parent, packs)?;
     }
     Ok(())
+}
+
+/// For an op that asks for a packed weight operand (small-row matrix
+/// products against a parameter), packs the parameter once per pass and
+/// returns its cache key.
+fn packed_weight<T: Real>(
+    g: &Graph,
+    node: &ramus_core::Node,
+    op: &dyn ramus_core::OpDef,
+    range: Range,
+    params: &Params<T>,
+    packs: &mut Packs<T>,
+) -> Option<(ParamId, bool)> {
+    let want = op.packed_operand()?;
+    let (&a, &b) = (node.inputs.first()?, node.inputs.get(1)?);
+    let NodeKind::Param(p) = g.nodes[b].kind else {
+        return None;
+    };
+    let rows = match g.nodes[a].ty.space {
+        Space::Vertex => range.r1 - range.r0,
+        Space::Edge => range.e1 - range.e0,
+        Space::Static => return None,
+    };
+    let shape = params.values[p].shape();
+    if rows > want.rows_limit || shape.len() != 2 {
+        return None;
+    }
+    let key = (p, want.trans_b);
+    packs.entry(key).or_insert_with(|| {
+        let (k, n) = if want.trans_b {
+            (shape[1], shape[0])
+        } else {
+            (shape[0], shape[1])
+        };
+        PackedB::pack(params.values[p].data(), shape[1], k, n, want.trans_b)
+    });
+    Some(key)
 }
 
 /// Runs op node `n` of `g` over `range`.
@@ -748,11 +813,14 @@ fn run_node<T: Real>(
     params: &Params<T>,
     range: Range,
     edge_parent: &[u32],
+    packs: &mut Packs<T>,
 ) -> Result<()> {
     let node = &g.nodes[n];
     let NodeKind::Op(op) = &node.kind else {
         return Ok(());
     };
+    let packed_key = packed_weight(g, node, op.as_ref(), range, params, packs);
+    let packs = &*packs;
     let mut out = std::mem::take(&mut own.vals[n]);
     let result = (|| {
         let mut args: Vec<Arg<'_, T>> = Vec::with_capacity(node.inputs.len());
@@ -791,6 +859,7 @@ fn run_node<T: Real>(
             out_rows: hi - lo,
             vertex_rows: range.r1 - range.r0,
             edge_parent,
+            packed_b: packed_key.and_then(|key| packs.get(&key)),
         };
         T::run_kernel(op.as_ref(), &mut ctx).map_err(EngineError::from)
     })();

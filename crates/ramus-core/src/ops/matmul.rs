@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 use crate::error::{CoreError, Result};
 use crate::graph::ValueType;
-use crate::op::{want_arity, want_float, Cost, GradCtx, Kernel, KernelCtx, OpDef};
+use crate::op::{want_arity, want_float, Cost, GradCtx, Kernel, KernelCtx, OpDef, PackedOperand};
 use crate::real::Real;
 
 /// `op(A) · op(B)`, see the module docs.
@@ -131,6 +131,12 @@ impl OpDef for MatMul {
         g.set(0, da);
         g.set(1, db);
     }
+    fn packed_operand(&self) -> Option<PackedOperand> {
+        (!self.trans_a).then_some(PackedOperand {
+            trans_b: self.trans_b,
+            rows_limit: PACKED_MAX_M,
+        })
+    }
     fn cost(&self, inputs: &[&ValueType], out: &ValueType, rows: usize) -> Cost {
         let (m, k, n) = dims(self, inputs[0], rows, inputs[1], rows);
         let out_elems = if out.is_rows() {
@@ -172,6 +178,18 @@ impl Kernel for MatMul {
         if k == 0 {
             ctx.out.iter_mut().for_each(|x| *x = T::ZERO);
             return Ok(());
+        }
+        if let Some(p) = ctx.packed_b {
+            if !self.trans_a
+                && a.ty.is_rows()
+                && !b.ty.is_rows()
+                && p.k == k
+                && p.n == n
+                && m <= PACKED_MAX_M
+            {
+                gemm_packed(ad, m, p, ctx.out);
+                return Ok(());
+            }
         }
         if !self.trans_a && m <= SMALL_M && !b.ty.is_rows() {
             small_m(ad, bd, ctx.out, m, k, n, self.trans_b);
@@ -362,4 +380,119 @@ pub(crate) fn dot<T: Real>(x: &[T], y: &[T]) -> T {
         s += a * b;
     }
     s
+}
+
+/// Runs with at most this many rows use a packed weight operand when the
+/// engine supplies one; larger runs amortize GEMM packing themselves.
+pub const PACKED_MAX_M: usize = 24;
+
+/// Columns per panel of a [`PackedB`].
+const NR: usize = 16;
+/// Rows of A per register block.
+const MR: usize = 4;
+
+/// `op(B)` (`k x n`) packed once into panels of [`NR`] columns stored
+/// k-major, so the microkernel streams each panel contiguously. Weights are
+/// packed once per batch and reused by every task's product.
+#[derive(Clone, Debug, Default)]
+pub struct PackedB<T> {
+    pub k: usize,
+    pub n: usize,
+    data: Vec<T>,
+}
+
+impl<T: Real> PackedB<T> {
+    /// Packs `op(B)` where `B` is row-major with `b_cols` columns.
+    pub fn pack(b: &[T], b_cols: usize, k: usize, n: usize, trans_b: bool) -> Self {
+        let panels = n.div_ceil(NR);
+        let mut data = vec![T::ZERO; panels * k * NR];
+        for p in 0..panels {
+            let panel = &mut data[p * k * NR..(p + 1) * k * NR];
+            for jj in 0..NR.min(n - p * NR) {
+                let j = p * NR + jj;
+                for kk in 0..k {
+                    // op(B)[kk][j]
+                    panel[kk * NR + jj] = if trans_b {
+                        b[j * b_cols + kk]
+                    } else {
+                        b[kk * b_cols + j]
+                    };
+                }
+            }
+        }
+        PackedB { k, n, data }
+    }
+}
+
+/// `out = a · op(B)` for row-major `a` (`m x k`) against a packed `op(B)`:
+/// register blocks of up to [`MR`] rows x [`NR`] columns.
+pub fn gemm_packed<T: Real>(a: &[T], m: usize, packed: &PackedB<T>, out: &mut [T]) {
+    let mut r = 0;
+    while r < m {
+        match m - r {
+            1 => block::<T, 1>(a, r, packed, out),
+            2 => block::<T, 2>(a, r, packed, out),
+            3 => block::<T, 3>(a, r, packed, out),
+            _ => block::<T, MR>(a, r, packed, out),
+        }
+        r += MR.min(m - r);
+    }
+}
+
+/// Rows `r..r + R` of the product, panel by panel.
+#[inline(always)]
+fn block<T: Real, const R: usize>(a: &[T], r: usize, packed: &PackedB<T>, out: &mut [T]) {
+    let (k, n) = (packed.k, packed.n);
+    let rows: [&[T]; R] = std::array::from_fn(|q| &a[(r + q) * k..(r + q + 1) * k]);
+    for (p, panel) in packed.data.chunks_exact(k * NR).enumerate() {
+        let j0 = p * NR;
+        let w = NR.min(n - j0);
+        let mut acc = [[T::ZERO; NR]; R];
+        let (bk, _) = panel.as_chunks::<NR>();
+        for (kk, b) in bk.iter().enumerate() {
+            for q in 0..R {
+                let x = rows[q][kk];
+                for l in 0..NR {
+                    acc[q][l] += x * b[l];
+                }
+            }
+        }
+        for (q, acc) in acc.iter().enumerate() {
+            out[(r + q) * n + j0..(r + q) * n + j0 + w].copy_from_slice(&acc[..w]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packed_gemm_matches_loops() {
+        for &(m, k, n, trans_b) in &[
+            (1, 5, 3, true),
+            (3, 17, 33, false),
+            (4, 8, 16, true),
+            (7, 256, 40, true),
+            (10, 9, 50, false),
+        ] {
+            let a: Vec<f64> = (0..m * k).map(|i| (i as f64 * 0.37).sin()).collect();
+            let b: Vec<f64> = (0..k * n).map(|i| (i as f64 * 0.11).cos()).collect();
+            // B stored as [n, k] when transposed, [k, n] otherwise
+            let b_cols = if trans_b { k } else { n };
+            let opb = |p: usize, j: usize| if trans_b { b[j * k + p] } else { b[p * n + j] };
+            let packed = PackedB::pack(&b, b_cols, k, n, trans_b);
+            let mut out = vec![f64::NAN; m * n];
+            gemm_packed(&a, m, &packed, &mut out);
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f64 = (0..k).map(|p| a[i * k + p] * opb(p, j)).sum();
+                    assert!(
+                        (out[i * n + j] - want).abs() < 1e-12,
+                        "m={m} k={k} n={n} ({i},{j})"
+                    );
+                }
+            }
+        }
+    }
 }

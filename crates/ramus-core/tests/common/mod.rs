@@ -179,6 +179,7 @@ pub fn run_op(
         out_rows: topo.rows(out_ty.space),
         vertex_rows: topo.vertex_rows,
         edge_parent: &topo.edge_parent,
+        packed_b: None,
     };
     f64::run_kernel(op, &mut ctx).map_err(|e| e.to_string())?;
     Ok((out_ty, out))
@@ -218,6 +219,7 @@ pub fn run_op_f32(
         out_rows: topo.rows(out_ty.space),
         vertex_rows: topo.vertex_rows,
         edge_parent: &topo.edge_parent,
+        packed_b: None,
     };
     f32::run_kernel(op, &mut ctx).map_err(|e| e.to_string())?;
     Ok(out.into_iter().map(f64::from).collect())
@@ -287,6 +289,7 @@ pub fn eval(
                     out_rows: topo.rows(node.ty.space),
                     vertex_rows: topo.vertex_rows,
                     edge_parent: &topo.edge_parent,
+                    packed_b: None,
                 };
                 f64::run_kernel(op.as_ref(), &mut ctx)
                     .map_err(|e| format!("node %{n} ({}): {e}", op.signature()))?;
