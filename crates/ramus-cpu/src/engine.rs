@@ -751,6 +751,7 @@ fn resolve_indices<'a, T: Real>(
 }
 
 /// Runs the op nodes `nodes` of `g` over `range`, in order.
+#[allow(clippy::too_many_arguments)] // threads the pass state (parameters, rows, packed weights) through
 fn run_nodes<T: Real>(
     g: &Graph,
     nodes: &[NodeId],
@@ -805,6 +806,7 @@ fn packed_weight<T: Real>(
 }
 
 /// Runs op node `n` of `g` over `range`.
+#[allow(clippy::too_many_arguments)] // threads the pass state (parameters, rows, packed weights) through
 fn run_node<T: Real>(
     g: &Graph,
     n: NodeId,
