@@ -39,9 +39,14 @@ fn init_values(spec: &ParamSpec, rng: &mut ChaCha8Rng) -> Vec<f64> {
 }
 
 /// The values of a model's parameters, in declaration order.
+///
+/// `generation` counts updates: engines that cache values derived from the
+/// parameters (tabulated leaf computations) rebuild them when it changes.
+/// Code that edits `values` directly must call [`Params::touch`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Params<T> {
     pub values: Vec<Tensor<T>>,
+    generation: u64,
 }
 
 impl<T: Real> Params<T> {
@@ -64,7 +69,10 @@ impl<T: Real> Params<T> {
                 Tensor::from_vec(&spec.shape, v).unwrap_or_else(|_| Tensor::zeros(&spec.shape))
             })
             .collect();
-        Params { values }
+        Params {
+            values,
+            generation: 0,
+        }
     }
 
     /// Values given explicitly, checked against the model's shapes.
@@ -88,13 +96,27 @@ impl<T: Real> Params<T> {
                 });
             }
         }
-        Ok(Params { values })
+        Ok(Params {
+            values,
+            generation: 0,
+        })
+    }
+
+    /// Marks the values as changed (optimizers call this after each step).
+    pub fn touch(&mut self) {
+        self.generation += 1;
+    }
+
+    /// How many times the values were marked as changed.
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// Converts the element type.
     pub fn cast<U: Real>(&self) -> Params<U> {
         Params {
             values: self.values.iter().map(|t| t.cast()).collect(),
+            generation: self.generation,
         }
     }
 }

@@ -88,3 +88,80 @@ pub fn classify(
     }
     Ok(plan)
 }
+
+/// Leaf specialisation with computation hoisting (Cortex §4) for engines
+/// that run with fixed parameters: the vertex-row values computed from the
+/// vertex token and parameters alone (dropout masks, constant outside
+/// training, count as parameters) depend only on the token, so they can be
+/// computed once per vocabulary entry and looked up per batch.
+#[derive(Clone, Debug, Default)]
+pub struct TokenHoist {
+    /// Token-dependent vertex-row nodes whose values are read by the rest of
+    /// the graph (or are outputs): these become per-token tables.
+    pub tabulated: Vec<NodeId>,
+    /// Op nodes that must still run per batch when the tables are used.
+    pub keep: Vec<bool>,
+    /// Nodes computed while building the tables (ancestors of `tabulated`).
+    pub build: Vec<NodeId>,
+}
+
+/// Finds what can be tabulated by token; see [`TokenHoist`].
+pub fn token_hoist(graph: &Graph) -> TokenHoist {
+    let n = graph.nodes.len();
+    let (mut invariant, mut uses_token) = (vec![false; n], vec![false; n]);
+    for (i, node) in graph.nodes.iter().enumerate() {
+        match node.kind {
+            NodeKind::Input(Source::Token) => {
+                invariant[i] = true;
+                uses_token[i] = true;
+            }
+            NodeKind::Input(Source::DropoutMask { .. }) | NodeKind::Param(_) => invariant[i] = true,
+            NodeKind::Input(_) => {}
+            NodeKind::Op(_) => {
+                invariant[i] = node.inputs.iter().all(|&x| invariant[x]);
+                uses_token[i] = node.inputs.iter().any(|&x| uses_token[x]);
+            }
+        }
+    }
+    let candidate = |i: usize| {
+        let node = &graph.nodes[i];
+        invariant[i]
+            && uses_token[i]
+            && matches!(node.kind, NodeKind::Op(_))
+            && node.ty.space == Space::Vertex
+            && node.ty.dtype == crate::graph::DType::Float
+    };
+    let users = graph.users();
+    let is_output = |i: usize| {
+        graph
+            .outputs
+            .iter()
+            .any(|o| o.node == i || o.aux == Some(i))
+    };
+    let tabulated: Vec<NodeId> = (0..n)
+        .filter(|&i| candidate(i) && (is_output(i) || users[i].iter().any(|&u| !candidate(u))))
+        .collect();
+    let mut tab = vec![false; n];
+    tabulated.iter().for_each(|&i| tab[i] = true);
+    // a node is needed if an output or a needed, non-tabulated user reads it
+    let mut need = vec![false; n];
+    for i in (0..n).rev() {
+        need[i] = is_output(i) || !invariant[i] || users[i].iter().any(|&u| need[u] && !tab[u]);
+    }
+    let keep = (0..n).map(|i| !tab[i] && need[i]).collect();
+    let mut anc = vec![false; n];
+    tabulated.iter().for_each(|&i| anc[i] = true);
+    for i in (0..n).rev() {
+        if anc[i] {
+            graph.nodes[i].inputs.iter().for_each(|&x| anc[x] = true);
+        }
+    }
+    let build = (0..n)
+        .filter(|&i| anc[i] && matches!(graph.nodes[i].kind, NodeKind::Op(_)))
+        .collect();
+    TokenHoist {
+        tabulated,
+        keep,
+        build,
+    }
+}

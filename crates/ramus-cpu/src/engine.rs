@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, ParamId, Role, Source, Space};
 use ramus_core::op::{Arg, ArgData, KernelCtx};
 use ramus_core::ops::matmul::PackedB;
+use ramus_core::plan::{token_hoist, TokenHoist};
 use ramus_core::{CoreError, Grads, HeadRows, Model, Params, Real};
 use ramus_graph::{BatchingPolicy, FunctionRows, InputGraph, Schedule, Task, NO_LABEL};
 
@@ -175,6 +176,18 @@ pub struct CpuEngine<T> {
     forward_done: bool,
     rng: ChaCha8Rng,
     packs: Packs<T>,
+    table_vocab: Option<usize>,
+    tables: Option<TokenTables<T>>,
+}
+
+/// Per-token tables of each vertex function's token-only values (see
+/// [`ramus_core::plan::TokenHoist`]), valid for one parameter generation.
+struct TokenTables<T> {
+    params_addr: usize,
+    generation: u64,
+    vocab: usize,
+    /// Per function: the hoisting plan and one `vocab x width` table per tabulated node.
+    functions: Vec<(TokenHoist, Vec<Vec<T>>)>,
 }
 
 /// Weights packed for small-row products, by (parameter, transposed), valid
@@ -203,7 +216,89 @@ impl<T: Real> CpuEngine<T> {
             forward_done: false,
             rng: ChaCha8Rng::seed_from_u64(0),
             packs: HashMap::new(),
+            table_vocab: None,
+            tables: None,
         }
+    }
+
+    /// Leaf specialisation for evaluation and inference: with `Some(vocab)`,
+    /// values that depend only on a vertex's token (e.g. a leaf's whole cell)
+    /// are computed once per token id below `vocab` and looked up per batch.
+    /// Tables are rebuilt whenever the parameters change (their generation);
+    /// training passes never use them.
+    pub fn use_token_tables(&mut self, vocab: Option<usize>) {
+        self.table_vocab = vocab;
+        self.tables = None;
+    }
+
+    /// Builds the token tables now if they are enabled and stale (so that a
+    /// timed pass does not pay for it); returns whether tables were built.
+    pub fn prepare_token_tables(&mut self, model: &Model, params: &Params<T>) -> Result<bool> {
+        let Some(vocab) = self.table_vocab else {
+            return Ok(false);
+        };
+        let fresh = self.tables.as_ref().is_some_and(|t| {
+            t.params_addr == params as *const _ as usize
+                && t.generation == params.generation()
+                && t.vocab == vocab
+        });
+        if fresh {
+            return Ok(false);
+        }
+        const CHUNK: usize = 512;
+        let mut functions = Vec::new();
+        let mut packs = Packs::new();
+        for func in &model.functions {
+            let hoist = token_hoist(&func.forward);
+            let g = &func.forward;
+            let mut tables: Vec<Vec<T>> = hoist
+                .tabulated
+                .iter()
+                .map(|&n| vec![T::ZERO; vocab * g.nodes[n].ty.width()])
+                .collect();
+            if !hoist.tabulated.is_empty() {
+                let mut arena = Arena::default();
+                for start in (0..vocab).step_by(CHUNK) {
+                    let rows = CHUNK.min(vocab - start);
+                    arena.prepare(g, rows, 0);
+                    fill_dropout_masks(g, &mut arena, false, &mut self.rng);
+                    if let Some(tok) = g.input_node(Source::Token) {
+                        for (i, t) in arena.idx[tok].iter_mut().enumerate() {
+                            *t = (start + i) as u32;
+                        }
+                    }
+                    let all = Range {
+                        r0: 0,
+                        r1: rows,
+                        e0: 0,
+                        e1: 0,
+                    };
+                    run_nodes(
+                        g,
+                        &hoist.build,
+                        &mut arena,
+                        None,
+                        params,
+                        all,
+                        &[],
+                        &mut packs,
+                    )?;
+                    for (table, &n) in tables.iter_mut().zip(&hoist.tabulated) {
+                        let w = g.nodes[n].ty.width();
+                        table[start * w..(start + rows) * w]
+                            .copy_from_slice(&arena.vals[n][..rows * w]);
+                    }
+                }
+            }
+            functions.push((hoist, tables));
+        }
+        self.tables = Some(TokenTables {
+            params_addr: params as *const _ as usize,
+            generation: params.generation(),
+            vocab,
+            functions,
+        });
+        Ok(true)
     }
 
     /// Reseeds the stream dropout masks are drawn from.
@@ -244,6 +339,10 @@ impl<T: Real> CpuEngine<T> {
     ) -> Result<ForwardOutput<T>> {
         let s = &batch.schedule;
         self.packs.clear();
+        let use_tables = mode != Mode::Train && self.table_vocab.is_some();
+        if use_tables {
+            self.prepare_token_tables(model, params)?;
+        }
         let n_fn = model.functions.len();
         self.fwd.resize_with(n_fn, Arena::default);
         let w = model.state_width;
@@ -281,16 +380,55 @@ impl<T: Real> CpuEngine<T> {
                 }
             }
             let all = Range::all(rows);
-            run_nodes(
-                &func.forward,
-                &func.forward_plan.eager,
-                arena,
-                None,
-                params,
-                all,
-                &rows.edge_parent,
-                &mut self.packs,
-            )?;
+            match self
+                .tables
+                .as_ref()
+                .filter(|_| use_tables)
+                .map(|t| (t.vocab, &t.functions[f]))
+            {
+                Some((vocab, (hoist, tables))) => {
+                    for (table, &n) in tables.iter().zip(&hoist.tabulated) {
+                        let w = func.forward.nodes[n].ty.width();
+                        for (r, &v) in rows.vertex.iter().enumerate() {
+                            let t = s.tokens[v as usize] as usize;
+                            if t >= vocab {
+                                return Err(EngineError::Input(format!(
+                                    "token id {t} is outside the {vocab} tabulated tokens"
+                                )));
+                            }
+                            arena.vals[n][r * w..(r + 1) * w]
+                                .copy_from_slice(&table[t * w..(t + 1) * w]);
+                        }
+                    }
+                    let eager: Vec<NodeId> = func
+                        .forward_plan
+                        .eager
+                        .iter()
+                        .copied()
+                        .filter(|&n| hoist.keep[n])
+                        .collect();
+                    run_nodes(
+                        &func.forward,
+                        &eager,
+                        arena,
+                        None,
+                        params,
+                        all,
+                        &rows.edge_parent,
+                        &mut self.packs,
+                    )?;
+                }
+                None => run_nodes(
+                    &func.forward,
+                    &func.forward_plan.eager,
+                    arena,
+                    None,
+                    params,
+                    all,
+                    &rows.edge_parent,
+                    &mut self.packs,
+                )?,
+            }
         }
         for task in &s.tasks {
             let f = task.function;

@@ -109,6 +109,7 @@ impl<T: Real> Optimizer<T> {
             _ => 1.0,
         };
         self.steps += 1;
+        params.touch();
         let t = self.steps as f64;
         let (bc1, bc2) = (1.0 - c.beta1.powf(t), 1.0 - c.beta2.powf(t));
         let lr = T::from_f64(c.lr);
