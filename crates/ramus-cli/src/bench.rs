@@ -29,6 +29,9 @@ pub struct BenchArgs {
     /// right after, and print Ramus/PyTorch speed ratios.
     #[arg(long)]
     anchor: Option<PathBuf>,
+    /// Time inference only.
+    #[arg(long)]
+    infer_only: bool,
     /// Python interpreter for the anchor.
     #[arg(long, default_value = "python3")]
     python: String,
@@ -102,14 +105,18 @@ pub fn run(a: BenchArgs) -> AnyResult {
             engine.forward(&model, &params, &b, Mode::Infer)?;
             Ok(())
         })?;
-        let train = median_time(a.reps, || {
-            let b = Batch::new(&model, batch.clone(), policy)?;
-            engine.forward(&model, &params, &b, Mode::Train)?;
-            grads.clear();
-            engine.backward(&model, &params, &b, &mut grads)?;
-            opt.step(&mut params, &grads);
-            Ok(())
-        })?;
+        let train = if a.infer_only {
+            f64::NAN
+        } else {
+            median_time(a.reps, || {
+                let b = Batch::new(&model, batch.clone(), policy)?;
+                engine.forward(&model, &params, &b, Mode::Train)?;
+                grads.clear();
+                engine.backward(&model, &params, &b, &mut grads)?;
+                opt.step(&mut params, &grads);
+                Ok(())
+            })?
+        };
         let line = serde_json::json!({
             "system": "ramus", "engine": "cpu-batched", "device": "cpu", "policy": a.policy,
             "threads": rayon::current_num_threads(), "hidden": a.hidden, "batch": bs, "nodes": nodes,

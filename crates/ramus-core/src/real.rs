@@ -35,6 +35,11 @@ pub trait Real:
     fn tanh(self) -> Self;
     fn sqrt(self) -> Self;
     fn max(self, other: Self) -> Self;
+    /// The slice as `f32`, when `Self` is `f32` (lets kernels take a
+    /// hand-vectorized path for the speed type).
+    fn as_f32(s: &[Self]) -> Option<&[f32]>;
+    /// Mutable form of [`Real::as_f32`].
+    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]>;
     /// `exp`, branch-free so loops over slices vectorize (f32: a degree-6
     /// polynomial after range reduction, within 2 ulp; f64: libm).
     fn exp_fast(self) -> Self;
@@ -63,7 +68,7 @@ pub trait Real:
 }
 
 macro_rules! impl_real {
-    ($t:ty, $name:literal, $gemm:path, $run:ident, $exp:path, $tanh:path) => {
+    ($t:ty, $name:literal, $gemm:path, $run:ident, $exp:path, $tanh:path, |$s:ident| $f32:expr, |$m:ident| $f32m:expr) => {
         impl Real for $t {
             const ZERO: Self = 0.0;
             const ONE: Self = 1.0;
@@ -95,6 +100,14 @@ macro_rules! impl_real {
             #[inline(always)]
             fn max(self, other: Self) -> Self {
                 <$t>::max(self, other)
+            }
+            #[inline(always)]
+            fn as_f32($s: &[Self]) -> Option<&[f32]> {
+                $f32
+            }
+            #[inline(always)]
+            fn as_f32_mut($m: &mut [Self]) -> Option<&mut [f32]> {
+                $f32m
             }
             #[inline(always)]
             fn exp_fast(self) -> Self {
@@ -174,7 +187,9 @@ impl_real!(
     matrixmultiply::sgemm,
     run_f32,
     exp_f32,
-    tanh_f32
+    tanh_f32,
+    |s| Some(s),
+    |s| Some(s)
 );
 impl_real!(
     f64,
@@ -182,7 +197,9 @@ impl_real!(
     matrixmultiply::dgemm,
     run_f64,
     f64::exp,
-    f64::tanh
+    f64::tanh,
+    |_s| None,
+    |_s| None
 );
 
 /// Logistic function `1 / (1 + exp(-x))`; branch-free, saturates cleanly.

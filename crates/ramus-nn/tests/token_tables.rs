@@ -1,17 +1,21 @@
 //! Leaf specialisation: evaluation with per-token tables equals evaluation
 //! without them, for every model, and tables follow parameter updates.
 
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 use ramus_core::Params;
 use ramus_cpu::{Batch, CpuEngine, Mode};
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{build_model_with, ModelConfig, ModelOptions};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 
 fn random_tree(rng: &mut ChaCha8Rng, leaves: usize, vocab: u32) -> InputGraph {
     let mut g = InputGraph::new();
-    let mut frontier: Vec<u32> =
-        (0..leaves).map(|_| g.push_vertex(&[], rng.random_range(0..vocab), rng.random_range(0..3)).unwrap()).collect();
+    let mut frontier: Vec<u32> = (0..leaves)
+        .map(|_| {
+            g.push_vertex(&[], rng.random_range(0..vocab), rng.random_range(0..3))
+                .unwrap()
+        })
+        .collect();
     while frontier.len() > 1 {
         let at = rng.random_range(0..frontier.len() - 1);
         let kids: Vec<u32> = frontier.drain(at..at + 2).collect();
@@ -23,7 +27,11 @@ fn random_tree(rng: &mut ChaCha8Rng, leaves: usize, vocab: u32) -> InputGraph {
 
 #[test]
 fn tables_change_nothing_but_speed() {
-    let cfg = ModelConfig { vocab: 9, hidden: 5, classes: 3 };
+    let cfg = ModelConfig {
+        vocab: 9,
+        hidden: 5,
+        classes: 3,
+    };
     let mut rng = ChaCha8Rng::seed_from_u64(4);
     let trees: Vec<InputGraph> = (0..6).map(|i| random_tree(&mut rng, 1 + i, 9)).collect();
     let chains: Vec<InputGraph> = (0..4)
@@ -41,13 +49,25 @@ fn tables_change_nothing_but_speed() {
         let mut plain = CpuEngine::new();
         let mut tabled = CpuEngine::new();
         tabled.use_token_tables(Some(cfg.vocab));
-        assert!(tabled.prepare_token_tables(&model, &params).unwrap(), "{name}: nothing tabulated");
+        assert!(
+            tabled.prepare_token_tables(&model, &params).unwrap(),
+            "{name}: nothing tabulated"
+        );
         for round in 0..2 {
             for mode in [Mode::Evaluate, Mode::Infer] {
                 let a = plain.forward(&model, &params, &batch, mode).unwrap();
                 let b = tabled.forward(&model, &params, &batch, mode).unwrap();
-                assert_eq!(a.loss.map(f64::to_bits), b.loss.map(f64::to_bits), "{name} {mode:?} round {round}");
-                let diff = a.logits.iter().zip(&b.logits).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+                assert_eq!(
+                    a.loss.map(f64::to_bits),
+                    b.loss.map(f64::to_bits),
+                    "{name} {mode:?} round {round}"
+                );
+                let diff = a
+                    .logits
+                    .iter()
+                    .zip(&b.logits)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0.0, f64::max);
                 assert!(diff < 1e-12, "{name} {mode:?}: logits differ by {diff}");
             }
             // change the embeddings: the tables must follow
@@ -60,7 +80,10 @@ fn tables_change_nothing_but_speed() {
         let mut g = InputGraph::new();
         g.push_vertex(&[], 50, 0).unwrap();
         let bad = Batch::new(&model, vec![&g], BatchingPolicy::Cavs).unwrap();
-        let err = tabled.forward(&model, &params, &bad, Mode::Infer).unwrap_err().to_string();
+        let err = tabled
+            .forward(&model, &params, &bad, Mode::Infer)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("token id 50"), "{name}: {err}");
     }
 }
