@@ -40,13 +40,38 @@ fn init_values(spec: &ParamSpec, rng: &mut ChaCha8Rng) -> Vec<f64> {
 
 /// The values of a model's parameters, in declaration order.
 ///
-/// `generation` counts updates: engines that cache values derived from the
-/// parameters (tabulated leaf computations) rebuild them when it changes.
-/// Code that edits `values` directly must call [`Params::touch`].
-#[derive(Clone, Debug, PartialEq)]
+/// Engines cache values derived from the parameters (packed weights,
+/// per-token tables) under the parameters' [`Params::version`]: a process-wide
+/// unique instance id (clones get a new one) and a generation counting
+/// updates. Code that edits `values` directly must call [`Params::touch`].
+#[derive(Debug)]
 pub struct Params<T> {
     pub values: Vec<Tensor<T>>,
+    instance: u64,
     generation: u64,
+}
+
+static NEXT_INSTANCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+fn new_instance() -> u64 {
+    NEXT_INSTANCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+impl<T: Clone> Clone for Params<T> {
+    fn clone(&self) -> Self {
+        Params {
+            values: self.values.clone(),
+            instance: new_instance(),
+            generation: 0,
+        }
+    }
+}
+
+/// Equal values (versions are not compared).
+impl<T: PartialEq> PartialEq for Params<T> {
+    fn eq(&self, other: &Self) -> bool {
+        self.values == other.values
+    }
 }
 
 impl<T: Real> Params<T> {
@@ -71,6 +96,7 @@ impl<T: Real> Params<T> {
             .collect();
         Params {
             values,
+            instance: new_instance(),
             generation: 0,
         }
     }
@@ -98,6 +124,7 @@ impl<T: Real> Params<T> {
         }
         Ok(Params {
             values,
+            instance: new_instance(),
             generation: 0,
         })
     }
@@ -107,16 +134,17 @@ impl<T: Real> Params<T> {
         self.generation += 1;
     }
 
-    /// How many times the values were marked as changed.
-    pub fn generation(&self) -> u64 {
-        self.generation
+    /// Identifies these exact values: (instance id, generation).
+    pub fn version(&self) -> (u64, u64) {
+        (self.instance, self.generation)
     }
 
     /// Converts the element type.
     pub fn cast<U: Real>(&self) -> Params<U> {
         Params {
             values: self.values.iter().map(|t| t.cast()).collect(),
-            generation: self.generation,
+            instance: new_instance(),
+            generation: 0,
         }
     }
 }

@@ -176,6 +176,8 @@ pub struct CpuEngine<T> {
     forward_done: bool,
     rng: ChaCha8Rng,
     packs: Packs<T>,
+    /// Version of the parameters the packs were made from.
+    packs_source: (u64, u64),
     table_vocab: Option<usize>,
     tables: Option<TokenTables<T>>,
 }
@@ -183,8 +185,8 @@ pub struct CpuEngine<T> {
 /// Per-token tables of each vertex function's token-only values (see
 /// [`ramus_core::plan::TokenHoist`]), valid for one parameter generation.
 struct TokenTables<T> {
-    params_addr: usize,
-    generation: u64,
+    /// Version of the parameters the tables were computed from.
+    source: (u64, u64),
     vocab: usize,
     /// Per function: the hoisting plan and one `vocab x width` table per tabulated node.
     functions: Vec<(TokenHoist, Vec<Vec<T>>)>,
@@ -216,6 +218,7 @@ impl<T: Real> CpuEngine<T> {
             forward_done: false,
             rng: ChaCha8Rng::seed_from_u64(0),
             packs: HashMap::new(),
+            packs_source: (0, 0),
             table_vocab: None,
             tables: None,
         }
@@ -237,11 +240,10 @@ impl<T: Real> CpuEngine<T> {
         let Some(vocab) = self.table_vocab else {
             return Ok(false);
         };
-        let fresh = self.tables.as_ref().is_some_and(|t| {
-            t.params_addr == params as *const _ as usize
-                && t.generation == params.generation()
-                && t.vocab == vocab
-        });
+        let fresh = self
+            .tables
+            .as_ref()
+            .is_some_and(|t| t.source == params.version() && t.vocab == vocab);
         if fresh {
             return Ok(false);
         }
@@ -293,12 +295,20 @@ impl<T: Real> CpuEngine<T> {
             functions.push((hoist, tables));
         }
         self.tables = Some(TokenTables {
-            params_addr: params as *const _ as usize,
-            generation: params.generation(),
+            source: params.version(),
             vocab,
             functions,
         });
         Ok(true)
+    }
+
+    /// Drops packed weights made from other parameter values.
+    fn invalidate_packs(&mut self, params: &Params<T>) {
+        let source = params.version();
+        if source != self.packs_source {
+            self.packs.clear();
+            self.packs_source = source;
+        }
     }
 
     /// Reseeds the stream dropout masks are drawn from.
@@ -338,7 +348,7 @@ impl<T: Real> CpuEngine<T> {
         rows: HeadRows,
     ) -> Result<ForwardOutput<T>> {
         let s = &batch.schedule;
-        self.packs.clear();
+        self.invalidate_packs(params);
         let use_tables = mode != Mode::Train && self.table_vocab.is_some();
         if use_tables {
             self.prepare_token_tables(model, params)?;
@@ -611,7 +621,7 @@ impl<T: Real> CpuEngine<T> {
             ));
         }
         let s = &batch.schedule;
-        self.packs.clear();
+        self.invalidate_packs(params);
         let w = model.state_width;
         // head backward
         let head = &model.head;

@@ -384,7 +384,7 @@ pub(crate) fn dot<T: Real>(x: &[T], y: &[T]) -> T {
 
 /// Runs with at most this many rows use a packed weight operand when the
 /// engine supplies one; larger runs amortize GEMM packing themselves.
-pub const PACKED_MAX_M: usize = 24;
+pub const PACKED_MAX_M: usize = 128;
 
 /// Columns per panel of a [`PackedB`].
 const NR: usize = 16;
@@ -510,6 +510,7 @@ mod fma {
     }
 
     #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // kk also drives the pointer arithmetic
     fn block<const R: usize>(
         a: &[f32],
         r: usize,
