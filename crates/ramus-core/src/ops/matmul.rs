@@ -494,6 +494,24 @@ mod fma {
         packed: &[f32],
         out: &mut [f32],
     ) {
+        // Big products split their panels (column blocks) over two threads,
+        // each computing its columns into a buffer of its own.
+        let panels = n.div_ceil(NR);
+        if m * k * n >= 1 << 22 && panels >= 2 && rayon::current_num_threads() > 1 {
+            let half = panels / 2;
+            let (c0, c1) = (half * NR, n - half * NR);
+            let (p0, p1) = packed.split_at(half * k * NR);
+            let (mut o0, mut o1) = (vec![0f32; m * c0], vec![0f32; m * c1]);
+            rayon::join(
+                || gemm_packed_f32(a, m, k, c0, p0, &mut o0),
+                || gemm_packed_f32(a, m, k, c1, p1, &mut o1),
+            );
+            for r in 0..m {
+                out[r * n..r * n + c0].copy_from_slice(&o0[r * c0..(r + 1) * c0]);
+                out[r * n + c0..(r + 1) * n].copy_from_slice(&o1[r * c1..(r + 1) * c1]);
+            }
+            return;
+        }
         let mut r = 0;
         while r < m {
             let rows = 6.min(m - r);
