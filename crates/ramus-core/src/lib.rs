@@ -42,6 +42,7 @@ pub mod graph;
 pub mod model;
 pub mod op;
 pub mod ops;
+pub mod parallel;
 pub mod params;
 pub mod plan;
 pub mod real;

@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, ParamId, Role, Source, Space};
 use ramus_core::op::{Arg, ArgData, KernelCtx};
 use ramus_core::ops::matmul::PackedB;
+use ramus_core::parallel::SpinHelper;
 use ramus_core::plan::{token_hoist, TokenHoist};
 use ramus_core::{CoreError, Grads, HeadRows, Model, Params, Real};
 use ramus_graph::{BatchingPolicy, FunctionRows, InputGraph, Schedule, Task, NO_LABEL};
@@ -180,6 +181,8 @@ pub struct CpuEngine<T> {
     packs_source: (u64, u64),
     table_vocab: Option<usize>,
     tables: Option<TokenTables<T>>,
+    spin: bool,
+    helper: Option<SpinHelper>,
 }
 
 /// Per-token tables of each vertex function's token-only values (see
@@ -221,6 +224,8 @@ impl<T: Real> CpuEngine<T> {
             packs_source: (0, 0),
             table_vocab: None,
             tables: None,
+            spin: rayon::current_num_threads() > 1,
+            helper: None,
         }
     }
 
@@ -302,6 +307,31 @@ impl<T: Real> CpuEngine<T> {
         Ok(true)
     }
 
+    /// Whether passes run with a spinning helper thread that takes half of
+    /// each large kernel (default: on when the thread pool has 2+ threads).
+    pub fn set_spin_helper(&mut self, on: bool) {
+        self.spin = on;
+        if !on {
+            self.helper = None;
+        }
+    }
+
+    /// Runs `f` with the spinning helper installed (started on first use).
+    fn with_helper<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        if self.spin && self.helper.is_none() {
+            // without a helper thread kernels fall back to rayon
+            self.helper = SpinHelper::new().ok();
+        }
+        match self.helper.take() {
+            Some(h) => {
+                let r = h.install(|| f(self));
+                self.helper = Some(h);
+                r
+            }
+            None => f(self),
+        }
+    }
+
     /// Drops packed weights made from other parameter values.
     fn invalidate_packs(&mut self, params: &Params<T>) {
         let source = params.version();
@@ -340,6 +370,17 @@ impl<T: Real> CpuEngine<T> {
     /// Runs the forward pass with the head applied to `rows` instead of the
     /// model's own choice (e.g. every labelled node for all-node accuracy).
     pub fn forward_rows(
+        &mut self,
+        model: &Model,
+        params: &Params<T>,
+        batch: &Batch<'_>,
+        mode: Mode,
+        rows: HeadRows,
+    ) -> Result<ForwardOutput<T>> {
+        self.with_helper(|e| e.forward_pass(model, params, batch, mode, rows))
+    }
+
+    fn forward_pass(
         &mut self,
         model: &Model,
         params: &Params<T>,
@@ -609,6 +650,16 @@ impl<T: Real> CpuEngine<T> {
     /// Runs the backward pass for the last `forward(.., Mode::Train)` and
     /// adds the parameter gradients into `grads`.
     pub fn backward(
+        &mut self,
+        model: &Model,
+        params: &Params<T>,
+        batch: &Batch<'_>,
+        grads: &mut Grads<T>,
+    ) -> Result<()> {
+        self.with_helper(|e| e.backward_pass(model, params, batch, grads))
+    }
+
+    fn backward_pass(
         &mut self,
         model: &Model,
         params: &Params<T>,

@@ -2,8 +2,6 @@
 //! broadcasting of a static row (bias). Each carries a C code template used
 //! by fusion code generation and a CPU kernel applied row by row.
 
-use rayon::prelude::*;
-
 use crate::error::Result;
 use crate::graph::ValueType;
 use crate::op::{want_float, GradCtx, Kernel, KernelCtx, OpDef};
@@ -77,11 +75,11 @@ fn run_rows<T: Real>(
         }
         f(&row_ins[..ins.len()], out_row);
     };
-    if rows * width >= PARALLEL_MIN_ELEMENTS && rows > 1 {
-        ctx.out
-            .par_chunks_mut(width)
-            .enumerate()
-            .for_each(|(r, o)| body(r, o));
+    if rows * width >= crate::parallel::min_split_elements()
+        && rows > 1
+        && crate::parallel::threads() > 1
+    {
+        crate::parallel::for_each_chunk_mut(ctx.out, width, body);
     } else {
         for (r, o) in ctx.out.chunks_mut(width).enumerate() {
             body(r, o);
@@ -89,9 +87,6 @@ fn run_rows<T: Real>(
     }
     Ok(())
 }
-
-/// Outputs at least this large are split over threads.
-pub(crate) const PARALLEL_MIN_ELEMENTS: usize = 1 << 17;
 
 macro_rules! unary_op {
     ($(#[$doc:meta])* $ty:ident, $name:literal, $tmpl:literal, |$x:ident| $f:expr, |$g:ident| $grad:expr) => {

@@ -7,8 +7,6 @@
 //!   rows (the weight-gradient GEMM that lazy batching runs once per batch);
 //! * static · static → static.
 
-use rayon::prelude::*;
-
 use crate::error::{CoreError, Result};
 use crate::graph::ValueType;
 use crate::op::{want_arity, want_float, Cost, GradCtx, Kernel, KernelCtx, OpDef, PackedOperand};
@@ -207,30 +205,27 @@ impl Kernel for MatMul {
         };
         // Large products split their output rows over the thread pool, each
         // block a single-threaded GEMM on a slice of A.
-        let threads = rayon::current_num_threads();
+        let threads = crate::parallel::threads();
         if threads > 1 && m >= 64 && m * k * n >= 1 << 21 {
             let block = m.div_ceil(threads);
-            ctx.out
-                .par_chunks_mut(block * n)
-                .enumerate()
-                .for_each(|(i, c)| {
-                    let r0 = i * block;
-                    let rows = c.len() / n;
-                    let a_off = r0 * sa.0 as usize;
-                    T::gemm(
-                        rows,
-                        k,
-                        n,
-                        T::ONE,
-                        &ad[a_off..],
-                        sa,
-                        bd,
-                        sb,
-                        T::ZERO,
-                        c,
-                        n as isize,
-                    );
-                });
+            crate::parallel::for_each_chunk_mut(ctx.out, block * n, |i, c| {
+                let r0 = i * block;
+                let rows = c.len() / n;
+                let a_off = r0 * sa.0 as usize;
+                T::gemm(
+                    rows,
+                    k,
+                    n,
+                    T::ONE,
+                    &ad[a_off..],
+                    sa,
+                    bd,
+                    sb,
+                    T::ZERO,
+                    c,
+                    n as isize,
+                );
+            });
         } else {
             T::gemm(
                 m,
@@ -258,7 +253,7 @@ fn small_m<T: Real>(a: &[T], b: &[T], out: &mut [T], m: usize, k: usize, n: usiz
     // Columns are split into one contiguous block per thread when B is big
     // enough for the split to beat the cost of waking a second thread.
     let threads = if m * k * n >= 1 << 21 {
-        rayon::current_num_threads().clamp(1, 8)
+        crate::parallel::threads().clamp(1, 8)
     } else {
         1
     };
@@ -310,7 +305,8 @@ fn small_m<T: Real>(a: &[T], b: &[T], out: &mut [T], m: usize, k: usize, n: usiz
     let mut parts: Vec<Vec<T>> = (0..threads)
         .map(|t| vec![T::ZERO; m * (n.min((t + 1) * block) - (t * block).min(n))])
         .collect();
-    parts.par_iter_mut().enumerate().for_each(|(t, cols)| {
+    crate::parallel::for_each_chunk_mut(&mut parts, 1, |t, cols| {
+        let cols = &mut cols[0];
         let (j0, j1) = ((t * block).min(n), n.min((t + 1) * block));
         if j1 > j0 {
             fill(j0, j1, cols);
@@ -497,12 +493,17 @@ mod fma {
         // Big products split their panels (column blocks) over two threads,
         // each computing its columns into a buffer of its own.
         let panels = n.div_ceil(NR);
-        if m * k * n >= 1 << 22 && panels >= 2 && rayon::current_num_threads() > 1 {
+        let worth = if crate::parallel::min_split_elements() < 1 << 17 {
+            1 << 19
+        } else {
+            1 << 22
+        };
+        if m * k * n >= worth && panels >= 2 && crate::parallel::threads() > 1 {
             let half = panels / 2;
             let (c0, c1) = (half * NR, n - half * NR);
             let (p0, p1) = packed.split_at(half * k * NR);
             let (mut o0, mut o1) = (vec![0f32; m * c0], vec![0f32; m * c1]);
-            rayon::join(
+            crate::parallel::join(
                 || gemm_packed_f32(a, m, k, c0, p0, &mut o0),
                 || gemm_packed_f32(a, m, k, c1, p1, &mut o1),
             );
