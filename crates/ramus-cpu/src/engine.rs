@@ -191,8 +191,9 @@ struct TokenTables<T> {
     /// Version of the parameters the tables were computed from.
     source: (u64, u64),
     vocab: usize,
-    /// Per function: the hoisting plan and one `vocab x width` table per tabulated node.
-    functions: Vec<(TokenHoist, Vec<Vec<T>>)>,
+    /// Per function: the hoisting plan, one `vocab x width` table per
+    /// tabulated node, and the eager nodes that still run per batch.
+    functions: Vec<(TokenHoist, Vec<Vec<T>>, Vec<NodeId>)>,
 }
 
 /// Weights packed for small-row products, by (parameter, transposed), valid
@@ -297,7 +298,14 @@ impl<T: Real> CpuEngine<T> {
                     }
                 }
             }
-            functions.push((hoist, tables));
+            let kept: Vec<NodeId> = func
+                .forward_plan
+                .eager
+                .iter()
+                .copied()
+                .filter(|&n| hoist.keep[n])
+                .collect();
+            functions.push((hoist, tables, kept));
         }
         self.tables = Some(TokenTables {
             source: params.version(),
@@ -430,14 +438,13 @@ impl<T: Real> CpuEngine<T> {
                         .copy_from_slice(&values[v * pw..(v + 1) * pw]);
                 }
             }
-            let all = Range::all(rows);
-            match self
+            let eager: &[NodeId] = match self
                 .tables
                 .as_ref()
                 .filter(|_| use_tables)
                 .map(|t| (t.vocab, &t.functions[f]))
             {
-                Some((vocab, (hoist, tables))) => {
+                Some((vocab, (hoist, tables, kept))) => {
                     for (table, &n) in tables.iter().zip(&hoist.tabulated) {
                         let w = func.forward.nodes[n].ty.width();
                         for (r, &v) in rows.vertex.iter().enumerate() {
@@ -451,35 +458,19 @@ impl<T: Real> CpuEngine<T> {
                                 .copy_from_slice(&table[t * w..(t + 1) * w]);
                         }
                     }
-                    let eager: Vec<NodeId> = func
-                        .forward_plan
-                        .eager
-                        .iter()
-                        .copied()
-                        .filter(|&n| hoist.keep[n])
-                        .collect();
-                    run_nodes(
-                        &func.forward,
-                        &eager,
-                        arena,
-                        None,
-                        params,
-                        all,
-                        &rows.edge_parent,
-                        &mut self.packs,
-                    )?;
+                    kept
                 }
-                None => run_nodes(
-                    &func.forward,
-                    &func.forward_plan.eager,
-                    arena,
-                    None,
-                    params,
-                    all,
-                    &rows.edge_parent,
-                    &mut self.packs,
-                )?,
-            }
+                None => &func.forward_plan.eager,
+            };
+            run_all_rows(
+                &func.forward,
+                eager,
+                arena,
+                None,
+                params,
+                rows,
+                &mut self.packs,
+            )?;
         }
         for task in &s.tasks {
             let f = task.function;
@@ -536,15 +527,13 @@ impl<T: Real> CpuEngine<T> {
         }
         for (f, func) in model.functions.iter().enumerate() {
             let rows = &s.functions[f];
-            let all = Range::all(rows);
-            run_nodes(
+            run_all_rows(
                 &func.forward,
                 &func.forward_plan.lazy,
                 &mut self.fwd[f],
                 None,
                 params,
-                all,
-                &rows.edge_parent,
+                rows,
                 &mut self.packs,
             )?;
         }
@@ -747,15 +736,13 @@ impl<T: Real> CpuEngine<T> {
         self.state_grad.resize(s.num_vertices() * w, T::ZERO);
         for (f, func) in model.functions.iter().enumerate() {
             let rows = &s.functions[f];
-            let all = Range::all(rows);
-            run_nodes(
+            run_all_rows(
                 &func.backward,
                 &func.backward_plan.eager,
                 &mut self.bwd[f],
                 Some(&self.fwd[f]),
                 params,
-                all,
-                &rows.edge_parent,
+                rows,
                 &mut self.packs,
             )?;
         }
@@ -834,15 +821,13 @@ impl<T: Real> CpuEngine<T> {
         self.pull_grads.resize_with(model.functions.len(), Vec::new);
         for (f, func) in model.functions.iter().enumerate() {
             let rows = &s.functions[f];
-            let all = Range::all(rows);
-            run_nodes(
+            run_all_rows(
                 &func.backward,
                 &func.backward_plan.lazy,
                 &mut self.bwd[f],
                 Some(&self.fwd[f]),
                 params,
-                all,
-                &rows.edge_parent,
+                rows,
                 &mut self.packs,
             )?;
             accumulate_param_grads(&func.backward, &self.bwd[f], Some(&self.fwd[f]), grads)?;
@@ -947,6 +932,28 @@ fn resolve_indices<'a, T: Real>(
 ) -> Result<&'a [u32]> {
     let (arena, m) = source(g, n, own, fwd)?;
     Ok(&arena.idx[m])
+}
+
+/// Runs the op nodes `nodes` of `g` over every row and edge of a vertex function.
+fn run_all_rows<T: Real>(
+    g: &Graph,
+    nodes: &[NodeId],
+    own: &mut Arena<T>,
+    fwd: Option<&Arena<T>>,
+    params: &Params<T>,
+    rows: &FunctionRows,
+    packs: &mut Packs<T>,
+) -> Result<()> {
+    run_nodes(
+        g,
+        nodes,
+        own,
+        fwd,
+        params,
+        Range::all(rows),
+        &rows.edge_parent,
+        packs,
+    )
 }
 
 /// Runs the op nodes `nodes` of `g` over `range`, in order.

@@ -186,7 +186,7 @@ fn nary_treelstm(cfg: &ModelConfig, dropout: f64) -> Result<Model> {
     let u_iou = m.param("U_iou", &[3 * hd, 2 * hd], Init::LinearDefault);
     let b_iou = m.param("b_iou", &[3 * hd], Init::Zeros);
     let u_f = m.param("U_f", &[2 * hd, 2 * hd], Init::LinearDefault);
-    let b_f = m.param("b_f", &[2 * hd], Init::Uniform { bound: 0.0 });
+    let b_f = m.param("b_f", &[2 * hd], Init::Zeros);
     let w_out = m.param("W_out", &[k, hd], Init::LinearDefault);
     let b_out = m.param("b_out", &[k], linear_bias(hd));
     let leaf = lstm_leaf(&mut m, emb, w_iou, b_leaf, dropout)?;
