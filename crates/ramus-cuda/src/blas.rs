@@ -117,19 +117,28 @@ impl Operand {
     }
 
     /// Elements spanned by one matrix.
-    fn extent(&self) -> usize {
-        match self.rows {
-            0 => 0,
-            rows => (rows - 1) * self.ld + self.cols,
+    fn extent(&self) -> Result<usize> {
+        match self.rows.checked_sub(1) {
+            None => Ok(0),
+            Some(last_row) => last_row
+                .checked_mul(self.ld)
+                .and_then(|start| start.checked_add(self.cols))
+                .ok_or_else(|| {
+                    CudaError::BadArgument(format!("GEMM operand {} size overflows", self.name))
+                }),
         }
     }
 
-    /// Checks that `view` holds `count` matrices `stride` elements apart.
+    /// Checks that `view` holds `count` (at least 1) matrices `stride`
+    /// elements apart.
     fn check_view(&self, view: &DeviceView<f32>, count: usize, stride: usize) -> Result<()> {
-        let needed = (count - 1)
+        let needed = count
+            .saturating_sub(1)
             .checked_mul(stride)
-            .and_then(|offset| offset.checked_add(self.extent()))
-            .ok_or_else(|| CudaError::BadArgument("GEMM operand size overflows".into()))?;
+            .and_then(|offset| offset.checked_add(self.extent().ok()?))
+            .ok_or_else(|| {
+                CudaError::BadArgument(format!("GEMM operand {} size overflows", self.name))
+            })?;
         if view.len() < needed {
             return Err(CudaError::BadArgument(format!(
                 "GEMM operand {} needs {needed} elements ({count} × [{}, {}], leading \
@@ -249,40 +258,18 @@ impl Blas {
         if batch.count == 0 || gemm.m == 0 || gemm.n == 0 {
             return Ok(());
         }
-        if batch.count > 1 && batch.stride_c < op_c.extent() {
+        let output_extent = op_c.extent()?;
+        if batch.count > 1 && batch.stride_c < output_extent {
             return Err(CudaError::BadArgument(format!(
-                "strided GEMM outputs overlap: stride {} < {} elements per output",
+                "strided GEMM outputs overlap: stride {} < {output_extent} elements per output",
                 batch.stride_c,
-                op_c.extent()
             )));
         }
         op_a.check_view(&a, batch.count, batch.stride_a)?;
         op_b.check_view(&b, batch.count, batch.stride_b)?;
         op_c.check_view(&c, batch.count, batch.stride_c)?;
 
-        let int = |value: usize, what: &str| {
-            c_int::try_from(value).map_err(|_| {
-                CudaError::BadArgument(format!("GEMM {what} = {value} exceeds cuBLAS's int range"))
-            })
-        };
-        let stride = |value: usize| {
-            i64::try_from(value)
-                .map_err(|_| CudaError::BadArgument(format!("GEMM stride {value} is too large")))
-        };
-        let operation = |transposed: bool| {
-            if transposed {
-                cublasOperation_t::CUBLAS_OP_T
-            } else {
-                cublasOperation_t::CUBLAS_OP_N
-            }
-        };
-        // Column-major Cᵀ[n, m] = op(B)ᵀ[n, k] · op(A)ᵀ[k, m].
-        let (m, n, k) = (int(gemm.n, "n")?, int(gemm.m, "m")?, int(gemm.k, "k")?);
-        let (lda, ldb, ldc) = (
-            int(op_b.ld, "ldb")?,
-            int(op_a.ld, "lda")?,
-            int(op_c.ld, "ldc")?,
-        );
+        let call = ColumnMajorCall::for_row_major(gemm, &op_a, &op_b, &op_c)?;
         let (first, second) = (b.device_ptr() as *const f32, a.device_ptr() as *const f32);
         let out = c.device_ptr() as *mut f32;
         let (alpha, beta) = (gemm.alpha, gemm.beta);
@@ -296,24 +283,31 @@ impl Blas {
             unsafe {
                 result::sgemm(
                     self.handle,
-                    operation(gemm.trans_b),
-                    operation(gemm.trans_a),
-                    m,
-                    n,
-                    k,
+                    operation(call.trans_first),
+                    operation(call.trans_second),
+                    call.m,
+                    call.n,
+                    call.k,
                     &alpha,
                     first,
-                    lda,
+                    call.ld_first,
                     second,
-                    ldb,
+                    call.ld_second,
                     &beta,
                     out,
-                    ldc,
+                    call.ldc,
                 )
             }
             .in_call("cublasSgemm")
         } else {
-            let count = int(batch.count, "batch count")?;
+            let stride = |value: usize| {
+                i64::try_from(value).map_err(|_| {
+                    CudaError::BadArgument(format!("GEMM stride {value} is too large"))
+                })
+            };
+            let count = c_int::try_from(batch.count).map_err(|_| {
+                CudaError::BadArgument(format!("{} GEMMs in one batch are too many", batch.count))
+            })?;
             let (stride_first, stride_second) = (stride(batch.stride_b)?, stride(batch.stride_a)?);
             let stride_out = stride(batch.stride_c)?;
             // SAFETY: as for the single product; the views hold every matrix
@@ -321,27 +315,69 @@ impl Blas {
             unsafe {
                 result::sgemm_strided_batched(
                     self.handle,
-                    operation(gemm.trans_b),
-                    operation(gemm.trans_a),
-                    m,
-                    n,
-                    k,
+                    operation(call.trans_first),
+                    operation(call.trans_second),
+                    call.m,
+                    call.n,
+                    call.k,
                     &alpha,
                     first,
-                    lda,
+                    call.ld_first,
                     stride_first,
                     second,
-                    ldb,
+                    call.ld_second,
                     stride_second,
                     &beta,
                     out,
-                    ldc,
+                    call.ldc,
                     stride_out,
                     count,
                 )
             }
             .in_call("cublasSgemmStridedBatched")
         }
+    }
+}
+
+fn operation(transposed: bool) -> cublasOperation_t {
+    if transposed {
+        cublasOperation_t::CUBLAS_OP_T
+    } else {
+        cublasOperation_t::CUBLAS_OP_N
+    }
+}
+
+/// The column-major GEMM that computes a row-major [`Gemm`]:
+/// `Cᵀ[n, m] = op(B)ᵀ[n, k] · op(A)ᵀ[k, m]`, with B as the first operand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ColumnMajorCall {
+    trans_first: bool,
+    trans_second: bool,
+    m: c_int,
+    n: c_int,
+    k: c_int,
+    ld_first: c_int,
+    ld_second: c_int,
+    ldc: c_int,
+}
+
+impl ColumnMajorCall {
+    fn for_row_major(gemm: &Gemm, a: &Operand, b: &Operand, c: &Operand) -> Result<Self> {
+        let int = |value: usize, what: &str| {
+            c_int::try_from(value).map_err(|_| {
+                CudaError::BadArgument(format!("GEMM {what} = {value} exceeds cuBLAS's int range"))
+            })
+        };
+        Ok(Self {
+            trans_first: gemm.trans_b,
+            trans_second: gemm.trans_a,
+            m: int(gemm.n, "n")?,
+            n: int(gemm.m, "m")?,
+            k: int(gemm.k, "k")?,
+            ld_first: int(b.ld, "ldb")?,
+            ld_second: int(a.ld, "lda")?,
+            ldc: int(c.ld, "ldc")?,
+        })
     }
 }
 
@@ -380,7 +416,95 @@ mod tests {
         };
         let [_, b, c] = gemm.stored().unwrap();
         assert_eq!((b.rows, b.cols), (3, 4));
-        assert_eq!(c.extent(), 10 + 3);
+        assert_eq!(c.extent().unwrap(), 10 + 3);
+    }
+
+    /// Column-major BLAS semantics, as cuBLAS defines them.
+    fn column_major_sgemm(call: &ColumnMajorCall, first: &[f32], second: &[f32], out: &mut [f32]) {
+        let (m, n, k) = (call.m as usize, call.n as usize, call.k as usize);
+        let (ld1, ld2, ldc) = (
+            call.ld_first as usize,
+            call.ld_second as usize,
+            call.ldc as usize,
+        );
+        for i in 0..m {
+            for j in 0..n {
+                let mut sum = 0.0;
+                for p in 0..k {
+                    let x = if call.trans_first {
+                        first[p + i * ld1]
+                    } else {
+                        first[i + p * ld1]
+                    };
+                    let y = if call.trans_second {
+                        second[j + p * ld2]
+                    } else {
+                        second[p + j * ld2]
+                    };
+                    sum += x * y;
+                }
+                out[i + j * ldc] = sum;
+            }
+        }
+    }
+
+    /// Checks the row-major -> column-major mapping without a GPU: the call
+    /// handed to cuBLAS, evaluated with BLAS semantics, gives the row-major
+    /// product.
+    #[test]
+    fn the_column_major_call_computes_the_row_major_product() {
+        let (m, n, k) = (3, 4, 5);
+        for (trans_a, trans_b) in [(false, false), (true, false), (false, true), (true, true)] {
+            let pad = 2;
+            let gemm = Gemm {
+                trans_a,
+                trans_b,
+                ..Gemm::new(m, n, k)
+            };
+            let (a_rows, a_cols) = if trans_a { (k, m) } else { (m, k) };
+            let (b_rows, b_cols) = if trans_b { (n, k) } else { (k, n) };
+            let gemm = Gemm {
+                lda: Some(a_cols + pad),
+                ldb: Some(b_cols + pad),
+                ldc: Some(n + pad),
+                ..gemm
+            };
+            let [op_a, op_b, op_c] = gemm.stored().unwrap();
+            let a: Vec<f32> = (0..a_rows * op_a.ld)
+                .map(|i| (i % 7) as f32 - 3.0)
+                .collect();
+            let b: Vec<f32> = (0..b_rows * op_b.ld)
+                .map(|i| (i % 5) as f32 - 2.0)
+                .collect();
+            let at = |i: usize, p: usize| {
+                if trans_a {
+                    a[p * op_a.ld + i]
+                } else {
+                    a[i * op_a.ld + p]
+                }
+            };
+            let bt = |p: usize, j: usize| {
+                if trans_b {
+                    b[j * op_b.ld + p]
+                } else {
+                    b[p * op_b.ld + j]
+                }
+            };
+
+            let call = ColumnMajorCall::for_row_major(&gemm, &op_a, &op_b, &op_c).unwrap();
+            let mut c = vec![f32::NAN; m * op_c.ld];
+            column_major_sgemm(&call, &b, &a, &mut c);
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f32 = (0..k).map(|p| at(i, p) * bt(p, j)).sum();
+                    assert_eq!(
+                        c[i * op_c.ld + j],
+                        want,
+                        "trans {trans_a}/{trans_b} at ({i}, {j})"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -176,7 +176,12 @@ impl PinnedBuffer {
     }
 
     fn record_copy(&mut self, stream: &CudaStream) -> Result<()> {
-        self.copy_done.record(stream).in_call("cuEventRecord")?;
+        if let Err(e) = self.copy_done.record(stream).in_call("cuEventRecord") {
+            // Without the event, later host accesses could not wait for the
+            // copy just issued: wait for it here instead.
+            stream.synchronize().in_call("cuStreamSynchronize")?;
+            return Err(e);
+        }
         self.copy_pending = true;
         Ok(())
     }
