@@ -299,7 +299,7 @@ impl DevicePool {
                 self.grow(&mut state, bytes, size)?;
                 let index = state.chunks.len() - 1;
                 let allocation = state.chunks[index].allocator.alloc(size).ok_or_else(|| {
-                    out_of_memory(&state, bytes) // unreachable: the new chunk holds `size`
+                    out_of_memory(&state, bytes) // cannot happen: `grow` made room for `size`
                 })?;
                 (index, allocation)
             }
