@@ -1,6 +1,7 @@
 //! Ramus core: host tensors, the op registry, the graph IR that vertex
 //! functions, their derivatives and heads are written in, the passes over
-//! it (autodiff, execution classification), and model declaration.
+//! it (autodiff, execution classification, elementwise fusion with CUDA code
+//! generation), and model declaration.
 //!
 //! ```
 //! use ramus_core::model::{HeadRows, Init, ModelBuilder};
@@ -38,6 +39,7 @@
 
 pub mod autodiff;
 pub mod error;
+pub mod fusion;
 pub mod graph;
 pub mod model;
 pub mod op;

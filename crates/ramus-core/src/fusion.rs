@@ -1,0 +1,944 @@
+//! Kernel fusion and code generation: the NNVM "Fusion" and "CodeGen"
+//! passes (Cavs §3.5).
+//!
+//! [`fuse`] takes one phase's op list (an [`ExecPlan`](crate::plan::ExecPlan)
+//! list, in topological order) and groups connected elementwise ops — ops
+//! with an [`OpDef::elementwise_template`](crate::op::OpDef::elementwise_template)
+//! — with union-find into [`FusedGroup`]s, each of which becomes a single
+//! kernel. Two connected elementwise ops join when both are in the list,
+//! agree in space and row width, and the merge keeps the graph of steps
+//! acyclic: a path producer → other step → consumer would make the fused
+//! kernel wait for itself. The result is a [`FusionPlan`]: steps (single ops
+//! or fused groups) in an order that respects every dependency.
+//!
+//! A fused group reads its *inputs* (values computed outside it, each read
+//! per element or, for a static bias of a row group, broadcast over rows)
+//! and materializes only its *outputs* (members read outside the group, by
+//! another phase, by the backward graph or as graph outputs). Everything
+//! else stays in registers.
+//!
+//! For each group this module generates one CUDA C++ kernel from the ops'
+//! registered templates ([`FusedGroup::cuda_source`], [`FusedGroup::kernel`],
+//! named by a hash of its normalized source so identical groups share one
+//! compiled kernel), and evaluates it on the CPU through the ops' own
+//! kernels ([`FusedGroup::eval_cpu`]): the oracle the generated code is
+//! tested against.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap};
+use std::fmt;
+
+use crate::error::{CoreError, Result};
+use crate::graph::{Graph, NodeId, NodeKind, Source, Space};
+use crate::op::{Arg, ArgData, KernelCtx};
+use crate::real::Real;
+
+// ---------------------------------------------------------------- plan types
+
+/// How a fused kernel reads one of its inputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum InputKind {
+    /// One element per output element (`in[i]`): a row value of the group's
+    /// space and width, or, in a static group, a tensor of the group's shape.
+    PerElement,
+    /// A static row repeated for every row of a row group (`in[i % width]`):
+    /// a bias.
+    Broadcast,
+}
+
+impl InputKind {
+    fn short(self) -> &'static str {
+        match self {
+            InputKind::PerElement => "elem",
+            InputKind::Broadcast => "bcast",
+        }
+    }
+}
+
+/// A value a fused group reads from outside.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FusedInput {
+    pub node: NodeId,
+    pub kind: InputKind,
+}
+
+/// Connected elementwise ops run as one kernel. See the module docs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FusedGroup {
+    /// Member op nodes in topological order.
+    pub nodes: Vec<NodeId>,
+    /// Values read from outside the group, in first-use order, each once.
+    pub inputs: Vec<FusedInput>,
+    /// Members whose values are materialized, in member order.
+    pub outputs: Vec<NodeId>,
+    /// Space of every member (the rows the kernel runs over).
+    pub space: Space,
+    /// Elements per row of every member (all elements for a static group).
+    pub width: usize,
+}
+
+/// One step of a [`FusionPlan`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// A non-elementwise op node, run by its own kernel.
+    Op(NodeId),
+    /// Elementwise ops run as one kernel (possibly a single op).
+    Fused(FusedGroup),
+}
+
+/// One phase's op nodes as kernels to launch, in dependency order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FusionPlan {
+    pub steps: Vec<Step>,
+}
+
+/// A generated CUDA kernel: its name (derived from the source) and source.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FusedKernel {
+    /// `fused_<16 hex digits>`: a hash of the normalized source, so groups
+    /// with the same computation share one compiled kernel.
+    pub name: String,
+    /// One `extern "C" __global__` function called `name`.
+    pub source: String,
+}
+
+// ---------------------------------------------------------------- errors
+
+fn node_error(graph: &Graph, node: NodeId, message: impl Into<String>) -> CoreError {
+    let op = graph
+        .nodes
+        .get(node)
+        .map(|n| n.describe(&[]))
+        .unwrap_or_else(|| "?".into());
+    CoreError::Shape {
+        context: "fusion".into(),
+        op,
+        message: format!("node %{node}: {}", message.into()),
+    }
+}
+
+fn group_error(group: &FusedGroup, message: impl Into<String>) -> CoreError {
+    CoreError::Kernel {
+        op: group.describe(),
+        message: message.into(),
+    }
+}
+
+// ---------------------------------------------------------------- fusion pass
+
+/// Union-find over graph nodes (union by size); each root holds its members.
+struct Groups {
+    parent: Vec<NodeId>,
+    members: Vec<Vec<NodeId>>,
+}
+
+impl Groups {
+    fn new(n: usize) -> Self {
+        Groups {
+            parent: (0..n).collect(),
+            members: (0..n).map(|i| vec![i]).collect(),
+        }
+    }
+    /// The root of `x`'s group (union by size keeps the chains short).
+    fn find(&self, mut x: NodeId) -> NodeId {
+        while self.parent[x] != x {
+            x = self.parent[x];
+        }
+        x
+    }
+    fn union(&mut self, a: NodeId, b: NodeId) {
+        let (big, small) = if self.members[a].len() >= self.members[b].len() {
+            (a, b)
+        } else {
+            (b, a)
+        };
+        self.parent[small] = big;
+        let moved = std::mem::take(&mut self.members[small]);
+        self.members[big].extend(moved);
+    }
+}
+
+/// State of the fusion pass over one graph.
+struct Fuser {
+    users: Vec<Vec<NodeId>>,
+    groups: Groups,
+    /// Scratch for reachability searches.
+    seen: Vec<bool>,
+    stack: Vec<NodeId>,
+}
+
+impl Fuser {
+    /// True if some path leaves unit `from`, passes through a third unit and
+    /// reaches unit `to` (both roots). In the graph of units (a group is one
+    /// unit, every other node its own) such a path would close a cycle once
+    /// `from` and `to` are merged; direct edges `from → to` are harmless.
+    fn path_through_other(&mut self, from: NodeId, to: NodeId) -> bool {
+        let Fuser {
+            users,
+            groups,
+            seen,
+            stack,
+        } = self;
+        seen.iter_mut().for_each(|s| *s = false);
+        stack.clear();
+        for &m in &groups.members[from] {
+            stack.extend(users[m].iter().copied().filter(|&u| {
+                let r = groups.find(u);
+                r != from && r != to
+            }));
+        }
+        while let Some(w) = stack.pop() {
+            if seen[w] {
+                continue;
+            }
+            let r = groups.find(w);
+            if r == to {
+                return true;
+            }
+            // reaching a unit means waiting for all of it: go on from every member
+            for &m in &groups.members[r] {
+                seen[m] = true;
+                stack.extend(users[m].iter().copied().filter(|&u| !seen[u]));
+            }
+        }
+        false
+    }
+
+    /// Merges the groups of `producer` and its user `consumer` unless that
+    /// closes a cycle. Only a path producer group → third unit → consumer
+    /// group can: a path back from the consumer's group to the producer's
+    /// would already be a cycle through the edge `producer → consumer`.
+    fn try_merge(&mut self, producer: NodeId, consumer: NodeId) -> bool {
+        let (rp, rc) = (self.groups.find(producer), self.groups.find(consumer));
+        if rp == rc || self.path_through_other(rp, rc) {
+            return false;
+        }
+        self.groups.union(rp, rc);
+        true
+    }
+}
+
+/// Groups the elementwise ops of one phase's op list `nodes` (topological
+/// order) into fused kernels; see the module docs.
+///
+/// A member's value is materialized (becomes a group output) when a node
+/// outside the group reads it, it is a graph output, nothing reads it at all
+/// (so the plan computes everything the unfused list did), or `keep` says
+/// it is needed elsewhere — pass the forward values the backward graph reads
+/// (see [`forward_reads`]) when fusing a forward graph.
+///
+/// Errors name the offending node: a node that is not an op, listed twice or
+/// out of order, a graph whose nodes are not in topological order, or a list
+/// that reads a value computed outside it from its own results.
+pub fn fuse(graph: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool) -> Result<FusionPlan> {
+    let n = graph.nodes.len();
+    for (i, node) in graph.nodes.iter().enumerate() {
+        if let Some(&x) = node.inputs.iter().find(|&&x| x >= i) {
+            return Err(node_error(
+                graph,
+                i,
+                format!("reads %{x}: graph nodes are not in topological order"),
+            ));
+        }
+    }
+    // position of each listed node in `nodes`
+    let mut position: Vec<Option<usize>> = vec![None; n];
+    for (p, &v) in nodes.iter().enumerate() {
+        let Some(node) = graph.nodes.get(v) else {
+            return Err(CoreError::Shape {
+                context: "fusion".into(),
+                op: "?".into(),
+                message: format!("node %{v} does not exist (the graph has {n} nodes)"),
+            });
+        };
+        if node.op().is_none() {
+            return Err(node_error(graph, v, "is not an op node"));
+        }
+        if position[v].is_some() {
+            return Err(node_error(graph, v, "is listed twice"));
+        }
+        position[v] = Some(p);
+    }
+    // listed inputs come first; unlisted inputs do not depend on the list
+    let mut depends_on_list = vec![false; n];
+    for (i, node) in graph.nodes.iter().enumerate() {
+        depends_on_list[i] = node
+            .inputs
+            .iter()
+            .any(|&x| position[x].is_some() || depends_on_list[x]);
+    }
+    for (p, &v) in nodes.iter().enumerate() {
+        for &x in &graph.nodes[v].inputs {
+            match position[x] {
+                Some(q) if q >= p => {
+                    return Err(node_error(
+                        graph,
+                        v,
+                        format!("reads %{x}, which is listed after it"),
+                    ))
+                }
+                None if depends_on_list[x] => {
+                    return Err(node_error(
+                        graph,
+                        v,
+                        format!("reads %{x}, which is not listed but depends on listed nodes"),
+                    ))
+                }
+                _ => {}
+            }
+        }
+    }
+
+    let elementwise: Vec<bool> = (0..n)
+        .map(|i| {
+            position[i].is_some()
+                && graph.nodes[i]
+                    .op()
+                    .is_some_and(|op| op.elementwise_template().is_some())
+        })
+        .collect();
+    let fusable_edge = |x: NodeId, v: NodeId| {
+        elementwise[x]
+            && elementwise[v]
+            && graph.nodes[x].ty.space == graph.nodes[v].ty.space
+            && graph.nodes[x].ty.width() == graph.nodes[v].ty.width()
+    };
+
+    let mut fuser = Fuser {
+        users: graph.users(),
+        groups: Groups::new(n),
+        seen: vec![false; n],
+        stack: Vec::new(),
+    };
+    // A greedy pass in topological order, repeated over the edges left
+    // unfused until nothing changes: later merges can absorb the third unit
+    // that blocked an earlier one.
+    loop {
+        let mut changed = false;
+        for &v in nodes {
+            for &x in &graph.nodes[v].inputs {
+                if fusable_edge(x, v) && fuser.try_merge(x, v) {
+                    changed = true;
+                }
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+
+    // units: a group root, or a non-elementwise node; numbered by first appearance
+    let mut unit_of: Vec<Option<usize>> = vec![None; n];
+    let mut unit_root: Vec<NodeId> = Vec::new();
+    let mut root_unit: Vec<Option<usize>> = vec![None; n];
+    for &v in nodes {
+        let r = fuser.groups.find(v);
+        let u = match root_unit[r] {
+            Some(u) => u,
+            None => {
+                unit_root.push(r);
+                root_unit[r] = Some(unit_root.len() - 1);
+                unit_root.len() - 1
+            }
+        };
+        unit_of[v] = Some(u);
+    }
+    let units = unit_root.len();
+    let mut successors: Vec<Vec<usize>> = vec![Vec::new(); units];
+    let mut pending = vec![0usize; units];
+    for &v in nodes {
+        let Some(uv) = unit_of[v] else { continue };
+        for &x in &graph.nodes[v].inputs {
+            if let Some(ux) = unit_of[x] {
+                if ux != uv && !successors[ux].contains(&uv) {
+                    successors[ux].push(uv);
+                    pending[uv] += 1;
+                }
+            }
+        }
+    }
+    // Kahn, earliest first appearance first
+    let mut ready: BinaryHeap<Reverse<usize>> = (0..units)
+        .filter(|&u| pending[u] == 0)
+        .map(Reverse)
+        .collect();
+    let mut order = Vec::with_capacity(units);
+    while let Some(Reverse(u)) = ready.pop() {
+        order.push(u);
+        for &s in &successors[u] {
+            pending[s] -= 1;
+            if pending[s] == 0 {
+                ready.push(Reverse(s));
+            }
+        }
+    }
+    if order.len() != units {
+        return Err(CoreError::Shape {
+            context: "fusion".into(),
+            op: "fuse".into(),
+            message: "internal error: fused steps depend on each other cyclically".into(),
+        });
+    }
+
+    let is_graph_output = {
+        let mut out = vec![false; n];
+        for o in &graph.outputs {
+            if let Some(slot) = out.get_mut(o.node) {
+                *slot = true;
+            }
+            if let Some(slot) = o.aux.and_then(|a| out.get_mut(a)) {
+                *slot = true;
+            }
+        }
+        out
+    };
+    let users = std::mem::take(&mut fuser.users);
+    let mut steps = Vec::with_capacity(units);
+    for u in order {
+        let root = unit_root[u];
+        if !elementwise[root] {
+            steps.push(Step::Op(root));
+            continue;
+        }
+        let mut members = fuser.groups.members[root].clone();
+        members.sort_by_key(|&m| position[m]);
+        let in_group = |x: NodeId| unit_of[x] == Some(u);
+        let ty = &graph.nodes[root].ty;
+        let (space, width) = (ty.space, ty.width());
+        let mut inputs: Vec<FusedInput> = Vec::new();
+        for &m in &members {
+            for &x in &graph.nodes[m].inputs {
+                if in_group(x) || inputs.iter().any(|i| i.node == x) {
+                    continue;
+                }
+                let kind = if space != Space::Static && graph.nodes[x].ty.space == Space::Static {
+                    InputKind::Broadcast
+                } else {
+                    InputKind::PerElement
+                };
+                inputs.push(FusedInput { node: x, kind });
+            }
+        }
+        let outputs = members
+            .iter()
+            .copied()
+            .filter(|&m| {
+                is_graph_output[m]
+                    || keep(m)
+                    || users[m].is_empty()
+                    || users[m].iter().any(|&x| !in_group(x))
+            })
+            .collect();
+        steps.push(Step::Fused(FusedGroup {
+            nodes: members,
+            inputs,
+            outputs,
+            space,
+            width,
+        }));
+    }
+    Ok(FusionPlan { steps })
+}
+
+/// The nodes of a forward graph that its backward graph reads
+/// ([`Source::Forward`]): values a fusion plan of the forward graph must
+/// materialize (use as `keep` in [`fuse`]).
+pub fn forward_reads(backward: &Graph) -> BTreeSet<NodeId> {
+    backward
+        .nodes
+        .iter()
+        .filter_map(|n| match n.kind {
+            NodeKind::Input(Source::Forward(m)) => Some(m),
+            _ => None,
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------- plan queries and listing
+
+impl FusionPlan {
+    /// The fused groups, in step order.
+    pub fn groups(&self) -> impl Iterator<Item = &FusedGroup> {
+        self.steps.iter().filter_map(|s| match s {
+            Step::Fused(g) => Some(g),
+            Step::Op(_) => None,
+        })
+    }
+
+    /// Kernels launched per run of the phase (one per step).
+    pub fn kernel_launches(&self) -> usize {
+        self.steps.len()
+    }
+
+    /// Op nodes covered by the plan.
+    pub fn op_count(&self) -> usize {
+        self.steps
+            .iter()
+            .map(|s| match s {
+                Step::Op(_) => 1,
+                Step::Fused(g) => g.nodes.len(),
+            })
+            .sum()
+    }
+
+    /// A readable listing with each node's op, operands and type
+    /// (`ramus inspect`); `params` names parameters.
+    pub fn listing(&self, graph: &Graph, params: &[String]) -> String {
+        let line = |v: NodeId| match graph.nodes.get(v) {
+            Some(node) => {
+                let ins: Vec<String> = node.inputs.iter().map(|x| format!("%{x}")).collect();
+                format!(
+                    "%{v} = {}({}) : {}",
+                    node.describe(params),
+                    ins.join(", "),
+                    node.ty
+                )
+            }
+            None => format!("%{v} = ? (not in the graph)"),
+        };
+        let mut s = format!(
+            "{} ops in {} kernels ({} fused groups)\n",
+            self.op_count(),
+            self.kernel_launches(),
+            self.groups().count()
+        );
+        for step in &self.steps {
+            match step {
+                Step::Op(v) => s += &format!("{}\n", line(*v)),
+                Step::Fused(g) => {
+                    s += &format!("{}\n", g.header());
+                    for &v in &g.nodes {
+                        s += &format!("    {}\n", line(v));
+                    }
+                }
+            }
+        }
+        s
+    }
+}
+
+impl fmt::Display for FusionPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for step in &self.steps {
+            match step {
+                Step::Op(v) => writeln!(f, "op %{v}")?,
+                Step::Fused(g) => writeln!(f, "{}", g.header())?,
+            }
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------- code generation
+
+/// FNV-1a, 64 bit: a hash that is stable across builds and platforms (the
+/// kernel name is a cache key on disk).
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// Replaces the placeholders `{0}`, `{1}`, ... of an elementwise template by
+/// `operands`; `{{` and `}}` stand for literal braces.
+fn instantiate(template: &str, operands: &[String]) -> std::result::Result<String, String> {
+    let bytes = template.as_bytes();
+    let mut out = String::with_capacity(template.len() + 8 * operands.len());
+    let mut i = 0;
+    let mut literal_start = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'{' if bytes.get(i + 1) == Some(&b'{') => {
+                out.push_str(&template[literal_start..i]);
+                out.push('{');
+                i += 2;
+                literal_start = i;
+            }
+            b'{' => {
+                out.push_str(&template[literal_start..i]);
+                let digits_end = bytes[i + 1..]
+                    .iter()
+                    .position(|b| !b.is_ascii_digit())
+                    .map_or(bytes.len(), |p| i + 1 + p);
+                if digits_end == i + 1 || bytes.get(digits_end) != Some(&b'}') {
+                    return Err(format!(
+                        "malformed placeholder at byte {i} of template `{template}`"
+                    ));
+                }
+                let k: usize = template[i + 1..digits_end]
+                    .parse()
+                    .map_err(|_| format!("placeholder at byte {i} of `{template}` is too large"))?;
+                let operand = operands.get(k).ok_or_else(|| {
+                    format!(
+                        "template `{template}` uses operand {{{k}}} but the op has {} operands",
+                        operands.len()
+                    )
+                })?;
+                out.push_str(operand);
+                i = digits_end + 1;
+                literal_start = i;
+            }
+            b'}' if bytes.get(i + 1) == Some(&b'}') => {
+                out.push_str(&template[literal_start..i]);
+                out.push('}');
+                i += 2;
+                literal_start = i;
+            }
+            b'}' => {
+                return Err(format!(
+                    "unmatched `}}` at byte {i} of template `{template}`"
+                ))
+            }
+            _ => i += 1,
+        }
+    }
+    out.push_str(&template[literal_start..]);
+    Ok(out)
+}
+
+/// A member of a group as code: its op signature, operand variables and
+/// C expression.
+struct MemberCode {
+    signature: String,
+    operands: Vec<String>,
+    expr: String,
+}
+
+impl FusedGroup {
+    /// `fused vertex×256 [%7 %8] in(%5, %4 bcast) out(%8)`.
+    fn header(&self) -> String {
+        let space = match self.space {
+            Space::Vertex => "vertex",
+            Space::Edge => "edge",
+            Space::Static => "static",
+        };
+        let ids = |xs: &[NodeId]| {
+            let shown: Vec<String> = xs.iter().map(|v| format!("%{v}")).collect();
+            shown.join(" ")
+        };
+        let inputs: Vec<String> = self
+            .inputs
+            .iter()
+            .map(|i| match i.kind {
+                InputKind::PerElement => format!("%{}", i.node),
+                InputKind::Broadcast => format!("%{} bcast", i.node),
+            })
+            .collect();
+        format!(
+            "fused {space}×{} [{}] in({}) out({})",
+            self.width,
+            ids(&self.nodes),
+            inputs.join(", "),
+            ids(&self.outputs),
+        )
+    }
+
+    /// Short name for errors: `fused group [%7 %8]`.
+    fn describe(&self) -> String {
+        let ids: Vec<String> = self.nodes.iter().map(|v| format!("%{v}")).collect();
+        format!("fused group [{}]", ids.join(" "))
+    }
+
+    /// The variable holding value `x` inside the kernel: `t<j>` for member
+    /// `j` computed before member `before`, `a<k>` for input `k`.
+    fn variable(&self, x: NodeId, before: usize) -> Option<String> {
+        if let Some(j) = self.nodes[..before].iter().position(|&m| m == x) {
+            return Some(format!("t{j}"));
+        }
+        self.inputs
+            .iter()
+            .position(|i| i.node == x)
+            .map(|k| format!("a{k}"))
+    }
+
+    /// Checks the group against `graph` and renders each member as code.
+    fn members_code(&self, graph: &Graph) -> Result<Vec<MemberCode>> {
+        if self.nodes.is_empty() {
+            return Err(group_error(self, "has no members"));
+        }
+        if let Some(&o) = self.outputs.iter().find(|o| !self.nodes.contains(o)) {
+            return Err(group_error(self, format!("output %{o} is not a member")));
+        }
+        let mut code = Vec::with_capacity(self.nodes.len());
+        for (j, &m) in self.nodes.iter().enumerate() {
+            let node = graph
+                .nodes
+                .get(m)
+                .ok_or_else(|| group_error(self, format!("member %{m} is not in the graph")))?;
+            let op = node
+                .op()
+                .ok_or_else(|| node_error(graph, m, "fused member is not an op node"))?;
+            let template = op
+                .elementwise_template()
+                .ok_or_else(|| node_error(graph, m, "fused member has no elementwise template"))?;
+            if node.ty.space != self.space || node.ty.width() != self.width {
+                return Err(node_error(
+                    graph,
+                    m,
+                    format!(
+                        "type {} does not match the group's {:?} rows of width {}",
+                        node.ty, self.space, self.width
+                    ),
+                ));
+            }
+            let operands = node
+                .inputs
+                .iter()
+                .map(|&x| {
+                    self.variable(x, j).ok_or_else(|| {
+                        node_error(
+                            graph,
+                            m,
+                            format!("operand %{x} is neither an earlier member nor an input"),
+                        )
+                    })
+                })
+                .collect::<Result<Vec<String>>>()?;
+            let expr = instantiate(&template, &operands).map_err(|e| node_error(graph, m, e))?;
+            code.push(MemberCode {
+                signature: op.signature(),
+                operands,
+                expr,
+            });
+        }
+        Ok(code)
+    }
+
+    /// A normalized description of the computation — input kinds, member op
+    /// signatures with operand variables, outputs — independent of node ids,
+    /// space and width: equal signatures mean equal kernels (a cache key).
+    pub fn signature(&self, graph: &Graph) -> Result<String> {
+        let code = self.members_code(graph)?;
+        let inputs: Vec<String> = self
+            .inputs
+            .iter()
+            .enumerate()
+            .map(|(k, i)| format!("a{k}:{}", i.kind.short()))
+            .collect();
+        let members: Vec<String> = code
+            .iter()
+            .enumerate()
+            .map(|(j, c)| format!("t{j}={}({})", c.signature, c.operands.join(",")))
+            .collect();
+        let outputs = self.output_members()?;
+        let outputs: Vec<String> = outputs.iter().map(|j| format!("t{j}")).collect();
+        Ok(format!(
+            "in[{}] {} out[{}]",
+            inputs.join(","),
+            members.join(" "),
+            outputs.join(",")
+        ))
+    }
+
+    /// Member index of each output.
+    fn output_members(&self) -> Result<Vec<usize>> {
+        self.outputs
+            .iter()
+            .map(|o| {
+                self.nodes
+                    .iter()
+                    .position(|m| m == o)
+                    .ok_or_else(|| group_error(self, format!("output %{o} is not a member")))
+            })
+            .collect()
+    }
+
+    /// The group as one CUDA C++ kernel called `kernel_name`:
+    ///
+    /// ```text
+    /// extern "C" __global__ void NAME(const float* __restrict__ in0, ...,
+    ///     float* __restrict__ out0, ..., unsigned long long n, unsigned int width)
+    /// ```
+    ///
+    /// `inK` is input `K` (rows × width floats, or `width` floats for a
+    /// broadcast input), `outK` output `K` (rows × width floats, not aliasing
+    /// any input), `n` = rows × width (`width` for a static group). A
+    /// grid-stride loop covers `0..n`, so any launch shape is correct.
+    pub fn cuda_source(&self, graph: &Graph, kernel_name: &str) -> Result<String> {
+        let code = self.members_code(graph)?;
+        let outputs = self.output_members()?;
+        let mut params: Vec<String> = (0..self.inputs.len())
+            .map(|k| format!("const float* __restrict__ in{k}"))
+            .collect();
+        params.extend((0..outputs.len()).map(|k| format!("float* __restrict__ out{k}")));
+        params.push("unsigned long long n".into());
+        params.push("unsigned int width".into());
+        let mut s = format!(
+            "extern \"C\" __global__ void {kernel_name}(\n    {})\n{{\n",
+            params.join(",\n    ")
+        );
+        s += "    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;\n";
+        s += "         i < n;\n";
+        s += "         i += (unsigned long long)gridDim.x * blockDim.x) {\n";
+        for (k, input) in self.inputs.iter().enumerate() {
+            let index = match input.kind {
+                InputKind::PerElement => "i",
+                InputKind::Broadcast => "i % width",
+            };
+            s += &format!("        const float a{k} = in{k}[{index}];\n");
+        }
+        for (j, c) in code.iter().enumerate() {
+            s += &format!("        const float t{j} = {};\n", c.expr);
+        }
+        for (k, j) in outputs.iter().enumerate() {
+            s += &format!("        out{k}[i] = t{j};\n");
+        }
+        s += "    }\n}\n";
+        Ok(s)
+    }
+
+    /// The kernel with its content-derived name (see [`FusedKernel`]).
+    pub fn kernel(&self, graph: &Graph) -> Result<FusedKernel> {
+        let normalized = self.cuda_source(graph, "KERNEL")?;
+        let name = format!("fused_{:016x}", fnv1a64(normalized.as_bytes()));
+        let source = self.cuda_source(graph, &name)?;
+        Ok(FusedKernel { name, source })
+    }
+
+    // ------------------------------------------------------------ CPU oracle
+
+    /// Evaluates the group op by op through the members' CPU kernels.
+    /// `inputs[k]` holds input `k` (rows × width elements, or `width` for a
+    /// broadcast input); `outputs[k]` receives output `k` (rows × width).
+    /// `rows` is ignored for a static group (one "row" of `width` elements).
+    pub fn eval_cpu<T: Real>(
+        &self,
+        graph: &Graph,
+        inputs: &[&[T]],
+        rows: usize,
+        outputs: &mut [&mut [T]],
+    ) -> Result<()> {
+        self.members_code(graph)?;
+        let output_members = self.output_members()?;
+        if inputs.len() != self.inputs.len() || outputs.len() != self.outputs.len() {
+            return Err(group_error(
+                self,
+                format!(
+                    "takes {} inputs and {} outputs, got {} and {}",
+                    self.inputs.len(),
+                    self.outputs.len(),
+                    inputs.len(),
+                    outputs.len()
+                ),
+            ));
+        }
+        let rows = if self.space == Space::Static { 1 } else { rows };
+        let n = rows.checked_mul(self.width).ok_or_else(|| {
+            group_error(
+                self,
+                format!("{rows} rows of width {} overflow", self.width),
+            )
+        })?;
+        for (k, (input, data)) in self.inputs.iter().zip(inputs).enumerate() {
+            let need = match input.kind {
+                InputKind::PerElement => n,
+                InputKind::Broadcast => self.width,
+            };
+            if data.len() != need {
+                return Err(group_error(
+                    self,
+                    format!(
+                        "input {k} (%{}) has {} elements, expected {need}",
+                        input.node,
+                        data.len()
+                    ),
+                ));
+            }
+        }
+        if let Some((k, o)) = outputs.iter().enumerate().find(|(_, o)| o.len() != n) {
+            return Err(group_error(
+                self,
+                format!(
+                    "output {k} (%{}) has {} elements, expected {n}",
+                    self.outputs[k],
+                    o.len()
+                ),
+            ));
+        }
+        let mut values: Vec<Vec<T>> = Vec::with_capacity(self.nodes.len());
+        for (j, &m) in self.nodes.iter().enumerate() {
+            let node = &graph.nodes[m];
+            let op = node
+                .op()
+                .ok_or_else(|| node_error(graph, m, "fused member is not an op node"))?;
+            let mut out = vec![T::ZERO; n];
+            {
+                let mut args = Vec::with_capacity(node.inputs.len());
+                for &x in &node.inputs {
+                    let data: &[T] =
+                        match self.nodes[..j].iter().position(|&p| p == x) {
+                            Some(p) => &values[p],
+                            None => {
+                                let k = self.inputs.iter().position(|i| i.node == x).ok_or_else(
+                                    || {
+                                        node_error(
+                                            graph,
+                                            m,
+                                            format!("operand %{x} is not available"),
+                                        )
+                                    },
+                                )?;
+                                inputs[k]
+                            }
+                        };
+                    let ty = &graph.nodes[x].ty;
+                    args.push(Arg {
+                        ty,
+                        rows: if ty.is_rows() { rows } else { 1 },
+                        data: ArgData::Float(data),
+                    });
+                }
+                let mut ctx = KernelCtx {
+                    args: &args,
+                    out: &mut out,
+                    out_rows: rows,
+                    // elementwise kernels do not look at the row topology
+                    vertex_rows: rows,
+                    edge_parent: &[],
+                    packed_b: None,
+                };
+                T::run_kernel(op, &mut ctx)
+                    .map_err(|e| node_error(graph, m, format!("in {}: {e}", self.describe())))?;
+            }
+            values.push(out);
+        }
+        for (out, &j) in outputs.iter_mut().zip(&output_members) {
+            out.copy_from_slice(&values[j]);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placeholders_are_parsed_not_pattern_replaced() {
+        let ops = ["t0".to_string(), "a11".to_string()];
+        assert_eq!(
+            instantiate("({0} * {1} + {0})", &ops).as_deref(),
+            Ok("(t0 * a11 + t0)")
+        );
+        assert_eq!(instantiate("{{x}} {1}", &ops).as_deref(), Ok("{x} a11"));
+        assert!(instantiate("{2}", &ops)
+            .unwrap_err()
+            .contains("operand {2}"));
+        assert!(instantiate("{a}", &ops).unwrap_err().contains("malformed"));
+        assert!(instantiate("{0", &ops).unwrap_err().contains("malformed"));
+        assert!(instantiate("x}", &ops).unwrap_err().contains("unmatched"));
+        assert_eq!(
+            instantiate("expf(-1.0f)", &[]).as_deref(),
+            Ok("expf(-1.0f)")
+        );
+    }
+
+    #[test]
+    fn fnv_is_stable() {
+        assert_eq!(fnv1a64(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
+    }
+}
