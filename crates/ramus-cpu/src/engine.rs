@@ -846,8 +846,7 @@ impl<T: Real> CpuEngine<T> {
     }
 }
 
-/// Fills every dropout mask of `g`: Bernoulli keep masks scaled by
-/// `1 / (1 - rate)` while training, ones otherwise.
+/// Fills every dropout mask of `g` (see [`fill_dropout_mask`]).
 fn fill_dropout_masks<T: Real>(
     g: &Graph,
     arena: &mut Arena<T>,
@@ -856,18 +855,31 @@ fn fill_dropout_masks<T: Real>(
 ) {
     for (n, node) in g.nodes.iter().enumerate() {
         if let NodeKind::Input(Source::DropoutMask { rate, .. }) = node.kind {
-            let rate = f64::from(rate) * 1e-4;
-            let keep = T::from_f64(1.0 / (1.0 - rate));
-            for x in arena.vals[n].iter_mut() {
-                *x = if !training {
-                    T::ONE
-                } else if rng.random::<f64>() < rate {
-                    T::ZERO
-                } else {
-                    keep
-                };
-            }
+            fill_dropout_mask(&mut arena.vals[n], rate, training, rng);
         }
+    }
+}
+
+/// Fills one dropout mask: Bernoulli keep masks scaled by `1 / (1 - rate)`
+/// while training (`rate_units` in 1e-4, one draw per element from `rng`),
+/// ones otherwise. Every engine draws masks through this, in the same order
+/// (functions' forward graphs, then the head), so their results agree.
+pub fn fill_dropout_mask<T: Real>(
+    out: &mut [T],
+    rate_units: u16,
+    training: bool,
+    rng: &mut ChaCha8Rng,
+) {
+    let rate = f64::from(rate_units) * 1e-4;
+    let keep = T::from_f64(1.0 / (1.0 - rate));
+    for x in out.iter_mut() {
+        *x = if !training {
+            T::ONE
+        } else if rng.random::<f64>() < rate {
+            T::ZERO
+        } else {
+            keep
+        };
     }
 }
 

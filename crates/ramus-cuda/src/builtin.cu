@@ -157,7 +157,7 @@ extern "C" __global__ void ramus_softmax_xent(float* loss, const float* __restri
     __shared__ float scratch[4];
     for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* row = x + (u64)r * classes;
-        float m = -INFINITY;
+        float m = __int_as_float(0xff800000);  // -inf
         for (u32 j = threadIdx.x; j < classes; j += blockDim.x) m = fmaxf(m, row[j]);
         m = block_max(m, scratch);
         float s = 0.0f;
@@ -175,7 +175,7 @@ extern "C" __global__ void ramus_softmax_xent_backward(float* dx, const float* _
     __shared__ float scratch[4];
     for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* row = x + (u64)r * classes;
-        float m = -INFINITY;
+        float m = __int_as_float(0xff800000);  // -inf
         for (u32 j = threadIdx.x; j < classes; j += blockDim.x) m = fmaxf(m, row[j]);
         m = block_max(m, scratch);
         float s = 0.0f;

@@ -67,6 +67,22 @@ pub enum CudaError {
     /// An argument is out of range or inconsistent (the message says which).
     #[error("bad argument: {0}")]
     BadArgument(String),
+    /// A model or batch the CUDA engine cannot run (the message names the
+    /// op, node or input).
+    #[error("{0}")]
+    Model(String),
+}
+
+impl From<ramus_core::CoreError> for CudaError {
+    fn from(e: ramus_core::CoreError) -> Self {
+        CudaError::Model(e.to_string())
+    }
+}
+
+impl From<ramus_graph::GraphError> for CudaError {
+    fn from(e: ramus_graph::GraphError) -> Self {
+        CudaError::Model(e.to_string())
+    }
 }
 
 pub type Result<T, E = CudaError> = std::result::Result<T, E>;

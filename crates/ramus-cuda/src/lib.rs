@@ -38,15 +38,19 @@
 pub mod blas;
 pub mod cache;
 pub mod device;
+pub mod engine;
 pub mod error;
+pub mod launch;
 pub mod offset_allocator;
 pub mod pinned;
 pub mod pool;
+pub(crate) mod program;
 pub mod rtc;
 
 pub use blas::{Blas, Gemm, MathMode, StridedBatch};
 pub use cache::{default_cache_dir, normalize_source, KernelCache, KernelCacheStats};
 pub use device::CudaDevice;
+pub use engine::{CudaEngine, CudaEngineOptions};
 pub use error::{CudaError, InCall, Result};
 pub use offset_allocator::{OffsetAllocator, ALIGNMENT};
 pub use pinned::PinnedBuffer;

@@ -5,6 +5,7 @@
 
 pub mod input;
 pub mod ptb;
+pub mod random;
 pub mod schedule;
 pub mod synthetic;
 pub mod text;

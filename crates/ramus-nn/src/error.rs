@@ -19,6 +19,9 @@ pub enum NnError {
     },
     #[error("{0}")]
     Config(String),
+    /// A device engine (CUDA) failed; the message names the call or input.
+    #[error("device: {0}")]
+    Device(String),
 }
 
 pub type Result<T, E = NnError> = std::result::Result<T, E>;

@@ -2,11 +2,13 @@
 //! the training / evaluation loops.
 
 pub mod checkpoint;
+pub mod engine;
 pub mod error;
 pub mod models;
 pub mod optim;
 pub mod train;
 
+pub use engine::Engine;
 pub use error::{NnError, Result};
 pub use models::{
     build_model, build_model_with, data_kind, DataKind, ModelConfig, ModelOptions, MODEL_NAMES,

@@ -1,4 +1,5 @@
-//! Training and evaluation loops over the CPU engine.
+//! Training and evaluation loops over any [`Engine`] (the CPU batched
+//! engine by default).
 
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -6,6 +7,8 @@ use rand_chacha::ChaCha8Rng;
 
 use ramus_core::{Grads, HeadRows, Model, Params, Real};
 use ramus_cpu::{Batch, CpuEngine, Mode};
+
+use crate::engine::Engine;
 use ramus_graph::{BatchingPolicy, InputGraph};
 
 use crate::error::{NnError, Result};
@@ -29,7 +32,7 @@ pub struct Trainer<T> {
     pub params: Params<T>,
     pub grads: Grads<T>,
     pub optimizer: Optimizer<T>,
-    pub engine: CpuEngine<T>,
+    pub engine: Box<dyn Engine<T>>,
     pub policy: BatchingPolicy,
 }
 
@@ -42,7 +45,7 @@ impl<T: Real> Trainer<T> {
             params,
             grads,
             optimizer,
-            engine: CpuEngine::new(),
+            engine: Box::new(CpuEngine::new()),
             policy: BatchingPolicy::Cavs,
         }
     }
@@ -50,15 +53,13 @@ impl<T: Real> Trainer<T> {
     /// Forward, backward and one optimizer step on `graphs`; returns the loss.
     pub fn train_batch(&mut self, graphs: &[&InputGraph]) -> Result<f64> {
         let batch = Batch::new(&self.model, graphs.to_vec(), self.policy)?;
-        let out = self
-            .engine
-            .forward(&self.model, &self.params, &batch, Mode::Train)?;
-        self.grads.clear();
-        self.engine
-            .backward(&self.model, &self.params, &batch, &mut self.grads)?;
-        self.optimizer.step(&mut self.params, &self.grads);
-        out.loss
-            .ok_or_else(|| NnError::Config("forward pass returned no loss".into()))
+        self.engine.train_step(
+            &self.model,
+            &mut self.params,
+            &mut self.grads,
+            &mut self.optimizer,
+            &batch,
+        )
     }
 
     /// One epoch over `data` in shuffled batches; `progress(batches_done,
@@ -91,7 +92,7 @@ impl<T: Real> Trainer<T> {
         evaluate(
             &self.model,
             &self.params,
-            &mut self.engine,
+            self.engine.as_mut(),
             self.policy,
             data,
             batch_size,
@@ -103,7 +104,7 @@ impl<T: Real> Trainer<T> {
 pub fn evaluate<T: Real>(
     model: &Model,
     params: &Params<T>,
-    engine: &mut CpuEngine<T>,
+    engine: &mut dyn Engine<T>,
     policy: BatchingPolicy,
     data: &[InputGraph],
     batch_size: usize,

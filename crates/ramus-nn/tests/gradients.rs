@@ -9,41 +9,18 @@ use ramus_nn::{build_model, ModelConfig};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-/// A random tree with `leaves` leaves; internal arity drawn from `arities`.
 fn random_tree(
     rng: &mut ChaCha8Rng,
     leaves: usize,
     arities: &[usize],
     cfg: &ModelConfig,
 ) -> InputGraph {
-    let mut g = InputGraph::new();
-    let mut frontier: Vec<u32> = (0..leaves)
-        .map(|_| {
-            let tok = rng.random_range(0..cfg.vocab as u32);
-            g.push_vertex(&[], tok, rng.random_range(0..cfg.classes as i32))
-                .unwrap()
-        })
-        .collect();
-    while frontier.len() > 1 {
-        let k = arities[rng.random_range(0..arities.len())].min(frontier.len());
-        let at = rng.random_range(0..=frontier.len() - k);
-        let kids: Vec<u32> = frontier.drain(at..at + k).collect();
-        let v = g
-            .push_vertex(&kids, 0, rng.random_range(0..cfg.classes as i32))
-            .unwrap();
-        frontier.insert(at, v);
-    }
-    g
+    ramus_graph::random::random_tree(rng, leaves, arities, cfg.vocab as u32, cfg.classes as i32)
+        .unwrap()
 }
 
 fn random_chain(rng: &mut ChaCha8Rng, len: usize, cfg: &ModelConfig) -> InputGraph {
-    let toks: Vec<u32> = (0..len)
-        .map(|_| rng.random_range(0..cfg.vocab as u32))
-        .collect();
-    let labels: Vec<i32> = (0..len)
-        .map(|_| rng.random_range(0..cfg.vocab as i32))
-        .collect();
-    InputGraph::chain(&toks, &labels).unwrap()
+    ramus_graph::random::random_chain(rng, len, cfg.vocab as u32).unwrap()
 }
 
 fn loss_and_grads(

@@ -1,0 +1,1469 @@
+//! The CUDA batched engine (Cavs on the GPU). Same passes as the CPU
+//! reference engine (`ramus_cpu::engine`), with every tensor in a per-batch
+//! arena of the device pool:
+//!
+//! * once per batch, all index arrays (tokens, child rows, CSR edges, head
+//!   rows, labels) go up in one pinned copy, and all per-batch floats
+//!   (dropout masks, pulled inputs) in another;
+//! * each vertex function's *eager* steps run once over all its rows;
+//! * per task: one gather launch copies every gathered symbol's child rows
+//!   from the vertex-state buffer, the per-task steps run on the task's
+//!   contiguous slices (GEMMs through cuBLAS, fused elementwise groups as
+//!   generated kernels, structure ops as built-in kernels), and one copy
+//!   scatters the new states;
+//! * the *lazy* steps (weight-gradient GEMMs in `∂F`) run once over all rows.
+//!
+//! Backward pops the tasks in reverse, accumulating child gradients into the
+//! state-gradient buffer, and finally brings the parameter gradients back to
+//! the host (dense ones in one copy, embedding rows only where touched).
+
+use std::any::Any;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use ramus_core::graph::{DType, Graph, NodeId, NodeKind, Role, Source, Space};
+use ramus_core::ops::{
+    BroadcastRows, Concat, Embedding, ExpandChildren, MatMul, Pad, Reshape, Slice, SoftmaxXent,
+    SoftmaxXentBackward, SumChildren, SumRows,
+};
+use ramus_core::{Grads, HeadRows, Model, Params};
+use ramus_cpu::{fill_dropout_mask, Batch, ForwardOutput, Mode};
+use ramus_graph::{FunctionRows, Schedule, Task, NO_LABEL};
+
+use crate::blas::{Blas, Gemm};
+use crate::cache::KernelCache;
+use crate::device::CudaDevice;
+use crate::error::{CudaError, Result};
+use crate::launch::{Launcher, RowMove, NONE};
+use crate::pinned::PinnedBuffer;
+use crate::pool::{Arena, DevicePool, DeviceView, PoolBuffer, PoolConfig};
+use crate::program::{
+    ExecStep, GraphProgram, Program, EAGER, HEAD_ALL, HEAD_SCORES, LAZY, PER_TASK,
+};
+
+/// How to set up a [`CudaEngine`].
+#[derive(Clone, Debug, Default)]
+pub struct CudaEngineOptions {
+    /// Device ordinal.
+    pub device: usize,
+    pub pool: PoolConfig,
+    /// Kernel cache directory (`None`: [`crate::default_cache_dir`]).
+    pub cache_dir: Option<PathBuf>,
+}
+
+/// Where one node's value lives for the current batch.
+#[derive(Clone, Copy, Debug)]
+enum Buf {
+    Absent,
+    Floats(DeviceView<f32>),
+    Indices(DeviceView<u32>),
+}
+
+/// A contiguous run of vertex rows and edge rows.
+#[derive(Clone, Copy, Debug)]
+struct Range {
+    r0: usize,
+    r1: usize,
+    e0: usize,
+    e1: usize,
+}
+
+impl Range {
+    fn all(rows: &FunctionRows) -> Self {
+        Range {
+            r0: 0,
+            r1: rows.rows(),
+            e0: 0,
+            e1: rows.edges(),
+        }
+    }
+    fn task(t: &Task) -> Self {
+        Range {
+            r0: t.row_offset as usize,
+            r1: (t.row_offset + t.len) as usize,
+            e0: t.edge_offset as usize,
+            e1: (t.edge_offset + t.edge_len) as usize,
+        }
+    }
+    fn rows_only(rows: usize) -> Self {
+        Range {
+            r0: 0,
+            r1: rows,
+            e0: 0,
+            e1: 0,
+        }
+    }
+    /// First and one-past-last row of `space` in this run.
+    fn span(&self, space: Space) -> (usize, usize) {
+        match space {
+            Space::Vertex => (self.r0, self.r1),
+            Space::Edge => (self.e0, self.e1),
+            Space::Static => (0, 1),
+        }
+    }
+}
+
+/// Segments of the per-batch index upload for one vertex function.
+#[derive(Clone, Copy, Debug, Default)]
+struct Seg {
+    offset: usize,
+    len: usize,
+}
+
+#[derive(Clone, Debug, Default)]
+struct FunctionSegs {
+    tokens: Seg,
+    /// Child vertex of each row for `gather(k)` (`NONE` if absent).
+    children: Vec<Seg>,
+    edge_child: Seg,
+    edge_offsets: Seg,
+    edge_parent: Seg,
+    /// Head rows served by this function: head row and function row.
+    head_rows: Seg,
+    head_sources: Seg,
+    max_token: u32,
+}
+
+/// Device views of one function's index arrays.
+#[derive(Clone, Debug)]
+struct Topology {
+    tokens: DeviceView<u32>,
+    children: Vec<DeviceView<u32>>,
+    edge_child: DeviceView<u32>,
+    edge_offsets: DeviceView<u32>,
+    edge_parent: DeviceView<u32>,
+    head_rows: DeviceView<u32>,
+    head_sources: DeviceView<u32>,
+    max_token: u32,
+}
+
+/// Parameters (and their gradients) on the device: one buffer each, dense
+/// gradients first so they come back in one copy.
+struct DeviceParams {
+    _values: PoolBuffer<f32>,
+    _grads: PoolBuffer<f32>,
+    values: Vec<DeviceView<f32>>,
+    grads: Vec<DeviceView<f32>>,
+    /// Floats of dense gradients at the start of the gradient buffer.
+    dense_len: usize,
+    grad_all: DeviceView<f32>,
+    version: (u64, u64),
+}
+
+/// Per-batch state kept from forward to backward.
+#[derive(Default)]
+struct BatchState {
+    fwd: Vec<Vec<Buf>>,
+    head_fwd: Vec<Buf>,
+    topo: Vec<Option<Topology>>,
+    labels: Option<DeviceView<u32>>,
+    max_label: u32,
+    head_vertices: Vec<u32>,
+    forward_done: bool,
+}
+
+/// The CUDA batched engine. Compiles the model's kernels at set-up, then
+/// runs batches with no device allocation beyond the pool's growth.
+pub struct CudaEngine {
+    device: Arc<CudaDevice>,
+    pool: Arc<DevicePool>,
+    cache: KernelCache,
+    launcher: Launcher,
+    blas: Blas,
+    staging: PinnedBuffer,
+    arena: Arena,
+    program: Arc<Program>,
+    params: Option<DeviceParams>,
+    state: BatchState,
+    rng: ChaCha8Rng,
+    pull_values: Option<Vec<f32>>,
+    setup_seconds: f64,
+}
+
+fn model_err(message: impl Into<String>) -> CudaError {
+    CudaError::Model(message.into())
+}
+
+impl CudaEngine {
+    /// Opens the device, compiles (or loads from the kernel cache) the
+    /// built-in kernels and every fused kernel of `model`.
+    pub fn new(model: &Model, options: &CudaEngineOptions) -> Result<Self> {
+        let started = std::time::Instant::now();
+        let device = CudaDevice::open(options.device)?;
+        let pool = DevicePool::new(&device, options.pool);
+        let dir = options
+            .cache_dir
+            .clone()
+            .or_else(crate::cache::default_cache_dir);
+        let cache = KernelCache::for_device(&device, dir)?;
+        let launcher = Launcher::new(&cache)?;
+        let program = Arc::new(Program::build(model, &cache)?);
+        let blas = Blas::new(&device, device.stream().clone())?;
+        let staging = PinnedBuffer::new(&device)?;
+        let arena = pool.arena(64 << 20);
+        Ok(CudaEngine {
+            device,
+            pool,
+            cache,
+            launcher,
+            blas,
+            staging,
+            arena,
+            program,
+            params: None,
+            state: BatchState::default(),
+            rng: ChaCha8Rng::seed_from_u64(0),
+            pull_values: None,
+            setup_seconds: started.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// The device this engine runs on.
+    pub fn device(&self) -> &Arc<CudaDevice> {
+        &self.device
+    }
+
+    /// Kernel launches (built-in, fused and cuBLAS) so far.
+    pub fn launches(&self) -> u64 {
+        self.launcher.launches()
+    }
+
+    /// Kernel-cache statistics (kernels compiled, hits, compile time).
+    pub fn cache_stats(&self) -> crate::cache::KernelCacheStats {
+        self.cache.stats()
+    }
+
+    /// Pool statistics (driver allocations, bytes reserved and in use).
+    pub fn pool_stats(&self) -> crate::pool::PoolStats {
+        self.pool.stats()
+    }
+
+    /// Seconds spent in [`CudaEngine::new`] (device, compilation, cache).
+    pub fn setup_seconds(&self) -> f64 {
+        self.setup_seconds
+    }
+
+    /// Fused kernels compiled for the model.
+    pub fn fused_kernels(&self) -> usize {
+        self.program.fused_kernels
+    }
+
+    /// The fusion plan of every phase, for reports.
+    pub fn fusion_listing(&self) -> &str {
+        &self.program.listing
+    }
+
+    /// Seeds the dropout masks (same stream of draws as the CPU engine).
+    pub fn set_seed(&mut self, seed: u64) {
+        self.rng = ChaCha8Rng::seed_from_u64(seed);
+    }
+
+    /// External inputs for `pull()`, `num_vertices x width` by vertex number.
+    pub fn set_pull_values(&mut self, values: Option<Vec<f32>>) {
+        self.pull_values = values;
+    }
+
+    fn check_model(&self, model: &Model) -> Result<()> {
+        if crate::program::fingerprint(model) != self.program.fingerprint {
+            return Err(model_err(format!(
+                "the CUDA engine was set up for another model than `{}`; create one per model",
+                model.name
+            )));
+        }
+        Ok(())
+    }
+
+    /// Uploads the parameters when their version changed.
+    fn sync_params(&mut self, model: &Model, params: &Params<f32>) -> Result<()> {
+        if self
+            .params
+            .as_ref()
+            .is_some_and(|p| p.version == params.version())
+        {
+            return Ok(());
+        }
+        let total: usize = params.values.iter().map(|t| t.data().len()).sum();
+        let stream = self.device.stream().clone();
+        let (values_buf, grads_buf) = match self.params.take() {
+            Some(old) if old.values.iter().map(|v| v.len()).sum::<usize>() == total => {
+                (old._values, old._grads)
+            }
+            _ => (
+                self.pool.alloc::<f32>(total.max(1))?,
+                self.pool.alloc::<f32>(total.max(1))?,
+            ),
+        };
+        let host = self.staging.host_mut::<f32>(total)?;
+        let mut values = Vec::with_capacity(params.values.len());
+        let mut at = 0;
+        for t in &params.values {
+            let d = t.data();
+            host[at..at + d.len()].copy_from_slice(d);
+            values.push(values_buf.view().slice(at..at + d.len())?);
+            at += d.len();
+        }
+        self.staging
+            .upload(values_buf.view().slice(0..total)?, &stream)?;
+        // gradients: dense parameters first
+        let rows = &self.program.row_grad_params;
+        let mut grads = vec![values_buf.view().slice(0..0)?; params.values.len()];
+        let mut at = 0;
+        for pass_rows in [false, true] {
+            for (p, t) in params.values.iter().enumerate() {
+                if rows.contains(&p) == pass_rows {
+                    let len = t.data().len();
+                    grads[p] = grads_buf.view().slice(at..at + len)?;
+                    at += len;
+                }
+            }
+        }
+        let dense_len = params
+            .values
+            .iter()
+            .enumerate()
+            .filter(|(p, _)| !rows.contains(p))
+            .map(|(_, t)| t.data().len())
+            .sum();
+        if model.params.len() != params.values.len() {
+            return Err(model_err(format!(
+                "{} parameter tensors for a model with {}",
+                params.values.len(),
+                model.params.len()
+            )));
+        }
+        self.params = Some(DeviceParams {
+            grad_all: grads_buf.view().slice(0..total)?,
+            _values: values_buf,
+            _grads: grads_buf,
+            values,
+            grads,
+            dense_len,
+            version: params.version(),
+        });
+        Ok(())
+    }
+
+    fn param_views(&self) -> Result<&DeviceParams> {
+        self.params
+            .as_ref()
+            .ok_or_else(|| model_err("parameters were not uploaded"))
+    }
+
+    /// Stages every index array of the batch and uploads them in one copy.
+    fn upload_indices(
+        &mut self,
+        model: &Model,
+        s: &Schedule,
+        mode: Mode,
+        rows: HeadRows,
+    ) -> Result<()> {
+        let mut ix: Vec<u32> = Vec::new();
+        let push = |data: &mut dyn Iterator<Item = u32>, ix: &mut Vec<u32>| {
+            let offset = ix.len();
+            ix.extend(data);
+            Seg {
+                offset,
+                len: ix.len() - offset,
+            }
+        };
+        // head rows
+        let head_vertices: Vec<u32> = match rows {
+            HeadRows::Roots => s.roots.clone(),
+            HeadRows::Labelled => s
+                .number
+                .iter()
+                .copied()
+                .filter(|&v| s.labels[v as usize] != NO_LABEL)
+                .collect(),
+        };
+        if head_vertices.is_empty() {
+            return Err(model_err(
+                "the batch has no vertex for the head (no labelled vertex)",
+            ));
+        }
+        let mut segs = Vec::with_capacity(model.functions.len());
+        for (f, func) in model.functions.iter().enumerate() {
+            let fr = &s.functions[f];
+            let mut seg = FunctionSegs {
+                tokens: push(
+                    &mut fr.vertex.iter().map(|&v| s.tokens[v as usize]),
+                    &mut ix,
+                ),
+                ..FunctionSegs::default()
+            };
+            seg.max_token = fr
+                .vertex
+                .iter()
+                .map(|&v| s.tokens[v as usize])
+                .max()
+                .unwrap_or(0);
+            for k in 0..func.gather_arity {
+                seg.children.push(push(
+                    &mut (0..fr.rows()).map(|r| fr.child(r, k).unwrap_or(NONE)),
+                    &mut ix,
+                ));
+            }
+            seg.edge_child = push(&mut fr.edge_child.iter().copied(), &mut ix);
+            seg.edge_offsets = push(&mut fr.edge_offsets.iter().copied(), &mut ix);
+            seg.edge_parent = push(&mut fr.edge_parent.iter().copied(), &mut ix);
+            let mine: Vec<(u32, u32)> = head_vertices
+                .iter()
+                .enumerate()
+                .filter(|(_, &v)| s.vertex_function[v as usize] as usize == f)
+                .map(|(i, &v)| (i as u32, s.vertex_row[v as usize]))
+                .collect();
+            seg.head_rows = push(&mut mine.iter().map(|p| p.0), &mut ix);
+            seg.head_sources = push(&mut mine.iter().map(|p| p.1), &mut ix);
+            segs.push(seg);
+        }
+        let needs_labels = mode != Mode::Infer;
+        let mut label_seg = None;
+        let mut max_label = 0;
+        if needs_labels {
+            let mut labels = Vec::with_capacity(head_vertices.len());
+            for &v in &head_vertices {
+                let l = s.labels[v as usize];
+                if l < 0 {
+                    return Err(model_err(format!(
+                        "graph {} of the batch has a head vertex without a label",
+                        s.graph[v as usize]
+                    )));
+                }
+                labels.push(l as u32);
+                max_label = max_label.max(l as u32);
+            }
+            label_seg = Some(push(&mut labels.into_iter(), &mut ix));
+        }
+        let all = self.arena.alloc::<u32>(ix.len().max(1))?;
+        let stream = self.device.stream().clone();
+        self.staging
+            .upload_slice(&ix, all.slice(0..ix.len())?, &stream)?;
+        self.launcher.count();
+        let view = |seg: Seg| all.slice(seg.offset..seg.offset + seg.len);
+        let mut topo = Vec::with_capacity(segs.len());
+        for seg in segs {
+            topo.push(Some(Topology {
+                tokens: view(seg.tokens)?,
+                children: seg
+                    .children
+                    .iter()
+                    .map(|&c| view(c))
+                    .collect::<Result<_>>()?,
+                edge_child: view(seg.edge_child)?,
+                edge_offsets: view(seg.edge_offsets)?,
+                edge_parent: view(seg.edge_parent)?,
+                head_rows: view(seg.head_rows)?,
+                head_sources: view(seg.head_sources)?,
+                max_token: seg.max_token,
+            }));
+        }
+        self.state.topo = topo;
+        self.state.labels = label_seg.map(view).transpose()?;
+        self.state.max_label = max_label;
+        self.state.head_vertices = head_vertices;
+        Ok(())
+    }
+
+    /// Allocates the buffers of `g` for `rows` vertex rows and `edges`
+    /// edge rows; float inputs get what `float_input` supplies.
+    fn alloc_bufs(
+        &mut self,
+        g: &Graph,
+        prog: &GraphProgram,
+        rows: usize,
+        edges: usize,
+        tokens: Option<DeviceView<u32>>,
+    ) -> Result<Vec<Buf>> {
+        let mut bufs = vec![Buf::Absent; g.nodes.len()];
+        for (n, node) in g.nodes.iter().enumerate() {
+            let count = match node.ty.space {
+                Space::Vertex => rows,
+                Space::Edge => edges,
+                Space::Static => 1,
+            };
+            let len = count * node.ty.width();
+            bufs[n] = match (&node.kind, node.ty.dtype) {
+                (NodeKind::Param(_), _) | (NodeKind::Input(Source::Forward(_)), _) => Buf::Absent,
+                (NodeKind::Input(Source::Token), _) => Buf::Indices(
+                    tokens.ok_or_else(|| model_err("token input outside a vertex function"))?,
+                ),
+                // absent when inferring: no step that runs then reads labels
+                (NodeKind::Input(Source::Label), _) => {
+                    self.state.labels.map_or(Buf::Absent, Buf::Indices)
+                }
+                _ if !prog.materialized[n] => Buf::Absent,
+                (_, DType::Float) => Buf::Floats(self.arena.alloc::<f32>(len)?),
+                (_, DType::Index) => Buf::Indices(self.arena.alloc::<u32>(len)?),
+            };
+        }
+        Ok(bufs)
+    }
+
+    /// Draws (on the host, same order as the CPU engine) and uploads the
+    /// dropout masks of `g`.
+    fn fill_masks(&mut self, g: &Graph, bufs: &[Buf], training: bool) -> Result<()> {
+        let stream = self.device.stream().clone();
+        for (n, node) in g.nodes.iter().enumerate() {
+            if let (NodeKind::Input(Source::DropoutMask { rate, .. }), Buf::Floats(v)) =
+                (&node.kind, bufs[n])
+            {
+                if training {
+                    let mut mask = vec![0f32; v.len()];
+                    fill_dropout_mask(&mut mask, *rate, true, &mut self.rng);
+                    self.staging.upload_slice(&mask, v, &stream)?;
+                    self.launcher.count();
+                } else {
+                    self.launcher.fill(&stream, v, 1.0)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn forward_pass(
+        &mut self,
+        model: &Model,
+        params: &Params<f32>,
+        batch: &Batch<'_>,
+        mode: Mode,
+        rows: HeadRows,
+    ) -> Result<ForwardOutput<f32>> {
+        self.check_model(model)?;
+        let program = self.program.clone();
+        let s = &batch.schedule;
+        self.state.forward_done = false;
+        self.arena.reset()?;
+        self.sync_params(model, params)?;
+        self.upload_indices(model, s, mode, rows)?;
+        let stream = self.device.stream().clone();
+        let w = model.state_width;
+        let state = self.arena.alloc::<f32>(s.num_vertices() * w)?;
+        let training = mode == Mode::Train;
+        let mut fwd = Vec::with_capacity(model.functions.len());
+        for (f, func) in model.functions.iter().enumerate() {
+            let fr = &s.functions[f];
+            let tokens = self.state.topo[f].as_ref().map(|t| t.tokens);
+            let bufs = self.alloc_bufs(
+                &func.forward,
+                &program.functions[f].0,
+                fr.rows(),
+                fr.edges(),
+                tokens,
+            )?;
+            self.fill_masks(&func.forward, &bufs, training)?;
+            if let Some(pull) = func.forward.input_node(Source::Pull) {
+                self.upload_pull(&func.forward, pull, &bufs, fr, s.num_vertices(), &func.name)?;
+            }
+            fwd.push(bufs);
+        }
+        for (f, func) in model.functions.iter().enumerate() {
+            let range = Range::all(&s.functions[f]);
+            self.run_steps(
+                &func.forward,
+                &program.functions[f].0.phases[EAGER],
+                &fwd[f],
+                None,
+                range,
+                Some(f),
+            )?;
+        }
+        for task in &s.tasks {
+            let f = task.function;
+            let func = &model.functions[f];
+            let range = Range::task(task);
+            let topo = self.topology(f)?;
+            let mut moves = Vec::new();
+            for (n, node) in func.forward.nodes.iter().enumerate() {
+                let (src_rows, lo, hi) = match node.kind {
+                    NodeKind::Input(Source::Gather(k)) => (
+                        topo.children.get(k).copied().ok_or_else(|| {
+                            model_err(format!("gather({k}) beyond the function's arity"))
+                        })?,
+                        range.r0,
+                        range.r1,
+                    ),
+                    NodeKind::Input(Source::GatherAll) => (topo.edge_child, range.e0, range.e1),
+                    _ => continue,
+                };
+                let Buf::Floats(dst) = fwd[f][n] else {
+                    continue;
+                };
+                moves.push(RowMove {
+                    dst: dst.slice(lo * w..hi * w)?,
+                    src: state,
+                    dst_rows: None,
+                    src_rows: Some(src_rows.slice(lo..hi)?),
+                    rows: hi - lo,
+                    width: w,
+                    accumulate: false,
+                });
+            }
+            self.launcher.move_rows(&stream, &moves)?;
+            self.run_steps(
+                &func.forward,
+                &program.functions[f].0.phases[PER_TASK],
+                &fwd[f],
+                None,
+                range,
+                Some(f),
+            )?;
+            if let Some(sc) = func.scatter {
+                let src = self.float_view(&func.forward, sc, &fwd[f], None, range)?;
+                let len = task.len as usize;
+                let dst = state.slice(task.begin as usize * w..(task.begin as usize + len) * w)?;
+                self.launcher
+                    .copy_columns(&stream, dst, w, 0, src, w, 0, w, len)?;
+            }
+        }
+        for (f, func) in model.functions.iter().enumerate() {
+            let range = Range::all(&s.functions[f]);
+            self.run_steps(
+                &func.forward,
+                &program.functions[f].0.phases[LAZY],
+                &fwd[f],
+                None,
+                range,
+                Some(f),
+            )?;
+        }
+        self.state.fwd = fwd;
+        let out = self.run_head(model, mode)?;
+        self.state.forward_done = training;
+        Ok(out)
+    }
+
+    fn upload_pull(
+        &mut self,
+        g: &Graph,
+        pull: NodeId,
+        bufs: &[Buf],
+        fr: &FunctionRows,
+        vertices: usize,
+        name: &str,
+    ) -> Result<()> {
+        let pw = g.nodes[pull].ty.width();
+        let values = self.pull_values.as_ref().ok_or_else(|| {
+            model_err(format!(
+                "vertex function `{name}` pulls external inputs, but none were supplied"
+            ))
+        })?;
+        if values.len() != vertices * pw {
+            return Err(model_err(format!(
+                "pull values hold {} floats, expected {vertices} vertices x {pw}",
+                values.len()
+            )));
+        }
+        let mut rows = Vec::with_capacity(fr.rows() * pw);
+        for &v in &fr.vertex {
+            rows.extend_from_slice(&values[v as usize * pw..(v as usize + 1) * pw]);
+        }
+        if let Buf::Floats(dst) = bufs[pull] {
+            let stream = self.device.stream().clone();
+            self.staging.upload_slice(&rows, dst, &stream)?;
+            self.launcher.count();
+        }
+        Ok(())
+    }
+
+    fn topology(&self, f: usize) -> Result<&Topology> {
+        self.state
+            .topo
+            .get(f)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| model_err("batch topology missing"))
+    }
+
+    fn run_head(&mut self, model: &Model, mode: Mode) -> Result<ForwardOutput<f32>> {
+        let head = &model.head;
+        let g = &head.forward;
+        let h = self.state.head_vertices.len();
+        let stream = self.device.stream().clone();
+        let program = self.program.clone();
+        let bufs = self.alloc_bufs(g, &program.head_forward, h, 0, None)?;
+        self.fill_masks(g, &bufs, mode == Mode::Train)?;
+        if let Some(inp) = g.input_node(Source::HeadInput) {
+            let Buf::Floats(dst) = bufs[inp] else {
+                return Err(model_err("head input has no buffer"));
+            };
+            let pw = g.nodes[inp].ty.width();
+            let mut moves = Vec::new();
+            for (f, func) in model.functions.iter().enumerate() {
+                let topo = self.topology(f)?.clone();
+                if topo.head_rows.is_empty() {
+                    continue;
+                }
+                let push = func
+                    .push
+                    .ok_or_else(|| model_err(format!("function `{}` pushes nothing", func.name)))?;
+                let src = self.whole_view(&func.forward, push, &self.state.fwd[f], None)?;
+                moves.push(RowMove {
+                    dst,
+                    src,
+                    dst_rows: Some(topo.head_rows),
+                    src_rows: Some(topo.head_sources),
+                    rows: topo.head_rows.len(),
+                    width: pw,
+                    accumulate: false,
+                });
+            }
+            self.launcher.move_rows(&stream, &moves)?;
+        }
+        let phase = if mode == Mode::Infer {
+            HEAD_SCORES
+        } else {
+            HEAD_ALL
+        };
+        self.run_steps(
+            g,
+            &program.head_forward.phases[phase],
+            &bufs,
+            None,
+            Range::rows_only(h),
+            None,
+        )?;
+        let loss = if mode != Mode::Infer {
+            let v = self.float_view(g, head.loss, &bufs, None, Range::rows_only(h))?;
+            let host = self.staging.download_to_vec(v, &stream)?;
+            Some(f64::from(host.first().copied().unwrap_or(f32::NAN)))
+        } else {
+            None
+        };
+        let (logits, classes) = match head.logits {
+            Some(l) => {
+                let v = self.float_view(g, l, &bufs, None, Range::rows_only(h))?;
+                (
+                    self.staging.download_to_vec(v, &stream)?,
+                    g.nodes[l].ty.width(),
+                )
+            }
+            None => (Vec::new(), 0),
+        };
+        self.state.head_fwd = bufs;
+        Ok(ForwardOutput {
+            loss,
+            head_vertices: self.state.head_vertices.clone(),
+            logits,
+            classes,
+        })
+    }
+
+    /// Runs `steps` of graph `g` over `range`; `f` names the vertex
+    /// function whose topology (edges, children) the steps may use.
+    fn run_steps(
+        &self,
+        g: &Graph,
+        steps: &[ExecStep],
+        bufs: &[Buf],
+        fwd: Option<&[Buf]>,
+        range: Range,
+        f: Option<usize>,
+    ) -> Result<()> {
+        let topo = f.map(|f| self.topology(f)).transpose()?;
+        for step in steps {
+            self.run_step(g, step, bufs, fwd, range, topo)?;
+        }
+        Ok(())
+    }
+
+    /// The buffer of node `n` (a backward graph's `Forward(m)` inputs live
+    /// in the forward buffers; parameters in the parameter buffer).
+    fn buf(&self, g: &Graph, n: NodeId, own: &[Buf], fwd: Option<&[Buf]>) -> Result<Buf> {
+        match g.nodes[n].kind {
+            NodeKind::Param(p) => Ok(Buf::Floats(
+                *self
+                    .param_views()?
+                    .values
+                    .get(p)
+                    .ok_or_else(|| model_err(format!("no parameter {p}")))?,
+            )),
+            NodeKind::Input(Source::Forward(m)) => {
+                let fwd = fwd
+                    .ok_or_else(|| model_err("forward value requested outside a backward graph"))?;
+                Ok(fwd[m])
+            }
+            _ => Ok(own[n]),
+        }
+    }
+
+    /// Node `n`'s floats restricted to `range` (whole for static values).
+    fn float_view(
+        &self,
+        g: &Graph,
+        n: NodeId,
+        own: &[Buf],
+        fwd: Option<&[Buf]>,
+        range: Range,
+    ) -> Result<DeviceView<f32>> {
+        let ty = &g.nodes[n].ty;
+        match self.buf(g, n, own, fwd)? {
+            Buf::Floats(v) => {
+                let (lo, hi) = range.span(ty.space);
+                v.slice(lo * ty.width()..hi * ty.width())
+            }
+            _ => Err(model_err(format!(
+                "node %{n} ({}) has no float buffer on the device",
+                g.nodes[n].describe(&[])
+            ))),
+        }
+    }
+
+    /// Node `n`'s whole float buffer.
+    fn whole_view(
+        &self,
+        g: &Graph,
+        n: NodeId,
+        own: &[Buf],
+        fwd: Option<&[Buf]>,
+    ) -> Result<DeviceView<f32>> {
+        match self.buf(g, n, own, fwd)? {
+            Buf::Floats(v) => Ok(v),
+            _ => Err(model_err(format!(
+                "node %{n} has no float buffer on the device"
+            ))),
+        }
+    }
+
+    fn index_view(
+        &self,
+        g: &Graph,
+        n: NodeId,
+        own: &[Buf],
+        fwd: Option<&[Buf]>,
+        range: Range,
+    ) -> Result<DeviceView<u32>> {
+        let ty = &g.nodes[n].ty;
+        match self.buf(g, n, own, fwd)? {
+            Buf::Indices(v) => {
+                let (lo, hi) = range.span(ty.space);
+                v.slice(lo * ty.width()..hi * ty.width())
+            }
+            _ => Err(model_err(format!(
+                "node %{n} ({}) has no index buffer on the device",
+                g.nodes[n].describe(&[])
+            ))),
+        }
+    }
+
+    fn run_step(
+        &self,
+        g: &Graph,
+        step: &ExecStep,
+        own: &[Buf],
+        fwd: Option<&[Buf]>,
+        range: Range,
+        topo: Option<&Topology>,
+    ) -> Result<()> {
+        let stream = self.device.stream().clone();
+        match step {
+            ExecStep::Fused { group, kernel } => {
+                let (lo, hi) = range.span(group.space);
+                let n = (hi - lo) * group.width;
+                if n == 0 {
+                    return Ok(());
+                }
+                let mut inputs = Vec::with_capacity(group.inputs.len());
+                for input in &group.inputs {
+                    inputs.push(self.float_view(g, input.node, own, fwd, range)?);
+                }
+                let mut outputs = Vec::with_capacity(group.outputs.len());
+                for &o in &group.outputs {
+                    outputs.push(self.float_view(g, o, own, fwd, range)?);
+                }
+                self.launcher
+                    .fused(&stream, kernel, &inputs, &outputs, n, group.width)
+            }
+            ExecStep::Op(n) => self.run_op(g, *n, own, fwd, range, topo),
+        }
+    }
+
+    fn run_op(
+        &self,
+        g: &Graph,
+        n: NodeId,
+        own: &[Buf],
+        fwd: Option<&[Buf]>,
+        range: Range,
+        topo: Option<&Topology>,
+    ) -> Result<()> {
+        let stream = self.device.stream().clone();
+        let node = &g.nodes[n];
+        let NodeKind::Op(op) = &node.kind else {
+            return Ok(());
+        };
+        let any: &dyn Any = op.as_ref();
+        let rows_of = |space: Space| {
+            let (lo, hi) = range.span(space);
+            hi - lo
+        };
+        let out_rows = rows_of(node.ty.space);
+        let arg = |i: usize| node.inputs[i];
+        let fv = |i: usize| self.float_view(g, arg(i), own, fwd, range);
+        let out = || self.float_view(g, n, own, fwd, range);
+        let in_ty = |i: usize| &g.nodes[arg(i)].ty;
+        let need_topo =
+            || topo.ok_or_else(|| model_err(format!("{} outside a vertex function", op.name())));
+        if let Some(mm) = any.downcast_ref::<MatMul>() {
+            let (a, b) = (in_ty(0), in_ty(1));
+            let dims = |t: &ramus_core::ValueType, rows: usize| {
+                if t.is_rows() {
+                    (rows, t.width())
+                } else {
+                    (t.shape[0], t.shape[1])
+                }
+            };
+            let (ar, ac) = dims(a, rows_of(a.space));
+            let (br, bc) = dims(b, rows_of(b.space));
+            let (m, k) = if mm.trans_a { (ac, ar) } else { (ar, ac) };
+            let nn = if mm.trans_b { br } else { bc };
+            let gemm = Gemm {
+                trans_a: mm.trans_a,
+                trans_b: mm.trans_b,
+                ..Gemm::new(m, nn, k)
+            };
+            let c = out()?;
+            if k == 0 {
+                self.launcher.fill(&stream, c, 0.0)?;
+                return Ok(());
+            }
+            self.blas.sgemm(&gemm, fv(0)?, fv(1)?, c)?;
+            self.launcher.count();
+            return Ok(());
+        }
+        if any.downcast_ref::<Concat>().is_some() {
+            let (o, ow) = (out()?, node.ty.width());
+            let mut start = 0;
+            for i in 0..node.inputs.len() {
+                let w = in_ty(i).width();
+                self.launcher
+                    .copy_columns(&stream, o, ow, start, fv(i)?, w, 0, w, out_rows)?;
+                start += w;
+            }
+            return Ok(());
+        }
+        if let Some(sl) = any.downcast_ref::<Slice>() {
+            let w = in_ty(0).width();
+            return self.launcher.copy_columns(
+                &stream,
+                out()?,
+                sl.len,
+                0,
+                fv(0)?,
+                w,
+                sl.start,
+                sl.len,
+                out_rows,
+            );
+        }
+        if let Some(pad) = any.downcast_ref::<Pad>() {
+            let (o, w) = (out()?, in_ty(0).width());
+            self.launcher.fill(&stream, o, 0.0)?;
+            return self.launcher.copy_columns(
+                &stream,
+                o,
+                pad.total,
+                pad.start,
+                fv(0)?,
+                w,
+                0,
+                w,
+                out_rows,
+            );
+        }
+        if any.downcast_ref::<SumChildren>().is_some() {
+            let t = need_topo()?;
+            let offsets = t.edge_offsets.slice(range.r0..range.r1 + 1)?;
+            return self.launcher.sum_children(
+                &stream,
+                out()?,
+                fv(0)?,
+                offsets,
+                range.e0,
+                out_rows,
+                node.ty.width(),
+            );
+        }
+        if any.downcast_ref::<ExpandChildren>().is_some() {
+            let t = need_topo()?;
+            let parent = t.edge_parent.slice(range.e0..range.e1)?;
+            return self.launcher.expand_children(
+                &stream,
+                out()?,
+                fv(0)?,
+                parent,
+                range.r0,
+                out_rows,
+                node.ty.width(),
+            );
+        }
+        if let Some(sr) = any.downcast_ref::<SumRows>() {
+            let rows = rows_of(in_ty(0).space);
+            let scale = if sr.mean && rows > 0 {
+                1.0 / rows as f32
+            } else {
+                1.0
+            };
+            return self
+                .launcher
+                .sum_rows(&stream, out()?, fv(0)?, rows, in_ty(0).width(), scale);
+        }
+        if let Some(br) = any.downcast_ref::<BroadcastRows>() {
+            let rows = rows_of(in_ty(1).space);
+            let scale = if br.mean && rows > 0 {
+                1.0 / rows as f32
+            } else {
+                1.0
+            };
+            return self.launcher.broadcast_rows(
+                &stream,
+                out()?,
+                fv(0)?,
+                rows,
+                node.ty.width(),
+                scale,
+            );
+        }
+        if any.downcast_ref::<Reshape>().is_some() {
+            let len = node.ty.width();
+            return self
+                .launcher
+                .copy_columns(&stream, out()?, len, 0, fv(0)?, len, 0, len, 1);
+        }
+        if any.downcast_ref::<Embedding>().is_some() {
+            let table = in_ty(0);
+            let (vocab, h) = (table.shape[0], table.shape[1]);
+            let idx = self.index_view(g, arg(1), own, fwd, range)?;
+            match topo {
+                Some(t) if is_tokens(idx, t, range) => {
+                    if t.max_token as usize >= vocab {
+                        return Err(model_err(format!(
+                            "embedding: token id {} out of range for a table of {vocab} rows",
+                            t.max_token
+                        )));
+                    }
+                }
+                _ => {
+                    return Err(model_err(
+                        "embedding: the CUDA engine looks up rows by the vertex tokens only",
+                    ))
+                }
+            }
+            return self.launcher.move_rows(
+                &stream,
+                &[RowMove {
+                    dst: out()?,
+                    src: fv(0)?,
+                    dst_rows: None,
+                    src_rows: Some(idx),
+                    rows: out_rows,
+                    width: h,
+                    accumulate: false,
+                }],
+            );
+        }
+        let xent = any.downcast_ref::<SoftmaxXent>().is_some();
+        if xent || any.downcast_ref::<SoftmaxXentBackward>().is_some() {
+            let classes = in_ty(0).width();
+            if self.state.max_label as usize >= classes {
+                return Err(model_err(format!(
+                    "softmax_xent: label {} out of range for {classes} classes",
+                    self.state.max_label
+                )));
+            }
+            let labels = self.index_view(g, arg(1), own, fwd, range)?;
+            let up = if xent { None } else { Some(fv(2)?) };
+            return self.launcher.softmax_xent(
+                &stream,
+                out()?,
+                fv(0)?,
+                labels,
+                up,
+                out_rows,
+                classes,
+            );
+        }
+        Err(model_err(format!(
+            "op `{}` (node %{n}) has no CUDA implementation",
+            op.signature()
+        )))
+    }
+
+    fn backward_pass(
+        &mut self,
+        model: &Model,
+        params: &Params<f32>,
+        batch: &Batch<'_>,
+        grads: &mut Grads<f32>,
+    ) -> Result<()> {
+        if !std::mem::take(&mut self.state.forward_done) {
+            return Err(model_err(
+                "backward needs a preceding forward pass in train mode",
+            ));
+        }
+        self.check_model(model)?;
+        if self.params.as_ref().map(|p| p.version) != Some(params.version()) {
+            return Err(model_err(
+                "the parameters changed between the forward and the backward pass",
+            ));
+        }
+        let s = &batch.schedule;
+        let stream = self.device.stream().clone();
+        let w = model.state_width;
+        let grad_all = self.param_views()?.grad_all;
+        self.launcher.fill(&stream, grad_all, 0.0)?;
+        // head backward
+        let head = &model.head;
+        let hb = &head.backward;
+        let h = self.state.head_vertices.len();
+        let program = self.program.clone();
+        let head_bwd = self.alloc_bufs(hb, &program.head_backward, h, 0, None)?;
+        self.seed_output_grads(hb, &head_bwd, &head.forward)?;
+        let head_fwd = std::mem::take(&mut self.state.head_fwd);
+        self.run_steps(
+            hb,
+            &program.head_backward.phases[0],
+            &head_bwd,
+            Some(&head_fwd),
+            Range::rows_only(h),
+            None,
+        )?;
+        self.accumulate_param_grads(hb, &head_bwd, Some(&head_fwd), Range::rows_only(h), None)?;
+        // per function backward buffers; push gradients from the head
+        let fwd = std::mem::take(&mut self.state.fwd);
+        let mut bwd = Vec::with_capacity(model.functions.len());
+        for (f, func) in model.functions.iter().enumerate() {
+            let fr = &s.functions[f];
+            let tokens = self.state.topo[f].as_ref().map(|t| t.tokens);
+            let bufs = self.alloc_bufs(
+                &func.backward,
+                &program.functions[f].1,
+                fr.rows(),
+                fr.edges(),
+                tokens,
+            )?;
+            self.seed_output_grads(&func.backward, &bufs, &func.forward)?;
+            bwd.push(bufs);
+        }
+        if let Some(out) = hb.output(Role::HeadInputGrad) {
+            let src = self.float_view(
+                hb,
+                out.node,
+                &head_bwd,
+                Some(&head_fwd),
+                Range::rows_only(h),
+            )?;
+            let pw = hb.nodes[out.node].ty.width();
+            let mut moves = Vec::new();
+            for (f, func) in model.functions.iter().enumerate() {
+                let topo = self.topology(f)?.clone();
+                let push_out = func
+                    .forward
+                    .outputs
+                    .iter()
+                    .position(|o| o.role == Role::Push);
+                let Some(pg) =
+                    push_out.and_then(|i| func.backward.input_node(Source::OutputGrad(i)))
+                else {
+                    continue;
+                };
+                let Buf::Floats(dst) = bwd[f][pg] else {
+                    continue;
+                };
+                moves.push(RowMove {
+                    dst,
+                    src,
+                    dst_rows: Some(topo.head_sources),
+                    src_rows: Some(topo.head_rows),
+                    rows: topo.head_rows.len(),
+                    width: pw,
+                    accumulate: true,
+                });
+            }
+            self.launcher.move_rows(&stream, &moves)?;
+        }
+        let state_grad = self.arena.alloc::<f32>(s.num_vertices() * w)?;
+        self.launcher.fill(&stream, state_grad, 0.0)?;
+        for (f, func) in model.functions.iter().enumerate() {
+            let range = Range::all(&s.functions[f]);
+            self.run_steps(
+                &func.backward,
+                &program.functions[f].1.phases[EAGER],
+                &bwd[f],
+                Some(&fwd[f]),
+                range,
+                Some(f),
+            )?;
+        }
+        for task in s.tasks.iter().rev() {
+            let f = task.function;
+            let func = &model.functions[f];
+            let range = Range::task(task);
+            let topo = self.topology(f)?.clone();
+            let scatter_out = func
+                .forward
+                .outputs
+                .iter()
+                .position(|o| o.role == Role::Scatter);
+            if let Some(sg) =
+                scatter_out.and_then(|i| func.backward.input_node(Source::OutputGrad(i)))
+            {
+                if let Buf::Floats(dst) = bwd[f][sg] {
+                    let len = task.len as usize;
+                    let src = state_grad
+                        .slice(task.begin as usize * w..(task.begin as usize + len) * w)?;
+                    let dst = dst.slice(range.r0 * w..range.r1 * w)?;
+                    self.launcher
+                        .copy_columns(&stream, dst, w, 0, src, w, 0, w, len)?;
+                }
+            }
+            self.run_steps(
+                &func.backward,
+                &program.functions[f].1.phases[PER_TASK],
+                &bwd[f],
+                Some(&fwd[f]),
+                range,
+                Some(f),
+            )?;
+            let mut moves = Vec::new();
+            for o in &func.backward.outputs {
+                let (dst_rows, lo, hi) = match o.role {
+                    Role::ChildGrad(k) => (
+                        topo.children
+                            .get(k)
+                            .copied()
+                            .ok_or_else(|| model_err(format!("child gradient {k} beyond arity")))?,
+                        range.r0,
+                        range.r1,
+                    ),
+                    Role::ChildGradAll => (topo.edge_child, range.e0, range.e1),
+                    _ => continue,
+                };
+                let src = self.float_view(&func.backward, o.node, &bwd[f], Some(&fwd[f]), range)?;
+                moves.push(RowMove {
+                    dst: state_grad,
+                    src,
+                    dst_rows: Some(dst_rows.slice(lo..hi)?),
+                    src_rows: None,
+                    rows: hi - lo,
+                    width: w,
+                    accumulate: true,
+                });
+            }
+            self.launcher.move_rows(&stream, &moves)?;
+        }
+        for (f, func) in model.functions.iter().enumerate() {
+            let range = Range::all(&s.functions[f]);
+            self.run_steps(
+                &func.backward,
+                &program.functions[f].1.phases[LAZY],
+                &bwd[f],
+                Some(&fwd[f]),
+                range,
+                Some(f),
+            )?;
+            let topo = self.topology(f)?.clone();
+            self.accumulate_param_grads(
+                &func.backward,
+                &bwd[f],
+                Some(&fwd[f]),
+                range,
+                Some(&topo),
+            )?;
+        }
+        self.download_grads(model, s, grads)
+    }
+
+    /// Zeroes every `OutputGrad` input of a backward graph, then seeds the
+    /// loss gradient with 1.
+    fn seed_output_grads(&mut self, g: &Graph, bufs: &[Buf], forward: &Graph) -> Result<()> {
+        let stream = self.device.stream().clone();
+        for (n, node) in g.nodes.iter().enumerate() {
+            if let (NodeKind::Input(Source::OutputGrad(i)), Buf::Floats(v)) = (&node.kind, bufs[n])
+            {
+                let is_loss = forward
+                    .outputs
+                    .get(*i)
+                    .is_some_and(|o| o.role == Role::Loss);
+                self.launcher
+                    .fill(&stream, v, if is_loss { 1.0 } else { 0.0 })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds a backward graph's parameter-gradient outputs into the device
+    /// gradient buffer.
+    fn accumulate_param_grads(
+        &mut self,
+        g: &Graph,
+        own: &[Buf],
+        fwd: Option<&[Buf]>,
+        range: Range,
+        topo: Option<&Topology>,
+    ) -> Result<()> {
+        let stream = self.device.stream().clone();
+        for o in &g.outputs {
+            match o.role {
+                Role::ParamGrad(p) => {
+                    let src = self.float_view(g, o.node, own, fwd, range)?;
+                    let dst = self.param_views()?.grads[p];
+                    self.launcher.add_into(&stream, dst, src)?;
+                }
+                Role::ParamRowGrad(p) => {
+                    let values = self.float_view(g, o.node, own, fwd, range)?;
+                    let index_node = o.aux.unwrap_or(o.node);
+                    let index = self.index_view(g, index_node, own, fwd, range)?;
+                    let dst = self.param_views()?.grads[p];
+                    let rows = index.len();
+                    let width = values.len().checked_div(rows).unwrap_or(0);
+                    // the index must be the vertex tokens, whose range the
+                    // host checked when it staged them
+                    match topo {
+                        Some(t) if is_tokens(index, t, range) => {
+                            if rows > 0 && (t.max_token as usize + 1) * width > dst.len() {
+                                return Err(model_err(format!(
+                                    "row gradient: token {} outside parameter {p}",
+                                    t.max_token
+                                )));
+                            }
+                        }
+                        _ => {
+                            return Err(model_err(
+                                "row gradients are supported for token-indexed tables only",
+                            ))
+                        }
+                    }
+                    self.launcher.move_rows(
+                        &stream,
+                        &[RowMove {
+                            dst,
+                            src: values,
+                            dst_rows: Some(index),
+                            src_rows: None,
+                            rows,
+                            width,
+                            accumulate: true,
+                        }],
+                    )?;
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds the device gradients into `grads`: dense ones in one copy, row
+    /// gradients of each table only for the rows the batch touched.
+    fn download_grads(
+        &mut self,
+        model: &Model,
+        s: &Schedule,
+        grads: &mut Grads<f32>,
+    ) -> Result<()> {
+        let stream = self.device.stream().clone();
+        let dp = self.param_views()?;
+        let (dense_len, grad_all) = (dp.dense_len, dp.grad_all);
+        let grad_views = dp.grads.clone();
+        let dense = self
+            .staging
+            .download_to_vec(grad_all.slice(0..dense_len)?, &stream)?;
+        let rows_params = self.program.row_grad_params.clone();
+        let mut at = 0;
+        for (p, t) in grads.values.iter_mut().enumerate() {
+            if rows_params.contains(&p) {
+                continue;
+            }
+            let len = t.data().len();
+            for (d, &x) in t.data_mut().iter_mut().zip(&dense[at..at + len]) {
+                *d += x;
+            }
+            at += len;
+        }
+        for p in 0..grads.values.len() {
+            if !rows_params.contains(&p) {
+                grads.mark_dense(p);
+            }
+        }
+        if !rows_params.is_empty() {
+            let mut touched: Vec<u32> = (0..s.num_vertices()).map(|v| s.tokens[v]).collect();
+            touched.sort_unstable();
+            touched.dedup();
+            let idx = self.arena.alloc::<u32>(touched.len())?;
+            self.staging.upload_slice(&touched, idx, &stream)?;
+            for &p in &rows_params {
+                let width = grads.row_width(p);
+                let table_rows = grads.values[p].shape().first().copied().unwrap_or(0);
+                let valid: usize = touched.partition_point(|&t| (t as usize) < table_rows);
+                let gathered = self.arena.alloc::<f32>(valid * width)?;
+                self.launcher.move_rows(
+                    &stream,
+                    &[RowMove {
+                        dst: gathered,
+                        src: grad_views[p],
+                        dst_rows: None,
+                        src_rows: Some(idx.slice(0..valid)?),
+                        rows: valid,
+                        width,
+                        accumulate: false,
+                    }],
+                )?;
+                let host = self.staging.download_to_vec(gathered, &stream)?;
+                for (i, &row) in touched[..valid].iter().enumerate() {
+                    grads.mark_row(p, row);
+                    let dst = &mut grads.values[p].data_mut()
+                        [row as usize * width..(row as usize + 1) * width];
+                    for (d, &x) in dst.iter_mut().zip(&host[i * width..(i + 1) * width]) {
+                        *d += x;
+                    }
+                }
+            }
+        }
+        let _ = model;
+        grads.finish_rows();
+        Ok(())
+    }
+}
+
+/// Whether `index` is the vertex tokens of `range` (the one index array
+/// whose values the host has checked).
+fn is_tokens(index: DeviceView<u32>, t: &Topology, range: Range) -> bool {
+    t.tokens
+        .slice(range.r0..range.r1)
+        .is_ok_and(|own| own.device_ptr() == index.device_ptr() && own.len() == index.len())
+}
+
+impl ramus_nn::Engine<f32> for CudaEngine {
+    fn name(&self) -> &'static str {
+        "cuda-batched"
+    }
+    fn forward_rows(
+        &mut self,
+        model: &Model,
+        params: &Params<f32>,
+        batch: &Batch<'_>,
+        mode: Mode,
+        rows: HeadRows,
+    ) -> ramus_nn::Result<ForwardOutput<f32>> {
+        Ok(self.forward_pass(model, params, batch, mode, rows)?)
+    }
+    fn backward(
+        &mut self,
+        model: &Model,
+        params: &Params<f32>,
+        batch: &Batch<'_>,
+        grads: &mut Grads<f32>,
+    ) -> ramus_nn::Result<()> {
+        Ok(self.backward_pass(model, params, batch, grads)?)
+    }
+    fn set_seed(&mut self, seed: u64) {
+        CudaEngine::set_seed(self, seed)
+    }
+}
+
+impl From<CudaError> for ramus_nn::NnError {
+    fn from(e: CudaError) -> Self {
+        ramus_nn::NnError::Device(e.to_string())
+    }
+}

@@ -1,0 +1,502 @@
+//! Launching kernels: the built-in data-movement and reduction kernels of
+//! `builtin.cu` (compiled once per device through the kernel cache) and the
+//! generated fused elementwise kernels, each on a given stream, with a
+//! launch counter the engines report as `kernels_per_batch`.
+
+use std::cell::Cell;
+
+use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+
+use crate::cache::KernelCache;
+use crate::error::{CudaError, InCall, Result};
+use crate::pool::DeviceView;
+
+/// Source of the built-in kernels.
+pub const BUILTIN_SOURCE: &str = include_str!("builtin.cu");
+
+/// Marks "no row" in row-index arrays (see `builtin.cu`).
+pub const NONE: u32 = u32::MAX;
+
+const BUILTIN_KERNELS: [&str; 10] = [
+    "ramus_move_rows",
+    "ramus_copy_columns",
+    "ramus_fill",
+    "ramus_add_into",
+    "ramus_sum_children",
+    "ramus_expand_children",
+    "ramus_sum_rows",
+    "ramus_broadcast_rows",
+    "ramus_softmax_xent",
+    "ramus_softmax_xent_backward",
+];
+
+/// The built-in kernels, in the order of [`BUILTIN_KERNELS`].
+#[derive(Clone, Copy)]
+enum Builtin {
+    MoveRows,
+    CopyColumns,
+    Fill,
+    AddInto,
+    SumChildren,
+    ExpandChildren,
+    SumRows,
+    BroadcastRows,
+    SoftmaxXent,
+    SoftmaxXentBackward,
+}
+
+/// Threads per block of the elementwise-style kernels.
+const BLOCK: u32 = 256;
+/// Rows moved by one `ramus_move_rows` launch at most (`MAX_MOVES` in `builtin.cu`).
+pub const MAX_MOVES: usize = 8;
+
+/// One row movement (`RowMove` in `builtin.cu`): for `r < rows`, row
+/// `dst_rows[r]` (or `r`) of `dst` receives row `src_rows[r]` (or `r`) of
+/// `src`, overwriting or accumulating. A `NONE` source row gives zeros; a
+/// `NONE` destination row is skipped.
+#[derive(Clone, Copy, Debug)]
+pub struct RowMove {
+    pub dst: DeviceView<f32>,
+    pub src: DeviceView<f32>,
+    pub dst_rows: Option<DeviceView<u32>>,
+    pub src_rows: Option<DeviceView<u32>>,
+    pub rows: usize,
+    pub width: usize,
+    pub accumulate: bool,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct RawRowMove {
+    dst: u64,
+    src: u64,
+    dst_rows: u64,
+    src_rows: u64,
+    rows: u32,
+    width: u32,
+    accumulate: u32,
+    pad: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct RawRowMoves {
+    moves: [RawRowMove; MAX_MOVES],
+}
+
+// SAFETY: `RawRowMoves` is `repr(C)` plain data laid out exactly as
+// `struct RowMoves` in `builtin.cu` (8-byte pointers, then four u32, no
+// padding differences), passed by value.
+unsafe impl DeviceRepr for RawRowMoves {}
+
+fn grid_for(elements: usize) -> u32 {
+    elements.div_ceil(BLOCK as usize).clamp(1, 65_535) as u32
+}
+
+fn u32_arg(value: usize, what: &str) -> Result<u32> {
+    u32::try_from(value)
+        .map_err(|_| CudaError::BadArgument(format!("{what} = {value} does not fit 32 bits")))
+}
+
+/// The built-in kernels of one device plus the launch counter.
+pub struct Launcher {
+    functions: Vec<CudaFunction>,
+    launches: Cell<u64>,
+}
+
+impl Launcher {
+    /// Compiles (or loads from the cache) the built-in kernels.
+    pub fn new(cache: &KernelCache) -> Result<Self> {
+        let module = cache.get_or_compile(BUILTIN_SOURCE, &BUILTIN_KERNELS)?;
+        let functions = BUILTIN_KERNELS
+            .iter()
+            .map(|name| module.function(name).cloned())
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Launcher {
+            functions,
+            launches: Cell::new(0),
+        })
+    }
+
+    /// Kernels launched so far (built-in, fused and cuBLAS calls counted by
+    /// the engine through [`Launcher::count`]).
+    pub fn launches(&self) -> u64 {
+        self.launches.get()
+    }
+
+    /// Counts a launch made elsewhere (a cuBLAS call, a copy).
+    pub fn count(&self) {
+        self.launches.set(self.launches.get() + 1);
+    }
+
+    fn function(&self, kernel: Builtin) -> &CudaFunction {
+        &self.functions[kernel as usize]
+    }
+
+    /// Up to any number of row movements, [`MAX_MOVES`] per launch.
+    pub fn move_rows(&self, stream: &CudaStream, moves: &[RowMove]) -> Result<()> {
+        for chunk in moves.chunks(MAX_MOVES) {
+            let mut raw = RawRowMoves::default();
+            let mut widest = 0;
+            let mut count = 0;
+            for mv in chunk.iter().filter(|m| m.rows > 0 && m.width > 0) {
+                raw.moves[count] = RawRowMove {
+                    dst: mv.dst.device_ptr(),
+                    src: mv.src.device_ptr(),
+                    dst_rows: mv.dst_rows.map_or(0, |v| v.device_ptr()),
+                    src_rows: mv.src_rows.map_or(0, |v| v.device_ptr()),
+                    rows: u32_arg(mv.rows, "rows moved")?,
+                    width: u32_arg(mv.width, "row width")?,
+                    accumulate: mv.accumulate as u32,
+                    pad: 0,
+                };
+                widest = widest.max(mv.rows * mv.width);
+                count += 1;
+            }
+            if count == 0 {
+                continue;
+            }
+            let cfg = LaunchConfig {
+                grid_dim: (grid_for(widest), count as u32, 1),
+                block_dim: (BLOCK, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut launch = stream.launch_builder(self.function(Builtin::MoveRows));
+            launch.arg(&raw);
+            // SAFETY: the struct matches the kernel's parameter; every view
+            // addresses live pool memory of `rows * width` floats (indices:
+            // `rows` u32) that stays allocated until the stream passes it.
+            unsafe { launch.launch(cfg) }.in_call("cuLaunchKernel(ramus_move_rows)")?;
+            self.count();
+        }
+        Ok(())
+    }
+
+    /// `dst[r, dst_col..dst_col + cols] = src[r, src_col..src_col + cols]`.
+    #[allow(clippy::too_many_arguments)] // two strided matrices and a column window
+    pub fn copy_columns(
+        &self,
+        stream: &CudaStream,
+        dst: DeviceView<f32>,
+        dst_width: usize,
+        dst_col: usize,
+        src: DeviceView<f32>,
+        src_width: usize,
+        src_col: usize,
+        cols: usize,
+        rows: usize,
+    ) -> Result<()> {
+        if rows * cols == 0 {
+            return Ok(());
+        }
+        if dst.len() < rows * dst_width
+            || src.len() < rows * src_width
+            || dst_col + cols > dst_width
+            || src_col + cols > src_width
+        {
+            return Err(CudaError::BadArgument(format!(
+                "column copy of {rows}x{cols} out of bounds ({} / {} floats, widths {dst_width} / {src_width})",
+                dst.len(),
+                src.len()
+            )));
+        }
+        let (dw, dc, sw, sc, c, r) = (
+            u32_arg(dst_width, "width")?,
+            u32_arg(dst_col, "column")?,
+            u32_arg(src_width, "width")?,
+            u32_arg(src_col, "column")?,
+            u32_arg(cols, "columns")?,
+            u32_arg(rows, "rows")?,
+        );
+        let mut launch = stream.launch_builder(self.function(Builtin::CopyColumns));
+        launch
+            .arg(dst.kernel_arg())
+            .arg(&dw)
+            .arg(&dc)
+            .arg(src.kernel_arg())
+            .arg(&sw)
+            .arg(&sc)
+            .arg(&c)
+            .arg(&r);
+        // SAFETY: arguments match the kernel; bounds checked above.
+        unsafe { launch.launch(elementwise_cfg(rows * cols)) }
+            .in_call("cuLaunchKernel(ramus_copy_columns)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// Sets every element of `dst` to `value`.
+    pub fn fill(&self, stream: &CudaStream, dst: DeviceView<f32>, value: f32) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let n = dst.len() as u64;
+        let mut launch = stream.launch_builder(self.function(Builtin::Fill));
+        launch.arg(dst.kernel_arg()).arg(&n).arg(&value);
+        // SAFETY: `dst` holds `n` floats.
+        unsafe { launch.launch(elementwise_cfg(dst.len())) }
+            .in_call("cuLaunchKernel(ramus_fill)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// `dst += src` elementwise.
+    pub fn add_into(
+        &self,
+        stream: &CudaStream,
+        dst: DeviceView<f32>,
+        src: DeviceView<f32>,
+    ) -> Result<()> {
+        if dst.len() != src.len() {
+            return Err(CudaError::BadArgument(format!(
+                "adding {} floats into {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let n = dst.len() as u64;
+        let mut launch = stream.launch_builder(self.function(Builtin::AddInto));
+        launch.arg(dst.kernel_arg()).arg(src.kernel_arg()).arg(&n);
+        // SAFETY: both views hold `n` floats.
+        unsafe { launch.launch(elementwise_cfg(dst.len())) }
+            .in_call("cuLaunchKernel(ramus_add_into)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// Child sum over CSR edge offsets (absolute; `edge_base` is subtracted).
+    #[allow(clippy::too_many_arguments)] // a CSR reduction: data, offsets and extents
+    pub fn sum_children(
+        &self,
+        stream: &CudaStream,
+        dst: DeviceView<f32>,
+        src: DeviceView<f32>,
+        offsets: DeviceView<u32>,
+        edge_base: usize,
+        rows: usize,
+        width: usize,
+    ) -> Result<()> {
+        if rows * width == 0 {
+            return Ok(());
+        }
+        if offsets.len() < rows + 1 || dst.len() < rows * width {
+            return Err(CudaError::BadArgument(
+                "sum_children: offsets or output too short".into(),
+            ));
+        }
+        let (b, r, w) = (
+            u32_arg(edge_base, "edge offset")?,
+            u32_arg(rows, "rows")?,
+            u32_arg(width, "width")?,
+        );
+        let mut launch = stream.launch_builder(self.function(Builtin::SumChildren));
+        launch
+            .arg(dst.kernel_arg())
+            .arg(src.kernel_arg())
+            .arg(offsets.kernel_arg())
+            .arg(&b)
+            .arg(&r)
+            .arg(&w);
+        // SAFETY: arguments match; offsets index edges inside `src` (the
+        // schedule's CSR for these rows).
+        unsafe { launch.launch(elementwise_cfg(rows * width)) }
+            .in_call("cuLaunchKernel(ramus_sum_children)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// Each edge row copies its parent's row (`parent[e] - row_base`).
+    #[allow(clippy::too_many_arguments)] // data, parents and extents
+    pub fn expand_children(
+        &self,
+        stream: &CudaStream,
+        dst: DeviceView<f32>,
+        src: DeviceView<f32>,
+        parent: DeviceView<u32>,
+        row_base: usize,
+        edges: usize,
+        width: usize,
+    ) -> Result<()> {
+        if edges * width == 0 {
+            return Ok(());
+        }
+        if parent.len() < edges || dst.len() < edges * width {
+            return Err(CudaError::BadArgument(
+                "expand_children: parents or output too short".into(),
+            ));
+        }
+        let (b, e, w) = (
+            u32_arg(row_base, "row offset")?,
+            u32_arg(edges, "edges")?,
+            u32_arg(width, "width")?,
+        );
+        let mut launch = stream.launch_builder(self.function(Builtin::ExpandChildren));
+        launch
+            .arg(dst.kernel_arg())
+            .arg(src.kernel_arg())
+            .arg(parent.kernel_arg())
+            .arg(&b)
+            .arg(&e)
+            .arg(&w);
+        // SAFETY: arguments match; parents index rows inside `src`.
+        unsafe { launch.launch(elementwise_cfg(edges * width)) }
+            .in_call("cuLaunchKernel(ramus_expand_children)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// `dst[j] = scale * sum_r src[r, j]`.
+    pub fn sum_rows(
+        &self,
+        stream: &CudaStream,
+        dst: DeviceView<f32>,
+        src: DeviceView<f32>,
+        rows: usize,
+        width: usize,
+        scale: f32,
+    ) -> Result<()> {
+        if width == 0 {
+            return Ok(());
+        }
+        if dst.len() < width || src.len() < rows * width {
+            return Err(CudaError::BadArgument(
+                "sum_rows: operands too short".into(),
+            ));
+        }
+        let (r, w) = (u32_arg(rows, "rows")?, u32_arg(width, "width")?);
+        let cfg = LaunchConfig {
+            grid_dim: (width.div_ceil(32) as u32, 1, 1),
+            block_dim: (32, 8, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = stream.launch_builder(self.function(Builtin::SumRows));
+        launch
+            .arg(dst.kernel_arg())
+            .arg(src.kernel_arg())
+            .arg(&r)
+            .arg(&w)
+            .arg(&scale);
+        // SAFETY: arguments match; sizes checked above.
+        unsafe { launch.launch(cfg) }.in_call("cuLaunchKernel(ramus_sum_rows)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// `dst[r, j] = scale * src[j]`.
+    pub fn broadcast_rows(
+        &self,
+        stream: &CudaStream,
+        dst: DeviceView<f32>,
+        src: DeviceView<f32>,
+        rows: usize,
+        width: usize,
+        scale: f32,
+    ) -> Result<()> {
+        if rows * width == 0 {
+            return Ok(());
+        }
+        if dst.len() < rows * width || src.len() < width {
+            return Err(CudaError::BadArgument(
+                "broadcast_rows: operands too short".into(),
+            ));
+        }
+        let (r, w) = (u32_arg(rows, "rows")?, u32_arg(width, "width")?);
+        let mut launch = stream.launch_builder(self.function(Builtin::BroadcastRows));
+        launch
+            .arg(dst.kernel_arg())
+            .arg(src.kernel_arg())
+            .arg(&r)
+            .arg(&w)
+            .arg(&scale);
+        // SAFETY: arguments match; sizes checked above.
+        unsafe { launch.launch(elementwise_cfg(rows * width)) }
+            .in_call("cuLaunchKernel(ramus_broadcast_rows)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// Per-row softmax cross-entropy, or (with `upstream`) its gradient.
+    /// Labels must be below `classes` (the engine checks them on the host).
+    #[allow(clippy::too_many_arguments)] // scores, labels, optional upstream, extents
+    pub fn softmax_xent(
+        &self,
+        stream: &CudaStream,
+        out: DeviceView<f32>,
+        scores: DeviceView<f32>,
+        labels: DeviceView<u32>,
+        upstream: Option<DeviceView<f32>>,
+        rows: usize,
+        classes: usize,
+    ) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        if scores.len() < rows * classes || labels.len() < rows {
+            return Err(CudaError::BadArgument(
+                "softmax_xent: operands too short".into(),
+            ));
+        }
+        let (r, c) = (u32_arg(rows, "rows")?, u32_arg(classes, "classes")?);
+        let cfg = LaunchConfig {
+            grid_dim: (rows.min(65_535) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let kernel = if upstream.is_some() {
+            Builtin::SoftmaxXentBackward
+        } else {
+            Builtin::SoftmaxXent
+        };
+        let mut launch = stream.launch_builder(self.function(kernel));
+        launch
+            .arg(out.kernel_arg())
+            .arg(scores.kernel_arg())
+            .arg(labels.kernel_arg());
+        if let Some(up) = &upstream {
+            launch.arg(up.kernel_arg());
+        }
+        launch.arg(&r).arg(&c);
+        // SAFETY: arguments match the chosen kernel; sizes checked above.
+        unsafe { launch.launch(cfg) }.in_call("cuLaunchKernel(softmax_xent)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// A generated fused elementwise kernel over `n` elements of rows of
+    /// `width` (signature of [`ramus_core::fusion::FusedGroup::cuda_source`]).
+    pub fn fused(
+        &self,
+        stream: &CudaStream,
+        kernel: &CudaFunction,
+        inputs: &[DeviceView<f32>],
+        outputs: &[DeviceView<f32>],
+        n: usize,
+        width: usize,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let (count, w) = (n as u64, u32_arg(width, "width")?);
+        let mut launch = stream.launch_builder(kernel);
+        for v in inputs.iter().chain(outputs) {
+            launch.arg(v.kernel_arg());
+        }
+        launch.arg(&count).arg(&w);
+        // SAFETY: the engine passes one view per declared input and output,
+        // each holding `n` floats (broadcast inputs `width`).
+        unsafe { launch.launch(elementwise_cfg(n)) }.in_call("cuLaunchKernel(fused)")?;
+        self.count();
+        Ok(())
+    }
+}
+
+fn elementwise_cfg(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid_for(n), 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}

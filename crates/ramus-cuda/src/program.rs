@@ -1,0 +1,261 @@
+//! Set-up of a model for the CUDA batched engine: the Fusion pass over every
+//! phase of every graph (vertex functions' `F` and `∂F`, the head and its
+//! backward), CodeGen of one kernel per fused group from the ops' registered
+//! templates, and one NVRTC compilation of all of them through the kernel
+//! cache (a second process start compiles nothing).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+
+use cudarc::driver::CudaFunction;
+
+use ramus_core::fusion::{self, FusedGroup, Step};
+use ramus_core::graph::{Graph, NodeId, NodeKind, Role};
+use ramus_core::Model;
+
+use crate::cache::KernelCache;
+use crate::error::{CudaError, Result};
+
+/// One step of a phase: a non-elementwise op, or a fused elementwise group
+/// with its compiled kernel.
+pub(crate) enum ExecStep {
+    Op(NodeId),
+    Fused {
+        group: FusedGroup,
+        kernel: CudaFunction,
+    },
+}
+
+/// A graph's phases as executable steps, and which nodes need a buffer
+/// (members of a fused group that nothing outside reads live only in
+/// registers).
+pub(crate) struct GraphProgram {
+    pub phases: Vec<Vec<ExecStep>>,
+    pub materialized: Vec<bool>,
+}
+
+/// Phase indices of a vertex function's programs.
+pub(crate) const EAGER: usize = 0;
+pub(crate) const PER_TASK: usize = 1;
+pub(crate) const LAZY: usize = 2;
+/// Phase indices of the head's forward program.
+pub(crate) const HEAD_ALL: usize = 0;
+pub(crate) const HEAD_SCORES: usize = 1;
+
+/// Everything compiled for one model.
+pub(crate) struct Program {
+    pub functions: Vec<(GraphProgram, GraphProgram)>,
+    pub head_forward: GraphProgram,
+    pub head_backward: GraphProgram,
+    /// Parameters whose gradient arrives only as rows (embedding tables).
+    pub row_grad_params: BTreeSet<usize>,
+    /// Node counts of every graph, to check that later calls pass the same model.
+    pub fingerprint: Vec<usize>,
+    /// Fused kernels compiled for the model (distinct sources).
+    pub fused_kernels: usize,
+    /// Fusion listing for reports.
+    pub listing: String,
+}
+
+/// A phase planned but not yet bound to compiled kernels.
+struct PlannedGraph {
+    phases: Vec<fusion::FusionPlan>,
+    materialized: Vec<bool>,
+}
+
+fn op_nodes(graph: &Graph, wanted: impl Fn(NodeId) -> bool) -> Vec<NodeId> {
+    (0..graph.nodes.len())
+        .filter(|&n| matches!(graph.nodes[n].kind, NodeKind::Op(_)) && wanted(n))
+        .collect()
+}
+
+/// Nodes that `roots` depend on.
+pub(crate) fn ancestors(g: &Graph, roots: &[NodeId]) -> Vec<bool> {
+    let mut need = vec![false; g.nodes.len()];
+    for &r in roots {
+        need[r] = true;
+    }
+    for i in (0..g.nodes.len()).rev() {
+        if need[i] {
+            for &x in &g.nodes[i].inputs {
+                need[x] = true;
+            }
+        }
+    }
+    need
+}
+
+fn plan_graph(
+    graph: &Graph,
+    phases: &[Vec<NodeId>],
+    keep: &BTreeSet<NodeId>,
+    kernels: &mut BTreeMap<String, String>,
+) -> Result<PlannedGraph> {
+    let mut materialized = vec![true; graph.nodes.len()];
+    let mut plans = Vec::with_capacity(phases.len());
+    for nodes in phases {
+        let plan = fusion::fuse(graph, nodes, &|n| keep.contains(&n))?;
+        for group in plan.groups() {
+            let kernel = group.kernel(graph)?;
+            kernels.entry(kernel.name).or_insert(kernel.source);
+            for &n in &group.nodes {
+                if !group.outputs.contains(&n) {
+                    materialized[n] = false;
+                }
+            }
+        }
+        plans.push(plan);
+    }
+    Ok(PlannedGraph {
+        phases: plans,
+        materialized,
+    })
+}
+
+fn bind(
+    planned: PlannedGraph,
+    graph: &Graph,
+    module: Option<&crate::rtc::LoadedModule>,
+) -> Result<GraphProgram> {
+    let mut phases = Vec::with_capacity(planned.phases.len());
+    for plan in planned.phases {
+        let mut steps = Vec::with_capacity(plan.steps.len());
+        for step in plan.steps {
+            steps.push(match step {
+                Step::Op(n) => ExecStep::Op(n),
+                Step::Fused(group) => {
+                    let name = group.kernel(graph)?.name;
+                    let module = module.ok_or(CudaError::KernelNotFound { name: name.clone() })?;
+                    ExecStep::Fused {
+                        kernel: module.function(&name)?.clone(),
+                        group,
+                    }
+                }
+            });
+        }
+        phases.push(steps);
+    }
+    Ok(GraphProgram {
+        phases,
+        materialized: planned.materialized,
+    })
+}
+
+impl Program {
+    /// Plans, generates and compiles every kernel of `model`.
+    pub fn build(model: &Model, cache: &KernelCache) -> Result<Program> {
+        let mut kernels = BTreeMap::new();
+        let mut planned_functions = Vec::new();
+        let mut listing = String::new();
+        let names = model.param_names();
+        let none = BTreeSet::new();
+        for func in &model.functions {
+            // forward values the backward graph reads must stay in memory
+            let keep = fusion::forward_reads(&func.backward);
+            let fp = &func.forward_plan;
+            let fwd = plan_graph(
+                &func.forward,
+                &[fp.eager.clone(), fp.per_task.clone(), fp.lazy.clone()],
+                &keep,
+                &mut kernels,
+            )?;
+            let bp = &func.backward_plan;
+            let bwd = plan_graph(
+                &func.backward,
+                &[bp.eager.clone(), bp.per_task.clone(), bp.lazy.clone()],
+                &none,
+                &mut kernels,
+            )?;
+            for (what, g, p) in [("F", &func.forward, &fwd), ("∂F", &func.backward, &bwd)] {
+                for (phase, plan) in ["eager", "per-task", "lazy"].iter().zip(&p.phases) {
+                    let _ = writeln!(
+                        listing,
+                        "{what} `{}` {phase}: {} ops in {} launches\n{}",
+                        func.name,
+                        plan.op_count(),
+                        plan.kernel_launches(),
+                        plan.listing(g, &names)
+                    );
+                }
+            }
+            planned_functions.push((fwd, bwd));
+        }
+        let head = &model.head;
+        let keep = fusion::forward_reads(&head.backward);
+        let scores = ancestors(&head.forward, &head.logits.into_iter().collect::<Vec<_>>());
+        let head_fwd = plan_graph(
+            &head.forward,
+            &[
+                op_nodes(&head.forward, |_| true),
+                op_nodes(&head.forward, |n| scores[n]),
+            ],
+            &keep,
+            &mut kernels,
+        )?;
+        let head_bwd = plan_graph(
+            &head.backward,
+            &[op_nodes(&head.backward, |_| true)],
+            &none,
+            &mut kernels,
+        )?;
+        let source: String = kernels.values().map(String::as_str).collect();
+        let kernel_names: Vec<&str> = kernels.keys().map(String::as_str).collect();
+        let module = if kernels.is_empty() {
+            None
+        } else {
+            Some(cache.get_or_compile(&source, &kernel_names)?)
+        };
+        let module = module.as_deref();
+        let mut functions = Vec::new();
+        for (func, (fwd, bwd)) in model.functions.iter().zip(planned_functions) {
+            functions.push((
+                bind(fwd, &func.forward, module)?,
+                bind(bwd, &func.backward, module)?,
+            ));
+        }
+        let mut dense = BTreeSet::new();
+        let mut rows = BTreeSet::new();
+        for g in model
+            .functions
+            .iter()
+            .map(|f| &f.backward)
+            .chain([&head.backward])
+        {
+            for o in &g.outputs {
+                match o.role {
+                    Role::ParamGrad(p) => {
+                        dense.insert(p);
+                    }
+                    Role::ParamRowGrad(p) => {
+                        rows.insert(p);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        Ok(Program {
+            functions,
+            head_forward: bind(head_fwd, &head.forward, module)?,
+            head_backward: bind(head_bwd, &head.backward, module)?,
+            row_grad_params: rows.difference(&dense).copied().collect(),
+            fingerprint: fingerprint(model),
+            fused_kernels: kernels.len(),
+            listing,
+        })
+    }
+}
+
+/// Node counts of every graph of `model`.
+pub(crate) fn fingerprint(model: &Model) -> Vec<usize> {
+    let mut f: Vec<usize> = model
+        .functions
+        .iter()
+        .flat_map(|func| [func.forward.nodes.len(), func.backward.nodes.len()])
+        .collect();
+    f.extend([
+        model.head.forward.nodes.len(),
+        model.head.backward.nodes.len(),
+        model.params.len(),
+    ]);
+    f
+}

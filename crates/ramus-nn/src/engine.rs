@@ -1,0 +1,98 @@
+//! The engine interface the training and evaluation loops drive. The CPU
+//! batched engine implements it here; device engines (CUDA) implement it in
+//! their own crates, so a [`crate::Trainer`] runs on whichever it is given.
+
+use ramus_core::{Grads, HeadRows, Model, Params, Real};
+use ramus_cpu::{Batch, CpuEngine, ForwardOutput, Mode};
+
+use crate::error::{NnError, Result};
+use crate::optim::Optimizer;
+
+/// Runs batches of a model: forward (with the head on a chosen set of rows),
+/// backward into host gradients, and a whole training step.
+pub trait Engine<T: Real> {
+    /// Short name for reports, e.g. `cpu-batched`.
+    fn name(&self) -> &'static str;
+
+    /// Forward pass with the head on `rows`.
+    fn forward_rows(
+        &mut self,
+        model: &Model,
+        params: &Params<T>,
+        batch: &Batch<'_>,
+        mode: Mode,
+        rows: HeadRows,
+    ) -> Result<ForwardOutput<T>>;
+
+    /// Forward pass with the head on the model's own rows.
+    fn forward(
+        &mut self,
+        model: &Model,
+        params: &Params<T>,
+        batch: &Batch<'_>,
+        mode: Mode,
+    ) -> Result<ForwardOutput<T>> {
+        self.forward_rows(model, params, batch, mode, model.head.rows)
+    }
+
+    /// Backward pass of the last train-mode forward pass; adds parameter
+    /// gradients into `grads`.
+    fn backward(
+        &mut self,
+        model: &Model,
+        params: &Params<T>,
+        batch: &Batch<'_>,
+        grads: &mut Grads<T>,
+    ) -> Result<()>;
+
+    /// Seeds the dropout masks.
+    fn set_seed(&mut self, seed: u64);
+
+    /// Forward, backward and one optimizer step; returns the loss. Engines
+    /// that keep parameters on a device override this to update them there.
+    fn train_step(
+        &mut self,
+        model: &Model,
+        params: &mut Params<T>,
+        grads: &mut Grads<T>,
+        optimizer: &mut Optimizer<T>,
+        batch: &Batch<'_>,
+    ) -> Result<f64> {
+        let out = self.forward(model, params, batch, Mode::Train)?;
+        grads.clear();
+        self.backward(model, params, batch, grads)?;
+        optimizer.step(params, grads);
+        out.loss
+            .ok_or_else(|| NnError::Config("forward pass returned no loss".into()))
+    }
+}
+
+impl<T: Real> Engine<T> for CpuEngine<T> {
+    fn name(&self) -> &'static str {
+        "cpu-batched"
+    }
+    fn forward_rows(
+        &mut self,
+        model: &Model,
+        params: &Params<T>,
+        batch: &Batch<'_>,
+        mode: Mode,
+        rows: HeadRows,
+    ) -> Result<ForwardOutput<T>> {
+        Ok(CpuEngine::forward_rows(
+            self, model, params, batch, mode, rows,
+        )?)
+    }
+    fn backward(
+        &mut self,
+        model: &Model,
+        params: &Params<T>,
+        batch: &Batch<'_>,
+        grads: &mut Grads<T>,
+    ) -> Result<()> {
+        Ok(CpuEngine::backward(self, model, params, batch, grads)?)
+    }
+    fn set_seed(&mut self, seed: u64) {
+        CpuEngine::set_seed(self, seed)
+    }
+}
