@@ -7,10 +7,13 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
-use ramus_core::{Grads, Params};
+use ramus_core::{Grads, Model, Params};
 use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_cuda::CudaEngine;
 use ramus_graph::{ptb, BatchingPolicy, InputGraph, Vocab, VocabMode};
-use ramus_nn::{build_model, ModelConfig, Optimizer, OptimizerConfig, OptimizerKind};
+use ramus_nn::{build_model, Engine, ModelConfig, Optimizer, OptimizerConfig, OptimizerKind};
+
+use crate::device::{self, Device};
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -35,6 +38,69 @@ pub struct BenchArgs {
     /// Python interpreter for the anchor.
     #[arg(long, default_value = "python3")]
     python: String,
+    /// Where to run: cpu or cuda (the anchor then runs on the same device).
+    #[arg(long, default_value = "cpu")]
+    device: Device,
+    /// Also report engine set-up: kernels compiled, cache hits, compile
+    /// time, device memory.
+    #[arg(long)]
+    verbose: bool,
+}
+
+/// The engine under test, with what only one kind reports.
+enum BenchEngine {
+    Cpu(CpuEngine<f32>),
+    Cuda(Box<CudaEngine>),
+}
+
+impl BenchEngine {
+    fn engine(&mut self) -> &mut dyn Engine<f32> {
+        match self {
+            BenchEngine::Cpu(e) => e,
+            BenchEngine::Cuda(e) => e.as_mut(),
+        }
+    }
+    /// Kernel launches so far (CUDA only).
+    fn launches(&self) -> Option<u64> {
+        match self {
+            BenchEngine::Cpu(_) => None,
+            BenchEngine::Cuda(e) => Some(e.launches()),
+        }
+    }
+}
+
+/// Builds the engine; the CPU one gets per-token leaf tables (Cortex's
+/// leaf specialisation and hoisting for fixed parameters), whose build
+/// time is returned.
+fn bench_engine(
+    a: &BenchArgs,
+    model: &Model,
+    params: &Params<f32>,
+    vocab: usize,
+) -> AnyResult<(BenchEngine, Option<f64>)> {
+    Ok(match a.device {
+        Device::Cpu => {
+            let mut engine = CpuEngine::<f32>::new();
+            engine.use_token_tables(Some(vocab));
+            let t = Instant::now();
+            engine.prepare_token_tables(model, params)?;
+            (BenchEngine::Cpu(engine), Some(t.elapsed().as_secs_f64() * 1e3))
+        }
+        Device::Cuda => {
+            let engine = device::cuda_engine(model)?;
+            if a.verbose {
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "setup": "cuda", "device": engine.device().name(), "arch": engine.device().arch(),
+                        "setup_s": engine.setup_seconds(), "fused_kernels": engine.fused_kernels(),
+                        "kernel_cache": engine.cache_stats().to_string(),
+                    })
+                );
+            }
+            (BenchEngine::Cuda(Box::new(engine)), None)
+        }
+    })
 }
 
 type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
@@ -81,13 +147,11 @@ pub fn run(a: BenchArgs) -> AnyResult {
     let mut params = Params::<f32>::init(&model, 0);
     let mut opt = Optimizer::new(OptimizerConfig::new(OptimizerKind::Sgd, 0.05), &params);
     let mut grads = Grads::zeros(&model);
-    let mut engine = CpuEngine::<f32>::new();
-    // inference uses leaf specialisation: per-token leaf cells computed once
-    // for the fixed parameters (Cortex's hoisting), timed separately
-    engine.use_token_tables(Some(vocab.len()));
-    let t = Instant::now();
-    engine.prepare_token_tables(&model, &params)?;
-    let table_ms = t.elapsed().as_secs_f64() * 1e3;
+    let (mut engine, table_ms) = bench_engine(&a, &model, &params, vocab.len())?;
+    let device_name = match &engine {
+        BenchEngine::Cpu(_) => "cpu".to_string(),
+        BenchEngine::Cuda(e) => e.device().name().to_string(),
+    };
     let mut results = Vec::new();
     for &bs in &sizes {
         if bs > trees.len() {
@@ -100,39 +164,54 @@ pub fn run(a: BenchArgs) -> AnyResult {
         }
         let batch: Vec<&InputGraph> = trees[..bs].iter().collect();
         let nodes: usize = batch.iter().map(|g| g.len()).sum();
+        let before = engine.launches();
         let infer = median_time(a.reps, || {
             let b = Batch::new(&model, batch.clone(), policy)?;
-            engine.forward(&model, &params, &b, Mode::Infer)?;
+            engine.engine().forward(&model, &params, &b, Mode::Infer)?;
             Ok(())
         })?;
+        let calls = (a.reps.max(1) + 3) as u64;
+        let infer_kernels = engine.launches().zip(before).map(|(x, y)| (x - y) / calls);
+        let before = engine.launches();
         let train = if a.infer_only {
             f64::NAN
         } else {
             median_time(a.reps, || {
                 let b = Batch::new(&model, batch.clone(), policy)?;
-                engine.forward(&model, &params, &b, Mode::Train)?;
-                grads.clear();
-                engine.backward(&model, &params, &b, &mut grads)?;
-                opt.step(&mut params, &grads);
+                let e = engine.engine();
+                e.train_step(&model, &mut params, &mut grads, &mut opt, &b)?;
                 Ok(())
             })?
         };
+        let train_kernels = engine.launches().zip(before).map(|(x, y)| (x - y) / calls);
         let line = serde_json::json!({
-            "system": "ramus", "engine": "cpu-batched", "device": "cpu", "policy": a.policy,
+            "system": "ramus", "engine": engine.engine().name(), "device": device_name, "policy": a.policy,
             "threads": rayon::current_num_threads(), "hidden": a.hidden, "batch": bs, "nodes": nodes,
             "infer_ms": (infer * 1e6).round() / 1e3, "train_sent_per_s": ((bs as f64 / train) * 10.0).round() / 10.0,
-            "leaf_table_build_ms": (table_ms * 10.0).round() / 10.0,
+            "leaf_table_build_ms": table_ms.map(|t| (t * 10.0).round() / 10.0),
+            "kernels_per_batch": infer_kernels, "kernels_per_train_batch": train_kernels,
         });
         println!("{line}");
         results.push(line);
     }
-    if let Some(anchor) = a.anchor {
+    if a.verbose {
+        if let BenchEngine::Cuda(e) = &engine {
+            println!(
+                "{}",
+                serde_json::json!({"kernel_cache": e.cache_stats().to_string(), "pool": e.pool_stats().to_string()})
+            );
+        }
+    }
+    if let Some(anchor) = &a.anchor {
         let out = Command::new(&a.python)
-            .arg(&anchor)
+            .arg(anchor)
             .arg(&a.trees)
             .args([
                 "--device",
-                "cpu",
+                match a.device {
+                    Device::Cpu => "cpu",
+                    Device::Cuda => "cuda",
+                },
                 "--hidden",
                 &a.hidden.to_string(),
                 "--batch-sizes",

@@ -2,6 +2,7 @@
 
 mod bench;
 mod data;
+mod device;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -88,6 +89,9 @@ struct TrainArgs {
     /// No progress bars (log lines only).
     #[arg(long)]
     quiet: bool,
+    /// Where to run: cpu or cuda.
+    #[arg(long, default_value = "cpu")]
+    device: device::Device,
 }
 
 #[derive(clap::Args)]
@@ -102,6 +106,9 @@ struct EvalArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    /// Where to run: cpu or cuda.
+    #[arg(long, default_value = "cpu")]
+    device: device::Device,
 }
 
 fn main() -> ExitCode {
@@ -161,17 +168,20 @@ fn train(a: TrainArgs) -> AnyResult {
     let mut oc = OptimizerConfig::new(opt, a.lr);
     oc.weight_decay = a.weight_decay;
     oc.clip_norm = a.clip;
+    let engine = device::engine(a.device, &model)?;
     let mut trainer = Trainer::new(model, params, oc);
+    trainer.engine = engine;
     trainer.policy = policy;
     trainer.engine.set_seed(a.seed);
     let mut rng = ramus_nn::train::rng(a.seed);
     println!(
-        "model: {} hidden {} | optimizer {} lr {} | batch {} | {} threads",
+        "model: {} hidden {} | optimizer {} lr {} | batch {} | engine {} ({} host threads)",
         a.model,
         a.hidden,
         a.optimizer,
         a.lr,
         a.batch_size,
+        trainer.engine.name(),
         rayon::current_num_threads()
     );
     let started = Instant::now();
@@ -265,11 +275,11 @@ fn eval(a: EvalArgs) -> AnyResult {
     let params = checkpoint::load_params(&a.checkpoint, &bytes, &model)?;
     let kind = data_kind(&info.model).ok_or("checkpoint names an unknown model")?;
     let graphs = data::read_frozen(&a.data, kind, &info.vocab)?;
-    let mut engine = ramus_cpu::CpuEngine::<f32>::new();
+    let mut engine = device::engine(a.device, &model)?;
     let r = ramus_nn::evaluate(
         &model,
         &params,
-        &mut engine,
+        engine.as_mut(),
         BatchingPolicy::Cavs,
         &graphs,
         a.batch_size,
