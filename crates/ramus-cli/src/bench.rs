@@ -49,14 +49,14 @@ pub struct BenchArgs {
 
 /// The engine under test, with what only one kind reports.
 enum BenchEngine {
-    Cpu(CpuEngine<f32>),
+    Cpu(Box<CpuEngine<f32>>),
     Cuda(Box<CudaEngine>),
 }
 
 impl BenchEngine {
     fn engine(&mut self) -> &mut dyn Engine<f32> {
         match self {
-            BenchEngine::Cpu(e) => e,
+            BenchEngine::Cpu(e) => e.as_mut(),
             BenchEngine::Cuda(e) => e.as_mut(),
         }
     }
@@ -84,7 +84,10 @@ fn bench_engine(
             engine.use_token_tables(Some(vocab));
             let t = Instant::now();
             engine.prepare_token_tables(model, params)?;
-            (BenchEngine::Cpu(engine), Some(t.elapsed().as_secs_f64() * 1e3))
+            (
+                BenchEngine::Cpu(Box::new(engine)),
+                Some(t.elapsed().as_secs_f64() * 1e3),
+            )
         }
         Device::Cuda => {
             let engine = device::cuda_engine(model)?;

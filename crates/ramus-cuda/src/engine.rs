@@ -21,6 +21,7 @@ use std::any::Any;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use cudarc::driver::{CudaEvent, CudaStream};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -36,6 +37,7 @@ use ramus_graph::{FunctionRows, Schedule, Task, NO_LABEL};
 use crate::blas::{Blas, Gemm};
 use crate::cache::KernelCache;
 use crate::device::CudaDevice;
+use crate::error::InCall;
 use crate::error::{CudaError, Result};
 use crate::launch::{Launcher, RowMove, NONE};
 use crate::pinned::PinnedBuffer;
@@ -165,6 +167,22 @@ struct BatchState {
     forward_done: bool,
 }
 
+/// A stream with its own cuBLAS handle: the main lane runs the
+/// gather–scatter path, the eager lane runs eager steps ahead of it.
+struct Lane {
+    stream: Arc<CudaStream>,
+    blas: Blas,
+}
+
+impl Lane {
+    fn new(device: &CudaDevice, stream: Arc<CudaStream>) -> Result<Self> {
+        Ok(Lane {
+            blas: Blas::new(device, stream.clone())?,
+            stream,
+        })
+    }
+}
+
 /// The CUDA batched engine. Compiles the model's kernels at set-up, then
 /// runs batches with no device allocation beyond the pool's growth.
 pub struct CudaEngine {
@@ -172,7 +190,12 @@ pub struct CudaEngine {
     pool: Arc<DevicePool>,
     cache: KernelCache,
     launcher: Launcher,
-    blas: Blas,
+    main: Lane,
+    eager: Lane,
+    /// Recorded on the main lane once a pass's inputs are on the device.
+    inputs_ready: CudaEvent,
+    /// Per vertex function: recorded on the eager lane after its eager steps.
+    eager_done: Vec<CudaEvent>,
     staging: PinnedBuffer,
     arena: Arena,
     program: Arc<Program>,
@@ -201,7 +224,12 @@ impl CudaEngine {
         let cache = KernelCache::for_device(&device, dir)?;
         let launcher = Launcher::new(&cache)?;
         let program = Arc::new(Program::build(model, &cache)?);
-        let blas = Blas::new(&device, device.stream().clone())?;
+        let main = Lane::new(&device, device.stream().clone())?;
+        let eager = Lane::new(&device, device.new_stream()?)?;
+        let inputs_ready = device.new_event()?;
+        let eager_done = (0..model.functions.len())
+            .map(|_| device.new_event())
+            .collect::<Result<_>>()?;
         let staging = PinnedBuffer::new(&device)?;
         let arena = pool.arena(64 << 20);
         Ok(CudaEngine {
@@ -209,7 +237,10 @@ impl CudaEngine {
             pool,
             cache,
             launcher,
-            blas,
+            main,
+            eager,
+            inputs_ready,
+            eager_done,
             staging,
             arena,
             program,
@@ -559,21 +590,15 @@ impl CudaEngine {
             }
             fwd.push(bufs);
         }
-        for (f, func) in model.functions.iter().enumerate() {
-            let range = Range::all(&s.functions[f]);
-            self.run_steps(
-                &func.forward,
-                &program.functions[f].0.phases[EAGER],
-                &fwd[f],
-                None,
-                range,
-                Some(f),
-            )?;
-        }
+        let graphs: Vec<&Graph> = model.functions.iter().map(|f| &f.forward).collect();
+        let programs: Vec<&GraphProgram> = program.functions.iter().map(|p| &p.0).collect();
+        self.run_eager(&graphs, &programs, &fwd, None, s)?;
+        let mut joined = vec![false; model.functions.len()];
         for task in &s.tasks {
             let f = task.function;
             let func = &model.functions[f];
             let range = Range::task(task);
+            self.join_eager(f, &mut joined)?;
             let topo = self.topology(f)?;
             let mut moves = Vec::new();
             for (n, node) in func.forward.nodes.iter().enumerate() {
@@ -609,6 +634,7 @@ impl CudaEngine {
                 None,
                 range,
                 Some(f),
+                &self.main,
             )?;
             if let Some(sc) = func.scatter {
                 let src = self.float_view(&func.forward, sc, &fwd[f], None, range)?;
@@ -619,6 +645,7 @@ impl CudaEngine {
             }
         }
         for (f, func) in model.functions.iter().enumerate() {
+            self.join_eager(f, &mut joined)?;
             let range = Range::all(&s.functions[f]);
             self.run_steps(
                 &func.forward,
@@ -627,6 +654,7 @@ impl CudaEngine {
                 None,
                 range,
                 Some(f),
+                &self.main,
             )?;
         }
         self.state.fwd = fwd;
@@ -723,6 +751,7 @@ impl CudaEngine {
             None,
             Range::rows_only(h),
             None,
+            &self.main,
         )?;
         let loss = if mode != Mode::Infer {
             let v = self.float_view(g, head.loss, &bufs, None, Range::rows_only(h))?;
@@ -752,6 +781,7 @@ impl CudaEngine {
 
     /// Runs `steps` of graph `g` over `range`; `f` names the vertex
     /// function whose topology (edges, children) the steps may use.
+    #[allow(clippy::too_many_arguments)] // graph, steps, buffers, rows, function, lane
     fn run_steps(
         &self,
         g: &Graph,
@@ -760,10 +790,59 @@ impl CudaEngine {
         fwd: Option<&[Buf]>,
         range: Range,
         f: Option<usize>,
+        lane: &Lane,
     ) -> Result<()> {
         let topo = f.map(|f| self.topology(f)).transpose()?;
         for step in steps {
-            self.run_step(g, step, bufs, fwd, range, topo)?;
+            self.run_step(g, step, bufs, fwd, range, topo, lane)?;
+        }
+        Ok(())
+    }
+
+    /// Runs every function's eager steps on the eager lane once the pass's
+    /// inputs are on the device, recording one event per function.
+    fn run_eager(
+        &self,
+        graphs: &[&Graph],
+        programs: &[&GraphProgram],
+        bufs: &[Vec<Buf>],
+        fwd: Option<&[Vec<Buf>]>,
+        s: &Schedule,
+    ) -> Result<()> {
+        self.inputs_ready
+            .record(&self.main.stream)
+            .in_call("cuEventRecord")?;
+        self.eager
+            .stream
+            .wait(&self.inputs_ready)
+            .in_call("cuStreamWaitEvent")?;
+        for (f, g) in graphs.iter().enumerate() {
+            let range = Range::all(&s.functions[f]);
+            let fwd_f = fwd.map(|b| b[f].as_slice());
+            self.run_steps(
+                g,
+                &programs[f].phases[EAGER],
+                &bufs[f],
+                fwd_f,
+                range,
+                Some(f),
+                &self.eager,
+            )?;
+            self.eager_done[f]
+                .record(&self.eager.stream)
+                .in_call("cuEventRecord")?;
+        }
+        Ok(())
+    }
+
+    /// Makes the main lane wait for function `f`'s eager steps (once).
+    fn join_eager(&self, f: usize, joined: &mut [bool]) -> Result<()> {
+        if !joined[f] {
+            self.main
+                .stream
+                .wait(&self.eager_done[f])
+                .in_call("cuStreamWaitEvent")?;
+            joined[f] = true;
         }
         Ok(())
     }
@@ -847,6 +926,7 @@ impl CudaEngine {
         }
     }
 
+    #[allow(clippy::too_many_arguments)] // graph, step, buffers, rows, topology, lane
     fn run_step(
         &self,
         g: &Graph,
@@ -855,8 +935,9 @@ impl CudaEngine {
         fwd: Option<&[Buf]>,
         range: Range,
         topo: Option<&Topology>,
+        lane: &Lane,
     ) -> Result<()> {
-        let stream = self.device.stream().clone();
+        let stream = &lane.stream;
         match step {
             ExecStep::Fused { group, kernel } => {
                 let (lo, hi) = range.span(group.space);
@@ -873,12 +954,13 @@ impl CudaEngine {
                     outputs.push(self.float_view(g, o, own, fwd, range)?);
                 }
                 self.launcher
-                    .fused(&stream, kernel, &inputs, &outputs, n, group.width)
+                    .fused(stream, kernel, &inputs, &outputs, n, group.width)
             }
-            ExecStep::Op(n) => self.run_op(g, *n, own, fwd, range, topo),
+            ExecStep::Op(n) => self.run_op(g, *n, own, fwd, range, topo, lane),
         }
     }
 
+    #[allow(clippy::too_many_arguments)] // graph, node, buffers, rows, topology, lane
     fn run_op(
         &self,
         g: &Graph,
@@ -887,8 +969,9 @@ impl CudaEngine {
         fwd: Option<&[Buf]>,
         range: Range,
         topo: Option<&Topology>,
+        lane: &Lane,
     ) -> Result<()> {
-        let stream = self.device.stream().clone();
+        let stream = lane.stream.clone();
         let node = &g.nodes[n];
         let NodeKind::Op(op) = &node.kind else {
             return Ok(());
@@ -928,7 +1011,7 @@ impl CudaEngine {
                 self.launcher.fill(&stream, c, 0.0)?;
                 return Ok(());
             }
-            self.blas.sgemm(&gemm, fv(0)?, fv(1)?, c)?;
+            lane.blas.sgemm(&gemm, fv(0)?, fv(1)?, c)?;
             self.launcher.count();
             return Ok(());
         }
@@ -1128,6 +1211,7 @@ impl CudaEngine {
             Some(&head_fwd),
             Range::rows_only(h),
             None,
+            &self.main,
         )?;
         self.accumulate_param_grads(hb, &head_bwd, Some(&head_fwd), Range::rows_only(h), None)?;
         // per function backward buffers; push gradients from the head
@@ -1185,21 +1269,15 @@ impl CudaEngine {
         }
         let state_grad = self.arena.alloc::<f32>(s.num_vertices() * w)?;
         self.launcher.fill(&stream, state_grad, 0.0)?;
-        for (f, func) in model.functions.iter().enumerate() {
-            let range = Range::all(&s.functions[f]);
-            self.run_steps(
-                &func.backward,
-                &program.functions[f].1.phases[EAGER],
-                &bwd[f],
-                Some(&fwd[f]),
-                range,
-                Some(f),
-            )?;
-        }
+        let graphs: Vec<&Graph> = model.functions.iter().map(|f| &f.backward).collect();
+        let programs: Vec<&GraphProgram> = program.functions.iter().map(|p| &p.1).collect();
+        self.run_eager(&graphs, &programs, &bwd, Some(&fwd), s)?;
+        let mut joined = vec![false; model.functions.len()];
         for task in s.tasks.iter().rev() {
             let f = task.function;
             let func = &model.functions[f];
             let range = Range::task(task);
+            self.join_eager(f, &mut joined)?;
             let topo = self.topology(f)?.clone();
             let scatter_out = func
                 .forward
@@ -1225,6 +1303,7 @@ impl CudaEngine {
                 Some(&fwd[f]),
                 range,
                 Some(f),
+                &self.main,
             )?;
             let mut moves = Vec::new();
             for o in &func.backward.outputs {
@@ -1254,6 +1333,7 @@ impl CudaEngine {
             self.launcher.move_rows(&stream, &moves)?;
         }
         for (f, func) in model.functions.iter().enumerate() {
+            self.join_eager(f, &mut joined)?;
             let range = Range::all(&s.functions[f]);
             self.run_steps(
                 &func.backward,
@@ -1262,6 +1342,7 @@ impl CudaEngine {
                 Some(&fwd[f]),
                 range,
                 Some(f),
+                &self.main,
             )?;
             let topo = self.topology(f)?.clone();
             self.accumulate_param_grads(

@@ -48,8 +48,17 @@ pub trait Engine<T: Real> {
     /// Seeds the dropout masks.
     fn set_seed(&mut self, seed: u64);
 
+    /// Brings `params` up to date with the engine's own copy, for engines
+    /// whose [`Engine::train_step`] updates parameters on a device (the host
+    /// values then lag until this is called). A no-op for host engines.
+    fn sync_host_params(&mut self, params: &mut Params<T>) -> Result<()> {
+        let _ = params;
+        Ok(())
+    }
+
     /// Forward, backward and one optimizer step; returns the loss. Engines
-    /// that keep parameters on a device override this to update them there.
+    /// that keep parameters on a device override this to update them there
+    /// (see [`Engine::sync_host_params`]).
     fn train_step(
         &mut self,
         model: &Model,

@@ -50,7 +50,9 @@ impl<T: Real> Trainer<T> {
         }
     }
 
-    /// Forward, backward and one optimizer step on `graphs`; returns the loss.
+    /// Forward, backward and one optimizer step on `graphs`; returns the
+    /// loss. On a device engine `self.params` lags until [`Trainer::sync_params`]
+    /// (which [`Trainer::train_epoch`] calls at the end of each epoch).
     pub fn train_batch(&mut self, graphs: &[&InputGraph]) -> Result<f64> {
         let batch = Batch::new(&self.model, graphs.to_vec(), self.policy)?;
         self.engine.train_step(
@@ -60,6 +62,11 @@ impl<T: Real> Trainer<T> {
             &mut self.optimizer,
             &batch,
         )
+    }
+
+    /// Brings `self.params` up to date with the engine's copy.
+    pub fn sync_params(&mut self) -> Result<()> {
+        self.engine.sync_host_params(&mut self.params)
     }
 
     /// One epoch over `data` in shuffled batches; `progress(batches_done,
@@ -84,6 +91,7 @@ impl<T: Real> Trainer<T> {
             seen += graphs.len();
             progress(b + 1, seen, loss);
         }
+        self.sync_params()?;
         Ok(total / seen.max(1) as f64)
     }
 

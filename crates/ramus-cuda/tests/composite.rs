@@ -1,0 +1,162 @@
+//! A user-composed activation (`x * sigmoid(1.702 x)`, registered with
+//! `OpRegistry::register_composite`) inside a vertex function runs as part
+//! of one fused kernel: the model using it launches exactly as many kernels
+//! as the same model with a primitive `tanh`. The fusion plans are compared
+//! everywhere; launches and results on the device where CUDA is present.
+
+use ramus_core::fusion;
+use ramus_core::model::{FunctionSelector, HeadRows, Init, ModelBuilder};
+use ramus_core::{Model, OpRegistry, Params};
+use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_cuda::{CudaDevice, CudaEngine, CudaEngineOptions};
+use ramus_graph::random::random_tree;
+use ramus_graph::{BatchingPolicy, InputGraph};
+use ramus_nn::Engine;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+const VOCAB: usize = 30;
+const HIDDEN: usize = 16;
+const CLASSES: usize = 3;
+
+fn registry() -> OpRegistry {
+    let mut reg = OpRegistry::standard();
+    reg.register_composite("swish_1702", 1, "x * sigmoid(1.702 x)", |b, x| {
+        let s = b.scale(x[0], 1.702);
+        let s = b.sigmoid(s);
+        b.mul(x[0], s)
+    })
+    .expect("registers");
+    reg
+}
+
+/// A recursive net `h = act(W [h_l; h_r] + b)` with `act` from the registry.
+fn model(activation: &str) -> Model {
+    let reg = registry();
+    let mut m = ModelBuilder::new("act-net", HIDDEN);
+    let emb = m.param("emb", &[VOCAB, HIDDEN], Init::Normal { std: 0.3 });
+    let w = m.param("W", &[HIDDEN, 2 * HIDDEN], Init::Xavier);
+    let b = m.param("b", &[HIDDEN], Init::Normal { std: 0.1 });
+    let w_out = m.param("W_out", &[CLASSES, HIDDEN], Init::Xavier);
+    let leaf = m
+        .vertex_fn("leaf", |f| {
+            let x = f.embed(emb);
+            f.scatter(x);
+            f.push(x);
+        })
+        .expect("leaf");
+    let internal = m
+        .vertex_fn("internal", |f| {
+            let (l, r) = (f.gather(0), f.gather(1));
+            let lr = f.concat(&[l, r]);
+            let (wp, bp) = (f.param(w), f.param(b));
+            let z = f.linear(lr, wp, Some(bp));
+            let h = reg.call(f, activation, &[z], &[]);
+            f.scatter(h);
+            f.push(h);
+        })
+        .expect("internal");
+    m.select(FunctionSelector::LeafInternal { leaf, internal });
+    m.head(HeadRows::Roots, HIDDEN, |hd| {
+        let x = hd.input();
+        let w = hd.param(w_out);
+        let logits = hd.linear(x, w, None);
+        let labels = hd.labels();
+        let l = hd.softmax_xent(logits, labels);
+        let loss = hd.mean_rows(l);
+        hd.loss(loss);
+        hd.logits(logits);
+    })
+    .expect("head");
+    m.build().expect("model")
+}
+
+/// Kernel launches of every phase's fusion plan, forward and backward.
+fn planned_launches(m: &Model) -> Vec<usize> {
+    let mut launches = Vec::new();
+    for func in &m.functions {
+        let keep = fusion::forward_reads(&func.backward);
+        for (g, plan, keep) in [
+            (&func.forward, &func.forward_plan, keep),
+            (&func.backward, &func.backward_plan, Default::default()),
+        ] {
+            for nodes in [&plan.eager, &plan.per_task, &plan.lazy] {
+                let p = fusion::fuse(g, nodes, &|n| keep.contains(&n)).expect("fuses");
+                launches.push(p.kernel_launches());
+            }
+        }
+    }
+    launches
+}
+
+#[test]
+fn the_composite_activation_fuses_into_the_surrounding_kernel() {
+    let (plain, composite) = (model("tanh"), model("swish_1702"));
+    let (a, b) = (planned_launches(&plain), planned_launches(&composite));
+    assert_eq!(a, b, "launches per phase: tanh {a:?} vs composite {b:?}");
+    // and the composite's three ops really are in the model, in one group
+    let internal = &composite.functions[1];
+    let plan = fusion::fuse(&internal.forward, &internal.forward_plan.per_task, &|_| {
+        false
+    })
+    .expect("fuses");
+    let sizes: Vec<usize> = plan.groups().map(|g| g.nodes.len()).collect();
+    assert!(
+        sizes.iter().any(|&n| n >= 4),
+        "bias add, scale, sigmoid and mul should share one group: {sizes:?}"
+    );
+}
+
+fn batch_graphs() -> Vec<InputGraph> {
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    (0..9)
+        .map(|i| {
+            random_tree(&mut rng, 2 + i * 3, &[2], VOCAB as u32, CLASSES as i32).expect("tree")
+        })
+        .collect()
+}
+
+/// Launches of one training batch (forward + backward), and the loss.
+fn launches_of(m: &Model, cuda: &mut CudaEngine) -> (u64, f64) {
+    let params: Params<f32> = Params::init(m, 2);
+    let graphs = batch_graphs();
+    let batch = Batch::new(m, graphs.iter().collect(), BatchingPolicy::Cavs).expect("schedule");
+    let mut grads = ramus_core::Grads::zeros(m);
+    let before = cuda.launches();
+    let out = Engine::forward(cuda, m, &params, &batch, Mode::Train).expect("forward");
+    Engine::backward(cuda, m, &params, &batch, &mut grads).expect("backward");
+    let launches = cuda.launches() - before;
+    let want = CpuEngine::<f32>::new()
+        .forward(m, &params, &batch, Mode::Train)
+        .expect("cpu forward")
+        .loss
+        .unwrap_or(f64::NAN);
+    let got = out.loss.unwrap_or(f64::NAN);
+    assert!(
+        (want - got).abs() <= 1e-4 * want.abs().max(1.0),
+        "loss CPU {want} vs CUDA {got}"
+    );
+    (launches, got)
+}
+
+#[test]
+fn the_composite_activation_launches_no_extra_kernel_on_the_device() {
+    if let Err(e) = CudaDevice::available() {
+        eprintln!("skipping: no CUDA driver: {e}");
+        return;
+    }
+    let opts = CudaEngineOptions {
+        cache_dir: Some(
+            std::env::temp_dir().join(format!("ramus-composite-{}", std::process::id())),
+        ),
+        ..CudaEngineOptions::default()
+    };
+    let (plain, composite) = (model("tanh"), model("swish_1702"));
+    let (a, _) = launches_of(&plain, &mut CudaEngine::new(&plain, &opts).expect("engine"));
+    let (b, _) = launches_of(
+        &composite,
+        &mut CudaEngine::new(&composite, &opts).expect("engine"),
+    );
+    println!("launches per training batch: tanh {a}, composite {b}");
+    assert_eq!(a, b, "the composite activation changed the launch count");
+}
