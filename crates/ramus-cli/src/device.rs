@@ -29,8 +29,7 @@ impl FromStr for Device {
 /// Sets up the CUDA engine for `model`, with an error that says what is
 /// missing when CUDA cannot be used here.
 pub fn cuda_engine(model: &Model) -> Result<CudaEngine, String> {
-    CudaEngine::new(model, &CudaEngineOptions::default())
-        .map_err(|e| format!("--device cuda: {e}"))
+    CudaEngine::new(model, &CudaEngineOptions::default()).map_err(|e| format!("--device cuda: {e}"))
 }
 
 /// The engine for `device`.
