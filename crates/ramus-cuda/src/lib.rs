@@ -6,6 +6,7 @@
 //! | memory | [`pool`], [`offset_allocator`] | one pool of a few large `cuMemAlloc` chunks, per-batch [`Arena`]s, typed [`DeviceView`]s |
 //! | transfers | [`pinned`] | pinned host staging buffers and async host↔device copies |
 //! | kernels | [`rtc`], [`cache`] | NVRTC compilation for the device's architecture; the memory + disk kernel cache |
+//! | optimizer | [`optimizer`] | the fused SGD / Adagrad / Adam(W) step with global-norm clipping, generated per kind |
 //! | GEMM | [`blas`] | row-major cuBLAS SGEMM and strided-batched SGEMM on a stream |
 //! | errors | [`error`] | [`CudaError`]: every failure, naming the call, the library or the kernel |
 //!
@@ -42,6 +43,7 @@ pub mod engine;
 pub mod error;
 pub mod launch;
 pub mod offset_allocator;
+pub mod optimizer;
 pub mod pinned;
 pub mod pool;
 pub(crate) mod program;
@@ -53,6 +55,9 @@ pub use device::CudaDevice;
 pub use engine::{CudaEngine, CudaEngineOptions};
 pub use error::{CudaError, InCall, Result};
 pub use offset_allocator::{OffsetAllocator, ALIGNMENT};
+pub use optimizer::{
+    DeviceOptimizer, DeviceStep, GradLayout, ParamSlot, ParamState, UpdateArgs, UpdateKernelSpec,
+};
 pub use pinned::PinnedBuffer;
 pub use pool::{Arena, DevicePool, DeviceScalar, DeviceView, PoolBuffer, PoolConfig, PoolStats};
 pub use rtc::{CompileTarget, ImageKind, LoadedModule, NvrtcCompiler};

@@ -1,0 +1,459 @@
+//! The device optimizer against the host reference `ramus_nn::Optimizer`:
+//! SGD, Adagrad, Adam and AdamW, each with and without global-norm
+//! clipping, five steps on parameters laid out like the CUDA engine's
+//! (values in declaration order, gradients dense-first) with two embedding
+//! tables between dense parameters, updated on touched rows only. Also: the
+//! launch count, the norm on request, untouched rows, the kernel cache and
+//! hyper-parameter changes. Skips with a notice where no CUDA driver is
+//! found.
+
+use std::sync::Arc;
+
+use ramus_core::model::{FunctionSelector, HeadRows, Init, ModelBuilder};
+use ramus_core::{Grads, Model, Params, Tensor};
+use ramus_cuda::{
+    CudaDevice, DeviceOptimizer, DevicePool, DeviceView, GradLayout, KernelCache, ParamSlot,
+    PinnedBuffer, PoolBuffer, PoolConfig, Result,
+};
+use ramus_nn::{Optimizer, OptimizerConfig, OptimizerKind};
+
+/// Device 0, or `None` (after printing why) when CUDA is not usable here.
+fn device() -> Option<Arc<CudaDevice>> {
+    if let Err(e) = CudaDevice::available() {
+        eprintln!("skipping: no CUDA driver: {e}");
+        return None;
+    }
+    match CudaDevice::open(0) {
+        Ok(device) => Some(device),
+        Err(e) => panic!("CUDA is available but device 0 does not open: {e}"),
+    }
+}
+
+/// Parameters `W, emb (table), b, W_out, tags (table), W_leaf` of a small
+/// tree model: the tables split the dense parameters into three runs.
+fn test_model() -> Model {
+    let h = 6;
+    let mut m = ModelBuilder::new("optimizer-test", h);
+    let w = m.param("W", &[h, 2 * h], Init::Xavier);
+    let emb = m.param("emb", &[40, h], Init::Normal { std: 0.5 });
+    let b = m.param("b", &[h], Init::Uniform { bound: 0.5 });
+    let w_out = m.param("W_out", &[5, h], Init::LinearDefault);
+    let tags = m.param("tags", &[30, 4], Init::Normal { std: 0.5 });
+    let w_leaf = m.param("W_leaf", &[h, h + 4], Init::Xavier);
+    let leaf = m
+        .vertex_fn("leaf", |f| {
+            let x = f.embed(emb);
+            let t = f.embed(tags);
+            let xt = f.concat(&[x, t]);
+            let w = f.param(w_leaf);
+            let z = f.linear(xt, w, None);
+            let y = f.tanh(z);
+            f.scatter(y);
+            f.push(y);
+        })
+        .expect("leaf function");
+    let internal = m
+        .vertex_fn("internal", |f| {
+            let (l, r) = (f.gather(0), f.gather(1));
+            let lr = f.concat(&[l, r]);
+            let (w, b) = (f.param(w), f.param(b));
+            let z = f.linear(lr, w, Some(b));
+            let y = f.tanh(z);
+            f.scatter(y);
+            f.push(y);
+        })
+        .expect("internal function");
+    m.select(FunctionSelector::LeafInternal { leaf, internal });
+    m.head(HeadRows::Roots, h, |hd| {
+        let x = hd.input();
+        let w = hd.param(w_out);
+        let logits = hd.linear(x, w, None);
+        let labels = hd.labels();
+        let loss = hd.softmax_xent(logits, labels);
+        let loss = hd.mean_rows(loss);
+        hd.loss(loss);
+        hd.logits(logits);
+    })
+    .expect("head");
+    m.build().expect("the test model builds")
+}
+
+/// The row-gradient parameters of [`test_model`].
+const TABLES: [usize; 2] = [1, 4];
+const STEPS: u64 = 5;
+
+/// Deterministic values in [-1, 1).
+fn values(len: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// Step `step`'s gradients (every element, untouched table rows included:
+/// both sides must ignore them) and touched rows per table, unsorted; the
+/// tags table also names row 30, past its end, which both sides skip, and
+/// step 3 touches no tags row at all.
+fn step_data(model: &Model, step: u64) -> (Vec<Vec<f32>>, Vec<Vec<u32>>) {
+    let grads = model
+        .params
+        .iter()
+        .enumerate()
+        .map(|(p, spec)| values(spec.shape.iter().product(), step * 100 + p as u64))
+        .collect();
+    let pick = |rows: u32, seed: u64, count: usize| -> Vec<u32> {
+        let mut out = Vec::new();
+        for x in values(4 * count, seed) {
+            let r = ((x + 1.0) * 0.5 * rows as f32) as u32 % rows;
+            if !out.contains(&r) && out.len() < count {
+                out.push(r);
+            }
+        }
+        out
+    };
+    let emb = pick(40, step * 7 + 1, 9);
+    let tags = if step == 3 {
+        Vec::new()
+    } else {
+        let mut t = pick(30, step * 7 + 2, 5);
+        t.insert(1, 30);
+        t
+    };
+    (grads, vec![emb, tags])
+}
+
+/// The host reference's gradients for step data.
+fn host_grads(model: &Model, grads: &[Vec<f32>], touched: &[Vec<u32>]) -> Grads<f32> {
+    let mut g = Grads::zeros(model);
+    for (p, data) in grads.iter().enumerate() {
+        g.values[p] = Tensor::from_vec(&model.params[p].shape, data.clone()).expect("shape");
+        match TABLES.iter().position(|&t| t == p) {
+            None => g.mark_dense(p),
+            Some(t) => touched[t].iter().for_each(|&r| g.mark_row(p, r)),
+        }
+    }
+    g.finish_rows();
+    g
+}
+
+fn flat(params: &Params<f32>) -> Vec<f32> {
+    params
+        .values
+        .iter()
+        .flat_map(|t| t.data().iter().copied())
+        .collect()
+}
+
+fn config(kind: OptimizerKind, lr: f64, weight_decay: f64, clip: Option<f64>) -> OptimizerConfig {
+    OptimizerConfig {
+        weight_decay,
+        clip_norm: clip,
+        ..OptimizerConfig::new(kind, lr)
+    }
+}
+
+/// Everything one comparison needs on the device.
+struct Setup {
+    device: Arc<CudaDevice>,
+    pool: Arc<DevicePool>,
+    cache: KernelCache,
+    staging: PinnedBuffer,
+}
+
+fn setup() -> Option<Setup> {
+    let device = device()?;
+    let pool = DevicePool::new(
+        &device,
+        PoolConfig {
+            initial_bytes: 4 << 20,
+            max_bytes: None,
+        },
+    );
+    let cache = KernelCache::for_device(&device, None).expect("kernel cache");
+    let staging = PinnedBuffer::new(&device).expect("pinned buffer");
+    Some(Setup {
+        device,
+        pool,
+        cache,
+        staging,
+    })
+}
+
+/// The model's parameters on the device, laid out like the CUDA engine's.
+struct DeviceParams {
+    values: PoolBuffer<f32>,
+    grads: PoolBuffer<f32>,
+    slots: Vec<ParamSlot>,
+    /// Gradient offset of each parameter.
+    grad_at: Vec<usize>,
+    total: usize,
+}
+
+fn upload_params(s: &mut Setup, model: &Model, params: &Params<f32>) -> Result<DeviceParams> {
+    let lens: Vec<usize> = params.values.iter().map(|t| t.len()).collect();
+    let total: usize = lens.iter().sum();
+    let values = s.pool.alloc::<f32>(total)?;
+    let grads = s.pool.alloc::<f32>(total)?;
+    let mut grad_at = vec![0; lens.len()];
+    let mut at = 0;
+    for tables in [false, true] {
+        for (p, &len) in lens.iter().enumerate() {
+            if TABLES.contains(&p) == tables {
+                grad_at[p] = at;
+                at += len;
+            }
+        }
+    }
+    let mut slots = Vec::new();
+    let mut value_at = 0;
+    for (p, &len) in lens.iter().enumerate() {
+        let layout = if TABLES.contains(&p) {
+            GradLayout::Rows {
+                width: model.params[p].shape[1],
+            }
+        } else {
+            GradLayout::Dense
+        };
+        slots.push(ParamSlot {
+            value: values.view().slice(value_at..value_at + len)?,
+            grad: grads.view().slice(grad_at[p]..grad_at[p] + len)?,
+            layout,
+        });
+        value_at += len;
+    }
+    s.staging
+        .upload_slice(&flat(params), values.view(), s.device.stream())?;
+    Ok(DeviceParams {
+        values,
+        grads,
+        slots,
+        grad_at,
+        total,
+    })
+}
+
+/// A step's touched rows on the device: one view per table.
+struct Touched {
+    _buffers: Vec<PoolBuffer<u32>>,
+    views: Vec<DeviceView<u32>>,
+}
+
+/// Uploads step data: gradients into the gradient buffer, touched rows
+/// into buffers of their own.
+fn upload_step(
+    s: &mut Setup,
+    dp: &DeviceParams,
+    grads: &[Vec<f32>],
+    touched: &[Vec<u32>],
+) -> Result<Touched> {
+    let stream = s.device.stream().clone();
+    for (p, data) in grads.iter().enumerate() {
+        let at = dp.grad_at[p];
+        s.staging
+            .upload_slice(data, dp.grads.view().slice(at..at + data.len())?, &stream)?;
+    }
+    let mut buffers = Vec::new();
+    let mut views = Vec::new();
+    for rows in touched {
+        let buffer = s.pool.alloc::<u32>(rows.len().max(1))?;
+        let view = buffer.view().slice(0..rows.len())?;
+        if !rows.is_empty() {
+            s.staging.upload_slice(rows, view, &stream)?;
+        }
+        buffers.push(buffer);
+        views.push(view);
+    }
+    Ok(Touched {
+        _buffers: buffers,
+        views,
+    })
+}
+
+fn close(device: f32, host: f32) -> bool {
+    (device - host).abs() <= 1e-6 + 1e-5 * host.abs()
+}
+
+/// Five steps on the device and on the host from the same gradients; every
+/// parameter compared after every step, untouched rows checked unchanged,
+/// launches counted, the norm compared when asked for.
+fn compare(s: &mut Setup, config: &OptimizerConfig, want_norm: bool) -> Result<()> {
+    let model = test_model();
+    let mut params = Params::<f32>::init(&model, 11);
+    let mut host = Optimizer::new(*config, &params);
+    let dp = upload_params(s, &model, &params)?;
+    let mut opt = DeviceOptimizer::new(&s.device, &s.pool, &s.cache, config, &dp.slots)?;
+    let stream = s.device.stream().clone();
+    let table_at: Vec<usize> = TABLES
+        .iter()
+        .map(|&p| params.values[..p].iter().map(|t| t.len()).sum())
+        .collect();
+    let mut before = flat(&params);
+    let mut identical = 0;
+    for step in 1..=STEPS {
+        let (grads, touched) = step_data(&model, step);
+        let g = host_grads(&model, &grads, &touched);
+        let host_norm = host.step(&mut params, &g);
+        let rows = upload_step(s, &dp, &grads, &touched)?;
+        let report = opt.step(&stream, &rows.views, want_norm)?;
+        let got = s.staging.download_to_vec(dp.values.view(), &stream)?;
+        let want = flat(&params);
+        let what = format!("{config:?}, step {step}");
+        assert_eq!(got.len(), dp.total);
+        for (i, (&d, &h)) in got.iter().zip(&want).enumerate() {
+            assert!(close(d, h), "{what}: value {i}: device {d} vs host {h}");
+            identical += usize::from(d.to_bits() == h.to_bits());
+        }
+        for (t, &p) in TABLES.iter().enumerate() {
+            let width = model.params[p].shape[1];
+            let rows = model.params[p].shape[0] as u32;
+            for r in (0..rows).filter(|r| !touched[t].contains(r)) {
+                let range =
+                    table_at[t] + r as usize * width..table_at[t] + (r as usize + 1) * width;
+                assert_eq!(
+                    got[range.clone()],
+                    before[range],
+                    "{what}: untouched row {r} of param {p} moved"
+                );
+            }
+        }
+        let norm_launch = usize::from(config.clip_norm.is_some() || want_norm);
+        assert_eq!(report.launches, 1 + norm_launch, "{what}: launches");
+        match (want_norm, report.norm) {
+            (false, None) => {}
+            (true, Some(norm)) => {
+                let want = host_norm.unwrap_or_else(|| g.norm());
+                assert!(
+                    (norm - want).abs() <= 1e-9 * want,
+                    "{what}: norm {norm} vs host {want}"
+                );
+            }
+            (asked, got) => panic!("{what}: norm asked {asked}, got {got:?}"),
+        }
+        before = got;
+    }
+    assert_eq!(opt.steps(), STEPS);
+    println!(
+        "{config:?}: {identical} of {} values bit-identical to the host",
+        STEPS as usize * dp.total
+    );
+    Ok(())
+}
+
+fn compare_kind(kind: OptimizerKind, lr: f64, weight_decay: f64) -> Result<()> {
+    let Some(mut s) = setup() else {
+        return Ok(());
+    };
+    for clip in [None, Some(1.0)] {
+        compare(&mut s, &config(kind, lr, weight_decay, clip), false)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn sgd_matches_the_host() -> Result<()> {
+    compare_kind(OptimizerKind::Sgd, 0.1, 0.01)
+}
+
+#[test]
+fn adagrad_matches_the_host() -> Result<()> {
+    compare_kind(OptimizerKind::Adagrad, 0.1, 0.001)
+}
+
+#[test]
+fn adam_matches_the_host() -> Result<()> {
+    compare_kind(OptimizerKind::Adam, 0.01, 0.0)
+}
+
+#[test]
+fn adamw_matches_the_host() -> Result<()> {
+    compare_kind(OptimizerKind::Adam, 0.01, 0.1)
+}
+
+#[test]
+fn the_norm_comes_back_only_when_asked() -> Result<()> {
+    let Some(mut s) = setup() else {
+        return Ok(());
+    };
+    // clipping: the norm on request (one download), same launches
+    compare(
+        &mut s,
+        &config(OptimizerKind::Adam, 0.01, 0.0, Some(1.0)),
+        true,
+    )?;
+    // no clipping: asking costs one norm launch
+    compare(&mut s, &config(OptimizerKind::Sgd, 0.1, 0.0, None), true)?;
+    // a threshold above the norm: clipping changes nothing
+    compare(
+        &mut s,
+        &config(OptimizerKind::Adagrad, 0.1, 0.0, Some(1e6)),
+        true,
+    )
+}
+
+#[test]
+fn a_second_optimizer_with_the_same_config_compiles_nothing() -> Result<()> {
+    let Some(mut s) = setup() else {
+        return Ok(());
+    };
+    let model = test_model();
+    let params = Params::<f32>::init(&model, 3);
+    let dp = upload_params(&mut s, &model, &params)?;
+    let adam = config(OptimizerKind::Adam, 0.01, 0.0, Some(1.0));
+    let mut first = DeviceOptimizer::new(&s.device, &s.pool, &s.cache, &adam, &dp.slots)?;
+    let compiled = s.cache.stats().compiled;
+    let hits = s.cache.stats().memory_hits;
+    // other hyper-parameters, same kind and clipping: the same kernel
+    let other = OptimizerConfig {
+        lr: 0.5,
+        beta1: 0.5,
+        weight_decay: 0.2,
+        clip_norm: Some(3.0),
+        ..adam
+    };
+    let second = DeviceOptimizer::new(&s.device, &s.pool, &s.cache, &other, &dp.slots)?;
+    assert_eq!(s.cache.stats().compiled, compiled, "{}", s.cache.stats());
+    assert_eq!(s.cache.stats().memory_hits, hits + 1);
+    assert_eq!(second.spec(), first.spec());
+
+    // hyper-parameters change in place; the kernel choice cannot
+    first.set_config(&other)?;
+    assert_eq!(first.config().lr, 0.5);
+    let sgd = config(OptimizerKind::Sgd, 0.1, 0.0, Some(1.0));
+    assert!(first.set_config(&sgd).is_err());
+    let unclipped = OptimizerConfig {
+        clip_norm: None,
+        ..adam
+    };
+    assert!(first.set_config(&unclipped).is_err());
+
+    // the state is where `state` says, zero before the first step
+    let state = first.state(1)?;
+    let (m, v) = (
+        state.first.expect("Adam keeps m"),
+        state.second.expect("Adam keeps v"),
+    );
+    assert_eq!(m.len(), params.values[1].len());
+    let stream = s.device.stream().clone();
+    assert!(s
+        .staging
+        .download_to_vec(m, &stream)?
+        .iter()
+        .all(|&x| x == 0.0));
+    assert!(s
+        .staging
+        .download_to_vec(v, &stream)?
+        .iter()
+        .all(|&x| x == 0.0));
+    assert!(first.state(6).is_err());
+
+    // a wrong number of touched-row lists is an error, not a launch
+    assert!(first.step(&stream, &[], false).is_err());
+    assert_eq!(first.steps(), 0);
+    assert_eq!(first.launches(), 0);
+    Ok(())
+}
