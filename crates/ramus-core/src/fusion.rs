@@ -17,6 +17,20 @@
 //! another phase, by the backward graph or as graph outputs). Everything
 //! else stays in registers.
 //!
+//! Two data-movement ops need no kernel of their own:
+//! * a `slice` whose every user reads it in place — a fused group (as an
+//!   [`InputKind::Window`] of the slice's source) or a `matmul` operand
+//!   that cuBLAS can take with a leading dimension — becomes a
+//!   [`SliceView`];
+//! * a `concat` whose every input is a fused-group member is written in
+//!   place: each group stores those members straight into the concat's
+//!   buffer at their column offset ([`ConcatWrite`]), and a member the
+//!   concat alone read needs no buffer of its own.
+//!
+//! Together with [`crate::simplify::pads_to_concat`] (which turns the
+//! pad-and-add gradients of slices back into concats) this removes the
+//! copy kernels around the fused cells of an LSTM-like function.
+//!
 //! For each group this module generates one CUDA C++ kernel from the ops'
 //! registered templates ([`FusedGroup::cuda_source`], [`FusedGroup::kernel`],
 //! named by a hash of its normalized source so identical groups share one
@@ -24,13 +38,15 @@
 //! kernels ([`FusedGroup::eval_cpu`]): the oracle the generated code is
 //! tested against.
 
+use std::any::Any;
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap};
 use std::fmt;
 
 use crate::error::{CoreError, Result};
-use crate::graph::{Graph, NodeId, NodeKind, Source, Space};
+use crate::graph::{DType, Graph, NodeId, NodeKind, Source, Space};
 use crate::op::{Arg, ArgData, KernelCtx};
+use crate::ops::{Concat, MatMul, Slice};
 use crate::real::Real;
 
 // ---------------------------------------------------------------- plan types
@@ -44,6 +60,17 @@ pub enum InputKind {
     /// A static row repeated for every row of a row group (`in[i % width]`):
     /// a bias.
     Broadcast,
+    /// A column window of a wider row value, read in place: the input node
+    /// is a `slice` that has no step of its own (a [`SliceView`]), and the
+    /// kernel reads its `source` directly. Element `i` of the window is
+    /// `source[(i / width) * stride + offset + i % width]` (`width` = the
+    /// group's width = the slice's length, `stride` = the source's row width,
+    /// `offset` = the slice's first column).
+    Window {
+        source: NodeId,
+        offset: usize,
+        stride: usize,
+    },
 }
 
 impl InputKind {
@@ -51,6 +78,7 @@ impl InputKind {
         match self {
             InputKind::PerElement => "elem",
             InputKind::Broadcast => "bcast",
+            InputKind::Window { .. } => "win",
         }
     }
 }
@@ -58,8 +86,23 @@ impl InputKind {
 /// A value a fused group reads from outside.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FusedInput {
+    /// The value the members read (for a window: the viewed slice).
     pub node: NodeId,
     pub kind: InputKind,
+}
+
+/// A member of a fused group that the kernel also stores into the buffer of
+/// a `concat` written in place (see [`FusionPlan::in_place_concats`]): row
+/// `r` of the member goes to columns `offset..offset + width` of row `r` of
+/// the concat, i.e. element `i` to `concat[(i / width) * stride + offset + i % width]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConcatWrite {
+    pub member: NodeId,
+    pub concat: NodeId,
+    /// First column of the member inside the concat's rows.
+    pub offset: usize,
+    /// Row width of the concat.
+    pub stride: usize,
 }
 
 /// Connected elementwise ops run as one kernel. See the module docs.
@@ -69,12 +112,32 @@ pub struct FusedGroup {
     pub nodes: Vec<NodeId>,
     /// Values read from outside the group, in first-use order, each once.
     pub inputs: Vec<FusedInput>,
-    /// Members whose values are materialized, in member order.
+    /// Members whose values are materialized in buffers of their own, in
+    /// member order.
     pub outputs: Vec<NodeId>,
+    /// Members also stored into concats written in place, in member order
+    /// (for one member: concats in node order, then column order).
+    pub concat_writes: Vec<ConcatWrite>,
     /// Space of every member (the rows the kernel runs over).
     pub space: Space,
     /// Elements per row of every member (all elements for a static group).
     pub width: usize,
+}
+
+/// A `slice` that has no step: its users read a window of its source in
+/// place (fused groups through [`InputKind::Window`], matmuls through the
+/// leading dimension). Row `r` of the slice is
+/// `source[r * stride + offset .. r * stride + offset + len]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SliceView {
+    pub slice: NodeId,
+    pub source: NodeId,
+    /// First column (the slice's `start`).
+    pub offset: usize,
+    /// Row width of the source.
+    pub stride: usize,
+    /// Columns in the window (the slice's `len`).
+    pub len: usize,
 }
 
 /// One step of a [`FusionPlan`].
@@ -87,9 +150,22 @@ pub enum Step {
 }
 
 /// One phase's op nodes as kernels to launch, in dependency order.
+///
+/// Every op node of the phase is in exactly one step, or is a slice in
+/// [`views`](FusionPlan::views), or a concat in
+/// [`in_place_concats`](FusionPlan::in_place_concats): those two have no
+/// step. A step that reads a viewed slice comes after the step computing
+/// its source; a step that reads an in-place concat comes after every group
+/// writing into it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FusionPlan {
     pub steps: Vec<Step>,
+    /// Slices read in place, in list order.
+    pub views: Vec<SliceView>,
+    /// Concats without a step: every input is a fused-group member that its
+    /// group stores into the concat's buffer ([`FusedGroup::concat_writes`]).
+    /// The concat still has its buffer (rows × its width); in list order.
+    pub in_place_concats: Vec<NodeId>,
 }
 
 /// A generated CUDA kernel: its name (derived from the source) and source.
@@ -222,10 +298,20 @@ impl Fuser {
 /// order) into fused kernels; see the module docs.
 ///
 /// A member's value is materialized (becomes a group output) when a node
-/// outside the group reads it, it is a graph output, nothing reads it at all
-/// (so the plan computes everything the unfused list did), or `keep` says
-/// it is needed elsewhere — pass the forward values the backward graph reads
-/// (see [`forward_reads`]) when fusing a forward graph.
+/// outside the group other than a concat written in place reads it, it is a
+/// graph output, nothing reads it at all (so the plan computes everything
+/// the unfused list did), or `keep` says it is needed elsewhere — pass the
+/// forward values the backward graph reads (see [`forward_reads`]) when
+/// fusing a forward graph.
+///
+/// A listed `slice` of a row value becomes a [`SliceView`] (no step) when
+/// it is not kept, not a graph output, and every user is a listed node that
+/// reads it in place: an elementwise op (fused, so it reads an
+/// [`InputKind::Window`]), operand A of a `matmul` without `trans_a`, or
+/// either operand of a `matmul` with `trans_a`. A listed `concat` whose
+/// inputs are all fused-group members is written in place (no step; see
+/// [`FusedGroup::concat_writes`]). Grouping itself is unchanged: views and
+/// in-place concats still separate the groups before and after them.
 ///
 /// Errors name the offending node: a node that is not an op, listed twice or
 /// out of order, a graph whose nodes are not in topological order, or a list
@@ -327,12 +413,78 @@ pub fn fuse(graph: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool) -> R
         }
     }
 
-    // units: a group root, or a non-elementwise node; numbered by first appearance
+    let is_graph_output = {
+        let mut out = vec![false; n];
+        for o in &graph.outputs {
+            if let Some(slot) = out.get_mut(o.node) {
+                *slot = true;
+            }
+            if let Some(slot) = o.aux.and_then(|a| out.get_mut(a)) {
+                *slot = true;
+            }
+        }
+        out
+    };
+    let users = std::mem::take(&mut fuser.users);
+    let groups = fuser.groups;
+
+    // slices read in place (views) and concats written in place
+    let mut view: Vec<Option<SliceView>> = vec![None; n];
+    let mut views = Vec::new();
+    let mut in_place = vec![false; n];
+    let mut in_place_concats = Vec::new();
+    for &v in nodes {
+        let node = &graph.nodes[v];
+        let Some(op) = node.op() else { continue };
+        let any = op as &dyn Any;
+        if let Some(slice) = any.downcast_ref::<Slice>() {
+            let Some(&source) = node.inputs.first() else {
+                continue;
+            };
+            let src = &graph.nodes[source].ty;
+            let viewable = src.is_rows()
+                && src.dtype == DType::Float
+                && slice
+                    .start
+                    .checked_add(slice.len)
+                    .is_some_and(|end| end <= src.width())
+                && node.ty.width() == slice.len
+                && !keep(v)
+                && !is_graph_output[v]
+                && users[v]
+                    .iter()
+                    .all(|&u| position[u].is_some() && reads_in_place(graph, u, v, elementwise[u]));
+            if viewable {
+                let sv = SliceView {
+                    slice: v,
+                    source,
+                    offset: slice.start,
+                    stride: src.width(),
+                    len: slice.len,
+                };
+                view[v] = Some(sv);
+                views.push(sv);
+            }
+        } else if any.downcast_ref::<Concat>().is_some()
+            && node.ty.is_rows()
+            && !node.inputs.is_empty()
+            && node
+                .inputs
+                .iter()
+                .all(|&x| elementwise[x] && graph.nodes[x].ty.space == node.ty.space)
+        {
+            in_place[v] = true;
+            in_place_concats.push(v);
+        }
+    }
+
+    // units: a group root, or a non-elementwise node (views and in-place
+    // concats included: they order their readers); numbered by first appearance
     let mut unit_of: Vec<Option<usize>> = vec![None; n];
     let mut unit_root: Vec<NodeId> = Vec::new();
     let mut root_unit: Vec<Option<usize>> = vec![None; n];
     for &v in nodes {
-        let r = fuser.groups.find(v);
+        let r = groups.find(v);
         let u = match root_unit[r] {
             Some(u) => u,
             None => {
@@ -380,27 +532,18 @@ pub fn fuse(graph: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool) -> R
         });
     }
 
-    let is_graph_output = {
-        let mut out = vec![false; n];
-        for o in &graph.outputs {
-            if let Some(slot) = out.get_mut(o.node) {
-                *slot = true;
-            }
-            if let Some(slot) = o.aux.and_then(|a| out.get_mut(a)) {
-                *slot = true;
-            }
-        }
-        out
-    };
-    let users = std::mem::take(&mut fuser.users);
     let mut steps = Vec::with_capacity(units);
     for u in order {
         let root = unit_root[u];
         if !elementwise[root] {
-            steps.push(Step::Op(root));
+            // views and in-place concats run no kernel; the order still
+            // put them after their producers and before their readers
+            if view[root].is_none() && !in_place[root] {
+                steps.push(Step::Op(root));
+            }
             continue;
         }
-        let mut members = fuser.groups.members[root].clone();
+        let mut members = groups.members[root].clone();
         members.sort_by_key(|&m| position[m]);
         let in_group = |x: NodeId| unit_of[x] == Some(u);
         let ty = &graph.nodes[root].ty;
@@ -411,7 +554,13 @@ pub fn fuse(graph: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool) -> R
                 if in_group(x) || inputs.iter().any(|i| i.node == x) {
                     continue;
                 }
-                let kind = if space != Space::Static && graph.nodes[x].ty.space == Space::Static {
+                let kind = if let Some(sv) = view[x] {
+                    InputKind::Window {
+                        source: sv.source,
+                        offset: sv.offset,
+                        stride: sv.stride,
+                    }
+                } else if space != Space::Static && graph.nodes[x].ty.space == Space::Static {
                     InputKind::Broadcast
                 } else {
                     InputKind::PerElement
@@ -426,18 +575,69 @@ pub fn fuse(graph: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool) -> R
                 is_graph_output[m]
                     || keep(m)
                     || users[m].is_empty()
-                    || users[m].iter().any(|&x| !in_group(x))
+                    || users[m].iter().any(|&x| !in_group(x) && !in_place[x])
             })
             .collect();
+        let mut concat_writes = Vec::new();
+        for &m in &members {
+            let mut last = None;
+            for &c in &users[m] {
+                if !in_place[c] || last == Some(c) {
+                    continue;
+                }
+                last = Some(c);
+                let stride = graph.nodes[c].ty.width();
+                let mut offset = 0;
+                for &x in &graph.nodes[c].inputs {
+                    if x == m {
+                        concat_writes.push(ConcatWrite {
+                            member: m,
+                            concat: c,
+                            offset,
+                            stride,
+                        });
+                    }
+                    offset += graph.nodes[x].ty.width();
+                }
+            }
+        }
         steps.push(Step::Fused(FusedGroup {
             nodes: members,
             inputs,
             outputs,
+            concat_writes,
             space,
             width,
         }));
     }
-    Ok(FusionPlan { steps })
+    Ok(FusionPlan {
+        steps,
+        views,
+        in_place_concats,
+    })
+}
+
+/// True if `user` can read slice `slice` as a window of its source in
+/// place: a fused elementwise op of the slice's space and width, operand A
+/// of a `matmul` without `trans_a`, or either operand of one with
+/// `trans_a` (the engine passes the window through the leading dimension).
+fn reads_in_place(graph: &Graph, user: NodeId, slice: NodeId, elementwise: bool) -> bool {
+    let node = &graph.nodes[user];
+    if elementwise {
+        let st = &graph.nodes[slice].ty;
+        return node.ty.space == st.space && node.ty.width() == st.width();
+    }
+    let Some(mm) = node
+        .op()
+        .and_then(|op| (op as &dyn Any).downcast_ref::<MatMul>())
+    else {
+        return false;
+    };
+    match node.inputs.as_slice() {
+        [a, b] if mm.trans_a => *a == slice || *b == slice,
+        [a, b] => *a == slice && *b != slice,
+        _ => false,
+    }
 }
 
 /// The nodes of a forward graph that its backward graph reads
@@ -470,7 +670,7 @@ impl FusionPlan {
         self.steps.len()
     }
 
-    /// Op nodes covered by the plan.
+    /// Op nodes covered by the plan (steps, views and in-place concats).
     pub fn op_count(&self) -> usize {
         self.steps
             .iter()
@@ -478,7 +678,19 @@ impl FusionPlan {
                 Step::Op(_) => 1,
                 Step::Fused(g) => g.nodes.len(),
             })
-            .sum()
+            .sum::<usize>()
+            + self.views.len()
+            + self.in_place_concats.len()
+    }
+
+    /// The view of `slice`, if the plan reads that slice in place.
+    pub fn view(&self, slice: NodeId) -> Option<&SliceView> {
+        self.views.iter().find(|v| v.slice == slice)
+    }
+
+    /// True if `concat` has no step: fused groups write it in place.
+    pub fn is_in_place_concat(&self, concat: NodeId) -> bool {
+        self.in_place_concats.contains(&concat)
     }
 
     /// A readable listing with each node's op, operands and type
@@ -497,11 +709,19 @@ impl FusionPlan {
             None => format!("%{v} = ? (not in the graph)"),
         };
         let mut s = format!(
-            "{} ops in {} kernels ({} fused groups)\n",
+            "{} ops in {} kernels ({} fused groups",
             self.op_count(),
             self.kernel_launches(),
             self.groups().count()
         );
+        if !self.views.is_empty() || !self.in_place_concats.is_empty() {
+            s += &format!(
+                ", {} slice views, {} concats in place",
+                self.views.len(),
+                self.in_place_concats.len()
+            );
+        }
+        s += ")\n";
         for step in &self.steps {
             match step {
                 Step::Op(v) => s += &format!("{}\n", line(*v)),
@@ -512,6 +732,19 @@ impl FusionPlan {
                     }
                 }
             }
+        }
+        for v in &self.views {
+            s += &format!(
+                "view {}  (in place: columns {}..{} of %{}, stride {})\n",
+                line(v.slice),
+                v.offset,
+                v.offset + v.len,
+                v.source,
+                v.stride
+            );
+        }
+        for &c in &self.in_place_concats {
+            s += &format!("in place {}  (written by fused groups)\n", line(c));
         }
         s
     }
@@ -524,6 +757,19 @@ impl fmt::Display for FusionPlan {
                 Step::Op(v) => writeln!(f, "op %{v}")?,
                 Step::Fused(g) => writeln!(f, "{}", g.header())?,
             }
+        }
+        for v in &self.views {
+            writeln!(
+                f,
+                "view %{} = %{}[{}..{}]",
+                v.slice,
+                v.source,
+                v.offset,
+                v.offset + v.len
+            )?;
+        }
+        for &c in &self.in_place_concats {
+            writeln!(f, "concat in place %{c}")?;
         }
         Ok(())
     }
@@ -608,7 +854,7 @@ struct MemberCode {
 }
 
 impl FusedGroup {
-    /// `fused vertex×256 [%7 %8] in(%5, %4 bcast) out(%8)`.
+    /// `fused vertex×256 [%7 %8] in(%5, %4 bcast, %3 window %2[0..256]/512) out(%8) cat(%8→%9[0..256])`.
     fn header(&self) -> String {
         let space = match self.space {
             Space::Vertex => "vertex",
@@ -625,21 +871,60 @@ impl FusedGroup {
             .map(|i| match i.kind {
                 InputKind::PerElement => format!("%{}", i.node),
                 InputKind::Broadcast => format!("%{} bcast", i.node),
+                InputKind::Window {
+                    source,
+                    offset,
+                    stride,
+                } => format!(
+                    "%{} window %{source}[{offset}..{}]/{stride}",
+                    i.node,
+                    offset + self.width
+                ),
             })
             .collect();
-        format!(
+        let mut s = format!(
             "fused {space}×{} [{}] in({}) out({})",
             self.width,
             ids(&self.nodes),
             inputs.join(", "),
             ids(&self.outputs),
-        )
+        );
+        if !self.concat_writes.is_empty() {
+            let writes: Vec<String> = self
+                .concat_writes
+                .iter()
+                .map(|w| {
+                    format!(
+                        "%{}→%{}[{}..{}]",
+                        w.member,
+                        w.concat,
+                        w.offset,
+                        w.offset + self.width
+                    )
+                })
+                .collect();
+            s += &format!(" cat({})", writes.join(", "));
+        }
+        s
     }
 
     /// Short name for errors: `fused group [%7 %8]`.
     fn describe(&self) -> String {
         let ids: Vec<String> = self.nodes.iter().map(|v| format!("%{v}")).collect();
         format!("fused group [{}]", ids.join(" "))
+    }
+
+    /// The concats this group writes into, each once, in order of their
+    /// first entry in [`concat_writes`](Self::concat_writes) (the buffers
+    /// [`eval_cpu`](Self::eval_cpu) takes).
+    pub fn concat_targets(&self) -> Vec<NodeId> {
+        let mut targets: Vec<NodeId> = Vec::new();
+        for w in &self.concat_writes {
+            if !targets.contains(&w.concat) {
+                targets.push(w.concat);
+            }
+        }
+        targets
     }
 
     /// The variable holding value `x` inside the kernel: `t<j>` for member
@@ -654,6 +939,46 @@ impl FusedGroup {
             .map(|k| format!("a{k}"))
     }
 
+    /// Checks that a window or concat `what` of `self.width` columns at
+    /// `offset` fits rows of `stride`, and that `node` is a row value of
+    /// the group's space and that width.
+    fn check_strided(
+        &self,
+        graph: &Graph,
+        what: &str,
+        node: NodeId,
+        offset: usize,
+        stride: usize,
+    ) -> Result<()> {
+        if offset
+            .checked_add(self.width)
+            .is_none_or(|end| end > stride)
+        {
+            return Err(group_error(
+                self,
+                format!(
+                    "{what} columns {offset}..{} do not fit rows of width {stride}",
+                    offset.saturating_add(self.width)
+                ),
+            ));
+        }
+        let ty = &graph
+            .nodes
+            .get(node)
+            .ok_or_else(|| group_error(self, format!("{what} %{node} is not in the graph")))?
+            .ty;
+        if ty.space != self.space || !ty.is_rows() || ty.width() != stride {
+            return Err(group_error(
+                self,
+                format!(
+                    "{what} %{node} has type {ty}, expected {:?} rows of width {stride}",
+                    self.space
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks the group against `graph` and renders each member as code.
     fn members_code(&self, graph: &Graph) -> Result<Vec<MemberCode>> {
         if self.nodes.is_empty() {
@@ -661,6 +986,25 @@ impl FusedGroup {
         }
         if let Some(&o) = self.outputs.iter().find(|o| !self.nodes.contains(o)) {
             return Err(group_error(self, format!("output %{o} is not a member")));
+        }
+        for input in &self.inputs {
+            if let InputKind::Window {
+                source,
+                offset,
+                stride,
+            } = input.kind
+            {
+                self.check_strided(graph, "window source", source, offset, stride)?;
+            }
+        }
+        for w in &self.concat_writes {
+            if !self.nodes.contains(&w.member) {
+                return Err(group_error(
+                    self,
+                    format!("concat write of %{}, which is not a member", w.member),
+                ));
+            }
+            self.check_strided(graph, "concat", w.concat, w.offset, w.stride)?;
         }
         let mut code = Vec::with_capacity(self.nodes.len());
         for (j, &m) in self.nodes.iter().enumerate() {
@@ -708,8 +1052,9 @@ impl FusedGroup {
     }
 
     /// A normalized description of the computation — input kinds, member op
-    /// signatures with operand variables, outputs — independent of node ids,
-    /// space and width: equal signatures mean equal kernels (a cache key).
+    /// signatures with operand variables, outputs, concat writes —
+    /// independent of node ids, space, width, window and concat strides and
+    /// offsets: equal signatures mean equal kernels (a cache key).
     pub fn signature(&self, graph: &Graph) -> Result<String> {
         let code = self.members_code(graph)?;
         let inputs: Vec<String> = self
@@ -725,12 +1070,21 @@ impl FusedGroup {
             .collect();
         let outputs = self.output_members()?;
         let outputs: Vec<String> = outputs.iter().map(|j| format!("t{j}")).collect();
-        Ok(format!(
+        let mut s = format!(
             "in[{}] {} out[{}]",
             inputs.join(","),
             members.join(" "),
             outputs.join(",")
-        ))
+        );
+        if !self.concat_writes.is_empty() {
+            let writes: Vec<String> = self
+                .concat_write_members()?
+                .iter()
+                .map(|j| format!("t{j}"))
+                .collect();
+            s += &format!(" cat[{}]", writes.join(","));
+        }
+        Ok(s)
     }
 
     /// Member index of each output.
@@ -746,26 +1100,74 @@ impl FusedGroup {
             .collect()
     }
 
-    /// The group as one CUDA C++ kernel called `kernel_name`:
+    /// Member index of each concat write.
+    fn concat_write_members(&self) -> Result<Vec<usize>> {
+        self.concat_writes
+            .iter()
+            .map(|w| {
+                self.nodes
+                    .iter()
+                    .position(|&m| m == w.member)
+                    .ok_or_else(|| {
+                        group_error(
+                            self,
+                            format!("concat write of %{}, which is not a member", w.member),
+                        )
+                    })
+            })
+            .collect()
+    }
+
+    /// The group as one CUDA C++ kernel called `kernel_name`. Parameters, in
+    /// this order (the engine's launch relies on it):
     ///
     /// ```text
-    /// extern "C" __global__ void NAME(const float* __restrict__ in0, ...,
-    ///     float* __restrict__ out0, ..., unsigned long long n, unsigned int width)
+    /// extern "C" __global__ void NAME(
+    ///     const float* __restrict__ in0, ...,   // one per input, `inputs` order
+    ///     float* __restrict__ out0, ...,        // one per output, `outputs` order
+    ///     float* cat0, ...,                     // one per `concat_writes` entry
+    ///     unsigned long long n, unsigned int width,
+    ///     unsigned int in<k>_stride, unsigned int in<k>_offset, ...   // per Window input, input order
+    ///     unsigned int cat<q>_stride, unsigned int cat<q>_offset, ...) // per concat write, in order
     /// ```
     ///
-    /// `inK` is input `K` (rows × width floats, or `width` floats for a
-    /// broadcast input), `outK` output `K` (rows × width floats, not aliasing
-    /// any input), `n` = rows × width (`width` for a static group). A
-    /// grid-stride loop covers `0..n`, so any launch shape is correct.
+    /// * `inK` is input `K`: rows × width floats (per element), `width`
+    ///   floats (broadcast), or for an [`InputKind::Window`] the *source*
+    ///   buffer (rows × stride floats), read at
+    ///   `in[(i / width) * stride + offset + i % width]`;
+    /// * `outK` is output `K` (rows × width floats, not aliasing any input);
+    /// * `catQ` is the buffer of concat write `Q`'s concat (rows × its
+    ///   width floats); the kernel stores the member at
+    ///   `cat[(i / width) * stride + offset + i % width]`. Entries writing
+    ///   one concat get the same pointer (they write disjoint columns, and
+    ///   the parameters are not `__restrict__` so that this is allowed);
+    /// * `n` = rows × width (`width` for a static group).
+    ///
+    /// Strides and offsets are run-time arguments, so one compiled kernel
+    /// serves every hidden size. A grid-stride loop covers `0..n`, so any
+    /// launch shape is correct.
     pub fn cuda_source(&self, graph: &Graph, kernel_name: &str) -> Result<String> {
         let code = self.members_code(graph)?;
         let outputs = self.output_members()?;
+        let writes = self.concat_write_members()?;
         let mut params: Vec<String> = (0..self.inputs.len())
             .map(|k| format!("const float* __restrict__ in{k}"))
             .collect();
         params.extend((0..outputs.len()).map(|k| format!("float* __restrict__ out{k}")));
+        // not restrict: writes into one concat share its pointer
+        params.extend((0..writes.len()).map(|q| format!("float* cat{q}")));
         params.push("unsigned long long n".into());
         params.push("unsigned int width".into());
+        for (k, input) in self.inputs.iter().enumerate() {
+            if matches!(input.kind, InputKind::Window { .. }) {
+                params.push(format!("unsigned int in{k}_stride"));
+                params.push(format!("unsigned int in{k}_offset"));
+            }
+        }
+        for q in 0..writes.len() {
+            params.push(format!("unsigned int cat{q}_stride"));
+            params.push(format!("unsigned int cat{q}_offset"));
+        }
         let mut s = format!(
             "extern \"C\" __global__ void {kernel_name}(\n    {})\n{{\n",
             params.join(",\n    ")
@@ -775,8 +1177,11 @@ impl FusedGroup {
         s += "         i += (unsigned long long)gridDim.x * blockDim.x) {\n";
         for (k, input) in self.inputs.iter().enumerate() {
             let index = match input.kind {
-                InputKind::PerElement => "i",
-                InputKind::Broadcast => "i % width",
+                InputKind::PerElement => "i".to_string(),
+                InputKind::Broadcast => "i % width".to_string(),
+                InputKind::Window { .. } => {
+                    format!("(i / width) * in{k}_stride + in{k}_offset + i % width")
+                }
             };
             s += &format!("        const float a{k} = in{k}[{index}];\n");
         }
@@ -785,6 +1190,11 @@ impl FusedGroup {
         }
         for (k, j) in outputs.iter().enumerate() {
             s += &format!("        out{k}[i] = t{j};\n");
+        }
+        for (q, j) in writes.iter().enumerate() {
+            s += &format!(
+                "        cat{q}[(i / width) * cat{q}_stride + cat{q}_offset + i % width] = t{j};\n"
+            );
         }
         s += "    }\n}\n";
         Ok(s)
@@ -800,9 +1210,18 @@ impl FusedGroup {
 
     // ------------------------------------------------------------ CPU oracle
 
-    /// Evaluates the group op by op through the members' CPU kernels.
-    /// `inputs[k]` holds input `k` (rows × width elements, or `width` for a
-    /// broadcast input); `outputs[k]` receives output `k` (rows × width).
+    /// Evaluates the group op by op through the members' CPU kernels, with
+    /// the buffers the generated kernel takes:
+    ///
+    /// * `inputs[k]` holds input `k`: rows × width elements (per element),
+    ///   `width` (broadcast), or for an [`InputKind::Window`] the whole
+    ///   *source* buffer (rows × stride elements) the window is read from;
+    /// * `outputs[k]` receives output `k` (rows × width);
+    /// * `concats[k]` is the buffer (rows × its width) of the `k`-th concat
+    ///   of [`concat_targets`](Self::concat_targets) (one buffer per concat,
+    ///   however many members go into it); only the columns this group
+    ///   writes change.
+    ///
     /// `rows` is ignored for a static group (one "row" of `width` elements).
     pub fn eval_cpu<T: Real>(
         &self,
@@ -810,32 +1229,42 @@ impl FusedGroup {
         inputs: &[&[T]],
         rows: usize,
         outputs: &mut [&mut [T]],
+        concats: &mut [&mut [T]],
     ) -> Result<()> {
         self.members_code(graph)?;
         let output_members = self.output_members()?;
-        if inputs.len() != self.inputs.len() || outputs.len() != self.outputs.len() {
+        let write_members = self.concat_write_members()?;
+        let targets = self.concat_targets();
+        if inputs.len() != self.inputs.len()
+            || outputs.len() != self.outputs.len()
+            || concats.len() != targets.len()
+        {
             return Err(group_error(
                 self,
                 format!(
-                    "takes {} inputs and {} outputs, got {} and {}",
+                    "takes {} inputs, {} outputs and {} concat buffers, got {}, {} and {}",
                     self.inputs.len(),
                     self.outputs.len(),
+                    targets.len(),
                     inputs.len(),
-                    outputs.len()
+                    outputs.len(),
+                    concats.len()
                 ),
             ));
         }
         let rows = if self.space == Space::Static { 1 } else { rows };
-        let n = rows.checked_mul(self.width).ok_or_else(|| {
-            group_error(
-                self,
-                format!("{rows} rows of width {} overflow", self.width),
-            )
-        })?;
+        let overflow = |w: usize| {
+            rows.checked_mul(w)
+                .ok_or_else(|| group_error(self, format!("{rows} rows of width {w} overflow")))
+        };
+        let n = overflow(self.width)?;
+        // window inputs, gathered into rows × width
+        let mut windows: Vec<Option<Vec<T>>> = Vec::with_capacity(self.inputs.len());
         for (k, (input, data)) in self.inputs.iter().zip(inputs).enumerate() {
             let need = match input.kind {
                 InputKind::PerElement => n,
                 InputKind::Broadcast => self.width,
+                InputKind::Window { stride, .. } => overflow(stride)?,
             };
             if data.len() != need {
                 return Err(group_error(
@@ -847,6 +1276,17 @@ impl FusedGroup {
                     ),
                 ));
             }
+            windows.push(match input.kind {
+                InputKind::Window { offset, stride, .. } => {
+                    let mut w = Vec::with_capacity(n);
+                    for r in 0..rows {
+                        let at = r * stride + offset;
+                        w.extend_from_slice(&data[at..at + self.width]);
+                    }
+                    Some(w)
+                }
+                _ => None,
+            });
         }
         if let Some((k, o)) = outputs.iter().enumerate().find(|(_, o)| o.len() != n) {
             return Err(group_error(
@@ -857,6 +1297,19 @@ impl FusedGroup {
                     o.len()
                 ),
             ));
+        }
+        for (k, (&c, buf)) in targets.iter().zip(concats.iter()).enumerate() {
+            let stride = graph.nodes[c].ty.width();
+            let need = overflow(stride)?;
+            if buf.len() != need {
+                return Err(group_error(
+                    self,
+                    format!(
+                        "concat buffer {k} (%{c}) has {} elements, expected {need}",
+                        buf.len()
+                    ),
+                ));
+            }
         }
         let mut values: Vec<Vec<T>> = Vec::with_capacity(self.nodes.len());
         for (j, &m) in self.nodes.iter().enumerate() {
@@ -881,7 +1334,10 @@ impl FusedGroup {
                                         )
                                     },
                                 )?;
-                                inputs[k]
+                                match &windows[k] {
+                                    Some(w) => w,
+                                    None => inputs[k],
+                                }
                             }
                         };
                     let ty = &graph.nodes[x].ty;
@@ -907,6 +1363,16 @@ impl FusedGroup {
         }
         for (out, &j) in outputs.iter_mut().zip(&output_members) {
             out.copy_from_slice(&values[j]);
+        }
+        for (w, &j) in self.concat_writes.iter().zip(&write_members) {
+            let Some(t) = targets.iter().position(|&c| c == w.concat) else {
+                continue;
+            };
+            let buf = &mut concats[t];
+            for (r, src) in values[j].chunks(self.width.max(1)).take(rows).enumerate() {
+                let at = r * w.stride + w.offset;
+                buf[at..at + src.len()].copy_from_slice(src);
+            }
         }
         Ok(())
     }

@@ -1,7 +1,7 @@
 //! Ramus core: host tensors, the op registry, the graph IR that vertex
 //! functions, their derivatives and heads are written in, the passes over
-//! it (autodiff, execution classification, elementwise fusion with CUDA code
-//! generation), and model declaration.
+//! it (autodiff, simplification, execution classification, elementwise
+//! fusion with CUDA code generation), and model declaration.
 //!
 //! ```
 //! use ramus_core::model::{HeadRows, Init, ModelBuilder};
@@ -48,6 +48,7 @@ pub mod parallel;
 pub mod params;
 pub mod plan;
 pub mod real;
+pub mod simplify;
 pub mod tensor;
 
 pub use error::{CoreError, Result};

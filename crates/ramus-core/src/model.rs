@@ -11,6 +11,7 @@ use crate::autodiff::differentiate;
 use crate::error::{CoreError, Result};
 use crate::graph::{Graph, GraphBuilder, NodeId, Role, Source, Space, Sym, ValueType};
 use crate::plan::{classify, ExecPlan};
+use crate::simplify::pads_to_concat;
 
 /// How a parameter's initial values are drawn.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -374,7 +375,8 @@ impl ModelBuilder {
         Ok(())
     }
 
-    /// Validates, differentiates and classifies everything.
+    /// Validates, differentiates (turning the pad-and-add gradients of column
+    /// slices into concats, [`pads_to_concat`]) and classifies everything.
     pub fn build(self) -> Result<Model> {
         let err = |m: String| CoreError::model(&self.name, m);
         if self.functions.is_empty() {
@@ -437,7 +439,8 @@ impl ModelBuilder {
                     "vertex function `{name}` gathers children but never scatters a state"
                 )));
             }
-            let backward = differentiate(forward, &shapes, &context)?;
+            // the gradients of column slices (pads summed) become concats
+            let backward = pads_to_concat(&differentiate(forward, &shapes, &context)?)?;
             let forward_plan = classify(
                 forward,
                 |s| matches!(s, Source::Gather(_) | Source::GatherAll),
@@ -476,7 +479,11 @@ impl ModelBuilder {
             .map(|o| o.node)
             .ok_or_else(|| err("head declares no loss".into()))?;
         let logits = head_graph.output(Role::Logits).map(|o| o.node);
-        let head_backward = differentiate(&head_graph, &shapes, &format!("{}/head", self.name))?;
+        let head_backward = pads_to_concat(&differentiate(
+            &head_graph,
+            &shapes,
+            &format!("{}/head", self.name),
+        )?)?;
         Ok(Model {
             name: self.name.clone(),
             params: self.params.clone(),

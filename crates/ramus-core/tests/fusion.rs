@@ -1,12 +1,14 @@
 //! Tests for the fusion and code generation passes: which ops fuse (LSTM
 //! cell, cycles through non-elementwise ops, spaces, widths, broadcast
-//! statics), which values are materialized, plan validity on real model
-//! phases and on random DAGs (proptest), the CPU interpreter against
+//! statics), which values are materialized, which slices are read in place
+//! (views) and which concats are written in place, plan validity on real
+//! model phases and on random DAGs (proptest), the CPU interpreter against
 //! op-by-op evaluation, and the generated CUDA source compiled for the host
 //! with the system C++/C compiler and run against op-by-op results.
 
 mod common;
 
+use std::any::Any;
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::process::Command;
@@ -16,9 +18,11 @@ use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use proptest::test_runner::{Config, TestRunner};
 use ramus_core::fusion::{
-    forward_reads, fuse, FusedGroup, FusedInput, FusedKernel, FusionPlan, InputKind, Step,
+    forward_reads, fuse, ConcatWrite, FusedGroup, FusedInput, FusedKernel, FusionPlan, InputKind,
+    SliceView, Step,
 };
 use ramus_core::model::{HeadRows, Init, ModelBuilder};
+use ramus_core::ops::{Concat, MatMul, Slice};
 use ramus_core::{Graph, GraphBuilder, NodeId, NodeKind, OpRegistry, Role, Source, Space, Sym};
 use ramus_core::{NodeKind::Op, ValueType};
 
@@ -69,19 +73,81 @@ fn ids(s: &[Sym]) -> Vec<NodeId> {
 // Plan checks and evaluation
 // ======================================================================
 
+fn op_as<T: 'static>(g: &Graph, v: NodeId) -> Option<&T> {
+    g.nodes[v]
+        .op()
+        .and_then(|op| (op as &dyn Any).downcast_ref::<T>())
+}
+
+/// The views and in-place concats `plan` must have, from the rules alone.
+fn expected_views_and_concats(
+    g: &Graph,
+    nodes: &[NodeId],
+    keep: &dyn Fn(NodeId) -> bool,
+) -> (Vec<SliceView>, Vec<NodeId>) {
+    let users = g.users();
+    let listed = |v: NodeId| nodes.contains(&v);
+    let is_output = |m: NodeId| g.outputs.iter().any(|o| o.node == m || o.aux == Some(m));
+    let fused = |v: NodeId| listed(v) && is_elementwise(g, v);
+    let mut views = Vec::new();
+    let mut concats = Vec::new();
+    for &v in nodes {
+        if let Some(sl) = op_as::<Slice>(g, v) {
+            let src = g.nodes[v].inputs[0];
+            let ok = !keep(v)
+                && !is_output(v)
+                && users[v].iter().all(|&u| {
+                    listed(u)
+                        && (fused(u)
+                            || op_as::<MatMul>(g, u).is_some_and(|mm| {
+                                let ins = &g.nodes[u].inputs;
+                                if mm.trans_a {
+                                    true
+                                } else {
+                                    ins[0] == v && ins[1] != v
+                                }
+                            }))
+                });
+            if ok {
+                views.push(SliceView {
+                    slice: v,
+                    source: src,
+                    offset: sl.start,
+                    stride: g.nodes[src].ty.width(),
+                    len: sl.len,
+                });
+            }
+        } else if op_as::<Concat>(g, v).is_some() && g.nodes[v].inputs.iter().all(|&x| fused(x)) {
+            concats.push(v);
+        }
+    }
+    (views, concats)
+}
+
 /// Checks `plan` for `nodes` independently of the pass: every listed op in
-/// exactly one step, dependencies respected, groups well formed (members
-/// elementwise, one space and width, inputs and outputs exactly as
-/// specified), and no unfused fusable edge could have been fused without
-/// closing a cycle among the steps.
+/// exactly one step or as a view / in-place concat (exactly those the rules
+/// allow), dependencies respected (through views to their source, through
+/// in-place concats to every writer), groups well formed (members
+/// elementwise, one space and width, inputs, outputs and concat writes
+/// exactly as specified), and no unfused fusable edge could have been fused
+/// without closing a cycle among the steps.
 fn check_plan(g: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool, plan: &FusionPlan) {
     let n = g.nodes.len();
     let listed: Vec<bool> = (0..n).map(|i| nodes.contains(&i)).collect();
+    let (want_views, want_concats) = expected_views_and_concats(g, nodes, keep);
+    assert_eq!(plan.views, want_views, "views:\n{plan}");
+    assert_eq!(
+        plan.in_place_concats, want_concats,
+        "in-place concats:\n{plan}"
+    );
+    let is_view = |v: NodeId| plan.views.iter().find(|w| w.slice == v);
+    let in_place = |v: NodeId| plan.in_place_concats.contains(&v);
     let mut step_of: Vec<Option<usize>> = vec![None; n];
     for (s, step) in plan.steps.iter().enumerate() {
         let members: Vec<NodeId> = match step {
             Step::Op(v) => {
                 assert!(!is_elementwise(g, *v), "elementwise %{v} left unfused");
+                assert!(is_view(*v).is_none() && !in_place(*v), "%{v} has a step");
                 vec![*v]
             }
             Step::Fused(grp) => grp.nodes.clone(),
@@ -92,15 +158,48 @@ fn check_plan(g: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool, plan: 
             step_of[v] = Some(s);
         }
     }
+    // the steps a reader of `x` must come after (strictly, unless `x` is
+    // computed by the reader's own step)
+    fn deps(
+        g: &Graph,
+        plan: &FusionPlan,
+        step_of: &[Option<usize>],
+        x: NodeId,
+        out: &mut Vec<(usize, bool)>,
+    ) {
+        if let Some(v) = plan.view(x) {
+            deps(g, plan, step_of, v.source, out);
+            out.iter_mut().for_each(|d| d.1 = true);
+        } else if plan.is_in_place_concat(x) {
+            for &i in &g.nodes[x].inputs {
+                if let Some(s) = step_of[i] {
+                    out.push((s, true));
+                }
+            }
+        } else if let Some(s) = step_of[x] {
+            out.push((s, false));
+        }
+    }
     for &v in nodes {
-        assert!(step_of[v].is_some(), "%{v} is in no step:\n{plan}");
+        if is_view(v).is_some() || in_place(v) {
+            continue;
+        }
+        let Some(sv) = step_of[v] else {
+            panic!("%{v} is in no step:\n{plan}")
+        };
         for &x in &g.nodes[v].inputs {
-            if let Some(sx) = step_of[x] {
+            let mut d = Vec::new();
+            deps(g, plan, &step_of, x, &mut d);
+            for (sx, strict) in d {
                 assert!(
-                    sx <= step_of[v].unwrap_or(0),
-                    "%{v} (step {:?}) reads %{x} from later step {sx}:\n{plan}",
-                    step_of[v]
+                    sx < sv || (sx == sv && !strict),
+                    "%{v} (step {sv}) reads %{x}, which needs step {sx}:\n{plan}"
                 );
+            }
+            if is_view(x).is_some() {
+                let ok =
+                    matches!(&plan.steps[sv], Step::Fused(_)) || op_as::<MatMul>(g, v).is_some();
+                assert!(ok, "%{v} reads view %{x} but cannot:\n{plan}");
             }
         }
     }
@@ -124,8 +223,13 @@ fn check_plan(g: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool, plan: 
             );
             for &x in &g.nodes[m].inputs {
                 if !member(x) && !want_inputs.iter().any(|i| i.node == x) {
-                    let kind = if grp.space != Space::Static && g.nodes[x].ty.space == Space::Static
-                    {
+                    let kind = if let Some(v) = is_view(x) {
+                        InputKind::Window {
+                            source: v.source,
+                            offset: v.offset,
+                            stride: v.stride,
+                        }
+                    } else if grp.space != Space::Static && g.nodes[x].ty.space == Space::Static {
                         InputKind::Broadcast
                     } else {
                         InputKind::PerElement
@@ -143,13 +247,50 @@ fn check_plan(g: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool, plan: 
                 is_output(m)
                     || keep(m)
                     || users[m].is_empty()
-                    || users[m].iter().any(|&u| !member(u))
+                    || users[m].iter().any(|&u| !member(u) && !in_place(u))
             })
             .collect();
         assert_eq!(grp.outputs, want_outputs, "outputs of {grp:?}");
+        let mut want_writes = Vec::new();
+        for &m in &grp.nodes {
+            let mut cs: Vec<NodeId> = users[m].iter().copied().filter(|&u| in_place(u)).collect();
+            cs.dedup();
+            for c in cs {
+                let mut offset = 0;
+                for &x in &g.nodes[c].inputs {
+                    if x == m {
+                        want_writes.push(ConcatWrite {
+                            member: m,
+                            concat: c,
+                            offset,
+                            stride: g.nodes[c].ty.width(),
+                        });
+                    }
+                    offset += g.nodes[x].ty.width();
+                }
+            }
+        }
+        assert_eq!(grp.concat_writes, want_writes, "concat writes of {grp:?}");
     }
-    // maximality: merging the two groups of any unfused fusable edge closes a cycle
-    let unit = |v: NodeId| step_of[v].unwrap_or(usize::MAX);
+    // every input of an in-place concat is written by exactly one group
+    for &c in &plan.in_place_concats {
+        let mut offset = 0;
+        for &x in &g.nodes[c].inputs {
+            let writers = plan
+                .groups()
+                .filter(|grp| {
+                    grp.concat_writes
+                        .iter()
+                        .any(|w| w.member == x && w.concat == c && w.offset == offset)
+                })
+                .count();
+            assert_eq!(writers, 1, "%{x} into %{c} at {offset}:\n{plan}");
+            offset += g.nodes[x].ty.width();
+        }
+    }
+    // maximality: merging the two groups of any unfused fusable edge closes
+    // a cycle (views and in-place concats still separate their neighbours)
+    let unit = |v: NodeId| step_of[v].unwrap_or(n + v);
     for &v in nodes {
         for &x in &g.nodes[v].inputs {
             let fusable = listed[x]
@@ -202,9 +343,23 @@ fn steps_have_cycle(g: &Graph, nodes: &[NodeId], unit_of: &dyn Fn(NodeId) -> usi
     done != units.len()
 }
 
+/// Columns `offset..offset + len` of each of `rows` rows of `stride`.
+fn window(src: &[f64], rows: usize, stride: usize, offset: usize, len: usize) -> Vec<f64> {
+    (0..rows)
+        .flat_map(|r| {
+            src[r * stride + offset..r * stride + offset + len]
+                .iter()
+                .copied()
+        })
+        .collect()
+}
+
 /// Runs `plans` in order (ops through their kernels, fused groups through
-/// `eval_cpu`), starting from `env`'s inputs and parameters. Returns every
-/// value the plans materialized; reading a value no step materialized fails.
+/// `eval_cpu`), starting from `env`'s inputs and parameters, the way an
+/// engine does: a view has no value of its own (groups get its source, a
+/// matmul its window), and an in-place concat's buffer (NaN at first) is
+/// filled by the groups writing into it. Returns every value the plans
+/// materialized; reading a value no step materialized fails.
 fn run_plans(g: &Graph, env: &Env, plans: &[&FusionPlan]) -> Result<Vec<Option<Vec<f64>>>, String> {
     let topo = &env.topo;
     let mut vals: Vec<Option<Vec<f64>>> = vec![None; g.nodes.len()];
@@ -232,6 +387,9 @@ fn run_plans(g: &Graph, env: &Env, plans: &[&FusionPlan]) -> Result<Vec<Option<V
             .ok_or_else(|| format!("%{x} was not materialized before {reader} read it"))
     };
     for plan in plans {
+        for &c in &plan.in_place_concats {
+            vals[c] = Some(vec![f64::NAN; topo.len(&g.nodes[c].ty)]);
+        }
         for step in &plan.steps {
             match step {
                 Step::Op(v) => {
@@ -240,7 +398,17 @@ fn run_plans(g: &Graph, env: &Env, plans: &[&FusionPlan]) -> Result<Vec<Option<V
                     let args = node
                         .inputs
                         .iter()
-                        .map(|&x| Ok((g.nodes[x].ty.clone(), get(&vals, x, &format!("%{v}"))?)))
+                        .map(|&x| {
+                            let val = match plan.view(x) {
+                                Some(w) => {
+                                    let src = get(&vals, w.source, &format!("%{v}"))?;
+                                    let rows = topo.rows(g.nodes[x].ty.space);
+                                    Val::F(window(src.f(), rows, w.stride, w.offset, w.len))
+                                }
+                                None => get(&vals, x, &format!("%{v}"))?,
+                            };
+                            Ok((g.nodes[x].ty.clone(), val))
+                        })
                         .collect::<Result<Vec<_>, String>>()?;
                     let (_, out) = run_op(op, &args, topo)?;
                     vals[*v] = Some(out);
@@ -249,16 +417,32 @@ fn run_plans(g: &Graph, env: &Env, plans: &[&FusionPlan]) -> Result<Vec<Option<V
                     let ins = grp
                         .inputs
                         .iter()
-                        .map(|i| get(&vals, i.node, "a fused group").map(|v| v.f().to_vec()))
+                        .map(|i| {
+                            let x = match i.kind {
+                                InputKind::Window { source, .. } => source,
+                                _ => i.node,
+                            };
+                            get(&vals, x, "a fused group").map(|v| v.f().to_vec())
+                        })
                         .collect::<Result<Vec<_>, String>>()?;
                     let ins: Vec<&[f64]> = ins.iter().map(|v| v.as_slice()).collect();
                     let r = topo.rows(grp.space);
                     let mut outs = vec![vec![f64::NAN; r * grp.width]; grp.outputs.len()];
+                    let targets = grp.concat_targets();
+                    let mut cats = targets
+                        .iter()
+                        .map(|&c| vals[c].take().ok_or(format!("%{c} has no buffer")))
+                        .collect::<Result<Vec<_>, String>>()?;
                     {
                         let mut refs: Vec<&mut [f64]> =
                             outs.iter_mut().map(|o| o.as_mut_slice()).collect();
-                        grp.eval_cpu(g, &ins, r, &mut refs)
+                        let mut cat_refs: Vec<&mut [f64]> =
+                            cats.iter_mut().map(|o| o.as_mut_slice()).collect();
+                        grp.eval_cpu(g, &ins, r, &mut refs, &mut cat_refs)
                             .map_err(|e| e.to_string())?;
+                    }
+                    for (&c, buf) in targets.iter().zip(cats) {
+                        vals[c] = Some(buf);
                     }
                     for (&o, v) in grp.outputs.iter().zip(outs) {
                         vals[o] = Some(v);
@@ -303,11 +487,23 @@ fn check_plans_match_reference(
 /// One launch of a generated kernel on the host.
 struct HostCall {
     kernel: String,
+    /// Input buffers (a window input's source buffer), in input order.
     inputs: Vec<Vec<f32>>,
     outputs: usize,
+    /// Element count of each distinct concat buffer (pre-filled with
+    /// [`SENTINEL`], so columns a kernel must not touch can be checked).
+    concats: Vec<usize>,
+    /// The concat buffer each concat write's pointer names.
+    cat_args: Vec<usize>,
     n: usize,
     width: usize,
+    /// The trailing `unsigned int` arguments: window strides and offsets,
+    /// then concat strides and offsets.
+    tail: Vec<usize>,
 }
+
+/// What concat buffers hold before a host kernel writes its columns.
+const SENTINEL: f32 = -4096.0;
 
 /// The system C++ compiler (or a C compiler, given the source without its
 /// `extern "C"`), if there is one.
@@ -328,7 +524,8 @@ fn c_float(x: f32) -> String {
 
 /// Compiles `kernels` as host code (one thread, one block: the grid-stride
 /// loop covers everything) with a driver making `calls`, runs it, and
-/// returns each call's outputs; `None` (with a notice) without a compiler.
+/// returns each call's outputs followed by its concat buffers; `None` (with
+/// a notice) without a compiler.
 fn run_on_host(
     tag: &str,
     kernels: &[FusedKernel],
@@ -366,21 +563,37 @@ fn run_on_host(
         for k in 0..call.outputs {
             src += &format!("static float c{c}_out{k}[{}];\n", call.n);
         }
+        for (k, len) in call.concats.iter().enumerate() {
+            src += &format!("static float c{c}_cat{k}[{len}];\n");
+        }
     }
     src += "\nint main(void) {\n";
+    let print = |name: String, len: usize| {
+        format!(
+            "    for (unsigned long i = 0; i < {len}ul; ++i) printf(\"%.9e \", (double){name}[i]);\n    printf(\"\\n\");\n"
+        )
+    };
     for (c, call) in calls.iter().enumerate() {
+        for (k, len) in call.concats.iter().enumerate() {
+            src += &format!(
+                "    for (unsigned long i = 0; i < {len}ul; ++i) c{c}_cat{k}[i] = {};\n",
+                c_float(SENTINEL)
+            );
+        }
         let mut args: Vec<String> = (0..call.inputs.len())
             .map(|k| format!("c{c}_in{k}"))
             .collect();
         args.extend((0..call.outputs).map(|k| format!("c{c}_out{k}")));
+        args.extend(call.cat_args.iter().map(|k| format!("c{c}_cat{k}")));
         args.push(format!("{}ull", call.n));
         args.push(format!("{}u", call.width));
+        args.extend(call.tail.iter().map(|t| format!("{t}u")));
         src += &format!("    {}({});\n", call.kernel, args.join(", "));
         for k in 0..call.outputs {
-            src += &format!(
-                "    for (unsigned long i = 0; i < {}ul; ++i) printf(\"%.9e \", (double)c{c}_out{k}[i]);\n    printf(\"\\n\");\n",
-                call.n
-            );
+            src += &print(format!("c{c}_out{k}"), call.n);
+        }
+        for (k, &len) in call.concats.iter().enumerate() {
+            src += &print(format!("c{c}_cat{k}"), len);
         }
     }
     src += "    return 0;\n}\n";
@@ -418,13 +631,14 @@ fn run_on_host(
     let mut results = Vec::new();
     for call in calls {
         let mut outs = Vec::new();
-        for _ in 0..call.outputs {
+        let lens = std::iter::repeat_n(call.n, call.outputs).chain(call.concats.iter().copied());
+        for len in lens {
             let line = lines.next().expect("an output line per output");
             let v: Vec<f64> = line
                 .split_whitespace()
                 .map(|t| t.parse().expect("a printed float"))
                 .collect();
-            assert_eq!(v.len(), call.n);
+            assert_eq!(v.len(), len);
             outs.push(v);
         }
         results.push(outs);
@@ -446,8 +660,10 @@ fn round_to_f32(env: &mut Env) {
 }
 
 /// Runs every fused group of `plans` as generated code on the host, fed
-/// with the op-by-op reference values of its inputs, and compares its
-/// outputs with the reference within 1e-5 relative. Returns the number of
+/// with the op-by-op reference values of its inputs (a window input: its
+/// source's), and compares its outputs and the columns it writes into
+/// concat buffers with the reference within 1e-5 relative; the other
+/// columns of those buffers must be untouched. Returns the number of
 /// kernels checked (0 without a compiler).
 fn check_codegen_on_host(tag: &str, cases: &[(&Graph, &Env, Vec<&FusionPlan>)]) -> usize {
     let mut kernels = Vec::new();
@@ -466,32 +682,87 @@ fn check_codegen_on_host(tag: &str, cases: &[(&Graph, &Env, Vec<&FusionPlan>)]) 
                 continue;
             }
             let k = grp.kernel(g).unwrap_or_else(|e| panic!("codegen: {e}"));
+            let targets = grp.concat_targets();
+            let mut tail = Vec::new();
+            let inputs = grp
+                .inputs
+                .iter()
+                .map(|i| {
+                    let x = match i.kind {
+                        InputKind::Window {
+                            source,
+                            offset,
+                            stride,
+                        } => {
+                            tail.extend([stride, offset]);
+                            source
+                        }
+                        _ => i.node,
+                    };
+                    want[x].f().iter().map(|&x| x as f32).collect()
+                })
+                .collect();
+            let mut cat_args = Vec::new();
+            for w in &grp.concat_writes {
+                tail.extend([w.stride, w.offset]);
+                cat_args.push(targets.iter().position(|&c| c == w.concat).unwrap_or(0));
+            }
             calls.push(HostCall {
                 kernel: k.name.clone(),
-                inputs: grp
-                    .inputs
-                    .iter()
-                    .map(|i| want[i.node].f().iter().map(|&x| x as f32).collect())
-                    .collect(),
+                inputs,
                 outputs: grp.outputs.len(),
+                concats: targets
+                    .iter()
+                    .map(|&c| env.topo.len(&g.nodes[c].ty))
+                    .collect(),
+                cat_args,
                 n: rows * grp.width,
                 width: grp.width,
+                tail,
             });
             kernels.push(k);
-            expect.push((case, grp));
+            expect.push((case, grp, rows));
         }
     }
     let Some(results) = run_on_host(tag, &kernels, &calls) else {
         return 0;
     };
-    for ((case, grp), got) in expect.iter().zip(results) {
-        for (o, got) in grp.outputs.iter().zip(got) {
+    for ((case, grp, rows), got) in expect.iter().zip(results) {
+        let want = &references[*case];
+        let (outs, cats) = got.split_at(grp.outputs.len());
+        for (o, got) in grp.outputs.iter().zip(outs) {
             assert_close(
-                &got,
-                references[*case][*o].f(),
+                got,
+                want[*o].f(),
                 1e-5,
                 &format!("case {case}: generated kernel output %{o} of {grp:?}"),
             );
+        }
+        for (&c, got) in grp.concat_targets().iter().zip(cats) {
+            let stride = cases[*case].0.nodes[c].ty.width();
+            let mut written = vec![false; stride];
+            for w in grp.concat_writes.iter().filter(|w| w.concat == c) {
+                let have = window(got, *rows, stride, w.offset, grp.width);
+                let need = window(want[c].f(), *rows, stride, w.offset, grp.width);
+                assert_close(
+                    &have,
+                    &need,
+                    1e-5,
+                    &format!("case {case}: %{} written into %{c} by {grp:?}", w.member),
+                );
+                written[w.offset..w.offset + grp.width]
+                    .iter_mut()
+                    .for_each(|x| *x = true);
+            }
+            for (i, &x) in got.iter().enumerate() {
+                if !written[i % stride] {
+                    assert_eq!(
+                        x,
+                        f64::from(SENTINEL),
+                        "case {case}: element {i} of %{c} overwritten by {grp:?}"
+                    );
+                }
+            }
         }
     }
     calls.len()
@@ -504,7 +775,9 @@ fn check_codegen_on_host(tag: &str, cases: &[(&Graph, &Env, Vec<&FusionPlan>)]) 
 /// Nodes of the LSTM cell built by [`lstm_cell`].
 struct Lstm {
     x: Sym,
+    hc: Sym,
     b: Sym,
+    h_prev: Sym,
     c_prev: Sym,
     mm_x: Sym,
     mm_h: Sym,
@@ -549,7 +822,9 @@ fn lstm_cell(d: usize, hd: usize) -> (Graph, Vec<Vec<usize>>, Lstm) {
         shapes,
         Lstm {
             x,
+            hc,
             b: bias,
+            h_prev,
             c_prev,
             mm_x,
             mm_h,
@@ -584,7 +859,7 @@ fn lstm_env(g: &Graph, shapes: &[Vec<usize>], vertices: usize, seed: u64) -> Env
 }
 
 #[test]
-fn lstm_cell_fuses_into_two_groups_between_matmuls_and_slices() {
+fn lstm_cell_fuses_into_two_groups_reading_slices_in_place_and_writing_the_state() {
     let (g, shapes, l) = lstm_cell(5, 3);
     let nodes = op_nodes(&g);
     let plan = fuse_all(&g);
@@ -592,8 +867,24 @@ fn lstm_cell_fuses_into_two_groups_between_matmuls_and_slices() {
     let gs = groups(&plan);
     assert_eq!(gs.len(), 2, "{plan}");
     assert_eq!(plan.op_count(), nodes.len());
-    // slice h, slice c, matmul, matmul, [z], 4 slices, [cell], concat
-    assert_eq!(plan.kernel_launches(), 11, "{plan}");
+    // matmul, matmul, [z], [cell]: the six slices are views, the concat is
+    // written by the cell (was 11 launches with slice and concat kernels)
+    assert_eq!(plan.kernel_launches(), 4, "{plan}");
+    let hc = l.hc.id();
+    let z = l.z.id();
+    let view = |s: Sym, source: NodeId, offset: usize, stride: usize| SliceView {
+        slice: s.id(),
+        source,
+        offset,
+        stride,
+        len: 3,
+    };
+    let mut want_views = vec![view(l.h_prev, hc, 0, 6), view(l.c_prev, hc, 3, 6)];
+    for (k, gate) in l.gates.iter().enumerate() {
+        want_views.push(view(*gate, z, 3 * k, 12));
+    }
+    assert_eq!(plan.views, want_views);
+    assert_eq!(plan.in_place_concats, ids(&[l.state]));
 
     let pre = gs[0];
     assert_eq!(pre.nodes, ids(&[l.z_bias, l.z]));
@@ -615,22 +906,57 @@ fn lstm_cell_fuses_into_two_groups_between_matmuls_and_slices() {
             },
         ]
     );
-    assert_eq!(pre.outputs, vec![l.z.id()]);
+    // z is read (through its four views) by the cell
+    assert_eq!(pre.outputs, vec![z]);
+    assert!(pre.concat_writes.is_empty());
 
     let cell = gs[1];
     assert_eq!(cell.nodes.len(), 9);
     assert_eq!((cell.space, cell.width), (V, 3));
-    let mut want_inputs = ids(&l.gates);
-    want_inputs.push(l.c_prev.id());
+    let mut want_inputs: Vec<FusedInput> = l
+        .gates
+        .iter()
+        .enumerate()
+        .map(|(k, gate)| FusedInput {
+            node: gate.id(),
+            kind: InputKind::Window {
+                source: z,
+                offset: 3 * k,
+                stride: 12,
+            },
+        })
+        .collect();
+    want_inputs.push(FusedInput {
+        node: l.c_prev.id(),
+        kind: InputKind::Window {
+            source: hc,
+            offset: 3,
+            stride: 6,
+        },
+    });
+    assert_eq!(cell.inputs, want_inputs);
+    // h is pushed; c only feeds tanh and the state, so it needs no buffer
+    assert_eq!(cell.outputs, ids(&[l.h]));
     assert_eq!(
-        cell.inputs.iter().map(|i| i.node).collect::<Vec<_>>(),
-        want_inputs
+        cell.concat_writes,
+        vec![
+            ConcatWrite {
+                member: l.c.id(),
+                concat: l.state.id(),
+                offset: 3,
+                stride: 6
+            },
+            ConcatWrite {
+                member: l.h.id(),
+                concat: l.state.id(),
+                offset: 0,
+                stride: 6
+            },
+        ]
     );
-    assert!(cell.inputs.iter().all(|i| i.kind == InputKind::PerElement));
-    // c feeds the concat, h the concat and push; everything else stays in registers
-    assert_eq!(cell.outputs, ids(&[l.c, l.h]));
+    assert_eq!(cell.concat_targets(), ids(&[l.state]));
 
-    // the non-elementwise steps sit between, in dependency order
+    // the matmuls read h_prev in place (the engine passes the window)
     let kinds: Vec<String> = plan
         .steps
         .iter()
@@ -643,21 +969,16 @@ fn lstm_cell_fuses_into_two_groups_between_matmuls_and_slices() {
             Step::Fused(grp) => format!("fused{}", grp.nodes.len()),
         })
         .collect();
-    assert_eq!(
-        kinds,
-        [
-            "slice", "slice", "matmul", "matmul", "fused2", "slice", "slice", "slice", "slice",
-            "fused9", "concat"
-        ]
-    );
-    assert_eq!(plan.steps.last(), Some(&Step::Op(l.state.id())));
+    assert_eq!(kinds, ["matmul", "matmul", "fused2", "fused9"]);
+    assert_eq!(g.nodes[l.mm_h.id()].inputs[0], l.h_prev.id());
 
     let env = lstm_env(&g, &shapes, 4, 1);
     check_plans_match_reference(&g, &env, &[&plan], &no_keep);
 
     let listing = plan.listing(&g, &["Wx".into(), "Wh".into(), "b".into()]);
     assert!(
-        listing.starts_with("20 ops in 11 kernels (2 fused groups)"),
+        listing
+            .starts_with("20 ops in 4 kernels (2 fused groups, 6 slice views, 1 concats in place)"),
         "{listing}"
     );
     assert!(listing.contains("fused vertex×3"), "{listing}");
@@ -665,7 +986,77 @@ fn lstm_cell_fuses_into_two_groups_between_matmuls_and_slices() {
         listing.contains("%7 = matmul[ABᵀ](%0, %4) : vertex[f[12]]"),
         "{listing}"
     );
-    assert_eq!(format!("{plan}").lines().count(), 11);
+    assert!(
+        listing.contains(&format!("%{} window %{z}[0..3]/12", l.gates[0].id())),
+        "{listing}"
+    );
+    assert!(
+        listing.contains(&format!(
+            "cat(%{}→%{}[3..6], %{}→%{}[0..3])",
+            l.c.id(),
+            l.state.id(),
+            l.h.id(),
+            l.state.id()
+        )),
+        "{listing}"
+    );
+    assert!(
+        listing.contains(&format!(
+            "view %{} = slice[3..6](%{hc}) : vertex[f[3]]",
+            l.c_prev.id()
+        )),
+        "{listing}"
+    );
+    assert!(
+        listing.contains(&format!(
+            "in place %{} = concat(%{}, %{}) : vertex[f[6]]",
+            l.state.id(),
+            l.h.id(),
+            l.c.id()
+        )),
+        "{listing}"
+    );
+    // one line per step, view and in-place concat
+    assert_eq!(format!("{plan}").lines().count(), 4 + 6 + 1);
+}
+
+#[test]
+fn lstm_cell_with_kept_slices_and_state_members_falls_back_to_copies() {
+    // what the plan looked like before views: keeping the slices (say a
+    // backward graph reads them) makes them steps again, with per-element
+    // reads; keeping c makes it an output besides its concat write
+    let (g, shapes, l) = lstm_cell(5, 3);
+    let nodes = op_nodes(&g);
+    let slices: Vec<NodeId> = ids(&[l.h_prev, l.c_prev])
+        .into_iter()
+        .chain(ids(&l.gates))
+        .collect();
+    let c = l.c.id();
+    let keep = |v: NodeId| slices.contains(&v) || v == c;
+    let plan = fuse(&g, &nodes, &keep).unwrap();
+    check_plan(&g, &nodes, &keep, &plan);
+    assert!(plan.views.is_empty());
+    assert_eq!(plan.in_place_concats, ids(&[l.state]));
+    // 6 slices, 2 matmuls, 2 groups; still no concat kernel
+    assert_eq!(plan.kernel_launches(), 10, "{plan}");
+    let cell = group_of(&plan, l.h.id());
+    assert!(cell.inputs.iter().all(|i| i.kind == InputKind::PerElement));
+    assert_eq!(cell.outputs, ids(&[l.c, l.h]));
+    assert_eq!(cell.concat_writes.len(), 2);
+    let env = lstm_env(&g, &shapes, 3, 9);
+    check_plans_match_reference(&g, &env, &[&plan], &keep);
+    // per-element reads and windows are different kernels
+    let windowed = fuse_all(&g);
+    let (a, b) = (
+        cell.kernel(&g).unwrap(),
+        group_of(&windowed, l.h.id()).kernel(&g).unwrap(),
+    );
+    assert_ne!(a.name, b.name);
+    assert!(
+        a.source.contains("const float a0 = in0[i];"),
+        "{}",
+        a.source
+    );
 }
 
 #[test]
@@ -678,28 +1069,47 @@ fn lstm_cell_kernel_source_has_one_kernel_with_the_expected_parameters() {
     assert_eq!(src.matches("__global__").count(), 1, "{src}");
     assert!(src.starts_with(&format!("extern \"C\" __global__ void {}(", k.name)));
     assert!(k.name.starts_with("fused_") && k.name.len() == "fused_".len() + 16);
+    // parameters: pointers (inputs = window sources, outputs, concat
+    // writes), n, width, then stride and offset per window and per write
+    let mut params = Vec::new();
+    params.extend((0..5).map(|p| format!("const float* __restrict__ in{p}")));
+    params.push("float* __restrict__ out0".into());
+    params.extend((0..2).map(|q| format!("float* cat{q}")));
+    params.push("unsigned long long n".into());
+    params.push("unsigned int width".into());
+    for p in 0..5 {
+        params.push(format!("unsigned int in{p}_stride"));
+        params.push(format!("unsigned int in{p}_offset"));
+    }
+    for q in 0..2 {
+        params.push(format!("unsigned int cat{q}_stride"));
+        params.push(format!("unsigned int cat{q}_offset"));
+    }
+    let want_head = format!(
+        "extern \"C\" __global__ void {}(\n    {})\n{{\n",
+        k.name,
+        params.join(",\n    ")
+    );
+    assert!(src.starts_with(&want_head), "{src}");
     for p in 0..5 {
         assert!(
-            src.contains(&format!("const float* __restrict__ in{p},")),
-            "{src}"
-        );
-        assert!(
-            src.contains(&format!("const float a{p} = in{p}[i];")),
+            src.contains(&format!(
+                "const float a{p} = in{p}[(i / width) * in{p}_stride + in{p}_offset + i % width];"
+            )),
             "{src}"
         );
     }
-    assert!(!src.contains("in5"));
-    assert!(src.contains("float* __restrict__ out0,") && src.contains("float* __restrict__ out1,"));
-    assert!(!src.contains("out2"));
-    assert!(src.contains("unsigned long long n,") && src.contains("unsigned int width)"));
     assert!(src.contains("i += (unsigned long long)gridDim.x * blockDim.x"));
     assert!(src.contains("(1.0f / (1.0f + expf(-a0)))"), "{src}");
     assert!(src.contains("tanhf(a3)"), "{src}");
     assert_eq!(src.matches("const float t").count(), 9);
+    assert!(src.contains("out0[i] = t8;"), "{src}");
     assert!(
-        src.contains("out0[i] = t6;") && src.contains("out1[i] = t8;"),
+        src.contains("cat0[(i / width) * cat0_stride + cat0_offset + i % width] = t6;")
+            && src.contains("cat1[(i / width) * cat1_stride + cat1_offset + i % width] = t8;"),
         "{src}"
     );
+    assert!(!src.contains("out1") && !src.contains("cat2") && !src.contains("in5"));
     assert!(
         !src.contains('{') || !src.contains("{0}"),
         "unsubstituted placeholder"
@@ -715,6 +1125,11 @@ fn lstm_cell_kernel_source_has_one_kernel_with_the_expected_parameters() {
     );
     assert!(pre.source.contains("const float t0 = (a0 + a1);"));
     assert!(pre.source.contains("const float t1 = (t0 + a2);"));
+    assert!(
+        !pre.source.contains("_stride") && !pre.source.contains("cat"),
+        "{}",
+        pre.source
+    );
     assert_ne!(pre.name, k.name);
 }
 
@@ -736,11 +1151,13 @@ fn identical_groups_share_a_kernel_name_and_signature() {
     // the width is a run-time argument: both cells share one compiled kernel
     assert_eq!(k1, k2);
     assert_eq!(c1.signature(&g1).unwrap(), c2.signature(&g2).unwrap());
+    // ... although the windows' strides and offsets differ (12 vs 64 columns)
+    assert_ne!(c1.inputs, c2.inputs);
     assert_eq!(
         c1.signature(&g1).unwrap(),
-        "in[a0:elem,a1:elem,a2:elem,a3:elem,a4:elem] t0=sigmoid(a0) t1=sigmoid(a1) \
+        "in[a0:win,a1:win,a2:win,a3:win,a4:win] t0=sigmoid(a0) t1=sigmoid(a1) \
          t2=sigmoid(a2) t3=tanh(a3) t4=mul(t1,a4) t5=mul(t0,t3) t6=add(t4,t5) t7=tanh(t6) \
-         t8=mul(t2,t7) out[t6,t8]"
+         t8=mul(t2,t7) out[t8] cat[t6,t8]"
     );
     let z = group_of(&p1, l1.z.id());
     assert_ne!(z.kernel(&g1).unwrap().name, k1.name);
@@ -1006,6 +1423,247 @@ fn outputs_are_exactly_the_values_needed_outside() {
     check_plans_match_reference(&g, &env, &[&p1, &p2], &no_keep);
 }
 
+// ======================================================================
+// Slices read in place, concats written in place
+// ======================================================================
+
+/// Random data for every float input of `g` over `topo`, parameters of `shapes`.
+fn random_env(g: &Graph, shapes: &[Vec<usize>], topo: Topo, seed: u64) -> Env {
+    let mut rng = Rng::new(seed);
+    let mut env = Env {
+        inputs: HashMap::new(),
+        params: shapes
+            .iter()
+            .map(|s| rng.vec(s.iter().product(), -1.0, 1.0))
+            .collect(),
+        topo,
+    };
+    for node in &g.nodes {
+        if let NodeKind::Input(s) = node.kind {
+            let n = env.topo.len(&node.ty);
+            env.inputs.insert(s, Val::F(rng.vec(n, -1.0, 1.0)));
+        }
+    }
+    round_to_f32(&mut env);
+    env
+}
+
+#[test]
+fn a_slice_read_by_a_non_fusable_op_stays_a_step() {
+    // child-sum: h_k = slice(kids), c_k = slice(kids); sum_children(h_k)
+    // needs h_k in a buffer of its own, so h_k is a step even though the
+    // matmul and the gate could read it in place; c_k, only read by the
+    // gate group, is a window of the gathered rows
+    let h = 3;
+    let shapes = vec![vec![h, h], vec![h]];
+    let mut b = GraphBuilder::new("child-sum", &shapes);
+    let kids = b.input(Source::GatherAll, rows(E, 2 * h));
+    let h_k = b.slice(kids, 0, h);
+    let c_k = b.slice(kids, h, h);
+    let h_sum = b.sum_children(h_k);
+    let (u, bias) = (b.param(0), b.param(1));
+    let f_pre = b.linear(h_k, u, Some(bias));
+    let f_k = b.sigmoid(f_pre);
+    let fc = b.mul(f_k, c_k);
+    let fc_sum = b.sum_children(fc);
+    let out = b.add(h_sum, fc_sum);
+    b.output(Role::Push, out, None);
+    let g = b.finish().unwrap();
+    let plan = fuse_all(&g);
+    check_plan(&g, &op_nodes(&g), &no_keep, &plan);
+    assert!(plan.steps.contains(&Step::Op(h_k.id())), "{plan}");
+    assert_eq!(
+        plan.views,
+        vec![SliceView {
+            slice: c_k.id(),
+            source: kids.id(),
+            offset: h,
+            stride: 2 * h,
+            len: h,
+        }]
+    );
+    let gate = group_of(&plan, fc.id());
+    assert_eq!(
+        gate.inputs.last(),
+        Some(&FusedInput {
+            node: c_k.id(),
+            kind: InputKind::Window {
+                source: kids.id(),
+                offset: h,
+                stride: 2 * h
+            }
+        })
+    );
+    // the matmul reads the materialized h_k, not a view
+    assert!(plan.view(h_k.id()).is_none());
+    let env = random_env(&g, &shapes, Topo::from_children(&[2, 0, 3]), 11);
+    check_plans_match_reference(&g, &env, &[&plan], &no_keep);
+    check_codegen_on_host("child-sum", &[(&g, &env, vec![&plan])]);
+
+    // read in another phase, kept, or an output: a step as well
+    let all = op_nodes(&g);
+    let (first, second) = all.split_at(all.iter().position(|&v| v == fc.id()).unwrap_or(0));
+    let p1 = fuse(&g, first, &no_keep).unwrap();
+    assert!(p1.view(c_k.id()).is_none(), "{p1}");
+    let keep_ck = |v: NodeId| v == c_k.id();
+    let kept = fuse(&g, &all, &keep_ck).unwrap();
+    check_plan(&g, &all, &keep_ck, &kept);
+    assert!(kept.views.is_empty() && kept.steps.contains(&Step::Op(c_k.id())));
+    let p2 = fuse(&g, second, &no_keep).unwrap();
+    check_plans_match_reference(&g, &env, &[&p1, &p2], &no_keep);
+}
+
+#[test]
+fn slices_feeding_matmuls_become_views_the_engine_passes_with_a_leading_dimension() {
+    // y = slice(x)·W (A without trans_a), g = slice(x)ᵀ·slice(e) (both
+    // operands of a trans_a matmul), and z = W·... is not possible for rows,
+    // so a slice as B of a plain matmul never occurs
+    let (d, h) = (5, 2);
+    let shapes = vec![vec![h, 3]];
+    let mut b = GraphBuilder::new("mm", &shapes);
+    let x = b.input(Source::Pull, rows(V, d));
+    let e = b.input(Source::Gather(0), rows(V, 4));
+    let w = b.param(0);
+    let xs = b.slice(x, 1, h);
+    let es = b.slice(e, 1, 3);
+    let y = b.matmul(xs, w, false, false);
+    let gw = b.matmul(xs, es, true, false);
+    b.output(Role::Push, y, None);
+    b.output(Role::ParamGrad(0), gw, None);
+    let g = b.finish().unwrap();
+    let plan = fuse_all(&g);
+    check_plan(&g, &op_nodes(&g), &no_keep, &plan);
+    assert_eq!(plan.steps, vec![Step::Op(y.id()), Step::Op(gw.id())]);
+    assert_eq!(
+        plan.views,
+        vec![
+            SliceView {
+                slice: xs.id(),
+                source: x.id(),
+                offset: 1,
+                stride: d,
+                len: h
+            },
+            SliceView {
+                slice: es.id(),
+                source: e.id(),
+                offset: 1,
+                stride: 4,
+                len: 3
+            },
+        ]
+    );
+    assert_eq!(plan.kernel_launches(), 2);
+    assert_eq!(plan.op_count(), 4);
+    let listing = plan.listing(&g, &["W".into()]);
+    assert!(
+        listing.contains(&format!(
+            "view %{} = slice[1..3](%{}) : vertex[f[2]]  (in place: columns 1..3 of %{}, stride 5)",
+            xs.id(),
+            x.id(),
+            x.id()
+        )),
+        "{listing}"
+    );
+    let env = random_env(&g, &shapes, Topo::vertices(4), 12);
+    check_plans_match_reference(&g, &env, &[&plan], &no_keep);
+}
+
+#[test]
+fn a_concat_with_an_input_from_outside_any_group_stays_a_step() {
+    // [tanh(x); x·W] — the matmul result is no group member — stays a
+    // step; [t; σ(t)], both members of one group, is written in place;
+    // [x; x] copies inputs
+    let w = 3;
+    let shapes = vec![vec![w, w]];
+    let mut b = GraphBuilder::new("concat", &shapes);
+    let x = b.input(Source::Pull, rows(V, w));
+    let wm = b.param(0);
+    let t = b.tanh(x);
+    let m = b.matmul(x, wm, false, false);
+    let mixed = b.concat(&[t, m]);
+    let s = b.sigmoid(t);
+    let both = b.concat(&[t, s]);
+    let raw = b.concat(&[x, x]);
+    b.output(Role::Push, mixed, None);
+    b.output(Role::Scatter, both, None);
+    b.output(Role::PullGrad, raw, None);
+    let g = b.finish().unwrap();
+    let plan = fuse_all(&g);
+    check_plan(&g, &op_nodes(&g), &no_keep, &plan);
+    assert!(plan.steps.contains(&Step::Op(mixed.id())), "{plan}");
+    assert!(plan.steps.contains(&Step::Op(raw.id())), "{plan}");
+    assert_eq!(plan.in_place_concats, ids(&[both]));
+    let grp = group_of(&plan, t.id());
+    assert_eq!(grp.nodes, ids(&[t, s]));
+    // t is read by the concat that stays a step: it keeps its buffer; s
+    // lives only in the concat
+    assert_eq!(grp.outputs, ids(&[t]));
+    assert_eq!(
+        grp.concat_writes,
+        vec![
+            ConcatWrite {
+                member: t.id(),
+                concat: both.id(),
+                offset: 0,
+                stride: 2 * w
+            },
+            ConcatWrite {
+                member: s.id(),
+                concat: both.id(),
+                offset: w,
+                stride: 2 * w
+            },
+        ]
+    );
+    // readers of the in-place concat come after its writers
+    let env = random_env(&g, &shapes, Topo::vertices(3), 13);
+    check_plans_match_reference(&g, &env, &[&plan], &no_keep);
+    check_codegen_on_host("concat", &[(&g, &env, vec![&plan])]);
+}
+
+#[test]
+fn a_kept_member_written_into_a_concat_is_still_an_output() {
+    // a = tanh x, b = σ a, c = a + b; state = [c; b] written in place; the
+    // backward graph reads b (kept), c is pushed: both keep buffers, a stays
+    // in registers; a reader of the state (relu) waits for the group
+    let w = 2;
+    let mut bld = GraphBuilder::new("kept", &[]);
+    let x = bld.input(Source::Pull, rows(V, w));
+    let a = bld.tanh(x);
+    let b = bld.sigmoid(a);
+    let c = bld.add(a, b);
+    let state = bld.concat(&[c, b]);
+    let r = bld.relu(state);
+    bld.output(Role::Push, c, None);
+    bld.output(Role::Scatter, r, None);
+    let g = bld.finish().unwrap();
+    let keep_b = |v: NodeId| v == b.id();
+    let all = op_nodes(&g);
+    let plan = fuse(&g, &all, &keep_b).unwrap();
+    check_plan(&g, &all, &keep_b, &plan);
+    assert_eq!(plan.in_place_concats, ids(&[state]));
+    let grp = group_of(&plan, a.id());
+    assert_eq!(grp.nodes, ids(&[a, b, c]));
+    assert_eq!(grp.outputs, ids(&[b, c]));
+    assert_eq!(
+        grp.concat_writes
+            .iter()
+            .map(|w| (w.member, w.offset))
+            .collect::<Vec<_>>(),
+        vec![(b.id(), w), (c.id(), 0)]
+    );
+    // without keep, b lives only in the concat
+    let plain = fuse_all(&g);
+    assert_eq!(group_of(&plain, a.id()).outputs, ids(&[c]));
+    // the relu reads the concat: its group comes after the writer
+    assert_eq!(plan.steps.len(), 2);
+    assert!(matches!(&plan.steps[1], Step::Fused(f) if f.nodes == ids(&[r])));
+    let env = random_env(&g, &[], Topo::vertices(3), 14);
+    check_plans_match_reference(&g, &env, &[&plan], &keep_b);
+    check_codegen_on_host("kept", &[(&g, &env, vec![&plan, &plain])]);
+}
+
 #[test]
 fn model_phases_fuse_into_valid_plans_that_keep_what_backward_reads() {
     let (vocab, h) = (7, 4);
@@ -1069,6 +1727,7 @@ fn model_phases_fuse_into_valid_plans_that_keep_what_backward_reads() {
             for phase in [&plan.eager, &plan.per_task, &plan.lazy] {
                 let fp = fuse(graph, phase, keep).unwrap_or_else(|e| panic!("{e}"));
                 check_plan(graph, phase, keep, &fp);
+                materialized.extend(fp.in_place_concats.iter().copied());
                 for step in &fp.steps {
                     match step {
                         Step::Op(v) => {
@@ -1135,13 +1794,13 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
     let (a, b) = (vec![0.0f32; 8], vec![0.0f32; 8]);
     let mut out = vec![0.0f32; 8];
     let msg = grp
-        .eval_cpu::<f32>(&g, &[&a, &b], 1, &mut [&mut out])
+        .eval_cpu::<f32>(&g, &[&a, &b], 1, &mut [&mut out], &mut [])
         .unwrap_err()
         .to_string();
     assert!(msg.contains("takes 3 inputs"), "{msg}");
     let bias_wrong = vec![0.0f32; 3];
     let msg = grp
-        .eval_cpu::<f32>(&g, &[&a, &bias_wrong, &b], 1, &mut [&mut out])
+        .eval_cpu::<f32>(&g, &[&a, &bias_wrong, &b], 1, &mut [&mut out], &mut [])
         .unwrap_err()
         .to_string();
     assert!(
@@ -1151,10 +1810,90 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
     let mut short = vec![0.0f32; 7];
     let bias = vec![0.0f32; 8];
     let msg = grp
-        .eval_cpu::<f32>(&g, &[&a, &bias, &b], 1, &mut [&mut short])
+        .eval_cpu::<f32>(&g, &[&a, &bias, &b], 1, &mut [&mut short], &mut [])
         .unwrap_err()
         .to_string();
     assert!(msg.contains("output 0"), "{msg}");
+
+    // the cell reads windows of z (8 wide) and hc (4 wide), writes [h; c]
+    let cell = group_of(&plan, l.h.id()).clone();
+    let (z8, hc4) = (vec![0.5f32; 2 * 8], vec![0.5f32; 2 * 4]);
+    let mut h = vec![0.0f32; 2 * 2];
+    let mut state = vec![0.0f32; 2 * 4];
+    let ok = cell.eval_cpu::<f32>(
+        &g,
+        &[&z8, &z8, &z8, &z8, &hc4],
+        2,
+        &mut [&mut h],
+        &mut [&mut state],
+    );
+    assert!(ok.is_ok(), "{ok:?}");
+    assert_eq!(&state[..2], &h[..2], "h goes to columns 0..2 of the state");
+    let msg = cell
+        .eval_cpu::<f32>(
+            &g,
+            &[&z8, &z8, &z8, &z8, &z8],
+            2,
+            &mut [&mut h],
+            &mut [&mut state],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("input 4") && msg.contains("expected 8"),
+        "{msg}"
+    );
+    let msg = cell
+        .eval_cpu::<f32>(&g, &[&z8, &z8, &z8, &z8, &hc4], 2, &mut [&mut h], &mut [])
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("1 concat buffers"), "{msg}");
+    let mut short_state = vec![0.0f32; 7];
+    let msg = cell
+        .eval_cpu::<f32>(
+            &g,
+            &[&z8, &z8, &z8, &z8, &hc4],
+            2,
+            &mut [&mut h],
+            &mut [&mut short_state],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("concat buffer 0"), "{msg}");
+    // hand-made windows and writes that do not fit are errors, not panics
+    let mut broken = cell.clone();
+    broken.inputs[4].kind = InputKind::Window {
+        source: l.hc.id(),
+        offset: 3,
+        stride: 4,
+    };
+    let msg = broken.kernel(&g).unwrap_err().to_string();
+    assert!(msg.contains("do not fit"), "{msg}");
+    let mut broken = cell.clone();
+    broken.inputs[4].kind = InputKind::Window {
+        source: l.hc.id(),
+        offset: 0,
+        stride: 8,
+    };
+    let msg = broken.kernel(&g).unwrap_err().to_string();
+    assert!(msg.contains("expected Vertex rows of width 8"), "{msg}");
+    let mut broken = cell.clone();
+    broken.concat_writes[0].member = l.mm_x.id();
+    let msg = broken.signature(&g).unwrap_err().to_string();
+    assert!(msg.contains("not a member"), "{msg}");
+    let mut broken = cell;
+    broken.concat_writes[0].offset = 3;
+    let msg = broken
+        .eval_cpu::<f32>(
+            &g,
+            &[&z8, &z8, &z8, &z8, &hc4],
+            2,
+            &mut [&mut h],
+            &mut [&mut state],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("do not fit"), "{msg}");
     // a hand-made group that reads a value it does not declare
     let mut broken = grp.clone();
     broken.inputs.pop();
@@ -1272,10 +2011,13 @@ fn every_registered_elementwise_op_compiles_and_matches_its_kernel() {
 // Random elementwise DAGs
 // ======================================================================
 
-/// A random graph: vertex rows of one width from two inputs, elementwise
-/// ops of every kind, static bias chains, and non-elementwise ops (matmul,
-/// concat/slice changing width, sum_rows, a trip through edge rows) that
-/// split groups and create diamonds; two phases and a random `keep`.
+/// A random graph: vertex rows of one width from two inputs (and a wider
+/// third one to slice), elementwise ops of every kind, static bias chains,
+/// and non-elementwise ops (matmul, concat/slice changing width, sum_rows, a
+/// trip through edge rows) that split groups and create diamonds; slices
+/// at any column of inputs, of group outputs and of concats that groups
+/// write in place, read by groups, by matmuls (plain and transposed) and by
+/// ops that cannot read them in place; two phases and a random `keep`.
 #[derive(Clone, Debug)]
 struct DagSpec {
     width: usize,
@@ -1291,7 +2033,7 @@ fn dag_spec() -> impl Strategy<Value = DagSpec> {
     (
         1usize..=4,
         prop::collection::vec(0usize..3, 1..=4),
-        prop::collection::vec((0u8..20, any::<usize>(), any::<usize>()), 1..16),
+        prop::collection::vec((0u8..25, any::<usize>(), any::<usize>()), 1..16),
         any::<usize>(),
         any::<u64>(),
         any::<usize>(),
@@ -1323,6 +2065,7 @@ fn build_dag(spec: &DagSpec) -> Dag {
     let mut b = GraphBuilder::new("dag", &shapes);
     let x = b.input(Source::Pull, rows(V, w));
     let hprev = b.input(Source::Gather(0), rows(V, w));
+    let wide_in = b.input(Source::Gather(1), rows(V, 3 * w));
     let (bias, wmat) = (b.param(0), b.param(1));
     let mut pool = vec![x, hprev];
     let mut statics = vec![bias];
@@ -1363,11 +2106,45 @@ fn build_dag(spec: &DagSpec) -> Dag {
                 let wide = b.mul(wide, wide);
                 b.slice(wide, (i % 2) * w, w)
             }
-            _ => {
+            19 => {
                 let e = b.expand_children(p);
                 let e = b.sigmoid(e);
                 let e = b.add_scalar(e, -0.5);
                 b.sum_children(e)
+            }
+            // a concat of two values (written in place when both are
+            // fused), sliced back at any column
+            20 => {
+                let wide = b.concat(&[p, q]);
+                let s = b.slice(wide, i % (w + 1), w);
+                b.add_scalar(s, 0.5)
+            }
+            // a member written twice into one concat
+            21 => {
+                let wide = b.concat(&[q, p, q]);
+                let s = b.slice(wide, j % (2 * w + 1), w);
+                b.mul(s, p)
+            }
+            // a slice of a wide input
+            22 => {
+                let s = b.slice(wide_in, i % (2 * w + 1), w);
+                b.neg(s)
+            }
+            // slices as both operands of a transposed matmul, then as A
+            23 => {
+                let wide = b.concat(&[p, q]);
+                let sa = b.slice(wide, i % (w + 1), w);
+                let sb = b.slice(wide_in, j % (2 * w + 1), w);
+                let m = b.matmul(sa, sb, true, false);
+                let m = b.scale(m, 0.25);
+                b.matmul(sa, m, false, false)
+            }
+            // a slice read in place and by an op that cannot
+            _ => {
+                let s = b.slice(wide_in, j % (2 * w + 1), w);
+                let r = b.sum_rows(s);
+                statics.push(r);
+                b.tanh(s)
             }
         };
         pool.push(y);
@@ -1393,6 +2170,10 @@ fn build_dag(spec: &DagSpec) -> Dag {
             (
                 Source::Gather(0),
                 Val::F(rng.vec(topo.len(&rows(V, w)), -1.0, 1.0)),
+            ),
+            (
+                Source::Gather(1),
+                Val::F(rng.vec(topo.len(&rows(V, 3 * w)), -1.0, 1.0)),
             ),
         ]),
         params: vec![rng.vec(w, -1.0, 1.0), rng.vec(w * w, -0.7, 0.7)],
@@ -1448,6 +2229,42 @@ fn random_dag_kernels_compiled_for_the_host_match_op_by_op() {
         })
         .collect();
     let plans: Vec<[FusionPlan; 2]> = dags.iter().map(fuse_dag).collect();
+    // the sample exercises every in-place form
+    let (mut windows, mut writes, mut twice, mut matmul_views, mut kept_slices) = (0, 0, 0, 0, 0);
+    for (d, ps) in dags.iter().zip(&plans) {
+        for p in ps {
+            for grp in p.groups() {
+                windows += grp
+                    .inputs
+                    .iter()
+                    .filter(|i| matches!(i.kind, InputKind::Window { .. }))
+                    .count();
+                writes += grp.concat_writes.len();
+                twice += grp
+                    .concat_writes
+                    .windows(2)
+                    .filter(|w| w[0].member == w[1].member && w[0].concat == w[1].concat)
+                    .count();
+            }
+            for v in &p.views {
+                let users = d.graph.users();
+                matmul_views += users[v.slice]
+                    .iter()
+                    .filter(|&&u| op_as::<MatMul>(&d.graph, u).is_some())
+                    .count();
+            }
+            kept_slices += p
+                .steps
+                .iter()
+                .filter(|s| matches!(s, Step::Op(v) if op_as::<Slice>(&d.graph, *v).is_some()))
+                .count();
+        }
+    }
+    assert!(
+        windows > 10 && writes > 10 && twice > 0 && matmul_views > 2 && kept_slices > 2,
+        "windows {windows}, concat writes {writes}, twice {twice}, \
+         matmul views {matmul_views}, slice steps {kept_slices}"
+    );
     let cases: Vec<(&Graph, &Env, Vec<&FusionPlan>)> = dags
         .iter()
         .zip(&plans)
