@@ -18,6 +18,7 @@
 //! the host (dense ones in one copy, embedding rows only where touched).
 
 use std::any::Any;
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -25,6 +26,7 @@ use cudarc::driver::{CudaEvent, CudaStream};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+use ramus_core::fusion::{InputKind, SliceView};
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, Role, Source, Space};
 use ramus_core::ops::{
     BroadcastRows, Concat, Embedding, ExpandChildren, MatMul, Pad, Reshape, Slice, SoftmaxXent,
@@ -33,13 +35,15 @@ use ramus_core::ops::{
 use ramus_core::{Grads, HeadRows, Model, Params};
 use ramus_cpu::{fill_dropout_mask, Batch, ForwardOutput, Mode};
 use ramus_graph::{FunctionRows, Schedule, Task, NO_LABEL};
+use ramus_nn::{Optimizer, OptimizerConfig};
 
 use crate::blas::{Blas, Gemm};
 use crate::cache::KernelCache;
 use crate::device::CudaDevice;
 use crate::error::InCall;
 use crate::error::{CudaError, Result};
-use crate::launch::{Launcher, RowMove, NONE};
+use crate::launch::{FusedArgs, Launcher, RowMove, NONE};
+use crate::optimizer::{DeviceOptimizer, GradLayout, ParamSlot};
 use crate::pinned::PinnedBuffer;
 use crate::pool::{Arena, DevicePool, DeviceView, PoolBuffer, PoolConfig};
 use crate::program::{
@@ -153,6 +157,10 @@ struct DeviceParams {
     dense_len: usize,
     grad_all: DeviceView<f32>,
     version: (u64, u64),
+    /// Bumped whenever the buffers are (re)allocated.
+    generation: u64,
+    /// A device optimizer step changed the values since the host's copy.
+    host_stale: bool,
 }
 
 /// Per-batch state kept from forward to backward.
@@ -204,6 +212,13 @@ pub struct CudaEngine {
     rng: ChaCha8Rng,
     pull_values: Option<Vec<f32>>,
     setup_seconds: f64,
+    /// The fused optimizer, with the parameter-buffer generation it serves.
+    optimizer: Option<(u64, DeviceOptimizer)>,
+}
+
+fn u32_of(value: usize, what: &str) -> Result<u32> {
+    u32::try_from(value)
+        .map_err(|_| CudaError::BadArgument(format!("{what} {value} does not fit 32 bits")))
 }
 
 fn model_err(message: impl Into<String>) -> CudaError {
@@ -249,6 +264,7 @@ impl CudaEngine {
             rng: ChaCha8Rng::seed_from_u64(0),
             pull_values: None,
             setup_seconds: started.elapsed().as_secs_f64(),
+            optimizer: None,
         })
     }
 
@@ -318,13 +334,14 @@ impl CudaEngine {
         }
         let total: usize = params.values.iter().map(|t| t.data().len()).sum();
         let stream = self.device.stream().clone();
-        let (values_buf, grads_buf) = match self.params.take() {
+        let (values_buf, grads_buf, generation) = match self.params.take() {
             Some(old) if old.values.iter().map(|v| v.len()).sum::<usize>() == total => {
-                (old._values, old._grads)
+                (old._values, old._grads, old.generation)
             }
-            _ => (
+            old => (
                 self.pool.alloc::<f32>(total.max(1))?,
                 self.pool.alloc::<f32>(total.max(1))?,
+                old.map_or(0, |o| o.generation + 1),
             ),
         };
         let host = self.staging.host_mut::<f32>(total)?;
@@ -373,6 +390,8 @@ impl CudaEngine {
             grads,
             dense_len,
             version: params.version(),
+            generation,
+            host_stale: false,
         });
         Ok(())
     }
@@ -629,7 +648,8 @@ impl CudaEngine {
             self.launcher.move_rows(&stream, &moves)?;
             self.run_steps(
                 &func.forward,
-                &program.functions[f].0.phases[PER_TASK],
+                &program.functions[f].0,
+                PER_TASK,
                 &fwd[f],
                 None,
                 range,
@@ -649,7 +669,8 @@ impl CudaEngine {
             let range = Range::all(&s.functions[f]);
             self.run_steps(
                 &func.forward,
-                &program.functions[f].0.phases[LAZY],
+                &program.functions[f].0,
+                LAZY,
                 &fwd[f],
                 None,
                 range,
@@ -746,7 +767,8 @@ impl CudaEngine {
         };
         self.run_steps(
             g,
-            &program.head_forward.phases[phase],
+            &program.head_forward,
+            phase,
             &bufs,
             None,
             Range::rows_only(h),
@@ -779,13 +801,14 @@ impl CudaEngine {
         })
     }
 
-    /// Runs `steps` of graph `g` over `range`; `f` names the vertex
+    /// Runs phase `phase` of graph `g`'s program over `range`; `f` names the vertex
     /// function whose topology (edges, children) the steps may use.
     #[allow(clippy::too_many_arguments)] // graph, steps, buffers, rows, function, lane
     fn run_steps(
         &self,
         g: &Graph,
-        steps: &[ExecStep],
+        prog: &GraphProgram,
+        phase: usize,
         bufs: &[Buf],
         fwd: Option<&[Buf]>,
         range: Range,
@@ -793,8 +816,8 @@ impl CudaEngine {
         lane: &Lane,
     ) -> Result<()> {
         let topo = f.map(|f| self.topology(f)).transpose()?;
-        for step in steps {
-            self.run_step(g, step, bufs, fwd, range, topo, lane)?;
+        for step in &prog.phases[phase] {
+            self.run_step(g, step, bufs, fwd, range, topo, lane, &prog.views)?;
         }
         Ok(())
     }
@@ -821,7 +844,8 @@ impl CudaEngine {
             let fwd_f = fwd.map(|b| b[f].as_slice());
             self.run_steps(
                 g,
-                &programs[f].phases[EAGER],
+                programs[f],
+                EAGER,
                 &bufs[f],
                 fwd_f,
                 range,
@@ -926,7 +950,7 @@ impl CudaEngine {
         }
     }
 
-    #[allow(clippy::too_many_arguments)] // graph, step, buffers, rows, topology, lane
+    #[allow(clippy::too_many_arguments)] // graph, step, buffers, rows, topology, lane, views
     fn run_step(
         &self,
         g: &Graph,
@@ -936,6 +960,7 @@ impl CudaEngine {
         range: Range,
         topo: Option<&Topology>,
         lane: &Lane,
+        views: &HashMap<NodeId, SliceView>,
     ) -> Result<()> {
         let stream = &lane.stream;
         match step {
@@ -945,22 +970,50 @@ impl CudaEngine {
                 if n == 0 {
                     return Ok(());
                 }
-                let mut inputs = Vec::with_capacity(group.inputs.len());
+                let mut args = FusedArgs {
+                    n,
+                    width: group.width,
+                    ..FusedArgs::default()
+                };
+                let mut concat_strides = Vec::new();
                 for input in &group.inputs {
-                    inputs.push(self.float_view(g, input.node, own, fwd, range)?);
+                    let view = match input.kind {
+                        InputKind::Window {
+                            source,
+                            offset,
+                            stride,
+                        } => {
+                            args.strides.push([
+                                u32_of(stride, "window stride")?,
+                                u32_of(offset, "window offset")?,
+                            ]);
+                            self.float_view(g, source, own, fwd, range)?
+                        }
+                        InputKind::PerElement | InputKind::Broadcast => {
+                            self.float_view(g, input.node, own, fwd, range)?
+                        }
+                    };
+                    args.inputs.push(view);
                 }
-                let mut outputs = Vec::with_capacity(group.outputs.len());
                 for &o in &group.outputs {
-                    outputs.push(self.float_view(g, o, own, fwd, range)?);
+                    args.outputs.push(self.float_view(g, o, own, fwd, range)?);
                 }
-                self.launcher
-                    .fused(stream, kernel, &inputs, &outputs, n, group.width)
+                for cw in &group.concat_writes {
+                    args.concats
+                        .push(self.float_view(g, cw.concat, own, fwd, range)?);
+                    concat_strides.push([
+                        u32_of(cw.stride, "concat stride")?,
+                        u32_of(cw.offset, "concat offset")?,
+                    ]);
+                }
+                args.strides.extend(concat_strides);
+                self.launcher.fused(stream, kernel, &args)
             }
-            ExecStep::Op(n) => self.run_op(g, *n, own, fwd, range, topo, lane),
+            ExecStep::Op(n) => self.run_op(g, *n, own, fwd, range, topo, lane, views),
         }
     }
 
-    #[allow(clippy::too_many_arguments)] // graph, node, buffers, rows, topology, lane
+    #[allow(clippy::too_many_arguments)] // graph, node, buffers, rows, topology, lane, views
     fn run_op(
         &self,
         g: &Graph,
@@ -970,6 +1023,7 @@ impl CudaEngine {
         range: Range,
         topo: Option<&Topology>,
         lane: &Lane,
+        views: &HashMap<NodeId, SliceView>,
     ) -> Result<()> {
         let stream = lane.stream.clone();
         let node = &g.nodes[n];
@@ -1001,17 +1055,38 @@ impl CudaEngine {
             let (br, bc) = dims(b, rows_of(b.space));
             let (m, k) = if mm.trans_a { (ac, ar) } else { (ar, ac) };
             let nn = if mm.trans_b { br } else { bc };
-            let gemm = Gemm {
-                trans_a: mm.trans_a,
-                trans_b: mm.trans_b,
-                ..Gemm::new(m, nn, k)
-            };
             let c = out()?;
+            if m * nn == 0 {
+                return Ok(());
+            }
             if k == 0 {
                 self.launcher.fill(&stream, c, 0.0)?;
                 return Ok(());
             }
-            lane.blas.sgemm(&gemm, fv(0)?, fv(1)?, c)?;
+            // a viewed slice is read in place: its source, from the column
+            // offset, with the source's row width as leading dimension
+            let operand = |i: usize| -> Result<(DeviceView<f32>, Option<usize>)> {
+                match views.get(&arg(i)) {
+                    Some(v) => {
+                        let (lo, hi) = range.span(g.nodes[v.source].ty.space);
+                        let src = self.whole_view(g, v.source, own, fwd)?;
+                        Ok((
+                            src.slice(lo * v.stride + v.offset..hi * v.stride)?,
+                            Some(v.stride),
+                        ))
+                    }
+                    None => Ok((fv(i)?, None)),
+                }
+            };
+            let ((a_view, lda), (b_view, ldb)) = (operand(0)?, operand(1)?);
+            let gemm = Gemm {
+                trans_a: mm.trans_a,
+                trans_b: mm.trans_b,
+                lda,
+                ldb,
+                ..Gemm::new(m, nn, k)
+            };
+            lane.blas.sgemm(&gemm, a_view, b_view, c)?;
             self.launcher.count();
             return Ok(());
         }
@@ -1180,6 +1255,17 @@ impl CudaEngine {
         batch: &Batch<'_>,
         grads: &mut Grads<f32>,
     ) -> Result<()> {
+        self.backward_on_device(model, params, batch)?;
+        self.download_grads(model, &batch.schedule, grads)
+    }
+
+    /// The backward pass up to the parameter gradients in device memory.
+    fn backward_on_device(
+        &mut self,
+        model: &Model,
+        params: &Params<f32>,
+        batch: &Batch<'_>,
+    ) -> Result<()> {
         if !std::mem::take(&mut self.state.forward_done) {
             return Err(model_err(
                 "backward needs a preceding forward pass in train mode",
@@ -1206,7 +1292,8 @@ impl CudaEngine {
         let head_fwd = std::mem::take(&mut self.state.head_fwd);
         self.run_steps(
             hb,
-            &program.head_backward.phases[0],
+            &program.head_backward,
+            0,
             &head_bwd,
             Some(&head_fwd),
             Range::rows_only(h),
@@ -1298,7 +1385,8 @@ impl CudaEngine {
             }
             self.run_steps(
                 &func.backward,
-                &program.functions[f].1.phases[PER_TASK],
+                &program.functions[f].1,
+                PER_TASK,
                 &bwd[f],
                 Some(&fwd[f]),
                 range,
@@ -1337,7 +1425,8 @@ impl CudaEngine {
             let range = Range::all(&s.functions[f]);
             self.run_steps(
                 &func.backward,
-                &program.functions[f].1.phases[LAZY],
+                &program.functions[f].1,
+                LAZY,
                 &bwd[f],
                 Some(&fwd[f]),
                 range,
@@ -1353,7 +1442,7 @@ impl CudaEngine {
                 Some(&topo),
             )?;
         }
-        self.download_grads(model, s, grads)
+        Ok(())
     }
 
     /// Zeroes every `OutputGrad` input of a backward graph, then seeds the
@@ -1450,7 +1539,7 @@ impl CudaEngine {
         let dense = self
             .staging
             .download_to_vec(grad_all.slice(0..dense_len)?, &stream)?;
-        let rows_params = self.program.row_grad_params.clone();
+        let rows_params = &self.program.row_grad_params;
         let mut at = 0;
         for (p, t) in grads.values.iter_mut().enumerate() {
             if rows_params.contains(&p) {
@@ -1467,42 +1556,170 @@ impl CudaEngine {
                 grads.mark_dense(p);
             }
         }
-        if !rows_params.is_empty() {
-            let mut touched: Vec<u32> = (0..s.num_vertices()).map(|v| s.tokens[v]).collect();
-            touched.sort_unstable();
-            touched.dedup();
-            let idx = self.arena.alloc::<u32>(touched.len())?;
-            self.staging.upload_slice(&touched, idx, &stream)?;
-            for &p in &rows_params {
-                let width = grads.row_width(p);
-                let table_rows = grads.values[p].shape().first().copied().unwrap_or(0);
-                let valid: usize = touched.partition_point(|&t| (t as usize) < table_rows);
-                let gathered = self.arena.alloc::<f32>(valid * width)?;
-                self.launcher.move_rows(
-                    &stream,
-                    &[RowMove {
-                        dst: gathered,
-                        src: grad_views[p],
-                        dst_rows: None,
-                        src_rows: Some(idx.slice(0..valid)?),
-                        rows: valid,
-                        width,
-                        accumulate: false,
-                    }],
-                )?;
-                let host = self.staging.download_to_vec(gathered, &stream)?;
-                for (i, &row) in touched[..valid].iter().enumerate() {
-                    grads.mark_row(p, row);
-                    let dst = &mut grads.values[p].data_mut()
-                        [row as usize * width..(row as usize + 1) * width];
-                    for (d, &x) in dst.iter_mut().zip(&host[i * width..(i + 1) * width]) {
-                        *d += x;
-                    }
+        for (p, touched) in self.touched_rows(model, s)? {
+            let width = grads.row_width(p);
+            let gathered = self.arena.alloc::<f32>(touched.len() * width)?;
+            self.launcher.move_rows(
+                &stream,
+                &[RowMove {
+                    dst: gathered,
+                    src: grad_views[p],
+                    dst_rows: None,
+                    src_rows: Some(touched),
+                    rows: touched.len(),
+                    width,
+                    accumulate: false,
+                }],
+            )?;
+            let host = self.staging.download_to_vec(gathered, &stream)?;
+            let rows = self.staging.download_to_vec(touched, &stream)?;
+            for (i, &row) in rows.iter().enumerate() {
+                grads.mark_row(p, row);
+                let dst = &mut grads.values[p].data_mut()
+                    [row as usize * width..(row as usize + 1) * width];
+                for (d, &x) in dst.iter_mut().zip(&host[i * width..(i + 1) * width]) {
+                    *d += x;
                 }
             }
         }
-        let _ = model;
         grads.finish_rows();
+        Ok(())
+    }
+}
+
+impl CudaEngine {
+    /// Per row-gradient table, in parameter order: the rows this batch
+    /// touches (the distinct tokens of the rows of every function whose
+    /// backward graph adds rows into the table, as the CPU engine marks
+    /// them), uploaded as one sorted device list per table.
+    fn touched_rows(
+        &mut self,
+        model: &Model,
+        s: &Schedule,
+    ) -> Result<Vec<(usize, DeviceView<u32>)>> {
+        let stream = self.device.stream().clone();
+        let mut lists = Vec::new();
+        for &p in &self.program.row_grad_params {
+            let mut rows: Vec<u32> = Vec::new();
+            for (f, func) in model.functions.iter().enumerate() {
+                if func
+                    .backward
+                    .outputs
+                    .iter()
+                    .any(|o| o.role == Role::ParamRowGrad(p))
+                {
+                    rows.extend(s.functions[f].vertex.iter().map(|&v| s.tokens[v as usize]));
+                }
+            }
+            rows.sort_unstable();
+            rows.dedup();
+            lists.push((p, rows));
+        }
+        let mut out = Vec::with_capacity(lists.len());
+        for (p, rows) in lists {
+            let view = self.arena.alloc::<u32>(rows.len())?;
+            self.staging.upload_slice(&rows, view, &stream)?;
+            self.launcher.count();
+            out.push((p, view));
+        }
+        Ok(out)
+    }
+
+    /// The optimizer on the device for the current parameter buffers,
+    /// (re)built when missing, when the buffers moved, or when the
+    /// optimizer kind or clipping changed.
+    fn device_optimizer(
+        &mut self,
+        model: &Model,
+        config: &OptimizerConfig,
+    ) -> Result<&mut DeviceOptimizer> {
+        let generation = self.param_views()?.generation;
+        let reusable = match &mut self.optimizer {
+            Some((built_for, opt)) if *built_for == generation => opt.set_config(config).is_ok(),
+            _ => false,
+        };
+        if !reusable {
+            let dp = self.param_views()?;
+            let slots: Vec<ParamSlot> = (0..dp.values.len())
+                .map(|p| ParamSlot {
+                    value: dp.values[p],
+                    grad: dp.grads[p],
+                    layout: if self.program.row_grad_params.contains(&p) {
+                        GradLayout::Rows {
+                            width: model.params[p].shape.get(1).copied().unwrap_or(1),
+                        }
+                    } else {
+                        GradLayout::Dense
+                    },
+                })
+                .collect();
+            let opt = DeviceOptimizer::new(&self.device, &self.pool, &self.cache, config, &slots)?;
+            self.optimizer = Some((generation, opt));
+        }
+        match &mut self.optimizer {
+            Some((_, opt)) => Ok(opt),
+            None => Err(model_err("device optimizer missing")),
+        }
+    }
+
+    /// Forward, backward and the fused optimizer update, all on the device;
+    /// the host parameters lag until [`CudaEngine::download_params`].
+    fn device_train_step(
+        &mut self,
+        model: &Model,
+        params: &mut Params<f32>,
+        config: &OptimizerConfig,
+        batch: &Batch<'_>,
+    ) -> Result<f64> {
+        let out = self.forward_pass(model, params, batch, Mode::Train, model.head.rows)?;
+        self.backward_on_device(model, params, batch)?;
+        let touched: Vec<DeviceView<u32>> = self
+            .touched_rows(model, &batch.schedule)?
+            .into_iter()
+            .map(|(_, v)| v)
+            .collect();
+        let stream = self.device.stream().clone();
+        let report = self
+            .device_optimizer(model, config)?
+            .step(&stream, &touched, false)?;
+        for _ in 0..report.launches {
+            self.launcher.count();
+        }
+        // the device copy is now ahead of the host values
+        params.touch();
+        if let Some(dp) = self.params.as_mut() {
+            dp.version = params.version();
+            dp.host_stale = true;
+        }
+        out.loss
+            .ok_or_else(|| model_err("forward pass returned no loss"))
+    }
+
+    /// Copies the device parameters into `params` if a device step changed them.
+    pub fn download_params(&mut self, params: &mut Params<f32>) -> Result<()> {
+        let stream = self.device.stream().clone();
+        let Some(dp) = self.params.as_ref() else {
+            return Ok(());
+        };
+        if !dp.host_stale || dp.version != params.version() {
+            return Ok(());
+        }
+        let all = dp._values.view();
+        let total: usize = params.values.iter().map(|t| t.data().len()).sum();
+        let host = self
+            .staging
+            .download_to_vec(all.slice(0..total)?, &stream)?;
+        let mut at = 0;
+        for t in params.values.iter_mut() {
+            let len = t.data().len();
+            t.data_mut().copy_from_slice(&host[at..at + len]);
+            at += len;
+        }
+        params.touch();
+        if let Some(dp) = self.params.as_mut() {
+            dp.version = params.version();
+            dp.host_stale = false;
+        }
         Ok(())
     }
 }
@@ -1540,6 +1757,19 @@ impl ramus_nn::Engine<f32> for CudaEngine {
     }
     fn set_seed(&mut self, seed: u64) {
         CudaEngine::set_seed(self, seed)
+    }
+    fn sync_host_params(&mut self, params: &mut Params<f32>) -> ramus_nn::Result<()> {
+        Ok(self.download_params(params)?)
+    }
+    fn train_step(
+        &mut self,
+        model: &Model,
+        params: &mut Params<f32>,
+        _grads: &mut Grads<f32>,
+        optimizer: &mut Optimizer<f32>,
+        batch: &Batch<'_>,
+    ) -> ramus_nn::Result<f64> {
+        Ok(self.device_train_step(model, params, &optimizer.config, batch)?)
     }
 }
 

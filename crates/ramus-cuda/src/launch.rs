@@ -466,31 +466,48 @@ impl Launcher {
     }
 
     /// A generated fused elementwise kernel over `n` elements of rows of
-    /// `width` (signature of [`ramus_core::fusion::FusedGroup::cuda_source`]).
+    /// `width`, with the parameter order of
+    /// [`ramus_core::fusion::FusedGroup::cuda_source`]: input pointers (a
+    /// window's source), output pointers, concat pointers, `n`, `width`,
+    /// then `(stride, offset)` per window input and per concat write.
     pub fn fused(
         &self,
         stream: &CudaStream,
         kernel: &CudaFunction,
-        inputs: &[DeviceView<f32>],
-        outputs: &[DeviceView<f32>],
-        n: usize,
-        width: usize,
+        args: &FusedArgs,
     ) -> Result<()> {
-        if n == 0 {
+        if args.n == 0 {
             return Ok(());
         }
-        let (count, w) = (n as u64, u32_arg(width, "width")?);
+        let (count, w) = (args.n as u64, u32_arg(args.width, "width")?);
         let mut launch = stream.launch_builder(kernel);
-        for v in inputs.iter().chain(outputs) {
+        for v in args.inputs.iter().chain(&args.outputs).chain(&args.concats) {
             launch.arg(v.kernel_arg());
         }
         launch.arg(&count).arg(&w);
-        // SAFETY: the engine passes one view per declared input and output,
-        // each holding `n` floats (broadcast inputs `width`).
-        unsafe { launch.launch(elementwise_cfg(n)) }.in_call("cuLaunchKernel(fused)")?;
+        for pair in &args.strides {
+            launch.arg(&pair[0]).arg(&pair[1]);
+        }
+        // SAFETY: the engine passes one view per declared pointer parameter,
+        // each covering the elements the kernel reads or writes for `n`
+        // elements (windows and concats through their stride and offset),
+        // and one (stride, offset) pair per window input and concat write.
+        unsafe { launch.launch(elementwise_cfg(args.n)) }.in_call("cuLaunchKernel(fused)")?;
         self.count();
         Ok(())
     }
+}
+
+/// The arguments of one fused-kernel launch (see [`Launcher::fused`]).
+#[derive(Default)]
+pub struct FusedArgs {
+    pub inputs: Vec<DeviceView<f32>>,
+    pub outputs: Vec<DeviceView<f32>>,
+    pub concats: Vec<DeviceView<f32>>,
+    pub n: usize,
+    pub width: usize,
+    /// `(stride, offset)` per window input, then per concat write.
+    pub strides: Vec<[u32; 2]>,
 }
 
 fn elementwise_cfg(n: usize) -> LaunchConfig {

@@ -4,12 +4,12 @@
 //! templates, and one NVRTC compilation of all of them through the kernel
 //! cache (a second process start compiles nothing).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
 
 use cudarc::driver::CudaFunction;
 
-use ramus_core::fusion::{self, FusedGroup, Step};
+use ramus_core::fusion::{self, FusedGroup, SliceView, Step};
 use ramus_core::graph::{Graph, NodeId, NodeKind, Role};
 use ramus_core::Model;
 
@@ -32,6 +32,9 @@ pub(crate) enum ExecStep {
 pub(crate) struct GraphProgram {
     pub phases: Vec<Vec<ExecStep>>,
     pub materialized: Vec<bool>,
+    /// Slices with no step, read in place (by fused groups as windows, by
+    /// matmuls through a leading dimension), by slice node.
+    pub views: HashMap<NodeId, SliceView>,
 }
 
 /// Phase indices of a vertex function's programs.
@@ -61,6 +64,7 @@ pub(crate) struct Program {
 struct PlannedGraph {
     phases: Vec<fusion::FusionPlan>,
     materialized: Vec<bool>,
+    views: HashMap<NodeId, SliceView>,
 }
 
 fn op_nodes(graph: &Graph, wanted: impl Fn(NodeId) -> bool) -> Vec<NodeId> {
@@ -92,9 +96,14 @@ fn plan_graph(
     kernels: &mut BTreeMap<String, String>,
 ) -> Result<PlannedGraph> {
     let mut materialized = vec![true; graph.nodes.len()];
+    let mut views = HashMap::new();
     let mut plans = Vec::with_capacity(phases.len());
     for nodes in phases {
         let plan = fusion::fuse(graph, nodes, &|n| keep.contains(&n))?;
+        for v in &plan.views {
+            materialized[v.slice] = false;
+            views.insert(v.slice, *v);
+        }
         for group in plan.groups() {
             let kernel = group.kernel(graph)?;
             kernels.entry(kernel.name).or_insert(kernel.source);
@@ -109,6 +118,7 @@ fn plan_graph(
     Ok(PlannedGraph {
         phases: plans,
         materialized,
+        views,
     })
 }
 
@@ -138,6 +148,7 @@ fn bind(
     Ok(GraphProgram {
         phases,
         materialized: planned.materialized,
+        views: planned.views,
     })
 }
 

@@ -173,34 +173,63 @@ fn dropout_masks_match_the_cpu_engine() {
     check_model("treelstm", 0.3);
 }
 
-#[test]
-fn training_on_cuda_follows_the_cpu_trajectory() {
+/// A few training steps with the fused device optimizer against the CPU
+/// engine with the host optimizer: same losses, same updated parameters.
+fn follows_the_cpu_trajectory(config: OptimizerConfig, name: &str) {
     if !cuda_ready() {
         return;
     }
-    let model = model("treelstm-nary", 0.0);
+    let model = model("treelstm", 0.0);
     let params: Params<f32> = Params::init(&model, 5);
-    let data = graphs("treelstm-nary", 48, 8);
-    let config = OptimizerConfig::new(OptimizerKind::Adagrad, 0.05);
+    let data = graphs("treelstm", 48, 8);
     let mut cpu = Trainer::new(model.clone(), params.clone(), config);
     let mut gpu = Trainer::new(model.clone(), params, config);
-    gpu.engine = Box::new(CudaEngine::new(&model, &options("train")).expect("engine"));
+    gpu.engine = Box::new(CudaEngine::new(&model, &options(name)).expect("engine"));
     for chunk in data.chunks(12) {
         let refs: Vec<&InputGraph> = chunk.iter().collect();
         let a = cpu.train_batch(&refs).expect("cpu step");
         let b = gpu.train_batch(&refs).expect("cuda step");
         assert!(
             (a - b).abs() <= 1e-3 * a.abs().max(1.0),
-            "loss CPU {a} vs CUDA {b}"
+            "{name}: loss CPU {a} vs CUDA {b}"
         );
     }
+    gpu.sync_params()
+        .expect("parameters come back from the device");
     for (p, spec) in model.params.iter().enumerate() {
         close(
             cpu.params.values[p].data(),
             gpu.params.values[p].data(),
-            &format!("updated {}", spec.name),
+            &format!("{name}: updated {}", spec.name),
         );
     }
+    // evaluation after device steps sees the device parameters
+    let (x, y) = (
+        cpu.evaluate(&data, 16).expect("cpu eval"),
+        gpu.evaluate(&data, 16).expect("cuda eval"),
+    );
+    assert!(
+        (x.loss - y.loss).abs() <= 1e-3 * x.loss.abs().max(1.0),
+        "{name}: eval loss {} vs {}",
+        x.loss,
+        y.loss
+    );
+}
+
+#[test]
+fn adagrad_training_on_cuda_follows_the_cpu_trajectory() {
+    follows_the_cpu_trajectory(
+        OptimizerConfig::new(OptimizerKind::Adagrad, 0.05),
+        "adagrad",
+    );
+}
+
+#[test]
+fn clipped_adamw_training_on_cuda_follows_the_cpu_trajectory() {
+    let mut config = OptimizerConfig::new(OptimizerKind::Adam, 0.01);
+    config.weight_decay = 1e-3;
+    config.clip_norm = Some(0.5);
+    follows_the_cpu_trajectory(config, "adamw");
 }
 
 #[test]
