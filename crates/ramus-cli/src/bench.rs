@@ -173,6 +173,10 @@ pub fn run(a: BenchArgs) -> AnyResult {
             engine.engine().forward(&model, &params, &b, Mode::Infer)?;
             Ok(())
         })?;
+        let enqueue_ms = match &engine {
+            BenchEngine::Cuda(e) => Some((e.last_enqueue_seconds() * 1e6).round() / 1e3),
+            BenchEngine::Cpu(_) => None,
+        };
         let calls = (a.reps.max(1) + 3) as u64;
         let infer_kernels = engine.launches().zip(before).map(|(x, y)| (x - y) / calls);
         let before = engine.launches();
@@ -193,6 +197,7 @@ pub fn run(a: BenchArgs) -> AnyResult {
             "infer_ms": (infer * 1e6).round() / 1e3, "train_sent_per_s": ((bs as f64 / train) * 10.0).round() / 10.0,
             "leaf_table_build_ms": table_ms.map(|t| (t * 10.0).round() / 10.0),
             "kernels_per_batch": infer_kernels, "kernels_per_train_batch": train_kernels,
+            "infer_enqueue_ms": enqueue_ms,
         });
         println!("{line}");
         results.push(line);

@@ -46,7 +46,7 @@ use std::fmt;
 use crate::error::{CoreError, Result};
 use crate::graph::{DType, Graph, NodeId, NodeKind, Source, Space};
 use crate::op::{Arg, ArgData, KernelCtx};
-use crate::ops::{Concat, MatMul, Slice};
+use crate::ops::{Concat, MatMul, Slice, SumChildren};
 use crate::real::Real;
 
 // ---------------------------------------------------------------- plan types
@@ -126,7 +126,7 @@ pub struct FusedGroup {
 
 /// A `slice` that has no step: its users read a window of its source in
 /// place (fused groups through [`InputKind::Window`], matmuls through the
-/// leading dimension). Row `r` of the slice is
+/// leading dimension, `sum_children` with a row stride). Row `r` of the slice is
 /// `source[r * stride + offset .. r * stride + offset + len]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SliceView {
@@ -620,12 +620,20 @@ pub fn fuse(graph: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool) -> R
 /// True if `user` can read slice `slice` as a window of its source in
 /// place: a fused elementwise op of the slice's space and width, operand A
 /// of a `matmul` without `trans_a`, or either operand of one with
-/// `trans_a` (the engine passes the window through the leading dimension).
+/// `trans_a` (the engine passes the window through the leading dimension),
+/// or the operand of a `sum_children` (the engine's child-sum kernel reads
+/// rows with a stride).
 fn reads_in_place(graph: &Graph, user: NodeId, slice: NodeId, elementwise: bool) -> bool {
     let node = &graph.nodes[user];
     if elementwise {
         let st = &graph.nodes[slice].ty;
         return node.ty.space == st.space && node.ty.width() == st.width();
+    }
+    if node
+        .op()
+        .is_some_and(|op| (op as &dyn Any).downcast_ref::<SumChildren>().is_some())
+    {
+        return true;
     }
     let Some(mm) = node
         .op()

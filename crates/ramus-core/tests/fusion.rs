@@ -22,7 +22,7 @@ use ramus_core::fusion::{
     SliceView, Step,
 };
 use ramus_core::model::{HeadRows, Init, ModelBuilder};
-use ramus_core::ops::{Concat, MatMul, Slice};
+use ramus_core::ops::{Concat, MatMul, Slice, SumChildren};
 use ramus_core::{Graph, GraphBuilder, NodeId, NodeKind, OpRegistry, Role, Source, Space, Sym};
 use ramus_core::{NodeKind::Op, ValueType};
 
@@ -99,6 +99,7 @@ fn expected_views_and_concats(
                 && users[v].iter().all(|&u| {
                     listed(u)
                         && (fused(u)
+                            || op_as::<SumChildren>(g, u).is_some()
                             || op_as::<MatMul>(g, u).is_some_and(|mm| {
                                 let ins = &g.nodes[u].inputs;
                                 if mm.trans_a {
@@ -197,8 +198,9 @@ fn check_plan(g: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool, plan: 
                 );
             }
             if is_view(x).is_some() {
-                let ok =
-                    matches!(&plan.steps[sv], Step::Fused(_)) || op_as::<MatMul>(g, v).is_some();
+                let ok = matches!(&plan.steps[sv], Step::Fused(_))
+                    || op_as::<MatMul>(g, v).is_some()
+                    || op_as::<SumChildren>(g, v).is_some();
                 assert!(ok, "%{v} reads view %{x} but cannot:\n{plan}");
             }
         }
@@ -1449,24 +1451,50 @@ fn random_env(g: &Graph, shapes: &[Vec<usize>], topo: Topo, seed: u64) -> Env {
 }
 
 #[test]
+fn sum_children_reads_a_slice_in_place() {
+    // the child-sum of a slice of the gathered rows needs no copy of it
+    let h = 3;
+    let mut b = GraphBuilder::new("child-sum", &[]);
+    let kids = b.input(Source::GatherAll, rows(E, 2 * h));
+    let h_k = b.slice(kids, 0, h);
+    let h_sum = b.sum_children(h_k);
+    let out = b.tanh(h_sum);
+    b.output(Role::Push, out, None);
+    let g = b.finish().unwrap();
+    let plan = fuse_all(&g);
+    check_plan(&g, &op_nodes(&g), &no_keep, &plan);
+    assert!(!plan.steps.contains(&Step::Op(h_k.id())), "{plan}");
+    assert_eq!(
+        plan.views,
+        vec![SliceView {
+            slice: h_k.id(),
+            source: kids.id(),
+            offset: 0,
+            stride: 2 * h,
+            len: h,
+        }]
+    );
+}
+
+#[test]
 fn a_slice_read_by_a_non_fusable_op_stays_a_step() {
-    // child-sum: h_k = slice(kids), c_k = slice(kids); sum_children(h_k)
-    // needs h_k in a buffer of its own, so h_k is a step even though the
-    // matmul and the gate could read it in place; c_k, only read by the
-    // gate group, is a window of the gathered rows
+    // h_k = slice(kids), c_k = slice(kids); sum_rows(h_k) needs h_k in a
+    // buffer of its own, so h_k is a step even though the matmul and the
+    // gate could read it in place; c_k, only read by the gate group, is a
+    // window of the gathered rows
     let h = 3;
     let shapes = vec![vec![h, h], vec![h]];
     let mut b = GraphBuilder::new("child-sum", &shapes);
     let kids = b.input(Source::GatherAll, rows(E, 2 * h));
     let h_k = b.slice(kids, 0, h);
     let c_k = b.slice(kids, h, h);
-    let h_sum = b.sum_children(h_k);
+    let h_total = b.sum_rows(h_k);
     let (u, bias) = (b.param(0), b.param(1));
     let f_pre = b.linear(h_k, u, Some(bias));
     let f_k = b.sigmoid(f_pre);
     let fc = b.mul(f_k, c_k);
     let fc_sum = b.sum_children(fc);
-    let out = b.add(h_sum, fc_sum);
+    let out = b.add(fc_sum, h_total);
     b.output(Role::Push, out, None);
     let g = b.finish().unwrap();
     let plan = fuse_all(&g);

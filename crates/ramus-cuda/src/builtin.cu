@@ -76,16 +76,18 @@ extern "C" __global__ void ramus_add_into(float* dst, const float* __restrict__ 
 
 // Child sum: vertex row r of the run sums its edge rows
 // offsets[r] - edge_base .. offsets[r + 1] - edge_base (CSR, absolute
-// offsets of the function's rows; deterministic order).
+// offsets of the function's rows; deterministic order). Edge row e is read
+// at src[e * src_stride + src_offset ..] (a column window of a wider value).
 extern "C" __global__ void ramus_sum_children(float* dst, const float* __restrict__ src,
                                               const u32* __restrict__ offsets, u32 edge_base,
-                                              u32 rows, u32 width) {
+                                              u32 rows, u32 width, u32 src_stride,
+                                              u32 src_offset) {
     FOR_EACH(i, (u64)rows * width) {
         const u32 r = (u32)(i / width);
         const u32 j = (u32)(i % width);
         float acc = 0.0f;
         for (u32 e = offsets[r] - edge_base; e < offsets[r + 1] - edge_base; ++e) {
-            acc += src[(u64)e * width + j];
+            acc += src[(u64)e * src_stride + src_offset + j];
         }
         dst[i] = acc;
     }

@@ -214,6 +214,8 @@ pub struct CudaEngine {
     setup_seconds: f64,
     /// The fused optimizer, with the parameter-buffer generation it serves.
     optimizer: Option<(u64, DeviceOptimizer)>,
+    pass_started: Option<std::time::Instant>,
+    enqueue_seconds: f64,
 }
 
 fn u32_of(value: usize, what: &str) -> Result<u32> {
@@ -265,6 +267,8 @@ impl CudaEngine {
             pull_values: None,
             setup_seconds: started.elapsed().as_secs_f64(),
             optimizer: None,
+            pass_started: None,
+            enqueue_seconds: 0.0,
         })
     }
 
@@ -291,6 +295,13 @@ impl CudaEngine {
     /// Seconds spent in [`CudaEngine::new`] (device, compilation, cache).
     pub fn setup_seconds(&self) -> f64 {
         self.setup_seconds
+    }
+
+    /// Host time of the last forward pass up to its first download: how
+    /// long enqueueing its work took (when close to the pass's wall time,
+    /// the pass is bound by the host, not the device).
+    pub fn last_enqueue_seconds(&self) -> f64 {
+        self.enqueue_seconds
     }
 
     /// Fused kernels compiled for the model.
@@ -582,6 +593,7 @@ impl CudaEngine {
         rows: HeadRows,
     ) -> Result<ForwardOutput<f32>> {
         self.check_model(model)?;
+        self.pass_started = Some(std::time::Instant::now());
         let program = self.program.clone();
         let s = &batch.schedule;
         self.state.forward_done = false;
@@ -592,17 +604,18 @@ impl CudaEngine {
         let w = model.state_width;
         let state = self.arena.alloc::<f32>(s.num_vertices() * w)?;
         let training = mode == Mode::Train;
+        // without a backward pass to follow, fusion keeps fewer values
+        let programs: Vec<&GraphProgram> = if training {
+            program.functions.iter().map(|p| &p.0).collect()
+        } else {
+            program.infer_functions.iter().collect()
+        };
         let mut fwd = Vec::with_capacity(model.functions.len());
         for (f, func) in model.functions.iter().enumerate() {
             let fr = &s.functions[f];
             let tokens = self.state.topo[f].as_ref().map(|t| t.tokens);
-            let bufs = self.alloc_bufs(
-                &func.forward,
-                &program.functions[f].0,
-                fr.rows(),
-                fr.edges(),
-                tokens,
-            )?;
+            let bufs =
+                self.alloc_bufs(&func.forward, programs[f], fr.rows(), fr.edges(), tokens)?;
             self.fill_masks(&func.forward, &bufs, training)?;
             if let Some(pull) = func.forward.input_node(Source::Pull) {
                 self.upload_pull(&func.forward, pull, &bufs, fr, s.num_vertices(), &func.name)?;
@@ -610,7 +623,6 @@ impl CudaEngine {
             fwd.push(bufs);
         }
         let graphs: Vec<&Graph> = model.functions.iter().map(|f| &f.forward).collect();
-        let programs: Vec<&GraphProgram> = program.functions.iter().map(|p| &p.0).collect();
         self.run_eager(&graphs, &programs, &fwd, None, s)?;
         let mut joined = vec![false; model.functions.len()];
         for task in &s.tasks {
@@ -648,7 +660,7 @@ impl CudaEngine {
             self.launcher.move_rows(&stream, &moves)?;
             self.run_steps(
                 &func.forward,
-                &program.functions[f].0,
+                programs[f],
                 PER_TASK,
                 &fwd[f],
                 None,
@@ -669,7 +681,7 @@ impl CudaEngine {
             let range = Range::all(&s.functions[f]);
             self.run_steps(
                 &func.forward,
-                &program.functions[f].0,
+                programs[f],
                 LAZY,
                 &fwd[f],
                 None,
@@ -731,7 +743,12 @@ impl CudaEngine {
         let h = self.state.head_vertices.len();
         let stream = self.device.stream().clone();
         let program = self.program.clone();
-        let bufs = self.alloc_bufs(g, &program.head_forward, h, 0, None)?;
+        let head_program = if mode == Mode::Train {
+            &program.head_forward
+        } else {
+            &program.head_forward_infer
+        };
+        let bufs = self.alloc_bufs(g, head_program, h, 0, None)?;
         self.fill_masks(g, &bufs, mode == Mode::Train)?;
         if let Some(inp) = g.input_node(Source::HeadInput) {
             let Buf::Floats(dst) = bufs[inp] else {
@@ -767,7 +784,7 @@ impl CudaEngine {
         };
         self.run_steps(
             g,
-            &program.head_forward,
+            head_program,
             phase,
             &bufs,
             None,
@@ -775,6 +792,9 @@ impl CudaEngine {
             None,
             &self.main,
         )?;
+        if let Some(t) = self.pass_started.take() {
+            self.enqueue_seconds = t.elapsed().as_secs_f64();
+        }
         let loss = if mode != Mode::Infer {
             let v = self.float_view(g, head.loss, &bufs, None, Range::rows_only(h))?;
             let host = self.staging.download_to_vec(v, &stream)?;
@@ -1133,14 +1153,24 @@ impl CudaEngine {
         if any.downcast_ref::<SumChildren>().is_some() {
             let t = need_topo()?;
             let offsets = t.edge_offsets.slice(range.r0..range.r1 + 1)?;
+            let width = node.ty.width();
+            // a viewed slice: the rows of its source, read with a stride
+            let (src, window) = match views.get(&arg(0)) {
+                Some(v) => (
+                    self.float_view(g, v.source, own, fwd, range)?,
+                    (v.stride, v.offset),
+                ),
+                None => (fv(0)?, (width, 0)),
+            };
             return self.launcher.sum_children(
                 &stream,
                 out()?,
-                fv(0)?,
+                src,
+                window,
                 offsets,
                 range.e0,
                 out_rows,
-                node.ty.width(),
+                width,
             );
         }
         if any.downcast_ref::<ExpandChildren>().is_some() {

@@ -267,13 +267,16 @@ impl Launcher {
         Ok(())
     }
 
-    /// Child sum over CSR edge offsets (absolute; `edge_base` is subtracted).
+    /// Child sum over CSR edge offsets (absolute; `edge_base` is
+    /// subtracted); edge rows are read `src_window = (stride, offset)` into
+    /// a wider source (`(width, 0)` for a plain value).
     #[allow(clippy::too_many_arguments)] // a CSR reduction: data, offsets and extents
     pub fn sum_children(
         &self,
         stream: &CudaStream,
         dst: DeviceView<f32>,
         src: DeviceView<f32>,
+        src_window: (usize, usize),
         offsets: DeviceView<u32>,
         edge_base: usize,
         rows: usize,
@@ -292,6 +295,18 @@ impl Launcher {
             u32_arg(rows, "rows")?,
             u32_arg(width, "width")?,
         );
+        let (stride, offset) = (
+            u32_arg(src_window.0, "row stride")?,
+            u32_arg(src_window.1, "column offset")?,
+        );
+        if src_window.1 + width > src_window.0 {
+            return Err(CudaError::BadArgument(format!(
+                "sum_children: window {}..{} outside rows of {}",
+                src_window.1,
+                src_window.1 + width,
+                src_window.0
+            )));
+        }
         let mut launch = stream.launch_builder(self.function(Builtin::SumChildren));
         launch
             .arg(dst.kernel_arg())
@@ -299,7 +314,9 @@ impl Launcher {
             .arg(offsets.kernel_arg())
             .arg(&b)
             .arg(&r)
-            .arg(&w);
+            .arg(&w)
+            .arg(&stride)
+            .arg(&offset);
         // SAFETY: arguments match; offsets index edges inside `src` (the
         // schedule's CSR for these rows).
         unsafe { launch.launch(elementwise_cfg(rows * width)) }

@@ -47,8 +47,13 @@ pub(crate) const HEAD_SCORES: usize = 1;
 
 /// Everything compiled for one model.
 pub(crate) struct Program {
+    /// Per vertex function: `F` for training (keeping what `∂F` reads) and `∂F`.
     pub functions: Vec<(GraphProgram, GraphProgram)>,
+    /// Per vertex function: `F` for evaluation and inference (keeping
+    /// nothing for a backward pass, so more stays in registers).
+    pub infer_functions: Vec<GraphProgram>,
     pub head_forward: GraphProgram,
+    pub head_forward_infer: GraphProgram,
     pub head_backward: GraphProgram,
     /// Parameters whose gradient arrives only as rows (embedding tables).
     pub row_grad_params: BTreeSet<usize>,
@@ -157,6 +162,7 @@ impl Program {
     pub fn build(model: &Model, cache: &KernelCache) -> Result<Program> {
         let mut kernels = BTreeMap::new();
         let mut planned_functions = Vec::new();
+        let mut planned_infer = Vec::new();
         let mut listing = String::new();
         let names = model.param_names();
         let none = BTreeSet::new();
@@ -164,12 +170,9 @@ impl Program {
             // forward values the backward graph reads must stay in memory
             let keep = fusion::forward_reads(&func.backward);
             let fp = &func.forward_plan;
-            let fwd = plan_graph(
-                &func.forward,
-                &[fp.eager.clone(), fp.per_task.clone(), fp.lazy.clone()],
-                &keep,
-                &mut kernels,
-            )?;
+            let phases = [fp.eager.clone(), fp.per_task.clone(), fp.lazy.clone()];
+            let fwd = plan_graph(&func.forward, &phases, &keep, &mut kernels)?;
+            planned_infer.push(plan_graph(&func.forward, &phases, &none, &mut kernels)?);
             let bp = &func.backward_plan;
             let bwd = plan_graph(
                 &func.backward,
@@ -194,15 +197,12 @@ impl Program {
         let head = &model.head;
         let keep = fusion::forward_reads(&head.backward);
         let scores = ancestors(&head.forward, &head.logits.into_iter().collect::<Vec<_>>());
-        let head_fwd = plan_graph(
-            &head.forward,
-            &[
-                op_nodes(&head.forward, |_| true),
-                op_nodes(&head.forward, |n| scores[n]),
-            ],
-            &keep,
-            &mut kernels,
-        )?;
+        let head_phases = [
+            op_nodes(&head.forward, |_| true),
+            op_nodes(&head.forward, |n| scores[n]),
+        ];
+        let head_fwd = plan_graph(&head.forward, &head_phases, &keep, &mut kernels)?;
+        let head_fwd_infer = plan_graph(&head.forward, &head_phases, &none, &mut kernels)?;
         let head_bwd = plan_graph(
             &head.backward,
             &[op_nodes(&head.backward, |_| true)],
@@ -244,8 +244,16 @@ impl Program {
                 }
             }
         }
+        let infer_functions = model
+            .functions
+            .iter()
+            .zip(planned_infer)
+            .map(|(func, planned)| bind(planned, &func.forward, module))
+            .collect::<Result<_>>()?;
         Ok(Program {
             functions,
+            infer_functions,
+            head_forward_infer: bind(head_fwd_infer, &head.forward, module)?,
             head_forward: bind(head_fwd, &head.forward, module)?,
             head_backward: bind(head_bwd, &head.backward, module)?,
             row_grad_params: rows.difference(&dense).copied().collect(),
