@@ -214,15 +214,23 @@ fn every_elementwise_op_matches_the_cpu_engine_on_the_device() {
     for (name, attrs) in activations {
         let m = model_with(name, attrs);
         let params: Params<f32> = Params::init(&m, 4);
-        let batch = Batch::new(&m, graphs.iter().collect(), BatchingPolicy::Cavs).expect("schedule");
+        let batch =
+            Batch::new(&m, graphs.iter().collect(), BatchingPolicy::Cavs).expect("schedule");
         let mut cpu = CpuEngine::<f32>::new();
         let mut cuda = CudaEngine::new(&m, &opts).expect("engine");
-        let want = cpu.forward(&m, &params, &batch, Mode::Train).expect("cpu forward");
-        let got = Engine::forward(&mut cuda, &m, &params, &batch, Mode::Train).expect("cuda forward");
+        let want = cpu
+            .forward(&m, &params, &batch, Mode::Train)
+            .expect("cpu forward");
+        let got =
+            Engine::forward(&mut cuda, &m, &params, &batch, Mode::Train).expect("cuda forward");
         let (l0, l1) = (want.loss.unwrap_or(f64::NAN), got.loss.unwrap_or(f64::NAN));
-        assert!((l0 - l1).abs() <= 1e-4 * l0.abs().max(1.0), "{name}: loss CPU {l0} vs CUDA {l1}");
+        assert!(
+            (l0 - l1).abs() <= 1e-4 * l0.abs().max(1.0),
+            "{name}: loss CPU {l0} vs CUDA {l1}"
+        );
         let (mut g0, mut g1) = (ramus_core::Grads::zeros(&m), ramus_core::Grads::zeros(&m));
-        cpu.backward(&m, &params, &batch, &mut g0).expect("cpu backward");
+        cpu.backward(&m, &params, &batch, &mut g0)
+            .expect("cpu backward");
         Engine::backward(&mut cuda, &m, &params, &batch, &mut g1).expect("cuda backward");
         for (p, spec) in m.params.iter().enumerate() {
             let (a, b) = (g0.values[p].data(), g1.values[p].data());
