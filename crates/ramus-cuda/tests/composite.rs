@@ -37,17 +37,23 @@ fn registry() -> OpRegistry {
         b.log(e)
     })
     .expect("registers");
-    // div, neg, sub and rsub_scalar
-    reg.register_composite("ratio", 1, "(x - 1) / (1 + exp(-x)) + (2 - x)", |b, x| {
-        let n = b.neg(x[0]);
-        let e = b.exp(n);
-        let d = b.add_scalar(e, 1.0);
-        let one = b.add_scalar(x[0], -1.0);
-        let q = b.div(one, d);
-        let r = b.rsub_scalar(x[0], 2.0);
-        let t = b.sub(q, r);
-        b.add(t, x[0])
-    })
+    // div, neg, sub and rsub_scalar; bounded (through tanh) so that deep
+    // trees keep exp finite
+    reg.register_composite(
+        "ratio",
+        1,
+        "t = tanh(x): (t - 1) / (1 + exp(-t)) - (2 - t)",
+        |b, x| {
+            let t = b.tanh(x[0]);
+            let n = b.neg(t);
+            let e = b.exp(n);
+            let d = b.add_scalar(e, 1.0);
+            let one = b.add_scalar(t, -1.0);
+            let q = b.div(one, d);
+            let r = b.rsub_scalar(t, 2.0);
+            b.sub(q, r)
+        },
+    )
     .expect("registers");
     reg
 }
