@@ -131,18 +131,19 @@ impl<T: Real> Arena<T> {
     }
 }
 
-/// A contiguous run of vertex rows and edge rows.
-#[derive(Clone, Copy, Debug)]
-struct Range {
-    r0: usize,
-    r1: usize,
-    e0: usize,
-    e1: usize,
+/// A contiguous run of a vertex function's rows and edge rows: one task,
+/// every row, or the head's rows. Engines run ops over such runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Range {
+    pub r0: usize,
+    pub r1: usize,
+    pub e0: usize,
+    pub e1: usize,
 }
 
 impl Range {
     /// Every row and edge of a vertex function.
-    fn all(rows: &FunctionRows) -> Self {
+    pub fn all(rows: &FunctionRows) -> Self {
         Range {
             r0: 0,
             r1: rows.rows(),
@@ -151,12 +152,30 @@ impl Range {
         }
     }
     /// The rows and edges of one task.
-    fn task(t: &Task) -> Self {
+    pub fn task(t: &Task) -> Self {
         Range {
             r0: t.row_offset as usize,
             r1: (t.row_offset + t.len) as usize,
             e0: t.edge_offset as usize,
             e1: (t.edge_offset + t.edge_len) as usize,
+        }
+    }
+    /// `rows` vertex rows and no edges (the head's rows).
+    pub fn rows_only(rows: usize) -> Self {
+        Range {
+            r0: 0,
+            r1: rows,
+            e0: 0,
+            e1: 0,
+        }
+    }
+    /// First and one-past-last row of `space` in this run (static values
+    /// are one row).
+    pub fn span(&self, space: Space) -> (usize, usize) {
+        match space {
+            Space::Vertex => (self.r0, self.r1),
+            Space::Edge => (self.e0, self.e1),
+            Space::Static => (0, 1),
         }
     }
 }
@@ -275,12 +294,7 @@ impl<T: Real> CpuEngine<T> {
                             *t = (start + i) as u32;
                         }
                     }
-                    let all = Range {
-                        r0: 0,
-                        r1: rows,
-                        e0: 0,
-                        e1: 0,
-                    };
+                    let all = Range::rows_only(rows);
                     run_nodes(
                         g,
                         &hoist.build,
@@ -603,12 +617,7 @@ impl<T: Real> CpuEngine<T> {
                 }
             }
         }
-        let all = Range {
-            r0: 0,
-            r1: h,
-            e0: 0,
-            e1: 0,
-        };
+        let all = Range::rows_only(h);
         for (n, node) in g.nodes.iter().enumerate() {
             if needed[n] && matches!(node.kind, NodeKind::Op(_)) {
                 run_node(
@@ -676,12 +685,7 @@ impl<T: Real> CpuEngine<T> {
         if let Some(seed) = loss_output.and_then(|i| hb.input_node(Source::OutputGrad(i))) {
             self.head_bwd.vals[seed][0] = T::ONE;
         }
-        let all = Range {
-            r0: 0,
-            r1: h,
-            e0: 0,
-            e1: 0,
-        };
+        let all = Range::rows_only(h);
         for n in 0..hb.nodes.len() {
             if matches!(hb.nodes[n].kind, NodeKind::Op(_)) {
                 run_node(

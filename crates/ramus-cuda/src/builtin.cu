@@ -151,6 +151,18 @@ __device__ float block_sum(float v, float* scratch) {
     return v;
 }
 
+// Max and sum of exp(x - max) of one row, reduced over the block.
+__device__ void row_softmax_stats(const float* row, u32 classes, float* scratch, float* max_out,
+                                  float* sum_out) {
+    float m = __int_as_float(0xff800000);  // -inf
+    for (u32 j = threadIdx.x; j < classes; j += blockDim.x) m = fmaxf(m, row[j]);
+    m = block_max(m, scratch);
+    float s = 0.0f;
+    for (u32 j = threadIdx.x; j < classes; j += blockDim.x) s += expf(row[j] - m);
+    *sum_out = block_sum(s, scratch);
+    *max_out = m;
+}
+
 // Softmax cross-entropy, one 128-thread block per row: loss[r] =
 // logsumexp(x[r]) - x[r, label[r]] (labels checked on the host).
 extern "C" __global__ void ramus_softmax_xent(float* loss, const float* __restrict__ x,
@@ -159,12 +171,8 @@ extern "C" __global__ void ramus_softmax_xent(float* loss, const float* __restri
     __shared__ float scratch[4];
     for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* row = x + (u64)r * classes;
-        float m = __int_as_float(0xff800000);  // -inf
-        for (u32 j = threadIdx.x; j < classes; j += blockDim.x) m = fmaxf(m, row[j]);
-        m = block_max(m, scratch);
-        float s = 0.0f;
-        for (u32 j = threadIdx.x; j < classes; j += blockDim.x) s += expf(row[j] - m);
-        s = block_sum(s, scratch);
+        float m, s;
+        row_softmax_stats(row, classes, scratch, &m, &s);
         if (threadIdx.x == 0) loss[r] = logf(s) + m - row[labels[r]];
     }
 }
@@ -177,12 +185,8 @@ extern "C" __global__ void ramus_softmax_xent_backward(float* dx, const float* _
     __shared__ float scratch[4];
     for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* row = x + (u64)r * classes;
-        float m = __int_as_float(0xff800000);  // -inf
-        for (u32 j = threadIdx.x; j < classes; j += blockDim.x) m = fmaxf(m, row[j]);
-        m = block_max(m, scratch);
-        float s = 0.0f;
-        for (u32 j = threadIdx.x; j < classes; j += blockDim.x) s += expf(row[j] - m);
-        s = block_sum(s, scratch);
+        float m, s;
+        row_softmax_stats(row, classes, scratch, &m, &s);
         const float inv = 1.0f / s;
         const float g = up[r];
         for (u32 j = threadIdx.x; j < classes; j += blockDim.x) {

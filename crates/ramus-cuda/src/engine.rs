@@ -33,8 +33,8 @@ use ramus_core::ops::{
     SoftmaxXentBackward, SumChildren, SumRows,
 };
 use ramus_core::{Grads, HeadRows, Model, Params};
-use ramus_cpu::{fill_dropout_mask, Batch, ForwardOutput, Mode};
-use ramus_graph::{FunctionRows, Schedule, Task, NO_LABEL};
+use ramus_cpu::{fill_dropout_mask, Batch, ForwardOutput, Mode, Range};
+use ramus_graph::{FunctionRows, Schedule, NO_LABEL};
 use ramus_nn::{Optimizer, OptimizerConfig};
 
 use crate::blas::{Blas, Gemm};
@@ -45,7 +45,7 @@ use crate::error::{CudaError, Result};
 use crate::launch::{FusedArgs, Launcher, RowMove, NONE};
 use crate::optimizer::{DeviceOptimizer, GradLayout, ParamSlot};
 use crate::pinned::PinnedBuffer;
-use crate::pool::{Arena, DevicePool, DeviceView, PoolBuffer, PoolConfig};
+use crate::pool::{Arena, DevicePool, DeviceScalar, DeviceView, PoolBuffer, PoolConfig};
 use crate::program::{
     ExecStep, GraphProgram, Program, EAGER, HEAD_ALL, HEAD_SCORES, LAZY, PER_TASK,
 };
@@ -66,50 +66,6 @@ enum Buf {
     Absent,
     Floats(DeviceView<f32>),
     Indices(DeviceView<u32>),
-}
-
-/// A contiguous run of vertex rows and edge rows.
-#[derive(Clone, Copy, Debug)]
-struct Range {
-    r0: usize,
-    r1: usize,
-    e0: usize,
-    e1: usize,
-}
-
-impl Range {
-    fn all(rows: &FunctionRows) -> Self {
-        Range {
-            r0: 0,
-            r1: rows.rows(),
-            e0: 0,
-            e1: rows.edges(),
-        }
-    }
-    fn task(t: &Task) -> Self {
-        Range {
-            r0: t.row_offset as usize,
-            r1: (t.row_offset + t.len) as usize,
-            e0: t.edge_offset as usize,
-            e1: (t.edge_offset + t.edge_len) as usize,
-        }
-    }
-    fn rows_only(rows: usize) -> Self {
-        Range {
-            r0: 0,
-            r1: rows,
-            e0: 0,
-            e1: 0,
-        }
-    }
-    /// First and one-past-last row of `space` in this run.
-    fn span(&self, space: Space) -> (usize, usize) {
-        match space {
-            Space::Vertex => (self.r0, self.r1),
-            Space::Edge => (self.e0, self.e1),
-            Space::Static => (0, 1),
-        }
-    }
 }
 
 /// Segments of the per-batch index upload for one vertex function.
@@ -216,6 +172,23 @@ pub struct CudaEngine {
     optimizer: Option<(u64, DeviceOptimizer)>,
     pass_started: Option<std::time::Instant>,
     enqueue_seconds: f64,
+}
+
+/// The rows of `range` (in the value's space) of a buffer of type `ty`.
+fn rows_of_view<T: DeviceScalar>(
+    v: DeviceView<T>,
+    ty: &ramus_core::ValueType,
+    range: Range,
+) -> Result<DeviceView<T>> {
+    let (lo, hi) = range.span(ty.space);
+    v.slice(lo * ty.width()..hi * ty.width())
+}
+
+fn no_buffer(g: &Graph, n: NodeId, kind: &str) -> CudaError {
+    model_err(format!(
+        "node %{n} ({}) has no {kind} buffer on the device",
+        g.nodes[n].describe(&[])
+    ))
 }
 
 fn u32_of(value: usize, what: &str) -> Result<u32> {
@@ -920,17 +893,8 @@ impl CudaEngine {
         fwd: Option<&[Buf]>,
         range: Range,
     ) -> Result<DeviceView<f32>> {
-        let ty = &g.nodes[n].ty;
-        match self.buf(g, n, own, fwd)? {
-            Buf::Floats(v) => {
-                let (lo, hi) = range.span(ty.space);
-                v.slice(lo * ty.width()..hi * ty.width())
-            }
-            _ => Err(model_err(format!(
-                "node %{n} ({}) has no float buffer on the device",
-                g.nodes[n].describe(&[])
-            ))),
-        }
+        let v = self.whole_view(g, n, own, fwd)?;
+        rows_of_view(v, &g.nodes[n].ty, range)
     }
 
     /// Node `n`'s whole float buffer.
@@ -943,12 +907,11 @@ impl CudaEngine {
     ) -> Result<DeviceView<f32>> {
         match self.buf(g, n, own, fwd)? {
             Buf::Floats(v) => Ok(v),
-            _ => Err(model_err(format!(
-                "node %{n} has no float buffer on the device"
-            ))),
+            _ => Err(no_buffer(g, n, "float")),
         }
     }
 
+    /// Node `n`'s indices restricted to `range`.
     fn index_view(
         &self,
         g: &Graph,
@@ -957,16 +920,9 @@ impl CudaEngine {
         fwd: Option<&[Buf]>,
         range: Range,
     ) -> Result<DeviceView<u32>> {
-        let ty = &g.nodes[n].ty;
         match self.buf(g, n, own, fwd)? {
-            Buf::Indices(v) => {
-                let (lo, hi) = range.span(ty.space);
-                v.slice(lo * ty.width()..hi * ty.width())
-            }
-            _ => Err(model_err(format!(
-                "node %{n} ({}) has no index buffer on the device",
-                g.nodes[n].describe(&[])
-            ))),
+            Buf::Indices(v) => rows_of_view(v, &g.nodes[n].ty, range),
+            _ => Err(no_buffer(g, n, "index")),
         }
     }
 
