@@ -44,6 +44,9 @@ enum Command {
         model: String,
         #[arg(long, default_value_t = 8)]
         hidden: usize,
+        /// Print the fusion plans (what the CUDA engine launches per phase) instead.
+        #[arg(long)]
+        fusion: bool,
     },
 }
 
@@ -117,7 +120,11 @@ fn main() -> ExitCode {
         Command::Train(a) => train(a),
         Command::Eval(a) => eval(a),
         Command::Bench(a) => bench::run(a),
-        Command::Inspect { model, hidden } => inspect(&model, hidden),
+        Command::Inspect {
+            model,
+            hidden,
+            fusion,
+        } => inspect(&model, hidden, fusion),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -305,7 +312,7 @@ fn eval(a: EvalArgs) -> AnyResult {
     Ok(())
 }
 
-fn inspect(model: &str, hidden: usize) -> AnyResult {
+fn inspect(model: &str, hidden: usize, fusion: bool) -> AnyResult {
     let kind = data_kind(model).ok_or_else(|| format!("unknown model `{model}`"))?;
     let classes = if kind == DataKind::Trees { 5 } else { 0 };
     let m = build_model(
@@ -316,6 +323,10 @@ fn inspect(model: &str, hidden: usize) -> AnyResult {
             classes,
         },
     )?;
-    print!("{}", m.listing());
+    if fusion {
+        print!("{}", ramus_cuda::fusion_listing(&m)?);
+    } else {
+        print!("{}", m.listing());
+    }
     Ok(())
 }

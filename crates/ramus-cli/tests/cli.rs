@@ -146,3 +146,34 @@ fn bad_input_gives_one_line_errors() {
         "rmsprop",
     );
 }
+
+#[test]
+fn inspect_prints_graphs_and_fusion_plans() {
+    let o = ramus(&["inspect", "--model", "treelstm"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let graphs = String::from_utf8_lossy(&o.stdout);
+    assert!(graphs.contains("sum_children"), "{graphs}");
+    let o = ramus(&["inspect", "--model", "treelstm", "--fusion"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let plans = String::from_utf8_lossy(&o.stdout);
+    assert!(plans.contains("== F `internal` per-task"), "{plans}");
+    assert!(plans.contains("fused vertex"), "{plans}");
+    assert!(plans.contains("in place"), "{plans}");
+}
+
+#[test]
+fn cuda_without_a_driver_is_a_one_line_error() {
+    if ramus_cuda::CudaDevice::available().is_ok() {
+        eprintln!("skipping: a CUDA driver is present");
+        return;
+    }
+    let o = ramus(&["train", "--device", "cuda", "--epochs", "1"]);
+    assert_one_line_error(&o, "--device cuda");
+    let o = ramus(&["train", "--device", "tpu"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("unknown device `tpu`"),
+        "{}",
+        stderr(&o)
+    );
+}

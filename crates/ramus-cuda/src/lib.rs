@@ -60,6 +60,7 @@ pub use optimizer::{
 };
 pub use pinned::PinnedBuffer;
 pub use pool::{Arena, DevicePool, DeviceScalar, DeviceView, PoolBuffer, PoolConfig, PoolStats};
+pub use program::fusion_listing;
 pub use rtc::{CompileTarget, ImageKind, LoadedModule, NvrtcCompiler};
 
 /// The cudarc version this crate is built on, for engines that launch

@@ -163,8 +163,6 @@ impl Program {
         let mut kernels = BTreeMap::new();
         let mut planned_functions = Vec::new();
         let mut planned_infer = Vec::new();
-        let mut listing = String::new();
-        let names = model.param_names();
         let none = BTreeSet::new();
         for func in &model.functions {
             // forward values the backward graph reads must stay in memory
@@ -180,18 +178,6 @@ impl Program {
                 &none,
                 &mut kernels,
             )?;
-            for (what, g, p) in [("F", &func.forward, &fwd), ("∂F", &func.backward, &bwd)] {
-                for (phase, plan) in ["eager", "per-task", "lazy"].iter().zip(&p.phases) {
-                    let _ = writeln!(
-                        listing,
-                        "{what} `{}` {phase}: {} ops in {} launches\n{}",
-                        func.name,
-                        plan.op_count(),
-                        plan.kernel_launches(),
-                        plan.listing(g, &names)
-                    );
-                }
-            }
             planned_functions.push((fwd, bwd));
         }
         let head = &model.head;
@@ -259,9 +245,53 @@ impl Program {
             row_grad_params: rows.difference(&dense).copied().collect(),
             fingerprint: fingerprint(model),
             fused_kernels: kernels.len(),
-            listing,
+            listing: fusion_listing(model)?,
         })
     }
+}
+
+/// The training-time fusion plan of every phase of every vertex function
+/// (forward and backward) and of the head, with op and launch counts: what
+/// the CUDA engine runs per task (`ramus inspect --fusion`). Needs no device.
+pub fn fusion_listing(model: &Model) -> Result<String> {
+    let names = model.param_names();
+    let mut listing = String::new();
+    let mut section =
+        |title: String, g: &Graph, nodes: &[NodeId], keep: &BTreeSet<NodeId>| -> Result<()> {
+            let plan = fusion::fuse(g, nodes, &|n| keep.contains(&n))?;
+            let _ = writeln!(listing, "== {title}: {}", plan.listing(g, &names));
+            Ok(())
+        };
+    let none = BTreeSet::new();
+    for func in &model.functions {
+        let keep = fusion::forward_reads(&func.backward);
+        for (what, g, plan, keep) in [
+            ("F", &func.forward, &func.forward_plan, &keep),
+            ("∂F", &func.backward, &func.backward_plan, &none),
+        ] {
+            for (phase, nodes) in [
+                ("eager", &plan.eager),
+                ("per-task", &plan.per_task),
+                ("lazy", &plan.lazy),
+            ] {
+                section(format!("{what} `{}` {phase}", func.name), g, nodes, keep)?;
+            }
+        }
+    }
+    let head = &model.head;
+    section(
+        "head".into(),
+        &head.forward,
+        &op_nodes(&head.forward, |_| true),
+        &fusion::forward_reads(&head.backward),
+    )?;
+    section(
+        "head ∂".into(),
+        &head.backward,
+        &op_nodes(&head.backward, |_| true),
+        &none,
+    )?;
+    Ok(listing)
 }
 
 /// Node counts of every graph of `model`.
