@@ -1,9 +1,11 @@
 //! Ramus input graphs: the per-sample structures (trees, chains, DAGs) that
 //! vertex functions are evaluated over, the readers that build them from
 //! files, the vocabulary, the built-in synthetic treebank, and the batch
-//! schedules (Cavs batching policy, DyNet agenda) that execution engines run.
+//! schedules (Cavs batching policy, DyNet agenda) that execution engines run,
+//! and the linearizer of the compiled (Cortex) engine.
 
 pub mod input;
+pub mod linearize;
 pub mod ptb;
 pub mod random;
 pub mod schedule;
@@ -12,6 +14,7 @@ pub mod text;
 pub mod vocab;
 
 pub use input::{InputGraph, NO_LABEL};
+pub use linearize::{CsrGraph, LinearBatch, Linearizer, NO_CHILD};
 pub use schedule::{BatchingPolicy, FunctionRows, Schedule, Task};
 pub use vocab::{Vocab, VocabMode};
 
