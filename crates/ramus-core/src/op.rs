@@ -55,6 +55,14 @@ pub trait OpDef: Send + Sync + Debug + CpuKernel + std::any::Any {
     fn packed_operand(&self) -> Option<PackedOperand> {
         None
     }
+    /// True when an output row depends on other rows of the same run
+    /// (batch statistics): such an op is only correct where all rows run
+    /// together (eager and lazy phases, heads), and execution classification
+    /// rejects it between `gather` and `scatter`, where a task sees only
+    /// some rows.
+    fn couples_rows(&self) -> bool {
+        false
+    }
     /// Estimated cost for `rows` rows.
     fn cost(&self, inputs: &[&ValueType], out: &ValueType, rows: usize) -> Cost {
         let n = if out.is_rows() {

@@ -75,6 +75,12 @@ pub fn classify(
                     format!("op `{}` (node %{i}) reduces over rows on the path between gather and scatter; a task sees only some rows", op.signature()),
                 ));
             }
+            if op.couples_rows() {
+                return Err(CoreError::model(
+                    context,
+                    format!("op `{}` (node %{i}) couples the rows of a run (batch statistics) and lies on the path between gather and scatter, where a task sees only some rows; use it where all rows run together (a function without gather, e.g. single-vertex graphs, or the head)", op.signature()),
+                ));
+            }
             Phase::PerTask
         } else {
             Phase::Lazy
@@ -117,8 +123,13 @@ pub fn token_hoist(graph: &Graph) -> TokenHoist {
             }
             NodeKind::Input(Source::DropoutMask { .. }) | NodeKind::Param(_) => invariant[i] = true,
             NodeKind::Input(_) => {}
-            NodeKind::Op(_) => {
-                invariant[i] = node.inputs.iter().all(|&x| invariant[x]);
+            NodeKind::Op(ref op) => {
+                // values that depend on other rows of the batch (batch
+                // statistics, reductions over rows) are not per-token
+                let batch_dependent = op.couples_rows()
+                    || (node.ty.space == Space::Static
+                        && node.inputs.iter().any(|&x| graph.nodes[x].ty.is_rows()));
+                invariant[i] = !batch_dependent && node.inputs.iter().all(|&x| invariant[x]);
                 uses_token[i] = node.inputs.iter().any(|&x| uses_token[x]);
             }
         }

@@ -1,5 +1,6 @@
 //! The built-in primitive ops and the builder methods that apply them.
 
+pub mod cnn;
 pub mod elementwise;
 pub mod loss;
 pub mod matmul;
@@ -10,6 +11,12 @@ use std::sync::Arc;
 use crate::graph::{GraphBuilder, Sym, ValueType};
 use crate::op::{OpDef, PrimitiveMaker};
 
+pub use cnn::{
+    BatchNorm, BatchNormBackwardGamma, BatchNormBackwardInput, BatchNormInference,
+    BatchNormInferenceBackwardInput, BatchNormInferenceBackwardParam, ChannelBroadcast, ChannelSum,
+    Conv2d, Conv2dBackwardInput, Conv2dBackwardWeight, Conv2dGeom, GlobalAvgPool,
+    GlobalAvgPoolBackward, MaxPool2d, MaxPool2dBackward, NormGeom, NormParam, Pool2dGeom,
+};
 pub use elementwise::*;
 pub use loss::{SoftmaxXent, SoftmaxXentBackward};
 pub use matmul::MatMul;
@@ -122,6 +129,116 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
             "softmax_xent",
             "per-row softmax cross-entropy against labels",
             |_| arc(SoftmaxXent),
+        ),
+        (
+            "conv2d",
+            "2-D convolution of image rows [C*H*W] (CHW) by weight [O, C*kh*kw] (+ bias [O]) -> rows [O*Ho*Wo]; attrs [C, H, W, O, kh, kw, stride=1, padding=0]",
+            |a| arc(Conv2d(cnn::conv_geom(a)?)),
+        ),
+        (
+            "conv2d_backward_input",
+            "d(input) of conv2d: col2im(Wᵀ·dY) from (dY rows, weight); attrs as conv2d",
+            |a| arc(Conv2dBackwardInput(cnn::conv_geom(a)?)),
+        ),
+        (
+            "conv2d_backward_weight",
+            "d(weight) of conv2d: Σ_rows dY·im2col(x)ᵀ from (x rows, dY rows) -> static [O, C*kh*kw]; attrs as conv2d",
+            |a| arc(Conv2dBackwardWeight(cnn::conv_geom(a)?)),
+        ),
+        (
+            "max_pool2d",
+            "max pooling of image rows [C*H*W] over k x k windows -> rows [C*Ho*Wo]; attrs [C, H, W, k, stride=k, padding=0]",
+            |a| arc(MaxPool2d(cnn::pool_geom(a)?)),
+        ),
+        (
+            "max_pool2d_backward",
+            "gradient of max_pool2d from (x rows, dY rows), routed to each window's first maximum; attrs as max_pool2d",
+            |a| arc(MaxPool2dBackward(cnn::pool_geom(a)?)),
+        ),
+        (
+            "global_avg_pool",
+            "per-channel mean over positions: rows [C*H*W] -> rows [C]; attrs [C, H, W]",
+            |a| arc(cnn::global_pool(a)?),
+        ),
+        (
+            "global_avg_pool_backward",
+            "gradient of global_avg_pool: rows [C] spread over H*W positions / (H*W); attrs [C, H, W]",
+            |a| {
+                arc(GlobalAvgPoolBackward {
+                    pool: cnn::global_pool(a)?,
+                })
+            },
+        ),
+        (
+            "channel_sum",
+            "rows [C*S] summed over rows and positions -> static [C]; attrs [C, S]",
+            |a| {
+                let (channels, spatial) = cnn::cs_attrs(a)?;
+                arc(ChannelSum { channels, spatial })
+            },
+        ),
+        (
+            "channel_broadcast",
+            "static [C] spread over S positions for every row of a reference -> rows [C*S]; attrs [C, S]",
+            |a| {
+                let (channels, spatial) = cnn::cs_attrs(a)?;
+                arc(ChannelBroadcast { channels, spatial })
+            },
+        ),
+        (
+            "batch_norm",
+            "training-mode batch normalisation of rows [C*S] with batch statistics over all rows of the run, (x, gamma [C], beta [C]); attrs [C, S, eps=1e-5]",
+            |a| arc(BatchNorm(cnn::norm_geom(a)?)),
+        ),
+        (
+            "batch_norm_backward_input",
+            "d(input) of batch_norm from (x rows, gamma, dY rows); attrs as batch_norm",
+            |a| arc(BatchNormBackwardInput(cnn::norm_geom(a)?)),
+        ),
+        (
+            "batch_norm_backward_gamma",
+            "d(gamma) of batch_norm from (x rows, dY rows) -> static [C]; attrs as batch_norm",
+            |a| arc(BatchNormBackwardGamma(cnn::norm_geom(a)?)),
+        ),
+        (
+            "batch_norm_inference",
+            "batch normalisation with given statistics, (x, gamma, beta, mean, var) all [C] but x; attrs [C, S, eps=1e-5]",
+            |a| arc(BatchNormInference(cnn::norm_geom(a)?)),
+        ),
+        (
+            "batch_norm_inference_backward_input",
+            "d(input) of batch_norm_inference from (gamma, var, dY rows); attrs as batch_norm",
+            |a| arc(BatchNormInferenceBackwardInput(cnn::norm_geom(a)?)),
+        ),
+        (
+            "batch_norm_inference_backward_gamma",
+            "d(gamma) of batch_norm_inference from (x rows, gamma, mean, var, dY rows) -> static [C]; attrs as batch_norm",
+            |a| {
+                arc(BatchNormInferenceBackwardParam {
+                    geom: cnn::norm_geom(a)?,
+                    param: NormParam::Gamma,
+                })
+            },
+        ),
+        (
+            "batch_norm_inference_backward_mean",
+            "d(mean) of batch_norm_inference from (x rows, gamma, mean, var, dY rows) -> static [C]; attrs as batch_norm",
+            |a| {
+                arc(BatchNormInferenceBackwardParam {
+                    geom: cnn::norm_geom(a)?,
+                    param: NormParam::Mean,
+                })
+            },
+        ),
+        (
+            "batch_norm_inference_backward_var",
+            "d(var) of batch_norm_inference from (x rows, gamma, mean, var, dY rows) -> static [C]; attrs as batch_norm",
+            |a| {
+                arc(BatchNormInferenceBackwardParam {
+                    geom: cnn::norm_geom(a)?,
+                    param: NormParam::Var,
+                })
+            },
         ),
     ]
 }
