@@ -1,0 +1,66 @@
+//! Ramus swap planning: training past device memory (the AutoVM policy).
+//!
+//! This crate is the *policy* half of AutoVM (Chapter 3 of the thesis in
+//! `papers/`): it decides which tensors leave the device, after which op,
+//! and when they come back, so that a training iteration runs inside a
+//! device memory budget with its copies hidden behind compute. It is pure
+//! host logic, independent of Ramus' graph IR and of the *mechanism* (copy
+//! streams, events and pinned host buffers, which live in the CUDA back end
+//! and execute a [`SwapPlan`]).
+//!
+//! * **Input:** a [`Trace`] — one iteration's ops in order with the tensors
+//!   each reads and writes (size, [`TensorKind`]), optionally measured op
+//!   times from a profiled iteration — plus a [`CostModel`] (link bandwidth
+//!   and latency) and a budget.
+//! * **Analysis:** [`analyze`] finds each tensor's uses, the gaps between
+//!   them and their reuse distance in ops and time, and the resident bytes
+//!   and working set of every op.
+//! * **Planners** ([`Planner`]): [`AutoVmPlanner`] (candidates, Belady
+//!   selection, earliest or profiled prefetch placement, Fig. 3.5
+//!   reordering; see [`planner`]), and the baselines [`NoBudgetPlanner`]
+//!   and [`LruPlanner`] (naive on-demand swapping).
+//! * **Output:** a [`SwapPlan`] — per-op [`Action`]s, predicted peak
+//!   memory, bytes each way and stall — as JSON ([`SwapPlan::to_json`]) or
+//!   a listing ([`SwapPlan::listing`]).
+//! * **Simulated device:** [`Simulator`] replays a trace under a plan and a
+//!   budget with one copy stream per direction, enforces the budget, checks
+//!   that nothing is used while off the device and reports time and stalls.
+//! * **Synthetic traces** ([`synthetic`]): VGG-, ResNet- and AlexNet-shaped
+//!   CNN training, a long LSTM sequence and a batch of large trees.
+//!
+//! ```
+//! use ramus_swap::synthetic::{vgg19, DeviceSpeed};
+//! use ramus_swap::{analyze, AutoVmPlanner, CostModel, LruPlanner, Planner, PlannerConfig};
+//!
+//! let trace = vgg19(32, 224, DeviceSpeed::rtx_2080_ti()).trace().unwrap();
+//! let cost = CostModel::pcie3_x16();
+//! let peak = analyze(&trace, &cost).peak_bytes;
+//! let budget = peak * 2 / 3; // Nm = 1.5
+//! let mut cfg = PlannerConfig::new(budget);
+//! cfg.cost = cost;
+//! let plan = AutoVmPlanner::new(cfg).plan(&trace).unwrap();
+//! let lru = LruPlanner::new(budget, cost).plan(&trace).unwrap();
+//! assert!(plan.predicted.peak_bytes <= budget);
+//! assert!(plan.predicted.stall_s < lru.predicted.stall_s);
+//! ```
+
+pub mod analysis;
+pub mod baseline;
+pub mod cost;
+pub mod error;
+pub mod plan;
+pub mod planner;
+pub mod sim;
+pub mod synthetic;
+pub mod trace;
+
+pub use analysis::{analyze, Analysis, ReuseGap, TensorLiveness};
+pub use baseline::{LruPlanner, NoBudgetPlanner};
+pub use cost::{human_bytes, human_seconds, CostModel};
+pub use error::{PlanError, SimError};
+pub use plan::{Action, OffloadDecision, Policy, Prediction, SwapPlan};
+pub use planner::{
+    AutoVmPlanner, Candidate, PlacementOrder, Planner, PlannerConfig, PrefetchTiming, Selection,
+};
+pub use sim::{Direction, SimReport, Simulator, TransferRecord};
+pub use trace::{OpInfo, Phase, TensorId, TensorInfo, TensorKind, Trace, TraceBuilder, TraceError};
