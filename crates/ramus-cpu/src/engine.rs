@@ -368,7 +368,8 @@ impl<T: Real> CpuEngine<T> {
         self.rng = ChaCha8Rng::seed_from_u64(seed);
     }
 
-    /// Supplies `pull()` inputs for the next batch: `width` floats per vertex number.
+    /// Supplies `pull()` inputs, `width` floats per vertex number, in place
+    /// of the graphs' own features (`None`: read the features).
     pub fn set_pull_values(&mut self, values: Option<Vec<T>>) {
         self.pull_values = values;
     }
@@ -433,19 +434,19 @@ impl<T: Real> CpuEngine<T> {
             }
             if let Some(pull) = func.forward.input_node(Source::Pull) {
                 let pw = func.forward.nodes[pull].ty.width();
-                let values = self.pull_values.as_ref().ok_or_else(|| {
-                    EngineError::Input(format!(
-                        "vertex function `{}` pulls external inputs, but none were supplied",
-                        func.name
-                    ))
-                })?;
-                if values.len() != s.num_vertices() * pw {
-                    return Err(EngineError::Input(format!(
-                        "pull values hold {} floats, expected {} vertices x {pw}",
-                        values.len(),
-                        s.num_vertices()
-                    )));
-                }
+                let features: Vec<T>;
+                let values: &[T] = match &self.pull_values {
+                    Some(v) => v,
+                    None => {
+                        features = s
+                            .features
+                            .iter()
+                            .map(|&x| T::from_f64(f64::from(x)))
+                            .collect();
+                        &features
+                    }
+                };
+                let values = pulled_values(values, s, pw, &func.name, self.pull_values.is_some())?;
                 for (r, &v) in rows.vertex.iter().enumerate() {
                     let v = v as usize;
                     arena.vals[pull][r * pw..(r + 1) * pw]
@@ -885,6 +886,38 @@ pub fn fill_dropout_mask<T: Real>(
             keep
         };
     }
+}
+
+/// Checks the values a `pull(width)` reads for a batch: explicit pull
+/// values (`explicit`) or the graphs' own features, `width` floats per
+/// vertex number.
+pub fn pulled_values<'a, T>(
+    values: &'a [T],
+    s: &Schedule,
+    width: usize,
+    function: &str,
+    explicit: bool,
+) -> Result<&'a [T]> {
+    if !explicit && s.feature_width != width {
+        return Err(EngineError::Input(if s.feature_width == 0 {
+            format!(
+                "vertex function `{function}` pulls {width} floats per vertex, but the graphs carry no features and no pull values were supplied"
+            )
+        } else {
+            format!(
+                "vertex function `{function}` pulls {width} floats per vertex, but the graphs carry {} features per vertex",
+                s.feature_width
+            )
+        }));
+    }
+    if values.len() != s.num_vertices() * width {
+        return Err(EngineError::Input(format!(
+            "pull values hold {} floats, expected {} vertices x {width}",
+            values.len(),
+            s.num_vertices()
+        )));
+    }
+    Ok(values)
 }
 
 /// Edge parents relative to the first row of the run.

@@ -4,5 +4,5 @@
 pub mod engine;
 pub mod error;
 
-pub use engine::{fill_dropout_mask, Batch, CpuEngine, ForwardOutput, Mode, Range};
+pub use engine::{fill_dropout_mask, pulled_values, Batch, CpuEngine, ForwardOutput, Mode, Range};
 pub use error::{EngineError, Result};

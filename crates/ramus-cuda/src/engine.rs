@@ -591,7 +591,7 @@ impl CudaEngine {
                 self.alloc_bufs(&func.forward, programs[f], fr.rows(), fr.edges(), tokens)?;
             self.fill_masks(&func.forward, &bufs, training)?;
             if let Some(pull) = func.forward.input_node(Source::Pull) {
-                self.upload_pull(&func.forward, pull, &bufs, fr, s.num_vertices(), &func.name)?;
+                self.upload_pull(&func.forward, pull, &bufs, fr, s, &func.name)?;
             }
             fwd.push(bufs);
         }
@@ -675,21 +675,14 @@ impl CudaEngine {
         pull: NodeId,
         bufs: &[Buf],
         fr: &FunctionRows,
-        vertices: usize,
+        s: &Schedule,
         name: &str,
     ) -> Result<()> {
         let pw = g.nodes[pull].ty.width();
-        let values = self.pull_values.as_ref().ok_or_else(|| {
-            model_err(format!(
-                "vertex function `{name}` pulls external inputs, but none were supplied"
-            ))
-        })?;
-        if values.len() != vertices * pw {
-            return Err(model_err(format!(
-                "pull values hold {} floats, expected {vertices} vertices x {pw}",
-                values.len()
-            )));
-        }
+        let explicit = self.pull_values.is_some();
+        let values = self.pull_values.as_deref().unwrap_or(&s.features);
+        let values = ramus_cpu::pulled_values(values, s, pw, name, explicit)
+            .map_err(|e| model_err(e.to_string()))?;
         let mut rows = Vec::with_capacity(fr.rows() * pw);
         for &v in &fr.vertex {
             rows.extend_from_slice(&values[v as usize * pw..(v as usize + 1) * pw]);

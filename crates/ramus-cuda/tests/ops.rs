@@ -101,6 +101,30 @@ fn cases() -> Vec<Model> {
 }
 
 #[test]
+fn pulling_without_features_or_values_is_an_error() {
+    let m = &cases()[1];
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let g = random_tree(&mut rng, 4, &[2], VOCAB as u32, CLASSES as i32).expect("tree");
+    let batch = Batch::new(m, vec![&g], BatchingPolicy::Cavs).expect("schedule");
+    let params: Params<f32> = Params::init(m, 1);
+    let err = CpuEngine::<f32>::new()
+        .forward(m, &params, &batch, Mode::Train)
+        .expect_err("nothing to pull");
+    assert!(err.to_string().contains("carry no features"), "{err}");
+    let mut h = g.clone();
+    h.set_features(2, vec![0.5; 2 * h.len()]).expect("features");
+    let err = Batch::new(m, vec![&g, &h], BatchingPolicy::Cavs)
+        .err()
+        .expect("mixed widths");
+    assert!(err.to_string().contains("features per vertex"), "{err}");
+    let batch = Batch::new(m, vec![&h], BatchingPolicy::Cavs).expect("schedule");
+    let err = CpuEngine::<f32>::new()
+        .forward(m, &params, &batch, Mode::Train)
+        .expect_err("wrong width");
+    assert!(err.to_string().contains("carry 2 features"), "{err}");
+}
+
+#[test]
 fn every_structure_op_matches_the_cpu_engine_on_the_device() {
     // the cases run on the CPU everywhere; the comparison needs a device
     let device = match CudaDevice::available() {
@@ -147,7 +171,6 @@ fn every_structure_op_matches_the_cpu_engine_on_the_device() {
             continue;
         }
         let mut cuda = CudaEngine::new(&m, &opts).expect("engine");
-        cuda.set_pull_values(Some(pulled));
         let got =
             Engine::forward(&mut cuda, &m, &params, &batch, Mode::Train).expect("cuda forward");
         let name = &m.name;

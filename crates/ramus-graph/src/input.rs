@@ -1,6 +1,8 @@
 //! Input graphs (Cavs' `G`): one sample's structure — vertices with ordered
-//! children, a token id and an optional class label per vertex. Trees,
-//! chains (sequences) and DAGs share this one representation.
+//! children, a token id, an optional class label and optional float
+//! features per vertex (what a vertex function's `pull()` reads: image
+//! pixels, feature vectors). Trees, chains (sequences) and DAGs share this
+//! one representation.
 
 use crate::GraphError;
 
@@ -21,6 +23,9 @@ pub struct InputGraph {
     pub tokens: Vec<u32>,
     /// Class label of each vertex, or [`NO_LABEL`].
     pub labels: Vec<i32>,
+    /// `feature_width` floats per vertex (vertex-major), or none.
+    features: Vec<f32>,
+    feature_width: usize,
 }
 
 impl InputGraph {
@@ -71,6 +76,33 @@ impl InputGraph {
             }
         }
         Ok(g)
+    }
+
+    /// Attaches `width` float features to every vertex (`data` is
+    /// vertex-major, `len() * width` floats); `pull(width)` reads them.
+    pub fn set_features(&mut self, width: usize, data: Vec<f32>) -> Result<(), GraphError> {
+        if data.len() != self.len() * width {
+            return Err(GraphError::Structure(format!(
+                "features: {} floats for {} vertices of width {width} (expected {})",
+                data.len(),
+                self.len(),
+                self.len() * width
+            )));
+        }
+        self.features = data;
+        self.feature_width = width;
+        Ok(())
+    }
+
+    /// Floats of features per vertex (0 when the graph has none).
+    pub fn feature_width(&self) -> usize {
+        self.feature_width
+    }
+
+    /// The features of vertex `v` (empty when the graph has none).
+    pub fn features(&self, v: usize) -> &[f32] {
+        let w = self.feature_width;
+        self.features.get(v * w..(v + 1) * w).unwrap_or(&[])
     }
 
     /// Number of vertices.
@@ -169,6 +201,18 @@ mod tests {
         g.push_vertex(&[0, 1], 0, NO_LABEL).unwrap();
         assert!(!g.is_forest());
         assert_eq!(g.roots(), vec![2]);
+    }
+
+    #[test]
+    fn features_attach_per_vertex_and_are_checked() {
+        let mut g = InputGraph::chain(&[1, 2], &[0, 1]).unwrap();
+        assert_eq!(g.feature_width(), 0);
+        assert!(g.features(0).is_empty());
+        assert!(g.set_features(3, vec![0.0; 5]).is_err());
+        g.set_features(3, (0..6).map(|i| i as f32).collect())
+            .unwrap();
+        assert_eq!(g.feature_width(), 3);
+        assert_eq!(g.features(1), &[3.0, 4.0, 5.0]);
     }
 
     #[test]

@@ -100,6 +100,10 @@ pub struct Schedule {
     pub vertex_row: Vec<u32>,
     /// Per vertex number: token, label, graph index in the batch.
     pub tokens: Vec<u32>,
+    /// `feature_width` floats per vertex number: the graphs' own features
+    /// (all graphs of a batch carry the same width, or none).
+    pub features: Vec<f32>,
+    pub feature_width: usize,
     pub labels: Vec<i32>,
     pub graph: Vec<u32>,
     /// Vertex number of each graph's vertex, indexed by `graph_offsets[g] + local id`.
@@ -218,6 +222,8 @@ impl Schedule {
             vertex_function: vec![0; n],
             vertex_row: vec![0; n],
             tokens: vec![0; n],
+            features: Vec::new(),
+            feature_width: 0,
             labels: vec![NO_LABEL; n],
             graph: vec![0; n],
             number,
@@ -233,10 +239,20 @@ impl Schedule {
             }
         }
         s.functions = functions;
+        let fw = graphs.first().map_or(0, |g| g.feature_width());
+        if let Some(gi) = graphs.iter().position(|g| g.feature_width() != fw) {
+            return Err(GraphError::Structure(format!(
+                "graph {gi} of the batch has {} features per vertex, graph 0 has {fw}",
+                graphs[gi].feature_width()
+            )));
+        }
+        s.feature_width = fw;
+        s.features = vec![0.0; n * fw];
         for (gi, g) in graphs.iter().enumerate() {
             let base = s.graph_offsets[gi] as usize;
             for v in 0..g.len() {
                 let num = s.number[base + v] as usize;
+                s.features[num * fw..(num + 1) * fw].copy_from_slice(g.features(v));
                 s.tokens[num] = g.tokens[v];
                 s.labels[num] = g.labels[v];
                 s.graph[num] = gi as u32;
