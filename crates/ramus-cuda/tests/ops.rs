@@ -151,19 +151,32 @@ fn every_structure_op_matches_the_cpu_engine_on_the_device() {
             .expect("tree")
         })
         .collect();
+    // the pulled inputs are the graphs' own features; the CPU engine also
+    // gets them as explicit pull values (by vertex number), which must agree
+    let graphs: Vec<InputGraph> = graphs
+        .into_iter()
+        .map(|mut g| {
+            let data = (0..g.len() * S)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            g.set_features(S, data).expect("features");
+            g
+        })
+        .collect();
     for m in cases() {
         let batch =
             Batch::new(&m, graphs.iter().collect(), BatchingPolicy::Cavs).expect("schedule");
-        let vertices = batch.schedule.num_vertices();
-        let pulled: Vec<f32> = (0..vertices * S)
-            .map(|_| rng.random_range(-1.0..1.0))
-            .collect();
         let params: Params<f32> = Params::init(&m, 8);
         let mut cpu = CpuEngine::<f32>::new();
-        cpu.set_pull_values(Some(pulled.clone()));
         let want = cpu
             .forward(&m, &params, &batch, Mode::Train)
             .expect("cpu forward");
+        let mut explicit = CpuEngine::<f32>::new();
+        explicit.set_pull_values(Some(batch.schedule.features.clone()));
+        let same = explicit
+            .forward(&m, &params, &batch, Mode::Train)
+            .expect("cpu forward with pull values");
+        assert_eq!(same.loss, want.loss, "{}: features vs pull values", m.name);
         let mut g0 = Grads::zeros(&m);
         cpu.backward(&m, &params, &batch, &mut g0)
             .expect("cpu backward");
