@@ -3,6 +3,7 @@
 mod bench;
 mod data;
 mod device;
+mod plan_memory;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -38,6 +39,8 @@ enum Command {
     Eval(EvalArgs),
     /// Time inference and training of the reference Tree-LSTM on the first trees of a file.
     Bench(bench::BenchArgs),
+    /// Plan one training iteration under a device memory budget (swap plan).
+    PlanMemory(plan_memory::PlanMemoryArgs),
     /// Print a model's vertex functions, derivatives and execution plans.
     Inspect {
         #[arg(long, default_value = "treelstm")]
@@ -120,6 +123,7 @@ fn main() -> ExitCode {
         Command::Train(a) => train(a),
         Command::Eval(a) => eval(a),
         Command::Bench(a) => bench::run(a),
+        Command::PlanMemory(a) => plan_memory::run(a),
         Command::Inspect {
             model,
             hidden,

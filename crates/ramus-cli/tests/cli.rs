@@ -177,3 +177,36 @@ fn cuda_without_a_driver_is_a_one_line_error() {
         stderr(&o)
     );
 }
+
+#[test]
+fn plan_memory_fits_the_budget_and_explains_a_hopeless_one() {
+    let o = ramus(&[
+        "plan-memory",
+        "--batch-size",
+        "200",
+        "--hidden",
+        "128",
+        "--budget-ratio",
+        "1.5",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let plan: serde_json::Value =
+        serde_json::from_slice(&o.stdout).expect("plan-memory --json prints JSON");
+    let budget = plan["budget_bytes"].as_u64().expect("budget");
+    let peak = plan["predicted"]["peak_bytes"].as_u64().expect("peak");
+    let unplanned = plan["unplanned_peak_bytes"]
+        .as_u64()
+        .expect("unplanned peak");
+    assert!(peak <= budget, "predicted peak {peak} over budget {budget}");
+    assert!(unplanned > budget, "the budget should need swapping");
+    assert!(plan["actions"].as_array().is_some_and(|a| !a.is_empty()));
+    let o = ramus(&[
+        "plan-memory",
+        "--batch-size",
+        "4",
+        "--device-memory-budget",
+        "1000",
+    ]);
+    assert_one_line_error(&o, "budget");
+}

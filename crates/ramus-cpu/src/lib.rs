@@ -3,6 +3,8 @@
 
 pub mod engine;
 pub mod error;
+pub mod trace;
 
 pub use engine::{fill_dropout_mask, pulled_values, Batch, CpuEngine, ForwardOutput, Mode, Range};
 pub use error::{EngineError, Result};
+pub use trace::training_trace;

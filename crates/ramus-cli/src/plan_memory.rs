@@ -1,0 +1,129 @@
+//! `ramus plan-memory`: the swap plan (AutoVM policy, `ramus_swap`) for one
+//! training iteration of a model on a batch under a device memory budget,
+//! as a listing or JSON, with the simulated device's verdict. The trace
+//! comes from the batch's own schedule (`ramus_cpu::training_trace`), so
+//! dynamic models (trees, long sequences) are planned per batch.
+
+use ramus_cpu::{training_trace, Batch};
+use ramus_graph::{BatchingPolicy, InputGraph};
+use ramus_nn::{build_model, data_kind, ModelConfig, OptimizerKind};
+use ramus_swap::{
+    analyze, human_bytes, human_seconds, AutoVmPlanner, CostModel, LruPlanner, NoBudgetPlanner,
+    Planner, PlannerConfig, Simulator,
+};
+
+use crate::data;
+
+#[derive(clap::Args)]
+pub struct PlanMemoryArgs {
+    /// Model name (see `ramus train --help`).
+    #[arg(long, default_value = "treelstm")]
+    model: String,
+    /// Directory with train.txt (default: the built-in data set).
+    #[arg(long)]
+    data: Option<std::path::PathBuf>,
+    #[arg(long, default_value_t = 256)]
+    hidden: usize,
+    /// The batch: the first B graphs of the training split.
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    /// Device memory budget in bytes.
+    #[arg(long, conflicts_with = "budget_ratio")]
+    device_memory_budget: Option<u64>,
+    /// Budget as a fraction: peak / RATIO (the thesis' Nm; 2 = half the peak).
+    #[arg(long, default_value_t = 2.0)]
+    budget_ratio: f64,
+    /// planner (AutoVM), lru (naive on-demand swapping) or none (no budget).
+    #[arg(long, default_value = "planner")]
+    policy: String,
+    /// Optimizer whose state is part of the trace: sgd, adagrad or adam.
+    #[arg(long, default_value = "sgd")]
+    optimizer: String,
+    /// Host link: pcie3 or pcie5.
+    #[arg(long, default_value = "pcie5")]
+    link: String,
+    /// Print the plan as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
+
+pub fn run(a: PlanMemoryArgs) -> AnyResult {
+    let kind = data_kind(&a.model).ok_or_else(|| {
+        format!(
+            "unknown model `{}` (known: {})",
+            a.model,
+            ramus_nn::MODEL_NAMES.join(", ")
+        )
+    })?;
+    if a.batch_size == 0 || a.hidden == 0 {
+        return Err("--batch-size and --hidden must be at least 1".into());
+    }
+    if a.budget_ratio.is_nan() || a.budget_ratio < 1.0 {
+        return Err(format!("--budget-ratio must be at least 1, got {}", a.budget_ratio).into());
+    }
+    let states = match a.optimizer.parse::<OptimizerKind>()? {
+        OptimizerKind::Sgd => 0,
+        OptimizerKind::Adagrad => 1,
+        OptimizerKind::Adam => 2,
+    };
+    let cost = match a.link.as_str() {
+        "pcie3" => CostModel::pcie3_x16(),
+        "pcie5" => CostModel::pcie5_x16(),
+        other => return Err(format!("--link must be pcie3 or pcie5, got `{other}`").into()),
+    };
+    let splits = data::load_splits(a.data.as_deref(), kind)?;
+    let graphs: Vec<&InputGraph> = splits.train.iter().take(a.batch_size).collect();
+    let model = build_model(
+        &a.model,
+        &ModelConfig {
+            vocab: splits.vocab.len(),
+            hidden: a.hidden,
+            classes: splits.classes,
+        },
+    )?;
+    let batch = Batch::new(&model, graphs, BatchingPolicy::Cavs)?;
+    let trace = training_trace(&model, &batch, states)?;
+    let peak = analyze(&trace, &cost).peak_bytes;
+    let budget = a
+        .device_memory_budget
+        .unwrap_or((peak as f64 / a.budget_ratio) as u64);
+    let planner: Box<dyn Planner> = match a.policy.as_str() {
+        "planner" => {
+            let mut config = PlannerConfig::new(budget);
+            config.cost = cost;
+            Box::new(AutoVmPlanner::new(config))
+        }
+        "lru" => Box::new(LruPlanner::new(budget, cost)),
+        "none" => Box::new(NoBudgetPlanner::new(cost)),
+        other => {
+            return Err(format!("--policy must be planner, lru or none, got `{other}`").into())
+        }
+    };
+    let plan = planner.plan(&trace)?;
+    let report = Simulator::for_plan(cost, &plan).run(&trace, &plan)?;
+    if a.json {
+        println!("{}", plan.to_json());
+        return Ok(());
+    }
+    println!(
+        "model {} hidden {} | batch of {} graphs ({} vertices, {} tasks) | {} ops, {} tensors",
+        a.model,
+        a.hidden,
+        batch.len(),
+        batch.schedule.num_vertices(),
+        batch.schedule.tasks.len(),
+        trace.num_ops(),
+        trace.num_tensors()
+    );
+    print!("{}", plan.listing(Some(&trace)));
+    println!(
+        "simulated: step {} (compute {}, stall {}), peak {}",
+        human_seconds(report.total_s),
+        human_seconds(report.compute_s),
+        human_seconds(report.stall_s),
+        human_bytes(plan.predicted.peak_bytes)
+    );
+    Ok(())
+}
