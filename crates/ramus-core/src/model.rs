@@ -29,6 +29,15 @@ pub enum Init {
     LinearDefault,
     /// Glorot/Xavier uniform: `±sqrt(6 / (fan_in + fan_out))`.
     Xavier,
+    /// He/Kaiming normal for layers followed by ReLU: standard deviation
+    /// `sqrt(2 / fan_in)`, where fan_in is the product of every dimension
+    /// but the first (`C*kh*kw` for a convolution weight `[O, C, kh, kw]` or
+    /// `[O, C*kh*kw]`, the input width of a linear weight `[O, I]`).
+    Kaiming,
+    /// Every element set to `value` (batch-norm scales start at 1).
+    Constant {
+        value: f64,
+    },
 }
 
 /// A declared parameter.

@@ -35,6 +35,17 @@ fn init_values(spec: &ParamSpec, rng: &mut ChaCha8Rng) -> Vec<f64> {
         Init::Uniform { bound } => uniform(bound, rng),
         Init::LinearDefault => uniform(1.0 / fan_in.max(1.0).sqrt(), rng),
         Init::Xavier => uniform((6.0 / (fan_in + fan_out)).sqrt(), rng),
+        Init::Kaiming => {
+            let fan_in: usize = spec.shape.iter().skip(1).product();
+            let std = (2.0 / fan_in.max(1) as f64).sqrt();
+            (0..n)
+                .map(|_| {
+                    let z: f64 = StandardNormal.sample(rng);
+                    std * z
+                })
+                .collect()
+        }
+        Init::Constant { value } => vec![value; n],
     }
 }
 
@@ -264,5 +275,38 @@ impl<T: Real> Grads<T> {
             }
         }
         s.sqrt()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn draw(shape: &[usize], init: Init) -> Vec<f64> {
+        let spec = ParamSpec {
+            name: "p".into(),
+            shape: shape.to_vec(),
+            init,
+        };
+        init_values(&spec, &mut ChaCha8Rng::seed_from_u64(3))
+    }
+
+    #[test]
+    fn kaiming_uses_the_fan_in_of_every_trailing_dimension() {
+        // a conv weight [O, C, kh, kw]: fan_in = C*kh*kw = 72, std = 1/6
+        let v = draw(&[64, 8, 3, 3], Init::Kaiming);
+        let mean = v.iter().sum::<f64>() / v.len() as f64;
+        let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / v.len() as f64;
+        assert!(mean.abs() < 0.01, "mean {mean}");
+        let want = 2.0 / 72.0;
+        assert!((var / want - 1.0).abs() < 0.05, "variance {var} vs {want}");
+        // the same weight flattened to [O, C*kh*kw] has the same fan-in
+        let flat = draw(&[64, 72], Init::Kaiming);
+        assert_eq!(v, flat);
+    }
+
+    #[test]
+    fn constant_fills_every_element() {
+        assert_eq!(draw(&[2, 3], Init::Constant { value: 1.5 }), vec![1.5; 6]);
     }
 }

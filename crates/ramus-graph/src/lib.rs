@@ -1,9 +1,10 @@
 //! Ramus input graphs: the per-sample structures (trees, chains, DAGs) that
 //! vertex functions are evaluated over, the readers that build them from
-//! files, the vocabulary, the built-in synthetic treebank, and the batch
+//! files, the vocabulary, the built-in synthetic treebank and images, and the batch
 //! schedules (Cavs batching policy, DyNet agenda) that execution engines run,
 //! and the linearizer of the compiled (Cortex) engine.
 
+pub mod images;
 pub mod input;
 pub mod linearize;
 pub mod ptb;
