@@ -184,6 +184,22 @@ fn rows_of_view<T: DeviceScalar>(
     v.slice(lo * ty.width()..hi * ty.width())
 }
 
+/// Names the op and tensor whose buffer did not fit the device memory
+/// budget (other errors pass through).
+fn over_budget(e: CudaError, g: &Graph, n: NodeId, elements: usize) -> CudaError {
+    match e {
+        CudaError::OutOfPoolMemory { pool_size, .. } => model_err(format!(
+            "the device memory budget is exceeded: node %{n} ({}, {} bytes) does not fit \
+             ({}); the pool holds {pool_size} bytes; raise --device-memory-budget or \
+             lower the batch size",
+            g.nodes[n].describe(&[]),
+            elements * 4,
+            e
+        )),
+        e => e,
+    }
+}
+
 fn no_buffer(g: &Graph, n: NodeId, kind: &str) -> CudaError {
     model_err(format!(
         "node %{n} ({}) has no {kind} buffer on the device",
@@ -529,8 +545,16 @@ impl CudaEngine {
                     self.state.labels.map_or(Buf::Absent, Buf::Indices)
                 }
                 _ if !prog.materialized[n] => Buf::Absent,
-                (_, DType::Float) => Buf::Floats(self.arena.alloc::<f32>(len)?),
-                (_, DType::Index) => Buf::Indices(self.arena.alloc::<u32>(len)?),
+                (_, DType::Float) => Buf::Floats(
+                    self.arena
+                        .alloc::<f32>(len)
+                        .map_err(|e| over_budget(e, g, n, len))?,
+                ),
+                (_, DType::Index) => Buf::Indices(
+                    self.arena
+                        .alloc::<u32>(len)
+                        .map_err(|e| over_budget(e, g, n, len))?,
+                ),
             };
         }
         Ok(bufs)

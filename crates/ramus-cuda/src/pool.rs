@@ -467,7 +467,14 @@ impl Arena {
             self.cursor = 0;
         }
         let block_bytes = size.max(self.capacity_bytes()).max(self.initial_bytes);
-        let block = self.pool.alloc_block(block_bytes)?;
+        // growing geometrically may not fit a memory budget; the request
+        // itself might
+        let block = match self.pool.alloc_block(block_bytes) {
+            Err(CudaError::OutOfPoolMemory { .. }) if block_bytes > size => {
+                self.pool.alloc_block(size)?
+            }
+            other => other?,
+        };
         let ptr = block.ptr;
         self.blocks.push(block);
         self.current = self.blocks.len() - 1;
@@ -486,9 +493,20 @@ impl Arena {
         self.current = 0;
         self.cursor = 0;
         if self.blocks.len() > 1 {
-            let total = self.capacity_bytes();
+            let sizes: Vec<u64> = self.blocks.iter().map(|b| b.size).collect();
+            let total = sizes.iter().sum();
             self.blocks.clear();
-            self.blocks.push(self.pool.alloc_block(total)?);
+            match self.pool.alloc_block(total) {
+                Ok(block) => self.blocks.push(block),
+                // under a memory budget one merged block may not fit where
+                // the separate ones did: keep them separate
+                Err(CudaError::OutOfPoolMemory { .. }) => {
+                    for size in sizes {
+                        self.blocks.push(self.pool.alloc_block(size)?);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
         }
         Ok(())
     }
@@ -568,6 +586,29 @@ mod tests {
 
     fn pool(initial_bytes: u64, max_bytes: Option<u64>, device_bytes: u64) -> Arc<DevicePool> {
         pool_with_live(initial_bytes, max_bytes, device_bytes).0
+    }
+
+    #[test]
+    fn an_arena_under_a_budget_uses_what_fits_instead_of_doubling() {
+        // a 10 MiB budget: the arena's geometric growth (8 -> 16 MiB) cannot
+        // fit, the requests themselves do, in this batch and the next
+        let pool = pool(2 * MIB, Some(10 * MIB), 1 << 40);
+        let mut arena = pool.arena(8 * MIB);
+        for _ in 0..3 {
+            let a = arena
+                .alloc::<f32>((7 * MIB / 4) as usize)
+                .expect("7 MiB fits");
+            let b = arena
+                .alloc::<f32>((2 * MIB / 4) as usize)
+                .expect("2 more MiB fit");
+            assert_ne!(a.device_ptr(), b.device_ptr());
+            assert!(pool.stats().reserved_bytes <= 10 * MIB);
+            arena.reset().expect("reset keeps within the budget");
+        }
+        let err = arena
+            .alloc::<f32>((11 * MIB / 4) as usize)
+            .expect_err("over budget");
+        assert!(matches!(err, CudaError::OutOfPoolMemory { .. }), "{err}");
     }
 
     #[test]

@@ -298,3 +298,26 @@ fn a_batch_of_another_model_is_refused() {
     let err = Engine::forward(&mut cuda, &b, &params, &batch, Mode::Train).expect_err("refused");
     assert!(err.to_string().contains("another model"), "{err}");
 }
+
+#[test]
+fn a_batch_over_the_memory_budget_names_the_tensor_and_the_budget() {
+    if !cuda_ready() {
+        return;
+    }
+    let model = model("treelstm", 0.0);
+    let params: Params<f32> = Params::init(&model, 1);
+    let mut opts = options("budget");
+    opts.pool.max_bytes = Some(256 << 10);
+    let mut cuda = CudaEngine::new(&model, &opts).expect("engine");
+    let gs = graphs("treelstm", 128, 5);
+    let batch = Batch::new(&model, gs.iter().collect(), BatchingPolicy::Cavs).expect("schedule");
+    let err = Engine::forward(&mut cuda, &model, &params, &batch, Mode::Train)
+        .expect_err("over the budget");
+    let msg = err.to_string();
+    assert!(msg.contains("device memory budget is exceeded"), "{msg}");
+    assert!(msg.contains("node %"), "{msg}");
+    // a small batch fits the same budget
+    let small = graphs("treelstm", 1, 6);
+    let batch = Batch::new(&model, small.iter().collect(), BatchingPolicy::Cavs).expect("schedule");
+    Engine::forward(&mut cuda, &model, &params, &batch, Mode::Train).expect("a small batch fits");
+}
