@@ -7,6 +7,15 @@
 //! are evicted synchronously; a tensor on the host is fetched back
 //! synchronously when an op touches it. Both produce [`SwapPlan`]s, so the
 //! [`Simulator`] compares all policies on the same terms.
+//!
+//! Persistent tensors (parameters, optimizer state) exist when the iteration
+//! starts, and the device holds no more than the budget then either. When
+//! they all fit, [`LruPlanner`] starts with all of them resident. When they
+//! do not, it starts with those the iteration touches first resident, as
+//! many as fit in that order, and the rest on the host
+//! ([`SwapPlan::host_resident_at_start`]), fetched on demand like any other
+//! evicted tensor. Nothing can be evicted before it is on the device, so
+//! evicting the surplus "before the first op" is not an option.
 
 use crate::analysis::analyze;
 use crate::cost::CostModel;
@@ -96,8 +105,12 @@ impl Planner for LruPlanner {
         // (last touch + 1, tensor): 0 means "not touched this iteration".
         let mut lru: BTreeSet<(usize, usize)> = BTreeSet::new();
         let mut used: u64 = 0;
+        let host_resident_at_start = start_state(trace, budget);
+        for &t in &host_resident_at_start {
+            on_host[t.index()] = true;
+        }
         for (t, info) in trace.tensors().iter().enumerate() {
-            if info.kind.is_persistent() {
+            if info.kind.is_persistent() && !on_host[t] {
                 resident[t] = true;
                 used += info.bytes;
                 lru.insert((0, t));
@@ -132,12 +145,14 @@ impl Planner for LruPlanner {
                 .map(|&t| trace.tensor(t).bytes)
                 .sum();
             while used + need > budget {
-                // ws <= budget, so a victim outside the op's uses exists.
+                // The resident tensors are exactly those in `lru`; were they
+                // all among the op's uses, `used + need` would be its working
+                // set, which fits. So a victim outside the uses exists.
                 let Some(&(key, victim)) = lru
                     .iter()
                     .find(|&&(_, t)| !uses.contains(&TensorId(t as u32)))
                 else {
-                    break;
+                    return Err(no_victim(trace, op, &resident, used + need, budget));
                 };
                 lru.remove(&(key, victim));
                 let info = &trace.tensors()[victim];
@@ -186,7 +201,7 @@ impl Planner for LruPlanner {
             budget_bytes: Some(budget),
             unplanned_peak_bytes: an.peak_bytes,
             num_ops: n,
-            host_resident_at_start: Vec::new(),
+            host_resident_at_start,
             actions,
             offloads: Vec::new(),
             predicted: Default::default(),
@@ -195,12 +210,164 @@ impl Planner for LruPlanner {
         let rep = Simulator::new(self.cost, Some(budget)).run(trace, &plan)?;
         if !rep.end_state_consistent {
             plan.notes.push(
-                "some persistent tensors end the iteration on the host (the next iteration \
-                 would fetch them on demand)"
+                "some persistent tensors end the iteration elsewhere than they started it \
+                 (the next iteration would fetch or evict them on demand)"
                     .to_string(),
             );
         }
         plan.predicted = rep.prediction();
         Ok(plan)
+    }
+}
+
+/// The persistent tensors [`LruPlanner`] starts the iteration with on the
+/// host: none if they all fit the budget; otherwise, taking them in order of
+/// first use (unused ones last, ties by tensor number), those after the
+/// longest prefix that fits. Sorted by tensor number.
+fn start_state(trace: &Trace, budget: u64) -> Vec<TensorId> {
+    if trace.persistent_bytes() <= budget {
+        return Vec::new();
+    }
+    let mut first_use: Vec<Option<usize>> = vec![None; trace.num_tensors()];
+    for op in (0..trace.num_ops()).rev() {
+        for &t in trace.uses(op) {
+            first_use[t.index()] = Some(op);
+        }
+    }
+    let mut order: Vec<usize> = (0..trace.num_tensors())
+        .filter(|&t| trace.tensors()[t].kind.is_persistent())
+        .collect();
+    order.sort_by_key(|&t| (first_use[t].unwrap_or(usize::MAX), t));
+    let mut used = 0u64;
+    let mut fits = order.len();
+    for (k, &t) in order.iter().enumerate() {
+        let bytes = trace.tensors()[t].bytes;
+        if used + bytes > budget {
+            fits = k;
+            break;
+        }
+        used += bytes;
+    }
+    let mut homed: Vec<TensorId> = order[fits..].iter().map(|&t| TensorId(t as u32)).collect();
+    homed.sort();
+    homed
+}
+
+/// The error for an op whose allocations cannot be made room for because
+/// every resident tensor is one of its own. The working-set check rules this
+/// out; should the accounting ever disagree, the caller gets an error naming
+/// the op and the budget rather than a plan that fails its replay.
+fn no_victim(trace: &Trace, op: usize, resident: &[bool], needed: u64, budget: u64) -> PlanError {
+    let largest = trace
+        .uses(op)
+        .iter()
+        .copied()
+        .filter(|t| resident[t.index()])
+        .max_by_key(|&t| (trace.tensor(t).bytes, std::cmp::Reverse(t)))
+        .unwrap_or(TensorId(0));
+    let info = trace.get_tensor(largest);
+    PlanError::NoPlan {
+        op,
+        op_name: trace.ops()[op].name.clone(),
+        tensor: largest,
+        tensor_name: info.map(|t| t.name.clone()).unwrap_or_default(),
+        tensor_bytes: info.map(|t| t.bytes).unwrap_or(0),
+        resident: needed,
+        budget,
+        reason: "the op itself uses it, as it does every resident tensor: nothing is left to \
+                 evict"
+            .into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace::{Phase, TensorKind, TraceBuilder};
+
+    const MIB: u64 = 1 << 20;
+
+    /// The case `lru_is_sound` shrank to (tests/props.proptest-regressions):
+    /// two layers with parameters and momentum, 40 MiB of persistent tensors
+    /// against a budget of about 31.3 MiB.
+    fn two_layers_with_momentum() -> Trace {
+        let mut b = TraceBuilder::new();
+        let input = b.tensor("input", 2 * MIB, TensorKind::Activation);
+        let w0 = b.tensor("w0", 10 * MIB, TensorKind::Parameter);
+        let dw0 = b.tensor("dw0", 10 * MIB, TensorKind::Gradient);
+        let m0 = b.tensor("m0", 10 * MIB, TensorKind::OptimizerState);
+        let y0 = b.tensor("y0", MIB, TensorKind::Activation);
+        let w1 = b.tensor("w1", 10 * MIB, TensorKind::Parameter);
+        let dw1 = b.tensor("dw1", 10 * MIB, TensorKind::Gradient);
+        let m1 = b.tensor("m1", 10 * MIB, TensorKind::OptimizerState);
+        let y1 = b.tensor("y1", MIB, TensorKind::Activation);
+        let dlast = b.tensor("dlast", MIB, TensorKind::Gradient);
+        let d1 = b.tensor("d1.0", MIB, TensorKind::Gradient);
+        let d0 = b.tensor("d0.0", 2 * MIB, TensorKind::Gradient);
+        b.timed_op("f0", Phase::Forward, &[input, w0], &[y0], 5e-5);
+        b.timed_op("f1", Phase::Forward, &[y0, w1], &[y1], 5e-5);
+        b.timed_op("loss", Phase::Forward, &[y1], &[dlast], 1e-4);
+        b.timed_op(
+            "b1",
+            Phase::Backward,
+            &[dlast, y0, y1, w1],
+            &[d1, dw1],
+            5e-5,
+        );
+        b.timed_op(
+            "b0",
+            Phase::Backward,
+            &[d1, input, y0, w0],
+            &[d0, dw0],
+            5e-5,
+        );
+        b.timed_op("opt0", Phase::Optimizer, &[w0, dw0, m0], &[w0, m0], 2e-5);
+        b.timed_op("opt1", Phase::Optimizer, &[w1, dw1, m1], &[w1, m1], 2e-5);
+        b.build().unwrap()
+    }
+
+    #[test]
+    fn lru_homes_persistent_tensors_that_do_not_fit_at_the_start() {
+        let trace = two_layers_with_momentum();
+        let cost = CostModel::pcie3_x16();
+        let budget = 32_831_431; // 0.474 of the unplanned peak
+        assert!(trace.persistent_bytes() > budget);
+        assert!((0..trace.num_ops()).all(|op| trace.working_set_bytes(op) <= budget));
+
+        let plan = LruPlanner::new(budget, cost).plan(&trace).unwrap();
+        // w0, w1 and m0 (first used by f0, f1 and opt0) fill 30 MiB; m1,
+        // first used by the last op, starts on the host.
+        let m1 = TensorId(7);
+        assert_eq!(trace.tensor(m1).name, "m1");
+        assert_eq!(plan.host_resident_at_start, vec![m1]);
+        assert!(plan
+            .actions
+            .iter()
+            .all(|a| matches!(a, Action::Evict { .. } | Action::Fetch { .. })));
+        assert!(plan.actions.iter().any(|a| matches!(
+            a,
+            Action::Fetch { tensor, before_op: 6, .. } if *tensor == m1
+        )));
+        // Nothing is evicted that was never resident, and the replay the
+        // prediction comes from keeps the budget throughout.
+        let rep = Simulator::new(cost, Some(budget))
+            .run(&trace, &plan)
+            .unwrap();
+        assert!(rep.peak_bytes <= budget);
+        assert!(rep.resident_bytes.iter().all(|&r| r <= budget));
+        assert_eq!(rep.prediction(), plan.predicted);
+        // m1 ends the iteration on the device: the plan says so.
+        assert!(!rep.end_state_consistent);
+        assert_eq!(plan.notes.len(), 1);
+    }
+
+    #[test]
+    fn lru_keeps_every_persistent_tensor_resident_when_they_fit() {
+        let trace = two_layers_with_momentum();
+        let cost = CostModel::pcie3_x16();
+        let plan = LruPlanner::new(trace.persistent_bytes() + 3 * MIB, cost)
+            .plan(&trace)
+            .unwrap();
+        assert!(plan.host_resident_at_start.is_empty());
     }
 }
