@@ -184,20 +184,8 @@ fn rows_of_view<T: DeviceScalar>(
     v.slice(lo * ty.width()..hi * ty.width())
 }
 
-/// Names the op and tensor whose buffer did not fit the device memory
-/// budget (other errors pass through).
-fn over_budget(e: CudaError, g: &Graph, n: NodeId, elements: usize) -> CudaError {
-    match e {
-        CudaError::OutOfPoolMemory { pool_size, .. } => model_err(format!(
-            "the device memory budget is exceeded: node %{n} ({}, {} bytes) does not fit \
-             ({}); the pool holds {pool_size} bytes; raise --device-memory-budget or \
-             lower the batch size",
-            g.nodes[n].describe(&[]),
-            elements * 4,
-            e
-        )),
-        e => e,
-    }
+fn node_label(g: &Graph, n: NodeId) -> String {
+    format!("node %{n} ({})", g.nodes[n].describe(&[]))
 }
 
 fn no_buffer(g: &Graph, n: NodeId, kind: &str) -> CudaError {
@@ -487,7 +475,8 @@ impl CudaEngine {
             }
             label_seg = Some(push(&mut labels.into_iter(), &mut ix));
         }
-        let all = self.arena.alloc::<u32>(ix.len().max(1))?;
+        let all =
+            self.arena_alloc::<u32>(ix.len().max(1), &|| "the batch's index arrays".into())?;
         let stream = self.device.stream().clone();
         self.staging
             .upload_slice(&ix, all.slice(0..ix.len())?, &stream)?;
@@ -545,19 +534,35 @@ impl CudaEngine {
                     self.state.labels.map_or(Buf::Absent, Buf::Indices)
                 }
                 _ if !prog.materialized[n] => Buf::Absent,
-                (_, DType::Float) => Buf::Floats(
-                    self.arena
-                        .alloc::<f32>(len)
-                        .map_err(|e| over_budget(e, g, n, len))?,
-                ),
-                (_, DType::Index) => Buf::Indices(
-                    self.arena
-                        .alloc::<u32>(len)
-                        .map_err(|e| over_budget(e, g, n, len))?,
-                ),
+                (_, DType::Float) => {
+                    Buf::Floats(self.arena_alloc::<f32>(len, &|| node_label(g, n))?)
+                }
+                (_, DType::Index) => {
+                    Buf::Indices(self.arena_alloc::<u32>(len, &|| node_label(g, n))?)
+                }
             };
         }
         Ok(bufs)
+    }
+
+    /// `len` elements from the batch arena; a request over the device
+    /// memory budget is an error naming the tensor (`what`), its size and
+    /// the budget.
+    fn arena_alloc<T: DeviceScalar>(
+        &mut self,
+        len: usize,
+        what: &dyn Fn() -> String,
+    ) -> Result<DeviceView<T>> {
+        self.arena.alloc::<T>(len).map_err(|e| match e {
+            CudaError::OutOfPoolMemory { pool_size, .. } => model_err(format!(
+                "the device memory budget is exceeded: {} ({} bytes) does not fit ({e}); \
+                 the pool holds {pool_size} bytes; raise --device-memory-budget or lower \
+                 the batch size",
+                what(),
+                len * std::mem::size_of::<T>()
+            )),
+            e => e,
+        })
     }
 
     /// Draws (on the host, same order as the CPU engine) and uploads the
@@ -599,7 +604,8 @@ impl CudaEngine {
         self.upload_indices(model, s, mode, rows)?;
         let stream = self.device.stream().clone();
         let w = model.state_width;
-        let state = self.arena.alloc::<f32>(s.num_vertices() * w)?;
+        let state =
+            self.arena_alloc::<f32>(s.num_vertices() * w, &|| "the vertex states".into())?;
         let training = mode == Mode::Train;
         // without a backward pass to follow, fusion keeps fewer values
         let programs: Vec<&GraphProgram> = if training {
@@ -1357,7 +1363,9 @@ impl CudaEngine {
             }
             self.launcher.move_rows(&stream, &moves)?;
         }
-        let state_grad = self.arena.alloc::<f32>(s.num_vertices() * w)?;
+        let state_grad = self.arena_alloc::<f32>(s.num_vertices() * w, &|| {
+            "the vertex-state gradients".into()
+        })?;
         self.launcher.fill(&stream, state_grad, 0.0)?;
         let graphs: Vec<&Graph> = model.functions.iter().map(|f| &f.backward).collect();
         let programs: Vec<&GraphProgram> = program.functions.iter().map(|p| &p.1).collect();
@@ -1561,7 +1569,9 @@ impl CudaEngine {
         }
         for (p, touched) in self.touched_rows(model, s)? {
             let width = grads.row_width(p);
-            let gathered = self.arena.alloc::<f32>(touched.len() * width)?;
+            let gathered = self.arena_alloc::<f32>(touched.len() * width, &|| {
+                format!("touched rows of parameter {p}")
+            })?;
             self.launcher.move_rows(
                 &stream,
                 &[RowMove {
@@ -1620,7 +1630,7 @@ impl CudaEngine {
         }
         let mut out = Vec::with_capacity(lists.len());
         for (p, rows) in lists {
-            let view = self.arena.alloc::<u32>(rows.len())?;
+            let view = self.arena_alloc::<u32>(rows.len(), &|| "touched row ids".into())?;
             self.staging.upload_slice(&rows, view, &stream)?;
             self.launcher.count();
             out.push((p, view));
