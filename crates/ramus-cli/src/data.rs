@@ -1,10 +1,14 @@
 //! Loading data for the CLI: tree or sentence splits from a directory, or
-//! the built-in synthetic treebank when no directory is given.
+//! the built-in synthetic treebank when no directory is given; for the CNN
+//! models, the built-in synthetic images.
 
 use std::path::Path;
 
+use ramus_graph::images::{self, ImageSpec};
 use ramus_graph::{ptb, synthetic, text, InputGraph, Vocab, VocabMode};
-use ramus_nn::DataKind;
+use ramus_nn::{DataKind, ImageShape};
+
+use crate::vision::DEFAULT_TRAIN_IMAGES;
 
 /// Train / dev / test graphs with the vocabulary built from train.
 pub struct Splits {
@@ -14,13 +18,31 @@ pub struct Splits {
     pub test: Vec<InputGraph>,
     pub vocab: Vocab,
     pub classes: usize,
+    /// The name of each class (images), by label.
+    pub class_names: Vec<String>,
+    /// The image shape (images only).
+    pub image: Option<ImageShape>,
+}
+
+impl Splits {
+    /// What the data holds besides its sizes, for the training log.
+    pub fn describe(&self) -> String {
+        match self.image {
+            Some(shape) => format!("{shape} images, {} classes", self.classes),
+            None => format!("vocabulary {}", self.vocab.len()),
+        }
+    }
 }
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// Reads `dir/{train,dev,test}.txt` (`valid.txt` also accepted for dev) or,
-/// without a directory, generates the built-in treebank.
+/// without a directory, generates the built-in treebank (images: the
+/// built-in synthetic images of the default shape and size).
 pub fn load_splits(dir: Option<&Path>, kind: DataKind) -> AnyResult<Splits> {
+    if kind == DataKind::Images {
+        return load_image_splits(dir, ImageShape::default(), DEFAULT_TRAIN_IMAGES);
+    }
     let mut vocab = Vocab::new();
     let (source, train, dev, test) = match dir {
         None => {
@@ -43,7 +65,7 @@ pub fn load_splits(dir: Option<&Path>, kind: DataKind) -> AnyResult<Splits> {
                         VocabMode::Frozen(&vocab),
                     )?,
                 ),
-                DataKind::Sentences => {
+                DataKind::Sentences | DataKind::Images => {
                     let train = text::parse_sentences(
                         &sentences_of(&tb.train)?,
                         "<built-in train>",
@@ -87,7 +109,7 @@ pub fn load_splits(dir: Option<&Path>, kind: DataKind) -> AnyResult<Splits> {
             let read = |p: &Path, mode: VocabMode<'_>| -> AnyResult<Vec<InputGraph>> {
                 Ok(match kind {
                     DataKind::Trees => ptb::read_trees(p, mode)?,
-                    DataKind::Sentences => text::read_sentences(p, mode)?,
+                    DataKind::Sentences | DataKind::Images => text::read_sentences(p, mode)?,
                 })
             };
             let train = read(&tr, VocabMode::Grow(&mut vocab))?;
@@ -106,7 +128,7 @@ pub fn load_splits(dir: Option<&Path>, kind: DataKind) -> AnyResult<Splits> {
         .into());
     }
     let classes = match kind {
-        DataKind::Sentences => 0,
+        DataKind::Sentences | DataKind::Images => 0,
         DataKind::Trees => {
             train
                 .iter()
@@ -125,6 +147,47 @@ pub fn load_splits(dir: Option<&Path>, kind: DataKind) -> AnyResult<Splits> {
         test,
         vocab,
         classes,
+        class_names: Vec::new(),
+        image: None,
+    })
+}
+
+/// The built-in synthetic images of `shape` (`train` training images, a
+/// quarter as many for dev and for test), or a directory of labelled images.
+pub fn load_image_splits(dir: Option<&Path>, shape: ImageShape, train: usize) -> AnyResult<Splits> {
+    if let Some(dir) = dir {
+        return Err(format!(
+            "{}: reading image directories is not supported; the CNN models train on the built-in synthetic images (leave out --data)",
+            dir.display()
+        )
+        .into());
+    }
+    let spec = ImageSpec {
+        channels: shape.channels,
+        height: shape.height,
+        width: shape.width,
+        ..ImageSpec::default()
+    };
+    let (dev, test) = (train / 4, train / 4);
+    if dev == 0 {
+        return Err(format!(
+            "--images must be at least 4 (a quarter for dev and test), got {train}"
+        )
+        .into());
+    }
+    let set = images::generate(&spec, images::DEFAULT_SEED, (train, dev, test))?;
+    Ok(Splits {
+        source: format!("built-in synthetic images (seed {})", images::DEFAULT_SEED),
+        train: set.train,
+        dev: set.dev,
+        test: set.test,
+        vocab: Vocab::new(),
+        classes: spec.classes,
+        class_names: images::CLASS_NAMES[..spec.classes]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+        image: Some(shape),
     })
 }
 
@@ -133,6 +196,13 @@ pub fn read_frozen(path: &Path, kind: DataKind, vocab: &Vocab) -> AnyResult<Vec<
     Ok(match kind {
         DataKind::Trees => ptb::read_trees(path, VocabMode::Frozen(vocab))?,
         DataKind::Sentences => text::read_sentences(path, VocabMode::Frozen(vocab))?,
+        DataKind::Images => {
+            return Err(format!(
+                "{}: image models cannot be evaluated on files (reading images is not supported); `ramus train` reports their test accuracy",
+                path.display()
+            )
+            .into())
+        }
     })
 }
 

@@ -4,6 +4,7 @@ mod bench;
 mod data;
 mod device;
 mod plan_memory;
+mod vision;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -16,8 +17,8 @@ use ramus_core::{HeadRows, Params};
 use ramus_graph::BatchingPolicy;
 use ramus_nn::checkpoint;
 use ramus_nn::{
-    build_model, build_model_with, data_kind, DataKind, ModelConfig, ModelOptions, OptimizerConfig,
-    OptimizerKind, Trainer,
+    build_model, data_kind, DataKind, ModelConfig, ModelOptions, OptimizerConfig, OptimizerKind,
+    Trainer,
 };
 
 #[derive(Parser)]
@@ -33,7 +34,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train a model (with no --data: the built-in synthetic treebank).
+    /// Train a model (with no --data: the built-in synthetic treebank, or
+    /// synthetic images for the CNN models).
     Train(TrainArgs),
     /// Evaluate a checkpoint on a data file.
     Eval(EvalArgs),
@@ -59,20 +61,26 @@ struct TrainArgs {
     #[arg(long)]
     data: Option<PathBuf>,
     /// One of: treelstm (the reference child-sum model, root loss),
-    /// treelstm-nary (binary Tree-LSTM, loss at every node), treefc, lstm-lm.
+    /// treelstm-nary (binary Tree-LSTM, loss at every node), treefc, lstm-lm;
+    /// CNNs on images: alexnet, vgg (vgg11, vgg13, vgg16, vgg19), resnet.
     #[arg(long, default_value = "treelstm-nary")]
     model: String,
-    #[arg(long, default_value_t = 64)]
-    hidden: usize,
+    /// Hidden size; for the CNNs the first stage's width (64 in the papers)
+    /// [default: 64, CNNs 16].
+    #[arg(long)]
+    hidden: Option<usize>,
+    #[command(flatten)]
+    vision: vision::VisionArgs,
     #[arg(long, default_value_t = 5)]
     epochs: usize,
     #[arg(long, default_value_t = 25)]
     batch_size: usize,
-    /// sgd, adagrad or adam.
-    #[arg(long, default_value = "adagrad")]
-    optimizer: String,
-    #[arg(long, default_value_t = 0.05)]
-    lr: f64,
+    /// sgd, adagrad or adam [default: adagrad; adam for the CNNs].
+    #[arg(long)]
+    optimizer: Option<String>,
+    /// Learning rate [default: 0.05; 0.001 for the CNNs].
+    #[arg(long)]
+    lr: Option<f64>,
     #[arg(long, default_value_t = 0.0)]
     weight_decay: f64,
     /// Clip the global gradient norm to this value.
@@ -150,25 +158,45 @@ fn train(a: TrainArgs) -> AnyResult {
         )
     })?;
     let policy: BatchingPolicy = a.policy.parse()?;
-    let opt: OptimizerKind = a.optimizer.parse()?;
-    if a.batch_size == 0 || a.hidden == 0 {
+    let vision_cfg = a.vision.config(&a.model, kind)?;
+    let (optimizer, lr) = vision::optimizer_defaults(kind, a.optimizer.as_deref(), a.lr);
+    let opt: OptimizerKind = optimizer.parse()?;
+    let hidden = a.hidden.unwrap_or(match kind {
+        DataKind::Images => vision::DEFAULT_CNN_WIDTH,
+        _ => vision::DEFAULT_HIDDEN,
+    });
+    if a.batch_size == 0 || hidden == 0 {
         return Err("--batch-size and --hidden must be at least 1".into());
     }
-    let data = data::load_splits(a.data.as_deref(), kind)?;
+    let data = match &vision_cfg {
+        Some(v) => data::load_image_splits(
+            a.data.as_deref(),
+            v.image,
+            a.vision.images.unwrap_or(vision::DEFAULT_TRAIN_IMAGES),
+        )?,
+        None => data::load_splits(a.data.as_deref(), kind)?,
+    };
     println!(
-        "data: {} ({} train / {} dev / {} test, vocabulary {})",
+        "data: {} ({} train / {} dev / {} test, {})",
         data.source,
         data.train.len(),
         data.dev.len(),
         data.test.len(),
-        data.vocab.len()
+        data.describe()
     );
     let cfg = ModelConfig {
         vocab: data.vocab.len(),
-        hidden: a.hidden,
+        hidden,
         classes: data.classes,
     };
-    let mut model = build_model_with(&a.model, &cfg, &ModelOptions { dropout: a.dropout })?;
+    let opts = ModelOptions { dropout: a.dropout };
+    let mut model = vision::build(&a.model, &cfg, vision_cfg.as_ref(), &opts)?;
+    if !data.class_names.is_empty() {
+        model.settings.insert(
+            "class_names".into(),
+            serde_json::to_string(&data.class_names)?,
+        );
+    }
     match a.loss_at.as_deref() {
         None => {}
         Some("root") => model.head.rows = HeadRows::Roots,
@@ -176,7 +204,7 @@ fn train(a: TrainArgs) -> AnyResult {
         Some(other) => return Err(format!("--loss-at must be root or all, got `{other}`").into()),
     }
     let params = Params::<f32>::init(&model, a.seed);
-    let mut oc = OptimizerConfig::new(opt, a.lr);
+    let mut oc = OptimizerConfig::new(opt, lr);
     oc.weight_decay = a.weight_decay;
     oc.clip_norm = a.clip;
     let engine = device::engine(a.device, &model)?;
@@ -188,9 +216,9 @@ fn train(a: TrainArgs) -> AnyResult {
     println!(
         "model: {} hidden {} | optimizer {} lr {} | batch {} | engine {} ({} host threads)",
         a.model,
-        a.hidden,
-        a.optimizer,
-        a.lr,
+        hidden,
+        optimizer,
+        lr,
         a.batch_size,
         trainer.engine.name(),
         rayon::current_num_threads()
@@ -220,11 +248,11 @@ fn train(a: TrainArgs) -> AnyResult {
         let secs = t0.elapsed().as_secs_f64();
         let dev = trainer.evaluate(&data.dev, 64)?;
         println!(
-            "epoch {epoch}: train loss {loss:.4} | dev loss {:.4} root acc {:.2}% all-node acc {:.2}% | {:.0} sent/s",
+            "epoch {epoch}: train loss {loss:.4} | dev loss {:.4} {} | {:.0} {}/s",
             dev.loss,
-            100.0 * dev.root_accuracy,
-            100.0 * dev.node_accuracy,
-            data.train.len() as f64 / secs
+            vision::accuracy(kind, &dev),
+            data.train.len() as f64 / secs,
+            vision::unit(kind).0
         );
         // keep the parameters of the epoch with the best dev root accuracy
         if best
@@ -237,7 +265,12 @@ fn train(a: TrainArgs) -> AnyResult {
     if let Some((acc, epoch, params)) = best {
         if epoch != a.epochs {
             println!(
-                "using the parameters of epoch {epoch} (best dev root acc {:.2}%)",
+                "using the parameters of epoch {epoch} (best dev {}acc {:.2}%)",
+                if kind == DataKind::Images {
+                    ""
+                } else {
+                    "root "
+                },
                 100.0 * acc
             );
         }
@@ -245,11 +278,11 @@ fn train(a: TrainArgs) -> AnyResult {
     }
     let test = trainer.evaluate(&data.test, 64)?;
     println!(
-        "test: loss {:.4} root acc {:.2}% all-node acc {:.2}% ({} graphs) | trained in {:.1} s",
+        "test: loss {:.4} {} ({} {}) | trained in {:.1} s",
         test.loss,
-        100.0 * test.root_accuracy,
-        100.0 * test.node_accuracy,
+        vision::accuracy(kind, &test),
         test.graphs,
+        vision::unit(kind).1,
         started.elapsed().as_secs_f64()
     );
     if let Some(path) = a.save {
@@ -282,9 +315,21 @@ fn eval(a: EvalArgs) -> AnyResult {
         )
         .into());
     }
-    let model = build_model(&info.model, &cfg)?;
-    let params = checkpoint::load_params(&a.checkpoint, &bytes, &model)?;
     let kind = data_kind(&info.model).ok_or("checkpoint names an unknown model")?;
+    let vision_cfg = match kind {
+        DataKind::Images => Some(
+            ramus_nn::VisionConfig::from_settings(&info.settings)
+                .map_err(|e| format!("checkpoint settings: {e}"))?,
+        ),
+        _ => None,
+    };
+    let model = vision::build(
+        &info.model,
+        &cfg,
+        vision_cfg.as_ref(),
+        &ModelOptions::default(),
+    )?;
+    let params = checkpoint::load_params(&a.checkpoint, &bytes, &model)?;
     let graphs = data::read_frozen(&a.data, kind, &info.vocab)?;
     let mut engine = device::engine(a.device, &model)?;
     let r = ramus_nn::evaluate(
@@ -318,7 +363,11 @@ fn eval(a: EvalArgs) -> AnyResult {
 
 fn inspect(model: &str, hidden: usize, fusion: bool) -> AnyResult {
     let kind = data_kind(model).ok_or_else(|| format!("unknown model `{model}`"))?;
-    let classes = if kind == DataKind::Trees { 5 } else { 0 };
+    let classes = match kind {
+        DataKind::Trees => 5,
+        DataKind::Images => 10,
+        DataKind::Sentences => 0,
+    };
     let m = build_model(
         model,
         &ModelConfig {

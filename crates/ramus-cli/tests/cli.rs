@@ -210,3 +210,85 @@ fn plan_memory_fits_the_budget_and_explains_a_hopeless_one() {
     ]);
     assert_one_line_error(&o, "budget");
 }
+
+#[test]
+fn train_a_cnn_on_built_in_images_and_inspect_it() {
+    let ckpt = tmp("resnet.safetensors");
+    let o = ramus(&[
+        "train",
+        "--model",
+        "resnet",
+        "--epochs",
+        "1",
+        "--quiet",
+        "--image",
+        "3x12x12",
+        "--images",
+        "160",
+        "--hidden",
+        "4",
+        "--blocks",
+        "1,1",
+        "--save",
+        ckpt.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("built-in synthetic images")
+            && out.contains("3x12x12 images, 10 classes")
+            && out.contains("optimizer adam lr 0.001")
+            && out.contains("epoch 1:")
+            && out.contains("img/s"),
+        "{out}"
+    );
+    let test = out
+        .lines()
+        .find(|l| l.starts_with("test: loss"))
+        .unwrap_or_else(|| panic!("no test line: {out}"));
+    assert!(
+        test.contains(" acc ") && test.contains("(40 images)"),
+        "{test}"
+    );
+    // the checkpoint records the architecture; images cannot be read from files
+    let o = ramus(&[
+        "eval",
+        "--data",
+        tmp("none").to_str().unwrap(),
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+    ]);
+    assert_one_line_error(&o, "image models cannot be evaluated on files");
+    for model in ["resnet", "alexnet", "vgg19"] {
+        let o = ramus(&["inspect", "--model", model]);
+        assert!(o.status.success(), "{model}: {}", stderr(&o));
+        let listing = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            listing.contains("conv2d") && listing.contains("W_out"),
+            "{model}: {listing}"
+        );
+    }
+    let o = ramus(&["inspect", "--model", "resnet"]);
+    let listing = String::from_utf8_lossy(&o.stdout);
+    assert!(listing.contains("batch_norm") && listing.contains("s3.b1.proj.W"));
+}
+
+#[test]
+fn bad_cnn_options_give_one_line_errors() {
+    let o = ramus(&["train", "--model", "vgg", "--depth", "12", "--epochs", "1"]);
+    assert_one_line_error(&o, "11, 13, 16, 19");
+    let o = ramus(&["train", "--model", "resnet", "--depth", "12"]);
+    assert_one_line_error(&o, "9n + 2");
+    let o = ramus(&["train", "--model", "resnet", "--blocks", "2,x"]);
+    assert_one_line_error(&o, "2,x");
+    let o = ramus(&["train", "--model", "treefc", "--blocks", "2,2"]);
+    assert_one_line_error(&o, "--blocks applies to the CNN models");
+    let o = ramus(&["train", "--model", "alexnet", "--depth", "5"]);
+    assert_one_line_error(&o, "not `alexnet`");
+    let o = ramus(&["train", "--model", "resnet", "--images", "3"]);
+    assert_one_line_error(&o, "--images must be at least 4");
+    let o = ramus(&["train", "--model", "resnet", "--image", "3x2x2"]);
+    assert_one_line_error(&o, "at least 4x4");
+    let o = ramus(&["train", "--model", "resnet", "--data", "/nonexistent"]);
+    assert_one_line_error(&o, "reading image directories is not supported");
+}

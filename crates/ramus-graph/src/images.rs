@@ -75,14 +75,15 @@ pub struct ImageSpec {
 }
 
 impl Default for ImageSpec {
-    /// 3×32×32 colour images of all 10 classes, noise 0.25.
+    /// 3×32×32 colour images of all 10 classes, noise 0.5 (a quarter-width
+    /// ResNet reaches about 90 % in two epochs).
     fn default() -> Self {
         ImageSpec {
             channels: 3,
             height: 32,
             width: 32,
             classes: 10,
-            noise: 0.25,
+            noise: 0.5,
         }
     }
 }

@@ -1,4 +1,4 @@
-//! Ramus models and training: the model zoo, optimizers, checkpoints and
+//! Ramus models and training: the model zoo (dynamic models and CNNs), optimizers, checkpoints and
 //! the training / evaluation loops.
 
 pub mod checkpoint;
@@ -7,6 +7,7 @@ pub mod error;
 pub mod models;
 pub mod optim;
 pub mod train;
+pub mod vision;
 
 pub use engine::Engine;
 pub use error::{NnError, Result};
@@ -15,3 +16,4 @@ pub use models::{
 };
 pub use optim::{Optimizer, OptimizerConfig, OptimizerKind};
 pub use train::{evaluate, EvalResult, Trainer};
+pub use vision::{build_vision_model, ImageShape, VisionConfig};

@@ -5,12 +5,16 @@
 //! * `treelstm-nary` — Tai et al.'s binary (N-ary, N = 2) constituency
 //!   Tree-LSTM with a loss at every labelled node;
 //! * `treefc` — TF Fold's Tree-FC benchmark cell `h = tanh(W [h_l; h_r] + b)`;
-//! * `lstm-lm` — an LSTM language model over sentences as chains.
+//! * `lstm-lm` — an LSTM language model over sentences as chains;
+//! * `alexnet`, `vgg` (`vgg11` ... `vgg19`), `resnet` — CNNs over images as
+//!   single-vertex graphs ([`crate::vision`]).
 
 use ramus_core::model::{
     FunctionSelector, HeadBuilder, HeadRows, Init, ModelBuilder, VertexFnBuilder,
 };
 use ramus_core::{Model, Result, Sym};
+
+use crate::vision::{build_vision_model, is_vision_model, VisionConfig};
 
 /// What kind of data a model reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,25 +23,44 @@ pub enum DataKind {
     Trees,
     /// Plain-text sentences, one per line, as chains.
     Sentences,
+    /// Labelled images as single-vertex graphs with pixel features (the
+    /// built-in synthetic images, `ramus_graph::images`).
+    Images,
 }
 
 /// Sizes a model is built with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ModelConfig {
+    /// Vocabulary size (ignored by the CNN models).
     pub vocab: usize,
+    /// Hidden size; for the CNN models the width of the first stage
+    /// (see [`crate::vision`]).
     pub hidden: usize,
-    /// Classes of tree models (5 for SST); ignored by the language model.
+    /// Classes of tree and image models (5 for SST); ignored by the language model.
     pub classes: usize,
 }
 
 /// Names accepted by [`build_model`].
-pub const MODEL_NAMES: [&str; 4] = ["treelstm", "treelstm-nary", "treefc", "lstm-lm"];
+pub const MODEL_NAMES: [&str; 11] = [
+    "treelstm",
+    "treelstm-nary",
+    "treefc",
+    "lstm-lm",
+    "alexnet",
+    "vgg",
+    "vgg11",
+    "vgg13",
+    "vgg16",
+    "vgg19",
+    "resnet",
+];
 
 /// The data a model reads.
 pub fn data_kind(name: &str) -> Option<DataKind> {
     match name {
         "treelstm" | "treelstm-nary" | "treefc" => Some(DataKind::Trees),
         "lstm-lm" => Some(DataKind::Sentences),
+        _ if is_vision_model(name) => Some(DataKind::Images),
         _ => None,
     }
 }
@@ -54,8 +77,13 @@ pub fn build_model(name: &str, cfg: &ModelConfig) -> Result<Model> {
     build_model_with(name, cfg, &ModelOptions::default())
 }
 
-/// Builds model `name` with training options.
+/// Builds model `name` with training options (CNN models with the default
+/// [`VisionConfig`]: 3×32×32 images, VGG-11, ResNet blocks `[1, 1, 1]`; see
+/// [`build_vision_model`] for others).
 pub fn build_model_with(name: &str, cfg: &ModelConfig, opts: &ModelOptions) -> Result<Model> {
+    if is_vision_model(name) {
+        return build_vision_model(name, cfg, &VisionConfig::default(), opts);
+    }
     let p = opts.dropout;
     let mut model = match name {
         "treelstm" => reference_treelstm(cfg, p),
@@ -70,6 +98,12 @@ pub fn build_model_with(name: &str, cfg: &ModelConfig, opts: &ModelOptions) -> R
             })
         }
     }?;
+    record_settings(&mut model, name, cfg);
+    Ok(model)
+}
+
+/// Records the model name and sizes in the settings checkpoints keep.
+pub(crate) fn record_settings(model: &mut Model, name: &str, cfg: &ModelConfig) {
     model.settings.insert("model".into(), name.into());
     model.settings.insert("vocab".into(), cfg.vocab.to_string());
     model
@@ -78,11 +112,10 @@ pub fn build_model_with(name: &str, cfg: &ModelConfig, opts: &ModelOptions) -> R
     model
         .settings
         .insert("classes".into(), cfg.classes.to_string());
-    Ok(model)
 }
 
 /// PyTorch's `nn.Linear` bias initialiser for `fan_in` inputs.
-fn linear_bias(fan_in: usize) -> Init {
+pub(crate) fn linear_bias(fan_in: usize) -> Init {
     Init::Uniform {
         bound: 1.0 / (fan_in as f64).sqrt(),
     }
@@ -126,7 +159,7 @@ fn lstm_leaf(
 }
 
 /// Linear classifier head with mean softmax cross-entropy (and dropout on its input).
-fn classifier_head(h: &mut HeadBuilder, w_out: usize, b_out: usize, dropout: f64) {
+pub(crate) fn classifier_head(h: &mut HeadBuilder, w_out: usize, b_out: usize, dropout: f64) {
     let x = h.input();
     let x = h.dropout(x, dropout);
     let (w, b) = (h.param(w_out), h.param(b_out));
