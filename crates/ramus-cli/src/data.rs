@@ -1,6 +1,7 @@
 //! Loading data for the CLI: tree or sentence splits from a directory, or
 //! the built-in synthetic treebank when no directory is given; for the CNN
-//! models, the built-in synthetic images.
+//! models, the built-in synthetic images or a directory of image files
+//! ([`crate::image_dir`]).
 
 use std::path::Path;
 
@@ -8,6 +9,7 @@ use ramus_graph::images::{self, ImageSpec};
 use ramus_graph::{ptb, synthetic, text, InputGraph, Vocab, VocabMode};
 use ramus_nn::{DataKind, ImageShape};
 
+use crate::image_dir;
 use crate::vision::DEFAULT_TRAIN_IMAGES;
 
 /// Train / dev / test graphs with the vocabulary built from train.
@@ -153,14 +155,22 @@ pub fn load_splits(dir: Option<&Path>, kind: DataKind) -> AnyResult<Splits> {
 }
 
 /// The built-in synthetic images of `shape` (`train` training images, a
-/// quarter as many for dev and for test), or a directory of labelled images.
+/// quarter as many for dev and for test), or a directory of labelled image
+/// files resized to `shape` (see [`crate::image_dir`]; `train` is ignored).
 pub fn load_image_splits(dir: Option<&Path>, shape: ImageShape, train: usize) -> AnyResult<Splits> {
     if let Some(dir) = dir {
-        return Err(format!(
-            "{}: reading image directories is not supported; the CNN models train on the built-in synthetic images (leave out --data)",
-            dir.display()
-        )
-        .into());
+        let [tr, dv, te] = image_dir::split_dirs(dir)?;
+        let class_names = image_dir::class_names(&tr)?;
+        return Ok(Splits {
+            source: dir.display().to_string(),
+            train: image_dir::read_split(&tr, &class_names, shape)?,
+            dev: image_dir::read_split(&dv, &class_names, shape)?,
+            test: image_dir::read_split(&te, &class_names, shape)?,
+            vocab: Vocab::new(),
+            classes: class_names.len(),
+            class_names,
+            image: Some(shape),
+        });
     }
     let spec = ImageSpec {
         channels: shape.channels,
@@ -198,7 +208,7 @@ pub fn read_frozen(path: &Path, kind: DataKind, vocab: &Vocab) -> AnyResult<Vec<
         DataKind::Sentences => text::read_sentences(path, VocabMode::Frozen(vocab))?,
         DataKind::Images => {
             return Err(format!(
-                "{}: image models cannot be evaluated on files (reading images is not supported); `ramus train` reports their test accuracy",
+                "{}: images are read with their class names and shape (read_image_split)",
                 path.display()
             )
             .into())
@@ -220,4 +230,14 @@ fn sentences_of(lines: &[String]) -> AnyResult<String> {
         out.push('\n');
     }
     Ok(out)
+}
+
+/// Reads a folder of class sub-folders (`classes` from the checkpoint)
+/// with images resized to `shape`.
+pub fn read_image_split(
+    path: &Path,
+    classes: &[String],
+    shape: ImageShape,
+) -> AnyResult<Vec<InputGraph>> {
+    image_dir::read_split(path, classes, shape)
 }

@@ -3,6 +3,7 @@
 mod bench;
 mod data;
 mod device;
+mod image_dir;
 mod plan_memory;
 mod vision;
 
@@ -57,7 +58,9 @@ enum Command {
 
 #[derive(clap::Args)]
 struct TrainArgs {
-    /// Directory with train.txt, dev.txt (or valid.txt) and test.txt.
+    /// Directory with train.txt, dev.txt (or valid.txt) and test.txt; for
+    /// the CNNs, train/, dev/ (or valid/) and test/ folders of class folders
+    /// of PNG or JPEG images.
     #[arg(long)]
     data: Option<PathBuf>,
     /// One of: treelstm (the reference child-sum model, root loss),
@@ -110,7 +113,8 @@ struct TrainArgs {
 
 #[derive(clap::Args)]
 struct EvalArgs {
-    /// A file of trees (or sentences, for a language model).
+    /// A file of trees (or sentences, for a language model), or a folder of
+    /// class folders of images for a CNN.
     #[arg(long)]
     data: PathBuf,
     #[arg(long)]
@@ -330,7 +334,18 @@ fn eval(a: EvalArgs) -> AnyResult {
         &ModelOptions::default(),
     )?;
     let params = checkpoint::load_params(&a.checkpoint, &bytes, &model)?;
-    let graphs = data::read_frozen(&a.data, kind, &info.vocab)?;
+    let graphs = match &vision_cfg {
+        Some(v) => {
+            let names = info
+                .settings
+                .get("class_names")
+                .ok_or("checkpoint settings lack `class_names`")?;
+            let names: Vec<String> = serde_json::from_str(names)
+                .map_err(|e| format!("checkpoint setting `class_names`: {e}"))?;
+            data::read_image_split(&a.data, &names, v.image)?
+        }
+        None => data::read_frozen(&a.data, kind, &info.vocab)?,
+    };
     let mut engine = device::engine(a.device, &model)?;
     let r = ramus_nn::evaluate(
         &model,
@@ -347,6 +362,14 @@ fn eval(a: EvalArgs) -> AnyResult {
                 "model": info.model, "data": a.data.display().to_string(), "graphs": r.graphs,
                 "loss": r.loss, "root_accuracy": r.root_accuracy, "node_accuracy": r.node_accuracy,
             })
+        );
+    } else if kind == DataKind::Images {
+        println!(
+            "{}: {} images | loss {:.4} | acc {:.2}%",
+            a.data.display(),
+            r.graphs,
+            r.loss,
+            100.0 * r.root_accuracy
         );
     } else {
         println!(

@@ -250,15 +250,11 @@ fn train_a_cnn_on_built_in_images_and_inspect_it() {
         test.contains(" acc ") && test.contains("(40 images)"),
         "{test}"
     );
-    // the checkpoint records the architecture; images cannot be read from files
-    let o = ramus(&[
-        "eval",
-        "--data",
-        tmp("none").to_str().unwrap(),
-        "--checkpoint",
-        ckpt.to_str().unwrap(),
-    ]);
-    assert_one_line_error(&o, "image models cannot be evaluated on files");
+    // the checkpoint records the architecture and the class names
+    let (info, _) = ramus_nn::checkpoint::read_info(&ckpt).unwrap();
+    assert_eq!(info.settings["image"], "3x12x12");
+    assert_eq!(info.settings["blocks"], "1,1");
+    assert!(info.settings["class_names"].contains("square frame"));
     for model in ["resnet", "alexnet", "vgg19"] {
         let o = ramus(&["inspect", "--model", model]);
         assert!(o.status.success(), "{model}: {}", stderr(&o));
@@ -290,5 +286,94 @@ fn bad_cnn_options_give_one_line_errors() {
     let o = ramus(&["train", "--model", "resnet", "--image", "3x2x2"]);
     assert_one_line_error(&o, "at least 4x4");
     let o = ramus(&["train", "--model", "resnet", "--data", "/nonexistent"]);
-    assert_one_line_error(&o, "reading image directories is not supported");
+    assert_one_line_error(&o, "no train folder");
+}
+
+/// Writes `n` images per class of `classes` under `dir/<class>/`: class 0
+/// horizontal stripes, 1 vertical stripes, 2 a bright square; `png` or `jpg`.
+fn write_images(dir: &std::path::Path, classes: &[&str], n: usize, ext: &str) {
+    for (c, name) in classes.iter().enumerate() {
+        let sub = dir.join(name);
+        std::fs::create_dir_all(&sub).unwrap();
+        for i in 0..n {
+            let img = image::RgbImage::from_fn(12, 12, |x, y| {
+                let phase = i as u32 % 3;
+                let on = match c {
+                    0 => (y + phase) % 4 < 2,
+                    1 => (x + phase) % 4 < 2,
+                    _ => (3..9).contains(&(x + phase)) && (3..9).contains(&y),
+                };
+                let v = if on { 200 + 10 * (i as u8 % 5) } else { 30 };
+                image::Rgb([v, v / 2 + 40 * c as u8, 255 - v])
+            });
+            img.save(sub.join(format!("{i}.{ext}"))).unwrap();
+        }
+    }
+}
+
+#[test]
+fn train_and_eval_a_cnn_on_a_directory_of_images() {
+    let dir = tmp("images");
+    let classes = ["horizontal", "vertical", "square"];
+    write_images(&dir.join("train"), &classes, 10, "png");
+    write_images(&dir.join("valid"), &classes, 3, "jpg");
+    write_images(&dir.join("test"), &classes, 3, "png");
+    std::fs::write(dir.join("train/horizontal/notes.txt"), "skipped").unwrap();
+    let ckpt = tmp("images.safetensors");
+    let o = ramus(&[
+        "train",
+        "--model",
+        "alexnet",
+        "--data",
+        dir.to_str().unwrap(),
+        "--image",
+        "3x8x8",
+        "--hidden",
+        "4",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "10",
+        "--quiet",
+        "--save",
+        ckpt.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("(30 train / 9 dev / 9 test, 3x8x8 images, 3 classes)")
+            && out.contains("test: loss")
+            && out.contains("(9 images)"),
+        "{out}"
+    );
+    let o = ramus(&[
+        "eval",
+        "--data",
+        dir.join("test").to_str().unwrap(),
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["graphs"], 9);
+    // a class the model was not trained on, and a file that is no image
+    write_images(&dir.join("other"), &["circle"], 1, "png");
+    let o = ramus(&[
+        "eval",
+        "--data",
+        dir.join("other").to_str().unwrap(),
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+    ]);
+    assert_one_line_error(&o, "class `circle` is not one of the training classes");
+    std::fs::write(dir.join("test/square/broken.png"), "not a png").unwrap();
+    let o = ramus(&[
+        "eval",
+        "--data",
+        dir.join("test").to_str().unwrap(),
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+    ]);
+    assert_one_line_error(&o, "broken.png");
 }
