@@ -45,6 +45,9 @@ pub struct BenchArgs {
     /// time, device memory.
     #[arg(long)]
     verbose: bool,
+    /// Cap on the device memory Ramus may use, in bytes (CUDA).
+    #[arg(long)]
+    device_memory_budget: Option<u64>,
 }
 
 /// The engine under test, with what only one kind reports.
@@ -79,6 +82,9 @@ fn bench_engine(
     vocab: usize,
 ) -> AnyResult<(BenchEngine, Option<f64>)> {
     Ok(match a.device {
+        Device::Cpu if a.device_memory_budget.is_some() => {
+            return Err("--device-memory-budget applies to --device cuda".into())
+        }
         Device::Cpu => {
             let mut engine = CpuEngine::<f32>::new();
             engine.use_token_tables(Some(vocab));
@@ -90,7 +96,7 @@ fn bench_engine(
             )
         }
         Device::Cuda => {
-            let engine = device::cuda_engine(model)?;
+            let engine = device::cuda_engine(model, a.device_memory_budget)?;
             if a.verbose {
                 println!(
                     "{}",

@@ -26,16 +26,26 @@ impl FromStr for Device {
     }
 }
 
-/// Sets up the CUDA engine for `model`, with an error that says what is
-/// missing when CUDA cannot be used here.
-pub fn cuda_engine(model: &Model) -> Result<CudaEngine, String> {
-    CudaEngine::new(model, &CudaEngineOptions::default()).map_err(|e| format!("--device cuda: {e}"))
+/// Sets up the CUDA engine for `model`, using at most `budget` bytes of
+/// device memory if given, with an error that says what is missing when
+/// CUDA cannot be used here.
+pub fn cuda_engine(model: &Model, budget: Option<u64>) -> Result<CudaEngine, String> {
+    let mut options = CudaEngineOptions::default();
+    options.pool.max_bytes = budget;
+    CudaEngine::new(model, &options).map_err(|e| format!("--device cuda: {e}"))
 }
 
-/// The engine for `device`.
-pub fn engine(device: Device, model: &Model) -> Result<Box<dyn Engine<f32>>, String> {
+/// The engine for `device`; a memory budget applies to CUDA only.
+pub fn engine(
+    device: Device,
+    model: &Model,
+    budget: Option<u64>,
+) -> Result<Box<dyn Engine<f32>>, String> {
     Ok(match device {
+        Device::Cpu if budget.is_some() => {
+            return Err("--device-memory-budget applies to --device cuda".into())
+        }
         Device::Cpu => Box::new(CpuEngine::<f32>::new()),
-        Device::Cuda => Box::new(cuda_engine(model)?),
+        Device::Cuda => Box::new(cuda_engine(model, budget)?),
     })
 }

@@ -109,6 +109,9 @@ struct TrainArgs {
     /// Where to run: cpu or cuda.
     #[arg(long, default_value = "cpu")]
     device: device::Device,
+    /// Cap on the device memory Ramus may use, in bytes (CUDA).
+    #[arg(long)]
+    device_memory_budget: Option<u64>,
 }
 
 #[derive(clap::Args)]
@@ -211,7 +214,7 @@ fn train(a: TrainArgs) -> AnyResult {
     let mut oc = OptimizerConfig::new(opt, lr);
     oc.weight_decay = a.weight_decay;
     oc.clip_norm = a.clip;
-    let engine = device::engine(a.device, &model)?;
+    let engine = device::engine(a.device, &model, a.device_memory_budget)?;
     let mut trainer = Trainer::new(model, params, oc);
     trainer.engine = engine;
     trainer.policy = policy;
@@ -346,7 +349,7 @@ fn eval(a: EvalArgs) -> AnyResult {
         }
         None => data::read_frozen(&a.data, kind, &info.vocab)?,
     };
-    let mut engine = device::engine(a.device, &model)?;
+    let mut engine = device::engine(a.device, &model, None)?;
     let r = ramus_nn::evaluate(
         &model,
         &params,

@@ -169,6 +169,14 @@ fn cuda_without_a_driver_is_a_one_line_error() {
     }
     let o = ramus(&["train", "--device", "cuda", "--epochs", "1"]);
     assert_one_line_error(&o, "--device cuda");
+    let o = ramus(&[
+        "train",
+        "--device-memory-budget",
+        "1000000",
+        "--epochs",
+        "1",
+    ]);
+    assert_one_line_error(&o, "applies to --device cuda");
     let o = ramus(&["train", "--device", "tpu"]);
     assert!(!o.status.success());
     assert!(
