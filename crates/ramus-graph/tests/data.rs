@@ -27,7 +27,11 @@ fn data_dir(sub: &str) -> Option<PathBuf> {
     if dir.is_dir() {
         Some(dir)
     } else {
-        println!("skipping: {sub} data not found at {}", dir.display());
+        // written to stderr directly: the test harness does not capture it, so CI logs show the skip
+        let _ = std::io::Write::write_fmt(
+            &mut std::io::stderr(),
+            format_args!("skipping: {sub} data not found at {}\n", dir.display()),
+        );
         None
     }
 }
