@@ -195,3 +195,406 @@ extern "C" __global__ void ramus_softmax_xent_backward(float* dx, const float* _
         }
     }
 }
+
+// ---------------------------------------------------------------- CNN ops
+//
+// Images are rows of C*H*W floats in CHW order (`ramus-core/src/ops/cnn.rs`
+// gives the exact semantics these kernels match). Every kernel is a gather:
+// each output element is written by one thread, so no atomics are needed and
+// the summation order is fixed (the CPU's order where it sums in f32).
+
+// Geometry of a convolution (or of the 1x1 "permute" that rearranges
+// channel-major rows, see ramus_im2col), passed by value.
+struct ConvGeom {
+    u32 channels;   // C
+    u32 height;     // H
+    u32 width;      // W
+    u32 kernel_h;
+    u32 kernel_w;
+    u32 stride;
+    u32 padding;
+    u32 out_h;      // (H + 2p - kh) / s + 1
+    u32 out_w;      // (W + 2p - kw) / s + 1
+    u32 pad_;
+};
+
+// Lowers `images` images (rows of C*H*W at x) to columns. Element
+// (image i, patch row k = (c*kh + ki)*kw + kj, position p = oy*Wo + ox)
+// goes to cols[i * image_stride + k * ld + p]: input pixel
+// (c, oy*s + ki - pad, ox*s + kj - pad), 0 outside the image.
+// image_stride = K*P, ld = P gives one [K, P] matrix per image (the
+// forward product); image_stride = P, ld = images*P gives one [K, images*P]
+// matrix whose columns are all images' positions (the weight gradient).
+extern "C" __global__ void ramus_im2col(float* cols, const float* __restrict__ x, ConvGeom g,
+                                        u32 images, u64 image_stride, u64 ld) {
+    const u64 np = (u64)g.out_h * g.out_w;
+    const u32 taps = g.kernel_h * g.kernel_w;
+    const u64 per_image = (u64)g.channels * taps * np;
+    const u64 in_len = (u64)g.channels * g.height * g.width;
+    FOR_EACH(e, (u64)images * per_image) {
+        const u64 i = e / per_image;
+        const u64 rest = e % per_image;
+        const u32 k = (u32)(rest / np);
+        const u32 p = (u32)(rest % np);
+        const u32 c = k / taps;
+        const u32 ki = (k % taps) / g.kernel_w;
+        const u32 kj = k % g.kernel_w;
+        const long long iy = (long long)(p / g.out_w) * g.stride + ki - (long long)g.padding;
+        const long long ix = (long long)(p % g.out_w) * g.stride + kj - (long long)g.padding;
+        float v = 0.0f;
+        if (iy >= 0 && iy < (long long)g.height && ix >= 0 && ix < (long long)g.width) {
+            v = x[i * in_len + ((u64)c * g.height + (u64)iy) * g.width + (u64)ix];
+        }
+        cols[i * image_stride + (u64)k * ld + p] = v;
+    }
+}
+
+// The adjoint of ramus_im2col, one thread per input pixel: pixel (c, iy, ix)
+// of image i sums the column entries that im2col read from it, kernel taps
+// (ki, kj) in row-major order (the CPU's col2im order): output position
+// oy = (iy + pad - ki) / s when that division is exact and oy < Ho, and
+// likewise ox. Writes every pixel (0 where nothing reads it).
+extern "C" __global__ void ramus_col2im(float* x, const float* __restrict__ cols, ConvGeom g,
+                                        u32 images, u64 image_stride, u64 ld) {
+    const u64 plane = (u64)g.height * g.width;
+    const u64 in_len = (u64)g.channels * plane;
+    FOR_EACH(e, (u64)images * in_len) {
+        const u64 i = e / in_len;
+        const u32 c = (u32)((e % in_len) / plane);
+        const u32 iy = (u32)((e % plane) / g.width);
+        const u32 ix = (u32)(e % g.width);
+        const float* img = cols + i * image_stride;
+        float acc = 0.0f;
+        for (u32 ki = 0; ki < g.kernel_h; ++ki) {
+            const long long ty = (long long)iy + g.padding - ki;
+            if (ty < 0 || ty % g.stride != 0 || ty / g.stride >= g.out_h) continue;
+            const u32 oy = (u32)(ty / g.stride);
+            for (u32 kj = 0; kj < g.kernel_w; ++kj) {
+                const long long tx = (long long)ix + g.padding - kj;
+                if (tx < 0 || tx % g.stride != 0 || tx / g.stride >= g.out_w) continue;
+                const u32 ox = (u32)(tx / g.stride);
+                const u64 k = ((u64)c * g.kernel_h + ki) * g.kernel_w + kj;
+                acc += img[k * ld + (u64)oy * g.out_w + ox];
+            }
+        }
+        x[e] = acc;
+    }
+}
+
+// Geometry of a max pooling (square window), passed by value.
+struct PoolGeom {
+    u32 channels;
+    u32 height;
+    u32 width;
+    u32 kernel;
+    u32 stride;
+    u32 padding;    // at most kernel / 2, so every window holds an image pixel
+    u32 out_h;
+    u32 out_w;
+};
+
+// Index (into one channel's H*W plane) of the first maximum of output
+// position (oy, ox)'s window, scanned in row-major order; padded positions
+// never win (the window is clipped to the image, as on the CPU).
+__device__ u32 pool_argmax(const float* plane, const PoolGeom& g, u32 oy, u32 ox) {
+    const u32 y0 = oy * g.stride >= g.padding ? oy * g.stride - g.padding : 0;
+    const u32 y_end = oy * g.stride + g.kernel - g.padding;
+    const u32 y1 = y_end < g.height ? y_end : g.height;
+    const u32 x0 = ox * g.stride >= g.padding ? ox * g.stride - g.padding : 0;
+    const u32 x_end = ox * g.stride + g.kernel - g.padding;
+    const u32 x1 = x_end < g.width ? x_end : g.width;
+    u32 best = y0 * g.width + x0;
+    float best_v = plane[best];
+    for (u32 iy = y0; iy < y1; ++iy) {
+        for (u32 ix = x0; ix < x1; ++ix) {
+            const u32 at = iy * g.width + ix;
+            if (plane[at] > best_v) {
+                best = at;
+                best_v = plane[at];
+            }
+        }
+    }
+    return best;
+}
+
+// y[r, c, oy, ox] = the maximum of its window of x[r, c].
+extern "C" __global__ void ramus_max_pool2d(float* y, const float* __restrict__ x, PoolGeom g,
+                                            u32 rows) {
+    const u64 out_plane = (u64)g.out_h * g.out_w;
+    const u64 in_plane = (u64)g.height * g.width;
+    FOR_EACH(e, (u64)rows * g.channels * out_plane) {
+        const u64 rc = e / out_plane;  // row * channels + channel
+        const u32 oy = (u32)((e % out_plane) / g.out_w);
+        const u32 ox = (u32)(e % g.out_w);
+        const float* plane = x + rc * in_plane;
+        y[e] = plane[pool_argmax(plane, g, oy, ox)];
+    }
+}
+
+// Its gradient, one thread per input pixel: the sum of dy over the windows
+// that contain the pixel and whose (recomputed) first maximum it is, in
+// increasing (oy, ox) order, as the CPU adds them.
+extern "C" __global__ void ramus_max_pool2d_backward(float* dx, const float* __restrict__ x,
+                                                     const float* __restrict__ dy, PoolGeom g,
+                                                     u32 rows) {
+    const u64 out_plane = (u64)g.out_h * g.out_w;
+    const u64 in_plane = (u64)g.height * g.width;
+    FOR_EACH(e, (u64)rows * g.channels * in_plane) {
+        const u64 rc = e / in_plane;
+        const u32 at = (u32)(e % in_plane);
+        const long long iy = at / g.width;
+        const long long ix = at % g.width;
+        const float* plane = x + rc * in_plane;
+        const float* grad = dy + rc * out_plane;
+        // windows oy*s - pad <= iy < oy*s - pad + kernel
+        const long long s = g.stride;
+        const long long lo_y = iy + g.padding - g.kernel + 1;
+        const long long lo_x = ix + g.padding - g.kernel + 1;
+        const long long oy0 = lo_y > 0 ? (lo_y + s - 1) / s : 0;
+        const long long ox0 = lo_x > 0 ? (lo_x + s - 1) / s : 0;
+        const long long oy1 = (iy + g.padding) / s;  // inclusive
+        const long long ox1 = (ix + g.padding) / s;
+        float acc = 0.0f;
+        for (long long oy = oy0; oy <= oy1 && oy < (long long)g.out_h; ++oy) {
+            for (long long ox = ox0; ox <= ox1 && ox < (long long)g.out_w; ++ox) {
+                if (pool_argmax(plane, g, (u32)oy, (u32)ox) == at) {
+                    acc += grad[oy * g.out_w + ox];
+                }
+            }
+        }
+        dx[e] = acc;
+    }
+}
+
+// y[r, c] = (sum over the S positions of x[r, c], in order) * (1 / S).
+extern "C" __global__ void ramus_global_avg_pool(float* y, const float* __restrict__ x, u32 rows,
+                                                 u32 channels, u32 spatial) {
+    const float inv = 1.0f / (float)spatial;
+    FOR_EACH(e, (u64)rows * channels) {
+        const float* xs = x + e * spatial;
+        float acc = 0.0f;
+        for (u32 j = 0; j < spatial; ++j) acc += xs[j];
+        y[e] = acc * inv;
+    }
+}
+
+// dx[r, c, j] = dy[r, c] * (1 / S).
+extern "C" __global__ void ramus_global_avg_pool_backward(float* dx, const float* __restrict__ dy,
+                                                          u32 rows, u32 channels, u32 spatial) {
+    const float inv = 1.0f / (float)spatial;
+    FOR_EACH(e, (u64)rows * channels * spatial) { dx[e] = dy[e / spatial] * inv; }
+}
+
+// y[r, c, j] = b[c].
+extern "C" __global__ void ramus_channel_broadcast(float* y, const float* __restrict__ b,
+                                                   u32 rows, u32 channels, u32 spatial) {
+    FOR_EACH(e, (u64)rows * channels * spatial) { y[e] = b[(e / spatial) % channels]; }
+}
+
+// y[r, c, j] = x[r, c, j] * coef[2c] + coef[2c + 1], rounded as the CPU
+// rounds it (no fused multiply-add): batch norm and its inference forms.
+extern "C" __global__ void ramus_channel_affine(float* y, const float* __restrict__ x,
+                                                const float* __restrict__ coef, u32 rows,
+                                                u32 channels, u32 spatial) {
+    FOR_EACH(e, (u64)rows * channels * spatial) {
+        const u32 c = (u32)((e / spatial) % channels);
+        y[e] = __fadd_rn(__fmul_rn(x[e], coef[2 * c]), coef[2 * c + 1]);
+    }
+}
+
+// ---- per-channel reductions: one block of NORM_THREADS threads per
+// channel (blockIdx.x), a power of two. Each thread sums a fixed, strided subset of the
+// channel's rows x positions in double, then the block adds the partial sums
+// in a fixed tree: deterministic, and as exact as the CPU's f64 sums.
+
+#define NORM_THREADS 512
+
+__device__ double block_sum_f64(double v, double* sh) {
+    sh[threadIdx.x] = v;
+    __syncthreads();
+    for (u32 half = NORM_THREADS / 2; half > 0; half >>= 1) {
+        if (threadIdx.x < half) sh[threadIdx.x] += sh[threadIdx.x + half];
+        __syncthreads();
+    }
+    const double total = sh[0];
+    __syncthreads();
+    return total;
+}
+
+// Offset of element j (< rows * S, which the host keeps below 2^32 - NORM_THREADS)
+// of channel c: row j / S, position j % S.
+__device__ __forceinline__ u64 channel_at(u32 j, u32 c, u32 channels, u32 spatial) {
+    return ((u64)(j / spatial) * channels + c) * spatial + j % spatial;
+}
+
+// Mean and 1 / sqrt(var + eps) of channel blockIdx.x (biased variance, two
+// passes, as the CPU's channel_stats). rows * S must be positive.
+__device__ void channel_stats(const float* x, u32 rows, u32 channels, u32 spatial, double eps,
+                              double* sh, double* mean, double* inv) {
+    const u32 c = blockIdx.x;
+    const u32 count = rows * spatial;  // checked on the host: no overflow
+    double s = 0.0;
+    for (u32 j = threadIdx.x; j < count; j += NORM_THREADS) {
+        s += (double)x[channel_at(j, c, channels, spatial)];
+    }
+    const double m = block_sum_f64(s, sh) / (double)count;
+    double q = 0.0;
+    for (u32 j = threadIdx.x; j < count; j += NORM_THREADS) {
+        const double d = (double)x[channel_at(j, c, channels, spatial)] - m;
+        q += d * d;
+    }
+    const double var = block_sum_f64(q, sh) / (double)count;
+    *mean = m;
+    *inv = 1.0 / sqrt(var + eps);
+}
+
+// (sum dy, sum dy * (x - mean) * inv) of channel blockIdx.x.
+__device__ void channel_grad_sums(const float* x, const float* dy, u32 rows, u32 channels,
+                                  u32 spatial, double mean, double inv, double* sh, double* sd,
+                                  double* sdx) {
+    const u32 c = blockIdx.x;
+    const u32 count = rows * spatial;  // checked on the host: no overflow
+    double a = 0.0, b = 0.0;
+    for (u32 j = threadIdx.x; j < count; j += NORM_THREADS) {
+        const u64 at = channel_at(j, c, channels, spatial);
+        const double d = (double)dy[at];
+        a += d;
+        b += d * ((double)x[at] - mean) * inv;
+    }
+    *sd = block_sum_f64(a, sh);
+    *sdx = block_sum_f64(b, sh);
+}
+
+// out[c] = sum over rows and positions of x[r, c, j] (double, rounded once).
+extern "C" __global__ void ramus_channel_sum(float* out, const float* __restrict__ x, u32 rows,
+                                             u32 channels, u32 spatial) {
+    __shared__ double sh[NORM_THREADS];
+    const u32 c = blockIdx.x;
+    const u32 count = rows * spatial;  // checked on the host: no overflow
+    double s = 0.0;
+    for (u32 j = threadIdx.x; j < count; j += NORM_THREADS) {
+        s += (double)x[channel_at(j, c, channels, spatial)];
+    }
+    s = block_sum_f64(s, sh);
+    if (threadIdx.x == 0) out[c] = (float)s;
+}
+
+// Training batch norm: coef[2c], coef[2c + 1] = a, b with y = x * a + b,
+// a = gamma * inv, b = beta - mean * a (computed in double, then rounded).
+extern "C" __global__ void ramus_batch_norm_coef(float* coef, const float* __restrict__ x,
+                                                 const float* __restrict__ gamma,
+                                                 const float* __restrict__ beta, u32 rows,
+                                                 u32 channels, u32 spatial, double eps) {
+    __shared__ double sh[NORM_THREADS];
+    const u32 c = blockIdx.x;
+    double mean, inv;
+    channel_stats(x, rows, channels, spatial, eps, sh, &mean, &inv);
+    if (threadIdx.x == 0) {
+        const double a = (double)gamma[c] * inv;
+        coef[2 * c] = (float)a;
+        coef[2 * c + 1] = (float)((double)beta[c] - mean * a);
+    }
+}
+
+// Its input gradient's coefficients: dx = k * dy + x * q + p with
+// k = gamma * inv, q = -k * inv * sdx / M, p = -k * sd / M - mean * q
+// (M = rows * S), in coef[3c .. 3c + 3].
+extern "C" __global__ void ramus_batch_norm_backward_coef(float* coef, const float* __restrict__ x,
+                                                          const float* __restrict__ dy,
+                                                          const float* __restrict__ gamma,
+                                                          u32 rows, u32 channels, u32 spatial,
+                                                          double eps) {
+    __shared__ double sh[NORM_THREADS];
+    const u32 c = blockIdx.x;
+    double mean, inv, sd, sdx;
+    channel_stats(x, rows, channels, spatial, eps, sh, &mean, &inv);
+    channel_grad_sums(x, dy, rows, channels, spatial, mean, inv, sh, &sd, &sdx);
+    if (threadIdx.x == 0) {
+        const double m = (double)rows * (double)spatial;
+        const double k = (double)gamma[c] * inv;
+        const double q = -k * inv * sdx / m;
+        const double p = -k * sd / m - mean * q;
+        coef[3 * c] = (float)k;
+        coef[3 * c + 1] = (float)q;
+        coef[3 * c + 2] = (float)p;
+    }
+}
+
+// dx = k * dy + x * q + p per channel, rounded as the CPU rounds it.
+extern "C" __global__ void ramus_batch_norm_backward_apply(float* dx, const float* __restrict__ x,
+                                                          const float* __restrict__ dy,
+                                                          const float* __restrict__ coef,
+                                                          u32 rows, u32 channels, u32 spatial) {
+    FOR_EACH(e, (u64)rows * channels * spatial) {
+        const u32 c = (u32)((e / spatial) % channels);
+        const float kd = __fmul_rn(coef[3 * c], dy[e]);
+        const float xq = __fmul_rn(x[e], coef[3 * c + 1]);
+        dx[e] = __fadd_rn(__fadd_rn(kd, xq), coef[3 * c + 2]);
+    }
+}
+
+// d gamma[c] = sum dy * x_hat over rows and positions.
+extern "C" __global__ void ramus_batch_norm_backward_gamma(float* out, const float* __restrict__ x,
+                                                           const float* __restrict__ dy, u32 rows,
+                                                           u32 channels, u32 spatial, double eps) {
+    __shared__ double sh[NORM_THREADS];
+    const u32 c = blockIdx.x;
+    double mean, inv, sd, sdx;
+    channel_stats(x, rows, channels, spatial, eps, sh, &mean, &inv);
+    channel_grad_sums(x, dy, rows, channels, spatial, mean, inv, sh, &sd, &sdx);
+    if (threadIdx.x == 0) out[c] = (float)sdx;
+}
+
+// Inference batch norm with given statistics, one thread per channel:
+// a = gamma / sqrt(var + eps), b = beta - mean * a (beta, mean: 0 when null),
+// into coef[2c], coef[2c + 1]. A variance below -eps gives NaN (the CPU
+// refuses it with an error; the device cannot stop the pass).
+extern "C" __global__ void ramus_batch_norm_inference_coef(float* coef,
+                                                           const float* __restrict__ gamma,
+                                                           const float* __restrict__ beta,
+                                                           const float* __restrict__ mean,
+                                                           const float* __restrict__ var,
+                                                           u32 channels, double eps) {
+    FOR_EACH(c, channels) {
+        const double a = (double)gamma[c] / sqrt((double)var[c] + eps);
+        const double b = (beta ? (double)beta[c] : 0.0) - (mean ? (double)mean[c] : 0.0) * a;
+        coef[2 * c] = (float)a;
+        coef[2 * c + 1] = (float)b;
+    }
+}
+
+// Gradient of inference batch norm for gamma (which 0), mean (1) or var (2):
+// with u = sum dy * (x - mean) and v = sum dy over rows and positions,
+// d gamma = u / sqrt(var + eps), d mean = -gamma * v / sqrt(var + eps),
+// d var = -gamma * u / (2 (var + eps)^1.5).
+extern "C" __global__ void ramus_batch_norm_inference_param(
+    float* out, const float* __restrict__ x, const float* __restrict__ gamma,
+    const float* __restrict__ mean, const float* __restrict__ var, const float* __restrict__ dy,
+    u32 rows, u32 channels, u32 spatial, double eps, u32 which) {
+    __shared__ double sh[NORM_THREADS];
+    const u32 c = blockIdx.x;
+    const u32 count = rows * spatial;  // checked on the host: no overflow
+    const double m = (double)mean[c];
+    double a = 0.0, b = 0.0;
+    for (u32 j = threadIdx.x; j < count; j += NORM_THREADS) {
+        const u64 at = channel_at(j, c, channels, spatial);
+        const double d = (double)dy[at];
+        a += d * ((double)x[at] - m);
+        b += d;
+    }
+    const double u = block_sum_f64(a, sh);
+    const double v = block_sum_f64(b, sh);
+    if (threadIdx.x == 0) {
+        const double ve = (double)var[c] + eps;
+        const double gm = (double)gamma[c];
+        double r;
+        if (which == 0) {
+            r = u / sqrt(ve);
+        } else if (which == 1) {
+            r = -gm * v / sqrt(ve);
+        } else {
+            r = -0.5 * gm * u / (ve * sqrt(ve));
+        }
+        out[c] = (float)r;
+    }
+}

@@ -9,8 +9,8 @@
 //! * per task: one gather launch copies every gathered symbol's child rows
 //!   from the vertex-state buffer, the per-task steps run on the task's
 //!   contiguous slices (GEMMs through cuBLAS, fused elementwise groups as
-//!   generated kernels, structure ops as built-in kernels), and one copy
-//!   scatters the new states;
+//!   generated kernels, structure ops as built-in kernels; CNN ops as in
+//!   `engine/cnn.rs`), and one copy scatters the new states;
 //! * the *lazy* steps (weight-gradient GEMMs in `∂F`) run once over all rows.
 //!
 //! Backward pops the tasks in reverse, accumulating child gradients into the
@@ -18,6 +18,7 @@
 //! the host (dense ones in one copy, embedding rows only where touched).
 
 use std::any::Any;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -50,6 +51,8 @@ use crate::program::{
     ExecStep, GraphProgram, Program, EAGER, HEAD_ALL, HEAD_SCORES, LAZY, PER_TASK,
 };
 
+mod cnn;
+
 /// How to set up a [`CudaEngine`].
 #[derive(Clone, Debug, Default)]
 pub struct CudaEngineOptions {
@@ -58,7 +61,14 @@ pub struct CudaEngineOptions {
     pub pool: PoolConfig,
     /// Kernel cache directory (`None`: [`crate::default_cache_dir`]).
     pub cache_dir: Option<PathBuf>,
+    /// Floats of a convolution's scratch columns beyond which it processes
+    /// its images in chunks (`None`: [`CONV_WORKSPACE_FLOATS`]; at least one
+    /// image per chunk whatever the limit).
+    pub conv_workspace: Option<usize>,
 }
+
+/// Default cap of a convolution's scratch columns: 16 Mi floats (64 MiB).
+pub const CONV_WORKSPACE_FLOATS: usize = 1 << 24;
 
 /// Where one node's value lives for the current batch.
 #[derive(Clone, Copy, Debug)]
@@ -136,6 +146,10 @@ struct BatchState {
 struct Lane {
     stream: Arc<CudaStream>,
     blas: Blas,
+    /// Scratch memory of the ops run on this lane (convolution columns,
+    /// per-channel coefficients), from the batch arena. Ops on one stream run
+    /// in order, so each reuses it; the two lanes have their own.
+    workspace: Cell<Option<DeviceView<f32>>>,
 }
 
 impl Lane {
@@ -143,6 +157,7 @@ impl Lane {
         Ok(Lane {
             blas: Blas::new(device, stream.clone())?,
             stream,
+            workspace: Cell::new(None),
         })
     }
 }
@@ -161,7 +176,11 @@ pub struct CudaEngine {
     /// Per vertex function: recorded on the eager lane after its eager steps.
     eager_done: Vec<CudaEvent>,
     staging: PinnedBuffer,
-    arena: Arena,
+    /// The batch arena; in a cell so that ops (run through `&self`) can take
+    /// scratch memory from it.
+    arena: RefCell<Arena>,
+    /// Floats of convolution columns before images are chunked.
+    conv_workspace: usize,
     program: Arc<Program>,
     params: Option<DeviceParams>,
     state: BatchState,
@@ -236,7 +255,8 @@ impl CudaEngine {
             inputs_ready,
             eager_done,
             staging,
-            arena,
+            arena: RefCell::new(arena),
+            conv_workspace: options.conv_workspace.unwrap_or(CONV_WORKSPACE_FLOATS),
             program,
             params: None,
             state: BatchState::default(),
@@ -549,11 +569,12 @@ impl CudaEngine {
     /// memory budget is an error naming the tensor (`what`), its size and
     /// the budget.
     fn arena_alloc<T: DeviceScalar>(
-        &mut self,
+        &self,
         len: usize,
         what: &dyn Fn() -> String,
     ) -> Result<DeviceView<T>> {
-        self.arena.alloc::<T>(len).map_err(|e| match e {
+        let allocated = self.arena.borrow_mut().alloc::<T>(len);
+        allocated.map_err(|e| match e {
             CudaError::OutOfPoolMemory { pool_size, .. } => model_err(format!(
                 "the device memory budget is exceeded: {} ({} bytes) does not fit ({e}); \
                  the pool holds {pool_size} bytes; raise --device-memory-budget or lower \
@@ -599,7 +620,10 @@ impl CudaEngine {
         let program = self.program.clone();
         let s = &batch.schedule;
         self.state.forward_done = false;
-        self.arena.reset()?;
+        self.arena.borrow_mut().reset()?;
+        // the lanes' scratch memory was part of the last batch
+        self.main.workspace.set(None);
+        self.eager.workspace.set(None);
         self.sync_params(model, params)?;
         self.upload_indices(model, s, mode, rows)?;
         let stream = self.device.stream().clone();
@@ -1250,6 +1274,9 @@ impl CudaEngine {
                 out_rows,
                 classes,
             );
+        }
+        if self.run_cnn_op(any, g, n, own, fwd, range, lane)? {
+            return Ok(());
         }
         Err(model_err(format!(
             "op `{}` (node %{n}) has no CUDA implementation",

@@ -11,13 +11,16 @@ use crate::cache::KernelCache;
 use crate::error::{CudaError, InCall, Result};
 use crate::pool::DeviceView;
 
+mod cnn;
+pub use cnn::ColumnLayout;
+
 /// Source of the built-in kernels.
 pub const BUILTIN_SOURCE: &str = include_str!("builtin.cu");
 
 /// Marks "no row" in row-index arrays (see `builtin.cu`).
 pub const NONE: u32 = u32::MAX;
 
-const BUILTIN_KERNELS: [&str; 10] = [
+const BUILTIN_KERNELS: [&str; 25] = [
     "ramus_move_rows",
     "ramus_copy_columns",
     "ramus_fill",
@@ -28,6 +31,22 @@ const BUILTIN_KERNELS: [&str; 10] = [
     "ramus_broadcast_rows",
     "ramus_softmax_xent",
     "ramus_softmax_xent_backward",
+    // CNN ops (`cnn` submodule)
+    "ramus_im2col",
+    "ramus_col2im",
+    "ramus_max_pool2d",
+    "ramus_max_pool2d_backward",
+    "ramus_global_avg_pool",
+    "ramus_global_avg_pool_backward",
+    "ramus_channel_broadcast",
+    "ramus_channel_affine",
+    "ramus_channel_sum",
+    "ramus_batch_norm_coef",
+    "ramus_batch_norm_backward_coef",
+    "ramus_batch_norm_backward_apply",
+    "ramus_batch_norm_backward_gamma",
+    "ramus_batch_norm_inference_coef",
+    "ramus_batch_norm_inference_param",
 ];
 
 /// The built-in kernels, in the order of [`BUILTIN_KERNELS`].
@@ -43,6 +62,21 @@ enum Builtin {
     BroadcastRows,
     SoftmaxXent,
     SoftmaxXentBackward,
+    Im2col,
+    Col2im,
+    MaxPool2d,
+    MaxPool2dBackward,
+    GlobalAvgPool,
+    GlobalAvgPoolBackward,
+    ChannelBroadcast,
+    ChannelAffine,
+    ChannelSum,
+    BatchNormCoef,
+    BatchNormBackwardCoef,
+    BatchNormBackwardApply,
+    BatchNormBackwardGamma,
+    BatchNormInferenceCoef,
+    BatchNormInferenceParam,
 }
 
 /// Threads per block of the elementwise-style kernels.

@@ -1,0 +1,400 @@
+//! The CNN ops of `ramus_core::ops::cnn` on the device: convolutions as
+//! im2col / col2im kernels around cuBLAS products, pooling, per-channel
+//! reductions and batch normalisation as built-in kernels
+//! (`launch/cnn.rs`). Images are rows of `C*H*W` floats (CHW order).
+//!
+//! The products, per convolution with `K = C*kh*kw` patch rows, `P = Ho*Wo`
+//! output positions and `O` output channels:
+//!
+//! * forward — every image's output `[O, P]` is `W [O, K] · cols [K, P]`:
+//!   one **strided-batched** GEMM over the images (the weight shared with
+//!   stride 0) writes each image's output rows in place, so the result needs
+//!   no transposition; a bias is broadcast into the output first and the
+//!   product adds to it (`beta = 1`). A 1x1 stride-1 unpadded convolution
+//!   reads the image itself as its columns (no im2col).
+//! * input gradient — `cols = Wᵀ · dY` per image (strided-batched again),
+//!   then col2im gathers each pixel's entries (no atomics); pointwise
+//!   convolutions write `Wᵀ · dY` straight into the gradient.
+//! * weight gradient — **one** GEMM over all images' columns:
+//!   `dW [O, K] = dYᵀ-rows [O, N·P] · colsᵀ [N·P, K]`, with im2col laying the
+//!   `N` images' columns side by side (`[K, N·P]`) and the same kernel with a
+//!   1x1 geometry rearranging `dY` to `[O, N·P]`. A single long-`k` product
+//!   keeps cuBLAS busy and sums over images inside the product instead of
+//!   through `N` accumulating launches.
+//!
+//! Columns live in the lane's workspace (from the batch arena, reused by
+//! every op of the lane). When a convolution's columns for all images exceed
+//! [`CudaEngineOptions::conv_workspace`](super::CudaEngineOptions) floats,
+//! it runs over chunks of images (the weight gradient accumulating with
+//! `beta = 1` after the first chunk).
+
+use std::any::Any;
+
+use ramus_core::graph::{Graph, NodeId, Space};
+use ramus_core::ops::{
+    BatchNorm, BatchNormBackwardGamma, BatchNormBackwardInput, BatchNormInference,
+    BatchNormInferenceBackwardInput, BatchNormInferenceBackwardParam, ChannelBroadcast, ChannelSum,
+    Conv2d, Conv2dBackwardInput, Conv2dBackwardWeight, Conv2dGeom, GlobalAvgPool,
+    GlobalAvgPoolBackward, MaxPool2d, MaxPool2dBackward,
+};
+use ramus_cpu::Range;
+
+use super::{model_err, Buf, CudaEngine, Lane};
+use crate::blas::{Gemm, StridedBatch};
+use crate::error::Result;
+use crate::launch::ColumnLayout;
+use crate::pool::DeviceView;
+
+/// Whether im2col is the identity (1x1 kernel, stride 1, no padding).
+fn pointwise(g: &Conv2dGeom) -> bool {
+    g.kernel_h == 1 && g.kernel_w == 1 && g.stride == 1 && g.padding == 0
+}
+
+/// The 1x1 geometry under which im2col rearranges rows of `[channels,
+/// positions]` into one `[channels, images·positions]` matrix.
+fn rows_to_columns(channels: usize, positions: usize) -> Conv2dGeom {
+    Conv2dGeom {
+        in_channels: channels,
+        height: 1,
+        width: positions,
+        out_channels: channels,
+        kernel_h: 1,
+        kernel_w: 1,
+        stride: 1,
+        padding: 0,
+    }
+}
+
+impl CudaEngine {
+    /// Runs node `n` if it is a CNN op; `Ok(false)` when it is not one.
+    #[allow(clippy::too_many_arguments)] // as run_op: graph, node, buffers, rows, lane
+    pub(super) fn run_cnn_op(
+        &self,
+        op: &dyn Any,
+        g: &Graph,
+        n: NodeId,
+        own: &[Buf],
+        fwd: Option<&[Buf]>,
+        range: Range,
+        lane: &Lane,
+    ) -> Result<bool> {
+        let node = &g.nodes[n];
+        let stream = &*lane.stream;
+        let launcher = &self.launcher;
+        let arg = |i: usize| node.inputs[i];
+        let fv = |i: usize| self.float_view(g, arg(i), own, fwd, range);
+        let out = || self.float_view(g, n, own, fwd, range);
+        // rows of input i in this run
+        let rows = |i: usize| {
+            let space: Space = g.nodes[arg(i)].ty.space;
+            let (lo, hi) = range.span(space);
+            hi - lo
+        };
+        if let Some(Conv2d(geom)) = op.downcast_ref::<Conv2d>() {
+            let bias = if node.inputs.len() > 2 {
+                Some(fv(2)?)
+            } else {
+                None
+            };
+            self.conv2d(lane, geom, rows(0), [fv(0)?, fv(1)?], bias, out()?)?;
+        } else if let Some(Conv2dBackwardInput(geom)) = op.downcast_ref::<Conv2dBackwardInput>() {
+            self.conv2d_backward_input(lane, geom, rows(0), fv(0)?, fv(1)?, out()?)?;
+        } else if let Some(Conv2dBackwardWeight(geom)) = op.downcast_ref::<Conv2dBackwardWeight>() {
+            self.conv2d_backward_weight(lane, geom, rows(0), fv(0)?, fv(1)?, out()?)?;
+        } else if let Some(MaxPool2d(geom)) = op.downcast_ref::<MaxPool2d>() {
+            launcher.max_pool2d(stream, out()?, fv(0)?, geom, rows(0))?;
+        } else if let Some(MaxPool2dBackward(geom)) = op.downcast_ref::<MaxPool2dBackward>() {
+            launcher.max_pool2d_backward(stream, out()?, fv(0)?, fv(1)?, geom, rows(0))?;
+        } else if let Some(p) = op.downcast_ref::<GlobalAvgPool>() {
+            let spatial = p.height * p.width;
+            launcher.global_avg_pool(stream, out()?, fv(0)?, rows(0), p.channels, spatial)?;
+        } else if let Some(b) = op.downcast_ref::<GlobalAvgPoolBackward>() {
+            let p = &b.pool;
+            let spatial = p.height * p.width;
+            launcher.global_avg_pool_backward(
+                stream,
+                out()?,
+                fv(0)?,
+                rows(0),
+                p.channels,
+                spatial,
+            )?;
+        } else if let Some(cs) = op.downcast_ref::<ChannelSum>() {
+            launcher.channel_sum(stream, out()?, fv(0)?, rows(0), cs.channels, cs.spatial)?;
+        } else if let Some(cb) = op.downcast_ref::<ChannelBroadcast>() {
+            // rows of the reference operand
+            launcher.channel_broadcast(stream, out()?, fv(0)?, rows(1), cb.channels, cb.spatial)?;
+        } else if let Some(BatchNorm(norm)) = op.downcast_ref::<BatchNorm>() {
+            let (x, r) = (fv(0)?, rows(0));
+            if r > 0 {
+                let coef = self.workspace(lane, 2 * norm.channels)?;
+                launcher.batch_norm_coef(stream, coef, x, fv(1)?, fv(2)?, r, norm)?;
+                launcher.channel_affine(stream, out()?, x, coef, r, norm.channels, norm.spatial)?;
+            }
+        } else if let Some(BatchNormBackwardInput(norm)) =
+            op.downcast_ref::<BatchNormBackwardInput>()
+        {
+            let r = rows(0);
+            if r > 0 {
+                let coef = self.workspace(lane, 3 * norm.channels)?;
+                launcher.batch_norm_backward_input(
+                    stream,
+                    out()?,
+                    fv(0)?,
+                    fv(1)?,
+                    fv(2)?,
+                    coef,
+                    r,
+                    norm,
+                )?;
+            }
+        } else if let Some(BatchNormBackwardGamma(norm)) =
+            op.downcast_ref::<BatchNormBackwardGamma>()
+        {
+            launcher.batch_norm_backward_gamma(stream, out()?, fv(0)?, fv(1)?, rows(0), norm)?;
+        } else if let Some(BatchNormInference(norm)) = op.downcast_ref::<BatchNormInference>() {
+            // inputs: x, gamma, beta, mean, var
+            let (x, r) = (fv(0)?, rows(0));
+            if r > 0 {
+                let coef = self.workspace(lane, 2 * norm.channels)?;
+                launcher.batch_norm_inference_coef(
+                    stream,
+                    coef,
+                    fv(1)?,
+                    Some(fv(2)?),
+                    Some(fv(3)?),
+                    fv(4)?,
+                    norm,
+                )?;
+                launcher.channel_affine(stream, out()?, x, coef, r, norm.channels, norm.spatial)?;
+            }
+        } else if let Some(BatchNormInferenceBackwardInput(norm)) =
+            op.downcast_ref::<BatchNormInferenceBackwardInput>()
+        {
+            // inputs: gamma, var, dy; dx = dy · gamma / sqrt(var + eps)
+            let r = rows(2);
+            if r > 0 {
+                let coef = self.workspace(lane, 2 * norm.channels)?;
+                launcher.batch_norm_inference_coef(
+                    stream,
+                    coef,
+                    fv(0)?,
+                    None,
+                    None,
+                    fv(1)?,
+                    norm,
+                )?;
+                launcher.channel_affine(
+                    stream,
+                    out()?,
+                    fv(2)?,
+                    coef,
+                    r,
+                    norm.channels,
+                    norm.spatial,
+                )?;
+            }
+        } else if let Some(p) = op.downcast_ref::<BatchNormInferenceBackwardParam>() {
+            // inputs: x, gamma, mean, var, dy
+            launcher.batch_norm_inference_param(
+                stream,
+                out()?,
+                [fv(0)?, fv(1)?, fv(2)?, fv(3)?, fv(4)?],
+                rows(0),
+                &p.geom,
+                p.param,
+            )?;
+        } else {
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// `len` floats of `lane`'s scratch memory, valid until the next op on
+    /// the lane asks for some (ops on one stream run in order). Grows from
+    /// the batch arena, at least doubling (up to the convolution cap), so a
+    /// batch allocates it a few times at most.
+    fn workspace(&self, lane: &Lane, len: usize) -> Result<DeviceView<f32>> {
+        let old = lane.workspace.get();
+        if let Some(ws) = old.filter(|ws| ws.len() >= len) {
+            return ws.slice(0..len);
+        }
+        let doubled = old.map_or(0, |ws| 2 * ws.len());
+        let size = len.max(doubled.min(self.conv_workspace));
+        let ws = self.arena_alloc::<f32>(size, &|| "a convolution workspace".into())?;
+        lane.workspace.set(Some(ws));
+        ws.slice(0..len)
+    }
+
+    /// Images per chunk when each needs `per_image` floats of columns.
+    fn chunk_images(&self, per_image: usize, rows: usize) -> usize {
+        (self.conv_workspace / per_image.max(1)).clamp(1, rows.max(1))
+    }
+
+    /// `y = conv2d(x, w) (+ bias)` over `rows` image rows.
+    fn conv2d(
+        &self,
+        lane: &Lane,
+        geom: &Conv2dGeom,
+        rows: usize,
+        [x, w]: [DeviceView<f32>; 2],
+        bias: Option<DeviceView<f32>>,
+        y: DeviceView<f32>,
+    ) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        let stream = &*lane.stream;
+        let (k, p, o) = (
+            geom.patch_len(),
+            geom.out_h() * geom.out_w(),
+            geom.out_channels,
+        );
+        let (in_len, out_len) = (geom.in_len(), geom.out_len());
+        let beta = match bias {
+            Some(b) => {
+                self.launcher.channel_broadcast(stream, y, b, rows, o, p)?;
+                1.0
+            }
+            None => 0.0,
+        };
+        // y_r [O, P] = W [O, K] · cols_r [K, P] (+ y_r holding the bias)
+        let gemm = Gemm {
+            beta,
+            ..Gemm::new(o, p, k)
+        };
+        let batch = |count: usize| StridedBatch {
+            count,
+            stride_a: 0,
+            stride_b: k * p,
+            stride_c: o * p,
+        };
+        if pointwise(geom) {
+            lane.blas
+                .sgemm_strided_batched(&gemm, &batch(rows), w, x, y)?;
+            self.launcher.count();
+            return Ok(());
+        }
+        let chunk = self.chunk_images(k * p, rows);
+        let cols = self.workspace(lane, chunk * k * p)?;
+        for r0 in (0..rows).step_by(chunk) {
+            let nb = chunk.min(rows - r0);
+            let xs = x.slice(r0 * in_len..(r0 + nb) * in_len)?;
+            let ys = y.slice(r0 * out_len..(r0 + nb) * out_len)?;
+            self.launcher
+                .im2col(stream, cols, xs, geom, nb, ColumnLayout::per_image(k, p))?;
+            lane.blas
+                .sgemm_strided_batched(&gemm, &batch(nb), w, cols, ys)?;
+            self.launcher.count();
+        }
+        Ok(())
+    }
+
+    /// `dx = col2im(Wᵀ · dY)` per image.
+    fn conv2d_backward_input(
+        &self,
+        lane: &Lane,
+        geom: &Conv2dGeom,
+        rows: usize,
+        dy: DeviceView<f32>,
+        w: DeviceView<f32>,
+        dx: DeviceView<f32>,
+    ) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        let stream = &*lane.stream;
+        let (k, p, o) = (
+            geom.patch_len(),
+            geom.out_h() * geom.out_w(),
+            geom.out_channels,
+        );
+        let (in_len, out_len) = (geom.in_len(), geom.out_len());
+        // cols_r [K, P] = Wᵀ [K, O] · dY_r [O, P] (W stored [O, K])
+        let gemm = Gemm {
+            trans_a: true,
+            ..Gemm::new(k, p, o)
+        };
+        let batch = |count: usize| StridedBatch {
+            count,
+            stride_a: 0,
+            stride_b: o * p,
+            stride_c: k * p,
+        };
+        if pointwise(geom) {
+            // the columns are the input gradient itself
+            lane.blas
+                .sgemm_strided_batched(&gemm, &batch(rows), w, dy, dx)?;
+            self.launcher.count();
+            return Ok(());
+        }
+        let chunk = self.chunk_images(k * p, rows);
+        let cols = self.workspace(lane, chunk * k * p)?;
+        for r0 in (0..rows).step_by(chunk) {
+            let nb = chunk.min(rows - r0);
+            let dys = dy.slice(r0 * out_len..(r0 + nb) * out_len)?;
+            let dxs = dx.slice(r0 * in_len..(r0 + nb) * in_len)?;
+            lane.blas
+                .sgemm_strided_batched(&gemm, &batch(nb), w, dys, cols)?;
+            self.launcher.count();
+            self.launcher
+                .col2im(stream, dxs, cols, geom, nb, ColumnLayout::per_image(k, p))?;
+        }
+        Ok(())
+    }
+
+    /// `dW = Σ_r dY_r · cols_rᵀ`, one product per chunk of images.
+    fn conv2d_backward_weight(
+        &self,
+        lane: &Lane,
+        geom: &Conv2dGeom,
+        rows: usize,
+        x: DeviceView<f32>,
+        dy: DeviceView<f32>,
+        dw: DeviceView<f32>,
+    ) -> Result<()> {
+        let stream = &*lane.stream;
+        let (k, p, o) = (
+            geom.patch_len(),
+            geom.out_h() * geom.out_w(),
+            geom.out_channels,
+        );
+        if dw.len() < o * k {
+            return Err(model_err(format!(
+                "conv2d_backward_weight: the output holds {} floats, needs {}",
+                dw.len(),
+                o * k
+            )));
+        }
+        let dw = dw.slice(0..o * k)?;
+        if rows == 0 {
+            return self.launcher.fill(stream, dw, 0.0);
+        }
+        let (in_len, out_len) = (geom.in_len(), geom.out_len());
+        let chunk = self.chunk_images((k + o) * p, rows);
+        // one request: the columns, then dY rearranged
+        let ws = self.workspace(lane, chunk * (k + o) * p)?;
+        let dy_geom = rows_to_columns(o, p);
+        for r0 in (0..rows).step_by(chunk) {
+            let nb = chunk.min(rows - r0);
+            let layout = ColumnLayout::side_by_side(nb, p);
+            let cols = ws.slice(0..k * nb * p)?;
+            let dyt = ws.slice(k * nb * p..(k + o) * nb * p)?;
+            let xs = x.slice(r0 * in_len..(r0 + nb) * in_len)?;
+            let dys = dy.slice(r0 * out_len..(r0 + nb) * out_len)?;
+            // cols [K, nb·P] and dYt [O, nb·P], image i in columns i·P..
+            self.launcher.im2col(stream, cols, xs, geom, nb, layout)?;
+            self.launcher
+                .im2col(stream, dyt, dys, &dy_geom, nb, layout)?;
+            // dW [O, K] (+)= dYt [O, nb·P] · colsᵀ [nb·P, K]
+            let gemm = Gemm {
+                trans_b: true,
+                beta: if r0 == 0 { 0.0 } else { 1.0 },
+                ..Gemm::new(o, k, nb * p)
+            };
+            lane.blas.sgemm(&gemm, dyt, cols, dw)?;
+            self.launcher.count();
+        }
+        Ok(())
+    }
+}

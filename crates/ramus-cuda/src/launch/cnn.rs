@@ -1,0 +1,902 @@
+//! Launchers of the CNN kernels of `builtin.cu` (convolution lowering,
+//! pooling, per-channel reductions and batch normalisation). Images are rows
+//! of `C*H*W` floats in CHW order, as in `ramus_core::ops::cnn`, whose CPU
+//! kernels these match. Every launcher checks its geometry (so no kernel
+//! divides by a zero stride or scans an empty window) and that each view
+//! holds what the kernel touches.
+
+use cudarc::driver::{CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+
+use ramus_core::ops::{Conv2dGeom, NormGeom, NormParam, Pool2dGeom};
+
+use super::{elementwise_cfg, u32_arg, Builtin, Launcher};
+use crate::error::{CudaError, InCall, Result};
+use crate::pool::DeviceView;
+
+/// Threads per block of the per-channel reductions (`NORM_THREADS` in
+/// `builtin.cu`).
+const NORM_THREADS: u32 = 512;
+
+/// Where [`Launcher::im2col`] puts column entry `(image i, patch row k,
+/// position p)` and where [`Launcher::col2im`] reads it:
+/// `i * image_stride + k * ld + p`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ColumnLayout {
+    pub image_stride: usize,
+    pub ld: usize,
+}
+
+impl ColumnLayout {
+    /// One `[K, P]` matrix per image, one after the other (the forward
+    /// product and the input gradient).
+    pub fn per_image(patch_len: usize, positions: usize) -> Self {
+        ColumnLayout {
+            image_stride: patch_len * positions,
+            ld: positions,
+        }
+    }
+
+    /// One `[K, images * P]` matrix holding every image's positions side by
+    /// side (the weight gradient's single product over all images).
+    pub fn side_by_side(images: usize, positions: usize) -> Self {
+        ColumnLayout {
+            image_stride: positions,
+            ld: images * positions,
+        }
+    }
+
+    /// Elements spanned by `images` images of `patch_len` rows of
+    /// `positions` columns.
+    fn extent(&self, images: usize, patch_len: usize, positions: usize) -> Option<usize> {
+        if images == 0 || patch_len == 0 || positions == 0 {
+            return Some(0);
+        }
+        (images - 1)
+            .checked_mul(self.image_stride)?
+            .checked_add((patch_len - 1).checked_mul(self.ld)?)?
+            .checked_add(positions)
+    }
+}
+
+/// `struct ConvGeom` of `builtin.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct RawConvGeom {
+    channels: u32,
+    height: u32,
+    width: u32,
+    kernel_h: u32,
+    kernel_w: u32,
+    stride: u32,
+    padding: u32,
+    out_h: u32,
+    out_w: u32,
+    pad: u32,
+}
+
+// SAFETY: `repr(C)` plain data of ten u32, laid out as `struct ConvGeom` in
+// `builtin.cu`, passed by value.
+unsafe impl DeviceRepr for RawConvGeom {}
+
+/// `struct PoolGeom` of `builtin.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct RawPoolGeom {
+    channels: u32,
+    height: u32,
+    width: u32,
+    kernel: u32,
+    stride: u32,
+    padding: u32,
+    out_h: u32,
+    out_w: u32,
+}
+
+// SAFETY: `repr(C)` plain data of eight u32, laid out as `struct PoolGeom`
+// in `builtin.cu`, passed by value.
+unsafe impl DeviceRepr for RawPoolGeom {}
+
+fn bad(message: String) -> CudaError {
+    CudaError::BadArgument(message)
+}
+
+/// Checks that `view` (named `what`) holds at least `len` elements.
+fn holds<T: crate::pool::DeviceScalar>(
+    view: &DeviceView<T>,
+    len: usize,
+    what: &str,
+    op: &str,
+) -> Result<()> {
+    if view.len() < len {
+        return Err(bad(format!(
+            "{op}: {what} holds {} elements, needs {len}",
+            view.len()
+        )));
+    }
+    Ok(())
+}
+
+/// `a * b`, an error instead of an overflow.
+fn mul(a: usize, b: usize, op: &str) -> Result<usize> {
+    a.checked_mul(b)
+        .ok_or_else(|| bad(format!("{op}: size {a} x {b} overflows")))
+}
+
+/// The kernel form of a valid convolution geometry whose per-image sizes
+/// fit the kernels' 32-bit index arithmetic.
+fn conv_geom(g: &Conv2dGeom, op: &str) -> Result<RawConvGeom> {
+    g.validate().map_err(|e| bad(format!("{op}: {e}")))?;
+    let positions = g.out_h() * g.out_w();
+    // bounds every u32 value the kernels form: pixel, patch-row and
+    // position indices, and oy * stride + kernel <= H + 2 * padding + kernel
+    let largest = [
+        g.in_len(),
+        mul(g.patch_len(), positions, op)?,
+        g.height + 2 * g.padding + g.kernel_h,
+        g.width + 2 * g.padding + g.kernel_w,
+    ];
+    if largest.iter().any(|&v| v >= u32::MAX as usize) {
+        return Err(bad(format!("{op}: an image of this geometry is too large")));
+    }
+    Ok(RawConvGeom {
+        channels: u32_arg(g.in_channels, "channels")?,
+        height: u32_arg(g.height, "height")?,
+        width: u32_arg(g.width, "width")?,
+        kernel_h: u32_arg(g.kernel_h, "kernel height")?,
+        kernel_w: u32_arg(g.kernel_w, "kernel width")?,
+        stride: u32_arg(g.stride, "stride")?,
+        padding: u32_arg(g.padding, "padding")?,
+        out_h: u32_arg(g.out_h(), "output height")?,
+        out_w: u32_arg(g.out_w(), "output width")?,
+        pad: 0,
+    })
+}
+
+fn pool_geom(g: &Pool2dGeom, op: &str) -> Result<RawPoolGeom> {
+    g.validate().map_err(|e| bad(format!("{op}: {e}")))?;
+    // as for convolutions: indices and window ends fit 32 bits
+    let largest = [
+        g.in_len(),
+        g.out_len(),
+        g.height + 2 * g.padding + g.kernel,
+        g.width + 2 * g.padding + g.kernel,
+    ];
+    if largest.iter().any(|&v| v >= u32::MAX as usize) {
+        return Err(bad(format!("{op}: an image of this geometry is too large")));
+    }
+    Ok(RawPoolGeom {
+        channels: u32_arg(g.channels, "channels")?,
+        height: u32_arg(g.height, "height")?,
+        width: u32_arg(g.width, "width")?,
+        kernel: u32_arg(g.kernel, "kernel")?,
+        stride: u32_arg(g.stride, "stride")?,
+        padding: u32_arg(g.padding, "padding")?,
+        out_h: u32_arg(g.out_h(), "output height")?,
+        out_w: u32_arg(g.out_w(), "output width")?,
+    })
+}
+
+/// Channels and positions of a per-channel op, checked positive.
+fn channel_dims(channels: usize, spatial: usize, op: &str) -> Result<(u32, u32)> {
+    if channels == 0 || spatial == 0 {
+        return Err(bad(format!(
+            "{op}: channels ({channels}) and positions ({spatial}) must be positive"
+        )));
+    }
+    Ok((
+        u32_arg(channels, "channels")?,
+        u32_arg(spatial, "positions")?,
+    ))
+}
+
+fn norm_dims(n: &NormGeom, op: &str) -> Result<(u32, u32)> {
+    n.validate().map_err(|e| bad(format!("{op}: {e}")))?;
+    channel_dims(n.channels, n.spatial, op)
+}
+
+/// `rows` as a kernel argument of a per-channel reduction, whose 32-bit
+/// element counter runs to `rows * spatial` (plus a block's stride).
+fn reduction_rows(rows: usize, spatial: usize, op: &str) -> Result<u32> {
+    let count = mul(rows, spatial, op)?;
+    if count > (u32::MAX - NORM_THREADS) as usize {
+        return Err(bad(format!(
+            "{op}: {rows} rows of {spatial} positions per channel are too many to reduce"
+        )));
+    }
+    u32_arg(rows, "rows")
+}
+
+/// One block of [`NORM_THREADS`] threads per channel.
+fn per_channel_cfg(channels: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (channels, 1, 1),
+        block_dim: (NORM_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl Launcher {
+    /// Lowers `images` images (rows of `C*H*W` in `x`) to convolution
+    /// columns in `cols`, laid out as `layout` says (`K = C*kh*kw` patch
+    /// rows of `P = Ho*Wo` positions per image; 0 where a tap falls in the
+    /// padding). A 1x1, stride-1 geometry makes it a plain rearrangement of
+    /// channel-major rows.
+    pub fn im2col(
+        &self,
+        stream: &CudaStream,
+        cols: DeviceView<f32>,
+        x: DeviceView<f32>,
+        geom: &Conv2dGeom,
+        images: usize,
+        layout: ColumnLayout,
+    ) -> Result<()> {
+        const OP: &str = "im2col";
+        let g = conv_geom(geom, OP)?;
+        let positions = geom.out_h() * geom.out_w();
+        let total = mul(images, mul(geom.patch_len(), positions, OP)?, OP)?;
+        if total == 0 {
+            return Ok(());
+        }
+        holds(&x, mul(images, geom.in_len(), OP)?, "the input", OP)?;
+        check_columns(&cols, layout, images, geom.patch_len(), positions, OP)?;
+        let (n, stride, ld) = (
+            u32_arg(images, "images")?,
+            layout.image_stride as u64,
+            layout.ld as u64,
+        );
+        let mut launch = stream.launch_builder(self.function(Builtin::Im2col));
+        launch
+            .arg(cols.kernel_arg())
+            .arg(x.kernel_arg())
+            .arg(&g)
+            .arg(&n)
+            .arg(&stride)
+            .arg(&ld);
+        // SAFETY: arguments match the kernel; `x` holds `images` rows and
+        // `cols` every entry of the layout (checked above).
+        unsafe { launch.launch(elementwise_cfg(total)) }.in_call("cuLaunchKernel(ramus_im2col)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// The adjoint of [`Launcher::im2col`]: every pixel of the `images` rows
+    /// of `x` becomes the sum of the column entries im2col would read from
+    /// it (one thread per pixel, no atomics).
+    pub fn col2im(
+        &self,
+        stream: &CudaStream,
+        x: DeviceView<f32>,
+        cols: DeviceView<f32>,
+        geom: &Conv2dGeom,
+        images: usize,
+        layout: ColumnLayout,
+    ) -> Result<()> {
+        const OP: &str = "col2im";
+        let g = conv_geom(geom, OP)?;
+        let total = mul(images, geom.in_len(), OP)?;
+        if total == 0 {
+            return Ok(());
+        }
+        holds(&x, total, "the output", OP)?;
+        let positions = geom.out_h() * geom.out_w();
+        check_columns(&cols, layout, images, geom.patch_len(), positions, OP)?;
+        let (n, stride, ld) = (
+            u32_arg(images, "images")?,
+            layout.image_stride as u64,
+            layout.ld as u64,
+        );
+        let mut launch = stream.launch_builder(self.function(Builtin::Col2im));
+        launch
+            .arg(x.kernel_arg())
+            .arg(cols.kernel_arg())
+            .arg(&g)
+            .arg(&n)
+            .arg(&stride)
+            .arg(&ld);
+        // SAFETY: arguments match the kernel; `x` holds `images` rows and
+        // `cols` every entry of the layout (checked above).
+        unsafe { launch.launch(elementwise_cfg(total)) }.in_call("cuLaunchKernel(ramus_col2im)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// Max pooling of `rows` image rows of `x` into `y`.
+    pub fn max_pool2d(
+        &self,
+        stream: &CudaStream,
+        y: DeviceView<f32>,
+        x: DeviceView<f32>,
+        geom: &Pool2dGeom,
+        rows: usize,
+    ) -> Result<()> {
+        const OP: &str = "max_pool2d";
+        let g = pool_geom(geom, OP)?;
+        let total = mul(rows, geom.out_len(), OP)?;
+        if total == 0 {
+            return Ok(());
+        }
+        holds(&x, mul(rows, geom.in_len(), OP)?, "the input", OP)?;
+        holds(&y, total, "the output", OP)?;
+        let r = u32_arg(rows, "rows")?;
+        let mut launch = stream.launch_builder(self.function(Builtin::MaxPool2d));
+        launch
+            .arg(y.kernel_arg())
+            .arg(x.kernel_arg())
+            .arg(&g)
+            .arg(&r);
+        // SAFETY: arguments match the kernel; sizes checked above; the
+        // geometry is valid, so every window holds a pixel.
+        unsafe { launch.launch(elementwise_cfg(total)) }
+            .in_call("cuLaunchKernel(ramus_max_pool2d)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// The gradient of max pooling: `dx` (rows of `C*H*W`) from the forward
+    /// input `x` and the output gradient `dy`, each window's argmax
+    /// recomputed (first maximum wins ties).
+    #[allow(clippy::too_many_arguments)] // two inputs, an output and the geometry
+    pub fn max_pool2d_backward(
+        &self,
+        stream: &CudaStream,
+        dx: DeviceView<f32>,
+        x: DeviceView<f32>,
+        dy: DeviceView<f32>,
+        geom: &Pool2dGeom,
+        rows: usize,
+    ) -> Result<()> {
+        const OP: &str = "max_pool2d_backward";
+        let g = pool_geom(geom, OP)?;
+        let total = mul(rows, geom.in_len(), OP)?;
+        if total == 0 {
+            return Ok(());
+        }
+        holds(&x, total, "the input", OP)?;
+        holds(&dx, total, "the output", OP)?;
+        holds(
+            &dy,
+            mul(rows, geom.out_len(), OP)?,
+            "the output gradient",
+            OP,
+        )?;
+        let r = u32_arg(rows, "rows")?;
+        let mut launch = stream.launch_builder(self.function(Builtin::MaxPool2dBackward));
+        launch
+            .arg(dx.kernel_arg())
+            .arg(x.kernel_arg())
+            .arg(dy.kernel_arg())
+            .arg(&g)
+            .arg(&r);
+        // SAFETY: arguments match the kernel; sizes checked above.
+        unsafe { launch.launch(elementwise_cfg(total)) }
+            .in_call("cuLaunchKernel(ramus_max_pool2d_backward)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// `y[r, c] = mean over the positions of x[r, c]` (rows `[C*S]` → `[C]`).
+    pub fn global_avg_pool(
+        &self,
+        stream: &CudaStream,
+        y: DeviceView<f32>,
+        x: DeviceView<f32>,
+        rows: usize,
+        channels: usize,
+        spatial: usize,
+    ) -> Result<()> {
+        const OP: &str = "global_avg_pool";
+        let (c, s) = channel_dims(channels, spatial, OP)?;
+        let total = mul(rows, channels, OP)?;
+        if total == 0 {
+            return Ok(());
+        }
+        holds(&x, mul(total, spatial, OP)?, "the input", OP)?;
+        holds(&y, total, "the output", OP)?;
+        let r = u32_arg(rows, "rows")?;
+        let mut launch = stream.launch_builder(self.function(Builtin::GlobalAvgPool));
+        launch
+            .arg(y.kernel_arg())
+            .arg(x.kernel_arg())
+            .arg(&r)
+            .arg(&c)
+            .arg(&s);
+        // SAFETY: arguments match the kernel; sizes checked above.
+        unsafe { launch.launch(elementwise_cfg(total)) }
+            .in_call("cuLaunchKernel(ramus_global_avg_pool)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// `dx[r, c, j] = dy[r, c] / S`.
+    pub fn global_avg_pool_backward(
+        &self,
+        stream: &CudaStream,
+        dx: DeviceView<f32>,
+        dy: DeviceView<f32>,
+        rows: usize,
+        channels: usize,
+        spatial: usize,
+    ) -> Result<()> {
+        self.per_element(
+            stream,
+            Builtin::GlobalAvgPoolBackward,
+            (
+                "global_avg_pool_backward",
+                "cuLaunchKernel(ramus_global_avg_pool_backward)",
+            ),
+            dx,
+            (dy, mul(rows, channels, "global_avg_pool_backward")?),
+            rows,
+            (channels, spatial),
+        )
+    }
+
+    /// `y[r, c, j] = b[c]` for `rows` rows.
+    pub fn channel_broadcast(
+        &self,
+        stream: &CudaStream,
+        y: DeviceView<f32>,
+        b: DeviceView<f32>,
+        rows: usize,
+        channels: usize,
+        spatial: usize,
+    ) -> Result<()> {
+        self.per_element(
+            stream,
+            Builtin::ChannelBroadcast,
+            (
+                "channel_broadcast",
+                "cuLaunchKernel(ramus_channel_broadcast)",
+            ),
+            y,
+            (b, channels),
+            rows,
+            (channels, spatial),
+        )
+    }
+
+    /// A kernel `(out, in, rows, channels, spatial)` with one thread per
+    /// output element of `rows` rows of `C*S`; `input` must hold its given
+    /// number of elements. `names`: the op (for messages) and the call.
+    #[allow(clippy::too_many_arguments)] // kernel, names, operands and extents
+    fn per_element(
+        &self,
+        stream: &CudaStream,
+        kernel: Builtin,
+        (op, call): (&str, &'static str),
+        out: DeviceView<f32>,
+        input: (DeviceView<f32>, usize),
+        rows: usize,
+        (channels, spatial): (usize, usize),
+    ) -> Result<()> {
+        let (c, s) = channel_dims(channels, spatial, op)?;
+        let total = mul(rows, mul(channels, spatial, op)?, op)?;
+        if total == 0 {
+            return Ok(());
+        }
+        holds(&out, total, "the output", op)?;
+        holds(&input.0, input.1, "the input", op)?;
+        let r = u32_arg(rows, "rows")?;
+        let mut launch = stream.launch_builder(self.function(kernel));
+        launch
+            .arg(out.kernel_arg())
+            .arg(input.0.kernel_arg())
+            .arg(&r)
+            .arg(&c)
+            .arg(&s);
+        // SAFETY: the kernel takes (out, in, rows, channels, spatial) and
+        // writes `total` elements of `out`, reading inside `input.1`
+        // elements of the input (sizes checked above).
+        unsafe { launch.launch(elementwise_cfg(total)) }.in_call(call)?;
+        self.count();
+        Ok(())
+    }
+
+    /// `y = x * coef[2c] + coef[2c + 1]` per channel (batch normalisation
+    /// once its coefficients are known).
+    #[allow(clippy::too_many_arguments)] // two inputs, an output and extents
+    pub fn channel_affine(
+        &self,
+        stream: &CudaStream,
+        y: DeviceView<f32>,
+        x: DeviceView<f32>,
+        coef: DeviceView<f32>,
+        rows: usize,
+        channels: usize,
+        spatial: usize,
+    ) -> Result<()> {
+        const OP: &str = "channel_affine";
+        let (c, s) = channel_dims(channels, spatial, OP)?;
+        let total = mul(rows, mul(channels, spatial, OP)?, OP)?;
+        if total == 0 {
+            return Ok(());
+        }
+        holds(&y, total, "the output", OP)?;
+        holds(&x, total, "the input", OP)?;
+        holds(&coef, 2 * channels, "the coefficients", OP)?;
+        let r = u32_arg(rows, "rows")?;
+        let mut launch = stream.launch_builder(self.function(Builtin::ChannelAffine));
+        launch
+            .arg(y.kernel_arg())
+            .arg(x.kernel_arg())
+            .arg(coef.kernel_arg())
+            .arg(&r)
+            .arg(&c)
+            .arg(&s);
+        // SAFETY: arguments match the kernel; sizes checked above.
+        unsafe { launch.launch(elementwise_cfg(total)) }
+            .in_call("cuLaunchKernel(ramus_channel_affine)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// `out[c] = Σ x[r, c, j]` over `rows` rows and the positions (summed
+    /// in double); zeros when there are no rows.
+    pub fn channel_sum(
+        &self,
+        stream: &CudaStream,
+        out: DeviceView<f32>,
+        x: DeviceView<f32>,
+        rows: usize,
+        channels: usize,
+        spatial: usize,
+    ) -> Result<()> {
+        const OP: &str = "channel_sum";
+        let (c, s) = channel_dims(channels, spatial, OP)?;
+        holds(&out, channels, "the output", OP)?;
+        if rows == 0 {
+            return self.fill(stream, out.slice(0..channels)?, 0.0);
+        }
+        holds(
+            &x,
+            mul(rows, mul(channels, spatial, OP)?, OP)?,
+            "the input",
+            OP,
+        )?;
+        let r = reduction_rows(rows, spatial, OP)?;
+        let mut launch = stream.launch_builder(self.function(Builtin::ChannelSum));
+        launch
+            .arg(out.kernel_arg())
+            .arg(x.kernel_arg())
+            .arg(&r)
+            .arg(&c)
+            .arg(&s);
+        // SAFETY: arguments match the kernel (one block per channel);
+        // sizes checked above.
+        unsafe { launch.launch(per_channel_cfg(c)) }
+            .in_call("cuLaunchKernel(ramus_channel_sum)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// Training batch normalisation's per-channel `(a, b)` (`y = x·a + b`)
+    /// into `coef` (`2C` floats), from the statistics of all `rows` rows.
+    #[allow(clippy::too_many_arguments)] // three inputs, an output and extents
+    pub fn batch_norm_coef(
+        &self,
+        stream: &CudaStream,
+        coef: DeviceView<f32>,
+        x: DeviceView<f32>,
+        gamma: DeviceView<f32>,
+        beta: DeviceView<f32>,
+        rows: usize,
+        norm: &NormGeom,
+    ) -> Result<()> {
+        const OP: &str = "batch_norm";
+        let (c, s) = norm_dims(norm, OP)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        holds(&coef, 2 * norm.channels, "the coefficients", OP)?;
+        holds(
+            &x,
+            mul(rows, norm.channels * norm.spatial, OP)?,
+            "the input",
+            OP,
+        )?;
+        holds(&gamma, norm.channels, "gamma", OP)?;
+        holds(&beta, norm.channels, "beta", OP)?;
+        let r = reduction_rows(rows, norm.spatial, OP)?;
+        let mut launch = stream.launch_builder(self.function(Builtin::BatchNormCoef));
+        launch
+            .arg(coef.kernel_arg())
+            .arg(x.kernel_arg())
+            .arg(gamma.kernel_arg())
+            .arg(beta.kernel_arg())
+            .arg(&r)
+            .arg(&c)
+            .arg(&s)
+            .arg(&norm.eps);
+        // SAFETY: arguments match the kernel (one block per channel);
+        // sizes checked above.
+        unsafe { launch.launch(per_channel_cfg(c)) }
+            .in_call("cuLaunchKernel(ramus_batch_norm_coef)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// Training batch normalisation's input gradient: per-channel
+    /// coefficients `(k, q, p)` into `coef` (`3C` floats), then
+    /// `dx = k·dy + x·q + p`.
+    #[allow(clippy::too_many_arguments)] // three inputs, the output, a workspace and extents
+    pub fn batch_norm_backward_input(
+        &self,
+        stream: &CudaStream,
+        dx: DeviceView<f32>,
+        x: DeviceView<f32>,
+        gamma: DeviceView<f32>,
+        dy: DeviceView<f32>,
+        coef: DeviceView<f32>,
+        rows: usize,
+        norm: &NormGeom,
+    ) -> Result<()> {
+        const OP: &str = "batch_norm_backward_input";
+        let (c, s) = norm_dims(norm, OP)?;
+        let total = mul(rows, norm.channels * norm.spatial, OP)?;
+        if total == 0 {
+            return Ok(());
+        }
+        holds(&coef, 3 * norm.channels, "the coefficients", OP)?;
+        holds(&x, total, "the input", OP)?;
+        holds(&dy, total, "the output gradient", OP)?;
+        holds(&dx, total, "the output", OP)?;
+        holds(&gamma, norm.channels, "gamma", OP)?;
+        let r = reduction_rows(rows, norm.spatial, OP)?;
+        let mut launch = stream.launch_builder(self.function(Builtin::BatchNormBackwardCoef));
+        launch
+            .arg(coef.kernel_arg())
+            .arg(x.kernel_arg())
+            .arg(dy.kernel_arg())
+            .arg(gamma.kernel_arg())
+            .arg(&r)
+            .arg(&c)
+            .arg(&s)
+            .arg(&norm.eps);
+        // SAFETY: arguments match the kernel (one block per channel);
+        // sizes checked above.
+        unsafe { launch.launch(per_channel_cfg(c)) }
+            .in_call("cuLaunchKernel(ramus_batch_norm_backward_coef)")?;
+        self.count();
+        let mut launch = stream.launch_builder(self.function(Builtin::BatchNormBackwardApply));
+        launch
+            .arg(dx.kernel_arg())
+            .arg(x.kernel_arg())
+            .arg(dy.kernel_arg())
+            .arg(coef.kernel_arg())
+            .arg(&r)
+            .arg(&c)
+            .arg(&s);
+        // SAFETY: arguments match the kernel; sizes checked above.
+        unsafe { launch.launch(elementwise_cfg(total)) }
+            .in_call("cuLaunchKernel(ramus_batch_norm_backward_apply)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// Training batch normalisation's gamma gradient `Σ dy·x̂` per channel
+    /// (zeros when there are no rows).
+    #[allow(clippy::too_many_arguments)] // two inputs, an output and extents
+    pub fn batch_norm_backward_gamma(
+        &self,
+        stream: &CudaStream,
+        out: DeviceView<f32>,
+        x: DeviceView<f32>,
+        dy: DeviceView<f32>,
+        rows: usize,
+        norm: &NormGeom,
+    ) -> Result<()> {
+        const OP: &str = "batch_norm_backward_gamma";
+        let (c, s) = norm_dims(norm, OP)?;
+        holds(&out, norm.channels, "the output", OP)?;
+        if rows == 0 {
+            return self.fill(stream, out.slice(0..norm.channels)?, 0.0);
+        }
+        let total = mul(rows, norm.channels * norm.spatial, OP)?;
+        holds(&x, total, "the input", OP)?;
+        holds(&dy, total, "the output gradient", OP)?;
+        let r = reduction_rows(rows, norm.spatial, OP)?;
+        let mut launch = stream.launch_builder(self.function(Builtin::BatchNormBackwardGamma));
+        launch
+            .arg(out.kernel_arg())
+            .arg(x.kernel_arg())
+            .arg(dy.kernel_arg())
+            .arg(&r)
+            .arg(&c)
+            .arg(&s)
+            .arg(&norm.eps);
+        // SAFETY: arguments match the kernel (one block per channel);
+        // sizes checked above.
+        unsafe { launch.launch(per_channel_cfg(c)) }
+            .in_call("cuLaunchKernel(ramus_batch_norm_backward_gamma)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// Inference batch normalisation's per-channel `(a, b)` into `coef`
+    /// (`2C` floats): `a = gamma / sqrt(var + eps)`, `b = beta - mean·a`
+    /// (`beta` and `mean` count as 0 when absent: the input gradient's
+    /// coefficients). A variance below `-eps` gives NaN here, where the CPU
+    /// engine stops with an error: the device cannot stop a queued pass.
+    #[allow(clippy::too_many_arguments)] // four inputs, the output and extents
+    pub fn batch_norm_inference_coef(
+        &self,
+        stream: &CudaStream,
+        coef: DeviceView<f32>,
+        gamma: DeviceView<f32>,
+        beta: Option<DeviceView<f32>>,
+        mean: Option<DeviceView<f32>>,
+        var: DeviceView<f32>,
+        norm: &NormGeom,
+    ) -> Result<()> {
+        const OP: &str = "batch_norm_inference";
+        let (c, _) = norm_dims(norm, OP)?;
+        holds(&coef, 2 * norm.channels, "the coefficients", OP)?;
+        holds(&gamma, norm.channels, "gamma", OP)?;
+        holds(&var, norm.channels, "var", OP)?;
+        for v in beta.iter().chain(&mean) {
+            holds(v, norm.channels, "beta or mean", OP)?;
+        }
+        let null = 0u64;
+        let mut launch = stream.launch_builder(self.function(Builtin::BatchNormInferenceCoef));
+        launch.arg(coef.kernel_arg()).arg(gamma.kernel_arg());
+        match &beta {
+            Some(v) => launch.arg(v.kernel_arg()),
+            None => launch.arg(&null),
+        };
+        match &mean {
+            Some(v) => launch.arg(v.kernel_arg()),
+            None => launch.arg(&null),
+        };
+        launch.arg(var.kernel_arg()).arg(&c).arg(&norm.eps);
+        // SAFETY: arguments match the kernel (null pointers for absent
+        // beta / mean, which it checks); sizes checked above.
+        unsafe { launch.launch(elementwise_cfg(norm.channels)) }
+            .in_call("cuLaunchKernel(ramus_batch_norm_inference_coef)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// The gradient of inference batch normalisation for gamma, mean or var
+    /// (a static `[C]`; zeros when there are no rows).
+    #[allow(clippy::too_many_arguments)] // five inputs, the output and extents
+    pub fn batch_norm_inference_param(
+        &self,
+        stream: &CudaStream,
+        out: DeviceView<f32>,
+        [x, gamma, mean, var, dy]: [DeviceView<f32>; 5],
+        rows: usize,
+        norm: &NormGeom,
+        param: NormParam,
+    ) -> Result<()> {
+        const OP: &str = "batch_norm_inference_backward";
+        let (c, s) = norm_dims(norm, OP)?;
+        holds(&out, norm.channels, "the output", OP)?;
+        if rows == 0 {
+            return self.fill(stream, out.slice(0..norm.channels)?, 0.0);
+        }
+        let total = mul(rows, norm.channels * norm.spatial, OP)?;
+        holds(&x, total, "the input", OP)?;
+        holds(&dy, total, "the output gradient", OP)?;
+        for v in [&gamma, &mean, &var] {
+            holds(v, norm.channels, "gamma, mean or var", OP)?;
+        }
+        let which: u32 = match param {
+            NormParam::Gamma => 0,
+            NormParam::Mean => 1,
+            NormParam::Var => 2,
+        };
+        let r = reduction_rows(rows, norm.spatial, OP)?;
+        let mut launch = stream.launch_builder(self.function(Builtin::BatchNormInferenceParam));
+        launch
+            .arg(out.kernel_arg())
+            .arg(x.kernel_arg())
+            .arg(gamma.kernel_arg())
+            .arg(mean.kernel_arg())
+            .arg(var.kernel_arg())
+            .arg(dy.kernel_arg())
+            .arg(&r)
+            .arg(&c)
+            .arg(&s)
+            .arg(&norm.eps)
+            .arg(&which);
+        // SAFETY: arguments match the kernel (one block per channel);
+        // sizes checked above.
+        unsafe { launch.launch(per_channel_cfg(c)) }
+            .in_call("cuLaunchKernel(ramus_batch_norm_inference_param)")?;
+        self.count();
+        Ok(())
+    }
+}
+
+/// Checks that `cols` holds `images` images of the layout and that rows do
+/// not overlap (`ld >= positions`).
+fn check_columns(
+    cols: &DeviceView<f32>,
+    layout: ColumnLayout,
+    images: usize,
+    patch_len: usize,
+    positions: usize,
+    op: &str,
+) -> Result<()> {
+    if layout.ld < positions {
+        return Err(bad(format!(
+            "{op}: column rows of {positions} positions with a leading dimension of {}",
+            layout.ld
+        )));
+    }
+    let extent = layout
+        .extent(images, patch_len, positions)
+        .ok_or_else(|| bad(format!("{op}: the column layout overflows")))?;
+    holds(cols, extent, "the columns", op)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::launch::{BUILTIN_KERNELS, BUILTIN_SOURCE};
+
+    #[test]
+    fn every_listed_kernel_is_defined_and_the_enum_follows_the_list() {
+        for name in BUILTIN_KERNELS {
+            assert!(
+                BUILTIN_SOURCE.contains(&format!("__global__ void {name}(")),
+                "{name} is not defined in builtin.cu"
+            );
+        }
+        assert_eq!(
+            Builtin::BatchNormInferenceParam as usize + 1,
+            BUILTIN_KERNELS.len()
+        );
+        assert_eq!(BUILTIN_KERNELS[Builtin::Im2col as usize], "ramus_im2col");
+        assert_eq!(
+            BUILTIN_KERNELS[Builtin::ChannelSum as usize],
+            "ramus_channel_sum"
+        );
+    }
+
+    #[test]
+    fn column_layouts_span_what_the_kernels_touch() {
+        // 3 images of K = 4 rows of P = 5 positions
+        let per = ColumnLayout::per_image(4, 5);
+        assert_eq!(per.extent(3, 4, 5), Some(3 * 4 * 5));
+        let side = ColumnLayout::side_by_side(3, 5);
+        assert_eq!(
+            side,
+            ColumnLayout {
+                image_stride: 5,
+                ld: 15
+            }
+        );
+        assert_eq!(side.extent(3, 4, 5), Some(3 * 4 * 5));
+        assert_eq!(per.extent(0, 4, 5), Some(0));
+    }
+
+    #[test]
+    fn bad_geometries_are_refused_before_any_launch() {
+        let g = Conv2dGeom {
+            in_channels: 3,
+            height: 8,
+            width: 8,
+            out_channels: 4,
+            kernel_h: 3,
+            kernel_w: 3,
+            stride: 0,
+            padding: 1,
+        };
+        let e = conv_geom(&g, "im2col").unwrap_err().to_string();
+        assert!(e.contains("stride"), "{e}");
+        let ok = conv_geom(&Conv2dGeom { stride: 2, ..g }, "im2col").unwrap();
+        assert_eq!((ok.out_h, ok.out_w), (4, 4));
+        let p = Pool2dGeom {
+            channels: 2,
+            height: 8,
+            width: 8,
+            kernel: 2,
+            stride: 2,
+            padding: 2,
+        };
+        let e = pool_geom(&p, "max_pool2d").unwrap_err().to_string();
+        assert!(e.contains("padding"), "{e}");
+        assert!(channel_dims(0, 4, "channel_sum").is_err());
+    }
+}
