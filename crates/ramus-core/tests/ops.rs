@@ -2332,9 +2332,26 @@ fn registry_calls_every_primitive_by_name() {
         ("sum_rows", vec![x], vec![], "sum_rows"),
         ("mean_rows", vec![x], vec![], "mean_rows"),
         ("broadcast_rows", vec![bias, e], vec![], "broadcast_rows"),
+        (
+            "broadcast_rows_mean",
+            vec![bias, e],
+            vec![],
+            "broadcast_rows_mean",
+        ),
+        ("reshape", vec![bias], vec![2.0, 2.0], "reshape[[2, 2]]"),
         ("embedding", vec![table, tok], vec![], "embedding"),
         ("softmax_xent", vec![x, tok], vec![], "softmax_xent"),
     ];
+    let ones = b.input(Source::Gather(0), rows(V, 1));
+    let calls: Vec<(&str, Vec<Sym>, Vec<f64>, &str)> = calls
+        .into_iter()
+        .chain([(
+            "softmax_xent_backward",
+            vec![x, tok, ones],
+            vec![],
+            "softmax_xent_backward",
+        )])
+        .collect();
     let names = reg.names();
     for (name, inputs, attrs, sig) in calls {
         assert!(names.contains(&name), "registry lists {name}");
@@ -2392,6 +2409,12 @@ fn registry_reports_bad_calls() {
     assert!(m.contains("non-negative integer"), "{m}");
     let m = fail("pad", &[-1.0, 2.0]);
     assert!(m.contains("non-negative integer"), "{m}");
+    let m = fail("matmul", &[0.5]);
+    assert!(m.contains("must be 0 or 1"), "{m}");
+    let m = fail("matmul", &[0.0, 0.0, 1.0]);
+    assert!(m.contains("at most 2 attributes"), "{m}");
+    let m = fail("reshape", &[]);
+    assert!(m.contains("new shape"), "{m}");
     // a primitive applied to the wrong number of inputs
     let m = fail("add", &[]);
     assert!(m.contains("takes 2 inputs, got 1"), "{m}");

@@ -72,11 +72,19 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
         ("relu_backward", "x > 0 ? g : 0", |_| arc(ReluBackward)),
         (
             "matmul",
-            "op(A)·op(B); attrs [trans_a, trans_b] as 0/1",
+            "op(A)·op(B); attrs [trans_a, trans_b] as 0/1 (missing ones are 0)",
             |a| {
+                if a.len() > 2 {
+                    return Err(format!("takes at most 2 attributes, got {}", a.len()));
+                }
+                let flag = |i: usize, name: &str| match a.get(i).copied() {
+                    None => Ok(false),
+                    Some(v) if v == 0.0 || v == 1.0 => Ok(v == 1.0),
+                    Some(v) => Err(format!("attribute {name} must be 0 or 1, got {v}")),
+                };
                 arc(MatMul {
-                    trans_a: attr(a, 0, "trans_a").unwrap_or(0.0) != 0.0,
-                    trans_b: attr(a, 1, "trans_b").unwrap_or(0.0) != 0.0,
+                    trans_a: flag(0, "trans_a")?,
+                    trans_b: flag(1, "trans_b")?,
                 })
             },
         ),
@@ -122,6 +130,24 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
             "repeat a static row for each row of a reference",
             |_| arc(BroadcastRows { mean: false }),
         ),
+        (
+            "broadcast_rows_mean",
+            "repeat a static row divided by the row count for each row of a reference",
+            |_| arc(BroadcastRows { mean: true }),
+        ),
+        (
+            "reshape",
+            "a static value viewed with another shape; attrs = the new shape",
+            |a| {
+                if a.is_empty() {
+                    return Err("needs the new shape as attributes".into());
+                }
+                let shape = (0..a.len())
+                    .map(|i| usize_attr(a, i, "dimension"))
+                    .collect::<Result<Vec<_>, _>>()?;
+                arc(Reshape { shape })
+            },
+        ),
         ("embedding", "table rows looked up by token", |_| {
             arc(Embedding)
         }),
@@ -129,6 +155,11 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
             "softmax_xent",
             "per-row softmax cross-entropy against labels",
             |_| arc(SoftmaxXent),
+        ),
+        (
+            "softmax_xent_backward",
+            "gradient of softmax_xent from (scores, labels, upstream [1]-wide rows)",
+            |_| arc(SoftmaxXentBackward),
         ),
         (
             "conv2d",
