@@ -204,11 +204,10 @@ fn train(a: TrainArgs) -> AnyResult {
             serde_json::to_string(&data.class_names)?,
         );
     }
-    match a.loss_at.as_deref() {
-        None => {}
-        Some("root") => model.head.rows = HeadRows::Roots,
-        Some("all") => model.head.rows = HeadRows::Labelled,
-        Some(other) => return Err(format!("--loss-at must be root or all, got `{other}`").into()),
+    if let Some(at) = a.loss_at.as_deref() {
+        model.head.rows = loss_rows(at).map_err(|e| format!("--loss-at {e}"))?;
+        // recorded so that `ramus eval` reports the loss the model trained on
+        model.settings.insert("loss_at".into(), at.into());
     }
     let params = Params::<f32>::init(&model, a.seed);
     let mut oc = OptimizerConfig::new(opt, lr);
@@ -299,6 +298,15 @@ fn train(a: TrainArgs) -> AnyResult {
     Ok(())
 }
 
+/// The head rows `--loss-at` names: `root` or `all` (labelled) vertices.
+fn loss_rows(at: &str) -> Result<HeadRows, String> {
+    match at {
+        "root" => Ok(HeadRows::Roots),
+        "all" => Ok(HeadRows::Labelled),
+        other => Err(format!("must be root or all, got `{other}`")),
+    }
+}
+
 fn eval(a: EvalArgs) -> AnyResult {
     let (info, bytes) = checkpoint::read_info(&a.checkpoint)?;
     let setting = |k: &str| -> AnyResult<usize> {
@@ -330,12 +338,16 @@ fn eval(a: EvalArgs) -> AnyResult {
         ),
         _ => None,
     };
-    let model = vision::build(
+    let mut model = vision::build(
         &info.model,
         &cfg,
         vision_cfg.as_ref(),
         &ModelOptions::default(),
     )?;
+    if let Some(at) = info.settings.get("loss_at") {
+        model.head.rows =
+            loss_rows(at).map_err(|e| format!("checkpoint setting `loss_at`: {e}"))?;
+    }
     let params = checkpoint::load_params(&a.checkpoint, &bytes, &model)?;
     let graphs = match &vision_cfg {
         Some(v) => {

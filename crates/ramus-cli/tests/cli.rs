@@ -389,3 +389,41 @@ fn train_and_eval_a_cnn_on_a_directory_of_images() {
     ]);
     assert_one_line_error(&o, "broken.png");
 }
+
+#[test]
+fn the_checkpoint_records_where_the_loss_was_taken() {
+    let ckpt = tmp("loss-at.safetensors");
+    let o = ramus(&[
+        "train",
+        "--model",
+        "treelstm",
+        "--epochs",
+        "1",
+        "--hidden",
+        "8",
+        "--quiet",
+        "--loss-at",
+        "all",
+        "--save",
+        ckpt.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (info, _) = ramus_nn::checkpoint::read_info(&ckpt).expect("checkpoint");
+    assert_eq!(
+        info.settings.get("loss_at").map(String::as_str),
+        Some("all")
+    );
+    let trees = tmp("loss-at-trees.txt");
+    std::fs::write(&trees, "(3 (2 not) (1 bad))\n").unwrap();
+    let o = ramus(&[
+        "eval",
+        "--data",
+        trees.to_str().unwrap(),
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = ramus(&["train", "--loss-at", "leaves", "--epochs", "1"]);
+    assert_one_line_error(&o, "--loss-at must be root or all");
+}
