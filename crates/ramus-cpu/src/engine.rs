@@ -434,23 +434,20 @@ impl<T: Real> CpuEngine<T> {
             }
             if let Some(pull) = func.forward.input_node(Source::Pull) {
                 let pw = func.forward.nodes[pull].ty.width();
-                let features: Vec<T>;
-                let values: &[T] = match &self.pull_values {
-                    Some(v) => v,
-                    None => {
-                        features = s
-                            .features
-                            .iter()
-                            .map(|&x| T::from_f64(f64::from(x)))
-                            .collect();
-                        &features
+                let dst = &mut arena.vals[pull];
+                // explicit pull values, else the graphs' own (f32) features,
+                // converted for this function's rows only
+                match &self.pull_values {
+                    Some(v) => {
+                        let values = pulled_values(v, s, pw, &func.name, true)?;
+                        copy_vertex_rows(dst, values, &rows.vertex, pw, |x| x);
                     }
-                };
-                let values = pulled_values(values, s, pw, &func.name, self.pull_values.is_some())?;
-                for (r, &v) in rows.vertex.iter().enumerate() {
-                    let v = v as usize;
-                    arena.vals[pull][r * pw..(r + 1) * pw]
-                        .copy_from_slice(&values[v * pw..(v + 1) * pw]);
+                    None => {
+                        let values = pulled_values(&s.features, s, pw, &func.name, false)?;
+                        copy_vertex_rows(dst, values, &rows.vertex, pw, |x| {
+                            T::from_f64(f64::from(x))
+                        });
+                    }
                 }
             }
             let eager: &[NodeId] = match self
@@ -918,6 +915,23 @@ pub fn pulled_values<'a, T>(
         )));
     }
     Ok(values)
+}
+
+/// Row `r` of `dst` gets row `vertex[r]` of `src` (rows of `width`), each
+/// element converted.
+fn copy_vertex_rows<S: Copy, T>(
+    dst: &mut [T],
+    src: &[S],
+    vertex: &[u32],
+    width: usize,
+    convert: impl Fn(S) -> T,
+) {
+    for (d, &v) in dst.chunks_mut(width.max(1)).zip(vertex) {
+        let v = v as usize;
+        for (d, &x) in d.iter_mut().zip(&src[v * width..(v + 1) * width]) {
+            *d = convert(x);
+        }
+    }
 }
 
 /// Edge parents relative to the first row of the run.
