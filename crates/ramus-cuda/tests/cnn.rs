@@ -12,11 +12,13 @@
 //! CPU trainer's losses must be finite. The device half skips with a notice
 //! where no CUDA driver is found.
 
+mod common;
+
 use std::path::PathBuf;
 
 use ramus_core::{Grads, HeadRows, Init, Model, Params};
 use ramus_cpu::{Batch, CpuEngine, Mode};
-use ramus_cuda::{CudaDevice, CudaEngine, CudaEngineOptions};
+use ramus_cuda::{CudaEngine, CudaEngineOptions};
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{
     build_vision_model, Engine, ImageShape, ModelConfig, ModelOptions, OptimizerConfig,
@@ -28,17 +30,7 @@ use rand_chacha::ChaCha8Rng;
 const CLASSES: usize = 3;
 
 fn device_ready() -> bool {
-    match CudaDevice::available() {
-        Ok(()) => true,
-        Err(e) => {
-            // written to stderr directly: the test harness does not capture it, so CI logs show the skip
-            let _ = std::io::Write::write_fmt(
-                &mut std::io::stderr(),
-                format_args!("skipping the device half: no CUDA driver: {e}\n"),
-            );
-            false
-        }
-    }
+    common::cuda_ready("skipping the device half")
 }
 
 fn cache_dir(name: &str) -> PathBuf {
@@ -448,29 +440,6 @@ fn steady_state_cnn_batches_allocate_nothing() {
     let params = params(&model, 7);
     let data = RESNET.images(12, 30);
     let mut cuda = CudaEngine::new(&model, &options("steady", None)).expect("engine");
-    let mut grads = Grads::zeros(&model);
-    let mut allocations = None;
-    for round in 0..3 {
-        for chunk in data.chunks(6) {
-            let batch =
-                Batch::new(&model, chunk.iter().collect(), BatchingPolicy::Cavs).expect("schedule");
-            let launches = cuda.launches();
-            Engine::forward(&mut cuda, &model, &params, &batch, Mode::Train).expect("forward");
-            grads.clear();
-            Engine::backward(&mut cuda, &model, &params, &batch, &mut grads).expect("backward");
-            if round == 0 {
-                println!(
-                    "{} images: {} launches per training batch",
-                    chunk.len(),
-                    cuda.launches() - launches
-                );
-            }
-        }
-        let now = cuda.pool_stats().driver_allocations;
-        match allocations {
-            None => allocations = Some(now),
-            Some(before) => assert_eq!(now, before, "round {round} allocated device memory"),
-        }
-    }
+    common::assert_steady_state(&mut cuda, &model, &params, &data, 6, "images");
     let _ = std::fs::remove_dir_all(cache_dir("steady"));
 }

@@ -7,11 +7,13 @@
 //! checks each op's generated forward and backward code on the device
 //! against the CPU engine.
 
+mod common;
+
 use ramus_core::fusion;
 use ramus_core::model::{FunctionSelector, HeadRows, Init, ModelBuilder};
 use ramus_core::{Model, OpRegistry, Params};
 use ramus_cpu::{Batch, CpuEngine, Mode};
-use ramus_cuda::{CudaDevice, CudaEngine, CudaEngineOptions};
+use ramus_cuda::{CudaEngine, CudaEngineOptions};
 use ramus_graph::random::random_tree;
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::Engine;
@@ -174,12 +176,7 @@ fn launches_of(m: &Model, cuda: &mut CudaEngine) -> (u64, f64) {
 
 #[test]
 fn the_composite_activation_launches_no_extra_kernel_on_the_device() {
-    if let Err(e) = CudaDevice::available() {
-        // written to stderr directly: the test harness does not capture it, so CI logs show the skip
-        let _ = std::io::Write::write_fmt(
-            &mut std::io::stderr(),
-            format_args!("skipping: no CUDA driver: {e}\n"),
-        );
+    if !common::cuda_ready("skipping") {
         return;
     }
     let opts = CudaEngineOptions {
@@ -200,12 +197,7 @@ fn the_composite_activation_launches_no_extra_kernel_on_the_device() {
 
 #[test]
 fn every_elementwise_op_matches_the_cpu_engine_on_the_device() {
-    if let Err(e) = CudaDevice::available() {
-        // written to stderr directly: the test harness does not capture it, so CI logs show the skip
-        let _ = std::io::Write::write_fmt(
-            &mut std::io::stderr(),
-            format_args!("skipping: no CUDA driver: {e}\n"),
-        );
+    if !common::cuda_ready("skipping") {
         return;
     }
     let opts = CudaEngineOptions {

@@ -4,11 +4,13 @@
 //! and without dropout; training steps; steady-state memory; the kernel
 //! cache across engines. Skips with a notice where no CUDA driver is found.
 
+mod common;
+
 use std::path::PathBuf;
 
 use ramus_core::{Grads, HeadRows, Model, Params};
 use ramus_cpu::{Batch, CpuEngine, Mode};
-use ramus_cuda::{CudaDevice, CudaEngine, CudaEngineOptions};
+use ramus_cuda::{CudaEngine, CudaEngineOptions};
 use ramus_graph::random::{random_chain, random_path, random_tree};
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{
@@ -18,17 +20,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 fn cuda_ready() -> bool {
-    match CudaDevice::available() {
-        Ok(()) => true,
-        Err(e) => {
-            // written to stderr directly: the test harness does not capture it, so CI logs show the skip
-            let _ = std::io::Write::write_fmt(
-                &mut std::io::stderr(),
-                format_args!("skipping: no CUDA driver: {e}\n"),
-            );
-            false
-        }
-    }
+    common::cuda_ready("skipping")
 }
 
 fn cache_dir(name: &str) -> PathBuf {
@@ -252,30 +244,7 @@ fn steady_state_batches_allocate_nothing_and_the_cache_serves_a_second_engine() 
         cuda.fused_kernels()
     );
     let data = graphs("treelstm", 64, 10);
-    let mut grads = Grads::zeros(&model);
-    let mut allocations = None;
-    for round in 0..3 {
-        for chunk in data.chunks(16) {
-            let batch =
-                Batch::new(&model, chunk.iter().collect(), BatchingPolicy::Cavs).expect("schedule");
-            let launches = cuda.launches();
-            Engine::forward(&mut cuda, &model, &params, &batch, Mode::Train).expect("forward");
-            grads.clear();
-            Engine::backward(&mut cuda, &model, &params, &batch, &mut grads).expect("backward");
-            if round == 0 {
-                println!(
-                    "{} graphs: {} launches per training batch",
-                    chunk.len(),
-                    cuda.launches() - launches
-                );
-            }
-        }
-        let now = cuda.pool_stats().driver_allocations;
-        match allocations {
-            None => allocations = Some(now),
-            Some(before) => assert_eq!(now, before, "round {round} allocated device memory"),
-        }
-    }
+    common::assert_steady_state(&mut cuda, &model, &params, &data, 16, "graphs");
     println!("{}", cuda.pool_stats());
     let second = CudaEngine::new(&model, &opts).expect("second engine");
     let stats = second.cache_stats();

@@ -2,6 +2,9 @@
 //! cache, cuBLAS against CPU loops, stream ordering. On a machine without
 //! CUDA each test prints a skip notice and passes.
 
+mod common;
+use common::{device, values};
+
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -11,22 +14,6 @@ use ramus_cuda::{
     Blas, CudaDevice, CudaError, DevicePool, DeviceView, Gemm, InCall, KernelCache, LoadedModule,
     PinnedBuffer, PoolConfig, Result, StridedBatch,
 };
-
-/// Device 0, or `None` (after printing why) when CUDA is not usable here.
-fn device() -> Option<Arc<CudaDevice>> {
-    if let Err(e) = CudaDevice::available() {
-        // written to stderr directly: the test harness does not capture it, so CI logs show the skip
-        let _ = std::io::Write::write_fmt(
-            &mut std::io::stderr(),
-            format_args!("skipping: no CUDA driver: {e}\n"),
-        );
-        return None;
-    }
-    match CudaDevice::open(0) {
-        Ok(device) => Some(device),
-        Err(e) => panic!("CUDA is available but device 0 does not open: {e}"),
-    }
-}
 
 /// A fresh directory under the system temp dir, removed on drop.
 struct TempDir(PathBuf);
@@ -58,19 +45,6 @@ fn small_pool(device: &CudaDevice) -> Arc<DevicePool> {
             max_bytes: None,
         },
     )
-}
-
-/// Deterministic values in [-1, 1).
-fn values(len: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
 }
 
 const SAXPY: &str = r#"

@@ -5,10 +5,12 @@
 //! inputs' effect (relative 1e-4, absolute 1e-6). Elementwise ops are
 //! covered as activations in `composite.rs`. Skips without a CUDA driver.
 
+mod common;
+
 use ramus_core::model::{HeadRows, Init, ModelBuilder, VertexFnBuilder};
 use ramus_core::{Grads, Model, Params, Sym};
 use ramus_cpu::{Batch, CpuEngine, Mode};
-use ramus_cuda::{CudaDevice, CudaEngine, CudaEngineOptions};
+use ramus_cuda::{CudaEngine, CudaEngineOptions};
 use ramus_graph::random::random_tree;
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::Engine;
@@ -127,17 +129,7 @@ fn pulling_without_features_or_values_is_an_error() {
 #[test]
 fn every_structure_op_matches_the_cpu_engine_on_the_device() {
     // the cases run on the CPU everywhere; the comparison needs a device
-    let device = match CudaDevice::available() {
-        Ok(()) => true,
-        Err(e) => {
-            // written to stderr directly: the test harness does not capture it, so CI logs show the skip
-            let _ = std::io::Write::write_fmt(
-                &mut std::io::stderr(),
-                format_args!("skipping the device half: no CUDA driver: {e}\n"),
-            );
-            false
-        }
-    };
+    let device = common::cuda_ready("skipping the device half");
     let opts = CudaEngineOptions {
         cache_dir: Some(std::env::temp_dir().join(format!("ramus-ops-{}", std::process::id()))),
         ..CudaEngineOptions::default()

@@ -7,6 +7,9 @@
 //! hyper-parameter changes. Skips with a notice where no CUDA driver is
 //! found.
 
+mod common;
+use common::{device, values};
+
 use std::sync::Arc;
 
 use ramus_core::model::{FunctionSelector, HeadRows, Init, ModelBuilder};
@@ -16,22 +19,6 @@ use ramus_cuda::{
     PinnedBuffer, PoolBuffer, PoolConfig, Result,
 };
 use ramus_nn::{Optimizer, OptimizerConfig, OptimizerKind};
-
-/// Device 0, or `None` (after printing why) when CUDA is not usable here.
-fn device() -> Option<Arc<CudaDevice>> {
-    if let Err(e) = CudaDevice::available() {
-        // written to stderr directly: the test harness does not capture it, so CI logs show the skip
-        let _ = std::io::Write::write_fmt(
-            &mut std::io::stderr(),
-            format_args!("skipping: no CUDA driver: {e}\n"),
-        );
-        return None;
-    }
-    match CudaDevice::open(0) {
-        Ok(device) => Some(device),
-        Err(e) => panic!("CUDA is available but device 0 does not open: {e}"),
-    }
-}
 
 /// Parameters `W, emb (table), b, W_out, tags (table), W_leaf` of a small
 /// tree model: the tables split the dense parameters into three runs.
@@ -85,19 +72,6 @@ fn test_model() -> Model {
 /// The row-gradient parameters of [`test_model`].
 const TABLES: [usize; 2] = [1, 4];
 const STEPS: u64 = 5;
-
-/// Deterministic values in [-1, 1).
-fn values(len: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
 
 /// Step `step`'s gradients (every element, untouched table rows included:
 /// both sides must ignore them) and touched rows per table, unsorted; the

@@ -239,24 +239,15 @@ impl Launcher {
         }
         holds(&x, mul(images, geom.in_len(), OP)?, "the input", OP)?;
         check_columns(&cols, layout, images, geom.patch_len(), positions, OP)?;
-        let (n, stride, ld) = (
-            u32_arg(images, "images")?,
-            layout.image_stride as u64,
-            layout.ld as u64,
-        );
-        let mut launch = stream.launch_builder(self.function(Builtin::Im2col));
-        launch
-            .arg(cols.kernel_arg())
-            .arg(x.kernel_arg())
-            .arg(&g)
-            .arg(&n)
-            .arg(&stride)
-            .arg(&ld);
-        // SAFETY: arguments match the kernel; `x` holds `images` rows and
-        // `cols` every entry of the layout (checked above).
-        unsafe { launch.launch(elementwise_cfg(total)) }.in_call("cuLaunchKernel(ramus_im2col)")?;
-        self.count();
-        Ok(())
+        self.column_kernel(
+            stream,
+            (Builtin::Im2col, "cuLaunchKernel(ramus_im2col)"),
+            (cols, x),
+            g,
+            images,
+            layout,
+            total,
+        )
     }
 
     /// The adjoint of [`Launcher::im2col`]: every pixel of the `images` rows
@@ -280,22 +271,47 @@ impl Launcher {
         holds(&x, total, "the output", OP)?;
         let positions = geom.out_h() * geom.out_w();
         check_columns(&cols, layout, images, geom.patch_len(), positions, OP)?;
+        self.column_kernel(
+            stream,
+            (Builtin::Col2im, "cuLaunchKernel(ramus_col2im)"),
+            (x, cols),
+            g,
+            images,
+            layout,
+            total,
+        )
+    }
+
+    /// Launches im2col or col2im (`kernel`, named `call` in errors) over
+    /// `total` threads with arguments `(dst, src, g, images, image_stride,
+    /// ld)`; the callers check that the views hold what the layout spans.
+    #[allow(clippy::too_many_arguments)]
+    fn column_kernel(
+        &self,
+        stream: &CudaStream,
+        (kernel, call): (Builtin, &'static str),
+        (dst, src): (DeviceView<f32>, DeviceView<f32>),
+        g: RawConvGeom,
+        images: usize,
+        layout: ColumnLayout,
+        total: usize,
+    ) -> Result<()> {
         let (n, stride, ld) = (
             u32_arg(images, "images")?,
             layout.image_stride as u64,
             layout.ld as u64,
         );
-        let mut launch = stream.launch_builder(self.function(Builtin::Col2im));
+        let mut launch = stream.launch_builder(self.function(kernel));
         launch
-            .arg(x.kernel_arg())
-            .arg(cols.kernel_arg())
+            .arg(dst.kernel_arg())
+            .arg(src.kernel_arg())
             .arg(&g)
             .arg(&n)
             .arg(&stride)
             .arg(&ld);
         // SAFETY: arguments match the kernel; `x` holds `images` rows and
-        // `cols` every entry of the layout (checked above).
-        unsafe { launch.launch(elementwise_cfg(total)) }.in_call("cuLaunchKernel(ramus_col2im)")?;
+        // `cols` every entry of the layout (checked by the callers).
+        unsafe { launch.launch(elementwise_cfg(total)) }.in_call(call)?;
         self.count();
         Ok(())
     }

@@ -1,0 +1,89 @@
+//! Helpers shared by the integration tests: the skip check for machines
+//! without CUDA, deterministic values and the steady-state allocation loop.
+//! Each test crate uses a subset, hence the `dead_code` allowance.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use ramus_core::{Grads, Model, Params};
+use ramus_cpu::{Batch, Mode};
+use ramus_cuda::{CudaDevice, CudaEngine};
+use ramus_graph::{BatchingPolicy, InputGraph};
+use ramus_nn::Engine;
+
+/// Whether a CUDA driver is usable here; otherwise prints
+/// `"{skip}: no CUDA driver: …"` and returns `false`.
+pub fn cuda_ready(skip: &str) -> bool {
+    match CudaDevice::available() {
+        Ok(()) => true,
+        Err(e) => {
+            // written to stderr directly: the test harness does not capture it, so CI logs show the skip
+            let _ = std::io::Write::write_fmt(
+                &mut std::io::stderr(),
+                format_args!("{skip}: no CUDA driver: {e}\n"),
+            );
+            false
+        }
+    }
+}
+
+/// Device 0, or `None` (after printing why) when CUDA is not usable here.
+pub fn device() -> Option<Arc<CudaDevice>> {
+    if !cuda_ready("skipping") {
+        return None;
+    }
+    match CudaDevice::open(0) {
+        Ok(device) => Some(device),
+        Err(e) => panic!("CUDA is available but device 0 does not open: {e}"),
+    }
+}
+
+/// Deterministic values in [-1, 1).
+pub fn values(len: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// Three rounds of training batches of `data` in chunks of `chunk`; after
+/// the first round no batch may make a device allocation. Round 0 prints
+/// the launches per batch (`what` names the items, "graphs" or "images").
+pub fn assert_steady_state(
+    cuda: &mut CudaEngine,
+    model: &Model,
+    params: &Params<f32>,
+    data: &[InputGraph],
+    chunk: usize,
+    what: &str,
+) {
+    let mut grads = Grads::zeros(model);
+    let mut allocations = None;
+    for round in 0..3 {
+        for chunk in data.chunks(chunk) {
+            let batch =
+                Batch::new(model, chunk.iter().collect(), BatchingPolicy::Cavs).expect("schedule");
+            let launches = cuda.launches();
+            Engine::forward(cuda, model, params, &batch, Mode::Train).expect("forward");
+            grads.clear();
+            Engine::backward(cuda, model, params, &batch, &mut grads).expect("backward");
+            if round == 0 {
+                println!(
+                    "{} {what}: {} launches per training batch",
+                    chunk.len(),
+                    cuda.launches() - launches
+                );
+            }
+        }
+        let now = cuda.pool_stats().driver_allocations;
+        match allocations {
+            None => allocations = Some(now),
+            Some(before) => assert_eq!(now, before, "round {round} allocated device memory"),
+        }
+    }
+}
