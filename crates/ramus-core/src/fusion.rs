@@ -413,18 +413,7 @@ pub fn fuse(graph: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool) -> R
         }
     }
 
-    let is_graph_output = {
-        let mut out = vec![false; n];
-        for o in &graph.outputs {
-            if let Some(slot) = out.get_mut(o.node) {
-                *slot = true;
-            }
-            if let Some(slot) = o.aux.and_then(|a| out.get_mut(a)) {
-                *slot = true;
-            }
-        }
-        out
-    };
+    let is_graph_output = graph.output_mask();
     let users = std::mem::take(&mut fuser.users);
     let groups = fuser.groups;
 
@@ -629,16 +618,10 @@ fn reads_in_place(graph: &Graph, user: NodeId, slice: NodeId, elementwise: bool)
         let st = &graph.nodes[slice].ty;
         return node.ty.space == st.space && node.ty.width() == st.width();
     }
-    if node
-        .op()
-        .is_some_and(|op| (op as &dyn Any).downcast_ref::<SumChildren>().is_some())
-    {
+    if node.op_as::<SumChildren>().is_some() {
         return true;
     }
-    let Some(mm) = node
-        .op()
-        .and_then(|op| (op as &dyn Any).downcast_ref::<MatMul>())
-    else {
+    let Some(mm) = node.op_as::<MatMul>() else {
         return false;
     };
     match node.inputs.as_slice() {

@@ -152,6 +152,11 @@ impl Node {
             _ => None,
         }
     }
+    /// The op, if this is an op node of type `T`.
+    pub fn op_as<T: 'static>(&self) -> Option<&T> {
+        self.op()
+            .and_then(|op| (op as &dyn std::any::Any).downcast_ref::<T>())
+    }
     /// A short description: op name, input source or parameter.
     pub fn describe(&self, params: &[String]) -> String {
         match &self.kind {
@@ -220,6 +225,19 @@ impl Graph {
             .position(|n| matches!(n.kind, NodeKind::Input(s) if s == source))
     }
 
+    /// Which nodes an output names, as its node or its `aux` node.
+    pub fn output_mask(&self) -> Vec<bool> {
+        let mut out = vec![false; self.nodes.len()];
+        for o in &self.outputs {
+            for x in std::iter::once(o.node).chain(o.aux) {
+                if let Some(slot) = out.get_mut(x) {
+                    *slot = true;
+                }
+            }
+        }
+        out
+    }
+
     /// Users of every node (nodes that read it), in node order.
     pub fn users(&self) -> Vec<Vec<NodeId>> {
         let mut users = vec![Vec::new(); self.nodes.len()];
@@ -252,11 +270,17 @@ impl Graph {
 
     /// Removes nodes no output depends on, renumbering the rest.
     pub fn prune(&self) -> Graph {
-        let live = self.live_nodes();
+        self.retain(&self.live_nodes())
+    }
+
+    /// Keeps the nodes marked in `keep`, renumbering them and the outputs
+    /// (with their `aux` nodes). Every kept node's inputs and every output
+    /// must be kept too.
+    pub(crate) fn retain(&self, keep: &[bool]) -> Graph {
         let mut remap = vec![usize::MAX; self.nodes.len()];
         let mut nodes = Vec::new();
         for (i, n) in self.nodes.iter().enumerate() {
-            if live[i] {
+            if keep[i] {
                 remap[i] = nodes.len();
                 let mut n = n.clone();
                 n.inputs.iter_mut().for_each(|x| *x = remap[*x]);

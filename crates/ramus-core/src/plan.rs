@@ -143,21 +143,16 @@ pub fn token_hoist(graph: &Graph) -> TokenHoist {
             && node.ty.dtype == crate::graph::DType::Float
     };
     let users = graph.users();
-    let is_output = |i: usize| {
-        graph
-            .outputs
-            .iter()
-            .any(|o| o.node == i || o.aux == Some(i))
-    };
+    let is_output = graph.output_mask();
     let tabulated: Vec<NodeId> = (0..n)
-        .filter(|&i| candidate(i) && (is_output(i) || users[i].iter().any(|&u| !candidate(u))))
+        .filter(|&i| candidate(i) && (is_output[i] || users[i].iter().any(|&u| !candidate(u))))
         .collect();
     let mut tab = vec![false; n];
     tabulated.iter().for_each(|&i| tab[i] = true);
     // a node is needed if an output or a needed, non-tabulated user reads it
     let mut need = vec![false; n];
     for i in (0..n).rev() {
-        need[i] = is_output(i) || !invariant[i] || users[i].iter().any(|&u| need[u] && !tab[u]);
+        need[i] = is_output[i] || !invariant[i] || users[i].iter().any(|&u| need[u] && !tab[u]);
     }
     let keep = (0..n).map(|i| !tab[i] && need[i]).collect();
     let mut anc = vec![false; n];

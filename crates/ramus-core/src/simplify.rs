@@ -8,20 +8,15 @@
 //! fusion pass can even write in place) instead of zero-filled copies and
 //! additions.
 
-use std::any::Any;
 use std::sync::Arc;
 
 use crate::error::{CoreError, Result};
-use crate::graph::{DType, Graph, NodeId, NodeKind, Output};
+use crate::graph::{DType, Graph, NodeId, NodeKind};
 use crate::op::OpDef;
 use crate::ops::{Add, Concat, Pad};
 
 fn op_as<T: 'static>(graph: &Graph, node: NodeId) -> Option<&T> {
-    graph
-        .nodes
-        .get(node)?
-        .op()
-        .and_then(|op| (op as &dyn Any).downcast_ref::<T>())
+    graph.nodes.get(node)?.op_as::<T>()
 }
 
 /// A rewritable tree: its inner `add` nodes and its `pad` leaves.
@@ -56,14 +51,7 @@ pub fn pads_to_concat(graph: &Graph) -> Result<Graph> {
             });
         }
     }
-    let mut is_output = vec![false; n];
-    for o in &graph.outputs {
-        for x in std::iter::once(o.node).chain(o.aux) {
-            if let Some(slot) = is_output.get_mut(x) {
-                *slot = true;
-            }
-        }
-    }
+    let is_output = graph.output_mask();
     let users = graph.users();
     let is_add = |v: NodeId| op_as::<Add>(graph, v).is_some();
 
@@ -103,31 +91,11 @@ pub fn pads_to_concat(graph: &Graph) -> Result<Graph> {
 
     // drop the tree nodes nothing reads any more
     let users_after = out.users();
-    let mut removed = vec![false; n];
+    let mut keep = vec![true; n];
     for i in (0..n).rev() {
-        removed[i] = candidate[i] && !is_output[i] && users_after[i].iter().all(|&u| removed[u]);
+        keep[i] = !candidate[i] || is_output[i] || users_after[i].iter().any(|&u| keep[u]);
     }
-    let mut remap = vec![usize::MAX; n];
-    let mut nodes = Vec::with_capacity(n);
-    for (i, node) in out.nodes.into_iter().enumerate() {
-        if removed[i] {
-            continue;
-        }
-        remap[i] = nodes.len();
-        let mut node = node;
-        node.inputs.iter_mut().for_each(|x| *x = remap[*x]);
-        nodes.push(node);
-    }
-    let outputs = out
-        .outputs
-        .iter()
-        .map(|o| Output {
-            role: o.role,
-            node: remap[o.node],
-            aux: o.aux.map(|a| remap[a]),
-        })
-        .collect();
-    Ok(Graph { nodes, outputs })
+    Ok(out.retain(&keep))
 }
 
 /// The pad tree rooted at add `root`, if it is one that tiles its columns.

@@ -66,6 +66,11 @@ use crate::real::Real;
 
 // ---------------------------------------------------------------- geometry
 
+/// Window positions along one axis: `(size + 2·padding - kernel) / stride + 1`.
+fn windows(size: usize, padding: usize, kernel: usize, stride: usize) -> usize {
+    (size + 2 * padding).saturating_sub(kernel) / stride.max(1) + 1
+}
+
 /// Geometry of a 2-D convolution (one stride and padding for both axes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Conv2dGeom {
@@ -109,11 +114,11 @@ impl Conv2dGeom {
     }
     /// Output height `(H + 2p - kh) / s + 1`.
     pub fn out_h(&self) -> usize {
-        (self.height + 2 * self.padding).saturating_sub(self.kernel_h) / self.stride.max(1) + 1
+        windows(self.height, self.padding, self.kernel_h, self.stride)
     }
     /// Output width `(W + 2p - kw) / s + 1`.
     pub fn out_w(&self) -> usize {
-        (self.width + 2 * self.padding).saturating_sub(self.kernel_w) / self.stride.max(1) + 1
+        windows(self.width, self.padding, self.kernel_w, self.stride)
     }
     /// Width of an input row, `C*H*W`.
     pub fn in_len(&self) -> usize {
@@ -211,10 +216,10 @@ impl Pool2dGeom {
         Ok(())
     }
     pub fn out_h(&self) -> usize {
-        (self.height + 2 * self.padding).saturating_sub(self.kernel) / self.stride.max(1) + 1
+        windows(self.height, self.padding, self.kernel, self.stride)
     }
     pub fn out_w(&self) -> usize {
-        (self.width + 2 * self.padding).saturating_sub(self.kernel) / self.stride.max(1) + 1
+        windows(self.width, self.padding, self.kernel, self.stride)
     }
     /// Width of an input row, `C*H*W`.
     pub fn in_len(&self) -> usize {
