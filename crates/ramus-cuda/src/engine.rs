@@ -777,7 +777,7 @@ impl CudaEngine {
             let pw = g.nodes[inp].ty.width();
             let mut moves = Vec::new();
             for (f, func) in model.functions.iter().enumerate() {
-                let topo = self.topology(f)?.clone();
+                let topo = self.topology(f)?;
                 if topo.head_rows.is_empty() {
                     continue;
                 }
@@ -1364,7 +1364,7 @@ impl CudaEngine {
             let pw = hb.nodes[out.node].ty.width();
             let mut moves = Vec::new();
             for (f, func) in model.functions.iter().enumerate() {
-                let topo = self.topology(f)?.clone();
+                let topo = self.topology(f)?;
                 let push_out = func
                     .forward
                     .outputs
@@ -1403,7 +1403,7 @@ impl CudaEngine {
             let func = &model.functions[f];
             let range = Range::task(task);
             self.join_eager(f, &mut joined)?;
-            let topo = self.topology(f)?.clone();
+            let topo = self.topology(f)?;
             let scatter_out = func
                 .forward
                 .outputs
@@ -1471,13 +1471,13 @@ impl CudaEngine {
                 Some(f),
                 &self.main,
             )?;
-            let topo = self.topology(f)?.clone();
+            let topo = self.topology(f)?;
             self.accumulate_param_grads(
                 &func.backward,
                 &bwd[f],
                 Some(&fwd[f]),
                 range,
-                Some(&topo),
+                Some(topo),
             )?;
         }
         Ok(())
@@ -1504,7 +1504,7 @@ impl CudaEngine {
     /// Adds a backward graph's parameter-gradient outputs into the device
     /// gradient buffer.
     fn accumulate_param_grads(
-        &mut self,
+        &self,
         g: &Graph,
         own: &[Buf],
         fwd: Option<&[Buf]>,
