@@ -49,43 +49,18 @@ pub fn load_splits(dir: Option<&Path>, kind: DataKind) -> AnyResult<Splits> {
     let (source, train, dev, test) = match dir {
         None => {
             let tb = synthetic::default_treebank();
-            let (train, dev, test) = match kind {
-                DataKind::Trees => (
-                    ptb::parse_trees(
-                        &tb.train.join("\n"),
-                        "<built-in train>",
-                        VocabMode::Grow(&mut vocab),
-                    )?,
-                    ptb::parse_trees(
-                        &tb.dev.join("\n"),
-                        "<built-in dev>",
-                        VocabMode::Frozen(&vocab),
-                    )?,
-                    ptb::parse_trees(
-                        &tb.test.join("\n"),
-                        "<built-in test>",
-                        VocabMode::Frozen(&vocab),
-                    )?,
-                ),
-                DataKind::Sentences | DataKind::Images => {
-                    let train = text::parse_sentences(
-                        &sentences_of(&tb.train)?,
-                        "<built-in train>",
-                        VocabMode::Grow(&mut vocab),
-                    )?;
-                    let dev = text::parse_sentences(
-                        &sentences_of(&tb.dev)?,
-                        "<built-in dev>",
-                        VocabMode::Frozen(&vocab),
-                    )?;
-                    let test = text::parse_sentences(
-                        &sentences_of(&tb.test)?,
-                        "<built-in test>",
-                        VocabMode::Frozen(&vocab),
-                    )?;
-                    (train, dev, test)
-                }
-            };
+            let parse =
+                |lines: &[String], name: &str, mode: VocabMode<'_>| -> AnyResult<Vec<InputGraph>> {
+                    Ok(match kind {
+                        DataKind::Trees => ptb::parse_trees(&lines.join("\n"), name, mode)?,
+                        DataKind::Sentences | DataKind::Images => {
+                            text::parse_sentences(&sentences_of(lines)?, name, mode)?
+                        }
+                    })
+                };
+            let train = parse(&tb.train, "<built-in train>", VocabMode::Grow(&mut vocab))?;
+            let dev = parse(&tb.dev, "<built-in dev>", VocabMode::Frozen(&vocab))?;
+            let test = parse(&tb.test, "<built-in test>", VocabMode::Frozen(&vocab))?;
             (
                 "built-in synthetic treebank (seed 7)".to_string(),
                 train,
@@ -108,15 +83,9 @@ pub fn load_splits(dir: Option<&Path>, kind: DataKind) -> AnyResult<Splits> {
                 file(&["dev.txt", "valid.txt"])?,
                 file(&["test.txt"])?,
             );
-            let read = |p: &Path, mode: VocabMode<'_>| -> AnyResult<Vec<InputGraph>> {
-                Ok(match kind {
-                    DataKind::Trees => ptb::read_trees(p, mode)?,
-                    DataKind::Sentences | DataKind::Images => text::read_sentences(p, mode)?,
-                })
-            };
-            let train = read(&tr, VocabMode::Grow(&mut vocab))?;
-            let dev = read(&dv, VocabMode::Frozen(&vocab))?;
-            let test = read(&te, VocabMode::Frozen(&vocab))?;
+            let train = read_graphs(&tr, kind, VocabMode::Grow(&mut vocab))?;
+            let dev = read_graphs(&dv, kind, VocabMode::Frozen(&vocab))?;
+            let test = read_graphs(&te, kind, VocabMode::Frozen(&vocab))?;
             (dir.display().to_string(), train, dev, test)
         }
     };
@@ -203,9 +172,14 @@ pub fn load_image_splits(dir: Option<&Path>, shape: ImageShape, train: usize) ->
 
 /// Reads one file with a fixed vocabulary.
 pub fn read_frozen(path: &Path, kind: DataKind, vocab: &Vocab) -> AnyResult<Vec<InputGraph>> {
+    read_graphs(path, kind, VocabMode::Frozen(vocab))
+}
+
+/// Reads one file of trees or sentences (not images: see [`read_image_split`]).
+fn read_graphs(path: &Path, kind: DataKind, mode: VocabMode<'_>) -> AnyResult<Vec<InputGraph>> {
     Ok(match kind {
-        DataKind::Trees => ptb::read_trees(path, VocabMode::Frozen(vocab))?,
-        DataKind::Sentences => text::read_sentences(path, VocabMode::Frozen(vocab))?,
+        DataKind::Trees => ptb::read_trees(path, mode)?,
+        DataKind::Sentences => text::read_sentences(path, mode)?,
         DataKind::Images => {
             return Err(format!(
                 "{}: images are read with their class names and shape (read_image_split)",

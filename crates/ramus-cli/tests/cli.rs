@@ -11,6 +11,13 @@ fn ramus(args: &[&str]) -> Output {
         .expect("run ramus")
 }
 
+/// Runs `ramus` and fails, showing its stderr, unless it succeeded.
+fn ramus_ok(args: &[&str]) -> Output {
+    let o = ramus(args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    o
+}
+
 fn tmp(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ramus-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -37,7 +44,7 @@ fn assert_one_line_error(o: &Output, needle: &str) {
 #[test]
 fn train_save_eval_on_built_in_data() {
     let ckpt = tmp("m.safetensors");
-    let o = ramus(&[
+    let o = ramus_ok(&[
         "train",
         "--epochs",
         "1",
@@ -47,7 +54,6 @@ fn train_save_eval_on_built_in_data() {
         "--save",
         ckpt.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
         out.contains("built-in synthetic treebank")
@@ -58,7 +64,7 @@ fn train_save_eval_on_built_in_data() {
     // evaluate the checkpoint on a tree file written by hand
     let trees = tmp("trees.txt");
     std::fs::write(&trees, "(3 (2 not) (1 bad))\n(1 (2 the) (4 wonderful))\n").unwrap();
-    let o = ramus(&[
+    let o = ramus_ok(&[
         "eval",
         "--data",
         trees.to_str().unwrap(),
@@ -66,12 +72,11 @@ fn train_save_eval_on_built_in_data() {
         ckpt.to_str().unwrap(),
         "--json",
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["graphs"], 2);
     assert!(v["root_accuracy"].as_f64().unwrap() >= 0.0 && v["loss"].as_f64().unwrap() > 0.0);
     // benchmark prints one JSON object per batch size
-    let o = ramus(&[
+    let o = ramus_ok(&[
         "bench",
         trees.to_str().unwrap(),
         "--hidden",
@@ -81,7 +86,6 @@ fn train_save_eval_on_built_in_data() {
         "--reps",
         "2",
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -149,12 +153,10 @@ fn bad_input_gives_one_line_errors() {
 
 #[test]
 fn inspect_prints_graphs_and_fusion_plans() {
-    let o = ramus(&["inspect", "--model", "treelstm"]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let o = ramus_ok(&["inspect", "--model", "treelstm"]);
     let graphs = String::from_utf8_lossy(&o.stdout);
     assert!(graphs.contains("sum_children"), "{graphs}");
-    let o = ramus(&["inspect", "--model", "treelstm", "--fusion"]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let o = ramus_ok(&["inspect", "--model", "treelstm", "--fusion"]);
     let plans = String::from_utf8_lossy(&o.stdout);
     assert!(plans.contains("== F `internal` per-task"), "{plans}");
     assert!(plans.contains("fused vertex"), "{plans}");
@@ -192,7 +194,7 @@ fn cuda_without_a_driver_is_a_one_line_error() {
 
 #[test]
 fn plan_memory_fits_the_budget_and_explains_a_hopeless_one() {
-    let o = ramus(&[
+    let o = ramus_ok(&[
         "plan-memory",
         "--batch-size",
         "200",
@@ -202,7 +204,6 @@ fn plan_memory_fits_the_budget_and_explains_a_hopeless_one() {
         "1.5",
         "--json",
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let plan: serde_json::Value =
         serde_json::from_slice(&o.stdout).expect("plan-memory --json prints JSON");
     let budget = plan["budget_bytes"].as_u64().expect("budget");
@@ -226,7 +227,7 @@ fn plan_memory_fits_the_budget_and_explains_a_hopeless_one() {
 #[test]
 fn train_a_cnn_on_built_in_images_and_inspect_it() {
     let ckpt = tmp("resnet.safetensors");
-    let o = ramus(&[
+    let o = ramus_ok(&[
         "train",
         "--model",
         "resnet",
@@ -244,7 +245,6 @@ fn train_a_cnn_on_built_in_images_and_inspect_it() {
         "--save",
         ckpt.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
         out.contains("built-in synthetic images")
@@ -332,7 +332,7 @@ fn train_and_eval_a_cnn_on_a_directory_of_images() {
     write_images(&dir.join("test"), &classes, 3, "png");
     std::fs::write(dir.join("train/horizontal/notes.txt"), "skipped").unwrap();
     let ckpt = tmp("images.safetensors");
-    let o = ramus(&[
+    let o = ramus_ok(&[
         "train",
         "--model",
         "alexnet",
@@ -350,7 +350,6 @@ fn train_and_eval_a_cnn_on_a_directory_of_images() {
         "--save",
         ckpt.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
         out.contains("(30 train / 9 dev / 9 test, 3x8x8 images, 3 classes)")
@@ -358,7 +357,7 @@ fn train_and_eval_a_cnn_on_a_directory_of_images() {
             && out.contains("(9 images)"),
         "{out}"
     );
-    let o = ramus(&[
+    let o = ramus_ok(&[
         "eval",
         "--data",
         dir.join("test").to_str().unwrap(),
@@ -366,7 +365,6 @@ fn train_and_eval_a_cnn_on_a_directory_of_images() {
         ckpt.to_str().unwrap(),
         "--json",
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["graphs"], 9);
     // a class the model was not trained on, and a file that is no image
@@ -393,7 +391,7 @@ fn train_and_eval_a_cnn_on_a_directory_of_images() {
 #[test]
 fn the_checkpoint_records_where_the_loss_was_taken() {
     let ckpt = tmp("loss-at.safetensors");
-    let o = ramus(&[
+    ramus_ok(&[
         "train",
         "--model",
         "treelstm",
@@ -407,7 +405,6 @@ fn the_checkpoint_records_where_the_loss_was_taken() {
         "--save",
         ckpt.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let (info, _) = ramus_nn::checkpoint::read_info(&ckpt).expect("checkpoint");
     assert_eq!(
         info.settings.get("loss_at").map(String::as_str),
@@ -415,7 +412,7 @@ fn the_checkpoint_records_where_the_loss_was_taken() {
     );
     let trees = tmp("loss-at-trees.txt");
     std::fs::write(&trees, "(3 (2 not) (1 bad))\n").unwrap();
-    let o = ramus(&[
+    ramus_ok(&[
         "eval",
         "--data",
         trees.to_str().unwrap(),
@@ -423,7 +420,6 @@ fn the_checkpoint_records_where_the_loss_was_taken() {
         ckpt.to_str().unwrap(),
         "--json",
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let o = ramus(&["train", "--loss-at", "leaves", "--epochs", "1"]);
     assert_one_line_error(&o, "--loss-at must be root or all");
 }

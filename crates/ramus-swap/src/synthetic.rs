@@ -149,6 +149,19 @@ pub struct CnnSpec {
     pub speed: DeviceSpeed,
 }
 
+/// The fully connected classifier AlexNet and VGG end with: two 4096-wide
+/// ReLU layers with dropout, then 1000 ImageNet classes.
+fn imagenet_classifier() -> [CnnLayer; 5] {
+    let fc = |out, relu| CnnLayer::Linear { out, relu };
+    [
+        fc(4096, true),
+        CnnLayer::Dropout,
+        fc(4096, true),
+        CnnLayer::Dropout,
+        fc(1000, false),
+    ]
+}
+
 fn vgg(
     name: &str,
     blocks: &[(usize, usize)],
@@ -172,22 +185,7 @@ fn vgg(
             pad: 0,
         });
     }
-    layers.extend([
-        CnnLayer::Linear {
-            out: 4096,
-            relu: true,
-        },
-        CnnLayer::Dropout,
-        CnnLayer::Linear {
-            out: 4096,
-            relu: true,
-        },
-        CnnLayer::Dropout,
-        CnnLayer::Linear {
-            out: 1000,
-            relu: false,
-        },
-    ]);
+    layers.extend(imagenet_classifier());
     CnnSpec {
         name: name.to_string(),
         batch,
@@ -237,36 +235,24 @@ pub fn alexnet(batch: usize, speed: DeviceSpeed) -> CnnSpec {
         stride: 2,
         pad: 0,
     };
+    let mut layers = vec![
+        conv(96, 11, 4, 0),
+        pool,
+        conv(256, 5, 1, 2),
+        pool,
+        conv(384, 3, 1, 1),
+        conv(384, 3, 1, 1),
+        conv(256, 3, 1, 1),
+        pool,
+    ];
+    layers.extend(imagenet_classifier());
     CnnSpec {
         name: "alexnet".into(),
         batch,
         in_channels: 3,
         image: 227,
         classes: 1000,
-        layers: vec![
-            conv(96, 11, 4, 0),
-            pool,
-            conv(256, 5, 1, 2),
-            pool,
-            conv(384, 3, 1, 1),
-            conv(384, 3, 1, 1),
-            conv(256, 3, 1, 1),
-            pool,
-            CnnLayer::Linear {
-                out: 4096,
-                relu: true,
-            },
-            CnnLayer::Dropout,
-            CnnLayer::Linear {
-                out: 4096,
-                relu: true,
-            },
-            CnnLayer::Dropout,
-            CnnLayer::Linear {
-                out: 1000,
-                relu: false,
-            },
-        ],
+        layers,
         optimizer: Optimizer::Momentum,
         elem_bytes: 4,
         max_workspace_bytes: 64 << 20,
