@@ -231,19 +231,17 @@ fn train(a: TrainArgs) -> AnyResult {
     );
     let started = Instant::now();
     let mut best: Option<(f64, usize, Params<f32>)> = None;
+    let style =
+        ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {per_sec} loss {msg}")
+            .map_err(|e| e.to_string())?
+            .progress_chars("=> ");
     for epoch in 1..=a.epochs {
         let bar = if a.quiet {
             ProgressBar::hidden()
         } else {
             ProgressBar::new(data.train.len() as u64)
         };
-        bar.set_style(
-            ProgressStyle::with_template(
-                "epoch {prefix} [{bar:30}] {pos}/{len} {per_sec} loss {msg}",
-            )
-            .map_err(|e| e.to_string())?
-            .progress_chars("=> "),
-        );
+        bar.set_style(style.clone());
         bar.set_prefix(epoch.to_string());
         let t0 = Instant::now();
         let loss = trainer.train_epoch(&data.train, a.batch_size, &mut rng, |_, seen, loss| {
