@@ -1472,13 +1472,7 @@ impl CudaEngine {
                 &self.main,
             )?;
             let topo = self.topology(f)?;
-            self.accumulate_param_grads(
-                &func.backward,
-                &bwd[f],
-                Some(&fwd[f]),
-                range,
-                Some(topo),
-            )?;
+            self.accumulate_param_grads(&func.backward, &bwd[f], Some(&fwd[f]), range, Some(topo))?;
         }
         Ok(())
     }
