@@ -598,3 +598,40 @@ extern "C" __global__ void ramus_batch_norm_inference_param(
         out[c] = (float)r;
     }
 }
+
+// C[r, c] = sum_t A[r, t] * B[c, t] (+ bias[c]) for r < m, c < n: a product
+// with few rows of A and a row-major weight B (n x k), as in a vertex
+// function's input projections over a small task. One warp per output
+// column, four rows at a time: lanes stride over k, so B's row is read
+// coalesced and reused from registers for the four rows; a warp shuffle
+// reduces in a fixed order (deterministic). Cheaper to launch than cuBLAS
+// for the few rows a task has at small batch sizes.
+extern "C" __global__ void ramus_gemm_abt_small(float* C, u32 ldc, const float* __restrict__ A,
+                                                u32 lda, const float* __restrict__ B,
+                                                const float* __restrict__ bias, u32 m, u32 n,
+                                                u32 k) {
+    const u32 lane = threadIdx.x % 32;
+    const u64 warps = (u64)gridDim.x * blockDim.x / 32;
+    for (u64 c = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32; c < n; c += warps) {
+        const float* b = B + c * k;
+        const float add = bias ? bias[c] : 0.0f;
+        for (u32 r0 = 0; r0 < m; r0 += 4) {
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (u32 t = lane; t < k; t += 32) {
+                const float bt = b[t];
+#pragma unroll
+                for (u32 q = 0; q < 4; ++q) {
+                    if (r0 + q < m) acc[q] += A[(u64)(r0 + q) * lda + t] * bt;
+                }
+            }
+#pragma unroll
+            for (u32 q = 0; q < 4; ++q) {
+#pragma unroll
+                for (u32 o = 16; o > 0; o >>= 1) acc[q] += __shfl_down_sync(0xffffffffu, acc[q], o);
+            }
+            if (lane == 0) {
+                for (u32 q = 0; q < 4 && r0 + q < m; ++q) C[(u64)(r0 + q) * ldc + c] = acc[q] + add;
+            }
+        }
+    }
+}

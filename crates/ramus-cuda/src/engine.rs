@@ -23,11 +23,11 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaEvent, CudaStream};
+use cudarc::driver::{CudaEvent, CudaFunction, CudaStream};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use ramus_core::fusion::{InputKind, SliceView};
+use ramus_core::fusion::{FusedGroup, InputKind, SliceView};
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, Role, Source, Space};
 use ramus_core::ops::{
     BroadcastRows, Concat, Embedding, ExpandChildren, MatMul, Pad, Reshape, Slice, SoftmaxXent,
@@ -43,7 +43,7 @@ use crate::cache::KernelCache;
 use crate::device::CudaDevice;
 use crate::error::InCall;
 use crate::error::{CudaError, Result};
-use crate::launch::{FusedArgs, Launcher, RowMove, NONE};
+use crate::launch::{FusedArgs, Launcher, RowMove, NONE, SMALL_GEMM_ROWS};
 use crate::optimizer::{DeviceOptimizer, GradLayout, ParamSlot};
 use crate::pinned::PinnedBuffer;
 use crate::pool::{Arena, DevicePool, DeviceScalar, DeviceView, PoolBuffer, PoolConfig};
@@ -685,7 +685,20 @@ impl CudaEngine {
                 });
             }
             self.launcher.move_rows(&stream, &moves)?;
-            self.run_steps(
+            // A scattered node written in place gets, for this task, a view
+            // whose rows `r0..r1` (all that per-task steps touch) are the
+            // task's state rows (a task's vertices are consecutive).
+            let (begin, len) = (task.begin as usize, task.len as usize);
+            let in_place = programs[f].scatter_in_place;
+            let own_buffer = match in_place {
+                Some(sc) => {
+                    let own = fwd[f][sc];
+                    fwd[f][sc] = Buf::Floats(state.shifted(begin * w, range.r0 * w, len * w)?);
+                    Some((sc, own))
+                }
+                None => None,
+            };
+            let ran = self.run_steps(
                 &func.forward,
                 programs[f],
                 PER_TASK,
@@ -694,11 +707,14 @@ impl CudaEngine {
                 range,
                 Some(f),
                 &self.main,
-            )?;
-            if let Some(sc) = func.scatter {
+            );
+            if let Some((sc, own)) = own_buffer {
+                fwd[f][sc] = own;
+            }
+            ran?;
+            if let (Some(sc), None) = (func.scatter, in_place) {
                 let src = self.float_view(&func.forward, sc, &fwd[f], None, range)?;
-                let len = task.len as usize;
-                let dst = state.slice(task.begin as usize * w..(task.begin as usize + len) * w)?;
+                let dst = state.slice(begin * w..(begin + len) * w)?;
                 self.launcher
                     .copy_columns(&stream, dst, w, 0, src, w, 0, w, len)?;
             }
@@ -985,55 +1001,171 @@ impl CudaEngine {
         lane: &Lane,
         views: &HashMap<NodeId, SliceView>,
     ) -> Result<()> {
-        let stream = &lane.stream;
         match step {
             ExecStep::Fused { group, kernel } => {
-                let (lo, hi) = range.span(group.space);
-                let n = (hi - lo) * group.width;
-                if n == 0 {
-                    return Ok(());
+                self.run_fused(g, group, kernel, own, fwd, range, lane)
+            }
+            ExecStep::GemmBias {
+                matmul,
+                bias,
+                group,
+                kernel,
+            } => {
+                let a_space = g.nodes[g.nodes[*matmul].inputs[0]].ty.space;
+                let (lo, hi) = range.span(a_space);
+                if hi - lo > SMALL_GEMM_ROWS {
+                    self.run_op(g, *matmul, own, fwd, range, topo, lane, views)?;
+                    return self.run_fused(g, group, kernel, own, fwd, range, lane);
                 }
-                let mut args = FusedArgs {
-                    n,
-                    width: group.width,
-                    ..FusedArgs::default()
-                };
-                let mut concat_strides = Vec::new();
-                for input in &group.inputs {
-                    let view = match input.kind {
-                        InputKind::Window {
-                            source,
-                            offset,
-                            stride,
-                        } => {
-                            args.strides.push([
-                                u32_of(stride, "window stride")?,
-                                u32_of(offset, "window offset")?,
-                            ]);
-                            self.float_view(g, source, own, fwd, range)?
-                        }
-                        InputKind::PerElement | InputKind::Broadcast => {
-                            self.float_view(g, input.node, own, fwd, range)?
-                        }
-                    };
-                    args.inputs.push(view);
-                }
-                for &o in &group.outputs {
-                    args.outputs.push(self.float_view(g, o, own, fwd, range)?);
-                }
-                for cw in &group.concat_writes {
-                    args.concats
-                        .push(self.float_view(g, cw.concat, own, fwd, range)?);
-                    concat_strides.push([
-                        u32_of(cw.stride, "concat stride")?,
-                        u32_of(cw.offset, "concat offset")?,
-                    ]);
-                }
-                args.strides.extend(concat_strides);
-                self.launcher.fused(stream, kernel, &args)
+                let bias = self.float_view(g, *bias, own, fwd, range)?;
+                let out = self.float_view(g, group.nodes[0], own, fwd, range)?;
+                self.run_matmul(g, *matmul, own, fwd, range, lane, views, Some(bias), out)
             }
             ExecStep::Op(n) => self.run_op(g, *n, own, fwd, range, topo, lane, views),
         }
+    }
+
+    /// Launches fused group `group` (compiled as `kernel`) over `range`.
+    #[allow(clippy::too_many_arguments)] // graph, group, kernel, buffers, rows, lane
+    fn run_fused(
+        &self,
+        g: &Graph,
+        group: &FusedGroup,
+        kernel: &CudaFunction,
+        own: &[Buf],
+        fwd: Option<&[Buf]>,
+        range: Range,
+        lane: &Lane,
+    ) -> Result<()> {
+        let stream = &lane.stream;
+        let (lo, hi) = range.span(group.space);
+        let n = (hi - lo) * group.width;
+        if n == 0 {
+            return Ok(());
+        }
+        let mut args = FusedArgs {
+            n,
+            width: group.width,
+            ..FusedArgs::default()
+        };
+        let mut concat_strides = Vec::new();
+        for input in &group.inputs {
+            let view = match input.kind {
+                InputKind::Window {
+                    source,
+                    offset,
+                    stride,
+                } => {
+                    args.strides.push([
+                        u32_of(stride, "window stride")?,
+                        u32_of(offset, "window offset")?,
+                    ]);
+                    self.float_view(g, source, own, fwd, range)?
+                }
+                InputKind::PerElement | InputKind::Broadcast => {
+                    self.float_view(g, input.node, own, fwd, range)?
+                }
+            };
+            args.inputs.push(view);
+        }
+        for &o in &group.outputs {
+            args.outputs.push(self.float_view(g, o, own, fwd, range)?);
+        }
+        for cw in &group.concat_writes {
+            args.concats
+                .push(self.float_view(g, cw.concat, own, fwd, range)?);
+            concat_strides.push([
+                u32_of(cw.stride, "concat stride")?,
+                u32_of(cw.offset, "concat offset")?,
+            ]);
+        }
+        args.strides.extend(concat_strides);
+        self.launcher.fused(stream, kernel, &args)
+    }
+
+    /// Matmul node `n` into `c`, plus a broadcast `bias` row if given:
+    /// over few rows a product `A·Bᵀ` with a static `B` runs on the
+    /// small-product kernel (which also adds the bias), anything else on
+    /// cuBLAS (a bias needs the small kernel: callers fall back before).
+    #[allow(clippy::too_many_arguments)] // graph, node, buffers, rows, lane, views, bias, output
+    fn run_matmul(
+        &self,
+        g: &Graph,
+        n: NodeId,
+        own: &[Buf],
+        fwd: Option<&[Buf]>,
+        range: Range,
+        lane: &Lane,
+        views: &HashMap<NodeId, SliceView>,
+        bias: Option<DeviceView<f32>>,
+        c: DeviceView<f32>,
+    ) -> Result<()> {
+        let node = &g.nodes[n];
+        let mm = node
+            .op_as::<MatMul>()
+            .ok_or_else(|| model_err(format!("%{n} is not a matmul")))?;
+        let arg = |i: usize| node.inputs[i];
+        let (a, b) = (&g.nodes[arg(0)].ty, &g.nodes[arg(1)].ty);
+        let rows_of = |space: Space| {
+            let (lo, hi) = range.span(space);
+            hi - lo
+        };
+        let dims = |t: &ramus_core::ValueType, rows: usize| {
+            if t.is_rows() {
+                (rows, t.width())
+            } else {
+                (t.shape[0], t.shape[1])
+            }
+        };
+        let (ar, ac) = dims(a, rows_of(a.space));
+        let (br, bc) = dims(b, rows_of(b.space));
+        let (m, k) = if mm.trans_a { (ac, ar) } else { (ar, ac) };
+        let nn = if mm.trans_b { br } else { bc };
+        if m * nn == 0 {
+            return Ok(());
+        }
+        // a viewed slice is read in place: its source, from the column
+        // offset, with the source's row width as leading dimension
+        let operand = |i: usize| -> Result<(DeviceView<f32>, Option<usize>)> {
+            match views.get(&arg(i)) {
+                Some(v) => {
+                    let (lo, hi) = range.span(g.nodes[v.source].ty.space);
+                    let src = self.whole_view(g, v.source, own, fwd)?;
+                    Ok((
+                        src.slice(lo * v.stride + v.offset..hi * v.stride)?,
+                        Some(v.stride),
+                    ))
+                }
+                None => Ok((self.float_view(g, arg(i), own, fwd, range)?, None)),
+            }
+        };
+        let ((a_view, lda), (b_view, ldb)) = (operand(0)?, operand(1)?);
+        let stream = &lane.stream;
+        let small = !mm.trans_a && mm.trans_b && !b.is_rows() && ldb.is_none();
+        if small && m <= SMALL_GEMM_ROWS && k > 0 {
+            let lda = lda.unwrap_or(k);
+            return self
+                .launcher
+                .gemm_abt_small(stream, c, a_view, lda, b_view, bias, (m, nn, k));
+        }
+        if bias.is_some() {
+            return Err(model_err(format!(
+                "%{n}: a bias is added in the product only over at most {SMALL_GEMM_ROWS} rows"
+            )));
+        }
+        if k == 0 {
+            return self.launcher.fill(stream, c, 0.0);
+        }
+        let gemm = Gemm {
+            trans_a: mm.trans_a,
+            trans_b: mm.trans_b,
+            lda,
+            ldb,
+            ..Gemm::new(m, nn, k)
+        };
+        lane.blas.sgemm(&gemm, a_view, b_view, c)?;
+        self.launcher.count();
+        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)] // graph, node, buffers, rows, topology, lane, views
@@ -1065,53 +1197,8 @@ impl CudaEngine {
         let in_ty = |i: usize| &g.nodes[arg(i)].ty;
         let need_topo =
             || topo.ok_or_else(|| model_err(format!("{} outside a vertex function", op.name())));
-        if let Some(mm) = any.downcast_ref::<MatMul>() {
-            let (a, b) = (in_ty(0), in_ty(1));
-            let dims = |t: &ramus_core::ValueType, rows: usize| {
-                if t.is_rows() {
-                    (rows, t.width())
-                } else {
-                    (t.shape[0], t.shape[1])
-                }
-            };
-            let (ar, ac) = dims(a, rows_of(a.space));
-            let (br, bc) = dims(b, rows_of(b.space));
-            let (m, k) = if mm.trans_a { (ac, ar) } else { (ar, ac) };
-            let nn = if mm.trans_b { br } else { bc };
-            let c = out()?;
-            if m * nn == 0 {
-                return Ok(());
-            }
-            if k == 0 {
-                self.launcher.fill(&stream, c, 0.0)?;
-                return Ok(());
-            }
-            // a viewed slice is read in place: its source, from the column
-            // offset, with the source's row width as leading dimension
-            let operand = |i: usize| -> Result<(DeviceView<f32>, Option<usize>)> {
-                match views.get(&arg(i)) {
-                    Some(v) => {
-                        let (lo, hi) = range.span(g.nodes[v.source].ty.space);
-                        let src = self.whole_view(g, v.source, own, fwd)?;
-                        Ok((
-                            src.slice(lo * v.stride + v.offset..hi * v.stride)?,
-                            Some(v.stride),
-                        ))
-                    }
-                    None => Ok((fv(i)?, None)),
-                }
-            };
-            let ((a_view, lda), (b_view, ldb)) = (operand(0)?, operand(1)?);
-            let gemm = Gemm {
-                trans_a: mm.trans_a,
-                trans_b: mm.trans_b,
-                lda,
-                ldb,
-                ..Gemm::new(m, nn, k)
-            };
-            lane.blas.sgemm(&gemm, a_view, b_view, c)?;
-            self.launcher.count();
-            return Ok(());
+        if any.downcast_ref::<MatMul>().is_some() {
+            return self.run_matmul(g, n, own, fwd, range, lane, views, None, out()?);
         }
         if any.downcast_ref::<Concat>().is_some() {
             let (o, ow) = (out()?, node.ty.width());

@@ -20,8 +20,9 @@ pub const BUILTIN_SOURCE: &str = include_str!("builtin.cu");
 /// Marks "no row" in row-index arrays (see `builtin.cu`).
 pub const NONE: u32 = u32::MAX;
 
-const BUILTIN_KERNELS: [&str; 25] = [
+const BUILTIN_KERNELS: [&str; 26] = [
     "ramus_move_rows",
+    "ramus_gemm_abt_small",
     "ramus_copy_columns",
     "ramus_fill",
     "ramus_add_into",
@@ -53,6 +54,7 @@ const BUILTIN_KERNELS: [&str; 25] = [
 #[derive(Clone, Copy)]
 enum Builtin {
     MoveRows,
+    GemmAbtSmall,
     CopyColumns,
     Fill,
     AddInto,
@@ -78,6 +80,11 @@ enum Builtin {
     BatchNormInferenceCoef,
     BatchNormInferenceParam,
 }
+
+/// Products with at most this many rows of `A` run on
+/// [`Launcher::gemm_abt_small`] instead of cuBLAS (less host time per call;
+/// the warp-per-column kernel's work grows with the rows).
+pub const SMALL_GEMM_ROWS: usize = 32;
 
 /// Threads per block of the elementwise-style kernels.
 const BLOCK: u32 = 256;
@@ -203,6 +210,64 @@ impl Launcher {
             unsafe { launch.launch(cfg) }.in_call("cuLaunchKernel(ramus_move_rows)")?;
             self.count();
         }
+        Ok(())
+    }
+
+    /// `c[r, j] = Σ_t a[r * lda + t] · b[j * k + t] (+ bias[j])` for `r < m`,
+    /// `j < n` (`c` packed, `n` wide): `A·Bᵀ` with a row-major weight `B`
+    /// (`n × k`), for few rows (see [`SMALL_GEMM_ROWS`]).
+    #[allow(clippy::too_many_arguments)] // a product with its extents and an optional bias
+    pub fn gemm_abt_small(
+        &self,
+        stream: &CudaStream,
+        c: DeviceView<f32>,
+        a: DeviceView<f32>,
+        lda: usize,
+        b: DeviceView<f32>,
+        bias: Option<DeviceView<f32>>,
+        (m, n, k): (usize, usize, usize),
+    ) -> Result<()> {
+        if m * n == 0 {
+            return Ok(());
+        }
+        let a_needed = (m - 1) * lda + k;
+        if lda < k
+            || a.len() < a_needed
+            || b.len() < n * k
+            || c.len() < m * n
+            || bias.is_some_and(|v| v.len() < n)
+        {
+            return Err(CudaError::BadArgument(format!(
+                "small product {m}x{k} · ({n}x{k})ᵀ out of bounds (A {} floats, lda {lda}; B {}; C {})",
+                a.len(),
+                b.len(),
+                c.len()
+            )));
+        }
+        let (ldc, lda, m, n, k) = (
+            u32_arg(n, "columns")?,
+            u32_arg(lda, "leading dimension")?,
+            u32_arg(m, "rows")?,
+            u32_arg(n, "columns")?,
+            u32_arg(k, "inner dimension")?,
+        );
+        let bias_arg = bias.map_or(0, |v| v.device_ptr());
+        let mut launch = stream.launch_builder(self.function(Builtin::GemmAbtSmall));
+        launch
+            .arg(c.kernel_arg())
+            .arg(&ldc)
+            .arg(a.kernel_arg())
+            .arg(&lda)
+            .arg(b.kernel_arg())
+            .arg(&bias_arg)
+            .arg(&m)
+            .arg(&n)
+            .arg(&k);
+        // SAFETY: arguments match the kernel; every view covers what the
+        // kernel touches (checked above); a null bias adds nothing.
+        unsafe { launch.launch(elementwise_cfg(n as usize * 32)) }
+            .in_call("cuLaunchKernel(ramus_gemm_abt_small)")?;
+        self.count();
         Ok(())
     }
 

@@ -101,6 +101,24 @@ impl<T: DeviceScalar> DeviceView<T> {
         Ok(Self::new(self.ptr + offset, range.len()))
     }
 
+    /// A view of `at + len` elements whose elements `at..at + len` are this
+    /// view's `start..start + len`. Its elements before `at` are not this
+    /// memory and must never be touched: for a caller that only ever reads
+    /// rows from `at` on (a task's rows of a per-function buffer, redirected
+    /// into the rows of another buffer).
+    pub(crate) fn shifted(&self, start: usize, at: usize, len: usize) -> Result<Self> {
+        if start.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(CudaError::BadArgument(format!(
+                "elements {start}..{} of a device view of {} elements",
+                start.saturating_add(len),
+                self.len
+            )));
+        }
+        let size = std::mem::size_of::<T>() as u64;
+        let ptr = (self.ptr + start as u64 * size).wrapping_sub(at as u64 * size);
+        Ok(Self::new(ptr, at + len))
+    }
+
     /// Sets every byte to zero, asynchronously on `stream`.
     pub fn fill_zero(&self, stream: &CudaStream) -> Result<()> {
         if self.is_empty() {

@@ -9,8 +9,9 @@ use std::fmt::Write as _;
 
 use cudarc::driver::CudaFunction;
 
-use ramus_core::fusion::{self, FusedGroup, SliceView, Step};
+use ramus_core::fusion::{self, FusedGroup, InputKind, SliceView, Step};
 use ramus_core::graph::{Graph, NodeId, NodeKind, Role};
+use ramus_core::ops::{Add, MatMul};
 use ramus_core::Model;
 
 use crate::cache::KernelCache;
@@ -21,6 +22,16 @@ use crate::error::{CudaError, Result};
 pub(crate) enum ExecStep {
     Op(NodeId),
     Fused {
+        group: FusedGroup,
+        kernel: CudaFunction,
+    },
+    /// `add(matmul(A, Bᵀ), bias)` where the add is a fused group of its
+    /// own and nothing else reads the product: over few rows one
+    /// small-product launch computes both (the bias in its epilogue), over
+    /// more the matmul (cuBLAS) then the group's kernel.
+    GemmBias {
+        matmul: NodeId,
+        bias: NodeId,
         group: FusedGroup,
         kernel: CudaFunction,
     },
@@ -35,6 +46,11 @@ pub(crate) struct GraphProgram {
     /// Slices with no step, read in place (by fused groups as windows, by
     /// matmuls through a leading dimension), by slice node.
     pub views: HashMap<NodeId, SliceView>,
+    /// The scattered node (a vertex function's new state), when a fused
+    /// group of the per-task phase writes it and nothing else reads it: the
+    /// engine then points its rows at the state buffer, so no copy
+    /// scatters them.
+    pub scatter_in_place: Option<NodeId>,
 }
 
 /// Phase indices of a vertex function's programs.
@@ -70,6 +86,41 @@ struct PlannedGraph {
     phases: Vec<fusion::FusionPlan>,
     materialized: Vec<bool>,
     views: HashMap<NodeId, SliceView>,
+    scatter_in_place: Option<NodeId>,
+    /// Values kept for another graph (the backward's reads).
+    keep: BTreeSet<NodeId>,
+}
+
+impl PlannedGraph {
+    /// Sets [`GraphProgram::scatter_in_place`] for vertex function `func`'s
+    /// forward plan; such a node needs no buffer of its own.
+    fn scatter_into_state(
+        &mut self,
+        func: &ramus_core::model::VertexFunction,
+        keep: &BTreeSet<NodeId>,
+    ) {
+        self.scatter_in_place = scatter_in_place(func, &self.phases[PER_TASK], keep);
+        if let Some(sc) = self.scatter_in_place {
+            self.materialized[sc] = false;
+        }
+    }
+}
+
+/// The scattered node of `func` when the per-task phase `plan` writes it
+/// from a fused group (as an output or an in-place concat) and no other
+/// node, phase, backward graph (`keep`) or the head (through the pushed
+/// node) reads it: see [`GraphProgram::scatter_in_place`].
+fn scatter_in_place(
+    func: &ramus_core::model::VertexFunction,
+    plan: &fusion::FusionPlan,
+    keep: &BTreeSet<NodeId>,
+) -> Option<NodeId> {
+    let sc = func.scatter?;
+    let g = &func.forward;
+    let written_by_group =
+        plan.is_in_place_concat(sc) || plan.groups().any(|group| group.outputs.contains(&sc));
+    let unread = g.nodes.iter().all(|n| !n.inputs.contains(&sc));
+    (written_by_group && unread && !keep.contains(&sc) && func.push != Some(sc)).then_some(sc)
 }
 
 fn op_nodes(graph: &Graph, wanted: impl Fn(NodeId) -> bool) -> Vec<NodeId> {
@@ -124,6 +175,8 @@ fn plan_graph(
         phases: plans,
         materialized,
         views,
+        scatter_in_place: None,
+        keep: keep.clone(),
     })
 }
 
@@ -133,9 +186,26 @@ fn bind(
     module: Option<&crate::rtc::LoadedModule>,
 ) -> Result<GraphProgram> {
     let mut phases = Vec::with_capacity(planned.phases.len());
+    let users = graph.users();
+    let is_output = graph.output_mask();
     for plan in planned.phases {
-        let mut steps = Vec::with_capacity(plan.steps.len());
+        let mut steps: Vec<ExecStep> = Vec::with_capacity(plan.steps.len());
         for step in plan.steps {
+            if let Step::Fused(group) = &step {
+                if let Some((at, matmul, bias)) =
+                    bias_of_product(graph, group, &steps, &users, &is_output, &planned.keep)
+                {
+                    let name = group.kernel(graph)?.name;
+                    let module = module.ok_or(CudaError::KernelNotFound { name: name.clone() })?;
+                    steps[at] = ExecStep::GemmBias {
+                        matmul,
+                        bias,
+                        kernel: module.function(&name)?.clone(),
+                        group: group.clone(),
+                    };
+                    continue;
+                }
+            }
             steps.push(match step {
                 Step::Op(n) => ExecStep::Op(n),
                 Step::Fused(group) => {
@@ -154,7 +224,49 @@ fn bind(
         phases,
         materialized: planned.materialized,
         views: planned.views,
+        scatter_in_place: planned.scatter_in_place,
     })
+}
+
+/// If fused `group` is a lone `add(p, bias)` (a broadcast `bias`
+/// parameter) of a product `p = matmul(A, Bᵀ)` with a static `B` that an
+/// earlier step of `steps` computes and that nothing else reads (no other
+/// user, not kept, not a graph output): that step's index, `p` and `bias`.
+fn bias_of_product(
+    graph: &Graph,
+    group: &FusedGroup,
+    steps: &[ExecStep],
+    users: &[Vec<NodeId>],
+    is_output: &[bool],
+    keep: &BTreeSet<NodeId>,
+) -> Option<(usize, NodeId, NodeId)> {
+    let [add] = group.nodes[..] else { return None };
+    let node = &graph.nodes[add];
+    if node.op_as::<Add>().is_none() || group.outputs != [add] || !group.concat_writes.is_empty() {
+        return None;
+    }
+    let [i0, i1] = group.inputs[..] else {
+        return None;
+    };
+    let (product, bias) = match (i0.kind, i1.kind) {
+        (InputKind::PerElement, InputKind::Broadcast) => (i0.node, i1.node),
+        (InputKind::Broadcast, InputKind::PerElement) => (i1.node, i0.node),
+        _ => return None,
+    };
+    let mm = graph.nodes[product].op_as::<MatMul>()?;
+    let weight = graph.nodes[product].inputs.get(1)?;
+    let plain_weight = !graph.nodes[*weight].ty.is_rows();
+    let only_reader = users[product] == [add] && !is_output[product] && !keep.contains(&product);
+    if mm.trans_a || !mm.trans_b || !plain_weight || !only_reader {
+        return None;
+    }
+    if !matches!(graph.nodes[bias].kind, NodeKind::Param(_)) {
+        return None;
+    }
+    let at = steps
+        .iter()
+        .position(|s| matches!(s, ExecStep::Op(n) if *n == product))?;
+    Some((at, product, bias))
 }
 
 impl Program {
@@ -169,8 +281,11 @@ impl Program {
             let keep = fusion::forward_reads(&func.backward);
             let fp = &func.forward_plan;
             let phases = [fp.eager.clone(), fp.per_task.clone(), fp.lazy.clone()];
-            let fwd = plan_graph(&func.forward, &phases, &keep, &mut kernels)?;
-            planned_infer.push(plan_graph(&func.forward, &phases, &none, &mut kernels)?);
+            let mut fwd = plan_graph(&func.forward, &phases, &keep, &mut kernels)?;
+            fwd.scatter_into_state(func, &keep);
+            let mut infer = plan_graph(&func.forward, &phases, &none, &mut kernels)?;
+            infer.scatter_into_state(func, &none);
+            planned_infer.push(infer);
             let bp = &func.backward_plan;
             let bwd = plan_graph(
                 &func.backward,

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use ramus_cuda::cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+use ramus_cuda::launch::{Launcher, SMALL_GEMM_ROWS};
 use ramus_cuda::{
     Blas, CudaDevice, CudaError, DevicePool, DeviceView, Gemm, InCall, KernelCache, LoadedModule,
     PinnedBuffer, PoolConfig, Result, StridedBatch,
@@ -322,6 +323,82 @@ fn sgemm_matches_a_cpu_loop_for_every_transpose() -> Result<()> {
             assert_close(&got, &c, &what);
         }
     }
+    Ok(())
+}
+
+#[test]
+fn the_small_product_kernel_matches_a_cpu_loop_with_and_without_bias() -> Result<()> {
+    let Some(device) = device() else {
+        return Ok(());
+    };
+    let stream = device.stream();
+    let pool = small_pool(&device);
+    let mut staging = PinnedBuffer::new(&device)?;
+    let cache = KernelCache::for_device(&device, None)?;
+    let launcher = Launcher::new(&cache)?;
+    // rows around the kernel's blocks of four, k around a warp's 32 lanes,
+    // A with a wider leading dimension (a column window), with and without bias
+    for (m, n, k, pad) in [
+        (1, 7, 5, 0),
+        (4, 40, 32, 3),
+        (5, 33, 70, 0),
+        (SMALL_GEMM_ROWS, 65, 256, 9),
+    ] {
+        for with_bias in [false, true] {
+            let lda = k + pad;
+            let a = values(m * lda, 11);
+            let b = values(n * k, 12);
+            let bias = values(n, 13);
+            let (a_dev, b_dev, bias_dev, c_dev) = (
+                pool.alloc::<f32>(a.len())?,
+                pool.alloc::<f32>(b.len())?,
+                pool.alloc::<f32>(n)?,
+                pool.alloc::<f32>(m * n)?,
+            );
+            staging.upload_slice(&a, a_dev.view(), stream)?;
+            staging.upload_slice(&b, b_dev.view(), stream)?;
+            staging.upload_slice(&bias, bias_dev.view(), stream)?;
+            let bias_view = with_bias.then(|| bias_dev.view());
+            launcher.gemm_abt_small(
+                stream,
+                c_dev.view(),
+                a_dev.view(),
+                lda,
+                b_dev.view(),
+                bias_view,
+                (m, n, k),
+            )?;
+            let got = staging.download_to_vec(c_dev.view(), stream)?;
+            let gemm = Gemm {
+                trans_b: true,
+                ..Gemm::new(m, n, k)
+            };
+            let mut want = if with_bias {
+                (0..m).flat_map(|_| bias.iter().copied()).collect()
+            } else {
+                vec![0.0; m * n]
+            };
+            let product = {
+                let mut c = vec![0.0; m * n];
+                reference_gemm(&gemm, &a, &b, &mut c, lda, k, n);
+                c
+            };
+            want.iter_mut().zip(&product).for_each(|(w, p)| *w += p);
+            assert_close(
+                &got,
+                &want,
+                &format!("{m}x{n}x{k} lda {lda} bias {with_bias}"),
+            );
+        }
+    }
+    // a view too short for the product is refused, not read past
+    let short = pool.alloc::<f32>(3)?;
+    let b = pool.alloc::<f32>(4 * 8)?;
+    let c = pool.alloc::<f32>(2 * 4)?;
+    let err = launcher
+        .gemm_abt_small(stream, c.view(), short.view(), 8, b.view(), None, (2, 4, 8))
+        .expect_err("A holds 3 of 16 floats");
+    assert!(err.to_string().contains("out of bounds"), "{err}");
     Ok(())
 }
 
