@@ -41,6 +41,7 @@ pub mod autodiff;
 pub mod error;
 pub mod fusion;
 pub mod graph;
+pub mod lower;
 pub mod model;
 pub mod op;
 pub mod ops;

@@ -1,0 +1,860 @@
+//! Cortex lowering: a vertex function's (or the head's) inference graph as
+//! a **cell program** of per-unit scalar code, the form the compiled
+//! inference engines run (Cortex §4.3–§5: fused cells, model persistence).
+//!
+//! # Vectors and units
+//!
+//! Every value the outputs need is one of two kinds:
+//!
+//! * a **vector** ([`VecNode`]): computed from the vertex's inputs (its
+//!   children's states, its token's embedding) through data movement and
+//!   elementwise ops only, no product. Any column of it can be evaluated on
+//!   its own ([`VecExpr`]), so an engine evaluates exactly the columns it
+//!   needs where it needs them (the lanes of a matrix-vector product read
+//!   their own slice of the input, nothing is stored);
+//! * a **unit value**: anything downstream of a matrix-vector product. Its
+//!   columns are split into `units` interleaved **units**: unit `j` owns
+//!   columns `j, U + j, 2U + j, …` of every unit value (`U` = `units`, the
+//!   greatest common divisor of every unit value's width and every slice and
+//!   concat boundary on them), and no column of one unit depends on another
+//!   unit's. Each unit value of width `L·U` becomes `L` **scalars**
+//!   ([`ScalarNode`], one per lane `m`: column `m·U + j`), all units running
+//!   the same scalar code with their own `j`.
+//!
+//! A Tree-LSTM cell becomes, for unit `j`: three dot products of the child
+//! sum `h̃` with rows `j`, `U + j`, `2U + j` of `U_iou`, one dot product per
+//! child with row `j` of `U_f`, and the gate arithmetic of column `j`. An
+//! engine pins a unit's weight rows on chip (in registers) across all levels
+//! and runs the units in parallel; nothing is stored but the new state.
+//!
+//! Slices and concats of unit values are pure renumbering (no code);
+//! `sum_children` of an edge scalar is a loop over the child edges
+//! ([`ScalarExpr::ChildSum`]); dropout masks are 1 at inference and
+//! multiplications by them are folded away.
+//!
+//! A graph that does not fit — a product whose input is itself a unit value
+//! (a multi-stage cell), an op without an elementwise form, a non-parameter
+//! weight — is an error naming the node.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::error::{CoreError, Result};
+use crate::graph::{DType, Graph, NodeId, NodeKind, ParamId, Source, Space};
+use crate::op::OpDef;
+use crate::ops::{Concat, Embedding, ExpandChildren, MatMul, Mul, Slice, SumChildren};
+
+/// Index of a [`VecNode`] in [`CellProgram::vectors`].
+pub type VecId = usize;
+/// Index of a [`ScalarNode`] in [`CellProgram::scalars`].
+pub type ScalarId = usize;
+
+/// Where a value lives: once per vertex, or once per child edge (inside a
+/// loop over the vertex's children).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Scope {
+    Vertex,
+    Edge,
+}
+
+/// Which child's state a vector reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ChildRef {
+    /// Child `k` (`gather(k)`); zeros when the vertex has no child `k`.
+    Index(usize),
+    /// The child of the current edge (`gather_all()`, edge scope).
+    Edge,
+}
+
+/// A vector value, defined column by column: column `t` of the value is
+/// computed from column `t` (or a shifted column) of its operands.
+#[derive(Clone, Debug)]
+pub enum VecExpr {
+    /// Column `t` of a child's state row.
+    ChildState(ChildRef),
+    /// Column `t` of the embedding row (`table` is a `[V, width]`
+    /// parameter) of the vertex's token.
+    Embedding { table: ParamId },
+    /// Column `t` of the value pushed to the head (the head's input).
+    HeadInput,
+    /// The constant 1 (a dropout mask at inference).
+    One,
+    /// Element `t` of a parameter (a static row, broadcast over vertices).
+    Param(ParamId),
+    /// Column `t + offset` of `src`.
+    Slice { src: VecId, offset: usize },
+    /// The parts side by side: `(part, width)` in column order.
+    Concat { parts: Vec<(VecId, usize)> },
+    /// An elementwise op (of graph node `node`) applied column by column.
+    Map {
+        op: Arc<dyn OpDef>,
+        node: NodeId,
+        args: Vec<VecId>,
+    },
+    /// The sum over the vertex's child edges of edge vector `src` (vertex scope).
+    SumChildren(VecId),
+    /// The vertex's own vector `src` read for each of its child edges (edge scope).
+    Parent(VecId),
+}
+
+/// A vector with its width and scope.
+#[derive(Clone, Debug)]
+pub struct VecNode {
+    pub expr: VecExpr,
+    pub width: usize,
+    pub scope: Scope,
+}
+
+/// A unit's scalar (for unit `j`).
+#[derive(Clone, Debug)]
+pub enum ScalarExpr {
+    /// `Σ_t weight[row + j, t] · input[t]` over the `k` columns of vector
+    /// `input` (`weight` is a `[rows, k]` parameter).
+    Dot {
+        weight: ParamId,
+        row: usize,
+        input: VecId,
+        k: usize,
+    },
+    /// Column `col + j` of vector `src`.
+    Read { src: VecId, col: usize },
+    /// Element `col + j` of a static parameter row (a bias).
+    Param { param: ParamId, col: usize },
+    /// An elementwise op (of graph node `node`) on scalars.
+    Map {
+        op: Arc<dyn OpDef>,
+        node: NodeId,
+        args: Vec<ScalarId>,
+    },
+    /// The sum over the vertex's child edges of edge scalar `src`.
+    ChildSum(ScalarId),
+}
+
+/// A scalar with its scope. Operands always have smaller ids; an edge
+/// scalar may read vertex scalars (the vertex's own values), a vertex
+/// scalar reads edge scalars only through [`ScalarExpr::ChildSum`].
+#[derive(Clone, Debug)]
+pub struct ScalarNode {
+    pub expr: ScalarExpr,
+    pub scope: Scope,
+}
+
+/// A lowered graph; see the module docs.
+#[derive(Clone, Debug)]
+pub struct CellProgram {
+    /// `U`: unit `j < U` computes columns `m·U + j` of every unit value.
+    pub units: usize,
+    pub vectors: Vec<VecNode>,
+    pub scalars: Vec<ScalarNode>,
+    /// Per requested output node: its lanes (output column `m·U + j` is
+    /// scalar `outputs[o][m]` of unit `j`).
+    pub outputs: Vec<Vec<ScalarId>>,
+}
+
+impl CellProgram {
+    /// Width of output `o` (`lanes · units`).
+    pub fn output_width(&self, o: usize) -> usize {
+        self.outputs.get(o).map_or(0, |l| l.len() * self.units)
+    }
+
+    /// The `(weight, row)` pairs of every dot product: the weight rows a
+    /// unit reads (rows `row + j`), in scalar order, each once.
+    pub fn weight_rows(&self) -> Vec<(ParamId, usize)> {
+        let mut rows = Vec::new();
+        for s in &self.scalars {
+            if let ScalarExpr::Dot { weight, row, .. } = s.expr {
+                if !rows.contains(&(weight, row)) {
+                    rows.push((weight, row));
+                }
+            }
+        }
+        rows
+    }
+
+    /// Whether any scalar or vector reads a child's state.
+    pub fn reads_children(&self) -> bool {
+        self.vectors
+            .iter()
+            .any(|v| matches!(v.expr, VecExpr::ChildState(_)))
+    }
+}
+
+fn unsupported(g: &Graph, n: NodeId, why: impl Into<String>) -> CoreError {
+    CoreError::Shape {
+        context: "compiled-engine lowering".into(),
+        op: g.nodes[n].describe(&[]),
+        message: format!("node %{n}: {}", why.into()),
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+fn space_scope(space: Space) -> Scope {
+    if space == Space::Edge {
+        Scope::Edge
+    } else {
+        Scope::Vertex
+    }
+}
+
+/// What a graph node lowers to.
+#[derive(Clone, Debug)]
+enum Lowered {
+    /// A vector.
+    Vector(VecId),
+    /// A static parameter (read per column where used).
+    Param(ParamId),
+    /// An index row (the token).
+    Token,
+    /// A unit value: one scalar per lane.
+    Unit(Vec<ScalarId>),
+}
+
+struct Lowering<'g> {
+    g: &'g Graph,
+    units: usize,
+    vectors: Vec<VecNode>,
+    scalars: Vec<ScalarNode>,
+    values: Vec<Option<Lowered>>,
+    one: Option<VecId>,
+    reads: HashMap<(VecId, usize), ScalarId>,
+    params: HashMap<(ParamId, usize), ScalarId>,
+}
+
+/// Lowers the nodes `outputs` of inference graph `g` (a vertex function's
+/// forward graph, or a head's) to a cell program; see the module docs.
+pub fn lower(g: &Graph, outputs: &[NodeId]) -> Result<CellProgram> {
+    let n = g.nodes.len();
+    let mut needed = vec![false; n];
+    for &o in outputs {
+        if o >= n {
+            return Err(CoreError::Shape {
+                context: "compiled-engine lowering".into(),
+                op: "outputs".into(),
+                message: format!("output node %{o} does not exist (the graph has {n} nodes)"),
+            });
+        }
+        needed[o] = true;
+    }
+    for i in (0..n).rev() {
+        if needed[i] {
+            for &x in &g.nodes[i].inputs {
+                needed[x] = true;
+            }
+        }
+    }
+    let unit_class = classify(g, &needed)?;
+    let units = unit_count(g, &needed, &unit_class, outputs)?;
+    let mut l = Lowering {
+        g,
+        units,
+        vectors: Vec::new(),
+        scalars: Vec::new(),
+        values: vec![None; n],
+        one: None,
+        reads: HashMap::new(),
+        params: HashMap::new(),
+    };
+    for i in (0..n).filter(|&i| needed[i]) {
+        let value = l.lower_node(i, unit_class[i])?;
+        l.values[i] = Some(value);
+    }
+    let mut lanes = Vec::with_capacity(outputs.len());
+    for &o in outputs {
+        lanes.push(l.lanes(o)?);
+    }
+    Ok(CellProgram {
+        units,
+        vectors: l.vectors,
+        scalars: l.scalars,
+        outputs: lanes,
+    })
+}
+
+/// Marks unit values: products and everything computed from one.
+fn classify(g: &Graph, needed: &[bool]) -> Result<Vec<bool>> {
+    let mut unit = vec![false; g.nodes.len()];
+    for (i, node) in g.nodes.iter().enumerate() {
+        if !needed[i] {
+            continue;
+        }
+        if node.op_as::<MatMul>().is_some() {
+            if let Some(&a) = node.inputs.first() {
+                if unit[a] {
+                    return Err(unsupported(
+                        g,
+                        i,
+                        "a product of a product's result (a multi-stage cell) is not supported",
+                    ));
+                }
+            }
+            unit[i] = true;
+        } else {
+            unit[i] = node.inputs.iter().any(|&x| unit[x]);
+        }
+    }
+    Ok(unit)
+}
+
+/// The unit count: the gcd of every unit value's width and of the slice
+/// and concat boundaries on unit values (of the output widths when no
+/// product feeds the outputs).
+fn unit_count(g: &Graph, needed: &[bool], unit: &[bool], outputs: &[NodeId]) -> Result<usize> {
+    let mut u = 0;
+    for (i, node) in g.nodes.iter().enumerate() {
+        if !needed[i] || !unit[i] {
+            continue;
+        }
+        u = gcd(u, node.ty.width());
+        if let Some(s) = node.op_as::<Slice>() {
+            u = gcd(gcd(u, s.start), s.len);
+        }
+        if node.op_as::<Concat>().is_some() {
+            for &x in &node.inputs {
+                u = gcd(u, g.nodes[x].ty.width());
+            }
+        }
+    }
+    if u == 0 {
+        // no product: the outputs are vectors, read per unit column
+        u = outputs
+            .iter()
+            .fold(0, |u, &o| gcd(u, g.nodes[o].ty.width()));
+    }
+    if u == 0 {
+        return Err(CoreError::Shape {
+            context: "compiled-engine lowering".into(),
+            op: "cell".into(),
+            message: format!("the outputs {outputs:?} have no columns"),
+        });
+    }
+    for &o in outputs {
+        if g.nodes[o].ty.width() % u != 0 {
+            return Err(unsupported(
+                g,
+                o,
+                format!("output width is not a multiple of the {u} units"),
+            ));
+        }
+    }
+    Ok(u)
+}
+
+impl Lowering<'_> {
+    fn value(&self, x: NodeId) -> Result<&Lowered> {
+        self.values[x]
+            .as_ref()
+            .ok_or_else(|| unsupported(self.g, x, "used before it was lowered"))
+    }
+
+    fn vec(&mut self, expr: VecExpr, width: usize, scope: Scope) -> VecId {
+        self.vectors.push(VecNode { expr, width, scope });
+        self.vectors.len() - 1
+    }
+
+    fn scalar(&mut self, expr: ScalarExpr, scope: Scope) -> ScalarId {
+        self.scalars.push(ScalarNode { expr, scope });
+        self.scalars.len() - 1
+    }
+
+    fn vector_of(&self, x: NodeId) -> Result<VecId> {
+        match self.value(x)? {
+            Lowered::Vector(v) => Ok(*v),
+            _ => Err(unsupported(self.g, x, "expected a vector value here")),
+        }
+    }
+
+    /// Node `x`'s lanes: its scalars, or reads of a vector / parameter.
+    fn lanes(&mut self, x: NodeId) -> Result<Vec<ScalarId>> {
+        let width = self.g.nodes[x].ty.width();
+        if width % self.units != 0 {
+            return Err(unsupported(
+                self.g,
+                x,
+                format!(
+                    "width {width} is not a multiple of the {} units",
+                    self.units
+                ),
+            ));
+        }
+        let lanes = width / self.units;
+        match self.value(x)?.clone() {
+            Lowered::Unit(s) => Ok(s),
+            Lowered::Vector(v) => Ok((0..lanes).map(|m| self.read(v, m * self.units)).collect()),
+            Lowered::Param(p) => {
+                if self.g.nodes[x].ty.shape.len() != 1 {
+                    return Err(unsupported(
+                        self.g,
+                        x,
+                        "only a parameter row (a bias) is read per unit",
+                    ));
+                }
+                Ok((0..lanes)
+                    .map(|m| self.param_read(p, m * self.units))
+                    .collect())
+            }
+            Lowered::Token => Err(unsupported(self.g, x, "a token is not a float value")),
+        }
+    }
+
+    fn read(&mut self, src: VecId, col: usize) -> ScalarId {
+        if let Some(&s) = self.reads.get(&(src, col)) {
+            return s;
+        }
+        let scope = self.vectors[src].scope;
+        let s = self.scalar(ScalarExpr::Read { src, col }, scope);
+        self.reads.insert((src, col), s);
+        s
+    }
+
+    fn param_read(&mut self, param: ParamId, col: usize) -> ScalarId {
+        if let Some(&s) = self.params.get(&(param, col)) {
+            return s;
+        }
+        let s = self.scalar(ScalarExpr::Param { param, col }, Scope::Vertex);
+        self.params.insert((param, col), s);
+        s
+    }
+
+    fn is_one(&self, x: NodeId) -> bool {
+        matches!(self.values[x], Some(Lowered::Vector(v)) if Some(v) == self.one)
+    }
+
+    fn lower_node(&mut self, i: NodeId, unit: bool) -> Result<Lowered> {
+        let g = self.g;
+        let node = &g.nodes[i];
+        let scope = space_scope(node.ty.space);
+        let width = node.ty.width();
+        let op = match &node.kind {
+            NodeKind::Param(p) => return Ok(Lowered::Param(*p)),
+            NodeKind::Input(source) => {
+                let expr = match *source {
+                    Source::Gather(k) => VecExpr::ChildState(ChildRef::Index(k)),
+                    Source::GatherAll => VecExpr::ChildState(ChildRef::Edge),
+                    Source::HeadInput => VecExpr::HeadInput,
+                    Source::Token => return Ok(Lowered::Token),
+                    Source::DropoutMask { .. } => {
+                        let one = self.vec(VecExpr::One, width, scope);
+                        self.one = Some(one);
+                        return Ok(Lowered::Vector(one));
+                    }
+                    _ => {
+                        return Err(unsupported(
+                            g,
+                            i,
+                            "this input is not available to the compiled engine",
+                        ))
+                    }
+                };
+                return Ok(Lowered::Vector(self.vec(expr, width, scope)));
+            }
+            NodeKind::Op(op) => op.clone(),
+        };
+        if node.ty.dtype != DType::Float {
+            return Err(unsupported(g, i, "only float values are lowered"));
+        }
+        let args = &node.inputs;
+        // multiplying by an inference dropout mask (1) is the identity
+        if node.op_as::<Mul>().is_some() {
+            if let [a, b] = args[..] {
+                let keep = if self.is_one(b) {
+                    Some(a)
+                } else if self.is_one(a) {
+                    Some(b)
+                } else {
+                    None
+                };
+                if let Some(x) = keep {
+                    return Ok(self.value(x)?.clone());
+                }
+            }
+        }
+        if unit {
+            return self.lower_unit(i, op);
+        }
+        if node.op_as::<Embedding>().is_some() {
+            let table = match (self.value(args[0])?, self.value(args[1])?) {
+                (Lowered::Param(p), Lowered::Token) => *p,
+                _ => {
+                    return Err(unsupported(
+                        g,
+                        i,
+                        "an embedding must look a parameter table up by the vertex token",
+                    ))
+                }
+            };
+            return Ok(Lowered::Vector(self.vec(
+                VecExpr::Embedding { table },
+                width,
+                scope,
+            )));
+        }
+        let expr = if let Some(s) = node.op_as::<Slice>() {
+            VecExpr::Slice {
+                src: self.vector_of(args[0])?,
+                offset: s.start,
+            }
+        } else if node.op_as::<Concat>().is_some() {
+            let parts = args
+                .iter()
+                .map(|&x| Ok((self.vector_of(x)?, g.nodes[x].ty.width())))
+                .collect::<Result<_>>()?;
+            VecExpr::Concat { parts }
+        } else if node.op_as::<SumChildren>().is_some() {
+            VecExpr::SumChildren(self.vector_of(args[0])?)
+        } else if node.op_as::<ExpandChildren>().is_some() {
+            VecExpr::Parent(self.vector_of(args[0])?)
+        } else if op.elementwise_template().is_some() {
+            let mut vs = Vec::with_capacity(args.len());
+            for &x in args {
+                vs.push(match self.value(x)?.clone() {
+                    Lowered::Vector(v) => v,
+                    Lowered::Param(p) => {
+                        let w = g.nodes[x].ty.width();
+                        self.vec(VecExpr::Param(p), w, Scope::Vertex)
+                    }
+                    _ => return Err(unsupported(g, i, "an operand is not a float vector")),
+                });
+            }
+            VecExpr::Map {
+                op,
+                node: i,
+                args: vs,
+            }
+        } else {
+            return Err(unsupported(
+                g,
+                i,
+                "this op has no per-column form for the compiled engine",
+            ));
+        };
+        Ok(Lowered::Vector(self.vec(expr, width, scope)))
+    }
+
+    fn lower_unit(&mut self, i: NodeId, op: Arc<dyn OpDef>) -> Result<Lowered> {
+        let g = self.g;
+        let node = &g.nodes[i];
+        let args = &node.inputs;
+        let scope = space_scope(node.ty.space);
+        let u = self.units;
+        let lanes = node.ty.width() / u;
+        if let Some(mm) = node.op_as::<MatMul>() {
+            let input = self.vector_of(args[0])?;
+            let weight = match self.value(args[1])? {
+                Lowered::Param(p) => *p,
+                _ => return Err(unsupported(g, i, "the weight must be a parameter")),
+            };
+            let wty = &g.nodes[args[1]].ty;
+            if mm.trans_a || !mm.trans_b || wty.shape.len() != 2 {
+                return Err(unsupported(
+                    g,
+                    i,
+                    "only products x·Wᵀ with a [out, in] weight are lowered",
+                ));
+            }
+            let k = wty.shape[1];
+            let dots = (0..lanes)
+                .map(|m| {
+                    self.scalar(
+                        ScalarExpr::Dot {
+                            weight,
+                            row: m * u,
+                            input,
+                            k,
+                        },
+                        scope,
+                    )
+                })
+                .collect();
+            return Ok(Lowered::Unit(dots));
+        }
+        if let Some(s) = node.op_as::<Slice>() {
+            let src = self.lanes(args[0])?;
+            return Ok(Lowered::Unit(
+                src[s.start / u..(s.start + s.len) / u].to_vec(),
+            ));
+        }
+        if node.op_as::<Concat>().is_some() {
+            let mut all = Vec::with_capacity(lanes);
+            for &x in args {
+                all.extend(self.lanes(x)?);
+            }
+            return Ok(Lowered::Unit(all));
+        }
+        if node.op_as::<SumChildren>().is_some() {
+            let src = self.lanes(args[0])?;
+            let sums = src
+                .into_iter()
+                .map(|s| self.scalar(ScalarExpr::ChildSum(s), Scope::Vertex))
+                .collect();
+            return Ok(Lowered::Unit(sums));
+        }
+        if node.op_as::<ExpandChildren>().is_some() {
+            // an edge reads its vertex's scalars directly
+            return Ok(Lowered::Unit(self.lanes(args[0])?));
+        }
+        if op.elementwise_template().is_none() {
+            return Err(unsupported(
+                g,
+                i,
+                "this op has no per-unit form for the compiled engine",
+            ));
+        }
+        let operands = args
+            .iter()
+            .map(|&x| self.lanes(x))
+            .collect::<Result<Vec<_>>>()?;
+        let mut out = Vec::with_capacity(lanes);
+        for m in 0..lanes {
+            let a = operands
+                .iter()
+                .map(|lanes| lanes.get(m).copied())
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| unsupported(g, i, "an operand is narrower than the result"))?;
+            out.push(self.scalar(
+                ScalarExpr::Map {
+                    op: op.clone(),
+                    node: i,
+                    args: a,
+                },
+                scope,
+            ));
+        }
+        Ok(Lowered::Unit(out))
+    }
+}
+
+// ---------------------------------------------------------------- reference evaluation
+
+/// One vertex's inputs for [`CellProgram::eval_vertex`].
+#[derive(Clone, Copy, Debug)]
+pub struct VertexInputs<'a, T> {
+    /// The state rows of the vertex's children, in order (the edges).
+    pub children: &'a [&'a [T]],
+    /// The vertex's token (for embeddings).
+    pub token: Option<u32>,
+    /// The head's input row (for a head program).
+    pub head_input: Option<&'a [T]>,
+}
+
+/// A value of one vertex: one row, or one row per child edge.
+enum Rows<T> {
+    Vertex(Vec<T>),
+    Edge(Vec<Vec<T>>),
+}
+
+impl<T> Rows<T> {
+    /// The row for edge `e` (a vertex value is the same for every edge).
+    fn at(&self, e: usize) -> &[T] {
+        match self {
+            Rows::Vertex(v) => v,
+            Rows::Edge(rows) => &rows[e],
+        }
+    }
+}
+
+fn eval_error(message: impl Into<String>) -> CoreError {
+    CoreError::Shape {
+        context: "compiled-engine lowering".into(),
+        op: "eval".into(),
+        message: message.into(),
+    }
+}
+
+impl CellProgram {
+    /// Evaluates the program for one vertex, all units at once, through
+    /// the ops' own CPU kernels: the oracle the compiled engines are
+    /// checked against. Returns each output's row (`output_width(o)` wide).
+    /// `params[p]` holds parameter `p`'s data (row-major).
+    pub fn eval_vertex<T: crate::real::Real>(
+        &self,
+        g: &Graph,
+        params: &[&[T]],
+        inputs: &VertexInputs<'_, T>,
+    ) -> Result<Vec<Vec<T>>> {
+        let edges = inputs.children.len();
+        let param = |p: ParamId| {
+            params
+                .get(p)
+                .copied()
+                .ok_or_else(|| eval_error(format!("parameter {p} missing")))
+        };
+        let mut vecs: Vec<Rows<T>> = Vec::with_capacity(self.vectors.len());
+        for v in &self.vectors {
+            let w = v.width;
+            let row = |e: usize, vecs: &[Rows<T>]| -> Result<Vec<T>> {
+                Ok(match &v.expr {
+                    VecExpr::ChildState(which) => {
+                        let child = match which {
+                            ChildRef::Index(k) => inputs.children.get(*k).copied(),
+                            ChildRef::Edge => inputs.children.get(e).copied(),
+                        };
+                        match child {
+                            Some(c) if c.len() >= w => c[..w].to_vec(),
+                            Some(c) => {
+                                return Err(eval_error(format!(
+                                    "a child state of {} values, {w} read",
+                                    c.len()
+                                )))
+                            }
+                            None => vec![T::ZERO; w],
+                        }
+                    }
+                    VecExpr::Embedding { table } => {
+                        let t = inputs
+                            .token
+                            .ok_or_else(|| eval_error("an embedding without a token"))?
+                            as usize;
+                        param(*table)?
+                            .get(t * w..(t + 1) * w)
+                            .ok_or_else(|| eval_error(format!("token {t} beyond the table")))?
+                            .to_vec()
+                    }
+                    VecExpr::HeadInput => inputs
+                        .head_input
+                        .and_then(|h| h.get(..w))
+                        .ok_or_else(|| eval_error("no head input row"))?
+                        .to_vec(),
+                    VecExpr::One => vec![T::ONE; w],
+                    VecExpr::Param(p) => param(*p)?
+                        .get(..w)
+                        .ok_or_else(|| eval_error(format!("parameter {p} too short")))?
+                        .to_vec(),
+                    VecExpr::Slice { src, offset } => {
+                        vecs[*src].at(e)[*offset..*offset + w].to_vec()
+                    }
+                    VecExpr::Concat { parts } => {
+                        let mut out = Vec::with_capacity(w);
+                        for &(p, pw) in parts {
+                            out.extend_from_slice(&vecs[p].at(e)[..pw]);
+                        }
+                        out
+                    }
+                    VecExpr::Map { op, node, args } => {
+                        let rows: Vec<&[T]> = args.iter().map(|&a| vecs[a].at(e)).collect();
+                        map_kernel(g, op.as_ref(), *node, &rows, w)?
+                    }
+                    VecExpr::SumChildren(src) => {
+                        let mut acc = vec![T::ZERO; w];
+                        for k in 0..edges {
+                            for (a, x) in acc.iter_mut().zip(vecs[*src].at(k)) {
+                                *a += *x;
+                            }
+                        }
+                        acc
+                    }
+                    VecExpr::Parent(src) => vecs[*src].at(0).to_vec(),
+                })
+            };
+            let value = match v.scope {
+                Scope::Vertex => Rows::Vertex(row(0, &vecs)?),
+                Scope::Edge => {
+                    Rows::Edge((0..edges).map(|e| row(e, &vecs)).collect::<Result<_>>()?)
+                }
+            };
+            vecs.push(value);
+        }
+        let u = self.units;
+        let mut scalars: Vec<Rows<T>> = Vec::with_capacity(self.scalars.len());
+        for s in &self.scalars {
+            let row = |e: usize, scalars: &[Rows<T>]| -> Result<Vec<T>> {
+                Ok(match &s.expr {
+                    ScalarExpr::Dot {
+                        weight,
+                        row,
+                        input,
+                        k,
+                    } => {
+                        let w = param(*weight)?;
+                        let x = vecs[*input].at(e);
+                        (0..u)
+                            .map(|j| {
+                                let wr = &w[(row + j) * k..(row + j + 1) * k];
+                                wr.iter().zip(x).fold(T::ZERO, |acc, (a, b)| acc + *a * *b)
+                            })
+                            .collect()
+                    }
+                    ScalarExpr::Read { src, col } => vecs[*src].at(e)[*col..*col + u].to_vec(),
+                    ScalarExpr::Param { param: p, col } => param(*p)?
+                        .get(*col..*col + u)
+                        .ok_or_else(|| eval_error(format!("parameter {p} too short")))?
+                        .to_vec(),
+                    ScalarExpr::Map { op, node, args } => {
+                        let rows: Vec<&[T]> = args.iter().map(|&a| scalars[a].at(e)).collect();
+                        map_kernel(g, op.as_ref(), *node, &rows, u)?
+                    }
+                    ScalarExpr::ChildSum(src) => {
+                        let mut acc = vec![T::ZERO; u];
+                        for k in 0..edges {
+                            for (a, x) in acc.iter_mut().zip(scalars[*src].at(k)) {
+                                *a += *x;
+                            }
+                        }
+                        acc
+                    }
+                })
+            };
+            let value = match s.scope {
+                Scope::Vertex => Rows::Vertex(row(0, &scalars)?),
+                Scope::Edge => Rows::Edge(
+                    (0..edges)
+                        .map(|e| row(e, &scalars))
+                        .collect::<Result<_>>()?,
+                ),
+            };
+            scalars.push(value);
+        }
+        let mut outs = Vec::with_capacity(self.outputs.len());
+        for lanes in &self.outputs {
+            let mut row = Vec::with_capacity(lanes.len() * u);
+            for &s in lanes {
+                match &scalars[s] {
+                    Rows::Vertex(v) => row.extend_from_slice(v),
+                    Rows::Edge(_) => return Err(eval_error("an output lives on the edges")),
+                }
+            }
+            outs.push(row);
+        }
+        Ok(outs)
+    }
+}
+
+/// Elementwise op `op` (of node `node`) over rows of `width` through its CPU kernel.
+fn map_kernel<T: crate::real::Real>(
+    g: &Graph,
+    op: &dyn OpDef,
+    node: NodeId,
+    rows: &[&[T]],
+    width: usize,
+) -> Result<Vec<T>> {
+    let types: Vec<crate::graph::ValueType> = rows
+        .iter()
+        .map(|_| crate::graph::ValueType::rows(Space::Vertex, width))
+        .collect();
+    let args: Vec<crate::op::Arg<'_, T>> = types
+        .iter()
+        .zip(rows)
+        .map(|(ty, data)| crate::op::Arg {
+            ty,
+            rows: 1,
+            data: crate::op::ArgData::Float(&data[..width]),
+        })
+        .collect();
+    let mut out = vec![T::ZERO; width];
+    let mut ctx = crate::op::KernelCtx {
+        args: &args,
+        out: &mut out,
+        out_rows: 1,
+        vertex_rows: 1,
+        edge_parent: &[],
+        packed_b: None,
+    };
+    T::run_kernel(op, &mut ctx).map_err(|e| unsupported(g, node, e.to_string()))?;
+    Ok(out)
+}

@@ -1,0 +1,132 @@
+//! The Cortex lowering (`ramus_core::lower`) against the CPU reference
+//! engine: every token model's vertex functions and head, lowered to cell
+//! programs and evaluated vertex by vertex, give the engine's root scores on
+//! random trees, deep paths, wide nodes and chains.
+
+use ramus_core::lower::{lower, CellProgram, VertexInputs};
+use ramus_core::{HeadRows, Model, Params};
+use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_graph::random::{random_chain, random_path, random_tree};
+use ramus_graph::{BatchingPolicy, InputGraph};
+use ramus_nn::{build_model_with, ModelConfig, ModelOptions};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+const CFG: ModelConfig = ModelConfig {
+    vocab: 11,
+    hidden: 6,
+    classes: 3,
+};
+
+struct Lowered {
+    functions: Vec<CellProgram>,
+    head: CellProgram,
+}
+
+fn lower_model(model: &Model) -> Lowered {
+    let functions = model
+        .functions
+        .iter()
+        .map(|f| {
+            let outputs = [f.scatter.expect("scatters"), f.push.expect("pushes")];
+            lower(&f.forward, &outputs).unwrap_or_else(|e| panic!("{}: {e}", f.name))
+        })
+        .collect();
+    let logits = model.head.logits.expect("logits");
+    let head = lower(&model.head.forward, &[logits]).expect("head lowers");
+    Lowered { functions, head }
+}
+
+/// Root scores of `graph`, vertex by vertex through the cell programs.
+fn lowered_scores(
+    model: &Model,
+    lowered: &Lowered,
+    params: &Params<f64>,
+    graph: &InputGraph,
+) -> Vec<f64> {
+    let data: Vec<&[f64]> = params.values.iter().map(|t| t.data()).collect();
+    let mut states: Vec<Vec<f64>> = Vec::with_capacity(graph.len());
+    let mut pushed: Vec<Vec<f64>> = Vec::with_capacity(graph.len());
+    for v in 0..graph.len() {
+        let kids = graph.children(v);
+        let f = model.selector.select(kids.len());
+        let children: Vec<&[f64]> = kids
+            .iter()
+            .map(|&c| states[c as usize].as_slice())
+            .collect();
+        let inputs = VertexInputs {
+            children: &children,
+            token: Some(graph.tokens[v]),
+            head_input: None,
+        };
+        let mut out = lowered.functions[f]
+            .eval_vertex(&model.functions[f].forward, &data, &inputs)
+            .expect("vertex evaluates");
+        pushed.push(out.pop().expect("push row"));
+        states.push(out.pop().expect("state row"));
+    }
+    let mut scores = Vec::new();
+    for root in graph.roots() {
+        let inputs = VertexInputs {
+            children: &[],
+            token: None,
+            head_input: Some(&pushed[root as usize]),
+        };
+        let out = lowered
+            .head
+            .eval_vertex(&model.head.forward, &data, &inputs)
+            .expect("head evaluates");
+        scores.extend_from_slice(&out[0]);
+    }
+    scores
+}
+
+fn graphs_for(name: &str, rng: &mut ChaCha8Rng) -> Vec<InputGraph> {
+    let v = CFG.vocab as u32;
+    if name == "lstm-lm" {
+        return [1, 2, 9, 40]
+            .iter()
+            .map(|&n| random_chain(rng, n, v).expect("chain"))
+            .collect();
+    }
+    let mut gs = vec![
+        random_tree(rng, 1, &[2], v, 3).expect("a single leaf"),
+        random_tree(rng, 7, &[2], v, 3).expect("tree"),
+        random_tree(rng, 30, &[2], v, 3).expect("tree"),
+    ];
+    if name == "treelstm" {
+        gs.push(random_path(rng, 120, v, 3).expect("deep path"));
+        gs.push(random_tree(rng, 64, &[64], v, 3).expect("a 64-ary node"));
+        gs.push(random_tree(rng, 25, &[1, 2, 3, 6], v, 3).expect("mixed arities"));
+    }
+    gs
+}
+
+#[test]
+fn lowered_cells_reproduce_the_reference_engine_for_every_token_model() {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    for name in ["treelstm", "treelstm-nary", "treefc", "lstm-lm"] {
+        let model = build_model_with(name, &CFG, &ModelOptions { dropout: 0.25 }).expect("model");
+        let params: Params<f64> = Params::init(&model, 5);
+        let lowered = lower_model(&model);
+        for f in &lowered.functions {
+            assert_eq!(f.units, CFG.hidden, "{name}: one unit per hidden column");
+        }
+        for graph in graphs_for(name, &mut rng) {
+            let batch = Batch::new(&model, vec![&graph], BatchingPolicy::Cavs).expect("schedule");
+            let want = CpuEngine::<f64>::new()
+                .forward_rows(&model, &params, &batch, Mode::Infer, HeadRows::Roots)
+                .expect("reference")
+                .logits;
+            let got = lowered_scores(&model, &lowered, &params, &graph);
+            assert_eq!(want.len(), got.len(), "{name}: score count");
+            for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                assert!(
+                    (w - g).abs() <= 1e-10 * (1.0 + w.abs()),
+                    "{name} ({} vertices) score {i}: engine {w} vs lowered {g}",
+                    graph.len()
+                );
+            }
+        }
+    }
+}
