@@ -8,8 +8,17 @@
 //! kernel. Two connected elementwise ops join when both are in the list,
 //! agree in space and row width, and the merge keeps the graph of steps
 //! acyclic: a path producer → other step → consumer would make the fused
-//! kernel wait for itself. The result is a [`FusionPlan`]: steps (single ops
-//! or fused groups) in an order that respects every dependency.
+//! kernel wait for itself. Groups that are not connected merge as
+//! *siblings*: two groups of listed elementwise ops that agree in space and
+//! width and read a common value (any node read by members of both) become
+//! one kernel when neither can reach the other through a third unit
+//! (checked in both directions: no producer/consumer edge orients the
+//! check). This takes, say, the two products `x · p` and `x · q` of one
+//! expanded row `x` into one kernel that reads `x` once. The
+//! producer/consumer and sibling passes repeat until neither merges
+//! anything (a merge can absorb the third unit that blocked another). The
+//! result is a [`FusionPlan`]: steps (single ops or fused groups) in an
+//! order that respects every dependency.
 //!
 //! A fused group reads its *inputs* (values computed outside it, each read
 //! per element or, for a static bias of a row group, broadcast over rows)
@@ -17,7 +26,7 @@
 //! another phase, by the backward graph or as graph outputs). Everything
 //! else stays in registers.
 //!
-//! Two data-movement ops need no kernel of their own:
+//! Four data-movement ops need no kernel of their own:
 //! * a `slice` whose every user reads it in place — a fused group (as an
 //!   [`InputKind::Window`] of the slice's source) or a `matmul` operand
 //!   that cuBLAS can take with a leading dimension — becomes a
@@ -25,11 +34,21 @@
 //! * a `concat` whose every input is a fused-group member is written in
 //!   place: each group stores those members straight into the concat's
 //!   buffer at their column offset ([`ConcatWrite`]), and a member the
-//!   concat alone read needs no buffer of its own.
+//!   concat alone read needs no buffer of its own;
+//! * a `sum_children` whose every user is a fused elementwise op on vertex
+//!   rows of its width is an *inline read* ([`FusionPlan::inline_reads`]):
+//!   each reading group sums the child edge rows itself through the CSR
+//!   edge offsets ([`InputKind::ChildSum`]);
+//! * likewise an `expand_children` whose every user is a fused elementwise
+//!   op on edge rows of its width: each reading group reads the parent
+//!   vertex row of each edge through the parent indices
+//!   ([`InputKind::ParentRow`]).
 //!
 //! Together with [`crate::simplify::pads_to_concat`] (which turns the
 //! pad-and-add gradients of slices back into concats) this removes the
-//! copy kernels around the fused cells of an LSTM-like function.
+//! copy kernels around the fused cells of an LSTM-like function, and the
+//! child-sum and expand kernels around the cells of a child-sum Tree-LSTM
+//! and its derivative.
 //!
 //! For each group this module generates one CUDA C++ kernel from the ops'
 //! registered templates ([`FusedGroup::cuda_source`], [`FusedGroup::kernel`],
@@ -46,7 +65,7 @@ use std::fmt;
 use crate::error::{CoreError, Result};
 use crate::graph::{DType, Graph, NodeId, NodeKind, Source, Space};
 use crate::op::{Arg, ArgData, KernelCtx};
-use crate::ops::{Concat, MatMul, Slice, SumChildren};
+use crate::ops::{Concat, ExpandChildren, MatMul, Slice, SumChildren};
 use crate::real::Real;
 
 // ---------------------------------------------------------------- plan types
@@ -71,6 +90,21 @@ pub enum InputKind {
         offset: usize,
         stride: usize,
     },
+    /// The sum over a vertex's child edges of an edge-row value (an inlined
+    /// `sum_children`): element `i` (row `r = i / width`, column
+    /// `j = i % width`) is `Σ_{e = rows[r] - base .. rows[r + 1] - base}
+    /// source[e * width + j]`, summed in edge order from zero. The input's
+    /// `node` is the `sum_children` node (an inline read, without a step),
+    /// `source` its operand; `rows` are the CSR edge offsets of the group's
+    /// vertex rows.
+    ChildSum { source: NodeId },
+    /// An edge row's parent vertex row (an inlined `expand_children`):
+    /// element `i` (edge `e = i / width`) is
+    /// `source[(rows[e] - base) * width + i % width]`. The input's `node` is
+    /// the `expand_children` node (an inline read, without a step),
+    /// `source` its operand; `rows` holds the parent vertex of each of the
+    /// group's edge rows.
+    ParentRow { source: NodeId },
 }
 
 impl InputKind {
@@ -79,6 +113,31 @@ impl InputKind {
             InputKind::PerElement => "elem",
             InputKind::Broadcast => "bcast",
             InputKind::Window { .. } => "win",
+            InputKind::ChildSum { .. } => "csum",
+            InputKind::ParentRow { .. } => "parent",
+        }
+    }
+
+    /// True for the kinds read through the row topology
+    /// ([`ChildSum`](InputKind::ChildSum), [`ParentRow`](InputKind::ParentRow)):
+    /// their kernels take an index array and a base besides the data (see
+    /// [`FusedGroup::cuda_source`] and [`FusedGroup::eval_cpu`]).
+    pub fn is_csr(self) -> bool {
+        matches!(
+            self,
+            InputKind::ChildSum { .. } | InputKind::ParentRow { .. }
+        )
+    }
+
+    /// The node whose buffer the kernel reads for an input of this kind
+    /// whose own node is `node`: the source of a window or an inline read,
+    /// otherwise `node` itself.
+    pub fn buffer(self, node: NodeId) -> NodeId {
+        match self {
+            InputKind::PerElement | InputKind::Broadcast => node,
+            InputKind::Window { source, .. }
+            | InputKind::ChildSum { source }
+            | InputKind::ParentRow { source } => source,
         }
     }
 }
@@ -86,9 +145,18 @@ impl InputKind {
 /// A value a fused group reads from outside.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FusedInput {
-    /// The value the members read (for a window: the viewed slice).
+    /// The value the members read (for a window: the viewed slice; for a
+    /// child sum or parent row: the inlined `sum_children` or
+    /// `expand_children` node).
     pub node: NodeId,
     pub kind: InputKind,
+}
+
+impl FusedInput {
+    /// The node whose buffer the kernel reads (see [`InputKind::buffer`]).
+    pub fn buffer(&self) -> NodeId {
+        self.kind.buffer(self.node)
+    }
 }
 
 /// A member of a fused group that the kernel also stores into the buffer of
@@ -152,11 +220,12 @@ pub enum Step {
 /// One phase's op nodes as kernels to launch, in dependency order.
 ///
 /// Every op node of the phase is in exactly one step, or is a slice in
-/// [`views`](FusionPlan::views), or a concat in
-/// [`in_place_concats`](FusionPlan::in_place_concats): those two have no
-/// step. A step that reads a viewed slice comes after the step computing
-/// its source; a step that reads an in-place concat comes after every group
-/// writing into it.
+/// [`views`](FusionPlan::views), a concat in
+/// [`in_place_concats`](FusionPlan::in_place_concats), or a `sum_children`
+/// / `expand_children` in [`inline_reads`](FusionPlan::inline_reads): those
+/// three have no step. A step that reads a viewed slice or an inline read
+/// comes after the step computing its source; a step that reads an
+/// in-place concat comes after every group writing into it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FusionPlan {
     pub steps: Vec<Step>,
@@ -166,6 +235,11 @@ pub struct FusionPlan {
     /// group stores into the concat's buffer ([`FusedGroup::concat_writes`]).
     /// The concat still has its buffer (rows × its width); in list order.
     pub in_place_concats: Vec<NodeId>,
+    /// `sum_children` and `expand_children` nodes without a step or a
+    /// buffer: every reader is a fused group that reads the operand through
+    /// the row topology ([`InputKind::ChildSum`], [`InputKind::ParentRow`]);
+    /// in list order.
+    pub inline_reads: Vec<NodeId>,
 }
 
 /// A generated CUDA kernel: its name (derived from the source) and source.
@@ -292,6 +366,18 @@ impl Fuser {
         self.groups.union(rp, rc);
         true
     }
+
+    /// Merges the groups of `a` and `b`, two readers of a common value,
+    /// unless that closes a cycle. Neither group need feed the other, so
+    /// paths through a third unit are ruled out in both directions.
+    fn try_merge_siblings(&mut self, a: NodeId, b: NodeId) -> bool {
+        let (ra, rb) = (self.groups.find(a), self.groups.find(b));
+        if ra == rb || self.path_through_other(ra, rb) || self.path_through_other(rb, ra) {
+            return false;
+        }
+        self.groups.union(ra, rb);
+        true
+    }
 }
 
 /// Groups the elementwise ops of one phase's op list `nodes` (topological
@@ -312,6 +398,19 @@ impl Fuser {
 /// inputs are all fused-group members is written in place (no step; see
 /// [`FusedGroup::concat_writes`]). Grouping itself is unchanged: views and
 /// in-place concats still separate the groups before and after them.
+///
+/// A listed `sum_children` (`expand_children`) becomes an inline read (no
+/// step, no buffer; see [`FusionPlan::inline_reads`]) when it is not kept,
+/// not a graph output, its operand is a float edge-row (vertex-row) value
+/// of its width that is not a viewed slice, and it has users, all of them
+/// listed elementwise ops on vertex (edge) rows of its width: the fused
+/// groups read it as an [`InputKind::ChildSum`] ([`InputKind::ParentRow`])
+/// of the operand. Like views, inline reads still separate the groups of
+/// their operand and their readers.
+///
+/// Besides producer → consumer edges, groups of listed elementwise ops of
+/// one space and width that read a common value merge when that keeps the
+/// steps acyclic (see the module docs).
 ///
 /// Errors name the offending node: a node that is not an op, listed twice or
 /// out of order, a graph whose nodes are not in topological order, or a list
@@ -383,11 +482,12 @@ pub fn fuse(graph: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool) -> R
                     .is_some_and(|op| op.elementwise_template().is_some())
         })
         .collect();
-    let fusable_edge = |x: NodeId, v: NodeId| {
-        elementwise[x]
-            && elementwise[v]
-            && graph.nodes[x].ty.space == graph.nodes[v].ty.space
-            && graph.nodes[x].ty.width() == graph.nodes[v].ty.width()
+    // two listed elementwise ops that may share a kernel
+    let fusable_pair = |a: NodeId, b: NodeId| {
+        elementwise[a]
+            && elementwise[b]
+            && graph.nodes[a].ty.space == graph.nodes[b].ty.space
+            && graph.nodes[a].ty.width() == graph.nodes[b].ty.width()
     };
 
     let mut fuser = Fuser {
@@ -396,15 +496,42 @@ pub fn fuse(graph: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool) -> R
         seen: vec![false; n],
         stack: Vec::new(),
     };
-    // A greedy pass in topological order, repeated over the edges left
-    // unfused until nothing changes: later merges can absorb the third unit
-    // that blocked an earlier one.
+    // the listed elementwise readers of each value read by at least two
+    let sibling_readers: Vec<Vec<NodeId>> = fuser
+        .users
+        .iter()
+        .filter_map(|us| {
+            // users come in node order: a node reading a value twice is
+            // listed twice in a row
+            let mut readers: Vec<NodeId> = us.iter().copied().filter(|&u| elementwise[u]).collect();
+            readers.dedup();
+            (readers.len() >= 2).then_some(readers)
+        })
+        .collect();
+    // Greedy passes in topological order, producer → consumer edges first,
+    // then readers of a common value, repeated until nothing changes: later
+    // merges can absorb the third unit that blocked an earlier one.
     loop {
+        loop {
+            let mut changed = false;
+            for &v in nodes {
+                for &x in &graph.nodes[v].inputs {
+                    if fusable_pair(x, v) && fuser.try_merge(x, v) {
+                        changed = true;
+                    }
+                }
+            }
+            if !changed {
+                break;
+            }
+        }
         let mut changed = false;
-        for &v in nodes {
-            for &x in &graph.nodes[v].inputs {
-                if fusable_edge(x, v) && fuser.try_merge(x, v) {
-                    changed = true;
+        for readers in &sibling_readers {
+            for (k, &a) in readers.iter().enumerate() {
+                for &b in &readers[k + 1..] {
+                    if fusable_pair(a, b) && fuser.try_merge_siblings(a, b) {
+                        changed = true;
+                    }
                 }
             }
         }
@@ -467,8 +594,47 @@ pub fn fuse(graph: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool) -> R
         }
     }
 
-    // units: a group root, or a non-elementwise node (views and in-place
-    // concats included: they order their readers); numbered by first appearance
+    // sum_children / expand_children read inline by every reader
+    let mut inline: Vec<Option<InputKind>> = vec![None; n];
+    let mut inline_reads = Vec::new();
+    for &v in nodes {
+        let node = &graph.nodes[v];
+        let (from, to) = if node.op_as::<SumChildren>().is_some() {
+            (Space::Edge, Space::Vertex)
+        } else if node.op_as::<ExpandChildren>().is_some() {
+            (Space::Vertex, Space::Edge)
+        } else {
+            continue;
+        };
+        let [source] = node.inputs[..] else { continue };
+        let (ty, src) = (&node.ty, &graph.nodes[source].ty);
+        let width = ty.width();
+        let readable = ty.space == to
+            && src.space == from
+            && src.dtype == DType::Float
+            && src.width() == width
+            && view[source].is_none()
+            && !keep(v)
+            && !is_graph_output[v]
+            && !users[v].is_empty()
+            && users[v].iter().all(|&u| {
+                elementwise[u]
+                    && graph.nodes[u].ty.space == to
+                    && graph.nodes[u].ty.width() == width
+            });
+        if readable {
+            inline[v] = Some(if to == Space::Vertex {
+                InputKind::ChildSum { source }
+            } else {
+                InputKind::ParentRow { source }
+            });
+            inline_reads.push(v);
+        }
+    }
+
+    // units: a group root, or a non-elementwise node (views, in-place
+    // concats and inline reads included: they order their readers);
+    // numbered by first appearance
     let mut unit_of: Vec<Option<usize>> = vec![None; n];
     let mut unit_root: Vec<NodeId> = Vec::new();
     let mut root_unit: Vec<Option<usize>> = vec![None; n];
@@ -525,9 +691,10 @@ pub fn fuse(graph: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool) -> R
     for u in order {
         let root = unit_root[u];
         if !elementwise[root] {
-            // views and in-place concats run no kernel; the order still
-            // put them after their producers and before their readers
-            if view[root].is_none() && !in_place[root] {
+            // views, in-place concats and inline reads run no kernel; the
+            // order still put them after their producers and before their
+            // readers
+            if view[root].is_none() && !in_place[root] && inline[root].is_none() {
                 steps.push(Step::Op(root));
             }
             continue;
@@ -549,6 +716,8 @@ pub fn fuse(graph: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool) -> R
                         offset: sv.offset,
                         stride: sv.stride,
                     }
+                } else if let Some(kind) = inline[x] {
+                    kind
                 } else if space != Space::Static && graph.nodes[x].ty.space == Space::Static {
                     InputKind::Broadcast
                 } else {
@@ -603,6 +772,7 @@ pub fn fuse(graph: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool) -> R
         steps,
         views,
         in_place_concats,
+        inline_reads,
     })
 }
 
@@ -661,7 +831,8 @@ impl FusionPlan {
         self.steps.len()
     }
 
-    /// Op nodes covered by the plan (steps, views and in-place concats).
+    /// Op nodes covered by the plan (steps, views, in-place concats and
+    /// inline reads).
     pub fn op_count(&self) -> usize {
         self.steps
             .iter()
@@ -672,6 +843,7 @@ impl FusionPlan {
             .sum::<usize>()
             + self.views.len()
             + self.in_place_concats.len()
+            + self.inline_reads.len()
     }
 
     /// The view of `slice`, if the plan reads that slice in place.
@@ -682,6 +854,13 @@ impl FusionPlan {
     /// True if `concat` has no step: fused groups write it in place.
     pub fn is_in_place_concat(&self, concat: NodeId) -> bool {
         self.in_place_concats.contains(&concat)
+    }
+
+    /// True if `node` (a `sum_children` or `expand_children`) has no step
+    /// and no buffer: the fused groups reading it read its operand through
+    /// the row topology.
+    pub fn is_inline_read(&self, node: NodeId) -> bool {
+        self.inline_reads.contains(&node)
     }
 
     /// A readable listing with each node's op, operands and type
@@ -712,6 +891,9 @@ impl FusionPlan {
                 self.in_place_concats.len()
             );
         }
+        if !self.inline_reads.is_empty() {
+            s += &format!(", {} inline reads", self.inline_reads.len());
+        }
         s += ")\n";
         for step in &self.steps {
             match step {
@@ -736,6 +918,13 @@ impl FusionPlan {
         }
         for &c in &self.in_place_concats {
             s += &format!("in place {}  (written by fused groups)\n", line(c));
+        }
+        for &v in &self.inline_reads {
+            let how = match graph.nodes.get(v).and_then(|n| n.op_as::<SumChildren>()) {
+                Some(_) => "CSR offsets",
+                None => "parent indices",
+            };
+            s += &format!("inline {}  (read by fused groups through {how})\n", line(v));
         }
         s
     }
@@ -762,6 +951,9 @@ impl fmt::Display for FusionPlan {
         for &c in &self.in_place_concats {
             writeln!(f, "concat in place %{c}")?;
         }
+        for &v in &self.inline_reads {
+            writeln!(f, "inline read %{v}")?;
+        }
         Ok(())
     }
 }
@@ -781,7 +973,7 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
 
 /// Replaces the placeholders `{0}`, `{1}`, ... of an elementwise template by
 /// `operands`; `{{` and `}}` stand for literal braces.
-fn instantiate(template: &str, operands: &[String]) -> std::result::Result<String, String> {
+pub(crate) fn instantiate(template: &str, operands: &[String]) -> std::result::Result<String, String> {
     let bytes = template.as_bytes();
     let mut out = String::with_capacity(template.len() + 8 * operands.len());
     let mut i = 0;
@@ -845,7 +1037,8 @@ struct MemberCode {
 }
 
 impl FusedGroup {
-    /// `fused vertex×256 [%7 %8] in(%5, %4 bcast, %3 window %2[0..256]/512) out(%8) cat(%8→%9[0..256])`.
+    /// `fused vertex×256 [%7 %8] in(%5, %4 bcast, %3 window %2[0..256]/512,
+    /// %6 childsum %1) out(%8) cat(%8→%9[0..256])`.
     fn header(&self) -> String {
         let space = match self.space {
             Space::Vertex => "vertex",
@@ -871,6 +1064,8 @@ impl FusedGroup {
                     i.node,
                     offset + self.width
                 ),
+                InputKind::ChildSum { source } => format!("%{} childsum %{source}", i.node),
+                InputKind::ParentRow { source } => format!("%{} parent %{source}", i.node),
             })
             .collect();
         let mut s = format!(
@@ -970,6 +1165,61 @@ impl FusedGroup {
         Ok(())
     }
 
+    /// Checks that a [`ChildSum`](InputKind::ChildSum) or
+    /// [`ParentRow`](InputKind::ParentRow) input is what its kind says: the
+    /// input node is a `sum_children` (`expand_children`) of `source`, a
+    /// float edge-row (vertex-row) value of the group's width, and the group
+    /// runs over vertex (edge) rows.
+    fn check_inline_read(&self, graph: &Graph, input: &FusedInput) -> Result<()> {
+        let (source, from, to, op) = match input.kind {
+            InputKind::ChildSum { source } => (source, Space::Edge, Space::Vertex, "sum_children"),
+            InputKind::ParentRow { source } => {
+                (source, Space::Vertex, Space::Edge, "expand_children")
+            }
+            _ => return Ok(()),
+        };
+        let what = format!(
+            "input %{} ({} of %{source})",
+            input.node,
+            input.kind.short()
+        );
+        let node = graph
+            .nodes
+            .get(input.node)
+            .ok_or_else(|| group_error(self, format!("{what} is not in the graph")))?;
+        let is_op = match input.kind {
+            InputKind::ChildSum { .. } => node.op_as::<SumChildren>().is_some(),
+            _ => node.op_as::<ExpandChildren>().is_some(),
+        };
+        if !is_op || node.inputs != [source] {
+            return Err(group_error(self, format!("{what} is not {op}(%{source})")));
+        }
+        if self.space != to {
+            return Err(group_error(
+                self,
+                format!(
+                    "{what} is read by a group of {:?} rows, expected {to:?}",
+                    self.space
+                ),
+            ));
+        }
+        let ty = &graph
+            .nodes
+            .get(source)
+            .ok_or_else(|| group_error(self, format!("{what}: source is not in the graph")))?
+            .ty;
+        if ty.space != from || ty.dtype != DType::Float || ty.width() != self.width {
+            return Err(group_error(
+                self,
+                format!(
+                    "{what}: source has type {ty}, expected float {from:?} rows of width {}",
+                    self.width
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks the group against `graph` and renders each member as code.
     fn members_code(&self, graph: &Graph) -> Result<Vec<MemberCode>> {
         if self.nodes.is_empty() {
@@ -987,6 +1237,7 @@ impl FusedGroup {
             {
                 self.check_strided(graph, "window source", source, offset, stride)?;
             }
+            self.check_inline_read(graph, input)?;
         }
         for w in &self.concat_writes {
             if !self.nodes.contains(&w.member) {
@@ -1117,15 +1368,31 @@ impl FusedGroup {
     ///     const float* __restrict__ in0, ...,   // one per input, `inputs` order
     ///     float* __restrict__ out0, ...,        // one per output, `outputs` order
     ///     float* cat0, ...,                     // one per `concat_writes` entry
+    ///     const unsigned int* __restrict__ in<k>_rows, ...  // per CSR input, input order
     ///     unsigned long long n, unsigned int width,
     ///     unsigned int in<k>_stride, unsigned int in<k>_offset, ...   // per Window input, input order
-    ///     unsigned int cat<q>_stride, unsigned int cat<q>_offset, ...) // per concat write, in order
+    ///     unsigned int cat<q>_stride, unsigned int cat<q>_offset, ... // per concat write, in order
+    ///     unsigned int in<k>_base, ...)          // per CSR input, input order
     /// ```
+    ///
+    /// (a *CSR input* is one of kind [`InputKind::ChildSum`] or
+    /// [`InputKind::ParentRow`], see [`InputKind::is_csr`]).
     ///
     /// * `inK` is input `K`: rows × width floats (per element), `width`
     ///   floats (broadcast), or for an [`InputKind::Window`] the *source*
     ///   buffer (rows × stride floats), read at
     ///   `in[(i / width) * stride + offset + i % width]`;
+    /// * for an [`InputKind::ChildSum`], `inK` is the edge-row *source*
+    ///   (edges × width floats, from the first edge of the launched range)
+    ///   and `inK_rows` the group's rows + 1 CSR edge offsets (absolute edge
+    ///   numbers): element `i` sums `inK[e * width + i % width]` for `e`
+    ///   from `inK_rows[i / width] - inK_base` to
+    ///   `inK_rows[i / width + 1] - inK_base` (exclusive), in edge order
+    ///   from `0.0f`;
+    /// * for an [`InputKind::ParentRow`], `inK` is the vertex-row *source*
+    ///   (from the first vertex of the launched range) and `inK_rows` holds
+    ///   one parent vertex number (absolute) per edge row of the group:
+    ///   element `i` is `inK[(inK_rows[i / width] - inK_base) * width + i % width]`;
     /// * `outK` is output `K` (rows × width floats, not aliasing any input);
     /// * `catQ` is the buffer of concat write `Q`'s concat (rows × its
     ///   width floats); the kernel stores the member at
@@ -1134,19 +1401,27 @@ impl FusedGroup {
     ///   the parameters are not `__restrict__` so that this is allowed);
     /// * `n` = rows × width (`width` for a static group).
     ///
-    /// Strides and offsets are run-time arguments, so one compiled kernel
-    /// serves every hidden size. A grid-stride loop covers `0..n`, so any
-    /// launch shape is correct.
+    /// Strides, offsets and bases are run-time arguments, so one compiled
+    /// kernel serves every hidden size and range of rows. Row and edge
+    /// indices are scaled in 64 bits. A grid-stride loop covers `0..n`, so
+    /// any launch shape is correct.
     pub fn cuda_source(&self, graph: &Graph, kernel_name: &str) -> Result<String> {
         let code = self.members_code(graph)?;
         let outputs = self.output_members()?;
         let writes = self.concat_write_members()?;
+        let csr: Vec<usize> = (0..self.inputs.len())
+            .filter(|&k| self.inputs[k].kind.is_csr())
+            .collect();
         let mut params: Vec<String> = (0..self.inputs.len())
             .map(|k| format!("const float* __restrict__ in{k}"))
             .collect();
         params.extend((0..outputs.len()).map(|k| format!("float* __restrict__ out{k}")));
         // not restrict: writes into one concat share its pointer
         params.extend((0..writes.len()).map(|q| format!("float* cat{q}")));
+        params.extend(
+            csr.iter()
+                .map(|k| format!("const unsigned int* __restrict__ in{k}_rows")),
+        );
         params.push("unsigned long long n".into());
         params.push("unsigned int width".into());
         for (k, input) in self.inputs.iter().enumerate() {
@@ -1159,6 +1434,7 @@ impl FusedGroup {
             params.push(format!("unsigned int cat{q}_stride"));
             params.push(format!("unsigned int cat{q}_offset"));
         }
+        params.extend(csr.iter().map(|k| format!("unsigned int in{k}_base")));
         let mut s = format!(
             "extern \"C\" __global__ void {kernel_name}(\n    {})\n{{\n",
             params.join(",\n    ")
@@ -1172,6 +1448,22 @@ impl FusedGroup {
                 InputKind::Broadcast => "i % width".to_string(),
                 InputKind::Window { .. } => {
                     format!("(i / width) * in{k}_stride + in{k}_offset + i % width")
+                }
+                InputKind::ParentRow { .. } => format!(
+                    "(unsigned long long)(in{k}_rows[i / width] - in{k}_base) * width + i % width"
+                ),
+                InputKind::ChildSum { .. } => {
+                    // the edge rows of the vertex row, in order (like the CPU kernel)
+                    s += &format!("        float a{k} = 0.0f;\n");
+                    s += &format!(
+                        "        for (unsigned int e = in{k}_rows[i / width] - in{k}_base, \
+                         end = in{k}_rows[i / width + 1] - in{k}_base; e < end; ++e) {{\n"
+                    );
+                    s += &format!(
+                        "            a{k} += in{k}[(unsigned long long)e * width + i % width];\n"
+                    );
+                    s += "        }\n";
+                    continue;
                 }
             };
             s += &format!("        const float a{k} = in{k}[{index}];\n");
@@ -1205,8 +1497,15 @@ impl FusedGroup {
     /// the buffers the generated kernel takes:
     ///
     /// * `inputs[k]` holds input `k`: rows × width elements (per element),
-    ///   `width` (broadcast), or for an [`InputKind::Window`] the whole
-    ///   *source* buffer (rows × stride elements) the window is read from;
+    ///   `width` (broadcast), for an [`InputKind::Window`] the whole
+    ///   *source* buffer (rows × stride elements) the window is read from,
+    ///   and for an [`InputKind::ChildSum`] / [`InputKind::ParentRow`] the
+    ///   whole *source* buffer (edges × width / vertex rows × width);
+    /// * `csr_rows[c]` is the index array of the `c`-th CSR input (see
+    ///   [`InputKind::is_csr`]; in input order), *relative* to the source
+    ///   (the kernel's base already subtracted): for a `ChildSum`, rows + 1
+    ///   non-decreasing offsets into the source's edge rows; for a
+    ///   `ParentRow`, one source row per row (edge) of the group;
     /// * `outputs[k]` receives output `k` (rows × width);
     /// * `concats[k]` is the buffer (rows × its width) of the `k`-th concat
     ///   of [`concat_targets`](Self::concat_targets) (one buffer per concat,
@@ -1214,10 +1513,13 @@ impl FusedGroup {
     ///   writes change.
     ///
     /// `rows` is ignored for a static group (one "row" of `width` elements).
+    /// Buffers of the wrong length and indices outside their source are
+    /// errors naming the input.
     pub fn eval_cpu<T: Real>(
         &self,
         graph: &Graph,
         inputs: &[&[T]],
+        csr_rows: &[&[u32]],
         rows: usize,
         outputs: &mut [&mut [T]],
         concats: &mut [&mut [T]],
@@ -1226,57 +1528,119 @@ impl FusedGroup {
         let output_members = self.output_members()?;
         let write_members = self.concat_write_members()?;
         let targets = self.concat_targets();
+        let csr_inputs = self.inputs.iter().filter(|i| i.kind.is_csr()).count();
         if inputs.len() != self.inputs.len()
+            || csr_rows.len() != csr_inputs
             || outputs.len() != self.outputs.len()
             || concats.len() != targets.len()
         {
             return Err(group_error(
                 self,
                 format!(
-                    "takes {} inputs, {} outputs and {} concat buffers, got {}, {} and {}",
+                    "takes {} inputs, {} index arrays, {} outputs and {} concat buffers, \
+                     got {}, {}, {} and {}",
                     self.inputs.len(),
+                    csr_inputs,
                     self.outputs.len(),
                     targets.len(),
                     inputs.len(),
+                    csr_rows.len(),
                     outputs.len(),
                     concats.len()
                 ),
             ));
         }
         let rows = if self.space == Space::Static { 1 } else { rows };
+        let width = self.width;
         let overflow = |w: usize| {
             rows.checked_mul(w)
                 .ok_or_else(|| group_error(self, format!("{rows} rows of width {w} overflow")))
         };
-        let n = overflow(self.width)?;
-        // window inputs, gathered into rows × width
-        let mut windows: Vec<Option<Vec<T>>> = Vec::with_capacity(self.inputs.len());
+        let n = overflow(width)?;
+        // window and inline inputs, gathered into rows × width
+        let mut gathered: Vec<Option<Vec<T>>> = Vec::with_capacity(self.inputs.len());
+        let mut csr = csr_rows.iter();
         for (k, (input, data)) in self.inputs.iter().zip(inputs).enumerate() {
+            let what = || format!("input {k} (%{}, {})", input.node, input.kind.short());
+            let bad = |message: String| group_error(self, format!("{} {message}", what()));
             let need = match input.kind {
-                InputKind::PerElement => n,
-                InputKind::Broadcast => self.width,
-                InputKind::Window { stride, .. } => overflow(stride)?,
+                InputKind::PerElement => Some(n),
+                InputKind::Broadcast => Some(width),
+                InputKind::Window { stride, .. } => Some(overflow(stride)?),
+                // whole rows of the source, as many as there are
+                InputKind::ChildSum { .. } | InputKind::ParentRow { .. } => None,
             };
-            if data.len() != need {
-                return Err(group_error(
-                    self,
-                    format!(
-                        "input {k} (%{}) has {} elements, expected {need}",
-                        input.node,
+            match need {
+                Some(need) if data.len() != need => {
+                    return Err(bad(format!("has {} elements, expected {need}", data.len())));
+                }
+                None if width > 0 && !data.len().is_multiple_of(width) => {
+                    return Err(bad(format!(
+                        "has {} elements, not whole rows of width {width}",
                         data.len()
-                    ),
-                ));
+                    )));
+                }
+                _ => {}
             }
-            windows.push(match input.kind {
+            // rows of the source of an inline read (nothing is read at width 0)
+            let source_rows = data.len().checked_div(width).unwrap_or(usize::MAX);
+            gathered.push(match input.kind {
+                InputKind::PerElement | InputKind::Broadcast => None,
                 InputKind::Window { offset, stride, .. } => {
                     let mut w = Vec::with_capacity(n);
                     for r in 0..rows {
                         let at = r * stride + offset;
-                        w.extend_from_slice(&data[at..at + self.width]);
+                        w.extend_from_slice(&data[at..at + width]);
                     }
                     Some(w)
                 }
-                _ => None,
+                InputKind::ChildSum { .. } => {
+                    let offsets = csr.next().copied().unwrap_or_default();
+                    if offsets.len().checked_sub(1) != Some(rows) {
+                        return Err(bad(format!(
+                            "has {} CSR offsets, expected {rows} + 1 (one per row and an end)",
+                            offsets.len()
+                        )));
+                    }
+                    let mut w = vec![T::ZERO; n];
+                    for (r, pair) in offsets.windows(2).enumerate() {
+                        let (lo, hi) = (pair[0] as usize, pair[1] as usize);
+                        if lo > hi || hi > source_rows {
+                            return Err(bad(format!(
+                                "row {r} sums edges {lo}..{hi}, outside the source's \
+                                 {source_rows} edge rows"
+                            )));
+                        }
+                        let acc = &mut w[r * width..(r + 1) * width];
+                        for e in lo..hi {
+                            for (a, &x) in acc.iter_mut().zip(&data[e * width..(e + 1) * width]) {
+                                *a += x;
+                            }
+                        }
+                    }
+                    Some(w)
+                }
+                InputKind::ParentRow { .. } => {
+                    let parents = csr.next().copied().unwrap_or_default();
+                    if parents.len() != rows {
+                        return Err(bad(format!(
+                            "has {} parent rows, expected {rows} (one per edge)",
+                            parents.len()
+                        )));
+                    }
+                    let mut w = Vec::with_capacity(n);
+                    for (e, &p) in parents.iter().enumerate() {
+                        let p = p as usize;
+                        if p >= source_rows {
+                            return Err(bad(format!(
+                                "edge {e} has parent row {p}, outside the source's \
+                                 {source_rows} rows"
+                            )));
+                        }
+                        w.extend_from_slice(&data[p * width..(p + 1) * width]);
+                    }
+                    Some(w)
+                }
             });
         }
         if let Some((k, o)) = outputs.iter().enumerate().find(|(_, o)| o.len() != n) {
@@ -1325,7 +1689,7 @@ impl FusedGroup {
                                         )
                                     },
                                 )?;
-                                match &windows[k] {
+                                match &gathered[k] {
                                     Some(w) => w,
                                     None => inputs[k],
                                 }

@@ -1,10 +1,12 @@
 //! Tests for the fusion and code generation passes: which ops fuse (LSTM
 //! cell, cycles through non-elementwise ops, spaces, widths, broadcast
-//! statics), which values are materialized, which slices are read in place
-//! (views) and which concats are written in place, plan validity on real
-//! model phases and on random DAGs (proptest), the CPU interpreter against
-//! op-by-op evaluation, and the generated CUDA source compiled for the host
-//! with the system C++/C compiler and run against op-by-op results.
+//! statics, sibling groups reading a common value), which values are
+//! materialized, which slices are read in place (views), which concats are
+//! written in place and which child sums and expansions are read inline
+//! through the row topology, plan validity on real model phases and on
+//! random DAGs (proptest), the CPU interpreter against op-by-op evaluation,
+//! and the generated CUDA source compiled for the host with the system
+//! C++/C compiler and run against op-by-op results.
 
 mod common;
 
@@ -22,7 +24,7 @@ use ramus_core::fusion::{
     SliceView, Step,
 };
 use ramus_core::model::{HeadRows, Init, ModelBuilder};
-use ramus_core::ops::{Concat, MatMul, Slice, SumChildren};
+use ramus_core::ops::{Concat, ExpandChildren, MatMul, Slice, SumChildren};
 use ramus_core::{Graph, GraphBuilder, NodeId, NodeKind, OpRegistry, Role, Source, Space, Sym};
 use ramus_core::{NodeKind::Op, ValueType};
 
@@ -79,12 +81,16 @@ fn op_as<T: 'static>(g: &Graph, v: NodeId) -> Option<&T> {
         .and_then(|op| (op as &dyn Any).downcast_ref::<T>())
 }
 
-/// The views and in-place concats `plan` must have, from the rules alone.
-fn expected_views_and_concats(
-    g: &Graph,
-    nodes: &[NodeId],
-    keep: &dyn Fn(NodeId) -> bool,
-) -> (Vec<SliceView>, Vec<NodeId>) {
+/// What a plan runs without a step of its own, from the rules alone.
+struct NoStep {
+    views: Vec<SliceView>,
+    in_place_concats: Vec<NodeId>,
+    inline_reads: Vec<NodeId>,
+}
+
+/// The views, in-place concats and inline reads `plan` must have, from the
+/// rules alone.
+fn expected_without_step(g: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool) -> NoStep {
     let users = g.users();
     let listed = |v: NodeId| nodes.contains(&v);
     let is_output = |m: NodeId| g.outputs.iter().any(|o| o.node == m || o.aux == Some(m));
@@ -122,33 +128,93 @@ fn expected_views_and_concats(
             concats.push(v);
         }
     }
-    (views, concats)
+    // a child sum (expansion) whose every reader is a fused op on vertex
+    // (edge) rows of its width, of an edge-row (vertex-row) value that is not
+    // a viewed slice
+    let mut inline_reads = Vec::new();
+    for &v in nodes {
+        let readers = if op_as::<SumChildren>(g, v).is_some() {
+            V
+        } else if op_as::<ExpandChildren>(g, v).is_some() {
+            E
+        } else {
+            continue;
+        };
+        let w = g.nodes[v].ty.width();
+        let src = g.nodes[v].inputs[0];
+        let ok = !keep(v)
+            && !is_output(v)
+            && !views.iter().any(|s| s.slice == src)
+            && !users[v].is_empty()
+            && users[v]
+                .iter()
+                .all(|&u| fused(u) && g.nodes[u].ty.space == readers && g.nodes[u].ty.width() == w);
+        if ok {
+            inline_reads.push(v);
+        }
+    }
+    NoStep {
+        views,
+        in_place_concats: concats,
+        inline_reads,
+    }
+}
+
+/// The kind of input an inline read `x` is for its readers.
+fn inline_kind(g: &Graph, x: NodeId) -> InputKind {
+    let source = g.nodes[x].inputs[0];
+    if op_as::<SumChildren>(g, x).is_some() {
+        InputKind::ChildSum { source }
+    } else {
+        InputKind::ParentRow { source }
+    }
 }
 
 /// Checks `plan` for `nodes` independently of the pass: every listed op in
-/// exactly one step or as a view / in-place concat (exactly those the rules
-/// allow), dependencies respected (through views to their source, through
-/// in-place concats to every writer), groups well formed (members
-/// elementwise, one space and width, inputs, outputs and concat writes
-/// exactly as specified), and no unfused fusable edge could have been fused
-/// without closing a cycle among the steps.
+/// exactly one step or as a view / in-place concat / inline read (exactly
+/// those the rules allow), dependencies respected (through views and inline
+/// reads to their source, through in-place concats to every writer), groups
+/// well formed (members elementwise, one space and width, inputs, outputs
+/// and concat writes exactly as specified), and neither an unfused fusable
+/// edge nor two groups reading a common value could have been fused without
+/// closing a cycle among the steps.
 fn check_plan(g: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool, plan: &FusionPlan) {
     let n = g.nodes.len();
     let listed: Vec<bool> = (0..n).map(|i| nodes.contains(&i)).collect();
-    let (want_views, want_concats) = expected_views_and_concats(g, nodes, keep);
-    assert_eq!(plan.views, want_views, "views:\n{plan}");
+    let want = expected_without_step(g, nodes, keep);
+    assert_eq!(plan.views, want.views, "views:\n{plan}");
     assert_eq!(
-        plan.in_place_concats, want_concats,
+        plan.in_place_concats, want.in_place_concats,
         "in-place concats:\n{plan}"
     );
+    assert_eq!(
+        plan.inline_reads, want.inline_reads,
+        "inline reads:\n{plan}"
+    );
+    let ops = plan
+        .steps
+        .iter()
+        .filter(|s| matches!(s, Step::Op(_)))
+        .count();
+    let members: usize = plan.groups().map(|grp| grp.nodes.len()).sum();
+    assert_eq!(
+        plan.op_count(),
+        ops + members + plan.views.len() + plan.in_place_concats.len() + plan.inline_reads.len()
+    );
+    assert_eq!(plan.op_count(), nodes.len());
+    assert_eq!(plan.kernel_launches(), plan.steps.len());
     let is_view = |v: NodeId| plan.views.iter().find(|w| w.slice == v);
     let in_place = |v: NodeId| plan.in_place_concats.contains(&v);
+    let inline = |v: NodeId| plan.is_inline_read(v);
     let mut step_of: Vec<Option<usize>> = vec![None; n];
     for (s, step) in plan.steps.iter().enumerate() {
         let members: Vec<NodeId> = match step {
             Step::Op(v) => {
                 assert!(!is_elementwise(g, *v), "elementwise %{v} left unfused");
-                assert!(is_view(*v).is_none() && !in_place(*v), "%{v} has a step");
+                assert!(
+                    is_view(*v).is_none() && !in_place(*v) && !inline(*v),
+                    "%{v} has a step"
+                );
                 vec![*v]
             }
             Step::Fused(grp) => grp.nodes.clone(),
@@ -171,6 +237,9 @@ fn check_plan(g: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool, plan: 
         if let Some(v) = plan.view(x) {
             deps(g, plan, step_of, v.source, out);
             out.iter_mut().for_each(|d| d.1 = true);
+        } else if plan.is_inline_read(x) {
+            deps(g, plan, step_of, g.nodes[x].inputs[0], out);
+            out.iter_mut().for_each(|d| d.1 = true);
         } else if plan.is_in_place_concat(x) {
             for &i in &g.nodes[x].inputs {
                 if let Some(s) = step_of[i] {
@@ -182,7 +251,7 @@ fn check_plan(g: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool, plan: 
         }
     }
     for &v in nodes {
-        if is_view(v).is_some() || in_place(v) {
+        if is_view(v).is_some() || in_place(v) || inline(v) {
             continue;
         }
         let Some(sv) = step_of[v] else {
@@ -202,6 +271,12 @@ fn check_plan(g: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool, plan: 
                     || op_as::<MatMul>(g, v).is_some()
                     || op_as::<SumChildren>(g, v).is_some();
                 assert!(ok, "%{v} reads view %{x} but cannot:\n{plan}");
+            }
+            if inline(x) {
+                assert!(
+                    matches!(&plan.steps[sv], Step::Fused(_)),
+                    "%{v} reads inline read %{x} but is no fused group member:\n{plan}"
+                );
             }
         }
     }
@@ -231,6 +306,8 @@ fn check_plan(g: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool, plan: 
                             offset: v.offset,
                             stride: v.stride,
                         }
+                    } else if inline(x) {
+                        inline_kind(g, x)
                     } else if grp.space != Space::Static && g.nodes[x].ty.space == Space::Static {
                         InputKind::Broadcast
                     } else {
@@ -310,6 +387,37 @@ fn check_plan(g: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool, plan: 
             }
         }
     }
+    // ... and merging two groups of one space and width that read a
+    // common value does too
+    let reads: Vec<BTreeSet<NodeId>> = plan
+        .steps
+        .iter()
+        .map(|s| match s {
+            Step::Fused(grp) => grp
+                .nodes
+                .iter()
+                .flat_map(|&m| g.nodes[m].inputs.iter().copied())
+                .collect(),
+            Step::Op(_) => BTreeSet::new(),
+        })
+        .collect();
+    for (a, sa) in plan.steps.iter().enumerate() {
+        for (b, sb) in plan.steps.iter().enumerate().skip(a + 1) {
+            let (Step::Fused(ga), Step::Fused(gb)) = (sa, sb) else {
+                continue;
+            };
+            if (ga.space, ga.width) != (gb.space, gb.width) {
+                continue;
+            }
+            if let Some(x) = reads[a].intersection(&reads[b]).next() {
+                let merged = |s: usize| if s == b { a } else { s };
+                assert!(
+                    steps_have_cycle(g, nodes, &|u| merged(unit(u))),
+                    "steps {a} and {b} both read %{x} and could have been fused:\n{plan}"
+                );
+            }
+        }
+    }
 }
 
 /// True if the graph of steps (`unit_of` maps a listed node to its step)
@@ -356,11 +464,59 @@ fn window(src: &[f64], rows: usize, stride: usize, offset: usize, len: usize) ->
         .collect()
 }
 
+/// The CSR edge offsets of `topo`'s vertex rows (`vertex_rows + 1`
+/// entries): vertex `r`'s child edges are `offsets[r]..offsets[r + 1]`.
+fn edge_offsets(topo: &Topo) -> Vec<u32> {
+    assert!(
+        topo.edge_parent.windows(2).all(|w| w[0] <= w[1]),
+        "test bug: edges not grouped by parent"
+    );
+    (0..=topo.vertex_rows)
+        .map(|r| topo.edge_parent.partition_point(|&p| (p as usize) < r) as u32)
+        .collect()
+}
+
+/// The index array a fused kernel takes for a CSR input of `kind`, relative
+/// to the launched rows: CSR edge offsets for a child sum, each edge's
+/// parent for a parent row.
+fn csr_rows(topo: &Topo, kind: InputKind) -> Vec<u32> {
+    match kind {
+        InputKind::ChildSum { .. } => edge_offsets(topo),
+        InputKind::ParentRow { .. } => topo.edge_parent.clone(),
+        _ => panic!("test bug: {kind:?} is no CSR input"),
+    }
+}
+
+/// Evaluates `g` op by op (the reference). A backward graph's reads of the
+/// forward graph and of output gradients come from `env.inputs`
+/// (`Source::Forward(m)`, `Source::OutputGrad(i)`) like any other input.
+fn reference(g: &Graph, env: &Env) -> Vec<Val> {
+    let mut fwd: Vec<Val> = Vec::new();
+    let mut out_grads = HashMap::new();
+    for (s, v) in &env.inputs {
+        match *s {
+            Source::Forward(m) => {
+                if fwd.len() <= m {
+                    fwd.resize(m + 1, Val::F(vec![]));
+                }
+                fwd[m] = v.clone();
+            }
+            Source::OutputGrad(i) => {
+                out_grads.insert(i, v.f().to_vec());
+            }
+            _ => {}
+        }
+    }
+    let fwd = (!fwd.is_empty()).then_some(fwd.as_slice());
+    eval(g, env, fwd, &out_grads).unwrap_or_else(|e| panic!("reference: {e}"))
+}
+
 /// Runs `plans` in order (ops through their kernels, fused groups through
 /// `eval_cpu`), starting from `env`'s inputs and parameters, the way an
 /// engine does: a view has no value of its own (groups get its source, a
-/// matmul its window), and an in-place concat's buffer (NaN at first) is
-/// filled by the groups writing into it. Returns every value the plans
+/// matmul its window), an inline read neither (groups get its operand and
+/// the topology), and an in-place concat's buffer (NaN at first) is filled
+/// by the groups writing into it. Returns every value the plans
 /// materialized; reading a value no step materialized fails.
 fn run_plans(g: &Graph, env: &Env, plans: &[&FusionPlan]) -> Result<Vec<Option<Vec<f64>>>, String> {
     let topo = &env.topo;
@@ -419,15 +575,16 @@ fn run_plans(g: &Graph, env: &Env, plans: &[&FusionPlan]) -> Result<Vec<Option<V
                     let ins = grp
                         .inputs
                         .iter()
-                        .map(|i| {
-                            let x = match i.kind {
-                                InputKind::Window { source, .. } => source,
-                                _ => i.node,
-                            };
-                            get(&vals, x, "a fused group").map(|v| v.f().to_vec())
-                        })
+                        .map(|i| get(&vals, i.buffer(), "a fused group").map(|v| v.f().to_vec()))
                         .collect::<Result<Vec<_>, String>>()?;
                     let ins: Vec<&[f64]> = ins.iter().map(|v| v.as_slice()).collect();
+                    let csr: Vec<Vec<u32>> = grp
+                        .inputs
+                        .iter()
+                        .filter(|i| i.kind.is_csr())
+                        .map(|i| csr_rows(topo, i.kind))
+                        .collect();
+                    let csr: Vec<&[u32]> = csr.iter().map(|v| v.as_slice()).collect();
                     let r = topo.rows(grp.space);
                     let mut outs = vec![vec![f64::NAN; r * grp.width]; grp.outputs.len()];
                     let targets = grp.concat_targets();
@@ -440,7 +597,7 @@ fn run_plans(g: &Graph, env: &Env, plans: &[&FusionPlan]) -> Result<Vec<Option<V
                             outs.iter_mut().map(|o| o.as_mut_slice()).collect();
                         let mut cat_refs: Vec<&mut [f64]> =
                             cats.iter_mut().map(|o| o.as_mut_slice()).collect();
-                        grp.eval_cpu(g, &ins, r, &mut refs, &mut cat_refs)
+                        grp.eval_cpu(g, &ins, &csr, r, &mut refs, &mut cat_refs)
                             .map_err(|e| e.to_string())?;
                     }
                     for (&c, buf) in targets.iter().zip(cats) {
@@ -465,7 +622,7 @@ fn check_plans_match_reference(
     plans: &[&FusionPlan],
     keep: &dyn Fn(NodeId) -> bool,
 ) {
-    let want = eval(g, env, None, &HashMap::new()).unwrap_or_else(|e| panic!("reference: {e}"));
+    let want = reference(g, env);
     let got = run_plans(g, env, plans).unwrap_or_else(|e| panic!("plan evaluation: {e}"));
     for (i, v) in got.iter().enumerate() {
         if let Some(v) = v {
@@ -497,11 +654,16 @@ struct HostCall {
     concats: Vec<usize>,
     /// The concat buffer each concat write's pointer names.
     cat_args: Vec<usize>,
+    /// The index array of each CSR input (absolute: `bases` added), in
+    /// input order.
+    rows: Vec<Vec<u32>>,
     n: usize,
     width: usize,
-    /// The trailing `unsigned int` arguments: window strides and offsets,
-    /// then concat strides and offsets.
+    /// The `unsigned int` arguments after `width`: window strides and
+    /// offsets, then concat strides and offsets.
     tail: Vec<usize>,
+    /// The base of each CSR input's indices (the last arguments).
+    bases: Vec<usize>,
 }
 
 /// What concat buffers hold before a host kernel writes its columns.
@@ -562,9 +724,20 @@ fn run_on_host(
     }
     for (c, call) in calls.iter().enumerate() {
         for (k, data) in call.inputs.iter().enumerate() {
-            let vals: Vec<String> = data.iter().map(|&x| c_float(x)).collect();
+            let mut vals: Vec<String> = data.iter().map(|&x| c_float(x)).collect();
+            if vals.is_empty() {
+                // a child sum over no edges at all: never read, but C wants an element
+                vals.push(c_float(0.0));
+            }
             src += &format!(
                 "static const float c{c}_in{k}[] = {{{}}};\n",
+                vals.join(", ")
+            );
+        }
+        for (k, rows) in call.rows.iter().enumerate() {
+            let vals: Vec<String> = rows.iter().map(|x| format!("{x}u")).collect();
+            src += &format!(
+                "static const unsigned int c{c}_rows{k}[] = {{{}}};\n",
                 vals.join(", ")
             );
         }
@@ -593,9 +766,11 @@ fn run_on_host(
             .collect();
         args.extend((0..call.outputs).map(|k| format!("c{c}_out{k}")));
         args.extend(call.cat_args.iter().map(|k| format!("c{c}_cat{k}")));
+        args.extend((0..call.rows.len()).map(|k| format!("c{c}_rows{k}")));
         args.push(format!("{}ull", call.n));
         args.push(format!("{}u", call.width));
         args.extend(call.tail.iter().map(|t| format!("{t}u")));
+        args.extend(call.bases.iter().map(|b| format!("{b}u")));
         src += &format!("    {}({});\n", call.kernel, args.join(", "));
         for k in 0..call.outputs {
             src += &print(format!("c{c}_out{k}"), call.n);
@@ -668,21 +843,17 @@ fn round_to_f32(env: &mut Env) {
 }
 
 /// Runs every fused group of `plans` as generated code on the host, fed
-/// with the op-by-op reference values of its inputs (a window input: its
-/// source's), and compares its outputs and the columns it writes into
-/// concat buffers with the reference within 1e-5 relative; the other
-/// columns of those buffers must be untouched. Returns the number of
-/// kernels checked (0 without a compiler).
+/// with the op-by-op reference values of its inputs (a window or inline
+/// input: its source's; the index arrays of inline inputs absolute, offset
+/// by a different non-zero base each), and compares its outputs and the
+/// columns it writes into concat buffers with the reference within 1e-5
+/// relative; the other columns of those buffers must be untouched. Returns
+/// the number of kernels checked (0 without a compiler).
 fn check_codegen_on_host(tag: &str, cases: &[(&Graph, &Env, Vec<&FusionPlan>)]) -> usize {
     let mut kernels = Vec::new();
     let mut calls = Vec::new();
     let mut expect = Vec::new();
-    let references: Vec<Vec<Val>> = cases
-        .iter()
-        .map(|(g, env, _)| {
-            eval(g, env, None, &HashMap::new()).unwrap_or_else(|e| panic!("reference: {e}"))
-        })
-        .collect();
+    let references: Vec<Vec<Val>> = cases.iter().map(|(g, env, _)| reference(g, env)).collect();
     for (case, ((g, env, plans), want)) in cases.iter().zip(&references).enumerate() {
         for grp in plans.iter().flat_map(|p| p.groups()) {
             let rows = env.topo.rows(grp.space);
@@ -692,22 +863,22 @@ fn check_codegen_on_host(tag: &str, cases: &[(&Graph, &Env, Vec<&FusionPlan>)]) 
             let k = grp.kernel(g).unwrap_or_else(|e| panic!("codegen: {e}"));
             let targets = grp.concat_targets();
             let mut tail = Vec::new();
+            let (mut csr, mut bases) = (Vec::new(), Vec::new());
             let inputs = grp
                 .inputs
                 .iter()
                 .map(|i| {
-                    let x = match i.kind {
-                        InputKind::Window {
-                            source,
-                            offset,
-                            stride,
-                        } => {
-                            tail.extend([stride, offset]);
-                            source
-                        }
-                        _ => i.node,
-                    };
-                    want[x].f().iter().map(|&x| x as f32).collect()
+                    if let InputKind::Window { offset, stride, .. } = i.kind {
+                        tail.extend([stride, offset]);
+                    }
+                    if i.kind.is_csr() {
+                        // as if the launch covered rows of a larger batch
+                        let base = 1000 + 37 * calls.len() + 5 * bases.len();
+                        let rows = csr_rows(&env.topo, i.kind);
+                        csr.push(rows.iter().map(|&r| r + base as u32).collect());
+                        bases.push(base);
+                    }
+                    want[i.buffer()].f().iter().map(|&x| x as f32).collect()
                 })
                 .collect();
             let mut cat_args = Vec::new();
@@ -724,9 +895,11 @@ fn check_codegen_on_host(tag: &str, cases: &[(&Graph, &Env, Vec<&FusionPlan>)]) 
                     .map(|&c| env.topo.len(&g.nodes[c].ty))
                     .collect(),
                 cat_args,
+                rows: csr,
                 n: rows * grp.width,
                 width: grp.width,
                 tail,
+                bases,
             });
             kernels.push(k);
             expect.push((case, grp, rows));
@@ -1792,6 +1965,591 @@ fn model_phases_fuse_into_valid_plans_that_keep_what_backward_reads() {
 }
 
 // ======================================================================
+// Child sums and parent rows read inline; sibling groups
+// ======================================================================
+
+/// The reference child-sum Tree-LSTM (as `ramus-nn` builds it, without
+/// dropout): a leaf function and the `internal` one, whose per-task phase
+/// sums the children's `h` (read by a matmul) and their gated `c` (read by
+/// the cell).
+fn child_sum_tree_lstm(hd: usize) -> ramus_core::model::Model {
+    let mut m = ModelBuilder::new("treelstm", 2 * hd);
+    let emb = m.param("emb", &[7, hd], Init::Normal { std: 1.0 });
+    let w_iou = m.param("W_iou", &[3 * hd, hd], Init::Xavier);
+    let u_iou = m.param("U_iou", &[3 * hd, hd], Init::Xavier);
+    let b_iou = m.param("b_iou", &[3 * hd], Init::Zeros);
+    let u_f = m.param("U_f", &[hd, hd], Init::Xavier);
+    let b_f = m.param("b_f", &[hd], Init::Zeros);
+    let w_out = m.param("W_out", &[3, hd], Init::Xavier);
+    let cell = |f: &mut ramus_core::model::VertexFnBuilder, iou: Sym, extra: Option<Sym>| {
+        let parts = f.split(iou, 3);
+        let i = f.sigmoid(parts[0]);
+        let o = f.sigmoid(parts[1]);
+        let u = f.tanh(parts[2]);
+        let mut c = f.mul(i, u);
+        if let Some(extra) = extra {
+            c = f.add(c, extra);
+        }
+        let tc = f.tanh(c);
+        let h = f.mul(o, tc);
+        let state = f.concat(&[h, c]);
+        f.scatter(state);
+        f.push(h);
+    };
+    let leaf = m
+        .vertex_fn("leaf", |f| {
+            let x = f.embed(emb);
+            let (w, b) = (f.param(w_iou), f.param(b_iou));
+            let iou = f.linear(x, w, Some(b));
+            cell(f, iou, None);
+        })
+        .unwrap();
+    let internal = m
+        .vertex_fn("internal", |f| {
+            let kids = f.gather_all();
+            let h_k = f.slice(kids, 0, hd);
+            let c_k = f.slice(kids, hd, hd);
+            let h_sum = f.sum_children(h_k);
+            let (u, b) = (f.param(u_iou), f.param(b_iou));
+            let iou = f.linear(h_sum, u, Some(b));
+            let (uf, bf) = (f.param(u_f), f.param(b_f));
+            let f_pre = f.linear(h_k, uf, Some(bf));
+            let f_k = f.sigmoid(f_pre);
+            let fc = f.mul(f_k, c_k);
+            let fc_sum = f.sum_children(fc);
+            cell(f, iou, Some(fc_sum));
+        })
+        .unwrap();
+    m.select(ramus_core::FunctionSelector::LeafInternal { leaf, internal });
+    m.head(HeadRows::Roots, hd, |h| {
+        let x = h.input();
+        let w = h.param(w_out);
+        let logits = h.linear(x, w, None);
+        let labels = h.labels();
+        let l = h.softmax_xent(logits, labels);
+        let loss = h.mean_rows(l);
+        h.loss(loss);
+        h.logits(logits);
+    })
+    .unwrap();
+    m.build().unwrap()
+}
+
+/// Random data for every input of a vertex function's graph `g` over
+/// `topo`; a backward graph's reads of the forward graph come from
+/// `forward` (its op-by-op values). Rounded to f32.
+fn function_env(
+    g: &Graph,
+    shapes: &[Vec<usize>],
+    topo: &Topo,
+    forward: Option<&[Val]>,
+    seed: u64,
+) -> Env {
+    let mut rng = Rng::new(seed);
+    let mut env = Env {
+        topo: topo.clone(),
+        inputs: HashMap::new(),
+        params: shapes
+            .iter()
+            .map(|s| rng.vec(s.iter().product(), -0.5, 0.5))
+            .collect(),
+    };
+    for node in &g.nodes {
+        if let NodeKind::Input(s) = node.kind {
+            let v = match (s, forward) {
+                (Source::Forward(m), Some(fwd)) => fwd[m].clone(),
+                _ => Val::F(rng.vec(env.topo.len(&node.ty), -1.0, 1.0)),
+            };
+            env.inputs.insert(s, v);
+        }
+    }
+    round_to_f32(&mut env);
+    env
+}
+
+/// The op nodes of `g` running `T`.
+fn nodes_of<T: 'static>(g: &Graph) -> Vec<NodeId> {
+    op_nodes(g)
+        .into_iter()
+        .filter(|&v| op_as::<T>(g, v).is_some())
+        .collect()
+}
+
+#[test]
+fn child_sum_tree_lstm_reads_child_sums_and_parent_rows_inline() {
+    let hd = 4;
+    let model = child_sum_tree_lstm(hd);
+    let func = model
+        .functions
+        .iter()
+        .find(|f| f.name == "internal")
+        .unwrap();
+    let shapes: Vec<Vec<usize>> = model.params.iter().map(|p| p.shape.clone()).collect();
+    let keep_set = forward_reads(&func.backward);
+    let keep_fwd = |v: NodeId| keep_set.contains(&v);
+    let (fg, bg) = (&func.forward, &func.backward);
+    let fuse_phases =
+        |g: &Graph, plan: &ramus_core::plan::ExecPlan, keep: &dyn Fn(NodeId) -> bool| {
+            [&plan.eager, &plan.per_task, &plan.lazy].map(|phase| {
+                let fp = fuse(g, phase, keep).unwrap_or_else(|e| panic!("{e}"));
+                check_plan(g, phase, keep, &fp);
+                fp
+            })
+        };
+
+    // F: the child sum of the children's h feeds a matmul and stays a
+    // step; the child sum of the gated c is read by the cell through the
+    // CSR offsets (9 launches before)
+    let fwd = fuse_phases(fg, &func.forward_plan, &keep_fwd);
+    let f_task = &fwd[1];
+    assert_eq!(f_task.kernel_launches(), 8, "{f_task}");
+    let sums = nodes_of::<SumChildren>(fg);
+    assert_eq!(sums.len(), 2);
+    let (h_sum, fc_sum) = (sums[0], sums[1]);
+    assert!(f_task.steps.contains(&Step::Op(h_sum)), "{f_task}");
+    assert_eq!(f_task.inline_reads, vec![fc_sum]);
+    let fc = fg.nodes[fc_sum].inputs[0];
+    let cell = group_of(f_task, func.push.unwrap());
+    assert_eq!(cell.space, V);
+    assert!(
+        cell.inputs.contains(&FusedInput {
+            node: fc_sum,
+            kind: InputKind::ChildSum { source: fc }
+        }),
+        "{cell:?}"
+    );
+    // the gated c is an output of the edge group that the cell reads
+    assert!(group_of(f_task, fc).outputs.contains(&fc));
+    let listing = f_task.listing(fg, &model.param_names());
+    assert!(listing.contains(", 1 inline reads)"), "{listing}");
+    assert!(
+        listing.contains(&format!(
+            "inline %{fc_sum} = sum_children(%{fc}) : vertex[f[{hd}]]  \
+             (read by fused groups through CSR offsets)"
+        )),
+        "{listing}"
+    );
+    assert!(
+        listing.contains(&format!("%{fc_sum} childsum %{fc}")),
+        "{listing}"
+    );
+
+    // ∂F: both expansions are read inline, and the two products of the
+    // first one share a kernel (8 launches before: 2 expansions, 2 groups
+    // for the products)
+    let bwd = fuse_phases(bg, &func.backward_plan, &no_keep);
+    let b_task = &bwd[1];
+    assert_eq!(b_task.kernel_launches(), 5, "{b_task}");
+    let expands = nodes_of::<ExpandChildren>(bg);
+    assert_eq!(expands.len(), 2);
+    assert_eq!(b_task.inline_reads, expands);
+    let users = bg.users();
+    for &x in &expands {
+        let source = bg.nodes[x].inputs[0];
+        let grp = group_of(b_task, users[x][0]);
+        assert!(users[x].iter().all(|u| grp.nodes.contains(u)));
+        let reads: Vec<&FusedInput> = grp.inputs.iter().filter(|i| i.node == x).collect();
+        assert_eq!(
+            reads,
+            [&FusedInput {
+                node: x,
+                kind: InputKind::ParentRow { source }
+            }]
+        );
+    }
+    let first = group_of(b_task, users[expands[0]][0]);
+    assert_eq!(users[expands[0]].len(), 2, "{b_task}");
+    assert_eq!(first.nodes.len(), 3, "{b_task}");
+    assert!(
+        b_task
+            .listing(bg, &model.param_names())
+            .contains("(read by fused groups through parent indices)"),
+        "{}",
+        b_task.listing(bg, &model.param_names())
+    );
+
+    // values: op by op against the plans, in f64 and as generated code
+    let topo = Topo::from_children(&[2, 0, 3, 1, 1]);
+    let f_env = function_env(fg, &shapes, &topo, None, 21);
+    let f_plans: Vec<&FusionPlan> = fwd.iter().collect();
+    check_plans_match_reference(fg, &f_env, &f_plans, &keep_fwd);
+    let f_vals = reference(fg, &f_env);
+    let b_env = function_env(bg, &shapes, &topo, Some(&f_vals), 22);
+    let b_plans: Vec<&FusionPlan> = bwd.iter().collect();
+    check_plans_match_reference(bg, &b_env, &b_plans, &no_keep);
+    check_codegen_on_host("tree-lstm", &[(fg, &f_env, f_plans), (bg, &b_env, b_plans)]);
+
+    // the same launches per task at the hidden size `ramus inspect` shows
+    let big = child_sum_tree_lstm(256);
+    let func = big.functions.iter().find(|f| f.name == "internal").unwrap();
+    let keep_set = forward_reads(&func.backward);
+    let f_task = fuse(&func.forward, &func.forward_plan.per_task, &|v| {
+        keep_set.contains(&v)
+    })
+    .unwrap();
+    let b_task = fuse(&func.backward, &func.backward_plan.per_task, &no_keep).unwrap();
+    assert_eq!((f_task.kernel_launches(), b_task.kernel_launches()), (8, 5));
+    assert_eq!(
+        (f_task.inline_reads.len(), b_task.inline_reads.len()),
+        (1, 2)
+    );
+}
+
+#[test]
+fn siblings_reading_one_expanded_row_fuse_into_one_kernel() {
+    // the backward pattern: x = expand(v), a = x·p, b = x·q with a and b
+    // read by different ops: without sibling merging two kernels and an
+    // expand kernel, now one kernel reading v's rows through the parents
+    let w = 3;
+    let mut bld = GraphBuilder::new("siblings", &[]);
+    let v = bld.input(Source::Pull, rows(V, w));
+    let p = bld.input(Source::GatherAll, rows(E, w));
+    let q = bld.input(Source::OutputGrad(0), rows(E, w));
+    let vt = bld.tanh(v);
+    let x = bld.expand_children(vt);
+    let a = bld.mul(x, p);
+    let b = bld.mul(x, q);
+    let wide = bld.concat(&[a, p]);
+    let s = bld.sum_children(b);
+    bld.output(Role::ChildGradAll, wide, None);
+    bld.output(Role::Push, s, None);
+    let g = bld.finish().unwrap();
+    let plan = fuse_all(&g);
+    check_plan(&g, &op_nodes(&g), &no_keep, &plan);
+    // tanh, [a b], concat (p is no member), child sum (a graph output)
+    assert_eq!(plan.kernel_launches(), 4, "{plan}");
+    assert_eq!(plan.inline_reads, ids(&[x]));
+    let grp = group_of(&plan, a.id());
+    assert_eq!(grp.nodes, ids(&[a, b]));
+    assert_eq!(
+        grp.inputs,
+        vec![
+            FusedInput {
+                node: x.id(),
+                kind: InputKind::ParentRow { source: vt.id() }
+            },
+            FusedInput {
+                node: p.id(),
+                kind: InputKind::PerElement
+            },
+            FusedInput {
+                node: q.id(),
+                kind: InputKind::PerElement
+            },
+        ]
+    );
+    assert_eq!(grp.outputs, ids(&[a, b]));
+    let src = grp.kernel(&g).unwrap().source;
+    assert_eq!(src.matches("in0_rows[").count(), 1, "{src}");
+    assert!(
+        src.contains(
+            "const float a0 = in0[(unsigned long long)(in0_rows[i / width] - in0_base) \
+             * width + i % width];"
+        ),
+        "{src}"
+    );
+    assert!(grp
+        .signature(&g)
+        .unwrap()
+        .starts_with("in[a0:parent,a1:elem,a2:elem]"));
+    assert!(
+        format!("{plan}").contains(&format!("inline read %{}", x.id())),
+        "{plan}"
+    );
+    let env = random_env(&g, &[], Topo::from_children(&[1, 3, 0, 2]), 23);
+    check_plans_match_reference(&g, &env, &[&plan], &no_keep);
+    check_codegen_on_host("siblings", &[(&g, &env, vec![&plan])]);
+}
+
+#[test]
+fn siblings_whose_merge_would_wait_for_themselves_stay_apart() {
+    // a = tanh x feeds a matmul m, and b = x + m: a and b read x, but one
+    // kernel computing both would wait for m, which waits for a
+    let w = 3;
+    let mut bld = GraphBuilder::new("siblings", &[vec![w, w]]);
+    let x = bld.input(Source::Pull, rows(V, w));
+    let wm = bld.param(0);
+    let a = bld.tanh(x);
+    let m = bld.matmul(a, wm, false, false);
+    let b = bld.add(x, m);
+    // c reads x too and nothing orders it: it joins one of them
+    let c = bld.sigmoid(x);
+    let r = bld.concat(&[b, c]);
+    let r = bld.sum_rows(r);
+    bld.output(Role::Push, b, None);
+    bld.output(Role::Loss, r, None);
+    let g = bld.finish().unwrap();
+    let plan = fuse_all(&g);
+    check_plan(&g, &op_nodes(&g), &no_keep, &plan);
+    assert_ne!(group_of(&plan, a.id()), group_of(&plan, b.id()), "{plan}");
+    assert_eq!(group_of(&plan, a.id()).nodes, ids(&[a, c]), "{plan}");
+    assert_eq!(plan.kernel_launches(), 4, "{plan}");
+    let env = random_env(&g, &[vec![w, w]], Topo::vertices(3), 24);
+    check_plans_match_reference(&g, &env, &[&plan], &no_keep);
+}
+
+#[test]
+fn child_sums_and_expansions_stay_steps_unless_only_fused_ops_read_them() {
+    let w = 3;
+    let shapes = vec![vec![w, w]];
+    let mut bld = GraphBuilder::new("inline", &shapes);
+    let e = bld.input(Source::GatherAll, rows(E, w));
+    let kids = bld.input(Source::Gather(0), rows(V, 2 * w));
+    let wm = bld.param(0);
+    let t = bld.tanh(e);
+    // read by a matmul (and a fused op)
+    let s_mm = bld.sum_children(t);
+    let m = bld.matmul(s_mm, wm, false, false);
+    let y1 = bld.add(m, s_mm);
+    // read only by a fused op: inline
+    let s_ok = bld.sum_children(t);
+    let y2 = bld.neg(s_ok);
+    // kept (the backward graph reads it)
+    let s_kept = bld.sum_children(t);
+    let y3 = bld.relu(s_kept);
+    // a graph output
+    let s_out = bld.sum_children(t);
+    let y4 = bld.sigmoid(s_out);
+    // of a viewed slice: the child-sum kernel reads it with a stride
+    let ex = bld.expand_children(kids);
+    let sl = bld.slice(ex, w, w);
+    let s_view = bld.sum_children(sl);
+    let y5 = bld.scale(s_view, 2.0);
+    // read by a concat
+    let s_wide = bld.sum_children(t);
+    let y6 = bld.concat(&[s_wide, y5]);
+    let y6 = bld.tanh(y6);
+    // an expansion read by a fused op and by a child sum
+    let ev = bld.expand_children(y2);
+    let ea = bld.mul(ev, t);
+    let es = bld.sum_children(ev);
+    // an expansion read only by a fused edge op: inline
+    let ev2 = bld.expand_children(y3);
+    let eb = bld.add(ev2, e);
+    let z = bld.add(y1, y4);
+    bld.output(Role::Push, z, None);
+    bld.output(Role::Scatter, s_out, None);
+    bld.output(Role::ChildGradAll, ea, None);
+    bld.output(Role::PullGrad, es, None);
+    bld.output(Role::ChildGrad(0), eb, None);
+    bld.output(Role::Loss, y6, None);
+    let g = bld.finish().unwrap_or_else(|e| panic!("{e}"));
+    let keep = |v: NodeId| v == s_kept.id();
+    let all = op_nodes(&g);
+    let plan = fuse(&g, &all, &keep).unwrap();
+    check_plan(&g, &all, &keep, &plan);
+    assert_eq!(plan.inline_reads, ids(&[s_ok, ev2]), "{plan}");
+    for stepped in [s_mm, s_kept, s_out, s_view, s_wide, ev, ex] {
+        assert!(
+            plan.steps.contains(&Step::Op(stepped.id())),
+            "%{} should be a step:\n{plan}",
+            stepped.id()
+        );
+    }
+    assert!(plan.view(sl.id()).is_some(), "{plan}");
+    assert_eq!(
+        group_of(&plan, y2.id()).inputs[0],
+        FusedInput {
+            node: s_ok.id(),
+            kind: InputKind::ChildSum { source: t.id() }
+        }
+    );
+    // without keep the kept one is read inline too
+    let plain = fuse_all(&g);
+    check_plan(&g, &all, &no_keep, &plain);
+    assert_eq!(plain.inline_reads, ids(&[s_ok, s_kept, ev2]), "{plain}");
+    // in another phase than its readers: a step
+    let split = all.iter().position(|&v| v == y2.id()).unwrap();
+    let p1 = fuse(&g, &all[..split], &no_keep).unwrap();
+    let p2 = fuse(&g, &all[split..], &no_keep).unwrap();
+    check_plan(&g, &all[..split], &no_keep, &p1);
+    check_plan(&g, &all[split..], &no_keep, &p2);
+    assert!(p1.steps.contains(&Step::Op(s_ok.id())), "{p1}");
+    let env = random_env(&g, &shapes, Topo::from_children(&[2, 0, 1, 3]), 25);
+    check_plans_match_reference(&g, &env, &[&plan], &keep);
+    check_plans_match_reference(&g, &env, &[&p1, &p2], &no_keep);
+    check_codegen_on_host("inline", &[(&g, &env, vec![&plan, &plain])]);
+}
+
+#[test]
+fn inline_reads_have_their_index_arrays_and_bases_in_the_kernel_parameters() {
+    // y = σ(Σ_children t) · v + ... : one child sum, one window, one
+    // concat write, then an edge group reading a parent row
+    let w = 2;
+    let mut bld = GraphBuilder::new("abi", &[]);
+    let e = bld.input(Source::GatherAll, rows(E, w));
+    let hv = bld.input(Source::Gather(0), rows(V, 2 * w));
+    let t = bld.tanh(e);
+    let s = bld.sum_children(t);
+    let hs = bld.slice(hv, w, w);
+    let y = bld.sigmoid(s);
+    let y = bld.mul(y, hs);
+    let st = bld.concat(&[y, y]);
+    let x = bld.expand_children(y);
+    let z = bld.mul(x, e);
+    bld.output(Role::Scatter, st, None);
+    bld.output(Role::ChildGradAll, z, None);
+    let g = bld.finish().unwrap();
+    let plan = fuse_all(&g);
+    check_plan(&g, &op_nodes(&g), &no_keep, &plan);
+    assert_eq!(plan.inline_reads, ids(&[s, x]));
+    let grp = group_of(&plan, y.id());
+    assert!(
+        matches!(
+            grp.inputs[..],
+            [
+                FusedInput {
+                    kind: InputKind::ChildSum { .. },
+                    ..
+                },
+                FusedInput {
+                    kind: InputKind::Window { .. },
+                    ..
+                }
+            ]
+        ),
+        "{grp:?}"
+    );
+    let k = grp.kernel(&g).unwrap();
+    let want_head = format!(
+        "extern \"C\" __global__ void {}(\n    {})\n{{\n",
+        k.name,
+        [
+            "const float* __restrict__ in0",
+            "const float* __restrict__ in1",
+            "float* __restrict__ out0",
+            "float* cat0",
+            "float* cat1",
+            "const unsigned int* __restrict__ in0_rows",
+            "unsigned long long n",
+            "unsigned int width",
+            "unsigned int in1_stride",
+            "unsigned int in1_offset",
+            "unsigned int cat0_stride",
+            "unsigned int cat0_offset",
+            "unsigned int cat1_stride",
+            "unsigned int cat1_offset",
+            "unsigned int in0_base",
+        ]
+        .join(",\n    ")
+    );
+    assert!(k.source.starts_with(&want_head), "{}", k.source);
+    assert!(k.source.contains("float a0 = 0.0f;"), "{}", k.source);
+    assert!(
+        k.source
+            .contains("a0 += in0[(unsigned long long)e * width + i % width];"),
+        "{}",
+        k.source
+    );
+    let edge = group_of(&plan, z.id()).kernel(&g).unwrap();
+    assert!(
+        edge.source
+            .contains("unsigned long long n,\n    unsigned int width,\n    unsigned int in0_base)"),
+        "{}",
+        edge.source
+    );
+    assert_ne!(edge.name, k.name);
+    let env = random_env(&g, &[], Topo::from_children(&[0, 2, 3]), 26);
+    check_plans_match_reference(&g, &env, &[&plan], &no_keep);
+    check_codegen_on_host("abi", &[(&g, &env, vec![&plan])]);
+}
+
+#[test]
+fn bad_index_arrays_and_hand_made_inline_reads_are_errors_naming_the_input() {
+    let w = 2;
+    let mut bld = GraphBuilder::new("csr", &[]);
+    let e = bld.input(Source::GatherAll, rows(E, w));
+    let v = bld.input(Source::Pull, rows(V, w));
+    let s = bld.sum_children(e);
+    let y = bld.add(s, v);
+    let x = bld.expand_children(y);
+    let z = bld.mul(x, e);
+    bld.output(Role::Push, y, None);
+    bld.output(Role::ChildGradAll, z, None);
+    let g = bld.finish().unwrap();
+    let plan = fuse_all(&g);
+    check_plan(&g, &op_nodes(&g), &no_keep, &plan);
+    assert_eq!(plan.inline_reads, ids(&[s, x]));
+    let vg = group_of(&plan, y.id()).clone();
+    let eg = group_of(&plan, z.id()).clone();
+    // 2 vertices with 2 and 1 children
+    let (src, vin) = (vec![1.0f64; 3 * w], vec![0.5f64; 2 * w]);
+    let mut out = vec![0.0f64; 2 * w];
+    let call = |offsets: &[u32], src: &[f64], out: &mut [f64]| {
+        vg.eval_cpu::<f64>(&g, &[src, &vin], &[offsets], 2, &mut [out], &mut [])
+            .map_err(|e| e.to_string())
+    };
+    assert_eq!(call(&[0, 2, 3], &src, &mut out), Ok(()));
+    assert_eq!(out, [2.5, 2.5, 1.5, 1.5]);
+    let msg = call(&[0, 2], &src, &mut out).unwrap_err();
+    assert!(
+        msg.contains(&format!("input 0 (%{}, csum)", s.id()))
+            && msg.contains("has 2 CSR offsets, expected 2 + 1"),
+        "{msg}"
+    );
+    let msg = call(&[0, 2, 4], &src, &mut out).unwrap_err();
+    assert!(
+        msg.contains("row 1 sums edges 2..4") && msg.contains("3 edge rows"),
+        "{msg}"
+    );
+    let msg = call(&[2, 1, 3], &src, &mut out).unwrap_err();
+    assert!(msg.contains("row 0 sums edges 2..1"), "{msg}");
+    let msg = call(&[0, 2, 3], &src[1..], &mut out).unwrap_err();
+    assert!(msg.contains("not whole rows of width 2"), "{msg}");
+    let msg = vg
+        .eval_cpu::<f64>(&g, &[&src, &vin], &[], 2, &mut [&mut out], &mut [])
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("1 index arrays"), "{msg}");
+
+    let (parents_src, ein) = (vec![1.0f64; 2 * w], vec![1.0f64; 3 * w]);
+    let mut eout = vec![0.0f64; 3 * w];
+    let ecall = |parents: &[u32], eout: &mut [f64]| {
+        eg.eval_cpu::<f64>(
+            &g,
+            &[&parents_src, &ein],
+            &[parents],
+            3,
+            &mut [eout],
+            &mut [],
+        )
+        .map_err(|e| e.to_string())
+    };
+    assert_eq!(ecall(&[0, 0, 1], &mut eout), Ok(()));
+    let msg = ecall(&[0, 2, 1], &mut eout).unwrap_err();
+    assert!(
+        msg.contains(&format!("input 0 (%{}, parent)", x.id()))
+            && msg.contains("edge 1 has parent row 2"),
+        "{msg}"
+    );
+    let msg = ecall(&[0, 1], &mut eout).unwrap_err();
+    assert!(msg.contains("2 parent rows, expected 3"), "{msg}");
+
+    // hand-made groups whose inline inputs do not say what they read
+    let mut broken = vg.clone();
+    broken.inputs[0].kind = InputKind::ChildSum { source: v.id() };
+    let msg = broken.kernel(&g).unwrap_err().to_string();
+    assert!(
+        msg.contains(&format!("is not sum_children(%{})", v.id())),
+        "{msg}"
+    );
+    let mut broken = vg.clone();
+    broken.inputs[0].kind = InputKind::ParentRow { source: e.id() };
+    let msg = broken.kernel(&g).unwrap_err().to_string();
+    assert!(
+        msg.contains(&format!("is not expand_children(%{})", e.id())),
+        "{msg}"
+    );
+    let mut broken = eg.clone();
+    broken.inputs[0] = FusedInput {
+        node: s.id(),
+        kind: InputKind::ChildSum { source: e.id() },
+    };
+    let msg = broken.kernel(&g).unwrap_err().to_string();
+    assert!(msg.contains("expected Vertex"), "{msg}");
+}
+
+// ======================================================================
 // Errors
 // ======================================================================
 
@@ -1828,13 +2586,13 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
     let (a, b) = (vec![0.0f32; 8], vec![0.0f32; 8]);
     let mut out = vec![0.0f32; 8];
     let msg = grp
-        .eval_cpu::<f32>(&g, &[&a, &b], 1, &mut [&mut out], &mut [])
+        .eval_cpu::<f32>(&g, &[&a, &b], &[], 1, &mut [&mut out], &mut [])
         .unwrap_err()
         .to_string();
     assert!(msg.contains("takes 3 inputs"), "{msg}");
     let bias_wrong = vec![0.0f32; 3];
     let msg = grp
-        .eval_cpu::<f32>(&g, &[&a, &bias_wrong, &b], 1, &mut [&mut out], &mut [])
+        .eval_cpu::<f32>(&g, &[&a, &bias_wrong, &b], &[], 1, &mut [&mut out], &mut [])
         .unwrap_err()
         .to_string();
     assert!(
@@ -1844,7 +2602,7 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
     let mut short = vec![0.0f32; 7];
     let bias = vec![0.0f32; 8];
     let msg = grp
-        .eval_cpu::<f32>(&g, &[&a, &bias, &b], 1, &mut [&mut short], &mut [])
+        .eval_cpu::<f32>(&g, &[&a, &bias, &b], &[], 1, &mut [&mut short], &mut [])
         .unwrap_err()
         .to_string();
     assert!(msg.contains("output 0"), "{msg}");
@@ -1857,6 +2615,7 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
     let ok = cell.eval_cpu::<f32>(
         &g,
         &[&z8, &z8, &z8, &z8, &hc4],
+        &[],
         2,
         &mut [&mut h],
         &mut [&mut state],
@@ -1867,6 +2626,7 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
         .eval_cpu::<f32>(
             &g,
             &[&z8, &z8, &z8, &z8, &z8],
+            &[],
             2,
             &mut [&mut h],
             &mut [&mut state],
@@ -1878,7 +2638,14 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
         "{msg}"
     );
     let msg = cell
-        .eval_cpu::<f32>(&g, &[&z8, &z8, &z8, &z8, &hc4], 2, &mut [&mut h], &mut [])
+        .eval_cpu::<f32>(
+            &g,
+            &[&z8, &z8, &z8, &z8, &hc4],
+            &[],
+            2,
+            &mut [&mut h],
+            &mut [],
+        )
         .unwrap_err()
         .to_string();
     assert!(msg.contains("1 concat buffers"), "{msg}");
@@ -1887,6 +2654,7 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
         .eval_cpu::<f32>(
             &g,
             &[&z8, &z8, &z8, &z8, &hc4],
+            &[],
             2,
             &mut [&mut h],
             &mut [&mut short_state],
@@ -1921,6 +2689,7 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
         .eval_cpu::<f32>(
             &g,
             &[&z8, &z8, &z8, &z8, &hc4],
+            &[],
             2,
             &mut [&mut h],
             &mut [&mut state],
@@ -2047,11 +2816,13 @@ fn every_registered_elementwise_op_compiles_and_matches_its_kernel() {
 
 /// A random graph: vertex rows of one width from two inputs (and a wider
 /// third one to slice), elementwise ops of every kind, static bias chains,
-/// and non-elementwise ops (matmul, concat/slice changing width, sum_rows, a
-/// trip through edge rows) that split groups and create diamonds; slices
+/// and non-elementwise ops (matmul, concat/slice changing width, sum_rows,
+/// trips through edge rows) that split groups and create diamonds; slices
 /// at any column of inputs, of group outputs and of concats that groups
 /// write in place, read by groups, by matmuls (plain and transposed) and by
-/// ops that cannot read them in place; two phases and a random `keep`.
+/// ops that cannot read them in place; child sums and expansions read by
+/// fused ops only (inline), by matmuls, or of viewed slices; sibling
+/// chains reading one value; two phases and a random `keep`.
 #[derive(Clone, Debug)]
 struct DagSpec {
     width: usize,
@@ -2067,7 +2838,7 @@ fn dag_spec() -> impl Strategy<Value = DagSpec> {
     (
         1usize..=4,
         prop::collection::vec(0usize..3, 1..=4),
-        prop::collection::vec((0u8..25, any::<usize>(), any::<usize>()), 1..16),
+        prop::collection::vec((0u8..28, any::<usize>(), any::<usize>()), 1..16),
         any::<usize>(),
         any::<u64>(),
         any::<usize>(),
@@ -2173,6 +2944,30 @@ fn build_dag(spec: &DagSpec) -> Dag {
                 let m = b.scale(m, 0.25);
                 b.matmul(sa, m, false, false)
             }
+            // sibling chains reading one expanded row, summed back
+            25 => {
+                let e = b.expand_children(p);
+                let l = b.tanh(e);
+                let r = b.sigmoid(e);
+                let (sl, sr) = (b.sum_children(l), b.sum_children(r));
+                b.sub(sl, sr)
+            }
+            // the child sum of a viewed slice of a wide expansion
+            26 => {
+                let wide = b.concat(&[p, q]);
+                let e = b.expand_children(wide);
+                let s = b.slice(e, i % (w + 1), w);
+                let s = b.sum_children(s);
+                b.add(s, q)
+            }
+            // a child sum read by a matmul and by a fused op
+            27 => {
+                let e = b.expand_children(p);
+                let e = b.mul(e, e);
+                let s = b.sum_children(e);
+                let m = b.matmul(s, wmat, false, false);
+                b.add(m, s)
+            }
             // a slice read in place and by an op that cannot
             _ => {
                 let s = b.slice(wide_in, j % (2 * w + 1), w);
@@ -2247,6 +3042,27 @@ proptest! {
     }
 }
 
+/// Connected parts of `grp` through its members' reads of each other: more
+/// than one only when sibling groups were merged.
+fn member_components(g: &Graph, grp: &FusedGroup) -> usize {
+    let mut part: Vec<usize> = (0..grp.nodes.len()).collect();
+    fn root(part: &[usize], mut i: usize) -> usize {
+        while part[i] != i {
+            i = part[i];
+        }
+        i
+    }
+    for (j, &m) in grp.nodes.iter().enumerate() {
+        for x in &g.nodes[m].inputs {
+            if let Some(k) = grp.nodes.iter().position(|y| y == x) {
+                let (a, b) = (root(&part, j), root(&part, k));
+                part[a] = b;
+            }
+        }
+    }
+    (0..part.len()).filter(|&i| part[i] == i).count()
+}
+
 /// Generated kernels of random DAGs drawn from the same strategy, compiled
 /// once for the host and compared with op-by-op evaluation.
 #[test]
@@ -2265,9 +3081,31 @@ fn random_dag_kernels_compiled_for_the_host_match_op_by_op() {
     let plans: Vec<[FusionPlan; 2]> = dags.iter().map(fuse_dag).collect();
     // the sample exercises every in-place form
     let (mut windows, mut writes, mut twice, mut matmul_views, mut kept_slices) = (0, 0, 0, 0, 0);
+    let (mut child_sums, mut parent_rows, mut csr_steps, mut siblings) = (0, 0, 0, 0);
     for (d, ps) in dags.iter().zip(&plans) {
         for p in ps {
+            csr_steps += p
+                .steps
+                .iter()
+                .filter(|s| {
+                    matches!(s, Step::Op(v) if op_as::<SumChildren>(&d.graph, *v).is_some()
+                        || op_as::<ExpandChildren>(&d.graph, *v).is_some())
+                })
+                .count();
             for grp in p.groups() {
+                child_sums += grp
+                    .inputs
+                    .iter()
+                    .filter(|i| matches!(i.kind, InputKind::ChildSum { .. }))
+                    .count();
+                parent_rows += grp
+                    .inputs
+                    .iter()
+                    .filter(|i| matches!(i.kind, InputKind::ParentRow { .. }))
+                    .count();
+                if member_components(&d.graph, grp) > 1 {
+                    siblings += 1;
+                }
                 windows += grp
                     .inputs
                     .iter()
@@ -2298,6 +3136,11 @@ fn random_dag_kernels_compiled_for_the_host_match_op_by_op() {
         windows > 10 && writes > 10 && twice > 0 && matmul_views > 2 && kept_slices > 2,
         "windows {windows}, concat writes {writes}, twice {twice}, \
          matmul views {matmul_views}, slice steps {kept_slices}"
+    );
+    assert!(
+        child_sums > 5 && parent_rows > 5 && csr_steps > 5 && siblings > 2,
+        "child sums {child_sums}, parent rows {parent_rows}, \
+         child sum / expand steps {csr_steps}, sibling groups {siblings}"
     );
     let cases: Vec<(&Graph, &Env, Vec<&FusionPlan>)> = dags
         .iter()
