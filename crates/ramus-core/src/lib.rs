@@ -38,6 +38,7 @@
 //! ```
 
 pub mod autodiff;
+pub mod cellgen;
 pub mod error;
 pub mod fusion;
 pub mod graph;

@@ -335,7 +335,7 @@ fn unit_count(g: &Graph, needed: &[bool], unit: &[bool], outputs: &[NodeId]) -> 
         });
     }
     for &o in outputs {
-        if g.nodes[o].ty.width() % u != 0 {
+        if !g.nodes[o].ty.width().is_multiple_of(u) {
             return Err(unsupported(
                 g,
                 o,
@@ -373,7 +373,7 @@ impl Lowering<'_> {
     /// Node `x`'s lanes: its scalars, or reads of a vector / parameter.
     fn lanes(&mut self, x: NodeId) -> Result<Vec<ScalarId>> {
         let width = self.g.nodes[x].ty.width();
-        if width % self.units != 0 {
+        if !width.is_multiple_of(self.units) {
             return Err(unsupported(
                 self.g,
                 x,

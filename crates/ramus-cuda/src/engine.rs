@@ -1003,7 +1003,7 @@ impl CudaEngine {
     ) -> Result<()> {
         match step {
             ExecStep::Fused { group, kernel } => {
-                self.run_fused(g, group, kernel, own, fwd, range, lane)
+                self.run_fused(g, group, kernel, own, fwd, range, topo, lane)
             }
             ExecStep::GemmBias {
                 matmul,
@@ -1015,7 +1015,7 @@ impl CudaEngine {
                 let (lo, hi) = range.span(a_space);
                 if hi - lo > SMALL_GEMM_ROWS {
                     self.run_op(g, *matmul, own, fwd, range, topo, lane, views)?;
-                    return self.run_fused(g, group, kernel, own, fwd, range, lane);
+                    return self.run_fused(g, group, kernel, own, fwd, range, topo, lane);
                 }
                 let bias = self.float_view(g, *bias, own, fwd, range)?;
                 let out = self.float_view(g, group.nodes[0], own, fwd, range)?;
@@ -1025,8 +1025,9 @@ impl CudaEngine {
         }
     }
 
-    /// Launches fused group `group` (compiled as `kernel`) over `range`.
-    #[allow(clippy::too_many_arguments)] // graph, group, kernel, buffers, rows, lane
+    /// Launches fused group `group` (compiled as `kernel`) over `range`
+    /// (child-sum and parent-row inputs read `topo`).
+    #[allow(clippy::too_many_arguments)] // graph, group, kernel, buffers, rows, topology, lane
     fn run_fused(
         &self,
         g: &Graph,
@@ -1035,9 +1036,15 @@ impl CudaEngine {
         own: &[Buf],
         fwd: Option<&[Buf]>,
         range: Range,
+        topo: Option<&Topology>,
         lane: &Lane,
     ) -> Result<()> {
         let stream = &lane.stream;
+        let need_topo = || {
+            topo.ok_or_else(|| {
+                model_err("a child-sum or parent-row read outside a vertex function")
+            })
+        };
         let (lo, hi) = range.span(group.space);
         let n = (hi - lo) * group.width;
         if n == 0 {
@@ -1064,6 +1071,22 @@ impl CudaEngine {
                 }
                 InputKind::PerElement | InputKind::Broadcast => {
                     self.float_view(g, input.node, own, fwd, range)?
+                }
+                InputKind::ChildSum { source } => {
+                    let t = need_topo()?;
+                    args.csr.push((
+                        t.edge_offsets.slice(range.r0..range.r1 + 1)?,
+                        u32_of(range.e0, "edge base")?,
+                    ));
+                    self.float_view(g, source, own, fwd, range)?
+                }
+                InputKind::ParentRow { source } => {
+                    let t = need_topo()?;
+                    args.csr.push((
+                        t.edge_parent.slice(range.e0..range.e1)?,
+                        u32_of(range.r0, "row base")?,
+                    ));
+                    self.float_view(g, source, own, fwd, range)?
                 }
             };
             args.inputs.push(view);

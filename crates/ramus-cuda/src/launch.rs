@@ -600,14 +600,22 @@ impl Launcher {
         for v in args.inputs.iter().chain(&args.outputs).chain(&args.concats) {
             launch.arg(v.kernel_arg());
         }
+        for (rows, _) in &args.csr {
+            launch.arg(rows.kernel_arg());
+        }
         launch.arg(&count).arg(&w);
         for pair in &args.strides {
             launch.arg(&pair[0]).arg(&pair[1]);
         }
+        for (_, base) in &args.csr {
+            launch.arg(base);
+        }
         // SAFETY: the engine passes one view per declared pointer parameter,
         // each covering the elements the kernel reads or writes for `n`
         // elements (windows and concats through their stride and offset),
-        // and one (stride, offset) pair per window input and concat write.
+        // one (stride, offset) pair per window input and concat write, and
+        // one index view (covering the rows / edges launched) and base per
+        // child-sum or parent-row input.
         unsafe { launch.launch(elementwise_cfg(args.n)) }.in_call("cuLaunchKernel(fused)")?;
         self.count();
         Ok(())
@@ -624,6 +632,9 @@ pub struct FusedArgs {
     pub width: usize,
     /// `(stride, offset)` per window input, then per concat write.
     pub strides: Vec<[u32; 2]>,
+    /// Per child-sum or parent-row input, in input order: its index rows
+    /// (CSR offsets or parent numbers) and the base subtracted from them.
+    pub csr: Vec<(DeviceView<u32>, u32)>,
 }
 
 fn elementwise_cfg(n: usize) -> LaunchConfig {

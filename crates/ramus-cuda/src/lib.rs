@@ -38,6 +38,7 @@
 
 pub mod blas;
 pub mod cache;
+pub mod compiled;
 pub mod device;
 pub mod engine;
 pub mod error;

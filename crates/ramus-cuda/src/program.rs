@@ -160,6 +160,10 @@ fn plan_graph(
             materialized[v.slice] = false;
             views.insert(v.slice, *v);
         }
+        // read by fused groups straight from their operands
+        for &n in &plan.inline_reads {
+            materialized[n] = false;
+        }
         for group in plan.groups() {
             let kernel = group.kernel(graph)?;
             kernels.entry(kernel.name).or_insert(kernel.source);

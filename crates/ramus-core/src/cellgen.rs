@@ -1,0 +1,601 @@
+//! CodeGen of the compiled inference engine (Cortex §5): CUDA C++ for a
+//! recursive model's [`CellProgram`]s — one persistent kernel that walks
+//! every level of a linearized batch, and one that tabulates the leaf cell
+//! per token at model load (leaf specialization with hoisting).
+//!
+//! # The level kernel
+//!
+//! A warp owns one unit `j` of the internal cell (and a replica number: with
+//! `R` warps per unit, replica `r` takes nodes `r, r + R, …` of a level). With
+//! **model persistence** the warp loads its unit's weight rows into registers
+//! once (lane `l` holds columns `l, l + 32, …`) and keeps them across all
+//! levels; without, it reads them from global memory at each use.
+//!
+//! Per node the warp evaluates the **fused cell**: each dot product's lanes
+//! evaluate their own columns of the input vector straight from the
+//! children's state rows (a child sum is summed on the fly), multiply by
+//! their weights and reduce with warp shuffles; the unit's gate arithmetic
+//! follows in registers; lane 0 stores the unit's columns of the new state
+//! and pushed rows. No intermediate tensor touches memory. Between levels a
+//! grid-wide barrier (the kernel is launched cooperatively, so all blocks
+//! are resident) orders the stores before the next level's loads, which
+//! bypass L1 (`__ldcg`).
+//!
+//! With the **leaf table**, leaves run no code: a child numbered at or
+//! above `num_internal` (the linearizer numbers leaves last, so this is one
+//! comparison) is read from the row of its token in a table the table kernel
+//! filled at load. Without it, the kernel first runs the leaf cell on every
+//! leaf, then a barrier. After the last level the head cell scores every
+//! root from its pushed row.
+//!
+//! Kernel parameters (the engine's launch relies on this order):
+//!
+//! ```text
+//! NAME_levels(const float* params, float* state, float* push,
+//!             const float* table_state, const float* table_push,
+//!             const u32* child_offsets, const u32* child_nodes, const u32* tokens,
+//!             const u32* batch_begin, const u32* batch_length, u32 num_batches,
+//!             u32 num_internal, u32 num_nodes, const u32* roots, u32 num_roots,
+//!             float* scores, u32* barrier)
+//! NAME_leaf_table(const float* params, float* table_state, float* table_push, u32 vocab)
+//! ```
+//!
+//! `params` holds every parameter at its offset ([`TreeKernelSpec::param_offsets`],
+//! compiled in as constants); `state`/`push` have a row per node
+//! (`num_nodes` rows); `scores` a row per root; `barrier` two zeroed words.
+
+use std::fmt::Write as _;
+
+use crate::error::{CoreError, Result};
+use crate::fusion::instantiate;
+use crate::graph::Graph;
+use crate::lower::{CellProgram, ChildRef, ScalarExpr, ScalarId, Scope, VecExpr, VecId};
+
+/// Threads per block of the generated kernels.
+pub const CELL_BLOCK: u32 = 128;
+
+/// A lowered function: its graph (for the ops' templates) and program.
+#[derive(Clone, Copy)]
+pub struct LoweredCell<'a> {
+    pub graph: &'a Graph,
+    pub program: &'a CellProgram,
+}
+
+/// What the level and table kernels are generated from.
+#[derive(Clone, Copy)]
+pub struct TreeKernelSpec<'a> {
+    /// Kernel name prefix.
+    pub name: &'a str,
+    /// The leaf cell (outputs: state, pushed value).
+    pub leaf: LoweredCell<'a>,
+    /// The internal cell (outputs: state, pushed value).
+    pub internal: LoweredCell<'a>,
+    /// The head (output: scores).
+    pub head: LoweredCell<'a>,
+    /// Float offset of each parameter in the parameter buffer.
+    pub param_offsets: &'a [usize],
+    /// Keep the internal cell's weight rows in registers across levels.
+    pub persistent_weights: bool,
+    /// Read leaves from the token table instead of running the leaf cell.
+    pub leaf_table: bool,
+}
+
+fn gen_error(message: impl Into<String>) -> CoreError {
+    CoreError::Kernel {
+        op: "compiled-engine codegen".into(),
+        message: message.into(),
+    }
+}
+
+/// Columns per lane of a dot product of length `k` (lane `l` takes
+/// `l, l + 32, …`).
+fn chunks(k: usize) -> usize {
+    k.div_ceil(32)
+}
+
+/// Emits the code of one cell for the node in scope.
+///
+/// Names in scope where the code runs: `n` (the node), `j` (the unit),
+/// `lane`, `cb`/`ce` (its child edges), `tok` (its token), `hin` (the head
+/// input row, head cells only), `P<p>` (parameter pointers) and, for
+/// persistent weights, `w<q>[i]`.
+struct CellWriter<'a> {
+    cell: LoweredCell<'a>,
+    /// Weight rows held in registers: index `q` of `(weight, row)`.
+    registers: Option<Vec<(usize, usize)>>,
+    /// The row of a child node `c`: a macro name.
+    row_macro: &'a str,
+    code: String,
+    temps: usize,
+    emitted_dots: Vec<bool>,
+}
+
+impl<'a> CellWriter<'a> {
+    fn new(
+        cell: LoweredCell<'a>,
+        registers: Option<Vec<(usize, usize)>>,
+        row_macro: &'a str,
+    ) -> Self {
+        CellWriter {
+            cell,
+            registers,
+            row_macro,
+            code: String::new(),
+            temps: 0,
+            emitted_dots: vec![false; cell.program.scalars.len()],
+        }
+    }
+
+    fn temp(&mut self, prefix: &str) -> String {
+        self.temps += 1;
+        format!("{prefix}{}", self.temps)
+    }
+
+    fn template(&self, node: usize, operands: &[String]) -> Result<String> {
+        let op = self.cell.graph.nodes[node]
+            .op()
+            .ok_or_else(|| gen_error(format!("node %{node} is not an op")))?;
+        let t = op
+            .elementwise_template()
+            .ok_or_else(|| gen_error(format!("node %{node} has no elementwise template")))?;
+        instantiate(&t, operands).map_err(|e| gen_error(format!("node %{node}: {e}")))
+    }
+
+    /// Column `col` (a C expression) of vector `v`; `edge_row` names the
+    /// current edge's child row in edge scope. Loops it needs are appended
+    /// to `pre` (to run before the expression).
+    fn vec_at(
+        &mut self,
+        v: VecId,
+        col: &str,
+        edge_row: Option<&str>,
+        pre: &mut String,
+    ) -> Result<String> {
+        let node = &self.cell.program.vectors[v];
+        Ok(match &node.expr {
+            VecExpr::ChildState(ChildRef::Index(k)) => {
+                format!("(kid{k} ? __ldcg(kid{k} + ({col})) : 0.0f)")
+            }
+            VecExpr::ChildState(ChildRef::Edge) => {
+                let r =
+                    edge_row.ok_or_else(|| gen_error("a child edge read outside an edge loop"))?;
+                format!("__ldcg({r} + ({col}))")
+            }
+            VecExpr::Embedding { table } => {
+                format!(
+                    "P{table}[(unsigned long long)tok * {}u + ({col})]",
+                    node.width
+                )
+            }
+            VecExpr::HeadInput => format!("__ldcg(hin + ({col}))"),
+            VecExpr::One => "1.0f".into(),
+            VecExpr::Param(p) => format!("P{p}[{col}]"),
+            VecExpr::Slice { src, offset } => {
+                let src = *src;
+                let shifted = format!("({col}) + {offset}u");
+                self.vec_at(src, &shifted, edge_row, pre)?
+            }
+            VecExpr::Concat { parts } => {
+                let parts = parts.clone();
+                let mut start = 0usize;
+                let mut pieces = Vec::new();
+                for (p, w) in parts {
+                    let local = format!("({col}) - {start}u");
+                    let e = self.vec_at(p, &local, edge_row, pre)?;
+                    pieces.push((start + w, e));
+                    start += w;
+                }
+                let mut expr = pieces.last().map(|(_, e)| e.clone()).unwrap_or_default();
+                for (end, e) in pieces.iter().rev().skip(1) {
+                    expr = format!("(({col}) < {end}u ? {e} : {expr})");
+                }
+                expr
+            }
+            VecExpr::Map { node, args, .. } => {
+                let (node, args) = (*node, args.clone());
+                let mut operands = Vec::with_capacity(args.len());
+                for a in args {
+                    operands.push(self.vec_at(a, col, edge_row, pre)?);
+                }
+                self.template(node, &operands)?
+            }
+            VecExpr::SumChildren(src) => {
+                let src = *src;
+                let (acc, e, r) = (self.temp("v"), self.temp("e"), self.temp("er"));
+                let mut body = String::new();
+                let x = self.vec_at(src, col, Some(&r), &mut body)?;
+                let _ = writeln!(
+                    pre,
+                    "float {acc} = 0.0f;\nfor (unsigned int {e} = cb; {e} < ce; ++{e}) {{\nconst float* {r} = {}(child_nodes[{e}]);\n{body}{acc} += {x};\n}}",
+                    self.row_macro
+                );
+                acc
+            }
+            VecExpr::Parent(src) => {
+                let src = *src;
+                self.vec_at(src, col, None, pre)?
+            }
+        })
+    }
+
+    /// The weight of dot `(weight, row)` at chunk `i` / column `t`.
+    fn weight_at(&self, weight: usize, row: usize, k: usize) -> String {
+        match &self.registers {
+            Some(rows) => match rows.iter().position(|&r| r == (weight, row)) {
+                Some(q) => format!("w{q}[i]"),
+                None => format!("P{weight}[(unsigned long long)({row}u + j) * {k}u + t]"),
+            },
+            None => format!("P{weight}[(unsigned long long)({row}u + j) * {k}u + t]"),
+        }
+    }
+
+    /// Emits every dot product of `scope` over `input` not yet emitted
+    /// (in edge scope: those in `allowed`), as one pass over the input.
+    fn emit_dots(
+        &mut self,
+        input: VecId,
+        scope: Scope,
+        allowed: Option<&[bool]>,
+        edge_row: Option<&str>,
+    ) -> Result<()> {
+        let prog = self.cell.program;
+        let mut dots = Vec::new();
+        let mut k = 0;
+        for (id, s) in prog.scalars.iter().enumerate() {
+            if let ScalarExpr::Dot {
+                weight,
+                row,
+                input: x,
+                k: kk,
+            } = s.expr
+            {
+                let wanted = allowed.is_none_or(|a| a[id]);
+                if x == input && s.scope == scope && wanted && !self.emitted_dots[id] {
+                    dots.push((id, weight, row));
+                    k = kk;
+                }
+            }
+        }
+        if dots.is_empty() {
+            return Ok(());
+        }
+        let mut s = String::new();
+        for &(id, ..) in &dots {
+            let _ = writeln!(s, "float s{id} = 0.0f;");
+        }
+        let _ = writeln!(
+            s,
+            "#pragma unroll\nfor (unsigned int i = 0; i < {}u; ++i) {{",
+            chunks(k)
+        );
+        let _ = writeln!(s, "const unsigned int t = lane + 32u * i;");
+        if k % 32 != 0 {
+            let _ = writeln!(s, "if (t < {k}u) {{");
+        }
+        let mut pre = String::new();
+        let x = self.vec_at(input, "t", edge_row, &mut pre)?;
+        s += &pre;
+        let _ = writeln!(s, "const float x = {x};");
+        for &(id, weight, row) in &dots {
+            let _ = writeln!(s, "s{id} += {} * x;", self.weight_at(weight, row, k));
+        }
+        if k % 32 != 0 {
+            s += "}\n";
+        }
+        s += "}\n";
+        for &(id, ..) in &dots {
+            let _ = writeln!(s, "s{id} = warp_sum(s{id});");
+            self.emitted_dots[id] = true;
+        }
+        self.code += &s;
+        Ok(())
+    }
+
+    /// Emits scalar `id` (its dots, loops and arithmetic); `edge_row`
+    /// and `allowed` are set inside a child loop.
+    fn emit_scalar(
+        &mut self,
+        id: ScalarId,
+        edge_row: Option<&str>,
+        allowed: Option<&[bool]>,
+    ) -> Result<()> {
+        let prog = self.cell.program;
+        let s = &prog.scalars[id];
+        let line = match &s.expr {
+            ScalarExpr::Dot { input, .. } => {
+                return self.emit_dots(*input, s.scope, allowed, edge_row);
+            }
+            ScalarExpr::Read { src, col } => {
+                let mut pre = String::new();
+                let e = self.vec_at(*src, &format!("{col}u + j"), edge_row, &mut pre)?;
+                format!("{pre}const float s{id} = {e};")
+            }
+            ScalarExpr::Param { param, col } => {
+                format!("const float s{id} = P{param}[{col}u + j];")
+            }
+            ScalarExpr::Map { node, args, .. } => {
+                let operands: Vec<String> = args.iter().map(|a| format!("s{a}")).collect();
+                format!("const float s{id} = {};", self.template(*node, &operands)?)
+            }
+            ScalarExpr::ChildSum(src) => {
+                let src = *src;
+                // the edge scalars `src` needs, recomputed per edge
+                let mut cone = vec![false; prog.scalars.len()];
+                cone[src] = true;
+                for i in (0..=src).rev() {
+                    if cone[i] && prog.scalars[i].scope == Scope::Edge {
+                        for d in scalar_operands(&prog.scalars[i].expr) {
+                            if prog.scalars[d].scope == Scope::Edge {
+                                cone[d] = true;
+                            }
+                        }
+                    }
+                }
+                let (e, r) = (self.temp("e"), self.temp("er"));
+                let _ = writeln!(
+                    self.code,
+                    "float s{id} = 0.0f;\nfor (unsigned int {e} = cb; {e} < ce; ++{e}) {{\nconst float* {r} = {}(child_nodes[{e}]);",
+                    self.row_macro
+                );
+                let saved =
+                    std::mem::replace(&mut self.emitted_dots, vec![false; prog.scalars.len()]);
+                for i in 0..=src {
+                    if cone[i] {
+                        self.emit_scalar(i, Some(&r), Some(&cone))?;
+                    }
+                }
+                self.emitted_dots = saved;
+                let _ = writeln!(self.code, "s{id} += s{src};\n}}");
+                return Ok(());
+            }
+        };
+        self.code += &line;
+        self.code.push('\n');
+        Ok(())
+    }
+
+    /// The cell's code, storing output `o`'s lanes through `outputs[o]`
+    /// (a row pointer expression).
+    fn cell(mut self, outputs: &[&str]) -> Result<String> {
+        let prog = self.cell.program;
+        // child pointers for fixed-arity reads
+        let mut kids: Vec<usize> = prog
+            .vectors
+            .iter()
+            .filter_map(|v| match v.expr {
+                VecExpr::ChildState(ChildRef::Index(k)) => Some(k),
+                _ => None,
+            })
+            .collect();
+        kids.sort_unstable();
+        kids.dedup();
+        for k in kids {
+            let _ = writeln!(
+                self.code,
+                "const float* kid{k} = cb + {k}u < ce ? {}(child_nodes[cb + {k}u]) : nullptr;",
+                self.row_macro
+            );
+        }
+        for id in 0..prog.scalars.len() {
+            if prog.scalars[id].scope == Scope::Vertex {
+                self.emit_scalar(id, None, None)?;
+            }
+        }
+        if outputs.len() != prog.outputs.len() {
+            return Err(gen_error(format!(
+                "the cell has {} outputs, {} destinations given",
+                prog.outputs.len(),
+                outputs.len()
+            )));
+        }
+        self.code += "if (lane == 0) {\n";
+        for (lanes, dst) in prog.outputs.iter().zip(outputs) {
+            for (m, s) in lanes.iter().enumerate() {
+                let _ = writeln!(self.code, "({dst})[{}u + j] = s{s};", m * prog.units);
+            }
+        }
+        self.code += "}\n";
+        Ok(self.code)
+    }
+}
+
+/// The scalar operands of `e`.
+fn scalar_operands(e: &ScalarExpr) -> Vec<ScalarId> {
+    match e {
+        ScalarExpr::Map { args, .. } => args.clone(),
+        ScalarExpr::ChildSum(s) => vec![*s],
+        _ => Vec::new(),
+    }
+}
+
+const PRELUDE: &str = r#"typedef unsigned int u32;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Grid-wide barrier for a cooperative launch: arrive on bar[0], wait for
+// bar[1] (the generation) to move; the fences order every block's stores
+// before any block's loads after the barrier.
+__device__ __forceinline__ void grid_sync(u32* bar) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        volatile u32* gen = bar + 1;
+        const u32 g = *gen;
+        __threadfence();
+        if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+            atomicExch(bar, 0u);
+            __threadfence();
+            atomicAdd(bar + 1, 1u);
+        } else {
+            while (*gen == g) { }
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+"#;
+
+/// `const float* P<p> = params + offset;` for every parameter.
+fn param_pointers(offsets: &[usize]) -> String {
+    offsets
+        .iter()
+        .enumerate()
+        .map(|(p, off)| format!("const float* __restrict__ P{p} = params + {off}ull;\n"))
+        .collect()
+}
+
+/// Warp coordinates for a cell of `units` units: `j`, replica `rep`, `R`.
+fn warp_coordinates(units: usize) -> String {
+    format!(
+        "const u32 j = gw % {units}u; const u32 rep = gw / {units}u; const u32 R = gwarps / {units}u;\n"
+    )
+}
+
+impl TreeKernelSpec<'_> {
+    fn state_width(&self) -> usize {
+        self.internal.program.output_width(0)
+    }
+
+    fn push_width(&self) -> usize {
+        self.internal.program.output_width(1)
+    }
+
+    fn check(&self) -> Result<()> {
+        let (s, p) = (self.state_width(), self.push_width());
+        for (what, cell) in [("leaf", self.leaf), ("internal", self.internal)] {
+            let prog = cell.program;
+            if prog.outputs.len() != 2 || prog.output_width(0) != s || prog.output_width(1) != p {
+                return Err(gen_error(format!(
+                    "the {what} cell must output a state of {s} and a pushed row of {p} columns"
+                )));
+            }
+        }
+        if self.head.program.outputs.len() != 1 {
+            return Err(gen_error("the head must output one row of scores"));
+        }
+        if self.leaf.program.reads_children()
+            && self
+                .leaf
+                .program
+                .vectors
+                .iter()
+                .any(|v| matches!(v.expr, VecExpr::ChildState(ChildRef::Edge)))
+        {
+            return Err(gen_error("the leaf cell reads child edges"));
+        }
+        Ok(())
+    }
+
+    /// The weight rows the internal cell keeps in registers, if persistent.
+    pub fn register_rows(&self) -> Option<Vec<(usize, usize)>> {
+        self.persistent_weights
+            .then(|| self.internal.program.weight_rows())
+    }
+
+    /// Registers per thread the persistent weights take.
+    pub fn weight_registers(&self) -> usize {
+        let prog = self.internal.program;
+        self.register_rows().map_or(0, |rows| {
+            rows.iter()
+                .map(|&(w, r)| {
+                    prog.scalars
+                        .iter()
+                        .find_map(|s| match s.expr {
+                            ScalarExpr::Dot { weight, row, k, .. } if (weight, row) == (w, r) => {
+                                Some(chunks(k))
+                            }
+                            _ => None,
+                        })
+                        .unwrap_or(0)
+                })
+                .sum()
+        })
+    }
+
+    /// Both kernels' source; see the module docs.
+    pub fn source(&self) -> Result<String> {
+        self.check()?;
+        let (s, p) = (self.state_width(), self.push_width());
+        let name = self.name;
+        let mut src = String::from(PRELUDE);
+        let _ = writeln!(
+            src,
+            "// The state row of node c: a leaf's from the token table when there is one.\n__device__ __forceinline__ const float* row_of(u32 c, const float* state, const float* table, const u32* tokens, u32 num_internal, bool use_table) {{\n    return (c < num_internal || !use_table) ? state + (u64)c * {s}u : table + (u64)tokens[c] * {s}u;\n}}\n#define ROW(c) row_of((c), state, table_state, tokens, num_internal, use_table)"
+        );
+        // ---- leaf table kernel
+        let leaf_cell = CellWriter::new(self.leaf, None, "ROW").cell(&[
+            &format!("table_state + (u64)tok * {s}u"),
+            &format!("table_push + (u64)tok * {p}u"),
+        ])?;
+        let _ = write!(
+            src,
+            "extern \"C\" __global__ void __launch_bounds__({CELL_BLOCK}) {name}_leaf_table(const float* __restrict__ params, float* table_state, float* table_push, u32 vocab) {{\n{}const u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n{}if (rep < R) {{\nconst bool use_table = false; const u32 num_internal = 0; const float* state = nullptr; const u32* tokens = nullptr; const u32* child_nodes = nullptr;\n(void)use_table; (void)num_internal; (void)state; (void)tokens; (void)child_nodes;\nfor (u32 tok = rep; tok < vocab; tok += R) {{\nconst u32 cb = 0, ce = 0; (void)cb; (void)ce;\n{leaf_cell}}}\n}}\n}}\n",
+            param_pointers(self.param_offsets),
+            warp_coordinates(self.leaf.program.units),
+        );
+        // ---- level kernel
+        let registers = self.register_rows();
+        let mut weights = String::new();
+        if let Some(rows) = &registers {
+            let prog = self.internal.program;
+            for (q, &(w, r)) in rows.iter().enumerate() {
+                let k = prog
+                    .scalars
+                    .iter()
+                    .find_map(|s| match s.expr {
+                        ScalarExpr::Dot { weight, row, k, .. } if (weight, row) == (w, r) => {
+                            Some(k)
+                        }
+                        _ => None,
+                    })
+                    .ok_or_else(|| gen_error("a register row without a dot"))?;
+                let _ = writeln!(
+                    weights,
+                    "float w{q}[{}];\n#pragma unroll\nfor (u32 i = 0; i < {}u; ++i) {{ const u32 t = lane + 32u * i; w{q}[i] = (rep < R && t < {k}u) ? P{w}[(u64)({r}u + j) * {k}u + t] : 0.0f; }}",
+                    chunks(k),
+                    chunks(k)
+                );
+            }
+        }
+        let internal_cell = CellWriter::new(self.internal, registers, "ROW").cell(&[
+            &format!("state + (u64)n * {s}u"),
+            &format!("push + (u64)n * {p}u"),
+        ])?;
+        let leaf_in_kernel = CellWriter::new(self.leaf, None, "ROW").cell(&[
+            &format!("state + (u64)n * {s}u"),
+            &format!("push + (u64)n * {p}u"),
+        ])?;
+        let head_cell =
+            CellWriter::new(self.head, None, "ROW").cell(&["scores + (u64)r * SCORES"])?;
+        let classes = self.head.program.output_width(0);
+        let use_table = self.leaf_table;
+        let _ = write!(
+            src,
+            "#define SCORES {classes}u\nextern \"C\" __global__ void __launch_bounds__({CELL_BLOCK}) {name}_levels(const float* __restrict__ params, float* state, float* push, const float* __restrict__ table_state, const float* __restrict__ table_push, const u32* __restrict__ child_offsets, const u32* __restrict__ child_nodes, const u32* __restrict__ tokens, const u32* __restrict__ batch_begin, const u32* __restrict__ batch_length, u32 num_batches, u32 num_internal, u32 num_nodes, const u32* __restrict__ roots, u32 num_roots, float* scores, u32* barrier) {{\n{}const bool use_table = {use_table};\nconst u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n",
+            param_pointers(self.param_offsets),
+        );
+        if !use_table {
+            let _ = write!(
+                src,
+                "{{\n{}if (rep < R) {{\nfor (u32 n = num_internal + rep; n < num_nodes; n += R) {{\nconst u32 tok = tokens[n]; (void)tok;\nconst u32 cb = child_offsets[n], ce = child_offsets[n + 1]; (void)cb; (void)ce;\n{leaf_in_kernel}}}\n}}\n}}\ngrid_sync(barrier);\n",
+                warp_coordinates(self.leaf.program.units)
+            );
+        }
+        let _ = write!(
+            src,
+            "{{\n{}{weights}\nfor (u32 b = 0; b < num_batches; ++b) {{\nif (rep < R) {{\nconst u32 begin = batch_begin[b], len = batch_length[b];\nfor (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nconst u32 cb = child_offsets[n], ce = child_offsets[n + 1];\n{internal_cell}}}\n}}\ngrid_sync(barrier);\n}}\n}}\n",
+            warp_coordinates(self.internal.program.units)
+        );
+        let _ = write!(
+            src,
+            "{{\n{}if (rep < R) {{\nfor (u32 r = rep; r < num_roots; r += R) {{\nconst u32 root = roots[r];\nconst float* hin = (root < num_internal || !use_table) ? push + (u64)root * {p}u : table_push + (u64)tokens[root] * {p}u;\nconst u32 cb = 0, ce = 0; (void)cb; (void)ce; const u32 tok = 0; (void)tok;\n{head_cell}}}\n}}\n}}\n}}\n"
+            ,
+            warp_coordinates(self.head.program.units)
+        );
+        Ok(src)
+    }
+}

@@ -1,0 +1,447 @@
+//! The compiled inference engine on CUDA (Cortex): a recursive model's
+//! cells lowered ([`ramus_core::lower`]) and generated
+//! ([`ramus_core::cellgen`]) into one persistent kernel per
+//! (model, schedule, device) that runs a whole linearized batch — every
+//! level, grid barriers between them, and the head — in a single
+//! cooperative launch.
+//!
+//! At set-up the engine uploads the parameters once, compiles the kernels
+//! through the kernel cache and, with leaf specialization, runs the table
+//! kernel once to tabulate the leaf cell for every token (the per-word leaf
+//! projections hoisted out of inference). Per batch it linearizes the
+//! graphs on the host, uploads the index arrays in one copy, launches once
+//! and downloads the root scores.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+
+use ramus_core::cellgen::{LoweredCell, TreeKernelSpec, CELL_BLOCK};
+use ramus_core::lower::{lower, CellProgram, VecExpr};
+use ramus_core::{FunctionSelector, Model, Params};
+use ramus_graph::{InputGraph, Linearizer};
+
+use crate::cache::KernelCache;
+use crate::device::CudaDevice;
+use crate::error::{CudaError, InCall, Result};
+use crate::pinned::PinnedBuffer;
+use crate::pool::{Arena, DevicePool, DeviceView, PoolBuffer, PoolConfig};
+
+/// The Cortex schedule knobs of the compiled engine (the ablation of
+/// Cortex Fig. 11(a)): fusion is always on; leaf specialization and model
+/// persistence can be switched off.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CompiledSchedule {
+    /// Leaves read a per-token table built at load instead of running the
+    /// leaf cell (leaf specialization with hoisting).
+    pub leaf_table: bool,
+    /// The internal cell's weight rows stay in registers across levels.
+    pub persistent_weights: bool,
+}
+
+impl Default for CompiledSchedule {
+    fn default() -> Self {
+        CompiledSchedule {
+            leaf_table: true,
+            persistent_weights: true,
+        }
+    }
+}
+
+/// Options of [`CompiledEngine::new`].
+#[derive(Clone, Debug, Default)]
+pub struct CompiledOptions {
+    /// Device ordinal.
+    pub device: usize,
+    pub schedule: CompiledSchedule,
+    /// Kernel cache directory (`None`: [`crate::default_cache_dir`]).
+    pub cache_dir: Option<PathBuf>,
+}
+
+/// Root scores of one batch: `scores[r * classes..(r + 1) * classes]` for
+/// root `r`, roots graph by graph (`root_graph[r]` is the graph).
+#[derive(Clone, Debug, Default)]
+pub struct CompiledOutput {
+    pub scores: Vec<f32>,
+    pub classes: usize,
+    pub root_graph: Vec<u32>,
+}
+
+impl CompiledOutput {
+    /// The highest-scoring class of each root.
+    pub fn predictions(&self) -> Vec<u32> {
+        self.scores
+            .chunks(self.classes.max(1))
+            .map(|row| {
+                let mut best = 0;
+                for (c, &x) in row.iter().enumerate() {
+                    if x > row[best] {
+                        best = c;
+                    }
+                }
+                best as u32
+            })
+            .collect()
+    }
+}
+
+/// The compiled inference engine on one device; see the module docs.
+pub struct CompiledEngine {
+    device: Arc<CudaDevice>,
+    cache: KernelCache,
+    levels: CudaFunction,
+    staging: PinnedBuffer,
+    arena: Arena,
+    _params: PoolBuffer<f32>,
+    params: DeviceView<f32>,
+    _tables: Option<(PoolBuffer<f32>, PoolBuffer<f32>)>,
+    table_state: u64,
+    table_push: u64,
+    _barrier: PoolBuffer<u32>,
+    barrier: DeviceView<u32>,
+    linearizer: Linearizer,
+    /// Blocks that can be resident at once (the cooperative launch's limit).
+    max_blocks: u32,
+    units: usize,
+    state_width: usize,
+    push_width: usize,
+    classes: usize,
+    /// Token ids must stay below this (the embedding / table rows).
+    vocab: Option<usize>,
+    schedule: CompiledSchedule,
+    setup_seconds: f64,
+    leaf_table_seconds: f64,
+    last_enqueue_seconds: f64,
+}
+
+fn model_err(message: impl Into<String>) -> CudaError {
+    CudaError::Model(message.into())
+}
+
+fn u32_of(value: usize, what: &str) -> Result<u32> {
+    u32::try_from(value)
+        .map_err(|_| CudaError::BadArgument(format!("{what} = {value} does not fit 32 bits")))
+}
+
+/// The cells of `model`: leaf, internal and head programs.
+fn lower_model(model: &Model) -> Result<[(usize, CellProgram); 2]> {
+    let (leaf, internal) = match model.selector {
+        FunctionSelector::LeafInternal { leaf, internal } => (leaf, internal),
+        FunctionSelector::Single(f) => (f, f),
+    };
+    let mut cells = Vec::with_capacity(2);
+    for f in [leaf, internal] {
+        let func = model.functions.get(f).ok_or_else(|| {
+            model_err(format!(
+                "the selector names function {f}, which does not exist"
+            ))
+        })?;
+        let (Some(scatter), Some(push)) = (func.scatter, func.push) else {
+            return Err(model_err(format!(
+                "function `{}` must scatter a state and push a value to be compiled",
+                func.name
+            )));
+        };
+        cells.push((f, lower(&func.forward, &[scatter, push])?));
+    }
+    let internal_cell = cells.pop().ok_or_else(|| model_err("no internal cell"))?;
+    let leaf_cell = cells.pop().ok_or_else(|| model_err("no leaf cell"))?;
+    Ok([leaf_cell, internal_cell])
+}
+
+/// Rows of the embedding tables `program` reads, if any.
+fn embedding_rows(program: &CellProgram, model: &Model) -> Option<usize> {
+    program.vectors.iter().find_map(|v| match v.expr {
+        VecExpr::Embedding { table } => model
+            .params
+            .get(table)
+            .and_then(|p| p.shape.first().copied()),
+        _ => None,
+    })
+}
+
+impl CompiledEngine {
+    /// Lowers, generates and compiles `model`'s cells, uploads `params` and
+    /// (with leaf specialization) tabulates the leaf cell over the vocabulary.
+    pub fn new(model: &Model, params: &Params<f32>, options: &CompiledOptions) -> Result<Self> {
+        let started = Instant::now();
+        let device = CudaDevice::open(options.device)?;
+        let dir = options
+            .cache_dir
+            .clone()
+            .or_else(crate::cache::default_cache_dir);
+        let cache = KernelCache::for_device(&device, dir)?;
+        let [(leaf_f, leaf), (internal_f, internal)] = lower_model(model)?;
+        let logits = model
+            .head
+            .logits
+            .ok_or_else(|| model_err("the head computes no scores"))?;
+        let head = lower(&model.head.forward, &[logits])?;
+        let vocab = embedding_rows(&leaf, model).or_else(|| embedding_rows(&internal, model));
+        let schedule = CompiledSchedule {
+            // a table needs a token to index it
+            leaf_table: options.schedule.leaf_table && vocab.is_some(),
+            ..options.schedule
+        };
+        let mut offsets = Vec::with_capacity(model.params.len());
+        let mut total = 0usize;
+        for p in &params.values {
+            offsets.push(total);
+            total += p.data().len();
+        }
+        let spec = TreeKernelSpec {
+            name: "cortex",
+            leaf: LoweredCell {
+                graph: &model.functions[leaf_f].forward,
+                program: &leaf,
+            },
+            internal: LoweredCell {
+                graph: &model.functions[internal_f].forward,
+                program: &internal,
+            },
+            head: LoweredCell {
+                graph: &model.head.forward,
+                program: &head,
+            },
+            param_offsets: &offsets,
+            persistent_weights: schedule.persistent_weights,
+            leaf_table: schedule.leaf_table,
+        };
+        let source = spec.source()?;
+        let module = cache.get_or_compile(&source, &["cortex_levels", "cortex_leaf_table"])?;
+        let levels = module.function("cortex_levels")?.clone();
+        let table_fn = module.function("cortex_leaf_table")?.clone();
+
+        let pool = DevicePool::new(&device, PoolConfig::default());
+        let stream = device.stream().clone();
+        let mut staging = PinnedBuffer::new(&device)?;
+        let param_buf = pool.alloc::<f32>(total.max(1))?;
+        {
+            let host = staging.host_mut::<f32>(total)?;
+            for (p, &off) in params.values.iter().zip(&offsets) {
+                host[off..off + p.data().len()].copy_from_slice(p.data());
+            }
+        }
+        let param_view = param_buf.view().slice(0..total)?;
+        staging.upload(param_view, &stream)?;
+        let barrier = pool.alloc::<u32>(2)?;
+        barrier.view().fill_zero(&stream)?;
+
+        let (state_width, push_width) = (internal.output_width(0), internal.output_width(1));
+        let sm = device.sm_count();
+        let per_sm = levels
+            .occupancy_max_active_blocks_per_multiprocessor(CELL_BLOCK, 0, None)
+            .in_call("cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
+        let max_blocks = per_sm.saturating_mul(sm);
+        if max_blocks == 0 {
+            return Err(model_err(format!(
+                "the compiled kernel cannot run a single block of {CELL_BLOCK} threads \
+                 ({} weight registers per thread); switch persistence off",
+                spec.weight_registers()
+            )));
+        }
+
+        let mut tables = None;
+        let (mut table_state, mut table_push) = (0, 0);
+        let table_started = Instant::now();
+        if schedule.leaf_table {
+            let v = vocab.ok_or_else(|| model_err("leaf table without a vocabulary"))?;
+            let ts = pool.alloc::<f32>((v * state_width).max(1))?;
+            let tp = pool.alloc::<f32>((v * push_width).max(1))?;
+            let warps = (leaf.units * v.min(64)).max(1);
+            let blocks = u32_of(warps.div_ceil((CELL_BLOCK / 32) as usize), "table blocks")?;
+            let vocab_arg = u32_of(v, "vocabulary")?;
+            let (ts_view, tp_view) = (ts.view(), tp.view());
+            let mut launch = stream.launch_builder(&table_fn);
+            launch
+                .arg(param_view.kernel_arg())
+                .arg(ts_view.kernel_arg())
+                .arg(tp_view.kernel_arg())
+                .arg(&vocab_arg);
+            let cfg = LaunchConfig {
+                grid_dim: (blocks.min(65_535), 1, 1),
+                block_dim: (CELL_BLOCK, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the arguments match `cortex_leaf_table`'s parameters;
+            // the tables hold `vocab` rows of the state and pushed widths and
+            // the parameter view holds every parameter at its offset.
+            unsafe { launch.launch(cfg) }.in_call("cuLaunchKernel(cortex_leaf_table)")?;
+            table_state = ts.view().device_ptr();
+            table_push = tp.view().device_ptr();
+            tables = Some((ts, tp));
+        }
+        device.synchronize()?;
+        let leaf_table_seconds = if schedule.leaf_table {
+            table_started.elapsed().as_secs_f64()
+        } else {
+            0.0
+        };
+        let arena = pool.arena(16 << 20);
+        Ok(CompiledEngine {
+            cache,
+            levels,
+            staging,
+            arena,
+            params: param_view,
+            _params: param_buf,
+            _tables: tables,
+            table_state,
+            table_push,
+            barrier: barrier.view(),
+            _barrier: barrier,
+            linearizer: Linearizer::new(),
+            max_blocks,
+            units: internal.units,
+            state_width,
+            push_width,
+            classes: head.output_width(0),
+            vocab,
+            schedule,
+            setup_seconds: started.elapsed().as_secs_f64(),
+            leaf_table_seconds,
+            last_enqueue_seconds: 0.0,
+            device,
+        })
+    }
+
+    /// The device this engine runs on.
+    pub fn device(&self) -> &Arc<CudaDevice> {
+        &self.device
+    }
+
+    /// The schedule in effect (leaf tables need a token vocabulary).
+    pub fn schedule(&self) -> CompiledSchedule {
+        self.schedule
+    }
+
+    /// Kernel-cache counters (compiled, memory and disk hits, compile time).
+    pub fn cache_stats(&self) -> crate::cache::KernelCacheStats {
+        self.cache.stats()
+    }
+
+    /// Seconds spent in [`CompiledEngine::new`].
+    pub fn setup_seconds(&self) -> f64 {
+        self.setup_seconds
+    }
+
+    /// Seconds the leaf table took to build (0 without one).
+    pub fn leaf_table_seconds(&self) -> f64 {
+        self.leaf_table_seconds
+    }
+
+    /// Host seconds of the last [`infer`](Self::infer) up to its launch.
+    pub fn last_enqueue_seconds(&self) -> f64 {
+        self.last_enqueue_seconds
+    }
+
+    /// Scores every root of `graphs` in one launch.
+    pub fn infer(&mut self, graphs: &[&InputGraph]) -> Result<CompiledOutput> {
+        let started = Instant::now();
+        let batch = self
+            .linearizer
+            .linearize(graphs)
+            .map_err(|e| model_err(format!("the batch cannot be linearized: {e}")))?;
+        if let Some(v) = self.vocab {
+            if let Some(n) = batch.tokens().iter().position(|&t| t as usize >= v) {
+                let (g, vertex) = batch.origin(n as u32);
+                return Err(model_err(format!(
+                    "graph {g} vertex {vertex}: token {} is beyond the model's {v} embedding rows",
+                    batch.tokens()[n]
+                )));
+            }
+        }
+        let nodes = batch.num_nodes();
+        let num_batches = batch.num_batches();
+        let roots = batch.root_nodes().len();
+        let widest = batch.batch_length().iter().copied().max().unwrap_or(0) as usize;
+        // one upload: offsets, children, tokens, batch begin / length, roots
+        let parts: [&[u32]; 6] = [
+            batch.child_offsets(),
+            batch.child_nodes(),
+            batch.tokens(),
+            batch.batch_begin(),
+            batch.batch_length(),
+            batch.root_nodes(),
+        ];
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let root_graph: Vec<u32> = batch
+            .root_nodes()
+            .iter()
+            .map(|&r| batch.origin(r).0 as u32)
+            .collect();
+        let (num_internal, num_nodes) = (
+            u32_of(batch.num_internal(), "internal nodes")?,
+            u32_of(nodes, "nodes")?,
+        );
+        let (nb, nr) = (u32_of(num_batches, "levels")?, u32_of(roots, "roots")?);
+        {
+            let host = self.staging.host_mut::<u32>(total)?;
+            let mut at = 0;
+            for p in parts {
+                host[at..at + p.len()].copy_from_slice(p);
+                at += p.len();
+            }
+        }
+        self.arena.reset()?;
+        let indices = self.arena.alloc::<u32>(total.max(1))?;
+        let stream = self.device.stream().clone();
+        self.staging.upload(indices.slice(0..total)?, &stream)?;
+        let mut views = Vec::with_capacity(parts.len());
+        let mut at = 0;
+        for p in parts {
+            views.push(indices.slice(at..at + p.len())?);
+            at += p.len();
+        }
+        let state = self.arena.alloc::<f32>((nodes * self.state_width).max(1))?;
+        let push = self.arena.alloc::<f32>((nodes * self.push_width).max(1))?;
+        let scores = self.arena.alloc::<f32>((roots * self.classes).max(1))?;
+        // enough warps for every unit of the widest level, as far as fit
+        let warps = self.units * widest.max(1);
+        let blocks =
+            u32_of(warps.div_ceil((CELL_BLOCK / 32) as usize), "blocks")?.clamp(1, self.max_blocks);
+        let mut launch = stream.launch_builder(&self.levels);
+        launch
+            .arg(self.params.kernel_arg())
+            .arg(state.kernel_arg())
+            .arg(push.kernel_arg())
+            .arg(&self.table_state)
+            .arg(&self.table_push)
+            .arg(views[0].kernel_arg())
+            .arg(views[1].kernel_arg())
+            .arg(views[2].kernel_arg())
+            .arg(views[3].kernel_arg())
+            .arg(views[4].kernel_arg())
+            .arg(&nb)
+            .arg(&num_internal)
+            .arg(&num_nodes)
+            .arg(views[5].kernel_arg())
+            .arg(&nr)
+            .arg(scores.kernel_arg())
+            .arg(self.barrier.kernel_arg());
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (CELL_BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match `cortex_levels`' parameters in order;
+        // state and pushed buffers have a row per node, scores a row per
+        // root, the index views hold the linearized arrays (every node and
+        // token checked above), the tables a row per token; the launch is
+        // cooperative with at most the resident block count, so the grid
+        // barrier cannot deadlock.
+        unsafe { launch.launch_cooperative(cfg) }
+            .in_call("cuLaunchCooperativeKernel(cortex_levels)")?;
+        self.last_enqueue_seconds = started.elapsed().as_secs_f64();
+        let out = self
+            .staging
+            .download_to_vec(scores.slice(0..roots * self.classes)?, &stream)?;
+        Ok(CompiledOutput {
+            scores: out,
+            classes: self.classes,
+            root_graph,
+        })
+    }
+}

@@ -1,0 +1,126 @@
+//! The compiled inference engine (Cortex) on the device against the CPU
+//! reference engine: root scores of every token model, for every schedule
+//! (leaf table and weight persistence on and off), on one batch of random
+//! trees with degenerate shapes (a single leaf, a 500-deep path, a 64-ary
+//! node) or chains. Skips with a notice where no CUDA driver is found.
+
+mod common;
+
+use ramus_core::{HeadRows, Params};
+use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
+use ramus_graph::random::{random_chain, random_path, random_tree};
+use ramus_graph::{BatchingPolicy, InputGraph};
+use ramus_nn::{build_model_with, ModelConfig, ModelOptions};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn graphs(name: &str, rng: &mut ChaCha8Rng, vocab: u32) -> Vec<InputGraph> {
+    if name == "lstm-lm" {
+        return [1, 2, 17, 300]
+            .iter()
+            .map(|&n| random_chain(rng, n, vocab).expect("chain"))
+            .collect();
+    }
+    let mut gs = vec![
+        random_tree(rng, 1, &[2], vocab, 3).expect("a single leaf"),
+        random_tree(rng, 9, &[2], vocab, 3).expect("tree"),
+        random_tree(rng, 40, &[2], vocab, 3).expect("tree"),
+    ];
+    if name == "treelstm" {
+        gs.push(random_path(rng, 500, vocab, 3).expect("a 500-deep path"));
+        gs.push(random_tree(rng, 64, &[64], vocab, 3).expect("a 64-ary node"));
+        gs.push(random_tree(rng, 30, &[1, 2, 3, 6], vocab, 3).expect("mixed arities"));
+    }
+    gs
+}
+
+#[test]
+fn compiled_scores_match_the_cpu_engine_for_every_model_and_schedule() {
+    if !common::cuda_ready("skipping") {
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    // 24 columns: dot products with a partial last chunk; 64: two full ones
+    for hidden in [24, 64] {
+        let cfg = ModelConfig {
+            vocab: 50,
+            hidden,
+            classes: 5,
+        };
+        for name in ["treelstm", "treelstm-nary", "treefc", "lstm-lm"] {
+            let model =
+                build_model_with(name, &cfg, &ModelOptions { dropout: 0.1 }).expect("model");
+            let mut params: Params<f32> = Params::init(&model, 3);
+            for t in params.values.iter_mut() {
+                for x in t.data_mut() {
+                    *x += rng.random_range(-0.1..0.1);
+                }
+            }
+            let gs = graphs(name, &mut rng, cfg.vocab as u32);
+            let mut want = Vec::new();
+            for g in &gs {
+                let batch = Batch::new(&model, vec![g], BatchingPolicy::Cavs).expect("schedule");
+                let out = CpuEngine::<f32>::new()
+                    .forward_rows(&model, &params, &batch, Mode::Infer, HeadRows::Roots)
+                    .expect("reference");
+                want.extend(out.logits);
+            }
+            let refs: Vec<&InputGraph> = gs.iter().collect();
+            for (leaf_table, persistent_weights) in
+                [(true, true), (true, false), (false, true), (false, false)]
+            {
+                let options = CompiledOptions {
+                    schedule: CompiledSchedule {
+                        leaf_table,
+                        persistent_weights,
+                    },
+                    cache_dir: Some(
+                        std::env::temp_dir().join(format!("ramus-compiled-{}", std::process::id())),
+                    ),
+                    ..CompiledOptions::default()
+                };
+                let mut engine = CompiledEngine::new(&model, &params, &options).expect("compiles");
+                let what =
+                    format!("{name} h{hidden} table {leaf_table} persistent {persistent_weights}");
+                for round in 0..2 {
+                    let got = engine.infer(&refs).expect("infers");
+                    assert_eq!(got.scores.len(), want.len(), "{what}: score count");
+                    for (i, (w, g)) in want.iter().zip(&got.scores).enumerate() {
+                        assert!(
+                            (w - g).abs() <= 1e-4 * (1.0 + w.abs()),
+                            "{what} round {round}: score {i} (graph {}) CPU {w} vs compiled {g}",
+                            got.root_graph[i / got.classes]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn tokens_beyond_the_vocabulary_are_refused_naming_the_vertex() {
+    if !common::cuda_ready("skipping") {
+        return;
+    }
+    let cfg = ModelConfig {
+        vocab: 10,
+        hidden: 32,
+        classes: 3,
+    };
+    let model = build_model_with("treelstm", &cfg, &ModelOptions { dropout: 0.0 }).expect("model");
+    let params: Params<f32> = Params::init(&model, 1);
+    let mut engine =
+        CompiledEngine::new(&model, &params, &CompiledOptions::default()).expect("compiles");
+    let mut g = InputGraph::new();
+    let a = g.push_vertex(&[], 3, 0).expect("leaf");
+    let b = g.push_vertex(&[], 10, 0).expect("leaf");
+    g.push_vertex(&[a, b], 0, 1).expect("root");
+    let err = engine.infer(&[&g]).expect_err("token 10 of 10");
+    let text = err.to_string();
+    assert!(
+        text.contains("graph 0 vertex 1") && text.contains("token 10"),
+        "{text}"
+    );
+}
