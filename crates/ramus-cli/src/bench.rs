@@ -15,6 +15,8 @@ use ramus_nn::{build_model, Engine, ModelConfig, Optimizer, OptimizerConfig, Opt
 
 use crate::device::{self, Device};
 
+mod compiled;
+
 #[derive(clap::Args)]
 pub struct BenchArgs {
     /// Tree file (SST format); batches are its first B trees.
@@ -48,6 +50,26 @@ pub struct BenchArgs {
     /// Cap on the device memory Ramus may use, in bytes (CUDA).
     #[arg(long)]
     device_memory_budget: Option<u64>,
+    /// batched (Cavs: forward, backward, training) or compiled (Cortex:
+    /// one generated kernel per batch, inference only, CUDA).
+    #[arg(long, default_value = "batched")]
+    engine: String,
+    /// Model to time: treelstm (the anchor's model), treelstm-nary or
+    /// treefc (binary trees).
+    #[arg(long, default_value = "treelstm")]
+    model: String,
+    /// With --engine compiled: time the Cortex ablation (fusion only, +
+    /// leaf specialization, + model persistence) instead of the default
+    /// schedule.
+    #[arg(long)]
+    ablation: bool,
+    /// With --engine compiled: threads per block of the generated kernel
+    /// [default: by the weight registers, 1024 or 512].
+    #[arg(long)]
+    block_threads: Option<u32>,
+    /// With --engine compiled: resident blocks per multiprocessor at most.
+    #[arg(long, default_value_t = 1)]
+    blocks_per_sm: u32,
 }
 
 /// The engine under test, with what only one kind reports.
@@ -112,7 +134,7 @@ fn bench_engine(
     })
 }
 
-type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
+pub(crate) type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 /// Median of `reps` timed calls after 3 warm-up calls, in seconds.
 fn median_time(reps: usize, mut f: impl FnMut() -> AnyResult) -> AnyResult<f64> {
@@ -146,14 +168,29 @@ pub fn run(a: BenchArgs) -> AnyResult {
     let mut vocab = Vocab::new();
     let trees = ptb::read_trees(&a.trees, VocabMode::Grow(&mut vocab))?;
     let model = build_model(
-        "treelstm",
+        &a.model,
         &ModelConfig {
             vocab: vocab.len(),
             hidden: a.hidden,
             classes: 5,
         },
     )?;
+    if let Some(big) = sizes.iter().find(|&&bs| bs > trees.len()) {
+        return Err(format!(
+            "batch size {big} exceeds the {} trees in {}",
+            trees.len(),
+            a.trees.display()
+        )
+        .into());
+    }
     let mut params = Params::<f32>::init(&model, 0);
+    match a.engine.as_str() {
+        "batched" => {}
+        "compiled" => return compiled::run(&a, &model, &params, &trees, &sizes),
+        other => {
+            return Err(format!("unknown engine `{other}` (expected batched or compiled)").into())
+        }
+    }
     let mut opt = Optimizer::new(OptimizerConfig::new(OptimizerKind::Sgd, 0.05), &params);
     let mut grads = Grads::zeros(&model);
     let (mut engine, table_ms) = bench_engine(&a, &model, &params, vocab.len())?;
@@ -163,14 +200,6 @@ pub fn run(a: BenchArgs) -> AnyResult {
     };
     let mut results = Vec::new();
     for &bs in &sizes {
-        if bs > trees.len() {
-            return Err(format!(
-                "batch size {bs} exceeds the {} trees in {}",
-                trees.len(),
-                a.trees.display()
-            )
-            .into());
-        }
         let batch: Vec<&InputGraph> = trees[..bs].iter().collect();
         let nodes: usize = batch.iter().map(|g| g.len()).sum();
         let before = engine.launches();
@@ -217,44 +246,55 @@ pub fn run(a: BenchArgs) -> AnyResult {
         }
     }
     if let Some(anchor) = &a.anchor {
-        let out = Command::new(&a.python)
-            .arg(anchor)
-            .arg(&a.trees)
-            .args([
-                "--device",
-                match a.device {
-                    Device::Cpu => "cpu",
-                    Device::Cuda => "cuda",
-                },
-                "--hidden",
-                &a.hidden.to_string(),
-                "--batch-sizes",
-                &a.batch_sizes,
-            ])
-            .args(["--reps", &a.reps.to_string(), "--skip-eager"])
-            .output()
-            .map_err(|e| format!("cannot run {} {}: {e}", a.python, anchor.display()))?;
-        if !out.status.success() {
-            return Err(format!("anchor failed: {}", String::from_utf8_lossy(&out.stderr)).into());
-        }
-        for line in String::from_utf8_lossy(&out.stdout).lines() {
-            println!("{line}");
-            let Ok(t) = serde_json::from_str::<serde_json::Value>(line) else {
-                continue;
+        run_anchor(&a, anchor, &results)?;
+    }
+    Ok(())
+}
+
+/// Runs the PyTorch anchor on the same trees and device and prints its
+/// lines and the Ramus / PyTorch ratios of `results` (matched by batch).
+pub(crate) fn run_anchor(
+    a: &BenchArgs,
+    anchor: &std::path::Path,
+    results: &[serde_json::Value],
+) -> AnyResult {
+    let out = Command::new(&a.python)
+        .arg(anchor)
+        .arg(&a.trees)
+        .args([
+            "--device",
+            match a.device {
+                Device::Cpu => "cpu",
+                Device::Cuda => "cuda",
+            },
+            "--hidden",
+            &a.hidden.to_string(),
+            "--batch-sizes",
+            &a.batch_sizes,
+        ])
+        .args(["--reps", &a.reps.to_string(), "--skip-eager"])
+        .output()
+        .map_err(|e| format!("cannot run {} {}: {e}", a.python, anchor.display()))?;
+    if !out.status.success() {
+        return Err(format!("anchor failed: {}", String::from_utf8_lossy(&out.stderr)).into());
+    }
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        println!("{line}");
+        let Ok(t) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if let Some(r) = results.iter().find(|r| r["batch"] == t["batch"]) {
+            let ratio = |k: &str, inverse: bool| -> Option<f64> {
+                let (x, y) = (r[k].as_f64()?, t[k].as_f64()?);
+                Some(((if inverse { y / x } else { x / y }) * 100.0).round() / 100.0)
             };
-            if let Some(r) = results.iter().find(|r| r["batch"] == t["batch"]) {
-                let ratio = |k: &str, inverse: bool| -> Option<f64> {
-                    let (x, y) = (r[k].as_f64()?, t[k].as_f64()?);
-                    Some(((if inverse { y / x } else { x / y }) * 100.0).round() / 100.0)
-                };
-                println!(
-                    "{}",
-                    serde_json::json!({
-                        "ratio": "ramus_vs_pytorch_levelbatch", "batch": t["batch"], "hidden": a.hidden,
-                        "infer_speedup": ratio("infer_ms", true), "train_speedup": ratio("train_sent_per_s", false),
-                    })
-                );
-            }
+            println!(
+                "{}",
+                serde_json::json!({
+                    "ratio": "ramus_vs_pytorch_levelbatch", "batch": t["batch"], "hidden": a.hidden,
+                    "infer_speedup": ratio("infer_ms", true), "train_speedup": ratio("train_sent_per_s", false),
+                })
+            );
         }
     }
     Ok(())

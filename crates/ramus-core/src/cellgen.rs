@@ -16,24 +16,32 @@
 //! children's state rows (a child sum is summed on the fly), multiply by
 //! their weights and reduce with warp shuffles; the unit's gate arithmetic
 //! follows in registers; lane 0 stores the unit's columns of the new state
-//! and pushed rows. No intermediate tensor touches memory. Between levels a
-//! grid-wide barrier (the kernel is launched cooperatively, so all blocks
-//! are resident) orders the stores before the next level's loads, which
-//! bypass L1 (`__ldcg`).
+//! and pushed rows. No intermediate tensor touches memory. The lanes'
+//! input columns are loaded into registers first, all chunks at once (a
+//! child sum loops over the children once), so a node costs a few memory
+//! round trips, not one per column block. Between levels a grid-wide
+//! barrier (the kernel is launched cooperatively, so all blocks are
+//! resident) orders the stores before the next level's loads; the next
+//! level's range is loaded before the barrier. Plain (L1-cached) loads are
+//! safe for the state: a row is written once, in its level, and read only
+//! after it, so no SM ever caches a stale copy.
 //!
-//! With the **leaf table**, leaves run no code: a child numbered at or
-//! above `num_internal` (the linearizer numbers leaves last, so this is one
-//! comparison) is read from the row of its token in a table the table kernel
-//! filled at load. Without it, the kernel first runs the leaf cell on every
-//! leaf, then a barrier. After the last level the head cell scores every
-//! root from its pushed row.
+//! With the **leaf table**, leaves run no code: the host encodes each
+//! child as a *row code* (`child_rows`): its node number if it is internal,
+//! `num_internal + token` if it is a leaf (the linearizer numbers leaves
+//! last, so the kernel's leaf check is the one comparison `code <
+//! num_internal`, with no further load), and a leaf's row is its token's
+//! row of the table the table kernel filled at load. Without it, codes are
+//! node numbers and the kernel first runs the leaf cell on every leaf, then
+//! a barrier. After the last level the head cell scores every root from its
+//! pushed row.
 //!
 //! Kernel parameters (the engine's launch relies on this order):
 //!
 //! ```text
 //! NAME_levels(const float* params, float* state, float* push,
 //!             const float* table_state, const float* table_push,
-//!             const u32* child_offsets, const u32* child_nodes, const u32* tokens,
+//!             const u32* child_offsets, const u32* child_rows, const u32* tokens,
 //!             const u32* batch_begin, const u32* batch_length, u32 num_batches,
 //!             u32 num_internal, u32 num_nodes, const u32* roots, u32 num_roots,
 //!             float* scores, u32* barrier)
@@ -51,8 +59,10 @@ use crate::fusion::instantiate;
 use crate::graph::Graph;
 use crate::lower::{CellProgram, ChildRef, ScalarExpr, ScalarId, Scope, VecExpr, VecId};
 
-/// Threads per block of the generated kernels.
-pub const CELL_BLOCK: u32 = 128;
+/// Threads per block of the generated kernels when the persistent weights
+/// need more than 32 registers per thread (engines use 1024, the most, below
+/// that): few, large blocks keep the grid barrier cheap.
+pub const CELL_BLOCK: u32 = 512;
 
 /// A lowered function: its graph (for the ops' templates) and program.
 #[derive(Clone, Copy)]
@@ -78,6 +88,9 @@ pub struct TreeKernelSpec<'a> {
     pub persistent_weights: bool,
     /// Read leaves from the token table instead of running the leaf cell.
     pub leaf_table: bool,
+    /// Threads per block the kernels are launched with (a multiple of 32;
+    /// compiled in as their launch bound).
+    pub block_threads: u32,
 }
 
 fn gen_error(message: impl Into<String>) -> CoreError {
@@ -154,12 +167,12 @@ impl<'a> CellWriter<'a> {
         let node = &self.cell.program.vectors[v];
         Ok(match &node.expr {
             VecExpr::ChildState(ChildRef::Index(k)) => {
-                format!("(kid{k} ? __ldcg(kid{k} + ({col})) : 0.0f)")
+                format!("(kid{k} ? kid{k}[{col}] : 0.0f)")
             }
             VecExpr::ChildState(ChildRef::Edge) => {
                 let r =
                     edge_row.ok_or_else(|| gen_error("a child edge read outside an edge loop"))?;
-                format!("__ldcg({r} + ({col}))")
+                format!("{r}[{col}]")
             }
             VecExpr::Embedding { table } => {
                 format!(
@@ -167,7 +180,7 @@ impl<'a> CellWriter<'a> {
                     node.width
                 )
             }
-            VecExpr::HeadInput => format!("__ldcg(hin + ({col}))"),
+            VecExpr::HeadInput => format!("hin[{col}]"),
             VecExpr::One => "1.0f".into(),
             VecExpr::Param(p) => format!("P{p}[{col}]"),
             VecExpr::Slice { src, offset } => {
@@ -206,7 +219,7 @@ impl<'a> CellWriter<'a> {
                 let x = self.vec_at(src, col, Some(&r), &mut body)?;
                 let _ = writeln!(
                     pre,
-                    "float {acc} = 0.0f;\nfor (unsigned int {e} = cb; {e} < ce; ++{e}) {{\nconst float* {r} = {}(child_nodes[{e}]);\n{body}{acc} += {x};\n}}",
+                    "float {acc} = 0.0f;\nfor (unsigned int {e} = cb; {e} < ce; ++{e}) {{\nconst float* {r} = {}(child_rows[{e}]);\n{body}{acc} += {x};\n}}",
                     self.row_macro
                 );
                 acc
@@ -218,14 +231,82 @@ impl<'a> CellWriter<'a> {
         })
     }
 
+    /// Declares `float a<N>[chunks]` holding, for lane `lane`, columns
+    /// `shift + lane + 32·i` (`i < chunks`, columns `lane + 32·i < limit`;
+    /// zero beyond) of vector `v`, appending the code to `out`; returns
+    /// the array's name. Loads of all chunks are independent (unrolled),
+    /// and a child sum loops over the children once, outside the chunks.
+    fn vec_lanes(
+        &mut self,
+        v: VecId,
+        shift: usize,
+        chunks: usize,
+        limit: usize,
+        edge_row: Option<&str>,
+        out: &mut String,
+    ) -> Result<String> {
+        let node = &self.cell.program.vectors[v];
+        let a = self.temp("a");
+        let each = |body: &str| {
+            format!(
+                "float {a}[{chunks}];\n#pragma unroll\nfor (unsigned int i = 0; i < {chunks}u; ++i) {{\nconst unsigned int t = lane + 32u * i;\n{a}[i] = t < {limit}u ? {body} : 0.0f;\n}}\n"
+            )
+        };
+        match &node.expr {
+            VecExpr::Slice { src, offset } => {
+                let (src, offset) = (*src, *offset);
+                return self.vec_lanes(src, shift + offset, chunks, limit, edge_row, out);
+            }
+            VecExpr::Map { node, args, .. } => {
+                let (node, args) = (*node, args.clone());
+                let mut names = Vec::with_capacity(args.len());
+                for x in args {
+                    names.push(self.vec_lanes(x, shift, chunks, limit, edge_row, out)?);
+                }
+                let operands: Vec<String> = names.iter().map(|n| format!("{n}[i]")).collect();
+                let body = self.template(node, &operands)?;
+                out.push_str(&each(&body));
+            }
+            VecExpr::SumChildren(src) => {
+                let src = *src;
+                let (e, r) = (self.temp("e"), self.temp("er"));
+                let mut body = String::new();
+                let x = self.vec_lanes(src, shift, chunks, limit, Some(&r), &mut body)?;
+                let _ = writeln!(
+                    out,
+                    "float {a}[{chunks}];\n#pragma unroll\nfor (unsigned int i = 0; i < {chunks}u; ++i) {a}[i] = 0.0f;\nfor (unsigned int {e} = cb; {e} < ce; ++{e}) {{\nconst float* {r} = {}(child_rows[{e}]);\n{body}#pragma unroll\nfor (unsigned int i = 0; i < {chunks}u; ++i) {a}[i] += {x}[i];\n}}",
+                    self.row_macro
+                );
+            }
+            _ => {
+                // one column per chunk, straight from the per-column form
+                let mut pre = String::new();
+                let col = format!("t + {shift}u");
+                let body = self.vec_at(v, &col, edge_row, &mut pre)?;
+                if !pre.is_empty() {
+                    return Err(gen_error("a per-column read needs a loop"));
+                }
+                out.push_str(&each(&body));
+            }
+        }
+        Ok(a)
+    }
+
     /// The weight of dot `(weight, row)` at chunk `i` / column `t`.
     fn weight_at(&self, weight: usize, row: usize, k: usize) -> String {
-        match &self.registers {
-            Some(rows) => match rows.iter().position(|&r| r == (weight, row)) {
-                Some(q) => format!("w{q}[i]"),
-                None => format!("P{weight}[(unsigned long long)({row}u + j) * {k}u + t]"),
-            },
-            None => format!("P{weight}[(unsigned long long)({row}u + j) * {k}u + t]"),
+        if let Some(q) = self
+            .registers
+            .as_ref()
+            .and_then(|rows| rows.iter().position(|&r| r == (weight, row)))
+        {
+            return format!("w{q}[i]");
+        }
+        let load = format!("P{weight}[(unsigned long long)({row}u + j) * {k}u + t]");
+        if k.is_multiple_of(32) {
+            load
+        } else {
+            // the last chunk's lanes past the row must not read the next row (or past the buffer)
+            format!("(t < {k}u ? {load} : 0.0f)")
         }
     }
 
@@ -259,28 +340,19 @@ impl<'a> CellWriter<'a> {
         if dots.is_empty() {
             return Ok(());
         }
+        let ch = chunks(k);
         let mut s = String::new();
+        // the lane's columns of the input, every load issued before any use
+        let x = self.vec_lanes(input, 0, ch, k, edge_row, &mut s)?;
         for &(id, ..) in &dots {
             let _ = writeln!(s, "float s{id} = 0.0f;");
         }
         let _ = writeln!(
             s,
-            "#pragma unroll\nfor (unsigned int i = 0; i < {}u; ++i) {{",
-            chunks(k)
+            "#pragma unroll\nfor (unsigned int i = 0; i < {ch}u; ++i) {{\nconst unsigned int t = lane + 32u * i; (void)t;"
         );
-        let _ = writeln!(s, "const unsigned int t = lane + 32u * i;");
-        if k % 32 != 0 {
-            let _ = writeln!(s, "if (t < {k}u) {{");
-        }
-        let mut pre = String::new();
-        let x = self.vec_at(input, "t", edge_row, &mut pre)?;
-        s += &pre;
-        let _ = writeln!(s, "const float x = {x};");
         for &(id, weight, row) in &dots {
-            let _ = writeln!(s, "s{id} += {} * x;", self.weight_at(weight, row, k));
-        }
-        if k % 32 != 0 {
-            s += "}\n";
+            let _ = writeln!(s, "s{id} += {} * {x}[i];", self.weight_at(weight, row, k));
         }
         s += "}\n";
         for &(id, ..) in &dots {
@@ -334,7 +406,7 @@ impl<'a> CellWriter<'a> {
                 let (e, r) = (self.temp("e"), self.temp("er"));
                 let _ = writeln!(
                     self.code,
-                    "float s{id} = 0.0f;\nfor (unsigned int {e} = cb; {e} < ce; ++{e}) {{\nconst float* {r} = {}(child_nodes[{e}]);",
+                    "float s{id} = 0.0f;\nfor (unsigned int {e} = cb; {e} < ce; ++{e}) {{\nconst float* {r} = {}(child_rows[{e}]);",
                     self.row_macro
                 );
                 let saved =
@@ -372,7 +444,7 @@ impl<'a> CellWriter<'a> {
         for k in kids {
             let _ = writeln!(
                 self.code,
-                "const float* kid{k} = cb + {k}u < ce ? {}(child_nodes[cb + {k}u]) : nullptr;",
+                "const float* kid{k} = cb + {k}u < ce ? {}(child_rows[cb + {k}u]) : nullptr;",
                 self.row_macro
             );
         }
@@ -474,6 +546,15 @@ impl TreeKernelSpec<'_> {
                 )));
             }
         }
+        if self.block_threads == 0
+            || !self.block_threads.is_multiple_of(32)
+            || self.block_threads > 1024
+        {
+            return Err(gen_error(format!(
+                "{} threads per block: expected a multiple of 32 up to 1024",
+                self.block_threads
+            )));
+        }
         if self.head.program.outputs.len() != 1 {
             return Err(gen_error("the head must output one row of scores"));
         }
@@ -520,11 +601,11 @@ impl TreeKernelSpec<'_> {
     pub fn source(&self) -> Result<String> {
         self.check()?;
         let (s, p) = (self.state_width(), self.push_width());
-        let name = self.name;
+        let (name, block) = (self.name, self.block_threads);
         let mut src = String::from(PRELUDE);
         let _ = writeln!(
             src,
-            "// The state row of node c: a leaf's from the token table when there is one.\n__device__ __forceinline__ const float* row_of(u32 c, const float* state, const float* table, const u32* tokens, u32 num_internal, bool use_table) {{\n    return (c < num_internal || !use_table) ? state + (u64)c * {s}u : table + (u64)tokens[c] * {s}u;\n}}\n#define ROW(c) row_of((c), state, table_state, tokens, num_internal, use_table)"
+            "// The state row of child code c (see `child_rows`): an internal node's row, or its token's table row.\n__device__ __forceinline__ const float* row_of(u32 c, const float* state, const float* table, u32 num_internal, bool use_table) {{\n    return (c < num_internal || !use_table) ? state + (u64)c * {s}u : table + (u64)(c - num_internal) * {s}u;\n}}\n#define ROW(c) row_of((c), state, table_state, num_internal, use_table)"
         );
         // ---- leaf table kernel
         let leaf_cell = CellWriter::new(self.leaf, None, "ROW").cell(&[
@@ -533,7 +614,7 @@ impl TreeKernelSpec<'_> {
         ])?;
         let _ = write!(
             src,
-            "extern \"C\" __global__ void __launch_bounds__({CELL_BLOCK}) {name}_leaf_table(const float* __restrict__ params, float* table_state, float* table_push, u32 vocab) {{\n{}const u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n{}if (rep < R) {{\nconst bool use_table = false; const u32 num_internal = 0; const float* state = nullptr; const u32* tokens = nullptr; const u32* child_nodes = nullptr;\n(void)use_table; (void)num_internal; (void)state; (void)tokens; (void)child_nodes;\nfor (u32 tok = rep; tok < vocab; tok += R) {{\nconst u32 cb = 0, ce = 0; (void)cb; (void)ce;\n{leaf_cell}}}\n}}\n}}\n",
+            "extern \"C\" __global__ void __launch_bounds__({block}) {name}_leaf_table(const float* __restrict__ params, float* table_state, float* table_push, u32 vocab) {{\n{}const u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n{}if (rep < R) {{\nconst bool use_table = false; const u32 num_internal = 0; const float* state = nullptr; const u32* tokens = nullptr; const u32* child_rows = nullptr;\n(void)use_table; (void)num_internal; (void)state; (void)tokens; (void)child_rows;\nfor (u32 tok = rep; tok < vocab; tok += R) {{\nconst u32 cb = 0, ce = 0; (void)cb; (void)ce;\n{leaf_cell}}}\n}}\n}}\n",
             param_pointers(self.param_offsets),
             warp_coordinates(self.leaf.program.units),
         );
@@ -575,7 +656,7 @@ impl TreeKernelSpec<'_> {
         let use_table = self.leaf_table;
         let _ = write!(
             src,
-            "#define SCORES {classes}u\nextern \"C\" __global__ void __launch_bounds__({CELL_BLOCK}) {name}_levels(const float* __restrict__ params, float* state, float* push, const float* __restrict__ table_state, const float* __restrict__ table_push, const u32* __restrict__ child_offsets, const u32* __restrict__ child_nodes, const u32* __restrict__ tokens, const u32* __restrict__ batch_begin, const u32* __restrict__ batch_length, u32 num_batches, u32 num_internal, u32 num_nodes, const u32* __restrict__ roots, u32 num_roots, float* scores, u32* barrier) {{\n{}const bool use_table = {use_table};\nconst u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n",
+            "#define SCORES {classes}u\nextern \"C\" __global__ void __launch_bounds__({block}) {name}_levels(const float* __restrict__ params, float* state, float* push, const float* __restrict__ table_state, const float* __restrict__ table_push, const u32* __restrict__ child_offsets, const u32* __restrict__ child_rows, const u32* __restrict__ tokens, const u32* __restrict__ batch_begin, const u32* __restrict__ batch_length, u32 num_batches, u32 num_internal, u32 num_nodes, const u32* __restrict__ roots, u32 num_roots, float* scores, u32* barrier) {{\n{}const bool use_table = {use_table};\nconst u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n",
             param_pointers(self.param_offsets),
         );
         if !use_table {
@@ -587,7 +668,7 @@ impl TreeKernelSpec<'_> {
         }
         let _ = write!(
             src,
-            "{{\n{}{weights}\nfor (u32 b = 0; b < num_batches; ++b) {{\nif (rep < R) {{\nconst u32 begin = batch_begin[b], len = batch_length[b];\nfor (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nconst u32 cb = child_offsets[n], ce = child_offsets[n + 1];\n{internal_cell}}}\n}}\ngrid_sync(barrier);\n}}\n}}\n",
+            "{{\n{}{weights}\nu32 begin = num_batches > 0 ? batch_begin[0] : 0, len = num_batches > 0 ? batch_length[0] : 0;\nfor (u32 b = 0; b < num_batches; ++b) {{\n// the next level's range, loaded while this one runs\nconst u32 next_begin = b + 1 < num_batches ? batch_begin[b + 1] : 0, next_len = b + 1 < num_batches ? batch_length[b + 1] : 0;\nif (rep < R) {{\nfor (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nconst u32 cb = child_offsets[n], ce = child_offsets[n + 1];\n{internal_cell}}}\n}}\ngrid_sync(barrier);\nbegin = next_begin; len = next_len;\n}}\n}}\n",
             warp_coordinates(self.internal.program.units)
         );
         let _ = write!(

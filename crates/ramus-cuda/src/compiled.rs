@@ -51,13 +51,32 @@ impl Default for CompiledSchedule {
 }
 
 /// Options of [`CompiledEngine::new`].
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct CompiledOptions {
     /// Device ordinal.
     pub device: usize,
     pub schedule: CompiledSchedule,
     /// Kernel cache directory (`None`: [`crate::default_cache_dir`]).
     pub cache_dir: Option<PathBuf>,
+    /// Threads per block (a multiple of 32, at most 1024); `None`: 1024
+    /// while the persistent weights take at most 32 registers per thread
+    /// (a block of 1024 threads has 64 each), else 512.
+    pub block_threads: Option<u32>,
+    /// Blocks per multiprocessor at most (fewer blocks: a cheaper grid
+    /// barrier; more: more warps per level), within what fits.
+    pub blocks_per_sm: u32,
+}
+
+impl Default for CompiledOptions {
+    fn default() -> Self {
+        CompiledOptions {
+            device: 0,
+            schedule: CompiledSchedule::default(),
+            cache_dir: None,
+            block_threads: None,
+            blocks_per_sm: 1,
+        }
+    }
 }
 
 /// Root scores of one batch: `scores[r * classes..(r + 1) * classes]` for
@@ -102,8 +121,13 @@ pub struct CompiledEngine {
     _barrier: PoolBuffer<u32>,
     barrier: DeviceView<u32>,
     linearizer: Linearizer,
-    /// Blocks that can be resident at once (the cooperative launch's limit).
+    /// Per-batch scratch: the child row codes uploaded.
+    child_rows: Vec<u32>,
+    /// Blocks that can be resident at once (the cooperative launch's
+    /// limit), capped by the options.
     max_blocks: u32,
+    /// Threads per block.
+    block: u32,
     units: usize,
     state_width: usize,
     push_width: usize,
@@ -191,7 +215,7 @@ impl CompiledEngine {
             offsets.push(total);
             total += p.data().len();
         }
-        let spec = TreeKernelSpec {
+        let mut spec = TreeKernelSpec {
             name: "cortex",
             leaf: LoweredCell {
                 graph: &model.functions[leaf_f].forward,
@@ -208,7 +232,16 @@ impl CompiledEngine {
             param_offsets: &offsets,
             persistent_weights: schedule.persistent_weights,
             leaf_table: schedule.leaf_table,
+            block_threads: CELL_BLOCK,
         };
+        spec.block_threads = options
+            .block_threads
+            .unwrap_or(if spec.weight_registers() <= 32 {
+                1024
+            } else {
+                CELL_BLOCK
+            });
+        let block = spec.block_threads;
         let source = spec.source()?;
         let module = cache.get_or_compile(&source, &["cortex_levels", "cortex_leaf_table"])?;
         let levels = module.function("cortex_levels")?.clone();
@@ -232,12 +265,12 @@ impl CompiledEngine {
         let (state_width, push_width) = (internal.output_width(0), internal.output_width(1));
         let sm = device.sm_count();
         let per_sm = levels
-            .occupancy_max_active_blocks_per_multiprocessor(CELL_BLOCK, 0, None)
+            .occupancy_max_active_blocks_per_multiprocessor(block, 0, None)
             .in_call("cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
-        let max_blocks = per_sm.saturating_mul(sm);
+        let max_blocks = per_sm.min(options.blocks_per_sm.max(1)).saturating_mul(sm);
         if max_blocks == 0 {
             return Err(model_err(format!(
-                "the compiled kernel cannot run a single block of {CELL_BLOCK} threads \
+                "the compiled kernel cannot run a single block of {block} threads \
                  ({} weight registers per thread); switch persistence off",
                 spec.weight_registers()
             )));
@@ -251,7 +284,7 @@ impl CompiledEngine {
             let ts = pool.alloc::<f32>((v * state_width).max(1))?;
             let tp = pool.alloc::<f32>((v * push_width).max(1))?;
             let warps = (leaf.units * v.min(64)).max(1);
-            let blocks = u32_of(warps.div_ceil((CELL_BLOCK / 32) as usize), "table blocks")?;
+            let blocks = u32_of(warps.div_ceil((block / 32) as usize), "table blocks")?;
             let vocab_arg = u32_of(v, "vocabulary")?;
             let (ts_view, tp_view) = (ts.view(), tp.view());
             let mut launch = stream.launch_builder(&table_fn);
@@ -262,7 +295,7 @@ impl CompiledEngine {
                 .arg(&vocab_arg);
             let cfg = LaunchConfig {
                 grid_dim: (blocks.min(65_535), 1, 1),
-                block_dim: (CELL_BLOCK, 1, 1),
+                block_dim: (block, 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: the arguments match `cortex_leaf_table`'s parameters;
@@ -293,7 +326,9 @@ impl CompiledEngine {
             barrier: barrier.view(),
             _barrier: barrier,
             linearizer: Linearizer::new(),
+            child_rows: Vec::new(),
             max_blocks,
+            block,
             units: internal.units,
             state_width,
             push_width,
@@ -357,10 +392,21 @@ impl CompiledEngine {
         let num_batches = batch.num_batches();
         let roots = batch.root_nodes().len();
         let widest = batch.batch_length().iter().copied().max().unwrap_or(0) as usize;
-        // one upload: offsets, children, tokens, batch begin / length, roots
+        // child row codes: a leaf's is `num_internal + token` with a table
+        // (the kernel then reads the table without loading the token)
+        let ni = batch.num_internal();
+        self.child_rows.clear();
+        self.child_rows.extend(batch.child_nodes().iter().map(|&c| {
+            if self.schedule.leaf_table && c as usize >= ni {
+                (ni as u32).saturating_add(batch.tokens()[c as usize])
+            } else {
+                c
+            }
+        }));
+        // one upload: offsets, child rows, tokens, batch begin / length, roots
         let parts: [&[u32]; 6] = [
             batch.child_offsets(),
-            batch.child_nodes(),
+            &self.child_rows,
             batch.tokens(),
             batch.batch_begin(),
             batch.batch_length(),
@@ -401,7 +447,7 @@ impl CompiledEngine {
         // enough warps for every unit of the widest level, as far as fit
         let warps = self.units * widest.max(1);
         let blocks =
-            u32_of(warps.div_ceil((CELL_BLOCK / 32) as usize), "blocks")?.clamp(1, self.max_blocks);
+            u32_of(warps.div_ceil((self.block / 32) as usize), "blocks")?.clamp(1, self.max_blocks);
         let mut launch = stream.launch_builder(&self.levels);
         launch
             .arg(self.params.kernel_arg())
@@ -423,7 +469,7 @@ impl CompiledEngine {
             .arg(self.barrier.kernel_arg());
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
-            block_dim: (CELL_BLOCK, 1, 1),
+            block_dim: (self.block, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: the arguments match `cortex_levels`' parameters in order;

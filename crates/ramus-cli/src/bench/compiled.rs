@@ -1,0 +1,122 @@
+//! `ramus bench --engine compiled`: inference latency percentiles of the
+//! compiled (Cortex) engine on the CUDA device, per batch size, for the
+//! default schedule or the ablation of Cortex Fig. 11(a).
+
+use std::time::Instant;
+
+use ramus_core::{Model, Params};
+use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
+use ramus_graph::InputGraph;
+
+use super::{run_anchor, AnyResult, BenchArgs};
+use crate::device::Device;
+
+/// The ablation steps: fusion only, + leaf specialization, + persistence.
+const ABLATION: [(&str, CompiledSchedule); 3] = [
+    (
+        "fusion",
+        CompiledSchedule {
+            leaf_table: false,
+            persistent_weights: false,
+        },
+    ),
+    (
+        "fusion+specialization",
+        CompiledSchedule {
+            leaf_table: true,
+            persistent_weights: false,
+        },
+    ),
+    (
+        "fusion+specialization+persistence",
+        CompiledSchedule {
+            leaf_table: true,
+            persistent_weights: true,
+        },
+    ),
+];
+
+/// Latency samples (seconds) of `reps` calls after 3 warm-up calls.
+fn samples(reps: usize, mut f: impl FnMut() -> AnyResult) -> AnyResult<Vec<f64>> {
+    for _ in 0..3 {
+        f()?;
+    }
+    let mut out = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        f()?;
+        out.push(t.elapsed().as_secs_f64());
+    }
+    out.sort_by(f64::total_cmp);
+    Ok(out)
+}
+
+/// Percentile `p` (0–100) of sorted samples, in milliseconds (3 decimals).
+fn percentile_ms(sorted: &[f64], p: f64) -> f64 {
+    let at = ((sorted.len() - 1) as f64 * p / 100.0).round() as usize;
+    (sorted[at.min(sorted.len() - 1)] * 1e6).round() / 1e3
+}
+
+pub(super) fn run(
+    a: &BenchArgs,
+    model: &Model,
+    params: &Params<f32>,
+    trees: &[InputGraph],
+    sizes: &[usize],
+) -> AnyResult {
+    if a.device != Device::Cuda {
+        return Err("--engine compiled runs on --device cuda".into());
+    }
+    let schedules: Vec<(&str, CompiledSchedule)> = if a.ablation {
+        ABLATION.to_vec()
+    } else {
+        vec![("default", CompiledSchedule::default())]
+    };
+    let mut last = Vec::new();
+    for (name, schedule) in schedules {
+        let options = CompiledOptions {
+            schedule,
+            block_threads: a.block_threads,
+            blocks_per_sm: a.blocks_per_sm,
+            ..CompiledOptions::default()
+        };
+        let mut engine = CompiledEngine::new(model, params, &options)?;
+        if a.verbose {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "setup": "compiled", "schedule": name, "device": engine.device().name(),
+                    "arch": engine.device().arch(), "setup_s": engine.setup_seconds(),
+                    "leaf_table_build_ms": (engine.leaf_table_seconds() * 1e6).round() / 1e3,
+                    "kernel_cache": engine.cache_stats().to_string(),
+                })
+            );
+        }
+        last.clear();
+        for &bs in sizes {
+            let batch: Vec<&InputGraph> = trees[..bs].iter().collect();
+            let nodes: usize = batch.iter().map(|g| g.len()).sum();
+            let times = samples(a.reps, || {
+                engine.infer(&batch)?;
+                Ok(())
+            })?;
+            let line = serde_json::json!({
+                "system": "ramus", "engine": "compiled", "schedule": name, "model": a.model,
+                "device": engine.device().name(), "hidden": a.hidden, "batch": bs, "nodes": nodes,
+                "infer_ms": percentile_ms(&times, 50.0), "infer_p90_ms": percentile_ms(&times, 90.0),
+                "infer_p99_ms": percentile_ms(&times, 99.0),
+                "infer_enqueue_ms": (engine.last_enqueue_seconds() * 1e6).round() / 1e3,
+                "kernels_per_batch": 1, "block_threads": a.block_threads, "blocks_per_sm": a.blocks_per_sm,
+            });
+            println!("{line}");
+            last.push(line);
+        }
+    }
+    if let Some(anchor) = &a.anchor {
+        if a.model != "treelstm" {
+            return Err("the PyTorch anchor runs the reference treelstm only".into());
+        }
+        run_anchor(a, anchor, &last)?;
+    }
+    Ok(())
+}
