@@ -70,6 +70,9 @@ pub struct BenchArgs {
     /// With --engine compiled: resident blocks per multiprocessor at most.
     #[arg(long, default_value_t = 1)]
     blocks_per_sm: u32,
+    /// With --engine compiled: blocks in all at most.
+    #[arg(long)]
+    max_blocks: Option<u32>,
 }
 
 /// The engine under test, with what only one kind reports.

@@ -59,9 +59,9 @@ use crate::fusion::instantiate;
 use crate::graph::Graph;
 use crate::lower::{CellProgram, ChildRef, ScalarExpr, ScalarId, Scope, VecExpr, VecId};
 
-/// Threads per block of the generated kernels when the persistent weights
-/// need more than 32 registers per thread (engines use 1024, the most, below
-/// that): few, large blocks keep the grid barrier cheap.
+/// Threads per block of the generated kernels by default: few, large
+/// blocks keep the grid barrier cheap (1024 was slower on an H100: costlier
+/// block barriers and half the registers per thread).
 pub const CELL_BLOCK: u32 = 512;
 
 /// A lowered function: its graph (for the ops' templates) and program.
@@ -219,7 +219,7 @@ impl<'a> CellWriter<'a> {
                 let x = self.vec_at(src, col, Some(&r), &mut body)?;
                 let _ = writeln!(
                     pre,
-                    "float {acc} = 0.0f;\nfor (unsigned int {e} = cb; {e} < ce; ++{e}) {{\nconst float* {r} = {}(child_rows[{e}]);\n{body}{acc} += {x};\n}}",
+                    "float {acc} = 0.0f;\n#pragma unroll 2\nfor (unsigned int {e} = cb; {e} < ce; ++{e}) {{\nconst float* {r} = {}(CHILD({e}));\n{body}{acc} += {x};\n}}",
                     self.row_macro
                 );
                 acc
@@ -274,7 +274,7 @@ impl<'a> CellWriter<'a> {
                 let x = self.vec_lanes(src, shift, chunks, limit, Some(&r), &mut body)?;
                 let _ = writeln!(
                     out,
-                    "float {a}[{chunks}];\n#pragma unroll\nfor (unsigned int i = 0; i < {chunks}u; ++i) {a}[i] = 0.0f;\nfor (unsigned int {e} = cb; {e} < ce; ++{e}) {{\nconst float* {r} = {}(child_rows[{e}]);\n{body}#pragma unroll\nfor (unsigned int i = 0; i < {chunks}u; ++i) {a}[i] += {x}[i];\n}}",
+                    "float {a}[{chunks}];\n#pragma unroll\nfor (unsigned int i = 0; i < {chunks}u; ++i) {a}[i] = 0.0f;\n#pragma unroll 2\nfor (unsigned int {e} = cb; {e} < ce; ++{e}) {{\nconst float* {r} = {}(CHILD({e}));\n{body}#pragma unroll\nfor (unsigned int i = 0; i < {chunks}u; ++i) {a}[i] += {x}[i];\n}}",
                     self.row_macro
                 );
             }
@@ -406,15 +406,19 @@ impl<'a> CellWriter<'a> {
                 let (e, r) = (self.temp("e"), self.temp("er"));
                 let _ = writeln!(
                     self.code,
-                    "float s{id} = 0.0f;\nfor (unsigned int {e} = cb; {e} < ce; ++{e}) {{\nconst float* {r} = {}(child_rows[{e}]);",
+                    "float s{id} = 0.0f;\n#pragma unroll 2\nfor (unsigned int {e} = cb; {e} < ce; ++{e}) {{\nconst float* {r} = {}(CHILD({e}));",
                     self.row_macro
                 );
                 let saved =
                     std::mem::replace(&mut self.emitted_dots, vec![false; prog.scalars.len()]);
-                for i in 0..=src {
-                    if cone[i] {
-                        self.emit_scalar(i, Some(&r), Some(&cone))?;
-                    }
+                // reads first (they depend on nothing): their loads go out
+                // before the dot products' shuffles
+                let is_read = |i: usize| matches!(prog.scalars[i].expr, ScalarExpr::Read { .. });
+                let reads_first = (0..=src)
+                    .filter(|&i| cone[i] && is_read(i))
+                    .chain((0..=src).filter(|&i| cone[i] && !is_read(i)));
+                for i in reads_first {
+                    self.emit_scalar(i, Some(&r), Some(&cone))?;
                 }
                 self.emitted_dots = saved;
                 let _ = writeln!(self.code, "s{id} += s{src};\n}}");
@@ -444,7 +448,7 @@ impl<'a> CellWriter<'a> {
         for k in kids {
             let _ = writeln!(
                 self.code,
-                "const float* kid{k} = cb + {k}u < ce ? {}(child_rows[cb + {k}u]) : nullptr;",
+                "const float* kid{k} = cb + {k}u < ce ? {}(CHILD(cb + {k}u)) : nullptr;",
                 self.row_macro
             );
         }
@@ -489,23 +493,42 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// Grid-wide barrier for a cooperative launch: arrive on bar[0], wait for
-// bar[1] (the generation) to move; the fences order every block's stores
-// before any block's loads after the barrier.
+// The code of child edge e (its first two come from registers).
+#define CHILD(e) ((e) == cb ? c0 : (e) == cb + 1u ? c1 : child_rows[e])
+
+// Loads the child range and first two child codes of node begin + rep (if
+// the level has it): the loads of the next level, issued before its barrier.
+__device__ __forceinline__ void prefetch_node(u32 begin, u32 len, u32 rep, const u32* child_offsets,
+                                              const u32* child_rows, u32* n, u32* cb, u32* ce,
+                                              u32* c0, u32* c1) {
+    if (rep < len) {
+        *n = begin + rep;
+        *cb = child_offsets[*n];
+        *ce = child_offsets[*n + 1];
+        *c0 = *cb < *ce ? child_rows[*cb] : 0u;
+        *c1 = *cb + 1u < *ce ? child_rows[*cb + 1u] : 0u;
+    }
+}
+
+// Grid-wide barrier for a cooperative launch: thread 0 of each block
+// arrives on bar[0] with release semantics (cumulative over the block's
+// stores, which __syncthreads ordered before it); the last to arrive
+// resets the count and publishes the next generation in bar[1] with
+// release semantics; the others wait for it with acquire loads.
 __device__ __forceinline__ void grid_sync(u32* bar) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        volatile u32* gen = bar + 1;
-        const u32 g = *gen;
-        __threadfence();
-        if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-            atomicExch(bar, 0u);
-            __threadfence();
-            atomicAdd(bar + 1, 1u);
+        u32 g, old, now;
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(g) : "l"(bar + 1) : "memory");
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(bar) : "memory");
+        if (old == gridDim.x - 1) {
+            asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" :: "l"(bar) : "memory");
+            asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(bar + 1), "r"(g + 1) : "memory");
         } else {
-            while (*gen == g) { }
+            do {
+                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar + 1) : "memory");
+            } while (now == g);
         }
-        __threadfence();
     }
     __syncthreads();
 }
@@ -614,7 +637,7 @@ impl TreeKernelSpec<'_> {
         ])?;
         let _ = write!(
             src,
-            "extern \"C\" __global__ void __launch_bounds__({block}) {name}_leaf_table(const float* __restrict__ params, float* table_state, float* table_push, u32 vocab) {{\n{}const u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n{}if (rep < R) {{\nconst bool use_table = false; const u32 num_internal = 0; const float* state = nullptr; const u32* tokens = nullptr; const u32* child_rows = nullptr;\n(void)use_table; (void)num_internal; (void)state; (void)tokens; (void)child_rows;\nfor (u32 tok = rep; tok < vocab; tok += R) {{\nconst u32 cb = 0, ce = 0; (void)cb; (void)ce;\n{leaf_cell}}}\n}}\n}}\n",
+            "extern \"C\" __global__ void __launch_bounds__({block}) {name}_leaf_table(const float* __restrict__ params, float* table_state, float* table_push, u32 vocab) {{\n{}const u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n{}if (rep < R) {{\nconst bool use_table = false; const u32 num_internal = 0; const float* state = nullptr; const u32* tokens = nullptr; const u32* child_rows = nullptr;\n(void)use_table; (void)num_internal; (void)state; (void)tokens; (void)child_rows;\nfor (u32 tok = rep; tok < vocab; tok += R) {{\nconst u32 cb = 0, ce = 0, c0 = 0, c1 = 0; (void)cb; (void)ce; (void)c0; (void)c1;\n{leaf_cell}}}\n}}\n}}\n",
             param_pointers(self.param_offsets),
             warp_coordinates(self.leaf.program.units),
         );
@@ -662,18 +685,18 @@ impl TreeKernelSpec<'_> {
         if !use_table {
             let _ = write!(
                 src,
-                "{{\n{}if (rep < R) {{\nfor (u32 n = num_internal + rep; n < num_nodes; n += R) {{\nconst u32 tok = tokens[n]; (void)tok;\nconst u32 cb = child_offsets[n], ce = child_offsets[n + 1]; (void)cb; (void)ce;\n{leaf_in_kernel}}}\n}}\n}}\ngrid_sync(barrier);\n",
+                "{{\n{}if (rep < R) {{\nfor (u32 n = num_internal + rep; n < num_nodes; n += R) {{\nconst u32 tok = tokens[n]; (void)tok;\nconst u32 cb = child_offsets[n], ce = child_offsets[n + 1]; (void)cb; (void)ce;\nconst u32 c0 = 0, c1 = 0; (void)c0; (void)c1;\n{leaf_in_kernel}}}\n}}\n}}\ngrid_sync(barrier);\n",
                 warp_coordinates(self.leaf.program.units)
             );
         }
         let _ = write!(
             src,
-            "{{\n{}{weights}\nu32 begin = num_batches > 0 ? batch_begin[0] : 0, len = num_batches > 0 ? batch_length[0] : 0;\nfor (u32 b = 0; b < num_batches; ++b) {{\n// the next level's range, loaded while this one runs\nconst u32 next_begin = b + 1 < num_batches ? batch_begin[b + 1] : 0, next_len = b + 1 < num_batches ? batch_length[b + 1] : 0;\nif (rep < R) {{\nfor (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nconst u32 cb = child_offsets[n], ce = child_offsets[n + 1];\n{internal_cell}}}\n}}\ngrid_sync(barrier);\nbegin = next_begin; len = next_len;\n}}\n}}\n",
+            "{{\n{}{weights}\nu32 begin = num_batches > 0 ? batch_begin[0] : 0, len = num_batches > 0 ? batch_length[0] : 0;\n// this warp's first node of a level, its child range and first two child rows, loaded ahead (before the barrier)\nu32 pn = 0, pcb = 0, pce = 0, pc0 = 0, pc1 = 0;\nprefetch_node(begin, len, rep, child_offsets, child_rows, &pn, &pcb, &pce, &pc0, &pc1);\nfor (u32 b = 0; b < num_batches; ++b) {{\nconst u32 next_begin = b + 1 < num_batches ? batch_begin[b + 1] : 0, next_len = b + 1 < num_batches ? batch_length[b + 1] : 0;\nif (rep < R) {{\nfor (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nu32 cb = pcb, ce = pce, c0 = pc0, c1 = pc1;\nif (i != rep) {{ cb = child_offsets[n]; ce = child_offsets[n + 1]; c0 = cb < ce ? child_rows[cb] : 0; c1 = cb + 1 < ce ? child_rows[cb + 1] : 0; }}\n{internal_cell}}}\n}}\nprefetch_node(next_begin, next_len, rep, child_offsets, child_rows, &pn, &pcb, &pce, &pc0, &pc1);\ngrid_sync(barrier);\nbegin = next_begin; len = next_len;\n}}\n}}\n",
             warp_coordinates(self.internal.program.units)
         );
         let _ = write!(
             src,
-            "{{\n{}if (rep < R) {{\nfor (u32 r = rep; r < num_roots; r += R) {{\nconst u32 root = roots[r];\nconst float* hin = (root < num_internal || !use_table) ? push + (u64)root * {p}u : table_push + (u64)tokens[root] * {p}u;\nconst u32 cb = 0, ce = 0; (void)cb; (void)ce; const u32 tok = 0; (void)tok;\n{head_cell}}}\n}}\n}}\n}}\n"
+            "{{\n{}if (rep < R) {{\nfor (u32 r = rep; r < num_roots; r += R) {{\nconst u32 root = roots[r];\nconst float* hin = (root < num_internal || !use_table) ? push + (u64)root * {p}u : table_push + (u64)tokens[root] * {p}u;\nconst u32 cb = 0, ce = 0, c0 = 0, c1 = 0; (void)cb; (void)ce; (void)c0; (void)c1; const u32 tok = 0; (void)tok;\n{head_cell}}}\n}}\n}}\n}}\n"
             ,
             warp_coordinates(self.head.program.units)
         );

@@ -16,7 +16,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaFunction, LaunchConfig, PushKernelArg};
 
 use ramus_core::cellgen::{LoweredCell, TreeKernelSpec, CELL_BLOCK};
 use ramus_core::lower::{lower, CellProgram, VecExpr};
@@ -58,13 +59,15 @@ pub struct CompiledOptions {
     pub schedule: CompiledSchedule,
     /// Kernel cache directory (`None`: [`crate::default_cache_dir`]).
     pub cache_dir: Option<PathBuf>,
-    /// Threads per block (a multiple of 32, at most 1024); `None`: 1024
-    /// while the persistent weights take at most 32 registers per thread
-    /// (a block of 1024 threads has 64 each), else 512.
+    /// Threads per block (a multiple of 32, at most 1024); `None`:
+    /// [`CELL_BLOCK`].
     pub block_threads: Option<u32>,
     /// Blocks per multiprocessor at most (fewer blocks: a cheaper grid
     /// barrier; more: more warps per level), within what fits.
     pub blocks_per_sm: u32,
+    /// Blocks in all at most (`None`: as many as fit and the widest level
+    /// can use).
+    pub max_blocks: Option<u32>,
 }
 
 impl Default for CompiledOptions {
@@ -75,6 +78,7 @@ impl Default for CompiledOptions {
             cache_dir: None,
             block_threads: None,
             blocks_per_sm: 1,
+            max_blocks: None,
         }
     }
 }
@@ -126,6 +130,8 @@ pub struct CompiledEngine {
     /// Blocks that can be resident at once (the cooperative launch's
     /// limit), capped by the options.
     max_blocks: u32,
+    /// Blocks needed for a warp per unit of every cell.
+    min_blocks: u32,
     /// Threads per block.
     block: u32,
     units: usize,
@@ -138,6 +144,9 @@ pub struct CompiledEngine {
     setup_seconds: f64,
     leaf_table_seconds: f64,
     last_enqueue_seconds: f64,
+    /// Recorded around each launch, for the kernel's own time.
+    kernel_events: (CudaEvent, CudaEvent),
+    last_kernel_seconds: f64,
 }
 
 fn model_err(message: impl Into<String>) -> CudaError {
@@ -267,11 +276,18 @@ impl CompiledEngine {
         let per_sm = levels
             .occupancy_max_active_blocks_per_multiprocessor(block, 0, None)
             .in_call("cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
-        let max_blocks = per_sm.min(options.blocks_per_sm.max(1)).saturating_mul(sm);
-        if max_blocks == 0 {
+        let max_blocks = per_sm
+            .min(options.blocks_per_sm.max(1))
+            .saturating_mul(sm)
+            .min(options.max_blocks.unwrap_or(u32::MAX));
+        // every unit of every cell needs a warp of its own
+        let widest_cell = leaf.units.max(internal.units).max(head.units);
+        let min_blocks = u32_of(widest_cell.div_ceil((block / 32) as usize), "blocks")?;
+        if max_blocks < min_blocks {
             return Err(model_err(format!(
-                "the compiled kernel cannot run a single block of {block} threads \
-                 ({} weight registers per thread); switch persistence off",
+                "the compiled kernel needs {min_blocks} resident blocks of {block} threads \
+                 (a warp per unit of a {widest_cell}-unit cell) but only {max_blocks} fit \
+                 ({} weight registers per thread); switch persistence off or allow more blocks",
                 spec.weight_registers()
             )));
         }
@@ -313,7 +329,16 @@ impl CompiledEngine {
             0.0
         };
         let arena = pool.arena(16 << 20);
+        let timed = || {
+            device
+                .context()
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .in_call("cuEventCreate")
+        };
+        let kernel_events = (timed()?, timed()?);
         Ok(CompiledEngine {
+            kernel_events,
+            last_kernel_seconds: 0.0,
             cache,
             levels,
             staging,
@@ -328,6 +353,7 @@ impl CompiledEngine {
             linearizer: Linearizer::new(),
             child_rows: Vec::new(),
             max_blocks,
+            min_blocks,
             block,
             units: internal.units,
             state_width,
@@ -370,6 +396,11 @@ impl CompiledEngine {
     /// Host seconds of the last [`infer`](Self::infer) up to its launch.
     pub fn last_enqueue_seconds(&self) -> f64 {
         self.last_enqueue_seconds
+    }
+
+    /// Device seconds of the last [`infer`](Self::infer)'s kernel.
+    pub fn last_kernel_seconds(&self) -> f64 {
+        self.last_kernel_seconds
     }
 
     /// Scores every root of `graphs` in one launch.
@@ -446,8 +477,8 @@ impl CompiledEngine {
         let scores = self.arena.alloc::<f32>((roots * self.classes).max(1))?;
         // enough warps for every unit of the widest level, as far as fit
         let warps = self.units * widest.max(1);
-        let blocks =
-            u32_of(warps.div_ceil((self.block / 32) as usize), "blocks")?.clamp(1, self.max_blocks);
+        let blocks = u32_of(warps.div_ceil((self.block / 32) as usize), "blocks")?
+            .clamp(self.min_blocks, self.max_blocks);
         let mut launch = stream.launch_builder(&self.levels);
         launch
             .arg(self.params.kernel_arg())
@@ -472,6 +503,10 @@ impl CompiledEngine {
             block_dim: (self.block, 1, 1),
             shared_mem_bytes: 0,
         };
+        self.kernel_events
+            .0
+            .record(&stream)
+            .in_call("cuEventRecord")?;
         // SAFETY: the arguments match `cortex_levels`' parameters in order;
         // state and pushed buffers have a row per node, scores a row per
         // root, the index views hold the linearized arrays (every node and
@@ -480,10 +515,17 @@ impl CompiledEngine {
         // barrier cannot deadlock.
         unsafe { launch.launch_cooperative(cfg) }
             .in_call("cuLaunchCooperativeKernel(cortex_levels)")?;
+        self.kernel_events
+            .1
+            .record(&stream)
+            .in_call("cuEventRecord")?;
         self.last_enqueue_seconds = started.elapsed().as_secs_f64();
         let out = self
             .staging
             .download_to_vec(scores.slice(0..roots * self.classes)?, &stream)?;
+        let (start, end) = &self.kernel_events;
+        self.last_kernel_seconds =
+            f64::from(start.elapsed_ms(end).in_call("cuEventElapsedTime")?) / 1e3;
         Ok(CompiledOutput {
             scores: out,
             classes: self.classes,

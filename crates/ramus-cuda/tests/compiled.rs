@@ -124,3 +124,27 @@ fn tokens_beyond_the_vocabulary_are_refused_naming_the_vertex() {
         "{text}"
     );
 }
+
+#[test]
+fn too_few_blocks_for_the_units_is_an_error_not_a_silent_skip() {
+    if !common::cuda_ready("skipping") {
+        return;
+    }
+    let cfg = ModelConfig {
+        vocab: 10,
+        hidden: 64,
+        classes: 3,
+    };
+    let model = build_model_with("treelstm", &cfg, &ModelOptions { dropout: 0.0 }).expect("model");
+    let params: Params<f32> = Params::init(&model, 1);
+    // 64 units need 64 warps: 4 blocks of 512 threads
+    let options = CompiledOptions {
+        block_threads: Some(512),
+        max_blocks: Some(1),
+        ..CompiledOptions::default()
+    };
+    let err = CompiledEngine::new(&model, &params, &options)
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("needs 4 resident blocks"), "{err}");
+}

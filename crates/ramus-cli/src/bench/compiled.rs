@@ -78,6 +78,7 @@ pub(super) fn run(
             schedule,
             block_threads: a.block_threads,
             blocks_per_sm: a.blocks_per_sm,
+            max_blocks: a.max_blocks,
             ..CompiledOptions::default()
         };
         let mut engine = CompiledEngine::new(model, params, &options)?;
@@ -106,7 +107,8 @@ pub(super) fn run(
                 "infer_ms": percentile_ms(&times, 50.0), "infer_p90_ms": percentile_ms(&times, 90.0),
                 "infer_p99_ms": percentile_ms(&times, 99.0),
                 "infer_enqueue_ms": (engine.last_enqueue_seconds() * 1e6).round() / 1e3,
-                "kernels_per_batch": 1, "block_threads": a.block_threads, "blocks_per_sm": a.blocks_per_sm,
+                "kernel_ms": (engine.last_kernel_seconds() * 1e6).round() / 1e3,
+                "kernels_per_batch": 1, "block_threads": a.block_threads, "blocks_per_sm": a.blocks_per_sm, "max_blocks": a.max_blocks,
             });
             println!("{line}");
             last.push(line);
