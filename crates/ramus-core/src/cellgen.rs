@@ -510,25 +510,34 @@ __device__ __forceinline__ void prefetch_node(u32 begin, u32 len, u32 rep, const
     }
 }
 
-// Grid-wide barrier for a cooperative launch: thread 0 of each block
+// Grid-wide barrier for a cooperative launch. Thread 0 of each block
 // arrives on bar[0] with release semantics (cumulative over the block's
 // stores, which __syncthreads ordered before it); the last to arrive
-// resets the count and publishes the next generation in bar[1] with
-// release semantics; the others wait for it with acquire loads.
-__device__ __forceinline__ void grid_sync(u32* bar) {
+// resets the count and publishes generation *gen + 1 in bar[1] (release);
+// the others wait for it with acquire loads. *gen is the block's own copy
+// of the generation (read once at kernel start, before any block can
+// arrive), so a barrier costs no load before arriving.
+__device__ __forceinline__ u32 barrier_generation(const u32* bar) {
+    u32 g;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(g) : "l"(bar + 1) : "memory");
+    return g;
+}
+
+__device__ __forceinline__ void grid_sync(u32* bar, u32* gen) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        u32 g, old, now;
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(g) : "l"(bar + 1) : "memory");
+        const u32 next = *gen + 1u;
+        u32 old, now;
         asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(bar) : "memory");
         if (old == gridDim.x - 1) {
             asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" :: "l"(bar) : "memory");
-            asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(bar + 1), "r"(g + 1) : "memory");
+            asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(bar + 1), "r"(next) : "memory");
         } else {
             do {
                 asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar + 1) : "memory");
-            } while (now == g);
+            } while (now != next);
         }
+        *gen = next;
     }
     __syncthreads();
 }
@@ -679,19 +688,19 @@ impl TreeKernelSpec<'_> {
         let use_table = self.leaf_table;
         let _ = write!(
             src,
-            "#define SCORES {classes}u\nextern \"C\" __global__ void __launch_bounds__({block}) {name}_levels(const float* __restrict__ params, float* state, float* push, const float* __restrict__ table_state, const float* __restrict__ table_push, const u32* __restrict__ child_offsets, const u32* __restrict__ child_rows, const u32* __restrict__ tokens, const u32* __restrict__ batch_begin, const u32* __restrict__ batch_length, u32 num_batches, u32 num_internal, u32 num_nodes, const u32* __restrict__ roots, u32 num_roots, float* scores, u32* barrier) {{\n{}const bool use_table = {use_table};\nconst u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n",
+            "#define SCORES {classes}u\nextern \"C\" __global__ void __launch_bounds__({block}) {name}_levels(const float* __restrict__ params, float* state, float* push, const float* __restrict__ table_state, const float* __restrict__ table_push, const u32* __restrict__ child_offsets, const u32* __restrict__ child_rows, const u32* __restrict__ tokens, const u32* __restrict__ batch_begin, const u32* __restrict__ batch_length, u32 num_batches, u32 num_internal, u32 num_nodes, const u32* __restrict__ roots, u32 num_roots, float* scores, u32* barrier) {{\n{}const bool use_table = {use_table};\n// the barrier generation (thread 0's copy; no block can arrive before every block has read it)\nu32 bar_gen = 0;\nif (threadIdx.x == 0) bar_gen = barrier_generation(barrier);\nconst u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n",
             param_pointers(self.param_offsets),
         );
         if !use_table {
             let _ = write!(
                 src,
-                "{{\n{}if (rep < R) {{\nfor (u32 n = num_internal + rep; n < num_nodes; n += R) {{\nconst u32 tok = tokens[n]; (void)tok;\nconst u32 cb = child_offsets[n], ce = child_offsets[n + 1]; (void)cb; (void)ce;\nconst u32 c0 = 0, c1 = 0; (void)c0; (void)c1;\n{leaf_in_kernel}}}\n}}\n}}\ngrid_sync(barrier);\n",
+                "{{\n{}if (rep < R) {{\nfor (u32 n = num_internal + rep; n < num_nodes; n += R) {{\nconst u32 tok = tokens[n]; (void)tok;\nconst u32 cb = child_offsets[n], ce = child_offsets[n + 1]; (void)cb; (void)ce;\nconst u32 c0 = 0, c1 = 0; (void)c0; (void)c1;\n{leaf_in_kernel}}}\n}}\n}}\ngrid_sync(barrier, &bar_gen);\n",
                 warp_coordinates(self.leaf.program.units)
             );
         }
         let _ = write!(
             src,
-            "{{\n{}{weights}\nu32 begin = num_batches > 0 ? batch_begin[0] : 0, len = num_batches > 0 ? batch_length[0] : 0;\n// this warp's first node of a level, its child range and first two child rows, loaded ahead (before the barrier)\nu32 pn = 0, pcb = 0, pce = 0, pc0 = 0, pc1 = 0;\nprefetch_node(begin, len, rep, child_offsets, child_rows, &pn, &pcb, &pce, &pc0, &pc1);\nfor (u32 b = 0; b < num_batches; ++b) {{\nconst u32 next_begin = b + 1 < num_batches ? batch_begin[b + 1] : 0, next_len = b + 1 < num_batches ? batch_length[b + 1] : 0;\nif (rep < R) {{\nfor (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nu32 cb = pcb, ce = pce, c0 = pc0, c1 = pc1;\nif (i != rep) {{ cb = child_offsets[n]; ce = child_offsets[n + 1]; c0 = cb < ce ? child_rows[cb] : 0; c1 = cb + 1 < ce ? child_rows[cb + 1] : 0; }}\n{internal_cell}}}\n}}\nprefetch_node(next_begin, next_len, rep, child_offsets, child_rows, &pn, &pcb, &pce, &pc0, &pc1);\ngrid_sync(barrier);\nbegin = next_begin; len = next_len;\n}}\n}}\n",
+            "{{\n{}{weights}\nu32 begin = num_batches > 0 ? batch_begin[0] : 0, len = num_batches > 0 ? batch_length[0] : 0;\n// this warp's first node of a level, its child range and first two child rows, loaded ahead (before the barrier)\nu32 pn = 0, pcb = 0, pce = 0, pc0 = 0, pc1 = 0;\nprefetch_node(begin, len, rep, child_offsets, child_rows, &pn, &pcb, &pce, &pc0, &pc1);\nfor (u32 b = 0; b < num_batches; ++b) {{\nconst u32 next_begin = b + 1 < num_batches ? batch_begin[b + 1] : 0, next_len = b + 1 < num_batches ? batch_length[b + 1] : 0;\nif (rep < R) {{\nfor (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nu32 cb = pcb, ce = pce, c0 = pc0, c1 = pc1;\nif (i != rep) {{ cb = child_offsets[n]; ce = child_offsets[n + 1]; c0 = cb < ce ? child_rows[cb] : 0; c1 = cb + 1 < ce ? child_rows[cb + 1] : 0; }}\n{internal_cell}}}\n}}\nprefetch_node(next_begin, next_len, rep, child_offsets, child_rows, &pn, &pcb, &pce, &pc0, &pc1);\ngrid_sync(barrier, &bar_gen);\nbegin = next_begin; len = next_len;\n}}\n}}\n",
             warp_coordinates(self.internal.program.units)
         );
         let _ = write!(
