@@ -1,6 +1,7 @@
 //! Ramus on the CPU: the batched engine (Cavs' scheduling, dynamic tensors
 //! and lazy batching) that every other engine is checked against.
 
+pub mod compiled;
 pub mod engine;
 pub mod error;
 pub mod trace;

@@ -1,10 +1,12 @@
 //! The Cortex lowering (`ramus_core::lower`) against the CPU reference
 //! engine: every token model's vertex functions and head, lowered to cell
 //! programs and evaluated vertex by vertex, give the engine's root scores on
-//! random trees, deep paths, wide nodes and chains.
+//! random trees, deep paths, wide nodes and chains; and so does the
+//! compiled CPU engine running those programs level by level.
 
 use ramus_core::lower::{lower, CellProgram, VertexInputs};
 use ramus_core::{HeadRows, Model, Params};
+use ramus_cpu::compiled::CpuCompiledEngine;
 use ramus_cpu::{Batch, CpuEngine, Mode};
 use ramus_graph::random::{random_chain, random_path, random_tree};
 use ramus_graph::{BatchingPolicy, InputGraph};
@@ -129,4 +131,61 @@ fn lowered_cells_reproduce_the_reference_engine_for_every_token_model() {
             }
         }
     }
+}
+
+#[test]
+fn the_compiled_cpu_engine_matches_the_reference_engine_in_one_batch() {
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    for hidden in [6, 40] {
+        let cfg = ModelConfig { hidden, ..CFG };
+        for name in ["treelstm", "treelstm-nary", "treefc", "lstm-lm"] {
+            let model =
+                build_model_with(name, &cfg, &ModelOptions { dropout: 0.25 }).expect("model");
+            let params: Params<f32> = Params::init(&model, 9);
+            let graphs = graphs_for(name, &mut rng);
+            let mut want = Vec::new();
+            for g in &graphs {
+                let batch = Batch::new(&model, vec![g], BatchingPolicy::Cavs).expect("schedule");
+                want.extend(
+                    CpuEngine::<f32>::new()
+                        .forward_rows(&model, &params, &batch, Mode::Infer, HeadRows::Roots)
+                        .expect("reference")
+                        .logits,
+                );
+            }
+            let refs: Vec<&InputGraph> = graphs.iter().collect();
+            for table in [true, false] {
+                let mut engine = CpuCompiledEngine::new(&model, &params, table).expect("compiles");
+                for round in 0..2 {
+                    let got = engine.infer(&refs).expect("infers");
+                    assert_eq!(got.scores.len(), want.len(), "{name}: score count");
+                    for (i, (w, g)) in want.iter().zip(&got.scores).enumerate() {
+                        assert!(
+                            (w - g).abs() <= 1e-4 * (1.0 + w.abs()),
+                            "{name} h{hidden} table {table} round {round}: score {i} engine {w} vs compiled {g}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_compiled_cpu_engine_refuses_unknown_tokens_naming_the_vertex() {
+    let model = build_model_with("treelstm", &CFG, &ModelOptions { dropout: 0.0 }).expect("model");
+    let params: Params<f32> = Params::init(&model, 1);
+    let mut engine = CpuCompiledEngine::new(&model, &params, true).expect("compiles");
+    let mut g = InputGraph::new();
+    let a = g.push_vertex(&[], 3, 0).expect("leaf");
+    let b = g.push_vertex(&[], CFG.vocab as u32, 0).expect("leaf");
+    g.push_vertex(&[a, b], 0, 1).expect("root");
+    let text = engine
+        .infer(&[&g])
+        .expect_err("token out of range")
+        .to_string();
+    assert!(
+        text.contains("graph 0 vertex 1") && text.contains("token 11"),
+        "{text}"
+    );
 }

@@ -1,10 +1,11 @@
 //! `ramus bench --engine compiled`: inference latency percentiles of the
-//! compiled (Cortex) engine on the CUDA device, per batch size, for the
-//! default schedule or the ablation of Cortex Fig. 11(a).
+//! compiled (Cortex) engine on the CUDA device or the CPU, per batch size,
+//! for the default schedule or the ablation of Cortex Fig. 11(a).
 
 use std::time::Instant;
 
 use ramus_core::{Model, Params};
+use ramus_cpu::compiled::CpuCompiledEngine;
 use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
 use ramus_graph::InputGraph;
 
@@ -64,15 +65,91 @@ pub(super) fn run(
     trees: &[InputGraph],
     sizes: &[usize],
 ) -> AnyResult {
-    if a.device != Device::Cuda {
-        return Err("--engine compiled runs on --device cuda".into());
+    let mut last = Vec::new();
+    if a.device == Device::Cpu {
+        last = run_cpu(a, model, params, trees, sizes)?;
+    } else {
+        run_cuda(a, model, params, trees, sizes, &mut last)?;
     }
+    if let Some(anchor) = &a.anchor {
+        if a.model != "treelstm" {
+            return Err("the PyTorch anchor runs the reference treelstm only".into());
+        }
+        run_anchor(a, anchor, &last)?;
+    }
+    Ok(())
+}
+
+/// The latency line of one batch size.
+fn latency_line(
+    a: &BenchArgs,
+    device: &str,
+    schedule: &str,
+    bs: usize,
+    nodes: usize,
+    times: &[f64],
+) -> serde_json::Value {
+    serde_json::json!({
+        "system": "ramus", "engine": "compiled", "schedule": schedule, "model": a.model,
+        "device": device, "hidden": a.hidden, "batch": bs, "nodes": nodes,
+        "threads": rayon::current_num_threads(),
+        "infer_ms": percentile_ms(times, 50.0), "infer_p90_ms": percentile_ms(times, 90.0),
+        "infer_p99_ms": percentile_ms(times, 99.0),
+    })
+}
+
+/// The CPU back end: default schedule (leaf table) or the table ablation.
+fn run_cpu(
+    a: &BenchArgs,
+    model: &Model,
+    params: &Params<f32>,
+    trees: &[InputGraph],
+    sizes: &[usize],
+) -> AnyResult<Vec<serde_json::Value>> {
+    let schedules: &[(&str, bool)] = if a.ablation {
+        &[("fusion", false), ("fusion+specialization", true)]
+    } else {
+        &[("default", true)]
+    };
+    let mut last = Vec::new();
+    for &(name, table) in schedules {
+        let mut engine = CpuCompiledEngine::new(model, params, table)?;
+        if a.verbose {
+            println!(
+                "{}",
+                serde_json::json!({"setup": "compiled-cpu", "schedule": name,
+                    "leaf_table_build_ms": (engine.leaf_table_seconds() * 1e6).round() / 1e3})
+            );
+        }
+        last.clear();
+        for &bs in sizes {
+            let batch: Vec<&InputGraph> = trees[..bs].iter().collect();
+            let nodes: usize = batch.iter().map(|g| g.len()).sum();
+            let times = samples(a.reps, || {
+                engine.infer(&batch)?;
+                Ok(())
+            })?;
+            let line = latency_line(a, "cpu", name, bs, nodes, &times);
+            println!("{line}");
+            last.push(line);
+        }
+    }
+    Ok(last)
+}
+
+fn run_cuda(
+    a: &BenchArgs,
+    model: &Model,
+    params: &Params<f32>,
+    trees: &[InputGraph],
+    sizes: &[usize],
+    last: &mut Vec<serde_json::Value>,
+) -> AnyResult {
     let schedules: Vec<(&str, CompiledSchedule)> = if a.ablation {
         ABLATION.to_vec()
     } else {
         vec![("default", CompiledSchedule::default())]
     };
-    let mut last = Vec::new();
     for (name, schedule) in schedules {
         let options = CompiledOptions {
             schedule,
@@ -101,24 +178,13 @@ pub(super) fn run(
                 engine.infer(&batch)?;
                 Ok(())
             })?;
-            let line = serde_json::json!({
-                "system": "ramus", "engine": "compiled", "schedule": name, "model": a.model,
-                "device": engine.device().name(), "hidden": a.hidden, "batch": bs, "nodes": nodes,
-                "infer_ms": percentile_ms(&times, 50.0), "infer_p90_ms": percentile_ms(&times, 90.0),
-                "infer_p99_ms": percentile_ms(&times, 99.0),
-                "infer_enqueue_ms": (engine.last_enqueue_seconds() * 1e6).round() / 1e3,
-                "kernel_ms": (engine.last_kernel_seconds() * 1e6).round() / 1e3,
-                "kernels_per_batch": 1, "block_threads": a.block_threads, "blocks_per_sm": a.blocks_per_sm, "max_blocks": a.max_blocks,
-            });
+            let mut line = latency_line(a, engine.device().name(), name, bs, nodes, &times);
+            line["infer_enqueue_ms"] = ((engine.last_enqueue_seconds() * 1e6).round() / 1e3).into();
+            line["kernel_ms"] = ((engine.last_kernel_seconds() * 1e6).round() / 1e3).into();
+            line["kernels_per_batch"] = 1.into();
             println!("{line}");
             last.push(line);
         }
-    }
-    if let Some(anchor) = &a.anchor {
-        if a.model != "treelstm" {
-            return Err("the PyTorch anchor runs the reference treelstm only".into());
-        }
-        run_anchor(a, anchor, &last)?;
     }
     Ok(())
 }

@@ -1,0 +1,665 @@
+//! The compiled inference engine on the CPU (Cortex's CPU back end): the
+//! same linearized schedule ([`ramus_graph::Linearizer`]) and the same
+//! lowered cells ([`ramus_core::lower`]) as the CUDA compiled engine, run
+//! level by level with every node of a level at once.
+//!
+//! Per level, a cell's vectors become row blocks (one row per node or per
+//! child edge), its dot products one packed GEMM per input and weight (the
+//! weight rows of every unit lane a group reads, packed once at load: the
+//! CPU's model persistence), its unit scalars `rows × units` blocks run
+//! through the ops' vectorized kernels, child sums segment sums over the
+//! level's CSR edges. Leaves read a per-token table built at load (leaf
+//! specialization with hoisting). All buffers are kept between calls, so a
+//! steady stream of batches allocates nothing once they have grown. Large
+//! products split their rows over the thread pool.
+
+use ramus_core::graph::ValueType;
+use ramus_core::lower::{lower, CellProgram, ChildRef, ScalarExpr, Scope, VecExpr};
+use ramus_core::op::{Arg, ArgData, KernelCtx, OpDef};
+use ramus_core::ops::matmul::{gemm_packed, PackedB, PACKED_MAX_M};
+use ramus_core::parallel::SpinHelper;
+use ramus_core::{FunctionSelector, Model, Params, Real};
+use ramus_graph::{InputGraph, LinearBatch, Linearizer};
+
+use crate::error::{EngineError, Result};
+
+fn err(message: impl Into<String>) -> EngineError {
+    EngineError::Input(message.into())
+}
+
+/// A block of rows (`rows × width`, row-major), or one row broadcast to
+/// every row (a parameter, a constant).
+#[derive(Clone, Debug, Default)]
+struct Block {
+    rows: usize,
+    width: usize,
+    broadcast: bool,
+    data: Vec<f32>,
+}
+
+impl Block {
+    /// Sizes the block for `rows × width` values the caller then writes
+    /// in full (old contents are left in place, not cleared).
+    fn reset(&mut self, rows: usize, width: usize) {
+        self.rows = rows;
+        self.width = width;
+        self.broadcast = false;
+        self.data.resize(rows * width, 0.0);
+    }
+    /// Sizes the block for `rows × width` zeros.
+    fn reset_zeroed(&mut self, rows: usize, width: usize) {
+        self.reset(rows, width);
+        self.data.fill(0.0);
+    }
+    fn set_broadcast(&mut self, row: &[f32]) {
+        self.rows = 1;
+        self.width = row.len();
+        self.broadcast = true;
+        self.data.clear();
+        self.data.extend_from_slice(row);
+    }
+    fn row(&self, r: usize) -> &[f32] {
+        let r = if self.broadcast { 0 } else { r };
+        &self.data[r * self.width..(r + 1) * self.width]
+    }
+}
+
+/// A dot product's weight rows (`row..row + units` of a `[rows, k]`
+/// weight), packed once for the GEMM of a level's input rows against them.
+#[derive(Clone, Debug)]
+struct PackedDot {
+    input: usize,
+    packed: PackedB<f32>,
+}
+
+/// A lowered cell with its packed weights and scratch.
+struct Cell {
+    program: CellProgram,
+    /// The packed weight rows of each dot-product scalar.
+    dots: Vec<Option<PackedDot>>,
+    vecs: Vec<Block>,
+    scalars: Vec<Block>,
+}
+
+impl Cell {
+    fn new(program: CellProgram, params: &Params<f32>) -> Result<Self> {
+        let u = program.units;
+        let mut dots = vec![None; program.scalars.len()];
+        for (id, s) in program.scalars.iter().enumerate() {
+            if let ScalarExpr::Dot {
+                weight,
+                row,
+                input,
+                k,
+            } = s.expr
+            {
+                let w = params
+                    .values
+                    .get(weight)
+                    .ok_or_else(|| err(format!("parameter {weight} missing")))?;
+                let rows = w.data().get(row * k..(row + u) * k).ok_or_else(|| {
+                    err(format!("parameter {weight} has no rows {row}..{}", row + u))
+                })?;
+                // op(B) = rowsᵀ: k × units
+                dots[id] = Some(PackedDot {
+                    input,
+                    packed: PackedB::pack(rows, k, k, u, true),
+                });
+            }
+        }
+        Ok(Cell {
+            vecs: vec![Block::default(); program.vectors.len()],
+            scalars: vec![Block::default(); program.scalars.len()],
+            program,
+            dots,
+        })
+    }
+}
+
+/// Where a cell's inputs come from for one level.
+struct LevelInputs<'a, 'r> {
+    /// The level's nodes (their tokens and children).
+    nodes: std::ops::Range<usize>,
+    batch: &'a LinearBatch,
+    /// Child state row of a child node.
+    child_row: &'a dyn Fn(u32) -> &'r [f32],
+    /// The head's input row of node `r` of the level (head cells).
+    head_input: Option<&'a dyn Fn(usize) -> &'r [f32]>,
+    /// The token of node `r` of the level (overrides the batch; the table build).
+    token_of: Option<&'a dyn Fn(usize) -> u32>,
+}
+
+fn map_rows(
+    op: &dyn OpDef,
+    args: &[&Block],
+    rows: usize,
+    width: usize,
+    out: &mut Vec<f32>,
+) -> Result<()> {
+    let types: Vec<ValueType> = args
+        .iter()
+        .map(|a| {
+            if a.broadcast {
+                ValueType {
+                    space: ramus_core::graph::Space::Static,
+                    dtype: ramus_core::graph::DType::Float,
+                    shape: vec![a.width],
+                }
+            } else {
+                ValueType::rows(ramus_core::graph::Space::Vertex, a.width)
+            }
+        })
+        .collect();
+    let kargs: Vec<Arg<'_, f32>> = types
+        .iter()
+        .zip(args)
+        .map(|(ty, a)| Arg {
+            ty,
+            rows: if a.broadcast { 1 } else { rows },
+            data: ArgData::Float(&a.data),
+        })
+        .collect();
+    out.clear();
+    out.resize(rows * width, 0.0);
+    let mut ctx = KernelCtx {
+        args: &kargs,
+        out,
+        out_rows: rows,
+        vertex_rows: rows,
+        edge_parent: &[],
+        packed_b: None,
+    };
+    f32::run_kernel(op, &mut ctx).map_err(EngineError::from)
+}
+
+/// Repeats vertex rows of `src` for each edge (`parent[e]` = vertex row).
+fn expand(src: &Block, parent: &[u32], out: &mut Block) {
+    if src.broadcast {
+        out.set_broadcast(&src.data);
+        return;
+    }
+    out.reset(parent.len(), src.width);
+    for (e, &p) in parent.iter().enumerate() {
+        let w = src.width;
+        out.data[e * w..(e + 1) * w].copy_from_slice(src.row(p as usize));
+    }
+}
+
+/// Sums edge rows of `src` per vertex (`offsets`: rows + 1, relative).
+fn segment_sum(src: &Block, offsets: &[u32], out: &mut Block) {
+    let rows = offsets.len().saturating_sub(1);
+    out.reset_zeroed(rows, src.width);
+    let w = src.width;
+    for r in 0..rows {
+        let acc = &mut out.data[r * w..(r + 1) * w];
+        for e in offsets[r] as usize..offsets[r + 1] as usize {
+            for (a, x) in acc.iter_mut().zip(src.row(e)) {
+                *a += *x;
+            }
+        }
+    }
+}
+
+impl Cell {
+    /// Runs the cell for a level: writes output `o`'s row of node `r`
+    /// (level-relative) through `store(o, r, row)`.
+    fn run(
+        &mut self,
+        params: &[Vec<f32>],
+        level: &LevelInputs<'_, '_>,
+        store: &mut dyn FnMut(usize, usize, &[f32]),
+    ) -> Result<()> {
+        let batch = level.batch;
+        let rows = level.nodes.len();
+        // the level's CSR, relative
+        let mut offsets = Vec::with_capacity(rows + 1);
+        let mut parent = Vec::new();
+        let mut edge_child = Vec::new();
+        offsets.push(0u32);
+        for (r, n) in level.nodes.clone().enumerate() {
+            let kids = if level.token_of.is_some() {
+                &[][..]
+            } else {
+                batch.children(n as u32)
+            };
+            for &c in kids {
+                parent.push(r as u32);
+                edge_child.push(c);
+            }
+            offsets.push(edge_child.len() as u32);
+        }
+        let edges = edge_child.len();
+        let token = |r: usize| match level.token_of {
+            Some(t) => t(r),
+            None => batch.tokens()[level.nodes.start + r],
+        };
+        let prog = &self.program;
+        for (v, node) in prog.vectors.iter().enumerate() {
+            let (before, rest) = self.vecs.split_at_mut(v);
+            let out = &mut rest[0];
+            let scope_rows = if node.scope == Scope::Edge {
+                edges
+            } else {
+                rows
+            };
+            let w = node.width;
+            match &node.expr {
+                VecExpr::ChildState(ChildRef::Index(k)) => {
+                    out.reset_zeroed(rows, w);
+                    for r in 0..rows {
+                        let (a, b) = (offsets[r] as usize, offsets[r + 1] as usize);
+                        if a + k < b {
+                            let row = (level.child_row)(edge_child[a + k]);
+                            out.data[r * w..(r + 1) * w].copy_from_slice(&row[..w]);
+                        }
+                    }
+                }
+                VecExpr::ChildState(ChildRef::Edge) => {
+                    out.reset(edges, w);
+                    for (e, &c) in edge_child.iter().enumerate() {
+                        let row = (level.child_row)(c);
+                        out.data[e * w..(e + 1) * w].copy_from_slice(&row[..w]);
+                    }
+                }
+                VecExpr::Embedding { table } => {
+                    out.reset(rows, w);
+                    let t = &params[*table];
+                    for r in 0..rows {
+                        let tok = token(r) as usize;
+                        let src = t.get(tok * w..(tok + 1) * w).ok_or_else(|| {
+                            err(format!("token {tok} beyond the embedding table"))
+                        })?;
+                        out.data[r * w..(r + 1) * w].copy_from_slice(src);
+                    }
+                }
+                VecExpr::HeadInput => {
+                    let h = level.head_input.ok_or_else(|| err("no head input"))?;
+                    out.reset(rows, w);
+                    for r in 0..rows {
+                        out.data[r * w..(r + 1) * w].copy_from_slice(&h(r)[..w]);
+                    }
+                }
+                VecExpr::One => out.set_broadcast(&vec![1.0; w]),
+                VecExpr::Param(p) => out.set_broadcast(&params[*p][..w]),
+                VecExpr::Slice { src, offset } => {
+                    let s = &before[*src];
+                    if s.broadcast {
+                        out.set_broadcast(&s.data[*offset..*offset + w]);
+                    } else {
+                        out.reset(s.rows, w);
+                        for r in 0..s.rows {
+                            out.data[r * w..(r + 1) * w]
+                                .copy_from_slice(&s.row(r)[*offset..*offset + w]);
+                        }
+                    }
+                }
+                VecExpr::Concat { parts } => {
+                    out.reset(scope_rows, w);
+                    let mut at = 0;
+                    for &(p, pw) in parts {
+                        for r in 0..scope_rows {
+                            out.data[r * w + at..r * w + at + pw]
+                                .copy_from_slice(&before[p].row(r)[..pw]);
+                        }
+                        at += pw;
+                    }
+                }
+                VecExpr::Map { op, args, .. } => {
+                    let a: Vec<&Block> = args.iter().map(|&x| &before[x]).collect();
+                    let all_broadcast = a.iter().all(|b| b.broadcast);
+                    let n = if all_broadcast { 1 } else { scope_rows };
+                    let mut data = std::mem::take(&mut out.data);
+                    map_rows(op.as_ref(), &a, n, w, &mut data)?;
+                    out.data = data;
+                    out.rows = n;
+                    out.width = w;
+                    out.broadcast = all_broadcast;
+                }
+                VecExpr::SumChildren(src) => segment_sum(&before[*src], &offsets, out),
+                VecExpr::Parent(src) => expand(&before[*src], &parent, out),
+            }
+        }
+        let u = prog.units;
+        for id in 0..prog.scalars.len() {
+            let s = &prog.scalars[id];
+            let scope_rows = if s.scope == Scope::Edge { edges } else { rows };
+            if let Some(dot) = &self.dots[id] {
+                let input = &self.vecs[dot.input];
+                if input.broadcast {
+                    return Err(err("a dot product of a constant vector"));
+                }
+                let out = &mut self.scalars[id];
+                out.reset(scope_rows, u);
+                let k = input.width;
+                for (r0, chunk) in (0..scope_rows)
+                    .step_by(PACKED_MAX_M)
+                    .zip(out.data.chunks_mut(PACKED_MAX_M * u))
+                {
+                    let m = (scope_rows - r0).min(PACKED_MAX_M);
+                    gemm_packed(&input.data[r0 * k..(r0 + m) * k], m, &dot.packed, chunk);
+                }
+                continue;
+            }
+            let (before, rest) = self.scalars.split_at_mut(id);
+            let out = &mut rest[0];
+            match &s.expr {
+                ScalarExpr::Dot { .. } => return Err(err("a dot product outside its group")),
+                ScalarExpr::Read { src, col } => {
+                    let v = &self.vecs[*src];
+                    if v.broadcast {
+                        out.set_broadcast(&v.data[*col..*col + u]);
+                    } else {
+                        out.reset(v.rows, u);
+                        for r in 0..v.rows {
+                            out.data[r * u..(r + 1) * u].copy_from_slice(&v.row(r)[*col..*col + u]);
+                        }
+                    }
+                }
+                ScalarExpr::Param { param, col } => {
+                    out.set_broadcast(&params[*param][*col..*col + u])
+                }
+                ScalarExpr::Map { op, args, .. } => {
+                    // vertex operands of an edge op are repeated per edge
+                    let mut expanded: Vec<Block> = Vec::new();
+                    let mut picks: Vec<(bool, usize)> = Vec::with_capacity(args.len());
+                    for &a in args {
+                        let b = &before[a];
+                        if s.scope == Scope::Edge
+                            && prog.scalars[a].scope == Scope::Vertex
+                            && !b.broadcast
+                        {
+                            let mut e = Block::default();
+                            expand(b, &parent, &mut e);
+                            expanded.push(e);
+                            picks.push((true, expanded.len() - 1));
+                        } else {
+                            picks.push((false, a));
+                        }
+                    }
+                    let a: Vec<&Block> = picks
+                        .iter()
+                        .map(|&(exp, i)| if exp { &expanded[i] } else { &before[i] })
+                        .collect();
+                    let all_broadcast = a.iter().all(|b| b.broadcast);
+                    let n = if all_broadcast { 1 } else { scope_rows };
+                    let mut data = std::mem::take(&mut out.data);
+                    map_rows(op.as_ref(), &a, n, u, &mut data)?;
+                    out.data = data;
+                    out.rows = n;
+                    out.width = u;
+                    out.broadcast = all_broadcast;
+                }
+                ScalarExpr::ChildSum(src) => segment_sum(&before[*src], &offsets, out),
+            }
+        }
+        let mut row = Vec::new();
+        for (o, lanes) in prog.outputs.iter().enumerate() {
+            for r in 0..rows {
+                row.clear();
+                for &s in lanes {
+                    row.extend_from_slice(self.scalars[s].row(r));
+                }
+                store(o, r, &row);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Root scores of a batch (see the CUDA engine's `CompiledOutput`).
+#[derive(Clone, Debug, Default)]
+pub struct CpuCompiledOutput {
+    pub scores: Vec<f32>,
+    pub classes: usize,
+    pub root_graph: Vec<u32>,
+}
+
+/// The compiled inference engine on the CPU; see the module docs.
+pub struct CpuCompiledEngine {
+    leaf: Cell,
+    internal: Cell,
+    head: Cell,
+    params: Vec<Vec<f32>>,
+    /// Per-token leaf state and pushed rows.
+    table: Option<(Vec<f32>, Vec<f32>)>,
+    vocab: Option<usize>,
+    state_width: usize,
+    push_width: usize,
+    classes: usize,
+    linearizer: Linearizer,
+    state: Vec<f32>,
+    push: Vec<f32>,
+    table_seconds: f64,
+    /// A spinning second thread that takes half of each large product and
+    /// elementwise pass (latency: a split costs well under a microsecond).
+    helper: Option<SpinHelper>,
+}
+
+impl CpuCompiledEngine {
+    /// Lowers `model`'s cells, packs their weights and (with `leaf_table`
+    /// and a token vocabulary) tabulates the leaf cell over every token.
+    pub fn new(model: &Model, params: &Params<f32>, leaf_table: bool) -> Result<Self> {
+        let (leaf_f, internal_f) = match model.selector {
+            FunctionSelector::LeafInternal { leaf, internal } => (leaf, internal),
+            FunctionSelector::Single(f) => (f, f),
+        };
+        let cell = |f: usize| -> Result<Cell> {
+            let func = model
+                .functions
+                .get(f)
+                .ok_or_else(|| err(format!("function {f} does not exist")))?;
+            let (Some(scatter), Some(push)) = (func.scatter, func.push) else {
+                return Err(err(format!(
+                    "function `{}` must scatter a state and push a value to be compiled",
+                    func.name
+                )));
+            };
+            Cell::new(lower(&func.forward, &[scatter, push])?, params)
+        };
+        let (leaf, internal) = (cell(leaf_f)?, cell(internal_f)?);
+        let logits = model
+            .head
+            .logits
+            .ok_or_else(|| err("the head computes no scores"))?;
+        let head = Cell::new(lower(&model.head.forward, &[logits])?, params)?;
+        let embedding_rows = |c: &Cell| {
+            c.program.vectors.iter().find_map(|v| match v.expr {
+                VecExpr::Embedding { table } => model
+                    .params
+                    .get(table)
+                    .and_then(|p| p.shape.first().copied()),
+                _ => None,
+            })
+        };
+        let vocab = embedding_rows(&leaf).or_else(|| embedding_rows(&internal));
+        let mut engine = CpuCompiledEngine {
+            state_width: internal.program.output_width(0),
+            push_width: internal.program.output_width(1),
+            classes: head.program.output_width(0),
+            leaf,
+            internal,
+            head,
+            params: params.values.iter().map(|t| t.data().to_vec()).collect(),
+            table: None,
+            vocab,
+            linearizer: Linearizer::new(),
+            state: Vec::new(),
+            push: Vec::new(),
+            table_seconds: 0.0,
+            // without a helper thread the kernels fall back to rayon
+            helper: if rayon::current_num_threads() > 1 {
+                SpinHelper::new().ok()
+            } else {
+                None
+            },
+        };
+        if leaf_table {
+            if let Some(v) = vocab {
+                let started = std::time::Instant::now();
+                engine.build_table(v)?;
+                engine.table_seconds = started.elapsed().as_secs_f64();
+            }
+        }
+        Ok(engine)
+    }
+
+    /// Seconds the leaf table took to build (0 without one).
+    pub fn leaf_table_seconds(&self) -> f64 {
+        self.table_seconds
+    }
+
+    fn build_table(&mut self, vocab: usize) -> Result<()> {
+        let (s, p) = (self.state_width, self.push_width);
+        let mut state = vec![0.0; vocab * s];
+        let mut push = vec![0.0; vocab * p];
+        let empty = LinearBatch::default();
+        let no_rows = |_: u32| -> &[f32] { &[] };
+        const CHUNK: usize = 512;
+        for start in (0..vocab).step_by(CHUNK) {
+            let end = (start + CHUNK).min(vocab);
+            let tok = move |r: usize| (start + r) as u32;
+            let level = LevelInputs {
+                nodes: start..end,
+                batch: &empty,
+                child_row: &no_rows,
+                head_input: None,
+                token_of: Some(&tok),
+            };
+            self.leaf.run(&self.params, &level, &mut |o, r, row| {
+                let t = start + r;
+                match o {
+                    0 => state[t * s..(t + 1) * s].copy_from_slice(row),
+                    _ => push[t * p..(t + 1) * p].copy_from_slice(row),
+                }
+            })?;
+        }
+        self.table = Some((state, push));
+        Ok(())
+    }
+
+    /// Scores every root of `graphs`.
+    pub fn infer(&mut self, graphs: &[&InputGraph]) -> Result<CpuCompiledOutput> {
+        match self.helper.take() {
+            Some(h) => {
+                let out = h.install(|| self.infer_levels(graphs));
+                self.helper = Some(h);
+                out
+            }
+            None => self.infer_levels(graphs),
+        }
+    }
+
+    fn infer_levels(&mut self, graphs: &[&InputGraph]) -> Result<CpuCompiledOutput> {
+        let batch = self
+            .linearizer
+            .linearize(graphs)
+            .map_err(|e| err(format!("the batch cannot be linearized: {e}")))?;
+        if let Some(v) = self.vocab {
+            if let Some(n) = batch.tokens().iter().position(|&t| t as usize >= v) {
+                let (g, vertex) = batch.origin(n as u32);
+                return Err(err(format!(
+                    "graph {g} vertex {vertex}: token {} is beyond the model's {v} embedding rows",
+                    batch.tokens()[n]
+                )));
+            }
+        }
+        let (s, p) = (self.state_width, self.push_width);
+        let (nodes, ni) = (batch.num_nodes(), batch.num_internal());
+        self.state.clear();
+        self.state.resize(nodes * s, 0.0);
+        self.push.clear();
+        self.push.resize(nodes * p, 0.0);
+        let params = &self.params;
+        // leaves: from the table, or the leaf cell once over all of them
+        if self.table.is_none() && ni < nodes {
+            let no_rows = |_: u32| -> &[f32] { &[] };
+            let level = LevelInputs {
+                nodes: ni..nodes,
+                batch,
+                child_row: &no_rows,
+                head_input: None,
+                token_of: None,
+            };
+            let (state, push) = (&mut self.state, &mut self.push);
+            self.leaf.run(params, &level, &mut |o, r, row| {
+                let n = ni + r;
+                match o {
+                    0 => state[n * s..(n + 1) * s].copy_from_slice(row),
+                    _ => push[n * p..(n + 1) * p].copy_from_slice(row),
+                }
+            })?;
+        }
+        let mut new_state = Vec::new();
+        let mut new_push = Vec::new();
+        for b in 0..batch.num_batches() {
+            let range = batch.batch(b);
+            let (lo, hi) = (range.start as usize, range.end as usize);
+            new_state.clear();
+            new_state.resize((hi - lo) * s, 0.0);
+            new_push.clear();
+            new_push.resize((hi - lo) * p, 0.0);
+            {
+                let state = &self.state;
+                let table = self.table.as_ref();
+                let tokens = batch.tokens();
+                let child_row = |c: u32| -> &[f32] {
+                    let c = c as usize;
+                    match table {
+                        Some((t, _)) if c >= ni => {
+                            &t[tokens[c] as usize * s..(tokens[c] as usize + 1) * s]
+                        }
+                        _ => &state[c * s..(c + 1) * s],
+                    }
+                };
+                let level = LevelInputs {
+                    nodes: lo..hi,
+                    batch,
+                    child_row: &child_row,
+                    head_input: None,
+                    token_of: None,
+                };
+                self.internal
+                    .run(params, &level, &mut |o, r, row| match o {
+                        0 => new_state[r * s..(r + 1) * s].copy_from_slice(row),
+                        _ => new_push[r * p..(r + 1) * p].copy_from_slice(row),
+                    })?;
+            }
+            self.state[lo * s..hi * s].copy_from_slice(&new_state);
+            self.push[lo * p..hi * p].copy_from_slice(&new_push);
+        }
+        let roots = batch.root_nodes();
+        let classes = self.classes;
+        let mut scores = vec![0.0; roots.len() * classes];
+        {
+            let push = &self.push;
+            let table = self.table.as_ref();
+            let tokens = batch.tokens();
+            let head_input = |r: usize| -> &[f32] {
+                let n = roots[r] as usize;
+                match table {
+                    Some((_, t)) if n >= ni => {
+                        &t[tokens[n] as usize * p..(tokens[n] as usize + 1) * p]
+                    }
+                    _ => &push[n * p..(n + 1) * p],
+                }
+            };
+            let no_rows = |_: u32| -> &[f32] { &[] };
+            let no_tok = |_: usize| 0u32;
+            let level = LevelInputs {
+                nodes: 0..roots.len(),
+                batch,
+                child_row: &no_rows,
+                head_input: Some(&head_input),
+                token_of: Some(&no_tok),
+            };
+            self.head.run(params, &level, &mut |_, r, row| {
+                scores[r * classes..(r + 1) * classes].copy_from_slice(row);
+            })?;
+        }
+        Ok(CpuCompiledOutput {
+            scores,
+            classes,
+            root_graph: roots.iter().map(|&r| batch.origin(r).0 as u32).collect(),
+        })
+    }
+}
