@@ -64,54 +64,79 @@ impl Block {
     }
 }
 
-/// A dot product's weight rows (`row..row + units` of a `[rows, k]`
-/// weight), packed once for the GEMM of a level's input rows against them.
+/// The dot products of a cell that share an input vector and a weight:
+/// their weight rows (`row..row + units` each, side by side) packed once, so
+/// a level runs them as one GEMM (wide enough to split over two threads).
 #[derive(Clone, Debug)]
-struct PackedDot {
+struct DotGroup {
     input: usize,
+    /// Member scalars, in packed column order.
+    members: Vec<usize>,
     packed: PackedB<f32>,
 }
 
 /// A lowered cell with its packed weights and scratch.
 struct Cell {
     program: CellProgram,
-    /// The packed weight rows of each dot-product scalar.
-    dots: Vec<Option<PackedDot>>,
+    groups: Vec<DotGroup>,
+    /// Group of each dot-product scalar.
+    group_of: Vec<Option<usize>>,
     vecs: Vec<Block>,
     scalars: Vec<Block>,
+    /// A group's product, before it is split among its members.
+    product: Vec<f32>,
 }
 
 impl Cell {
     fn new(program: CellProgram, params: &Params<f32>) -> Result<Self> {
         let u = program.units;
-        let mut dots = vec![None; program.scalars.len()];
+        let mut keys: Vec<(usize, usize, Scope)> = Vec::new();
+        let mut members: Vec<Vec<(usize, usize)>> = Vec::new();
+        let mut group_of = vec![None; program.scalars.len()];
         for (id, s) in program.scalars.iter().enumerate() {
             if let ScalarExpr::Dot {
-                weight,
-                row,
-                input,
-                k,
+                weight, row, input, ..
             } = s.expr
             {
-                let w = params
-                    .values
-                    .get(weight)
-                    .ok_or_else(|| err(format!("parameter {weight} missing")))?;
-                let rows = w.data().get(row * k..(row + u) * k).ok_or_else(|| {
+                let key = (input, weight, s.scope);
+                let g = keys.iter().position(|&k| k == key).unwrap_or_else(|| {
+                    keys.push(key);
+                    members.push(Vec::new());
+                    keys.len() - 1
+                });
+                members[g].push((id, row));
+                group_of[id] = Some(g);
+            }
+        }
+        let mut groups = Vec::with_capacity(keys.len());
+        for (&(input, weight, _), rows) in keys.iter().zip(members) {
+            let w = params
+                .values
+                .get(weight)
+                .ok_or_else(|| err(format!("parameter {weight} missing")))?;
+            let k = w.shape().get(1).copied().unwrap_or(0);
+            let mut picked = Vec::with_capacity(rows.len() * u * k);
+            for &(_, row) in &rows {
+                let block = w.data().get(row * k..(row + u) * k).ok_or_else(|| {
                     err(format!("parameter {weight} has no rows {row}..{}", row + u))
                 })?;
-                // op(B) = rowsᵀ: k × units
-                dots[id] = Some(PackedDot {
-                    input,
-                    packed: PackedB::pack(rows, k, k, u, true),
-                });
+                picked.extend_from_slice(block);
             }
+            // op(B) = pickedᵀ: k × (members · units)
+            let packed = PackedB::pack(&picked, k, k, rows.len() * u, true);
+            groups.push(DotGroup {
+                input,
+                members: rows.into_iter().map(|(id, _)| id).collect(),
+                packed,
+            });
         }
         Ok(Cell {
             vecs: vec![Block::default(); program.vectors.len()],
             scalars: vec![Block::default(); program.scalars.len()],
             program,
-            dots,
+            groups,
+            group_of,
+            product: Vec::new(),
         })
     }
 }
@@ -323,20 +348,36 @@ impl Cell {
         for id in 0..prog.scalars.len() {
             let s = &prog.scalars[id];
             let scope_rows = if s.scope == Scope::Edge { edges } else { rows };
-            if let Some(dot) = &self.dots[id] {
-                let input = &self.vecs[dot.input];
+            if let Some(g) = self.group_of[id] {
+                let group = &self.groups[g];
+                if group.members[0] != id {
+                    continue; // computed with the group's first member
+                }
+                let input = &self.vecs[group.input];
                 if input.broadcast {
                     return Err(err("a dot product of a constant vector"));
                 }
-                let out = &mut self.scalars[id];
-                out.reset(scope_rows, u);
-                let k = input.width;
-                for (r0, chunk) in (0..scope_rows)
+                let (m, n, k) = (scope_rows, group.packed.n, input.width);
+                self.product.resize(m * n, 0.0);
+                for (r0, chunk) in (0..m)
                     .step_by(PACKED_MAX_M)
-                    .zip(out.data.chunks_mut(PACKED_MAX_M * u))
+                    .zip(self.product.chunks_mut(PACKED_MAX_M * n))
                 {
-                    let m = (scope_rows - r0).min(PACKED_MAX_M);
-                    gemm_packed(&input.data[r0 * k..(r0 + m) * k], m, &dot.packed, chunk);
+                    let rows = (m - r0).min(PACKED_MAX_M);
+                    gemm_packed(
+                        &input.data[r0 * k..(r0 + rows) * k],
+                        rows,
+                        &group.packed,
+                        &mut chunk[..rows * n],
+                    );
+                }
+                for (q, &member) in group.members.iter().enumerate() {
+                    let out = &mut self.scalars[member];
+                    out.reset(m, u);
+                    for r in 0..m {
+                        out.data[r * u..(r + 1) * u]
+                            .copy_from_slice(&self.product[r * n + q * u..r * n + (q + 1) * u]);
+                    }
                 }
                 continue;
             }
