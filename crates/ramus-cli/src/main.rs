@@ -4,6 +4,7 @@ mod bench;
 mod data;
 mod device;
 mod image_dir;
+mod infer;
 mod plan_memory;
 mod vision;
 
@@ -42,6 +43,9 @@ enum Command {
     Eval(EvalArgs),
     /// Time inference and training of the reference Tree-LSTM on the first trees of a file.
     Bench(bench::BenchArgs),
+    /// Predict with a checkpoint: trees from a file or standard input, one
+    /// JSON line of scores per tree.
+    Infer(infer::InferArgs),
     /// Plan one training iteration under a device memory budget (swap plan).
     PlanMemory(plan_memory::PlanMemoryArgs),
     /// Print a model's vertex functions, derivatives and execution plans.
@@ -138,6 +142,7 @@ fn main() -> ExitCode {
         Command::Train(a) => train(a),
         Command::Eval(a) => eval(a),
         Command::Bench(a) => bench::run(a),
+        Command::Infer(a) => infer::run(a),
         Command::PlanMemory(a) => plan_memory::run(a),
         Command::Inspect {
             model,
@@ -305,8 +310,18 @@ fn loss_rows(at: &str) -> Result<HeadRows, String> {
     }
 }
 
-fn eval(a: EvalArgs) -> AnyResult {
-    let (info, bytes) = checkpoint::read_info(&a.checkpoint)?;
+/// A model and its trained parameters, read from a checkpoint.
+pub(crate) struct Loaded {
+    pub info: checkpoint::CheckpointInfo,
+    pub model: ramus_core::Model,
+    pub params: Params<f32>,
+    pub kind: DataKind,
+    pub vision: Option<ramus_nn::VisionConfig>,
+}
+
+/// Reads a checkpoint: its settings rebuild the model, then the parameters load.
+pub(crate) fn load_checkpoint(path: &std::path::Path) -> AnyResult<Loaded> {
+    let (info, bytes) = checkpoint::read_info(path)?;
     let setting = |k: &str| -> AnyResult<usize> {
         let v = info
             .settings
@@ -346,7 +361,24 @@ fn eval(a: EvalArgs) -> AnyResult {
         model.head.rows =
             loss_rows(at).map_err(|e| format!("checkpoint setting `loss_at`: {e}"))?;
     }
-    let params = checkpoint::load_params(&a.checkpoint, &bytes, &model)?;
+    let params = checkpoint::load_params(path, &bytes, &model)?;
+    Ok(Loaded {
+        info,
+        model,
+        params,
+        kind,
+        vision: vision_cfg,
+    })
+}
+
+fn eval(a: EvalArgs) -> AnyResult {
+    let Loaded {
+        info,
+        model,
+        params,
+        kind,
+        vision: vision_cfg,
+    } = load_checkpoint(&a.checkpoint)?;
     let graphs = match &vision_cfg {
         Some(v) => {
             let names = info

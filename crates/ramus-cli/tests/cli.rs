@@ -1,5 +1,6 @@
 //! The `ramus` binary end to end: a short training run with a checkpoint,
-//! evaluation of it, a benchmark line, and one-line errors for bad input.
+//! evaluation of it, predictions from it (compiled and batched engines), a
+//! benchmark line, and one-line errors for bad input.
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -104,6 +105,74 @@ fn train_save_eval_on_built_in_data() {
         assert!(lines[1].get(key).is_some(), "missing {key}");
     }
     assert_eq!(lines[1]["nodes"], 6);
+    // the compiled engine's latency percentiles on the CPU
+    let o = ramus_ok(&[
+        "bench",
+        trees.to_str().unwrap(),
+        "--engine",
+        "compiled",
+        "--hidden",
+        "8",
+        "--batch-sizes",
+        "2",
+        "--reps",
+        "3",
+    ]);
+    let line: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(line["engine"], "compiled");
+    assert!(line["infer_p99_ms"].as_f64().unwrap() >= line["infer_ms"].as_f64().unwrap());
+    // predictions: the compiled engine from a file, the batched one from standard input
+    let predict = |engine: &str, from_stdin: bool| -> Vec<serde_json::Value> {
+        let mut args = vec![
+            "infer",
+            "--checkpoint",
+            ckpt.to_str().unwrap(),
+            "--engine",
+            engine,
+        ];
+        if !from_stdin {
+            args.extend(["--input", trees.to_str().unwrap()]);
+        }
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ramus"))
+            .args(&args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run ramus infer");
+        {
+            use std::io::Write;
+            let mut stdin = child.stdin.take().expect("stdin");
+            if from_stdin {
+                stdin
+                    .write_all(&std::fs::read(&trees).unwrap())
+                    .expect("write trees");
+            }
+        }
+        let o = child.wait_with_output().expect("ramus infer");
+        assert!(o.status.success(), "{}", stderr(&o));
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let (compiled, batched) = (predict("compiled", false), predict("batched", true));
+    assert_eq!(compiled.len(), 2);
+    for (c, b) in compiled.iter().zip(&batched) {
+        assert_eq!(c["tree"], b["tree"]);
+        assert_eq!(c["prediction"], b["prediction"]);
+        let (cs, bs) = (
+            c["scores"].as_array().unwrap(),
+            b["scores"].as_array().unwrap(),
+        );
+        for (x, y) in cs.iter().zip(bs) {
+            let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+            assert!(
+                (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                "compiled {x} vs batched {y}"
+            );
+        }
+    }
 }
 
 #[test]

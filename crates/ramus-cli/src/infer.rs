@@ -1,0 +1,133 @@
+//! `ramus infer`: predictions of a trained tree model for trees read from
+//! a file or standard input, in batches, through the compiled (Cortex)
+//! engine on the CPU or the CUDA device, or the batched engine. One JSON
+//! line per tree: its index, predicted class and root scores.
+
+use std::io::Read;
+use std::path::PathBuf;
+
+use ramus_core::HeadRows;
+use ramus_cpu::compiled::CpuCompiledEngine;
+use ramus_cpu::{Batch, Mode};
+use ramus_cuda::compiled::{CompiledEngine, CompiledOptions};
+use ramus_graph::{ptb, BatchingPolicy, InputGraph, VocabMode};
+use ramus_nn::DataKind;
+
+use crate::device::{self, Device};
+use crate::{load_checkpoint, AnyResult};
+
+#[derive(clap::Args)]
+pub struct InferArgs {
+    /// Trained model (from `ramus train --save`).
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Bracketed trees, one per line; `-` or nothing: standard input.
+    #[arg(long)]
+    input: Option<PathBuf>,
+    /// compiled (one generated kernel or level loop per batch) or batched.
+    #[arg(long, default_value = "compiled")]
+    engine: String,
+    /// Where to run: cpu or cuda.
+    #[arg(long, default_value = "cpu")]
+    device: Device,
+    /// Trees per batch.
+    #[arg(long, default_value_t = 10)]
+    batch_size: usize,
+}
+
+/// Scores of the roots of one batch, a row of `classes` per tree.
+enum Scorer {
+    CompiledCpu(Box<CpuCompiledEngine>),
+    CompiledCuda(Box<CompiledEngine>),
+    Batched(Box<dyn ramus_nn::Engine<f32>>),
+}
+
+pub fn run(a: InferArgs) -> AnyResult {
+    if a.batch_size == 0 {
+        return Err("--batch-size must be at least 1".into());
+    }
+    let loaded = load_checkpoint(&a.checkpoint)?;
+    if loaded.kind != DataKind::Trees {
+        return Err(format!(
+            "`ramus infer` reads trees; the checkpoint holds a {} model",
+            loaded.info.model
+        )
+        .into());
+    }
+    let mut text = String::new();
+    let source = match &a.input {
+        Some(p) if p.as_os_str() != "-" => {
+            text = std::fs::read_to_string(p)
+                .map_err(|e| format!("cannot read {}: {e}", p.display()))?;
+            p.display().to_string()
+        }
+        _ => {
+            std::io::stdin()
+                .read_to_string(&mut text)
+                .map_err(|e| format!("cannot read standard input: {e}"))?;
+            "<stdin>".to_string()
+        }
+    };
+    let trees = ptb::parse_trees(&text, &source, VocabMode::Frozen(&loaded.info.vocab))?;
+    let (model, params) = (&loaded.model, &loaded.params);
+    let mut scorer = match (a.engine.as_str(), a.device) {
+        ("compiled", Device::Cpu) => {
+            Scorer::CompiledCpu(Box::new(CpuCompiledEngine::new(model, params, true)?))
+        }
+        ("compiled", Device::Cuda) => Scorer::CompiledCuda(Box::new(
+            CompiledEngine::new(model, params, &CompiledOptions::default())
+                .map_err(|e| format!("--device cuda: {e}"))?,
+        )),
+        ("batched", d) => Scorer::Batched(device::engine(d, model, None)?),
+        (other, _) => {
+            return Err(format!("unknown engine `{other}` (expected compiled or batched)").into())
+        }
+    };
+    let mut index = 0usize;
+    for chunk in trees.chunks(a.batch_size) {
+        let refs: Vec<&InputGraph> = chunk.iter().collect();
+        let (scores, classes) = match &mut scorer {
+            Scorer::CompiledCpu(e) => {
+                let out = e.infer(&refs)?;
+                (out.scores, out.classes)
+            }
+            Scorer::CompiledCuda(e) => {
+                let out = e.infer(&refs)?;
+                (out.scores, out.classes)
+            }
+            Scorer::Batched(e) => {
+                let batch = Batch::new(model, refs.clone(), BatchingPolicy::Cavs)?;
+                let out = e.forward_rows(model, params, &batch, Mode::Infer, HeadRows::Roots)?;
+                let classes = out.classes;
+                (out.logits, classes)
+            }
+        };
+        if scores.len() != refs.len() * classes {
+            return Err(format!(
+                "{} scores for {} trees of {classes} classes: every tree must have one root",
+                scores.len(),
+                refs.len()
+            )
+            .into());
+        }
+        for row in scores.chunks(classes.max(1)) {
+            let prediction = row
+                .iter()
+                .enumerate()
+                .fold((0, f32::NEG_INFINITY), |best, (c, &x)| {
+                    if x > best.1 {
+                        (c, x)
+                    } else {
+                        best
+                    }
+                })
+                .0;
+            println!(
+                "{}",
+                serde_json::json!({"tree": index, "prediction": prediction, "scores": row})
+            );
+            index += 1;
+        }
+    }
+    Ok(())
+}
