@@ -73,6 +73,10 @@ pub struct BenchArgs {
     /// With --engine compiled: blocks in all at most.
     #[arg(long)]
     max_blocks: Option<u32>,
+    /// Time synthetic ROWSxCOLS grid DAGs (random words of the tree file's
+    /// vocabulary) instead of the trees, e.g. 10x10 for the DAG-RNN.
+    #[arg(long)]
+    grid: Option<String>,
 }
 
 /// The engine under test, with what only one kind reports.
@@ -169,7 +173,20 @@ pub fn run(a: BenchArgs) -> AnyResult {
         return Err("batch sizes must be at least 1".into());
     }
     let mut vocab = Vocab::new();
-    let trees = ptb::read_trees(&a.trees, VocabMode::Grow(&mut vocab))?;
+    let mut trees = ptb::read_trees(&a.trees, VocabMode::Grow(&mut vocab))?;
+    if let Some(grid) = &a.grid {
+        let bad = || format!("--grid `{grid}`: expected ROWSxCOLS, e.g. 10x10");
+        let (r, c) = grid.split_once('x').ok_or_else(bad)?;
+        let (r, c): (usize, usize) = (r.parse().map_err(|_| bad())?, c.parse().map_err(|_| bad())?);
+        if r == 0 || c == 0 {
+            return Err(bad().into());
+        }
+        let mut rng = ramus_nn::train::rng(0);
+        let count = sizes.iter().copied().max().unwrap_or(1);
+        trees = (0..count)
+            .map(|_| ramus_graph::random::grid_dag(&mut rng, r, c, vocab.len() as u32, 5))
+            .collect::<Result<_, _>>()?;
+    }
     let model = build_model(
         &a.model,
         &ModelConfig {

@@ -2,20 +2,26 @@
 //! reference engine: root scores of every token model, for every schedule
 //! (leaf table and weight persistence on and off), on one batch of random
 //! trees with degenerate shapes (a single leaf, a 500-deep path, a 64-ary
-//! node) or chains. Skips with a notice where no CUDA driver is found.
+//! node), grid DAGs or chains. Skips with a notice where no CUDA driver is found.
 
 mod common;
 
 use ramus_core::{HeadRows, Params};
 use ramus_cpu::{Batch, CpuEngine, Mode};
 use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
-use ramus_graph::random::{random_chain, random_path, random_tree};
+use ramus_graph::random::{grid_dag, random_chain, random_path, random_tree};
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{build_model_with, ModelConfig, ModelOptions};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 fn graphs(name: &str, rng: &mut ChaCha8Rng, vocab: u32) -> Vec<InputGraph> {
+    if name == "dagrnn" {
+        return [(1, 1), (3, 5), (10, 10)]
+            .iter()
+            .map(|&(r, c)| grid_dag(rng, r, c, vocab, 3).expect("grid"))
+            .collect();
+    }
     if name == "lstm-lm" {
         return [1, 2, 17, 300]
             .iter()
@@ -48,7 +54,7 @@ fn compiled_scores_match_the_cpu_engine_for_every_model_and_schedule() {
             hidden,
             classes: 5,
         };
-        for name in ["treelstm", "treelstm-nary", "treefc", "lstm-lm"] {
+        for name in ["treelstm", "treelstm-nary", "treefc", "dagrnn", "lstm-lm"] {
             let model =
                 build_model_with(name, &cfg, &ModelOptions { dropout: 0.1 }).expect("model");
             let mut params: Params<f32> = Params::init(&model, 3);

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use ramus_core::{Grads, HeadRows, Model, Params};
 use ramus_cpu::{Batch, CpuEngine, Mode};
 use ramus_cuda::{CudaEngine, CudaEngineOptions};
-use ramus_graph::random::{random_chain, random_path, random_tree};
+use ramus_graph::random::{grid_dag, random_chain, random_path, random_tree};
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{
     build_model_with, Engine, ModelConfig, ModelOptions, OptimizerConfig, OptimizerKind, Trainer,
@@ -50,6 +50,7 @@ fn graphs(model: &str, count: usize, seed: u64) -> Vec<InputGraph> {
             let leaves = 1 + rng.random_range(0..12);
             let g = match model {
                 "lstm-lm" => random_chain(&mut rng, 1 + (i * 7) % 23, v),
+                "dagrnn" => grid_dag(&mut rng, 1 + i % 7, 1 + (i * 3) % 10, v, c),
                 "treelstm" if i % 5 == 3 => random_path(&mut rng, 60, v, c),
                 "treelstm" => random_tree(&mut rng, leaves, &[1, 2, 3, 6], v, c),
                 _ if i % 5 == 3 => random_tree(&mut rng, 40, &[2], v, c),
@@ -152,6 +153,11 @@ fn reference_treelstm_matches_the_cpu_engine() {
 #[test]
 fn nary_treelstm_matches_the_cpu_engine() {
     check_model("treelstm-nary", 0.0);
+}
+
+#[test]
+fn dagrnn_on_grid_dags_matches_the_cpu_engine() {
+    check_model("dagrnn", 0.1);
 }
 
 #[test]

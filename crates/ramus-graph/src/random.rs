@@ -1,5 +1,6 @@
 //! Random input graphs for tests and benchmarks: trees of chosen arities
-//! (including degenerate shapes: chains, wide nodes) and labelled chains.
+//! (including degenerate shapes: chains, wide nodes), labelled chains and
+//! grid DAGs.
 
 use rand::Rng;
 
@@ -67,4 +68,33 @@ pub fn random_chain(rng: &mut impl Rng, len: usize, vocab: u32) -> Result<InputG
         .map(|_| rng.random_range(0..vocab.max(1)) as i32)
         .collect();
     InputGraph::chain(&tokens, &labels)
+}
+
+/// A `rows × cols` grid DAG (Cortex's DAG-RNN input): vertex `(i, j)` is
+/// number `i · cols + j` and its children (predecessors) are `(i - 1, j)` and
+/// `(i, j - 1)` where they exist, so inner vertices have two parents and the
+/// bottom-right corner is the one root. Random tokens below `vocab`, random
+/// labels below `classes`.
+pub fn grid_dag(
+    rng: &mut impl Rng,
+    rows: usize,
+    cols: usize,
+    vocab: u32,
+    classes: i32,
+) -> Result<InputGraph, GraphError> {
+    let mut g = InputGraph::new();
+    for i in 0..rows {
+        for j in 0..cols {
+            let mut kids = Vec::with_capacity(2);
+            if i > 0 {
+                kids.push(((i - 1) * cols + j) as u32);
+            }
+            if j > 0 {
+                kids.push((i * cols + j - 1) as u32);
+            }
+            let token = rng.random_range(0..vocab.max(1));
+            g.push_vertex(&kids, token, rng.random_range(0..classes.max(1)))?;
+        }
+    }
+    Ok(g)
 }

@@ -5,6 +5,8 @@
 //! * `treelstm-nary` — Tai et al.'s binary (N-ary, N = 2) constituency
 //!   Tree-LSTM with a loss at every labelled node;
 //! * `treefc` — TF Fold's Tree-FC benchmark cell `h = tanh(W [h_l; h_r] + b)`;
+//! * `dagrnn` — a DAG-RNN (Cortex's DAG benchmark cell)
+//!   `h = tanh(W x + U Σ_p h_p + b)` over a vertex's predecessors `p`;
 //! * `lstm-lm` — an LSTM language model over sentences as chains;
 //! * `alexnet`, `vgg` (`vgg11` ... `vgg19`), `resnet` — CNNs over images as
 //!   single-vertex graphs ([`crate::vision`]).
@@ -41,10 +43,11 @@ pub struct ModelConfig {
 }
 
 /// Names accepted by [`build_model`].
-pub const MODEL_NAMES: [&str; 11] = [
+pub const MODEL_NAMES: [&str; 12] = [
     "treelstm",
     "treelstm-nary",
     "treefc",
+    "dagrnn",
     "lstm-lm",
     "alexnet",
     "vgg",
@@ -58,7 +61,7 @@ pub const MODEL_NAMES: [&str; 11] = [
 /// The data a model reads.
 pub fn data_kind(name: &str) -> Option<DataKind> {
     match name {
-        "treelstm" | "treelstm-nary" | "treefc" => Some(DataKind::Trees),
+        "treelstm" | "treelstm-nary" | "treefc" | "dagrnn" => Some(DataKind::Trees),
         "lstm-lm" => Some(DataKind::Sentences),
         _ if is_vision_model(name) => Some(DataKind::Images),
         _ => None,
@@ -89,6 +92,7 @@ pub fn build_model_with(name: &str, cfg: &ModelConfig, opts: &ModelOptions) -> R
         "treelstm" => reference_treelstm(cfg, p),
         "treelstm-nary" => nary_treelstm(cfg, p),
         "treefc" => tree_fc(cfg, p),
+        "dagrnn" => dag_rnn(cfg, p),
         "lstm-lm" => lstm_lm(cfg, p),
         _ => {
             return Err(ramus_core::CoreError::Unknown {
@@ -275,6 +279,38 @@ fn tree_fc(cfg: &ModelConfig, dropout: f64) -> Result<Model> {
         f.push(h);
     })?;
     m.select(FunctionSelector::LeafInternal { leaf, internal });
+    m.head(HeadRows::Roots, hd, |h| {
+        classifier_head(h, w_out, b_out, dropout)
+    })?;
+    m.build()
+}
+
+/// DAG-RNN: one function for every vertex, `h = tanh(W x + U Σ_p h_p + b)`
+/// with `x` the vertex's (dropped-out) word vector and `p` its predecessors
+/// (children; none for a source vertex). Root loss.
+fn dag_rnn(cfg: &ModelConfig, dropout: f64) -> Result<Model> {
+    let (v, hd, k) = (cfg.vocab, cfg.hidden, cfg.classes);
+    let mut m = ModelBuilder::new("dagrnn", hd);
+    let emb = m.param("emb", &[v, hd], Init::Normal { std: 0.1 });
+    let w = m.param("W", &[hd, hd], Init::Xavier);
+    let u = m.param("U", &[hd, hd], Init::Xavier);
+    let b = m.param("b", &[hd], Init::Zeros);
+    let w_out = m.param("W_out", &[k, hd], Init::LinearDefault);
+    let b_out = m.param("b_out", &[k], linear_bias(hd));
+    let cell = m.vertex_fn("cell", |f| {
+        let x = f.embed(emb);
+        let x = f.dropout(x, dropout);
+        let preds = f.gather_all();
+        let h_sum = f.sum_children(preds);
+        let (wp, up, bp) = (f.param(w), f.param(u), f.param(b));
+        let zx = f.linear(x, wp, Some(bp));
+        let zh = f.linear(h_sum, up, None);
+        let z = f.add(zx, zh);
+        let h = f.tanh(z);
+        f.scatter(h);
+        f.push(h);
+    })?;
+    m.select(FunctionSelector::Single(cell));
     m.head(HeadRows::Roots, hd, |h| {
         classifier_head(h, w_out, b_out, dropout)
     })?;

@@ -123,6 +123,18 @@ fn treefc_gradients_match_finite_differences() {
 }
 
 #[test]
+fn dagrnn_gradients_match_finite_differences_on_grid_dags() {
+    let cfg = small();
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let (v, c) = (cfg.vocab as u32, cfg.classes as i32);
+    let graphs: Vec<InputGraph> = [(1, 1), (2, 3), (3, 3)]
+        .iter()
+        .map(|&(r, k)| ramus_graph::random::grid_dag(&mut rng, r, k, v, c).unwrap())
+        .collect();
+    check_model("dagrnn", &graphs, &cfg);
+}
+
+#[test]
 fn lstm_lm_gradients_match_finite_differences() {
     let cfg = ModelConfig {
         vocab: 6,

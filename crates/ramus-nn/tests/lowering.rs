@@ -8,7 +8,7 @@ use ramus_core::lower::{lower, CellProgram, VertexInputs};
 use ramus_core::{HeadRows, Model, Params};
 use ramus_cpu::compiled::CpuCompiledEngine;
 use ramus_cpu::{Batch, CpuEngine, Mode};
-use ramus_graph::random::{random_chain, random_path, random_tree};
+use ramus_graph::random::{grid_dag, random_chain, random_path, random_tree};
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{build_model_with, ModelConfig, ModelOptions};
 use rand::SeedableRng;
@@ -91,6 +91,14 @@ fn graphs_for(name: &str, rng: &mut ChaCha8Rng) -> Vec<InputGraph> {
             .map(|&n| random_chain(rng, n, v).expect("chain"))
             .collect();
     }
+    if name == "dagrnn" {
+        return vec![
+            grid_dag(rng, 1, 1, v, 3).expect("one vertex"),
+            grid_dag(rng, 3, 4, v, 3).expect("grid"),
+            grid_dag(rng, 10, 10, v, 3).expect("grid"),
+            random_tree(rng, 20, &[2, 3], v, 3).expect("a tree is a DAG too"),
+        ];
+    }
     let mut gs = vec![
         random_tree(rng, 1, &[2], v, 3).expect("a single leaf"),
         random_tree(rng, 7, &[2], v, 3).expect("tree"),
@@ -107,7 +115,7 @@ fn graphs_for(name: &str, rng: &mut ChaCha8Rng) -> Vec<InputGraph> {
 #[test]
 fn lowered_cells_reproduce_the_reference_engine_for_every_token_model() {
     let mut rng = ChaCha8Rng::seed_from_u64(3);
-    for name in ["treelstm", "treelstm-nary", "treefc", "lstm-lm"] {
+    for name in ["treelstm", "treelstm-nary", "treefc", "dagrnn", "lstm-lm"] {
         let model = build_model_with(name, &CFG, &ModelOptions { dropout: 0.25 }).expect("model");
         let params: Params<f64> = Params::init(&model, 5);
         let lowered = lower_model(&model);
@@ -138,7 +146,7 @@ fn the_compiled_cpu_engine_matches_the_reference_engine_in_one_batch() {
     let mut rng = ChaCha8Rng::seed_from_u64(8);
     for hidden in [6, 40] {
         let cfg = ModelConfig { hidden, ..CFG };
-        for name in ["treelstm", "treelstm-nary", "treefc", "lstm-lm"] {
+        for name in ["treelstm", "treelstm-nary", "treefc", "dagrnn", "lstm-lm"] {
             let model =
                 build_model_with(name, &cfg, &ModelOptions { dropout: 0.25 }).expect("model");
             let params: Params<f32> = Params::init(&model, 9);
