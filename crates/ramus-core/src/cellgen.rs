@@ -36,16 +36,22 @@
 //! a barrier. After the last level the head cell scores every root from its
 //! pushed row.
 //!
+//! With **hoisting** ([`CellProgram::hoist_token_values`]), the internal
+//! cell's values that depend on a node's token alone (a DAG-RNN's or an
+//! LSTM's input projection `W x + b`) come from a second per-token table,
+//! filled by the token-table kernel at load, instead of a product per node.
+//!
 //! Kernel parameters (the engine's launch relies on this order):
 //!
 //! ```text
 //! NAME_levels(const float* params, float* state, float* push,
-//!             const float* table_state, const float* table_push,
+//!             const float* table_state, const float* table_push, const float* token_table,
 //!             const u32* child_offsets, const u32* child_rows, const u32* tokens,
 //!             const u32* batch_begin, const u32* batch_length, u32 num_batches,
 //!             u32 num_internal, u32 num_nodes, const u32* roots, u32 num_roots,
 //!             float* scores, u32* barrier)
-//! NAME_leaf_table(const float* params, float* table_state, float* table_push, u32 vocab)
+//! NAME_leaf_table(const float* params, float* out_state, float* out_push, u32 vocab)
+//! NAME_token_table(const float* params, float* out_table, u32 vocab)   // with hoisting
 //! ```
 //!
 //! `params` holds every parameter at its offset ([`TreeKernelSpec::param_offsets`],
@@ -57,7 +63,9 @@ use std::fmt::Write as _;
 use crate::error::{CoreError, Result};
 use crate::fusion::instantiate;
 use crate::graph::Graph;
-use crate::lower::{CellProgram, ChildRef, ScalarExpr, ScalarId, Scope, VecExpr, VecId};
+use crate::lower::{
+    scalar_deps, CellProgram, ChildRef, ScalarExpr, ScalarId, Scope, VecExpr, VecId,
+};
 
 /// Threads per block of the generated kernels by default: few, large
 /// blocks keep the grid barrier cheap (1024 was slower on an H100: costlier
@@ -91,6 +99,10 @@ pub struct TreeKernelSpec<'a> {
     /// Threads per block the kernels are launched with (a multiple of 32;
     /// compiled in as their launch bound).
     pub block_threads: u32,
+    /// With hoisting, the program computing the internal cell's token
+    /// table (its values that depend on the token alone; the internal
+    /// program then reads them through [`VecExpr::TokenTable`]).
+    pub token_table: Option<LoweredCell<'a>>,
 }
 
 fn gen_error(message: impl Into<String>) -> CoreError {
@@ -182,6 +194,10 @@ impl<'a> CellWriter<'a> {
             }
             VecExpr::HeadInput => format!("hin[{col}]"),
             VecExpr::One => "1.0f".into(),
+            VecExpr::TokenTable => format!(
+                "token_table[(unsigned long long)tok * {}u + ({col})]",
+                node.width
+            ),
             VecExpr::Param(p) => format!("P{p}[{col}]"),
             VecExpr::Slice { src, offset } => {
                 let src = *src;
@@ -396,7 +412,7 @@ impl<'a> CellWriter<'a> {
                 cone[src] = true;
                 for i in (0..=src).rev() {
                     if cone[i] && prog.scalars[i].scope == Scope::Edge {
-                        for d in scalar_operands(&prog.scalars[i].expr) {
+                        for d in scalar_deps(&prog.scalars[i].expr) {
                             if prog.scalars[d].scope == Scope::Edge {
                                 cone[d] = true;
                             }
@@ -475,15 +491,6 @@ impl<'a> CellWriter<'a> {
     }
 }
 
-/// The scalar operands of `e`.
-fn scalar_operands(e: &ScalarExpr) -> Vec<ScalarId> {
-    match e {
-        ScalarExpr::Map { args, .. } => args.clone(),
-        ScalarExpr::ChildSum(s) => vec![*s],
-        _ => Vec::new(),
-    }
-}
-
 const PRELUDE: &str = r#"typedef unsigned int u32;
 typedef unsigned long long u64;
 
@@ -557,6 +564,33 @@ fn warp_coordinates(units: usize) -> String {
     format!(
         "const u32 j = gw % {units}u; const u32 rep = gw / {units}u; const u32 R = gwarps / {units}u;\n"
     )
+}
+
+/// A kernel `name(params, <one float* per output>, vocab)` that runs `cell`
+/// once per token below `vocab` (a vertex with that token and no children)
+/// and stores output `o` at row `tok` of `outputs[o]` (`(name, width)`).
+fn token_kernel(
+    name: &str,
+    block: u32,
+    cell: LoweredCell<'_>,
+    outputs: &[(&str, usize)],
+    param_offsets: &[usize],
+) -> Result<String> {
+    let rows: Vec<String> = outputs
+        .iter()
+        .map(|(o, w)| format!("{o} + (u64)tok * {w}u"))
+        .collect();
+    let rows: Vec<&str> = rows.iter().map(String::as_str).collect();
+    let code = CellWriter::new(cell, None, "ROW").cell(&rows)?;
+    let params: String = outputs
+        .iter()
+        .map(|(o, _)| format!("float* {o}, "))
+        .collect();
+    Ok(format!(
+        "extern \"C\" __global__ void __launch_bounds__({block}) {name}(const float* __restrict__ params, {params}u32 vocab) {{\n{}const u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n{}if (rep < R) {{\n// no children and no tables: only the token and the parameters\nconst bool use_table = false; const u32 num_internal = 0; const float* state = nullptr; const float* table_state = nullptr; const float* token_table = nullptr; const u32* child_rows = nullptr;\n(void)use_table; (void)num_internal; (void)state; (void)table_state; (void)token_table; (void)child_rows;\nfor (u32 tok = rep; tok < vocab; tok += R) {{\nconst u32 cb = 0, ce = 0, c0 = 0, c1 = 0; (void)cb; (void)ce; (void)c0; (void)c1;\n{code}}}\n}}\n}}\n",
+        param_pointers(param_offsets),
+        warp_coordinates(cell.program.units),
+    ))
 }
 
 impl TreeKernelSpec<'_> {
@@ -639,17 +673,23 @@ impl TreeKernelSpec<'_> {
             src,
             "// The state row of child code c (see `child_rows`): an internal node's row, or its token's table row.\n__device__ __forceinline__ const float* row_of(u32 c, const float* state, const float* table, u32 num_internal, bool use_table) {{\n    return (c < num_internal || !use_table) ? state + (u64)c * {s}u : table + (u64)(c - num_internal) * {s}u;\n}}\n#define ROW(c) row_of((c), state, table_state, num_internal, use_table)"
         );
-        // ---- leaf table kernel
-        let leaf_cell = CellWriter::new(self.leaf, None, "ROW").cell(&[
-            &format!("table_state + (u64)tok * {s}u"),
-            &format!("table_push + (u64)tok * {p}u"),
-        ])?;
-        let _ = write!(
-            src,
-            "extern \"C\" __global__ void __launch_bounds__({block}) {name}_leaf_table(const float* __restrict__ params, float* table_state, float* table_push, u32 vocab) {{\n{}const u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n{}if (rep < R) {{\nconst bool use_table = false; const u32 num_internal = 0; const float* state = nullptr; const u32* tokens = nullptr; const u32* child_rows = nullptr;\n(void)use_table; (void)num_internal; (void)state; (void)tokens; (void)child_rows;\nfor (u32 tok = rep; tok < vocab; tok += R) {{\nconst u32 cb = 0, ce = 0, c0 = 0, c1 = 0; (void)cb; (void)ce; (void)c0; (void)c1;\n{leaf_cell}}}\n}}\n}}\n",
-            param_pointers(self.param_offsets),
-            warp_coordinates(self.leaf.program.units),
-        );
+        // ---- table kernels: the leaf cell, and the hoisted token values
+        src += &token_kernel(
+            &format!("{name}_leaf_table"),
+            block,
+            self.leaf,
+            &[("out_state", s), ("out_push", p)],
+            self.param_offsets,
+        )?;
+        if let Some(cell) = self.token_table {
+            src += &token_kernel(
+                &format!("{name}_token_table"),
+                block,
+                cell,
+                &[("out_table", cell.program.output_width(0))],
+                self.param_offsets,
+            )?;
+        }
         // ---- level kernel
         let registers = self.register_rows();
         let mut weights = String::new();
@@ -688,7 +728,7 @@ impl TreeKernelSpec<'_> {
         let use_table = self.leaf_table;
         let _ = write!(
             src,
-            "#define SCORES {classes}u\nextern \"C\" __global__ void __launch_bounds__({block}) {name}_levels(const float* __restrict__ params, float* state, float* push, const float* __restrict__ table_state, const float* __restrict__ table_push, const u32* __restrict__ child_offsets, const u32* __restrict__ child_rows, const u32* __restrict__ tokens, const u32* __restrict__ batch_begin, const u32* __restrict__ batch_length, u32 num_batches, u32 num_internal, u32 num_nodes, const u32* __restrict__ roots, u32 num_roots, float* scores, u32* barrier) {{\n{}const bool use_table = {use_table};\n// the barrier generation (thread 0's copy; no block can arrive before every block has read it)\nu32 bar_gen = 0;\nif (threadIdx.x == 0) bar_gen = barrier_generation(barrier);\nconst u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n",
+            "#define SCORES {classes}u\nextern \"C\" __global__ void __launch_bounds__({block}) {name}_levels(const float* __restrict__ params, float* state, float* push, const float* __restrict__ table_state, const float* __restrict__ table_push, const float* __restrict__ token_table, const u32* __restrict__ child_offsets, const u32* __restrict__ child_rows, const u32* __restrict__ tokens, const u32* __restrict__ batch_begin, const u32* __restrict__ batch_length, u32 num_batches, u32 num_internal, u32 num_nodes, const u32* __restrict__ roots, u32 num_roots, float* scores, u32* barrier) {{\n{}const bool use_table = {use_table}; (void)token_table;\n// the barrier generation (thread 0's copy; no block can arrive before every block has read it)\nu32 bar_gen = 0;\nif (threadIdx.x == 0) bar_gen = barrier_generation(barrier);\nconst u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n",
             param_pointers(self.param_offsets),
         );
         if !use_table {

@@ -95,6 +95,10 @@ pub enum VecExpr {
     SumChildren(VecId),
     /// The vertex's own vector `src` read for each of its child edges (edge scope).
     Parent(VecId),
+    /// Column `t` of the vertex's token's row of the cell's token table:
+    /// values that depend on the token alone, computed once per token at
+    /// load ([`CellProgram::hoist_token_values`]).
+    TokenTable,
 }
 
 /// A vector with its width and scope.
@@ -176,6 +180,238 @@ impl CellProgram {
         self.vectors
             .iter()
             .any(|v| matches!(v.expr, VecExpr::ChildState(_)))
+    }
+}
+
+/// A program whose token-only values come from a per-token table, and the
+/// program that computes that table (see [`CellProgram::hoist_token_values`]).
+#[derive(Clone, Debug)]
+pub struct Hoisted {
+    /// The cell, reading the hoisted values from [`VecExpr::TokenTable`].
+    pub program: CellProgram,
+    /// One output: the hoisted values of a token, side by side (`width`
+    /// columns), for a vertex with that token and no children.
+    pub table: CellProgram,
+    pub width: usize,
+}
+
+impl CellProgram {
+    /// Computation hoisting (Cortex §4.3): the vertex scalars that depend on
+    /// the vertex's token alone (an input projection `W x + b` of its word
+    /// vector, and anything computed from only such values), where a value
+    /// that does not leaves them, are computed once per token into a table
+    /// at load; the cell then reads them. `None` when nothing worth a table
+    /// (a product or an op) depends on the token alone.
+    pub fn hoist_token_values(&self) -> Option<Hoisted> {
+        let mut vec_token = vec![false; self.vectors.len()];
+        for (v, node) in self.vectors.iter().enumerate() {
+            vec_token[v] = node.scope == Scope::Vertex
+                && match &node.expr {
+                    VecExpr::Embedding { .. } | VecExpr::One | VecExpr::Param(_) => true,
+                    VecExpr::Slice { src, .. } => vec_token[*src],
+                    VecExpr::Concat { parts } => parts.iter().all(|&(p, _)| vec_token[p]),
+                    VecExpr::Map { args, .. } => args.iter().all(|&a| vec_token[a]),
+                    _ => false,
+                };
+        }
+        let mut token_only = vec![false; self.scalars.len()];
+        for (id, s) in self.scalars.iter().enumerate() {
+            token_only[id] = s.scope == Scope::Vertex
+                && match &s.expr {
+                    ScalarExpr::Dot { input, .. } => vec_token[*input],
+                    ScalarExpr::Read { src, .. } => vec_token[*src],
+                    ScalarExpr::Param { .. } => true,
+                    ScalarExpr::Map { args, .. } => args.iter().all(|&a| token_only[a]),
+                    ScalarExpr::ChildSum(_) => false,
+                };
+        }
+        // the frontier: token-only values read by other values or output,
+        // unless they are mere reads (nothing to save)
+        let mut read_outside = vec![false; self.scalars.len()];
+        for (id, s) in self.scalars.iter().enumerate() {
+            if !token_only[id] {
+                for d in scalar_deps(&s.expr) {
+                    read_outside[d] = true;
+                }
+            }
+        }
+        for lanes in &self.outputs {
+            for &s in lanes {
+                read_outside[s] = true;
+            }
+        }
+        let frontier: Vec<ScalarId> = (0..self.scalars.len())
+            .filter(|&id| {
+                token_only[id]
+                    && read_outside[id]
+                    && matches!(
+                        self.scalars[id].expr,
+                        ScalarExpr::Dot { .. } | ScalarExpr::Map { .. }
+                    )
+            })
+            .collect();
+        if frontier.is_empty() {
+            return None;
+        }
+        let u = self.units;
+        let width = frontier.len() * u;
+        let mut table = self.clone();
+        table.outputs = vec![frontier.clone()];
+        let mut program = self.clone();
+        program.vectors.push(VecNode {
+            expr: VecExpr::TokenTable,
+            width,
+            scope: Scope::Vertex,
+        });
+        let t = program.vectors.len() - 1;
+        for (q, &id) in frontier.iter().enumerate() {
+            program.scalars[id].expr = ScalarExpr::Read { src: t, col: q * u };
+        }
+        Some(Hoisted {
+            program: program.compact(),
+            table: table.compact(),
+            width,
+        })
+    }
+
+    /// The program without the vectors and scalars no output needs,
+    /// renumbered in order.
+    pub fn compact(&self) -> CellProgram {
+        let mut live_s = vec![false; self.scalars.len()];
+        let mut live_v = vec![false; self.vectors.len()];
+        for lanes in &self.outputs {
+            for &s in lanes {
+                live_s[s] = true;
+            }
+        }
+        for id in (0..self.scalars.len()).rev() {
+            if !live_s[id] {
+                continue;
+            }
+            for d in scalar_deps(&self.scalars[id].expr) {
+                live_s[d] = true;
+            }
+            match self.scalars[id].expr {
+                ScalarExpr::Dot { input, .. } => live_v[input] = true,
+                ScalarExpr::Read { src, .. } => live_v[src] = true,
+                _ => {}
+            }
+        }
+        for v in (0..self.vectors.len()).rev() {
+            if live_v[v] {
+                for d in vec_deps(&self.vectors[v].expr) {
+                    live_v[d] = true;
+                }
+            }
+        }
+        let renumber = |live: &[bool]| {
+            let mut map = vec![usize::MAX; live.len()];
+            let mut next = 0;
+            for (i, &l) in live.iter().enumerate() {
+                if l {
+                    map[i] = next;
+                    next += 1;
+                }
+            }
+            map
+        };
+        let (vmap, smap) = (renumber(&live_v), renumber(&live_s));
+        let vectors = self
+            .vectors
+            .iter()
+            .enumerate()
+            .filter(|&(v, _)| live_v[v])
+            .map(|(_, node)| {
+                let expr = match &node.expr {
+                    VecExpr::Slice { src, offset } => VecExpr::Slice {
+                        src: vmap[*src],
+                        offset: *offset,
+                    },
+                    VecExpr::Concat { parts } => VecExpr::Concat {
+                        parts: parts.iter().map(|&(p, w)| (vmap[p], w)).collect(),
+                    },
+                    VecExpr::Map { op, node, args } => VecExpr::Map {
+                        op: op.clone(),
+                        node: *node,
+                        args: args.iter().map(|&a| vmap[a]).collect(),
+                    },
+                    VecExpr::SumChildren(src) => VecExpr::SumChildren(vmap[*src]),
+                    VecExpr::Parent(src) => VecExpr::Parent(vmap[*src]),
+                    other => other.clone(),
+                };
+                VecNode {
+                    expr,
+                    ..node.clone()
+                }
+            })
+            .collect();
+        let scalars = self
+            .scalars
+            .iter()
+            .enumerate()
+            .filter(|&(id, _)| live_s[id])
+            .map(|(_, s)| {
+                let expr = match &s.expr {
+                    ScalarExpr::Dot {
+                        weight,
+                        row,
+                        input,
+                        k,
+                    } => ScalarExpr::Dot {
+                        weight: *weight,
+                        row: *row,
+                        input: vmap[*input],
+                        k: *k,
+                    },
+                    ScalarExpr::Read { src, col } => ScalarExpr::Read {
+                        src: vmap[*src],
+                        col: *col,
+                    },
+                    ScalarExpr::Map { op, node, args } => ScalarExpr::Map {
+                        op: op.clone(),
+                        node: *node,
+                        args: args.iter().map(|&a| smap[a]).collect(),
+                    },
+                    ScalarExpr::ChildSum(src) => ScalarExpr::ChildSum(smap[*src]),
+                    other => other.clone(),
+                };
+                ScalarNode {
+                    expr,
+                    scope: s.scope,
+                }
+            })
+            .collect();
+        CellProgram {
+            units: self.units,
+            vectors,
+            scalars,
+            outputs: self
+                .outputs
+                .iter()
+                .map(|lanes| lanes.iter().map(|&s| smap[s]).collect())
+                .collect(),
+        }
+    }
+}
+
+/// The scalars scalar expression `e` reads.
+pub fn scalar_deps(e: &ScalarExpr) -> Vec<ScalarId> {
+    match e {
+        ScalarExpr::Map { args, .. } => args.clone(),
+        ScalarExpr::ChildSum(s) => vec![*s],
+        _ => Vec::new(),
+    }
+}
+
+/// The vectors vector expression `e` reads.
+fn vec_deps(e: &VecExpr) -> Vec<VecId> {
+    match e {
+        VecExpr::Slice { src, .. } | VecExpr::SumChildren(src) | VecExpr::Parent(src) => {
+            vec![*src]
+        }
+        VecExpr::Concat { parts } => parts.iter().map(|&(p, _)| p).collect(),
+        VecExpr::Map { args, .. } => args.clone(),
+        _ => Vec::new(),
     }
 }
 
@@ -641,6 +877,9 @@ pub struct VertexInputs<'a, T> {
     pub token: Option<u32>,
     /// The head's input row (for a head program).
     pub head_input: Option<&'a [T]>,
+    /// The vertex's token's row of the cell's token table (for a program
+    /// with hoisted values).
+    pub token_table: Option<&'a [T]>,
 }
 
 /// A value of one vertex: one row, or one row per child edge.
@@ -722,6 +961,11 @@ impl CellProgram {
                         .ok_or_else(|| eval_error("no head input row"))?
                         .to_vec(),
                     VecExpr::One => vec![T::ONE; w],
+                    VecExpr::TokenTable => inputs
+                        .token_table
+                        .and_then(|t| t.get(..w))
+                        .ok_or_else(|| eval_error("no token table row"))?
+                        .to_vec(),
                     VecExpr::Param(p) => param(*p)?
                         .get(..w)
                         .ok_or_else(|| eval_error(format!("parameter {p} too short")))?

@@ -9,9 +9,11 @@
 //! CPU's model persistence), its unit scalars `rows × units` blocks run
 //! through the ops' vectorized kernels, child sums segment sums over the
 //! level's CSR edges. Leaves read a per-token table built at load (leaf
-//! specialization with hoisting). All buffers are kept between calls, so a
-//! steady stream of batches allocates nothing once they have grown. Large
-//! products split their rows over the thread pool.
+//! specialization), and the internal cell's values that depend on the
+//! token alone another (hoisting, [`CellProgram::hoist_token_values`]).
+//! All buffers are kept between calls, so a steady stream of batches
+//! allocates nothing once they have grown. Large products and elementwise
+//! passes split over a spinning helper thread.
 
 use ramus_core::graph::ValueType;
 use ramus_core::lower::{lower, CellProgram, ChildRef, ScalarExpr, Scope, VecExpr};
@@ -85,6 +87,10 @@ struct Cell {
     scalars: Vec<Block>,
     /// A group's product, before it is split among its members.
     product: Vec<f32>,
+    /// Hoisted token values, a row of `token_width` per token (empty
+    /// without hoisting).
+    token_table: Vec<f32>,
+    token_width: usize,
 }
 
 impl Cell {
@@ -137,6 +143,8 @@ impl Cell {
             groups,
             group_of,
             product: Vec::new(),
+            token_table: Vec::new(),
+            token_width: 0,
         })
     }
 }
@@ -297,6 +305,18 @@ impl Cell {
                         out.data[r * w..(r + 1) * w].copy_from_slice(src);
                     }
                 }
+                VecExpr::TokenTable => {
+                    out.reset(rows, w);
+                    let table = &self.token_table;
+                    for r in 0..rows {
+                        let tok = token(r) as usize;
+                        let at = tok * self.token_width;
+                        let src = table
+                            .get(at..at + w)
+                            .ok_or_else(|| err(format!("token {tok} beyond the token table")))?;
+                        out.data[r * w..(r + 1) * w].copy_from_slice(src);
+                    }
+                }
                 VecExpr::HeadInput => {
                     let h = level.head_input.ok_or_else(|| err("no head input"))?;
                     out.reset(rows, w);
@@ -447,6 +467,34 @@ impl Cell {
     }
 }
 
+/// Runs `cell` once per token below `vocab` (a vertex with that token and
+/// no children): one table per output, a row per token.
+fn tabulate(cell: &mut Cell, params: &[Vec<f32>], vocab: usize) -> Result<Vec<Vec<f32>>> {
+    let widths: Vec<usize> = (0..cell.program.outputs.len())
+        .map(|o| cell.program.output_width(o))
+        .collect();
+    let mut tables: Vec<Vec<f32>> = widths.iter().map(|&w| vec![0.0; vocab * w]).collect();
+    let empty = LinearBatch::default();
+    let no_rows = |_: u32| -> &[f32] { &[] };
+    const CHUNK: usize = 512;
+    for start in (0..vocab).step_by(CHUNK) {
+        let end = (start + CHUNK).min(vocab);
+        let tok = move |r: usize| (start + r) as u32;
+        let level = LevelInputs {
+            nodes: start..end,
+            batch: &empty,
+            child_row: &no_rows,
+            head_input: None,
+            token_of: Some(&tok),
+        };
+        cell.run(params, &level, &mut |o, r, row| {
+            let (t, w) = (start + r, widths[o]);
+            tables[o][t * w..(t + 1) * w].copy_from_slice(row);
+        })?;
+    }
+    Ok(tables)
+}
+
 /// Root scores of a batch (see the CUDA engine's `CompiledOutput`).
 #[derive(Clone, Debug, Default)]
 pub struct CpuCompiledOutput {
@@ -534,12 +582,22 @@ impl CpuCompiledEngine {
                 None
             },
         };
-        if leaf_table {
-            if let Some(v) = vocab {
-                let started = std::time::Instant::now();
-                engine.build_table(v)?;
-                engine.table_seconds = started.elapsed().as_secs_f64();
+        if let (true, Some(v)) = (leaf_table, vocab) {
+            let started = std::time::Instant::now();
+            let mut tables = tabulate(&mut engine.leaf, &engine.params, v)?.into_iter();
+            engine.table = tables.next().zip(tables.next());
+            // hoisting: the internal cell's token-only values from a table
+            if let Some(h) = engine.internal.program.hoist_token_values() {
+                let mut builder = Cell::new(h.table, params)?;
+                let table = tabulate(&mut builder, &engine.params, v)?
+                    .pop()
+                    .unwrap_or_default();
+                let mut hoisted = Cell::new(h.program, params)?;
+                hoisted.token_table = table;
+                hoisted.token_width = h.width;
+                engine.internal = hoisted;
             }
+            engine.table_seconds = started.elapsed().as_secs_f64();
         }
         Ok(engine)
     }
@@ -547,35 +605,6 @@ impl CpuCompiledEngine {
     /// Seconds the leaf table took to build (0 without one).
     pub fn leaf_table_seconds(&self) -> f64 {
         self.table_seconds
-    }
-
-    fn build_table(&mut self, vocab: usize) -> Result<()> {
-        let (s, p) = (self.state_width, self.push_width);
-        let mut state = vec![0.0; vocab * s];
-        let mut push = vec![0.0; vocab * p];
-        let empty = LinearBatch::default();
-        let no_rows = |_: u32| -> &[f32] { &[] };
-        const CHUNK: usize = 512;
-        for start in (0..vocab).step_by(CHUNK) {
-            let end = (start + CHUNK).min(vocab);
-            let tok = move |r: usize| (start + r) as u32;
-            let level = LevelInputs {
-                nodes: start..end,
-                batch: &empty,
-                child_row: &no_rows,
-                head_input: None,
-                token_of: Some(&tok),
-            };
-            self.leaf.run(&self.params, &level, &mut |o, r, row| {
-                let t = start + r;
-                match o {
-                    0 => state[t * s..(t + 1) * s].copy_from_slice(row),
-                    _ => push[t * p..(t + 1) * p].copy_from_slice(row),
-                }
-            })?;
-        }
-        self.table = Some((state, push));
-        Ok(())
     }
 
     /// Scores every root of `graphs`.

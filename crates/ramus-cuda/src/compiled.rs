@@ -35,8 +35,9 @@ use crate::pool::{Arena, DevicePool, DeviceView, PoolBuffer, PoolConfig};
 /// persistence can be switched off.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CompiledSchedule {
-    /// Leaves read a per-token table built at load instead of running the
-    /// leaf cell (leaf specialization with hoisting).
+    /// Leaf specialization with computation hoisting: leaves read a
+    /// per-token table built at load instead of running the leaf cell, and
+    /// the internal cell's token-only values (input projections) another.
     pub leaf_table: bool,
     /// The internal cell's weight rows stay in registers across levels.
     pub persistent_weights: bool,
@@ -120,8 +121,11 @@ pub struct CompiledEngine {
     _params: PoolBuffer<f32>,
     params: DeviceView<f32>,
     _tables: Option<(PoolBuffer<f32>, PoolBuffer<f32>)>,
+    _token_table: Option<PoolBuffer<f32>>,
     table_state: u64,
     table_push: u64,
+    /// The internal cell's hoisted token values (0: none).
+    token_table: u64,
     _barrier: PoolBuffer<u32>,
     barrier: DeviceView<u32>,
     linearizer: Linearizer,
@@ -206,7 +210,7 @@ impl CompiledEngine {
             .clone()
             .or_else(crate::cache::default_cache_dir);
         let cache = KernelCache::for_device(&device, dir)?;
-        let [(leaf_f, leaf), (internal_f, internal)] = lower_model(model)?;
+        let [(leaf_f, leaf), (internal_f, mut internal)] = lower_model(model)?;
         let logits = model
             .head
             .logits
@@ -218,6 +222,16 @@ impl CompiledEngine {
             leaf_table: options.schedule.leaf_table && vocab.is_some(),
             ..options.schedule
         };
+        // hoisting: the internal cell's token-only values from a table
+        let hoisted = if schedule.leaf_table {
+            internal.hoist_token_values()
+        } else {
+            None
+        };
+        let token_table_program = hoisted.map(|h| {
+            internal = h.program;
+            (h.table, h.width)
+        });
         let mut offsets = Vec::with_capacity(model.params.len());
         let mut total = 0usize;
         for p in &params.values {
@@ -242,6 +256,10 @@ impl CompiledEngine {
             persistent_weights: schedule.persistent_weights,
             leaf_table: schedule.leaf_table,
             block_threads: CELL_BLOCK,
+            token_table: token_table_program.as_ref().map(|(table, _)| LoweredCell {
+                graph: &model.functions[internal_f].forward,
+                program: table,
+            }),
         };
         spec.block_threads = options
             .block_threads
@@ -252,7 +270,11 @@ impl CompiledEngine {
             });
         let block = spec.block_threads;
         let source = spec.source()?;
-        let module = cache.get_or_compile(&source, &["cortex_levels", "cortex_leaf_table"])?;
+        let mut kernels = vec!["cortex_levels", "cortex_leaf_table"];
+        if token_table_program.is_some() {
+            kernels.push("cortex_token_table");
+        }
+        let module = cache.get_or_compile(&source, &kernels)?;
         let levels = module.function("cortex_levels")?.clone();
         let table_fn = module.function("cortex_leaf_table")?.clone();
 
@@ -293,7 +315,8 @@ impl CompiledEngine {
         }
 
         let mut tables = None;
-        let (mut table_state, mut table_push) = (0, 0);
+        let (mut table_state, mut table_push, mut token_table) = (0, 0, 0);
+        let mut token_buffer = None;
         let table_started = Instant::now();
         if schedule.leaf_table {
             let v = vocab.ok_or_else(|| model_err("leaf table without a vocabulary"))?;
@@ -321,6 +344,28 @@ impl CompiledEngine {
             table_state = ts.view().device_ptr();
             table_push = tp.view().device_ptr();
             tables = Some((ts, tp));
+            if let Some((table, width)) = &token_table_program {
+                let tt = pool.alloc::<f32>((v * width).max(1))?;
+                let token_fn = module.function("cortex_token_table")?;
+                let warps = (table.units * v.min(64)).max(1);
+                let blocks = u32_of(warps.div_ceil((block / 32) as usize), "table blocks")?;
+                let tt_view = tt.view();
+                let mut launch = stream.launch_builder(token_fn);
+                launch
+                    .arg(param_view.kernel_arg())
+                    .arg(tt_view.kernel_arg())
+                    .arg(&vocab_arg);
+                let cfg = LaunchConfig {
+                    grid_dim: (blocks.min(65_535), 1, 1),
+                    block_dim: (block, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: the arguments match `cortex_token_table`'s
+                // parameters; the table holds `vocab` rows of `width` floats.
+                unsafe { launch.launch(cfg) }.in_call("cuLaunchKernel(cortex_token_table)")?;
+                token_table = tt_view.device_ptr();
+                token_buffer = Some(tt);
+            }
         }
         device.synchronize()?;
         let leaf_table_seconds = if schedule.leaf_table {
@@ -346,8 +391,10 @@ impl CompiledEngine {
             params: param_view,
             _params: param_buf,
             _tables: tables,
+            _token_table: token_buffer,
             table_state,
             table_push,
+            token_table,
             barrier: barrier.view(),
             _barrier: barrier,
             linearizer: Linearizer::new(),
@@ -486,6 +533,7 @@ impl CompiledEngine {
             .arg(push.kernel_arg())
             .arg(&self.table_state)
             .arg(&self.table_push)
+            .arg(&self.token_table)
             .arg(views[0].kernel_arg())
             .arg(views[1].kernel_arg())
             .arg(views[2].kernel_arg())

@@ -11,7 +11,7 @@ use ramus_cpu::{Batch, CpuEngine, Mode};
 use ramus_graph::random::{grid_dag, random_chain, random_path, random_tree};
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{build_model_with, ModelConfig, ModelOptions};
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 const CFG: ModelConfig = ModelConfig {
@@ -60,6 +60,7 @@ fn lowered_scores(
             children: &children,
             token: Some(graph.tokens[v]),
             head_input: None,
+            token_table: None,
         };
         let mut out = lowered.functions[f]
             .eval_vertex(&model.functions[f].forward, &data, &inputs)
@@ -73,6 +74,7 @@ fn lowered_scores(
             children: &[],
             token: None,
             head_input: Some(&pushed[root as usize]),
+            token_table: None,
         };
         let out = lowered
             .head
@@ -196,4 +198,89 @@ fn the_compiled_cpu_engine_refuses_unknown_tokens_naming_the_vertex() {
         text.contains("graph 0 vertex 1") && text.contains("token 11"),
         "{text}"
     );
+}
+
+#[test]
+fn hoisted_token_values_give_the_same_cells() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let mut hoisted_any = Vec::new();
+    for name in ["treelstm", "treelstm-nary", "treefc", "dagrnn", "lstm-lm"] {
+        let model = build_model_with(name, &CFG, &ModelOptions { dropout: 0.0 }).expect("model");
+        let params: Params<f64> = Params::init(&model, 4);
+        let data: Vec<&[f64]> = params.values.iter().map(|t| t.data()).collect();
+        for f in &model.functions {
+            let g = &f.forward;
+            let program =
+                lower(g, &[f.scatter.expect("scatter"), f.push.expect("push")]).expect("lowers");
+            let Some(h) = program.hoist_token_values() else {
+                continue;
+            };
+            hoisted_any.push(name);
+            assert!(
+                h.program.scalars.len() < program.scalars.len(),
+                "{name}: hoisting removed no per-vertex work"
+            );
+            // random children, every token
+            let kids: Vec<Vec<f64>> = (0..3)
+                .map(|_| {
+                    (0..model.state_width)
+                        .map(|_| rng.random_range(-1.0..1.0))
+                        .collect()
+                })
+                .collect();
+            let kid_rows: Vec<&[f64]> = kids.iter().map(Vec::as_slice).collect();
+            let children = if g.input_node(ramus_core::graph::Source::GatherAll).is_some()
+                || g.input_node(ramus_core::graph::Source::Gather(0)).is_some()
+            {
+                &kid_rows[..2]
+            } else {
+                &kid_rows[..0]
+            };
+            for token in 0..CFG.vocab as u32 {
+                let plain = VertexInputs {
+                    children,
+                    token: Some(token),
+                    head_input: None,
+                    token_table: None,
+                };
+                let want = program.eval_vertex(g, &data, &plain).expect("plain");
+                let row = h
+                    .table
+                    .eval_vertex(
+                        g,
+                        &data,
+                        &VertexInputs {
+                            children: &[],
+                            ..plain
+                        },
+                    )
+                    .expect("table row")
+                    .pop()
+                    .expect("one output");
+                assert_eq!(row.len(), h.width);
+                let got = h
+                    .program
+                    .eval_vertex(
+                        g,
+                        &data,
+                        &VertexInputs {
+                            token_table: Some(&row),
+                            ..plain
+                        },
+                    )
+                    .expect("hoisted");
+                for (w, x) in want.iter().flatten().zip(got.iter().flatten()) {
+                    assert!(
+                        (w - x).abs() < 1e-12,
+                        "{name} `{}` token {token}: {w} vs {x}",
+                        f.name
+                    );
+                }
+            }
+        }
+    }
+    // the models with a word at every vertex: an input projection to hoist
+    for name in ["dagrnn", "lstm-lm"] {
+        assert!(hoisted_any.contains(&name), "{name}: nothing hoisted");
+    }
 }
