@@ -174,13 +174,6 @@ impl CellProgram {
         }
         rows
     }
-
-    /// Whether any scalar or vector reads a child's state.
-    pub fn reads_children(&self) -> bool {
-        self.vectors
-            .iter()
-            .any(|v| matches!(v.expr, VecExpr::ChildState(_)))
-    }
 }
 
 /// A program whose token-only values come from a per-token table, and the

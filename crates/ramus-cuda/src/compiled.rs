@@ -39,7 +39,9 @@ pub struct CompiledSchedule {
     /// per-token table built at load instead of running the leaf cell, and
     /// the internal cell's token-only values (input projections) another.
     pub leaf_table: bool,
-    /// The internal cell's weight rows stay in registers across levels.
+    /// The internal cell's weight rows stay in registers across levels
+    /// (even where they spill: a binary Tree-LSTM at hidden 512 keeps 160
+    /// per thread and still ran 1.9× faster than reading them from L2).
     pub persistent_weights: bool,
 }
 
@@ -261,13 +263,7 @@ impl CompiledEngine {
                 program: table,
             }),
         };
-        spec.block_threads = options
-            .block_threads
-            .unwrap_or(if spec.weight_registers() <= 32 {
-                1024
-            } else {
-                CELL_BLOCK
-            });
+        spec.block_threads = options.block_threads.unwrap_or(CELL_BLOCK);
         let block = spec.block_threads;
         let source = spec.source()?;
         let mut kernels = vec!["cortex_levels", "cortex_leaf_table"];
