@@ -201,6 +201,38 @@ fn embedding_rows(program: &CellProgram, model: &Model) -> Option<usize> {
     })
 }
 
+/// Launches a table kernel (`cortex_leaf_table`, `cortex_token_table`):
+/// `kernel(params, tables..., vocab)` with a warp per unit of the cell and
+/// up to 64 tokens at a time per unit.
+fn launch_table_kernel(
+    stream: &cudarc::driver::CudaStream,
+    kernel: &CudaFunction,
+    params: DeviceView<f32>,
+    tables: &[DeviceView<f32>],
+    units: usize,
+    vocab: u32,
+    block: u32,
+) -> Result<()> {
+    let warps = (units * (vocab as usize).min(64)).max(1);
+    let blocks = u32_of(warps.div_ceil((block / 32) as usize), "table blocks")?;
+    let mut launch = stream.launch_builder(kernel);
+    launch.arg(params.kernel_arg());
+    for t in tables {
+        launch.arg(t.kernel_arg());
+    }
+    launch.arg(&vocab);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks.min(65_535), 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: a table kernel takes the parameter buffer (every parameter at
+    // its compiled-in offset), one table pointer per output (each `vocab`
+    // rows of that output's width) and the vocabulary size, in this order.
+    unsafe { launch.launch(cfg) }.in_call("cuLaunchKernel(table kernel)")?;
+    Ok(())
+}
+
 impl CompiledEngine {
     /// Lowers, generates and compiles `model`'s cells, uploads `params` and
     /// (with leaf specialization) tabulates the leaf cell over the vocabulary.
@@ -318,47 +350,32 @@ impl CompiledEngine {
             let v = vocab.ok_or_else(|| model_err("leaf table without a vocabulary"))?;
             let ts = pool.alloc::<f32>((v * state_width).max(1))?;
             let tp = pool.alloc::<f32>((v * push_width).max(1))?;
-            let warps = (leaf.units * v.min(64)).max(1);
-            let blocks = u32_of(warps.div_ceil((block / 32) as usize), "table blocks")?;
             let vocab_arg = u32_of(v, "vocabulary")?;
-            let (ts_view, tp_view) = (ts.view(), tp.view());
-            let mut launch = stream.launch_builder(&table_fn);
-            launch
-                .arg(param_view.kernel_arg())
-                .arg(ts_view.kernel_arg())
-                .arg(tp_view.kernel_arg())
-                .arg(&vocab_arg);
-            let cfg = LaunchConfig {
-                grid_dim: (blocks.min(65_535), 1, 1),
-                block_dim: (block, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: the arguments match `cortex_leaf_table`'s parameters;
-            // the tables hold `vocab` rows of the state and pushed widths and
-            // the parameter view holds every parameter at its offset.
-            unsafe { launch.launch(cfg) }.in_call("cuLaunchKernel(cortex_leaf_table)")?;
+            launch_table_kernel(
+                &stream,
+                &table_fn,
+                param_view,
+                &[ts.view(), tp.view()],
+                leaf.units,
+                vocab_arg,
+                block,
+            )?;
             table_state = ts.view().device_ptr();
             table_push = tp.view().device_ptr();
             tables = Some((ts, tp));
             if let Some((table, width)) = &token_table_program {
                 let tt = pool.alloc::<f32>((v * width).max(1))?;
                 let token_fn = module.function("cortex_token_table")?;
-                let warps = (table.units * v.min(64)).max(1);
-                let blocks = u32_of(warps.div_ceil((block / 32) as usize), "table blocks")?;
                 let tt_view = tt.view();
-                let mut launch = stream.launch_builder(token_fn);
-                launch
-                    .arg(param_view.kernel_arg())
-                    .arg(tt_view.kernel_arg())
-                    .arg(&vocab_arg);
-                let cfg = LaunchConfig {
-                    grid_dim: (blocks.min(65_535), 1, 1),
-                    block_dim: (block, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                // SAFETY: the arguments match `cortex_token_table`'s
-                // parameters; the table holds `vocab` rows of `width` floats.
-                unsafe { launch.launch(cfg) }.in_call("cuLaunchKernel(cortex_token_table)")?;
+                launch_table_kernel(
+                    &stream,
+                    token_fn,
+                    param_view,
+                    &[tt_view],
+                    table.units,
+                    vocab_arg,
+                    block,
+                )?;
                 token_table = tt_view.device_ptr();
                 token_buffer = Some(tt);
             }

@@ -65,12 +65,10 @@ pub(super) fn run(
     trees: &[InputGraph],
     sizes: &[usize],
 ) -> AnyResult {
-    let mut last = Vec::new();
-    if a.device == Device::Cpu {
-        last = run_cpu(a, model, params, trees, sizes)?;
-    } else {
-        run_cuda(a, model, params, trees, sizes, &mut last)?;
-    }
+    let last = match a.device {
+        Device::Cpu => run_cpu(a, model, params, trees, sizes)?,
+        Device::Cuda => run_cuda(a, model, params, trees, sizes)?,
+    };
     if let Some(anchor) = &a.anchor {
         if a.model != "treelstm" {
             return Err("the PyTorch anchor runs the reference treelstm only".into());
@@ -98,7 +96,38 @@ fn latency_line(
     })
 }
 
-/// The CPU back end: default schedule (leaf table) or the table ablation.
+/// Times `infer` on the first `bs` graphs for each batch size and prints a
+/// latency line per size (plus the fields the last call returns).
+fn time_batches(
+    a: &BenchArgs,
+    trees: &[InputGraph],
+    sizes: &[usize],
+    device: &str,
+    schedule: &str,
+    mut infer: impl FnMut(&[&InputGraph]) -> AnyResult<Option<serde_json::Value>>,
+) -> AnyResult<Vec<serde_json::Value>> {
+    let mut lines = Vec::with_capacity(sizes.len());
+    for &bs in sizes {
+        let batch: Vec<&InputGraph> = trees[..bs].iter().collect();
+        let nodes: usize = batch.iter().map(|g| g.len()).sum();
+        let mut extra = None;
+        let times = samples(a.reps, || {
+            extra = infer(&batch)?;
+            Ok(())
+        })?;
+        let mut line = latency_line(a, device, schedule, bs, nodes, &times);
+        if let (Some(serde_json::Value::Object(fields)), serde_json::Value::Object(map)) =
+            (extra, &mut line)
+        {
+            map.extend(fields);
+        }
+        println!("{line}");
+        lines.push(line);
+    }
+    Ok(lines)
+}
+
+/// The CPU back end: default schedule (tables) or the ablation without them.
 fn run_cpu(
     a: &BenchArgs,
     model: &Model,
@@ -121,30 +150,23 @@ fn run_cpu(
                     "leaf_table_build_ms": (engine.leaf_table_seconds() * 1e6).round() / 1e3})
             );
         }
-        last.clear();
-        for &bs in sizes {
-            let batch: Vec<&InputGraph> = trees[..bs].iter().collect();
-            let nodes: usize = batch.iter().map(|g| g.len()).sum();
-            let times = samples(a.reps, || {
-                engine.infer(&batch)?;
-                Ok(())
-            })?;
-            let line = latency_line(a, "cpu", name, bs, nodes, &times);
-            println!("{line}");
-            last.push(line);
-        }
+        last = time_batches(a, trees, sizes, "cpu", name, |batch| {
+            engine.infer(batch)?;
+            Ok(None)
+        })?;
     }
     Ok(last)
 }
 
+/// The CUDA engine: default schedule or the three ablation steps.
 fn run_cuda(
     a: &BenchArgs,
     model: &Model,
     params: &Params<f32>,
     trees: &[InputGraph],
     sizes: &[usize],
-    last: &mut Vec<serde_json::Value>,
-) -> AnyResult {
+) -> AnyResult<Vec<serde_json::Value>> {
+    let mut last = Vec::new();
     let schedules: Vec<(&str, CompiledSchedule)> = if a.ablation {
         ABLATION.to_vec()
     } else {
@@ -170,21 +192,15 @@ fn run_cuda(
                 })
             );
         }
-        last.clear();
-        for &bs in sizes {
-            let batch: Vec<&InputGraph> = trees[..bs].iter().collect();
-            let nodes: usize = batch.iter().map(|g| g.len()).sum();
-            let times = samples(a.reps, || {
-                engine.infer(&batch)?;
-                Ok(())
-            })?;
-            let mut line = latency_line(a, engine.device().name(), name, bs, nodes, &times);
-            line["infer_enqueue_ms"] = ((engine.last_enqueue_seconds() * 1e6).round() / 1e3).into();
-            line["kernel_ms"] = ((engine.last_kernel_seconds() * 1e6).round() / 1e3).into();
-            line["kernels_per_batch"] = 1.into();
-            println!("{line}");
-            last.push(line);
-        }
+        let device = engine.device().name().to_string();
+        last = time_batches(a, trees, sizes, &device, name, |batch| {
+            engine.infer(batch)?;
+            Ok(Some(serde_json::json!({
+                "infer_enqueue_ms": (engine.last_enqueue_seconds() * 1e6).round() / 1e3,
+                "kernel_ms": (engine.last_kernel_seconds() * 1e6).round() / 1e3,
+                "kernels_per_batch": 1,
+            })))
+        })?;
     }
-    Ok(())
+    Ok(last)
 }
