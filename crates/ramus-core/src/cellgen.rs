@@ -194,6 +194,11 @@ impl<'a> CellWriter<'a> {
             }
             VecExpr::HeadInput => format!("hin[{col}]"),
             VecExpr::One => "1.0f".into(),
+            VecExpr::Staged { .. } => {
+                return Err(gen_error(
+                    "a multi-stage cell's scratch read (not generated for CUDA yet)",
+                ))
+            }
             VecExpr::TokenTable => format!(
                 "token_table[(unsigned long long)tok * {}u + ({col})]",
                 node.width
@@ -623,6 +628,20 @@ impl TreeKernelSpec<'_> {
         }
         if self.head.program.outputs.len() != 1 {
             return Err(gen_error("the head must output one row of scores"));
+        }
+        for (what, cell) in [
+            ("leaf", self.leaf),
+            ("internal", self.internal),
+            ("head", self.head),
+        ] {
+            if cell.program.stages > 1 {
+                return Err(gen_error(format!(
+                    "the {what} cell has {} stages (a product of a product, as in a TreeGRU): \
+                     multi-stage cells run on the CPU compiled engine; CUDA code for them is \
+                     not generated yet",
+                    cell.program.stages
+                )));
+            }
         }
         // a leaf cell may read children (one function for every vertex):
         // leaves have none, so its child loops run zero times

@@ -95,6 +95,9 @@ pub enum VecExpr {
     SumChildren(VecId),
     /// The vertex's own vector `src` read for each of its child edges (edge scope).
     Parent(VecId),
+    /// Column `slot + t` of the vertex's scratch row: unit values stored by
+    /// an earlier stage (vertex scope).
+    Staged { slot: usize },
     /// Column `t` of the vertex's token's row of the cell's token table:
     /// values that depend on the token alone, computed once per token at
     /// load ([`CellProgram::hoist_token_values`]).
@@ -107,6 +110,8 @@ pub struct VecNode {
     pub expr: VecExpr,
     pub width: usize,
     pub scope: Scope,
+    /// The stage from which it can be read (see [`CellProgram::stages`]).
+    pub stage: usize,
 }
 
 /// A unit's scalar (for unit `j`).
@@ -141,6 +146,8 @@ pub enum ScalarExpr {
 pub struct ScalarNode {
     pub expr: ScalarExpr,
     pub scope: Scope,
+    /// The stage it is computed in.
+    pub stage: usize,
 }
 
 /// A lowered graph; see the module docs.
@@ -153,6 +160,17 @@ pub struct CellProgram {
     /// Per requested output node: its lanes (output column `m·U + j` is
     /// scalar `outputs[o][m]` of unit `j`).
     pub outputs: Vec<Vec<ScalarId>>,
+    /// Stages of a multi-stage cell (1 otherwise): a product whose input
+    /// is itself computed per unit (a TreeGRU's `U (Σ r_k ⊙ h_k)`) needs
+    /// every unit's columns of that input, so the units store them in a
+    /// per-vertex scratch row in one stage ([`CellProgram::stores`]) and
+    /// read them back as a vector ([`VecExpr::Staged`]) in the next.
+    pub stages: usize,
+    /// Per stage: `(scalar, column)`: unit `j` stores the scalar at scratch
+    /// column `column + j`.
+    pub stores: Vec<Vec<(ScalarId, usize)>>,
+    /// Columns of the scratch row.
+    pub scratch_width: usize,
 }
 
 impl CellProgram {
@@ -255,6 +273,7 @@ impl CellProgram {
             expr: VecExpr::TokenTable,
             width,
             scope: Scope::Vertex,
+            stage: 0,
         });
         let t = program.vectors.len() - 1;
         for (q, &id) in frontier.iter().enumerate() {
@@ -267,16 +286,8 @@ impl CellProgram {
         })
     }
 
-    /// The program without the vectors and scalars no output needs,
-    /// renumbered in order.
-    pub fn compact(&self) -> CellProgram {
-        let mut live_s = vec![false; self.scalars.len()];
-        let mut live_v = vec![false; self.vectors.len()];
-        for lanes in &self.outputs {
-            for &s in lanes {
-                live_s[s] = true;
-            }
-        }
+    /// Marks everything the live scalars and vectors read as live.
+    fn mark_live(&self, live_s: &mut [bool], live_v: &mut [bool]) {
         for id in (0..self.scalars.len()).rev() {
             if !live_s[id] {
                 continue;
@@ -295,6 +306,37 @@ impl CellProgram {
                 for d in vec_deps(&self.vectors[v].expr) {
                     live_v[d] = true;
                 }
+            }
+        }
+    }
+
+    /// The program without the vectors and scalars no output needs,
+    /// renumbered in order.
+    pub fn compact(&self) -> CellProgram {
+        let mut live_s = vec![false; self.scalars.len()];
+        let mut live_v = vec![false; self.vectors.len()];
+        for lanes in &self.outputs {
+            for &s in lanes {
+                live_s[s] = true;
+            }
+        }
+        // a store is live when a live vector reads its columns, and a later
+        // stage's read can make an earlier stage's store live: iterate
+        loop {
+            self.mark_live(&mut live_s, &mut live_v);
+            let mut changed = false;
+            for &(sc, col) in self.stores.iter().flatten() {
+                let read = self.vectors.iter().enumerate().any(|(v, node)| {
+                    live_v[v]
+                        && matches!(node.expr, VecExpr::Staged { slot } if slot <= col && col < slot + node.width)
+                });
+                if read && !live_s[sc] {
+                    live_s[sc] = true;
+                    changed = true;
+                }
+            }
+            if !changed {
+                break;
             }
         }
         let renumber = |live: &[bool]| {
@@ -371,6 +413,7 @@ impl CellProgram {
                 ScalarNode {
                     expr,
                     scope: s.scope,
+                    stage: s.stage,
                 }
             })
             .collect();
@@ -383,6 +426,19 @@ impl CellProgram {
                 .iter()
                 .map(|lanes| lanes.iter().map(|&s| smap[s]).collect())
                 .collect(),
+            stages: self.stages,
+            stores: self
+                .stores
+                .iter()
+                .map(|stage| {
+                    stage
+                        .iter()
+                        .filter(|&&(sc, _)| live_s[sc])
+                        .map(|&(sc, col)| (smap[sc], col))
+                        .collect()
+                })
+                .collect(),
+            scratch_width: self.scratch_width,
         }
     }
 }
@@ -454,6 +510,10 @@ struct Lowering<'g> {
     one: Option<VecId>,
     reads: HashMap<(VecId, usize), ScalarId>,
     params: HashMap<(ParamId, usize), ScalarId>,
+    /// The scratch vector of each unit value a product reads.
+    staged: HashMap<NodeId, VecId>,
+    stores: Vec<Vec<(ScalarId, usize)>>,
+    scratch_width: usize,
 }
 
 /// Lowers the nodes `outputs` of inference graph `g` (a vertex function's
@@ -478,7 +538,7 @@ pub fn lower(g: &Graph, outputs: &[NodeId]) -> Result<CellProgram> {
             }
         }
     }
-    let unit_class = classify(g, &needed)?;
+    let unit_class = classify(g, &needed);
     let units = unit_count(g, &needed, &unit_class, outputs)?;
     let mut l = Lowering {
         g,
@@ -489,6 +549,9 @@ pub fn lower(g: &Graph, outputs: &[NodeId]) -> Result<CellProgram> {
         one: None,
         reads: HashMap::new(),
         params: HashMap::new(),
+        staged: HashMap::new(),
+        stores: Vec::new(),
+        scratch_width: 0,
     };
     for i in (0..n).filter(|&i| needed[i]) {
         let value = l.lower_node(i, unit_class[i])?;
@@ -498,37 +561,35 @@ pub fn lower(g: &Graph, outputs: &[NodeId]) -> Result<CellProgram> {
     for &o in outputs {
         lanes.push(l.lanes(o)?);
     }
+    let stages = 1 + l.scalars.iter().map(|s| s.stage).max().unwrap_or(0);
+    let mut stores = l.stores;
+    stores.resize(stages, Vec::new());
     Ok(CellProgram {
         units,
         vectors: l.vectors,
         scalars: l.scalars,
         outputs: lanes,
+        stages,
+        stores,
+        scratch_width: l.scratch_width,
     })
 }
 
 /// Marks unit values: products and everything computed from one.
-fn classify(g: &Graph, needed: &[bool]) -> Result<Vec<bool>> {
+fn classify(g: &Graph, needed: &[bool]) -> Vec<bool> {
     let mut unit = vec![false; g.nodes.len()];
     for (i, node) in g.nodes.iter().enumerate() {
         if !needed[i] {
             continue;
         }
         if node.op_as::<MatMul>().is_some() {
-            if let Some(&a) = node.inputs.first() {
-                if unit[a] {
-                    return Err(unsupported(
-                        g,
-                        i,
-                        "a product of a product's result (a multi-stage cell) is not supported",
-                    ));
-                }
-            }
+            // (a product of a unit value is a new stage: see `Lowering::staged`)
             unit[i] = true;
         } else {
             unit[i] = node.inputs.iter().any(|&x| unit[x]);
         }
     }
-    Ok(unit)
+    unit
 }
 
 /// The unit count: the gcd of every unit value's width and of the slice
@@ -583,13 +644,71 @@ impl Lowering<'_> {
     }
 
     fn vec(&mut self, expr: VecExpr, width: usize, scope: Scope) -> VecId {
-        self.vectors.push(VecNode { expr, width, scope });
+        let stage = vec_deps(&expr)
+            .into_iter()
+            .map(|d| self.vectors[d].stage)
+            .max()
+            .unwrap_or(0);
+        self.vectors.push(VecNode {
+            expr,
+            width,
+            scope,
+            stage,
+        });
         self.vectors.len() - 1
     }
 
     fn scalar(&mut self, expr: ScalarExpr, scope: Scope) -> ScalarId {
-        self.scalars.push(ScalarNode { expr, scope });
+        let stage = match &expr {
+            ScalarExpr::Dot { input, .. } => self.vectors[*input].stage,
+            ScalarExpr::Read { src, .. } => self.vectors[*src].stage,
+            other => scalar_deps(other)
+                .into_iter()
+                .map(|d| self.scalars[d].stage)
+                .max()
+                .unwrap_or(0),
+        };
+        self.scalars.push(ScalarNode { expr, scope, stage });
         self.scalars.len() - 1
+    }
+
+    /// The scratch vector holding unit value `x` (stored by its stage, read
+    /// from the next).
+    fn staged(&mut self, x: NodeId) -> Result<VecId> {
+        if let Some(&v) = self.staged.get(&x) {
+            return Ok(v);
+        }
+        if self.g.nodes[x].ty.space != Space::Vertex {
+            return Err(unsupported(
+                self.g,
+                x,
+                "a product of per-edge unit values is not supported",
+            ));
+        }
+        let lanes = self.lanes(x)?;
+        let stage = lanes
+            .iter()
+            .map(|&l| self.scalars[l].stage)
+            .max()
+            .unwrap_or(0);
+        let slot = self.scratch_width;
+        if self.stores.len() <= stage {
+            self.stores.resize(stage + 1, Vec::new());
+        }
+        for (m, &l) in lanes.iter().enumerate() {
+            self.stores[stage].push((l, slot + m * self.units));
+        }
+        let width = lanes.len() * self.units;
+        self.scratch_width += width;
+        self.vectors.push(VecNode {
+            expr: VecExpr::Staged { slot },
+            width,
+            scope: Scope::Vertex,
+            stage: stage + 1,
+        });
+        let v = self.vectors.len() - 1;
+        self.staged.insert(x, v);
+        Ok(v)
     }
 
     fn vector_of(&self, x: NodeId) -> Result<VecId> {
@@ -774,7 +893,10 @@ impl Lowering<'_> {
         let u = self.units;
         let lanes = node.ty.width() / u;
         if let Some(mm) = node.op_as::<MatMul>() {
-            let input = self.vector_of(args[0])?;
+            let input = match self.value(args[0])? {
+                Lowered::Unit(_) => self.staged(args[0])?,
+                _ => self.vector_of(args[0])?,
+            };
             let weight = match self.value(args[1])? {
                 Lowered::Param(p) => *p,
                 _ => return Err(unsupported(g, i, "the weight must be a parameter")),
@@ -917,135 +1039,163 @@ impl CellProgram {
                 .copied()
                 .ok_or_else(|| eval_error(format!("parameter {p} missing")))
         };
-        let mut vecs: Vec<Rows<T>> = Vec::with_capacity(self.vectors.len());
-        for v in &self.vectors {
-            let w = v.width;
-            let row = |e: usize, vecs: &[Rows<T>]| -> Result<Vec<T>> {
-                Ok(match &v.expr {
-                    VecExpr::ChildState(which) => {
-                        let child = match which {
-                            ChildRef::Index(k) => inputs.children.get(*k).copied(),
-                            ChildRef::Edge => inputs.children.get(e).copied(),
-                        };
-                        match child {
-                            Some(c) if c.len() >= w => c[..w].to_vec(),
-                            Some(c) => {
-                                return Err(eval_error(format!(
-                                    "a child state of {} values, {w} read",
-                                    c.len()
-                                )))
-                            }
-                            None => vec![T::ZERO; w],
-                        }
-                    }
-                    VecExpr::Embedding { table } => {
-                        let t = inputs
-                            .token
-                            .ok_or_else(|| eval_error("an embedding without a token"))?
-                            as usize;
-                        param(*table)?
-                            .get(t * w..(t + 1) * w)
-                            .ok_or_else(|| eval_error(format!("token {t} beyond the table")))?
-                            .to_vec()
-                    }
-                    VecExpr::HeadInput => inputs
-                        .head_input
-                        .and_then(|h| h.get(..w))
-                        .ok_or_else(|| eval_error("no head input row"))?
-                        .to_vec(),
-                    VecExpr::One => vec![T::ONE; w],
-                    VecExpr::TokenTable => inputs
-                        .token_table
-                        .and_then(|t| t.get(..w))
-                        .ok_or_else(|| eval_error("no token table row"))?
-                        .to_vec(),
-                    VecExpr::Param(p) => param(*p)?
-                        .get(..w)
-                        .ok_or_else(|| eval_error(format!("parameter {p} too short")))?
-                        .to_vec(),
-                    VecExpr::Slice { src, offset } => {
-                        vecs[*src].at(e)[*offset..*offset + w].to_vec()
-                    }
-                    VecExpr::Concat { parts } => {
-                        let mut out = Vec::with_capacity(w);
-                        for &(p, pw) in parts {
-                            out.extend_from_slice(&vecs[p].at(e)[..pw]);
-                        }
-                        out
-                    }
-                    VecExpr::Map { op, node, args } => {
-                        let rows: Vec<&[T]> = args.iter().map(|&a| vecs[a].at(e)).collect();
-                        map_kernel(g, op.as_ref(), *node, &rows, w)?
-                    }
-                    VecExpr::SumChildren(src) => {
-                        let mut acc = vec![T::ZERO; w];
-                        for k in 0..edges {
-                            for (a, x) in acc.iter_mut().zip(vecs[*src].at(k)) {
-                                *a += *x;
-                            }
-                        }
-                        acc
-                    }
-                    VecExpr::Parent(src) => vecs[*src].at(0).to_vec(),
-                })
-            };
-            let value = match v.scope {
-                Scope::Vertex => Rows::Vertex(row(0, &vecs)?),
-                Scope::Edge => {
-                    Rows::Edge((0..edges).map(|e| row(e, &vecs)).collect::<Result<_>>()?)
-                }
-            };
-            vecs.push(value);
-        }
         let u = self.units;
-        let mut scalars: Vec<Rows<T>> = Vec::with_capacity(self.scalars.len());
-        for s in &self.scalars {
-            let row = |e: usize, scalars: &[Rows<T>]| -> Result<Vec<T>> {
-                Ok(match &s.expr {
-                    ScalarExpr::Dot {
-                        weight,
-                        row,
-                        input,
-                        k,
-                    } => {
-                        let w = param(*weight)?;
-                        let x = vecs[*input].at(e);
-                        (0..u)
-                            .map(|j| {
-                                let wr = &w[(row + j) * k..(row + j + 1) * k];
-                                wr.iter().zip(x).fold(T::ZERO, |acc, (a, b)| acc + *a * *b)
-                            })
-                            .collect()
-                    }
-                    ScalarExpr::Read { src, col } => vecs[*src].at(e)[*col..*col + u].to_vec(),
-                    ScalarExpr::Param { param: p, col } => param(*p)?
-                        .get(*col..*col + u)
-                        .ok_or_else(|| eval_error(format!("parameter {p} too short")))?
-                        .to_vec(),
-                    ScalarExpr::Map { op, node, args } => {
-                        let rows: Vec<&[T]> = args.iter().map(|&a| scalars[a].at(e)).collect();
-                        map_kernel(g, op.as_ref(), *node, &rows, u)?
-                    }
-                    ScalarExpr::ChildSum(src) => {
-                        let mut acc = vec![T::ZERO; u];
-                        for k in 0..edges {
-                            for (a, x) in acc.iter_mut().zip(scalars[*src].at(k)) {
-                                *a += *x;
+        // stage by stage: a stage's vectors, its scalars, then its stores
+        let mut vecs: Vec<Rows<T>> = (0..self.vectors.len())
+            .map(|_| Rows::Vertex(Vec::new()))
+            .collect();
+        let mut scalars: Vec<Rows<T>> = (0..self.scalars.len())
+            .map(|_| Rows::Vertex(Vec::new()))
+            .collect();
+        let mut scratch = vec![T::ZERO; self.scratch_width];
+        for stage in 0..self.stages {
+            for (vi, v) in self
+                .vectors
+                .iter()
+                .enumerate()
+                .filter(|(_, v)| v.stage == stage)
+            {
+                let w = v.width;
+                let row = |e: usize, vecs: &[Rows<T>]| -> Result<Vec<T>> {
+                    Ok(match &v.expr {
+                        VecExpr::ChildState(which) => {
+                            let child = match which {
+                                ChildRef::Index(k) => inputs.children.get(*k).copied(),
+                                ChildRef::Edge => inputs.children.get(e).copied(),
+                            };
+                            match child {
+                                Some(c) if c.len() >= w => c[..w].to_vec(),
+                                Some(c) => {
+                                    return Err(eval_error(format!(
+                                        "a child state of {} values, {w} read",
+                                        c.len()
+                                    )))
+                                }
+                                None => vec![T::ZERO; w],
                             }
                         }
-                        acc
+                        VecExpr::Embedding { table } => {
+                            let t = inputs
+                                .token
+                                .ok_or_else(|| eval_error("an embedding without a token"))?
+                                as usize;
+                            param(*table)?
+                                .get(t * w..(t + 1) * w)
+                                .ok_or_else(|| eval_error(format!("token {t} beyond the table")))?
+                                .to_vec()
+                        }
+                        VecExpr::HeadInput => inputs
+                            .head_input
+                            .and_then(|h| h.get(..w))
+                            .ok_or_else(|| eval_error("no head input row"))?
+                            .to_vec(),
+                        VecExpr::One => vec![T::ONE; w],
+                        VecExpr::Staged { slot } => scratch
+                            .get(*slot..*slot + w)
+                            .ok_or_else(|| eval_error("a scratch read beyond the scratch row"))?
+                            .to_vec(),
+                        VecExpr::TokenTable => inputs
+                            .token_table
+                            .and_then(|t| t.get(..w))
+                            .ok_or_else(|| eval_error("no token table row"))?
+                            .to_vec(),
+                        VecExpr::Param(p) => param(*p)?
+                            .get(..w)
+                            .ok_or_else(|| eval_error(format!("parameter {p} too short")))?
+                            .to_vec(),
+                        VecExpr::Slice { src, offset } => {
+                            vecs[*src].at(e)[*offset..*offset + w].to_vec()
+                        }
+                        VecExpr::Concat { parts } => {
+                            let mut out = Vec::with_capacity(w);
+                            for &(p, pw) in parts {
+                                out.extend_from_slice(&vecs[p].at(e)[..pw]);
+                            }
+                            out
+                        }
+                        VecExpr::Map { op, node, args } => {
+                            let rows: Vec<&[T]> = args.iter().map(|&a| vecs[a].at(e)).collect();
+                            map_kernel(g, op.as_ref(), *node, &rows, w)?
+                        }
+                        VecExpr::SumChildren(src) => {
+                            let mut acc = vec![T::ZERO; w];
+                            for k in 0..edges {
+                                for (a, x) in acc.iter_mut().zip(vecs[*src].at(k)) {
+                                    *a += *x;
+                                }
+                            }
+                            acc
+                        }
+                        VecExpr::Parent(src) => vecs[*src].at(0).to_vec(),
+                    })
+                };
+                let value = match v.scope {
+                    Scope::Vertex => Rows::Vertex(row(0, &vecs)?),
+                    Scope::Edge => {
+                        Rows::Edge((0..edges).map(|e| row(e, &vecs)).collect::<Result<_>>()?)
                     }
-                })
-            };
-            let value = match s.scope {
-                Scope::Vertex => Rows::Vertex(row(0, &scalars)?),
-                Scope::Edge => Rows::Edge(
-                    (0..edges)
-                        .map(|e| row(e, &scalars))
-                        .collect::<Result<_>>()?,
-                ),
-            };
-            scalars.push(value);
+                };
+                vecs[vi] = value;
+            }
+            for (si, s) in self
+                .scalars
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.stage == stage)
+            {
+                let row = |e: usize, scalars: &[Rows<T>]| -> Result<Vec<T>> {
+                    Ok(match &s.expr {
+                        ScalarExpr::Dot {
+                            weight,
+                            row,
+                            input,
+                            k,
+                        } => {
+                            let w = param(*weight)?;
+                            let x = vecs[*input].at(e);
+                            (0..u)
+                                .map(|j| {
+                                    let wr = &w[(row + j) * k..(row + j + 1) * k];
+                                    wr.iter().zip(x).fold(T::ZERO, |acc, (a, b)| acc + *a * *b)
+                                })
+                                .collect()
+                        }
+                        ScalarExpr::Read { src, col } => vecs[*src].at(e)[*col..*col + u].to_vec(),
+                        ScalarExpr::Param { param: p, col } => param(*p)?
+                            .get(*col..*col + u)
+                            .ok_or_else(|| eval_error(format!("parameter {p} too short")))?
+                            .to_vec(),
+                        ScalarExpr::Map { op, node, args } => {
+                            let rows: Vec<&[T]> = args.iter().map(|&a| scalars[a].at(e)).collect();
+                            map_kernel(g, op.as_ref(), *node, &rows, u)?
+                        }
+                        ScalarExpr::ChildSum(src) => {
+                            let mut acc = vec![T::ZERO; u];
+                            for k in 0..edges {
+                                for (a, x) in acc.iter_mut().zip(scalars[*src].at(k)) {
+                                    *a += *x;
+                                }
+                            }
+                            acc
+                        }
+                    })
+                };
+                let value = match s.scope {
+                    Scope::Vertex => Rows::Vertex(row(0, &scalars)?),
+                    Scope::Edge => Rows::Edge(
+                        (0..edges)
+                            .map(|e| row(e, &scalars))
+                            .collect::<Result<_>>()?,
+                    ),
+                };
+                scalars[si] = value;
+            }
+            for &(sc, col) in self.stores.get(stage).into_iter().flatten() {
+                match &scalars[sc] {
+                    Rows::Vertex(v) => scratch[col..col + u].copy_from_slice(v),
+                    Rows::Edge(_) => return Err(eval_error("a stored value lives on the edges")),
+                }
+            }
         }
         let mut outs = Vec::with_capacity(self.outputs.len());
         for lanes in &self.outputs {

@@ -87,6 +87,8 @@ struct Cell {
     scalars: Vec<Block>,
     /// A group's product, before it is split among its members.
     product: Vec<f32>,
+    /// Per-row scratch of a multi-stage cell (rows × scratch width).
+    scratch: Vec<f32>,
     /// Hoisted token values, a row of `token_width` per token (empty
     /// without hoisting).
     token_table: Vec<f32>,
@@ -143,6 +145,7 @@ impl Cell {
             groups,
             group_of,
             product: Vec::new(),
+            scratch: Vec::new(),
             token_table: Vec::new(),
             token_width: 0,
         })
@@ -267,190 +270,220 @@ impl Cell {
             None => batch.tokens()[level.nodes.start + r],
         };
         let prog = &self.program;
-        for (v, node) in prog.vectors.iter().enumerate() {
-            let (before, rest) = self.vecs.split_at_mut(v);
-            let out = &mut rest[0];
-            let scope_rows = if node.scope == Scope::Edge {
-                edges
-            } else {
-                rows
-            };
-            let w = node.width;
-            match &node.expr {
-                VecExpr::ChildState(ChildRef::Index(k)) => {
-                    out.reset_zeroed(rows, w);
-                    for r in 0..rows {
-                        let (a, b) = (offsets[r] as usize, offsets[r + 1] as usize);
-                        if a + k < b {
-                            let row = (level.child_row)(edge_child[a + k]);
-                            out.data[r * w..(r + 1) * w].copy_from_slice(&row[..w]);
-                        }
-                    }
-                }
-                VecExpr::ChildState(ChildRef::Edge) => {
-                    out.reset(edges, w);
-                    for (e, &c) in edge_child.iter().enumerate() {
-                        let row = (level.child_row)(c);
-                        out.data[e * w..(e + 1) * w].copy_from_slice(&row[..w]);
-                    }
-                }
-                VecExpr::Embedding { table } => {
-                    out.reset(rows, w);
-                    let t = &params[*table];
-                    for r in 0..rows {
-                        let tok = token(r) as usize;
-                        let src = t.get(tok * w..(tok + 1) * w).ok_or_else(|| {
-                            err(format!("token {tok} beyond the embedding table"))
-                        })?;
-                        out.data[r * w..(r + 1) * w].copy_from_slice(src);
-                    }
-                }
-                VecExpr::TokenTable => {
-                    out.reset(rows, w);
-                    let table = &self.token_table;
-                    for r in 0..rows {
-                        let tok = token(r) as usize;
-                        let at = tok * self.token_width;
-                        let src = table
-                            .get(at..at + w)
-                            .ok_or_else(|| err(format!("token {tok} beyond the token table")))?;
-                        out.data[r * w..(r + 1) * w].copy_from_slice(src);
-                    }
-                }
-                VecExpr::HeadInput => {
-                    let h = level.head_input.ok_or_else(|| err("no head input"))?;
-                    out.reset(rows, w);
-                    for r in 0..rows {
-                        out.data[r * w..(r + 1) * w].copy_from_slice(&h(r)[..w]);
-                    }
-                }
-                VecExpr::One => out.set_broadcast(&vec![1.0; w]),
-                VecExpr::Param(p) => out.set_broadcast(&params[*p][..w]),
-                VecExpr::Slice { src, offset } => {
-                    let s = &before[*src];
-                    if s.broadcast {
-                        out.set_broadcast(&s.data[*offset..*offset + w]);
-                    } else {
-                        out.reset(s.rows, w);
-                        for r in 0..s.rows {
-                            out.data[r * w..(r + 1) * w]
-                                .copy_from_slice(&s.row(r)[*offset..*offset + w]);
-                        }
-                    }
-                }
-                VecExpr::Concat { parts } => {
-                    out.reset(scope_rows, w);
-                    let mut at = 0;
-                    for &(p, pw) in parts {
-                        for r in 0..scope_rows {
-                            out.data[r * w + at..r * w + at + pw]
-                                .copy_from_slice(&before[p].row(r)[..pw]);
-                        }
-                        at += pw;
-                    }
-                }
-                VecExpr::Map { op, args, .. } => {
-                    let a: Vec<&Block> = args.iter().map(|&x| &before[x]).collect();
-                    let all_broadcast = a.iter().all(|b| b.broadcast);
-                    let n = if all_broadcast { 1 } else { scope_rows };
-                    let mut data = std::mem::take(&mut out.data);
-                    map_rows(op.as_ref(), &a, n, w, &mut data)?;
-                    out.data = data;
-                    out.rows = n;
-                    out.width = w;
-                    out.broadcast = all_broadcast;
-                }
-                VecExpr::SumChildren(src) => segment_sum(&before[*src], &offsets, out),
-                VecExpr::Parent(src) => expand(&before[*src], &parent, out),
-            }
-        }
         let u = prog.units;
-        for id in 0..prog.scalars.len() {
-            let s = &prog.scalars[id];
-            let scope_rows = if s.scope == Scope::Edge { edges } else { rows };
-            if let Some(g) = self.group_of[id] {
-                let group = &self.groups[g];
-                if group.members[0] != id {
-                    continue; // computed with the group's first member
+        // stage by stage: its vectors, its scalars, then its stores into
+        // the scratch block (read by later stages' vectors)
+        for stage in 0..prog.stages {
+            for (v, node) in prog.vectors.iter().enumerate() {
+                if node.stage != stage {
+                    continue;
                 }
-                let input = &self.vecs[group.input];
-                if input.broadcast {
-                    return Err(err("a dot product of a constant vector"));
-                }
-                let (m, n, k) = (scope_rows, group.packed.n, input.width);
-                self.product.resize(m * n, 0.0);
-                for (r0, chunk) in (0..m)
-                    .step_by(PACKED_MAX_M)
-                    .zip(self.product.chunks_mut(PACKED_MAX_M * n))
-                {
-                    let rows = (m - r0).min(PACKED_MAX_M);
-                    gemm_packed(
-                        &input.data[r0 * k..(r0 + rows) * k],
-                        rows,
-                        &group.packed,
-                        &mut chunk[..rows * n],
-                    );
-                }
-                for (q, &member) in group.members.iter().enumerate() {
-                    let out = &mut self.scalars[member];
-                    out.reset(m, u);
-                    for r in 0..m {
-                        out.data[r * u..(r + 1) * u]
-                            .copy_from_slice(&self.product[r * n + q * u..r * n + (q + 1) * u]);
-                    }
-                }
-                continue;
-            }
-            let (before, rest) = self.scalars.split_at_mut(id);
-            let out = &mut rest[0];
-            match &s.expr {
-                ScalarExpr::Dot { .. } => return Err(err("a dot product outside its group")),
-                ScalarExpr::Read { src, col } => {
-                    let v = &self.vecs[*src];
-                    if v.broadcast {
-                        out.set_broadcast(&v.data[*col..*col + u]);
-                    } else {
-                        out.reset(v.rows, u);
-                        for r in 0..v.rows {
-                            out.data[r * u..(r + 1) * u].copy_from_slice(&v.row(r)[*col..*col + u]);
+                let (before, rest) = self.vecs.split_at_mut(v);
+                let out = &mut rest[0];
+                let scope_rows = if node.scope == Scope::Edge {
+                    edges
+                } else {
+                    rows
+                };
+                let w = node.width;
+                match &node.expr {
+                    VecExpr::ChildState(ChildRef::Index(k)) => {
+                        out.reset_zeroed(rows, w);
+                        for r in 0..rows {
+                            let (a, b) = (offsets[r] as usize, offsets[r + 1] as usize);
+                            if a + k < b {
+                                let row = (level.child_row)(edge_child[a + k]);
+                                out.data[r * w..(r + 1) * w].copy_from_slice(&row[..w]);
+                            }
                         }
                     }
-                }
-                ScalarExpr::Param { param, col } => {
-                    out.set_broadcast(&params[*param][*col..*col + u])
-                }
-                ScalarExpr::Map { op, args, .. } => {
-                    // vertex operands of an edge op are repeated per edge
-                    let mut expanded: Vec<Block> = Vec::new();
-                    let mut picks: Vec<(bool, usize)> = Vec::with_capacity(args.len());
-                    for &a in args {
-                        let b = &before[a];
-                        if s.scope == Scope::Edge
-                            && prog.scalars[a].scope == Scope::Vertex
-                            && !b.broadcast
-                        {
-                            let mut e = Block::default();
-                            expand(b, &parent, &mut e);
-                            expanded.push(e);
-                            picks.push((true, expanded.len() - 1));
+                    VecExpr::ChildState(ChildRef::Edge) => {
+                        out.reset(edges, w);
+                        for (e, &c) in edge_child.iter().enumerate() {
+                            let row = (level.child_row)(c);
+                            out.data[e * w..(e + 1) * w].copy_from_slice(&row[..w]);
+                        }
+                    }
+                    VecExpr::Embedding { table } => {
+                        out.reset(rows, w);
+                        let t = &params[*table];
+                        for r in 0..rows {
+                            let tok = token(r) as usize;
+                            let src = t.get(tok * w..(tok + 1) * w).ok_or_else(|| {
+                                err(format!("token {tok} beyond the embedding table"))
+                            })?;
+                            out.data[r * w..(r + 1) * w].copy_from_slice(src);
+                        }
+                    }
+                    VecExpr::TokenTable => {
+                        out.reset(rows, w);
+                        let table = &self.token_table;
+                        for r in 0..rows {
+                            let tok = token(r) as usize;
+                            let at = tok * self.token_width;
+                            let src = table.get(at..at + w).ok_or_else(|| {
+                                err(format!("token {tok} beyond the token table"))
+                            })?;
+                            out.data[r * w..(r + 1) * w].copy_from_slice(src);
+                        }
+                    }
+                    VecExpr::HeadInput => {
+                        let h = level.head_input.ok_or_else(|| err("no head input"))?;
+                        out.reset(rows, w);
+                        for r in 0..rows {
+                            out.data[r * w..(r + 1) * w].copy_from_slice(&h(r)[..w]);
+                        }
+                    }
+                    VecExpr::One => out.set_broadcast(&vec![1.0; w]),
+                    VecExpr::Staged { slot } => {
+                        let sw = prog.scratch_width;
+                        out.reset(rows, w);
+                        for r in 0..rows {
+                            out.data[r * w..(r + 1) * w]
+                                .copy_from_slice(&self.scratch[r * sw + slot..r * sw + slot + w]);
+                        }
+                    }
+                    VecExpr::Param(p) => out.set_broadcast(&params[*p][..w]),
+                    VecExpr::Slice { src, offset } => {
+                        let s = &before[*src];
+                        if s.broadcast {
+                            out.set_broadcast(&s.data[*offset..*offset + w]);
                         } else {
-                            picks.push((false, a));
+                            out.reset(s.rows, w);
+                            for r in 0..s.rows {
+                                out.data[r * w..(r + 1) * w]
+                                    .copy_from_slice(&s.row(r)[*offset..*offset + w]);
+                            }
                         }
                     }
-                    let a: Vec<&Block> = picks
-                        .iter()
-                        .map(|&(exp, i)| if exp { &expanded[i] } else { &before[i] })
-                        .collect();
-                    let all_broadcast = a.iter().all(|b| b.broadcast);
-                    let n = if all_broadcast { 1 } else { scope_rows };
-                    let mut data = std::mem::take(&mut out.data);
-                    map_rows(op.as_ref(), &a, n, u, &mut data)?;
-                    out.data = data;
-                    out.rows = n;
-                    out.width = u;
-                    out.broadcast = all_broadcast;
+                    VecExpr::Concat { parts } => {
+                        out.reset(scope_rows, w);
+                        let mut at = 0;
+                        for &(p, pw) in parts {
+                            for r in 0..scope_rows {
+                                out.data[r * w + at..r * w + at + pw]
+                                    .copy_from_slice(&before[p].row(r)[..pw]);
+                            }
+                            at += pw;
+                        }
+                    }
+                    VecExpr::Map { op, args, .. } => {
+                        let a: Vec<&Block> = args.iter().map(|&x| &before[x]).collect();
+                        let all_broadcast = a.iter().all(|b| b.broadcast);
+                        let n = if all_broadcast { 1 } else { scope_rows };
+                        let mut data = std::mem::take(&mut out.data);
+                        map_rows(op.as_ref(), &a, n, w, &mut data)?;
+                        out.data = data;
+                        out.rows = n;
+                        out.width = w;
+                        out.broadcast = all_broadcast;
+                    }
+                    VecExpr::SumChildren(src) => segment_sum(&before[*src], &offsets, out),
+                    VecExpr::Parent(src) => expand(&before[*src], &parent, out),
                 }
-                ScalarExpr::ChildSum(src) => segment_sum(&before[*src], &offsets, out),
+            }
+            for id in 0..prog.scalars.len() {
+                let s = &prog.scalars[id];
+                if s.stage != stage {
+                    continue;
+                }
+                let scope_rows = if s.scope == Scope::Edge { edges } else { rows };
+                if let Some(g) = self.group_of[id] {
+                    let group = &self.groups[g];
+                    if group.members[0] != id {
+                        continue; // computed with the group's first member
+                    }
+                    let input = &self.vecs[group.input];
+                    if input.broadcast {
+                        return Err(err("a dot product of a constant vector"));
+                    }
+                    let (m, n, k) = (scope_rows, group.packed.n, input.width);
+                    self.product.resize(m * n, 0.0);
+                    for (r0, chunk) in (0..m)
+                        .step_by(PACKED_MAX_M)
+                        .zip(self.product.chunks_mut(PACKED_MAX_M * n))
+                    {
+                        let rows = (m - r0).min(PACKED_MAX_M);
+                        gemm_packed(
+                            &input.data[r0 * k..(r0 + rows) * k],
+                            rows,
+                            &group.packed,
+                            &mut chunk[..rows * n],
+                        );
+                    }
+                    for (q, &member) in group.members.iter().enumerate() {
+                        let out = &mut self.scalars[member];
+                        out.reset(m, u);
+                        for r in 0..m {
+                            out.data[r * u..(r + 1) * u]
+                                .copy_from_slice(&self.product[r * n + q * u..r * n + (q + 1) * u]);
+                        }
+                    }
+                    continue;
+                }
+                let (before, rest) = self.scalars.split_at_mut(id);
+                let out = &mut rest[0];
+                match &s.expr {
+                    ScalarExpr::Dot { .. } => return Err(err("a dot product outside its group")),
+                    ScalarExpr::Read { src, col } => {
+                        let v = &self.vecs[*src];
+                        if v.broadcast {
+                            out.set_broadcast(&v.data[*col..*col + u]);
+                        } else {
+                            out.reset(v.rows, u);
+                            for r in 0..v.rows {
+                                out.data[r * u..(r + 1) * u]
+                                    .copy_from_slice(&v.row(r)[*col..*col + u]);
+                            }
+                        }
+                    }
+                    ScalarExpr::Param { param, col } => {
+                        out.set_broadcast(&params[*param][*col..*col + u])
+                    }
+                    ScalarExpr::Map { op, args, .. } => {
+                        // vertex operands of an edge op are repeated per edge
+                        let mut expanded: Vec<Block> = Vec::new();
+                        let mut picks: Vec<(bool, usize)> = Vec::with_capacity(args.len());
+                        for &a in args {
+                            let b = &before[a];
+                            if s.scope == Scope::Edge
+                                && prog.scalars[a].scope == Scope::Vertex
+                                && !b.broadcast
+                            {
+                                let mut e = Block::default();
+                                expand(b, &parent, &mut e);
+                                expanded.push(e);
+                                picks.push((true, expanded.len() - 1));
+                            } else {
+                                picks.push((false, a));
+                            }
+                        }
+                        let a: Vec<&Block> = picks
+                            .iter()
+                            .map(|&(exp, i)| if exp { &expanded[i] } else { &before[i] })
+                            .collect();
+                        let all_broadcast = a.iter().all(|b| b.broadcast);
+                        let n = if all_broadcast { 1 } else { scope_rows };
+                        let mut data = std::mem::take(&mut out.data);
+                        map_rows(op.as_ref(), &a, n, u, &mut data)?;
+                        out.data = data;
+                        out.rows = n;
+                        out.width = u;
+                        out.broadcast = all_broadcast;
+                    }
+                    ScalarExpr::ChildSum(src) => segment_sum(&before[*src], &offsets, out),
+                }
+            }
+            let sw = prog.scratch_width;
+            if stage == 0 {
+                self.scratch.clear();
+                self.scratch.resize(rows * sw, 0.0);
+            }
+            for &(sc, col) in &prog.stores[stage] {
+                let b = &self.scalars[sc];
+                for r in 0..rows {
+                    self.scratch[r * sw + col..r * sw + col + u].copy_from_slice(b.row(r));
+                }
             }
         }
         let mut row = Vec::new();

@@ -154,3 +154,21 @@ fn too_few_blocks_for_the_units_is_an_error_not_a_silent_skip() {
         .expect("refused");
     assert!(err.to_string().contains("needs 4 resident blocks"), "{err}");
 }
+
+#[test]
+fn a_multi_stage_cell_is_refused_on_cuda_naming_the_reason() {
+    if !common::cuda_ready("skipping") {
+        return;
+    }
+    let cfg = ModelConfig {
+        vocab: 10,
+        hidden: 32,
+        classes: 3,
+    };
+    let model = build_model_with("treegru", &cfg, &ModelOptions { dropout: 0.0 }).expect("model");
+    let params: Params<f32> = Params::init(&model, 1);
+    let err = CompiledEngine::new(&model, &params, &CompiledOptions::default())
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("2 stages"), "{err}");
+}

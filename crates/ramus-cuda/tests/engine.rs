@@ -156,6 +156,11 @@ fn nary_treelstm_matches_the_cpu_engine() {
 }
 
 #[test]
+fn treegru_matches_the_cpu_engine() {
+    check_model("treegru", 0.1);
+}
+
+#[test]
 fn dagrnn_on_grid_dags_matches_the_cpu_engine() {
     check_model("dagrnn", 0.1);
 }

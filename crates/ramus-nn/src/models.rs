@@ -5,6 +5,8 @@
 //! * `treelstm-nary` — Tai et al.'s binary (N-ary, N = 2) constituency
 //!   Tree-LSTM with a loss at every labelled node;
 //! * `treefc` — TF Fold's Tree-FC benchmark cell `h = tanh(W [h_l; h_r] + b)`;
+//! * `treegru` — a child-sum TreeGRU (Cortex's two-stage cell: its
+//!   candidate state is a product of the reset-gated child sum);
 //! * `dagrnn` — a DAG-RNN (Cortex's DAG benchmark cell)
 //!   `h = tanh(W x + U Σ_p h_p + b)` over a vertex's predecessors `p`;
 //! * `lstm-lm` — an LSTM language model over sentences as chains;
@@ -43,10 +45,11 @@ pub struct ModelConfig {
 }
 
 /// Names accepted by [`build_model`].
-pub const MODEL_NAMES: [&str; 12] = [
+pub const MODEL_NAMES: [&str; 13] = [
     "treelstm",
     "treelstm-nary",
     "treefc",
+    "treegru",
     "dagrnn",
     "lstm-lm",
     "alexnet",
@@ -61,7 +64,7 @@ pub const MODEL_NAMES: [&str; 12] = [
 /// The data a model reads.
 pub fn data_kind(name: &str) -> Option<DataKind> {
     match name {
-        "treelstm" | "treelstm-nary" | "treefc" | "dagrnn" => Some(DataKind::Trees),
+        "treelstm" | "treelstm-nary" | "treefc" | "treegru" | "dagrnn" => Some(DataKind::Trees),
         "lstm-lm" => Some(DataKind::Sentences),
         _ if is_vision_model(name) => Some(DataKind::Images),
         _ => None,
@@ -93,6 +96,7 @@ pub fn build_model_with(name: &str, cfg: &ModelConfig, opts: &ModelOptions) -> R
         "treelstm-nary" => nary_treelstm(cfg, p),
         "treefc" => tree_fc(cfg, p),
         "dagrnn" => dag_rnn(cfg, p),
+        "treegru" => tree_gru(cfg, p),
         "lstm-lm" => lstm_lm(cfg, p),
         _ => {
             return Err(ramus_core::CoreError::Unknown {
@@ -275,6 +279,62 @@ fn tree_fc(cfg: &ModelConfig, dropout: f64) -> Result<Model> {
         let (wp, bp) = (f.param(w), f.param(b));
         let z = f.linear(lr, wp, Some(bp));
         let h = f.tanh(z);
+        f.scatter(h);
+        f.push(h);
+    })?;
+    m.select(FunctionSelector::LeafInternal { leaf, internal });
+    m.head(HeadRows::Roots, hd, |h| {
+        classifier_head(h, w_out, b_out, dropout)
+    })?;
+    m.build()
+}
+
+/// Child-sum TreeGRU: a leaf is `h = tanh(W x + b)` on its (dropped-out)
+/// word vector; an internal vertex with children `h_k` computes
+/// `h̃ = Σ_k h_k`, `z = σ(U_z h̃ + b_z)`, `r_k = σ(U_r h_k + b_r)`,
+/// `ĥ = tanh(U_h Σ_k (r_k ⊙ h_k) + b_h)` and `h = z ⊙ h̃ + (1 − z) ⊙ ĥ`.
+/// Root loss.
+fn tree_gru(cfg: &ModelConfig, dropout: f64) -> Result<Model> {
+    let (v, hd, k) = (cfg.vocab, cfg.hidden, cfg.classes);
+    let mut m = ModelBuilder::new("treegru", hd);
+    let emb = m.param("emb", &[v, hd], Init::Normal { std: 0.1 });
+    let w = m.param("W", &[hd, hd], Init::Xavier);
+    let b = m.param("b", &[hd], Init::Zeros);
+    let u_z = m.param("U_z", &[hd, hd], Init::Xavier);
+    let b_z = m.param("b_z", &[hd], Init::Zeros);
+    let u_r = m.param("U_r", &[hd, hd], Init::Xavier);
+    let b_r = m.param("b_r", &[hd], Init::Zeros);
+    let u_h = m.param("U_h", &[hd, hd], Init::Xavier);
+    let b_h = m.param("b_h", &[hd], Init::Zeros);
+    let w_out = m.param("W_out", &[k, hd], Init::LinearDefault);
+    let b_out = m.param("b_out", &[k], linear_bias(hd));
+    let leaf = m.vertex_fn("leaf", |f| {
+        let x = f.embed(emb);
+        let x = f.dropout(x, dropout);
+        let (wp, bp) = (f.param(w), f.param(b));
+        let pre = f.linear(x, wp, Some(bp));
+        let h = f.tanh(pre);
+        f.scatter(h);
+        f.push(h);
+    })?;
+    let internal = m.vertex_fn("internal", |f| {
+        let kids = f.gather_all();
+        let h_sum = f.sum_children(kids);
+        let (uz, bz) = (f.param(u_z), f.param(b_z));
+        let z_pre = f.linear(h_sum, uz, Some(bz));
+        let z = f.sigmoid(z_pre);
+        let (ur, br) = (f.param(u_r), f.param(b_r));
+        let r_pre = f.linear(kids, ur, Some(br));
+        let r = f.sigmoid(r_pre);
+        let gated = f.mul(r, kids);
+        let gated_sum = f.sum_children(gated);
+        let (uh, bh) = (f.param(u_h), f.param(b_h));
+        let cand_pre = f.linear(gated_sum, uh, Some(bh));
+        let cand = f.tanh(cand_pre);
+        let keep = f.mul(z, h_sum);
+        let one_minus_z = f.rsub_scalar(z, 1.0);
+        let update = f.mul(one_minus_z, cand);
+        let h = f.add(keep, update);
         f.scatter(h);
         f.push(h);
     })?;

@@ -123,6 +123,16 @@ fn treefc_gradients_match_finite_differences() {
 }
 
 #[test]
+fn treegru_gradients_match_finite_differences() {
+    let cfg = small();
+    let mut rng = ChaCha8Rng::seed_from_u64(6);
+    let graphs: Vec<InputGraph> = (0..3)
+        .map(|i| random_tree(&mut rng, 2 + 2 * i, &[1, 2, 3], &cfg))
+        .collect();
+    check_model("treegru", &graphs, &cfg);
+}
+
+#[test]
 fn dagrnn_gradients_match_finite_differences_on_grid_dags() {
     let cfg = small();
     let mut rng = ChaCha8Rng::seed_from_u64(5);

@@ -106,7 +106,7 @@ fn graphs_for(name: &str, rng: &mut ChaCha8Rng) -> Vec<InputGraph> {
         random_tree(rng, 7, &[2], v, 3).expect("tree"),
         random_tree(rng, 30, &[2], v, 3).expect("tree"),
     ];
-    if name == "treelstm" {
+    if name == "treelstm" || name == "treegru" {
         gs.push(random_path(rng, 120, v, 3).expect("deep path"));
         gs.push(random_tree(rng, 64, &[64], v, 3).expect("a 64-ary node"));
         gs.push(random_tree(rng, 25, &[1, 2, 3, 6], v, 3).expect("mixed arities"));
@@ -117,7 +117,14 @@ fn graphs_for(name: &str, rng: &mut ChaCha8Rng) -> Vec<InputGraph> {
 #[test]
 fn lowered_cells_reproduce_the_reference_engine_for_every_token_model() {
     let mut rng = ChaCha8Rng::seed_from_u64(3);
-    for name in ["treelstm", "treelstm-nary", "treefc", "dagrnn", "lstm-lm"] {
+    for name in [
+        "treelstm",
+        "treelstm-nary",
+        "treefc",
+        "treegru",
+        "dagrnn",
+        "lstm-lm",
+    ] {
         let model = build_model_with(name, &CFG, &ModelOptions { dropout: 0.25 }).expect("model");
         let params: Params<f64> = Params::init(&model, 5);
         let lowered = lower_model(&model);
@@ -148,7 +155,14 @@ fn the_compiled_cpu_engine_matches_the_reference_engine_in_one_batch() {
     let mut rng = ChaCha8Rng::seed_from_u64(8);
     for hidden in [6, 40] {
         let cfg = ModelConfig { hidden, ..CFG };
-        for name in ["treelstm", "treelstm-nary", "treefc", "dagrnn", "lstm-lm"] {
+        for name in [
+            "treelstm",
+            "treelstm-nary",
+            "treefc",
+            "treegru",
+            "dagrnn",
+            "lstm-lm",
+        ] {
             let model =
                 build_model_with(name, &cfg, &ModelOptions { dropout: 0.25 }).expect("model");
             let params: Params<f32> = Params::init(&model, 9);
@@ -204,7 +218,14 @@ fn the_compiled_cpu_engine_refuses_unknown_tokens_naming_the_vertex() {
 fn hoisted_token_values_give_the_same_cells() {
     let mut rng = ChaCha8Rng::seed_from_u64(11);
     let mut hoisted_any = Vec::new();
-    for name in ["treelstm", "treelstm-nary", "treefc", "dagrnn", "lstm-lm"] {
+    for name in [
+        "treelstm",
+        "treelstm-nary",
+        "treefc",
+        "treegru",
+        "dagrnn",
+        "lstm-lm",
+    ] {
         let model = build_model_with(name, &CFG, &ModelOptions { dropout: 0.0 }).expect("model");
         let params: Params<f64> = Params::init(&model, 4);
         let data: Vec<&[f64]> = params.values.iter().map(|t| t.data()).collect();
@@ -283,4 +304,21 @@ fn hoisted_token_values_give_the_same_cells() {
     for name in ["dagrnn", "lstm-lm"] {
         assert!(hoisted_any.contains(&name), "{name}: nothing hoisted");
     }
+}
+
+#[test]
+fn the_treegru_cell_lowers_to_two_stages() {
+    let model = build_model_with("treegru", &CFG, &ModelOptions { dropout: 0.0 }).expect("model");
+    let internal = &model.functions[1];
+    let program = lower(
+        &internal.forward,
+        &[internal.scatter.unwrap(), internal.push.unwrap()],
+    )
+    .expect("lowers");
+    // U_h reads the reset-gated child sum of every unit: stored in stage 0,
+    // read back in stage 1
+    assert_eq!(program.stages, 2);
+    assert_eq!(program.scratch_width, CFG.hidden);
+    assert_eq!(program.stores[0].len(), 1);
+    assert!(program.stores[1].is_empty());
 }
