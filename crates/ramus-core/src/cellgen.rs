@@ -36,6 +36,11 @@
 //! a barrier. After the last level the head cell scores every root from its
 //! pushed row.
 //!
+//! A **multi-stage** internal cell (a product of a per-unit value, as in a
+//! TreeGRU: [`CellProgram::stages`]) runs each level stage by stage: a
+//! stage's warps store the values the next stage reads as vectors into the
+//! node's scratch row, and a grid barrier separates the stages.
+//!
 //! With **hoisting** ([`CellProgram::hoist_token_values`]), the internal
 //! cell's values that depend on a node's token alone (a DAG-RNN's or an
 //! LSTM's input projection `W x + b`) come from a second per-token table,
@@ -46,6 +51,7 @@
 //! ```text
 //! NAME_levels(const float* params, float* state, float* push,
 //!             const float* table_state, const float* table_push, const float* token_table,
+//!             float* scratch,
 //!             const u32* child_offsets, const u32* child_rows, const u32* tokens,
 //!             const u32* batch_begin, const u32* batch_length, u32 num_batches,
 //!             u32 num_internal, u32 num_nodes, const u32* roots, u32 num_roots,
@@ -56,7 +62,9 @@
 //!
 //! `params` holds every parameter at its offset ([`TreeKernelSpec::param_offsets`],
 //! compiled in as constants); `state`/`push` have a row per node
-//! (`num_nodes` rows); `scores` a row per root; `barrier` two zeroed words.
+//! (`num_nodes` rows); `scores` a row per root; `barrier` two zeroed
+//! words; `scratch` a row of the internal cell's scratch width per internal
+//! node (multi-stage cells).
 
 use std::fmt::Write as _;
 
@@ -194,11 +202,10 @@ impl<'a> CellWriter<'a> {
             }
             VecExpr::HeadInput => format!("hin[{col}]"),
             VecExpr::One => "1.0f".into(),
-            VecExpr::Staged { .. } => {
-                return Err(gen_error(
-                    "a multi-stage cell's scratch read (not generated for CUDA yet)",
-                ))
-            }
+            VecExpr::Staged { slot } => format!(
+                "scratch[(unsigned long long)n * {}u + {slot}u + ({col})]",
+                self.cell.program.scratch_width
+            ),
             VecExpr::TokenTable => format!(
                 "token_table[(unsigned long long)tok * {}u + ({col})]",
                 node.width
@@ -453,7 +460,14 @@ impl<'a> CellWriter<'a> {
 
     /// The cell's code, storing output `o`'s lanes through `outputs[o]`
     /// (a row pointer expression).
-    fn cell(mut self, outputs: &[&str]) -> Result<String> {
+    fn cell(self, outputs: &[&str]) -> Result<String> {
+        self.cell_stage(0, outputs)
+    }
+
+    /// The code of stage `stage` of the cell: its scalars, its stores into
+    /// the scratch row (`scratch + n · scratch_width`) and the output lanes
+    /// it computes, stored through `outputs[o]` (a row pointer expression).
+    fn cell_stage(mut self, stage: usize, outputs: &[&str]) -> Result<String> {
         let prog = self.cell.program;
         // child pointers for fixed-arity reads
         let mut kids: Vec<usize> = prog
@@ -469,12 +483,13 @@ impl<'a> CellWriter<'a> {
         for k in kids {
             let _ = writeln!(
                 self.code,
-                "const float* kid{k} = cb + {k}u < ce ? {}(CHILD(cb + {k}u)) : nullptr;",
+                "const float* kid{k} = cb + {k}u < ce ? {}(CHILD(cb + {k}u)) : nullptr; (void)kid{k};",
                 self.row_macro
             );
         }
         for id in 0..prog.scalars.len() {
-            if prog.scalars[id].scope == Scope::Vertex {
+            let s = &prog.scalars[id];
+            if s.scope == Scope::Vertex && s.stage == stage {
                 self.emit_scalar(id, None, None)?;
             }
         }
@@ -486,9 +501,18 @@ impl<'a> CellWriter<'a> {
             )));
         }
         self.code += "if (lane == 0) {\n";
+        for &(sc, col) in prog.stores.get(stage).into_iter().flatten() {
+            let _ = writeln!(
+                self.code,
+                "scratch[(u64)n * {}u + {col}u + j] = s{sc};",
+                prog.scratch_width
+            );
+        }
         for (lanes, dst) in prog.outputs.iter().zip(outputs) {
-            for (m, s) in lanes.iter().enumerate() {
-                let _ = writeln!(self.code, "({dst})[{}u + j] = s{s};", m * prog.units);
+            for (m, &s) in lanes.iter().enumerate() {
+                if prog.scalars[s].stage == stage {
+                    let _ = writeln!(self.code, "({dst})[{}u + j] = s{s};", m * prog.units);
+                }
             }
         }
         self.code += "}\n";
@@ -629,16 +653,11 @@ impl TreeKernelSpec<'_> {
         if self.head.program.outputs.len() != 1 {
             return Err(gen_error("the head must output one row of scores"));
         }
-        for (what, cell) in [
-            ("leaf", self.leaf),
-            ("internal", self.internal),
-            ("head", self.head),
-        ] {
+        for (what, cell) in [("leaf", self.leaf), ("head", self.head)] {
             if cell.program.stages > 1 {
                 return Err(gen_error(format!(
-                    "the {what} cell has {} stages (a product of a product, as in a TreeGRU): \
-                     multi-stage cells run on the CPU compiled engine; CUDA code for them is \
-                     not generated yet",
+                    "the {what} cell has {} stages (a product of a product): only an \
+                     internal cell may have more than one",
                     cell.program.stages
                 )));
             }
@@ -725,10 +744,24 @@ impl TreeKernelSpec<'_> {
                 );
             }
         }
-        let internal_cell = CellWriter::new(self.internal, registers, "ROW").cell(&[
-            &format!("state + (u64)n * {s}u"),
-            &format!("push + (u64)n * {p}u"),
-        ])?;
+        let internal_outputs = [
+            format!("state + (u64)n * {s}u"),
+            format!("push + (u64)n * {p}u"),
+        ];
+        let internal_outputs: Vec<&str> = internal_outputs.iter().map(String::as_str).collect();
+        let internal_cell = CellWriter::new(self.internal, registers.clone(), "ROW")
+            .cell_stage(0, &internal_outputs)?;
+        // later stages of a multi-stage cell: each after a barrier, its
+        // nodes reloading their children
+        let mut later_stages = String::new();
+        for stage in 1..self.internal.program.stages {
+            let code = CellWriter::new(self.internal, registers.clone(), "ROW")
+                .cell_stage(stage, &internal_outputs)?;
+            let _ = write!(
+                later_stages,
+                "grid_sync(barrier, &bar_gen);\nif (rep < R) {{\nfor (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nconst u32 cb = child_offsets[n], ce = child_offsets[n + 1];\nconst u32 c0 = cb < ce ? child_rows[cb] : 0, c1 = cb + 1 < ce ? child_rows[cb + 1] : 0;\n{code}}}\n}}\n"
+            );
+        }
         let leaf_in_kernel = CellWriter::new(self.leaf, None, "ROW").cell(&[
             &format!("state + (u64)n * {s}u"),
             &format!("push + (u64)n * {p}u"),
@@ -739,7 +772,7 @@ impl TreeKernelSpec<'_> {
         let use_table = self.leaf_table;
         let _ = write!(
             src,
-            "#define SCORES {classes}u\nextern \"C\" __global__ void __launch_bounds__({block}) {name}_levels(const float* __restrict__ params, float* state, float* push, const float* __restrict__ table_state, const float* __restrict__ table_push, const float* __restrict__ token_table, const u32* __restrict__ child_offsets, const u32* __restrict__ child_rows, const u32* __restrict__ tokens, const u32* __restrict__ batch_begin, const u32* __restrict__ batch_length, u32 num_batches, u32 num_internal, u32 num_nodes, const u32* __restrict__ roots, u32 num_roots, float* scores, u32* barrier) {{\n{}const bool use_table = {use_table}; (void)token_table;\n// the barrier generation (thread 0's copy; no block can arrive before every block has read it)\nu32 bar_gen = 0;\nif (threadIdx.x == 0) bar_gen = barrier_generation(barrier);\nconst u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n",
+            "#define SCORES {classes}u\nextern \"C\" __global__ void __launch_bounds__({block}) {name}_levels(const float* __restrict__ params, float* state, float* push, const float* __restrict__ table_state, const float* __restrict__ table_push, const float* __restrict__ token_table, float* scratch, const u32* __restrict__ child_offsets, const u32* __restrict__ child_rows, const u32* __restrict__ tokens, const u32* __restrict__ batch_begin, const u32* __restrict__ batch_length, u32 num_batches, u32 num_internal, u32 num_nodes, const u32* __restrict__ roots, u32 num_roots, float* scores, u32* barrier) {{\n{}const bool use_table = {use_table}; (void)token_table; (void)scratch;\n// the barrier generation (thread 0's copy; no block can arrive before every block has read it)\nu32 bar_gen = 0;\nif (threadIdx.x == 0) bar_gen = barrier_generation(barrier);\nconst u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n",
             param_pointers(self.param_offsets),
         );
         if !use_table {
@@ -751,7 +784,7 @@ impl TreeKernelSpec<'_> {
         }
         let _ = write!(
             src,
-            "{{\n{}{weights}\nu32 begin = num_batches > 0 ? batch_begin[0] : 0, len = num_batches > 0 ? batch_length[0] : 0;\n// this warp's first node of a level, its child range and first two child rows, loaded ahead (before the barrier)\nu32 pn = 0, pcb = 0, pce = 0, pc0 = 0, pc1 = 0;\nprefetch_node(begin, len, rep, child_offsets, child_rows, &pn, &pcb, &pce, &pc0, &pc1);\nfor (u32 b = 0; b < num_batches; ++b) {{\nconst u32 next_begin = b + 1 < num_batches ? batch_begin[b + 1] : 0, next_len = b + 1 < num_batches ? batch_length[b + 1] : 0;\nif (rep < R) {{\nfor (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nu32 cb = pcb, ce = pce, c0 = pc0, c1 = pc1;\nif (i != rep) {{ cb = child_offsets[n]; ce = child_offsets[n + 1]; c0 = cb < ce ? child_rows[cb] : 0; c1 = cb + 1 < ce ? child_rows[cb + 1] : 0; }}\n{internal_cell}}}\n}}\nprefetch_node(next_begin, next_len, rep, child_offsets, child_rows, &pn, &pcb, &pce, &pc0, &pc1);\ngrid_sync(barrier, &bar_gen);\nbegin = next_begin; len = next_len;\n}}\n}}\n",
+            "{{\n{}{weights}\nu32 begin = num_batches > 0 ? batch_begin[0] : 0, len = num_batches > 0 ? batch_length[0] : 0;\n// this warp's first node of a level, its child range and first two child rows, loaded ahead (before the barrier)\nu32 pn = 0, pcb = 0, pce = 0, pc0 = 0, pc1 = 0;\nprefetch_node(begin, len, rep, child_offsets, child_rows, &pn, &pcb, &pce, &pc0, &pc1);\nfor (u32 b = 0; b < num_batches; ++b) {{\nconst u32 next_begin = b + 1 < num_batches ? batch_begin[b + 1] : 0, next_len = b + 1 < num_batches ? batch_length[b + 1] : 0;\nif (rep < R) {{\nfor (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nu32 cb = pcb, ce = pce, c0 = pc0, c1 = pc1;\nif (i != rep) {{ cb = child_offsets[n]; ce = child_offsets[n + 1]; c0 = cb < ce ? child_rows[cb] : 0; c1 = cb + 1 < ce ? child_rows[cb + 1] : 0; }}\n{internal_cell}}}\n}}\n{later_stages}prefetch_node(next_begin, next_len, rep, child_offsets, child_rows, &pn, &pcb, &pce, &pc0, &pc1);\ngrid_sync(barrier, &bar_gen);\nbegin = next_begin; len = next_len;\n}}\n}}\n",
             warp_coordinates(self.internal.program.units)
         );
         let _ = write!(

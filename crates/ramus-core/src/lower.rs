@@ -512,6 +512,8 @@ struct Lowering<'g> {
     params: HashMap<(ParamId, usize), ScalarId>,
     /// The scratch vector of each unit value a product reads.
     staged: HashMap<NodeId, VecId>,
+    /// Scalars re-read or carried into a later stage (see `at_stage`).
+    carried: HashMap<(ScalarId, usize), ScalarId>,
     stores: Vec<Vec<(ScalarId, usize)>>,
     scratch_width: usize,
 }
@@ -550,6 +552,7 @@ pub fn lower(g: &Graph, outputs: &[NodeId]) -> Result<CellProgram> {
         reads: HashMap::new(),
         params: HashMap::new(),
         staged: HashMap::new(),
+        carried: HashMap::new(),
         stores: Vec::new(),
         scratch_width: 0,
     };
@@ -670,6 +673,57 @@ impl Lowering<'_> {
         };
         self.scalars.push(ScalarNode { expr, scope, stage });
         self.scalars.len() - 1
+    }
+
+    /// Scalar `x` for use in (later) stage `stage`: itself in its own stage;
+    /// a read (of a parameter or a vector) re-read there; anything else
+    /// stored to the scratch row by its stage and read back.
+    fn at_stage(&mut self, x: ScalarId, stage: usize) -> Result<ScalarId> {
+        let node = &self.scalars[x];
+        if node.stage == stage {
+            return Ok(x);
+        }
+        if let Some(&c) = self.carried.get(&(x, stage)) {
+            return Ok(c);
+        }
+        let copy = match node.expr {
+            ScalarExpr::Param { .. } | ScalarExpr::Read { .. } => node.expr.clone(),
+            _ => {
+                if node.scope != Scope::Vertex {
+                    return Err(CoreError::Shape {
+                        context: "compiled-engine lowering".into(),
+                        op: "cell".into(),
+                        message: "a per-edge value read by a later stage is not supported".into(),
+                    });
+                }
+                let from = node.stage;
+                let slot = self.scratch_width;
+                self.scratch_width += self.units;
+                if self.stores.len() <= from {
+                    self.stores.resize(from + 1, Vec::new());
+                }
+                self.stores[from].push((x, slot));
+                self.vectors.push(VecNode {
+                    expr: VecExpr::Staged { slot },
+                    width: self.units,
+                    scope: Scope::Vertex,
+                    stage: from + 1,
+                });
+                ScalarExpr::Read {
+                    src: self.vectors.len() - 1,
+                    col: 0,
+                }
+            }
+        };
+        let scope = self.scalars[x].scope;
+        self.scalars.push(ScalarNode {
+            expr: copy,
+            scope,
+            stage,
+        });
+        let c = self.scalars.len() - 1;
+        self.carried.insert((x, stage), c);
+        Ok(c)
     }
 
     /// The scratch vector holding unit value `x` (stored by its stage, read
@@ -968,6 +1022,13 @@ impl Lowering<'_> {
                 .map(|lanes| lanes.get(m).copied())
                 .collect::<Option<Vec<_>>>()
                 .ok_or_else(|| unsupported(g, i, "an operand is narrower than the result"))?;
+            // every operand of a multi-stage op in its own stage: a stage's
+            // code never reads another stage's registers
+            let stage = a.iter().map(|&x| self.scalars[x].stage).max().unwrap_or(0);
+            let a = a
+                .into_iter()
+                .map(|x| self.at_stage(x, stage))
+                .collect::<Result<Vec<_>>>()?;
             out.push(self.scalar(
                 ScalarExpr::Map {
                     op: op.clone(),

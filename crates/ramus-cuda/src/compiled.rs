@@ -141,6 +141,8 @@ pub struct CompiledEngine {
     /// Threads per block.
     block: u32,
     units: usize,
+    /// Floats of a node's scratch row (multi-stage cells).
+    scratch_width: usize,
     state_width: usize,
     push_width: usize,
     classes: usize,
@@ -416,6 +418,7 @@ impl CompiledEngine {
             min_blocks,
             block,
             units: internal.units,
+            scratch_width: internal.scratch_width,
             state_width,
             push_width,
             classes: head.output_width(0),
@@ -535,6 +538,9 @@ impl CompiledEngine {
         let state = self.arena.alloc::<f32>((nodes * self.state_width).max(1))?;
         let push = self.arena.alloc::<f32>((nodes * self.push_width).max(1))?;
         let scores = self.arena.alloc::<f32>((roots * self.classes).max(1))?;
+        let scratch = self
+            .arena
+            .alloc::<f32>((batch.num_internal() * self.scratch_width).max(1))?;
         // enough warps for every unit of the widest level, as far as fit
         let warps = self.units * widest.max(1);
         let blocks = u32_of(warps.div_ceil((self.block / 32) as usize), "blocks")?
@@ -547,6 +553,7 @@ impl CompiledEngine {
             .arg(&self.table_state)
             .arg(&self.table_push)
             .arg(&self.token_table)
+            .arg(scratch.kernel_arg())
             .arg(views[0].kernel_arg())
             .arg(views[1].kernel_arg())
             .arg(views[2].kernel_arg())
@@ -569,7 +576,8 @@ impl CompiledEngine {
             .record(&stream)
             .in_call("cuEventRecord")?;
         // SAFETY: the arguments match `cortex_levels`' parameters in order;
-        // state and pushed buffers have a row per node, scores a row per
+        // state and pushed buffers have a row per node, scratch a row per
+        // internal node, scores a row per
         // root, the index views hold the linearized arrays (every node and
         // token checked above), the tables a row per token; the launch is
         // cooperative with at most the resident block count, so the grid

@@ -33,7 +33,7 @@ fn graphs(name: &str, rng: &mut ChaCha8Rng, vocab: u32) -> Vec<InputGraph> {
         random_tree(rng, 9, &[2], vocab, 3).expect("tree"),
         random_tree(rng, 40, &[2], vocab, 3).expect("tree"),
     ];
-    if name == "treelstm" {
+    if name == "treelstm" || name == "treegru" {
         gs.push(random_path(rng, 500, vocab, 3).expect("a 500-deep path"));
         gs.push(random_tree(rng, 64, &[64], vocab, 3).expect("a 64-ary node"));
         gs.push(random_tree(rng, 30, &[1, 2, 3, 6], vocab, 3).expect("mixed arities"));
@@ -54,7 +54,14 @@ fn compiled_scores_match_the_cpu_engine_for_every_model_and_schedule() {
             hidden,
             classes: 5,
         };
-        for name in ["treelstm", "treelstm-nary", "treefc", "dagrnn", "lstm-lm"] {
+        for name in [
+            "treelstm",
+            "treelstm-nary",
+            "treefc",
+            "treegru",
+            "dagrnn",
+            "lstm-lm",
+        ] {
             let model =
                 build_model_with(name, &cfg, &ModelOptions { dropout: 0.1 }).expect("model");
             let mut params: Params<f32> = Params::init(&model, 3);
@@ -153,22 +160,4 @@ fn too_few_blocks_for_the_units_is_an_error_not_a_silent_skip() {
         .err()
         .expect("refused");
     assert!(err.to_string().contains("needs 4 resident blocks"), "{err}");
-}
-
-#[test]
-fn a_multi_stage_cell_is_refused_on_cuda_naming_the_reason() {
-    if !common::cuda_ready("skipping") {
-        return;
-    }
-    let cfg = ModelConfig {
-        vocab: 10,
-        hidden: 32,
-        classes: 3,
-    };
-    let model = build_model_with("treegru", &cfg, &ModelOptions { dropout: 0.0 }).expect("model");
-    let params: Params<f32> = Params::init(&model, 1);
-    let err = CompiledEngine::new(&model, &params, &CompiledOptions::default())
-        .err()
-        .expect("refused");
-    assert!(err.to_string().contains("2 stages"), "{err}");
 }

@@ -316,9 +316,19 @@ fn the_treegru_cell_lowers_to_two_stages() {
     )
     .expect("lowers");
     // U_h reads the reset-gated child sum of every unit: stored in stage 0,
-    // read back in stage 1
+    // read back in stage 1; the stage-0 values the blend `z ⊙ h̃ + (1 − z) ⊙ ĥ`
+    // reads (z ⊙ h̃ and 1 − z) are carried through the scratch row too
     assert_eq!(program.stages, 2);
-    assert_eq!(program.scratch_width, CFG.hidden);
-    assert_eq!(program.stores[0].len(), 1);
+    assert_eq!(program.scratch_width, 3 * CFG.hidden);
+    assert_eq!(program.stores[0].len(), 3);
     assert!(program.stores[1].is_empty());
+    // no stage reads another stage's registers
+    for s in &program.scalars {
+        for d in ramus_core::lower::scalar_deps(&s.expr) {
+            assert_eq!(
+                program.scalars[d].stage, s.stage,
+                "{s:?} reads {d} across stages"
+            );
+        }
+    }
 }
