@@ -129,30 +129,25 @@ fn chunks(k: usize) -> usize {
 /// Emits the code of one cell for the node in scope.
 ///
 /// Names in scope where the code runs: `n` (the node), `j` (the unit),
-/// `lane`, `cb`/`ce` (its child edges), `tok` (its token), `hin` (the head
-/// input row, head cells only), `P<p>` (parameter pointers) and, for
-/// persistent weights, `w<q>[i]`.
+/// `lane`, `cb`/`ce` (its child edges) and `c0`/`c1` (its first two child
+/// codes, for `CHILD(e)`), `ROW(code)` (a child's state row), `tok` (its
+/// token), `hin` (the head input row, head cells only), `scratch`,
+/// `token_table`, `P<p>` (parameter pointers) and, for persistent weights,
+/// `w<q>[i]`.
 struct CellWriter<'a> {
     cell: LoweredCell<'a>,
     /// Weight rows held in registers: index `q` of `(weight, row)`.
     registers: Option<Vec<(usize, usize)>>,
-    /// The row of a child node `c`: a macro name.
-    row_macro: &'a str,
     code: String,
     temps: usize,
     emitted_dots: Vec<bool>,
 }
 
 impl<'a> CellWriter<'a> {
-    fn new(
-        cell: LoweredCell<'a>,
-        registers: Option<Vec<(usize, usize)>>,
-        row_macro: &'a str,
-    ) -> Self {
+    fn new(cell: LoweredCell<'a>, registers: Option<Vec<(usize, usize)>>) -> Self {
         CellWriter {
             cell,
             registers,
-            row_macro,
             code: String::new(),
             temps: 0,
             emitted_dots: vec![false; cell.program.scalars.len()],
@@ -247,8 +242,7 @@ impl<'a> CellWriter<'a> {
                 let x = self.vec_at(src, col, Some(&r), &mut body)?;
                 let _ = writeln!(
                     pre,
-                    "float {acc} = 0.0f;\n#pragma unroll 2\nfor (unsigned int {e} = cb; {e} < ce; ++{e}) {{\nconst float* {r} = {}(CHILD({e}));\n{body}{acc} += {x};\n}}",
-                    self.row_macro
+                    "float {acc} = 0.0f;\n#pragma unroll 2\nfor (unsigned int {e} = cb; {e} < ce; ++{e}) {{\nconst float* {r} = ROW(CHILD({e}));\n{body}{acc} += {x};\n}}",
                 );
                 acc
             }
@@ -302,8 +296,7 @@ impl<'a> CellWriter<'a> {
                 let x = self.vec_lanes(src, shift, chunks, limit, Some(&r), &mut body)?;
                 let _ = writeln!(
                     out,
-                    "float {a}[{chunks}];\n#pragma unroll\nfor (unsigned int i = 0; i < {chunks}u; ++i) {a}[i] = 0.0f;\n#pragma unroll 2\nfor (unsigned int {e} = cb; {e} < ce; ++{e}) {{\nconst float* {r} = {}(CHILD({e}));\n{body}#pragma unroll\nfor (unsigned int i = 0; i < {chunks}u; ++i) {a}[i] += {x}[i];\n}}",
-                    self.row_macro
+                    "float {a}[{chunks}];\n#pragma unroll\nfor (unsigned int i = 0; i < {chunks}u; ++i) {a}[i] = 0.0f;\n#pragma unroll 2\nfor (unsigned int {e} = cb; {e} < ce; ++{e}) {{\nconst float* {r} = ROW(CHILD({e}));\n{body}#pragma unroll\nfor (unsigned int i = 0; i < {chunks}u; ++i) {a}[i] += {x}[i];\n}}",
                 );
             }
             _ => {
@@ -434,8 +427,7 @@ impl<'a> CellWriter<'a> {
                 let (e, r) = (self.temp("e"), self.temp("er"));
                 let _ = writeln!(
                     self.code,
-                    "float s{id} = 0.0f;\n#pragma unroll 2\nfor (unsigned int {e} = cb; {e} < ce; ++{e}) {{\nconst float* {r} = {}(CHILD({e}));",
-                    self.row_macro
+                    "float s{id} = 0.0f;\n#pragma unroll 2\nfor (unsigned int {e} = cb; {e} < ce; ++{e}) {{\nconst float* {r} = ROW(CHILD({e}));",
                 );
                 let saved =
                     std::mem::replace(&mut self.emitted_dots, vec![false; prog.scalars.len()]);
@@ -483,8 +475,7 @@ impl<'a> CellWriter<'a> {
         for k in kids {
             let _ = writeln!(
                 self.code,
-                "const float* kid{k} = cb + {k}u < ce ? {}(CHILD(cb + {k}u)) : nullptr; (void)kid{k};",
-                self.row_macro
+                "const float* kid{k} = cb + {k}u < ce ? ROW(CHILD(cb + {k}u)) : nullptr; (void)kid{k};"
             );
         }
         for id in 0..prog.scalars.len() {
@@ -535,12 +526,12 @@ __device__ __forceinline__ float warp_sum(float v) {
 // Loads the child range and first two child codes of node begin + rep (if
 // the level has it): the loads of the next level, issued before its barrier.
 __device__ __forceinline__ void prefetch_node(u32 begin, u32 len, u32 rep, const u32* child_offsets,
-                                              const u32* child_rows, u32* n, u32* cb, u32* ce,
-                                              u32* c0, u32* c1) {
+                                              const u32* child_rows, u32* cb, u32* ce, u32* c0,
+                                              u32* c1) {
     if (rep < len) {
-        *n = begin + rep;
-        *cb = child_offsets[*n];
-        *ce = child_offsets[*n + 1];
+        const u32 n = begin + rep;
+        *cb = child_offsets[n];
+        *ce = child_offsets[n + 1];
         *c0 = *cb < *ce ? child_rows[*cb] : 0u;
         *c1 = *cb + 1u < *ce ? child_rows[*cb + 1u] : 0u;
     }
@@ -610,7 +601,7 @@ fn token_kernel(
         .map(|(o, w)| format!("{o} + (u64)tok * {w}u"))
         .collect();
     let rows: Vec<&str> = rows.iter().map(String::as_str).collect();
-    let code = CellWriter::new(cell, None, "ROW").cell(&rows)?;
+    let code = CellWriter::new(cell, None).cell(&rows)?;
     let params: String = outputs
         .iter()
         .map(|(o, _)| format!("float* {o}, "))
@@ -749,25 +740,24 @@ impl TreeKernelSpec<'_> {
             format!("push + (u64)n * {p}u"),
         ];
         let internal_outputs: Vec<&str> = internal_outputs.iter().map(String::as_str).collect();
-        let internal_cell = CellWriter::new(self.internal, registers.clone(), "ROW")
-            .cell_stage(0, &internal_outputs)?;
+        let internal_cell =
+            CellWriter::new(self.internal, registers.clone()).cell_stage(0, &internal_outputs)?;
         // later stages of a multi-stage cell: each after a barrier, its
         // nodes reloading their children
         let mut later_stages = String::new();
         for stage in 1..self.internal.program.stages {
-            let code = CellWriter::new(self.internal, registers.clone(), "ROW")
+            let code = CellWriter::new(self.internal, registers.clone())
                 .cell_stage(stage, &internal_outputs)?;
             let _ = write!(
                 later_stages,
                 "grid_sync(barrier, &bar_gen);\nif (rep < R) {{\nfor (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nconst u32 cb = child_offsets[n], ce = child_offsets[n + 1];\nconst u32 c0 = cb < ce ? child_rows[cb] : 0, c1 = cb + 1 < ce ? child_rows[cb + 1] : 0;\n{code}}}\n}}\n"
             );
         }
-        let leaf_in_kernel = CellWriter::new(self.leaf, None, "ROW").cell(&[
+        let leaf_in_kernel = CellWriter::new(self.leaf, None).cell(&[
             &format!("state + (u64)n * {s}u"),
             &format!("push + (u64)n * {p}u"),
         ])?;
-        let head_cell =
-            CellWriter::new(self.head, None, "ROW").cell(&["scores + (u64)r * SCORES"])?;
+        let head_cell = CellWriter::new(self.head, None).cell(&["scores + (u64)r * SCORES"])?;
         let classes = self.head.program.output_width(0);
         let use_table = self.leaf_table;
         let _ = write!(
@@ -784,7 +774,7 @@ impl TreeKernelSpec<'_> {
         }
         let _ = write!(
             src,
-            "{{\n{}{weights}\nu32 begin = num_batches > 0 ? batch_begin[0] : 0, len = num_batches > 0 ? batch_length[0] : 0;\n// this warp's first node of a level, its child range and first two child rows, loaded ahead (before the barrier)\nu32 pn = 0, pcb = 0, pce = 0, pc0 = 0, pc1 = 0;\nprefetch_node(begin, len, rep, child_offsets, child_rows, &pn, &pcb, &pce, &pc0, &pc1);\nfor (u32 b = 0; b < num_batches; ++b) {{\nconst u32 next_begin = b + 1 < num_batches ? batch_begin[b + 1] : 0, next_len = b + 1 < num_batches ? batch_length[b + 1] : 0;\nif (rep < R) {{\nfor (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nu32 cb = pcb, ce = pce, c0 = pc0, c1 = pc1;\nif (i != rep) {{ cb = child_offsets[n]; ce = child_offsets[n + 1]; c0 = cb < ce ? child_rows[cb] : 0; c1 = cb + 1 < ce ? child_rows[cb + 1] : 0; }}\n{internal_cell}}}\n}}\n{later_stages}prefetch_node(next_begin, next_len, rep, child_offsets, child_rows, &pn, &pcb, &pce, &pc0, &pc1);\ngrid_sync(barrier, &bar_gen);\nbegin = next_begin; len = next_len;\n}}\n}}\n",
+            "{{\n{}{weights}\nu32 begin = num_batches > 0 ? batch_begin[0] : 0, len = num_batches > 0 ? batch_length[0] : 0;\n// this warp's first node of a level, its child range and first two child rows, loaded ahead (before the barrier)\nu32 pcb = 0, pce = 0, pc0 = 0, pc1 = 0;\nprefetch_node(begin, len, rep, child_offsets, child_rows, &pcb, &pce, &pc0, &pc1);\nfor (u32 b = 0; b < num_batches; ++b) {{\nconst u32 next_begin = b + 1 < num_batches ? batch_begin[b + 1] : 0, next_len = b + 1 < num_batches ? batch_length[b + 1] : 0;\nif (rep < R) {{\nfor (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nu32 cb = pcb, ce = pce, c0 = pc0, c1 = pc1;\nif (i != rep) {{ cb = child_offsets[n]; ce = child_offsets[n + 1]; c0 = cb < ce ? child_rows[cb] : 0; c1 = cb + 1 < ce ? child_rows[cb + 1] : 0; }}\n{internal_cell}}}\n}}\n{later_stages}prefetch_node(next_begin, next_len, rep, child_offsets, child_rows, &pcb, &pce, &pc0, &pc1);\ngrid_sync(barrier, &bar_gen);\nbegin = next_begin; len = next_len;\n}}\n}}\n",
             warp_coordinates(self.internal.program.units)
         );
         let _ = write!(

@@ -32,9 +32,27 @@
 //! ([`ScalarExpr::ChildSum`]); dropout masks are 1 at inference and
 //! multiplications by them are folded away.
 //!
-//! A graph that does not fit — a product whose input is itself a unit value
-//! (a multi-stage cell), an op without an elementwise form, a non-parameter
-//! weight — is an error naming the node.
+//! # Stages
+//!
+//! A product whose input is itself a unit value (a TreeGRU's
+//! `U_h Σ_k (r_k ⊙ h_k)`) needs every unit's columns of that input: the
+//! cell gets a second **stage**. In stage 0 each unit stores its columns
+//! into a per-vertex scratch row ([`CellProgram::stores`]); stage 1 reads the
+//! row back as a vector ([`VecExpr::Staged`]). A value one stage computes
+//! and a later one reads is carried through the scratch row the same way
+//! (parameters and vector reads are simply read again), so no stage ever
+//! needs another stage's registers: an engine may run the stages as separate
+//! passes with a barrier between them.
+//!
+//! # Hoisting
+//!
+//! [`CellProgram::hoist_token_values`] moves the values that depend on the
+//! vertex's token alone (an input projection `W x + b`) into a per-token
+//! table an engine computes once at load.
+//!
+//! A graph that does not fit — an op without an elementwise form, a
+//! non-parameter weight, a product of per-edge unit values — is an error
+//! naming the node.
 
 use std::collections::HashMap;
 use std::sync::Arc;
