@@ -64,7 +64,7 @@ pub struct BenchArgs {
     #[arg(long)]
     ablation: bool,
     /// With --engine compiled: threads per block of the generated kernel
-    /// [default: by the weight registers, 1024 or 512].
+    /// [default: by the weight registers, 512 or 256].
     #[arg(long)]
     block_threads: Option<u32>,
     /// With --engine compiled: resident blocks per multiprocessor at most.

@@ -62,8 +62,8 @@ pub struct CompiledOptions {
     pub schedule: CompiledSchedule,
     /// Kernel cache directory (`None`: [`crate::default_cache_dir`]).
     pub cache_dir: Option<PathBuf>,
-    /// Threads per block (a multiple of 32, at most 1024); `None`:
-    /// [`CELL_BLOCK`].
+    /// Threads per block (a multiple of 32, at most 1024); `None`: by the
+    /// weight registers ([`TreeKernelSpec::default_block_threads`]).
     pub block_threads: Option<u32>,
     /// Blocks per multiprocessor at most (fewer blocks: a cheaper grid
     /// barrier; more: more warps per level), within what fits.
@@ -297,7 +297,9 @@ impl CompiledEngine {
                 program: table,
             }),
         };
-        spec.block_threads = options.block_threads.unwrap_or(CELL_BLOCK);
+        spec.block_threads = options
+            .block_threads
+            .unwrap_or_else(|| spec.default_block_threads());
         let block = spec.block_threads;
         let source = spec.source()?;
         let mut kernels = vec!["cortex_levels", "cortex_leaf_table"];
