@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use ramus_core::HeadRows;
 use ramus_cpu::compiled::CpuCompiledEngine;
 use ramus_cpu::{Batch, Mode};
-use ramus_cuda::compiled::{CompiledEngine, CompiledOptions};
+use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
 use ramus_graph::{ptb, BatchingPolicy, InputGraph, VocabMode};
 use ramus_nn::DataKind;
 
@@ -33,6 +33,15 @@ pub struct InferArgs {
     /// Trees per batch.
     #[arg(long, default_value_t = 10)]
     batch_size: usize,
+    /// Compiled engine schedule: run the leaf cell and the token-only values
+    /// per node instead of reading per-token tables (leaf specialization
+    /// and hoisting off).
+    #[arg(long)]
+    no_tables: bool,
+    /// Compiled engine on CUDA schedule: read the weights from memory at
+    /// every use instead of keeping them in registers (persistence off).
+    #[arg(long)]
+    no_persistence: bool,
 }
 
 /// Scores of the roots of one batch, a row of `classes` per tree.
@@ -71,13 +80,24 @@ pub fn run(a: InferArgs) -> AnyResult {
     let trees = ptb::parse_trees(&text, &source, VocabMode::Frozen(&loaded.info.vocab))?;
     let (model, params) = (&loaded.model, &loaded.params);
     let mut scorer = match (a.engine.as_str(), a.device) {
-        ("compiled", Device::Cpu) => {
-            Scorer::CompiledCpu(Box::new(CpuCompiledEngine::new(model, params, true)?))
+        ("compiled", Device::Cpu) => Scorer::CompiledCpu(Box::new(CpuCompiledEngine::new(
+            model,
+            params,
+            !a.no_tables,
+        )?)),
+        ("compiled", Device::Cuda) => {
+            let options = CompiledOptions {
+                schedule: CompiledSchedule {
+                    leaf_table: !a.no_tables,
+                    persistent_weights: !a.no_persistence,
+                },
+                ..CompiledOptions::default()
+            };
+            Scorer::CompiledCuda(Box::new(
+                CompiledEngine::new(model, params, &options)
+                    .map_err(|e| format!("--device cuda: {e}"))?,
+            ))
         }
-        ("compiled", Device::Cuda) => Scorer::CompiledCuda(Box::new(
-            CompiledEngine::new(model, params, &CompiledOptions::default())
-                .map_err(|e| format!("--device cuda: {e}"))?,
-        )),
         ("batched", d) => Scorer::Batched(device::engine(d, model, None)?),
         (other, _) => {
             return Err(format!("unknown engine `{other}` (expected compiled or batched)").into())

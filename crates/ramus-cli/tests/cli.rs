@@ -157,6 +157,30 @@ fn train_save_eval_on_built_in_data() {
             .collect()
     };
     let (compiled, batched) = (predict("compiled", false), predict("batched", true));
+    assert_eq!(batched.len(), 2);
+    // the schedule without per-token tables predicts the same
+    let o = ramus_ok(&[
+        "infer",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--input",
+        trees.to_str().unwrap(),
+        "--no-tables",
+    ]);
+    let untabled: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(
+        untabled
+            .iter()
+            .map(|v| &v["prediction"])
+            .collect::<Vec<_>>(),
+        compiled
+            .iter()
+            .map(|v| &v["prediction"])
+            .collect::<Vec<_>>()
+    );
     assert_eq!(compiled.len(), 2);
     for (c, b) in compiled.iter().zip(&batched) {
         assert_eq!(c["tree"], b["tree"]);
