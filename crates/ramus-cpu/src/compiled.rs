@@ -668,9 +668,9 @@ impl CpuCompiledEngine {
         }
         let (s, p) = (self.state_width, self.push_width);
         let (nodes, ni) = (batch.num_nodes(), batch.num_internal());
-        self.state.clear();
+        // every row is written before it is read (levels run children
+        // first; leaves with a table are read from the table): no clearing
         self.state.resize(nodes * s, 0.0);
-        self.push.clear();
         self.push.resize(nodes * p, 0.0);
         let params = &self.params;
         // leaves: from the table, or the leaf cell once over all of them
@@ -692,43 +692,37 @@ impl CpuCompiledEngine {
                 }
             })?;
         }
-        let mut new_state = Vec::new();
-        let mut new_push = Vec::new();
         for b in 0..batch.num_batches() {
             let range = batch.batch(b);
             let (lo, hi) = (range.start as usize, range.end as usize);
-            new_state.clear();
-            new_state.resize((hi - lo) * s, 0.0);
-            new_push.clear();
-            new_push.resize((hi - lo) * p, 0.0);
-            {
-                let state = &self.state;
-                let table = self.table.as_ref();
-                let tokens = batch.tokens();
-                let child_row = |c: u32| -> &[f32] {
-                    let c = c as usize;
-                    match table {
-                        Some((t, _)) if c >= ni => {
-                            &t[tokens[c] as usize * s..(tokens[c] as usize + 1) * s]
-                        }
-                        _ => &state[c * s..(c + 1) * s],
+            // the level writes rows lo..hi and reads its children's, which
+            // the linearizer numbers above every parent (at or after hi)
+            let (front, children) = self.state.split_at_mut(hi * s);
+            let level_state = &mut front[lo * s..];
+            let level_push = &mut self.push[lo * p..hi * p];
+            let table = self.table.as_ref();
+            let tokens = batch.tokens();
+            let child_row = |c: u32| -> &[f32] {
+                let c = c as usize;
+                match table {
+                    Some((t, _)) if c >= ni => {
+                        &t[tokens[c] as usize * s..(tokens[c] as usize + 1) * s]
                     }
-                };
-                let level = LevelInputs {
-                    nodes: lo..hi,
-                    batch,
-                    child_row: &child_row,
-                    head_input: None,
-                    token_of: None,
-                };
-                self.internal
-                    .run(params, &level, &mut |o, r, row| match o {
-                        0 => new_state[r * s..(r + 1) * s].copy_from_slice(row),
-                        _ => new_push[r * p..(r + 1) * p].copy_from_slice(row),
-                    })?;
-            }
-            self.state[lo * s..hi * s].copy_from_slice(&new_state);
-            self.push[lo * p..hi * p].copy_from_slice(&new_push);
+                    _ => &children[(c - hi) * s..(c - hi + 1) * s],
+                }
+            };
+            let level = LevelInputs {
+                nodes: lo..hi,
+                batch,
+                child_row: &child_row,
+                head_input: None,
+                token_of: None,
+            };
+            self.internal
+                .run(params, &level, &mut |o, r, row| match o {
+                    0 => level_state[r * s..(r + 1) * s].copy_from_slice(row),
+                    _ => level_push[r * p..(r + 1) * p].copy_from_slice(row),
+                })?;
         }
         let roots = batch.root_nodes();
         let classes = self.classes;
