@@ -68,7 +68,7 @@ pub struct BenchArgs {
     #[arg(long)]
     block_threads: Option<u32>,
     /// With --engine compiled: resident blocks per multiprocessor at most.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 2)]
     blocks_per_sm: u32,
     /// With --engine compiled: blocks in all at most.
     #[arg(long)]

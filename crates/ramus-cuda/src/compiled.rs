@@ -66,7 +66,9 @@ pub struct CompiledOptions {
     /// weight registers ([`TreeKernelSpec::default_block_threads`]).
     pub block_threads: Option<u32>,
     /// Blocks per multiprocessor at most (fewer blocks: a cheaper grid
-    /// barrier; more: more warps per level), within what fits.
+    /// barrier; more: more warps per level), within what fits. Default 2:
+    /// on an H100 the same latency as 1 for narrow levels, and up to 35 %
+    /// less for wide ones (ten 10×10 grid DAGs).
     pub blocks_per_sm: u32,
     /// Blocks in all at most (`None`: as many as fit and the widest level
     /// can use).
@@ -80,7 +82,7 @@ impl Default for CompiledOptions {
             schedule: CompiledSchedule::default(),
             cache_dir: None,
             block_threads: None,
-            blocks_per_sm: 1,
+            blocks_per_sm: 2,
             max_blocks: None,
         }
     }
