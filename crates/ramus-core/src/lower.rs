@@ -596,6 +596,71 @@ pub fn lower(g: &Graph, outputs: &[NodeId]) -> Result<CellProgram> {
     })
 }
 
+/// A model's cells for a compiled engine: the function run on leaves, the
+/// one run on internal vertices (the same for a single-function model),
+/// and the head.
+#[derive(Clone, Debug)]
+pub struct ModelCells {
+    /// Function index and cell (outputs: scattered state, pushed value).
+    pub leaf: (usize, CellProgram),
+    pub internal: (usize, CellProgram),
+    /// The head's scores.
+    pub head: CellProgram,
+    /// Rows of the embedding table the cells read, if they read a token.
+    pub vocab: Option<usize>,
+}
+
+/// Lowers `model` for a compiled engine: its leaf and internal vertex
+/// functions (each must scatter a state and push a value) and its head's
+/// scores.
+pub fn lower_model(model: &crate::Model) -> Result<ModelCells> {
+    let err = |message: String| CoreError::Shape {
+        context: "compiled-engine lowering".into(),
+        op: model.name.clone(),
+        message,
+    };
+    let (leaf, internal) = match model.selector {
+        crate::FunctionSelector::LeafInternal { leaf, internal } => (leaf, internal),
+        crate::FunctionSelector::Single(f) => (f, f),
+    };
+    let cell = |f: usize| -> Result<(usize, CellProgram)> {
+        let func = model.functions.get(f).ok_or_else(|| {
+            err(format!(
+                "the selector names function {f}, which does not exist"
+            ))
+        })?;
+        let (Some(scatter), Some(push)) = (func.scatter, func.push) else {
+            return Err(err(format!(
+                "function `{}` must scatter a state and push a value to be compiled",
+                func.name
+            )));
+        };
+        Ok((f, lower(&func.forward, &[scatter, push])?))
+    };
+    let (leaf, internal) = (cell(leaf)?, cell(internal)?);
+    let logits = model
+        .head
+        .logits
+        .ok_or_else(|| err("the head computes no scores".into()))?;
+    let head = lower(&model.head.forward, &[logits])?;
+    let embedding_rows = |program: &CellProgram| {
+        program.vectors.iter().find_map(|v| match v.expr {
+            VecExpr::Embedding { table } => model
+                .params
+                .get(table)
+                .and_then(|p| p.shape.first().copied()),
+            _ => None,
+        })
+    };
+    let vocab = embedding_rows(&leaf.1).or_else(|| embedding_rows(&internal.1));
+    Ok(ModelCells {
+        leaf,
+        internal,
+        head,
+        vocab,
+    })
+}
+
 /// Marks unit values: products and everything computed from one.
 fn classify(g: &Graph, needed: &[bool]) -> Vec<bool> {
     let mut unit = vec![false; g.nodes.len()];

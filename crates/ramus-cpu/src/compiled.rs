@@ -16,11 +16,11 @@
 //! passes split over a spinning helper thread.
 
 use ramus_core::graph::ValueType;
-use ramus_core::lower::{lower, CellProgram, ChildRef, ScalarExpr, Scope, VecExpr};
+use ramus_core::lower::{lower_model, CellProgram, ChildRef, ScalarExpr, Scope, VecExpr};
 use ramus_core::op::{Arg, ArgData, KernelCtx, OpDef};
 use ramus_core::ops::matmul::{gemm_packed, PackedB, PACKED_MAX_M};
 use ramus_core::parallel::SpinHelper;
-use ramus_core::{FunctionSelector, Model, Params, Real};
+use ramus_core::{Model, Params, Real};
 use ramus_graph::{InputGraph, LinearBatch, Linearizer};
 
 use crate::error::{EngineError, Result};
@@ -561,39 +561,11 @@ impl CpuCompiledEngine {
     /// Lowers `model`'s cells, packs their weights and (with `leaf_table`
     /// and a token vocabulary) tabulates the leaf cell over every token.
     pub fn new(model: &Model, params: &Params<f32>, leaf_table: bool) -> Result<Self> {
-        let (leaf_f, internal_f) = match model.selector {
-            FunctionSelector::LeafInternal { leaf, internal } => (leaf, internal),
-            FunctionSelector::Single(f) => (f, f),
-        };
-        let cell = |f: usize| -> Result<Cell> {
-            let func = model
-                .functions
-                .get(f)
-                .ok_or_else(|| err(format!("function {f} does not exist")))?;
-            let (Some(scatter), Some(push)) = (func.scatter, func.push) else {
-                return Err(err(format!(
-                    "function `{}` must scatter a state and push a value to be compiled",
-                    func.name
-                )));
-            };
-            Cell::new(lower(&func.forward, &[scatter, push])?, params)
-        };
-        let (leaf, internal) = (cell(leaf_f)?, cell(internal_f)?);
-        let logits = model
-            .head
-            .logits
-            .ok_or_else(|| err("the head computes no scores"))?;
-        let head = Cell::new(lower(&model.head.forward, &[logits])?, params)?;
-        let embedding_rows = |c: &Cell| {
-            c.program.vectors.iter().find_map(|v| match v.expr {
-                VecExpr::Embedding { table } => model
-                    .params
-                    .get(table)
-                    .and_then(|p| p.shape.first().copied()),
-                _ => None,
-            })
-        };
-        let vocab = embedding_rows(&leaf).or_else(|| embedding_rows(&internal));
+        let cells = lower_model(model)?;
+        let vocab = cells.vocab;
+        let leaf = Cell::new(cells.leaf.1, params)?;
+        let internal = Cell::new(cells.internal.1, params)?;
+        let head = Cell::new(cells.head, params)?;
         let mut engine = CpuCompiledEngine {
             state_width: internal.program.output_width(0),
             push_width: internal.program.output_width(1),

@@ -20,8 +20,8 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaFunction, LaunchConfig, PushKernelArg};
 
 use ramus_core::cellgen::{LoweredCell, TreeKernelSpec, CELL_BLOCK};
-use ramus_core::lower::{lower, CellProgram, VecExpr};
-use ramus_core::{FunctionSelector, Model, Params};
+use ramus_core::lower::{lower_model, ModelCells};
+use ramus_core::{Model, Params};
 use ramus_graph::{InputGraph, Linearizer};
 
 use crate::cache::KernelCache;
@@ -168,43 +168,6 @@ fn u32_of(value: usize, what: &str) -> Result<u32> {
         .map_err(|_| CudaError::BadArgument(format!("{what} = {value} does not fit 32 bits")))
 }
 
-/// The cells of `model`: leaf, internal and head programs.
-fn lower_model(model: &Model) -> Result<[(usize, CellProgram); 2]> {
-    let (leaf, internal) = match model.selector {
-        FunctionSelector::LeafInternal { leaf, internal } => (leaf, internal),
-        FunctionSelector::Single(f) => (f, f),
-    };
-    let mut cells = Vec::with_capacity(2);
-    for f in [leaf, internal] {
-        let func = model.functions.get(f).ok_or_else(|| {
-            model_err(format!(
-                "the selector names function {f}, which does not exist"
-            ))
-        })?;
-        let (Some(scatter), Some(push)) = (func.scatter, func.push) else {
-            return Err(model_err(format!(
-                "function `{}` must scatter a state and push a value to be compiled",
-                func.name
-            )));
-        };
-        cells.push((f, lower(&func.forward, &[scatter, push])?));
-    }
-    let internal_cell = cells.pop().ok_or_else(|| model_err("no internal cell"))?;
-    let leaf_cell = cells.pop().ok_or_else(|| model_err("no leaf cell"))?;
-    Ok([leaf_cell, internal_cell])
-}
-
-/// Rows of the embedding tables `program` reads, if any.
-fn embedding_rows(program: &CellProgram, model: &Model) -> Option<usize> {
-    program.vectors.iter().find_map(|v| match v.expr {
-        VecExpr::Embedding { table } => model
-            .params
-            .get(table)
-            .and_then(|p| p.shape.first().copied()),
-        _ => None,
-    })
-}
-
 /// Launches a table kernel (`cortex_leaf_table`, `cortex_token_table`):
 /// `kernel(params, tables..., vocab)` with a warp per unit of the cell and
 /// up to 64 tokens at a time per unit.
@@ -248,13 +211,12 @@ impl CompiledEngine {
             .clone()
             .or_else(crate::cache::default_cache_dir);
         let cache = KernelCache::for_device(&device, dir)?;
-        let [(leaf_f, leaf), (internal_f, mut internal)] = lower_model(model)?;
-        let logits = model
-            .head
-            .logits
-            .ok_or_else(|| model_err("the head computes no scores"))?;
-        let head = lower(&model.head.forward, &[logits])?;
-        let vocab = embedding_rows(&leaf, model).or_else(|| embedding_rows(&internal, model));
+        let ModelCells {
+            leaf: (leaf_f, leaf),
+            internal: (internal_f, mut internal),
+            head,
+            vocab,
+        } = lower_model(model)?;
         let schedule = CompiledSchedule {
             // a table needs a token to index it
             leaf_table: options.schedule.leaf_table && vocab.is_some(),
