@@ -68,7 +68,8 @@ struct TrainArgs {
     #[arg(long)]
     data: Option<PathBuf>,
     /// One of: treelstm (the reference child-sum model, root loss),
-    /// treelstm-nary (binary Tree-LSTM, loss at every node), treefc, lstm-lm;
+    /// treelstm-nary (binary Tree-LSTM, loss at every node), treefc, treegru
+    /// (child-sum TreeGRU), dagrnn (DAG-RNN over children), lstm-lm;
     /// CNNs on images: alexnet, vgg (vgg11, vgg13, vgg16, vgg19), resnet.
     #[arg(long, default_value = "treelstm-nary")]
     model: String,
