@@ -70,6 +70,10 @@ pub struct BenchArgs {
     /// With --engine compiled: resident blocks per multiprocessor at most.
     #[arg(long, default_value_t = 2)]
     blocks_per_sm: u32,
+    /// With --engine compiled: also time the batched engine on the same
+    /// batches and device and print the compiled engine's speed-up.
+    #[arg(long)]
+    compare_batched: bool,
     /// With --engine compiled: blocks in all at most.
     #[arg(long)]
     max_blocks: Option<u32>,

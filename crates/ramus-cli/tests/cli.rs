@@ -117,10 +117,17 @@ fn train_save_eval_on_built_in_data() {
         "2",
         "--reps",
         "3",
+        "--compare-batched",
     ]);
-    let line: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let line = &lines[0];
     assert_eq!(line["engine"], "compiled");
     assert!(line["infer_p99_ms"].as_f64().unwrap() >= line["infer_ms"].as_f64().unwrap());
+    assert_eq!(lines[1]["ratio"], "compiled_vs_batched");
+    assert!(lines[1]["speedup"].as_f64().unwrap() > 0.0);
     // predictions: the compiled engine from a file, the batched one from standard input
     let predict = |engine: &str, from_stdin: bool| -> Vec<serde_json::Value> {
         let mut args = vec![

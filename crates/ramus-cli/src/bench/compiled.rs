@@ -69,11 +69,53 @@ pub(super) fn run(
         Device::Cpu => run_cpu(a, model, params, trees, sizes)?,
         Device::Cuda => run_cuda(a, model, params, trees, sizes)?,
     };
+    if a.compare_batched {
+        compare_with_batched(a, model, params, trees, &last)?;
+    }
     if let Some(anchor) = &a.anchor {
         if a.model != "treelstm" {
             return Err("the PyTorch anchor runs the reference treelstm only".into());
         }
         run_anchor(a, anchor, &last)?;
+    }
+    Ok(())
+}
+
+/// Times the batched engine's inference on the same batches and device and
+/// prints its median and the compiled engine's speed-up over it.
+fn compare_with_batched(
+    a: &BenchArgs,
+    model: &Model,
+    params: &Params<f32>,
+    trees: &[InputGraph],
+    compiled: &[serde_json::Value],
+) -> AnyResult {
+    // the batched engine as `ramus bench` runs it (per-token tables on the CPU)
+    let vocab = model
+        .settings
+        .get("vocab")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let (mut engine, _) = super::bench_engine(a, model, params, vocab)?;
+    let engine = engine.engine();
+    for line in compiled {
+        let bs = line["batch"].as_u64().unwrap_or(1) as usize;
+        let batch: Vec<&InputGraph> = trees[..bs].iter().collect();
+        let times = samples(a.reps, || {
+            let b = ramus_cpu::Batch::new(model, batch.clone(), ramus_graph::BatchingPolicy::Cavs)?;
+            engine.forward(model, params, &b, ramus_cpu::Mode::Infer)?;
+            Ok(())
+        })?;
+        let batched_ms = percentile_ms(&times, 50.0);
+        let compiled_ms = line["infer_ms"].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "{}",
+            serde_json::json!({
+                "ratio": "compiled_vs_batched", "model": a.model, "hidden": a.hidden, "batch": bs,
+                "engine": engine.name(), "batched_infer_ms": batched_ms,
+                "speedup": ((batched_ms / compiled_ms) * 100.0).round() / 100.0,
+            })
+        );
     }
     Ok(())
 }
