@@ -73,6 +73,10 @@ pub struct CompiledOptions {
     /// Blocks in all at most (`None`: as many as fit and the widest level
     /// can use).
     pub max_blocks: Option<u32>,
+    /// Time each launch with device events
+    /// ([`CompiledEngine::last_kernel_seconds`]); off by default: two event
+    /// records per batch.
+    pub time_kernel: bool,
 }
 
 impl Default for CompiledOptions {
@@ -84,6 +88,7 @@ impl Default for CompiledOptions {
             block_threads: None,
             blocks_per_sm: 2,
             max_blocks: None,
+            time_kernel: false,
         }
     }
 }
@@ -154,9 +159,9 @@ pub struct CompiledEngine {
     setup_seconds: f64,
     leaf_table_seconds: f64,
     last_enqueue_seconds: f64,
-    /// Recorded around each launch, for the kernel's own time.
-    kernel_events: (CudaEvent, CudaEvent),
-    last_kernel_seconds: f64,
+    /// Recorded around each launch for the kernel's own time, if asked for.
+    kernel_events: Option<(CudaEvent, CudaEvent)>,
+    last_kernel_seconds: Option<f64>,
 }
 
 fn model_err(message: impl Into<String>) -> CudaError {
@@ -361,10 +366,14 @@ impl CompiledEngine {
                 .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                 .in_call("cuEventCreate")
         };
-        let kernel_events = (timed()?, timed()?);
+        let kernel_events = if options.time_kernel {
+            Some((timed()?, timed()?))
+        } else {
+            None
+        };
         Ok(CompiledEngine {
             kernel_events,
-            last_kernel_seconds: 0.0,
+            last_kernel_seconds: None,
             cache,
             levels,
             staging,
@@ -427,8 +436,9 @@ impl CompiledEngine {
         self.last_enqueue_seconds
     }
 
-    /// Device seconds of the last [`infer`](Self::infer)'s kernel.
-    pub fn last_kernel_seconds(&self) -> f64 {
+    /// Device seconds of the last [`infer`](Self::infer)'s kernel (with
+    /// [`CompiledOptions::time_kernel`]).
+    pub fn last_kernel_seconds(&self) -> Option<f64> {
         self.last_kernel_seconds
     }
 
@@ -537,10 +547,9 @@ impl CompiledEngine {
             block_dim: (self.block, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.kernel_events
-            .0
-            .record(&stream)
-            .in_call("cuEventRecord")?;
+        if let Some((start, _)) = &self.kernel_events {
+            start.record(&stream).in_call("cuEventRecord")?;
+        }
         // SAFETY: the arguments match `cortex_levels`' parameters in order;
         // state and pushed buffers have a row per node, scratch a row per
         // internal node, scores a row per
@@ -550,17 +559,17 @@ impl CompiledEngine {
         // barrier cannot deadlock.
         unsafe { launch.launch_cooperative(cfg) }
             .in_call("cuLaunchCooperativeKernel(cortex_levels)")?;
-        self.kernel_events
-            .1
-            .record(&stream)
-            .in_call("cuEventRecord")?;
+        if let Some((_, end)) = &self.kernel_events {
+            end.record(&stream).in_call("cuEventRecord")?;
+        }
         self.last_enqueue_seconds = started.elapsed().as_secs_f64();
         let out = self
             .staging
             .download_to_vec(scores.slice(0..roots * self.classes)?, &stream)?;
-        let (start, end) = &self.kernel_events;
-        self.last_kernel_seconds =
-            f64::from(start.elapsed_ms(end).in_call("cuEventElapsedTime")?) / 1e3;
+        if let Some((start, end)) = &self.kernel_events {
+            let ms = start.elapsed_ms(end).in_call("cuEventElapsedTime")?;
+            self.last_kernel_seconds = Some(f64::from(ms) / 1e3);
+        }
         Ok(CompiledOutput {
             scores: out,
             classes: self.classes,

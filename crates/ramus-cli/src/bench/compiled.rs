@@ -220,6 +220,7 @@ fn run_cuda(
             block_threads: a.block_threads,
             blocks_per_sm: a.blocks_per_sm,
             max_blocks: a.max_blocks,
+            time_kernel: true,
             ..CompiledOptions::default()
         };
         let mut engine = CompiledEngine::new(model, params, &options)?;
@@ -239,7 +240,7 @@ fn run_cuda(
             engine.infer(batch)?;
             Ok(Some(serde_json::json!({
                 "infer_enqueue_ms": (engine.last_enqueue_seconds() * 1e6).round() / 1e3,
-                "kernel_ms": (engine.last_kernel_seconds() * 1e6).round() / 1e3,
+                "kernel_ms": engine.last_kernel_seconds().map(|k| (k * 1e6).round() / 1e3),
                 "kernels_per_batch": 1,
             })))
         })?;
