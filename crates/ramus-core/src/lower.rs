@@ -471,7 +471,7 @@ pub fn scalar_deps(e: &ScalarExpr) -> Vec<ScalarId> {
 }
 
 /// The vectors vector expression `e` reads.
-fn vec_deps(e: &VecExpr) -> Vec<VecId> {
+pub fn vec_deps(e: &VecExpr) -> Vec<VecId> {
     match e {
         VecExpr::Slice { src, .. } | VecExpr::SumChildren(src) | VecExpr::Parent(src) => {
             vec![*src]

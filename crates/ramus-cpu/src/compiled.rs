@@ -16,7 +16,7 @@
 //! passes split over a spinning helper thread.
 
 use ramus_core::graph::ValueType;
-use ramus_core::lower::{lower_model, CellProgram, ChildRef, ScalarExpr, Scope, VecExpr};
+use ramus_core::lower::{lower_model, vec_deps, CellProgram, ChildRef, ScalarExpr, Scope, VecExpr};
 use ramus_core::op::{Arg, ArgData, KernelCtx, OpDef};
 use ramus_core::ops::matmul::{gemm_packed, PackedB, PACKED_MAX_M};
 use ramus_core::parallel::SpinHelper;
@@ -89,6 +89,9 @@ struct Cell {
     product: Vec<f32>,
     /// Per-row scratch of a multi-stage cell (rows × scratch width).
     scratch: Vec<f32>,
+    /// Child-state vectors read only through slices: never materialized,
+    /// the slices copy their columns from the child rows directly.
+    sliced_only: Vec<bool>,
     /// Hoisted token values, a row of `token_width` per token (empty
     /// without hoisting).
     token_table: Vec<f32>,
@@ -138,7 +141,28 @@ impl Cell {
                 packed,
             });
         }
+        // child states only sliced: the slices read the child rows
+        let mut sliced_only: Vec<bool> = program
+            .vectors
+            .iter()
+            .map(|v| matches!(v.expr, VecExpr::ChildState(_)))
+            .collect();
+        for v in &program.vectors {
+            if !matches!(v.expr, VecExpr::Slice { .. }) {
+                for d in vec_deps(&v.expr) {
+                    sliced_only[d] = false;
+                }
+            }
+        }
+        for s in &program.scalars {
+            match s.expr {
+                ScalarExpr::Dot { input, .. } => sliced_only[input] = false,
+                ScalarExpr::Read { src, .. } => sliced_only[src] = false,
+                _ => {}
+            }
+        }
         Ok(Cell {
+            sliced_only,
             vecs: vec![Block::default(); program.vectors.len()],
             scalars: vec![Block::default(); program.scalars.len()],
             program,
@@ -297,6 +321,7 @@ impl Cell {
                             }
                         }
                     }
+                    VecExpr::ChildState(_) if self.sliced_only[v] => {}
                     VecExpr::ChildState(ChildRef::Edge) => {
                         out.reset(edges, w);
                         for (e, &c) in edge_child.iter().enumerate() {
@@ -344,6 +369,32 @@ impl Cell {
                         }
                     }
                     VecExpr::Param(p) => out.set_broadcast(&params[*p][..w]),
+                    VecExpr::Slice { src, offset } if self.sliced_only[*src] => {
+                        // columns offset..offset + w of the child rows
+                        let off = *offset;
+                        let copy = |out: &mut Block, r: usize, c: u32| {
+                            let row = (level.child_row)(c);
+                            out.data[r * w..(r + 1) * w].copy_from_slice(&row[off..off + w]);
+                        };
+                        match prog.vectors[*src].expr {
+                            VecExpr::ChildState(ChildRef::Edge) => {
+                                out.reset(edges, w);
+                                for (e, &c) in edge_child.iter().enumerate() {
+                                    copy(out, e, c);
+                                }
+                            }
+                            VecExpr::ChildState(ChildRef::Index(k)) => {
+                                out.reset_zeroed(rows, w);
+                                for r in 0..rows {
+                                    let (a, b) = (offsets[r] as usize, offsets[r + 1] as usize);
+                                    if a + k < b {
+                                        copy(out, r, edge_child[a + k]);
+                                    }
+                                }
+                            }
+                            _ => return Err(err("a direct slice of a non-child vector")),
+                        }
+                    }
                     VecExpr::Slice { src, offset } => {
                         let s = &before[*src];
                         if s.broadcast {
