@@ -35,7 +35,7 @@ use ramus_core::ops::{
     BatchNorm, BatchNormBackwardGamma, BatchNormBackwardInput, BatchNormInference,
     BatchNormInferenceBackwardInput, BatchNormInferenceBackwardParam, ChannelBroadcast, ChannelSum,
     Conv2d, Conv2dBackwardInput, Conv2dBackwardWeight, Conv2dGeom, GlobalAvgPool,
-    GlobalAvgPoolBackward, MaxPool2d, MaxPool2dBackward,
+    GlobalAvgPoolBackward, MaxPool2d, MaxPool2dBackward, NormGeom,
 };
 use ramus_cpu::Range;
 
@@ -65,6 +65,12 @@ fn rows_to_columns(channels: usize, positions: usize) -> Conv2dGeom {
     }
 }
 
+/// A convolution's `(K, P, O)`: patch rows, output positions per image and
+/// output channels.
+fn conv_dims(g: &Conv2dGeom) -> (usize, usize, usize) {
+    (g.patch_len(), g.out_h() * g.out_w(), g.out_channels)
+}
+
 impl CudaEngine {
     /// Runs node `n` if it is a CNN op; `Ok(false)` when it is not one.
     #[allow(clippy::too_many_arguments)] // as run_op: graph, node, buffers, rows, lane
@@ -89,6 +95,11 @@ impl CudaEngine {
             let space: Space = g.nodes[arg(i)].ty.space;
             let (lo, hi) = range.span(space);
             hi - lo
+        };
+        // batch normalisation once its coefficients are in `coef`: `y` is
+        // `x` (r rows) scaled and shifted per channel
+        let norm_affine = |y, x, coef, r, norm: &NormGeom| {
+            launcher.channel_affine(stream, y, x, coef, r, norm.channels, norm.spatial)
         };
         if let Some(Conv2d(geom)) = op.downcast_ref::<Conv2d>() {
             let bias = if node.inputs.len() > 2 {
@@ -129,7 +140,7 @@ impl CudaEngine {
             if r > 0 {
                 let coef = self.workspace(lane, 2 * norm.channels)?;
                 launcher.batch_norm_coef(stream, coef, x, fv(1)?, fv(2)?, r, norm)?;
-                launcher.channel_affine(stream, out()?, x, coef, r, norm.channels, norm.spatial)?;
+                norm_affine(out()?, x, coef, r, norm)?;
             }
         } else if let Some(BatchNormBackwardInput(norm)) =
             op.downcast_ref::<BatchNormBackwardInput>()
@@ -166,7 +177,7 @@ impl CudaEngine {
                     fv(4)?,
                     norm,
                 )?;
-                launcher.channel_affine(stream, out()?, x, coef, r, norm.channels, norm.spatial)?;
+                norm_affine(out()?, x, coef, r, norm)?;
             }
         } else if let Some(BatchNormInferenceBackwardInput(norm)) =
             op.downcast_ref::<BatchNormInferenceBackwardInput>()
@@ -184,15 +195,7 @@ impl CudaEngine {
                     fv(1)?,
                     norm,
                 )?;
-                launcher.channel_affine(
-                    stream,
-                    out()?,
-                    fv(2)?,
-                    coef,
-                    r,
-                    norm.channels,
-                    norm.spatial,
-                )?;
+                norm_affine(out()?, fv(2)?, coef, r, norm)?;
             }
         } else if let Some(p) = op.downcast_ref::<BatchNormInferenceBackwardParam>() {
             // inputs: x, gamma, mean, var, dy
@@ -231,6 +234,21 @@ impl CudaEngine {
         (self.conv_workspace / per_image.max(1)).clamp(1, rows.max(1))
     }
 
+    /// The strided-batched product `c = a · b` (per `gemm` and `batch`) on
+    /// `lane`'s cuBLAS handle, counted as a launch.
+    fn strided_product(
+        &self,
+        lane: &Lane,
+        gemm: &Gemm,
+        batch: &StridedBatch,
+        [a, b]: [DeviceView<f32>; 2],
+        c: DeviceView<f32>,
+    ) -> Result<()> {
+        lane.blas.sgemm_strided_batched(gemm, batch, a, b, c)?;
+        self.launcher.count();
+        Ok(())
+    }
+
     /// `y = conv2d(x, w) (+ bias)` over `rows` image rows.
     fn conv2d(
         &self,
@@ -245,11 +263,7 @@ impl CudaEngine {
             return Ok(());
         }
         let stream = &*lane.stream;
-        let (k, p, o) = (
-            geom.patch_len(),
-            geom.out_h() * geom.out_w(),
-            geom.out_channels,
-        );
+        let (k, p, o) = conv_dims(geom);
         let (in_len, out_len) = (geom.in_len(), geom.out_len());
         let beta = match bias {
             Some(b) => {
@@ -270,9 +284,7 @@ impl CudaEngine {
             stride_c: o * p,
         };
         if pointwise(geom) {
-            lane.blas
-                .sgemm_strided_batched(&gemm, &batch(rows), w, x, y)?;
-            self.launcher.count();
+            self.strided_product(lane, &gemm, &batch(rows), [w, x], y)?;
             return Ok(());
         }
         let chunk = self.chunk_images(k * p, rows);
@@ -283,9 +295,7 @@ impl CudaEngine {
             let ys = y.slice(r0 * out_len..(r0 + nb) * out_len)?;
             self.launcher
                 .im2col(stream, cols, xs, geom, nb, ColumnLayout::per_image(k, p))?;
-            lane.blas
-                .sgemm_strided_batched(&gemm, &batch(nb), w, cols, ys)?;
-            self.launcher.count();
+            self.strided_product(lane, &gemm, &batch(nb), [w, cols], ys)?;
         }
         Ok(())
     }
@@ -304,11 +314,7 @@ impl CudaEngine {
             return Ok(());
         }
         let stream = &*lane.stream;
-        let (k, p, o) = (
-            geom.patch_len(),
-            geom.out_h() * geom.out_w(),
-            geom.out_channels,
-        );
+        let (k, p, o) = conv_dims(geom);
         let (in_len, out_len) = (geom.in_len(), geom.out_len());
         // cols_r [K, P] = Wᵀ [K, O] · dY_r [O, P] (W stored [O, K])
         let gemm = Gemm {
@@ -323,9 +329,7 @@ impl CudaEngine {
         };
         if pointwise(geom) {
             // the columns are the input gradient itself
-            lane.blas
-                .sgemm_strided_batched(&gemm, &batch(rows), w, dy, dx)?;
-            self.launcher.count();
+            self.strided_product(lane, &gemm, &batch(rows), [w, dy], dx)?;
             return Ok(());
         }
         let chunk = self.chunk_images(k * p, rows);
@@ -334,9 +338,7 @@ impl CudaEngine {
             let nb = chunk.min(rows - r0);
             let dys = dy.slice(r0 * out_len..(r0 + nb) * out_len)?;
             let dxs = dx.slice(r0 * in_len..(r0 + nb) * in_len)?;
-            lane.blas
-                .sgemm_strided_batched(&gemm, &batch(nb), w, dys, cols)?;
-            self.launcher.count();
+            self.strided_product(lane, &gemm, &batch(nb), [w, dys], cols)?;
             self.launcher
                 .col2im(stream, dxs, cols, geom, nb, ColumnLayout::per_image(k, p))?;
         }
@@ -354,11 +356,7 @@ impl CudaEngine {
         dw: DeviceView<f32>,
     ) -> Result<()> {
         let stream = &*lane.stream;
-        let (k, p, o) = (
-            geom.patch_len(),
-            geom.out_h() * geom.out_w(),
-            geom.out_channels,
-        );
+        let (k, p, o) = conv_dims(geom);
         if dw.len() < o * k {
             return Err(model_err(format!(
                 "conv2d_backward_weight: the output holds {} floats, needs {}",

@@ -5,7 +5,7 @@
 //! divides by a zero stride or scans an empty window) and that each view
 //! holds what the kernel touches.
 
-use cudarc::driver::{CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg};
 
 use ramus_core::ops::{Conv2dGeom, NormGeom, NormParam, Pool2dGeom};
 
@@ -116,6 +116,18 @@ fn holds<T: crate::pool::DeviceScalar>(
     Ok(())
 }
 
+/// Checks that the input `x` and the output gradient `dy` each hold
+/// `total` elements.
+fn holds_input_and_gradient(
+    x: &DeviceView<f32>,
+    dy: &DeviceView<f32>,
+    total: usize,
+    op: &str,
+) -> Result<()> {
+    holds(x, total, "the input", op)?;
+    holds(dy, total, "the output gradient", op)
+}
+
 /// `a * b`, an error instead of an overflow.
 fn mul(a: usize, b: usize, op: &str) -> Result<usize> {
     a.checked_mul(b)
@@ -216,6 +228,45 @@ fn per_channel_cfg(channels: u32) -> LaunchConfig {
 }
 
 impl Launcher {
+    /// Launches `launch` over `cfg` (`call` names it in errors) and counts
+    /// the launch.
+    ///
+    /// # Safety
+    ///
+    /// As for [`LaunchArgs::launch`]: the arguments pushed onto `launch`
+    /// match its kernel, and every view among them holds what the kernel
+    /// touches under `cfg`.
+    unsafe fn launch_counted(
+        &self,
+        launch: &mut LaunchArgs<'_>,
+        cfg: LaunchConfig,
+        call: &'static str,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract above.
+        unsafe { launch.launch(cfg) }.in_call(call)?;
+        self.count();
+        Ok(())
+    }
+
+    /// Checks that the per-channel output `out` holds `channels` elements
+    /// and, when there are no rows, fills them with zeros: `Ok(true)` then
+    /// (nothing left to launch).
+    fn zeros_without_rows(
+        &self,
+        stream: &CudaStream,
+        out: DeviceView<f32>,
+        channels: usize,
+        rows: usize,
+        op: &str,
+    ) -> Result<bool> {
+        holds(&out, channels, "the output", op)?;
+        if rows == 0 {
+            self.fill(stream, out.slice(0..channels)?, 0.0)?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
     /// Lowers `images` images (rows of `C*H*W` in `x`) to convolution
     /// columns in `cols`, laid out as `layout` says (`K = C*kh*kw` patch
     /// rows of `P = Ho*Wo` positions per image; 0 where a tap falls in the
@@ -311,9 +362,7 @@ impl Launcher {
             .arg(&ld);
         // SAFETY: arguments match the kernel; `x` holds `images` rows and
         // `cols` every entry of the layout (checked by the callers).
-        unsafe { launch.launch(elementwise_cfg(total)) }.in_call(call)?;
-        self.count();
-        Ok(())
+        unsafe { self.launch_counted(&mut launch, elementwise_cfg(total), call) }
     }
 
     /// Max pooling of `rows` image rows of `x` into `y`.
@@ -342,10 +391,13 @@ impl Launcher {
             .arg(&r);
         // SAFETY: arguments match the kernel; sizes checked above; the
         // geometry is valid, so every window holds a pixel.
-        unsafe { launch.launch(elementwise_cfg(total)) }
-            .in_call("cuLaunchKernel(ramus_max_pool2d)")?;
-        self.count();
-        Ok(())
+        unsafe {
+            self.launch_counted(
+                &mut launch,
+                elementwise_cfg(total),
+                "cuLaunchKernel(ramus_max_pool2d)",
+            )
+        }
     }
 
     /// The gradient of max pooling: `dx` (rows of `C*H*W`) from the forward
@@ -384,10 +436,13 @@ impl Launcher {
             .arg(&g)
             .arg(&r);
         // SAFETY: arguments match the kernel; sizes checked above.
-        unsafe { launch.launch(elementwise_cfg(total)) }
-            .in_call("cuLaunchKernel(ramus_max_pool2d_backward)")?;
-        self.count();
-        Ok(())
+        unsafe {
+            self.launch_counted(
+                &mut launch,
+                elementwise_cfg(total),
+                "cuLaunchKernel(ramus_max_pool2d_backward)",
+            )
+        }
     }
 
     /// `y[r, c] = mean over the positions of x[r, c]` (rows `[C*S]` → `[C]`).
@@ -417,10 +472,13 @@ impl Launcher {
             .arg(&c)
             .arg(&s);
         // SAFETY: arguments match the kernel; sizes checked above.
-        unsafe { launch.launch(elementwise_cfg(total)) }
-            .in_call("cuLaunchKernel(ramus_global_avg_pool)")?;
-        self.count();
-        Ok(())
+        unsafe {
+            self.launch_counted(
+                &mut launch,
+                elementwise_cfg(total),
+                "cuLaunchKernel(ramus_global_avg_pool)",
+            )
+        }
     }
 
     /// `dx[r, c, j] = dy[r, c] / S`.
@@ -503,9 +561,7 @@ impl Launcher {
         // SAFETY: the kernel takes (out, in, rows, channels, spatial) and
         // writes `total` elements of `out`, reading inside `input.1`
         // elements of the input (sizes checked above).
-        unsafe { launch.launch(elementwise_cfg(total)) }.in_call(call)?;
-        self.count();
-        Ok(())
+        unsafe { self.launch_counted(&mut launch, elementwise_cfg(total), call) }
     }
 
     /// `y = x * coef[2c] + coef[2c + 1]` per channel (batch normalisation
@@ -540,10 +596,13 @@ impl Launcher {
             .arg(&c)
             .arg(&s);
         // SAFETY: arguments match the kernel; sizes checked above.
-        unsafe { launch.launch(elementwise_cfg(total)) }
-            .in_call("cuLaunchKernel(ramus_channel_affine)")?;
-        self.count();
-        Ok(())
+        unsafe {
+            self.launch_counted(
+                &mut launch,
+                elementwise_cfg(total),
+                "cuLaunchKernel(ramus_channel_affine)",
+            )
+        }
     }
 
     /// `out[c] = Σ x[r, c, j]` over `rows` rows and the positions (summed
@@ -559,9 +618,8 @@ impl Launcher {
     ) -> Result<()> {
         const OP: &str = "channel_sum";
         let (c, s) = channel_dims(channels, spatial, OP)?;
-        holds(&out, channels, "the output", OP)?;
-        if rows == 0 {
-            return self.fill(stream, out.slice(0..channels)?, 0.0);
+        if self.zeros_without_rows(stream, out, channels, rows, OP)? {
+            return Ok(());
         }
         holds(
             &x,
@@ -579,10 +637,13 @@ impl Launcher {
             .arg(&s);
         // SAFETY: arguments match the kernel (one block per channel);
         // sizes checked above.
-        unsafe { launch.launch(per_channel_cfg(c)) }
-            .in_call("cuLaunchKernel(ramus_channel_sum)")?;
-        self.count();
-        Ok(())
+        unsafe {
+            self.launch_counted(
+                &mut launch,
+                per_channel_cfg(c),
+                "cuLaunchKernel(ramus_channel_sum)",
+            )
+        }
     }
 
     /// Training batch normalisation's per-channel `(a, b)` (`y = x·a + b`)
@@ -625,10 +686,13 @@ impl Launcher {
             .arg(&norm.eps);
         // SAFETY: arguments match the kernel (one block per channel);
         // sizes checked above.
-        unsafe { launch.launch(per_channel_cfg(c)) }
-            .in_call("cuLaunchKernel(ramus_batch_norm_coef)")?;
-        self.count();
-        Ok(())
+        unsafe {
+            self.launch_counted(
+                &mut launch,
+                per_channel_cfg(c),
+                "cuLaunchKernel(ramus_batch_norm_coef)",
+            )
+        }
     }
 
     /// Training batch normalisation's input gradient: per-channel
@@ -653,8 +717,7 @@ impl Launcher {
             return Ok(());
         }
         holds(&coef, 3 * norm.channels, "the coefficients", OP)?;
-        holds(&x, total, "the input", OP)?;
-        holds(&dy, total, "the output gradient", OP)?;
+        holds_input_and_gradient(&x, &dy, total, OP)?;
         holds(&dx, total, "the output", OP)?;
         holds(&gamma, norm.channels, "gamma", OP)?;
         let r = reduction_rows(rows, norm.spatial, OP)?;
@@ -670,9 +733,13 @@ impl Launcher {
             .arg(&norm.eps);
         // SAFETY: arguments match the kernel (one block per channel);
         // sizes checked above.
-        unsafe { launch.launch(per_channel_cfg(c)) }
-            .in_call("cuLaunchKernel(ramus_batch_norm_backward_coef)")?;
-        self.count();
+        unsafe {
+            self.launch_counted(
+                &mut launch,
+                per_channel_cfg(c),
+                "cuLaunchKernel(ramus_batch_norm_backward_coef)",
+            )
+        }?;
         let mut launch = stream.launch_builder(self.function(Builtin::BatchNormBackwardApply));
         launch
             .arg(dx.kernel_arg())
@@ -683,10 +750,13 @@ impl Launcher {
             .arg(&c)
             .arg(&s);
         // SAFETY: arguments match the kernel; sizes checked above.
-        unsafe { launch.launch(elementwise_cfg(total)) }
-            .in_call("cuLaunchKernel(ramus_batch_norm_backward_apply)")?;
-        self.count();
-        Ok(())
+        unsafe {
+            self.launch_counted(
+                &mut launch,
+                elementwise_cfg(total),
+                "cuLaunchKernel(ramus_batch_norm_backward_apply)",
+            )
+        }
     }
 
     /// Training batch normalisation's gamma gradient `Σ dy·x̂` per channel
@@ -703,13 +773,11 @@ impl Launcher {
     ) -> Result<()> {
         const OP: &str = "batch_norm_backward_gamma";
         let (c, s) = norm_dims(norm, OP)?;
-        holds(&out, norm.channels, "the output", OP)?;
-        if rows == 0 {
-            return self.fill(stream, out.slice(0..norm.channels)?, 0.0);
+        if self.zeros_without_rows(stream, out, norm.channels, rows, OP)? {
+            return Ok(());
         }
         let total = mul(rows, norm.channels * norm.spatial, OP)?;
-        holds(&x, total, "the input", OP)?;
-        holds(&dy, total, "the output gradient", OP)?;
+        holds_input_and_gradient(&x, &dy, total, OP)?;
         let r = reduction_rows(rows, norm.spatial, OP)?;
         let mut launch = stream.launch_builder(self.function(Builtin::BatchNormBackwardGamma));
         launch
@@ -722,10 +790,13 @@ impl Launcher {
             .arg(&norm.eps);
         // SAFETY: arguments match the kernel (one block per channel);
         // sizes checked above.
-        unsafe { launch.launch(per_channel_cfg(c)) }
-            .in_call("cuLaunchKernel(ramus_batch_norm_backward_gamma)")?;
-        self.count();
-        Ok(())
+        unsafe {
+            self.launch_counted(
+                &mut launch,
+                per_channel_cfg(c),
+                "cuLaunchKernel(ramus_batch_norm_backward_gamma)",
+            )
+        }
     }
 
     /// Inference batch normalisation's per-channel `(a, b)` into `coef`
@@ -766,10 +837,13 @@ impl Launcher {
         launch.arg(var.kernel_arg()).arg(&c).arg(&norm.eps);
         // SAFETY: arguments match the kernel (null pointers for absent
         // beta / mean, which it checks); sizes checked above.
-        unsafe { launch.launch(elementwise_cfg(norm.channels)) }
-            .in_call("cuLaunchKernel(ramus_batch_norm_inference_coef)")?;
-        self.count();
-        Ok(())
+        unsafe {
+            self.launch_counted(
+                &mut launch,
+                elementwise_cfg(norm.channels),
+                "cuLaunchKernel(ramus_batch_norm_inference_coef)",
+            )
+        }
     }
 
     /// The gradient of inference batch normalisation for gamma, mean or var
@@ -786,13 +860,11 @@ impl Launcher {
     ) -> Result<()> {
         const OP: &str = "batch_norm_inference_backward";
         let (c, s) = norm_dims(norm, OP)?;
-        holds(&out, norm.channels, "the output", OP)?;
-        if rows == 0 {
-            return self.fill(stream, out.slice(0..norm.channels)?, 0.0);
+        if self.zeros_without_rows(stream, out, norm.channels, rows, OP)? {
+            return Ok(());
         }
         let total = mul(rows, norm.channels * norm.spatial, OP)?;
-        holds(&x, total, "the input", OP)?;
-        holds(&dy, total, "the output gradient", OP)?;
+        holds_input_and_gradient(&x, &dy, total, OP)?;
         for v in [&gamma, &mean, &var] {
             holds(v, norm.channels, "gamma, mean or var", OP)?;
         }
@@ -817,10 +889,13 @@ impl Launcher {
             .arg(&which);
         // SAFETY: arguments match the kernel (one block per channel);
         // sizes checked above.
-        unsafe { launch.launch(per_channel_cfg(c)) }
-            .in_call("cuLaunchKernel(ramus_batch_norm_inference_param)")?;
-        self.count();
-        Ok(())
+        unsafe {
+            self.launch_counted(
+                &mut launch,
+                per_channel_cfg(c),
+                "cuLaunchKernel(ramus_batch_norm_inference_param)",
+            )
+        }
     }
 }
 
