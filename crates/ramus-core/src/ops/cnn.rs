@@ -149,6 +149,31 @@ impl Conv2dGeom {
             self.padding
         )
     }
+    /// Names the image input in shape errors.
+    fn input_what(&self) -> String {
+        format!(
+            "input ({}x{}x{} image)",
+            self.in_channels, self.height, self.width
+        )
+    }
+    /// Scratch for one image's im2col matrix (empty when im2col is the identity).
+    fn cols_buffer<T: Real>(&self) -> Vec<T> {
+        if self.pointwise() {
+            Vec::new()
+        } else {
+            vec![T::ZERO; self.patch_len() * self.out_h() * self.out_w()]
+        }
+    }
+    /// One image `x` as the `[C*kh*kw, Ho*Wo]` GEMM operand: `x` itself when
+    /// im2col is the identity, otherwise lowered into `cols` (a [`Self::cols_buffer`]).
+    fn lowered<'a, T: Real>(&self, x: &'a [T], cols: &'a mut [T]) -> &'a [T] {
+        if self.pointwise() {
+            x
+        } else {
+            im2col(self, x, cols);
+            cols
+        }
+    }
     /// Multiply-adds of one row's product.
     fn macs(&self) -> usize {
         self.out_channels * self.patch_len() * self.out_h() * self.out_w()
@@ -235,6 +260,13 @@ impl Pool2dGeom {
             self.channels, self.height, self.width, self.kernel, self.stride, self.padding
         )
     }
+    /// Names the image input in shape errors.
+    fn input_what(&self) -> String {
+        format!(
+            "input ({}x{}x{} image)",
+            self.channels, self.height, self.width
+        )
+    }
 }
 
 /// Attributes of the batch-normalisation ops: channels, positions per
@@ -267,6 +299,18 @@ impl NormGeom {
     }
     fn len(&self) -> usize {
         self.channels * self.spatial
+    }
+    /// Names the input rows in the forward ops' shape errors.
+    fn input_what(&self) -> String {
+        format!("input ({} channels x {})", self.channels, self.spatial)
+    }
+    /// Cost over `rows` rows: `flops` and `words` (4-byte reads and writes)
+    /// per element of a row.
+    fn cost(&self, rows: usize, flops: usize, words: usize) -> Cost {
+        Cost {
+            flops: (flops * rows * self.len()) as f64,
+            bytes: 4.0 * (words * rows * self.len()) as f64,
+        }
     }
 }
 
@@ -301,6 +345,30 @@ fn same_space(a: &ValueType, b: &ValueType) -> std::result::Result<(), String> {
         return Err(format!("operands in different spaces: {a} vs {b}"));
     }
     Ok(())
+}
+
+/// `dy` is output-gradient rows of width `want` in the space of the forward
+/// input `x`.
+fn want_grad_rows(x: &ValueType, dy: &ValueType, want: usize) -> std::result::Result<(), String> {
+    want_rows(dy, want, "output gradient")?;
+    same_space(x, dy)
+}
+
+/// Shapes of the batch-norm gradient ops that read the forward input: input
+/// rows `[C*S]`, then static `[C]` operands named by `params`, then
+/// output-gradient rows `[C*S]` in the input's space.
+fn want_norm_grad(
+    n: &NormGeom,
+    inputs: &[&ValueType],
+    params: &[&str],
+) -> std::result::Result<(), String> {
+    n.validate()?;
+    want_arity(inputs, params.len() + 2)?;
+    want_rows(inputs[0], n.len(), "input")?;
+    for (t, what) in inputs[1..].iter().zip(params) {
+        want_channels(t, n.channels, what)?;
+    }
+    want_grad_rows(inputs[0], inputs[params.len() + 1], n.len())
 }
 
 /// The float data of argument `i`, checked to hold at least `len` elements.
@@ -350,6 +418,12 @@ fn check_out<T>(ctx: &KernelCtx<'_, T>, op: &str, len: usize) -> Result<()> {
     Ok(())
 }
 
+/// Gradient of a gradient op `op` that has none: records "second
+/// derivatives of `of` are not supported" on the builder.
+fn no_second_derivative(g: &mut GradCtx<'_>, op: &str, of: &str) {
+    g.b.fail(op, format!("second derivatives of {of} are not supported"));
+}
+
 /// Sets input `i`'s gradient to the static value `s`, reshaped to the
 /// input's shape when they differ (a `[1, C]` bias, a 4-D weight).
 fn set_static(g: &mut GradCtx<'_>, i: usize, s: Sym) {
@@ -363,26 +437,34 @@ fn set_static(g: &mut GradCtx<'_>, i: usize, s: Sym) {
 
 // ---------------------------------------------------------------- threads
 
-/// Runs `f(first_row, rows_chunk)` over `out` (`rows` rows of `row_len`),
-/// split over threads in contiguous row blocks when `work_per_row * rows`
-/// is large enough to pay for it.
-fn split_rows<T: Real>(
+/// Runs `f(scratch, row, out_row)` for each of the `rows` rows of `out`
+/// (each `row_len` long), split over threads in contiguous row blocks when
+/// `work_per_row * rows` is large enough to pay for it. Each block makes
+/// its own `scratch()` once and reuses it for its rows.
+fn split_rows<T: Real, S>(
     out: &mut [T],
     row_len: usize,
     rows: usize,
     work_per_row: usize,
-    f: impl Fn(usize, &mut [T]) + Sync,
+    scratch: impl Fn() -> S + Sync,
+    f: impl Fn(&mut S, usize, &mut [T]) + Sync,
 ) {
     let out = &mut out[..rows * row_len];
     if rows == 0 || row_len == 0 {
         return;
     }
+    let run_block = |r0: usize, chunk: &mut [T]| {
+        let mut sc = scratch();
+        for (i, o) in chunk.chunks_mut(row_len).enumerate() {
+            f(&mut sc, r0 + i, o);
+        }
+    };
     let threads = crate::parallel::threads();
     if threads > 1 && rows > 1 && rows.saturating_mul(work_per_row) >= 1 << 16 {
         let block = rows.div_ceil(threads);
-        crate::parallel::for_each_chunk_mut(out, block * row_len, |i, c| f(i * block, c));
+        crate::parallel::for_each_chunk_mut(out, block * row_len, |i, c| run_block(i * block, c));
     } else {
-        f(0, out);
+        run_block(0, out);
     }
 }
 
@@ -476,11 +558,7 @@ impl OpDef for Conv2d {
                 inputs.len()
             ));
         }
-        want_rows(
-            inputs[0],
-            g.in_len(),
-            &format!("input ({}x{}x{} image)", g.in_channels, g.height, g.width),
-        )?;
+        want_rows(inputs[0], g.in_len(), &g.input_what())?;
         g.check_weight(inputs[1])?;
         if let Some(b) = inputs.get(2) {
             want_channels(b, g.out_channels, "bias")?;
@@ -538,20 +616,14 @@ impl Kernel for Conv2d {
         };
         check_out(ctx, OP, rows * g.out_len())?;
         let in_len = g.in_len();
-        split_rows(ctx.out, g.out_len(), rows, g.macs(), |r0, chunk| {
-            let mut cols = if g.pointwise() {
-                Vec::new()
-            } else {
-                vec![T::ZERO; k * np]
-            };
-            for (i, out) in chunk.chunks_mut(o * np).enumerate() {
-                let xr = &x[(r0 + i) * in_len..(r0 + i + 1) * in_len];
-                let b: &[T] = if g.pointwise() {
-                    xr
-                } else {
-                    im2col(&g, xr, &mut cols);
-                    &cols
-                };
+        split_rows(
+            ctx.out,
+            g.out_len(),
+            rows,
+            g.macs(),
+            || g.cols_buffer(),
+            |cols, r, out| {
+                let b = g.lowered(&x[r * in_len..(r + 1) * in_len], cols);
                 // out [O, P] = W [O, K] · cols [K, P]
                 T::gemm(
                     o,
@@ -571,8 +643,8 @@ impl Kernel for Conv2d {
                         c.iter_mut().for_each(|v| *v += bv);
                     }
                 }
-            }
-        });
+            },
+        );
         Ok(())
     }
 }
@@ -623,16 +695,16 @@ impl Kernel for Conv2dBackwardInput {
         let w = floats(ctx, OP, 1, o * k)?;
         check_out(ctx, OP, rows * g.in_len())?;
         let in_len = g.in_len();
-        split_rows(ctx.out, in_len, rows, g.macs(), |r0, chunk| {
-            let mut cols = if g.pointwise() {
-                Vec::new()
-            } else {
-                vec![T::ZERO; k * np]
-            };
-            for (i, dx) in chunk.chunks_mut(in_len).enumerate() {
-                let dyr = &dy[(r0 + i) * o * np..(r0 + i + 1) * o * np];
+        split_rows(
+            ctx.out,
+            in_len,
+            rows,
+            g.macs(),
+            || g.cols_buffer(),
+            |cols, r, dx| {
+                let dyr = &dy[r * o * np..(r + 1) * o * np];
                 // cols [K, P] = Wᵀ [K, O] · dY [O, P]
-                let dst: &mut [T] = if g.pointwise() { dx } else { &mut cols };
+                let dst: &mut [T] = if g.pointwise() { dx } else { cols };
                 T::gemm(
                     k,
                     o,
@@ -647,10 +719,10 @@ impl Kernel for Conv2dBackwardInput {
                     np as isize,
                 );
                 if !g.pointwise() {
-                    col2im(&g, &cols, dx);
+                    col2im(&g, cols, dx);
                 }
-            }
-        });
+            },
+        );
         Ok(())
     }
 }
@@ -675,13 +747,8 @@ impl OpDef for Conv2dBackwardWeight {
         let g = &self.0;
         g.validate()?;
         want_arity(inputs, 2)?;
-        want_rows(
-            inputs[0],
-            g.in_len(),
-            &format!("input ({}x{}x{} image)", g.in_channels, g.height, g.width),
-        )?;
-        want_rows(inputs[1], g.out_len(), "output gradient")?;
-        same_space(inputs[0], inputs[1])?;
+        want_rows(inputs[0], g.in_len(), &g.input_what())?;
+        want_grad_rows(inputs[0], inputs[1], g.out_len())?;
         Ok(ValueType::fixed(&[g.out_channels, g.patch_len()]))
     }
     fn gradient(&self, g: &mut GradCtx<'_>) {
@@ -712,19 +779,9 @@ impl Kernel for Conv2dBackwardWeight {
         // dW [O, K] += dY_r [O, P] · cols_rᵀ [P, K] for rows r0..r1
         let accumulate = |r0: usize, r1: usize, dw: &mut [T]| {
             dw.iter_mut().for_each(|v| *v = T::ZERO);
-            let mut cols = if g.pointwise() {
-                Vec::new()
-            } else {
-                vec![T::ZERO; k * np]
-            };
+            let mut cols = g.cols_buffer();
             for r in r0..r1 {
-                let xr = &x[r * in_len..(r + 1) * in_len];
-                let b: &[T] = if g.pointwise() {
-                    xr
-                } else {
-                    im2col(&g, xr, &mut cols);
-                    &cols
-                };
+                let b = g.lowered(&x[r * in_len..(r + 1) * in_len], &mut cols);
                 T::gemm(
                     o,
                     np,
@@ -812,11 +869,7 @@ impl OpDef for MaxPool2d {
         let g = &self.0;
         g.validate()?;
         want_arity(inputs, 1)?;
-        want_rows(
-            inputs[0],
-            g.in_len(),
-            &format!("input ({}x{}x{} image)", g.channels, g.height, g.width),
-        )?;
+        want_rows(inputs[0], g.in_len(), &g.input_what())?;
         Ok(ValueType::rows(inputs[0].space, g.out_len()))
     }
     fn gradient(&self, g: &mut GradCtx<'_>) {
@@ -847,12 +900,17 @@ impl Kernel for MaxPool2d {
         let x = floats(ctx, OP, 0, rows * in_len)?;
         check_out(ctx, OP, rows * out_len)?;
         let work = out_len * g.kernel * g.kernel;
-        split_rows(ctx.out, out_len, rows, work, |r0, chunk| {
-            for (i, out) in chunk.chunks_mut(out_len).enumerate() {
-                let xr = &x[(r0 + i) * in_len..(r0 + i + 1) * in_len];
+        split_rows(
+            ctx.out,
+            out_len,
+            rows,
+            work,
+            || (),
+            |_, r, out| {
+                let xr = &x[r * in_len..(r + 1) * in_len];
                 pool_argmax(&g, xr, |o, a| out[o] = xr[a]);
-            }
-        });
+            },
+        );
         Ok(())
     }
 }
@@ -874,20 +932,12 @@ impl OpDef for MaxPool2dBackward {
         let g = &self.0;
         g.validate()?;
         want_arity(inputs, 2)?;
-        want_rows(
-            inputs[0],
-            g.in_len(),
-            &format!("input ({}x{}x{} image)", g.channels, g.height, g.width),
-        )?;
-        want_rows(inputs[1], g.out_len(), "output gradient")?;
-        same_space(inputs[0], inputs[1])?;
+        want_rows(inputs[0], g.in_len(), &g.input_what())?;
+        want_grad_rows(inputs[0], inputs[1], g.out_len())?;
         Ok(inputs[0].clone())
     }
     fn gradient(&self, g: &mut GradCtx<'_>) {
-        g.b.fail(
-            "max_pool2d_backward",
-            "second derivatives of max pooling are not supported",
-        );
+        no_second_derivative(g, "max_pool2d_backward", "max pooling");
     }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
         pool_cost(&self.0, rows)
@@ -907,17 +957,21 @@ impl Kernel for MaxPool2dBackward {
         let dy = floats(ctx, OP, 1, rows * out_len)?;
         check_out(ctx, OP, rows * in_len)?;
         let work = out_len * g.kernel * g.kernel;
-        split_rows(ctx.out, in_len, rows, work, |r0, chunk| {
-            for (i, dx) in chunk.chunks_mut(in_len).enumerate() {
-                let r = r0 + i;
+        split_rows(
+            ctx.out,
+            in_len,
+            rows,
+            work,
+            || (),
+            |_, r, dx| {
                 let (xr, dyr) = (
                     &x[r * in_len..(r + 1) * in_len],
                     &dy[r * out_len..(r + 1) * out_len],
                 );
                 dx.iter_mut().for_each(|v| *v = T::ZERO);
                 pool_argmax(&g, xr, |o, a| dx[a] += dyr[o]);
-            }
-        });
+            },
+        );
         Ok(())
     }
 }
@@ -1204,7 +1258,9 @@ fn channel_stats<T: Real>(n: &NormGeom, x: &[T], rows: usize) -> Vec<(f64, f64)>
     stats
 }
 
-/// Per-channel `(Σ dy, Σ dy·x̂)` over rows and positions.
+/// Per-channel `(Σ dy, Σ dy·x̂)` over rows and positions, with
+/// `x̂ = (x - mean)·inv` from `stats[ch] = (mean, inv)` (any centre and scale:
+/// the inference gradients pass the given means and a scale of 1).
 fn channel_grad_sums<T: Real>(
     n: &NormGeom,
     x: &[T],
@@ -1243,11 +1299,7 @@ impl OpDef for BatchNorm {
         let n = &self.0;
         n.validate()?;
         want_arity(inputs, 3)?;
-        want_rows(
-            inputs[0],
-            n.len(),
-            &format!("input ({} channels x {})", n.channels, n.spatial),
-        )?;
+        want_rows(inputs[0], n.len(), &n.input_what())?;
         want_channels(inputs[1], n.channels, "gamma")?;
         want_channels(inputs[2], n.channels, "beta")?;
         Ok(inputs[0].clone())
@@ -1267,10 +1319,7 @@ impl OpDef for BatchNorm {
         true
     }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
-        Cost {
-            flops: (6 * rows * self.0.len()) as f64,
-            bytes: 4.0 * (3 * rows * self.0.len()) as f64,
-        }
+        self.0.cost(rows, 6, 3)
     }
 }
 
@@ -1296,16 +1345,7 @@ impl Kernel for BatchNorm {
                 (T::from_f64(a), T::from_f64(bt.to_f64() - mean * a))
             })
             .collect();
-        split_rows(ctx.out, c * s, rows, c * s, |r0, chunk| {
-            for (i, out) in chunk.chunks_mut(c * s).enumerate() {
-                let xr = &x[(r0 + i) * c * s..(r0 + i + 1) * c * s];
-                for ((o, xs), &(a, b)) in out.chunks_mut(s).zip(xr.chunks(s)).zip(&ab) {
-                    for (o, &v) in o.iter_mut().zip(xs) {
-                        *o = v * a + b;
-                    }
-                }
-            }
-        });
+        channel_affine(ctx.out, x, s, &ab, rows);
         Ok(())
     }
 }
@@ -1324,29 +1364,17 @@ impl OpDef for BatchNormBackwardInput {
         self.0.attrs()
     }
     fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
-        let n = &self.0;
-        n.validate()?;
-        want_arity(inputs, 3)?;
-        want_rows(inputs[0], n.len(), "input")?;
-        want_channels(inputs[1], n.channels, "gamma")?;
-        want_rows(inputs[2], n.len(), "output gradient")?;
-        same_space(inputs[0], inputs[2])?;
+        want_norm_grad(&self.0, inputs, &["gamma"])?;
         Ok(inputs[0].clone())
     }
     fn gradient(&self, g: &mut GradCtx<'_>) {
-        g.b.fail(
-            "batch_norm_backward_input",
-            "second derivatives of batch normalisation are not supported",
-        );
+        no_second_derivative(g, "batch_norm_backward_input", "batch normalisation");
     }
     fn couples_rows(&self) -> bool {
         true
     }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
-        Cost {
-            flops: (12 * rows * self.0.len()) as f64,
-            bytes: 4.0 * (5 * rows * self.0.len()) as f64,
-        }
+        self.0.cost(rows, 12, 5)
     }
 }
 
@@ -1379,9 +1407,14 @@ impl Kernel for BatchNormBackwardInput {
                 (T::from_f64(k), T::from_f64(q), T::from_f64(p))
             })
             .collect();
-        split_rows(ctx.out, c * s, rows, c * s, |r0, chunk| {
-            for (i, out) in chunk.chunks_mut(c * s).enumerate() {
-                let o0 = (r0 + i) * c * s;
+        split_rows(
+            ctx.out,
+            c * s,
+            rows,
+            c * s,
+            || (),
+            |_, r, out| {
+                let o0 = r * c * s;
                 let (xr, dyr) = (&x[o0..o0 + c * s], &dy[o0..o0 + c * s]);
                 for (((o, xs), ds), &(k, q, p)) in out
                     .chunks_mut(s)
@@ -1393,8 +1426,8 @@ impl Kernel for BatchNormBackwardInput {
                         *o = k * d + xv * q + p;
                     }
                 }
-            }
-        });
+            },
+        );
         Ok(())
     }
 }
@@ -1412,25 +1445,14 @@ impl OpDef for BatchNormBackwardGamma {
         self.0.attrs()
     }
     fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
-        let n = &self.0;
-        n.validate()?;
-        want_arity(inputs, 2)?;
-        want_rows(inputs[0], n.len(), "input")?;
-        want_rows(inputs[1], n.len(), "output gradient")?;
-        same_space(inputs[0], inputs[1])?;
-        Ok(ValueType::fixed(&[n.channels]))
+        want_norm_grad(&self.0, inputs, &[])?;
+        Ok(ValueType::fixed(&[self.0.channels]))
     }
     fn gradient(&self, g: &mut GradCtx<'_>) {
-        g.b.fail(
-            "batch_norm_backward_gamma",
-            "second derivatives of batch normalisation are not supported",
-        );
+        no_second_derivative(g, "batch_norm_backward_gamma", "batch normalisation");
     }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
-        Cost {
-            flops: (8 * rows * self.0.len()) as f64,
-            bytes: 4.0 * (2 * rows * self.0.len()) as f64,
-        }
+        self.0.cost(rows, 8, 2)
     }
 }
 
@@ -1487,18 +1509,25 @@ fn inference_affine<T: Real>(
         .collect()
 }
 
+/// `out = x·a + b` per channel (`ab[ch] = (a, b)`) over `rows` rows of
+/// `[C*s]`, rows split over threads.
 fn channel_affine<T: Real>(out: &mut [T], x: &[T], s: usize, ab: &[(T, T)], rows: usize) {
     let len = s * ab.len();
-    split_rows(out, len, rows, len, |r0, chunk| {
-        for (i, o) in chunk.chunks_mut(len).enumerate() {
-            let xr = &x[(r0 + i) * len..(r0 + i + 1) * len];
+    split_rows(
+        out,
+        len,
+        rows,
+        len,
+        || (),
+        |_, r, o| {
+            let xr = &x[r * len..(r + 1) * len];
             for ((o, xs), &(a, b)) in o.chunks_mut(s).zip(xr.chunks(s)).zip(ab) {
                 for (o, &v) in o.iter_mut().zip(xs) {
                     *o = v * a + b;
                 }
             }
-        }
-    });
+        },
+    );
 }
 
 impl OpDef for BatchNormInference {
@@ -1512,11 +1541,7 @@ impl OpDef for BatchNormInference {
         let n = &self.0;
         n.validate()?;
         want_arity(inputs, 5)?;
-        want_rows(
-            inputs[0],
-            n.len(),
-            &format!("input ({} channels x {})", n.channels, n.spatial),
-        )?;
+        want_rows(inputs[0], n.len(), &n.input_what())?;
         for (t, what) in inputs[1..].iter().zip(["gamma", "beta", "mean", "var"]) {
             want_channels(t, n.channels, what)?;
         }
@@ -1543,10 +1568,7 @@ impl OpDef for BatchNormInference {
         }
     }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
-        Cost {
-            flops: (2 * rows * self.0.len()) as f64,
-            bytes: 4.0 * (2 * rows * self.0.len()) as f64,
-        }
+        self.0.cost(rows, 2, 2)
     }
 }
 
@@ -1590,9 +1612,10 @@ impl OpDef for BatchNormInferenceBackwardInput {
         Ok(inputs[2].clone())
     }
     fn gradient(&self, g: &mut GradCtx<'_>) {
-        g.b.fail(
+        no_second_derivative(
+            g,
             "batch_norm_inference_backward_input",
-            "second derivatives of batch normalisation are not supported",
+            "batch normalisation",
         );
     }
 }
@@ -1647,28 +1670,14 @@ impl OpDef for BatchNormInferenceBackwardParam {
         self.geom.attrs()
     }
     fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
-        let n = &self.geom;
-        n.validate()?;
-        want_arity(inputs, 5)?;
-        want_rows(inputs[0], n.len(), "input")?;
-        for (t, what) in inputs[1..4].iter().zip(["gamma", "mean", "var"]) {
-            want_channels(t, n.channels, what)?;
-        }
-        want_rows(inputs[4], n.len(), "output gradient")?;
-        same_space(inputs[0], inputs[4])?;
-        Ok(ValueType::fixed(&[n.channels]))
+        want_norm_grad(&self.geom, inputs, &["gamma", "mean", "var"])?;
+        Ok(ValueType::fixed(&[self.geom.channels]))
     }
     fn gradient(&self, g: &mut GradCtx<'_>) {
-        g.b.fail(
-            self.name(),
-            "second derivatives of batch normalisation are not supported",
-        );
+        no_second_derivative(g, self.name(), "batch normalisation");
     }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
-        Cost {
-            flops: (4 * rows * self.geom.len()) as f64,
-            bytes: 4.0 * (2 * rows * self.geom.len()) as f64,
-        }
+        self.geom.cost(rows, 4, 2)
     }
 }
 
@@ -1687,23 +1696,10 @@ impl Kernel for BatchNormInferenceBackwardParam {
         check_out(ctx, op, c)?;
         // validates the variances
         inference_affine(op, &n, gamma, None, mean, var)?;
-        let mut sums = vec![(0f64, 0f64); c];
-        for (xr, dr) in x.chunks(c * s).zip(dy.chunks(c * s)) {
-            for (ch, ((uv, xs), ds)) in sums
-                .iter_mut()
-                .zip(xr.chunks(s))
-                .zip(dr.chunks(s))
-                .enumerate()
-            {
-                let m = mean[ch].to_f64();
-                for (&xv, &d) in xs.iter().zip(ds) {
-                    let d = d.to_f64();
-                    uv.0 += d * (xv.to_f64() - m);
-                    uv.1 += d;
-                }
-            }
-        }
-        for (ch, (o, &(u, v))) in ctx.out.iter_mut().zip(&sums).enumerate() {
+        // (v, u) = (Σ dy, Σ dy·(x - mean)): unit scale in channel_grad_sums
+        let centre: Vec<(f64, f64)> = mean.iter().map(|m| (m.to_f64(), 1.0)).collect();
+        let sums = channel_grad_sums(&n, x, dy, rows, &centre);
+        for (ch, (o, &(v, u))) in ctx.out.iter_mut().zip(&sums).enumerate() {
             let ve = var[ch].to_f64() + n.eps;
             let gm = gamma[ch].to_f64();
             *o = T::from_f64(match self.param {
@@ -1793,15 +1789,22 @@ fn attrs_usize(attrs: &[f64], names: &[&str]) -> std::result::Result<Vec<usize>,
         .collect()
 }
 
+/// Optional attribute `i` (`default` when absent).
+fn opt_usize(
+    a: &[f64],
+    i: usize,
+    name: &str,
+    default: usize,
+) -> std::result::Result<usize, String> {
+    if a.len() > i {
+        super::usize_attr(a, i, name)
+    } else {
+        Ok(default)
+    }
+}
+
 pub(crate) fn conv_geom(a: &[f64]) -> std::result::Result<Conv2dGeom, String> {
     let v = attrs_usize(a, &["C", "H", "W", "O", "kh", "kw"])?;
-    let opt = |i: usize, name: &str, default: usize| {
-        if a.len() > i {
-            super::usize_attr(a, i, name)
-        } else {
-            Ok(default)
-        }
-    };
     let g = Conv2dGeom {
         in_channels: v[0],
         height: v[1],
@@ -1809,8 +1812,8 @@ pub(crate) fn conv_geom(a: &[f64]) -> std::result::Result<Conv2dGeom, String> {
         out_channels: v[3],
         kernel_h: v[4],
         kernel_w: v[5],
-        stride: opt(6, "stride", 1)?,
-        padding: opt(7, "padding", 0)?,
+        stride: opt_usize(a, 6, "stride", 1)?,
+        padding: opt_usize(a, 7, "padding", 0)?,
     };
     g.validate()?;
     Ok(g)
@@ -1818,20 +1821,13 @@ pub(crate) fn conv_geom(a: &[f64]) -> std::result::Result<Conv2dGeom, String> {
 
 pub(crate) fn pool_geom(a: &[f64]) -> std::result::Result<Pool2dGeom, String> {
     let v = attrs_usize(a, &["C", "H", "W", "kernel"])?;
-    let opt = |i: usize, name: &str, default: usize| {
-        if a.len() > i {
-            super::usize_attr(a, i, name)
-        } else {
-            Ok(default)
-        }
-    };
     let g = Pool2dGeom {
         channels: v[0],
         height: v[1],
         width: v[2],
         kernel: v[3],
-        stride: opt(4, "stride", v[3])?,
-        padding: opt(5, "padding", 0)?,
+        stride: opt_usize(a, 4, "stride", v[3])?,
+        padding: opt_usize(a, 5, "padding", 0)?,
     };
     g.validate()?;
     Ok(g)
