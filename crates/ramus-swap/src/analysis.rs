@@ -130,13 +130,18 @@ impl Analysis {
     /// Estimated seconds of the ops strictly between `after` and `before`
     /// (wrapping around the iteration when `after >= before`).
     pub fn time_between(&self, after: usize, before: usize) -> f64 {
-        let n = self.resident_bytes.len();
-        let total = self.op_start_s[n];
-        if after < before {
-            self.op_start_s[before] - self.op_start_s[after + 1]
-        } else {
-            (total - self.op_start_s[after + 1]) + self.op_start_s[before]
-        }
+        let total = self.op_start_s[self.resident_bytes.len()];
+        time_between(&self.op_start_s, total, after, before)
+    }
+}
+
+/// [`Analysis::time_between`] over op start times and the iteration's
+/// compute time `total`.
+fn time_between(op_start_s: &[f64], total: f64, after: usize, before: usize) -> f64 {
+    if after < before {
+        op_start_s[before] - op_start_s[after + 1]
+    } else {
+        (total - op_start_s[after + 1]) + op_start_s[before]
     }
 }
 
@@ -158,12 +163,18 @@ pub fn analyze(trace: &Trace, cost: &CostModel) -> Analysis {
         acc += d;
     }
     op_start_s.push(acc);
-    let time_between = |after: usize, before: usize| -> f64 {
-        if after < before {
-            op_start_s[before] - op_start_s[after + 1]
+    // The gap from the use `after` to the use `before` (wrapping around the
+    // iteration when `wraps`).
+    let gap = |after: usize, before: usize, wraps: bool| ReuseGap {
+        after_op: after,
+        before_op: before,
+        wraps,
+        ops_between: if wraps {
+            (n - 1 - after) + before
         } else {
-            (acc - op_start_s[after + 1]) + op_start_s[before]
-        }
+            before - after - 1
+        },
+        time_between_s: time_between(&op_start_s, acc, after, before),
     };
 
     let persistent_bytes = trace.persistent_bytes();
@@ -180,25 +191,10 @@ pub fn analyze(trace: &Trace, cost: &CostModel) -> Analysis {
                 delta[l + 1] -= info.bytes as i128;
             }
         }
-        let mut gaps = Vec::new();
-        for w in u.windows(2) {
-            gaps.push(ReuseGap {
-                after_op: w[0],
-                before_op: w[1],
-                wraps: false,
-                ops_between: w[1] - w[0] - 1,
-                time_between_s: time_between(w[0], w[1]),
-            });
-        }
+        let mut gaps: Vec<ReuseGap> = u.windows(2).map(|w| gap(w[0], w[1], false)).collect();
         if persistent {
             if let (Some(&f), Some(&l)) = (u.first(), u.last()) {
-                gaps.push(ReuseGap {
-                    after_op: l,
-                    before_op: f,
-                    wraps: true,
-                    ops_between: (n - 1 - l) + f,
-                    time_between_s: time_between(l, f),
-                });
+                gaps.push(gap(l, f, true));
             }
         }
         let last_forward_use = u
@@ -212,13 +208,7 @@ pub fn analyze(trace: &Trace, cost: &CostModel) -> Analysis {
                 .find(|&op| op > lf && trace.ops()[op].phase != Phase::Forward)
         });
         let forward_backward = match (last_forward_use, first_backward_use) {
-            (Some(a), Some(b)) => Some(ReuseGap {
-                after_op: a,
-                before_op: b,
-                wraps: false,
-                ops_between: b - a - 1,
-                time_between_s: time_between(a, b),
-            }),
+            (Some(a), Some(b)) => Some(gap(a, b, false)),
             _ => None,
         };
         tensors.push(TensorLiveness {

@@ -21,7 +21,7 @@ use crate::analysis::analyze;
 use crate::cost::CostModel;
 use crate::error::PlanError;
 use crate::plan::{Action, Policy, SwapPlan};
-use crate::planner::Planner;
+use crate::planner::{working_set_error, Planner};
 use crate::sim::Simulator;
 use crate::trace::{TensorId, Trace};
 use std::collections::BTreeSet;
@@ -119,25 +119,10 @@ impl Planner for LruPlanner {
         let mut actions = Vec::new();
         for op in 0..n {
             let uses = trace.uses(op);
-            let ws = trace.working_set_bytes(op);
-            if ws > budget {
-                let largest = uses
-                    .iter()
-                    .copied()
-                    .max_by_key(|&t| (trace.tensor(t).bytes, std::cmp::Reverse(t)))
-                    .unwrap_or(TensorId(0));
-                return Err(PlanError::WorkingSetExceedsBudget {
-                    op,
-                    op_name: trace.ops()[op].name.clone(),
-                    tensor: largest,
-                    tensor_name: trace
-                        .get_tensor(largest)
-                        .map(|t| t.name.clone())
-                        .unwrap_or_default(),
-                    tensor_bytes: trace.get_tensor(largest).map(|t| t.bytes).unwrap_or(0),
-                    working_set: ws,
-                    budget,
-                });
+            if trace.working_set_bytes(op) > budget {
+                // A working set over the budget is not empty: the error names
+                // the op's largest tensor.
+                return Err(working_set_error(trace, op, budget));
             }
             let need: u64 = uses
                 .iter()

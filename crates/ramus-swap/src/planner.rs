@@ -686,7 +686,9 @@ fn gap_ranges(g: &ReuseGap, n: usize, mut f: impl FnMut(usize, usize)) {
     }
 }
 
-fn working_set_error(trace: &Trace, op: usize, budget: u64) -> PlanError {
+/// The error for op `op` whose working set exceeds `budget`, naming its
+/// largest tensor.
+pub(crate) fn working_set_error(trace: &Trace, op: usize, budget: u64) -> PlanError {
     let uses = trace.uses(op);
     let largest = uses
         .iter()

@@ -208,6 +208,70 @@ impl Memory {
     }
 }
 
+/// One copy stream: a FIFO that is free from `free` on.
+#[derive(Default)]
+struct Stream {
+    free: f64,
+    /// Bytes copied on it so far.
+    bytes: u64,
+}
+
+impl Stream {
+    /// Queues a copy of `bytes` taking `duration` that can start at `ready`;
+    /// returns when it starts and ends.
+    fn copy(&mut self, ready: f64, duration: f64, bytes: u64) -> (f64, f64) {
+        let start = ready.max(self.free);
+        let end = start + duration;
+        self.free = end;
+        self.bytes += bytes;
+        (start, end)
+    }
+}
+
+/// A copy's record before an op has used it.
+fn record(
+    action: usize,
+    a: &Action,
+    direction: Direction,
+    synchronous: bool,
+    issue_s: f64,
+    start_s: f64,
+    end_s: f64,
+) -> TransferRecord {
+    TransferRecord {
+        action,
+        tensor: a.tensor(),
+        direction,
+        bytes: a.bytes(),
+        synchronous,
+        issue_s,
+        start_s,
+        end_s,
+        used_by_op: None,
+        wait_s: 0.0,
+    }
+}
+
+fn invalid_action(index: usize, a: &Action, message: String) -> SimError {
+    SimError::InvalidAction {
+        index,
+        action: brief(a),
+        message,
+    }
+}
+
+/// Evicts and offloads move only resident tensors.
+fn require_resident(loc: Loc, index: usize, a: &Action) -> Result<(), SimError> {
+    match loc {
+        Loc::Resident => Ok(()),
+        other => Err(invalid_action(
+            index,
+            a,
+            format!("the tensor is {}, not resident", other.describe()),
+        )),
+    }
+}
+
 impl Simulator {
     /// A device with this cost model and budget.
     pub fn new(cost: CostModel, budget_bytes: Option<u64>) -> Simulator {
@@ -235,11 +299,7 @@ impl Simulator {
         // Validate actions and bucket them by position, keeping plan order.
         let mut at: Vec<Vec<usize>> = vec![Vec::new(); 2 * n];
         for (i, a) in plan.actions.iter().enumerate() {
-            let invalid = |message: String| SimError::InvalidAction {
-                index: i,
-                action: brief(a),
-                message,
-            };
+            let invalid = |message: String| invalid_action(i, a, message);
             let t = a.tensor().index();
             let Some(info) = trace.tensors().get(t) else {
                 return Err(invalid(format!("the trace has only {nt} tensors")));
@@ -284,6 +344,15 @@ impl Simulator {
         }
 
         let budget = self.budget_bytes.unwrap_or(u64::MAX);
+        let over_budget = |op: usize, t: usize, used: u64| SimError::BudgetExceeded {
+            op,
+            op_name: op_name(op),
+            tensor: TensorId(t as u32),
+            tensor_name: tensor_name(t),
+            bytes: trace.tensors()[t].bytes,
+            resident: used,
+            budget,
+        };
         let mut mem = Memory {
             used: 0,
             peak: 0,
@@ -314,41 +383,21 @@ impl Simulator {
             if homed[t] {
                 loc[t] = Loc::Host { done: 0.0 };
             } else {
-                if mem.used + info.bytes > budget {
-                    return Err(SimError::BudgetExceeded {
-                        op: 0,
-                        op_name: op_name(0),
-                        tensor: TensorId(t as u32),
-                        tensor_name: info.name.clone(),
-                        bytes: info.bytes,
-                        resident: mem.used,
-                        budget,
-                    });
-                }
-                mem.used += info.bytes;
-                mem.peak = mem.peak.max(mem.used);
+                // Nothing is in flight yet: the allocation fits or fails at once.
+                mem.alloc(info.bytes, 0.0, &mut loc)
+                    .ok_or_else(|| over_budget(0, t, mem.used))?;
                 loc[t] = Loc::Resident;
             }
         }
 
         let mut now = 0.0f64;
-        let mut h2d_free = 0.0f64;
-        let mut d2h_free = 0.0f64;
+        let mut h2d = Stream::default();
+        let mut d2h = Stream::default();
         let mut compute_s = 0.0;
         let mut stall_data_s = 0.0;
         let mut transfers: Vec<TransferRecord> = Vec::new();
         let mut resident_bytes = Vec::with_capacity(n);
         let mut op_start_s = Vec::with_capacity(n);
-        let (mut bytes_to_host, mut bytes_to_device) = (0u64, 0u64);
-        let over_budget = |op: usize, t: usize, used: u64| SimError::BudgetExceeded {
-            op,
-            op_name: op_name(op),
-            tensor: TensorId(t as u32),
-            tensor_name: tensor_name(t),
-            bytes: trace.tensors()[t].bytes,
-            resident: used,
-            budget,
-        };
 
         for op in 0..n {
             // Copies issued before the op is launched.
@@ -356,11 +405,7 @@ impl Simulator {
                 let a = &plan.actions[i];
                 let t = a.tensor().index();
                 let bytes = a.bytes();
-                let invalid = |message: String| SimError::InvalidAction {
-                    index: i,
-                    action: brief(a),
-                    message,
-                };
+                let invalid = |message: String| invalid_action(i, a, message);
                 mem.release_until(now, &mut loc);
                 match a {
                     Action::Prefetch { .. } | Action::Fetch { .. } => {
@@ -377,23 +422,10 @@ impl Simulator {
                         now = mem
                             .alloc(bytes, now, &mut loc)
                             .ok_or_else(|| over_budget(op, t, mem.used))?;
-                        let start = now.max(h2d_free).max(host_done);
-                        let end = start + self.cost.h2d_time(bytes);
-                        h2d_free = end;
-                        bytes_to_device += bytes;
+                        let (start, end) =
+                            h2d.copy(now.max(host_done), self.cost.h2d_time(bytes), bytes);
                         let sync = matches!(a, Action::Fetch { .. });
-                        transfers.push(TransferRecord {
-                            action: i,
-                            tensor: a.tensor(),
-                            direction: Direction::ToDevice,
-                            bytes,
-                            synchronous: sync,
-                            issue_s: issue,
-                            start_s: start,
-                            end_s: end,
-                            used_by_op: None,
-                            wait_s: 0.0,
-                        });
+                        transfers.push(record(i, a, Direction::ToDevice, sync, issue, start, end));
                         let record = transfers.len() - 1;
                         if sync {
                             transfers[record].wait_s = end - now;
@@ -406,28 +438,9 @@ impl Simulator {
                         }
                     }
                     Action::Evict { .. } => {
-                        if !matches!(loc[t], Loc::Resident) {
-                            return Err(invalid(format!(
-                                "the tensor is {}, not resident",
-                                loc[t].describe()
-                            )));
-                        }
-                        let start = now.max(d2h_free);
-                        let end = start + self.cost.d2h_time(bytes);
-                        d2h_free = end;
-                        bytes_to_host += bytes;
-                        transfers.push(TransferRecord {
-                            action: i,
-                            tensor: a.tensor(),
-                            direction: Direction::ToHost,
-                            bytes,
-                            synchronous: true,
-                            issue_s: now,
-                            start_s: start,
-                            end_s: end,
-                            used_by_op: None,
-                            wait_s: 0.0,
-                        });
+                        require_resident(loc[t], i, a)?;
+                        let (start, end) = d2h.copy(now, self.cost.d2h_time(bytes), bytes);
+                        transfers.push(record(i, a, Direction::ToHost, true, now, start, end));
                         mem.stall_s += end - now;
                         now = end;
                         // Everything queued before it on the stream is done too.
@@ -499,35 +512,15 @@ impl Simulator {
                 let a = &plan.actions[i];
                 let t = a.tensor().index();
                 let bytes = a.bytes();
-                if !matches!(loc[t], Loc::Resident) {
-                    return Err(SimError::InvalidAction {
-                        index: i,
-                        action: brief(a),
-                        message: format!("the tensor is {}, not resident", loc[t].describe()),
-                    });
-                }
-                let start = now.max(d2h_free);
-                let end = start + self.cost.d2h_time(bytes);
-                d2h_free = end;
-                bytes_to_host += bytes;
-                transfers.push(TransferRecord {
-                    action: i,
-                    tensor: a.tensor(),
-                    direction: Direction::ToHost,
-                    bytes,
-                    synchronous: false,
-                    issue_s: now,
-                    start_s: start,
-                    end_s: end,
-                    used_by_op: None,
-                    wait_s: 0.0,
-                });
+                require_resident(loc[t], i, a)?;
+                let (start, end) = d2h.copy(now, self.cost.d2h_time(bytes), bytes);
+                transfers.push(record(i, a, Direction::ToHost, false, now, start, end));
                 loc[t] = Loc::Offloading { done: end };
                 mem.pending.push_back((end, t, bytes));
             }
         }
 
-        let total_s = now.max(h2d_free).max(d2h_free);
+        let total_s = now.max(h2d.free).max(d2h.free);
         let drain_s = total_s - now;
         mem.release_until(f64::INFINITY, &mut loc);
 
@@ -565,8 +558,8 @@ impl Simulator {
             drain_s,
             peak_bytes: mem.peak,
             budget_bytes: self.budget_bytes,
-            bytes_to_host,
-            bytes_to_device,
+            bytes_to_host: d2h.bytes,
+            bytes_to_device: h2d.bytes,
             copies_to_host,
             copies_to_device,
             resident_bytes,

@@ -162,6 +162,28 @@ fn imagenet_classifier() -> [CnnLayer; 5] {
     ]
 }
 
+/// An ImageNet CNN on RGB images in FP32, SGD with momentum.
+fn imagenet_cnn(
+    name: String,
+    batch: usize,
+    image: usize,
+    layers: Vec<CnnLayer>,
+    speed: DeviceSpeed,
+) -> CnnSpec {
+    CnnSpec {
+        name,
+        batch,
+        in_channels: 3,
+        image,
+        classes: 1000,
+        layers,
+        optimizer: Optimizer::Momentum,
+        elem_bytes: 4,
+        max_workspace_bytes: 64 << 20,
+        speed,
+    }
+}
+
 fn vgg(
     name: &str,
     blocks: &[(usize, usize)],
@@ -186,18 +208,7 @@ fn vgg(
         });
     }
     layers.extend(imagenet_classifier());
-    CnnSpec {
-        name: name.to_string(),
-        batch,
-        in_channels: 3,
-        image,
-        classes: 1000,
-        layers,
-        optimizer: Optimizer::Momentum,
-        elem_bytes: 4,
-        max_workspace_bytes: 64 << 20,
-        speed,
-    }
+    imagenet_cnn(name.to_string(), batch, image, layers, speed)
 }
 
 /// VGG-16 (13 convolutions, 3 fully connected layers), SGD with momentum.
@@ -246,18 +257,7 @@ pub fn alexnet(batch: usize, speed: DeviceSpeed) -> CnnSpec {
         pool,
     ];
     layers.extend(imagenet_classifier());
-    CnnSpec {
-        name: "alexnet".into(),
-        batch,
-        in_channels: 3,
-        image: 227,
-        classes: 1000,
-        layers,
-        optimizer: Optimizer::Momentum,
-        elem_bytes: 4,
-        max_workspace_bytes: 64 << 20,
-        speed,
-    }
+    imagenet_cnn("alexnet".into(), batch, 227, layers, speed)
 }
 
 /// A bottleneck ResNet with `blocks[i]` blocks in stage `i` (`[3, 4, 6, 3]`
@@ -290,18 +290,7 @@ pub fn resnet(blocks: [usize; 4], batch: usize, image: usize, speed: DeviceSpeed
         relu: false,
     });
     let depth = 2 + 3 * blocks.iter().sum::<usize>();
-    CnnSpec {
-        name: format!("resnet{depth}"),
-        batch,
-        in_channels: 3,
-        image,
-        classes: 1000,
-        layers,
-        optimizer: Optimizer::Momentum,
-        elem_bytes: 4,
-        max_workspace_bytes: 64 << 20,
-        speed,
-    }
+    imagenet_cnn(format!("resnet{depth}"), batch, image, layers, speed)
 }
 
 /// A trace builder that remembers sizes, to derive op durations.
@@ -468,15 +457,35 @@ struct CnnGen<'a> {
 }
 
 impl CnnGen<'_> {
+    /// Bytes of a batch of `c`×`h`×`w` elements.
+    fn batch_bytes(&self, c: usize, h: usize, w: usize) -> u64 {
+        (self.spec.batch * c * h * w) as u64 * self.spec.elem_bytes
+    }
+
+    /// Elements of a recorded tensor.
+    fn elems(&self, t: TensorId) -> f64 {
+        self.r.bytes[t.index()] as f64 / self.spec.elem_bytes as f64
+    }
+
     fn act(&mut self, name: String, c: usize, h: usize, w: usize) -> Act {
-        let bytes = (self.spec.batch * c * h * w) as u64 * self.spec.elem_bytes;
+        let bytes = self.batch_bytes(c, h, w);
         let t = self.r.tensor(name, bytes, TensorKind::Activation);
         Act { t, c, h, w }
     }
 
     fn grad_like(&mut self, name: String, x: &Act) -> TensorId {
-        let bytes = (self.spec.batch * x.c * x.h * x.w) as u64 * self.spec.elem_bytes;
+        let bytes = self.batch_bytes(x.c, x.h, x.w);
         self.r.tensor(name, bytes, TensorKind::Gradient)
+    }
+
+    /// The backward op `{name}.bwd` of a layer without parameters: reads
+    /// `reads`, writes the gradient of its input `x`, which it returns.
+    fn input_grad_bwd(&mut self, name: &str, x: &Act, reads: &[TensorId]) -> TensorId {
+        let dx = self.grad_like(format!("{name}.dx"), x);
+        let elems = self.elems(x.t);
+        self.r
+            .op(format!("{name}.bwd"), Phase::Backward, reads, &[dx], elems);
+        dx
     }
 
     fn workspace(&mut self, name: String, bytes: u64) -> Vec<TensorId> {
@@ -646,7 +655,6 @@ impl CnnGen<'_> {
     /// Emits the backward ops of `rec` given the gradient of its output;
     /// returns the gradient of its input (if needed).
     fn backward(&mut self, rec: &Rec, dy: TensorId) -> Option<TensorId> {
-        let spec = self.spec;
         match rec {
             Rec::Conv {
                 name,
@@ -660,7 +668,7 @@ impl CnnGen<'_> {
                 ws,
             } => {
                 if *relu {
-                    let elems = self.r.bytes[y.index()] as f64 / spec.elem_bytes as f64;
+                    let elems = self.elems(*y);
                     self.r.op(
                         format!("{name}.relu_bwd"),
                         Phase::Backward,
@@ -694,37 +702,9 @@ impl CnnGen<'_> {
                     None
                 }
             }
-            Rec::Pool { name, x, y } => {
-                let dx = self.grad_like(format!("{name}.dx"), x);
-                let elems = self.r.bytes[x.t.index()] as f64 / spec.elem_bytes as f64;
-                self.r.op(
-                    format!("{name}.bwd"),
-                    Phase::Backward,
-                    &[dy, x.t, *y],
-                    &[dx],
-                    elems,
-                );
-                Some(dx)
-            }
-            Rec::GlobalPool { name, x } => {
-                let dx = self.grad_like(format!("{name}.dx"), x);
-                let elems = self.r.bytes[x.t.index()] as f64 / spec.elem_bytes as f64;
-                self.r
-                    .op(format!("{name}.bwd"), Phase::Backward, &[dy], &[dx], elems);
-                Some(dx)
-            }
-            Rec::Dropout { name, x, mask } => {
-                let dx = self.grad_like(format!("{name}.dx"), x);
-                let elems = self.r.bytes[x.t.index()] as f64 / spec.elem_bytes as f64;
-                self.r.op(
-                    format!("{name}.bwd"),
-                    Phase::Backward,
-                    &[dy, *mask],
-                    &[dx],
-                    elems,
-                );
-                Some(dx)
-            }
+            Rec::Pool { name, x, y } => Some(self.input_grad_bwd(name, x, &[dy, x.t, *y])),
+            Rec::GlobalPool { name, x } => Some(self.input_grad_bwd(name, x, &[dy])),
+            Rec::Dropout { name, x, mask } => Some(self.input_grad_bwd(name, x, &[dy, *mask])),
             Rec::Block {
                 name,
                 x,
@@ -732,7 +712,7 @@ impl CnnGen<'_> {
                 branch,
                 shortcut,
             } => {
-                let elems = self.r.bytes[out.index()] as f64 / spec.elem_bytes as f64;
+                let elems = self.elems(*out);
                 self.r.op(
                     format!("{name}.add_relu_bwd"),
                     Phase::Backward,
@@ -749,7 +729,7 @@ impl CnnGen<'_> {
                     None => dy,
                 };
                 let dx = self.grad_like(format!("{name}.dx"), x);
-                let elems = self.r.bytes[x.t.index()] as f64 / spec.elem_bytes as f64;
+                let elems = self.elems(x.t);
                 self.r.op(
                     format!("{name}.add_bwd"),
                     Phase::Backward,
@@ -1205,24 +1185,19 @@ impl TreeSpec {
             &[loss, dlogits],
             0.0,
         );
-        let dh: Vec<TensorId> = (0..levels)
-            .map(|l| {
-                r.tensor(
-                    format!("level{l}.h.grad"),
-                    count[l] * h * eb,
-                    TensorKind::Gradient,
-                )
-            })
-            .collect();
-        let dc: Vec<TensorId> = (0..levels)
-            .map(|l| {
-                r.tensor(
-                    format!("level{l}.c.grad"),
-                    count[l] * h * eb,
-                    TensorKind::Gradient,
-                )
-            })
-            .collect();
+        let mut level_grads = |what: &str| -> Vec<TensorId> {
+            (0..levels)
+                .map(|l| {
+                    r.tensor(
+                        format!("level{l}.{what}.grad"),
+                        count[l] * h * eb,
+                        TensorKind::Gradient,
+                    )
+                })
+                .collect()
+        };
+        let dh = level_grads("h");
+        let dc = level_grads("c");
         let mut reads = vec![dlogits, hp[0]];
         reads.extend(roots.iter().map(|&l| hs[l]));
         let mut writes: Vec<TensorId> = roots.iter().map(|&l| dh[l]).collect();
