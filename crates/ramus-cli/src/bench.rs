@@ -147,19 +147,25 @@ fn bench_engine(
 
 pub(crate) type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
-/// Median of `reps` timed calls after 3 warm-up calls, in seconds.
-fn median_time(reps: usize, mut f: impl FnMut() -> AnyResult) -> AnyResult<f64> {
+/// Sorted times (seconds) of `reps` calls after 3 warm-up calls.
+pub(crate) fn samples(reps: usize, mut f: impl FnMut() -> AnyResult) -> AnyResult<Vec<f64>> {
     for _ in 0..3 {
         f()?;
     }
-    let mut samples = Vec::with_capacity(reps);
+    let mut out = Vec::with_capacity(reps);
     for _ in 0..reps.max(1) {
         let t = Instant::now();
         f()?;
-        samples.push(t.elapsed().as_secs_f64());
+        out.push(t.elapsed().as_secs_f64());
     }
-    samples.sort_by(f64::total_cmp);
-    Ok(samples[samples.len() / 2])
+    out.sort_by(f64::total_cmp);
+    Ok(out)
+}
+
+/// Median of `reps` timed calls after 3 warm-up calls, in seconds.
+fn median_time(reps: usize, f: impl FnMut() -> AnyResult) -> AnyResult<f64> {
+    let times = samples(reps, f)?;
+    Ok(times[times.len() / 2])
 }
 
 pub fn run(a: BenchArgs) -> AnyResult {

@@ -1356,7 +1356,58 @@ impl CellProgram {
     }
 }
 
-/// Elementwise op `op` (of node `node`) over rows of `width` through its CPU kernel.
+/// One operand of [`map_rows`]: its data, and whether it is one row
+/// broadcast to every row (a parameter, a constant) rather than a row each.
+pub type MapOperand<'a, T> = (&'a [T], bool);
+
+/// Runs elementwise op `op` through its CPU kernel over `rows` rows of
+/// `width` columns into `out` (resized to `rows × width`): how cell
+/// programs evaluate their maps (the reference here, the CPU compiled
+/// engine level by level).
+pub fn map_rows<T: crate::real::Real>(
+    op: &dyn OpDef,
+    operands: &[MapOperand<'_, T>],
+    rows: usize,
+    width: usize,
+    out: &mut Vec<T>,
+) -> Result<()> {
+    let types: Vec<crate::graph::ValueType> = operands
+        .iter()
+        .map(|&(data, broadcast)| {
+            if broadcast {
+                crate::graph::ValueType {
+                    space: Space::Static,
+                    dtype: DType::Float,
+                    shape: vec![data.len()],
+                }
+            } else {
+                crate::graph::ValueType::rows(Space::Vertex, width)
+            }
+        })
+        .collect();
+    let args: Vec<crate::op::Arg<'_, T>> = types
+        .iter()
+        .zip(operands)
+        .map(|(ty, &(data, broadcast))| crate::op::Arg {
+            ty,
+            rows: if broadcast { 1 } else { rows },
+            data: crate::op::ArgData::Float(data),
+        })
+        .collect();
+    out.clear();
+    out.resize(rows * width, T::ZERO);
+    let mut ctx = crate::op::KernelCtx {
+        args: &args,
+        out,
+        out_rows: rows,
+        vertex_rows: rows,
+        edge_parent: &[],
+        packed_b: None,
+    };
+    T::run_kernel(op, &mut ctx)
+}
+
+/// Elementwise op `op` (of node `node`) on one row of `width` columns.
 fn map_kernel<T: crate::real::Real>(
     g: &Graph,
     op: &dyn OpDef,
@@ -1364,28 +1415,8 @@ fn map_kernel<T: crate::real::Real>(
     rows: &[&[T]],
     width: usize,
 ) -> Result<Vec<T>> {
-    let types: Vec<crate::graph::ValueType> = rows
-        .iter()
-        .map(|_| crate::graph::ValueType::rows(Space::Vertex, width))
-        .collect();
-    let args: Vec<crate::op::Arg<'_, T>> = types
-        .iter()
-        .zip(rows)
-        .map(|(ty, data)| crate::op::Arg {
-            ty,
-            rows: 1,
-            data: crate::op::ArgData::Float(&data[..width]),
-        })
-        .collect();
-    let mut out = vec![T::ZERO; width];
-    let mut ctx = crate::op::KernelCtx {
-        args: &args,
-        out: &mut out,
-        out_rows: 1,
-        vertex_rows: 1,
-        edge_parent: &[],
-        packed_b: None,
-    };
-    T::run_kernel(op, &mut ctx).map_err(|e| unsupported(g, node, e.to_string()))?;
+    let operands: Vec<MapOperand<'_, T>> = rows.iter().map(|r| (&r[..width], false)).collect();
+    let mut out = Vec::with_capacity(width);
+    map_rows(op, &operands, 1, width, &mut out).map_err(|e| unsupported(g, node, e.to_string()))?;
     Ok(out)
 }

@@ -15,12 +15,12 @@
 //! allocates nothing once they have grown. Large products and elementwise
 //! passes split over a spinning helper thread.
 
-use ramus_core::graph::ValueType;
-use ramus_core::lower::{lower_model, vec_deps, CellProgram, ChildRef, ScalarExpr, Scope, VecExpr};
-use ramus_core::op::{Arg, ArgData, KernelCtx, OpDef};
+use ramus_core::lower::{
+    lower_model, map_rows, vec_deps, CellProgram, ChildRef, MapOperand, ScalarExpr, Scope, VecExpr,
+};
 use ramus_core::ops::matmul::{gemm_packed, PackedB, PACKED_MAX_M};
 use ramus_core::parallel::SpinHelper;
-use ramus_core::{Model, Params, Real};
+use ramus_core::{Model, Params};
 use ramus_graph::{InputGraph, LinearBatch, Linearizer};
 
 use crate::error::{EngineError, Result};
@@ -189,47 +189,12 @@ struct LevelInputs<'a, 'r> {
     token_of: Option<&'a dyn Fn(usize) -> u32>,
 }
 
-fn map_rows(
-    op: &dyn OpDef,
-    args: &[&Block],
-    rows: usize,
-    width: usize,
-    out: &mut Vec<f32>,
-) -> Result<()> {
-    let types: Vec<ValueType> = args
+/// Blocks as operands of [`map_rows`].
+fn operands<'a>(blocks: &[&'a Block]) -> Vec<MapOperand<'a, f32>> {
+    blocks
         .iter()
-        .map(|a| {
-            if a.broadcast {
-                ValueType {
-                    space: ramus_core::graph::Space::Static,
-                    dtype: ramus_core::graph::DType::Float,
-                    shape: vec![a.width],
-                }
-            } else {
-                ValueType::rows(ramus_core::graph::Space::Vertex, a.width)
-            }
-        })
-        .collect();
-    let kargs: Vec<Arg<'_, f32>> = types
-        .iter()
-        .zip(args)
-        .map(|(ty, a)| Arg {
-            ty,
-            rows: if a.broadcast { 1 } else { rows },
-            data: ArgData::Float(&a.data),
-        })
-        .collect();
-    out.clear();
-    out.resize(rows * width, 0.0);
-    let mut ctx = KernelCtx {
-        args: &kargs,
-        out,
-        out_rows: rows,
-        vertex_rows: rows,
-        edge_parent: &[],
-        packed_b: None,
-    };
-    f32::run_kernel(op, &mut ctx).map_err(EngineError::from)
+        .map(|b| (b.data.as_slice(), b.broadcast))
+        .collect()
 }
 
 /// Repeats vertex rows of `src` for each edge (`parent[e]` = vertex row).
@@ -423,7 +388,7 @@ impl Cell {
                         let all_broadcast = a.iter().all(|b| b.broadcast);
                         let n = if all_broadcast { 1 } else { scope_rows };
                         let mut data = std::mem::take(&mut out.data);
-                        map_rows(op.as_ref(), &a, n, w, &mut data)?;
+                        map_rows(op.as_ref(), &operands(&a), n, w, &mut data)?;
                         out.data = data;
                         out.rows = n;
                         out.width = w;
@@ -516,7 +481,7 @@ impl Cell {
                         let all_broadcast = a.iter().all(|b| b.broadcast);
                         let n = if all_broadcast { 1 } else { scope_rows };
                         let mut data = std::mem::take(&mut out.data);
-                        map_rows(op.as_ref(), &a, n, u, &mut data)?;
+                        map_rows(op.as_ref(), &operands(&a), n, u, &mut data)?;
                         out.data = data;
                         out.rows = n;
                         out.width = u;

@@ -2,14 +2,12 @@
 //! compiled (Cortex) engine on the CUDA device or the CPU, per batch size,
 //! for the default schedule or the ablation of Cortex Fig. 11(a).
 
-use std::time::Instant;
-
 use ramus_core::{Model, Params};
 use ramus_cpu::compiled::CpuCompiledEngine;
 use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
 use ramus_graph::InputGraph;
 
-use super::{run_anchor, AnyResult, BenchArgs};
+use super::{run_anchor, samples, AnyResult, BenchArgs};
 use crate::device::Device;
 
 /// The ablation steps: fusion only, + leaf specialization, + persistence.
@@ -36,21 +34,6 @@ const ABLATION: [(&str, CompiledSchedule); 3] = [
         },
     ),
 ];
-
-/// Latency samples (seconds) of `reps` calls after 3 warm-up calls.
-fn samples(reps: usize, mut f: impl FnMut() -> AnyResult) -> AnyResult<Vec<f64>> {
-    for _ in 0..3 {
-        f()?;
-    }
-    let mut out = Vec::with_capacity(reps);
-    for _ in 0..reps.max(1) {
-        let t = Instant::now();
-        f()?;
-        out.push(t.elapsed().as_secs_f64());
-    }
-    out.sort_by(f64::total_cmp);
-    Ok(out)
-}
 
 /// Percentile `p` (0–100) of sorted samples, in milliseconds (3 decimals).
 fn percentile_ms(sorted: &[f64], p: f64) -> f64 {
