@@ -71,6 +71,14 @@ fn windows(size: usize, padding: usize, kernel: usize, stride: usize) -> usize {
     (size + 2 * padding).saturating_sub(kernel) / stride.max(1) + 1
 }
 
+/// Errs with "NAME must be positive" for the first of `named` that is 0.
+fn want_positive(named: &[(&str, usize)]) -> std::result::Result<(), String> {
+    match named.iter().find(|(_, v)| *v == 0) {
+        Some((name, _)) => Err(format!("{name} must be positive")),
+        None => Ok(()),
+    }
+}
+
 /// Geometry of a 2-D convolution (one stride and padding for both axes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Conv2dGeom {
@@ -96,9 +104,7 @@ impl Conv2dGeom {
             ("kernel width", self.kernel_w),
             ("stride", self.stride),
         ];
-        if let Some((name, _)) = named.iter().find(|(_, v)| *v == 0) {
-            return Err(format!("{name} must be positive"));
-        }
+        want_positive(&named)?;
         if self.kernel_h > self.height + 2 * self.padding
             || self.kernel_w > self.width + 2 * self.padding
         {
@@ -219,9 +225,7 @@ impl Pool2dGeom {
             ("kernel", self.kernel),
             ("stride", self.stride),
         ];
-        if let Some((name, _)) = named.iter().find(|(_, v)| *v == 0) {
-            return Err(format!("{name} must be positive"));
-        }
+        want_positive(&named)?;
         if 2 * self.padding > self.kernel {
             return Err(format!(
                 "padding {} exceeds half the window {}",
