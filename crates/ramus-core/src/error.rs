@@ -30,6 +30,21 @@ pub enum CoreError {
         expected: Vec<usize>,
         got: Vec<usize>,
     },
+    /// The weight matrices of a model do not fit in the GPU register file
+    /// (VPPS §III-A1): the persistent engine cannot cache them on chip.
+    #[error("weights do not fit on chip: need {needed_regs} registers per thread, the device has {available_regs}: {message}")]
+    NotOnChip {
+        /// Registers per thread the weights (and gradients, if cached) need.
+        needed_regs: usize,
+        /// Registers per thread left for weights on the device.
+        available_regs: usize,
+        /// What was tried and the largest matrices by parameter id.
+        message: String,
+    },
+    /// Invalid input to the persistent engine's register planner, script
+    /// encoder or scheduler (see [`crate::vpps`]).
+    #[error("vpps {what}: {message}")]
+    Vpps { what: String, message: String },
 }
 
 pub type Result<T, E = CoreError> = std::result::Result<T, E>;
@@ -38,6 +53,12 @@ impl CoreError {
     pub(crate) fn kernel(op: &str, message: impl Into<String>) -> Self {
         CoreError::Kernel {
             op: op.to_string(),
+            message: message.into(),
+        }
+    }
+    pub(crate) fn vpps(what: impl Into<String>, message: impl Into<String>) -> Self {
+        CoreError::Vpps {
+            what: what.into(),
             message: message.into(),
         }
     }

@@ -52,6 +52,7 @@ pub mod plan;
 pub mod real;
 pub mod simplify;
 pub mod tensor;
+pub mod vpps;
 
 pub use error::{CoreError, Result};
 pub use graph::{

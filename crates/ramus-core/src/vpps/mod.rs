@@ -1,0 +1,35 @@
+//! Host side of the persistent training engine (VPPS: *Virtual Persistent
+//! Processor Specialization*): everything that is pure logic and does not
+//! touch the device.
+//!
+//! * [`regplan`] decides how the model's weight matrices (and, when the
+//!   register file allows, their gradients) are spread over the registers of
+//!   the persistent CTAs (VPPS §III-A1, Fig. 4, eq. 1), and which partition
+//!   sizes (`rpw`, rows per warp) are worth compiling for the profile-guided
+//!   search.
+//! * [`script`] is the instruction encoding the generated kernel interprets:
+//!   a 4-byte preamble plus 4-byte operands (VPPS §III-B1, Fig. 6c), the
+//!   reserved signal/wait control opcodes, and the one buffer that carries all
+//!   per-CTA scripts to the device in a single copy (§III-B2).
+//! * [`schedule`] turns one batch's task DAG into those scripts: level
+//!   scheduling by maximum depth, greedy load balancing over the virtual
+//!   processors, merging of cached-matrix work onto the CTAs that hold the
+//!   matrix, and signal/wait barriers between consecutive levels (§III-B1,
+//!   Fig. 6d). It also has a CPU simulator of the packed scripts that serves
+//!   as the oracle in tests.
+//!
+//! A *virtual persistent processor* (VPP) is one persistent CTA; the two words
+//! are used interchangeably and both are numbered `0..ctas`.
+
+pub mod regplan;
+pub mod schedule;
+pub mod script;
+
+pub use regplan::{
+    plan, valid_rpws, DeviceLimits, MatrixSpec, Piece, PlanRequest, RegisterPlan, CTA_THREADS,
+    WARP, WARPS_PER_CTA,
+};
+pub use schedule::{
+    simulate, simulate_with, Placement, Schedule, Scheduler, Simulation, Task, TaskGraph,
+};
+pub use script::{decode, Instr, PackedScripts, OP_FIRST_ENGINE, OP_SIGNAL, OP_WAIT};

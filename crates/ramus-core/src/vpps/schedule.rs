@@ -1,0 +1,958 @@
+//! Level scheduling, load balancing and signal/wait barriers for the virtual
+//! persistent processors (VPPS §III-B1, Fig. 6).
+//!
+//! One batch — forward pass, backward pass and optimizer update of all its
+//! samples — is a [`TaskGraph`]: a DAG of tasks, each one instruction for the
+//! kernel's interpreter plus a [`Placement`] saying which virtual processors
+//! (VPPs, one per persistent CTA) must execute it. The backward pass is not
+//! special: its tasks simply depend on the forward tasks they read.
+//!
+//! [`Scheduler::schedule`] sorts the tasks by *level* — the length of the
+//! longest dependency chain below them (Fig. 6b) — and emits the levels in
+//! order. All tasks of a level run concurrently whatever their op type. Within
+//! a level:
+//! * `Holders` tasks (work on a register-cached matrix) run on every CTA that
+//!   holds a piece of that matrix; tasks with equal `(op, arg)` on the same
+//!   matrix are merged into one instruction per holder, `op arg [count,
+//!   offset]`, whose operand lists lie concatenated at `offset` in the
+//!   operand pool;
+//! * `Every` tasks run on all VPPs;
+//! * `Any` tasks run on the VPP with the least load accumulated so far in the
+//!   batch (ties to the lowest index).
+//!
+//! Between levels, every VPP with work at level `l` ends it with `SIGNAL
+//! b_l`, and every VPP with work at level `l + 1` starts it with `WAIT b_l`,
+//! where `b_l = l` and the barrier is complete when all of level `l`'s VPPs
+//! signalled (Fig. 6d).
+//!
+//! **Why waiting on the previous level only is enough.** Claim: when `b_l`
+//! is complete, every task of every level `≤ l` has completed. For `l = 0`
+//! this is the definition of `b_0`'s expectation. For `l > 0`, level `l` is
+//! not empty (a task has level `l` because a dependency has level `l − 1`,
+//! so no level is skipped), hence some VPP signals `b_l`, and it does so only
+//! after its `WAIT b_{l−1}`; so `b_l` complete implies `b_{l−1}` complete,
+//! which by induction covers levels `< l`, while the signals themselves cover
+//! level `l`. A task at level `l + 1` depends only on tasks of levels `≤ l`,
+//! and its VPP waited on `b_l` before running it. The same induction shows
+//! the scripts cannot deadlock: the signals of `b_l` only wait on `b_{l−1}`.
+//!
+//! [`simulate`] interprets packed scripts on the CPU (several VPPs round-robin,
+//! `WAIT` blocking until its barrier's count reaches the expectation) and
+//! checks every executed instruction against the task graph; tests use it as
+//! the oracle.
+
+use std::collections::HashMap;
+
+use super::regplan::RegisterPlan;
+use super::script::{
+    encode_parts, preamble, Instr, PackedScripts, MAX_OPERANDS, OP_FIRST_ENGINE, OP_SIGNAL, OP_WAIT,
+};
+use crate::error::{CoreError, Result};
+
+/// Load multiplier of cached-matrix work relative to other work (VPPS
+/// §III-B1 gives matrix operations "a relatively higher load"); tunable
+/// through [`Scheduler::matrix_load_factor`].
+pub const DEFAULT_MATRIX_LOAD_FACTOR: u64 = 4;
+/// Most barriers one batch may use (the barrier index is 16 bits).
+pub const MAX_BARRIERS: usize = 65535;
+
+const WHAT: &str = "schedule";
+
+/// Which virtual processors execute a task.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Placement {
+    /// Exactly one VPP, the one with the least accumulated load.
+    Any,
+    /// Every CTA holding a piece of this register-cached matrix (an index
+    /// into [`RegisterPlan::matrices`]), each on its own rows.
+    Holders {
+        /// The cached matrix.
+        matrix: u16,
+    },
+    /// All VPPs (e.g. the final optimizer update).
+    Every,
+}
+
+/// One node of a batch's task DAG: an interpreter instruction and where it
+/// runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Task {
+    /// Engine opcode (at least [`OP_FIRST_ENGINE`]).
+    pub op: u8,
+    /// The instruction's 16-bit immediate.
+    pub arg: u16,
+    /// Operand words (pool offsets, counts). `Any`/`Every` tasks carry them
+    /// inline (at most [`MAX_OPERANDS`]); `Holders` tasks through the operand
+    /// pool, and merged tasks must have equal operand counts.
+    pub operands: Vec<u32>,
+    /// Tasks that must complete (on all their VPPs) before this one starts.
+    pub deps: Vec<u32>,
+    /// Estimated cost, for load balancing.
+    pub load: u64,
+    /// Where the task runs.
+    pub placement: Placement,
+}
+
+/// A batch's tasks; dependencies always point to earlier tasks, so the graph
+/// is acyclic by construction.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TaskGraph {
+    /// Tasks in push order; a task's id is its index.
+    pub tasks: Vec<Task>,
+}
+
+/// Checks what can be checked about task `index` without a scheduler.
+fn check_task(index: usize, task: &Task) -> Result<()> {
+    if let Some(&dep) = task.deps.iter().find(|&&d| d as usize >= index) {
+        return Err(CoreError::vpps(
+            WHAT,
+            format!("task {index} depends on task {dep}, which is not an earlier task"),
+        ));
+    }
+    if task.op < OP_FIRST_ENGINE {
+        return Err(CoreError::vpps(
+            WHAT,
+            format!(
+                "task {index} has opcode {}, below the first engine opcode {OP_FIRST_ENGINE}",
+                task.op
+            ),
+        ));
+    }
+    if !matches!(task.placement, Placement::Holders { .. }) && task.operands.len() > MAX_OPERANDS {
+        return Err(CoreError::vpps(
+            WHAT,
+            format!(
+                "task {index} has {} operands, at most {MAX_OPERANDS} fit in an instruction",
+                task.operands.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl TaskGraph {
+    /// An empty graph.
+    pub fn new() -> Self {
+        TaskGraph::default()
+    }
+
+    /// Appends `task` and returns its id. Errors (and does not append) if it
+    /// depends on a task not pushed yet, has a control opcode, or carries more
+    /// inline operands than an instruction holds.
+    pub fn push(&mut self, task: Task) -> Result<u32> {
+        let index = self.tasks.len();
+        let id = u32::try_from(index)
+            .map_err(|_| CoreError::vpps(WHAT, "more than 2^32 tasks in one batch"))?;
+        check_task(index, &task)?;
+        self.tasks.push(task);
+        Ok(id)
+    }
+
+    /// Number of tasks.
+    pub fn len(&self) -> usize {
+        self.tasks.len()
+    }
+
+    /// Whether there are no tasks.
+    pub fn is_empty(&self) -> bool {
+        self.tasks.is_empty()
+    }
+}
+
+/// Turns task graphs into packed scripts for a fixed set of VPPs and a fixed
+/// register plan.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Scheduler {
+    /// Virtual processors (persistent CTAs).
+    pub vpps: usize,
+    /// For each cached matrix, the CTAs holding a piece of it, ascending.
+    pub holders: Vec<Vec<u32>>,
+    /// For each cached matrix, the rows each of `holders` holds (same order).
+    pub holder_rows: Vec<Vec<u64>>,
+    /// A `Holders` task adds `load × matrix_load_factor × rows_held /
+    /// total_rows` (rounded up) to each holder's load.
+    pub matrix_load_factor: u64,
+}
+
+/// The scripts for one batch and how they were made.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Schedule {
+    /// Scripts, barrier expectations and operand pool in one buffer.
+    pub packed: PackedScripts,
+    /// Number of levels (barriers are `levels − 1`).
+    pub levels: usize,
+    /// Level of each task.
+    pub task_levels: Vec<u32>,
+    /// The VPPs that run each task, ascending.
+    pub task_vpps: Vec<Vec<u32>>,
+    /// The tasks each VPP runs, in script order (a merged instruction's tasks
+    /// in operand-pool order).
+    pub vpp_tasks: Vec<Vec<u32>>,
+    /// Load accumulated by each VPP over the batch.
+    pub loads: Vec<u64>,
+}
+
+/// Minimum-load lookup over VPPs: a tournament tree whose nodes hold the
+/// index of the least-loaded VPP below them (ties to the lower index).
+struct MinLoad {
+    size: usize,
+    tree: Vec<u32>,
+    loads: Vec<u64>,
+}
+
+impl MinLoad {
+    const NONE: u32 = u32::MAX;
+
+    fn new(n: usize) -> Self {
+        let size = n.max(1).next_power_of_two();
+        let mut tree = vec![Self::NONE; 2 * size];
+        for (i, slot) in tree[size..size + n].iter_mut().enumerate() {
+            *slot = i as u32;
+        }
+        let mut m = MinLoad {
+            size,
+            tree,
+            loads: vec![0; n],
+        };
+        for k in (1..size).rev() {
+            m.tree[k] = m.pick(m.tree[2 * k], m.tree[2 * k + 1]);
+        }
+        m
+    }
+
+    fn pick(&self, a: u32, b: u32) -> u32 {
+        match (a, b) {
+            (Self::NONE, _) => b,
+            (_, Self::NONE) => a,
+            _ if self.loads[b as usize] < self.loads[a as usize] => b,
+            _ => a,
+        }
+    }
+
+    fn argmin(&self) -> u32 {
+        self.tree[1]
+    }
+
+    fn add(&mut self, vpp: usize, amount: u64) {
+        self.loads[vpp] = self.loads[vpp].saturating_add(amount);
+        let mut k = (self.size + vpp) / 2;
+        while k >= 1 {
+            self.tree[k] = self.pick(self.tree[2 * k], self.tree[2 * k + 1]);
+            k /= 2;
+        }
+    }
+}
+
+impl Scheduler {
+    /// A scheduler for the CTAs and cached matrices of `plan`, with
+    /// [`DEFAULT_MATRIX_LOAD_FACTOR`].
+    pub fn new(plan: &RegisterPlan) -> Self {
+        let holders: Vec<Vec<u32>> = (0..plan.matrices.len()).map(|m| plan.holders(m)).collect();
+        let holder_rows = holders
+            .iter()
+            .enumerate()
+            .map(|(m, ctas)| {
+                ctas.iter()
+                    .map(|&c| plan.load_share(m, c as usize) as u64)
+                    .collect()
+            })
+            .collect();
+        Scheduler {
+            vpps: plan.ctas,
+            holders,
+            holder_rows,
+            matrix_load_factor: DEFAULT_MATRIX_LOAD_FACTOR,
+        }
+    }
+
+    /// A scheduler for `vpps` processors and no cached matrices (graphs with
+    /// `Holders` tasks are rejected).
+    pub fn with_vpps(vpps: usize) -> Self {
+        Scheduler {
+            vpps,
+            holders: Vec::new(),
+            holder_rows: Vec::new(),
+            matrix_load_factor: DEFAULT_MATRIX_LOAD_FACTOR,
+        }
+    }
+
+    /// Checks the public fields; returns the total rows of each matrix.
+    fn check(&self) -> Result<Vec<u64>> {
+        if self.vpps == 0 || self.vpps > u32::MAX as usize {
+            return Err(CoreError::vpps(
+                WHAT,
+                format!("{} virtual processors", self.vpps),
+            ));
+        }
+        if self.holder_rows.len() != self.holders.len() {
+            return Err(CoreError::vpps(
+                WHAT,
+                format!(
+                    "holder rows given for {} matrices, holders for {}",
+                    self.holder_rows.len(),
+                    self.holders.len()
+                ),
+            ));
+        }
+        let mut totals = Vec::with_capacity(self.holders.len());
+        for (m, (ctas, rows)) in self.holders.iter().zip(&self.holder_rows).enumerate() {
+            let sorted = ctas.windows(2).all(|w| w[0] < w[1]);
+            let in_range = ctas.iter().all(|&c| (c as usize) < self.vpps);
+            let total: u64 = rows.iter().fold(0u64, |a, &r| a.saturating_add(r));
+            if ctas.is_empty() || !sorted || !in_range || rows.len() != ctas.len() || total == 0 {
+                return Err(CoreError::vpps(
+                    WHAT,
+                    format!(
+                        "matrix {m}: holders {ctas:?} holding rows {rows:?} are not a non-empty \
+                         ascending set of VPPs below {} with rows held",
+                        self.vpps
+                    ),
+                ));
+            }
+            totals.push(total);
+        }
+        Ok(totals)
+    }
+
+    /// Schedules `g` into packed scripts (see the module docs). Errors for an
+    /// invalid graph or scheduler (naming the task or matrix), `Holders`
+    /// tasks merged into one instruction with unequal operand counts, more
+    /// than [`MAX_BARRIERS`] barriers, or a buffer beyond 32-bit offsets.
+    pub fn schedule(&self, g: &TaskGraph) -> Result<Schedule> {
+        let totals = self.check()?;
+        let n = g.tasks.len();
+        if n > u32::MAX as usize {
+            return Err(CoreError::vpps(WHAT, "more than 2^32 tasks in one batch"));
+        }
+
+        // Levels by longest dependency chain (dependencies point backwards).
+        let mut task_levels: Vec<u32> = Vec::with_capacity(n);
+        let mut levels = 0usize;
+        for (i, t) in g.tasks.iter().enumerate() {
+            check_task(i, t)?;
+            if let Placement::Holders { matrix } = t.placement {
+                if usize::from(matrix) >= self.holders.len() {
+                    return Err(CoreError::vpps(
+                        WHAT,
+                        format!(
+                            "task {i} runs on the holders of matrix {matrix}, but only {} \
+                             matrices are cached",
+                            self.holders.len()
+                        ),
+                    ));
+                }
+            }
+            let level = t
+                .deps
+                .iter()
+                .map(|&d| task_levels[d as usize] + 1)
+                .max()
+                .unwrap_or(0);
+            levels = levels.max(level as usize + 1);
+            task_levels.push(level);
+        }
+        if levels.saturating_sub(1) > MAX_BARRIERS {
+            return Err(CoreError::vpps(
+                WHAT,
+                format!(
+                    "the batch has {levels} levels and needs {} barriers, at most {MAX_BARRIERS} \
+                     are addressable",
+                    levels - 1
+                ),
+            ));
+        }
+
+        // Tasks bucketed by level, in id order within a level.
+        let mut starts = vec![0usize; levels + 1];
+        for &l in &task_levels {
+            starts[l as usize + 1] += 1;
+        }
+        for l in 0..levels {
+            starts[l + 1] += starts[l];
+        }
+        let mut order = vec![0u32; n];
+        let mut fill = starts.clone();
+        for (i, &l) in task_levels.iter().enumerate() {
+            order[fill[l as usize]] = i as u32;
+            fill[l as usize] += 1;
+        }
+
+        let vpps = self.vpps;
+        let mut scripts: Vec<Vec<u32>> = vec![Vec::new(); vpps];
+        let mut level_words: Vec<Vec<u32>> = vec![Vec::new(); vpps];
+        let mut vpp_tasks: Vec<Vec<u32>> = vec![Vec::new(); vpps];
+        let mut task_vpps: Vec<Vec<u32>> = vec![Vec::new(); n];
+        let mut pool: Vec<u32> = Vec::new();
+        let mut barrier_expect: Vec<u32> = Vec::with_capacity(levels.saturating_sub(1));
+        let mut loads = MinLoad::new(vpps);
+        let every: Vec<u32> = (0..vpps as u32).collect();
+        let mut group_of: HashMap<(u8, u16, u16), usize> = HashMap::new();
+        let mut groups: Vec<Vec<u32>> = Vec::new();
+
+        for l in 0..levels {
+            let level_tasks = &order[starts[l]..starts[l + 1]];
+
+            // Cached-matrix work, merged per (op, arg, matrix).
+            group_of.clear();
+            groups.clear();
+            for &t in level_tasks {
+                let task = &g.tasks[t as usize];
+                if let Placement::Holders { matrix } = task.placement {
+                    let next = groups.len();
+                    let at = *group_of.entry((task.op, task.arg, matrix)).or_insert(next);
+                    if at == next {
+                        groups.push(Vec::new());
+                    }
+                    groups[at].push(t);
+                }
+            }
+            for group in &groups {
+                let first = &g.tasks[group[0] as usize];
+                let Placement::Holders { matrix } = first.placement else {
+                    continue;
+                };
+                let m = usize::from(matrix);
+                let width = first.operands.len();
+                let offset = pool.len();
+                let mut load = 0u128;
+                for &t in group {
+                    let task = &g.tasks[t as usize];
+                    if task.operands.len() != width {
+                        return Err(CoreError::vpps(
+                            WHAT,
+                            format!(
+                                "tasks {} and {t} (opcode {}, arg {}, matrix {matrix}) merge into \
+                                 one instruction but have {width} and {} operands",
+                                group[0],
+                                task.op,
+                                task.arg,
+                                task.operands.len()
+                            ),
+                        ));
+                    }
+                    pool.extend_from_slice(&task.operands);
+                    load += u128::from(task.load);
+                }
+                let offset = u32::try_from(offset)
+                    .map_err(|_| CoreError::vpps(WHAT, "operand pool exceeds 32-bit offsets"))?;
+                let operands = [group.len() as u32, offset];
+                let scaled = load.saturating_mul(u128::from(self.matrix_load_factor));
+                for (&h, &rows) in self.holders[m].iter().zip(&self.holder_rows[m]) {
+                    let h = h as usize;
+                    encode_parts(first.op, first.arg, &operands, &mut level_words[h])?;
+                    vpp_tasks[h].extend_from_slice(group);
+                    let share = scaled
+                        .saturating_mul(u128::from(rows))
+                        .div_ceil(u128::from(totals[m]));
+                    loads.add(h, u64::try_from(share).unwrap_or(u64::MAX));
+                }
+                for &t in group {
+                    task_vpps[t as usize] = self.holders[m].clone();
+                }
+            }
+
+            // Everything else, in id order.
+            for &t in level_tasks {
+                let task = &g.tasks[t as usize];
+                match task.placement {
+                    Placement::Holders { .. } => {}
+                    Placement::Every => {
+                        for v in 0..vpps {
+                            encode_parts(task.op, task.arg, &task.operands, &mut level_words[v])?;
+                            vpp_tasks[v].push(t);
+                            loads.add(v, task.load);
+                        }
+                        task_vpps[t as usize] = every.clone();
+                    }
+                    Placement::Any => {
+                        let v = loads.argmin();
+                        let vu = v as usize;
+                        encode_parts(task.op, task.arg, &task.operands, &mut level_words[vu])?;
+                        vpp_tasks[vu].push(t);
+                        loads.add(vu, task.load);
+                        task_vpps[t as usize] = vec![v];
+                    }
+                }
+            }
+
+            // Barriers: wait on the previous level, signal this one.
+            let last = l + 1 == levels;
+            let mut signals = 0u32;
+            for v in 0..vpps {
+                if level_words[v].is_empty() {
+                    continue;
+                }
+                if l > 0 {
+                    scripts[v].push(preamble(OP_WAIT, 1, (l - 1) as u16));
+                }
+                scripts[v].append(&mut level_words[v]);
+                if !last {
+                    scripts[v].push(preamble(OP_SIGNAL, 1, l as u16));
+                    signals += 1;
+                }
+            }
+            if !last {
+                barrier_expect.push(signals);
+            }
+        }
+
+        let packed = PackedScripts::pack(&scripts, &barrier_expect, &pool)?;
+        Ok(Schedule {
+            packed,
+            levels,
+            task_levels,
+            task_vpps,
+            vpp_tasks,
+            loads: loads.loads,
+        })
+    }
+}
+
+/// What a simulated run did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Simulation {
+    /// Task ids in the order they completed (on the last of their VPPs).
+    pub order: Vec<u32>,
+    /// Every `(vpp, task)` execution, in simulated time order.
+    pub executions: Vec<(u32, u32)>,
+    /// Final signal count of each barrier.
+    pub barrier_counts: Vec<u32>,
+    /// Instructions executed, control instructions included.
+    pub steps: usize,
+}
+
+/// Runs `schedule`'s packed scripts on the CPU, one instruction per turn,
+/// visiting the VPPs round-robin, and returns the order in which tasks
+/// completed. See [`simulate_with`] for the checks.
+pub fn simulate(schedule: &Schedule, g: &TaskGraph) -> Result<Vec<u32>> {
+    let mut last: Option<u32> = None;
+    let sim = simulate_with(schedule, g, |runnable| {
+        let at = last
+            .and_then(|p| runnable.iter().position(|&v| v > p))
+            .unwrap_or(0);
+        last = runnable.get(at).copied();
+        at
+    })?;
+    Ok(sim.order)
+}
+
+/// One VPP's place in its decoded script.
+struct Cursor {
+    instrs: Vec<Instr>,
+    pc: usize,
+    task: usize,
+}
+
+fn sim_err(message: String) -> CoreError {
+    CoreError::vpps("simulation", message)
+}
+
+/// Runs `schedule`'s packed scripts on the CPU. Before each instruction,
+/// `choose` gets the VPPs that can run (not finished, not blocked on a `WAIT`
+/// whose barrier is short of its expectation), ascending, and returns the
+/// position of the one that runs next (taken modulo the list's length).
+///
+/// Errors when the scripts deadlock, a barrier is unknown or signalled more
+/// often than expected, an instruction does not match the task
+/// [`Schedule::vpp_tasks`] says it runs (opcode, arg, operands, or for a
+/// merged instruction the operand-pool slice), a task runs before all its
+/// dependencies completed on all their VPPs, or a task does not run on
+/// exactly the VPPs of [`Schedule::task_vpps`].
+pub fn simulate_with(
+    schedule: &Schedule,
+    g: &TaskGraph,
+    mut choose: impl FnMut(&[u32]) -> usize,
+) -> Result<Simulation> {
+    let packed = &schedule.packed;
+    let n = g.tasks.len();
+    if schedule.task_vpps.len() != n || schedule.vpp_tasks.len() != packed.vpps {
+        return Err(sim_err(format!(
+            "schedule for {} tasks on {} VPPs does not match a graph of {n} tasks and {} scripts",
+            schedule.task_vpps.len(),
+            schedule.vpp_tasks.len(),
+            packed.vpps
+        )));
+    }
+    let mut cursors = Vec::with_capacity(packed.vpps);
+    for v in 0..packed.vpps {
+        cursors.push(Cursor {
+            instrs: packed.decode_script(v)?,
+            pc: 0,
+            task: 0,
+        });
+    }
+    let expect = packed.barrier_expects();
+    let pool = packed.operand_pool();
+    let mut counts = vec![0u32; packed.barriers];
+    let mut done = vec![0usize; n];
+    let mut sim = Simulation {
+        order: Vec::new(),
+        executions: Vec::new(),
+        barrier_counts: Vec::new(),
+        steps: 0,
+    };
+    let mut runnable: Vec<u32> = Vec::with_capacity(packed.vpps);
+    loop {
+        runnable.clear();
+        let mut blocked = Vec::new();
+        for (v, c) in cursors.iter().enumerate() {
+            let Some(instr) = c.instrs.get(c.pc) else {
+                continue;
+            };
+            if instr.op == OP_WAIT {
+                let b = usize::from(instr.arg);
+                let (Some(&have), Some(&want)) = (counts.get(b), expect.get(b)) else {
+                    return Err(sim_err(format!("vpp {v} waits on unknown barrier {b}")));
+                };
+                if have < want {
+                    blocked.push(format!("vpp {v} waits on barrier {b} ({have} of {want})"));
+                    continue;
+                }
+            }
+            runnable.push(v as u32);
+        }
+        if runnable.is_empty() {
+            if blocked.is_empty() {
+                break;
+            }
+            return Err(sim_err(format!("deadlock: {}", blocked.join("; "))));
+        }
+        let v = runnable[choose(&runnable) % runnable.len()] as usize;
+        let c = &mut cursors[v];
+        let instr = &c.instrs[c.pc];
+        c.pc += 1;
+        sim.steps += 1;
+        match instr.op {
+            OP_WAIT => {}
+            OP_SIGNAL => {
+                let b = usize::from(instr.arg);
+                let (Some(have), Some(&want)) = (counts.get_mut(b), expect.get(b)) else {
+                    return Err(sim_err(format!("vpp {v} signals unknown barrier {b}")));
+                };
+                *have += 1;
+                if *have > want {
+                    return Err(sim_err(format!(
+                        "vpp {v} signals barrier {b} beyond its expected {want}"
+                    )));
+                }
+            }
+            op if op < OP_FIRST_ENGINE => {
+                return Err(sim_err(format!(
+                    "vpp {v}: reserved opcode {op} at instruction {}",
+                    c.pc - 1
+                )));
+            }
+            _ => {
+                let tasks = &schedule.vpp_tasks[v];
+                let Some(&first) = tasks.get(c.task) else {
+                    return Err(sim_err(format!(
+                        "vpp {v}: instruction {} has no scheduled task",
+                        c.pc - 1
+                    )));
+                };
+                let task = g.tasks.get(first as usize).ok_or_else(|| {
+                    sim_err(format!(
+                        "vpp {v}: scheduled task {first} is not in the graph"
+                    ))
+                })?;
+                let mismatch = |what: &str| {
+                    sim_err(format!(
+                        "vpp {v}: instruction {} does not match task {first}: {what}",
+                        c.pc - 1
+                    ))
+                };
+                if instr.op != task.op || instr.arg != task.arg {
+                    return Err(mismatch("opcode or arg"));
+                }
+                let ran: &[u32] = if let Placement::Holders { .. } = task.placement {
+                    let [count, offset] = instr.operands[..] else {
+                        return Err(mismatch("a merged instruction needs [count, offset]"));
+                    };
+                    let ran = tasks
+                        .get(c.task..c.task + count as usize)
+                        .ok_or_else(|| mismatch("count runs past the scheduled tasks"))?;
+                    let mut at = offset as usize;
+                    for &t in ran {
+                        let other = g.tasks.get(t as usize).ok_or_else(|| {
+                            sim_err(format!("vpp {v}: scheduled task {t} is not in the graph"))
+                        })?;
+                        if other.op != task.op
+                            || other.arg != task.arg
+                            || other.placement != task.placement
+                        {
+                            return Err(mismatch("merged tasks differ in opcode, arg or matrix"));
+                        }
+                        let end = at + other.operands.len();
+                        if pool.get(at..end) != Some(&other.operands[..]) {
+                            return Err(mismatch("operand pool slice"));
+                        }
+                        at = end;
+                    }
+                    ran
+                } else {
+                    if instr.operands != task.operands {
+                        return Err(mismatch("operands"));
+                    }
+                    std::slice::from_ref(&tasks[c.task])
+                };
+                c.task += ran.len();
+                for &t in ran {
+                    let tu = t as usize;
+                    for &d in &g.tasks[tu].deps {
+                        let du = d as usize;
+                        if done[du] < schedule.task_vpps[du].len() {
+                            return Err(sim_err(format!(
+                                "task {t} ran on vpp {v} before its dependency {d} completed \
+                                 ({} of {} VPPs)",
+                                done[du],
+                                schedule.task_vpps[du].len()
+                            )));
+                        }
+                    }
+                    if !schedule.task_vpps[tu].contains(&(v as u32)) {
+                        return Err(sim_err(format!(
+                            "task {t} ran on vpp {v}, not one of its VPPs {:?}",
+                            schedule.task_vpps[tu]
+                        )));
+                    }
+                    done[tu] += 1;
+                    sim.executions.push((v as u32, t));
+                    if done[tu] == schedule.task_vpps[tu].len() {
+                        sim.order.push(t);
+                    }
+                }
+            }
+        }
+    }
+    for (v, c) in cursors.iter().enumerate() {
+        if c.task != schedule.vpp_tasks[v].len() {
+            return Err(sim_err(format!(
+                "vpp {v} finished its script after {} of its {} tasks",
+                c.task,
+                schedule.vpp_tasks[v].len()
+            )));
+        }
+    }
+    if let Some(t) = (0..n).find(|&t| done[t] != schedule.task_vpps[t].len() || done[t] == 0) {
+        return Err(sim_err(format!(
+            "task {t} ran {} times, scheduled on VPPs {:?}",
+            done[t], schedule.task_vpps[t]
+        )));
+    }
+    sim.barrier_counts = counts;
+    Ok(sim)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(op: u8, operands: &[u32], deps: &[u32], load: u64, placement: Placement) -> Task {
+        Task {
+            op,
+            arg: 0,
+            operands: operands.to_vec(),
+            deps: deps.to_vec(),
+            load,
+            placement,
+        }
+    }
+
+    /// Four VPPs; matrix 0 cached on all of them, matrix 1 on VPPs 1 and 2
+    /// (the setting of VPPS Fig. 6d).
+    fn fig6_scheduler() -> Scheduler {
+        Scheduler {
+            vpps: 4,
+            holders: vec![vec![0, 1, 2, 3], vec![1, 2]],
+            holder_rows: vec![vec![8; 4], vec![8; 2]],
+            matrix_load_factor: 1,
+        }
+    }
+
+    fn fig6_graph() -> TaskGraph {
+        let h0 = Placement::Holders { matrix: 0 };
+        let mut g = TaskGraph::new();
+        g.push(task(20, &[100], &[], 5, Placement::Any)).unwrap();
+        g.push(task(16, &[10, 11], &[], 4, h0)).unwrap();
+        g.push(task(16, &[12, 13], &[], 4, h0)).unwrap();
+        g.push(task(
+            16,
+            &[14, 15],
+            &[],
+            2,
+            Placement::Holders { matrix: 1 },
+        ))
+        .unwrap();
+        g.push(task(21, &[200], &[0, 1], 1, Placement::Any))
+            .unwrap();
+        g.push(task(30, &[], &[4], 1, Placement::Every)).unwrap();
+        g
+    }
+
+    #[test]
+    fn fig6_scripts() {
+        let g = fig6_graph();
+        let s = fig6_scheduler().schedule(&g).unwrap();
+        assert_eq!(s.levels, 3);
+        assert_eq!(s.task_levels, vec![0, 0, 0, 0, 1, 2]);
+        let p = |op, len, arg| preamble(op, len, arg);
+        let merged0 = [p(16, 3, 0), 2, 0];
+        let merged1 = [p(16, 3, 0), 1, 4];
+        let (s0, w0, s1, w1) = (p(1, 1, 0), p(2, 1, 0), p(1, 1, 1), p(2, 1, 1));
+        let update = p(30, 1, 0);
+        let vpp0 = [&merged0[..], &[p(20, 2, 0), 100, s0, w1, update]].concat();
+        let vpp1 = [&merged0[..], &merged1[..], &[s0, w1, update]].concat();
+        let vpp3 = [&merged0[..], &[s0, w0, p(21, 2, 0), 200, s1, w1, update]].concat();
+        assert_eq!(s.packed.script(0), &vpp0[..]);
+        assert_eq!(s.packed.script(1), &vpp1[..]);
+        assert_eq!(s.packed.script(2), &vpp1[..]);
+        assert_eq!(s.packed.script(3), &vpp3[..]);
+        assert_eq!(s.packed.barrier_expects(), &[4, 1]);
+        assert_eq!(s.packed.operand_pool(), &[10, 11, 12, 13, 14, 15]);
+        // Holder loads: 8 x 8/32 = 2 each, matrix 1: 2 x 8/16 = 1; then the
+        // Any tasks go to VPP 0 (tie, lowest index) and VPP 3.
+        assert_eq!(s.loads, vec![8, 4, 4, 4]);
+        assert_eq!(s.task_vpps[0], vec![0]);
+        assert_eq!(s.task_vpps[3], vec![1, 2]);
+        assert_eq!(s.task_vpps[4], vec![3]);
+        assert_eq!(s.task_vpps[5], vec![0, 1, 2, 3]);
+        assert_eq!(s.vpp_tasks[1], vec![1, 2, 3, 5]);
+        let order = simulate(&s, &g).unwrap();
+        assert_eq!(order.len(), 6);
+        assert_eq!(order.last(), Some(&5));
+    }
+
+    #[test]
+    fn simulator_catches_broken_scripts() {
+        let g = fig6_graph();
+        let s = fig6_scheduler().schedule(&g).unwrap();
+        let repack = |s: &Schedule, scripts: Vec<Vec<u32>>, expect: &[u32], pool: &[u32]| {
+            let mut t = s.clone();
+            t.packed = PackedScripts::pack(&scripts, expect, pool).unwrap();
+            t
+        };
+        let scripts: Vec<Vec<u32>> = (0..4).map(|v| s.packed.script(v).to_vec()).collect();
+        let pool = s.packed.operand_pool().to_vec();
+        // VPP 3 without its WAIT 0, running ahead of everyone else.
+        let mut broken = scripts.clone();
+        broken[3].remove(4);
+        let t = repack(&s, broken, &[4, 1], &pool);
+        let err = simulate_with(&t, &g, |r| r.len() - 1).unwrap_err();
+        assert!(err.to_string().contains("before its dependency"), "{err}");
+        // An expectation nobody meets.
+        let t = repack(&s, scripts.clone(), &[4, 2], &pool);
+        let err = simulate(&t, &g).unwrap_err();
+        assert!(err.to_string().contains("deadlock"), "{err}");
+        // Over-signalling.
+        let t = repack(&s, scripts.clone(), &[3, 1], &pool);
+        assert!(simulate(&t, &g).is_err());
+        // A corrupted operand pool.
+        let mut bad_pool = pool.clone();
+        bad_pool[3] += 1;
+        let t = repack(&s, scripts.clone(), &[4, 1], &bad_pool);
+        let err = simulate(&t, &g).unwrap_err();
+        assert!(err.to_string().contains("operand pool"), "{err}");
+        // A task dropped from a VPP's script.
+        let mut broken = scripts;
+        broken[0].truncate(3);
+        let t = repack(&s, broken, &[4, 1], &pool);
+        assert!(simulate(&t, &g).is_err());
+    }
+
+    #[test]
+    fn invalid_graphs_are_rejected() {
+        let mut g = TaskGraph::new();
+        let err = g.push(task(16, &[], &[0], 1, Placement::Any)).unwrap_err();
+        assert!(
+            err.to_string().contains("task 0 depends on task 0"),
+            "{err}"
+        );
+        let err = g
+            .push(task(OP_WAIT, &[], &[], 1, Placement::Any))
+            .unwrap_err();
+        assert!(err.to_string().contains("opcode 2"), "{err}");
+        let err = g
+            .push(task(16, &[0; 255], &[], 1, Placement::Every))
+            .unwrap_err();
+        assert!(err.to_string().contains("255 operands"), "{err}");
+        assert!(g.is_empty());
+        // Many operands are fine through the pool.
+        g.push(task(
+            16,
+            &[0; 300],
+            &[],
+            1,
+            Placement::Holders { matrix: 1 },
+        ))
+        .unwrap();
+        g.push(task(16, &[0; 2], &[], 1, Placement::Holders { matrix: 1 }))
+            .unwrap();
+        let err = fig6_scheduler().schedule(&g).unwrap_err();
+        assert!(err.to_string().contains("300 and 2 operands"), "{err}");
+        let err = Scheduler::with_vpps(4).schedule(&g).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("task 0 runs on the holders of matrix 1"),
+            "{err}"
+        );
+        // A hand-built graph with a forward edge.
+        let g = TaskGraph {
+            tasks: vec![
+                task(16, &[], &[1], 1, Placement::Any),
+                task(16, &[], &[], 1, Placement::Any),
+            ],
+        };
+        let err = Scheduler::with_vpps(2).schedule(&g).unwrap_err();
+        assert!(
+            err.to_string().contains("task 0 depends on task 1"),
+            "{err}"
+        );
+        let mut bad = fig6_scheduler();
+        bad.holders[1] = vec![2, 1];
+        assert!(bad.schedule(&TaskGraph::new()).is_err());
+        bad.holders[1] = vec![1, 4];
+        assert!(bad.schedule(&TaskGraph::new()).is_err());
+        assert!(Scheduler::with_vpps(0).schedule(&TaskGraph::new()).is_err());
+    }
+
+    #[test]
+    fn empty_graph_gives_empty_scripts() {
+        let s = Scheduler::with_vpps(3).schedule(&TaskGraph::new()).unwrap();
+        assert_eq!((s.levels, s.packed.barriers, s.packed.vpps), (0, 0, 3));
+        assert!(s.packed.script(1).is_empty());
+        assert!(simulate(&s, &TaskGraph::new()).unwrap().is_empty());
+    }
+
+    #[test]
+    fn barrier_limit() {
+        let chain = |n: u32| {
+            let mut g = TaskGraph::new();
+            for i in 0..n {
+                let deps = if i == 0 { vec![] } else { vec![i - 1] };
+                g.push(task(16, &[i], &deps, 1, Placement::Any)).unwrap();
+            }
+            g
+        };
+        let s = Scheduler::with_vpps(2).schedule(&chain(65536)).unwrap();
+        assert_eq!(s.packed.barriers, MAX_BARRIERS);
+        assert_eq!(s.packed.barrier_expect(65534), Some(1));
+        let err = Scheduler::with_vpps(2).schedule(&chain(65537)).unwrap_err();
+        assert!(err.to_string().contains("65537 levels"), "{err}");
+    }
+
+    #[test]
+    fn min_load_matches_a_scan() {
+        for n in [1usize, 2, 3, 5, 8, 13] {
+            let mut m = MinLoad::new(n);
+            let mut naive = vec![0u64; n];
+            for step in 0..200u64 {
+                let want = (0..n).min_by_key(|&v| (naive[v], v)).unwrap_or(0);
+                assert_eq!(m.argmin() as usize, want, "n {n} step {step}");
+                let v = ((step * 7 + 3) % n as u64) as usize;
+                let amount = (step * 31) % 11;
+                m.add(v, amount);
+                naive[v] += amount;
+            }
+        }
+    }
+}
