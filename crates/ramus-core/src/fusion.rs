@@ -61,6 +61,7 @@ use std::any::Any;
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap};
 use std::fmt;
+use std::fmt::Write as _;
 
 use crate::error::{CoreError, Result};
 use crate::graph::{DType, Graph, NodeId, NodeKind, Source, Space};
@@ -1409,7 +1410,6 @@ impl FusedGroup {
     /// indices are scaled in 64 bits. A grid-stride loop covers `0..n`, so
     /// any launch shape is correct.
     pub fn cuda_source(&self, graph: &Graph, kernel_name: &str) -> Result<String> {
-        let code = self.members_code(graph)?;
         let outputs = self.output_members()?;
         let writes = self.concat_write_members()?;
         let csr: Vec<usize> = (0..self.inputs.len())
@@ -1445,6 +1445,23 @@ impl FusedGroup {
         s += "    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;\n";
         s += "         i < n;\n";
         s += "         i += (unsigned long long)gridDim.x * blockDim.x) {\n";
+        s += &self.element_body(graph)?;
+        s += "    }\n}\n";
+        Ok(s)
+    }
+
+    /// The loop body of the group's code for element `i` (of `n = rows ×
+    /// width`): loads of every input (names `in{k}`, windows through
+    /// `in{k}_stride` / `in{k}_offset`, CSR inputs through `in{k}_rows` and
+    /// `in{k}_base`), the members' expressions, and the stores to `out{k}`
+    /// and the concat writes `cat{q}` (`cat{q}_stride`, `cat{q}_offset`);
+    /// `width` is the group's width. Shared by the batched engine's kernels
+    /// and the persistent kernel's instruction cases.
+    fn element_body(&self, graph: &Graph) -> Result<String> {
+        let code = self.members_code(graph)?;
+        let outputs = self.output_members()?;
+        let writes = self.concat_write_members()?;
+        let mut s = String::new();
         for (k, input) in self.inputs.iter().enumerate() {
             let index = match input.kind {
                 InputKind::PerElement => "i".to_string(),
@@ -1482,8 +1499,68 @@ impl FusedGroup {
                 "        cat{q}[(i / width) * cat{q}_stride + cat{q}_offset + i % width] = t{j};\n"
             );
         }
-        s += "    }\n}\n";
         Ok(s)
+    }
+
+    /// The group as one `case` of the persistent kernel's instruction
+    /// switch (`case` is the instruction's arg): the processor's threads
+    /// stride over the `n` elements. Operands, in order: `n`, the pool
+    /// offset of every input (for a window or CSR input, of the source
+    /// rows the instruction's first row reads), of every output, of every
+    /// concat write (its first row and column 0), then for each CSR input
+    /// (input order) the pool offset of its `u32` index array for the
+    /// instruction's rows (entries relative to the source offset given). Widths, strides and column
+    /// offsets are compiled in.
+    pub fn persistent_case(&self, graph: &Graph, case: usize) -> Result<String> {
+        let outputs = self.output_members()?;
+        let mut s = format!("case {case}: {{\n");
+        let mut at = 1;
+        let mut next = || {
+            at += 1;
+            at - 1
+        };
+        s += "    const unsigned n = operand[0];\n";
+        let _ = writeln!(s, "    const unsigned width = {};", self.width);
+        for (k, input) in self.inputs.iter().enumerate() {
+            let _ = writeln!(s, "    const float* in{k} = pool + operand[{}];", next());
+            if let InputKind::Window { offset, stride, .. } = input.kind {
+                let _ = writeln!(
+                    s,
+                    "    const unsigned in{k}_stride = {stride}, in{k}_offset = {offset};"
+                );
+            }
+        }
+        for k in 0..outputs.len() {
+            let _ = writeln!(s, "    float* out{k} = pool + operand[{}];", next());
+        }
+        for (q, w) in self.concat_writes.iter().enumerate() {
+            let _ = writeln!(s, "    float* cat{q} = pool + operand[{}];", next());
+            let _ = writeln!(
+                s,
+                "    const unsigned cat{q}_stride = {}, cat{q}_offset = {};",
+                w.stride, w.offset
+            );
+        }
+        for (k, input) in self.inputs.iter().enumerate() {
+            if input.kind.is_csr() {
+                let _ = writeln!(
+                    s,
+                    "    const unsigned* in{k}_rows = upool + operand[{}];",
+                    next()
+                );
+                let _ = writeln!(s, "    const unsigned in{k}_base = 0;");
+            }
+        }
+        s += "    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) {\n";
+        s += &self.element_body(graph)?;
+        s += "    }\n    break;\n}\n";
+        Ok(s)
+    }
+
+    /// Operands of [`persistent_case`](Self::persistent_case) after `n`.
+    pub fn persistent_operands(&self) -> usize {
+        let csr = self.inputs.iter().filter(|i| i.kind.is_csr()).count();
+        self.inputs.len() + self.outputs.len() + self.concat_writes.len() + csr
     }
 
     /// The kernel with its content-derived name (see [`FusedKernel`]).

@@ -6,6 +6,7 @@
 //! | memory | [`pool`], [`offset_allocator`] | one pool of a few large `cuMemAlloc` chunks, per-batch [`Arena`]s, typed [`DeviceView`]s |
 //! | transfers | [`pinned`] | pinned host staging buffers and async host↔device copies |
 //! | kernels | [`rtc`], [`cache`] | NVRTC compilation for the device's architecture; the memory + disk kernel cache |
+//! | persistent | [`persistent`] | the VPPS persistent training kernel: build (spill and residency checks) and cooperative launch on packed scripts |
 //! | optimizer | [`optimizer`] | the fused SGD / Adagrad / Adam(W) step with global-norm clipping, generated per kind |
 //! | GEMM | [`blas`] | row-major cuBLAS SGEMM and strided-batched SGEMM on a stream |
 //! | errors | [`error`] | [`CudaError`]: every failure, naming the call, the library or the kernel |
@@ -45,6 +46,7 @@ pub mod error;
 pub mod launch;
 pub mod offset_allocator;
 pub mod optimizer;
+pub mod persistent;
 pub mod pinned;
 pub mod pool;
 pub(crate) mod program;

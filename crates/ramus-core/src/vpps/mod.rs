@@ -11,6 +11,8 @@
 //!   a 4-byte preamble plus 4-byte operands (VPPS §III-B1, Fig. 6c), the
 //!   reserved signal/wait control opcodes, and the one buffer that carries all
 //!   per-CTA scripts to the device in a single copy (§III-B2).
+//! * [`kernel`] generates the CUDA C++ of the persistent kernel for a plan:
+//!   register partitions, the script interpreter and every instruction.
 //! * [`schedule`] turns one batch's task DAG into those scripts: level
 //!   scheduling by maximum depth, greedy load balancing over the virtual
 //!   processors, merging of cached-matrix work onto the CTAs that hold the
@@ -21,6 +23,7 @@
 //! A *virtual persistent processor* (VPP) is one persistent CTA; the two words
 //! are used interchangeably and both are numbered `0..ctas`.
 
+pub mod kernel;
 pub mod regplan;
 pub mod schedule;
 pub mod script;

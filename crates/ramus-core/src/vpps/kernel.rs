@@ -1,0 +1,529 @@
+//! CodeGen of the persistent training kernel (VPPS §III-A2, Fig. 5): CUDA
+//! C++ specialised to a [`RegisterPlan`], compiled once per model at set-up.
+//!
+//! # What the kernel does
+//!
+//! Every CTA (256 threads) is a *virtual persistent processor* (VPP). At
+//! start it loads its register partitions: for partition `p`, the plan's
+//! table gives the matrix and first row; warp `w` keeps rows
+//! `first + w·rpw .. + rpw` with lane `l` holding columns `l, l + 32, …`
+//! (`float w[P][RPW][K]`, every index a literal after unrolling, so the
+//! compiler keeps them in registers — the engine checks the compiled
+//! kernel's local memory and refuses a kernel that spills). With gradients
+//! in registers a second array `g` of the same shape accumulates the weight
+//! gradients.
+//!
+//! Then the VPP interprets its own script (see [`super::script`]): it copies
+//! the script into shared memory in rounds of [`SCRIPT_SMEM_WORDS`] words
+//! (only whole instructions are executed from a round; the next round starts
+//! at the first instruction that did not fit), decodes each preamble and
+//! dispatches on the opcode:
+//!
+//! * `SIGNAL b` / `WAIT b` — VPPS' barrier pair: after a block barrier and a
+//!   fence, thread 0 adds one to counter `b`; a waiting VPP's thread 0 spins
+//!   (acquire loads) until the counter reaches the count the script buffer
+//!   stores for `b`, fences and releases the block.
+//! * [`OP_MATVEC`] `m` — for each `(x, y)` offset pair of its operand list,
+//!   `y[row] = W_m[row, :] · x` for every row of `W_m` this VPP holds (one
+//!   warp per row, lanes over columns, a shuffle reduction).
+//! * [`OP_MATVEC_T`] `m` — for each `(dy, dx)` pair, `dx += W_mᵀ dy` restricted
+//!   to the held rows, summed over this VPP's rows in registers and added to
+//!   `dx` with one atomic per column and warp (`dx` must start at zero).
+//! * [`OP_OUTER`] `m` — for each `(dy, x)` pair, `G_m[row, :] += dy[row] · x`
+//!   into the gradient registers.
+//! * [`OP_FUSED`] `k` — fused elementwise group `k` of the model (its code
+//!   generated into the kernel, see `FusedGroup::persistent_case`).
+//! * [`OP_ROWS`] — a row copy `dst[d(i)] (+)= src[s(i)]` (gathers, pushes,
+//!   embedding lookups, gradient scatter-adds, slices and concats).
+//! * [`OP_SUM_CHILDREN`], [`OP_SUM_ROWS`], [`OP_BROADCAST_ROWS`],
+//!   [`OP_XENT`] — the structure and loss ops of the IR.
+//! * [`OP_UPDATE_DENSE`] — the optimizer step on parameters in the pool
+//!   (biases, embedding rows), zeroing their gradients for the next batch.
+//! * [`OP_UPDATE`] — the optimizer step on every held row (gradient scaled
+//!   by the clip factor, the update rule of [`UpdateRule`]), written back to
+//!   the master copy (and the rule's moment buffers) in the parameter
+//!   buffer.
+//!
+//! # Parameters (the engine's launch relies on this order)
+//!
+//! ```text
+//! vpps_train(float* pool, const u32* script, u32* barriers,
+//!            const u32* parts, const u32* mats,
+//!            u32 prefix_at, u32 scripts_at, u32 expect_at, u32 operands_at,
+//!            float lr, float weight_decay, float beta1, float beta2, float eps,
+//!            float inv_bias_correction1, float inv_bias_correction2, float clip)
+//! ```
+//!
+//! `pool` holds every tensor — parameters, their gradients and optimizer
+//! moments, and the batch's values (operands are float offsets into it;
+//! VPPS' single memory pool); `script` the packed
+//! scripts ([`super::script::PackedScripts`]) with the given word offsets;
+//! `barriers` one zeroed counter per barrier; `parts` the plan's partition
+//! table ([`RegisterPlan::table`]: per CTA and partition the matrix, or
+//! `u32::MAX`, and the first row); `mats` [`MATRIX_WORDS`] words per cached
+//! matrix: rows, columns, and the float offsets in `pool` of its values,
+//! first moments and second moments. Index arrays an instruction reads
+//! (labels, child offsets, row lists) live in the pool as `u32` words;
+//! operands name them by their offset like any tensor.
+
+use std::fmt::Write as _;
+
+use super::regplan::{RegisterPlan, CTA_THREADS, WARP};
+use super::script::OP_FIRST_ENGINE;
+
+/// `y = W x` on the holders of `W` (arg: cached matrix index).
+pub const OP_MATVEC: u8 = OP_FIRST_ENGINE;
+/// `dx += Wᵀ dy` on the holders of `W` (arg: cached matrix index).
+pub const OP_MATVEC_T: u8 = OP_FIRST_ENGINE + 1;
+/// `G += dy xᵀ` into the gradient registers (arg: cached matrix index).
+pub const OP_OUTER: u8 = OP_FIRST_ENGINE + 2;
+/// The optimizer step on every register partition of the VPP.
+pub const OP_UPDATE: u8 = OP_FIRST_ENGINE + 3;
+
+/// Fused elementwise group (arg: its case number).
+pub const OP_FUSED: u8 = OP_FIRST_ENGINE + 4;
+/// Row copy. Operands `[rows, width, dst, dst_stride, src, src_stride,
+/// dst_index, src_index]`: for `i < rows`, `c < width`,
+/// `dst[D(i) + c] (+)= src[S(i) + c]` where `D(i) = dst + i·dst_stride`
+/// without an index (`dst_index = NO_INDEX`), else `dst + idx[i]·dst_stride`
+/// or, with [`ROWS_DST_ABSOLUTE`], `idx[i]` itself (likewise `S`); a source
+/// index entry [`NO_INDEX`] reads zeros. Arg: [`ROWS_ACCUMULATE`] (atomic
+/// add) | [`ROWS_DST_ABSOLUTE`] | [`ROWS_SRC_ABSOLUTE`].
+pub const OP_ROWS: u8 = OP_FIRST_ENGINE + 5;
+/// `dst[i, c] = Σ_{e = csr[i]..csr[i+1]} src[e·src_stride + c]`; operands
+/// `[rows, width, dst, src, src_stride, csr]` (csr: pool offset of rows + 1
+/// `u32` entries, edge rows of `src`).
+pub const OP_SUM_CHILDREN: u8 = OP_FIRST_ENGINE + 6;
+/// `dst[c] (+)= scale · Σ_i src[i·src_stride + c]`; operands `[rows, width,
+/// dst, src, src_stride, scale as f32 bits]`; arg [`ROWS_ACCUMULATE`].
+pub const OP_SUM_ROWS: u8 = OP_FIRST_ENGINE + 7;
+/// `dst[i, c] = scale · src[c]`; operands `[rows, width, dst, src, scale bits]`.
+pub const OP_BROADCAST_ROWS: u8 = OP_FIRST_ENGINE + 8;
+/// Softmax cross-entropy, a warp per row. Arg 0: `dst[i] = logsumexp(x_i)
+/// − x_i[label_i]`, operands `[rows, classes, dst, x, labels]`; arg 1 (its
+/// gradient): `dst[i, j] = up[i] · (softmax(x_i)_j − [j = label_i])`,
+/// operands `[rows, classes, dst, x, labels, up]` (labels: pool offset of `u32` labels).
+pub const OP_XENT: u8 = OP_FIRST_ENGINE + 9;
+/// The optimizer step on rows of a parameter in the pool; operands `[rows,
+/// width, value, grad, first, second, row_index]` (row `i` is `idx[i]` or,
+/// with `NO_INDEX`, `i`); the gradient is zeroed after use.
+pub const OP_UPDATE_DENSE: u8 = OP_FIRST_ENGINE + 10;
+
+/// [`OP_ROWS`] / [`OP_SUM_ROWS`] flag: add atomically instead of storing.
+pub const ROWS_ACCUMULATE: u16 = 1;
+/// [`OP_ROWS`] flag: destination index entries are absolute pool offsets.
+pub const ROWS_DST_ABSOLUTE: u16 = 2;
+/// [`OP_ROWS`] flag: source index entries are absolute pool offsets.
+pub const ROWS_SRC_ABSOLUTE: u16 = 4;
+/// "No index array" / "no row" in operands and index arrays.
+pub const NO_INDEX: u32 = u32::MAX;
+
+/// Words per cached matrix in the `mats` table: rows, columns, value
+/// offset, first-moment offset, second-moment offset.
+pub const MATRIX_WORDS: usize = 5;
+
+/// Script words a VPP holds in shared memory per round (16 KiB).
+pub const SCRIPT_SMEM_WORDS: usize = 4096;
+
+/// Name of the generated kernel.
+pub const KERNEL_NAME: &str = "vpps_train";
+
+/// The optimizer the kernel applies at [`OP_UPDATE`] (the rules of
+/// `ramus_nn::Optimizer`: SGD and Adagrad add `weight_decay · w` to the
+/// gradient, Adam decays decoupled).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UpdateRule {
+    Sgd,
+    Adagrad,
+    Adam,
+}
+
+impl UpdateRule {
+    fn code(self) -> u32 {
+        match self {
+            UpdateRule::Sgd => 0,
+            UpdateRule::Adagrad => 1,
+            UpdateRule::Adam => 2,
+        }
+    }
+}
+
+/// The CUDA C++ source of the persistent kernel for `plan` and `rule`;
+/// `fused_cases` are the model's fused groups as `case` blocks (see
+/// `FusedGroup::persistent_case`), dispatched by [`OP_FUSED`].
+pub fn kernel_source(plan: &RegisterPlan, rule: UpdateRule, fused_cases: &str) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "// Ramus VPPS persistent training kernel (generated)");
+    let _ = writeln!(s, "#define VP_P {}", plan.partitions.max(1));
+    let _ = writeln!(s, "#define VP_R {}", plan.rpw);
+    let _ = writeln!(s, "#define VP_K {}", plan.regs_per_row.max(1));
+    let _ = writeln!(s, "#define VP_GRADS {}", u32::from(plan.grads_in_registers));
+    let _ = writeln!(s, "#define VP_RULE {}", rule.code());
+    let _ = writeln!(s, "#define VP_CTAS_PER_SM {}", plan.ctas_per_sm);
+    let _ = writeln!(s, "#define VP_THREADS {CTA_THREADS}");
+    let _ = writeln!(s, "#define VP_WARP {WARP}");
+    let _ = writeln!(s, "#define VP_SMEM_WORDS {SCRIPT_SMEM_WORDS}");
+    let _ = writeln!(s, "#define VP_MAT_WORDS {MATRIX_WORDS}");
+    let _ = writeln!(s, "#define OP_SIGNAL {}", super::script::OP_SIGNAL);
+    let _ = writeln!(s, "#define OP_WAIT {}", super::script::OP_WAIT);
+    let _ = writeln!(s, "#define OP_MATVEC {OP_MATVEC}");
+    let _ = writeln!(s, "#define OP_MATVEC_T {OP_MATVEC_T}");
+    let _ = writeln!(s, "#define OP_OUTER {OP_OUTER}");
+    let _ = writeln!(s, "#define OP_UPDATE {OP_UPDATE}");
+    for (name, value) in [
+        ("OP_FUSED", OP_FUSED),
+        ("OP_ROWS", OP_ROWS),
+        ("OP_SUM_CHILDREN", OP_SUM_CHILDREN),
+        ("OP_SUM_ROWS", OP_SUM_ROWS),
+        ("OP_BROADCAST_ROWS", OP_BROADCAST_ROWS),
+        ("OP_XENT", OP_XENT),
+        ("OP_UPDATE_DENSE", OP_UPDATE_DENSE),
+    ] {
+        let _ = writeln!(s, "#define {name} {value}");
+    }
+    for (name, value) in [
+        ("ROWS_ACCUMULATE", ROWS_ACCUMULATE),
+        ("ROWS_DST_ABSOLUTE", ROWS_DST_ABSOLUTE),
+        ("ROWS_SRC_ABSOLUTE", ROWS_SRC_ABSOLUTE),
+    ] {
+        let _ = writeln!(s, "#define {name} {value}u");
+    }
+    s += KERNEL_BODY.replace("//@FUSED_CASES@", fused_cases).as_str();
+    s
+}
+
+/// The model-independent part: everything is specialised through the
+/// macros above (partition count and shape are literals, so the register
+/// arrays never leave registers).
+const KERNEL_BODY: &str = r#"
+#define VP_NONE 0xffffffffu
+
+__device__ __forceinline__ unsigned vp_load_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// One parameter element's optimizer step (the rule is VP_RULE); `first` and
+// `second` are its moment slots (unused by SGD).
+__device__ __forceinline__ float vp_update(float wv, float gv, float* first, float* second,
+                                           float lr, float weight_decay, float beta1, float beta2,
+                                           float eps, float inv_bc1, float inv_bc2) {
+#if VP_RULE == 0
+    gv = gv + weight_decay * wv;
+    return wv - lr * gv;
+#elif VP_RULE == 1
+    gv = gv + weight_decay * wv;
+    const float s2 = *second + gv * gv;
+    *second = s2;
+    return wv - lr * gv / (sqrtf(s2) + eps);
+#else
+    const float m1 = beta1 * *first + (1.0f - beta1) * gv;
+    const float m2 = beta2 * *second + (1.0f - beta2) * gv * gv;
+    *first = m1;
+    *second = m2;
+    wv = wv - lr * weight_decay * wv;
+    return wv - lr * (m1 * inv_bc1) / (sqrtf(m2 * inv_bc2) + eps);
+#endif
+}
+
+__device__ __forceinline__ float vp_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_train(
+    float* pool, const unsigned* __restrict__ script,
+    unsigned* barriers, const unsigned* __restrict__ parts, const unsigned* __restrict__ mats,
+    unsigned prefix_at, unsigned scripts_at, unsigned expect_at, unsigned operands_at,
+    float lr, float weight_decay, float beta1, float beta2, float eps,
+    float inv_bc1, float inv_bc2, float clip)
+{
+    __shared__ unsigned code[VP_SMEM_WORDS];
+    const unsigned lane = threadIdx.x % VP_WARP;
+    const unsigned warp = threadIdx.x / VP_WARP;
+    const unsigned cta = blockIdx.x;
+    // index arrays (labels, row lists, child offsets) live in the pool as u32
+    const unsigned* upool = (const unsigned*)pool;
+
+    // ---- register partitions: this warp's rows of each partition
+    unsigned pm[VP_P];   // cached matrix of partition p (VP_NONE: empty)
+    unsigned prow[VP_P]; // this warp's first row in it
+    float w[VP_P][VP_R][VP_K];
+#if VP_GRADS
+    float g[VP_P][VP_R][VP_K];
+#endif
+#pragma unroll
+    for (int p = 0; p < VP_P; ++p) {
+        pm[p] = parts[(cta * VP_P + p) * 2];
+        prow[p] = parts[(cta * VP_P + p) * 2 + 1] + warp * VP_R;
+        unsigned rows = 0, cols = 0, value = 0;
+        if (pm[p] != VP_NONE) {
+            rows = mats[pm[p] * VP_MAT_WORDS];
+            cols = mats[pm[p] * VP_MAT_WORDS + 1];
+            value = mats[pm[p] * VP_MAT_WORDS + 2];
+        }
+#pragma unroll
+        for (int r = 0; r < VP_R; ++r) {
+            const unsigned row = prow[p] + r;
+#pragma unroll
+            for (int k = 0; k < VP_K; ++k) {
+                const unsigned col = lane + VP_WARP * k;
+                w[p][r][k] = (row < rows && col < cols) ? pool[value + row * cols + col] : 0.0f;
+#if VP_GRADS
+                g[p][r][k] = 0.0f;
+#endif
+            }
+        }
+    }
+
+    // ---- the script interpreter
+    const unsigned begin = script[prefix_at + cta];
+    const unsigned end = script[prefix_at + cta + 1];
+    unsigned pos = begin;
+    while (pos < end) {
+        const unsigned n = min(end - pos, (unsigned)VP_SMEM_WORDS);
+        __syncthreads();
+        for (unsigned i = threadIdx.x; i < n; i += blockDim.x) code[i] = script[scripts_at + pos + i];
+        __syncthreads();
+        unsigned at = 0;
+        while (at < n) {
+            const unsigned pre = code[at];
+            const unsigned len = (pre >> 8) & 0xffu;
+            if (len == 0 || at + len > n) break;
+            const unsigned op = pre & 0xffu;
+            const unsigned arg = pre >> 16;
+            const unsigned* operand = code + at + 1;
+            switch (op) {
+            case OP_SIGNAL:
+                __syncthreads();
+                if (threadIdx.x == 0) {
+                    __threadfence();
+                    atomicAdd(barriers + arg, 1u);
+                }
+                break;
+            case OP_WAIT:
+                if (threadIdx.x == 0) {
+                    const unsigned want = script[expect_at + arg];
+                    while (vp_load_acquire(barriers + arg) < want) { }
+                    __threadfence();
+                }
+                __syncthreads();
+                break;
+            case OP_MATVEC:
+            case OP_MATVEC_T:
+            case OP_OUTER: {
+                bool holds = false;
+#pragma unroll
+                for (int p = 0; p < VP_P; ++p) holds = holds || pm[p] == arg;
+                if (!holds) break;
+                const unsigned rows = mats[arg * VP_MAT_WORDS];
+                const unsigned cols = mats[arg * VP_MAT_WORDS + 1];
+                const unsigned count = operand[0];
+                const unsigned* list = script + operands_at + operand[1];
+                for (unsigned v = 0; v < count; ++v) {
+                    const unsigned a = list[2 * v], b = list[2 * v + 1];
+                    if (op == OP_MATVEC) {
+                        // (x, y): y[row] = W[row, :] . x
+                        float xr[VP_K];
+#pragma unroll
+                        for (int k = 0; k < VP_K; ++k) {
+                            const unsigned col = lane + VP_WARP * k;
+                            xr[k] = col < cols ? pool[a + col] : 0.0f;
+                        }
+#pragma unroll
+                        for (int p = 0; p < VP_P; ++p) {
+                            if (pm[p] != arg) continue;
+#pragma unroll
+                            for (int r = 0; r < VP_R; ++r) {
+                                float acc = 0.0f;
+#pragma unroll
+                                for (int k = 0; k < VP_K; ++k) acc = fmaf(w[p][r][k], xr[k], acc);
+                                acc = vp_warp_sum(acc);
+                                const unsigned row = prow[p] + r;
+                                if (lane == 0 && row < rows) pool[b + row] = acc;
+                            }
+                        }
+                    } else if (op == OP_MATVEC_T) {
+                        // (dy, dx): dx += W^T dy over the held rows
+                        float acc[VP_K];
+#pragma unroll
+                        for (int k = 0; k < VP_K; ++k) acc[k] = 0.0f;
+#pragma unroll
+                        for (int p = 0; p < VP_P; ++p) {
+                            if (pm[p] != arg) continue;
+#pragma unroll
+                            for (int r = 0; r < VP_R; ++r) {
+                                const unsigned row = prow[p] + r;
+                                const float d = row < rows ? pool[a + row] : 0.0f;
+#pragma unroll
+                                for (int k = 0; k < VP_K; ++k) acc[k] = fmaf(d, w[p][r][k], acc[k]);
+                            }
+                        }
+#pragma unroll
+                        for (int k = 0; k < VP_K; ++k) {
+                            const unsigned col = lane + VP_WARP * k;
+                            if (col < cols) atomicAdd(pool + b + col, acc[k]);
+                        }
+                    } else {
+#if VP_GRADS
+                        // (dy, x): G[row, :] += dy[row] * x
+                        float xr[VP_K];
+#pragma unroll
+                        for (int k = 0; k < VP_K; ++k) {
+                            const unsigned col = lane + VP_WARP * k;
+                            xr[k] = col < cols ? pool[b + col] : 0.0f;
+                        }
+#pragma unroll
+                        for (int p = 0; p < VP_P; ++p) {
+                            if (pm[p] != arg) continue;
+#pragma unroll
+                            for (int r = 0; r < VP_R; ++r) {
+                                const unsigned row = prow[p] + r;
+                                const float d = row < rows ? pool[a + row] : 0.0f;
+#pragma unroll
+                                for (int k = 0; k < VP_K; ++k) g[p][r][k] = fmaf(d, xr[k], g[p][r][k]);
+                            }
+                        }
+#else
+                        __trap();
+#endif
+                    }
+                }
+                break;
+            }
+            case OP_UPDATE: {
+#if VP_GRADS
+#pragma unroll
+                for (int p = 0; p < VP_P; ++p) {
+                    if (pm[p] == VP_NONE) continue;
+                    const unsigned* m = mats + pm[p] * VP_MAT_WORDS;
+                    const unsigned rows = m[0], cols = m[1], value = m[2], first = m[3], second = m[4];
+#pragma unroll
+                    for (int r = 0; r < VP_R; ++r) {
+                        const unsigned row = prow[p] + r;
+                        if (row >= rows) continue;
+#pragma unroll
+                        for (int k = 0; k < VP_K; ++k) {
+                            const unsigned col = lane + VP_WARP * k;
+                            if (col >= cols) continue;
+                            const unsigned i = row * cols + col;
+                            const float wv = vp_update(w[p][r][k], g[p][r][k] * clip, pool + first + i,
+                                                       pool + second + i, lr, weight_decay, beta1, beta2,
+                                                       eps, inv_bc1, inv_bc2);
+                            w[p][r][k] = wv;
+                            g[p][r][k] = 0.0f;
+                            pool[value + i] = wv;
+                        }
+                    }
+                }
+#else
+                __trap();
+#endif
+                break;
+            }
+            case OP_FUSED:
+                switch (arg) {
+//@FUSED_CASES@
+                default: __trap();
+                }
+                break;
+            case OP_ROWS: {
+                const unsigned rows = operand[0], width = operand[1];
+                const unsigned dst = operand[2], dst_stride = operand[3];
+                const unsigned src = operand[4], src_stride = operand[5];
+                const unsigned* di = operand[6] == VP_NONE ? 0 : upool + operand[6];
+                const unsigned* si = operand[7] == VP_NONE ? 0 : upool + operand[7];
+                const unsigned n = rows * width;
+                for (unsigned e = threadIdx.x; e < n; e += blockDim.x) {
+                    const unsigned i = e / width, c = e % width;
+                    float v = 0.0f;
+                    if (si == 0) {
+                        v = pool[src + i * src_stride + c];
+                    } else if (si[i] != VP_NONE) {
+                        v = pool[((arg & ROWS_SRC_ABSOLUTE) ? si[i] : src + si[i] * src_stride) + c];
+                    }
+                    const unsigned d = (di == 0 ? dst + i * dst_stride
+                                                : ((arg & ROWS_DST_ABSOLUTE) ? di[i] : dst + di[i] * dst_stride)) + c;
+                    if (arg & ROWS_ACCUMULATE) atomicAdd(pool + d, v); else pool[d] = v;
+                }
+                break;
+            }
+            case OP_SUM_CHILDREN: {
+                const unsigned rows = operand[0], width = operand[1], dst = operand[2];
+                const unsigned src = operand[3], src_stride = operand[4];
+                const unsigned* csr = upool + operand[5];
+                const unsigned n = rows * width;
+                for (unsigned e = threadIdx.x; e < n; e += blockDim.x) {
+                    const unsigned i = e / width, c = e % width;
+                    float acc = 0.0f;
+                    for (unsigned k = csr[i]; k < csr[i + 1]; ++k) acc += pool[src + k * src_stride + c];
+                    pool[dst + e] = acc;
+                }
+                break;
+            }
+            case OP_SUM_ROWS: {
+                const unsigned rows = operand[0], width = operand[1], dst = operand[2];
+                const unsigned src = operand[3], src_stride = operand[4];
+                const float scale = __uint_as_float(operand[5]);
+                for (unsigned c = threadIdx.x; c < width; c += blockDim.x) {
+                    float acc = 0.0f;
+                    for (unsigned i = 0; i < rows; ++i) acc += pool[src + i * src_stride + c];
+                    if (arg & ROWS_ACCUMULATE) atomicAdd(pool + dst + c, scale * acc);
+                    else pool[dst + c] = scale * acc;
+                }
+                break;
+            }
+            case OP_BROADCAST_ROWS: {
+                const unsigned rows = operand[0], width = operand[1], dst = operand[2], src = operand[3];
+                const float scale = __uint_as_float(operand[4]);
+                for (unsigned e = threadIdx.x; e < rows * width; e += blockDim.x)
+                    pool[dst + e] = scale * pool[src + e % width];
+                break;
+            }
+            case OP_XENT: {
+                const unsigned rows = operand[0], classes = operand[1], dst = operand[2], x = operand[3];
+                const unsigned* labels = upool + operand[4];
+                for (unsigned i = warp; i < rows; i += VP_THREADS / VP_WARP) {
+                    const float* row = pool + x + i * classes;
+                    float m = __int_as_float(0xff800000);
+                    for (unsigned j = lane; j < classes; j += VP_WARP) m = fmaxf(m, row[j]);
+#pragma unroll
+                    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+                    float sum = 0.0f;
+                    for (unsigned j = lane; j < classes; j += VP_WARP) sum += expf(row[j] - m);
+                    sum = vp_warp_sum(sum);
+                    if (arg == 0) {
+                        if (lane == 0) pool[dst + i] = logf(sum) + m - row[labels[i]];
+                    } else {
+                        const float up = pool[operand[5] + i], inv = 1.0f / sum;
+                        for (unsigned j = lane; j < classes; j += VP_WARP)
+                            pool[dst + i * classes + j] = up * (expf(row[j] - m) * inv - (j == labels[i] ? 1.0f : 0.0f));
+                    }
+                }
+                break;
+            }
+            case OP_UPDATE_DENSE: {
+                const unsigned rows = operand[0], width = operand[1], value = operand[2], grad = operand[3];
+                const unsigned first = operand[4], second = operand[5];
+                const unsigned* ri = operand[6] == VP_NONE ? 0 : upool + operand[6];
+                for (unsigned e = threadIdx.x; e < rows * width; e += blockDim.x) {
+                    const unsigned i = (ri == 0 ? e / width : ri[e / width]) * width + e % width;
+                    pool[value + i] = vp_update(pool[value + i], pool[grad + i] * clip, pool + first + i,
+                                                pool + second + i, lr, weight_decay, beta1, beta2, eps,
+                                                inv_bc1, inv_bc2);
+                    pool[grad + i] = 0.0f;
+                }
+                break;
+            }
+            default:
+                __trap();
+            }
+            at += len;
+        }
+        if (at == 0) __trap(); // a malformed script: no whole instruction in a round
+        pos += at;
+    }
+}
+"#;

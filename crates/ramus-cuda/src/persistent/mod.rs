@@ -1,0 +1,274 @@
+//! The persistent training kernel (VPPS) on the device: compiles the kernel
+//! generated for a [`RegisterPlan`] ([`ramus_core::vpps::kernel`]) through
+//! the kernel cache, checks that its weight registers stay registers (no
+//! local-memory spill) and that every CTA of the plan can be resident at
+//! once, uploads the plan's partition and matrix tables, and launches it
+//! (cooperatively, so the scripts' signal/wait barriers cannot deadlock)
+//! on a batch's packed scripts.
+//!
+//! Which tensors the scripts read and write is the caller's business: the
+//! kernel only sees float offsets into one `pool` view (parameters,
+//! gradients, optimizer moments and the batch's values alike) and the
+//! script buffer.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+
+use ramus_core::vpps::kernel::{kernel_source, UpdateRule, KERNEL_NAME, MATRIX_WORDS};
+use ramus_core::vpps::regplan::{RegisterPlan, CTA_THREADS};
+use ramus_core::vpps::script::PackedScripts;
+
+use crate::cache::KernelCache;
+use crate::device::CudaDevice;
+use crate::error::{CudaError, InCall, Result};
+use crate::pinned::PinnedBuffer;
+use crate::pool::{DevicePool, DeviceView, PoolBuffer};
+
+/// Where a cached matrix lives in the pool (float offsets):
+/// its values and the optimizer's first and second moments (unused by a
+/// rule that has none; any offset will do then).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatrixSlots {
+    pub value: usize,
+    pub first_moment: usize,
+    pub second_moment: usize,
+}
+
+/// The optimizer's scalars for one step (see `ramus_nn::Optimizer::step`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct UpdateScalars {
+    pub lr: f32,
+    pub weight_decay: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// `1 / (1 − β₁ᵗ)` at this step (Adam).
+    pub inv_bias_correction1: f32,
+    /// `1 / (1 − β₂ᵗ)` at this step (Adam).
+    pub inv_bias_correction2: f32,
+    /// Gradient scale from global-norm clipping (1: none).
+    pub clip: f32,
+}
+
+/// What set-up measured and found.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelReport {
+    pub registers_per_thread: u32,
+    /// Local memory per thread (0: nothing spilled).
+    pub local_bytes: u32,
+    /// CTAs of 256 threads that can be resident per SM.
+    pub resident_per_sm: u32,
+    /// Seconds to get the module (compile or cache hit).
+    pub build_seconds: f64,
+}
+
+/// One compiled persistent kernel with its device-side tables.
+pub struct PersistentKernel {
+    device: Arc<CudaDevice>,
+    function: CudaFunction,
+    plan: RegisterPlan,
+    _parts: PoolBuffer<u32>,
+    parts: DeviceView<u32>,
+    _mats: PoolBuffer<u32>,
+    mats: DeviceView<u32>,
+    report: KernelReport,
+}
+
+fn u32_of(value: usize, what: &str) -> Result<u32> {
+    u32::try_from(value)
+        .map_err(|_| CudaError::BadArgument(format!("{what} = {value} does not fit 32 bits")))
+}
+
+fn model_err(message: impl Into<String>) -> CudaError {
+    CudaError::Model(message.into())
+}
+
+impl PersistentKernel {
+    /// Generates, compiles (or loads from `cache`) and checks the kernel
+    /// for `plan`, `rule` and the model's fused groups (`fused_cases`, see
+    /// [`kernel_source`]); `slots[m]` places cached matrix `m` in the pool
+    /// the launches will pass.
+    pub fn build(
+        device: &Arc<CudaDevice>,
+        cache: &KernelCache,
+        pool: &Arc<DevicePool>,
+        plan: RegisterPlan,
+        rule: UpdateRule,
+        fused_cases: &str,
+        slots: &[MatrixSlots],
+    ) -> Result<Self> {
+        if slots.len() != plan.matrices.len() {
+            return Err(CudaError::BadArgument(format!(
+                "{} matrix slots for a plan of {} cached matrices",
+                slots.len(),
+                plan.matrices.len()
+            )));
+        }
+        let started = Instant::now();
+        let source = kernel_source(&plan, rule, fused_cases);
+        let module = cache.get_or_compile(&source, &[KERNEL_NAME])?;
+        let function = module.function(KERNEL_NAME)?.clone();
+        let build_seconds = started.elapsed().as_secs_f64();
+        let local_bytes = function
+            .local_size_bytes()
+            .in_call("cuFuncGetAttribute(LOCAL_SIZE_BYTES)")?;
+        let registers = function
+            .num_regs()
+            .in_call("cuFuncGetAttribute(NUM_REGS)")?;
+        if local_bytes > 0 {
+            return Err(model_err(format!(
+                "the persistent kernel spills {local_bytes} bytes per thread to local memory \
+                 ({} partitions × {} rows × {} registers of weights{} per thread, {registers} \
+                 registers in all): choose a smaller rpw or fewer CTAs per SM",
+                plan.partitions,
+                plan.rpw,
+                plan.regs_per_row,
+                if plan.grads_in_registers {
+                    " and as many of gradients"
+                } else {
+                    ""
+                },
+            )));
+        }
+        let block = u32_of(CTA_THREADS, "block")?;
+        let resident_per_sm = function
+            .occupancy_max_active_blocks_per_multiprocessor(block, 0, None)
+            .in_call("cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
+        let sms = device.sm_count() as usize;
+        if (resident_per_sm as usize) * sms < plan.ctas {
+            return Err(model_err(format!(
+                "the persistent kernel needs {} resident CTAs but only {resident_per_sm} per SM \
+                 × {sms} SMs fit ({registers} registers per thread)",
+                plan.ctas
+            )));
+        }
+        let stream = device.stream().clone();
+        let mut staging = PinnedBuffer::new(device)?;
+        let table = plan.table();
+        let parts_buf = pool.alloc::<u32>(table.len().max(1))?;
+        let parts = parts_buf.view().slice(0..table.len().max(1))?;
+        staging.upload_slice(&table, parts.slice(0..table.len())?, &stream)?;
+        let mut mats_host = Vec::with_capacity(plan.matrices.len() * MATRIX_WORDS);
+        for (m, s) in plan.matrices.iter().zip(slots) {
+            for (value, what) in [
+                (m.rows, "matrix rows"),
+                (m.cols, "matrix columns"),
+                (s.value, "matrix offset"),
+                (s.first_moment, "moment offset"),
+                (s.second_moment, "moment offset"),
+            ] {
+                mats_host.push(u32_of(value, what)?);
+            }
+        }
+        let mats_buf = pool.alloc::<u32>(mats_host.len().max(1))?;
+        let mats = mats_buf.view().slice(0..mats_host.len().max(1))?;
+        if !mats_host.is_empty() {
+            staging.upload_slice(&mats_host, mats.slice(0..mats_host.len())?, &stream)?;
+        }
+        staging.wait()?;
+        Ok(PersistentKernel {
+            device: Arc::clone(device),
+            function,
+            plan,
+            _parts: parts_buf,
+            parts,
+            _mats: mats_buf,
+            mats,
+            report: KernelReport {
+                registers_per_thread: registers.max(0) as u32,
+                local_bytes: 0,
+                resident_per_sm,
+                build_seconds,
+            },
+        })
+    }
+
+    /// The plan the kernel was generated for.
+    pub fn plan(&self) -> &RegisterPlan {
+        &self.plan
+    }
+
+    /// What set-up measured.
+    pub fn report(&self) -> &KernelReport {
+        &self.report
+    }
+
+    /// Enqueues one launch on the device's stream: `script` holds
+    /// `packed.words` (already uploaded), `barriers` at least
+    /// `packed.barriers` counters, zeroed by this call first.
+    pub fn launch(
+        &self,
+        pool: DeviceView<f32>,
+        script: DeviceView<u32>,
+        packed: &PackedScripts,
+        barriers: DeviceView<u32>,
+        scalars: &UpdateScalars,
+    ) -> Result<()> {
+        if packed.vpps != self.plan.ctas {
+            return Err(model_err(format!(
+                "scripts for {} processors, but the kernel runs {} CTAs",
+                packed.vpps, self.plan.ctas
+            )));
+        }
+        if script.len() < packed.words.len() {
+            return Err(CudaError::BadArgument(format!(
+                "script buffer of {} words for {} words of scripts",
+                script.len(),
+                packed.words.len()
+            )));
+        }
+        if barriers.len() < packed.barriers.max(1) {
+            return Err(CudaError::BadArgument(format!(
+                "{} barrier counters for {} barriers",
+                barriers.len(),
+                packed.barriers
+            )));
+        }
+        let stream = self.device.stream().clone();
+        barriers.fill_zero(&stream)?;
+        let layout = [
+            u32_of(packed.prefix_at, "prefix offset")?,
+            u32_of(packed.scripts_at, "scripts offset")?,
+            u32_of(packed.barrier_expect_at, "barrier table offset")?,
+            u32_of(packed.operands_at, "operand pool offset")?,
+        ];
+        let s = scalars;
+        let mut launch = stream.launch_builder(&self.function);
+        launch
+            .arg(pool.kernel_arg())
+            .arg(script.kernel_arg())
+            .arg(barriers.kernel_arg())
+            .arg(self.parts.kernel_arg())
+            .arg(self.mats.kernel_arg())
+            .arg(&layout[0])
+            .arg(&layout[1])
+            .arg(&layout[2])
+            .arg(&layout[3])
+            .arg(&s.lr)
+            .arg(&s.weight_decay)
+            .arg(&s.beta1)
+            .arg(&s.beta2)
+            .arg(&s.eps)
+            .arg(&s.inv_bias_correction1)
+            .arg(&s.inv_bias_correction2)
+            .arg(&s.clip);
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(self.plan.ctas, "CTAs")?, 1, 1),
+            block_dim: (u32_of(CTA_THREADS, "block")?, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match `vpps_train`'s parameters in order
+        // (see `ramus_core::vpps::kernel`); the partition and matrix tables
+        // were built from this kernel's plan; the script buffer holds the
+        // packed words (checked above) whose offsets the scheduler built for
+        // `pool` and `params`; the barrier counters cover every barrier and
+        // were zeroed on this stream; the launch is cooperative with the
+        // plan's CTA count, checked resident at build, so no wait can
+        // deadlock.
+        unsafe { launch.launch_cooperative(cfg) }
+            .in_call("cuLaunchCooperativeKernel(vpps_train)")?;
+        Ok(())
+    }
+}

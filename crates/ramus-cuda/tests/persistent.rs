@@ -1,0 +1,269 @@
+//! The persistent training kernel (VPPS) on the device, instruction by
+//! instruction: weight matrices distributed over the register partitions of
+//! every CTA (several `rpw` and CTAs-per-SM choices, widths that are not
+//! multiples of 32, a matrix of fewer rows than a partition), scripts with
+//! signal/wait barriers between dependent levels, and the optimizer update
+//! written back to the master copy — all against the same arithmetic on the
+//! host. Skips with a notice where no CUDA driver is found.
+
+mod common;
+
+use ramus_core::vpps::kernel::{UpdateRule, OP_MATVEC, OP_MATVEC_T, OP_OUTER, OP_UPDATE};
+use ramus_core::vpps::regplan::{plan, DeviceLimits, MatrixSpec, PlanRequest};
+use ramus_core::vpps::schedule::{Placement, Scheduler, Task, TaskGraph};
+use ramus_cuda::persistent::{MatrixSlots, PersistentKernel, UpdateScalars};
+use ramus_cuda::{
+    default_cache_dir, CudaDevice, DevicePool, KernelCache, PinnedBuffer, PoolConfig,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Host copies of one cached matrix's test vectors and where they live.
+struct Case {
+    rows: usize,
+    cols: usize,
+    w: Vec<f32>,
+    xs: Vec<Vec<f32>>,
+    /// Pool offsets: inputs, products, transposed products.
+    x_at: Vec<usize>,
+    y_at: Vec<usize>,
+    dx_at: Vec<usize>,
+}
+
+fn close(got: f32, want: f64, what: &str) {
+    let tol = 1e-4 * (1.0 + want.abs());
+    assert!(
+        (f64::from(got) - want).abs() <= tol,
+        "{what}: got {got}, want {want}"
+    );
+}
+
+#[test]
+fn register_cached_products_gradients_and_updates_match_the_host() {
+    if !common::cuda_ready("skipping") {
+        return;
+    }
+    let device = CudaDevice::open(0).expect("device");
+    let pool = DevicePool::new(&device, PoolConfig::default());
+    let cache = KernelCache::for_device(&device, default_cache_dir()).expect("cache");
+    let limits = DeviceLimits::hopper(device.sm_count() as usize);
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    // 200 columns: a partial last register chunk; 5 rows: fewer than a partition
+    let shapes = [(300, 200), (64, 256), (5, 256)];
+    for (rpw, ctas_per_sm, rule) in [
+        (1, 2, UpdateRule::Sgd),
+        (2, 1, UpdateRule::Adam),
+        (3, 2, UpdateRule::Sgd),
+    ] {
+        let matrices: Vec<MatrixSpec> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(rows, cols))| MatrixSpec {
+                param: i,
+                rows,
+                cols,
+            })
+            .collect();
+        let req = PlanRequest {
+            rpw,
+            ctas_per_sm: Some(ctas_per_sm),
+            grads_in_registers: Some(true),
+        };
+        let rp = plan(&matrices, &limits, &req).expect("plan");
+        // parameters: values then two moment buffers per matrix
+        let mut params_host = Vec::new();
+        let mut slots = Vec::new();
+        let mut cases = Vec::new();
+        // parameters first, then the test vectors: one pool for everything
+        let mut pool_len: usize = shapes.iter().map(|&(r, c)| 3 * r * c).sum();
+        let mut alloc = |n: usize| {
+            let at = pool_len;
+            pool_len += n;
+            at
+        };
+        for &(rows, cols) in &shapes {
+            let w: Vec<f32> = (0..rows * cols)
+                .map(|_| rng.random_range(-0.5..0.5))
+                .collect();
+            let value = params_host.len();
+            params_host.extend_from_slice(&w);
+            let first_moment = params_host.len();
+            params_host.extend(std::iter::repeat_n(0.0, rows * cols));
+            let second_moment = params_host.len();
+            params_host.extend(std::iter::repeat_n(0.0, rows * cols));
+            slots.push(MatrixSlots {
+                value,
+                first_moment,
+                second_moment,
+            });
+            let vectors = 3;
+            let xs: Vec<Vec<f32>> = (0..vectors)
+                .map(|_| (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect())
+                .collect();
+            let x_at = (0..vectors).map(|_| alloc(cols)).collect();
+            let y_at = (0..vectors).map(|_| alloc(rows)).collect();
+            let dx_at = (0..vectors).map(|_| alloc(cols)).collect();
+            cases.push(Case {
+                rows,
+                cols,
+                w,
+                xs,
+                x_at,
+                y_at,
+                dx_at,
+            });
+        }
+        // level 0: y = W x; level 1: dx = Wᵀ y and G += y xᵀ; level 2: update
+        let mut g = TaskGraph::default();
+        let mut outers = Vec::new();
+        for (m, c) in cases.iter().enumerate() {
+            let holders = Placement::Holders { matrix: m as u16 };
+            for v in 0..c.xs.len() {
+                let (x, y, dx) = (c.x_at[v] as u32, c.y_at[v] as u32, c.dx_at[v] as u32);
+                let load = (c.rows * c.cols) as u64;
+                let mv = g
+                    .push(Task {
+                        op: OP_MATVEC,
+                        arg: m as u16,
+                        operands: vec![x, y],
+                        deps: vec![],
+                        load,
+                        placement: holders,
+                    })
+                    .expect("task");
+                g.push(Task {
+                    op: OP_MATVEC_T,
+                    arg: m as u16,
+                    operands: vec![y, dx],
+                    deps: vec![mv],
+                    load,
+                    placement: holders,
+                })
+                .expect("task");
+                outers.push(
+                    g.push(Task {
+                        op: OP_OUTER,
+                        arg: m as u16,
+                        operands: vec![y, x],
+                        deps: vec![mv],
+                        load,
+                        placement: holders,
+                    })
+                    .expect("task"),
+                );
+            }
+        }
+        g.push(Task {
+            op: OP_UPDATE,
+            arg: 0,
+            operands: vec![],
+            deps: outers,
+            load: 1,
+            placement: Placement::Every,
+        })
+        .expect("task");
+        let schedule = Scheduler::new(&rp).schedule(&g).expect("schedule");
+        assert_eq!(schedule.levels, 3, "three dependent levels");
+
+        let kernel = PersistentKernel::build(&device, &cache, &pool, rp.clone(), rule, "", &slots)
+            .expect("kernel builds without spilling");
+        let stream = device.stream().clone();
+        let mut staging = PinnedBuffer::new(&device).expect("staging");
+        let mut pool_host = vec![0f32; pool_len];
+        pool_host[..params_host.len()].copy_from_slice(&params_host);
+        for c in &cases {
+            for (x, &at) in c.xs.iter().zip(&c.x_at) {
+                pool_host[at..at + c.cols].copy_from_slice(x);
+            }
+        }
+        let pool_buf = pool.alloc::<f32>(pool_len).expect("pool");
+        let packed = &schedule.packed;
+        let script_buf = pool.alloc::<u32>(packed.words.len()).expect("script");
+        let barrier_buf = pool.alloc::<u32>(packed.barriers.max(1)).expect("barriers");
+        let view = |n: usize, b: &ramus_cuda::PoolBuffer<f32>| b.view().slice(0..n).expect("view");
+        let pool_view = view(pool_len, &pool_buf);
+        let script_view = script_buf
+            .view()
+            .slice(0..packed.words.len())
+            .expect("view");
+        staging
+            .upload_slice(&pool_host, pool_view, &stream)
+            .expect("upload");
+        staging
+            .upload_slice(&packed.words, script_view, &stream)
+            .expect("upload");
+        let (lr, wd, b1, b2, eps) = (0.05f32, 0.01f32, 0.9f32, 0.999f32, 1e-8f32);
+        let scalars = UpdateScalars {
+            lr,
+            weight_decay: wd,
+            beta1: b1,
+            beta2: b2,
+            eps,
+            inv_bias_correction1: 1.0 / (1.0 - b1),
+            inv_bias_correction2: 1.0 / (1.0 - b2),
+            clip: 1.0,
+        };
+        kernel
+            .launch(pool_view, script_view, packed, barrier_buf.view(), &scalars)
+            .expect("launch");
+        let pool_out = staging
+            .download_to_vec(pool_view, &stream)
+            .expect("download");
+
+        let label = format!("rpw {rpw}, {ctas_per_sm} CTAs/SM, {rule:?}");
+        for (m, c) in cases.iter().enumerate() {
+            let mut grad = vec![0f64; c.rows * c.cols];
+            for v in 0..c.xs.len() {
+                let x = &c.xs[v];
+                let y: Vec<f64> = (0..c.rows)
+                    .map(|r| {
+                        (0..c.cols)
+                            .map(|k| f64::from(c.w[r * c.cols + k]) * f64::from(x[k]))
+                            .sum()
+                    })
+                    .collect();
+                for r in 0..c.rows {
+                    close(
+                        pool_out[c.y_at[v] + r],
+                        y[r],
+                        &format!("{label}: W{m} x{v} row {r}"),
+                    );
+                }
+                for k in 0..c.cols {
+                    let dx: f64 = (0..c.rows)
+                        .map(|r| f64::from(c.w[r * c.cols + k]) * y[r])
+                        .sum();
+                    close(
+                        pool_out[c.dx_at[v] + k],
+                        dx,
+                        &format!("{label}: W{m}ᵀ y{v} col {k}"),
+                    );
+                }
+                for r in 0..c.rows {
+                    for k in 0..c.cols {
+                        grad[r * c.cols + k] += y[r] * f64::from(x[k]);
+                    }
+                }
+            }
+            let s = slots[m];
+            for (i, &g) in grad.iter().enumerate() {
+                let w = f64::from(c.w[i]);
+                let (lr, wd) = (f64::from(lr), f64::from(wd));
+                let want = match rule {
+                    UpdateRule::Sgd => w - lr * (g + wd * w),
+                    UpdateRule::Adam => {
+                        // first step from zero moments: m̂ = g, v̂ = g²
+                        let decayed = w - lr * wd * w;
+                        decayed - lr * g / (g.abs() + f64::from(eps))
+                    }
+                    UpdateRule::Adagrad => unreachable!("not in this test"),
+                };
+                close(
+                    pool_out[s.value + i],
+                    want,
+                    &format!("{label}: updated W{m}[{i}]"),
+                );
+            }
+        }
+    }
+}
