@@ -44,7 +44,13 @@ pub enum CoreError {
     /// Invalid input to the persistent engine's register planner, script
     /// encoder or scheduler (see [`crate::vpps`]).
     #[error("vpps {what}: {message}")]
-    Vpps { what: String, message: String },
+    Vpps {
+        /// The stage that rejected it (`register plan`, `script`, `schedule`,
+        /// `simulation`).
+        what: String,
+        /// What was wrong, naming the offending matrix, task or word.
+        message: String,
+    },
 }
 
 pub type Result<T, E = CoreError> = std::result::Result<T, E>;

@@ -552,12 +552,12 @@ fn sim_err(message: String) -> CoreError {
 /// whose barrier is short of its expectation), ascending, and returns the
 /// position of the one that runs next (taken modulo the list's length).
 ///
-/// Errors when the scripts deadlock, a barrier is unknown or signalled more
-/// often than expected, an instruction does not match the task
-/// [`Schedule::vpp_tasks`] says it runs (opcode, arg, operands, or for a
-/// merged instruction the operand-pool slice), a task runs before all its
-/// dependencies completed on all their VPPs, or a task does not run on
-/// exactly the VPPs of [`Schedule::task_vpps`].
+/// Errors when the graph has a forward dependency, the scripts deadlock, a
+/// barrier is unknown or signalled more often than expected, an instruction
+/// does not match the task [`Schedule::vpp_tasks`] says it runs (opcode, arg,
+/// operands, or for a merged instruction the operand-pool slice), a task runs
+/// before all its dependencies completed on all their VPPs, or a task does
+/// not run on exactly the VPPs of [`Schedule::task_vpps`].
 pub fn simulate_with(
     schedule: &Schedule,
     g: &TaskGraph,
@@ -572,6 +572,9 @@ pub fn simulate_with(
             schedule.vpp_tasks.len(),
             packed.vpps
         )));
+    }
+    for (i, t) in g.tasks.iter().enumerate() {
+        check_task(i, t)?;
     }
     let mut cursors = Vec::with_capacity(packed.vpps);
     for v in 0..packed.vpps {
@@ -839,6 +842,14 @@ mod tests {
         let t = repack(&s, broken, &[4, 1], &pool);
         let err = simulate_with(&t, &g, |r| r.len() - 1).unwrap_err();
         assert!(err.to_string().contains("before its dependency"), "{err}");
+        // A graph that is not the scheduled one (and not a DAG).
+        let mut other = g.clone();
+        other.tasks[0].deps = vec![5];
+        let err = simulate(&s, &other).unwrap_err();
+        assert!(
+            err.to_string().contains("task 0 depends on task 5"),
+            "{err}"
+        );
         // An expectation nobody meets.
         let t = repack(&s, scripts.clone(), &[4, 2], &pool);
         let err = simulate(&t, &g).unwrap_err();
