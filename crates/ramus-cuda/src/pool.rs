@@ -119,6 +119,13 @@ impl<T: DeviceScalar> DeviceView<T> {
         Ok(Self::new(ptr, at + len))
     }
 
+    /// The same memory seen as elements of `U` (both are 4-byte plain
+    /// values, see [`DeviceScalar`]): a pool of floats that also carries
+    /// index words.
+    pub fn reinterpret<U: DeviceScalar>(&self) -> DeviceView<U> {
+        DeviceView::new(self.ptr, self.byte_len() / std::mem::size_of::<U>())
+    }
+
     /// Sets every byte to zero, asynchronously on `stream`.
     pub fn fill_zero(&self, stream: &CudaStream) -> Result<()> {
         if self.is_empty() {

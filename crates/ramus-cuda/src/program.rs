@@ -82,10 +82,10 @@ pub(crate) struct Program {
 }
 
 /// A phase planned but not yet bound to compiled kernels.
-struct PlannedGraph {
-    phases: Vec<fusion::FusionPlan>,
-    materialized: Vec<bool>,
-    views: HashMap<NodeId, SliceView>,
+pub(crate) struct PlannedGraph {
+    pub phases: Vec<fusion::FusionPlan>,
+    pub materialized: Vec<bool>,
+    pub views: HashMap<NodeId, SliceView>,
     scatter_in_place: Option<NodeId>,
     /// Values kept for another graph (the backward's reads).
     keep: BTreeSet<NodeId>,
@@ -123,7 +123,7 @@ fn scatter_in_place(
     (written_by_group && unread && !keep.contains(&sc) && func.push != Some(sc)).then_some(sc)
 }
 
-fn op_nodes(graph: &Graph, wanted: impl Fn(NodeId) -> bool) -> Vec<NodeId> {
+pub(crate) fn op_nodes(graph: &Graph, wanted: impl Fn(NodeId) -> bool) -> Vec<NodeId> {
     (0..graph.nodes.len())
         .filter(|&n| matches!(graph.nodes[n].kind, NodeKind::Op(_)) && wanted(n))
         .collect()
@@ -145,7 +145,7 @@ pub(crate) fn ancestors(g: &Graph, roots: &[NodeId]) -> Vec<bool> {
     need
 }
 
-fn plan_graph(
+pub(crate) fn plan_graph(
     graph: &Graph,
     phases: &[Vec<NodeId>],
     keep: &BTreeSet<NodeId>,

@@ -4,16 +4,25 @@
 //! multiples of 32, a matrix of fewer rows than a partition), scripts with
 //! signal/wait barriers between dependent levels, and the optimizer update
 //! written back to the master copy — all against the same arithmetic on the
-//! host. Skips with a notice where no CUDA driver is found.
+//! host; then whole models trained by the persistent engine against the
+//! CPU engine's trajectory. Skips with a notice where no CUDA driver is found.
 
 mod common;
 
 use ramus_core::vpps::kernel::{UpdateRule, OP_MATVEC, OP_MATVEC_T, OP_OUTER, OP_UPDATE};
 use ramus_core::vpps::regplan::{plan, DeviceLimits, MatrixSpec, PlanRequest};
 use ramus_core::vpps::schedule::{Placement, Scheduler, Task, TaskGraph};
-use ramus_cuda::persistent::{MatrixSlots, PersistentKernel, UpdateScalars};
+use ramus_core::Params;
+use ramus_cuda::persistent::{
+    MatrixSlots, PersistentEngine, PersistentKernel, PersistentOptions, UpdateScalars,
+};
 use ramus_cuda::{
     default_cache_dir, CudaDevice, DevicePool, KernelCache, PinnedBuffer, PoolConfig,
+};
+use ramus_graph::random::{grid_dag, random_chain, random_path, random_tree};
+use ramus_graph::InputGraph;
+use ramus_nn::{
+    build_model_with, ModelConfig, ModelOptions, OptimizerConfig, OptimizerKind, Trainer,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -266,4 +275,107 @@ fn register_cached_products_gradients_and_updates_match_the_host() {
             }
         }
     }
+}
+
+/// Random graphs for `model`: chains for the language model, grid DAGs for
+/// the DAG-RNN, trees (with a single vertex and a deep path) otherwise.
+fn model_graphs(model: &str, count: usize, seed: u64) -> Vec<InputGraph> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (v, c) = (40, 5);
+    (0..count)
+        .map(|i| {
+            let leaves = 1 + rng.random_range(0..12);
+            let g = match model {
+                "lstm-lm" => random_chain(&mut rng, 1 + (i * 7) % 23, v),
+                "dagrnn" => grid_dag(&mut rng, 1 + i % 7, 1 + (i * 3) % 10, v, c),
+                "treelstm" | "treegru" if i % 5 == 3 => random_path(&mut rng, 60, v, c),
+                "treelstm" | "treegru" => random_tree(&mut rng, leaves, &[1, 2, 3, 6], v, c),
+                _ if i % 5 == 3 => random_tree(&mut rng, 40, &[2], v, c),
+                _ => random_tree(&mut rng, leaves, &[2], v, c),
+            };
+            g.expect("valid random graph")
+        })
+        .collect()
+}
+
+fn close_all(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths differ");
+    let scale = a.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0);
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!(
+            (x - y).abs() <= 2e-4 * scale,
+            "{what}[{i}]: CPU {x} vs persistent {y} (scale {scale})"
+        );
+    }
+}
+
+/// Several training steps of the persistent engine against the CPU engine
+/// with the host optimizer: the same loss at every step, the same
+/// parameters after the last.
+fn follows_the_cpu_trajectory(name: &str, config: OptimizerConfig, batch: usize) {
+    if !common::cuda_ready("skipping") {
+        return;
+    }
+    let cfg = ModelConfig {
+        vocab: 40,
+        hidden: 24,
+        classes: 5,
+    };
+    let model = build_model_with(name, &cfg, &ModelOptions { dropout: 0.0 }).expect("model");
+    let params: Params<f32> = Params::init(&model, 5);
+    let data = model_graphs(name, 4 * batch, 8);
+    let mut cpu = Trainer::new(model.clone(), params.clone(), config);
+    let options = PersistentOptions {
+        cache_dir: Some(
+            std::env::temp_dir().join(format!("ramus-persistent-{}", std::process::id())),
+        ),
+        ..PersistentOptions::default()
+    };
+    let mut gpu = PersistentEngine::new(&model, &params, config, &options).expect("engine");
+    for (step, chunk) in data.chunks(batch).enumerate() {
+        let refs: Vec<&InputGraph> = chunk.iter().collect();
+        let a = cpu.train_batch(&refs).expect("cpu step");
+        let b = gpu
+            .train_batch(&model, &refs)
+            .expect("persistent step")
+            .loss;
+        assert!(
+            (a - b).abs() <= 1e-3 * a.abs().max(1.0),
+            "{name} step {step}: loss CPU {a} vs persistent {b}"
+        );
+    }
+    let trained = gpu.params(&model).expect("parameters come back");
+    for (p, spec) in model.params.iter().enumerate() {
+        close_all(
+            cpu.params.values[p].data(),
+            trained.values[p].data(),
+            &format!("{name}: updated {}", spec.name),
+        );
+    }
+}
+
+#[test]
+fn persistent_training_follows_the_cpu_for_every_token_model() {
+    for name in [
+        "treelstm",
+        "treefc",
+        "treelstm-nary",
+        "treegru",
+        "dagrnn",
+        "lstm-lm",
+    ] {
+        follows_the_cpu_trajectory(name, OptimizerConfig::new(OptimizerKind::Sgd, 0.1), 6);
+    }
+}
+
+#[test]
+fn persistent_adam_and_adagrad_follow_the_cpu() {
+    let mut adam = OptimizerConfig::new(OptimizerKind::Adam, 0.01);
+    adam.weight_decay = 1e-3;
+    follows_the_cpu_trajectory("treelstm", adam, 5);
+    follows_the_cpu_trajectory(
+        "treelstm",
+        OptimizerConfig::new(OptimizerKind::Adagrad, 0.05),
+        1,
+    );
 }

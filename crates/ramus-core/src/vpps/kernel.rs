@@ -87,7 +87,7 @@ pub const OP_FUSED: u8 = OP_FIRST_ENGINE + 4;
 /// `dst[D(i) + c] (+)= src[S(i) + c]` where `D(i) = dst + i·dst_stride`
 /// without an index (`dst_index = NO_INDEX`), else `dst + idx[i]·dst_stride`
 /// or, with [`ROWS_DST_ABSOLUTE`], `idx[i]` itself (likewise `S`); a source
-/// index entry [`NO_INDEX`] reads zeros. Arg: [`ROWS_ACCUMULATE`] (atomic
+/// index entry [`NO_INDEX`] reads zeros, a destination one skips the row. Arg: [`ROWS_ACCUMULATE`] (atomic
 /// add) | [`ROWS_DST_ABSOLUTE`] | [`ROWS_SRC_ABSOLUTE`].
 pub const OP_ROWS: u8 = OP_FIRST_ENGINE + 5;
 /// `dst[i, c] = Σ_{e = csr[i]..csr[i+1]} src[e·src_stride + c]`; operands
@@ -108,6 +108,9 @@ pub const OP_XENT: u8 = OP_FIRST_ENGINE + 9;
 /// width, value, grad, first, second, row_index]` (row `i` is `idx[i]` or,
 /// with `NO_INDEX`, `i`); the gradient is zeroed after use.
 pub const OP_UPDATE_DENSE: u8 = OP_FIRST_ENGINE + 10;
+
+/// Does nothing: a sink other tasks' dependencies meet in.
+pub const OP_NOP: u8 = OP_FIRST_ENGINE + 11;
 
 /// [`OP_ROWS`] / [`OP_SUM_ROWS`] flag: add atomically instead of storing.
 pub const ROWS_ACCUMULATE: u16 = 1;
@@ -178,6 +181,7 @@ pub fn kernel_source(plan: &RegisterPlan, rule: UpdateRule, fused_cases: &str) -
         ("OP_BROADCAST_ROWS", OP_BROADCAST_ROWS),
         ("OP_XENT", OP_XENT),
         ("OP_UPDATE_DENSE", OP_UPDATE_DENSE),
+        ("OP_NOP", OP_NOP),
     ] {
         let _ = writeln!(s, "#define {name} {value}");
     }
@@ -423,6 +427,8 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
 #endif
                 break;
             }
+            case OP_NOP:
+                break;
             case OP_FUSED:
                 switch (arg) {
 //@FUSED_CASES@
@@ -444,6 +450,7 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                     } else if (si[i] != VP_NONE) {
                         v = pool[((arg & ROWS_SRC_ABSOLUTE) ? si[i] : src + si[i] * src_stride) + c];
                     }
+                    if (di != 0 && di[i] == VP_NONE) continue;
                     const unsigned d = (di == 0 ? dst + i * dst_stride
                                                 : ((arg & ROWS_DST_ABSOLUTE) ? di[i] : dst + di[i] * dst_stride)) + c;
                     if (arg & ROWS_ACCUMULATE) atomicAdd(pool + d, v); else pool[d] = v;

@@ -11,6 +11,12 @@
 //! gradients, optimizer moments and the batch's values alike) and the
 //! script buffer.
 
+mod engine;
+mod program;
+mod unroll;
+
+pub use engine::{PersistentEngine, PersistentOptions, PersistentStep};
+
 use std::sync::Arc;
 use std::time::Instant;
 

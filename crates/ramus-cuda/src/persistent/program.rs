@@ -1,0 +1,301 @@
+//! Set-up of a model for the persistent engine: the fusion plans of every
+//! graph (as the batched engine plans them, minus the kernels), the model's
+//! fused groups as `case`s of the persistent kernel, which parameters are
+//! register-cached matrices, and where every parameter, gradient and
+//! optimizer moment lives in the pool.
+
+use std::collections::{BTreeSet, HashMap};
+
+use ramus_core::fusion::{self, Step};
+use ramus_core::graph::{Graph, NodeId, NodeKind, Role};
+use ramus_core::ops::MatMul;
+use ramus_core::vpps::MatrixSpec;
+use ramus_core::Model;
+
+use crate::error::{CudaError, Result};
+use crate::program::{op_nodes, plan_graph, PlannedGraph};
+
+/// Which graph of the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) enum GraphKey {
+    /// Vertex function `f`'s `F`.
+    Forward(usize),
+    /// Vertex function `f`'s `∂F`.
+    Backward(usize),
+    HeadForward,
+    HeadBackward,
+}
+
+impl GraphKey {
+    /// The vertex function whose rows the graph runs over (none: the head's).
+    pub fn function(self) -> Option<usize> {
+        match self {
+            GraphKey::Forward(f) | GraphKey::Backward(f) => Some(f),
+            GraphKey::HeadForward | GraphKey::HeadBackward => None,
+        }
+    }
+
+    /// The graph itself.
+    pub fn graph(self, model: &Model) -> &Graph {
+        match self {
+            GraphKey::Forward(f) => &model.functions[f].forward,
+            GraphKey::Backward(f) => &model.functions[f].backward,
+            GraphKey::HeadForward => &model.head.forward,
+            GraphKey::HeadBackward => &model.head.backward,
+        }
+    }
+
+    /// The forward graph a backward graph's `Forward(m)` inputs name.
+    pub fn forward_of(self) -> Option<GraphKey> {
+        match self {
+            GraphKey::Backward(f) => Some(GraphKey::Forward(f)),
+            GraphKey::HeadBackward => Some(GraphKey::HeadForward),
+            _ => None,
+        }
+    }
+}
+
+/// Where each parameter lives in the pool (float offsets) and how it is
+/// updated.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ParamLayout {
+    pub value: Vec<usize>,
+    /// Gradient accumulator of a parameter that is not register-cached.
+    pub grad: Vec<Option<usize>>,
+    pub first: Vec<usize>,
+    pub second: Vec<usize>,
+    pub len: Vec<usize>,
+    /// Floats the parameter region takes (the batch's values follow).
+    pub total: usize,
+}
+
+/// Everything the persistent engine derives from the model once.
+pub(crate) struct PersistentProgram {
+    pub plans: HashMap<GraphKey, PlannedGraph>,
+    /// Case of each fused step: `(graph, phase, step index)`.
+    pub cases: HashMap<(GraphKey, usize, usize), u16>,
+    /// The cases' CUDA source (one `case` block each).
+    pub fused_source: String,
+    /// Per parameter: its register-cached matrix, if it is one.
+    pub cached: Vec<Option<u16>>,
+    pub matrices: Vec<MatrixSpec>,
+    pub params: ParamLayout,
+    /// Parameters whose gradient arrives as rows at token indices only.
+    pub row_grad_params: BTreeSet<usize>,
+}
+
+fn unsupported(message: impl Into<String>) -> CudaError {
+    CudaError::Model(format!(
+        "the persistent engine cannot run this model: {}",
+        message.into()
+    ))
+}
+
+/// The keys of every graph of `model`, in execution order.
+pub(crate) fn graph_keys(model: &Model) -> Vec<GraphKey> {
+    let n = model.functions.len();
+    let mut keys: Vec<GraphKey> = (0..n).map(GraphKey::Forward).collect();
+    keys.push(GraphKey::HeadForward);
+    keys.push(GraphKey::HeadBackward);
+    keys.extend((0..n).map(GraphKey::Backward));
+    keys
+}
+
+impl PersistentProgram {
+    pub fn build(model: &Model) -> Result<Self> {
+        let mut plans = HashMap::new();
+        let mut kernels = std::collections::BTreeMap::new();
+        let none = BTreeSet::new();
+        for (f, func) in model.functions.iter().enumerate() {
+            let keep = fusion::forward_reads(&func.backward);
+            let fp = &func.forward_plan;
+            let phases = [fp.eager.clone(), fp.per_task.clone(), fp.lazy.clone()];
+            plans.insert(
+                GraphKey::Forward(f),
+                plan_graph(&func.forward, &phases, &keep, &mut kernels)?,
+            );
+            let bp = &func.backward_plan;
+            let phases = [bp.eager.clone(), bp.per_task.clone(), bp.lazy.clone()];
+            plans.insert(
+                GraphKey::Backward(f),
+                plan_graph(&func.backward, &phases, &none, &mut kernels)?,
+            );
+        }
+        let head = &model.head;
+        let keep = fusion::forward_reads(&head.backward);
+        plans.insert(
+            GraphKey::HeadForward,
+            plan_graph(
+                &head.forward,
+                &[op_nodes(&head.forward, |_| true)],
+                &keep,
+                &mut kernels,
+            )?,
+        );
+        plans.insert(
+            GraphKey::HeadBackward,
+            plan_graph(
+                &head.backward,
+                &[op_nodes(&head.backward, |_| true)],
+                &none,
+                &mut kernels,
+            )?,
+        );
+
+        // one case per distinct group body
+        let mut cases = HashMap::new();
+        let mut bodies: HashMap<String, u16> = HashMap::new();
+        let mut fused_source = String::new();
+        for key in graph_keys(model) {
+            let g = key.graph(model);
+            for (phase, plan) in plans[&key].phases.iter().enumerate() {
+                for (i, step) in plan.steps.iter().enumerate() {
+                    let Step::Fused(group) = step else { continue };
+                    let body = group.persistent_case(g, 0)?;
+                    let next = u16::try_from(bodies.len())
+                        .map_err(|_| unsupported("more than 65536 fused groups"))?;
+                    let case = *bodies.entry(body).or_insert_with(|| {
+                        // the body was generated for case 0; renumber
+                        next
+                    });
+                    if case == next {
+                        fused_source += &group.persistent_case(g, usize::from(case))?;
+                    }
+                    cases.insert((key, phase, i), case);
+                }
+            }
+        }
+
+        let (cached, matrices) = cached_matrices(model)?;
+        let row_grad_params = row_grad_params(model);
+        let mut params = ParamLayout::default();
+        let mut at = 0;
+        for (p, spec) in model.params.iter().enumerate() {
+            let len: usize = spec.shape.iter().product();
+            params.len.push(len);
+            params.value.push(at);
+            at += len;
+            if cached[p].is_none() {
+                params.grad.push(Some(at));
+                at += len;
+            } else {
+                params.grad.push(None);
+            }
+            params.first.push(at);
+            at += len;
+            params.second.push(at);
+            at += len;
+        }
+        params.total = at;
+        Ok(PersistentProgram {
+            plans,
+            cases,
+            fused_source,
+            cached,
+            matrices,
+            params,
+            row_grad_params,
+        })
+    }
+
+    /// The plan of graph `key`.
+    pub fn plan(&self, key: GraphKey) -> &PlannedGraph {
+        &self.plans[&key]
+    }
+}
+
+/// Parameters whose only gradient is rows at indices (embedding tables).
+fn row_grad_params(model: &Model) -> BTreeSet<usize> {
+    let mut dense = BTreeSet::new();
+    let mut rows = BTreeSet::new();
+    let graphs = model
+        .functions
+        .iter()
+        .map(|f| &f.backward)
+        .chain([&model.head.backward]);
+    for g in graphs {
+        for o in &g.outputs {
+            match o.role {
+                Role::ParamGrad(p) => {
+                    dense.insert(p);
+                }
+                Role::ParamRowGrad(p) => {
+                    rows.insert(p);
+                }
+                _ => {}
+            }
+        }
+    }
+    rows.difference(&dense).copied().collect()
+}
+
+/// The parameters to keep in registers: every 2-D parameter whose every
+/// use is as the static right operand of a product with row values (`x Wᵀ`
+/// forward, `dy W` backward) and whose gradient comes from products `dyᵀ x`
+/// alone. Any other use of a 2-D parameter in a product is refused.
+fn cached_matrices(model: &Model) -> Result<(Vec<Option<u16>>, Vec<MatrixSpec>)> {
+    let graphs: Vec<&Graph> = model
+        .functions
+        .iter()
+        .flat_map(|f| [&f.forward, &f.backward])
+        .chain([&model.head.forward, &model.head.backward])
+        .collect();
+    let mut product_operand = vec![false; model.params.len()];
+    let mut other_use = vec![false; model.params.len()];
+    for g in &graphs {
+        for node in &g.nodes {
+            for (i, &x) in node.inputs.iter().enumerate() {
+                let NodeKind::Param(p) = g.nodes[x].kind else {
+                    continue;
+                };
+                let as_weight = node.op_as::<MatMul>().is_some_and(|mm| {
+                    i == 1 && !mm.trans_a && g.nodes[node.inputs[0]].ty.is_rows()
+                });
+                if as_weight {
+                    product_operand[p] = true;
+                } else {
+                    other_use[p] = true;
+                }
+            }
+        }
+        for o in &g.outputs {
+            if let Role::ParamGrad(p) = o.role {
+                let from_product = g.nodes[o.node]
+                    .op_as::<MatMul>()
+                    .is_some_and(|mm| mm.trans_a && !mm.trans_b);
+                if !from_product {
+                    other_use[p] = true;
+                }
+            }
+        }
+    }
+    let mut cached = vec![None; model.params.len()];
+    let mut matrices = Vec::new();
+    for (p, spec) in model.params.iter().enumerate() {
+        if !product_operand[p] {
+            continue;
+        }
+        if other_use[p] || spec.shape.len() != 2 {
+            return Err(unsupported(format!(
+                "parameter `{}` ({:?}) is a product's weight but also used otherwise; \
+                 only weights used solely in products can stay in registers",
+                spec.name, spec.shape
+            )));
+        }
+        cached[p] = Some(
+            u16::try_from(matrices.len()).map_err(|_| unsupported("more than 65536 matrices"))?,
+        );
+        matrices.push(MatrixSpec {
+            param: p,
+            rows: spec.shape[0],
+            cols: spec.shape[1],
+        });
+    }
+    Ok((cached, matrices))
+}
+
+/// The node a fused-group or op input reads its rows from: a viewed slice's
+/// source, else the node itself.
+pub(crate) fn storage_node(plan: &PlannedGraph, n: NodeId) -> NodeId {
+    plan.views.get(&n).map_or(n, |v| v.source)
+}

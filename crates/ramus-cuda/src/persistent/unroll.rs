@@ -1,0 +1,1564 @@
+//! Lowering of one batch to the persistent kernel's task DAG (VPPS §III-B1):
+//! every step of every vertex function's `F` for every batching task, the
+//! head, the head's and the functions' `∂F` in reverse, the weight-gradient
+//! products and the optimizer update — each an instruction over a chunk of
+//! rows (or, for a product with a register-cached weight, one vector) with
+//! its dependencies, for the scheduler to level, balance and encode.
+//!
+//! # The batch's memory (float offsets in the one pool)
+//!
+//! After the parameter region ([`ParamLayout`]) come three regions:
+//! *zeroed* (zero-filled before the launch: everything accumulated with
+//! atomics — transposed products, state and pushed-value gradients, sums
+//! over rows, the loss), *plain* (every other value: one buffer per graph
+//! node covering all rows of its function, as Cavs' dynamic tensors) and
+//! *upload* (what the host provides: dropout masks, the loss seed and the
+//! index arrays instructions read — tokens, labels, child offsets, parent
+//! rows, and the absolute offsets of gathered, pushed and scattered rows).
+//!
+//! Values cross vertex functions by absolute row offsets, so no state
+//! buffer is copied: a gather reads its children's scattered rows where
+//! their function stored them, and a child-gradient scatter adds straight
+//! into the children's state-gradient rows.
+//!
+//! # Dependencies
+//!
+//! Every task records, per node and row, that it produced those rows; a
+//! task depends on the producers of every row it reads. The optimizer
+//! update depends on one sink task that depends on everything, so it runs
+//! after the whole batch (nothing still reads a parameter it changes).
+
+use std::collections::HashMap;
+
+use rand_chacha::ChaCha8Rng;
+
+use ramus_core::fusion::{InputKind, Step};
+use ramus_core::graph::{DType, Graph, NodeId, NodeKind, Role, Source, Space};
+use ramus_core::ops::{
+    BroadcastRows, Concat, Embedding, ExpandChildren, MatMul, Pad, Reshape, Slice, SoftmaxXent,
+    SoftmaxXentBackward, SumChildren, SumRows,
+};
+use ramus_core::vpps::kernel::{
+    NO_INDEX, OP_BROADCAST_ROWS, OP_FUSED, OP_MATVEC, OP_MATVEC_T, OP_NOP, OP_OUTER, OP_ROWS,
+    OP_SUM_CHILDREN, OP_SUM_ROWS, OP_UPDATE, OP_UPDATE_DENSE, OP_XENT, ROWS_ACCUMULATE,
+    ROWS_DST_ABSOLUTE, ROWS_SRC_ABSOLUTE,
+};
+use ramus_core::vpps::{Placement, Task, TaskGraph};
+use ramus_core::{HeadRows, Model};
+use ramus_cpu::fill_dropout_mask;
+use ramus_graph::{Schedule, NO_LABEL};
+
+use super::program::{graph_keys, storage_node, GraphKey, ParamLayout, PersistentProgram};
+use crate::error::{CudaError, Result};
+
+/// Elements an instruction over rows covers at most (a few per thread).
+const CHUNK_ELEMENTS: usize = 2048;
+
+/// One batch lowered: the task DAG and the memory the kernel needs.
+pub(crate) struct BatchProgram {
+    pub graph: TaskGraph,
+    /// Pool floats to zero before the launch.
+    pub zeroed: std::ops::Range<usize>,
+    /// Where `upload` goes in the pool.
+    pub upload_at: usize,
+    /// Host-provided words (floats as bits, and indices).
+    pub upload: Vec<u32>,
+    /// The loss (one float), if the head has one.
+    pub loss_at: usize,
+    /// First pool float after the batch's regions.
+    pub end: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Region {
+    Zeroed,
+    Plain,
+    Upload,
+}
+
+fn err(message: impl Into<String>) -> CudaError {
+    CudaError::Model(format!("persistent engine: {}", message.into()))
+}
+
+fn u32_of(v: usize, what: &str) -> Result<u32> {
+    u32::try_from(v).map_err(|_| {
+        err(format!(
+            "{what} = {v} does not fit 32 bits (pool too large)"
+        ))
+    })
+}
+
+/// Index arrays of one vertex function (offsets into the upload region).
+#[derive(Clone, Debug, Default)]
+struct FunctionIndex {
+    tokens: Option<usize>,
+    edge_offsets: usize,
+    edge_parent: usize,
+    gather_all_src: Option<usize>,
+    gather_src: HashMap<usize, usize>,
+    child_grad_all_dst: Option<usize>,
+    child_grad_dst: HashMap<usize, usize>,
+}
+
+/// How a gather or child-gradient scatter reaches children: one row per
+/// child edge (`gather_all`), or one row per vertex for child `k`.
+#[derive(Clone, Copy)]
+enum ChildLink {
+    Edges,
+    Child(usize),
+}
+
+impl ChildLink {
+    /// The task rows (edges or vertices) of task range `r`.
+    fn range(self, r: [usize; 4]) -> (usize, usize) {
+        match self {
+            ChildLink::Edges => (r[2], r[3]),
+            ChildLink::Child(_) => (r[0], r[1]),
+        }
+    }
+
+    /// The child vertex of row `i`, if any.
+    fn child(self, rows: &ramus_graph::FunctionRows, i: usize) -> Option<u32> {
+        match self {
+            ChildLink::Edges => Some(rows.edge_child[i]),
+            ChildLink::Child(k) => rows.child(i, k),
+        }
+    }
+}
+
+struct Unroller<'a> {
+    model: &'a Model,
+    prog: &'a PersistentProgram,
+    s: &'a Schedule,
+    head_vertices: Vec<u32>,
+    /// Per graph: the buffer of each node.
+    bufs: HashMap<GraphKey, Vec<Option<(Region, usize)>>>,
+    sizes: [usize; 3],
+    bases: [usize; 3],
+    upload: Vec<u32>,
+    functions: Vec<FunctionIndex>,
+    labels_at: Option<usize>,
+    push_src_at: usize,
+    head_grad_dst_at: usize,
+    update_rows: HashMap<usize, (usize, usize)>,
+    /// Producers per (graph, node), per row.
+    prod: HashMap<(GraphKey, NodeId), Vec<Vec<u32>>>,
+    g: TaskGraph,
+}
+
+fn region_index(r: Region) -> usize {
+    match r {
+        Region::Zeroed => 0,
+        Region::Plain => 1,
+        Region::Upload => 2,
+    }
+}
+
+impl<'a> Unroller<'a> {
+    fn graph(&self, key: GraphKey) -> &'a Graph {
+        key.graph(self.model)
+    }
+
+    /// Rows of `space` in graph `key`.
+    fn rows(&self, key: GraphKey, space: Space) -> usize {
+        match (key.function(), space) {
+            (_, Space::Static) => 1,
+            (Some(f), Space::Vertex) => self.s.functions[f].rows(),
+            (Some(f), Space::Edge) => self.s.functions[f].edges(),
+            (None, Space::Vertex) => self.head_vertices.len(),
+            (None, Space::Edge) => 0,
+        }
+    }
+
+    fn alloc(&mut self, region: Region, len: usize) -> (Region, usize) {
+        let i = region_index(region);
+        let at = self.sizes[i];
+        self.sizes[i] += len.max(1);
+        (region, at)
+    }
+
+    fn alloc_upload(&mut self, words: &[u32]) -> usize {
+        let at = self.upload.len();
+        self.upload.extend_from_slice(words);
+        self.sizes[2] = self.upload.len();
+        at
+    }
+
+    fn abs(&self, (region, at): (Region, usize)) -> usize {
+        self.bases[region_index(region)] + at
+    }
+
+    /// `(graph, node)` after following `Forward(m)` inputs and slice views
+    /// to where the rows are stored.
+    fn resolve(&self, key: GraphKey, n: NodeId) -> (GraphKey, NodeId) {
+        let g = self.graph(key);
+        if let NodeKind::Input(Source::Forward(m)) = g.nodes[n].kind {
+            if let Some(fk) = key.forward_of() {
+                return self.resolve(fk, m);
+            }
+        }
+        let stored = storage_node(self.prog.plan(key), n);
+        if stored != n {
+            return self.resolve(key, stored);
+        }
+        (key, n)
+    }
+
+    /// Pool offset of row 0 of node `n` (view windows included) and its
+    /// row stride.
+    fn loc(&self, key: GraphKey, n: NodeId) -> Result<(usize, usize)> {
+        let g = self.graph(key);
+        let plan = self.prog.plan(key);
+        if let NodeKind::Input(Source::Forward(m)) = g.nodes[n].kind {
+            if let Some(fk) = key.forward_of() {
+                return self.loc(fk, m);
+            }
+        }
+        if let Some(v) = plan.views.get(&n) {
+            let (base, _) = self.loc(key, v.source)?;
+            return Ok((base + v.offset, v.stride));
+        }
+        let width = g.nodes[n].ty.width();
+        if let NodeKind::Param(p) = g.nodes[n].kind {
+            return Ok((self.prog.params.value[p], width));
+        }
+        match self.bufs[&key][n] {
+            Some(b) => Ok((self.abs(b), width)),
+            None => Err(err(format!(
+                "node %{n} of {key:?} ({}) has no buffer",
+                g.nodes[n].ty
+            ))),
+        }
+    }
+
+    fn row_at(&self, key: GraphKey, n: NodeId, row: usize) -> Result<u32> {
+        let (base, stride) = self.loc(key, n)?;
+        u32_of(base + row * stride, "offset")
+    }
+
+    /// The rows of `to` that rows `lo..hi` of `from` read in graph `key`.
+    fn span(&self, key: GraphKey, from: Space, to: Space, lo: usize, hi: usize) -> (usize, usize) {
+        if to == Space::Static {
+            return (0, 1);
+        }
+        if from == to {
+            return (lo, hi);
+        }
+        let Some(f) = key.function() else {
+            return (lo, hi);
+        };
+        let rows = &self.s.functions[f];
+        match (from, to) {
+            (Space::Vertex, Space::Edge) => (
+                rows.edge_offsets[lo] as usize,
+                rows.edge_offsets[hi] as usize,
+            ),
+            (Space::Edge, Space::Vertex) if hi > lo => (
+                rows.edge_parent[lo] as usize,
+                rows.edge_parent[hi - 1] as usize + 1,
+            ),
+            _ => (0, self.rows(key, to)),
+        }
+    }
+
+    fn producers(&mut self, key: GraphKey, n: NodeId) -> &mut Vec<Vec<u32>> {
+        let (key, n) = self.resolve(key, n);
+        let rows = self.rows(key, self.graph(key).nodes[n].ty.space);
+        self.prod
+            .entry((key, n))
+            .or_insert_with(|| vec![Vec::new(); rows.max(1)])
+    }
+
+    fn deps_of(&mut self, key: GraphKey, n: NodeId, lo: usize, hi: usize, out: &mut Vec<u32>) {
+        let p = self.producers(key, n);
+        for row in p.iter().take(hi).skip(lo) {
+            out.extend_from_slice(row);
+        }
+    }
+
+    fn record(&mut self, key: GraphKey, n: NodeId, lo: usize, hi: usize, task: u32) {
+        let p = self.producers(key, n);
+        let hi = hi.min(p.len());
+        for row in p.iter_mut().take(hi).skip(lo) {
+            row.push(task);
+        }
+    }
+
+    fn push(
+        &mut self,
+        op: u8,
+        arg: u16,
+        operands: Vec<u32>,
+        mut deps: Vec<u32>,
+        load: usize,
+        placement: Placement,
+    ) -> Result<u32> {
+        deps.sort_unstable();
+        deps.dedup();
+        self.g
+            .push(Task {
+                op,
+                arg,
+                operands,
+                deps,
+                load: load.max(1) as u64,
+                placement,
+            })
+            .map_err(CudaError::from)
+    }
+
+    // ------------------------------------------------------------ pass 1
+
+    /// Allocates every node buffer and index array.
+    fn allocate(&mut self) -> Result<()> {
+        for key in graph_keys(self.model) {
+            let g = self.graph(key);
+            let plan = self.prog.plan(key);
+            let mut bufs = vec![None; g.nodes.len()];
+            for (n, node) in g.nodes.iter().enumerate() {
+                let len = self.rows(key, node.ty.space) * node.ty.width();
+                bufs[n] = match node.kind {
+                    NodeKind::Param(_) => None,
+                    NodeKind::Input(src) => match src {
+                        Source::Forward(_) | Source::Token | Source::Label => None,
+                        Source::Gather(_) | Source::GatherAll | Source::HeadInput => {
+                            Some(self.alloc(Region::Plain, len))
+                        }
+                        Source::DropoutMask { .. } => Some(self.alloc(Region::Upload, len)),
+                        Source::OutputGrad(_) => Some(match key {
+                            GraphKey::HeadBackward => self.alloc(Region::Upload, len),
+                            _ => self.alloc(Region::Zeroed, len),
+                        }),
+                        Source::Pull => {
+                            return Err(err(
+                                "pulled inputs (features) are not supported yet".to_string()
+                            ))
+                        }
+                    },
+                    NodeKind::Op(_) if !plan.materialized[n] || plan.views.contains_key(&n) => None,
+                    NodeKind::Op(_) if node.ty.dtype == DType::Index => {
+                        return Err(err(format!(
+                            "op %{n} of {key:?} computes indices, which the kernel cannot"
+                        )))
+                    }
+                    NodeKind::Op(_) => {
+                        if self.outer_product(key, n)?.is_some() {
+                            None
+                        } else if self.accumulated(key, n) {
+                            Some(self.alloc(Region::Zeroed, len))
+                        } else {
+                            Some(self.alloc(Region::Plain, len))
+                        }
+                    }
+                };
+            }
+            self.bufs.insert(key, bufs);
+        }
+        // upload placeholders for buffers the host fills
+        self.upload = vec![0; self.sizes[2]];
+        Ok(())
+    }
+
+    /// True for nodes written with atomics (they must start at zero).
+    fn accumulated(&self, key: GraphKey, n: NodeId) -> bool {
+        let node = &self.graph(key).nodes[n];
+        node.op_as::<SumRows>().is_some()
+            || node.op_as::<Pad>().is_some()
+            || self.transposed_product(key, n).is_some()
+    }
+
+    /// `Some(matrix)` if `n` is `dy W` with `W` a register-cached matrix.
+    fn transposed_product(&self, key: GraphKey, n: NodeId) -> Option<u16> {
+        let g = self.graph(key);
+        let mm = g.nodes[n].op_as::<MatMul>()?;
+        let NodeKind::Param(p) = g.nodes[*g.nodes[n].inputs.get(1)?].kind else {
+            return None;
+        };
+        (!mm.trans_a && !mm.trans_b)
+            .then_some(self.prog.cached[p])
+            .flatten()
+    }
+
+    /// `Some(matrix)` if `n` is a cached matrix's gradient product `dyᵀ x`.
+    fn outer_product(&self, key: GraphKey, n: NodeId) -> Result<Option<u16>> {
+        let g = self.graph(key);
+        let Some(mm) = g.nodes[n].op_as::<MatMul>() else {
+            return Ok(None);
+        };
+        if !mm.trans_a {
+            return Ok(None);
+        }
+        let param = g.outputs.iter().find_map(|o| match o.role {
+            Role::ParamGrad(p) if o.node == n => Some(p),
+            _ => None,
+        });
+        match param.and_then(|p| self.prog.cached[p]) {
+            Some(m) => Ok(Some(m)),
+            None => Err(err(format!(
+                "product %{n} of {key:?} (Aᵀ B) is not a register-cached weight's gradient"
+            ))),
+        }
+    }
+
+    /// Fills the index arrays (needs the regions' bases).
+    fn index_arrays(&mut self) -> Result<()> {
+        let model = self.model;
+        let s = self.s;
+        for (f, func) in model.functions.iter().enumerate() {
+            let rows = &s.functions[f];
+            let mut fi = FunctionIndex::default();
+            let fwd = &func.forward;
+            if fwd.input_node(Source::Token).is_some() {
+                let toks: Vec<u32> = rows.vertex.iter().map(|&v| s.tokens[v as usize]).collect();
+                if let Some(bad) = toks.iter().find(|&&t| {
+                    fwd.nodes.iter().any(|n| {
+                        n.op_as::<Embedding>().is_some()
+                            && fwd.nodes[n.inputs[0]].ty.shape[0] <= t as usize
+                    })
+                }) {
+                    return Err(err(format!(
+                        "token id {bad} is outside the embedding table of function `{}`",
+                        func.name
+                    )));
+                }
+                fi.tokens = Some(self.alloc_upload(&toks));
+            }
+            fi.edge_offsets = self.alloc_upload(&rows.edge_offsets);
+            fi.edge_parent = self.alloc_upload(&rows.edge_parent);
+            // absolute offsets of children's scattered rows (gathers) and
+            // of their state-gradient rows (child-gradient scatters)
+            let state_row = |u: &Self, v: u32, backward: bool| -> Result<u32> {
+                let (cf, cr) = (
+                    s.vertex_function[v as usize] as usize,
+                    s.vertex_row[v as usize] as usize,
+                );
+                let cfunc = &model.functions[cf];
+                let Some(i) = cfunc
+                    .forward
+                    .outputs
+                    .iter()
+                    .position(|o| o.role == Role::Scatter)
+                else {
+                    return Err(err(format!("function `{}` scatters no state", cfunc.name)));
+                };
+                if backward {
+                    match cfunc.backward.input_node(Source::OutputGrad(i)) {
+                        Some(n) => u.row_at(GraphKey::Backward(cf), n, cr),
+                        None => Ok(NO_INDEX),
+                    }
+                } else {
+                    u.row_at(GraphKey::Forward(cf), cfunc.forward.outputs[i].node, cr)
+                }
+            };
+            let mut gather_ks = Vec::new();
+            for node in &fwd.nodes {
+                match node.kind {
+                    NodeKind::Input(Source::GatherAll) => {
+                        let v: Vec<u32> = rows
+                            .edge_child
+                            .iter()
+                            .map(|&c| state_row(self, c, false))
+                            .collect::<Result<_>>()?;
+                        fi.gather_all_src = Some(self.alloc_upload(&v));
+                    }
+                    NodeKind::Input(Source::Gather(k)) => gather_ks.push(k),
+                    _ => {}
+                }
+            }
+            for k in gather_ks {
+                let v: Vec<u32> = (0..rows.rows())
+                    .map(|r| match rows.child(r, k) {
+                        Some(c) => state_row(self, c, false),
+                        None => Ok(NO_INDEX),
+                    })
+                    .collect::<Result<_>>()?;
+                fi.gather_src.insert(k, self.alloc_upload(&v));
+            }
+            for o in &func.backward.outputs {
+                match o.role {
+                    Role::ChildGradAll => {
+                        let v: Vec<u32> = rows
+                            .edge_child
+                            .iter()
+                            .map(|&c| state_row(self, c, true))
+                            .collect::<Result<_>>()?;
+                        fi.child_grad_all_dst = Some(self.alloc_upload(&v));
+                    }
+                    Role::ChildGrad(k) => {
+                        let v: Vec<u32> = (0..rows.rows())
+                            .map(|r| match rows.child(r, k) {
+                                Some(c) => state_row(self, c, true),
+                                None => Ok(NO_INDEX),
+                            })
+                            .collect::<Result<_>>()?;
+                        fi.child_grad_dst.insert(k, self.alloc_upload(&v));
+                    }
+                    Role::PullGrad => return Err(err("pulled inputs are not supported yet")),
+                    _ => {}
+                }
+            }
+            self.functions.push(fi);
+        }
+        // head: labels, the pushed rows it reads and where their gradients go
+        let head = &model.head;
+        if head.forward.input_node(Source::Label).is_some() {
+            let mut labels = Vec::with_capacity(self.head_vertices.len());
+            for &v in &self.head_vertices {
+                let l = s.labels[v as usize];
+                if l == NO_LABEL || l < 0 {
+                    return Err(err(format!(
+                        "graph {} of the batch has a head vertex without a label",
+                        s.graph[v as usize]
+                    )));
+                }
+                labels.push(l as u32);
+            }
+            self.labels_at = Some(self.alloc_upload(&labels));
+        }
+        let mut push_src = Vec::with_capacity(self.head_vertices.len());
+        let mut grad_dst = Vec::with_capacity(self.head_vertices.len());
+        for &v in &self.head_vertices {
+            let (f, r) = (
+                s.vertex_function[v as usize] as usize,
+                s.vertex_row[v as usize] as usize,
+            );
+            let func = &model.functions[f];
+            let Some(i) = func
+                .forward
+                .outputs
+                .iter()
+                .position(|o| o.role == Role::Push)
+            else {
+                return Err(err(format!(
+                    "function `{}` pushes nothing to the head",
+                    func.name
+                )));
+            };
+            push_src.push(self.row_at(GraphKey::Forward(f), func.forward.outputs[i].node, r)?);
+            grad_dst.push(match func.backward.input_node(Source::OutputGrad(i)) {
+                Some(n) => self.row_at(GraphKey::Backward(f), n, r)?,
+                None => NO_INDEX,
+            });
+        }
+        self.push_src_at = self.alloc_upload(&push_src);
+        self.head_grad_dst_at = self.alloc_upload(&grad_dst);
+        // touched rows of row-gradient parameters
+        for &p in &self.prog.row_grad_params {
+            let mut touched: Vec<u32> = Vec::new();
+            for (f, func) in model.functions.iter().enumerate() {
+                if func
+                    .backward
+                    .outputs
+                    .iter()
+                    .any(|o| o.role == Role::ParamRowGrad(p))
+                {
+                    let rows = &s.functions[f];
+                    touched.extend(rows.vertex.iter().map(|&v| s.tokens[v as usize]));
+                }
+            }
+            touched.sort_unstable();
+            touched.dedup();
+            let at = self.alloc_upload(&touched);
+            self.update_rows.insert(p, (at, touched.len()));
+        }
+        Ok(())
+    }
+
+    /// Pool offset of an upload-region word.
+    fn up(&self, at: usize) -> Result<u32> {
+        u32_of(self.bases[2] + at, "upload offset")
+    }
+
+    // ------------------------------------------------------------ pass 3
+
+    /// Chunks of rows `lo..hi` of `width` floats each.
+    fn chunks(lo: usize, hi: usize, width: usize) -> Vec<(usize, usize)> {
+        let step = (CHUNK_ELEMENTS / width.max(1)).max(1);
+        (lo..hi)
+            .step_by(step)
+            .map(|a| (a, (a + step).min(hi)))
+            .collect()
+    }
+
+    /// Runs phase `phase` of graph `key` over rows `r0..r1` / edges `e0..e1`.
+    fn phase(&mut self, key: GraphKey, phase: usize, r: [usize; 4]) -> Result<()> {
+        let plan = self.prog.plan(key);
+        for (i, step) in plan.phases[phase].steps.iter().enumerate() {
+            match step {
+                Step::Fused(group) => {
+                    let case = self.prog.cases[&(key, phase, i)];
+                    self.fused(key, group, case, r)?;
+                }
+                Step::Op(n) => self.op(key, *n, r)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn space_range(space: Space, r: [usize; 4]) -> (usize, usize) {
+        match space {
+            Space::Vertex => (r[0], r[1]),
+            Space::Edge => (r[2], r[3]),
+            Space::Static => (0, 1),
+        }
+    }
+
+    fn fused(
+        &mut self,
+        key: GraphKey,
+        group: &ramus_core::fusion::FusedGroup,
+        case: u16,
+        r: [usize; 4],
+    ) -> Result<()> {
+        let g = self.graph(key);
+        let (lo, hi) = Self::space_range(group.space, r);
+        let f = key.function();
+        for (a, b) in Self::chunks(lo, hi, group.width) {
+            let mut ops = vec![u32_of((b - a) * group.width, "elements")?];
+            let mut deps = Vec::new();
+            let mut csr = Vec::new();
+            for input in &group.inputs {
+                let x_space = g.nodes[input.node].ty.space;
+                match input.kind {
+                    InputKind::PerElement => {
+                        ops.push(self.row_at(
+                            key,
+                            input.node,
+                            if x_space == Space::Static { 0 } else { a },
+                        )?);
+                        let (xa, xb) = self.span(key, group.space, x_space, a, b);
+                        self.deps_of(key, input.node, xa, xb, &mut deps);
+                    }
+                    InputKind::Broadcast => {
+                        ops.push(self.row_at(key, input.node, 0)?);
+                        self.deps_of(key, input.node, 0, 1, &mut deps);
+                    }
+                    InputKind::Window { source, stride, .. } => {
+                        let (base, _) = self.loc(key, source)?;
+                        ops.push(u32_of(base + a * stride, "offset")?);
+                        self.deps_of(key, source, a, b, &mut deps);
+                    }
+                    InputKind::ChildSum { source } | InputKind::ParentRow { source } => {
+                        let fi = f.ok_or_else(|| err("a child read outside a vertex function"))?;
+                        ops.push(self.row_at(key, source, 0)?);
+                        let src_space = g.nodes[source].ty.space;
+                        let (xa, xb) = self.span(key, group.space, src_space, a, b);
+                        self.deps_of(key, source, xa, xb, &mut deps);
+                        let index = if matches!(input.kind, InputKind::ChildSum { .. }) {
+                            self.functions[fi].edge_offsets
+                        } else {
+                            self.functions[fi].edge_parent
+                        };
+                        csr.push(self.up(index + a)?);
+                    }
+                }
+            }
+            for &o in &group.outputs {
+                ops.push(self.row_at(key, o, a)?);
+            }
+            for w in &group.concat_writes {
+                ops.push(self.row_at(key, w.concat, a)?);
+            }
+            ops.extend(csr);
+            let t = self.push(
+                OP_FUSED,
+                case,
+                ops,
+                deps,
+                (b - a) * group.width,
+                Placement::Any,
+            )?;
+            for &o in &group.outputs {
+                self.record(key, o, a, b, t);
+            }
+            for w in &group.concat_writes {
+                self.record(key, w.concat, a, b, t);
+            }
+        }
+        Ok(())
+    }
+
+    /// A row copy task `dst rows (+)= src rows` with its dependencies.
+    #[allow(clippy::too_many_arguments)] // the instruction's own operands
+    fn rows_task(
+        &mut self,
+        flags: u16,
+        rows: usize,
+        width: usize,
+        dst: (u32, usize, u32),
+        src: (u32, usize, u32),
+        deps: Vec<u32>,
+    ) -> Result<u32> {
+        // OP_ROWS: rows, width, dst, dst_stride, src, src_stride, dst_index, src_index
+        let ops = vec![
+            u32_of(rows, "rows")?,
+            u32_of(width, "width")?,
+            dst.0,
+            u32_of(dst.1, "stride")?,
+            src.0,
+            u32_of(src.1, "stride")?,
+            dst.2,
+            src.2,
+        ];
+        self.push(OP_ROWS, flags, ops, deps, rows * width, Placement::Any)
+    }
+
+    fn op(&mut self, key: GraphKey, n: NodeId, r: [usize; 4]) -> Result<()> {
+        let g = self.graph(key);
+        let node = &g.nodes[n];
+        let NodeKind::Op(op) = &node.kind else {
+            return Ok(());
+        };
+        let arg = |i: usize| node.inputs[i];
+        let out_space = node.ty.space;
+        let width = node.ty.width();
+        if let Some(mm) = node.op_as::<MatMul>() {
+            let a_space = g.nodes[arg(0)].ty.space;
+            let (lo, hi) = Self::space_range(a_space, r);
+            if let Some(m) = self.outer_product(key, n)? {
+                for i in lo..hi {
+                    let mut deps = Vec::new();
+                    self.deps_of(key, arg(0), i, i + 1, &mut deps);
+                    self.deps_of(key, arg(1), i, i + 1, &mut deps);
+                    let ops = vec![self.row_at(key, arg(0), i)?, self.row_at(key, arg(1), i)?];
+                    let load = g.nodes[arg(0)].ty.width() * g.nodes[arg(1)].ty.width();
+                    self.push(
+                        OP_OUTER,
+                        m,
+                        ops,
+                        deps,
+                        load,
+                        Placement::Holders { matrix: m },
+                    )?;
+                }
+                return Ok(());
+            }
+            let NodeKind::Param(p) = g.nodes[arg(1)].kind else {
+                return Err(err(format!(
+                    "product %{n} of {key:?} has no weight operand"
+                )));
+            };
+            let Some(m) = self.prog.cached[p] else {
+                return Err(err(format!(
+                    "product %{n} of {key:?} with an uncached weight"
+                )));
+            };
+            let opcode = if mm.trans_b { OP_MATVEC } else { OP_MATVEC_T };
+            if mm.trans_a {
+                return Err(err(format!(
+                    "product %{n} of {key:?} has an unsupported form"
+                )));
+            }
+            let spec = &self.prog.matrices[usize::from(m)];
+            let load = spec.rows * spec.cols;
+            for i in lo..hi {
+                let mut deps = Vec::new();
+                self.deps_of(key, arg(0), i, i + 1, &mut deps);
+                let ops = vec![self.row_at(key, arg(0), i)?, self.row_at(key, n, i)?];
+                let t = self.push(opcode, m, ops, deps, load, Placement::Holders { matrix: m })?;
+                self.record(key, n, i, i + 1, t);
+            }
+            return Ok(());
+        }
+        let (lo, hi) = Self::space_range(out_space, r);
+        if node.op_as::<Concat>().is_some()
+            || node.op_as::<Slice>().is_some()
+            || node.op_as::<Reshape>().is_some()
+            || node.op_as::<Pad>().is_some()
+        {
+            // column copies: each source into its window of the output
+            let parts: Vec<(NodeId, usize, usize, usize)> = if let Some(sl) = node.op_as::<Slice>()
+            {
+                vec![(arg(0), sl.start, 0, sl.len)]
+            } else if let Some(pad) = node.op_as::<Pad>() {
+                vec![(arg(0), 0, pad.start, g.nodes[arg(0)].ty.width())]
+            } else if node.op_as::<Reshape>().is_some() {
+                vec![(arg(0), 0, 0, width)]
+            } else {
+                let mut at = 0;
+                node.inputs
+                    .iter()
+                    .map(|&x| {
+                        let w = g.nodes[x].ty.width();
+                        at += w;
+                        (x, 0, at - w, w)
+                    })
+                    .collect()
+            };
+            for (a, b) in Self::chunks(lo, hi, width) {
+                for &(x, src_col, dst_col, w) in &parts {
+                    let (sbase, sstride) = self.loc(key, x)?;
+                    let (dbase, dstride) = self.loc(key, n)?;
+                    let mut deps = Vec::new();
+                    self.deps_of(key, x, a, b, &mut deps);
+                    let flags = if node.op_as::<Pad>().is_some() {
+                        ROWS_ACCUMULATE
+                    } else {
+                        0
+                    };
+                    let t = self.rows_task(
+                        flags,
+                        b - a,
+                        w,
+                        (
+                            u32_of(dbase + a * dstride + dst_col, "offset")?,
+                            dstride,
+                            NO_INDEX,
+                        ),
+                        (
+                            u32_of(sbase + a * sstride + src_col, "offset")?,
+                            sstride,
+                            NO_INDEX,
+                        ),
+                        deps,
+                    )?;
+                    self.record(key, n, a, b, t);
+                }
+            }
+            return Ok(());
+        }
+        if node.op_as::<SumChildren>().is_some() {
+            let f = key
+                .function()
+                .ok_or_else(|| err("sum_children outside a vertex function"))?;
+            let (sbase, sstride) = self.loc(key, arg(0))?;
+            for (a, b) in Self::chunks(lo, hi, width) {
+                let mut deps = Vec::new();
+                let (ea, eb) = self.span(key, Space::Vertex, Space::Edge, a, b);
+                self.deps_of(key, arg(0), ea, eb, &mut deps);
+                let ops = vec![
+                    u32_of(b - a, "rows")?,
+                    u32_of(width, "width")?,
+                    self.row_at(key, n, a)?,
+                    u32_of(sbase, "offset")?,
+                    u32_of(sstride, "stride")?,
+                    self.up(self.functions[f].edge_offsets + a)?,
+                ];
+                let t = self.push(
+                    OP_SUM_CHILDREN,
+                    0,
+                    ops,
+                    deps,
+                    (eb - ea) * width,
+                    Placement::Any,
+                )?;
+                self.record(key, n, a, b, t);
+            }
+            return Ok(());
+        }
+        if node.op_as::<ExpandChildren>().is_some() {
+            let f = key
+                .function()
+                .ok_or_else(|| err("expand_children outside a vertex function"))?;
+            let (sbase, sstride) = self.loc(key, arg(0))?;
+            for (a, b) in Self::chunks(lo, hi, width) {
+                let mut deps = Vec::new();
+                let (va, vb) = self.span(key, Space::Edge, Space::Vertex, a, b);
+                self.deps_of(key, arg(0), va, vb, &mut deps);
+                let (dbase, _) = self.loc(key, n)?;
+                let t = self.rows_task(
+                    0,
+                    b - a,
+                    width,
+                    (u32_of(dbase + a * width, "offset")?, width, NO_INDEX),
+                    (
+                        u32_of(sbase, "offset")?,
+                        sstride,
+                        self.up(self.functions[f].edge_parent + a)?,
+                    ),
+                    deps,
+                )?;
+                self.record(key, n, a, b, t);
+            }
+            return Ok(());
+        }
+        if let Some(sr) = node.op_as::<SumRows>() {
+            let x = arg(0);
+            let x_space = g.nodes[x].ty.space;
+            let total = self.rows(key, x_space);
+            let (xlo, xhi) = Self::space_range(x_space, r);
+            let scale: f32 = if sr.mean && total > 0 {
+                1.0 / total as f32
+            } else {
+                1.0
+            };
+            let direct = self.direct_grad(key, n);
+            let dst = match direct {
+                Some(p) => self.prog.params.grad[p].ok_or_else(|| err("no gradient slot"))?,
+                None => self.loc(key, n)?.0,
+            };
+            let (sbase, sstride) = self.loc(key, x)?;
+            for (a, b) in Self::chunks(xlo, xhi, width) {
+                let mut deps = Vec::new();
+                self.deps_of(key, x, a, b, &mut deps);
+                let ops = vec![
+                    u32_of(b - a, "rows")?,
+                    u32_of(width, "width")?,
+                    u32_of(dst, "offset")?,
+                    u32_of(sbase + a * sstride, "offset")?,
+                    u32_of(sstride, "stride")?,
+                    scale.to_bits(),
+                ];
+                let t = self.push(
+                    OP_SUM_ROWS,
+                    ROWS_ACCUMULATE,
+                    ops,
+                    deps,
+                    (b - a) * width,
+                    Placement::Any,
+                )?;
+                if direct.is_none() {
+                    self.record(key, n, 0, 1, t);
+                }
+            }
+            return Ok(());
+        }
+        if let Some(br) = node.op_as::<BroadcastRows>() {
+            let total = self.rows(key, out_space);
+            let scale: f32 = if br.mean && total > 0 {
+                1.0 / total as f32
+            } else {
+                1.0
+            };
+            for (a, b) in Self::chunks(lo, hi, width) {
+                let mut deps = Vec::new();
+                self.deps_of(key, arg(0), 0, 1, &mut deps);
+                let ops = vec![
+                    u32_of(b - a, "rows")?,
+                    u32_of(width, "width")?,
+                    self.row_at(key, n, a)?,
+                    self.row_at(key, arg(0), 0)?,
+                    scale.to_bits(),
+                ];
+                let t = self.push(
+                    OP_BROADCAST_ROWS,
+                    0,
+                    ops,
+                    deps,
+                    (b - a) * width,
+                    Placement::Any,
+                )?;
+                self.record(key, n, a, b, t);
+            }
+            return Ok(());
+        }
+        if node.op_as::<Embedding>().is_some() {
+            let f = key
+                .function()
+                .ok_or_else(|| err("embedding outside a vertex function"))?;
+            let tokens = self.functions[f]
+                .tokens
+                .ok_or_else(|| err("embedding without tokens"))?;
+            let table = self.row_at(key, arg(0), 0)?;
+            for (a, b) in Self::chunks(lo, hi, width) {
+                let (dbase, _) = self.loc(key, n)?;
+                let t = self.rows_task(
+                    0,
+                    b - a,
+                    width,
+                    (u32_of(dbase + a * width, "offset")?, width, NO_INDEX),
+                    (table, width, self.up(tokens + a)?),
+                    Vec::new(),
+                )?;
+                self.record(key, n, a, b, t);
+            }
+            return Ok(());
+        }
+        let xent = node.op_as::<SoftmaxXent>().is_some();
+        if xent || node.op_as::<SoftmaxXentBackward>().is_some() {
+            let labels = self
+                .labels_at
+                .ok_or_else(|| err("softmax_xent without labels"))?;
+            let classes = g.nodes[arg(0)].ty.width();
+            for (a, b) in Self::chunks(lo, hi, classes) {
+                let mut deps = Vec::new();
+                self.deps_of(key, arg(0), a, b, &mut deps);
+                let mut ops = vec![
+                    u32_of(b - a, "rows")?,
+                    u32_of(classes, "classes")?,
+                    self.row_at(key, n, a)?,
+                    self.row_at(key, arg(0), a)?,
+                    self.up(labels + a)?,
+                ];
+                if !xent {
+                    self.deps_of(key, arg(2), a, b, &mut deps);
+                    ops.push(self.row_at(key, arg(2), a)?);
+                }
+                let t = self.push(
+                    OP_XENT,
+                    u16::from(!xent),
+                    ops,
+                    deps,
+                    (b - a) * classes,
+                    Placement::Any,
+                )?;
+                self.record(key, n, a, b, t);
+            }
+            return Ok(());
+        }
+        Err(err(format!(
+            "op `{}` (node %{n} of {key:?}) has no persistent-kernel instruction",
+            op.signature()
+        )))
+    }
+
+    /// The non-cached parameter whose gradient `n` (a sum over rows) is,
+    /// when that is all `n` is for: it then accumulates straight into the
+    /// parameter's gradient.
+    fn direct_grad(&self, key: GraphKey, n: NodeId) -> Option<usize> {
+        let g = self.graph(key);
+        let mut roles = g.outputs.iter().filter(|o| o.node == n || o.aux == Some(n));
+        let first = roles.next()?;
+        let Role::ParamGrad(p) = first.role else {
+            return None;
+        };
+        let read = g.nodes.iter().any(|x| x.inputs.contains(&n));
+        (roles.next().is_none() && !read && self.prog.cached[p].is_none()).then_some(p)
+    }
+
+    /// Gathers of task rows `r`: children's scattered rows into the
+    /// function's gather inputs.
+    fn gathers(&mut self, f: usize, r: [usize; 4]) -> Result<()> {
+        let key = GraphKey::Forward(f);
+        let g = self.graph(key);
+        let w = self.model.state_width;
+        let s = self.s;
+        for (n, node) in g.nodes.iter().enumerate() {
+            let (link, index) = match node.kind {
+                NodeKind::Input(Source::GatherAll) => (
+                    ChildLink::Edges,
+                    self.functions[f]
+                        .gather_all_src
+                        .ok_or_else(|| err("no gather index"))?,
+                ),
+                NodeKind::Input(Source::Gather(k)) => (
+                    ChildLink::Child(k),
+                    *self.functions[f]
+                        .gather_src
+                        .get(&k)
+                        .ok_or_else(|| err("no gather index"))?,
+                ),
+                _ => continue,
+            };
+            let (lo, hi) = link.range(r);
+            for (a, b) in Self::chunks(lo, hi, w) {
+                let mut deps = Vec::new();
+                for i in a..b {
+                    if let Some(c) = link.child(&s.functions[f], i) {
+                        let (cf, cr) = (
+                            s.vertex_function[c as usize] as usize,
+                            s.vertex_row[c as usize] as usize,
+                        );
+                        let func = &self.model.functions[cf];
+                        if let Some(sc) = func.scatter {
+                            self.deps_of(GraphKey::Forward(cf), sc, cr, cr + 1, &mut deps);
+                        }
+                    }
+                }
+                let (dbase, _) = self.loc(key, n)?;
+                let t = self.rows_task(
+                    ROWS_SRC_ABSOLUTE,
+                    b - a,
+                    w,
+                    (u32_of(dbase + a * w, "offset")?, w, NO_INDEX),
+                    (0, 0, self.up(index + a)?),
+                    deps,
+                )?;
+                self.record(key, n, a, b, t);
+            }
+        }
+        Ok(())
+    }
+
+    /// Child-gradient scatter-adds of task rows `r` into the children's
+    /// state-gradient rows.
+    fn child_grads(&mut self, f: usize, r: [usize; 4]) -> Result<()> {
+        let key = GraphKey::Backward(f);
+        let g = self.graph(key);
+        let w = self.model.state_width;
+        let s = self.s;
+        for o in &g.outputs {
+            let (link, index) = match o.role {
+                Role::ChildGradAll => (
+                    ChildLink::Edges,
+                    self.functions[f]
+                        .child_grad_all_dst
+                        .ok_or_else(|| err("no child-gradient index"))?,
+                ),
+                Role::ChildGrad(k) => (
+                    ChildLink::Child(k),
+                    *self.functions[f]
+                        .child_grad_dst
+                        .get(&k)
+                        .ok_or_else(|| err("no child-gradient index"))?,
+                ),
+                _ => continue,
+            };
+            let (lo, hi) = link.range(r);
+            for (a, b) in Self::chunks(lo, hi, w) {
+                let mut deps = Vec::new();
+                self.deps_of(key, o.node, a, b, &mut deps);
+                let (sbase, sstride) = self.loc(key, o.node)?;
+                let t = self.rows_task(
+                    ROWS_ACCUMULATE | ROWS_DST_ABSOLUTE,
+                    b - a,
+                    w,
+                    (0, 0, self.up(index + a)?),
+                    (u32_of(sbase + a * sstride, "offset")?, sstride, NO_INDEX),
+                    deps,
+                )?;
+                for i in a..b {
+                    if let Some(c) = link.child(&s.functions[f], i) {
+                        let (cf, cr) = (
+                            s.vertex_function[c as usize] as usize,
+                            s.vertex_row[c as usize] as usize,
+                        );
+                        let cfunc = &self.model.functions[cf];
+                        let out = cfunc
+                            .forward
+                            .outputs
+                            .iter()
+                            .position(|o| o.role == Role::Scatter);
+                        if let Some(sg) =
+                            out.and_then(|i| cfunc.backward.input_node(Source::OutputGrad(i)))
+                        {
+                            self.record(GraphKey::Backward(cf), sg, cr, cr + 1, t);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn all_rows(&self, f: usize) -> [usize; 4] {
+        let rows = &self.s.functions[f];
+        [0, rows.rows(), 0, rows.edges()]
+    }
+
+    /// Pass 3: every task of the batch.
+    fn tasks(&mut self) -> Result<()> {
+        let model = self.model;
+        let s = self.s;
+        let n_fn = model.functions.len();
+        const EAGER: usize = 0;
+        const PER_TASK: usize = 1;
+        const LAZY: usize = 2;
+        for f in 0..n_fn {
+            self.phase(GraphKey::Forward(f), EAGER, self.all_rows(f))?;
+        }
+        for task in &s.tasks {
+            let r = [
+                task.row_offset as usize,
+                (task.row_offset + task.len) as usize,
+                task.edge_offset as usize,
+                (task.edge_offset + task.edge_len) as usize,
+            ];
+            self.gathers(task.function, r)?;
+            self.phase(GraphKey::Forward(task.function), PER_TASK, r)?;
+        }
+        for f in 0..n_fn {
+            self.phase(GraphKey::Forward(f), LAZY, self.all_rows(f))?;
+        }
+        // head input: the pushed rows of the head vertices
+        let hf = GraphKey::HeadForward;
+        let h = self.head_vertices.len();
+        if let Some(inp) = model.head.forward.input_node(Source::HeadInput) {
+            let pw = model.head.forward.nodes[inp].ty.width();
+            for (a, b) in Self::chunks(0, h, pw) {
+                let mut deps = Vec::new();
+                for i in a..b {
+                    let v = self.head_vertices[i] as usize;
+                    let (f, row) = (s.vertex_function[v] as usize, s.vertex_row[v] as usize);
+                    if let Some(pn) = model.functions[f].push {
+                        self.deps_of(GraphKey::Forward(f), pn, row, row + 1, &mut deps);
+                    }
+                }
+                let (dbase, _) = self.loc(hf, inp)?;
+                let t = self.rows_task(
+                    ROWS_SRC_ABSOLUTE,
+                    b - a,
+                    pw,
+                    (u32_of(dbase + a * pw, "offset")?, pw, NO_INDEX),
+                    (0, 0, self.up(self.push_src_at + a)?),
+                    deps,
+                )?;
+                self.record(hf, inp, a, b, t);
+            }
+        }
+        let head_rows = [0, h, 0, 0];
+        self.phase(hf, 0, head_rows)?;
+        let hb = GraphKey::HeadBackward;
+        self.phase(hb, 0, head_rows)?;
+        if let Some(out) = model.head.backward.output(Role::HeadInputGrad) {
+            let pw = model.head.backward.nodes[out.node].ty.width();
+            for (a, b) in Self::chunks(0, h, pw) {
+                let mut deps = Vec::new();
+                self.deps_of(hb, out.node, a, b, &mut deps);
+                let (sbase, sstride) = self.loc(hb, out.node)?;
+                let t = self.rows_task(
+                    ROWS_ACCUMULATE | ROWS_DST_ABSOLUTE,
+                    b - a,
+                    pw,
+                    (0, 0, self.up(self.head_grad_dst_at + a)?),
+                    (u32_of(sbase + a * sstride, "offset")?, sstride, NO_INDEX),
+                    deps,
+                )?;
+                for i in a..b {
+                    let v = self.head_vertices[i] as usize;
+                    let (f, row) = (s.vertex_function[v] as usize, s.vertex_row[v] as usize);
+                    let func = &model.functions[f];
+                    let out = func
+                        .forward
+                        .outputs
+                        .iter()
+                        .position(|o| o.role == Role::Push);
+                    if let Some(pg) =
+                        out.and_then(|i| func.backward.input_node(Source::OutputGrad(i)))
+                    {
+                        self.record(GraphKey::Backward(f), pg, row, row + 1, t);
+                    }
+                }
+            }
+        }
+        for f in 0..n_fn {
+            self.phase(GraphKey::Backward(f), EAGER, self.all_rows(f))?;
+        }
+        for task in s.tasks.iter().rev() {
+            let r = [
+                task.row_offset as usize,
+                (task.row_offset + task.len) as usize,
+                task.edge_offset as usize,
+                (task.edge_offset + task.edge_len) as usize,
+            ];
+            self.phase(GraphKey::Backward(task.function), PER_TASK, r)?;
+            self.child_grads(task.function, r)?;
+        }
+        for f in 0..n_fn {
+            self.phase(GraphKey::Backward(f), LAZY, self.all_rows(f))?;
+        }
+        // parameter gradients not written in place
+        for key in (0..n_fn).map(GraphKey::Backward).chain([hb]) {
+            let g = self.graph(key);
+            for o in &g.outputs {
+                match o.role {
+                    Role::ParamRowGrad(p) => {
+                        let f = key
+                            .function()
+                            .ok_or_else(|| err("row gradient in the head"))?;
+                        let tokens = self.functions[f].tokens.ok_or_else(|| err("no tokens"))?;
+                        let w = g.nodes[o.node].ty.width();
+                        let grad =
+                            self.prog.params.grad[p].ok_or_else(|| err("no gradient slot"))?;
+                        let rows = self.rows(key, g.nodes[o.node].ty.space);
+                        for (a, b) in Self::chunks(0, rows, w) {
+                            let mut deps = Vec::new();
+                            self.deps_of(key, o.node, a, b, &mut deps);
+                            let (sbase, sstride) = self.loc(key, o.node)?;
+                            self.rows_task(
+                                ROWS_ACCUMULATE,
+                                b - a,
+                                w,
+                                (u32_of(grad, "offset")?, w, self.up(tokens + a)?),
+                                (u32_of(sbase + a * sstride, "offset")?, sstride, NO_INDEX),
+                                deps,
+                            )?;
+                        }
+                    }
+                    Role::ParamGrad(p)
+                        if self.prog.cached[p].is_none()
+                            && self.direct_grad(key, o.node).is_none() =>
+                    {
+                        let len = self.prog.params.len[p];
+                        let grad =
+                            self.prog.params.grad[p].ok_or_else(|| err("no gradient slot"))?;
+                        let mut deps = Vec::new();
+                        self.deps_of(key, o.node, 0, 1, &mut deps);
+                        let src = self.row_at(key, o.node, 0)?;
+                        self.rows_task(
+                            ROWS_ACCUMULATE,
+                            1,
+                            len,
+                            (u32_of(grad, "offset")?, len, NO_INDEX),
+                            (src, len, NO_INDEX),
+                            deps,
+                        )?;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        // the update, after everything
+        let all: Vec<u32> = (0..self.g.len() as u32).collect();
+        let sink = self.push(OP_NOP, 0, Vec::new(), all, 1, Placement::Any)?;
+        if !self.prog.matrices.is_empty() {
+            self.push(OP_UPDATE, 0, Vec::new(), vec![sink], 1, Placement::Every)?;
+        }
+        let params = &self.prog.params;
+        for (p, spec) in model.params.iter().enumerate() {
+            if self.prog.cached[p].is_some() {
+                continue;
+            }
+            let grad = params.grad[p].ok_or_else(|| err("no gradient slot"))?;
+            let width = *spec.shape.last().unwrap_or(&1);
+            let (rows, index) = match self.update_rows.get(&p) {
+                Some(&(at, n)) => (n, Some(at)),
+                None => (params.len[p] / width.max(1), None),
+            };
+            for (a, b) in Self::chunks(0, rows, width) {
+                let ops = vec![
+                    u32_of(b - a, "rows")?,
+                    u32_of(width, "width")?,
+                    u32_of(
+                        params.value[p] + if index.is_some() { 0 } else { a * width },
+                        "offset",
+                    )?,
+                    u32_of(grad + if index.is_some() { 0 } else { a * width }, "offset")?,
+                    u32_of(
+                        params.first[p] + if index.is_some() { 0 } else { a * width },
+                        "offset",
+                    )?,
+                    u32_of(
+                        params.second[p] + if index.is_some() { 0 } else { a * width },
+                        "offset",
+                    )?,
+                    match index {
+                        Some(at) => self.up(at + a)?,
+                        None => NO_INDEX,
+                    },
+                ];
+                self.push(
+                    OP_UPDATE_DENSE,
+                    0,
+                    ops,
+                    vec![sink],
+                    (b - a) * width,
+                    Placement::Any,
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Lowers one training batch (see the module docs). `rng` draws the
+/// dropout masks in the CPU engine's order.
+pub(crate) fn unroll_batch(
+    model: &Model,
+    prog: &PersistentProgram,
+    s: &Schedule,
+    rng: &mut ChaCha8Rng,
+) -> Result<BatchProgram> {
+    let head_vertices: Vec<u32> = match model.head.rows {
+        HeadRows::Roots => s.roots.clone(),
+        HeadRows::Labelled => s
+            .number
+            .iter()
+            .copied()
+            .filter(|&v| s.labels[v as usize] != NO_LABEL)
+            .collect(),
+    };
+    if head_vertices.is_empty() {
+        return Err(err(
+            "the batch has no vertex for the head (no labelled vertex)",
+        ));
+    }
+    let mut u = Unroller {
+        model,
+        prog,
+        s,
+        head_vertices,
+        bufs: HashMap::new(),
+        sizes: [0; 3],
+        bases: [0; 3],
+        upload: Vec::new(),
+        functions: Vec::new(),
+        labels_at: None,
+        push_src_at: 0,
+        head_grad_dst_at: 0,
+        update_rows: HashMap::new(),
+        prod: HashMap::new(),
+        g: TaskGraph::new(),
+    };
+    u.allocate()?;
+    // index arrays go after the buffers the host fills; their contents
+    // need the regions' bases, which need their sizes: size them first
+    let params: &ParamLayout = &prog.params;
+    u.bases = [
+        params.total,
+        params.total + u.sizes[0],
+        params.total + u.sizes[0] + u.sizes[1],
+    ];
+    u.index_arrays()?;
+    // host-filled floats: the loss seed, then the dropout masks in the CPU
+    // engine's order (functions' forward graphs, then the head)
+    let seed_key = GraphKey::HeadBackward;
+    if let Some(i) = model
+        .head
+        .forward
+        .outputs
+        .iter()
+        .position(|o| o.role == Role::Loss)
+    {
+        if let Some(n) = model.head.backward.input_node(Source::OutputGrad(i)) {
+            let (_, at) = u.bufs[&seed_key][n].ok_or_else(|| err("no loss seed buffer"))?;
+            u.upload[at] = 1f32.to_bits();
+        }
+    }
+    let mask_keys: Vec<GraphKey> = (0..model.functions.len())
+        .map(GraphKey::Forward)
+        .chain([GraphKey::HeadForward])
+        .collect();
+    for key in mask_keys {
+        let g = key.graph(model);
+        for (n, node) in g.nodes.iter().enumerate() {
+            if let NodeKind::Input(Source::DropoutMask { rate, .. }) = node.kind {
+                let len = u.rows(key, node.ty.space) * node.ty.width();
+                let (_, at) = u.bufs[&key][n].ok_or_else(|| err("no mask buffer"))?;
+                let mut mask = vec![0f32; len];
+                fill_dropout_mask(&mut mask, rate, true, rng);
+                for (d, m) in u.upload[at..at + len].iter_mut().zip(mask) {
+                    *d = m.to_bits();
+                }
+            }
+        }
+    }
+    u.tasks()?;
+    let loss_at = match model
+        .head
+        .forward
+        .outputs
+        .iter()
+        .find(|o| o.role == Role::Loss)
+    {
+        Some(o) => u.loc(GraphKey::HeadForward, o.node)?.0,
+        None => return Err(err("the head has no loss")),
+    };
+    let zeroed = u.bases[0]..u.bases[0] + u.sizes[0];
+    let upload_at = u.bases[2];
+    let end = upload_at + u.upload.len();
+    Ok(BatchProgram {
+        graph: u.g,
+        zeroed,
+        upload_at,
+        upload: u.upload,
+        loss_at,
+        end,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ramus_core::vpps::{plan, simulate, DeviceLimits, PlanRequest, Scheduler};
+    use ramus_graph::random::{random_chain, random_path, random_tree};
+    use ramus_graph::InputGraph;
+    use ramus_nn::{build_model_with, ModelConfig, ModelOptions};
+    use rand::SeedableRng;
+
+    fn lowered(name: &str, graphs: &[InputGraph], dropout: f64) -> (TaskGraph, usize) {
+        let cfg = ModelConfig {
+            vocab: 30,
+            hidden: 20,
+            classes: 5,
+        };
+        let model = build_model_with(name, &cfg, &ModelOptions { dropout }).expect("model");
+        let prog = PersistentProgram::build(&model).expect("program");
+        let refs: Vec<&InputGraph> = graphs.iter().collect();
+        let selector = model.selector;
+        let s = Schedule::build(
+            &refs,
+            ramus_graph::BatchingPolicy::Cavs,
+            model.functions.len(),
+            |k| selector.select(k),
+        )
+        .expect("schedule");
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let batch = unroll_batch(&model, &prog, &s, &mut rng).expect("lowered");
+        assert!(
+            batch.upload_at >= prog.params.total,
+            "batch values after the parameters"
+        );
+        assert!(batch.zeroed.start >= prog.params.total && batch.zeroed.end <= batch.upload_at);
+        assert!(batch.loss_at >= batch.zeroed.start && batch.loss_at < batch.zeroed.end);
+        let rp = plan(
+            &prog.matrices,
+            &DeviceLimits::hopper(6),
+            &PlanRequest::new(1),
+        )
+        .expect("plan");
+        let schedule = Scheduler::new(&rp).schedule(&batch.graph).expect("scripts");
+        // every task runs on the processors its placement names, after its
+        // dependencies, without deadlock
+        let order = simulate(&schedule, &batch.graph).expect("the scripts run to the end");
+        assert_eq!(order.len(), batch.graph.len());
+        (batch.graph, schedule.levels)
+    }
+
+    #[test]
+    fn tree_batches_lower_to_scripts_that_run_in_dependency_order() {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let graphs = vec![
+            random_tree(&mut rng, 1, &[2], 30, 5).expect("a single leaf"),
+            random_tree(&mut rng, 12, &[1, 2, 3], 30, 5).expect("tree"),
+            random_path(&mut rng, 25, 30, 5).expect("path"),
+        ];
+        for name in ["treelstm", "treegru", "treefc"] {
+            let (g, levels) = lowered(name, &graphs, 0.0);
+            // the 25-deep path alone needs a level per vertex each way
+            assert!(levels > 50, "{name}: {levels} levels");
+            let updates = g.tasks.iter().filter(|t| t.op == OP_UPDATE).count();
+            assert_eq!(
+                updates, 1,
+                "{name}: one register update for every processor"
+            );
+            let sink = g.tasks.iter().position(|t| t.op == OP_NOP).expect("a sink");
+            assert_eq!(
+                g.tasks[sink].deps.len(),
+                sink,
+                "{name}: the sink follows every task"
+            );
+        }
+    }
+
+    #[test]
+    fn binary_trees_chains_and_dropout_lower_too() {
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        let trees = vec![
+            random_tree(&mut rng, 9, &[2], 30, 5).expect("tree"),
+            random_tree(&mut rng, 1, &[2], 30, 5).expect("leaf"),
+        ];
+        lowered("treelstm-nary", &trees, 0.2);
+        let chains = vec![random_chain(&mut rng, 7, 30).expect("chain")];
+        lowered("lstm-lm", &chains, 0.0);
+    }
+
+    #[test]
+    fn unsupported_inputs_are_named() {
+        let cfg = ModelConfig {
+            vocab: 10,
+            hidden: 4,
+            classes: 2,
+        };
+        let model = build_model_with("treelstm", &cfg, &ModelOptions::default()).expect("model");
+        let prog = PersistentProgram::build(&model).expect("program");
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        // leaf token 42 is outside the 10-row embedding table
+        let mut g = InputGraph::new();
+        let a = g.push_vertex(&[], 3, -1).expect("leaf");
+        let b = g.push_vertex(&[], 42, -1).expect("leaf");
+        g.push_vertex(&[a, b], 0, 1).expect("root");
+        let refs = vec![&g];
+        let s = Schedule::build(
+            &refs,
+            ramus_graph::BatchingPolicy::Cavs,
+            model.functions.len(),
+            |k| model.selector.select(k),
+        )
+        .expect("schedule");
+        match unroll_batch(&model, &prog, &s, &mut rng) {
+            Err(e) => assert!(e.to_string().contains("token id 42"), "wrong error: {e}"),
+            Ok(_) => panic!("a token outside the table was accepted"),
+        }
+    }
+}
