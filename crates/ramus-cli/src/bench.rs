@@ -16,6 +16,7 @@ use ramus_nn::{build_model, Engine, ModelConfig, Optimizer, OptimizerConfig, Opt
 use crate::device::{self, Device};
 
 mod compiled;
+mod persistent;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -50,8 +51,9 @@ pub struct BenchArgs {
     /// Cap on the device memory Ramus may use, in bytes (CUDA).
     #[arg(long)]
     device_memory_budget: Option<u64>,
-    /// batched (Cavs: forward, backward, training) or compiled (Cortex:
-    /// one generated kernel per batch, inference only, CUDA).
+    /// batched (Cavs: forward, backward, training), compiled (Cortex:
+    /// one generated kernel per batch, inference only, CUDA) or persistent
+    /// (VPPS: one generated kernel per training batch, CUDA).
     #[arg(long, default_value = "batched")]
     engine: String,
     /// Model to time: treelstm (the anchor's model), treelstm-nary or
@@ -77,6 +79,9 @@ pub struct BenchArgs {
     /// With --engine compiled: blocks in all at most.
     #[arg(long)]
     max_blocks: Option<u32>,
+    /// With --engine persistent: rows per warp of the register partitions.
+    #[arg(long)]
+    rpw: Option<usize>,
     /// Time synthetic ROWSxCOLS grid DAGs (random words of the tree file's
     /// vocabulary) instead of the trees, e.g. 10x10 for the DAG-RNN.
     #[arg(long)]
@@ -217,8 +222,12 @@ pub fn run(a: BenchArgs) -> AnyResult {
     match a.engine.as_str() {
         "batched" => {}
         "compiled" => return compiled::run(&a, &model, &params, &trees, &sizes),
+        "persistent" => return persistent::run(&a, &model, &params, &trees, &sizes),
         other => {
-            return Err(format!("unknown engine `{other}` (expected batched or compiled)").into())
+            return Err(format!(
+                "unknown engine `{other}` (expected batched, compiled or persistent)"
+            )
+            .into())
         }
     }
     let mut opt = Optimizer::new(OptimizerConfig::new(OptimizerKind::Sgd, 0.05), &params);

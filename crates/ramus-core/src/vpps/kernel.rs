@@ -160,6 +160,13 @@ pub fn kernel_source(plan: &RegisterPlan, rule: UpdateRule, fused_cases: &str) -
     let _ = writeln!(s, "#define VP_P {}", plan.partitions.max(1));
     let _ = writeln!(s, "#define VP_R {}", plan.rpw);
     let _ = writeln!(s, "#define VP_K {}", plan.regs_per_row.max(1));
+    // vectors per round of a product instruction: about 32 registers of
+    // input columns per thread
+    let _ = writeln!(
+        s,
+        "#define VP_V {}",
+        (32 / plan.regs_per_row.max(1)).clamp(1, 4)
+    );
     let _ = writeln!(s, "#define VP_GRADS {}", u32::from(plan.grads_in_registers));
     let _ = writeln!(s, "#define VP_RULE {}", rule.code());
     let _ = writeln!(s, "#define VP_CTAS_PER_SM {}", plan.ctas_per_sm);
@@ -326,69 +333,110 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                 const unsigned cols = mats[arg * VP_MAT_WORDS + 1];
                 const unsigned count = operand[0];
                 const unsigned* list = script + operands_at + operand[1];
-                for (unsigned v = 0; v < count; ++v) {
-                    const unsigned a = list[2 * v], b = list[2 * v + 1];
+                // VP_V vectors at a time: their loads are all in flight
+                // before the arithmetic (one vector's loads are a round
+                // trip each, the instruction would be latency-bound)
+                for (unsigned v0 = 0; v0 < count; v0 += VP_V) {
+                    unsigned a[VP_V], b[VP_V];
+#pragma unroll
+                    for (int j = 0; j < VP_V; ++j) {
+                        const bool ok = v0 + j < count;
+                        a[j] = ok ? list[2 * (v0 + j)] : VP_NONE;
+                        b[j] = ok ? list[2 * (v0 + j) + 1] : VP_NONE;
+                    }
                     if (op == OP_MATVEC) {
                         // (x, y): y[row] = W[row, :] . x
-                        float xr[VP_K];
+                        float xr[VP_V][VP_K];
 #pragma unroll
-                        for (int k = 0; k < VP_K; ++k) {
-                            const unsigned col = lane + VP_WARP * k;
-                            xr[k] = col < cols ? pool[a + col] : 0.0f;
-                        }
+                        for (int j = 0; j < VP_V; ++j)
+#pragma unroll
+                            for (int k = 0; k < VP_K; ++k) {
+                                const unsigned col = lane + VP_WARP * k;
+                                xr[j][k] = (a[j] != VP_NONE && col < cols) ? pool[a[j] + col] : 0.0f;
+                            }
 #pragma unroll
                         for (int p = 0; p < VP_P; ++p) {
                             if (pm[p] != arg) continue;
 #pragma unroll
                             for (int r = 0; r < VP_R; ++r) {
-                                float acc = 0.0f;
+                                float acc[VP_V];
 #pragma unroll
-                                for (int k = 0; k < VP_K; ++k) acc = fmaf(w[p][r][k], xr[k], acc);
-                                acc = vp_warp_sum(acc);
+                                for (int j = 0; j < VP_V; ++j) {
+                                    acc[j] = 0.0f;
+#pragma unroll
+                                    for (int k = 0; k < VP_K; ++k) acc[j] = fmaf(w[p][r][k], xr[j][k], acc[j]);
+                                    acc[j] = vp_warp_sum(acc[j]);
+                                }
                                 const unsigned row = prow[p] + r;
-                                if (lane == 0 && row < rows) pool[b + row] = acc;
+                                if (lane == 0 && row < rows) {
+#pragma unroll
+                                    for (int j = 0; j < VP_V; ++j)
+                                        if (b[j] != VP_NONE) pool[b[j] + row] = acc[j];
+                                }
                             }
                         }
                     } else if (op == OP_MATVEC_T) {
                         // (dy, dx): dx += W^T dy over the held rows
-                        float acc[VP_K];
+                        float d[VP_P][VP_R][VP_V];
 #pragma unroll
-                        for (int k = 0; k < VP_K; ++k) acc[k] = 0.0f;
+                        for (int p = 0; p < VP_P; ++p)
 #pragma unroll
-                        for (int p = 0; p < VP_P; ++p) {
-                            if (pm[p] != arg) continue;
+                            for (int r = 0; r < VP_R; ++r)
 #pragma unroll
-                            for (int r = 0; r < VP_R; ++r) {
-                                const unsigned row = prow[p] + r;
-                                const float d = row < rows ? pool[a + row] : 0.0f;
+                                for (int j = 0; j < VP_V; ++j) {
+                                    const unsigned row = prow[p] + r;
+                                    d[p][r][j] = (pm[p] == arg && row < rows && a[j] != VP_NONE) ? pool[a[j] + row] : 0.0f;
+                                }
 #pragma unroll
-                                for (int k = 0; k < VP_K; ++k) acc[k] = fmaf(d, w[p][r][k], acc[k]);
+                        for (int j = 0; j < VP_V; ++j) {
+                            if (b[j] == VP_NONE) continue;
+                            float acc[VP_K];
+#pragma unroll
+                            for (int k = 0; k < VP_K; ++k) acc[k] = 0.0f;
+#pragma unroll
+                            for (int p = 0; p < VP_P; ++p) {
+                                if (pm[p] != arg) continue;
+#pragma unroll
+                                for (int r = 0; r < VP_R; ++r)
+#pragma unroll
+                                    for (int k = 0; k < VP_K; ++k) acc[k] = fmaf(d[p][r][j], w[p][r][k], acc[k]);
                             }
-                        }
 #pragma unroll
-                        for (int k = 0; k < VP_K; ++k) {
-                            const unsigned col = lane + VP_WARP * k;
-                            if (col < cols) atomicAdd(pool + b + col, acc[k]);
+                            for (int k = 0; k < VP_K; ++k) {
+                                const unsigned col = lane + VP_WARP * k;
+                                if (col < cols) atomicAdd(pool + b[j] + col, acc[k]);
+                            }
                         }
                     } else {
 #if VP_GRADS
                         // (dy, x): G[row, :] += dy[row] * x
-                        float xr[VP_K];
+                        float xr[VP_V][VP_K];
+                        float d[VP_P][VP_R][VP_V];
 #pragma unroll
-                        for (int k = 0; k < VP_K; ++k) {
-                            const unsigned col = lane + VP_WARP * k;
-                            xr[k] = col < cols ? pool[b + col] : 0.0f;
-                        }
+                        for (int j = 0; j < VP_V; ++j)
+#pragma unroll
+                            for (int k = 0; k < VP_K; ++k) {
+                                const unsigned col = lane + VP_WARP * k;
+                                xr[j][k] = (b[j] != VP_NONE && col < cols) ? pool[b[j] + col] : 0.0f;
+                            }
+#pragma unroll
+                        for (int p = 0; p < VP_P; ++p)
+#pragma unroll
+                            for (int r = 0; r < VP_R; ++r)
+#pragma unroll
+                                for (int j = 0; j < VP_V; ++j) {
+                                    const unsigned row = prow[p] + r;
+                                    d[p][r][j] = (pm[p] == arg && row < rows && a[j] != VP_NONE) ? pool[a[j] + row] : 0.0f;
+                                }
 #pragma unroll
                         for (int p = 0; p < VP_P; ++p) {
                             if (pm[p] != arg) continue;
 #pragma unroll
-                            for (int r = 0; r < VP_R; ++r) {
-                                const unsigned row = prow[p] + r;
-                                const float d = row < rows ? pool[a + row] : 0.0f;
+                            for (int r = 0; r < VP_R; ++r)
 #pragma unroll
-                                for (int k = 0; k < VP_K; ++k) g[p][r][k] = fmaf(d, xr[k], g[p][r][k]);
-                            }
+                                for (int j = 0; j < VP_V; ++j)
+#pragma unroll
+                                    for (int k = 0; k < VP_K; ++k) g[p][r][k] = fmaf(d[p][r][j], xr[j][k], g[p][r][k]);
                         }
 #else
                         __trap();
@@ -527,6 +575,8 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
             default:
                 __trap();
             }
+            // the next instruction may read what this one wrote (chained work)
+            __syncthreads();
             at += len;
         }
         if (at == 0) __trap(); // a malformed script: no whole instruction in a round

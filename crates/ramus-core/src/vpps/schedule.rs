@@ -41,8 +41,6 @@
 //! checks every executed instruction against the task graph; tests use it as
 //! the oracle.
 
-use std::collections::HashMap;
-
 use super::regplan::RegisterPlan;
 use super::script::{
     encode_parts, preamble, Instr, PackedScripts, MAX_OPERANDS, OP_FIRST_ENGINE, OP_SIGNAL, OP_WAIT,
@@ -172,6 +170,17 @@ pub struct Scheduler {
     /// A `Holders` task adds `load × matrix_load_factor × rows_held /
     /// total_rows` (rounded up) to each holder's load.
     pub matrix_load_factor: u64,
+    /// Chain dependent work onto one processor: an `Any` task whose latest
+    /// dependencies all run on one VPP (as `Any` tasks) runs on that VPP in
+    /// the same level, right after them, instead of a level later behind a
+    /// barrier (the VPP's own instructions run in order; the kernel
+    /// separates instructions with a block barrier).
+    pub chain: bool,
+    /// Record which VPPs run each task and which tasks each VPP runs
+    /// ([`Schedule::task_vpps`], [`Schedule::vpp_tasks`]: what [`simulate`]
+    /// checks). Off, both stay empty — an engine does not need them, and at
+    /// a hundred holders per product they cost more than the scheduling.
+    pub record: bool,
 }
 
 /// The scripts for one batch and how they were made.
@@ -194,10 +203,17 @@ pub struct Schedule {
 
 /// Minimum-load lookup over VPPs: a tournament tree whose nodes hold the
 /// index of the least-loaded VPP below them (ties to the lower index).
+/// Cached-matrix work adds load to a hundred holders at once; those adds
+/// ([`MinLoad::add_lazy`]) only mark the leaves, and the tree catches up
+/// at a lookup when few are marked, else every [`MinLoad::FLUSH_EVERY`]
+/// lookups.
 struct MinLoad {
     size: usize,
     tree: Vec<u32>,
     loads: Vec<u64>,
+    dirty: Vec<bool>,
+    dirty_list: Vec<u32>,
+    lookups: u32,
 }
 
 impl MinLoad {
@@ -213,6 +229,9 @@ impl MinLoad {
             size,
             tree,
             loads: vec![0; n],
+            dirty: vec![false; n],
+            dirty_list: Vec::new(),
+            lookups: 0,
         };
         for k in (1..size).rev() {
             m.tree[k] = m.pick(m.tree[2 * k], m.tree[2 * k + 1]);
@@ -229,12 +248,44 @@ impl MinLoad {
         }
     }
 
-    fn argmin(&self) -> u32 {
+    /// Lookups between two catch-ups of lazily added load.
+    const FLUSH_EVERY: u32 = 16;
+
+    /// Fewer lazily added leaves than this are caught up at every lookup.
+    const FLUSH_SMALL: usize = 32;
+
+    fn argmin(&mut self) -> u32 {
+        self.lookups += 1;
+        if self.lookups >= Self::FLUSH_EVERY || self.dirty_list.len() <= Self::FLUSH_SMALL {
+            self.flush();
+        }
         self.tree[1]
+    }
+
+    /// Brings the tree up to date with every lazily added load.
+    fn flush(&mut self) {
+        self.lookups = 0;
+        while let Some(v) = self.dirty_list.pop() {
+            self.dirty[v as usize] = false;
+            self.update(v as usize);
+        }
     }
 
     fn add(&mut self, vpp: usize, amount: u64) {
         self.loads[vpp] = self.loads[vpp].saturating_add(amount);
+        self.update(vpp);
+    }
+
+    /// Adds load without updating the tree until the next catch-up.
+    fn add_lazy(&mut self, vpp: usize, amount: u64) {
+        self.loads[vpp] = self.loads[vpp].saturating_add(amount);
+        if !self.dirty[vpp] {
+            self.dirty[vpp] = true;
+            self.dirty_list.push(vpp as u32);
+        }
+    }
+
+    fn update(&mut self, vpp: usize) {
         let mut k = (self.size + vpp) / 2;
         while k >= 1 {
             self.tree[k] = self.pick(self.tree[2 * k], self.tree[2 * k + 1]);
@@ -262,6 +313,8 @@ impl Scheduler {
             holders,
             holder_rows,
             matrix_load_factor: DEFAULT_MATRIX_LOAD_FACTOR,
+            chain: true,
+            record: true,
         }
     }
 
@@ -273,6 +326,8 @@ impl Scheduler {
             holders: Vec::new(),
             holder_rows: Vec::new(),
             matrix_load_factor: DEFAULT_MATRIX_LOAD_FACTOR,
+            chain: true,
+            record: true,
         }
     }
 
@@ -325,8 +380,12 @@ impl Scheduler {
             return Err(CoreError::vpps(WHAT, "more than 2^32 tasks in one batch"));
         }
 
-        // Levels by longest dependency chain (dependencies point backwards).
+        // Levels by longest dependency chain (dependencies point backwards),
+        // with `Any` tasks placed on the least-loaded VPP as they come, or
+        // chained onto the one VPP their latest dependencies ran on.
         let mut task_levels: Vec<u32> = Vec::with_capacity(n);
+        let mut any_vpp: Vec<u32> = vec![u32::MAX; n];
+        let mut loads = MinLoad::new(self.vpps);
         let mut levels = 0usize;
         for (i, t) in g.tasks.iter().enumerate() {
             check_task(i, t)?;
@@ -342,12 +401,58 @@ impl Scheduler {
                     ));
                 }
             }
-            let level = t
-                .deps
-                .iter()
-                .map(|&d| task_levels[d as usize] + 1)
-                .max()
-                .unwrap_or(0);
+            let latest = t.deps.iter().map(|&d| task_levels[d as usize]).max();
+            let chained = match (t.placement, latest) {
+                (Placement::Any, Some(l)) if self.chain => {
+                    let mut on = t
+                        .deps
+                        .iter()
+                        .filter(|&&d| task_levels[d as usize] == l)
+                        .map(|&d| any_vpp[d as usize]);
+                    let first = on.next();
+                    first
+                        .filter(|&v| v != u32::MAX && on.all(|w| w == v))
+                        .map(|v| (l, v))
+                }
+                _ => None,
+            };
+            let level = match chained {
+                Some((l, v)) => {
+                    any_vpp[i] = v;
+                    l
+                }
+                None => {
+                    if t.placement == Placement::Any {
+                        any_vpp[i] = loads.argmin();
+                    }
+                    latest.map_or(0, |l| l + 1)
+                }
+            };
+            match t.placement {
+                Placement::Any => loads.add(any_vpp[i] as usize, t.load),
+                Placement::Every => {
+                    for v in 0..self.vpps {
+                        loads.add_lazy(v, t.load);
+                    }
+                }
+                Placement::Holders { matrix } => {
+                    let m = usize::from(matrix);
+                    // load × factor × rows / total, rounded up (u64 unless it
+                    // would overflow)
+                    let scaled = t.load.saturating_mul(self.matrix_load_factor);
+                    for (&h, &rows) in self.holders[m].iter().zip(&self.holder_rows[m]) {
+                        let share = match scaled.checked_mul(rows) {
+                            Some(x) => x.div_ceil(totals[m]),
+                            None => u64::try_from(
+                                (u128::from(scaled) * u128::from(rows))
+                                    .div_ceil(u128::from(totals[m])),
+                            )
+                            .unwrap_or(u64::MAX),
+                        };
+                        loads.add_lazy(h as usize, share);
+                    }
+                }
+            }
             levels = levels.max(level as usize + 1);
             task_levels.push(level);
         }
@@ -380,13 +485,14 @@ impl Scheduler {
         let vpps = self.vpps;
         let mut scripts: Vec<Vec<u32>> = vec![Vec::new(); vpps];
         let mut level_words: Vec<Vec<u32>> = vec![Vec::new(); vpps];
-        let mut vpp_tasks: Vec<Vec<u32>> = vec![Vec::new(); vpps];
-        let mut task_vpps: Vec<Vec<u32>> = vec![Vec::new(); n];
+        let record = self.record;
+        let mut vpp_tasks: Vec<Vec<u32>> = vec![Vec::new(); if record { vpps } else { 0 }];
+        let mut task_vpps: Vec<Vec<u32>> = vec![Vec::new(); if record { n } else { 0 }];
         let mut pool: Vec<u32> = Vec::new();
         let mut barrier_expect: Vec<u32> = Vec::with_capacity(levels.saturating_sub(1));
-        let mut loads = MinLoad::new(vpps);
         let every: Vec<u32> = (0..vpps as u32).collect();
-        let mut group_of: HashMap<(u8, u16, u16), usize> = HashMap::new();
+        // (op, arg, matrix) of each merged group of the level (few: a scan)
+        let mut group_of: Vec<(u8, u16, u16)> = Vec::new();
         let mut groups: Vec<Vec<u32>> = Vec::new();
 
         for l in 0..levels {
@@ -398,11 +504,15 @@ impl Scheduler {
             for &t in level_tasks {
                 let task = &g.tasks[t as usize];
                 if let Placement::Holders { matrix } = task.placement {
-                    let next = groups.len();
-                    let at = *group_of.entry((task.op, task.arg, matrix)).or_insert(next);
-                    if at == next {
-                        groups.push(Vec::new());
-                    }
+                    let key = (task.op, task.arg, matrix);
+                    let at = match group_of.iter().position(|&k| k == key) {
+                        Some(at) => at,
+                        None => {
+                            group_of.push(key);
+                            groups.push(Vec::new());
+                            groups.len() - 1
+                        }
+                    };
                     groups[at].push(t);
                 }
             }
@@ -414,7 +524,6 @@ impl Scheduler {
                 let m = usize::from(matrix);
                 let width = first.operands.len();
                 let offset = pool.len();
-                let mut load = 0u128;
                 for &t in group {
                     let task = &g.tasks[t as usize];
                     if task.operands.len() != width {
@@ -431,23 +540,21 @@ impl Scheduler {
                         ));
                     }
                     pool.extend_from_slice(&task.operands);
-                    load += u128::from(task.load);
                 }
                 let offset = u32::try_from(offset)
                     .map_err(|_| CoreError::vpps(WHAT, "operand pool exceeds 32-bit offsets"))?;
                 let operands = [group.len() as u32, offset];
-                let scaled = load.saturating_mul(u128::from(self.matrix_load_factor));
-                for (&h, &rows) in self.holders[m].iter().zip(&self.holder_rows[m]) {
+                for &h in &self.holders[m] {
                     let h = h as usize;
                     encode_parts(first.op, first.arg, &operands, &mut level_words[h])?;
-                    vpp_tasks[h].extend_from_slice(group);
-                    let share = scaled
-                        .saturating_mul(u128::from(rows))
-                        .div_ceil(u128::from(totals[m]));
-                    loads.add(h, u64::try_from(share).unwrap_or(u64::MAX));
+                    if record {
+                        vpp_tasks[h].extend_from_slice(group);
+                    }
                 }
-                for &t in group {
-                    task_vpps[t as usize] = self.holders[m].clone();
+                if record {
+                    for &t in group {
+                        task_vpps[t as usize] = self.holders[m].clone();
+                    }
                 }
             }
 
@@ -459,18 +566,22 @@ impl Scheduler {
                     Placement::Every => {
                         for v in 0..vpps {
                             encode_parts(task.op, task.arg, &task.operands, &mut level_words[v])?;
-                            vpp_tasks[v].push(t);
-                            loads.add(v, task.load);
+                            if record {
+                                vpp_tasks[v].push(t);
+                            }
                         }
-                        task_vpps[t as usize] = every.clone();
+                        if record {
+                            task_vpps[t as usize] = every.clone();
+                        }
                     }
                     Placement::Any => {
-                        let v = loads.argmin();
+                        let v = any_vpp[t as usize];
                         let vu = v as usize;
                         encode_parts(task.op, task.arg, &task.operands, &mut level_words[vu])?;
-                        vpp_tasks[vu].push(t);
-                        loads.add(vu, task.load);
-                        task_vpps[t as usize] = vec![v];
+                        if record {
+                            vpp_tasks[vu].push(t);
+                            task_vpps[t as usize] = vec![v];
+                        }
                     }
                 }
             }
@@ -769,6 +880,8 @@ mod tests {
             holders: vec![vec![0, 1, 2, 3], vec![1, 2]],
             holder_rows: vec![vec![8; 4], vec![8; 2]],
             matrix_load_factor: 1,
+            chain: false,
+            record: true,
         }
     }
 
@@ -944,11 +1057,18 @@ mod tests {
             }
             g
         };
-        let s = Scheduler::with_vpps(2).schedule(&chain(65536)).unwrap();
+        let mut unchained = Scheduler::with_vpps(2);
+        unchained.chain = false;
+        let s = unchained.schedule(&chain(65536)).unwrap();
         assert_eq!(s.packed.barriers, MAX_BARRIERS);
         assert_eq!(s.packed.barrier_expect(65534), Some(1));
-        let err = Scheduler::with_vpps(2).schedule(&chain(65537)).unwrap_err();
+        let err = unchained.schedule(&chain(65537)).unwrap_err();
         assert!(err.to_string().contains("65537 levels"), "{err}");
+        // chained, the same dependency chain is one processor's one level
+        let s = Scheduler::with_vpps(2).schedule(&chain(65537)).unwrap();
+        assert_eq!((s.levels, s.packed.barriers), (1, 0));
+        assert!(s.task_vpps.iter().all(|v| v == &s.task_vpps[0]));
+        assert_eq!(simulate(&s, &chain(65537)).unwrap().len(), 65537);
     }
 
     #[test]

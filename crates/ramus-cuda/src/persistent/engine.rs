@@ -51,7 +51,7 @@ pub struct PersistentOptions {
 /// What one training batch did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PersistentStep {
-    /// Mean loss over the batch's head rows.
+    /// Mean loss over the batch's head rows (NaN until the batch is back).
     pub loss: f64,
     /// Host seconds to schedule, lower and encode the batch.
     pub host_seconds: f64,
@@ -72,7 +72,15 @@ pub struct PersistentEngine {
     steps: u64,
     buffer: PoolBuffer<f32>,
     barriers: PoolBuffer<u32>,
-    staging: PinnedBuffer,
+    /// Host staging for batch uploads, double-buffered: the host fills one
+    /// while the other's copy (and the kernel behind it) may still run.
+    staging: [PinnedBuffer; 2],
+    /// Where each slot's loss is copied back.
+    losses: [PinnedBuffer; 2],
+    /// The slot the next batch uses.
+    slot: usize,
+    /// A submitted batch whose loss has not been read: its slot and step.
+    pending: Option<(usize, PersistentStep)>,
     rng: ChaCha8Rng,
     fingerprint: Vec<usize>,
     setup_seconds: f64,
@@ -130,7 +138,8 @@ impl PersistentEngine {
             })
             .collect();
         let pool = DevicePool::new(&device, PoolConfig::default());
-        let scheduler = Scheduler::new(&register_plan);
+        let mut scheduler = Scheduler::new(&register_plan);
+        scheduler.record = false;
         let kernel = PersistentKernel::build(
             &device,
             &cache,
@@ -150,18 +159,19 @@ impl PersistentEngine {
         // parameters, zero gradients and moments, then room for batches
         let capacity = prog.params.total + (16 << 20);
         let buffer = pool.alloc::<f32>(capacity)?;
-        let mut staging = PinnedBuffer::new(&device)?;
+        let mut staging = [PinnedBuffer::new(&device)?, PinnedBuffer::new(&device)?];
         {
-            let host = staging.host_mut::<f32>(prog.params.total)?;
+            let host = staging[0].host_mut::<f32>(prog.params.total)?;
             host.iter_mut().for_each(|x| *x = 0.0);
             for (p, t) in params.values.iter().enumerate() {
                 let at = prog.params.value[p];
                 host[at..at + t.data().len()].copy_from_slice(t.data());
             }
         }
-        staging.upload(buffer.view().slice(0..prog.params.total)?, device.stream())?;
+        staging[0].upload(buffer.view().slice(0..prog.params.total)?, device.stream())?;
         let barriers = pool.alloc::<u32>(1024)?;
-        staging.wait()?;
+        staging[0].wait()?;
+        let losses = [PinnedBuffer::new(&device)?, PinnedBuffer::new(&device)?];
         Ok(PersistentEngine {
             device,
             _cache: cache,
@@ -174,6 +184,9 @@ impl PersistentEngine {
             buffer,
             barriers,
             staging,
+            losses,
+            slot: 0,
+            pending: None,
             rng: ChaCha8Rng::seed_from_u64(0),
             fingerprint: crate::program::fingerprint(model),
             setup_seconds: started.elapsed().as_secs_f64(),
@@ -202,11 +215,27 @@ impl PersistentEngine {
     }
 
     /// Trains on one batch: forward, backward and the optimizer step in one
-    /// kernel launch. Returns once the loss is back.
+    /// kernel launch. Returns once this batch's loss is back (see
+    /// [`submit`](Self::submit) for the overlapped form).
     pub fn train_batch(&mut self, model: &Model, graphs: &[&InputGraph]) -> Result<PersistentStep> {
+        self.submit(model, graphs)?;
+        self.latest()?
+            .ok_or_else(|| model_err("the submitted batch has no loss"))
+    }
+
+    /// VPPS' training call: prepares and enqueues one batch (forward,
+    /// backward and update in one launch) and returns the *previous*
+    /// batch's step, if one was pending — so the host prepares batch `t +
+    /// 1` while the device runs batch `t`. [`latest`](Self::latest) waits
+    /// for the last one.
+    pub fn submit(
+        &mut self,
+        model: &Model,
+        graphs: &[&InputGraph],
+    ) -> Result<Option<PersistentStep>> {
         if crate::program::fingerprint(model) != self.fingerprint {
             return Err(model_err(
-                "train_batch got a different model than the engine was set up for",
+                "the batch is for a different model than the engine was set up for",
             ));
         }
         if graphs.is_empty() {
@@ -234,9 +263,12 @@ impl PersistentEngine {
         }
         let stream = self.device.stream().clone();
         let view = self.buffer.view();
+        let slot = self.slot;
+        self.slot ^= 1;
         {
+            // waits for this slot's previous upload to have been copied
             let upload_len = needed - batch.upload_at;
-            let host = self.staging.host_mut::<f32>(upload_len)?;
+            let host = self.staging[slot].host_mut::<f32>(upload_len)?;
             for (d, &w) in host
                 .iter_mut()
                 .zip(batch.upload.iter().chain(&packed.words))
@@ -244,8 +276,7 @@ impl PersistentEngine {
                 *d = f32::from_bits(w);
             }
         }
-        self.staging
-            .upload(view.slice(batch.upload_at..needed)?, &stream)?;
+        self.staging[slot].upload(view.slice(batch.upload_at..needed)?, &stream)?;
         view.slice(batch.zeroed.clone())?.fill_zero(&stream)?;
         self.steps += 1;
         let c = &self.optimizer;
@@ -263,14 +294,34 @@ impl PersistentEngine {
         let script: DeviceView<u32> = view.slice(script_at..needed)?.reinterpret();
         self.kernel
             .launch(view, script, packed, self.barriers.view(), &scalars)?;
-        let loss = self
-            .staging
-            .download_to_vec(view.slice(batch.loss_at..batch.loss_at + 1)?, &stream)?;
-        Ok(PersistentStep {
-            loss: f64::from(loss[0]),
+        self.losses[slot].download(view.slice(batch.loss_at..batch.loss_at + 1)?, &stream)?;
+        let step = PersistentStep {
+            loss: f64::NAN,
             host_seconds,
             tasks: batch.graph.len(),
             levels: scripts.levels,
+        };
+        let previous = self.pending.replace((slot, step));
+        previous
+            .map(|(s, step)| self.read_loss(s, step))
+            .transpose()
+    }
+
+    /// Waits for the last submitted batch and returns its step (its loss
+    /// included); `None` if every submitted batch was already returned.
+    pub fn latest(&mut self) -> Result<Option<PersistentStep>> {
+        match self.pending.take() {
+            Some((slot, step)) => self.read_loss(slot, step).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// `step` with the loss its slot's copy brought back (waits for it).
+    fn read_loss(&self, slot: usize, step: PersistentStep) -> Result<PersistentStep> {
+        let loss = self.losses[slot].host::<f32>(1)?;
+        Ok(PersistentStep {
+            loss: f64::from(loss[0]),
+            ..step
         })
     }
 
@@ -281,13 +332,11 @@ impl PersistentEngine {
         }
         let stream = self.device.stream().clone();
         let total = self.prog.params.total;
-        let kept = self
-            .staging
+        let kept = self.staging[self.slot]
             .download_to_vec(self.buffer.view().slice(0..total)?, &stream)?;
         let bigger = self.pool.alloc::<f32>(floats.next_power_of_two())?;
-        self.staging
-            .upload_slice(&kept, bigger.view().slice(0..total)?, &stream)?;
-        self.staging.wait()?;
+        self.staging[self.slot].upload_slice(&kept, bigger.view().slice(0..total)?, &stream)?;
+        self.staging[self.slot].wait()?;
         self.buffer = bigger;
         Ok(())
     }
@@ -296,8 +345,7 @@ impl PersistentEngine {
     pub fn params(&mut self, model: &Model) -> Result<Params<f32>> {
         let stream = self.device.stream().clone();
         let total = self.prog.params.total;
-        let all = self
-            .staging
+        let all = self.staging[self.slot]
             .download_to_vec(self.buffer.view().slice(0..total)?, &stream)?;
         let values = model
             .params

@@ -45,6 +45,17 @@ impl GraphKey {
         }
     }
 
+    /// Position of the graph in per-graph tables of a model with
+    /// `functions` vertex functions: `F`s, `∂F`s, the head, its backward.
+    pub fn index(self, functions: usize) -> usize {
+        match self {
+            GraphKey::Forward(f) => f,
+            GraphKey::Backward(f) => functions + f,
+            GraphKey::HeadForward => 2 * functions,
+            GraphKey::HeadBackward => 2 * functions + 1,
+        }
+    }
+
     /// The forward graph a backward graph's `Forward(m)` inputs name.
     pub fn forward_of(self) -> Option<GraphKey> {
         match self {
@@ -71,9 +82,12 @@ pub(crate) struct ParamLayout {
 
 /// Everything the persistent engine derives from the model once.
 pub(crate) struct PersistentProgram {
-    pub plans: HashMap<GraphKey, PlannedGraph>,
-    /// Case of each fused step: `(graph, phase, step index)`.
-    pub cases: HashMap<(GraphKey, usize, usize), u16>,
+    /// Vertex functions of the model (sizes the per-graph tables).
+    pub functions: usize,
+    /// Plans by [`GraphKey::index`].
+    plans: Vec<PlannedGraph>,
+    /// Case of each fused step, by graph index, phase and step index.
+    cases: Vec<Vec<Vec<Option<u16>>>>,
     /// The cases' CUDA source (one `case` block each).
     pub fused_source: String,
     /// Per parameter: its register-cached matrix, if it is one.
@@ -142,13 +156,26 @@ impl PersistentProgram {
             )?,
         );
 
+        let n = model.functions.len();
+        let mut keyed: Vec<(usize, PlannedGraph)> =
+            plans.into_iter().map(|(k, p)| (k.index(n), p)).collect();
+        keyed.sort_by_key(|(i, _)| *i);
+        let plans: Vec<PlannedGraph> = keyed.into_iter().map(|(_, p)| p).collect();
         // one case per distinct group body
-        let mut cases = HashMap::new();
+        let mut cases: Vec<Vec<Vec<Option<u16>>>> = plans
+            .iter()
+            .map(|p| {
+                p.phases
+                    .iter()
+                    .map(|ph| vec![None; ph.steps.len()])
+                    .collect()
+            })
+            .collect();
         let mut bodies: HashMap<String, u16> = HashMap::new();
         let mut fused_source = String::new();
         for key in graph_keys(model) {
             let g = key.graph(model);
-            for (phase, plan) in plans[&key].phases.iter().enumerate() {
+            for (phase, plan) in plans[key.index(n)].phases.iter().enumerate() {
                 for (i, step) in plan.steps.iter().enumerate() {
                     let Step::Fused(group) = step else { continue };
                     let body = group.persistent_case(g, 0)?;
@@ -161,7 +188,7 @@ impl PersistentProgram {
                     if case == next {
                         fused_source += &group.persistent_case(g, usize::from(case))?;
                     }
-                    cases.insert((key, phase, i), case);
+                    cases[key.index(n)][phase][i] = Some(case);
                 }
             }
         }
@@ -188,6 +215,7 @@ impl PersistentProgram {
         }
         params.total = at;
         Ok(PersistentProgram {
+            functions: n,
             plans,
             cases,
             fused_source,
@@ -200,7 +228,19 @@ impl PersistentProgram {
 
     /// The plan of graph `key`.
     pub fn plan(&self, key: GraphKey) -> &PlannedGraph {
-        &self.plans[&key]
+        &self.plans[key.index(self.functions)]
+    }
+
+    /// The case of fused step `step` of phase `phase` of graph `key`.
+    pub fn case(&self, key: GraphKey, phase: usize, step: usize) -> Result<u16> {
+        self.cases[key.index(self.functions)]
+            .get(phase)
+            .and_then(|p| p.get(step).copied().flatten())
+            .ok_or_else(|| {
+                unsupported(format!(
+                    "step {step} of phase {phase} of {key:?} is not a fused group"
+                ))
+            })
     }
 }
 

@@ -131,8 +131,8 @@ struct Unroller<'a> {
     prog: &'a PersistentProgram,
     s: &'a Schedule,
     head_vertices: Vec<u32>,
-    /// Per graph: the buffer of each node.
-    bufs: HashMap<GraphKey, Vec<Option<(Region, usize)>>>,
+    /// Per graph (by [`GraphKey::index`]): the buffer of each node.
+    bufs: Vec<Vec<Option<(Region, usize)>>>,
     sizes: [usize; 3],
     bases: [usize; 3],
     upload: Vec<u32>,
@@ -141,8 +141,9 @@ struct Unroller<'a> {
     push_src_at: usize,
     head_grad_dst_at: usize,
     update_rows: HashMap<usize, (usize, usize)>,
-    /// Producers per (graph, node), per row.
-    prod: HashMap<(GraphKey, NodeId), Vec<Vec<u32>>>,
+    /// Producers per graph (by index) and node, per row (allocated at
+    /// first use).
+    prod: Vec<Vec<Vec<Vec<u32>>>>,
     g: TaskGraph,
 }
 
@@ -222,7 +223,7 @@ impl<'a> Unroller<'a> {
         if let NodeKind::Param(p) = g.nodes[n].kind {
             return Ok((self.prog.params.value[p], width));
         }
-        match self.bufs[&key][n] {
+        match self.bufs[key.index(self.prog.functions)][n] {
             Some(b) => Ok((self.abs(b), width)),
             None => Err(err(format!(
                 "node %{n} of {key:?} ({}) has no buffer",
@@ -264,9 +265,11 @@ impl<'a> Unroller<'a> {
     fn producers(&mut self, key: GraphKey, n: NodeId) -> &mut Vec<Vec<u32>> {
         let (key, n) = self.resolve(key, n);
         let rows = self.rows(key, self.graph(key).nodes[n].ty.space);
-        self.prod
-            .entry((key, n))
-            .or_insert_with(|| vec![Vec::new(); rows.max(1)])
+        let slot = &mut self.prod[key.index(self.prog.functions)][n];
+        if slot.is_empty() {
+            *slot = vec![Vec::new(); rows.max(1)];
+        }
+        slot
     }
 
     fn deps_of(&mut self, key: GraphKey, n: NodeId, lo: usize, hi: usize, out: &mut Vec<u32>) {
@@ -352,7 +355,8 @@ impl<'a> Unroller<'a> {
                     }
                 };
             }
-            self.bufs.insert(key, bufs);
+            self.prod[key.index(self.prog.functions)] = vec![Vec::new(); bufs.len()];
+            self.bufs[key.index(self.prog.functions)] = bufs;
         }
         // upload placeholders for buffers the host fills
         self.upload = vec![0; self.sizes[2]];
@@ -586,7 +590,7 @@ impl<'a> Unroller<'a> {
         for (i, step) in plan.phases[phase].steps.iter().enumerate() {
             match step {
                 Step::Fused(group) => {
-                    let case = self.prog.cases[&(key, phase, i)];
+                    let case = self.prog.case(key, phase, i)?;
                     self.fused(key, group, case, r)?;
                 }
                 Step::Op(n) => self.op(key, *n, r)?,
@@ -1368,7 +1372,7 @@ pub(crate) fn unroll_batch(
         prog,
         s,
         head_vertices,
-        bufs: HashMap::new(),
+        bufs: vec![Vec::new(); 2 * prog.functions + 2],
         sizes: [0; 3],
         bases: [0; 3],
         upload: Vec::new(),
@@ -1377,7 +1381,7 @@ pub(crate) fn unroll_batch(
         push_src_at: 0,
         head_grad_dst_at: 0,
         update_rows: HashMap::new(),
-        prod: HashMap::new(),
+        prod: vec![Vec::new(); 2 * prog.functions + 2],
         g: TaskGraph::new(),
     };
     u.allocate()?;
@@ -1401,7 +1405,8 @@ pub(crate) fn unroll_batch(
         .position(|o| o.role == Role::Loss)
     {
         if let Some(n) = model.head.backward.input_node(Source::OutputGrad(i)) {
-            let (_, at) = u.bufs[&seed_key][n].ok_or_else(|| err("no loss seed buffer"))?;
+            let (_, at) = u.bufs[seed_key.index(prog.functions)][n]
+                .ok_or_else(|| err("no loss seed buffer"))?;
             u.upload[at] = 1f32.to_bits();
         }
     }
@@ -1414,7 +1419,8 @@ pub(crate) fn unroll_batch(
         for (n, node) in g.nodes.iter().enumerate() {
             if let NodeKind::Input(Source::DropoutMask { rate, .. }) = node.kind {
                 let len = u.rows(key, node.ty.space) * node.ty.width();
-                let (_, at) = u.bufs[&key][n].ok_or_else(|| err("no mask buffer"))?;
+                let (_, at) =
+                    u.bufs[key.index(prog.functions)][n].ok_or_else(|| err("no mask buffer"))?;
                 let mut mask = vec![0f32; len];
                 fill_dropout_mask(&mut mask, rate, true, rng);
                 for (d, m) in u.upload[at..at + len].iter_mut().zip(mask) {
@@ -1559,6 +1565,73 @@ mod tests {
         match unroll_batch(&model, &prog, &s, &mut rng) {
             Err(e) => assert!(e.to_string().contains("token id 42"), "wrong error: {e}"),
             Ok(_) => panic!("a token outside the table was accepted"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    use super::*;
+    use ramus_core::vpps::{plan, DeviceLimits, PlanRequest, Scheduler};
+    use ramus_graph::random::random_tree;
+    use ramus_graph::InputGraph;
+    use ramus_nn::{build_model_with, ModelConfig, ModelOptions};
+    use rand::SeedableRng;
+
+    /// Host cost of lowering and scheduling a batch (`cargo test --release
+    /// -p ramus-cuda host_cost -- --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn host_cost() {
+        let cfg = ModelConfig {
+            vocab: 2000,
+            hidden: 256,
+            classes: 5,
+        };
+        let model = build_model_with("treelstm", &cfg, &ModelOptions::default()).expect("model");
+        let prog = PersistentProgram::build(&model).expect("program");
+        let rp = plan(
+            &prog.matrices,
+            &DeviceLimits::hopper(132),
+            &PlanRequest::new(1),
+        )
+        .expect("plan");
+        let mut scheduler = Scheduler::new(&rp);
+        scheduler.record = false;
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        for bs in [1usize, 8, 128] {
+            let graphs: Vec<InputGraph> = (0..bs)
+                .map(|_| random_tree(&mut rng, 19, &[2], 2000, 5).expect("tree"))
+                .collect();
+            let refs: Vec<&InputGraph> = graphs.iter().collect();
+            let reps = 20;
+            let t0 = std::time::Instant::now();
+            let (mut tasks, mut levels) = (0, 0);
+            let (mut t_sched, mut t_unroll, mut t_scripts) = (0.0, 0.0, 0.0);
+            for _ in 0..reps {
+                let a = std::time::Instant::now();
+                let s = Schedule::build(&refs, ramus_graph::BatchingPolicy::Cavs, 2, |k| {
+                    model.selector.select(k)
+                })
+                .expect("schedule");
+                let b = std::time::Instant::now();
+                let batch = unroll_batch(&model, &prog, &s, &mut rng).expect("lowered");
+                let c = std::time::Instant::now();
+                let sc = scheduler.schedule(&batch.graph).expect("scripts");
+                let d = std::time::Instant::now();
+                tasks = batch.graph.len();
+                levels = sc.levels;
+                t_sched += (b - a).as_secs_f64();
+                t_unroll += (c - b).as_secs_f64();
+                t_scripts += (d - c).as_secs_f64();
+            }
+            let total = t0.elapsed().as_secs_f64() / reps as f64 * 1e3;
+            println!(
+                "bs {bs}: {tasks} tasks, {levels} levels, {total:.3} ms (schedule {:.3}, lower {:.3}, scripts {:.3})",
+                t_sched / reps as f64 * 1e3,
+                t_unroll / reps as f64 * 1e3,
+                t_scripts / reps as f64 * 1e3
+            );
         }
     }
 }

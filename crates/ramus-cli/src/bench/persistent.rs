@@ -1,0 +1,76 @@
+//! `ramus bench --engine persistent`: training throughput of the persistent
+//! (VPPS) engine per batch size, against the batched CUDA engine on the
+//! same batches in the same process (and the PyTorch anchor with
+//! `--anchor`).
+
+use ramus_core::{Grads, Model, Params};
+use ramus_cpu::Batch;
+use ramus_cuda::persistent::{PersistentEngine, PersistentOptions};
+use ramus_graph::{BatchingPolicy, InputGraph};
+use ramus_nn::{Engine, Optimizer, OptimizerConfig, OptimizerKind};
+
+use super::{median_time, run_anchor, AnyResult, BenchArgs};
+use crate::device::{cuda_engine, Device};
+
+pub fn run(
+    a: &BenchArgs,
+    model: &Model,
+    params: &Params<f32>,
+    trees: &[InputGraph],
+    sizes: &[usize],
+) -> AnyResult {
+    if a.device != Device::Cuda {
+        return Err("--engine persistent runs on --device cuda".into());
+    }
+    let config = OptimizerConfig::new(OptimizerKind::Sgd, 0.05);
+    let options = PersistentOptions {
+        rpw: a.rpw,
+        ..PersistentOptions::default()
+    };
+    let mut persistent = PersistentEngine::new(model, params, config, &options)?;
+    let plan = persistent.register_plan();
+    let report = persistent.kernel_report();
+    println!(
+        "{}",
+        serde_json::json!({
+            "setup": "persistent", "setup_s": (persistent.setup_seconds() * 1e3).round() / 1e3,
+            "ctas": plan.ctas, "ctas_per_sm": plan.ctas_per_sm, "rpw": plan.rpw,
+            "partitions": plan.partitions, "grads_in_registers": plan.grads_in_registers,
+            "registers_per_thread": report.registers_per_thread,
+        })
+    );
+    let mut batched = cuda_engine(model, a.device_memory_budget)?;
+    let mut batched_params = params.clone();
+    let mut opt = Optimizer::new(config, params);
+    let mut grads = Grads::zeros(model);
+    let mut results = Vec::new();
+    for &bs in sizes {
+        let batch: Vec<&InputGraph> = trees[..bs].iter().collect();
+        let nodes: usize = batch.iter().map(|g| g.len()).sum();
+        let mut last = None;
+        let train = median_time(a.reps, || {
+            last = Some(persistent.train_batch(model, &batch)?);
+            Ok(())
+        })?;
+        let batched_train = median_time(a.reps, || {
+            let b = Batch::new(model, batch.clone(), BatchingPolicy::Cavs)?;
+            batched.train_step(model, &mut batched_params, &mut grads, &mut opt, &b)?;
+            Ok(())
+        })?;
+        let step = last.ok_or("no step ran")?;
+        let per_s = |t: f64| ((bs as f64 / t) * 10.0).round() / 10.0;
+        let line = serde_json::json!({
+            "system": "ramus", "engine": "persistent", "hidden": a.hidden, "batch": bs, "nodes": nodes,
+            "train_ms": (train * 1e6).round() / 1e3, "train_sent_per_s": per_s(train),
+            "batched_train_sent_per_s": per_s(batched_train),
+            "speedup_vs_batched": ((batched_train / train) * 100.0).round() / 100.0,
+            "host_ms": (step.host_seconds * 1e6).round() / 1e3, "tasks": step.tasks, "levels": step.levels,
+        });
+        println!("{line}");
+        results.push(line);
+    }
+    if let Some(anchor) = &a.anchor {
+        run_anchor(a, anchor, &results)?;
+    }
+    Ok(())
+}
