@@ -38,9 +38,9 @@ pub struct Batch<'a> {
 impl<'a> Batch<'a> {
     /// Schedules `graphs` for `model` under `policy`.
     pub fn new(model: &Model, graphs: Vec<&'a InputGraph>, policy: BatchingPolicy) -> Result<Self> {
-        let selector = model.selector;
-        let schedule = Schedule::build(&graphs, policy, model.functions.len(), |k| {
-            selector.select(k)
+        let selector = &model.selector;
+        let schedule = Schedule::build(&graphs, policy, model.functions.len(), |kind, k| {
+            selector.select(kind, k)
         })?;
         Ok(Batch { graphs, schedule })
     }
