@@ -71,11 +71,10 @@ pub fn parse_tagged(text: &str, file_name: &str) -> Result<Vec<TaggedSentence>, 
             words: Vec::new(),
             tags: Vec::new(),
         };
-        let mut column = 1;
         let mut token = String::new();
         let mut token_column = 0;
         // walk characters so that columns count characters, not bytes
-        for c in line.chars().chain(std::iter::once(' ')) {
+        for (column, c) in (1..).zip(line.chars().chain(std::iter::once(' '))) {
             if c.is_whitespace() {
                 if !token.is_empty() {
                     let (word, tag) = split_token(&token).map_err(|message| GraphError::Parse {
@@ -95,7 +94,6 @@ pub fn parse_tagged(text: &str, file_name: &str) -> Result<Vec<TaggedSentence>, 
                 }
                 token.push(c);
             }
-            column += 1;
         }
         if !s.words.is_empty() {
             out.push(s);

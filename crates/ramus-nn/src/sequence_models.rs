@@ -134,7 +134,7 @@ pub fn build_sequence_model(
     let mut model = match name {
         "bilstm-tagger" => bilstm_tagger(cfg, seq, p, false),
         "bilstm-char-tagger" => {
-            if cfg.hidden % 2 != 0 {
+            if !cfg.hidden.is_multiple_of(2) {
                 return Err(err(format!(
                     "the hidden size must be even (each character LSTM is hidden / 2 wide), got {}",
                     cfg.hidden
