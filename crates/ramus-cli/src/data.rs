@@ -1,11 +1,17 @@
 //! Loading data for the CLI: tree or sentence splits from a directory, or
 //! the built-in synthetic treebank when no directory is given; for the CNN
 //! models, the built-in synthetic images or a directory of image files
-//! ([`crate::image_dir`]).
+//! ([`crate::image_dir`]); for the taggers, tagged text (WikiNER) and for
+//! the time-delay networks, SST trees read as pyramids — both from the
+//! shared data folder when no `--data` is given ([`default_data`]).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use ramus_graph::images::{self, ImageSpec};
+use ramus_graph::sequence::pyramid_of_tree;
+use ramus_graph::tagged::{
+    read_tagged, split_tagged, TaggedSentence, TaggedSplits, TaggedVocab, RARE_BELOW, SPLIT_PERIOD,
+};
 use ramus_graph::{ptb, synthetic, text, InputGraph, Vocab, VocabMode};
 use ramus_nn::{DataKind, ImageShape};
 
@@ -24,15 +30,48 @@ pub struct Splits {
     pub class_names: Vec<String>,
     /// The image shape (images only).
     pub image: Option<ImageShape>,
+    /// The taggers' vocabularies (tagged text only).
+    pub tagged: Option<TaggedVocab>,
 }
 
 impl Splits {
     /// What the data holds besides its sizes, for the training log.
     pub fn describe(&self) -> String {
-        match self.image {
-            Some(shape) => format!("{shape} images, {} classes", self.classes),
-            None => format!("vocabulary {}", self.vocab.len()),
+        match (&self.image, &self.tagged) {
+            (Some(shape), _) => format!("{shape} images, {} classes", self.classes),
+            (None, Some(t)) => format!(
+                "vocabulary {}, {} tags, {} characters",
+                self.vocab.len(),
+                t.tags.len(),
+                t.chars.len()
+            ),
+            (None, None) => format!("vocabulary {}", self.vocab.len()),
         }
+    }
+
+    /// Size of the character vocabulary (0 without one).
+    pub fn chars(&self) -> usize {
+        self.tagged.as_ref().map_or(0, |t| t.chars.len())
+    }
+}
+
+/// `$RAMUS_DATA/<sub>`, else `../shared/data/<sub>` (beside the checkout,
+/// seen from the working directory): where the taggers and the time-delay
+/// networks find WikiNER and SST when no `--data` is given.
+pub fn default_data(sub: &str) -> AnyResult<PathBuf> {
+    let (root, how) = match std::env::var_os("RAMUS_DATA") {
+        Some(d) => (PathBuf::from(d), "$RAMUS_DATA"),
+        None => (PathBuf::from("../shared/data"), "the default"),
+    };
+    let path = root.join(sub);
+    if path.exists() {
+        Ok(path)
+    } else {
+        Err(format!(
+            "no --data given and {} ({how}) does not exist; pass --data or set RAMUS_DATA",
+            path.display()
+        )
+        .into())
     }
 }
 
@@ -42,8 +81,24 @@ type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 /// without a directory, generates the built-in treebank (images: the
 /// built-in synthetic images of the default shape and size).
 pub fn load_splits(dir: Option<&Path>, kind: DataKind) -> AnyResult<Splits> {
-    if kind == DataKind::Images {
-        return load_image_splits(dir, ImageShape::default(), DEFAULT_TRAIN_IMAGES);
+    match kind {
+        DataKind::Images => {
+            return load_image_splits(dir, ImageShape::default(), DEFAULT_TRAIN_IMAGES)
+        }
+        DataKind::Tagged { chars } => return load_tagged_splits(dir, chars),
+        DataKind::SentencePyramid => {
+            let dir = match dir {
+                Some(d) => d.to_path_buf(),
+                None => default_data("sst")?,
+            };
+            let mut s = load_splits(Some(&dir), DataKind::Trees)?;
+            for part in [&mut s.train, &mut s.dev, &mut s.test] {
+                *part = part.iter().map(pyramid_of_tree).collect::<Result<_, _>>()?;
+            }
+            s.source = format!("{} (time-delay pyramids over the leaves)", s.source);
+            return Ok(s);
+        }
+        DataKind::Trees | DataKind::Sentences => {}
     }
     let mut vocab = Vocab::new();
     let (source, train, dev, test) = match dir {
@@ -53,9 +108,7 @@ pub fn load_splits(dir: Option<&Path>, kind: DataKind) -> AnyResult<Splits> {
                 |lines: &[String], name: &str, mode: VocabMode<'_>| -> AnyResult<Vec<InputGraph>> {
                     Ok(match kind {
                         DataKind::Trees => ptb::parse_trees(&lines.join("\n"), name, mode)?,
-                        DataKind::Sentences | DataKind::Images => {
-                            text::parse_sentences(&sentences_of(lines)?, name, mode)?
-                        }
+                        _ => text::parse_sentences(&sentences_of(lines)?, name, mode)?,
                     })
                 };
             let train = parse(&tb.train, "<built-in train>", VocabMode::Grow(&mut vocab))?;
@@ -100,7 +153,7 @@ pub fn load_splits(dir: Option<&Path>, kind: DataKind) -> AnyResult<Splits> {
     }
     let classes = match kind {
         DataKind::Sentences | DataKind::Images => 0,
-        DataKind::Trees => {
+        _ => {
             train
                 .iter()
                 .flat_map(|g| g.labels.iter())
@@ -120,6 +173,89 @@ pub fn load_splits(dir: Option<&Path>, kind: DataKind) -> AnyResult<Splits> {
         classes,
         class_names: Vec::new(),
         image: None,
+        tagged: None,
+    })
+}
+
+/// Words seen fewer times than this in training are `<unk>` for the plain
+/// tagger (so that `<unk>` is trained).
+pub const PLAIN_TAGGER_MIN_COUNT: usize = 2;
+
+/// Tagged text: `dir/{train,dev,test}.txt` when `dir` holds a `train.txt`;
+/// else one file (`dir` itself, `dir/dev.txt` — the WikiNER file — or,
+/// without `dir`, the shared WikiNER) split by position (every tenth
+/// sentence to test, the one before it to dev: [`split_tagged`]). With
+/// `chars` the word vocabulary keeps the words seen at least
+/// [`RARE_BELOW`] times and rarer ones are spelled out; without, it keeps
+/// those seen [`PLAIN_TAGGER_MIN_COUNT`] times.
+pub fn load_tagged_splits(dir: Option<&Path>, chars: bool) -> AnyResult<Splits> {
+    let path = match dir {
+        Some(d) => d.to_path_buf(),
+        None => default_data("wikiner/dev.txt")?,
+    };
+    let (source, files, splits) = if path.join("train.txt").is_file() {
+        let read = |n: &str| -> AnyResult<(PathBuf, Vec<TaggedSentence>)> {
+            let p = path.join(n);
+            let s = read_tagged(&p)?;
+            Ok((p, s))
+        };
+        let (tr, train) = read("train.txt")?;
+        let (dv, dev) = read("dev.txt")?;
+        let (te, test) = read("test.txt")?;
+        (
+            path.display().to_string(),
+            [tr, dv, te].map(|p| p.display().to_string()),
+            TaggedSplits { train, dev, test },
+        )
+    } else {
+        let file = if path.is_dir() {
+            path.join("dev.txt")
+        } else {
+            path.clone()
+        };
+        if !file.is_file() {
+            return Err(format!(
+                "{}: no train.txt, and no tagged file to split",
+                path.display()
+            )
+            .into());
+        }
+        let name = file.display().to_string();
+        (
+            format!(
+                "{name} (split by position: sentence i to test when i % {SPLIT_PERIOD} = {}, to dev when {})",
+                SPLIT_PERIOD - 1,
+                SPLIT_PERIOD - 2
+            ),
+            [name.clone(), name.clone(), name],
+            split_tagged(read_tagged(&file)?),
+        )
+    };
+    if splits.train.is_empty() || splits.dev.is_empty() || splits.test.is_empty() {
+        return Err(format!(
+            "{source}: a split is empty (train {}, dev {}, test {})",
+            splits.train.len(),
+            splits.dev.len(),
+            splits.test.len()
+        )
+        .into());
+    }
+    let min_count = if chars {
+        RARE_BELOW
+    } else {
+        PLAIN_TAGGER_MIN_COUNT
+    };
+    let tv = TaggedVocab::build(&splits.train, min_count);
+    Ok(Splits {
+        source,
+        train: tv.graphs(&splits.train, &files[0], chars)?,
+        dev: tv.graphs(&splits.dev, &files[1], chars)?,
+        test: tv.graphs(&splits.test, &files[2], chars)?,
+        vocab: tv.words.clone(),
+        classes: tv.tags.len(),
+        class_names: tv.tags.clone(),
+        image: None,
+        tagged: Some(tv),
     })
 }
 
@@ -139,6 +275,7 @@ pub fn load_image_splits(dir: Option<&Path>, shape: ImageShape, train: usize) ->
             classes: class_names.len(),
             class_names,
             image: Some(shape),
+            tagged: None,
         });
     }
     let spec = ImageSpec {
@@ -167,22 +304,39 @@ pub fn load_image_splits(dir: Option<&Path>, shape: ImageShape, train: usize) ->
             .map(|s| s.to_string())
             .collect(),
         image: Some(shape),
+        tagged: None,
     })
 }
 
-/// Reads one file with a fixed vocabulary.
+/// Reads one file with a fixed vocabulary (trees, sentences or pyramids;
+/// tagged text with [`read_tagged_frozen`]).
 pub fn read_frozen(path: &Path, kind: DataKind, vocab: &Vocab) -> AnyResult<Vec<InputGraph>> {
     read_graphs(path, kind, VocabMode::Frozen(vocab))
 }
 
-/// Reads one file of trees or sentences (not images: see [`read_image_split`]).
+/// Reads one tagged-text file as tagger graphs with fixed vocabularies.
+pub fn read_tagged_frozen(
+    path: &Path,
+    vocab: &TaggedVocab,
+    chars: bool,
+) -> AnyResult<Vec<InputGraph>> {
+    let sentences = read_tagged(path)?;
+    Ok(vocab.graphs(&sentences, &path.display().to_string(), chars)?)
+}
+
+/// Reads one file of trees, sentences or pyramids (not images: see
+/// [`read_image_split`]; not tagged text: see [`read_tagged_frozen`]).
 fn read_graphs(path: &Path, kind: DataKind, mode: VocabMode<'_>) -> AnyResult<Vec<InputGraph>> {
     Ok(match kind {
         DataKind::Trees => ptb::read_trees(path, mode)?,
+        DataKind::SentencePyramid => ptb::read_trees(path, mode)?
+            .iter()
+            .map(pyramid_of_tree)
+            .collect::<Result<_, _>>()?,
         DataKind::Sentences => text::read_sentences(path, mode)?,
-        DataKind::Images => {
+        DataKind::Images | DataKind::Tagged { .. } => {
             return Err(format!(
-                "{}: images are read with their class names and shape (read_image_split)",
+                "{}: images and tagged text are read with their class names (read_image_split, read_tagged_frozen)",
                 path.display()
             )
             .into())

@@ -6,6 +6,7 @@ mod device;
 mod image_dir;
 mod infer;
 mod plan_memory;
+mod sequence;
 mod vision;
 
 use std::path::PathBuf;
@@ -15,12 +16,13 @@ use std::time::Instant;
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use ramus_core::{HeadRows, Params};
+use ramus_core::{HeadRows, Model, Params};
 use ramus_graph::BatchingPolicy;
 use ramus_nn::checkpoint;
 use ramus_nn::{
-    build_model, data_kind, DataKind, ModelConfig, ModelOptions, OptimizerConfig, OptimizerKind,
-    Trainer,
+    build_model_with, build_sequence_model, build_vision_model, data_kind, DataKind, EvalResult,
+    ModelConfig, ModelOptions, OptimizerConfig, OptimizerKind, SequenceConfig, Trainer,
+    VisionConfig,
 };
 
 #[derive(Parser)]
@@ -36,8 +38,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train a model (with no --data: the built-in synthetic treebank, or
-    /// synthetic images for the CNN models).
+    /// Train a model (with no --data: the built-in synthetic treebank,
+    /// synthetic images for the CNN models, WikiNER for the taggers and
+    /// SST for td-rnn / td-lstm from $RAMUS_DATA or ../shared/data).
     Train(TrainArgs),
     /// Evaluate a checkpoint on a data file.
     Eval(EvalArgs),
@@ -64,13 +67,17 @@ enum Command {
 struct TrainArgs {
     /// Directory with train.txt, dev.txt (or valid.txt) and test.txt; for
     /// the CNNs, train/, dev/ (or valid/) and test/ folders of class folders
-    /// of PNG or JPEG images.
+    /// of PNG or JPEG images; for the taggers also one tagged file (or a
+    /// directory with only dev.txt), split 80/10/10 by position.
     #[arg(long)]
     data: Option<PathBuf>,
     /// One of: treelstm (the reference child-sum model, root loss),
     /// treelstm-nary (binary Tree-LSTM, loss at every node), treefc, treegru
     /// (child-sum TreeGRU), dagrnn (DAG-RNN over children), lstm-lm;
-    /// CNNs on images: alexnet, vgg (vgg11, vgg13, vgg16, vgg19), resnet.
+    /// VPPS benchmarks: bilstm-tagger, bilstm-char-tagger (on tagged text),
+    /// td-rnn, td-lstm (time-delay pyramids over SST sentences), rvnn (SST
+    /// trees, root loss); CNNs on images: alexnet, vgg (vgg11, vgg13,
+    /// vgg16, vgg19), resnet.
     #[arg(long, default_value = "treelstm-nary")]
     model: String,
     /// Hidden size; for the CNNs the first stage's width (64 in the papers)
@@ -79,6 +86,8 @@ struct TrainArgs {
     hidden: Option<usize>,
     #[command(flatten)]
     vision: vision::VisionArgs,
+    #[command(flatten)]
+    sequence: sequence::SequenceArgs,
     #[arg(long, default_value_t = 5)]
     epochs: usize,
     #[arg(long, default_value_t = 25)]
@@ -121,8 +130,8 @@ struct TrainArgs {
 
 #[derive(clap::Args)]
 struct EvalArgs {
-    /// A file of trees (or sentences, for a language model), or a folder of
-    /// class folders of images for a CNN.
+    /// A file of trees (or sentences, for a language model; tagged text
+    /// for a tagger), or a folder of class folders of images for a CNN.
     #[arg(long)]
     data: PathBuf,
     #[arg(long)]
@@ -203,12 +212,18 @@ fn train(a: TrainArgs) -> AnyResult {
         classes: data.classes,
     };
     let opts = ModelOptions { dropout: a.dropout };
-    let mut model = vision::build(&a.model, &cfg, vision_cfg.as_ref(), &opts)?;
+    let seq_cfg = a.sequence.config(&a.model, data.chars())?;
+    let mut model = build(&a.model, &cfg, vision_cfg.as_ref(), seq_cfg.as_ref(), &opts)?;
     if !data.class_names.is_empty() {
         model.settings.insert(
             "class_names".into(),
             serde_json::to_string(&data.class_names)?,
         );
+    }
+    if let (DataKind::Tagged { chars: true }, Some(t)) = (kind, &data.tagged) {
+        model
+            .settings
+            .insert(sequence::CHAR_VOCAB_SETTING.into(), t.chars.to_json());
     }
     if let Some(at) = a.loss_at.as_deref() {
         model.head.rows = loss_rows(at).map_err(|e| format!("--loss-at {e}"))?;
@@ -264,22 +279,20 @@ fn train(a: TrainArgs) -> AnyResult {
             data.train.len() as f64 / secs,
             vision::unit(kind).0
         );
-        // keep the parameters of the epoch with the best dev root accuracy
-        if best
-            .as_ref()
-            .is_none_or(|(acc, _, _)| dev.root_accuracy > *acc)
-        {
-            best = Some((dev.root_accuracy, epoch, trainer.params.clone()));
+        // keep the parameters of the epoch with the best dev accuracy
+        let acc = selection_accuracy(kind, &dev);
+        if best.as_ref().is_none_or(|(best, _, _)| acc > *best) {
+            best = Some((acc, epoch, trainer.params.clone()));
         }
     }
     if let Some((acc, epoch, params)) = best {
         if epoch != a.epochs {
             println!(
                 "using the parameters of epoch {epoch} (best dev {}acc {:.2}%)",
-                if kind == DataKind::Images {
-                    ""
-                } else {
-                    "root "
+                match kind {
+                    DataKind::Images => "",
+                    DataKind::Tagged { .. } => "tag ",
+                    _ => "root ",
                 },
                 100.0 * acc
             );
@@ -300,6 +313,31 @@ fn train(a: TrainArgs) -> AnyResult {
         println!("saved {}", path.display());
     }
     Ok(())
+}
+
+/// The dev accuracy that picks the best epoch: per-token tag accuracy for
+/// the taggers, root (sentence / image) accuracy for the rest.
+fn selection_accuracy(kind: DataKind, r: &EvalResult) -> f64 {
+    match kind {
+        DataKind::Tagged { .. } => r.node_accuracy,
+        _ => r.root_accuracy,
+    }
+}
+
+/// Builds `name`: a CNN for `vision`, a sequence model for `seq`, else a
+/// zoo model.
+fn build(
+    name: &str,
+    cfg: &ModelConfig,
+    vision: Option<&VisionConfig>,
+    seq: Option<&SequenceConfig>,
+    opts: &ModelOptions,
+) -> ramus_core::Result<Model> {
+    match (vision, seq) {
+        (Some(v), _) => build_vision_model(name, cfg, v, opts),
+        (None, Some(s)) => build_sequence_model(name, cfg, s, opts),
+        (None, None) => build_model_with(name, cfg, opts),
+    }
 }
 
 /// The head rows `--loss-at` names: `root` or `all` (labelled) vertices.
@@ -352,10 +390,12 @@ pub(crate) fn load_checkpoint(path: &std::path::Path) -> AnyResult<Loaded> {
         ),
         _ => None,
     };
-    let mut model = vision::build(
+    let seq_cfg = sequence::from_settings(&info.model, &info.settings)?;
+    let mut model = build(
         &info.model,
         &cfg,
         vision_cfg.as_ref(),
+        seq_cfg.as_ref(),
         &ModelOptions::default(),
     )?;
     if let Some(at) = info.settings.get("loss_at") {
@@ -390,7 +430,13 @@ fn eval(a: EvalArgs) -> AnyResult {
                 .map_err(|e| format!("checkpoint setting `class_names`: {e}"))?;
             data::read_image_split(&a.data, &names, v.image)?
         }
-        None => data::read_frozen(&a.data, kind, &info.vocab)?,
+        None => match kind {
+            DataKind::Tagged { chars } => {
+                let vocab = sequence::tagged_vocab(&info.vocab, &info.settings)?;
+                data::read_tagged_frozen(&a.data, &vocab, chars)?
+            }
+            _ => data::read_frozen(&a.data, kind, &info.vocab)?,
+        },
     };
     let mut engine = device::engine(a.device, &model, None)?;
     let r = ramus_nn::evaluate(
@@ -408,6 +454,14 @@ fn eval(a: EvalArgs) -> AnyResult {
                 "model": info.model, "data": a.data.display().to_string(), "graphs": r.graphs,
                 "loss": r.loss, "root_accuracy": r.root_accuracy, "node_accuracy": r.node_accuracy,
             })
+        );
+    } else if let DataKind::Tagged { .. } = kind {
+        println!(
+            "{}: {} sentences | loss {:.4} | tag acc {:.2}%",
+            a.data.display(),
+            r.graphs,
+            r.loss,
+            100.0 * r.node_accuracy
         );
     } else if kind == DataKind::Images {
         println!(
@@ -433,18 +487,17 @@ fn eval(a: EvalArgs) -> AnyResult {
 fn inspect(model: &str, hidden: usize, fusion: bool) -> AnyResult {
     let kind = data_kind(model).ok_or_else(|| format!("unknown model `{model}`"))?;
     let classes = match kind {
-        DataKind::Trees => 5,
+        DataKind::Trees | DataKind::Tagged { .. } | DataKind::SentencePyramid => 5,
         DataKind::Images => 10,
         DataKind::Sentences => 0,
     };
-    let m = build_model(
-        model,
-        &ModelConfig {
-            vocab: 100,
-            hidden,
-            classes,
-        },
-    )?;
+    let seq = sequence::SequenceArgs::default().config(model, 40)?;
+    let cfg = ModelConfig {
+        vocab: 100,
+        hidden,
+        classes,
+    };
+    let m = build(model, &cfg, None, seq.as_ref(), &ModelOptions::default())?;
     if fusion {
         print!("{}", ramus_cuda::fusion_listing(&m)?);
     } else {

@@ -6,7 +6,10 @@
 
 use ramus_cpu::{training_trace, Batch};
 use ramus_graph::{BatchingPolicy, InputGraph};
-use ramus_nn::{build_model, data_kind, ModelConfig, OptimizerKind};
+use ramus_nn::{
+    build_model, build_sequence_model, data_kind, is_sequence_model, ModelConfig, ModelOptions,
+    OptimizerKind, SequenceConfig,
+};
 use ramus_swap::{
     analyze, human_bytes, human_seconds, AutoVmPlanner, CostModel, LruPlanner, NoBudgetPlanner,
     Planner, PlannerConfig, Simulator,
@@ -75,14 +78,20 @@ pub fn run(a: PlanMemoryArgs) -> AnyResult {
     };
     let splits = data::load_splits(a.data.as_deref(), kind)?;
     let graphs: Vec<&InputGraph> = splits.train.iter().take(a.batch_size).collect();
-    let model = build_model(
-        &a.model,
-        &ModelConfig {
-            vocab: splits.vocab.len(),
-            hidden: a.hidden,
-            classes: splits.classes,
-        },
-    )?;
+    let cfg = ModelConfig {
+        vocab: splits.vocab.len(),
+        hidden: a.hidden,
+        classes: splits.classes,
+    };
+    let model = if is_sequence_model(&a.model) {
+        let seq = SequenceConfig {
+            chars: splits.chars(),
+            ..SequenceConfig::default()
+        };
+        build_sequence_model(&a.model, &cfg, &seq, &ModelOptions::default())?
+    } else {
+        build_model(&a.model, &cfg)?
+    };
     let batch = Batch::new(&model, graphs, BatchingPolicy::Cavs)?;
     let trace = training_trace(&model, &batch, states)?;
     let peak = analyze(&trace, &cost).peak_bytes;

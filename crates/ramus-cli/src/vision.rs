@@ -3,12 +3,8 @@
 //! blocks per stage), building a model from them or from a checkpoint's
 //! settings, and how accuracy is reported for images.
 
-use ramus_core::{Model, Result as CoreResult};
 use ramus_nn::vision::{parse_blocks, VGG_DEPTHS};
-use ramus_nn::{
-    build_model_with, build_vision_model, DataKind, EvalResult, ImageShape, ModelConfig,
-    ModelOptions, VisionConfig,
-};
+use ramus_nn::{DataKind, EvalResult, ImageShape, VisionConfig};
 
 /// Width knob (`--hidden`) of the CNN models when none is given: a
 /// quarter of the papers' 64, which trains in seconds per epoch on a CPU.
@@ -95,24 +91,13 @@ pub fn optimizer_defaults(
     (optimizer.unwrap_or(o).to_string(), lr.unwrap_or(l))
 }
 
-/// Builds `name`: a CNN for `vision` when given, else a zoo model.
-pub fn build(
-    name: &str,
-    cfg: &ModelConfig,
-    vision: Option<&VisionConfig>,
-    opts: &ModelOptions,
-) -> CoreResult<Model> {
-    match vision {
-        Some(v) => build_vision_model(name, cfg, v, opts),
-        None => build_model_with(name, cfg, opts),
-    }
-}
-
 /// Accuracy as the training log prints it: root and all-node accuracy for
-/// graphs, one accuracy for images (each image is one vertex).
+/// graphs, one accuracy for images (each image is one vertex), per-token
+/// tag accuracy for the taggers.
 pub fn accuracy(kind: DataKind, r: &EvalResult) -> String {
     match kind {
         DataKind::Images => format!("acc {:.2}%", 100.0 * r.root_accuracy),
+        DataKind::Tagged { .. } => format!("tag acc {:.2}%", 100.0 * r.node_accuracy),
         _ => format!(
             "root acc {:.2}% all-node acc {:.2}%",
             100.0 * r.root_accuracy,

@@ -523,3 +523,187 @@ fn the_checkpoint_records_where_the_loss_was_taken() {
     let o = ramus(&["train", "--loss-at", "leaves", "--epochs", "1"]);
     assert_one_line_error(&o, "--loss-at must be root or all");
 }
+
+/// `n` tagged sentences: `w<k>` tagged `C<k % 3>`, or `LATE` before the
+/// word `mark`; every 7th word a unique rare word tagged by its case.
+fn tagged_text(n: usize) -> String {
+    (0..n)
+        .map(|s| {
+            let len = 3 + s % 5;
+            let mark = (s % 2 == 0).then_some(1 + s % (len - 1));
+            (0..len)
+                .map(|i| match mark {
+                    Some(m) if i == m => "mark|MARK".to_string(),
+                    Some(m) if i < m => format!("w{}|LATE", (s + i) % 9),
+                    _ if (s + i) % 7 == 0 => {
+                        let up = s % 3 == 0;
+                        format!(
+                            "{}x{s}|{}",
+                            if up { 'Q' } else { 'q' },
+                            if up { "UP" } else { "LOW" }
+                        )
+                    }
+                    _ => format!("w{}|C{}", (s + i) % 9, (s + i) % 9 % 3),
+                })
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn train_save_and_eval_the_taggers_on_a_tagged_file() {
+    let data = tmp("tagged.txt");
+    std::fs::write(&data, tagged_text(120)).unwrap();
+    for model in ["bilstm-tagger", "bilstm-char-tagger"] {
+        let ckpt = tmp(&format!("{model}.safetensors"));
+        let o = ramus_ok(&[
+            "train",
+            "--model",
+            model,
+            "--data",
+            data.to_str().unwrap(),
+            "--epochs",
+            "2",
+            "--hidden",
+            "8",
+            "--mlp",
+            "8",
+            "--char-embed",
+            "4",
+            "--batch-size",
+            "10",
+            "--quiet",
+            "--save",
+            ckpt.to_str().unwrap(),
+        ]);
+        let out = String::from_utf8_lossy(&o.stdout);
+        // 120 sentences split by position: 12 test, 12 dev
+        assert!(
+            out.contains("(96 train / 12 dev / 12 test, vocabulary"),
+            "{out}"
+        );
+        assert!(out.contains("tag acc") && out.contains("test:"), "{out}");
+        let o = ramus_ok(&[
+            "eval",
+            "--data",
+            data.to_str().unwrap(),
+            "--checkpoint",
+            ckpt.to_str().unwrap(),
+            "--json",
+        ]);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["graphs"], 120, "{model}");
+        let acc = v["node_accuracy"].as_f64().unwrap();
+        assert!(acc > 0.0 && acc <= 1.0, "{model}: {acc}");
+        // a tag the model never saw is named with its place
+        let bad = tmp("bad-tags.txt");
+        std::fs::write(&bad, "w1|C1 w2|NOPE\n").unwrap();
+        let o = ramus(&[
+            "eval",
+            "--data",
+            bad.to_str().unwrap(),
+            "--checkpoint",
+            ckpt.to_str().unwrap(),
+        ]);
+        assert_one_line_error(&o, "bad-tags.txt:1:7: token w2|NOPE");
+    }
+    let broken = tmp("broken-tagged.txt");
+    std::fs::write(&broken, "a|O b|O\nc|O d\n").unwrap();
+    let o = ramus(&[
+        "train",
+        "--model",
+        "bilstm-tagger",
+        "--data",
+        broken.to_str().unwrap(),
+    ]);
+    assert_one_line_error(&o, "broken-tagged.txt:2:5: token \"d\" has no `|TAG`");
+    let o = ramus(&["train", "--model", "treefc", "--mlp", "8"]);
+    assert_one_line_error(&o, "--mlp applies to the sequence models");
+    let o = ramus(&[
+        "train",
+        "--model",
+        "bilstm-char-tagger",
+        "--hidden",
+        "7",
+        "--data",
+        data.to_str().unwrap(),
+    ]);
+    assert_one_line_error(&o, "must be even");
+}
+
+#[test]
+fn train_the_time_delay_networks_and_rvnn_on_tree_files() {
+    let dir = tmp("sst-like");
+    std::fs::create_dir_all(&dir).unwrap();
+    let trees =
+        "(3 (2 a) (4 (2 very) (4 good)))\n(1 (2 not) (3 good))\n(0 (1 bad) (2 film))\n(4 good)\n";
+    for split in ["train", "dev", "test"] {
+        std::fs::write(dir.join(format!("{split}.txt")), trees).unwrap();
+    }
+    for model in ["td-rnn", "td-lstm", "rvnn"] {
+        let o = ramus_ok(&[
+            "train",
+            "--model",
+            model,
+            "--data",
+            dir.to_str().unwrap(),
+            "--epochs",
+            "2",
+            "--hidden",
+            "6",
+            "--mlp",
+            "5",
+            "--quiet",
+        ]);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            out.contains("(4 train / 4 dev / 4 test") && out.contains("root acc"),
+            "{out}"
+        );
+        assert_eq!(out.contains("pyramids"), model != "rvnn", "{out}");
+    }
+    // without --data and without the shared data the error says where it looked
+    let o = Command::new(env!("CARGO_BIN_EXE_ramus"))
+        .args(["train", "--model", "td-rnn", "--epochs", "1"])
+        .env("RAMUS_DATA", "/nonexistent/data")
+        .output()
+        .expect("run ramus");
+    assert_one_line_error(&o, "/nonexistent/data/sst");
+}
+
+#[test]
+fn train_the_bilstm_tagger_on_the_shared_wikiner() {
+    let root = match std::env::var_os("RAMUS_DATA") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data"),
+    };
+    if !root.join("wikiner/dev.txt").is_file() {
+        eprintln!("skipping: WikiNER not found under {}", root.display());
+        return;
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_ramus"))
+        .args([
+            "train",
+            "--model",
+            "bilstm-tagger",
+            "--epochs",
+            "1",
+            "--hidden",
+            "16",
+            "--mlp",
+            "16",
+            "--quiet",
+        ])
+        .env("RAMUS_DATA", &root)
+        .output()
+        .expect("run ramus");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("(1358 train / 169 dev / 169 test, vocabulary"),
+        "{out}"
+    );
+    assert!(out.contains("5 tags") && out.contains("tag acc"), "{out}");
+}

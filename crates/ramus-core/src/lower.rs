@@ -622,6 +622,13 @@ pub fn lower_model(model: &crate::Model) -> Result<ModelCells> {
     let (leaf, internal) = match model.selector {
         crate::FunctionSelector::LeafInternal { leaf, internal } => (leaf, internal),
         crate::FunctionSelector::Single(f) => (f, f),
+        crate::FunctionSelector::ByKind(_) => {
+            return Err(err(
+                "the compiled engines run one leaf and one internal function; this model \
+                 selects its functions by vertex kind (use the batched engine)"
+                    .into(),
+            ))
+        }
     };
     let cell = |f: usize| -> Result<(usize, CellProgram)> {
         let func = model.functions.get(f).ok_or_else(|| {

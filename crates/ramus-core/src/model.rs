@@ -49,26 +49,44 @@ pub struct ParamSpec {
 }
 
 /// Which vertex function runs at a vertex.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+///
+/// A vertex is described to the selector by its *kind* (a small integer the
+/// input graph carries per vertex, `InputGraph::kind`; 0 unless the reader
+/// that built the graph set one) and its number of children. `Single` and
+/// `LeafInternal` look only at the children; `ByKind` only at the kind, so
+/// one graph can mix several roles — the forward and backward steps and the
+/// output vertices of a BiLSTM tagger, the character steps of its
+/// character model — that have the same shape of children.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FunctionSelector {
     /// One function everywhere.
     Single(usize),
     /// One function for vertices without children, another for the rest.
     LeafInternal { leaf: usize, internal: usize },
+    /// Entry `k` is the function of vertices of kind `k`; a vertex whose
+    /// kind has no entry cannot be scheduled (an error naming the vertex).
+    ByKind(Vec<usize>),
 }
 
 impl FunctionSelector {
-    /// The function for a vertex with `children` children.
-    pub fn select(&self, children: usize) -> usize {
-        match *self {
-            FunctionSelector::Single(f) => f,
+    /// The function for a vertex of `kind` with `children` children, or
+    /// `None` for a kind a `ByKind` table does not list.
+    pub fn select(&self, kind: u16, children: usize) -> Option<usize> {
+        match self {
+            FunctionSelector::Single(f) => Some(*f),
             FunctionSelector::LeafInternal { leaf, internal } => {
-                if children == 0 {
-                    leaf
-                } else {
-                    internal
-                }
+                Some(if children == 0 { *leaf } else { *internal })
             }
+            FunctionSelector::ByKind(table) => table.get(usize::from(kind)).copied(),
+        }
+    }
+
+    /// Every function the selector can name (with repeats, in table order).
+    pub fn functions(&self) -> Vec<usize> {
+        match self {
+            FunctionSelector::Single(f) => vec![*f],
+            FunctionSelector::LeafInternal { leaf, internal } => vec![*leaf, *internal],
+            FunctionSelector::ByKind(table) => table.clone(),
         }
     }
 }
@@ -391,7 +409,7 @@ impl ModelBuilder {
         if self.functions.is_empty() {
             return Err(err("declares no vertex function".into()));
         }
-        let selector = match self.selector {
+        let selector = match self.selector.clone() {
             Some(s) => s,
             None if self.functions.len() == 1 => FunctionSelector::Single(0),
             None => {
@@ -400,10 +418,16 @@ impl ModelBuilder {
                 ))
             }
         };
-        let used: Vec<usize> = match selector {
-            FunctionSelector::Single(f) => vec![f],
-            FunctionSelector::LeafInternal { leaf, internal } => vec![leaf, internal],
-        };
+        let used = selector.functions();
+        if used.is_empty() {
+            return Err(err("the selector's kind table is empty".into()));
+        }
+        if u16::try_from(used.len() - 1).is_err() {
+            return Err(err(format!(
+                "the selector's kind table has {} entries; kinds are u16",
+                used.len()
+            )));
+        }
         if let Some(&bad) = used.iter().find(|&&f| f >= self.functions.len()) {
             return Err(err(format!(
                 "selector names function {bad}, but only {} exist",

@@ -38,9 +38,9 @@ pub struct Batch<'a> {
 impl<'a> Batch<'a> {
     /// Schedules `graphs` for `model` under `policy`.
     pub fn new(model: &Model, graphs: Vec<&'a InputGraph>, policy: BatchingPolicy) -> Result<Self> {
-        let selector = model.selector;
-        let schedule = Schedule::build(&graphs, policy, model.functions.len(), |k| {
-            selector.select(k)
+        let selector = &model.selector;
+        let schedule = Schedule::build(&graphs, policy, model.functions.len(), |kind, k| {
+            selector.select(kind, k)
         })?;
         Ok(Batch { graphs, schedule })
     }
@@ -210,9 +210,32 @@ struct TokenTables<T> {
     /// Version of the parameters the tables were computed from.
     source: (u64, u64),
     vocab: usize,
-    /// Per function: the hoisting plan, one `vocab x width` table per
-    /// tabulated node, and the eager nodes that still run per batch.
-    functions: Vec<(TokenHoist, Vec<Vec<T>>, Vec<NodeId>)>,
+    /// Per function: the hoisting plan, one `rows x width` table per
+    /// tabulated node, the eager nodes that still run per batch, and the
+    /// tabulated tokens `rows` (`vocab`, or fewer when the function's
+    /// embedding tables are smaller: a character table beside a word one).
+    functions: Vec<FunctionTables<T>>,
+}
+
+/// One function's share of [`TokenTables`].
+struct FunctionTables<T> {
+    hoist: TokenHoist,
+    tables: Vec<Vec<T>>,
+    kept: Vec<NodeId>,
+    rows: usize,
+}
+
+/// The fewest rows among the embedding tables `graph` looks tokens up in.
+fn embedding_rows(model: &Model, graph: &Graph) -> Option<usize> {
+    graph
+        .nodes
+        .iter()
+        .filter(|n| n.op_as::<ramus_core::ops::Embedding>().is_some())
+        .filter_map(|n| match graph.nodes.get(*n.inputs.first()?)?.kind {
+            NodeKind::Param(p) => model.params.get(p)?.shape.first().copied(),
+            _ => None,
+        })
+        .min()
 }
 
 /// Weights packed for small-row products, by (parameter, transposed), valid
@@ -278,6 +301,7 @@ impl<T: Real> CpuEngine<T> {
         for func in &model.functions {
             let hoist = token_hoist(&func.forward);
             let g = &func.forward;
+            let vocab = embedding_rows(model, g).map_or(vocab, |r| r.min(vocab));
             let mut tables: Vec<Vec<T>> = hoist
                 .tabulated
                 .iter()
@@ -319,7 +343,12 @@ impl<T: Real> CpuEngine<T> {
                 .copied()
                 .filter(|&n| hoist.keep[n])
                 .collect();
-            functions.push((hoist, tables, kept));
+            functions.push(FunctionTables {
+                hoist,
+                tables,
+                kept,
+                rows: vocab,
+            });
         }
         self.tables = Some(TokenTables {
             source: params.version(),
@@ -454,9 +483,15 @@ impl<T: Real> CpuEngine<T> {
                 .tables
                 .as_ref()
                 .filter(|_| use_tables)
-                .map(|t| (t.vocab, &t.functions[f]))
+                .map(|t| &t.functions[f])
             {
-                Some((vocab, (hoist, tables, kept))) => {
+                Some(FunctionTables {
+                    hoist,
+                    tables,
+                    kept,
+                    rows: vocab,
+                }) => {
+                    let vocab = *vocab;
                     for (table, &n) in tables.iter().zip(&hoist.tabulated) {
                         let w = func.forward.nodes[n].ty.width();
                         for (r, &v) in rows.vertex.iter().enumerate() {

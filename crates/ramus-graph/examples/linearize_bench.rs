@@ -74,8 +74,8 @@ fn measure(batches: &[Vec<&InputGraph>]) -> (f64, f64, f64) {
     let sched_us = time_us(budget, || {
         for b in batches {
             black_box(
-                Schedule::build(black_box(b), BatchingPolicy::Cavs, 2, |k| {
-                    usize::from(k > 0)
+                Schedule::build(black_box(b), BatchingPolicy::Cavs, 2, |_, k| {
+                    Some(usize::from(k > 0))
                 })
                 .ok(),
             );

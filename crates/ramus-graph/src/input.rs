@@ -1,8 +1,15 @@
 //! Input graphs (Cavs' `G`): one sample's structure — vertices with ordered
-//! children, a token id, an optional class label and optional float
-//! features per vertex (what a vertex function's `pull()` reads: image
-//! pixels, feature vectors). Trees, chains (sequences) and DAGs share this
-//! one representation.
+//! children, a token id, an optional class label, a *kind* and optional
+//! float features per vertex (what a vertex function's `pull()` reads:
+//! image pixels, feature vectors). Trees, chains (sequences) and DAGs share
+//! this one representation.
+//!
+//! The kind is a small integer naming the vertex's role for models whose
+//! vertex function is chosen per role rather than per number of children
+//! (`FunctionSelector::ByKind` in `ramus-core`): the forward step, backward
+//! step and output vertex of a BiLSTM sentence ([`crate::sequence`]) all
+//! have the same shape of children but run different functions. Readers
+//! that do not set kinds leave every vertex at kind 0.
 
 use crate::GraphError;
 
@@ -23,6 +30,8 @@ pub struct InputGraph {
     pub tokens: Vec<u32>,
     /// Class label of each vertex, or [`NO_LABEL`].
     pub labels: Vec<i32>,
+    /// Kind of each vertex (see the module docs); 0 by default.
+    kinds: Vec<u16>,
     /// `feature_width` floats per vertex (vertex-major), or none.
     features: Vec<f32>,
     feature_width: usize,
@@ -45,6 +54,18 @@ impl InputGraph {
         token: u32,
         label: i32,
     ) -> Result<u32, GraphError> {
+        self.push_vertex_of_kind(0, children, token, label)
+    }
+
+    /// Appends a vertex of `kind` (see the module docs) whose children are
+    /// `children` and returns its id.
+    pub fn push_vertex_of_kind(
+        &mut self,
+        kind: u16,
+        children: &[u32],
+        token: u32,
+        label: i32,
+    ) -> Result<u32, GraphError> {
         let id = self.tokens.len() as u32;
         if let Some(&bad) = children.iter().find(|&&c| c >= id) {
             return Err(GraphError::Structure(format!(
@@ -55,6 +76,7 @@ impl InputGraph {
         self.child_offsets.push(self.children.len() as u32);
         self.tokens.push(token);
         self.labels.push(label);
+        self.kinds.push(kind);
         Ok(id)
     }
 
@@ -103,6 +125,11 @@ impl InputGraph {
     pub fn features(&self, v: usize) -> &[f32] {
         let w = self.feature_width;
         self.features.get(v * w..(v + 1) * w).unwrap_or(&[])
+    }
+
+    /// The kind of vertex `v` (0 for a vertex added without one).
+    pub fn kind(&self, v: usize) -> u16 {
+        self.kinds.get(v).copied().unwrap_or(0)
     }
 
     /// Number of vertices.
@@ -185,6 +212,16 @@ mod tests {
         assert_eq!(g.heights(), vec![0, 0, 1]);
         assert!(g.is_forest());
         assert_eq!(g.root_label(), Some(4));
+    }
+
+    #[test]
+    fn kinds_default_to_zero_and_are_kept() {
+        let mut g = InputGraph::new();
+        let a = g.push_vertex(&[], 1, NO_LABEL).unwrap();
+        let b = g.push_vertex_of_kind(3, &[a], 2, 1).unwrap();
+        assert_eq!((g.kind(a as usize), g.kind(b as usize)), (0, 3));
+        assert_eq!(g.kind(9), 0, "out of range reads as kind 0");
+        assert!(g.push_vertex_of_kind(1, &[7], 0, 0).is_err());
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Ramus input graphs: the per-sample structures (trees, chains, DAGs) that
 //! vertex functions are evaluated over, the readers that build them from
-//! files, the vocabulary, the built-in synthetic treebank and images, and the batch
+//! files (PTB brackets, plain text, tagged text), the sequence models'
+//! graph shapes (BiLSTM taggers, time-delay pyramids), the vocabulary, the built-in synthetic treebank and images, and the batch
 //! schedules (Cavs batching policy, DyNet agenda) that execution engines run,
 //! and the linearizer of the compiled (Cortex) engine.
 
@@ -10,7 +11,9 @@ pub mod linearize;
 pub mod ptb;
 pub mod random;
 pub mod schedule;
+pub mod sequence;
 pub mod synthetic;
+pub mod tagged;
 pub mod text;
 pub mod vocab;
 

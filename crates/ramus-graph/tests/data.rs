@@ -1,5 +1,6 @@
 //! Readers against the real data sets in `../shared/data` (or `$RAMUS_DATA`):
-//! the Stanford Sentiment Treebank and the Penn Treebank language-model text.
+//! the Stanford Sentiment Treebank, the Penn Treebank language-model text
+//! and WikiNER (tagged text).
 //! Each test prints a notice and passes when its data is absent.
 //!
 //! Expected numbers come from this Python reference (post-order, leaf words
@@ -200,5 +201,58 @@ fn ptb_text_splits_read_as_language_model_chains() {
             assert_eq!(g.children(t + 1), &[t as u32]);
         }
         assert_eq!(g.labels[n - 1], eos);
+    }
+}
+
+#[test]
+fn wikiner_reads_splits_and_becomes_tagger_graphs() {
+    use ramus_graph::sequence::tagger_kinds;
+    use ramus_graph::tagged::{read_tagged, split_tagged, TaggedVocab, RARE_BELOW};
+    let Some(dir) = data_dir("wikiner") else {
+        return;
+    };
+    let path = dir.join("dev.txt");
+    let all = read_tagged(&path).expect("WikiNER parses");
+    // numbers from `awk` over the file: sentences, tokens, tag counts
+    assert_eq!(all.len(), 1696);
+    assert_eq!(all.iter().map(|s| s.len()).sum::<usize>(), 39007);
+    let count = |tag: &str| {
+        all.iter()
+            .flat_map(|s| &s.tags)
+            .filter(|t| *t == tag)
+            .count()
+    };
+    assert_eq!(
+        ["O", "I-PER", "I-ORG", "I-LOC", "I-MISC"].map(count),
+        [32576, 1634, 1958, 1447, 1392]
+    );
+    let splits = split_tagged(all.clone());
+    assert_eq!(
+        (splits.train.len(), splits.dev.len(), splits.test.len()),
+        (1358, 169, 169)
+    );
+    assert_eq!(splits.test[0], all[9]);
+    assert_eq!(splits, split_tagged(all), "the split is deterministic");
+    let file = path.display().to_string();
+    let vocab = TaggedVocab::build(&splits.train, RARE_BELOW);
+    assert_eq!(vocab.tags.len(), 5);
+    for chars in [false, true] {
+        let graphs = vocab
+            .graphs(&splits.test, &file, chars)
+            .expect("test tags are known");
+        for (g, s) in graphs.iter().zip(&splits.test) {
+            let outputs = (0..g.len())
+                .filter(|&v| g.kind(v) == tagger_kinds::OUTPUT)
+                .count();
+            assert_eq!(outputs, s.len());
+            let spelled: usize = s
+                .words
+                .iter()
+                .filter(|w| chars && vocab.is_rare(w))
+                .map(|w| 2 * w.chars().count())
+                .sum();
+            // three vertices per word, two per spelled character
+            assert_eq!(g.len(), 3 * s.len() + spelled);
+        }
     }
 }

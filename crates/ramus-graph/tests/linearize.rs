@@ -176,8 +176,8 @@ fn check_graphs(graphs: &[InputGraph]) -> LinearBatch {
     let plain: Vec<Plain> = graphs.iter().map(Plain::of).collect();
     check(&lb, &plain);
     for functions in [1, 2] {
-        let s = Schedule::build(&refs, BatchingPolicy::Cavs, functions, |k| {
-            usize::from(functions == 2 && k > 0)
+        let s = Schedule::build(&refs, BatchingPolicy::Cavs, functions, |_, k| {
+            Some(usize::from(functions == 2 && k > 0))
         })
         .unwrap();
         assert_eq!(s.first_leaf as usize, lb.num_internal());

@@ -6,6 +6,7 @@ pub mod engine;
 pub mod error;
 pub mod models;
 pub mod optim;
+pub mod sequence_models;
 pub mod train;
 pub mod vision;
 
@@ -15,5 +16,8 @@ pub use models::{
     build_model, build_model_with, data_kind, DataKind, ModelConfig, ModelOptions, MODEL_NAMES,
 };
 pub use optim::{Optimizer, OptimizerConfig, OptimizerKind};
+pub use sequence_models::{
+    build_sequence_model, is_sequence_model, SequenceConfig, SEQUENCE_MODELS,
+};
 pub use train::{evaluate, EvalResult, Trainer};
 pub use vision::{build_vision_model, ImageShape, VisionConfig};

@@ -10,6 +10,8 @@
 //! * `dagrnn` — a DAG-RNN (Cortex's DAG benchmark cell)
 //!   `h = tanh(W x + U Σ_p h_p + b)` over a vertex's predecessors `p`;
 //! * `lstm-lm` — an LSTM language model over sentences as chains;
+//! * `bilstm-tagger`, `bilstm-char-tagger`, `td-rnn`, `td-lstm`, `rvnn` —
+//!   the other benchmarks of VPPS §IV-E ([`crate::sequence_models`]);
 //! * `alexnet`, `vgg` (`vgg11` ... `vgg19`), `resnet` — CNNs over images as
 //!   single-vertex graphs ([`crate::vision`]).
 
@@ -18,6 +20,7 @@ use ramus_core::model::{
 };
 use ramus_core::{Model, Result, Sym};
 
+use crate::sequence_models::{build_sequence_model, is_sequence_model, SequenceConfig};
 use crate::vision::{build_vision_model, is_vision_model, VisionConfig};
 
 /// What kind of data a model reads.
@@ -30,6 +33,13 @@ pub enum DataKind {
     /// Labelled images as single-vertex graphs with pixel features (the
     /// built-in synthetic images, `ramus_graph::images`).
     Images,
+    /// Tagged sentences (`word|TAG ...`, WikiNER) as tagger graphs
+    /// (`ramus_graph::tagged`); with `chars`, rare words are spelled out
+    /// for character LSTMs.
+    Tagged { chars: bool },
+    /// Labelled PTB-bracket trees read as the time-delay pyramid over their
+    /// leaves, labelled with the root label (`ramus_graph::sequence::pyramid_of_tree`).
+    SentencePyramid,
 }
 
 /// Sizes a model is built with.
@@ -45,13 +55,18 @@ pub struct ModelConfig {
 }
 
 /// Names accepted by [`build_model`].
-pub const MODEL_NAMES: [&str; 13] = [
+pub const MODEL_NAMES: [&str; 18] = [
     "treelstm",
     "treelstm-nary",
     "treefc",
     "treegru",
     "dagrnn",
     "lstm-lm",
+    "bilstm-tagger",
+    "bilstm-char-tagger",
+    "td-rnn",
+    "td-lstm",
+    "rvnn",
     "alexnet",
     "vgg",
     "vgg11",
@@ -64,8 +79,13 @@ pub const MODEL_NAMES: [&str; 13] = [
 /// The data a model reads.
 pub fn data_kind(name: &str) -> Option<DataKind> {
     match name {
-        "treelstm" | "treelstm-nary" | "treefc" | "treegru" | "dagrnn" => Some(DataKind::Trees),
+        "treelstm" | "treelstm-nary" | "treefc" | "treegru" | "dagrnn" | "rvnn" => {
+            Some(DataKind::Trees)
+        }
         "lstm-lm" => Some(DataKind::Sentences),
+        "bilstm-tagger" => Some(DataKind::Tagged { chars: false }),
+        "bilstm-char-tagger" => Some(DataKind::Tagged { chars: true }),
+        "td-rnn" | "td-lstm" => Some(DataKind::SentencePyramid),
         _ if is_vision_model(name) => Some(DataKind::Images),
         _ => None,
     }
@@ -85,10 +105,15 @@ pub fn build_model(name: &str, cfg: &ModelConfig) -> Result<Model> {
 
 /// Builds model `name` with training options (CNN models with the default
 /// [`VisionConfig`]: 3×32×32 images, VGG-11, ResNet blocks `[1, 1, 1]`; see
-/// [`build_vision_model`] for others).
+/// [`build_vision_model`] for others; sequence models with the default
+/// [`SequenceConfig`], which `bilstm-char-tagger` cannot use: it needs its
+/// character vocabulary size, see [`build_sequence_model`]).
 pub fn build_model_with(name: &str, cfg: &ModelConfig, opts: &ModelOptions) -> Result<Model> {
     if is_vision_model(name) {
         return build_vision_model(name, cfg, &VisionConfig::default(), opts);
+    }
+    if is_sequence_model(name) {
+        return build_sequence_model(name, cfg, &SequenceConfig::default(), opts);
     }
     let p = opts.dropout;
     let mut model = match name {
@@ -147,7 +172,7 @@ fn lstm_cell_out(f: &mut VertexFnBuilder, iou: Sym, c_extra: Option<Sym>) -> (Sy
 
 /// The Tree-LSTM leaf: `iou = W x + b` on the (dropped-out) word vector,
 /// `c = σ(i)·tanh(u)`, `h = σ(o)·tanh(c)`; scatters `[h; c]`, pushes `h`.
-fn lstm_leaf(
+pub(crate) fn lstm_leaf(
     m: &mut ModelBuilder,
     emb: usize,
     w_iou: usize,
@@ -164,6 +189,69 @@ fn lstm_leaf(
         f.scatter(state);
         f.push(h);
     })
+}
+
+/// The binary (N-ary, N = 2) Tree-LSTM composition of Tai et al. over
+/// states `[h; c]` of width `2 hd`: `iou = U_iou [h_l; h_r] + b_iou`, one
+/// forget gate per child from `U_f [h_l; h_r] + b_f`, `c = σ(i)·tanh(u) +
+/// f_l·c_l + f_r·c_r`, `h = σ(o)·tanh(c)`; scatters `[h; c]`, pushes `h`.
+/// `params` are `[U_iou (3hd × 2hd), b_iou, U_f (2hd × 2hd), b_f]`.
+pub(crate) fn binary_lstm_internal(
+    m: &mut ModelBuilder,
+    hd: usize,
+    params: [usize; 4],
+) -> Result<usize> {
+    let [u_iou, b_iou, u_f, b_f] = params;
+    m.vertex_fn("internal", |f| {
+        let (l, r) = (f.gather(0), f.gather(1));
+        let (h_l, c_l) = (f.slice(l, 0, hd), f.slice(l, hd, hd));
+        let (h_r, c_r) = (f.slice(r, 0, hd), f.slice(r, hd, hd));
+        let hlr = f.concat(&[h_l, h_r]);
+        let (u, b) = (f.param(u_iou), f.param(b_iou));
+        let iou = f.linear(hlr, u, Some(b));
+        let (uf, bf) = (f.param(u_f), f.param(b_f));
+        let f_pre = f.linear(hlr, uf, Some(bf));
+        let gates = f.sigmoid(f_pre);
+        let (f_l, f_r) = (f.slice(gates, 0, hd), f.slice(gates, hd, hd));
+        let fl_c = f.mul(f_l, c_l);
+        let fr_c = f.mul(f_r, c_r);
+        let extra = f.add(fl_c, fr_c);
+        let (h, c) = lstm_cell_out(f, iou, Some(extra));
+        let state = f.concat(&[h, c]);
+        f.scatter(state);
+        f.push(h);
+    })
+}
+
+/// One step of a chain LSTM: gates `W_x x + W_h h_prev + b` split into
+/// `i, f, o, u`, `c = σ(f)·c_prev + σ(i)·tanh(u)`, `h = σ(o)·tanh(c)`,
+/// where `prev` is the predecessor's state row holding `[h_prev; c_prev]`
+/// in its first `2 hd` columns (zeros without a predecessor). `params` are
+/// `[W_x (4hd × in), W_h (4hd × hd), b (4hd)]`. Returns `(h, c)`.
+pub(crate) fn lstm_step(
+    f: &mut VertexFnBuilder,
+    x: Sym,
+    prev: Sym,
+    hd: usize,
+    params: [usize; 3],
+) -> (Sym, Sym) {
+    let [w_x, w_h, b] = params;
+    let (h_prev, c_prev) = (f.slice(prev, 0, hd), f.slice(prev, hd, hd));
+    let (wx, wh, bb) = (f.param(w_x), f.param(w_h), f.param(b));
+    let zx = f.linear(x, wx, Some(bb));
+    let zh = f.linear(h_prev, wh, None);
+    let z = f.add(zx, zh);
+    let g = f.split(z, 4);
+    let i = f.sigmoid(g[0]);
+    let fg = f.sigmoid(g[1]);
+    let o = f.sigmoid(g[2]);
+    let u = f.tanh(g[3]);
+    let keep = f.mul(fg, c_prev);
+    let write = f.mul(i, u);
+    let c = f.add(keep, write);
+    let tc = f.tanh(c);
+    let h = f.mul(o, tc);
+    (h, c)
 }
 
 /// Linear classifier head with mean softmax cross-entropy (and dropout on its input).
@@ -231,25 +319,7 @@ fn nary_treelstm(cfg: &ModelConfig, dropout: f64) -> Result<Model> {
     let w_out = m.param("W_out", &[k, hd], Init::LinearDefault);
     let b_out = m.param("b_out", &[k], linear_bias(hd));
     let leaf = lstm_leaf(&mut m, emb, w_iou, b_leaf, dropout)?;
-    let internal = m.vertex_fn("internal", |f| {
-        let (l, r) = (f.gather(0), f.gather(1));
-        let (h_l, c_l) = (f.slice(l, 0, hd), f.slice(l, hd, hd));
-        let (h_r, c_r) = (f.slice(r, 0, hd), f.slice(r, hd, hd));
-        let hlr = f.concat(&[h_l, h_r]);
-        let (u, b) = (f.param(u_iou), f.param(b_iou));
-        let iou = f.linear(hlr, u, Some(b));
-        let (uf, bf) = (f.param(u_f), f.param(b_f));
-        let f_pre = f.linear(hlr, uf, Some(bf));
-        let gates = f.sigmoid(f_pre);
-        let (f_l, f_r) = (f.slice(gates, 0, hd), f.slice(gates, hd, hd));
-        let fl_c = f.mul(f_l, c_l);
-        let fr_c = f.mul(f_r, c_r);
-        let extra = f.add(fl_c, fr_c);
-        let (h, c) = lstm_cell_out(f, iou, Some(extra));
-        let state = f.concat(&[h, c]);
-        f.scatter(state);
-        f.push(h);
-    })?;
+    let internal = binary_lstm_internal(&mut m, hd, [u_iou, b_iou, u_f, b_f])?;
     m.select(FunctionSelector::LeafInternal { leaf, internal });
     m.head(HeadRows::Labelled, hd, |h| {
         classifier_head(h, w_out, b_out, dropout)
@@ -392,21 +462,7 @@ fn lstm_lm(cfg: &ModelConfig, dropout: f64) -> Result<Model> {
         let x = f.embed(emb);
         let x = f.dropout(x, dropout);
         let prev = f.gather(0);
-        let (h_prev, c_prev) = (f.slice(prev, 0, hd), f.slice(prev, hd, hd));
-        let (wx, wh, bb) = (f.param(w_x), f.param(w_h), f.param(b));
-        let zx = f.linear(x, wx, Some(bb));
-        let zh = f.linear(h_prev, wh, None);
-        let z = f.add(zx, zh);
-        let g = f.split(z, 4);
-        let i = f.sigmoid(g[0]);
-        let fg = f.sigmoid(g[1]);
-        let o = f.sigmoid(g[2]);
-        let u = f.tanh(g[3]);
-        let keep = f.mul(fg, c_prev);
-        let write = f.mul(i, u);
-        let c = f.add(keep, write);
-        let tc = f.tanh(c);
-        let h = f.mul(o, tc);
+        let (h, c) = lstm_step(f, x, prev, hd, [w_x, w_h, b]);
         let state = f.concat(&[h, c]);
         f.scatter(state);
         f.push(h);

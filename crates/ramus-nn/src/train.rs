@@ -9,7 +9,7 @@ use ramus_core::{Grads, HeadRows, Model, Params, Real};
 use ramus_cpu::{Batch, CpuEngine, Mode};
 
 use crate::engine::Engine;
-use ramus_graph::{BatchingPolicy, InputGraph};
+use ramus_graph::{BatchingPolicy, InputGraph, NO_LABEL};
 
 use crate::error::{NnError, Result};
 use crate::optim::{Optimizer, OptimizerConfig};
@@ -19,7 +19,9 @@ use crate::optim::{Optimizer, OptimizerConfig};
 pub struct EvalResult {
     /// Mean loss per batch, weighted by graphs.
     pub loss: f64,
-    /// Fraction of graphs whose root is classified correctly.
+    /// Fraction of labelled roots (vertices without a parent) classified
+    /// correctly: one per tree or pyramid, so the fraction of sentences;
+    /// every word's output vertex in a tagger graph.
     pub root_accuracy: f64,
     /// Fraction of labelled vertices classified correctly.
     pub node_accuracy: f64,
@@ -118,6 +120,7 @@ pub fn evaluate<T: Real>(
     batch_size: usize,
 ) -> Result<EvalResult> {
     let (mut loss, mut root_ok, mut node_ok, mut nodes) = (0.0, 0usize, 0usize, 0usize);
+    let mut roots = 0usize;
     for chunk in data.chunks(batch_size.max(1)) {
         let graphs: Vec<&InputGraph> = chunk.iter().collect();
         let batch = Batch::new(model, graphs, policy)?;
@@ -128,12 +131,11 @@ pub fn evaluate<T: Real>(
             HeadRows::Labelled => out,
             HeadRows::Roots => {
                 let preds = out.predictions();
-                root_ok += out
-                    .head_vertices
-                    .iter()
-                    .zip(&preds)
-                    .filter(|(&v, &p)| s.labels[v as usize] == p as i32)
-                    .count();
+                for (&v, &p) in out.head_vertices.iter().zip(&preds) {
+                    let label = s.labels[v as usize];
+                    roots += usize::from(label != NO_LABEL);
+                    root_ok += usize::from(label == p as i32);
+                }
                 engine.forward_rows(model, params, &batch, Mode::Infer, HeadRows::Labelled)?
             }
         };
@@ -145,6 +147,7 @@ pub fn evaluate<T: Real>(
             node_ok += ok as usize;
             nodes += 1;
             if model.head.rows == HeadRows::Labelled && is_root[v as usize] {
+                roots += 1;
                 root_ok += ok as usize;
             }
         }
@@ -152,7 +155,7 @@ pub fn evaluate<T: Real>(
     let n = data.len().max(1) as f64;
     Ok(EvalResult {
         loss: loss / n,
-        root_accuracy: root_ok as f64 / n,
+        root_accuracy: root_ok as f64 / roots.max(1) as f64,
         node_accuracy: node_ok as f64 / nodes.max(1) as f64,
         graphs: data.len(),
     })

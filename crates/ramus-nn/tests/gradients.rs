@@ -1,11 +1,14 @@
 //! Whole-model gradients on random small graphs against central finite
-//! differences of the loss, in f64, for every model of the zoo; and the
-//! agenda policy against the Cavs policy.
+//! differences of the loss, in f64, for every model of the zoo (the VPPS
+//! sequence benchmarks on their own graph shapes: tagger graphs with and
+//! without spelled words, time-delay pyramids, trees); and the agenda
+//! policy against the Cavs policy.
 
 use ramus_core::{Grads, Params};
 use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_graph::sequence::{pyramid, tagger_graph, WordInput};
 use ramus_graph::{BatchingPolicy, InputGraph};
-use ramus_nn::{build_model, ModelConfig};
+use ramus_nn::{build_model, build_sequence_model, ModelConfig, ModelOptions, SequenceConfig};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -48,7 +51,11 @@ fn loss_only(model: &ramus_core::Model, params: &Params<f64>, graphs: &[InputGra
 }
 
 fn check_model(name: &str, graphs: &[InputGraph], cfg: &ModelConfig) {
-    let model = build_model(name, cfg).unwrap();
+    check_built(name, &build_model(name, cfg).unwrap(), graphs);
+}
+
+fn check_built(name: &str, model: &ramus_core::Model, graphs: &[InputGraph]) {
+    let model = model.clone();
     let mut params: Params<f64> = Params::init(&model, 11);
     // non-zero biases so every term of the gradient is exercised
     let mut rng = ChaCha8Rng::seed_from_u64(5);
@@ -272,5 +279,130 @@ fn dropout_gradients_match_finite_differences_with_fixed_masks() {
                 model.params[p].name
             );
         }
+    }
+}
+
+/// Tiny sizes for the sequence models (hidden even for the character LSTMs).
+fn sequence_sizes() -> (ModelConfig, SequenceConfig) {
+    let cfg = ModelConfig {
+        vocab: 7,
+        hidden: 4,
+        classes: 3,
+    };
+    let seq = SequenceConfig {
+        mlp: 3,
+        char_embed: 2,
+        chars: 5,
+    };
+    (cfg, seq)
+}
+
+/// Tagger graphs of `lengths` words; with `spell`, about every third word
+/// is spelled out (1 to 3 characters).
+fn random_tagger_graphs(
+    rng: &mut ChaCha8Rng,
+    lengths: &[usize],
+    cfg: &ModelConfig,
+    seq: &SequenceConfig,
+    spell: bool,
+) -> Vec<InputGraph> {
+    lengths
+        .iter()
+        .map(|&n| {
+            let spelled: Vec<Vec<u32>> = (0..n)
+                .map(|_| {
+                    let len = rng.random_range(1..4);
+                    (0..len)
+                        .map(|_| rng.random_range(0..seq.chars as u32))
+                        .collect()
+                })
+                .collect();
+            let words: Vec<WordInput<'_>> = spelled
+                .iter()
+                .enumerate()
+                .map(|(i, cs)| {
+                    if spell && (i % 3 == 1 || n == 1) {
+                        WordInput::Chars(cs)
+                    } else {
+                        WordInput::Token(rng.random_range(0..cfg.vocab as u32))
+                    }
+                })
+                .collect();
+            let tags: Vec<i32> = (0..n)
+                .map(|_| rng.random_range(0..cfg.classes as i32))
+                .collect();
+            tagger_graph(&words, &tags).unwrap()
+        })
+        .collect()
+}
+
+fn sequence_model(name: &str, cfg: &ModelConfig, seq: &SequenceConfig) -> ramus_core::Model {
+    build_sequence_model(name, cfg, seq, &ModelOptions::default()).unwrap()
+}
+
+#[test]
+fn bilstm_tagger_gradients_match_finite_differences() {
+    let (cfg, seq) = sequence_sizes();
+    let mut rng = ChaCha8Rng::seed_from_u64(31);
+    let graphs = random_tagger_graphs(&mut rng, &[1, 3, 5], &cfg, &seq, false);
+    check_built(
+        "bilstm-tagger",
+        &sequence_model("bilstm-tagger", &cfg, &seq),
+        &graphs,
+    );
+}
+
+#[test]
+fn bilstm_char_tagger_gradients_match_finite_differences() {
+    let (cfg, seq) = sequence_sizes();
+    let mut rng = ChaCha8Rng::seed_from_u64(32);
+    let graphs = random_tagger_graphs(&mut rng, &[1, 4, 5], &cfg, &seq, true);
+    let model = sequence_model("bilstm-char-tagger", &cfg, &seq);
+    check_built("bilstm-char-tagger", &model, &graphs);
+    // the character weights are reached only through spelled words
+    let params: Params<f64> = Params::init(&model, 2);
+    let (_, grads) = loss_and_grads(&model, &params, &graphs, BatchingPolicy::Cavs);
+    let id = model.param_id("char_fwd.W_x").unwrap();
+    assert!(grads.values[id].data().iter().any(|g| g.abs() > 1e-9));
+}
+
+#[test]
+fn td_rnn_and_td_lstm_gradients_match_finite_differences_on_pyramids() {
+    let (cfg, seq) = sequence_sizes();
+    let mut rng = ChaCha8Rng::seed_from_u64(33);
+    let graphs: Vec<InputGraph> = [1, 3, 5]
+        .iter()
+        .map(|&n| {
+            let toks: Vec<u32> = (0..n).map(|_| rng.random_range(0..7)).collect();
+            pyramid(&toks, rng.random_range(0..3)).unwrap()
+        })
+        .collect();
+    for name in ["td-rnn", "td-lstm"] {
+        check_built(name, &sequence_model(name, &cfg, &seq), &graphs);
+    }
+}
+
+#[test]
+fn rvnn_gradients_match_finite_differences() {
+    let (cfg, seq) = sequence_sizes();
+    let mut rng = ChaCha8Rng::seed_from_u64(34);
+    let graphs: Vec<InputGraph> = (0..3)
+        .map(|i| random_tree(&mut rng, 1 + 3 * i, &[2], &cfg))
+        .collect();
+    check_built("rvnn", &sequence_model("rvnn", &cfg, &seq), &graphs);
+}
+
+#[test]
+fn sequence_models_agree_across_batching_policies() {
+    let (cfg, seq) = sequence_sizes();
+    let mut rng = ChaCha8Rng::seed_from_u64(35);
+    let graphs = random_tagger_graphs(&mut rng, &[2, 6, 3], &cfg, &seq, true);
+    let model = sequence_model("bilstm-char-tagger", &cfg, &seq);
+    let params: Params<f64> = Params::init(&model, 3);
+    let (l1, g1) = loss_and_grads(&model, &params, &graphs, BatchingPolicy::Cavs);
+    let (l2, g2) = loss_and_grads(&model, &params, &graphs, BatchingPolicy::Agenda);
+    assert!((l1 - l2).abs() < 1e-12, "losses differ {l1} vs {l2}");
+    for (a, b) in g1.values.iter().zip(&g2.values) {
+        assert!(a.max_abs_diff(b).unwrap() < 1e-12);
     }
 }

@@ -51,7 +51,10 @@ fn lowered_scores(
     let mut pushed: Vec<Vec<f64>> = Vec::with_capacity(graph.len());
     for v in 0..graph.len() {
         let kids = graph.children(v);
-        let f = model.selector.select(kids.len());
+        let f = model
+            .selector
+            .select(graph.kind(v), kids.len())
+            .expect("a function for every vertex");
         let children: Vec<&[f64]> = kids
             .iter()
             .map(|&c| states[c as usize].as_slice())

@@ -3,8 +3,12 @@
 
 use ramus_core::Params;
 use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_graph::sequence::{pyramid_of_tree, tagger_graph, WordInput};
 use ramus_graph::{BatchingPolicy, InputGraph};
-use ramus_nn::{build_model_with, ModelConfig, ModelOptions};
+use ramus_nn::{
+    build_model_with, build_sequence_model, is_sequence_model, DataKind, ModelConfig, ModelOptions,
+    SequenceConfig,
+};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -45,9 +49,53 @@ fn tables_change_nothing_but_speed() {
     let token_models = ramus_nn::MODEL_NAMES
         .into_iter()
         .filter(|n| ramus_nn::data_kind(n) != Some(ramus_nn::DataKind::Images));
+    // the sequence benchmarks' own shapes: tagger graphs (some words
+    // spelled with characters 0..4) and pyramids
+    let taggers: Vec<InputGraph> = (1..5)
+        .map(|n| {
+            let spelled: Vec<Vec<u32>> = (0..n)
+                .map(|_| (0..2).map(|_| rng.random_range(0..4)).collect())
+                .collect();
+            let words: Vec<WordInput<'_>> = (0..n)
+                .map(|i| match i % 2 {
+                    0 => WordInput::Token(rng.random_range(0..9)),
+                    _ => WordInput::Chars(&spelled[i]),
+                })
+                .collect();
+            let tags: Vec<i32> = (0..n).map(|_| rng.random_range(0..3)).collect();
+            tagger_graph(&words, &tags).unwrap()
+        })
+        .collect();
+    let plain_taggers: Vec<InputGraph> = (1..5)
+        .map(|n| {
+            let words: Vec<WordInput<'_>> = (0..n)
+                .map(|_| WordInput::Token(rng.random_range(0..9)))
+                .collect();
+            tagger_graph(&words, &vec![1; n]).unwrap()
+        })
+        .collect();
+    let pyramids: Vec<InputGraph> = trees.iter().map(|t| pyramid_of_tree(t).unwrap()).collect();
     for name in token_models {
-        let graphs = if name == "lstm-lm" { &chains } else { &trees };
-        let model = build_model_with(name, &cfg, &ModelOptions { dropout: 0.3 }).unwrap();
+        let graphs = match ramus_nn::data_kind(name) {
+            Some(DataKind::Sentences) => &chains,
+            Some(DataKind::Tagged { chars: false }) => &plain_taggers,
+            Some(DataKind::Tagged { chars: true }) => &taggers,
+            Some(DataKind::SentencePyramid) => &pyramids,
+            _ => &trees,
+        };
+        let opts = ModelOptions { dropout: 0.3 };
+        let model = if is_sequence_model(name) {
+            // 4 characters: fewer rows than the 9 tabulated words
+            let seq = SequenceConfig {
+                mlp: 4,
+                char_embed: 3,
+                chars: 4,
+            };
+            let cfg = ModelConfig { hidden: 6, ..cfg };
+            build_sequence_model(name, &cfg, &seq, &opts).unwrap()
+        } else {
+            build_model_with(name, &cfg, &opts).unwrap()
+        };
         let mut params: Params<f64> = Params::init(&model, 6);
         let batch = Batch::new(&model, graphs.iter().collect(), BatchingPolicy::Cavs).unwrap();
         let mut plain = CpuEngine::new();
