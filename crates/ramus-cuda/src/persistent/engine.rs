@@ -23,7 +23,7 @@ use rand_chacha::ChaCha8Rng;
 use ramus_core::vpps::kernel::UpdateRule;
 use ramus_core::vpps::{plan, DeviceLimits, PlanRequest, RegisterPlan, Scheduler};
 use ramus_core::{Model, Params, Tensor};
-use ramus_graph::{BatchingPolicy, InputGraph, Schedule};
+use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{OptimizerConfig, OptimizerKind};
 
 use super::program::PersistentProgram;
@@ -242,11 +242,9 @@ impl PersistentEngine {
             return Err(model_err("an empty batch"));
         }
         let started = Instant::now();
-        let selector = model.selector;
-        let schedule = Schedule::build(graphs, BatchingPolicy::Cavs, model.functions.len(), |k| {
-            selector.select(k)
-        })
-        .map_err(|e| model_err(format!("scheduling the batch: {e}")))?;
+        let schedule = ramus_cpu::Batch::new(model, graphs.to_vec(), BatchingPolicy::Cavs)
+            .map_err(|e| model_err(format!("scheduling the batch: {e}")))?
+            .schedule;
         let batch = unroll_batch(model, &self.prog, &schedule, &mut self.rng)?;
         let scripts = self.scheduler.schedule(&batch.graph)?;
         let packed = &scripts.packed;

@@ -1471,14 +1471,9 @@ mod tests {
         let model = build_model_with(name, &cfg, &ModelOptions { dropout }).expect("model");
         let prog = PersistentProgram::build(&model).expect("program");
         let refs: Vec<&InputGraph> = graphs.iter().collect();
-        let selector = model.selector;
-        let s = Schedule::build(
-            &refs,
-            ramus_graph::BatchingPolicy::Cavs,
-            model.functions.len(),
-            |k| selector.select(k),
-        )
-        .expect("schedule");
+        let s = ramus_cpu::Batch::new(&model, refs, ramus_graph::BatchingPolicy::Cavs)
+            .expect("schedule")
+            .schedule;
         let mut rng = ChaCha8Rng::seed_from_u64(1);
         let batch = unroll_batch(&model, &prog, &s, &mut rng).expect("lowered");
         assert!(
@@ -1555,13 +1550,9 @@ mod tests {
         let b = g.push_vertex(&[], 42, -1).expect("leaf");
         g.push_vertex(&[a, b], 0, 1).expect("root");
         let refs = vec![&g];
-        let s = Schedule::build(
-            &refs,
-            ramus_graph::BatchingPolicy::Cavs,
-            model.functions.len(),
-            |k| model.selector.select(k),
-        )
-        .expect("schedule");
+        let s = ramus_cpu::Batch::new(&model, refs, ramus_graph::BatchingPolicy::Cavs)
+            .expect("schedule")
+            .schedule;
         match unroll_batch(&model, &prog, &s, &mut rng) {
             Err(e) => assert!(e.to_string().contains("token id 42"), "wrong error: {e}"),
             Ok(_) => panic!("a token outside the table was accepted"),
@@ -1610,10 +1601,10 @@ mod timing {
             let (mut t_sched, mut t_unroll, mut t_scripts) = (0.0, 0.0, 0.0);
             for _ in 0..reps {
                 let a = std::time::Instant::now();
-                let s = Schedule::build(&refs, ramus_graph::BatchingPolicy::Cavs, 2, |k| {
-                    model.selector.select(k)
-                })
-                .expect("schedule");
+                let s =
+                    ramus_cpu::Batch::new(&model, refs.clone(), ramus_graph::BatchingPolicy::Cavs)
+                        .expect("schedule")
+                        .schedule;
                 let b = std::time::Instant::now();
                 let batch = unroll_batch(&model, &prog, &s, &mut rng).expect("lowered");
                 let c = std::time::Instant::now();
