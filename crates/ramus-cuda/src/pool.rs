@@ -64,6 +64,11 @@ impl<T: DeviceScalar> DeviceView<T> {
         }
     }
 
+    /// A view of no elements.
+    pub(crate) fn empty() -> Self {
+        Self::new(0, 0)
+    }
+
     /// The device address of the first element.
     pub fn device_ptr(&self) -> u64 {
         self.ptr
@@ -289,6 +294,11 @@ impl DevicePool {
             batch_bytes: 0,
             peak_batch_bytes: 0,
         }
+    }
+
+    /// The pool's budget (`None`: as much as the device gives).
+    pub fn max_bytes(&self) -> Option<u64> {
+        self.config.max_bytes
     }
 
     /// The pool's counters.
