@@ -630,6 +630,14 @@ impl CudaEngine {
         rows: HeadRows,
     ) -> Result<ForwardOutput<f32>> {
         self.check_model(model)?;
+        // on the swap path, a static-graph model's forward-only passes go op
+        // by op too (tensors freed after their last use)
+        if mode != Mode::Train
+            && self.swap.is_some()
+            && crate::swap::steps::check_static(model, &self.program).is_ok()
+        {
+            return self.swap_forward(model, params, batch, mode, rows);
+        }
         self.pass_started = Some(std::time::Instant::now());
         let program = self.program.clone();
         let s = &batch.schedule;
@@ -1930,6 +1938,9 @@ impl ramus_nn::Engine<f32> for CudaEngine {
     }
     fn set_seed(&mut self, seed: u64) {
         CudaEngine::set_seed(self, seed)
+    }
+    fn memory_report(&self) -> Option<String> {
+        self.last_swap_report().map(|r| r.to_string())
     }
     fn sync_host_params(&mut self, params: &mut Params<f32>) -> ramus_nn::Result<()> {
         Ok(self.download_params(params)?)

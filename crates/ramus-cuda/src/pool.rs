@@ -539,6 +539,18 @@ impl Arena {
         Ok(())
     }
 
+    /// Returns the arena's blocks to the pool if they hold more than its
+    /// initial size (after [`Arena::reset`], with no device work using
+    /// them still to be ordered on another stream): for callers that share
+    /// the pool with allocations of their own under a budget.
+    pub fn trim(&mut self) {
+        if self.capacity_bytes() > self.initial_bytes {
+            self.blocks.clear();
+            self.current = 0;
+            self.cursor = 0;
+        }
+    }
+
     /// Bytes held from the pool.
     pub fn capacity_bytes(&self) -> u64 {
         self.blocks.iter().map(|block| block.size).sum()

@@ -19,7 +19,7 @@ mod common;
 use std::path::PathBuf;
 
 use ramus_core::Model;
-use ramus_cpu::Batch;
+use ramus_cpu::{Batch, Mode};
 use ramus_cuda::{training_trace, CudaEngine, CudaEngineOptions, PoolConfig, SwapConfig, SwapMode};
 use ramus_graph::{images, BatchingPolicy, InputGraph};
 use ramus_nn::{
@@ -329,14 +329,17 @@ fn cache_dir() -> PathBuf {
     std::env::temp_dir().join(format!("ramus-cuda-swap-{}", std::process::id()))
 }
 
-/// K steps of `net` with `mode` under `budget`; the losses, and the last
-/// step's swap report.
-fn train(
-    net: &Net,
-    mode: SwapMode,
-    budget: Option<u64>,
-    steps: usize,
-) -> (Vec<f64>, Option<ramus_cuda::SwapStepReport>) {
+/// What K training steps gave: the losses, the evaluation loss and scores
+/// of the trained parameters on a fresh batch, and the last step's report.
+struct Trained {
+    losses: Vec<f64>,
+    eval_loss: Option<f64>,
+    eval_logits: Vec<f32>,
+    report: Option<ramus_cuda::SwapStepReport>,
+}
+
+/// K steps of `net` with `mode` under `budget`, then an evaluation pass.
+fn train(net: &Net, mode: SwapMode, budget: Option<u64>, steps: usize) -> Trained {
     let model = net.model();
     let mut params = ramus_core::Params::<f32>::init(&model, 5);
     let mut swap = SwapConfig::with_mode(mode);
@@ -372,26 +375,61 @@ fn train(
         .unwrap_or_else(|e| panic!("{} {mode} step: {e}", net.name));
         losses.push(loss);
     }
-    (losses, engine.last_swap_report().cloned())
+    let report = engine.last_swap_report().cloned();
+    ramus_nn::Engine::sync_host_params(&mut engine, &mut params).expect("parameters");
+    let held_out = net.images(net.batch, 99);
+    let batch = Batch::new(&model, held_out.iter().collect(), BatchingPolicy::Cavs).unwrap();
+    let out = ramus_nn::Engine::forward(&mut engine, &model, &params, &batch, Mode::Evaluate)
+        .unwrap_or_else(|e| panic!("{} {mode} evaluation: {e}", net.name));
+    Trained {
+        losses,
+        eval_loss: out.loss,
+        eval_logits: out.logits,
+        report,
+    }
 }
 
 fn identical_losses(net: &Net) {
     const STEPS: usize = 4;
-    let (plain, _) = train(net, SwapMode::Off, None, STEPS);
-    let (resident, report) = train(net, SwapMode::Resident, None, STEPS);
-    let report = report.expect("a swap report");
-    assert_eq!(plain, resident, "{}: plain engine vs swap path", net.name);
+    let plain = train(net, SwapMode::Off, None, STEPS);
+    let resident = train(net, SwapMode::Resident, None, STEPS);
+    let report = resident.report.clone().expect("a swap report");
+    assert_eq!(
+        plain.losses, resident.losses,
+        "{}: plain engine vs swap path",
+        net.name
+    );
+    assert_eq!(
+        plain.eval_loss, resident.eval_loss,
+        "{}: evaluation",
+        net.name
+    );
+    assert_eq!(
+        plain.eval_logits, resident.eval_logits,
+        "{}: scores",
+        net.name
+    );
+    assert!(!plain.eval_logits.is_empty());
     // a budget the iteration's tensors exceed by half
     let budget = ((report.overhead_bytes + report.trace_peak_bytes * 2 / 3) as f64 / 0.98) as u64;
     println!(
-        "{}: losses {plain:?}; overhead {} bytes, tensors' peak {} bytes, budget {budget}",
-        net.name, report.overhead_bytes, report.trace_peak_bytes
+        "{}: losses {:?}; overhead {} bytes, tensors' peak {} bytes, budget {budget}",
+        net.name, plain.losses, report.overhead_bytes, report.trace_peak_bytes
     );
     for mode in [SwapMode::Naive, SwapMode::Planner, SwapMode::Auto] {
-        let (losses, report) = train(net, mode, Some(budget), STEPS);
-        let report = report.expect("a swap report");
-        println!("{} {mode}: {:?}", net.name, report.to_json());
-        assert_eq!(losses, plain, "{} {mode}: losses differ", net.name);
+        let run = train(net, mode, Some(budget), STEPS);
+        let report = run.report.expect("a swap report");
+        println!("{} {mode}: {}", net.name, report.to_json());
+        assert_eq!(
+            run.losses, plain.losses,
+            "{} {mode}: losses differ",
+            net.name
+        );
+        assert_eq!(
+            run.eval_logits, plain.eval_logits,
+            "{} {mode}: scores",
+            net.name
+        );
         assert!(
             report.exec.bytes_to_host > 0,
             "{} {mode}: nothing swapped",

@@ -11,8 +11,8 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaStream};
 
 use ramus_core::graph::{DType, NodeKind, Role, Source};
-use ramus_core::{Model, Params};
-use ramus_cpu::{fill_dropout_mask, Batch, Mode, Range};
+use ramus_core::{HeadRows, Model, Params};
+use ramus_cpu::{fill_dropout_mask, Batch, ForwardOutput, Mode, Range};
 use ramus_nn::OptimizerConfig;
 use ramus_swap::{
     analyze, AutoVmPlanner, CostModel, ExecOptions, Executor, Planner, PlannerConfig, Policy,
@@ -23,7 +23,7 @@ use super::{model_err, Buf, CudaEngine};
 use crate::error::{CudaError, InCall, Result};
 use crate::pinned::PinnedBuffer;
 use crate::pool::{DeviceView, PoolBuffer};
-use crate::swap::steps::{self, GraphRef, Shape, StaticProgram, SwapOp};
+use crate::swap::steps::{self, GraphRef, Kind, Shape, StaticProgram, SwapOp};
 use crate::swap::{HostSlot, SwapConfig, SwapMode, SwapStepReport};
 
 /// A tensor's device memory.
@@ -100,9 +100,12 @@ pub(crate) struct SwapRuntime {
     epoch: u64,
     mark_epoch: Option<u64>,
     slots: Vec<Slot>,
-    prepared: HashMap<Shape, Prepared>,
+    prepared: HashMap<(Shape, Kind), Prepared>,
     upload: PinnedBuffer,
     loss: PinnedBuffer,
+    logits: PinnedBuffer,
+    /// Floats of scores the last iteration copied into `logits`.
+    logits_len: usize,
     workspace: Option<PoolBuffer<f32>>,
     report: Option<SwapStepReport>,
 }
@@ -123,9 +126,35 @@ impl SwapRuntime {
             prepared: HashMap::new(),
             upload: PinnedBuffer::new(engine_device)?,
             loss: PinnedBuffer::new(engine_device)?,
+            logits: PinnedBuffer::new(engine_device)?,
+            logits_len: 0,
             workspace: None,
             report: None,
         })
+    }
+
+    /// A host slot of at least `bytes` for tensor `t`.
+    fn ensure_host(
+        &mut self,
+        t: usize,
+        bytes: usize,
+        device: &crate::device::CudaDevice,
+    ) -> Result<()> {
+        if self.slots.len() <= t {
+            self.slots.resize_with(t + 1, Slot::default);
+        }
+        match &self.slots[t].host {
+            Some(h) if h.bytes() >= bytes => return Ok(()),
+            Some(_) => {
+                // a smaller slot (another batch shape's tensor) may still be
+                // used by a copy: drain before freeing it
+                self.drain()?;
+                self.slots[t].host = None;
+            }
+            None => {}
+        }
+        self.slots[t].host = Some(HostSlot::new(device, bytes)?);
+        Ok(())
     }
 
     pub(crate) fn config(&self) -> &SwapConfig {
@@ -181,7 +210,15 @@ impl CudaEngine {
         batch: &Batch<'_>,
     ) -> Option<(ramus_swap::Trace, Option<SwapPlan>)> {
         let rt = self.swap.as_ref()?;
-        let prep = rt.prepared.get(&Shape::of(model, &batch.schedule))?;
+        let states = self
+            .optimizer
+            .as_ref()
+            .map_or(0, |(_, o)| steps::optimizer_states(o.config().kind));
+        let key = (
+            Shape::of(model, &batch.schedule, model.head.rows),
+            Kind::Train { states },
+        );
+        let prep = rt.prepared.get(&key)?;
         Some((prep.program.trace.clone(), prep.plan.clone()))
     }
 
@@ -201,14 +238,7 @@ impl CudaEngine {
             .ok_or_else(|| swap_err("the swap path is not set up"))?;
         let result = self.swap_step(&mut rt, model, params, config, batch);
         if result.is_err() {
-            // leave no copy in flight and no tensor allocated
-            let drained = self.device.synchronize().and_then(|()| rt.drain());
-            for slot in &mut rt.slots {
-                slot.mem = None;
-            }
-            if let Err(e) = drained {
-                eprintln!("ramus-cuda: swap path: could not drain after a failed step: {e}");
-            }
+            self.abandon(&mut rt);
         }
         self.swap = Some(rt);
         result
@@ -223,40 +253,18 @@ impl CudaEngine {
         batch: &Batch<'_>,
     ) -> Result<f64> {
         let s = &batch.schedule;
-        self.state.forward_done = false;
-        self.arena.borrow_mut().reset()?;
-        self.main.workspace.set(None);
-        self.eager.workspace.set(None);
-        self.sync_params(model, params)?;
+        self.begin_swap_step(model, params)?;
         self.upload_indices(model, s, Mode::Train, model.head.rows)?;
         // the optimizer's state is part of the fixed memory: allocate it first
         self.device_optimizer(model, config)?;
-        let shape = Shape::of(model, s);
-        let mut prep = match rt.prepared.remove(&shape) {
-            Some(p) => p,
-            None => {
-                let program = steps::build(
-                    model,
-                    &self.program,
-                    &shape,
-                    steps::optimizer_states(config.kind),
-                    self.conv_workspace,
-                )?;
-                Prepared {
-                    program,
-                    stage: Stage::New,
-                    policy: None,
-                    plan: None,
-                    options: ExecOptions::resident(None),
-                    overhead: 0,
-                    plan_budget: None,
-                    trace_peak: 0,
-                }
-            }
+        let kind = Kind::Train {
+            states: steps::optimizer_states(config.kind),
         };
-        let result = self.swap_run(rt, &mut prep, model, config, batch);
-        rt.prepared.insert(shape, prep);
-        let loss = result?;
+        let key = (Shape::of(model, s, model.head.rows), kind);
+        let mut prep = self.prepared(rt, model, &key)?;
+        let result = self.swap_run(rt, &mut prep, model, Some(config), batch);
+        rt.prepared.insert(key, prep);
+        let (loss, _) = result?;
         // the device copy is now ahead of the host values
         params.touch();
         if let Some(dp) = self.params.as_mut() {
@@ -266,14 +274,125 @@ impl CudaEngine {
         Ok(loss)
     }
 
+    /// The prepared iteration for `key`, taken out of the runtime's cache
+    /// (built if new; the caller puts it back).
+    fn prepared(
+        &self,
+        rt: &mut SwapRuntime,
+        model: &Model,
+        key: &(Shape, Kind),
+    ) -> Result<Prepared> {
+        if let Some(p) = rt.prepared.remove(key) {
+            return Ok(p);
+        }
+        let program = steps::build(model, &self.program, &key.0, key.1, self.conv_workspace)?;
+        Ok(Prepared {
+            program,
+            stage: Stage::New,
+            policy: None,
+            plan: None,
+            options: ExecOptions::resident(None),
+            overhead: 0,
+            plan_budget: None,
+            trace_peak: 0,
+        })
+    }
+
+    /// The forward pass of a static-graph model on the swap path (evaluation
+    /// and inference): op by op, each tensor freed after its last use, so
+    /// batches whose activations all together exceed the budget still run.
+    pub(super) fn swap_forward(
+        &mut self,
+        model: &Model,
+        params: &Params<f32>,
+        batch: &Batch<'_>,
+        mode: Mode,
+        rows: HeadRows,
+    ) -> Result<ForwardOutput<f32>> {
+        self.check_model(model)?;
+        let mut rt = self
+            .swap
+            .take()
+            .ok_or_else(|| swap_err("the swap path is not set up"))?;
+        let result = self.swap_forward_in(&mut rt, model, params, batch, mode, rows);
+        if result.is_err() {
+            self.abandon(&mut rt);
+        }
+        self.swap = Some(rt);
+        result
+    }
+
+    fn swap_forward_in(
+        &mut self,
+        rt: &mut SwapRuntime,
+        model: &Model,
+        params: &Params<f32>,
+        batch: &Batch<'_>,
+        mode: Mode,
+        rows: HeadRows,
+    ) -> Result<ForwardOutput<f32>> {
+        let s = &batch.schedule;
+        self.begin_swap_step(model, params)?;
+        self.upload_indices(model, s, mode, rows)?;
+        let kind = if mode == Mode::Infer {
+            Kind::Infer
+        } else {
+            Kind::Evaluate
+        };
+        let key = (Shape::of(model, s, rows), kind);
+        let mut prep = self.prepared(rt, model, &key)?;
+        let result = self.swap_run(rt, &mut prep, model, None, batch);
+        rt.prepared.insert(key, prep);
+        let (loss, logits) = result?;
+        let classes = model
+            .head
+            .logits
+            .map_or(0, |l| model.head.forward.nodes[l].ty.width());
+        Ok(ForwardOutput {
+            loss: (mode != Mode::Infer).then_some(loss),
+            head_vertices: self.state.head_vertices.clone(),
+            logits,
+            classes,
+        })
+    }
+
+    /// Resets the per-batch state shared with the plain path and uploads
+    /// the parameters if they changed.
+    fn begin_swap_step(&mut self, model: &Model, params: &Params<f32>) -> Result<()> {
+        self.state.forward_done = false;
+        {
+            let mut arena = self.arena.borrow_mut();
+            arena.reset()?;
+            // an evaluation pass may have grown it: the swap path's tensors
+            // need that room (earlier work is ordered on the compute stream)
+            arena.trim();
+        }
+        self.main.workspace.set(None);
+        self.eager.workspace.set(None);
+        self.sync_params(model, params)
+    }
+
+    /// After a failed step: leaves no copy in flight and no tensor allocated.
+    fn abandon(&self, rt: &mut SwapRuntime) {
+        let drained = self.device.synchronize().and_then(|()| rt.drain());
+        for slot in &mut rt.slots {
+            slot.mem = None;
+        }
+        if let Err(e) = drained {
+            eprintln!("ramus-cuda: swap path: could not drain after a failed step: {e}");
+        }
+    }
+
+    /// Runs the prepared iteration; returns the loss (NaN if none) and the
+    /// scores (if copied).
     fn swap_run(
         &mut self,
         rt: &mut SwapRuntime,
         prep: &mut Prepared,
         model: &Model,
-        config: &OptimizerConfig,
+        config: Option<&OptimizerConfig>,
         batch: &Batch<'_>,
-    ) -> Result<f64> {
+    ) -> Result<(f64, Vec<f32>)> {
         let nt = prep.program.trace.num_tensors();
         if rt.slots.len() < nt {
             rt.slots.resize_with(nt, Slot::default);
@@ -297,6 +416,20 @@ impl CudaEngine {
         if prep.stage == Stage::New {
             self.decide(rt, prep)?;
         }
+        // pinned slots of the planned offloads, before the timed work starts
+        if let Some(plan) = &prep.plan {
+            for a in &plan.actions {
+                if let Some(home) = prep
+                    .program
+                    .homes
+                    .get(a.tensor().index())
+                    .copied()
+                    .flatten()
+                {
+                    rt.ensure_host(a.tensor().index(), home.len * 4, &self.device)?;
+                }
+            }
+        }
         let profiling = prep.stage == Stage::Profile;
         let executor = Executor::new(
             &prep.program.trace,
@@ -319,7 +452,17 @@ impl CudaEngine {
             dev.init_bufs()?;
             executor.run(&mut dev)?
         };
-        let loss = f64::from(rt.loss.host::<f32>(1)?.first().copied().unwrap_or(f32::NAN));
+        let has = |op: SwapOp| prep.program.ops.contains(&op);
+        let loss = if has(SwapOp::ReadLoss) {
+            f64::from(rt.loss.host::<f32>(1)?.first().copied().unwrap_or(f32::NAN))
+        } else {
+            f64::NAN
+        };
+        let logits = if has(SwapOp::ReadLogits) {
+            rt.logits.host::<f32>(rt.logits_len)?.to_vec()
+        } else {
+            Vec::new()
+        };
         if let Some(profile) = profile {
             self.replan(rt, prep, &profile)?;
         }
@@ -336,7 +479,7 @@ impl CudaEngine {
             exec,
             pool_peak_bytes: self.pool.stats().peak_in_use_bytes,
         });
-        Ok(loss)
+        Ok((loss, logits))
     }
 
     /// The planner's settings for this runtime and budget.
@@ -362,6 +505,19 @@ impl CudaEngine {
             let reserve = (b as f64 * rt.config.fragmentation_reserve.clamp(0.0, 0.5)) as u64;
             b.saturating_sub(prep.overhead).saturating_sub(reserve)
         });
+        if !matches!(prep.program.kind, Kind::Train { .. }) {
+            // a forward pass frees as it goes; should it still not fit,
+            // naive swapping (unless no swapping was asked for)
+            prep.stage = Stage::Ready;
+            if rt.config.mode == SwapMode::Resident {
+                prep.policy = None;
+                prep.options = ExecOptions::resident(None);
+            } else {
+                prep.policy = Some(Policy::Lru);
+                prep.options = ExecOptions::on_demand(None);
+            }
+            return Ok(());
+        }
         let mode = match rt.config.mode {
             SwapMode::Auto => match prep.plan_budget {
                 Some(b) if prep.trace_peak > b => SwapMode::Planner,
@@ -468,7 +624,7 @@ struct CudaSwapDevice<'a> {
     rt: &'a mut SwapRuntime,
     program: &'a StaticProgram,
     model: &'a Model,
-    config: &'a OptimizerConfig,
+    config: Option<&'a OptimizerConfig>,
     batch: &'a Batch<'a>,
     /// Buffers of every graph's nodes, by [`GraphRef::index`]: index inputs
     /// and empty buffers fixed, every tensor present only while an op that
@@ -621,7 +777,7 @@ impl CudaSwapDevice<'_> {
                 phase,
                 index,
             } => {
-                let prog = graph.program(&engine.program);
+                let prog = graph.program(&engine.program, self.program.kind);
                 let step = prog.phases[phase].get(index).ok_or_else(|| {
                     swap_err(format!("swap path: no step {index} in phase {phase}"))
                 })?;
@@ -695,6 +851,13 @@ impl CudaSwapDevice<'_> {
                     engine.launcher.move_rows(&stream, &moves)?;
                 }
             }
+            SwapOp::ReadLogits => {
+                if let Some(l) = model.head.logits {
+                    let v = view(GraphRef::Head, l)?;
+                    self.rt.logits.download(v, &stream)?;
+                    self.rt.logits_len = v.len();
+                }
+            }
             SwapOp::ReadLoss => {
                 let v = view(GraphRef::Head, model.head.loss)?;
                 self.rt
@@ -762,9 +925,12 @@ impl CudaSwapDevice<'_> {
                 engine.launcher.add_into(&stream, dst, src)?;
             }
             SwapOp::Optimizer => {
+                let config = self
+                    .config
+                    .ok_or_else(|| swap_err("swap path: an optimizer step without an optimizer"))?;
                 let report =
                     self.engine
-                        .device_optimizer(model, self.config)?
+                        .device_optimizer(model, config)?
                         .step(&stream, &[], false)?;
                 for _ in 0..report.launches {
                     self.engine.launcher.count();
@@ -836,15 +1002,7 @@ impl SwapDevice for CudaSwapDevice<'_> {
         let (ptr, bytes) = self.mem(tensor)?.raw();
         let d2h = Arc::clone(&self.rt.d2h);
         d2h.wait(&self.rt.mark).in_call("cuStreamWaitEvent")?;
-        let slot = &mut self.rt.slots[tensor.index()];
-        if slot.host.as_ref().is_none_or(|h| h.bytes() < bytes) {
-            // a slot of another batch shape may still be read by a copy
-            self.rt.h2d.synchronize().in_call("cuStreamSynchronize")?;
-            d2h.synchronize().in_call("cuStreamSynchronize")?;
-            let slot = &mut self.rt.slots[tensor.index()];
-            slot.host = None;
-            slot.host = Some(HostSlot::new(&device, bytes)?);
-        }
+        self.rt.ensure_host(tensor.index(), bytes, &device)?;
         let slot = &mut self.rt.slots[tensor.index()];
         if let Some((start, _)) = &timing {
             start.record(&d2h).in_call("cuEventRecord")?;

@@ -73,7 +73,7 @@ use crate::error::Result;
 use crate::program::Program;
 
 /// How the CUDA engine trains under a device memory budget.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum SwapMode {
     /// The plain engine: every tensor of a batch in the batch arena;
     /// exceeding the budget is an error naming the tensor.
@@ -194,6 +194,40 @@ pub struct SwapStepReport {
     pub pool_peak_bytes: u64,
 }
 
+impl fmt::Display for SwapStepReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use ramus_swap::human_bytes;
+        let e = &self.exec;
+        write!(
+            f,
+            "swap {}: {}; {} ops, {} tensors, their peak {}",
+            self.mode,
+            self.policy.map_or("no swapping", |p| p.label()),
+            self.ops,
+            self.tensors,
+            human_bytes(self.trace_peak_bytes)
+        )?;
+        if let Some(b) = self.device_budget {
+            write!(f, ", budget {}", human_bytes(b))?;
+        }
+        if let Some(b) = self.plan_budget {
+            write!(f, " ({} for them)", human_bytes(b))?;
+        }
+        write!(
+            f,
+            "; per step {} to the host in {} copies, {} back in {}",
+            human_bytes(e.bytes_to_host),
+            e.copies_to_host,
+            human_bytes(e.bytes_to_device),
+            e.copies_to_device
+        )?;
+        if e.fallback_evictions > 0 {
+            write!(f, ", {} fallback evictions", e.fallback_evictions)?;
+        }
+        write!(f, "; pool peak {}", human_bytes(self.pool_peak_bytes))
+    }
+}
+
 impl SwapStepReport {
     /// The report as JSON (for benchmarks).
     pub fn to_json(&self) -> serde_json::Value {
@@ -226,12 +260,15 @@ pub fn training_trace(
     conv_workspace: Option<usize>,
 ) -> Result<Trace> {
     let (program, _) = Program::plan(model)?;
-    let shape = steps::Shape::of(model, &batch.schedule);
+    let shape = steps::Shape::of(model, &batch.schedule, model.head.rows);
+    let kind = steps::Kind::Train {
+        states: steps::optimizer_states(optimizer),
+    };
     let prog = steps::build(
         model,
         &program,
         &shape,
-        steps::optimizer_states(optimizer),
+        kind,
         conv_workspace.unwrap_or(crate::engine::CONV_WORKSPACE_FLOATS),
     )?;
     Ok(prog.trace)

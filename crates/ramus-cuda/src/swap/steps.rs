@@ -33,7 +33,7 @@ use std::any::Any;
 use std::collections::HashMap;
 
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, Role, Source, Space};
-use ramus_core::Model;
+use ramus_core::{HeadRows, Model};
 use ramus_graph::Schedule;
 use ramus_nn::OptimizerKind;
 use ramus_swap::{Phase, TensorId, TensorKind, Trace, TraceBuilder};
@@ -41,7 +41,9 @@ use ramus_swap::{Phase, TensorId, TensorKind, Trace, TraceBuilder};
 use crate::engine::cnn_workspace_floats;
 use crate::error::{CudaError, Result};
 use crate::offset_allocator::aligned_size;
-use crate::program::{GraphProgram, PlannedStep, Program, EAGER, HEAD_ALL, LAZY, PER_TASK};
+use crate::program::{
+    GraphProgram, PlannedStep, Program, EAGER, HEAD_ALL, HEAD_SCORES, LAZY, PER_TASK,
+};
 
 /// A graph of the model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -77,13 +79,16 @@ impl GraphRef {
         }
     }
 
-    /// Its training program.
-    pub(crate) fn program(self, program: &Program) -> &GraphProgram {
-        match self {
-            GraphRef::Forward(f) => &program.functions[f].0,
-            GraphRef::Backward(f) => &program.functions[f].1,
-            GraphRef::Head => &program.head_forward,
-            GraphRef::HeadBackward => &program.head_backward,
+    /// Its program for an iteration of `kind` (training keeps the values
+    /// the backward graphs read; evaluation and inference keep fewer).
+    pub(crate) fn program(self, program: &Program, kind: Kind) -> &GraphProgram {
+        match (self, kind) {
+            (GraphRef::Forward(f), Kind::Train { .. }) => &program.functions[f].0,
+            (GraphRef::Forward(f), _) => &program.infer_functions[f],
+            (GraphRef::Backward(f), _) => &program.functions[f].1,
+            (GraphRef::Head, Kind::Train { .. }) => &program.head_forward,
+            (GraphRef::Head, _) => &program.head_forward_infer,
+            (GraphRef::HeadBackward, _) => &program.head_backward,
         }
     }
 
@@ -114,6 +119,24 @@ impl GraphRef {
     }
 }
 
+/// What an iteration computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Kind {
+    /// Forward, backward and the optimizer step, with this many
+    /// parameter-sized optimizer state tensors per parameter.
+    Train { states: usize },
+    /// The forward pass with the loss (and scores).
+    Evaluate,
+    /// The forward pass up to the scores.
+    Infer,
+}
+
+impl Kind {
+    fn training(self) -> bool {
+        matches!(self, Kind::Train { .. })
+    }
+}
+
 /// One op of the iteration.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum SwapOp {
@@ -131,9 +154,12 @@ pub(crate) enum SwapOp {
     HeadInput,
     /// Copy the loss to the host (asynchronously; read at the end).
     ReadLoss,
+    /// Copy the scores to the host (asynchronously; read at the end).
+    ReadLogits,
     /// Zero every parameter gradient.
     ZeroGrads,
-    /// Fill an output-gradient input of a backward graph (1 for the loss).
+    /// Fill an output-gradient input of a backward graph (1 for the loss),
+    /// or a dropout mask with ones when not training.
     Seed {
         graph: GraphRef,
         node: NodeId,
@@ -170,6 +196,7 @@ pub(crate) struct StaticProgram {
     pub masks: Vec<(GraphRef, NodeId, usize, u16)>,
     /// Floats of scratch memory the largest op needs.
     pub workspace_floats: usize,
+    pub kind: Kind,
     pub trace: Trace,
 }
 
@@ -184,8 +211,9 @@ pub(crate) struct Shape {
 }
 
 impl Shape {
-    pub(crate) fn of(model: &Model, s: &Schedule) -> Shape {
-        let head: Vec<u32> = crate::engine::head_vertices(model.head.rows, s);
+    /// The shape of batch `s` with the head on `rows`.
+    pub(crate) fn of(model: &Model, s: &Schedule, rows: HeadRows) -> Shape {
+        let head: Vec<u32> = crate::engine::head_vertices(rows, s);
         let mut head_rows_of = vec![0; model.functions.len()];
         for &v in &head {
             if let Some(n) = head_rows_of.get_mut(s.vertex_function[v as usize] as usize) {
@@ -224,7 +252,7 @@ fn unsupported(model: &Model, what: String) -> CudaError {
 }
 
 /// Checks that `model` is a static-graph model the swap path runs.
-fn check_static(model: &Model, program: &Program) -> Result<()> {
+pub(crate) fn check_static(model: &Model, program: &Program) -> Result<()> {
     for (f, func) in model.functions.iter().enumerate() {
         let (fwd, bwd) = &program.functions[f];
         if !fwd.phases[PER_TASK].is_empty() || !bwd.phases[PER_TASK].is_empty() {
@@ -271,6 +299,7 @@ pub(crate) fn optimizer_states(kind: OptimizerKind) -> usize {
 struct Builder<'a> {
     model: &'a Model,
     program: &'a Program,
+    kind: Kind,
     shape: &'a Shape,
     conv_workspace: usize,
     t: TraceBuilder,
@@ -302,7 +331,7 @@ impl Builder<'_> {
     /// One tensor per node of `graph` with a buffer of its own.
     fn graph_tensors(&mut self, graph: GraphRef) {
         let g = graph.graph(self.model);
-        let prog = graph.program(self.program);
+        let prog = graph.program(self.program, self.kind);
         let kind = match graph {
             GraphRef::Forward(_) | GraphRef::Head => TensorKind::Activation,
             _ => TensorKind::Gradient,
@@ -352,7 +381,7 @@ impl Builder<'_> {
                 ))),
             },
             NodeKind::Input(Source::Token | Source::Label) => Ok(None),
-            _ => match graph.program(self.program).views.get(&n) {
+            _ => match graph.program(self.program, self.kind).views.get(&n) {
                 Some(v) => self.resolve(graph, v.source),
                 None => Ok(self.own.get(&(graph, n)).copied()),
             },
@@ -398,7 +427,7 @@ impl Builder<'_> {
     /// The steps of `phase` of `graph`.
     fn steps(&mut self, graph: GraphRef, phase: usize, op_phase: Phase) -> Result<()> {
         let g = graph.graph(self.model);
-        let prog = graph.program(self.program);
+        let prog = graph.program(self.program, self.kind);
         let label = graph.label(self.model);
         let rows = match graph.function() {
             Some(f) => self.shape.rows[f],
@@ -531,22 +560,29 @@ fn group_nodes(group: &ramus_core::fusion::FusedGroup) -> (Vec<NodeId>, Vec<Node
     (reads, writes)
 }
 
-/// Builds the iteration of `model` (whose planned or compiled program is
-/// `program`) on batches of `shape` with an optimizer keeping `states`
-/// parameter-sized tensors per parameter; convolutions chunk their columns
-/// at `conv_workspace` floats.
+/// Builds the iteration of `kind` of `model` (whose planned or compiled
+/// program is `program`) on batches of `shape`; convolutions chunk their
+/// columns at `conv_workspace` floats. An iteration that does not train has
+/// only the forward ops (masks filled with ones), the loss unless
+/// inferring, and the scores.
 pub(crate) fn build(
     model: &Model,
     program: &Program,
     shape: &Shape,
-    states: usize,
+    kind: Kind,
     conv_workspace: usize,
 ) -> Result<StaticProgram> {
     check_static(model, program)?;
     let nf = model.functions.len();
+    let training = kind.training();
+    let states = match kind {
+        Kind::Train { states } => states,
+        _ => 0,
+    };
     let mut b = Builder {
         model,
         program,
+        kind,
         shape,
         conv_workspace,
         t: TraceBuilder::new(),
@@ -570,7 +606,7 @@ pub(crate) fn build(
         );
         b.params.push(id);
     }
-    for p in &model.params {
+    for p in model.params.iter().filter(|_| training) {
         let bytes = pool_bytes(p.shape.iter().product());
         let id = b.tensor(
             format!("grad {}", p.name),
@@ -595,6 +631,7 @@ pub(crate) fn build(
     let graphs: Vec<GraphRef> = (0..nf)
         .flat_map(|f| [GraphRef::Forward(f), GraphRef::Backward(f)])
         .chain([GraphRef::Head, GraphRef::HeadBackward])
+        .filter(|g| training || g.forward().is_none())
         .collect();
     for &g in &graphs {
         b.graph_tensors(g);
@@ -615,11 +652,20 @@ pub(crate) fn build(
                         b.producer(t, SwapOp::UploadPull { f, node: n }, name);
                     }
                 }
-                NodeKind::Input(Source::DropoutMask { rate, .. }) => {
+                NodeKind::Input(Source::DropoutMask { rate, .. }) if training => {
                     let len = b.homes[t.index()].map_or(0, |h| h.len);
                     let name = format!("upload {} %{n} (dropout mask)", graph.label(model));
                     b.producer(t, SwapOp::UploadMask { mask: masks.len() }, name);
                     masks.push((graph, n, len, rate));
+                }
+                NodeKind::Input(Source::DropoutMask { .. }) => {
+                    let name = format!("fill {} %{n} (dropout mask) = 1", graph.label(model));
+                    let op = SwapOp::Seed {
+                        graph,
+                        node: n,
+                        value: 1.0,
+                    };
+                    b.producer(t, op, name);
                 }
                 _ => {}
             }
@@ -653,15 +699,35 @@ pub(crate) fn build(
         &pushed,
         &head_input,
     );
-    b.steps(GraphRef::Head, HEAD_ALL, Phase::Forward)?;
-    let loss = b.resolve_all(GraphRef::Head, &[head.loss])?;
-    b.emit(
-        SwapOp::ReadLoss,
-        "read loss".into(),
-        Phase::Forward,
-        &loss,
-        &[],
-    );
+    let head_phase = if kind == Kind::Infer {
+        HEAD_SCORES
+    } else {
+        HEAD_ALL
+    };
+    b.steps(GraphRef::Head, head_phase, Phase::Forward)?;
+    if kind != Kind::Infer {
+        let loss = b.resolve_all(GraphRef::Head, &[head.loss])?;
+        b.emit(
+            SwapOp::ReadLoss,
+            "read loss".into(),
+            Phase::Forward,
+            &loss,
+            &[],
+        );
+    }
+    if !training {
+        if let Some(l) = head.logits {
+            let logits = b.resolve_all(GraphRef::Head, &[l])?;
+            b.emit(
+                SwapOp::ReadLogits,
+                "read scores".into(),
+                Phase::Forward,
+                &logits,
+                &[],
+            );
+        }
+        return b.finish(masks);
+    }
     // backward
     let grads = b.grads.clone();
     b.emit(
@@ -722,15 +788,22 @@ pub(crate) fn build(
         &reads,
         &writes,
     );
-    let trace =
-        b.t.build()
-            .map_err(|e| CudaError::Model(format!("swap trace of model `{}`: {e}", model.name)))?;
-    Ok(StaticProgram {
-        ops: b.ops,
-        homes: b.homes,
-        empty: b.empty,
-        masks,
-        workspace_floats: b.workspace_floats,
-        trace,
-    })
+    b.finish(masks)
+}
+
+impl Builder<'_> {
+    fn finish(self, masks: Vec<(GraphRef, NodeId, usize, u16)>) -> Result<StaticProgram> {
+        let trace = self.t.build().map_err(|e| {
+            CudaError::Model(format!("swap trace of model `{}`: {e}", self.model.name))
+        })?;
+        Ok(StaticProgram {
+            ops: self.ops,
+            homes: self.homes,
+            empty: self.empty,
+            masks,
+            workspace_floats: self.workspace_floats,
+            kind: self.kind,
+            trace,
+        })
+    }
 }
