@@ -9,7 +9,7 @@ use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{build_model, data_kind, ModelConfig, OptimizerKind};
 use ramus_swap::{
     analyze, human_bytes, human_seconds, AutoVmPlanner, CostModel, LruPlanner, NoBudgetPlanner,
-    Planner, PlannerConfig, Simulator,
+    Planner, PlannerConfig, Simulator, TensorKind,
 };
 
 use crate::data;
@@ -45,6 +45,12 @@ pub struct PlanMemoryArgs {
     /// Print the plan as JSON.
     #[arg(long)]
     json: bool,
+    /// Whose iteration to plan: cpu (the batched engines' trace) or cuda
+    /// (the CUDA swap path's own op list and pool-sized tensors, CNNs only,
+    /// planned as that path does: parameters, their gradients and optimizer
+    /// state stay resident). Needs no GPU.
+    #[arg(long, default_value = "cpu")]
+    engine: String,
 }
 
 type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
@@ -84,7 +90,17 @@ pub fn run(a: PlanMemoryArgs) -> AnyResult {
         },
     )?;
     let batch = Batch::new(&model, graphs, BatchingPolicy::Cavs)?;
-    let trace = training_trace(&model, &batch, states)?;
+    let optimizer: OptimizerKind = a.optimizer.parse()?;
+    let cuda = match a.engine.as_str() {
+        "cpu" => false,
+        "cuda" => true,
+        other => return Err(format!("--engine must be cpu or cuda, got `{other}`").into()),
+    };
+    let trace = if cuda {
+        ramus_cuda::training_trace(&model, &batch, optimizer, None)?
+    } else {
+        training_trace(&model, &batch, states)?
+    };
     let peak = analyze(&trace, &cost).peak_bytes;
     let budget = a
         .device_memory_budget
@@ -93,8 +109,12 @@ pub fn run(a: PlanMemoryArgs) -> AnyResult {
         "planner" => {
             let mut config = PlannerConfig::new(budget);
             config.cost = cost;
+            if cuda {
+                config.offload_kinds = vec![TensorKind::Activation, TensorKind::Gradient];
+            }
             Box::new(AutoVmPlanner::new(config))
         }
+        "lru" if cuda => Box::new(LruPlanner::new(budget, cost).keep_persistent_resident()),
         "lru" => Box::new(LruPlanner::new(budget, cost)),
         "none" => Box::new(NoBudgetPlanner::new(cost)),
         other => {
