@@ -338,10 +338,7 @@ struct Trained {
     report: Option<ramus_cuda::SwapStepReport>,
 }
 
-/// K steps of `net` with `mode` under `budget`, then an evaluation pass.
-fn train(net: &Net, mode: SwapMode, budget: Option<u64>, steps: usize) -> Trained {
-    let model = net.model();
-    let mut params = ramus_core::Params::<f32>::init(&model, 5);
+fn engine(model: &Model, mode: SwapMode, budget: Option<u64>) -> CudaEngine {
     let mut swap = SwapConfig::with_mode(mode);
     swap.size_threshold_bytes = 0;
     let options = CudaEngineOptions {
@@ -355,8 +352,16 @@ fn train(net: &Net, mode: SwapMode, budget: Option<u64>, steps: usize) -> Traine
         swap,
         ..CudaEngineOptions::default()
     };
-    let mut engine = CudaEngine::new(&model, &options).expect("engine");
+    let mut engine = CudaEngine::new(model, &options).expect("engine");
     engine.set_seed(11);
+    engine
+}
+
+/// K steps of `net` with `mode` under `budget`, then an evaluation pass.
+fn train(net: &Net, mode: SwapMode, budget: Option<u64>, steps: usize) -> Trained {
+    let model = net.model();
+    let mut params = ramus_core::Params::<f32>::init(&model, 5);
+    let mut engine = engine(&model, mode, budget);
     let config = OptimizerConfig::new(OptimizerKind::Adam, 1e-3);
     let mut optimizer = Optimizer::new(config, &params);
     let mut grads = ramus_core::Grads::zeros(&model);
@@ -441,6 +446,35 @@ fn identical_losses(net: &Net) {
             net.name
         );
     }
+    // without swapping, that budget is an error naming the op, the tensor
+    // and the budget; a failed step leaves nothing behind, so the next one
+    // fails the same way
+    let model = net.model();
+    let mut params = ramus_core::Params::<f32>::init(&model, 5);
+    let mut engine = engine(&model, SwapMode::Resident, Some(budget));
+    let config = OptimizerConfig::new(OptimizerKind::Adam, 1e-3);
+    let mut optimizer = Optimizer::new(config, &params);
+    let mut grads = ramus_core::Grads::zeros(&model);
+    let data = net.images(net.batch, 21);
+    let batch = Batch::new(&model, data.iter().collect(), BatchingPolicy::Cavs).unwrap();
+    let mut step = || {
+        ramus_nn::Engine::train_step(
+            &mut engine,
+            &model,
+            &mut params,
+            &mut grads,
+            &mut optimizer,
+            &batch,
+        )
+        .expect_err("over the budget without swapping")
+        .to_string()
+    };
+    let msg = step();
+    assert!(
+        msg.contains(&format!("{budget} bytes")) && msg.contains("op "),
+        "{msg}"
+    );
+    assert_eq!(step(), msg);
 }
 
 #[test]
