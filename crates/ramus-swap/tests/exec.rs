@@ -379,3 +379,22 @@ fn the_simulated_device_catches_stale_and_missing_data() {
     let e = dev.prefetch(TensorId(1)).unwrap_err();
     assert!(e.to_string().contains("no host copy"), "{e}");
 }
+
+#[test]
+fn a_device_refusing_what_the_plan_allows_falls_back_to_eviction() {
+    // the device holds 8 % less than the plan was made for (as a fragmented
+    // heap would): the executor evicts least-recently-used tensors itself,
+    // fetches them back when touched, and skips the plan's moves of them
+    let (trace, plan, budget) = resnet_plan();
+    let smaller = budget - budget / 12;
+    for latency in [0, 1, 5] {
+        let ex = Executor::new(&trace, Some(&plan), ExecOptions::planned(Some(budget))).unwrap();
+        let mut dev = SimDevice::new(&trace, Some(smaller)).with_latency(latency);
+        let r = ex
+            .run(&mut dev)
+            .unwrap_or_else(|e| panic!("latency {latency}: {e}"));
+        assert!(r.fallback_evictions > 0, "latency {latency}");
+        assert!(dev.counts().peak_bytes <= smaller);
+        assert_eq!(dev.counts().used_bytes, trace.persistent_bytes());
+    }
+}
