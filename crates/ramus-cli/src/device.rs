@@ -1,11 +1,12 @@
 //! `--device`: which engine runs a command (the CPU batched engine or the
-//! CUDA batched engine), and building it for a model.
+//! CUDA batched engine), and building it for a model; `--swap`: how the
+//! CUDA engine trains a CNN under `--device-memory-budget`.
 
 use std::str::FromStr;
 
 use ramus_core::Model;
 use ramus_cpu::CpuEngine;
-use ramus_cuda::{CudaEngine, CudaEngineOptions};
+use ramus_cuda::{CudaEngine, CudaEngineOptions, SwapConfig, SwapMode};
 use ramus_nn::Engine;
 
 /// Where a command runs.
@@ -30,9 +31,39 @@ impl FromStr for Device {
 /// device memory if given, with an error that says what is missing when
 /// CUDA cannot be used here.
 pub fn cuda_engine(model: &Model, budget: Option<u64>) -> Result<CudaEngine, String> {
+    cuda_engine_with(model, budget, SwapConfig::default())
+}
+
+/// [`cuda_engine`] with the swap path set up as `swap` says.
+pub fn cuda_engine_with(
+    model: &Model,
+    budget: Option<u64>,
+    swap: SwapConfig,
+) -> Result<CudaEngine, String> {
     let mut options = CudaEngineOptions::default();
     options.pool.max_bytes = budget;
+    options.swap = swap;
     CudaEngine::new(model, &options).map_err(|e| format!("--device cuda: {e}"))
+}
+
+/// The swap mode of a command: the one given (CUDA only), else `auto` for a
+/// CNN on CUDA under a budget (the planner if the iteration does not fit,
+/// no swapping if it does), else the plain engine.
+pub fn swap_mode(
+    device: Device,
+    model: &str,
+    budget: Option<u64>,
+    given: Option<SwapMode>,
+) -> Result<SwapMode, String> {
+    match (device, given) {
+        (Device::Cpu, Some(_)) => Err("--swap applies to --device cuda".into()),
+        (Device::Cpu, None) => Ok(SwapMode::Off),
+        (Device::Cuda, Some(mode)) => Ok(mode),
+        (Device::Cuda, None) if budget.is_some() && ramus_nn::vision::is_vision_model(model) => {
+            Ok(SwapMode::Auto)
+        }
+        (Device::Cuda, None) => Ok(SwapMode::Off),
+    }
 }
 
 /// The engine for `device`; a memory budget applies to CUDA only.
@@ -41,11 +72,25 @@ pub fn engine(
     model: &Model,
     budget: Option<u64>,
 ) -> Result<Box<dyn Engine<f32>>, String> {
+    engine_with_swap(device, model, budget, SwapMode::Off)
+}
+
+/// [`engine`] with the CUDA engine's swap path in `swap` mode.
+pub fn engine_with_swap(
+    device: Device,
+    model: &Model,
+    budget: Option<u64>,
+    swap: SwapMode,
+) -> Result<Box<dyn Engine<f32>>, String> {
     Ok(match device {
         Device::Cpu if budget.is_some() => {
             return Err("--device-memory-budget applies to --device cuda".into())
         }
         Device::Cpu => Box::new(CpuEngine::<f32>::new()),
-        Device::Cuda => Box::new(cuda_engine(model, budget)?),
+        Device::Cuda => Box::new(cuda_engine_with(
+            model,
+            budget,
+            SwapConfig::with_mode(swap),
+        )?),
     })
 }

@@ -1,6 +1,7 @@
 //! The `ramus` command: train, evaluate, benchmark and inspect models.
 
 mod bench;
+mod bench_swap;
 mod data;
 mod device;
 mod image_dir;
@@ -51,6 +52,9 @@ enum Command {
     Infer(infer::InferArgs),
     /// Plan one training iteration under a device memory budget (swap plan).
     PlanMemory(plan_memory::PlanMemoryArgs),
+    /// Time CNN training past device memory: no swapping, naive swapping and
+    /// the AutoVM planner at several peak/budget ratios (CUDA).
+    BenchSwap(bench_swap::BenchSwapArgs),
     /// Print a model's vertex functions, derivatives and execution plans.
     Inspect {
         #[arg(long, default_value = "treelstm")]
@@ -126,6 +130,14 @@ struct TrainArgs {
     /// Cap on the device memory Ramus may use, in bytes (CUDA).
     #[arg(long)]
     device_memory_budget: Option<u64>,
+    /// How a CNN trains on CUDA under the budget: planner (AutoVM: planned
+    /// offloads and prefetches on copy streams), naive (on-demand LRU
+    /// swapping), none (no swapping: exceeding the budget is an error
+    /// naming the op and tensor), auto (planner if the iteration does not
+    /// fit, else none) or off (the plain engine) [default: auto with a
+    /// budget, else off].
+    #[arg(long)]
+    swap: Option<ramus_cuda::SwapMode>,
 }
 
 #[derive(clap::Args)]
@@ -154,6 +166,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::Infer(a) => infer::run(a),
         Command::PlanMemory(a) => plan_memory::run(a),
+        Command::BenchSwap(a) => bench_swap::run_bench(a),
         Command::Inspect {
             model,
             hidden,
@@ -234,21 +247,26 @@ fn train(a: TrainArgs) -> AnyResult {
     let mut oc = OptimizerConfig::new(opt, lr);
     oc.weight_decay = a.weight_decay;
     oc.clip_norm = a.clip;
-    let engine = device::engine(a.device, &model, a.device_memory_budget)?;
+    let swap = device::swap_mode(a.device, &a.model, a.device_memory_budget, a.swap)?;
+    let engine = device::engine_with_swap(a.device, &model, a.device_memory_budget, swap)?;
     let mut trainer = Trainer::new(model, params, oc);
     trainer.engine = engine;
     trainer.policy = policy;
     trainer.engine.set_seed(a.seed);
     let mut rng = ramus_nn::train::rng(a.seed);
     println!(
-        "model: {} hidden {} | optimizer {} lr {} | batch {} | engine {} ({} host threads)",
+        "model: {} hidden {} | optimizer {} lr {} | batch {} | engine {} ({} host threads){}",
         a.model,
         hidden,
         optimizer,
         lr,
         a.batch_size,
         trainer.engine.name(),
-        rayon::current_num_threads()
+        rayon::current_num_threads(),
+        match swap {
+            ramus_cuda::SwapMode::Off => String::new(),
+            mode => format!(" | swap {mode}"),
+        }
     );
     let started = Instant::now();
     let mut best: Option<(f64, usize, Params<f32>)> = None;
@@ -271,6 +289,9 @@ fn train(a: TrainArgs) -> AnyResult {
         })?;
         bar.finish_and_clear();
         let secs = t0.elapsed().as_secs_f64();
+        if let Some(report) = trainer.engine.memory_report() {
+            println!("  {report}");
+        }
         let dev = trainer.evaluate(&data.dev, 64)?;
         println!(
             "epoch {epoch}: train loss {loss:.4} | dev loss {:.4} {} | {:.0} {}/s",

@@ -12,7 +12,7 @@ use ramus_nn::{
 };
 use ramus_swap::{
     analyze, human_bytes, human_seconds, AutoVmPlanner, CostModel, LruPlanner, NoBudgetPlanner,
-    Planner, PlannerConfig, Simulator,
+    Planner, PlannerConfig, Simulator, TensorKind,
 };
 
 use crate::data;
@@ -48,6 +48,12 @@ pub struct PlanMemoryArgs {
     /// Print the plan as JSON.
     #[arg(long)]
     json: bool,
+    /// Whose iteration to plan: cpu (the batched engines' trace) or cuda
+    /// (the CUDA swap path's own op list and pool-sized tensors, CNNs only,
+    /// planned as that path does: parameters, their gradients and optimizer
+    /// state stay resident). Needs no GPU.
+    #[arg(long, default_value = "cpu")]
+    engine: String,
 }
 
 type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
@@ -93,7 +99,17 @@ pub fn run(a: PlanMemoryArgs) -> AnyResult {
         build_model(&a.model, &cfg)?
     };
     let batch = Batch::new(&model, graphs, BatchingPolicy::Cavs)?;
-    let trace = training_trace(&model, &batch, states)?;
+    let optimizer: OptimizerKind = a.optimizer.parse()?;
+    let cuda = match a.engine.as_str() {
+        "cpu" => false,
+        "cuda" => true,
+        other => return Err(format!("--engine must be cpu or cuda, got `{other}`").into()),
+    };
+    let trace = if cuda {
+        ramus_cuda::training_trace(&model, &batch, optimizer, None)?
+    } else {
+        training_trace(&model, &batch, states)?
+    };
     let peak = analyze(&trace, &cost).peak_bytes;
     let budget = a
         .device_memory_budget
@@ -102,8 +118,12 @@ pub fn run(a: PlanMemoryArgs) -> AnyResult {
         "planner" => {
             let mut config = PlannerConfig::new(budget);
             config.cost = cost;
+            if cuda {
+                config.offload_kinds = vec![TensorKind::Activation, TensorKind::Gradient];
+            }
             Box::new(AutoVmPlanner::new(config))
         }
+        "lru" if cuda => Box::new(LruPlanner::new(budget, cost).keep_persistent_resident()),
         "lru" => Box::new(LruPlanner::new(budget, cost)),
         "none" => Box::new(NoBudgetPlanner::new(cost)),
         other => {

@@ -48,10 +48,14 @@ use crate::optimizer::{DeviceOptimizer, GradLayout, ParamSlot};
 use crate::pinned::PinnedBuffer;
 use crate::pool::{Arena, DevicePool, DeviceScalar, DeviceView, PoolBuffer, PoolConfig};
 use crate::program::{
-    ExecStep, GraphProgram, Program, EAGER, HEAD_ALL, HEAD_SCORES, LAZY, PER_TASK,
+    ExecStep, GraphProgram, PlannedStep, Program, EAGER, HEAD_ALL, HEAD_SCORES, LAZY, PER_TASK,
 };
+use crate::swap::{SwapConfig, SwapMode};
 
 mod cnn;
+mod swap;
+
+pub(crate) use cnn::cnn_workspace_floats;
 
 /// How to set up a [`CudaEngine`].
 #[derive(Clone, Debug, Default)]
@@ -65,6 +69,9 @@ pub struct CudaEngineOptions {
     /// its images in chunks (`None`: [`CONV_WORKSPACE_FLOATS`]; at least one
     /// image per chunk whatever the limit).
     pub conv_workspace: Option<usize>,
+    /// Training past the memory budget (`pool.max_bytes`): the swap path
+    /// for static-graph models (see [`crate::swap`]); off by default.
+    pub swap: SwapConfig,
 }
 
 /// Default cap of a convolution's scratch columns: 16 Mi floats (64 MiB).
@@ -191,6 +198,8 @@ pub struct CudaEngine {
     optimizer: Option<(u64, DeviceOptimizer)>,
     pass_started: Option<std::time::Instant>,
     enqueue_seconds: f64,
+    /// The swap path's state, when it is on.
+    swap: Option<swap::SwapRuntime>,
 }
 
 /// The rows of `range` (in the value's space) of a buffer of type `ty`.
@@ -229,7 +238,13 @@ impl CudaEngine {
     pub fn new(model: &Model, options: &CudaEngineOptions) -> Result<Self> {
         let started = std::time::Instant::now();
         let device = CudaDevice::open(options.device)?;
-        let pool = DevicePool::new(&device, options.pool);
+        let swapping = options.swap.mode != SwapMode::Off;
+        let mut pool_config = options.pool;
+        if let (true, Some(budget)) = (swapping, pool_config.max_bytes) {
+            // one chunk of exactly the budget: tensors come and go inside it
+            pool_config.initial_bytes = budget;
+        }
+        let pool = DevicePool::new(&device, pool_config);
         let dir = options
             .cache_dir
             .clone()
@@ -244,7 +259,13 @@ impl CudaEngine {
             .map(|_| device.new_event())
             .collect::<Result<_>>()?;
         let staging = PinnedBuffer::new(&device)?;
-        let arena = pool.arena(64 << 20);
+        // on the swap path the arena holds only index arrays
+        let arena = pool.arena(if swapping { 1 << 20 } else { 64 << 20 });
+        let swap = if swapping {
+            Some(swap::SwapRuntime::new(&device, options.swap.clone())?)
+        } else {
+            None
+        };
         Ok(CudaEngine {
             device,
             pool,
@@ -266,6 +287,7 @@ impl CudaEngine {
             optimizer: None,
             pass_started: None,
             enqueue_seconds: 0.0,
+            swap,
         })
     }
 
@@ -428,15 +450,7 @@ impl CudaEngine {
             }
         };
         // head rows
-        let head_vertices: Vec<u32> = match rows {
-            HeadRows::Roots => s.roots.clone(),
-            HeadRows::Labelled => s
-                .number
-                .iter()
-                .copied()
-                .filter(|&v| s.labels[v as usize] != NO_LABEL)
-                .collect(),
-        };
+        let head_vertices = head_vertices(rows, s);
         if head_vertices.is_empty() {
             return Err(model_err(
                 "the batch has no vertex for the head (no labelled vertex)",
@@ -616,6 +630,14 @@ impl CudaEngine {
         rows: HeadRows,
     ) -> Result<ForwardOutput<f32>> {
         self.check_model(model)?;
+        // on the swap path, a static-graph model's forward-only passes go op
+        // by op too (tensors freed after their last use)
+        if mode != Mode::Train
+            && self.swap.is_some()
+            && crate::swap::steps::check_static(model, &self.program).is_ok()
+        {
+            return self.swap_forward(model, params, batch, mode, rows);
+        }
         self.pass_started = Some(std::time::Instant::now());
         let program = self.program.clone();
         let s = &batch.schedule;
@@ -1001,27 +1023,26 @@ impl CudaEngine {
         lane: &Lane,
         views: &HashMap<NodeId, SliceView>,
     ) -> Result<()> {
-        match step {
-            ExecStep::Fused { group, kernel } => {
-                self.run_fused(g, group, kernel, own, fwd, range, topo, lane)
+        match &step.step {
+            PlannedStep::Fused(group) => {
+                self.run_fused(g, group, step.kernel()?, own, fwd, range, topo, lane)
             }
-            ExecStep::GemmBias {
+            PlannedStep::GemmBias {
                 matmul,
                 bias,
                 group,
-                kernel,
             } => {
                 let a_space = g.nodes[g.nodes[*matmul].inputs[0]].ty.space;
                 let (lo, hi) = range.span(a_space);
                 if hi - lo > SMALL_GEMM_ROWS {
                     self.run_op(g, *matmul, own, fwd, range, topo, lane, views)?;
-                    return self.run_fused(g, group, kernel, own, fwd, range, topo, lane);
+                    return self.run_fused(g, group, step.kernel()?, own, fwd, range, topo, lane);
                 }
                 let bias = self.float_view(g, *bias, own, fwd, range)?;
                 let out = self.float_view(g, group.nodes[0], own, fwd, range)?;
                 self.run_matmul(g, *matmul, own, fwd, range, lane, views, Some(bias), out)
             }
-            ExecStep::Op(n) => self.run_op(g, *n, own, fwd, range, topo, lane, views),
+            PlannedStep::Op(n) => self.run_op(g, *n, own, fwd, range, topo, lane, views),
         }
     }
 
@@ -1815,6 +1836,9 @@ impl CudaEngine {
         config: &OptimizerConfig,
         batch: &Batch<'_>,
     ) -> Result<f64> {
+        if self.swap.is_some() {
+            return self.swap_train_step(model, params, config, batch);
+        }
         let out = self.forward_pass(model, params, batch, Mode::Train, model.head.rows)?;
         self.backward_on_device(model, params, batch)?;
         let touched: Vec<DeviceView<u32>> = self
@@ -1868,6 +1892,19 @@ impl CudaEngine {
     }
 }
 
+/// The vertices the head runs on, in head-row order.
+pub(crate) fn head_vertices(rows: HeadRows, s: &Schedule) -> Vec<u32> {
+    match rows {
+        HeadRows::Roots => s.roots.clone(),
+        HeadRows::Labelled => s
+            .number
+            .iter()
+            .copied()
+            .filter(|&v| s.labels[v as usize] != NO_LABEL)
+            .collect(),
+    }
+}
+
 /// Whether `index` is the vertex tokens of `range` (the one index array
 /// whose values the host has checked).
 fn is_tokens(index: DeviceView<u32>, t: &Topology, range: Range) -> bool {
@@ -1901,6 +1938,9 @@ impl ramus_nn::Engine<f32> for CudaEngine {
     }
     fn set_seed(&mut self, seed: u64) {
         CudaEngine::set_seed(self, seed)
+    }
+    fn memory_report(&self) -> Option<String> {
+        self.last_swap_report().map(|r| r.to_string())
     }
     fn sync_host_params(&mut self, params: &mut Params<f32>) -> ramus_nn::Result<()> {
         Ok(self.download_params(params)?)

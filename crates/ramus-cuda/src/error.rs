@@ -71,6 +71,10 @@ pub enum CudaError {
     /// op, node or input).
     #[error("{0}")]
     Model(String),
+    /// The swap path could not carry out an iteration (names the op, the
+    /// tensor and the budget, or the plan action).
+    #[error(transparent)]
+    Swap(#[from] ramus_swap::ExecError),
 }
 
 impl From<ramus_core::CoreError> for CudaError {

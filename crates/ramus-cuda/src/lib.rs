@@ -9,6 +9,7 @@
 //! | persistent | [`persistent`] | the VPPS persistent training kernel: build (spill and residency checks) and cooperative launch on packed scripts |
 //! | optimizer | [`optimizer`] | the fused SGD / Adagrad / Adam(W) step with global-norm clipping, generated per kind |
 //! | GEMM | [`blas`] | row-major cuBLAS SGEMM and strided-batched SGEMM on a stream |
+//! | swapping | [`swap`] | training past device memory: per-tensor pool memory, pinned host slots, copy streams and events executing a swap plan |
 //! | errors | [`error`] | [`CudaError`]: every failure, naming the call, the library or the kernel |
 //!
 //! `cudarc` loads libcuda, libnvrtc and libcublas at run time, so this crate
@@ -51,6 +52,7 @@ pub mod pinned;
 pub mod pool;
 pub(crate) mod program;
 pub mod rtc;
+pub mod swap;
 
 pub use blas::{Blas, Gemm, MathMode, StridedBatch};
 pub use cache::{default_cache_dir, normalize_source, KernelCache, KernelCacheStats};
@@ -65,6 +67,7 @@ pub use pinned::PinnedBuffer;
 pub use pool::{Arena, DevicePool, DeviceScalar, DeviceView, PoolBuffer, PoolConfig, PoolStats};
 pub use program::fusion_listing;
 pub use rtc::{CompileTarget, ImageKind, LoadedModule, NvrtcCompiler};
+pub use swap::{training_trace, SwapConfig, SwapMode, SwapStepReport};
 
 /// The cudarc version this crate is built on, for engines that launch
 /// kernels (`LaunchConfig`, `PushKernelArg`) and order streams.

@@ -64,6 +64,11 @@ impl<T: DeviceScalar> DeviceView<T> {
         }
     }
 
+    /// A view of no elements.
+    pub(crate) fn empty() -> Self {
+        Self::new(0, 0)
+    }
+
     /// The device address of the first element.
     pub fn device_ptr(&self) -> u64 {
         self.ptr
@@ -296,6 +301,11 @@ impl DevicePool {
             batch_bytes: 0,
             peak_batch_bytes: 0,
         }
+    }
+
+    /// The pool's budget (`None`: as much as the device gives).
+    pub fn max_bytes(&self) -> Option<u64> {
+        self.config.max_bytes
     }
 
     /// The pool's counters.
@@ -534,6 +544,18 @@ impl Arena {
             }
         }
         Ok(())
+    }
+
+    /// Returns the arena's blocks to the pool if they hold more than its
+    /// initial size (after [`Arena::reset`], with no device work using
+    /// them still to be ordered on another stream): for callers that share
+    /// the pool with allocations of their own under a budget.
+    pub fn trim(&mut self) {
+        if self.capacity_bytes() > self.initial_bytes {
+            self.blocks.clear();
+            self.current = 0;
+            self.cursor = 0;
+        }
     }
 
     /// Bytes held from the pool.

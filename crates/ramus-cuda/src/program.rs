@@ -17,14 +17,12 @@ use ramus_core::Model;
 use crate::cache::KernelCache;
 use crate::error::{CudaError, Result};
 
-/// One step of a phase: a non-elementwise op, or a fused elementwise group
-/// with its compiled kernel.
-pub(crate) enum ExecStep {
+/// One step of a phase, as planned (no device needed): a non-elementwise
+/// op, or a fused elementwise group.
+#[derive(Clone, Debug)]
+pub(crate) enum PlannedStep {
     Op(NodeId),
-    Fused {
-        group: FusedGroup,
-        kernel: CudaFunction,
-    },
+    Fused(FusedGroup),
     /// `add(matmul(A, Bᵀ), bias)` where the add is a fused group of its
     /// own and nothing else reads the product: over few rows one
     /// small-product launch computes both (the bias in its epilogue), over
@@ -33,8 +31,35 @@ pub(crate) enum ExecStep {
         matmul: NodeId,
         bias: NodeId,
         group: FusedGroup,
-        kernel: CudaFunction,
     },
+}
+
+impl PlannedStep {
+    /// The fused group whose kernel the step launches, if any.
+    pub(crate) fn group(&self) -> Option<&FusedGroup> {
+        match self {
+            PlannedStep::Op(_) => None,
+            PlannedStep::Fused(group) | PlannedStep::GemmBias { group, .. } => Some(group),
+        }
+    }
+}
+
+/// A planned step with its compiled kernel (fused groups; `None` until
+/// [`Program::build`] compiles them, and for plain ops).
+pub(crate) struct ExecStep {
+    pub step: PlannedStep,
+    pub kernel: Option<CudaFunction>,
+}
+
+impl ExecStep {
+    /// The step's fused kernel.
+    pub(crate) fn kernel(&self) -> Result<&CudaFunction> {
+        self.kernel
+            .as_ref()
+            .ok_or_else(|| CudaError::KernelNotFound {
+                name: "(a fused group planned without a device)".into(),
+            })
+    }
 }
 
 /// A graph's phases as executable steps, and which nodes need a buffer
@@ -184,11 +209,9 @@ pub(crate) fn plan_graph(
     })
 }
 
-fn bind(
-    planned: PlannedGraph,
-    graph: &Graph,
-    module: Option<&crate::rtc::LoadedModule>,
-) -> Result<GraphProgram> {
+/// The steps of a planned graph (no kernels yet): fusion plans in order,
+/// a lone bias add after a product merged into a [`PlannedStep::GemmBias`].
+fn lower(planned: PlannedGraph, graph: &Graph) -> GraphProgram {
     let mut phases = Vec::with_capacity(planned.phases.len());
     let users = graph.users();
     let is_output = graph.output_mask();
@@ -199,37 +222,44 @@ fn bind(
                 if let Some((at, matmul, bias)) =
                     bias_of_product(graph, group, &steps, &users, &is_output, &planned.keep)
                 {
-                    let name = group.kernel(graph)?.name;
-                    let module = module.ok_or(CudaError::KernelNotFound { name: name.clone() })?;
-                    steps[at] = ExecStep::GemmBias {
+                    steps[at].step = PlannedStep::GemmBias {
                         matmul,
                         bias,
-                        kernel: module.function(&name)?.clone(),
                         group: group.clone(),
                     };
                     continue;
                 }
             }
-            steps.push(match step {
-                Step::Op(n) => ExecStep::Op(n),
-                Step::Fused(group) => {
-                    let name = group.kernel(graph)?.name;
-                    let module = module.ok_or(CudaError::KernelNotFound { name: name.clone() })?;
-                    ExecStep::Fused {
-                        kernel: module.function(&name)?.clone(),
-                        group,
-                    }
-                }
-            });
+            let step = match step {
+                Step::Op(n) => PlannedStep::Op(n),
+                Step::Fused(group) => PlannedStep::Fused(group),
+            };
+            steps.push(ExecStep { step, kernel: None });
         }
         phases.push(steps);
     }
-    Ok(GraphProgram {
+    GraphProgram {
         phases,
         materialized: planned.materialized,
         views: planned.views,
         scatter_in_place: planned.scatter_in_place,
-    })
+    }
+}
+
+/// Looks up the kernel of every fused step of `prog` in `module`.
+fn attach_kernels(
+    prog: &mut GraphProgram,
+    graph: &Graph,
+    module: Option<&crate::rtc::LoadedModule>,
+) -> Result<()> {
+    for step in prog.phases.iter_mut().flatten() {
+        if let Some(group) = step.step.group() {
+            let name = group.kernel(graph)?.name;
+            let module = module.ok_or(CudaError::KernelNotFound { name: name.clone() })?;
+            step.kernel = Some(module.function(&name)?.clone());
+        }
+    }
+    Ok(())
 }
 
 /// If fused `group` is a lone `add(p, bias)` (a broadcast `bias`
@@ -269,16 +299,18 @@ fn bias_of_product(
     }
     let at = steps
         .iter()
-        .position(|s| matches!(s, ExecStep::Op(n) if *n == product))?;
+        .position(|s| matches!(s.step, PlannedStep::Op(n) if n == product))?;
     Some((at, product, bias))
 }
 
 impl Program {
-    /// Plans, generates and compiles every kernel of `model`.
-    pub fn build(model: &Model, cache: &KernelCache) -> Result<Program> {
+    /// Plans every phase of `model` (fusion, views, steps) without a
+    /// device: the program the engine runs, with no kernels attached, and
+    /// the sources of its fused kernels by name.
+    pub(crate) fn plan(model: &Model) -> Result<(Program, BTreeMap<String, String>)> {
         let mut kernels = BTreeMap::new();
-        let mut planned_functions = Vec::new();
-        let mut planned_infer = Vec::new();
+        let mut functions = Vec::new();
+        let mut infer_functions = Vec::new();
         let none = BTreeSet::new();
         for func in &model.functions {
             // forward values the backward graph reads must stay in memory
@@ -289,7 +321,7 @@ impl Program {
             fwd.scatter_into_state(func, &keep);
             let mut infer = plan_graph(&func.forward, &phases, &none, &mut kernels)?;
             infer.scatter_into_state(func, &none);
-            planned_infer.push(infer);
+            infer_functions.push(lower(infer, &func.forward));
             let bp = &func.backward_plan;
             let bwd = plan_graph(
                 &func.backward,
@@ -297,7 +329,7 @@ impl Program {
                 &none,
                 &mut kernels,
             )?;
-            planned_functions.push((fwd, bwd));
+            functions.push((lower(fwd, &func.forward), lower(bwd, &func.backward)));
         }
         let head = &model.head;
         let keep = fusion::forward_reads(&head.backward);
@@ -314,21 +346,6 @@ impl Program {
             &none,
             &mut kernels,
         )?;
-        let source: String = kernels.values().map(String::as_str).collect();
-        let kernel_names: Vec<&str> = kernels.keys().map(String::as_str).collect();
-        let module = if kernels.is_empty() {
-            None
-        } else {
-            Some(cache.get_or_compile(&source, &kernel_names)?)
-        };
-        let module = module.as_deref();
-        let mut functions = Vec::new();
-        for (func, (fwd, bwd)) in model.functions.iter().zip(planned_functions) {
-            functions.push((
-                bind(fwd, &func.forward, module)?,
-                bind(bwd, &func.backward, module)?,
-            ));
-        }
         let mut dense = BTreeSet::new();
         let mut rows = BTreeSet::new();
         for g in model
@@ -349,23 +366,43 @@ impl Program {
                 }
             }
         }
-        let infer_functions = model
-            .functions
-            .iter()
-            .zip(planned_infer)
-            .map(|(func, planned)| bind(planned, &func.forward, module))
-            .collect::<Result<_>>()?;
-        Ok(Program {
+        let program = Program {
             functions,
             infer_functions,
-            head_forward_infer: bind(head_fwd_infer, &head.forward, module)?,
-            head_forward: bind(head_fwd, &head.forward, module)?,
-            head_backward: bind(head_bwd, &head.backward, module)?,
+            head_forward_infer: lower(head_fwd_infer, &head.forward),
+            head_forward: lower(head_fwd, &head.forward),
+            head_backward: lower(head_bwd, &head.backward),
             row_grad_params: rows.difference(&dense).copied().collect(),
             fingerprint: fingerprint(model),
             fused_kernels: kernels.len(),
             listing: fusion_listing(model)?,
-        })
+        };
+        Ok((program, kernels))
+    }
+
+    /// Plans, generates and compiles every kernel of `model`.
+    pub fn build(model: &Model, cache: &KernelCache) -> Result<Program> {
+        let (mut program, kernels) = Program::plan(model)?;
+        let source: String = kernels.values().map(String::as_str).collect();
+        let kernel_names: Vec<&str> = kernels.keys().map(String::as_str).collect();
+        let module = if kernels.is_empty() {
+            None
+        } else {
+            Some(cache.get_or_compile(&source, &kernel_names)?)
+        };
+        let module = module.as_deref();
+        for (func, (fwd, bwd)) in model.functions.iter().zip(&mut program.functions) {
+            attach_kernels(fwd, &func.forward, module)?;
+            attach_kernels(bwd, &func.backward, module)?;
+        }
+        for (func, infer) in model.functions.iter().zip(&mut program.infer_functions) {
+            attach_kernels(infer, &func.forward, module)?;
+        }
+        let head = &model.head;
+        attach_kernels(&mut program.head_forward, &head.forward, module)?;
+        attach_kernels(&mut program.head_forward_infer, &head.forward, module)?;
+        attach_kernels(&mut program.head_backward, &head.backward, module)?;
+        Ok(program)
     }
 }
 

@@ -48,6 +48,12 @@ pub trait Engine<T: Real> {
     /// Seeds the dropout masks.
     fn set_seed(&mut self, seed: u64);
 
+    /// One line on how the last training step used device memory (what a
+    /// device engine swapped), for logs; `None` when there is nothing to say.
+    fn memory_report(&self) -> Option<String> {
+        None
+    }
+
     /// Brings `params` up to date with the engine's own copy, for engines
     /// whose [`Engine::train_step`] updates parameters on a device (the host
     /// values then lag until this is called). A no-op for host engines.

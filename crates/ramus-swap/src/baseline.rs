@@ -16,6 +16,11 @@
 //! ([`SwapPlan::host_resident_at_start`]), fetched on demand like any other
 //! evicted tensor. Nothing can be evicted before it is on the device, so
 //! evicting the surplus "before the first op" is not an option.
+//!
+//! An engine that keeps persistent tensors in buffers of their own (the CUDA
+//! engine's parameters, gradients and optimizer state) plans with
+//! [`LruPlanner::keep_persistent_resident`]: only activations, gradients
+//! and workspaces are then evicted, as its mechanism does on demand.
 
 use crate::analysis::analyze;
 use crate::cost::CostModel;
@@ -73,12 +78,26 @@ pub struct LruPlanner {
     pub budget_bytes: u64,
     /// Copy and op times for the prediction.
     pub cost: CostModel,
+    /// Whether persistent tensors (parameters, their gradients, optimizer
+    /// state) may be evicted and homed on the host like any other.
+    pub evict_persistent: bool,
 }
 
 impl LruPlanner {
-    /// Naive swapping under `budget_bytes`.
+    /// Naive swapping under `budget_bytes`; any tensor may be evicted.
     pub fn new(budget_bytes: u64, cost: CostModel) -> LruPlanner {
-        LruPlanner { budget_bytes, cost }
+        LruPlanner {
+            budget_bytes,
+            cost,
+            evict_persistent: true,
+        }
+    }
+
+    /// The same planner, evicting only tensors that are not persistent
+    /// (what an engine whose persistent tensors never move can execute).
+    pub fn keep_persistent_resident(mut self) -> LruPlanner {
+        self.evict_persistent = false;
+        self
     }
 }
 
@@ -106,6 +125,11 @@ impl Planner for LruPlanner {
         let mut lru: BTreeSet<(usize, usize)> = BTreeSet::new();
         let mut used: u64 = 0;
         let host_resident_at_start = start_state(trace, budget);
+        if !self.evict_persistent {
+            if let Some(&t) = host_resident_at_start.first() {
+                return Err(persistent_error(trace, t, budget));
+            }
+        }
         for &t in &host_resident_at_start {
             on_host[t.index()] = true;
         }
@@ -133,11 +157,20 @@ impl Planner for LruPlanner {
                 // The resident tensors are exactly those in `lru`; were they
                 // all among the op's uses, `used + need` would be its working
                 // set, which fits. So a victim outside the uses exists.
+                let evictable =
+                    |t: usize| self.evict_persistent || !trace.tensors()[t].kind.is_persistent();
                 let Some(&(key, victim)) = lru
                     .iter()
-                    .find(|&&(_, t)| !uses.contains(&TensorId(t as u32)))
+                    .find(|&&(_, t)| evictable(t) && !uses.contains(&TensorId(t as u32)))
                 else {
-                    return Err(no_victim(trace, op, &resident, used + need, budget));
+                    return Err(no_victim(
+                        trace,
+                        op,
+                        &resident,
+                        used + need,
+                        budget,
+                        self.evict_persistent,
+                    ));
                 };
                 lru.remove(&(key, victim));
                 let info = &trace.tensors()[victim];
@@ -238,11 +271,38 @@ fn start_state(trace: &Trace, budget: u64) -> Vec<TensorId> {
     homed
 }
 
+/// The error for persistent tensors that do not fit the budget when they
+/// must stay resident: names the first one left out.
+fn persistent_error(trace: &Trace, t: TensorId, budget: u64) -> PlanError {
+    let info = trace.tensor(t);
+    PlanError::NoPlan {
+        op: 0,
+        op_name: trace.ops()[0].name.clone(),
+        tensor: t,
+        tensor_name: info.name.clone(),
+        tensor_bytes: info.bytes,
+        resident: trace.persistent_bytes(),
+        budget,
+        reason: format!(
+            "persistent tensors ({}s and the like) stay resident, and together they exceed \
+             the budget",
+            info.kind.label()
+        ),
+    }
+}
+
 /// The error for an op whose allocations cannot be made room for because
 /// every resident tensor is one of its own. The working-set check rules this
 /// out; should the accounting ever disagree, the caller gets an error naming
 /// the op and the budget rather than a plan that fails its replay.
-fn no_victim(trace: &Trace, op: usize, resident: &[bool], needed: u64, budget: u64) -> PlanError {
+fn no_victim(
+    trace: &Trace,
+    op: usize,
+    resident: &[bool],
+    needed: u64,
+    budget: u64,
+    evict_persistent: bool,
+) -> PlanError {
     let largest = trace
         .uses(op)
         .iter()
@@ -259,9 +319,14 @@ fn no_victim(trace: &Trace, op: usize, resident: &[bool], needed: u64, budget: u
         tensor_bytes: info.map(|t| t.bytes).unwrap_or(0),
         resident: needed,
         budget,
-        reason: "the op itself uses it, as it does every resident tensor: nothing is left to \
-                 evict"
-            .into(),
+        reason: if evict_persistent {
+            "the op itself uses it, as it does every resident tensor: nothing is left to evict"
+                .into()
+        } else {
+            "the op itself uses it, and every other resident tensor is persistent (kept \
+             resident): nothing is left to evict"
+                .into()
+        },
     }
 }
 

@@ -27,6 +27,12 @@
 //!   that nothing is used while off the device and reports time and stalls.
 //! * **Synthetic traces** ([`synthetic`]): VGG-, ResNet- and AlexNet-shaped
 //!   CNN training, a long LSTM sequence and a batch of large trees.
+//! * **Execution** ([`exec`]): the mechanism's ordering logic. The
+//!   [`Executor`] walks an iteration op by op — pre-access allocation,
+//!   frees after last use, offloads and prefetches ordered by events,
+//!   naive on-demand LRU swapping — and drives any [`SwapDevice`]: the CUDA
+//!   engine's copy streams and pool, or the [`SimDevice`] that enforces a
+//!   budget, counts transfers and checks every order in the tests.
 //!
 //! ```
 //! use ramus_swap::synthetic::{vgg19, DeviceSpeed};
@@ -48,9 +54,11 @@ pub mod analysis;
 pub mod baseline;
 pub mod cost;
 pub mod error;
+pub mod exec;
 pub mod plan;
 pub mod planner;
 pub mod sim;
+pub mod simdev;
 pub mod synthetic;
 pub mod trace;
 
@@ -58,9 +66,11 @@ pub use analysis::{analyze, Analysis, ReuseGap, TensorLiveness};
 pub use baseline::{LruPlanner, NoBudgetPlanner};
 pub use cost::{human_bytes, human_seconds, CostModel};
 pub use error::{PlanError, SimError};
+pub use exec::{ExecError, ExecOptions, ExecReport, Executor, SwapDevice};
 pub use plan::{Action, OffloadDecision, Policy, Prediction, SwapPlan};
 pub use planner::{
     AutoVmPlanner, Candidate, PlacementOrder, Planner, PlannerConfig, PrefetchTiming, Selection,
 };
 pub use sim::{Direction, SimReport, Simulator, TransferRecord};
+pub use simdev::{SimDevice, SimDeviceCounts};
 pub use trace::{OpInfo, Phase, TensorId, TensorInfo, TensorKind, Trace, TraceBuilder, TraceError};

@@ -51,12 +51,19 @@ pub enum TensorKind {
     Workspace,
     /// Optimizer state such as momentum or Adam moments (persistent).
     OptimizerState,
+    /// A parameter's gradient held in a buffer of its own for the whole
+    /// run (persistent): zeroed, accumulated over the backward pass and read
+    /// by the optimizer, as the CUDA engine keeps them.
+    ParameterGradient,
 }
 
 impl TensorKind {
     /// Whether tensors of this kind live across iterations.
     pub fn is_persistent(self) -> bool {
-        matches!(self, TensorKind::Parameter | TensorKind::OptimizerState)
+        matches!(
+            self,
+            TensorKind::Parameter | TensorKind::OptimizerState | TensorKind::ParameterGradient
+        )
     }
 
     /// A short lower-case name.
@@ -67,6 +74,7 @@ impl TensorKind {
             TensorKind::Gradient => "gradient",
             TensorKind::Workspace => "workspace",
             TensorKind::OptimizerState => "optimizer state",
+            TensorKind::ParameterGradient => "parameter gradient",
         }
     }
 }

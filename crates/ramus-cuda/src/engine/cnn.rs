@@ -71,6 +71,53 @@ fn conv_dims(g: &Conv2dGeom) -> (usize, usize, usize) {
     (g.patch_len(), g.out_h() * g.out_w(), g.out_channels)
 }
 
+/// Images per chunk of `rows` when each needs `per_image` floats of
+/// columns and a convolution's columns are capped at `cap` floats (at least
+/// one image per chunk).
+fn chunk_images(cap: usize, per_image: usize, rows: usize) -> usize {
+    (cap / per_image.max(1)).clamp(1, rows.max(1))
+}
+
+/// Floats of lane workspace that CNN op `op` asks for over `rows` rows with
+/// convolution columns capped at `cap` floats (0 for other ops): what
+/// [`CudaEngine::run_cnn_op`] requests, so a caller can reserve it up front.
+pub(crate) fn cnn_workspace_floats(op: &dyn Any, rows: usize, cap: usize) -> usize {
+    let columns = |per_image: usize| chunk_images(cap, per_image, rows) * per_image;
+    if rows == 0 {
+        return 0;
+    }
+    if let Some(Conv2d(g)) = op.downcast_ref::<Conv2d>() {
+        let (k, p, _) = conv_dims(g);
+        if pointwise(g) {
+            0
+        } else {
+            columns(k * p)
+        }
+    } else if let Some(Conv2dBackwardInput(g)) = op.downcast_ref::<Conv2dBackwardInput>() {
+        let (k, p, _) = conv_dims(g);
+        if pointwise(g) {
+            0
+        } else {
+            columns(k * p)
+        }
+    } else if let Some(Conv2dBackwardWeight(g)) = op.downcast_ref::<Conv2dBackwardWeight>() {
+        let (k, p, o) = conv_dims(g);
+        columns((k + o) * p)
+    } else if let Some(BatchNorm(n)) = op.downcast_ref::<BatchNorm>() {
+        2 * n.channels
+    } else if let Some(BatchNormBackwardInput(n)) = op.downcast_ref::<BatchNormBackwardInput>() {
+        3 * n.channels
+    } else if let Some(BatchNormInference(n)) = op.downcast_ref::<BatchNormInference>() {
+        2 * n.channels
+    } else if let Some(BatchNormInferenceBackwardInput(n)) =
+        op.downcast_ref::<BatchNormInferenceBackwardInput>()
+    {
+        2 * n.channels
+    } else {
+        0
+    }
+}
+
 impl CudaEngine {
     /// Runs node `n` if it is a CNN op; `Ok(false)` when it is not one.
     #[allow(clippy::too_many_arguments)] // as run_op: graph, node, buffers, rows, lane
@@ -231,7 +278,7 @@ impl CudaEngine {
 
     /// Images per chunk when each needs `per_image` floats of columns.
     fn chunk_images(&self, per_image: usize, rows: usize) -> usize {
-        (self.conv_workspace / per_image.max(1)).clamp(1, rows.max(1))
+        chunk_images(self.conv_workspace, per_image, rows)
     }
 
     /// The strided-batched product `c = a · b` (per `gemm` and `batch`) on

@@ -1,0 +1,374 @@
+//! `ramus bench-swap`: training step time past device memory, the thesis'
+//! Table 6.2 comparison. For each CNN, the in-memory run (swap path, no
+//! budget) gives the step time and the peak device memory; then for each
+//! Nm = peak / budget, fresh engines train the same K batches from the same
+//! parameters with no swapping (where it fits), naive on-demand swapping and
+//! the AutoVM planner, and the losses after K steps must be identical. With
+//! `--torch`, the PyTorch script (`bench/torch_swap.py`: the same network
+//! with `torch.autograd.graph.save_on_cpu(pin_memory=True)`, capped at the
+//! same budgets) runs right after on the same device.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+use ramus_core::{Grads, Model, Params};
+use ramus_cpu::Batch;
+use ramus_cuda::{SwapConfig, SwapMode, SwapStepReport};
+use ramus_graph::{images, BatchingPolicy, InputGraph};
+use ramus_nn::vision::parse_blocks;
+use ramus_nn::{
+    build_vision_model, Engine, ImageShape, ModelConfig, ModelOptions, Optimizer, OptimizerConfig,
+    OptimizerKind, VisionConfig,
+};
+use ramus_swap::human_bytes;
+use serde_json::json;
+
+use crate::device;
+
+#[derive(clap::Args)]
+pub struct BenchSwapArgs {
+    /// CNNs, comma-separated: vgg11 ... vgg19, resnet, alexnet.
+    #[arg(long, default_value = "vgg19,resnet")]
+    models: String,
+    /// Image shape CxHxW.
+    #[arg(long, default_value = "3x224x224")]
+    image: ImageShape,
+    /// Images per batch.
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    /// Width knob: channels of the first stage (64: the published widths).
+    #[arg(long, default_value_t = 64)]
+    hidden: usize,
+    /// ResNet bottleneck blocks per stage (3,4,6,3: ResNet-50's layout).
+    #[arg(long, default_value = "3,4,6,3")]
+    blocks: String,
+    /// Timed training steps per run (the losses after them are compared).
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// Untimed steps first (the planner's profiled first iteration is one).
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Nm values: peak memory / budget.
+    #[arg(long, default_value = "0.5,1,1.5,2,2.5")]
+    ratios: String,
+    /// Modes per Nm: none (no swapping, only where it fits), naive,
+    /// planner, and off (the plain engine).
+    #[arg(long, default_value = "none,naive,planner")]
+    modes: String,
+    /// sgd, adagrad or adam.
+    #[arg(long, default_value = "sgd")]
+    optimizer: String,
+    #[arg(long, default_value_t = 0.01)]
+    lr: f64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Also run this PyTorch script (bench/torch_swap.py) on the same
+    /// network, batch and budgets, and print its step times alongside.
+    #[arg(long)]
+    torch: Option<PathBuf>,
+    /// Python interpreter for --torch.
+    #[arg(long, default_value = "python3")]
+    python: String,
+    /// Write every run as one JSON object per line here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
+
+/// What one run of K steps gave.
+struct RunResult {
+    /// Mean seconds per timed step.
+    step_s: f64,
+    losses: Vec<f64>,
+    report: Option<SwapStepReport>,
+}
+
+fn parse_list<T: std::str::FromStr>(s: &str, what: &str) -> Result<Vec<T>, String> {
+    s.split(',')
+        .map(|x| {
+            x.trim()
+                .parse()
+                .map_err(|_| format!("{what}: `{x}` is not valid"))
+        })
+        .collect()
+}
+
+fn build(a: &BenchSwapArgs, name: &str) -> AnyResult<Model> {
+    let vision = VisionConfig {
+        image: a.image,
+        vgg_depth: 19,
+        resnet_blocks: parse_blocks(&a.blocks)?,
+    };
+    Ok(build_vision_model(
+        name,
+        &ModelConfig {
+            vocab: 0,
+            hidden: a.hidden,
+            classes: 10,
+        },
+        &vision,
+        &ModelOptions::default(),
+    )?)
+}
+
+/// Trains `warmup + steps` batches of `data` from `params` with a fresh
+/// engine in `mode` under `budget`.
+#[allow(clippy::too_many_arguments)] // model, data, parameters, optimizer, mode, budget, counts
+fn run(
+    model: &Model,
+    data: &[Vec<&InputGraph>],
+    params: &Params<f32>,
+    config: OptimizerConfig,
+    mode: SwapMode,
+    budget: Option<u64>,
+    warmup: usize,
+    seed: u64,
+) -> AnyResult<RunResult> {
+    let mut engine = device::cuda_engine_with(model, budget, SwapConfig::with_mode(mode))?;
+    engine.set_seed(seed);
+    let mut params = params.clone();
+    let mut optimizer = Optimizer::new(config, &params);
+    let mut grads = Grads::zeros(model);
+    let mut losses = Vec::with_capacity(data.len());
+    let mut started = None;
+    for (i, graphs) in data.iter().enumerate() {
+        if i == warmup {
+            engine.device().synchronize()?;
+            started = Some(Instant::now());
+        }
+        let batch = Batch::new(model, graphs.clone(), BatchingPolicy::Cavs)?;
+        let loss = engine
+            .train_step(model, &mut params, &mut grads, &mut optimizer, &batch)
+            .map_err(|e| format!("step {}: {e}", i + 1))?;
+        losses.push(loss);
+    }
+    engine.device().synchronize()?;
+    let timed = data.len().saturating_sub(warmup).max(1);
+    let step_s = started.map_or(0.0, |t| t.elapsed().as_secs_f64() / timed as f64);
+    Ok(RunResult {
+        step_s,
+        losses,
+        report: engine.last_swap_report().cloned(),
+    })
+}
+
+fn ms(s: f64) -> String {
+    format!("{:.1}", s * 1e3)
+}
+
+pub fn run_bench(a: BenchSwapArgs) -> AnyResult {
+    if a.batch_size == 0 || a.steps == 0 {
+        return Err("--batch-size and --steps must be at least 1".into());
+    }
+    let ratios: Vec<f64> = parse_list(&a.ratios, "--ratios")?;
+    if ratios.iter().any(|r| !(r.is_finite() && *r > 0.0)) {
+        return Err("--ratios must be positive numbers".into());
+    }
+    let modes: Vec<SwapMode> = parse_list(&a.modes, "--modes")?;
+    let kind: OptimizerKind = a.optimizer.parse()?;
+    let config = OptimizerConfig::new(kind, a.lr);
+    let mut json_out = match &a.json {
+        Some(p) => Some(std::fs::File::create(p).map_err(|e| format!("{}: {e}", p.display()))?),
+        None => None,
+    };
+    let mut emit = |v: serde_json::Value| -> AnyResult {
+        if let Some(f) = json_out.as_mut() {
+            use std::io::Write;
+            writeln!(f, "{v}")?;
+        }
+        Ok(())
+    };
+    let spec = images::ImageSpec {
+        channels: a.image.channels,
+        height: a.image.height,
+        width: a.image.width,
+        classes: 10,
+        noise: 0.5,
+    };
+    let total = a.warmup + a.steps;
+    let set = images::generate(&spec, a.seed, (total * a.batch_size, 0, 0))?;
+    let data: Vec<Vec<&InputGraph>> = set
+        .train
+        .chunks(a.batch_size)
+        .map(|c| c.iter().collect())
+        .collect();
+    let models: Vec<String> = parse_list(&a.models, "--models")?;
+    println!(
+        "bench-swap: batch {} of {} images, width {}, {} warm-up + {} timed steps, {} lr {}",
+        a.batch_size, a.image, a.hidden, a.warmup, a.steps, a.optimizer, a.lr
+    );
+    let mut torch_budgets: Vec<(String, Vec<u64>)> = Vec::new();
+    for name in &models {
+        let model = build(&a, name)?;
+        let params = Params::<f32>::init(&model, a.seed);
+        let base = run(
+            &model,
+            &data,
+            &params,
+            config,
+            SwapMode::Resident,
+            None,
+            a.warmup,
+            a.seed,
+        )
+        .map_err(|e| format!("{name}, in memory: {e}"))?;
+        let report = base.report.clone().ok_or("no swap report")?;
+        let peak = report.pool_peak_bytes;
+        println!(
+            "\n{name}: in memory (budget lifted) {} ms/step, peak {} ({} ops, {} tensors, \
+             fixed overhead {})",
+            ms(base.step_s),
+            human_bytes(peak),
+            report.ops,
+            report.tensors,
+            human_bytes(report.overhead_bytes)
+        );
+        emit(
+            json!({"model": name, "mode": "in-memory", "budget": null, "nm": null,
+            "step_s": base.step_s, "peak_bytes": peak, "losses": base.losses,
+            "report": report.to_json()}),
+        )?;
+        let mut header = format!("{:>5} {:>10} {:>9}", "Nm", "budget", "in-mem");
+        for m in &modes {
+            header.push_str(&format!(" {:>9}", m.name()));
+        }
+        header.push_str("  planner/in-mem  naive/planner  moved/step  losses");
+        println!("{header}  (ms per step)");
+        let mut budgets = Vec::new();
+        for &nm in &ratios {
+            let budget = (peak as f64 / nm) as u64;
+            budgets.push(budget);
+            let mut row = format!(
+                "{nm:>5.2} {:>10} {:>9}",
+                human_bytes(budget),
+                ms(base.step_s)
+            );
+            let mut times = std::collections::HashMap::new();
+            let mut identical = true;
+            let mut moved = String::from("-");
+            let mut finals = Vec::new();
+            for &mode in &modes {
+                match run(
+                    &model,
+                    &data,
+                    &params,
+                    config,
+                    mode,
+                    Some(budget),
+                    a.warmup,
+                    a.seed,
+                ) {
+                    Ok(r) => {
+                        row.push_str(&format!(" {:>9}", ms(r.step_s)));
+                        identical &= r.losses == base.losses;
+                        finals.push(format!(
+                            "{}={:.6}",
+                            mode.name(),
+                            r.losses.last().copied().unwrap_or(f64::NAN)
+                        ));
+                        if let (SwapMode::Planner, Some(rep)) = (mode, &r.report) {
+                            moved = human_bytes(rep.exec.bytes_to_host + rep.exec.bytes_to_device);
+                        }
+                        times.insert(mode, r.step_s);
+                        emit(json!({"model": name, "mode": mode.name(), "budget": budget,
+                            "nm": nm, "step_s": r.step_s, "losses": r.losses,
+                            "identical": r.losses == base.losses,
+                            "report": r.report.as_ref().map(|x| x.to_json())}))?;
+                    }
+                    Err(e) => {
+                        row.push_str(&format!(" {:>9}", "-"));
+                        emit(json!({"model": name, "mode": mode.name(), "budget": budget,
+                            "nm": nm, "error": e.to_string()}))?;
+                        if mode != SwapMode::Resident || nm <= 1.0 {
+                            eprintln!("  {name} Nm {nm} {}: {e}", mode.name());
+                        }
+                    }
+                }
+            }
+            let ratio = |x: Option<&f64>, y: Option<&f64>| match (x, y) {
+                (Some(x), Some(y)) if *y > 0.0 => format!("{:.2}", x / y),
+                _ => "-".into(),
+            };
+            row.push_str(&format!(
+                "  {:>14}  {:>13}  {:>10}  {}",
+                ratio(times.get(&SwapMode::Planner), Some(&base.step_s)),
+                ratio(times.get(&SwapMode::Naive), times.get(&SwapMode::Planner)),
+                moved,
+                if identical { "identical" } else { "DIFFER" }
+            ));
+            println!("{row}");
+            println!(
+                "        losses after {} steps: in-mem={:.6} {}",
+                total,
+                base.losses.last().copied().unwrap_or(f64::NAN),
+                finals.join(" ")
+            );
+        }
+        torch_budgets.push((name.clone(), budgets));
+    }
+    if let Some(script) = &a.torch {
+        for (name, budgets) in &torch_budgets {
+            run_torch(&a, script, name, budgets, &mut emit)?;
+        }
+    }
+    Ok(())
+}
+
+/// Runs the PyTorch script for `model` at `budgets` and prints its lines.
+fn run_torch(
+    a: &BenchSwapArgs,
+    script: &std::path::Path,
+    model: &str,
+    budgets: &[u64],
+    emit: &mut dyn FnMut(serde_json::Value) -> AnyResult,
+) -> AnyResult {
+    let list: Vec<String> = budgets.iter().map(|b| b.to_string()).collect();
+    let out = Command::new(&a.python)
+        .arg(script)
+        .args(["--model", model])
+        .args(["--image", &a.image.to_string()])
+        .args(["--batch-size", &a.batch_size.to_string()])
+        .args(["--hidden", &a.hidden.to_string()])
+        .args(["--blocks", &a.blocks])
+        .args(["--steps", &a.steps.to_string()])
+        .args(["--warmup", &a.warmup.to_string()])
+        .args(["--optimizer", &a.optimizer])
+        .args(["--lr", &a.lr.to_string()])
+        .args(["--budgets", &list.join(",")])
+        .output()
+        .map_err(|e| format!("cannot run {} {}: {e}", a.python, script.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{} failed: {}",
+            script.display(),
+            String::from_utf8_lossy(&out.stderr)
+        )
+        .into());
+    }
+    println!("\nPyTorch ({model}, {}):", script.display());
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            println!("  {line}");
+            continue;
+        };
+        let budget = v["budget"].as_u64().map_or("none".to_string(), human_bytes);
+        match v["step_s"].as_f64() {
+            Some(s) => println!(
+                "  {:<12} budget {:>10}: {:>9} ms/step",
+                v["mode"].as_str().unwrap_or("?"),
+                budget,
+                ms(s)
+            ),
+            None => println!(
+                "  {:<12} budget {:>10}: {}",
+                v["mode"].as_str().unwrap_or("?"),
+                budget,
+                v["error"].as_str().unwrap_or("failed")
+            ),
+        }
+        emit(v)?;
+    }
+    Ok(())
+}

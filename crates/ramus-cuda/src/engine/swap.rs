@@ -1,0 +1,1139 @@
+//! The CUDA engine's swap path (see [`crate::swap`] for the design): a
+//! training step of a static-graph model run op by op by the
+//! [`ramus_swap::Executor`], with [`CudaSwapDevice`] carrying out its
+//! orders — per-tensor pool memory, pinned host slots, one copy stream per
+//! direction and events ordering the copies against the compute stream.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaStream};
+
+use ramus_core::graph::{DType, NodeKind, Role, Source};
+use ramus_core::{HeadRows, Model, Params};
+use ramus_cpu::{fill_dropout_mask, Batch, ForwardOutput, Mode, Range};
+use ramus_nn::OptimizerConfig;
+use ramus_swap::{
+    analyze, AutoVmPlanner, CostModel, ExecOptions, Executor, Planner, PlannerConfig, Policy,
+    PrefetchTiming, SwapDevice, SwapPlan, TensorId, TensorKind,
+};
+
+use super::{model_err, Buf, CudaEngine};
+use crate::error::{CudaError, InCall, Result};
+use crate::pinned::PinnedBuffer;
+use crate::pool::{DeviceView, PoolBuffer};
+use crate::swap::steps::{self, GraphRef, Kind, Shape, StaticProgram, SwapOp};
+use crate::swap::{HostSlot, SwapConfig, SwapMode, SwapStepReport};
+
+/// A tensor's device memory.
+enum Mem {
+    Floats(PoolBuffer<f32>),
+    Indices(PoolBuffer<u32>),
+}
+
+impl Mem {
+    fn buf(&self) -> Buf {
+        match self {
+            Mem::Floats(b) => Buf::Floats(b.view()),
+            Mem::Indices(b) => Buf::Indices(b.view()),
+        }
+    }
+
+    /// Device address and bytes of the tensor's elements.
+    fn raw(&self) -> (u64, usize) {
+        match self {
+            Mem::Floats(b) => (b.view().device_ptr(), b.view().byte_len()),
+            Mem::Indices(b) => (b.view().device_ptr(), b.view().byte_len()),
+        }
+    }
+}
+
+/// Per trace tensor: device memory, host slot and the events of its copies.
+#[derive(Default)]
+struct Slot {
+    mem: Option<Mem>,
+    host: Option<HostSlot>,
+    offloaded: Option<CudaEvent>,
+    prefetched: Option<CudaEvent>,
+}
+
+/// How a prepared batch shape is executed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    /// Mode, budget and plan not decided yet.
+    New,
+    /// Planned without op times; the next iteration is timed.
+    Profile,
+    /// Settled.
+    Ready,
+}
+
+/// The iteration of one batch shape, and how it runs.
+struct Prepared {
+    program: StaticProgram,
+    stage: Stage,
+    policy: Option<Policy>,
+    plan: Option<SwapPlan>,
+    options: ExecOptions,
+    overhead: u64,
+    plan_budget: Option<u64>,
+    trace_peak: u64,
+}
+
+/// Timing events of a profiled iteration.
+#[derive(Default)]
+struct Profile {
+    ops: Vec<Option<(CudaEvent, CudaEvent)>>,
+    /// (to the host?, bytes, start, end)
+    copies: Vec<(bool, usize, CudaEvent, CudaEvent)>,
+}
+
+/// The swap path's state, kept across steps.
+pub(crate) struct SwapRuntime {
+    config: SwapConfig,
+    d2h: Arc<CudaStream>,
+    h2d: Arc<CudaStream>,
+    /// Recorded on the compute stream when a copy must follow it.
+    mark: CudaEvent,
+    /// Ops queued on the compute stream so far, and when `mark` was recorded.
+    epoch: u64,
+    mark_epoch: Option<u64>,
+    slots: Vec<Slot>,
+    prepared: HashMap<(Shape, Kind), Prepared>,
+    upload: PinnedBuffer,
+    loss: PinnedBuffer,
+    logits: PinnedBuffer,
+    /// Floats of scores the last iteration copied into `logits`.
+    logits_len: usize,
+    workspace: Option<PoolBuffer<f32>>,
+    report: Option<SwapStepReport>,
+}
+
+impl SwapRuntime {
+    pub(crate) fn new(
+        engine_device: &crate::device::CudaDevice,
+        config: SwapConfig,
+    ) -> Result<Self> {
+        Ok(SwapRuntime {
+            config,
+            d2h: engine_device.new_stream()?,
+            h2d: engine_device.new_stream()?,
+            mark: engine_device.new_event()?,
+            epoch: 0,
+            mark_epoch: None,
+            slots: Vec::new(),
+            prepared: HashMap::new(),
+            upload: PinnedBuffer::new(engine_device)?,
+            loss: PinnedBuffer::new(engine_device)?,
+            logits: PinnedBuffer::new(engine_device)?,
+            logits_len: 0,
+            workspace: None,
+            report: None,
+        })
+    }
+
+    /// A host slot of at least `bytes` for tensor `t`.
+    fn ensure_host(
+        &mut self,
+        t: usize,
+        bytes: usize,
+        device: &crate::device::CudaDevice,
+    ) -> Result<()> {
+        if self.slots.len() <= t {
+            self.slots.resize_with(t + 1, Slot::default);
+        }
+        match &self.slots[t].host {
+            Some(h) if h.bytes() >= bytes => return Ok(()),
+            Some(_) => {
+                // a smaller slot (another batch shape's tensor) may still be
+                // used by a copy: drain before freeing it
+                self.drain()?;
+                self.slots[t].host = None;
+            }
+            None => {}
+        }
+        self.slots[t].host = Some(HostSlot::new(device, bytes)?);
+        Ok(())
+    }
+
+    pub(crate) fn config(&self) -> &SwapConfig {
+        &self.config
+    }
+
+    pub(crate) fn last_report(&self) -> Option<&SwapStepReport> {
+        self.report.as_ref()
+    }
+
+    /// Drains both copy streams (before host slots may be freed or device
+    /// memory dropped after a failed step).
+    fn drain(&self) -> Result<()> {
+        self.d2h.synchronize().in_call("cuStreamSynchronize")?;
+        self.h2d.synchronize().in_call("cuStreamSynchronize")
+    }
+}
+
+impl Drop for SwapRuntime {
+    fn drop(&mut self) {
+        if let Err(e) = self.drain() {
+            // a copy may still use the host slots: leak them rather than free
+            eprintln!("ramus-cuda: leaking swap host slots after a failed drain: {e}");
+            for slot in self.slots.drain(..) {
+                std::mem::forget(slot);
+            }
+        }
+    }
+}
+
+fn swap_err(message: impl Into<String>) -> CudaError {
+    CudaError::Model(message.into())
+}
+
+impl CudaEngine {
+    /// What the last swap-path training step did (`None` off the swap path
+    /// or before the first step).
+    pub fn last_swap_report(&self) -> Option<&SwapStepReport> {
+        self.swap.as_ref().and_then(|rt| rt.last_report())
+    }
+
+    /// The swap path's settings (`None`: the plain engine).
+    pub fn swap_config(&self) -> Option<&SwapConfig> {
+        self.swap.as_ref().map(|rt| rt.config())
+    }
+
+    /// The trace and plan the swap path uses for `batch` (planning it if
+    /// this batch shape was not run yet; a profiled plan appears after the
+    /// first step of the shape).
+    pub fn swap_plan(
+        &self,
+        model: &Model,
+        batch: &Batch<'_>,
+    ) -> Option<(ramus_swap::Trace, Option<SwapPlan>)> {
+        let rt = self.swap.as_ref()?;
+        let states = self
+            .optimizer
+            .as_ref()
+            .map_or(0, |(_, o)| steps::optimizer_states(o.config().kind));
+        let key = (
+            Shape::of(model, &batch.schedule, model.head.rows),
+            Kind::Train { states },
+        );
+        let prep = rt.prepared.get(&key)?;
+        Some((prep.program.trace.clone(), prep.plan.clone()))
+    }
+
+    /// One training step on the swap path: forward, backward and the fused
+    /// optimizer update, op by op under the executor.
+    pub(super) fn swap_train_step(
+        &mut self,
+        model: &Model,
+        params: &mut Params<f32>,
+        config: &OptimizerConfig,
+        batch: &Batch<'_>,
+    ) -> Result<f64> {
+        self.check_model(model)?;
+        let mut rt = self
+            .swap
+            .take()
+            .ok_or_else(|| swap_err("the swap path is not set up"))?;
+        let result = self.swap_step(&mut rt, model, params, config, batch);
+        if result.is_err() {
+            self.abandon(&mut rt);
+        }
+        self.swap = Some(rt);
+        result
+    }
+
+    fn swap_step(
+        &mut self,
+        rt: &mut SwapRuntime,
+        model: &Model,
+        params: &mut Params<f32>,
+        config: &OptimizerConfig,
+        batch: &Batch<'_>,
+    ) -> Result<f64> {
+        let s = &batch.schedule;
+        self.begin_swap_step(model, params)?;
+        self.upload_indices(model, s, Mode::Train, model.head.rows)?;
+        // the optimizer's state is part of the fixed memory: allocate it first
+        self.device_optimizer(model, config)?;
+        let kind = Kind::Train {
+            states: steps::optimizer_states(config.kind),
+        };
+        let key = (Shape::of(model, s, model.head.rows), kind);
+        let mut prep = self.prepared(rt, model, &key)?;
+        let result = self.swap_run(rt, &mut prep, model, Some(config), batch);
+        rt.prepared.insert(key, prep);
+        let (loss, _) = result?;
+        // the device copy is now ahead of the host values
+        params.touch();
+        if let Some(dp) = self.params.as_mut() {
+            dp.version = params.version();
+            dp.host_stale = true;
+        }
+        Ok(loss)
+    }
+
+    /// The prepared iteration for `key`, taken out of the runtime's cache
+    /// (built if new; the caller puts it back).
+    fn prepared(
+        &self,
+        rt: &mut SwapRuntime,
+        model: &Model,
+        key: &(Shape, Kind),
+    ) -> Result<Prepared> {
+        if let Some(p) = rt.prepared.remove(key) {
+            return Ok(p);
+        }
+        let program = steps::build(model, &self.program, &key.0, key.1, self.conv_workspace)?;
+        Ok(Prepared {
+            program,
+            stage: Stage::New,
+            policy: None,
+            plan: None,
+            options: ExecOptions::resident(None),
+            overhead: 0,
+            plan_budget: None,
+            trace_peak: 0,
+        })
+    }
+
+    /// The forward pass of a static-graph model on the swap path (evaluation
+    /// and inference): op by op, each tensor freed after its last use, so
+    /// batches whose activations all together exceed the budget still run.
+    pub(super) fn swap_forward(
+        &mut self,
+        model: &Model,
+        params: &Params<f32>,
+        batch: &Batch<'_>,
+        mode: Mode,
+        rows: HeadRows,
+    ) -> Result<ForwardOutput<f32>> {
+        self.check_model(model)?;
+        let mut rt = self
+            .swap
+            .take()
+            .ok_or_else(|| swap_err("the swap path is not set up"))?;
+        let result = self.swap_forward_in(&mut rt, model, params, batch, mode, rows);
+        if result.is_err() {
+            self.abandon(&mut rt);
+        }
+        self.swap = Some(rt);
+        result
+    }
+
+    fn swap_forward_in(
+        &mut self,
+        rt: &mut SwapRuntime,
+        model: &Model,
+        params: &Params<f32>,
+        batch: &Batch<'_>,
+        mode: Mode,
+        rows: HeadRows,
+    ) -> Result<ForwardOutput<f32>> {
+        let s = &batch.schedule;
+        self.begin_swap_step(model, params)?;
+        self.upload_indices(model, s, mode, rows)?;
+        let kind = if mode == Mode::Infer {
+            Kind::Infer
+        } else {
+            Kind::Evaluate
+        };
+        let key = (Shape::of(model, s, rows), kind);
+        let mut prep = self.prepared(rt, model, &key)?;
+        let result = self.swap_run(rt, &mut prep, model, None, batch);
+        rt.prepared.insert(key, prep);
+        let (loss, logits) = result?;
+        let classes = model
+            .head
+            .logits
+            .map_or(0, |l| model.head.forward.nodes[l].ty.width());
+        Ok(ForwardOutput {
+            loss: (mode != Mode::Infer).then_some(loss),
+            head_vertices: self.state.head_vertices.clone(),
+            logits,
+            classes,
+        })
+    }
+
+    /// Resets the per-batch state shared with the plain path and uploads
+    /// the parameters if they changed.
+    fn begin_swap_step(&mut self, model: &Model, params: &Params<f32>) -> Result<()> {
+        self.state.forward_done = false;
+        {
+            let mut arena = self.arena.borrow_mut();
+            arena.reset()?;
+            // an evaluation pass may have grown it: the swap path's tensors
+            // need that room (earlier work is ordered on the compute stream)
+            arena.trim();
+        }
+        self.main.workspace.set(None);
+        self.eager.workspace.set(None);
+        self.sync_params(model, params)
+    }
+
+    /// After a failed step: leaves no copy in flight and no tensor allocated.
+    fn abandon(&self, rt: &mut SwapRuntime) {
+        let drained = self.device.synchronize().and_then(|()| rt.drain());
+        for slot in &mut rt.slots {
+            slot.mem = None;
+        }
+        if let Err(e) = drained {
+            eprintln!("ramus-cuda: swap path: could not drain after a failed step: {e}");
+        }
+    }
+
+    /// Runs the prepared iteration; returns the loss (NaN if none) and the
+    /// scores (if copied).
+    fn swap_run(
+        &mut self,
+        rt: &mut SwapRuntime,
+        prep: &mut Prepared,
+        model: &Model,
+        config: Option<&OptimizerConfig>,
+        batch: &Batch<'_>,
+    ) -> Result<(f64, Vec<f32>)> {
+        let nt = prep.program.trace.num_tensors();
+        if rt.slots.len() < nt {
+            rt.slots.resize_with(nt, Slot::default);
+        }
+        // the lane's scratch memory, reserved up front at its largest
+        let ws_len = prep.program.workspace_floats;
+        if rt.workspace.as_ref().is_none_or(|w| w.len() < ws_len) {
+            rt.workspace = None;
+            rt.workspace = Some(self.pool.alloc::<f32>(ws_len.max(1))?);
+        }
+        if let Some(w) = &rt.workspace {
+            self.main.workspace.set(Some(w.view()));
+        }
+        // dropout masks, drawn in the plain engine's order
+        let mut masks = Vec::with_capacity(prep.program.masks.len());
+        for &(_, _, len, rate) in &prep.program.masks {
+            let mut mask = vec![0f32; len];
+            fill_dropout_mask(&mut mask, rate, true, &mut self.rng);
+            masks.push(mask);
+        }
+        if prep.stage == Stage::New {
+            self.decide(rt, prep)?;
+        }
+        // pinned slots of the planned offloads, before the timed work starts
+        if let Some(plan) = &prep.plan {
+            for a in &plan.actions {
+                if let Some(home) = prep
+                    .program
+                    .homes
+                    .get(a.tensor().index())
+                    .copied()
+                    .flatten()
+                {
+                    rt.ensure_host(a.tensor().index(), home.len * 4, &self.device)?;
+                }
+            }
+        }
+        let profiling = prep.stage == Stage::Profile;
+        let executor = Executor::new(
+            &prep.program.trace,
+            prep.plan.as_ref(),
+            prep.options.clone(),
+        )?;
+        let mut profile = profiling.then(Profile::default);
+        let exec = {
+            let mut dev = CudaSwapDevice {
+                engine: self,
+                rt: &mut *rt,
+                program: &prep.program,
+                model,
+                config,
+                batch,
+                bufs: Vec::new(),
+                masks,
+                profile: profile.as_mut(),
+            };
+            dev.init_bufs()?;
+            executor.run(&mut dev)?
+        };
+        let has = |op: SwapOp| prep.program.ops.contains(&op);
+        let loss = if has(SwapOp::ReadLoss) {
+            f64::from(rt.loss.host::<f32>(1)?.first().copied().unwrap_or(f32::NAN))
+        } else {
+            f64::NAN
+        };
+        let logits = if has(SwapOp::ReadLogits) {
+            rt.logits.host::<f32>(rt.logits_len)?.to_vec()
+        } else {
+            Vec::new()
+        };
+        if let Some(profile) = profile {
+            self.replan(rt, prep, &profile)?;
+        }
+        rt.report = Some(SwapStepReport {
+            mode: rt.config.mode,
+            policy: prep.policy,
+            ops: prep.program.trace.num_ops(),
+            tensors: nt,
+            device_budget: self.pool.max_bytes(),
+            overhead_bytes: prep.overhead,
+            plan_budget: prep.plan_budget,
+            trace_peak_bytes: prep.trace_peak,
+            profiled: profiling,
+            exec,
+            pool_peak_bytes: self.pool.stats().peak_in_use_bytes,
+        });
+        Ok((loss, logits))
+    }
+
+    /// The planner's settings for this runtime and budget.
+    fn planner_config(rt: &SwapRuntime, budget: u64, cost: CostModel) -> PlannerConfig {
+        let mut c = PlannerConfig::new(budget);
+        c.size_threshold_bytes = rt.config.size_threshold_bytes;
+        c.min_reuse_ops = rt.config.min_reuse_ops;
+        c.offload_kinds = vec![TensorKind::Activation, TensorKind::Gradient];
+        c.cost = cost;
+        c
+    }
+
+    /// Decides the mode, budget and first plan of a batch shape, from the
+    /// memory in use now (everything but the iteration's tensors).
+    fn decide(&self, rt: &SwapRuntime, prep: &mut Prepared) -> Result<()> {
+        let trace = &prep.program.trace;
+        let in_use = self.pool.stats().in_use_bytes;
+        prep.overhead = in_use.saturating_sub(trace.persistent_bytes());
+        let cost = CostModel::pcie5_x16();
+        prep.trace_peak = analyze(trace, &cost).peak_bytes;
+        let device_budget = self.pool.max_bytes();
+        prep.plan_budget = device_budget.map(|b| {
+            let reserve = (b as f64 * rt.config.fragmentation_reserve.clamp(0.0, 0.5)) as u64;
+            b.saturating_sub(prep.overhead).saturating_sub(reserve)
+        });
+        if !matches!(prep.program.kind, Kind::Train { .. }) {
+            // a forward pass frees as it goes; should it still not fit,
+            // naive swapping (unless no swapping was asked for)
+            prep.stage = Stage::Ready;
+            if rt.config.mode == SwapMode::Resident {
+                prep.policy = None;
+                prep.options = ExecOptions::resident(None);
+            } else {
+                prep.policy = Some(Policy::Lru);
+                prep.options = ExecOptions::on_demand(None);
+            }
+            return Ok(());
+        }
+        let mode = match rt.config.mode {
+            SwapMode::Auto => match prep.plan_budget {
+                Some(b) if prep.trace_peak > b => SwapMode::Planner,
+                _ => SwapMode::Resident,
+            },
+            m => m,
+        };
+        match mode {
+            SwapMode::Off | SwapMode::Auto | SwapMode::Resident => {
+                prep.policy = None;
+                prep.options = ExecOptions::resident(None);
+                prep.stage = Stage::Ready;
+            }
+            SwapMode::Naive => {
+                prep.policy = Some(Policy::Lru);
+                prep.options = ExecOptions::on_demand(None);
+                prep.stage = Stage::Ready;
+            }
+            SwapMode::Planner => {
+                let budget = prep.plan_budget.ok_or_else(|| {
+                    swap_err(
+                        "the swap planner needs a device memory budget \
+                         (--device-memory-budget, or PoolConfig::max_bytes)",
+                    )
+                })?;
+                let mut c = Self::planner_config(rt, budget, cost);
+                c.timing = PrefetchTiming::Earliest;
+                let plan = AutoVmPlanner::new(c)
+                    .plan(trace)
+                    .map_err(|e| swap_err(format!("swap planner: {e}")))?;
+                prep.policy = Some(plan.policy);
+                prep.plan = Some(plan);
+                prep.options = ExecOptions::planned(Some(budget));
+                prep.stage = if rt.config.profile {
+                    Stage::Profile
+                } else {
+                    Stage::Ready
+                };
+            }
+        }
+        Ok(())
+    }
+
+    /// Re-plans a profiled shape with the measured op times and bandwidths.
+    fn replan(&self, rt: &SwapRuntime, prep: &mut Prepared, profile: &Profile) -> Result<()> {
+        prep.stage = Stage::Ready;
+        self.device.synchronize()?;
+        let mut durations = Vec::with_capacity(profile.ops.len());
+        for op in &profile.ops {
+            let Some((start, end)) = op else {
+                return Err(swap_err("swap profiling: an op was not timed"));
+            };
+            let ms = start.elapsed_ms(end).in_call("cuEventElapsedTime")?;
+            durations.push(f64::from(ms.max(0.0)) * 1e-3);
+        }
+        let mut cost = CostModel::pcie5_x16();
+        let mut moved = [(0usize, 0f64); 2];
+        for (to_host, bytes, start, end) in &profile.copies {
+            let s = f64::from(start.elapsed_ms(end).in_call("cuEventElapsedTime")?) * 1e-3;
+            let m = &mut moved[usize::from(*to_host)];
+            m.0 += bytes;
+            m.1 += s;
+        }
+        let rate =
+            |(bytes, s): (usize, f64)| (bytes > 1 << 20 && s > 0.0).then(|| bytes as f64 / s);
+        if let Some(r) = rate(moved[0]) {
+            cost.h2d_bytes_per_s = r;
+        }
+        if let Some(r) = rate(moved[1]) {
+            cost.d2h_bytes_per_s = r;
+        }
+        let (Some(budget), Some(old)) = (prep.plan_budget, prep.plan.as_ref()) else {
+            return Ok(());
+        };
+        let trace = prep
+            .program
+            .trace
+            .with_durations(&durations)
+            .map_err(|e| swap_err(format!("swap profiling: {e}")))?;
+        let mut c = Self::planner_config(rt, budget, cost);
+        c.timing = PrefetchTiming::Profiled;
+        match AutoVmPlanner::new(c).plan(&trace) {
+            Ok(plan) => {
+                prep.policy = Some(plan.policy);
+                prep.plan = Some(plan);
+                prep.program.trace = trace;
+            }
+            Err(e) => {
+                // keep the earliest-placement plan, which did run
+                let mut plan = old.clone();
+                plan.notes
+                    .push(format!("profiled re-planning failed, kept this plan: {e}"));
+                prep.plan = Some(plan);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The CUDA side of [`ramus_swap::SwapDevice`]: the engine, the swap
+/// runtime and the buffers of the step in progress.
+struct CudaSwapDevice<'a> {
+    engine: &'a mut CudaEngine,
+    rt: &'a mut SwapRuntime,
+    program: &'a StaticProgram,
+    model: &'a Model,
+    config: Option<&'a OptimizerConfig>,
+    batch: &'a Batch<'a>,
+    /// Buffers of every graph's nodes, by [`GraphRef::index`]: index inputs
+    /// and empty buffers fixed, every tensor present only while an op that
+    /// uses it runs (a tensor the op list missed is a clear error, never a
+    /// stale address).
+    bufs: Vec<Vec<Buf>>,
+    masks: Vec<Vec<f32>>,
+    profile: Option<&'a mut Profile>,
+}
+
+impl CudaSwapDevice<'_> {
+    fn graphs(&self) -> usize {
+        2 * self.model.functions.len() + 2
+    }
+
+    /// Fixed buffers: tokens, labels, empty views.
+    fn init_bufs(&mut self) -> Result<()> {
+        let nf = self.model.functions.len();
+        let mut bufs = Vec::with_capacity(self.graphs());
+        for gi in 0..self.graphs() {
+            let graph = if gi < 2 * nf {
+                if gi % 2 == 0 {
+                    GraphRef::Forward(gi / 2)
+                } else {
+                    GraphRef::Backward(gi / 2)
+                }
+            } else if gi == 2 * nf {
+                GraphRef::Head
+            } else {
+                GraphRef::HeadBackward
+            };
+            let g = graph.graph(self.model);
+            let mut b = vec![Buf::Absent; g.nodes.len()];
+            for (n, node) in g.nodes.iter().enumerate() {
+                b[n] = match node.kind {
+                    NodeKind::Input(Source::Token) => match graph.function() {
+                        Some(f) => Buf::Indices(self.engine.topology(f)?.tokens),
+                        None => Buf::Absent,
+                    },
+                    NodeKind::Input(Source::Label) => {
+                        self.engine.state.labels.map_or(Buf::Absent, Buf::Indices)
+                    }
+                    _ => Buf::Absent,
+                };
+            }
+            bufs.push(b);
+        }
+        for &(graph, n, dtype) in &self.program.empty {
+            bufs[graph.index(nf)][n] = match dtype {
+                DType::Float => Buf::Floats(DeviceView::empty()),
+                DType::Index => Buf::Indices(DeviceView::empty()),
+            };
+        }
+        self.bufs = bufs;
+        Ok(())
+    }
+
+    fn tensor(&self, t: TensorId) -> Result<&Slot> {
+        self.rt
+            .slots
+            .get(t.index())
+            .ok_or_else(|| swap_err(format!("swap path: no tensor {t}")))
+    }
+
+    fn mem(&self, t: TensorId) -> Result<&Mem> {
+        self.tensor(t)?.mem.as_ref().ok_or_else(|| {
+            swap_err(format!(
+                "swap path: tensor {t} `{}` has no device memory",
+                self.program.trace.tensor(t).name
+            ))
+        })
+    }
+
+    /// Points the buffers of op `op`'s tensors at their memory (or clears them).
+    fn bind(&mut self, op: usize, present: bool) -> Result<()> {
+        let nf = self.model.functions.len();
+        for &t in self.program.trace.uses(op) {
+            let Some(home) = self.program.homes.get(t.index()).copied().flatten() else {
+                continue;
+            };
+            let buf = if present {
+                self.mem(t)?.buf()
+            } else {
+                Buf::Absent
+            };
+            self.bufs[home.graph.index(nf)][home.node] = buf;
+        }
+        Ok(())
+    }
+
+    /// Records `mark` on the compute stream unless nothing was queued
+    /// there since it was last recorded.
+    fn mark_compute(&mut self) -> Result<()> {
+        if self.rt.mark_epoch != Some(self.rt.epoch) {
+            self.rt
+                .mark
+                .record(&self.engine.main.stream)
+                .in_call("cuEventRecord")?;
+            self.rt.mark_epoch = Some(self.rt.epoch);
+        }
+        Ok(())
+    }
+
+    fn timing_event(&self) -> Result<CudaEvent> {
+        self.engine
+            .device
+            .context()
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .in_call("cuEventCreate")
+    }
+
+    fn event<'s>(
+        slot: &'s mut Option<CudaEvent>,
+        device: &crate::device::CudaDevice,
+    ) -> Result<&'s CudaEvent> {
+        if slot.is_none() {
+            *slot = Some(device.new_event()?);
+        }
+        slot.as_ref()
+            .ok_or_else(|| swap_err("swap path: event missing"))
+    }
+
+    /// Runs op `op` (its tensors bound).
+    fn execute(&mut self, op: usize) -> Result<()> {
+        let engine: &CudaEngine = self.engine;
+        let model = self.model;
+        let s = &self.batch.schedule;
+        let nf = model.functions.len();
+        let stream = engine.main.stream.clone();
+        let h = engine.state.head_vertices.len();
+        let range_of = |graph: GraphRef| match graph.function() {
+            Some(f) => Range::all(&s.functions[f]),
+            None => Range::rows_only(h),
+        };
+        let bufs = &self.bufs;
+        let own = |graph: GraphRef| bufs[graph.index(nf)].as_slice();
+        let fwd_of = |graph: GraphRef| graph.forward().map(|fg| bufs[fg.index(nf)].as_slice());
+        let view = |graph: GraphRef, n| -> Result<DeviceView<f32>> {
+            engine.float_view(
+                graph.graph(model),
+                n,
+                own(graph),
+                fwd_of(graph),
+                range_of(graph),
+            )
+        };
+        match self.program.ops[op] {
+            SwapOp::Step {
+                graph,
+                phase,
+                index,
+            } => {
+                let prog = graph.program(&engine.program, self.program.kind);
+                let step = prog.phases[phase].get(index).ok_or_else(|| {
+                    swap_err(format!("swap path: no step {index} in phase {phase}"))
+                })?;
+                let topo = graph.function().map(|f| engine.topology(f)).transpose()?;
+                engine.run_step(
+                    graph.graph(model),
+                    step,
+                    own(graph),
+                    fwd_of(graph),
+                    range_of(graph),
+                    topo,
+                    &engine.main,
+                    &prog.views,
+                )?;
+            }
+            SwapOp::UploadPull { f, node } => {
+                let func = &model.functions[f];
+                let g = &func.forward;
+                let pw = g.nodes[node].ty.width();
+                let explicit = engine.pull_values.is_some();
+                let values = engine.pull_values.as_deref().unwrap_or(&s.features);
+                let values = ramus_cpu::pulled_values(values, s, pw, &func.name, explicit)
+                    .map_err(|e| model_err(e.to_string()))?;
+                let fr = &s.functions[f];
+                let mut rows = Vec::with_capacity(fr.rows() * pw);
+                for &v in &fr.vertex {
+                    rows.extend_from_slice(&values[v as usize * pw..(v as usize + 1) * pw]);
+                }
+                let dst = view(GraphRef::Forward(f), node)?;
+                self.rt.upload.upload_slice(&rows, dst, &stream)?;
+                engine.launcher.count();
+            }
+            SwapOp::UploadMask { mask } => {
+                let &(graph, node, _, _) = self
+                    .program
+                    .masks
+                    .get(mask)
+                    .ok_or_else(|| swap_err(format!("swap path: no mask {mask}")))?;
+                let dst = view(graph, node)?;
+                self.rt
+                    .upload
+                    .upload_slice(&self.masks[mask], dst, &stream)?;
+                engine.launcher.count();
+            }
+            SwapOp::HeadInput => {
+                let g = &model.head.forward;
+                if let Some(inp) = g.input_node(Source::HeadInput) {
+                    let dst = view(GraphRef::Head, inp)?;
+                    let pw = g.nodes[inp].ty.width();
+                    let mut moves = Vec::new();
+                    for (f, func) in model.functions.iter().enumerate() {
+                        let topo = engine.topology(f)?;
+                        if topo.head_rows.is_empty() {
+                            continue;
+                        }
+                        let push = func.push.ok_or_else(|| {
+                            model_err(format!("function `{}` pushes nothing", func.name))
+                        })?;
+                        let graph = GraphRef::Forward(f);
+                        let src = engine.whole_view(&func.forward, push, own(graph), None)?;
+                        moves.push(crate::launch::RowMove {
+                            dst,
+                            src,
+                            dst_rows: Some(topo.head_rows),
+                            src_rows: Some(topo.head_sources),
+                            rows: topo.head_rows.len(),
+                            width: pw,
+                            accumulate: false,
+                        });
+                    }
+                    engine.launcher.move_rows(&stream, &moves)?;
+                }
+            }
+            SwapOp::ReadLogits => {
+                if let Some(l) = model.head.logits {
+                    let v = view(GraphRef::Head, l)?;
+                    self.rt.logits.download(v, &stream)?;
+                    self.rt.logits_len = v.len();
+                }
+            }
+            SwapOp::ReadLoss => {
+                let v = view(GraphRef::Head, model.head.loss)?;
+                self.rt
+                    .loss
+                    .download(v.slice(0..1.min(v.len()))?, &stream)?;
+            }
+            SwapOp::ZeroGrads => {
+                let grad_all = engine.param_views()?.grad_all;
+                engine.launcher.fill(&stream, grad_all, 0.0)?;
+            }
+            SwapOp::Seed { graph, node, value } => {
+                let v = engine.whole_view(graph.graph(model), node, own(graph), fwd_of(graph))?;
+                engine.launcher.fill(&stream, v, value)?;
+            }
+            SwapOp::PushGrads => {
+                let hb = &model.head.backward;
+                let Some(out) = hb.output(Role::HeadInputGrad) else {
+                    return Ok(());
+                };
+                let src = view(GraphRef::HeadBackward, out.node)?;
+                let pw = hb.nodes[out.node].ty.width();
+                let mut moves = Vec::new();
+                for (f, func) in model.functions.iter().enumerate() {
+                    let topo = engine.topology(f)?;
+                    let push_out = func
+                        .forward
+                        .outputs
+                        .iter()
+                        .position(|o| o.role == Role::Push);
+                    let Some(pg) =
+                        push_out.and_then(|i| func.backward.input_node(Source::OutputGrad(i)))
+                    else {
+                        continue;
+                    };
+                    let Buf::Floats(dst) = own(GraphRef::Backward(f))[pg] else {
+                        continue;
+                    };
+                    moves.push(crate::launch::RowMove {
+                        dst,
+                        src,
+                        dst_rows: Some(topo.head_sources),
+                        src_rows: Some(topo.head_rows),
+                        rows: topo.head_rows.len(),
+                        width: pw,
+                        accumulate: true,
+                    });
+                }
+                engine.launcher.move_rows(&stream, &moves)?;
+            }
+            SwapOp::AccumulateGrad { graph, output } => {
+                let g = graph.graph(model);
+                let o = g
+                    .outputs
+                    .get(output)
+                    .ok_or_else(|| swap_err(format!("swap path: no output {output}")))?;
+                let Role::ParamGrad(p) = o.role else {
+                    return Err(swap_err("swap path: accumulating a non-gradient output"));
+                };
+                let src = view(graph, o.node)?;
+                let dst = *engine
+                    .param_views()?
+                    .grads
+                    .get(p)
+                    .ok_or_else(|| model_err(format!("no gradient of parameter {p}")))?;
+                engine.launcher.add_into(&stream, dst, src)?;
+            }
+            SwapOp::Optimizer => {
+                let config = self
+                    .config
+                    .ok_or_else(|| swap_err("swap path: an optimizer step without an optimizer"))?;
+                let report =
+                    self.engine
+                        .device_optimizer(model, config)?
+                        .step(&stream, &[], false)?;
+                for _ in 0..report.launches {
+                    self.engine.launcher.count();
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl SwapDevice for CudaSwapDevice<'_> {
+    type Error = CudaError;
+
+    fn budget_bytes(&self) -> Option<u64> {
+        self.engine.pool.max_bytes()
+    }
+
+    fn allocate(&mut self, tensor: TensorId, _bytes: u64) -> Result<bool> {
+        let home = self
+            .program
+            .homes
+            .get(tensor.index())
+            .copied()
+            .flatten()
+            .ok_or_else(|| swap_err(format!("swap path: tensor {tensor} has no node")))?;
+        let allocated = match home.dtype {
+            DType::Float => self.engine.pool.alloc::<f32>(home.len).map(Mem::Floats),
+            DType::Index => self.engine.pool.alloc::<u32>(home.len).map(Mem::Indices),
+        };
+        match allocated {
+            Ok(mem) => {
+                let slot = self
+                    .rt
+                    .slots
+                    .get_mut(tensor.index())
+                    .ok_or_else(|| swap_err(format!("swap path: no tensor {tensor}")))?;
+                if slot.mem.is_some() {
+                    return Err(swap_err(format!(
+                        "swap path: tensor {tensor} allocated twice"
+                    )));
+                }
+                slot.mem = Some(mem);
+                Ok(true)
+            }
+            Err(CudaError::OutOfPoolMemory { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn release(&mut self, tensor: TensorId) -> Result<()> {
+        let slot = self
+            .rt
+            .slots
+            .get_mut(tensor.index())
+            .ok_or_else(|| swap_err(format!("swap path: no tensor {tensor}")))?;
+        // later compute is ordered after the tensor's last op on the compute
+        // stream; copies into recycled memory wait for the compute stream
+        slot.mem = None;
+        Ok(())
+    }
+
+    fn offload(&mut self, tensor: TensorId) -> Result<()> {
+        self.mark_compute()?;
+        let device = Arc::clone(&self.engine.device);
+        let timing = match self.profile.is_some() {
+            true => Some((self.timing_event()?, self.timing_event()?)),
+            false => None,
+        };
+        let (ptr, bytes) = self.mem(tensor)?.raw();
+        let d2h = Arc::clone(&self.rt.d2h);
+        d2h.wait(&self.rt.mark).in_call("cuStreamWaitEvent")?;
+        self.rt.ensure_host(tensor.index(), bytes, &device)?;
+        let slot = &mut self.rt.slots[tensor.index()];
+        if let Some((start, _)) = &timing {
+            start.record(&d2h).in_call("cuEventRecord")?;
+        }
+        let host = slot
+            .host
+            .as_ref()
+            .ok_or_else(|| swap_err("swap path: host slot missing"))?;
+        // SAFETY: `ptr` is the tensor's live pool memory, which the executor
+        // releases only after this copy's event (recorded next) completed;
+        // the copy starts after the compute stream's work so far (the wait
+        // on `mark` above), so the tensor's last write is done. The slot is
+        // not read by a prefetch until that event completes (the prefetch
+        // waits on it), and a previous prefetch from it completed before
+        // the compute stream went on (ops await prefetches), which is
+        // before `mark`.
+        unsafe { host.copy_from_device(ptr, bytes, &d2h)? };
+        let event = Self::event(&mut slot.offloaded, &device)?;
+        event.record(&d2h).in_call("cuEventRecord")?;
+        if let (Some((start, end)), Some(p)) = (timing, self.profile.as_deref_mut()) {
+            end.record(&d2h).in_call("cuEventRecord")?;
+            p.copies.push((true, bytes, start, end));
+        }
+        Ok(())
+    }
+
+    fn offload_complete(&mut self, tensor: TensorId) -> Result<bool> {
+        match &self.tensor(tensor)?.offloaded {
+            Some(e) => e.try_is_complete().in_call("cuEventQuery"),
+            None => Err(swap_err(format!(
+                "swap path: tensor {tensor} was never offloaded"
+            ))),
+        }
+    }
+
+    fn wait_offload(&mut self, tensor: TensorId) -> Result<()> {
+        match &self.tensor(tensor)?.offloaded {
+            Some(e) => e.synchronize().in_call("cuEventSynchronize"),
+            None => Err(swap_err(format!(
+                "swap path: tensor {tensor} was never offloaded"
+            ))),
+        }
+    }
+
+    fn prefetch(&mut self, tensor: TensorId) -> Result<()> {
+        self.mark_compute()?;
+        let device = Arc::clone(&self.engine.device);
+        let timing = match self.profile.is_some() {
+            true => Some((self.timing_event()?, self.timing_event()?)),
+            false => None,
+        };
+        let (ptr, bytes) = self.mem(tensor)?.raw();
+        let h2d = Arc::clone(&self.rt.h2d);
+        h2d.wait(&self.rt.mark).in_call("cuStreamWaitEvent")?;
+        let slot = &mut self.rt.slots[tensor.index()];
+        let offloaded = slot
+            .offloaded
+            .as_ref()
+            .ok_or_else(|| swap_err(format!("swap path: tensor {tensor} was never offloaded")))?;
+        h2d.wait(offloaded).in_call("cuStreamWaitEvent")?;
+        if let Some((start, _)) = &timing {
+            start.record(&h2d).in_call("cuEventRecord")?;
+        }
+        let host = slot
+            .host
+            .as_ref()
+            .ok_or_else(|| swap_err(format!("swap path: tensor {tensor} has no host copy")))?;
+        // SAFETY: `ptr` is the tensor's freshly allocated pool memory; the
+        // copy waits for the compute stream's work so far (memory it
+        // recycles was last used there) and for the tensor's offload (the
+        // slot's contents). No op reads the memory before the compute
+        // stream waits on this copy's event (recorded next), the executor
+        // never releases it while the copy is pending, and the slot is
+        // written again only by a later offload, which follows compute that
+        // waited for this copy.
+        unsafe { host.copy_to_device(ptr, bytes, &h2d)? };
+        let event = Self::event(&mut slot.prefetched, &device)?;
+        event.record(&h2d).in_call("cuEventRecord")?;
+        if let (Some((start, end)), Some(p)) = (timing, self.profile.as_deref_mut()) {
+            end.record(&h2d).in_call("cuEventRecord")?;
+            p.copies.push((false, bytes, start, end));
+        }
+        Ok(())
+    }
+
+    fn await_prefetch(&mut self, tensor: TensorId) -> Result<()> {
+        match &self.tensor(tensor)?.prefetched {
+            Some(e) => self.engine.main.stream.wait(e).in_call("cuStreamWaitEvent"),
+            None => Err(swap_err(format!(
+                "swap path: tensor {tensor} was never prefetched"
+            ))),
+        }
+    }
+
+    fn wait_prefetch(&mut self, tensor: TensorId) -> Result<()> {
+        match &self.tensor(tensor)?.prefetched {
+            Some(e) => e.synchronize().in_call("cuEventSynchronize"),
+            None => Err(swap_err(format!(
+                "swap path: tensor {tensor} was never prefetched"
+            ))),
+        }
+    }
+
+    fn run_op(&mut self, op: usize) -> Result<()> {
+        self.bind(op, true)?;
+        let timing = match self.profile.is_some() {
+            true => Some((self.timing_event()?, self.timing_event()?)),
+            false => None,
+        };
+        if let Some((start, _)) = &timing {
+            start
+                .record(&self.engine.main.stream)
+                .in_call("cuEventRecord")?;
+        }
+        let ran = self.execute(op).map_err(|e| match e {
+            CudaError::Model(m) => CudaError::Model(format!(
+                "op {op} `{}`: {m}",
+                self.program.trace.ops()[op].name
+            )),
+            other => other,
+        });
+        self.rt.epoch += 1;
+        ran?;
+        if let (Some((start, end)), Some(p)) = (timing, self.profile.as_deref_mut()) {
+            end.record(&self.engine.main.stream)
+                .in_call("cuEventRecord")?;
+            if p.ops.len() <= op {
+                p.ops.resize_with(op + 1, || None);
+            }
+            p.ops[op] = Some((start, end));
+        }
+        self.bind(op, false)
+    }
+}

@@ -1,0 +1,275 @@
+//! Training past device memory on CUDA: the mechanism that executes a
+//! [`ramus_swap::SwapPlan`] (AutoVM, thesis §3.2, with explicit copies to
+//! pinned host memory instead of managed memory, which Ramus never uses).
+//!
+//! # Where tensors live
+//!
+//! On the swap path ([`SwapMode`] other than `Off`) a static-graph model
+//! (the CNNs: one vertex per image, every step over all images at once)
+//! trains through [`CudaEngine::train_step`](crate::CudaEngine) with
+//!
+//! * **persistent tensors** — parameters, their gradients, the optimizer's
+//!   state — in the engine's own pool buffers, resident for good;
+//! * **every other tensor** (each materialized node of the forward and
+//!   backward graphs, see [`steps`]) in a **pool allocation of its own**,
+//!   made right before the first op that uses it ("pre-access") and freed
+//!   right after its last use, or offloaded: the pool's best-fit
+//!   [`OffsetAllocator`](crate::OffsetAllocator) frees blocks individually,
+//!   which the per-batch bump arena cannot. With a budget the pool is one
+//!   chunk of exactly the budget, so nothing outside it is ever reserved;
+//! * index arrays and the lanes' scratch memory (reserved up front at the
+//!   largest size any op asks for) in the batch arena and pool: the fixed
+//!   overhead that the planner's budget leaves out;
+//! * **offloaded tensors** in a pinned host slot per tensor
+//!   (`host::HostSlot`), allocated once and reused every iteration.
+//!
+//! # Streams and events
+//!
+//! Ops run in order on the engine's main stream (the compute stream). Each
+//! direction has a copy stream of its own. An offload waits for an event
+//! recorded on the compute stream after the op that last wrote the tensor,
+//! then records the tensor's *offload event*; the tensor's device memory is
+//! returned to the pool only once that event has completed (queried as
+//! allocations need room, waited for when they must). A prefetch waits for
+//! an event recorded on the compute stream at its issue point (its
+//! destination may be memory that earlier compute freed) and for the
+//! tensor's offload event, then records its *prefetch event*; every op that
+//! reads the tensor makes the compute stream wait for that event (the host
+//! never blocks for a prefetch). The ordering decisions — when to allocate,
+//! free, copy and wait — are made by [`ramus_swap::Executor`], shared with
+//! the simulated device of the CI tests; the CUDA engine implements its
+//! [`ramus_swap::SwapDevice`] trait.
+//!
+//! # Plans
+//!
+//! The trace the planner gets ([`training_trace`]) is built from the
+//! engine's own op list and tensor sizes, so tensor ids and op indices in a
+//! plan are the engine's. With [`SwapMode::Planner`] (or `Auto` when the
+//! iteration does not fit), the first iteration of each batch shape runs
+//! the earliest-placement plan (Listing 3.4) with CUDA timing events around
+//! every op and copy; the plan is then remade with the measured op times
+//! and link bandwidths (profiled placement, Listing 3.3) for the following
+//! iterations. [`SwapMode::Naive`] swaps on demand instead: when the pool
+//! refuses an allocation, the least-recently-used tensors are evicted
+//! synchronously; a tensor on the host is fetched back synchronously when
+//! an op touches it. Results are bit-identical in every mode: the same
+//! kernels run on the same values in the same order.
+
+mod host;
+pub(crate) mod steps;
+
+pub(crate) use host::HostSlot;
+
+use std::fmt;
+use std::str::FromStr;
+
+use ramus_core::Model;
+use ramus_cpu::Batch;
+use ramus_nn::OptimizerKind;
+use ramus_swap::{ExecReport, Policy, Trace};
+use serde_json::json;
+
+use crate::error::Result;
+use crate::program::Program;
+
+/// How the CUDA engine trains under a device memory budget.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum SwapMode {
+    /// The plain engine: every tensor of a batch in the batch arena;
+    /// exceeding the budget is an error naming the tensor.
+    #[default]
+    Off,
+    /// The swap path without swapping: tensors allocated at first use and
+    /// freed after the last; exceeding the budget is an error naming the
+    /// op, the tensor and the budget.
+    Resident,
+    /// Naive on-demand swapping: synchronous least-recently-used eviction
+    /// when an allocation fails, synchronous fetch when a tensor is touched.
+    Naive,
+    /// The AutoVM planner's plan, profiled after the first iteration.
+    Planner,
+    /// `Planner` if the iteration does not fit the budget, else `Resident`.
+    Auto,
+}
+
+impl SwapMode {
+    /// The name the command line uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            SwapMode::Off => "off",
+            SwapMode::Resident => "none",
+            SwapMode::Naive => "naive",
+            SwapMode::Planner => "planner",
+            SwapMode::Auto => "auto",
+        }
+    }
+}
+
+impl fmt::Display for SwapMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for SwapMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "off" => Ok(SwapMode::Off),
+            "none" | "resident" => Ok(SwapMode::Resident),
+            "naive" => Ok(SwapMode::Naive),
+            "planner" => Ok(SwapMode::Planner),
+            "auto" => Ok(SwapMode::Auto),
+            other => Err(format!(
+                "unknown swap mode `{other}` (known: auto, planner, naive, none, off)"
+            )),
+        }
+    }
+}
+
+/// Settings of the swap path.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SwapConfig {
+    pub mode: SwapMode,
+    /// Planner: tensors smaller than this stay resident (Listing 3.1).
+    pub size_threshold_bytes: u64,
+    /// Planner: gaps of fewer ops stay resident (Listing 3.1).
+    pub min_reuse_ops: usize,
+    /// Planner: time the first iteration of each batch shape (CUDA events
+    /// around every op and copy) and re-plan with the measured times.
+    pub profile: bool,
+    /// Fraction of the budget the planner leaves free for the pool's
+    /// fragmentation (what it still cannot place is evicted on demand and
+    /// counted as fallback evictions).
+    pub fragmentation_reserve: f64,
+}
+
+impl Default for SwapConfig {
+    fn default() -> Self {
+        SwapConfig {
+            mode: SwapMode::Off,
+            size_threshold_bytes: 1 << 20,
+            min_reuse_ops: 2,
+            profile: true,
+            fragmentation_reserve: 0.02,
+        }
+    }
+}
+
+impl SwapConfig {
+    /// The defaults with `mode`.
+    pub fn with_mode(mode: SwapMode) -> SwapConfig {
+        SwapConfig {
+            mode,
+            ..SwapConfig::default()
+        }
+    }
+}
+
+/// What the last swap-path training step did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SwapStepReport {
+    /// The mode asked for.
+    pub mode: SwapMode,
+    /// The policy that ran (`Auto` resolved; `None` for no swapping).
+    pub policy: Option<Policy>,
+    /// Ops and tensors of the iteration.
+    pub ops: usize,
+    pub tensors: usize,
+    /// The pool's budget (`None`: unlimited).
+    pub device_budget: Option<u64>,
+    /// Pool memory outside the trace's tensors (arena, workspace, optimizer
+    /// extras), measured before the iteration.
+    pub overhead_bytes: u64,
+    /// The budget the plan was made for (device budget less the overhead
+    /// and the fragmentation reserve).
+    pub plan_budget: Option<u64>,
+    /// Peak of the iteration's tensors without swapping.
+    pub trace_peak_bytes: u64,
+    /// Whether this iteration was timed to re-plan.
+    pub profiled: bool,
+    /// What the executor did.
+    pub exec: ExecReport,
+    /// The pool's peak in-use bytes so far.
+    pub pool_peak_bytes: u64,
+}
+
+impl fmt::Display for SwapStepReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use ramus_swap::human_bytes;
+        let e = &self.exec;
+        write!(
+            f,
+            "swap {}: {}; {} ops, {} tensors, their peak {}",
+            self.mode,
+            self.policy.map_or("no swapping", |p| p.label()),
+            self.ops,
+            self.tensors,
+            human_bytes(self.trace_peak_bytes)
+        )?;
+        if let Some(b) = self.device_budget {
+            write!(f, ", budget {}", human_bytes(b))?;
+        }
+        if let Some(b) = self.plan_budget {
+            write!(f, " ({} for them)", human_bytes(b))?;
+        }
+        write!(
+            f,
+            "; per step {} to the host in {} copies, {} back in {}",
+            human_bytes(e.bytes_to_host),
+            e.copies_to_host,
+            human_bytes(e.bytes_to_device),
+            e.copies_to_device
+        )?;
+        if e.fallback_evictions > 0 {
+            write!(f, ", {} fallback evictions", e.fallback_evictions)?;
+        }
+        write!(f, "; pool peak {}", human_bytes(self.pool_peak_bytes))
+    }
+}
+
+impl SwapStepReport {
+    /// The report as JSON (for benchmarks).
+    pub fn to_json(&self) -> serde_json::Value {
+        json!({
+            "mode": self.mode.name(),
+            "policy": self.policy.map(|p| p.label()),
+            "ops": self.ops,
+            "tensors": self.tensors,
+            "device_budget": self.device_budget,
+            "overhead_bytes": self.overhead_bytes,
+            "plan_budget": self.plan_budget,
+            "trace_peak_bytes": self.trace_peak_bytes,
+            "profiled": self.profiled,
+            "exec": serde_json::to_value(&self.exec).unwrap_or_default(),
+            "pool_peak_bytes": self.pool_peak_bytes,
+        })
+    }
+}
+
+/// The training iteration of static-graph `model` on `batch` as the CUDA
+/// swap path runs it, built without a device: the trace a planner reads
+/// (parameters, their gradients and `optimizer`'s state persistent; every
+/// other tensor a node buffer of the engine, sized as the pool allocates
+/// it). `conv_workspace` is the engine's cap on convolution columns
+/// (`None`: the default); it does not change the trace.
+pub fn training_trace(
+    model: &Model,
+    batch: &Batch<'_>,
+    optimizer: OptimizerKind,
+    conv_workspace: Option<usize>,
+) -> Result<Trace> {
+    let (program, _) = Program::plan(model)?;
+    let shape = steps::Shape::of(model, &batch.schedule, model.head.rows);
+    let kind = steps::Kind::Train {
+        states: steps::optimizer_states(optimizer),
+    };
+    let prog = steps::build(
+        model,
+        &program,
+        &shape,
+        kind,
+        conv_workspace.unwrap_or(crate::engine::CONV_WORKSPACE_FLOATS),
+    )?;
+    Ok(prog.trace)
+}

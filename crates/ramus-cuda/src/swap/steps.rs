@@ -1,0 +1,809 @@
+//! The ops and tensors of one static-graph training iteration, in the order
+//! the CUDA engine's swap path runs them — built without a device from the
+//! same planned program (fusion, views, steps) the engine launches, so the
+//! trace the planner sees and the ops the executor runs are one list.
+//!
+//! A tensor is every buffer the engine gives a node of a graph (forward and
+//! backward of each vertex function, the head and its backward): each
+//! materialized node, sized for the batch's rows, rounded up to the pool's
+//! alignment as the pool allocates it. Parameters, their gradients and the
+//! optimizer's state are persistent tensors (the engine's own buffers).
+//! Index inputs (tokens, labels) and empty buffers are no tensors: they
+//! live in the batch arena with the rest of the per-batch overhead.
+//!
+//! The ops, on one compute stream:
+//!
+//! 1. every function's eager steps, then its lazy ones (per-task steps, and
+//!    with them gathers and scatters, make a model dynamic: refused);
+//! 2. the head input (pushed rows of every function), the head's steps and
+//!    an asynchronous copy of the loss to the host;
+//! 3. zeroing the parameter gradients; the head's backward steps and the
+//!    accumulation of its parameter gradients; the head input's gradient
+//!    pushed into every function's backward; every function's backward
+//!    eager and lazy steps and its parameter gradients;
+//! 4. one fused optimizer step over every parameter.
+//!
+//! Ops that only produce a tensor from the host — the pulled inputs (the
+//! images), dropout masks (drawn on the host in the plain engine's order at
+//! the start of the step), and the seeds of the output gradients — run
+//! right before the first op that uses their tensor, so the tensor is not
+//! live longer than needed.
+
+use std::any::Any;
+use std::collections::HashMap;
+
+use ramus_core::graph::{DType, Graph, NodeId, NodeKind, Role, Source, Space};
+use ramus_core::{HeadRows, Model};
+use ramus_graph::Schedule;
+use ramus_nn::OptimizerKind;
+use ramus_swap::{Phase, TensorId, TensorKind, Trace, TraceBuilder};
+
+use crate::engine::cnn_workspace_floats;
+use crate::error::{CudaError, Result};
+use crate::offset_allocator::aligned_size;
+use crate::program::{
+    GraphProgram, PlannedStep, Program, EAGER, HEAD_ALL, HEAD_SCORES, LAZY, PER_TASK,
+};
+
+/// A graph of the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum GraphRef {
+    /// Vertex function `f`'s forward graph.
+    Forward(usize),
+    /// Vertex function `f`'s backward graph.
+    Backward(usize),
+    /// The head.
+    Head,
+    /// The head's backward graph.
+    HeadBackward,
+}
+
+impl GraphRef {
+    /// Position in per-graph arrays: `2f`, `2f + 1`, then the head's two.
+    pub(crate) fn index(self, functions: usize) -> usize {
+        match self {
+            GraphRef::Forward(f) => 2 * f,
+            GraphRef::Backward(f) => 2 * f + 1,
+            GraphRef::Head => 2 * functions,
+            GraphRef::HeadBackward => 2 * functions + 1,
+        }
+    }
+
+    /// The graph itself.
+    pub(crate) fn graph(self, model: &Model) -> &Graph {
+        match self {
+            GraphRef::Forward(f) => &model.functions[f].forward,
+            GraphRef::Backward(f) => &model.functions[f].backward,
+            GraphRef::Head => &model.head.forward,
+            GraphRef::HeadBackward => &model.head.backward,
+        }
+    }
+
+    /// Its program for an iteration of `kind` (training keeps the values
+    /// the backward graphs read; evaluation and inference keep fewer).
+    pub(crate) fn program(self, program: &Program, kind: Kind) -> &GraphProgram {
+        match (self, kind) {
+            (GraphRef::Forward(f), Kind::Train { .. }) => &program.functions[f].0,
+            (GraphRef::Forward(f), _) => &program.infer_functions[f],
+            (GraphRef::Backward(f), _) => &program.functions[f].1,
+            (GraphRef::Head, Kind::Train { .. }) => &program.head_forward,
+            (GraphRef::Head, _) => &program.head_forward_infer,
+            (GraphRef::HeadBackward, _) => &program.head_backward,
+        }
+    }
+
+    /// The forward graph whose values a backward graph reads.
+    pub(crate) fn forward(self) -> Option<GraphRef> {
+        match self {
+            GraphRef::Backward(f) => Some(GraphRef::Forward(f)),
+            GraphRef::HeadBackward => Some(GraphRef::Head),
+            _ => None,
+        }
+    }
+
+    /// The vertex function whose rows (and topology) the graph runs over.
+    pub(crate) fn function(self) -> Option<usize> {
+        match self {
+            GraphRef::Forward(f) | GraphRef::Backward(f) => Some(f),
+            _ => None,
+        }
+    }
+
+    fn label(self, model: &Model) -> String {
+        match self {
+            GraphRef::Forward(f) => format!("F {}", model.functions[f].name),
+            GraphRef::Backward(f) => format!("∂F {}", model.functions[f].name),
+            GraphRef::Head => "head".into(),
+            GraphRef::HeadBackward => "head ∂".into(),
+        }
+    }
+}
+
+/// What an iteration computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Kind {
+    /// Forward, backward and the optimizer step, with this many
+    /// parameter-sized optimizer state tensors per parameter.
+    Train { states: usize },
+    /// The forward pass with the loss (and scores).
+    Evaluate,
+    /// The forward pass up to the scores.
+    Infer,
+}
+
+impl Kind {
+    fn training(self) -> bool {
+        matches!(self, Kind::Train { .. })
+    }
+}
+
+/// One op of the iteration.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum SwapOp {
+    /// Copy function `f`'s pulled inputs (the images) from the host.
+    UploadPull { f: usize, node: NodeId },
+    /// Copy dropout mask `mask` (drawn at the start of the step) from the host.
+    UploadMask { mask: usize },
+    /// A planned step of a graph's phase.
+    Step {
+        graph: GraphRef,
+        phase: usize,
+        index: usize,
+    },
+    /// Gather every function's pushed rows into the head input.
+    HeadInput,
+    /// Copy the loss to the host (asynchronously; read at the end).
+    ReadLoss,
+    /// Copy the scores to the host (asynchronously; read at the end).
+    ReadLogits,
+    /// Zero every parameter gradient.
+    ZeroGrads,
+    /// Fill an output-gradient input of a backward graph (1 for the loss),
+    /// or a dropout mask with ones when not training.
+    Seed {
+        graph: GraphRef,
+        node: NodeId,
+        value: f32,
+    },
+    /// Add the head input's gradient into every function's pushed gradient.
+    PushGrads,
+    /// Add output `output` (a parameter gradient) of a backward graph into
+    /// the parameter's gradient.
+    AccumulateGrad { graph: GraphRef, output: usize },
+    /// The fused optimizer step.
+    Optimizer,
+}
+
+/// Where a (non-persistent) tensor lives: a node of a graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Home {
+    pub graph: GraphRef,
+    pub node: NodeId,
+    pub dtype: DType,
+    /// Elements.
+    pub len: usize,
+}
+
+/// The iteration: ops, tensors and the trace the planner reads.
+#[derive(Clone, Debug)]
+pub(crate) struct StaticProgram {
+    pub ops: Vec<SwapOp>,
+    /// Per trace tensor: its node, or `None` for persistent tensors.
+    pub homes: Vec<Option<Home>>,
+    /// Nodes whose buffer is empty (no tensor): they get an empty view.
+    pub empty: Vec<(GraphRef, NodeId, DType)>,
+    /// Dropout masks in draw order: graph, node, elements, rate (in 1e-4).
+    pub masks: Vec<(GraphRef, NodeId, usize, u16)>,
+    /// Floats of scratch memory the largest op needs.
+    pub workspace_floats: usize,
+    pub kind: Kind,
+    pub trace: Trace,
+}
+
+/// Rows of each function and of the head for a batch.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Shape {
+    pub rows: Vec<usize>,
+    pub edges: Vec<usize>,
+    pub head_rows: usize,
+    /// Head rows served by each function.
+    pub head_rows_of: Vec<usize>,
+}
+
+impl Shape {
+    /// The shape of batch `s` with the head on `rows`.
+    pub(crate) fn of(model: &Model, s: &Schedule, rows: HeadRows) -> Shape {
+        let head: Vec<u32> = crate::engine::head_vertices(rows, s);
+        let mut head_rows_of = vec![0; model.functions.len()];
+        for &v in &head {
+            if let Some(n) = head_rows_of.get_mut(s.vertex_function[v as usize] as usize) {
+                *n += 1;
+            }
+        }
+        Shape {
+            rows: s.functions.iter().map(|f| f.rows()).collect(),
+            edges: s.functions.iter().map(|f| f.edges()).collect(),
+            head_rows: head.len(),
+            head_rows_of,
+        }
+    }
+
+    fn count(&self, graph: GraphRef, space: Space) -> usize {
+        match (graph.function(), space) {
+            (_, Space::Static) => 1,
+            (Some(f), Space::Vertex) => self.rows[f],
+            (Some(f), Space::Edge) => self.edges[f],
+            (None, _) => self.head_rows,
+        }
+    }
+}
+
+/// Bytes of a buffer of `len` 4-byte elements as the pool allocates it.
+fn pool_bytes(len: usize) -> u64 {
+    aligned_size(len as u64 * 4).unwrap_or(u64::MAX)
+}
+
+fn unsupported(model: &Model, what: String) -> CudaError {
+    CudaError::Model(format!(
+        "swap execution runs static-graph models (the CNNs: every step over all rows at \
+         once); model `{}` {what}",
+        model.name
+    ))
+}
+
+/// Checks that `model` is a static-graph model the swap path runs.
+pub(crate) fn check_static(model: &Model, program: &Program) -> Result<()> {
+    for (f, func) in model.functions.iter().enumerate() {
+        let (fwd, bwd) = &program.functions[f];
+        if !fwd.phases[PER_TASK].is_empty() || !bwd.phases[PER_TASK].is_empty() {
+            return Err(unsupported(
+                model,
+                format!("has per-task steps in function `{}`", func.name),
+            ));
+        }
+        if func.scatter.is_some() || func.gather_arity > 0 {
+            return Err(unsupported(
+                model,
+                format!("gathers or scatters vertex states in `{}`", func.name),
+            ));
+        }
+        for g in [&func.forward, &func.backward] {
+            for node in &g.nodes {
+                if let NodeKind::Input(Source::Gather(_) | Source::GatherAll) = node.kind {
+                    return Err(unsupported(
+                        model,
+                        format!("gathers children in `{}`", func.name),
+                    ));
+                }
+            }
+        }
+    }
+    if !program.row_grad_params.is_empty() {
+        return Err(unsupported(
+            model,
+            "has row-gradient (embedding) tables".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Parameter-sized optimizer state tensors per parameter.
+pub(crate) fn optimizer_states(kind: OptimizerKind) -> usize {
+    match kind {
+        OptimizerKind::Sgd => 0,
+        OptimizerKind::Adagrad => 1,
+        OptimizerKind::Adam => 2,
+    }
+}
+
+struct Builder<'a> {
+    model: &'a Model,
+    program: &'a Program,
+    kind: Kind,
+    shape: &'a Shape,
+    conv_workspace: usize,
+    t: TraceBuilder,
+    homes: Vec<Option<Home>>,
+    own: HashMap<(GraphRef, NodeId), TensorId>,
+    empty: Vec<(GraphRef, NodeId, DType)>,
+    params: Vec<TensorId>,
+    grads: Vec<TensorId>,
+    states: Vec<TensorId>,
+    /// Host-only producers waiting for their tensor's first use.
+    pending: HashMap<TensorId, (SwapOp, String)>,
+    ops: Vec<SwapOp>,
+    workspace_floats: usize,
+}
+
+impl Builder<'_> {
+    fn tensor(
+        &mut self,
+        name: String,
+        bytes: u64,
+        kind: TensorKind,
+        home: Option<Home>,
+    ) -> TensorId {
+        let id = self.t.tensor(name, bytes, kind);
+        self.homes.push(home);
+        id
+    }
+
+    /// One tensor per node of `graph` with a buffer of its own.
+    fn graph_tensors(&mut self, graph: GraphRef) {
+        let g = graph.graph(self.model);
+        let prog = graph.program(self.program, self.kind);
+        let kind = match graph {
+            GraphRef::Forward(_) | GraphRef::Head => TensorKind::Activation,
+            _ => TensorKind::Gradient,
+        };
+        let label = graph.label(self.model);
+        for (n, node) in g.nodes.iter().enumerate() {
+            match node.kind {
+                NodeKind::Param(_)
+                | NodeKind::Input(Source::Forward(_) | Source::Token | Source::Label) => continue,
+                _ if !prog.materialized[n] => continue,
+                _ => {}
+            }
+            let len = self.shape.count(graph, node.ty.space) * node.ty.width();
+            if len == 0 {
+                self.empty.push((graph, n, node.ty.dtype));
+                continue;
+            }
+            let home = Home {
+                graph,
+                node: n,
+                dtype: node.ty.dtype,
+                len,
+            };
+            let id = self.tensor(
+                format!("{label} %{n} {}", node.describe(&[])),
+                pool_bytes(len),
+                kind,
+                Some(home),
+            );
+            self.own.insert((graph, n), id);
+        }
+    }
+
+    /// The tensor holding node `n` of `graph` (`None`: an index input or
+    /// an empty buffer).
+    fn resolve(&self, graph: GraphRef, n: NodeId) -> Result<Option<TensorId>> {
+        let g = graph.graph(self.model);
+        let node = g.nodes.get(n).ok_or_else(|| {
+            CudaError::Model(format!("node %{n} is not in {}", graph.label(self.model)))
+        })?;
+        match node.kind {
+            NodeKind::Param(p) => Ok(self.params.get(p).copied()),
+            NodeKind::Input(Source::Forward(m)) => match graph.forward() {
+                Some(fg) => self.resolve(fg, m),
+                None => Err(CudaError::Model(format!(
+                    "forward value %{m} read outside a backward graph"
+                ))),
+            },
+            NodeKind::Input(Source::Token | Source::Label) => Ok(None),
+            _ => match graph.program(self.program, self.kind).views.get(&n) {
+                Some(v) => self.resolve(graph, v.source),
+                None => Ok(self.own.get(&(graph, n)).copied()),
+            },
+        }
+    }
+
+    fn resolve_all(&self, graph: GraphRef, nodes: &[NodeId]) -> Result<Vec<TensorId>> {
+        let mut out = Vec::with_capacity(nodes.len());
+        for &n in nodes {
+            if let Some(t) = self.resolve(graph, n)? {
+                out.push(t);
+            }
+        }
+        out.sort_unstable();
+        out.dedup();
+        Ok(out)
+    }
+
+    /// Appends an op; host-only producers of the tensors it uses go first.
+    fn emit(
+        &mut self,
+        op: SwapOp,
+        name: String,
+        phase: Phase,
+        reads: &[TensorId],
+        writes: &[TensorId],
+    ) {
+        for t in reads.iter().chain(writes) {
+            if let Some((producer, pname)) = self.pending.remove(t) {
+                self.ops.push(producer);
+                self.t.op(pname, phase, &[], &[*t]);
+            }
+        }
+        self.ops.push(op);
+        self.t.op(name, phase, reads, writes);
+    }
+
+    /// Registers a host-only producer of `t`, emitted before its first use.
+    fn producer(&mut self, t: TensorId, op: SwapOp, name: String) {
+        self.pending.insert(t, (op, name));
+    }
+
+    /// The steps of `phase` of `graph`.
+    fn steps(&mut self, graph: GraphRef, phase: usize, op_phase: Phase) -> Result<()> {
+        let g = graph.graph(self.model);
+        let prog = graph.program(self.program, self.kind);
+        let label = graph.label(self.model);
+        let rows = match graph.function() {
+            Some(f) => self.shape.rows[f],
+            None => self.shape.head_rows,
+        };
+        for (index, step) in prog.phases[phase].iter().enumerate() {
+            let (reads, writes, name) =
+                match &step.step {
+                    PlannedStep::Op(n) => {
+                        let node = &g.nodes[*n];
+                        if let NodeKind::Op(op) = &node.kind {
+                            let any: &dyn Any = op.as_ref();
+                            self.workspace_floats = self
+                                .workspace_floats
+                                .max(cnn_workspace_floats(any, rows, self.conv_workspace));
+                        }
+                        let sig = node.op().map(|o| o.signature()).unwrap_or_default();
+                        (node.inputs.clone(), vec![*n], format!("{label} %{n} {sig}"))
+                    }
+                    PlannedStep::Fused(group) => {
+                        let (r, w) = group_nodes(group);
+                        let name = format!(
+                            "{label} fused %{}..%{} ({} ops)",
+                            group.nodes.first().copied().unwrap_or(0),
+                            group.nodes.last().copied().unwrap_or(0),
+                            group.nodes.len()
+                        );
+                        (r, w, name)
+                    }
+                    PlannedStep::GemmBias {
+                        matmul,
+                        bias,
+                        group,
+                    } => {
+                        let (mut r, mut w) = group_nodes(group);
+                        // the product is the step's own (written, then read)
+                        r.retain(|&n| n != *matmul);
+                        r.extend(&g.nodes[*matmul].inputs);
+                        r.push(*bias);
+                        w.push(*matmul);
+                        (r, w, format!("{label} %{matmul} matmul + bias"))
+                    }
+                };
+            let reads = self.resolve_all(graph, &reads)?;
+            let writes = self.resolve_all(graph, &writes)?;
+            self.emit(
+                SwapOp::Step {
+                    graph,
+                    phase,
+                    index,
+                },
+                name,
+                op_phase,
+                &reads,
+                &writes,
+            );
+        }
+        Ok(())
+    }
+
+    /// Seeds of the output-gradient inputs of backward graph `graph`.
+    fn seeds(&mut self, graph: GraphRef, forward: &Graph) -> Result<()> {
+        let g = graph.graph(self.model);
+        for (n, node) in g.nodes.iter().enumerate() {
+            if let NodeKind::Input(Source::OutputGrad(i)) = node.kind {
+                if node.ty.dtype != DType::Float {
+                    continue;
+                }
+                let Some(t) = self.resolve(graph, n)? else {
+                    continue;
+                };
+                let is_loss = forward.outputs.get(i).is_some_and(|o| o.role == Role::Loss);
+                let value = if is_loss { 1.0 } else { 0.0 };
+                let name = format!("seed {} %{n} = {value}", graph.label(self.model));
+                self.producer(
+                    t,
+                    SwapOp::Seed {
+                        graph,
+                        node: n,
+                        value,
+                    },
+                    name,
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Accumulation ops of backward graph `graph`'s parameter gradients.
+    fn accumulate(&mut self, graph: GraphRef) -> Result<()> {
+        let g = graph.graph(self.model);
+        for (output, o) in g.outputs.iter().enumerate() {
+            match o.role {
+                Role::ParamGrad(p) => {
+                    let src = self.resolve_all(graph, &[o.node])?;
+                    let dst = *self.grads.get(p).ok_or_else(|| {
+                        CudaError::Model(format!("gradient of unknown parameter {p}"))
+                    })?;
+                    let mut reads = src;
+                    reads.push(dst);
+                    let name = format!(
+                        "{} accumulate grad {}",
+                        graph.label(self.model),
+                        self.model.params[p].name
+                    );
+                    self.emit(
+                        SwapOp::AccumulateGrad { graph, output },
+                        name,
+                        Phase::Backward,
+                        &reads,
+                        &[dst],
+                    );
+                }
+                Role::ParamRowGrad(_) => {
+                    return Err(unsupported(self.model, "has row gradients".into()))
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Nodes a fused group reads (buffers of its inputs) and writes (its
+/// outputs and the concats it writes in place).
+fn group_nodes(group: &ramus_core::fusion::FusedGroup) -> (Vec<NodeId>, Vec<NodeId>) {
+    let reads = group.inputs.iter().map(|i| i.buffer()).collect();
+    let mut writes = group.outputs.clone();
+    writes.extend(group.concat_writes.iter().map(|c| c.concat));
+    (reads, writes)
+}
+
+/// Builds the iteration of `kind` of `model` (whose planned or compiled
+/// program is `program`) on batches of `shape`; convolutions chunk their
+/// columns at `conv_workspace` floats. An iteration that does not train has
+/// only the forward ops (masks filled with ones), the loss unless
+/// inferring, and the scores.
+pub(crate) fn build(
+    model: &Model,
+    program: &Program,
+    shape: &Shape,
+    kind: Kind,
+    conv_workspace: usize,
+) -> Result<StaticProgram> {
+    check_static(model, program)?;
+    let nf = model.functions.len();
+    let training = kind.training();
+    let states = match kind {
+        Kind::Train { states } => states,
+        _ => 0,
+    };
+    let mut b = Builder {
+        model,
+        program,
+        kind,
+        shape,
+        conv_workspace,
+        t: TraceBuilder::new(),
+        homes: Vec::new(),
+        own: HashMap::new(),
+        empty: Vec::new(),
+        params: Vec::new(),
+        grads: Vec::new(),
+        states: Vec::new(),
+        pending: HashMap::new(),
+        ops: Vec::new(),
+        workspace_floats: 0,
+    };
+    for p in &model.params {
+        let bytes = pool_bytes(p.shape.iter().product());
+        let id = b.tensor(
+            format!("param {}", p.name),
+            bytes,
+            TensorKind::Parameter,
+            None,
+        );
+        b.params.push(id);
+    }
+    for p in model.params.iter().filter(|_| training) {
+        let bytes = pool_bytes(p.shape.iter().product());
+        let id = b.tensor(
+            format!("grad {}", p.name),
+            bytes,
+            TensorKind::ParameterGradient,
+            None,
+        );
+        b.grads.push(id);
+    }
+    for k in 0..states {
+        for p in &model.params {
+            let bytes = pool_bytes(p.shape.iter().product());
+            let id = b.tensor(
+                format!("opt{k} {}", p.name),
+                bytes,
+                TensorKind::OptimizerState,
+                None,
+            );
+            b.states.push(id);
+        }
+    }
+    let graphs: Vec<GraphRef> = (0..nf)
+        .flat_map(|f| [GraphRef::Forward(f), GraphRef::Backward(f)])
+        .chain([GraphRef::Head, GraphRef::HeadBackward])
+        .filter(|g| training || g.forward().is_none())
+        .collect();
+    for &g in &graphs {
+        b.graph_tensors(g);
+    }
+    // host-only producers of the forward pass: pulled inputs and masks, the
+    // masks drawn in the plain engine's order (functions, then the head)
+    let mut masks = Vec::new();
+    for &graph in graphs.iter().filter(|g| g.forward().is_none()) {
+        let g = graph.graph(model);
+        for (n, node) in g.nodes.iter().enumerate() {
+            let Some(t) = b.resolve(graph, n)? else {
+                continue;
+            };
+            match node.kind {
+                NodeKind::Input(Source::Pull) => {
+                    if let Some(f) = graph.function() {
+                        let name = format!("upload {} %{n} (pulled inputs)", graph.label(model));
+                        b.producer(t, SwapOp::UploadPull { f, node: n }, name);
+                    }
+                }
+                NodeKind::Input(Source::DropoutMask { rate, .. }) if training => {
+                    let len = b.homes[t.index()].map_or(0, |h| h.len);
+                    let name = format!("upload {} %{n} (dropout mask)", graph.label(model));
+                    b.producer(t, SwapOp::UploadMask { mask: masks.len() }, name);
+                    masks.push((graph, n, len, rate));
+                }
+                NodeKind::Input(Source::DropoutMask { .. }) => {
+                    let name = format!("fill {} %{n} (dropout mask) = 1", graph.label(model));
+                    let op = SwapOp::Seed {
+                        graph,
+                        node: n,
+                        value: 1.0,
+                    };
+                    b.producer(t, op, name);
+                }
+                _ => {}
+            }
+        }
+    }
+    // forward
+    for f in 0..nf {
+        b.steps(GraphRef::Forward(f), EAGER, Phase::Forward)?;
+    }
+    for f in 0..nf {
+        b.steps(GraphRef::Forward(f), LAZY, Phase::Forward)?;
+    }
+    let head = &model.head;
+    let head_input = match head.forward.input_node(Source::HeadInput) {
+        Some(n) => b.resolve_all(GraphRef::Head, &[n])?,
+        None => Vec::new(),
+    };
+    let mut pushed = Vec::new();
+    for (f, func) in model.functions.iter().enumerate() {
+        if shape.head_rows_of[f] == 0 {
+            continue;
+        }
+        if let Some(p) = func.push {
+            pushed.extend(b.resolve_all(GraphRef::Forward(f), &[p])?);
+        }
+    }
+    b.emit(
+        SwapOp::HeadInput,
+        "head input".into(),
+        Phase::Forward,
+        &pushed,
+        &head_input,
+    );
+    let head_phase = if kind == Kind::Infer {
+        HEAD_SCORES
+    } else {
+        HEAD_ALL
+    };
+    b.steps(GraphRef::Head, head_phase, Phase::Forward)?;
+    if kind != Kind::Infer {
+        let loss = b.resolve_all(GraphRef::Head, &[head.loss])?;
+        b.emit(
+            SwapOp::ReadLoss,
+            "read loss".into(),
+            Phase::Forward,
+            &loss,
+            &[],
+        );
+    }
+    if !training {
+        if let Some(l) = head.logits {
+            let logits = b.resolve_all(GraphRef::Head, &[l])?;
+            b.emit(
+                SwapOp::ReadLogits,
+                "read scores".into(),
+                Phase::Forward,
+                &logits,
+                &[],
+            );
+        }
+        return b.finish(masks);
+    }
+    // backward
+    let grads = b.grads.clone();
+    b.emit(
+        SwapOp::ZeroGrads,
+        "zero gradients".into(),
+        Phase::Backward,
+        &[],
+        &grads,
+    );
+    b.seeds(GraphRef::HeadBackward, &head.forward)?;
+    b.steps(GraphRef::HeadBackward, 0, Phase::Backward)?;
+    b.accumulate(GraphRef::HeadBackward)?;
+    for (f, func) in model.functions.iter().enumerate() {
+        b.seeds(GraphRef::Backward(f), &func.forward)?;
+    }
+    let head_grad = match head.backward.output(Role::HeadInputGrad) {
+        Some(o) => b.resolve_all(GraphRef::HeadBackward, &[o.node])?,
+        None => Vec::new(),
+    };
+    let mut push_grads = Vec::new();
+    for (f, func) in model.functions.iter().enumerate() {
+        let push_out = func
+            .forward
+            .outputs
+            .iter()
+            .position(|o| o.role == Role::Push);
+        if let Some(n) = push_out.and_then(|i| func.backward.input_node(Source::OutputGrad(i))) {
+            push_grads.extend(b.resolve_all(GraphRef::Backward(f), &[n])?);
+        }
+    }
+    if !head_grad.is_empty() {
+        let mut reads = head_grad;
+        reads.extend(&push_grads);
+        b.emit(
+            SwapOp::PushGrads,
+            "push gradients".into(),
+            Phase::Backward,
+            &reads,
+            &push_grads,
+        );
+    }
+    for f in 0..nf {
+        b.steps(GraphRef::Backward(f), EAGER, Phase::Backward)?;
+    }
+    for f in 0..nf {
+        b.steps(GraphRef::Backward(f), LAZY, Phase::Backward)?;
+        b.accumulate(GraphRef::Backward(f))?;
+    }
+    let mut reads = b.params.clone();
+    reads.extend(&b.grads);
+    reads.extend(&b.states);
+    let mut writes = b.params.clone();
+    writes.extend(&b.states);
+    b.emit(
+        SwapOp::Optimizer,
+        "optimizer step".into(),
+        Phase::Optimizer,
+        &reads,
+        &writes,
+    );
+    b.finish(masks)
+}
+
+impl Builder<'_> {
+    fn finish(self, masks: Vec<(GraphRef, NodeId, usize, u16)>) -> Result<StaticProgram> {
+        let trace = self.t.build().map_err(|e| {
+            CudaError::Model(format!("swap trace of model `{}`: {e}", self.model.name))
+        })?;
+        Ok(StaticProgram {
+            ops: self.ops,
+            homes: self.homes,
+            empty: self.empty,
+            masks,
+            workspace_floats: self.workspace_floats,
+            kind: self.kind,
+            trace,
+        })
+    }
+}

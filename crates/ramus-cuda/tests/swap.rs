@@ -1,0 +1,494 @@
+//! The swap mechanism on the CNN models.
+//!
+//! CPU half (runs everywhere): the CUDA swap path's own training trace of
+//! VGG, ResNet and AlexNet (built without a device from the engine's op
+//! list) is well formed, and plans of the AutoVM planner and of the LRU
+//! baseline for it execute on the simulated device through the same
+//! executor as the engine — within the budget, moving exactly the planned
+//! bytes, with every order checked; a broken plan is rejected naming the op
+//! and the tensor.
+//!
+//! Device half (skips with a notice without a CUDA driver): K training
+//! steps of a small VGG and ResNet give bit-identical losses with the plain
+//! engine, the swap path without a budget, naive on-demand swapping and the
+//! planner under a budget the iteration does not fit, and the swapping runs
+//! do move tensors and stay within the budget.
+
+mod common;
+
+use std::path::PathBuf;
+
+use ramus_core::Model;
+use ramus_cpu::{Batch, Mode};
+use ramus_cuda::{training_trace, CudaEngine, CudaEngineOptions, PoolConfig, SwapConfig, SwapMode};
+use ramus_graph::{images, BatchingPolicy, InputGraph};
+use ramus_nn::{
+    build_vision_model, ImageShape, ModelConfig, ModelOptions, Optimizer, OptimizerConfig,
+    OptimizerKind, VisionConfig,
+};
+use ramus_swap::{
+    analyze, Action, AutoVmPlanner, CostModel, ExecError, ExecOptions, Executor, LruPlanner,
+    Planner, PlannerConfig, PrefetchTiming, SimDevice, SwapPlan, TensorKind, Trace,
+};
+
+struct Net {
+    name: &'static str,
+    image: [usize; 3],
+    blocks: &'static [usize],
+    hidden: usize,
+    dropout: f64,
+    batch: usize,
+}
+
+const VGG: Net = Net {
+    name: "vgg11",
+    image: [3, 32, 32],
+    blocks: &[1],
+    hidden: 8,
+    dropout: 0.25,
+    batch: 16,
+};
+
+const RESNET: Net = Net {
+    name: "resnet",
+    image: [3, 32, 32],
+    blocks: &[1, 2, 1],
+    hidden: 4,
+    dropout: 0.0,
+    batch: 16,
+};
+
+const ALEXNET: Net = Net {
+    name: "alexnet",
+    image: [3, 32, 32],
+    blocks: &[1],
+    hidden: 8,
+    dropout: 0.5,
+    batch: 16,
+};
+
+impl Net {
+    fn model(&self) -> Model {
+        let [c, h, w] = self.image;
+        build_vision_model(
+            self.name,
+            &ModelConfig {
+                vocab: 0,
+                hidden: self.hidden,
+                classes: 4,
+            },
+            &VisionConfig {
+                image: ImageShape {
+                    channels: c,
+                    height: h,
+                    width: w,
+                },
+                vgg_depth: 11,
+                resnet_blocks: self.blocks.to_vec(),
+            },
+            &ModelOptions {
+                dropout: self.dropout,
+            },
+        )
+        .expect("model builds")
+    }
+
+    /// `n` synthetic images of the net's shape.
+    fn images(&self, n: usize, seed: u64) -> Vec<InputGraph> {
+        let [c, h, w] = self.image;
+        let spec = images::ImageSpec {
+            channels: c,
+            height: h,
+            width: w,
+            classes: 4,
+            noise: 0.5,
+        };
+        images::generate(&spec, seed, (n, 0, 0))
+            .expect("images")
+            .train
+    }
+}
+
+fn trace_of(net: &Net) -> (Model, Trace) {
+    let model = net.model();
+    let data = net.images(net.batch, 3);
+    let batch = Batch::new(&model, data.iter().collect(), BatchingPolicy::Cavs).expect("batch");
+    let trace = training_trace(&model, &batch, OptimizerKind::Adam, None).expect("trace");
+    (model, trace)
+}
+
+fn planner(budget: u64) -> AutoVmPlanner {
+    let mut c = PlannerConfig::new(budget);
+    c.size_threshold_bytes = 0;
+    c.cost = CostModel::pcie5_x16();
+    c.timing = PrefetchTiming::Earliest;
+    c.offload_kinds = vec![TensorKind::Activation, TensorKind::Gradient];
+    AutoVmPlanner::new(c)
+}
+
+/// Peak of the trace and the least budget any plan keeping the persistent
+/// tensors resident can meet.
+fn bounds(trace: &Trace) -> (u64, u64) {
+    let peak = analyze(trace, &CostModel::pcie5_x16()).peak_bytes;
+    let persistent = trace.persistent_bytes();
+    let floor = (0..trace.num_ops())
+        .map(|op| {
+            persistent
+                + trace
+                    .uses(op)
+                    .iter()
+                    .map(|&t| trace.tensor(t))
+                    .filter(|t| !t.kind.is_persistent())
+                    .map(|t| t.bytes)
+                    .sum::<u64>()
+        })
+        .max()
+        .unwrap_or(0);
+    (peak, floor)
+}
+
+#[test]
+fn the_swap_trace_follows_the_engine() {
+    for net in [&VGG, &RESNET, &ALEXNET] {
+        let (model, trace) = trace_of(net);
+        let name = net.name;
+        // parameters, their gradients and Adam's two moments are persistent
+        let count = |k: TensorKind| trace.tensors().iter().filter(|t| t.kind == k).count();
+        let params = model.params.len();
+        assert_eq!(count(TensorKind::Parameter), params, "{name}");
+        assert_eq!(count(TensorKind::ParameterGradient), params, "{name}");
+        assert_eq!(count(TensorKind::OptimizerState), 2 * params, "{name}");
+        // every other tensor is written before it is read, and used at all
+        let mut written = vec![false; trace.num_tensors()];
+        for (t, info) in trace.tensors().iter().enumerate() {
+            written[t] = info.kind.is_persistent();
+            assert_eq!(info.bytes % 256, 0, "{name}: pool-aligned sizes");
+        }
+        let mut used = written.clone();
+        for op in trace.ops() {
+            for r in &op.reads {
+                assert!(
+                    written[r.index()],
+                    "{name}: op `{}` reads `{}` before any op writes it",
+                    op.name,
+                    trace.tensor(*r).name
+                );
+                used[r.index()] = true;
+            }
+            for w in &op.writes {
+                written[w.index()] = true;
+                used[w.index()] = true;
+            }
+        }
+        assert!(used.iter().all(|&u| u), "{name}: a tensor no op uses");
+        let names: Vec<&str> = trace.ops().iter().map(|o| o.name.as_str()).collect();
+        assert!(names[0].starts_with("upload"), "{name}: {}", names[0]);
+        assert_eq!(names.last().copied(), Some("optimizer step"));
+        assert!(names.contains(&"read loss") && names.contains(&"zero gradients"));
+        // the images (about 3x32x32 floats each) are one tensor
+        let image = trace
+            .tensors()
+            .iter()
+            .find(|t| t.name.contains("pull"))
+            .expect("an image tensor");
+        assert_eq!(image.bytes, (net.batch * 3 * 32 * 32 * 4) as u64);
+        let (peak, floor) = bounds(&trace);
+        println!(
+            "{name}: {} ops, {} tensors, peak {peak} bytes, floor {floor}",
+            trace.num_ops(),
+            trace.num_tensors()
+        );
+        assert!(floor < peak * 3 / 4, "{name}: room to swap");
+    }
+}
+
+fn execute(
+    trace: &Trace,
+    plan: &SwapPlan,
+    budget: u64,
+    latency: usize,
+) -> Result<ramus_swap::ExecReport, ExecError> {
+    let ex = Executor::new(trace, Some(plan), ExecOptions::planned(Some(budget)))?;
+    let mut dev = SimDevice::new(trace, Some(budget)).with_latency(latency);
+    let r = ex.run(&mut dev)?;
+    let c = dev.counts();
+    assert!(c.peak_bytes <= budget, "{} > {budget}", c.peak_bytes);
+    assert_eq!(
+        (c.bytes_to_host, c.bytes_to_device),
+        (r.bytes_to_host, r.bytes_to_device)
+    );
+    assert_eq!(c.used_bytes, trace.persistent_bytes());
+    Ok(r)
+}
+
+/// Budgets between the floor and the peak: Nm = peak / budget.
+fn budgets(trace: &Trace) -> Vec<(f64, u64)> {
+    let (peak, floor) = bounds(trace);
+    [1.25, 1.5, 2.0, 2.5]
+        .into_iter()
+        .map(|nm| (nm, (peak as f64 / nm) as u64))
+        .filter(|&(_, b)| b >= floor + floor / 20)
+        .collect()
+}
+
+#[test]
+fn planner_and_lru_plans_of_real_cnn_traces_execute_within_budget() {
+    for net in [&VGG, &RESNET, &ALEXNET] {
+        let (_, trace) = trace_of(net);
+        let name = net.name;
+        let cases = budgets(&trace);
+        assert!(!cases.is_empty(), "{name}: no feasible budget");
+        for (nm, budget) in cases {
+            let plan = planner(budget)
+                .plan(&trace)
+                .unwrap_or_else(|e| panic!("{name} Nm {nm}: {e}"));
+            assert!(plan.predicted.bytes_to_host > 0, "{name} Nm {nm}: swaps");
+            for latency in [0, 2, 50] {
+                let r = execute(&trace, &plan, budget, latency)
+                    .unwrap_or_else(|e| panic!("{name} Nm {nm}: {e}"));
+                assert_eq!(r.bytes_to_host, plan.predicted.bytes_to_host);
+                assert_eq!(r.bytes_to_device, plan.predicted.bytes_to_device);
+                assert_eq!(r.fallback_evictions + r.sync_evictions, 0);
+                assert!(r.peak_bytes <= budget);
+            }
+            // the plan made with profiled op times executes as well
+            let timed: Vec<f64> = (0..trace.num_ops())
+                .map(|i| 1e-4 * (1 + i % 7) as f64)
+                .collect();
+            let timed = trace.with_durations(&timed).unwrap();
+            let mut c = planner(budget).config;
+            c.timing = PrefetchTiming::Profiled;
+            let profiled = AutoVmPlanner::new(c).plan(&timed).unwrap();
+            let r = execute(&timed, &profiled, budget, 3).unwrap();
+            assert_eq!(r.bytes_to_device, profiled.predicted.bytes_to_device);
+
+            let lru = LruPlanner::new(budget, CostModel::pcie5_x16())
+                .keep_persistent_resident()
+                .plan(&trace)
+                .unwrap_or_else(|e| panic!("{name} Nm {nm}: {e}"));
+            let r = execute(&trace, &lru, budget, 1).unwrap();
+            assert_eq!(r.bytes_to_host, lru.predicted.bytes_to_host);
+            assert_eq!(r.sync_evictions, lru.predicted.copies_to_host);
+
+            // naive on-demand swapping on a device that refuses over the budget
+            let ex = Executor::new(&trace, None, ExecOptions::on_demand(None)).unwrap();
+            let mut dev = SimDevice::new(&trace, Some(budget));
+            let r = ex.run(&mut dev).unwrap();
+            assert!(dev.counts().peak_bytes <= budget);
+            assert!(
+                r.sync_evictions > 0,
+                "{name} Nm {nm}: naive swapping evicts"
+            );
+            println!(
+                "{name} Nm {nm}: planner moves {} + {} bytes, naive {} + {}",
+                plan.predicted.bytes_to_host,
+                plan.predicted.bytes_to_device,
+                r.bytes_to_host,
+                r.bytes_to_device
+            );
+        }
+    }
+}
+
+#[test]
+fn a_broken_plan_of_a_real_trace_is_rejected() {
+    let (_, trace) = trace_of(&VGG);
+    let (nm, budget) = budgets(&trace)[0];
+    let mut plan = planner(budget).plan(&trace).unwrap();
+    let i = plan
+        .actions
+        .iter()
+        .position(|a| matches!(a, Action::Prefetch { .. }))
+        .unwrap_or_else(|| panic!("Nm {nm}: no prefetch"));
+    let Action::Prefetch {
+        tensor,
+        needed_by_op,
+        ..
+    } = plan.actions.remove(i)
+    else {
+        unreachable!()
+    };
+    let e = execute(&trace, &plan, budget, 1).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        matches!(e, ExecError::NotResident { op, .. } if op == needed_by_op),
+        "{msg}"
+    );
+    assert!(msg.contains(&trace.tensor(tensor).name), "{msg}");
+    // and without any plan, the budget is an error naming it
+    let ex = Executor::new(&trace, None, ExecOptions::resident(None)).unwrap();
+    let e = ex
+        .run(&mut SimDevice::new(&trace, Some(budget)))
+        .unwrap_err();
+    assert!(e.to_string().contains(&format!("{budget} bytes")), "{e}");
+}
+
+// ------------------------------------------------------------ device half
+
+fn cache_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("ramus-cuda-swap-{}", std::process::id()))
+}
+
+/// What K training steps gave: the losses, the evaluation loss and scores
+/// of the trained parameters on a fresh batch, and the last step's report.
+struct Trained {
+    losses: Vec<f64>,
+    eval_loss: Option<f64>,
+    eval_logits: Vec<f32>,
+    report: Option<ramus_cuda::SwapStepReport>,
+}
+
+fn engine(model: &Model, mode: SwapMode, budget: Option<u64>) -> CudaEngine {
+    let mut swap = SwapConfig::with_mode(mode);
+    swap.size_threshold_bytes = 0;
+    let options = CudaEngineOptions {
+        cache_dir: Some(cache_dir()),
+        // small convolution columns: the fixed overhead stays small
+        conv_workspace: Some(1 << 16),
+        pool: PoolConfig {
+            max_bytes: budget,
+            ..PoolConfig::default()
+        },
+        swap,
+        ..CudaEngineOptions::default()
+    };
+    let mut engine = CudaEngine::new(model, &options).expect("engine");
+    engine.set_seed(11);
+    engine
+}
+
+/// K steps of `net` with `mode` under `budget`, then an evaluation pass.
+fn train(net: &Net, mode: SwapMode, budget: Option<u64>, steps: usize) -> Trained {
+    let model = net.model();
+    let mut params = ramus_core::Params::<f32>::init(&model, 5);
+    let mut engine = engine(&model, mode, budget);
+    let config = OptimizerConfig::new(OptimizerKind::Adam, 1e-3);
+    let mut optimizer = Optimizer::new(config, &params);
+    let mut grads = ramus_core::Grads::zeros(&model);
+    let data = net.images(steps * net.batch, 21);
+    let mut losses = Vec::new();
+    for chunk in data.chunks(net.batch) {
+        let batch = Batch::new(&model, chunk.iter().collect(), BatchingPolicy::Cavs).unwrap();
+        let loss = ramus_nn::Engine::train_step(
+            &mut engine,
+            &model,
+            &mut params,
+            &mut grads,
+            &mut optimizer,
+            &batch,
+        )
+        .unwrap_or_else(|e| panic!("{} {mode} step: {e}", net.name));
+        losses.push(loss);
+    }
+    let report = engine.last_swap_report().cloned();
+    ramus_nn::Engine::sync_host_params(&mut engine, &mut params).expect("parameters");
+    let held_out = net.images(net.batch, 99);
+    let batch = Batch::new(&model, held_out.iter().collect(), BatchingPolicy::Cavs).unwrap();
+    let out = ramus_nn::Engine::forward(&mut engine, &model, &params, &batch, Mode::Evaluate)
+        .unwrap_or_else(|e| panic!("{} {mode} evaluation: {e}", net.name));
+    Trained {
+        losses,
+        eval_loss: out.loss,
+        eval_logits: out.logits,
+        report,
+    }
+}
+
+fn identical_losses(net: &Net) {
+    const STEPS: usize = 4;
+    let plain = train(net, SwapMode::Off, None, STEPS);
+    let resident = train(net, SwapMode::Resident, None, STEPS);
+    let report = resident.report.clone().expect("a swap report");
+    assert_eq!(
+        plain.losses, resident.losses,
+        "{}: plain engine vs swap path",
+        net.name
+    );
+    assert_eq!(
+        plain.eval_loss, resident.eval_loss,
+        "{}: evaluation",
+        net.name
+    );
+    assert_eq!(
+        plain.eval_logits, resident.eval_logits,
+        "{}: scores",
+        net.name
+    );
+    assert!(!plain.eval_logits.is_empty());
+    // a budget the iteration's tensors exceed by half
+    let budget = ((report.overhead_bytes + report.trace_peak_bytes * 2 / 3) as f64 / 0.98) as u64;
+    println!(
+        "{}: losses {:?}; overhead {} bytes, tensors' peak {} bytes, budget {budget}",
+        net.name, plain.losses, report.overhead_bytes, report.trace_peak_bytes
+    );
+    for mode in [SwapMode::Naive, SwapMode::Planner, SwapMode::Auto] {
+        let run = train(net, mode, Some(budget), STEPS);
+        let report = run.report.expect("a swap report");
+        println!("{} {mode}: {}", net.name, report.to_json());
+        assert_eq!(
+            run.losses, plain.losses,
+            "{} {mode}: losses differ",
+            net.name
+        );
+        assert_eq!(
+            run.eval_logits, plain.eval_logits,
+            "{} {mode}: scores",
+            net.name
+        );
+        assert!(
+            report.exec.bytes_to_host > 0,
+            "{} {mode}: nothing swapped",
+            net.name
+        );
+        assert!(
+            report.pool_peak_bytes <= budget,
+            "{} {mode}: over budget",
+            net.name
+        );
+    }
+    // without swapping, that budget is an error naming the op, the tensor
+    // and the budget; a failed step leaves nothing behind, so the next one
+    // fails the same way
+    let model = net.model();
+    let mut params = ramus_core::Params::<f32>::init(&model, 5);
+    let mut engine = engine(&model, SwapMode::Resident, Some(budget));
+    let config = OptimizerConfig::new(OptimizerKind::Adam, 1e-3);
+    let mut optimizer = Optimizer::new(config, &params);
+    let mut grads = ramus_core::Grads::zeros(&model);
+    let data = net.images(net.batch, 21);
+    let batch = Batch::new(&model, data.iter().collect(), BatchingPolicy::Cavs).unwrap();
+    let mut step = || {
+        ramus_nn::Engine::train_step(
+            &mut engine,
+            &model,
+            &mut params,
+            &mut grads,
+            &mut optimizer,
+            &batch,
+        )
+        .expect_err("over the budget without swapping")
+        .to_string()
+    };
+    let msg = step();
+    assert!(
+        msg.contains(&format!("{budget} bytes")) && msg.contains("op "),
+        "{msg}"
+    );
+    assert_eq!(step(), msg);
+}
+
+#[test]
+fn vgg_losses_are_identical_with_and_without_swapping() {
+    if !common::cuda_ready("skipping the device half of the swap tests") {
+        return;
+    }
+    identical_losses(&VGG);
+}
+
+#[test]
+fn resnet_losses_are_identical_with_and_without_swapping() {
+    if !common::cuda_ready("skipping the device half of the swap tests") {
+        return;
+    }
+    identical_losses(&RESNET);
+}
