@@ -1,6 +1,7 @@
 //! `--device`: which engine runs a command (the CPU batched engine or the
-//! CUDA batched engine), and building it for a model; `--swap`: how the
-//! CUDA engine trains a CNN under `--device-memory-budget`.
+//! CUDA batched engine), and building it for a model; `--engine`: the
+//! persistent (VPPS) training engine on CUDA; `--swap`: how the CUDA
+//! engine trains a CNN under `--device-memory-budget`.
 
 use std::str::FromStr;
 
@@ -24,6 +25,59 @@ impl FromStr for Device {
             "cuda" => Ok(Device::Cuda),
             other => Err(format!("unknown device `{other}` (known: cpu, cuda)")),
         }
+    }
+}
+
+/// Which engine `ramus train` uses on CUDA.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TrainEngine {
+    Batched,
+    Persistent,
+    Auto,
+}
+
+impl FromStr for TrainEngine {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "batched" => Ok(TrainEngine::Batched),
+            "persistent" => Ok(TrainEngine::Persistent),
+            "auto" => Ok(TrainEngine::Auto),
+            other => Err(format!(
+                "unknown engine `{other}` (known: batched, persistent, auto)"
+            )),
+        }
+    }
+}
+
+/// The persistent training engine when `choice` asks for it: `None` for
+/// the batched engine (asked for, or `auto` falling back after printing
+/// why the persistent one cannot run the model), an error if `persistent`
+/// was forced and cannot run.
+pub fn training_engine(
+    choice: TrainEngine,
+    device: Device,
+    model: &Model,
+    params: &ramus_core::Params<f32>,
+    optimizer: ramus_nn::OptimizerConfig,
+) -> Result<Option<Box<dyn Engine<f32>>>, String> {
+    if choice == TrainEngine::Batched {
+        return Ok(None);
+    }
+    if device != Device::Cuda {
+        return match choice {
+            TrainEngine::Persistent => Err("--engine persistent runs on --device cuda".into()),
+            _ => Ok(None),
+        };
+    }
+    let options = ramus_cuda::persistent::PersistentOptions::default();
+    match ramus_cuda::persistent::PersistentTrainer::new(model, params, optimizer, &options) {
+        Ok(engine) => Ok(Some(Box::new(engine))),
+        Err(e) if choice == TrainEngine::Auto => {
+            println!("persistent engine unavailable ({e}); training with the batched engine");
+            Ok(None)
+        }
+        Err(e) => Err(format!("--engine persistent: {e}")),
     }
 }
 

@@ -130,6 +130,13 @@ struct TrainArgs {
     /// Cap on the device memory Ramus may use, in bytes (CUDA).
     #[arg(long)]
     device_memory_budget: Option<u64>,
+    /// Training engine on CUDA: batched (Cavs), persistent (VPPS: one
+    /// generated kernel per batch with the weights in registers; fails if
+    /// the model cannot run on it) or auto (persistent where the weights
+    /// fit on chip and the model's ops are supported, else batched, saying
+    /// why).
+    #[arg(long, default_value = "batched")]
+    engine: device::TrainEngine,
     /// How a CNN trains on CUDA under the budget: planner (AutoVM: planned
     /// offloads and prefetches on copy streams), naive (on-demand LRU
     /// swapping), none (no swapping: exceeding the budget is an error
@@ -248,7 +255,10 @@ fn train(a: TrainArgs) -> AnyResult {
     oc.weight_decay = a.weight_decay;
     oc.clip_norm = a.clip;
     let swap = device::swap_mode(a.device, &a.model, a.device_memory_budget, a.swap)?;
-    let engine = device::engine_with_swap(a.device, &model, a.device_memory_budget, swap)?;
+    let engine = match device::training_engine(a.engine, a.device, &model, &params, oc)? {
+        Some(persistent) => persistent,
+        None => device::engine_with_swap(a.device, &model, a.device_memory_budget, swap)?,
+    };
     let mut trainer = Trainer::new(model, params, oc);
     trainer.engine = engine;
     trainer.policy = policy;

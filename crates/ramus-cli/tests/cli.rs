@@ -707,3 +707,15 @@ fn train_the_bilstm_tagger_on_the_shared_wikiner() {
     );
     assert!(out.contains("5 tags") && out.contains("tag acc"), "{out}");
 }
+
+#[test]
+fn the_persistent_engine_needs_cuda_and_auto_falls_back() {
+    let o = ramus(&["train", "--engine", "persistent", "--epochs", "1"]);
+    assert_one_line_error(&o, "--engine persistent runs on --device cuda");
+    let o = ramus(&["train", "--engine", "warp", "--epochs", "1"]);
+    assert!(!o.status.success() && stderr(&o).contains("unknown engine `warp`"));
+    // auto on the CPU trains with the batched engine
+    let o = ramus_ok(&["train", "--engine", "auto", "--epochs", "1", "--quiet"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("engine cpu-batched"), "{out}");
+}

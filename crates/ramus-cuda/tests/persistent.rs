@@ -14,7 +14,8 @@ use ramus_core::vpps::regplan::{plan, DeviceLimits, MatrixSpec, PlanRequest};
 use ramus_core::vpps::schedule::{Placement, Scheduler, Task, TaskGraph};
 use ramus_core::Params;
 use ramus_cuda::persistent::{
-    MatrixSlots, PersistentEngine, PersistentKernel, PersistentOptions, UpdateScalars,
+    MatrixSlots, PersistentEngine, PersistentKernel, PersistentOptions, PersistentTrainer,
+    UpdateScalars,
 };
 use ramus_cuda::{
     default_cache_dir, CudaDevice, DevicePool, KernelCache, PinnedBuffer, PoolConfig,
@@ -378,4 +379,113 @@ fn persistent_adam_and_adagrad_follow_the_cpu() {
         OptimizerConfig::new(OptimizerKind::Adagrad, 0.05),
         1,
     );
+}
+
+/// Whole epochs through the trainer: the persistent engine (overlapped
+/// steps, each loss a batch late) reaches the CPU engine's epoch losses,
+/// parameters and evaluation, and its loss falls.
+#[test]
+fn the_trainer_runs_epochs_on_the_persistent_engine() {
+    if !common::cuda_ready("skipping") {
+        return;
+    }
+    let cfg = ModelConfig {
+        vocab: 40,
+        hidden: 24,
+        classes: 5,
+    };
+    let model = build_model_with("treelstm", &cfg, &ModelOptions { dropout: 0.0 }).expect("model");
+    let params: Params<f32> = Params::init(&model, 5);
+    let data = model_graphs("treelstm", 60, 9);
+    let config = OptimizerConfig::new(OptimizerKind::Adam, 0.01);
+    let mut cpu = Trainer::new(model.clone(), params.clone(), config);
+    let mut gpu = Trainer::new(model.clone(), params.clone(), config);
+    gpu.engine = Box::new(
+        PersistentTrainer::new(&model, &params, config, &PersistentOptions::default())
+            .expect("engine"),
+    );
+    let mut losses = Vec::new();
+    for epoch in 0..4u64 {
+        let mut r1 = ramus_nn::train::rng(epoch);
+        let mut r2 = ramus_nn::train::rng(epoch);
+        let a = cpu
+            .train_epoch(&data, 8, &mut r1, |_, _, _| {})
+            .expect("cpu epoch");
+        let b = gpu
+            .train_epoch(&data, 8, &mut r2, |_, _, _| {})
+            .expect("persistent epoch");
+        assert!(
+            (a - b).abs() <= 1e-3 * a.abs().max(1.0),
+            "epoch {epoch}: CPU {a} vs persistent {b}"
+        );
+        losses.push(b);
+    }
+    assert!(losses[3] < losses[0], "the loss falls: {losses:?}");
+    for (p, spec) in model.params.iter().enumerate() {
+        close_all(
+            cpu.params.values[p].data(),
+            gpu.params.values[p].data(),
+            &format!("trainer: {}", spec.name),
+        );
+    }
+    let (x, y) = (
+        cpu.evaluate(&data, 16).expect("cpu eval"),
+        gpu.evaluate(&data, 16).expect("persistent eval"),
+    );
+    assert!(
+        (x.loss - y.loss).abs() <= 1e-3 * x.loss.abs().max(1.0),
+        "eval {} vs {}",
+        x.loss,
+        y.loss
+    );
+}
+
+/// The profile-guided `rpw` search: valid variants are compiled and timed
+/// on the first batches, the best is kept and remembered in the kernel
+/// cache, so a second engine starts with it (no search, kernel cached).
+#[test]
+fn the_rpw_search_settles_and_is_remembered() {
+    if !common::cuda_ready("skipping") {
+        return;
+    }
+    let cfg = ModelConfig {
+        vocab: 40,
+        hidden: 64,
+        classes: 5,
+    };
+    let model = build_model_with("treelstm", &cfg, &ModelOptions { dropout: 0.0 }).expect("model");
+    let params: Params<f32> = Params::init(&model, 5);
+    let data = model_graphs("treelstm", 8, 4);
+    let refs: Vec<&InputGraph> = data.iter().collect();
+    let dir = std::env::temp_dir().join(format!("ramus-rpw-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let options = PersistentOptions {
+        cache_dir: Some(dir.clone()),
+        ..PersistentOptions::default()
+    };
+    let config = OptimizerConfig::new(OptimizerKind::Sgd, 0.01);
+    let mut first = PersistentEngine::new(&model, &params, config, &options).expect("engine");
+    assert!(first.tuning(), "a fresh cache starts a search");
+    let mut batches = 0;
+    while first.tuning() && batches < 100 {
+        first.submit(&model, &refs).expect("step");
+        batches += 1;
+    }
+    first.latest().expect("last step");
+    assert!(
+        !first.tuning(),
+        "the search settles within {batches} batches"
+    );
+    let tried = first.compiled_rpws();
+    let chosen = first.register_plan().rpw;
+    assert!(
+        tried.contains(&chosen) && tried[0] == 1,
+        "tried {tried:?}, chose {chosen}"
+    );
+    println!("rpw search: tried {tried:?}, chose {chosen} after {batches} batches");
+    let second = PersistentEngine::new(&model, &params, config, &options).expect("engine");
+    assert!(!second.tuning(), "the choice is remembered");
+    assert_eq!(second.register_plan().rpw, chosen);
+    assert_eq!(second.compiled_rpws(), vec![chosen]);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -80,6 +80,30 @@ pub trait Engine<T: Real> {
         out.loss
             .ok_or_else(|| NnError::Config("forward pass returned no loss".into()))
     }
+
+    /// Starts a training step whose loss may come back later (an engine
+    /// that overlaps the host's preparation of the next batch with the
+    /// device's work on this one, as VPPS does). Returns the loss of the
+    /// oldest step still in flight once it is known — losses come back in
+    /// submission order — or `None` if none is yet. By default the step
+    /// runs at once and returns its own loss.
+    fn submit_train_step(
+        &mut self,
+        model: &Model,
+        params: &mut Params<T>,
+        grads: &mut Grads<T>,
+        optimizer: &mut Optimizer<T>,
+        batch: &Batch<'_>,
+    ) -> Result<Option<f64>> {
+        self.train_step(model, params, grads, optimizer, batch)
+            .map(Some)
+    }
+
+    /// Waits for every submitted step and returns the losses not returned
+    /// yet, in submission order.
+    fn finish_train_steps(&mut self) -> Result<Vec<f64>> {
+        Ok(Vec::new())
+    }
 }
 
 impl<T: Real> Engine<T> for CpuEngine<T> {

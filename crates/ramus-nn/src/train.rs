@@ -86,12 +86,35 @@ impl<T: Real> Trainer<T> {
         let mut order: Vec<usize> = (0..data.len()).collect();
         order.shuffle(rng);
         let (mut total, mut seen) = (0.0, 0usize);
-        for (b, chunk) in order.chunks(batch_size).enumerate() {
+        // sizes of the batches whose losses have not come back (an
+        // overlapping engine returns each loss a batch later)
+        let mut in_flight = std::collections::VecDeque::new();
+        let mut done = 0usize;
+        for chunk in order.chunks(batch_size) {
             let graphs: Vec<&InputGraph> = chunk.iter().map(|&i| &data[i]).collect();
-            let loss = self.train_batch(&graphs)?;
-            total += loss * graphs.len() as f64;
-            seen += graphs.len();
-            progress(b + 1, seen, loss);
+            let batch = Batch::new(&self.model, graphs, self.policy)?;
+            in_flight.push_back(chunk.len());
+            let loss = self.engine.submit_train_step(
+                &self.model,
+                &mut self.params,
+                &mut self.grads,
+                &mut self.optimizer,
+                &batch,
+            )?;
+            if let Some(loss) = loss {
+                let n = in_flight.pop_front().unwrap_or(0);
+                total += loss * n as f64;
+                seen += n;
+                done += 1;
+                progress(done, seen, loss);
+            }
+        }
+        for loss in self.engine.finish_train_steps()? {
+            let n = in_flight.pop_front().unwrap_or(0);
+            total += loss * n as f64;
+            seen += n;
+            done += 1;
+            progress(done, seen, loss);
         }
         self.sync_params()?;
         Ok(total / seen.max(1) as f64)

@@ -20,10 +20,13 @@ use std::time::Instant;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::CudaEvent;
 use ramus_core::vpps::kernel::UpdateRule;
-use ramus_core::vpps::{plan, DeviceLimits, PlanRequest, RegisterPlan, Scheduler};
+
+use ramus_core::vpps::{plan, valid_rpws, DeviceLimits, PlanRequest, RegisterPlan, Scheduler};
 use ramus_core::{Model, Params, Tensor};
-use ramus_graph::{BatchingPolicy, InputGraph};
+use ramus_graph::{BatchingPolicy, InputGraph, Schedule};
 use ramus_nn::{OptimizerConfig, OptimizerKind};
 
 use super::program::PersistentProgram;
@@ -31,7 +34,7 @@ use super::unroll::unroll_batch;
 use super::{MatrixSlots, PersistentKernel, UpdateScalars};
 use crate::cache::KernelCache;
 use crate::device::CudaDevice;
-use crate::error::{CudaError, Result};
+use crate::error::{CudaError, InCall, Result};
 use crate::pinned::PinnedBuffer;
 use crate::pool::{DevicePool, DeviceView, PoolBuffer, PoolConfig};
 
@@ -40,7 +43,8 @@ use crate::pool::{DevicePool, DeviceView, PoolBuffer, PoolConfig};
 pub struct PersistentOptions {
     /// Device ordinal.
     pub device: usize,
-    /// Rows per warp of the register partitions (default 1).
+    /// Rows per warp of the register partitions (default: the choice of
+    /// the profile-guided search, remembered in the kernel cache).
     pub rpw: Option<usize>,
     /// CTAs per SM (default: chosen from the weights' size).
     pub ctas_per_sm: Option<usize>,
@@ -66,8 +70,17 @@ pub struct PersistentEngine {
     _cache: KernelCache,
     pool: Arc<DevicePool>,
     prog: PersistentProgram,
-    kernel: PersistentKernel,
-    scheduler: Scheduler,
+    /// Compiled variants (one per `rpw` tried) and the one in use.
+    variants: Vec<Variant>,
+    active: usize,
+    /// The profile-guided `rpw` search, while it runs.
+    tuning: Option<Tuning>,
+    /// What building another variant needs.
+    build: VariantBuild,
+    /// Events around each slot's launch (the kernel's own time).
+    events: [(CudaEvent, CudaEvent); 2],
+    /// Kernel seconds of the last batch read back.
+    last_kernel_seconds: Option<f64>,
     optimizer: OptimizerConfig,
     steps: u64,
     buffer: PoolBuffer<f32>,
@@ -79,12 +92,48 @@ pub struct PersistentEngine {
     losses: [PinnedBuffer; 2],
     /// The slot the next batch uses.
     slot: usize,
-    /// A submitted batch whose loss has not been read: its slot and step.
-    pending: Option<(usize, PersistentStep)>,
+    /// A submitted batch whose loss has not been read: its slot, step and
+    /// variant.
+    pending: Option<(usize, PersistentStep, usize)>,
     rng: ChaCha8Rng,
     fingerprint: Vec<usize>,
     setup_seconds: f64,
 }
+
+/// One compiled kernel with its scheduler (their register plan).
+struct Variant {
+    kernel: PersistentKernel,
+    scheduler: Scheduler,
+}
+
+/// Inputs to compile a variant for another `rpw`.
+struct VariantBuild {
+    limits: DeviceLimits,
+    ctas_per_sm: Option<usize>,
+    rule: UpdateRule,
+    slots: Vec<MatrixSlots>,
+    /// Where the chosen `rpw` is remembered (in the kernel cache).
+    choice_file: Option<PathBuf>,
+}
+
+/// VPPS' profile-guided load granularity (§III-A1): time a few batches
+/// with each valid `rpw` from 1 up, stop at the first that is slower than
+/// the best so far, keep the best.
+struct Tuning {
+    candidates: Vec<usize>,
+    /// Candidate being timed (index into `candidates`).
+    at: usize,
+    /// Kernel seconds of the batches timed with it.
+    samples: Vec<f64>,
+    /// Best `(mean seconds, variant index)` so far.
+    best: Option<(f64, usize)>,
+}
+
+/// Batches timed per `rpw` candidate (the first, with compilation and
+/// cold caches behind it, is dropped).
+const TUNE_BATCHES: usize = 4;
+/// Most `rpw` candidates tried.
+const TUNE_CANDIDATES: usize = 4;
 
 fn model_err(message: impl Into<String>) -> CudaError {
     CudaError::Model(message.into())
@@ -122,12 +171,6 @@ impl PersistentEngine {
         )?;
         let prog = PersistentProgram::build(model)?;
         let limits = DeviceLimits::hopper(device.sm_count() as usize);
-        let request = PlanRequest {
-            rpw: options.rpw.unwrap_or(1),
-            ctas_per_sm: options.ctas_per_sm,
-            grads_in_registers: Some(true),
-        };
-        let register_plan: RegisterPlan = plan(&prog.matrices, &limits, &request)?;
         let slots: Vec<MatrixSlots> = prog
             .matrices
             .iter()
@@ -138,17 +181,49 @@ impl PersistentEngine {
             })
             .collect();
         let pool = DevicePool::new(&device, PoolConfig::default());
-        let mut scheduler = Scheduler::new(&register_plan);
-        scheduler.record = false;
-        let kernel = PersistentKernel::build(
-            &device,
-            &cache,
-            &pool,
-            register_plan,
-            rule_of(optimizer.kind),
-            &prog.fused_source,
-            &slots,
-        )?;
+        let rule = rule_of(optimizer.kind);
+        // the choice of an earlier search for this model, kernel and device
+        let choice_file = cache.directory().map(|d| {
+            let key = format!(
+                "{}|{:?}|{:?}|{}|{:?}",
+                prog.fused_source,
+                prog.matrices,
+                rule,
+                device.name(),
+                options.ctas_per_sm
+            );
+            d.join(format!(
+                "vpps-rpw-{:016x}",
+                crate::cache::fnv1a64(key.as_bytes())
+            ))
+        });
+        let remembered = choice_file
+            .as_ref()
+            .and_then(|f| std::fs::read_to_string(f).ok())
+            .and_then(|s| s.trim().parse::<usize>().ok());
+        let build = VariantBuild {
+            limits,
+            ctas_per_sm: options.ctas_per_sm,
+            rule,
+            slots,
+            choice_file,
+        };
+        let (first_rpw, tuning) = match (options.rpw, remembered) {
+            (Some(rpw), _) | (None, Some(rpw)) => (rpw, None),
+            (None, None) => {
+                let mut candidates = valid_rpws(&prog.matrices, &build.limits);
+                candidates.truncate(TUNE_CANDIDATES);
+                let first = candidates.first().copied().unwrap_or(1);
+                let tuning = (candidates.len() > 1).then_some(Tuning {
+                    candidates,
+                    at: 0,
+                    samples: Vec::new(),
+                    best: None,
+                });
+                (first, tuning)
+            }
+        };
+        let first = build_variant(&device, &cache, &pool, &prog, &build, first_rpw)?;
         if params.values.len() != model.params.len() {
             return Err(model_err(format!(
                 "{} parameter tensors for a model of {}",
@@ -172,13 +247,24 @@ impl PersistentEngine {
         let barriers = pool.alloc::<u32>(1024)?;
         staging[0].wait()?;
         let losses = [PinnedBuffer::new(&device)?, PinnedBuffer::new(&device)?];
+        let event = || {
+            device
+                .context()
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .in_call("cuEventCreate")
+        };
+        let events = [(event()?, event()?), (event()?, event()?)];
         Ok(PersistentEngine {
             device,
             _cache: cache,
             pool,
             prog,
-            kernel,
-            scheduler,
+            variants: vec![first],
+            active: 0,
+            tuning,
+            build,
+            events,
+            last_kernel_seconds: None,
             optimizer,
             steps: 0,
             buffer,
@@ -198,14 +284,24 @@ impl PersistentEngine {
         self.setup_seconds
     }
 
-    /// The register plan the kernel was generated for.
+    /// The register plan of the kernel in use.
     pub fn register_plan(&self) -> &RegisterPlan {
-        self.kernel.plan()
+        self.variants[self.active].kernel.plan()
     }
 
-    /// Registers per thread and residency of the compiled kernel.
+    /// Registers per thread and residency of the kernel in use.
     pub fn kernel_report(&self) -> &super::KernelReport {
-        self.kernel.report()
+        self.variants[self.active].kernel.report()
+    }
+
+    /// Whether the profile-guided `rpw` search is still running.
+    pub fn tuning(&self) -> bool {
+        self.tuning.is_some()
+    }
+
+    /// Kernel seconds of the last batch whose loss came back.
+    pub fn last_kernel_seconds(&self) -> Option<f64> {
+        self.last_kernel_seconds
     }
 
     /// Restarts the dropout masks' random stream (as the other engines'
@@ -233,11 +329,6 @@ impl PersistentEngine {
         model: &Model,
         graphs: &[&InputGraph],
     ) -> Result<Option<PersistentStep>> {
-        if crate::program::fingerprint(model) != self.fingerprint {
-            return Err(model_err(
-                "the batch is for a different model than the engine was set up for",
-            ));
-        }
         if graphs.is_empty() {
             return Err(model_err("an empty batch"));
         }
@@ -245,8 +336,25 @@ impl PersistentEngine {
         let schedule = ramus_cpu::Batch::new(model, graphs.to_vec(), BatchingPolicy::Cavs)
             .map_err(|e| model_err(format!("scheduling the batch: {e}")))?
             .schedule;
-        let batch = unroll_batch(model, &self.prog, &schedule, &mut self.rng)?;
-        let scripts = self.scheduler.schedule(&batch.graph)?;
+        self.submit_scheduled(model, &schedule, started)
+    }
+
+    /// [`submit`](Self::submit) for a batch already scheduled (levels);
+    /// `started` is when the host began preparing it.
+    pub fn submit_scheduled(
+        &mut self,
+        model: &Model,
+        schedule: &Schedule,
+        started: Instant,
+    ) -> Result<Option<PersistentStep>> {
+        if crate::program::fingerprint(model) != self.fingerprint {
+            return Err(model_err(
+                "the batch is for a different model than the engine was set up for",
+            ));
+        }
+        let batch = unroll_batch(model, &self.prog, schedule, &mut self.rng)?;
+        let variant = self.active;
+        let scripts = self.variants[variant].scheduler.schedule(&batch.graph)?;
         let packed = &scripts.packed;
         let host_seconds = started.elapsed().as_secs_f64();
 
@@ -290,8 +398,16 @@ impl PersistentEngine {
             clip: 1.0,
         };
         let script: DeviceView<u32> = view.slice(script_at..needed)?.reinterpret();
-        self.kernel
-            .launch(view, script, packed, self.barriers.view(), &scalars)?;
+        let (start, end) = &self.events[slot];
+        start.record(&stream).in_call("cuEventRecord")?;
+        self.variants[variant].kernel.launch(
+            view,
+            script,
+            packed,
+            self.barriers.view(),
+            &scalars,
+        )?;
+        end.record(&stream).in_call("cuEventRecord")?;
         self.losses[slot].download(view.slice(batch.loss_at..batch.loss_at + 1)?, &stream)?;
         let step = PersistentStep {
             loss: f64::NAN,
@@ -299,9 +415,9 @@ impl PersistentEngine {
             tasks: batch.graph.len(),
             levels: scripts.levels,
         };
-        let previous = self.pending.replace((slot, step));
+        let previous = self.pending.replace((slot, step, variant));
         previous
-            .map(|(s, step)| self.read_loss(s, step))
+            .map(|(s, step, v)| self.read_loss(s, step, v))
             .transpose()
     }
 
@@ -309,18 +425,90 @@ impl PersistentEngine {
     /// included); `None` if every submitted batch was already returned.
     pub fn latest(&mut self) -> Result<Option<PersistentStep>> {
         match self.pending.take() {
-            Some((slot, step)) => self.read_loss(slot, step).map(Some),
+            Some((slot, step, variant)) => self.read_loss(slot, step, variant).map(Some),
             None => Ok(None),
         }
     }
 
-    /// `step` with the loss its slot's copy brought back (waits for it).
-    fn read_loss(&self, slot: usize, step: PersistentStep) -> Result<PersistentStep> {
-        let loss = self.losses[slot].host::<f32>(1)?;
-        Ok(PersistentStep {
-            loss: f64::from(loss[0]),
-            ..step
-        })
+    /// `step` with the loss its slot's copy brought back (waits for it);
+    /// feeds the kernel's time to the `rpw` search.
+    fn read_loss(
+        &mut self,
+        slot: usize,
+        step: PersistentStep,
+        variant: usize,
+    ) -> Result<PersistentStep> {
+        let loss = f64::from(self.losses[slot].host::<f32>(1)?[0]);
+        let (start, end) = &self.events[slot];
+        let ms = start.elapsed_ms(end).in_call("cuEventElapsedTime")?;
+        let seconds = f64::from(ms) / 1e3;
+        self.last_kernel_seconds = Some(seconds);
+        self.tune(variant, seconds)?;
+        Ok(PersistentStep { loss, ..step })
+    }
+
+    /// One timed batch of `variant` for the `rpw` search: after
+    /// [`TUNE_BATCHES`] of the current candidate, moves on to the next one
+    /// (compiling it) or settles on the best and remembers it.
+    fn tune(&mut self, variant: usize, seconds: f64) -> Result<()> {
+        let Some(t) = self.tuning.as_mut() else {
+            return Ok(());
+        };
+        if variant != self.active {
+            return Ok(()); // a batch of the previous candidate, still in flight
+        }
+        t.samples.push(seconds);
+        if t.samples.len() < TUNE_BATCHES {
+            return Ok(());
+        }
+        let timed = &t.samples[1..];
+        let mean = timed.iter().sum::<f64>() / timed.len() as f64;
+        t.samples.clear();
+        let improved = t.best.is_none_or(|(b, _)| mean < b);
+        if improved {
+            t.best = Some((mean, variant));
+        }
+        t.at += 1;
+        let next = t.candidates.get(t.at).copied().filter(|_| improved);
+        let best = t.best.map_or(variant, |(_, v)| v);
+        match next {
+            Some(rpw) => {
+                let v = build_variant(
+                    &self.device,
+                    &self._cache,
+                    &self.pool,
+                    &self.prog,
+                    &self.build,
+                    rpw,
+                );
+                match v {
+                    Ok(v) => {
+                        self.variants.push(v);
+                        self.active = self.variants.len() - 1;
+                    }
+                    // a candidate that spills or does not fit ends the search
+                    Err(_) => self.settle(best),
+                }
+            }
+            None => self.settle(best),
+        }
+        Ok(())
+    }
+
+    /// Ends the `rpw` search on variant `best` and remembers its `rpw`.
+    fn settle(&mut self, best: usize) {
+        self.tuning = None;
+        self.active = best;
+        let rpw = self.variants[best].kernel.plan().rpw;
+        if let Some(file) = &self.build.choice_file {
+            // a failed write only costs the next run its search
+            let _ = std::fs::write(file, format!("{rpw}\n"));
+        }
+    }
+
+    /// The `rpw` variants compiled so far (the search's candidates).
+    pub fn compiled_rpws(&self) -> Vec<usize> {
+        self.variants.iter().map(|v| v.kernel.plan().rpw).collect()
     }
 
     /// Grows the pool buffer to `floats`, keeping the parameter region.
@@ -357,4 +545,33 @@ impl PersistentEngine {
             .collect::<Result<Vec<_>>>()?;
         Params::from_tensors(model, values).map_err(|e| model_err(format!("parameters: {e}")))
     }
+}
+
+/// Plans the registers for `rpw` and compiles (or loads) its kernel.
+fn build_variant(
+    device: &Arc<CudaDevice>,
+    cache: &KernelCache,
+    pool: &Arc<DevicePool>,
+    prog: &PersistentProgram,
+    build: &VariantBuild,
+    rpw: usize,
+) -> Result<Variant> {
+    let request = PlanRequest {
+        rpw,
+        ctas_per_sm: build.ctas_per_sm,
+        grads_in_registers: Some(true),
+    };
+    let register_plan: RegisterPlan = plan(&prog.matrices, &build.limits, &request)?;
+    let mut scheduler = Scheduler::new(&register_plan);
+    scheduler.record = false;
+    let kernel = PersistentKernel::build(
+        device,
+        cache,
+        pool,
+        register_plan,
+        build.rule,
+        &prog.fused_source,
+        &build.slots,
+    )?;
+    Ok(Variant { kernel, scheduler })
 }

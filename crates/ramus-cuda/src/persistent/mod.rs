@@ -13,9 +13,11 @@
 
 mod engine;
 mod program;
+mod train;
 mod unroll;
 
 pub use engine::{PersistentEngine, PersistentOptions, PersistentStep};
+pub use train::PersistentTrainer;
 
 use std::sync::Arc;
 use std::time::Instant;

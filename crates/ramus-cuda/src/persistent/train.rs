@@ -1,0 +1,131 @@
+//! The persistent engine behind the [`Engine`] trait, so the trainer (and
+//! `ramus train --engine persistent`) drives it: training steps go through
+//! the overlapped VPPS call (each returns the previous batch's loss), and
+//! evaluation runs on the batched CUDA engine with the parameters brought
+//! back from the device.
+
+use ramus_core::{Grads, Model, Params};
+use ramus_cpu::{Batch, ForwardOutput, Mode};
+use ramus_nn::{Engine, NnError, Optimizer, OptimizerConfig};
+
+use super::{PersistentEngine, PersistentOptions};
+use crate::engine::{CudaEngine, CudaEngineOptions};
+use crate::error::Result;
+
+/// Training on the persistent engine, evaluation on the batched one.
+pub struct PersistentTrainer {
+    engine: PersistentEngine,
+    eval: CudaEngine,
+    /// The model the engines were set up for (to rebuild parameters).
+    model: Model,
+}
+
+fn nn_err(e: crate::error::CudaError) -> NnError {
+    NnError::Config(e.to_string())
+}
+
+impl PersistentTrainer {
+    /// Sets both engines up for `model`, starting from `params`, updating
+    /// with `optimizer` (its state lives on the device).
+    pub fn new(
+        model: &Model,
+        params: &Params<f32>,
+        optimizer: OptimizerConfig,
+        options: &PersistentOptions,
+    ) -> Result<Self> {
+        let engine = PersistentEngine::new(model, params, optimizer, options)?;
+        let eval = CudaEngine::new(
+            model,
+            &CudaEngineOptions {
+                device: options.device,
+                cache_dir: options.cache_dir.clone(),
+                ..CudaEngineOptions::default()
+            },
+        )?;
+        Ok(PersistentTrainer {
+            engine,
+            eval,
+            model: model.clone(),
+        })
+    }
+
+    /// The persistent engine itself.
+    pub fn persistent(&self) -> &PersistentEngine {
+        &self.engine
+    }
+}
+
+impl Engine<f32> for PersistentTrainer {
+    fn name(&self) -> &'static str {
+        "cuda-persistent"
+    }
+
+    fn forward_rows(
+        &mut self,
+        model: &Model,
+        params: &Params<f32>,
+        batch: &Batch<'_>,
+        mode: Mode,
+        rows: ramus_core::HeadRows,
+    ) -> ramus_nn::Result<ForwardOutput<f32>> {
+        self.eval.forward_rows(model, params, batch, mode, rows)
+    }
+
+    fn backward(
+        &mut self,
+        model: &Model,
+        params: &Params<f32>,
+        batch: &Batch<'_>,
+        grads: &mut Grads<f32>,
+    ) -> ramus_nn::Result<()> {
+        self.eval.backward(model, params, batch, grads)
+    }
+
+    fn set_seed(&mut self, seed: u64) {
+        self.engine.seed(seed);
+        Engine::<f32>::set_seed(&mut self.eval, seed);
+    }
+
+    fn sync_host_params(&mut self, params: &mut Params<f32>) -> ramus_nn::Result<()> {
+        // the batches still in flight update the parameters first
+        self.engine.latest().map_err(nn_err)?;
+        *params = self.engine.params(&self.model).map_err(nn_err)?;
+        Ok(())
+    }
+
+    fn train_step(
+        &mut self,
+        model: &Model,
+        _params: &mut Params<f32>,
+        _grads: &mut Grads<f32>,
+        _optimizer: &mut Optimizer<f32>,
+        batch: &Batch<'_>,
+    ) -> ramus_nn::Result<f64> {
+        self.engine
+            .submit_scheduled(model, &batch.schedule, std::time::Instant::now())
+            .map_err(nn_err)?;
+        let step = self.engine.latest().map_err(nn_err)?;
+        step.map(|s| s.loss)
+            .ok_or_else(|| NnError::Config("the persistent step returned no loss".into()))
+    }
+
+    fn submit_train_step(
+        &mut self,
+        model: &Model,
+        _params: &mut Params<f32>,
+        _grads: &mut Grads<f32>,
+        _optimizer: &mut Optimizer<f32>,
+        batch: &Batch<'_>,
+    ) -> ramus_nn::Result<Option<f64>> {
+        let previous = self
+            .engine
+            .submit_scheduled(model, &batch.schedule, std::time::Instant::now())
+            .map_err(nn_err)?;
+        Ok(previous.map(|s| s.loss))
+    }
+
+    fn finish_train_steps(&mut self) -> ramus_nn::Result<Vec<f64>> {
+        let last = self.engine.latest().map_err(nn_err)?;
+        Ok(last.map(|s| s.loss).into_iter().collect())
+    }
+}
