@@ -181,6 +181,13 @@ pub struct Scheduler {
     /// checks). Off, both stay empty — an engine does not need them, and at
     /// a hundred holders per product they cost more than the scheduling.
     pub record: bool,
+    /// Words per item of a `Holders` task's operands. 0: a task is one
+    /// item (merged tasks must have equal operand counts; the instruction's
+    /// count is the number of tasks). `k > 0`: a task carries any number
+    /// of `k`-word items (e.g. `(input, output)` pairs for a whole range of
+    /// rows), merged tasks' items are concatenated and the count is the
+    /// number of items.
+    pub holder_item: usize,
 }
 
 /// The scripts for one batch and how they were made.
@@ -199,6 +206,8 @@ pub struct Schedule {
     pub vpp_tasks: Vec<Vec<u32>>,
     /// Load accumulated by each VPP over the batch.
     pub loads: Vec<u64>,
+    /// The scheduler's [`Scheduler::holder_item`] (how merged counts read).
+    pub holder_item: usize,
 }
 
 /// Minimum-load lookup over VPPs: a tournament tree whose nodes hold the
@@ -315,6 +324,7 @@ impl Scheduler {
             matrix_load_factor: DEFAULT_MATRIX_LOAD_FACTOR,
             chain: true,
             record: true,
+            holder_item: 0,
         }
     }
 
@@ -328,6 +338,7 @@ impl Scheduler {
             matrix_load_factor: DEFAULT_MATRIX_LOAD_FACTOR,
             chain: true,
             record: true,
+            holder_item: 0,
         }
     }
 
@@ -524,9 +535,21 @@ impl Scheduler {
                 let m = usize::from(matrix);
                 let width = first.operands.len();
                 let offset = pool.len();
+                let item = self.holder_item;
                 for &t in group {
                     let task = &g.tasks[t as usize];
-                    if task.operands.len() != width {
+                    if item > 0 && (task.operands.is_empty() || task.operands.len() % item != 0) {
+                        return Err(CoreError::vpps(
+                            WHAT,
+                            format!(
+                                "task {t} (opcode {}, matrix {matrix}) has {} operands, not a \
+                                 positive multiple of {item}-word items",
+                                task.op,
+                                task.operands.len()
+                            ),
+                        ));
+                    }
+                    if item == 0 && task.operands.len() != width {
                         return Err(CoreError::vpps(
                             WHAT,
                             format!(
@@ -543,7 +566,15 @@ impl Scheduler {
                 }
                 let offset = u32::try_from(offset)
                     .map_err(|_| CoreError::vpps(WHAT, "operand pool exceeds 32-bit offsets"))?;
-                let operands = [group.len() as u32, offset];
+                let count = if item > 0 {
+                    (pool.len() - offset as usize) / item
+                } else {
+                    group.len()
+                };
+                let count = u32::try_from(count).map_err(|_| {
+                    CoreError::vpps(WHAT, "more than 2^32 items in one instruction")
+                })?;
+                let operands = [count, offset];
                 for &h in &self.holders[m] {
                     let h = h as usize;
                     encode_parts(first.op, first.arg, &operands, &mut level_words[h])?;
@@ -615,6 +646,7 @@ impl Scheduler {
             task_vpps,
             vpp_tasks,
             loads: loads.loads,
+            holder_item: self.holder_item,
         })
     }
 }
@@ -782,8 +814,29 @@ pub fn simulate_with(
                     let [count, offset] = instr.operands[..] else {
                         return Err(mismatch("a merged instruction needs [count, offset]"));
                     };
+                    // tasks merged into the instruction: `count` tasks, or
+                    // as many as carry `count` items
+                    let merged = match schedule.holder_item {
+                        0 => count as usize,
+                        item => {
+                            let (mut items, mut k) = (0usize, 0usize);
+                            while items < count as usize {
+                                let t = tasks.get(c.task + k).ok_or_else(|| {
+                                    mismatch("count runs past the scheduled tasks")
+                                })?;
+                                let words =
+                                    g.tasks.get(*t as usize).map_or(0, |x| x.operands.len());
+                                items += words / item;
+                                k += 1;
+                            }
+                            if items != count as usize {
+                                return Err(mismatch("count splits a task's items"));
+                            }
+                            k
+                        }
+                    };
                     let ran = tasks
-                        .get(c.task..c.task + count as usize)
+                        .get(c.task..c.task + merged)
                         .ok_or_else(|| mismatch("count runs past the scheduled tasks"))?;
                     let mut at = offset as usize;
                     for &t in ran {
@@ -882,6 +935,7 @@ mod tests {
             matrix_load_factor: 1,
             chain: false,
             record: true,
+            holder_item: 0,
         }
     }
 
@@ -1045,6 +1099,43 @@ mod tests {
         assert_eq!((s.levels, s.packed.barriers, s.packed.vpps), (0, 0, 3));
         assert!(s.packed.script(1).is_empty());
         assert!(simulate(&s, &TaskGraph::new()).unwrap().is_empty());
+    }
+
+    #[test]
+    fn holder_tasks_of_item_pairs_merge_by_items() {
+        let mut s = fig6_scheduler();
+        s.holder_item = 2;
+        let mut g = TaskGraph::new();
+        let a = g
+            .push(task(20, &[1, 2], &[], 1, Placement::Holders { matrix: 0 }))
+            .unwrap();
+        g.push(task(
+            20,
+            &[3, 4, 5, 6],
+            &[],
+            1,
+            Placement::Holders { matrix: 0 },
+        ))
+        .unwrap();
+        g.push(task(21, &[7], &[a], 1, Placement::Any)).unwrap();
+        let sc = s.schedule(&g).unwrap();
+        let first = sc.packed.decode_script(0).unwrap();
+        assert_eq!(first[0].operands[0], 3, "three pairs in one instruction");
+        assert_eq!(&sc.packed.operand_pool()[..6], &[1, 2, 3, 4, 5, 6]);
+        assert_eq!(simulate(&sc, &g).unwrap().len(), 3);
+        g.push(task(
+            20,
+            &[1, 2, 3],
+            &[],
+            1,
+            Placement::Holders { matrix: 0 },
+        ))
+        .unwrap();
+        let err = s.schedule(&g).unwrap_err().to_string();
+        assert!(
+            err.contains("not a positive multiple of 2-word items"),
+            "{err}"
+        );
     }
 
     #[test]

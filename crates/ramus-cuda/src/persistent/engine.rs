@@ -564,6 +564,8 @@ fn build_variant(
     let register_plan: RegisterPlan = plan(&prog.matrices, &build.limits, &request)?;
     let mut scheduler = Scheduler::new(&register_plan);
     scheduler.record = false;
+    // product tasks carry an (input, output) offset pair per row
+    scheduler.holder_item = 2;
     let kernel = PersistentKernel::build(
         device,
         cache,

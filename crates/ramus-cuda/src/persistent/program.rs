@@ -88,6 +88,8 @@ pub(crate) struct PersistentProgram {
     plans: Vec<PlannedGraph>,
     /// Case of each fused step, by graph index, phase and step index.
     cases: Vec<Vec<Vec<Option<u16>>>>,
+    /// Each graph's slice views by node (the plans' maps, indexed).
+    views: Vec<Vec<Option<ramus_core::fusion::SliceView>>>,
     /// The cases' CUDA source (one `case` block each).
     pub fused_source: String,
     /// Per parameter: its register-cached matrix, if it is one.
@@ -193,6 +195,20 @@ impl PersistentProgram {
             }
         }
 
+        let views = graph_keys(model)
+            .iter()
+            .map(|&key| {
+                let g = key.graph(model);
+                let plan = &plans[key.index(n)];
+                (0..g.nodes.len())
+                    .map(|x| plan.views.get(&x).copied())
+                    .collect()
+            })
+            .collect::<Vec<Vec<_>>>();
+        let mut views_by_index = vec![Vec::new(); views.len()];
+        for (key, v) in graph_keys(model).into_iter().zip(views) {
+            views_by_index[key.index(n)] = v;
+        }
         let (cached, matrices) = cached_matrices(model)?;
         let row_grad_params = row_grad_params(model);
         let mut params = ParamLayout::default();
@@ -217,6 +233,7 @@ impl PersistentProgram {
         Ok(PersistentProgram {
             functions: n,
             plans,
+            views: views_by_index,
             cases,
             fused_source,
             cached,
@@ -229,6 +246,11 @@ impl PersistentProgram {
     /// The plan of graph `key`.
     pub fn plan(&self, key: GraphKey) -> &PlannedGraph {
         &self.plans[key.index(self.functions)]
+    }
+
+    /// The slice view node `n` of graph `key` is, if it is one.
+    pub fn view(&self, key: GraphKey, n: NodeId) -> Option<&ramus_core::fusion::SliceView> {
+        self.views[key.index(self.functions)].get(n)?.as_ref()
     }
 
     /// The case of fused step `step` of phase `phase` of graph `key`.
@@ -336,6 +358,6 @@ fn cached_matrices(model: &Model) -> Result<(Vec<Option<u16>>, Vec<MatrixSpec>)>
 
 /// The node a fused-group or op input reads its rows from: a viewed slice's
 /// source, else the node itself.
-pub(crate) fn storage_node(plan: &PlannedGraph, n: NodeId) -> NodeId {
-    plan.views.get(&n).map_or(n, |v| v.source)
+pub(crate) fn storage_node(prog: &PersistentProgram, key: GraphKey, n: NodeId) -> NodeId {
+    prog.view(key, n).map_or(n, |v| v.source)
 }

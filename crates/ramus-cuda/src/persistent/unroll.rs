@@ -126,6 +126,55 @@ impl ChildLink {
     }
 }
 
+/// The tasks that wrote each row of one node: most rows have one or two
+/// writers (a value, or a value and an in-place concat / a gradient row
+/// with two parents) kept in flat arrays; more go to a list (sums over
+/// rows written by every chunk). No allocation per row.
+#[derive(Clone, Debug, Default)]
+struct RowProducers {
+    first: Vec<u32>,
+    second: Vec<u32>,
+    more: Vec<(u32, u32)>,
+}
+
+impl RowProducers {
+    const NONE: u32 = u32::MAX;
+
+    fn new(rows: usize) -> Self {
+        RowProducers {
+            first: vec![Self::NONE; rows],
+            second: vec![Self::NONE; rows],
+            more: Vec::new(),
+        }
+    }
+
+    fn record(&mut self, lo: usize, hi: usize, task: u32) {
+        let hi = hi.min(self.first.len());
+        for row in lo..hi {
+            if self.first[row] == Self::NONE {
+                self.first[row] = task;
+            } else if self.second[row] == Self::NONE {
+                self.second[row] = task;
+            } else {
+                self.more.push((row as u32, task));
+            }
+        }
+    }
+
+    fn collect(&self, lo: usize, hi: usize, out: &mut Vec<u32>) {
+        let hi = hi.min(self.first.len());
+        let lo = lo.min(hi);
+        out.extend(self.first[lo..hi].iter().filter(|&&t| t != Self::NONE));
+        out.extend(self.second[lo..hi].iter().filter(|&&t| t != Self::NONE));
+        out.extend(
+            self.more
+                .iter()
+                .filter(|&&(r, _)| (lo..hi).contains(&(r as usize)))
+                .map(|&(_, t)| t),
+        );
+    }
+}
+
 struct Unroller<'a> {
     model: &'a Model,
     prog: &'a PersistentProgram,
@@ -143,7 +192,7 @@ struct Unroller<'a> {
     update_rows: HashMap<usize, (usize, usize)>,
     /// Producers per graph (by index) and node, per row (allocated at
     /// first use).
-    prod: Vec<Vec<Vec<Vec<u32>>>>,
+    prod: Vec<Vec<RowProducers>>,
     g: TaskGraph,
 }
 
@@ -198,7 +247,7 @@ impl<'a> Unroller<'a> {
                 return self.resolve(fk, m);
             }
         }
-        let stored = storage_node(self.prog.plan(key), n);
+        let stored = storage_node(self.prog, key, n);
         if stored != n {
             return self.resolve(key, stored);
         }
@@ -209,13 +258,12 @@ impl<'a> Unroller<'a> {
     /// row stride.
     fn loc(&self, key: GraphKey, n: NodeId) -> Result<(usize, usize)> {
         let g = self.graph(key);
-        let plan = self.prog.plan(key);
         if let NodeKind::Input(Source::Forward(m)) = g.nodes[n].kind {
             if let Some(fk) = key.forward_of() {
                 return self.loc(fk, m);
             }
         }
-        if let Some(v) = plan.views.get(&n) {
+        if let Some(v) = self.prog.view(key, n) {
             let (base, _) = self.loc(key, v.source)?;
             return Ok((base + v.offset, v.stride));
         }
@@ -262,29 +310,22 @@ impl<'a> Unroller<'a> {
         }
     }
 
-    fn producers(&mut self, key: GraphKey, n: NodeId) -> &mut Vec<Vec<u32>> {
+    fn producers(&mut self, key: GraphKey, n: NodeId) -> &mut RowProducers {
         let (key, n) = self.resolve(key, n);
         let rows = self.rows(key, self.graph(key).nodes[n].ty.space);
         let slot = &mut self.prod[key.index(self.prog.functions)][n];
-        if slot.is_empty() {
-            *slot = vec![Vec::new(); rows.max(1)];
+        if slot.first.is_empty() {
+            *slot = RowProducers::new(rows.max(1));
         }
         slot
     }
 
     fn deps_of(&mut self, key: GraphKey, n: NodeId, lo: usize, hi: usize, out: &mut Vec<u32>) {
-        let p = self.producers(key, n);
-        for row in p.iter().take(hi).skip(lo) {
-            out.extend_from_slice(row);
-        }
+        self.producers(key, n).collect(lo, hi, out);
     }
 
     fn record(&mut self, key: GraphKey, n: NodeId, lo: usize, hi: usize, task: u32) {
-        let p = self.producers(key, n);
-        let hi = hi.min(p.len());
-        for row in p.iter_mut().take(hi).skip(lo) {
-            row.push(task);
-        }
+        self.producers(key, n).record(lo, hi, task);
     }
 
     fn push(
@@ -355,7 +396,7 @@ impl<'a> Unroller<'a> {
                     }
                 };
             }
-            self.prod[key.index(self.prog.functions)] = vec![Vec::new(); bufs.len()];
+            self.prod[key.index(self.prog.functions)] = vec![RowProducers::default(); bufs.len()];
             self.bufs[key.index(self.prog.functions)] = bufs;
         }
         // upload placeholders for buffers the host fills
@@ -719,22 +760,28 @@ impl<'a> Unroller<'a> {
         if let Some(mm) = node.op_as::<MatMul>() {
             let a_space = g.nodes[arg(0)].ty.space;
             let (lo, hi) = Self::space_range(a_space, r);
+            if hi <= lo {
+                return Ok(());
+            }
+            // one task for the rows: an (a, b) offset pair per row
             if let Some(m) = self.outer_product(key, n)? {
+                let mut deps = Vec::new();
+                self.deps_of(key, arg(0), lo, hi, &mut deps);
+                self.deps_of(key, arg(1), lo, hi, &mut deps);
+                let mut ops = Vec::with_capacity(2 * (hi - lo));
                 for i in lo..hi {
-                    let mut deps = Vec::new();
-                    self.deps_of(key, arg(0), i, i + 1, &mut deps);
-                    self.deps_of(key, arg(1), i, i + 1, &mut deps);
-                    let ops = vec![self.row_at(key, arg(0), i)?, self.row_at(key, arg(1), i)?];
-                    let load = g.nodes[arg(0)].ty.width() * g.nodes[arg(1)].ty.width();
-                    self.push(
-                        OP_OUTER,
-                        m,
-                        ops,
-                        deps,
-                        load,
-                        Placement::Holders { matrix: m },
-                    )?;
+                    ops.push(self.row_at(key, arg(0), i)?);
+                    ops.push(self.row_at(key, arg(1), i)?);
                 }
+                let load = (hi - lo) * g.nodes[arg(0)].ty.width() * g.nodes[arg(1)].ty.width();
+                self.push(
+                    OP_OUTER,
+                    m,
+                    ops,
+                    deps,
+                    load,
+                    Placement::Holders { matrix: m },
+                )?;
                 return Ok(());
             }
             let NodeKind::Param(p) = g.nodes[arg(1)].kind else {
@@ -754,14 +801,16 @@ impl<'a> Unroller<'a> {
                 )));
             }
             let spec = &self.prog.matrices[usize::from(m)];
-            let load = spec.rows * spec.cols;
+            let load = (hi - lo) * spec.rows * spec.cols;
+            let mut deps = Vec::new();
+            self.deps_of(key, arg(0), lo, hi, &mut deps);
+            let mut ops = Vec::with_capacity(2 * (hi - lo));
             for i in lo..hi {
-                let mut deps = Vec::new();
-                self.deps_of(key, arg(0), i, i + 1, &mut deps);
-                let ops = vec![self.row_at(key, arg(0), i)?, self.row_at(key, n, i)?];
-                let t = self.push(opcode, m, ops, deps, load, Placement::Holders { matrix: m })?;
-                self.record(key, n, i, i + 1, t);
+                ops.push(self.row_at(key, arg(0), i)?);
+                ops.push(self.row_at(key, n, i)?);
             }
+            let t = self.push(opcode, m, ops, deps, load, Placement::Holders { matrix: m })?;
+            self.record(key, n, lo, hi, t);
             return Ok(());
         }
         let (lo, hi) = Self::space_range(out_space, r);
@@ -1488,7 +1537,9 @@ mod tests {
             &PlanRequest::new(1),
         )
         .expect("plan");
-        let schedule = Scheduler::new(&rp).schedule(&batch.graph).expect("scripts");
+        let mut scheduler = Scheduler::new(&rp);
+        scheduler.holder_item = 2;
+        let schedule = scheduler.schedule(&batch.graph).expect("scripts");
         // every task runs on the processors its placement names, after its
         // dependencies, without deadlock
         let order = simulate(&schedule, &batch.graph).expect("the scripts run to the end");
@@ -1589,6 +1640,7 @@ mod timing {
         .expect("plan");
         let mut scheduler = Scheduler::new(&rp);
         scheduler.record = false;
+        scheduler.holder_item = 2;
         let mut rng = ChaCha8Rng::seed_from_u64(3);
         for bs in [1usize, 8, 128] {
             let graphs: Vec<InputGraph> = (0..bs)
