@@ -21,7 +21,9 @@ use ramus_cuda::{
     default_cache_dir, CudaDevice, DevicePool, KernelCache, PinnedBuffer, PoolConfig,
 };
 use ramus_graph::random::{grid_dag, random_chain, random_path, random_tree};
+use ramus_graph::sequence::{pyramid, tagger_graph, WordInput};
 use ramus_graph::InputGraph;
+use ramus_nn::sequence_models::{build_sequence_model, SequenceConfig};
 use ramus_nn::{
     build_model_with, ModelConfig, ModelOptions, OptimizerConfig, OptimizerKind, Trainer,
 };
@@ -488,4 +490,106 @@ fn the_rpw_search_settles_and_is_remembered() {
     assert_eq!(second.register_plan().rpw, chosen);
     assert_eq!(second.compiled_rpws(), vec![chosen]);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Tagger graphs of `lengths` words; with `spell`, about every third word
+/// is spelled out (for the character tagger).
+fn tagger_graphs(
+    rng: &mut ChaCha8Rng,
+    lengths: &[usize],
+    vocab: u32,
+    chars: u32,
+    spell: bool,
+) -> Vec<InputGraph> {
+    lengths
+        .iter()
+        .map(|&n| {
+            let spelled: Vec<Vec<u32>> = (0..n)
+                .map(|_| {
+                    (0..rng.random_range(1..4))
+                        .map(|_| rng.random_range(0..chars))
+                        .collect()
+                })
+                .collect();
+            let words: Vec<WordInput<'_>> = spelled
+                .iter()
+                .enumerate()
+                .map(|(i, cs)| {
+                    if spell && i % 3 == 1 {
+                        WordInput::Chars(cs)
+                    } else {
+                        WordInput::Token(rng.random_range(0..vocab))
+                    }
+                })
+                .collect();
+            let tags: Vec<i32> = (0..n).map(|_| rng.random_range(0..5)).collect();
+            tagger_graph(&words, &tags).expect("tagger graph")
+        })
+        .collect()
+}
+
+/// The VPPS benchmark models (BiLSTM taggers with and without characters,
+/// TD-RNN, TD-LSTM, RvNN) follow the CPU trajectory on the persistent engine.
+#[test]
+fn persistent_training_follows_the_cpu_for_the_vpps_benchmark_models() {
+    if !common::cuda_ready("skipping") {
+        return;
+    }
+    let cfg = ModelConfig {
+        vocab: 30,
+        hidden: 16,
+        classes: 5,
+    };
+    let seq = SequenceConfig {
+        mlp: 12,
+        char_embed: 8,
+        chars: 9,
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    let lengths = [1, 3, 7, 12, 5, 2, 9, 4];
+    let taggers = tagger_graphs(&mut rng, &lengths, 30, 9, false);
+    let spelled = tagger_graphs(&mut rng, &lengths, 30, 9, true);
+    let pyramids: Vec<InputGraph> = [1, 3, 6, 9, 2, 5, 7, 4]
+        .iter()
+        .map(|&n| {
+            let toks: Vec<u32> = (0..n).map(|_| rng.random_range(0..30)).collect();
+            pyramid(&toks, rng.random_range(0..5)).expect("pyramid")
+        })
+        .collect();
+    let trees = model_graphs("treefc", 8, 13);
+    for (name, data) in [
+        ("bilstm-tagger", &taggers),
+        ("bilstm-char-tagger", &spelled),
+        ("td-rnn", &pyramids),
+        ("td-lstm", &pyramids),
+        ("rvnn", &trees),
+    ] {
+        let model =
+            build_sequence_model(name, &cfg, &seq, &ModelOptions { dropout: 0.0 }).expect("model");
+        let config = OptimizerConfig::new(OptimizerKind::Sgd, 0.1);
+        let params: Params<f32> = Params::init(&model, 3);
+        let mut cpu = Trainer::new(model.clone(), params.clone(), config);
+        let mut gpu = PersistentEngine::new(&model, &params, config, &PersistentOptions::default())
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        for (step, chunk) in data.chunks(4).enumerate() {
+            let refs: Vec<&InputGraph> = chunk.iter().collect();
+            let a = cpu.train_batch(&refs).expect("cpu step");
+            let b = gpu
+                .train_batch(&model, &refs)
+                .expect("persistent step")
+                .loss;
+            assert!(
+                (a - b).abs() <= 1e-3 * a.abs().max(1.0),
+                "{name} step {step}: loss CPU {a} vs persistent {b}"
+            );
+        }
+        let trained = gpu.params(&model).expect("parameters");
+        for (p, spec) in model.params.iter().enumerate() {
+            close_all(
+                cpu.params.values[p].data(),
+                trained.values[p].data(),
+                &format!("{name}: updated {}", spec.name),
+            );
+        }
+    }
 }
