@@ -315,7 +315,12 @@ fn close_all(a: &[f32], b: &[f32], what: &str) {
 /// Several training steps of the persistent engine against the CPU engine
 /// with the host optimizer: the same loss at every step, the same
 /// parameters after the last.
-fn follows_the_cpu_trajectory(name: &str, config: OptimizerConfig, batch: usize) {
+fn follows_the_cpu_trajectory(
+    name: &str,
+    config: OptimizerConfig,
+    batch: usize,
+    grads_in_registers: Option<bool>,
+) {
     if !common::cuda_ready("skipping") {
         return;
     }
@@ -332,9 +337,13 @@ fn follows_the_cpu_trajectory(name: &str, config: OptimizerConfig, batch: usize)
         cache_dir: Some(
             std::env::temp_dir().join(format!("ramus-persistent-{}", std::process::id())),
         ),
+        grads_in_registers,
         ..PersistentOptions::default()
     };
     let mut gpu = PersistentEngine::new(&model, &params, config, &options).expect("engine");
+    if let Some(want) = grads_in_registers {
+        assert_eq!(gpu.register_plan().grads_in_registers, want);
+    }
     for (step, chunk) in data.chunks(batch).enumerate() {
         let refs: Vec<&InputGraph> = chunk.iter().collect();
         let a = cpu.train_batch(&refs).expect("cpu step");
@@ -367,19 +376,35 @@ fn persistent_training_follows_the_cpu_for_every_token_model() {
         "dagrnn",
         "lstm-lm",
     ] {
-        follows_the_cpu_trajectory(name, OptimizerConfig::new(OptimizerKind::Sgd, 0.1), 6);
+        follows_the_cpu_trajectory(name, OptimizerConfig::new(OptimizerKind::Sgd, 0.1), 6, None);
     }
+}
+
+/// Gradients not in registers (VPPS §III-C2): the outer products go to
+/// cuBLAS after the kernel, a second launch updates the matrices.
+#[test]
+fn persistent_training_with_cublas_gradients_follows_the_cpu() {
+    follows_the_cpu_trajectory(
+        "treelstm",
+        OptimizerConfig::new(OptimizerKind::Sgd, 0.1),
+        6,
+        Some(false),
+    );
+    let mut adam = OptimizerConfig::new(OptimizerKind::Adam, 0.01);
+    adam.weight_decay = 1e-3;
+    follows_the_cpu_trajectory("treegru", adam, 4, Some(false));
 }
 
 #[test]
 fn persistent_adam_and_adagrad_follow_the_cpu() {
     let mut adam = OptimizerConfig::new(OptimizerKind::Adam, 0.01);
     adam.weight_decay = 1e-3;
-    follows_the_cpu_trajectory("treelstm", adam, 5);
+    follows_the_cpu_trajectory("treelstm", adam, 5, None);
     follows_the_cpu_trajectory(
         "treelstm",
         OptimizerConfig::new(OptimizerKind::Adagrad, 0.05),
         1,
+        None,
     );
 }
 
@@ -536,7 +561,7 @@ fn persistent_training_follows_the_cpu_for_the_vpps_benchmark_models() {
         return;
     }
     let cfg = ModelConfig {
-        vocab: 30,
+        vocab: 40,
         hidden: 16,
         classes: 5,
     };

@@ -30,8 +30,9 @@ use ramus_graph::{BatchingPolicy, InputGraph, Schedule};
 use ramus_nn::{OptimizerConfig, OptimizerKind};
 
 use super::program::PersistentProgram;
-use super::unroll::unroll_batch;
+use super::unroll::{unroll_batch, GradientGemm};
 use super::{MatrixSlots, PersistentKernel, UpdateScalars};
+use crate::blas::{Blas, Gemm};
 use crate::cache::KernelCache;
 use crate::device::CudaDevice;
 use crate::error::{CudaError, InCall, Result};
@@ -50,6 +51,10 @@ pub struct PersistentOptions {
     pub ctas_per_sm: Option<usize>,
     /// Kernel cache directory (default: the user cache).
     pub cache_dir: Option<PathBuf>,
+    /// Keep the weight gradients in registers (default: where they fit);
+    /// without, the outer products go to cuBLAS after the kernel and a
+    /// second launch updates the cached matrices (VPPS §III-C2).
+    pub grads_in_registers: Option<bool>,
 }
 
 /// What one training batch did.
@@ -81,6 +86,9 @@ pub struct PersistentEngine {
     events: [(CudaEvent, CudaEvent); 2],
     /// Kernel seconds of the last batch read back.
     last_kernel_seconds: Option<f64>,
+    /// cuBLAS, for the weight gradients of a plan without register
+    /// gradients (made at first use).
+    blas: Option<Blas>,
     optimizer: OptimizerConfig,
     steps: u64,
     buffer: PoolBuffer<f32>,
@@ -110,6 +118,7 @@ struct Variant {
 struct VariantBuild {
     limits: DeviceLimits,
     ctas_per_sm: Option<usize>,
+    grads_in_registers: Option<bool>,
     rule: UpdateRule,
     slots: Vec<MatrixSlots>,
     /// Where the chosen `rpw` is remembered (in the kernel cache).
@@ -185,12 +194,13 @@ impl PersistentEngine {
         // the choice of an earlier search for this model, kernel and device
         let choice_file = cache.directory().map(|d| {
             let key = format!(
-                "{}|{:?}|{:?}|{}|{:?}",
+                "{}|{:?}|{:?}|{}|{:?}|{:?}",
                 prog.fused_source,
                 prog.matrices,
                 rule,
                 device.name(),
-                options.ctas_per_sm
+                options.ctas_per_sm,
+                options.grads_in_registers
             );
             d.join(format!(
                 "vpps-rpw-{:016x}",
@@ -204,6 +214,7 @@ impl PersistentEngine {
         let build = VariantBuild {
             limits,
             ctas_per_sm: options.ctas_per_sm,
+            grads_in_registers: options.grads_in_registers,
             rule,
             slots,
             choice_file,
@@ -265,6 +276,7 @@ impl PersistentEngine {
             build,
             events,
             last_kernel_seconds: None,
+            blas: None,
             optimizer,
             steps: 0,
             buffer,
@@ -352,20 +364,29 @@ impl PersistentEngine {
                 "the batch is for a different model than the engine was set up for",
             ));
         }
-        let batch = unroll_batch(model, &self.prog, schedule, &mut self.rng)?;
         let variant = self.active;
-        let scripts = self.variants[variant].scheduler.schedule(&batch.graph)?;
+        let in_registers = self.variants[variant].kernel.plan().grads_in_registers;
+        let batch = unroll_batch(model, &self.prog, schedule, in_registers, &mut self.rng)?;
+        let scheduler = &self.variants[variant].scheduler;
+        let scripts = scheduler.schedule(&batch.graph)?;
         let packed = &scripts.packed;
+        // without register gradients: the matrices' update, a second script
+        let updates = (!in_registers)
+            .then(|| scheduler.schedule(&batch.matrix_updates))
+            .transpose()?;
         let host_seconds = started.elapsed().as_secs_f64();
 
         // the pool: parameters, the batch's regions, then the scripts
         let script_at = batch.end;
-        let needed = script_at + packed.words.len();
+        let update_at = script_at + packed.words.len();
+        let needed = update_at + updates.as_ref().map_or(0, |u| u.packed.words.len());
         self.ensure_capacity(needed)?;
-        if self.barriers.len() < packed.barriers.max(1) {
-            self.barriers = self
-                .pool
-                .alloc::<u32>(packed.barriers.next_power_of_two())?;
+        let barriers = packed
+            .barriers
+            .max(updates.as_ref().map_or(0, |u| u.packed.barriers))
+            .max(1);
+        if self.barriers.len() < barriers {
+            self.barriers = self.pool.alloc::<u32>(barriers.next_power_of_two())?;
         }
         let stream = self.device.stream().clone();
         let view = self.buffer.view();
@@ -375,10 +396,9 @@ impl PersistentEngine {
             // waits for this slot's previous upload to have been copied
             let upload_len = needed - batch.upload_at;
             let host = self.staging[slot].host_mut::<f32>(upload_len)?;
-            for (d, &w) in host
-                .iter_mut()
-                .zip(batch.upload.iter().chain(&packed.words))
-            {
+            let update_words = updates.as_ref().map_or(&[][..], |u| &u.packed.words[..]);
+            let words = batch.upload.iter().chain(&packed.words).chain(update_words);
+            for (d, &w) in host.iter_mut().zip(words) {
                 *d = f32::from_bits(w);
             }
         }
@@ -397,9 +417,11 @@ impl PersistentEngine {
             inv_bias_correction2: (1.0 / (1.0 - c.beta2.powf(t))) as f32,
             clip: 1.0,
         };
-        let script: DeviceView<u32> = view.slice(script_at..needed)?.reinterpret();
-        let (start, end) = &self.events[slot];
-        start.record(&stream).in_call("cuEventRecord")?;
+        let script: DeviceView<u32> = view.slice(script_at..update_at)?.reinterpret();
+        self.events[slot]
+            .0
+            .record(&stream)
+            .in_call("cuEventRecord")?;
         self.variants[variant].kernel.launch(
             view,
             script,
@@ -407,7 +429,21 @@ impl PersistentEngine {
             self.barriers.view(),
             &scalars,
         )?;
-        end.record(&stream).in_call("cuEventRecord")?;
+        if let Some(updates) = &updates {
+            self.gradient_products(&batch.gemms, view)?;
+            let script: DeviceView<u32> = view.slice(update_at..needed)?.reinterpret();
+            self.variants[variant].kernel.launch(
+                view,
+                script,
+                &updates.packed,
+                self.barriers.view(),
+                &scalars,
+            )?;
+        }
+        self.events[slot]
+            .1
+            .record(&stream)
+            .in_call("cuEventRecord")?;
         self.losses[slot].download(view.slice(batch.loss_at..batch.loss_at + 1)?, &stream)?;
         let step = PersistentStep {
             loss: f64::NAN,
@@ -419,6 +455,43 @@ impl PersistentEngine {
         previous
             .map(|(s, step, v)| self.read_loss(s, step, v))
             .transpose()
+    }
+
+    /// The cached matrices' weight gradients with cuBLAS (a plan without
+    /// register gradients): `grad += Aᵀ B` per product, on the stream.
+    fn gradient_products(&mut self, gemms: &[GradientGemm], view: DeviceView<f32>) -> Result<()> {
+        if self.blas.is_none() {
+            self.blas = Some(Blas::new(&self.device, self.device.stream().clone())?);
+        }
+        let Some(blas) = self.blas.as_ref() else {
+            return Ok(());
+        };
+        for g in gemms {
+            let spec = &self.prog.matrices[usize::from(g.matrix)];
+            let (rows, cols) = (spec.rows, spec.cols);
+            let grad = self.prog.params.grad[spec.param]
+                .ok_or_else(|| model_err("a cached matrix without a gradient slot"))?;
+            if g.rows == 0 {
+                continue;
+            }
+            let span = |at: usize, stride: usize, width: usize| {
+                view.slice(at..at + (g.rows - 1) * stride + width)
+            };
+            let gemm = Gemm {
+                trans_a: true,
+                beta: 1.0,
+                lda: Some(g.a_stride),
+                ldb: Some(g.b_stride),
+                ..Gemm::new(rows, cols, g.rows)
+            };
+            blas.sgemm(
+                &gemm,
+                span(g.a, g.a_stride, rows)?,
+                span(g.b, g.b_stride, cols)?,
+                view.slice(grad..grad + rows * cols)?,
+            )?;
+        }
+        Ok(())
     }
 
     /// Waits for the last submitted batch and returns its step (its loss
@@ -559,7 +632,7 @@ fn build_variant(
     let request = PlanRequest {
         rpw,
         ctas_per_sm: build.ctas_per_sm,
-        grads_in_registers: Some(true),
+        grads_in_registers: build.grads_in_registers,
     };
     let register_plan: RegisterPlan = plan(&prog.matrices, &build.limits, &request)?;
     let mut scheduler = Scheduler::new(&register_plan);

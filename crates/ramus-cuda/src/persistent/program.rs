@@ -71,7 +71,8 @@ impl GraphKey {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct ParamLayout {
     pub value: Vec<usize>,
-    /// Gradient accumulator of a parameter that is not register-cached.
+    /// Gradient accumulator (a register-cached matrix uses it only when
+    /// its gradient does not fit in registers).
     pub grad: Vec<Option<usize>>,
     pub first: Vec<usize>,
     pub second: Vec<usize>,
@@ -213,17 +214,15 @@ impl PersistentProgram {
         let row_grad_params = row_grad_params(model);
         let mut params = ParamLayout::default();
         let mut at = 0;
-        for (p, spec) in model.params.iter().enumerate() {
+        for spec in &model.params {
             let len: usize = spec.shape.iter().product();
             params.len.push(len);
             params.value.push(at);
             at += len;
-            if cached[p].is_none() {
-                params.grad.push(Some(at));
-                at += len;
-            } else {
-                params.grad.push(None);
-            }
+            // cached matrices too: their gradients land here when they do
+            // not fit in registers (VPPS §III-C2)
+            params.grad.push(Some(at));
+            at += len;
             params.first.push(at);
             at += len;
             params.second.push(at);

@@ -67,6 +67,24 @@ pub(crate) struct BatchProgram {
     pub loss_at: usize,
     /// First pool float after the batch's regions.
     pub end: usize,
+    /// Weight-gradient products left to cuBLAS when the gradients are not
+    /// in registers, and the update tasks of the cached matrices that run
+    /// after them (a second launch).
+    pub gemms: Vec<GradientGemm>,
+    pub matrix_updates: TaskGraph,
+}
+
+/// `grad[m] += Aᵀ B` for a cached matrix `m` whose gradient is not in
+/// registers: `rows` rows of `A` (the output gradient, `rows_m` wide) at
+/// `a` with row stride `a_stride`, and of `B` (the input) at `b`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct GradientGemm {
+    pub matrix: u16,
+    pub rows: usize,
+    pub a: usize,
+    pub a_stride: usize,
+    pub b: usize,
+    pub b_stride: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -176,6 +194,9 @@ impl RowProducers {
 }
 
 struct Unroller<'a> {
+    /// Weight gradients accumulate in registers (else: cuBLAS afterwards).
+    grads_in_registers: bool,
+    gemms: Vec<GradientGemm>,
     model: &'a Model,
     prog: &'a PersistentProgram,
     s: &'a Schedule,
@@ -765,6 +786,19 @@ impl<'a> Unroller<'a> {
             }
             // one task for the rows: an (a, b) offset pair per row
             if let Some(m) = self.outer_product(key, n)? {
+                if !self.grads_in_registers {
+                    let (a, a_stride) = self.loc(key, arg(0))?;
+                    let (b, b_stride) = self.loc(key, arg(1))?;
+                    self.gemms.push(GradientGemm {
+                        matrix: m,
+                        rows: hi - lo,
+                        a: a + lo * a_stride,
+                        a_stride,
+                        b: b + lo * b_stride,
+                        b_stride,
+                    });
+                    return Ok(());
+                }
                 let mut deps = Vec::new();
                 self.deps_of(key, arg(0), lo, hi, &mut deps);
                 self.deps_of(key, arg(1), lo, hi, &mut deps);
@@ -1344,51 +1378,52 @@ impl<'a> Unroller<'a> {
         // the update, after everything
         let all: Vec<u32> = (0..self.g.len() as u32).collect();
         let sink = self.push(OP_NOP, 0, Vec::new(), all, 1, Placement::Any)?;
-        if !self.prog.matrices.is_empty() {
+        if !self.prog.matrices.is_empty() && self.grads_in_registers {
             self.push(OP_UPDATE, 0, Vec::new(), vec![sink], 1, Placement::Every)?;
         }
-        let params = &self.prog.params;
         for (p, spec) in model.params.iter().enumerate() {
             if self.prog.cached[p].is_some() {
                 continue;
             }
-            let grad = params.grad[p].ok_or_else(|| err("no gradient slot"))?;
-            let width = *spec.shape.last().unwrap_or(&1);
-            let (rows, index) = match self.update_rows.get(&p) {
-                Some(&(at, n)) => (n, Some(at)),
-                None => (params.len[p] / width.max(1), None),
-            };
-            for (a, b) in Self::chunks(0, rows, width) {
-                let ops = vec![
-                    u32_of(b - a, "rows")?,
-                    u32_of(width, "width")?,
-                    u32_of(
-                        params.value[p] + if index.is_some() { 0 } else { a * width },
-                        "offset",
-                    )?,
-                    u32_of(grad + if index.is_some() { 0 } else { a * width }, "offset")?,
-                    u32_of(
-                        params.first[p] + if index.is_some() { 0 } else { a * width },
-                        "offset",
-                    )?,
-                    u32_of(
-                        params.second[p] + if index.is_some() { 0 } else { a * width },
-                        "offset",
-                    )?,
-                    match index {
-                        Some(at) => self.up(at + a)?,
-                        None => NO_INDEX,
-                    },
-                ];
-                self.push(
-                    OP_UPDATE_DENSE,
-                    0,
-                    ops,
-                    vec![sink],
-                    (b - a) * width,
-                    Placement::Any,
-                )?;
-            }
+            self.dense_update(p, &spec.shape, vec![sink])?;
+        }
+        Ok(())
+    }
+
+    /// Update tasks (chunks of rows) for parameter `p` in the pool: its
+    /// touched rows for a row-gradient parameter, else all.
+    fn dense_update(&mut self, p: usize, shape: &[usize], deps: Vec<u32>) -> Result<()> {
+        let params = &self.prog.params;
+        let grad = params.grad[p].ok_or_else(|| err("no gradient slot"))?;
+        let width = *shape.last().unwrap_or(&1);
+        let (rows, index) = match self.update_rows.get(&p) {
+            Some(&(at, n)) => (n, Some(at)),
+            None => (params.len[p] / width.max(1), None),
+        };
+        // a row list indexes from the parameter's start; dense chunks start
+        // at their own first row
+        let first = |a: usize| if index.is_some() { 0 } else { a * width };
+        for (a, b) in Self::chunks(0, rows, width) {
+            let ops = vec![
+                u32_of(b - a, "rows")?,
+                u32_of(width, "width")?,
+                u32_of(params.value[p] + first(a), "offset")?,
+                u32_of(grad + first(a), "offset")?,
+                u32_of(params.first[p] + first(a), "offset")?,
+                u32_of(params.second[p] + first(a), "offset")?,
+                match index {
+                    Some(at) => self.up(at + a)?,
+                    None => NO_INDEX,
+                },
+            ];
+            self.push(
+                OP_UPDATE_DENSE,
+                0,
+                ops,
+                deps.clone(),
+                (b - a) * width,
+                Placement::Any,
+            )?;
         }
         Ok(())
     }
@@ -1400,6 +1435,7 @@ pub(crate) fn unroll_batch(
     model: &Model,
     prog: &PersistentProgram,
     s: &Schedule,
+    grads_in_registers: bool,
     rng: &mut ChaCha8Rng,
 ) -> Result<BatchProgram> {
     let head_vertices: Vec<u32> = match model.head.rows {
@@ -1417,6 +1453,8 @@ pub(crate) fn unroll_batch(
         ));
     }
     let mut u = Unroller {
+        grads_in_registers,
+        gemms: Vec::new(),
         model,
         prog,
         s,
@@ -1489,10 +1527,22 @@ pub(crate) fn unroll_batch(
         Some(o) => u.loc(GraphKey::HeadForward, o.node)?.0,
         None => return Err(err("the head has no loss")),
     };
+    // without register gradients: the cached matrices' updates, after the
+    // cuBLAS products (a second launch of the kernel)
+    let mut batch_graph = std::mem::take(&mut u.g);
+    if !grads_in_registers {
+        for m in &prog.matrices {
+            u.dense_update(m.param, &model.params[m.param].shape, Vec::new())?;
+        }
+    }
+    let matrix_updates = std::mem::replace(&mut u.g, TaskGraph::new());
+    std::mem::swap(&mut batch_graph, &mut u.g);
     let zeroed = u.bases[0]..u.bases[0] + u.sizes[0];
     let upload_at = u.bases[2];
     let end = upload_at + u.upload.len();
     Ok(BatchProgram {
+        gemms: u.gemms,
+        matrix_updates,
         graph: u.g,
         zeroed,
         upload_at,
@@ -1524,7 +1574,7 @@ mod tests {
             .expect("schedule")
             .schedule;
         let mut rng = ChaCha8Rng::seed_from_u64(1);
-        let batch = unroll_batch(&model, &prog, &s, &mut rng).expect("lowered");
+        let batch = unroll_batch(&model, &prog, &s, true, &mut rng).expect("lowered");
         assert!(
             batch.upload_at >= prog.params.total,
             "batch values after the parameters"
@@ -1604,7 +1654,7 @@ mod tests {
         let s = ramus_cpu::Batch::new(&model, refs, ramus_graph::BatchingPolicy::Cavs)
             .expect("schedule")
             .schedule;
-        match unroll_batch(&model, &prog, &s, &mut rng) {
+        match unroll_batch(&model, &prog, &s, true, &mut rng) {
             Err(e) => assert!(e.to_string().contains("token id 42"), "wrong error: {e}"),
             Ok(_) => panic!("a token outside the table was accepted"),
         }
@@ -1658,7 +1708,7 @@ mod timing {
                         .expect("schedule")
                         .schedule;
                 let b = std::time::Instant::now();
-                let batch = unroll_batch(&model, &prog, &s, &mut rng).expect("lowered");
+                let batch = unroll_batch(&model, &prog, &s, true, &mut rng).expect("lowered");
                 let c = std::time::Instant::now();
                 let sc = scheduler.schedule(&batch.graph).expect("scripts");
                 let d = std::time::Instant::now();
