@@ -538,7 +538,9 @@ impl Scheduler {
                 let item = self.holder_item;
                 for &t in group {
                     let task = &g.tasks[t as usize];
-                    if item > 0 && (task.operands.is_empty() || task.operands.len() % item != 0) {
+                    if item > 0
+                        && (task.operands.is_empty() || !task.operands.len().is_multiple_of(item))
+                    {
                         return Err(CoreError::vpps(
                             WHAT,
                             format!(
@@ -566,11 +568,9 @@ impl Scheduler {
                 }
                 let offset = u32::try_from(offset)
                     .map_err(|_| CoreError::vpps(WHAT, "operand pool exceeds 32-bit offsets"))?;
-                let count = if item > 0 {
-                    (pool.len() - offset as usize) / item
-                } else {
-                    group.len()
-                };
+                let count = (pool.len() - offset as usize)
+                    .checked_div(item)
+                    .unwrap_or(group.len());
                 let count = u32::try_from(count).map_err(|_| {
                     CoreError::vpps(WHAT, "more than 2^32 items in one instruction")
                 })?;
