@@ -146,13 +146,14 @@ impl ChildLink {
 
 /// The tasks that wrote each row of one node: most rows have one or two
 /// writers (a value, or a value and an in-place concat / a gradient row
-/// with two parents) kept in flat arrays; more go to a list (sums over
-/// rows written by every chunk). No allocation per row.
+/// with two parents) kept in flat arrays; further writers (sums over rows
+/// written by every chunk) go to per-row lists, allocated only for a node
+/// that has any.
 #[derive(Clone, Debug, Default)]
 struct RowProducers {
     first: Vec<u32>,
     second: Vec<u32>,
-    more: Vec<(u32, u32)>,
+    more: Vec<Vec<u32>>,
 }
 
 impl RowProducers {
@@ -174,7 +175,10 @@ impl RowProducers {
             } else if self.second[row] == Self::NONE {
                 self.second[row] = task;
             } else {
-                self.more.push((row as u32, task));
+                if self.more.is_empty() {
+                    self.more = vec![Vec::new(); self.first.len()];
+                }
+                self.more[row].push(task);
             }
         }
     }
@@ -184,12 +188,11 @@ impl RowProducers {
         let lo = lo.min(hi);
         out.extend(self.first[lo..hi].iter().filter(|&&t| t != Self::NONE));
         out.extend(self.second[lo..hi].iter().filter(|&&t| t != Self::NONE));
-        out.extend(
-            self.more
-                .iter()
-                .filter(|&&(r, _)| (lo..hi).contains(&(r as usize)))
-                .map(|&(_, t)| t),
-        );
+        if !self.more.is_empty() {
+            for row in &self.more[lo..hi] {
+                out.extend_from_slice(row);
+            }
+        }
     }
 }
 
