@@ -12,7 +12,7 @@ mod common;
 use ramus_core::vpps::kernel::{UpdateRule, OP_MATVEC, OP_MATVEC_T, OP_OUTER, OP_UPDATE};
 use ramus_core::vpps::regplan::{plan, DeviceLimits, MatrixSpec, PlanRequest};
 use ramus_core::vpps::schedule::{Placement, Scheduler, Task, TaskGraph};
-use ramus_core::Params;
+use ramus_core::{Model, Params};
 use ramus_cuda::persistent::{
     MatrixSlots, PersistentEngine, PersistentKernel, PersistentOptions, PersistentTrainer,
     UpdateScalars,
@@ -330,9 +330,7 @@ fn follows_the_cpu_trajectory(
         classes: 5,
     };
     let model = build_model_with(name, &cfg, &ModelOptions { dropout: 0.0 }).expect("model");
-    let params: Params<f32> = Params::init(&model, 5);
     let data = model_graphs(name, 4 * batch, 8);
-    let mut cpu = Trainer::new(model.clone(), params.clone(), config);
     let options = PersistentOptions {
         cache_dir: Some(
             std::env::temp_dir().join(format!("ramus-persistent-{}", std::process::id())),
@@ -340,23 +338,37 @@ fn follows_the_cpu_trajectory(
         grads_in_registers,
         ..PersistentOptions::default()
     };
-    let mut gpu = PersistentEngine::new(&model, &params, config, &options).expect("engine");
-    if let Some(want) = grads_in_registers {
+    compare_steps(name, &model, config, &data, batch, &options);
+}
+
+/// Trains `model` on `data` in batches of `batch` with the CPU engine and
+/// the persistent engine (`options`): the same loss at every step, the same
+/// parameters after the last.
+fn compare_steps(
+    name: &str,
+    model: &Model,
+    config: OptimizerConfig,
+    data: &[InputGraph],
+    batch: usize,
+    options: &PersistentOptions,
+) {
+    let params: Params<f32> = Params::init(model, 5);
+    let mut cpu = Trainer::new(model.clone(), params.clone(), config);
+    let mut gpu = PersistentEngine::new(model, &params, config, options)
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    if let Some(want) = options.grads_in_registers {
         assert_eq!(gpu.register_plan().grads_in_registers, want);
     }
     for (step, chunk) in data.chunks(batch).enumerate() {
         let refs: Vec<&InputGraph> = chunk.iter().collect();
         let a = cpu.train_batch(&refs).expect("cpu step");
-        let b = gpu
-            .train_batch(&model, &refs)
-            .expect("persistent step")
-            .loss;
+        let b = gpu.train_batch(model, &refs).expect("persistent step").loss;
         assert!(
             (a - b).abs() <= 1e-3 * a.abs().max(1.0),
             "{name} step {step}: loss CPU {a} vs persistent {b}"
         );
     }
-    let trained = gpu.params(&model).expect("parameters come back");
+    let trained = gpu.params(model).expect("parameters come back");
     for (p, spec) in model.params.iter().enumerate() {
         close_all(
             cpu.params.values[p].data(),
@@ -592,29 +604,6 @@ fn persistent_training_follows_the_cpu_for_the_vpps_benchmark_models() {
         let model =
             build_sequence_model(name, &cfg, &seq, &ModelOptions { dropout: 0.0 }).expect("model");
         let config = OptimizerConfig::new(OptimizerKind::Sgd, 0.1);
-        let params: Params<f32> = Params::init(&model, 3);
-        let mut cpu = Trainer::new(model.clone(), params.clone(), config);
-        let mut gpu = PersistentEngine::new(&model, &params, config, &PersistentOptions::default())
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
-        for (step, chunk) in data.chunks(4).enumerate() {
-            let refs: Vec<&InputGraph> = chunk.iter().collect();
-            let a = cpu.train_batch(&refs).expect("cpu step");
-            let b = gpu
-                .train_batch(&model, &refs)
-                .expect("persistent step")
-                .loss;
-            assert!(
-                (a - b).abs() <= 1e-3 * a.abs().max(1.0),
-                "{name} step {step}: loss CPU {a} vs persistent {b}"
-            );
-        }
-        let trained = gpu.params(&model).expect("parameters");
-        for (p, spec) in model.params.iter().enumerate() {
-            close_all(
-                cpu.params.values[p].data(),
-                trained.values[p].data(),
-                &format!("{name}: updated {}", spec.name),
-            );
-        }
+        compare_steps(name, &model, config, data, 4, &PersistentOptions::default());
     }
 }

@@ -96,14 +96,13 @@ impl Engine<f32> for PersistentTrainer {
     fn train_step(
         &mut self,
         model: &Model,
-        _params: &mut Params<f32>,
-        _grads: &mut Grads<f32>,
-        _optimizer: &mut Optimizer<f32>,
+        params: &mut Params<f32>,
+        grads: &mut Grads<f32>,
+        optimizer: &mut Optimizer<f32>,
         batch: &Batch<'_>,
     ) -> ramus_nn::Result<f64> {
-        self.engine
-            .submit_scheduled(model, &batch.schedule, std::time::Instant::now())
-            .map_err(nn_err)?;
+        // a step still in flight is from an earlier call: its loss is dropped
+        self.submit_train_step(model, params, grads, optimizer, batch)?;
         let step = self.engine.latest().map_err(nn_err)?;
         step.map(|s| s.loss)
             .ok_or_else(|| NnError::Config("the persistent step returned no loss".into()))

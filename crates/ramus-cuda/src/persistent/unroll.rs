@@ -44,7 +44,7 @@ use ramus_core::vpps::kernel::{
     ROWS_DST_ABSOLUTE, ROWS_SRC_ABSOLUTE,
 };
 use ramus_core::vpps::{Placement, Task, TaskGraph};
-use ramus_core::{HeadRows, Model};
+use ramus_core::Model;
 use ramus_cpu::fill_dropout_mask;
 use ramus_graph::{Schedule, NO_LABEL};
 
@@ -1441,15 +1441,7 @@ pub(crate) fn unroll_batch(
     grads_in_registers: bool,
     rng: &mut ChaCha8Rng,
 ) -> Result<BatchProgram> {
-    let head_vertices: Vec<u32> = match model.head.rows {
-        HeadRows::Roots => s.roots.clone(),
-        HeadRows::Labelled => s
-            .number
-            .iter()
-            .copied()
-            .filter(|&v| s.labels[v as usize] != NO_LABEL)
-            .collect(),
-    };
+    let head_vertices = crate::engine::head_vertices(model.head.rows, s);
     if head_vertices.is_empty() {
         return Err(err(
             "the batch has no vertex for the head (no labelled vertex)",
