@@ -23,9 +23,10 @@
 //!   fence, thread 0 adds one to counter `b`; a waiting VPP's thread 0 spins
 //!   (acquire loads) until the counter reaches the count the script buffer
 //!   stores for `b`, fences and releases the block.
-//! * [`OP_MATVEC`] `m` — for each `(x, y)` offset pair of its operand list,
-//!   `y[row] = W_m[row, :] · x` for every row of `W_m` this VPP holds (one
-//!   warp per row, lanes over columns, a shuffle reduction).
+//! * [`OP_MATVEC`] `m` — for each `(x, y, bias)` item of its operand list,
+//!   `y[row] = W_m[row, :] · x (+ bias[row])` for every row of `W_m` this
+//!   VPP holds (one warp per row, lanes over columns, a shuffle reduction;
+//!   the bias add is the product's epilogue, no instruction of its own).
 //! * [`OP_MATVEC_T`] `m` — for each `(dy, dx)` pair, `dx += W_mᵀ dy` restricted
 //!   to the held rows, summed over this VPP's rows in registers and added to
 //!   `dx` with one atomic per column and warp (`dx` must start at zero).
@@ -71,8 +72,13 @@ use std::fmt::Write as _;
 use super::regplan::{RegisterPlan, CTA_THREADS, WARP};
 use super::script::OP_FIRST_ENGINE;
 
-/// `y = W x` on the holders of `W` (arg: cached matrix index).
+/// `y = W x (+ bias)` on the holders of `W` (arg: cached matrix index).
 pub const OP_MATVEC: u8 = OP_FIRST_ENGINE;
+
+/// Words per item of a product instruction's operand list: two vector
+/// offsets and a bias offset ([`NO_INDEX`]: none; only [`OP_MATVEC`] adds
+/// one).
+pub const PRODUCT_ITEM_WORDS: usize = 3;
 /// `dx += Wᵀ dy` on the holders of `W` (arg: cached matrix index).
 pub const OP_MATVEC_T: u8 = OP_FIRST_ENGINE + 1;
 /// `G += dy xᵀ` into the gradient registers (arg: cached matrix index).
@@ -167,6 +173,7 @@ pub fn kernel_source(plan: &RegisterPlan, rule: UpdateRule, fused_cases: &str) -
         "#define VP_V {}",
         (32 / plan.regs_per_row.max(1)).clamp(1, 4)
     );
+    let _ = writeln!(s, "#define VP_ITEM {PRODUCT_ITEM_WORDS}");
     let _ = writeln!(s, "#define VP_GRADS {}", u32::from(plan.grads_in_registers));
     let _ = writeln!(s, "#define VP_RULE {}", rule.code());
     let _ = writeln!(s, "#define VP_CTAS_PER_SM {}", plan.ctas_per_sm);
@@ -337,12 +344,13 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                 // before the arithmetic (one vector's loads are a round
                 // trip each, the instruction would be latency-bound)
                 for (unsigned v0 = 0; v0 < count; v0 += VP_V) {
-                    unsigned a[VP_V], b[VP_V];
+                    unsigned a[VP_V], b[VP_V], c[VP_V];
 #pragma unroll
                     for (int j = 0; j < VP_V; ++j) {
                         const bool ok = v0 + j < count;
-                        a[j] = ok ? list[2 * (v0 + j)] : VP_NONE;
-                        b[j] = ok ? list[2 * (v0 + j) + 1] : VP_NONE;
+                        a[j] = ok ? list[VP_ITEM * (v0 + j)] : VP_NONE;
+                        b[j] = ok ? list[VP_ITEM * (v0 + j) + 1] : VP_NONE;
+                        c[j] = ok ? list[VP_ITEM * (v0 + j) + 2] : VP_NONE;
                     }
                     if (op == OP_MATVEC) {
                         // (x, y): y[row] = W[row, :] . x
@@ -371,7 +379,8 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                                 if (lane == 0 && row < rows) {
 #pragma unroll
                                     for (int j = 0; j < VP_V; ++j)
-                                        if (b[j] != VP_NONE) pool[b[j] + row] = acc[j];
+                                        if (b[j] != VP_NONE)
+                                            pool[b[j] + row] = acc[j] + (c[j] != VP_NONE ? pool[c[j] + row] : 0.0f);
                                 }
                             }
                         }

@@ -22,7 +22,7 @@ use rand_chacha::ChaCha8Rng;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaEvent;
-use ramus_core::vpps::kernel::UpdateRule;
+use ramus_core::vpps::kernel::{UpdateRule, PRODUCT_ITEM_WORDS};
 
 use ramus_core::vpps::{plan, valid_rpws, DeviceLimits, PlanRequest, RegisterPlan, Scheduler};
 use ramus_core::{Model, Params, Tensor};
@@ -637,8 +637,8 @@ fn build_variant(
     let register_plan: RegisterPlan = plan(&prog.matrices, &build.limits, &request)?;
     let mut scheduler = Scheduler::new(&register_plan);
     scheduler.record = false;
-    // product tasks carry an (input, output) offset pair per row
-    scheduler.holder_item = 2;
+    // product tasks carry an (input, output, bias) item per row
+    scheduler.holder_item = PRODUCT_ITEM_WORDS;
     let kernel = PersistentKernel::build(
         device,
         cache,

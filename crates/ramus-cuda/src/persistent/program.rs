@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use ramus_core::fusion::{self, Step};
+use ramus_core::fusion::{self, InputKind, Step};
 use ramus_core::graph::{Graph, NodeId, NodeKind, Role};
 use ramus_core::ops::MatMul;
 use ramus_core::vpps::MatrixSpec;
@@ -91,6 +91,9 @@ pub(crate) struct PersistentProgram {
     cases: Vec<Vec<Vec<Option<u16>>>>,
     /// Each graph's slice views by node (the plans' maps, indexed).
     views: Vec<Vec<Option<ramus_core::fusion::SliceView>>>,
+    /// Per graph: products whose lone bias add runs as their epilogue,
+    /// `product → (add, bias)`; the add's fused step is skipped.
+    epilogues: Vec<HashMap<NodeId, (NodeId, NodeId)>>,
     /// The cases' CUDA source (one `case` block each).
     pub fused_source: String,
     /// Per parameter: its register-cached matrix, if it is one.
@@ -211,6 +214,16 @@ impl PersistentProgram {
             views_by_index[key.index(n)] = v;
         }
         let (cached, matrices) = cached_matrices(model)?;
+        let mut epilogues = vec![HashMap::new(); plans.len()];
+        for key in graph_keys(model) {
+            let keep = match key {
+                GraphKey::Forward(f) => fusion::forward_reads(&model.functions[f].backward),
+                GraphKey::HeadForward => fusion::forward_reads(&model.head.backward),
+                _ => BTreeSet::new(),
+            };
+            epilogues[key.index(n)] =
+                bias_epilogues(key.graph(model), &plans[key.index(n)], &cached, &keep);
+        }
         let row_grad_params = row_grad_params(model);
         let mut params = ParamLayout::default();
         let mut at = 0;
@@ -233,6 +246,7 @@ impl PersistentProgram {
             functions: n,
             plans,
             views: views_by_index,
+            epilogues,
             cases,
             fused_source,
             cached,
@@ -250,6 +264,24 @@ impl PersistentProgram {
     /// The slice view node `n` of graph `key` is, if it is one.
     pub fn view(&self, key: GraphKey, n: NodeId) -> Option<&ramus_core::fusion::SliceView> {
         self.views[key.index(self.functions)].get(n)?.as_ref()
+    }
+
+    /// The `(add, bias)` a product of graph `key` adds in its epilogue.
+    pub fn epilogue(&self, key: GraphKey, product: NodeId) -> Option<(NodeId, NodeId)> {
+        self.epilogues[key.index(self.functions)]
+            .get(&product)
+            .copied()
+    }
+
+    /// True if fused step `group` of graph `key` is a product's epilogue
+    /// (it has no instruction of its own).
+    pub fn is_epilogue(&self, key: GraphKey, group: &ramus_core::fusion::FusedGroup) -> bool {
+        let [add] = group.nodes[..] else {
+            return false;
+        };
+        self.epilogues[key.index(self.functions)]
+            .values()
+            .any(|&(a, _)| a == add)
     }
 
     /// The case of fused step `step` of phase `phase` of graph `key`.
@@ -359,4 +391,59 @@ fn cached_matrices(model: &Model) -> Result<(Vec<Option<u16>>, Vec<MatrixSpec>)>
 /// source, else the node itself.
 pub(crate) fn storage_node(prog: &PersistentProgram, key: GraphKey, n: NodeId) -> NodeId {
     prog.view(key, n).map_or(n, |v| v.source)
+}
+
+/// Products `x Wᵀ` (with a register-cached `W`) whose only reader is a
+/// fused group that is nothing but `add(product, bias)` with a bias
+/// parameter, in the same phase: the product writes the add's rows with
+/// the bias added (`product → (add, bias)`). Products read elsewhere, kept
+/// for the backward (`keep`) or graph outputs stay as they are.
+fn bias_epilogues(
+    g: &Graph,
+    plan: &PlannedGraph,
+    cached: &[Option<u16>],
+    keep: &BTreeSet<NodeId>,
+) -> HashMap<NodeId, (NodeId, NodeId)> {
+    let users = g.users();
+    let outputs = g.output_mask();
+    let mut found = HashMap::new();
+    for phase in &plan.phases {
+        let products: BTreeSet<NodeId> = phase
+            .steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::Op(n) => Some(*n),
+                Step::Fused(_) => None,
+            })
+            .collect();
+        for step in &phase.steps {
+            let Step::Fused(group) = step else { continue };
+            let [add] = group.nodes[..] else { continue };
+            if g.nodes[add].op_as::<ramus_core::ops::Add>().is_none()
+                || group.outputs != [add]
+                || !group.concat_writes.is_empty()
+            {
+                continue;
+            }
+            let [i0, i1] = group.inputs[..] else { continue };
+            let (product, bias) = match (i0.kind, i1.kind) {
+                (InputKind::PerElement, InputKind::Broadcast) => (i0.node, i1.node),
+                (InputKind::Broadcast, InputKind::PerElement) => (i1.node, i0.node),
+                _ => continue,
+            };
+            let weight_cached = g.nodes[product].op_as::<MatMul>().is_some_and(|mm| {
+                !mm.trans_a
+                    && mm.trans_b
+                    && matches!(g.nodes[g.nodes[product].inputs[1]].kind,
+                        NodeKind::Param(p) if cached[p].is_some())
+            });
+            let bias_param = matches!(g.nodes[bias].kind, NodeKind::Param(_));
+            let only_reader =
+                users[product] == [add] && !outputs[product] && !keep.contains(&product);
+            if weight_cached && bias_param && only_reader && products.contains(&product) {
+                found.insert(product, (add, bias));
+            }
+        }
+    }
+    found
 }

@@ -40,8 +40,8 @@ use ramus_core::ops::{
 };
 use ramus_core::vpps::kernel::{
     NO_INDEX, OP_BROADCAST_ROWS, OP_FUSED, OP_MATVEC, OP_MATVEC_T, OP_NOP, OP_OUTER, OP_ROWS,
-    OP_SUM_CHILDREN, OP_SUM_ROWS, OP_UPDATE, OP_UPDATE_DENSE, OP_XENT, ROWS_ACCUMULATE,
-    ROWS_DST_ABSOLUTE, ROWS_SRC_ABSOLUTE,
+    OP_SUM_CHILDREN, OP_SUM_ROWS, OP_UPDATE, OP_UPDATE_DENSE, OP_XENT, PRODUCT_ITEM_WORDS,
+    ROWS_ACCUMULATE, ROWS_DST_ABSOLUTE, ROWS_SRC_ABSOLUTE,
 };
 use ramus_core::vpps::{Placement, Task, TaskGraph};
 use ramus_core::Model;
@@ -654,6 +654,7 @@ impl<'a> Unroller<'a> {
         let plan = self.prog.plan(key);
         for (i, step) in plan.phases[phase].steps.iter().enumerate() {
             match step {
+                Step::Fused(group) if self.prog.is_epilogue(key, group) => {}
                 Step::Fused(group) => {
                     let case = self.prog.case(key, phase, i)?;
                     self.fused(key, group, case, r)?;
@@ -805,10 +806,11 @@ impl<'a> Unroller<'a> {
                 let mut deps = Vec::new();
                 self.deps_of(key, arg(0), lo, hi, &mut deps);
                 self.deps_of(key, arg(1), lo, hi, &mut deps);
-                let mut ops = Vec::with_capacity(2 * (hi - lo));
+                let mut ops = Vec::with_capacity(PRODUCT_ITEM_WORDS * (hi - lo));
                 for i in lo..hi {
                     ops.push(self.row_at(key, arg(0), i)?);
                     ops.push(self.row_at(key, arg(1), i)?);
+                    ops.push(NO_INDEX);
                 }
                 let load = (hi - lo) * g.nodes[arg(0)].ty.width() * g.nodes[arg(1)].ty.width();
                 self.push(
@@ -841,13 +843,19 @@ impl<'a> Unroller<'a> {
             let load = (hi - lo) * spec.rows * spec.cols;
             let mut deps = Vec::new();
             self.deps_of(key, arg(0), lo, hi, &mut deps);
-            let mut ops = Vec::with_capacity(2 * (hi - lo));
+            // with a bias epilogue the product writes its add's rows
+            let (out, bias) = match self.prog.epilogue(key, n) {
+                Some((add, bias)) => (add, self.row_at(key, bias, 0)?),
+                None => (n, NO_INDEX),
+            };
+            let mut ops = Vec::with_capacity(PRODUCT_ITEM_WORDS * (hi - lo));
             for i in lo..hi {
                 ops.push(self.row_at(key, arg(0), i)?);
-                ops.push(self.row_at(key, n, i)?);
+                ops.push(self.row_at(key, out, i)?);
+                ops.push(bias);
             }
             let t = self.push(opcode, m, ops, deps, load, Placement::Holders { matrix: m })?;
-            self.record(key, n, lo, hi, t);
+            self.record(key, out, lo, hi, t);
             return Ok(());
         }
         let (lo, hi) = Self::space_range(out_space, r);
@@ -1583,7 +1591,7 @@ mod tests {
         )
         .expect("plan");
         let mut scheduler = Scheduler::new(&rp);
-        scheduler.holder_item = 2;
+        scheduler.holder_item = PRODUCT_ITEM_WORDS;
         let schedule = scheduler.schedule(&batch.graph).expect("scripts");
         // every task runs on the processors its placement names, after its
         // dependencies, without deadlock
@@ -1685,7 +1693,7 @@ mod timing {
         .expect("plan");
         let mut scheduler = Scheduler::new(&rp);
         scheduler.record = false;
-        scheduler.holder_item = 2;
+        scheduler.holder_item = PRODUCT_ITEM_WORDS;
         let mut rng = ChaCha8Rng::seed_from_u64(3);
         for bs in [1usize, 8, 128] {
             let graphs: Vec<InputGraph> = (0..bs)
