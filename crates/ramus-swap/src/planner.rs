@@ -50,6 +50,7 @@
 use crate::analysis::{analyze, Analysis, ReuseGap};
 use crate::cost::{human_bytes, CostModel};
 use crate::error::PlanError;
+use crate::layout::Layout;
 use crate::plan::{Action, OffloadDecision, Policy, SwapPlan};
 use crate::sim::{Direction, SimReport, Simulator};
 use crate::trace::{TensorId, TensorKind, Trace};
@@ -122,6 +123,13 @@ pub struct PlannerConfig {
     pub reorder_prefetches: bool,
     /// Copy and op times.
     pub cost: CostModel,
+    /// Lay the iteration out (see [`layout`](crate::layout)): fix every
+    /// allocation's offset in one arena of the budget less the persistent
+    /// tensors, planning under a smaller budget until the layout fits.
+    /// Persistent tensors must then stay resident (no persistent kind in
+    /// [`PlannerConfig::offload_kinds`]).
+    #[serde(default)]
+    pub layout: bool,
 }
 
 impl PlannerConfig {
@@ -149,11 +157,21 @@ impl PlannerConfig {
             placement_order: PlacementOrder::Need,
             reorder_prefetches: true,
             cost: CostModel::default(),
+            layout: false,
         }
     }
 
     fn validate(&self) -> Result<(), PlanError> {
         self.cost.validate().map_err(PlanError::Config)?;
+        if self.layout {
+            if let Some(k) = self.offload_kinds.iter().find(|k| k.is_persistent()) {
+                return Err(PlanError::Config(format!(
+                    "a memory layout places the iteration's own tensors; {} tensors are \
+                     persistent and cannot be offloaded with one (remove them from offload_kinds)",
+                    k.label()
+                )));
+            }
+        }
         if let Some(t) = self.min_reuse_time_s {
             if !(t.is_finite() && t >= 0.0) {
                 return Err(PlanError::Config(format!(
@@ -554,6 +572,7 @@ impl AutoVmPlanner {
             offloads,
             predicted: Default::default(),
             notes: Vec::new(),
+            layout: None,
         }
     }
 
@@ -719,8 +738,141 @@ impl Planner for AutoVmPlanner {
     }
 
     fn plan(&self, trace: &Trace) -> Result<SwapPlan, PlanError> {
+        self.config.validate()?;
+        if self.config.layout {
+            self.plan_laid_out(trace)
+        } else {
+            Ok(self.plan_with_replay(trace)?.0)
+        }
+    }
+}
+
+/// Plans (laid out or not) never try more budgets than this.
+const MAX_LAYOUT_ATTEMPTS: usize = 12;
+
+impl AutoVmPlanner {
+    /// Step 6 (see [`layout`](crate::layout)): plans and lays the plan
+    /// out with offloaded memory reusable once the replay finds the copy
+    /// complete; failing that, reusable right after the offload is issued
+    /// (the reuse then waits for the copy on the device: no more copies,
+    /// at worst a short stall). While even that arena exceeds the budget
+    /// less the persistent tensors, plans again under a smaller budget:
+    /// smaller by the excess (at least 0.1 % of the budget), doubling with
+    /// every attempt as the arena need not shrink with the budget at once,
+    /// and halfway back up to the last budget that did not lay out once a
+    /// budget is too small to plan for at all. A profiled placement that
+    /// cannot be laid out falls back to the earliest placement.
+    fn plan_laid_out(&self, trace: &Trace) -> Result<SwapPlan, PlanError> {
+        match self.lay_out(trace, &self.config) {
+            Err(e @ PlanError::LayoutDoesNotFit { .. })
+                if self.config.timing != PrefetchTiming::Earliest =>
+            {
+                let earliest = PlannerConfig {
+                    timing: PrefetchTiming::Earliest,
+                    ..self.config.clone()
+                };
+                match self.lay_out(trace, &earliest) {
+                    Ok(mut plan) => {
+                        plan.notes.push(format!(
+                            "the profiled placement could not be laid out ({e}); the earliest \
+                             placement is kept"
+                        ));
+                        Ok(plan)
+                    }
+                    Err(_) => Err(e),
+                }
+            }
+            other => other,
+        }
+    }
+
+    /// [`AutoVmPlanner::plan_laid_out`] with settings `cfg`.
+    fn lay_out(&self, trace: &Trace, cfg: &PlannerConfig) -> Result<SwapPlan, PlanError> {
+        let persistent = trace.persistent_bytes();
+        let arena = cfg.budget_bytes.saturating_sub(persistent);
+        let min_step = (cfg.budget_bytes / 1024).max(1);
+        let mut budget = cfg.budget_bytes;
+        // the smallest budget known not to lay out, the largest known to
+        // be too small to plan for
+        let mut too_large = cfg.budget_bytes;
+        let mut too_small: Option<(u64, PlanError)> = None;
+        let mut last = None;
+        for attempt in 0..MAX_LAYOUT_ATTEMPTS {
+            let inner = AutoVmPlanner::new(PlannerConfig {
+                budget_bytes: budget,
+                layout: false,
+                ..cfg.clone()
+            });
+            let (mut plan, replay) = match inner.plan_with_replay(trace) {
+                Ok(p) => p,
+                Err(e) if attempt == 0 => return Err(e),
+                Err(e) => {
+                    too_small = Some((budget, e));
+                    budget = budget + (too_large - budget) / 2;
+                    if too_large - budget < min_step {
+                        break;
+                    }
+                    continue;
+                }
+            };
+            // hold offloaded memory until the copy is complete, or less long
+            let mut layout = Layout::of(trace, &plan, Some(&replay), 1.0)?;
+            for hold in [0.5, 0.25, 0.0] {
+                if layout.arena_bytes <= arena {
+                    break;
+                }
+                let shorter = Layout::of(trace, &plan, Some(&replay), hold)?;
+                if shorter.arena_bytes <= arena {
+                    plan.notes.push(format!(
+                        "offloaded memory is reused after {:.0} % of its copy's predicted time \
+                         (a reuse waits for the copy on the device) so that the layout fits",
+                        hold * 100.0
+                    ));
+                }
+                layout = shorter;
+            }
+            if layout.arena_bytes <= arena {
+                if budget < cfg.budget_bytes {
+                    plan.notes.push(format!(
+                        "planned for {} so that the layout fits the {} the budget leaves the \
+                         iteration's tensors",
+                        human_bytes(budget),
+                        human_bytes(arena)
+                    ));
+                }
+                plan.layout = Some(layout);
+                return Ok(plan);
+            }
+            last = Some(layout.arena_bytes);
+            too_large = budget;
+            budget = match &too_small {
+                Some((small, _)) => small + (too_large - small) / 2,
+                None => {
+                    let step = (layout.arena_bytes - arena).max(min_step);
+                    budget.saturating_sub(step.saturating_mul(1 << attempt.min(16)))
+                }
+            };
+            if too_large - budget < min_step {
+                break;
+            }
+        }
+        Err(PlanError::LayoutDoesNotFit {
+            arena,
+            laid_out: last.unwrap_or(0),
+            budget: cfg.budget_bytes,
+            reason: match too_small {
+                Some((small, e)) => format!(
+                    "a planning budget of {small} bytes ({}) is too small: {e}",
+                    human_bytes(small)
+                ),
+                None => format!("no layout fitted after {MAX_LAYOUT_ATTEMPTS} plans"),
+            },
+        })
+    }
+
+    /// Steps 1–5 and the replay of the plan they make.
+    fn plan_with_replay(&self, trace: &Trace) -> Result<(SwapPlan, SimReport), PlanError> {
         let cfg = &self.config;
-        cfg.validate()?;
         let profiled = match cfg.timing {
             PrefetchTiming::Earliest => false,
             PrefetchTiming::Auto => trace.has_durations(),
@@ -782,7 +934,7 @@ impl Planner for AutoVmPlanner {
                 human_bytes(cfg.budget_bytes)
             ));
         }
-        Ok(plan)
+        Ok((plan, rep))
     }
 }
 

@@ -62,6 +62,11 @@ pub struct TransferRecord {
     pub used_by_op: Option<usize>,
     /// For copies to the device: how long that op waited for this copy.
     pub wait_s: f64,
+    /// For offloads: the op whose allocations first found the tensor's
+    /// device memory released (the copy complete); the number of ops if
+    /// only the end of the iteration did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released_before_op: Option<usize>,
 }
 
 /// The result of a replay.
@@ -171,18 +176,24 @@ struct Memory {
     used: u64,
     peak: u64,
     budget: u64,
-    /// In-flight offloads in completion order: (done, tensor, bytes).
-    pending: VecDeque<(f64, usize, u64)>,
+    /// In-flight offloads in completion order: (done, tensor, bytes,
+    /// transfer record).
+    pending: VecDeque<(f64, usize, u64, usize)>,
     stall_s: f64,
+    /// The op whose allocations memory released now serves.
+    op: usize,
+    /// Offloads whose memory was released: (transfer record, op).
+    released: Vec<(usize, usize)>,
 }
 
 impl Memory {
     fn release_until(&mut self, t: f64, loc: &mut [Loc]) {
-        while let Some(&(done, tensor, bytes)) = self.pending.front() {
+        while let Some(&(done, tensor, bytes, record)) = self.pending.front() {
             if done > t {
                 break;
             }
             self.pending.pop_front();
+            self.released.push((record, self.op));
             self.used -= bytes;
             if let Loc::Offloading { done } = loc[tensor] {
                 loc[tensor] = Loc::Host { done };
@@ -195,7 +206,7 @@ impl Memory {
     fn alloc(&mut self, bytes: u64, mut now: f64, loc: &mut [Loc]) -> Option<f64> {
         self.release_until(now, loc);
         while self.used + bytes > self.budget {
-            let &(done, _, _) = self.pending.front()?;
+            let &(done, _, _, _) = self.pending.front()?;
             if done > now {
                 self.stall_s += done - now;
                 now = done;
@@ -249,6 +260,7 @@ fn record(
         end_s,
         used_by_op: None,
         wait_s: 0.0,
+        released_before_op: None,
     }
 }
 
@@ -359,6 +371,8 @@ impl Simulator {
             budget,
             pending: VecDeque::new(),
             stall_s: 0.0,
+            op: 0,
+            released: Vec::new(),
         };
         let mut loc = vec![Loc::Unallocated; nt];
         let mut homed = vec![false; nt];
@@ -400,6 +414,7 @@ impl Simulator {
         let mut op_start_s = Vec::with_capacity(n);
 
         for op in 0..n {
+            mem.op = op;
             // Copies issued before the op is launched.
             for &i in &at[2 * op] {
                 let a = &plan.actions[i];
@@ -489,6 +504,8 @@ impl Simulator {
                 }
             }
             stall_data_s += start - ready;
+            // what completes from here on serves the next op's allocations
+            mem.op = op + 1;
             mem.release_until(start, &mut loc);
             resident_bytes.push(mem.used);
             op_start_s.push(start);
@@ -516,13 +533,19 @@ impl Simulator {
                 let (start, end) = d2h.copy(now, self.cost.d2h_time(bytes), bytes);
                 transfers.push(record(i, a, Direction::ToHost, false, now, start, end));
                 loc[t] = Loc::Offloading { done: end };
-                mem.pending.push_back((end, t, bytes));
+                mem.pending.push_back((end, t, bytes, transfers.len() - 1));
             }
         }
 
         let total_s = now.max(h2d.free).max(d2h.free);
         let drain_s = total_s - now;
+        mem.op = n;
         mem.release_until(f64::INFINITY, &mut loc);
+        for &(record, op) in &mem.released {
+            if let Some(r) = transfers.get_mut(record) {
+                r.released_before_op = Some(op);
+            }
+        }
 
         let mut end_state_consistent = true;
         for (t, info) in trace.tensors().iter().enumerate() {
@@ -609,6 +632,7 @@ mod tests {
             offloads: vec![],
             predicted: Prediction::default(),
             notes: vec![],
+            layout: None,
         }
     }
 
