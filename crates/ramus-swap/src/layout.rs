@@ -104,6 +104,9 @@ struct Span {
     bytes: u64,
     from: usize,
     until: usize,
+    /// Until the replay found the copy complete (offloaded blocks; else
+    /// `until`): memory reused before then makes the reuse wait.
+    soft_until: usize,
 }
 
 impl Layout {
@@ -123,7 +126,23 @@ impl Layout {
         hold: f64,
     ) -> Result<Layout, LayoutError> {
         let spans = spans(trace, plan, replay, hold)?;
-        Ok(pack(&spans))
+        Ok(pack_with(&spans, 0, false))
+    }
+
+    /// [`Layout::of`], searching no further for a smaller arena once it
+    /// fits in `arena_bytes`; with `hold` below 1, memory an offload may
+    /// still read (by the replay) is reused only where no other range fits
+    /// without raising the arena, so that few reuses wait for a copy.
+    pub fn within(
+        trace: &Trace,
+        plan: &SwapPlan,
+        replay: Option<&SimReport>,
+        hold: f64,
+        arena_bytes: u64,
+    ) -> Result<Layout, LayoutError> {
+        let spans = spans(trace, plan, replay, hold)?;
+        let soft = hold < 1.0 && spans.iter().any(|s| s.soft_until > s.until);
+        Ok(pack_with(&spans, arena_bytes, soft))
     }
 
     /// Checks that the layout places exactly the allocations the executor
@@ -291,6 +310,7 @@ fn spans(
                         bytes: trace.tensors()[t].bytes,
                         from: op,
                         until: n,
+                        soft_until: 0,
                     });
                 }
                 Action::Evict { .. } => {
@@ -316,6 +336,7 @@ fn spans(
                 bytes: trace.tensors()[t].bytes,
                 from: op,
                 until: n,
+                soft_until: 0,
             });
         }
         for &t in trace.uses(op) {
@@ -346,8 +367,12 @@ fn spans(
                 let complete = released[i].unwrap_or(soonest).clamp(soonest, n);
                 let held = ((complete - soonest) as f64 * hold.clamp(0.0, 1.0)).round() as usize;
                 spans[s].until = soonest + held;
+                spans[s].soft_until = complete;
             }
         }
+    }
+    for s in &mut spans {
+        s.soft_until = s.soft_until.max(s.until);
     }
     Ok(spans)
 }
@@ -368,15 +393,15 @@ fn max_live(spans: &[Span], n: usize) -> u64 {
     u64::try_from(best).unwrap_or(u64::MAX)
 }
 
-/// For each span, the spans it coexists with.
-fn conflicts(spans: &[Span]) -> Vec<Vec<usize>> {
+/// For each span, the spans it coexists with, each living until `until`.
+fn conflicts(spans: &[Span], until: impl Fn(&Span) -> usize) -> Vec<Vec<usize>> {
     let mut by_from: Vec<usize> = (0..spans.len()).collect();
     by_from.sort_by_key(|&i| spans[i].from);
     let mut conf = vec![Vec::new(); spans.len()];
     for (k, &i) in by_from.iter().enumerate() {
         // later-starting spans that start before this one ends
         for &j in &by_from[k + 1..] {
-            if spans[j].from >= spans[i].until {
+            if spans[j].from >= until(&spans[i]) {
                 break;
             }
             conf[i].push(j);
@@ -386,44 +411,93 @@ fn conflicts(spans: &[Span]) -> Vec<Vec<usize>> {
     conf
 }
 
-/// Offsets for `spans` placed in `order`: each at the lowest gap (first
-/// fit) or the tightest gap (best fit) among the blocks it coexists with,
-/// else above them all. Returns the offsets, the arena size and the span
-/// that reaches the top.
-fn place(
+/// The offset for `bytes` among the sorted `busy` ranges: the lowest gap
+/// (first fit) or the tightest (best fit) ending at most at `limit`, the
+/// space between the last range and `limit` included; `None` if none.
+fn fit(busy: &[(u64, u64)], bytes: u64, best_fit: bool, limit: u64) -> Option<u64> {
+    let mut at = None::<(u64, u64)>; // (gap, offset)
+    let mut cursor = 0u64;
+    let gaps = busy
+        .iter()
+        .map(|&(lo, hi)| (lo, hi))
+        .chain(std::iter::once((limit, limit)));
+    for (lo, hi) in gaps {
+        let lo = lo.min(limit);
+        if lo > cursor {
+            let gap = lo - cursor;
+            if gap >= bytes && at.is_none_or(|(g, _)| best_fit && gap < g) {
+                at = Some((gap, cursor));
+                if !best_fit {
+                    break;
+                }
+            }
+        }
+        cursor = cursor.max(hi);
+        if cursor >= limit {
+            break;
+        }
+    }
+    at.map(|(_, o)| o)
+}
+
+/// The spans' conflicts: those alive at once (`hard`: they must not
+/// share bytes) and, with reuse waits avoided where possible, those alive
+/// at once until their copies complete (`soft`, a superset).
+struct Conflicts {
+    hard: Vec<Vec<usize>>,
+    soft: Option<Vec<Vec<usize>>>,
+}
+
+/// Offsets for `spans` placed in `order`, keeping the offsets `previous`
+/// gave the first `keep` of them (placed in the same order before, so they
+/// come out the same). Each span goes to the lowest gap (first fit) or the
+/// tightest (best fit) among the spans it coexists with — with soft
+/// conflicts, first among gaps clear of them too, then among those clear
+/// of the hard ones, in both cases without raising the arena — else on top.
+/// Returns the offsets, the arena size and the span that reaches the top.
+fn place_from(
     spans: &[Span],
-    conf: &[Vec<usize>],
+    conf: &Conflicts,
     order: &[usize],
     best_fit: bool,
+    keep: usize,
+    previous: &[u64],
 ) -> (Vec<u64>, u64, usize) {
     let mut offset: Vec<Option<u64>> = vec![None; spans.len()];
     let mut arena = 0;
     let mut top = 0;
+    let keep = keep.min(order.len());
+    for &i in &order[..keep] {
+        let o = previous.get(i).copied().unwrap_or_default();
+        offset[i] = Some(o);
+        if o + spans[i].bytes > arena {
+            arena = o + spans[i].bytes;
+            top = i;
+        }
+    }
     let mut busy: Vec<(u64, u64)> = Vec::new();
-    for &i in order {
-        let bytes = spans[i].bytes;
+    let fill = |busy: &mut Vec<(u64, u64)>, with: &[usize], offset: &[Option<u64>]| {
         busy.clear();
         busy.extend(
-            conf[i]
-                .iter()
+            with.iter()
                 .filter_map(|&j| offset[j].map(|o| (o, o + spans[j].bytes))),
         );
         busy.sort_unstable();
-        let mut at = None::<(u64, u64)>; // (gap, offset)
-        let mut cursor = 0u64;
-        for &(lo, hi) in &busy {
-            if lo > cursor {
-                let gap = lo - cursor;
-                if gap >= bytes && at.is_none_or(|(g, _)| best_fit && gap < g) {
-                    at = Some((gap, cursor));
-                    if !best_fit {
-                        break;
-                    }
-                }
-            }
-            cursor = cursor.max(hi);
+    };
+    for &i in &order[keep..] {
+        let bytes = spans[i].bytes;
+        let mut at = None;
+        if let Some(soft) = &conf.soft {
+            fill(&mut busy, &soft[i], &offset);
+            at = fit(&busy, bytes, best_fit, arena);
         }
-        let o = at.map_or(cursor, |(_, o)| o);
+        fill(&mut busy, &conf.hard[i], &offset);
+        if at.is_none() && conf.soft.is_some() {
+            at = fit(&busy, bytes, best_fit, arena);
+        }
+        let o = at
+            .or_else(|| fit(&busy, bytes, best_fit, u64::MAX))
+            .unwrap_or(arena);
         offset[i] = Some(o);
         if o + bytes > arena {
             arena = o + bytes;
@@ -464,11 +538,18 @@ impl Rng {
 /// search that moves the block reaching the top of the arena (or one it
 /// sits on) earlier in the order, keeping every change that does not make
 /// the arena larger, until the arena is as small as the bytes alive at
-/// once or the steps run out.
-fn pack(spans: &[Span]) -> Layout {
-    let n = spans.iter().map(|s| s.until).max().unwrap_or(0);
+/// once (or `target`) or the steps run out. With `soft`, memory offloads
+/// may still read is avoided where the arena allows (see [`place_from`]).
+fn pack_with(spans: &[Span], target: u64, soft: bool) -> Layout {
+    let n = spans.iter().map(|s| s.soft_until).max().unwrap_or(0);
     let lower = max_live(spans, n);
-    let conf = conflicts(spans);
+    let conf = Conflicts {
+        hard: conflicts(spans, |s| s.until),
+        soft: soft.then(|| conflicts(spans, |s| s.soft_until)),
+    };
+    let place = |order: &[usize], best_fit: bool, keep: usize, previous: &[u64]| {
+        place_from(spans, &conf, order, best_fit, keep, previous)
+    };
     let idx: Vec<usize> = (0..spans.len()).collect();
     let life = |s: &Span| (s.until - s.from) as u64;
     let mut orders: Vec<Vec<usize>> = Vec::new();
@@ -508,7 +589,7 @@ fn pack(spans: &[Span]) -> Layout {
     let mut best: Option<Packing> = None;
     for order in orders {
         for best_fit in [true, false] {
-            let (offsets, arena, top) = place(spans, &conf, &order, best_fit);
+            let (offsets, arena, top) = place(&order, best_fit, 0, &[]);
             if best.as_ref().is_none_or(|b| arena < b.3) {
                 best = Some((order.clone(), best_fit, offsets, arena, top));
             }
@@ -525,12 +606,12 @@ fn pack(spans: &[Span]) -> Layout {
     let mut position = vec![0; spans.len()];
     let mut since_better = 0;
     for _ in 0..SEARCH_STEPS {
-        if arena <= lower || since_better >= SEARCH_PATIENCE {
+        if arena <= lower.max(target) || since_better >= SEARCH_PATIENCE {
             break;
         }
         since_better += 1;
         // the top block, or one of those below it that reach near the top
-        let near: Vec<usize> = conf[top]
+        let near: Vec<usize> = conf.hard[top]
             .iter()
             .copied()
             .filter(|&j| offsets[j] + spans[j].bytes + spans[top].bytes > arena)
@@ -551,7 +632,8 @@ fn pack(spans: &[Span]) -> Layout {
         let mut candidate = order.clone();
         let moved = candidate.remove(from);
         candidate.insert(to, moved);
-        let (o, a, t) = place(spans, &conf, &candidate, best_fit);
+        // the spans before the moved one keep their offsets
+        let (o, a, t) = place(&candidate, best_fit, to, &offsets);
         if a < arena {
             since_better = 0;
         }

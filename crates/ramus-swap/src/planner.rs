@@ -747,8 +747,11 @@ impl Planner for AutoVmPlanner {
     }
 }
 
-/// Plans (laid out or not) never try more budgets than this.
+/// Laying out never tries more planning budgets than this, nor more than
+/// the second for a layout that holds memory until copies complete once
+/// one that does not was found.
 const MAX_LAYOUT_ATTEMPTS: usize = 12;
+const MAX_EXTRA_LAYOUT_ATTEMPTS: usize = 4;
 
 impl AutoVmPlanner {
     /// Step 6 (see [`layout`](crate::layout)): plans and lays the plan
@@ -792,18 +795,22 @@ impl AutoVmPlanner {
         let arena = cfg.budget_bytes.saturating_sub(persistent);
         let min_step = (cfg.budget_bytes / 1024).max(1);
         let mut budget = cfg.budget_bytes;
-        // the smallest budget known not to lay out, the largest known to
-        // be too small to plan for
+        // the smallest budget known not to lay out with memory held until
+        // copies complete, the largest known to be too small to plan for
         let mut too_large = cfg.budget_bytes;
         let mut too_small: Option<(u64, PlanError)> = None;
         let mut last = None;
+        // the fastest laid-out plan so far (predicted), with its hold and
+        // planning budget, and how many plans were made since the first
+        let mut best: Option<(SwapPlan, f64, u64)> = None;
+        let mut since_first = 0;
         for attempt in 0..MAX_LAYOUT_ATTEMPTS {
             let inner = AutoVmPlanner::new(PlannerConfig {
                 budget_bytes: budget,
                 layout: false,
                 ..cfg.clone()
             });
-            let (mut plan, replay) = match inner.plan_with_replay(trace) {
+            let (plan, replay) = match inner.plan_with_replay(trace) {
                 Ok(p) => p,
                 Err(e) if attempt == 0 => return Err(e),
                 Err(e) => {
@@ -815,46 +822,79 @@ impl AutoVmPlanner {
                     continue;
                 }
             };
-            // hold offloaded memory until the copy is complete, or less long
-            let mut layout = Layout::of(trace, &plan, Some(&replay), 1.0)?;
-            for hold in [0.5, 0.25, 0.0] {
-                if layout.arena_bytes <= arena {
+            // Offloaded memory held until the replay's copy completes; as
+            // long as no layout fits yet, also shorter (the reuse waits
+            // for the copy it overwrites). The candidates are replayed
+            // with their layout and the fastest is kept: waiting for some
+            // copies can beat more copies under a smaller budget, and the
+            // other way round.
+            let mut smallest = u64::MAX;
+            let holds: &[f64] = if best.is_none() {
+                &[1.0, 0.5, 0.25, 0.0]
+            } else {
+                &[1.0]
+            };
+            let mut held_fits = false;
+            for &hold in holds {
+                let layout = Layout::within(trace, &plan, Some(&replay), hold, arena)?;
+                smallest = smallest.min(layout.arena_bytes);
+                if layout.arena_bytes > arena {
+                    continue;
+                }
+                let mut laid = plan.clone();
+                laid.layout = Some(layout);
+                let rep = self.simulate(trace, &laid)?;
+                laid.predicted = rep.prediction();
+                let faster = best
+                    .as_ref()
+                    .is_none_or(|(b, _, _)| rep.total_s < b.predicted.total_s);
+                if faster {
+                    best = Some((laid, hold, budget));
+                }
+                if hold == 1.0 {
+                    held_fits = true;
+                    break; // nothing waits for a copy: as good as this budget gets
+                }
+            }
+            if held_fits {
+                break; // smaller budgets only copy more
+            }
+            if best.is_some() {
+                since_first += 1;
+                if since_first > MAX_EXTRA_LAYOUT_ATTEMPTS {
                     break;
                 }
-                let shorter = Layout::of(trace, &plan, Some(&replay), hold)?;
-                if shorter.arena_bytes <= arena {
-                    plan.notes.push(format!(
-                        "offloaded memory is reused after {:.0} % of its copy's predicted time \
-                         (a reuse waits for the copy on the device) so that the layout fits",
-                        hold * 100.0
-                    ));
-                }
-                layout = shorter;
             }
-            if layout.arena_bytes <= arena {
-                if budget < cfg.budget_bytes {
-                    plan.notes.push(format!(
-                        "planned for {} so that the layout fits the {} the budget leaves the \
-                         iteration's tensors",
-                        human_bytes(budget),
-                        human_bytes(arena)
-                    ));
-                }
-                plan.layout = Some(layout);
-                return Ok(plan);
-            }
-            last = Some(layout.arena_bytes);
+            last = Some(smallest);
             too_large = budget;
             budget = match &too_small {
                 Some((small, _)) => small + (too_large - small) / 2,
                 None => {
-                    let step = (layout.arena_bytes - arena).max(min_step);
+                    let step = smallest.saturating_sub(arena).max(min_step);
                     budget.saturating_sub(step.saturating_mul(1 << attempt.min(16)))
                 }
             };
             if too_large - budget < min_step {
                 break;
             }
+        }
+        if let Some((mut plan, hold, planned_for)) = best {
+            if hold < 1.0 {
+                plan.notes.push(format!(
+                    "offloaded memory is reused after {:.0} % of its copy's predicted time (the \
+                     reuse waits for the copy on the device) so that the layout fits",
+                    hold * 100.0
+                ));
+            }
+            if planned_for < cfg.budget_bytes {
+                plan.notes.push(format!(
+                    "planned for {} so that the layout fits the {} the budget leaves the \
+                     iteration's tensors",
+                    human_bytes(planned_for),
+                    human_bytes(arena)
+                ));
+            }
+            return Ok(plan);
         }
         Err(PlanError::LayoutDoesNotFit {
             arena,

@@ -18,12 +18,18 @@
 //! * Using a tensor that is on the host, or on its way there, fails with
 //!   [`SimError::NotResident`].
 //!
+//! * With a [`Layout`](crate::Layout) in the plan, each allocation also
+//!   takes its block: an op whose block overlaps memory an offload is still
+//!   reading waits for that copy (a memory stall), and so does a prefetch's
+//!   copy; a block over memory still in use fails the replay.
+//!
 //! The report counts bytes and copies each way, peak memory, the compute
 //! stream's stalls and whether prefetches completed in the order their ops
 //! need them.
 
 use crate::cost::CostModel;
 use crate::error::SimError;
+use crate::layout::Layout;
 use crate::plan::{Action, Prediction, SwapPlan};
 use crate::trace::{TensorId, Trace};
 use serde::{Deserialize, Serialize};
@@ -219,6 +225,90 @@ impl Memory {
     }
 }
 
+/// A plan's layout during a replay: where each tensor's memory is, and
+/// from when what held it before is gone.
+struct Placement<'p> {
+    layout: &'p Layout,
+    /// Per tensor, its blocks in allocation order, and the next one.
+    blocks: Vec<Vec<usize>>,
+    next: Vec<usize>,
+    /// Ranges held: (start, end, tensor, free from; infinite while in use).
+    held: Vec<(u64, u64, usize, f64)>,
+}
+
+impl<'p> Placement<'p> {
+    fn new(layout: &'p Layout, tensors: usize) -> Placement<'p> {
+        let mut blocks = vec![Vec::new(); tensors];
+        for (i, b) in layout.blocks.iter().enumerate() {
+            if let Some(v) = blocks.get_mut(b.tensor.index()) {
+                v.push(i);
+            }
+        }
+        Placement {
+            layout,
+            blocks,
+            next: vec![0; tensors],
+            held: Vec::new(),
+        }
+    }
+
+    /// Places tensor `t`'s next block at time `now`; returns when the
+    /// memory under it is free (copies still reading it complete).
+    fn place(&mut self, t: usize, now: f64) -> Result<f64, String> {
+        let block = self.blocks[t]
+            .get(self.next[t])
+            .and_then(|&i| self.layout.blocks.get(i))
+            .ok_or_else(|| {
+                format!(
+                    "the layout has no block for allocation {} of t{t}",
+                    self.next[t] + 1
+                )
+            })?;
+        self.next[t] += 1;
+        let (start, end) = (block.offset, block.end());
+        let mut free_at = now;
+        for &(s, e, u, free) in &self.held {
+            if s < end && start < e {
+                if free.is_infinite() {
+                    return Err(format!(
+                        "the layout places t{t} at bytes {start}..{end} over t{u}, still in use"
+                    ));
+                }
+                free_at = free_at.max(free);
+            }
+        }
+        self.held
+            .retain(|&(s, e, _, free)| !(s < end && start < e) && free > now);
+        self.held.push((start, end, t, f64::INFINITY));
+        Ok(free_at)
+    }
+
+    /// Tensor `t`'s memory is free from `at` on.
+    fn free(&mut self, t: usize, at: f64) {
+        for h in &mut self.held {
+            if h.2 == t && h.3.is_infinite() {
+                h.3 = at;
+            }
+        }
+    }
+}
+
+/// Places tensor `t`'s next block, if the plan has a layout; returns when
+/// its memory is free.
+fn place(placement: &mut Option<Placement<'_>>, t: usize, now: f64) -> Result<f64, SimError> {
+    match placement.as_mut() {
+        Some(p) => p.place(t, now).map_err(SimError::TraceMismatch),
+        None => Ok(now),
+    }
+}
+
+/// Tensor `t`'s block is free from `at`, if the plan has a layout.
+fn free(placement: &mut Option<Placement<'_>>, t: usize, at: f64) {
+    if let Some(p) = placement.as_mut() {
+        p.free(t, at);
+    }
+}
+
 /// One copy stream: a FIFO that is free from `free` on.
 #[derive(Default)]
 struct Stream {
@@ -404,6 +494,10 @@ impl Simulator {
             }
         }
 
+        let mut placement = plan
+            .layout
+            .as_ref()
+            .map(|l| Placement::new(l, trace.num_tensors()));
         let mut now = 0.0f64;
         let mut h2d = Stream::default();
         let mut d2h = Stream::default();
@@ -437,8 +531,12 @@ impl Simulator {
                         now = mem
                             .alloc(bytes, now, &mut loc)
                             .ok_or_else(|| over_budget(op, t, mem.used))?;
-                        let (start, end) =
-                            h2d.copy(now.max(host_done), self.cost.h2d_time(bytes), bytes);
+                        let free_at = place(&mut placement, t, now)?;
+                        let (start, end) = h2d.copy(
+                            now.max(host_done).max(free_at),
+                            self.cost.h2d_time(bytes),
+                            bytes,
+                        );
                         let sync = matches!(a, Action::Fetch { .. });
                         transfers.push(record(i, a, Direction::ToDevice, sync, issue, start, end));
                         let record = transfers.len() - 1;
@@ -461,6 +559,7 @@ impl Simulator {
                         // Everything queued before it on the stream is done too.
                         mem.release_until(now, &mut loc);
                         mem.used -= bytes;
+                        free(&mut placement, t, end);
                         loc[t] = Loc::Host { done: end };
                     }
                     Action::Offload { .. } => {
@@ -477,6 +576,12 @@ impl Simulator {
                         now = mem
                             .alloc(trace.tensors()[t].bytes, now, &mut loc)
                             .ok_or_else(|| over_budget(op, t, mem.used))?;
+                        // memory an offload still reads: the op waits for it
+                        let free_at = place(&mut placement, t, now)?;
+                        if free_at > now {
+                            mem.stall_s += free_at - now;
+                            now = free_at;
+                        }
                         loc[t] = Loc::Resident;
                     }
                     Loc::Resident | Loc::Prefetching { .. } => {}
@@ -519,6 +624,7 @@ impl Simulator {
                 if !trace.tensors()[t].kind.is_persistent() && last_use[t] == Some(op) {
                     if let Loc::Resident = loc[t] {
                         mem.used -= trace.tensors()[t].bytes;
+                        free(&mut placement, t, now);
                         loc[t] = Loc::Freed;
                     }
                 }
@@ -533,6 +639,7 @@ impl Simulator {
                 let (start, end) = d2h.copy(now, self.cost.d2h_time(bytes), bytes);
                 transfers.push(record(i, a, Direction::ToHost, false, now, start, end));
                 loc[t] = Loc::Offloading { done: end };
+                free(&mut placement, t, end);
                 mem.pending.push_back((end, t, bytes, transfers.len() - 1));
             }
         }

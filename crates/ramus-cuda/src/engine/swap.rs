@@ -555,8 +555,15 @@ impl CudaEngine {
                          (--device-memory-budget, or PoolConfig::max_bytes)",
                     )
                 })?;
+                // op times estimated until the profiled iteration measures
+                // them: the replay behind the layout needs a time scale
+                let estimated = trace
+                    .with_durations(
+                        &crate::swap::OpSpeed::h100_fp32().durations(&prep.program.costs),
+                    )
+                    .map_err(|e| swap_err(format!("swap planner: {e}")))?;
                 let plan = crate::swap::plan_training(
-                    trace,
+                    &estimated,
                     budget,
                     &rt.config,
                     cost,

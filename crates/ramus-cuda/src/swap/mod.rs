@@ -285,6 +285,61 @@ pub struct SwapIteration {
     /// Bytes of the lane's scratch memory (convolution columns), reserved
     /// in the pool up front at the largest size any op asks for.
     pub scratch_bytes: u64,
+    /// Per op of the trace, its estimated work: (floating-point
+    /// operations, bytes moved), from the op registry's cost model.
+    pub op_costs: Vec<(f64, f64)>,
+}
+
+/// How fast a GPU runs an iteration's ops: a roofline for estimates before
+/// an iteration was profiled.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OpSpeed {
+    /// Floating-point operations per second (fp32, im2col GEMMs included).
+    pub flops_per_s: f64,
+    /// Device memory bytes per second.
+    pub bytes_per_s: f64,
+    /// Fixed cost of one op (launches), seconds.
+    pub launch_s: f64,
+}
+
+impl OpSpeed {
+    /// An H100 in fp32 without tensor cores, as the swap path's kernels
+    /// reach it: 25 Tflop/s, 2 TB/s, 10 µs per op.
+    pub fn h100_fp32() -> OpSpeed {
+        OpSpeed {
+            flops_per_s: 25e12,
+            bytes_per_s: 2e12,
+            launch_s: 10e-6,
+        }
+    }
+
+    /// Per op, its estimated duration: the slower of its arithmetic and
+    /// its memory traffic, plus the launch cost.
+    pub fn durations(&self, costs: &[(f64, f64)]) -> Vec<f64> {
+        costs
+            .iter()
+            .map(|&(flops, bytes)| {
+                (flops / self.flops_per_s).max(bytes / self.bytes_per_s) + self.launch_s
+            })
+            .collect()
+    }
+
+    /// The same speed scaled so that the iteration of `costs` takes
+    /// `step_s` (a measured step time).
+    pub fn calibrated(&self, costs: &[(f64, f64)], step_s: f64) -> OpSpeed {
+        let estimated: f64 = self.durations(costs).iter().sum();
+        let launches = self.launch_s * costs.len() as f64;
+        let scale = if step_s > launches && estimated > launches {
+            (estimated - launches) / (step_s - launches)
+        } else {
+            1.0
+        };
+        OpSpeed {
+            flops_per_s: self.flops_per_s * scale,
+            bytes_per_s: self.bytes_per_s * scale,
+            launch_s: self.launch_s,
+        }
+    }
 }
 
 /// [`training_trace`] with the scratch memory the iteration reserves.
@@ -307,6 +362,7 @@ pub fn training_iteration(
         conv_workspace.unwrap_or(crate::engine::CONV_WORKSPACE_FLOATS),
     )?;
     Ok(SwapIteration {
+        op_costs: prog.costs,
         scratch_bytes: crate::offset_allocator::aligned_size(
             4 * prog.workspace_floats.max(1) as u64,
         )

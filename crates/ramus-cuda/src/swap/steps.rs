@@ -198,6 +198,9 @@ pub(crate) struct StaticProgram {
     pub masks: Vec<(GraphRef, NodeId, usize, u16)>,
     /// Floats of scratch memory the largest op needs.
     pub workspace_floats: usize,
+    /// Per op, its estimated work: floating-point operations and bytes
+    /// moved (the op registry's cost model; host copies count their bytes).
+    pub costs: Vec<(f64, f64)>,
     pub kind: Kind,
     pub trace: Trace,
 }
@@ -320,6 +323,11 @@ struct Builder<'a> {
     early: HashMap<(GraphRef, usize, usize), Vec<usize>>,
     /// Outputs accumulated so far.
     accumulated: HashSet<(GraphRef, usize)>,
+    /// Bytes of each tensor, and the estimated work of each op.
+    sizes: Vec<u64>,
+    costs: Vec<(f64, f64)>,
+    /// The work of the step being emitted (other ops: their bytes).
+    step_cost: Option<(f64, f64)>,
 }
 
 impl Builder<'_> {
@@ -332,6 +340,7 @@ impl Builder<'_> {
     ) -> TensorId {
         let id = self.t.tensor(name, bytes, kind);
         self.homes.push(home);
+        self.sizes.push(bytes);
         id
     }
 
@@ -416,13 +425,20 @@ impl Builder<'_> {
         reads: &[TensorId],
         writes: &[TensorId],
     ) {
+        let size = |t: &TensorId| self.sizes.get(t.index()).copied().unwrap_or(0) as f64;
         for t in reads.iter().chain(writes) {
             if let Some((producer, pname)) = self.pending.remove(t) {
                 self.ops.push(producer);
+                self.costs.push((0.0, size(t)));
                 self.t.op(pname, phase, &[], &[*t]);
             }
         }
+        let cost = self.step_cost.take().unwrap_or_else(|| {
+            let moved: f64 = reads.iter().chain(writes).map(size).sum();
+            (moved / 4.0, moved)
+        });
         self.ops.push(op);
+        self.costs.push(cost);
         self.t.op(name, phase, reads, writes);
     }
 
@@ -452,6 +468,7 @@ impl Builder<'_> {
                 }
             }
             let (reads, writes, name) = step_nodes(g, &step.step, &label);
+            self.step_cost = Some(step_cost(g, &step.step, rows));
             let reads = self.resolve_all(graph, &reads)?;
             let writes = self.resolve_all(graph, &writes)?;
             self.emit(
@@ -621,6 +638,33 @@ impl Builder<'_> {
     }
 }
 
+/// The estimated work of a step over `rows` rows: (flops, bytes), summed
+/// over its op nodes by the op registry's cost model.
+fn step_cost(g: &Graph, step: &PlannedStep, rows: usize) -> (f64, f64) {
+    let node = |n: NodeId| -> (f64, f64) {
+        let node = &g.nodes[n];
+        let Some(op) = node.op() else {
+            return (0.0, 0.0);
+        };
+        let inputs: Vec<&ramus_core::graph::ValueType> =
+            node.inputs.iter().map(|&i| &g.nodes[i].ty).collect();
+        let c = op.cost(&inputs, &node.ty, rows);
+        (c.flops, c.bytes)
+    };
+    let sum = |nodes: &mut dyn Iterator<Item = NodeId>| {
+        nodes
+            .map(node)
+            .fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1))
+    };
+    match step {
+        PlannedStep::Op(n) => node(*n),
+        PlannedStep::Fused(group) => sum(&mut group.nodes.iter().copied()),
+        PlannedStep::GemmBias { matmul, group, .. } => {
+            sum(&mut std::iter::once(*matmul).chain(group.nodes.iter().copied()))
+        }
+    }
+}
+
 /// Nodes a step reads (buffers of its inputs) and writes, and its name.
 fn step_nodes(g: &Graph, step: &PlannedStep, label: &str) -> (Vec<NodeId>, Vec<NodeId>, String) {
     match step {
@@ -701,6 +745,9 @@ pub(crate) fn build(
         workspace_floats: 0,
         early: HashMap::new(),
         accumulated: HashSet::new(),
+        sizes: Vec::new(),
+        costs: Vec::new(),
+        step_cost: None,
     };
     for p in &model.params {
         let bytes = pool_bytes(p.shape.iter().product());
@@ -910,6 +957,7 @@ impl Builder<'_> {
             empty: self.empty,
             masks,
             workspace_floats: self.workspace_floats,
+            costs: self.costs,
             kind: self.kind,
             trace,
         })
