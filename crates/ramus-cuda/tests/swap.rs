@@ -190,9 +190,9 @@ fn the_swap_trace_follows_the_engine() {
         assert_eq!(it.trace, trace);
         assert_eq!(it.op_costs.len(), trace.num_ops(), "{name}: a cost per op");
         assert!(it.op_costs.iter().all(|&(f, b)| f >= 0.0 && b >= 0.0));
-        // every parameter gradient accumulated right after the step that
-        // completes it, long before the optimizer
-        let accumulate = names_of(&trace, "accumulate grad");
+        // every parameter gradient of the vertex function accumulated right
+        // after the step that completes it, long before the optimizer
+        let accumulate = names_of(&trace, "∂F image accumulate grad");
         assert!(!accumulate.is_empty());
         for &k in &accumulate {
             let ops = trace.ops();
