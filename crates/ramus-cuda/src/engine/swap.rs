@@ -481,6 +481,12 @@ impl CudaEngine {
         } else {
             Vec::new()
         };
+        // the arena this step used (re-planning may change it)
+        let arena_bytes = prep
+            .plan
+            .as_ref()
+            .and_then(|p| p.layout.as_ref())
+            .map(|l| l.arena_bytes);
         if let Some(profile) = profile {
             self.replan(rt, prep, &profile)?;
         }
@@ -494,6 +500,7 @@ impl CudaEngine {
             plan_budget: prep.plan_budget,
             trace_peak_bytes: prep.trace_peak,
             profiled: profiling,
+            arena_bytes,
             exec,
             pool_peak_bytes: self.pool.stats().peak_in_use_bytes,
         });

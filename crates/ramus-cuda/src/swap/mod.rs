@@ -202,6 +202,9 @@ pub struct SwapStepReport {
     pub trace_peak_bytes: u64,
     /// Whether this iteration was timed to re-plan.
     pub profiled: bool,
+    /// The arena the plan's layout places the tensors in (`None`: no plan
+    /// or no layout).
+    pub arena_bytes: Option<u64>,
     /// What the executor did.
     pub exec: ExecReport,
     /// The pool's peak in-use bytes so far.
@@ -238,6 +241,16 @@ impl fmt::Display for SwapStepReport {
         if e.fallback_evictions > 0 {
             write!(f, ", {} fallback evictions", e.fallback_evictions)?;
         }
+        if let Some(a) = self.arena_bytes {
+            write!(f, "; arena {}", human_bytes(a))?;
+            if e.reuses_after_offload > 0 {
+                write!(
+                    f,
+                    " ({} reuses ordered after an offload)",
+                    e.reuses_after_offload
+                )?;
+            }
+        }
         write!(f, "; pool peak {}", human_bytes(self.pool_peak_bytes))
     }
 }
@@ -255,6 +268,7 @@ impl SwapStepReport {
             "plan_budget": self.plan_budget,
             "trace_peak_bytes": self.trace_peak_bytes,
             "profiled": self.profiled,
+            "arena_bytes": self.arena_bytes,
             "exec": serde_json::to_value(&self.exec).unwrap_or_default(),
             "pool_peak_bytes": self.pool_peak_bytes,
         })
