@@ -1039,14 +1039,16 @@ impl SwapDevice for CudaSwapDevice<'_> {
             .host
             .as_ref()
             .ok_or_else(|| swap_err("swap path: host slot missing"))?;
-        // SAFETY: `ptr` is the tensor's live pool memory, which the executor
-        // releases only after this copy's event (recorded next) completed;
-        // the copy starts after the compute stream's work so far (the wait
-        // on `mark` above), so the tensor's last write is done. The slot is
-        // not read by a prefetch until that event completes (the prefetch
-        // waits on it), and a previous prefetch from it completed before
-        // the compute stream went on (ops await prefetches), which is
-        // before `mark`.
+        // SAFETY: `ptr` is the tensor's live device memory: a pool block the
+        // executor releases only after this copy's event (recorded next)
+        // completed, or a range of the step's arena, which outlives every
+        // copy (released once the executor drained them) and whose next
+        // writer waits for this event (`order_after_offload`); the copy
+        // starts after the compute stream's work so far (the wait on `mark`
+        // above), so the tensor's last write is done. The slot is not read
+        // by a prefetch until that event completes (the prefetch waits on
+        // it), and a previous prefetch from it completed before the compute
+        // stream went on (ops await prefetches), which is before `mark`.
         unsafe { host.copy_from_device(ptr, bytes, &d2h)? };
         let event = Self::event(&mut slot.offloaded, &device)?;
         event.record(&d2h).in_call("cuEventRecord")?;
@@ -1110,14 +1112,15 @@ impl SwapDevice for CudaSwapDevice<'_> {
             .host
             .as_ref()
             .ok_or_else(|| swap_err(format!("swap path: tensor {tensor} has no host copy")))?;
-        // SAFETY: `ptr` is the tensor's freshly allocated pool memory; the
+        // SAFETY: `ptr` is the tensor's freshly allocated device memory; the
         // copy waits for the compute stream's work so far (memory it
-        // recycles was last used there) and for the tensor's offload (the
-        // slot's contents). No op reads the memory before the compute
-        // stream waits on this copy's event (recorded next), the executor
-        // never releases it while the copy is pending, and the slot is
-        // written again only by a later offload, which follows compute that
-        // waited for this copy.
+        // recycles was last used there), for the offloads that may still
+        // read it (`write_after`, arena ranges only) and for the tensor's
+        // own offload (the slot's contents). No op reads the memory before
+        // the compute stream waits on this copy's event (recorded next),
+        // the executor never releases it while the copy is pending, and the
+        // slot is written again only by a later offload, which follows
+        // compute that waited for this copy.
         unsafe { host.copy_to_device(ptr, bytes, &h2d)? };
         let event = Self::event(&mut slot.prefetched, &device)?;
         event.record(&h2d).in_call("cuEventRecord")?;
