@@ -29,12 +29,20 @@
 //!   heuristics used for static memory planning of neural networks — place
 //!   the largest blocks first, each at the lowest (first fit) or tightest
 //!   (best fit) gap among the blocks it coexists with, and keep the best of
-//!   a few orders — come within a few percent of the lower bound, the most
-//!   bytes live at once ([`Layout::max_live_bytes`]).
+//!   a few orders — followed by a local search that moves the block on top
+//!   of the arena earlier in the order, come within a few percent of the
+//!   lower bound, the most bytes live at once ([`Layout::max_live_bytes`]).
+//!   Offloaded memory may be held for only part of its copy's predicted
+//!   time (`hold`); the packer then still avoids such memory wherever the
+//!   arena allows, so that few reuses wait.
 //! * **Planner loop.** With [`PlannerConfig::layout`](crate::PlannerConfig)
-//!   the planner lays out each plan it makes; if the arena would exceed
-//!   the budget (less the persistent tensors, which keep their own memory),
-//!   it plans again under a budget smaller by the excess.
+//!   the planner lays out each plan it makes within the budget less the
+//!   persistent tensors (which keep their own memory): holding offloaded
+//!   memory until its copy completes or, while nothing fits, for less of
+//!   the copy; else it plans again under a smaller budget (more copies).
+//!   Candidates are replayed on the [`Simulator`](crate::Simulator) with
+//!   their layout — each reuse waiting for the copy it overwrites — and
+//!   the fastest is kept.
 //!
 //! [`Layout::check`] verifies a layout against its trace and plan; the
 //! executor follows it (see [`exec`](crate::exec)) and the simulated device

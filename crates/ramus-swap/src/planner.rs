@@ -44,6 +44,11 @@
 //!    allows. A profiled plan is never predicted to stall more than step
 //!    4's; if it would, step 4's is kept and a note says so.
 //!
+//! 6. **Layout** ([`PlannerConfig::layout`]; see [`layout`](crate::layout)):
+//!    every allocation gets a fixed offset in one arena of the budget less
+//!    the persistent tensors, planning under a smaller budget where no
+//!    layout fits; of the candidates, the one whose replay is fastest.
+//!
 //! The plan's prediction (peak memory, bytes each way, stall) comes from a
 //! replay on the [`Simulator`] with the same cost model.
 
@@ -755,16 +760,18 @@ const MAX_EXTRA_LAYOUT_ATTEMPTS: usize = 4;
 
 impl AutoVmPlanner {
     /// Step 6 (see [`layout`](crate::layout)): plans and lays the plan
-    /// out with offloaded memory reusable once the replay finds the copy
-    /// complete; failing that, reusable right after the offload is issued
-    /// (the reuse then waits for the copy on the device: no more copies,
-    /// at worst a short stall). While even that arena exceeds the budget
-    /// less the persistent tensors, plans again under a smaller budget:
-    /// smaller by the excess (at least 0.1 % of the budget), doubling with
-    /// every attempt as the arena need not shrink with the budget at once,
-    /// and halfway back up to the last budget that did not lay out once a
-    /// budget is too small to plan for at all. A profiled placement that
-    /// cannot be laid out falls back to the earliest placement.
+    /// out holding offloaded memory until the replay finds the copy
+    /// complete; while no layout fits, also holding it for half, a quarter
+    /// or none of the copy (the reuse then waits for the copy on the
+    /// device). While nothing fits, or for a few more attempts until a
+    /// layout holding memory for the whole copy does, plans again under a
+    /// smaller budget: smaller by the excess (at least 0.1 % of the
+    /// budget), doubling with every attempt as the arena need not shrink
+    /// with the budget at once, and halfway back up to the last budget that
+    /// did not lay out once one is too small to plan for at all. Of the
+    /// candidates, replayed with their layout, the fastest is kept. A
+    /// profiled placement that cannot be laid out falls back to the
+    /// earliest placement.
     fn plan_laid_out(&self, trace: &Trace) -> Result<SwapPlan, PlanError> {
         match self.lay_out(trace, &self.config) {
             Err(e @ PlanError::LayoutDoesNotFit { .. })

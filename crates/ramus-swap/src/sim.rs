@@ -18,7 +18,7 @@
 //! * Using a tensor that is on the host, or on its way there, fails with
 //!   [`SimError::NotResident`].
 //!
-//! * With a [`Layout`](crate::Layout) in the plan, each allocation also
+//! * With a [`Layout`] in the plan, each allocation also
 //!   takes its block: an op whose block overlaps memory an offload is still
 //!   reading waits for that copy (a memory stall), and so does a prefetch's
 //!   copy; a block over memory still in use fails the replay.
