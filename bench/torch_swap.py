@@ -25,18 +25,24 @@ Loss: mean softmax cross-entropy. A step is forward, backward and one
 optimizer step (sgd, adagrad or adam at --lr), on random images and labels
 of the given batch size (the same every run).
 
+Arithmetic is full FP32 (no TF32 in convolutions or matrix products), as
+Ramus computes.
+
 Runs, each printed as one JSON line:
   in-memory     no offloading, no cap
   save_on_cpu   every tensor autograd saves for backward goes to pinned host
                 memory (torch.autograd.graph.save_on_cpu(pin_memory=True)),
                 with the caching allocator capped at each --budgets value
-                (torch.cuda.set_per_process_memory_fraction); a budget the
-                run does not fit in reports the error instead of a time.
+                (torch.cuda.set_per_process_memory_fraction on the current
+                device); a budget the run does not fit in reports the error
+                instead of a time. With --ratios (one per budget: Nm = peak /
+                budget, as `ramus bench-swap` computed them) each line also
+                carries its "nm".
 
 Usage:
   torch_swap.py --model vgg19 --image 3x224x224 --batch-size 32 --hidden 64
                 [--blocks 3,4,6,3] [--steps 5] [--warmup 2] [--optimizer sgd]
-                [--lr 0.01] [--budgets B1,B2,...]
+                [--lr 0.01] [--budgets B1,B2,...] [--ratios N1,N2,...]
 """
 import argparse
 import json
@@ -149,17 +155,20 @@ def optimizer(args, params):
     raise SystemExit(f"unknown optimizer {args.optimizer}")
 
 
-def run(args, mode, budget):
-    dev = torch.device("cuda")
+def run(args, mode, budget, nm=None):
+    # the memory cap takes a device index: `torch.device("cuda")` has none
+    index = torch.cuda.current_device()
+    dev = torch.device("cuda", index)
     torch.manual_seed(1)
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    total = torch.cuda.get_device_properties(dev).total_memory
+    torch.cuda.reset_peak_memory_stats(index)
+    total = torch.cuda.get_device_properties(index).total_memory
     fraction = 1.0 if budget is None else min(1.0, budget / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, dev)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
     result = {"framework": "pytorch", "model": args.model, "mode": mode,
-              "budget": budget, "batch_size": args.batch_size, "image": args.image,
-              "hidden": args.hidden, "device": torch.cuda.get_device_name(dev)}
+              "budget": budget, "nm": nm, "batch_size": args.batch_size,
+              "image": args.image, "hidden": args.hidden,
+              "device": torch.cuda.get_device_name(index)}
     try:
         model, (c, height, width) = build(args)
         model = model.to(dev)
@@ -189,11 +198,11 @@ def run(args, mode, budget):
         torch.cuda.synchronize()
         result["step_s"] = (time.perf_counter() - t0) / args.steps
         result["loss"] = float(loss)
-        result["peak_bytes"] = torch.cuda.max_memory_allocated(dev)
+        result["peak_bytes"] = torch.cuda.max_memory_allocated(index)
     except torch.cuda.OutOfMemoryError as e:
         result["error"] = "out of memory: " + str(e).split("\n")[0]
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
         torch.cuda.empty_cache()
     print(json.dumps(result), flush=True)
 
@@ -210,14 +219,23 @@ def main():
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--budgets", default="")
+    p.add_argument("--ratios", default="",
+                   help="Nm of each budget (peak / budget), reported with it")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("torch_swap.py needs a CUDA device")
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    ratios = [float(r) for r in args.ratios.split(",") if r]
+    if ratios and len(ratios) != len(budgets):
+        raise SystemExit(f"{len(ratios)} ratios for {len(budgets)} budgets")
     torch.backends.cudnn.benchmark = True
+    # full FP32, as Ramus computes (PyTorch allows TF32 in cuDNN by default)
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
     run(args, "in-memory", None)
     run(args, "save_on_cpu", None)
-    for b in [int(b) for b in args.budgets.split(",") if b]:
-        run(args, "save_on_cpu", b)
+    for i, b in enumerate(budgets):
+        run(args, "save_on_cpu", b, ratios[i] if ratios else None)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@
 //! the AutoVM planner, and the losses after K steps must be identical. With
 //! `--torch`, the PyTorch script (`bench/torch_swap.py`: the same network
 //! with `torch.autograd.graph.save_on_cpu(pin_memory=True)`, capped at the
-//! same budgets) runs right after on the same device.
+//! same budgets) runs on the same device right after each network's
+//! in-memory run, and its step time at each Nm is printed next to Ramus'
+//! (the `torch` and `planner/torch` columns).
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
@@ -199,7 +202,6 @@ pub fn run_bench(a: BenchSwapArgs) -> AnyResult {
         "bench-swap: batch {} of {} images, width {}, {} warm-up + {} timed steps, {} lr {}",
         a.batch_size, a.image, a.hidden, a.warmup, a.steps, a.optimizer, a.lr
     );
-    let mut torch_budgets: Vec<(String, Vec<u64>)> = Vec::new();
     for name in &models {
         let model = build(&a, name)?;
         let params = Params::<f32>::init(&model, a.seed);
@@ -230,22 +232,30 @@ pub fn run_bench(a: BenchSwapArgs) -> AnyResult {
             "step_s": base.step_s, "peak_bytes": peak, "losses": base.losses,
             "report": report.to_json()}),
         )?;
+        let budgets: Vec<u64> = ratios.iter().map(|nm| (peak as f64 / nm) as u64).collect();
+        let torch = match &a.torch {
+            Some(script) => Some(run_torch(&a, script, name, &budgets, &ratios, &mut emit)?),
+            None => None,
+        };
         let mut header = format!("{:>5} {:>10} {:>9}", "Nm", "budget", "in-mem");
         for m in &modes {
             header.push_str(&format!(" {:>9}", m.name()));
         }
+        if torch.is_some() {
+            header.push_str(&format!(" {:>9}", "torch"));
+        }
         header.push_str("  planner/in-mem  naive/planner  moved/step  losses");
+        if torch.is_some() {
+            header.push_str("  planner/torch");
+        }
         println!("{header}  (ms per step)");
-        let mut budgets = Vec::new();
-        for &nm in &ratios {
-            let budget = (peak as f64 / nm) as u64;
-            budgets.push(budget);
+        for (&nm, &budget) in ratios.iter().zip(&budgets) {
             let mut row = format!(
                 "{nm:>5.2} {:>10} {:>9}",
                 human_bytes(budget),
                 ms(base.step_s)
             );
-            let mut times = std::collections::HashMap::new();
+            let mut times = HashMap::new();
             let mut identical = true;
             let mut moved = String::from("-");
             let mut finals = Vec::new();
@@ -287,17 +297,27 @@ pub fn run_bench(a: BenchSwapArgs) -> AnyResult {
                     }
                 }
             }
+            let torch_s = torch.as_ref().and_then(|t| t.get(&budget).copied());
+            if torch.is_some() {
+                row.push_str(&format!(" {:>9}", torch_s.map_or("-".to_string(), ms)));
+            }
             let ratio = |x: Option<&f64>, y: Option<&f64>| match (x, y) {
                 (Some(x), Some(y)) if *y > 0.0 => format!("{:.2}", x / y),
                 _ => "-".into(),
             };
             row.push_str(&format!(
-                "  {:>14}  {:>13}  {:>10}  {}",
+                "  {:>14}  {:>13}  {:>10}  {:>9}",
                 ratio(times.get(&SwapMode::Planner), Some(&base.step_s)),
                 ratio(times.get(&SwapMode::Naive), times.get(&SwapMode::Planner)),
                 moved,
                 if identical { "identical" } else { "DIFFER" }
             ));
+            if torch.is_some() {
+                row.push_str(&format!(
+                    "  {:>13}",
+                    ratio(times.get(&SwapMode::Planner), torch_s.as_ref())
+                ));
+            }
             println!("{row}");
             println!(
                 "        losses after {} steps: in-mem={:.6} {}",
@@ -306,25 +326,21 @@ pub fn run_bench(a: BenchSwapArgs) -> AnyResult {
                 finals.join(" ")
             );
         }
-        torch_budgets.push((name.clone(), budgets));
-    }
-    if let Some(script) = &a.torch {
-        for (name, budgets) in &torch_budgets {
-            run_torch(&a, script, name, budgets, &mut emit)?;
-        }
     }
     Ok(())
 }
 
-/// Runs the PyTorch script for `model` at `budgets` and prints its lines.
+/// Runs the PyTorch script for `model` at `budgets` (Nm `ratios`), prints
+/// its lines and returns its step time (seconds) at each budget it ran.
 fn run_torch(
     a: &BenchSwapArgs,
     script: &std::path::Path,
     model: &str,
     budgets: &[u64],
+    ratios: &[f64],
     emit: &mut dyn FnMut(serde_json::Value) -> AnyResult,
-) -> AnyResult {
-    let list: Vec<String> = budgets.iter().map(|b| b.to_string()).collect();
+) -> AnyResult<HashMap<u64, f64>> {
+    let list = |v: Vec<String>| v.join(",");
     let out = Command::new(&a.python)
         .arg(script)
         .args(["--model", model])
@@ -336,7 +352,14 @@ fn run_torch(
         .args(["--warmup", &a.warmup.to_string()])
         .args(["--optimizer", &a.optimizer])
         .args(["--lr", &a.lr.to_string()])
-        .args(["--budgets", &list.join(",")])
+        .args([
+            "--budgets",
+            &list(budgets.iter().map(u64::to_string).collect()),
+        ])
+        .args([
+            "--ratios",
+            &list(ratios.iter().map(f64::to_string).collect()),
+        ])
         .output()
         .map_err(|e| format!("cannot run {} {}: {e}", a.python, script.display()))?;
     if !out.status.success() {
@@ -348,27 +371,30 @@ fn run_torch(
         .into());
     }
     println!("\nPyTorch ({model}, {}):", script.display());
+    let mut times = HashMap::new();
     for line in String::from_utf8_lossy(&out.stdout).lines() {
         let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
             println!("  {line}");
             continue;
         };
         let budget = v["budget"].as_u64().map_or("none".to_string(), human_bytes);
+        let nm = v["nm"]
+            .as_f64()
+            .map_or(String::new(), |nm| format!(" (Nm {nm})"));
+        let mode = v["mode"].as_str().unwrap_or("?");
         match v["step_s"].as_f64() {
-            Some(s) => println!(
-                "  {:<12} budget {:>10}: {:>9} ms/step",
-                v["mode"].as_str().unwrap_or("?"),
-                budget,
-                ms(s)
-            ),
+            Some(s) => {
+                println!("  {mode:<12} budget {budget:>10}{nm}: {:>9} ms/step", ms(s));
+                if let (Some(b), "save_on_cpu") = (v["budget"].as_u64(), mode) {
+                    times.insert(b, s);
+                }
+            }
             None => println!(
-                "  {:<12} budget {:>10}: {}",
-                v["mode"].as_str().unwrap_or("?"),
-                budget,
+                "  {mode:<12} budget {budget:>10}{nm}: {}",
                 v["error"].as_str().unwrap_or("failed")
             ),
         }
         emit(v)?;
     }
-    Ok(())
+    Ok(times)
 }

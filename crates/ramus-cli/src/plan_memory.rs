@@ -51,7 +51,8 @@ pub struct PlanMemoryArgs {
     /// Whose iteration to plan: cpu (the batched engines' trace) or cuda
     /// (the CUDA swap path's own op list and pool-sized tensors, CNNs only,
     /// planned as that path does: parameters, their gradients and optimizer
-    /// state stay resident). Needs no GPU.
+    /// state stay resident, every allocation laid out in one arena). Needs
+    /// no GPU.
     #[arg(long, default_value = "cpu")]
     engine: String,
 }
@@ -119,7 +120,10 @@ pub fn run(a: PlanMemoryArgs) -> AnyResult {
             let mut config = PlannerConfig::new(budget);
             config.cost = cost;
             if cuda {
+                // as the CUDA swap path plans: persistent tensors stay, and
+                // every allocation is laid out in one arena
                 config.offload_kinds = vec![TensorKind::Activation, TensorKind::Gradient];
+                config.layout = true;
             }
             Box::new(AutoVmPlanner::new(config))
         }

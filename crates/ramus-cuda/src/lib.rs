@@ -67,7 +67,10 @@ pub use pinned::PinnedBuffer;
 pub use pool::{Arena, DevicePool, DeviceScalar, DeviceView, PoolBuffer, PoolConfig, PoolStats};
 pub use program::fusion_listing;
 pub use rtc::{CompileTarget, ImageKind, LoadedModule, NvrtcCompiler};
-pub use swap::{training_trace, SwapConfig, SwapMode, SwapStepReport};
+pub use swap::{
+    plan_budget, plan_training, training_iteration, training_trace, OpSpeed, SwapConfig,
+    SwapIteration, SwapMode, SwapStepReport,
+};
 
 /// The cudarc version this crate is built on, for engines that launch
 /// kernels (`LaunchConfig`, `PushKernelArg`) and order streams.

@@ -308,6 +308,27 @@ impl DevicePool {
         self.config.max_bytes
     }
 
+    /// The largest block an allocation can get without reserving more
+    /// from the driver: the largest free range of any chunk, or the room
+    /// the budget leaves for a new chunk if that is larger (`None`: no
+    /// budget, and so no bound).
+    pub fn largest_free_block(&self) -> Option<u64> {
+        let state = self.lock();
+        let in_chunks = state
+            .chunks
+            .iter()
+            .map(|c| c.allocator.largest_free_block())
+            .max()
+            .unwrap_or(0);
+        let room = self
+            .config
+            .max_bytes?
+            .saturating_sub(state.stats.reserved_bytes)
+            / ALIGNMENT
+            * ALIGNMENT;
+        Some(in_chunks.max(room))
+    }
+
     /// The pool's counters.
     pub fn stats(&self) -> PoolStats {
         self.lock().stats
@@ -713,6 +734,23 @@ mod tests {
             }
             other => panic!("expected OutOfPoolMemory, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn the_largest_free_block_is_what_one_allocation_can_get() {
+        let pool = pool(4 * MIB, Some(4 * MIB), u64::MAX);
+        assert_eq!(
+            pool.largest_free_block(),
+            Some(4 * MIB),
+            "all of the budget"
+        );
+        let a = pool.alloc::<u32>(MIB as usize / 4).unwrap();
+        let _b = pool.alloc::<u32>(MIB as usize / 4).unwrap();
+        drop(a); // a 1 MiB hole below `_b`, 2 MiB free above it
+        assert_eq!(pool.largest_free_block(), Some(2 * MIB));
+        let _c = pool.alloc::<u32>(2 * MIB as usize / 4).unwrap();
+        assert_eq!(pool.largest_free_block(), Some(MIB));
+        assert_eq!(self::pool(MIB, None, u64::MAX).largest_free_block(), None);
     }
 
     #[test]

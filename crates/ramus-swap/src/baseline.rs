@@ -63,6 +63,7 @@ impl Planner for NoBudgetPlanner {
             offloads: Vec::new(),
             predicted: Default::default(),
             notes: Vec::new(),
+            layout: None,
         };
         plan.predicted = Simulator::new(self.cost, None)
             .run(trace, &plan)?
@@ -224,6 +225,7 @@ impl Planner for LruPlanner {
             offloads: Vec::new(),
             predicted: Default::default(),
             notes: Vec::new(),
+            layout: None,
         };
         let rep = Simulator::new(self.cost, Some(budget)).run(trace, &plan)?;
         if !rep.end_state_consistent {

@@ -70,6 +70,27 @@ pub enum PlanError {
     /// A configuration value out of range.
     #[error("invalid planner configuration: {0}")]
     Config(String),
+    /// No plan could be laid out in the memory the budget leaves.
+    #[error(
+        "no memory layout fits the {arena} bytes ({}) that the device memory budget of {budget} \
+         bytes ({}) leaves the iteration's tensors (the last layout needed {laid_out} bytes): \
+         {reason}",
+        human_bytes(*.arena),
+        human_bytes(*.budget)
+    )]
+    LayoutDoesNotFit {
+        /// Bytes of the arena: the budget less the persistent tensors.
+        arena: u64,
+        /// Bytes the last layout needed.
+        laid_out: u64,
+        /// The budget.
+        budget: u64,
+        /// What stopped the planner.
+        reason: String,
+    },
+    /// A layout that does not match its plan (a bug in the planner).
+    #[error("internal error: {0}")]
+    Layout(#[from] crate::layout::LayoutError),
     /// The trace itself is malformed.
     #[error(transparent)]
     Trace(#[from] TraceError),

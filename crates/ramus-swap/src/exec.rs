@@ -36,6 +36,20 @@
 //!   Otherwise it fails with [`ExecError::OutOfMemory`] naming the op, the
 //!   tensor and the budget.
 //!
+//! **Layout mode.** A plan with a [`Layout`](crate::Layout) fixes every
+//! allocation's offset in one arena ([`SwapDevice::reserve_arena`] at the
+//! start, [`SwapDevice::release_arena`] once every copy has drained): the
+//! executor places each tensor at its next block
+//! ([`SwapDevice::allocate_at`]) instead of asking an allocator, so the
+//! device's fragmentation cannot refuse what the plan allows. The host
+//! never waits for memory: where a block takes memory that an offload may
+//! still be reading, the offloaded tensor is released at once
+//! ([`SwapDevice::release_offloading`]) and the new tensor's first write —
+//! its prefetch or its op — waits for that copy on the device
+//! ([`SwapDevice::order_after_offload`]), as does a prefetch of a tensor
+//! whose own offload is still in flight. A layout that places a tensor over
+//! one still in use is rejected naming both.
+//!
 //! A plan that cannot be carried out — an op using a tensor that is on the
 //! host with no prefetch before it, a prefetch of what is not on the host,
 //! an offload of what is not resident, an allocation over the budget — is
@@ -97,6 +111,63 @@ pub trait SwapDevice {
     /// Queues op `op` on the compute stream; every tensor it uses is
     /// allocated and every one it reads is on the device (or awaited).
     fn run_op(&mut self, op: usize) -> Result<(), Self::Error>;
+
+    /// Layout mode (a plan with a [`Layout`](crate::Layout)): reserves the
+    /// arena of `bytes` in which every tensor of the iteration is placed.
+    /// A device that cannot place tensors refuses.
+    fn reserve_arena(&mut self, bytes: u64) -> Result<(), Self::Error> {
+        Err(ExecError::Mismatch(format!(
+            "the plan places its tensors in an arena of {bytes} bytes; this device cannot \
+             place tensors at offsets"
+        ))
+        .into())
+    }
+
+    /// Layout mode: gives `tensor` the `bytes` at `offset` of the arena.
+    /// No tensor the executor holds there overlaps them; memory released
+    /// while an offload still read it is ordered by
+    /// [`SwapDevice::order_after_offload`].
+    fn allocate_at(
+        &mut self,
+        tensor: TensorId,
+        offset: u64,
+        bytes: u64,
+    ) -> Result<(), Self::Error> {
+        let _ = (offset, bytes);
+        Err(ExecError::Mismatch(format!(
+            "tensor {tensor} placed at an offset on a device that cannot place tensors"
+        ))
+        .into())
+    }
+
+    /// Layout mode: releases `tensor`'s device memory while its offload
+    /// may still be reading it (the executor orders every later write into
+    /// that memory after the offload). By default the host waits for the
+    /// offload and releases the memory then.
+    fn release_offloading(&mut self, tensor: TensorId) -> Result<(), Self::Error> {
+        self.wait_offload(tensor)?;
+        self.release(tensor)
+    }
+
+    /// Layout mode: every write into `tensor`'s just placed memory — its
+    /// prefetch, or the op that first writes it — must wait on the device
+    /// for `previous`'s last offload, which may still read that memory
+    /// ([`SwapDevice::release_offloading`] released it). By default
+    /// nothing: the default `release_offloading` waited already.
+    fn order_after_offload(
+        &mut self,
+        tensor: TensorId,
+        previous: TensorId,
+    ) -> Result<(), Self::Error> {
+        let _ = (tensor, previous);
+        Ok(())
+    }
+
+    /// Layout mode: returns the arena once the iteration's copies have
+    /// completed and its tensors are released.
+    fn release_arena(&mut self) -> Result<(), Self::Error> {
+        Ok(())
+    }
 }
 
 /// Why the executor cannot go on.
@@ -252,6 +323,10 @@ pub struct ExecReport {
     /// The most bytes resident at once, in the executor's accounting
     /// (persistent tensors, and memory held by in-flight copies, included).
     pub peak_bytes: u64,
+    /// Layout mode: allocations placed over memory an offload might still
+    /// be reading, ordered after that offload on the device.
+    #[serde(default)]
+    pub reuses_after_offload: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -290,6 +365,9 @@ pub struct Executor<'t> {
     last_use: Vec<Option<usize>>,
     /// Plan action indices by position (`2 * op` before, `2 * op + 1` after).
     actions_at: Vec<Vec<usize>>,
+    /// Layout mode: per tensor, the indices of its blocks in the plan's
+    /// layout, in allocation order.
+    blocks_of: Option<Vec<Vec<usize>>>,
 }
 
 /// The per-iteration state of [`Executor::run`].
@@ -306,6 +384,13 @@ struct Run<'e, 't, D: SwapDevice> {
     /// Tensors the executor evicted on its own under a plan.
     fallback: Vec<bool>,
     report: ExecReport,
+    /// Layout mode: per tensor, its next block and the arena range it
+    /// holds now.
+    next_block: Vec<usize>,
+    placed: Vec<Option<(u64, u64)>>,
+    /// Layout mode: ranges released while an offload may still read them:
+    /// (start, end, tensor).
+    ghosts: Vec<(u64, u64, usize)>,
 }
 
 impl<'t> Executor<'t> {
@@ -399,6 +484,19 @@ impl<'t> Executor<'t> {
                 actions_at[pos].push(i);
             }
         }
+        let blocks_of = match plan.and_then(|p| p.layout.as_ref().map(|l| (p, l))) {
+            Some((plan, layout)) => {
+                layout
+                    .check(trace, plan)
+                    .map_err(|e| ExecError::Mismatch(e.to_string()))?;
+                let mut of = vec![Vec::new(); nt];
+                for (i, b) in layout.blocks.iter().enumerate() {
+                    of[b.tensor.index()].push(i);
+                }
+                Some(of)
+            }
+            None => None,
+        };
         Ok(Executor {
             trace,
             plan,
@@ -406,6 +504,7 @@ impl<'t> Executor<'t> {
             movable,
             last_use,
             actions_at,
+            blocks_of,
         })
     }
 
@@ -430,7 +529,13 @@ impl<'t> Executor<'t> {
             touched: vec![0; nt],
             fallback: vec![false; nt],
             report: ExecReport::default(),
+            next_block: vec![0; nt],
+            placed: vec![None; nt],
+            ghosts: Vec::new(),
         };
+        if let Some(layout) = self.plan.and_then(|p| p.layout.as_ref()) {
+            run.dev.reserve_arena(layout.arena_bytes)?;
+        }
         for (t, info) in trace.tensors().iter().enumerate() {
             if info.kind.is_persistent() {
                 run.loc[t] = Loc::Resident;
@@ -515,6 +620,7 @@ impl<D: SwapDevice> Run<'_, '_, D> {
             let persistent = trace.tensors()[t].kind.is_persistent();
             if !persistent && ex.last_use[t] == Some(op) && self.loc[t] == Loc::Resident {
                 self.dev.release(tid)?;
+                self.placed[t] = None;
                 self.used -= self.bytes(t);
                 self.lru.remove(&(self.touched[t], t));
                 self.loc[t] = Loc::Freed;
@@ -564,7 +670,13 @@ impl<D: SwapDevice> Run<'_, '_, D> {
                         )
                         .into());
                 }
-                self.settle_offload(t)?;
+                if self.ex.blocks_of.is_some() && self.loc[t] == Loc::Offloading {
+                    // its own offload may still read the old memory; the
+                    // prefetch waits for that offload on the device
+                    self.release_in_flight(t)?;
+                } else {
+                    self.settle_offload(t)?;
+                }
                 self.make_room_and_allocate(op, t)?;
                 self.dev.prefetch(tid)?;
                 self.count_to_device(t);
@@ -676,11 +788,99 @@ impl<D: SwapDevice> Run<'_, '_, D> {
             self.pending.pop_front();
             self.finish_offload(t)?;
         }
+        let mut i = 0;
+        while i < self.ghosts.len() {
+            if self
+                .dev
+                .offload_complete(TensorId(self.ghosts[i].2 as u32))?
+            {
+                self.ghosts.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Layout mode: releases the memory of tensor `t`, whose offload may
+    /// still be reading it; later writes into that range are ordered after
+    /// the offload ([`SwapDevice::order_after_offload`]).
+    fn release_in_flight(&mut self, t: usize) -> Result<(), D::Error> {
+        self.pending.retain(|&p| p != t);
+        self.dev.release_offloading(TensorId(t as u32))?;
+        if let Some((start, end)) = self.placed[t].take() {
+            self.ghosts.push((start, end, t));
+        }
+        self.used -= self.bytes(t);
+        self.loc[t] = Loc::Host;
+        Ok(())
+    }
+
+    /// Layout mode: places tensor `t` for op `op` at its next block of the
+    /// layout, after releasing offloaded tensors whose memory it takes.
+    fn place(&mut self, op: usize, t: usize) -> Result<(), D::Error> {
+        let ex = self.ex;
+        let (Some(plan), Some(blocks_of)) = (ex.plan, ex.blocks_of.as_ref()) else {
+            return Err(ExecError::Mismatch("no layout to place tensors by".into()).into());
+        };
+        let name = self.name(t);
+        let block = blocks_of[t]
+            .get(self.next_block[t])
+            .and_then(|&i| plan.layout.as_ref().and_then(|l| l.blocks.get(i)))
+            .ok_or_else(|| {
+                ExecError::Mismatch(format!(
+                    "op {op}: the layout has no block for allocation {} of t{t} `{name}`",
+                    self.next_block[t] + 1
+                ))
+            })?
+            .clone();
+        if block.from_op != op {
+            return Err(ExecError::Mismatch(format!(
+                "the layout allocates t{t} `{name}` before op {}, the iteration before op {op}",
+                block.from_op
+            ))
+            .into());
+        }
+        self.next_block[t] += 1;
+        self.reclaim()?;
+        let (start, end) = (block.offset, block.end());
+        let overlapping: Vec<usize> = (0..self.placed.len())
+            .filter(|&u| self.placed[u].is_some_and(|(s, e)| s < end && start < e))
+            .collect();
+        for u in overlapping {
+            if self.loc[u] != Loc::Offloading {
+                return Err(ExecError::Mismatch(format!(
+                    "op {op} `{}`: the layout places t{t} `{name}` at bytes {start}..{end} of the \
+                     arena, over t{u} `{}`, which is {}",
+                    self.trace().ops()[op].name,
+                    self.name(u),
+                    self.loc[u].describe()
+                ))
+                .into());
+            }
+            self.release_in_flight(u)?;
+        }
+        let tid = TensorId(t as u32);
+        let ghosts: Vec<usize> = self
+            .ghosts
+            .iter()
+            .filter(|&&(s, e, _)| s < end && start < e)
+            .map(|&(_, _, u)| u)
+            .collect();
+        self.dev.allocate_at(tid, start, block.bytes)?;
+        for u in ghosts {
+            self.dev.order_after_offload(tid, TensorId(u as u32))?;
+            self.report.reuses_after_offload += 1;
+        }
+        self.placed[t] = Some((start, end));
+        self.used += block.bytes;
+        self.report.peak_bytes = self.report.peak_bytes.max(self.used);
         Ok(())
     }
 
     fn finish_offload(&mut self, t: usize) -> Result<(), D::Error> {
         self.dev.release(TensorId(t as u32))?;
+        self.placed[t] = None;
         self.used -= self.bytes(t);
         if self.loc[t] == Loc::Offloading {
             self.loc[t] = Loc::Host;
@@ -696,6 +896,7 @@ impl<D: SwapDevice> Run<'_, '_, D> {
         self.dev.wait_offload(tid)?;
         self.lru.remove(&(self.touched[t], t));
         self.dev.release(tid)?;
+        self.placed[t] = None;
         self.used -= self.bytes(t);
         self.loc[t] = Loc::Host;
         Ok(())
@@ -741,6 +942,9 @@ impl<D: SwapDevice> Run<'_, '_, D> {
 
     /// Allocates tensor `t` for op `op` (at or before it), making room first.
     fn make_room_and_allocate(&mut self, op: usize, t: usize) -> Result<(), D::Error> {
+        if self.ex.blocks_of.is_some() {
+            return self.place(op, t);
+        }
         let bytes = self.bytes(t);
         let tid = TensorId(t as u32);
         let budget = self.ex.options.budget_bytes;
@@ -810,11 +1014,15 @@ impl<D: SwapDevice> Run<'_, '_, D> {
             self.dev.wait_offload(TensorId(t as u32))?;
             self.finish_offload(t)?;
         }
+        while let Some((_, _, t)) = self.ghosts.pop() {
+            self.dev.wait_offload(TensorId(t as u32))?;
+        }
         for t in 0..self.loc.len() {
             if self.loc[t] == Loc::Prefetching {
                 let tid = TensorId(t as u32);
                 self.dev.wait_prefetch(tid)?;
                 self.dev.release(tid)?;
+                self.placed[t] = None;
                 self.used -= self.bytes(t);
                 self.loc[t] = Loc::Freed;
                 self.report.unused_prefetches += 1;
@@ -824,9 +1032,13 @@ impl<D: SwapDevice> Run<'_, '_, D> {
                 // never used after its allocation: cannot happen for a
                 // trace's tensors, which are freed after their last use
                 self.dev.release(TensorId(t as u32))?;
+                self.placed[t] = None;
                 self.used -= self.bytes(t);
                 self.loc[t] = Loc::Freed;
             }
+        }
+        if self.ex.blocks_of.is_some() {
+            self.dev.release_arena()?;
         }
         Ok(())
     }

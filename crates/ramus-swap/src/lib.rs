@@ -20,8 +20,10 @@
 //!   reordering; see [`planner`]), and the baselines [`NoBudgetPlanner`]
 //!   and [`LruPlanner`] (naive on-demand swapping).
 //! * **Output:** a [`SwapPlan`] — per-op [`Action`]s, predicted peak
-//!   memory, bytes each way and stall — as JSON ([`SwapPlan::to_json`]) or
-//!   a listing ([`SwapPlan::listing`]).
+//!   memory, bytes each way and stall, and optionally a [`Layout`] fixing
+//!   every allocation's offset in one arena ([`layout`]: the plan then
+//!   cannot be defeated by the device allocator's fragmentation) — as JSON
+//!   ([`SwapPlan::to_json`]) or a listing ([`SwapPlan::listing`]).
 //! * **Simulated device:** [`Simulator`] replays a trace under a plan and a
 //!   budget with one copy stream per direction, enforces the budget, checks
 //!   that nothing is used while off the device and reports time and stalls.
@@ -30,9 +32,11 @@
 //! * **Execution** ([`exec`]): the mechanism's ordering logic. The
 //!   [`Executor`] walks an iteration op by op — pre-access allocation,
 //!   frees after last use, offloads and prefetches ordered by events,
-//!   naive on-demand LRU swapping — and drives any [`SwapDevice`]: the CUDA
-//!   engine's copy streams and pool, or the [`SimDevice`] that enforces a
-//!   budget, counts transfers and checks every order in the tests.
+//!   naive on-demand LRU swapping, placement by a plan's layout — and drives
+//!   any [`SwapDevice`]: the CUDA engine's copy streams and pool, or the
+//!   [`SimDevice`] that enforces a budget (counting bytes, or modelling the
+//!   CUDA pool's best-fit [`OffsetAllocator`] and its fragmentation), counts
+//!   transfers and checks every order and placement in the tests.
 //!
 //! ```
 //! use ramus_swap::synthetic::{vgg19, DeviceSpeed};
@@ -55,6 +59,8 @@ pub mod baseline;
 pub mod cost;
 pub mod error;
 pub mod exec;
+pub mod layout;
+pub mod offset_allocator;
 pub mod plan;
 pub mod planner;
 pub mod sim;
@@ -67,6 +73,8 @@ pub use baseline::{LruPlanner, NoBudgetPlanner};
 pub use cost::{human_bytes, human_seconds, CostModel};
 pub use error::{PlanError, SimError};
 pub use exec::{ExecError, ExecOptions, ExecReport, Executor, SwapDevice};
+pub use layout::{Block, Layout, LayoutError};
+pub use offset_allocator::{aligned_size, Allocation, OffsetAllocator, ALIGNMENT};
 pub use plan::{Action, OffloadDecision, Policy, Prediction, SwapPlan};
 pub use planner::{
     AutoVmPlanner, Candidate, PlacementOrder, Planner, PlannerConfig, PrefetchTiming, Selection,

@@ -7,6 +7,7 @@
 
 use crate::cost::{human_bytes, human_seconds};
 use crate::error::PlanError;
+use crate::layout::Layout;
 use crate::trace::{TensorId, Trace};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -203,6 +204,11 @@ pub struct SwapPlan {
     pub predicted: Prediction,
     /// Remarks from the planner (fallbacks taken and the like).
     pub notes: Vec<String>,
+    /// Where each allocation lives, if the planner laid the iteration out
+    /// (see [`layout`](crate::layout)); the executor then places tensors
+    /// at these offsets of one arena instead of asking an allocator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<Layout>,
 }
 
 impl SwapPlan {
@@ -263,6 +269,9 @@ impl SwapPlan {
                 "  {} persistent tensors are homed on the host between iterations\n",
                 self.host_resident_at_start.len()
             ));
+        }
+        if let Some(layout) = &self.layout {
+            s.push_str(&format!("  layout: {}\n", layout.summary()));
         }
         for note in &self.notes {
             s.push_str(&format!("  note: {note}\n"));

@@ -44,12 +44,18 @@
 //!    allows. A profiled plan is never predicted to stall more than step
 //!    4's; if it would, step 4's is kept and a note says so.
 //!
+//! 6. **Layout** ([`PlannerConfig::layout`]; see [`layout`](crate::layout)):
+//!    every allocation gets a fixed offset in one arena of the budget less
+//!    the persistent tensors, planning under a smaller budget where no
+//!    layout fits; of the candidates, the one whose replay is fastest.
+//!
 //! The plan's prediction (peak memory, bytes each way, stall) comes from a
 //! replay on the [`Simulator`] with the same cost model.
 
 use crate::analysis::{analyze, Analysis, ReuseGap};
 use crate::cost::{human_bytes, CostModel};
 use crate::error::PlanError;
+use crate::layout::Layout;
 use crate::plan::{Action, OffloadDecision, Policy, SwapPlan};
 use crate::sim::{Direction, SimReport, Simulator};
 use crate::trace::{TensorId, TensorKind, Trace};
@@ -122,6 +128,13 @@ pub struct PlannerConfig {
     pub reorder_prefetches: bool,
     /// Copy and op times.
     pub cost: CostModel,
+    /// Lay the iteration out (see [`layout`](crate::layout)): fix every
+    /// allocation's offset in one arena of the budget less the persistent
+    /// tensors, planning under a smaller budget until the layout fits.
+    /// Persistent tensors must then stay resident (no persistent kind in
+    /// [`PlannerConfig::offload_kinds`]).
+    #[serde(default)]
+    pub layout: bool,
 }
 
 impl PlannerConfig {
@@ -149,11 +162,21 @@ impl PlannerConfig {
             placement_order: PlacementOrder::Need,
             reorder_prefetches: true,
             cost: CostModel::default(),
+            layout: false,
         }
     }
 
     fn validate(&self) -> Result<(), PlanError> {
         self.cost.validate().map_err(PlanError::Config)?;
+        if self.layout {
+            if let Some(k) = self.offload_kinds.iter().find(|k| k.is_persistent()) {
+                return Err(PlanError::Config(format!(
+                    "a memory layout places the iteration's own tensors; {} tensors are \
+                     persistent and cannot be offloaded with one (remove them from offload_kinds)",
+                    k.label()
+                )));
+            }
+        }
         if let Some(t) = self.min_reuse_time_s {
             if !(t.is_finite() && t >= 0.0) {
                 return Err(PlanError::Config(format!(
@@ -554,6 +577,7 @@ impl AutoVmPlanner {
             offloads,
             predicted: Default::default(),
             notes: Vec::new(),
+            layout: None,
         }
     }
 
@@ -719,8 +743,183 @@ impl Planner for AutoVmPlanner {
     }
 
     fn plan(&self, trace: &Trace) -> Result<SwapPlan, PlanError> {
+        self.config.validate()?;
+        if self.config.layout {
+            self.plan_laid_out(trace)
+        } else {
+            Ok(self.plan_with_replay(trace)?.0)
+        }
+    }
+}
+
+/// Laying out never tries more planning budgets than this, nor more than
+/// the second for a layout that holds memory until copies complete once
+/// one that does not was found.
+const MAX_LAYOUT_ATTEMPTS: usize = 12;
+const MAX_EXTRA_LAYOUT_ATTEMPTS: usize = 4;
+
+impl AutoVmPlanner {
+    /// Step 6 (see [`layout`](crate::layout)): plans and lays the plan
+    /// out holding offloaded memory until the replay finds the copy
+    /// complete; while no layout fits, also holding it for half, a quarter
+    /// or none of the copy (the reuse then waits for the copy on the
+    /// device). While nothing fits, or for a few more attempts until a
+    /// layout holding memory for the whole copy does, plans again under a
+    /// smaller budget: smaller by the excess (at least 0.1 % of the
+    /// budget), doubling with every attempt as the arena need not shrink
+    /// with the budget at once, and halfway back up to the last budget that
+    /// did not lay out once one is too small to plan for at all. Of the
+    /// candidates, replayed with their layout, the fastest is kept. A
+    /// profiled placement that cannot be laid out falls back to the
+    /// earliest placement.
+    fn plan_laid_out(&self, trace: &Trace) -> Result<SwapPlan, PlanError> {
+        match self.lay_out(trace, &self.config) {
+            Err(e @ PlanError::LayoutDoesNotFit { .. })
+                if self.config.timing != PrefetchTiming::Earliest =>
+            {
+                let earliest = PlannerConfig {
+                    timing: PrefetchTiming::Earliest,
+                    ..self.config.clone()
+                };
+                match self.lay_out(trace, &earliest) {
+                    Ok(mut plan) => {
+                        plan.notes.push(format!(
+                            "the profiled placement could not be laid out ({e}); the earliest \
+                             placement is kept"
+                        ));
+                        Ok(plan)
+                    }
+                    Err(_) => Err(e),
+                }
+            }
+            other => other,
+        }
+    }
+
+    /// [`AutoVmPlanner::plan_laid_out`] with settings `cfg`.
+    fn lay_out(&self, trace: &Trace, cfg: &PlannerConfig) -> Result<SwapPlan, PlanError> {
+        let persistent = trace.persistent_bytes();
+        let arena = cfg.budget_bytes.saturating_sub(persistent);
+        let min_step = (cfg.budget_bytes / 1024).max(1);
+        let mut budget = cfg.budget_bytes;
+        // the smallest budget known not to lay out with memory held until
+        // copies complete, the largest known to be too small to plan for
+        let mut too_large = cfg.budget_bytes;
+        let mut too_small: Option<(u64, PlanError)> = None;
+        let mut last = None;
+        // the fastest laid-out plan so far (predicted), with its hold and
+        // planning budget, and how many plans were made since the first
+        let mut best: Option<(SwapPlan, f64, u64)> = None;
+        let mut since_first = 0;
+        for attempt in 0..MAX_LAYOUT_ATTEMPTS {
+            let inner = AutoVmPlanner::new(PlannerConfig {
+                budget_bytes: budget,
+                layout: false,
+                ..cfg.clone()
+            });
+            let (plan, replay) = match inner.plan_with_replay(trace) {
+                Ok(p) => p,
+                Err(e) if attempt == 0 => return Err(e),
+                Err(e) => {
+                    too_small = Some((budget, e));
+                    budget = budget + (too_large - budget) / 2;
+                    if too_large - budget < min_step {
+                        break;
+                    }
+                    continue;
+                }
+            };
+            // Offloaded memory held until the replay's copy completes; as
+            // long as no layout fits yet, also shorter (the reuse waits
+            // for the copy it overwrites). The candidates are replayed
+            // with their layout and the fastest is kept: waiting for some
+            // copies can beat more copies under a smaller budget, and the
+            // other way round.
+            let mut smallest = u64::MAX;
+            let holds: &[f64] = if best.is_none() {
+                &[1.0, 0.5, 0.25, 0.0]
+            } else {
+                &[1.0]
+            };
+            let mut held_fits = false;
+            for &hold in holds {
+                let layout = Layout::within(trace, &plan, Some(&replay), hold, arena)?;
+                smallest = smallest.min(layout.arena_bytes);
+                if layout.arena_bytes > arena {
+                    continue;
+                }
+                let mut laid = plan.clone();
+                laid.layout = Some(layout);
+                let rep = self.simulate(trace, &laid)?;
+                laid.predicted = rep.prediction();
+                let faster = best
+                    .as_ref()
+                    .is_none_or(|(b, _, _)| rep.total_s < b.predicted.total_s);
+                if faster {
+                    best = Some((laid, hold, budget));
+                }
+                if hold == 1.0 {
+                    held_fits = true;
+                    break; // nothing waits for a copy: as good as this budget gets
+                }
+            }
+            if held_fits {
+                break; // smaller budgets only copy more
+            }
+            if best.is_some() {
+                since_first += 1;
+                if since_first > MAX_EXTRA_LAYOUT_ATTEMPTS {
+                    break;
+                }
+            }
+            last = Some(smallest);
+            too_large = budget;
+            budget = match &too_small {
+                Some((small, _)) => small + (too_large - small) / 2,
+                None => {
+                    let step = smallest.saturating_sub(arena).max(min_step);
+                    budget.saturating_sub(step.saturating_mul(1 << attempt.min(16)))
+                }
+            };
+            if too_large - budget < min_step {
+                break;
+            }
+        }
+        if let Some((mut plan, hold, planned_for)) = best {
+            if hold < 1.0 {
+                plan.notes.push(format!(
+                    "offloaded memory is reused after {:.0} % of its copy's predicted time (the \
+                     reuse waits for the copy on the device) so that the layout fits",
+                    hold * 100.0
+                ));
+            }
+            if planned_for < cfg.budget_bytes {
+                plan.notes.push(format!(
+                    "planned for {} so that the layout fits the {} the budget leaves the \
+                     iteration's tensors",
+                    human_bytes(planned_for),
+                    human_bytes(arena)
+                ));
+            }
+            return Ok(plan);
+        }
+        Err(PlanError::LayoutDoesNotFit {
+            arena,
+            laid_out: last.unwrap_or(0),
+            budget: cfg.budget_bytes,
+            reason: match too_small {
+                Some((small, e)) => format!(
+                    "a planning budget of {small} bytes ({}) is too small: {e}",
+                    human_bytes(small)
+                ),
+                None => format!("no layout fitted after {MAX_LAYOUT_ATTEMPTS} plans"),
+            },
+        })
+    }
+
+    /// Steps 1–5 and the replay of the plan they make.
+    fn plan_with_replay(&self, trace: &Trace) -> Result<(SwapPlan, SimReport), PlanError> {
         let cfg = &self.config;
-        cfg.validate()?;
         let profiled = match cfg.timing {
             PrefetchTiming::Earliest => false,
             PrefetchTiming::Auto => trace.has_durations(),
@@ -782,7 +981,7 @@ impl Planner for AutoVmPlanner {
                 human_bytes(cfg.budget_bytes)
             ));
         }
-        Ok(plan)
+        Ok((plan, rep))
     }
 }
 

@@ -18,12 +18,18 @@
 //! * Using a tensor that is on the host, or on its way there, fails with
 //!   [`SimError::NotResident`].
 //!
+//! * With a [`Layout`] in the plan, each allocation also
+//!   takes its block: an op whose block overlaps memory an offload is still
+//!   reading waits for that copy (a memory stall), and so does a prefetch's
+//!   copy; a block over memory still in use fails the replay.
+//!
 //! The report counts bytes and copies each way, peak memory, the compute
 //! stream's stalls and whether prefetches completed in the order their ops
 //! need them.
 
 use crate::cost::CostModel;
 use crate::error::SimError;
+use crate::layout::Layout;
 use crate::plan::{Action, Prediction, SwapPlan};
 use crate::trace::{TensorId, Trace};
 use serde::{Deserialize, Serialize};
@@ -62,6 +68,11 @@ pub struct TransferRecord {
     pub used_by_op: Option<usize>,
     /// For copies to the device: how long that op waited for this copy.
     pub wait_s: f64,
+    /// For offloads: the op whose allocations first found the tensor's
+    /// device memory released (the copy complete); the number of ops if
+    /// only the end of the iteration did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released_before_op: Option<usize>,
 }
 
 /// The result of a replay.
@@ -171,18 +182,24 @@ struct Memory {
     used: u64,
     peak: u64,
     budget: u64,
-    /// In-flight offloads in completion order: (done, tensor, bytes).
-    pending: VecDeque<(f64, usize, u64)>,
+    /// In-flight offloads in completion order: (done, tensor, bytes,
+    /// transfer record).
+    pending: VecDeque<(f64, usize, u64, usize)>,
     stall_s: f64,
+    /// The op whose allocations memory released now serves.
+    op: usize,
+    /// Offloads whose memory was released: (transfer record, op).
+    released: Vec<(usize, usize)>,
 }
 
 impl Memory {
     fn release_until(&mut self, t: f64, loc: &mut [Loc]) {
-        while let Some(&(done, tensor, bytes)) = self.pending.front() {
+        while let Some(&(done, tensor, bytes, record)) = self.pending.front() {
             if done > t {
                 break;
             }
             self.pending.pop_front();
+            self.released.push((record, self.op));
             self.used -= bytes;
             if let Loc::Offloading { done } = loc[tensor] {
                 loc[tensor] = Loc::Host { done };
@@ -195,7 +212,7 @@ impl Memory {
     fn alloc(&mut self, bytes: u64, mut now: f64, loc: &mut [Loc]) -> Option<f64> {
         self.release_until(now, loc);
         while self.used + bytes > self.budget {
-            let &(done, _, _) = self.pending.front()?;
+            let &(done, _, _, _) = self.pending.front()?;
             if done > now {
                 self.stall_s += done - now;
                 now = done;
@@ -205,6 +222,90 @@ impl Memory {
         self.used += bytes;
         self.peak = self.peak.max(self.used);
         Some(now)
+    }
+}
+
+/// A plan's layout during a replay: where each tensor's memory is, and
+/// from when what held it before is gone.
+struct Placement<'p> {
+    layout: &'p Layout,
+    /// Per tensor, its blocks in allocation order, and the next one.
+    blocks: Vec<Vec<usize>>,
+    next: Vec<usize>,
+    /// Ranges held: (start, end, tensor, free from; infinite while in use).
+    held: Vec<(u64, u64, usize, f64)>,
+}
+
+impl<'p> Placement<'p> {
+    fn new(layout: &'p Layout, tensors: usize) -> Placement<'p> {
+        let mut blocks = vec![Vec::new(); tensors];
+        for (i, b) in layout.blocks.iter().enumerate() {
+            if let Some(v) = blocks.get_mut(b.tensor.index()) {
+                v.push(i);
+            }
+        }
+        Placement {
+            layout,
+            blocks,
+            next: vec![0; tensors],
+            held: Vec::new(),
+        }
+    }
+
+    /// Places tensor `t`'s next block at time `now`; returns when the
+    /// memory under it is free (copies still reading it complete).
+    fn place(&mut self, t: usize, now: f64) -> Result<f64, String> {
+        let block = self.blocks[t]
+            .get(self.next[t])
+            .and_then(|&i| self.layout.blocks.get(i))
+            .ok_or_else(|| {
+                format!(
+                    "the layout has no block for allocation {} of t{t}",
+                    self.next[t] + 1
+                )
+            })?;
+        self.next[t] += 1;
+        let (start, end) = (block.offset, block.end());
+        let mut free_at = now;
+        for &(s, e, u, free) in &self.held {
+            if s < end && start < e {
+                if free.is_infinite() {
+                    return Err(format!(
+                        "the layout places t{t} at bytes {start}..{end} over t{u}, still in use"
+                    ));
+                }
+                free_at = free_at.max(free);
+            }
+        }
+        self.held
+            .retain(|&(s, e, _, free)| !(s < end && start < e) && free > now);
+        self.held.push((start, end, t, f64::INFINITY));
+        Ok(free_at)
+    }
+
+    /// Tensor `t`'s memory is free from `at` on.
+    fn free(&mut self, t: usize, at: f64) {
+        for h in &mut self.held {
+            if h.2 == t && h.3.is_infinite() {
+                h.3 = at;
+            }
+        }
+    }
+}
+
+/// Places tensor `t`'s next block, if the plan has a layout; returns when
+/// its memory is free.
+fn place(placement: &mut Option<Placement<'_>>, t: usize, now: f64) -> Result<f64, SimError> {
+    match placement.as_mut() {
+        Some(p) => p.place(t, now).map_err(SimError::TraceMismatch),
+        None => Ok(now),
+    }
+}
+
+/// Tensor `t`'s block is free from `at`, if the plan has a layout.
+fn free(placement: &mut Option<Placement<'_>>, t: usize, at: f64) {
+    if let Some(p) = placement.as_mut() {
+        p.free(t, at);
     }
 }
 
@@ -249,6 +350,7 @@ fn record(
         end_s,
         used_by_op: None,
         wait_s: 0.0,
+        released_before_op: None,
     }
 }
 
@@ -359,6 +461,8 @@ impl Simulator {
             budget,
             pending: VecDeque::new(),
             stall_s: 0.0,
+            op: 0,
+            released: Vec::new(),
         };
         let mut loc = vec![Loc::Unallocated; nt];
         let mut homed = vec![false; nt];
@@ -390,6 +494,10 @@ impl Simulator {
             }
         }
 
+        let mut placement = plan
+            .layout
+            .as_ref()
+            .map(|l| Placement::new(l, trace.num_tensors()));
         let mut now = 0.0f64;
         let mut h2d = Stream::default();
         let mut d2h = Stream::default();
@@ -400,6 +508,7 @@ impl Simulator {
         let mut op_start_s = Vec::with_capacity(n);
 
         for op in 0..n {
+            mem.op = op;
             // Copies issued before the op is launched.
             for &i in &at[2 * op] {
                 let a = &plan.actions[i];
@@ -422,8 +531,12 @@ impl Simulator {
                         now = mem
                             .alloc(bytes, now, &mut loc)
                             .ok_or_else(|| over_budget(op, t, mem.used))?;
-                        let (start, end) =
-                            h2d.copy(now.max(host_done), self.cost.h2d_time(bytes), bytes);
+                        let free_at = place(&mut placement, t, now)?;
+                        let (start, end) = h2d.copy(
+                            now.max(host_done).max(free_at),
+                            self.cost.h2d_time(bytes),
+                            bytes,
+                        );
                         let sync = matches!(a, Action::Fetch { .. });
                         transfers.push(record(i, a, Direction::ToDevice, sync, issue, start, end));
                         let record = transfers.len() - 1;
@@ -446,6 +559,7 @@ impl Simulator {
                         // Everything queued before it on the stream is done too.
                         mem.release_until(now, &mut loc);
                         mem.used -= bytes;
+                        free(&mut placement, t, end);
                         loc[t] = Loc::Host { done: end };
                     }
                     Action::Offload { .. } => {
@@ -462,6 +576,12 @@ impl Simulator {
                         now = mem
                             .alloc(trace.tensors()[t].bytes, now, &mut loc)
                             .ok_or_else(|| over_budget(op, t, mem.used))?;
+                        // memory an offload still reads: the op waits for it
+                        let free_at = place(&mut placement, t, now)?;
+                        if free_at > now {
+                            mem.stall_s += free_at - now;
+                            now = free_at;
+                        }
                         loc[t] = Loc::Resident;
                     }
                     Loc::Resident | Loc::Prefetching { .. } => {}
@@ -489,6 +609,8 @@ impl Simulator {
                 }
             }
             stall_data_s += start - ready;
+            // what completes from here on serves the next op's allocations
+            mem.op = op + 1;
             mem.release_until(start, &mut loc);
             resident_bytes.push(mem.used);
             op_start_s.push(start);
@@ -502,6 +624,7 @@ impl Simulator {
                 if !trace.tensors()[t].kind.is_persistent() && last_use[t] == Some(op) {
                     if let Loc::Resident = loc[t] {
                         mem.used -= trace.tensors()[t].bytes;
+                        free(&mut placement, t, now);
                         loc[t] = Loc::Freed;
                     }
                 }
@@ -516,13 +639,20 @@ impl Simulator {
                 let (start, end) = d2h.copy(now, self.cost.d2h_time(bytes), bytes);
                 transfers.push(record(i, a, Direction::ToHost, false, now, start, end));
                 loc[t] = Loc::Offloading { done: end };
-                mem.pending.push_back((end, t, bytes));
+                free(&mut placement, t, end);
+                mem.pending.push_back((end, t, bytes, transfers.len() - 1));
             }
         }
 
         let total_s = now.max(h2d.free).max(d2h.free);
         let drain_s = total_s - now;
+        mem.op = n;
         mem.release_until(f64::INFINITY, &mut loc);
+        for &(record, op) in &mem.released {
+            if let Some(r) = transfers.get_mut(record) {
+                r.released_before_op = Some(op);
+            }
+        }
 
         let mut end_state_consistent = true;
         for (t, info) in trace.tensors().iter().enumerate() {
@@ -609,6 +739,7 @@ mod tests {
             offloads: vec![],
             predicted: Prediction::default(),
             notes: vec![],
+            layout: None,
         }
     }
 

@@ -25,10 +25,27 @@
 //! Allocations over the budget are refused (`Ok(false)`), as a full device
 //! would; persistent tensors are resident from the start and count against
 //! the budget.
+//!
+//! [`SimDevice::with_pool`] models the CUDA pool under a budget instead of
+//! counting bytes: one chunk of exactly the budget carved by the pool's own
+//! [`OffsetAllocator`] (best fit), the persistent tensors and the fixed
+//! overhead (index arrays, scratch memory) carved first. An allocation is
+//! then refused when no single free range holds it, however many bytes are
+//! free in all — the fragmentation the device meets.
+//!
+//! For a plan with a [`Layout`](crate::Layout) the device keeps an arena
+//! (carved from the pool model's chunk, or counted against the budget) and
+//! checks every placement: inside the arena, never over a tensor that still
+//! holds memory, and — where the range was released while an offload still
+//! read it ([`SwapDevice::release_offloading`]) — every write into it
+//! ordered after that offload ([`SwapDevice::order_after_offload`]); such
+//! an ordered write completes the offload first, as the stream's wait on
+//! its event would.
 
 use std::collections::VecDeque;
 
 use crate::exec::{ExecError, SwapDevice};
+use crate::offset_allocator::OffsetAllocator;
 use crate::trace::{TensorId, Trace};
 use serde::{Deserialize, Serialize};
 
@@ -47,9 +64,17 @@ pub struct SimDeviceCounts {
     pub copies_to_device: usize,
     /// Allocations refused for the budget.
     pub refused_allocations: usize,
+    /// Of those, refused although enough bytes were free in all (the pool
+    /// model's fragmentation).
+    pub fragmented_refusals: usize,
     /// Host waits for a copy that had not completed by itself yet.
     pub blocking_waits: usize,
-    /// The most device memory in use at once.
+    /// Device-side waits: a write into reused memory that waited for an
+    /// offload still reading it (layout mode).
+    #[serde(default)]
+    pub device_waits: usize,
+    /// The most device memory in use at once (a layout's arena counts
+    /// whole, with the persistent tensors and the fixed overhead).
     pub peak_bytes: u64,
     /// Device memory in use now.
     pub used_bytes: u64,
@@ -75,6 +100,10 @@ struct SimTensor {
     host: Option<u64>,
     offload: Option<Copy>,
     prefetch: Option<Copy>,
+    /// Layout mode: tensors whose offload may still read this tensor's
+    /// memory, not yet ordered before its writes / ordered before them.
+    unordered: Vec<usize>,
+    ordered: Vec<usize>,
 }
 
 /// The simulated device; see the module docs.
@@ -97,6 +126,30 @@ pub struct SimDevice<'t> {
     now: usize,
     /// The next op of the current iteration.
     next_op: usize,
+    /// The pool model: the chunk's allocator and each tensor's offset.
+    pool: Option<Pool>,
+    /// Layout mode: the arena.
+    arena: Option<Arena>,
+}
+
+/// The arena of a plan's layout.
+#[derive(Clone, Debug)]
+struct Arena {
+    bytes: u64,
+    /// Its offset in the pool model's chunk.
+    base: Option<u64>,
+    /// Per tensor, the range it holds.
+    range: Vec<Option<(u64, u64)>>,
+    /// Ranges released while their offload was in flight: (start, end,
+    /// tensor).
+    ghosts: Vec<(u64, u64, usize)>,
+}
+
+/// The CUDA pool under a budget: one chunk carved by best fit.
+#[derive(Clone, Debug)]
+struct Pool {
+    chunk: OffsetAllocator,
+    offset: Vec<Option<u64>>,
 }
 
 impl<'t> SimDevice<'t> {
@@ -133,7 +186,51 @@ impl<'t> SimDevice<'t> {
             },
             now: 0,
             next_op: 0,
+            pool: None,
+            arena: None,
         }
+    }
+
+    /// A device like [`SimDevice::new`] whose memory is modelled as the CUDA
+    /// pool's under a budget: one chunk of `budget` bytes, carved by best
+    /// fit, holding the persistent tensors (in trace order) and
+    /// `fixed_bytes` of other memory from the start. Allocations are
+    /// refused when no free range of the chunk holds them.
+    pub fn with_pool(
+        trace: &'t Trace,
+        budget: u64,
+        fixed_bytes: u64,
+    ) -> Result<SimDevice<'t>, ExecError> {
+        let mut dev = SimDevice::new(trace, Some(budget));
+        let mut chunk = OffsetAllocator::new(budget);
+        let mut offset = vec![None; trace.num_tensors()];
+        for (t, info) in trace.tensors().iter().enumerate() {
+            if info.kind.is_persistent() {
+                let block = chunk.alloc(info.bytes).ok_or_else(|| ExecError::Device {
+                    op: None,
+                    message: format!(
+                        "the persistent tensors do not fit a pool of {budget} bytes \
+                         (t{t} `{}`)",
+                        info.name
+                    ),
+                })?;
+                offset[t] = Some(block.offset);
+            }
+        }
+        if fixed_bytes > 0 && chunk.alloc(fixed_bytes).is_none() {
+            return Err(ExecError::Device {
+                op: None,
+                message: format!(
+                    "{fixed_bytes} bytes of fixed overhead do not fit a pool of {budget} bytes \
+                     after the persistent tensors"
+                ),
+            });
+        }
+        // bytes as the trace counts them (the chunk's are rounded up)
+        dev.counts.used_bytes += fixed_bytes;
+        dev.counts.peak_bytes = dev.counts.used_bytes;
+        dev.pool = Some(Pool { chunk, offset });
+        Ok(dev)
     }
 
     /// Starts another iteration of the trace on the same device: the
@@ -230,6 +327,41 @@ impl<'t> SimDevice<'t> {
             c.complete = true;
             self.tensors[t].host = Some(c.version);
         }
+        if let Some(arena) = self.arena.as_mut() {
+            arena.ghosts.retain(|&(_, _, u)| u != t);
+        }
+    }
+
+    /// Completes the d2h stream up to `t`'s offload (a wait on its event).
+    fn complete_offloads_through(&mut self, t: usize) {
+        while self.offload_in_flight(t) {
+            let Some(&front) = self.d2h.front() else {
+                break;
+            };
+            self.complete_offload(front);
+        }
+    }
+
+    /// Layout mode, before anything writes `t`'s memory: every offload
+    /// still reading it must be ordered before the write (which then waits
+    /// for it).
+    fn order_write(&mut self, t: usize, what: &str) -> Result<(), ExecError> {
+        let unordered = std::mem::take(&mut self.tensors[t].unordered);
+        if let Some(&u) = unordered.iter().find(|&&u| self.offload_in_flight(u)) {
+            return Err(self.violation(format!(
+                "{what} writes {}, whose memory the offload of {} still reads, without waiting \
+                 for it",
+                self.label(t),
+                self.label(u)
+            )));
+        }
+        for u in std::mem::take(&mut self.tensors[t].ordered) {
+            if self.offload_in_flight(u) {
+                self.counts.device_waits += 1;
+                self.complete_offloads_through(u);
+            }
+        }
+        Ok(())
     }
 
     fn complete_prefetch(&mut self, t: usize) {
@@ -273,12 +405,25 @@ impl SwapDevice for SimDevice<'_> {
                 self.label(t)
             )));
         }
-        if self
-            .budget
-            .is_some_and(|b| self.counts.used_bytes + bytes > b)
-        {
-            self.counts.refused_allocations += 1;
-            return Ok(false);
+        match self.pool.as_mut() {
+            Some(pool) => match pool.chunk.alloc(bytes) {
+                Some(block) => pool.offset[t] = Some(block.offset),
+                None => {
+                    self.counts.refused_allocations += 1;
+                    if pool.chunk.free_bytes() >= bytes {
+                        self.counts.fragmented_refusals += 1;
+                    }
+                    return Ok(false);
+                }
+            },
+            None if self
+                .budget
+                .is_some_and(|b| self.counts.used_bytes + bytes > b) =>
+            {
+                self.counts.refused_allocations += 1;
+                return Ok(false);
+            }
+            None => {}
         }
         let st = &mut self.tensors[t];
         st.allocated = true;
@@ -309,6 +454,25 @@ impl SwapDevice for SimDevice<'_> {
         }
         if self.trace.tensors()[t].kind.is_persistent() {
             return Err(self.violation(format!("persistent tensor {} released", self.label(t))));
+        }
+        let label = self.label(t);
+        if let Some(arena) = self.arena.as_mut() {
+            if arena.range[t].take().is_some() {
+                let st = &mut self.tensors[t];
+                st.allocated = false;
+                st.data = None;
+                st.prefetch = None;
+                return Ok(());
+            }
+        }
+        if let Some(pool) = self.pool.as_mut() {
+            let freed = pool.offset[t]
+                .take()
+                .ok_or_else(|| format!("{label} has no block in the pool"))
+                .and_then(|at| pool.chunk.free(at).map_err(|e| format!("{label}: {e}")));
+            if let Err(message) = freed {
+                return Err(self.violation(message));
+            }
         }
         let st = &mut self.tensors[t];
         st.allocated = false;
@@ -394,6 +558,7 @@ impl SwapDevice for SimDevice<'_> {
                 self.label(t)
             )));
         }
+        self.order_write(t, "its prefetch")?;
         // ordered after the tensor's own offload on the device
         let source = match self.tensors[t].offload {
             Some(c) => Some(c.version),
@@ -513,6 +678,9 @@ impl SwapDevice for SimDevice<'_> {
         }
         for &tid in &info.writes {
             let t = tid.index();
+            if self.tensors[t].allocated {
+                self.order_write(t, &format!("op `{name}`"))?;
+            }
             if !self.tensors[t].allocated {
                 return Err(self.violation(format!(
                     "op `{name}` writes {}, which has no device memory",
@@ -550,6 +718,182 @@ impl SwapDevice for SimDevice<'_> {
         self.counts.ops += 1;
         self.now += 1;
         self.next_op += 1;
+        Ok(())
+    }
+
+    fn reserve_arena(&mut self, bytes: u64) -> Result<(), ExecError> {
+        if self.arena.is_some() {
+            return Err(self.violation("an arena reserved twice".into()));
+        }
+        let base = match self.pool.as_mut() {
+            Some(pool) => match pool.chunk.alloc(bytes) {
+                Some(block) => Some(block.offset),
+                None => {
+                    return Err(ExecError::Device {
+                        op: None,
+                        message: format!(
+                            "the arena of {bytes} bytes does not fit the pool ({} of {} bytes \
+                             free, at most {} in one range)",
+                            pool.chunk.free_bytes(),
+                            pool.chunk.capacity(),
+                            pool.chunk.largest_free_block()
+                        ),
+                    })
+                }
+            },
+            None if self
+                .budget
+                .is_some_and(|b| self.counts.used_bytes + bytes > b) =>
+            {
+                return Err(ExecError::Device {
+                    op: None,
+                    message: format!(
+                        "the arena of {bytes} bytes and the {} bytes in use exceed the budget \
+                         of {} bytes",
+                        self.counts.used_bytes,
+                        self.budget.unwrap_or(0)
+                    ),
+                })
+            }
+            None => None,
+        };
+        self.arena = Some(Arena {
+            bytes,
+            base,
+            range: vec![None; self.tensors.len()],
+            ghosts: Vec::new(),
+        });
+        self.counts.used_bytes += bytes;
+        self.counts.peak_bytes = self.counts.peak_bytes.max(self.counts.used_bytes);
+        Ok(())
+    }
+
+    fn allocate_at(&mut self, tensor: TensorId, offset: u64, bytes: u64) -> Result<(), ExecError> {
+        let t = self.tensor(tensor)?;
+        self.advance();
+        if self.tensors[t].allocated {
+            return Err(self.violation(format!("{} allocated twice", self.label(t))));
+        }
+        let expected = self.trace.tensors()[t].bytes;
+        if bytes != expected {
+            return Err(self.violation(format!(
+                "{} placed with {bytes} bytes; it has {expected}",
+                self.label(t)
+            )));
+        }
+        let Some(arena) = self.arena.as_ref() else {
+            return Err(self.violation(format!(
+                "{} placed at offset {offset} with no arena reserved",
+                self.label(t)
+            )));
+        };
+        let end = offset.saturating_add(bytes);
+        if end > arena.bytes {
+            return Err(self.violation(format!(
+                "{} placed at bytes {offset}..{end}, past the arena's {}",
+                self.label(t),
+                arena.bytes
+            )));
+        }
+        let over = |&(s, e): &(u64, u64)| s < end && offset < e;
+        if let Some(u) = (0..arena.range.len()).find(|&u| arena.range[u].as_ref().is_some_and(over))
+        {
+            return Err(self.violation(format!(
+                "{} placed at bytes {offset}..{end} of the arena, over {}, which still holds them",
+                self.label(t),
+                self.label(u)
+            )));
+        }
+        let unordered: Vec<usize> = arena
+            .ghosts
+            .iter()
+            .filter(|&&(s, e, _)| over(&(s, e)))
+            .map(|&(_, _, u)| u)
+            .collect();
+        if let Some(arena) = self.arena.as_mut() {
+            arena.range[t] = Some((offset, end));
+        }
+        let st = &mut self.tensors[t];
+        st.allocated = true;
+        st.data = None;
+        st.prefetch = None;
+        st.unordered = unordered;
+        st.ordered.clear();
+        // the arena's bytes are counted as a whole
+        Ok(())
+    }
+
+    fn release_offloading(&mut self, tensor: TensorId) -> Result<(), ExecError> {
+        let t = self.tensor(tensor)?;
+        self.advance();
+        if !self.tensors[t].allocated {
+            return Err(self.violation(format!("{} released without device memory", self.label(t))));
+        }
+        if self.tensors[t].offload.is_none() {
+            return Err(self.violation(format!(
+                "{} released as offloading, but it was never offloaded",
+                self.label(t)
+            )));
+        }
+        let in_flight = self.offload_in_flight(t);
+        let Some(arena) = self.arena.as_mut() else {
+            return Err(self.violation(format!(
+                "{} released as offloading outside an arena",
+                self.label(t)
+            )));
+        };
+        if let Some((s, e)) = arena.range[t].take() {
+            if in_flight {
+                arena.ghosts.push((s, e, t));
+            }
+        }
+        let st = &mut self.tensors[t];
+        st.allocated = false;
+        st.data = None;
+        st.prefetch = None;
+        Ok(())
+    }
+
+    fn order_after_offload(
+        &mut self,
+        tensor: TensorId,
+        previous: TensorId,
+    ) -> Result<(), ExecError> {
+        let t = self.tensor(tensor)?;
+        let u = self.tensor(previous)?;
+        let st = &mut self.tensors[t];
+        st.unordered.retain(|&x| x != u);
+        st.ordered.push(u);
+        Ok(())
+    }
+
+    fn release_arena(&mut self) -> Result<(), ExecError> {
+        self.advance();
+        let Some(arena) = self.arena.take() else {
+            return Err(self.violation("no arena to release".into()));
+        };
+        if let Some(u) = (0..arena.range.len()).find(|&u| arena.range[u].is_some()) {
+            return Err(self.violation(format!(
+                "the arena is released while {} still holds memory in it",
+                self.label(u)
+            )));
+        }
+        if let Some(&(_, _, u)) = arena
+            .ghosts
+            .iter()
+            .find(|&&(_, _, u)| self.offload_in_flight(u))
+        {
+            return Err(self.violation(format!(
+                "the arena is released while the offload of {} still reads it",
+                self.label(u)
+            )));
+        }
+        if let (Some(pool), Some(base)) = (self.pool.as_mut(), arena.base) {
+            if let Err(e) = pool.chunk.free(base) {
+                return Err(self.violation(format!("the arena: {e}")));
+            }
+        }
+        self.counts.used_bytes -= arena.bytes;
         Ok(())
     }
 }

@@ -5,8 +5,9 @@ mod common;
 use common::*;
 use proptest::prelude::*;
 use ramus_swap::{
-    analyze, Action, AutoVmPlanner, LruPlanner, Phase, PlacementOrder, PlanError, Planner,
-    PrefetchTiming, Selection, SwapPlan, TensorId, TensorKind, Trace, TraceBuilder,
+    analyze, Action, AutoVmPlanner, ExecOptions, Executor, LruPlanner, Phase, PlacementOrder,
+    PlanError, Planner, PrefetchTiming, Selection, SimDevice, SwapPlan, TensorId, TensorKind,
+    Trace, TraceBuilder,
 };
 use std::collections::HashMap;
 
@@ -291,6 +292,48 @@ proptest! {
                 prop_assert!(an.max_working_set_bytes > budget);
             }
             Err(e) => prop_assert!(false, "{}", e),
+        }
+    }
+
+    /// A laid-out plan places every allocation inside the budget (less the
+    /// persistent tensors) and runs on the CUDA pool's model of that budget
+    /// without a refused allocation, a host wait for memory or an order the
+    /// simulated device rejects; a refusal names why.
+    #[test]
+    fn laid_out_plans_run_in_the_pool_model(
+        trace in trace_strategy(),
+        fraction in 0.4f64..=1.0,
+        profiled in any::<bool>(),
+        latency in 0usize..6,
+    ) {
+        let an = analyze(&trace, &cost());
+        let budget = (an.peak_bytes as f64 * fraction) as u64;
+        let timing = if profiled { PrefetchTiming::Profiled } else { PrefetchTiming::Earliest };
+        let mut cfg = config(budget, timing);
+        cfg.offload_kinds = vec![TensorKind::Activation, TensorKind::Gradient];
+        cfg.layout = true;
+        match AutoVmPlanner::new(cfg).plan(&trace) {
+            Ok(plan) => {
+                let layout = plan.layout.as_ref().expect("a layout");
+                prop_assert!(layout.check(&trace, &plan).is_ok());
+                prop_assert!(layout.arena_bytes <= budget - trace.persistent_bytes());
+                let ex = Executor::new(&trace, Some(&plan), ExecOptions::planned(plan.budget_bytes)).unwrap();
+                let mut dev = SimDevice::with_pool(&trace, budget, 0).unwrap().with_latency(latency);
+                let r = ex.run(&mut dev);
+                prop_assert!(r.is_ok(), "{:?}", r);
+                let r = r.unwrap();
+                prop_assert_eq!(dev.counts().refused_allocations, 0);
+                prop_assert_eq!(r.offload_waits, 0);
+                prop_assert_eq!(r.bytes_to_device, plan.predicted.bytes_to_device);
+                check_plan(&trace, &plan, plan.budget_bytes, cost());
+            }
+            Err(PlanError::WorkingSetExceedsBudget { .. } | PlanError::NoPlan { .. }) => {
+                prop_assert!(budget < an.peak_bytes);
+            }
+            Err(PlanError::LayoutDoesNotFit { arena, laid_out, .. }) => {
+                prop_assert!(laid_out > arena || laid_out == 0);
+            }
+            Err(e) => prop_assert!(false, "unexpected error: {}", e),
         }
     }
 }

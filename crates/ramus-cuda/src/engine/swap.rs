@@ -15,8 +15,8 @@ use ramus_core::{HeadRows, Model, Params};
 use ramus_cpu::{fill_dropout_mask, Batch, ForwardOutput, Mode, Range};
 use ramus_nn::OptimizerConfig;
 use ramus_swap::{
-    analyze, AutoVmPlanner, CostModel, ExecOptions, Executor, Planner, PlannerConfig, Policy,
-    PrefetchTiming, SwapDevice, SwapPlan, TensorId, TensorKind,
+    analyze, CostModel, ExecOptions, Executor, Policy, PrefetchTiming, SwapDevice, SwapPlan,
+    TensorId,
 };
 
 use super::{model_err, Buf, CudaEngine};
@@ -30,6 +30,9 @@ use crate::swap::{HostSlot, SwapConfig, SwapMode, SwapStepReport};
 enum Mem {
     Floats(PoolBuffer<f32>),
     Indices(PoolBuffer<u32>),
+    /// A range of the step's arena (a plan with a layout): valid while the
+    /// arena is held, which is until the executor has drained every copy.
+    Placed(Buf),
 }
 
 impl Mem {
@@ -37,14 +40,16 @@ impl Mem {
         match self {
             Mem::Floats(b) => Buf::Floats(b.view()),
             Mem::Indices(b) => Buf::Indices(b.view()),
+            Mem::Placed(b) => *b,
         }
     }
 
     /// Device address and bytes of the tensor's elements.
     fn raw(&self) -> (u64, usize) {
-        match self {
-            Mem::Floats(b) => (b.view().device_ptr(), b.view().byte_len()),
-            Mem::Indices(b) => (b.view().device_ptr(), b.view().byte_len()),
+        match self.buf() {
+            Buf::Floats(v) => (v.device_ptr(), v.byte_len()),
+            Buf::Indices(v) => (v.device_ptr(), v.byte_len()),
+            Buf::Absent => (0, 0),
         }
     }
 }
@@ -56,6 +61,9 @@ struct Slot {
     host: Option<HostSlot>,
     offloaded: Option<CudaEvent>,
     prefetched: Option<CudaEvent>,
+    /// Layout mode: tensors whose offload may still read this tensor's
+    /// (just placed) memory; its first write waits for their events.
+    write_after: Vec<TensorId>,
 }
 
 /// How a prepared batch shape is executed.
@@ -107,6 +115,8 @@ pub(crate) struct SwapRuntime {
     /// Floats of scores the last iteration copied into `logits`.
     logits_len: usize,
     workspace: Option<PoolBuffer<f32>>,
+    /// Layout mode: the arena of the step in progress.
+    arena: Option<PoolBuffer<f32>>,
     report: Option<SwapStepReport>,
 }
 
@@ -129,6 +139,7 @@ impl SwapRuntime {
             logits: PinnedBuffer::new(engine_device)?,
             logits_len: 0,
             workspace: None,
+            arena: None,
             report: None,
         })
     }
@@ -377,6 +388,13 @@ impl CudaEngine {
         let drained = self.device.synchronize().and_then(|()| rt.drain());
         for slot in &mut rt.slots {
             slot.mem = None;
+            slot.write_after.clear();
+        }
+        if drained.is_ok() {
+            rt.arena = None;
+        } else if let Some(arena) = rt.arena.take() {
+            // a copy may still use it: leak it rather than reuse it
+            std::mem::forget(arena);
         }
         if let Err(e) = drained {
             eprintln!("ramus-cuda: swap path: could not drain after a failed step: {e}");
@@ -463,6 +481,12 @@ impl CudaEngine {
         } else {
             Vec::new()
         };
+        // the arena this step used (re-planning may change it)
+        let arena_bytes = prep
+            .plan
+            .as_ref()
+            .and_then(|p| p.layout.as_ref())
+            .map(|l| l.arena_bytes);
         if let Some(profile) = profile {
             self.replan(rt, prep, &profile)?;
         }
@@ -476,20 +500,11 @@ impl CudaEngine {
             plan_budget: prep.plan_budget,
             trace_peak_bytes: prep.trace_peak,
             profiled: profiling,
+            arena_bytes,
             exec,
             pool_peak_bytes: self.pool.stats().peak_in_use_bytes,
         });
         Ok((loss, logits))
-    }
-
-    /// The planner's settings for this runtime and budget.
-    fn planner_config(rt: &SwapRuntime, budget: u64, cost: CostModel) -> PlannerConfig {
-        let mut c = PlannerConfig::new(budget);
-        c.size_threshold_bytes = rt.config.size_threshold_bytes;
-        c.min_reuse_ops = rt.config.min_reuse_ops;
-        c.offload_kinds = vec![TensorKind::Activation, TensorKind::Gradient];
-        c.cost = cost;
-        c
     }
 
     /// Decides the mode, budget and first plan of a batch shape, from the
@@ -501,9 +516,13 @@ impl CudaEngine {
         let cost = CostModel::pcie5_x16();
         prep.trace_peak = analyze(trace, &cost).peak_bytes;
         let device_budget = self.pool.max_bytes();
+        // the plan's arena is one block of the pool: no more than its
+        // largest free range
+        let persistent = trace.persistent_bytes();
+        let largest = self.pool.largest_free_block();
         prep.plan_budget = device_budget.map(|b| {
-            let reserve = (b as f64 * rt.config.fragmentation_reserve.clamp(0.0, 0.5)) as u64;
-            b.saturating_sub(prep.overhead).saturating_sub(reserve)
+            let planned = crate::swap::plan_budget(b, prep.overhead, &rt.config);
+            largest.map_or(planned, |l| planned.min(persistent.saturating_add(l)))
         });
         if !matches!(prep.program.kind, Kind::Train { .. }) {
             // a forward pass frees as it goes; should it still not fit,
@@ -543,11 +562,21 @@ impl CudaEngine {
                          (--device-memory-budget, or PoolConfig::max_bytes)",
                     )
                 })?;
-                let mut c = Self::planner_config(rt, budget, cost);
-                c.timing = PrefetchTiming::Earliest;
-                let plan = AutoVmPlanner::new(c)
-                    .plan(trace)
+                // op times estimated until the profiled iteration measures
+                // them: the replay behind the layout needs a time scale
+                let estimated = trace
+                    .with_durations(
+                        &crate::swap::OpSpeed::h100_fp32().durations(&prep.program.costs),
+                    )
                     .map_err(|e| swap_err(format!("swap planner: {e}")))?;
+                let plan = crate::swap::plan_training(
+                    &estimated,
+                    budget,
+                    &rt.config,
+                    cost,
+                    PrefetchTiming::Earliest,
+                )
+                .map_err(|e| swap_err(format!("swap planner: {e}")))?;
                 prep.policy = Some(plan.policy);
                 prep.plan = Some(plan);
                 prep.options = ExecOptions::planned(Some(budget));
@@ -597,9 +626,8 @@ impl CudaEngine {
             .trace
             .with_durations(&durations)
             .map_err(|e| swap_err(format!("swap profiling: {e}")))?;
-        let mut c = Self::planner_config(rt, budget, cost);
-        c.timing = PrefetchTiming::Profiled;
-        match AutoVmPlanner::new(c).plan(&trace) {
+        match crate::swap::plan_training(&trace, budget, &rt.config, cost, PrefetchTiming::Profiled)
+        {
             Ok(plan) => {
                 prep.policy = Some(plan.policy);
                 prep.plan = Some(plan);
@@ -1011,14 +1039,16 @@ impl SwapDevice for CudaSwapDevice<'_> {
             .host
             .as_ref()
             .ok_or_else(|| swap_err("swap path: host slot missing"))?;
-        // SAFETY: `ptr` is the tensor's live pool memory, which the executor
-        // releases only after this copy's event (recorded next) completed;
-        // the copy starts after the compute stream's work so far (the wait
-        // on `mark` above), so the tensor's last write is done. The slot is
-        // not read by a prefetch until that event completes (the prefetch
-        // waits on it), and a previous prefetch from it completed before
-        // the compute stream went on (ops await prefetches), which is
-        // before `mark`.
+        // SAFETY: `ptr` is the tensor's live device memory: a pool block the
+        // executor releases only after this copy's event (recorded next)
+        // completed, or a range of the step's arena, which outlives every
+        // copy (released once the executor drained them) and whose next
+        // writer waits for this event (`order_after_offload`); the copy
+        // starts after the compute stream's work so far (the wait on `mark`
+        // above), so the tensor's last write is done. The slot is not read
+        // by a prefetch until that event completes (the prefetch waits on
+        // it), and a previous prefetch from it completed before the compute
+        // stream went on (ops await prefetches), which is before `mark`.
         unsafe { host.copy_from_device(ptr, bytes, &d2h)? };
         let event = Self::event(&mut slot.offloaded, &device)?;
         event.record(&d2h).in_call("cuEventRecord")?;
@@ -1063,6 +1093,18 @@ impl SwapDevice for CudaSwapDevice<'_> {
             .as_ref()
             .ok_or_else(|| swap_err(format!("swap path: tensor {tensor} was never offloaded")))?;
         h2d.wait(offloaded).in_call("cuStreamWaitEvent")?;
+        // memory that other tensors' offloads may still read
+        for u in std::mem::take(&mut slot.write_after) {
+            if let Some(e) = self
+                .rt
+                .slots
+                .get(u.index())
+                .and_then(|s| s.offloaded.as_ref())
+            {
+                h2d.wait(e).in_call("cuStreamWaitEvent")?;
+            }
+        }
+        let slot = &mut self.rt.slots[tensor.index()];
         if let Some((start, _)) = &timing {
             start.record(&h2d).in_call("cuEventRecord")?;
         }
@@ -1070,14 +1112,15 @@ impl SwapDevice for CudaSwapDevice<'_> {
             .host
             .as_ref()
             .ok_or_else(|| swap_err(format!("swap path: tensor {tensor} has no host copy")))?;
-        // SAFETY: `ptr` is the tensor's freshly allocated pool memory; the
+        // SAFETY: `ptr` is the tensor's freshly allocated device memory; the
         // copy waits for the compute stream's work so far (memory it
-        // recycles was last used there) and for the tensor's offload (the
-        // slot's contents). No op reads the memory before the compute
-        // stream waits on this copy's event (recorded next), the executor
-        // never releases it while the copy is pending, and the slot is
-        // written again only by a later offload, which follows compute that
-        // waited for this copy.
+        // recycles was last used there), for the offloads that may still
+        // read it (`write_after`, arena ranges only) and for the tensor's
+        // own offload (the slot's contents). No op reads the memory before
+        // the compute stream waits on this copy's event (recorded next),
+        // the executor never releases it while the copy is pending, and the
+        // slot is written again only by a later offload, which follows
+        // compute that waited for this copy.
         unsafe { host.copy_to_device(ptr, bytes, &h2d)? };
         let event = Self::event(&mut slot.prefetched, &device)?;
         event.record(&h2d).in_call("cuEventRecord")?;
@@ -1108,6 +1151,28 @@ impl SwapDevice for CudaSwapDevice<'_> {
 
     fn run_op(&mut self, op: usize) -> Result<()> {
         self.bind(op, true)?;
+        // layout mode: memory that offloads may still read is written only
+        // after them
+        for &t in self.program.trace.uses(op) {
+            let waits = match self.rt.slots.get_mut(t.index()) {
+                Some(slot) => std::mem::take(&mut slot.write_after),
+                None => continue,
+            };
+            for u in waits {
+                if let Some(e) = self
+                    .rt
+                    .slots
+                    .get(u.index())
+                    .and_then(|s| s.offloaded.as_ref())
+                {
+                    self.engine
+                        .main
+                        .stream
+                        .wait(e)
+                        .in_call("cuStreamWaitEvent")?;
+                }
+            }
+        }
         let timing = match self.profile.is_some() {
             true => Some((self.timing_event()?, self.timing_event()?)),
             false => None,
@@ -1135,5 +1200,99 @@ impl SwapDevice for CudaSwapDevice<'_> {
             p.ops[op] = Some((start, end));
         }
         self.bind(op, false)
+    }
+
+    fn reserve_arena(&mut self, bytes: u64) -> Result<()> {
+        let floats = usize::try_from(bytes.div_ceil(4))
+            .map_err(|_| swap_err(format!("swap path: an arena of {bytes} bytes")))?;
+        self.rt.arena = None;
+        match self.engine.pool.alloc::<f32>(floats.max(1)) {
+            Ok(arena) => {
+                self.rt.arena = Some(arena);
+                Ok(())
+            }
+            Err(CudaError::OutOfPoolMemory {
+                free, pool_size, ..
+            }) => Err(swap_err(format!(
+                "the swap plan's arena of {bytes} bytes ({}) does not fit the pool: {free} of \
+                 its {pool_size} bytes are free (device memory budget {})",
+                ramus_swap::human_bytes(bytes),
+                self.engine
+                    .pool
+                    .max_bytes()
+                    .map_or("unlimited".to_string(), |b| format!("{b} bytes"))
+            ))),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn allocate_at(&mut self, tensor: TensorId, offset: u64, bytes: u64) -> Result<()> {
+        let home = self
+            .program
+            .homes
+            .get(tensor.index())
+            .copied()
+            .flatten()
+            .ok_or_else(|| swap_err(format!("swap path: tensor {tensor} has no node")))?;
+        let arena = self
+            .rt
+            .arena
+            .as_ref()
+            .ok_or_else(|| swap_err(format!("swap path: tensor {tensor} placed with no arena")))?
+            .view();
+        let at = usize::try_from(offset / 4)
+            .ok()
+            .filter(|_| offset.is_multiple_of(4) && (home.len as u64) * 4 <= bytes)
+            .ok_or_else(|| {
+                swap_err(format!(
+                    "swap path: tensor {tensor} placed at byte {offset} with {bytes} bytes for \
+                     {} elements",
+                    home.len
+                ))
+            })?;
+        // `slice` checks the range against the arena
+        let floats = arena.slice(at..at + home.len)?;
+        let buf = match home.dtype {
+            DType::Float => Buf::Floats(floats),
+            DType::Index => Buf::Indices(floats.reinterpret::<u32>()),
+        };
+        let slot = self
+            .rt
+            .slots
+            .get_mut(tensor.index())
+            .ok_or_else(|| swap_err(format!("swap path: no tensor {tensor}")))?;
+        if slot.mem.is_some() {
+            return Err(swap_err(format!(
+                "swap path: tensor {tensor} allocated twice"
+            )));
+        }
+        slot.mem = Some(Mem::Placed(buf));
+        slot.write_after.clear();
+        Ok(())
+    }
+
+    fn release_offloading(&mut self, tensor: TensorId) -> Result<()> {
+        // the copy was queued with the memory's address; the arena outlives
+        // it (released only after the executor drained every copy), and
+        // whatever the executor places here next waits for its event
+        self.release(tensor)
+    }
+
+    fn order_after_offload(&mut self, tensor: TensorId, previous: TensorId) -> Result<()> {
+        let slot = self
+            .rt
+            .slots
+            .get_mut(tensor.index())
+            .ok_or_else(|| swap_err(format!("swap path: no tensor {tensor}")))?;
+        slot.write_after.push(previous);
+        Ok(())
+    }
+
+    fn release_arena(&mut self) -> Result<()> {
+        // every copy has completed (the executor drained them) and later
+        // compute is ordered after this step's on the compute stream;
+        // copies into recycled memory wait for the compute stream
+        self.rt.arena = None;
+        Ok(())
     }
 }

@@ -11,12 +11,18 @@
 //! * **persistent tensors** — parameters, their gradients, the optimizer's
 //!   state — in the engine's own pool buffers, resident for good;
 //! * **every other tensor** (each materialized node of the forward and
-//!   backward graphs, see [`steps`]) in a **pool allocation of its own**,
-//!   made right before the first op that uses it ("pre-access") and freed
-//!   right after its last use, or offloaded: the pool's best-fit
-//!   [`OffsetAllocator`](crate::OffsetAllocator) frees blocks individually,
-//!   which the per-batch bump arena cannot. With a budget the pool is one
-//!   chunk of exactly the budget, so nothing outside it is ever reserved;
+//!   backward graphs, see [`steps`]) allocated right before the first op
+//!   that uses it ("pre-access") and freed right after its last use, or
+//!   offloaded. With the planner, at the offset the plan's
+//!   [`ramus_swap::Layout`] gives it in one **arena** of the pool, reserved
+//!   for the step: the pool's best-fit
+//!   [`OffsetAllocator`](crate::OffsetAllocator) fragments under a plan's
+//!   traffic (tensors of many sizes coming, going and coming back) until a
+//!   large tensor finds no free range although the budget holds it — the
+//!   failure a plan made for byte counts alone met on the device. Without a
+//!   plan (no swapping, naive swapping), in a pool allocation of its own.
+//!   With a budget the pool is one chunk of exactly the budget, so nothing
+//!   outside it is ever reserved;
 //! * index arrays and the lanes' scratch memory (reserved up front at the
 //!   largest size any op asks for) in the batch arena and pool: the fixed
 //!   overhead that the planner's budget leaves out;
@@ -30,7 +36,10 @@
 //! recorded on the compute stream after the op that last wrote the tensor,
 //! then records the tensor's *offload event*; the tensor's device memory is
 //! returned to the pool only once that event has completed (queried as
-//! allocations need room, waited for when they must). A prefetch waits for
+//! allocations need room, waited for when they must) — with a layout, the
+//! next tensor placed there instead makes its first writer (its op on the
+//! compute stream, or its prefetch) wait for that event, so the host never
+//! blocks for memory. A prefetch waits for
 //! an event recorded on the compute stream at its issue point (its
 //! destination may be memory that earlier compute freed) and for the
 //! tensor's offload event, then records its *prefetch event*; every op that
@@ -66,7 +75,10 @@ use std::str::FromStr;
 use ramus_core::Model;
 use ramus_cpu::Batch;
 use ramus_nn::OptimizerKind;
-use ramus_swap::{ExecReport, Policy, Trace};
+use ramus_swap::{
+    AutoVmPlanner, CostModel, ExecReport, Planner, PlannerConfig, Policy, PrefetchTiming, SwapPlan,
+    TensorKind, Trace,
+};
 use serde_json::json;
 
 use crate::error::Result;
@@ -138,10 +150,12 @@ pub struct SwapConfig {
     /// Planner: time the first iteration of each batch shape (CUDA events
     /// around every op and copy) and re-plan with the measured times.
     pub profile: bool,
-    /// Fraction of the budget the planner leaves free for the pool's
-    /// fragmentation (what it still cannot place is evicted on demand and
-    /// counted as fallback evictions).
-    pub fragmentation_reserve: f64,
+    /// Fraction of the budget the planner leaves free as headroom for pool
+    /// memory outside the plan that may come after it was made (a larger
+    /// batch's index arrays). The plan's own tensors cannot fragment the
+    /// pool: they live at fixed offsets of one arena (see
+    /// [`ramus_swap::layout`]).
+    pub headroom: f64,
 }
 
 impl Default for SwapConfig {
@@ -151,7 +165,7 @@ impl Default for SwapConfig {
             size_threshold_bytes: 1 << 20,
             min_reuse_ops: 2,
             profile: true,
-            fragmentation_reserve: 0.02,
+            headroom: 0.01,
         }
     }
 }
@@ -182,12 +196,15 @@ pub struct SwapStepReport {
     /// extras), measured before the iteration.
     pub overhead_bytes: u64,
     /// The budget the plan was made for (device budget less the overhead
-    /// and the fragmentation reserve).
+    /// and the headroom).
     pub plan_budget: Option<u64>,
     /// Peak of the iteration's tensors without swapping.
     pub trace_peak_bytes: u64,
     /// Whether this iteration was timed to re-plan.
     pub profiled: bool,
+    /// The arena the plan's layout places the tensors in (`None`: no plan
+    /// or no layout).
+    pub arena_bytes: Option<u64>,
     /// What the executor did.
     pub exec: ExecReport,
     /// The pool's peak in-use bytes so far.
@@ -224,6 +241,16 @@ impl fmt::Display for SwapStepReport {
         if e.fallback_evictions > 0 {
             write!(f, ", {} fallback evictions", e.fallback_evictions)?;
         }
+        if let Some(a) = self.arena_bytes {
+            write!(f, "; arena {}", human_bytes(a))?;
+            if e.reuses_after_offload > 0 {
+                write!(
+                    f,
+                    " ({} reuses ordered after an offload)",
+                    e.reuses_after_offload
+                )?;
+            }
+        }
         write!(f, "; pool peak {}", human_bytes(self.pool_peak_bytes))
     }
 }
@@ -241,6 +268,7 @@ impl SwapStepReport {
             "plan_budget": self.plan_budget,
             "trace_peak_bytes": self.trace_peak_bytes,
             "profiled": self.profiled,
+            "arena_bytes": self.arena_bytes,
             "exec": serde_json::to_value(&self.exec).unwrap_or_default(),
             "pool_peak_bytes": self.pool_peak_bytes,
         })
@@ -259,6 +287,82 @@ pub fn training_trace(
     optimizer: OptimizerKind,
     conv_workspace: Option<usize>,
 ) -> Result<Trace> {
+    Ok(training_iteration(model, batch, optimizer, conv_workspace)?.trace)
+}
+
+/// A training iteration of the swap path, built without a device: its
+/// trace and the pool memory it needs outside the trace's tensors.
+#[derive(Clone, Debug)]
+pub struct SwapIteration {
+    /// The ops and tensors (see [`training_trace`]).
+    pub trace: Trace,
+    /// Bytes of the lane's scratch memory (convolution columns), reserved
+    /// in the pool up front at the largest size any op asks for.
+    pub scratch_bytes: u64,
+    /// Per op of the trace, its estimated work: (floating-point
+    /// operations, bytes moved), from the op registry's cost model.
+    pub op_costs: Vec<(f64, f64)>,
+}
+
+/// How fast a GPU runs an iteration's ops: a roofline for estimates before
+/// an iteration was profiled.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OpSpeed {
+    /// Floating-point operations per second (fp32, im2col GEMMs included).
+    pub flops_per_s: f64,
+    /// Device memory bytes per second.
+    pub bytes_per_s: f64,
+    /// Fixed cost of one op (launches), seconds.
+    pub launch_s: f64,
+}
+
+impl OpSpeed {
+    /// An H100 in fp32 without tensor cores, as the swap path's kernels
+    /// reach it: 25 Tflop/s, 2 TB/s, 10 µs per op.
+    pub fn h100_fp32() -> OpSpeed {
+        OpSpeed {
+            flops_per_s: 25e12,
+            bytes_per_s: 2e12,
+            launch_s: 10e-6,
+        }
+    }
+
+    /// Per op, its estimated duration: the slower of its arithmetic and
+    /// its memory traffic, plus the launch cost.
+    pub fn durations(&self, costs: &[(f64, f64)]) -> Vec<f64> {
+        costs
+            .iter()
+            .map(|&(flops, bytes)| {
+                (flops / self.flops_per_s).max(bytes / self.bytes_per_s) + self.launch_s
+            })
+            .collect()
+    }
+
+    /// The same speed scaled so that the iteration of `costs` takes
+    /// `step_s` (a measured step time).
+    pub fn calibrated(&self, costs: &[(f64, f64)], step_s: f64) -> OpSpeed {
+        let estimated: f64 = self.durations(costs).iter().sum();
+        let launches = self.launch_s * costs.len() as f64;
+        let scale = if step_s > launches && estimated > launches {
+            (estimated - launches) / (step_s - launches)
+        } else {
+            1.0
+        };
+        OpSpeed {
+            flops_per_s: self.flops_per_s * scale,
+            bytes_per_s: self.bytes_per_s * scale,
+            launch_s: self.launch_s,
+        }
+    }
+}
+
+/// [`training_trace`] with the scratch memory the iteration reserves.
+pub fn training_iteration(
+    model: &Model,
+    batch: &Batch<'_>,
+    optimizer: OptimizerKind,
+    conv_workspace: Option<usize>,
+) -> Result<SwapIteration> {
     let (program, _) = Program::plan(model)?;
     let shape = steps::Shape::of(model, &batch.schedule, model.head.rows);
     let kind = steps::Kind::Train {
@@ -271,5 +375,48 @@ pub fn training_trace(
         kind,
         conv_workspace.unwrap_or(crate::engine::CONV_WORKSPACE_FLOATS),
     )?;
-    Ok(prog.trace)
+    Ok(SwapIteration {
+        op_costs: prog.costs,
+        scratch_bytes: crate::offset_allocator::aligned_size(
+            4 * prog.workspace_floats.max(1) as u64,
+        )
+        .unwrap_or(u64::MAX),
+        trace: prog.trace,
+    })
+}
+
+/// The bytes a plan may give the iteration's tensors under a device budget:
+/// the budget less the fixed overhead (memory in use outside the trace's
+/// tensors) and [`SwapConfig::headroom`].
+pub fn plan_budget(device_budget: u64, overhead: u64, config: &SwapConfig) -> u64 {
+    let reserve = (device_budget as f64 * config.headroom.clamp(0.0, 0.5)) as u64;
+    device_budget
+        .saturating_sub(overhead)
+        .saturating_sub(reserve)
+}
+
+/// Plans a training iteration the way the swap path does: the AutoVM
+/// planner under `budget` (see [`plan_budget`]) with `config`'s thresholds,
+/// activations and gradients offloadable (parameters, their gradients and
+/// optimizer state stay resident), every allocation placed at an offset of
+/// one arena (a [`ramus_swap::Layout`]: the pool's best fit fragments
+/// under a plan's traffic), `cost` for the link and `timing` for the
+/// prefetches ([`PrefetchTiming::Earliest`] for the first iteration of a
+/// batch shape, [`PrefetchTiming::Profiled`] once its op times are
+/// measured).
+pub fn plan_training(
+    trace: &Trace,
+    budget: u64,
+    config: &SwapConfig,
+    cost: CostModel,
+    timing: PrefetchTiming,
+) -> std::result::Result<SwapPlan, ramus_swap::PlanError> {
+    let mut c = PlannerConfig::new(budget);
+    c.size_threshold_bytes = config.size_threshold_bytes;
+    c.min_reuse_ops = config.min_reuse_ops;
+    c.offload_kinds = vec![TensorKind::Activation, TensorKind::Gradient];
+    c.cost = cost;
+    c.timing = timing;
+    c.layout = true;
+    AutoVmPlanner::new(c).plan(trace)
 }

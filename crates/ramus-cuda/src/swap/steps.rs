@@ -20,7 +20,9 @@
 //! 3. zeroing the parameter gradients; the head's backward steps and the
 //!    accumulation of its parameter gradients; the head input's gradient
 //!    pushed into every function's backward; every function's backward
-//!    eager and lazy steps and its parameter gradients;
+//!    eager and lazy steps, each parameter gradient accumulated right after
+//!    the step that completes it (so it does not live to the end of the
+//!    pass) where that parameter has no other gradient to add;
 //! 4. one fused optimizer step over every parameter.
 //!
 //! Ops that only produce a tensor from the host — the pulled inputs (the
@@ -30,7 +32,7 @@
 //! live longer than needed.
 
 use std::any::Any;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, Role, Source, Space};
 use ramus_core::{HeadRows, Model};
@@ -196,6 +198,9 @@ pub(crate) struct StaticProgram {
     pub masks: Vec<(GraphRef, NodeId, usize, u16)>,
     /// Floats of scratch memory the largest op needs.
     pub workspace_floats: usize,
+    /// Per op, its estimated work: floating-point operations and bytes
+    /// moved (the op registry's cost model; host copies count their bytes).
+    pub costs: Vec<(f64, f64)>,
     pub kind: Kind,
     pub trace: Trace,
 }
@@ -313,6 +318,16 @@ struct Builder<'a> {
     pending: HashMap<TensorId, (SwapOp, String)>,
     ops: Vec<SwapOp>,
     workspace_floats: usize,
+    /// Parameter-gradient outputs accumulated right after a step: by
+    /// (graph, phase, step index).
+    early: HashMap<(GraphRef, usize, usize), Vec<usize>>,
+    /// Outputs accumulated so far.
+    accumulated: HashSet<(GraphRef, usize)>,
+    /// Bytes of each tensor, and the estimated work of each op.
+    sizes: Vec<u64>,
+    costs: Vec<(f64, f64)>,
+    /// The work of the step being emitted (other ops: their bytes).
+    step_cost: Option<(f64, f64)>,
 }
 
 impl Builder<'_> {
@@ -325,6 +340,7 @@ impl Builder<'_> {
     ) -> TensorId {
         let id = self.t.tensor(name, bytes, kind);
         self.homes.push(home);
+        self.sizes.push(bytes);
         id
     }
 
@@ -409,13 +425,20 @@ impl Builder<'_> {
         reads: &[TensorId],
         writes: &[TensorId],
     ) {
+        let size = |t: &TensorId| self.sizes.get(t.index()).copied().unwrap_or(0) as f64;
         for t in reads.iter().chain(writes) {
             if let Some((producer, pname)) = self.pending.remove(t) {
                 self.ops.push(producer);
+                self.costs.push((0.0, size(t)));
                 self.t.op(pname, phase, &[], &[*t]);
             }
         }
+        let cost = self.step_cost.take().unwrap_or_else(|| {
+            let moved: f64 = reads.iter().chain(writes).map(size).sum();
+            (moved / 4.0, moved)
+        });
         self.ops.push(op);
+        self.costs.push(cost);
         self.t.op(name, phase, reads, writes);
     }
 
@@ -434,43 +457,18 @@ impl Builder<'_> {
             None => self.shape.head_rows,
         };
         for (index, step) in prog.phases[phase].iter().enumerate() {
-            let (reads, writes, name) =
-                match &step.step {
-                    PlannedStep::Op(n) => {
-                        let node = &g.nodes[*n];
-                        if let NodeKind::Op(op) = &node.kind {
-                            let any: &dyn Any = op.as_ref();
-                            self.workspace_floats = self
-                                .workspace_floats
-                                .max(cnn_workspace_floats(any, rows, self.conv_workspace));
-                        }
-                        let sig = node.op().map(|o| o.signature()).unwrap_or_default();
-                        (node.inputs.clone(), vec![*n], format!("{label} %{n} {sig}"))
-                    }
-                    PlannedStep::Fused(group) => {
-                        let (r, w) = group_nodes(group);
-                        let name = format!(
-                            "{label} fused %{}..%{} ({} ops)",
-                            group.nodes.first().copied().unwrap_or(0),
-                            group.nodes.last().copied().unwrap_or(0),
-                            group.nodes.len()
-                        );
-                        (r, w, name)
-                    }
-                    PlannedStep::GemmBias {
-                        matmul,
-                        bias,
-                        group,
-                    } => {
-                        let (mut r, mut w) = group_nodes(group);
-                        // the product is the step's own (written, then read)
-                        r.retain(|&n| n != *matmul);
-                        r.extend(&g.nodes[*matmul].inputs);
-                        r.push(*bias);
-                        w.push(*matmul);
-                        (r, w, format!("{label} %{matmul} matmul + bias"))
-                    }
-                };
+            if let PlannedStep::Op(n) = &step.step {
+                if let NodeKind::Op(op) = &g.nodes[*n].kind {
+                    let any: &dyn Any = op.as_ref();
+                    self.workspace_floats = self.workspace_floats.max(cnn_workspace_floats(
+                        any,
+                        rows,
+                        self.conv_workspace,
+                    ));
+                }
+            }
+            let (reads, writes, name) = step_nodes(g, &step.step, &label);
+            self.step_cost = Some(step_cost(g, &step.step, rows));
             let reads = self.resolve_all(graph, &reads)?;
             let writes = self.resolve_all(graph, &writes)?;
             self.emit(
@@ -484,6 +482,11 @@ impl Builder<'_> {
                 &reads,
                 &writes,
             );
+            if let Some(outputs) = self.early.remove(&(graph, phase, index)) {
+                for output in outputs {
+                    self.accumulate_output(graph, output)?;
+                }
+            }
         }
         Ok(())
     }
@@ -516,30 +519,14 @@ impl Builder<'_> {
         Ok(())
     }
 
-    /// Accumulation ops of backward graph `graph`'s parameter gradients.
+    /// Accumulation ops of backward graph `graph`'s parameter gradients
+    /// (those not accumulated early, right after their last writer).
     fn accumulate(&mut self, graph: GraphRef) -> Result<()> {
         let g = graph.graph(self.model);
         for (output, o) in g.outputs.iter().enumerate() {
             match o.role {
-                Role::ParamGrad(p) => {
-                    let src = self.resolve_all(graph, &[o.node])?;
-                    let dst = *self.grads.get(p).ok_or_else(|| {
-                        CudaError::Model(format!("gradient of unknown parameter {p}"))
-                    })?;
-                    let mut reads = src;
-                    reads.push(dst);
-                    let name = format!(
-                        "{} accumulate grad {}",
-                        graph.label(self.model),
-                        self.model.params[p].name
-                    );
-                    self.emit(
-                        SwapOp::AccumulateGrad { graph, output },
-                        name,
-                        Phase::Backward,
-                        &reads,
-                        &[dst],
-                    );
+                Role::ParamGrad(_) if !self.accumulated.contains(&(graph, output)) => {
+                    self.accumulate_output(graph, output)?
                 }
                 Role::ParamRowGrad(_) => {
                     return Err(unsupported(self.model, "has row gradients".into()))
@@ -548,6 +535,167 @@ impl Builder<'_> {
             }
         }
         Ok(())
+    }
+
+    /// The accumulation op of output `output` (a parameter gradient) of
+    /// backward graph `graph`.
+    fn accumulate_output(&mut self, graph: GraphRef, output: usize) -> Result<()> {
+        let g = graph.graph(self.model);
+        let Some(o) = g.outputs.get(output) else {
+            return Err(CudaError::Model(format!("swap path: no output {output}")));
+        };
+        let Role::ParamGrad(p) = o.role else {
+            return Err(CudaError::Model(
+                "swap path: accumulating a non-gradient output".into(),
+            ));
+        };
+        let src = self.resolve_all(graph, &[o.node])?;
+        let dst = *self
+            .grads
+            .get(p)
+            .ok_or_else(|| CudaError::Model(format!("gradient of unknown parameter {p}")))?;
+        let mut reads = src;
+        reads.push(dst);
+        let name = format!(
+            "{} accumulate grad {}",
+            graph.label(self.model),
+            self.model.params[p].name
+        );
+        self.emit(
+            SwapOp::AccumulateGrad { graph, output },
+            name,
+            Phase::Backward,
+            &reads,
+            &[dst],
+        );
+        self.accumulated.insert((graph, output));
+        Ok(())
+    }
+
+    /// Schedules the accumulation of each of the backward graphs'
+    /// parameter gradients right after the step that last writes it, so
+    /// that the gradient's own tensor is freed at once instead of living to
+    /// the end of the backward pass (the functions' `graphs`; the head's
+    /// backward is short). Only parameters with exactly one gradient output
+    /// of any backward graph move (their gradient buffer is zeroed, so `0 + g`
+    /// is the same value whenever it is added); the others keep the plain
+    /// engine's order of additions.
+    fn plan_early_accumulations(&mut self, graphs: &[GraphRef], phases: &[usize]) -> Result<()> {
+        let mut count = vec![0usize; self.model.params.len()];
+        let every = (0..self.model.functions.len())
+            .map(GraphRef::Backward)
+            .chain([GraphRef::HeadBackward]);
+        for graph in every {
+            for o in &graph.graph(self.model).outputs {
+                if let Role::ParamGrad(p) = o.role {
+                    if let Some(c) = count.get_mut(p) {
+                        *c += 1;
+                    }
+                }
+            }
+        }
+        for &graph in graphs {
+            let g = graph.graph(self.model);
+            let prog = graph.program(self.program, self.kind);
+            let label = graph.label(self.model);
+            // the last step (phase, index) writing each tensor
+            let mut last_writer: HashMap<TensorId, (usize, usize)> = HashMap::new();
+            for &phase in phases {
+                for (index, step) in prog.phases[phase].iter().enumerate() {
+                    let (_, writes, _) = step_nodes(g, &step.step, &label);
+                    for t in self.resolve_all(graph, &writes)? {
+                        last_writer.insert(t, (phase, index));
+                    }
+                }
+            }
+            for (output, o) in g.outputs.iter().enumerate() {
+                let Role::ParamGrad(p) = o.role else {
+                    continue;
+                };
+                if count.get(p) != Some(&1) {
+                    continue;
+                }
+                let src = self.resolve_all(graph, &[o.node])?;
+                let last = src
+                    .iter()
+                    .map(|t| last_writer.get(t).copied())
+                    .collect::<Option<Vec<_>>>();
+                // every source written by a step of these phases: after the last one
+                let Some(at) = last.and_then(|l| {
+                    l.into_iter().max_by_key(|&(phase, index)| {
+                        (phases.iter().position(|&x| x == phase), index)
+                    })
+                }) else {
+                    continue;
+                };
+                self.early
+                    .entry((graph, at.0, at.1))
+                    .or_default()
+                    .push(output);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The estimated work of a step over `rows` rows: (flops, bytes), summed
+/// over its op nodes by the op registry's cost model.
+fn step_cost(g: &Graph, step: &PlannedStep, rows: usize) -> (f64, f64) {
+    let node = |n: NodeId| -> (f64, f64) {
+        let node = &g.nodes[n];
+        let Some(op) = node.op() else {
+            return (0.0, 0.0);
+        };
+        let inputs: Vec<&ramus_core::graph::ValueType> =
+            node.inputs.iter().map(|&i| &g.nodes[i].ty).collect();
+        let c = op.cost(&inputs, &node.ty, rows);
+        (c.flops, c.bytes)
+    };
+    let sum = |nodes: &mut dyn Iterator<Item = NodeId>| {
+        nodes
+            .map(node)
+            .fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1))
+    };
+    match step {
+        PlannedStep::Op(n) => node(*n),
+        PlannedStep::Fused(group) => sum(&mut group.nodes.iter().copied()),
+        PlannedStep::GemmBias { matmul, group, .. } => {
+            sum(&mut std::iter::once(*matmul).chain(group.nodes.iter().copied()))
+        }
+    }
+}
+
+/// Nodes a step reads (buffers of its inputs) and writes, and its name.
+fn step_nodes(g: &Graph, step: &PlannedStep, label: &str) -> (Vec<NodeId>, Vec<NodeId>, String) {
+    match step {
+        PlannedStep::Op(n) => {
+            let node = &g.nodes[*n];
+            let sig = node.op().map(|o| o.signature()).unwrap_or_default();
+            (node.inputs.clone(), vec![*n], format!("{label} %{n} {sig}"))
+        }
+        PlannedStep::Fused(group) => {
+            let (r, w) = group_nodes(group);
+            let name = format!(
+                "{label} fused %{}..%{} ({} ops)",
+                group.nodes.first().copied().unwrap_or(0),
+                group.nodes.last().copied().unwrap_or(0),
+                group.nodes.len()
+            );
+            (r, w, name)
+        }
+        PlannedStep::GemmBias {
+            matmul,
+            bias,
+            group,
+        } => {
+            let (mut r, mut w) = group_nodes(group);
+            // the product is the step's own (written, then read)
+            r.retain(|&n| n != *matmul);
+            r.extend(&g.nodes[*matmul].inputs);
+            r.push(*bias);
+            w.push(*matmul);
+            (r, w, format!("{label} %{matmul} matmul + bias"))
+        }
     }
 }
 
@@ -595,6 +743,11 @@ pub(crate) fn build(
         pending: HashMap::new(),
         ops: Vec::new(),
         workspace_floats: 0,
+        early: HashMap::new(),
+        accumulated: HashSet::new(),
+        sizes: Vec::new(),
+        costs: Vec::new(),
+        step_cost: None,
     };
     for p in &model.params {
         let bytes = pool_bytes(p.shape.iter().product());
@@ -737,6 +890,8 @@ pub(crate) fn build(
         &[],
         &grads,
     );
+    let backward: Vec<GraphRef> = (0..nf).map(GraphRef::Backward).collect();
+    b.plan_early_accumulations(&backward, &[EAGER, LAZY])?;
     b.seeds(GraphRef::HeadBackward, &head.forward)?;
     b.steps(GraphRef::HeadBackward, 0, Phase::Backward)?;
     b.accumulate(GraphRef::HeadBackward)?;
@@ -802,6 +957,7 @@ impl Builder<'_> {
             empty: self.empty,
             masks,
             workspace_floats: self.workspace_floats,
+            costs: self.costs,
             kind: self.kind,
             trace,
         })
