@@ -75,6 +75,9 @@ pub fn run(
             persistent.train_batch(model, &batch)?;
             Ok(())
         })?;
+        let kernel_ms = persistent
+            .last_kernel_seconds()
+            .map(|s| (s * 1e6).round() / 1e3);
         let batched_train = median_time(a.reps, || {
             let b = Batch::new(model, batch.clone(), BatchingPolicy::Cavs)?;
             batched.train_step(model, &mut batched_params, &mut grads, &mut opt, &b)?;
@@ -85,7 +88,7 @@ pub fn run(
         let line = serde_json::json!({
             "system": "ramus", "engine": "persistent", "hidden": a.hidden, "batch": bs, "nodes": nodes,
             "train_ms": (train * 1e6).round() / 1e3, "train_sent_per_s": per_s(train),
-            "sync_train_ms": (sync_train * 1e6).round() / 1e3,
+            "sync_train_ms": (sync_train * 1e6).round() / 1e3, "kernel_ms": kernel_ms,
             "batched_train_sent_per_s": per_s(batched_train),
             "speedup_vs_batched": ((batched_train / train) * 100.0).round() / 100.0,
             "host_ms": (step.host_seconds * 1e6).round() / 1e3, "tasks": step.tasks, "levels": step.levels,

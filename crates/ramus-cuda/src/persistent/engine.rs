@@ -629,24 +629,44 @@ fn build_variant(
     build: &VariantBuild,
     rpw: usize,
 ) -> Result<Variant> {
-    let request = PlanRequest {
+    // The plan budgets registers with a fixed allowance for the
+    // interpreter; where the compiled kernel needs more and spills (or
+    // cannot be resident), the next choice the user left open is tried:
+    // one CTA per SM (twice the registers per thread), then gradients
+    // outside registers.
+    let mut request = PlanRequest {
         rpw,
         ctas_per_sm: build.ctas_per_sm,
         grads_in_registers: build.grads_in_registers,
     };
-    let register_plan: RegisterPlan = plan(&prog.matrices, &build.limits, &request)?;
-    let mut scheduler = Scheduler::new(&register_plan);
-    scheduler.record = false;
-    // product tasks carry an (input, output, bias) item per row
-    scheduler.holder_item = PRODUCT_ITEM_WORDS;
-    let kernel = PersistentKernel::build(
-        device,
-        cache,
-        pool,
-        register_plan,
-        build.rule,
-        &prog.fused_source,
-        &build.slots,
-    )?;
-    Ok(Variant { kernel, scheduler })
+    loop {
+        let register_plan: RegisterPlan = plan(&prog.matrices, &build.limits, &request)?;
+        let chosen = (register_plan.ctas_per_sm, register_plan.grads_in_registers);
+        let mut scheduler = Scheduler::new(&register_plan);
+        scheduler.record = false;
+        // product tasks carry an (input, output, bias) item per row
+        scheduler.holder_item = PRODUCT_ITEM_WORDS;
+        let built = PersistentKernel::build(
+            device,
+            cache,
+            pool,
+            register_plan,
+            build.rule,
+            &prog.fused_source,
+            &build.slots,
+        );
+        match built {
+            Ok(kernel) => return Ok(Variant { kernel, scheduler }),
+            Err(e) => {
+                if build.ctas_per_sm.is_none() && chosen.0 > 1 {
+                    request.ctas_per_sm = Some(chosen.0 - 1);
+                } else if build.grads_in_registers.is_none() && chosen.1 {
+                    request.ctas_per_sm = build.ctas_per_sm;
+                    request.grads_in_registers = Some(false);
+                } else {
+                    return Err(e);
+                }
+            }
+        }
+    }
 }
