@@ -16,7 +16,10 @@
 //!   prefetch neither completed nor was awaited by the compute stream (a
 //!   tensor whose first use is a read, never written before, is an input
 //!   and holds data from then on);
-//! * an op writes a tensor while its offload is still reading it;
+//! * an op writes a tensor while its offload is still reading it, unless
+//!   the compute stream is ordered after that offload (it awaited a
+//!   prefetch of the tensor, which waits for the tensor's offload on the
+//!   device; the await completes the offload, as the event wait would);
 //! * memory is released while a copy still reads or writes it (an offload
 //!   not yet complete: reuse before the copy's event);
 //! * a tensor is offloaded without data, prefetched without a host copy, or
@@ -70,7 +73,8 @@ pub struct SimDeviceCounts {
     /// Host waits for a copy that had not completed by itself yet.
     pub blocking_waits: usize,
     /// Device-side waits: a write into reused memory that waited for an
-    /// offload still reading it (layout mode).
+    /// offload still reading it, or the compute stream awaiting a prefetch
+    /// that waited for the tensor's own offload (layout mode).
     #[serde(default)]
     pub device_waits: usize,
     /// The most device memory in use at once (a layout's arena counts
@@ -89,6 +93,10 @@ struct Copy {
     complete: bool,
     /// For a prefetch: the compute stream waits for it.
     awaited: bool,
+    /// For a prefetch: issued while the tensor's own offload (into the
+    /// slot it copies from) was in flight, so it waits for that offload on
+    /// the device, and so does whatever waits for the prefetch.
+    after_offload: bool,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -365,6 +373,10 @@ impl<'t> SimDevice<'t> {
     }
 
     fn complete_prefetch(&mut self, t: usize) {
+        // a prefetch ordered after the tensor's offload completes after it
+        if self.tensors[t].prefetch.is_some_and(|c| c.after_offload) {
+            self.complete_offloads_through(t);
+        }
         if self.h2d.front() == Some(&t) {
             self.h2d.pop_front();
         }
@@ -505,6 +517,7 @@ impl SwapDevice for SimDevice<'_> {
             done_at: self.now + self.latency_ops,
             complete: false,
             awaited: false,
+            after_offload: false,
         });
         self.d2h.push_back(t);
         self.counts.copies_to_host += 1;
@@ -577,7 +590,13 @@ impl SwapDevice for SimDevice<'_> {
                 self.latest[t]
             )));
         }
-        let done_at = self.now + self.latency_ops;
+        // the copy starts once that offload completed
+        let after_offload = self.offload_in_flight(t);
+        let offloaded_at = match self.tensors[t].offload {
+            Some(c) if after_offload => c.done_at,
+            _ => 0,
+        };
+        let done_at = (self.now + self.latency_ops).max(offloaded_at);
         let st = &mut self.tensors[t];
         st.data = Some(version);
         st.prefetch = Some(Copy {
@@ -585,6 +604,7 @@ impl SwapDevice for SimDevice<'_> {
             done_at,
             complete: false,
             awaited: false,
+            after_offload,
         });
         self.h2d.push_back(t);
         self.counts.copies_to_device += 1;
@@ -600,6 +620,14 @@ impl SwapDevice for SimDevice<'_> {
         match self.tensors[t].prefetch.as_mut() {
             Some(c) => {
                 c.awaited = true;
+                // the compute stream waits for the prefetch, which waits for
+                // the tensor's offload: later ops (a write of the tensor
+                // among them) follow that offload, as a stream's wait on the
+                // prefetch's event would order them
+                if std::mem::take(&mut c.after_offload) && self.offload_in_flight(t) {
+                    self.counts.device_waits += 1;
+                    self.complete_offloads_through(t);
+                }
                 Ok(())
             }
             None => Err(self.violation(format!(

@@ -8,8 +8,9 @@ mod common;
 
 use common::{all_traces, cost, peak};
 use ramus_swap::{
-    AutoVmPlanner, ExecError, ExecOptions, Executor, Phase, PlanError, Planner, PlannerConfig,
-    PrefetchTiming, SimDevice, SwapDevice, SwapPlan, TensorId, TensorKind, Trace, TraceBuilder,
+    AutoVmPlanner, Block, ExecError, ExecOptions, Executor, Layout, Phase, PlanError, Planner,
+    PlannerConfig, PrefetchTiming, SimDevice, SwapDevice, SwapPlan, TensorId, TensorKind, Trace,
+    TraceBuilder,
 };
 
 const MIB: u64 = 1 << 20;
@@ -213,4 +214,88 @@ fn a_layout_needs_persistent_tensors_to_stay() {
     let e = AutoVmPlanner::new(c).plan(&trace).unwrap_err();
     assert!(matches!(e, PlanError::Config(_)), "{e}");
     assert!(e.to_string().contains("parameter"), "{e}");
+}
+
+/// A gradient written by `b1`, then accumulated (read and written) by
+/// `b0`; `act` in between takes its room, so the gradient is offloaded
+/// after `b1` and prefetched for `b0`.
+fn accumulate_trace() -> Trace {
+    let mut b = TraceBuilder::new();
+    let g = b.tensor("dx", MIB, TensorKind::Gradient);
+    let a = b.tensor("act", 3 * MIB, TensorKind::Activation);
+    let c = b.tensor("other", MIB, TensorKind::Activation);
+    b.op("b1", Phase::Backward, &[], &[g]);
+    b.op("make act", Phase::Backward, &[], &[a]);
+    b.op("use act", Phase::Backward, &[a], &[c]);
+    b.op("b0", Phase::Backward, &[c, g], &[g]);
+    b.build().unwrap()
+}
+
+/// Regression (props `laid_out_plans_run_in_the_pool_model`): `dx` is
+/// offloaded after `b1` and, still being copied out when `b0` comes, placed
+/// elsewhere and prefetched; `b0` accumulates into it. The prefetch waits for
+/// the offload on the device and `b0` for the prefetch, so the write is
+/// ordered after the offload (which reads the old range anyway), with no host
+/// wait. Writing the offloaded memory itself without that order stays an
+/// error.
+#[test]
+fn a_gradient_offloaded_then_accumulated_after_its_prefetch_runs() {
+    let trace = accumulate_trace();
+    let (dx, act, other) = (TensorId(0), TensorId(1), TensorId(2));
+    let mut plan = planner(4 * MIB, PrefetchTiming::Earliest)
+        .plan(&trace)
+        .unwrap();
+    assert_eq!(plan.actions.len(), 2, "{:?}", plan.actions);
+    assert!(plan.actions.iter().all(|a| a.tensor() == dx));
+    // nothing takes dx's old range before b0, whose dx lies elsewhere: only
+    // the prefetch orders b0's write after the offload
+    let place = |tensor, offset, bytes, from_op, until_op| Block {
+        tensor,
+        offset,
+        bytes,
+        from_op,
+        until_op,
+    };
+    plan.layout = Some(Layout {
+        arena_bytes: 6 * MIB,
+        max_live_bytes: 5 * MIB,
+        blocks: vec![
+            place(dx, 0, MIB, 0, 2),
+            place(act, MIB, 3 * MIB, 1, 3),
+            place(other, 4 * MIB, MIB, 2, 4),
+            place(dx, 5 * MIB, MIB, 3, 4),
+        ],
+    });
+    plan.layout.as_ref().unwrap().check(&trace, &plan).unwrap();
+    plan.budget_bytes = Some(6 * MIB);
+    for latency in [0, 1, 4, 64] {
+        let ex = Executor::new(&trace, Some(&plan), ExecOptions::planned(Some(6 * MIB))).unwrap();
+        let mut dev = SimDevice::new(&trace, Some(6 * MIB)).with_latency(latency);
+        let r = ex
+            .run(&mut dev)
+            .unwrap_or_else(|e| panic!("latency {latency}: {e}"));
+        assert_eq!((r.offloads, r.prefetches), (1, 1));
+        assert_eq!(r.offload_waits, 0, "no host wait");
+        assert_eq!(dev.counts().blocking_waits, 0, "no host wait");
+        // b0 waited on the device for the offload still in flight
+        let waited = usize::from(latency >= 3);
+        assert_eq!(dev.counts().device_waits, waited, "latency {latency}");
+    }
+
+    // b0 writing the memory its offload still reads is rejected
+    let mut dev = SimDevice::new(&trace, Some(6 * MIB)).with_latency(4);
+    dev.reserve_arena(6 * MIB).unwrap();
+    dev.allocate_at(dx, 0, MIB).unwrap();
+    dev.run_op(0).unwrap();
+    dev.offload(dx).unwrap();
+    dev.allocate_at(act, MIB, 3 * MIB).unwrap();
+    dev.run_op(1).unwrap();
+    dev.allocate_at(other, 4 * MIB, MIB).unwrap();
+    dev.run_op(2).unwrap();
+    let e = dev.run_op(3).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("op `b0` writes t0 `dx` while its offload reads it"),
+        "{e}"
+    );
 }
