@@ -116,6 +116,16 @@ pub struct VertexFunction {
     pub gather_arity: usize,
 }
 
+impl VertexFunction {
+    /// The input of `∂F` that receives the gradient of `F`'s output with
+    /// `role` (the state gradient for [`Role::Scatter`], the pushed value's
+    /// for [`Role::Push`]), if `F` has that output and `∂F` reads it.
+    pub fn output_grad_node(&self, role: Role) -> Option<NodeId> {
+        let i = self.forward.outputs.iter().position(|o| o.role == role)?;
+        self.backward.input_node(Source::OutputGrad(i))
+    }
+}
+
 /// The static head: a graph over the pushed values of the head rows.
 #[derive(Clone, Debug)]
 pub struct Head {

@@ -752,14 +752,7 @@ impl<T: Real> CpuEngine<T> {
                     s.vertex_row[v as usize] as usize,
                 );
                 let func = &model.functions[f];
-                let push_out = func
-                    .forward
-                    .outputs
-                    .iter()
-                    .position(|o| o.role == Role::Push);
-                if let Some(pg) =
-                    push_out.and_then(|i| func.backward.input_node(Source::OutputGrad(i)))
-                {
+                if let Some(pg) = func.output_grad_node(Role::Push) {
                     for (d, &x) in self.bwd[f].vals[pg][r * pw..(r + 1) * pw]
                         .iter_mut()
                         .zip(&src[i * pw..(i + 1) * pw])
@@ -788,14 +781,7 @@ impl<T: Real> CpuEngine<T> {
             let func = &model.functions[f];
             let rows = &s.functions[f];
             let range = Range::task(task);
-            let scatter_out = func
-                .forward
-                .outputs
-                .iter()
-                .position(|o| o.role == Role::Scatter);
-            if let Some(sg) =
-                scatter_out.and_then(|i| func.backward.input_node(Source::OutputGrad(i)))
-            {
+            if let Some(sg) = func.output_grad_node(Role::Scatter) {
                 let src =
                     &self.state_grad[task.begin as usize * w..(task.begin + task.len) as usize * w];
                 self.bwd[f].vals[sg][range.r0 * w..range.r1 * w].copy_from_slice(src);

@@ -247,13 +247,7 @@ pub fn training_trace(model: &Model, batch: &Batch<'_>, optimizer_states: usize)
     for (i, task) in s.tasks.iter().enumerate().rev() {
         let func = &model.functions[task.function];
         let (own, fwd_f) = (&bwd[task.function], &fwd[task.function]);
-        let scatter_grad = func
-            .forward
-            .outputs
-            .iter()
-            .position(|o| o.role == Role::Scatter)
-            .and_then(|k| func.backward.input_node(Source::OutputGrad(k)))
-            .and_then(|n| own.0[n]);
+        let scatter_grad = func.output_grad_node(Role::Scatter).and_then(|n| own.0[n]);
         if let Some(sg) = scatter_grad {
             ctx.t.op(
                 format!("task {i} ∂scatter"),

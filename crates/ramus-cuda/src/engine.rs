@@ -600,6 +600,38 @@ impl CudaEngine {
         })
     }
 
+    /// Row moves adding the head's input gradients (`src`: `pw` floats per
+    /// head row) into each function's pushed-value gradient, whose buffer
+    /// `buf(f, node)` gives.
+    fn push_grad_moves(
+        &self,
+        model: &Model,
+        src: DeviceView<f32>,
+        pw: usize,
+        buf: impl Fn(usize, NodeId) -> Buf,
+    ) -> Result<Vec<RowMove>> {
+        let mut moves = Vec::new();
+        for (f, func) in model.functions.iter().enumerate() {
+            let topo = self.topology(f)?;
+            let Some(pg) = func.output_grad_node(Role::Push) else {
+                continue;
+            };
+            let Buf::Floats(dst) = buf(f, pg) else {
+                continue;
+            };
+            moves.push(RowMove {
+                dst,
+                src,
+                dst_rows: Some(topo.head_sources),
+                src_rows: Some(topo.head_rows),
+                rows: topo.head_rows.len(),
+                width: pw,
+                accumulate: true,
+            });
+        }
+        Ok(moves)
+    }
+
     /// Draws (on the host, same order as the CPU engine) and uploads the
     /// dropout masks of `g`.
     fn fill_masks(&mut self, g: &Graph, bufs: &[Buf], training: bool) -> Result<()> {
@@ -1493,32 +1525,7 @@ impl CudaEngine {
                 Range::rows_only(h),
             )?;
             let pw = hb.nodes[out.node].ty.width();
-            let mut moves = Vec::new();
-            for (f, func) in model.functions.iter().enumerate() {
-                let topo = self.topology(f)?;
-                let push_out = func
-                    .forward
-                    .outputs
-                    .iter()
-                    .position(|o| o.role == Role::Push);
-                let Some(pg) =
-                    push_out.and_then(|i| func.backward.input_node(Source::OutputGrad(i)))
-                else {
-                    continue;
-                };
-                let Buf::Floats(dst) = bwd[f][pg] else {
-                    continue;
-                };
-                moves.push(RowMove {
-                    dst,
-                    src,
-                    dst_rows: Some(topo.head_sources),
-                    src_rows: Some(topo.head_rows),
-                    rows: topo.head_rows.len(),
-                    width: pw,
-                    accumulate: true,
-                });
-            }
+            let moves = self.push_grad_moves(model, src, pw, |f, pg| bwd[f][pg])?;
             self.launcher.move_rows(&stream, &moves)?;
         }
         let state_grad = self.arena_alloc::<f32>(s.num_vertices() * w, &|| {
@@ -1535,14 +1542,7 @@ impl CudaEngine {
             let range = Range::task(task);
             self.join_eager(f, &mut joined)?;
             let topo = self.topology(f)?;
-            let scatter_out = func
-                .forward
-                .outputs
-                .iter()
-                .position(|o| o.role == Role::Scatter);
-            if let Some(sg) =
-                scatter_out.and_then(|i| func.backward.input_node(Source::OutputGrad(i)))
-            {
+            if let Some(sg) = func.output_grad_node(Role::Scatter) {
                 if let Buf::Floats(dst) = bwd[f][sg] {
                     let len = task.len as usize;
                     let src = state_grad

@@ -254,6 +254,40 @@ pub(crate) fn lstm_step(
     (h, c)
 }
 
+/// A leaf `h = tanh(W x + b)` on its (dropped-out) word vector; scatters
+/// and pushes `h`.
+pub(crate) fn tanh_leaf(
+    m: &mut ModelBuilder,
+    emb: usize,
+    w: usize,
+    b: usize,
+    dropout: f64,
+) -> Result<usize> {
+    m.vertex_fn("leaf", |f| {
+        let x = f.embed(emb);
+        let x = f.dropout(x, dropout);
+        let (wp, bp) = (f.param(w), f.param(b));
+        let pre = f.linear(x, wp, Some(bp));
+        let h = f.tanh(pre);
+        f.scatter(h);
+        f.push(h);
+    })
+}
+
+/// A binary internal vertex `h = tanh(W [h_l; h_r] + b)`; scatters and
+/// pushes `h`.
+pub(crate) fn binary_tanh_internal(m: &mut ModelBuilder, w: usize, b: usize) -> Result<usize> {
+    m.vertex_fn("internal", |f| {
+        let (l, r) = (f.gather(0), f.gather(1));
+        let lr = f.concat(&[l, r]);
+        let (wp, bp) = (f.param(w), f.param(b));
+        let z = f.linear(lr, wp, Some(bp));
+        let h = f.tanh(z);
+        f.scatter(h);
+        f.push(h);
+    })
+}
+
 /// Linear classifier head with mean softmax cross-entropy (and dropout on its input).
 pub(crate) fn classifier_head(h: &mut HeadBuilder, w_out: usize, b_out: usize, dropout: f64) {
     let x = h.input();
@@ -343,15 +377,7 @@ fn tree_fc(cfg: &ModelConfig, dropout: f64) -> Result<Model> {
         f.scatter(h);
         f.push(h);
     })?;
-    let internal = m.vertex_fn("internal", |f| {
-        let (l, r) = (f.gather(0), f.gather(1));
-        let lr = f.concat(&[l, r]);
-        let (wp, bp) = (f.param(w), f.param(b));
-        let z = f.linear(lr, wp, Some(bp));
-        let h = f.tanh(z);
-        f.scatter(h);
-        f.push(h);
-    })?;
+    let internal = binary_tanh_internal(&mut m, w, b)?;
     m.select(FunctionSelector::LeafInternal { leaf, internal });
     m.head(HeadRows::Roots, hd, |h| {
         classifier_head(h, w_out, b_out, dropout)
@@ -378,15 +404,7 @@ fn tree_gru(cfg: &ModelConfig, dropout: f64) -> Result<Model> {
     let b_h = m.param("b_h", &[hd], Init::Zeros);
     let w_out = m.param("W_out", &[k, hd], Init::LinearDefault);
     let b_out = m.param("b_out", &[k], linear_bias(hd));
-    let leaf = m.vertex_fn("leaf", |f| {
-        let x = f.embed(emb);
-        let x = f.dropout(x, dropout);
-        let (wp, bp) = (f.param(w), f.param(b));
-        let pre = f.linear(x, wp, Some(bp));
-        let h = f.tanh(pre);
-        f.scatter(h);
-        f.push(h);
-    })?;
+    let leaf = tanh_leaf(&mut m, emb, w, b, dropout)?;
     let internal = m.vertex_fn("internal", |f| {
         let kids = f.gather_all();
         let h_sum = f.sum_children(kids);

@@ -44,8 +44,8 @@ use ramus_core::{CoreError, Model, Result};
 use ramus_graph::sequence::tagger_kinds;
 
 use crate::models::{
-    binary_lstm_internal, classifier_head, linear_bias, lstm_leaf, lstm_step, record_settings,
-    ModelConfig, ModelOptions,
+    binary_lstm_internal, binary_tanh_internal, classifier_head, linear_bias, lstm_leaf, lstm_step,
+    record_settings, tanh_leaf, ModelConfig, ModelOptions,
 };
 
 /// Names of the models of this module.
@@ -373,24 +373,8 @@ fn rvnn(cfg: &ModelConfig, dropout: f64) -> Result<Model> {
     let b = m.param("b", &[hd], Init::Zeros);
     let w_out = m.param("W_out", &[k, hd], Init::LinearDefault);
     let b_out = m.param("b_out", &[k], linear_bias(hd));
-    let leaf = m.vertex_fn("leaf", |f| {
-        let x = f.embed(emb);
-        let x = f.dropout(x, dropout);
-        let (wp, bp) = (f.param(w_leaf), f.param(b_leaf));
-        let z = f.linear(x, wp, Some(bp));
-        let h = f.tanh(z);
-        f.scatter(h);
-        f.push(h);
-    })?;
-    let internal = m.vertex_fn("internal", |f| {
-        let (l, r) = (f.gather(0), f.gather(1));
-        let lr = f.concat(&[l, r]);
-        let (wp, bp) = (f.param(w), f.param(b));
-        let z = f.linear(lr, wp, Some(bp));
-        let h = f.tanh(z);
-        f.scatter(h);
-        f.push(h);
-    })?;
+    let leaf = tanh_leaf(&mut m, emb, w_leaf, b_leaf, dropout)?;
+    let internal = binary_tanh_internal(&mut m, w, b)?;
     m.select(FunctionSelector::LeafInternal { leaf, internal });
     m.head(HeadRows::Roots, hd, |h| {
         classifier_head(h, w_out, b_out, dropout)

@@ -907,32 +907,8 @@ impl CudaSwapDevice<'_> {
                 };
                 let src = view(GraphRef::HeadBackward, out.node)?;
                 let pw = hb.nodes[out.node].ty.width();
-                let mut moves = Vec::new();
-                for (f, func) in model.functions.iter().enumerate() {
-                    let topo = engine.topology(f)?;
-                    let push_out = func
-                        .forward
-                        .outputs
-                        .iter()
-                        .position(|o| o.role == Role::Push);
-                    let Some(pg) =
-                        push_out.and_then(|i| func.backward.input_node(Source::OutputGrad(i)))
-                    else {
-                        continue;
-                    };
-                    let Buf::Floats(dst) = own(GraphRef::Backward(f))[pg] else {
-                        continue;
-                    };
-                    moves.push(crate::launch::RowMove {
-                        dst,
-                        src,
-                        dst_rows: Some(topo.head_sources),
-                        src_rows: Some(topo.head_rows),
-                        rows: topo.head_rows.len(),
-                        width: pw,
-                        accumulate: true,
-                    });
-                }
+                let moves = engine
+                    .push_grad_moves(model, src, pw, |f, pg| own(GraphRef::Backward(f))[pg])?;
                 engine.launcher.move_rows(&stream, &moves)?;
             }
             SwapOp::AccumulateGrad { graph, output } => {

@@ -199,19 +199,13 @@ impl PersistentProgram {
             }
         }
 
-        let views = graph_keys(model)
-            .iter()
-            .map(|&key| {
-                let g = key.graph(model);
-                let plan = &plans[key.index(n)];
-                (0..g.nodes.len())
-                    .map(|x| plan.views.get(&x).copied())
-                    .collect()
-            })
-            .collect::<Vec<Vec<_>>>();
-        let mut views_by_index = vec![Vec::new(); views.len()];
-        for (key, v) in graph_keys(model).into_iter().zip(views) {
-            views_by_index[key.index(n)] = v;
+        // plans are indexed by graph; so are their views, by node
+        let mut views = vec![Vec::new(); plans.len()];
+        for key in graph_keys(model) {
+            let plan = &plans[key.index(n)];
+            views[key.index(n)] = (0..key.graph(model).nodes.len())
+                .map(|x| plan.views.get(&x).copied())
+                .collect();
         }
         let (cached, matrices) = cached_matrices(model)?;
         let mut epilogues = vec![HashMap::new(); plans.len()];
@@ -245,7 +239,7 @@ impl PersistentProgram {
         Ok(PersistentProgram {
             functions: n,
             plans,
-            views: views_by_index,
+            views,
             epilogues,
             cases,
             fused_source,

@@ -502,21 +502,16 @@ impl<'a> Unroller<'a> {
                     s.vertex_row[v as usize] as usize,
                 );
                 let cfunc = &model.functions[cf];
-                let Some(i) = cfunc
-                    .forward
-                    .outputs
-                    .iter()
-                    .position(|o| o.role == Role::Scatter)
-                else {
+                let Some(scattered) = cfunc.scatter else {
                     return Err(err(format!("function `{}` scatters no state", cfunc.name)));
                 };
                 if backward {
-                    match cfunc.backward.input_node(Source::OutputGrad(i)) {
+                    match cfunc.output_grad_node(Role::Scatter) {
                         Some(n) => u.row_at(GraphKey::Backward(cf), n, cr),
                         None => Ok(NO_INDEX),
                     }
                 } else {
-                    u.row_at(GraphKey::Forward(cf), cfunc.forward.outputs[i].node, cr)
+                    u.row_at(GraphKey::Forward(cf), scattered, cr)
                 }
             };
             let mut gather_ks = Vec::new();
@@ -592,19 +587,14 @@ impl<'a> Unroller<'a> {
                 s.vertex_row[v as usize] as usize,
             );
             let func = &model.functions[f];
-            let Some(i) = func
-                .forward
-                .outputs
-                .iter()
-                .position(|o| o.role == Role::Push)
-            else {
+            let Some(pushed) = func.push else {
                 return Err(err(format!(
                     "function `{}` pushes nothing to the head",
                     func.name
                 )));
             };
-            push_src.push(self.row_at(GraphKey::Forward(f), func.forward.outputs[i].node, r)?);
-            grad_dst.push(match func.backward.input_node(Source::OutputGrad(i)) {
+            push_src.push(self.row_at(GraphKey::Forward(f), pushed, r)?);
+            grad_dst.push(match func.output_grad_node(Role::Push) {
                 Some(n) => self.row_at(GraphKey::Backward(f), n, r)?,
                 None => NO_INDEX,
             });
@@ -1212,14 +1202,7 @@ impl<'a> Unroller<'a> {
                             s.vertex_row[c as usize] as usize,
                         );
                         let cfunc = &self.model.functions[cf];
-                        let out = cfunc
-                            .forward
-                            .outputs
-                            .iter()
-                            .position(|o| o.role == Role::Scatter);
-                        if let Some(sg) =
-                            out.and_then(|i| cfunc.backward.input_node(Source::OutputGrad(i)))
-                        {
+                        if let Some(sg) = cfunc.output_grad_node(Role::Scatter) {
                             self.record(GraphKey::Backward(cf), sg, cr, cr + 1, t);
                         }
                     }
@@ -1306,14 +1289,7 @@ impl<'a> Unroller<'a> {
                     let v = self.head_vertices[i] as usize;
                     let (f, row) = (s.vertex_function[v] as usize, s.vertex_row[v] as usize);
                     let func = &model.functions[f];
-                    let out = func
-                        .forward
-                        .outputs
-                        .iter()
-                        .position(|o| o.role == Role::Push);
-                    if let Some(pg) =
-                        out.and_then(|i| func.backward.input_node(Source::OutputGrad(i)))
-                    {
+                    if let Some(pg) = func.output_grad_node(Role::Push) {
                         self.record(GraphKey::Backward(f), pg, row, row + 1, t);
                     }
                 }

@@ -904,12 +904,7 @@ pub(crate) fn build(
     };
     let mut push_grads = Vec::new();
     for (f, func) in model.functions.iter().enumerate() {
-        let push_out = func
-            .forward
-            .outputs
-            .iter()
-            .position(|o| o.role == Role::Push);
-        if let Some(n) = push_out.and_then(|i| func.backward.input_node(Source::OutputGrad(i))) {
+        if let Some(n) = func.output_grad_node(Role::Push) {
             push_grads.extend(b.resolve_all(GraphRef::Backward(f), &[n])?);
         }
     }
