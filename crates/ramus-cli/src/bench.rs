@@ -61,8 +61,9 @@ pub struct BenchArgs {
     #[arg(long, default_value = "treelstm")]
     model: String,
     /// With --engine compiled: time the Cortex ablation (fusion only, +
-    /// leaf specialization, + model persistence) instead of the default
-    /// schedule.
+    /// leaf specialization, + model persistence, all with grid barriers
+    /// between levels; then + per-node completion counters instead of the
+    /// barriers) instead of the default schedule.
     #[arg(long)]
     ablation: bool,
     /// With --engine compiled: threads per block of the generated kernel

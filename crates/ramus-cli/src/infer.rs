@@ -42,6 +42,11 @@ pub struct InferArgs {
     /// every use instead of keeping them in registers (persistence off).
     #[arg(long)]
     no_persistence: bool,
+    /// Compiled engine on CUDA schedule: a grid-wide barrier between levels
+    /// instead of per-node completion counters (by default counters order
+    /// the levels of cells up to 256 units wide).
+    #[arg(long)]
+    grid_barriers: bool,
 }
 
 /// Scores of the roots of one batch, a row of `classes` per tree.
@@ -90,6 +95,7 @@ pub fn run(a: InferArgs) -> AnyResult {
                 schedule: CompiledSchedule {
                     leaf_table: !a.no_tables,
                     persistent_weights: !a.no_persistence,
+                    node_counters: a.grid_barriers.then_some(false),
                 },
                 ..CompiledOptions::default()
             };

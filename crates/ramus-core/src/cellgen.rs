@@ -26,6 +26,20 @@
 //! safe for the state: a row is written once, in its level, and read only
 //! after it, so no SM ever caches a stale copy.
 //!
+//! With **node counters** ([`TreeKernelSpec::node_counters`]) the levels
+//! are ordered by data flow instead of grid barriers. Each internal node
+//! has a completion counter per stage (`done`, zeroed by the host with
+//! each batch's upload). A block (or a warp, when a block holds units of
+//! two replicas) starts a level by waiting for the internal children of
+//! the nodes it computes there, one node per thread, all polled at once
+//! with relaxed loads and then one acquire fence per polling thread and a
+//! block barrier; after computing them, a block barrier and one release
+//! add per node. A block thus waits only for the rows it reads, never for
+//! the slowest block of the grid, and a stage waits for its own nodes'
+//! previous stage the same way. Deadlock-free for the same reason as the
+//! barriers: every block is resident and walks the levels in order,
+//! waiting only for nodes of earlier levels (or stages).
+//!
 //! With the **leaf table**, leaves run no code: the host encodes each
 //! child as a *row code* (`child_rows`): its node number if it is internal,
 //! `num_internal + token` if it is a leaf (the linearizer numbers leaves
@@ -55,7 +69,7 @@
 //!             const u32* child_offsets, const u32* child_rows, const u32* tokens,
 //!             const u32* batch_begin, const u32* batch_length, u32 num_batches,
 //!             u32 num_internal, u32 num_nodes, const u32* roots, u32 num_roots,
-//!             float* scores, u32* barrier)
+//!             float* scores, u32* barrier, u32* done)
 //! NAME_leaf_table(const float* params, float* out_state, float* out_push, u32 vocab)
 //! NAME_token_table(const float* params, float* out_table, u32 vocab)   // with hoisting
 //! ```
@@ -63,7 +77,8 @@
 //! `params` holds every parameter at its offset ([`TreeKernelSpec::param_offsets`],
 //! compiled in as constants); `state`/`push` have a row per node
 //! (`num_nodes` rows); `scores` a row per root; `barrier` two zeroed
-//! words; `scratch` a row of the internal cell's scratch width per internal
+//! words; `done` `stages · num_internal` zeroed counters (node counters
+//! only; unused otherwise); `scratch` a row of the internal cell's scratch width per internal
 //! node (multi-stage cells).
 
 use std::fmt::Write as _;
@@ -114,6 +129,11 @@ pub struct TreeKernelSpec<'a> {
     /// Threads per block the kernels are launched with (a multiple of 32;
     /// compiled in as their launch bound).
     pub block_threads: u32,
+    /// Order levels (and stages) by per-node completion counters instead
+    /// of grid barriers: a warp waits only for the children of the node it
+    /// computes, so a level starts where its children are ready (see the
+    /// module docs).
+    pub node_counters: bool,
     /// With hoisting, the program computing the internal cell's token
     /// table (its values that depend on the token alone; the internal
     /// program then reads them through [`VecExpr::TokenTable`]).
@@ -557,6 +577,48 @@ __device__ __forceinline__ u32 barrier_generation(const u32* bar) {
     return g;
 }
 
+// Per-node completion counters (dataflow order): the warps (or blocks)
+// of a node's units each add one with release semantics after its stores
+// (lane 0 stored, or a block barrier ordered the stores before thread 0);
+// a reader polls with relaxed loads until all have arrived, then an
+// acquire fence orders its own later loads of the node's rows after every
+// unit's stores.
+__device__ __forceinline__ void signal_done(u32* counter) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(counter) : "memory");
+}
+
+__device__ __forceinline__ u32 load_relaxed(const u32* counter) {
+    u32 now;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(counter) : "memory");
+    return now;
+}
+
+__device__ __forceinline__ void acquire_fence() {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+
+__device__ __forceinline__ void wait_count(const u32* counter, u32 arrivals) {
+    while (load_relaxed(counter) < arrivals) {
+    }
+}
+
+// Waits for every internal child (code below num_internal) of a node:
+// the first two children's counters are loaded together, so ready
+// children cost one round trip. The caller fences once after its waits.
+__device__ __forceinline__ void wait_children(const u32* counters, u32 cb, u32 ce, u32 c0, u32 c1,
+                                              const u32* child_rows, u32 num_internal,
+                                              u32 arrivals) {
+    const bool w0 = cb < ce && c0 < num_internal, w1 = cb + 1u < ce && c1 < num_internal;
+    u32 v0 = w0 ? load_relaxed(counters + c0) : arrivals;
+    u32 v1 = w1 ? load_relaxed(counters + c1) : arrivals;
+    while (v0 < arrivals) v0 = load_relaxed(counters + c0);
+    while (v1 < arrivals) v1 = load_relaxed(counters + c1);
+    for (u32 e = cb + 2u; e < ce; ++e) {
+        const u32 c = child_rows[e];
+        if (c < num_internal) wait_count(counters + c, arrivals);
+    }
+}
+
 __device__ __forceinline__ void grid_sync(u32* bar, u32* gen) {
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -618,6 +680,127 @@ fn token_kernel(
         param_pointers(param_offsets),
         warp_coordinates(cell.program.units),
     ))
+}
+
+/// How the level kernel orders a level (or stage) after the ones it reads:
+/// a grid barrier after each, or per-node completion counters (see the
+/// module docs). With counters the nodes a block (or a warp, when a block
+/// holds units of several replicas) computes in a level are waited for and
+/// published together: its threads poll the children of one node each,
+/// then a block barrier; after the level, a block barrier and one release
+/// per node.
+struct LevelSync {
+    counters: bool,
+    /// The block arrives as one (else each warp).
+    per_block: bool,
+    /// Arrivals that complete a node's stage.
+    arrivals: usize,
+}
+
+impl LevelSync {
+    fn new(counters: bool, units: usize, block_threads: u32) -> Self {
+        // a block's warps are consecutive units of one replica (so they
+        // walk the same nodes in the same order) when the units are a
+        // multiple of the warps per block
+        let warps_per_block = (block_threads / 32).max(1) as usize;
+        let per_block = units.is_multiple_of(warps_per_block);
+        LevelSync {
+            counters,
+            per_block,
+            arrivals: if per_block {
+                units / warps_per_block
+            } else {
+                units
+            },
+        }
+    }
+
+    /// The thread index, thread count and barrier of the arriving group.
+    fn group(&self) -> (&'static str, &'static str, &'static str) {
+        if self.per_block {
+            ("threadIdx.x", "blockDim.x", "__syncthreads();")
+        } else {
+            ("lane", "32u", "__syncwarp();")
+        }
+    }
+
+    /// Before the level loop: each thread of the group loads the child
+    /// range and first two children of the node it will wait for.
+    fn prefetch_first(&self) -> String {
+        if !self.counters {
+            return String::new();
+        }
+        let (tid, ..) = self.group();
+        format!(
+            "u32 qcb = 0, qce = 0, qc0 = 0, qc1 = 0;\nprefetch_node(begin, len, rep + {tid} * R, child_offsets, child_rows, &qcb, &qce, &qc0, &qc1);\n"
+        )
+    }
+
+    /// At a level's start: wait for the last stage of every internal child
+    /// of the group's nodes (leaves are ready: tabulated, or computed
+    /// before the levels' first barrier).
+    fn before_level(&self, stages: usize) -> String {
+        if !self.counters {
+            return String::new();
+        }
+        let (tid, threads, barrier) = self.group();
+        format!(
+            "{{\nbool waited = false;\nfor (u32 i = rep + {tid} * R; i < len; i += {threads} * R) {{\nu32 cb = qcb, ce = qce, c0 = qc0, c1 = qc1;\nif (i != rep + {tid} * R) {{ const u32 n = begin + i; cb = child_offsets[n]; ce = child_offsets[n + 1]; c0 = cb < ce ? child_rows[cb] : 0; c1 = cb + 1 < ce ? child_rows[cb + 1] : 0; }}\nwait_children(done + {}u * num_internal, cb, ce, c0, c1, child_rows, num_internal, {}u);\nwaited = true;\n}}\nif (waited) acquire_fence();\n}}\n{barrier}\n",
+            stages - 1,
+            self.arrivals
+        )
+    }
+
+    /// Before stage `stage > 0`: a grid barrier, or wait for the group's
+    /// nodes' previous stage.
+    fn before_stage(&self, stage: usize) -> String {
+        if !self.counters {
+            return "}\ngrid_sync(barrier, &bar_gen);\nif (rep < R) {\n".into();
+        }
+        let (tid, threads, barrier) = self.group();
+        format!(
+            "{{\nbool waited = false;\nfor (u32 i = rep + {tid} * R; i < len; i += {threads} * R) {{ wait_count(done + {}u * num_internal + begin + i, {}u); waited = true; }}\nif (waited) acquire_fence();\n}}\n{barrier}\n",
+            stage - 1,
+            self.arrivals
+        )
+    }
+
+    /// After the group computed stage `stage` of its nodes: one release
+    /// per node (none with grid barriers).
+    fn publish(&self, stage: usize) -> String {
+        if !self.counters {
+            return String::new();
+        }
+        let (tid, threads, barrier) = self.group();
+        format!(
+            "{barrier}\nfor (u32 i = rep + {tid} * R; i < len; i += {threads} * R) signal_done(done + {stage}u * num_internal + begin + i);\n"
+        )
+    }
+
+    /// After a level: the grid barrier and, with counters, the next
+    /// level's waiter prefetch.
+    fn after_level(&self) -> String {
+        if !self.counters {
+            return "grid_sync(barrier, &bar_gen);\n".into();
+        }
+        let (tid, ..) = self.group();
+        format!(
+            "prefetch_node(next_begin, next_len, rep + {tid} * R, child_offsets, child_rows, &qcb, &qce, &qc0, &qc1);\n"
+        )
+    }
+
+    /// Before the head reads root `root`'s pushed row (each head warp
+    /// waits for its own root).
+    fn before_head(&self, stages: usize) -> String {
+        if !self.counters {
+            return String::new();
+        }
+        format!(
+            "if (root < num_internal) {{ wait_count(done + {}u * num_internal + root, {}u); acquire_fence(); }}\n",
+            stages - 1,
+            self.arrivals
+        )
+    }
 }
 
 impl TreeKernelSpec<'_> {
@@ -760,15 +943,19 @@ impl TreeKernelSpec<'_> {
         let internal_outputs: Vec<&str> = internal_outputs.iter().map(String::as_str).collect();
         let internal_cell =
             CellWriter::new(self.internal, registers.clone()).cell_stage(0, &internal_outputs)?;
-        // later stages of a multi-stage cell: each after a barrier, its
-        // nodes reloading their children
+        let (units, stages) = (self.internal.program.units, self.internal.program.stages);
+        let sync = LevelSync::new(self.node_counters, units, self.block_threads);
+        // later stages of a multi-stage cell: each after a barrier (or its
+        // own nodes' previous stage), its nodes reloading their children
         let mut later_stages = String::new();
-        for stage in 1..self.internal.program.stages {
+        for stage in 1..stages {
             let code = CellWriter::new(self.internal, registers.clone())
                 .cell_stage(stage, &internal_outputs)?;
             let _ = write!(
                 later_stages,
-                "grid_sync(barrier, &bar_gen);\nif (rep < R) {{\nfor (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nconst u32 cb = child_offsets[n], ce = child_offsets[n + 1];\nconst u32 c0 = cb < ce ? child_rows[cb] : 0, c1 = cb + 1 < ce ? child_rows[cb + 1] : 0;\n{code}}}\n}}\n"
+                "{}for (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nconst u32 cb = child_offsets[n], ce = child_offsets[n + 1];\nconst u32 c0 = cb < ce ? child_rows[cb] : 0, c1 = cb + 1 < ce ? child_rows[cb + 1] : 0;\n{code}}}\n{}",
+                sync.before_stage(stage),
+                sync.publish(stage),
             );
         }
         let leaf_in_kernel = CellWriter::new(self.leaf, None).cell(&[
@@ -780,7 +967,7 @@ impl TreeKernelSpec<'_> {
         let use_table = self.leaf_table;
         let _ = write!(
             src,
-            "#define SCORES {classes}u\nextern \"C\" __global__ void __launch_bounds__({block}) {name}_levels(const float* __restrict__ params, float* state, float* push, const float* __restrict__ table_state, const float* __restrict__ table_push, const float* __restrict__ token_table, float* scratch, const u32* __restrict__ child_offsets, const u32* __restrict__ child_rows, const u32* __restrict__ tokens, const u32* __restrict__ batch_begin, const u32* __restrict__ batch_length, u32 num_batches, u32 num_internal, u32 num_nodes, const u32* __restrict__ roots, u32 num_roots, float* scores, u32* barrier) {{\n{}const bool use_table = {use_table}; (void)token_table; (void)scratch;\n// the barrier generation (thread 0's copy; no block can arrive before every block has read it)\nu32 bar_gen = 0;\nif (threadIdx.x == 0) bar_gen = barrier_generation(barrier);\nconst u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n",
+            "#define SCORES {classes}u\nextern \"C\" __global__ void __launch_bounds__({block}) {name}_levels(const float* __restrict__ params, float* state, float* push, const float* __restrict__ table_state, const float* __restrict__ table_push, const float* __restrict__ token_table, float* scratch, const u32* __restrict__ child_offsets, const u32* __restrict__ child_rows, const u32* __restrict__ tokens, const u32* __restrict__ batch_begin, const u32* __restrict__ batch_length, u32 num_batches, u32 num_internal, u32 num_nodes, const u32* __restrict__ roots, u32 num_roots, float* scores, u32* barrier, u32* done) {{\n{}const bool use_table = {use_table}; (void)token_table; (void)scratch; (void)done;\n// the barrier generation (thread 0's copy; no block can arrive before every block has read it)\nu32 bar_gen = 0;\nif (threadIdx.x == 0) bar_gen = barrier_generation(barrier);\nconst u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n",
             param_pointers(self.param_offsets),
         );
         if !use_table {
@@ -792,14 +979,19 @@ impl TreeKernelSpec<'_> {
         }
         let _ = write!(
             src,
-            "{{\n{}{weights}\nu32 begin = num_batches > 0 ? batch_begin[0] : 0, len = num_batches > 0 ? batch_length[0] : 0;\n// this warp's first node of a level, its child range and first two child rows, loaded ahead (before the barrier)\nu32 pcb = 0, pce = 0, pc0 = 0, pc1 = 0;\nprefetch_node(begin, len, rep, child_offsets, child_rows, &pcb, &pce, &pc0, &pc1);\nfor (u32 b = 0; b < num_batches; ++b) {{\nconst u32 next_begin = b + 1 < num_batches ? batch_begin[b + 1] : 0, next_len = b + 1 < num_batches ? batch_length[b + 1] : 0;\nif (rep < R) {{\nfor (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nu32 cb = pcb, ce = pce, c0 = pc0, c1 = pc1;\nif (i != rep) {{ cb = child_offsets[n]; ce = child_offsets[n + 1]; c0 = cb < ce ? child_rows[cb] : 0; c1 = cb + 1 < ce ? child_rows[cb + 1] : 0; }}\n{internal_cell}}}\n}}\n{later_stages}prefetch_node(next_begin, next_len, rep, child_offsets, child_rows, &pcb, &pce, &pc0, &pc1);\ngrid_sync(barrier, &bar_gen);\nbegin = next_begin; len = next_len;\n}}\n}}\n",
-            warp_coordinates(self.internal.program.units)
+            "{{\n{}{weights}\nu32 begin = num_batches > 0 ? batch_begin[0] : 0, len = num_batches > 0 ? batch_length[0] : 0;\n// this warp's first node of a level, its child range and first two child rows, loaded ahead (before the barrier)\nu32 pcb = 0, pce = 0, pc0 = 0, pc1 = 0;\nprefetch_node(begin, len, rep, child_offsets, child_rows, &pcb, &pce, &pc0, &pc1);\n{}for (u32 b = 0; b < num_batches; ++b) {{\nconst u32 next_begin = b + 1 < num_batches ? batch_begin[b + 1] : 0, next_len = b + 1 < num_batches ? batch_length[b + 1] : 0;\nif (rep < R) {{\n{}for (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nu32 cb = pcb, ce = pce, c0 = pc0, c1 = pc1;\nif (i != rep) {{ cb = child_offsets[n]; ce = child_offsets[n + 1]; c0 = cb < ce ? child_rows[cb] : 0; c1 = cb + 1 < ce ? child_rows[cb + 1] : 0; }}\n{internal_cell}}}\n{}{later_stages}}}\nprefetch_node(next_begin, next_len, rep, child_offsets, child_rows, &pcb, &pce, &pc0, &pc1);\n{}begin = next_begin; len = next_len;\n}}\n}}\n",
+            warp_coordinates(self.internal.program.units),
+            sync.prefetch_first(),
+            sync.before_level(stages),
+            sync.publish(0),
+            sync.after_level(),
         );
         let _ = write!(
             src,
-            "{{\n{}if (rep < R) {{\nfor (u32 r = rep; r < num_roots; r += R) {{\nconst u32 root = roots[r];\nconst float* hin = (root < num_internal || !use_table) ? push + (u64)root * {p}u : table_push + (u64)tokens[root] * {p}u;\nconst u32 cb = 0, ce = 0, c0 = 0, c1 = 0; (void)cb; (void)ce; (void)c0; (void)c1; const u32 tok = 0; (void)tok;\n{head_cell}}}\n}}\n}}\n}}\n"
+            "{{\n{}if (rep < R) {{\nfor (u32 r = rep; r < num_roots; r += R) {{\nconst u32 root = roots[r];\n{}const float* hin = (root < num_internal || !use_table) ? push + (u64)root * {p}u : table_push + (u64)tokens[root] * {p}u;\nconst u32 cb = 0, ce = 0, c0 = 0, c1 = 0; (void)cb; (void)ce; (void)c0; (void)c1; const u32 tok = 0; (void)tok;\n{head_cell}}}\n}}\n}}\n}}\n"
             ,
-            warp_coordinates(self.head.program.units)
+            warp_coordinates(self.head.program.units),
+            sync.before_head(stages),
         );
         Ok(src)
     }

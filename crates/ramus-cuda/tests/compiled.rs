@@ -80,13 +80,19 @@ fn compiled_scores_match_the_cpu_engine_for_every_model_and_schedule() {
                 want.extend(out.logits);
             }
             let refs: Vec<&InputGraph> = gs.iter().collect();
-            for (leaf_table, persistent_weights) in
-                [(true, true), (true, false), (false, true), (false, false)]
-            {
+            for (leaf_table, persistent_weights, node_counters) in [
+                (true, true, true),
+                (true, true, false),
+                (true, false, true),
+                (false, true, true),
+                (false, true, false),
+                (false, false, false),
+            ] {
                 let options = CompiledOptions {
                     schedule: CompiledSchedule {
                         leaf_table,
                         persistent_weights,
+                        node_counters: Some(node_counters),
                     },
                     cache_dir: Some(
                         std::env::temp_dir().join(format!("ramus-compiled-{}", std::process::id())),
@@ -94,8 +100,10 @@ fn compiled_scores_match_the_cpu_engine_for_every_model_and_schedule() {
                     ..CompiledOptions::default()
                 };
                 let mut engine = CompiledEngine::new(&model, &params, &options).expect("compiles");
-                let what =
-                    format!("{name} h{hidden} table {leaf_table} persistent {persistent_weights}");
+                let what = format!(
+                    "{name} h{hidden} table {leaf_table} persistent {persistent_weights} \
+                     counters {node_counters}"
+                );
                 for round in 0..2 {
                     let got = engine.infer(&refs).expect("infers");
                     assert_eq!(got.scores.len(), want.len(), "{what}: score count");

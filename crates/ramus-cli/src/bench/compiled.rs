@@ -10,13 +10,16 @@ use ramus_graph::InputGraph;
 use super::{run_anchor, samples, AnyResult, BenchArgs};
 use crate::device::Device;
 
-/// The ablation steps: fusion only, + leaf specialization, + persistence.
-const ABLATION: [(&str, CompiledSchedule); 3] = [
+/// The ablation steps: fusion only, + leaf specialization, + persistence
+/// (all three with grid barriers between levels, as in Cortex), + per-node
+/// completion counters instead of the barriers.
+const ABLATION: [(&str, CompiledSchedule); 4] = [
     (
         "fusion",
         CompiledSchedule {
             leaf_table: false,
             persistent_weights: false,
+            node_counters: Some(false),
         },
     ),
     (
@@ -24,6 +27,7 @@ const ABLATION: [(&str, CompiledSchedule); 3] = [
         CompiledSchedule {
             leaf_table: true,
             persistent_weights: false,
+            node_counters: Some(false),
         },
     ),
     (
@@ -31,6 +35,15 @@ const ABLATION: [(&str, CompiledSchedule); 3] = [
         CompiledSchedule {
             leaf_table: true,
             persistent_weights: true,
+            node_counters: Some(false),
+        },
+    ),
+    (
+        "fusion+specialization+persistence+node-counters",
+        CompiledSchedule {
+            leaf_table: true,
+            persistent_weights: true,
+            node_counters: Some(true),
         },
     ),
 ];
