@@ -70,7 +70,8 @@ pub struct CudaEngineOptions {
     /// image per chunk whatever the limit).
     pub conv_workspace: Option<usize>,
     /// Training past the memory budget (`pool.max_bytes`): the swap path
-    /// for static-graph models (see [`crate::swap`]); off by default.
+    /// for static-graph and dynamic models (see [`crate::swap`]); off by
+    /// default.
     pub swap: SwapConfig,
 }
 

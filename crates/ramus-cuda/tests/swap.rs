@@ -20,8 +20,6 @@ use std::path::PathBuf;
 
 use ramus_core::Model;
 use ramus_cpu::{Batch, Mode};
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use ramus_cuda::{
     plan_budget, plan_training, training_iteration, training_iteration_with, training_trace,
     CudaEngine, CudaEngineOptions, PoolConfig, SwapConfig, SwapMode,
@@ -29,13 +27,15 @@ use ramus_cuda::{
 use ramus_graph::random::{random_chain, random_tree};
 use ramus_graph::{images, BatchingPolicy, InputGraph};
 use ramus_nn::{
-    build_model_with, build_vision_model, ImageShape, ModelConfig, ModelOptions, Optimizer, OptimizerConfig,
-    OptimizerKind, VisionConfig,
+    build_model_with, build_vision_model, ImageShape, ModelConfig, ModelOptions, Optimizer,
+    OptimizerConfig, OptimizerKind, VisionConfig,
 };
 use ramus_swap::{
     analyze, Action, AutoVmPlanner, CostModel, ExecError, ExecOptions, Executor, LruPlanner,
     Planner, PlannerConfig, PrefetchTiming, SimDevice, SwapPlan, TensorKind, Trace,
 };
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
 
 struct Net {
     name: &'static str,
@@ -1004,7 +1004,11 @@ fn dynamic_identical_losses(case: &Dynamic) {
             case.name
         );
     }
-    assert!(resident[STEPS - 1] < resident[0], "{}: loss falls", case.name);
+    assert!(
+        resident[STEPS - 1] < resident[0],
+        "{}: loss falls",
+        case.name
+    );
     let (pe, re) = (plain_eval.unwrap(), resident_eval.unwrap());
     assert!((pe - re).abs() <= 1e-4 * pe.abs().max(1.0), "{}", case.name);
     // a budget the iteration's tensors exceed by half

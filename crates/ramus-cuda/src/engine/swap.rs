@@ -1,5 +1,6 @@
 //! The CUDA engine's swap path (see [`crate::swap`] for the design): a
-//! training step of a static-graph model run op by op by the
+//! training step of a static-graph model, or of a dynamic one cut into
+//! segments (cached by the batch's structure), run op by op by the
 //! [`ramus_swap::Executor`], with [`CudaSwapDevice`] carrying out its
 //! orders — per-tensor pool memory, pinned host slots, one copy stream per
 //! direction and events ordering the copies against the compute stream.

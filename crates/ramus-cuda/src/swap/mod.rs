@@ -5,8 +5,11 @@
 //! # Where tensors live
 //!
 //! On the swap path ([`SwapMode`] other than `Off`) a static-graph model
-//! (the CNNs: one vertex per image, every step over all images at once)
-//! trains through [`CudaEngine::train_step`](crate::CudaEngine) with
+//! (the CNNs: one vertex per image, every step over all images at once) —
+//! or a dynamic one (trees, sequences), its function nodes cut into one
+//! tensor per segment of the batch's rows in the batched engine's task
+//! order (see `steps`' dynamic module) — trains through
+//! [`CudaEngine::train_step`](crate::CudaEngine) with
 //!
 //! * **persistent tensors** — parameters, their gradients, the optimizer's
 //!   state — in the engine's own pool buffers, resident for good;
@@ -172,7 +175,7 @@ impl Default for SwapConfig {
             min_reuse_ops: 2,
             profile: true,
             headroom: 0.01,
-            segment_bytes: 1 << 20,
+            segment_bytes: 4 << 20,
         }
     }
 }

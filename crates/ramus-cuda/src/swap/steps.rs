@@ -14,7 +14,8 @@
 //! The ops, on one compute stream:
 //!
 //! 1. every function's eager steps, then its lazy ones (per-task steps, and
-//!    with them gathers and scatters, make a model dynamic: refused);
+//!    with them gathers and scatters, make a model dynamic: built by the
+//!    `dynamic` module instead, one tensor per node and segment of rows);
 //! 2. the head input (pushed rows of every function), the head's steps and
 //!    an asynchronous copy of the loss to the host;
 //! 3. zeroing the parameter gradients; the head's backward steps and the

@@ -43,8 +43,8 @@ use ramus_graph::Schedule;
 use ramus_swap::{Phase, TensorId};
 
 use super::{
-    Builder, GraphRef, Kind, MoveSpec, Piece, Rows, Segment, Shape, SwapOp, SwapProgram, Words, EAGER,
-    HEAD_ALL, HEAD_SCORES, LAZY, PER_TASK, WHOLE,
+    Builder, GraphRef, Kind, MoveSpec, Piece, Rows, Segment, Shape, SwapOp, SwapProgram, Words,
+    EAGER, HEAD_ALL, HEAD_SCORES, LAZY, PER_TASK, WHOLE,
 };
 use crate::error::{CudaError, Result};
 use crate::launch::NONE;
@@ -118,7 +118,13 @@ pub(crate) fn check_dynamic(model: &Model, program: &Program) -> Result<()> {
 }
 
 /// Node `n` of `g` may run over a segment's rows instead of all of them.
-fn check_row_local(model: &Model, g: &Graph, n: NodeId, consumers: usize, label: &str) -> Result<()> {
+fn check_row_local(
+    model: &Model,
+    g: &Graph,
+    n: NodeId,
+    consumers: usize,
+    label: &str,
+) -> Result<()> {
     let node = &g.nodes[n];
     let Some(op) = node.op() else {
         return Ok(());
@@ -155,10 +161,7 @@ fn check_row_local(model: &Model, g: &Graph, n: NodeId, consumers: usize, label:
 /// most `segment_rows` rows, and consecutive pieces of one function with
 /// contiguous rows and edges merged while a segment has fewer than
 /// `segment_rows` rows. Every row of every function is in one segment.
-pub(crate) fn segments_of(
-    s: &Schedule,
-    segment_rows: usize,
-) -> Result<(Vec<Segment>, Vec<Piece>)> {
+pub(crate) fn segments_of(s: &Schedule, segment_rows: usize) -> Result<(Vec<Segment>, Vec<Piece>)> {
     let most = segment_rows.max(1);
     let mut pieces: Vec<Piece> = Vec::new();
     for (t, task) in s.tasks.iter().enumerate() {
@@ -243,8 +246,11 @@ pub(crate) fn build(
     // per function, the segment of each row
     let mut seg_of_row: Vec<Vec<usize>> = s.functions.iter().map(|fr| vec![0; fr.rows()]).collect();
     for (i, sg) in segments.iter().enumerate() {
-        for r in sg.r0..sg.r1 {
-            seg_of_row[sg.function][r] = i;
+        if let Some(rows) = seg_of_row
+            .get_mut(sg.function)
+            .and_then(|rows| rows.get_mut(sg.r0..sg.r1))
+        {
+            rows.fill(i);
         }
     }
     let head_vertices = crate::engine::head_vertices(head_rows, s);
@@ -455,7 +461,11 @@ impl Builder<'_> {
     /// node that is a view of another is an error (moves address rows of
     /// the node's own width).
     fn own_tensor(&self, graph: GraphRef, n: NodeId, seg: usize) -> Result<Option<TensorId>> {
-        if graph.program(self.program, self.kind).views.contains_key(&n) {
+        if graph
+            .program(self.program, self.kind)
+            .views
+            .contains_key(&n)
+        {
             return Err(refused(
                 self.model,
                 format!(
