@@ -845,6 +845,8 @@ fn dynamic_batches_plan_and_replay_within_budget() {
         let batch = Batch::new(&model, data.iter().collect(), BatchingPolicy::Cavs).expect("batch");
         let mut config = SwapConfig::with_mode(SwapMode::Planner);
         config.size_threshold_bytes = 64 << 10;
+        // 1 MiB of state per segment: several segments in one batch
+        config.segment_bytes = 1 << 20;
         let started = std::time::Instant::now();
         let it = training_iteration_with(&model, &batch, OptimizerKind::Adam, None, &config)
             .expect("dynamic trace");
@@ -957,7 +959,7 @@ fn dynamic_identical_losses(case: &Dynamic) {
         let mut swap = SwapConfig::with_mode(mode);
         swap.size_threshold_bytes = 0;
         // small segments: many tensors to offload in a small batch
-        swap.segment_bytes = 4 << 10;
+        swap.segment_bytes = 16 << 10;
         let options = CudaEngineOptions {
             cache_dir: Some(cache_dir()),
             pool: PoolConfig {
@@ -1065,4 +1067,39 @@ fn lstm_lm_losses_are_identical_with_and_without_swapping() {
         return;
     }
     dynamic_identical_losses(&SMALL_SEQUENCES);
+}
+
+/// The dynamic device tests' own steps, simulated: their models and
+/// batches, cut into the segments they use, planned under the budget they
+/// use (the iteration's tensors exceed it by half) and run on the pool's
+/// model.
+#[test]
+fn the_dynamic_device_tests_planned_steps_fit_the_pool() {
+    for case in [&SMALL_TREES, &SMALL_SEQUENCES] {
+        let model = case.model();
+        let data = case.graphs(case.graphs, 4);
+        let batch = Batch::new(&model, data.iter().collect(), BatchingPolicy::Cavs).unwrap();
+        let mut config = SwapConfig::with_mode(SwapMode::Planner);
+        config.size_threshold_bytes = 0;
+        config.segment_bytes = 16 << 10;
+        let it = training_iteration_with(&model, &batch, OptimizerKind::Adam, None, &config)
+            .expect("dynamic trace");
+        let trace = it.trace;
+        let overhead = (1 << 20) + 4096;
+        let persistent = trace.persistent_bytes();
+        let peak = analyze(&trace, &CostModel::pcie5_x16()).peak_bytes - persistent;
+        let budget = persistent + ((overhead + peak * 2 / 3) as f64 / 0.98) as u64;
+        for latency in [0, 3] {
+            let (r, _) = planned_step_in_pool(
+                &trace,
+                overhead,
+                budget,
+                &config,
+                PrefetchTiming::Earliest,
+                latency,
+            )
+            .unwrap_or_else(|e| panic!("{} latency {latency}: {e}", case.name));
+            assert!(r.bytes_to_host > 0, "{}: swaps", case.name);
+        }
+    }
 }
