@@ -49,7 +49,8 @@ pub struct PlanMemoryArgs {
     #[arg(long)]
     json: bool,
     /// Whose iteration to plan: cpu (the batched engines' trace) or cuda
-    /// (the CUDA swap path's own op list and pool-sized tensors, CNNs only,
+    /// (the CUDA swap path's own op list and pool-sized tensors; a dynamic
+    /// model's rows cut into segments in the batched engine's task order,
     /// planned as that path does: parameters, their gradients and optimizer
     /// state stay resident, every allocation laid out in one arena). Needs
     /// no GPU.

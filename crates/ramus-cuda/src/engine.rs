@@ -70,7 +70,8 @@ pub struct CudaEngineOptions {
     /// image per chunk whatever the limit).
     pub conv_workspace: Option<usize>,
     /// Training past the memory budget (`pool.max_bytes`): the swap path
-    /// for static-graph models (see [`crate::swap`]); off by default.
+    /// for static-graph and dynamic models (see [`crate::swap`]); off by
+    /// default.
     pub swap: SwapConfig,
 }
 
@@ -662,11 +663,12 @@ impl CudaEngine {
         rows: HeadRows,
     ) -> Result<ForwardOutput<f32>> {
         self.check_model(model)?;
-        // on the swap path, a static-graph model's forward-only passes go op
-        // by op too (tensors freed after their last use)
+        // on the swap path, forward-only passes go op by op too (tensors
+        // freed after their last use)
         if mode != Mode::Train
             && self.swap.is_some()
-            && crate::swap::steps::check_static(model, &self.program).is_ok()
+            && (crate::swap::steps::check_static(model, &self.program).is_ok()
+                || crate::swap::steps::check_dynamic(model, &self.program).is_ok())
         {
             return self.swap_forward(model, params, batch, mode, rows);
         }
@@ -1636,53 +1638,69 @@ impl CudaEngine {
         range: Range,
         topo: Option<&Topology>,
     ) -> Result<()> {
-        let stream = self.device.stream().clone();
         for o in &g.outputs {
-            match o.role {
-                Role::ParamGrad(p) => {
-                    let src = self.float_view(g, o.node, own, fwd, range)?;
-                    let dst = self.param_views()?.grads[p];
-                    self.launcher.add_into(&stream, dst, src)?;
-                }
-                Role::ParamRowGrad(p) => {
-                    let values = self.float_view(g, o.node, own, fwd, range)?;
-                    let index_node = o.aux.unwrap_or(o.node);
-                    let index = self.index_view(g, index_node, own, fwd, range)?;
-                    let dst = self.param_views()?.grads[p];
-                    let rows = index.len();
-                    let width = values.len().checked_div(rows).unwrap_or(0);
-                    // the index must be the vertex tokens, whose range the
-                    // host checked when it staged them
-                    match topo {
-                        Some(t) if is_tokens(index, t, range) => {
-                            if rows > 0 && (t.max_token as usize + 1) * width > dst.len() {
-                                return Err(model_err(format!(
-                                    "row gradient: token {} outside parameter {p}",
-                                    t.max_token
-                                )));
-                            }
-                        }
-                        _ => {
-                            return Err(model_err(
-                                "row gradients are supported for token-indexed tables only",
-                            ))
+            self.accumulate_output(g, o, own, fwd, range, topo)?;
+        }
+        Ok(())
+    }
+
+    /// Adds output `o` of backward graph `g` over `range` into its
+    /// parameter's device gradient if it is one (dense, or an embedding
+    /// table's rows indexed by the vertex tokens).
+    fn accumulate_output(
+        &self,
+        g: &Graph,
+        o: &ramus_core::graph::Output,
+        own: &[Buf],
+        fwd: Option<&[Buf]>,
+        range: Range,
+        topo: Option<&Topology>,
+    ) -> Result<()> {
+        let stream = self.device.stream().clone();
+        match o.role {
+            Role::ParamGrad(p) => {
+                let src = self.float_view(g, o.node, own, fwd, range)?;
+                let dst = self.param_views()?.grads[p];
+                self.launcher.add_into(&stream, dst, src)?;
+            }
+            Role::ParamRowGrad(p) => {
+                let values = self.float_view(g, o.node, own, fwd, range)?;
+                let index_node = o.aux.unwrap_or(o.node);
+                let index = self.index_view(g, index_node, own, fwd, range)?;
+                let dst = self.param_views()?.grads[p];
+                let rows = index.len();
+                let width = values.len().checked_div(rows).unwrap_or(0);
+                // the index must be the vertex tokens, whose range the
+                // host checked when it staged them
+                match topo {
+                    Some(t) if is_tokens(index, t, range) => {
+                        if rows > 0 && (t.max_token as usize + 1) * width > dst.len() {
+                            return Err(model_err(format!(
+                                "row gradient: token {} outside parameter {p}",
+                                t.max_token
+                            )));
                         }
                     }
-                    self.launcher.move_rows(
-                        &stream,
-                        &[RowMove {
-                            dst,
-                            src: values,
-                            dst_rows: Some(index),
-                            src_rows: None,
-                            rows,
-                            width,
-                            accumulate: true,
-                        }],
-                    )?;
+                    _ => {
+                        return Err(model_err(
+                            "row gradients are supported for token-indexed tables only",
+                        ))
+                    }
                 }
-                _ => {}
+                self.launcher.move_rows(
+                    &stream,
+                    &[RowMove {
+                        dst,
+                        src: values,
+                        dst_rows: Some(index),
+                        src_rows: None,
+                        rows,
+                        width,
+                        accumulate: true,
+                    }],
+                )?;
             }
+            _ => {}
         }
         Ok(())
     }

@@ -21,18 +21,21 @@ use std::path::PathBuf;
 use ramus_core::Model;
 use ramus_cpu::{Batch, Mode};
 use ramus_cuda::{
-    plan_budget, plan_training, training_iteration, training_trace, CudaEngine, CudaEngineOptions,
-    PoolConfig, SwapConfig, SwapMode,
+    plan_budget, plan_training, training_iteration, training_iteration_with, training_trace,
+    CudaEngine, CudaEngineOptions, PoolConfig, SwapConfig, SwapMode,
 };
+use ramus_graph::random::{random_chain, random_tree};
 use ramus_graph::{images, BatchingPolicy, InputGraph};
 use ramus_nn::{
-    build_vision_model, ImageShape, ModelConfig, ModelOptions, Optimizer, OptimizerConfig,
-    OptimizerKind, VisionConfig,
+    build_model_with, build_vision_model, ImageShape, ModelConfig, ModelOptions, Optimizer,
+    OptimizerConfig, OptimizerKind, VisionConfig,
 };
 use ramus_swap::{
     analyze, Action, AutoVmPlanner, CostModel, ExecError, ExecOptions, Executor, LruPlanner,
     Planner, PlannerConfig, PrefetchTiming, SimDevice, SwapPlan, TensorKind, Trace,
 };
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
 
 struct Net {
     name: &'static str,
@@ -771,6 +774,332 @@ fn predicted_step_times_on_an_h100_model() {
                     assert!(ratio <= 1.25, "{name} Nm {nm}: {ratio:.3}x");
                 }
             }
+        }
+    }
+}
+
+/// A dynamic model of the swap tests: the Tree-LSTM on random trees of
+/// `size` leaves or the LSTM language model on random chains of `size`
+/// tokens.
+struct Dynamic {
+    name: &'static str,
+    hidden: usize,
+    graphs: usize,
+    size: usize,
+}
+
+impl Dynamic {
+    fn model(&self) -> Model {
+        let cfg = ModelConfig {
+            vocab: 60,
+            hidden: self.hidden,
+            classes: 5,
+        };
+        build_model_with(self.name, &cfg, &ModelOptions::default()).expect("model builds")
+    }
+
+    fn graphs(&self, count: usize, seed: u64) -> Vec<InputGraph> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        (0..count)
+            .map(|i| {
+                // sizes vary around `size`: ragged levels, several segments
+                let size = self.size / 2 + (i * 37) % (self.size / 2 + 1);
+                match self.name {
+                    "lstm-lm" => random_chain(&mut rng, size, 60),
+                    _ => random_tree(&mut rng, size, &[1, 2, 3], 60, 5),
+                }
+                .expect("random graph")
+            })
+            .collect()
+    }
+}
+
+/// Large trees and long sequences: their activations are what a budget
+/// must hold.
+const LARGE_TREES: Dynamic = Dynamic {
+    name: "treelstm",
+    hidden: 128,
+    graphs: 32,
+    size: 160,
+};
+
+const LONG_SEQUENCES: Dynamic = Dynamic {
+    name: "lstm-lm",
+    hidden: 128,
+    graphs: 32,
+    size: 400,
+};
+
+/// Item 8 beyond the thesis: the swap path's trace of a dynamic batch
+/// (rows cut into segments, ops in the batched engine's task order) is
+/// well formed, and the planner's plans for it — made as the engine makes
+/// them, timed — replay on the simulated pool within the budget, with
+/// every offloaded tensor back before an op uses it (the simulated device
+/// refuses a use of a tensor that is not resident).
+#[test]
+fn dynamic_batches_plan_and_replay_within_budget() {
+    for case in [&LARGE_TREES, &LONG_SEQUENCES] {
+        let name = case.name;
+        let model = case.model();
+        let data = case.graphs(case.graphs, 8);
+        let batch = Batch::new(&model, data.iter().collect(), BatchingPolicy::Cavs).expect("batch");
+        let mut config = SwapConfig::with_mode(SwapMode::Planner);
+        config.size_threshold_bytes = 64 << 10;
+        // 1 MiB of state per segment: several segments in one batch
+        config.segment_bytes = 1 << 20;
+        let started = std::time::Instant::now();
+        let it = training_iteration_with(&model, &batch, OptimizerKind::Adam, None, &config)
+            .expect("dynamic trace");
+        let build_s = started.elapsed().as_secs_f64();
+        let trace = it.trace;
+        assert!(it.segments > 4, "{name}: {} segments", it.segments);
+        assert_eq!(it.op_costs.len(), trace.num_ops());
+        // persistent tensors as for a static model; every other tensor
+        // written before it is read, and used
+        let params = model.params.len();
+        let count = |k: TensorKind| trace.tensors().iter().filter(|t| t.kind == k).count();
+        assert_eq!(count(TensorKind::Parameter), params, "{name}");
+        assert_eq!(count(TensorKind::OptimizerState), 2 * params, "{name}");
+        let mut written: Vec<bool> = trace
+            .tensors()
+            .iter()
+            .map(|t| t.kind.is_persistent())
+            .collect();
+        let mut used = written.clone();
+        for op in trace.ops() {
+            for r in &op.reads {
+                assert!(
+                    written[r.index()],
+                    "{name}: `{}` reads `{}` before any op writes it",
+                    op.name,
+                    trace.tensor(*r).name
+                );
+                used[r.index()] = true;
+            }
+            for w in &op.writes {
+                written[w.index()] = true;
+                used[w.index()] = true;
+            }
+        }
+        assert!(used.iter().all(|&u| u), "{name}: a tensor no op uses");
+        // gathers per task, child gradients per task in reverse, and each
+        // segment's weight gradients accumulated before the optimizer
+        let gathers = names_of(&trace, "gather");
+        let child = names_of(&trace, "child gradients");
+        let accumulations = names_of(&trace, "accumulate grad");
+        assert!(!gathers.is_empty() && !child.is_empty(), "{name}");
+        assert!(gathers.iter().max() < child.iter().min(), "{name}");
+        assert!(accumulations.len() > it.segments, "{name}");
+        assert_eq!(
+            trace.ops().last().map(|o| o.name.as_str()),
+            Some("optimizer step")
+        );
+        let overhead = 1 << 20;
+        let persistent = trace.persistent_bytes();
+        let peak = analyze(&trace, &CostModel::pcie5_x16()).peak_bytes - persistent;
+        let (_, floor) = bounds(&trace);
+        println!(
+            "{name}: {} graphs, {} ops, {} tensors, {} segments, built in {:.1} ms; \
+             peak {peak} bytes over {persistent} persistent, floor {floor}",
+            case.graphs,
+            trace.num_ops(),
+            trace.num_tensors(),
+            it.segments,
+            build_s * 1e3
+        );
+        for nm in [1.5, 2.0, 3.0] {
+            let budget = persistent + ((overhead + (peak as f64 / nm) as u64) as f64 / 0.98) as u64;
+            let started = std::time::Instant::now();
+            let plan = plan_training(
+                &trace,
+                plan_budget(budget, overhead, &config),
+                &config,
+                CostModel::pcie5_x16(),
+                PrefetchTiming::Earliest,
+            )
+            .unwrap_or_else(|e| panic!("{name} Nm {nm}: {e}"));
+            let plan_s = started.elapsed().as_secs_f64();
+            println!(
+                "{name} Nm {nm}: planned in {:.1} ms; {} offloads, {} bytes to the host, {} back, \
+                 predicted stall {:.3} ms",
+                plan_s * 1e3,
+                plan.offloads.len(),
+                plan.predicted.bytes_to_host,
+                plan.predicted.bytes_to_device,
+                plan.predicted.stall_s * 1e3
+            );
+            assert!(plan.predicted.bytes_to_host > 0, "{name} Nm {nm}: swaps");
+            for latency in [0, 3] {
+                let (r, c) = planned_step_in_pool(
+                    &trace,
+                    overhead,
+                    budget,
+                    &config,
+                    PrefetchTiming::Earliest,
+                    latency,
+                )
+                .unwrap_or_else(|e| panic!("{name} Nm {nm} latency {latency}: {e}"));
+                assert!(r.bytes_to_host > 0 && c.peak_bytes <= budget, "{name}");
+            }
+        }
+    }
+}
+
+/// The dynamic swap path's device half: K training steps of a Tree-LSTM
+/// and of the language model give bit-identical losses with no budget, with
+/// naive swapping and with the planner under a budget the iteration does
+/// not fit (something swapped, the pool within the budget), and follow the
+/// plain batched engine to rounding (per-segment weight gradients add up
+/// in another order).
+fn dynamic_identical_losses(case: &Dynamic) {
+    const STEPS: usize = 3;
+    let run = |mode: SwapMode, budget: Option<u64>| {
+        let model = case.model();
+        let mut params = ramus_core::Params::<f32>::init(&model, 5);
+        let mut swap = SwapConfig::with_mode(mode);
+        swap.size_threshold_bytes = 0;
+        // small segments: many tensors to offload in a small batch
+        swap.segment_bytes = 16 << 10;
+        let options = CudaEngineOptions {
+            cache_dir: Some(cache_dir()),
+            pool: PoolConfig {
+                max_bytes: budget,
+                ..PoolConfig::default()
+            },
+            swap,
+            ..CudaEngineOptions::default()
+        };
+        let mut engine = CudaEngine::new(&model, &options).expect("engine");
+        engine.set_seed(11);
+        let config = OptimizerConfig::new(OptimizerKind::Adam, 1e-2);
+        let mut optimizer = Optimizer::new(config, &params);
+        let mut grads = ramus_core::Grads::zeros(&model);
+        let data = case.graphs(case.graphs, 4);
+        let batch = Batch::new(&model, data.iter().collect(), BatchingPolicy::Cavs).unwrap();
+        let mut losses = Vec::new();
+        for _ in 0..STEPS {
+            let loss = ramus_nn::Engine::train_step(
+                &mut engine,
+                &model,
+                &mut params,
+                &mut grads,
+                &mut optimizer,
+                &batch,
+            )
+            .unwrap_or_else(|e| panic!("{} {mode} step: {e}", case.name));
+            losses.push(loss);
+        }
+        let report = engine.last_swap_report().cloned();
+        ramus_nn::Engine::sync_host_params(&mut engine, &mut params).expect("parameters");
+        let out = ramus_nn::Engine::forward(&mut engine, &model, &params, &batch, Mode::Evaluate)
+            .unwrap_or_else(|e| panic!("{} {mode} evaluation: {e}", case.name));
+        (losses, out.loss, report)
+    };
+    let (plain, plain_eval, _) = run(SwapMode::Off, None);
+    let (resident, resident_eval, report) = run(SwapMode::Resident, None);
+    let report = report.expect("a swap report");
+    assert!(report.segments > 1, "{}: {report}", case.name);
+    for (i, (a, b)) in plain.iter().zip(&resident).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-4 * a.abs().max(1.0),
+            "{} step {i}: plain engine {a} vs swap path {b}",
+            case.name
+        );
+    }
+    assert!(
+        resident[STEPS - 1] < resident[0],
+        "{}: loss falls",
+        case.name
+    );
+    let (pe, re) = (plain_eval.unwrap(), resident_eval.unwrap());
+    assert!((pe - re).abs() <= 1e-4 * pe.abs().max(1.0), "{}", case.name);
+    // a budget the iteration's tensors exceed by half
+    let budget = ((report.overhead_bytes + report.trace_peak_bytes * 2 / 3) as f64 / 0.98) as u64;
+    println!(
+        "{}: losses {resident:?}; {report}; budget {budget}",
+        case.name
+    );
+    for mode in [SwapMode::Naive, SwapMode::Planner] {
+        let (losses, eval, report) = run(mode, Some(budget));
+        let report = report.expect("a swap report");
+        println!("{} {mode}: {}", case.name, report.to_json());
+        assert_eq!(losses, resident, "{} {mode}: losses differ", case.name);
+        assert_eq!(eval, resident_eval, "{} {mode}: evaluation", case.name);
+        assert!(
+            report.exec.bytes_to_host > 0,
+            "{} {mode}: nothing swapped",
+            case.name
+        );
+        assert!(
+            report.pool_peak_bytes <= budget,
+            "{} {mode}: over budget",
+            case.name
+        );
+    }
+}
+
+/// Small enough for the device test's three engines per mode.
+const SMALL_TREES: Dynamic = Dynamic {
+    name: "treelstm",
+    hidden: 32,
+    graphs: 24,
+    size: 40,
+};
+
+const SMALL_SEQUENCES: Dynamic = Dynamic {
+    name: "lstm-lm",
+    hidden: 32,
+    graphs: 16,
+    size: 60,
+};
+
+#[test]
+fn treelstm_losses_are_identical_with_and_without_swapping() {
+    if !common::cuda_ready("skipping the device half of the swap tests") {
+        return;
+    }
+    dynamic_identical_losses(&SMALL_TREES);
+}
+
+#[test]
+fn lstm_lm_losses_are_identical_with_and_without_swapping() {
+    if !common::cuda_ready("skipping the device half of the swap tests") {
+        return;
+    }
+    dynamic_identical_losses(&SMALL_SEQUENCES);
+}
+
+/// The dynamic device tests' own steps, simulated: their models and
+/// batches, cut into the segments they use, planned under the budget they
+/// use (the iteration's tensors exceed it by half) and run on the pool's
+/// model.
+#[test]
+fn the_dynamic_device_tests_planned_steps_fit_the_pool() {
+    for case in [&SMALL_TREES, &SMALL_SEQUENCES] {
+        let model = case.model();
+        let data = case.graphs(case.graphs, 4);
+        let batch = Batch::new(&model, data.iter().collect(), BatchingPolicy::Cavs).unwrap();
+        let mut config = SwapConfig::with_mode(SwapMode::Planner);
+        config.size_threshold_bytes = 0;
+        config.segment_bytes = 16 << 10;
+        let it = training_iteration_with(&model, &batch, OptimizerKind::Adam, None, &config)
+            .expect("dynamic trace");
+        let trace = it.trace;
+        let overhead = (1 << 20) + 4096;
+        let persistent = trace.persistent_bytes();
+        let peak = analyze(&trace, &CostModel::pcie5_x16()).peak_bytes - persistent;
+        let budget = persistent + ((overhead + peak * 2 / 3) as f64 / 0.98) as u64;
+        for latency in [0, 3] {
+            let (r, _) = planned_step_in_pool(
+                &trace,
+                overhead,
+                budget,
+                &config,
+                PrefetchTiming::Earliest,
+                latency,
+            )
+            .unwrap_or_else(|e| panic!("{} latency {latency}: {e}", case.name));
+            assert!(r.bytes_to_host > 0, "{}: swaps", case.name);
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The CUDA engine's swap path (see [`crate::swap`] for the design): a
-//! training step of a static-graph model run op by op by the
+//! training step of a static-graph model, or of a dynamic one cut into
+//! segments (cached by the batch's structure), run op by op by the
 //! [`ramus_swap::Executor`], with [`CudaSwapDevice`] carrying out its
 //! orders — per-tensor pool memory, pinned host slots, one copy stream per
 //! direction and events ordering the copies against the compute stream.
@@ -23,7 +24,7 @@ use super::{model_err, Buf, CudaEngine};
 use crate::error::{CudaError, InCall, Result};
 use crate::pinned::PinnedBuffer;
 use crate::pool::{DeviceView, PoolBuffer};
-use crate::swap::steps::{self, GraphRef, Kind, Shape, StaticProgram, SwapOp};
+use crate::swap::steps::{self, GraphRef, Kind, Rows, Shape, SwapOp, SwapProgram};
 use crate::swap::{HostSlot, SwapConfig, SwapMode, SwapStepReport};
 
 /// A tensor's device memory.
@@ -79,7 +80,7 @@ enum Stage {
 
 /// The iteration of one batch shape, and how it runs.
 struct Prepared {
-    program: StaticProgram,
+    program: SwapProgram,
     stage: Stage,
     policy: Option<Policy>,
     plan: Option<SwapPlan>,
@@ -87,7 +88,22 @@ struct Prepared {
     overhead: u64,
     plan_budget: Option<u64>,
     trace_peak: u64,
+    /// Seconds the last planning of this iteration took (deciding the mode
+    /// and making the plan), and whether the step in progress made it.
+    plan_seconds: f64,
+    planned_now: bool,
 }
+
+/// What a prepared iteration is cached by: a static-graph model's batch
+/// shape, or a fingerprint of a dynamic batch's ops and tensors.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum PrepKey {
+    Static(Shape, Kind),
+    Dynamic(u64, Kind),
+}
+
+/// Dynamic batch structures whose plans are kept at most.
+const MAX_DYNAMIC_PLANS: usize = 64;
 
 /// Timing events of a profiled iteration.
 #[derive(Default)]
@@ -108,7 +124,7 @@ pub(crate) struct SwapRuntime {
     epoch: u64,
     mark_epoch: Option<u64>,
     slots: Vec<Slot>,
-    prepared: HashMap<(Shape, Kind), Prepared>,
+    prepared: HashMap<PrepKey, Prepared>,
     upload: PinnedBuffer,
     loss: PinnedBuffer,
     logits: PinnedBuffer,
@@ -172,6 +188,24 @@ impl SwapRuntime {
         &self.config
     }
 
+    /// Puts a prepared iteration back in the cache, forgetting the
+    /// dynamic ones when there are too many (each batch of trees may have
+    /// a structure of its own).
+    fn keep(&mut self, key: PrepKey, prep: Prepared) {
+        if matches!(key, PrepKey::Dynamic(..)) && !self.prepared.contains_key(&key) {
+            let dynamic = self
+                .prepared
+                .keys()
+                .filter(|k| matches!(k, PrepKey::Dynamic(..)))
+                .count();
+            if dynamic >= MAX_DYNAMIC_PLANS {
+                self.prepared
+                    .retain(|k, _| !matches!(k, PrepKey::Dynamic(..)));
+            }
+        }
+        self.prepared.insert(key, prep);
+    }
+
     pub(crate) fn last_report(&self) -> Option<&SwapStepReport> {
         self.report.as_ref()
     }
@@ -225,12 +259,37 @@ impl CudaEngine {
             .optimizer
             .as_ref()
             .map_or(0, |(_, o)| steps::optimizer_states(o.config().kind));
-        let key = (
-            Shape::of(model, &batch.schedule, model.head.rows),
-            Kind::Train { states },
-        );
+        let kind = Kind::Train { states };
+        let (key, _) = self
+            .program_for(rt, model, &batch.schedule, model.head.rows, kind)
+            .ok()?;
         let prep = rt.prepared.get(&key)?;
         Some((prep.program.trace.clone(), prep.plan.clone()))
+    }
+
+    /// The cache key of `kind`'s iteration on batch `s`, with the program
+    /// already built for a dynamic model (whose key is its fingerprint).
+    fn program_for(
+        &self,
+        rt: &SwapRuntime,
+        model: &Model,
+        s: &ramus_graph::Schedule,
+        rows: HeadRows,
+        kind: Kind,
+    ) -> Result<(PrepKey, Option<SwapProgram>)> {
+        if steps::check_static(model, &self.program).is_ok() {
+            return Ok((PrepKey::Static(Shape::of(model, s, rows), kind), None));
+        }
+        let program = steps::build_dynamic(
+            model,
+            &self.program,
+            s,
+            rows,
+            kind,
+            self.conv_workspace,
+            crate::swap::segment_rows(model, &rt.config),
+        )?;
+        Ok((PrepKey::Dynamic(program.fingerprint(), kind), Some(program)))
     }
 
     /// One training step on the swap path: forward, backward and the fused
@@ -271,10 +330,10 @@ impl CudaEngine {
         let kind = Kind::Train {
             states: steps::optimizer_states(config.kind),
         };
-        let key = (Shape::of(model, s, model.head.rows), kind);
-        let mut prep = self.prepared(rt, model, &key)?;
+        let (key, fresh) = self.program_for(rt, model, s, model.head.rows, kind)?;
+        let mut prep = self.prepared(rt, model, &key, fresh)?;
         let result = self.swap_run(rt, &mut prep, model, Some(config), batch);
-        rt.prepared.insert(key, prep);
+        rt.keep(key, prep);
         let (loss, _) = result?;
         // the device copy is now ahead of the host values
         params.touch();
@@ -286,17 +345,34 @@ impl CudaEngine {
     }
 
     /// The prepared iteration for `key`, taken out of the runtime's cache
-    /// (built if new; the caller puts it back).
+    /// (built if new; the caller puts it back). A dynamic batch brings its
+    /// `fresh` program: a cached one of the same structure keeps its plan
+    /// and takes the new batch's index words.
     fn prepared(
         &self,
         rt: &mut SwapRuntime,
         model: &Model,
-        key: &(Shape, Kind),
+        key: &PrepKey,
+        fresh: Option<SwapProgram>,
     ) -> Result<Prepared> {
-        if let Some(p) = rt.prepared.remove(key) {
-            return Ok(p);
-        }
-        let program = steps::build(model, &self.program, &key.0, key.1, self.conv_workspace)?;
+        let program = match (rt.prepared.remove(key), fresh, key) {
+            (Some(mut p), Some(fresh), _) if p.program.same_structure(&fresh) => {
+                p.program.indices = fresh.indices;
+                p.planned_now = false;
+                return Ok(p);
+            }
+            (Some(mut p), None, _) => {
+                p.planned_now = false;
+                return Ok(p);
+            }
+            (_, Some(fresh), _) => fresh,
+            (_, None, PrepKey::Static(shape, kind)) => {
+                steps::build(model, &self.program, shape, *kind, self.conv_workspace)?
+            }
+            (_, None, PrepKey::Dynamic(..)) => {
+                return Err(swap_err("swap path: a dynamic batch without its program"))
+            }
+        };
         Ok(Prepared {
             program,
             stage: Stage::New,
@@ -306,6 +382,8 @@ impl CudaEngine {
             overhead: 0,
             plan_budget: None,
             trace_peak: 0,
+            plan_seconds: 0.0,
+            planned_now: false,
         })
     }
 
@@ -350,10 +428,10 @@ impl CudaEngine {
         } else {
             Kind::Evaluate
         };
-        let key = (Shape::of(model, s, rows), kind);
-        let mut prep = self.prepared(rt, model, &key)?;
+        let (key, fresh) = self.program_for(rt, model, s, rows, kind)?;
+        let mut prep = self.prepared(rt, model, &key, fresh)?;
         let result = self.swap_run(rt, &mut prep, model, None, batch);
-        rt.prepared.insert(key, prep);
+        rt.keep(key, prep);
         let (loss, logits) = result?;
         let classes = model
             .head
@@ -432,8 +510,24 @@ impl CudaEngine {
             masks.push(mask);
         }
         if prep.stage == Stage::New {
+            let started = std::time::Instant::now();
             self.decide(rt, prep)?;
+            prep.plan_seconds = started.elapsed().as_secs_f64();
+            prep.planned_now = true;
         }
+        // the index words of a dynamic batch's moves
+        let move_indices = if prep.program.indices.is_empty() {
+            None
+        } else {
+            let words = &prep.program.indices;
+            let view = self.arena_alloc::<u32>(words.len(), &|| {
+                "the index words of the swap path's row moves".into()
+            })?;
+            let stream = self.device.stream().clone();
+            self.staging.upload_slice(words, view, &stream)?;
+            self.launcher.count();
+            Some(view)
+        };
         // pinned slots of the planned offloads, before the timed work starts
         if let Some(plan) = &prep.plan {
             for a in &plan.actions {
@@ -460,6 +554,7 @@ impl CudaEngine {
                 engine: self,
                 rt: &mut *rt,
                 program: &prep.program,
+                move_indices,
                 model,
                 config,
                 batch,
@@ -503,6 +598,8 @@ impl CudaEngine {
             arena_bytes,
             exec,
             pool_peak_bytes: self.pool.stats().peak_in_use_bytes,
+            segments: prep.program.segments.len(),
+            plan_seconds: prep.planned_now.then_some(prep.plan_seconds),
         });
         Ok((loss, logits))
     }
@@ -650,7 +747,9 @@ impl CudaEngine {
 struct CudaSwapDevice<'a> {
     engine: &'a mut CudaEngine,
     rt: &'a mut SwapRuntime,
-    program: &'a StaticProgram,
+    program: &'a SwapProgram,
+    /// The uploaded index words of the program's moves.
+    move_indices: Option<DeviceView<u32>>,
     model: &'a Model,
     config: Option<&'a OptimizerConfig>,
     batch: &'a Batch<'a>,
@@ -733,10 +832,16 @@ impl CudaSwapDevice<'_> {
             let Some(home) = self.program.homes.get(t.index()).copied().flatten() else {
                 continue;
             };
-            let buf = if present {
-                self.mem(t)?.buf()
-            } else {
-                Buf::Absent
+            let buf = match (present, self.mem(t).map(Mem::buf)) {
+                (false, _) => Buf::Absent,
+                // a segment's tensor, addressed by the node's row numbers
+                (true, Ok(Buf::Floats(v))) if home.at > 0 => {
+                    Buf::Floats(v.shifted(0, home.at, home.len)?)
+                }
+                (true, Ok(Buf::Indices(v))) if home.at > 0 => {
+                    Buf::Indices(v.shifted(0, home.at, home.len)?)
+                }
+                (true, b) => b?,
             };
             self.bufs[home.graph.index(nf)][home.node] = buf;
         }
@@ -783,27 +888,62 @@ impl CudaSwapDevice<'_> {
         let nf = model.functions.len();
         let stream = engine.main.stream.clone();
         let h = engine.state.head_vertices.len();
-        let range_of = |graph: GraphRef| match graph.function() {
-            Some(f) => Range::all(&s.functions[f]),
-            None => Range::rows_only(h),
+        let segments = &self.program.segments;
+        let pieces = &self.program.pieces;
+        let range_of = |graph: GraphRef, rows: Rows| -> Result<Range> {
+            match (graph.function(), rows) {
+                (None, _) => Ok(Range::rows_only(h)),
+                (Some(f), Rows::All) => Ok(Range::all(&s.functions[f])),
+                (Some(_), Rows::Segment(i)) => segments
+                    .get(i)
+                    .map(steps::Segment::range)
+                    .ok_or_else(|| swap_err(format!("swap path: no segment {i}"))),
+                (Some(_), Rows::Piece(p)) => pieces
+                    .get(p)
+                    .map(steps::Piece::range)
+                    .ok_or_else(|| swap_err(format!("swap path: no piece {p}"))),
+            }
         };
         let bufs = &self.bufs;
         let own = |graph: GraphRef| bufs[graph.index(nf)].as_slice();
         let fwd_of = |graph: GraphRef| graph.forward().map(|fg| bufs[fg.index(nf)].as_slice());
-        let view = |graph: GraphRef, n| -> Result<DeviceView<f32>> {
+        let view_over = |graph: GraphRef, n, rows: Rows| -> Result<DeviceView<f32>> {
             engine.float_view(
                 graph.graph(model),
                 n,
                 own(graph),
                 fwd_of(graph),
-                range_of(graph),
+                range_of(graph, rows)?,
             )
+        };
+        let view = |graph: GraphRef, n| view_over(graph, n, Rows::All);
+        // the memory of the tensor op `op` writes (its only one)
+        let written = || -> Result<DeviceView<f32>> {
+            let t = self.program.trace.ops()[op]
+                .writes
+                .first()
+                .copied()
+                .ok_or_else(|| swap_err(format!("swap path: op {op} writes nothing")))?;
+            match self.mem(t)?.buf() {
+                Buf::Floats(v) => Ok(v),
+                _ => Err(swap_err(format!("swap path: tensor {t} is not floats"))),
+            }
+        };
+        let rows_of = |f: usize, rows: Rows| -> Result<std::ops::Range<usize>> {
+            match rows {
+                Rows::All => Ok(0..s.functions[f].rows()),
+                other => {
+                    let r = range_of(GraphRef::Forward(f), other)?;
+                    Ok(r.r0..r.r1)
+                }
+            }
         };
         match self.program.ops[op] {
             SwapOp::Step {
                 graph,
                 phase,
                 index,
+                rows,
             } => {
                 let prog = graph.program(&engine.program, self.program.kind);
                 let step = prog.phases[phase].get(index).ok_or_else(|| {
@@ -815,13 +955,13 @@ impl CudaSwapDevice<'_> {
                     step,
                     own(graph),
                     fwd_of(graph),
-                    range_of(graph),
+                    range_of(graph, rows)?,
                     topo,
                     &engine.main,
                     &prog.views,
                 )?;
             }
-            SwapOp::UploadPull { f, node } => {
+            SwapOp::UploadPull { f, node, rows } => {
                 let func = &model.functions[f];
                 let g = &func.forward;
                 let pw = g.nodes[node].ty.width();
@@ -830,24 +970,33 @@ impl CudaSwapDevice<'_> {
                 let values = ramus_cpu::pulled_values(values, s, pw, &func.name, explicit)
                     .map_err(|e| model_err(e.to_string()))?;
                 let fr = &s.functions[f];
-                let mut rows = Vec::with_capacity(fr.rows() * pw);
-                for &v in &fr.vertex {
-                    rows.extend_from_slice(&values[v as usize * pw..(v as usize + 1) * pw]);
+                let span = rows_of(f, rows)?;
+                let mut host = Vec::with_capacity(span.len() * pw);
+                for &v in &fr.vertex[span] {
+                    host.extend_from_slice(&values[v as usize * pw..(v as usize + 1) * pw]);
                 }
-                let dst = view(GraphRef::Forward(f), node)?;
-                self.rt.upload.upload_slice(&rows, dst, &stream)?;
+                let dst = written()?;
+                self.rt.upload.upload_slice(&host, dst, &stream)?;
                 engine.launcher.count();
             }
-            SwapOp::UploadMask { mask } => {
+            SwapOp::UploadMask { mask, rows } => {
                 let &(graph, node, _, _) = self
                     .program
                     .masks
                     .get(mask)
                     .ok_or_else(|| swap_err(format!("swap path: no mask {mask}")))?;
-                let dst = view(graph, node)?;
-                self.rt
-                    .upload
-                    .upload_slice(&self.masks[mask], dst, &stream)?;
+                let ty = &graph.graph(model).nodes[node].ty;
+                let (lo, hi) = match (graph.function(), rows) {
+                    (Some(_), Rows::Segment(_) | Rows::Piece(_)) => {
+                        range_of(graph, rows)?.span(ty.space)
+                    }
+                    _ => (0, self.masks[mask].len() / ty.width().max(1)),
+                };
+                let values = self.masks[mask]
+                    .get(lo * ty.width()..hi * ty.width())
+                    .ok_or_else(|| swap_err(format!("swap path: mask {mask} rows {lo}..{hi}")))?;
+                let dst = written()?;
+                self.rt.upload.upload_slice(values, dst, &stream)?;
                 engine.launcher.count();
             }
             SwapOp::HeadInput => {
@@ -896,9 +1045,47 @@ impl CudaSwapDevice<'_> {
                 let grad_all = engine.param_views()?.grad_all;
                 engine.launcher.fill(&stream, grad_all, 0.0)?;
             }
-            SwapOp::Seed { graph, node, value } => {
-                let v = engine.whole_view(graph.graph(model), node, own(graph), fwd_of(graph))?;
-                engine.launcher.fill(&stream, v, value)?;
+            SwapOp::Seed { value, .. } => {
+                engine.launcher.fill(&stream, written()?, value)?;
+            }
+            SwapOp::Moves { set } => {
+                let specs = self
+                    .program
+                    .move_sets
+                    .get(set)
+                    .ok_or_else(|| swap_err(format!("swap path: no move set {set}")))?;
+                let words = self
+                    .move_indices
+                    .ok_or_else(|| swap_err("swap path: the moves' index words are missing"))?;
+                let floats = |t: TensorId| -> Result<DeviceView<f32>> {
+                    match self.mem(t)?.buf() {
+                        Buf::Floats(v) => Ok(v),
+                        _ => Err(swap_err(format!("swap path: tensor {t} is not floats"))),
+                    }
+                };
+                let index = |w: Option<steps::Words>| {
+                    w.map(|w| words.slice(w.offset..w.offset + w.len))
+                        .transpose()
+                };
+                let mut moves = Vec::with_capacity(specs.len());
+                for m in specs {
+                    let dst = floats(m.dst)?;
+                    let src = match m.src {
+                        Some(t) => floats(t)?,
+                        // every source row is NONE: never read
+                        None => dst,
+                    };
+                    moves.push(crate::launch::RowMove {
+                        dst,
+                        src,
+                        dst_rows: index(m.dst_rows)?,
+                        src_rows: index(m.src_rows)?,
+                        rows: m.rows,
+                        width: m.width,
+                        accumulate: m.accumulate,
+                    });
+                }
+                engine.launcher.move_rows(&stream, &moves)?;
             }
             SwapOp::PushGrads => {
                 let hb = &model.head.backward;
@@ -911,22 +1098,28 @@ impl CudaSwapDevice<'_> {
                     .push_grad_moves(model, src, pw, |f, pg| own(GraphRef::Backward(f))[pg])?;
                 engine.launcher.move_rows(&stream, &moves)?;
             }
-            SwapOp::AccumulateGrad { graph, output } => {
+            SwapOp::AccumulateGrad {
+                graph,
+                output,
+                rows,
+            } => {
                 let g = graph.graph(model);
                 let o = g
                     .outputs
                     .get(output)
                     .ok_or_else(|| swap_err(format!("swap path: no output {output}")))?;
-                let Role::ParamGrad(p) = o.role else {
+                if !matches!(o.role, Role::ParamGrad(_) | Role::ParamRowGrad(_)) {
                     return Err(swap_err("swap path: accumulating a non-gradient output"));
-                };
-                let src = view(graph, o.node)?;
-                let dst = *engine
-                    .param_views()?
-                    .grads
-                    .get(p)
-                    .ok_or_else(|| model_err(format!("no gradient of parameter {p}")))?;
-                engine.launcher.add_into(&stream, dst, src)?;
+                }
+                let topo = graph.function().map(|f| engine.topology(f)).transpose()?;
+                engine.accumulate_output(
+                    g,
+                    o,
+                    own(graph),
+                    fwd_of(graph),
+                    range_of(graph, rows)?,
+                    topo,
+                )?;
             }
             SwapOp::Optimizer => {
                 let config = self

@@ -5,8 +5,11 @@
 //! # Where tensors live
 //!
 //! On the swap path ([`SwapMode`] other than `Off`) a static-graph model
-//! (the CNNs: one vertex per image, every step over all images at once)
-//! trains through [`CudaEngine::train_step`](crate::CudaEngine) with
+//! (the CNNs: one vertex per image, every step over all images at once) —
+//! or a dynamic one (trees, sequences), its function nodes cut into one
+//! tensor per segment of the batch's rows in the batched engine's task
+//! order (see `steps`' dynamic module) — trains through
+//! [`CudaEngine::train_step`](crate::CudaEngine) with
 //!
 //! * **persistent tensors** — parameters, their gradients, the optimizer's
 //!   state — in the engine's own pool buffers, resident for good;
@@ -156,6 +159,12 @@ pub struct SwapConfig {
     /// pool: they live at fixed offsets of one arena (see
     /// [`ramus_swap::layout`]).
     pub headroom: f64,
+    /// Dynamic models: the bytes of a segment's scattered states the
+    /// function rows are grouped into (see [`steps`]'s dynamic module):
+    /// consecutive batching tasks are merged until a segment has this many
+    /// bytes of state rows, so that its tensors are worth offloading and
+    /// the trace stays short enough to plan per batch.
+    pub segment_bytes: u64,
 }
 
 impl Default for SwapConfig {
@@ -166,6 +175,7 @@ impl Default for SwapConfig {
             min_reuse_ops: 2,
             profile: true,
             headroom: 0.01,
+            segment_bytes: 4 << 20,
         }
     }
 }
@@ -178,6 +188,15 @@ impl SwapConfig {
             ..SwapConfig::default()
         }
     }
+}
+
+/// Rows per segment of a dynamic model under `config`: enough rows for
+/// [`SwapConfig::segment_bytes`] of scattered state (at least one).
+pub fn segment_rows(model: &Model, config: &SwapConfig) -> usize {
+    let row_bytes = 4 * model.state_width.max(1) as u64;
+    usize::try_from(config.segment_bytes.div_ceil(row_bytes))
+        .unwrap_or(usize::MAX)
+        .max(1)
 }
 
 /// What the last swap-path training step did.
@@ -209,6 +228,12 @@ pub struct SwapStepReport {
     pub exec: ExecReport,
     /// The pool's peak in-use bytes so far.
     pub pool_peak_bytes: u64,
+    /// Segments a dynamic model's rows were cut into (0: a static-graph
+    /// model).
+    pub segments: usize,
+    /// Seconds this step spent planning (`None`: it reused the plan of an
+    /// earlier batch of the same structure).
+    pub plan_seconds: Option<f64>,
 }
 
 impl fmt::Display for SwapStepReport {
@@ -251,6 +276,12 @@ impl fmt::Display for SwapStepReport {
                 )?;
             }
         }
+        if self.segments > 0 {
+            write!(f, "; {} segments", self.segments)?;
+        }
+        if let Some(s) = self.plan_seconds {
+            write!(f, "; planned in {}", ramus_swap::human_seconds(s))?;
+        }
         write!(f, "; pool peak {}", human_bytes(self.pool_peak_bytes))
     }
 }
@@ -271,6 +302,8 @@ impl SwapStepReport {
             "arena_bytes": self.arena_bytes,
             "exec": serde_json::to_value(&self.exec).unwrap_or_default(),
             "pool_peak_bytes": self.pool_peak_bytes,
+            "segments": self.segments,
+            "plan_seconds": self.plan_seconds,
         })
     }
 }
@@ -302,6 +335,8 @@ pub struct SwapIteration {
     /// Per op of the trace, its estimated work: (floating-point
     /// operations, bytes moved), from the op registry's cost model.
     pub op_costs: Vec<(f64, f64)>,
+    /// Segments of a dynamic model's rows (0: a static-graph model).
+    pub segments: usize,
 }
 
 /// How fast a GPU runs an iteration's ops: a roofline for estimates before
@@ -363,24 +398,53 @@ pub fn training_iteration(
     optimizer: OptimizerKind,
     conv_workspace: Option<usize>,
 ) -> Result<SwapIteration> {
+    training_iteration_with(
+        model,
+        batch,
+        optimizer,
+        conv_workspace,
+        &SwapConfig::default(),
+    )
+}
+
+/// The training iteration of `model` on `batch` as the swap path runs it
+/// under `config`: one tensor per node for a static-graph model; for a
+/// dynamic model (trees, sequences) one per node and segment of the
+/// batch's rows, its ops in the batched engine's task order (see
+/// [`steps`]'s dynamic module), cut by [`SwapConfig::segment_bytes`].
+pub fn training_iteration_with(
+    model: &Model,
+    batch: &Batch<'_>,
+    optimizer: OptimizerKind,
+    conv_workspace: Option<usize>,
+    config: &SwapConfig,
+) -> Result<SwapIteration> {
     let (program, _) = Program::plan(model)?;
-    let shape = steps::Shape::of(model, &batch.schedule, model.head.rows);
     let kind = steps::Kind::Train {
         states: steps::optimizer_states(optimizer),
     };
-    let prog = steps::build(
-        model,
-        &program,
-        &shape,
-        kind,
-        conv_workspace.unwrap_or(crate::engine::CONV_WORKSPACE_FLOATS),
-    )?;
+    let workspace = conv_workspace.unwrap_or(crate::engine::CONV_WORKSPACE_FLOATS);
+    let prog = if steps::check_static(model, &program).is_ok() {
+        let shape = steps::Shape::of(model, &batch.schedule, model.head.rows);
+        steps::build(model, &program, &shape, kind, workspace)?
+    } else {
+        steps::build_dynamic(
+            model,
+            &program,
+            &batch.schedule,
+            model.head.rows,
+            kind,
+            workspace,
+            segment_rows(model, config),
+        )?
+    };
     Ok(SwapIteration {
         op_costs: prog.costs,
         scratch_bytes: crate::offset_allocator::aligned_size(
             4 * prog.workspace_floats.max(1) as u64,
         )
         .unwrap_or(u64::MAX),
+        segments: prog.segments.len(),
         trace: prog.trace,
     })
 }

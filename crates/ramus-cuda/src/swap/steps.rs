@@ -14,7 +14,8 @@
 //! The ops, on one compute stream:
 //!
 //! 1. every function's eager steps, then its lazy ones (per-task steps, and
-//!    with them gathers and scatters, make a model dynamic: refused);
+//!    with them gathers and scatters, make a model dynamic: built by the
+//!    `dynamic` module instead, one tensor per node and segment of rows);
 //! 2. the head input (pushed rows of every function), the head's steps and
 //!    an asynchronous copy of the loss to the host;
 //! 3. zeroing the parameter gradients; the head's backward steps and the
@@ -30,6 +31,10 @@
 //! the start of the step), and the seeds of the output gradients — run
 //! right before the first op that uses their tensor, so the tensor is not
 //! live longer than needed.
+
+mod dynamic;
+
+pub(crate) use dynamic::{build as build_dynamic, check_dynamic};
 
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
@@ -139,18 +144,104 @@ impl Kind {
     }
 }
 
+/// The rows an op runs over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Rows {
+    /// Every row of the graph (static-graph models, the head).
+    All,
+    /// The rows of segment `.0` of [`SwapProgram::segments`] (dynamic
+    /// models: eager and lazy steps, uploads, accumulations).
+    Segment(usize),
+    /// The rows of piece `.0` of [`SwapProgram::pieces`] (dynamic models:
+    /// per-task steps on a batching task, or on part of a large one).
+    Piece(usize),
+}
+
+/// A batching task's rows, or a run of the rows of a large one (its rows
+/// are independent of each other): what a dynamic model's per-task steps
+/// run over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Piece {
+    /// The schedule's task.
+    pub task: usize,
+    pub r0: usize,
+    pub r1: usize,
+    pub e0: usize,
+    pub e1: usize,
+}
+
+impl Piece {
+    pub(crate) fn range(&self) -> ramus_cpu::Range {
+        ramus_cpu::Range {
+            r0: self.r0,
+            r1: self.r1,
+            e0: self.e0,
+            e1: self.e1,
+        }
+    }
+}
+
+/// Consecutive pieces of batching tasks of one vertex function whose rows
+/// (and edges) are contiguous: the unit in which a dynamic model's node
+/// buffers become tensors (see the `dynamic` module).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Segment {
+    pub function: usize,
+    /// Its pieces `pieces.start..pieces.end` of [`SwapProgram::pieces`].
+    pub pieces: std::ops::Range<usize>,
+    /// Function rows `r0..r1` and edges `e0..e1`.
+    pub r0: usize,
+    pub r1: usize,
+    pub e0: usize,
+    pub e1: usize,
+}
+
+impl Segment {
+    pub(crate) fn range(&self) -> ramus_cpu::Range {
+        ramus_cpu::Range {
+            r0: self.r0,
+            r1: self.r1,
+            e0: self.e0,
+            e1: self.e1,
+        }
+    }
+}
+
+/// A run of index words in [`SwapProgram::indices`]: `offset..offset + len`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Words {
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// One row move between two tensors' own memory (rows counted from each
+/// tensor's first row; `NONE` rows as in [`crate::launch::RowMove`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct MoveSpec {
+    pub dst: TensorId,
+    /// `None`: zeros (every source row is `NONE`).
+    pub src: Option<TensorId>,
+    pub dst_rows: Option<Words>,
+    pub src_rows: Option<Words>,
+    pub rows: usize,
+    pub width: usize,
+    pub accumulate: bool,
+}
+
 /// One op of the iteration.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum SwapOp {
-    /// Copy function `f`'s pulled inputs (the images) from the host.
-    UploadPull { f: usize, node: NodeId },
-    /// Copy dropout mask `mask` (drawn at the start of the step) from the host.
-    UploadMask { mask: usize },
-    /// A planned step of a graph's phase.
+    /// Copy function `f`'s pulled inputs (the images) of `rows` from the host.
+    UploadPull { f: usize, node: NodeId, rows: Rows },
+    /// Copy `rows` of dropout mask `mask` (drawn at the start of the step)
+    /// from the host.
+    UploadMask { mask: usize, rows: Rows },
+    /// A planned step of a graph's phase over `rows`.
     Step {
         graph: GraphRef,
         phase: usize,
         index: usize,
+        rows: Rows,
     },
     /// Gather every function's pushed rows into the head input.
     HeadInput,
@@ -169,9 +260,17 @@ pub(crate) enum SwapOp {
     },
     /// Add the head input's gradient into every function's pushed gradient.
     PushGrads,
-    /// Add output `output` (a parameter gradient) of a backward graph into
-    /// the parameter's gradient.
-    AccumulateGrad { graph: GraphRef, output: usize },
+    /// Add output `output` (a parameter gradient, or an embedding table's
+    /// row gradient) of a backward graph over `rows` into the parameter's
+    /// gradient.
+    AccumulateGrad {
+        graph: GraphRef,
+        output: usize,
+        rows: Rows,
+    },
+    /// Row moves [`SwapProgram::move_sets`]`[set]` in one launch (a dynamic
+    /// model's gathers, child gradients, head input and pushed gradients).
+    Moves { set: usize },
     /// The fused optimizer step.
     Optimizer,
 }
@@ -184,11 +283,16 @@ pub(crate) struct Home {
     pub dtype: DType,
     /// Elements.
     pub len: usize,
+    /// Elements of the node's buffer before the tensor's first one: a
+    /// dynamic model's segment tensor holds rows `r0..` of its node, and the
+    /// engine addresses them by their row in the function (0 when the
+    /// tensor is the whole buffer).
+    pub at: usize,
 }
 
 /// The iteration: ops, tensors and the trace the planner reads.
 #[derive(Clone, Debug)]
-pub(crate) struct StaticProgram {
+pub(crate) struct SwapProgram {
     pub ops: Vec<SwapOp>,
     /// Per trace tensor: its node, or `None` for persistent tensors.
     pub homes: Vec<Option<Home>>,
@@ -203,6 +307,55 @@ pub(crate) struct StaticProgram {
     pub costs: Vec<(f64, f64)>,
     pub kind: Kind,
     pub trace: Trace,
+    /// Dynamic models: the segments their function tensors are cut into
+    /// (empty for static-graph models: one tensor per node).
+    pub segments: Vec<Segment>,
+    /// Dynamic models: the pieces of tasks the segments are made of.
+    pub pieces: Vec<Piece>,
+    /// Row moves of the [`SwapOp::Moves`] ops.
+    pub move_sets: Vec<Vec<MoveSpec>>,
+    /// Index words of the moves, uploaded once per step.
+    pub indices: Vec<u32>,
+}
+
+impl SwapProgram {
+    /// A hash of what a plan depends on: tensor sizes and kinds, each op's
+    /// reads and writes, the segments and the moves' shapes (not the index
+    /// words, which change with the batch's topology while the plan holds).
+    pub(crate) fn fingerprint(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        for t in self.trace.tensors() {
+            t.bytes.hash(&mut h);
+            t.kind.hash(&mut h);
+        }
+        for op in self.trace.ops() {
+            op.reads.hash(&mut h);
+            op.writes.hash(&mut h);
+            op.phase.hash(&mut h);
+        }
+        self.segments.hash(&mut h);
+        self.pieces.hash(&mut h);
+        self.move_sets.hash(&mut h);
+        h.finish()
+    }
+
+    /// Whether `other` runs the same ops on the same tensors (a plan made
+    /// for one holds for the other), checked in full after fingerprints
+    /// matched.
+    pub(crate) fn same_structure(&self, other: &SwapProgram) -> bool {
+        let (a, b) = (&self.trace, &other.trace);
+        a.tensors() == b.tensors()
+            && a.num_ops() == b.num_ops()
+            && a.ops().iter().zip(b.ops()).all(|(x, y)| {
+                x.reads == y.reads && x.writes == y.writes && x.phase == y.phase && x.name == y.name
+            })
+            && self.ops == other.ops
+            && self.segments == other.segments
+            && self.pieces == other.pieces
+            && self.move_sets == other.move_sets
+            && self.homes == other.homes
+    }
 }
 
 /// Rows of each function and of the head for a batch.
@@ -242,6 +395,9 @@ impl Shape {
         }
     }
 }
+
+/// The segment key of tensors that are a node's whole buffer.
+const WHOLE: usize = usize::MAX;
 
 /// Bytes of a buffer of `len` 4-byte elements as the pool allocates it.
 fn pool_bytes(len: usize) -> u64 {
@@ -309,7 +465,16 @@ struct Builder<'a> {
     conv_workspace: usize,
     t: TraceBuilder,
     homes: Vec<Option<Home>>,
-    own: HashMap<(GraphRef, NodeId), TensorId>,
+    /// Each node's tensor, by (graph, node, segment); [`WHOLE`] for the
+    /// head and for static-graph models.
+    own: HashMap<(GraphRef, NodeId, usize), TensorId>,
+    /// Dynamic models: the segments, and the one function tensors resolve
+    /// in now.
+    segments: Vec<Segment>,
+    pieces: Vec<Piece>,
+    current: usize,
+    move_sets: Vec<Vec<MoveSpec>>,
+    indices: Vec<u32>,
     empty: Vec<(GraphRef, NodeId, DType)>,
     params: Vec<TensorId>,
     grads: Vec<TensorId>,
@@ -330,7 +495,88 @@ struct Builder<'a> {
     step_cost: Option<(f64, f64)>,
 }
 
+impl<'a> Builder<'a> {
+    fn new(
+        model: &'a Model,
+        program: &'a Program,
+        shape: &'a Shape,
+        kind: Kind,
+        conv_workspace: usize,
+    ) -> Builder<'a> {
+        Builder {
+            model,
+            program,
+            kind,
+            shape,
+            conv_workspace,
+            t: TraceBuilder::new(),
+            homes: Vec::new(),
+            own: HashMap::new(),
+            segments: Vec::new(),
+            pieces: Vec::new(),
+            current: WHOLE,
+            move_sets: Vec::new(),
+            indices: Vec::new(),
+            empty: Vec::new(),
+            params: Vec::new(),
+            grads: Vec::new(),
+            states: Vec::new(),
+            pending: HashMap::new(),
+            ops: Vec::new(),
+            workspace_floats: 0,
+            early: HashMap::new(),
+            accumulated: HashSet::new(),
+            sizes: Vec::new(),
+            costs: Vec::new(),
+            step_cost: None,
+        }
+    }
+}
+
 impl Builder<'_> {
+    /// The parameters, and when training their gradients and the
+    /// optimizer's state.
+    fn persistent_tensors(&mut self) {
+        let model = self.model;
+        let training = self.kind.training();
+        let states = match self.kind {
+            Kind::Train { states } => states,
+            _ => 0,
+        };
+        for p in &model.params {
+            let bytes = pool_bytes(p.shape.iter().product());
+            let id = self.tensor(
+                format!("param {}", p.name),
+                bytes,
+                TensorKind::Parameter,
+                None,
+            );
+            self.params.push(id);
+        }
+        for p in model.params.iter().filter(|_| training) {
+            let bytes = pool_bytes(p.shape.iter().product());
+            let id = self.tensor(
+                format!("grad {}", p.name),
+                bytes,
+                TensorKind::ParameterGradient,
+                None,
+            );
+            self.grads.push(id);
+        }
+        for k in 0..states {
+            for p in &model.params {
+                let bytes = pool_bytes(p.shape.iter().product());
+                let id = self.tensor(
+                    format!("opt{k} {}", p.name),
+                    bytes,
+                    TensorKind::OptimizerState,
+                    None,
+                );
+                self.states.push(id);
+            }
+        }
+    }
+
     fn tensor(
         &mut self,
         name: String,
@@ -344,7 +590,8 @@ impl Builder<'_> {
         id
     }
 
-    /// One tensor per node of `graph` with a buffer of its own.
+    /// One tensor per node of `graph` with a buffer of its own (per
+    /// segment of the function for a dynamic model).
     fn graph_tensors(&mut self, graph: GraphRef) {
         let g = graph.graph(self.model);
         let prog = graph.program(self.program, self.kind);
@@ -353,31 +600,63 @@ impl Builder<'_> {
             _ => TensorKind::Gradient,
         };
         let label = graph.label(self.model);
+        let parts: Vec<(usize, Option<Segment>)> = match graph.function() {
+            Some(f) if !self.segments.is_empty() => self
+                .segments
+                .iter()
+                .enumerate()
+                .filter(|(_, sg)| sg.function == f)
+                .map(|(i, sg)| (i, Some(sg.clone())))
+                .collect(),
+            _ => vec![(WHOLE, None)],
+        };
         for (n, node) in g.nodes.iter().enumerate() {
             match node.kind {
                 NodeKind::Param(_)
                 | NodeKind::Input(Source::Forward(_) | Source::Token | Source::Label) => continue,
-                _ if !prog.materialized[n] => continue,
+                // a scattered state the plain engine writes straight into
+                // the batch's state buffer is a tensor of its own here
+                _ if !prog.materialized[n] && prog.scatter_in_place != Some(n) => continue,
                 _ => {}
             }
-            let len = self.shape.count(graph, node.ty.space) * node.ty.width();
-            if len == 0 {
-                self.empty.push((graph, n, node.ty.dtype));
-                continue;
+            let width = node.ty.width();
+            for (seg, part) in &parts {
+                let (count, first, rows) = match (part, node.ty.space) {
+                    (None, space) => (self.shape.count(graph, space), 0, String::new()),
+                    (Some(_), Space::Static) => (1, 0, format!(" [segment {seg}]")),
+                    (Some(sg), Space::Vertex) => (
+                        sg.r1 - sg.r0,
+                        sg.r0,
+                        format!(" [segment {seg}: rows {}..{}]", sg.r0, sg.r1),
+                    ),
+                    (Some(sg), Space::Edge) => (
+                        sg.e1 - sg.e0,
+                        sg.e0,
+                        format!(" [segment {seg}: edges {}..{}]", sg.e0, sg.e1),
+                    ),
+                };
+                let len = count * width;
+                if len == 0 {
+                    if *seg == WHOLE || !self.empty.contains(&(graph, n, node.ty.dtype)) {
+                        self.empty.push((graph, n, node.ty.dtype));
+                    }
+                    continue;
+                }
+                let home = Home {
+                    graph,
+                    node: n,
+                    dtype: node.ty.dtype,
+                    len,
+                    at: first * width,
+                };
+                let id = self.tensor(
+                    format!("{label} %{n} {}{rows}", node.describe(&[])),
+                    pool_bytes(len),
+                    kind,
+                    Some(home),
+                );
+                self.own.insert((graph, n, *seg), id);
             }
-            let home = Home {
-                graph,
-                node: n,
-                dtype: node.ty.dtype,
-                len,
-            };
-            let id = self.tensor(
-                format!("{label} %{n} {}", node.describe(&[])),
-                pool_bytes(len),
-                kind,
-                Some(home),
-            );
-            self.own.insert((graph, n), id);
         }
     }
 
@@ -399,7 +678,13 @@ impl Builder<'_> {
             NodeKind::Input(Source::Token | Source::Label) => Ok(None),
             _ => match graph.program(self.program, self.kind).views.get(&n) {
                 Some(v) => self.resolve(graph, v.source),
-                None => Ok(self.own.get(&(graph, n)).copied()),
+                None => {
+                    let seg = match graph.function() {
+                        Some(_) if !self.segments.is_empty() => self.current,
+                        _ => WHOLE,
+                    };
+                    Ok(self.own.get(&(graph, n, seg)).copied())
+                }
             },
         }
     }
@@ -447,14 +732,39 @@ impl Builder<'_> {
         self.pending.insert(t, (op, name));
     }
 
-    /// The steps of `phase` of `graph`.
+    /// The steps of `phase` of `graph` over every row.
     fn steps(&mut self, graph: GraphRef, phase: usize, op_phase: Phase) -> Result<()> {
-        let g = graph.graph(self.model);
-        let prog = graph.program(self.program, self.kind);
-        let label = graph.label(self.model);
         let rows = match graph.function() {
             Some(f) => self.shape.rows[f],
             None => self.shape.head_rows,
+        };
+        self.steps_over(graph, phase, op_phase, Rows::All, rows)
+    }
+
+    /// The steps of `phase` of `graph` over `rows` (`count` of them).
+    fn steps_over(
+        &mut self,
+        graph: GraphRef,
+        phase: usize,
+        op_phase: Phase,
+        rows: Rows,
+        count: usize,
+    ) -> Result<()> {
+        let g = graph.graph(self.model);
+        let prog = graph.program(self.program, self.kind);
+        let label = match rows {
+            Rows::All => graph.label(self.model),
+            Rows::Segment(s) => format!("{} segment {s}", graph.label(self.model)),
+            Rows::Piece(p) => match self.pieces.get(p) {
+                Some(piece) => format!(
+                    "{} task {} rows {}..{}",
+                    graph.label(self.model),
+                    piece.task,
+                    piece.r0,
+                    piece.r1
+                ),
+                None => format!("{} piece {p}", graph.label(self.model)),
+            },
         };
         for (index, step) in prog.phases[phase].iter().enumerate() {
             if let PlannedStep::Op(n) = &step.step {
@@ -462,13 +772,13 @@ impl Builder<'_> {
                     let any: &dyn Any = op.as_ref();
                     self.workspace_floats = self.workspace_floats.max(cnn_workspace_floats(
                         any,
-                        rows,
+                        count,
                         self.conv_workspace,
                     ));
                 }
             }
             let (reads, writes, name) = step_nodes(g, &step.step, &label);
-            self.step_cost = Some(step_cost(g, &step.step, rows));
+            self.step_cost = Some(step_cost(g, &step.step, count));
             let reads = self.resolve_all(graph, &reads)?;
             let writes = self.resolve_all(graph, &writes)?;
             self.emit(
@@ -476,6 +786,7 @@ impl Builder<'_> {
                     graph,
                     phase,
                     index,
+                    rows,
                 },
                 name,
                 op_phase,
@@ -484,7 +795,7 @@ impl Builder<'_> {
             );
             if let Some(outputs) = self.early.remove(&(graph, phase, index)) {
                 for output in outputs {
-                    self.accumulate_output(graph, output)?;
+                    self.accumulate_output(graph, output, Rows::All)?;
                 }
             }
         }
@@ -520,49 +831,65 @@ impl Builder<'_> {
     }
 
     /// Accumulation ops of backward graph `graph`'s parameter gradients
-    /// (those not accumulated early, right after their last writer).
-    fn accumulate(&mut self, graph: GraphRef) -> Result<()> {
+    /// (those not accumulated early, right after their last writer) over
+    /// `rows`; row gradients (embedding tables) only for a dynamic model.
+    fn accumulate(&mut self, graph: GraphRef, rows: Rows) -> Result<()> {
         let g = graph.graph(self.model);
         for (output, o) in g.outputs.iter().enumerate() {
             match o.role {
                 Role::ParamGrad(_) if !self.accumulated.contains(&(graph, output)) => {
-                    self.accumulate_output(graph, output)?
+                    self.accumulate_output(graph, output, rows)?
                 }
-                Role::ParamRowGrad(_) => {
+                Role::ParamRowGrad(_) if self.segments.is_empty() => {
                     return Err(unsupported(self.model, "has row gradients".into()))
                 }
+                Role::ParamRowGrad(_) => self.accumulate_output(graph, output, rows)?,
                 _ => {}
             }
         }
         Ok(())
     }
 
-    /// The accumulation op of output `output` (a parameter gradient) of
-    /// backward graph `graph`.
-    fn accumulate_output(&mut self, graph: GraphRef, output: usize) -> Result<()> {
+    /// The accumulation op of output `output` (a parameter gradient or row
+    /// gradient) of backward graph `graph` over `rows`.
+    fn accumulate_output(&mut self, graph: GraphRef, output: usize, rows: Rows) -> Result<()> {
         let g = graph.graph(self.model);
         let Some(o) = g.outputs.get(output) else {
             return Err(CudaError::Model(format!("swap path: no output {output}")));
         };
-        let Role::ParamGrad(p) = o.role else {
+        let (Role::ParamGrad(p) | Role::ParamRowGrad(p)) = o.role else {
             return Err(CudaError::Model(
                 "swap path: accumulating a non-gradient output".into(),
             ));
         };
-        let src = self.resolve_all(graph, &[o.node])?;
+        let mut src = self.resolve_all(graph, &[o.node])?;
+        if let Some(aux) = o.aux {
+            src.extend(self.resolve_all(graph, &[aux])?);
+        }
         let dst = *self
             .grads
             .get(p)
             .ok_or_else(|| CudaError::Model(format!("gradient of unknown parameter {p}")))?;
         let mut reads = src;
         reads.push(dst);
-        let name = format!(
-            "{} accumulate grad {}",
-            graph.label(self.model),
-            self.model.params[p].name
-        );
+        let name = match rows {
+            Rows::Segment(s) => format!(
+                "{} segment {s} accumulate grad {}",
+                graph.label(self.model),
+                self.model.params[p].name
+            ),
+            _ => format!(
+                "{} accumulate grad {}",
+                graph.label(self.model),
+                self.model.params[p].name
+            ),
+        };
         self.emit(
-            SwapOp::AccumulateGrad { graph, output },
+            SwapOp::AccumulateGrad {
+                graph,
+                output,
+                rows,
+            },
             name,
             Phase::Backward,
             &reads,
@@ -719,68 +1046,12 @@ pub(crate) fn build(
     shape: &Shape,
     kind: Kind,
     conv_workspace: usize,
-) -> Result<StaticProgram> {
+) -> Result<SwapProgram> {
     check_static(model, program)?;
     let nf = model.functions.len();
     let training = kind.training();
-    let states = match kind {
-        Kind::Train { states } => states,
-        _ => 0,
-    };
-    let mut b = Builder {
-        model,
-        program,
-        kind,
-        shape,
-        conv_workspace,
-        t: TraceBuilder::new(),
-        homes: Vec::new(),
-        own: HashMap::new(),
-        empty: Vec::new(),
-        params: Vec::new(),
-        grads: Vec::new(),
-        states: Vec::new(),
-        pending: HashMap::new(),
-        ops: Vec::new(),
-        workspace_floats: 0,
-        early: HashMap::new(),
-        accumulated: HashSet::new(),
-        sizes: Vec::new(),
-        costs: Vec::new(),
-        step_cost: None,
-    };
-    for p in &model.params {
-        let bytes = pool_bytes(p.shape.iter().product());
-        let id = b.tensor(
-            format!("param {}", p.name),
-            bytes,
-            TensorKind::Parameter,
-            None,
-        );
-        b.params.push(id);
-    }
-    for p in model.params.iter().filter(|_| training) {
-        let bytes = pool_bytes(p.shape.iter().product());
-        let id = b.tensor(
-            format!("grad {}", p.name),
-            bytes,
-            TensorKind::ParameterGradient,
-            None,
-        );
-        b.grads.push(id);
-    }
-    for k in 0..states {
-        for p in &model.params {
-            let bytes = pool_bytes(p.shape.iter().product());
-            let id = b.tensor(
-                format!("opt{k} {}", p.name),
-                bytes,
-                TensorKind::OptimizerState,
-                None,
-            );
-            b.states.push(id);
-        }
-    }
+    let mut b = Builder::new(model, program, shape, kind, conv_workspace);
+    b.persistent_tensors();
     let graphs: Vec<GraphRef> = (0..nf)
         .flat_map(|f| [GraphRef::Forward(f), GraphRef::Backward(f)])
         .chain([GraphRef::Head, GraphRef::HeadBackward])
@@ -802,13 +1073,25 @@ pub(crate) fn build(
                 NodeKind::Input(Source::Pull) => {
                     if let Some(f) = graph.function() {
                         let name = format!("upload {} %{n} (pulled inputs)", graph.label(model));
-                        b.producer(t, SwapOp::UploadPull { f, node: n }, name);
+                        b.producer(
+                            t,
+                            SwapOp::UploadPull {
+                                f,
+                                node: n,
+                                rows: Rows::All,
+                            },
+                            name,
+                        );
                     }
                 }
                 NodeKind::Input(Source::DropoutMask { rate, .. }) if training => {
                     let len = b.homes[t.index()].map_or(0, |h| h.len);
                     let name = format!("upload {} %{n} (dropout mask)", graph.label(model));
-                    b.producer(t, SwapOp::UploadMask { mask: masks.len() }, name);
+                    let op = SwapOp::UploadMask {
+                        mask: masks.len(),
+                        rows: Rows::All,
+                    };
+                    b.producer(t, op, name);
                     masks.push((graph, n, len, rate));
                 }
                 NodeKind::Input(Source::DropoutMask { .. }) => {
@@ -894,7 +1177,7 @@ pub(crate) fn build(
     b.plan_early_accumulations(&backward, &[EAGER, LAZY])?;
     b.seeds(GraphRef::HeadBackward, &head.forward)?;
     b.steps(GraphRef::HeadBackward, 0, Phase::Backward)?;
-    b.accumulate(GraphRef::HeadBackward)?;
+    b.accumulate(GraphRef::HeadBackward, Rows::All)?;
     for (f, func) in model.functions.iter().enumerate() {
         b.seeds(GraphRef::Backward(f), &func.forward)?;
     }
@@ -924,7 +1207,7 @@ pub(crate) fn build(
     }
     for f in 0..nf {
         b.steps(GraphRef::Backward(f), LAZY, Phase::Backward)?;
-        b.accumulate(GraphRef::Backward(f))?;
+        b.accumulate(GraphRef::Backward(f), Rows::All)?;
     }
     let mut reads = b.params.clone();
     reads.extend(&b.grads);
@@ -942,11 +1225,11 @@ pub(crate) fn build(
 }
 
 impl Builder<'_> {
-    fn finish(self, masks: Vec<(GraphRef, NodeId, usize, u16)>) -> Result<StaticProgram> {
+    fn finish(self, masks: Vec<(GraphRef, NodeId, usize, u16)>) -> Result<SwapProgram> {
         let trace = self.t.build().map_err(|e| {
             CudaError::Model(format!("swap trace of model `{}`: {e}", self.model.name))
         })?;
-        Ok(StaticProgram {
+        Ok(SwapProgram {
             ops: self.ops,
             homes: self.homes,
             empty: self.empty,
@@ -955,6 +1238,10 @@ impl Builder<'_> {
             costs: self.costs,
             kind: self.kind,
             trace,
+            segments: self.segments,
+            pieces: self.pieces,
+            move_sets: self.move_sets,
+            indices: self.indices,
         })
     }
 }
