@@ -528,6 +528,16 @@ impl CudaEngine {
             self.launcher.count();
             Some(view)
         };
+        // the embedding rows the batch touches (the optimizer updates only
+        // those), uploaded with the index words before any op runs
+        let touched: Vec<DeviceView<u32>> = if config.is_some() {
+            self.touched_rows(model, &batch.schedule)?
+                .into_iter()
+                .map(|(_, rows)| rows)
+                .collect()
+        } else {
+            Vec::new()
+        };
         // pinned slots of the planned offloads, before the timed work starts
         if let Some(plan) = &prep.plan {
             for a in &plan.actions {
@@ -555,6 +565,7 @@ impl CudaEngine {
                 rt: &mut *rt,
                 program: &prep.program,
                 move_indices,
+                touched,
                 model,
                 config,
                 batch,
@@ -750,6 +761,8 @@ struct CudaSwapDevice<'a> {
     program: &'a SwapProgram,
     /// The uploaded index words of the program's moves.
     move_indices: Option<DeviceView<u32>>,
+    /// The touched row ids of every row-gradient table (training only).
+    touched: Vec<DeviceView<u32>>,
     model: &'a Model,
     config: Option<&'a OptimizerConfig>,
     batch: &'a Batch<'a>,
@@ -1125,10 +1138,11 @@ impl CudaSwapDevice<'_> {
                 let config = self
                     .config
                     .ok_or_else(|| swap_err("swap path: an optimizer step without an optimizer"))?;
-                let report =
-                    self.engine
-                        .device_optimizer(model, config)?
-                        .step(&stream, &[], false)?;
+                let report = self.engine.device_optimizer(model, config)?.step(
+                    &stream,
+                    &self.touched,
+                    false,
+                )?;
                 for _ in 0..report.launches {
                     self.engine.launcher.count();
                 }
