@@ -50,6 +50,7 @@ pub mod parallel;
 pub mod params;
 pub mod plan;
 pub mod real;
+pub mod recursion;
 pub mod simplify;
 pub mod tensor;
 pub mod vpps;
