@@ -39,6 +39,7 @@
 
 pub mod autodiff;
 pub mod cellgen;
+pub mod cellgen_unroll;
 pub mod error;
 pub mod fusion;
 pub mod graph;
