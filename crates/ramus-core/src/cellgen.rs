@@ -60,6 +60,14 @@
 //! NAME_token_table(const float* params, float* out_table, u32 vocab)   // with hoisting
 //! ```
 //!
+//! A multi-stage leaf cell (a refactored model's leaf, see
+//! [`crate::recursion`]) runs stage by stage too: without the table, with
+//! a grid barrier after each stage of the leaf phase (scratch rows then
+//! cover every node); its table is built by one kernel per stage,
+//! `NAME_leaf_table`, `NAME_leaf_table_s1`, …, each taking a scratch
+//! pointer (a row per token) before `vocab`, launched in order. The
+//! unrolled level kernel is generated in [`crate::cellgen_unroll`].
+//!
 //! `params` holds every parameter at its offset ([`TreeKernelSpec::param_offsets`],
 //! compiled in as constants); `state`/`push` have a row per node
 //! (`num_nodes` rows); `scores` a row per root; `barrier` two zeroed
@@ -845,7 +853,8 @@ impl TreeKernelSpec<'_> {
     pub(crate) fn head_phase(&self) -> Result<String> {
         let p = self.push_width();
         let classes = self.head.program.output_width(0);
-        let head_cell = CellWriter::new(self.head, None).cell(&[&format!("scores + (u64)r * {classes}u")])?;
+        let head_cell =
+            CellWriter::new(self.head, None).cell(&[&format!("scores + (u64)r * {classes}u")])?;
         Ok(format!(
             "{{\n{}if (rep < R) {{\nfor (u32 r = rep; r < num_roots; r += R) {{\nconst u32 root = roots[r];\nconst float* hin = (root < num_internal || !use_table) ? push + (u64)root * {p}u : table_push + (u64)tokens[root] * {p}u;\nconst u32 cb = 0, ce = 0, c0 = 0, c1 = 0; (void)cb; (void)ce; (void)c0; (void)c1; const u32 tok = 0; (void)tok;\n{head_cell}}}\n}}\n}}\n",
             warp_coordinates(self.head.program.units)

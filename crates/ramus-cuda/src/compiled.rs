@@ -231,11 +231,11 @@ impl CompiledEngine {
             .clone()
             .or_else(crate::cache::default_cache_dir);
         let cache = KernelCache::for_device(&device, dir)?;
-        let recursion =
-            options
-                .schedule
-                .recursion
-                .resolve(model, Backend::Cuda, options.schedule.leaf_table)?;
+        let recursion = options.schedule.recursion.resolve(
+            model,
+            Backend::Cuda,
+            options.schedule.leaf_table,
+        )?;
         let cells = lower_scheduled(model, recursion.refactor)?;
         let vocab = cells.vocab;
         let (leaf_graph, leaf) = (cells.leaf.graph, cells.leaf.program);

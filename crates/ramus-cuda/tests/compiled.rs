@@ -177,10 +177,10 @@ fn refactored_and_unrolled_schedules_match_the_cpu_engine_for_every_model() {
                                 persistent_weights: true,
                                 recursion: RecursionSchedule::fixed(refactor, unroll),
                             },
-                            cache_dir: Some(std::env::temp_dir().join(format!(
-                                "ramus-compiled-{}",
-                                std::process::id()
-                            ))),
+                            cache_dir: Some(
+                                std::env::temp_dir()
+                                    .join(format!("ramus-compiled-{}", std::process::id())),
+                            ),
                             ..CompiledOptions::default()
                         };
                         let what = format!(

@@ -82,7 +82,8 @@ impl UnrolledPlan {
             if b + 1 < levels {
                 for p in batch.batch(b + 1) {
                     self.group_parent.push(p);
-                    self.group_child_begin.push(self.group_children.len() as u32);
+                    self.group_child_begin
+                        .push(self.group_children.len() as u32);
                     for &c in batch.children(p) {
                         if child_level.contains(&c) {
                             self.group_children.push(c);
@@ -94,14 +95,16 @@ impl UnrolledPlan {
             for c in child_level {
                 if !self.taken[c as usize] {
                     self.group_parent.push(NO_CHILD);
-                    self.group_child_begin.push(self.group_children.len() as u32);
+                    self.group_child_begin
+                        .push(self.group_children.len() as u32);
                     self.group_children.push(c);
                 }
             }
             b += 2;
         }
         self.step_begin.push(self.group_parent.len() as u32);
-        self.group_child_begin.push(self.group_children.len() as u32);
+        self.group_child_begin
+            .push(self.group_children.len() as u32);
         Ok(())
     }
 

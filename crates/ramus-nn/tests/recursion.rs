@@ -81,7 +81,11 @@ fn graphs_for(name: &str, rng: &mut ChaCha8Rng, vocab: u32) -> Vec<InputGraph> {
 }
 
 /// Reference root scores, graph by graph.
-fn reference<T: ramus_core::real::Real>(model: &Model, params: &Params<T>, gs: &[InputGraph]) -> Vec<T> {
+fn reference<T: ramus_core::real::Real>(
+    model: &Model,
+    params: &Params<T>,
+    gs: &[InputGraph],
+) -> Vec<T> {
     let mut want = Vec::new();
     for g in gs {
         let batch = Batch::new(model, vec![g], BatchingPolicy::Cavs).expect("schedule");
@@ -121,7 +125,10 @@ fn refactoring_moves_the_child_only_products_of_each_model() {
         let base = lower_scheduled(&model, false).expect("lowers");
         if expected.is_empty() {
             let err = lower_scheduled(&model, true).expect_err("nothing to refactor");
-            assert!(err.to_string().contains("nothing to refactor"), "{name}: {err}");
+            assert!(
+                err.to_string().contains("nothing to refactor"),
+                "{name}: {err}"
+            );
             let params: Params<f32> = Params::init(&model, 1);
             let schedule = CpuCompiledSchedule {
                 leaf_table: true,
@@ -142,7 +149,11 @@ fn refactoring_moves_the_child_only_products_of_each_model() {
         let cells = lower_scheduled(&model, true).expect("refactors");
         let extra: usize = expected.iter().map(|e| e.1).sum();
         assert_eq!(cells.state_width(), model.state_width + extra, "{name}");
-        assert_eq!(cells.leaf.program.output_width(0), cells.state_width(), "{name}");
+        assert_eq!(
+            cells.leaf.program.output_width(0),
+            cells.state_width(),
+            "{name}"
+        );
         // the parent's per-edge products are gone
         let edge_dots = |p: &ramus_core::lower::CellProgram| {
             p.scalars
@@ -183,16 +194,25 @@ fn refactored_cells_reproduce_the_reference_vertex_by_vertex() {
             let mut pushed: Vec<Vec<f64>> = Vec::new();
             for v in 0..g.len() {
                 let kids = g.children(v);
-                let f = if kids.is_empty() { &cells.leaf } else { &cells.internal };
-                let children: Vec<&[f64]> =
-                    kids.iter().map(|&c| states[c as usize].as_slice()).collect();
+                let f = if kids.is_empty() {
+                    &cells.leaf
+                } else {
+                    &cells.internal
+                };
+                let children: Vec<&[f64]> = kids
+                    .iter()
+                    .map(|&c| states[c as usize].as_slice())
+                    .collect();
                 let inputs = VertexInputs {
                     children: &children,
                     token: Some(g.tokens[v]),
                     head_input: None,
                     token_table: None,
                 };
-                let mut out = f.program.eval_vertex(&f.graph, &data, &inputs).expect("evaluates");
+                let mut out = f
+                    .program
+                    .eval_vertex(&f.graph, &data, &inputs)
+                    .expect("evaluates");
                 pushed.push(out.pop().expect("push"));
                 states.push(out.pop().expect("state"));
             }
@@ -256,8 +276,9 @@ fn every_schedule_of_the_cpu_compiled_engine_matches_the_reference() {
                         let what = format!(
                             "{name} h{hidden} refactor {refactor} unroll {unroll} table {leaf_table}"
                         );
-                        let mut engine = CpuCompiledEngine::with_schedule(&model, &params, &schedule)
-                            .unwrap_or_else(|e| panic!("{what}: {e}"));
+                        let mut engine =
+                            CpuCompiledEngine::with_schedule(&model, &params, &schedule)
+                                .unwrap_or_else(|e| panic!("{what}: {e}"));
                         assert_eq!(engine.schedule().recursion, schedule.recursion, "{what}");
                         if unroll && is_dag {
                             let err = engine.infer(&refs).expect_err("a DAG does not unroll");
@@ -265,7 +286,9 @@ fn every_schedule_of_the_cpu_compiled_engine_matches_the_reference() {
                             continue;
                         }
                         for round in 0..2 {
-                            let got = engine.infer(&refs).unwrap_or_else(|e| panic!("{what}: {e}"));
+                            let got = engine
+                                .infer(&refs)
+                                .unwrap_or_else(|e| panic!("{what}: {e}"));
                             assert_eq!(got.scores.len(), want.len(), "{what}: score count");
                             for (i, (w, g)) in want.iter().zip(&got.scores).enumerate() {
                                 assert!(
@@ -311,7 +334,10 @@ fn refactoring_is_exact_on_dag_inputs_and_unrolling_refuses_them() {
         .expect("compiles");
         let got = engine.infer(&refs).expect("a DAG refactors");
         for (w, g) in want.iter().zip(&got.scores) {
-            assert!((w - g).abs() <= 1e-4 * (1.0 + w.abs()), "{name}: {w} vs {g}");
+            assert!(
+                (w - g).abs() <= 1e-4 * (1.0 + w.abs()),
+                "{name}: {w} vs {g}"
+            );
         }
         let mut unrolled = CpuCompiledEngine::with_schedule(
             &model,
@@ -322,7 +348,10 @@ fn refactoring_is_exact_on_dag_inputs_and_unrolling_refuses_them() {
             },
         )
         .expect("compiles");
-        let err = unrolled.infer(&refs).expect_err("a DAG does not unroll").to_string();
+        let err = unrolled
+            .infer(&refs)
+            .expect_err("a DAG does not unroll")
+            .to_string();
         assert!(
             err.contains("several parents") && err.contains(" vertex "),
             "{name}: {err}"
@@ -346,7 +375,11 @@ fn defaults_refactor_child_sum_models_on_the_cpu_only() {
         };
         let cpu = resolve(ramus_core::recursion::Backend::Cpu, true);
         let cuda = resolve(ramus_core::recursion::Backend::Cuda, true);
-        assert_eq!(cpu.refactor, name == "treelstm" || name == "treegru", "{name}");
+        assert_eq!(
+            cpu.refactor,
+            name == "treelstm" || name == "treegru",
+            "{name}"
+        );
         assert!(!cpu.unroll && !cuda.refactor && !cuda.unroll, "{name}");
         assert!(!resolve(ramus_core::recursion::Backend::Cpu, false).refactor);
     }
