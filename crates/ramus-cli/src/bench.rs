@@ -62,10 +62,13 @@ pub struct BenchArgs {
     model: String,
     /// With --engine compiled: time the Cortex ablation (fusion only, +
     /// leaf specialization, + model persistence, all with grid barriers
-    /// between levels; then + per-node completion counters instead of the
-    /// barriers) instead of the default schedule.
+    /// between levels; + per-node completion counters instead of the
+    /// barriers; then each of recursive refactoring and unrolling on top, as
+    /// in Cortex Fig. 11) instead of the default schedule.
     #[arg(long)]
     ablation: bool,
+    #[command(flatten)]
+    recursion: RecursionFlags,
     /// With --engine compiled: threads per block of the generated kernel
     /// [default: by the weight registers, 512 or 256].
     #[arg(long)]
@@ -87,6 +90,46 @@ pub struct BenchArgs {
     /// vocabulary) instead of the trees, e.g. 10x10 for the DAG-RNN.
     #[arg(long)]
     grid: Option<String>,
+}
+
+/// The compiled engines' recursion primitives on the command line: each
+/// forced on or off, or (neither flag) the best known default for the
+/// model and device.
+#[derive(clap::Args, Clone, Copy, Debug, Default)]
+pub struct RecursionFlags {
+    /// Compiled engine: recursive refactoring on (children compute the
+    /// values their parent derives from their state alone; an error for a
+    /// model with none) [default: on for child-sum trees on the CPU].
+    #[arg(long, conflicts_with = "no_refactor")]
+    refactor: bool,
+    /// Compiled engine: recursive refactoring off.
+    #[arg(long)]
+    no_refactor: bool,
+    /// Compiled engine: recursion unrolled once (a node with its children
+    /// of the level below; trees and sequences only) [default: off].
+    #[arg(long, conflicts_with = "no_unroll")]
+    unroll: bool,
+    /// Compiled engine: unrolling off.
+    #[arg(long)]
+    no_unroll: bool,
+}
+
+impl RecursionFlags {
+    fn choice(on: bool, off: bool) -> Option<bool> {
+        match (on, off) {
+            (true, _) => Some(true),
+            (_, true) => Some(false),
+            _ => None,
+        }
+    }
+
+    /// The schedule the flags ask for (`None`: the default).
+    pub fn schedule(&self) -> ramus_core::recursion::RecursionSchedule {
+        ramus_core::recursion::RecursionSchedule {
+            refactor: Self::choice(self.refactor, self.no_refactor),
+            unroll: Self::choice(self.unroll, self.no_unroll),
+        }
+    }
 }
 
 /// The engine under test, with what only one kind reports.

@@ -7,7 +7,7 @@ use std::io::Read;
 use std::path::PathBuf;
 
 use ramus_core::HeadRows;
-use ramus_cpu::compiled::CpuCompiledEngine;
+use ramus_cpu::compiled::{CpuCompiledEngine, CpuCompiledSchedule};
 use ramus_cpu::{Batch, Mode};
 use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
 use ramus_graph::{ptb, BatchingPolicy, InputGraph, VocabMode};
@@ -47,6 +47,8 @@ pub struct InferArgs {
     /// the levels of cells up to 256 units wide).
     #[arg(long)]
     grid_barriers: bool,
+    #[command(flatten)]
+    recursion: crate::bench::RecursionFlags,
 }
 
 /// Scores of the roots of one batch, a row of `classes` per tree.
@@ -85,17 +87,23 @@ pub fn run(a: InferArgs) -> AnyResult {
     let trees = ptb::parse_trees(&text, &source, VocabMode::Frozen(&loaded.info.vocab))?;
     let (model, params) = (&loaded.model, &loaded.params);
     let mut scorer = match (a.engine.as_str(), a.device) {
-        ("compiled", Device::Cpu) => Scorer::CompiledCpu(Box::new(CpuCompiledEngine::new(
-            model,
-            params,
-            !a.no_tables,
-        )?)),
+        ("compiled", Device::Cpu) => {
+            Scorer::CompiledCpu(Box::new(CpuCompiledEngine::with_schedule(
+                model,
+                params,
+                &CpuCompiledSchedule {
+                    leaf_table: !a.no_tables,
+                    recursion: a.recursion.schedule(),
+                },
+            )?))
+        }
         ("compiled", Device::Cuda) => {
             let options = CompiledOptions {
                 schedule: CompiledSchedule {
                     leaf_table: !a.no_tables,
                     persistent_weights: !a.no_persistence,
                     node_counters: a.grid_barriers.then_some(false),
+                    recursion: a.recursion.schedule(),
                 },
                 ..CompiledOptions::default()
             };

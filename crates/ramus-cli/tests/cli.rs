@@ -188,6 +188,46 @@ fn train_save_eval_on_built_in_data() {
             .map(|v| &v["prediction"])
             .collect::<Vec<_>>()
     );
+    // the binary Tree-LSTM has nothing to refactor; unrolled, the same predictions
+    assert_one_line_error(
+        &ramus(&[
+            "infer",
+            "--checkpoint",
+            ckpt.to_str().unwrap(),
+            "--input",
+            trees.to_str().unwrap(),
+            "--refactor",
+        ]),
+        "nothing to refactor",
+    );
+    let o = ramus_ok(&[
+        "infer",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--input",
+        trees.to_str().unwrap(),
+        "--unroll",
+    ]);
+    let recursed: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(recursed.len(), compiled.len());
+    for (r, c) in recursed.iter().zip(&compiled) {
+        assert_eq!(r["prediction"], c["prediction"]);
+        for (x, y) in r["scores"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(c["scores"].as_array().unwrap())
+        {
+            let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+            assert!(
+                (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                "recursed {x} vs {y}"
+            );
+        }
+    }
     assert_eq!(compiled.len(), 2);
     for (c, b) in compiled.iter().zip(&batched) {
         assert_eq!(c["tree"], b["tree"]);
@@ -204,6 +244,83 @@ fn train_save_eval_on_built_in_data() {
             );
         }
     }
+}
+
+#[test]
+fn compiled_bench_takes_the_recursion_flags_and_ablation_steps() {
+    let trees = tmp("recursion-trees.txt");
+    std::fs::write(
+        &trees,
+        "(3 (2 not) (1 (2 very) (1 bad)))\n(1 (2 the) (4 wonderful))\n",
+    )
+    .unwrap();
+    let bench = |extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            trees.to_str().unwrap(),
+            "--engine",
+            "compiled",
+            "--hidden",
+            "8",
+            "--batch-sizes",
+            "2",
+            "--reps",
+            "2",
+        ];
+        args.extend_from_slice(extra);
+        ramus(&args)
+    };
+    let lines = |o: &Output| -> Vec<serde_json::Value> {
+        assert!(o.status.success(), "{}", stderr(o));
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    // the ablation: Fig. 11(a) steps, then refactoring and unrolling
+    let steps = lines(&bench(&["--model", "treegru", "--ablation"]));
+    let got: Vec<(String, bool, bool)> = steps
+        .iter()
+        .map(|l| {
+            (
+                l["schedule"].as_str().unwrap().to_string(),
+                l["refactor"].as_bool().unwrap(),
+                l["unroll"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    let want = [
+        ("fusion", false, false),
+        ("fusion+specialization", false, false),
+        ("fusion+specialization+refactoring", true, false),
+        ("fusion+specialization+unrolling", false, true),
+        ("fusion+specialization+refactoring+unrolling", true, true),
+    ];
+    assert_eq!(
+        got,
+        want.iter()
+            .map(|&(n, r, u)| (n.to_string(), r, u))
+            .collect::<Vec<_>>()
+    );
+    // the default refactors a child-sum model on the CPU; the flags override
+    let default = lines(&bench(&["--model", "treegru"]));
+    assert_eq!(default[0]["refactor"], true);
+    assert_eq!(default[0]["unroll"], false);
+    let forced = lines(&bench(&["--model", "treegru", "--no-refactor", "--unroll"]));
+    assert_eq!(forced[0]["refactor"], false);
+    assert_eq!(forced[0]["unroll"], true);
+    // nothing to refactor in a Tree-FC: one line naming the model
+    assert_one_line_error(
+        &bench(&["--model", "treefc", "--refactor"]),
+        "nothing to refactor",
+    );
+    // a flag and its negation conflict
+    let o = bench(&["--refactor", "--no-refactor"]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("--no-refactor"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]

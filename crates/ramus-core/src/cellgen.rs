@@ -74,6 +74,14 @@
 //! NAME_token_table(const float* params, float* out_table, u32 vocab)   // with hoisting
 //! ```
 //!
+//! A multi-stage leaf cell (a refactored model's leaf, see
+//! [`crate::recursion`]) runs stage by stage too: without the table, with
+//! a grid barrier after each stage of the leaf phase (scratch rows then
+//! cover every node); its table is built by one kernel per stage,
+//! `NAME_leaf_table`, `NAME_leaf_table_s1`, …, each taking a scratch
+//! pointer (a row per token) before `vocab`, launched in order. The
+//! unrolled level kernel is generated in [`crate::cellgen_unroll`].
+//!
 //! `params` holds every parameter at its offset ([`TreeKernelSpec::param_offsets`],
 //! compiled in as constants); `state`/`push` have a row per node
 //! (`num_nodes` rows); `scores` a row per root; `barrier` two zeroed
@@ -161,7 +169,7 @@ fn chunks(k: usize) -> usize {
 /// token), `hin` (the head input row, head cells only), `scratch`,
 /// `token_table`, `P<p>` (parameter pointers) and, for persistent weights,
 /// `w<q>[i]`.
-struct CellWriter<'a> {
+pub(crate) struct CellWriter<'a> {
     cell: LoweredCell<'a>,
     /// Weight rows held in registers: index `q` of `(weight, row)`.
     registers: Option<Vec<(usize, usize)>>,
@@ -171,7 +179,7 @@ struct CellWriter<'a> {
 }
 
 impl<'a> CellWriter<'a> {
-    fn new(cell: LoweredCell<'a>, registers: Option<Vec<(usize, usize)>>) -> Self {
+    pub(crate) fn new(cell: LoweredCell<'a>, registers: Option<Vec<(usize, usize)>>) -> Self {
         CellWriter {
             cell,
             registers,
@@ -486,7 +494,7 @@ impl<'a> CellWriter<'a> {
     /// The code of stage `stage` of the cell: its scalars, its stores into
     /// the scratch row (`scratch + n · scratch_width`) and the output lanes
     /// it computes, stored through `outputs[o]` (a row pointer expression).
-    fn cell_stage(mut self, stage: usize, outputs: &[&str]) -> Result<String> {
+    pub(crate) fn cell_stage(mut self, stage: usize, outputs: &[&str]) -> Result<String> {
         let prog = self.cell.program;
         // child pointers for fixed-arity reads
         let mut kids: Vec<usize> = prog
@@ -640,7 +648,7 @@ __device__ __forceinline__ void grid_sync(u32* bar, u32* gen) {
 "#;
 
 /// `const float* P<p> = params + offset;` for every parameter.
-fn param_pointers(offsets: &[usize]) -> String {
+pub(crate) fn param_pointers(offsets: &[usize]) -> String {
     offsets
         .iter()
         .enumerate()
@@ -649,15 +657,35 @@ fn param_pointers(offsets: &[usize]) -> String {
 }
 
 /// Warp coordinates for a cell of `units` units: `j`, replica `rep`, `R`.
-fn warp_coordinates(units: usize) -> String {
+pub(crate) fn warp_coordinates(units: usize) -> String {
     format!(
         "const u32 j = gw % {units}u; const u32 rep = gw / {units}u; const u32 R = gwarps / {units}u;\n"
     )
 }
 
+/// Stages a program's scalars use (a program compacted from a
+/// multi-stage one may keep a larger [`CellProgram::stages`]).
+pub fn used_stages(program: &CellProgram) -> usize {
+    1 + program.scalars.iter().map(|s| s.stage).max().unwrap_or(0)
+}
+
+/// The name of stage `stage`'s kernel of token kernel `name`: `name`
+/// itself for stage 0, `name_s<stage>` after.
+pub fn token_stage_kernel(name: &str, stage: usize) -> String {
+    if stage == 0 {
+        name.to_string()
+    } else {
+        format!("{name}_s{stage}")
+    }
+}
+
 /// A kernel `name(params, <one float* per output>, vocab)` that runs `cell`
 /// once per token below `vocab` (a vertex with that token and no children)
 /// and stores output `o` at row `tok` of `outputs[o]` (`(name, width)`).
+/// A multi-stage cell (a refactored leaf: its moved products need every
+/// unit of its new state) gets one kernel per stage
+/// ([`token_stage_kernel`]), launched in order, each taking a scratch
+/// row per token before `vocab`: `name(params, outputs..., scratch, vocab)`.
 fn token_kernel(
     name: &str,
     block: u32,
@@ -670,16 +698,26 @@ fn token_kernel(
         .map(|(o, w)| format!("{o} + (u64)tok * {w}u"))
         .collect();
     let rows: Vec<&str> = rows.iter().map(String::as_str).collect();
-    let code = CellWriter::new(cell, None).cell(&rows)?;
-    let params: String = outputs
+    let mut params: String = outputs
         .iter()
         .map(|(o, _)| format!("float* {o}, "))
         .collect();
-    Ok(format!(
-        "extern \"C\" __global__ void __launch_bounds__({block}) {name}(const float* __restrict__ params, {params}u32 vocab) {{\n{}const u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n{}if (rep < R) {{\n// no children and no tables: only the token and the parameters\nconst bool use_table = false; const u32 num_internal = 0; const float* state = nullptr; const float* table_state = nullptr; const float* token_table = nullptr; const u32* child_rows = nullptr;\n(void)use_table; (void)num_internal; (void)state; (void)table_state; (void)token_table; (void)child_rows;\nfor (u32 tok = rep; tok < vocab; tok += R) {{\nconst u32 cb = 0, ce = 0, c0 = 0, c1 = 0; (void)cb; (void)ce; (void)c0; (void)c1;\n{code}}}\n}}\n}}\n",
-        param_pointers(param_offsets),
-        warp_coordinates(cell.program.units),
-    ))
+    let stages = used_stages(cell.program);
+    if stages > 1 {
+        params += "float* scratch, ";
+    }
+    let mut src = String::new();
+    for stage in 0..stages {
+        let code = CellWriter::new(cell, None).cell_stage(stage, &rows)?;
+        let _ = write!(
+            src,
+            "extern \"C\" __global__ void __launch_bounds__({block}) {}(const float* __restrict__ params, {params}u32 vocab) {{\n{}const u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n{}if (rep < R) {{\n// no children and no tables: only the token and the parameters\nconst bool use_table = false; const u32 num_internal = 0; const float* state = nullptr; const float* table_state = nullptr; const float* token_table = nullptr; const u32* child_rows = nullptr;\n(void)use_table; (void)num_internal; (void)state; (void)table_state; (void)token_table; (void)child_rows;\nfor (u32 tok = rep; tok < vocab; tok += R) {{\nconst u32 n = tok; (void)n;\nconst u32 cb = 0, ce = 0, c0 = 0, c1 = 0; (void)cb; (void)ce; (void)c0; (void)c1;\n{code}}}\n}}\n}}\n",
+            token_stage_kernel(name, stage),
+            param_pointers(param_offsets),
+            warp_coordinates(cell.program.units),
+        );
+    }
+    Ok(src)
 }
 
 /// How the level kernel orders a level (or stage) after the ones it reads:
@@ -834,14 +872,12 @@ impl TreeKernelSpec<'_> {
         if self.head.program.outputs.len() != 1 {
             return Err(gen_error("the head must output one row of scores"));
         }
-        for (what, cell) in [("leaf", self.leaf), ("head", self.head)] {
-            if cell.program.stages > 1 {
-                return Err(gen_error(format!(
-                    "the {what} cell has {} stages (a product of a product): only an \
-                     internal cell may have more than one",
-                    cell.program.stages
-                )));
-            }
+        if used_stages(self.head.program) > 1 {
+            return Err(gen_error(format!(
+                "the head has {} stages (a product of a product): only vertex cells may \
+                 have more than one",
+                self.head.program.stages
+            )));
         }
         // a leaf cell may read children (one function for every vertex):
         // leaves have none, so its child loops run zero times
@@ -958,25 +994,13 @@ impl TreeKernelSpec<'_> {
                 sync.publish(stage),
             );
         }
-        let leaf_in_kernel = CellWriter::new(self.leaf, None).cell(&[
-            &format!("state + (u64)n * {s}u"),
-            &format!("push + (u64)n * {p}u"),
-        ])?;
-        let head_cell = CellWriter::new(self.head, None).cell(&["scores + (u64)r * SCORES"])?;
-        let classes = self.head.program.output_width(0);
         let use_table = self.leaf_table;
         let _ = write!(
             src,
-            "#define SCORES {classes}u\nextern \"C\" __global__ void __launch_bounds__({block}) {name}_levels(const float* __restrict__ params, float* state, float* push, const float* __restrict__ table_state, const float* __restrict__ table_push, const float* __restrict__ token_table, float* scratch, const u32* __restrict__ child_offsets, const u32* __restrict__ child_rows, const u32* __restrict__ tokens, const u32* __restrict__ batch_begin, const u32* __restrict__ batch_length, u32 num_batches, u32 num_internal, u32 num_nodes, const u32* __restrict__ roots, u32 num_roots, float* scores, u32* barrier, u32* done) {{\n{}const bool use_table = {use_table}; (void)token_table; (void)scratch; (void)done;\n// the barrier generation (thread 0's copy; no block can arrive before every block has read it)\nu32 bar_gen = 0;\nif (threadIdx.x == 0) bar_gen = barrier_generation(barrier);\nconst u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n",
+            "extern \"C\" __global__ void __launch_bounds__({block}) {name}_levels(const float* __restrict__ params, float* state, float* push, const float* __restrict__ table_state, const float* __restrict__ table_push, const float* __restrict__ token_table, float* scratch, const u32* __restrict__ child_offsets, const u32* __restrict__ child_rows, const u32* __restrict__ tokens, const u32* __restrict__ batch_begin, const u32* __restrict__ batch_length, u32 num_batches, u32 num_internal, u32 num_nodes, const u32* __restrict__ roots, u32 num_roots, float* scores, u32* barrier, u32* done) {{\n{}const bool use_table = {use_table}; (void)token_table; (void)scratch; (void)done;\n// the barrier generation (thread 0's copy; no block can arrive before every block has read it)\nu32 bar_gen = 0;\nif (threadIdx.x == 0) bar_gen = barrier_generation(barrier);\nconst u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n",
             param_pointers(self.param_offsets),
         );
-        if !use_table {
-            let _ = write!(
-                src,
-                "{{\n{}if (rep < R) {{\nfor (u32 n = num_internal + rep; n < num_nodes; n += R) {{\nconst u32 tok = tokens[n]; (void)tok;\nconst u32 cb = child_offsets[n], ce = child_offsets[n + 1]; (void)cb; (void)ce;\nconst u32 c0 = 0, c1 = 0; (void)c0; (void)c1;\n{leaf_in_kernel}}}\n}}\n}}\ngrid_sync(barrier, &bar_gen);\n",
-                warp_coordinates(self.leaf.program.units)
-            );
-        }
+        src += &self.leaf_phase()?;
         let _ = write!(
             src,
             "{{\n{}{weights}\nu32 begin = num_batches > 0 ? batch_begin[0] : 0, len = num_batches > 0 ? batch_length[0] : 0;\n// this warp's first node of a level, its child range and first two child rows, loaded ahead (before the barrier)\nu32 pcb = 0, pce = 0, pc0 = 0, pc1 = 0;\nprefetch_node(begin, len, rep, child_offsets, child_rows, &pcb, &pce, &pc0, &pc1);\n{}for (u32 b = 0; b < num_batches; ++b) {{\nconst u32 next_begin = b + 1 < num_batches ? batch_begin[b + 1] : 0, next_len = b + 1 < num_batches ? batch_length[b + 1] : 0;\nif (rep < R) {{\n{}for (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nu32 cb = pcb, ce = pce, c0 = pc0, c1 = pc1;\nif (i != rep) {{ cb = child_offsets[n]; ce = child_offsets[n + 1]; c0 = cb < ce ? child_rows[cb] : 0; c1 = cb + 1 < ce ? child_rows[cb + 1] : 0; }}\n{internal_cell}}}\n{}{later_stages}}}\nprefetch_node(next_begin, next_len, rep, child_offsets, child_rows, &pcb, &pce, &pc0, &pc1);\n{}begin = next_begin; len = next_len;\n}}\n}}\n",
@@ -986,13 +1010,47 @@ impl TreeKernelSpec<'_> {
             sync.publish(0),
             sync.after_level(),
         );
-        let _ = write!(
-            src,
-            "{{\n{}if (rep < R) {{\nfor (u32 r = rep; r < num_roots; r += R) {{\nconst u32 root = roots[r];\n{}const float* hin = (root < num_internal || !use_table) ? push + (u64)root * {p}u : table_push + (u64)tokens[root] * {p}u;\nconst u32 cb = 0, ce = 0, c0 = 0, c1 = 0; (void)cb; (void)ce; (void)c0; (void)c1; const u32 tok = 0; (void)tok;\n{head_cell}}}\n}}\n}}\n}}\n"
-            ,
-            warp_coordinates(self.head.program.units),
-            sync.before_head(stages),
-        );
+        src += &self.head_phase(&sync.before_head(stages))?;
+        src += "}\n";
         Ok(src)
+    }
+
+    /// Without the leaf table: the leaf cell on every leaf, stage by stage,
+    /// then a grid barrier (nothing with the table). Code inside a level
+    /// kernel (its parameters, `lane`, `gw`, `gwarps`, `bar_gen` in scope).
+    pub(crate) fn leaf_phase(&self) -> Result<String> {
+        if self.leaf_table {
+            return Ok(String::new());
+        }
+        let (s, p) = (self.state_width(), self.push_width());
+        let rows = [
+            format!("state + (u64)n * {s}u"),
+            format!("push + (u64)n * {p}u"),
+        ];
+        let rows: Vec<&str> = rows.iter().map(String::as_str).collect();
+        let mut src = String::new();
+        for stage in 0..used_stages(self.leaf.program) {
+            let code = CellWriter::new(self.leaf, None).cell_stage(stage, &rows)?;
+            let _ = write!(
+                src,
+                "{{\n{}if (rep < R) {{\nfor (u32 n = num_internal + rep; n < num_nodes; n += R) {{\nconst u32 tok = tokens[n]; (void)tok;\nconst u32 cb = child_offsets[n], ce = child_offsets[n + 1]; (void)cb; (void)ce;\nconst u32 c0 = 0, c1 = 0; (void)c0; (void)c1;\n{code}}}\n}}\n}}\ngrid_sync(barrier, &bar_gen);\n",
+                warp_coordinates(self.leaf.program.units)
+            );
+        }
+        Ok(src)
+    }
+
+    /// The head cell on every root (code inside a level kernel).
+    /// The head over every root; `before_root` runs before a root's pushed
+    /// row is read (the wait for its node, with node counters).
+    pub(crate) fn head_phase(&self, before_root: &str) -> Result<String> {
+        let p = self.push_width();
+        let classes = self.head.program.output_width(0);
+        let head_cell =
+            CellWriter::new(self.head, None).cell(&[&format!("scores + (u64)r * {classes}u")])?;
+        Ok(format!(
+            "{{\n{}if (rep < R) {{\nfor (u32 r = rep; r < num_roots; r += R) {{\nconst u32 root = roots[r];\n{before_root}const float* hin = (root < num_internal || !use_table) ? push + (u64)root * {p}u : table_push + (u64)tokens[root] * {p}u;\nconst u32 cb = 0, ce = 0, c0 = 0, c1 = 0; (void)cb; (void)ce; (void)c0; (void)c1; const u32 tok = 0; (void)tok;\n{head_cell}}}\n}}\n}}\n",
+            warp_coordinates(self.head.program.units)
+        ))
     }
 }

@@ -39,6 +39,7 @@
 
 pub mod autodiff;
 pub mod cellgen;
+pub mod cellgen_unroll;
 pub mod error;
 pub mod fusion;
 pub mod graph;
@@ -50,6 +51,7 @@ pub mod parallel;
 pub mod params;
 pub mod plan;
 pub mod real;
+pub mod recursion;
 pub mod simplify;
 pub mod tensor;
 pub mod vpps;

@@ -16,12 +16,13 @@
 //! passes split over a spinning helper thread.
 
 use ramus_core::lower::{
-    lower_model, map_rows, vec_deps, CellProgram, ChildRef, MapOperand, ScalarExpr, Scope, VecExpr,
+    map_rows, vec_deps, CellProgram, ChildRef, MapOperand, ScalarExpr, Scope, VecExpr,
 };
 use ramus_core::ops::matmul::{gemm_packed, PackedB, PACKED_MAX_M};
 use ramus_core::parallel::SpinHelper;
+use ramus_core::recursion::{lower_scheduled, Backend, RecursionSchedule, ResolvedRecursion};
 use ramus_core::{Model, Params};
-use ramus_graph::{InputGraph, LinearBatch, Linearizer};
+use ramus_graph::{InputGraph, LinearBatch, Linearizer, UnrolledPlan, NO_CHILD};
 
 use crate::error::{EngineError, Result};
 
@@ -176,10 +177,33 @@ impl Cell {
     }
 }
 
+/// The nodes a cell runs on: a range of node numbers, or a list.
+#[derive(Clone, Copy, Debug)]
+enum Nodes<'a> {
+    Range(usize, usize),
+    List(&'a [u32]),
+}
+
+impl Nodes<'_> {
+    fn len(&self) -> usize {
+        match *self {
+            Nodes::Range(a, b) => b - a,
+            Nodes::List(l) => l.len(),
+        }
+    }
+    /// Node number of row `r`.
+    fn get(&self, r: usize) -> usize {
+        match *self {
+            Nodes::Range(a, _) => a + r,
+            Nodes::List(l) => l[r] as usize,
+        }
+    }
+}
+
 /// Where a cell's inputs come from for one level.
 struct LevelInputs<'a, 'r> {
     /// The level's nodes (their tokens and children).
-    nodes: std::ops::Range<usize>,
+    nodes: Nodes<'a>,
     batch: &'a LinearBatch,
     /// Child state row of a child node.
     child_row: &'a dyn Fn(u32) -> &'r [f32],
@@ -241,7 +265,8 @@ impl Cell {
         let mut parent = Vec::new();
         let mut edge_child = Vec::new();
         offsets.push(0u32);
-        for (r, n) in level.nodes.clone().enumerate() {
+        for r in 0..rows {
+            let n = level.nodes.get(r);
             let kids = if level.token_of.is_some() {
                 &[][..]
             } else {
@@ -256,7 +281,7 @@ impl Cell {
         let edges = edge_child.len();
         let token = |r: usize| match level.token_of {
             Some(t) => t(r),
-            None => batch.tokens()[level.nodes.start + r],
+            None => batch.tokens()[level.nodes.get(r)],
         };
         let prog = &self.program;
         let u = prog.units;
@@ -530,7 +555,7 @@ fn tabulate(cell: &mut Cell, params: &[Vec<f32>], vocab: usize) -> Result<Vec<Ve
         let end = (start + CHUNK).min(vocab);
         let tok = move |r: usize| (start + r) as u32;
         let level = LevelInputs {
-            nodes: start..end,
+            nodes: Nodes::Range(start, end),
             batch: &empty,
             child_row: &no_rows,
             head_input: None,
@@ -542,6 +567,83 @@ fn tabulate(cell: &mut Cell, params: &[Vec<f32>], vocab: usize) -> Result<Vec<Ve
         })?;
     }
     Ok(tables)
+}
+
+/// Child state rows an unrolled step keeps together in one tile (children
+/// pass, then their parents): about a core's L2 share, so the parents read
+/// their children's fresh rows from cache.
+pub const UNROLL_TILE_BYTES: usize = 256 << 10;
+
+/// The CPU compiled engine's schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuCompiledSchedule {
+    /// Leaf specialization with hoisting: per-token tables built at load.
+    pub leaf_table: bool,
+    /// Recursive refactoring and unrolling (`None`: the best known default,
+    /// [`RecursionSchedule::resolve`] with [`Backend::Cpu`]).
+    pub recursion: RecursionSchedule,
+}
+
+impl Default for CpuCompiledSchedule {
+    fn default() -> Self {
+        CpuCompiledSchedule {
+            leaf_table: true,
+            recursion: RecursionSchedule::default(),
+        }
+    }
+}
+
+/// Runs `cell` on the nodes `nodes` (any order; their children computed
+/// already) and writes their state and pushed rows into `state` / `push`
+/// (through `out`, since the cell reads `state` meanwhile).
+#[allow(clippy::too_many_arguments)]
+fn run_node_list(
+    cell: &mut Cell,
+    params: &[Vec<f32>],
+    batch: &LinearBatch,
+    nodes: &[u32],
+    table: Option<&(Vec<f32>, Vec<f32>)>,
+    (s, p): (usize, usize),
+    state: &mut [f32],
+    push: &mut [f32],
+    out: &mut (Vec<f32>, Vec<f32>),
+) -> Result<()> {
+    let rows = nodes.len();
+    if rows == 0 {
+        return Ok(());
+    }
+    let ni = batch.num_internal();
+    out.0.resize(rows * s, 0.0);
+    out.1.resize(rows * p, 0.0);
+    {
+        let tokens = batch.tokens();
+        let st: &[f32] = state;
+        let child_row = |c: u32| -> &[f32] {
+            let c = c as usize;
+            match table {
+                Some((t, _)) if c >= ni => &t[tokens[c] as usize * s..(tokens[c] as usize + 1) * s],
+                _ => &st[c * s..(c + 1) * s],
+            }
+        };
+        let level = LevelInputs {
+            nodes: Nodes::List(nodes),
+            batch,
+            child_row: &child_row,
+            head_input: None,
+            token_of: None,
+        };
+        let (os, op) = (&mut out.0, &mut out.1);
+        cell.run(params, &level, &mut |o, r, row| match o {
+            0 => os[r * s..(r + 1) * s].copy_from_slice(row),
+            _ => op[r * p..(r + 1) * p].copy_from_slice(row),
+        })?;
+    }
+    for (r, &n) in nodes.iter().enumerate() {
+        let n = n as usize;
+        state[n * s..(n + 1) * s].copy_from_slice(&out.0[r * s..(r + 1) * s]);
+        push[n * p..(n + 1) * p].copy_from_slice(&out.1[r * p..(r + 1) * p]);
+    }
+    Ok(())
 }
 
 /// Root scores of a batch (see the CUDA engine's `CompiledOutput`).
@@ -568,6 +670,12 @@ pub struct CpuCompiledEngine {
     state: Vec<f32>,
     push: Vec<f32>,
     table_seconds: f64,
+    /// Refactoring and unrolling in effect.
+    recursion: ResolvedRecursion,
+    /// The unrolled groups of the current batch.
+    plan: UnrolledPlan,
+    /// Rows a node-list pass computes before they are scattered.
+    list_rows: (Vec<f32>, Vec<f32>),
     /// A spinning second thread that takes half of each large product and
     /// elementwise pass (latency: a split costs well under a microsecond).
     helper: Option<SpinHelper>,
@@ -575,12 +683,38 @@ pub struct CpuCompiledEngine {
 
 impl CpuCompiledEngine {
     /// Lowers `model`'s cells, packs their weights and (with `leaf_table`
-    /// and a token vocabulary) tabulates the leaf cell over every token.
+    /// and a token vocabulary) tabulates the leaf cell over every token;
+    /// refactoring and unrolling as the model's default
+    /// ([`CpuCompiledEngine::with_schedule`]).
     pub fn new(model: &Model, params: &Params<f32>, leaf_table: bool) -> Result<Self> {
-        let cells = lower_model(model)?;
+        Self::with_schedule(
+            model,
+            params,
+            &CpuCompiledSchedule {
+                leaf_table,
+                recursion: RecursionSchedule::default(),
+            },
+        )
+    }
+
+    /// The engine under `schedule`: refactoring rewrites the cells before
+    /// they are lowered ([`ramus_core::recursion`]); unrolling runs each
+    /// pair of levels as children-then-parents tiles of the
+    /// [`UnrolledPlan`]'s groups (at most [`UNROLL_TILE_BYTES`] of child
+    /// states per tile) instead of one level at a time.
+    pub fn with_schedule(
+        model: &Model,
+        params: &Params<f32>,
+        schedule: &CpuCompiledSchedule,
+    ) -> Result<Self> {
+        let leaf_table = schedule.leaf_table;
+        let recursion = schedule
+            .recursion
+            .resolve(model, Backend::Cpu, leaf_table)?;
+        let cells = lower_scheduled(model, recursion.refactor)?;
         let vocab = cells.vocab;
-        let leaf = Cell::new(cells.leaf.1, params)?;
-        let internal = Cell::new(cells.internal.1, params)?;
+        let leaf = Cell::new(cells.leaf.program, params)?;
+        let internal = Cell::new(cells.internal.program, params)?;
         let head = Cell::new(cells.head, params)?;
         let mut engine = CpuCompiledEngine {
             state_width: internal.program.output_width(0),
@@ -596,6 +730,9 @@ impl CpuCompiledEngine {
             state: Vec::new(),
             push: Vec::new(),
             table_seconds: 0.0,
+            recursion,
+            plan: UnrolledPlan::new(),
+            list_rows: (Vec::new(), Vec::new()),
             // without a helper thread the kernels fall back to rayon
             helper: if rayon::current_num_threads() > 1 {
                 SpinHelper::new().ok()
@@ -626,6 +763,15 @@ impl CpuCompiledEngine {
     /// Seconds the leaf table took to build (0 without one).
     pub fn leaf_table_seconds(&self) -> f64 {
         self.table_seconds
+    }
+
+    /// The schedule in effect (every choice made; leaf tables need a
+    /// token vocabulary).
+    pub fn schedule(&self) -> CpuCompiledSchedule {
+        CpuCompiledSchedule {
+            leaf_table: self.table.is_some(),
+            recursion: RecursionSchedule::fixed(self.recursion.refactor, self.recursion.unroll),
+        }
     }
 
     /// Scores every root of `graphs`.
@@ -665,7 +811,7 @@ impl CpuCompiledEngine {
         if self.table.is_none() && ni < nodes {
             let no_rows = |_: u32| -> &[f32] { &[] };
             let level = LevelInputs {
-                nodes: ni..nodes,
+                nodes: Nodes::Range(ni, nodes),
                 batch,
                 child_row: &no_rows,
                 head_input: None,
@@ -680,7 +826,48 @@ impl CpuCompiledEngine {
                 }
             })?;
         }
+        if self.recursion.unroll {
+            self.plan
+                .plan(batch)
+                .map_err(|e| err(format!("the batch cannot be unrolled: {e}")))?;
+            let plan = &self.plan;
+            let begin = plan.group_child_begin();
+            for step in 0..plan.num_steps() {
+                let groups = plan.step(step);
+                let mut g0 = groups.start;
+                while g0 < groups.end {
+                    // a tile: groups whose children's rows fit the budget
+                    let mut g1 = g0 + 1;
+                    while g1 < groups.end
+                        && (begin[g1 + 1] - begin[g0]) as usize * s * 4 <= UNROLL_TILE_BYTES
+                    {
+                        g1 += 1;
+                    }
+                    let children = &plan.group_children()[begin[g0] as usize..begin[g1] as usize];
+                    // groups with a parent come first in a step
+                    let parents = &plan.group_parent()[g0..g1];
+                    let with_parent = parents.iter().take_while(|&&p| p != NO_CHILD).count();
+                    for nodes in [children, &parents[..with_parent]] {
+                        run_node_list(
+                            &mut self.internal,
+                            params,
+                            batch,
+                            nodes,
+                            self.table.as_ref(),
+                            (s, p),
+                            &mut self.state,
+                            &mut self.push,
+                            &mut self.list_rows,
+                        )?;
+                    }
+                    g0 = g1;
+                }
+            }
+        }
         for b in 0..batch.num_batches() {
+            if self.recursion.unroll {
+                break;
+            }
             let range = batch.batch(b);
             let (lo, hi) = (range.start as usize, range.end as usize);
             // the level writes rows lo..hi and reads its children's, which
@@ -700,7 +887,7 @@ impl CpuCompiledEngine {
                 }
             };
             let level = LevelInputs {
-                nodes: lo..hi,
+                nodes: Nodes::Range(lo, hi),
                 batch,
                 child_row: &child_row,
                 head_input: None,
@@ -731,7 +918,7 @@ impl CpuCompiledEngine {
             let no_rows = |_: u32| -> &[f32] { &[] };
             let no_tok = |_: usize| 0u32;
             let level = LevelInputs {
-                nodes: 0..roots.len(),
+                nodes: Nodes::Range(0, roots.len()),
                 batch,
                 child_row: &no_rows,
                 head_input: Some(&head_input),

@@ -19,10 +19,12 @@ use std::time::Instant;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaFunction, LaunchConfig, PushKernelArg};
 
-use ramus_core::cellgen::{LoweredCell, TreeKernelSpec, CELL_BLOCK};
-use ramus_core::lower::{lower_model, ModelCells};
+use ramus_core::cellgen::{
+    token_stage_kernel, used_stages, LoweredCell, TreeKernelSpec, CELL_BLOCK,
+};
+use ramus_core::recursion::{lower_scheduled, Backend, RecursionSchedule};
 use ramus_core::{Model, Params};
-use ramus_graph::{InputGraph, Linearizer};
+use ramus_graph::{InputGraph, Linearizer, UnrolledPlan};
 
 use crate::cache::KernelCache;
 use crate::device::CudaDevice;
@@ -31,8 +33,9 @@ use crate::pinned::PinnedBuffer;
 use crate::pool::{Arena, DevicePool, DeviceView, PoolBuffer, PoolConfig};
 
 /// The Cortex schedule knobs of the compiled engine (the ablation of
-/// Cortex Fig. 11(a)): fusion is always on; leaf specialization and model
-/// persistence can be switched off.
+/// Cortex Fig. 11(a)–(c)): fusion is always on; leaf specialization and
+/// model persistence can be switched off, recursive refactoring and
+/// unrolling on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CompiledSchedule {
     /// Leaf specialization with computation hoisting: leaves read a
@@ -48,6 +51,13 @@ pub struct CompiledSchedule {
     /// the children of the nodes it computes. `None` picks by the internal
     /// cell's units: counters up to [`COUNTERS_MAX_UNITS`], barriers above.
     pub node_counters: Option<bool>,
+    /// Recursive refactoring and unrolling (`None`: the best known default
+    /// for the model on CUDA, [`RecursionSchedule::resolve`]: both off).
+    /// Unrolling runs each group (a node and its children of the level
+    /// below) in one thread block with a block barrier between them, and
+    /// reads the weights from memory (a block computes every unit: their
+    /// rows do not fit its registers; Cortex appendix D).
+    pub recursion: RecursionSchedule,
 }
 
 /// The widest internal cell (in units) that orders its levels by node
@@ -64,6 +74,7 @@ impl Default for CompiledSchedule {
             leaf_table: true,
             persistent_weights: true,
             node_counters: None,
+            recursion: RecursionSchedule::default(),
         }
     }
 }
@@ -138,7 +149,10 @@ impl CompiledOutput {
 pub struct CompiledEngine {
     device: Arc<CudaDevice>,
     cache: KernelCache,
+    /// The level kernel, or the unrolled one.
     levels: CudaFunction,
+    /// The unrolled groups of the current batch (unrolled schedule).
+    plan: UnrolledPlan,
     staging: PinnedBuffer,
     arena: Arena,
     _params: PoolBuffer<f32>,
@@ -166,7 +180,8 @@ pub struct CompiledEngine {
     /// Threads per block.
     block: u32,
     units: usize,
-    /// Floats of a node's scratch row (multi-stage cells).
+    /// Floats of a node's scratch row (multi-stage cells: the wider of
+    /// the leaf's and the internal cell's).
     scratch_width: usize,
     state_width: usize,
     push_width: usize,
@@ -234,22 +249,30 @@ impl CompiledEngine {
             .clone()
             .or_else(crate::cache::default_cache_dir);
         let cache = KernelCache::for_device(&device, dir)?;
-        let ModelCells {
-            leaf: (leaf_f, leaf),
-            internal: (internal_f, mut internal),
-            head,
-            vocab,
-        } = lower_model(model)?;
+        let recursion = options.schedule.recursion.resolve(
+            model,
+            Backend::Cuda,
+            options.schedule.leaf_table,
+        )?;
+        let cells = lower_scheduled(model, recursion.refactor)?;
+        let vocab = cells.vocab;
+        let (leaf_graph, leaf) = (cells.leaf.graph, cells.leaf.program);
+        let (internal_graph, mut internal) = (cells.internal.graph, cells.internal.program);
+        let head = cells.head;
         let schedule = CompiledSchedule {
             // a table needs a token to index it
             leaf_table: options.schedule.leaf_table && vocab.is_some(),
+            // a block computing whole nodes cannot keep every unit's rows,
+            // and orders its steps by grid barriers
+            persistent_weights: options.schedule.persistent_weights && !recursion.unroll,
             node_counters: Some(
-                options
-                    .schedule
-                    .node_counters
-                    .unwrap_or(internal.units <= COUNTERS_MAX_UNITS),
+                !recursion.unroll
+                    && options
+                        .schedule
+                        .node_counters
+                        .unwrap_or(internal.units <= COUNTERS_MAX_UNITS),
             ),
-            ..options.schedule
+            recursion: RecursionSchedule::fixed(recursion.refactor, recursion.unroll),
         };
         // hoisting: the internal cell's token-only values from a table
         let hoisted = if schedule.leaf_table {
@@ -270,11 +293,11 @@ impl CompiledEngine {
         let mut spec = TreeKernelSpec {
             name: "cortex",
             leaf: LoweredCell {
-                graph: &model.functions[leaf_f].forward,
+                graph: &leaf_graph,
                 program: &leaf,
             },
             internal: LoweredCell {
-                graph: &model.functions[internal_f].forward,
+                graph: &internal_graph,
                 program: &internal,
             },
             head: LoweredCell {
@@ -287,7 +310,7 @@ impl CompiledEngine {
             block_threads: CELL_BLOCK,
             node_counters: schedule.node_counters == Some(true),
             token_table: token_table_program.as_ref().map(|(table, _)| LoweredCell {
-                graph: &model.functions[internal_f].forward,
+                graph: &internal_graph,
                 program: table,
             }),
         };
@@ -295,14 +318,32 @@ impl CompiledEngine {
             .block_threads
             .unwrap_or_else(|| spec.default_block_threads());
         let block = spec.block_threads;
-        let source = spec.source()?;
-        let mut kernels = vec!["cortex_levels", "cortex_leaf_table"];
+        let unroll = recursion.unroll;
+        let source = if unroll {
+            spec.unrolled_source()?
+        } else {
+            spec.source()?
+        };
+        // a refactored leaf has a stage per moved product: a table kernel each
+        let leaf_stages = used_stages(&leaf);
+        let leaf_table_kernels: Vec<String> = (0..leaf_stages)
+            .map(|stage| token_stage_kernel("cortex_leaf_table", stage))
+            .collect();
+        let level_kernel = if unroll {
+            "cortex_unrolled"
+        } else {
+            "cortex_levels"
+        };
+        let mut kernels = vec!["cortex_levels"];
+        if unroll {
+            kernels.push("cortex_unrolled");
+        }
+        kernels.extend(leaf_table_kernels.iter().map(String::as_str));
         if token_table_program.is_some() {
             kernels.push("cortex_token_table");
         }
         let module = cache.get_or_compile(&source, &kernels)?;
-        let levels = module.function("cortex_levels")?.clone();
-        let table_fn = module.function("cortex_leaf_table")?.clone();
+        let levels = module.function(level_kernel)?.clone();
 
         let pool = DevicePool::new(&device, PoolConfig::default());
         let stream = device.stream().clone();
@@ -349,15 +390,30 @@ impl CompiledEngine {
             let ts = pool.alloc::<f32>((v * state_width).max(1))?;
             let tp = pool.alloc::<f32>((v * push_width).max(1))?;
             let vocab_arg = u32_of(v, "vocabulary")?;
-            launch_table_kernel(
-                &stream,
-                &table_fn,
-                param_view,
-                &[ts.view(), tp.view()],
-                leaf.units,
-                vocab_arg,
-                block,
-            )?;
+            // stage by stage (stream order separates them), a scratch row per token
+            let leaf_scratch = if leaf_stages > 1 {
+                Some(pool.alloc::<f32>((v * leaf.scratch_width).max(1))?)
+            } else {
+                None
+            };
+            let mut outputs = vec![ts.view(), tp.view()];
+            if let Some(scratch) = &leaf_scratch {
+                outputs.push(scratch.view());
+            }
+            for name in &leaf_table_kernels {
+                launch_table_kernel(
+                    &stream,
+                    module.function(name)?,
+                    param_view,
+                    &outputs,
+                    leaf.units,
+                    vocab_arg,
+                    block,
+                )?;
+            }
+            // the scratch may go once the kernels ran (synchronized below)
+            device.synchronize()?;
+            drop(leaf_scratch);
             table_state = ts.view().device_ptr();
             table_push = tp.view().device_ptr();
             tables = Some((ts, tp));
@@ -401,6 +457,7 @@ impl CompiledEngine {
             last_kernel_seconds: None,
             cache,
             levels,
+            plan: UnrolledPlan::new(),
             staging,
             arena,
             params: param_view,
@@ -420,7 +477,7 @@ impl CompiledEngine {
             min_blocks,
             block,
             units: internal.units,
-            scratch_width: internal.scratch_width,
+            scratch_width: internal.scratch_width.max(leaf.scratch_width),
             state_width,
             push_width,
             classes: head.output_width(0),
@@ -500,22 +557,33 @@ impl CompiledEngine {
                 c
             }
         }));
-        // one upload: offsets, child rows, tokens, batch begin / length,
-        // roots, and the zeroed node counters (one per internal node and
-        // stage; none with grid barriers)
+        let unroll = self.schedule.recursion.unroll == Some(true);
+        if unroll {
+            self.plan
+                .plan(batch)
+                .map_err(|e| model_err(format!("the batch cannot be unrolled: {e}")))?;
+        }
+        // one upload: offsets, child rows, tokens, the level ranges (batch
+        // begin / length, or the unrolled steps and groups), roots, and the
+        // zeroed node counters (one per internal node and stage; none with
+        // grid barriers)
+        let mut parts: Vec<&[u32]> = vec![batch.child_offsets(), &self.child_rows, batch.tokens()];
+        if unroll {
+            parts.extend([
+                self.plan.step_begin(),
+                self.plan.group_parent(),
+                self.plan.group_child_begin(),
+                self.plan.group_children(),
+            ]);
+        } else {
+            parts.extend([batch.batch_begin(), batch.batch_length()]);
+        }
+        parts.push(batch.root_nodes());
         self.zero_counters.clear();
         if self.schedule.node_counters == Some(true) {
             self.zero_counters.resize(ni * self.stages, 0);
         }
-        let parts: [&[u32]; 7] = [
-            batch.child_offsets(),
-            &self.child_rows,
-            batch.tokens(),
-            batch.batch_begin(),
-            batch.batch_length(),
-            batch.root_nodes(),
-            &self.zero_counters,
-        ];
+        parts.push(&self.zero_counters);
         let total: usize = parts.iter().map(|p| p.len()).sum();
         let root_graph: Vec<u32> = batch
             .root_nodes()
@@ -527,10 +595,11 @@ impl CompiledEngine {
             u32_of(nodes, "nodes")?,
         );
         let (nb, nr) = (u32_of(num_batches, "levels")?, u32_of(roots, "roots")?);
+        let steps = u32_of(self.plan.num_steps(), "unrolled steps")?;
         {
             let host = self.staging.host_mut::<u32>(total)?;
             let mut at = 0;
-            for p in parts {
+            for p in &parts {
                 host[at..at + p.len()].copy_from_slice(p);
                 at += p.len();
             }
@@ -541,7 +610,7 @@ impl CompiledEngine {
         self.staging.upload(indices.slice(0..total)?, &stream)?;
         let mut views = Vec::with_capacity(parts.len());
         let mut at = 0;
-        for p in parts {
+        for p in &parts {
             views.push(indices.slice(at..at + p.len())?);
             at += p.len();
         }
@@ -550,11 +619,16 @@ impl CompiledEngine {
         let scores = self.arena.alloc::<f32>((roots * self.classes).max(1))?;
         let scratch = self
             .arena
-            .alloc::<f32>((batch.num_internal() * self.scratch_width).max(1))?;
-        // enough warps for every unit of the widest level, as far as fit
-        let warps = self.units * widest.max(1);
-        let blocks = u32_of(warps.div_ceil((self.block / 32) as usize), "blocks")?
-            .clamp(self.min_blocks, self.max_blocks);
+            .alloc::<f32>((nodes * self.scratch_width).max(1))?;
+        // enough warps for every unit of the widest level (unrolled: a
+        // block per group of the widest step), as far as fit
+        let wanted = if unroll {
+            u32_of(self.plan.widest_step(), "groups")?
+        } else {
+            let warps = self.units * widest.max(1);
+            u32_of(warps.div_ceil((self.block / 32) as usize), "blocks")?
+        };
+        let blocks = wanted.clamp(self.min_blocks, self.max_blocks);
         let mut launch = stream.launch_builder(&self.levels);
         launch
             .arg(self.params.kernel_arg())
@@ -566,17 +640,31 @@ impl CompiledEngine {
             .arg(scratch.kernel_arg())
             .arg(views[0].kernel_arg())
             .arg(views[1].kernel_arg())
-            .arg(views[2].kernel_arg())
-            .arg(views[3].kernel_arg())
-            .arg(views[4].kernel_arg())
-            .arg(&nb)
+            .arg(views[2].kernel_arg());
+        if unroll {
+            launch
+                .arg(views[3].kernel_arg())
+                .arg(&steps)
+                .arg(views[4].kernel_arg())
+                .arg(views[5].kernel_arg())
+                .arg(views[6].kernel_arg());
+        } else {
+            launch
+                .arg(views[3].kernel_arg())
+                .arg(views[4].kernel_arg())
+                .arg(&nb);
+        }
+        let (roots_view, done_view) = (views[views.len() - 2], views[views.len() - 1]);
+        launch
             .arg(&num_internal)
             .arg(&num_nodes)
-            .arg(views[5].kernel_arg())
+            .arg(roots_view.kernel_arg())
             .arg(&nr)
             .arg(scores.kernel_arg())
-            .arg(self.barrier.kernel_arg())
-            .arg(views[6].kernel_arg());
+            .arg(self.barrier.kernel_arg());
+        if !unroll {
+            launch.arg(done_view.kernel_arg());
+        }
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (self.block, 1, 1),
@@ -585,14 +673,15 @@ impl CompiledEngine {
         if let Some((start, _)) = &self.kernel_events {
             start.record(&stream).in_call("cuEventRecord")?;
         }
-        // SAFETY: the arguments match `cortex_levels`' parameters in order;
-        // state and pushed buffers have a row per node, scratch a row per
-        // internal node, scores a row per
-        // root, the index views hold the linearized arrays (every node and
-        // token checked above), the tables a row per token, `done` the
-        // zeroed counters of every internal node and stage (node counters);
-        // the launch is cooperative with at most the resident block count,
-        // so neither the grid barrier nor a counter wait can deadlock.
+        // SAFETY: the arguments match `cortex_levels`' (or, unrolled,
+        // `cortex_unrolled`'s) parameters in order; state, pushed and
+        // scratch buffers have a row per node, scores a row per root, the
+        // index views hold the linearized arrays and the plan's steps and
+        // groups (every node and token checked above), the tables a row per
+        // token, `done` (levels only) the zeroed counters of every internal
+        // node and stage; the launch is cooperative with at most the
+        // resident block count, so neither the grid barrier nor a counter
+        // wait can deadlock.
         unsafe { launch.launch_cooperative(cfg) }
             .in_call("cuLaunchCooperativeKernel(cortex_levels)")?;
         if let Some((_, end)) = &self.kernel_events {

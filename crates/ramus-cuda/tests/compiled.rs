@@ -2,11 +2,15 @@
 //! reference engine: root scores of every token model, for every schedule
 //! (leaf table and weight persistence on and off), on one batch of random
 //! trees with degenerate shapes (a single leaf, a 500-deep path, a 64-ary
-//! node), grid DAGs or chains. Skips with a notice where no CUDA driver is found.
+//! node), grid DAGs or chains; and under recursive refactoring and
+//! unrolling (Cortex Fig. 4, 5) on the same graphs (refactoring also on
+//! DAGs, unrolling refused there). Skips with a notice where no CUDA
+//! driver is found.
 
 mod common;
 
-use ramus_core::{HeadRows, Params};
+use ramus_core::recursion::{analyze, RecursionSchedule};
+use ramus_core::{HeadRows, Model, Params};
 use ramus_cpu::{Batch, CpuEngine, Mode};
 use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
 use ramus_graph::random::{grid_dag, random_chain, random_path, random_tree};
@@ -93,6 +97,7 @@ fn compiled_scores_match_the_cpu_engine_for_every_model_and_schedule() {
                         leaf_table,
                         persistent_weights,
                         node_counters: Some(node_counters),
+                        recursion: RecursionSchedule::fixed(false, false),
                     },
                     cache_dir: Some(
                         std::env::temp_dir().join(format!("ramus-compiled-{}", std::process::id())),
@@ -118,6 +123,147 @@ fn compiled_scores_match_the_cpu_engine_for_every_model_and_schedule() {
             }
         }
     }
+}
+
+/// Reference root scores of `gs`, graph by graph.
+fn reference(model: &Model, params: &Params<f32>, gs: &[InputGraph]) -> Vec<f32> {
+    let mut want = Vec::new();
+    for g in gs {
+        let batch = Batch::new(model, vec![g], BatchingPolicy::Cavs).expect("schedule");
+        let out = CpuEngine::<f32>::new()
+            .forward_rows(model, params, &batch, Mode::Infer, HeadRows::Roots)
+            .expect("reference");
+        want.extend(out.logits);
+    }
+    want
+}
+
+#[test]
+fn refactored_and_unrolled_schedules_match_the_cpu_engine_for_every_model() {
+    if !common::cuda_ready("skipping") {
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    for hidden in [24, 64] {
+        let cfg = ModelConfig {
+            vocab: 50,
+            hidden,
+            classes: 5,
+        };
+        for name in [
+            "treelstm",
+            "treelstm-nary",
+            "treefc",
+            "treegru",
+            "dagrnn",
+            "lstm-lm",
+        ] {
+            let model =
+                build_model_with(name, &cfg, &ModelOptions { dropout: 0.1 }).expect("model");
+            let mut params: Params<f32> = Params::init(&model, 3);
+            for t in params.values.iter_mut() {
+                for x in t.data_mut() {
+                    *x += rng.random_range(-0.1..0.1);
+                }
+            }
+            let refactorable = !analyze(&model).expect("analyzes").is_empty();
+            let gs = graphs(name, &mut rng, cfg.vocab as u32);
+            let want = reference(&model, &params, &gs);
+            let refs: Vec<&InputGraph> = gs.iter().collect();
+            for refactor in [false, true] {
+                if refactor && !refactorable {
+                    continue;
+                }
+                for unroll in [false, true] {
+                    if !refactor && !unroll {
+                        continue; // the test above
+                    }
+                    for leaf_table in [true, false] {
+                        let options = CompiledOptions {
+                            schedule: CompiledSchedule {
+                                leaf_table,
+                                persistent_weights: true,
+                                recursion: RecursionSchedule::fixed(refactor, unroll),
+                            },
+                            cache_dir: Some(
+                                std::env::temp_dir()
+                                    .join(format!("ramus-compiled-{}", std::process::id())),
+                            ),
+                            ..CompiledOptions::default()
+                        };
+                        let what = format!(
+                            "{name} h{hidden} refactor {refactor} unroll {unroll} table {leaf_table}"
+                        );
+                        let mut engine = CompiledEngine::new(&model, &params, &options)
+                            .unwrap_or_else(|e| panic!("{what}: {e}"));
+                        assert_eq!(
+                            engine.schedule().persistent_weights,
+                            !unroll,
+                            "{what}: unrolling reads the weights from memory"
+                        );
+                        if unroll && name == "dagrnn" {
+                            let err = engine.infer(&refs).expect_err("a DAG does not unroll");
+                            assert!(err.to_string().contains("several parents"), "{what}: {err}");
+                            continue;
+                        }
+                        for round in 0..2 {
+                            let got = engine
+                                .infer(&refs)
+                                .unwrap_or_else(|e| panic!("{what}: {e}"));
+                            assert_eq!(got.scores.len(), want.len(), "{what}: score count");
+                            for (i, (w, g)) in want.iter().zip(&got.scores).enumerate() {
+                                assert!(
+                                    (w - g).abs() <= 1e-4 * (1.0 + w.abs()),
+                                    "{what} round {round}: score {i} (graph {}) CPU {w} vs compiled {g}",
+                                    got.root_graph[i / got.classes]
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn refactoring_runs_on_dags_and_is_refused_where_nothing_moves() {
+    if !common::cuda_ready("skipping") {
+        return;
+    }
+    let cfg = ModelConfig {
+        vocab: 13,
+        hidden: 32,
+        classes: 3,
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    let gs: Vec<InputGraph> = [(3, 4), (6, 6)]
+        .iter()
+        .map(|&(r, c)| grid_dag(&mut rng, r, c, cfg.vocab as u32, 3).expect("grid"))
+        .collect();
+    let refs: Vec<&InputGraph> = gs.iter().collect();
+    let refactored = CompiledOptions {
+        schedule: CompiledSchedule {
+            recursion: RecursionSchedule::fixed(true, false),
+            ..CompiledSchedule::default()
+        },
+        ..CompiledOptions::default()
+    };
+    let model = build_model_with("treegru", &cfg, &ModelOptions { dropout: 0.0 }).expect("model");
+    let params: Params<f32> = Params::init(&model, 2);
+    let want = reference(&model, &params, &gs);
+    let mut engine = CompiledEngine::new(&model, &params, &refactored).expect("compiles");
+    let got = engine.infer(&refs).expect("a DAG refactors");
+    for (w, g) in want.iter().zip(&got.scores) {
+        assert!((w - g).abs() <= 1e-4 * (1.0 + w.abs()), "{w} vs {g}");
+    }
+    let model = build_model_with("treefc", &cfg, &ModelOptions { dropout: 0.0 }).expect("model");
+    let params: Params<f32> = Params::init(&model, 2);
+    let err = CompiledEngine::new(&model, &params, &refactored)
+        .err()
+        .expect("nothing to refactor")
+        .to_string();
+    assert!(err.contains("nothing to refactor"), "{err}");
 }
 
 #[test]

@@ -15,11 +15,13 @@ pub mod sequence;
 pub mod synthetic;
 pub mod tagged;
 pub mod text;
+pub mod unroll;
 pub mod vocab;
 
 pub use input::{InputGraph, NO_LABEL};
 pub use linearize::{CsrGraph, LinearBatch, Linearizer, NO_CHILD};
 pub use schedule::{BatchingPolicy, FunctionRows, Schedule, Task};
+pub use unroll::UnrolledPlan;
 pub use vocab::{Vocab, VocabMode};
 
 use std::path::PathBuf;

@@ -1,52 +1,99 @@
 //! `ramus bench --engine compiled`: inference latency percentiles of the
 //! compiled (Cortex) engine on the CUDA device or the CPU, per batch size,
-//! for the default schedule or the ablation of Cortex Fig. 11(a).
+//! for the default schedule or the ablation of Cortex Fig. 11(a)–(c).
 
+use ramus_core::recursion::{analyze, RecursionSchedule};
 use ramus_core::{Model, Params};
-use ramus_cpu::compiled::CpuCompiledEngine;
+use ramus_cpu::compiled::{CpuCompiledEngine, CpuCompiledSchedule};
 use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
 use ramus_graph::InputGraph;
 
 use super::{run_anchor, samples, AnyResult, BenchArgs};
 use crate::device::Device;
 
-/// The ablation steps: fusion only, + leaf specialization, + persistence
+/// The recursion steps of the ablation on top of the best schedule
+/// `base` (Cortex Fig. 11(b), (c)): refactoring (where the model has
+/// something to refactor), unrolling, both.
+fn recursion_steps(model: &Model, base: &str) -> AnyResult<Vec<(String, RecursionSchedule)>> {
+    let refactorable = !analyze(model)?.is_empty();
+    let mut steps = vec![(base.to_string(), RecursionSchedule::fixed(false, false))];
+    if refactorable {
+        steps.push((
+            format!("{base}+refactoring"),
+            RecursionSchedule::fixed(true, false),
+        ));
+    }
+    steps.push((
+        format!("{base}+unrolling"),
+        RecursionSchedule::fixed(false, true),
+    ));
+    if refactorable {
+        steps.push((
+            format!("{base}+refactoring+unrolling"),
+            RecursionSchedule::fixed(true, true),
+        ));
+    }
+    Ok(steps)
+}
+
+/// The CUDA ablation: fusion only, + leaf specialization, + persistence
 /// (all three with grid barriers between levels, as in Cortex), + per-node
-/// completion counters instead of the barriers.
-const ABLATION: [(&str, CompiledSchedule); 4] = [
-    (
-        "fusion",
-        CompiledSchedule {
-            leaf_table: false,
-            persistent_weights: false,
-            node_counters: Some(false),
-        },
-    ),
-    (
-        "fusion+specialization",
-        CompiledSchedule {
-            leaf_table: true,
-            persistent_weights: false,
-            node_counters: Some(false),
-        },
-    ),
-    (
-        "fusion+specialization+persistence",
-        CompiledSchedule {
-            leaf_table: true,
-            persistent_weights: true,
-            node_counters: Some(false),
-        },
-    ),
-    (
-        "fusion+specialization+persistence+node-counters",
-        CompiledSchedule {
-            leaf_table: true,
-            persistent_weights: true,
-            node_counters: Some(true),
-        },
-    ),
-];
+/// completion counters instead of the barriers, then the recursion steps
+/// on top (unrolling gives persistence and counters up).
+fn cuda_ablation(model: &Model) -> AnyResult<Vec<(String, CompiledSchedule)>> {
+    let off = RecursionSchedule::fixed(false, false);
+    let mut steps = vec![
+        (
+            "fusion".to_string(),
+            CompiledSchedule {
+                leaf_table: false,
+                persistent_weights: false,
+                node_counters: Some(false),
+                recursion: off,
+            },
+        ),
+        (
+            "fusion+specialization".to_string(),
+            CompiledSchedule {
+                leaf_table: true,
+                persistent_weights: false,
+                node_counters: Some(false),
+                recursion: off,
+            },
+        ),
+        (
+            "fusion+specialization+persistence".to_string(),
+            CompiledSchedule {
+                leaf_table: true,
+                persistent_weights: true,
+                node_counters: Some(false),
+                recursion: off,
+            },
+        ),
+    ];
+    for (name, recursion) in
+        recursion_steps(model, "fusion+specialization+persistence+node-counters")?
+    {
+        steps.push((
+            name,
+            CompiledSchedule {
+                leaf_table: true,
+                persistent_weights: true,
+                node_counters: Some(true),
+                recursion,
+            },
+        ));
+    }
+    Ok(steps)
+}
+
+/// The resolved recursion choices of a schedule, for the latency line.
+fn recursion_fields(r: RecursionSchedule) -> serde_json::Value {
+    serde_json::json!({
+        "refactor": r.refactor.unwrap_or(false),
+        "unroll": r.unroll.unwrap_or(false),
+    })
+}
 
 /// Percentile `p` (0–100) of sorted samples, in milliseconds (3 decimals).
 fn percentile_ms(sorted: &[f64], p: f64) -> f64 {
@@ -165,7 +212,8 @@ fn time_batches(
     Ok(lines)
 }
 
-/// The CPU back end: default schedule (tables) or the ablation without them.
+/// The CPU back end: default schedule (tables, the recursion flags) or
+/// the ablation: without tables, with, then the recursion steps.
 fn run_cpu(
     a: &BenchArgs,
     model: &Model,
@@ -173,14 +221,37 @@ fn run_cpu(
     trees: &[InputGraph],
     sizes: &[usize],
 ) -> AnyResult<Vec<serde_json::Value>> {
-    let schedules: &[(&str, bool)] = if a.ablation {
-        &[("fusion", false), ("fusion+specialization", true)]
+    let schedules: Vec<(String, CpuCompiledSchedule)> = if a.ablation {
+        let mut steps = vec![(
+            "fusion".to_string(),
+            CpuCompiledSchedule {
+                leaf_table: false,
+                recursion: RecursionSchedule::fixed(false, false),
+            },
+        )];
+        for (name, recursion) in recursion_steps(model, "fusion+specialization")? {
+            steps.push((
+                name,
+                CpuCompiledSchedule {
+                    leaf_table: true,
+                    recursion,
+                },
+            ));
+        }
+        steps
     } else {
-        &[("default", true)]
+        vec![(
+            "default".to_string(),
+            CpuCompiledSchedule {
+                leaf_table: true,
+                recursion: a.recursion.schedule(),
+            },
+        )]
     };
     let mut last = Vec::new();
-    for &(name, table) in schedules {
-        let mut engine = CpuCompiledEngine::new(model, params, table)?;
+    for (name, schedule) in &schedules {
+        let mut engine = CpuCompiledEngine::with_schedule(model, params, schedule)?;
+        let resolved = recursion_fields(engine.schedule().recursion);
         if a.verbose {
             println!(
                 "{}",
@@ -190,7 +261,7 @@ fn run_cpu(
         }
         last = time_batches(a, trees, sizes, "cpu", name, |batch| {
             engine.infer(batch)?;
-            Ok(None)
+            Ok(Some(resolved.clone()))
         })?;
     }
     Ok(last)
@@ -205,10 +276,16 @@ fn run_cuda(
     sizes: &[usize],
 ) -> AnyResult<Vec<serde_json::Value>> {
     let mut last = Vec::new();
-    let schedules: Vec<(&str, CompiledSchedule)> = if a.ablation {
-        ABLATION.to_vec()
+    let schedules: Vec<(String, CompiledSchedule)> = if a.ablation {
+        cuda_ablation(model)?
     } else {
-        vec![("default", CompiledSchedule::default())]
+        vec![(
+            "default".to_string(),
+            CompiledSchedule {
+                recursion: a.recursion.schedule(),
+                ..CompiledSchedule::default()
+            },
+        )]
     };
     for (name, schedule) in schedules {
         let options = CompiledOptions {
@@ -232,13 +309,21 @@ fn run_cuda(
             );
         }
         let device = engine.device().name().to_string();
-        last = time_batches(a, trees, sizes, &device, name, |batch| {
+        let applied = engine.schedule();
+        last = time_batches(a, trees, sizes, &device, &name, |batch| {
             engine.infer(batch)?;
-            Ok(Some(serde_json::json!({
+            let mut extra = serde_json::json!({
                 "infer_enqueue_ms": (engine.last_enqueue_seconds() * 1e6).round() / 1e3,
                 "kernel_ms": engine.last_kernel_seconds().map(|k| (k * 1e6).round() / 1e3),
                 "kernels_per_batch": 1,
-            })))
+                "persistent_weights": applied.persistent_weights,
+            });
+            if let (Some(map), serde_json::Value::Object(fields)) =
+                (extra.as_object_mut(), recursion_fields(applied.recursion))
+            {
+                map.extend(fields);
+            }
+            Ok(Some(extra))
         })?;
     }
     Ok(last)
