@@ -183,6 +183,9 @@ fn refactored_and_unrolled_schedules_match_the_cpu_engine_for_every_model() {
                             schedule: CompiledSchedule {
                                 leaf_table,
                                 persistent_weights: true,
+                                // refactored stages both ways: counters
+                                // with tables, grid barriers without
+                                node_counters: Some(leaf_table),
                                 recursion: RecursionSchedule::fixed(refactor, unroll),
                             },
                             cache_dir: Some(
