@@ -688,7 +688,11 @@ impl CudaEngine {
                 prep.policy = Some(plan.policy);
                 prep.plan = Some(plan);
                 prep.options = ExecOptions::planned(Some(budget));
-                prep.stage = if rt.config.profile {
+                // a dynamic batch's structure rarely repeats, so a
+                // profiled iteration (events on every op and copy, then a
+                // second planning) would cost every batch more than a
+                // later-placed prefetch can save: it keeps the estimates
+                prep.stage = if rt.config.profile && prep.program.segments.is_empty() {
                     Stage::Profile
                 } else {
                     Stage::Ready

@@ -151,7 +151,8 @@ pub struct SwapConfig {
     /// Planner: gaps of fewer ops stay resident (Listing 3.1).
     pub min_reuse_ops: usize,
     /// Planner: time the first iteration of each batch shape (CUDA events
-    /// around every op and copy) and re-plan with the measured times.
+    /// around every op and copy) and re-plan with the measured times
+    /// (static graphs; a dynamic batch keeps the estimated times).
     pub profile: bool,
     /// Fraction of the budget the planner leaves free as headroom for pool
     /// memory outside the plan that may come after it was made (a larger
