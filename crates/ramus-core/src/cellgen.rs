@@ -202,6 +202,12 @@ impl<'a> CellWriter<'a> {
                     node.width
                 )
             }
+            VecExpr::EmbeddingUnk { table, rows } => {
+                format!(
+                    "P{table}[(unsigned long long)(tok < {rows}u ? tok : 0u) * {}u + ({col})]",
+                    node.width
+                )
+            }
             VecExpr::HeadInput => format!("hin[{col}]"),
             VecExpr::One => "1.0f".into(),
             VecExpr::Staged { slot } => format!(
@@ -391,6 +397,116 @@ impl<'a> CellWriter<'a> {
         Ok(())
     }
 
+    /// Emits row product `id` ([`ScalarExpr::RowDot`]): the lanes split the
+    /// row's columns, the vector's loaded once into registers.
+    fn emit_row_dot(&mut self, id: ScalarId, edge_row: Option<&str>) -> Result<()> {
+        let ScalarExpr::RowDot {
+            matrix,
+            row,
+            vector,
+            k,
+        } = self.cell.program.scalars[id].expr
+        else {
+            return Err(gen_error(format!("scalar {id} is not a row product")));
+        };
+        let ch = chunks(k);
+        let mut s = String::new();
+        let x = self.vec_lanes(vector, 0, ch, k, edge_row, &mut s)?;
+        let mut pre = String::new();
+        let m = self.vec_at(
+            matrix,
+            &format!("({row}u + j) * {k}u + t"),
+            edge_row,
+            &mut pre,
+        )?;
+        if !pre.is_empty() {
+            return Err(gen_error("a per-row matrix read needs a loop"));
+        }
+        let _ = writeln!(
+            s,
+            "float s{id} = 0.0f;\n#pragma unroll\nfor (unsigned int i = 0; i < {ch}u; ++i) {{\nconst unsigned int t = lane + 32u * i;\nif (t < {k}u) s{id} += {m} * {x}[i];\n}}\ns{id} = warp_sum(s{id});"
+        );
+        self.code += &s;
+        Ok(())
+    }
+
+    /// Emits every column product ([`ScalarExpr::ColumnDot`]) of `scope`
+    /// reading the same column of the same per-row matrix as `id` (not yet
+    /// emitted; in edge scope those in `allowed`) as one pass: the lanes
+    /// split the column's rows, loaded once into registers, and every
+    /// product reads its static row from the (cached, shared by all units)
+    /// parameter.
+    fn emit_column_dots(
+        &mut self,
+        id: ScalarId,
+        allowed: Option<&[bool]>,
+        edge_row: Option<&str>,
+    ) -> Result<()> {
+        let prog = self.cell.program;
+        let key = |e: &ScalarExpr| match *e {
+            ScalarExpr::ColumnDot {
+                input,
+                offset,
+                stride,
+                k,
+                ..
+            } => Some((input, offset, stride, k)),
+            _ => None,
+        };
+        let Some((input, offset, stride, k)) = key(&prog.scalars[id].expr) else {
+            return Err(gen_error(format!("scalar {id} is not a column product")));
+        };
+        let scope = prog.scalars[id].scope;
+        let members: Vec<ScalarId> = (0..prog.scalars.len())
+            .filter(|&m| {
+                key(&prog.scalars[m].expr) == Some((input, offset, stride, k))
+                    && prog.scalars[m].scope == scope
+                    && allowed.is_none_or(|a| a[m])
+                    && !self.emitted_dots[m]
+            })
+            .collect();
+        if members.is_empty() {
+            return Ok(());
+        }
+        let ch = chunks(k);
+        let x = self.temp("a");
+        let mut pre = String::new();
+        let col = self.vec_at(
+            input,
+            &format!("t * {stride}u + {offset}u + j"),
+            edge_row,
+            &mut pre,
+        )?;
+        if !pre.is_empty() {
+            return Err(gen_error("a per-row matrix read needs a loop"));
+        }
+        let mut s = format!(
+            "float {x}[{ch}];\n#pragma unroll\nfor (unsigned int i = 0; i < {ch}u; ++i) {{\nconst unsigned int t = lane + 32u * i;\n{x}[i] = t < {k}u ? {col} : 0.0f;\n}}\n"
+        );
+        for &m in &members {
+            let _ = writeln!(s, "float s{m} = 0.0f;");
+        }
+        let _ = writeln!(
+            s,
+            "#pragma unroll\nfor (unsigned int i = 0; i < {ch}u; ++i) {{\nconst unsigned int t = lane + 32u * i;\nif (t < {k}u) {{"
+        );
+        for &m in &members {
+            if let ScalarExpr::ColumnDot {
+                weight, base, step, ..
+            } = prog.scalars[m].expr
+            {
+                let _ = writeln!(s, "s{m} += P{weight}[{base}u + t * {step}u] * {x}[i];");
+            }
+        }
+        s += "}\n}\n";
+        for &m in &members {
+            let _ = writeln!(s, "s{m} = warp_sum(s{m});");
+            self.emitted_dots[m] = true;
+        }
+        self.code += &s;
+        Ok(())
+    }
+
     /// Emits scalar `id` (its dots, loops and arithmetic); `edge_row`
     /// and `allowed` are set inside a child loop.
     fn emit_scalar(
@@ -405,6 +521,8 @@ impl<'a> CellWriter<'a> {
             ScalarExpr::Dot { input, .. } => {
                 return self.emit_dots(*input, s.scope, allowed, edge_row);
             }
+            ScalarExpr::RowDot { .. } => return self.emit_row_dot(id, edge_row),
+            ScalarExpr::ColumnDot { .. } => return self.emit_column_dots(id, allowed, edge_row),
             ScalarExpr::Read { src, col } => {
                 let mut pre = String::new();
                 let e = self.vec_at(*src, &format!("{col}u + j"), edge_row, &mut pre)?;
