@@ -148,6 +148,11 @@ struct CellWriter<'a> {
     code: String,
     temps: usize,
     emitted_dots: Vec<bool>,
+    /// Per scalar of the stage being written that only an output reads:
+    /// its destination row (a pointer expression) and column (`m · U`).
+    direct: Vec<Option<(String, usize)>>,
+    /// Scalars whose output store was emitted with their code.
+    stored: Vec<bool>,
 }
 
 impl<'a> CellWriter<'a> {
@@ -158,6 +163,8 @@ impl<'a> CellWriter<'a> {
             code: String::new(),
             temps: 0,
             emitted_dots: vec![false; cell.program.scalars.len()],
+            direct: vec![None; cell.program.scalars.len()],
+            stored: vec![false; cell.program.scalars.len()],
         }
     }
 
@@ -468,6 +475,23 @@ impl<'a> CellWriter<'a> {
         if members.is_empty() {
             return Ok(());
         }
+        // products only an output reads, with evenly spaced rows and
+        // destination columns: the lanes split the products instead
+        let direct: Vec<ScalarId> = members
+            .iter()
+            .copied()
+            .filter(|&m| self.direct[m].is_some())
+            .collect();
+        let members = match self.lane_parallel_column_dots(&direct, edge_row)? {
+            true => members
+                .into_iter()
+                .filter(|m| !direct.contains(m))
+                .collect(),
+            false => members,
+        };
+        if members.is_empty() {
+            return Ok(());
+        }
         let ch = chunks(k);
         let x = self.temp("a");
         let mut pre = String::new();
@@ -505,6 +529,83 @@ impl<'a> CellWriter<'a> {
         }
         self.code += &s;
         Ok(())
+    }
+
+    /// Emits column products `members` (of one column of one per-row
+    /// matrix, each read only by an output) lane-parallel: lane `l` computes
+    /// products `l, l + 32, …` over the whole column (each lane reading its
+    /// own, adjacent, parameter elements; the column's values are the same
+    /// for every lane) and stores them itself. Needs evenly spaced
+    /// parameter rows and destination columns and one destination row;
+    /// returns false (emitting nothing) otherwise.
+    fn lane_parallel_column_dots(
+        &mut self,
+        members: &[ScalarId],
+        edge_row: Option<&str>,
+    ) -> Result<bool> {
+        let prog = self.cell.program;
+        let parts: Vec<(usize, usize, usize, String, usize)> = members
+            .iter()
+            .filter_map(|&m| match (&prog.scalars[m].expr, &self.direct[m]) {
+                (
+                    &ScalarExpr::ColumnDot {
+                        weight, base, step, ..
+                    },
+                    Some((dst, col)),
+                ) => Some((weight, base, step, dst.clone(), *col)),
+                _ => None,
+            })
+            .collect();
+        if parts.len() < 2 || parts.len() != members.len() {
+            return Ok(false);
+        }
+        let (weight, base0, step, dst, col0) = parts[0].clone();
+        let (db, dcol) = (
+            parts[1].1.wrapping_sub(base0),
+            parts[1].4.wrapping_sub(col0),
+        );
+        let even = parts.iter().enumerate().all(|(q, p)| {
+            p.0 == weight
+                && p.2 == step
+                && p.3 == dst
+                && p.1 == base0.wrapping_add(q.wrapping_mul(db))
+                && p.4 == col0.wrapping_add(q.wrapping_mul(dcol))
+        });
+        if !even || db > u32::MAX as usize || dcol > u32::MAX as usize {
+            return Ok(false);
+        }
+        let ScalarExpr::ColumnDot {
+            input,
+            offset,
+            stride,
+            k,
+            ..
+        } = prog.scalars[members[0]].expr
+        else {
+            return Ok(false);
+        };
+        let mut pre = String::new();
+        let x = self.vec_at(
+            input,
+            &format!("t * {stride}u + {offset}u + j"),
+            edge_row,
+            &mut pre,
+        )?;
+        if !pre.is_empty() {
+            return Ok(false);
+        }
+        let count = parts.len();
+        let ch = chunks(count);
+        let acc = self.temp("acc");
+        let _ = writeln!(
+            self.code,
+            "// {count} column products, lane-parallel\n{{\nfloat {acc}[{ch}];\n#pragma unroll\nfor (unsigned int cq = 0; cq < {ch}u; ++cq) {acc}[cq] = 0.0f;\n#pragma unroll 4\nfor (unsigned int t = 0; t < {k}u; ++t) {{\nconst float xv = {x};\n#pragma unroll\nfor (unsigned int cq = 0; cq < {ch}u; ++cq) {{\nconst unsigned int q = lane + 32u * cq;\nif (q < {count}u) {acc}[cq] += P{weight}[{base0}u + q * {db}u + t * {step}u] * xv;\n}}\n}}\n#pragma unroll\nfor (unsigned int cq = 0; cq < {ch}u; ++cq) {{\nconst unsigned int q = lane + 32u * cq;\nif (q < {count}u) ({dst})[{col0}u + q * {dcol}u + j] = {acc}[cq];\n}}\n}}"
+        );
+        for &m in members {
+            self.emitted_dots[m] = true;
+            self.stored[m] = true;
+        }
+        Ok(true)
     }
 
     /// Emits scalar `id` (its dots, loops and arithmetic); `edge_row`
@@ -603,18 +704,40 @@ impl<'a> CellWriter<'a> {
                 "const float* kid{k} = cb + {k}u < ce ? ROW(CHILD(cb + {k}u)) : nullptr; (void)kid{k};"
             );
         }
-        for id in 0..prog.scalars.len() {
-            let s = &prog.scalars[id];
-            if s.scope == Scope::Vertex && s.stage == stage {
-                self.emit_scalar(id, None, None)?;
-            }
-        }
         if outputs.len() != prog.outputs.len() {
             return Err(gen_error(format!(
                 "the cell has {} outputs, {} destinations given",
                 prog.outputs.len(),
                 outputs.len()
             )));
+        }
+        // this stage's vertex scalars read by one output lane and nothing else
+        let mut uses = vec![0usize; prog.scalars.len()];
+        for s in &prog.scalars {
+            for d in scalar_deps(&s.expr) {
+                uses[d] += 1;
+            }
+        }
+        for &(sc, _) in prog.stores.iter().flatten() {
+            uses[sc] += 1;
+        }
+        let mut destination = vec![None; prog.scalars.len()];
+        for (lanes, dst) in prog.outputs.iter().zip(outputs) {
+            for (m, &s) in lanes.iter().enumerate() {
+                uses[s] += 1;
+                destination[s] = Some((dst.to_string(), m * prog.units));
+            }
+        }
+        for (id, s) in prog.scalars.iter().enumerate() {
+            if s.scope == Scope::Vertex && s.stage == stage && uses[id] == 1 {
+                self.direct[id] = destination[id].take();
+            }
+        }
+        for id in 0..prog.scalars.len() {
+            let s = &prog.scalars[id];
+            if s.scope == Scope::Vertex && s.stage == stage {
+                self.emit_scalar(id, None, None)?;
+            }
         }
         self.code += "if (lane == 0) {\n";
         for &(sc, col) in prog.stores.get(stage).into_iter().flatten() {
@@ -626,7 +749,7 @@ impl<'a> CellWriter<'a> {
         }
         for (lanes, dst) in prog.outputs.iter().zip(outputs) {
             for (m, &s) in lanes.iter().enumerate() {
-                if prog.scalars[s].stage == stage {
+                if prog.scalars[s].stage == stage && !self.stored[s] {
                     let _ = writeln!(self.code, "({dst})[{}u + j] = s{s};", m * prog.units);
                 }
             }

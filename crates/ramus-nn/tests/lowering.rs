@@ -427,3 +427,78 @@ fn the_mvrnn_cell_lowers_to_row_and_column_products() {
         }
     }
 }
+
+/// Declarations that let a generated CUDA kernel parse as host C++ (a
+/// syntax check: nothing runs).
+const CUDA_STUBS: &str = "#define __global__\n#define __device__\n#define __forceinline__ inline\n#define __launch_bounds__(x)\n#define __restrict__ __restrict\nstruct dim3_ { unsigned x, y, z; };\nstatic dim3_ threadIdx, blockIdx, blockDim, gridDim;\ninline float __shfl_xor_sync(unsigned, float v, int) { return v; }\ninline void __syncthreads() {}\n#include <math.h>\n";
+
+#[test]
+fn the_mvrnn_kernel_source_is_generated_and_parses() {
+    use ramus_core::cellgen::{LoweredCell, TreeKernelSpec};
+    let model = build_model_with("mvrnn", &CFG, &ModelOptions { dropout: 0.0 }).expect("model");
+    let cells = ramus_core::lower::lower_model(&model).expect("lowers");
+    let offsets: Vec<usize> = model
+        .params
+        .iter()
+        .scan(0, |at, p| {
+            let here = *at;
+            *at += p.shape.iter().product::<usize>();
+            Some(here)
+        })
+        .collect();
+    let compiler = ["c++", "g++"].into_iter().find(|cc| {
+        std::process::Command::new(cc)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
+    for (leaf_table, persistent_weights) in [(true, true), (false, false)] {
+        let spec = TreeKernelSpec {
+            name: "cortex",
+            leaf: LoweredCell {
+                graph: &model.functions[cells.leaf.0].forward,
+                program: &cells.leaf.1,
+            },
+            internal: LoweredCell {
+                graph: &model.functions[cells.internal.0].forward,
+                program: &cells.internal.1,
+            },
+            head: LoweredCell {
+                graph: &model.head.forward,
+                program: &cells.head,
+            },
+            param_offsets: &offsets,
+            persistent_weights,
+            leaf_table,
+            block_threads: 256,
+            token_table: None,
+        };
+        let source = spec.source().expect("generates");
+        // W_M [A; B] straight into the state, lane by lane; B a and A b
+        // stored for the second stage
+        assert!(
+            source.contains(&format!("{} column products, lane-parallel", CFG.hidden)),
+            "the phrase matrix is computed lane-parallel"
+        );
+        assert!(source.contains("grid_sync(barrier, &bar_gen);\nif (rep < R)"));
+        let Some(cc) = compiler else {
+            eprintln!("no C++ compiler: the generated kernel's syntax is not checked");
+            continue;
+        };
+        let dir = std::env::temp_dir().join(format!("ramus-mvrnn-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let file = dir.join(format!("cortex_{leaf_table}.cpp"));
+        std::fs::write(&file, format!("{CUDA_STUBS}{source}")).expect("write");
+        let out = std::process::Command::new(cc)
+            .arg("-fsyntax-only")
+            .arg("-w")
+            .arg(&file)
+            .output()
+            .expect("run the compiler");
+        assert!(
+            out.status.success(),
+            "the generated kernel does not parse:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
