@@ -53,16 +53,6 @@ impl RowMatMul {
             a[i * self.k + t]
         }
     }
-
-    /// Element `(t, j)` of `op(B)` within one matrix stored at `b`.
-    #[inline]
-    fn b_at<T: Copy>(&self, b: &[T], t: usize, j: usize) -> T {
-        if self.trans_b {
-            b[j * self.k + t]
-        } else {
-            b[t * self.n + j]
-        }
-    }
 }
 
 /// Elements of a value per row (rows) or in all (static).
@@ -197,13 +187,29 @@ impl Kernel for RowMatMul {
             let am = &ad[r * a_step..r * a_step + m * k];
             let bm = &bd[r * b_step..r * b_step + k * n];
             let out = &mut ctx.out[r * m * n..(r + 1) * m * n];
-            for i in 0..m {
-                for j in 0..n {
-                    let mut acc = T::ZERO;
-                    for t in 0..k {
-                        acc += self.a_at(am, i, t) * self.b_at(bm, t, j);
+            if self.trans_b {
+                // rows of the stored B are contiguous in t: dot products
+                for i in 0..m {
+                    for j in 0..n {
+                        let bj = &bm[j * k..(j + 1) * k];
+                        let mut acc = T::ZERO;
+                        for (t, &b) in bj.iter().enumerate() {
+                            acc += self.a_at(am, i, t) * b;
+                        }
+                        out[i * n + j] = acc;
                     }
-                    out[i * n + j] = acc;
+                }
+            } else {
+                // rows of B are contiguous in j: scaled row additions
+                out.iter_mut().for_each(|x| *x = T::ZERO);
+                for i in 0..m {
+                    let oi = &mut out[i * n..(i + 1) * n];
+                    for t in 0..k {
+                        let a = self.a_at(am, i, t);
+                        for (o, &b) in oi.iter_mut().zip(&bm[t * n..(t + 1) * n]) {
+                            *o += a * b;
+                        }
+                    }
                 }
             }
         }
