@@ -56,8 +56,8 @@ pub struct BenchArgs {
     /// (VPPS: one generated kernel per training batch, CUDA).
     #[arg(long, default_value = "batched")]
     engine: String,
-    /// Model to time: treelstm (the anchor's model), treelstm-nary or
-    /// treefc (binary trees).
+    /// Model to time: treelstm (the anchor's model), treelstm-nary, treefc,
+    /// mvrnn (binary trees), treegru, dagrnn (with --grid).
     #[arg(long, default_value = "treelstm")]
     model: String,
     /// With --engine compiled: time the Cortex ablation (fusion only, +

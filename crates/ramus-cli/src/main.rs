@@ -77,7 +77,8 @@ struct TrainArgs {
     data: Option<PathBuf>,
     /// One of: treelstm (the reference child-sum model, root loss),
     /// treelstm-nary (binary Tree-LSTM, loss at every node), treefc, treegru
-    /// (child-sum TreeGRU), dagrnn (DAG-RNN over children), lstm-lm;
+    /// (child-sum TreeGRU), mvrnn (matrix-vector RNN, binary trees), dagrnn
+    /// (DAG-RNN over children), lstm-lm;
     /// VPPS benchmarks: bilstm-tagger, bilstm-char-tagger (on tagged text),
     /// td-rnn, td-lstm (time-delay pyramids over SST sentences), rvnn (SST
     /// trees, root loss); CNNs on images: alexnet, vgg (vgg11, vgg13,

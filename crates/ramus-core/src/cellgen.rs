@@ -176,6 +176,11 @@ pub(crate) struct CellWriter<'a> {
     code: String,
     temps: usize,
     emitted_dots: Vec<bool>,
+    /// Per scalar of the stage being written that only an output reads:
+    /// its destination row (a pointer expression) and column (`m · U`).
+    direct: Vec<Option<(String, usize)>>,
+    /// Scalars whose output store was emitted with their code.
+    stored: Vec<bool>,
 }
 
 impl<'a> CellWriter<'a> {
@@ -186,6 +191,8 @@ impl<'a> CellWriter<'a> {
             code: String::new(),
             temps: 0,
             emitted_dots: vec![false; cell.program.scalars.len()],
+            direct: vec![None; cell.program.scalars.len()],
+            stored: vec![false; cell.program.scalars.len()],
         }
     }
 
@@ -227,6 +234,12 @@ impl<'a> CellWriter<'a> {
             VecExpr::Embedding { table } => {
                 format!(
                     "P{table}[(unsigned long long)tok * {}u + ({col})]",
+                    node.width
+                )
+            }
+            VecExpr::EmbeddingUnk { table, rows } => {
+                format!(
+                    "P{table}[(unsigned long long)(tok < {rows}u ? tok : 0u) * {}u + ({col})]",
                     node.width
                 )
             }
@@ -419,6 +432,210 @@ impl<'a> CellWriter<'a> {
         Ok(())
     }
 
+    /// Emits row product `id` ([`ScalarExpr::RowDot`]): the lanes split the
+    /// row's columns, the vector's loaded once into registers.
+    fn emit_row_dot(&mut self, id: ScalarId, edge_row: Option<&str>) -> Result<()> {
+        let ScalarExpr::RowDot {
+            matrix,
+            row,
+            vector,
+            k,
+        } = self.cell.program.scalars[id].expr
+        else {
+            return Err(gen_error(format!("scalar {id} is not a row product")));
+        };
+        let ch = chunks(k);
+        let mut s = String::new();
+        let x = self.vec_lanes(vector, 0, ch, k, edge_row, &mut s)?;
+        let mut pre = String::new();
+        let m = self.vec_at(
+            matrix,
+            &format!("({row}u + j) * {k}u + t"),
+            edge_row,
+            &mut pre,
+        )?;
+        if !pre.is_empty() {
+            return Err(gen_error("a per-row matrix read needs a loop"));
+        }
+        let _ = writeln!(
+            s,
+            "float s{id} = 0.0f;\n#pragma unroll\nfor (unsigned int i = 0; i < {ch}u; ++i) {{\nconst unsigned int t = lane + 32u * i;\nif (t < {k}u) s{id} += {m} * {x}[i];\n}}\ns{id} = warp_sum(s{id});"
+        );
+        self.code += &s;
+        Ok(())
+    }
+
+    /// Emits every column product ([`ScalarExpr::ColumnDot`]) of `scope`
+    /// reading the same column of the same per-row matrix as `id` (not yet
+    /// emitted; in edge scope those in `allowed`) as one pass: the lanes
+    /// split the column's rows, loaded once into registers, and every
+    /// product reads its static row from the (cached, shared by all units)
+    /// parameter.
+    fn emit_column_dots(
+        &mut self,
+        id: ScalarId,
+        allowed: Option<&[bool]>,
+        edge_row: Option<&str>,
+    ) -> Result<()> {
+        let prog = self.cell.program;
+        let key = |e: &ScalarExpr| match *e {
+            ScalarExpr::ColumnDot {
+                input,
+                offset,
+                stride,
+                k,
+                ..
+            } => Some((input, offset, stride, k)),
+            _ => None,
+        };
+        let Some((input, offset, stride, k)) = key(&prog.scalars[id].expr) else {
+            return Err(gen_error(format!("scalar {id} is not a column product")));
+        };
+        let scope = prog.scalars[id].scope;
+        let members: Vec<ScalarId> = (0..prog.scalars.len())
+            .filter(|&m| {
+                key(&prog.scalars[m].expr) == Some((input, offset, stride, k))
+                    && prog.scalars[m].scope == scope
+                    && allowed.is_none_or(|a| a[m])
+                    && !self.emitted_dots[m]
+            })
+            .collect();
+        if members.is_empty() {
+            return Ok(());
+        }
+        // products only an output reads, with evenly spaced rows and
+        // destination columns: the lanes split the products instead
+        let direct: Vec<ScalarId> = members
+            .iter()
+            .copied()
+            .filter(|&m| self.direct[m].is_some())
+            .collect();
+        let members = match self.lane_parallel_column_dots(&direct, edge_row)? {
+            true => members
+                .into_iter()
+                .filter(|m| !direct.contains(m))
+                .collect(),
+            false => members,
+        };
+        if members.is_empty() {
+            return Ok(());
+        }
+        let ch = chunks(k);
+        let x = self.temp("a");
+        let mut pre = String::new();
+        let col = self.vec_at(
+            input,
+            &format!("t * {stride}u + {offset}u + j"),
+            edge_row,
+            &mut pre,
+        )?;
+        if !pre.is_empty() {
+            return Err(gen_error("a per-row matrix read needs a loop"));
+        }
+        let mut s = format!(
+            "float {x}[{ch}];\n#pragma unroll\nfor (unsigned int i = 0; i < {ch}u; ++i) {{\nconst unsigned int t = lane + 32u * i;\n{x}[i] = t < {k}u ? {col} : 0.0f;\n}}\n"
+        );
+        for &m in &members {
+            let _ = writeln!(s, "float s{m} = 0.0f;");
+        }
+        let _ = writeln!(
+            s,
+            "#pragma unroll\nfor (unsigned int i = 0; i < {ch}u; ++i) {{\nconst unsigned int t = lane + 32u * i;\nif (t < {k}u) {{"
+        );
+        for &m in &members {
+            if let ScalarExpr::ColumnDot {
+                weight, base, step, ..
+            } = prog.scalars[m].expr
+            {
+                let _ = writeln!(s, "s{m} += P{weight}[{base}u + t * {step}u] * {x}[i];");
+            }
+        }
+        s += "}\n}\n";
+        for &m in &members {
+            let _ = writeln!(s, "s{m} = warp_sum(s{m});");
+            self.emitted_dots[m] = true;
+        }
+        self.code += &s;
+        Ok(())
+    }
+
+    /// Emits column products `members` (of one column of one per-row
+    /// matrix, each read only by an output) lane-parallel: lane `l` computes
+    /// products `l, l + 32, …` over the whole column (each lane reading its
+    /// own, adjacent, parameter elements; the column's values are the same
+    /// for every lane) and stores them itself. Needs evenly spaced
+    /// parameter rows and destination columns and one destination row;
+    /// returns false (emitting nothing) otherwise.
+    fn lane_parallel_column_dots(
+        &mut self,
+        members: &[ScalarId],
+        edge_row: Option<&str>,
+    ) -> Result<bool> {
+        let prog = self.cell.program;
+        let parts: Vec<(usize, usize, usize, String, usize)> = members
+            .iter()
+            .filter_map(|&m| match (&prog.scalars[m].expr, &self.direct[m]) {
+                (
+                    &ScalarExpr::ColumnDot {
+                        weight, base, step, ..
+                    },
+                    Some((dst, col)),
+                ) => Some((weight, base, step, dst.clone(), *col)),
+                _ => None,
+            })
+            .collect();
+        if parts.len() < 2 || parts.len() != members.len() {
+            return Ok(false);
+        }
+        let (weight, base0, step, dst, col0) = parts[0].clone();
+        let (db, dcol) = (
+            parts[1].1.wrapping_sub(base0),
+            parts[1].4.wrapping_sub(col0),
+        );
+        let even = parts.iter().enumerate().all(|(q, p)| {
+            p.0 == weight
+                && p.2 == step
+                && p.3 == dst
+                && p.1 == base0.wrapping_add(q.wrapping_mul(db))
+                && p.4 == col0.wrapping_add(q.wrapping_mul(dcol))
+        });
+        if !even || db > u32::MAX as usize || dcol > u32::MAX as usize {
+            return Ok(false);
+        }
+        let ScalarExpr::ColumnDot {
+            input,
+            offset,
+            stride,
+            k,
+            ..
+        } = prog.scalars[members[0]].expr
+        else {
+            return Ok(false);
+        };
+        let mut pre = String::new();
+        let x = self.vec_at(
+            input,
+            &format!("t * {stride}u + {offset}u + j"),
+            edge_row,
+            &mut pre,
+        )?;
+        if !pre.is_empty() {
+            return Ok(false);
+        }
+        let count = parts.len();
+        let ch = chunks(count);
+        let acc = self.temp("acc");
+        let _ = writeln!(
+            self.code,
+            "// {count} column products, lane-parallel\n{{\nfloat {acc}[{ch}];\n#pragma unroll\nfor (unsigned int cq = 0; cq < {ch}u; ++cq) {acc}[cq] = 0.0f;\n#pragma unroll 4\nfor (unsigned int t = 0; t < {k}u; ++t) {{\nconst float xv = {x};\n#pragma unroll\nfor (unsigned int cq = 0; cq < {ch}u; ++cq) {{\nconst unsigned int q = lane + 32u * cq;\nif (q < {count}u) {acc}[cq] += P{weight}[{base0}u + q * {db}u + t * {step}u] * xv;\n}}\n}}\n#pragma unroll\nfor (unsigned int cq = 0; cq < {ch}u; ++cq) {{\nconst unsigned int q = lane + 32u * cq;\nif (q < {count}u) ({dst})[{col0}u + q * {dcol}u + j] = {acc}[cq];\n}}\n}}"
+        );
+        for &m in members {
+            self.emitted_dots[m] = true;
+            self.stored[m] = true;
+        }
+        Ok(true)
+    }
+
     /// Emits scalar `id` (its dots, loops and arithmetic); `edge_row`
     /// and `allowed` are set inside a child loop.
     fn emit_scalar(
@@ -433,6 +650,8 @@ impl<'a> CellWriter<'a> {
             ScalarExpr::Dot { input, .. } => {
                 return self.emit_dots(*input, s.scope, allowed, edge_row);
             }
+            ScalarExpr::RowDot { .. } => return self.emit_row_dot(id, edge_row),
+            ScalarExpr::ColumnDot { .. } => return self.emit_column_dots(id, allowed, edge_row),
             ScalarExpr::Read { src, col } => {
                 let mut pre = String::new();
                 let e = self.vec_at(*src, &format!("{col}u + j"), edge_row, &mut pre)?;
@@ -513,18 +732,40 @@ impl<'a> CellWriter<'a> {
                 "const float* kid{k} = cb + {k}u < ce ? ROW(CHILD(cb + {k}u)) : nullptr; (void)kid{k};"
             );
         }
-        for id in 0..prog.scalars.len() {
-            let s = &prog.scalars[id];
-            if s.scope == Scope::Vertex && s.stage == stage {
-                self.emit_scalar(id, None, None)?;
-            }
-        }
         if outputs.len() != prog.outputs.len() {
             return Err(gen_error(format!(
                 "the cell has {} outputs, {} destinations given",
                 prog.outputs.len(),
                 outputs.len()
             )));
+        }
+        // this stage's vertex scalars read by one output lane and nothing else
+        let mut uses = vec![0usize; prog.scalars.len()];
+        for s in &prog.scalars {
+            for d in scalar_deps(&s.expr) {
+                uses[d] += 1;
+            }
+        }
+        for &(sc, _) in prog.stores.iter().flatten() {
+            uses[sc] += 1;
+        }
+        let mut destination = vec![None; prog.scalars.len()];
+        for (lanes, dst) in prog.outputs.iter().zip(outputs) {
+            for (m, &s) in lanes.iter().enumerate() {
+                uses[s] += 1;
+                destination[s] = Some((dst.to_string(), m * prog.units));
+            }
+        }
+        for (id, s) in prog.scalars.iter().enumerate() {
+            if s.scope == Scope::Vertex && s.stage == stage && uses[id] == 1 {
+                self.direct[id] = destination[id].take();
+            }
+        }
+        for id in 0..prog.scalars.len() {
+            let s = &prog.scalars[id];
+            if s.scope == Scope::Vertex && s.stage == stage {
+                self.emit_scalar(id, None, None)?;
+            }
         }
         self.code += "if (lane == 0) {\n";
         for &(sc, col) in prog.stores.get(stage).into_iter().flatten() {
@@ -536,7 +777,7 @@ impl<'a> CellWriter<'a> {
         }
         for (lanes, dst) in prog.outputs.iter().zip(outputs) {
             for (m, &s) in lanes.iter().enumerate() {
-                if prog.scalars[s].stage == stage {
+                if prog.scalars[s].stage == stage && !self.stored[s] {
                     let _ = writeln!(self.code, "({dst})[{}u + j] = s{s};", m * prog.units);
                 }
             }

@@ -32,6 +32,25 @@
 //! ([`ScalarExpr::ChildSum`]); dropout masks are 1 at inference and
 //! multiplications by them are folded away.
 //!
+//! # Per-row matrices
+//!
+//! A vertex may carry matrices in its state (an MV-RNN's `[p; vec(P)]`),
+//! multiplied by [`RowMatMul`](crate::ops::RowMatMul) products, which lower
+//! to two more scalar forms:
+//!
+//! * a per-row matrix times a per-row vector (`B a`): unit `j`'s lane is
+//!   row `row + j` of the matrix dotted with the whole vector
+//!   ([`ScalarExpr::RowDot`]);
+//! * a static matrix times a per-row matrix (`W_M [A; B]`): output column
+//!   `i·n + c` is row `i` of the static matrix dotted with column `c` of the
+//!   per-row matrix. The units split the columns `c` (so `U` divides `n`);
+//!   a lane's row `i` is the same for every unit, so every unit reads the
+//!   same parameter elements, and its own column of the per-row matrix
+//!   ([`ScalarExpr::ColumnDot`]).
+//!
+//! Either operand may be a unit value, stored and read back as a vector
+//! by a later stage like a product's input.
+//!
 //! # Stages
 //!
 //! A product whose input is itself a unit value (a TreeGRU's
@@ -60,7 +79,10 @@ use std::sync::Arc;
 use crate::error::{CoreError, Result};
 use crate::graph::{DType, Graph, NodeId, NodeKind, ParamId, Source, Space};
 use crate::op::OpDef;
-use crate::ops::{Concat, Embedding, ExpandChildren, MatMul, Mul, Slice, SumChildren};
+use crate::ops::{
+    unk_row, Concat, Embedding, EmbeddingUnk, ExpandChildren, MatMul, Mul, RowMatMul, Slice,
+    SumChildren,
+};
 
 /// Index of a [`VecNode`] in [`CellProgram::vectors`].
 pub type VecId = usize;
@@ -93,6 +115,10 @@ pub enum VecExpr {
     /// Column `t` of the embedding row (`table` is a `[V, width]`
     /// parameter) of the vertex's token.
     Embedding { table: ParamId },
+    /// Column `t` of row `unk_row(token, rows)` of `table` (a `[rows,
+    /// width]` parameter): tokens beyond the table read row 0
+    /// ([`EmbeddingUnk`]).
+    EmbeddingUnk { table: ParamId, rows: usize },
     /// Column `t` of the value pushed to the head (the head's input).
     HeadInput,
     /// The constant 1 (a dropout mask at inference).
@@ -141,6 +167,28 @@ pub enum ScalarExpr {
         weight: ParamId,
         row: usize,
         input: VecId,
+        k: usize,
+    },
+    /// `Σ_t matrix[(row + j)·k + t] · vector[t]` over `t < k`: row
+    /// `row + j` of a per-vertex matrix (`matrix`, row-major with `k`
+    /// columns) times a per-vertex vector.
+    RowDot {
+        matrix: VecId,
+        row: usize,
+        vector: VecId,
+        k: usize,
+    },
+    /// `Σ_t weight[base + t·step] · input[t·stride + offset + j]` over
+    /// `t < k`: a row of a static matrix (the same elements for every unit)
+    /// times column `offset + j` of a per-vertex matrix (`input`, row-major
+    /// with `stride` columns).
+    ColumnDot {
+        weight: ParamId,
+        base: usize,
+        step: usize,
+        input: VecId,
+        offset: usize,
+        stride: usize,
         k: usize,
     },
     /// Column `col + j` of vector `src`.
@@ -236,7 +284,10 @@ impl CellProgram {
         for (v, node) in self.vectors.iter().enumerate() {
             vec_token[v] = node.scope == Scope::Vertex
                 && match &node.expr {
-                    VecExpr::Embedding { .. } | VecExpr::One | VecExpr::Param(_) => true,
+                    VecExpr::Embedding { .. }
+                    | VecExpr::EmbeddingUnk { .. }
+                    | VecExpr::One
+                    | VecExpr::Param(_) => true,
                     VecExpr::Slice { src, .. } => vec_token[*src],
                     VecExpr::Concat { parts } => parts.iter().all(|&(p, _)| vec_token[p]),
                     VecExpr::Map { args, .. } => args.iter().all(|&a| vec_token[a]),
@@ -247,7 +298,12 @@ impl CellProgram {
         for (id, s) in self.scalars.iter().enumerate() {
             token_only[id] = s.scope == Scope::Vertex
                 && match &s.expr {
-                    ScalarExpr::Dot { input, .. } => vec_token[*input],
+                    ScalarExpr::Dot { input, .. } | ScalarExpr::ColumnDot { input, .. } => {
+                        vec_token[*input]
+                    }
+                    ScalarExpr::RowDot { matrix, vector, .. } => {
+                        vec_token[*matrix] && vec_token[*vector]
+                    }
                     ScalarExpr::Read { src, .. } => vec_token[*src],
                     ScalarExpr::Param { .. } => true,
                     ScalarExpr::Map { args, .. } => args.iter().all(|&a| token_only[a]),
@@ -275,7 +331,10 @@ impl CellProgram {
                     && read_outside[id]
                     && matches!(
                         self.scalars[id].expr,
-                        ScalarExpr::Dot { .. } | ScalarExpr::Map { .. }
+                        ScalarExpr::Dot { .. }
+                            | ScalarExpr::RowDot { .. }
+                            | ScalarExpr::ColumnDot { .. }
+                            | ScalarExpr::Map { .. }
                     )
             })
             .collect();
@@ -313,10 +372,8 @@ impl CellProgram {
             for d in scalar_deps(&self.scalars[id].expr) {
                 live_s[d] = true;
             }
-            match self.scalars[id].expr {
-                ScalarExpr::Dot { input, .. } => live_v[input] = true,
-                ScalarExpr::Read { src, .. } => live_v[src] = true,
-                _ => {}
+            for v in scalar_vectors(&self.scalars[id].expr) {
+                live_v[v] = true;
             }
         }
         for v in (0..self.vectors.len()).rev() {
@@ -420,6 +477,34 @@ impl CellProgram {
                         src: vmap[*src],
                         col: *col,
                     },
+                    ScalarExpr::RowDot {
+                        matrix,
+                        row,
+                        vector,
+                        k,
+                    } => ScalarExpr::RowDot {
+                        matrix: vmap[*matrix],
+                        row: *row,
+                        vector: vmap[*vector],
+                        k: *k,
+                    },
+                    ScalarExpr::ColumnDot {
+                        input,
+                        weight,
+                        base,
+                        step,
+                        offset,
+                        stride,
+                        k,
+                    } => ScalarExpr::ColumnDot {
+                        input: vmap[*input],
+                        weight: *weight,
+                        base: *base,
+                        step: *step,
+                        offset: *offset,
+                        stride: *stride,
+                        k: *k,
+                    },
                     ScalarExpr::Map { op, node, args } => ScalarExpr::Map {
                         op: op.clone(),
                         node: *node,
@@ -466,6 +551,16 @@ pub fn scalar_deps(e: &ScalarExpr) -> Vec<ScalarId> {
     match e {
         ScalarExpr::Map { args, .. } => args.clone(),
         ScalarExpr::ChildSum(s) => vec![*s],
+        _ => Vec::new(),
+    }
+}
+
+/// The vectors scalar expression `e` reads.
+pub fn scalar_vectors(e: &ScalarExpr) -> Vec<VecId> {
+    match e {
+        ScalarExpr::Dot { input, .. } | ScalarExpr::ColumnDot { input, .. } => vec![*input],
+        ScalarExpr::RowDot { matrix, vector, .. } => vec![*matrix, *vector],
+        ScalarExpr::Read { src, .. } => vec![*src],
         _ => Vec::new(),
     }
 }
@@ -675,7 +770,7 @@ fn classify(g: &Graph, needed: &[bool]) -> Vec<bool> {
         if !needed[i] {
             continue;
         }
-        if node.op_as::<MatMul>().is_some() {
+        if node.op_as::<MatMul>().is_some() || node.op_as::<RowMatMul>().is_some() {
             // (a product of a unit value is a new stage: see `Lowering::staged`)
             unit[i] = true;
         } else {
@@ -701,6 +796,16 @@ fn unit_count(g: &Graph, needed: &[bool], unit: &[bool], outputs: &[NodeId]) -> 
         if node.op_as::<Concat>().is_some() {
             for &x in &node.inputs {
                 u = gcd(u, g.nodes[x].ty.width());
+            }
+        }
+        // a static matrix times per-row matrices: the units split the columns
+        if let Some(rm) = node.op_as::<RowMatMul>() {
+            if node
+                .inputs
+                .first()
+                .is_some_and(|&a| !g.nodes[a].ty.is_rows())
+            {
+                u = gcd(u, rm.n);
             }
         }
     }
@@ -753,8 +858,14 @@ impl Lowering<'_> {
 
     fn scalar(&mut self, expr: ScalarExpr, scope: Scope) -> ScalarId {
         let stage = match &expr {
-            ScalarExpr::Dot { input, .. } => self.vectors[*input].stage,
-            ScalarExpr::Read { src, .. } => self.vectors[*src].stage,
+            e @ (ScalarExpr::Dot { .. }
+            | ScalarExpr::RowDot { .. }
+            | ScalarExpr::ColumnDot { .. }
+            | ScalarExpr::Read { .. }) => scalar_vectors(e)
+                .into_iter()
+                .map(|v| self.vectors[v].stage)
+                .max()
+                .unwrap_or(0),
             other => scalar_deps(other)
                 .into_iter()
                 .map(|d| self.scalars[d].stage)
@@ -987,6 +1098,23 @@ impl Lowering<'_> {
                 scope,
             )));
         }
+        if node.op_as::<EmbeddingUnk>().is_some() {
+            let (table, rows) = match (self.value(args[0])?, self.value(args[1])?) {
+                (Lowered::Param(p), Lowered::Token) => (*p, g.nodes[args[0]].ty.shape[0]),
+                _ => {
+                    return Err(unsupported(
+                        g,
+                        i,
+                        "an embedding must look a parameter table up by the vertex token",
+                    ))
+                }
+            };
+            return Ok(Lowered::Vector(self.vec(
+                VecExpr::EmbeddingUnk { table, rows },
+                width,
+                scope,
+            )));
+        }
         let expr = if let Some(s) = node.op_as::<Slice>() {
             VecExpr::Slice {
                 src: self.vector_of(args[0])?,
@@ -1029,6 +1157,89 @@ impl Lowering<'_> {
         Ok(Lowered::Vector(self.vec(expr, width, scope)))
     }
 
+    /// Per-row operand `x` of a product as a vector (a unit value is
+    /// stored by its stage and read back by the next).
+    fn product_input(&mut self, x: NodeId) -> Result<VecId> {
+        match self.value(x)? {
+            Lowered::Unit(_) => self.staged(x),
+            _ => self.vector_of(x),
+        }
+    }
+
+    /// A per-row matrix product (see the module docs): a per-row matrix
+    /// times a per-row vector, or a static matrix times a per-row matrix.
+    fn lower_row_matmul(&mut self, i: NodeId, rm: &RowMatMul) -> Result<Lowered> {
+        let g = self.g;
+        let node = &g.nodes[i];
+        let (a, b) = (node.inputs[0], node.inputs[1]);
+        let scope = space_scope(node.ty.space);
+        let u = self.units;
+        let lanes = node.ty.width() / u;
+        if rm.trans_b {
+            return Err(unsupported(
+                g,
+                i,
+                "a per-row product with a transposed right operand is not lowered",
+            ));
+        }
+        if let Lowered::Param(weight) = *self.value(a)? {
+            if !rm.n.is_multiple_of(u) {
+                return Err(unsupported(
+                    g,
+                    i,
+                    format!("{} columns do not split over the {u} units", rm.n),
+                ));
+            }
+            let input = self.product_input(b)?;
+            let dots = (0..lanes)
+                .map(|l| {
+                    let (row, col) = ((l * u) / rm.n, (l * u) % rm.n);
+                    let (base, step) = if rm.trans_a {
+                        (row, rm.m)
+                    } else {
+                        (row * rm.k, 1)
+                    };
+                    self.scalar(
+                        ScalarExpr::ColumnDot {
+                            weight,
+                            base,
+                            step,
+                            input,
+                            offset: col,
+                            stride: rm.n,
+                            k: rm.k,
+                        },
+                        scope,
+                    )
+                })
+                .collect();
+            return Ok(Lowered::Unit(dots));
+        }
+        if rm.n != 1 || rm.trans_a || matches!(self.value(b)?, Lowered::Param(_)) {
+            return Err(unsupported(
+                g,
+                i,
+                "per-row products lower as a static matrix times per-row matrices or a \
+                 per-row matrix times a per-row vector (no transposes)",
+            ));
+        }
+        let (matrix, vector) = (self.product_input(a)?, self.product_input(b)?);
+        let dots = (0..lanes)
+            .map(|l| {
+                self.scalar(
+                    ScalarExpr::RowDot {
+                        matrix,
+                        row: l * u,
+                        vector,
+                        k: rm.k,
+                    },
+                    scope,
+                )
+            })
+            .collect();
+        Ok(Lowered::Unit(dots))
+    }
+
     fn lower_unit(&mut self, i: NodeId, op: Arc<dyn OpDef>) -> Result<Lowered> {
         let g = self.g;
         let node = &g.nodes[i];
@@ -1037,10 +1248,7 @@ impl Lowering<'_> {
         let u = self.units;
         let lanes = node.ty.width() / u;
         if let Some(mm) = node.op_as::<MatMul>() {
-            let input = match self.value(args[0])? {
-                Lowered::Unit(_) => self.staged(args[0])?,
-                _ => self.vector_of(args[0])?,
-            };
+            let input = self.product_input(args[0])?;
             let weight = match self.value(args[1])? {
                 Lowered::Param(p) => *p,
                 _ => return Err(unsupported(g, i, "the weight must be a parameter")),
@@ -1068,6 +1276,9 @@ impl Lowering<'_> {
                 })
                 .collect();
             return Ok(Lowered::Unit(dots));
+        }
+        if let Some(rm) = node.op_as::<RowMatMul>() {
+            return self.lower_row_matmul(i, rm);
         }
         if let Some(s) = node.op_as::<Slice>() {
             let src = self.lanes(args[0])?;
@@ -1235,6 +1446,16 @@ impl CellProgram {
                                 .ok_or_else(|| eval_error(format!("token {t} beyond the table")))?
                                 .to_vec()
                         }
+                        VecExpr::EmbeddingUnk { table, rows } => {
+                            let t = inputs
+                                .token
+                                .ok_or_else(|| eval_error("an embedding without a token"))?;
+                            let r = unk_row(t, *rows);
+                            param(*table)?
+                                .get(r * w..(r + 1) * w)
+                                .ok_or_else(|| eval_error(format!("table {table} too short")))?
+                                .to_vec()
+                        }
                         VecExpr::HeadInput => inputs
                             .head_input
                             .and_then(|h| h.get(..w))
@@ -1308,6 +1529,47 @@ impl CellProgram {
                                 .map(|j| {
                                     let wr = &w[(row + j) * k..(row + j + 1) * k];
                                     wr.iter().zip(x).fold(T::ZERO, |acc, (a, b)| acc + *a * *b)
+                                })
+                                .collect()
+                        }
+                        ScalarExpr::RowDot {
+                            matrix,
+                            row,
+                            vector,
+                            k,
+                        } => {
+                            let (mat, x) = (vecs[*matrix].at(e), vecs[*vector].at(e));
+                            (0..u)
+                                .map(|j| {
+                                    let r = mat.get((row + j) * k..(row + j + 1) * k).ok_or_else(
+                                        || eval_error("a matrix row beyond its vector"),
+                                    )?;
+                                    Ok(r.iter().zip(x).fold(T::ZERO, |acc, (a, b)| acc + *a * *b))
+                                })
+                                .collect::<Result<_>>()?
+                        }
+                        ScalarExpr::ColumnDot {
+                            weight,
+                            base,
+                            step,
+                            input,
+                            offset,
+                            stride,
+                            k,
+                        } => {
+                            let (w, x) = (param(*weight)?, vecs[*input].at(e));
+                            let last = k.saturating_sub(1);
+                            if *k == 0
+                                || base + last * step >= w.len()
+                                || last * stride + offset + u > x.len()
+                            {
+                                return Err(eval_error("a column product beyond its operands"));
+                            }
+                            (0..u)
+                                .map(|j| {
+                                    (0..*k).fold(T::ZERO, |acc, t| {
+                                        acc + w[base + t * step] * x[t * stride + offset + j]
+                                    })
                                 })
                                 .collect()
                         }

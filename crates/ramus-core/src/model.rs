@@ -38,6 +38,16 @@ pub enum Init {
     Constant {
         value: f64,
     },
+    /// Identity blocks plus noise: the elements in order, read as rows of
+    /// `n` columns, stack `n × n` blocks whose diagonals are `scale`; every
+    /// element gets normal noise of standard deviation `std`. An MV-RNN's
+    /// word matrices (`[V, n²]`: one identity per word) and its `W_Mᵀ`
+    /// (`[2n, n]`: `[I; I]·½`) start this way.
+    Identity {
+        n: usize,
+        scale: f64,
+        std: f64,
+    },
 }
 
 /// A declared parameter.
@@ -250,6 +260,14 @@ impl VertexFnBuilder {
         let t = self.b.param(table);
         let tok = self.token();
         self.b.embedding(t, tok)
+    }
+    /// Pulls the vertex's token and looks it up in `table`, tokens beyond
+    /// the table reading its row 0 (the unknown word's; see
+    /// [`crate::ops::EmbeddingUnk`]).
+    pub fn embed_unk(&mut self, table: usize) -> Sym {
+        let t = self.b.param(table);
+        let tok = self.token();
+        self.b.embedding_unk(t, tok)
     }
     /// Sets the vertex state that parents gather.
     pub fn scatter(&mut self, state: Sym) {

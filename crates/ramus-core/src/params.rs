@@ -46,6 +46,17 @@ fn init_values(spec: &ParamSpec, rng: &mut ChaCha8Rng) -> Vec<f64> {
                 .collect()
         }
         Init::Constant { value } => vec![value; n],
+        Init::Identity {
+            n: size,
+            scale,
+            std,
+        } => (0..n)
+            .map(|f| {
+                let z: f64 = StandardNormal.sample(rng);
+                let diagonal = size > 0 && (f / size) % size == f % size;
+                std * z + if diagonal { scale } else { 0.0 }
+            })
+            .collect(),
     }
 }
 
@@ -303,6 +314,35 @@ mod tests {
         // the same weight flattened to [O, C*kh*kw] has the same fan-in
         let flat = draw(&[64, 72], Init::Kaiming);
         assert_eq!(v, flat);
+    }
+
+    #[test]
+    fn identity_blocks_on_the_diagonals() {
+        let v = draw(
+            &[2, 9],
+            Init::Identity {
+                n: 3,
+                scale: 1.0,
+                std: 0.0,
+            },
+        );
+        let eye = [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0];
+        assert_eq!(&v[..9], &eye);
+        assert_eq!(&v[9..], &eye);
+        // [2n, n] = [I; I]·scale, with noise around it
+        let v = draw(
+            &[4, 2],
+            Init::Identity {
+                n: 2,
+                scale: 0.5,
+                std: 0.01,
+            },
+        );
+        for (f, x) in v.iter().enumerate() {
+            let want = if (f / 2) % 2 == f % 2 { 0.5 } else { 0.0 };
+            assert!((x - want).abs() < 0.05, "element {f}: {x} vs {want}");
+        }
+        assert!(v.iter().any(|&x| x != 0.0 && x != 0.5), "noise is drawn");
     }
 
     #[test]

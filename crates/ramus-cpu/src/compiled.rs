@@ -16,9 +16,11 @@
 //! passes split over a spinning helper thread.
 
 use ramus_core::lower::{
-    map_rows, vec_deps, CellProgram, ChildRef, MapOperand, ScalarExpr, Scope, VecExpr,
+    map_rows, scalar_vectors, vec_deps, CellProgram, ChildRef, MapOperand, ScalarExpr, Scope,
+    VecExpr,
 };
 use ramus_core::ops::matmul::{gemm_packed, PackedB, PACKED_MAX_M};
+use ramus_core::ops::unk_row;
 use ramus_core::parallel::SpinHelper;
 use ramus_core::recursion::{lower_scheduled, Backend, RecursionSchedule, ResolvedRecursion};
 use ramus_core::{Model, Params};
@@ -156,10 +158,8 @@ impl Cell {
             }
         }
         for s in &program.scalars {
-            match s.expr {
-                ScalarExpr::Dot { input, .. } => sliced_only[input] = false,
-                ScalarExpr::Read { src, .. } => sliced_only[src] = false,
-                _ => {}
+            for v in scalar_vectors(&s.expr) {
+                sliced_only[v] = false;
             }
         }
         Ok(Cell {
@@ -330,6 +330,22 @@ impl Cell {
                             out.data[r * w..(r + 1) * w].copy_from_slice(src);
                         }
                     }
+                    VecExpr::EmbeddingUnk {
+                        table,
+                        rows: table_rows,
+                    } => {
+                        out.reset(rows, w);
+                        let t = &params[*table];
+                        for r in 0..rows {
+                            let at = unk_row(token(r), *table_rows) * w;
+                            let src = t.get(at..at + w).ok_or_else(|| {
+                                err(format!(
+                                    "parameter {table} is shorter than its {table_rows} rows"
+                                ))
+                            })?;
+                            out.data[r * w..(r + 1) * w].copy_from_slice(src);
+                        }
+                    }
                     VecExpr::TokenTable => {
                         out.reset(rows, w);
                         let table = &self.token_table;
@@ -480,6 +496,56 @@ impl Cell {
                     }
                     ScalarExpr::Param { param, col } => {
                         out.set_broadcast(&params[*param][*col..*col + u])
+                    }
+                    &ScalarExpr::RowDot {
+                        matrix,
+                        row,
+                        vector,
+                        k,
+                    } => {
+                        let (mat, x) = (&self.vecs[matrix], &self.vecs[vector]);
+                        if mat.width < (row + u) * k || x.width < k {
+                            return Err(err("a row product beyond its operands"));
+                        }
+                        out.reset(scope_rows, u);
+                        for r in 0..scope_rows {
+                            let (mr, xr) = (mat.row(r), &x.row(r)[..k]);
+                            for j in 0..u {
+                                let m = &mr[(row + j) * k..(row + j + 1) * k];
+                                out.data[r * u + j] =
+                                    m.iter().zip(xr).map(|(a, b)| a * b).sum::<f32>();
+                            }
+                        }
+                    }
+                    &ScalarExpr::ColumnDot {
+                        weight,
+                        base,
+                        step,
+                        input,
+                        offset,
+                        stride,
+                        k,
+                    } => {
+                        let (w, x) = (&params[weight], &self.vecs[input]);
+                        let last = k.saturating_sub(1);
+                        if k == 0
+                            || base + last * step >= w.len()
+                            || last * stride + offset + u > x.width
+                        {
+                            return Err(err("a column product beyond its operands"));
+                        }
+                        out.reset_zeroed(scope_rows, u);
+                        for r in 0..scope_rows {
+                            let xr = x.row(r);
+                            let acc = &mut out.data[r * u..(r + 1) * u];
+                            for t in 0..k {
+                                let wt = w[base + t * step];
+                                let col = &xr[t * stride + offset..t * stride + offset + u];
+                                for (a, c) in acc.iter_mut().zip(col) {
+                                    *a += wt * c;
+                                }
+                            }
+                        }
                     }
                     ScalarExpr::Map { op, args, .. } => {
                         // vertex operands of an edge op are repeated per edge

@@ -635,3 +635,51 @@ extern "C" __global__ void ramus_gemm_abt_small(float* C, u32 ldc, const float* 
         }
     }
 }
+
+// ---- per-row matrices (row_matmul) and the shared-row embedding (embedding_unk)
+
+// out[r] = op(A_r) · op(B_r) for r < rows, op(A): [m, k], op(B): [k, n], all
+// row-major; A_r = a + r * a_step (a_step 0: one static A for every row),
+// stored [m, k] or, with trans_a, [k, m]; B_r likewise ([k, n] / [n, k]).
+// One thread per output element.
+extern "C" __global__ void ramus_row_matmul(float* out, const float* __restrict__ a, u64 a_step,
+                                            const float* __restrict__ b, u64 b_step, u32 rows,
+                                            u32 m, u32 k, u32 n, u32 trans_a, u32 trans_b) {
+    const u64 per = (u64)m * n;
+    FOR_EACH(i, (u64)rows * per) {
+        const u64 r = i / per;
+        const u32 e = (u32)(i % per);
+        const u32 row = e / n, col = e % n;
+        const float* ar = a + r * a_step;
+        const float* br = b + r * b_step;
+        float acc = 0.0f;
+        for (u32 t = 0; t < k; ++t) {
+            const float x = trans_a ? ar[(u64)t * m + row] : ar[(u64)row * k + t];
+            const float y = trans_b ? br[(u64)col * k + t] : br[(u64)t * n + col];
+            acc += x * y;
+        }
+        out[i] = acc;
+    }
+}
+
+// out[r, j] = table[tokens[r] < table_rows ? tokens[r] : 0, j].
+extern "C" __global__ void ramus_embedding_unk(float* out, const float* __restrict__ table,
+                                               const u32* __restrict__ tokens, u32 rows,
+                                               u32 table_rows, u32 width) {
+    FOR_EACH(i, (u64)rows * width) {
+        const u32 t = tokens[i / width];
+        const u64 row = t < table_rows ? t : 0u;
+        out[i] = table[row * width + (u32)(i % width)];
+    }
+}
+
+// dtable[row of tokens[r], j] += grad[r, j] (dtable zeroed before).
+extern "C" __global__ void ramus_embedding_unk_backward(float* dtable, const float* __restrict__ grad,
+                                                        const u32* __restrict__ tokens, u32 rows,
+                                                        u32 table_rows, u32 width) {
+    FOR_EACH(i, (u64)rows * width) {
+        const u32 t = tokens[i / width];
+        const u64 row = t < table_rows ? t : 0u;
+        atomicAdd(&dtable[row * width + (u32)(i % width)], grad[i]);
+    }
+}

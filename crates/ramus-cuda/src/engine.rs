@@ -30,8 +30,8 @@ use rand_chacha::ChaCha8Rng;
 use ramus_core::fusion::{FusedGroup, InputKind, SliceView};
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, Role, Source, Space};
 use ramus_core::ops::{
-    BroadcastRows, Concat, Embedding, ExpandChildren, MatMul, Pad, Reshape, Slice, SoftmaxXent,
-    SoftmaxXentBackward, SumChildren, SumRows,
+    BroadcastRows, Concat, Embedding, EmbeddingUnk, EmbeddingUnkBackward, ExpandChildren, MatMul,
+    Pad, Reshape, RowMatMul, Slice, SoftmaxXent, SoftmaxXentBackward, SumChildren, SumRows,
 };
 use ramus_core::{Grads, HeadRows, Model, Params};
 use ramus_cpu::{fill_dropout_mask, Batch, ForwardOutput, Mode, Range};
@@ -1417,6 +1417,38 @@ impl CudaEngine {
                     width: h,
                     accumulate: false,
                 }],
+            );
+        }
+        if let Some(product) = any.downcast_ref::<RowMatMul>() {
+            return self.launcher.row_matmul(
+                &stream,
+                out()?,
+                fv(0)?,
+                in_ty(0).is_rows(),
+                fv(1)?,
+                in_ty(1).is_rows(),
+                out_rows,
+                product,
+            );
+        }
+        let unk_forward = any.downcast_ref::<EmbeddingUnk>().is_some();
+        let unk_backward = any.downcast_ref::<EmbeddingUnkBackward>();
+        if unk_forward || unk_backward.is_some() {
+            let tokens = self.index_view(g, arg(1), own, fwd, range)?;
+            let (table_rows, width) = match unk_backward {
+                Some(b) => (b.rows, in_ty(0).width()),
+                None => (in_ty(0).shape[0], in_ty(0).shape[1]),
+            };
+            let rows = rows_of(in_ty(1).space);
+            return self.launcher.embedding_unk(
+                &stream,
+                out()?,
+                fv(0)?,
+                tokens,
+                rows,
+                table_rows,
+                width,
+                unk_backward.is_some(),
             );
         }
         let xent = any.downcast_ref::<SoftmaxXent>().is_some();

@@ -20,7 +20,7 @@ pub const BUILTIN_SOURCE: &str = include_str!("builtin.cu");
 /// Marks "no row" in row-index arrays (see `builtin.cu`).
 pub const NONE: u32 = u32::MAX;
 
-const BUILTIN_KERNELS: [&str; 26] = [
+const BUILTIN_KERNELS: [&str; 29] = [
     "ramus_move_rows",
     "ramus_gemm_abt_small",
     "ramus_copy_columns",
@@ -48,6 +48,10 @@ const BUILTIN_KERNELS: [&str; 26] = [
     "ramus_batch_norm_backward_gamma",
     "ramus_batch_norm_inference_coef",
     "ramus_batch_norm_inference_param",
+    // per-row matrices and the shared-row embedding
+    "ramus_row_matmul",
+    "ramus_embedding_unk",
+    "ramus_embedding_unk_backward",
 ];
 
 /// The built-in kernels, in the order of [`BUILTIN_KERNELS`].
@@ -79,6 +83,9 @@ enum Builtin {
     BatchNormBackwardGamma,
     BatchNormInferenceCoef,
     BatchNormInferenceParam,
+    RowMatMul,
+    EmbeddingUnk,
+    EmbeddingUnkBackward,
 }
 
 /// Products with at most this many rows of `A` run on
@@ -460,6 +467,117 @@ impl Launcher {
         // SAFETY: arguments match; parents index rows inside `src`.
         unsafe { launch.launch(elementwise_cfg(edges * width)) }
             .in_call("cuLaunchKernel(ramus_expand_children)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// `out[r] = op(A_r) · op(B_r)` for `rows` rows (see `ramus_row_matmul`
+    /// in `builtin.cu`); a static operand is passed with `per_row` false.
+    #[allow(clippy::too_many_arguments)] // output, two operands with their kind, rows, product
+    pub fn row_matmul(
+        &self,
+        stream: &CudaStream,
+        out: DeviceView<f32>,
+        a: DeviceView<f32>,
+        a_per_row: bool,
+        b: DeviceView<f32>,
+        b_per_row: bool,
+        rows: usize,
+        product: &ramus_core::ops::RowMatMul,
+    ) -> Result<()> {
+        let (m, k, n) = (product.m, product.k, product.n);
+        if rows * m * n == 0 {
+            return Ok(());
+        }
+        let need = |per_row: bool, size: usize| if per_row { rows * size } else { size };
+        if out.len() < rows * m * n
+            || a.len() < need(a_per_row, m * k)
+            || b.len() < need(b_per_row, k * n)
+        {
+            return Err(CudaError::BadArgument(format!(
+                "row_matmul: operands too short for {rows} rows of {m}x{k} · {k}x{n}"
+            )));
+        }
+        let a_step = if a_per_row { (m * k) as u64 } else { 0 };
+        let b_step = if b_per_row { (k * n) as u64 } else { 0 };
+        let r = u32_arg(rows, "rows")?;
+        let (m, k, n) = (u32_arg(m, "m")?, u32_arg(k, "k")?, u32_arg(n, "n")?);
+        let (ta, tb) = (u32::from(product.trans_a), u32::from(product.trans_b));
+        let mut launch = stream.launch_builder(self.function(Builtin::RowMatMul));
+        launch
+            .arg(out.kernel_arg())
+            .arg(a.kernel_arg())
+            .arg(&a_step)
+            .arg(b.kernel_arg())
+            .arg(&b_step)
+            .arg(&r)
+            .arg(&m)
+            .arg(&k)
+            .arg(&n)
+            .arg(&ta)
+            .arg(&tb);
+        // SAFETY: arguments match the kernel's signature; every operand
+        // holds the rows (or the one static matrix) read, checked above.
+        unsafe { launch.launch(elementwise_cfg(rows * (m * n) as usize)) }
+            .in_call("cuLaunchKernel(ramus_row_matmul)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// Rows of a `[table_rows, width]` table by token, a token beyond the
+    /// table reading row 0 (`embedding_unk`); with `backward`, the gradient
+    /// rows `src` are added into a zeroed table gradient `dst` instead.
+    #[allow(clippy::too_many_arguments)] // output, table, tokens, extents, direction
+    pub fn embedding_unk(
+        &self,
+        stream: &CudaStream,
+        dst: DeviceView<f32>,
+        src: DeviceView<f32>,
+        tokens: DeviceView<u32>,
+        rows: usize,
+        table_rows: usize,
+        width: usize,
+        backward: bool,
+    ) -> Result<()> {
+        let (table, per_row) = if backward { (dst, src) } else { (src, dst) };
+        if table_rows == 0
+            || table.len() < table_rows * width
+            || per_row.len() < rows * width
+            || tokens.len() < rows
+        {
+            return Err(CudaError::BadArgument(format!(
+                "embedding_unk: operands too short for {rows} rows of a {table_rows}x{width} table"
+            )));
+        }
+        if backward {
+            self.fill(stream, dst, 0.0)?;
+        }
+        if rows * width == 0 {
+            return Ok(());
+        }
+        let (r, t, w) = (
+            u32_arg(rows, "rows")?,
+            u32_arg(table_rows, "table rows")?,
+            u32_arg(width, "width")?,
+        );
+        let kernel = if backward {
+            Builtin::EmbeddingUnkBackward
+        } else {
+            Builtin::EmbeddingUnk
+        };
+        let mut launch = stream.launch_builder(self.function(kernel));
+        launch
+            .arg(dst.kernel_arg())
+            .arg(src.kernel_arg())
+            .arg(tokens.kernel_arg())
+            .arg(&r)
+            .arg(&t)
+            .arg(&w);
+        // SAFETY: arguments match the kernel's signature; the table, the
+        // rows and the tokens hold what is read and written (checked above;
+        // the kernel clamps tokens to the table).
+        unsafe { launch.launch(elementwise_cfg(rows * width)) }
+            .in_call("cuLaunchKernel(ramus_embedding_unk)")?;
         self.count();
         Ok(())
     }

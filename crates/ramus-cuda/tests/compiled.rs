@@ -2,7 +2,8 @@
 //! reference engine: root scores of every token model, for every schedule
 //! (leaf table and weight persistence on and off), on one batch of random
 //! trees with degenerate shapes (a single leaf, a 500-deep path, a 64-ary
-//! node), grid DAGs or chains; and under recursive refactoring and
+//! node, an 80-leaf binary caterpillar for the MV-RNN), grid DAGs or chains;
+//! the MV-RNN with shared word matrices; and under recursive refactoring and
 //! unrolling (Cortex Fig. 4, 5) on the same graphs (refactoring also on
 //! DAGs, unrolling refused there). Skips with a notice where no CUDA
 //! driver is found.
@@ -15,9 +16,26 @@ use ramus_cpu::{Batch, CpuEngine, Mode};
 use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
 use ramus_graph::random::{grid_dag, random_chain, random_path, random_tree};
 use ramus_graph::{BatchingPolicy, InputGraph};
-use ramus_nn::{build_model_with, ModelConfig, ModelOptions};
+use ramus_nn::{build_model_with, build_mvrnn, ModelConfig, ModelOptions};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+
+/// A deep binary tree: each internal vertex joins the previous one and a
+/// new leaf (`leaves - 1` levels).
+fn caterpillar(rng: &mut ChaCha8Rng, leaves: usize, vocab: u32) -> InputGraph {
+    let mut g = InputGraph::new();
+    let mut top = g
+        .push_vertex(&[], rng.random_range(0..vocab), 0)
+        .expect("leaf");
+    for i in 1..leaves {
+        let leaf = g
+            .push_vertex(&[], rng.random_range(0..vocab), 1)
+            .expect("leaf");
+        let kids = if i % 2 == 0 { [top, leaf] } else { [leaf, top] };
+        top = g.push_vertex(&kids, 0, 2).expect("internal");
+    }
+    g
+}
 
 fn graphs(name: &str, rng: &mut ChaCha8Rng, vocab: u32) -> Vec<InputGraph> {
     if name == "dagrnn" {
@@ -37,6 +55,9 @@ fn graphs(name: &str, rng: &mut ChaCha8Rng, vocab: u32) -> Vec<InputGraph> {
         random_tree(rng, 9, &[2], vocab, 3).expect("tree"),
         random_tree(rng, 40, &[2], vocab, 3).expect("tree"),
     ];
+    if name == "mvrnn" {
+        gs.push(caterpillar(rng, 80, vocab));
+    }
     if name == "treelstm" || name == "treegru" {
         gs.push(random_path(rng, 500, vocab, 3).expect("a 500-deep path"));
         gs.push(random_tree(rng, 64, &[64], vocab, 3).expect("a 64-ary node"));
@@ -63,6 +84,7 @@ fn compiled_scores_match_the_cpu_engine_for_every_model_and_schedule() {
             "treelstm-nary",
             "treefc",
             "treegru",
+            "mvrnn",
             "dagrnn",
             "lstm-lm",
         ] {
@@ -317,4 +339,58 @@ fn too_few_blocks_for_the_units_is_an_error_not_a_silent_skip() {
         .err()
         .expect("refused");
     assert!(err.to_string().contains("needs 4 resident blocks"), "{err}");
+}
+
+#[test]
+fn compiled_mvrnn_with_shared_word_matrices_matches_the_cpu_engine() {
+    if !common::cuda_ready("skipping") {
+        return;
+    }
+    // 128 units (the benchmark's larger size); tokens 8.. share row 0 of
+    // the word matrices
+    let cfg = ModelConfig {
+        vocab: 30,
+        hidden: 128,
+        classes: 5,
+    };
+    let model = build_mvrnn(&cfg, 8, &ModelOptions { dropout: 0.0 }).expect("model");
+    let params: Params<f32> = Params::init(&model, 4);
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    let gs = vec![
+        random_tree(&mut rng, 1, &[2], 30, 3).expect("a single leaf"),
+        random_tree(&mut rng, 20, &[2], 30, 3).expect("tree"),
+        caterpillar(&mut rng, 30, 30),
+    ];
+    let mut want = Vec::new();
+    for g in &gs {
+        let batch = Batch::new(&model, vec![g], BatchingPolicy::Cavs).expect("schedule");
+        want.extend(
+            CpuEngine::<f32>::new()
+                .forward_rows(&model, &params, &batch, Mode::Infer, HeadRows::Roots)
+                .expect("reference")
+                .logits,
+        );
+    }
+    let refs: Vec<&InputGraph> = gs.iter().collect();
+    for leaf_table in [true, false] {
+        let options = CompiledOptions {
+            schedule: CompiledSchedule {
+                leaf_table,
+                persistent_weights: true,
+            },
+            cache_dir: Some(
+                std::env::temp_dir().join(format!("ramus-compiled-mv-{}", std::process::id())),
+            ),
+            ..CompiledOptions::default()
+        };
+        let mut engine = CompiledEngine::new(&model, &params, &options).expect("compiles");
+        let got = engine.infer(&refs).expect("infers");
+        assert_eq!(got.scores.len(), want.len());
+        for (i, (w, g)) in want.iter().zip(&got.scores).enumerate() {
+            assert!(
+                (w - g).abs() <= 1e-4 * (1.0 + w.abs()),
+                "table {leaf_table}: score {i} CPU {w} vs compiled {g}"
+            );
+        }
+    }
 }

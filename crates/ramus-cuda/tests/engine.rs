@@ -161,6 +161,12 @@ fn treegru_matches_the_cpu_engine() {
 }
 
 #[test]
+fn mvrnn_matches_the_cpu_engine() {
+    // per-row matrix products, the shared-row word matrices, their dense gradient
+    check_model("mvrnn", 0.1);
+}
+
+#[test]
 fn dagrnn_on_grid_dags_matches_the_cpu_engine() {
     check_model("dagrnn", 0.1);
 }

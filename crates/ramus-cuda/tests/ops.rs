@@ -8,6 +8,7 @@
 mod common;
 
 use ramus_core::model::{HeadRows, Init, ModelBuilder, VertexFnBuilder};
+use ramus_core::ops::RowMatMul;
 use ramus_core::{Grads, Model, Params, Sym};
 use ramus_cpu::{Batch, CpuEngine, Mode};
 use ramus_cuda::{CudaEngine, CudaEngineOptions};
@@ -20,20 +21,26 @@ use rand_chacha::ChaCha8Rng;
 const S: usize = 6;
 const VOCAB: usize = 11;
 const CLASSES: usize = 3;
+const SMALL_TABLE: usize = 4;
 
 /// `h = tanh(body(x, children, W, table))` over trees, `x` a pulled input of
 /// width `S`, `children` the gathered child states (edge rows), `W` an
-/// `S x S` parameter, `table` a `VOCAB x S` embedding table.
-fn op_model(name: &str, body: impl Fn(&mut VertexFnBuilder, Sym, Sym, Sym, Sym) -> Sym) -> Model {
+/// `S x S` parameter, `table` a `VOCAB x S` embedding table and `small` a
+/// `SMALL_TABLE x S` table (fewer rows than tokens: `embedding_unk`).
+fn op_model(
+    name: &str,
+    body: impl Fn(&mut VertexFnBuilder, Sym, Sym, Sym, Sym, Sym) -> Sym,
+) -> Model {
     let mut m = ModelBuilder::new(name, S);
     let w = m.param("W", &[S, S], Init::Normal { std: 0.4 });
     let table = m.param("table", &[VOCAB, S], Init::Normal { std: 0.4 });
+    let small = m.param("small", &[SMALL_TABLE, S], Init::Normal { std: 0.4 });
     let w_out = m.param("W_out", &[CLASSES, S], Init::Normal { std: 0.4 });
     m.vertex_fn("cell", |f| {
         let x = f.pull(S);
         let kids = f.gather_all();
-        let (wp, tp) = (f.param(w), f.param(table));
-        let y = body(f, x, kids, wp, tp);
+        let (wp, tp, sp) = (f.param(w), f.param(table), f.param(small));
+        let y = body(f, x, kids, wp, tp, sp);
         let h = f.tanh(y);
         f.scatter(h);
         f.push(h);
@@ -56,7 +63,7 @@ fn op_model(name: &str, body: impl Fn(&mut VertexFnBuilder, Sym, Sym, Sym, Sym) 
 fn cases() -> Vec<Model> {
     vec![
         // slice as a step (read by sum_rows), pad, sum_rows broadcast back
-        op_model("slice-pad-sum_rows", |f, x, kids, _, _| {
+        op_model("slice-pad-sum_rows", |f, x, kids, _, _, _| {
             let s = f.slice(x, 1, 3);
             let p = f.pad(s, 2, S);
             let r = f.sum_rows(x);
@@ -66,7 +73,7 @@ fn cases() -> Vec<Model> {
         }),
         // child sum (backward: expand_children), mean_rows and its
         // broadcast gradient, A·Bᵀ
-        op_model("sum_children-mean_rows", |f, x, kids, w, _| {
+        op_model("sum_children-mean_rows", |f, x, kids, w, _, _| {
             let e = f.sum_children(kids);
             let m = f.mean_rows(x);
             let z = f.linear(e, w, None);
@@ -75,7 +82,7 @@ fn cases() -> Vec<Model> {
         }),
         // a concat step (inputs from outside any group), A·B, reshape of a
         // static value and a static·static product
-        op_model("concat-reshape-matmul", |f, x, kids, w, _| {
+        op_model("concat-reshape-matmul", |f, x, kids, w, _, _| {
             let e = f.sum_children(kids);
             let c = f.concat(&[x, e]);
             let left = f.slice(c, 0, S);
@@ -90,7 +97,7 @@ fn cases() -> Vec<Model> {
             f.add(a, r)
         }),
         // embedding rows (sparse gradient), expand_children explicitly
-        op_model("embedding-expand", |f, x, kids, _, table| {
+        op_model("embedding-expand", |f, x, kids, _, table, _| {
             let tokens = f.token();
             let emb = f.embedding(table, tokens);
             let e = f.sum_children(kids);
@@ -98,6 +105,40 @@ fn cases() -> Vec<Model> {
             let s = f.sum_children(back);
             let y = f.add(emb, x);
             f.add(y, s)
+        }),
+        // per-row matrix products: rows · rows ([2,3]·[3,3]), a static
+        // matrix (transposed) times rows, rows times a static (transposed)
+        op_model("row_matmul", |f, x, kids, w, _, _| {
+            let e = f.sum_children(kids);
+            let head = f.slice(x, 0, 3);
+            let b = f.concat(&[e, head]);
+            let y = f.row_matmul(x, b, RowMatMul::new(2, 3, 3));
+            let left = f.row_matmul(
+                w,
+                e,
+                RowMatMul {
+                    trans_a: true,
+                    ..RowMatMul::new(S, S, 1)
+                },
+            );
+            let right = f.row_matmul(
+                x,
+                w,
+                RowMatMul {
+                    trans_b: true,
+                    ..RowMatMul::new(1, S, S)
+                },
+            );
+            let y = f.add(y, left);
+            f.add(y, right)
+        }),
+        // a table with fewer rows than tokens: the rest read (and train) row 0
+        op_model("embedding_unk", |f, x, kids, _, _, small| {
+            let tokens = f.token();
+            let emb = f.embedding_unk(small, tokens);
+            let e = f.sum_children(kids);
+            let y = f.mul(emb, x);
+            f.add(y, e)
         }),
     ]
 }

@@ -13,7 +13,8 @@ pub mod vision;
 pub use engine::Engine;
 pub use error::{NnError, Result};
 pub use models::{
-    build_model, build_model_with, data_kind, DataKind, ModelConfig, ModelOptions, MODEL_NAMES,
+    build_model, build_model_with, build_mvrnn, data_kind, DataKind, ModelConfig, ModelOptions,
+    MODEL_NAMES, MVRNN_MATRIX_WORDS,
 };
 pub use optim::{Optimizer, OptimizerConfig, OptimizerKind};
 pub use sequence_models::{

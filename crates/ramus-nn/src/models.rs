@@ -7,6 +7,9 @@
 //! * `treefc` — TF Fold's Tree-FC benchmark cell `h = tanh(W [h_l; h_r] + b)`;
 //! * `treegru` — a child-sum TreeGRU (Cortex's two-stage cell: its
 //!   candidate state is a product of the reset-gated child sum);
+//! * `mvrnn` — Socher et al.'s (2012) matrix-vector RNN: every word and
+//!   phrase is a vector and a matrix, composed through each other
+//!   ([`build_mvrnn`] documents the state layout and the word matrices);
 //! * `dagrnn` — a DAG-RNN (Cortex's DAG benchmark cell)
 //!   `h = tanh(W x + U Σ_p h_p + b)` over a vertex's predecessors `p`;
 //! * `lstm-lm` — an LSTM language model over sentences as chains;
@@ -55,11 +58,12 @@ pub struct ModelConfig {
 }
 
 /// Names accepted by [`build_model`].
-pub const MODEL_NAMES: [&str; 18] = [
+pub const MODEL_NAMES: [&str; 19] = [
     "treelstm",
     "treelstm-nary",
     "treefc",
     "treegru",
+    "mvrnn",
     "dagrnn",
     "lstm-lm",
     "bilstm-tagger",
@@ -79,7 +83,7 @@ pub const MODEL_NAMES: [&str; 18] = [
 /// The data a model reads.
 pub fn data_kind(name: &str) -> Option<DataKind> {
     match name {
-        "treelstm" | "treelstm-nary" | "treefc" | "treegru" | "dagrnn" | "rvnn" => {
+        "treelstm" | "treelstm-nary" | "treefc" | "treegru" | "mvrnn" | "dagrnn" | "rvnn" => {
             Some(DataKind::Trees)
         }
         "lstm-lm" => Some(DataKind::Sentences),
@@ -122,6 +126,7 @@ pub fn build_model_with(name: &str, cfg: &ModelConfig, opts: &ModelOptions) -> R
         "treefc" => tree_fc(cfg, p),
         "dagrnn" => dag_rnn(cfg, p),
         "treegru" => tree_gru(cfg, p),
+        "mvrnn" => mv_rnn(cfg, MVRNN_MATRIX_WORDS, p),
         "lstm-lm" => lstm_lm(cfg, p),
         _ => {
             return Err(ramus_core::CoreError::Unknown {
@@ -428,6 +433,102 @@ fn tree_gru(cfg: &ModelConfig, dropout: f64) -> Result<Model> {
     })?;
     m.select(FunctionSelector::LeafInternal { leaf, internal });
     m.head(HeadRows::Roots, hd, |h| {
+        classifier_head(h, w_out, b_out, dropout)
+    })?;
+    m.build()
+}
+
+/// Words with a matrix of their own in `mvrnn` ([`build_mvrnn`]): token ids
+/// below this (or the whole vocabulary, if smaller) get one; the rest share
+/// the unknown word's (id 0). A matrix is `hidden²` floats, so a matrix
+/// per word of SST's ≈ 21 700 words would take 1.4 GB at hidden 128
+/// (three times that with Adam's moments); a thousand take 65 MB. Readers
+/// number words in first-seen order, so the words with a matrix are the
+/// ones met first in the training data — mostly the frequent ones.
+pub const MVRNN_MATRIX_WORDS: usize = 1000;
+
+/// Builds `mvrnn` with word matrices for the first `matrix_words` token ids
+/// (see [`MVRNN_MATRIX_WORDS`]).
+///
+/// MV-RNN (Socher et al. 2012): a word is a vector `a ∈ R^n` (an embedding
+/// row) and a matrix `A ∈ R^{n×n}` (a row of `word_matrices`, tokens at or
+/// beyond `matrix_words` reading the unknown word's, row 0; each starts as
+/// the identity plus noise). A parent of children `(a, A)` and `(b, B)` is
+/// `p = tanh(W [B a; A b] + b_W)` and `P = W_M [A; B]`; `W_M` is held
+/// transposed (`W_Mᵀ`, `[2n, n]`, starting at `[I; I]·½` plus noise so a
+/// phrase matrix starts as the mean of its children's). The vertex state
+/// is one row `[p; vec(P)]` of `n + n²` columns (`P` row-major); the head
+/// classifies each root's `p` (a leaf pushes its word vector).
+pub fn build_mvrnn(cfg: &ModelConfig, matrix_words: usize, opts: &ModelOptions) -> Result<Model> {
+    let mut model = mv_rnn(cfg, matrix_words, opts.dropout)?;
+    record_settings(&mut model, "mvrnn", cfg);
+    Ok(model)
+}
+
+fn mv_rnn(cfg: &ModelConfig, matrix_words: usize, dropout: f64) -> Result<Model> {
+    use ramus_core::ops::RowMatMul;
+    let (v, n, k) = (cfg.vocab, cfg.hidden, cfg.classes);
+    let words = matrix_words.min(v).max(1);
+    let mut m = ModelBuilder::new("mvrnn", n + n * n);
+    m.setting("matrix_words", words);
+    let emb = m.param("emb", &[v, n], Init::Normal { std: 0.1 });
+    let mats = m.param(
+        "word_matrices",
+        &[words, n * n],
+        Init::Identity {
+            n,
+            scale: 1.0,
+            std: 0.01,
+        },
+    );
+    let w = m.param("W", &[n, 2 * n], Init::Xavier);
+    let b = m.param("b", &[n], Init::Zeros);
+    let w_m = m.param(
+        "W_M_t",
+        &[2 * n, n],
+        Init::Identity {
+            n,
+            scale: 0.5,
+            std: 0.01,
+        },
+    );
+    let w_out = m.param("W_out", &[k, n], Init::LinearDefault);
+    let b_out = m.param("b_out", &[k], linear_bias(n));
+    let leaf = m.vertex_fn("leaf", |f| {
+        let x = f.embed(emb);
+        let x = f.dropout(x, dropout);
+        let a = f.embed_unk(mats);
+        let state = f.concat(&[x, a]);
+        f.scatter(state);
+        f.push(x);
+    })?;
+    let internal = m.vertex_fn("internal", |f| {
+        let (l, r) = (f.gather(0), f.gather(1));
+        let (a, a_mat) = (f.slice(l, 0, n), f.slice(l, n, n * n));
+        let (b_vec, b_mat) = (f.slice(r, 0, n), f.slice(r, n, n * n));
+        let matvec = RowMatMul::new(n, n, 1);
+        let ba = f.row_matmul(b_mat, a, matvec);
+        let ab = f.row_matmul(a_mat, b_vec, matvec);
+        let x = f.concat(&[ba, ab]);
+        let (wp, bp) = (f.param(w), f.param(b));
+        let z = f.linear(x, wp, Some(bp));
+        let p = f.tanh(z);
+        let stacked = f.concat(&[a_mat, b_mat]);
+        let wm = f.param(w_m);
+        let p_mat = f.row_matmul(
+            wm,
+            stacked,
+            RowMatMul {
+                trans_a: true,
+                ..RowMatMul::new(n, 2 * n, n)
+            },
+        );
+        let state = f.concat(&[p, p_mat]);
+        f.scatter(state);
+        f.push(p);
+    })?;
+    m.select(FunctionSelector::LeafInternal { leaf, internal });
+    m.head(HeadRows::Roots, n, |h| {
         classifier_head(h, w_out, b_out, dropout)
     })?;
     m.build()

@@ -8,7 +8,9 @@ use ramus_core::{Grads, Params};
 use ramus_cpu::{Batch, CpuEngine, Mode};
 use ramus_graph::sequence::{pyramid, tagger_graph, WordInput};
 use ramus_graph::{BatchingPolicy, InputGraph};
-use ramus_nn::{build_model, build_sequence_model, ModelConfig, ModelOptions, SequenceConfig};
+use ramus_nn::{
+    build_model, build_mvrnn, build_sequence_model, ModelConfig, ModelOptions, SequenceConfig,
+};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -137,6 +139,20 @@ fn treegru_gradients_match_finite_differences() {
         .map(|i| random_tree(&mut rng, 2 + 2 * i, &[1, 2, 3], &cfg))
         .collect();
     check_model("treegru", &graphs, &cfg);
+}
+
+#[test]
+fn mvrnn_gradients_match_finite_differences() {
+    let cfg = small();
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let graphs: Vec<InputGraph> = (0..3)
+        .map(|i| random_tree(&mut rng, 1 + 2 * i, &[2], &cfg))
+        .collect();
+    check_model("mvrnn", &graphs, &cfg);
+    // four of the seven words with a matrix: the rest train the unknown word's
+    let model = build_mvrnn(&cfg, 4, &ModelOptions::default()).unwrap();
+    assert_eq!(model.params[1].shape, vec![4, 9]);
+    check_built("mvrnn (4 word matrices)", &model, &graphs);
 }
 
 #[test]

@@ -4,13 +4,13 @@
 //! random trees, deep paths, wide nodes and chains; and so does the
 //! compiled CPU engine running those programs level by level.
 
-use ramus_core::lower::{lower, CellProgram, VertexInputs};
+use ramus_core::lower::{lower, CellProgram, ScalarExpr, VertexInputs};
 use ramus_core::{HeadRows, Model, Params};
 use ramus_cpu::compiled::CpuCompiledEngine;
 use ramus_cpu::{Batch, CpuEngine, Mode};
 use ramus_graph::random::{grid_dag, random_chain, random_path, random_tree};
 use ramus_graph::{BatchingPolicy, InputGraph};
-use ramus_nn::{build_model_with, ModelConfig, ModelOptions};
+use ramus_nn::{build_model_with, build_mvrnn, ModelConfig, ModelOptions};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -88,6 +88,22 @@ fn lowered_scores(
     scores
 }
 
+/// A deep binary tree: each internal vertex joins the previous one and a
+/// new leaf (`leaves - 1` levels).
+fn caterpillar(rng: &mut ChaCha8Rng, leaves: usize) -> InputGraph {
+    let v = CFG.vocab as u32;
+    let mut g = InputGraph::new();
+    let mut top = g.push_vertex(&[], rng.random_range(0..v), 0).expect("leaf");
+    for i in 1..leaves {
+        let leaf = g.push_vertex(&[], rng.random_range(0..v), 1).expect("leaf");
+        let kids = if i % 2 == 0 { [top, leaf] } else { [leaf, top] };
+        top = g
+            .push_vertex(&kids, 0, rng.random_range(0..3))
+            .expect("internal");
+    }
+    g
+}
+
 fn graphs_for(name: &str, rng: &mut ChaCha8Rng) -> Vec<InputGraph> {
     let v = CFG.vocab as u32;
     if name == "lstm-lm" {
@@ -109,6 +125,9 @@ fn graphs_for(name: &str, rng: &mut ChaCha8Rng) -> Vec<InputGraph> {
         random_tree(rng, 7, &[2], v, 3).expect("tree"),
         random_tree(rng, 30, &[2], v, 3).expect("tree"),
     ];
+    if name == "mvrnn" {
+        gs.push(caterpillar(rng, 60));
+    }
     if name == "treelstm" || name == "treegru" {
         gs.push(random_path(rng, 120, v, 3).expect("deep path"));
         gs.push(random_tree(rng, 64, &[64], v, 3).expect("a 64-ary node"));
@@ -125,6 +144,7 @@ fn lowered_cells_reproduce_the_reference_engine_for_every_token_model() {
         "treelstm-nary",
         "treefc",
         "treegru",
+        "mvrnn",
         "dagrnn",
         "lstm-lm",
     ] {
@@ -163,6 +183,7 @@ fn the_compiled_cpu_engine_matches_the_reference_engine_in_one_batch() {
             "treelstm-nary",
             "treefc",
             "treegru",
+            "mvrnn",
             "dagrnn",
             "lstm-lm",
         ] {
@@ -226,6 +247,7 @@ fn hoisted_token_values_give_the_same_cells() {
         "treelstm-nary",
         "treefc",
         "treegru",
+        "mvrnn",
         "dagrnn",
         "lstm-lm",
     ] {
@@ -333,5 +355,158 @@ fn the_treegru_cell_lowers_to_two_stages() {
                 "{s:?} reads {d} across stages"
             );
         }
+    }
+}
+
+#[test]
+fn the_mvrnn_cell_lowers_to_row_and_column_products() {
+    let n = CFG.hidden;
+    // four word matrices for eleven words: tokens 4.. share the unknown word's
+    let model = build_mvrnn(&CFG, 4, &ModelOptions { dropout: 0.0 }).expect("model");
+    let internal = &model.functions[1];
+    let program = lower(
+        &internal.forward,
+        &[internal.scatter.unwrap(), internal.push.unwrap()],
+    )
+    .expect("lowers");
+    assert_eq!(
+        program.units, n,
+        "one unit per column of p and of each row of P"
+    );
+    let count = |f: fn(&ScalarExpr) -> bool| program.scalars.iter().filter(|s| f(&s.expr)).count();
+    // B a and A b: one lane each; W_M [A; B]: one lane per row of P
+    assert_eq!(count(|e| matches!(e, ScalarExpr::RowDot { .. })), 2);
+    assert_eq!(count(|e| matches!(e, ScalarExpr::ColumnDot { .. })), n);
+    // W [B a; A b] reads every unit's row products: a second stage
+    assert_eq!(program.stages, 2);
+    assert_eq!(program.scratch_width, 2 * n);
+    assert_eq!(program.output_width(0), n + n * n);
+    // the reference evaluator and the compiled CPU engine agree with the
+    // batched engine, shared word matrices included
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    let graphs = vec![
+        random_tree(&mut rng, 1, &[2], CFG.vocab as u32, 3).expect("a single leaf"),
+        caterpillar(&mut rng, 40),
+        random_tree(&mut rng, 25, &[2], CFG.vocab as u32, 3).expect("tree"),
+    ];
+    let params: Params<f64> = Params::init(&model, 2);
+    let lowered = lower_model(&model);
+    let params32: Params<f32> = Params::init(&model, 2);
+    let refs: Vec<&InputGraph> = graphs.iter().collect();
+    let mut want32 = Vec::new();
+    for graph in &graphs {
+        assert!(graph.tokens.iter().any(|&t| t >= 4) || graph.len() == 1);
+        let batch = Batch::new(&model, vec![graph], BatchingPolicy::Cavs).expect("schedule");
+        let want = CpuEngine::<f64>::new()
+            .forward_rows(&model, &params, &batch, Mode::Infer, HeadRows::Roots)
+            .expect("reference")
+            .logits;
+        let got = lowered_scores(&model, &lowered, &params, graph);
+        for (w, g) in want.iter().zip(&got) {
+            assert!(
+                (w - g).abs() <= 1e-10 * (1.0 + w.abs()),
+                "engine {w} vs lowered {g}"
+            );
+        }
+        want32.extend(
+            CpuEngine::<f32>::new()
+                .forward_rows(&model, &params32, &batch, Mode::Infer, HeadRows::Roots)
+                .expect("reference")
+                .logits,
+        );
+    }
+    for table in [true, false] {
+        let mut engine = CpuCompiledEngine::new(&model, &params32, table).expect("compiles");
+        let got = engine.infer(&refs).expect("infers");
+        assert_eq!(got.scores.len(), want32.len());
+        for (w, g) in want32.iter().zip(&got.scores) {
+            assert!(
+                (w - g).abs() <= 1e-4 * (1.0 + w.abs()),
+                "table {table}: engine {w} vs compiled {g}"
+            );
+        }
+    }
+}
+
+/// Declarations that let a generated CUDA kernel parse as host C++ (a
+/// syntax check: nothing runs).
+const CUDA_STUBS: &str = "#define __global__\n#define __device__\n#define __forceinline__ inline\n#define __launch_bounds__(x)\n#define __restrict__ __restrict\nstruct dim3_ { unsigned x, y, z; };\nstatic dim3_ threadIdx, blockIdx, blockDim, gridDim;\ninline float __shfl_xor_sync(unsigned, float v, int) { return v; }\ninline void __syncthreads() {}\ninline void __syncwarp() {}\n#include <math.h>\n";
+
+#[test]
+fn the_mvrnn_kernel_source_is_generated_and_parses() {
+    use ramus_core::cellgen::{LoweredCell, TreeKernelSpec};
+    let model = build_model_with("mvrnn", &CFG, &ModelOptions { dropout: 0.0 }).expect("model");
+    let cells = ramus_core::lower::lower_model(&model).expect("lowers");
+    let offsets: Vec<usize> = model
+        .params
+        .iter()
+        .scan(0, |at, p| {
+            let here = *at;
+            *at += p.shape.iter().product::<usize>();
+            Some(here)
+        })
+        .collect();
+    let compiler = ["c++", "g++"].into_iter().find(|cc| {
+        std::process::Command::new(cc)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
+    for (leaf_table, persistent_weights, node_counters) in
+        [(true, true, false), (false, false, false), (true, true, true)]
+    {
+        let spec = TreeKernelSpec {
+            name: "cortex",
+            leaf: LoweredCell {
+                graph: &model.functions[cells.leaf.0].forward,
+                program: &cells.leaf.1,
+            },
+            internal: LoweredCell {
+                graph: &model.functions[cells.internal.0].forward,
+                program: &cells.internal.1,
+            },
+            head: LoweredCell {
+                graph: &model.head.forward,
+                program: &cells.head,
+            },
+            param_offsets: &offsets,
+            persistent_weights,
+            leaf_table,
+            block_threads: 256,
+            node_counters,
+            token_table: None,
+        };
+        let source = spec.source().expect("generates");
+        // W_M [A; B] straight into the state, lane by lane; B a and A b
+        // stored for the second stage
+        assert!(
+            source.contains(&format!("{} column products, lane-parallel", CFG.hidden)),
+            "the phrase matrix is computed lane-parallel"
+        );
+        if node_counters {
+            // the second stage waits for its own nodes' first
+            assert!(source.contains("wait_count(done + 0u * num_internal + begin + i"));
+        } else {
+            assert!(source.contains("grid_sync(barrier, &bar_gen);\nif (rep < R)"));
+        }
+        let Some(cc) = compiler else {
+            eprintln!("no C++ compiler: the generated kernel's syntax is not checked");
+            continue;
+        };
+        let dir = std::env::temp_dir().join(format!("ramus-mvrnn-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let file = dir.join(format!("cortex_{leaf_table}_{node_counters}.cpp"));
+        std::fs::write(&file, format!("{CUDA_STUBS}{source}")).expect("write");
+        let out = std::process::Command::new(cc)
+            .arg("-fsyntax-only")
+            .arg("-w")
+            .arg(&file)
+            .output()
+            .expect("run the compiler");
+        assert!(
+            out.status.success(),
+            "the generated kernel does not parse:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }

@@ -72,12 +72,13 @@ fn binary_treelstm_learns_negation_scope() {
 }
 
 #[test]
-fn reference_treelstm_treefc_treegru_and_dagrnn_losses_fall() {
+fn reference_treelstm_treefc_treegru_mvrnn_and_dagrnn_losses_fall() {
     let (train, _, vocab) = treebank(300, 1);
     for (name, opt, lr) in [
         ("treelstm", OptimizerKind::Adam, 0.01),
         ("treefc", OptimizerKind::Sgd, 0.3),
         ("treegru", OptimizerKind::Adam, 0.01),
+        ("mvrnn", OptimizerKind::Adam, 0.01),
         ("dagrnn", OptimizerKind::Adam, 0.01),
     ] {
         let mut t = trainer(name, vocab.len(), 24, 5, opt, lr);

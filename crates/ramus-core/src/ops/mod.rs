@@ -4,6 +4,7 @@ pub mod cnn;
 pub mod elementwise;
 pub mod loss;
 pub mod matmul;
+pub mod row_matrix;
 pub mod structure;
 
 use std::sync::Arc;
@@ -20,6 +21,7 @@ pub use cnn::{
 pub use elementwise::*;
 pub use loss::{SoftmaxXent, SoftmaxXentBackward};
 pub use matmul::MatMul;
+pub use row_matrix::RowMatMul;
 pub use structure::*;
 
 fn attr(attrs: &[f64], i: usize, name: &str) -> Result<f64, String> {
@@ -151,6 +153,38 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
         ("embedding", "table rows looked up by token", |_| {
             arc(Embedding)
         }),
+        (
+            "embedding_unk",
+            "table rows looked up by token; a token beyond the table reads row 0 (the unknown word's)",
+            |_| arc(EmbeddingUnk),
+        ),
+        (
+            "embedding_unk_backward",
+            "gradient of embedding_unk's table from (gradient rows, tokens) -> static [rows, H]; attrs [rows]",
+            |a| {
+                arc(EmbeddingUnkBackward {
+                    rows: usize_attr(a, 0, "rows")?,
+                })
+            },
+        ),
+        (
+            "row_matmul",
+            "per-row op(A)·op(B) of [m,k]·[k,n] matrices held in rows (or one static operand); attrs [m, k, n, trans_a, trans_b]",
+            |a| {
+                let flag = |i: usize, name: &str| match a.get(i).copied() {
+                    None => Ok(false),
+                    Some(v) if v == 0.0 || v == 1.0 => Ok(v == 1.0),
+                    Some(v) => Err(format!("attribute {name} must be 0 or 1, got {v}")),
+                };
+                arc(RowMatMul {
+                    m: usize_attr(a, 0, "m")?,
+                    k: usize_attr(a, 1, "k")?,
+                    n: usize_attr(a, 2, "n")?,
+                    trans_a: flag(3, "trans_a")?,
+                    trans_b: flag(4, "trans_b")?,
+                })
+            },
+        ),
         (
             "softmax_xent",
             "per-row softmax cross-entropy against labels",
@@ -426,6 +460,15 @@ impl GraphBuilder {
             ValueType::rows(ty.space, ty.width()),
         );
         self.mul(x, mask)
+    }
+    /// Rows of `table` selected by index rows `tokens`, a token beyond the
+    /// table reading row 0 ([`EmbeddingUnk`]).
+    pub fn embedding_unk(&mut self, table: Sym, tokens: Sym) -> Sym {
+        self.op2(EmbeddingUnk, table, tokens)
+    }
+    /// Per-row matrix product ([`RowMatMul`]).
+    pub fn row_matmul(&mut self, a: Sym, b: Sym, product: RowMatMul) -> Sym {
+        self.op2(product, a, b)
     }
     /// Per-row softmax cross-entropy of `scores` against index rows `labels`.
     pub fn softmax_xent(&mut self, scores: Sym, labels: Sym) -> Sym {

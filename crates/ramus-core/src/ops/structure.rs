@@ -468,3 +468,137 @@ impl Kernel for Embedding {
         Ok(())
     }
 }
+
+/// Looks up rows of a `[R, H]` table by an index row, where a token that
+/// has no row of its own (`token >= R`) reads row 0 — the unknown word's.
+/// For tables too large to give every word a row (an MV-RNN's per-word
+/// matrices): the first `R` token ids get their own row, the rest share
+/// the unknown word's.
+#[derive(Clone, Copy, Debug)]
+pub struct EmbeddingUnk;
+
+/// The row of table `rows` rows long that token `t` reads (see [`EmbeddingUnk`]).
+#[inline]
+pub fn unk_row(t: u32, rows: usize) -> usize {
+    if (t as usize) < rows {
+        t as usize
+    } else {
+        0
+    }
+}
+
+impl OpDef for EmbeddingUnk {
+    fn name(&self) -> &'static str {
+        "embedding_unk"
+    }
+    fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
+        Embedding.infer(inputs)
+    }
+    fn gradient(&self, g: &mut GradCtx<'_>) {
+        let Some(table) = g.input_type(0) else {
+            return;
+        };
+        let (gr, idx) = (g.grad(), g.input(1));
+        let rows = table.shape.first().copied().unwrap_or(0);
+        let dt = g.b.apply(
+            std::sync::Arc::new(EmbeddingUnkBackward { rows }),
+            &[gr, idx],
+        );
+        g.set(0, dt);
+    }
+    fn cost(&self, _: &[&ValueType], out: &ValueType, rows: usize) -> Cost {
+        Cost {
+            flops: 0.0,
+            bytes: 8.0 * (rows * out.width()) as f64,
+        }
+    }
+}
+
+impl Kernel for EmbeddingUnk {
+    fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
+        let table = ctx.args[0].floats("embedding_unk")?;
+        let (rows, h) = (ctx.args[0].ty.shape[0], ctx.args[0].ty.shape[1]);
+        if rows == 0 {
+            return Err(CoreError::kernel("embedding_unk", "the table has no rows"));
+        }
+        let idx = ctx.args[1].indices("embedding_unk")?;
+        for (r, &t) in idx.iter().take(ctx.out_rows).enumerate() {
+            let i = unk_row(t, rows);
+            ctx.out[r * h..(r + 1) * h].copy_from_slice(&table[i * h..(i + 1) * h]);
+        }
+        Ok(())
+    }
+}
+
+/// The gradient of [`EmbeddingUnk`]'s `[rows, H]` table: each row of the
+/// upstream gradient `(grad rows [H], tokens)` added into the row its token
+/// read. Dense (a static value): the table is small by construction.
+#[derive(Clone, Copy, Debug)]
+pub struct EmbeddingUnkBackward {
+    pub rows: usize,
+}
+
+impl OpDef for EmbeddingUnkBackward {
+    fn name(&self) -> &'static str {
+        "embedding_unk_backward"
+    }
+    fn attrs(&self) -> String {
+        self.rows.to_string()
+    }
+    fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
+        want_arity(inputs, 2)?;
+        let (gr, idx) = (inputs[0], inputs[1]);
+        want_float(gr, "gradient")?;
+        if !gr.is_rows() {
+            return Err(format!("gradient must be rows, got {gr}"));
+        }
+        if idx.dtype != DType::Index || !idx.is_rows() || idx.space != gr.space {
+            return Err(format!(
+                "second operand must be index rows (tokens) in the gradient's space, got {idx}"
+            ));
+        }
+        if self.rows == 0 {
+            return Err("the table must have rows".into());
+        }
+        Ok(ValueType::fixed(&[self.rows, gr.width()]))
+    }
+    fn gradient(&self, _g: &mut GradCtx<'_>) {
+        // second-order gradients of embeddings are not needed
+    }
+    fn cost(&self, inputs: &[&ValueType], out: &ValueType, rows: usize) -> Cost {
+        let w = inputs.first().map_or(0, |t| t.width());
+        Cost {
+            flops: (rows * w) as f64,
+            bytes: 4.0 * (2 * rows * w + out.shape.iter().product::<usize>()) as f64,
+        }
+    }
+}
+
+impl Kernel for EmbeddingUnkBackward {
+    fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
+        let gr = ctx.args[0].floats("embedding_unk_backward")?;
+        let h = ctx.args[0].ty.width();
+        let idx = ctx.args[1].indices("embedding_unk_backward")?;
+        let rows = ctx.args[0].rows;
+        if ctx.out.len() != self.rows * h || gr.len() < rows * h || idx.len() < rows {
+            return Err(CoreError::kernel(
+                "embedding_unk_backward",
+                format!(
+                    "{rows} gradient rows of {h} into a {}x{h} table: operand sizes differ",
+                    self.rows
+                ),
+            ));
+        }
+        ctx.out.iter_mut().for_each(|x| *x = T::ZERO);
+        for (r, &t) in idx.iter().take(rows).enumerate() {
+            let i = unk_row(t, self.rows);
+            for (o, &x) in ctx.out[i * h..(i + 1) * h]
+                .iter_mut()
+                .zip(&gr[r * h..(r + 1) * h])
+            {
+                *o += x;
+            }
+        }
+        Ok(())
+    }
+}

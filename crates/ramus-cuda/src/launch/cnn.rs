@@ -935,8 +935,16 @@ mod tests {
             );
         }
         assert_eq!(
-            Builtin::BatchNormInferenceParam as usize + 1,
+            Builtin::EmbeddingUnkBackward as usize + 1,
             BUILTIN_KERNELS.len()
+        );
+        assert_eq!(
+            BUILTIN_KERNELS[Builtin::RowMatMul as usize],
+            "ramus_row_matmul"
+        );
+        assert_eq!(
+            BUILTIN_KERNELS[Builtin::EmbeddingUnk as usize],
+            "ramus_embedding_unk"
         );
         assert_eq!(BUILTIN_KERNELS[Builtin::Im2col as usize], "ramus_im2col");
         assert_eq!(

@@ -1,0 +1,218 @@
+//! Per-row matrix products: [`RowMatMul`] multiplies, for every row of a
+//! run, a small matrix held in that row (row-major, flattened into the
+//! row's columns) by another row's matrix or by a static matrix shared by
+//! every row. This is how a vertex carries matrix state (an MV-RNN word's
+//! or phrase's matrix `A ∈ R^{n×n}` is `n²` columns of its state row):
+//!
+//! * `row_matmul[n,n,1](B, a)` — a child's matrix times its sibling's
+//!   vector, both per row (`B a`);
+//! * `row_matmul[n,2n,n,Aᵀ](W_Mᵀ, [A; B])` — a shared (static) matrix times
+//!   the stacked child matrices (`W_M [A; B]`).
+//!
+//! The gradients are again per-row products (a static operand's gradient is
+//! the per-row product summed over rows), so the family is closed.
+
+use crate::error::{CoreError, Result};
+use crate::graph::ValueType;
+use crate::op::{want_arity, want_float, Cost, GradCtx, Kernel, KernelCtx, OpDef};
+use crate::real::Real;
+
+/// `C = op(A) · op(B)` per row, with `op(A): [m, k]`, `op(B): [k, n]` and
+/// `C: [m, n]`, every matrix row-major. An operand is either rows (each
+/// row holds its own matrix: `A` stored `[m, k]`, or `[k, m]` when
+/// `trans_a`; `B` stored `[k, n]`, or `[n, k]` when `trans_b`) or a static
+/// value of as many elements, shared by every row. At least one operand
+/// is rows; the result has `m·n` columns in the rows' space.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowMatMul {
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    pub trans_a: bool,
+    pub trans_b: bool,
+}
+
+impl RowMatMul {
+    /// A product without transposes.
+    pub fn new(m: usize, k: usize, n: usize) -> Self {
+        RowMatMul {
+            m,
+            k,
+            n,
+            trans_a: false,
+            trans_b: false,
+        }
+    }
+
+    /// Element `(i, t)` of `op(A)` within one matrix stored at `a`.
+    #[inline]
+    fn a_at<T: Copy>(&self, a: &[T], i: usize, t: usize) -> T {
+        if self.trans_a {
+            a[t * self.m + i]
+        } else {
+            a[i * self.k + t]
+        }
+    }
+}
+
+/// Elements of a value per row (rows) or in all (static).
+fn elements(t: &ValueType) -> usize {
+    if t.is_rows() {
+        t.width()
+    } else {
+        t.shape.iter().product()
+    }
+}
+
+impl OpDef for RowMatMul {
+    fn name(&self) -> &'static str {
+        "row_matmul"
+    }
+    fn attrs(&self) -> String {
+        format!(
+            "{}x{}x{}{}{}",
+            self.m,
+            self.k,
+            self.n,
+            if self.trans_a { ",Aᵀ" } else { "" },
+            if self.trans_b { ",Bᵀ" } else { "" }
+        )
+    }
+    fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
+        want_arity(inputs, 2)?;
+        let (a, b) = (inputs[0], inputs[1]);
+        want_float(a, "A")?;
+        want_float(b, "B")?;
+        let (m, k, n) = (self.m, self.k, self.n);
+        if m == 0 || k == 0 || n == 0 {
+            return Err(format!("dimensions {m}x{k}x{n} must be positive"));
+        }
+        for (t, name, want) in [(a, "A", m * k), (b, "B", k * n)] {
+            let got = elements(t);
+            if got != want {
+                let what = if t.is_rows() { "per row" } else { "in all" };
+                return Err(format!(
+                    "{name} must hold a {}x{} matrix ({want} elements {what}), got {t}",
+                    if name == "A" { m } else { k },
+                    if name == "A" { k } else { n },
+                ));
+            }
+        }
+        let space = match (a.is_rows(), b.is_rows()) {
+            (true, true) if a.space != b.space => {
+                return Err(format!("row operands in different spaces: {a} vs {b}"))
+            }
+            (true, _) => a.space,
+            (false, true) => b.space,
+            (false, false) => {
+                return Err(
+                    "at least one operand must be rows (use matmul for static products)".into(),
+                )
+            }
+        };
+        Ok(ValueType::rows(space, m * n))
+    }
+    fn gradient(&self, g: &mut GradCtx<'_>) {
+        let (a, b, dc) = (g.input(0), g.input(1), g.grad());
+        let RowMatMul { m, k, n, .. } = *self;
+        let prod = |ta, tb, m, k, n| RowMatMul {
+            m,
+            k,
+            n,
+            trans_a: ta,
+            trans_b: tb,
+        };
+        // gradients of the stored operands (the same pattern as `MatMul`)
+        let (da, db) = match (self.trans_a, self.trans_b) {
+            (false, false) => (
+                g.b.row_matmul(dc, b, prod(false, true, m, n, k)),
+                g.b.row_matmul(a, dc, prod(true, false, k, m, n)),
+            ),
+            (false, true) => (
+                g.b.row_matmul(dc, b, prod(false, false, m, n, k)),
+                g.b.row_matmul(dc, a, prod(true, false, n, m, k)),
+            ),
+            (true, false) => (
+                g.b.row_matmul(b, dc, prod(false, true, k, n, m)),
+                g.b.row_matmul(a, dc, prod(false, false, k, m, n)),
+            ),
+            (true, true) => (
+                g.b.row_matmul(b, dc, prod(true, true, k, n, m)),
+                g.b.row_matmul(dc, a, prod(true, true, n, m, k)),
+            ),
+        };
+        g.set(0, da);
+        g.set(1, db);
+    }
+    fn cost(&self, inputs: &[&ValueType], out: &ValueType, rows: usize) -> Cost {
+        let per_row = |t: &ValueType| if t.is_rows() { rows } else { 1 };
+        let reads: usize = inputs.iter().map(|t| per_row(t) * elements(t)).sum();
+        Cost {
+            flops: 2.0 * (rows * self.m * self.k * self.n) as f64,
+            bytes: 4.0 * (reads + rows * out.width()) as f64,
+        }
+    }
+}
+
+impl Kernel for RowMatMul {
+    fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
+        let (a, b) = (&ctx.args[0], &ctx.args[1]);
+        let (ad, bd) = (a.floats("row_matmul")?, b.floats("row_matmul")?);
+        let (m, k, n) = (self.m, self.k, self.n);
+        let rows = ctx.out_rows;
+        let a_step = if a.ty.is_rows() { m * k } else { 0 };
+        let b_step = if b.ty.is_rows() { k * n } else { 0 };
+        let need = |step: usize, size: usize| if step > 0 { rows * step } else { size };
+        if ad.len() < need(a_step, m * k) || bd.len() < need(b_step, k * n) {
+            return Err(CoreError::kernel(
+                "row_matmul",
+                format!(
+                    "operands hold {} and {} elements, {rows} rows of {m}x{k} · {k}x{n} need more",
+                    ad.len(),
+                    bd.len()
+                ),
+            ));
+        }
+        if ctx.out.len() < rows * m * n {
+            return Err(CoreError::kernel(
+                "row_matmul",
+                format!(
+                    "output has {} elements, expected {rows} rows of {}",
+                    ctx.out.len(),
+                    m * n
+                ),
+            ));
+        }
+        for r in 0..rows {
+            let am = &ad[r * a_step..r * a_step + m * k];
+            let bm = &bd[r * b_step..r * b_step + k * n];
+            let out = &mut ctx.out[r * m * n..(r + 1) * m * n];
+            if self.trans_b {
+                // rows of the stored B are contiguous in t: dot products
+                for i in 0..m {
+                    for j in 0..n {
+                        let bj = &bm[j * k..(j + 1) * k];
+                        let mut acc = T::ZERO;
+                        for (t, &b) in bj.iter().enumerate() {
+                            acc += self.a_at(am, i, t) * b;
+                        }
+                        out[i * n + j] = acc;
+                    }
+                }
+            } else {
+                // rows of B are contiguous in j: scaled row additions
+                out.iter_mut().for_each(|x| *x = T::ZERO);
+                for i in 0..m {
+                    let oi = &mut out[i * n..(i + 1) * n];
+                    for t in 0..k {
+                        let a = self.a_at(am, i, t);
+                        for (o, &b) in oi.iter_mut().zip(&bm[t * n..(t + 1) * n]) {
+                            *o += a * b;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
