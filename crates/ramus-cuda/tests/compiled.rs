@@ -376,7 +376,7 @@ fn compiled_mvrnn_with_shared_word_matrices_matches_the_cpu_engine() {
         let options = CompiledOptions {
             schedule: CompiledSchedule {
                 leaf_table,
-                persistent_weights: true,
+                ..CompiledSchedule::default()
             },
             cache_dir: Some(
                 std::env::temp_dir().join(format!("ramus-compiled-mv-{}", std::process::id())),

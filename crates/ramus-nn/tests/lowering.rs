@@ -452,9 +452,11 @@ fn the_mvrnn_kernel_source_is_generated_and_parses() {
             .output()
             .is_ok_and(|o| o.status.success())
     });
-    for (leaf_table, persistent_weights, node_counters) in
-        [(true, true, false), (false, false, false), (true, true, true)]
-    {
+    for (leaf_table, persistent_weights, node_counters) in [
+        (true, true, false),
+        (false, false, false),
+        (true, true, true),
+    ] {
         let spec = TreeKernelSpec {
             name: "cortex",
             leaf: LoweredCell {
