@@ -198,6 +198,11 @@ pub struct CudaEngine {
     /// The fused optimizer, with the parameter-buffer generation it serves.
     optimizer: Option<(u64, DeviceOptimizer)>,
     pass_started: Option<std::time::Instant>,
+    /// True while an evaluation or inference pass runs: ops with an
+    /// inference form (batch normalisation with running statistics) run
+    /// that; false in training passes, which update the running statistics
+    /// in the device parameters.
+    inference_pass: bool,
     enqueue_seconds: f64,
     /// The swap path's state, when it is on.
     swap: Option<swap::SwapRuntime>,
@@ -287,6 +292,7 @@ impl CudaEngine {
             setup_seconds: started.elapsed().as_secs_f64(),
             optimizer: None,
             pass_started: None,
+            inference_pass: false,
             enqueue_seconds: 0.0,
             swap,
         })
@@ -673,6 +679,7 @@ impl CudaEngine {
             return self.swap_forward(model, params, batch, mode, rows);
         }
         self.pass_started = Some(std::time::Instant::now());
+        self.inference_pass = mode != Mode::Train;
         let program = self.program.clone();
         let s = &batch.schedule;
         self.state.forward_done = false;
@@ -1827,7 +1834,9 @@ impl CudaEngine {
                 .map(|p| ParamSlot {
                     value: dp.values[p],
                     grad: dp.grads[p],
-                    layout: if self.program.row_grad_params.contains(&p) {
+                    layout: if model.is_buffer(p) {
+                        GradLayout::Frozen
+                    } else if self.program.row_grad_params.contains(&p) {
                         GradLayout::Rows {
                             width: model.params[p].shape.get(1).copied().unwrap_or(1),
                         }

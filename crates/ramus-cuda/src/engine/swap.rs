@@ -324,6 +324,7 @@ impl CudaEngine {
     ) -> Result<f64> {
         let s = &batch.schedule;
         self.begin_swap_step(model, params)?;
+        self.inference_pass = false;
         self.upload_indices(model, s, Mode::Train, model.head.rows)?;
         // the optimizer's state is part of the fixed memory: allocate it first
         self.device_optimizer(model, config)?;
@@ -422,6 +423,7 @@ impl CudaEngine {
     ) -> Result<ForwardOutput<f32>> {
         let s = &batch.schedule;
         self.begin_swap_step(model, params)?;
+        self.inference_pass = mode != Mode::Train;
         self.upload_indices(model, s, mode, rows)?;
         let kind = if mode == Mode::Infer {
             Kind::Infer
