@@ -200,9 +200,13 @@ pub struct CudaEngine {
     pass_started: Option<std::time::Instant>,
     /// True while an evaluation or inference pass runs: ops with an
     /// inference form (batch normalisation with running statistics) run
-    /// that; false in training passes, which update the running statistics
-    /// in the device parameters.
+    /// that instead.
     inference_pass: bool,
+    /// True while a device training step ([`ramus_nn::Engine::train_step`],
+    /// plain or swap path) runs: its forward pass blends the batch
+    /// statistics into the running statistics of the device parameters. A
+    /// bare train-mode forward pass leaves them alone, as on the CPU.
+    track_running_stats: bool,
     enqueue_seconds: f64,
     /// The swap path's state, when it is on.
     swap: Option<swap::SwapRuntime>,
@@ -293,6 +297,7 @@ impl CudaEngine {
             optimizer: None,
             pass_started: None,
             inference_pass: false,
+            track_running_stats: false,
             enqueue_seconds: 0.0,
             swap,
         })
@@ -1866,7 +1871,10 @@ impl CudaEngine {
         if self.swap.is_some() {
             return self.swap_train_step(model, params, config, batch);
         }
-        let out = self.forward_pass(model, params, batch, Mode::Train, model.head.rows)?;
+        self.track_running_stats = true;
+        let out = self.forward_pass(model, params, batch, Mode::Train, model.head.rows);
+        self.track_running_stats = false;
+        let out = out?;
         self.backward_on_device(model, params, batch)?;
         let touched: Vec<DeviceView<u32>> = self
             .touched_rows(model, &batch.schedule)?

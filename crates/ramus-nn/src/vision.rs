@@ -360,12 +360,7 @@ enum Layer {
 
 /// Emits `layers` on `x` in the vertex function; `running[i]` is the
 /// (mean, var) buffer pair of the norm layer with `stats = i`.
-fn apply(
-    f: &mut VertexFnBuilder,
-    layers: &[Layer],
-    running: &[(usize, usize)],
-    mut x: Sym,
-) -> Sym {
+fn apply(f: &mut VertexFnBuilder, layers: &[Layer], running: &[(usize, usize)], mut x: Sym) -> Sym {
     for layer in layers {
         x = match layer {
             Layer::Conv { geom, w, bias } => {
@@ -610,12 +605,7 @@ impl<'m> Net<'m> {
 // ---------------------------------------------------------------- networks
 
 /// AlexNet for small images (see the module docs).
-fn alexnet(
-    m: &mut ModelBuilder,
-    h: usize,
-    image: ImageShape,
-    dropout: f64,
-) -> NetResult<Network> {
+fn alexnet(m: &mut ModelBuilder, h: usize, image: ImageShape, dropout: f64) -> NetResult<Network> {
     let mut n = Net::new(m, image);
     let convs = [
         (h, 5, true),

@@ -79,7 +79,11 @@ fn batch_moments(graphs: &[InputGraph]) -> Vec<(f64, f64)> {
         .map(|ch| {
             let xs: Vec<f64> = graphs
                 .iter()
-                .flat_map(|g| g.features(0)[ch * S..(ch + 1) * S].iter().map(|&v| f64::from(v)))
+                .flat_map(|g| {
+                    g.features(0)[ch * S..(ch + 1) * S]
+                        .iter()
+                        .map(|&v| f64::from(v))
+                })
                 .collect();
             let n = xs.len() as f64;
             let mean = xs.iter().sum::<f64>() / n;
@@ -141,7 +145,10 @@ fn training_steps_update_running_statistics_like_the_reference() {
         }
     }
     assert!(grads.is_buffer(pm) && grads.is_buffer(pv));
-    assert!(grads.values[pm].data().iter().all(|&g| g == 0.0), "no gradient");
+    assert!(
+        grads.values[pm].data().iter().all(|&g| g == 0.0),
+        "no gradient"
+    );
 
     // a bare forward pass (no training step) leaves the buffers alone, and
     // evaluation passes never change them
@@ -151,7 +158,10 @@ fn training_steps_update_running_statistics_like_the_reference() {
         .forward(&model, &params, &batch(&model, &probe), Mode::Evaluate)
         .unwrap();
     assert!(!engine.apply_running_stats(&mut params).unwrap());
-    assert_eq!((params.values[pm].clone(), params.values[pv].clone()), before);
+    assert_eq!(
+        (params.values[pm].clone(), params.values[pv].clone()),
+        before
+    );
 
     // evaluation normalises with the running statistics: logits by hand
     let out = engine
@@ -285,8 +295,7 @@ fn vision_models_keep_running_statistics_and_checkpoint_them() {
         .map(|(spec, t)| (spec.name.clone(), t))
         .collect();
     let old_bytes = safetensors_of(&trained_only);
-    let (loaded, defaulted) =
-        checkpoint::load_params_reporting(&path, &old_bytes, &model).unwrap();
+    let (loaded, defaulted) = checkpoint::load_params_reporting(&path, &old_bytes, &model).unwrap();
     assert_eq!(defaulted.len(), buffers.len());
     assert_eq!(defaulted[0], "stem.bn.running_mean");
     for p in 0..model.params.len() {

@@ -161,8 +161,16 @@ fn every_model_builds_with_the_documented_layout() {
             .iter()
             .filter(|p| p.kind == ramus_core::ParamKind::Trained)
             .collect();
-        assert_eq!(trained.last().map(|p| p.name.as_str()), Some("b_out"), "{name}");
-        let norms = m.params.iter().filter(|p| p.name.ends_with(".gamma")).count();
+        assert_eq!(
+            trained.last().map(|p| p.name.as_str()),
+            Some("b_out"),
+            "{name}"
+        );
+        let norms = m
+            .params
+            .iter()
+            .filter(|p| p.name.ends_with(".gamma"))
+            .count();
         assert_eq!(m.params.len(), trained.len() + 2 * norms, "{name}");
         assert!(m.params[..trained.len()]
             .iter()

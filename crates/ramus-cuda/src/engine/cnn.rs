@@ -202,8 +202,9 @@ impl CudaEngine {
                 norm_affine(out()?, x, coef, r, norm)?;
             } else if r > 0 {
                 // training: batch statistics, blended into the running ones
+                // during device training steps
                 let coef = self.workspace(lane, 2 * norm.channels)?;
-                let running = if tracked {
+                let running = if tracked && self.track_running_stats {
                     Some((fv(3)?, fv(4)?))
                 } else {
                     None

@@ -306,7 +306,9 @@ impl CudaEngine {
             .swap
             .take()
             .ok_or_else(|| swap_err("the swap path is not set up"))?;
+        self.track_running_stats = true;
         let result = self.swap_step(&mut rt, model, params, config, batch);
+        self.track_running_stats = false;
         if result.is_err() {
             self.abandon(&mut rt);
         }
