@@ -434,7 +434,15 @@ pub(crate) fn load_checkpoint(path: &std::path::Path) -> AnyResult<Loaded> {
         model.head.rows =
             loss_rows(at).map_err(|e| format!("checkpoint setting `loss_at`: {e}"))?;
     }
-    let params = checkpoint::load_params(path, &bytes, &model)?;
+    let (params, defaulted) = checkpoint::load_params_reporting(path, &bytes, &model)?;
+    if let Some(first) = defaulted.first() {
+        eprintln!(
+            "note: {} predates running statistics: {} buffers (`{first}`, ...) start from \
+             their initial values (mean 0, variance 1), which evaluation normalises with",
+            path.display(),
+            defaulted.len()
+        );
+    }
     Ok(Loaded {
         info,
         model,

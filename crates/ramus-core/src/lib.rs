@@ -61,7 +61,7 @@ pub use graph::{
     DType, Graph, GraphBuilder, Node, NodeId, NodeKind, Output, ParamId, Role, Source, Space, Sym,
     ValueType,
 };
-pub use model::{FunctionSelector, HeadRows, Init, Model, ModelBuilder, ParamSpec};
+pub use model::{FunctionSelector, HeadRows, Init, Model, ModelBuilder, ParamKind, ParamSpec};
 pub use op::{OpDef, OpRegistry};
 pub use params::{Grads, Params};
 pub use real::Real;

@@ -50,12 +50,26 @@ pub enum Init {
     },
 }
 
+/// What a declared parameter is for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ParamKind {
+    /// A trained weight: receives gradients and optimizer updates.
+    #[default]
+    Trained,
+    /// A non-trained buffer (batch normalisation's running statistics): the
+    /// engines update it during training passes, it never receives a
+    /// gradient, and optimizers (host and device) leave it alone — no step,
+    /// no weight decay. Saved in checkpoints like any parameter.
+    Buffer,
+}
+
 /// A declared parameter.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParamSpec {
     pub name: String,
     pub shape: Vec<usize>,
     pub init: Init,
+    pub kind: ParamKind,
 }
 
 /// Which vertex function runs at a vertex.
@@ -165,6 +179,12 @@ impl Model {
     pub fn param_names(&self) -> Vec<String> {
         self.params.iter().map(|p| p.name.clone()).collect()
     }
+    /// True when parameter `p` is a non-trained buffer ([`ParamKind::Buffer`]).
+    pub fn is_buffer(&self, p: usize) -> bool {
+        self.params
+            .get(p)
+            .is_some_and(|spec| spec.kind == ParamKind::Buffer)
+    }
     /// The id of parameter `name`.
     pub fn param_id(&self, name: &str) -> Result<usize> {
         self.params
@@ -185,7 +205,11 @@ impl Model {
         let names = self.param_names();
         let mut s = format!("model {} (state width {})\n", self.name, self.state_width);
         for p in &self.params {
-            s += &format!("param {} {:?} {:?}\n", p.name, p.shape, p.init);
+            let kind = match p.kind {
+                ParamKind::Trained => "param",
+                ParamKind::Buffer => "buffer",
+            };
+            s += &format!("{kind} {} {:?} {:?}\n", p.name, p.shape, p.init);
         }
         for f in &self.functions {
             s += &format!(
@@ -378,6 +402,21 @@ impl ModelBuilder {
             name: name.to_string(),
             shape: shape.to_vec(),
             init,
+            kind: ParamKind::Trained,
+        });
+        self.params.len() - 1
+    }
+
+    /// Declares a non-trained buffer ([`ParamKind::Buffer`], e.g. a running
+    /// mean) and returns its id; graphs read it with `param` like any
+    /// parameter. Declaring buffers after every trained parameter keeps the
+    /// trained ones contiguous (one optimizer segment on the device).
+    pub fn buffer(&mut self, name: &str, shape: &[usize], init: Init) -> usize {
+        self.params.push(ParamSpec {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            init,
+            kind: ParamKind::Buffer,
         });
         self.params.len() - 1
     }

@@ -63,6 +63,15 @@ pub trait OpDef: Send + Sync + Debug + CpuKernel + std::any::Any {
     fn couples_rows(&self) -> bool {
         false
     }
+    /// The op engines run at this op's node outside training (evaluation
+    /// and inference passes), given the node's input count, with the node's
+    /// inputs unchanged; `None` (the default) runs the op itself in every
+    /// mode. Batch normalisation with running statistics (5 inputs) answers
+    /// the inference op that normalises with them.
+    fn inference_op(&self, arity: usize) -> Option<Arc<dyn OpDef>> {
+        let _ = arity;
+        None
+    }
     /// Estimated cost for `rows` rows.
     fn cost(&self, inputs: &[&ValueType], out: &ValueType, rows: usize) -> Cost {
         let n = if out.is_rows() {

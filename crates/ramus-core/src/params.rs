@@ -183,6 +183,9 @@ pub struct Grads<T> {
     /// Per-parameter marks used while collecting touched rows.
     row_marks: Vec<Vec<bool>>,
     dense: Vec<bool>,
+    /// Parameters that are non-trained buffers ([`crate::ParamKind::Buffer`]):
+    /// optimizers skip them.
+    buffers: Vec<bool>,
 }
 
 impl<T: Real> Grads<T> {
@@ -199,7 +202,13 @@ impl<T: Real> Grads<T> {
             touched_rows: vec![Some(Vec::new()); n],
             row_marks: vec![Vec::new(); n],
             dense: vec![false; n],
+            buffers: (0..n).map(|p| model.is_buffer(p)).collect(),
         }
+    }
+
+    /// True when parameter `p` is a non-trained buffer that optimizers skip.
+    pub fn is_buffer(&self, p: usize) -> bool {
+        self.buffers.get(p).copied().unwrap_or(false)
     }
 
     /// Notes that parameter `p` received a dense gradient.
@@ -298,6 +307,7 @@ mod tests {
             name: "p".into(),
             shape: shape.to_vec(),
             init,
+            kind: crate::model::ParamKind::Trained,
         };
         init_values(&spec, &mut ChaCha8Rng::seed_from_u64(3))
     }

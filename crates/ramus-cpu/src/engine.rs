@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, ParamId, Role, Source, Space};
 use ramus_core::op::{Arg, ArgData, KernelCtx};
 use ramus_core::ops::matmul::PackedB;
+use ramus_core::ops::{update_running_stats, BatchNorm};
 use ramus_core::parallel::SpinHelper;
 use ramus_core::plan::{token_hoist, TokenHoist};
 use ramus_core::{CoreError, Grads, HeadRows, Model, Params, Real};
@@ -103,6 +104,9 @@ impl<T: Real> ForwardOutput<T> {
 struct Arena<T> {
     vals: Vec<Vec<T>>,
     idx: Vec<Vec<u32>>,
+    /// Set for evaluation and inference passes: nodes whose op has an
+    /// inference form ([`ramus_core::OpDef::inference_op`]) run that instead.
+    inference: bool,
 }
 
 impl<T: Real> Arena<T> {
@@ -202,6 +206,9 @@ pub struct CpuEngine<T> {
     tables: Option<TokenTables<T>>,
     spin: bool,
     helper: Option<SpinHelper>,
+    /// New values of the running-statistics buffers from the last
+    /// train-mode forward pass, not yet applied ([`CpuEngine::apply_running_stats`]).
+    running_stats: Vec<(ParamId, Vec<T>)>,
 }
 
 /// Per-token tables of each vertex function's token-only values (see
@@ -269,6 +276,7 @@ impl<T: Real> CpuEngine<T> {
             tables: None,
             spin: rayon::current_num_threads() > 1,
             helper: None,
+            running_stats: Vec::new(),
         }
     }
 
@@ -455,6 +463,7 @@ impl<T: Real> CpuEngine<T> {
             let rows = &s.functions[f];
             let arena = &mut self.fwd[f];
             arena.prepare(&func.forward, rows.rows(), rows.edges());
+            arena.inference = mode != Mode::Train;
             fill_dropout_masks(&func.forward, arena, mode == Mode::Train, &mut self.rng);
             if let Some(tok) = func.forward.input_node(Source::Token) {
                 for (dst, &v) in arena.idx[tok].iter_mut().zip(&rows.vertex) {
@@ -585,8 +594,45 @@ impl<T: Real> CpuEngine<T> {
             )?;
         }
         let out = self.run_head(model, params, s, mode, rows)?;
+        if mode == Mode::Train {
+            let mut updates = Vec::new();
+            for (f, func) in model.functions.iter().enumerate() {
+                let rows = s.functions[f].rows();
+                running_stat_updates(&func.forward, &self.fwd[f], params, rows, &mut updates)?;
+            }
+            let h = self.head_vertices.len();
+            running_stat_updates(&model.head.forward, &self.head_fwd, params, h, &mut updates)?;
+            self.running_stats = updates;
+        }
         self.forward_done = mode == Mode::Train;
         Ok(out)
+    }
+
+    /// Writes the running statistics of the last train-mode forward pass
+    /// (batch normalisation with running statistics, see
+    /// [`ramus_core::ops::BatchNorm`]) into their buffers in `params`, once;
+    /// returns whether any buffer changed. The training step of `ramus_nn`'s
+    /// engine interface calls this after its forward pass; a bare forward
+    /// pass leaves the buffers as they are.
+    pub fn apply_running_stats(&mut self, params: &mut Params<T>) -> Result<bool> {
+        if self.running_stats.is_empty() {
+            return Ok(false);
+        }
+        for (p, values) in self.running_stats.drain(..) {
+            let target = params.values.get_mut(p).ok_or_else(|| {
+                EngineError::Input(format!("running statistics for missing parameter {p}"))
+            })?;
+            if target.len() != values.len() {
+                return Err(EngineError::Input(format!(
+                    "running statistics of {} values for parameter {p} of {}",
+                    values.len(),
+                    target.len()
+                )));
+            }
+            target.data_mut().copy_from_slice(&values);
+        }
+        params.touch();
+        Ok(true)
     }
 
     fn run_head(
@@ -616,6 +662,7 @@ impl<T: Real> CpuEngine<T> {
         }
         let g = &head.forward;
         self.head_fwd.prepare(g, h, 0);
+        self.head_fwd.inference = mode != Mode::Train;
         fill_dropout_masks(g, &mut self.head_fwd, mode == Mode::Train, &mut self.rng);
         if let Some(inp) = g.input_node(Source::HeadInput) {
             let pw = g.nodes[inp].ty.width();
@@ -1111,6 +1158,12 @@ fn run_node<T: Real>(
     let NodeKind::Op(op) = &node.kind else {
         return Ok(());
     };
+    let substitute = if own.inference {
+        op.inference_op(node.inputs.len())
+    } else {
+        None
+    };
+    let op = substitute.as_ref().unwrap_or(op);
     let packed_key = packed_weight(g, node, op.as_ref(), range, params, packs);
     let packs = &*packs;
     let mut out = std::mem::take(&mut own.vals[n]);
@@ -1165,6 +1218,57 @@ fn run_node<T: Real>(
         }
         e => e,
     })
+}
+
+/// Appends to `updates` the new running statistics of every batch
+/// normalisation with running statistics in `g` (a `BatchNorm` node with 5
+/// inputs whose last two are parameters), from its input's `rows` rows in
+/// `arena` after a train-mode forward pass. A buffer already in `updates`
+/// continues from its pending value.
+fn running_stat_updates<T: Real>(
+    g: &Graph,
+    arena: &Arena<T>,
+    params: &Params<T>,
+    rows: usize,
+    updates: &mut Vec<(ParamId, Vec<T>)>,
+) -> Result<()> {
+    for node in &g.nodes {
+        let Some(BatchNorm(norm)) = node.op_as::<BatchNorm>() else {
+            continue;
+        };
+        let [x, _, _, mean, var] = node.inputs[..] else {
+            continue;
+        };
+        let (NodeKind::Param(pm), NodeKind::Param(pv)) = (&g.nodes[mean].kind, &g.nodes[var].kind)
+        else {
+            return Err(EngineError::Input(format!(
+                "batch normalisation's running statistics (nodes %{mean}, %{var}) must be parameters"
+            )));
+        };
+        let current = |p: ParamId| -> Result<Vec<T>> {
+            if let Some((_, v)) = updates.iter().rev().find(|(q, _)| *q == p) {
+                return Ok(v.clone());
+            }
+            params
+                .values
+                .get(p)
+                .map(|t| t.data().to_vec())
+                .ok_or_else(|| EngineError::Input(format!("no parameter {p}")))
+        };
+        let (mut m, mut v) = (current(*pm)?, current(*pv)?);
+        let values = resolve_floats(g, x, arena, None)?;
+        let used = rows * norm.channels * norm.spatial;
+        let values = values.get(..used).ok_or_else(|| {
+            EngineError::Input(format!(
+                "batch normalisation input %{x} holds {} values, expected {used}",
+                values.len()
+            ))
+        })?;
+        update_running_stats(norm, values, rows, &mut m, &mut v)?;
+        updates.push((*pm, m));
+        updates.push((*pv, v));
+    }
+    Ok(())
 }
 
 /// Adds the graph's parameter-gradient outputs into `grads`.

@@ -427,10 +427,10 @@ __device__ __forceinline__ u64 channel_at(u32 j, u32 c, u32 channels, u32 spatia
     return ((u64)(j / spatial) * channels + c) * spatial + j % spatial;
 }
 
-// Mean and 1 / sqrt(var + eps) of channel blockIdx.x (biased variance, two
-// passes, as the CPU's channel_stats). rows * S must be positive.
-__device__ void channel_stats(const float* x, u32 rows, u32 channels, u32 spatial, double eps,
-                              double* sh, double* mean, double* inv) {
+// Mean and biased variance of channel blockIdx.x (two passes, as the CPU's
+// channel_moments). rows * S must be positive.
+__device__ void channel_moments(const float* x, u32 rows, u32 channels, u32 spatial, double* sh,
+                                double* mean, double* var) {
     const u32 c = blockIdx.x;
     const u32 count = rows * spatial;  // checked on the host: no overflow
     double s = 0.0;
@@ -443,8 +443,16 @@ __device__ void channel_stats(const float* x, u32 rows, u32 channels, u32 spatia
         const double d = (double)x[channel_at(j, c, channels, spatial)] - m;
         q += d * d;
     }
-    const double var = block_sum_f64(q, sh) / (double)count;
+    *var = block_sum_f64(q, sh) / (double)count;
     *mean = m;
+}
+
+// Mean and 1 / sqrt(var + eps) of channel blockIdx.x (biased variance, as
+// the CPU's channel_stats).
+__device__ void channel_stats(const float* x, u32 rows, u32 channels, u32 spatial, double eps,
+                              double* sh, double* mean, double* inv) {
+    double var;
+    channel_moments(x, rows, channels, spatial, sh, mean, &var);
     *inv = 1.0 / sqrt(var + eps);
 }
 
@@ -484,15 +492,29 @@ extern "C" __global__ void ramus_channel_sum(float* out, const float* __restrict
 extern "C" __global__ void ramus_batch_norm_coef(float* coef, const float* __restrict__ x,
                                                  const float* __restrict__ gamma,
                                                  const float* __restrict__ beta, u32 rows,
-                                                 u32 channels, u32 spatial, double eps) {
+                                                 u32 channels, u32 spatial, double eps,
+                                                 float* running_mean, float* running_var,
+                                                 double momentum) {
     __shared__ double sh[NORM_THREADS];
     const u32 c = blockIdx.x;
-    double mean, inv;
-    channel_stats(x, rows, channels, spatial, eps, sh, &mean, &inv);
+    double mean, var;
+    channel_moments(x, rows, channels, spatial, sh, &mean, &var);
+    const double inv = 1.0 / sqrt(var + eps);
     if (threadIdx.x == 0) {
         const double a = (double)gamma[c] * inv;
         coef[2 * c] = (float)a;
         coef[2 * c + 1] = (float)((double)beta[c] - mean * a);
+        // running statistics (when given), as the CPU's update_running_stats:
+        // unbiased batch variance, each product and sum rounded on its own
+        if (running_mean && running_var) {
+            const double count = (double)rows * (double)spatial;
+            const double unbias = count > 1.0 ? count / (count - 1.0) : 1.0;
+            const double keep = 1.0 - momentum;
+            running_mean[c] =
+                (float)__dadd_rn(__dmul_rn(keep, (double)running_mean[c]), __dmul_rn(momentum, mean));
+            running_var[c] = (float)__dadd_rn(__dmul_rn(keep, (double)running_var[c]),
+                                              __dmul_rn(__dmul_rn(momentum, var), unbias));
+        }
     }
 }
 

@@ -198,6 +198,15 @@ pub struct CudaEngine {
     /// The fused optimizer, with the parameter-buffer generation it serves.
     optimizer: Option<(u64, DeviceOptimizer)>,
     pass_started: Option<std::time::Instant>,
+    /// True while an evaluation or inference pass runs: ops with an
+    /// inference form (batch normalisation with running statistics) run
+    /// that instead.
+    inference_pass: bool,
+    /// True while a device training step ([`ramus_nn::Engine::train_step`],
+    /// plain or swap path) runs: its forward pass blends the batch
+    /// statistics into the running statistics of the device parameters. A
+    /// bare train-mode forward pass leaves them alone, as on the CPU.
+    track_running_stats: bool,
     enqueue_seconds: f64,
     /// The swap path's state, when it is on.
     swap: Option<swap::SwapRuntime>,
@@ -287,6 +296,8 @@ impl CudaEngine {
             setup_seconds: started.elapsed().as_secs_f64(),
             optimizer: None,
             pass_started: None,
+            inference_pass: false,
+            track_running_stats: false,
             enqueue_seconds: 0.0,
             swap,
         })
@@ -673,6 +684,7 @@ impl CudaEngine {
             return self.swap_forward(model, params, batch, mode, rows);
         }
         self.pass_started = Some(std::time::Instant::now());
+        self.inference_pass = mode != Mode::Train;
         let program = self.program.clone();
         let s = &batch.schedule;
         self.state.forward_done = false;
@@ -1859,7 +1871,9 @@ impl CudaEngine {
                 .map(|p| ParamSlot {
                     value: dp.values[p],
                     grad: dp.grads[p],
-                    layout: if self.program.row_grad_params.contains(&p) {
+                    layout: if model.is_buffer(p) {
+                        GradLayout::Frozen
+                    } else if self.program.row_grad_params.contains(&p) {
                         GradLayout::Rows {
                             width: model.params[p].shape.get(1).copied().unwrap_or(1),
                         }
@@ -1889,7 +1903,10 @@ impl CudaEngine {
         if self.swap.is_some() {
             return self.swap_train_step(model, params, config, batch);
         }
-        let out = self.forward_pass(model, params, batch, Mode::Train, model.head.rows)?;
+        self.track_running_stats = true;
+        let out = self.forward_pass(model, params, batch, Mode::Train, model.head.rows);
+        self.track_running_stats = false;
+        let out = out?;
         self.backward_on_device(model, params, batch)?;
         let touched: Vec<DeviceView<u32>> = self
             .touched_rows(model, &batch.schedule)?

@@ -73,6 +73,10 @@ pub enum GradLayout {
     /// Row gradients of an embedding table with rows of `width` floats:
     /// only the rows named in each step's touched list are updated.
     Rows { width: usize },
+    /// No gradient: a non-trained buffer (batch normalisation's running
+    /// statistics, [`ramus_core::ParamKind::Buffer`]) that the optimizer
+    /// leaves alone — no step, no weight decay, not in the clipping norm.
+    Frozen,
 }
 
 /// One parameter as the optimizer sees it on the device.
@@ -554,6 +558,7 @@ impl Plan {
                         rows: (len / width) as u32, // checked above
                     });
                 }
+                GradLayout::Frozen => previous = None,
                 GradLayout::Dense if len == 0 => {}
                 GradLayout::Dense => {
                     let extends = previous.filter(|(last, _)| {
@@ -1240,6 +1245,38 @@ mod tests {
         assert!(plan.segments(&touched[..1]).is_err(), "one list per table");
         let too_many = pool.alloc::<u32>(41).unwrap();
         assert!(plan.segments(&[too_many.view(), touched[1]]).is_err());
+    }
+
+    #[test]
+    fn frozen_buffers_are_left_out_of_every_segment() {
+        let pool = fake_pool();
+        let buf = pool.alloc::<f32>(1000).unwrap();
+        let v = |a: usize, b: usize| buf.view().slice(a..b).unwrap();
+        let slot = |value, grad, layout| ParamSlot {
+            value,
+            grad,
+            layout,
+        };
+        let (dense, frozen) = (GradLayout::Dense, GradLayout::Frozen);
+        // dense, frozen, dense, dense: the frozen slot splits the run and
+        // no segment covers it
+        let slots = [
+            slot(v(0, 10), v(500, 510), dense),
+            slot(v(10, 14), v(510, 514), frozen),
+            slot(v(14, 20), v(514, 520), dense),
+            slot(v(20, 30), v(520, 530), dense),
+        ];
+        let state = State::new(&pool, OptimizerKind::Adam, &slots).unwrap();
+        let segs = state.plan.segments(&[]).unwrap();
+        assert_eq!(segs.len(), 2);
+        assert_eq!((segs[0].value, segs[0].len), (v(0, 10).device_ptr(), 10));
+        assert_eq!((segs[1].value, segs[1].len), (v(14, 20).device_ptr(), 16));
+        let covered: u64 = segs.iter().map(|s| s.elements()).sum();
+        assert_eq!(covered, 26, "the 4 frozen values are not updated");
+        // a model of buffers only has nothing to update
+        let only = [slot(v(0, 4), v(500, 504), frozen)];
+        let state = State::new(&pool, OptimizerKind::Sgd, &only).unwrap();
+        assert!(state.plan.segments(&[]).unwrap().is_empty());
     }
 
     #[test]

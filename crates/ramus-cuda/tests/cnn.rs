@@ -351,6 +351,7 @@ fn resnet_with_the_imagenet_stem_matches_the_cpu_engine() {
 fn follows_the_cpu_trajectory(case: &Case, config: OptimizerConfig, tag: &str) {
     let model = case.build();
     let params = params(&model, 5);
+    let initial = params.clone();
     let data = case.images(16, 21);
     let mut cpu = Trainer::new(model.clone(), params.clone(), config);
     let losses: Vec<f64> = data
@@ -379,17 +380,34 @@ fn follows_the_cpu_trajectory(case: &Case, config: OptimizerConfig, tag: &str) {
     }
     gpu.sync_params()
         .expect("parameters come back from the device");
+    // every parameter, the running statistics (buffers) included
     for (p, spec) in model.params.iter().enumerate() {
         let (x, y) = (cpu.params.values[p].data(), gpu.params.values[p].data());
         let scale = x.iter().fold(1f32, |m, v| m.max(v.abs()));
+        let what = if model.is_buffer(p) {
+            "running statistic"
+        } else {
+            "updated"
+        };
         for (i, (a, b)) in x.iter().zip(y).enumerate() {
             assert!(
                 (a - b).abs() <= 2e-4 * scale,
-                "{tag}: updated {}[{i}]: CPU {a} vs CUDA {b}",
+                "{tag}: {what} {}[{i}]: CPU {a} vs CUDA {b}",
+                spec.name
+            );
+        }
+        if model.is_buffer(p) {
+            assert_ne!(
+                gpu.params.values[p], initial.values[p],
+                "{tag}: CUDA training steps left {} alone",
                 spec.name
             );
         }
     }
+    assert!(
+        (0..model.params.len()).any(|p| model.is_buffer(p)),
+        "{tag}: the model keeps running statistics"
+    );
     let (x, y) = (
         cpu.evaluate(&data, 8).expect("cpu eval"),
         gpu.evaluate(&data, 8).expect("cuda eval"),

@@ -557,6 +557,8 @@ struct Trained {
     losses: Vec<f64>,
     eval_loss: Option<f64>,
     eval_logits: Vec<f32>,
+    /// The batch-norm running statistics (buffers) after the steps.
+    running_stats: Vec<ramus_core::Tensor<f32>>,
     report: Option<ramus_cuda::SwapStepReport>,
 }
 
@@ -604,6 +606,10 @@ fn train(net: &Net, mode: SwapMode, budget: Option<u64>, steps: usize) -> Traine
     }
     let report = engine.last_swap_report().cloned();
     ramus_nn::Engine::sync_host_params(&mut engine, &mut params).expect("parameters");
+    let running_stats: Vec<ramus_core::Tensor<f32>> = (0..model.params.len())
+        .filter(|&p| model.is_buffer(p))
+        .map(|p| params.values[p].clone())
+        .collect();
     let held_out = net.images(net.batch, 99);
     let batch = Batch::new(&model, held_out.iter().collect(), BatchingPolicy::Cavs).unwrap();
     let out = ramus_nn::Engine::forward(&mut engine, &model, &params, &batch, Mode::Evaluate)
@@ -612,6 +618,7 @@ fn train(net: &Net, mode: SwapMode, budget: Option<u64>, steps: usize) -> Traine
         losses,
         eval_loss: out.loss,
         eval_logits: out.logits,
+        running_stats,
         report,
     }
 }
@@ -637,6 +644,25 @@ fn identical_losses(net: &Net) {
         net.name
     );
     assert!(!plain.eval_logits.is_empty());
+    // running statistics: updated by the steps, bitwise the same on the swap path
+    let fresh = ramus_core::Params::<f32>::init(&net.model(), 5);
+    let initial: Vec<&ramus_core::Tensor<f32>> = (0..fresh.values.len())
+        .filter(|&p| net.model().is_buffer(p))
+        .map(|p| &fresh.values[p])
+        .collect();
+    assert!(
+        !plain.running_stats.is_empty(),
+        "{}: no running statistics",
+        net.name
+    );
+    for (got, init) in plain.running_stats.iter().zip(&initial) {
+        assert_ne!(got, *init, "{}: a running statistic never moved", net.name);
+    }
+    assert_eq!(
+        plain.running_stats, resident.running_stats,
+        "{}: running statistics, plain engine vs swap path",
+        net.name
+    );
     // a budget the iteration's tensors exceed by half
     let budget = ((report.overhead_bytes + report.trace_peak_bytes * 2 / 3) as f64 / 0.98) as u64;
     println!(
@@ -655,6 +681,11 @@ fn identical_losses(net: &Net) {
         assert_eq!(
             run.eval_logits, plain.eval_logits,
             "{} {mode}: scores",
+            net.name
+        );
+        assert_eq!(
+            run.running_stats, plain.running_stats,
+            "{} {mode}: running statistics",
             net.name
         );
         assert!(

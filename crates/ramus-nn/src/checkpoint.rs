@@ -2,11 +2,20 @@
 //! under their own names (f32), with the model name, its settings and the
 //! vocabulary recorded in the metadata so that `eval` and other tools map
 //! words to the same ids.
+//!
+//! Non-trained buffers ([`ramus_core::ParamKind::Buffer`]: batch
+//! normalisation's running statistics) are saved like parameters. A
+//! checkpoint written before a model had its buffers (CNN checkpoints from
+//! before running statistics) still loads: each missing buffer takes its
+//! initial value (running mean 0, running variance 1) and
+//! [`load_params_reporting`] names it, so callers can say so (`ramus eval`
+//! and `ramus infer` print a note). A missing *trained* parameter is an
+//! error.
 
 use std::collections::HashMap;
 use std::path::Path;
 
-use ramus_core::{Model, Params, Tensor};
+use ramus_core::{Model, ParamKind, Params, Tensor};
 use ramus_graph::Vocab;
 use safetensors::tensor::{Dtype, TensorView};
 
@@ -85,18 +94,41 @@ pub fn read_info(path: &Path) -> Result<(CheckpointInfo, Vec<u8>)> {
     ))
 }
 
-/// Loads parameters for `model` from checkpoint bytes, checking names and shapes.
+/// Loads parameters for `model` from checkpoint bytes, checking names and
+/// shapes; missing buffers take their initial values (see the module docs).
 pub fn load_params(path: &Path, data: &[u8], model: &Model) -> Result<Params<f32>> {
+    load_params_reporting(path, data, model).map(|(params, _)| params)
+}
+
+/// [`load_params`], also returning the names of the buffers the checkpoint
+/// lacked (which took their initial values).
+pub fn load_params_reporting(
+    path: &Path,
+    data: &[u8],
+    model: &Model,
+) -> Result<(Params<f32>, Vec<String>)> {
     let bad = |m: String| NnError::Checkpoint(format!("{}: {m}", path.display()));
     let st = safetensors::SafeTensors::deserialize(data).map_err(|e| bad(e.to_string()))?;
     let mut values = Vec::new();
-    for spec in &model.params {
-        let t = st.tensor(&spec.name).map_err(|_| {
-            bad(format!(
-                "missing tensor `{}` of model `{}`",
-                spec.name, model.name
-            ))
-        })?;
+    let mut defaulted = Vec::new();
+    let mut initial: Option<Params<f32>> = None;
+    for (p, spec) in model.params.iter().enumerate() {
+        let t = match st.tensor(&spec.name) {
+            Ok(t) => t,
+            Err(_) if spec.kind == ParamKind::Buffer => {
+                // buffers are deterministic (zeros, constants): any seed
+                let init = initial.get_or_insert_with(|| Params::init(model, 0));
+                values.push(init.values[p].clone());
+                defaulted.push(spec.name.clone());
+                continue;
+            }
+            Err(_) => {
+                return Err(bad(format!(
+                    "missing tensor `{}` of model `{}`",
+                    spec.name, model.name
+                )))
+            }
+        };
         if t.dtype() != Dtype::F32 {
             return Err(bad(format!(
                 "tensor `{}` has dtype {:?}, expected F32",
@@ -119,5 +151,5 @@ pub fn load_params(path: &Path, data: &[u8], model: &Model) -> Result<Params<f32
             .collect();
         values.push(Tensor::from_vec(&spec.shape, v)?);
     }
-    Ok(Params::from_tensors(model, values)?)
+    Ok((Params::from_tensors(model, values)?, defaulted))
 }

@@ -62,6 +62,17 @@ pub trait Engine<T: Real> {
         Ok(())
     }
 
+    /// Writes the running statistics the last train-mode forward pass
+    /// computed (batch normalisation's running mean and variance, buffers
+    /// of `params`) into `params`. Host engines keep them pending until
+    /// this is called ([`Engine::train_step`] does, after its forward pass);
+    /// device engines update their own copy during the pass (see
+    /// [`Engine::sync_host_params`]), so the default does nothing.
+    fn apply_running_stats(&mut self, params: &mut Params<T>) -> Result<()> {
+        let _ = params;
+        Ok(())
+    }
+
     /// Forward, backward and one optimizer step; returns the loss. Engines
     /// that keep parameters on a device override this to update them there
     /// (see [`Engine::sync_host_params`]).
@@ -76,6 +87,7 @@ pub trait Engine<T: Real> {
         let out = self.forward(model, params, batch, Mode::Train)?;
         grads.clear();
         self.backward(model, params, batch, grads)?;
+        self.apply_running_stats(params)?;
         optimizer.step(params, grads);
         out.loss
             .ok_or_else(|| NnError::Config("forward pass returned no loss".into()))
@@ -133,5 +145,9 @@ impl<T: Real> Engine<T> for CpuEngine<T> {
     }
     fn set_seed(&mut self, seed: u64) {
         CpuEngine::set_seed(self, seed)
+    }
+    fn apply_running_stats(&mut self, params: &mut Params<T>) -> Result<()> {
+        CpuEngine::apply_running_stats(self, params)?;
+        Ok(())
     }
 }

@@ -121,6 +121,10 @@ impl<T: Real> Optimizer<T> {
         );
         let (inv_bc1, inv_bc2) = (T::from_f64(1.0 / bc1), T::from_f64(1.0 / bc2));
         for p in 0..params.values.len() {
+            // buffers (running statistics) are not trained: no step, no decay
+            if grads.is_buffer(p) {
+                continue;
+            }
             let width = grads.row_width(p);
             let ranges: Vec<(usize, usize)> = match &grads.touched_rows[p] {
                 None => vec![(0, params.values[p].len())],

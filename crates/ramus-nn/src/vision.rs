@@ -47,11 +47,15 @@
 //!
 //! # Batch statistics
 //!
-//! Batch normalisation is the training-mode op: mean and variance over the
-//! images of the batch being run. The engines do not yet export batch
-//! statistics, so no running averages are kept and evaluation also
-//! normalises with the statistics of the evaluated batch (use evaluation
-//! batches of a few dozen images, as `ramus train` does).
+//! Every batch normalisation keeps running statistics, as PyTorch does:
+//! buffers `name.running_mean` (zeros) and `name.running_var` (ones),
+//! `[C]` each, declared after every trained parameter
+//! ([`ramus_core::ParamKind::Buffer`]: no gradient, no optimizer step, no
+//! weight decay). Training passes normalise with the batch's statistics
+//! (biased variance) and blend them into the buffers with momentum 0.1
+//! (unbiased variance); evaluation and inference normalise with the
+//! buffers, so a model's predictions do not depend on the rest of the
+//! batch. Checkpoints carry the buffers (see [`crate::checkpoint`]).
 
 use std::collections::BTreeMap;
 
@@ -266,14 +270,28 @@ pub fn build_vision_model(
         }
     }
     .map_err(err)?;
-    let (layers, out) = features;
+    let (layers, out, norms) = features;
     let classes = cfg.classes;
     let w_out = m.param("W_out", &[classes, out], Init::LinearDefault);
     let b_out = m.param("b_out", &[classes], linear_bias(out));
+    // running statistics last: the trained parameters stay contiguous
+    let running: Vec<(usize, usize)> = norms
+        .iter()
+        .map(|(name, channels)| {
+            (
+                m.buffer(&format!("{name}.running_mean"), &[*channels], Init::Zeros),
+                m.buffer(
+                    &format!("{name}.running_var"),
+                    &[*channels],
+                    Init::Constant { value: 1.0 },
+                ),
+            )
+        })
+        .collect();
     let input = vision.image.len();
     m.vertex_fn("image", |f| {
         let x = f.pull(input);
-        let y = apply(f, &layers, x);
+        let y = apply(f, &layers, &running, x);
         f.push(y);
     })?;
     m.head(HeadRows::Labelled, out, |h| {
@@ -313,10 +331,13 @@ enum Layer {
         w: usize,
         bias: Option<usize>,
     },
+    /// Batch normalisation; `stats` indexes the network's running
+    /// statistics (declared after the trained parameters).
     Norm {
         geom: NormGeom,
         gamma: usize,
         beta: usize,
+        stats: usize,
     },
     Relu,
     MaxPool(Pool2dGeom),
@@ -337,8 +358,9 @@ enum Layer {
     },
 }
 
-/// Emits `layers` on `x` in the vertex function.
-fn apply(f: &mut VertexFnBuilder, layers: &[Layer], mut x: Sym) -> Sym {
+/// Emits `layers` on `x` in the vertex function; `running[i]` is the
+/// (mean, var) buffer pair of the norm layer with `stats = i`.
+fn apply(f: &mut VertexFnBuilder, layers: &[Layer], running: &[(usize, usize)], mut x: Sym) -> Sym {
     for layer in layers {
         x = match layer {
             Layer::Conv { geom, w, bias } => {
@@ -346,9 +368,23 @@ fn apply(f: &mut VertexFnBuilder, layers: &[Layer], mut x: Sym) -> Sym {
                 let b = bias.map(|b| f.param(b));
                 f.conv2d(x, w, b, *geom)
             }
-            Layer::Norm { geom, gamma, beta } => {
+            Layer::Norm {
+                geom,
+                gamma,
+                beta,
+                stats,
+            } => {
                 let (g, b) = (f.param(*gamma), f.param(*beta));
-                f.batch_norm(x, g, b, *geom)
+                match running.get(*stats) {
+                    Some(&(mean, var)) => {
+                        let stats = (f.param(mean), f.param(var));
+                        f.batch_norm_tracked(x, g, b, stats, *geom)
+                    }
+                    None => f.fail(
+                        "batch_norm",
+                        format!("norm layer {stats} has no running statistics"),
+                    ),
+                }
             }
             Layer::Relu => f.relu(x),
             Layer::MaxPool(geom) => f.max_pool2d(x, *geom),
@@ -359,8 +395,8 @@ fn apply(f: &mut VertexFnBuilder, layers: &[Layer], mut x: Sym) -> Sym {
                 f.linear(x, w, Some(b))
             }
             Layer::Residual { body, shortcut } => {
-                let y = apply(f, body, x);
-                let s = apply(f, shortcut, x);
+                let y = apply(f, body, running, x);
+                let s = apply(f, shortcut, running, x);
                 f.add(y, s)
             }
         };
@@ -374,9 +410,15 @@ struct Net<'m> {
     m: &'m mut ModelBuilder,
     shape: Shape,
     layers: Vec<Layer>,
+    /// Name and channels of every norm layer so far (shared by the
+    /// branches of residual blocks): their running statistics, in order.
+    norms: Vec<(String, usize)>,
 }
 
 type NetResult<T = ()> = std::result::Result<T, String>;
+
+/// A declared network: layers, feature width, norm layers (name, channels).
+type Network = (Vec<Layer>, usize, Vec<(String, usize)>);
 
 impl<'m> Net<'m> {
     fn new(m: &'m mut ModelBuilder, image: ImageShape) -> Self {
@@ -388,6 +430,7 @@ impl<'m> Net<'m> {
                 w: image.width,
             },
             layers: Vec::new(),
+            norms: Vec::new(),
         }
     }
 
@@ -435,7 +478,9 @@ impl<'m> Net<'m> {
         Ok(())
     }
 
-    /// Batch normalisation, parameters `name.gamma` (ones) and `name.beta` (zeros).
+    /// Batch normalisation, parameters `name.gamma` (ones) and `name.beta`
+    /// (zeros); its running statistics are declared by the caller of
+    /// [`Net::finish`], after every trained parameter.
     fn norm(&mut self, name: &str) -> NetResult {
         let (c, h, w) = self.image(name)?;
         let gamma = self.m.param(
@@ -452,7 +497,9 @@ impl<'m> Net<'m> {
             },
             gamma,
             beta,
+            stats: self.norms.len(),
         });
+        self.norms.push((name.to_string(), c));
         Ok(())
     }
 
@@ -520,15 +567,18 @@ impl<'m> Net<'m> {
             m: &mut *self.m,
             shape: start,
             layers: Vec::new(),
+            norms: std::mem::take(&mut self.norms),
         };
         body(&mut b)?;
-        let (body_layers, body_shape) = (b.layers, b.shape);
+        let (body_layers, body_shape, norms) = (b.layers, b.shape, b.norms);
         let mut s = Net {
             m: &mut *self.m,
             shape: start,
             layers: Vec::new(),
+            norms,
         };
         shortcut(&mut s)?;
+        self.norms = s.norms;
         if s.shape != body_shape {
             return Err(format!(
                 "residual branches end on different shapes: {body_shape:?} vs {:?}",
@@ -544,22 +594,18 @@ impl<'m> Net<'m> {
         Ok(())
     }
 
-    /// The layers and the width of the pushed features.
-    fn finish(self) -> (Vec<Layer>, usize) {
+    /// The layers, the width of the pushed features and the norm layers
+    /// whose running statistics the caller declares.
+    fn finish(self) -> Network {
         let n = self.shape.len();
-        (self.layers, n)
+        (self.layers, n, self.norms)
     }
 }
 
 // ---------------------------------------------------------------- networks
 
 /// AlexNet for small images (see the module docs).
-fn alexnet(
-    m: &mut ModelBuilder,
-    h: usize,
-    image: ImageShape,
-    dropout: f64,
-) -> NetResult<(Vec<Layer>, usize)> {
+fn alexnet(m: &mut ModelBuilder, h: usize, image: ImageShape, dropout: f64) -> NetResult<Network> {
     let mut n = Net::new(m, image);
     let convs = [
         (h, 5, true),
@@ -605,7 +651,7 @@ fn vgg(
     h: usize,
     image: ImageShape,
     dropout: f64,
-) -> NetResult<(Vec<Layer>, usize)> {
+) -> NetResult<Network> {
     let config = vgg_config(depth).ok_or_else(|| {
         format!(
             "VGG depth must be one of {}, got {depth}",
@@ -642,7 +688,7 @@ fn resnet(
     blocks: &[usize],
     h: usize,
     image: ImageShape,
-) -> NetResult<(Vec<Layer>, usize)> {
+) -> NetResult<Network> {
     if blocks.is_empty() || blocks.contains(&0) {
         return Err(format!(
             "ResNet blocks per stage must be positive, got {blocks:?}"

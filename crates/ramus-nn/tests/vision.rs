@@ -154,8 +154,27 @@ fn every_model_builds_with_the_documented_layout() {
         // the whole network runs eagerly, once over all images of a batch
         let f = &m.functions[0];
         assert!(f.forward_plan.per_task.is_empty() && f.backward_plan.per_task.is_empty());
-        let names = m.param_names();
-        assert_eq!(names.last().map(String::as_str), Some("b_out"), "{name}");
+        // trained parameters end with the classifier; running statistics
+        // (buffers, two per norm layer) follow
+        let trained: Vec<&ramus_core::ParamSpec> = m
+            .params
+            .iter()
+            .filter(|p| p.kind == ramus_core::ParamKind::Trained)
+            .collect();
+        assert_eq!(
+            trained.last().map(|p| p.name.as_str()),
+            Some("b_out"),
+            "{name}"
+        );
+        let norms = m
+            .params
+            .iter()
+            .filter(|p| p.name.ends_with(".gamma"))
+            .count();
+        assert_eq!(m.params.len(), trained.len() + 2 * norms, "{name}");
+        assert!(m.params[..trained.len()]
+            .iter()
+            .all(|p| p.kind == ramus_core::ParamKind::Trained));
         let convs: Vec<&ramus_core::ParamSpec> =
             m.params.iter().filter(|p| p.shape.len() == 4).collect();
         assert!(convs.iter().all(|p| p.init == Init::Kaiming), "{name}");

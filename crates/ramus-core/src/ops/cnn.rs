@@ -38,15 +38,22 @@
 //!   (biased) variance over all rows of the run and all positions, then
 //!   `gamma * x̂ + beta`; gradients [`BatchNormBackwardInput`],
 //!   [`BatchNormBackwardGamma`] and [`ChannelSum`] (beta). Statistics are
-//!   accumulated in f64.
+//!   accumulated in f64. With two more inputs, the layer's **running
+//!   statistics** (static `[C]` mean and variance, declared as
+//!   [`crate::ParamKind::Buffer`]s), it is batch normalisation as PyTorch
+//!   keeps it: the training pass still normalises with the batch's
+//!   statistics and leaves the running ones out of the gradient, the engine
+//!   updates them after every training pass ([`update_running_stats`]:
+//!   momentum [`RUNNING_STATS_MOMENTUM`], unbiased batch variance), and
+//!   evaluation and inference passes run [`BatchNormInference`] on them
+//!   instead ([`OpDef::inference_op`]).
 //! * [`BatchNormInference`] — `gamma * (x - mean) / sqrt(var + eps) + beta`
 //!   with given per-channel statistics (static inputs, e.g. running averages
 //!   computed outside the graph); rows stay independent. Its gradients
 //!   ([`BatchNormInferenceBackwardInput`], [`BatchNormInferenceBackwardParam`],
 //!   [`ChannelSum`]) are exact for every input, the statistics included, so
-//!   statistics declared as parameters would be trained like any other.
-//!   Keeping running averages *during* training would need the engines to
-//!   export the batch statistics (a side output), which they do not do yet.
+//!   statistics declared as trained parameters would be trained like any
+//!   other (running statistics are buffers instead, see [`BatchNorm`]).
 //!
 //! Batch statistics couple the rows of a run: [`BatchNorm`] and its input
 //! gradient declare [`OpDef::couples_rows`], and execution classification
@@ -1218,10 +1225,10 @@ impl Kernel for ChannelBroadcast {
 
 // ---------------------------------------------------------------- batch norm
 
-/// Per-channel `(mean, 1/sqrt(var + eps))` over all rows and positions of
-/// `x` (biased variance, two passes in f64). Channels are split over
-/// threads for large inputs.
-fn channel_stats<T: Real>(n: &NormGeom, x: &[T], rows: usize) -> Vec<(f64, f64)> {
+/// Per-channel `(mean, biased variance)` over all rows and positions of
+/// `x` (two passes in f64). Channels are split over threads for large
+/// inputs.
+fn channel_moments<T: Real>(n: &NormGeom, x: &[T], rows: usize) -> Vec<(f64, f64)> {
     let (c, s) = (n.channels, n.spatial);
     let count = (rows * s) as f64;
     let mut stats = vec![(0.0, 0.0); c];
@@ -1243,7 +1250,7 @@ fn channel_stats<T: Real>(n: &NormGeom, x: &[T], rows: usize) -> Vec<(f64, f64)>
             })
             .sum::<f64>()
             / count;
-        (mean, 1.0 / (var + n.eps).sqrt())
+        (mean, var)
     };
     let threads = crate::parallel::threads();
     if threads > 1 && c > 1 && rows * c * s >= crate::parallel::min_split_elements() {
@@ -1258,6 +1265,18 @@ fn channel_stats<T: Real>(n: &NormGeom, x: &[T], rows: usize) -> Vec<(f64, f64)>
             .iter_mut()
             .enumerate()
             .for_each(|(ch, v)| *v = stat(ch));
+    }
+    stats
+}
+
+/// Per-channel `(mean, 1/sqrt(var + eps))` over all rows and positions of
+/// `x` (biased variance; see [`channel_moments`]).
+fn channel_stats<T: Real>(n: &NormGeom, x: &[T], rows: usize) -> Vec<(f64, f64)> {
+    let mut stats = channel_moments(n, x, rows);
+    if rows > 0 {
+        for st in &mut stats {
+            st.1 = 1.0 / (st.1 + n.eps).sqrt();
+        }
     }
     stats
 }
@@ -1287,8 +1306,61 @@ fn channel_grad_sums<T: Real>(
     sums
 }
 
+/// Momentum of batch normalisation's running statistics (PyTorch's
+/// default): `running = (1 - momentum)·running + momentum·batch`.
+pub const RUNNING_STATS_MOMENTUM: f64 = 0.1;
+
+/// One training pass's update of a layer's running statistics: the batch's
+/// per-channel mean and variance over `rows` rows of `x` (`[C*S]` each; the
+/// variance unbiased, `Σ(x - mean)² / (M - 1)` with `M = rows·S`, or the
+/// biased one when `M = 1`) blended into `mean` and `var` with
+/// [`RUNNING_STATS_MOMENTUM`], in f64, each result rounded once. Nothing
+/// changes for an empty batch. The CUDA kernel computes the same.
+pub fn update_running_stats<T: Real>(
+    n: &NormGeom,
+    x: &[T],
+    rows: usize,
+    mean: &mut [T],
+    var: &mut [T],
+) -> Result<()> {
+    const OP: &str = "batch_norm running statistics";
+    valid(OP, n.validate())?;
+    let (c, s) = (n.channels, n.spatial);
+    if x.len() != rows * c * s || mean.len() != c || var.len() != c {
+        return Err(CoreError::kernel(
+            OP,
+            format!(
+                "{} input values for {rows} rows of {c}x{s}, running statistics of {} and {} channels",
+                x.len(),
+                mean.len(),
+                var.len()
+            ),
+        ));
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let count = rows * s;
+    let unbias = if count > 1 {
+        count as f64 / (count - 1) as f64
+    } else {
+        1.0
+    };
+    let m = RUNNING_STATS_MOMENTUM;
+    for ((rm, rv), (batch_mean, batch_var)) in mean
+        .iter_mut()
+        .zip(var.iter_mut())
+        .zip(channel_moments(n, x, rows))
+    {
+        *rm = T::from_f64((1.0 - m) * rm.to_f64() + m * batch_mean);
+        *rv = T::from_f64((1.0 - m) * rv.to_f64() + m * batch_var * unbias);
+    }
+    Ok(())
+}
+
 /// Training-mode batch normalisation; see the module docs. Inputs: rows
-/// `[C*S]`, gamma and beta static `[C]`.
+/// `[C*S]`, gamma and beta static `[C]`, and optionally the running mean
+/// and variance (static `[C]` buffers the output does not depend on).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BatchNorm(pub NormGeom);
 
@@ -1302,11 +1374,21 @@ impl OpDef for BatchNorm {
     fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
         let n = &self.0;
         n.validate()?;
-        want_arity(inputs, 3)?;
+        if inputs.len() != 3 && inputs.len() != 5 {
+            return Err(format!(
+                "takes 3 inputs (x, gamma, beta) or 5 (and the running mean and variance), got {}",
+                inputs.len()
+            ));
+        }
         want_rows(inputs[0], n.len(), &n.input_what())?;
-        want_channels(inputs[1], n.channels, "gamma")?;
-        want_channels(inputs[2], n.channels, "beta")?;
+        let names = ["gamma", "beta", "running mean", "running variance"];
+        for (t, what) in inputs[1..].iter().zip(names) {
+            want_channels(t, n.channels, what)?;
+        }
         Ok(inputs[0].clone())
+    }
+    fn inference_op(&self, arity: usize) -> Option<Arc<dyn OpDef>> {
+        (arity == 5).then(|| Arc::new(BatchNormInference(self.0)) as Arc<dyn OpDef>)
     }
     fn gradient(&self, g: &mut GradCtx<'_>) {
         let n = self.0;
@@ -1766,6 +1848,22 @@ impl GraphBuilder {
     /// module docs for where it may be used).
     pub fn batch_norm(&mut self, x: Sym, gamma: Sym, beta: Sym, geom: NormGeom) -> Sym {
         self.apply(Arc::new(BatchNorm(geom)), &[x, gamma, beta])
+    }
+    /// Training-mode batch normalisation that keeps running statistics
+    /// `running = (mean, var)` (buffers the engines update after each
+    /// training pass; evaluation normalises with them). See [`BatchNorm`].
+    pub fn batch_norm_tracked(
+        &mut self,
+        x: Sym,
+        gamma: Sym,
+        beta: Sym,
+        running: (Sym, Sym),
+        geom: NormGeom,
+    ) -> Sym {
+        self.apply(
+            Arc::new(BatchNorm(geom)),
+            &[x, gamma, beta, running.0, running.1],
+        )
     }
     /// Batch normalisation with given per-channel statistics `stats = (mean, var)`.
     pub fn batch_norm_inference(

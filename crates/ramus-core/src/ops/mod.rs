@@ -13,10 +13,11 @@ use crate::graph::{GraphBuilder, Sym, ValueType};
 use crate::op::{OpDef, PrimitiveMaker};
 
 pub use cnn::{
-    BatchNorm, BatchNormBackwardGamma, BatchNormBackwardInput, BatchNormInference,
-    BatchNormInferenceBackwardInput, BatchNormInferenceBackwardParam, ChannelBroadcast, ChannelSum,
-    Conv2d, Conv2dBackwardInput, Conv2dBackwardWeight, Conv2dGeom, GlobalAvgPool,
-    GlobalAvgPoolBackward, MaxPool2d, MaxPool2dBackward, NormGeom, NormParam, Pool2dGeom,
+    update_running_stats, BatchNorm, BatchNormBackwardGamma, BatchNormBackwardInput,
+    BatchNormInference, BatchNormInferenceBackwardInput, BatchNormInferenceBackwardParam,
+    ChannelBroadcast, ChannelSum, Conv2d, Conv2dBackwardInput, Conv2dBackwardWeight, Conv2dGeom,
+    GlobalAvgPool, GlobalAvgPoolBackward, MaxPool2d, MaxPool2dBackward, NormGeom, NormParam,
+    Pool2dGeom, RUNNING_STATS_MOMENTUM,
 };
 pub use elementwise::*;
 pub use loss::{SoftmaxXent, SoftmaxXentBackward};
@@ -252,7 +253,7 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
         ),
         (
             "batch_norm",
-            "training-mode batch normalisation of rows [C*S] with batch statistics over all rows of the run, (x, gamma [C], beta [C]); attrs [C, S, eps=1e-5]",
+            "training-mode batch normalisation of rows [C*S] with batch statistics over all rows of the run, (x, gamma [C], beta [C][, running mean [C], running var [C]]: buffers updated by training passes and used by evaluation); attrs [C, S, eps=1e-5]",
             |a| arc(BatchNorm(cnn::norm_geom(a)?)),
         ),
         (

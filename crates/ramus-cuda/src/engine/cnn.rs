@@ -183,10 +183,33 @@ impl CudaEngine {
             // rows of the reference operand
             launcher.channel_broadcast(stream, out()?, fv(0)?, rows(1), cb.channels, cb.spatial)?;
         } else if let Some(BatchNorm(norm)) = op.downcast_ref::<BatchNorm>() {
+            // inputs: x, gamma, beta[, running mean, running var]
             let (x, r) = (fv(0)?, rows(0));
-            if r > 0 {
+            let tracked = node.inputs.len() == 5;
+            if r > 0 && tracked && self.inference_pass {
+                // evaluation and inference normalise with the running statistics
                 let coef = self.workspace(lane, 2 * norm.channels)?;
-                launcher.batch_norm_coef(stream, coef, x, fv(1)?, fv(2)?, r, norm)?;
+                let (gamma, beta) = (fv(1)?, Some(fv(2)?));
+                launcher.batch_norm_inference_coef(
+                    stream,
+                    coef,
+                    gamma,
+                    beta,
+                    Some(fv(3)?),
+                    fv(4)?,
+                    norm,
+                )?;
+                norm_affine(out()?, x, coef, r, norm)?;
+            } else if r > 0 {
+                // training: batch statistics, blended into the running ones
+                // during device training steps
+                let coef = self.workspace(lane, 2 * norm.channels)?;
+                let running = if tracked && self.track_running_stats {
+                    Some((fv(3)?, fv(4)?))
+                } else {
+                    None
+                };
+                launcher.batch_norm_coef(stream, coef, x, fv(1)?, fv(2)?, running, r, norm)?;
                 norm_affine(out()?, x, coef, r, norm)?;
             }
         } else if let Some(BatchNormBackwardInput(norm)) =

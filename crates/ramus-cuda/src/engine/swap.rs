@@ -306,7 +306,9 @@ impl CudaEngine {
             .swap
             .take()
             .ok_or_else(|| swap_err("the swap path is not set up"))?;
+        self.track_running_stats = true;
         let result = self.swap_step(&mut rt, model, params, config, batch);
+        self.track_running_stats = false;
         if result.is_err() {
             self.abandon(&mut rt);
         }
@@ -324,6 +326,7 @@ impl CudaEngine {
     ) -> Result<f64> {
         let s = &batch.schedule;
         self.begin_swap_step(model, params)?;
+        self.inference_pass = false;
         self.upload_indices(model, s, Mode::Train, model.head.rows)?;
         // the optimizer's state is part of the fixed memory: allocate it first
         self.device_optimizer(model, config)?;
@@ -422,6 +425,7 @@ impl CudaEngine {
     ) -> Result<ForwardOutput<f32>> {
         let s = &batch.schedule;
         self.begin_swap_step(model, params)?;
+        self.inference_pass = mode != Mode::Train;
         self.upload_indices(model, s, mode, rows)?;
         let kind = if mode == Mode::Infer {
             Kind::Infer

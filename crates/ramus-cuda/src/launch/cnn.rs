@@ -7,7 +7,7 @@
 
 use cudarc::driver::{CudaStream, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg};
 
-use ramus_core::ops::{Conv2dGeom, NormGeom, NormParam, Pool2dGeom};
+use ramus_core::ops::{Conv2dGeom, NormGeom, NormParam, Pool2dGeom, RUNNING_STATS_MOMENTUM};
 
 use super::{elementwise_cfg, u32_arg, Builtin, Launcher};
 use crate::error::{CudaError, InCall, Result};
@@ -647,8 +647,12 @@ impl Launcher {
     }
 
     /// Training batch normalisation's per-channel `(a, b)` (`y = x·a + b`)
-    /// into `coef` (`2C` floats), from the statistics of all `rows` rows.
-    #[allow(clippy::too_many_arguments)] // three inputs, an output and extents
+    /// into `coef` (`2C` floats), from the statistics of all `rows` rows;
+    /// with `running = Some((mean, var))`, also blends the batch's
+    /// statistics into those running statistics in place (momentum
+    /// [`RUNNING_STATS_MOMENTUM`], unbiased variance, as
+    /// `ramus_core::ops::update_running_stats`).
+    #[allow(clippy::too_many_arguments)] // three inputs, an output, the running statistics and extents
     pub fn batch_norm_coef(
         &self,
         stream: &CudaStream,
@@ -656,6 +660,7 @@ impl Launcher {
         x: DeviceView<f32>,
         gamma: DeviceView<f32>,
         beta: DeviceView<f32>,
+        running: Option<(DeviceView<f32>, DeviceView<f32>)>,
         rows: usize,
         norm: &NormGeom,
     ) -> Result<()> {
@@ -673,7 +678,13 @@ impl Launcher {
         )?;
         holds(&gamma, norm.channels, "gamma", OP)?;
         holds(&beta, norm.channels, "beta", OP)?;
+        if let Some((mean, var)) = &running {
+            holds(mean, norm.channels, "the running mean", OP)?;
+            holds(var, norm.channels, "the running variance", OP)?;
+        }
         let r = reduction_rows(rows, norm.spatial, OP)?;
+        let null = 0u64;
+        let momentum = RUNNING_STATS_MOMENTUM;
         let mut launch = stream.launch_builder(self.function(Builtin::BatchNormCoef));
         launch
             .arg(coef.kernel_arg())
@@ -684,8 +695,14 @@ impl Launcher {
             .arg(&c)
             .arg(&s)
             .arg(&norm.eps);
-        // SAFETY: arguments match the kernel (one block per channel);
-        // sizes checked above.
+        match &running {
+            Some((mean, var)) => launch.arg(mean.kernel_arg()).arg(var.kernel_arg()),
+            None => launch.arg(&null).arg(&null),
+        };
+        launch.arg(&momentum);
+        // SAFETY: arguments match the kernel (one block per channel; null
+        // running statistics, which it checks, when there are none); sizes
+        // checked above.
         unsafe {
             self.launch_counted(
                 &mut launch,
