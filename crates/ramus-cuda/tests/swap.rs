@@ -1054,8 +1054,26 @@ fn dynamic_identical_losses(case: &Dynamic) {
         let (losses, eval, report) = run(mode, Some(budget));
         let report = report.expect("a swap report");
         println!("{} {mode}: {}", case.name, report.to_json());
-        assert_eq!(losses, resident, "{} {mode}: losses differ", case.name);
-        assert_eq!(eval, resident_eval, "{} {mode}: evaluation", case.name);
+        // the same op list, but embedding-row and child-gradient sums are
+        // atomic adds, whose order (and so the last bits) varies from run
+        // to run: equal to float rounding, not bitwise (the CNN tests,
+        // without atomics, compare bitwise)
+        for (i, (a, b)) in resident.iter().zip(&losses).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-6 * a.abs().max(1.0),
+                "{} {mode} step {i}: losses differ: {a} vs {b}",
+                case.name
+            );
+        }
+        let (re, e) = (
+            resident_eval.expect("evaluation"),
+            eval.expect("evaluation"),
+        );
+        assert!(
+            (re - e).abs() <= 1e-6 * re.abs().max(1.0),
+            "{} {mode}: evaluation {re} vs {e}",
+            case.name
+        );
         assert!(
             report.exec.bytes_to_host > 0,
             "{} {mode}: nothing swapped",
