@@ -563,7 +563,8 @@ impl<'a> CellWriter<'a> {
     /// matrix, each read only by an output) lane-parallel: lane `l` computes
     /// products `l, l + 32, …` over the whole column (each lane reading its
     /// own, adjacent, parameter elements; the column's values are the same
-    /// for every lane) and stores them itself. Needs evenly spaced
+    /// for every lane: loaded once, spread over the lanes, and broadcast by
+    /// shuffles, so the loop waits on no load) and stores them itself. Needs evenly spaced
     /// parameter rows and destination columns and one destination row;
     /// returns false (emitting nothing) otherwise.
     fn lane_parallel_column_dots(
@@ -623,11 +624,11 @@ impl<'a> CellWriter<'a> {
             return Ok(false);
         }
         let count = parts.len();
-        let ch = chunks(count);
-        let acc = self.temp("acc");
+        let (ch, ck) = (chunks(count), chunks(k));
+        let (acc, xs) = (self.temp("acc"), self.temp("xs"));
         let _ = writeln!(
             self.code,
-            "// {count} column products, lane-parallel\n{{\nfloat {acc}[{ch}];\n#pragma unroll\nfor (unsigned int cq = 0; cq < {ch}u; ++cq) {acc}[cq] = 0.0f;\n#pragma unroll 4\nfor (unsigned int t = 0; t < {k}u; ++t) {{\nconst float xv = {x};\n#pragma unroll\nfor (unsigned int cq = 0; cq < {ch}u; ++cq) {{\nconst unsigned int q = lane + 32u * cq;\nif (q < {count}u) {acc}[cq] += P{weight}[{base0}u + q * {db}u + t * {step}u] * xv;\n}}\n}}\n#pragma unroll\nfor (unsigned int cq = 0; cq < {ch}u; ++cq) {{\nconst unsigned int q = lane + 32u * cq;\nif (q < {count}u) ({dst})[{col0}u + q * {dcol}u + j] = {acc}[cq];\n}}\n}}"
+            "// {count} column products, lane-parallel (the column loaded once, lane `l` holding elements `l, l + 32, …`, then broadcast)\n{{\nfloat {acc}[{ch}];\n#pragma unroll\nfor (unsigned int cq = 0; cq < {ch}u; ++cq) {acc}[cq] = 0.0f;\nfloat {xs}[{ck}];\n#pragma unroll\nfor (unsigned int i = 0; i < {ck}u; ++i) {{\nconst unsigned int t = lane + 32u * i;\n{xs}[i] = t < {k}u ? {x} : 0.0f;\n}}\n#pragma unroll\nfor (unsigned int i = 0; i < {ck}u; ++i) {{\n#pragma unroll 8\nfor (unsigned int src = 0; src < 32u; ++src) {{\nconst unsigned int t = 32u * i + src;\nif (t < {k}u) {{\nconst float xv = __shfl_sync(0xffffffffu, {xs}[i], src);\n#pragma unroll\nfor (unsigned int cq = 0; cq < {ch}u; ++cq) {{\nconst unsigned int q = lane + 32u * cq;\nif (q < {count}u) {acc}[cq] += P{weight}[{base0}u + q * {db}u + t * {step}u] * xv;\n}}\n}}\n}}\n}}\n#pragma unroll\nfor (unsigned int cq = 0; cq < {ch}u; ++cq) {{\nconst unsigned int q = lane + 32u * cq;\nif (q < {count}u) ({dst})[{col0}u + q * {dcol}u + j] = {acc}[cq];\n}}\n}}"
         );
         for &m in members {
             self.emitted_dots[m] = true;

@@ -430,7 +430,7 @@ fn the_mvrnn_cell_lowers_to_row_and_column_products() {
 
 /// Declarations that let a generated CUDA kernel parse as host C++ (a
 /// syntax check: nothing runs).
-const CUDA_STUBS: &str = "#define __global__\n#define __device__\n#define __forceinline__ inline\n#define __launch_bounds__(x)\n#define __restrict__ __restrict\nstruct dim3_ { unsigned x, y, z; };\nstatic dim3_ threadIdx, blockIdx, blockDim, gridDim;\ninline float __shfl_xor_sync(unsigned, float v, int) { return v; }\ninline void __syncthreads() {}\ninline void __syncwarp() {}\n#include <math.h>\n";
+const CUDA_STUBS: &str = "#define __global__\n#define __device__\n#define __forceinline__ inline\n#define __launch_bounds__(x)\n#define __restrict__ __restrict\nstruct dim3_ { unsigned x, y, z; };\nstatic dim3_ threadIdx, blockIdx, blockDim, gridDim;\ninline float __shfl_xor_sync(unsigned, float v, int) { return v; }\ninline float __shfl_sync(unsigned, float v, unsigned) { return v; }\ninline void __syncthreads() {}\ninline void __syncwarp() {}\n#include <math.h>\n";
 
 #[test]
 fn the_mvrnn_kernel_source_is_generated_and_parses() {
