@@ -534,6 +534,52 @@ impl<'a> Builder<'a> {
 }
 
 impl Builder<'_> {
+    /// The head's forward steps (scores only for inference), then reading
+    /// the loss (not for inference) and, without training, the scores;
+    /// when training, zeroing the gradients before the backward pass.
+    /// Returns whether a backward pass follows.
+    fn head_outputs(&mut self, kind: Kind) -> Result<bool> {
+        let head = &self.model.head;
+        let head_phase = if kind == Kind::Infer {
+            HEAD_SCORES
+        } else {
+            HEAD_ALL
+        };
+        self.steps(GraphRef::Head, head_phase, Phase::Forward)?;
+        if kind != Kind::Infer {
+            let loss = self.resolve_all(GraphRef::Head, &[head.loss])?;
+            self.emit(
+                SwapOp::ReadLoss,
+                "read loss".into(),
+                Phase::Forward,
+                &loss,
+                &[],
+            );
+        }
+        if !kind.training() {
+            if let Some(l) = head.logits {
+                let logits = self.resolve_all(GraphRef::Head, &[l])?;
+                self.emit(
+                    SwapOp::ReadLogits,
+                    "read scores".into(),
+                    Phase::Forward,
+                    &logits,
+                    &[],
+                );
+            }
+            return Ok(false);
+        }
+        let grads = self.grads.clone();
+        self.emit(
+            SwapOp::ZeroGrads,
+            "zero gradients".into(),
+            Phase::Backward,
+            &[],
+            &grads,
+        );
+        Ok(true)
+    }
+
     /// The parameters, and when training their gradients and the
     /// optimizer's state.
     fn persistent_tensors(&mut self) {
@@ -1135,44 +1181,9 @@ pub(crate) fn build(
         &pushed,
         &head_input,
     );
-    let head_phase = if kind == Kind::Infer {
-        HEAD_SCORES
-    } else {
-        HEAD_ALL
-    };
-    b.steps(GraphRef::Head, head_phase, Phase::Forward)?;
-    if kind != Kind::Infer {
-        let loss = b.resolve_all(GraphRef::Head, &[head.loss])?;
-        b.emit(
-            SwapOp::ReadLoss,
-            "read loss".into(),
-            Phase::Forward,
-            &loss,
-            &[],
-        );
-    }
-    if !training {
-        if let Some(l) = head.logits {
-            let logits = b.resolve_all(GraphRef::Head, &[l])?;
-            b.emit(
-                SwapOp::ReadLogits,
-                "read scores".into(),
-                Phase::Forward,
-                &logits,
-                &[],
-            );
-        }
+    if !b.head_outputs(kind)? {
         return b.finish(masks);
     }
-    // backward
-    let grads = b.grads.clone();
-    b.emit(
-        SwapOp::ZeroGrads,
-        "zero gradients".into(),
-        Phase::Backward,
-        &[],
-        &grads,
-    );
     let backward: Vec<GraphRef> = (0..nf).map(GraphRef::Backward).collect();
     b.plan_early_accumulations(&backward, &[EAGER, LAZY])?;
     b.seeds(GraphRef::HeadBackward, &head.forward)?;

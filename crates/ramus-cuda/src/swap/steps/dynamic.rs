@@ -44,7 +44,7 @@ use ramus_swap::{Phase, TensorId};
 
 use super::{
     Builder, GraphRef, Kind, MoveSpec, Piece, Rows, Segment, Shape, SwapOp, SwapProgram, Words,
-    EAGER, HEAD_ALL, HEAD_SCORES, LAZY, PER_TASK, WHOLE,
+    EAGER, LAZY, PER_TASK, WHOLE,
 };
 use crate::error::{CudaError, Result};
 use crate::launch::NONE;
@@ -291,44 +291,9 @@ pub(crate) fn build(
     }
     b.current = WHOLE;
     let head = &model.head;
-    let head_phase = if kind == Kind::Infer {
-        HEAD_SCORES
-    } else {
-        HEAD_ALL
-    };
-    b.steps(GraphRef::Head, head_phase, Phase::Forward)?;
-    if kind != Kind::Infer {
-        let loss = b.resolve_all(GraphRef::Head, &[head.loss])?;
-        b.emit(
-            SwapOp::ReadLoss,
-            "read loss".into(),
-            Phase::Forward,
-            &loss,
-            &[],
-        );
-    }
-    if !training {
-        if let Some(l) = head.logits {
-            let logits = b.resolve_all(GraphRef::Head, &[l])?;
-            b.emit(
-                SwapOp::ReadLogits,
-                "read scores".into(),
-                Phase::Forward,
-                &logits,
-                &[],
-            );
-        }
+    if !b.head_outputs(kind)? {
         return b.finish(masks);
     }
-    // backward
-    let grads = b.grads.clone();
-    b.emit(
-        SwapOp::ZeroGrads,
-        "zero gradients".into(),
-        Phase::Backward,
-        &[],
-        &grads,
-    );
     b.seeds(GraphRef::HeadBackward, &head.forward)?;
     b.steps(GraphRef::HeadBackward, 0, Phase::Backward)?;
     b.accumulate(GraphRef::HeadBackward, Rows::All)?;
