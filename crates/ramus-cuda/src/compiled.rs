@@ -48,8 +48,11 @@ pub struct CompiledSchedule {
     pub persistent_weights: bool,
     /// Levels ordered by per-node completion counters instead of grid
     /// barriers ([`TreeKernelSpec::node_counters`]): a block waits only for
-    /// the children of the nodes it computes. `None` picks by the internal
-    /// cell's units: counters up to [`COUNTERS_MAX_UNITS`], barriers above.
+    /// the children of the nodes it computes. `None` measures: the engine
+    /// compiles both orderings, times the first [`LEVEL_ORDER_SAMPLES`]
+    /// batches of each (alternating) and keeps the faster; until then it
+    /// starts from counters up to [`COUNTERS_MAX_UNITS`] units, barriers
+    /// above.
     pub node_counters: Option<bool>,
     /// Recursive refactoring and unrolling (`None`: the best known default
     /// for the model on CUDA, [`RecursionSchedule::resolve`]: both off).
@@ -67,6 +70,28 @@ pub struct CompiledSchedule {
 /// where at 512 units they were slower for the Tree-LSTM (0.078 → 0.083 ms
 /// at bs 1) and the DAG-RNN (0.294 → 0.417 ms on ten 10×10 grids).
 pub const COUNTERS_MAX_UNITS: usize = 256;
+
+/// Batches each level ordering is timed on before the engine keeps the
+/// faster (schedule `node_counters: None`).
+pub const LEVEL_ORDER_SAMPLES: usize = 3;
+
+/// The choice between the two level orderings while it is being measured.
+struct LevelOrderTuning {
+    /// The level kernel of the other ordering.
+    other: CudaFunction,
+    /// Whether the other ordering uses node counters.
+    other_counters: bool,
+    /// Kernel milliseconds per timed batch: the current ordering's, the
+    /// other's.
+    samples: [Vec<f32>; 2],
+}
+
+/// The median of `samples` (not empty).
+fn median(samples: &[f32]) -> f32 {
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f32::total_cmp);
+    sorted[sorted.len() / 2]
+}
 
 impl Default for CompiledSchedule {
     fn default() -> Self {
@@ -192,8 +217,14 @@ pub struct CompiledEngine {
     setup_seconds: f64,
     leaf_table_seconds: f64,
     last_enqueue_seconds: f64,
-    /// Recorded around each launch for the kernel's own time, if asked for.
+    /// Recorded around each launch for the kernel's own time, if asked for
+    /// (or while the level ordering is measured).
     kernel_events: Option<(CudaEvent, CudaEvent)>,
+    /// Schedule `node_counters: None`: the level orderings being timed.
+    tuning: Option<LevelOrderTuning>,
+    /// The kernel's own time was asked for (else the events go once the
+    /// level ordering is settled).
+    time_kernel: bool,
     last_kernel_seconds: Option<f64>,
 }
 
@@ -344,6 +375,23 @@ impl CompiledEngine {
         }
         let module = cache.get_or_compile(&source, &kernels)?;
         let levels = module.function(level_kernel)?.clone();
+        // no ordering asked for: the other one too, to be timed
+        let tuning = if options.schedule.node_counters.is_none() && !unroll {
+            let other_counters = !spec.node_counters;
+            let other_source = TreeKernelSpec {
+                node_counters: other_counters,
+                ..spec
+            }
+            .source()?;
+            let other_module = cache.get_or_compile(&other_source, &["cortex_levels"])?;
+            Some(LevelOrderTuning {
+                other: other_module.function("cortex_levels")?.clone(),
+                other_counters,
+                samples: [Vec::new(), Vec::new()],
+            })
+        } else {
+            None
+        };
 
         let pool = DevicePool::new(&device, PoolConfig::default());
         let stream = device.stream().clone();
@@ -362,9 +410,16 @@ impl CompiledEngine {
 
         let (state_width, push_width) = (internal.output_width(0), internal.output_width(1));
         let sm = device.sm_count();
-        let per_sm = levels
+        let mut per_sm = levels
             .occupancy_max_active_blocks_per_multiprocessor(block, 0, None)
             .in_call("cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
+        if let Some(t) = &tuning {
+            per_sm = per_sm.min(
+                t.other
+                    .occupancy_max_active_blocks_per_multiprocessor(block, 0, None)
+                    .in_call("cuOccupancyMaxActiveBlocksPerMultiprocessor")?,
+            );
+        }
         let max_blocks = per_sm
             .min(options.blocks_per_sm.max(1))
             .saturating_mul(sm)
@@ -447,13 +502,15 @@ impl CompiledEngine {
                 .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                 .in_call("cuEventCreate")
         };
-        let kernel_events = if options.time_kernel {
+        let kernel_events = if options.time_kernel || tuning.is_some() {
             Some((timed()?, timed()?))
         } else {
             None
         };
         Ok(CompiledEngine {
             kernel_events,
+            tuning,
+            time_kernel: options.time_kernel,
             last_kernel_seconds: None,
             cache,
             levels,
@@ -495,9 +552,16 @@ impl CompiledEngine {
         &self.device
     }
 
-    /// The schedule in effect (leaf tables need a token vocabulary).
+    /// The schedule in effect (leaf tables need a token vocabulary; while
+    /// the level ordering is being measured, `node_counters` is the one
+    /// tried first).
     pub fn schedule(&self) -> CompiledSchedule {
         self.schedule
+    }
+
+    /// Whether the engine is still timing the two level orderings.
+    pub fn measuring_level_order(&self) -> bool {
+        self.tuning.is_some()
     }
 
     /// Kernel-cache counters (compiled, memory and disk hits, compile time).
@@ -524,6 +588,28 @@ impl CompiledEngine {
     /// [`CompiledOptions::time_kernel`]).
     pub fn last_kernel_seconds(&self) -> Option<f64> {
         self.last_kernel_seconds
+    }
+
+    /// Once both level orderings have their samples, keeps the faster
+    /// (by median kernel time).
+    fn settle_level_order(&mut self) {
+        let done = self
+            .tuning
+            .as_ref()
+            .is_some_and(|t| t.samples.iter().all(|s| s.len() >= LEVEL_ORDER_SAMPLES));
+        if !done {
+            return;
+        }
+        if let Some(t) = self.tuning.take() {
+            if median(&t.samples[1]) < median(&t.samples[0]) {
+                self.levels = t.other;
+                self.schedule.node_counters = Some(t.other_counters);
+            }
+        }
+        if !self.time_kernel {
+            self.kernel_events = None;
+            self.last_kernel_seconds = None;
+        }
     }
 
     /// Scores every root of `graphs` in one launch.
@@ -579,8 +665,17 @@ impl CompiledEngine {
             parts.extend([batch.batch_begin(), batch.batch_length()]);
         }
         parts.push(batch.root_nodes());
+        // while measuring, the orderings alternate (fewer samples first)
+        let try_other = self
+            .tuning
+            .as_ref()
+            .is_some_and(|t| t.samples[1].len() < t.samples[0].len());
+        let counters = match (&self.tuning, try_other) {
+            (Some(t), true) => t.other_counters,
+            _ => self.schedule.node_counters == Some(true),
+        };
         self.zero_counters.clear();
-        if self.schedule.node_counters == Some(true) {
+        if counters {
             self.zero_counters.resize(ni * self.stages, 0);
         }
         parts.push(&self.zero_counters);
@@ -629,7 +724,11 @@ impl CompiledEngine {
             u32_of(warps.div_ceil((self.block / 32) as usize), "blocks")?
         };
         let blocks = wanted.clamp(self.min_blocks, self.max_blocks);
-        let mut launch = stream.launch_builder(&self.levels);
+        let kernel = match (&self.tuning, try_other) {
+            (Some(t), true) => &t.other,
+            _ => &self.levels,
+        };
+        let mut launch = stream.launch_builder(kernel);
         launch
             .arg(self.params.kernel_arg())
             .arg(state.kernel_arg())
@@ -694,7 +793,11 @@ impl CompiledEngine {
         if let Some((start, end)) = &self.kernel_events {
             let ms = start.elapsed_ms(end).in_call("cuEventElapsedTime")?;
             self.last_kernel_seconds = Some(f64::from(ms) / 1e3);
+            if let Some(t) = &mut self.tuning {
+                t.samples[usize::from(try_other)].push(ms);
+            }
         }
+        self.settle_level_order();
         Ok(CompiledOutput {
             scores: out,
             classes: self.classes,

@@ -13,7 +13,9 @@ mod common;
 use ramus_core::recursion::{analyze, RecursionSchedule};
 use ramus_core::{HeadRows, Model, Params};
 use ramus_cpu::{Batch, CpuEngine, Mode};
-use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
+use ramus_cuda::compiled::{
+    CompiledEngine, CompiledOptions, CompiledSchedule, LEVEL_ORDER_SAMPLES,
+};
 use ramus_graph::random::{grid_dag, random_chain, random_path, random_tree};
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{build_model_with, build_mvrnn, ModelConfig, ModelOptions};
@@ -289,6 +291,54 @@ fn refactoring_runs_on_dags_and_is_refused_where_nothing_moves() {
         .expect("nothing to refactor")
         .to_string();
     assert!(err.contains("nothing to refactor"), "{err}");
+}
+
+#[test]
+fn the_level_ordering_is_measured_then_kept_with_unchanged_scores() {
+    if !common::cuda_ready("skipping") {
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let cfg = ModelConfig {
+        vocab: 40,
+        hidden: 64,
+        classes: 5,
+    };
+    for name in ["treelstm", "treegru"] {
+        let model = build_model_with(name, &cfg, &ModelOptions { dropout: 0.0 }).expect("model");
+        let params: Params<f32> = Params::init(&model, 5);
+        let gs = graphs(name, &mut rng, cfg.vocab as u32);
+        let want = reference(&model, &params, &gs);
+        let refs: Vec<&InputGraph> = gs.iter().collect();
+        let options = CompiledOptions {
+            cache_dir: Some(
+                std::env::temp_dir().join(format!("ramus-compiled-order-{}", std::process::id())),
+            ),
+            ..CompiledOptions::default()
+        };
+        assert_eq!(options.schedule.node_counters, None, "measured by default");
+        let mut engine = CompiledEngine::new(&model, &params, &options).expect("compiles");
+        assert!(
+            engine.measuring_level_order(),
+            "{name}: both orderings timed"
+        );
+        // both orderings run (alternating), then the faster alone
+        for round in 0..2 * LEVEL_ORDER_SAMPLES + 2 {
+            let got = engine.infer(&refs).expect("infers");
+            for (i, (w, g)) in want.iter().zip(&got.scores).enumerate() {
+                assert!(
+                    (w - g).abs() <= 1e-4 * (1.0 + w.abs()),
+                    "{name} round {round}: score {i}: CPU {w} vs compiled {g}"
+                );
+            }
+        }
+        assert!(!engine.measuring_level_order(), "{name}: settled");
+        assert!(
+            engine.schedule().node_counters.is_some(),
+            "{name}: a choice"
+        );
+        assert_eq!(engine.last_kernel_seconds(), None, "{name}: no timing left");
+    }
 }
 
 #[test]
