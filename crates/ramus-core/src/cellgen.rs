@@ -138,9 +138,9 @@ pub struct TreeKernelSpec<'a> {
     /// compiled in as their launch bound).
     pub block_threads: u32,
     /// Order levels (and stages) by per-node completion counters instead
-    /// of grid barriers: a warp waits only for the children of the node it
-    /// computes, so a level starts where its children are ready (see the
-    /// module docs).
+    /// of grid barriers: a block (or warp) waits only for the children of
+    /// the nodes it computes, so a level starts where its children are
+    /// ready (see the module docs).
     pub node_counters: bool,
     /// With hoisting, the program computing the internal cell's token
     /// table (its values that depend on the token alone; the internal
