@@ -181,6 +181,10 @@ pub(crate) struct CellWriter<'a> {
     direct: Vec<Option<(String, usize)>>,
     /// Scalars whose output store was emitted with their code.
     stored: Vec<bool>,
+    /// The warps of a block, when they are consecutive units of one node
+    /// (every warp of the block runs the cell for the same node at the
+    /// same time), so the cell may use block barriers and shared memory.
+    block_warps: Option<usize>,
 }
 
 impl<'a> CellWriter<'a> {
@@ -193,7 +197,15 @@ impl<'a> CellWriter<'a> {
             emitted_dots: vec![false; cell.program.scalars.len()],
             direct: vec![None; cell.program.scalars.len()],
             stored: vec![false; cell.program.scalars.len()],
+            block_warps: None,
         }
+    }
+
+    /// Marks the cell as run by whole blocks of `warps` consecutive units
+    /// of one node (see [`CellWriter::block_warps`]).
+    pub(crate) fn block_uniform(mut self, warps: usize) -> Self {
+        self.block_warps = Some(warps);
+        self
     }
 
     fn temp(&mut self, prefix: &str) -> String {
@@ -624,6 +636,13 @@ impl<'a> CellWriter<'a> {
             return Ok(false);
         }
         let count = parts.len();
+        if let Some(warps) = self.block_warps {
+            let threads = 32 * warps;
+            if count.is_multiple_of(32) && threads.is_multiple_of(count) {
+                self.block_column_dots(members, &parts[0], (db, dcol), (k, &x), warps);
+                return Ok(true);
+            }
+        }
         let (ch, ck) = (chunks(count), chunks(k));
         let (acc, xs) = (self.temp("acc"), self.temp("xs"));
         let _ = writeln!(
@@ -635,6 +654,39 @@ impl<'a> CellWriter<'a> {
             self.stored[m] = true;
         }
         Ok(true)
+    }
+
+    /// Emits lane-parallel column products `members` (see
+    /// [`CellWriter::lane_parallel_column_dots`]) for a whole block of
+    /// `warps` consecutive units at once: each warp puts its own column of
+    /// the input into shared memory, then every thread computes one row of
+    /// the products for `count / 32` of the block's columns, so each
+    /// parameter element read serves that many products (register
+    /// blocking) instead of one per warp.
+    fn block_column_dots(
+        &mut self,
+        members: &[ScalarId],
+        first: &(usize, usize, usize, String, usize),
+        (db, dcol): (usize, usize),
+        (k, x): (usize, &str),
+        warps: usize,
+    ) {
+        let (weight, base0, step, dst, col0) = first;
+        let count = members.len();
+        let threads = 32 * warps;
+        // threads per column group: `groups` groups of `count` rows
+        let groups = threads / count;
+        let per = warps / groups;
+        let (xsh, acc) = (self.temp("xsh"), self.temp("acc"));
+        let ck = chunks(k);
+        let _ = writeln!(
+            self.code,
+            "// {count} column products of the block's {warps} units, block-cooperative\n{{\n__shared__ float {xsh}[{k} * {warps}];\nconst unsigned int wib = threadIdx.x >> 5;\n#pragma unroll\nfor (unsigned int i = 0; i < {ck}u; ++i) {{\nconst unsigned int t = lane + 32u * i;\nif (t < {k}u) {xsh}[t * {warps}u + wib] = {x};\n}}\n__syncthreads();\nconst unsigned int q = threadIdx.x % {count}u, g = threadIdx.x / {count}u;\nfloat {acc}[{per}];\n#pragma unroll\nfor (unsigned int m = 0; m < {per}u; ++m) {acc}[m] = 0.0f;\n#pragma unroll 4\nfor (unsigned int t = 0; t < {k}u; ++t) {{\nconst float w = P{weight}[{base0}u + q * {db}u + t * {step}u];\n#pragma unroll\nfor (unsigned int m = 0; m < {per}u; ++m) {acc}[m] += w * {xsh}[t * {warps}u + g + {groups}u * m];\n}}\n__syncthreads();\n#pragma unroll\nfor (unsigned int m = 0; m < {per}u; ++m) ({dst})[{col0}u + q * {dcol}u + (j - wib) + g + {groups}u * m] = {acc}[m];\n}}"
+        );
+        for &m in members {
+            self.emitted_dots[m] = true;
+            self.stored[m] = true;
+        }
     }
 
     /// Emits scalar `id` (its dots, loops and arithmetic); `edge_row`
@@ -1219,16 +1271,24 @@ impl TreeKernelSpec<'_> {
             format!("push + (u64)n * {p}u"),
         ];
         let internal_outputs: Vec<&str> = internal_outputs.iter().map(String::as_str).collect();
-        let internal_cell =
-            CellWriter::new(self.internal, registers.clone()).cell_stage(0, &internal_outputs)?;
         let (units, stages) = (self.internal.program.units, self.internal.program.stages);
         let sync = LevelSync::new(self.node_counters, units, self.block_threads);
+        // a block's warps are consecutive units of one node when the units
+        // are a multiple of them: its cells may cooperate
+        let writer = || {
+            let w = CellWriter::new(self.internal, registers.clone());
+            if sync.per_block {
+                w.block_uniform((self.block_threads / 32) as usize)
+            } else {
+                w
+            }
+        };
+        let internal_cell = writer().cell_stage(0, &internal_outputs)?;
         // later stages of a multi-stage cell: each after a barrier (or its
         // own nodes' previous stage), its nodes reloading their children
         let mut later_stages = String::new();
         for stage in 1..stages {
-            let code = CellWriter::new(self.internal, registers.clone())
-                .cell_stage(stage, &internal_outputs)?;
+            let code = writer().cell_stage(stage, &internal_outputs)?;
             let _ = write!(
                 later_stages,
                 "{}for (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nconst u32 cb = child_offsets[n], ce = child_offsets[n + 1];\nconst u32 c0 = cb < ce ? child_rows[cb] : 0, c1 = cb + 1 < ce ? child_rows[cb + 1] : 0;\n{code}}}\n{}",

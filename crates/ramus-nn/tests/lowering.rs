@@ -430,12 +430,20 @@ fn the_mvrnn_cell_lowers_to_row_and_column_products() {
 
 /// Declarations that let a generated CUDA kernel parse as host C++ (a
 /// syntax check: nothing runs).
-const CUDA_STUBS: &str = "#define __global__\n#define __device__\n#define __forceinline__ inline\n#define __launch_bounds__(x)\n#define __restrict__ __restrict\nstruct dim3_ { unsigned x, y, z; };\nstatic dim3_ threadIdx, blockIdx, blockDim, gridDim;\ninline float __shfl_xor_sync(unsigned, float v, int) { return v; }\ninline float __shfl_sync(unsigned, float v, unsigned) { return v; }\ninline void __syncthreads() {}\ninline void __syncwarp() {}\n#include <math.h>\n";
+const CUDA_STUBS: &str = "#define __global__\n#define __device__\n#define __shared__\n#define __forceinline__ inline\n#define __launch_bounds__(x)\n#define __restrict__ __restrict\nstruct dim3_ { unsigned x, y, z; };\nstatic dim3_ threadIdx, blockIdx, blockDim, gridDim;\ninline float __shfl_xor_sync(unsigned, float v, int) { return v; }\ninline float __shfl_sync(unsigned, float v, unsigned) { return v; }\ninline void __syncthreads() {}\ninline void __syncwarp() {}\n#include <math.h>\n";
 
 #[test]
 fn the_mvrnn_kernel_source_is_generated_and_parses() {
+    // 6 units: a warp's own lanes compute its column of `P`; 32 units in
+    // blocks of 8 warps: the block computes its 8 columns together
+    for hidden in [CFG.hidden, 32] {
+        mvrnn_kernel_parses(&ModelConfig { hidden, ..CFG });
+    }
+}
+
+fn mvrnn_kernel_parses(cfg: &ModelConfig) {
     use ramus_core::cellgen::{LoweredCell, TreeKernelSpec};
-    let model = build_model_with("mvrnn", &CFG, &ModelOptions { dropout: 0.0 }).expect("model");
+    let model = build_model_with("mvrnn", cfg, &ModelOptions { dropout: 0.0 }).expect("model");
     let cells = ramus_core::lower::lower_model(&model).expect("lowers");
     let offsets: Vec<usize> = model
         .params
@@ -481,10 +489,15 @@ fn the_mvrnn_kernel_source_is_generated_and_parses() {
         let source = spec.source().expect("generates");
         // W_M [A; B] straight into the state, lane by lane; B a and A b
         // stored for the second stage
-        assert!(
-            source.contains(&format!("{} column products, lane-parallel", CFG.hidden)),
-            "the phrase matrix is computed lane-parallel"
-        );
+        let product = if cfg.hidden.is_multiple_of(32) {
+            format!(
+                "{} column products of the block's 8 units, block-cooperative",
+                cfg.hidden
+            )
+        } else {
+            format!("{} column products, lane-parallel", cfg.hidden)
+        };
+        assert!(source.contains(&product), "the phrase matrix: {product}");
         if node_counters {
             // the second stage waits for its own nodes' first
             assert!(source.contains("wait_count(done + 0u * num_internal + begin + i"));
@@ -497,7 +510,10 @@ fn the_mvrnn_kernel_source_is_generated_and_parses() {
         };
         let dir = std::env::temp_dir().join(format!("ramus-mvrnn-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
-        let file = dir.join(format!("cortex_{leaf_table}_{node_counters}.cpp"));
+        let file = dir.join(format!(
+            "cortex_{}_{leaf_table}_{node_counters}.cpp",
+            cfg.hidden
+        ));
         std::fs::write(&file, format!("{CUDA_STUBS}{source}")).expect("write");
         let out = std::process::Command::new(cc)
             .arg("-fsyntax-only")
