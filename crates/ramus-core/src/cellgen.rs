@@ -853,7 +853,8 @@ __device__ __forceinline__ float warp_sum(float v) {
 #define CHILD(e) ((e) == cb ? c0 : (e) == cb + 1u ? c1 : child_rows[e])
 
 // Loads the child range and first two child codes of node begin + rep (if
-// the level has it): the loads of the next level, issued before its barrier.
+// the level has it): the next level's, issued before its barrier, or a
+// waiting thread's further nodes of the level.
 __device__ __forceinline__ void prefetch_node(u32 begin, u32 len, u32 rep, const u32* child_offsets,
                                               const u32* child_rows, u32* cb, u32* ce, u32* c0,
                                               u32* c1) {
@@ -1077,7 +1078,7 @@ impl LevelSync {
         }
         let (tid, threads, barrier) = self.group();
         format!(
-            "{{\nbool waited = false;\nfor (u32 i = rep + {tid} * R; i < len; i += {threads} * R) {{\nu32 cb = qcb, ce = qce, c0 = qc0, c1 = qc1;\nif (i != rep + {tid} * R) {{ const u32 n = begin + i; cb = child_offsets[n]; ce = child_offsets[n + 1]; c0 = cb < ce ? child_rows[cb] : 0; c1 = cb + 1 < ce ? child_rows[cb + 1] : 0; }}\nwait_children(done + {}u * num_internal, cb, ce, c0, c1, child_rows, num_internal, {}u);\nwaited = true;\n}}\nif (waited) acquire_fence();\n}}\n{barrier}\n",
+            "{{\nbool waited = false;\nfor (u32 i = rep + {tid} * R; i < len; i += {threads} * R) {{\nu32 cb = qcb, ce = qce, c0 = qc0, c1 = qc1;\nif (i != rep + {tid} * R) prefetch_node(begin, len, i, child_offsets, child_rows, &cb, &ce, &c0, &c1);\nwait_children(done + {}u * num_internal, cb, ce, c0, c1, child_rows, num_internal, {}u);\nwaited = true;\n}}\nif (waited) acquire_fence();\n}}\n{barrier}\n",
             stages - 1,
             self.arrivals
         )

@@ -837,6 +837,22 @@ impl CudaSwapDevice<'_> {
             .ok_or_else(|| swap_err(format!("swap path: no tensor {t}")))
     }
 
+    /// The event of tensor `t`'s offload (an error if it never had one).
+    fn offload_event(&self, t: TensorId) -> Result<&CudaEvent> {
+        self.tensor(t)?
+            .offloaded
+            .as_ref()
+            .ok_or_else(|| swap_err(format!("swap path: tensor {t} was never offloaded")))
+    }
+
+    /// The event of tensor `t`'s prefetch (an error if it never had one).
+    fn prefetch_event(&self, t: TensorId) -> Result<&CudaEvent> {
+        self.tensor(t)?
+            .prefetched
+            .as_ref()
+            .ok_or_else(|| swap_err(format!("swap path: tensor {t} was never prefetched")))
+    }
+
     fn mem(&self, t: TensorId) -> Result<&Mem> {
         self.tensor(t)?.mem.as_ref().ok_or_else(|| {
             swap_err(format!(
@@ -1251,21 +1267,15 @@ impl SwapDevice for CudaSwapDevice<'_> {
     }
 
     fn offload_complete(&mut self, tensor: TensorId) -> Result<bool> {
-        match &self.tensor(tensor)?.offloaded {
-            Some(e) => e.try_is_complete().in_call("cuEventQuery"),
-            None => Err(swap_err(format!(
-                "swap path: tensor {tensor} was never offloaded"
-            ))),
-        }
+        self.offload_event(tensor)?
+            .try_is_complete()
+            .in_call("cuEventQuery")
     }
 
     fn wait_offload(&mut self, tensor: TensorId) -> Result<()> {
-        match &self.tensor(tensor)?.offloaded {
-            Some(e) => e.synchronize().in_call("cuEventSynchronize"),
-            None => Err(swap_err(format!(
-                "swap path: tensor {tensor} was never offloaded"
-            ))),
-        }
+        self.offload_event(tensor)?
+            .synchronize()
+            .in_call("cuEventSynchronize")
     }
 
     fn prefetch(&mut self, tensor: TensorId) -> Result<()> {
@@ -1278,12 +1288,9 @@ impl SwapDevice for CudaSwapDevice<'_> {
         let (ptr, bytes) = self.mem(tensor)?.raw();
         let h2d = Arc::clone(&self.rt.h2d);
         h2d.wait(&self.rt.mark).in_call("cuStreamWaitEvent")?;
+        h2d.wait(self.offload_event(tensor)?)
+            .in_call("cuStreamWaitEvent")?;
         let slot = &mut self.rt.slots[tensor.index()];
-        let offloaded = slot
-            .offloaded
-            .as_ref()
-            .ok_or_else(|| swap_err(format!("swap path: tensor {tensor} was never offloaded")))?;
-        h2d.wait(offloaded).in_call("cuStreamWaitEvent")?;
         // memory that other tensors' offloads may still read
         for u in std::mem::take(&mut slot.write_after) {
             if let Some(e) = self
@@ -1323,21 +1330,18 @@ impl SwapDevice for CudaSwapDevice<'_> {
     }
 
     fn await_prefetch(&mut self, tensor: TensorId) -> Result<()> {
-        match &self.tensor(tensor)?.prefetched {
-            Some(e) => self.engine.main.stream.wait(e).in_call("cuStreamWaitEvent"),
-            None => Err(swap_err(format!(
-                "swap path: tensor {tensor} was never prefetched"
-            ))),
-        }
+        let event = self.prefetch_event(tensor)?;
+        self.engine
+            .main
+            .stream
+            .wait(event)
+            .in_call("cuStreamWaitEvent")
     }
 
     fn wait_prefetch(&mut self, tensor: TensorId) -> Result<()> {
-        match &self.tensor(tensor)?.prefetched {
-            Some(e) => e.synchronize().in_call("cuEventSynchronize"),
-            None => Err(swap_err(format!(
-                "swap path: tensor {tensor} was never prefetched"
-            ))),
-        }
+        self.prefetch_event(tensor)?
+            .synchronize()
+            .in_call("cuEventSynchronize")
     }
 
     fn run_op(&mut self, op: usize) -> Result<()> {
