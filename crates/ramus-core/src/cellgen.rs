@@ -69,10 +69,18 @@
 //!             const u32* child_offsets, const u32* child_rows, const u32* tokens,
 //!             const u32* batch_begin, const u32* batch_length, u32 num_batches,
 //!             u32 num_internal, u32 num_nodes, const u32* roots, u32 num_roots,
-//!             float* scores, u32* barrier, u32* done)
+//!             float* scores, u32* barrier, u32* done,
+//!             InlineIndices inl, u32* done_next, u32 done_clear)
 //! NAME_leaf_table(const float* params, float* out_state, float* out_push, u32 vocab)
 //! NAME_token_table(const float* params, float* out_table, u32 vocab)   // with hoisting
 //! ```
+//!
+//! A batch whose index arrays fit [`INLINE_INDEX_WORDS`] words passes
+//! them by value in `inl` (`inl.count > 0`; the pointers are then
+//! unused): the launch carries them, with no copy to issue, and each block
+//! reads them from shared memory. Every launch clears `done_clear` words
+//! of `done_next`, the counters of the next launch (the engine alternates
+//! two arrays), so no batch uploads zeroed counters.
 //!
 //! A multi-stage leaf cell (a refactored model's leaf, see
 //! [`crate::recursion`]) runs stage by stage too: without the table, with
@@ -97,6 +105,11 @@ use crate::graph::Graph;
 use crate::lower::{
     scalar_deps, CellProgram, ChildRef, ScalarExpr, ScalarId, Scope, VecExpr, VecId,
 };
+
+/// Index words a level kernel launch carries by value
+/// (`InlineIndices::words`; the whole parameter block stays under the
+/// 4 KiB every CUDA driver accepts).
+pub const INLINE_INDEX_WORDS: usize = 896;
 
 /// Threads per block of the generated kernels by default: few, large
 /// blocks keep the grid barrier cheap (1024 was slower on an H100: costlier
@@ -185,6 +198,10 @@ pub(crate) struct CellWriter<'a> {
     /// (every warp of the block runs the cell for the same node at the
     /// same time), so the cell may use block barriers and shared memory.
     block_warps: Option<usize>,
+    /// Code to run once before the level loop (persistent weights other
+    /// than the dot rows: the block-cooperative column products' slices
+    /// of their static matrix), declaring what the cell code reads.
+    preload: String,
 }
 
 impl<'a> CellWriter<'a> {
@@ -198,6 +215,7 @@ impl<'a> CellWriter<'a> {
             direct: vec![None; cell.program.scalars.len()],
             stored: vec![false; cell.program.scalars.len()],
             block_warps: None,
+            preload: String::new(),
         }
     }
 
@@ -639,7 +657,12 @@ impl<'a> CellWriter<'a> {
         if let Some(warps) = self.block_warps {
             let threads = 32 * warps;
             if count.is_multiple_of(32) && threads.is_multiple_of(count) {
-                self.block_column_dots(members, &parts[0], (db, dcol), (k, &x), warps);
+                let split = threads / count;
+                if self.registers.is_some() && split.is_power_of_two() && warps.is_multiple_of(4) {
+                    self.register_column_dots(members, &parts[0], (db, dcol), (k, &x), warps);
+                } else {
+                    self.block_column_dots(members, &parts[0], (db, dcol), (k, &x), warps);
+                }
                 return Ok(true);
             }
         }
@@ -682,6 +705,55 @@ impl<'a> CellWriter<'a> {
         let _ = writeln!(
             self.code,
             "// {count} column products of the block's {warps} units, block-cooperative\n{{\n__shared__ float {xsh}[{k} * {warps}];\nconst unsigned int wib = threadIdx.x >> 5;\n#pragma unroll\nfor (unsigned int i = 0; i < {ck}u; ++i) {{\nconst unsigned int t = lane + 32u * i;\nif (t < {k}u) {xsh}[t * {warps}u + wib] = {x};\n}}\n__syncthreads();\nconst unsigned int q = threadIdx.x % {count}u, g = threadIdx.x / {count}u;\nfloat {acc}[{per}];\n#pragma unroll\nfor (unsigned int m = 0; m < {per}u; ++m) {acc}[m] = 0.0f;\n#pragma unroll 4\nfor (unsigned int t = 0; t < {k}u; ++t) {{\nconst float w = P{weight}[{base0}u + q * {db}u + t * {step}u];\n#pragma unroll\nfor (unsigned int m = 0; m < {per}u; ++m) {acc}[m] += w * {xsh}[t * {warps}u + g + {groups}u * m];\n}}\n__syncthreads();\n#pragma unroll\nfor (unsigned int m = 0; m < {per}u; ++m) ({dst})[{col0}u + q * {dcol}u + (j - wib) + g + {groups}u * m] = {acc}[m];\n}}"
+        );
+        for &m in members {
+            self.emitted_dots[m] = true;
+            self.stored[m] = true;
+        }
+    }
+
+    /// The block-cooperative column products (see
+    /// [`CellWriter::block_column_dots`]) with the static matrix held in
+    /// registers across levels (model persistence): the block's threads
+    /// split the `count` rows and, `split = threads / count` ways, the `k`
+    /// columns of the matrix (thread `q · split + g` holds row `q`'s
+    /// columns `g, g + split, …`, loaded once by [`CellWriter::preload`]).
+    /// Each thread multiplies its slice into every one of the block's
+    /// input columns (read from shared memory, four at a time) and the
+    /// `split` partial sums of a row, in adjacent lanes, are added by
+    /// shuffles; the row's first thread stores the block's columns.
+    fn register_column_dots(
+        &mut self,
+        members: &[ScalarId],
+        first: &(usize, usize, usize, String, usize),
+        (db, dcol): (usize, usize),
+        (k, x): (usize, &str),
+        warps: usize,
+    ) {
+        let (weight, base0, step, dst, col0) = first;
+        let count = members.len();
+        let split = 32 * warps / count;
+        let per_thread = k.div_ceil(split);
+        // a padded row of the shared input (the split threads of a row read
+        // rows t, t + 1, … at once: four floats apart in the banks)
+        let stride = warps + 4;
+        let (xsh, acc, held) = (
+            self.temp("xsh"),
+            self.temp("acc"),
+            format!("cw{}", members[0]),
+        );
+        let _ = writeln!(
+            self.preload,
+            "// the block's slice of P{weight} for its {count} column products: row threadIdx.x / {split}, columns threadIdx.x % {split} + {split} * i\nfloat {held}[{per_thread}];\n#pragma unroll\nfor (u32 i = 0; i < {per_thread}u; ++i) {{ const u32 t = (threadIdx.x % {split}u) + {split}u * i; {held}[i] = t < {k}u ? P{weight}[{base0}u + (threadIdx.x / {split}u) * {db}u + t * {step}u] : 0.0f; }}"
+        );
+        let ck = chunks(k);
+        let rows = per_thread * split;
+        let _ = writeln!(
+            self.code,
+            "// {count} column products of the block's {warps} units, block-cooperative, the matrix in registers\n{{\n__shared__ __align__(16) float {xsh}[{rows} * {stride}];\nconst unsigned int wib = threadIdx.x >> 5;\n#pragma unroll\nfor (unsigned int i = 0; i < {ck}u; ++i) {{\nconst unsigned int t = lane + 32u * i;\nif (t < {k}u) {xsh}[t * {stride}u + wib] = {x};\n}}\nif (threadIdx.x < {pad}u) {xsh}[({k}u + threadIdx.x / {warps}u) * {stride}u + threadIdx.x % {warps}u] = 0.0f;\n__syncthreads();\nconst unsigned int q = threadIdx.x / {split}u, g = threadIdx.x % {split}u;\nfloat {acc}[{warps}];\n#pragma unroll\nfor (unsigned int c = 0; c < {warps}u; ++c) {acc}[c] = 0.0f;\n#pragma unroll\nfor (unsigned int i = 0; i < {per_thread}u; ++i) {{\nconst float w = {held}[i];\nconst float4* xr = reinterpret_cast<const float4*>({xsh} + ({split}u * i + g) * {stride}u);\n#pragma unroll\nfor (unsigned int c = 0; c < {quads}u; ++c) {{\nconst float4 xv = xr[c];\n{acc}[4u * c] += w * xv.x; {acc}[4u * c + 1u] += w * xv.y; {acc}[4u * c + 2u] += w * xv.z; {acc}[4u * c + 3u] += w * xv.w;\n}}\n}}\n#pragma unroll\nfor (unsigned int c = 0; c < {warps}u; ++c) {{\n#pragma unroll\nfor (unsigned int o = {half}u; o > 0u; o >>= 1) {acc}[c] += __shfl_xor_sync(0xffffffffu, {acc}[c], o);\n}}\n__syncthreads();\nif (g == 0u) {{\n#pragma unroll\nfor (unsigned int c = 0; c < {warps}u; ++c) ({dst})[{col0}u + q * {dcol}u + (j - wib) + c] = {acc}[c];\n}}\n}}",
+            pad = (rows - k) * warps,
+            quads = warps / 4,
+            half = split / 2,
         );
         for &m in members {
             self.emitted_dots[m] = true;
@@ -766,7 +838,23 @@ impl<'a> CellWriter<'a> {
     /// The code of stage `stage` of the cell: its scalars, its stores into
     /// the scratch row (`scratch + n · scratch_width`) and the output lanes
     /// it computes, stored through `outputs[o]` (a row pointer expression).
-    pub(crate) fn cell_stage(mut self, stage: usize, outputs: &[&str]) -> Result<String> {
+    pub(crate) fn cell_stage(self, stage: usize, outputs: &[&str]) -> Result<String> {
+        let (code, preload) = self.cell_stage_with_preload(stage, outputs)?;
+        if !preload.is_empty() {
+            return Err(gen_error(
+                "a cell keeping a matrix in registers runs only in the level kernel",
+            ));
+        }
+        Ok(code)
+    }
+
+    /// [`CellWriter::cell_stage`], and the code to run once before the
+    /// level loop for it ([`CellWriter::preload`]).
+    pub(crate) fn cell_stage_with_preload(
+        mut self,
+        stage: usize,
+        outputs: &[&str],
+    ) -> Result<(String, String)> {
         let prog = self.cell.program;
         // child pointers for fixed-arity reads
         let mut kids: Vec<usize> = prog
@@ -836,7 +924,7 @@ impl<'a> CellWriter<'a> {
             }
         }
         self.code += "}\n";
-        Ok(self.code)
+        Ok((self.code, self.preload))
     }
 }
 
@@ -941,6 +1029,23 @@ __device__ __forceinline__ void grid_sync(u32* bar, u32* gen) {
     __syncthreads();
 }
 "#;
+
+/// The level kernel's first code: the index arrays from the launch's
+/// inline words (copied to shared memory) or from the pointers passed,
+/// and the next launch's node counters cleared (the engine alternates two
+/// counter arrays, so no batch uploads zeros).
+const INLINE_PROLOGUE: &str = "__shared__ u32 inline_words[INLINE_INDEX_WORDS];
+const bool inline_indices = inl.count > 0u;
+if (inline_indices) for (u32 i = threadIdx.x; i < inl.count; i += blockDim.x) inline_words[i] = inl.words[i];
+const u32* child_offsets = inline_indices ? inline_words + inl.at[0] : child_offsets_in;
+const u32* child_rows = inline_indices ? inline_words + inl.at[1] : child_rows_in;
+const u32* tokens = inline_indices ? inline_words + inl.at[2] : tokens_in;
+const u32* batch_begin = inline_indices ? inline_words + inl.at[3] : batch_begin_in;
+const u32* batch_length = inline_indices ? inline_words + inl.at[4] : batch_length_in;
+const u32* roots = inline_indices ? inline_words + inl.at[5] : roots_in;
+for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < done_clear; i += gridDim.x * blockDim.x) done_next[i] = 0u;
+__syncthreads();
+";
 
 /// `const float* P<p> = params + offset;` for every parameter.
 pub(crate) fn param_pointers(offsets: &[usize]) -> String {
@@ -1224,6 +1329,10 @@ impl TreeKernelSpec<'_> {
         let mut src = String::from(PRELUDE);
         let _ = writeln!(
             src,
+            "// A small batch's index arrays, passed by value with the launch (no copy\n// to issue): `count` words, array `a` starting at word `at[a]` (child\n// offsets, child rows, tokens, level begins, level lengths, roots).\n#define INLINE_INDEX_WORDS {INLINE_INDEX_WORDS}u\nstruct InlineIndices {{ u32 count; u32 at[6]; u32 words[INLINE_INDEX_WORDS]; }};"
+        );
+        let _ = writeln!(
+            src,
             "// The state row of child code c (see `child_rows`): an internal node's row, or its token's table row.\n__device__ __forceinline__ const float* row_of(u32 c, const float* state, const float* table, u32 num_internal, bool use_table) {{\n    return (c < num_internal || !use_table) ? state + (u64)c * {s}u : table + (u64)(c - num_internal) * {s}u;\n}}\n#define ROW(c) row_of((c), state, table_state, num_internal, use_table)"
         );
         // ---- table kernels: the leaf cell, and the hoisted token values
@@ -1284,12 +1393,14 @@ impl TreeKernelSpec<'_> {
                 w
             }
         };
-        let internal_cell = writer().cell_stage(0, &internal_outputs)?;
+        let (internal_cell, preload) = writer().cell_stage_with_preload(0, &internal_outputs)?;
+        weights += &preload;
         // later stages of a multi-stage cell: each after a barrier (or its
         // own nodes' previous stage), its nodes reloading their children
         let mut later_stages = String::new();
         for stage in 1..stages {
-            let code = writer().cell_stage(stage, &internal_outputs)?;
+            let (code, preload) = writer().cell_stage_with_preload(stage, &internal_outputs)?;
+            weights += &preload;
             let _ = write!(
                 later_stages,
                 "{}for (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nconst u32 cb = child_offsets[n], ce = child_offsets[n + 1];\nconst u32 c0 = cb < ce ? child_rows[cb] : 0, c1 = cb + 1 < ce ? child_rows[cb + 1] : 0;\n{code}}}\n{}",
@@ -1300,7 +1411,7 @@ impl TreeKernelSpec<'_> {
         let use_table = self.leaf_table;
         let _ = write!(
             src,
-            "extern \"C\" __global__ void __launch_bounds__({block}) {name}_levels(const float* __restrict__ params, float* state, float* push, const float* __restrict__ table_state, const float* __restrict__ table_push, const float* __restrict__ token_table, float* scratch, const u32* __restrict__ child_offsets, const u32* __restrict__ child_rows, const u32* __restrict__ tokens, const u32* __restrict__ batch_begin, const u32* __restrict__ batch_length, u32 num_batches, u32 num_internal, u32 num_nodes, const u32* __restrict__ roots, u32 num_roots, float* scores, u32* barrier, u32* done) {{\n{}const bool use_table = {use_table}; (void)token_table; (void)scratch; (void)done;\n// the barrier generation (thread 0's copy; no block can arrive before every block has read it)\nu32 bar_gen = 0;\nif (threadIdx.x == 0) bar_gen = barrier_generation(barrier);\nconst u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n",
+            "extern \"C\" __global__ void __launch_bounds__({block}) {name}_levels(const float* __restrict__ params, float* state, float* push, const float* __restrict__ table_state, const float* __restrict__ table_push, const float* __restrict__ token_table, float* scratch, const u32* child_offsets_in, const u32* child_rows_in, const u32* tokens_in, const u32* batch_begin_in, const u32* batch_length_in, u32 num_batches, u32 num_internal, u32 num_nodes, const u32* roots_in, u32 num_roots, float* scores, u32* barrier, u32* done, const __grid_constant__ InlineIndices inl, u32* done_next, u32 done_clear) {{\n{}const bool use_table = {use_table}; (void)token_table; (void)scratch; (void)done;\n{INLINE_PROLOGUE}// the barrier generation (thread 0's copy; no block can arrive before every block has read it)\nu32 bar_gen = 0;\nif (threadIdx.x == 0) bar_gen = barrier_generation(barrier);\nconst u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n",
             param_pointers(self.param_offsets),
         );
         src += &self.leaf_phase()?;

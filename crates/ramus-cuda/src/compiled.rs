@@ -9,18 +9,21 @@
 //! through the kernel cache and, with leaf specialization, runs the table
 //! kernel once to tabulate the leaf cell for every token (the per-word leaf
 //! projections hoisted out of inference). Per batch it linearizes the
-//! graphs on the host, uploads the index arrays in one copy, launches once
-//! and downloads the root scores.
+//! graphs on the host and launches once — a small batch's index arrays
+//! travel by value with the launch ([`INLINE_INDEX_WORDS`]), a larger one's
+//! in one upload first — and the kernel writes the root scores into mapped
+//! host memory, read after one stream synchronization. Each launch clears
+//! the node counters the next one uses (two arrays in turn).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaEvent, CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use ramus_core::cellgen::{
-    token_stage_kernel, used_stages, LoweredCell, TreeKernelSpec, CELL_BLOCK,
+    token_stage_kernel, used_stages, LoweredCell, TreeKernelSpec, CELL_BLOCK, INLINE_INDEX_WORDS,
 };
 use ramus_core::recursion::{lower_scheduled, Backend, RecursionSchedule};
 use ramus_core::{Model, Params};
@@ -29,7 +32,7 @@ use ramus_graph::{InputGraph, Linearizer, UnrolledPlan};
 use crate::cache::KernelCache;
 use crate::device::CudaDevice;
 use crate::error::{CudaError, InCall, Result};
-use crate::pinned::PinnedBuffer;
+use crate::pinned::{MappedBuffer, PinnedBuffer};
 use crate::pool::{Arena, DevicePool, DeviceView, PoolBuffer, PoolConfig};
 
 /// The Cortex schedule knobs of the compiled engine (the ablation of
@@ -84,6 +87,97 @@ struct LevelOrderTuning {
     /// Kernel milliseconds per timed batch: the current ordering's, the
     /// other's.
     samples: [Vec<f32>; 2],
+}
+
+/// A small batch's index arrays passed by value with the level kernel's
+/// launch (the generated `InlineIndices`, same layout): `count` words,
+/// array `a` at word `at[a]` (child offsets, child rows, tokens, level
+/// begins, level lengths, roots). `count == 0`: the pointers are used.
+#[repr(C)]
+struct InlineIndices {
+    count: u32,
+    at: [u32; 6],
+    words: [u32; INLINE_INDEX_WORDS],
+}
+
+// SAFETY: plain `u32`s in the generated struct's order and layout (C, no
+// padding: every field is 4-byte aligned), passed by value.
+unsafe impl DeviceRepr for InlineIndices {}
+
+impl InlineIndices {
+    /// Packs `arrays` if they fit (else sets `count` to 0).
+    fn pack(&mut self, arrays: [&[u32]; 6]) -> bool {
+        let total: usize = arrays.iter().map(|a| a.len()).sum();
+        if total > INLINE_INDEX_WORDS {
+            self.count = 0;
+            return false;
+        }
+        let mut at = 0;
+        for (slot, a) in arrays.iter().enumerate() {
+            self.at[slot] = at as u32;
+            self.words[at..at + a.len()].copy_from_slice(a);
+            at += a.len();
+        }
+        self.count = total as u32;
+        true
+    }
+}
+
+/// The two node-counter arrays the level kernels alternate between: a
+/// launch uses one and clears the other for the next (so the counters
+/// are never uploaded).
+struct CounterPair {
+    pool: Arc<DevicePool>,
+    buffers: Option<[PoolBuffer<u32>; 2]>,
+    /// Words of each array (all zero outside a running launch).
+    capacity: usize,
+    /// The array the next launch uses.
+    next: usize,
+}
+
+impl CounterPair {
+    /// The arrays for a launch needing `words` counters: (this launch's,
+    /// the next's), growing both (zeroed on `stream`) when too small.
+    fn for_launch(
+        &mut self,
+        words: usize,
+        stream: &cudarc::driver::CudaStream,
+    ) -> Result<(DeviceView<u32>, DeviceView<u32>)> {
+        if self.buffers.is_none() || words > self.capacity {
+            let capacity = words.max(self.capacity.saturating_mul(2)).max(1024);
+            let pair = [
+                self.pool.alloc::<u32>(capacity)?,
+                self.pool.alloc::<u32>(capacity)?,
+            ];
+            for b in &pair {
+                b.view().fill_zero(stream)?;
+            }
+            self.buffers = Some(pair);
+            self.capacity = capacity;
+        }
+        let Some(pair) = &self.buffers else {
+            return Err(model_err("node counters were not allocated"));
+        };
+        Ok((pair[self.next].view(), pair[1 - self.next].view()))
+    }
+
+    /// After a launch with [`CounterPair::for_launch`]'s arrays was
+    /// enqueued: the next launch uses the array it clears. (A launch that
+    /// failed to enqueue cleared nothing, so the arrays stay.)
+    fn launched(&mut self) {
+        self.next = 1 - self.next;
+    }
+}
+
+/// A pair of timing events recorded around a launch.
+fn timing_events(device: &CudaDevice) -> Result<(CudaEvent, CudaEvent)> {
+    let timed = || {
+        device
+            .context()
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .in_call("cuEventCreate")
+    };
+    Ok((timed()?, timed()?))
 }
 
 /// The median of `samples` (not empty).
@@ -193,8 +287,12 @@ pub struct CompiledEngine {
     linearizer: Linearizer,
     /// Per-batch scratch: the child row codes uploaded.
     child_rows: Vec<u32>,
-    /// Per-batch scratch: the zeroed node counters uploaded.
-    zero_counters: Vec<u32>,
+    /// The batch's index arrays when they fit the launch.
+    inline: Box<InlineIndices>,
+    /// The node counters (level kernels).
+    counters: CounterPair,
+    /// The root scores, written by the kernel straight to the host.
+    scores_out: MappedBuffer,
     /// Stages of the internal cell (node counters per internal node).
     stages: usize,
     /// Blocks that can be resident at once (the cooperative launch's
@@ -496,14 +594,8 @@ impl CompiledEngine {
             0.0
         };
         let arena = pool.arena(16 << 20);
-        let timed = || {
-            device
-                .context()
-                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .in_call("cuEventCreate")
-        };
         let kernel_events = if options.time_kernel || tuning.is_some() {
-            Some((timed()?, timed()?))
+            Some(timing_events(&device)?)
         } else {
             None
         };
@@ -528,7 +620,18 @@ impl CompiledEngine {
             _barrier: barrier,
             linearizer: Linearizer::new(),
             child_rows: Vec::new(),
-            zero_counters: Vec::new(),
+            inline: Box::new(InlineIndices {
+                count: 0,
+                at: [0; 6],
+                words: [0; INLINE_INDEX_WORDS],
+            }),
+            counters: CounterPair {
+                pool: Arc::clone(&pool),
+                buffers: None,
+                capacity: 0,
+                next: 0,
+            },
+            scores_out: MappedBuffer::new(&device),
             stages: internal.stages,
             max_blocks,
             min_blocks,
@@ -577,6 +680,20 @@ impl CompiledEngine {
     /// Seconds the leaf table took to build (0 without one).
     pub fn leaf_table_seconds(&self) -> f64 {
         self.leaf_table_seconds
+    }
+
+    /// Times each launch with device events from now on (or stops, once
+    /// the level ordering is settled): [`CompiledOptions::time_kernel`].
+    pub fn set_time_kernel(&mut self, on: bool) -> Result<()> {
+        self.time_kernel = on;
+        if on && self.kernel_events.is_none() {
+            self.kernel_events = Some(timing_events(&self.device)?);
+        }
+        if !on && self.tuning.is_none() {
+            self.kernel_events = None;
+            self.last_kernel_seconds = None;
+        }
+        Ok(())
     }
 
     /// Host seconds of the last [`infer`](Self::infer) up to its launch.
@@ -649,36 +766,40 @@ impl CompiledEngine {
                 .plan(batch)
                 .map_err(|e| model_err(format!("the batch cannot be unrolled: {e}")))?;
         }
-        // one upload: offsets, child rows, tokens, the level ranges (batch
-        // begin / length, or the unrolled steps and groups), roots, and the
-        // zeroed node counters (one per internal node and stage; none with
-        // grid barriers)
-        let mut parts: Vec<&[u32]> = vec![batch.child_offsets(), &self.child_rows, batch.tokens()];
-        if unroll {
-            parts.extend([
-                self.plan.step_begin(),
-                self.plan.group_parent(),
-                self.plan.group_child_begin(),
-                self.plan.group_children(),
-            ]);
-        } else {
-            parts.extend([batch.batch_begin(), batch.batch_length()]);
-        }
-        parts.push(batch.root_nodes());
         // while measuring, the orderings alternate (fewer samples first)
         let try_other = self
             .tuning
             .as_ref()
             .is_some_and(|t| t.samples[1].len() < t.samples[0].len());
-        let counters = match (&self.tuning, try_other) {
-            (Some(t), true) => t.other_counters,
-            _ => self.schedule.node_counters == Some(true),
-        };
-        self.zero_counters.clear();
-        if counters {
-            self.zero_counters.resize(ni * self.stages, 0);
+        let stream = self.device.stream().clone();
+        // the index arrays: carried by the launch when they fit (level
+        // kernel), else one upload: offsets, child rows, tokens, the level
+        // ranges (batch begin / length, or the unrolled steps and groups),
+        // roots
+        let inline = !unroll
+            && self.inline.pack([
+                batch.child_offsets(),
+                &self.child_rows,
+                batch.tokens(),
+                batch.batch_begin(),
+                batch.batch_length(),
+                batch.root_nodes(),
+            ]);
+        let mut parts: Vec<&[u32]> = Vec::new();
+        if !inline {
+            parts.extend([batch.child_offsets(), &self.child_rows, batch.tokens()]);
+            if unroll {
+                parts.extend([
+                    self.plan.step_begin(),
+                    self.plan.group_parent(),
+                    self.plan.group_child_begin(),
+                    self.plan.group_children(),
+                ]);
+            } else {
+                parts.extend([batch.batch_begin(), batch.batch_length()]);
+            }
+            parts.push(batch.root_nodes());
         }
-        parts.push(&self.zero_counters);
         let total: usize = parts.iter().map(|p| p.len()).sum();
         let root_graph: Vec<u32> = batch
             .root_nodes()
@@ -691,27 +812,37 @@ impl CompiledEngine {
         );
         let (nb, nr) = (u32_of(num_batches, "levels")?, u32_of(roots, "roots")?);
         let steps = u32_of(self.plan.num_steps(), "unrolled steps")?;
-        {
-            let host = self.staging.host_mut::<u32>(total)?;
+        self.arena.reset()?;
+        let mut views = Vec::with_capacity(parts.len());
+        if !inline {
+            {
+                let host = self.staging.host_mut::<u32>(total)?;
+                let mut at = 0;
+                for p in &parts {
+                    host[at..at + p.len()].copy_from_slice(p);
+                    at += p.len();
+                }
+            }
+            let indices = self.arena.alloc::<u32>(total.max(1))?;
+            self.staging.upload(indices.slice(0..total)?, &stream)?;
             let mut at = 0;
             for p in &parts {
-                host[at..at + p.len()].copy_from_slice(p);
+                views.push(indices.slice(at..at + p.len())?);
                 at += p.len();
             }
         }
-        self.arena.reset()?;
-        let indices = self.arena.alloc::<u32>(total.max(1))?;
-        let stream = self.device.stream().clone();
-        self.staging.upload(indices.slice(0..total)?, &stream)?;
-        let mut views = Vec::with_capacity(parts.len());
-        let mut at = 0;
-        for p in &parts {
-            views.push(indices.slice(at..at + p.len())?);
-            at += p.len();
-        }
+        // the node counters of every internal node and stage (level
+        // kernels; zero, and the next launch's cleared by this one)
+        let counters = if unroll {
+            None
+        } else {
+            Some(self.counters.for_launch(ni * self.stages, &stream)?)
+        };
+        let done_clear = u32_of(self.counters.capacity, "node counters")?;
         let state = self.arena.alloc::<f32>((nodes * self.state_width).max(1))?;
         let push = self.arena.alloc::<f32>((nodes * self.push_width).max(1))?;
-        let scores = self.arena.alloc::<f32>((roots * self.classes).max(1))?;
+        let score_len = roots * self.classes;
+        let scores = self.scores_out.device_ptr_for::<f32>(score_len, &stream)?;
         let scratch = self
             .arena
             .alloc::<f32>((nodes * self.scratch_width).max(1))?;
@@ -728,6 +859,13 @@ impl CompiledEngine {
             (Some(t), true) => &t.other,
             _ => &self.levels,
         };
+        // the index pointers (unused, null, when the launch carries them)
+        let null = 0u64;
+        let index = |slot: usize| {
+            views
+                .get(slot)
+                .map_or(&null, |v: &DeviceView<u32>| v.kernel_arg())
+        };
         let mut launch = stream.launch_builder(kernel);
         launch
             .arg(self.params.kernel_arg())
@@ -737,32 +875,35 @@ impl CompiledEngine {
             .arg(&self.table_push)
             .arg(&self.token_table)
             .arg(scratch.kernel_arg())
-            .arg(views[0].kernel_arg())
-            .arg(views[1].kernel_arg())
-            .arg(views[2].kernel_arg());
+            .arg(index(0))
+            .arg(index(1))
+            .arg(index(2));
         if unroll {
             launch
-                .arg(views[3].kernel_arg())
+                .arg(index(3))
                 .arg(&steps)
-                .arg(views[4].kernel_arg())
-                .arg(views[5].kernel_arg())
-                .arg(views[6].kernel_arg());
+                .arg(index(4))
+                .arg(index(5))
+                .arg(index(6))
+                .arg(&num_internal)
+                .arg(&num_nodes)
+                .arg(index(7));
         } else {
             launch
-                .arg(views[3].kernel_arg())
-                .arg(views[4].kernel_arg())
-                .arg(&nb);
+                .arg(index(3))
+                .arg(index(4))
+                .arg(&nb)
+                .arg(&num_internal)
+                .arg(&num_nodes)
+                .arg(index(5));
         }
-        let (roots_view, done_view) = (views[views.len() - 2], views[views.len() - 1]);
-        launch
-            .arg(&num_internal)
-            .arg(&num_nodes)
-            .arg(roots_view.kernel_arg())
-            .arg(&nr)
-            .arg(scores.kernel_arg())
-            .arg(self.barrier.kernel_arg());
-        if !unroll {
-            launch.arg(done_view.kernel_arg());
+        launch.arg(&nr).arg(&scores).arg(self.barrier.kernel_arg());
+        if let Some((done, done_next)) = &counters {
+            launch
+                .arg(done.kernel_arg())
+                .arg(&*self.inline)
+                .arg(done_next.kernel_arg())
+                .arg(&done_clear);
         }
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
@@ -774,22 +915,24 @@ impl CompiledEngine {
         }
         // SAFETY: the arguments match `cortex_levels`' (or, unrolled,
         // `cortex_unrolled`'s) parameters in order; state, pushed and
-        // scratch buffers have a row per node, scores a row per root, the
-        // index views hold the linearized arrays and the plan's steps and
-        // groups (every node and token checked above), the tables a row per
-        // token, `done` (levels only) the zeroed counters of every internal
-        // node and stage; the launch is cooperative with at most the
-        // resident block count, so neither the grid barrier nor a counter
-        // wait can deadlock.
+        // scratch buffers have a row per node, scores (mapped host memory)
+        // a row per root, the index arrays (inline, or the views) hold the
+        // linearized arrays and the plan's steps and groups (every node and
+        // token checked above), the tables a row per token, `done` (levels
+        // only) zeroed counters for every internal node and stage and
+        // `done_next` `done_clear` words; the launch is cooperative with at
+        // most the resident block count, so neither the grid barrier nor a
+        // counter wait can deadlock.
         unsafe { launch.launch_cooperative(cfg) }
             .in_call("cuLaunchCooperativeKernel(cortex_levels)")?;
+        if counters.is_some() {
+            self.counters.launched();
+        }
         if let Some((_, end)) = &self.kernel_events {
             end.record(&stream).in_call("cuEventRecord")?;
         }
         self.last_enqueue_seconds = started.elapsed().as_secs_f64();
-        let out = self
-            .staging
-            .download_to_vec(scores.slice(0..roots * self.classes)?, &stream)?;
+        let out = self.scores_out.read::<f32>(score_len, &stream)?.to_vec();
         if let Some((start, end)) = &self.kernel_events {
             let ms = start.elapsed_ms(end).in_call("cuEventElapsedTime")?;
             self.last_kernel_seconds = Some(f64::from(ms) / 1e3);
@@ -803,5 +946,36 @@ impl CompiledEngine {
             classes: self.classes,
             root_graph,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inline_indices_have_the_generated_layout_and_pack_what_fits() {
+        // count, at[6], words: 4-byte fields, no padding
+        assert_eq!(
+            std::mem::size_of::<InlineIndices>(),
+            4 * (7 + INLINE_INDEX_WORDS)
+        );
+        let mut inline = InlineIndices {
+            count: 0,
+            at: [0; 6],
+            words: [0; INLINE_INDEX_WORDS],
+        };
+        let (offsets, rows, tokens) = ([0, 2, 2], [5, 6], [1, 2, 3, 4, 5, 6, 7]);
+        assert!(inline.pack([&offsets, &rows, &tokens, &[0], &[1], &[6]]));
+        assert_eq!(inline.count, 15);
+        assert_eq!(inline.at, [0, 3, 5, 12, 13, 14]);
+        assert_eq!(&inline.words[..15], &[0, 2, 2, 5, 6, 1, 2, 3, 4, 5, 6, 7, 0, 1, 6]);
+        // one word too many: the pointers are used instead
+        let big = vec![7u32; INLINE_INDEX_WORDS - 4];
+        assert!(!inline.pack([&big, &rows, &tokens, &[], &[], &[]]));
+        assert_eq!(inline.count, 0);
+        let fits = vec![7u32; INLINE_INDEX_WORDS - 9];
+        assert!(inline.pack([&fits, &rows, &tokens, &[], &[], &[]]));
+        assert_eq!(inline.count as usize, INLINE_INDEX_WORDS);
     }
 }

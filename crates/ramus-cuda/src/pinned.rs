@@ -234,3 +234,117 @@ fn byte_len<T>(len: usize) -> Result<usize> {
     len.checked_mul(std::mem::size_of::<T>())
         .ok_or_else(|| CudaError::BadArgument(format!("{len} elements overflow the address space")))
 }
+
+/// A pinned host buffer mapped into the device's address space: a kernel
+/// writes results straight into it (no copy to issue), and the host reads
+/// them once the stream that ran the kernel has finished. Small outputs
+/// (the compiled engine's root scores) come back this way with one
+/// stream synchronization instead of a copy and an event.
+#[derive(Debug)]
+pub struct MappedBuffer {
+    context: Arc<CudaContext>,
+    host: Option<NonNull<u8>>,
+    device_ptr: u64,
+    capacity: usize,
+}
+
+// SAFETY: the buffer exclusively owns its mapped allocation; pinned host
+// memory may be used from any thread.
+unsafe impl Send for MappedBuffer {}
+// SAFETY: `&self` methods only read the allocation, after synchronizing
+// the stream whose kernels write it.
+unsafe impl Sync for MappedBuffer {}
+
+impl MappedBuffer {
+    /// An empty buffer on `device`; it allocates when first reserved.
+    pub fn new(device: &CudaDevice) -> Self {
+        Self {
+            context: Arc::clone(device.context()),
+            host: None,
+            device_ptr: 0,
+            capacity: 0,
+        }
+    }
+
+    /// The device address of the first `len` elements of type `T` for a
+    /// kernel on `stream` to write, growing the buffer if needed (after
+    /// waiting for the stream, so no running kernel writes a freed
+    /// allocation; growing does not keep the old contents).
+    pub fn device_ptr_for<T: DeviceScalar>(
+        &mut self,
+        len: usize,
+        stream: &CudaStream,
+    ) -> Result<u64> {
+        let bytes = byte_len::<T>(len)?.max(1);
+        if bytes > self.capacity {
+            stream.synchronize().in_call("cuStreamSynchronize")?;
+            self.free_host()?;
+            let new_capacity = bytes.max(self.capacity.saturating_mul(2)).max(256);
+            self.context.bind_to_thread().in_call("cuCtxSetCurrent")?;
+            // SAFETY: a page-locked allocation mapped into the device's
+            // address space; uninitialised, which is fine for f32/u32: every
+            // bit pattern is valid.
+            let host = unsafe {
+                result::malloc_host(new_capacity, cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP)
+            }
+            .in_call("cuMemHostAlloc(DEVICEMAP)")?;
+            self.host = NonNull::new(host.cast::<u8>());
+            let mut device_ptr = 0;
+            // SAFETY: `host` is a live mapped allocation from the call above;
+            // flags must be 0.
+            unsafe { cudarc::driver::sys::cuMemHostGetDevicePointer_v2(&mut device_ptr, host, 0) }
+                .result()
+                .in_call("cuMemHostGetDevicePointer")?;
+            self.device_ptr = device_ptr;
+            self.capacity = if self.host.is_some() { new_capacity } else { 0 };
+        }
+        Ok(self.device_ptr)
+    }
+
+    /// Waits for `stream` (whose kernels write the buffer) and returns the
+    /// first `len` elements.
+    pub fn read<T: DeviceScalar>(&self, len: usize, stream: &CudaStream) -> Result<&[T]> {
+        stream.synchronize().in_call("cuStreamSynchronize")?;
+        let bytes = byte_len::<T>(len)?;
+        if bytes > self.capacity {
+            return Err(CudaError::BadArgument(format!(
+                "{len} elements ({bytes} bytes) read from a mapped buffer of {} bytes",
+                self.capacity
+            )));
+        }
+        let Some(host) = self.host else {
+            return Ok(&[]);
+        };
+        // SAFETY: in bounds (checked above) of a page-aligned allocation;
+        // the stream that writes it has finished (synchronized above) and
+        // `&self` excludes a concurrent `device_ptr_for` (the only way to
+        // hand out a new address to write); `T` is valid for any bits.
+        Ok(unsafe { std::slice::from_raw_parts(host.as_ptr().cast::<T>(), len) })
+    }
+
+    fn free_host(&mut self) -> Result<()> {
+        if let Some(host) = self.host.take() {
+            self.capacity = 0;
+            self.device_ptr = 0;
+            self.context.bind_to_thread().in_call("cuCtxSetCurrent")?;
+            // SAFETY: `host` came from `cuMemHostAlloc` and is freed once;
+            // the callers waited for the kernels that write it.
+            unsafe { result::free_host(host.as_ptr().cast::<c_void>()) }
+                .in_call("cuMemFreeHost")?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for MappedBuffer {
+    fn drop(&mut self) {
+        // a kernel still writing the allocation would write freed memory
+        if let Err(e) = self.context.synchronize() {
+            eprintln!("ramus-cuda: leaking a mapped buffer whose device did not finish: {e}");
+            return;
+        }
+        if let Err(e) = self.free_host() {
+            eprintln!("ramus-cuda: could not free a mapped buffer: {e}");
+        }
+    }
+}

@@ -430,7 +430,7 @@ fn the_mvrnn_cell_lowers_to_row_and_column_products() {
 
 /// Declarations that let a generated CUDA kernel parse as host C++ (a
 /// syntax check: nothing runs).
-const CUDA_STUBS: &str = "#define __global__\n#define __device__\n#define __shared__\n#define __forceinline__ inline\n#define __launch_bounds__(x)\n#define __restrict__ __restrict\nstruct dim3_ { unsigned x, y, z; };\nstatic dim3_ threadIdx, blockIdx, blockDim, gridDim;\ninline float __shfl_xor_sync(unsigned, float v, int) { return v; }\ninline float __shfl_sync(unsigned, float v, unsigned) { return v; }\ninline void __syncthreads() {}\ninline void __syncwarp() {}\n#include <math.h>\n";
+const CUDA_STUBS: &str = "#define __global__\n#define __device__\n#define __shared__\n#define __forceinline__ inline\n#define __launch_bounds__(x)\n#define __restrict__ __restrict\n#define __align__(x)\n#define __grid_constant__\nstruct float4 { float x, y, z, w; };\nstruct dim3_ { unsigned x, y, z; };\nstatic dim3_ threadIdx, blockIdx, blockDim, gridDim;\ninline float __shfl_xor_sync(unsigned, float v, int) { return v; }\ninline float __shfl_sync(unsigned, float v, unsigned) { return v; }\ninline void __syncthreads() {}\ninline void __syncwarp() {}\n#include <math.h>\n";
 
 #[test]
 fn the_mvrnn_kernel_source_is_generated_and_parses() {
@@ -498,6 +498,15 @@ fn mvrnn_kernel_parses(cfg: &ModelConfig) {
             format!("{} column products, lane-parallel", cfg.hidden)
         };
         assert!(source.contains(&product), "the phrase matrix: {product}");
+        // with persistence, a block of 8 warps keeps its slice of W_M in
+        // registers (32 rows, split 8 ways)
+        assert_eq!(
+            source.contains("block-cooperative, the matrix in registers"),
+            persistent_weights && cfg.hidden == 32,
+            "leaf table {leaf_table}, persistent {persistent_weights}"
+        );
+        // small batches' index arrays come with the launch
+        assert!(source.contains("const __grid_constant__ InlineIndices inl"));
         if node_counters {
             // the second stage waits for its own nodes' first
             assert!(source.contains("wait_count(done + 0u * num_internal + begin + i"));
