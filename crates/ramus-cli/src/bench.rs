@@ -90,6 +90,10 @@ pub struct BenchArgs {
     /// vocabulary) instead of the trees, e.g. 10x10 for the DAG-RNN.
     #[arg(long)]
     grid: Option<String>,
+    /// Time perfect binary trees of this height (random words of the tree
+    /// file's vocabulary) instead of the trees, e.g. 7 for Cortex's TreeFC.
+    #[arg(long, conflicts_with = "grid")]
+    perfect_tree: Option<u32>,
 }
 
 /// The compiled engines' recursion primitives on the command line: each
@@ -244,6 +248,13 @@ pub fn run(a: BenchArgs) -> AnyResult {
         let count = sizes.iter().copied().max().unwrap_or(1);
         trees = (0..count)
             .map(|_| ramus_graph::random::grid_dag(&mut rng, r, c, vocab.len() as u32, 5))
+            .collect::<Result<_, _>>()?;
+    }
+    if let Some(height) = a.perfect_tree {
+        let mut rng = ramus_nn::train::rng(0);
+        let count = sizes.iter().copied().max().unwrap_or(1);
+        trees = (0..count)
+            .map(|_| ramus_graph::random::perfect_tree(&mut rng, height, vocab.len() as u32, 5))
             .collect::<Result<_, _>>()?;
     }
     let model = build_model(

@@ -128,6 +128,32 @@ fn train_save_eval_on_built_in_data() {
     assert!(line["infer_p99_ms"].as_f64().unwrap() >= line["infer_ms"].as_f64().unwrap());
     assert_eq!(lines[1]["ratio"], "compiled_vs_batched");
     assert!(lines[1]["speedup"].as_f64().unwrap() > 0.0);
+    // Cortex's TreeFC input: perfect binary trees of a given height
+    let o = ramus_ok(&[
+        "bench",
+        trees.to_str().unwrap(),
+        "--engine",
+        "compiled",
+        "--model",
+        "treefc",
+        "--hidden",
+        "8",
+        "--perfect-tree",
+        "3",
+        "--batch-sizes",
+        "1,2",
+        "--reps",
+        "1",
+    ]);
+    let nodes: Vec<u64> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["nodes"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(nodes, [15, 30]);
     // predictions: the compiled engine from a file, the batched one from standard input
     let predict = |engine: &str, from_stdin: bool| -> Vec<serde_json::Value> {
         let mut args = vec![

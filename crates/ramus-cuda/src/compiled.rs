@@ -969,7 +969,10 @@ mod tests {
         assert!(inline.pack([&offsets, &rows, &tokens, &[0], &[1], &[6]]));
         assert_eq!(inline.count, 15);
         assert_eq!(inline.at, [0, 3, 5, 12, 13, 14]);
-        assert_eq!(&inline.words[..15], &[0, 2, 2, 5, 6, 1, 2, 3, 4, 5, 6, 7, 0, 1, 6]);
+        assert_eq!(
+            &inline.words[..15],
+            &[0, 2, 2, 5, 6, 1, 2, 3, 4, 5, 6, 7, 0, 1, 6]
+        );
         // one word too many: the pointers are used instead
         let big = vec![7u32; INLINE_INDEX_WORDS - 4];
         assert!(!inline.pack([&big, &rows, &tokens, &[], &[], &[]]));

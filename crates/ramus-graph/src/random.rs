@@ -1,6 +1,6 @@
 //! Random input graphs for tests and benchmarks: trees of chosen arities
-//! (including degenerate shapes: chains, wide nodes), labelled chains and
-//! grid DAGs.
+//! (including degenerate shapes: chains, wide nodes), perfect binary
+//! trees, labelled chains and grid DAGs.
 
 use rand::Rng;
 
@@ -70,6 +70,38 @@ pub fn random_chain(rng: &mut impl Rng, len: usize, vocab: u32) -> Result<InputG
     InputGraph::chain(&tokens, &labels)
 }
 
+/// A perfect binary tree of `height` levels of internal vertices above
+/// `2^height` leaves (Cortex's TreeFC input, height 7: 128 leaves, 255
+/// vertices); height 0 is a single leaf. Random tokens below `vocab` on the
+/// leaves, random labels below `classes`. Heights above 20 (two million
+/// leaves) are refused.
+pub fn perfect_tree(
+    rng: &mut impl Rng,
+    height: u32,
+    vocab: u32,
+    classes: i32,
+) -> Result<InputGraph, GraphError> {
+    if height > 20 {
+        return Err(GraphError::Structure(format!(
+            "a perfect tree of height {height}: at most 20 (2^20 leaves)"
+        )));
+    }
+    let mut g = InputGraph::new();
+    let mut level = Vec::with_capacity(1 << height);
+    for _ in 0..1usize << height {
+        let token = rng.random_range(0..vocab.max(1));
+        level.push(g.push_vertex(&[], token, rng.random_range(0..classes.max(1)))?);
+    }
+    while level.len() > 1 {
+        let mut parents = Vec::with_capacity(level.len() / 2);
+        for pair in level.chunks(2) {
+            parents.push(g.push_vertex(pair, 0, rng.random_range(0..classes.max(1)))?);
+        }
+        level = parents;
+    }
+    Ok(g)
+}
+
 /// A `rows × cols` grid DAG (Cortex's DAG-RNN input): vertex `(i, j)` is
 /// number `i · cols + j` and its children (predecessors) are `(i - 1, j)` and
 /// `(i, j - 1)` where they exist, so inner vertices have two parents and the
@@ -97,4 +129,26 @@ pub fn grid_dag(
         }
     }
     Ok(g)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    #[test]
+    fn perfect_trees_have_two_children_everywhere_and_the_asked_height() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+        for height in [0u32, 1, 3, 7] {
+            let g = perfect_tree(&mut rng, height, 50, 5).expect("tree");
+            assert_eq!(g.len(), (1usize << (height + 1)) - 1, "height {height}");
+            assert_eq!(g.roots().len(), 1);
+            assert!(g.is_forest());
+            let leaves = (0..g.len()).filter(|&v| g.children(v).is_empty()).count();
+            assert_eq!(leaves, 1 << height);
+            assert!((0..g.len()).all(|v| matches!(g.children(v).len(), 0 | 2)));
+            assert_eq!(g.heights().into_iter().max(), Some(height));
+        }
+        assert!(perfect_tree(&mut rng, 21, 50, 5).is_err());
+    }
 }
