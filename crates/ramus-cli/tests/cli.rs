@@ -154,6 +154,33 @@ fn train_save_eval_on_built_in_data() {
         })
         .collect();
     assert_eq!(nodes, [15, 30]);
+    // the ablation on DAGs leaves out unrolling (trees and sequences only)
+    let o = ramus_ok(&[
+        "bench",
+        trees.to_str().unwrap(),
+        "--engine",
+        "compiled",
+        "--model",
+        "dagrnn",
+        "--hidden",
+        "8",
+        "--grid",
+        "3x3",
+        "--ablation",
+        "--batch-sizes",
+        "1",
+        "--reps",
+        "1",
+    ]);
+    let schedules: Vec<String> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["schedule"].to_string())
+        .collect();
+    assert!(schedules.len() >= 2, "{schedules:?}");
+    assert!(
+        schedules.iter().all(|s| !s.contains("unrolling")),
+        "{schedules:?}"
+    );
     // predictions: the compiled engine from a file, the batched one from standard input
     let predict = |engine: &str, from_stdin: bool| -> Vec<serde_json::Value> {
         let mut args = vec![

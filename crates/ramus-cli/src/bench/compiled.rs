@@ -14,7 +14,11 @@ use crate::device::Device;
 /// The recursion steps of the ablation on top of the best schedule
 /// `base` (Cortex Fig. 11(b), (c)): refactoring (where the model has
 /// something to refactor), unrolling, both.
-fn recursion_steps(model: &Model, base: &str) -> AnyResult<Vec<(String, RecursionSchedule)>> {
+fn recursion_steps(
+    model: &Model,
+    base: &str,
+    trees: &[InputGraph],
+) -> AnyResult<Vec<(String, RecursionSchedule)>> {
     let refactorable = !analyze(model)?.is_empty();
     let mut steps = vec![(base.to_string(), RecursionSchedule::fixed(false, false))];
     if refactorable {
@@ -22,6 +26,10 @@ fn recursion_steps(model: &Model, base: &str) -> AnyResult<Vec<(String, Recursio
             format!("{base}+refactoring"),
             RecursionSchedule::fixed(true, false),
         ));
+    }
+    // unrolling runs on trees and sequences only (a DAG is refused)
+    if !trees.iter().all(InputGraph::is_forest) {
+        return Ok(steps);
     }
     steps.push((
         format!("{base}+unrolling"),
@@ -40,7 +48,10 @@ fn recursion_steps(model: &Model, base: &str) -> AnyResult<Vec<(String, Recursio
 /// (all three with grid barriers between levels, as in Cortex), + per-node
 /// completion counters instead of the barriers, then the recursion steps
 /// on top (unrolling gives persistence and counters up).
-fn cuda_ablation(model: &Model) -> AnyResult<Vec<(String, CompiledSchedule)>> {
+fn cuda_ablation(
+    model: &Model,
+    trees: &[InputGraph],
+) -> AnyResult<Vec<(String, CompiledSchedule)>> {
     let off = RecursionSchedule::fixed(false, false);
     let mut steps = vec![
         (
@@ -71,9 +82,11 @@ fn cuda_ablation(model: &Model) -> AnyResult<Vec<(String, CompiledSchedule)>> {
             },
         ),
     ];
-    for (name, recursion) in
-        recursion_steps(model, "fusion+specialization+persistence+node-counters")?
-    {
+    for (name, recursion) in recursion_steps(
+        model,
+        "fusion+specialization+persistence+node-counters",
+        trees,
+    )? {
         steps.push((
             name,
             CompiledSchedule {
@@ -227,7 +240,7 @@ fn run_cpu(
                 recursion: RecursionSchedule::fixed(false, false),
             },
         )];
-        for (name, recursion) in recursion_steps(model, "fusion+specialization")? {
+        for (name, recursion) in recursion_steps(model, "fusion+specialization", trees)? {
             steps.push((
                 name,
                 CpuCompiledSchedule {
@@ -286,7 +299,7 @@ fn run_cuda(
 ) -> AnyResult<Vec<serde_json::Value>> {
     let mut last = Vec::new();
     let schedules: Vec<(String, CompiledSchedule)> = if a.ablation {
-        cuda_ablation(model)?
+        cuda_ablation(model, trees)?
     } else {
         vec![(
             "default".to_string(),
