@@ -60,6 +60,8 @@ fn graphs(name: &str, rng: &mut ChaCha8Rng, vocab: u32) -> Vec<InputGraph> {
     if name == "mvrnn" {
         gs.push(caterpillar(rng, 80, vocab));
     }
+    // real trees: binary, for every tree model
+    gs.extend(common::sst_dev_trees(12, vocab));
     if name == "treelstm" || name == "treegru" {
         gs.push(random_path(rng, 500, vocab, 3).expect("a 500-deep path"));
         gs.push(random_tree(rng, 64, &[64], vocab, 3).expect("a 64-ary node"));

@@ -87,3 +87,31 @@ pub fn assert_steady_state(
         }
     }
 }
+
+/// Up to `n` SST dev trees (from `$RAMUS_DATA/sst/dev.txt`, else the
+/// shared data beside the checkout), tokens folded into `vocab`; empty,
+/// with a notice, when the data is absent.
+pub fn sst_dev_trees(n: usize, vocab: u32) -> Vec<InputGraph> {
+    use ramus_graph::{ptb, Vocab, VocabMode};
+    let root = match std::env::var_os("RAMUS_DATA") {
+        Some(d) => std::path::PathBuf::from(d),
+        None => std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data"),
+    };
+    let path = root.join("sst/dev.txt");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        eprintln!("skipping the SST trees: {} not found", path.display());
+        return Vec::new();
+    };
+    let mut words = Vocab::new();
+    let Ok(mut trees) = ptb::parse_trees(&text, "dev.txt", VocabMode::Grow(&mut words)) else {
+        eprintln!("skipping the SST trees: {} does not parse", path.display());
+        return Vec::new();
+    };
+    trees.truncate(n);
+    for t in &mut trees {
+        for tok in &mut t.tokens {
+            *tok %= vocab;
+        }
+    }
+    trees
+}
