@@ -143,11 +143,13 @@ fn helper_join<RA, RB: Send>(
         let slot = &mut rb;
         let job: Box<dyn FnOnce() + Send + '_> = Box::new(move || *slot = Some(b()));
         // SAFETY: the job borrows `b`'s captures and `rb`, which live on this
-        // stack frame. The helper runs the job at most once, and this
-        // function does not return (not even by unwinding: `a` is run under
-        // catch_unwind) until the helper reports the job finished, so the
-        // borrows outlive every use; erasing the lifetime only lets the job
-        // cross to the helper thread.
+        // stack frame. It runs at most once: whoever takes it out of the
+        // slot (the helper, or this thread taking it back) runs it. This
+        // function does not return (not even by unwinding: `a` and a job
+        // taken back run under catch_unwind) until the job has run here or
+        // the helper reports it finished, so the borrows outlive every
+        // use; erasing the lifetime only lets the job cross to the helper
+        // thread.
         let job: Job = unsafe { std::mem::transmute::<Box<dyn FnOnce() + Send + '_>, Job>(job) };
         if let Ok(mut j) = s.job.lock() {
             *j = Some(job);
@@ -155,8 +157,19 @@ fn helper_join<RA, RB: Send>(
         let ticket = s.posted.fetch_add(1, Ordering::AcqRel) + 1;
         NESTED.with(|n| n.set(true));
         let ra = catch_unwind(AssertUnwindSafe(a));
+        // a helper that has not taken the job yet (its core busy elsewhere,
+        // or descheduled) gives it back: this thread runs it instead of
+        // waiting (the slot hands the job to exactly one of the two)
+        let unclaimed = s.job.lock().ok().and_then(|mut j| j.take());
+        let taken_back = unclaimed.is_some();
+        if let Some(job) = unclaimed {
+            if let Err(p) = catch_unwind(AssertUnwindSafe(job)) {
+                NESTED.with(|n| n.set(false));
+                resume_unwind(p);
+            }
+        }
         NESTED.with(|n| n.set(false));
-        while s.finished.load(Ordering::Acquire) < ticket {
+        while !taken_back && s.finished.load(Ordering::Acquire) < ticket {
             std::hint::spin_loop();
         }
         let helper_panic = s.panicked.lock().ok().and_then(|mut p| p.take());
