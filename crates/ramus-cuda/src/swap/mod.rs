@@ -14,7 +14,7 @@
 //! * **persistent tensors** — parameters, their gradients, the optimizer's
 //!   state — in the engine's own pool buffers, resident for good;
 //! * **every other tensor** (each materialized node of the forward and
-//!   backward graphs, see [`steps`]) allocated right before the first op
+//!   backward graphs, see the `steps` module) allocated right before the first op
 //!   that uses it ("pre-access") and freed right after its last use, or
 //!   offloaded. With the planner, at the offset the plan's
 //!   [`ramus_swap::Layout`] gives it in one **arena** of the pool, reserved
@@ -161,7 +161,7 @@ pub struct SwapConfig {
     /// [`ramus_swap::layout`]).
     pub headroom: f64,
     /// Dynamic models: the bytes of a segment's scattered states the
-    /// function rows are grouped into (see [`steps`]'s dynamic module):
+    /// function rows are grouped into (see the `steps::dynamic` module):
     /// consecutive batching tasks are merged until a segment has this many
     /// bytes of state rows, so that its tensors are worth offloading and
     /// the trace stays short enough to plan per batch.
@@ -412,7 +412,7 @@ pub fn training_iteration(
 /// under `config`: one tensor per node for a static-graph model; for a
 /// dynamic model (trees, sequences) one per node and segment of the
 /// batch's rows, its ops in the batched engine's task order (see
-/// [`steps`]'s dynamic module), cut by [`SwapConfig::segment_bytes`].
+/// the `steps::dynamic` module), cut by [`SwapConfig::segment_bytes`].
 pub fn training_iteration_with(
     model: &Model,
     batch: &Batch<'_>,
