@@ -19,6 +19,14 @@ fn ramus_ok(args: &[&str]) -> Output {
     o
 }
 
+/// Each line of the command's standard output as JSON.
+fn json_lines(o: &std::process::Output) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 fn tmp(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ramus-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -87,10 +95,7 @@ fn train_save_eval_on_built_in_data() {
         "--reps",
         "2",
     ]);
-    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines: Vec<serde_json::Value> = json_lines(&o);
     assert_eq!(lines.len(), 2);
     for key in [
         "system",
@@ -119,10 +124,7 @@ fn train_save_eval_on_built_in_data() {
         "3",
         "--compare-batched",
     ]);
-    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines: Vec<serde_json::Value> = json_lines(&o);
     let line = &lines[0];
     assert_eq!(line["engine"], "compiled");
     assert!(line["infer_p99_ms"].as_f64().unwrap() >= line["infer_ms"].as_f64().unwrap());
@@ -145,13 +147,9 @@ fn train_save_eval_on_built_in_data() {
         "--reps",
         "1",
     ]);
-    let nodes: Vec<u64> = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["nodes"]
-                .as_u64()
-                .unwrap()
-        })
+    let nodes: Vec<u64> = json_lines(&o)
+        .iter()
+        .map(|l| l["nodes"].as_u64().unwrap())
         .collect();
     assert_eq!(nodes, [15, 30]);
     // the ablation on DAGs leaves out unrolling (trees and sequences only)
@@ -172,9 +170,9 @@ fn train_save_eval_on_built_in_data() {
         "--reps",
         "1",
     ]);
-    let schedules: Vec<String> = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["schedule"].to_string())
+    let schedules: Vec<String> = json_lines(&o)
+        .iter()
+        .map(|l| l["schedule"].to_string())
         .collect();
     assert!(schedules.len() >= 2, "{schedules:?}");
     assert!(
@@ -211,10 +209,7 @@ fn train_save_eval_on_built_in_data() {
         }
         let o = child.wait_with_output().expect("ramus infer");
         assert!(o.status.success(), "{}", stderr(&o));
-        String::from_utf8_lossy(&o.stdout)
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
+        json_lines(&o)
     };
     let (compiled, batched) = (predict("compiled", false), predict("batched", true));
     assert_eq!(batched.len(), 2);
@@ -227,10 +222,7 @@ fn train_save_eval_on_built_in_data() {
         trees.to_str().unwrap(),
         "--no-tables",
     ]);
-    let untabled: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let untabled: Vec<serde_json::Value> = json_lines(&o);
     assert_eq!(
         untabled
             .iter()
@@ -261,10 +253,7 @@ fn train_save_eval_on_built_in_data() {
         trees.to_str().unwrap(),
         "--unroll",
     ]);
-    let recursed: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let recursed: Vec<serde_json::Value> = json_lines(&o);
     assert_eq!(recursed.len(), compiled.len());
     for (r, c) in recursed.iter().zip(&compiled) {
         assert_eq!(r["prediction"], c["prediction"]);
@@ -325,10 +314,7 @@ fn compiled_bench_takes_the_recursion_flags_and_ablation_steps() {
     };
     let lines = |o: &Output| -> Vec<serde_json::Value> {
         assert!(o.status.success(), "{}", stderr(o));
-        String::from_utf8_lossy(&o.stdout)
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
+        json_lines(o)
     };
     // the ablation: Fig. 11(a) steps, then refactoring and unrolling
     let steps = lines(&bench(&["--model", "treegru", "--ablation"]));

@@ -672,11 +672,16 @@ impl<'a> CellWriter<'a> {
             self.code,
             "// {count} column products, lane-parallel (the column loaded once, lane `l` holding elements `l, l + 32, …`, then broadcast)\n{{\nfloat {acc}[{ch}];\n#pragma unroll\nfor (unsigned int cq = 0; cq < {ch}u; ++cq) {acc}[cq] = 0.0f;\nfloat {xs}[{ck}];\n#pragma unroll\nfor (unsigned int i = 0; i < {ck}u; ++i) {{\nconst unsigned int t = lane + 32u * i;\n{xs}[i] = t < {k}u ? {x} : 0.0f;\n}}\n#pragma unroll\nfor (unsigned int i = 0; i < {ck}u; ++i) {{\n#pragma unroll 8\nfor (unsigned int src = 0; src < 32u; ++src) {{\nconst unsigned int t = 32u * i + src;\nif (t < {k}u) {{\nconst float xv = __shfl_sync(0xffffffffu, {xs}[i], src);\n#pragma unroll\nfor (unsigned int cq = 0; cq < {ch}u; ++cq) {{\nconst unsigned int q = lane + 32u * cq;\nif (q < {count}u) {acc}[cq] += P{weight}[{base0}u + q * {db}u + t * {step}u] * xv;\n}}\n}}\n}}\n}}\n#pragma unroll\nfor (unsigned int cq = 0; cq < {ch}u; ++cq) {{\nconst unsigned int q = lane + 32u * cq;\nif (q < {count}u) ({dst})[{col0}u + q * {dcol}u + j] = {acc}[cq];\n}}\n}}"
         );
+        self.mark_stored(members);
+        Ok(true)
+    }
+
+    /// Marks products `members` as emitted and stored by their own code.
+    fn mark_stored(&mut self, members: &[ScalarId]) {
         for &m in members {
             self.emitted_dots[m] = true;
             self.stored[m] = true;
         }
-        Ok(true)
     }
 
     /// Emits lane-parallel column products `members` (see
@@ -706,10 +711,7 @@ impl<'a> CellWriter<'a> {
             self.code,
             "// {count} column products of the block's {warps} units, block-cooperative\n{{\n__shared__ float {xsh}[{k} * {warps}];\nconst unsigned int wib = threadIdx.x >> 5;\n#pragma unroll\nfor (unsigned int i = 0; i < {ck}u; ++i) {{\nconst unsigned int t = lane + 32u * i;\nif (t < {k}u) {xsh}[t * {warps}u + wib] = {x};\n}}\n__syncthreads();\nconst unsigned int q = threadIdx.x % {count}u, g = threadIdx.x / {count}u;\nfloat {acc}[{per}];\n#pragma unroll\nfor (unsigned int m = 0; m < {per}u; ++m) {acc}[m] = 0.0f;\n#pragma unroll 4\nfor (unsigned int t = 0; t < {k}u; ++t) {{\nconst float w = P{weight}[{base0}u + q * {db}u + t * {step}u];\n#pragma unroll\nfor (unsigned int m = 0; m < {per}u; ++m) {acc}[m] += w * {xsh}[t * {warps}u + g + {groups}u * m];\n}}\n__syncthreads();\n#pragma unroll\nfor (unsigned int m = 0; m < {per}u; ++m) ({dst})[{col0}u + q * {dcol}u + (j - wib) + g + {groups}u * m] = {acc}[m];\n}}"
         );
-        for &m in members {
-            self.emitted_dots[m] = true;
-            self.stored[m] = true;
-        }
+        self.mark_stored(members);
     }
 
     /// The block-cooperative column products (see
@@ -755,10 +757,7 @@ impl<'a> CellWriter<'a> {
             quads = warps / 4,
             half = split / 2,
         );
-        for &m in members {
-            self.emitted_dots[m] = true;
-            self.stored[m] = true;
-        }
+        self.mark_stored(members);
     }
 
     /// Emits scalar `id` (its dots, loops and arithmetic); `edge_row`

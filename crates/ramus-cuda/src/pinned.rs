@@ -83,19 +83,8 @@ impl PinnedBuffer {
     /// [`download`](PinnedBuffer::download). Waits for pending copies.
     pub fn host<T: DeviceScalar>(&self, len: usize) -> Result<&[T]> {
         self.wait()?;
-        let bytes = byte_len::<T>(len)?;
-        if bytes > self.capacity {
-            return Err(CudaError::BadArgument(format!(
-                "{len} elements ({bytes} bytes) read from a pinned buffer of {} bytes",
-                self.capacity
-            )));
-        }
-        let Some(host) = self.host else {
-            return Ok(&[]);
-        };
-        // SAFETY: in bounds (checked above), page-aligned, and no copy writes
-        // it any more (waited above); `T` is valid for any bit pattern.
-        Ok(unsafe { std::slice::from_raw_parts(host.as_ptr().cast::<T>(), len) })
+        // SAFETY: no copy writes the allocation any more (waited above).
+        unsafe { host_slice(self.host, self.capacity, len, "pinned") }
     }
 
     /// Copies the first `dst.len()` staged elements to `dst`, asynchronously
@@ -230,6 +219,32 @@ impl Drop for PinnedBuffer {
     }
 }
 
+/// The first `len` elements of a page-aligned host allocation of
+/// `capacity` bytes (`what` names the buffer kind in the error).
+///
+/// # Safety
+/// Nothing may write the allocation while the slice lives.
+unsafe fn host_slice<'a, T: DeviceScalar>(
+    host: Option<NonNull<u8>>,
+    capacity: usize,
+    len: usize,
+    what: &str,
+) -> Result<&'a [T]> {
+    let bytes = byte_len::<T>(len)?;
+    if bytes > capacity {
+        return Err(CudaError::BadArgument(format!(
+            "{len} elements ({bytes} bytes) read from a {what} buffer of {capacity} bytes"
+        )));
+    }
+    let Some(host) = host else {
+        return Ok(&[]);
+    };
+    // SAFETY: in bounds (checked above) of a page-aligned (so aligned for
+    // `T`) allocation nothing writes (the caller's contract); `T` is f32 or
+    // u32, valid for any bit pattern.
+    Ok(unsafe { std::slice::from_raw_parts(host.as_ptr().cast::<T>(), len) })
+}
+
 fn byte_len<T>(len: usize) -> Result<usize> {
     len.checked_mul(std::mem::size_of::<T>())
         .ok_or_else(|| CudaError::BadArgument(format!("{len} elements overflow the address space")))
@@ -305,21 +320,10 @@ impl MappedBuffer {
     /// first `len` elements.
     pub fn read<T: DeviceScalar>(&self, len: usize, stream: &CudaStream) -> Result<&[T]> {
         stream.synchronize().in_call("cuStreamSynchronize")?;
-        let bytes = byte_len::<T>(len)?;
-        if bytes > self.capacity {
-            return Err(CudaError::BadArgument(format!(
-                "{len} elements ({bytes} bytes) read from a mapped buffer of {} bytes",
-                self.capacity
-            )));
-        }
-        let Some(host) = self.host else {
-            return Ok(&[]);
-        };
-        // SAFETY: in bounds (checked above) of a page-aligned allocation;
-        // the stream that writes it has finished (synchronized above) and
-        // `&self` excludes a concurrent `device_ptr_for` (the only way to
-        // hand out a new address to write); `T` is valid for any bits.
-        Ok(unsafe { std::slice::from_raw_parts(host.as_ptr().cast::<T>(), len) })
+        // SAFETY: the stream that writes the allocation has finished
+        // (synchronized above) and `&self` excludes a concurrent
+        // `device_ptr_for` (the only way to hand out an address to write).
+        unsafe { host_slice(self.host, self.capacity, len, "mapped") }
     }
 
     fn free_host(&mut self) -> Result<()> {
