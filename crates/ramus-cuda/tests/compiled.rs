@@ -70,6 +70,24 @@ fn graphs(name: &str, rng: &mut ChaCha8Rng, vocab: u32) -> Vec<InputGraph> {
     gs
 }
 
+/// Model `name` with its initial parameters perturbed (so no weight is
+/// a round value).
+fn perturbed_model(name: &str, cfg: &ModelConfig, rng: &mut ChaCha8Rng) -> (Model, Params<f32>) {
+    let model = build_model_with(name, cfg, &ModelOptions { dropout: 0.1 }).expect("model");
+    let mut params: Params<f32> = Params::init(&model, 3);
+    for t in params.values.iter_mut() {
+        for x in t.data_mut() {
+            *x += rng.random_range(-0.1..0.1);
+        }
+    }
+    (model, params)
+}
+
+/// This process's kernel cache for the schedule tests.
+fn cache_dir() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("ramus-compiled-{}", std::process::id()))
+}
+
 #[test]
 fn compiled_scores_match_the_cpu_engine_for_every_model_and_schedule() {
     if !common::cuda_ready("skipping") {
@@ -92,23 +110,9 @@ fn compiled_scores_match_the_cpu_engine_for_every_model_and_schedule() {
             "dagrnn",
             "lstm-lm",
         ] {
-            let model =
-                build_model_with(name, &cfg, &ModelOptions { dropout: 0.1 }).expect("model");
-            let mut params: Params<f32> = Params::init(&model, 3);
-            for t in params.values.iter_mut() {
-                for x in t.data_mut() {
-                    *x += rng.random_range(-0.1..0.1);
-                }
-            }
+            let (model, params) = perturbed_model(name, &cfg, &mut rng);
             let gs = graphs(name, &mut rng, cfg.vocab as u32);
-            let mut want = Vec::new();
-            for g in &gs {
-                let batch = Batch::new(&model, vec![g], BatchingPolicy::Cavs).expect("schedule");
-                let out = CpuEngine::<f32>::new()
-                    .forward_rows(&model, &params, &batch, Mode::Infer, HeadRows::Roots)
-                    .expect("reference");
-                want.extend(out.logits);
-            }
+            let want = reference(&model, &params, &gs);
             let refs: Vec<&InputGraph> = gs.iter().collect();
             for (leaf_table, persistent_weights, node_counters) in [
                 (true, true, true),
@@ -125,9 +129,7 @@ fn compiled_scores_match_the_cpu_engine_for_every_model_and_schedule() {
                         node_counters: Some(node_counters),
                         recursion: RecursionSchedule::fixed(false, false),
                     },
-                    cache_dir: Some(
-                        std::env::temp_dir().join(format!("ramus-compiled-{}", std::process::id())),
-                    ),
+                    cache_dir: Some(cache_dir()),
                     ..CompiledOptions::default()
                 };
                 let mut engine = CompiledEngine::new(&model, &params, &options).expect("compiles");
@@ -199,14 +201,7 @@ fn refactored_and_unrolled_schedules_match_the_cpu_engine_for_every_model() {
             "dagrnn",
             "lstm-lm",
         ] {
-            let model =
-                build_model_with(name, &cfg, &ModelOptions { dropout: 0.1 }).expect("model");
-            let mut params: Params<f32> = Params::init(&model, 3);
-            for t in params.values.iter_mut() {
-                for x in t.data_mut() {
-                    *x += rng.random_range(-0.1..0.1);
-                }
-            }
+            let (model, params) = perturbed_model(name, &cfg, &mut rng);
             let refactorable = !analyze(&model).expect("analyzes").is_empty();
             let gs = graphs(name, &mut rng, cfg.vocab as u32);
             let want = reference(&model, &params, &gs);
@@ -229,10 +224,7 @@ fn refactored_and_unrolled_schedules_match_the_cpu_engine_for_every_model() {
                                 node_counters: Some(leaf_table),
                                 recursion: RecursionSchedule::fixed(refactor, unroll),
                             },
-                            cache_dir: Some(
-                                std::env::temp_dir()
-                                    .join(format!("ramus-compiled-{}", std::process::id())),
-                            ),
+                            cache_dir: Some(cache_dir()),
                             ..CompiledOptions::default()
                         };
                         let what = format!(
