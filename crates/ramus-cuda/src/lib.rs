@@ -68,8 +68,9 @@ pub use pool::{Arena, DevicePool, DeviceScalar, DeviceView, PoolBuffer, PoolConf
 pub use program::fusion_listing;
 pub use rtc::{CompileTarget, ImageKind, LoadedModule, NvrtcCompiler};
 pub use swap::{
-    plan_budget, plan_training, segment_rows, training_iteration, training_iteration_with,
-    training_trace, OpSpeed, SwapConfig, SwapIteration, SwapMode, SwapStepReport,
+    plan_budget, plan_training, resident_plan, segment_rows, training_iteration,
+    training_iteration_with, training_trace, OpSpeed, SwapConfig, SwapIteration, SwapMode,
+    SwapStepReport,
 };
 
 /// The cudarc version this crate is built on, for engines that launch

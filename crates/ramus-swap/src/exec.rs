@@ -27,8 +27,11 @@
 //! * **Budget.** An allocation that would exceed the executor's budget
 //!   first waits for in-flight offloads, oldest first. With no plan and
 //!   [`ExecOptions::on_demand`] (naive on-demand swapping), it then evicts
-//!   the least-recently-used resident tensor the current op does not use;
-//!   an op that touches a tensor on the host fetches it synchronously.
+//!   the least-recently-used resident tensor the current op does not use
+//!   (where the device refuses what the budget allows and only the op's own
+//!   tensors are left, it clears them off the device once — inputs evicted,
+//!   fresh outputs released — and places them again, largest first); an op
+//!   that touches a tensor on the host fetches it synchronously.
 //!   The device may refuse an allocation the budget allows (fragmentation
 //!   of its heap): the executor then does the same, and with a plan
 //!   ([`ExecOptions::fallback`]) evicts least-recently-used tensors as a
@@ -383,6 +386,10 @@ struct Run<'e, 't, D: SwapDevice> {
     touched: Vec<usize>,
     /// Tensors the executor evicted on its own under a plan.
     fallback: Vec<bool>,
+    /// Naive swapping: the current op's pre-access cleared the op's own
+    /// tensors off the device to defragment it (see `clear_op_tensors`);
+    /// they are placed again, largest first.
+    defragmented: bool,
     report: ExecReport,
     /// Layout mode: per tensor, its next block and the arena range it
     /// holds now.
@@ -528,6 +535,7 @@ impl<'t> Executor<'t> {
             lru: BTreeSet::new(),
             touched: vec![0; nt],
             fallback: vec![false; nt],
+            defragmented: false,
             report: ExecReport::default(),
             next_block: vec![0; nt],
             placed: vec![None; nt],
@@ -574,34 +582,14 @@ impl<D: SwapDevice> Run<'_, '_, D> {
             self.before(op, i)?;
         }
         // Pre-access: allocate first uses, bring back what naive swapping
-        // (or a fallback eviction) left on the host.
-        for &tid in trace.uses(op) {
-            let t = tid.index();
-            match self.loc[t] {
-                Loc::Unallocated => {
-                    self.make_room_and_allocate(op, t)?;
-                    self.loc[t] = Loc::Resident;
-                }
-                Loc::Resident | Loc::Prefetching => {}
-                Loc::Host | Loc::Offloading if ex.options.on_demand || self.fallback[t] => {
-                    self.fetch_now(op, t)?;
-                    if ex.options.on_demand {
-                        self.report.sync_fetches += 1;
-                    } else {
-                        self.report.fallback_fetches += 1;
-                    }
-                }
-                other => {
-                    return Err(ExecError::NotResident {
-                        op,
-                        op_name: trace.ops()[op].name.clone(),
-                        tensor: tid,
-                        tensor_name: self.name(t),
-                        state: other.describe().to_string(),
-                    }
-                    .into())
-                }
-            }
+        // (or a fallback eviction) left on the host. Where naive swapping
+        // meets a fragmented device it clears the op's own tensors off it
+        // once (see `clear_op_tensors`), and a second pass places them
+        // again, largest first.
+        self.defragmented = false;
+        self.pre_access(op)?;
+        if self.defragmented {
+            self.pre_access(op)?;
         }
         for &tid in trace.uses(op) {
             let t = tid.index();
@@ -628,6 +616,46 @@ impl<D: SwapDevice> Run<'_, '_, D> {
         }
         for &i in &ex.actions_at[2 * op + 1] {
             self.after(op, i)?;
+        }
+        Ok(())
+    }
+
+    /// One pre-access pass over op `op`'s tensors: in the trace's order, or
+    /// largest first once the op's tensors were cleared to defragment.
+    fn pre_access(&mut self, op: usize) -> Result<(), D::Error> {
+        let ex = self.ex;
+        let trace = ex.trace;
+        let mut uses = trace.uses(op).to_vec();
+        if self.defragmented {
+            uses.sort_by_key(|t| std::cmp::Reverse(self.bytes(t.index())));
+        }
+        for tid in uses {
+            let t = tid.index();
+            match self.loc[t] {
+                Loc::Unallocated => {
+                    self.make_room_and_allocate(op, t)?;
+                    self.loc[t] = Loc::Resident;
+                }
+                Loc::Resident | Loc::Prefetching => {}
+                Loc::Host | Loc::Offloading if ex.options.on_demand || self.fallback[t] => {
+                    self.fetch_now(op, t)?;
+                    if ex.options.on_demand {
+                        self.report.sync_fetches += 1;
+                    } else {
+                        self.report.fallback_fetches += 1;
+                    }
+                }
+                other => {
+                    return Err(ExecError::NotResident {
+                        op,
+                        op_name: trace.ops()[op].name.clone(),
+                        tensor: tid,
+                        tensor_name: self.name(t),
+                        state: other.describe().to_string(),
+                    }
+                    .into())
+                }
+            }
         }
         Ok(())
     }
@@ -940,6 +968,34 @@ impl<D: SwapDevice> Run<'_, '_, D> {
             .find(|&t| t != for_tensor && !uses.contains(&TensorId(t as u32)))
     }
 
+    /// Naive swapping when the device refuses an allocation its budget
+    /// allows (its free memory is fragmented) and every other resident
+    /// movable tensor is one op `op` uses: clears the op's tensors but `t`
+    /// off the device — inputs evicted to the host (fetched back before the
+    /// op runs, as paging would), outputs allocated in this pre-access
+    /// released (they hold nothing yet) — so that the pre-access can place
+    /// them again, largest first.
+    fn clear_op_tensors(&mut self, op: usize, t: usize) -> Result<(), D::Error> {
+        self.defragmented = true;
+        let trace = self.ex.trace;
+        for &tid in trace.uses(op) {
+            let u = tid.index();
+            if u == t || self.loc[u] != Loc::Resident || !self.ex.movable[u] {
+                continue;
+            }
+            if self.lru.contains(&(self.touched[u], u)) {
+                self.evict_now(u)?;
+                self.report.sync_evictions += 1;
+            } else {
+                self.dev.release(tid)?;
+                self.placed[u] = None;
+                self.used -= self.bytes(u);
+                self.loc[u] = Loc::Unallocated;
+            }
+        }
+        Ok(())
+    }
+
     /// Allocates tensor `t` for op `op` (at or before it), making room first.
     fn make_room_and_allocate(&mut self, op: usize, t: usize) -> Result<(), D::Error> {
         if self.ex.blocks_of.is_some() {
@@ -976,6 +1032,10 @@ impl<D: SwapDevice> Run<'_, '_, D> {
                     }
                     continue;
                 }
+                if opts.on_demand && within && !self.defragmented {
+                    self.clear_op_tensors(op, t)?;
+                    continue;
+                }
             }
             let hint = if !within {
                 if self.ex.plan.is_some() {
@@ -984,7 +1044,9 @@ impl<D: SwapDevice> Run<'_, '_, D> {
                     "; raise the budget, lower the batch size or enable swapping".to_string()
                 }
             } else if may_evict {
-                "; nothing else the op does not use is left to evict".to_string()
+                "; the device's free memory is too fragmented to hold the op's tensors \
+                 together"
+                    .to_string()
             } else {
                 "; the device cannot hold it (raise the budget, lower the batch size or \
                  enable swapping)"

@@ -398,3 +398,35 @@ fn a_device_refusing_what_the_plan_allows_falls_back_to_eviction() {
         assert_eq!(dev.counts().used_bytes, trace.persistent_bytes());
     }
 }
+
+#[test]
+fn naive_swapping_in_a_fragmented_pool_clears_the_ops_tensors_and_places_them_again() {
+    // a pool of 4 MiB: `a` at 0, `x` at 1 MiB, `b` at 2 MiB; once `x` is
+    // freed the 2 MiB `c` fits the budget but no contiguous range, and every
+    // other resident tensor is an input of the op that writes `c`
+    const MIB: u64 = 1 << 20;
+    let mut t = TraceBuilder::new();
+    let a = t.tensor("a", MIB, TensorKind::Activation);
+    let x = t.tensor("x", MIB, TensorKind::Activation);
+    let b = t.tensor("b", MIB, TensorKind::Activation);
+    let c = t.tensor("c", 2 * MIB, TensorKind::Activation);
+    t.op("make a", Phase::Forward, &[], &[a]);
+    t.op("make x", Phase::Forward, &[], &[x]);
+    t.op("make b", Phase::Forward, &[x], &[b]);
+    t.op("make c", Phase::Forward, &[a, b], &[c]);
+    let trace = t.build().unwrap();
+    let ex = Executor::new(&trace, None, ExecOptions::on_demand(None)).unwrap();
+    let mut dev = SimDevice::with_pool(&trace, 4 * MIB, 0).unwrap();
+    // both inputs leave and come back; `c` is placed first (largest)
+    let r = ex
+        .run(&mut dev)
+        .expect("naive swapping defragments by eviction");
+    assert_eq!((r.sync_evictions, r.sync_fetches), (2, 2), "{r:?}");
+    assert_eq!((r.bytes_to_host, r.bytes_to_device), (2 * MIB, 2 * MIB));
+    assert_eq!(dev.counts().refused_allocations, 1);
+    // without swapping the same step fails, naming the op and the tensor
+    let ex = Executor::new(&trace, None, ExecOptions::resident(None)).unwrap();
+    let mut dev = SimDevice::with_pool(&trace, 4 * MIB, 0).unwrap();
+    let e = ex.run(&mut dev).unwrap_err().to_string();
+    assert!(e.contains("make c") && e.contains("`c`"), "{e}");
+}

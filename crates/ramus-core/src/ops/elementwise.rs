@@ -143,9 +143,12 @@ unary_op!(
     Tanh, "tanh", "tanhf({0})", |x| x.tanh_fast(), |g| { let (gr, y) = (g.grad(), g.output()); g.b.tanh_backward(y, gr) }
 );
 unary_op!(
-    /// `max(x, 0)`
+    /// `max(x, 0)`. Its gradient reads the output (`y > 0` exactly where
+    /// `x > 0`), so a ReLU's input need not outlive the forward pass: after a
+    /// batch norm that is a whole activation tensor per layer less to keep
+    /// (or to swap) until backward.
     Relu, "relu", "fmaxf({0}, 0.0f)", |x| if x > T::ZERO { x } else { T::ZERO },
-    |g| { let (gr, x) = (g.grad(), g.input(0)); g.b.relu_backward(x, gr) }
+    |g| { let (gr, y) = (g.grad(), g.output()); g.b.relu_backward(y, gr) }
 );
 
 macro_rules! scalar_op {
@@ -298,7 +301,8 @@ binary_op!(
     }
 );
 binary_op!(
-    /// `x > 0 ? g : 0`: the relu derivative given its input `x` and upstream gradient `g`.
+    /// `x > 0 ? g : 0`: the relu derivative given its input or its output
+    /// `x` (both are positive at the same places) and upstream gradient `g`.
     ReluBackward, "relu_backward", "({0} > 0.0f ? {1} : 0.0f)", |x, g| if x > T::ZERO { g } else { T::ZERO }, |g| {
         let (gr, x) = (g.grad(), g.input(0));
         let dup = g.b.relu_backward(x, gr);

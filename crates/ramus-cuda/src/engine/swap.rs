@@ -105,6 +105,26 @@ enum PrepKey {
 /// Dynamic batch structures whose plans are kept at most.
 const MAX_DYNAMIC_PLANS: usize = 64;
 
+/// The no-swap mode's laid-out plan ([`crate::swap::resident_plan`]) for a
+/// static-graph step (a dynamic batch would pay the packing every batch),
+/// where its arena fits `room` (the largest free block plus the persistent
+/// tensors). Otherwise `None`: tensors are allocated one by one, so that an
+/// iteration over the budget fails naming the op, the tensor and the budget.
+fn resident_layout(
+    program: &SwapProgram,
+    room: Option<u64>,
+    cost: CostModel,
+) -> Result<Option<SwapPlan>> {
+    if !program.segments.is_empty() {
+        return Ok(None);
+    }
+    let plan = crate::swap::resident_plan(&program.trace, cost)
+        .map_err(|e| swap_err(format!("no-swap layout: {e}")))?;
+    let arena = plan.layout.as_ref().map_or(0, |l| l.arena_bytes);
+    let needed = program.trace.persistent_bytes().saturating_add(arena);
+    Ok((room.is_none_or(|r| needed <= r)).then_some(plan))
+}
+
 /// Timing events of a profiled iteration.
 #[derive(Default)]
 struct Profile {
@@ -660,6 +680,11 @@ impl CudaEngine {
             SwapMode::Off | SwapMode::Auto | SwapMode::Resident => {
                 prep.policy = None;
                 prep.options = ExecOptions::resident(None);
+                prep.plan = resident_layout(
+                    &prep.program,
+                    largest.map(|l| persistent.saturating_add(l)),
+                    cost,
+                )?;
                 prep.stage = Stage::Ready;
             }
             SwapMode::Naive => {

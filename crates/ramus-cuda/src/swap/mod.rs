@@ -79,8 +79,8 @@ use ramus_core::Model;
 use ramus_cpu::Batch;
 use ramus_nn::OptimizerKind;
 use ramus_swap::{
-    AutoVmPlanner, CostModel, ExecReport, Planner, PlannerConfig, Policy, PrefetchTiming, SwapPlan,
-    TensorKind, Trace,
+    AutoVmPlanner, CostModel, ExecReport, Layout, NoBudgetPlanner, Planner, PlannerConfig, Policy,
+    PrefetchTiming, SwapPlan, TensorKind, Trace,
 };
 use serde_json::json;
 
@@ -95,8 +95,9 @@ pub enum SwapMode {
     #[default]
     Off,
     /// The swap path without swapping: tensors allocated at first use and
-    /// freed after the last; exceeding the budget is an error naming the
-    /// op, the tensor and the budget.
+    /// freed after the last (a static-graph step's at the offsets of one
+    /// laid-out arena, see [`resident_plan`]); exceeding the budget is an
+    /// error naming the op, the tensor and the budget.
     Resident,
     /// Naive on-demand swapping: synchronous least-recently-used eviction
     /// when an allocation fails, synchronous fetch when a tensor is touched.
@@ -484,4 +485,18 @@ pub fn plan_training(
     c.timing = timing;
     c.layout = true;
     AutoVmPlanner::new(c).plan(trace)
+}
+
+/// The no-swap mode's memory for a training iteration: a plan with no
+/// actions whose every allocation has a fixed offset in one arena (its
+/// [`ramus_swap::Layout`]), so that the pool's best fit, cutting tensor
+/// after tensor from one budget-sized chunk, cannot fragment an iteration
+/// whose bytes fit. The arena needs `layout.arena_bytes` besides the
+/// persistent tensors.
+pub fn resident_plan(trace: &Trace, cost: CostModel) -> std::result::Result<SwapPlan, String> {
+    let mut plan = NoBudgetPlanner::new(cost)
+        .plan(trace)
+        .map_err(|e| e.to_string())?;
+    plan.layout = Some(Layout::of(trace, &plan, None, 1.0).map_err(|e| e.to_string())?);
+    Ok(plan)
 }
