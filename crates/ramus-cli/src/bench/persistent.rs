@@ -66,11 +66,19 @@ pub fn run(
         let last = Some(persistent.train_batch(model, &batch)?);
         let reps = a.reps.max(1);
         let started = std::time::Instant::now();
+        let mut host_seconds = Vec::with_capacity(reps);
         for _ in 0..reps {
-            persistent.submit(model, &batch)?;
+            host_seconds.extend(persistent.submit(model, &batch)?.map(|s| s.host_seconds));
         }
-        persistent.latest()?;
+        host_seconds.extend(persistent.latest()?.map(|s| s.host_seconds));
         let train = started.elapsed().as_secs_f64() / reps as f64;
+        // the host's preparation of a batch (lowering and scheduling), the
+        // median over the overlapped stream
+        host_seconds.sort_by(f64::total_cmp);
+        let host = host_seconds
+            .get(host_seconds.len() / 2)
+            .copied()
+            .unwrap_or(f64::NAN);
         let sync_train = median_time(a.reps, || {
             persistent.train_batch(model, &batch)?;
             Ok(())
@@ -91,7 +99,7 @@ pub fn run(
             "sync_train_ms": (sync_train * 1e6).round() / 1e3, "kernel_ms": kernel_ms,
             "batched_train_sent_per_s": per_s(batched_train),
             "speedup_vs_batched": ((batched_train / train) * 100.0).round() / 100.0,
-            "host_ms": (step.host_seconds * 1e6).round() / 1e3, "tasks": step.tasks, "levels": step.levels,
+            "host_ms": (host * 1e6).round() / 1e3, "tasks": step.tasks, "levels": step.levels,
         });
         println!("{line}");
         results.push(line);

@@ -21,9 +21,12 @@
 //!
 //! * `SIGNAL b` / `WAIT b` — VPPS' barrier pair: after a block barrier and a
 //!   fence, thread 0 adds one to counter `b`; a waiting VPP's thread 0 spins
-//!   (acquire loads) until the counter reaches the count the script buffer
-//!   stores for `b`, fences and releases the block.
-//! * [`OP_MATVEC`] `m` — for each `(x, y, bias)` item of its operand list,
+//!   until the counter reaches the count the script buffer stores for `b`
+//!   (relaxed loads: an acquire load would invalidate the L1 on every
+//!   poll), fences once and releases the block.
+//! * [`OP_MATVEC`] `m` — for each `(x, y, bias)` item of its operand list
+//!   (inline after the count, or in the operand pool; see
+//!   [`super::schedule`]),
 //!   `y[row] = W_m[row, :] · x (+ bias[row])` for every row of `W_m` this
 //!   VPP holds (one warp per row, lanes over columns, a shuffle reduction;
 //!   the bias add is the product's epilogue, no instruction of its own).
@@ -174,6 +177,11 @@ pub fn kernel_source(plan: &RegisterPlan, rule: UpdateRule, fused_cases: &str) -
         (32 / plan.regs_per_row.max(1)).clamp(1, 4)
     );
     let _ = writeln!(s, "#define VP_ITEM {PRODUCT_ITEM_WORDS}");
+    let _ = writeln!(
+        s,
+        "#define VP_INLINE_ITEMS {}u",
+        super::schedule::INLINE_ITEMS
+    );
     let _ = writeln!(s, "#define VP_GRADS {}", u32::from(plan.grads_in_registers));
     let _ = writeln!(s, "#define VP_RULE {}", rule.code());
     let _ = writeln!(s, "#define VP_CTAS_PER_SM {}", plan.ctas_per_sm);
@@ -216,9 +224,12 @@ pub fn kernel_source(plan: &RegisterPlan, rule: UpdateRule, fused_cases: &str) -
 const KERNEL_BODY: &str = r#"
 #define VP_NONE 0xffffffffu
 
-__device__ __forceinline__ unsigned vp_load_acquire(const unsigned* p) {
+// The barrier poll: a relaxed load (an acquire load would invalidate the
+// SM's L1 on every iteration); the waiter fences once when it has seen the
+// count.
+__device__ __forceinline__ unsigned vp_load_relaxed(const unsigned* p) {
     unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
 
@@ -324,7 +335,7 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
             case OP_WAIT:
                 if (threadIdx.x == 0) {
                     const unsigned want = script[expect_at + arg];
-                    while (vp_load_acquire(barriers + arg) < want) { }
+                    while (vp_load_relaxed(barriers + arg) < want) { }
                     __threadfence();
                 }
                 __syncthreads();
@@ -338,8 +349,11 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                 if (!holds) break;
                 const unsigned rows = mats[arg * VP_MAT_WORDS];
                 const unsigned cols = mats[arg * VP_MAT_WORDS + 1];
-                const unsigned count = operand[0];
-                const unsigned* list = script + operands_at + operand[1];
+                // the items: inside the instruction (shared memory) or in
+                // the operand pool
+                const bool inline_items = (operand[0] & VP_INLINE_ITEMS) != 0;
+                const unsigned count = operand[0] & ~VP_INLINE_ITEMS;
+                const unsigned* list = inline_items ? operand + 1 : script + operands_at + operand[1];
                 // VP_V vectors at a time: their loads are all in flight
                 // before the arithmetic (one vector's loads are a round
                 // trip each, the instruction would be latency-bound)
@@ -353,8 +367,21 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                         c[j] = ok ? list[VP_ITEM * (v0 + j) + 2] : VP_NONE;
                     }
                     if (op == OP_MATVEC) {
-                        // (x, y): y[row] = W[row, :] . x
+                        // (x, y): y[row] = W[row, :] . x (+ bias[row]); the
+                        // bias loads are issued with the inputs', not after
+                        // the reduction
                         float xr[VP_V][VP_K];
+                        float bias[VP_P][VP_R][VP_V];
+#pragma unroll
+                        for (int p = 0; p < VP_P; ++p)
+#pragma unroll
+                            for (int r = 0; r < VP_R; ++r)
+#pragma unroll
+                                for (int j = 0; j < VP_V; ++j) {
+                                    const unsigned row = prow[p] + r;
+                                    bias[p][r][j] = (lane == 0 && pm[p] == arg && row < rows && c[j] != VP_NONE)
+                                        ? pool[c[j] + row] : 0.0f;
+                                }
 #pragma unroll
                         for (int j = 0; j < VP_V; ++j)
 #pragma unroll
@@ -379,8 +406,7 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                                 if (lane == 0 && row < rows) {
 #pragma unroll
                                     for (int j = 0; j < VP_V; ++j)
-                                        if (b[j] != VP_NONE)
-                                            pool[b[j] + row] = acc[j] + (c[j] != VP_NONE ? pool[c[j] + row] : 0.0f);
+                                        if (b[j] != VP_NONE) pool[b[j] + row] = acc[j] + bias[p][r][j];
                                 }
                             }
                         }

@@ -15,7 +15,9 @@
 //!   holds a piece of that matrix; tasks with equal `(op, arg)` on the same
 //!   matrix are merged into one instruction per holder, `op arg [count,
 //!   offset]`, whose operand lists lie concatenated at `offset` in the
-//!   operand pool;
+//!   operand pool — or, with [`Scheduler::holder_item`] set and at most
+//!   [`MAX_INLINE_ITEM_WORDS`] words of them, `op arg [count |
+//!   INLINE_ITEMS, items…]` with the lists inside the instruction;
 //! * `Every` tasks run on all VPPs;
 //! * `Any` tasks run on the VPP with the least load accumulated so far in the
 //!   batch (ties to the lowest index).
@@ -55,6 +57,15 @@ pub const DEFAULT_MATRIX_LOAD_FACTOR: u64 = 4;
 pub const MAX_BARRIERS: usize = 65535;
 
 const WHAT: &str = "schedule";
+
+/// Flag on a merged holder instruction's count: its items follow the count
+/// inside the instruction instead of sitting at an offset of the operand
+/// pool.
+pub const INLINE_ITEMS: u32 = 1 << 31;
+
+/// Item words a merged holder instruction carries inline at most (longer
+/// lists go to the operand pool); every holder's script repeats them.
+pub const MAX_INLINE_ITEM_WORDS: usize = 24;
 
 /// Which virtual processors execute a task.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -566,15 +577,27 @@ impl Scheduler {
                     }
                     pool.extend_from_slice(&task.operands);
                 }
-                let offset = u32::try_from(offset)
-                    .map_err(|_| CoreError::vpps(WHAT, "operand pool exceeds 32-bit offsets"))?;
-                let count = (pool.len() - offset as usize)
-                    .checked_div(item)
-                    .unwrap_or(group.len());
-                let count = u32::try_from(count).map_err(|_| {
-                    CoreError::vpps(WHAT, "more than 2^32 items in one instruction")
-                })?;
-                let operands = [count, offset];
+                let words = pool.len() - offset;
+                let count = words.checked_div(item).unwrap_or(group.len());
+                let count = u32::try_from(count)
+                    .ok()
+                    .filter(|&c| c & INLINE_ITEMS == 0)
+                    .ok_or_else(|| {
+                        CoreError::vpps(WHAT, "more than 2^31 items in one instruction")
+                    })?;
+                // a short item list travels inside the instruction (the
+                // processor reads it from its script in shared memory, not
+                // from the operand pool in device memory)
+                let mut operands = Vec::with_capacity(1 + words.min(MAX_INLINE_ITEM_WORDS));
+                if item > 0 && words <= MAX_INLINE_ITEM_WORDS {
+                    operands.push(count | INLINE_ITEMS);
+                    operands.extend(pool.drain(offset..));
+                } else {
+                    let offset = u32::try_from(offset).map_err(|_| {
+                        CoreError::vpps(WHAT, "operand pool exceeds 32-bit offsets")
+                    })?;
+                    operands.extend([count, offset]);
+                }
                 for &h in &self.holders[m] {
                     let h = h as usize;
                     encode_parts(first.op, first.arg, &operands, &mut level_words[h])?;
@@ -811,8 +834,18 @@ pub fn simulate_with(
                     return Err(mismatch("opcode or arg"));
                 }
                 let ran: &[u32] = if let Placement::Holders { .. } = task.placement {
-                    let [count, offset] = instr.operands[..] else {
-                        return Err(mismatch("a merged instruction needs [count, offset]"));
+                    // the merged items: inline after the count, or at an
+                    // offset of the operand pool
+                    let (count, items): (u32, &[u32]) = match instr.operands[..] {
+                        [count, ..] if count & INLINE_ITEMS != 0 => {
+                            (count & !INLINE_ITEMS, &instr.operands[1..])
+                        }
+                        [count, offset] => (count, pool.get(offset as usize..).unwrap_or(&[])),
+                        _ => {
+                            return Err(mismatch(
+                                "a merged instruction needs [count, offset] or inline items",
+                            ))
+                        }
                     };
                     // tasks merged into the instruction: `count` tasks, or
                     // as many as carry `count` items
@@ -838,7 +871,7 @@ pub fn simulate_with(
                     let ran = tasks
                         .get(c.task..c.task + merged)
                         .ok_or_else(|| mismatch("count runs past the scheduled tasks"))?;
-                    let mut at = offset as usize;
+                    let mut at = 0;
                     for &t in ran {
                         let other = g.tasks.get(t as usize).ok_or_else(|| {
                             sim_err(format!("vpp {v}: scheduled task {t} is not in the graph"))
@@ -850,8 +883,8 @@ pub fn simulate_with(
                             return Err(mismatch("merged tasks differ in opcode, arg or matrix"));
                         }
                         let end = at + other.operands.len();
-                        if pool.get(at..end) != Some(&other.operands[..]) {
-                            return Err(mismatch("operand pool slice"));
+                        if items.get(at..end) != Some(&other.operands[..]) {
+                            return Err(mismatch("merged operand items"));
                         }
                         at = end;
                     }
@@ -1029,7 +1062,7 @@ mod tests {
         bad_pool[3] += 1;
         let t = repack(&s, scripts.clone(), &[4, 1], &bad_pool);
         let err = simulate(&t, &g).unwrap_err();
-        assert!(err.to_string().contains("operand pool"), "{err}");
+        assert!(err.to_string().contains("merged operand items"), "{err}");
         // A task dropped from a VPP's script.
         let mut broken = scripts;
         broken[0].truncate(3);
@@ -1120,9 +1153,36 @@ mod tests {
         g.push(task(21, &[7], &[a], 1, Placement::Any)).unwrap();
         let sc = s.schedule(&g).unwrap();
         let first = sc.packed.decode_script(0).unwrap();
-        assert_eq!(first[0].operands[0], 3, "three pairs in one instruction");
-        assert_eq!(&sc.packed.operand_pool()[..6], &[1, 2, 3, 4, 5, 6]);
+        assert_eq!(
+            first[0].operands,
+            [3 | INLINE_ITEMS, 1, 2, 3, 4, 5, 6],
+            "three pairs inside one instruction"
+        );
+        assert!(sc.packed.operand_pool().is_empty());
         assert_eq!(simulate(&sc, &g).unwrap().len(), 3);
+        // a list longer than the inline limit goes to the operand pool
+        let mut long = g.clone();
+        let many: Vec<u32> = (100..100 + MAX_INLINE_ITEM_WORDS as u32).collect();
+        long.push(task(20, &many, &[], 1, Placement::Holders { matrix: 0 }))
+            .unwrap();
+        let sc = s.schedule(&long).unwrap();
+        let first = sc.packed.decode_script(0).unwrap();
+        let items = (6 + MAX_INLINE_ITEM_WORDS) / 2;
+        assert_eq!(first[0].operands, [items as u32, 0]);
+        assert_eq!(
+            &sc.packed.operand_pool()[..8],
+            &[1, 2, 3, 4, 5, 6, 100, 101]
+        );
+        assert_eq!(simulate(&sc, &long).unwrap().len(), 4);
+        // the simulator checks inline items against the tasks'
+        let mut bad = s.schedule(&g).unwrap();
+        let mut scripts: Vec<Vec<u32>> = (0..bad.packed.vpps)
+            .map(|v| bad.packed.script(v).to_vec())
+            .collect();
+        scripts[0][2] += 1;
+        bad.packed = PackedScripts::pack(&scripts, bad.packed.barrier_expects(), &[]).unwrap();
+        let err = simulate(&bad, &g).unwrap_err().to_string();
+        assert!(err.contains("merged operand items"), "{err}");
         g.push(task(
             20,
             &[1, 2, 3],
