@@ -26,13 +26,16 @@
 //!   poll), fences once and releases the block.
 //! * [`OP_MATVEC`] `m` — for each `(x, y, bias)` item of its operand list
 //!   (inline after the count, or in the operand pool; see
-//!   [`super::schedule`]),
-//!   `y[row] = W_m[row, :] · x (+ bias[row])` for every row of `W_m` this
-//!   VPP holds (one warp per row, lanes over columns, a shuffle reduction;
-//!   the bias add is the product's epilogue, no instruction of its own).
+//!   [`super::schedule`]), `y[row] = W_m[row, :] · x (+ bias[row])` for
+//!   every row of `W_m` this VPP holds (one warp per row, lanes over
+//!   columns, a shuffle reduction; the bias add is the product's epilogue,
+//!   no instruction of its own).
 //! * [`OP_MATVEC_T`] `m` — for each `(dy, dx)` pair, `dx += W_mᵀ dy` restricted
-//!   to the held rows, summed over this VPP's rows in registers and added to
-//!   `dx` with one atomic per column and warp (`dx` must start at zero).
+//!   to the held rows, summed over this VPP's rows in registers, over its
+//!   warps in shared memory, and added to `dx` with one atomic per column
+//!   (`dx` must start at zero). The pairs go in rounds of up to 8: the
+//!   block stages the held rows' `dy` and zeroes a shared row of `dx` per
+//!   pair first.
 //! * [`OP_OUTER`] `m` — for each `(dy, x)` pair, `G_m[row, :] += dy[row] · x`
 //!   into the gradient registers.
 //! * [`OP_FUSED`] `k` — fused elementwise group `k` of the model (its code
@@ -137,6 +140,12 @@ pub const MATRIX_WORDS: usize = 5;
 /// Script words a VPP holds in shared memory per round (16 KiB).
 pub const SCRIPT_SMEM_WORDS: usize = 4096;
 
+/// Floats of shared memory a transposed product stages its pairs in: what
+/// the 48 KiB of static shared memory leave beside the script round (with
+/// 1 KiB to spare), and the most pairs per round.
+const STAGE_FLOATS: usize = (48 * 1024 - SCRIPT_SMEM_WORDS * 4 - 1024) / 4;
+const MAX_STAGED_VECTORS: usize = 8;
+
 /// Name of the generated kernel.
 pub const KERNEL_NAME: &str = "vpps_train";
 
@@ -169,8 +178,18 @@ pub fn kernel_source(plan: &RegisterPlan, rule: UpdateRule, fused_cases: &str) -
     let _ = writeln!(s, "#define VP_P {}", plan.partitions.max(1));
     let _ = writeln!(s, "#define VP_R {}", plan.rpw);
     let _ = writeln!(s, "#define VP_K {}", plan.regs_per_row.max(1));
-    // vectors per round of a product instruction: about 32 registers of
-    // input columns per thread
+    // pairs per round of a transposed product, staged in shared memory:
+    // each takes a full-width row of sums and a scalar per held row
+    let cols = plan.regs_per_row.max(1) * WARP;
+    let held = plan.partitions.max(1) * (CTA_THREADS / WARP) * plan.rpw;
+    let _ = writeln!(s, "#define VP_COLS {cols}");
+    let _ = writeln!(s, "#define VP_HELD {held}");
+    let _ = writeln!(
+        s,
+        "#define VP_S {}",
+        (STAGE_FLOATS / (cols + held)).clamp(1, MAX_STAGED_VECTORS)
+    );
+    let _ = writeln!(s, "#define VP_WARPS {}", CTA_THREADS / WARP);
     let _ = writeln!(
         s,
         "#define VP_V {}",
@@ -270,9 +289,18 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
     float inv_bc1, float inv_bc2, float clip)
 {
     __shared__ unsigned code[VP_SMEM_WORDS];
+    // a transposed product's round: rows of dx sums and the held rows' dy
+    __shared__ float vp_dx_sums[VP_S * VP_COLS];
+    __shared__ float vp_dy[VP_S * VP_HELD];
+    // per partition: its matrix and first row (for the held-row loads)
+    __shared__ unsigned vp_mat[VP_P], vp_first[VP_P];
     const unsigned lane = threadIdx.x % VP_WARP;
     const unsigned warp = threadIdx.x / VP_WARP;
     const unsigned cta = blockIdx.x;
+    if (threadIdx.x < VP_P) {
+        vp_mat[threadIdx.x] = parts[(cta * VP_P + threadIdx.x) * 2];
+        vp_first[threadIdx.x] = parts[(cta * VP_P + threadIdx.x) * 2 + 1];
+    }
     // index arrays (labels, row lists, child offsets) live in the pool as u32
     const unsigned* upool = (const unsigned*)pool;
 
@@ -354,9 +382,60 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                 const bool inline_items = (operand[0] & VP_INLINE_ITEMS) != 0;
                 const unsigned count = operand[0] & ~VP_INLINE_ITEMS;
                 const unsigned* list = inline_items ? operand + 1 : script + operands_at + operand[1];
-                // VP_V vectors at a time: their loads are all in flight
-                // before the arithmetic (one vector's loads are a round
-                // trip each, the instruction would be latency-bound)
+                if (op == OP_MATVEC_T) {
+                    // dx += W^T dy over the held rows, VP_S pairs per
+                    // round: the block stages the held rows' dy in shared
+                    // memory, every warp adds its rows' sums for each pair
+                    // into a shared row of dx, and the block adds those to
+                    // the pool, one atomic per column (not per column and
+                    // warp)
+                    for (unsigned v0 = 0; v0 < count; v0 += VP_S) {
+                        const unsigned n = min((unsigned)VP_S, count - v0);
+                        __syncthreads();
+                        for (unsigned e = threadIdx.x; e < n * VP_COLS; e += VP_THREADS) vp_dx_sums[e] = 0.0f;
+                        for (unsigned e = threadIdx.x; e < n * VP_HELD; e += VP_THREADS) {
+                            const unsigned j = e / VP_HELD, h = e % VP_HELD;
+                            const unsigned p = h / (VP_WARPS * VP_R), w = (h / VP_R) % VP_WARPS, r = h % VP_R;
+                            const unsigned row = vp_first[p] + w * VP_R + r;
+                            const unsigned dy = list[VP_ITEM * (v0 + j)];
+                            vp_dy[e] = (vp_mat[p] == arg && row < rows && dy != VP_NONE) ? pool[dy + row] : 0.0f;
+                        }
+                        __syncthreads();
+                        for (unsigned j = 0; j < n; ++j) {
+                            const float* held = vp_dy + j * VP_HELD + warp * VP_R;
+                            float acc[VP_K];
+#pragma unroll
+                            for (int k = 0; k < VP_K; ++k) acc[k] = 0.0f;
+#pragma unroll
+                            for (int p = 0; p < VP_P; ++p) {
+                                if (pm[p] != arg) continue;
+#pragma unroll
+                                for (int r = 0; r < VP_R; ++r) {
+                                    const float d = held[p * VP_WARPS * VP_R + r];
+#pragma unroll
+                                    for (int k = 0; k < VP_K; ++k) acc[k] = fmaf(d, w[p][r][k], acc[k]);
+                                }
+                            }
+                            float* red = vp_dx_sums + j * VP_COLS;
+#pragma unroll
+                            for (int k = 0; k < VP_K; ++k) atomicAdd(red + lane + VP_WARP * k, acc[k]);
+                        }
+                        __syncthreads();
+                        for (unsigned e = threadIdx.x; e < n * VP_COLS; e += VP_THREADS) {
+                            const unsigned j = e / VP_COLS, col = e % VP_COLS;
+                            const unsigned dx = list[VP_ITEM * (v0 + j) + 1];
+                            if (dx != VP_NONE && col < cols) atomicAdd(pool + dx + col, vp_dx_sums[e]);
+                        }
+                    }
+                    break;
+                }
+                // MATVEC and OUTER: VP_V vectors at a time, their loads all
+                // in flight before the arithmetic (one vector's loads are a
+                // round trip each, the instruction would be latency-bound).
+                // Each warp reads the vectors itself: staging them in shared
+                // memory for the block was slower (the other warps' reads
+                // hit the L1 the first one filled, and the block barriers
+                // of the rounds serialize the warps)
                 for (unsigned v0 = 0; v0 < count; v0 += VP_V) {
                     unsigned a[VP_V], b[VP_V], c[VP_V];
 #pragma unroll
@@ -408,38 +487,6 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                                     for (int j = 0; j < VP_V; ++j)
                                         if (b[j] != VP_NONE) pool[b[j] + row] = acc[j] + bias[p][r][j];
                                 }
-                            }
-                        }
-                    } else if (op == OP_MATVEC_T) {
-                        // (dy, dx): dx += W^T dy over the held rows
-                        float d[VP_P][VP_R][VP_V];
-#pragma unroll
-                        for (int p = 0; p < VP_P; ++p)
-#pragma unroll
-                            for (int r = 0; r < VP_R; ++r)
-#pragma unroll
-                                for (int j = 0; j < VP_V; ++j) {
-                                    const unsigned row = prow[p] + r;
-                                    d[p][r][j] = (pm[p] == arg && row < rows && a[j] != VP_NONE) ? pool[a[j] + row] : 0.0f;
-                                }
-#pragma unroll
-                        for (int j = 0; j < VP_V; ++j) {
-                            if (b[j] == VP_NONE) continue;
-                            float acc[VP_K];
-#pragma unroll
-                            for (int k = 0; k < VP_K; ++k) acc[k] = 0.0f;
-#pragma unroll
-                            for (int p = 0; p < VP_P; ++p) {
-                                if (pm[p] != arg) continue;
-#pragma unroll
-                                for (int r = 0; r < VP_R; ++r)
-#pragma unroll
-                                    for (int k = 0; k < VP_K; ++k) acc[k] = fmaf(d[p][r][j], w[p][r][k], acc[k]);
-                            }
-#pragma unroll
-                            for (int k = 0; k < VP_K; ++k) {
-                                const unsigned col = lane + VP_WARP * k;
-                                if (col < cols) atomicAdd(pool + b[j] + col, acc[k]);
                             }
                         }
                     } else {
