@@ -505,13 +505,15 @@ impl Scheduler {
         }
 
         let vpps = self.vpps;
-        let mut scripts: Vec<Vec<u32>> = vec![Vec::new(); vpps];
-        let mut level_words: Vec<Vec<u32>> = vec![Vec::new(); vpps];
+        // every instruction encoded once into `code`; a piece names the
+        // VPP, level and words of one instruction in a VPP's script (a
+        // merged product's instruction is one piece per holder)
+        let mut code: Vec<u32> = Vec::with_capacity(2 * n);
+        let mut pieces: Vec<Piece> = Vec::with_capacity(n);
         let record = self.record;
         let mut vpp_tasks: Vec<Vec<u32>> = vec![Vec::new(); if record { vpps } else { 0 }];
         let mut task_vpps: Vec<Vec<u32>> = vec![Vec::new(); if record { n } else { 0 }];
         let mut pool: Vec<u32> = Vec::new();
-        let mut barrier_expect: Vec<u32> = Vec::with_capacity(levels.saturating_sub(1));
         let every: Vec<u32> = (0..vpps as u32).collect();
         // (op, arg, matrix) of each merged group of the level (few: a scan)
         let mut group_of: Vec<(u8, u16, u16)> = Vec::new();
@@ -598,11 +600,11 @@ impl Scheduler {
                     })?;
                     operands.extend([count, offset]);
                 }
+                let words = encode_piece(first.op, first.arg, &operands, &mut code)?;
                 for &h in &self.holders[m] {
-                    let h = h as usize;
-                    encode_parts(first.op, first.arg, &operands, &mut level_words[h])?;
+                    pieces.push(Piece::new(h, l, words));
                     if record {
-                        vpp_tasks[h].extend_from_slice(group);
+                        vpp_tasks[h as usize].extend_from_slice(group);
                     }
                 }
                 if record {
@@ -618,20 +620,20 @@ impl Scheduler {
                 match task.placement {
                     Placement::Holders { .. } => {}
                     Placement::Every => {
-                        for v in 0..vpps {
-                            encode_parts(task.op, task.arg, &task.operands, &mut level_words[v])?;
-                            if record {
-                                vpp_tasks[v].push(t);
-                            }
-                        }
+                        let words = encode_piece(task.op, task.arg, &task.operands, &mut code)?;
+                        pieces.extend((0..vpps as u32).map(|v| Piece::new(v, l, words)));
                         if record {
+                            for tasks in &mut vpp_tasks {
+                                tasks.push(t);
+                            }
                             task_vpps[t as usize] = every.clone();
                         }
                     }
                     Placement::Any => {
                         let v = any_vpp[t as usize];
                         let vu = v as usize;
-                        encode_parts(task.op, task.arg, &task.operands, &mut level_words[vu])?;
+                        let words = encode_piece(task.op, task.arg, &task.operands, &mut code)?;
+                        pieces.push(Piece::new(v, l, words));
                         if record {
                             vpp_tasks[vu].push(t);
                             task_vpps[t as usize] = vec![v];
@@ -639,29 +641,9 @@ impl Scheduler {
                     }
                 }
             }
-
-            // Barriers: wait on the previous level, signal this one.
-            let last = l + 1 == levels;
-            let mut signals = 0u32;
-            for v in 0..vpps {
-                if level_words[v].is_empty() {
-                    continue;
-                }
-                if l > 0 {
-                    scripts[v].push(preamble(OP_WAIT, 1, (l - 1) as u16));
-                }
-                scripts[v].append(&mut level_words[v]);
-                if !last {
-                    scripts[v].push(preamble(OP_SIGNAL, 1, l as u16));
-                    signals += 1;
-                }
-            }
-            if !last {
-                barrier_expect.push(signals);
-            }
         }
 
-        let packed = PackedScripts::pack(&scripts, &barrier_expect, &pool)?;
+        let packed = assemble(vpps, levels, &code, &pieces, &pool)?;
         Ok(Schedule {
             packed,
             levels,
@@ -672,6 +654,103 @@ impl Scheduler {
             holder_item: self.holder_item,
         })
     }
+}
+
+/// One instruction of a VPP's script: its level and its words in the
+/// scheduler's `code` buffer.
+#[derive(Clone, Copy, Debug)]
+struct Piece {
+    vpp: u32,
+    level: u32,
+    start: u32,
+    len: u32,
+}
+
+impl Piece {
+    fn new(vpp: u32, level: usize, (start, len): (u32, u32)) -> Self {
+        // levels are at most MAX_BARRIERS + 1, checked before
+        Piece {
+            vpp,
+            level: level as u32,
+            start,
+            len,
+        }
+    }
+
+    fn words(self) -> std::ops::Range<usize> {
+        self.start as usize..(self.start + self.len) as usize
+    }
+}
+
+/// Encodes one instruction at the end of `code`; returns where its words
+/// start and how many there are.
+fn encode_piece(op: u8, arg: u16, operands: &[u32], code: &mut Vec<u32>) -> Result<(u32, u32)> {
+    let start = code.len();
+    encode_parts(op, arg, operands, code)?;
+    let start = u32::try_from(start)
+        .map_err(|_| CoreError::vpps(WHAT, "instructions beyond 32-bit offsets"))?;
+    Ok((start, (operands.len() + 1) as u32))
+}
+
+/// Packs the pieces into every VPP's script (its pieces in level order,
+/// each level it works in opened by a `WAIT` on the previous level's
+/// barrier and closed by a `SIGNAL` of its own, except the first and the
+/// last level) and counts each barrier's signals, in one pass with no
+/// per-VPP buffers.
+fn assemble(
+    vpps: usize,
+    levels: usize,
+    code: &[u32],
+    pieces: &[Piece],
+    pool: &[u32],
+) -> Result<PackedScripts> {
+    // the pieces grouped by VPP, in their order (a stable counting sort)
+    let mut starts = vec![0usize; vpps + 1];
+    for p in pieces {
+        starts[p.vpp as usize + 1] += 1;
+    }
+    for v in 0..vpps {
+        starts[v + 1] += starts[v];
+    }
+    let mut by_vpp = vec![0u32; pieces.len()];
+    let mut fill = starts.clone();
+    for (i, p) in pieces.iter().enumerate() {
+        by_vpp[fill[p.vpp as usize]] = i as u32;
+        fill[p.vpp as usize] += 1;
+    }
+    let barriers = levels.saturating_sub(1);
+    let mut expect = vec![0u32; barriers];
+    // at most: every piece's words, and a WAIT and a SIGNAL per piece
+    let most: usize = pieces.iter().map(|p| p.len as usize + 2).sum();
+    let mut words: Vec<u32> = Vec::with_capacity(vpps + 1 + most + levels + pool.len());
+    words.resize(vpps + 1, 0);
+    let scripts_at = vpps + 1;
+    for v in 0..vpps {
+        let mut open: Option<usize> = None;
+        for &i in &by_vpp[starts[v]..starts[v + 1]] {
+            let p = pieces[i as usize];
+            let level = p.level as usize;
+            if open != Some(level) {
+                if let Some(prev) = open.filter(|&prev| prev < barriers) {
+                    words.push(preamble(OP_SIGNAL, 1, prev as u16));
+                }
+                if level > 0 {
+                    words.push(preamble(OP_WAIT, 1, (level - 1) as u16));
+                }
+                if level < barriers {
+                    expect[level] += 1;
+                }
+                open = Some(level);
+            }
+            words.extend_from_slice(&code[p.words()]);
+        }
+        if let Some(prev) = open.filter(|&prev| prev < barriers) {
+            words.push(preamble(OP_SIGNAL, 1, prev as u16));
+        }
+        words[v + 1] = u32::try_from(words.len() - scripts_at)
+            .map_err(|_| CoreError::vpps(WHAT, "scripts beyond 32-bit offsets"))?;
+    }
+    PackedScripts::assemble(words, vpps, &expect, pool)
 }
 
 /// What a simulated run did.

@@ -198,8 +198,38 @@ impl PackedScripts {
         }
         let vpps = scripts.len();
         let script_words: usize = scripts.iter().map(Vec::len).sum();
+        let mut words = Vec::with_capacity(vpps + 1 + script_words);
+        let mut offset = 0usize;
+        words.push(0);
+        for s in scripts {
+            offset += s.len();
+            words.push(u32::try_from(offset).map_err(|_| {
+                CoreError::vpps(WHAT, format!("{offset} script words exceed 32-bit offsets"))
+            })?);
+        }
+        for s in scripts {
+            words.extend_from_slice(s);
+        }
+        Self::assemble(words, vpps, barrier_expect, operand_pool)
+    }
+
+    /// [`pack`](Self::pack) for scripts already laid out: `words` holds
+    /// the prefix sums (`vpps + 1` words) and the scripts after them;
+    /// the barrier expectations and the operand pool are appended.
+    pub(crate) fn assemble(
+        mut words: Vec<u32>,
+        vpps: usize,
+        barrier_expect: &[u32],
+        operand_pool: &[u32],
+    ) -> Result<Self> {
+        if vpps == 0 {
+            return Err(CoreError::vpps(
+                WHAT,
+                "no virtual processors to pack scripts for",
+            ));
+        }
         let scripts_at = vpps + 1;
-        let barrier_expect_at = scripts_at + script_words;
+        let barrier_expect_at = words.len();
         let operands_at = barrier_expect_at + barrier_expect.len();
         let total = operands_at + operand_pool.len();
         if total > u32::MAX as usize {
@@ -208,17 +238,7 @@ impl PackedScripts {
                 format!("packed scripts of {total} words exceed 32-bit offsets"),
             ));
         }
-        let mut words = Vec::with_capacity(total);
-        let mut offset = 0u32;
-        words.push(0);
-        for s in scripts {
-            // Bounded by `total`, checked above.
-            offset += s.len() as u32;
-            words.push(offset);
-        }
-        for s in scripts {
-            words.extend_from_slice(s);
-        }
+        words.reserve(total - words.len());
         words.extend_from_slice(barrier_expect);
         words.extend_from_slice(operand_pool);
         Ok(PackedScripts {

@@ -1671,12 +1671,19 @@ mod timing {
         scheduler.record = false;
         scheduler.holder_item = PRODUCT_ITEM_WORDS;
         let mut rng = ChaCha8Rng::seed_from_u64(3);
-        for bs in [1usize, 8, 128] {
+        let sizes: Vec<usize> = std::env::var("RAMUS_HOST_COST_SIZES")
+            .ok()
+            .map(|v| v.split(',').filter_map(|s| s.parse().ok()).collect())
+            .unwrap_or_else(|| vec![1, 8, 128]);
+        let reps: usize = std::env::var("RAMUS_HOST_COST_REPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(20);
+        for bs in sizes {
             let graphs: Vec<InputGraph> = (0..bs)
                 .map(|_| random_tree(&mut rng, 19, &[2], 2000, 5).expect("tree"))
                 .collect();
             let refs: Vec<&InputGraph> = graphs.iter().collect();
-            let reps = 20;
             let t0 = std::time::Instant::now();
             let (mut tasks, mut levels) = (0, 0);
             let (mut t_sched, mut t_unroll, mut t_scripts) = (0.0, 0.0, 0.0);
