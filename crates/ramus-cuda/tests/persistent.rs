@@ -185,8 +185,9 @@ fn register_cached_products_gradients_and_updates_match_the_host() {
         let schedule = Scheduler::new(&rp).schedule(&g).expect("schedule");
         assert_eq!(schedule.levels, 3, "three dependent levels");
 
-        let kernel = PersistentKernel::build(&device, &cache, &pool, rp.clone(), rule, "", &slots)
-            .expect("kernel builds without spilling");
+        let kernel =
+            PersistentKernel::build(&device, &cache, &pool, rp.clone(), rule.into(), "", &slots)
+                .expect("kernel builds without spilling");
         let stream = device.stream().clone();
         let mut staging = PinnedBuffer::new(&device).expect("staging");
         let mut pool_host = vec![0f32; pool_len];

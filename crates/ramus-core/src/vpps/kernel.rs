@@ -146,6 +146,19 @@ pub const SCRIPT_SMEM_WORDS: usize = 4096;
 const STAGE_FLOATS: usize = (48 * 1024 - SCRIPT_SMEM_WORDS * 4 - 1024) / 4;
 const MAX_STAGED_VECTORS: usize = 8;
 
+/// Tracing (see [`kernel_source`]): the per-CTA records start this many
+/// words into the barrier buffer (past every addressable barrier counter).
+pub const TRACE_AT: usize = super::schedule::MAX_BARRIERS + 1;
+/// Words of the barrier buffer each CTA's trace takes: a record count,
+/// then records of [`TRACE_RECORD_WORDS`] words.
+pub const TRACE_WORDS_PER_CTA: usize = 8192;
+/// Words per trace record: `opcode | arg << 16`, then the instruction's
+/// start and end on the GPU's global timer (low 32 bits of nanoseconds).
+pub const TRACE_RECORD_WORDS: usize = 3;
+
+// the records never overlap a barrier counter
+const _: () = assert!(TRACE_AT > super::schedule::MAX_BARRIERS);
+
 /// Name of the generated kernel.
 pub const KERNEL_NAME: &str = "vpps_train";
 
@@ -169,10 +182,33 @@ impl UpdateRule {
     }
 }
 
-/// The CUDA C++ source of the persistent kernel for `plan` and `rule`;
+/// What a persistent kernel is specialised to beside its register plan and
+/// the model's fused groups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KernelOptions {
+    /// The optimizer step of [`OP_UPDATE`].
+    pub rule: UpdateRule,
+    /// Record every instruction's timing (see [`kernel_source`]).
+    pub trace: bool,
+}
+
+impl From<UpdateRule> for KernelOptions {
+    /// `rule`, untraced.
+    fn from(rule: UpdateRule) -> Self {
+        KernelOptions { rule, trace: false }
+    }
+}
+
+/// The CUDA C++ source of the persistent kernel for `plan` and `options`;
 /// `fused_cases` are the model's fused groups as `case` blocks (see
-/// `FusedGroup::persistent_case`), dispatched by [`OP_FUSED`].
-pub fn kernel_source(plan: &RegisterPlan, rule: UpdateRule, fused_cases: &str) -> String {
+/// `FusedGroup::persistent_case`), dispatched by [`OP_FUSED`]. With
+/// `options.trace`, thread 0 of every CTA records each instruction it runs (opcode,
+/// arg, start and end on `%globaltimer`, the end after the block barrier
+/// that closes the instruction) into the barrier buffer from [`TRACE_AT`]
+/// on, [`TRACE_WORDS_PER_CTA`] words per CTA (the buffer must be that
+/// large): a developer's view of where a batch's time goes.
+pub fn kernel_source(plan: &RegisterPlan, options: KernelOptions, fused_cases: &str) -> String {
+    let KernelOptions { rule, trace } = options;
     let mut s = String::new();
     let _ = writeln!(s, "// Ramus VPPS persistent training kernel (generated)");
     let _ = writeln!(s, "#define VP_P {}", plan.partitions.max(1));
@@ -196,6 +232,14 @@ pub fn kernel_source(plan: &RegisterPlan, rule: UpdateRule, fused_cases: &str) -
         (32 / plan.regs_per_row.max(1)).clamp(1, 4)
     );
     let _ = writeln!(s, "#define VP_ITEM {PRODUCT_ITEM_WORDS}");
+    let _ = writeln!(s, "#define VP_TRACE {}", u32::from(trace));
+    let _ = writeln!(s, "#define VP_TRACE_AT {TRACE_AT}u");
+    let _ = writeln!(s, "#define VP_TRACE_WORDS {TRACE_WORDS_PER_CTA}u");
+    let _ = writeln!(
+        s,
+        "#define VP_TRACE_RECORDS {}u",
+        (TRACE_WORDS_PER_CTA - 1) / TRACE_RECORD_WORDS
+    );
     let _ = writeln!(
         s,
         "#define VP_INLINE_ITEMS {}u",
@@ -339,6 +383,10 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
     const unsigned begin = script[prefix_at + cta];
     const unsigned end = script[prefix_at + cta + 1];
     unsigned pos = begin;
+#if VP_TRACE
+    unsigned* trace = barriers + VP_TRACE_AT + cta * VP_TRACE_WORDS;
+    unsigned traced = 0;
+#endif
     while (pos < end) {
         const unsigned n = min(end - pos, (unsigned)VP_SMEM_WORDS);
         __syncthreads();
@@ -352,6 +400,10 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
             const unsigned op = pre & 0xffu;
             const unsigned arg = pre >> 16;
             const unsigned* operand = code + at + 1;
+#if VP_TRACE
+            unsigned long long started;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(started));
+#endif
             switch (op) {
             case OP_SIGNAL:
                 __syncthreads();
@@ -659,6 +711,16 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
             }
             // the next instruction may read what this one wrote (chained work)
             __syncthreads();
+#if VP_TRACE
+            if (threadIdx.x == 0 && traced < VP_TRACE_RECORDS) {
+                unsigned long long ended;
+                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ended));
+                trace[1 + 3 * traced] = op | (arg << 16);
+                trace[2 + 3 * traced] = (unsigned)started;
+                trace[3 + 3 * traced] = (unsigned)ended;
+                trace[0] = ++traced;
+            }
+#endif
             at += len;
         }
         if (at == 0) __trap(); // a malformed script: no whole instruction in a round
@@ -666,3 +728,29 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
     }
 }
 "#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vpps::regplan::{plan, DeviceLimits, MatrixSpec, PlanRequest};
+
+    #[test]
+    fn the_trace_is_compiled_in_only_when_asked_for_and_fits_its_buffer() {
+        let m = [MatrixSpec {
+            param: 0,
+            rows: 64,
+            cols: 64,
+        }];
+        let p = plan(&m, &DeviceLimits::hopper(4), &PlanRequest::new(1)).unwrap();
+        for trace in [false, true] {
+            let options = KernelOptions {
+                rule: UpdateRule::Sgd,
+                trace,
+            };
+            let src = kernel_source(&p, options, "");
+            assert!(src.contains(&format!("#define VP_TRACE {}", u32::from(trace))));
+            // the records sit after the counters and inside each CTA's words
+            assert!(src.contains("#if VP_TRACE") && src.contains("traced < VP_TRACE_RECORDS"));
+        }
+    }
+}

@@ -22,7 +22,10 @@ use rand_chacha::ChaCha8Rng;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaEvent;
-use ramus_core::vpps::kernel::{UpdateRule, PRODUCT_ITEM_WORDS};
+use ramus_core::vpps::kernel::{
+    KernelOptions, UpdateRule, PRODUCT_ITEM_WORDS, TRACE_AT, TRACE_RECORD_WORDS,
+    TRACE_WORDS_PER_CTA,
+};
 
 use ramus_core::vpps::{plan, valid_rpws, DeviceLimits, PlanRequest, RegisterPlan, Scheduler};
 use ramus_core::{Model, Params, Tensor};
@@ -123,6 +126,9 @@ struct VariantBuild {
     slots: Vec<MatrixSlots>,
     /// Where the chosen `rpw` is remembered (in the kernel cache).
     choice_file: Option<PathBuf>,
+    /// Where each launch's instruction trace is appended
+    /// (`RAMUS_VPPS_TRACE`; see [`append_trace`]): kernels built traced.
+    trace: Option<PathBuf>,
 }
 
 /// VPPS' profile-guided load granularity (§III-A1): time a few batches
@@ -218,6 +224,7 @@ impl PersistentEngine {
             rule,
             slots,
             choice_file,
+            trace: std::env::var_os(TRACE_ENV).map(PathBuf::from),
         };
         let (first_rpw, tuning) = match (options.rpw, remembered) {
             (Some(rpw), _) | (None, Some(rpw)) => (rpw, None),
@@ -385,6 +392,11 @@ impl PersistentEngine {
             .barriers
             .max(updates.as_ref().map_or(0, |u| u.packed.barriers))
             .max(1);
+        // a traced kernel writes its records behind the counters
+        let barriers = match self.build.trace {
+            Some(_) => TRACE_AT + TRACE_WORDS_PER_CTA * self.variants[variant].kernel.plan().ctas,
+            None => barriers,
+        };
         if self.barriers.len() < barriers {
             self.barriers = self.pool.alloc::<u32>(barriers.next_power_of_two())?;
         }
@@ -445,6 +457,15 @@ impl PersistentEngine {
             .record(&stream)
             .in_call("cuEventRecord")?;
         self.losses[slot].download(view.slice(batch.loss_at..batch.loss_at + 1)?, &stream)?;
+        if let Some(path) = &self.build.trace {
+            let ctas = self.variants[variant].kernel.plan().ctas;
+            let records = self
+                .barriers
+                .view()
+                .slice(TRACE_AT..TRACE_AT + TRACE_WORDS_PER_CTA * ctas)?;
+            let words = self.staging[slot].download_to_vec(records, &stream)?;
+            append_trace(path, self.steps, &words)?;
+        }
         let step = PersistentStep {
             loss: f64::NAN,
             host_seconds,
@@ -620,6 +641,40 @@ impl PersistentEngine {
     }
 }
 
+/// The environment variable that turns the persistent kernel's instruction
+/// trace on: a file each launch's records are appended to.
+pub const TRACE_ENV: &str = "RAMUS_VPPS_TRACE";
+
+/// Appends one launch's trace (`words`: the barrier buffer's records,
+/// [`TRACE_WORDS_PER_CTA`] per CTA) to `path` as lines `launch cta opcode
+/// arg start_ns end_ns` (times: the GPU's global timer, low 32 bits).
+/// `scripts/vpps_trace.py` summarises a file.
+fn append_trace(path: &std::path::Path, launch: u64, words: &[u32]) -> Result<()> {
+    use std::fmt::Write as _;
+    use std::io::Write as _;
+    let mut out = String::new();
+    for (cta, rec) in words.chunks(TRACE_WORDS_PER_CTA).enumerate() {
+        let count = (rec[0] as usize).min((rec.len() - 1) / TRACE_RECORD_WORDS);
+        for r in rec[1..1 + count * TRACE_RECORD_WORDS].chunks(TRACE_RECORD_WORDS) {
+            let _ = writeln!(
+                out,
+                "{launch} {cta} {} {} {} {}",
+                r[0] & 0xffff,
+                r[0] >> 16,
+                r[1],
+                r[2]
+            );
+        }
+    }
+    let trace_err = |e: std::io::Error| model_err(format!("trace file {}: {e}", path.display()));
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .and_then(|mut f| f.write_all(out.as_bytes()))
+        .map_err(trace_err)
+}
+
 /// Plans the registers for `rpw` and compiles (or loads) its kernel.
 fn build_variant(
     device: &Arc<CudaDevice>,
@@ -651,7 +706,10 @@ fn build_variant(
             cache,
             pool,
             register_plan,
-            build.rule,
+            KernelOptions {
+                rule: build.rule,
+                trace: build.trace.is_some(),
+            },
             &prog.fused_source,
             &build.slots,
         );

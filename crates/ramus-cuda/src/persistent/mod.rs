@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 
-use ramus_core::vpps::kernel::{kernel_source, UpdateRule, KERNEL_NAME, MATRIX_WORDS};
+use ramus_core::vpps::kernel::{kernel_source, KernelOptions, KERNEL_NAME, MATRIX_WORDS};
 use ramus_core::vpps::regplan::{RegisterPlan, CTA_THREADS};
 use ramus_core::vpps::script::PackedScripts;
 
@@ -95,15 +95,15 @@ fn model_err(message: impl Into<String>) -> CudaError {
 
 impl PersistentKernel {
     /// Generates, compiles (or loads from `cache`) and checks the kernel
-    /// for `plan`, `rule` and the model's fused groups (`fused_cases`, see
-    /// [`kernel_source`]); `slots[m]` places cached matrix `m` in the pool
-    /// the launches will pass.
+    /// for `plan`, `options` (the update rule, tracing) and the model's
+    /// fused groups (`fused_cases`, see [`kernel_source`]); `slots[m]`
+    /// places cached matrix `m` in the pool the launches will pass.
     pub fn build(
         device: &Arc<CudaDevice>,
         cache: &KernelCache,
         pool: &Arc<DevicePool>,
         plan: RegisterPlan,
-        rule: UpdateRule,
+        options: KernelOptions,
         fused_cases: &str,
         slots: &[MatrixSlots],
     ) -> Result<Self> {
@@ -115,7 +115,7 @@ impl PersistentKernel {
             )));
         }
         let started = Instant::now();
-        let source = kernel_source(&plan, rule, fused_cases);
+        let source = kernel_source(&plan, options, fused_cases);
         let module = cache.get_or_compile(&source, &[KERNEL_NAME])?;
         let function = module.function(KERNEL_NAME)?.clone();
         let build_seconds = started.elapsed().as_secs_f64();
