@@ -185,7 +185,12 @@ pub struct Scheduler {
     /// dependencies all run on one VPP (as `Any` tasks) runs on that VPP in
     /// the same level, right after them, instead of a level later behind a
     /// barrier (the VPP's own instructions run in order; the kernel
-    /// separates instructions with a block barrier).
+    /// separates instructions with a block barrier). Of the tasks that only
+    /// sinks wait for (tasks that depend on every task before them, e.g.
+    /// gradient sums read by the update after the batch's sink), one per
+    /// VPP and level is chained; more would lengthen that VPP's critical
+    /// path for nothing, so they run a level later on the least-loaded
+    /// VPPs instead.
     pub chain: bool,
     /// Record which VPPs run each task and which tasks each VPP runs
     /// ([`Schedule::task_vpps`], [`Schedule::vpp_tasks`]: what [`simulate`]
@@ -409,6 +414,10 @@ impl Scheduler {
         let mut any_vpp: Vec<u32> = vec![u32::MAX; n];
         let mut loads = MinLoad::new(self.vpps);
         let mut levels = 0usize;
+        let waited_for = waited_for_beyond_sinks(g);
+        // per VPP, the level a task nothing but sinks waits for was last
+        // chained at
+        let mut terminal_chained = vec![u32::MAX; self.vpps];
         for (i, t) in g.tasks.iter().enumerate() {
             check_task(i, t)?;
             if let Placement::Holders { matrix } = t.placement {
@@ -434,6 +443,15 @@ impl Scheduler {
                     let first = on.next();
                     first
                         .filter(|&v| v != u32::MAX && on.all(|w| w == v))
+                        .filter(|&v| {
+                            // one terminal task per VPP and level
+                            let seat = &mut terminal_chained[v as usize];
+                            let take = waited_for[i] || *seat != l;
+                            if !waited_for[i] && take {
+                                *seat = l;
+                            }
+                            take
+                        })
                         .map(|v| (l, v))
                 }
                 _ => None,
@@ -654,6 +672,25 @@ impl Scheduler {
             holder_item: self.holder_item,
         })
     }
+}
+
+/// Per task, whether a task other than a sink depends on it; a sink (a task
+/// past the first two that depends on every task before it) waits for
+/// everything, so only what other tasks wait for is on a critical path.
+/// Dependencies that are out of range are left to `check_task`.
+fn waited_for_beyond_sinks(g: &TaskGraph) -> Vec<bool> {
+    let mut waited = vec![false; g.tasks.len()];
+    for (i, t) in g.tasks.iter().enumerate() {
+        if i >= 2 && t.deps.len() == i {
+            continue;
+        }
+        for &d in &t.deps {
+            if let Some(w) = waited.get_mut(d as usize) {
+                *w = true;
+            }
+        }
+    }
+    waited
 }
 
 /// One instruction of a VPP's script: its level and its words in the
@@ -1275,6 +1312,24 @@ mod tests {
             err.contains("not a positive multiple of 2-word items"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn only_one_task_that_only_a_sink_waits_for_chains_per_processor_and_level() {
+        // a producer, four siblings nothing but the sink waits for, the sink
+        let mut g = TaskGraph::new();
+        g.push(task(16, &[0], &[], 1, Placement::Any)).unwrap();
+        for k in 1..=4 {
+            g.push(task(16, &[k], &[0], 1, Placement::Any)).unwrap();
+        }
+        g.push(task(16, &[5], &[0, 1, 2, 3, 4], 1, Placement::Any))
+            .unwrap();
+        let s = Scheduler::with_vpps(4).schedule(&g).unwrap();
+        assert_eq!(s.task_levels, vec![0, 0, 1, 1, 1, 2]);
+        assert_eq!(s.task_vpps[1], s.task_vpps[0], "the first sibling chains");
+        let spread: std::collections::BTreeSet<u32> = (2..5).map(|t| s.task_vpps[t][0]).collect();
+        assert_eq!(spread.len(), 3, "the others run side by side");
+        assert_eq!(simulate(&s, &g).unwrap().len(), 6);
     }
 
     #[test]
