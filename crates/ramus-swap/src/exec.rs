@@ -625,11 +625,17 @@ impl<D: SwapDevice> Run<'_, '_, D> {
     fn pre_access(&mut self, op: usize) -> Result<(), D::Error> {
         let ex = self.ex;
         let trace = ex.trace;
-        let mut uses = trace.uses(op).to_vec();
-        if self.defragmented {
-            uses.sort_by_key(|t| std::cmp::Reverse(self.bytes(t.index())));
-        }
-        for tid in uses {
+        // the trace's own list, copied only for the rare re-placement
+        let largest_first;
+        let uses: &[TensorId] = if self.defragmented {
+            let mut sorted = trace.uses(op).to_vec();
+            sorted.sort_by_key(|t| std::cmp::Reverse(trace.tensors()[t.index()].bytes));
+            largest_first = sorted;
+            &largest_first
+        } else {
+            trace.uses(op)
+        };
+        for &tid in uses {
             let t = tid.index();
             match self.loc[t] {
                 Loc::Unallocated => {

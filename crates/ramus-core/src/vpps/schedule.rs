@@ -441,18 +441,15 @@ impl Scheduler {
                         .filter(|&&d| task_levels[d as usize] == l)
                         .map(|&d| any_vpp[d as usize]);
                     let first = on.next();
-                    first
-                        .filter(|&v| v != u32::MAX && on.all(|w| w == v))
-                        .filter(|&v| {
-                            // one terminal task per VPP and level
-                            let seat = &mut terminal_chained[v as usize];
-                            let take = waited_for[i] || *seat != l;
-                            if !waited_for[i] && take {
-                                *seat = l;
-                            }
-                            take
-                        })
-                        .map(|v| (l, v))
+                    match first.filter(|&v| v != u32::MAX && on.all(|w| w == v)) {
+                        Some(v) if waited_for[i] => Some((l, v)),
+                        // one task nothing but sinks waits for per VPP and level
+                        Some(v) if terminal_chained[v as usize] != l => {
+                            terminal_chained[v as usize] = l;
+                            Some((l, v))
+                        }
+                        _ => None,
+                    }
                 }
                 _ => None,
             };

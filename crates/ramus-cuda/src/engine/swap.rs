@@ -651,10 +651,13 @@ impl CudaEngine {
         // the plan's arena is one block of the pool: no more than its
         // largest free range
         let persistent = trace.persistent_bytes();
-        let largest = self.pool.largest_free_block();
+        let room = self
+            .pool
+            .largest_free_block()
+            .map(|l| persistent.saturating_add(l));
         prep.plan_budget = device_budget.map(|b| {
             let planned = crate::swap::plan_budget(b, prep.overhead, &rt.config);
-            largest.map_or(planned, |l| planned.min(persistent.saturating_add(l)))
+            room.map_or(planned, |r| planned.min(r))
         });
         if !matches!(prep.program.kind, Kind::Train { .. }) {
             // a forward pass frees as it goes; should it still not fit,
@@ -680,11 +683,7 @@ impl CudaEngine {
             SwapMode::Off | SwapMode::Auto | SwapMode::Resident => {
                 prep.policy = None;
                 prep.options = ExecOptions::resident(None);
-                prep.plan = resident_layout(
-                    &prep.program,
-                    largest.map(|l| persistent.saturating_add(l)),
-                    cost,
-                )?;
+                prep.plan = resident_layout(&prep.program, room, cost)?;
                 prep.stage = Stage::Ready;
             }
             SwapMode::Naive => {
