@@ -37,7 +37,7 @@ def read(path):
     return launches
 
 
-def summarise(launch, records, levels):
+def summarise(launch, records, levels, top):
     base = min(r[3] for r in records)
     # relative times (the timer's low 32 bits may wrap once)
     recs = [(c, op, arg, (s - base) & 0xFFFFFFFF, (e - base) & 0xFFFFFFFF)
@@ -60,6 +60,7 @@ def summarise(launch, records, levels):
             released[r[2]] = max(released.get(r[2], 0), r[4])
     wake_total = work_total = 0
     work_by_op = collections.Counter()
+    lines = []
     for b in sorted(released):
         # the CTA whose signal of b came last, and its work since its wait
         cta, at = max(((c, i) for c, rs in by_cta.items()
@@ -76,10 +77,16 @@ def summarise(launch, records, levels):
         work_total += rs[at][3] - begin
         for r in work:
             work_by_op[name(r[1])] += r[4] - r[3]
-        if b < levels:
-            steps = " ".join(f"{name(r[1])}:{r[2]} {(r[4] - r[3]) / 1e3:.2f}" for r in work)
-            print(f"  barrier {b:4d}: {(released[b] - released.get(b - 1, 0)) / 1e3:6.2f} us"
-                  f" (wake {wake / 1e3:.2f}) CTA {cta}: {steps}")
+        steps = " ".join(f"{name(r[1])}:{r[2]} {(r[4] - r[3]) / 1e3:.2f}" for r in work)
+        gap = released[b] - released.get(b - 1, 0)
+        lines.append((gap, f"  barrier {b:4d}: {gap / 1e3:6.2f} us"
+                           f" (wake {wake / 1e3:.2f}) CTA {cta}: {steps}"))
+    for gap, line in lines[:levels]:
+        print(line)
+    if top:
+        print(f"  the {top} longest barrier intervals:")
+        for gap, line in sorted(lines, key=lambda gl: -gl[0])[:top]:
+            print(line)
     print(f"  critical path over {len(released)} barriers: waking {wake_total / 1e3:.1f} us,"
           f" work {work_total / 1e3:.1f} us; work by opcode: "
           + ", ".join(f"{k} {v / 1e3:.1f} us" for k, v in work_by_op.most_common()))
@@ -91,10 +98,12 @@ def main():
     ap.add_argument("--launch", type=int, help="only this launch")
     ap.add_argument("--levels", type=int, default=0,
                     help="print the critical path's first N barriers")
+    ap.add_argument("--top", type=int, default=0,
+                    help="print the critical path's N longest barrier intervals")
     a = ap.parse_args()
     for launch, records in sorted(read(a.trace).items()):
         if a.launch is None or a.launch == launch:
-            summarise(launch, records, a.levels)
+            summarise(launch, records, a.levels, a.top)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@
 
 mod common;
 
-use ramus_core::vpps::kernel::{UpdateRule, NO_INDEX, OP_MATVEC, OP_MATVEC_T, OP_OUTER, OP_UPDATE};
+use ramus_core::vpps::kernel::{
+    KernelOptions, UpdateRule, NO_INDEX, OP_MATVEC, OP_MATVEC_T, OP_OUTER, OP_UPDATE,
+};
 use ramus_core::vpps::regplan::{plan, DeviceLimits, MatrixSpec, PlanRequest};
 use ramus_core::vpps::schedule::{Placement, Scheduler, Task, TaskGraph};
 use ramus_core::{Model, Params};
@@ -65,10 +67,15 @@ fn register_cached_products_gradients_and_updates_match_the_host() {
     let mut rng = ChaCha8Rng::seed_from_u64(11);
     // 200 columns: a partial last register chunk; 5 rows: fewer than a partition
     let shapes = [(300, 200), (64, 256), (5, 256)];
-    for (rpw, ctas_per_sm, rule) in [
-        (1, 2, UpdateRule::Sgd),
-        (2, 1, UpdateRule::Adam),
-        (3, 2, UpdateRule::Sgd),
+    // (rpw, CTAs per SM, rule, vectors per matrix, items from which a
+    // product runs as a tiled GEMM): the register path, then the GEMM path
+    // with one tile, and with several tiles and a split outer reduction
+    for (rpw, ctas_per_sm, rule, vectors, wide_items) in [
+        (1, 2, UpdateRule::Sgd, 3, u32::MAX),
+        (2, 1, UpdateRule::Adam, 3, u32::MAX),
+        (3, 2, UpdateRule::Sgd, 3, u32::MAX),
+        (1, 2, UpdateRule::Sgd, 3, 1),
+        (2, 1, UpdateRule::Adam, 300, 32),
     ] {
         let matrices: Vec<MatrixSpec> = shapes
             .iter()
@@ -85,12 +92,12 @@ fn register_cached_products_gradients_and_updates_match_the_host() {
             grads_in_registers: Some(true),
         };
         let rp = plan(&matrices, &limits, &req).expect("plan");
-        // parameters: values then two moment buffers per matrix
+        // parameters: values, two moment buffers and a gradient per matrix
         let mut params_host = Vec::new();
         let mut slots = Vec::new();
         let mut cases = Vec::new();
         // parameters first, then the test vectors: one pool for everything
-        let mut pool_len: usize = shapes.iter().map(|&(r, c)| 3 * r * c).sum();
+        let mut pool_len: usize = shapes.iter().map(|&(r, c)| 4 * r * c).sum();
         let mut alloc = |n: usize| {
             let at = pool_len;
             pool_len += n;
@@ -106,12 +113,14 @@ fn register_cached_products_gradients_and_updates_match_the_host() {
             params_host.extend(std::iter::repeat_n(0.0, rows * cols));
             let second_moment = params_host.len();
             params_host.extend(std::iter::repeat_n(0.0, rows * cols));
+            let gradient = params_host.len();
+            params_host.extend(std::iter::repeat_n(0.0, rows * cols));
             slots.push(MatrixSlots {
                 value,
                 first_moment,
                 second_moment,
+                gradient,
             });
-            let vectors = 3;
             let xs: Vec<Vec<f32>> = (0..vectors)
                 .map(|_| (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect())
                 .collect();
@@ -185,8 +194,12 @@ fn register_cached_products_gradients_and_updates_match_the_host() {
         let schedule = Scheduler::new(&rp).schedule(&g).expect("schedule");
         assert_eq!(schedule.levels, 3, "three dependent levels");
 
+        let options = KernelOptions {
+            wide_items,
+            ..rule.into()
+        };
         let kernel =
-            PersistentKernel::build(&device, &cache, &pool, rp.clone(), rule.into(), "", &slots)
+            PersistentKernel::build(&device, &cache, &pool, rp.clone(), options, "", &slots)
                 .expect("kernel builds without spilling");
         let stream = device.stream().clone();
         let mut staging = PinnedBuffer::new(&device).expect("staging");
@@ -232,7 +245,9 @@ fn register_cached_products_gradients_and_updates_match_the_host() {
             .download_to_vec(pool_view, &stream)
             .expect("download");
 
-        let label = format!("rpw {rpw}, {ctas_per_sm} CTAs/SM, {rule:?}");
+        let label = format!(
+            "rpw {rpw}, {ctas_per_sm} CTAs/SM, {rule:?}, {vectors} vectors, GEMM from {wide_items}"
+        );
         for (m, c) in cases.iter().enumerate() {
             let mut grad = vec![0f64; c.rows * c.cols];
             for v in 0..c.xs.len() {
@@ -338,6 +353,21 @@ fn follows_the_cpu_trajectory(
     batch: usize,
     grads_in_registers: Option<bool>,
 ) {
+    let options = PersistentOptions {
+        grads_in_registers,
+        ..PersistentOptions::default()
+    };
+    follows_the_cpu_with(name, config, batch, options);
+}
+
+/// [`follows_the_cpu_trajectory`] with `options` (a test cache directory
+/// added).
+fn follows_the_cpu_with(
+    name: &str,
+    config: OptimizerConfig,
+    batch: usize,
+    options: PersistentOptions,
+) {
     if !common::cuda_ready("skipping") {
         return;
     }
@@ -352,8 +382,7 @@ fn follows_the_cpu_trajectory(
         cache_dir: Some(
             std::env::temp_dir().join(format!("ramus-persistent-{}", std::process::id())),
         ),
-        grads_in_registers,
-        ..PersistentOptions::default()
+        ..options
     };
     compare_steps(name, &model, config, &data, batch, &options);
 }
@@ -407,6 +436,24 @@ fn persistent_training_follows_the_cpu_for_every_token_model() {
     ] {
         follows_the_cpu_trajectory(name, OptimizerConfig::new(OptimizerKind::Sgd, 0.1), 6, None);
     }
+}
+
+/// Products as tiled GEMMs over the holders (wide levels): every product
+/// of every model that way, then a Tree-LSTM whose batches have levels
+/// both wider and narrower than the default threshold, with Adam.
+#[test]
+fn persistent_training_with_wide_products_follows_the_cpu() {
+    let every_product = PersistentOptions {
+        wide_items: Some(1),
+        ..PersistentOptions::default()
+    };
+    for name in ["treelstm", "treegru", "treelstm-nary", "dagrnn", "lstm-lm"] {
+        let sgd = OptimizerConfig::new(OptimizerKind::Sgd, 0.1);
+        follows_the_cpu_with(name, sgd, 6, every_product.clone());
+    }
+    let mut adam = OptimizerConfig::new(OptimizerKind::Adam, 0.01);
+    adam.weight_decay = 1e-3;
+    follows_the_cpu_with("treelstm", adam, 40, PersistentOptions::default());
 }
 
 /// Gradients not in registers (VPPS §III-C2): the outer products go to

@@ -38,6 +38,15 @@
 //!   pair first.
 //! * [`OP_OUTER`] `m` — for each `(dy, x)` pair, `G_m[row, :] += dy[row] · x`
 //!   into the gradient registers.
+//! * A product instruction of at least [`WIDE_PRODUCT_ITEMS`] items (a wide
+//!   level: many leaves, a large batch) runs instead as a tiled GEMM whose
+//!   output tiles are dealt over the matrix's holders, reading the weights
+//!   from their master copy in the pool: one processor's rows cannot keep
+//!   up with hundreds of vectors (each is a round trip), and `Wᵀ dy` on
+//!   every holder would add each column of `dx` atomically from every one
+//!   of them. A wide outer product adds into the matrix's gradient
+//!   accumulator in the pool, which [`OP_UPDATE`] adds to the registers'
+//!   sums (and zeroes).
 //! * [`OP_FUSED`] `k` — fused elementwise group `k` of the model (its code
 //!   generated into the kernel, see `FusedGroup::persistent_case`).
 //! * [`OP_ROWS`] — a row copy `dst[d(i)] (+)= src[s(i)]` (gathers, pushes,
@@ -67,9 +76,10 @@
 //! scripts ([`super::script::PackedScripts`]) with the given word offsets;
 //! `barriers` one zeroed counter per barrier; `parts` the plan's partition
 //! table ([`RegisterPlan::table`]: per CTA and partition the matrix, or
-//! `u32::MAX`, and the first row); `mats` [`MATRIX_WORDS`] words per cached
-//! matrix: rows, columns, and the float offsets in `pool` of its values,
-//! first moments and second moments. Index arrays an instruction reads
+//! `u32::MAX`, and the first row); `mats` the [`matrix_table`]
+//! ([`MATRIX_WORDS`] words per cached matrix — shape, pool offsets of its
+//! values, moments and gradient accumulator, holder count — then each
+//! CTA's rank among every matrix's holders). Index arrays an instruction reads
 //! (labels, child offsets, row lists) live in the pool as `u32` words;
 //! operands name them by their offset like any tensor.
 
@@ -77,6 +87,7 @@ use std::fmt::Write as _;
 
 use super::regplan::{RegisterPlan, CTA_THREADS, WARP};
 use super::script::OP_FIRST_ENGINE;
+use crate::error::{CoreError, Result};
 
 /// `y = W x (+ bias)` on the holders of `W` (arg: cached matrix index).
 pub const OP_MATVEC: u8 = OP_FIRST_ENGINE;
@@ -134,8 +145,34 @@ pub const ROWS_SRC_ABSOLUTE: u16 = 4;
 pub const NO_INDEX: u32 = u32::MAX;
 
 /// Words per cached matrix in the `mats` table: rows, columns, value
-/// offset, first-moment offset, second-moment offset.
-pub const MATRIX_WORDS: usize = 5;
+/// offset, first-moment offset, second-moment offset, gradient offset (the
+/// wide outer products' accumulator, see [`WIDE_PRODUCT_ITEMS`]), number of
+/// holders. After the matrices' words the table holds, per matrix and CTA,
+/// the CTA's rank among the matrix's holders ([`NO_INDEX`]: not one); see
+/// [`matrix_table`].
+pub const MATRIX_WORDS: usize = 7;
+
+/// A product instruction with at least this many items runs as a tiled GEMM
+/// shared by the matrix's holders instead of on the held rows: the weights
+/// come from the master copy in the pool (L2-resident), `Wᵀ dy` needs no
+/// cross-processor atomics per row piece, and the outer products of a wide
+/// level go to the gradient accumulator in the pool (added to the register
+/// gradients at [`OP_UPDATE`]). Below it the register path's latency wins.
+pub const WIDE_PRODUCT_ITEMS: u32 = 32;
+
+/// Output tile of a wide product (rows × columns of the GEMM), the depth
+/// of one step of its reduction, and the items of an outer product's
+/// reduction one tile takes (longer lists are split over tiles that add
+/// their sums atomically).
+const GEMM_TILE: usize = 64;
+const GEMM_STEP: usize = 16;
+const GEMM_OUTER_CHUNK: usize = 256;
+/// A GEMM tile's shared memory (two padded operand tiles and the items'
+/// offsets) fits the stage it shares with the transposed products.
+const _: () = assert!(
+    2 * GEMM_STEP * (GEMM_TILE + 4) + 2 * GEMM_OUTER_CHUNK <= STAGE_FLOATS
+        && 3 * GEMM_TILE <= 2 * GEMM_OUTER_CHUNK
+);
 
 /// Script words a VPP holds in shared memory per round (16 KiB).
 pub const SCRIPT_SMEM_WORDS: usize = 4096;
@@ -190,13 +227,62 @@ pub struct KernelOptions {
     pub rule: UpdateRule,
     /// Record every instruction's timing (see [`kernel_source`]).
     pub trace: bool,
+    /// Items from which a product runs as a tiled GEMM (see
+    /// [`WIDE_PRODUCT_ITEMS`]; `u32::MAX`: never).
+    pub wide_items: u32,
 }
 
 impl From<UpdateRule> for KernelOptions {
-    /// `rule`, untraced.
+    /// `rule`, untraced, with [`WIDE_PRODUCT_ITEMS`].
     fn from(rule: UpdateRule) -> Self {
-        KernelOptions { rule, trace: false }
+        KernelOptions {
+            rule,
+            trace: false,
+            wide_items: WIDE_PRODUCT_ITEMS,
+        }
     }
+}
+
+/// The `mats` table of a launch (see [`MATRIX_WORDS`]): for each of
+/// `plan`'s matrices its shape, the pool offsets `slots(m)` gives (value,
+/// first moment, second moment, gradient) and its holder count, then each
+/// CTA's rank among every matrix's holders. Errors name an offset or size
+/// beyond 32 bits.
+pub fn matrix_table(plan: &RegisterPlan, slots: impl Fn(usize) -> [usize; 4]) -> Result<Vec<u32>> {
+    let word = |v: usize, what: &str| {
+        u32::try_from(v).map_err(|_| {
+            CoreError::vpps(
+                "kernel",
+                format!("{what} {v} does not fit the 32-bit matrix table"),
+            )
+        })
+    };
+    let mut table = Vec::with_capacity(plan.matrices.len() * (MATRIX_WORDS + plan.ctas));
+    let holders: Vec<Vec<u32>> = (0..plan.matrices.len()).map(|m| plan.holders(m)).collect();
+    for (m, spec) in plan.matrices.iter().enumerate() {
+        let [value, first, second, grad] = slots(m);
+        for (v, what) in [
+            (spec.rows, "matrix rows"),
+            (spec.cols, "matrix columns"),
+            (value, "matrix offset"),
+            (first, "moment offset"),
+            (second, "moment offset"),
+            (grad, "gradient offset"),
+            (holders[m].len(), "holder count"),
+        ] {
+            table.push(word(v, what)?);
+        }
+    }
+    for ctas in &holders {
+        let mut ranks = vec![NO_INDEX; plan.ctas];
+        for (rank, &c) in ctas.iter().enumerate() {
+            if let Some(r) = ranks.get_mut(c as usize) {
+                *r = rank as u32;
+            }
+        }
+        table.extend(ranks);
+    }
+    Ok(table)
 }
 
 /// The CUDA C++ source of the persistent kernel for `plan` and `options`;
@@ -208,7 +294,11 @@ impl From<UpdateRule> for KernelOptions {
 /// on, [`TRACE_WORDS_PER_CTA`] words per CTA (the buffer must be that
 /// large): a developer's view of where a batch's time goes.
 pub fn kernel_source(plan: &RegisterPlan, options: KernelOptions, fused_cases: &str) -> String {
-    let KernelOptions { rule, trace } = options;
+    let KernelOptions {
+        rule,
+        trace,
+        wide_items,
+    } = options;
     let mut s = String::new();
     let _ = writeln!(s, "// Ramus VPPS persistent training kernel (generated)");
     let _ = writeln!(s, "#define VP_P {}", plan.partitions.max(1));
@@ -233,6 +323,12 @@ pub fn kernel_source(plan: &RegisterPlan, options: KernelOptions, fused_cases: &
     );
     let _ = writeln!(s, "#define VP_ITEM {PRODUCT_ITEM_WORDS}");
     let _ = writeln!(s, "#define VP_TRACE {}", u32::from(trace));
+    let _ = writeln!(s, "#define VP_WIDE {wide_items}u");
+    let _ = writeln!(s, "#define VP_MATS {}", plan.matrices.len().max(1));
+    let _ = writeln!(s, "#define VP_STAGE_FLOATS {STAGE_FLOATS}");
+    let _ = writeln!(s, "#define VP_BT {GEMM_TILE}");
+    let _ = writeln!(s, "#define VP_BK {GEMM_STEP}");
+    let _ = writeln!(s, "#define VP_OUTER_CHUNK {GEMM_OUTER_CHUNK}u");
     let _ = writeln!(s, "#define VP_TRACE_AT {TRACE_AT}u");
     let _ = writeln!(s, "#define VP_TRACE_WORDS {TRACE_WORDS_PER_CTA}u");
     let _ = writeln!(
@@ -325,6 +421,137 @@ __device__ __forceinline__ float vp_warp_sum(float v) {
     return v;
 }
 
+// A wide product instruction as a tiled GEMM, its output tiles dealt
+// round-robin over the matrix's holders (`rank` of `holders`); the weights
+// are read from the master copy in the pool (the registers' values: only
+// the batch's last step writes it). `m` is the matrix's table entry, `list`
+// the instruction's `count` items. With M × N outputs reduced over K:
+//   MATVEC    y_i  = W x_i (+ b_i)   M = items, N = rows, K = cols
+//   MATVEC_T  dx_i += W^T dy_i      M = items, N = cols, K = rows (atomic)
+//   OUTER     G   += sum_i dy_i x_i^T M = rows, N = cols, K = items, split
+//             into chunks of VP_OUTER_CHUNK items that add atomically into
+//             the gradient accumulator in the pool
+// 256 threads, a VP_BT x VP_BT tile, 4 x 4 outputs per thread, operands
+// staged VP_BK deep in shared memory while the next step's loads fly.
+__device__ __forceinline__ void vp_wide_product(
+    unsigned op, const unsigned* __restrict__ m, unsigned count, const unsigned* list,
+    float* pool, unsigned rank, unsigned holders, float* stage)
+{
+    const unsigned rows = m[0], cols = m[1], value = m[2], grad = m[5];
+    const bool outer = op == OP_OUTER;
+    const unsigned M = outer ? rows : count;
+    const unsigned N = op == OP_MATVEC ? rows : cols;
+    const unsigned K = op == OP_MATVEC ? cols : (op == OP_MATVEC_T ? rows : count);
+    const unsigned tiles_m = (M + VP_BT - 1) / VP_BT, tiles_n = (N + VP_BT - 1) / VP_BT;
+    const unsigned splits = outer ? (K + VP_OUTER_CHUNK - 1) / VP_OUTER_CHUNK : 1;
+    const unsigned tiles = tiles_m * tiles_n * splits;
+    // [VP_BK][VP_BT + 4] each (the padding keeps the stores' banks apart
+    // and the rows 16-byte aligned for the float4 reads)
+    float* const as = stage;
+    float* const bs = stage + VP_BK * (VP_BT + 4);
+    unsigned* const items = (unsigned*)(stage + 2 * VP_BK * (VP_BT + 4));
+    const unsigned tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+    for (unsigned t = rank; t < tiles; t += holders) {
+        const unsigned split = t % splits, tile = t / splits;
+        const unsigned m0 = (tile / tiles_n) * VP_BT, n0 = (tile % tiles_n) * VP_BT;
+        const unsigned k_lo = split * VP_OUTER_CHUNK;
+        const unsigned k_hi = outer ? min(K, k_lo + VP_OUTER_CHUNK) : K;
+        __syncthreads(); // the previous tile is done with the stage
+        // the tile's items: its rows' (x, y, bias) or its chunk's (dy, x)
+        if (outer) {
+            for (unsigned e = tid; e < 2 * (k_hi - k_lo); e += VP_THREADS)
+                items[e] = list[VP_ITEM * (k_lo + e / 2) + e % 2];
+        } else {
+            for (unsigned e = tid; e < 3 * VP_BT; e += VP_THREADS)
+                items[e] = m0 + e / 3 < count ? list[VP_ITEM * (m0 + e / 3) + e % 3] : VP_NONE;
+        }
+        __syncthreads();
+        float ra[4], rb[4];
+        // this thread's four elements of each operand tile at depth k0
+        auto fetch = [&](unsigned k0) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const unsigned e = tid + VP_THREADS * q;
+                if (outer) {
+                    const unsigned kk = e / VP_BT, mm = e % VP_BT, k = k0 + kk;
+                    const unsigned dy = k < k_hi ? items[2 * (k - k_lo)] : VP_NONE;
+                    const unsigned x = k < k_hi ? items[2 * (k - k_lo) + 1] : VP_NONE;
+                    ra[q] = (dy != VP_NONE && m0 + mm < M) ? pool[dy + m0 + mm] : 0.0f;
+                    rb[q] = (x != VP_NONE && n0 + mm < N) ? pool[x + n0 + mm] : 0.0f;
+                } else {
+                    // A: row mm of the items, k-contiguous
+                    const unsigned mm = e / VP_BK, kk = e % VP_BK;
+                    const unsigned src = items[3 * mm];
+                    ra[q] = (src != VP_NONE && k0 + kk < K) ? pool[src + k0 + kk] : 0.0f;
+                    if (op == OP_MATVEC) {
+                        // B(k, n) = W[n][k]: k-contiguous too
+                        rb[q] = (n0 + mm < N && k0 + kk < K) ? pool[value + (n0 + mm) * cols + k0 + kk] : 0.0f;
+                    } else {
+                        // B(k, n) = W[k][n]: n-contiguous
+                        const unsigned kb = e / VP_BT, nb = e % VP_BT;
+                        rb[q] = (k0 + kb < K && n0 + nb < N) ? pool[value + (k0 + kb) * cols + n0 + nb] : 0.0f;
+                    }
+                }
+            }
+        };
+        auto stash = [&]() {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const unsigned e = tid + VP_THREADS * q;
+                if (outer) {
+                    as[(e / VP_BT) * (VP_BT + 4) + e % VP_BT] = ra[q];
+                    bs[(e / VP_BT) * (VP_BT + 4) + e % VP_BT] = rb[q];
+                } else {
+                    as[(e % VP_BK) * (VP_BT + 4) + e / VP_BK] = ra[q];
+                    if (op == OP_MATVEC) bs[(e % VP_BK) * (VP_BT + 4) + e / VP_BK] = rb[q];
+                    else bs[(e / VP_BT) * (VP_BT + 4) + e % VP_BT] = rb[q];
+                }
+            }
+        };
+        float acc[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+        fetch(k_lo);
+        for (unsigned k0 = k_lo; k0 < k_hi; k0 += VP_BK) {
+            __syncthreads();
+            stash();
+            __syncthreads();
+            if (k0 + VP_BK < k_hi) fetch(k0 + VP_BK);
+#pragma unroll
+            for (int k = 0; k < VP_BK; ++k) {
+                const float4 a = *(const float4*)(as + k * (VP_BT + 4) + 4 * ty);
+                const float4 b = *(const float4*)(bs + k * (VP_BT + 4) + 4 * tx);
+                const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const unsigned mi = 4 * ty + i, row = m0 + mi;
+            if (row >= M) continue;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const unsigned n = n0 + 4 * tx + j;
+                if (n >= N) continue;
+                if (outer) {
+                    atomicAdd(pool + grad + row * cols + n, acc[i][j]);
+                } else if (op == OP_MATVEC) {
+                    const unsigned y = items[3 * mi + 1], bias = items[3 * mi + 2];
+                    if (y != VP_NONE) pool[y + n] = acc[i][j] + (bias != VP_NONE ? pool[bias + n] : 0.0f);
+                } else {
+                    const unsigned dx = items[3 * mi + 1];
+                    if (dx != VP_NONE) atomicAdd(pool + dx + n, acc[i][j]);
+                }
+            }
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_train(
     float* pool, const unsigned* __restrict__ script,
     unsigned* barriers, const unsigned* __restrict__ parts, const unsigned* __restrict__ mats,
@@ -333,17 +560,25 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
     float inv_bc1, float inv_bc2, float clip)
 {
     __shared__ unsigned code[VP_SMEM_WORDS];
-    // a transposed product's round: rows of dx sums and the held rows' dy
-    __shared__ float vp_dx_sums[VP_S * VP_COLS];
-    __shared__ float vp_dy[VP_S * VP_HELD];
+    // the products' stage: a transposed product's round (rows of dx sums
+    // and the held rows' dy), or a wide product's GEMM tiles
+    __shared__ __align__(16) float vp_stage[VP_STAGE_FLOATS];
+    float* const vp_dx_sums = vp_stage;
+    float* const vp_dy = vp_stage + VP_S * VP_COLS;
     // per partition: its matrix and first row (for the held-row loads)
     __shared__ unsigned vp_mat[VP_P], vp_first[VP_P];
+    // per matrix: this CTA's rank among its holders and their number
+    __shared__ unsigned vp_rank[VP_MATS], vp_holders[VP_MATS];
     const unsigned lane = threadIdx.x % VP_WARP;
     const unsigned warp = threadIdx.x / VP_WARP;
     const unsigned cta = blockIdx.x;
     if (threadIdx.x < VP_P) {
         vp_mat[threadIdx.x] = parts[(cta * VP_P + threadIdx.x) * 2];
         vp_first[threadIdx.x] = parts[(cta * VP_P + threadIdx.x) * 2 + 1];
+    }
+    for (unsigned m = threadIdx.x; m < VP_MATS; m += blockDim.x) {
+        vp_holders[m] = mats[m * VP_MAT_WORDS + 6];
+        vp_rank[m] = mats[VP_MATS * VP_MAT_WORDS + m * gridDim.x + cta];
     }
     // index arrays (labels, row lists, child offsets) live in the pool as u32
     const unsigned* upool = (const unsigned*)pool;
@@ -434,6 +669,11 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                 const bool inline_items = (operand[0] & VP_INLINE_ITEMS) != 0;
                 const unsigned count = operand[0] & ~VP_INLINE_ITEMS;
                 const unsigned* list = inline_items ? operand + 1 : script + operands_at + operand[1];
+                if (count >= VP_WIDE) {
+                    vp_wide_product(op, mats + arg * VP_MAT_WORDS, count, list, pool,
+                                    vp_rank[arg], vp_holders[arg], vp_stage);
+                    break;
+                }
                 if (op == OP_MATVEC_T) {
                     // dx += W^T dy over the held rows, VP_S pairs per
                     // round: the block stages the held rows' dy in shared
@@ -586,6 +826,7 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                     if (pm[p] == VP_NONE) continue;
                     const unsigned* m = mats + pm[p] * VP_MAT_WORDS;
                     const unsigned rows = m[0], cols = m[1], value = m[2], first = m[3], second = m[4];
+                    const unsigned grad = m[5];
 #pragma unroll
                     for (int r = 0; r < VP_R; ++r) {
                         const unsigned row = prow[p] + r;
@@ -595,7 +836,10 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                             const unsigned col = lane + VP_WARP * k;
                             if (col >= cols) continue;
                             const unsigned i = row * cols + col;
-                            const float wv = vp_update(w[p][r][k], g[p][r][k] * clip, pool + first + i,
+                            // the wide outer products' sums join the registers'
+                            const float gv = g[p][r][k] + pool[grad + i];
+                            pool[grad + i] = 0.0f;
+                            const float wv = vp_update(w[p][r][k], gv * clip, pool + first + i,
                                                        pool + second + i, lr, weight_decay, beta1, beta2,
                                                        eps, inv_bc1, inv_bc2);
                             w[p][r][k] = wv;
@@ -744,13 +988,56 @@ mod tests {
         let p = plan(&m, &DeviceLimits::hopper(4), &PlanRequest::new(1)).unwrap();
         for trace in [false, true] {
             let options = KernelOptions {
-                rule: UpdateRule::Sgd,
                 trace,
+                ..UpdateRule::Sgd.into()
             };
             let src = kernel_source(&p, options, "");
             assert!(src.contains(&format!("#define VP_TRACE {}", u32::from(trace))));
             // the records sit after the counters and inside each CTA's words
             assert!(src.contains("#if VP_TRACE") && src.contains("traced < VP_TRACE_RECORDS"));
         }
+    }
+
+    #[test]
+    fn the_matrix_table_gives_offsets_holder_counts_and_ranks() {
+        let m = [
+            MatrixSpec {
+                param: 0,
+                rows: 300,
+                cols: 64,
+            },
+            MatrixSpec {
+                param: 1,
+                rows: 5,
+                cols: 32,
+            },
+        ];
+        let p = plan(&m, &DeviceLimits::hopper(4), &PlanRequest::new(1)).unwrap();
+        let t = matrix_table(&p, |i| [10 * i, 10 * i + 1, 10 * i + 2, 10 * i + 3]).unwrap();
+        assert_eq!(t.len(), 2 * MATRIX_WORDS + 2 * p.ctas);
+        for (i, spec) in m.iter().enumerate() {
+            let w = &t[i * MATRIX_WORDS..(i + 1) * MATRIX_WORDS];
+            let holders = p.holders(i);
+            let want = [
+                spec.rows,
+                spec.cols,
+                10 * i,
+                10 * i + 1,
+                10 * i + 2,
+                10 * i + 3,
+            ];
+            assert_eq!(w[..6], want.map(|v| v as u32));
+            assert_eq!(w[6] as usize, holders.len());
+            let ranks = &t[2 * MATRIX_WORDS + i * p.ctas..2 * MATRIX_WORDS + (i + 1) * p.ctas];
+            for (cta, &rank) in ranks.iter().enumerate() {
+                match holders.iter().position(|&h| h as usize == cta) {
+                    Some(r) => assert_eq!(rank as usize, r, "matrix {i} CTA {cta}"),
+                    None => assert_eq!(rank, NO_INDEX, "matrix {i} CTA {cta} holds nothing"),
+                }
+            }
+        }
+        // the small matrix is not on every CTA: some ranks are NO_INDEX
+        assert!(t[2 * MATRIX_WORDS + p.ctas..].contains(&NO_INDEX));
+        assert!(matrix_table(&p, |_| [usize::MAX, 0, 0, 0]).is_err());
     }
 }

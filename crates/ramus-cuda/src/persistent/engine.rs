@@ -24,7 +24,7 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaEvent;
 use ramus_core::vpps::kernel::{
     KernelOptions, UpdateRule, PRODUCT_ITEM_WORDS, TRACE_AT, TRACE_RECORD_WORDS,
-    TRACE_WORDS_PER_CTA,
+    TRACE_WORDS_PER_CTA, WIDE_PRODUCT_ITEMS,
 };
 
 use ramus_core::vpps::{plan, valid_rpws, DeviceLimits, PlanRequest, RegisterPlan, Scheduler};
@@ -58,6 +58,11 @@ pub struct PersistentOptions {
     /// without, the outer products go to cuBLAS after the kernel and a
     /// second launch updates the cached matrices (VPPS §III-C2).
     pub grads_in_registers: Option<bool>,
+    /// Items from which a product instruction runs as a tiled GEMM over
+    /// its matrix's holders instead of on the held rows (default:
+    /// [`WIDE_PRODUCT_ITEMS`], or the `RAMUS_VPPS_WIDE` environment
+    /// variable for tuning; `Some(u32::MAX)`: never).
+    pub wide_items: Option<u32>,
 }
 
 /// What one training batch did.
@@ -129,6 +134,8 @@ struct VariantBuild {
     /// Where each launch's instruction trace is appended
     /// (`RAMUS_VPPS_TRACE`; see [`append_trace`]): kernels built traced.
     trace: Option<PathBuf>,
+    /// See [`PersistentOptions::wide_items`].
+    wide_items: u32,
 }
 
 /// VPPS' profile-guided load granularity (§III-A1): time a few batches
@@ -186,21 +193,35 @@ impl PersistentEngine {
         )?;
         let prog = PersistentProgram::build(model)?;
         let limits = DeviceLimits::hopper(device.sm_count() as usize);
-        let slots: Vec<MatrixSlots> = prog
+        let slots = prog
             .matrices
             .iter()
-            .map(|m| MatrixSlots {
-                value: prog.params.value[m.param],
-                first_moment: prog.params.first[m.param],
-                second_moment: prog.params.second[m.param],
+            .map(|m| {
+                Ok(MatrixSlots {
+                    value: prog.params.value[m.param],
+                    first_moment: prog.params.first[m.param],
+                    second_moment: prog.params.second[m.param],
+                    gradient: prog.params.grad[m.param].ok_or_else(|| {
+                        model_err(format!("cached parameter {} has no gradient slot", m.param))
+                    })?,
+                })
             })
-            .collect();
+            .collect::<Result<Vec<MatrixSlots>>>()?;
         let pool = DevicePool::new(&device, PoolConfig::default());
         let rule = rule_of(optimizer.kind);
+        let wide_items = match options.wide_items {
+            Some(items) => items,
+            None => match std::env::var(WIDE_ENV) {
+                Ok(v) => v.trim().parse::<u32>().map_err(|_| {
+                    CudaError::BadArgument(format!("{WIDE_ENV}={v:?} is not a number of items"))
+                })?,
+                Err(_) => WIDE_PRODUCT_ITEMS,
+            },
+        };
         // the choice of an earlier search for this model, kernel and device
         let choice_file = cache.directory().map(|d| {
             let key = format!(
-                "{}|{:?}|{:?}|{}|{:?}|{:?}",
+                "{}|{:?}|{:?}|{}|{:?}|{:?}|{wide_items}",
                 prog.fused_source,
                 prog.matrices,
                 rule,
@@ -225,6 +246,7 @@ impl PersistentEngine {
             slots,
             choice_file,
             trace: std::env::var_os(TRACE_ENV).map(PathBuf::from),
+            wide_items,
         };
         let (first_rpw, tuning) = match (options.rpw, remembered) {
             (Some(rpw), _) | (None, Some(rpw)) => (rpw, None),
@@ -641,6 +663,10 @@ impl PersistentEngine {
     }
 }
 
+/// The environment variable that overrides [`WIDE_PRODUCT_ITEMS`] (for
+/// tuning; see [`PersistentOptions::wide_items`]).
+pub const WIDE_ENV: &str = "RAMUS_VPPS_WIDE";
+
 /// The environment variable that turns the persistent kernel's instruction
 /// trace on: a file each launch's records are appended to.
 pub const TRACE_ENV: &str = "RAMUS_VPPS_TRACE";
@@ -709,6 +735,7 @@ fn build_variant(
             KernelOptions {
                 rule: build.rule,
                 trace: build.trace.is_some(),
+                wide_items: build.wide_items,
             },
             &prog.fused_source,
             &build.slots,

@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 
-use ramus_core::vpps::kernel::{kernel_source, KernelOptions, KERNEL_NAME, MATRIX_WORDS};
+use ramus_core::vpps::kernel::{kernel_source, matrix_table, KernelOptions, KERNEL_NAME};
 use ramus_core::vpps::regplan::{RegisterPlan, CTA_THREADS};
 use ramus_core::vpps::script::PackedScripts;
 
@@ -34,14 +34,17 @@ use crate::error::{CudaError, InCall, Result};
 use crate::pinned::PinnedBuffer;
 use crate::pool::{DevicePool, DeviceView, PoolBuffer};
 
-/// Where a cached matrix lives in the pool (float offsets):
-/// its values and the optimizer's first and second moments (unused by a
-/// rule that has none; any offset will do then).
+/// Where a cached matrix lives in the pool (float offsets): its values,
+/// the optimizer's first and second moments (unused by a rule that has
+/// none; any offset will do then) and a zeroed gradient accumulator of the
+/// matrix's size (the wide products' outer sums, or the whole gradient
+/// when it does not fit in registers).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MatrixSlots {
     pub value: usize,
     pub first_moment: usize,
     pub second_moment: usize,
+    pub gradient: usize,
 }
 
 /// The optimizer's scalars for one step (see `ramus_nn::Optimizer::step`).
@@ -158,18 +161,10 @@ impl PersistentKernel {
         let parts_buf = pool.alloc::<u32>(table.len().max(1))?;
         let parts = parts_buf.view().slice(0..table.len().max(1))?;
         staging.upload_slice(&table, parts.slice(0..table.len())?, &stream)?;
-        let mut mats_host = Vec::with_capacity(plan.matrices.len() * MATRIX_WORDS);
-        for (m, s) in plan.matrices.iter().zip(slots) {
-            for (value, what) in [
-                (m.rows, "matrix rows"),
-                (m.cols, "matrix columns"),
-                (s.value, "matrix offset"),
-                (s.first_moment, "moment offset"),
-                (s.second_moment, "moment offset"),
-            ] {
-                mats_host.push(u32_of(value, what)?);
-            }
-        }
+        let mats_host = matrix_table(&plan, |m| {
+            let s = &slots[m];
+            [s.value, s.first_moment, s.second_moment, s.gradient]
+        })?;
         let mats_buf = pool.alloc::<u32>(mats_host.len().max(1))?;
         let mats = mats_buf.view().slice(0..mats_host.len().max(1))?;
         if !mats_host.is_empty() {
