@@ -336,6 +336,7 @@ proptest! {
         // greedy placement only: chaining places by dependency, not load
         let mut scheduler = Scheduler::with_vpps(vpps);
         scheduler.chain = false;
+        scheduler.balance_per_level = false;
         let s = scheduler.schedule(&g).unwrap();
         // (e) max load - min load <= max task load.
         let max_task = g.tasks.iter().map(|t| t.load).max().unwrap_or(0);
@@ -344,6 +345,32 @@ proptest! {
         prop_assert!(hi - lo <= max_task, "loads {:?}, max task {}", s.loads, max_task);
         prop_assert_eq!(s.loads.iter().sum::<u64>(), g.tasks.iter().map(|t| t.load).sum::<u64>());
         let sim = simulate_with(&s, &g, replay(&choices)).unwrap();
+        check_run(&g, &s, &sim, &[], vpps);
+    }
+
+    #[test]
+    fn greedy_balance_per_level(vpps in 1usize..12, raw in raw_tasks(80)) {
+        let g = build_graph(&raw, 0, true);
+        let mut scheduler = Scheduler::with_vpps(vpps);
+        scheduler.chain = false;
+        let s = scheduler.schedule(&g).unwrap();
+        // (e') within every level, max load - min load <= max task load of
+        // the level's `Any` tasks (`Every` tasks add the same everywhere)
+        let mut per_level = vec![vec![0u64; vpps]; s.levels];
+        let mut max_task = vec![0u64; s.levels];
+        for (t, task) in g.tasks.iter().enumerate() {
+            let l = s.task_levels[t] as usize;
+            if task.placement == Placement::Any {
+                per_level[l][s.task_vpps[t][0] as usize] += task.load;
+                max_task[l] = max_task[l].max(task.load);
+            }
+        }
+        for (l, loads) in per_level.iter().enumerate() {
+            let hi = loads.iter().copied().max().unwrap_or(0);
+            let lo = loads.iter().copied().min().unwrap_or(0);
+            prop_assert!(hi - lo <= max_task[l], "level {} loads {:?}", l, loads);
+        }
+        let sim = simulate_with(&s, &g, |_| 0).unwrap();
         check_run(&g, &s, &sim, &[], vpps);
     }
 }

@@ -10,7 +10,7 @@
 mod common;
 
 use ramus_core::vpps::kernel::{
-    KernelOptions, UpdateRule, NO_INDEX, OP_MATVEC, OP_MATVEC_T, OP_OUTER, OP_UPDATE,
+    UpdateRule, NO_INDEX, OP_MATVEC, OP_MATVEC_T, OP_OUTER, OP_UPDATE, PRODUCT_ITEM_WORDS,
 };
 use ramus_core::vpps::regplan::{plan, DeviceLimits, MatrixSpec, PlanRequest};
 use ramus_core::vpps::schedule::{Placement, Scheduler, Task, TaskGraph};
@@ -69,11 +69,13 @@ fn register_cached_products_gradients_and_updates_match_the_host() {
     let shapes = [(300, 200), (64, 256), (5, 256)];
     // (rpw, CTAs per SM, rule, vectors per matrix, items from which a
     // product runs as a tiled GEMM): the register path, then the GEMM path
-    // with one tile, and with several tiles and a split outer reduction
+    // with one tile, and with several tiles and a split outer reduction.
+    // (rpw 3 with gradients at 2 CTAs per SM spills since the kernel has
+    // the GEMM path: the build refuses it, the engine falls back)
     for (rpw, ctas_per_sm, rule, vectors, wide_items) in [
         (1, 2, UpdateRule::Sgd, 3, u32::MAX),
         (2, 1, UpdateRule::Adam, 3, u32::MAX),
-        (3, 2, UpdateRule::Sgd, 3, u32::MAX),
+        (3, 1, UpdateRule::Sgd, 3, u32::MAX),
         (1, 2, UpdateRule::Sgd, 3, 1),
         (2, 1, UpdateRule::Adam, 300, 32),
     ] {
@@ -191,15 +193,14 @@ fn register_cached_products_gradients_and_updates_match_the_host() {
             placement: Placement::Every,
         })
         .expect("task");
-        let schedule = Scheduler::new(&rp).schedule(&g).expect("schedule");
+        let mut scheduler = Scheduler::new(&rp);
+        scheduler.holder_item = PRODUCT_ITEM_WORDS;
+        scheduler.wide_items = (wide_items != u32::MAX).then_some(wide_items as usize);
+        let schedule = scheduler.schedule(&g).expect("schedule");
         assert_eq!(schedule.levels, 3, "three dependent levels");
 
-        let options = KernelOptions {
-            wide_items,
-            ..rule.into()
-        };
         let kernel =
-            PersistentKernel::build(&device, &cache, &pool, rp.clone(), options, "", &slots)
+            PersistentKernel::build(&device, &cache, &pool, rp.clone(), rule.into(), "", &slots)
                 .expect("kernel builds without spilling");
         let stream = device.stream().clone();
         let mut staging = PinnedBuffer::new(&device).expect("staging");

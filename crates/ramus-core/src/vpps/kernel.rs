@@ -38,10 +38,11 @@
 //!   pair first.
 //! * [`OP_OUTER`] `m` — for each `(dy, x)` pair, `G_m[row, :] += dy[row] · x`
 //!   into the gradient registers.
-//! * A product instruction of at least [`WIDE_PRODUCT_ITEMS`] items (a wide
-//!   level: many leaves, a large batch) runs instead as a tiled GEMM whose
-//!   output tiles are dealt over the matrix's holders, reading the weights
-//!   from their master copy in the pool: one processor's rows cannot keep
+//! * A product instruction the scheduler flagged wide (at least
+//!   [`WIDE_PRODUCT_ITEMS`] items by default: many leaves, a large batch)
+//!   is in every VPP's script and runs instead as a tiled GEMM whose output
+//!   tiles are dealt over all VPPs, reading the weights from their master
+//!   copy in the pool: one processor's rows cannot keep
 //!   up with hundreds of vectors (each is a round trip), and `Wᵀ dy` on
 //!   every holder would add each column of `dx` atomically from every one
 //!   of them. A wide outer product adds into the matrix's gradient
@@ -77,9 +78,8 @@
 //! `barriers` one zeroed counter per barrier; `parts` the plan's partition
 //! table ([`RegisterPlan::table`]: per CTA and partition the matrix, or
 //! `u32::MAX`, and the first row); `mats` the [`matrix_table`]
-//! ([`MATRIX_WORDS`] words per cached matrix — shape, pool offsets of its
-//! values, moments and gradient accumulator, holder count — then each
-//! CTA's rank among every matrix's holders). Index arrays an instruction reads
+//! ([`MATRIX_WORDS`] words per cached matrix: shape, pool offsets of its
+//! values, moments and gradient accumulator). Index arrays an instruction reads
 //! (labels, child offsets, row lists) live in the pool as `u32` words;
 //! operands name them by their offset like any tensor.
 
@@ -146,18 +146,19 @@ pub const NO_INDEX: u32 = u32::MAX;
 
 /// Words per cached matrix in the `mats` table: rows, columns, value
 /// offset, first-moment offset, second-moment offset, gradient offset (the
-/// wide outer products' accumulator, see [`WIDE_PRODUCT_ITEMS`]), number of
-/// holders. After the matrices' words the table holds, per matrix and CTA,
-/// the CTA's rank among the matrix's holders ([`NO_INDEX`]: not one); see
+/// wide outer products' accumulator, see [`WIDE_PRODUCT_ITEMS`]); see
 /// [`matrix_table`].
-pub const MATRIX_WORDS: usize = 7;
+pub const MATRIX_WORDS: usize = 6;
 
-/// A product instruction with at least this many items runs as a tiled GEMM
-/// shared by the matrix's holders instead of on the held rows: the weights
-/// come from the master copy in the pool (L2-resident), `Wᵀ dy` needs no
-/// cross-processor atomics per row piece, and the outer products of a wide
-/// level go to the gradient accumulator in the pool (added to the register
-/// gradients at [`OP_UPDATE`]). Below it the register path's latency wins.
+/// The scheduler's default for [`Scheduler::wide_items`](super::Scheduler):
+/// a merged product instruction of at least this many items is sent to
+/// every processor with the [`WIDE_ITEMS`](super::schedule::WIDE_ITEMS)
+/// flag and runs as a tiled GEMM dealt over all of them instead of on the
+/// held rows: the weights come from the master copy in the pool
+/// (L2-resident), `Wᵀ dy` needs no cross-processor atomics per row piece,
+/// and the outer products of a wide level go to the gradient accumulator in
+/// the pool (added to the register gradients at [`OP_UPDATE`]). Below it
+/// the register path's latency wins.
 pub const WIDE_PRODUCT_ITEMS: u32 = 32;
 
 /// Output tile of a wide product (rows × columns of the GEMM), the depth
@@ -227,27 +228,31 @@ pub struct KernelOptions {
     pub rule: UpdateRule,
     /// Record every instruction's timing (see [`kernel_source`]).
     pub trace: bool,
-    /// Items from which a product runs as a tiled GEMM (see
-    /// [`WIDE_PRODUCT_ITEMS`]; `u32::MAX`: never).
-    pub wide_items: u32,
 }
 
 impl From<UpdateRule> for KernelOptions {
-    /// `rule`, untraced, with [`WIDE_PRODUCT_ITEMS`].
+    /// `rule`, untraced.
     fn from(rule: UpdateRule) -> Self {
-        KernelOptions {
-            rule,
-            trace: false,
-            wide_items: WIDE_PRODUCT_ITEMS,
-        }
+        KernelOptions { rule, trace: false }
     }
 }
 
+/// Output tiles of a wide product instruction (opcode `op`) with `count`
+/// items on a `rows × cols` matrix: the kernel deals them over the VPPs the
+/// scheduler gives it (see [`Scheduler::wide_items`](super::Scheduler)).
+pub fn wide_tiles(op: u8, rows: usize, cols: usize, count: usize) -> usize {
+    let (m, n, splits) = match op {
+        OP_MATVEC => (count, rows, 1),
+        OP_MATVEC_T => (count, cols, 1),
+        _ => (rows, cols, count.div_ceil(GEMM_OUTER_CHUNK)),
+    };
+    m.div_ceil(GEMM_TILE) * n.div_ceil(GEMM_TILE) * splits
+}
+
 /// The `mats` table of a launch (see [`MATRIX_WORDS`]): for each of
-/// `plan`'s matrices its shape, the pool offsets `slots(m)` gives (value,
-/// first moment, second moment, gradient) and its holder count, then each
-/// CTA's rank among every matrix's holders. Errors name an offset or size
-/// beyond 32 bits.
+/// `plan`'s matrices its shape and the pool offsets `slots(m)` gives
+/// (value, first moment, second moment, gradient). Errors name an offset
+/// or size beyond 32 bits.
 pub fn matrix_table(plan: &RegisterPlan, slots: impl Fn(usize) -> [usize; 4]) -> Result<Vec<u32>> {
     let word = |v: usize, what: &str| {
         u32::try_from(v).map_err(|_| {
@@ -257,8 +262,7 @@ pub fn matrix_table(plan: &RegisterPlan, slots: impl Fn(usize) -> [usize; 4]) ->
             )
         })
     };
-    let mut table = Vec::with_capacity(plan.matrices.len() * (MATRIX_WORDS + plan.ctas));
-    let holders: Vec<Vec<u32>> = (0..plan.matrices.len()).map(|m| plan.holders(m)).collect();
+    let mut table = Vec::with_capacity(plan.matrices.len() * MATRIX_WORDS);
     for (m, spec) in plan.matrices.iter().enumerate() {
         let [value, first, second, grad] = slots(m);
         for (v, what) in [
@@ -268,19 +272,9 @@ pub fn matrix_table(plan: &RegisterPlan, slots: impl Fn(usize) -> [usize; 4]) ->
             (first, "moment offset"),
             (second, "moment offset"),
             (grad, "gradient offset"),
-            (holders[m].len(), "holder count"),
         ] {
             table.push(word(v, what)?);
         }
-    }
-    for ctas in &holders {
-        let mut ranks = vec![NO_INDEX; plan.ctas];
-        for (rank, &c) in ctas.iter().enumerate() {
-            if let Some(r) = ranks.get_mut(c as usize) {
-                *r = rank as u32;
-            }
-        }
-        table.extend(ranks);
     }
     Ok(table)
 }
@@ -294,11 +288,7 @@ pub fn matrix_table(plan: &RegisterPlan, slots: impl Fn(usize) -> [usize; 4]) ->
 /// on, [`TRACE_WORDS_PER_CTA`] words per CTA (the buffer must be that
 /// large): a developer's view of where a batch's time goes.
 pub fn kernel_source(plan: &RegisterPlan, options: KernelOptions, fused_cases: &str) -> String {
-    let KernelOptions {
-        rule,
-        trace,
-        wide_items,
-    } = options;
+    let KernelOptions { rule, trace } = options;
     let mut s = String::new();
     let _ = writeln!(s, "// Ramus VPPS persistent training kernel (generated)");
     let _ = writeln!(s, "#define VP_P {}", plan.partitions.max(1));
@@ -323,8 +313,6 @@ pub fn kernel_source(plan: &RegisterPlan, options: KernelOptions, fused_cases: &
     );
     let _ = writeln!(s, "#define VP_ITEM {PRODUCT_ITEM_WORDS}");
     let _ = writeln!(s, "#define VP_TRACE {}", u32::from(trace));
-    let _ = writeln!(s, "#define VP_WIDE {wide_items}u");
-    let _ = writeln!(s, "#define VP_MATS {}", plan.matrices.len().max(1));
     let _ = writeln!(s, "#define VP_STAGE_FLOATS {STAGE_FLOATS}");
     let _ = writeln!(s, "#define VP_BT {GEMM_TILE}");
     let _ = writeln!(s, "#define VP_BK {GEMM_STEP}");
@@ -341,6 +329,7 @@ pub fn kernel_source(plan: &RegisterPlan, options: KernelOptions, fused_cases: &
         "#define VP_INLINE_ITEMS {}u",
         super::schedule::INLINE_ITEMS
     );
+    let _ = writeln!(s, "#define VP_WIDE_ITEMS {}u", super::schedule::WIDE_ITEMS);
     let _ = writeln!(s, "#define VP_GRADS {}", u32::from(plan.grads_in_registers));
     let _ = writeln!(s, "#define VP_RULE {}", rule.code());
     let _ = writeln!(s, "#define VP_CTAS_PER_SM {}", plan.ctas_per_sm);
@@ -422,7 +411,7 @@ __device__ __forceinline__ float vp_warp_sum(float v) {
 }
 
 // A wide product instruction as a tiled GEMM, its output tiles dealt
-// round-robin over the matrix's holders (`rank` of `holders`); the weights
+// round-robin over the processors (`rank` of `ranks`); the weights
 // are read from the master copy in the pool (the registers' values: only
 // the batch's last step writes it). `m` is the matrix's table entry, `list`
 // the instruction's `count` items. With M × N outputs reduced over K:
@@ -435,7 +424,7 @@ __device__ __forceinline__ float vp_warp_sum(float v) {
 // staged VP_BK deep in shared memory while the next step's loads fly.
 __device__ __forceinline__ void vp_wide_product(
     unsigned op, const unsigned* __restrict__ m, unsigned count, const unsigned* list,
-    float* pool, unsigned rank, unsigned holders, float* stage)
+    float* pool, unsigned rank, unsigned ranks, float* stage)
 {
     const unsigned rows = m[0], cols = m[1], value = m[2], grad = m[5];
     const bool outer = op == OP_OUTER;
@@ -451,7 +440,7 @@ __device__ __forceinline__ void vp_wide_product(
     float* const bs = stage + VP_BK * (VP_BT + 4);
     unsigned* const items = (unsigned*)(stage + 2 * VP_BK * (VP_BT + 4));
     const unsigned tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
-    for (unsigned t = rank; t < tiles; t += holders) {
+    for (unsigned t = rank; t < tiles; t += ranks) {
         const unsigned split = t % splits, tile = t / splits;
         const unsigned m0 = (tile / tiles_n) * VP_BT, n0 = (tile % tiles_n) * VP_BT;
         const unsigned k_lo = split * VP_OUTER_CHUNK;
@@ -567,18 +556,12 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
     float* const vp_dy = vp_stage + VP_S * VP_COLS;
     // per partition: its matrix and first row (for the held-row loads)
     __shared__ unsigned vp_mat[VP_P], vp_first[VP_P];
-    // per matrix: this CTA's rank among its holders and their number
-    __shared__ unsigned vp_rank[VP_MATS], vp_holders[VP_MATS];
     const unsigned lane = threadIdx.x % VP_WARP;
     const unsigned warp = threadIdx.x / VP_WARP;
     const unsigned cta = blockIdx.x;
     if (threadIdx.x < VP_P) {
         vp_mat[threadIdx.x] = parts[(cta * VP_P + threadIdx.x) * 2];
         vp_first[threadIdx.x] = parts[(cta * VP_P + threadIdx.x) * 2 + 1];
-    }
-    for (unsigned m = threadIdx.x; m < VP_MATS; m += blockDim.x) {
-        vp_holders[m] = mats[m * VP_MAT_WORDS + 6];
-        vp_rank[m] = mats[VP_MATS * VP_MAT_WORDS + m * gridDim.x + cta];
     }
     // index arrays (labels, row lists, child offsets) live in the pool as u32
     const unsigned* upool = (const unsigned*)pool;
@@ -658,6 +641,17 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
             case OP_MATVEC:
             case OP_MATVEC_T:
             case OP_OUTER: {
+                if (operand[0] & VP_WIDE_ITEMS) {
+                    // a GEMM dealt over a range of processors, this one
+                    // of them: `first | n << 16`, VPPs first.. (mod grid)
+                    const bool inline_items = (operand[0] & VP_INLINE_ITEMS) != 0;
+                    const unsigned count = operand[0] & ~(VP_INLINE_ITEMS | VP_WIDE_ITEMS);
+                    const unsigned first = operand[1] & 0xffffu, ranks = operand[1] >> 16;
+                    const unsigned* list = inline_items ? operand + 2 : script + operands_at + operand[2];
+                    vp_wide_product(op, mats + arg * VP_MAT_WORDS, count, list, pool,
+                                    (cta + gridDim.x - first) % gridDim.x, ranks, vp_stage);
+                    break;
+                }
                 bool holds = false;
 #pragma unroll
                 for (int p = 0; p < VP_P; ++p) holds = holds || pm[p] == arg;
@@ -669,11 +663,6 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                 const bool inline_items = (operand[0] & VP_INLINE_ITEMS) != 0;
                 const unsigned count = operand[0] & ~VP_INLINE_ITEMS;
                 const unsigned* list = inline_items ? operand + 1 : script + operands_at + operand[1];
-                if (count >= VP_WIDE) {
-                    vp_wide_product(op, mats + arg * VP_MAT_WORDS, count, list, pool,
-                                    vp_rank[arg], vp_holders[arg], vp_stage);
-                    break;
-                }
                 if (op == OP_MATVEC_T) {
                     // dx += W^T dy over the held rows, VP_S pairs per
                     // round: the block stages the held rows' dy in shared
@@ -999,7 +988,7 @@ mod tests {
     }
 
     #[test]
-    fn the_matrix_table_gives_offsets_holder_counts_and_ranks() {
+    fn the_matrix_table_gives_shapes_and_offsets() {
         let m = [
             MatrixSpec {
                 param: 0,
@@ -1014,30 +1003,12 @@ mod tests {
         ];
         let p = plan(&m, &DeviceLimits::hopper(4), &PlanRequest::new(1)).unwrap();
         let t = matrix_table(&p, |i| [10 * i, 10 * i + 1, 10 * i + 2, 10 * i + 3]).unwrap();
-        assert_eq!(t.len(), 2 * MATRIX_WORDS + 2 * p.ctas);
-        for (i, spec) in m.iter().enumerate() {
-            let w = &t[i * MATRIX_WORDS..(i + 1) * MATRIX_WORDS];
-            let holders = p.holders(i);
-            let want = [
-                spec.rows,
-                spec.cols,
-                10 * i,
-                10 * i + 1,
-                10 * i + 2,
-                10 * i + 3,
-            ];
-            assert_eq!(w[..6], want.map(|v| v as u32));
-            assert_eq!(w[6] as usize, holders.len());
-            let ranks = &t[2 * MATRIX_WORDS + i * p.ctas..2 * MATRIX_WORDS + (i + 1) * p.ctas];
-            for (cta, &rank) in ranks.iter().enumerate() {
-                match holders.iter().position(|&h| h as usize == cta) {
-                    Some(r) => assert_eq!(rank as usize, r, "matrix {i} CTA {cta}"),
-                    None => assert_eq!(rank, NO_INDEX, "matrix {i} CTA {cta} holds nothing"),
-                }
-            }
-        }
-        // the small matrix is not on every CTA: some ranks are NO_INDEX
-        assert!(t[2 * MATRIX_WORDS + p.ctas..].contains(&NO_INDEX));
+        let want: Vec<u32> = [[300, 64, 0, 1, 2, 3], [5, 32, 10, 11, 12, 13]]
+            .concat()
+            .iter()
+            .map(|&v| v as u32)
+            .collect();
+        assert_eq!(t, want);
         assert!(matrix_table(&p, |_| [usize::MAX, 0, 0, 0]).is_err());
     }
 }

@@ -34,6 +34,6 @@ pub use regplan::{
 };
 pub use schedule::{
     simulate, simulate_with, Placement, Schedule, Scheduler, Simulation, Task, TaskGraph,
-    INLINE_ITEMS, MAX_INLINE_ITEM_WORDS,
+    INLINE_ITEMS, MAX_INLINE_ITEM_WORDS, WIDE_ITEMS,
 };
 pub use script::{decode, Instr, PackedScripts, OP_FIRST_ENGINE, OP_SIGNAL, OP_WAIT};

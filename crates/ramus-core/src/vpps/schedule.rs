@@ -17,10 +17,14 @@
 //!   offset]`, whose operand lists lie concatenated at `offset` in the
 //!   operand pool — or, with [`Scheduler::holder_item`] set and at most
 //!   [`MAX_INLINE_ITEM_WORDS`] words of them, `op arg [count |
-//!   INLINE_ITEMS, items…]` with the lists inside the instruction;
+//!   INLINE_ITEMS, items…]` with the lists inside the instruction; a merged
+//!   instruction of at least [`Scheduler::wide_items`] items goes to every
+//!   VPP instead, its count flagged [`WIDE_ITEMS`] (the kernel deals it
+//!   over all processors as a GEMM);
 //! * `Every` tasks run on all VPPs;
-//! * `Any` tasks run on the VPP with the least load accumulated so far in the
-//!   batch (ties to the lowest index).
+//! * `Any` tasks run on the VPP with the least load accumulated so far in
+//!   their level (ties to the lowest index; see
+//!   [`Scheduler::balance_per_level`] — or in the batch, as in VPPS).
 //!
 //! Between levels, every VPP with work at level `l` ends it with `SIGNAL
 //! b_l`, and every VPP with work at level `l + 1` starts it with `WAIT b_l`,
@@ -43,6 +47,7 @@
 //! checks every executed instruction against the task graph; tests use it as
 //! the oracle.
 
+use super::kernel::wide_tiles;
 use super::regplan::RegisterPlan;
 use super::script::{
     encode_parts, preamble, Instr, PackedScripts, MAX_OPERANDS, OP_FIRST_ENGINE, OP_SIGNAL, OP_WAIT,
@@ -62,6 +67,13 @@ const WHAT: &str = "schedule";
 /// inside the instruction instead of sitting at an offset of the operand
 /// pool.
 pub const INLINE_ITEMS: u32 = 1 << 31;
+
+/// Flag on a merged product instruction's count: the instruction runs as a
+/// GEMM whose tiles are dealt over a range of VPPs (see
+/// [`Scheduler::wide_items`]), named by the word after the count: `first |
+/// n << 16`, VPPs `first, first + 1, … (mod vpps)`, `n` of them, each
+/// taking tiles `rank, rank + n, …`.
+pub const WIDE_ITEMS: u32 = 1 << 30;
 
 /// Item words a merged holder instruction carries inline at most (longer
 /// lists go to the operand pool); every holder's script repeats them.
@@ -192,6 +204,16 @@ pub struct Scheduler {
     /// path for nothing, so they run a level later on the least-loaded
     /// VPPs instead.
     pub chain: bool,
+    /// Balance `Any` tasks over each level's load (the VPP with the least
+    /// `Any` work in the task's level; products are spread over their
+    /// holders or every VPP anyway, and counting each holder's share cost
+    /// more host time than it gained) instead of VPPS' load accumulated over the whole batch. The levels
+    /// are separated by barriers, so a level takes as long as its busiest
+    /// VPP: balancing the batch's totals let the VPPs that hold fewer rows
+    /// (less accumulated product load) collect all of a wide level's
+    /// elementwise work — 17 of 132 processors ran a whole level of a
+    /// 128-tree batch, 360 µs instead of about 25.
+    pub balance_per_level: bool,
     /// Record which VPPs run each task and which tasks each VPP runs
     /// ([`Schedule::task_vpps`], [`Schedule::vpp_tasks`]: what [`simulate`]
     /// checks). Off, both stay empty — an engine does not need them, and at
@@ -204,6 +226,16 @@ pub struct Scheduler {
     /// rows), merged tasks' items are concatenated and the count is the
     /// number of items.
     pub holder_item: usize,
+    /// A merged product instruction (`holder_item > 0`) of at least this
+    /// many items goes, flagged [`WIDE_ITEMS`], to as many VPPs as it has
+    /// GEMM tiles ([`wide_tiles`], at most all of them; the ranges rotate
+    /// over the VPPs) instead of to the matrix's holders (see
+    /// [`kernel::WIDE_PRODUCT_ITEMS`](super::kernel::WIDE_PRODUCT_ITEMS));
+    /// `None`: never.
+    pub wide_items: Option<usize>,
+    /// Rows and columns of each cached matrix (a wide product's tiles);
+    /// a matrix without an entry never runs wide.
+    pub matrix_shapes: Vec<(usize, usize)>,
 }
 
 /// The scripts for one batch and how they were made.
@@ -319,6 +351,61 @@ impl MinLoad {
     }
 }
 
+/// Per level, the `Any` load of every VPP and a tournament tree over it
+/// (see [`MinLoad`]; no lazy adds): the levels' trees side by side in one
+/// buffer, a new level's copied from the all-zero template.
+struct LevelLoads {
+    n: usize,
+    size: usize,
+    template: Vec<u32>,
+    trees: Vec<u32>,
+    loads: Vec<u64>,
+}
+
+impl LevelLoads {
+    fn new(n: usize) -> Self {
+        let zero = MinLoad::new(n);
+        LevelLoads {
+            n,
+            size: zero.size,
+            template: zero.tree,
+            trees: Vec::new(),
+            loads: Vec::new(),
+        }
+    }
+
+    /// Makes room for `level` (levels appear at most one past the deepest).
+    fn reach(&mut self, level: usize) {
+        while self.loads.len() <= level * self.n {
+            self.trees.extend_from_slice(&self.template);
+            self.loads.resize(self.loads.len() + self.n, 0);
+        }
+    }
+
+    fn argmin(&mut self, level: usize) -> u32 {
+        self.reach(level);
+        self.trees[level * 2 * self.size + 1]
+    }
+
+    fn add(&mut self, level: usize, vpp: usize, amount: u64) {
+        self.reach(level);
+        let loads = &mut self.loads[level * self.n..(level + 1) * self.n];
+        loads[vpp] = loads[vpp].saturating_add(amount);
+        let tree = &mut self.trees[level * 2 * self.size..(level + 1) * 2 * self.size];
+        let mut k = (self.size + vpp) / 2;
+        while k >= 1 {
+            let (a, b) = (tree[2 * k], tree[2 * k + 1]);
+            tree[k] = match (a, b) {
+                (MinLoad::NONE, _) => b,
+                (_, MinLoad::NONE) => a,
+                _ if loads[b as usize] < loads[a as usize] => b,
+                _ => a,
+            };
+            k /= 2;
+        }
+    }
+}
+
 impl Scheduler {
     /// A scheduler for the CTAs and cached matrices of `plan`, with
     /// [`DEFAULT_MATRIX_LOAD_FACTOR`].
@@ -337,10 +424,13 @@ impl Scheduler {
             vpps: plan.ctas,
             holders,
             holder_rows,
+            matrix_shapes: plan.matrices.iter().map(|m| (m.rows, m.cols)).collect(),
             matrix_load_factor: DEFAULT_MATRIX_LOAD_FACTOR,
             chain: true,
+            balance_per_level: true,
             record: true,
             holder_item: 0,
+            wide_items: None,
         }
     }
 
@@ -353,8 +443,11 @@ impl Scheduler {
             holder_rows: Vec::new(),
             matrix_load_factor: DEFAULT_MATRIX_LOAD_FACTOR,
             chain: true,
+            balance_per_level: true,
             record: true,
             holder_item: 0,
+            wide_items: None,
+            matrix_shapes: Vec::new(),
         }
     }
 
@@ -373,6 +466,15 @@ impl Scheduler {
                     "holder rows given for {} matrices, holders for {}",
                     self.holder_rows.len(),
                     self.holders.len()
+                ),
+            ));
+        }
+        if self.wide_items.is_some() && self.vpps > usize::from(u16::MAX) {
+            return Err(CoreError::vpps(
+                WHAT,
+                format!(
+                    "{} virtual processors: wide products name their VPPs in 16 bits",
+                    self.vpps
                 ),
             ));
         }
@@ -413,6 +515,8 @@ impl Scheduler {
         let mut task_levels: Vec<u32> = Vec::with_capacity(n);
         let mut any_vpp: Vec<u32> = vec![u32::MAX; n];
         let mut loads = MinLoad::new(self.vpps);
+        // with per-level balancing, each level's loads
+        let mut level_loads = LevelLoads::new(self.vpps);
         let mut levels = 0usize;
         let waited_for = waited_for_beyond_sinks(g);
         // per VPP, the level a task nothing but sinks waits for was last
@@ -453,21 +557,24 @@ impl Scheduler {
                 }
                 _ => None,
             };
-            let level = match chained {
-                Some((l, v)) => {
-                    any_vpp[i] = v;
-                    l
-                }
-                None => {
-                    if t.placement == Placement::Any {
-                        any_vpp[i] = loads.argmin();
-                    }
-                    latest.map_or(0, |l| l + 1)
-                }
-            };
+            let level = chained.map_or_else(|| latest.map_or(0, |l| l + 1), |(l, _)| l);
+            if t.placement == Placement::Any {
+                any_vpp[i] = match chained {
+                    Some((_, v)) => v,
+                    None if self.balance_per_level => level_loads.argmin(level as usize),
+                    None => loads.argmin(),
+                };
+            }
             match t.placement {
-                Placement::Any => loads.add(any_vpp[i] as usize, t.load),
+                Placement::Any => {
+                    let v = any_vpp[i] as usize;
+                    loads.add(v, t.load);
+                    if self.balance_per_level {
+                        level_loads.add(level as usize, v, t.load);
+                    }
+                }
                 Placement::Every => {
+                    // the same on every VPP: no level's balance changes
                     for v in 0..self.vpps {
                         loads.add_lazy(v, t.load);
                     }
@@ -530,6 +637,9 @@ impl Scheduler {
         let mut task_vpps: Vec<Vec<u32>> = vec![Vec::new(); if record { n } else { 0 }];
         let mut pool: Vec<u32> = Vec::new();
         let every: Vec<u32> = (0..vpps as u32).collect();
+        // where the next wide product's VPP range starts, and its VPPs
+        let mut wide_next = 0usize;
+        let mut wide_runners: Vec<u32> = Vec::new();
         // (op, arg, matrix) of each merged group of the level (few: a scan)
         let mut group_of: Vec<(u8, u16, u16)> = Vec::new();
         let mut groups: Vec<Vec<u32>> = Vec::new();
@@ -598,25 +708,49 @@ impl Scheduler {
                 let count = words.checked_div(item).unwrap_or(group.len());
                 let count = u32::try_from(count)
                     .ok()
-                    .filter(|&c| c & INLINE_ITEMS == 0)
+                    .filter(|&c| c & (INLINE_ITEMS | WIDE_ITEMS) == 0)
                     .ok_or_else(|| {
-                        CoreError::vpps(WHAT, "more than 2^31 items in one instruction")
+                        CoreError::vpps(WHAT, "more than 2^30 items in one instruction")
                     })?;
                 // a short item list travels inside the instruction (the
                 // processor reads it from its script in shared memory, not
                 // from the operand pool in device memory)
-                let mut operands = Vec::with_capacity(1 + words.min(MAX_INLINE_ITEM_WORDS));
+                // a wide one runs on a range of VPPs, one per tile
+                let wide = match (self.wide_items, self.matrix_shapes.get(m)) {
+                    (Some(w), Some(&(rows, cols))) if item > 0 && count as usize >= w => {
+                        Some(wide_tiles(first.op, rows, cols, count as usize).clamp(1, vpps))
+                    }
+                    _ => None,
+                };
+                let mut operands = Vec::with_capacity(2 + words.min(MAX_INLINE_ITEM_WORDS));
+                let runners = match wide {
+                    Some(n) => {
+                        let first_vpp = wide_next;
+                        wide_next = (wide_next + n) % vpps;
+                        operands.push(count | WIDE_ITEMS);
+                        // vpps fits in 16 bits (checked with the wide option)
+                        operands.push((first_vpp | n << 16) as u32);
+                        wide_runners.clear();
+                        wide_runners.extend((0..n).map(|r| ((first_vpp + r) % vpps) as u32));
+                        wide_runners.sort_unstable();
+                        &wide_runners
+                    }
+                    None => {
+                        operands.push(count);
+                        &self.holders[m]
+                    }
+                };
                 if item > 0 && words <= MAX_INLINE_ITEM_WORDS {
-                    operands.push(count | INLINE_ITEMS);
+                    operands[0] |= INLINE_ITEMS;
                     operands.extend(pool.drain(offset..));
                 } else {
                     let offset = u32::try_from(offset).map_err(|_| {
                         CoreError::vpps(WHAT, "operand pool exceeds 32-bit offsets")
                     })?;
-                    operands.extend([count, offset]);
+                    operands.push(offset);
                 }
                 let words = encode_piece(first.op, first.arg, &operands, &mut code)?;
-                for &h in &self.holders[m] {
+                for &h in runners {
                     pieces.push(Piece::new(h, l, words));
                     if record {
                         vpp_tasks[h as usize].extend_from_slice(group);
@@ -624,7 +758,7 @@ impl Scheduler {
                 }
                 if record {
                     for &t in group {
-                        task_vpps[t as usize] = self.holders[m].clone();
+                        task_vpps[t as usize] = runners.clone();
                     }
                 }
             }
@@ -949,11 +1083,20 @@ pub fn simulate_with(
                 let ran: &[u32] = if let Placement::Holders { .. } = task.placement {
                     // the merged items: inline after the count, or at an
                     // offset of the operand pool
+                    // (a wide one's VPP range follows the count)
+                    let skip = match instr.operands.first() {
+                        Some(&count) if count & WIDE_ITEMS != 0 => 1,
+                        _ => 0,
+                    };
                     let (count, items): (u32, &[u32]) = match instr.operands[..] {
-                        [count, ..] if count & INLINE_ITEMS != 0 => {
-                            (count & !INLINE_ITEMS, &instr.operands[1..])
-                        }
-                        [count, offset] => (count, pool.get(offset as usize..).unwrap_or(&[])),
+                        [count, ..] if count & INLINE_ITEMS != 0 => (
+                            count & !(INLINE_ITEMS | WIDE_ITEMS),
+                            instr.operands.get(1 + skip..).unwrap_or(&[]),
+                        ),
+                        [count, .., offset] if instr.operands.len() == 2 + skip => (
+                            count & !WIDE_ITEMS,
+                            pool.get(offset as usize..).unwrap_or(&[]),
+                        ),
                         _ => {
                             return Err(mismatch(
                                 "a merged instruction needs [count, offset] or inline items",
@@ -1080,8 +1223,12 @@ mod tests {
             holder_rows: vec![vec![8; 4], vec![8; 2]],
             matrix_load_factor: 1,
             chain: false,
+            // the figure balances the batch's accumulated load
+            balance_per_level: false,
             record: true,
             holder_item: 0,
+            wide_items: None,
+            matrix_shapes: Vec::new(),
         }
     }
 
@@ -1103,6 +1250,79 @@ mod tests {
             .unwrap();
         g.push(task(30, &[], &[4], 1, Placement::Every)).unwrap();
         g
+    }
+
+    #[test]
+    fn wide_products_go_to_a_rotating_range_of_vpps_one_per_tile() {
+        let mut scheduler = fig6_scheduler();
+        scheduler.holder_item = 3;
+        scheduler.wide_items = Some(3);
+        // matrix 1: 128 rows, so a product has two row tiles
+        scheduler.matrix_shapes = vec![(8, 8), (128, 64)];
+        let h1 = Placement::Holders { matrix: 1 };
+        let mut g = TaskGraph::new();
+        // three items on matrix 1 (held by VPPs 1 and 2): wide, two tiles;
+        // then two items on it a level later: narrow, on the holders
+        g.push(task(OP_FIRST_ENGINE, &[1, 2, 3, 4, 5, 6], &[], 1, h1))
+            .unwrap();
+        g.push(task(OP_FIRST_ENGINE, &[7, 8, 9], &[], 1, h1))
+            .unwrap();
+        g.push(task(17, &[10, 11, 12, 13, 14, 15], &[0, 1], 1, h1))
+            .unwrap();
+        let s = scheduler.schedule(&g).unwrap();
+        assert_eq!(wide_tiles(OP_FIRST_ENGINE, 128, 64, 3), 2);
+        let p = |op, len, arg| preamble(op, len, arg);
+        let wide = [
+            p(OP_FIRST_ENGINE, 12, 0),
+            3 | INLINE_ITEMS | WIDE_ITEMS,
+            2 << 16, // VPPs 0 and 1
+            1,
+            2,
+            3,
+            4,
+            5,
+            6,
+            7,
+            8,
+            9,
+        ];
+        let narrow = [p(17, 8, 0), 2 | INLINE_ITEMS, 10, 11, 12, 13, 14, 15];
+        let (signal, wait) = (p(OP_SIGNAL, 1, 0), p(OP_WAIT, 1, 0));
+        assert_eq!(s.packed.script(0), &[&wide[..], &[signal]].concat()[..]);
+        assert_eq!(
+            s.packed.script(1),
+            &[&wide[..], &[signal, wait], &narrow[..]].concat()[..]
+        );
+        assert_eq!(s.packed.script(2), &[&[wait][..], &narrow[..]].concat()[..]);
+        assert!(s.packed.script(3).is_empty());
+        assert_eq!(s.packed.barrier_expects(), &[2]);
+        assert_eq!(s.task_vpps[0], vec![0, 1]);
+        assert_eq!(s.task_vpps[2], vec![1, 2]);
+        assert_eq!(simulate(&s, &g).unwrap().len(), 3);
+        // a long list goes to the operand pool; the next range starts where
+        // the last ended and wraps around
+        let items: Vec<u32> = (0..30).collect();
+        let mut g = TaskGraph::new();
+        g.push(task(OP_FIRST_ENGINE, &items, &[], 1, h1)).unwrap();
+        g.push(task(OP_FIRST_ENGINE + 1, &items, &[], 1, h1))
+            .unwrap();
+        g.push(task(OP_FIRST_ENGINE + 1, &items[..3], &[], 1, h1))
+            .unwrap();
+        scheduler.matrix_shapes = vec![(8, 8), (128, 192)];
+        let s = scheduler.schedule(&g).unwrap();
+        // MATVEC: 2 row tiles on VPPs 0, 1; MATVEC_T (the one-item task
+        // merged in: 11 items): 3 column tiles on VPPs 2, 3, 0
+        let first = [p(OP_FIRST_ENGINE, 4, 0), 10 | WIDE_ITEMS, 2 << 16, 0];
+        let second = [
+            p(OP_FIRST_ENGINE + 1, 4, 0),
+            11 | WIDE_ITEMS,
+            2 | 3 << 16,
+            30,
+        ];
+        assert_eq!(s.packed.script(3), &second[..]);
+        assert_eq!(s.task_vpps[1], vec![0, 2, 3]);
+        assert_eq!(&s.packed.script(0)[..4], &first[..]);
+        assert_eq!(simulate(&s, &g).unwrap().len(), 3);
     }
 
     #[test]

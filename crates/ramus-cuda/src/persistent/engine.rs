@@ -727,6 +727,7 @@ fn build_variant(
         scheduler.record = false;
         // product tasks carry an (input, output, bias) item per row
         scheduler.holder_item = PRODUCT_ITEM_WORDS;
+        scheduler.wide_items = (build.wide_items != u32::MAX).then_some(build.wide_items as usize);
         let built = PersistentKernel::build(
             device,
             cache,
@@ -735,7 +736,6 @@ fn build_variant(
             KernelOptions {
                 rule: build.rule,
                 trace: build.trace.is_some(),
-                wide_items: build.wide_items,
             },
             &prog.fused_source,
             &build.slots,
