@@ -291,18 +291,9 @@ impl MinLoad {
             lookups: 0,
         };
         for k in (1..size).rev() {
-            m.tree[k] = m.pick(m.tree[2 * k], m.tree[2 * k + 1]);
+            m.tree[k] = lighter(&m.loads, m.tree[2 * k], m.tree[2 * k + 1]);
         }
         m
-    }
-
-    fn pick(&self, a: u32, b: u32) -> u32 {
-        match (a, b) {
-            (Self::NONE, _) => b,
-            (_, Self::NONE) => a,
-            _ if self.loads[b as usize] < self.loads[a as usize] => b,
-            _ => a,
-        }
     }
 
     /// Lookups between two catch-ups of lazily added load.
@@ -343,11 +334,28 @@ impl MinLoad {
     }
 
     fn update(&mut self, vpp: usize) {
-        let mut k = (self.size + vpp) / 2;
-        while k >= 1 {
-            self.tree[k] = self.pick(self.tree[2 * k], self.tree[2 * k + 1]);
-            k /= 2;
-        }
+        repick_above(&mut self.tree, &self.loads, vpp);
+    }
+}
+
+/// Of two entries of a load tree (VPP indices, or [`MinLoad::NONE`]), the
+/// one with less load (ties to `a`).
+fn lighter(loads: &[u64], a: u32, b: u32) -> u32 {
+    match (a, b) {
+        (MinLoad::NONE, _) => b,
+        (_, MinLoad::NONE) => a,
+        _ if loads[b as usize] < loads[a as usize] => b,
+        _ => a,
+    }
+}
+
+/// Re-picks the nodes of the load tree `tree` (a power-of-two leaf count:
+/// half its length) on the path above leaf `vpp`.
+fn repick_above(tree: &mut [u32], loads: &[u64], vpp: usize) {
+    let mut k = (tree.len() / 2 + vpp) / 2;
+    while k >= 1 {
+        tree[k] = lighter(loads, tree[2 * k], tree[2 * k + 1]);
+        k /= 2;
     }
 }
 
@@ -392,17 +400,7 @@ impl LevelLoads {
         let loads = &mut self.loads[level * self.n..(level + 1) * self.n];
         loads[vpp] = loads[vpp].saturating_add(amount);
         let tree = &mut self.trees[level * 2 * self.size..(level + 1) * 2 * self.size];
-        let mut k = (self.size + vpp) / 2;
-        while k >= 1 {
-            let (a, b) = (tree[2 * k], tree[2 * k + 1]);
-            tree[k] = match (a, b) {
-                (MinLoad::NONE, _) => b,
-                (_, MinLoad::NONE) => a,
-                _ if loads[b as usize] < loads[a as usize] => b,
-                _ => a,
-            };
-            k /= 2;
-        }
+        repick_above(tree, loads, vpp);
     }
 }
 
