@@ -728,9 +728,14 @@ impl Scheduler {
                         operands.push(count | WIDE_ITEMS);
                         // vpps fits in 16 bits (checked with the wide option)
                         operands.push((first_vpp | n << 16) as u32);
+                        // ascending: the wrapped part first
+                        let end = first_vpp + n;
                         wide_runners.clear();
-                        wide_runners.extend((0..n).map(|r| ((first_vpp + r) % vpps) as u32));
-                        wide_runners.sort_unstable();
+                        wide_runners.extend(
+                            (0..end.saturating_sub(vpps))
+                                .chain(first_vpp..end.min(vpps))
+                                .map(|v| v as u32),
+                        );
                         &wide_runners
                     }
                     None => {
