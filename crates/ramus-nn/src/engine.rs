@@ -111,6 +111,32 @@ pub trait Engine<T: Real> {
             .map(Some)
     }
 
+    /// How many batches the engine takes at once through
+    /// [`submit_train_steps`](Engine::submit_train_steps) (an engine that
+    /// prepares several batches in parallel); 1 by default.
+    fn lookahead(&self) -> usize {
+        1
+    }
+
+    /// Starts several training steps, in order (see
+    /// [`submit_train_step`](Engine::submit_train_step)); returns the losses
+    /// that came back meanwhile, oldest first. By default one step after
+    /// the other.
+    fn submit_train_steps(
+        &mut self,
+        model: &Model,
+        params: &mut Params<T>,
+        grads: &mut Grads<T>,
+        optimizer: &mut Optimizer<T>,
+        batches: &[Batch<'_>],
+    ) -> Result<Vec<f64>> {
+        let mut losses = Vec::new();
+        for batch in batches {
+            losses.extend(self.submit_train_step(model, params, grads, optimizer, batch)?);
+        }
+        Ok(losses)
+    }
+
     /// Waits for every submitted step and returns the losses not returned
     /// yet, in submission order.
     fn finish_train_steps(&mut self) -> Result<Vec<f64>> {

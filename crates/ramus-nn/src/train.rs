@@ -4,6 +4,7 @@
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 
 use ramus_core::{Grads, HeadRows, Model, Params, Real};
 use ramus_cpu::{Batch, CpuEngine, Mode};
@@ -90,18 +91,35 @@ impl<T: Real> Trainer<T> {
         // overlapping engine returns each loss a batch later)
         let mut in_flight = std::collections::VecDeque::new();
         let mut done = 0usize;
-        for chunk in order.chunks(batch_size) {
-            let graphs: Vec<&InputGraph> = chunk.iter().map(|&i| &data[i]).collect();
-            let batch = Batch::new(&self.model, graphs, self.policy)?;
-            in_flight.push_back(chunk.len());
-            let loss = self.engine.submit_train_step(
+        // an engine that prepares batches ahead gets them a window at a
+        // time (scheduled in parallel)
+        let window = self.engine.lookahead().max(1);
+        let chunks: Vec<&[usize]> = order.chunks(batch_size).collect();
+        for group in chunks.chunks(window) {
+            let build = |chunk: &&[usize]| {
+                let graphs: Vec<&InputGraph> = chunk.iter().map(|&i| &data[i]).collect();
+                Batch::new(&self.model, graphs, self.policy)
+            };
+            let batches = if group.len() > 1 {
+                group
+                    .par_iter()
+                    .map(build)
+                    .collect::<ramus_cpu::Result<Vec<Batch>>>()?
+            } else {
+                group
+                    .iter()
+                    .map(build)
+                    .collect::<ramus_cpu::Result<Vec<Batch>>>()?
+            };
+            in_flight.extend(group.iter().map(|c| c.len()));
+            let losses = self.engine.submit_train_steps(
                 &self.model,
                 &mut self.params,
                 &mut self.grads,
                 &mut self.optimizer,
-                &batch,
+                &batches,
             )?;
-            if let Some(loss) = loss {
+            for loss in losses {
                 let n = in_flight.pop_front().unwrap_or(0);
                 total += loss * n as f64;
                 seen += n;

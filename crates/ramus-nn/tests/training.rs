@@ -139,3 +139,89 @@ fn lstm_language_model_loss_falls() {
         after.node_accuracy
     );
 }
+
+/// An engine that takes batches three at a time and returns each window's
+/// losses only with the next window (as the persistent engine does): the
+/// CPU engine underneath, steps run in order.
+struct WindowedCpu {
+    inner: ramus_cpu::CpuEngine<f32>,
+    held: Vec<f64>,
+}
+
+impl ramus_nn::Engine<f32> for WindowedCpu {
+    fn name(&self) -> &'static str {
+        "windowed-cpu"
+    }
+    fn forward_rows(
+        &mut self,
+        model: &ramus_core::Model,
+        params: &Params<f32>,
+        batch: &ramus_cpu::Batch<'_>,
+        mode: ramus_cpu::Mode,
+        rows: ramus_core::HeadRows,
+    ) -> ramus_nn::Result<ramus_cpu::ForwardOutput<f32>> {
+        ramus_nn::Engine::forward_rows(&mut self.inner, model, params, batch, mode, rows)
+    }
+    fn backward(
+        &mut self,
+        model: &ramus_core::Model,
+        params: &Params<f32>,
+        batch: &ramus_cpu::Batch<'_>,
+        grads: &mut ramus_core::Grads<f32>,
+    ) -> ramus_nn::Result<()> {
+        ramus_nn::Engine::backward(&mut self.inner, model, params, batch, grads)
+    }
+    fn set_seed(&mut self, seed: u64) {
+        ramus_nn::Engine::<f32>::set_seed(&mut self.inner, seed);
+    }
+    fn lookahead(&self) -> usize {
+        3
+    }
+    fn submit_train_steps(
+        &mut self,
+        model: &ramus_core::Model,
+        params: &mut Params<f32>,
+        grads: &mut ramus_core::Grads<f32>,
+        optimizer: &mut ramus_nn::Optimizer<f32>,
+        batches: &[ramus_cpu::Batch<'_>],
+    ) -> ramus_nn::Result<Vec<f64>> {
+        assert!(batches.len() <= 3, "a window of {} batches", batches.len());
+        let mut now = Vec::new();
+        for b in batches {
+            now.push(self.train_step(model, params, grads, optimizer, b)?);
+        }
+        Ok(std::mem::replace(&mut self.held, now))
+    }
+    fn finish_train_steps(&mut self) -> ramus_nn::Result<Vec<f64>> {
+        Ok(std::mem::take(&mut self.held))
+    }
+}
+
+/// An engine taking windows of batches, its losses a window late, trains
+/// exactly as one taking a batch at a time: the same epoch loss, the same
+/// progress reports and the same parameters.
+#[test]
+fn windowed_engines_train_as_one_batch_at_a_time() {
+    let (train, _, vocab) = treebank(50, 1);
+    let mut plain = trainer("treelstm", vocab.len(), 8, 5, OptimizerKind::Sgd, 0.1);
+    let mut windowed = trainer("treelstm", vocab.len(), 8, 5, OptimizerKind::Sgd, 0.1);
+    windowed.engine = Box::new(WindowedCpu {
+        inner: ramus_cpu::CpuEngine::new(),
+        held: Vec::new(),
+    });
+    for epoch in 0..2 {
+        let (mut r1, mut r2) = (ramus_nn::train::rng(epoch), ramus_nn::train::rng(epoch));
+        let (mut p1, mut p2) = (Vec::new(), Vec::new());
+        // 50 graphs in batches of 4: 13 batches, five windows
+        let a = plain
+            .train_epoch(&train, 4, &mut r1, |b, g, l| p1.push((b, g, l)))
+            .unwrap();
+        let b = windowed
+            .train_epoch(&train, 4, &mut r2, |b, g, l| p2.push((b, g, l)))
+            .unwrap();
+        assert_eq!(p1.len(), 13);
+        assert_eq!(p1, p2, "epoch {epoch}: progress reports");
+        assert_eq!(a, b, "epoch {epoch}: mean loss");
+    }
+    assert_eq!(plain.params.values, windowed.params.values);
+}

@@ -12,13 +12,22 @@
 //! scripts ([`Scheduler`]), copy the host-provided words and the scripts to
 //! the device in one copy, zero the accumulation region, launch once and
 //! read back the loss.
+//!
+//! Batches overlap: [`PersistentEngine::submit`] returns the previous
+//! batch's step, so the host prepares batch `t + 1` while the device runs
+//! batch `t` (VPPS §III-B); [`PersistentEngine::submit_many`] prepares a
+//! window of batches on all cores at once (a batch's preparation depends on
+//! its structure only, never on the weights) and queues them behind the
+//! batches still running.
 
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaEvent;
@@ -27,13 +36,15 @@ use ramus_core::vpps::kernel::{
     TRACE_WORDS_PER_CTA, WIDE_PRODUCT_ITEMS,
 };
 
-use ramus_core::vpps::{plan, valid_rpws, DeviceLimits, PlanRequest, RegisterPlan, Scheduler};
+use ramus_core::vpps::{
+    plan, valid_rpws, DeviceLimits, PlanRequest, RegisterPlan, Schedule as Scripts, Scheduler,
+};
 use ramus_core::{Model, Params, Tensor};
 use ramus_graph::{BatchingPolicy, InputGraph, Schedule};
 use ramus_nn::{OptimizerConfig, OptimizerKind};
 
 use super::program::PersistentProgram;
-use super::unroll::{unroll_batch, GradientGemm};
+use super::unroll::{dropout_draws, unroll_batch, BatchProgram, GradientGemm};
 use super::{MatrixSlots, PersistentKernel, UpdateScalars};
 use crate::blas::{Blas, Gemm};
 use crate::cache::KernelCache;
@@ -90,8 +101,6 @@ pub struct PersistentEngine {
     tuning: Option<Tuning>,
     /// What building another variant needs.
     build: VariantBuild,
-    /// Events around each slot's launch (the kernel's own time).
-    events: [(CudaEvent, CudaEvent); 2],
     /// Kernel seconds of the last batch read back.
     last_kernel_seconds: Option<f64>,
     /// cuBLAS, for the weight gradients of a plan without register
@@ -101,19 +110,82 @@ pub struct PersistentEngine {
     steps: u64,
     buffer: PoolBuffer<f32>,
     barriers: PoolBuffer<u32>,
-    /// Host staging for batch uploads, double-buffered: the host fills one
-    /// while the other's copy (and the kernel behind it) may still run.
-    staging: [PinnedBuffer; 2],
-    /// Where each slot's loss is copied back.
-    losses: [PinnedBuffer; 2],
-    /// The slot the next batch uses.
-    slot: usize,
-    /// A submitted batch whose loss has not been read: its slot, step and
-    /// variant.
-    pending: Option<(usize, PersistentStep, usize)>,
+    /// Host-side buffers of the batches in flight (made as more batches
+    /// are queued at once; a slot is reused once its batch came back).
+    slots: Vec<Slot>,
+    /// Staging for the parameter region (downloads, growing the pool).
+    transfer: PinnedBuffer,
+    /// Submitted batches whose loss has not been read, oldest first.
+    pending: VecDeque<Pending>,
     rng: ChaCha8Rng,
     fingerprint: Vec<usize>,
     setup_seconds: f64,
+}
+
+/// The host side of one batch in flight: its staged upload, where its loss
+/// is copied back, and events around its launch (the kernel's own time).
+struct Slot {
+    staging: PinnedBuffer,
+    loss: PinnedBuffer,
+    events: (CudaEvent, CudaEvent),
+}
+
+/// A submitted batch whose loss has not been read: its slot, its step (loss
+/// still NaN) and the variant it ran on.
+struct Pending {
+    slot: usize,
+    step: PersistentStep,
+    variant: usize,
+}
+
+/// One batch lowered and scheduled on the host, ready to launch.
+struct PreparedBatch {
+    variant: usize,
+    batch: BatchProgram,
+    scripts: Scripts,
+    /// Without register gradients: the matrices' update, a second script.
+    updates: Option<Scripts>,
+    host_seconds: f64,
+}
+
+/// Lowers, levels and encodes one batch for `variant` (its `scheduler`);
+/// `started` is when the host began preparing it. Reads nothing the device
+/// changes, so batches are prepared on any thread, ahead of their launch.
+#[allow(clippy::too_many_arguments)] // what one batch's preparation reads
+fn prepare_batch(
+    model: &Model,
+    prog: &PersistentProgram,
+    variant: usize,
+    scheduler: &Scheduler,
+    in_registers: bool,
+    schedule: &Schedule,
+    rng: &mut ChaCha8Rng,
+    started: Instant,
+) -> Result<PreparedBatch> {
+    let batch = unroll_batch(model, prog, schedule, in_registers, rng)?;
+    let scripts = scheduler.schedule(&batch.graph)?;
+    let updates = (!in_registers)
+        .then(|| scheduler.schedule(&batch.matrix_updates))
+        .transpose()?;
+    Ok(PreparedBatch {
+        variant,
+        batch,
+        scripts,
+        updates,
+        host_seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// Schedules one batch's graphs (levels, as the trainer's batches are).
+fn schedule_graphs(model: &Model, graphs: &[&InputGraph]) -> Result<Schedule> {
+    if graphs.is_empty() {
+        return Err(model_err("an empty batch"));
+    }
+    Ok(
+        ramus_cpu::Batch::new(model, graphs.to_vec(), BatchingPolicy::Cavs)
+            .map_err(|e| model_err(format!("scheduling the batch: {e}")))?
+            .schedule,
+    )
 }
 
 /// One compiled kernel with its scheduler (their register plan).
@@ -274,26 +346,18 @@ impl PersistentEngine {
         // parameters, zero gradients and moments, then room for batches
         let capacity = prog.params.total + (16 << 20);
         let buffer = pool.alloc::<f32>(capacity)?;
-        let mut staging = [PinnedBuffer::new(&device)?, PinnedBuffer::new(&device)?];
+        let mut transfer = PinnedBuffer::new(&device)?;
         {
-            let host = staging[0].host_mut::<f32>(prog.params.total)?;
+            let host = transfer.host_mut::<f32>(prog.params.total)?;
             host.iter_mut().for_each(|x| *x = 0.0);
             for (p, t) in params.values.iter().enumerate() {
                 let at = prog.params.value[p];
                 host[at..at + t.data().len()].copy_from_slice(t.data());
             }
         }
-        staging[0].upload(buffer.view().slice(0..prog.params.total)?, device.stream())?;
+        transfer.upload(buffer.view().slice(0..prog.params.total)?, device.stream())?;
         let barriers = pool.alloc::<u32>(1024)?;
-        staging[0].wait()?;
-        let losses = [PinnedBuffer::new(&device)?, PinnedBuffer::new(&device)?];
-        let event = || {
-            device
-                .context()
-                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .in_call("cuEventCreate")
-        };
-        let events = [(event()?, event()?), (event()?, event()?)];
+        transfer.wait()?;
         Ok(PersistentEngine {
             device,
             _cache: cache,
@@ -303,17 +367,15 @@ impl PersistentEngine {
             active: 0,
             tuning,
             build,
-            events,
             last_kernel_seconds: None,
             blas: None,
             optimizer,
             steps: 0,
             buffer,
             barriers,
-            staging,
-            losses,
-            slot: 0,
-            pending: None,
+            slots: Vec::new(),
+            transfer,
+            pending: VecDeque::new(),
             rng: ChaCha8Rng::seed_from_u64(0),
             fingerprint: crate::program::fingerprint(model),
             setup_seconds: started.elapsed().as_secs_f64(),
@@ -370,13 +432,8 @@ impl PersistentEngine {
         model: &Model,
         graphs: &[&InputGraph],
     ) -> Result<Option<PersistentStep>> {
-        if graphs.is_empty() {
-            return Err(model_err("an empty batch"));
-        }
         let started = Instant::now();
-        let schedule = ramus_cpu::Batch::new(model, graphs.to_vec(), BatchingPolicy::Cavs)
-            .map_err(|e| model_err(format!("scheduling the batch: {e}")))?
-            .schedule;
+        let schedule = schedule_graphs(model, graphs)?;
         self.submit_scheduled(model, &schedule, started)
     }
 
@@ -388,22 +445,134 @@ impl PersistentEngine {
         schedule: &Schedule,
         started: Instant,
     ) -> Result<Option<PersistentStep>> {
+        self.check_model(model)?;
+        let variant = self.active;
+        let in_registers = self.variants[variant].kernel.plan().grads_in_registers;
+        let prepared = prepare_batch(
+            model,
+            &self.prog,
+            variant,
+            &self.variants[variant].scheduler,
+            in_registers,
+            schedule,
+            &mut self.rng,
+            started,
+        )?;
+        self.enqueue(prepared)?;
+        if self.pending.len() > 1 {
+            self.pop_oldest().map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Submits a window of batches (each a list of graphs): schedules,
+    /// lowers and encodes all of them in parallel on the host's cores,
+    /// queues them in order behind the batches still running, and returns
+    /// the steps of every batch submitted *before* this call, oldest first
+    /// (waiting for them) — so the host prepares window `k + 1` while the
+    /// device runs window `k`. Dropout masks are drawn exactly as one
+    /// [`submit`](Self::submit) per batch would draw them.
+    /// [`finish`](Self::finish) returns the last window's steps.
+    pub fn submit_many(
+        &mut self,
+        model: &Model,
+        batches: &[Vec<&InputGraph>],
+    ) -> Result<Vec<PersistentStep>> {
+        let started = Instant::now();
+        let schedules = batches
+            .par_iter()
+            .map(|graphs| schedule_graphs(model, graphs))
+            .collect::<Result<Vec<Schedule>>>()?;
+        let refs: Vec<&Schedule> = schedules.iter().collect();
+        self.submit_many_scheduled(model, &refs, started)
+    }
+
+    /// [`submit_many`](Self::submit_many) for batches already scheduled;
+    /// `started` is when the host began preparing them.
+    pub fn submit_many_scheduled(
+        &mut self,
+        model: &Model,
+        schedules: &[&Schedule],
+        started: Instant,
+    ) -> Result<Vec<PersistentStep>> {
+        self.check_model(model)?;
+        let variant = self.active;
+        let in_registers = self.variants[variant].kernel.plan().grads_in_registers;
+        // each batch's dropout masks continue the stream where the previous
+        // batch's end (two words per draw)
+        let mut rngs = Vec::with_capacity(schedules.len());
+        for s in schedules {
+            rngs.push(self.rng.clone());
+            let words = 2 * dropout_draws(model, s);
+            self.rng.set_word_pos(self.rng.get_word_pos() + words);
+        }
+        let (prog, scheduler) = (&self.prog, &self.variants[variant].scheduler);
+        let prepared = schedules
+            .par_iter()
+            .zip(rngs.par_iter_mut())
+            .map(|(s, rng)| {
+                prepare_batch(
+                    model,
+                    prog,
+                    variant,
+                    scheduler,
+                    in_registers,
+                    s,
+                    rng,
+                    started,
+                )
+            })
+            .collect::<Result<Vec<PreparedBatch>>>()?;
+        let earlier = self.pending.len();
+        for p in prepared {
+            self.enqueue(p)?;
+        }
+        (0..earlier).map(|_| self.pop_oldest()).collect()
+    }
+
+    /// Errors unless `model` is the one the engine was set up for.
+    fn check_model(&self, model: &Model) -> Result<()> {
         if crate::program::fingerprint(model) != self.fingerprint {
             return Err(model_err(
                 "the batch is for a different model than the engine was set up for",
             ));
         }
-        let variant = self.active;
-        let in_registers = self.variants[variant].kernel.plan().grads_in_registers;
-        let batch = unroll_batch(model, &self.prog, schedule, in_registers, &mut self.rng)?;
-        let scheduler = &self.variants[variant].scheduler;
-        let scripts = scheduler.schedule(&batch.graph)?;
+        Ok(())
+    }
+
+    /// A slot no pending batch uses (a new one if all are).
+    fn free_slot(&mut self) -> Result<usize> {
+        let used = |i: usize| self.pending.iter().any(|p| p.slot == i);
+        if let Some(i) = (0..self.slots.len()).find(|&i| !used(i)) {
+            return Ok(i);
+        }
+        let event = || {
+            self.device
+                .context()
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .in_call("cuEventCreate")
+        };
+        self.slots.push(Slot {
+            staging: PinnedBuffer::new(&self.device)?,
+            loss: PinnedBuffer::new(&self.device)?,
+            events: (event()?, event()?),
+        });
+        Ok(self.slots.len() - 1)
+    }
+
+    /// Uploads a prepared batch (its words and scripts in one copy), zeroes
+    /// its accumulation region and launches it on the stream, behind the
+    /// batches still running; the batch joins `pending`.
+    fn enqueue(&mut self, prepared: PreparedBatch) -> Result<()> {
+        let PreparedBatch {
+            variant,
+            batch,
+            scripts,
+            updates,
+            host_seconds,
+        } = prepared;
         let packed = &scripts.packed;
-        // without register gradients: the matrices' update, a second script
-        let updates = (!in_registers)
-            .then(|| scheduler.schedule(&batch.matrix_updates))
-            .transpose()?;
-        let host_seconds = started.elapsed().as_secs_f64();
 
         // the pool: parameters, the batch's regions, then the scripts
         let script_at = batch.end;
@@ -424,19 +593,20 @@ impl PersistentEngine {
         }
         let stream = self.device.stream().clone();
         let view = self.buffer.view();
-        let slot = self.slot;
-        self.slot ^= 1;
+        let slot = self.free_slot()?;
         {
             // waits for this slot's previous upload to have been copied
             let upload_len = needed - batch.upload_at;
-            let host = self.staging[slot].host_mut::<f32>(upload_len)?;
+            let host = self.slots[slot].staging.host_mut::<u32>(upload_len)?;
             let update_words = updates.as_ref().map_or(&[][..], |u| &u.packed.words[..]);
-            let words = batch.upload.iter().chain(&packed.words).chain(update_words);
-            for (d, &w) in host.iter_mut().zip(words) {
-                *d = f32::from_bits(w);
+            let mut at = 0;
+            for words in [&batch.upload[..], &packed.words[..], update_words] {
+                host[at..at + words.len()].copy_from_slice(words);
+                at += words.len();
             }
         }
-        self.staging[slot].upload(view.slice(batch.upload_at..needed)?, &stream)?;
+        let words: DeviceView<u32> = view.slice(batch.upload_at..needed)?.reinterpret();
+        self.slots[slot].staging.upload(words, &stream)?;
         view.slice(batch.zeroed.clone())?.fill_zero(&stream)?;
         self.steps += 1;
         let c = &self.optimizer;
@@ -452,7 +622,8 @@ impl PersistentEngine {
             clip: 1.0,
         };
         let script: DeviceView<u32> = view.slice(script_at..update_at)?.reinterpret();
-        self.events[slot]
+        self.slots[slot]
+            .events
             .0
             .record(&stream)
             .in_call("cuEventRecord")?;
@@ -474,18 +645,21 @@ impl PersistentEngine {
                 &scalars,
             )?;
         }
-        self.events[slot]
+        self.slots[slot]
+            .events
             .1
             .record(&stream)
             .in_call("cuEventRecord")?;
-        self.losses[slot].download(view.slice(batch.loss_at..batch.loss_at + 1)?, &stream)?;
+        self.slots[slot]
+            .loss
+            .download(view.slice(batch.loss_at..batch.loss_at + 1)?, &stream)?;
         if let Some(path) = &self.build.trace {
             let ctas = self.variants[variant].kernel.plan().ctas;
             let records = self
                 .barriers
                 .view()
                 .slice(TRACE_AT..TRACE_AT + TRACE_WORDS_PER_CTA * ctas)?;
-            let words = self.staging[slot].download_to_vec(records, &stream)?;
+            let words = self.slots[slot].staging.download_to_vec(records, &stream)?;
             append_trace(path, self.steps, &words)?;
         }
         let step = PersistentStep {
@@ -494,10 +668,12 @@ impl PersistentEngine {
             tasks: batch.graph.len(),
             levels: scripts.levels,
         };
-        let previous = self.pending.replace((slot, step, variant));
-        previous
-            .map(|(s, step, v)| self.read_loss(s, step, v))
-            .transpose()
+        self.pending.push_back(Pending {
+            slot,
+            step,
+            variant,
+        });
+        Ok(())
     }
 
     /// The cached matrices' weight gradients with cuBLAS (a plan without
@@ -540,22 +716,29 @@ impl PersistentEngine {
     /// Waits for the last submitted batch and returns its step (its loss
     /// included); `None` if every submitted batch was already returned.
     pub fn latest(&mut self) -> Result<Option<PersistentStep>> {
-        match self.pending.take() {
-            Some((slot, step, variant)) => self.read_loss(slot, step, variant).map(Some),
-            None => Ok(None),
-        }
+        Ok(self.finish()?.pop())
     }
 
-    /// `step` with the loss its slot's copy brought back (waits for it);
-    /// feeds the kernel's time to the `rpw` search.
-    fn read_loss(
-        &mut self,
-        slot: usize,
-        step: PersistentStep,
-        variant: usize,
-    ) -> Result<PersistentStep> {
-        let loss = f64::from(self.losses[slot].host::<f32>(1)?[0]);
-        let (start, end) = &self.events[slot];
+    /// Waits for every submitted batch and returns the steps not returned
+    /// yet, oldest first.
+    pub fn finish(&mut self) -> Result<Vec<PersistentStep>> {
+        (0..self.pending.len()).map(|_| self.pop_oldest()).collect()
+    }
+
+    /// The oldest pending batch's step with the loss its slot's copy
+    /// brought back (waits for it); feeds the kernel's time to the `rpw`
+    /// search.
+    fn pop_oldest(&mut self) -> Result<PersistentStep> {
+        let Pending {
+            slot,
+            step,
+            variant,
+        } = self
+            .pending
+            .pop_front()
+            .ok_or_else(|| model_err("no submitted batch is pending"))?;
+        let loss = f64::from(self.slots[slot].loss.host::<f32>(1)?[0]);
+        let (start, end) = &self.slots[slot].events;
         let ms = start.elapsed_ms(end).in_call("cuEventElapsedTime")?;
         let seconds = f64::from(ms) / 1e3;
         self.last_kernel_seconds = Some(seconds);
@@ -634,11 +817,13 @@ impl PersistentEngine {
         }
         let stream = self.device.stream().clone();
         let total = self.prog.params.total;
-        let kept = self.staging[self.slot]
+        let kept = self
+            .transfer
             .download_to_vec(self.buffer.view().slice(0..total)?, &stream)?;
         let bigger = self.pool.alloc::<f32>(floats.next_power_of_two())?;
-        self.staging[self.slot].upload_slice(&kept, bigger.view().slice(0..total)?, &stream)?;
-        self.staging[self.slot].wait()?;
+        self.transfer
+            .upload_slice(&kept, bigger.view().slice(0..total)?, &stream)?;
+        self.transfer.wait()?;
         self.buffer = bigger;
         Ok(())
     }
@@ -647,7 +832,8 @@ impl PersistentEngine {
     pub fn params(&mut self, model: &Model) -> Result<Params<f32>> {
         let stream = self.device.stream().clone();
         let total = self.prog.params.total;
-        let all = self.staging[self.slot]
+        let all = self
+            .transfer
             .download_to_vec(self.buffer.view().slice(0..total)?, &stream)?;
         let values = model
             .params

@@ -17,7 +17,7 @@ mod train;
 mod unroll;
 
 pub use engine::{PersistentEngine, PersistentOptions, PersistentStep};
-pub use train::PersistentTrainer;
+pub use train::{prepared_ahead, PersistentTrainer};
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -12,6 +12,13 @@ use super::{PersistentEngine, PersistentOptions};
 use crate::engine::{CudaEngine, CudaEngineOptions};
 use crate::error::Result;
 
+/// Batches the trainer hands the persistent engine at once: prepared in
+/// parallel, one per core (2 to 16), while the device runs the window
+/// before.
+pub fn prepared_ahead() -> usize {
+    rayon::current_num_threads().clamp(2, 16)
+}
+
 /// Training on the persistent engine, evaluation on the batched one.
 pub struct PersistentTrainer {
     engine: PersistentEngine,
@@ -123,8 +130,28 @@ impl Engine<f32> for PersistentTrainer {
         Ok(previous.map(|s| s.loss))
     }
 
+    fn lookahead(&self) -> usize {
+        prepared_ahead()
+    }
+
+    fn submit_train_steps(
+        &mut self,
+        model: &Model,
+        _params: &mut Params<f32>,
+        _grads: &mut Grads<f32>,
+        _optimizer: &mut Optimizer<f32>,
+        batches: &[Batch<'_>],
+    ) -> ramus_nn::Result<Vec<f64>> {
+        let schedules: Vec<&ramus_graph::Schedule> = batches.iter().map(|b| &b.schedule).collect();
+        let steps = self
+            .engine
+            .submit_many_scheduled(model, &schedules, std::time::Instant::now())
+            .map_err(nn_err)?;
+        Ok(steps.into_iter().map(|s| s.loss).collect())
+    }
+
     fn finish_train_steps(&mut self) -> ramus_nn::Result<Vec<f64>> {
-        let last = self.engine.latest().map_err(nn_err)?;
-        Ok(last.map(|s| s.loss).into_iter().collect())
+        let steps = self.engine.finish().map_err(nn_err)?;
+        Ok(steps.into_iter().map(|s| s.loss).collect())
     }
 }

@@ -235,13 +235,7 @@ impl<'a> Unroller<'a> {
 
     /// Rows of `space` in graph `key`.
     fn rows(&self, key: GraphKey, space: Space) -> usize {
-        match (key.function(), space) {
-            (_, Space::Static) => 1,
-            (Some(f), Space::Vertex) => self.s.functions[f].rows(),
-            (Some(f), Space::Edge) => self.s.functions[f].edges(),
-            (None, Space::Vertex) => self.head_vertices.len(),
-            (None, Space::Edge) => 0,
-        }
+        space_rows(self.s, self.head_vertices.len(), key, space)
     }
 
     fn alloc(&mut self, region: Region, len: usize) -> (Region, usize) {
@@ -1416,6 +1410,38 @@ impl<'a> Unroller<'a> {
     }
 }
 
+/// Rows of `space` in graph `key` of batch `s` with `head_rows` head
+/// vertices.
+fn space_rows(s: &Schedule, head_rows: usize, key: GraphKey, space: Space) -> usize {
+    match (key.function(), space) {
+        (_, Space::Static) => 1,
+        (Some(f), Space::Vertex) => s.functions[f].rows(),
+        (Some(f), Space::Edge) => s.functions[f].edges(),
+        (None, Space::Vertex) => head_rows,
+        (None, Space::Edge) => 0,
+    }
+}
+
+/// The dropout-mask elements [`unroll_batch`] draws for batch `s` (one
+/// `f64` from the stream each), so a batch prepared ahead can start its
+/// masks where the batches before it leave the stream.
+pub(crate) fn dropout_draws(model: &Model, s: &Schedule) -> u128 {
+    let head_rows = crate::engine::head_vertices(model.head.rows, s).len();
+    let keys = (0..model.functions.len())
+        .map(GraphKey::Forward)
+        .chain([GraphKey::HeadForward]);
+    let mut draws = 0u128;
+    for key in keys {
+        for node in &key.graph(model).nodes {
+            if let NodeKind::Input(Source::DropoutMask { .. }) = node.kind {
+                let rows = space_rows(s, head_rows, key, node.ty.space);
+                draws += (rows * node.ty.width()) as u128;
+            }
+        }
+    }
+    draws
+}
+
 /// Lowers one training batch (see the module docs). `rng` draws the
 /// dropout masks in the CPU engine's order.
 pub(crate) fn unroll_batch(
@@ -1612,6 +1638,53 @@ mod tests {
         lowered("treelstm-nary", &trees, 0.2);
         let chains = vec![random_chain(&mut rng, 7, 30).expect("chain")];
         lowered("lstm-lm", &chains, 0.0);
+    }
+
+    /// A batch lowered with the stream set past the masks of the batches
+    /// before it (a batch prepared ahead) draws the masks it would draw
+    /// lowered after them.
+    #[test]
+    fn a_batch_prepared_ahead_draws_the_masks_it_would_draw_in_turn() {
+        let cfg = ModelConfig {
+            vocab: 30,
+            hidden: 6,
+            classes: 5,
+        };
+        let model =
+            build_model_with("treelstm", &cfg, &ModelOptions { dropout: 0.3 }).expect("model");
+        let prog = PersistentProgram::build(&model).expect("program");
+        let mut trees = ChaCha8Rng::seed_from_u64(8);
+        let batches: Vec<Schedule> = [3, 1, 2]
+            .iter()
+            .map(|&n| {
+                let graphs: Vec<InputGraph> = (0..n)
+                    .map(|_| random_tree(&mut trees, 7, &[2], 30, 5).expect("tree"))
+                    .collect();
+                let refs: Vec<&InputGraph> = graphs.iter().collect();
+                ramus_cpu::Batch::new(&model, refs, ramus_graph::BatchingPolicy::Cavs)
+                    .expect("schedule")
+                    .schedule
+            })
+            .collect();
+        let mut in_turn = ChaCha8Rng::seed_from_u64(2);
+        let mut ahead = in_turn.clone();
+        let mut skipped = 0u128;
+        for (i, s) in batches.iter().enumerate() {
+            let a = unroll_batch(&model, &prog, s, true, &mut in_turn).expect("lowered");
+            let mut positioned = ahead.clone();
+            positioned.set_word_pos(ahead.get_word_pos() + 2 * skipped);
+            let b = unroll_batch(&model, &prog, s, true, &mut positioned).expect("lowered");
+            assert!(dropout_draws(&model, s) > 0, "batch {i} has masks");
+            assert_eq!(a.upload, b.upload, "batch {i}: the same masks");
+            assert_eq!(
+                positioned.get_word_pos(),
+                in_turn.get_word_pos(),
+                "batch {i}"
+            );
+            skipped += dropout_draws(&model, s);
+        }
+        ahead.set_word_pos(ahead.get_word_pos() + 2 * skipped);
+        assert_eq!(ahead.get_word_pos(), in_turn.get_word_pos());
     }
 
     #[test]
