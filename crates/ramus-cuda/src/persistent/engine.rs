@@ -138,9 +138,11 @@ struct Pending {
     variant: usize,
 }
 
-/// One batch lowered and scheduled on the host, ready to launch.
+/// One batch lowered, scheduled and staged on the host, ready to launch.
 struct PreparedBatch {
     variant: usize,
+    /// The slot whose staging buffer holds the batch's words.
+    slot: usize,
     batch: BatchProgram,
     scripts: Scripts,
     /// Without register gradients: the matrices' update, a second script.
@@ -148,32 +150,78 @@ struct PreparedBatch {
     host_seconds: f64,
 }
 
-/// Lowers, levels and encodes one batch for `variant` (its `scheduler`);
-/// `started` is when the host began preparing it. Reads nothing the device
-/// changes, so batches are prepared on any thread, ahead of their launch.
-#[allow(clippy::too_many_arguments)] // what one batch's preparation reads
-fn prepare_batch(
-    model: &Model,
-    prog: &PersistentProgram,
+/// What preparing a batch reads: the model, its program and the variant
+/// (index and scheduler) the batch is for. Nothing the device changes, so
+/// batches are prepared on any thread, ahead of their launch.
+struct PrepareFor<'a> {
+    model: &'a Model,
+    prog: &'a PersistentProgram,
     variant: usize,
-    scheduler: &Scheduler,
+    scheduler: &'a Scheduler,
     in_registers: bool,
-    schedule: &Schedule,
-    rng: &mut ChaCha8Rng,
-    started: Instant,
-) -> Result<PreparedBatch> {
-    let batch = unroll_batch(model, prog, schedule, in_registers, rng)?;
-    let scripts = scheduler.schedule(&batch.graph)?;
-    let updates = (!in_registers)
-        .then(|| scheduler.schedule(&batch.matrix_updates))
-        .transpose()?;
-    Ok(PreparedBatch {
-        variant,
-        batch,
-        scripts,
-        updates,
-        host_seconds: started.elapsed().as_secs_f64(),
-    })
+}
+
+impl<'a> PrepareFor<'a> {
+    /// For batches of `model` (its `prog`) on `variants[variant]`.
+    fn new(
+        model: &'a Model,
+        prog: &'a PersistentProgram,
+        variants: &'a [Variant],
+        variant: usize,
+    ) -> Self {
+        PrepareFor {
+            model,
+            prog,
+            variant,
+            scheduler: &variants[variant].scheduler,
+            in_registers: variants[variant].kernel.plan().grads_in_registers,
+        }
+    }
+
+    /// Lowers, levels and encodes one batch and stages its words (host
+    /// words, scripts, update scripts: the pool's order from the upload
+    /// region on) in slot `slot` (`staging`); `started` is when the host
+    /// began preparing it.
+    fn prepare(
+        &self,
+        schedule: &Schedule,
+        rng: &mut ChaCha8Rng,
+        slot: usize,
+        staging: &mut PinnedBuffer,
+        started: Instant,
+    ) -> Result<PreparedBatch> {
+        let scheduler = self.scheduler;
+        let in_registers = self.in_registers;
+        let batch = unroll_batch(
+            self.model,
+            self.prog,
+            schedule,
+            in_registers,
+            scheduler.vpps,
+            rng,
+        )?;
+        let scripts = scheduler.schedule(&batch.graph)?;
+        let updates = (!in_registers)
+            .then(|| scheduler.schedule(&batch.matrix_updates))
+            .transpose()?;
+        let update_words = updates.as_ref().map_or(&[][..], |u| &u.packed.words[..]);
+        let parts = [&batch.upload[..], &scripts.packed.words[..], update_words];
+        // waits for this slot's previous upload to have been copied
+        let host = staging.host_mut::<u32>(parts.iter().map(|p| p.len()).sum())?;
+        let mut at = 0;
+        for words in parts {
+            host[at..at + words.len()].copy_from_slice(words);
+            at += words.len();
+        }
+        Ok(PreparedBatch {
+            variant: self.variant,
+            slot,
+            batch,
+            scripts,
+            updates,
+            host_seconds: started.elapsed().as_secs_f64(),
+        })
+    }
 }
 
 /// Schedules one batch's graphs (levels, as the trainer's batches are).
@@ -446,16 +494,12 @@ impl PersistentEngine {
         started: Instant,
     ) -> Result<Option<PersistentStep>> {
         self.check_model(model)?;
-        let variant = self.active;
-        let in_registers = self.variants[variant].kernel.plan().grads_in_registers;
-        let prepared = prepare_batch(
-            model,
-            &self.prog,
-            variant,
-            &self.variants[variant].scheduler,
-            in_registers,
+        let slot = self.free_slots(1)?[0];
+        let prepared = PrepareFor::new(model, &self.prog, &self.variants, self.active).prepare(
             schedule,
             &mut self.rng,
+            slot,
+            &mut self.slots[slot].staging,
             started,
         )?;
         self.enqueue(prepared)?;
@@ -497,8 +541,6 @@ impl PersistentEngine {
         started: Instant,
     ) -> Result<Vec<PersistentStep>> {
         self.check_model(model)?;
-        let variant = self.active;
-        let in_registers = self.variants[variant].kernel.plan().grads_in_registers;
         // each batch's dropout masks continue the stream where the previous
         // batch's end (two words per draw)
         let mut rngs = Vec::with_capacity(schedules.len());
@@ -507,22 +549,21 @@ impl PersistentEngine {
             let words = 2 * dropout_draws(model, s);
             self.rng.set_word_pos(self.rng.get_word_pos() + words);
         }
-        let (prog, scheduler) = (&self.prog, &self.variants[variant].scheduler);
+        // each batch staged in a slot of its own by the thread preparing it
+        let chosen = self.free_slots(schedules.len())?;
+        let mut staging: Vec<(usize, &mut PinnedBuffer)> = self
+            .slots
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| chosen.contains(i))
+            .map(|(i, slot)| (i, &mut slot.staging))
+            .collect();
+        let prepare = PrepareFor::new(model, &self.prog, &self.variants, self.active);
         let prepared = schedules
             .par_iter()
             .zip(rngs.par_iter_mut())
-            .map(|(s, rng)| {
-                prepare_batch(
-                    model,
-                    prog,
-                    variant,
-                    scheduler,
-                    in_registers,
-                    s,
-                    rng,
-                    started,
-                )
-            })
+            .zip(staging.par_iter_mut())
+            .map(|((s, rng), (slot, buffer))| prepare.prepare(s, rng, *slot, buffer, started))
             .collect::<Result<Vec<PreparedBatch>>>()?;
         let earlier = self.pending.len();
         for p in prepared {
@@ -541,32 +582,37 @@ impl PersistentEngine {
         Ok(())
     }
 
-    /// A slot no pending batch uses (a new one if all are).
-    fn free_slot(&mut self) -> Result<usize> {
-        let used = |i: usize| self.pending.iter().any(|p| p.slot == i);
-        if let Some(i) = (0..self.slots.len()).find(|&i| !used(i)) {
-            return Ok(i);
+    /// `n` slots no pending batch uses, ascending (new ones where too few
+    /// are free).
+    fn free_slots(&mut self, n: usize) -> Result<Vec<usize>> {
+        let mut free: Vec<usize> = (0..self.slots.len())
+            .filter(|&i| !self.pending.iter().any(|p| p.slot == i))
+            .take(n)
+            .collect();
+        while free.len() < n {
+            let event = || {
+                self.device
+                    .context()
+                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .in_call("cuEventCreate")
+            };
+            self.slots.push(Slot {
+                staging: PinnedBuffer::new(&self.device)?,
+                loss: PinnedBuffer::new(&self.device)?,
+                events: (event()?, event()?),
+            });
+            free.push(self.slots.len() - 1);
         }
-        let event = || {
-            self.device
-                .context()
-                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .in_call("cuEventCreate")
-        };
-        self.slots.push(Slot {
-            staging: PinnedBuffer::new(&self.device)?,
-            loss: PinnedBuffer::new(&self.device)?,
-            events: (event()?, event()?),
-        });
-        Ok(self.slots.len() - 1)
+        Ok(free)
     }
 
-    /// Uploads a prepared batch (its words and scripts in one copy), zeroes
+    /// Uploads a prepared batch (its staged words and scripts in one copy), zeroes
     /// its accumulation region and launches it on the stream, behind the
     /// batches still running; the batch joins `pending`.
     fn enqueue(&mut self, prepared: PreparedBatch) -> Result<()> {
         let PreparedBatch {
             variant,
+            slot,
             batch,
             scripts,
             updates,
@@ -593,18 +639,7 @@ impl PersistentEngine {
         }
         let stream = self.device.stream().clone();
         let view = self.buffer.view();
-        let slot = self.free_slot()?;
-        {
-            // waits for this slot's previous upload to have been copied
-            let upload_len = needed - batch.upload_at;
-            let host = self.slots[slot].staging.host_mut::<u32>(upload_len)?;
-            let update_words = updates.as_ref().map_or(&[][..], |u| &u.packed.words[..]);
-            let mut at = 0;
-            for words in [&batch.upload[..], &packed.words[..], update_words] {
-                host[at..at + words.len()].copy_from_slice(words);
-                at += words.len();
-            }
-        }
+        // the words were staged in order when the batch was prepared
         let words: DeviceView<u32> = view.slice(batch.upload_at..needed)?.reinterpret();
         self.slots[slot].staging.upload(words, &stream)?;
         view.slice(batch.zeroed.clone())?.fill_zero(&stream)?;
