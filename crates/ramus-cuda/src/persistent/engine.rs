@@ -472,8 +472,9 @@ impl PersistentEngine {
 
     /// VPPS' training call: prepares and enqueues one batch (forward,
     /// backward and update in one launch) and returns the *previous*
-    /// batch's step, if one was pending — so the host prepares batch `t +
-    /// 1` while the device runs batch `t`. [`latest`](Self::latest) waits
+    /// batch's step, if one was pending (the oldest pending one after a
+    /// [`submit_many`](Self::submit_many)) — so the host prepares batch `t
+    /// + 1` while the device runs batch `t`. [`latest`](Self::latest) waits
     /// for the last one.
     pub fn submit(
         &mut self,
@@ -606,9 +607,9 @@ impl PersistentEngine {
         Ok(free)
     }
 
-    /// Uploads a prepared batch (its staged words and scripts in one copy), zeroes
-    /// its accumulation region and launches it on the stream, behind the
-    /// batches still running; the batch joins `pending`.
+    /// Uploads a prepared batch (its staged words and scripts in one
+    /// copy), zeroes its accumulation region and launches it on the stream,
+    /// behind the batches still running; the batch joins `pending`.
     fn enqueue(&mut self, prepared: PreparedBatch) -> Result<()> {
         let PreparedBatch {
             variant,
