@@ -473,9 +473,9 @@ impl PersistentEngine {
     /// VPPS' training call: prepares and enqueues one batch (forward,
     /// backward and update in one launch) and returns the *previous*
     /// batch's step, if one was pending (the oldest pending one after a
-    /// [`submit_many`](Self::submit_many)) — so the host prepares batch `t
-    /// + 1` while the device runs batch `t`. [`latest`](Self::latest) waits
-    /// for the last one.
+    /// [`submit_many`](Self::submit_many)) — so the host prepares the next
+    /// batch while the device runs this one. [`latest`](Self::latest)
+    /// waits for the last one.
     pub fn submit(
         &mut self,
         model: &Model,
