@@ -100,17 +100,10 @@ impl<T: Real> Trainer<T> {
                 let graphs: Vec<&InputGraph> = chunk.iter().map(|&i| &data[i]).collect();
                 Batch::new(&self.model, graphs, self.policy)
             };
-            let batches = if group.len() > 1 {
-                group
-                    .par_iter()
-                    .map(build)
-                    .collect::<ramus_cpu::Result<Vec<Batch>>>()?
-            } else {
-                group
-                    .iter()
-                    .map(build)
-                    .collect::<ramus_cpu::Result<Vec<Batch>>>()?
-            };
+            let batches = group
+                .par_iter()
+                .map(build)
+                .collect::<ramus_cpu::Result<Vec<Batch>>>()?;
             in_flight.extend(group.iter().map(|c| c.len()));
             let losses = self.engine.submit_train_steps(
                 &self.model,

@@ -1443,19 +1443,30 @@ fn space_rows(s: &Schedule, head_rows: usize, key: GraphKey, space: Space) -> us
 /// masks where the batches before it leave the stream.
 pub(crate) fn dropout_draws(model: &Model, s: &Schedule) -> u128 {
     let head_rows = crate::engine::head_vertices(model.head.rows, s).len();
-    let keys = (0..model.functions.len())
+    dropout_masks(model)
+        .map(|(key, n, _)| {
+            let ty = &key.graph(model).nodes[n].ty;
+            (space_rows(s, head_rows, key, ty.space) * ty.width()) as u128
+        })
+        .sum()
+}
+
+/// Every dropout mask of `model` with its rate, in the order the CPU
+/// engine draws them: the functions' forward graphs, then the head's.
+fn dropout_masks(model: &Model) -> impl Iterator<Item = (GraphKey, NodeId, u16)> + '_ {
+    (0..model.functions.len())
         .map(GraphKey::Forward)
-        .chain([GraphKey::HeadForward]);
-    let mut draws = 0u128;
-    for key in keys {
-        for node in &key.graph(model).nodes {
-            if let NodeKind::Input(Source::DropoutMask { .. }) = node.kind {
-                let rows = space_rows(s, head_rows, key, node.ty.space);
-                draws += (rows * node.ty.width()) as u128;
-            }
-        }
-    }
-    draws
+        .chain([GraphKey::HeadForward])
+        .flat_map(move |key| {
+            key.graph(model)
+                .nodes
+                .iter()
+                .enumerate()
+                .filter_map(move |(n, node)| match node.kind {
+                    NodeKind::Input(Source::DropoutMask { rate, .. }) => Some((key, n, rate)),
+                    _ => None,
+                })
+        })
 }
 
 /// Lowers one training batch (see the module docs) for `spread` processors
@@ -1521,23 +1532,14 @@ pub(crate) fn unroll_batch(
             u.upload[at] = 1f32.to_bits();
         }
     }
-    let mask_keys: Vec<GraphKey> = (0..model.functions.len())
-        .map(GraphKey::Forward)
-        .chain([GraphKey::HeadForward])
-        .collect();
-    for key in mask_keys {
-        let g = key.graph(model);
-        for (n, node) in g.nodes.iter().enumerate() {
-            if let NodeKind::Input(Source::DropoutMask { rate, .. }) = node.kind {
-                let len = u.rows(key, node.ty.space) * node.ty.width();
-                let (_, at) =
-                    u.bufs[key.index(prog.functions)][n].ok_or_else(|| err("no mask buffer"))?;
-                let mut mask = vec![0f32; len];
-                fill_dropout_mask(&mut mask, rate, true, rng);
-                for (d, m) in u.upload[at..at + len].iter_mut().zip(mask) {
-                    *d = m.to_bits();
-                }
-            }
+    for (key, n, rate) in dropout_masks(model) {
+        let ty = &key.graph(model).nodes[n].ty;
+        let len = u.rows(key, ty.space) * ty.width();
+        let (_, at) = u.bufs[key.index(prog.functions)][n].ok_or_else(|| err("no mask buffer"))?;
+        let mut mask = vec![0f32; len];
+        fill_dropout_mask(&mut mask, rate, true, rng);
+        for (d, m) in u.upload[at..at + len].iter_mut().zip(mask) {
+            *d = m.to_bits();
         }
     }
     u.tasks()?;
