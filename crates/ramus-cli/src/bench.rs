@@ -17,6 +17,7 @@ use crate::device::{self, Device};
 
 mod compiled;
 mod persistent;
+mod traffic;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -94,6 +95,12 @@ pub struct BenchArgs {
     /// file's vocabulary) instead of the trees, e.g. 7 for Cortex's TreeFC.
     #[arg(long, conflicts_with = "grid")]
     perfect_tree: Option<u32>,
+    /// With --device cuda and --engine batched or persistent: instead of
+    /// timing, train once over the first N trees in batches of each size,
+    /// each pass the one stretch a profiler records (`ncu
+    /// --profile-from-start off`), to count the bytes the engine loads.
+    #[arg(long)]
+    profile_inputs: Option<usize>,
 }
 
 /// The compiled engines' recursion primitives on the command line: each
@@ -274,6 +281,9 @@ pub fn run(a: BenchArgs) -> AnyResult {
         .into());
     }
     let mut params = Params::<f32>::init(&model, 0);
+    if let Some(inputs) = a.profile_inputs {
+        return traffic::run(&a, inputs, &model, &params, &trees, &sizes);
+    }
     match a.engine.as_str() {
         "batched" => {}
         "compiled" => return compiled::run(&a, &model, &params, &trees, &sizes),

@@ -289,6 +289,26 @@ fn train_save_eval_on_built_in_data() {
 }
 
 #[test]
+fn profiled_bench_passes_check_their_inputs_and_device() {
+    let trees = tmp("profile-trees.txt");
+    std::fs::write(&trees, "(3 (2 not) (1 bad))\n(1 (2 the) (4 film))\n").unwrap();
+    let profile = |inputs: &str, device: &str| {
+        let t = trees.to_str().unwrap();
+        let args = ["bench", t, "--engine", "persistent", "--batch-sizes", "1"];
+        ramus(&[&args[..], &["--profile-inputs", inputs, "--device", device]].concat())
+    };
+    assert_one_line_error(
+        &profile("3", "cuda"),
+        "--profile-inputs 3: expected 1 to the 2 trees",
+    );
+    assert_one_line_error(&profile("0", "cpu"), "--profile-inputs 0");
+    assert_one_line_error(
+        &profile("2", "cpu"),
+        "--profile-inputs runs on --device cuda",
+    );
+}
+
+#[test]
 fn compiled_bench_takes_the_recursion_flags_and_ablation_steps() {
     let trees = tmp("recursion-trees.txt");
     std::fs::write(

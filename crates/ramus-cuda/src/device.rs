@@ -133,6 +133,23 @@ impl CudaDevice {
     pub fn synchronize(&self) -> Result<()> {
         self.context.synchronize().in_call("cuCtxSynchronize")
     }
+
+    /// Runs `work` as the one stretch an attached profiler records (for
+    /// `ncu --profile-from-start off` or `nsys --capture-range=cudaProfilerApi`):
+    /// profiling starts before it and stops once the device has finished
+    /// everything it queued. Without a profiler attached the calls do nothing.
+    pub fn profiled<T, E: From<CudaError>>(
+        &self,
+        work: impl FnOnce() -> std::result::Result<T, E>,
+    ) -> std::result::Result<T, E> {
+        self.context.bind_to_thread().in_call("cuCtxSetCurrent")?;
+        cudarc::driver::profiler_start().in_call("cuProfilerStart")?;
+        let out = work();
+        let synced = self.synchronize();
+        cudarc::driver::profiler_stop().in_call("cuProfilerStop")?;
+        synced?;
+        out
+    }
 }
 
 fn non_negative(value: i32) -> u32 {

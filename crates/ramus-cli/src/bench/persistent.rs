@@ -24,34 +24,8 @@ pub fn run(
         return Err("--engine persistent runs on --device cuda".into());
     }
     let config = OptimizerConfig::new(OptimizerKind::Sgd, 0.05);
-    let options = PersistentOptions {
-        rpw: a.rpw,
-        ..PersistentOptions::default()
-    };
-    let mut persistent = PersistentEngine::new(model, params, config, &options)?;
-    // the profile-guided rpw search runs on the first batches (on the
-    // largest batch timed; its choice is remembered for later runs)
     let largest = sizes.iter().copied().max().unwrap_or(1);
-    let warm: Vec<&InputGraph> = trees[..largest].iter().collect();
-    let mut searched = 0;
-    while persistent.tuning() && searched < 100 {
-        persistent.submit(model, &warm)?;
-        searched += 1;
-    }
-    persistent.latest()?;
-    let plan = persistent.register_plan();
-    let report = persistent.kernel_report();
-    println!(
-        "{}",
-        serde_json::json!({
-            "setup": "persistent", "setup_s": (persistent.setup_seconds() * 1e3).round() / 1e3,
-            "ctas": plan.ctas, "ctas_per_sm": plan.ctas_per_sm, "rpw": plan.rpw,
-            "partitions": plan.partitions, "grads_in_registers": plan.grads_in_registers,
-            "registers_per_thread": report.registers_per_thread,
-            "kernel_build_s": (report.build_seconds * 1e3).round() / 1e3,
-            "rpw_compiled": persistent.compiled_rpws(), "rpw_search_batches": searched,
-        })
-    );
+    let mut persistent = tuned_engine(a, model, params, config, &trees[..largest])?;
     let mut batched = cuda_engine(model, a.device_memory_budget)?;
     let mut batched_params = params.clone();
     let mut opt = Optimizer::new(config, params);
@@ -120,4 +94,42 @@ pub fn run(
         run_anchor(a, anchor, &results)?;
     }
     Ok(())
+}
+
+/// The persistent engine with its `rpw` chosen: the profile-guided search
+/// runs on `warm` (the largest batch timed; its choice is remembered for
+/// later runs). Prints the set-up line.
+pub(super) fn tuned_engine(
+    a: &BenchArgs,
+    model: &Model,
+    params: &Params<f32>,
+    config: OptimizerConfig,
+    warm: &[InputGraph],
+) -> AnyResult<PersistentEngine> {
+    let options = PersistentOptions {
+        rpw: a.rpw,
+        ..PersistentOptions::default()
+    };
+    let mut persistent = PersistentEngine::new(model, params, config, &options)?;
+    let warm: Vec<&InputGraph> = warm.iter().collect();
+    let mut searched = 0;
+    while persistent.tuning() && searched < 100 {
+        persistent.submit(model, &warm)?;
+        searched += 1;
+    }
+    persistent.latest()?;
+    let plan = persistent.register_plan();
+    let report = persistent.kernel_report();
+    println!(
+        "{}",
+        serde_json::json!({
+            "setup": "persistent", "setup_s": (persistent.setup_seconds() * 1e3).round() / 1e3,
+            "ctas": plan.ctas, "ctas_per_sm": plan.ctas_per_sm, "rpw": plan.rpw,
+            "partitions": plan.partitions, "grads_in_registers": plan.grads_in_registers,
+            "registers_per_thread": report.registers_per_thread,
+            "kernel_build_s": (report.build_seconds * 1e3).round() / 1e3,
+            "rpw_compiled": persistent.compiled_rpws(), "rpw_search_batches": searched,
+        })
+    );
+    Ok(persistent)
 }
