@@ -102,6 +102,7 @@ impl<T: Real> Trainer<T> {
             };
             let batches = group
                 .par_iter()
+                .with_max_len(1)
                 .map(build)
                 .collect::<ramus_cpu::Result<Vec<Batch>>>()?;
             in_flight.extend(group.iter().map(|c| c.len()));

@@ -83,6 +83,8 @@ pub struct PersistentStep {
     pub loss: f64,
     /// Host seconds to schedule, lower and encode the batch.
     pub host_seconds: f64,
+    /// Device seconds of the batch's kernel launches (NaN until it is back).
+    pub kernel_seconds: f64,
     /// Instructions of tasks (before merging) and barrier levels.
     pub tasks: usize,
     pub levels: usize,
@@ -143,6 +145,9 @@ struct PreparedBatch {
     variant: usize,
     /// The slot whose staging buffer holds the batch's words.
     slot: usize,
+    /// Tasks of the batch's graph (the graph itself is freed once staged).
+    tasks: usize,
+    /// The batch's layout and gradient products (graphs and words freed).
     batch: BatchProgram,
     scripts: Scripts,
     /// Without register gradients: the matrices' update, a second script.
@@ -192,7 +197,7 @@ impl<'a> PrepareFor<'a> {
     ) -> Result<PreparedBatch> {
         let scheduler = self.scheduler;
         let in_registers = self.in_registers;
-        let batch = unroll_batch(
+        let mut batch = unroll_batch(
             self.model,
             self.prog,
             schedule,
@@ -213,9 +218,17 @@ impl<'a> PrepareFor<'a> {
             host[at..at + words.len()].copy_from_slice(words);
             at += words.len();
         }
+        // the task graphs and host words are staged: freed here, in the
+        // preparing threads, not one batch after another (tens of thousands
+        // of small vectors each) on the thread that launches the window
+        let tasks = batch.graph.len();
+        drop(std::mem::take(&mut batch.graph));
+        drop(std::mem::take(&mut batch.matrix_updates));
+        drop(std::mem::take(&mut batch.upload));
         Ok(PreparedBatch {
             variant: self.variant,
             slot,
+            tasks,
             batch,
             scripts,
             updates,
@@ -527,6 +540,7 @@ impl PersistentEngine {
         let started = Instant::now();
         let schedules = batches
             .par_iter()
+            .with_max_len(1)
             .map(|graphs| schedule_graphs(model, graphs))
             .collect::<Result<Vec<Schedule>>>()?;
         let refs: Vec<&Schedule> = schedules.iter().collect();
@@ -564,6 +578,9 @@ impl PersistentEngine {
             .par_iter()
             .zip(rngs.par_iter_mut())
             .zip(staging.par_iter_mut())
+            // one batch per job: a thread that took two would finish the
+            // window a whole batch late
+            .with_max_len(1)
             .map(|((s, rng), (slot, buffer))| prepare.prepare(s, rng, *slot, buffer, started))
             .collect::<Result<Vec<PreparedBatch>>>()?;
         let earlier = self.pending.len();
@@ -614,6 +631,7 @@ impl PersistentEngine {
         let PreparedBatch {
             variant,
             slot,
+            tasks,
             batch,
             scripts,
             updates,
@@ -701,7 +719,8 @@ impl PersistentEngine {
         let step = PersistentStep {
             loss: f64::NAN,
             host_seconds,
-            tasks: batch.graph.len(),
+            kernel_seconds: f64::NAN,
+            tasks,
             levels: scripts.levels,
         };
         self.pending.push_back(Pending {
@@ -779,7 +798,11 @@ impl PersistentEngine {
         let seconds = f64::from(ms) / 1e3;
         self.last_kernel_seconds = Some(seconds);
         self.tune(variant, seconds)?;
-        Ok(PersistentStep { loss, ..step })
+        Ok(PersistentStep {
+            loss,
+            kernel_seconds: seconds,
+            ..step
+        })
     }
 
     /// One timed batch of `variant` for the `rpw` search: after

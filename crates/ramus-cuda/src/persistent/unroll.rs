@@ -184,11 +184,21 @@ impl RowProducers {
         }
     }
 
+    /// Appends the producers of rows `lo..hi` to `out`; a task that wrote
+    /// a run of these rows is appended once per run, not once per row
+    /// (callers sort and deduplicate what is left).
     fn collect(&self, lo: usize, hi: usize, out: &mut Vec<u32>) {
         let hi = hi.min(self.first.len());
         let lo = lo.min(hi);
-        out.extend(self.first[lo..hi].iter().filter(|&&t| t != Self::NONE));
-        out.extend(self.second[lo..hi].iter().filter(|&&t| t != Self::NONE));
+        for column in [&self.first[lo..hi], &self.second[lo..hi]] {
+            let mut last = Self::NONE;
+            for &task in column {
+                if task != last && task != Self::NONE {
+                    out.push(task);
+                }
+                last = task;
+            }
+        }
         if !self.more.is_empty() {
             for row in &self.more[lo..hi] {
                 out.extend_from_slice(row);
@@ -1744,7 +1754,8 @@ mod timing {
     use rand::SeedableRng;
 
     /// Host cost of lowering and scheduling a batch (`cargo test --release
-    /// -p ramus-cuda host_cost -- --ignored --nocapture`).
+    /// -p ramus-cuda host_cost -- --ignored --nocapture`; the model from
+    /// `RAMUS_HOST_COST_MODEL`, batch sizes from `RAMUS_HOST_COST_SIZES`).
     #[test]
     #[ignore]
     fn host_cost() {
@@ -1753,7 +1764,8 @@ mod timing {
             hidden: 256,
             classes: 5,
         };
-        let model = build_model_with("treelstm", &cfg, &ModelOptions::default()).expect("model");
+        let name = std::env::var("RAMUS_HOST_COST_MODEL").unwrap_or_else(|_| "treelstm".into());
+        let model = build_model_with(&name, &cfg, &ModelOptions::default()).expect("model");
         let prog = PersistentProgram::build(&model).expect("program");
         let rp = plan(
             &prog.matrices,
