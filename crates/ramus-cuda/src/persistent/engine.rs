@@ -578,8 +578,8 @@ impl PersistentEngine {
             .par_iter()
             .zip(rngs.par_iter_mut())
             .zip(staging.par_iter_mut())
-            // one batch per job: a thread that took two would finish the
-            // window a whole batch late
+            // one batch per job, so that no thread holds two batches while
+            // another waits
             .with_max_len(1)
             .map(|((s, rng), (slot, buffer))| prepare.prepare(s, rng, *slot, buffer, started))
             .collect::<Result<Vec<PreparedBatch>>>()?;
