@@ -237,16 +237,50 @@ impl From<UpdateRule> for KernelOptions {
     }
 }
 
-/// Output tiles of a wide product instruction (opcode `op`) with `count`
-/// items on a `rows × cols` matrix: the kernel deals them over the VPPs the
-/// scheduler gives it (see [`Scheduler::wide_items`](super::Scheduler)).
-pub fn wide_tiles(op: u8, rows: usize, cols: usize, count: usize) -> usize {
-    let (m, n, splits) = match op {
-        OP_MATVEC => (count, rows, 1),
-        OP_MATVEC_T => (count, cols, 1),
-        _ => (rows, cols, count.div_ceil(GEMM_OUTER_CHUNK)),
+/// The least reduction depth a split of a (transposed) product's
+/// reduction takes: shallower splits would spend more on their tile's set-up
+/// and atomic epilogue than on the reduction.
+const GEMM_MIN_SPLIT_DEPTH: usize = 64;
+
+/// The pieces of a wide product instruction (opcode `op`) with `count`
+/// items on a `rows × cols` matrix, out of `vpps` processors: output tiles
+/// times splits of the reduction. The kernel deals them over the VPPs the
+/// scheduler gives it (see [`Scheduler::wide_items`](super::Scheduler)),
+/// one each where they are at most `vpps`.
+///
+/// An outer product splits its items into chunks of [`GEMM_OUTER_CHUNK`].
+/// A product `y = W x` or `dx += Wᵀ dy` with fewer output tiles than
+/// processors splits its reduction so that the pieces fill them (each split
+/// at least [`GEMM_MIN_SPLIT_DEPTH`] deep) and adds the splits' partial
+/// sums atomically: a level of a few dozen vectors would otherwise run on a
+/// handful of processors, each walking the whole reduction. The kernel has
+/// no word for the split count; it derives it from the processors it is
+/// given, `ranks / tiles` (see [`split_depth`]), which is why the count
+/// returned here is exactly `tiles × splits` when that fits.
+pub fn wide_tiles(op: u8, rows: usize, cols: usize, count: usize, vpps: usize) -> usize {
+    let (m, n, k) = match op {
+        OP_MATVEC => (count, rows, cols),
+        OP_MATVEC_T => (count, cols, rows),
+        _ => {
+            let tiles = rows.div_ceil(GEMM_TILE) * cols.div_ceil(GEMM_TILE);
+            return tiles * count.div_ceil(GEMM_OUTER_CHUNK);
+        }
     };
-    m.div_ceil(GEMM_TILE) * n.div_ceil(GEMM_TILE) * splits
+    let tiles = m.div_ceil(GEMM_TILE) * n.div_ceil(GEMM_TILE);
+    let most = vpps / tiles.max(1);
+    if most <= 1 {
+        return tiles;
+    }
+    let depth = k.div_ceil(most).max(GEMM_MIN_SPLIT_DEPTH);
+    tiles * split_depth(k, k.div_ceil(depth)).0
+}
+
+/// The kernel's split of a reduction `k` deep over (at most) `splits`
+/// pieces: `(splits, depth)` with every split [`GEMM_STEP`]-aligned and
+/// none empty (the kernel's `vp_wide_product` computes the same).
+pub fn split_depth(k: usize, splits: usize) -> (usize, usize) {
+    let depth = k.div_ceil(splits.max(1)).div_ceil(GEMM_STEP) * GEMM_STEP;
+    (k.div_ceil(depth.max(1)).max(1), depth)
 }
 
 /// The `mats` table of a launch (see [`MATRIX_WORDS`]): for each of
@@ -420,6 +454,9 @@ __device__ __forceinline__ float vp_warp_sum(float v) {
 //   OUTER     G   += sum_i dy_i x_i^T M = rows, N = cols, K = items, split
 //             into chunks of VP_OUTER_CHUNK items that add atomically into
 //             the gradient accumulator in the pool
+// With fewer output tiles than `ranks`, MATVEC and MATVEC_T split K into
+// ranks / tiles pieces that add atomically (y then starts at zero; the
+// first piece adds the bias).
 // 256 threads, a VP_BT x VP_BT tile, 4 x 4 outputs per thread, operands
 // staged VP_BK deep in shared memory while the next step's loads fly.
 __device__ __forceinline__ void vp_wide_product(
@@ -432,7 +469,18 @@ __device__ __forceinline__ void vp_wide_product(
     const unsigned N = op == OP_MATVEC ? rows : cols;
     const unsigned K = op == OP_MATVEC ? cols : (op == OP_MATVEC_T ? rows : count);
     const unsigned tiles_m = (M + VP_BT - 1) / VP_BT, tiles_n = (N + VP_BT - 1) / VP_BT;
-    const unsigned splits = outer ? (K + VP_OUTER_CHUNK - 1) / VP_OUTER_CHUNK : 1;
+    // the reduction's splits (see `wide_tiles` on the host): an outer
+    // product's item chunks, or a product's share of the processors per
+    // output tile, each split VP_BK-aligned
+    unsigned splits, depth;
+    if (outer) {
+        depth = VP_OUTER_CHUNK;
+        splits = (K + depth - 1) / depth;
+    } else {
+        splits = max(1u, ranks / (tiles_m * tiles_n));
+        depth = ((K + splits - 1) / splits + VP_BK - 1) / VP_BK * VP_BK;
+        splits = (K + depth - 1) / depth;
+    }
     const unsigned tiles = tiles_m * tiles_n * splits;
     // [VP_BK][VP_BT + 4] each (the padding keeps the stores' banks apart
     // and the rows 16-byte aligned for the float4 reads)
@@ -443,8 +491,8 @@ __device__ __forceinline__ void vp_wide_product(
     for (unsigned t = rank; t < tiles; t += ranks) {
         const unsigned split = t % splits, tile = t / splits;
         const unsigned m0 = (tile / tiles_n) * VP_BT, n0 = (tile % tiles_n) * VP_BT;
-        const unsigned k_lo = split * VP_OUTER_CHUNK;
-        const unsigned k_hi = outer ? min(K, k_lo + VP_OUTER_CHUNK) : K;
+        const unsigned k_lo = split * depth;
+        const unsigned k_hi = min(K, k_lo + depth);
         __syncthreads(); // the previous tile is done with the stage
         // the tile's items: its rows' (x, y, bias) or its chunk's (dy, x)
         if (outer) {
@@ -531,7 +579,12 @@ __device__ __forceinline__ void vp_wide_product(
                     atomicAdd(pool + grad + row * cols + n, acc[i][j]);
                 } else if (op == OP_MATVEC) {
                     const unsigned y = items[3 * mi + 1], bias = items[3 * mi + 2];
-                    if (y != VP_NONE) pool[y + n] = acc[i][j] + (bias != VP_NONE ? pool[bias + n] : 0.0f);
+                    if (y == VP_NONE) continue;
+                    const float v = acc[i][j] + (bias != VP_NONE && split == 0 ? pool[bias + n] : 0.0f);
+                    // split: the output starts at zero (the lowering
+                    // places forward products in the zeroed region)
+                    if (splits > 1) atomicAdd(pool + y + n, v);
+                    else pool[y + n] = v;
                 } else {
                     const unsigned dx = items[3 * mi + 1];
                     if (dx != VP_NONE) atomicAdd(pool + dx + n, acc[i][j]);
@@ -966,6 +1019,57 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
 mod tests {
     use super::*;
     use crate::vpps::regplan::{plan, DeviceLimits, MatrixSpec, PlanRequest};
+
+    #[test]
+    fn a_narrow_product_splits_its_reduction_to_fill_the_processors() {
+        // Tree-LSTM h 256 on 264 VPPs: Uᵀ dy (1280 x 512) for 48 vectors
+        // has 8 output tiles; 1280 deep, it splits 20 ways, 64 deep each
+        assert_eq!(wide_tiles(OP_MATVEC_T, 1280, 512, 48, 264), 160);
+        // W x (1280 x 512) for 48 vectors: 20 tiles, 8 splits of 64
+        assert_eq!(wide_tiles(OP_MATVEC, 1280, 512, 48, 264), 160);
+        // a shallow reduction does not split
+        assert_eq!(wide_tiles(OP_MATVEC, 1280, 64, 48, 264), 20);
+        // as many tiles as processors (or more): no split
+        assert_eq!(wide_tiles(OP_MATVEC, 1280, 512, 3000, 264), 47 * 20);
+        assert_eq!(wide_tiles(OP_MATVEC, 1280, 512, 640, 264), 200);
+        // outer products split their items, whatever the processors
+        assert_eq!(wide_tiles(OP_OUTER, 1280, 512, 600, 8), 20 * 8 * 3);
+    }
+
+    #[test]
+    fn the_kernel_recovers_the_hosts_split_from_the_processors_it_is_given() {
+        for op in [OP_MATVEC, OP_MATVEC_T] {
+            for (rows, cols) in [
+                (1280usize, 512usize),
+                (2560, 1024),
+                (96, 300),
+                (7, 1000),
+                (4096, 33),
+            ] {
+                for count in [1usize, 17, 32, 64, 65, 200, 1000] {
+                    for vpps in [4, 132, 264] {
+                        let (m, n, k) = if op == OP_MATVEC {
+                            (count, rows, cols)
+                        } else {
+                            (count, cols, rows)
+                        };
+                        let tiles = m.div_ceil(GEMM_TILE) * n.div_ceil(GEMM_TILE);
+                        let pieces = wide_tiles(op, rows, cols, count, vpps);
+                        let ranks = pieces.clamp(1, vpps);
+                        // the kernel: ranks / tiles splits, re-cut aligned
+                        let (splits, depth) = split_depth(k, (ranks / tiles).max(1));
+                        let what = format!("op {op} {rows}x{cols} count {count} vpps {vpps}");
+                        assert_eq!(tiles * splits, pieces, "{what}");
+                        assert!(pieces <= vpps.max(tiles), "{what}");
+                        assert_eq!(depth % GEMM_STEP, 0, "{what}");
+                        assert!(splits <= k.div_ceil(GEMM_MIN_SPLIT_DEPTH), "{what}");
+                        // every split has work, and together they cover k
+                        assert!((splits - 1) * depth < k && splits * depth >= k, "{what}");
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn the_trace_is_compiled_in_only_when_asked_for_and_fits_its_buffer() {

@@ -228,7 +228,7 @@ pub struct Scheduler {
     pub holder_item: usize,
     /// A merged product instruction (`holder_item > 0`) of at least this
     /// many items goes, flagged [`WIDE_ITEMS`], to as many VPPs as it has
-    /// GEMM tiles ([`wide_tiles`], at most all of them; the ranges rotate
+    /// GEMM pieces ([`wide_tiles`], at most all of them; the ranges rotate
     /// over the VPPs) instead of to the matrix's holders (see
     /// [`kernel::WIDE_PRODUCT_ITEMS`](super::kernel::WIDE_PRODUCT_ITEMS));
     /// `None`: never.
@@ -716,7 +716,7 @@ impl Scheduler {
                 // a wide one runs on a range of VPPs, one per tile
                 let wide = match (self.wide_items, self.matrix_shapes.get(m)) {
                     (Some(w), Some(&(rows, cols))) if item > 0 && count as usize >= w => {
-                        Some(wide_tiles(first.op, rows, cols, count as usize).clamp(1, vpps))
+                        Some(wide_tiles(first.op, rows, cols, count as usize, vpps).clamp(1, vpps))
                     }
                     _ => None,
                 };
@@ -1273,7 +1273,7 @@ mod tests {
         g.push(task(17, &[10, 11, 12, 13, 14, 15], &[0, 1], 1, h1))
             .unwrap();
         let s = scheduler.schedule(&g).unwrap();
-        assert_eq!(wide_tiles(OP_FIRST_ENGINE, 128, 64, 3), 2);
+        assert_eq!(wide_tiles(OP_FIRST_ENGINE, 128, 64, 3, 4), 2);
         let p = |op, len, arg| preamble(op, len, arg);
         let wide = [
             p(OP_FIRST_ENGINE, 12, 0),
@@ -1311,19 +1311,20 @@ mod tests {
             .unwrap();
         g.push(task(OP_FIRST_ENGINE + 1, &items[..3], &[], 1, h1))
             .unwrap();
-        scheduler.matrix_shapes = vec![(8, 8), (128, 192)];
+        scheduler.matrix_shapes = vec![(8, 8), (64, 192)];
         let s = scheduler.schedule(&g).unwrap();
-        // MATVEC: 2 row tiles on VPPs 0, 1; MATVEC_T (the one-item task
-        // merged in: 11 items): 3 column tiles on VPPs 2, 3, 0
-        let first = [p(OP_FIRST_ENGINE, 4, 0), 10 | WIDE_ITEMS, 2 << 16, 0];
+        // MATVEC: one row tile, its 192-deep reduction split three ways,
+        // on VPPs 0, 1, 2; MATVEC_T (the one-item task merged in: 11
+        // items): 3 column tiles on VPPs 3, 0, 1
+        let first = [p(OP_FIRST_ENGINE, 4, 0), 10 | WIDE_ITEMS, 3 << 16, 0];
         let second = [
             p(OP_FIRST_ENGINE + 1, 4, 0),
             11 | WIDE_ITEMS,
-            2 | 3 << 16,
+            3 | 3 << 16,
             30,
         ];
         assert_eq!(s.packed.script(3), &second[..]);
-        assert_eq!(s.task_vpps[1], vec![0, 2, 3]);
+        assert_eq!(s.task_vpps[1], vec![0, 1, 3]);
         assert_eq!(&s.packed.script(0)[..4], &first[..]);
         assert_eq!(simulate(&s, &g).unwrap().len(), 3);
     }

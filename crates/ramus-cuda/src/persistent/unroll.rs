@@ -9,8 +9,9 @@
 //!
 //! After the parameter region ([`ParamLayout`]) come three regions:
 //! *zeroed* (zero-filled before the launch: everything accumulated with
-//! atomics — transposed products, state and pushed-value gradients, sums
-//! over rows, the loss), *plain* (every other value: one buffer per graph
+//! atomics — transposed products, forward products (whose reduction a wide
+//! instruction may split), state and pushed-value gradients, sums over
+//! rows, the loss), *plain* (every other value: one buffer per graph
 //! node covering all rows of its function, as Cavs' dynamic tensors) and
 //! *upload* (what the host provides: dropout masks, the loss seed and the
 //! index arrays instructions read — tokens, labels, child offsets, parent
@@ -390,6 +391,7 @@ impl<'a> Unroller<'a> {
         for key in graph_keys(self.model) {
             let g = self.graph(key);
             let plan = self.prog.plan(key);
+            let forward_outputs = self.forward_product_outputs(key);
             let mut bufs = vec![None; g.nodes.len()];
             for (n, node) in g.nodes.iter().enumerate() {
                 let len = self.rows(key, node.ty.space) * node.ty.width();
@@ -420,7 +422,7 @@ impl<'a> Unroller<'a> {
                     NodeKind::Op(_) => {
                         if self.outer_product(key, n)?.is_some() {
                             None
-                        } else if self.accumulated(key, n) {
+                        } else if self.accumulated(key, n, &forward_outputs) {
                             Some(self.alloc(Region::Zeroed, len))
                         } else {
                             Some(self.alloc(Region::Plain, len))
@@ -437,11 +439,33 @@ impl<'a> Unroller<'a> {
     }
 
     /// True for nodes written with atomics (they must start at zero).
-    fn accumulated(&self, key: GraphKey, n: NodeId) -> bool {
+    /// `forward_outputs` are graph `key`'s [`Self::forward_product_outputs`].
+    fn accumulated(&self, key: GraphKey, n: NodeId, forward_outputs: &[NodeId]) -> bool {
         let node = &self.graph(key).nodes[n];
         node.op_as::<SumRows>().is_some()
             || node.op_as::<Pad>().is_some()
             || self.transposed_product(key, n).is_some()
+            || forward_outputs.contains(&n)
+    }
+
+    /// The nodes forward products `x Wᵀ` with a register-cached `W` write
+    /// (the product, or the add of its bias epilogue): a wide instruction
+    /// may split the product's reduction over processors that add their
+    /// partial sums atomically (see `ramus_core::vpps::kernel::wide_tiles`).
+    fn forward_product_outputs(&self, key: GraphKey) -> Vec<NodeId> {
+        let g = self.graph(key);
+        (0..g.nodes.len())
+            .filter(|&n| {
+                g.nodes[n]
+                    .op_as::<MatMul>()
+                    .is_some_and(|mm| mm.trans_b && !mm.trans_a)
+                    && matches!(
+                        g.nodes[n].inputs.get(1).map(|&w| &g.nodes[w].kind),
+                        Some(NodeKind::Param(p)) if self.prog.cached[*p].is_some()
+                    )
+            })
+            .map(|n| self.prog.epilogue(key, n).map_or(n, |(add, _)| add))
+            .collect()
     }
 
     /// `Some(matrix)` if `n` is `dy W` with `W` a register-cached matrix.
