@@ -159,7 +159,7 @@ pub const MATRIX_WORDS: usize = 6;
 /// and the outer products of a wide level go to the gradient accumulator in
 /// the pool (added to the register gradients at [`OP_UPDATE`]). Below it
 /// the register path's latency wins.
-pub const WIDE_PRODUCT_ITEMS: u32 = 32;
+pub const WIDE_PRODUCT_ITEMS: u32 = 8;
 
 /// Output tile of a wide product (rows × columns of the GEMM), the depth
 /// of one step of its reduction, and the items of an outer product's

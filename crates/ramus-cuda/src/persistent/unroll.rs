@@ -56,6 +56,19 @@ use crate::error::{CudaError, Result};
 /// rows (one per thread of a CTA).
 const MIN_CHUNK_ELEMENTS: usize = 256;
 
+/// A node's rows in the pool: row `i` starts at `base + i · stride`.
+#[derive(Clone, Copy)]
+struct RowLocator {
+    base: usize,
+    stride: usize,
+}
+
+impl RowLocator {
+    fn row(self, i: usize) -> Result<u32> {
+        u32_of(self.base + i * self.stride, "offset")
+    }
+}
+
 /// One batch lowered: the task DAG and the memory the kernel needs.
 pub(crate) struct BatchProgram {
     pub graph: TaskGraph,
@@ -314,8 +327,14 @@ impl<'a> Unroller<'a> {
     }
 
     fn row_at(&self, key: GraphKey, n: NodeId, row: usize) -> Result<u32> {
+        self.rows_of(key, n)?.row(row)
+    }
+
+    /// Where the rows of node `n` of graph `key` are (for loops over many
+    /// rows: [`Self::loc`] once, not per row).
+    fn rows_of(&self, key: GraphKey, n: NodeId) -> Result<RowLocator> {
         let (base, stride) = self.loc(key, n)?;
-        u32_of(base + row * stride, "offset")
+        Ok(RowLocator { base, stride })
     }
 
     /// The rows of `to` that rows `lo..hi` of `from` read in graph `key`.
@@ -841,10 +860,9 @@ impl<'a> Unroller<'a> {
                 self.deps_of(key, arg(0), lo, hi, &mut deps);
                 self.deps_of(key, arg(1), lo, hi, &mut deps);
                 let mut ops = Vec::with_capacity(PRODUCT_ITEM_WORDS * (hi - lo));
+                let (dys, xs) = (self.rows_of(key, arg(0))?, self.rows_of(key, arg(1))?);
                 for i in lo..hi {
-                    ops.push(self.row_at(key, arg(0), i)?);
-                    ops.push(self.row_at(key, arg(1), i)?);
-                    ops.push(NO_INDEX);
+                    ops.extend([dys.row(i)?, xs.row(i)?, NO_INDEX]);
                 }
                 let load = (hi - lo) * g.nodes[arg(0)].ty.width() * g.nodes[arg(1)].ty.width();
                 self.push(
@@ -883,10 +901,9 @@ impl<'a> Unroller<'a> {
                 None => (n, NO_INDEX),
             };
             let mut ops = Vec::with_capacity(PRODUCT_ITEM_WORDS * (hi - lo));
+            let (xs, ys) = (self.rows_of(key, arg(0))?, self.rows_of(key, out)?);
             for i in lo..hi {
-                ops.push(self.row_at(key, arg(0), i)?);
-                ops.push(self.row_at(key, out, i)?);
-                ops.push(bias);
+                ops.extend([xs.row(i)?, ys.row(i)?, bias]);
             }
             let t = self.push(opcode, m, ops, deps, load, Placement::Holders { matrix: m })?;
             self.record(key, out, lo, hi, t);
@@ -1780,6 +1797,50 @@ mod timing {
     /// Host cost of lowering and scheduling a batch (`cargo test --release
     /// -p ramus-cuda host_cost -- --ignored --nocapture`; the model from
     /// `RAMUS_HOST_COST_MODEL`, batch sizes from `RAMUS_HOST_COST_SIZES`).
+    /// The persistent kernel's CUDA source for the reference models at h
+    /// 256 and 512 under every register-plan choice, one file each into
+    /// `RAMUS_KERNEL_SOURCE_DIR`, for reading the compiler's register use
+    /// (`nvcc -cubin -arch=sm_90 -Xptxas -v`) where there is no GPU.
+    #[test]
+    #[ignore]
+    fn kernel_sources() {
+        use ramus_core::vpps::kernel::{kernel_source, UpdateRule};
+        let Ok(dir) = std::env::var("RAMUS_KERNEL_SOURCE_DIR") else {
+            eprintln!("RAMUS_KERNEL_SOURCE_DIR is not set: nothing written");
+            return;
+        };
+        std::fs::create_dir_all(&dir).expect("source directory");
+        for hidden in [256, 512] {
+            let cfg = ModelConfig {
+                vocab: 2000,
+                hidden,
+                classes: 5,
+            };
+            let model =
+                build_model_with("treelstm", &cfg, &ModelOptions::default()).expect("model");
+            let prog = PersistentProgram::build(&model).expect("program");
+            for rpw in 1..=3 {
+                for ctas in 1..=2 {
+                    for grads in [true, false] {
+                        let req = PlanRequest {
+                            rpw,
+                            ctas_per_sm: Some(ctas),
+                            grads_in_registers: Some(grads),
+                        };
+                        let Ok(rp) = plan(&prog.matrices, &DeviceLimits::hopper(132), &req) else {
+                            continue;
+                        };
+                        let source = kernel_source(&rp, UpdateRule::Sgd.into(), &prog.fused_source);
+                        let name =
+                            format!("h{hidden}_rpw{rpw}_ctas{ctas}_grads{}.cu", u8::from(grads));
+                        std::fs::write(std::path::Path::new(&dir).join(name), source)
+                            .expect("source written");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     #[ignore]
     fn host_cost() {
