@@ -95,7 +95,8 @@ pub struct PersistentEngine {
     device: Arc<CudaDevice>,
     _cache: KernelCache,
     pool: Arc<DevicePool>,
-    prog: PersistentProgram,
+    /// Shared with the threads preparing batches.
+    prog: Arc<PersistentProgram>,
     /// Compiled variants (one per `rpw` tried) and the one in use.
     variants: Vec<Variant>,
     active: usize,
@@ -127,7 +128,8 @@ pub struct PersistentEngine {
 /// The host side of one batch in flight: its staged upload, where its loss
 /// is copied back, and events around its launch (the kernel's own time).
 struct Slot {
-    staging: PinnedBuffer,
+    /// `None` while a preparing thread has it.
+    staging: Option<PinnedBuffer>,
     loss: PinnedBuffer,
     events: (CudaEvent, CudaEvent),
 }
@@ -156,30 +158,27 @@ struct PreparedBatch {
 }
 
 /// What preparing a batch reads: the model, its program and the variant
-/// (index and scheduler) the batch is for. Nothing the device changes, so
-/// batches are prepared on any thread, ahead of their launch.
+/// (index and scheduler) the batch is for. Nothing the device changes, and
+/// nothing borrowed from the engine, so batches are prepared on any thread
+/// while the engine launches the ones already prepared.
 struct PrepareFor<'a> {
     model: &'a Model,
-    prog: &'a PersistentProgram,
+    prog: Arc<PersistentProgram>,
     variant: usize,
-    scheduler: &'a Scheduler,
+    scheduler: Arc<Scheduler>,
     in_registers: bool,
 }
 
 impl<'a> PrepareFor<'a> {
-    /// For batches of `model` (its `prog`) on `variants[variant]`.
-    fn new(
-        model: &'a Model,
-        prog: &'a PersistentProgram,
-        variants: &'a [Variant],
-        variant: usize,
-    ) -> Self {
+    /// For batches of `model` on `engine`'s active variant.
+    fn new(model: &'a Model, engine: &PersistentEngine) -> Self {
+        let variant = engine.active;
         PrepareFor {
             model,
-            prog,
+            prog: Arc::clone(&engine.prog),
             variant,
-            scheduler: &variants[variant].scheduler,
-            in_registers: variants[variant].kernel.plan().grads_in_registers,
+            scheduler: Arc::clone(&engine.variants[variant].scheduler),
+            in_registers: engine.variants[variant].kernel.plan().grads_in_registers,
         }
     }
 
@@ -195,11 +194,11 @@ impl<'a> PrepareFor<'a> {
         staging: &mut PinnedBuffer,
         started: Instant,
     ) -> Result<PreparedBatch> {
-        let scheduler = self.scheduler;
+        let scheduler = &self.scheduler;
         let in_registers = self.in_registers;
         let mut batch = unroll_batch(
             self.model,
-            self.prog,
+            &self.prog,
             schedule,
             in_registers,
             scheduler.vpps,
@@ -252,7 +251,8 @@ fn schedule_graphs(model: &Model, graphs: &[&InputGraph]) -> Result<Schedule> {
 /// One compiled kernel with its scheduler (their register plan).
 struct Variant {
     kernel: PersistentKernel,
-    scheduler: Scheduler,
+    /// Shared with the threads preparing batches.
+    scheduler: Arc<Scheduler>,
 }
 
 /// Inputs to compile a variant for another `rpw`.
@@ -423,7 +423,7 @@ impl PersistentEngine {
             device,
             _cache: cache,
             pool,
-            prog,
+            prog: Arc::new(prog),
             variants: vec![first],
             active: 0,
             tuning,
@@ -509,14 +509,11 @@ impl PersistentEngine {
     ) -> Result<Option<PersistentStep>> {
         self.check_model(model)?;
         let slot = self.free_slots(1)?[0];
-        let prepared = PrepareFor::new(model, &self.prog, &self.variants, self.active).prepare(
-            schedule,
-            &mut self.rng,
-            slot,
-            &mut self.slots[slot].staging,
-            started,
-        )?;
-        self.enqueue(prepared)?;
+        let prepare = PrepareFor::new(model, self);
+        let mut staging = self.take_staging(slot)?;
+        let prepared = prepare.prepare(schedule, &mut self.rng, slot, &mut staging, started);
+        self.slots[slot].staging = Some(staging);
+        self.enqueue(prepared?)?;
         if self.pending.len() > 1 {
             self.pop_oldest().map(Some)
         } else {
@@ -564,30 +561,101 @@ impl PersistentEngine {
             let words = 2 * dropout_draws(model, s);
             self.rng.set_word_pos(self.rng.get_word_pos() + words);
         }
-        // each batch staged in a slot of its own by the thread preparing it
+        // each batch staged in a slot of its own by the thread preparing it;
+        // the batches are prepared in parallel and each is launched as soon
+        // as it and every batch before it are ready (not when the slowest of
+        // the window is), so the device waits on the host as little as the
+        // host's stragglers allow
         let chosen = self.free_slots(schedules.len())?;
-        let mut staging: Vec<(usize, &mut PinnedBuffer)> = self
-            .slots
-            .iter_mut()
-            .enumerate()
-            .filter(|(i, _)| chosen.contains(i))
-            .map(|(i, slot)| (i, &mut slot.staging))
-            .collect();
-        let prepare = PrepareFor::new(model, &self.prog, &self.variants, self.active);
-        let prepared = schedules
-            .par_iter()
-            .zip(rngs.par_iter_mut())
-            .zip(staging.par_iter_mut())
-            // one batch per job, so that no thread holds two batches while
-            // another waits
-            .with_max_len(1)
-            .map(|((s, rng), (slot, buffer))| prepare.prepare(s, rng, *slot, buffer, started))
-            .collect::<Result<Vec<PreparedBatch>>>()?;
-        let earlier = self.pending.len();
-        for p in prepared {
-            self.enqueue(p)?;
+        let mut jobs = Vec::with_capacity(chosen.len());
+        for ((i, &slot), rng) in chosen.iter().enumerate().zip(rngs) {
+            match self.take_staging(slot) {
+                Ok(staging) => jobs.push((i, slot, rng, staging)),
+                Err(e) => {
+                    for (_, slot, _, staging) in jobs {
+                        self.slots[slot].staging = Some(staging);
+                    }
+                    return Err(e);
+                }
+            }
         }
+        let prepare = PrepareFor::new(model, self);
+        let earlier = self.pending.len();
+        let (sender, ready) = std::sync::mpsc::channel();
+        let launched = std::thread::scope(|scope| {
+            scope.spawn(|| {
+                jobs.into_par_iter()
+                    // one batch per job, so that no thread holds two
+                    // batches while another waits
+                    .with_max_len(1)
+                    .for_each_with(sender, |sender, (i, slot, mut rng, mut staging)| {
+                        let prepared =
+                            prepare.prepare(schedules[i], &mut rng, slot, &mut staging, started);
+                        // the receiver outlives every job (it drains them all)
+                        let _ = sender.send((i, slot, staging, prepared));
+                    });
+            });
+            self.launch_in_order(ready, schedules.len())
+        });
+        launched?;
         (0..earlier).map(|_| self.pop_oldest()).collect()
+    }
+
+    /// Receives `count` prepared batches (window position, slot, its staging
+    /// buffer, the batch) in any order, gives every slot its buffer back and
+    /// launches the batches in window order as soon as each one and all
+    /// before it are there; after a failed one, launches no more (and
+    /// returns its error, once every buffer is back).
+    fn launch_in_order(
+        &mut self,
+        ready: std::sync::mpsc::Receiver<(usize, usize, PinnedBuffer, Result<PreparedBatch>)>,
+        count: usize,
+    ) -> Result<()> {
+        let mut waiting: Vec<Option<PreparedBatch>> = (0..count).map(|_| None).collect();
+        let mut next = 0;
+        let mut failed = None;
+        for (i, slot, staging, prepared) in ready {
+            self.slots[slot].staging = Some(staging);
+            match prepared {
+                Ok(p) => waiting[i] = Some(p),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+            while failed.is_none() && next < count {
+                let Some(p) = waiting[next].take() else {
+                    break;
+                };
+                if let Err(e) = self.enqueue(p) {
+                    failed = Some(e);
+                }
+                next += 1;
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None if next < count => Err(model_err(format!(
+                "{} of {count} batches of the window were never prepared",
+                count - next
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Slot `slot`'s staging buffer (an error while it is lent out).
+    fn staging(&mut self, slot: usize) -> Result<&mut PinnedBuffer> {
+        self.slots[slot]
+            .staging
+            .as_mut()
+            .ok_or_else(|| model_err(format!("slot {slot}'s staging buffer is lent out")))
+    }
+
+    /// Slot `slot`'s staging buffer, lent to the thread preparing its batch.
+    fn take_staging(&mut self, slot: usize) -> Result<PinnedBuffer> {
+        self.slots[slot]
+            .staging
+            .take()
+            .ok_or_else(|| model_err(format!("slot {slot}'s staging buffer is already lent")))
     }
 
     /// Errors unless `model` is the one the engine was set up for.
@@ -615,7 +683,7 @@ impl PersistentEngine {
                     .in_call("cuEventCreate")
             };
             self.slots.push(Slot {
-                staging: PinnedBuffer::new(&self.device)?,
+                staging: Some(PinnedBuffer::new(&self.device)?),
                 loss: PinnedBuffer::new(&self.device)?,
                 events: (event()?, event()?),
             });
@@ -660,7 +728,7 @@ impl PersistentEngine {
         let view = self.buffer.view();
         // the words were staged in order when the batch was prepared
         let words: DeviceView<u32> = view.slice(batch.upload_at..needed)?.reinterpret();
-        self.slots[slot].staging.upload(words, &stream)?;
+        self.staging(slot)?.upload(words, &stream)?;
         view.slice(batch.zeroed.clone())?.fill_zero(&stream)?;
         self.steps += 1;
         let c = &self.optimizer;
@@ -707,14 +775,14 @@ impl PersistentEngine {
         self.slots[slot]
             .loss
             .download(view.slice(batch.loss_at..batch.loss_at + 1)?, &stream)?;
-        if let Some(path) = &self.build.trace {
+        if let Some(path) = self.build.trace.clone() {
             let ctas = self.variants[variant].kernel.plan().ctas;
             let records = self
                 .barriers
                 .view()
                 .slice(TRACE_AT..TRACE_AT + TRACE_WORDS_PER_CTA * ctas)?;
-            let words = self.slots[slot].staging.download_to_vec(records, &stream)?;
-            append_trace(path, self.steps, &words)?;
+            let words = self.staging(slot)?.download_to_vec(records, &stream)?;
+            append_trace(&path, self.steps, &words)?;
         }
         let step = PersistentStep {
             loss: f64::NAN,
@@ -986,7 +1054,12 @@ fn build_variant(
             &build.slots,
         );
         match built {
-            Ok(kernel) => return Ok(Variant { kernel, scheduler }),
+            Ok(kernel) => {
+                return Ok(Variant {
+                    kernel,
+                    scheduler: Arc::new(scheduler),
+                })
+            }
             Err(e) => {
                 if build.ctas_per_sm.is_none() && chosen.0 > 1 {
                     request.ctas_per_sm = Some(chosen.0 - 1);
