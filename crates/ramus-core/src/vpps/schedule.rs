@@ -204,6 +204,14 @@ pub struct Scheduler {
     /// path for nothing, so they run a level later on the least-loaded
     /// VPPs instead.
     pub chain: bool,
+    /// Run the `Any` tasks that only sinks wait for (gradient sums over
+    /// rows, the loss) at the batch's end: at the last level before their
+    /// sink, or one past their dependencies where that is later, on the
+    /// least-loaded VPPs. Chained, a Tree-LSTM's two bias-gradient sums were
+    /// 2 of the 7 instructions of every backward level's critical chain;
+    /// at the end they share one level over all processors. Off: chained
+    /// as [`Scheduler::chain`] says.
+    pub defer_terminal: bool,
     /// Balance `Any` tasks over each level's load (the VPP with the least
     /// `Any` work in the task's level; products are spread over their
     /// holders or every VPP anyway, and counting each holder's share cost
@@ -425,6 +433,7 @@ impl Scheduler {
             matrix_shapes: plan.matrices.iter().map(|m| (m.rows, m.cols)).collect(),
             matrix_load_factor: DEFAULT_MATRIX_LOAD_FACTOR,
             chain: true,
+            defer_terminal: true,
             balance_per_level: true,
             record: true,
             holder_item: 0,
@@ -441,6 +450,7 @@ impl Scheduler {
             holder_rows: Vec::new(),
             matrix_load_factor: DEFAULT_MATRIX_LOAD_FACTOR,
             chain: true,
+            defer_terminal: true,
             balance_per_level: true,
             record: true,
             holder_item: 0,
@@ -509,17 +519,18 @@ impl Scheduler {
 
         // Levels by longest dependency chain (dependencies point backwards),
         // with `Any` tasks placed on the least-loaded VPP as they come, or
-        // chained onto the one VPP their latest dependencies ran on.
-        let mut task_levels: Vec<u32> = Vec::with_capacity(n);
-        let mut any_vpp: Vec<u32> = vec![u32::MAX; n];
-        let mut loads = MinLoad::new(self.vpps);
-        // with per-level balancing, each level's loads
-        let mut level_loads = LevelLoads::new(self.vpps);
-        let mut levels = 0usize;
+        // chained onto the one VPP their latest dependencies ran on; tasks
+        // only sinks wait for deferred to the sink (`defer_terminal`).
+        let mut levels = Leveling {
+            task_levels: vec![u32::MAX; n],
+            any_vpp: vec![u32::MAX; n],
+            loads: MinLoad::new(self.vpps),
+            level_loads: LevelLoads::new(self.vpps),
+            levels: 0,
+            terminal_chained: vec![u32::MAX; self.vpps],
+        };
         let waited_for = waited_for_beyond_sinks(g);
-        // per VPP, the level a task nothing but sinks waits for was last
-        // chained at
-        let mut terminal_chained = vec![u32::MAX; self.vpps];
+        let mut deferred: Vec<usize> = Vec::new();
         for (i, t) in g.tasks.iter().enumerate() {
             check_task(i, t)?;
             if let Placement::Holders { matrix } = t.placement {
@@ -534,70 +545,32 @@ impl Scheduler {
                     ));
                 }
             }
-            let latest = t.deps.iter().map(|&d| task_levels[d as usize]).max();
+            let sink = is_sink(i, t);
+            if self.defer_terminal && !waited_for[i] && !sink && t.placement == Placement::Any {
+                deferred.push(i);
+                continue;
+            }
+            if sink {
+                levels.place_deferred(self, g, &totals, &mut deferred);
+            }
+            let latest = t.deps.iter().map(|&d| levels.task_levels[d as usize]).max();
             let chained = match (t.placement, latest) {
                 (Placement::Any, Some(l)) if self.chain => {
-                    let mut on = t
-                        .deps
-                        .iter()
-                        .filter(|&&d| task_levels[d as usize] == l)
-                        .map(|&d| any_vpp[d as usize]);
-                    let first = on.next();
-                    match first.filter(|&v| v != u32::MAX && on.all(|w| w == v)) {
-                        Some(v) if waited_for[i] => Some((l, v)),
-                        // one task nothing but sinks waits for per VPP and level
-                        Some(v) if terminal_chained[v as usize] != l => {
-                            terminal_chained[v as usize] = l;
-                            Some((l, v))
-                        }
-                        _ => None,
-                    }
+                    levels.chain_vpp(t, l, waited_for[i]).map(|v| (l, v))
                 }
                 _ => None,
             };
             let level = chained.map_or_else(|| latest.map_or(0, |l| l + 1), |(l, _)| l);
-            if t.placement == Placement::Any {
-                any_vpp[i] = match chained {
-                    Some((_, v)) => v,
-                    None if self.balance_per_level => level_loads.argmin(level as usize),
-                    None => loads.argmin(),
-                };
-            }
-            match t.placement {
-                Placement::Any => {
-                    let v = any_vpp[i] as usize;
-                    loads.add(v, t.load);
-                    if self.balance_per_level {
-                        level_loads.add(level as usize, v, t.load);
-                    }
-                }
-                Placement::Every => {
-                    // the same on every VPP: no level's balance changes
-                    for v in 0..self.vpps {
-                        loads.add_lazy(v, t.load);
-                    }
-                }
-                Placement::Holders { matrix } => {
-                    let m = usize::from(matrix);
-                    // load × factor × rows / total, rounded up (u64 unless it
-                    // would overflow)
-                    let scaled = t.load.saturating_mul(self.matrix_load_factor);
-                    for (&h, &rows) in self.holders[m].iter().zip(&self.holder_rows[m]) {
-                        let share = match scaled.checked_mul(rows) {
-                            Some(x) => x.div_ceil(totals[m]),
-                            None => u64::try_from(
-                                (u128::from(scaled) * u128::from(rows))
-                                    .div_ceil(u128::from(totals[m])),
-                            )
-                            .unwrap_or(u64::MAX),
-                        };
-                        loads.add_lazy(h as usize, share);
-                    }
-                }
-            }
-            levels = levels.max(level as usize + 1);
-            task_levels.push(level);
+            levels.place(self, &totals, i, t, level, chained.map(|(_, v)| v));
         }
+        levels.place_deferred(self, g, &totals, &mut deferred);
+        let Leveling {
+            task_levels,
+            any_vpp,
+            loads,
+            levels,
+            ..
+        } = levels;
         if levels.saturating_sub(1) > MAX_BARRIERS {
             return Err(CoreError::vpps(
                 WHAT,
@@ -808,6 +781,141 @@ impl Scheduler {
     }
 }
 
+/// A sink: a task past the first two that depends on every task before it.
+fn is_sink(i: usize, t: &Task) -> bool {
+    i >= 2 && t.deps.len() == i
+}
+
+/// The levels and processors given to tasks so far, and the loads they
+/// add up to.
+struct Leveling {
+    /// Level of each task (`u32::MAX`: not placed yet).
+    task_levels: Vec<u32>,
+    /// The VPP of each placed `Any` task.
+    any_vpp: Vec<u32>,
+    loads: MinLoad,
+    /// With per-level balancing, each level's `Any` loads.
+    level_loads: LevelLoads,
+    /// One past the highest level given.
+    levels: usize,
+    /// Per VPP, the level a task nothing but sinks waits for was last
+    /// chained at.
+    terminal_chained: Vec<u32>,
+}
+
+impl Leveling {
+    /// Gives task `i` level `level` and, for an `Any` task, the VPP
+    /// `chained` onto or else the least-loaded one; adds its load.
+    fn place(
+        &mut self,
+        sched: &Scheduler,
+        totals: &[u64],
+        i: usize,
+        t: &Task,
+        level: u32,
+        chained: Option<u32>,
+    ) {
+        if t.placement == Placement::Any {
+            self.any_vpp[i] = match chained {
+                Some(v) => v,
+                None if sched.balance_per_level => self.level_loads.argmin(level as usize),
+                None => self.loads.argmin(),
+            };
+        }
+        match t.placement {
+            Placement::Any => {
+                let v = self.any_vpp[i] as usize;
+                self.loads.add(v, t.load);
+                if sched.balance_per_level {
+                    self.level_loads.add(level as usize, v, t.load);
+                }
+            }
+            Placement::Every => {
+                // the same on every VPP: no level's balance changes
+                for v in 0..sched.vpps {
+                    self.loads.add_lazy(v, t.load);
+                }
+            }
+            Placement::Holders { matrix } => {
+                let m = usize::from(matrix);
+                // load × factor × rows / total, rounded up (u64 unless it
+                // would overflow)
+                let scaled = t.load.saturating_mul(sched.matrix_load_factor);
+                for (&h, &rows) in sched.holders[m].iter().zip(&sched.holder_rows[m]) {
+                    let share = match scaled.checked_mul(rows) {
+                        Some(x) => x.div_ceil(totals[m]),
+                        None => u64::try_from(
+                            (u128::from(scaled) * u128::from(rows)).div_ceil(u128::from(totals[m])),
+                        )
+                        .unwrap_or(u64::MAX),
+                    };
+                    self.loads.add_lazy(h as usize, share);
+                }
+            }
+        }
+        self.levels = self.levels.max(level as usize + 1);
+        self.task_levels[i] = level;
+    }
+
+    /// The VPP that task `t`, with latest dependency level `l`, can chain
+    /// onto at level `l`: the one all its dependencies of level `l` ran on
+    /// (as `Any` tasks). A task nothing but sinks waits for (`waited_for`
+    /// false) chains only where no other such task chained at that level.
+    fn chain_vpp(&mut self, t: &Task, l: u32, waited_for: bool) -> Option<u32> {
+        let mut on = t
+            .deps
+            .iter()
+            .filter(|&&d| self.task_levels[d as usize] == l)
+            .map(|&d| self.any_vpp[d as usize]);
+        let first = on.next();
+        let v = first.filter(|&v| v != u32::MAX && on.all(|w| w == v))?;
+        if waited_for {
+            return Some(v);
+        }
+        let last = &mut self.terminal_chained[v as usize];
+        (*last != l).then(|| {
+            *last = l;
+            v
+        })
+    }
+
+    /// Places the `deferred` tasks (only sinks wait for them) together at
+    /// the batch's last level so far — one level later where one of them
+    /// depends on that level's work — on the least-loaded VPPs; one whose
+    /// dependencies ran on one VPP at the last level chains onto it
+    /// instead (one per VPP).
+    fn place_deferred(
+        &mut self,
+        sched: &Scheduler,
+        g: &TaskGraph,
+        totals: &[u64],
+        deferred: &mut Vec<usize>,
+    ) {
+        let last = self.levels.saturating_sub(1) as u32;
+        let mut unchained = Vec::with_capacity(deferred.len());
+        let mut level = last;
+        for i in deferred.drain(..) {
+            let t = &g.tasks[i];
+            let latest = t.deps.iter().map(|&d| self.task_levels[d as usize]).max();
+            match latest {
+                Some(l) if l == last && sched.chain => {
+                    if let Some(v) = self.chain_vpp(t, l, false) {
+                        self.place(sched, totals, i, t, l, Some(v));
+                        continue;
+                    }
+                    level = level.max(l + 1);
+                }
+                Some(l) => level = level.max(l + 1),
+                None => {}
+            }
+            unchained.push(i);
+        }
+        for i in unchained {
+            self.place(sched, totals, i, &g.tasks[i], level, None);
+        }
+    }
+}
+
 /// Per task, whether a task other than a sink depends on it; a sink (a task
 /// past the first two that depends on every task before it) waits for
 /// everything, so only what other tasks wait for is on a critical path.
@@ -815,7 +923,7 @@ impl Scheduler {
 fn waited_for_beyond_sinks(g: &TaskGraph) -> Vec<bool> {
     let mut waited = vec![false; g.tasks.len()];
     for (i, t) in g.tasks.iter().enumerate() {
-        if i >= 2 && t.deps.len() == i {
+        if is_sink(i, t) {
             continue;
         }
         for &d in &t.deps {
@@ -1226,6 +1334,7 @@ mod tests {
             holder_rows: vec![vec![8; 4], vec![8; 2]],
             matrix_load_factor: 1,
             chain: false,
+            defer_terminal: false,
             // the figure balances the batch's accumulated load
             balance_per_level: false,
             record: true,
@@ -1551,6 +1660,30 @@ mod tests {
         let spread: std::collections::BTreeSet<u32> = (2..5).map(|t| s.task_vpps[t][0]).collect();
         assert_eq!(spread.len(), 3, "the others run side by side");
         assert_eq!(simulate(&s, &g).unwrap().len(), 6);
+    }
+
+    #[test]
+    fn tasks_only_a_sink_waits_for_run_at_the_end() {
+        // a three-level chain, a sum of its first task's rows that only
+        // the sink waits for, the sink
+        let mut g = TaskGraph::new();
+        g.push(task(16, &[0], &[], 1, Placement::Any)).unwrap();
+        g.push(task(16, &[1], &[0], 1, Placement::Any)).unwrap();
+        g.push(task(16, &[2], &[1], 1, Placement::Any)).unwrap();
+        g.push(task(17, &[3], &[0], 1, Placement::Any)).unwrap();
+        g.push(task(16, &[4], &[0, 1, 2, 3], 1, Placement::Any))
+            .unwrap();
+        let mut s = Scheduler::with_vpps(2);
+        s.chain = false;
+        let deferred = s.schedule(&g).unwrap();
+        assert_eq!(deferred.task_levels, vec![0, 1, 2, 2, 3]);
+        assert_ne!(
+            deferred.task_vpps[3], deferred.task_vpps[2],
+            "beside the last level's work"
+        );
+        assert_eq!(simulate(&deferred, &g).unwrap().len(), 5);
+        s.defer_terminal = false;
+        assert_eq!(s.schedule(&g).unwrap().task_levels, vec![0, 1, 2, 1, 3]);
     }
 
     #[test]

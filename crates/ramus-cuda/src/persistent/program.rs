@@ -94,6 +94,9 @@ pub(crate) struct PersistentProgram {
     /// Per graph: products whose lone bias add runs as their epilogue,
     /// `product → (add, bias)`; the add's fused step is skipped.
     epilogues: Vec<HashMap<NodeId, (NodeId, NodeId)>>,
+    /// Per graph, by node: edge values bound to their vertex (see
+    /// [`Self::vertex_bound`]).
+    vertex_bound: Vec<Vec<bool>>,
     /// The cases' CUDA source (one `case` block each).
     pub fused_source: String,
     /// Per parameter: its register-cached matrix, if it is one.
@@ -218,6 +221,11 @@ impl PersistentProgram {
             epilogues[key.index(n)] =
                 bias_epilogues(key.graph(model), &plans[key.index(n)], &cached, &keep);
         }
+        let mut vertex_bound = vec![Vec::new(); plans.len()];
+        for key in graph_keys(model) {
+            let i = key.index(n);
+            vertex_bound[i] = vertex_bound_edges(key.graph(model), &plans[i], &epilogues[i]);
+        }
         let row_grad_params = row_grad_params(model);
         let mut params = ParamLayout::default();
         let mut at = 0;
@@ -241,6 +249,7 @@ impl PersistentProgram {
             plans,
             views,
             epilogues,
+            vertex_bound,
             cases,
             fused_source,
             cached,
@@ -278,6 +287,18 @@ impl PersistentProgram {
             .any(|&(a, _)| a == add)
     }
 
+    /// True if a member of fused group `group` of graph `key` is an edge
+    /// value bound to its vertex: summed into the vertex in the graph, or
+    /// computed from the vertex's own (not a product's) value. Such a
+    /// group's instructions are cut at vertex boundaries.
+    pub fn vertex_bound(&self, key: GraphKey, group: &ramus_core::fusion::FusedGroup) -> bool {
+        let bound = &self.vertex_bound[key.index(self.functions)];
+        group
+            .nodes
+            .iter()
+            .any(|&x| bound.get(x).copied().unwrap_or(false))
+    }
+
     /// The case of fused step `step` of phase `phase` of graph `key`.
     pub fn case(&self, key: GraphKey, phase: usize, step: usize) -> Result<u16> {
         self.cases[key.index(self.functions)]
@@ -289,6 +310,52 @@ impl PersistentProgram {
                 ))
             })
     }
+}
+
+/// By node of `g`: edge values summed into their vertex (read by a
+/// `sum_children`, or inline as a fused group's child sum), and members of
+/// fused groups that read their vertex's value (inline `expand_children`)
+/// where that value is not a product's. Their edges and the vertex are best
+/// computed by one processor in one chain: the edges' work follows the
+/// vertex's or precedes it. (An edge group fed by products alone fans out
+/// to the children instead; it keeps its own cuts.)
+fn vertex_bound_edges(
+    g: &Graph,
+    plan: &PlannedGraph,
+    epilogues: &HashMap<NodeId, (NodeId, NodeId)>,
+) -> Vec<bool> {
+    use ramus_core::ops::SumChildren;
+    let mut bound = vec![false; g.nodes.len()];
+    for node in &g.nodes {
+        if node.op_as::<SumChildren>().is_some() {
+            if let Some(&x) = node.inputs.first() {
+                bound[x] = true;
+            }
+        }
+    }
+    let is_product = |x: NodeId| {
+        g.nodes[x].op_as::<MatMul>().is_some() || epilogues.values().any(|&(add, _)| add == x)
+    };
+    for phase in &plan.phases {
+        for step in &phase.steps {
+            let Step::Fused(group) = step else { continue };
+            for input in &group.inputs {
+                match input.kind {
+                    InputKind::ChildSum { source } => bound[source] = true,
+                    InputKind::ParentRow { source } if !is_product(source) => {
+                        for &x in &group.nodes {
+                            bound[x] = true;
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    for (x, node) in g.nodes.iter().enumerate() {
+        bound[x] &= node.ty.space == ramus_core::graph::Space::Edge;
+    }
+    bound
 }
 
 /// Parameters whose only gradient is rows at indices (embedding tables).

@@ -16,7 +16,11 @@ use crate::error::Result;
 /// parallel, one per core (2 to 16), while the device runs the window
 /// before.
 pub fn prepared_ahead() -> usize {
-    rayon::current_num_threads().clamp(2, 16)
+    std::env::var("RAMUS_PREPARED_AHEAD")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n: &usize| n >= 1)
+        .unwrap_or_else(|| rayon::current_num_threads().clamp(2, 16))
 }
 
 /// Training on the persistent engine, evaluation on the batched one.

@@ -702,6 +702,31 @@ impl<'a> Unroller<'a> {
             .collect()
     }
 
+    /// Rows `r` of a fused group of edge space cut at the vertex cuts
+    /// ([`Self::chunks`] of the vertices), so a chunk holds every child edge
+    /// of its vertices: a vertex's edge work that reads the vertex (its
+    /// children's gate gradients) or that the vertex sums (a Tree-LSTM's
+    /// forget gates) then depends on, or is, one instruction, and runs in
+    /// the vertex's chain on one processor instead of a barrier apart. `None`
+    /// where the edges are not the vertices' (rows of another task).
+    fn vertex_cut_edges(
+        &self,
+        key: GraphKey,
+        r: [usize; 4],
+        width: usize,
+    ) -> Option<Vec<(usize, usize)>> {
+        key.function()?;
+        if self.span(key, Space::Vertex, Space::Edge, r[0], r[1]) != (r[2], r[3]) {
+            return None;
+        }
+        let cuts = self.chunks(r[0], r[1], width).into_iter();
+        Some(
+            cuts.map(|(a, b)| self.span(key, Space::Vertex, Space::Edge, a, b))
+                .filter(|(a, b)| b > a)
+                .collect(),
+        )
+    }
+
     /// Runs phase `phase` of graph `key` over rows `r0..r1` / edges `e0..e1`.
     fn phase(&mut self, key: GraphKey, phase: usize, r: [usize; 4]) -> Result<()> {
         let plan = self.prog.plan(key);
@@ -736,7 +761,14 @@ impl<'a> Unroller<'a> {
         let g = self.graph(key);
         let (lo, hi) = Self::space_range(group.space, r);
         let f = key.function();
-        for (a, b) in self.chunks(lo, hi, group.width) {
+        let cuts = match group.space {
+            Space::Edge if self.prog.vertex_bound(key, group) => {
+                self.vertex_cut_edges(key, r, group.width)
+            }
+            _ => None,
+        };
+        let cuts = cuts.unwrap_or_else(|| self.chunks(lo, hi, group.width));
+        for (a, b) in cuts {
             let mut ops = vec![u32_of((b - a) * group.width, "elements")?];
             let mut deps = Vec::new();
             let mut csr = Vec::new();
@@ -1639,9 +1671,20 @@ mod tests {
     use rand::SeedableRng;
 
     fn lowered(name: &str, graphs: &[InputGraph], dropout: f64) -> (TaskGraph, usize) {
+        lowered_on(name, graphs, dropout, 20, 6)
+    }
+
+    /// [`lowered`] with `hidden` units on `vpps` processors.
+    fn lowered_on(
+        name: &str,
+        graphs: &[InputGraph],
+        dropout: f64,
+        hidden: usize,
+        vpps: usize,
+    ) -> (TaskGraph, usize) {
         let cfg = ModelConfig {
             vocab: 30,
-            hidden: 20,
+            hidden,
             classes: 5,
         };
         let model = build_model_with(name, &cfg, &ModelOptions { dropout }).expect("model");
@@ -1651,7 +1694,7 @@ mod tests {
             .expect("schedule")
             .schedule;
         let mut rng = ChaCha8Rng::seed_from_u64(1);
-        let batch = unroll_batch(&model, &prog, &s, true, 6, &mut rng).expect("lowered");
+        let batch = unroll_batch(&model, &prog, &s, true, vpps, &mut rng).expect("lowered");
         assert!(
             batch.upload_at >= prog.params.total,
             "batch values after the parameters"
@@ -1660,7 +1703,7 @@ mod tests {
         assert!(batch.loss_at >= batch.zeroed.start && batch.loss_at < batch.zeroed.end);
         let rp = plan(
             &prog.matrices,
-            &DeviceLimits::hopper(6),
+            &DeviceLimits::hopper(vpps),
             &PlanRequest::new(1),
         )
         .expect("plan");
@@ -1710,6 +1753,28 @@ mod tests {
         lowered("treelstm-nary", &trees, 0.2);
         let chains = vec![random_chain(&mut rng, 7, 30).expect("chain")];
         lowered("lstm-lm", &chains, 0.0);
+    }
+
+    /// A caterpillar tree's internal vertices are a chain: each level of
+    /// it costs the Tree-LSTM two barriers forward (the products; the
+    /// forget gates, the cell and the next gathers chained on one
+    /// processor — the gates' edges cut with their vertex) and two
+    /// backward (the transposed products; the gate gradients and the
+    /// children's scatter chained), the bias-gradient sums running at the
+    /// end instead of in those chains.
+    #[test]
+    fn a_tree_level_costs_two_barriers_each_way() {
+        let levels = |internal: usize| {
+            let mut g = InputGraph::new();
+            let mut top = g.push_vertex(&[], 1, 0).expect("leaf");
+            for i in 0..internal {
+                let leaf = g.push_vertex(&[], 2 + i as u32, 0).expect("leaf");
+                top = g.push_vertex(&[top, leaf], 0, 1).expect("vertex");
+            }
+            lowered_on("treelstm", &[g], 0.0, 256, 132).1
+        };
+        let (short, long) = (levels(4), levels(10));
+        assert_eq!(long - short, 4 * 6, "levels {short} and {long}");
     }
 
     /// A batch lowered with the stream set past the masks of the batches
