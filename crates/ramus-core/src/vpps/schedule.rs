@@ -202,12 +202,13 @@ pub struct Scheduler {
     /// gradient sums read by the update after the batch's sink), one per
     /// VPP and level is chained; more would lengthen that VPP's critical
     /// path for nothing, so they run a level later on the least-loaded
-    /// VPPs instead.
+    /// VPPs instead (with [`Scheduler::defer_terminal`], such tasks come
+    /// to this only at the batch's last level).
     pub chain: bool,
     /// Run the `Any` tasks that only sinks wait for (gradient sums over
-    /// rows, the loss) at the batch's end: at the last level before their
-    /// sink, or one past their dependencies where that is later, on the
-    /// least-loaded VPPs. Chained, a Tree-LSTM's two bias-gradient sums were
+    /// rows, the loss) at the batch's end: together at the last level
+    /// before their sink (a level later where one depends on that level's
+    /// work and cannot chain onto it), on the least-loaded VPPs. Chained, a Tree-LSTM's two bias-gradient sums were
     /// 2 of the 7 instructions of every backward level's critical chain;
     /// at the end they share one level over all processors. Off: chained
     /// as [`Scheduler::chain`] says.
