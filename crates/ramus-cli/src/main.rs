@@ -15,14 +15,6 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::{Parser, Subcommand};
-
-/// mimalloc instead of the system allocator: the persistent engine lowers
-/// and encodes a window of batches on every core at once, tens of thousands
-/// of small vectors per batch; with glibc's allocator those threads contend
-/// on its arenas and on page faults (one batch of 128 N-ary trees: 12.5 ms
-/// to lower and encode on one core with glibc, 8.2 ms with mimalloc).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use ramus_core::{HeadRows, Model, Params};
@@ -33,6 +25,14 @@ use ramus_nn::{
     ModelConfig, ModelOptions, OptimizerConfig, OptimizerKind, SequenceConfig, Trainer,
     VisionConfig,
 };
+
+/// mimalloc instead of the system allocator: the persistent engine lowers
+/// and encodes a window of batches on every core at once, tens of thousands
+/// of small vectors per batch; with glibc's allocator those threads contend
+/// on its arenas and on page faults (one batch of 128 N-ary trees: 12.5 ms
+/// to lower and encode on one core with glibc, 8.2 ms with mimalloc).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Parser)]
 #[command(

@@ -252,10 +252,10 @@ const GEMM_MIN_SPLIT_DEPTH: usize = 64;
 /// scheduler gives it (see [`Scheduler::wide_items`](super::Scheduler)),
 /// one each where they are at most `vpps`.
 ///
-/// An outer product splits its items into chunks of [`GEMM_OUTER_CHUNK`].
+/// An outer product splits its items into chunks of `GEMM_OUTER_CHUNK`.
 /// A product `y = W x` or `dx += Wᵀ dy` with fewer output tiles than
 /// processors splits its reduction so that the pieces fill them (each split
-/// at least [`GEMM_MIN_SPLIT_DEPTH`] deep) and adds the splits' partial
+/// at least `GEMM_MIN_SPLIT_DEPTH` deep) and adds the splits' partial
 /// sums atomically: a level of a few dozen vectors would otherwise run on a
 /// handful of processors, each walking the whole reduction. The kernel has
 /// no word for the split count; it derives it from the processors it is
@@ -280,7 +280,7 @@ pub fn wide_tiles(op: u8, rows: usize, cols: usize, count: usize, vpps: usize) -
 }
 
 /// The kernel's split of a reduction `k` deep over (at most) `splits`
-/// pieces: `(splits, depth)` with every split [`GEMM_STEP`]-aligned and
+/// pieces: `(splits, depth)` with every split `GEMM_STEP`-aligned and
 /// none empty (the kernel's `vp_wide_product` computes the same).
 pub fn split_depth(k: usize, splits: usize) -> (usize, usize) {
     let depth = k.div_ceil(splits.max(1)).div_ceil(GEMM_STEP) * GEMM_STEP;

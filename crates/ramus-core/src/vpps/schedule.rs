@@ -18,9 +18,10 @@
 //!   operand pool — or, with [`Scheduler::holder_item`] set and at most
 //!   [`MAX_INLINE_ITEM_WORDS`] words of them, `op arg [count |
 //!   INLINE_ITEMS, items…]` with the lists inside the instruction; a merged
-//!   instruction of at least [`Scheduler::wide_items`] items goes to every
-//!   VPP instead, its count flagged [`WIDE_ITEMS`] (the kernel deals it
-//!   over all processors as a GEMM);
+//!   instruction of at least [`Scheduler::wide_items`] items goes instead
+//!   to a range of VPPs, one per piece of its GEMM (all of them at most),
+//!   its count flagged [`WIDE_ITEMS`] (the kernel deals the GEMM over
+//!   them);
 //! * `Every` tasks run on all VPPs;
 //! * `Any` tasks run on the VPP with the least load accumulated so far in
 //!   their level (ties to the lowest index; see
@@ -208,17 +209,18 @@ pub struct Scheduler {
     /// Run the `Any` tasks that only sinks wait for (gradient sums over
     /// rows, the loss) at the batch's end: together at the last level
     /// before their sink (a level later where one depends on that level's
-    /// work and cannot chain onto it), on the least-loaded VPPs. Chained, a Tree-LSTM's two bias-gradient sums were
-    /// 2 of the 7 instructions of every backward level's critical chain;
-    /// at the end they share one level over all processors. Off: chained
-    /// as [`Scheduler::chain`] says.
+    /// work and cannot chain onto it), on the least-loaded VPPs. Chained,
+    /// a Tree-LSTM's two bias-gradient sums were 2 of the 7 instructions of
+    /// every backward level's critical chain; at the end they share one
+    /// level over all processors. Off: chained as [`Scheduler::chain`]
+    /// says.
     pub defer_terminal: bool,
     /// Balance `Any` tasks over each level's load (the VPP with the least
     /// `Any` work in the task's level; products are spread over their
     /// holders or every VPP anyway, and counting each holder's share cost
-    /// more host time than it gained) instead of VPPS' load accumulated over the whole batch. The levels
-    /// are separated by barriers, so a level takes as long as its busiest
-    /// VPP: balancing the batch's totals let the VPPs that hold fewer rows
+    /// more host time than it gained) instead of VPPS' load accumulated
+    /// over the whole batch. The levels are separated by barriers, so a
+    /// level takes as long as its busiest VPP: balancing the batch's totals let the VPPs that hold fewer rows
     /// (less accumulated product load) collect all of a wide level's
     /// elementwise work — 17 of 132 processors ran a whole level of a
     /// 128-tree batch, 360 µs instead of about 25.

@@ -97,6 +97,9 @@ pub(crate) struct PersistentProgram {
     /// Per graph, by node: edge values bound to their vertex (see
     /// [`Self::vertex_bound`]).
     vertex_bound: Vec<Vec<bool>>,
+    /// Per graph, by node: what a forward product writes (see
+    /// [`Self::forward_product_output`]).
+    forward_product_outputs: Vec<Vec<bool>>,
     /// The cases' CUDA source (one `case` block each).
     pub fused_source: String,
     /// Per parameter: its register-cached matrix, if it is one.
@@ -222,9 +225,12 @@ impl PersistentProgram {
                 bias_epilogues(key.graph(model), &plans[key.index(n)], &cached, &keep);
         }
         let mut vertex_bound = vec![Vec::new(); plans.len()];
+        let mut forward_product_outputs = vec![Vec::new(); plans.len()];
         for key in graph_keys(model) {
             let i = key.index(n);
             vertex_bound[i] = vertex_bound_edges(key.graph(model), &plans[i], &epilogues[i]);
+            forward_product_outputs[i] =
+                forward_product_writes(key.graph(model), &cached, &epilogues[i]);
         }
         let row_grad_params = row_grad_params(model);
         let mut params = ParamLayout::default();
@@ -250,6 +256,7 @@ impl PersistentProgram {
             views,
             epilogues,
             vertex_bound,
+            forward_product_outputs,
             cases,
             fused_source,
             cached,
@@ -297,6 +304,18 @@ impl PersistentProgram {
             .nodes
             .iter()
             .any(|&x| bound.get(x).copied().unwrap_or(false))
+    }
+
+    /// True if node `n` of graph `key` is what a forward product `x Wᵀ`
+    /// with a register-cached `W` writes (the product, or the add of its
+    /// bias epilogue): a wide instruction may split the product's reduction
+    /// over processors that add their partial sums atomically (see
+    /// `ramus_core::vpps::kernel::wide_tiles`), so it starts at zero.
+    pub fn forward_product_output(&self, key: GraphKey, n: NodeId) -> bool {
+        self.forward_product_outputs[key.index(self.functions)]
+            .get(n)
+            .copied()
+            .unwrap_or(false)
     }
 
     /// The case of fused step `step` of phase `phase` of graph `key`.
@@ -356,6 +375,30 @@ fn vertex_bound_edges(
         bound[x] &= node.ty.space == ramus_core::graph::Space::Edge;
     }
     bound
+}
+
+/// By node of `g`: the nodes forward products `x Wᵀ` with a
+/// register-cached `W` write (see
+/// [`PersistentProgram::forward_product_output`]).
+fn forward_product_writes(
+    g: &Graph,
+    cached: &[Option<u16>],
+    epilogues: &HashMap<NodeId, (NodeId, NodeId)>,
+) -> Vec<bool> {
+    let mut writes = vec![false; g.nodes.len()];
+    for (n, node) in g.nodes.iter().enumerate() {
+        let product = node
+            .op_as::<MatMul>()
+            .is_some_and(|mm| mm.trans_b && !mm.trans_a)
+            && matches!(
+                node.inputs.get(1).map(|&w| &g.nodes[w].kind),
+                Some(NodeKind::Param(p)) if cached[*p].is_some()
+            );
+        if product {
+            writes[epilogues.get(&n).map_or(n, |&(add, _)| add)] = true;
+        }
+    }
+    writes
 }
 
 /// Parameters whose only gradient is rows at indices (embedding tables).

@@ -410,7 +410,6 @@ impl<'a> Unroller<'a> {
         for key in graph_keys(self.model) {
             let g = self.graph(key);
             let plan = self.prog.plan(key);
-            let forward_outputs = self.forward_product_outputs(key);
             let mut bufs = vec![None; g.nodes.len()];
             for (n, node) in g.nodes.iter().enumerate() {
                 let len = self.rows(key, node.ty.space) * node.ty.width();
@@ -441,7 +440,7 @@ impl<'a> Unroller<'a> {
                     NodeKind::Op(_) => {
                         if self.outer_product(key, n)?.is_some() {
                             None
-                        } else if self.accumulated(key, n, &forward_outputs) {
+                        } else if self.accumulated(key, n) {
                             Some(self.alloc(Region::Zeroed, len))
                         } else {
                             Some(self.alloc(Region::Plain, len))
@@ -458,33 +457,12 @@ impl<'a> Unroller<'a> {
     }
 
     /// True for nodes written with atomics (they must start at zero).
-    /// `forward_outputs` are graph `key`'s [`Self::forward_product_outputs`].
-    fn accumulated(&self, key: GraphKey, n: NodeId, forward_outputs: &[NodeId]) -> bool {
+    fn accumulated(&self, key: GraphKey, n: NodeId) -> bool {
         let node = &self.graph(key).nodes[n];
         node.op_as::<SumRows>().is_some()
             || node.op_as::<Pad>().is_some()
             || self.transposed_product(key, n).is_some()
-            || forward_outputs.contains(&n)
-    }
-
-    /// The nodes forward products `x Wᵀ` with a register-cached `W` write
-    /// (the product, or the add of its bias epilogue): a wide instruction
-    /// may split the product's reduction over processors that add their
-    /// partial sums atomically (see `ramus_core::vpps::kernel::wide_tiles`).
-    fn forward_product_outputs(&self, key: GraphKey) -> Vec<NodeId> {
-        let g = self.graph(key);
-        (0..g.nodes.len())
-            .filter(|&n| {
-                g.nodes[n]
-                    .op_as::<MatMul>()
-                    .is_some_and(|mm| mm.trans_b && !mm.trans_a)
-                    && matches!(
-                        g.nodes[n].inputs.get(1).map(|&w| &g.nodes[w].kind),
-                        Some(NodeKind::Param(p)) if self.prog.cached[*p].is_some()
-                    )
-            })
-            .map(|n| self.prog.epilogue(key, n).map_or(n, |(add, _)| add))
-            .collect()
+            || self.prog.forward_product_output(key, n)
     }
 
     /// `Some(matrix)` if `n` is `dy W` with `W` a register-cached matrix.
@@ -1525,6 +1503,9 @@ fn space_rows(s: &Schedule, head_rows: usize, key: GraphKey, space: Space) -> us
 /// `f64` from the stream each), so a batch prepared ahead can start its
 /// masks where the batches before it leave the stream.
 pub(crate) fn dropout_draws(model: &Model, s: &Schedule) -> u128 {
+    if dropout_masks(model).next().is_none() {
+        return 0;
+    }
     let head_rows = crate::engine::head_vertices(model.head.rows, s).len();
     dropout_masks(model)
         .map(|(key, n, _)| {
@@ -1859,9 +1840,6 @@ mod timing {
     use ramus_nn::{build_model_with, ModelConfig, ModelOptions};
     use rand::SeedableRng;
 
-    /// Host cost of lowering and scheduling a batch (`cargo test --release
-    /// -p ramus-cuda host_cost -- --ignored --nocapture`; the model from
-    /// `RAMUS_HOST_COST_MODEL`, batch sizes from `RAMUS_HOST_COST_SIZES`).
     /// The persistent kernel's CUDA source for the reference models at h
     /// 256 and 512 under every register-plan choice, one file each into
     /// `RAMUS_KERNEL_SOURCE_DIR`, for reading the compiler's register use
@@ -1906,6 +1884,9 @@ mod timing {
         }
     }
 
+    /// Host cost of lowering and scheduling a batch (`cargo test --release
+    /// -p ramus-cuda host_cost -- --ignored --nocapture`; the model from
+    /// `RAMUS_HOST_COST_MODEL`, batch sizes from `RAMUS_HOST_COST_SIZES`).
     #[test]
     #[ignore]
     fn host_cost() {
