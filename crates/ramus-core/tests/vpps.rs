@@ -224,8 +224,9 @@ fn check_run(g: &TaskGraph, s: &Schedule, sim: &Simulation, holders: &[Vec<u32>]
                     .filter(|&&d| s.task_levels[d as usize] == l)
                     .all(|&d| s.task_vpps[d as usize] == s.task_vpps[t])
         });
-        // A task only sinks wait for may be deferred to a later level.
-        let deferred = task.placement == Placement::Any && !waited[t];
+        // A task only sinks wait for (not one on every VPP) may be
+        // deferred to a later level.
+        let deferred = task.placement != Placement::Every && !waited[t];
         if deferred && !chained {
             assert!(s.task_levels[t] >= latest.map_or(0, |l| l + 1), "task {t}");
         } else if !chained {

@@ -206,14 +206,17 @@ pub struct Scheduler {
     /// VPPs instead (with [`Scheduler::defer_terminal`], such tasks come
     /// to this only at the batch's last level).
     pub chain: bool,
-    /// Run the `Any` tasks that only sinks wait for (gradient sums over
-    /// rows, the loss) at the batch's end: together at the last level
-    /// before their sink (a level later where one depends on that level's
-    /// work and cannot chain onto it), on the least-loaded VPPs. Chained,
-    /// a Tree-LSTM's two bias-gradient sums were 2 of the 7 instructions of
-    /// every backward level's critical chain; at the end they share one
-    /// level over all processors. Off: chained as [`Scheduler::chain`]
-    /// says.
+    /// Run the tasks that only sinks wait for (gradient sums over rows, the
+    /// loss, the weight gradients' outer products), except those on every
+    /// VPP, at the batch's end: together at the last level before their
+    /// sink or the next task on every VPP (a level later where one depends on that level's work and
+    /// cannot chain onto it), the `Any` ones on the least-loaded VPPs.
+    /// Chained, a Tree-LSTM's two bias-gradient sums were 2 of the 7
+    /// instructions of every backward level's critical chain, and its
+    /// recurrent weights' outer products took a level of their own; at the
+    /// end they share one level over all processors. Off: each in the
+    /// level its dependencies allow (`Any` tasks chained as
+    /// [`Scheduler::chain`] says).
     pub defer_terminal: bool,
     /// Balance `Any` tasks over each level's load (the VPP with the least
     /// `Any` work in the task's level; products are spread over their
@@ -549,11 +552,14 @@ impl Scheduler {
                 }
             }
             let sink = is_sink(i, t);
-            if self.defer_terminal && !waited_for[i] && !sink && t.placement == Placement::Any {
+            if self.defer_terminal && !waited_for[i] && !sink && t.placement != Placement::Every {
                 deferred.push(i);
                 continue;
             }
-            if sink {
+            // a task on every VPP (the update) may overwrite what a
+            // deferred one reads (the weights) without depending on it: the
+            // deferred tasks go before it, as before a sink
+            if sink || t.placement == Placement::Every {
                 levels.place_deferred(self, g, &totals, &mut deferred);
             }
             let latest = t.deps.iter().map(|&d| levels.task_levels[d as usize]).max();
@@ -841,17 +847,8 @@ impl Leveling {
             }
             Placement::Holders { matrix } => {
                 let m = usize::from(matrix);
-                // load × factor × rows / total, rounded up (u64 unless it
-                // would overflow)
-                let scaled = t.load.saturating_mul(sched.matrix_load_factor);
                 for (&h, &rows) in sched.holders[m].iter().zip(&sched.holder_rows[m]) {
-                    let share = match scaled.checked_mul(rows) {
-                        Some(x) => x.div_ceil(totals[m]),
-                        None => u64::try_from(
-                            (u128::from(scaled) * u128::from(rows)).div_ceil(u128::from(totals[m])),
-                        )
-                        .unwrap_or(u64::MAX),
-                    };
+                    let share = holder_share(t.load, sched.matrix_load_factor, rows, totals[m]);
                     self.loads.add_lazy(h as usize, share);
                 }
             }
@@ -884,9 +881,15 @@ impl Leveling {
 
     /// Places the `deferred` tasks (only sinks wait for them) together at
     /// the batch's last level so far — one level later where one of them
-    /// depends on that level's work — on the least-loaded VPPs; one whose
-    /// dependencies ran on one VPP at the last level chains onto it
-    /// instead (one per VPP).
+    /// depends on that level's work — on the least-loaded VPPs; an `Any`
+    /// one whose dependencies ran on one VPP at the last level chains onto
+    /// it instead (one per VPP). Deferred products (the weight gradients'
+    /// outer products) run on their holders there, beside the rest: in
+    /// parallel with one another instead of each in the level its operands
+    /// were ready (where it lengthened the backward pass's critical path
+    /// by its whole time). The `Any` tasks are balanced as in any level,
+    /// over every VPP (weighing the products' shares there crowded them
+    /// onto the few processors that hold no rows).
     fn place_deferred(
         &mut self,
         sched: &Scheduler,
@@ -901,7 +904,7 @@ impl Leveling {
             let t = &g.tasks[i];
             let latest = t.deps.iter().map(|&d| self.task_levels[d as usize]).max();
             match latest {
-                Some(l) if l == last && sched.chain => {
+                Some(l) if l == last && sched.chain && t.placement == Placement::Any => {
                     if let Some(v) = self.chain_vpp(t, l, false) {
                         self.place(sched, totals, i, t, l, Some(v));
                         continue;
@@ -916,6 +919,18 @@ impl Leveling {
         for i in unchained {
             self.place(sched, totals, i, &g.tasks[i], level, None);
         }
+    }
+}
+
+/// A holder's share of a product's load: `load × factor × rows / total`
+/// (`total` the matrix's rows, checked non-zero), rounded up; in 128 bits
+/// where 64 would overflow, saturating.
+fn holder_share(load: u64, factor: u64, rows: u64, total: u64) -> u64 {
+    let scaled = load.saturating_mul(factor);
+    match scaled.checked_mul(rows) {
+        Some(x) => x.div_ceil(total),
+        None => u64::try_from((u128::from(scaled) * u128::from(rows)).div_ceil(u128::from(total)))
+            .unwrap_or(u64::MAX),
     }
 }
 
@@ -1687,6 +1702,42 @@ mod tests {
         assert_eq!(simulate(&deferred, &g).unwrap().len(), 5);
         s.defer_terminal = false;
         assert_eq!(s.schedule(&g).unwrap().task_levels, vec![0, 1, 2, 1, 3]);
+    }
+
+    #[test]
+    fn products_only_a_sink_waits_for_run_together_at_the_end() {
+        // a backward pass's end: two levels' weight-gradient outer products
+        // (tasks 1 and 4, on the holders of different matrices) that only
+        // the sink waits for
+        let mut g = TaskGraph::new();
+        let (h0, h1) = (
+            Placement::Holders { matrix: 0 },
+            Placement::Holders { matrix: 1 },
+        );
+        g.push(task(20, &[0], &[], 1, Placement::Any)).unwrap();
+        g.push(task(18, &[1], &[0], 1, h1)).unwrap();
+        g.push(task(17, &[2], &[0], 1, h0)).unwrap();
+        g.push(task(20, &[3], &[2], 1, Placement::Any)).unwrap();
+        g.push(task(18, &[4], &[3], 1, h0)).unwrap();
+        g.push(task(27, &[], &[0, 1, 2, 3, 4], 1, Placement::Any))
+            .unwrap();
+        let mut s = fig6_scheduler();
+        s.defer_terminal = true;
+        let deferred = s.schedule(&g).unwrap();
+        assert_eq!(deferred.task_levels, vec![0, 3, 1, 2, 3, 4]);
+        assert_eq!(simulate(&deferred, &g).unwrap().len(), 6);
+        s.defer_terminal = false;
+        assert_eq!(s.schedule(&g).unwrap().task_levels, vec![0, 1, 1, 2, 3, 4]);
+        // an update on every VPP that waits for the outer product only
+        // still runs after the transposed product nothing waits for (it
+        // overwrites the weights that product reads)
+        let mut g = TaskGraph::new();
+        g.push(task(16, &[0], &[], 1, h0)).unwrap();
+        g.push(task(17, &[1], &[0], 1, h0)).unwrap();
+        g.push(task(18, &[2], &[0], 1, h0)).unwrap();
+        g.push(task(19, &[], &[2], 1, Placement::Every)).unwrap();
+        s.defer_terminal = true;
+        assert_eq!(s.schedule(&g).unwrap().task_levels, vec![0, 1, 1, 2]);
     }
 
     #[test]
