@@ -172,11 +172,15 @@ pub const WIDE_PRODUCT_ITEMS: u32 = 8;
 const GEMM_TILE: usize = 64;
 const GEMM_STEP: usize = 16;
 const GEMM_OUTER_CHUNK: usize = 256;
-/// A GEMM tile's shared memory (two padded operand tiles and the items'
+/// Buffers of a wide product's operand tiles (each two padded tiles one
+/// step deep): the steps whose copies fly while one is computed, plus it.
+const GEMM_STAGES: usize = 3;
+/// A GEMM tile's shared memory (the operand buffers and the items'
 /// offsets) fits the stage it shares with the transposed products.
 const _: () = assert!(
-    2 * GEMM_STEP * (GEMM_TILE + 4) + 2 * GEMM_OUTER_CHUNK <= STAGE_FLOATS
+    GEMM_STAGES * 2 * GEMM_STEP * (GEMM_TILE + 4) + 2 * GEMM_OUTER_CHUNK <= STAGE_FLOATS
         && 3 * GEMM_TILE <= 2 * GEMM_OUTER_CHUNK
+        && GEMM_STAGES >= 2
 );
 
 /// Script words a VPP holds in shared memory per round (16 KiB).
@@ -354,6 +358,8 @@ pub fn kernel_source(plan: &RegisterPlan, options: KernelOptions, fused_cases: &
     let _ = writeln!(s, "#define VP_STAGE_FLOATS {STAGE_FLOATS}");
     let _ = writeln!(s, "#define VP_BT {GEMM_TILE}");
     let _ = writeln!(s, "#define VP_BK {GEMM_STEP}");
+    let _ = writeln!(s, "#define VP_STAGES {GEMM_STAGES}u");
+    let _ = writeln!(s, "#define VP_GEMM_BUFFER {}u", 2 * GEMM_STEP * (GEMM_TILE + 4));
     let _ = writeln!(s, "#define VP_OUTER_CHUNK {GEMM_OUTER_CHUNK}u");
     let _ = writeln!(s, "#define VP_TRACE_AT {TRACE_AT}u");
     let _ = writeln!(s, "#define VP_TRACE_WORDS {TRACE_WORDS_PER_CTA}u");
@@ -442,6 +448,24 @@ __device__ __forceinline__ float vp_update(float wv, float gv, float* first, flo
 #endif
 }
 
+// An asynchronous 4-byte copy from pool[at] into shared memory (zeros where
+// `ok` is false; nothing is read then), in the thread's current group.
+__device__ __forceinline__ void vp_copy_async(float* dst, const float* pool, unsigned at, bool ok) {
+    const unsigned to = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 :: "r"(to), "l"(ok ? pool + at : pool), "r"(ok ? 4 : 0) : "memory");
+}
+
+__device__ __forceinline__ void vp_copy_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Waits until at most `pending` of the thread's groups are in flight.
+template <int pending>
+__device__ __forceinline__ void vp_copy_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(pending) : "memory");
+}
+
 __device__ __forceinline__ float vp_warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -462,7 +486,8 @@ __device__ __forceinline__ float vp_warp_sum(float v) {
 // ranks / tiles pieces that add atomically (y then starts at zero; the
 // first piece adds the bias).
 // 256 threads, a VP_BT x VP_BT tile, 4 x 4 outputs per thread, operands
-// staged VP_BK deep in shared memory while the next step's loads fly.
+// copied VP_BK deep into VP_STAGES shared buffers, the next steps' copies
+// in flight while a step is computed.
 __device__ __forceinline__ void vp_wide_product(
     unsigned op, const unsigned* __restrict__ m, unsigned count, const unsigned* list,
     float* pool, unsigned rank, unsigned ranks, float* stage)
@@ -486,11 +511,10 @@ __device__ __forceinline__ void vp_wide_product(
         splits = (K + depth - 1) / depth;
     }
     const unsigned tiles = tiles_m * tiles_n * splits;
-    // [VP_BK][VP_BT + 4] each (the padding keeps the stores' banks apart
-    // and the rows 16-byte aligned for the float4 reads)
-    float* const as = stage;
-    float* const bs = stage + VP_BK * (VP_BT + 4);
-    unsigned* const items = (unsigned*)(stage + 2 * VP_BK * (VP_BT + 4));
+    // VP_STAGES buffers of two operand tiles, [VP_BK][VP_BT + 4] each (the
+    // padding keeps the stores' banks apart and the rows 16-byte aligned
+    // for the float4 reads), then the items' offsets
+    unsigned* const items = (unsigned*)(stage + VP_STAGES * VP_GEMM_BUFFER);
     const unsigned tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
     for (unsigned t = rank; t < tiles; t += ranks) {
         const unsigned split = t % splits, tile = t / splits;
@@ -507,9 +531,11 @@ __device__ __forceinline__ void vp_wide_product(
                 items[e] = m0 + e / 3 < count ? list[VP_ITEM * (m0 + e / 3) + e % 3] : VP_NONE;
         }
         __syncthreads();
-        float ra[4], rb[4];
-        // this thread's four elements of each operand tile at depth k0
-        auto fetch = [&](unsigned k0) {
+        // copies this thread's four elements of each operand tile at depth
+        // k0 into buffer `b`, asynchronously (zeros outside the operands)
+        auto issue = [&](unsigned k0, unsigned b) {
+            float* const as = stage + b * VP_GEMM_BUFFER;
+            float* const bs = as + VP_BK * (VP_BT + 4);
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
                 const unsigned e = tid + VP_THREADS * q;
@@ -517,35 +543,24 @@ __device__ __forceinline__ void vp_wide_product(
                     const unsigned kk = e / VP_BT, mm = e % VP_BT, k = k0 + kk;
                     const unsigned dy = k < k_hi ? items[2 * (k - k_lo)] : VP_NONE;
                     const unsigned x = k < k_hi ? items[2 * (k - k_lo) + 1] : VP_NONE;
-                    ra[q] = (dy != VP_NONE && m0 + mm < M) ? pool[dy + m0 + mm] : 0.0f;
-                    rb[q] = (x != VP_NONE && n0 + mm < N) ? pool[x + n0 + mm] : 0.0f;
+                    vp_copy_async(as + kk * (VP_BT + 4) + mm, pool, dy + m0 + mm, dy != VP_NONE && m0 + mm < M);
+                    vp_copy_async(bs + kk * (VP_BT + 4) + mm, pool, x + n0 + mm, x != VP_NONE && n0 + mm < N);
                 } else {
                     // A: row mm of the items, k-contiguous
                     const unsigned mm = e / VP_BK, kk = e % VP_BK;
                     const unsigned src = items[3 * mm];
-                    ra[q] = (src != VP_NONE && k0 + kk < K) ? pool[src + k0 + kk] : 0.0f;
+                    vp_copy_async(as + kk * (VP_BT + 4) + mm, pool, src + k0 + kk,
+                                  src != VP_NONE && k0 + kk < K);
                     if (op == OP_MATVEC) {
                         // B(k, n) = W[n][k]: k-contiguous too
-                        rb[q] = (n0 + mm < N && k0 + kk < K) ? pool[value + (n0 + mm) * cols + k0 + kk] : 0.0f;
+                        vp_copy_async(bs + kk * (VP_BT + 4) + mm, pool, value + (n0 + mm) * cols + k0 + kk,
+                                      n0 + mm < N && k0 + kk < K);
                     } else {
                         // B(k, n) = W[k][n]: n-contiguous
                         const unsigned kb = e / VP_BT, nb = e % VP_BT;
-                        rb[q] = (k0 + kb < K && n0 + nb < N) ? pool[value + (k0 + kb) * cols + n0 + nb] : 0.0f;
+                        vp_copy_async(bs + kb * (VP_BT + 4) + nb, pool, value + (k0 + kb) * cols + n0 + nb,
+                                      k0 + kb < K && n0 + nb < N);
                     }
-                }
-            }
-        };
-        auto stash = [&]() {
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const unsigned e = tid + VP_THREADS * q;
-                if (outer) {
-                    as[(e / VP_BT) * (VP_BT + 4) + e % VP_BT] = ra[q];
-                    bs[(e / VP_BT) * (VP_BT + 4) + e % VP_BT] = rb[q];
-                } else {
-                    as[(e % VP_BK) * (VP_BT + 4) + e / VP_BK] = ra[q];
-                    if (op == OP_MATVEC) bs[(e % VP_BK) * (VP_BT + 4) + e / VP_BK] = rb[q];
-                    else bs[(e / VP_BT) * (VP_BT + 4) + e % VP_BT] = rb[q];
                 }
             }
         };
@@ -554,12 +569,26 @@ __device__ __forceinline__ void vp_wide_product(
         for (int i = 0; i < 4; ++i)
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
-        fetch(k_lo);
-        for (unsigned k0 = k_lo; k0 < k_hi; k0 += VP_BK) {
+        // VP_STAGES - 1 steps in flight ahead of the one computed: a step's
+        // arithmetic is short beside a round trip to L2, so one step ahead
+        // left every step waiting for its loads
+        const unsigned steps = (k_hi - k_lo + VP_BK - 1) / VP_BK;
+#pragma unroll
+        for (unsigned s = 0; s + 1 < VP_STAGES; ++s) {
+            if (s < steps) issue(k_lo + s * VP_BK, s);
+            vp_copy_commit();
+        }
+        for (unsigned step = 0; step < steps; ++step) {
+            // this step's copies are done (the groups after it may still
+            // fly) and every thread is past the step before, whose buffer
+            // is reused
+            vp_copy_wait<VP_STAGES - 2>();
             __syncthreads();
-            stash();
-            __syncthreads();
-            if (k0 + VP_BK < k_hi) fetch(k0 + VP_BK);
+            const unsigned ahead = step + VP_STAGES - 1;
+            if (ahead < steps) issue(k_lo + ahead * VP_BK, ahead % VP_STAGES);
+            vp_copy_commit();
+            const float* const as = stage + (step % VP_STAGES) * VP_GEMM_BUFFER;
+            const float* const bs = as + VP_BK * (VP_BT + 4);
 #pragma unroll
             for (int k = 0; k < VP_BK; ++k) {
                 const float4 a = *(const float4*)(as + k * (VP_BT + 4) + 4 * ty);
