@@ -1387,8 +1387,9 @@ mod tests {
         let mut scheduler = fig6_scheduler();
         scheduler.holder_item = 3;
         scheduler.wide_items = Some(3);
-        // matrix 1: 128 rows, so a product has two row tiles
-        scheduler.matrix_shapes = vec![(8, 8), (128, 64)];
+        // matrix 1: 128 rows, so a product has two row tiles (32 columns:
+        // too shallow a reduction to split)
+        scheduler.matrix_shapes = vec![(8, 8), (128, 32)];
         let h1 = Placement::Holders { matrix: 1 };
         let mut g = TaskGraph::new();
         // three items on matrix 1 (held by VPPs 1 and 2): wide, two tiles;
@@ -1400,7 +1401,7 @@ mod tests {
         g.push(task(17, &[10, 11, 12, 13, 14, 15], &[0, 1], 1, h1))
             .unwrap();
         let s = scheduler.schedule(&g).unwrap();
-        assert_eq!(wide_tiles(OP_FIRST_ENGINE, 128, 64, 3, 4), 2);
+        assert_eq!(wide_tiles(OP_FIRST_ENGINE, 128, 32, 3, 4), 2);
         let p = |op, len, arg| preamble(op, len, arg);
         let wide = [
             p(OP_FIRST_ENGINE, 12, 0),
@@ -1438,20 +1439,21 @@ mod tests {
             .unwrap();
         g.push(task(OP_FIRST_ENGINE + 1, &items[..3], &[], 1, h1))
             .unwrap();
-        scheduler.matrix_shapes = vec![(8, 8), (64, 192)];
+        scheduler.matrix_shapes = vec![(8, 8), (64, 96)];
         let s = scheduler.schedule(&g).unwrap();
-        // MATVEC: one row tile, its 192-deep reduction split three ways,
-        // on VPPs 0, 1, 2; MATVEC_T (the one-item task merged in: 11
-        // items): 3 column tiles on VPPs 3, 0, 1
+        // MATVEC: one row tile, its 96-deep reduction split three ways (32
+        // deep: the items fit one row of tiles), on VPPs 0, 1, 2; MATVEC_T
+        // (the one-item task merged in: 11 items): 2 column tiles, their
+        // 64-deep reduction split in two, on VPPs 3, 0, 1, 2
         let first = [p(OP_FIRST_ENGINE, 4, 0), 10 | WIDE_ITEMS, 3 << 16, 0];
         let second = [
             p(OP_FIRST_ENGINE + 1, 4, 0),
             11 | WIDE_ITEMS,
-            3 | 3 << 16,
+            3 | 4 << 16,
             30,
         ];
         assert_eq!(s.packed.script(3), &second[..]);
-        assert_eq!(s.task_vpps[1], vec![0, 1, 3]);
+        assert_eq!(s.task_vpps[1], vec![0, 1, 2, 3]);
         assert_eq!(&s.packed.script(0)[..4], &first[..]);
         assert_eq!(simulate(&s, &g).unwrap().len(), 3);
     }
