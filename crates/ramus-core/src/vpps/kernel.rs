@@ -443,6 +443,23 @@ __device__ __forceinline__ unsigned vp_load_relaxed(const unsigned* p) {
     return v;
 }
 
+// A barrier's count read with acquire semantics: it synchronizes with every
+// release-add that the count it reads includes (they are read-modify-writes
+// of one location, a release sequence), so the signalling CTAs' writes are
+// visible after it.
+__device__ __forceinline__ unsigned vp_load_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Adds one to a barrier's count with release semantics: the block's writes
+// before it (ordered by the block barrier before the call) are visible to a
+// CTA that acquires the count.
+__device__ __forceinline__ void vp_signal_release(unsigned* p) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory");
+}
+
 // One parameter element's optimizer step (the rule is VP_RULE); `first` and
 // `second` are its moment slots (unused by SGD).
 __device__ __forceinline__ float vp_update(float wv, float gv, float* first, float* second,
@@ -729,16 +746,13 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
             switch (op) {
             case OP_SIGNAL:
                 __syncthreads();
-                if (threadIdx.x == 0) {
-                    __threadfence();
-                    atomicAdd(barriers + arg, 1u);
-                }
+                if (threadIdx.x == 0) vp_signal_release(barriers + arg);
                 break;
             case OP_WAIT:
                 if (threadIdx.x == 0) {
                     const unsigned want = script[expect_at + arg];
                     while (vp_load_relaxed(barriers + arg) < want) { }
-                    __threadfence();
+                    (void)vp_load_acquire(barriers + arg);
                 }
                 __syncthreads();
                 break;
