@@ -758,6 +758,17 @@ impl PersistentEngine {
             self.barriers.view(),
             &scalars,
         )?;
+        // traced: this launch's records, read before a second launch (the
+        // cached matrices' update after cuBLAS) writes its own over them
+        if let Some(path) = self.build.trace.clone() {
+            let ctas = self.variants[variant].kernel.plan().ctas;
+            let records = self
+                .barriers
+                .view()
+                .slice(TRACE_AT..TRACE_AT + TRACE_WORDS_PER_CTA * ctas)?;
+            let words = self.staging(slot)?.download_to_vec(records, &stream)?;
+            append_trace(&path, self.steps, &words)?;
+        }
         if let Some(updates) = &updates {
             self.gradient_products(&batch.gemms, view)?;
             let script: DeviceView<u32> = view.slice(update_at..needed)?.reinterpret();
@@ -777,15 +788,6 @@ impl PersistentEngine {
         self.slots[slot]
             .loss
             .download(view.slice(batch.loss_at..batch.loss_at + 1)?, &stream)?;
-        if let Some(path) = self.build.trace.clone() {
-            let ctas = self.variants[variant].kernel.plan().ctas;
-            let records = self
-                .barriers
-                .view()
-                .slice(TRACE_AT..TRACE_AT + TRACE_WORDS_PER_CTA * ctas)?;
-            let words = self.staging(slot)?.download_to_vec(records, &stream)?;
-            append_trace(&path, self.steps, &words)?;
-        }
         let step = PersistentStep {
             loss: f64::NAN,
             host_seconds,
