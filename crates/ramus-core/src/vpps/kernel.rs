@@ -46,8 +46,8 @@
 //!   [`WIDE_PRODUCT_ITEMS`] items by default: many leaves, a large batch)
 //!   is in the scripts of a range of VPPs and runs instead as a tiled GEMM
 //!   whose pieces (output tiles, and splits of the reduction where there
-//!   are fewer tiles than VPPs; see [`wide_tiles`]) are dealt over them, reading the weights from their master
-//!   copy in the pool: one processor's rows cannot keep
+//!   are fewer tiles than VPPs; see [`wide_tiles`]) are dealt over them,
+//!   reading the weights from their master copy in the pool: one processor's rows cannot keep
 //!   up with hundreds of vectors (each is a round trip), and `Wᵀ dy` on
 //!   every holder would add each column of `dx` atomically from every one
 //!   of them. A wide outer product adds into the matrix's gradient
@@ -176,13 +176,16 @@ pub const WIDE_PRODUCT_ITEMS: u32 = 8;
 const GEMM_TILE: usize = 64;
 const GEMM_STEP: usize = 16;
 const GEMM_OUTER_CHUNK: usize = 256;
-/// Buffers of a wide product's operand tiles (each two padded tiles one
-/// step deep): the steps whose copies fly while one is computed, plus it.
+/// Buffers of a wide product's operand tiles: the steps whose copies fly
+/// while one is computed, plus it.
 const GEMM_STAGES: usize = 3;
+/// Floats of one buffer: two operand tiles one step deep, their rows
+/// padded by 4.
+const GEMM_BUFFER_FLOATS: usize = 2 * GEMM_STEP * (GEMM_TILE + 4);
 /// A GEMM tile's shared memory (the operand buffers and the items'
 /// offsets) fits the stage it shares with the transposed products.
 const _: () = assert!(
-    GEMM_STAGES * 2 * GEMM_STEP * (GEMM_TILE + 4) + 2 * GEMM_OUTER_CHUNK <= STAGE_FLOATS
+    GEMM_STAGES * GEMM_BUFFER_FLOATS + 2 * GEMM_OUTER_CHUNK <= STAGE_FLOATS
         && 3 * GEMM_TILE <= 2 * GEMM_OUTER_CHUNK
         && GEMM_STAGES >= 2
 );
@@ -277,7 +280,7 @@ fn least_split_depth(m: usize) -> usize {
 /// An outer product splits its items into chunks of `GEMM_OUTER_CHUNK`.
 /// A product `y = W x` or `dx += Wᵀ dy` with fewer output tiles than
 /// processors splits its reduction so that the pieces fill them (each split
-/// at least `GEMM_MIN_SPLIT_DEPTH` deep) and adds the splits' partial
+/// at least `least_split_depth` deep) and adds the splits' partial
 /// sums atomically: a level of a few dozen vectors would otherwise run on a
 /// handful of processors, each walking the whole reduction. The kernel has
 /// no word for the split count; it derives it from the processors it is
@@ -377,11 +380,7 @@ pub fn kernel_source(plan: &RegisterPlan, options: KernelOptions, fused_cases: &
     let _ = writeln!(s, "#define VP_BT {GEMM_TILE}");
     let _ = writeln!(s, "#define VP_BK {GEMM_STEP}");
     let _ = writeln!(s, "#define VP_STAGES {GEMM_STAGES}u");
-    let _ = writeln!(
-        s,
-        "#define VP_GEMM_BUFFER {}u",
-        2 * GEMM_STEP * (GEMM_TILE + 4)
-    );
+    let _ = writeln!(s, "#define VP_GEMM_BUFFER {GEMM_BUFFER_FLOATS}u");
     let _ = writeln!(s, "#define VP_OUTER_CHUNK {GEMM_OUTER_CHUNK}u");
     let _ = writeln!(s, "#define VP_TRACE_AT {TRACE_AT}u");
     let _ = writeln!(s, "#define VP_TRACE_WORDS {TRACE_WORDS_PER_CTA}u");

@@ -209,8 +209,9 @@ pub struct Scheduler {
     /// Run the tasks that only sinks wait for (gradient sums over rows, the
     /// loss, the weight gradients' outer products), except those on every
     /// VPP, at the batch's end: together at the last level before their
-    /// sink or the next task on every VPP (a level later where one depends on that level's work and
-    /// cannot chain onto it), the `Any` ones on the least-loaded VPPs.
+    /// sink or the next task on every VPP (a level later where one depends
+    /// on that level's work and cannot chain onto it), the `Any` ones on the
+    /// least-loaded VPPs.
     /// Chained, a Tree-LSTM's two bias-gradient sums were 2 of the 7
     /// instructions of every backward level's critical chain, and its
     /// recurrent weights' outer products took a level of their own; at the
@@ -223,8 +224,9 @@ pub struct Scheduler {
     /// holders or every VPP anyway, and counting each holder's share cost
     /// more host time than it gained) instead of VPPS' load accumulated
     /// over the whole batch. The levels are separated by barriers, so a
-    /// level takes as long as its busiest VPP: balancing the batch's totals let the VPPs that hold fewer rows
-    /// (less accumulated product load) collect all of a wide level's
+    /// level takes as long as its busiest VPP: balancing the batch's totals
+    /// let the VPPs that hold fewer rows (less accumulated product load)
+    /// collect all of a wide level's
     /// elementwise work — 17 of 132 processors ran a whole level of a
     /// 128-tree batch, 360 µs instead of about 25.
     pub balance_per_level: bool,

@@ -898,16 +898,8 @@ impl PersistentEngine {
             t.best = Some((mean, variant));
         }
         let best = t.best.map_or(variant, |(_, v)| v);
-        let mut at = t.at + 1;
-        loop {
-            let next = self
-                .tuning
-                .as_ref()
-                .and_then(|t| t.candidates.get(at).copied());
-            let Some(rpw) = next else {
-                self.settle(best);
-                return Ok(());
-            };
+        let (first, candidates) = (t.at + 1, t.candidates.clone());
+        for (at, &rpw) in candidates.iter().enumerate().skip(first) {
             let built = build_variant(
                 &self.device,
                 &self._cache,
@@ -916,19 +908,18 @@ impl PersistentEngine {
                 &self.build,
                 rpw,
             );
-            match built {
-                Ok(v) => {
-                    self.variants.push(v);
-                    self.active = self.variants.len() - 1;
-                    if let Some(t) = self.tuning.as_mut() {
-                        t.at = at;
-                    }
-                    return Ok(());
+            // a candidate that spills or does not fit is skipped
+            if let Ok(v) = built {
+                self.variants.push(v);
+                self.active = self.variants.len() - 1;
+                if let Some(t) = self.tuning.as_mut() {
+                    t.at = at;
                 }
-                // a candidate that spills or does not fit is skipped
-                Err(_) => at += 1,
+                return Ok(());
             }
         }
+        self.settle(best);
+        Ok(())
     }
 
     /// Ends the `rpw` search on variant `best` and remembers its `rpw`.
