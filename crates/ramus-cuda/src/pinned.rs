@@ -28,6 +28,8 @@ pub struct PinnedBuffer {
     capacity: usize,
     copy_done: CudaEvent,
     copy_pending: bool,
+    /// The pending copy writes the allocation (a download).
+    download_pending: bool,
 }
 
 // SAFETY: the buffer exclusively owns its pinned allocation (like a
@@ -46,6 +48,7 @@ impl PinnedBuffer {
             capacity: 0,
             copy_done: device.new_event()?,
             copy_pending: false,
+            download_pending: false,
         })
     }
 
@@ -68,6 +71,7 @@ impl PinnedBuffer {
     pub fn host_mut<T: DeviceScalar>(&mut self, len: usize) -> Result<&mut [T]> {
         self.wait()?;
         self.copy_pending = false;
+        self.download_pending = false;
         self.reserve(byte_len::<T>(len)?)?;
         let Some(host) = self.host else {
             return Ok(&mut []);
@@ -94,7 +98,29 @@ impl PinnedBuffer {
         dst: DeviceView<T>,
         stream: &CudaStream,
     ) -> Result<()> {
-        let staged = self.host::<T>(dst.len())?;
+        self.upload_from(0, dst, stream)
+    }
+
+    /// Copies the `dst.len()` staged elements from element `first` on to
+    /// `dst`, asynchronously on `stream`, without waiting for an upload
+    /// still in flight (copies only read the staged words). The buffer's
+    /// next host access waits for this copy only: a caller that uploads on
+    /// several streams orders the last one behind the others.
+    pub fn upload_from<T: DeviceScalar>(
+        &mut self,
+        first: usize,
+        dst: DeviceView<T>,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        if self.download_pending {
+            self.wait()?;
+        }
+        // SAFETY: no copy writes the allocation (a pending download was
+        // waited for above), and `&mut self` keeps the host from writing it
+        // while the slice lives.
+        let staged =
+            &unsafe { host_slice::<T>(self.host, self.capacity, first + dst.len(), "pinned") }?
+                [first..];
         if staged.is_empty() {
             return Ok(());
         }
@@ -108,7 +134,7 @@ impl PinnedBuffer {
         // device memory, so a stale view cannot corrupt host memory.
         unsafe { result::memcpy_htod_async(dst.device_ptr(), staged, stream.cu_stream()) }
             .in_call("cuMemcpyHtoDAsync")?;
-        self.record_copy(stream)
+        self.record_copy(stream, false)
     }
 
     /// Stages `data` and uploads it to `dst` (which must hold `data.len()`
@@ -151,7 +177,7 @@ impl PinnedBuffer {
         // (recorded next) completes, as every access waits for it first.
         unsafe { result::memcpy_dtoh_async(staging, src.device_ptr(), stream.cu_stream()) }
             .in_call("cuMemcpyDtoHAsync")?;
-        self.record_copy(stream)
+        self.record_copy(stream, true)
     }
 
     /// Downloads `src` and returns it once the copy has finished.
@@ -164,7 +190,9 @@ impl PinnedBuffer {
         Ok(self.host::<T>(src.len())?.to_vec())
     }
 
-    fn record_copy(&mut self, stream: &CudaStream) -> Result<()> {
+    /// Records the copy just issued on `stream` (`download`: it writes the
+    /// allocation).
+    fn record_copy(&mut self, stream: &CudaStream, download: bool) -> Result<()> {
         if let Err(e) = self.copy_done.record(stream).in_call("cuEventRecord") {
             // Without the event, later host accesses could not wait for the
             // copy just issued: wait for it here instead.
@@ -172,6 +200,7 @@ impl PinnedBuffer {
             return Err(e);
         }
         self.copy_pending = true;
+        self.download_pending = download;
         Ok(())
     }
 

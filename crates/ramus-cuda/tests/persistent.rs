@@ -369,12 +369,23 @@ fn follows_the_cpu_with(
     batch: usize,
     options: PersistentOptions,
 ) {
+    follows_the_cpu_at(name, 24, config, batch, options);
+}
+
+/// [`follows_the_cpu_with`] for the model with `hidden` units.
+fn follows_the_cpu_at(
+    name: &str,
+    hidden: usize,
+    config: OptimizerConfig,
+    batch: usize,
+    options: PersistentOptions,
+) {
     if !common::cuda_ready("skipping") {
         return;
     }
     let cfg = ModelConfig {
         vocab: 40,
-        hidden: 24,
+        hidden,
         classes: 5,
     };
     let model = build_model_with(name, &cfg, &ModelOptions { dropout: 0.0 }).expect("model");
@@ -455,6 +466,23 @@ fn persistent_training_with_wide_products_follows_the_cpu() {
     let mut adam = OptimizerConfig::new(OptimizerKind::Adam, 0.01);
     adam.weight_decay = 1e-3;
     follows_the_cpu_with("treelstm", adam, 40, PersistentOptions::default());
+}
+
+/// One CTA per SM, where row copies and child sums load several elements
+/// per thread before storing them: levels wide enough that instructions
+/// cover more than one element per thread (hidden 64, 64 graphs a batch),
+/// with instructions that end inside a thread's elements. A first version
+/// left the elements past the end unmarked and stored garbage there.
+#[test]
+fn row_copies_loading_ahead_follow_the_cpu() {
+    let one_cta = PersistentOptions {
+        ctas_per_sm: Some(1),
+        ..PersistentOptions::default()
+    };
+    for name in ["treelstm", "treegru", "treelstm-nary", "dagrnn", "lstm-lm"] {
+        let sgd = OptimizerConfig::new(OptimizerKind::Sgd, 0.1);
+        follows_the_cpu_at(name, 64, sgd, 64, one_cta.clone());
+    }
 }
 
 /// Gradients not in registers (VPPS §III-C2): the outer products go to

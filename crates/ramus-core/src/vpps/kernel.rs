@@ -190,6 +190,16 @@ const _: () = assert!(
         && GEMM_STAGES >= 2
 );
 
+/// Elements per thread the row copies and child sums load before they
+/// store them, with one CTA per SM. The pool aliases their inputs and
+/// outputs, so one element at a time waits for each element's loads in
+/// turn; at a wide level (h 512, batch 128) that is dozens of L2 round
+/// trips per thread. With two CTAs per SM (h 256) loading ahead made the
+/// kernel 2-5 % slower, so there they take one element at a time. The
+/// fused groups load one element at a time: loading 2 or 4 ahead there
+/// made the Tree-LSTM's kernel at h 512, rpw 3 spill (56 and 336 bytes).
+const ELEMENTS_AHEAD: usize = 4;
+
 /// Script words a VPP holds in shared memory per round (16 KiB).
 pub const SCRIPT_SMEM_WORDS: usize = 4096;
 
@@ -398,6 +408,12 @@ pub fn kernel_source(plan: &RegisterPlan, options: KernelOptions, fused_cases: &
     let _ = writeln!(s, "#define VP_GRADS {}", u32::from(plan.grads_in_registers));
     let _ = writeln!(s, "#define VP_RULE {}", rule.code());
     let _ = writeln!(s, "#define VP_CTAS_PER_SM {}", plan.ctas_per_sm);
+    let ahead = if plan.ctas_per_sm == 1 {
+        ELEMENTS_AHEAD
+    } else {
+        1
+    };
+    let _ = writeln!(s, "#define VP_AHEAD {ahead}");
     let _ = writeln!(s, "#define VP_THREADS {CTA_THREADS}");
     let _ = writeln!(s, "#define VP_WARP {WARP}");
     let _ = writeln!(s, "#define VP_SMEM_WORDS {SCRIPT_SMEM_WORDS}");
@@ -978,18 +994,31 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                 const unsigned* di = operand[6] == VP_NONE ? 0 : upool + operand[6];
                 const unsigned* si = operand[7] == VP_NONE ? 0 : upool + operand[7];
                 const unsigned n = rows * width;
-                for (unsigned e = threadIdx.x; e < n; e += blockDim.x) {
-                    const unsigned i = e / width, c = e % width;
-                    float v = 0.0f;
-                    if (si == 0) {
-                        v = pool[src + i * src_stride + c];
-                    } else if (si[i] != VP_NONE) {
-                        v = pool[((arg & ROWS_SRC_ABSOLUTE) ? si[i] : src + si[i] * src_stride) + c];
+                // VP_AHEAD elements per thread at a time, loads first
+                for (unsigned e0 = threadIdx.x; e0 < n; e0 += VP_AHEAD * blockDim.x) {
+                    float v[VP_AHEAD];
+                    unsigned d[VP_AHEAD];
+#pragma unroll
+                    for (int u = 0; u < VP_AHEAD; ++u) {
+                        const unsigned e = e0 + u * blockDim.x;
+                        v[u] = 0.0f;
+                        d[u] = VP_NONE;
+                        if (e >= n) continue;
+                        const unsigned i = e / width, c = e % width;
+                        if (si == 0) {
+                            v[u] = pool[src + i * src_stride + c];
+                        } else if (si[i] != VP_NONE) {
+                            v[u] = pool[((arg & ROWS_SRC_ABSOLUTE) ? si[i] : src + si[i] * src_stride) + c];
+                        }
+                        if (di != 0 && di[i] == VP_NONE) continue;
+                        d[u] = (di == 0 ? dst + i * dst_stride
+                                        : ((arg & ROWS_DST_ABSOLUTE) ? di[i] : dst + di[i] * dst_stride)) + c;
                     }
-                    if (di != 0 && di[i] == VP_NONE) continue;
-                    const unsigned d = (di == 0 ? dst + i * dst_stride
-                                                : ((arg & ROWS_DST_ABSOLUTE) ? di[i] : dst + di[i] * dst_stride)) + c;
-                    if (arg & ROWS_ACCUMULATE) atomicAdd(pool + d, v); else pool[d] = v;
+#pragma unroll
+                    for (int u = 0; u < VP_AHEAD; ++u) {
+                        if (d[u] == VP_NONE) continue;
+                        if (arg & ROWS_ACCUMULATE) atomicAdd(pool + d[u], v[u]); else pool[d[u]] = v[u];
+                    }
                 }
                 break;
             }
@@ -998,11 +1027,22 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                 const unsigned src = operand[3], src_stride = operand[4];
                 const unsigned* csr = upool + operand[5];
                 const unsigned n = rows * width;
-                for (unsigned e = threadIdx.x; e < n; e += blockDim.x) {
-                    const unsigned i = e / width, c = e % width;
-                    float acc = 0.0f;
-                    for (unsigned k = csr[i]; k < csr[i + 1]; ++k) acc += pool[src + k * src_stride + c];
-                    pool[dst + e] = acc;
+                // VP_AHEAD elements per thread at a time, loads first
+                for (unsigned e0 = threadIdx.x; e0 < n; e0 += VP_AHEAD * blockDim.x) {
+                    float acc[VP_AHEAD];
+#pragma unroll
+                    for (int u = 0; u < VP_AHEAD; ++u) {
+                        const unsigned e = e0 + u * blockDim.x;
+                        acc[u] = 0.0f;
+                        if (e >= n) continue;
+                        const unsigned i = e / width, c = e % width;
+                        for (unsigned k = csr[i]; k < csr[i + 1]; ++k) acc[u] += pool[src + k * src_stride + c];
+                    }
+#pragma unroll
+                    for (int u = 0; u < VP_AHEAD; ++u) {
+                        const unsigned e = e0 + u * blockDim.x;
+                        if (e < n) pool[dst + e] = acc[u];
+                    }
                 }
                 break;
             }

@@ -9,9 +9,10 @@
 //!
 //! Per batch: schedule the graphs (levels), lower them to a task DAG
 //! ([`unroll_batch`]), level, balance and encode it into per-processor
-//! scripts ([`Scheduler`]), copy the host-provided words and the scripts to
-//! the device in one copy, zero the accumulation region, launch once and
-//! read back the loss.
+//! scripts ([`Scheduler`]), copy the scripts to the batch's own device
+//! buffer on a copy stream (while the batch before still runs) and the
+//! host-provided words to the pool, zero the accumulation region, launch
+//! once and read back the loss.
 //!
 //! Batches overlap: [`PersistentEngine::submit`] returns the previous
 //! batch's step, so the host prepares batch `t + 1` while the device runs
@@ -30,7 +31,7 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::CudaEvent;
+use cudarc::driver::{CudaEvent, CudaStream};
 use ramus_core::vpps::kernel::{
     KernelOptions, UpdateRule, PRODUCT_ITEM_WORDS, TRACE_AT, TRACE_RECORD_WORDS,
     TRACE_WORDS_PER_CTA, WIDE_PRODUCT_ITEMS,
@@ -113,6 +114,9 @@ pub struct PersistentEngine {
     steps: u64,
     buffer: PoolBuffer<f32>,
     barriers: PoolBuffer<u32>,
+    /// Where the batches' scripts are copied, beside the kernels running on
+    /// the device's stream.
+    copy_stream: Arc<CudaStream>,
     /// Host-side buffers of the batches in flight (made as more batches
     /// are queued at once; a slot is reused once its batch came back).
     slots: Vec<Slot>,
@@ -125,11 +129,18 @@ pub struct PersistentEngine {
     setup_seconds: f64,
 }
 
-/// The host side of one batch in flight: its staged upload, where its loss
-/// is copied back, and events around its launch (the kernel's own time).
+/// One batch in flight: its staged upload, the device copy of its scripts,
+/// where its loss is copied back, and events around its launch (the
+/// kernel's own time).
 struct Slot {
     /// `None` while a preparing thread has it.
     staging: Option<PinnedBuffer>,
+    /// The batch's scripts (and update scripts) on the device: a buffer
+    /// per slot, so that they are copied on the copy stream while the batch
+    /// before still runs (`None` until the slot's first batch).
+    scripts: Option<PoolBuffer<u32>>,
+    /// Recorded on the copy stream when the scripts are there.
+    scripts_copied: CudaEvent,
     loss: PinnedBuffer,
     events: (CudaEvent, CudaEvent),
 }
@@ -420,6 +431,7 @@ impl PersistentEngine {
         }
         transfer.upload(buffer.view().slice(0..prog.params.total)?, device.stream())?;
         let barriers = pool.alloc::<u32>(1024)?;
+        let copy_stream = device.new_stream()?;
         transfer.wait()?;
         Ok(PersistentEngine {
             device,
@@ -436,6 +448,7 @@ impl PersistentEngine {
             steps: 0,
             buffer,
             barriers,
+            copy_stream,
             slots: Vec::new(),
             transfer,
             pending: VecDeque::new(),
@@ -686,6 +699,8 @@ impl PersistentEngine {
             };
             self.slots.push(Slot {
                 staging: Some(PinnedBuffer::new(&self.device)?),
+                scripts: None,
+                scripts_copied: self.device.new_event()?,
                 loss: PinnedBuffer::new(&self.device)?,
                 events: (event()?, event()?),
             });
@@ -694,9 +709,11 @@ impl PersistentEngine {
         Ok(free)
     }
 
-    /// Uploads a prepared batch (its staged words and scripts in one
-    /// copy), zeroes its accumulation region and launches it on the stream,
-    /// behind the batches still running; the batch joins `pending`.
+    /// Uploads a prepared batch (its scripts to its slot's buffer on the
+    /// copy stream, while the batches before it still run; its staged
+    /// words to the pool behind them), zeroes its accumulation region and
+    /// launches it on the stream, behind the batches still running; the
+    /// batch joins `pending`.
     fn enqueue(&mut self, prepared: PreparedBatch) -> Result<()> {
         let PreparedBatch {
             variant,
@@ -709,11 +726,26 @@ impl PersistentEngine {
         } = prepared;
         let packed = &scripts.packed;
 
-        // the pool: parameters, the batch's regions, then the scripts
-        let script_at = batch.end;
-        let update_at = script_at + packed.words.len();
-        let needed = update_at + updates.as_ref().map_or(0, |u| u.packed.words.len());
-        self.ensure_capacity(needed)?;
+        // the pool: parameters, then the batch's regions; the slot's
+        // buffer: the scripts, then the update scripts
+        self.ensure_capacity(batch.end)?;
+        let update_at = packed.words.len();
+        let script_words = update_at + updates.as_ref().map_or(0, |u| u.packed.words.len());
+        // the slot's batch before this one is done (its loss was read); a
+        // new buffer may be memory the pool took back from work still
+        // queued on the stream (it reuses freed blocks at once), so the
+        // copy stream first waits for that work
+        let buffer = &mut self.slots[slot].scripts;
+        if buffer.as_ref().is_none_or(|b| b.len() < script_words) {
+            *buffer = Some(self.pool.alloc::<u32>(script_words.next_power_of_two())?);
+            let queued = self.device.new_event()?;
+            queued
+                .record(self.device.stream())
+                .in_call("cuEventRecord")?;
+            self.copy_stream
+                .wait(&queued)
+                .in_call("cuStreamWaitEvent")?;
+        }
         let barriers = packed
             .barriers
             .max(updates.as_ref().map_or(0, |u| u.packed.barriers))
@@ -728,8 +760,21 @@ impl PersistentEngine {
         }
         let stream = self.device.stream().clone();
         let view = self.buffer.view();
-        // the words were staged in order when the batch was prepared
-        let words: DeviceView<u32> = view.slice(batch.upload_at..needed)?.reinterpret();
+        let script_view = match &self.slots[slot].scripts {
+            Some(b) => b.view().slice(0..script_words)?,
+            None => return Err(model_err(format!("slot {slot} has no script buffer"))),
+        };
+        // the words were staged in order when the batch was prepared: the
+        // pool's, then the scripts; the pool's copy follows the scripts'
+        // (so the staging buffer's next use waits for both)
+        let pool_words = batch.end - batch.upload_at;
+        let copy_stream = Arc::clone(&self.copy_stream);
+        self.staging(slot)?
+            .upload_from(pool_words, script_view, &copy_stream)?;
+        let copied = &self.slots[slot].scripts_copied;
+        copied.record(&copy_stream).in_call("cuEventRecord")?;
+        stream.wait(copied).in_call("cuStreamWaitEvent")?;
+        let words: DeviceView<u32> = view.slice(batch.upload_at..batch.end)?.reinterpret();
         self.staging(slot)?.upload(words, &stream)?;
         view.slice(batch.zeroed.clone())?.fill_zero(&stream)?;
         self.steps += 1;
@@ -745,7 +790,7 @@ impl PersistentEngine {
             inv_bias_correction2: (1.0 / (1.0 - c.beta2.powf(t))) as f32,
             clip: 1.0,
         };
-        let script: DeviceView<u32> = view.slice(script_at..update_at)?.reinterpret();
+        let script = script_view.slice(0..update_at)?;
         self.slots[slot]
             .events
             .0
@@ -771,7 +816,7 @@ impl PersistentEngine {
         }
         if let Some(updates) = &updates {
             self.gradient_products(&batch.gemms, view)?;
-            let script: DeviceView<u32> = view.slice(update_at..needed)?.reinterpret();
+            let script = script_view.slice(update_at..script_words)?;
             self.variants[variant].kernel.launch(
                 view,
                 script,
