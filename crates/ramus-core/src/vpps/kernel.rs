@@ -195,9 +195,11 @@ const _: () = assert!(
 /// outputs, so one element at a time waits for each element's loads in
 /// turn; at a wide level (h 512, batch 128) that is dozens of L2 round
 /// trips per thread. With two CTAs per SM (h 256) loading ahead made the
-/// kernel 2-5 % slower, so there they take one element at a time. The
-/// fused groups load one element at a time: loading 2 or 4 ahead there
-/// made the Tree-LSTM's kernel at h 512, rpw 3 spill (56 and 336 bytes).
+/// kernel 2-5 % slower, so there they take one element at a time. On the
+/// H100 at h 512, batch 128 (rpw 3) 4 took the Tree-LSTM's kernel from
+/// 3.47-3.49 to 3.40-3.43 ms, and 8 to 3.44-3.45. The fused groups load
+/// one element at a time: loading 2 or 4 ahead there made that kernel
+/// spill (56 and 336 bytes).
 const ELEMENTS_AHEAD: usize = 4;
 
 /// Script words a VPP holds in shared memory per round (16 KiB).
