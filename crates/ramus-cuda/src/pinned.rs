@@ -27,9 +27,18 @@ pub struct PinnedBuffer {
     host: Option<NonNull<u8>>,
     capacity: usize,
     copy_done: CudaEvent,
-    copy_pending: bool,
-    /// The pending copy writes the allocation (a download).
-    download_pending: bool,
+    /// The last copy issued, until a host access has waited for it.
+    pending: PendingCopy,
+}
+
+/// What a [`PinnedBuffer`]'s last copy does to its allocation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PendingCopy {
+    None,
+    /// Reads it (an upload).
+    Upload,
+    /// Writes it (a download).
+    Download,
 }
 
 // SAFETY: the buffer exclusively owns its pinned allocation (like a
@@ -47,8 +56,7 @@ impl PinnedBuffer {
             host: None,
             capacity: 0,
             copy_done: device.new_event()?,
-            copy_pending: false,
-            download_pending: false,
+            pending: PendingCopy::None,
         })
     }
 
@@ -59,7 +67,7 @@ impl PinnedBuffer {
 
     /// Blocks until the last copy issued through this buffer has finished.
     pub fn wait(&self) -> Result<()> {
-        if self.copy_pending {
+        if self.pending != PendingCopy::None {
             self.copy_done.synchronize().in_call("cuEventSynchronize")?;
         }
         Ok(())
@@ -70,8 +78,7 @@ impl PinnedBuffer {
     /// the buffer if needed (growing does not keep the old contents).
     pub fn host_mut<T: DeviceScalar>(&mut self, len: usize) -> Result<&mut [T]> {
         self.wait()?;
-        self.copy_pending = false;
-        self.download_pending = false;
+        self.pending = PendingCopy::None;
         self.reserve(byte_len::<T>(len)?)?;
         let Some(host) = self.host else {
             return Ok(&mut []);
@@ -112,7 +119,7 @@ impl PinnedBuffer {
         dst: DeviceView<T>,
         stream: &CudaStream,
     ) -> Result<()> {
-        if self.download_pending {
+        if self.pending == PendingCopy::Download {
             self.wait()?;
         }
         // SAFETY: no copy writes the allocation (a pending download was
@@ -134,7 +141,7 @@ impl PinnedBuffer {
         // device memory, so a stale view cannot corrupt host memory.
         unsafe { result::memcpy_htod_async(dst.device_ptr(), staged, stream.cu_stream()) }
             .in_call("cuMemcpyHtoDAsync")?;
-        self.record_copy(stream, false)
+        self.record_copy(stream, PendingCopy::Upload)
     }
 
     /// Stages `data` and uploads it to `dst` (which must hold `data.len()`
@@ -177,7 +184,7 @@ impl PinnedBuffer {
         // (recorded next) completes, as every access waits for it first.
         unsafe { result::memcpy_dtoh_async(staging, src.device_ptr(), stream.cu_stream()) }
             .in_call("cuMemcpyDtoHAsync")?;
-        self.record_copy(stream, true)
+        self.record_copy(stream, PendingCopy::Download)
     }
 
     /// Downloads `src` and returns it once the copy has finished.
@@ -190,17 +197,15 @@ impl PinnedBuffer {
         Ok(self.host::<T>(src.len())?.to_vec())
     }
 
-    /// Records the copy just issued on `stream` (`download`: it writes the
-    /// allocation).
-    fn record_copy(&mut self, stream: &CudaStream, download: bool) -> Result<()> {
+    /// Records the copy (`copy`) just issued on `stream`.
+    fn record_copy(&mut self, stream: &CudaStream, copy: PendingCopy) -> Result<()> {
         if let Err(e) = self.copy_done.record(stream).in_call("cuEventRecord") {
             // Without the event, later host accesses could not wait for the
             // copy just issued: wait for it here instead.
             stream.synchronize().in_call("cuStreamSynchronize")?;
             return Err(e);
         }
-        self.copy_pending = true;
-        self.download_pending = download;
+        self.pending = copy;
         Ok(())
     }
 

@@ -735,17 +735,22 @@ impl PersistentEngine {
         // new buffer may be memory the pool took back from work still
         // queued on the stream (it reuses freed blocks at once), so the
         // copy stream first waits for that work
-        let buffer = &mut self.slots[slot].scripts;
-        if buffer.as_ref().is_none_or(|b| b.len() < script_words) {
-            *buffer = Some(self.pool.alloc::<u32>(script_words.next_power_of_two())?);
-            let queued = self.device.new_event()?;
-            queued
-                .record(self.device.stream())
-                .in_call("cuEventRecord")?;
-            self.copy_stream
-                .wait(&queued)
-                .in_call("cuStreamWaitEvent")?;
-        }
+        let script_buffer = match self.slots[slot].scripts.take() {
+            Some(b) if b.len() >= script_words => b,
+            _ => {
+                let b = self.pool.alloc::<u32>(script_words.next_power_of_two())?;
+                let queued = self.device.new_event()?;
+                queued
+                    .record(self.device.stream())
+                    .in_call("cuEventRecord")?;
+                self.copy_stream
+                    .wait(&queued)
+                    .in_call("cuStreamWaitEvent")?;
+                b
+            }
+        };
+        let script_view = script_buffer.view().slice(0..script_words)?;
+        self.slots[slot].scripts = Some(script_buffer);
         let barriers = packed
             .barriers
             .max(updates.as_ref().map_or(0, |u| u.packed.barriers))
@@ -760,10 +765,6 @@ impl PersistentEngine {
         }
         let stream = self.device.stream().clone();
         let view = self.buffer.view();
-        let script_view = match &self.slots[slot].scripts {
-            Some(b) => b.view().slice(0..script_words)?,
-            None => return Err(model_err(format!("slot {slot} has no script buffer"))),
-        };
         // the words were staged in order when the batch was prepared: the
         // pool's, then the scripts; the pool's copy follows the scripts'
         // (so the staging buffer's next use waits for both)
