@@ -240,7 +240,14 @@ fn register_cached_products_gradients_and_updates_match_the_host() {
             clip: 1.0,
         };
         kernel
-            .launch(pool_view, script_view, packed, barrier_buf.view(), &scalars)
+            .launch(
+                pool_view,
+                script_view,
+                packed,
+                barrier_buf.view(),
+                &scalars,
+                false,
+            )
             .expect("launch");
         let pool_out = staging
             .download_to_vec(pool_view, &stream)
@@ -466,6 +473,35 @@ fn persistent_training_with_wide_products_follows_the_cpu() {
     let mut adam = OptimizerConfig::new(OptimizerKind::Adam, 0.01);
     adam.weight_decay = 1e-3;
     follows_the_cpu_with("treelstm", adam, 40, PersistentOptions::default());
+}
+
+/// Levels' products as cuBLAS GEMMs between launches (host work): with
+/// register gradients (handed to the pool between launches, beside wide
+/// outer products adding into it) and without, every model with SGD, and
+/// the Tree-LSTM with Adam.
+#[test]
+fn persistent_training_with_host_products_follows_the_cpu() {
+    for (host_items, wide_items, in_registers) in
+        [(8, None, true), (8, None, false), (16, Some(4), true)]
+    {
+        let options = PersistentOptions {
+            host_items: Some(host_items),
+            wide_items,
+            grads_in_registers: Some(in_registers),
+            ..PersistentOptions::default()
+        };
+        for name in ["treelstm", "treegru", "treelstm-nary", "dagrnn", "lstm-lm"] {
+            let sgd = OptimizerConfig::new(OptimizerKind::Sgd, 0.1);
+            follows_the_cpu_with(name, sgd, 12, options.clone());
+        }
+    }
+    let mut adam = OptimizerConfig::new(OptimizerKind::Adam, 0.01);
+    adam.weight_decay = 1e-3;
+    let options = PersistentOptions {
+        host_items: Some(8),
+        ..PersistentOptions::default()
+    };
+    follows_the_cpu_with("treelstm", adam, 16, options);
 }
 
 /// One CTA per SM, where row copies and child sums load several elements

@@ -73,7 +73,8 @@
 //!            const u32* parts, const u32* mats,
 //!            u32 prefix_at, u32 scripts_at, u32 expect_at, u32 operands_at,
 //!            float lr, float weight_decay, float beta1, float beta2, float eps,
-//!            float inv_bias_correction1, float inv_bias_correction2, float clip)
+//!            float inv_bias_correction1, float inv_bias_correction2, float clip,
+//!            u32 flush_grads)
 //! ```
 //!
 //! `pool` holds every tensor — parameters, their gradients and optimizer
@@ -86,7 +87,11 @@
 //! ([`MATRIX_WORDS`] words per cached matrix: shape, pool offsets of its
 //! values, moments and gradient accumulator). Index arrays an instruction reads
 //! (labels, child offsets, row lists) live in the pool as `u32` words;
-//! operands name them by their offset like any tensor.
+//! operands name them by their offset like any tensor. A batch may take
+//! several launches, with host work between them (see
+//! [`super::launches`]); `flush_grads`, non-zero for every launch but the
+//! last, makes each CTA add its register gradients to the pool's
+//! accumulator at the end, since registers do not outlive a launch.
 
 use std::fmt::Write as _;
 
@@ -688,7 +693,7 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
     unsigned* barriers, const unsigned* __restrict__ parts, const unsigned* __restrict__ mats,
     unsigned prefix_at, unsigned scripts_at, unsigned expect_at, unsigned operands_at,
     float lr, float weight_decay, float beta1, float beta2, float eps,
-    float inv_bc1, float inv_bc2, float clip)
+    float inv_bc1, float inv_bc2, float clip, unsigned flush_grads)
 {
     __shared__ unsigned code[VP_SMEM_WORDS];
     // the products' stage: a transposed product's round (rows of dx sums
@@ -1122,6 +1127,29 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
         if (at == 0) __trap(); // a malformed script: no whole instruction in a round
         pos += at;
     }
+#if VP_GRADS
+    // a launch before the batch's last (host work follows it): the register
+    // gradients join the pool's accumulator, which OP_UPDATE adds in (other
+    // CTAs' wide outer products may still add into it: atomically)
+    if (flush_grads) {
+#pragma unroll
+        for (int p = 0; p < VP_P; ++p) {
+            if (pm[p] == VP_NONE) continue;
+            const unsigned* m = mats + pm[p] * VP_MAT_WORDS;
+            const unsigned rows = m[0], cols = m[1], grad = m[5];
+#pragma unroll
+            for (int r = 0; r < VP_R; ++r) {
+                const unsigned row = prow[p] + r;
+                if (row >= rows) continue;
+#pragma unroll
+                for (int k = 0; k < VP_K; ++k) {
+                    const unsigned col = lane + VP_WARP * k;
+                    if (col < cols) atomicAdd(pool + grad + row * cols + col, g[p][r][k]);
+                }
+            }
+        }
+    }
+#endif
 }
 "#;
 

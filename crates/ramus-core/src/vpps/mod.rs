@@ -19,15 +19,19 @@
 //!   matrix, and signal/wait barriers between consecutive levels (§III-B1,
 //!   Fig. 6d). It also has a CPU simulator of the packed scripts that serves
 //!   as the oracle in tests.
+//! * [`launches`] cuts a batch's task DAG at its host tasks (products that
+//!   cuBLAS runs between launches) into the kernel launches around them.
 //!
 //! A *virtual persistent processor* (VPP) is one persistent CTA; the two words
 //! are used interchangeably and both are numbered `0..ctas`.
 
 pub mod kernel;
+pub mod launches;
 pub mod regplan;
 pub mod schedule;
 pub mod script;
 
+pub use launches::{split_launches, Launch, OP_HOST};
 pub use regplan::{
     plan, valid_rpws, DeviceLimits, MatrixSpec, Piece, PlanRequest, RegisterPlan, CTA_THREADS,
     WARP, WARPS_PER_CTA,

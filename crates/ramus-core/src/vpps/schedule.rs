@@ -49,6 +49,7 @@
 //! the oracle.
 
 use super::kernel::wide_tiles;
+use super::launches::OP_HOST;
 use super::regplan::RegisterPlan;
 use super::script::{
     encode_parts, preamble, Instr, PackedScripts, MAX_OPERANDS, OP_FIRST_ENGINE, OP_SIGNAL, OP_WAIT,
@@ -541,6 +542,12 @@ impl Scheduler {
         let mut deferred: Vec<usize> = Vec::new();
         for (i, t) in g.tasks.iter().enumerate() {
             check_task(i, t)?;
+            if t.op == OP_HOST {
+                return Err(CoreError::vpps(
+                    WHAT,
+                    format!("task {i} is a host task: split the graph into launches first"),
+                ));
+            }
             if let Placement::Holders { matrix } = t.placement {
                 if usize::from(matrix) >= self.holders.len() {
                     return Err(CoreError::vpps(

@@ -12,7 +12,9 @@
 //! scripts ([`Scheduler`]), copy the scripts to the batch's own device
 //! buffer on a copy stream (while the batch before still runs) and the
 //! host-provided words to the pool, zero the accumulation region, launch
-//! once and read back the loss.
+//! once (or, where a level's product is wide enough for cuBLAS, several
+//! times with the GEMMs between the launches; see
+//! [`ramus_core::vpps::launches`]) and read back the loss.
 //!
 //! Batches overlap: [`PersistentEngine::submit`] returns the previous
 //! batch's step, so the host prepares batch `t + 1` while the device runs
@@ -38,14 +40,15 @@ use ramus_core::vpps::kernel::{
 };
 
 use ramus_core::vpps::{
-    plan, valid_rpws, DeviceLimits, PlanRequest, RegisterPlan, Schedule as Scripts, Scheduler,
+    plan, split_launches, valid_rpws, DeviceLimits, PlanRequest, RegisterPlan, Schedule as Scripts,
+    Scheduler,
 };
 use ramus_core::{Model, Params, Tensor};
 use ramus_graph::{BatchingPolicy, InputGraph, Schedule};
 use ramus_nn::{OptimizerConfig, OptimizerKind};
 
 use super::program::PersistentProgram;
-use super::unroll::{dropout_draws, unroll_batch, BatchProgram, GradientGemm};
+use super::unroll::{dropout_draws, unroll_batch, BatchProgram, GradientGemm, HostWork};
 use super::{MatrixSlots, PersistentKernel, UpdateScalars};
 use crate::blas::{Blas, Gemm};
 use crate::cache::KernelCache;
@@ -75,6 +78,12 @@ pub struct PersistentOptions {
     /// [`WIDE_PRODUCT_ITEMS`], or the `RAMUS_VPPS_WIDE` environment
     /// variable for tuning; `Some(u32::MAX)`: never).
     pub wide_items: Option<u32>,
+    /// Items from which a level's product (or, with register gradients, a
+    /// weight-gradient product) runs as one cuBLAS GEMM between two
+    /// launches of the kernel instead of inside it (default:
+    /// [`HOST_PRODUCT_ITEMS`], or the `RAMUS_VPPS_HOST` environment
+    /// variable for tuning; `Some(usize::MAX)`: never).
+    pub host_items: Option<usize>,
 }
 
 /// What one training batch did.
@@ -124,6 +133,10 @@ pub struct PersistentEngine {
     transfer: PinnedBuffer,
     /// Submitted batches whose loss has not been read, oldest first.
     pending: VecDeque<Pending>,
+    /// See [`PersistentOptions::host_items`].
+    host_items: usize,
+    /// Traced launches so far (the trace's launch numbers).
+    traced_launches: u64,
     rng: ChaCha8Rng,
     fingerprint: Vec<usize>,
     setup_seconds: f64,
@@ -162,10 +175,23 @@ struct PreparedBatch {
     tasks: usize,
     /// The batch's layout and gradient products (graphs and words freed).
     batch: BatchProgram,
-    scripts: Scripts,
-    /// Without register gradients: the matrices' update, a second script.
+    /// The batch's launches, one unless it has host work (see
+    /// [`split_launches`]).
+    launches: Vec<LaunchScripts>,
+    /// Levels of all launches.
+    levels: usize,
+    /// Without register gradients: the matrices' update, a last script.
     updates: Option<Scripts>,
     host_seconds: f64,
+}
+
+/// One launch of a batch: its scripts (`None` for a launch with only host
+/// work), `at` words into the slot's script buffer, and the indices of the
+/// batch's host work ([`BatchProgram::host_work`]) that follows it.
+struct LaunchScripts {
+    scripts: Option<Scripts>,
+    at: usize,
+    host_after: Vec<u32>,
 }
 
 /// What preparing a batch reads: the model, its program and the variant
@@ -178,6 +204,7 @@ struct PrepareFor<'a> {
     variant: usize,
     scheduler: Arc<Scheduler>,
     in_registers: bool,
+    host_items: usize,
 }
 
 impl<'a> PrepareFor<'a> {
@@ -190,6 +217,7 @@ impl<'a> PrepareFor<'a> {
             variant,
             scheduler: Arc::clone(&engine.variants[variant].scheduler),
             in_registers: engine.variants[variant].kernel.plan().grads_in_registers,
+            host_items: engine.host_items,
         }
     }
 
@@ -213,14 +241,37 @@ impl<'a> PrepareFor<'a> {
             schedule,
             in_registers,
             scheduler.vpps,
+            self.host_items,
             rng,
         )?;
-        let scripts = scheduler.schedule(&batch.graph)?;
+        let graph = std::mem::take(&mut batch.graph);
+        let tasks = graph.len();
+        let mut launches = Vec::new();
+        let mut at = 0;
+        // each launch's graph is freed once scheduled
+        for launch in split_launches(graph)? {
+            let scripts = (!launch.graph.is_empty())
+                .then(|| scheduler.schedule(&launch.graph))
+                .transpose()?;
+            let words = scripts.as_ref().map_or(0, |s| s.packed.words.len());
+            launches.push(LaunchScripts {
+                scripts,
+                at,
+                host_after: launch.host_after,
+            });
+            at += words;
+        }
         let updates = (!in_registers)
             .then(|| scheduler.schedule(&batch.matrix_updates))
             .transpose()?;
         let update_words = updates.as_ref().map_or(&[][..], |u| &u.packed.words[..]);
-        let parts = [&batch.upload[..], &scripts.packed.words[..], update_words];
+        let mut parts = vec![&batch.upload[..]];
+        parts.extend(
+            launches
+                .iter()
+                .filter_map(|l| Some(&l.scripts.as_ref()?.packed.words[..])),
+        );
+        parts.push(update_words);
         // waits for this slot's previous upload to have been copied
         let host = staging.host_mut::<u32>(parts.iter().map(|p| p.len()).sum())?;
         let mut at = 0;
@@ -231,16 +282,19 @@ impl<'a> PrepareFor<'a> {
         // the task graphs and host words are staged: freed here, in the
         // preparing threads, not one batch after another (tens of thousands
         // of small vectors each) on the thread that launches the window
-        let tasks = batch.graph.len();
-        drop(std::mem::take(&mut batch.graph));
         drop(std::mem::take(&mut batch.matrix_updates));
         drop(std::mem::take(&mut batch.upload));
+        let levels = launches
+            .iter()
+            .filter_map(|l| Some(l.scripts.as_ref()?.levels))
+            .sum();
         Ok(PreparedBatch {
             variant: self.variant,
             slot,
             tasks,
             batch,
-            scripts,
+            launches,
+            levels,
             updates,
             host_seconds: started.elapsed().as_secs_f64(),
         })
@@ -364,10 +418,19 @@ impl PersistentEngine {
                 Err(_) => WIDE_PRODUCT_ITEMS,
             },
         };
+        let host_items = match options.host_items {
+            Some(items) => items,
+            None => match std::env::var(HOST_ENV) {
+                Ok(v) => v.trim().parse::<usize>().map_err(|_| {
+                    CudaError::BadArgument(format!("{HOST_ENV}={v:?} is not a number of items"))
+                })?,
+                Err(_) => HOST_PRODUCT_ITEMS,
+            },
+        };
         // the choice of an earlier search for this model, kernel and device
         let choice_file = cache.directory().map(|d| {
             let key = format!(
-                "{}|{:?}|{:?}|{}|{:?}|{:?}|{wide_items}",
+                "{}|{:?}|{:?}|{}|{:?}|{:?}|{wide_items}|{host_items}",
                 prog.fused_source,
                 prog.matrices,
                 rule,
@@ -452,6 +515,8 @@ impl PersistentEngine {
             slots: Vec::new(),
             transfer,
             pending: VecDeque::new(),
+            host_items,
+            traced_launches: 0,
             rng: ChaCha8Rng::seed_from_u64(0),
             fingerprint: crate::program::fingerprint(model),
             setup_seconds: started.elapsed().as_secs_f64(),
@@ -499,7 +564,7 @@ impl PersistentEngine {
     }
 
     /// VPPS' training call: prepares and enqueues one batch (forward,
-    /// backward and update in one launch) and returns the *previous*
+    /// backward and update in one launch, or a few around host GEMMs) and returns the *previous*
     /// batch's step, if one was pending (the oldest pending one after a
     /// [`submit_many`](Self::submit_many)) — so the host prepares the next
     /// batch while the device runs this one. [`latest`](Self::latest)
@@ -720,16 +785,17 @@ impl PersistentEngine {
             slot,
             tasks,
             batch,
-            scripts,
+            launches,
+            levels,
             updates,
             host_seconds,
         } = prepared;
-        let packed = &scripts.packed;
 
         // the pool: parameters, then the batch's regions; the slot's
-        // buffer: the scripts, then the update scripts
+        // buffer: each launch's scripts, then the update scripts
         self.ensure_capacity(batch.end)?;
-        let update_at = packed.words.len();
+        let launched = || launches.iter().filter_map(|l| l.scripts.as_ref());
+        let update_at: usize = launched().map(|s| s.packed.words.len()).sum();
         let script_words = update_at + updates.as_ref().map_or(0, |u| u.packed.words.len());
         // the slot's batch before this one is done (its loss was read); a
         // new buffer may be memory the pool took back from work still
@@ -751,9 +817,11 @@ impl PersistentEngine {
         };
         let script_view = script_buffer.view().slice(0..script_words)?;
         self.slots[slot].scripts = Some(script_buffer);
-        let barriers = packed
-            .barriers
-            .max(updates.as_ref().map_or(0, |u| u.packed.barriers))
+        let barriers = launched()
+            .chain(updates.iter())
+            .map(|s| s.packed.barriers)
+            .max()
+            .unwrap_or(0)
             .max(1);
         // a traced kernel writes its records behind the counters
         let barriers = match self.build.trace {
@@ -791,29 +859,29 @@ impl PersistentEngine {
             inv_bias_correction2: (1.0 / (1.0 - c.beta2.powf(t))) as f32,
             clip: 1.0,
         };
-        let script = script_view.slice(0..update_at)?;
         self.slots[slot]
             .events
             .0
             .record(&stream)
             .in_call("cuEventRecord")?;
-        self.variants[variant].kernel.launch(
-            view,
-            script,
-            packed,
-            self.barriers.view(),
-            &scalars,
-        )?;
-        // traced: this launch's records, read before a second launch (the
-        // cached matrices' update after cuBLAS) writes its own over them
-        if let Some(path) = self.build.trace.clone() {
-            let ctas = self.variants[variant].kernel.plan().ctas;
-            let records = self
-                .barriers
-                .view()
-                .slice(TRACE_AT..TRACE_AT + TRACE_WORDS_PER_CTA * ctas)?;
-            let words = self.staging(slot)?.download_to_vec(records, &stream)?;
-            append_trace(&path, self.steps, &words)?;
+        // register gradients outlive no launch: every launch before the
+        // last one with kernel work hands them to the pool's accumulator
+        let in_registers = self.variants[variant].kernel.plan().grads_in_registers;
+        let last_kernel = launches.iter().rposition(|l| l.scripts.is_some());
+        for (i, launch) in launches.iter().enumerate() {
+            if let Some(scripts) = &launch.scripts {
+                let words = scripts.packed.words.len();
+                self.variants[variant].kernel.launch(
+                    view,
+                    script_view.slice(launch.at..launch.at + words)?,
+                    &scripts.packed,
+                    self.barriers.view(),
+                    &scalars,
+                    in_registers && Some(i) != last_kernel,
+                )?;
+                self.trace_launch(variant, slot)?;
+            }
+            self.host_work(&batch.host_work, &launch.host_after, view)?;
         }
         if let Some(updates) = &updates {
             self.gradient_products(&batch.gemms, view)?;
@@ -824,6 +892,7 @@ impl PersistentEngine {
                 &updates.packed,
                 self.barriers.view(),
                 &scalars,
+                false,
             )?;
         }
         self.slots[slot]
@@ -839,7 +908,7 @@ impl PersistentEngine {
             host_seconds,
             kernel_seconds: f64::NAN,
             tasks,
-            levels: scripts.levels,
+            levels,
         };
         self.pending.push_back(Pending {
             slot,
@@ -849,39 +918,97 @@ impl PersistentEngine {
         Ok(())
     }
 
-    /// The cached matrices' weight gradients with cuBLAS (a plan without
-    /// register gradients): `grad += Aᵀ B` per product, on the stream.
-    fn gradient_products(&mut self, gemms: &[GradientGemm], view: DeviceView<f32>) -> Result<()> {
+    /// Traced kernels: appends the launch just enqueued's records, read
+    /// before the next launch writes its own over them.
+    fn trace_launch(&mut self, variant: usize, slot: usize) -> Result<()> {
+        let Some(path) = self.build.trace.clone() else {
+            return Ok(());
+        };
+        let ctas = self.variants[variant].kernel.plan().ctas;
+        let records = self
+            .barriers
+            .view()
+            .slice(TRACE_AT..TRACE_AT + TRACE_WORDS_PER_CTA * ctas)?;
+        let stream = self.device.stream().clone();
+        let words = self.staging(slot)?.download_to_vec(records, &stream)?;
+        self.traced_launches += 1;
+        append_trace(&path, self.traced_launches, &words)
+    }
+
+    /// cuBLAS, made at first use.
+    fn ensure_blas(&mut self) -> Result<()> {
         if self.blas.is_none() {
             self.blas = Some(Blas::new(&self.device, self.device.stream().clone())?);
         }
+        Ok(())
+    }
+
+    /// The host work `which` (indices into `work`) on the stream: each
+    /// product as one cuBLAS GEMM with the weights' master copy in the pool.
+    fn host_work(&mut self, work: &[HostWork], which: &[u32], view: DeviceView<f32>) -> Result<()> {
+        if which.is_empty() {
+            return Ok(());
+        }
+        self.ensure_blas()?;
+        let Some(blas) = self.blas.as_ref() else {
+            return Ok(());
+        };
+        for &i in which {
+            let item = work
+                .get(i as usize)
+                .ok_or_else(|| model_err(format!("host task names work {i} of {}", work.len())))?;
+            match *item {
+                HostWork::Gradient(g) => gradient_gemm(blas, &self.prog, &g, view)?,
+                HostWork::Product {
+                    matrix,
+                    transposed,
+                    rows,
+                    input,
+                    input_stride,
+                    output,
+                    output_stride,
+                } => {
+                    let spec = &self.prog.matrices[usize::from(matrix)];
+                    // y = x Wᵀ (W: n × k) or y = x W (W: k × n)
+                    let (n, k) = match transposed {
+                        false => (spec.rows, spec.cols),
+                        true => (spec.cols, spec.rows),
+                    };
+                    if rows == 0 {
+                        continue;
+                    }
+                    let span = |at: usize, stride: usize, width: usize| {
+                        view.slice(at..at + (rows - 1) * stride + width)
+                    };
+                    let value = self.prog.params.value[spec.param];
+                    let gemm = Gemm {
+                        trans_b: !transposed,
+                        beta: 1.0,
+                        lda: Some(input_stride),
+                        ldc: Some(output_stride),
+                        ..Gemm::new(rows, n, k)
+                    };
+                    blas.sgemm(
+                        &gemm,
+                        span(input, input_stride, k)?,
+                        view.slice(value..value + spec.rows * spec.cols)?,
+                        span(output, output_stride, n)?,
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The cached matrices' weight gradients with cuBLAS (a plan without
+    /// register gradients): `grad += Aᵀ B` per product, on the stream.
+    fn gradient_products(&mut self, gemms: &[GradientGemm], view: DeviceView<f32>) -> Result<()> {
+        self.ensure_blas()?;
         let Some(blas) = self.blas.as_ref() else {
             return Ok(());
         };
         for g in gemms {
-            let spec = &self.prog.matrices[usize::from(g.matrix)];
-            let (rows, cols) = (spec.rows, spec.cols);
-            let grad = self.prog.params.grad[spec.param]
-                .ok_or_else(|| model_err("a cached matrix without a gradient slot"))?;
-            if g.rows == 0 {
-                continue;
-            }
-            let span = |at: usize, stride: usize, width: usize| {
-                view.slice(at..at + (g.rows - 1) * stride + width)
-            };
-            let gemm = Gemm {
-                trans_a: true,
-                beta: 1.0,
-                lda: Some(g.a_stride),
-                ldb: Some(g.b_stride),
-                ..Gemm::new(rows, cols, g.rows)
-            };
-            blas.sgemm(
-                &gemm,
-                span(g.a, g.a_stride, rows)?,
-                span(g.b, g.b_stride, cols)?,
-                view.slice(grad..grad + rows * cols)?,
-            )?;
+            gradient_gemm(blas, &self.prog, g, view)?;
         }
         Ok(())
     }
@@ -1022,6 +1149,52 @@ impl PersistentEngine {
         Params::from_tensors(model, values).map_err(|e| model_err(format!("parameters: {e}")))
     }
 }
+
+/// `grad[m] += Aᵀ B` for one weight-gradient product `g` (see
+/// [`GradientGemm`]), into the matrix's gradient slot in the pool.
+fn gradient_gemm(
+    blas: &Blas,
+    prog: &PersistentProgram,
+    g: &GradientGemm,
+    view: DeviceView<f32>,
+) -> Result<()> {
+    let spec = &prog.matrices[usize::from(g.matrix)];
+    let (rows, cols) = (spec.rows, spec.cols);
+    let grad = prog.params.grad[spec.param]
+        .ok_or_else(|| model_err("a cached matrix without a gradient slot"))?;
+    if g.rows == 0 {
+        return Ok(());
+    }
+    let span =
+        |at: usize, stride: usize, width: usize| view.slice(at..at + (g.rows - 1) * stride + width);
+    let gemm = Gemm {
+        trans_a: true,
+        beta: 1.0,
+        lda: Some(g.a_stride),
+        ldb: Some(g.b_stride),
+        ..Gemm::new(rows, cols, g.rows)
+    };
+    blas.sgemm(
+        &gemm,
+        span(g.a, g.a_stride, rows)?,
+        span(g.b, g.b_stride, cols)?,
+        view.slice(grad..grad + rows * cols)?,
+    )
+}
+
+/// Items from which a product is host work between launches (see
+/// [`PersistentOptions::host_items`]): cuBLAS runs a wide level's product
+/// faster than the kernel's tiles (which share the SMs with the held
+/// weights), once that saves more than a launch costs. On the H100 the
+/// Tree-LSTM's batch of 128 (its leaves' products, 2400 items) took 3.41
+/// ms without, 3.13 with 2048, 3.13 with 1024, 3.01 with 512 (the first
+/// levels' products too), 2.99 with 256 and 3.02-3.08 with 128 and 64 at
+/// h 512; at h 256, 1.39, 1.38, 1.41, 1.37, 1.51 and 1.60-1.63 ms.
+pub const HOST_PRODUCT_ITEMS: usize = 512;
+
+/// The environment variable that overrides [`HOST_PRODUCT_ITEMS`] (for
+/// tuning; see [`PersistentOptions::host_items`]).
+pub const HOST_ENV: &str = "RAMUS_VPPS_HOST";
 
 /// The environment variable that overrides [`WIDE_PRODUCT_ITEMS`] (for
 /// tuning; see [`PersistentOptions::wide_items`]).

@@ -200,7 +200,9 @@ impl PersistentKernel {
 
     /// Enqueues one launch on the device's stream: `script` holds
     /// `packed.words` (already uploaded), `barriers` at least
-    /// `packed.barriers` counters, zeroed by this call first.
+    /// `packed.barriers` counters, zeroed by this call first. With
+    /// `flush_grads` (a launch before the batch's last) the register
+    /// gradients are added to the pool's accumulator at the end.
     pub fn launch(
         &self,
         pool: DeviceView<f32>,
@@ -208,6 +210,7 @@ impl PersistentKernel {
         packed: &PackedScripts,
         barriers: DeviceView<u32>,
         scalars: &UpdateScalars,
+        flush_grads: bool,
     ) -> Result<()> {
         if packed.vpps != self.plan.ctas {
             return Err(model_err(format!(
@@ -238,6 +241,7 @@ impl PersistentKernel {
             u32_of(packed.operands_at, "operand pool offset")?,
         ];
         let s = scalars;
+        let flush = u32::from(flush_grads);
         let mut launch = stream.launch_builder(&self.function);
         launch
             .arg(pool.kernel_arg())
@@ -256,7 +260,8 @@ impl PersistentKernel {
             .arg(&s.eps)
             .arg(&s.inv_bias_correction1)
             .arg(&s.inv_bias_correction2)
-            .arg(&s.clip);
+            .arg(&s.clip)
+            .arg(&flush);
         let cfg = LaunchConfig {
             grid_dim: (u32_of(self.plan.ctas, "CTAs")?, 1, 1),
             block_dim: (u32_of(CTA_THREADS, "block")?, 1, 1),

@@ -44,7 +44,7 @@ use ramus_core::vpps::kernel::{
     OP_SUM_CHILDREN, OP_SUM_ROWS, OP_UPDATE, OP_UPDATE_DENSE, OP_XENT, PRODUCT_ITEM_WORDS,
     ROWS_ACCUMULATE, ROWS_DST_ABSOLUTE, ROWS_SRC_ABSOLUTE,
 };
-use ramus_core::vpps::{Placement, Task, TaskGraph};
+use ramus_core::vpps::{Placement, Task, TaskGraph, OP_HOST};
 use ramus_core::Model;
 use ramus_cpu::fill_dropout_mask;
 use ramus_graph::{Schedule, NO_LABEL};
@@ -87,6 +87,30 @@ pub(crate) struct BatchProgram {
     /// after them (a second launch).
     pub gemms: Vec<GradientGemm>,
     pub matrix_updates: TaskGraph,
+    /// The work of the graph's host tasks ([`OP_HOST`], whose first
+    /// operand indexes this): products too wide for the kernel's own tiles.
+    pub host_work: Vec<HostWork>,
+}
+
+/// Work the host enqueues between two launches of the kernel (see
+/// [`ramus_core::vpps::launches`]): a level's product with at least
+/// `host_items` items as one cuBLAS GEMM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum HostWork {
+    /// `y += x Wᵀ` (`transposed`: `y += x W`) for `rows` rows of `x` at
+    /// `input` and of `y` at `output` (row strides given; `y` starts zeroed,
+    /// or holds the bias).
+    Product {
+        matrix: u16,
+        transposed: bool,
+        rows: usize,
+        input: usize,
+        input_stride: usize,
+        output: usize,
+        output_stride: usize,
+    },
+    /// A weight-gradient product into the matrix's accumulator.
+    Gradient(GradientGemm),
 }
 
 /// `grad[m] += Aᵀ B` for a cached matrix `m` whose gradient is not in
@@ -228,6 +252,9 @@ struct Unroller<'a> {
     /// [`Unroller::chunks`]).
     spread: usize,
     gemms: Vec<GradientGemm>,
+    /// Items from which a product is host work (see [`HostWork`]).
+    host_items: usize,
+    host_work: Vec<HostWork>,
     model: &'a Model,
     prog: &'a PersistentProgram,
     s: &'a Schedule,
@@ -813,6 +840,13 @@ impl<'a> Unroller<'a> {
 
     /// A row copy task `dst rows (+)= src rows` with its dependencies.
     #[allow(clippy::too_many_arguments)] // the instruction's own operands
+    /// A host task for `work` after `deps` (see [`HostWork`]).
+    fn host_task(&mut self, work: HostWork, deps: Vec<u32>) -> Result<u32> {
+        let index = u32_of(self.host_work.len(), "host work index")?;
+        self.host_work.push(work);
+        self.push(OP_HOST, 0, vec![index], deps, 1, Placement::Any)
+    }
+
     fn rows_task(
         &mut self,
         flags: u16,
@@ -853,22 +887,28 @@ impl<'a> Unroller<'a> {
             }
             // one task for the rows: an (a, b) offset pair per row
             if let Some(m) = self.outer_product(key, n)? {
+                let (a, a_stride) = self.loc(key, arg(0))?;
+                let (b, b_stride) = self.loc(key, arg(1))?;
+                let gemm = GradientGemm {
+                    matrix: m,
+                    rows: hi - lo,
+                    a: a + lo * a_stride,
+                    a_stride,
+                    b: b + lo * b_stride,
+                    b_stride,
+                };
                 if !self.grads_in_registers {
-                    let (a, a_stride) = self.loc(key, arg(0))?;
-                    let (b, b_stride) = self.loc(key, arg(1))?;
-                    self.gemms.push(GradientGemm {
-                        matrix: m,
-                        rows: hi - lo,
-                        a: a + lo * a_stride,
-                        a_stride,
-                        b: b + lo * b_stride,
-                        b_stride,
-                    });
+                    self.gemms.push(gemm);
                     return Ok(());
                 }
                 let mut deps = Vec::new();
                 self.deps_of(key, arg(0), lo, hi, &mut deps);
                 self.deps_of(key, arg(1), lo, hi, &mut deps);
+                let spec = &self.prog.matrices[usize::from(m)];
+                if hi - lo >= self.host_items && a_stride >= spec.rows && b_stride >= spec.cols {
+                    self.host_task(HostWork::Gradient(gemm), deps)?;
+                    return Ok(());
+                }
                 let mut ops = Vec::with_capacity(PRODUCT_ITEM_WORDS * (hi - lo));
                 let (dys, xs) = (self.rows_of(key, arg(0))?, self.rows_of(key, arg(1))?);
                 for i in lo..hi {
@@ -910,8 +950,38 @@ impl<'a> Unroller<'a> {
                 Some((add, bias)) => (add, self.row_at(key, bias, 0)?),
                 None => (n, NO_INDEX),
             };
-            let mut ops = Vec::with_capacity(PRODUCT_ITEM_WORDS * (hi - lo));
             let (xs, ys) = (self.rows_of(key, arg(0))?, self.rows_of(key, out)?);
+            let (in_width, out_width) = match opcode {
+                OP_MATVEC => (spec.cols, spec.rows),
+                _ => (spec.rows, spec.cols),
+            };
+            // (rows cuBLAS can address: no overlapping rows)
+            if hi - lo >= self.host_items && xs.stride >= in_width && ys.stride >= out_width {
+                // the output starts zeroed; cuBLAS adds the product to the
+                // bias, copied into every row first
+                if bias != NO_INDEX {
+                    let width = out_width;
+                    for (a, b) in self.chunks(lo, hi, width) {
+                        let dst = (ys.row(a)?, ys.stride, NO_INDEX);
+                        let t =
+                            self.rows_task(0, b - a, width, dst, (bias, 0, NO_INDEX), vec![])?;
+                        deps.push(t);
+                    }
+                }
+                let work = HostWork::Product {
+                    matrix: m,
+                    transposed: opcode == OP_MATVEC_T,
+                    rows: hi - lo,
+                    input: xs.base + lo * xs.stride,
+                    input_stride: xs.stride,
+                    output: ys.base + lo * ys.stride,
+                    output_stride: ys.stride,
+                };
+                let t = self.host_task(work, deps)?;
+                self.record(key, out, lo, hi, t);
+                return Ok(());
+            }
+            let mut ops = Vec::with_capacity(PRODUCT_ITEM_WORDS * (hi - lo));
             for i in lo..hi {
                 ops.extend([xs.row(i)?, ys.row(i)?, bias]);
             }
@@ -1542,6 +1612,7 @@ pub(crate) fn unroll_batch(
     s: &Schedule,
     grads_in_registers: bool,
     spread: usize,
+    host_items: usize,
     rng: &mut ChaCha8Rng,
 ) -> Result<BatchProgram> {
     let head_vertices = crate::engine::head_vertices(model.head.rows, s);
@@ -1554,6 +1625,8 @@ pub(crate) fn unroll_batch(
         grads_in_registers,
         spread,
         gemms: Vec::new(),
+        host_items,
+        host_work: Vec::new(),
         model,
         prog,
         s,
@@ -1632,6 +1705,7 @@ pub(crate) fn unroll_batch(
     let end = upload_at + u.upload.len();
     Ok(BatchProgram {
         gemms: u.gemms,
+        host_work: u.host_work,
         matrix_updates,
         graph: u.g,
         zeroed,
@@ -1647,7 +1721,7 @@ mod tests {
     use super::*;
     use ramus_core::vpps::{plan, simulate, DeviceLimits, PlanRequest, Scheduler};
     use ramus_graph::random::{random_chain, random_path, random_tree};
-    use ramus_graph::InputGraph;
+    use ramus_graph::{BatchingPolicy, InputGraph};
     use ramus_nn::{build_model_with, ModelConfig, ModelOptions};
     use rand::SeedableRng;
 
@@ -1675,7 +1749,8 @@ mod tests {
             .expect("schedule")
             .schedule;
         let mut rng = ChaCha8Rng::seed_from_u64(1);
-        let batch = unroll_batch(&model, &prog, &s, true, vpps, &mut rng).expect("lowered");
+        let batch =
+            unroll_batch(&model, &prog, &s, true, vpps, usize::MAX, &mut rng).expect("lowered");
         assert!(
             batch.upload_at >= prog.params.total,
             "batch values after the parameters"
@@ -1696,6 +1771,120 @@ mod tests {
         let order = simulate(&schedule, &batch.graph).expect("the scripts run to the end");
         assert_eq!(order.len(), batch.graph.len());
         (batch.graph, schedule.levels)
+    }
+
+    /// Products of at least `host_items` items become host work between
+    /// launches: the graph splits into launches that each schedule and run
+    /// in dependency order, the products left in the kernel are narrower,
+    /// a biased product's rows get the bias first, every product's rows lie
+    /// in the batch's regions, and the update comes last.
+    #[test]
+    fn wide_products_lower_to_host_work_between_launches() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let graphs: Vec<InputGraph> = (0..6)
+            .map(|_| random_tree(&mut rng, 9, &[2], 30, 5).expect("tree"))
+            .collect();
+        let refs: Vec<&InputGraph> = graphs.iter().collect();
+        let host_items = 8;
+        for name in ["treelstm", "treegru"] {
+            for in_registers in [true, false] {
+                let what = format!("{name}, register gradients {in_registers}");
+                let cfg = ModelConfig {
+                    vocab: 30,
+                    hidden: 20,
+                    classes: 5,
+                };
+                let model =
+                    build_model_with(name, &cfg, &ModelOptions { dropout: 0.0 }).expect("model");
+                let prog = PersistentProgram::build(&model).expect("program");
+                let s = ramus_cpu::Batch::new(&model, refs.clone(), BatchingPolicy::Cavs)
+                    .expect("schedule")
+                    .schedule;
+                let mut masks = ChaCha8Rng::seed_from_u64(1);
+                let batch =
+                    unroll_batch(&model, &prog, &s, in_registers, 6, host_items, &mut masks)
+                        .expect("lowered");
+                let (mut forward, mut backward, mut gradients) = (0, 0, 0);
+                for work in &batch.host_work {
+                    match *work {
+                        HostWork::Product {
+                            rows,
+                            transposed,
+                            output,
+                            output_stride,
+                            input,
+                            ..
+                        } => {
+                            assert!(rows >= host_items, "{what}: {rows} rows");
+                            let last = output + (rows - 1) * output_stride;
+                            assert!(batch.zeroed.contains(&output) && batch.zeroed.contains(&last));
+                            assert!(input >= prog.params.total && input < batch.end, "{what}");
+                            if transposed {
+                                backward += 1;
+                            } else {
+                                forward += 1;
+                            }
+                        }
+                        HostWork::Gradient(g) => {
+                            assert!(g.rows >= host_items, "{what}");
+                            gradients += 1;
+                        }
+                    }
+                }
+                assert!(
+                    forward > 0 && backward > 0,
+                    "{what}: {forward} / {backward}"
+                );
+                // with gradients outside registers they go to `gemms` whatever
+                // their size
+                assert_eq!(gradients > 0, in_registers, "{what}");
+                // the products left to the kernel are narrower
+                for t in &batch.graph.tasks {
+                    if matches!(t.op, OP_MATVEC | OP_MATVEC_T) {
+                        assert!(t.operands.len() / PRODUCT_ITEM_WORDS < host_items, "{what}");
+                    }
+                }
+                // the leaves' biased product: its rows get the bias (a row
+                // copy from a stride-0 source) before cuBLAS adds to them
+                assert!(
+                    batch
+                        .graph
+                        .tasks
+                        .iter()
+                        .any(|t| t.op == OP_ROWS && t.operands[5] == 0),
+                    "{what}: no bias broadcast"
+                );
+                let work = batch.host_work.len();
+                let launches = ramus_core::vpps::split_launches(batch.graph).expect("launches");
+                assert!(launches.len() >= 3, "{what}: {} launches", launches.len());
+                let mut named: Vec<u32> =
+                    launches.iter().flat_map(|l| l.host_after.clone()).collect();
+                named.sort_unstable();
+                assert_eq!(
+                    named,
+                    (0..work as u32).collect::<Vec<_>>(),
+                    "{what}: all host work"
+                );
+                let rp = plan(
+                    &prog.matrices,
+                    &DeviceLimits::hopper(6),
+                    &PlanRequest::new(1),
+                )
+                .expect("plan");
+                let mut scheduler = Scheduler::new(&rp);
+                scheduler.holder_item = PRODUCT_ITEM_WORDS;
+                for (i, l) in launches.iter().enumerate() {
+                    if l.graph.is_empty() {
+                        continue;
+                    }
+                    let schedule = scheduler.schedule(&l.graph).expect("scripts");
+                    let order = simulate(&schedule, &l.graph).expect("the scripts run");
+                    assert_eq!(order.len(), l.graph.len(), "{what}: launch {i}");
+                    let updates = l.graph.tasks.iter().any(|t| t.op == OP_UPDATE);
+                    assert_eq!(updates, in_registers && i + 1 == launches.len(), "{what}");
+                }
+            }
+        }
     }
 
     #[test]
@@ -1788,10 +1977,12 @@ mod tests {
         let mut ahead = in_turn.clone();
         let mut skipped = 0u128;
         for (i, s) in batches.iter().enumerate() {
-            let a = unroll_batch(&model, &prog, s, true, 6, &mut in_turn).expect("lowered");
+            let a =
+                unroll_batch(&model, &prog, s, true, 6, usize::MAX, &mut in_turn).expect("lowered");
             let mut positioned = ahead.clone();
             positioned.set_word_pos(ahead.get_word_pos() + 2 * skipped);
-            let b = unroll_batch(&model, &prog, s, true, 6, &mut positioned).expect("lowered");
+            let b = unroll_batch(&model, &prog, s, true, 6, usize::MAX, &mut positioned)
+                .expect("lowered");
             assert!(dropout_draws(&model, s) > 0, "batch {i} has masks");
             assert_eq!(a.upload, b.upload, "batch {i}: the same masks");
             assert_eq!(
@@ -1824,7 +2015,7 @@ mod tests {
         let s = ramus_cpu::Batch::new(&model, refs, ramus_graph::BatchingPolicy::Cavs)
             .expect("schedule")
             .schedule;
-        match unroll_batch(&model, &prog, &s, true, 6, &mut rng) {
+        match unroll_batch(&model, &prog, &s, true, 6, usize::MAX, &mut rng) {
             Err(e) => assert!(e.to_string().contains("token id 42"), "wrong error: {e}"),
             Ok(_) => panic!("a token outside the table was accepted"),
         }
@@ -1931,8 +2122,8 @@ mod timing {
                         .expect("schedule")
                         .schedule;
                 let b = std::time::Instant::now();
-                let batch =
-                    unroll_batch(&model, &prog, &s, true, rp.ctas, &mut rng).expect("lowered");
+                let batch = unroll_batch(&model, &prog, &s, true, rp.ctas, usize::MAX, &mut rng)
+                    .expect("lowered");
                 let c = std::time::Instant::now();
                 let sc = scheduler.schedule(&batch.graph).expect("scripts");
                 let d = std::time::Instant::now();
