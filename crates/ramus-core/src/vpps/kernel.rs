@@ -359,6 +359,22 @@ pub fn matrix_table(plan: &RegisterPlan, slots: impl Fn(usize) -> [usize; 4]) ->
     Ok(table)
 }
 
+/// Vectors a held-row product loads at once (`VP_V`): as many as 32
+/// registers per thread take (rows of `regs_per_row` registers), at most 4;
+/// one where rows take 16 or more registers and two CTAs share an SM.
+/// There the kernel has 128 registers per thread, and two vectors of 16
+/// made the Tree-LSTM's h 512 kernel spill (8 bytes at rpw 1, 16 at rpw
+/// 2); one made it fit, and two CTAs per SM beat one (see the engine's
+/// `VariantChoice`).
+fn staged_vectors(plan: &RegisterPlan) -> usize {
+    let regs_per_row = plan.regs_per_row.max(1);
+    if plan.ctas_per_sm >= 2 && regs_per_row >= 16 {
+        1
+    } else {
+        (32 / regs_per_row).clamp(1, 4)
+    }
+}
+
 /// The CUDA C++ source of the persistent kernel for `plan` and `options`;
 /// `fused_cases` are the model's fused groups as `case` blocks (see
 /// `FusedGroup::persistent_case`), dispatched by [`OP_FUSED`]. With
@@ -386,11 +402,7 @@ pub fn kernel_source(plan: &RegisterPlan, options: KernelOptions, fused_cases: &
         (STAGE_FLOATS / (cols + held)).clamp(1, MAX_STAGED_VECTORS)
     );
     let _ = writeln!(s, "#define VP_WARPS {}", CTA_THREADS / WARP);
-    let _ = writeln!(
-        s,
-        "#define VP_V {}",
-        (32 / plan.regs_per_row.max(1)).clamp(1, 4)
-    );
+    let _ = writeln!(s, "#define VP_V {}", staged_vectors(plan));
     let _ = writeln!(s, "#define VP_ITEM {PRODUCT_ITEM_WORDS}");
     let _ = writeln!(s, "#define VP_TRACE {}", u32::from(trace));
     let _ = writeln!(s, "#define VP_STAGE_FLOATS {STAGE_FLOATS}");
@@ -1213,6 +1225,36 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn held_row_products_stage_fewer_vectors_of_wide_rows_at_two_ctas_per_sm() {
+        let vectors = |cols: usize, ctas_per_sm: usize| {
+            let m = [MatrixSpec {
+                param: 0,
+                rows: 1024,
+                cols,
+            }];
+            let req = PlanRequest {
+                ctas_per_sm: Some(ctas_per_sm),
+                grads_in_registers: Some(false),
+                ..PlanRequest::new(1)
+            };
+            let p = plan(&m, &DeviceLimits::hopper(132), &req).unwrap();
+            let src = kernel_source(&p, UpdateRule::Sgd.into(), "");
+            let line = src
+                .lines()
+                .find(|l| l.starts_with("#define VP_V "))
+                .unwrap();
+            line["#define VP_V ".len()..].parse::<usize>().unwrap()
+        };
+        // 32 registers of vectors, at most 4 ...
+        assert_eq!(vectors(256, 2), 4);
+        assert_eq!(vectors(256, 1), 4);
+        assert_eq!(vectors(512, 1), 2);
+        assert_eq!(vectors(1024, 1), 1);
+        // ... but one row of 16 or more at two CTAs per SM (128 registers)
+        assert_eq!(vectors(512, 2), 1);
     }
 
     #[test]

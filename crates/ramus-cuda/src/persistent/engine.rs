@@ -341,8 +341,12 @@ struct VariantBuild {
 /// best. Every candidate is timed: stopping at the first one slower than
 /// the best so far left the Tree-LSTM at h 512 on rpw 1 (register
 /// gradients, 4.4 ms a batch of 128 on an H100) where rpw 3 takes 3.7.
+/// Where the CTAs per SM and the gradients' place are left open, each
+/// `rpw` is also tried keeping two CTAs per SM when two with register
+/// gradients spill (see [`VariantChoice::keep_ctas`]); a candidate whose
+/// plan equals one already timed is skipped.
 struct Tuning {
-    candidates: Vec<usize>,
+    candidates: Vec<VariantChoice>,
     /// Candidate being timed (index into `candidates`).
     at: usize,
     /// Kernel seconds of the batches timed with it.
@@ -354,8 +358,76 @@ struct Tuning {
 /// Batches timed per `rpw` candidate (the first, with compilation and
 /// cold caches behind it, is dropped).
 const TUNE_BATCHES: usize = 4;
-/// Most `rpw` candidates tried.
+/// Most `rpw` values tried.
 const TUNE_CANDIDATES: usize = 4;
+
+/// What a variant is built for: `rpw`, the CTAs per SM and the gradients'
+/// place where they are fixed (by the options or a remembered choice),
+/// and how the open ones fall back when a kernel spills.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct VariantChoice {
+    rpw: usize,
+    ctas_per_sm: Option<usize>,
+    grads_in_registers: Option<bool>,
+    /// Where the plan's CTAs per SM with register gradients spill, give up
+    /// the register gradients before a CTA per SM (else the other way
+    /// round). On the H100 the Tree-LSTM at h 512 (whose two CTAs per SM
+    /// with register gradients spill) took 0.50 ms a batch of 1, 0.83 of 8
+    /// and 2.67-2.71 of 128 with two CTAs per SM at rpw 2 and the gradients
+    /// through cuBLAS; 0.60, 0.90 and 3.15 with one and register gradients
+    /// (rpw 1); 0.51, 0.85 and 3.01 with one without (rpw 3).
+    keep_ctas: bool,
+}
+
+impl VariantChoice {
+    /// The search's candidates for `build` (at most [`TUNE_CANDIDATES`]
+    /// `rpw` values, each also with `keep_ctas` where the CTAs per SM and
+    /// the gradients' place are open).
+    fn candidates(prog: &PersistentProgram, build: &VariantBuild) -> Vec<VariantChoice> {
+        let open = build.ctas_per_sm.is_none() && build.grads_in_registers.is_none();
+        let mut rpws = valid_rpws(&prog.matrices, &build.limits);
+        rpws.truncate(TUNE_CANDIDATES);
+        rpws.into_iter()
+            .flat_map(|rpw| {
+                let choice = VariantChoice::of(build, rpw);
+                let kept = VariantChoice {
+                    keep_ctas: true,
+                    ..choice
+                };
+                std::iter::once(choice).chain(open.then_some(kept))
+            })
+            .collect()
+    }
+
+    /// `rpw` with `build`'s options and the default fallback.
+    fn of(build: &VariantBuild, rpw: usize) -> Self {
+        VariantChoice {
+            rpw,
+            ctas_per_sm: build.ctas_per_sm,
+            grads_in_registers: build.grads_in_registers,
+            keep_ctas: false,
+        }
+    }
+
+    /// A remembered choice: `rpw ctas_per_sm grads_in_registers` (1 or 0);
+    /// a bare `rpw` (written by earlier versions) keeps `build`'s options.
+    fn parse(text: &str, build: &VariantBuild) -> Option<Self> {
+        let words: Vec<usize> = text
+            .split_whitespace()
+            .map(|w| w.parse().ok())
+            .collect::<Option<_>>()?;
+        match words[..] {
+            [rpw] => Some(VariantChoice::of(build, rpw)),
+            [rpw, ctas, grads] => Some(VariantChoice {
+                rpw,
+                ctas_per_sm: Some(ctas),
+                grads_in_registers: Some(grads != 0),
+                keep_ctas: false,
+            }),
+            _ => None,
+        }
+    }
+}
 
 fn model_err(message: impl Into<String>) -> CudaError {
     CudaError::Model(message.into())
@@ -445,8 +517,7 @@ impl PersistentEngine {
         });
         let remembered = choice_file
             .as_ref()
-            .and_then(|f| std::fs::read_to_string(f).ok())
-            .and_then(|s| s.trim().parse::<usize>().ok());
+            .and_then(|f| std::fs::read_to_string(f).ok());
         let build = VariantBuild {
             limits,
             ctas_per_sm: options.ctas_per_sm,
@@ -457,12 +528,16 @@ impl PersistentEngine {
             trace: std::env::var_os(TRACE_ENV).map(PathBuf::from),
             wide_items,
         };
-        let (first_rpw, tuning) = match (options.rpw, remembered) {
-            (Some(rpw), _) | (None, Some(rpw)) => (rpw, None),
+        let remembered = remembered.and_then(|text| VariantChoice::parse(&text, &build));
+        let (first_choice, tuning) = match (options.rpw, remembered) {
+            (Some(rpw), _) => (VariantChoice::of(&build, rpw), None),
+            (None, Some(choice)) => (choice, None),
             (None, None) => {
-                let mut candidates = valid_rpws(&prog.matrices, &build.limits);
-                candidates.truncate(TUNE_CANDIDATES);
-                let first = candidates.first().copied().unwrap_or(1);
+                let candidates = VariantChoice::candidates(&prog, &build);
+                let first = candidates
+                    .first()
+                    .copied()
+                    .unwrap_or(VariantChoice::of(&build, 1));
                 let tuning = (candidates.len() > 1).then_some(Tuning {
                     candidates,
                     at: 0,
@@ -472,7 +547,7 @@ impl PersistentEngine {
                 (first, tuning)
             }
         };
-        let first = build_variant(&device, &cache, &pool, &prog, &build, first_rpw)?;
+        let first = build_variant(&device, &cache, &pool, &prog, &build, first_choice)?;
         if params.values.len() != model.params.len() {
             return Err(model_err(format!(
                 "{} parameter tensors for a model of {}",
@@ -1072,17 +1147,23 @@ impl PersistentEngine {
         }
         let best = t.best.map_or(variant, |(_, v)| v);
         let (first, candidates) = (t.at + 1, t.candidates.clone());
-        for (at, &rpw) in candidates.iter().enumerate().skip(first) {
+        for (at, &choice) in candidates.iter().enumerate().skip(first) {
             let built = build_variant(
                 &self.device,
                 &self._cache,
                 &self.pool,
                 &self.prog,
                 &self.build,
-                rpw,
+                choice,
             );
-            // a candidate that spills or does not fit is skipped
-            if let Ok(v) = built {
+            // a candidate that spills or does not fit is skipped, and so is
+            // one whose plan was timed already
+            let plan_of = |v: &Variant| {
+                let p = v.kernel.plan();
+                (p.rpw, p.ctas_per_sm, p.grads_in_registers)
+            };
+            let Ok(v) = built else { continue };
+            if !self.variants.iter().any(|w| plan_of(w) == plan_of(&v)) {
                 self.variants.push(v);
                 self.active = self.variants.len() - 1;
                 if let Some(t) = self.tuning.as_mut() {
@@ -1095,14 +1176,21 @@ impl PersistentEngine {
         Ok(())
     }
 
-    /// Ends the `rpw` search on variant `best` and remembers its `rpw`.
+    /// Ends the `rpw` search on variant `best` and remembers its plan's
+    /// `rpw`, CTAs per SM and gradients' place.
     fn settle(&mut self, best: usize) {
         self.tuning = None;
         self.active = best;
-        let rpw = self.variants[best].kernel.plan().rpw;
+        let p = self.variants[best].kernel.plan();
+        let text = format!(
+            "{} {} {}\n",
+            p.rpw,
+            p.ctas_per_sm,
+            u8::from(p.grads_in_registers)
+        );
         if let Some(file) = &self.build.choice_file {
             // a failed write only costs the next run its search
-            let _ = std::fs::write(file, format!("{rpw}\n"));
+            let _ = std::fs::write(file, text);
         }
     }
 
@@ -1241,17 +1329,17 @@ fn build_variant(
     pool: &Arc<DevicePool>,
     prog: &PersistentProgram,
     build: &VariantBuild,
-    rpw: usize,
+    choice: VariantChoice,
 ) -> Result<Variant> {
     // The plan budgets registers with a fixed allowance for the
     // interpreter; where the compiled kernel needs more and spills (or
-    // cannot be resident), the next choice the user left open is tried:
-    // one CTA per SM (twice the registers per thread), then gradients
-    // outside registers.
+    // cannot be resident), the next choice left open is tried: one CTA per
+    // SM (twice the registers per thread), then gradients outside
+    // registers, or with `keep_ctas` the other way round.
     let mut request = PlanRequest {
-        rpw,
-        ctas_per_sm: build.ctas_per_sm,
-        grads_in_registers: build.grads_in_registers,
+        rpw: choice.rpw,
+        ctas_per_sm: choice.ctas_per_sm,
+        grads_in_registers: choice.grads_in_registers,
     };
     loop {
         let register_plan: RegisterPlan = plan(&prog.matrices, &build.limits, &request)?;
@@ -1281,15 +1369,84 @@ fn build_variant(
                 })
             }
             Err(e) => {
-                if build.ctas_per_sm.is_none() && chosen.0 > 1 {
+                let fewer_ctas = choice.ctas_per_sm.is_none() && chosen.0 > 1;
+                let grads_out = choice.grads_in_registers.is_none() && chosen.1;
+                if choice.keep_ctas && grads_out {
+                    request.ctas_per_sm = Some(chosen.0);
+                    request.grads_in_registers = Some(false);
+                } else if fewer_ctas {
                     request.ctas_per_sm = Some(chosen.0 - 1);
-                } else if build.grads_in_registers.is_none() && chosen.1 {
-                    request.ctas_per_sm = build.ctas_per_sm;
+                } else if grads_out {
+                    request.ctas_per_sm = choice.ctas_per_sm;
                     request.grads_in_registers = Some(false);
                 } else {
                     return Err(e);
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ramus_nn::{build_model_with, ModelConfig, ModelOptions};
+
+    fn build(ctas_per_sm: Option<usize>, grads_in_registers: Option<bool>) -> VariantBuild {
+        VariantBuild {
+            limits: DeviceLimits::hopper(132),
+            ctas_per_sm,
+            grads_in_registers,
+            rule: UpdateRule::Sgd,
+            slots: Vec::new(),
+            choice_file: None,
+            trace: None,
+            wide_items: WIDE_PRODUCT_ITEMS,
+        }
+    }
+
+    #[test]
+    fn the_search_keeps_two_ctas_per_sm_as_a_second_candidate_where_both_are_open() {
+        let cfg = ModelConfig {
+            vocab: 50,
+            hidden: 512,
+            classes: 5,
+        };
+        let model = build_model_with("treelstm", &cfg, &ModelOptions::default()).expect("model");
+        let prog = PersistentProgram::build(&model).expect("program");
+        let open = VariantChoice::candidates(&prog, &build(None, None));
+        let rpws = valid_rpws(&prog.matrices, &DeviceLimits::hopper(132));
+        assert_eq!(open.len(), 2 * rpws.len().min(TUNE_CANDIDATES));
+        for pair in open.chunks(2) {
+            assert_eq!(pair[0].rpw, pair[1].rpw);
+            assert_eq!((pair[0].keep_ctas, pair[1].keep_ctas), (false, true));
+        }
+        // a fixed CTA count or gradients' place leaves nothing to keep
+        for fixed in [build(Some(1), None), build(None, Some(false))] {
+            let c = VariantChoice::candidates(&prog, &fixed);
+            assert!(c.iter().all(|c| !c.keep_ctas), "{c:?}");
+            assert_eq!(c.len(), rpws.len().min(TUNE_CANDIDATES));
+        }
+    }
+
+    #[test]
+    fn a_remembered_choice_fixes_the_plan_and_old_files_still_parse() {
+        let b = build(None, None);
+        assert_eq!(
+            VariantChoice::parse("2 2 0\n", &b),
+            Some(VariantChoice {
+                rpw: 2,
+                ctas_per_sm: Some(2),
+                grads_in_registers: Some(false),
+                keep_ctas: false,
+            })
+        );
+        assert_eq!(
+            VariantChoice::parse("3\n", &b),
+            Some(VariantChoice::of(&b, 3))
+        );
+        for bad in ["", "x", "1 2", "1 2 3 4", "-1 1 1"] {
+            assert_eq!(VariantChoice::parse(bad, &b), None, "{bad:?}");
         }
     }
 }
