@@ -521,6 +521,23 @@ fn row_copies_loading_ahead_follow_the_cpu() {
     }
 }
 
+/// Rows of 16 registers (hidden 512) at two CTAs per SM with the gradients
+/// through cuBLAS, the Tree-LSTM's choice at h 512: held-row products load
+/// one vector at a time there (the only plans where they do).
+#[test]
+fn wide_rows_at_two_ctas_per_sm_follow_the_cpu() {
+    let two_ctas = PersistentOptions {
+        ctas_per_sm: Some(2),
+        grads_in_registers: Some(false),
+        rpw: Some(2),
+        ..PersistentOptions::default()
+    };
+    for name in ["treelstm", "treegru"] {
+        let sgd = OptimizerConfig::new(OptimizerKind::Sgd, 0.1);
+        follows_the_cpu_at(name, 512, sgd, 4, two_ctas.clone());
+    }
+}
+
 /// Gradients not in registers (VPPS §III-C2): the outer products go to
 /// cuBLAS after the kernel, a second launch updates the matrices.
 #[test]
