@@ -433,6 +433,21 @@ fn model_err(message: impl Into<String>) -> CudaError {
     CudaError::Model(message.into())
 }
 
+/// An item threshold: `given`, else the environment variable `env` (for
+/// tuning; an error names a value that is not a number), else `default`.
+fn items_option<T: std::str::FromStr>(given: Option<T>, env: &str, default: T) -> Result<T> {
+    if let Some(items) = given {
+        return Ok(items);
+    }
+    match std::env::var(env) {
+        Ok(v) => v
+            .trim()
+            .parse::<T>()
+            .map_err(|_| CudaError::BadArgument(format!("{env}={v:?} is not a number of items"))),
+        Err(_) => Ok(default),
+    }
+}
+
 fn rule_of(kind: OptimizerKind) -> UpdateRule {
     match kind {
         OptimizerKind::Sgd => UpdateRule::Sgd,
@@ -481,24 +496,8 @@ impl PersistentEngine {
             .collect::<Result<Vec<MatrixSlots>>>()?;
         let pool = DevicePool::new(&device, PoolConfig::default());
         let rule = rule_of(optimizer.kind);
-        let wide_items = match options.wide_items {
-            Some(items) => items,
-            None => match std::env::var(WIDE_ENV) {
-                Ok(v) => v.trim().parse::<u32>().map_err(|_| {
-                    CudaError::BadArgument(format!("{WIDE_ENV}={v:?} is not a number of items"))
-                })?,
-                Err(_) => WIDE_PRODUCT_ITEMS,
-            },
-        };
-        let host_items = match options.host_items {
-            Some(items) => items,
-            None => match std::env::var(HOST_ENV) {
-                Ok(v) => v.trim().parse::<usize>().map_err(|_| {
-                    CudaError::BadArgument(format!("{HOST_ENV}={v:?} is not a number of items"))
-                })?,
-                Err(_) => HOST_PRODUCT_ITEMS,
-            },
-        };
+        let wide_items = items_option(options.wide_items, WIDE_ENV, WIDE_PRODUCT_ITEMS)?;
+        let host_items = items_option(options.host_items, HOST_ENV, HOST_PRODUCT_ITEMS)?;
         // the choice of an earlier search for this model, kernel and device
         let choice_file = cache.directory().map(|d| {
             let key = format!(

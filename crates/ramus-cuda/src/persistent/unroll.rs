@@ -838,8 +838,6 @@ impl<'a> Unroller<'a> {
         Ok(())
     }
 
-    /// A row copy task `dst rows (+)= src rows` with its dependencies.
-    #[allow(clippy::too_many_arguments)] // the instruction's own operands
     /// A host task for `work` after `deps` (see [`HostWork`]).
     fn host_task(&mut self, work: HostWork, deps: Vec<u32>) -> Result<u32> {
         let index = u32_of(self.host_work.len(), "host work index")?;
@@ -847,6 +845,8 @@ impl<'a> Unroller<'a> {
         self.push(OP_HOST, 0, vec![index], deps, 1, Placement::Any)
     }
 
+    /// A row copy task `dst rows (+)= src rows` with its dependencies.
+    #[allow(clippy::too_many_arguments)] // the instruction's own operands
     fn rows_task(
         &mut self,
         flags: u16,
