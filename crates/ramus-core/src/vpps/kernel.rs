@@ -47,8 +47,9 @@
 //!   is in the scripts of a range of VPPs and runs instead as a tiled GEMM
 //!   whose pieces (output tiles, and splits of the reduction where there
 //!   are fewer tiles than VPPs; see [`wide_tiles`]) are dealt over them,
-//!   reading the weights from their master copy in the pool: one processor's rows cannot keep
-//!   up with hundreds of vectors (each is a round trip), and `Wᵀ dy` on
+//!   reading the weights from their master copy in the pool: one
+//!   processor's rows cannot keep up with hundreds of vectors (each is a
+//!   round trip), and `Wᵀ dy` on
 //!   every holder would add each column of `dx` atomically from every one
 //!   of them. A wide outer product adds into the matrix's gradient
 //!   accumulator in the pool, which [`OP_UPDATE`] adds to the registers'

@@ -178,8 +178,6 @@ struct PreparedBatch {
     /// The batch's launches, one unless it has host work (see
     /// [`split_launches`]).
     launches: Vec<LaunchScripts>,
-    /// Levels of all launches.
-    levels: usize,
     /// Without register gradients: the matrices' update, a last script.
     updates: Option<Scripts>,
     host_seconds: f64,
@@ -284,17 +282,12 @@ impl<'a> PrepareFor<'a> {
         // of small vectors each) on the thread that launches the window
         drop(std::mem::take(&mut batch.matrix_updates));
         drop(std::mem::take(&mut batch.upload));
-        let levels = launches
-            .iter()
-            .filter_map(|l| Some(l.scripts.as_ref()?.levels))
-            .sum();
         Ok(PreparedBatch {
             variant: self.variant,
             slot,
             tasks,
             batch,
             launches,
-            levels,
             updates,
             host_seconds: started.elapsed().as_secs_f64(),
         })
@@ -863,7 +856,6 @@ impl PersistentEngine {
             tasks,
             batch,
             launches,
-            levels,
             updates,
             host_seconds,
         } = prepared;
@@ -873,6 +865,7 @@ impl PersistentEngine {
         self.ensure_capacity(batch.end)?;
         let launched = || launches.iter().filter_map(|l| l.scripts.as_ref());
         let update_at: usize = launched().map(|s| s.packed.words.len()).sum();
+        let levels = launched().map(|s| s.levels).sum();
         let script_words = update_at + updates.as_ref().map_or(0, |u| u.packed.words.len());
         // the slot's batch before this one is done (its loss was read); a
         // new buffer may be memory the pool took back from work still
