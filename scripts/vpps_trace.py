@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Summarise a persistent-kernel instruction trace (RAMUS_VPPS_TRACE).
 
-Each line of the trace is `launch cta opcode arg start_ns end_ns` (times on
-the GPU's global timer, low 32 bits). For every launch (or the one given
+Each line of the trace is `launch cta opcode arg start_ns end_ns items`
+(times on the GPU's global timer, low 32 bits; items: a product's item
+count, 255 for that many or more, else 0; older traces lack it). For every launch (or the one given
 with --launch) this prints the kernel's span, each opcode's duration
 percentiles, and the critical path barrier by barrier: for barrier b, the
 CTA whose SIGNAL came last, how long it took to wake after the previous
@@ -32,16 +33,18 @@ def read(path):
     launches = collections.defaultdict(list)
     with open(path) as f:
         for line in f:
-            launch, cta, op, arg, start, end = map(int, line.split())
-            launches[launch].append((cta, op, arg, start, end))
+            fields = list(map(int, line.split()))
+            launch, cta, op, arg, start, end = fields[:6]
+            items = fields[6] if len(fields) > 6 else 0
+            launches[launch].append((cta, op, arg, start, end, items))
     return launches
 
 
 def summarise(launch, records, levels, top):
     base = min(r[3] for r in records)
     # relative times (the timer's low 32 bits may wrap once)
-    recs = [(c, op, arg, (s - base) & 0xFFFFFFFF, (e - base) & 0xFFFFFFFF)
-            for c, op, arg, s, e in records]
+    recs = [(c, op, arg, (s - base) & 0xFFFFFFFF, (e - base) & 0xFFFFFFFF, n)
+            for c, op, arg, s, e, n in records]
     span = max(r[4] for r in recs)
     print(f"launch {launch}: {len(recs)} instructions on "
           f"{len({r[0] for r in recs})} CTAs, span {span / 1e3:.1f} us")
@@ -77,7 +80,8 @@ def summarise(launch, records, levels, top):
         work_total += rs[at][3] - begin
         for r in work:
             work_by_op[name(r[1])] += r[4] - r[3]
-        steps = " ".join(f"{name(r[1])}:{r[2]} {(r[4] - r[3]) / 1e3:.2f}" for r in work)
+        steps = " ".join(f"{name(r[1])}:{r[2]}{'x' + str(r[5]) if r[5] else ''}"
+                         f" {(r[4] - r[3]) / 1e3:.2f}" for r in work)
         gap = released[b] - released.get(b - 1, 0)
         lines.append((gap, f"  barrier {b:4d}: {gap / 1e3:6.2f} us"
                            f" (wake {wake / 1e3:.2f}) CTA {cta}: {steps}"))

@@ -360,13 +360,63 @@ pub fn matrix_table(plan: &RegisterPlan, slots: impl Fn(usize) -> [usize; 4]) ->
     Ok(table)
 }
 
-/// Vectors a held-row product loads at once (`VP_V`): as many as 32
-/// registers per thread take (rows of `regs_per_row` registers), at most 4;
-/// one where rows take 16 or more registers and two CTAs share an SM.
+/// How the held-row products use the shared-memory stage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ProductStaging {
+    /// Pairs whose held rows' `dy` a transposed product stages per round
+    /// (`VP_S`), at most [`MAX_STAGED_VECTORS`].
+    pairs: usize,
+    /// Pairs whose warp sums a transposed product writes at once (`VP_TB`).
+    sum_pairs: usize,
+    /// Registers' columns of those sums per block barrier (`VP_TK`).
+    sum_regs: usize,
+    /// Items whose inputs a product stages per round (`VP_SX`), a multiple
+    /// of `group`.
+    inputs: usize,
+    /// Items a warp reduces together (`VP_G`, a power of two): their sums
+    /// take `P × R × G` registers, at most 16.
+    group: usize,
+    /// Whether both layouts fit the stage (rows of thousands of columns
+    /// may not; the source then stops the compiler with a message).
+    fits: bool,
+}
+
+impl ProductStaging {
+    fn of(plan: &RegisterPlan) -> Self {
+        let regs = plan.regs_per_row.max(1);
+        let cols = regs * WARP;
+        let warps = CTA_THREADS / WARP;
+        let rows_per_warp = plan.partitions.max(1) * plan.rpw.max(1);
+        let held = rows_per_warp * warps;
+        // at least half the stage for the sums
+        let pairs = (STAGE_FLOATS / 2 / held).clamp(1, MAX_STAGED_VECTORS);
+        let dy = pairs * held;
+        let room = STAGE_FLOATS.saturating_sub(dy);
+        let sum_regs = (room / (warps * WARP)).clamp(1, regs);
+        let sum_pairs = (room / (warps * sum_regs * WARP)).clamp(1, (32 / regs).clamp(1, 4));
+        let mut group = 8;
+        while group > 1 && (rows_per_warp * group > 16 || group * (cols + held) > STAGE_FLOATS) {
+            group /= 2;
+        }
+        let inputs = (STAGE_FLOATS / (cols + held)).min(32) / group * group;
+        ProductStaging {
+            pairs,
+            sum_pairs,
+            sum_regs,
+            inputs: inputs.max(group),
+            group,
+            fits: inputs >= group && sum_pairs * warps * sum_regs * WARP + dy <= STAGE_FLOATS,
+        }
+    }
+}
+
+/// Pairs an outer product into register gradients loads at once (`VP_V`):
+/// as many as 32 registers per thread take (rows of `regs_per_row`
+/// registers), at most 4; one where rows take 16 or more registers and two
+/// CTAs share an SM.
 /// There the kernel has 128 registers per thread, and two vectors of 16
 /// made the Tree-LSTM's h 512 kernel spill (8 bytes at rpw 1, 16 at rpw
-/// 2); one made it fit, and two CTAs per SM beat one (see the engine's
-/// `VariantChoice`).
+/// 2, when the forward products loaded their inputs the same way).
 fn staged_vectors(plan: &RegisterPlan) -> usize {
     let regs_per_row = plan.regs_per_row.max(1);
     if plan.ctas_per_sm >= 2 && regs_per_row >= 16 {
@@ -397,11 +447,19 @@ pub fn kernel_source(plan: &RegisterPlan, options: KernelOptions, fused_cases: &
     let held = plan.partitions.max(1) * (CTA_THREADS / WARP) * plan.rpw;
     let _ = writeln!(s, "#define VP_COLS {cols}");
     let _ = writeln!(s, "#define VP_HELD {held}");
-    let _ = writeln!(
-        s,
-        "#define VP_S {}",
-        (STAGE_FLOATS / (cols + held)).clamp(1, MAX_STAGED_VECTORS)
-    );
+    let staging = ProductStaging::of(plan);
+    let _ = writeln!(s, "#define VP_S {}", staging.pairs);
+    let _ = writeln!(s, "#define VP_TB {}", staging.sum_pairs);
+    let _ = writeln!(s, "#define VP_TK {}", staging.sum_regs);
+    let _ = writeln!(s, "#define VP_SX {}", staging.inputs);
+    let _ = writeln!(s, "#define VP_G {}", staging.group);
+    if !staging.fits {
+        let _ = writeln!(
+            s,
+            "#error \"rows of {cols} columns over {held} held rows do not fit the products' \
+             shared-memory stage\""
+        );
+    }
     let _ = writeln!(s, "#define VP_WARPS {}", CTA_THREADS / WARP);
     let _ = writeln!(s, "#define VP_V {}", staged_vectors(plan));
     let _ = writeln!(s, "#define VP_ITEM {PRODUCT_ITEM_WORDS}");
@@ -544,6 +602,28 @@ __device__ __forceinline__ float vp_warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
+}
+
+// The warp's sums of VP_G values at once: lane l ends with the sum of
+// v[l / (32 / VP_G)] over all lanes. Each halving step exchanges half of a
+// lane's remaining values with the lane `o` apart (the upper lane keeps the
+// upper half), then plain butterfly steps finish each group of 32 / VP_G
+// lanes.
+__device__ __forceinline__ float vp_transposed_sum(float (&v)[VP_G], unsigned lane) {
+#pragma unroll
+    for (int h = VP_G / 2, o = 16; h >= 1; h /= 2, o /= 2) {
+        const bool upper = (lane & o) != 0;
+#pragma unroll
+        for (int i = 0; i < h; ++i) {
+            const float keep = upper ? v[i + h] : v[i];
+            const float give = upper ? v[i] : v[i + h];
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, give, o);
+        }
+    }
+    float s = v[0];
+#pragma unroll
+    for (int o = 16 / VP_G; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    return s;
 }
 
 // A wide product instruction as a tiled GEMM, its output tiles dealt
@@ -712,8 +792,12 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
     // the products' stage: a transposed product's round (rows of dx sums
     // and the held rows' dy), or a wide product's GEMM tiles
     __shared__ __align__(16) float vp_stage[VP_STAGE_FLOATS];
-    float* const vp_dx_sums = vp_stage;
-    float* const vp_dy = vp_stage + VP_S * VP_COLS;
+    // a transposed product's warps' rows of sums and its pairs' held dy
+    float* const vp_sums = vp_stage;
+    float* const vp_dy = vp_stage + VP_TB * VP_WARPS * VP_TK * VP_WARP;
+    // a product's staged inputs and its held rows' biases
+    float* const vp_xs = vp_stage;
+    float* const vp_bias = vp_stage + VP_SX * VP_COLS;
     // per partition: its matrix and first row (for the held-row loads)
     __shared__ unsigned vp_mat[VP_P], vp_first[VP_P];
     const unsigned lane = threadIdx.x % VP_WARP;
@@ -820,149 +904,183 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                 const bool inline_items = (operand[0] & VP_INLINE_ITEMS) != 0;
                 const unsigned count = operand[0] & ~VP_INLINE_ITEMS;
                 const unsigned* list = inline_items ? operand + 1 : script + operands_at + operand[1];
+                // the held row h of this block (partition, warp, row)
+                // holds matrix row vp_first[p] + w * VP_R + r
+#define VP_HELD_ROW(h) (vp_first[(h) / (VP_WARPS * VP_R)] + ((h) / VP_R) % VP_WARPS * VP_R + (h) % VP_R)
+#define VP_HELD_HERE(h) (vp_mat[(h) / (VP_WARPS * VP_R)] == arg && VP_HELD_ROW(h) < rows)
                 if (op == OP_MATVEC_T) {
                     // dx += W^T dy over the held rows, VP_S pairs per
                     // round: the block stages the held rows' dy in shared
-                    // memory, every warp adds its rows' sums for each pair
-                    // into a shared row of dx, and the block adds those to
-                    // the pool, one atomic per column (not per column and
-                    // warp)
+                    // memory; then, VP_TB pairs at a time, every warp
+                    // writes its rows' sums to its own shared row (VP_TK
+                    // registers' columns at a time) and the block adds
+                    // the warps' rows into the pool, one atomic per
+                    // column. (Adding the warps' sums with shared-memory
+                    // atomics instead serialized them: a float atomic on
+                    // shared memory is a compare-and-swap loop, and all
+                    // warps hit the same columns.)
                     for (unsigned v0 = 0; v0 < count; v0 += VP_S) {
                         const unsigned n = min((unsigned)VP_S, count - v0);
                         __syncthreads();
-                        for (unsigned e = threadIdx.x; e < n * VP_COLS; e += VP_THREADS) vp_dx_sums[e] = 0.0f;
                         for (unsigned e = threadIdx.x; e < n * VP_HELD; e += VP_THREADS) {
                             const unsigned j = e / VP_HELD, h = e % VP_HELD;
-                            const unsigned p = h / (VP_WARPS * VP_R), w = (h / VP_R) % VP_WARPS, r = h % VP_R;
-                            const unsigned row = vp_first[p] + w * VP_R + r;
                             const unsigned dy = list[VP_ITEM * (v0 + j)];
-                            vp_dy[e] = (vp_mat[p] == arg && row < rows && dy != VP_NONE) ? pool[dy + row] : 0.0f;
+                            vp_dy[e] = (VP_HELD_HERE(h) && dy != VP_NONE) ? pool[dy + VP_HELD_ROW(h)] : 0.0f;
                         }
                         __syncthreads();
-                        for (unsigned j = 0; j < n; ++j) {
-                            const float* held = vp_dy + j * VP_HELD + warp * VP_R;
-                            float acc[VP_K];
+                        for (unsigned j0 = 0; j0 < n; j0 += VP_TB) {
+                            float acc[VP_TB][VP_K];
 #pragma unroll
-                            for (int k = 0; k < VP_K; ++k) acc[k] = 0.0f;
+                            for (int t = 0; t < VP_TB; ++t) {
+#pragma unroll
+                                for (int k = 0; k < VP_K; ++k) acc[t][k] = 0.0f;
+                                if (j0 + t >= n) continue;
+                                const float* held = vp_dy + (j0 + t) * VP_HELD + warp * VP_R;
+#pragma unroll
+                                for (int p = 0; p < VP_P; ++p) {
+                                    if (pm[p] != arg) continue;
+#pragma unroll
+                                    for (int r = 0; r < VP_R; ++r) {
+                                        const float d = held[p * VP_WARPS * VP_R + r];
+#pragma unroll
+                                        for (int k = 0; k < VP_K; ++k) acc[t][k] = fmaf(d, w[p][r][k], acc[t][k]);
+                                    }
+                                }
+                            }
+#pragma unroll
+                            for (int k0 = 0; k0 < VP_K; k0 += VP_TK) {
+                                // this warp's row of pair t: vp_sums[t][warp][kk * 32 + lane]
+#pragma unroll
+                                for (int t = 0; t < VP_TB; ++t)
+#pragma unroll
+                                    for (int kk = 0; kk < VP_TK && k0 + kk < VP_K; ++kk)
+                                        vp_sums[(t * VP_WARPS + warp) * VP_TK * VP_WARP + kk * VP_WARP + lane] = acc[t][k0 + kk];
+                                __syncthreads();
+                                const unsigned width = min((unsigned)VP_TK, (unsigned)(VP_K - k0)) * VP_WARP;
+                                for (unsigned e = threadIdx.x; e < VP_TB * width; e += VP_THREADS) {
+                                    const unsigned t = e / width, c = e % width, col = k0 * VP_WARP + c;
+                                    if (j0 + t >= n || col >= cols) continue;
+                                    const unsigned dx = list[VP_ITEM * (v0 + j0 + t) + 1];
+                                    if (dx == VP_NONE) continue;
+                                    float sum = 0.0f;
+#pragma unroll
+                                    for (int wi = 0; wi < VP_WARPS; ++wi)
+                                        sum += vp_sums[(t * VP_WARPS + wi) * VP_TK * VP_WARP + c];
+                                    atomicAdd(pool + dx + col, sum);
+                                }
+                                __syncthreads();
+                            }
+                        }
+                    }
+                    break;
+                }
+                if (op == OP_MATVEC) {
+                    // y = W x (+ bias) over the held rows, VP_SX items per
+                    // round: the block stages the items' x and the held
+                    // rows' biases in shared memory (all loads in flight at
+                    // once), then every warp takes VP_G items at a time,
+                    // reads x from shared memory, and reduces its rows'
+                    // VP_G sums together: each halving step of the
+                    // butterfly swaps half of the items, so a lane ends
+                    // with one item's sum (item lane / (32 / VP_G)) after
+                    // VP_G - 1 + log2(32 / VP_G) shuffles, not 5 per item
+                    for (unsigned v0 = 0; v0 < count; v0 += VP_SX) {
+                        const unsigned n = min((unsigned)VP_SX, count - v0);
+                        __syncthreads();
+                        for (unsigned e = threadIdx.x; e < n * VP_COLS; e += VP_THREADS) {
+                            const unsigned j = e / VP_COLS, col = e % VP_COLS;
+                            const unsigned x = list[VP_ITEM * (v0 + j)];
+                            vp_xs[e] = (x != VP_NONE && col < cols) ? pool[x + col] : 0.0f;
+                        }
+                        for (unsigned e = threadIdx.x; e < n * VP_HELD; e += VP_THREADS) {
+                            const unsigned j = e / VP_HELD, h = e % VP_HELD;
+                            const unsigned bias = list[VP_ITEM * (v0 + j) + 2];
+                            vp_bias[e] = (VP_HELD_HERE(h) && bias != VP_NONE) ? pool[bias + VP_HELD_ROW(h)] : 0.0f;
+                        }
+                        __syncthreads();
+                        for (unsigned j0 = 0; j0 < n; j0 += VP_G) {
+                            float acc[VP_P][VP_R][VP_G];
+#pragma unroll
+                            for (int p = 0; p < VP_P; ++p)
+#pragma unroll
+                                for (int r = 0; r < VP_R; ++r)
+#pragma unroll
+                                    for (int i = 0; i < VP_G; ++i) acc[p][r][i] = 0.0f;
+#pragma unroll
+                            for (int k = 0; k < VP_K; ++k) {
+                                float xv[VP_G];
+#pragma unroll
+                                for (int i = 0; i < VP_G; ++i) xv[i] = vp_xs[(j0 + i) * VP_COLS + lane + VP_WARP * k];
+#pragma unroll
+                                for (int p = 0; p < VP_P; ++p) {
+                                    if (pm[p] != arg) continue;
+#pragma unroll
+                                    for (int r = 0; r < VP_R; ++r)
+#pragma unroll
+                                        for (int i = 0; i < VP_G; ++i) acc[p][r][i] = fmaf(w[p][r][k], xv[i], acc[p][r][i]);
+                                }
+                            }
+                            const unsigned item = j0 + lane / (VP_WARP / VP_G);
 #pragma unroll
                             for (int p = 0; p < VP_P; ++p) {
                                 if (pm[p] != arg) continue;
 #pragma unroll
                                 for (int r = 0; r < VP_R; ++r) {
-                                    const float d = held[p * VP_WARPS * VP_R + r];
-#pragma unroll
-                                    for (int k = 0; k < VP_K; ++k) acc[k] = fmaf(d, w[p][r][k], acc[k]);
+                                    const float sum = vp_transposed_sum(acc[p][r], lane);
+                                    const unsigned row = prow[p] + r;
+                                    if (lane % (VP_WARP / VP_G) == 0 && item < n && row < rows) {
+                                        const unsigned y = list[VP_ITEM * (v0 + item) + 1];
+                                        const unsigned h = (p * VP_WARPS + warp) * VP_R + r;
+                                        if (y != VP_NONE) pool[y + row] = sum + vp_bias[item * VP_HELD + h];
+                                    }
                                 }
                             }
-                            float* red = vp_dx_sums + j * VP_COLS;
-#pragma unroll
-                            for (int k = 0; k < VP_K; ++k) atomicAdd(red + lane + VP_WARP * k, acc[k]);
-                        }
-                        __syncthreads();
-                        for (unsigned e = threadIdx.x; e < n * VP_COLS; e += VP_THREADS) {
-                            const unsigned j = e / VP_COLS, col = e % VP_COLS;
-                            const unsigned dx = list[VP_ITEM * (v0 + j) + 1];
-                            if (dx != VP_NONE && col < cols) atomicAdd(pool + dx + col, vp_dx_sums[e]);
                         }
                     }
                     break;
                 }
-                // MATVEC and OUTER: VP_V vectors at a time, their loads all
-                // in flight before the arithmetic (one vector's loads are a
-                // round trip each, the instruction would be latency-bound).
-                // Each warp reads the vectors itself: staging them in shared
-                // memory for the block was slower (the other warps' reads
-                // hit the L1 the first one filled, and the block barriers
-                // of the rounds serialize the warps)
+#undef VP_HELD_ROW
+#undef VP_HELD_HERE
+                // OUTER: (dy, x) pairs, G[row, :] += dy[row] * x, VP_V at
+                // a time, their loads all in flight before the arithmetic
+                // (one pair's loads are a round trip each, the instruction
+                // would be latency-bound)
+#if VP_GRADS
                 for (unsigned v0 = 0; v0 < count; v0 += VP_V) {
-                    unsigned a[VP_V], b[VP_V], c[VP_V];
+                    float xr[VP_V][VP_K];
+                    float d[VP_P][VP_R][VP_V];
 #pragma unroll
                     for (int j = 0; j < VP_V; ++j) {
                         const bool ok = v0 + j < count;
-                        a[j] = ok ? list[VP_ITEM * (v0 + j)] : VP_NONE;
-                        b[j] = ok ? list[VP_ITEM * (v0 + j) + 1] : VP_NONE;
-                        c[j] = ok ? list[VP_ITEM * (v0 + j) + 2] : VP_NONE;
-                    }
-                    if (op == OP_MATVEC) {
-                        // (x, y): y[row] = W[row, :] . x (+ bias[row]); the
-                        // bias loads are issued with the inputs', not after
-                        // the reduction
-                        float xr[VP_V][VP_K];
-                        float bias[VP_P][VP_R][VP_V];
+                        const unsigned dy = ok ? list[VP_ITEM * (v0 + j)] : VP_NONE;
+                        const unsigned x = ok ? list[VP_ITEM * (v0 + j) + 1] : VP_NONE;
+#pragma unroll
+                        for (int k = 0; k < VP_K; ++k) {
+                            const unsigned col = lane + VP_WARP * k;
+                            xr[j][k] = (x != VP_NONE && col < cols) ? pool[x + col] : 0.0f;
+                        }
 #pragma unroll
                         for (int p = 0; p < VP_P; ++p)
-#pragma unroll
-                            for (int r = 0; r < VP_R; ++r)
-#pragma unroll
-                                for (int j = 0; j < VP_V; ++j) {
-                                    const unsigned row = prow[p] + r;
-                                    bias[p][r][j] = (lane == 0 && pm[p] == arg && row < rows && c[j] != VP_NONE)
-                                        ? pool[c[j] + row] : 0.0f;
-                                }
-#pragma unroll
-                        for (int j = 0; j < VP_V; ++j)
-#pragma unroll
-                            for (int k = 0; k < VP_K; ++k) {
-                                const unsigned col = lane + VP_WARP * k;
-                                xr[j][k] = (a[j] != VP_NONE && col < cols) ? pool[a[j] + col] : 0.0f;
-                            }
-#pragma unroll
-                        for (int p = 0; p < VP_P; ++p) {
-                            if (pm[p] != arg) continue;
 #pragma unroll
                             for (int r = 0; r < VP_R; ++r) {
-                                float acc[VP_V];
-#pragma unroll
-                                for (int j = 0; j < VP_V; ++j) {
-                                    acc[j] = 0.0f;
-#pragma unroll
-                                    for (int k = 0; k < VP_K; ++k) acc[j] = fmaf(w[p][r][k], xr[j][k], acc[j]);
-                                    acc[j] = vp_warp_sum(acc[j]);
-                                }
                                 const unsigned row = prow[p] + r;
-                                if (lane == 0 && row < rows) {
-#pragma unroll
-                                    for (int j = 0; j < VP_V; ++j)
-                                        if (b[j] != VP_NONE) pool[b[j] + row] = acc[j] + bias[p][r][j];
-                                }
+                                d[p][r][j] = (pm[p] == arg && row < rows && dy != VP_NONE) ? pool[dy + row] : 0.0f;
                             }
-                        }
-                    } else {
-#if VP_GRADS
-                        // (dy, x): G[row, :] += dy[row] * x
-                        float xr[VP_V][VP_K];
-                        float d[VP_P][VP_R][VP_V];
+                    }
 #pragma unroll
-                        for (int j = 0; j < VP_V; ++j)
+                    for (int p = 0; p < VP_P; ++p) {
+                        if (pm[p] != arg) continue;
 #pragma unroll
-                            for (int k = 0; k < VP_K; ++k) {
-                                const unsigned col = lane + VP_WARP * k;
-                                xr[j][k] = (b[j] != VP_NONE && col < cols) ? pool[b[j] + col] : 0.0f;
-                            }
+                        for (int r = 0; r < VP_R; ++r)
 #pragma unroll
-                        for (int p = 0; p < VP_P; ++p)
+                            for (int j = 0; j < VP_V; ++j)
 #pragma unroll
-                            for (int r = 0; r < VP_R; ++r)
-#pragma unroll
-                                for (int j = 0; j < VP_V; ++j) {
-                                    const unsigned row = prow[p] + r;
-                                    d[p][r][j] = (pm[p] == arg && row < rows && a[j] != VP_NONE) ? pool[a[j] + row] : 0.0f;
-                                }
-#pragma unroll
-                        for (int p = 0; p < VP_P; ++p) {
-                            if (pm[p] != arg) continue;
-#pragma unroll
-                            for (int r = 0; r < VP_R; ++r)
-#pragma unroll
-                                for (int j = 0; j < VP_V; ++j)
-#pragma unroll
-                                    for (int k = 0; k < VP_K; ++k) g[p][r][k] = fmaf(d[p][r][j], xr[j][k], g[p][r][k]);
-                        }
-#else
-                        __trap();
-#endif
+                                for (int k = 0; k < VP_K; ++k) g[p][r][k] = fmaf(d[p][r][j], xr[j][k], g[p][r][k]);
                     }
                 }
+#else
+                __trap();
+#endif
                 break;
             }
             case OP_UPDATE: {
@@ -1129,7 +1247,10 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
             if (threadIdx.x == 0 && traced < VP_TRACE_RECORDS) {
                 unsigned long long ended;
                 asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ended));
-                trace[1 + 3 * traced] = op | (arg << 16);
+                // a product's item count (255: that many or more) in bits 8..15
+                const unsigned items = (op == OP_MATVEC || op == OP_MATVEC_T || op == OP_OUTER)
+                    ? min(operand[0] & 0xffffu, 255u) : 0u;
+                trace[1 + 3 * traced] = op | (items << 8) | (arg << 16);
                 trace[2 + 3 * traced] = (unsigned)started;
                 trace[3 + 3 * traced] = (unsigned)ended;
                 trace[0] = ++traced;
@@ -1256,6 +1377,63 @@ mod tests {
         assert_eq!(vectors(1024, 1), 1);
         // ... but one row of 16 or more at two CTAs per SM (128 registers)
         assert_eq!(vectors(512, 2), 1);
+    }
+
+    #[test]
+    fn held_row_products_fit_their_staging_in_the_stage() {
+        let staging = |rows: usize, cols: usize, rpw: usize, ctas_per_sm: usize| {
+            let m = [MatrixSpec {
+                param: 0,
+                rows,
+                cols,
+            }];
+            let req = PlanRequest {
+                ctas_per_sm: Some(ctas_per_sm),
+                grads_in_registers: Some(false),
+                ..PlanRequest::new(rpw)
+            };
+            let p = plan(&m, &DeviceLimits::hopper(132), &req).unwrap();
+            (ProductStaging::of(&p), p)
+        };
+        // h 512 at two CTAs per SM, rpw 2: one pair's warp sums (8 warps ×
+        // 512 columns) beside 8 pairs' dy of 16 held rows; 8 items reduced
+        // together (2 rows × 8 sums: 16 registers), 8 staged
+        let (s, _) = staging(4096, 512, 2, 2);
+        assert_eq!(
+            s,
+            ProductStaging {
+                pairs: 8,
+                sum_pairs: 1,
+                sum_regs: 16,
+                inputs: 8,
+                group: 8,
+                fits: true
+            }
+        );
+        // h 256, rpw 2: three pairs' sums at once, 24 items staged
+        let (s, _) = staging(2048, 256, 2, 1);
+        assert_eq!((s.sum_pairs, s.sum_regs, s.group, s.inputs), (3, 8, 8, 24));
+        // the widest rows a plan allows (192 registers), and the most held
+        // rows (narrow rows, many partitions)
+        for (rows, cols, rpw, ctas) in [
+            (300, 96, 1, 2),
+            (4096, 1024, 1, 1),
+            (8000, 256, 4, 1),
+            (64, 6144, 1, 1),
+            (150_000, 32, 1, 1),
+        ] {
+            let (s, p) = staging(rows, cols, rpw, ctas);
+            let held = p.partitions * p.rpw * 8;
+            let cols = p.regs_per_row * WARP;
+            assert!(s.fits && s.group.is_power_of_two(), "{s:?}");
+            assert!(
+                p.partitions * p.rpw * s.group <= 16 || s.group == 1,
+                "{s:?}"
+            );
+            assert!(s.inputs % s.group == 0 && s.inputs * (cols + held) <= STAGE_FLOATS);
+            assert!(s.sum_pairs * 8 * s.sum_regs * WARP + s.pairs * held <= STAGE_FLOATS);
+            assert!(!kernel_source(&p, UpdateRule::Sgd.into(), "").contains("#error"));
+        }
     }
 
     #[test]

@@ -1290,7 +1290,8 @@ pub const TRACE_ENV: &str = "RAMUS_VPPS_TRACE";
 
 /// Appends one launch's trace (`words`: the barrier buffer's records,
 /// [`TRACE_WORDS_PER_CTA`] per CTA) to `path` as lines `launch cta opcode
-/// arg start_ns end_ns` (times: the GPU's global timer, low 32 bits).
+/// arg start_ns end_ns items` (times: the GPU's global timer, low 32 bits;
+/// items: a product's item count, 255 for that many or more, else 0).
 /// `scripts/vpps_trace.py` summarises a file.
 fn append_trace(path: &std::path::Path, launch: u64, words: &[u32]) -> Result<()> {
     use std::fmt::Write as _;
@@ -1301,11 +1302,12 @@ fn append_trace(path: &std::path::Path, launch: u64, words: &[u32]) -> Result<()
         for r in rec[1..1 + count * TRACE_RECORD_WORDS].chunks(TRACE_RECORD_WORDS) {
             let _ = writeln!(
                 out,
-                "{launch} {cta} {} {} {} {}",
-                r[0] & 0xffff,
+                "{launch} {cta} {} {} {} {} {}",
+                r[0] & 0xff,
                 r[0] >> 16,
                 r[1],
-                r[2]
+                r[2],
+                (r[0] >> 8) & 0xff
             );
         }
     }
