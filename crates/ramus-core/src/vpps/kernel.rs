@@ -32,14 +32,15 @@
 //!   (inline after the count, or in the operand pool; see
 //!   [`super::schedule`]), `y[row] = W_m[row, :] · x (+ bias[row])` for
 //!   every row of `W_m` this VPP holds (one warp per row, lanes over
-//!   columns, a shuffle reduction; the bias add is the product's epilogue,
-//!   no instruction of its own).
+//!   columns; the block stages the items' `x` and the held rows' biases in
+//!   shared memory, and a warp reduces the sums of several items in one
+//!   butterfly; the bias add is the product's epilogue, no instruction of
+//!   its own).
 //! * [`OP_MATVEC_T`] `m` — for each `(dy, dx)` pair, `dx += W_mᵀ dy` restricted
 //!   to the held rows, summed over this VPP's rows in registers, over its
-//!   warps in shared memory, and added to `dx` with one atomic per column
-//!   (`dx` must start at zero). The pairs go in rounds of up to 8: the
-//!   block stages the held rows' `dy` and zeroes a shared row of `dx` per
-//!   pair first.
+//!   warps through a shared row per warp, and added to `dx` with one
+//!   atomic per column (`dx` must start at zero). The pairs go in rounds of
+//!   up to 8 whose held rows' `dy` the block stages first.
 //! * [`OP_OUTER`] `m` — for each `(dy, x)` pair, `G_m[row, :] += dy[row] · x`
 //!   into the gradient registers.
 //! * A product instruction the scheduler flagged wide (at least
@@ -172,7 +173,9 @@ pub const MATRIX_WORDS: usize = 6;
 /// [`OP_UPDATE`]). Below it the register path's latency wins: on the H100,
 /// 8 rather than 32 took the Tree-LSTM's kernel at batch 8 from 0.68 to
 /// 0.62 ms (h 256; 16: 0.66) and from 1.19 to 1.04 ms (h 512); 4 was no
-/// faster.
+/// faster. With the held-row products staging their inputs, 16 was no
+/// faster than 8 (h 512, batch 8: 0.755 against 0.767 ms; h 256 0.458
+/// against 0.468), 32 and 64 slower (0.838 and 0.939 at h 512).
 pub const WIDE_PRODUCT_ITEMS: u32 = 8;
 
 /// Output tile of a wide product (rows × columns of the GEMM), the depth
@@ -223,8 +226,8 @@ pub const TRACE_AT: usize = super::schedule::MAX_BARRIERS + 1;
 /// Words of the barrier buffer each CTA's trace takes: a record count,
 /// then records of [`TRACE_RECORD_WORDS`] words.
 pub const TRACE_WORDS_PER_CTA: usize = 8192;
-/// Words per trace record: `opcode | arg << 16`, then the instruction's
-/// start and end on the GPU's global timer (low 32 bits of nanoseconds).
+/// Words per trace record: `opcode | items << 8 | arg << 16` (items: a
+/// product's item count, at most 255), then the instruction's start and end on the GPU's global timer (low 32 bits of nanoseconds).
 pub const TRACE_RECORD_WORDS: usize = 3;
 
 // the records never overlap a barrier counter

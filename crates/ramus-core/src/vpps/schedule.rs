@@ -21,7 +21,8 @@
 //!   instruction of at least [`Scheduler::wide_items`] items goes instead
 //!   to a range of VPPs, one per piece of its GEMM (all of them at most),
 //!   its count flagged [`WIDE_ITEMS`] (the kernel deals the GEMM over
-//!   them);
+//!   them); a level's wide products share the VPPs the level's other work
+//!   leaves idle, in proportion to their work;
 //! * `Every` tasks run on all VPPs;
 //! * `Any` tasks run on the VPP with the least load accumulated so far in
 //!   their level (ties to the lowest index; see
@@ -245,8 +246,9 @@ pub struct Scheduler {
     pub holder_item: usize,
     /// A merged product instruction (`holder_item > 0`) of at least this
     /// many items goes, flagged [`WIDE_ITEMS`], to as many VPPs as it has
-    /// GEMM pieces ([`wide_tiles`], at most all of them; the ranges rotate
-    /// over the VPPs) instead of to the matrix's holders (see
+    /// GEMM pieces ([`wide_tiles`], at most all of them; a level's wide
+    /// products share the VPPs its other work leaves idle, see
+    /// `deal_wide_ranges`) instead of to the matrix's holders (see
     /// [`kernel::WIDE_PRODUCT_ITEMS`](super::kernel::WIDE_PRODUCT_ITEMS));
     /// `None`: never.
     pub wide_items: Option<usize>,
@@ -629,7 +631,7 @@ impl Scheduler {
         // where the next wide product's VPP range starts, and its VPPs
         let mut wide_next = 0usize;
         let mut wide_runners: Vec<u32> = Vec::new();
-        // per VPP: runs other work at this level (see `WideRanges`)
+        // per VPP: runs other work at this level (see `deal_wide_ranges`)
         let mut busy = vec![false; vpps];
         let mut wide_products: Vec<WideProduct> = Vec::new();
         let mut wide_ranges: Vec<(usize, usize)> = Vec::new();
