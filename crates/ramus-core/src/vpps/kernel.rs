@@ -227,7 +227,8 @@ pub const TRACE_AT: usize = super::schedule::MAX_BARRIERS + 1;
 /// then records of [`TRACE_RECORD_WORDS`] words.
 pub const TRACE_WORDS_PER_CTA: usize = 8192;
 /// Words per trace record: `opcode | items << 8 | arg << 16` (items: a
-/// product's item count, at most 255), then the instruction's start and end on the GPU's global timer (low 32 bits of nanoseconds).
+/// product's item count, at most 255), then the instruction's start and
+/// end on the GPU's global timer (low 32 bits of nanoseconds).
 pub const TRACE_RECORD_WORDS: usize = 3;
 
 // the records never overlap a barrier counter

@@ -635,6 +635,8 @@ impl Scheduler {
         let mut busy = vec![false; vpps];
         let mut wide_products: Vec<WideProduct> = Vec::new();
         let mut wide_ranges: Vec<(usize, usize)> = Vec::new();
+        // per merged group of the level: its wide product's index, if wide
+        let mut group_wide: Vec<Option<usize>> = Vec::new();
         // (op, arg, matrix) of each merged group of the level (few: a scan)
         let mut group_of: Vec<(u8, u16, u16)> = Vec::new();
         let mut groups: Vec<Vec<u32>> = Vec::new();
@@ -662,9 +664,12 @@ impl Scheduler {
             }
             // The level's wide products, dealt over disjoint VPP ranges.
             wide_products.clear();
+            group_wide.clear();
             busy.fill(false);
             for group in &groups {
                 let first = &g.tasks[group[0] as usize];
+                let at = group_wide.len();
+                group_wide.push(None);
                 let Placement::Holders { matrix } = first.placement else {
                     continue;
                 };
@@ -676,6 +681,7 @@ impl Scheduler {
                     .checked_div(self.holder_item);
                 match (self.wide_items, self.matrix_shapes.get(m), items) {
                     (Some(w), Some(&(rows, cols)), Some(count)) if count >= w => {
+                        group_wide[at] = Some(wide_products.len());
                         wide_products.push(WideProduct {
                             op: first.op,
                             rows,
@@ -696,9 +702,8 @@ impl Scheduler {
                 }
             }
             deal_wide_ranges(&busy, &mut wide_next, &wide_products, &mut wide_ranges);
-            let mut wide_at = 0;
 
-            for group in &groups {
+            for (group, wide) in groups.iter().zip(&group_wide) {
                 let first = &g.tasks[group[0] as usize];
                 let Placement::Holders { matrix } = first.placement else {
                     continue;
@@ -746,14 +751,7 @@ impl Scheduler {
                         CoreError::vpps(WHAT, "more than 2^30 items in one instruction")
                     })?;
                 // a wide one runs on a range of VPPs, one per GEMM piece
-                let wide = match (self.wide_items, self.matrix_shapes.get(m)) {
-                    (Some(w), Some(_)) if item > 0 && count as usize >= w => {
-                        wide_at += 1;
-                        // (the level's pre-pass found the same products)
-                        wide_ranges.get(wide_at - 1).copied()
-                    }
-                    _ => None,
-                };
+                let wide = wide.and_then(|at| wide_ranges.get(at).copied());
                 let mut operands = Vec::with_capacity(2 + words.min(MAX_INLINE_ITEM_WORDS));
                 let runners = match wide {
                     Some((first_vpp, n)) => {
