@@ -3,11 +3,12 @@
 
 Each line of the trace is `launch cta opcode arg start_ns end_ns items`
 (times on the GPU's global timer, low 32 bits; items: a product's item
-count, 255 for that many or more, else 0; older traces lack it). For every launch (or the one given
-with --launch) this prints the kernel's span, each opcode's duration
-percentiles, and the critical path barrier by barrier: for barrier b, the
-CTA whose SIGNAL came last, how long it took to wake after the previous
-barrier, and the instructions it ran in between.
+count, 255 for that many or more, else 0; older traces lack it). For
+every launch (or the one given with --launch) this prints the kernel's
+span, each opcode's duration percentiles, and the critical path barrier
+by barrier: for barrier b, the CTA whose SIGNAL came last, how long it
+took to wake after the previous barrier, and the instructions it ran in
+between.
 
     RAMUS_VPPS_TRACE=trace.txt ramus bench data.txt --device cuda \
         --engine persistent --batch-sizes 8 --reps 1

@@ -385,13 +385,21 @@ struct ProductStaging {
     fits: bool,
 }
 
+/// A plan's register rows as the kernel sees them: their columns
+/// (`VP_COLS`: registers per row times the lanes) and the rows one block
+/// holds (`VP_HELD`: partitions × warps × `rpw`).
+fn held_rows(plan: &RegisterPlan) -> (usize, usize) {
+    let cols = plan.regs_per_row.max(1) * WARP;
+    let held = plan.partitions.max(1) * (CTA_THREADS / WARP) * plan.rpw.max(1);
+    (cols, held)
+}
+
 impl ProductStaging {
     fn of(plan: &RegisterPlan) -> Self {
         let regs = plan.regs_per_row.max(1);
-        let cols = regs * WARP;
         let warps = CTA_THREADS / WARP;
-        let rows_per_warp = plan.partitions.max(1) * plan.rpw.max(1);
-        let held = rows_per_warp * warps;
+        let (cols, held) = held_rows(plan);
+        let rows_per_warp = held / warps;
         // at least half the stage for the sums
         let pairs = (STAGE_FLOATS / 2 / held).clamp(1, MAX_STAGED_VECTORS);
         let dy = pairs * held;
@@ -447,8 +455,7 @@ pub fn kernel_source(plan: &RegisterPlan, options: KernelOptions, fused_cases: &
     let _ = writeln!(s, "#define VP_K {}", plan.regs_per_row.max(1));
     // pairs per round of a transposed product, staged in shared memory:
     // each takes a full-width row of sums and a scalar per held row
-    let cols = plan.regs_per_row.max(1) * WARP;
-    let held = plan.partitions.max(1) * (CTA_THREADS / WARP) * plan.rpw;
+    let (cols, held) = held_rows(plan);
     let _ = writeln!(s, "#define VP_COLS {cols}");
     let _ = writeln!(s, "#define VP_HELD {held}");
     let staging = ProductStaging::of(plan);
