@@ -1,7 +1,7 @@
-//! `ramus bench`: inference latency and training throughput of the
-//! reference Tree-LSTM on the first trees of a file (the batches the
-//! PyTorch anchor uses), optionally with the anchor run in the same process
-//! tree for side-by-side ratios.
+//! `ramus bench`: inference latency and training throughput of a model
+//! (by default the reference Tree-LSTM) on the first inputs of a file —
+//! for the tree models the batches the PyTorch anchor uses — optionally
+//! with the anchor run in the same process tree for side-by-side ratios.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -10,9 +10,13 @@ use std::time::Instant;
 use ramus_core::{Grads, Model, Params};
 use ramus_cpu::{Batch, CpuEngine, Mode};
 use ramus_cuda::CudaEngine;
-use ramus_graph::{ptb, BatchingPolicy, InputGraph, Vocab, VocabMode};
-use ramus_nn::{build_model, Engine, ModelConfig, Optimizer, OptimizerConfig, OptimizerKind};
+use ramus_graph::{BatchingPolicy, InputGraph, Vocab, VocabMode};
+use ramus_nn::{
+    build_model, build_sequence_model, data_kind, DataKind, Engine, ModelConfig, ModelOptions,
+    Optimizer, OptimizerConfig, OptimizerKind,
+};
 
+use crate::data;
 use crate::device::{self, Device};
 
 mod compiled;
@@ -21,7 +25,10 @@ mod traffic;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    /// Tree file (SST format); batches are its first B trees.
+    /// Input file; batches are its first B inputs. Trees (SST format) for
+    /// the tree models and the time-delay networks (read as pyramids over
+    /// the leaves), tagged text (`word|TAG ...`, WikiNER) for the taggers,
+    /// plain sentences for lstm-lm.
     trees: PathBuf,
     #[arg(long, default_value_t = 256)]
     hidden: usize,
@@ -58,7 +65,9 @@ pub struct BenchArgs {
     #[arg(long, default_value = "batched")]
     engine: String,
     /// Model to time: treelstm (the anchor's model), treelstm-nary, treefc,
-    /// mvrnn (binary trees), treegru, dagrnn (with --grid).
+    /// mvrnn (binary trees), treegru, rvnn, dagrnn (with --grid), the
+    /// taggers bilstm-tagger and bilstm-char-tagger, the time-delay
+    /// networks td-rnn and td-lstm, or lstm-lm.
     #[arg(long, default_value = "treelstm")]
     model: String,
     /// With --engine compiled: time the Cortex ablation (fusion only, +
@@ -70,6 +79,8 @@ pub struct BenchArgs {
     ablation: bool,
     #[command(flatten)]
     recursion: RecursionFlags,
+    #[command(flatten)]
+    sequence: crate::sequence::SequenceArgs,
     /// With --engine compiled: threads per block of the generated kernel
     /// [default: by the weight registers, 512 or 256].
     #[arg(long)]
@@ -228,6 +239,98 @@ fn median_time(reps: usize, f: impl FnMut() -> AnyResult) -> AnyResult<f64> {
     Ok(times[times.len() / 2])
 }
 
+/// What a bench times: its inputs (the first ones of the file, or the
+/// synthetic graphs `--grid` / `--perfect-tree` ask for), the model built
+/// for them and the size of their word vocabulary.
+struct BenchInputs {
+    graphs: Vec<InputGraph>,
+    model: Model,
+    vocab: usize,
+}
+
+/// Reads `a.trees` as the data of `a.model` (see [`data_kind`]) and
+/// builds the model for it: the vocabulary grows from the file, a tagger's
+/// classes are the file's tags (its rare words spelled out for the
+/// character tagger, as `ramus train` does; the inputs are the training
+/// split of the file), the other models have five classes. `count`:
+/// synthetic graphs to make for `--grid` / `--perfect-tree`.
+fn read_inputs(a: &BenchArgs, count: usize) -> AnyResult<BenchInputs> {
+    let kind = data_kind(&a.model).ok_or_else(|| {
+        format!(
+            "unknown model `{}` (known: {})",
+            a.model,
+            ramus_nn::MODEL_NAMES.join(", ")
+        )
+    })?;
+    if kind != DataKind::Trees && (a.grid.is_some() || a.perfect_tree.is_some()) {
+        return Err(format!(
+            "--grid and --perfect-tree make trees and DAGs; `{}` does not read them",
+            a.model
+        )
+        .into());
+    }
+    let (graphs, vocab, classes, chars) = match kind {
+        DataKind::Images => {
+            return Err(format!(
+                "`{}` is a CNN: time it with `ramus bench-swap`, not `ramus bench`",
+                a.model
+            )
+            .into())
+        }
+        DataKind::Tagged { chars } => {
+            let splits = data::load_tagged_splits(Some(&a.trees), chars)?;
+            let chars = splits.chars();
+            (splits.train, splits.vocab, splits.classes, chars)
+        }
+        DataKind::Trees | DataKind::Sentences | DataKind::SentencePyramid => {
+            let mut vocab = Vocab::new();
+            let mut graphs = data::read_graphs(&a.trees, kind, VocabMode::Grow(&mut vocab))?;
+            if let Some(grid) = &a.grid {
+                graphs = grid_dags(grid, count, vocab.len())?;
+            }
+            if let Some(height) = a.perfect_tree {
+                let mut rng = ramus_nn::train::rng(0);
+                graphs = (0..count)
+                    .map(|_| {
+                        ramus_graph::random::perfect_tree(&mut rng, height, vocab.len() as u32, 5)
+                    })
+                    .collect::<Result<_, _>>()?;
+            }
+            let classes = if kind == DataKind::Sentences { 0 } else { 5 };
+            (graphs, vocab, classes, 0)
+        }
+    };
+    let cfg = ModelConfig {
+        vocab: vocab.len(),
+        hidden: a.hidden,
+        classes,
+    };
+    let model = match a.sequence.config(&a.model, chars)? {
+        Some(seq) => build_sequence_model(&a.model, &cfg, &seq, &ModelOptions::default())?,
+        None => build_model(&a.model, &cfg)?,
+    };
+    Ok(BenchInputs {
+        graphs,
+        model,
+        vocab: vocab.len(),
+    })
+}
+
+/// `count` random `ROWSxCOLS` grid DAGs (`--grid`) over a vocabulary of
+/// `vocab` words.
+fn grid_dags(grid: &str, count: usize, vocab: usize) -> AnyResult<Vec<InputGraph>> {
+    let bad = || format!("--grid `{grid}`: expected ROWSxCOLS, e.g. 10x10");
+    let (r, c) = grid.split_once('x').ok_or_else(bad)?;
+    let (r, c): (usize, usize) = (r.parse().map_err(|_| bad())?, c.parse().map_err(|_| bad())?);
+    if r == 0 || c == 0 {
+        return Err(bad().into());
+    }
+    let mut rng = ramus_nn::train::rng(0);
+    Ok((0..count)
+        .map(|_| ramus_graph::random::grid_dag(&mut rng, r, c, vocab as u32, 5))
+        .collect::<Result<_, _>>()?)
+}
+
 pub fn run(a: BenchArgs) -> AnyResult {
     let policy: BatchingPolicy = a.policy.parse()?;
     let sizes: Vec<usize> = a
@@ -242,52 +345,34 @@ pub fn run(a: BenchArgs) -> AnyResult {
     if sizes.contains(&0) {
         return Err("batch sizes must be at least 1".into());
     }
-    let mut vocab = Vocab::new();
-    let mut trees = ptb::read_trees(&a.trees, VocabMode::Grow(&mut vocab))?;
-    if let Some(grid) = &a.grid {
-        let bad = || format!("--grid `{grid}`: expected ROWSxCOLS, e.g. 10x10");
-        let (r, c) = grid.split_once('x').ok_or_else(bad)?;
-        let (r, c): (usize, usize) = (r.parse().map_err(|_| bad())?, c.parse().map_err(|_| bad())?);
-        if r == 0 || c == 0 {
-            return Err(bad().into());
-        }
-        let mut rng = ramus_nn::train::rng(0);
-        let count = sizes.iter().copied().max().unwrap_or(1);
-        trees = (0..count)
-            .map(|_| ramus_graph::random::grid_dag(&mut rng, r, c, vocab.len() as u32, 5))
-            .collect::<Result<_, _>>()?;
-    }
-    if let Some(height) = a.perfect_tree {
-        let mut rng = ramus_nn::train::rng(0);
-        let count = sizes.iter().copied().max().unwrap_or(1);
-        trees = (0..count)
-            .map(|_| ramus_graph::random::perfect_tree(&mut rng, height, vocab.len() as u32, 5))
-            .collect::<Result<_, _>>()?;
-    }
-    let model = build_model(
-        &a.model,
-        &ModelConfig {
-            vocab: vocab.len(),
-            hidden: a.hidden,
-            classes: 5,
-        },
-    )?;
-    if let Some(big) = sizes.iter().find(|&&bs| bs > trees.len()) {
+    if a.anchor.is_some() && a.model != "treelstm" {
         return Err(format!(
-            "batch size {big} exceeds the {} trees in {}",
-            trees.len(),
+            "--anchor times the reference treelstm, not `{}`",
+            a.model
+        )
+        .into());
+    }
+    let BenchInputs {
+        graphs: inputs,
+        model,
+        vocab,
+    } = read_inputs(&a, sizes.iter().copied().max().unwrap_or(1))?;
+    if let Some(big) = sizes.iter().find(|&&bs| bs > inputs.len()) {
+        return Err(format!(
+            "batch size {big} exceeds the {} inputs in {}",
+            inputs.len(),
             a.trees.display()
         )
         .into());
     }
     let mut params = Params::<f32>::init(&model, 0);
-    if let Some(inputs) = a.profile_inputs {
-        return traffic::run(&a, inputs, &model, &params, &trees, &sizes);
+    if let Some(profiled) = a.profile_inputs {
+        return traffic::run(&a, profiled, &model, &params, &inputs, &sizes);
     }
     match a.engine.as_str() {
         "batched" => {}
-        "compiled" => return compiled::run(&a, &model, &params, &trees, &sizes),
-        "persistent" => return persistent::run(&a, &model, &params, &trees, &sizes),
+        "compiled" => return compiled::run(&a, &model, &params, &inputs, &sizes),
+        "persistent" => return persistent::run(&a, &model, &params, &inputs, &sizes),
         other => {
             return Err(format!(
                 "unknown engine `{other}` (expected batched, compiled or persistent)"
@@ -297,14 +382,14 @@ pub fn run(a: BenchArgs) -> AnyResult {
     }
     let mut opt = Optimizer::new(OptimizerConfig::new(OptimizerKind::Sgd, 0.05), &params);
     let mut grads = Grads::zeros(&model);
-    let (mut engine, table_ms) = bench_engine(&a, &model, &params, vocab.len())?;
+    let (mut engine, table_ms) = bench_engine(&a, &model, &params, vocab)?;
     let device_name = match &engine {
         BenchEngine::Cpu(_) => "cpu".to_string(),
         BenchEngine::Cuda(e) => e.device().name().to_string(),
     };
     let mut results = Vec::new();
     for &bs in &sizes {
-        let batch: Vec<&InputGraph> = trees[..bs].iter().collect();
+        let batch: Vec<&InputGraph> = inputs[..bs].iter().collect();
         let nodes: usize = batch.iter().map(|g| g.len()).sum();
         let before = engine.launches();
         let infer = median_time(a.reps, || {
@@ -331,7 +416,7 @@ pub fn run(a: BenchArgs) -> AnyResult {
         };
         let train_kernels = engine.launches().zip(before).map(|(x, y)| (x - y) / calls);
         let line = serde_json::json!({
-            "system": "ramus", "engine": engine.engine().name(), "device": device_name, "policy": a.policy,
+            "system": "ramus", "model": a.model, "engine": engine.engine().name(), "device": device_name, "policy": a.policy,
             "threads": rayon::current_num_threads(), "hidden": a.hidden, "batch": bs, "nodes": nodes,
             "infer_ms": (infer * 1e6).round() / 1e3, "train_sent_per_s": ((bs as f64 / train) * 10.0).round() / 10.0,
             "leaf_table_build_ms": table_ms.map(|t| (t * 10.0).round() / 10.0),

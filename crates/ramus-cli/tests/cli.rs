@@ -810,6 +810,57 @@ fn train_save_and_eval_the_taggers_on_a_tagged_file() {
 }
 
 #[test]
+fn bench_the_taggers_and_the_time_delay_networks() {
+    let tagged = tmp("bench-tagged.txt");
+    std::fs::write(&tagged, tagged_text(40)).unwrap();
+    let trees = tmp("bench-trees.txt");
+    std::fs::write(&trees, "(3 (2 a) (4 (2 very) (4 good)))\n(1 (2 not) (3 good))\n").unwrap();
+    let bench = |file: &PathBuf, model: &str| -> Vec<serde_json::Value> {
+        json_lines(&ramus_ok(&[
+            "bench",
+            file.to_str().unwrap(),
+            "--model",
+            model,
+            "--hidden",
+            "8",
+            "--mlp",
+            "8",
+            "--batch-sizes",
+            "1,2",
+            "--reps",
+            "1",
+        ]))
+    };
+    for model in ["bilstm-tagger", "bilstm-char-tagger"] {
+        let lines = bench(&tagged, model);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(lines.iter().all(|l| l["model"] == model), "{lines:?}");
+        // the first training sentences (sentence 0 has 3 words, 1 has 4):
+        // a tagger's graph has more vertices than words, and two sentences
+        // more than one
+        let nodes: Vec<u64> = lines.iter().map(|l| l["nodes"].as_u64().unwrap()).collect();
+        assert!(nodes[0] > 3 && nodes[1] > nodes[0] + 4, "{model}: {nodes:?}");
+        assert!(lines[1]["train_sent_per_s"].as_f64().unwrap() > 0.0);
+    }
+    // time-delay pyramids over 3 and 2 leaves: 3 + 2 + 1 and 2 + 1 vertices
+    for model in ["td-rnn", "td-lstm"] {
+        let nodes: Vec<u64> = bench(&trees, model)
+            .iter()
+            .map(|l| l["nodes"].as_u64().unwrap())
+            .collect();
+        assert_eq!(nodes, [6, 9], "{model}");
+    }
+    let o = ramus(&["bench", tagged.to_str().unwrap(), "--model", "bilstm-tagger", "--grid", "3x3"]);
+    assert_one_line_error(&o, "`bilstm-tagger` does not read them");
+    let o = ramus(&["bench", trees.to_str().unwrap(), "--model", "td-rnn", "--anchor", "a.py"]);
+    assert_one_line_error(&o, "--anchor times the reference treelstm, not `td-rnn`");
+    let o = ramus(&["bench", trees.to_str().unwrap(), "--mlp", "8"]);
+    assert_one_line_error(&o, "--mlp applies to the sequence models");
+    let o = ramus(&["bench", trees.to_str().unwrap(), "--model", "vgg11"]);
+    assert_one_line_error(&o, "`vgg11` is a CNN");
+}
+
+#[test]
 fn train_the_time_delay_networks_and_rvnn_on_tree_files() {
     let dir = tmp("sst-like");
     std::fs::create_dir_all(&dir).unwrap();

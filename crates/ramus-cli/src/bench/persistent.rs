@@ -94,7 +94,7 @@ pub fn run(
         let step = last.ok_or("no step ran")?;
         let per_s = |t: f64| ((bs as f64 / t) * 10.0).round() / 10.0;
         let line = serde_json::json!({
-            "system": "ramus", "engine": "persistent", "hidden": a.hidden, "batch": bs, "nodes": nodes,
+            "system": "ramus", "model": a.model, "engine": "persistent", "hidden": a.hidden, "batch": bs, "nodes": nodes,
             "train_ms": (steady * 1e6).round() / 1e3, "train_sent_per_s": per_s(steady),
             "stream_ms": (stream * 1e6).round() / 1e3, "stream_sent_per_s": per_s(stream),
             "sync_train_ms": (sync_train * 1e6).round() / 1e3, "kernel_ms": kernel_ms,
