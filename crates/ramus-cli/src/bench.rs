@@ -346,11 +346,7 @@ pub fn run(a: BenchArgs) -> AnyResult {
         return Err("batch sizes must be at least 1".into());
     }
     if a.anchor.is_some() && a.model != "treelstm" {
-        return Err(format!(
-            "--anchor times the reference treelstm, not `{}`",
-            a.model
-        )
-        .into());
+        return Err(format!("--anchor times the reference treelstm, not `{}`", a.model).into());
     }
     let BenchInputs {
         graphs: inputs,

@@ -326,7 +326,11 @@ pub fn read_tagged_frozen(
 
 /// Reads one file of trees, sentences or pyramids (not images: see
 /// [`read_image_split`]; not tagged text: see [`read_tagged_frozen`]).
-pub(crate) fn read_graphs(path: &Path, kind: DataKind, mode: VocabMode<'_>) -> AnyResult<Vec<InputGraph>> {
+pub(crate) fn read_graphs(
+    path: &Path,
+    kind: DataKind,
+    mode: VocabMode<'_>,
+) -> AnyResult<Vec<InputGraph>> {
     Ok(match kind {
         DataKind::Trees => ptb::read_trees(path, mode)?,
         DataKind::SentencePyramid => ptb::read_trees(path, mode)?

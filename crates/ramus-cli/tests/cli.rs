@@ -814,7 +814,11 @@ fn bench_the_taggers_and_the_time_delay_networks() {
     let tagged = tmp("bench-tagged.txt");
     std::fs::write(&tagged, tagged_text(40)).unwrap();
     let trees = tmp("bench-trees.txt");
-    std::fs::write(&trees, "(3 (2 a) (4 (2 very) (4 good)))\n(1 (2 not) (3 good))\n").unwrap();
+    std::fs::write(
+        &trees,
+        "(3 (2 a) (4 (2 very) (4 good)))\n(1 (2 not) (3 good))\n",
+    )
+    .unwrap();
     let bench = |file: &PathBuf, model: &str| -> Vec<serde_json::Value> {
         json_lines(&ramus_ok(&[
             "bench",
@@ -839,7 +843,10 @@ fn bench_the_taggers_and_the_time_delay_networks() {
         // a tagger's graph has more vertices than words, and two sentences
         // more than one
         let nodes: Vec<u64> = lines.iter().map(|l| l["nodes"].as_u64().unwrap()).collect();
-        assert!(nodes[0] > 3 && nodes[1] > nodes[0] + 4, "{model}: {nodes:?}");
+        assert!(
+            nodes[0] > 3 && nodes[1] > nodes[0] + 4,
+            "{model}: {nodes:?}"
+        );
         assert!(lines[1]["train_sent_per_s"].as_f64().unwrap() > 0.0);
     }
     // time-delay pyramids over 3 and 2 leaves: 3 + 2 + 1 and 2 + 1 vertices
@@ -850,9 +857,23 @@ fn bench_the_taggers_and_the_time_delay_networks() {
             .collect();
         assert_eq!(nodes, [6, 9], "{model}");
     }
-    let o = ramus(&["bench", tagged.to_str().unwrap(), "--model", "bilstm-tagger", "--grid", "3x3"]);
+    let o = ramus(&[
+        "bench",
+        tagged.to_str().unwrap(),
+        "--model",
+        "bilstm-tagger",
+        "--grid",
+        "3x3",
+    ]);
     assert_one_line_error(&o, "`bilstm-tagger` does not read them");
-    let o = ramus(&["bench", trees.to_str().unwrap(), "--model", "td-rnn", "--anchor", "a.py"]);
+    let o = ramus(&[
+        "bench",
+        trees.to_str().unwrap(),
+        "--model",
+        "td-rnn",
+        "--anchor",
+        "a.py",
+    ]);
     assert_one_line_error(&o, "--anchor times the reference treelstm, not `td-rnn`");
     let o = ramus(&["bench", trees.to_str().unwrap(), "--mlp", "8"]);
     assert_one_line_error(&o, "--mlp applies to the sequence models");

@@ -782,8 +782,9 @@ pub fn fuse(graph: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool) -> R
 /// of a `matmul` without `trans_a`, or either operand of one with
 /// `trans_a` (the engine passes the window through the leading dimension),
 /// or the operand of a `sum_children` (the engine's child-sum kernel reads
-/// rows with a stride).
-fn reads_in_place(graph: &Graph, user: NodeId, slice: NodeId, elementwise: bool) -> bool {
+/// rows with a stride). `elementwise`: `user` is fused (an unfused
+/// elementwise op reads its operands whole, not in place).
+pub fn reads_in_place(graph: &Graph, user: NodeId, slice: NodeId, elementwise: bool) -> bool {
     let node = &graph.nodes[user];
     if elementwise {
         let st = &graph.nodes[slice].ty;

@@ -130,23 +130,27 @@ pub(super) fn tuned_engine(
     };
     let mut persistent = PersistentEngine::new(model, params, config, &options)?;
     let warm: Vec<&InputGraph> = warm.iter().collect();
+    let search_started = std::time::Instant::now();
     let mut searched = 0;
     while persistent.tuning() && searched < 100 {
         persistent.submit(model, &warm)?;
         searched += 1;
     }
     persistent.latest()?;
+    let search_s = search_started.elapsed().as_secs_f64();
     let plan = persistent.register_plan();
     let report = persistent.kernel_report();
     println!(
         "{}",
         serde_json::json!({
             "setup": "persistent", "setup_s": (persistent.setup_seconds() * 1e3).round() / 1e3,
+            "context_s": (persistent.context_seconds() * 1e3).round() / 1e3,
             "ctas": plan.ctas, "ctas_per_sm": plan.ctas_per_sm, "rpw": plan.rpw,
             "partitions": plan.partitions, "grads_in_registers": plan.grads_in_registers,
             "registers_per_thread": report.registers_per_thread,
             "kernel_build_s": (report.build_seconds * 1e3).round() / 1e3,
             "rpw_compiled": persistent.compiled_rpws(), "rpw_search_batches": searched,
+            "rpw_search_s": (search_s * 1e3).round() / 1e3,
         })
     );
     Ok(persistent)

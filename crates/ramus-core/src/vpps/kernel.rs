@@ -121,9 +121,11 @@ pub const OP_FUSED: u8 = OP_FIRST_ENGINE + 4;
 /// dst_index, src_index]`: for `i < rows`, `c < width`,
 /// `dst[D(i) + c] (+)= src[S(i) + c]` where `D(i) = dst + i·dst_stride`
 /// without an index (`dst_index = NO_INDEX`), else `dst + idx[i]·dst_stride`
-/// or, with [`ROWS_DST_ABSOLUTE`], `idx[i]` itself (likewise `S`); a source
-/// index entry [`NO_INDEX`] reads zeros, a destination one skips the row. Arg: [`ROWS_ACCUMULATE`] (atomic
-/// add) | [`ROWS_DST_ABSOLUTE`] | [`ROWS_SRC_ABSOLUTE`].
+/// or, with [`ROWS_DST_ABSOLUTE`], `dst + idx[i]` (the entries are pool
+/// offsets, `dst` a column within the rows; likewise `S`); a source index
+/// entry [`NO_INDEX`] reads zeros, a destination one skips the row. Arg:
+/// [`ROWS_ACCUMULATE`] (atomic add) | [`ROWS_DST_ABSOLUTE`] |
+/// [`ROWS_SRC_ABSOLUTE`].
 pub const OP_ROWS: u8 = OP_FIRST_ENGINE + 5;
 /// `dst[i, c] = Σ_{e = csr[i]..csr[i+1]} src[e·src_stride + c]`; operands
 /// `[rows, width, dst, src, src_stride, csr]` (csr: pool offset of rows + 1
@@ -149,9 +151,11 @@ pub const OP_NOP: u8 = OP_FIRST_ENGINE + 11;
 
 /// [`OP_ROWS`] / [`OP_SUM_ROWS`] flag: add atomically instead of storing.
 pub const ROWS_ACCUMULATE: u16 = 1;
-/// [`OP_ROWS`] flag: destination index entries are absolute pool offsets.
+/// [`OP_ROWS`] flag: destination index entries are pool offsets of rows
+/// (the instruction's `dst` adds a column to them).
 pub const ROWS_DST_ABSOLUTE: u16 = 2;
-/// [`OP_ROWS`] flag: source index entries are absolute pool offsets.
+/// [`OP_ROWS`] flag: source index entries are pool offsets of rows (the
+/// instruction's `src` adds a column to them).
 pub const ROWS_SRC_ABSOLUTE: u16 = 4;
 /// "No index array" / "no row" in operands and index arrays.
 pub const NO_INDEX: u32 = u32::MAX;
@@ -1157,11 +1161,11 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                         if (si == 0) {
                             v[u] = pool[src + i * src_stride + c];
                         } else if (si[i] != VP_NONE) {
-                            v[u] = pool[((arg & ROWS_SRC_ABSOLUTE) ? si[i] : src + si[i] * src_stride) + c];
+                            v[u] = pool[src + ((arg & ROWS_SRC_ABSOLUTE) ? si[i] : si[i] * src_stride) + c];
                         }
                         if (di != 0 && di[i] == VP_NONE) continue;
-                        d[u] = (di == 0 ? dst + i * dst_stride
-                                        : ((arg & ROWS_DST_ABSOLUTE) ? di[i] : dst + di[i] * dst_stride)) + c;
+                        d[u] = dst + (di == 0 ? i * dst_stride
+                                              : ((arg & ROWS_DST_ABSOLUTE) ? di[i] : di[i] * dst_stride)) + c;
                     }
 #pragma unroll
                     for (int u = 0; u < VP_AHEAD; ++u) {

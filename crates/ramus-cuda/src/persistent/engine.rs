@@ -140,6 +140,8 @@ pub struct PersistentEngine {
     rng: ChaCha8Rng,
     fingerprint: Vec<usize>,
     setup_seconds: f64,
+    /// Seconds of that spent opening the device (the CUDA context).
+    context_seconds: f64,
 }
 
 /// One batch in flight: its staged upload, the device copy of its scripts,
@@ -467,6 +469,7 @@ impl PersistentEngine {
             ));
         }
         let device = CudaDevice::open(options.device)?;
+        let context_seconds = started.elapsed().as_secs_f64();
         let cache = KernelCache::for_device(
             &device,
             options
@@ -590,12 +593,19 @@ impl PersistentEngine {
             rng: ChaCha8Rng::seed_from_u64(0),
             fingerprint: crate::program::fingerprint(model),
             setup_seconds: started.elapsed().as_secs_f64(),
+            context_seconds,
         })
     }
 
     /// Seconds [`new`](Self::new) took (kernel from the cache or compiled).
     pub fn setup_seconds(&self) -> f64 {
         self.setup_seconds
+    }
+
+    /// Seconds of [`setup_seconds`](Self::setup_seconds) spent opening the
+    /// device (creating its CUDA context), which every engine pays.
+    pub fn context_seconds(&self) -> f64 {
+        self.context_seconds
     }
 
     /// The register plan of the kernel in use.

@@ -7,8 +7,8 @@
 use std::collections::{BTreeSet, HashMap};
 
 use ramus_core::fusion::{self, InputKind, Step};
-use ramus_core::graph::{Graph, NodeId, NodeKind, Role};
-use ramus_core::ops::MatMul;
+use ramus_core::graph::{Graph, NodeId, NodeKind, Role, Source};
+use ramus_core::ops::{MatMul, Slice, SumChildren};
 use ramus_core::vpps::MatrixSpec;
 use ramus_core::Model;
 
@@ -100,6 +100,9 @@ pub(crate) struct PersistentProgram {
     /// Per graph, by node: what a forward product writes (see
     /// [`Self::forward_product_output`]).
     forward_product_outputs: Vec<Vec<bool>>,
+    /// Per graph: the sums over children's gathered states that the
+    /// children push (see [`Self::pushed_sum`]), node → first column.
+    pushed_sums: Vec<HashMap<NodeId, usize>>,
     /// The cases' CUDA source (one `case` block each).
     pub fused_source: String,
     /// Per parameter: its register-cached matrix, if it is one.
@@ -133,7 +136,7 @@ impl PersistentProgram {
         let mut kernels = std::collections::BTreeMap::new();
         let none = BTreeSet::new();
         for (f, func) in model.functions.iter().enumerate() {
-            let keep = fusion::forward_reads(&func.backward);
+            let keep = persistent_keep(&func.forward, &func.backward);
             let fp = &func.forward_plan;
             let phases = [fp.eager.clone(), fp.per_task.clone(), fp.lazy.clone()];
             plans.insert(
@@ -226,11 +229,15 @@ impl PersistentProgram {
         }
         let mut vertex_bound = vec![Vec::new(); plans.len()];
         let mut forward_product_outputs = vec![Vec::new(); plans.len()];
+        let mut pushed_sums = vec![HashMap::new(); plans.len()];
         for key in graph_keys(model) {
             let i = key.index(n);
             vertex_bound[i] = vertex_bound_edges(key.graph(model), &plans[i], &epilogues[i]);
             forward_product_outputs[i] =
                 forward_product_writes(key.graph(model), &cached, &epilogues[i]);
+            if let GraphKey::Forward(_) = key {
+                pushed_sums[i] = sums_of_gathered_states(key.graph(model), &plans[i]);
+            }
         }
         let row_grad_params = row_grad_params(model);
         let mut params = ParamLayout::default();
@@ -257,6 +264,7 @@ impl PersistentProgram {
             epilogues,
             vertex_bound,
             forward_product_outputs,
+            pushed_sums,
             cases,
             fused_source,
             cached,
@@ -318,6 +326,19 @@ impl PersistentProgram {
             .unwrap_or(false)
     }
 
+    /// The first column of the children's states that `sum_children` node
+    /// `n` of graph `key` sums, if the children push it: a sum of the
+    /// gathered states (or of a slice of them) computed as its own step.
+    /// Each child then adds its columns into its parent's row right after
+    /// it scattered its state (an atomic row add that runs in the child's
+    /// chain of instructions), so the sum is complete when the children
+    /// are, and the parent's products that read it run a level earlier than
+    /// behind a sum of their own that waits for children finished by
+    /// different processors.
+    pub fn pushed_sum(&self, key: GraphKey, n: NodeId) -> Option<usize> {
+        self.pushed_sums[key.index(self.functions)].get(&n).copied()
+    }
+
     /// The case of fused step `step` of phase `phase` of graph `key`.
     pub fn case(&self, key: GraphKey, phase: usize, step: usize) -> Result<u16> {
         self.cases[key.index(self.functions)]
@@ -329,6 +350,69 @@ impl PersistentProgram {
                 ))
             })
     }
+}
+
+/// The forward values of a vertex function that its `∂F` reads and that the
+/// plan of `F` must give buffers of their own: all of them
+/// ([`fusion::forward_reads`]) but slices that every reader in `∂F` reads
+/// in place (as a product's operand). A batch's values all live until its
+/// end in the persistent engine, so such a slice can stay a view of its
+/// source: a Tree-LSTM's children's `h`, read from the gathered states by
+/// the forget gates' product and the weight gradient, costs no copy per
+/// level.
+fn persistent_keep(forward: &Graph, backward: &Graph) -> BTreeSet<NodeId> {
+    let mut keep = fusion::forward_reads(backward);
+    keep.retain(|&m| {
+        if forward.nodes[m].op_as::<Slice>().is_none() {
+            return true;
+        }
+        let read_in_place = |input: NodeId| {
+            backward
+                .nodes
+                .iter()
+                .enumerate()
+                .filter(|(_, u)| u.inputs.contains(&input))
+                .all(|(u, node)| {
+                    node.op()
+                        .is_some_and(|op| op.elementwise_template().is_none())
+                        && fusion::reads_in_place(backward, u, input, false)
+                })
+        };
+        let in_place = backward.nodes.iter().enumerate().all(|(i, node)| {
+            !matches!(node.kind, NodeKind::Input(Source::Forward(x)) if x == m)
+                || (!backward.outputs.iter().any(|o| o.node == i) && read_in_place(i))
+        });
+        !in_place
+    });
+    keep
+}
+
+/// `sum_children` steps of a vertex function's `F` (see
+/// [`PersistentProgram::pushed_sum`]) whose operand is the gathered
+/// children's states or a slice of them, with the slice's first column.
+fn sums_of_gathered_states(g: &Graph, plan: &PlannedGraph) -> HashMap<NodeId, usize> {
+    let stepped: BTreeSet<NodeId> = plan
+        .phases
+        .iter()
+        .flat_map(|p| p.steps.iter())
+        .filter_map(|step| match step {
+            Step::Op(n) => Some(*n),
+            Step::Fused(_) => None,
+        })
+        .collect();
+    let gathered = |x: NodeId| matches!(g.nodes[x].kind, NodeKind::Input(Source::GatherAll));
+    stepped
+        .into_iter()
+        .filter(|&n| g.nodes[n].op_as::<SumChildren>().is_some())
+        .filter_map(|n| {
+            let x = *g.nodes[n].inputs.first()?;
+            if gathered(x) {
+                return Some((n, 0));
+            }
+            let slice = g.nodes[x].op_as::<Slice>()?;
+            gathered(*g.nodes[x].inputs.first()?).then_some((n, slice.start))
+        })
+        .collect()
 }
 
 /// By node of `g`: edge values summed into their vertex (read by a

@@ -159,7 +159,7 @@ struct FunctionIndex {
 
 /// How a gather or child-gradient scatter reaches children: one row per
 /// child edge (`gather_all`), or one row per vertex for child `k`.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum ChildLink {
     Edges,
     Child(usize),
@@ -488,6 +488,7 @@ impl<'a> Unroller<'a> {
         let node = &self.graph(key).nodes[n];
         node.op_as::<SumRows>().is_some()
             || node.op_as::<Pad>().is_some()
+            || self.prog.pushed_sum(key, n).is_some()
             || self.transposed_product(key, n).is_some()
             || self.prog.forward_product_output(key, n)
     }
@@ -1047,6 +1048,10 @@ impl<'a> Unroller<'a> {
             return Ok(());
         }
         if node.op_as::<SumChildren>().is_some() {
+            if self.prog.pushed_sum(key, n).is_some() {
+                // the children add into it as they gather (see `gathers`)
+                return Ok(());
+            }
             let f = key
                 .function()
                 .ok_or_else(|| err("sum_children outside a vertex function"))?;
@@ -1246,12 +1251,19 @@ impl<'a> Unroller<'a> {
     }
 
     /// Gathers of task rows `r`: children's scattered rows into the
-    /// function's gather inputs.
+    /// function's gather inputs, and the children's pushes into the sums
+    /// of their gathered states (see [`PersistentProgram::pushed_sum`]):
+    /// an atomic row add per edge from the child's scattered row into its
+    /// parent's row of the sum, with the gather's dependencies, so that it
+    /// chains where the gather does.
     fn gathers(&mut self, f: usize, r: [usize; 4]) -> Result<()> {
         let key = GraphKey::Forward(f);
         let g = self.graph(key);
         let w = self.model.state_width;
         let s = self.s;
+        let pushed: Vec<(NodeId, usize)> = (0..g.nodes.len())
+            .filter_map(|n| self.prog.pushed_sum(key, n).map(|column| (n, column)))
+            .collect();
         for (n, node) in g.nodes.iter().enumerate() {
             let (link, index) = match node.kind {
                 NodeKind::Input(Source::GatherAll) => (
@@ -1281,6 +1293,28 @@ impl<'a> Unroller<'a> {
                         let func = &self.model.functions[cf];
                         if let Some(sc) = func.scatter {
                             self.deps_of(GraphKey::Forward(cf), sc, cr, cr + 1, &mut deps);
+                        }
+                    }
+                }
+                if link == ChildLink::Edges {
+                    for &(sum, column) in &pushed {
+                        let width = g.nodes[sum].ty.width();
+                        let (sum_base, _) = self.loc(key, sum)?;
+                        let t = self.rows_task(
+                            ROWS_ACCUMULATE | ROWS_SRC_ABSOLUTE,
+                            b - a,
+                            width,
+                            (
+                                u32_of(sum_base, "offset")?,
+                                width,
+                                self.up(self.functions[f].edge_parent + a)?,
+                            ),
+                            (u32_of(column, "column")?, 0, self.up(index + a)?),
+                            deps.clone(),
+                        )?;
+                        for &parent in &s.functions[f].edge_parent[a..b] {
+                            let parent = parent as usize;
+                            self.record(key, sum, parent, parent + 1, t);
                         }
                     }
                 }
@@ -1925,10 +1959,12 @@ mod tests {
         lowered("lstm-lm", &chains, 0.0);
     }
 
-    /// A caterpillar tree's internal vertices are a chain: each level of
-    /// it costs the Tree-LSTM two barriers forward (the products; the
-    /// forget gates, the cell and the next gathers chained on one
-    /// processor — the gates' edges cut with their vertex) and two
+    /// A caterpillar tree's internal vertices are a chain, a perfect tree's
+    /// levels are as wide as can be: each level of either costs the
+    /// Tree-LSTM two barriers forward (the products; the forget gates, the
+    /// cell, the next gathers and the children's pushes into their
+    /// parent's sum chained on one processor — the gates' edges cut with
+    /// their vertex) and two
     /// backward (the transposed products; the gate gradients and the
     /// children's scatter chained), the bias-gradient sums running at the
     /// end instead of in those chains.
@@ -1945,6 +1981,17 @@ mod tests {
         };
         let (short, long) = (levels(4), levels(10));
         assert_eq!(long - short, 4 * 6, "levels {short} and {long}");
+        // in a perfect tree both children of a vertex finish at the same
+        // level, on different processors: their sum of `h` is pushed by
+        // each child as it finishes, so the parent's products need no
+        // level of their own for it
+        let perfect = |height: u32| {
+            let mut rng = ChaCha8Rng::seed_from_u64(height.into());
+            let tree = ramus_graph::random::perfect_tree(&mut rng, height, 30, 5).expect("tree");
+            lowered_on("treelstm", &[tree], 0.0, 256, 132).1
+        };
+        let (short, long) = (perfect(4), perfect(7));
+        assert_eq!(long - short, 4 * 3, "levels {short} and {long}");
     }
 
     /// A batch lowered with the stream set past the masks of the batches
