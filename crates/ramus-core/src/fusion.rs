@@ -1132,7 +1132,9 @@ impl FusedGroup {
 
     /// Checks that a window or concat `what` of `self.width` columns at
     /// `offset` fits rows of `stride`, and that `node` is a row value of
-    /// the group's space and that width.
+    /// the group's space and that width — or, for a forward value a
+    /// backward graph reads (stored by the forward graph's plan, whose row
+    /// stride the backward graph does not know), of the group's width.
     fn check_strided(
         &self,
         graph: &Graph,
@@ -1158,11 +1160,13 @@ impl FusedGroup {
             .get(node)
             .ok_or_else(|| group_error(self, format!("{what} %{node} is not in the graph")))?
             .ty;
-        if ty.space != self.space || !ty.is_rows() || ty.width() != stride {
+        let forward_value = matches!(graph.nodes[node].kind, NodeKind::Input(Source::Forward(_)));
+        let width = if forward_value { self.width } else { stride };
+        if ty.space != self.space || !ty.is_rows() || ty.width() != width {
             return Err(group_error(
                 self,
                 format!(
-                    "{what} %{node} has type {ty}, expected {:?} rows of width {stride}",
+                    "{what} %{node} has type {ty}, expected {:?} rows of width {width}",
                     self.space
                 ),
             ));
@@ -1459,36 +1463,49 @@ impl FusedGroup {
     /// `width` is the group's width. Shared by the batched engine's kernels
     /// and the persistent kernel's instruction cases.
     fn element_body(&self, graph: &Graph) -> Result<String> {
+        let mut s = String::new();
+        for k in 0..self.inputs.len() {
+            s += &self.input_load(k, &format!("a{k}"), true);
+        }
+        s += &self.element_compute(graph)?;
+        Ok(s)
+    }
+
+    /// Code that reads input `k` at element `i` into `target`, an lvalue,
+    /// or with `declare` a new `float` of that name.
+    fn input_load(&self, k: usize, target: &str, declare: bool) -> String {
+        let index = match self.inputs[k].kind {
+            InputKind::PerElement => "i".to_string(),
+            InputKind::Broadcast => "i % width".to_string(),
+            InputKind::Window { .. } => {
+                format!("(i / width) * in{k}_stride + in{k}_offset + i % width")
+            }
+            InputKind::ParentRow { .. } => format!(
+                "(unsigned long long)(in{k}_rows[i / width] - in{k}_base) * width + i % width"
+            ),
+            InputKind::ChildSum { .. } => {
+                // the edge rows of the vertex row, in order (like the CPU kernel)
+                let declared = if declare { "float " } else { "" };
+                return format!(
+                    "        {declared}{target} = 0.0f;\n\
+                     \x20       for (unsigned int e = in{k}_rows[i / width] - in{k}_base, \
+                     end = in{k}_rows[i / width + 1] - in{k}_base; e < end; ++e) {{\n\
+                     \x20           {target} += in{k}[(unsigned long long)e * width + i % width];\n\
+                     \x20       }}\n"
+                );
+            }
+        };
+        let declared = if declare { "const float " } else { "" };
+        format!("        {declared}{target} = in{k}[{index}];\n")
+    }
+
+    /// The members' code at element `i` (inputs read into `a{k}`) and the
+    /// stores of the outputs and concat writes.
+    fn element_compute(&self, graph: &Graph) -> Result<String> {
         let code = self.members_code(graph)?;
         let outputs = self.output_members()?;
         let writes = self.concat_write_members()?;
         let mut s = String::new();
-        for (k, input) in self.inputs.iter().enumerate() {
-            let index = match input.kind {
-                InputKind::PerElement => "i".to_string(),
-                InputKind::Broadcast => "i % width".to_string(),
-                InputKind::Window { .. } => {
-                    format!("(i / width) * in{k}_stride + in{k}_offset + i % width")
-                }
-                InputKind::ParentRow { .. } => format!(
-                    "(unsigned long long)(in{k}_rows[i / width] - in{k}_base) * width + i % width"
-                ),
-                InputKind::ChildSum { .. } => {
-                    // the edge rows of the vertex row, in order (like the CPU kernel)
-                    s += &format!("        float a{k} = 0.0f;\n");
-                    s += &format!(
-                        "        for (unsigned int e = in{k}_rows[i / width] - in{k}_base, \
-                         end = in{k}_rows[i / width + 1] - in{k}_base; e < end; ++e) {{\n"
-                    );
-                    s += &format!(
-                        "            a{k} += in{k}[(unsigned long long)e * width + i % width];\n"
-                    );
-                    s += "        }\n";
-                    continue;
-                }
-            };
-            s += &format!("        const float a{k} = in{k}[{index}];\n");
-        }
         for (j, c) in code.iter().enumerate() {
             s += &format!("        const float t{j} = {};\n", c.expr);
         }
@@ -1505,7 +1522,9 @@ impl FusedGroup {
 
     /// The group as one `case` of the persistent kernel's instruction
     /// switch (`case` is the instruction's arg): the processor's threads
-    /// stride over the `n` elements. Operands, in order: `n`, the pool
+    /// stride over the `n` elements, each taking `VP_FUSED_AHEAD` (a macro
+    /// the kernel defines) at a time, their inputs loaded before any is
+    /// computed. Operands, in order: `n`, the pool
     /// offset of every input (for a window or CSR input, of the source
     /// rows the instruction's first row reads), of every output, of every
     /// concat write (its first row and column 0), then for each CSR input
@@ -1552,8 +1571,32 @@ impl FusedGroup {
                 let _ = writeln!(s, "    const unsigned in{k}_base = 0;");
             }
         }
-        s += "    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) {\n";
-        s += &self.element_body(graph)?;
+        // VP_FUSED_AHEAD (the kernel's macro) elements per thread at a
+        // time, all their inputs loaded before any is computed: the outputs
+        // may alias the inputs as far as the compiler knows, so a plain loop
+        // waits for each element's loads in turn
+        s += "    constexpr unsigned ahead = VP_FUSED_AHEAD;\n";
+        s += "    for (unsigned i0 = threadIdx.x; i0 < n; i0 += ahead * blockDim.x) {\n";
+        for k in 0..self.inputs.len() {
+            let _ = writeln!(s, "        float ahead{k}[ahead];");
+        }
+        s += "#pragma unroll\n";
+        s += "        for (unsigned u = 0; u < ahead; ++u) {\n";
+        s += "        const unsigned i = i0 + u * blockDim.x;\n";
+        s += "        if (i >= n) break;\n";
+        for k in 0..self.inputs.len() {
+            s += &self.input_load(k, &format!("ahead{k}[u]"), false);
+        }
+        s += "        }\n";
+        s += "#pragma unroll\n";
+        s += "        for (unsigned u = 0; u < ahead; ++u) {\n";
+        s += "        const unsigned i = i0 + u * blockDim.x;\n";
+        s += "        if (i >= n) break;\n";
+        for k in 0..self.inputs.len() {
+            let _ = writeln!(s, "        const float a{k} = ahead{k}[u];");
+        }
+        s += &self.element_compute(graph)?;
+        s += "        }\n";
         s += "    }\n    break;\n}\n";
         Ok(s)
     }

@@ -215,6 +215,28 @@ const _: () = assert!(
 /// spill (56 and 336 bytes).
 const ELEMENTS_AHEAD: usize = 4;
 
+/// Elements per thread a fused group loads before it computes them (see
+/// `FusedGroup::persistent_case`): two with one CTA per SM where the
+/// register partitions (weights and gradients) take at most
+/// [`FUSED_AHEAD_MOST_PARTITION_REGISTERS`] registers per thread, else one.
+/// Two of each input cost about a register per input and element; with
+/// two CTAs per SM (128 registers) every plan of the Tree-LSTM at h 256 and
+/// h 512 then spilled, and so did one CTA per SM with h 512's gradients in
+/// registers (128 or more registers of partitions; CUDA 13's ptxas through
+/// `scripts/kernel_registers.py`).
+fn fused_elements_ahead(plan: &RegisterPlan) -> usize {
+    let grids = if plan.grads_in_registers { 2 } else { 1 };
+    let partition_registers = plan.partitions * plan.rpw * plan.regs_per_row * grids;
+    if plan.ctas_per_sm == 1 && partition_registers <= FUSED_AHEAD_MOST_PARTITION_REGISTERS {
+        2
+    } else {
+        1
+    }
+}
+
+/// See [`fused_elements_ahead`].
+const FUSED_AHEAD_MOST_PARTITION_REGISTERS: usize = 96;
+
 /// Script words a VPP holds in shared memory per round (16 KiB).
 pub const SCRIPT_SMEM_WORDS: usize = 4096;
 
@@ -507,6 +529,7 @@ pub fn kernel_source(plan: &RegisterPlan, options: KernelOptions, fused_cases: &
         1
     };
     let _ = writeln!(s, "#define VP_AHEAD {ahead}");
+    let _ = writeln!(s, "#define VP_FUSED_AHEAD {}u", fused_elements_ahead(plan));
     let _ = writeln!(s, "#define VP_THREADS {CTA_THREADS}");
     let _ = writeln!(s, "#define VP_WARP {WARP}");
     let _ = writeln!(s, "#define VP_SMEM_WORDS {SCRIPT_SMEM_WORDS}");

@@ -145,10 +145,10 @@ impl PersistentProgram {
             );
             let bp = &func.backward_plan;
             let phases = [bp.eager.clone(), bp.per_task.clone(), bp.lazy.clone()];
-            plans.insert(
-                GraphKey::Backward(f),
-                plan_graph(&func.backward, &phases, &none, &mut kernels)?,
-            );
+            let mut backward = plan_graph(&func.backward, &phases, &none, &mut kernels)?;
+            let forward_views = &plans[&GraphKey::Forward(f)].views;
+            read_forward_views_as_windows(&func.backward, &mut backward, forward_views)?;
+            plans.insert(GraphKey::Backward(f), backward);
         }
         let head = &model.head;
         let keep = fusion::forward_reads(&head.backward);
@@ -355,10 +355,11 @@ impl PersistentProgram {
 /// The forward values of a vertex function that its `∂F` reads and that the
 /// plan of `F` must give buffers of their own: all of them
 /// ([`fusion::forward_reads`]) but slices that every reader in `∂F` reads
-/// in place (as a product's operand). A batch's values all live until its
-/// end in the persistent engine, so such a slice can stay a view of its
-/// source: a Tree-LSTM's children's `h`, read from the gathered states by
-/// the forget gates' product and the weight gradient, costs no copy per
+/// in place, as a product's operand or, through
+/// [`read_forward_views_as_windows`], as an input of a fused group of
+/// their width. A batch's values all live until its end in the persistent
+/// engine, so such a slice can stay a view of its source: a Tree-LSTM's
+/// children's `h` and `c`, read from the gathered states, cost no copy per
 /// level.
 fn persistent_keep(forward: &Graph, backward: &Graph) -> BTreeSet<NodeId> {
     let mut keep = fusion::forward_reads(backward);
@@ -367,15 +368,21 @@ fn persistent_keep(forward: &Graph, backward: &Graph) -> BTreeSet<NodeId> {
             return true;
         }
         let read_in_place = |input: NodeId| {
+            let ty = &backward.nodes[input].ty;
             backward
                 .nodes
                 .iter()
                 .enumerate()
                 .filter(|(_, u)| u.inputs.contains(&input))
-                .all(|(u, node)| {
-                    node.op()
-                        .is_some_and(|op| op.elementwise_template().is_none())
-                        && fusion::reads_in_place(backward, u, input, false)
+                .all(|(u, node)| match node.op() {
+                    Some(op) if op.elementwise_template().is_some() => {
+                        node.ty.space == ty.space && node.ty.width() == ty.width()
+                    }
+                    Some(_) => {
+                        node.op_as::<MatMul>().is_some()
+                            && fusion::reads_in_place(backward, u, input, false)
+                    }
+                    None => false,
                 })
         };
         let in_place = backward.nodes.iter().enumerate().all(|(i, node)| {
@@ -385,6 +392,45 @@ fn persistent_keep(forward: &Graph, backward: &Graph) -> BTreeSet<NodeId> {
         !in_place
     });
     keep
+}
+
+/// Makes `∂F`'s fused groups read the forward values that `F`'s plan left
+/// as views (`forward_views`, see [`persistent_keep`]) as windows of the
+/// view's source rows: element `i` of such an input is at `(i / width) ·
+/// stride + i % width` from the row the instruction names (the lowering
+/// locates a view's rows, its first column included). Errors if a group
+/// reads one otherwise (by a row topology or as a broadcast), which
+/// `persistent_keep` does not let happen.
+fn read_forward_views_as_windows(
+    backward: &Graph,
+    plan: &mut PlannedGraph,
+    forward_views: &HashMap<NodeId, fusion::SliceView>,
+) -> Result<()> {
+    for phase in &mut plan.phases {
+        for step in &mut phase.steps {
+            let Step::Fused(group) = step else { continue };
+            for input in &mut group.inputs {
+                let NodeKind::Input(Source::Forward(m)) = backward.nodes[input.node].kind else {
+                    continue;
+                };
+                let Some(view) = forward_views.get(&m) else {
+                    continue;
+                };
+                if input.kind != InputKind::PerElement {
+                    return Err(unsupported(format!(
+                        "a fused group of a backward graph reads the forward view %{m} as {:?}",
+                        input.kind
+                    )));
+                }
+                input.kind = InputKind::Window {
+                    source: input.node,
+                    offset: 0,
+                    stride: view.stride,
+                };
+            }
+        }
+    }
+    Ok(())
 }
 
 /// `sum_children` steps of a vertex function's `F` (see
