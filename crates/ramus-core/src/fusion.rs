@@ -1467,7 +1467,7 @@ impl FusedGroup {
         for k in 0..self.inputs.len() {
             s += &self.input_load(k, &format!("a{k}"), true);
         }
-        s += &self.element_compute(graph)?;
+        s += &self.element_compute(graph, &[])?;
         Ok(s)
     }
 
@@ -1500,8 +1500,10 @@ impl FusedGroup {
     }
 
     /// The members' code at element `i` (inputs read into `a{k}`) and the
-    /// stores of the outputs and concat writes.
-    fn element_compute(&self, graph: &Graph) -> Result<String> {
+    /// stores of the outputs and concat writes (`scattered[q]`: concat
+    /// write `q` adds into the row whose pool offset its index array gives,
+    /// see [`persistent_case`](Self::persistent_case)).
+    fn element_compute(&self, graph: &Graph, scattered: &[bool]) -> Result<String> {
         let code = self.members_code(graph)?;
         let outputs = self.output_members()?;
         let writes = self.concat_write_members()?;
@@ -1513,9 +1515,16 @@ impl FusedGroup {
             s += &format!("        out{k}[i] = t{j};\n");
         }
         for (q, j) in writes.iter().enumerate() {
-            s += &format!(
-                "        cat{q}[(i / width) * cat{q}_stride + cat{q}_offset + i % width] = t{j};\n"
-            );
+            if scattered.get(q).copied().unwrap_or(false) {
+                s += &format!(
+                    "        if (cat{q}_rows[i / width] != 0xffffffffu) \
+                     atomicAdd(pool + cat{q}_rows[i / width] + cat{q}_offset + i % width, t{j});\n"
+                );
+            } else {
+                s += &format!(
+                    "        cat{q}[(i / width) * cat{q}_stride + cat{q}_offset + i % width] = t{j};\n"
+                );
+            }
         }
         Ok(s)
     }
@@ -1530,8 +1539,18 @@ impl FusedGroup {
     /// concat write (its first row and column 0), then for each CSR input
     /// (input order) the pool offset of its `u32` index array for the
     /// instruction's rows (entries relative to the source offset given). Widths, strides and column
-    /// offsets are compiled in.
-    pub fn persistent_case(&self, graph: &Graph, case: usize) -> Result<String> {
+    /// offsets are compiled in. A concat write into a node `scatter_added`
+    /// names takes, instead of its first row, the pool offset of an index
+    /// array with one pool offset of a row per row of the instruction
+    /// (`0xffffffff`: none), and adds its columns into those rows
+    /// atomically: the concat's rows go straight to where a scatter-add
+    /// would have sent them.
+    pub fn persistent_case(
+        &self,
+        graph: &Graph,
+        case: usize,
+        scatter_added: &dyn Fn(NodeId) -> bool,
+    ) -> Result<String> {
         let outputs = self.output_members()?;
         let mut s = format!("case {case}: {{\n");
         let mut at = 1;
@@ -1553,13 +1572,27 @@ impl FusedGroup {
         for k in 0..outputs.len() {
             let _ = writeln!(s, "    float* out{k} = pool + operand[{}];", next());
         }
+        let scattered: Vec<bool> = self
+            .concat_writes
+            .iter()
+            .map(|w| scatter_added(w.concat))
+            .collect();
         for (q, w) in self.concat_writes.iter().enumerate() {
-            let _ = writeln!(s, "    float* cat{q} = pool + operand[{}];", next());
-            let _ = writeln!(
-                s,
-                "    const unsigned cat{q}_stride = {}, cat{q}_offset = {};",
-                w.stride, w.offset
-            );
+            if scattered[q] {
+                let _ = writeln!(
+                    s,
+                    "    const unsigned* cat{q}_rows = upool + operand[{}];",
+                    next()
+                );
+                let _ = writeln!(s, "    const unsigned cat{q}_offset = {};", w.offset);
+            } else {
+                let _ = writeln!(s, "    float* cat{q} = pool + operand[{}];", next());
+                let _ = writeln!(
+                    s,
+                    "    const unsigned cat{q}_stride = {}, cat{q}_offset = {};",
+                    w.stride, w.offset
+                );
+            }
         }
         for (k, input) in self.inputs.iter().enumerate() {
             if input.kind.is_csr() {
@@ -1595,7 +1628,7 @@ impl FusedGroup {
         for k in 0..self.inputs.len() {
             let _ = writeln!(s, "        const float a{k} = ahead{k}[u];");
         }
-        s += &self.element_compute(graph)?;
+        s += &self.element_compute(graph, &scattered)?;
         s += "        }\n";
         s += "    }\n    break;\n}\n";
         Ok(s)

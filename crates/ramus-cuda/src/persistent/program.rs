@@ -103,6 +103,10 @@ pub(crate) struct PersistentProgram {
     /// Per graph: the sums over children's gathered states that the
     /// children push (see [`Self::pushed_sum`]), node → first column.
     pushed_sums: Vec<HashMap<NodeId, usize>>,
+    /// Per graph: its child gradients if its fused groups add them into the
+    /// children's gradient rows themselves (see
+    /// [`Self::scattered_child_grads`]).
+    scattered_child_grads: Vec<Option<NodeId>>,
     /// The cases' CUDA source (one `case` block each).
     pub fused_source: String,
     /// Per parameter: its register-cached matrix, if it is one.
@@ -176,6 +180,17 @@ impl PersistentProgram {
             plans.into_iter().map(|(k, p)| (k.index(n), p)).collect();
         keyed.sort_by_key(|(i, _)| *i);
         let plans: Vec<PlannedGraph> = keyed.into_iter().map(|(_, p)| p).collect();
+        let scattered_child_grads: Vec<Option<NodeId>> = (0..plans.len())
+            .map(|i| {
+                let key = graph_keys(model).into_iter().find(|k| k.index(n) == i)?;
+                match key {
+                    GraphKey::Backward(_) => {
+                        child_grads_written_in_place(key.graph(model), &plans[i])
+                    }
+                    _ => None,
+                }
+            })
+            .collect();
         // one case per distinct group body
         let mut cases: Vec<Vec<Vec<Option<u16>>>> = plans
             .iter()
@@ -193,7 +208,9 @@ impl PersistentProgram {
             for (phase, plan) in plans[key.index(n)].phases.iter().enumerate() {
                 for (i, step) in plan.steps.iter().enumerate() {
                     let Step::Fused(group) = step else { continue };
-                    let body = group.persistent_case(g, 0)?;
+                    let scattered = scattered_child_grads[key.index(n)];
+                    let scatter_added = |concat: NodeId| Some(concat) == scattered;
+                    let body = group.persistent_case(g, 0, &scatter_added)?;
                     let next = u16::try_from(bodies.len())
                         .map_err(|_| unsupported("more than 65536 fused groups"))?;
                     let case = *bodies.entry(body).or_insert_with(|| {
@@ -201,7 +218,8 @@ impl PersistentProgram {
                         next
                     });
                     if case == next {
-                        fused_source += &group.persistent_case(g, usize::from(case))?;
+                        fused_source +=
+                            &group.persistent_case(g, usize::from(case), &scatter_added)?;
                     }
                     cases[key.index(n)][phase][i] = Some(case);
                 }
@@ -265,6 +283,7 @@ impl PersistentProgram {
             vertex_bound,
             forward_product_outputs,
             pushed_sums,
+            scattered_child_grads,
             cases,
             fused_source,
             cached,
@@ -337,6 +356,16 @@ impl PersistentProgram {
     /// different processors.
     pub fn pushed_sum(&self, key: GraphKey, n: NodeId) -> Option<usize> {
         self.pushed_sums[key.index(self.functions)].get(&n).copied()
+    }
+
+    /// The child gradients (`ChildGradAll` output) of backward graph
+    /// `key` if the fused groups that compute them add them into the
+    /// children's state-gradient rows themselves (an atomic add per element
+    /// at the row an index array gives) instead of into the concat's own
+    /// rows, which a row scatter-add then sends on: the output is a concat
+    /// written in place that nothing else reads.
+    pub fn scattered_child_grads(&self, key: GraphKey) -> Option<NodeId> {
+        self.scattered_child_grads[key.index(self.functions)]
     }
 
     /// The case of fused step `step` of phase `phase` of graph `key`.
@@ -431,6 +460,24 @@ fn read_forward_views_as_windows(
         }
     }
     Ok(())
+}
+
+/// The `ChildGradAll` output of a vertex function's `∂F` if `plan` writes
+/// it in place from fused groups and the graph reads it nowhere (see
+/// [`PersistentProgram::scattered_child_grads`]).
+fn child_grads_written_in_place(g: &Graph, plan: &PlannedGraph) -> Option<NodeId> {
+    let out = g
+        .outputs
+        .iter()
+        .find(|o| o.role == Role::ChildGradAll)?
+        .node;
+    let in_place = plan
+        .phases
+        .iter()
+        .any(|p| p.in_place_concats.contains(&out));
+    let read = g.nodes.iter().any(|x| x.inputs.contains(&out));
+    let once = g.outputs.iter().filter(|o| o.node == out).count() == 1;
+    (in_place && !read && once).then_some(out)
 }
 
 /// `sum_children` steps of a vertex function's `F` (see

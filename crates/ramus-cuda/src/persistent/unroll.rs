@@ -817,8 +817,18 @@ impl<'a> Unroller<'a> {
             for &o in &group.outputs {
                 ops.push(self.row_at(key, o, a)?);
             }
+            let scattered = self.prog.scattered_child_grads(key);
             for w in &group.concat_writes {
-                ops.push(self.row_at(key, w.concat, a)?);
+                if Some(w.concat) == scattered {
+                    // the children's state-gradient rows of edges a..b
+                    let fi = f.ok_or_else(|| err("child gradients outside a vertex function"))?;
+                    let dst = self.functions[fi]
+                        .child_grad_all_dst
+                        .ok_or_else(|| err("no child-gradient index"))?;
+                    ops.push(self.up(dst + a)?);
+                } else {
+                    ops.push(self.row_at(key, w.concat, a)?);
+                }
             }
             ops.extend(csr);
             let t = self.push(
@@ -833,7 +843,12 @@ impl<'a> Unroller<'a> {
                 self.record(key, o, a, b, t);
             }
             for w in &group.concat_writes {
-                self.record(key, w.concat, a, b, t);
+                if Some(w.concat) == scattered {
+                    let fi = f.ok_or_else(|| err("child gradients outside a vertex function"))?;
+                    self.record_child_grads(fi, ChildLink::Edges, a, b, t);
+                } else {
+                    self.record(key, w.concat, a, b, t);
+                }
             }
         }
         Ok(())
@@ -1334,12 +1349,12 @@ impl<'a> Unroller<'a> {
     }
 
     /// Child-gradient scatter-adds of task rows `r` into the children's
-    /// state-gradient rows.
+    /// state-gradient rows (unless the fused groups computing them add
+    /// them there themselves: [`PersistentProgram::scattered_child_grads`]).
     fn child_grads(&mut self, f: usize, r: [usize; 4]) -> Result<()> {
         let key = GraphKey::Backward(f);
         let g = self.graph(key);
         let w = self.model.state_width;
-        let s = self.s;
         for o in &g.outputs {
             let (link, index) = match o.role {
                 Role::ChildGradAll => (
@@ -1357,6 +1372,10 @@ impl<'a> Unroller<'a> {
                 ),
                 _ => continue,
             };
+            if Some(o.node) == self.prog.scattered_child_grads(key) {
+                // added by the fused groups that compute them
+                continue;
+            }
             let (lo, hi) = link.range(r);
             for (a, b) in self.chunks(lo, hi, w) {
                 let mut deps = Vec::new();
@@ -1370,21 +1389,29 @@ impl<'a> Unroller<'a> {
                     (u32_of(sbase + a * sstride, "offset")?, sstride, NO_INDEX),
                     deps,
                 )?;
-                for i in a..b {
-                    if let Some(c) = link.child(&s.functions[f], i) {
-                        let (cf, cr) = (
-                            s.vertex_function[c as usize] as usize,
-                            s.vertex_row[c as usize] as usize,
-                        );
-                        let cfunc = &self.model.functions[cf];
-                        if let Some(sg) = cfunc.output_grad_node(Role::Scatter) {
-                            self.record(GraphKey::Backward(cf), sg, cr, cr + 1, t);
-                        }
-                    }
-                }
+                self.record_child_grads(f, link, a, b, t);
             }
         }
         Ok(())
+    }
+
+    /// Records task `t` as a writer of the state-gradient rows of the
+    /// children that rows `a..b` of function `f`'s child gradients (`link`)
+    /// go to.
+    fn record_child_grads(&mut self, f: usize, link: ChildLink, a: usize, b: usize, t: u32) {
+        let s = self.s;
+        for i in a..b {
+            if let Some(c) = link.child(&s.functions[f], i) {
+                let (cf, cr) = (
+                    s.vertex_function[c as usize] as usize,
+                    s.vertex_row[c as usize] as usize,
+                );
+                let cfunc = &self.model.functions[cf];
+                if let Some(sg) = cfunc.output_grad_node(Role::Scatter) {
+                    self.record(GraphKey::Backward(cf), sg, cr, cr + 1, t);
+                }
+            }
+        }
     }
 
     fn all_rows(&self, f: usize) -> [usize; 4] {
@@ -1931,6 +1958,19 @@ mod tests {
         ];
         for name in ["treelstm", "treegru", "treefc"] {
             let (g, levels) = lowered(name, &graphs, 0.0);
+            if name == "treelstm" {
+                // the child-sum Tree-LSTM's child gradients are added into
+                // the children's rows by the fused groups computing them:
+                // the only row scatter-adds left are the head's, a row per
+                // root
+                let scattered: u32 = g
+                    .tasks
+                    .iter()
+                    .filter(|t| t.op == OP_ROWS && t.arg == ROWS_ACCUMULATE | ROWS_DST_ABSOLUTE)
+                    .map(|t| t.operands[0])
+                    .sum();
+                assert_eq!(scattered as usize, graphs.len(), "{name}");
+            }
             // the 25-deep path alone needs a level per vertex each way
             assert!(levels > 50, "{name}: {levels} levels");
             let updates = g.tasks.iter().filter(|t| t.op == OP_UPDATE).count();
