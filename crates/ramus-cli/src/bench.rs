@@ -12,8 +12,8 @@ use ramus_cpu::{Batch, CpuEngine, Mode};
 use ramus_cuda::CudaEngine;
 use ramus_graph::{BatchingPolicy, InputGraph, Vocab, VocabMode};
 use ramus_nn::{
-    build_model, build_sequence_model, data_kind, DataKind, Engine, ModelConfig, ModelOptions,
-    Optimizer, OptimizerConfig, OptimizerKind,
+    build_model, build_sequence_model, DataKind, Engine, ModelConfig, ModelOptions, Optimizer,
+    OptimizerConfig, OptimizerKind,
 };
 
 use crate::data;
@@ -255,13 +255,7 @@ struct BenchInputs {
 /// split of the file), the other models have five classes. `count`:
 /// synthetic graphs to make for `--grid` / `--perfect-tree`.
 fn read_inputs(a: &BenchArgs, count: usize) -> AnyResult<BenchInputs> {
-    let kind = data_kind(&a.model).ok_or_else(|| {
-        format!(
-            "unknown model `{}` (known: {})",
-            a.model,
-            ramus_nn::MODEL_NAMES.join(", ")
-        )
-    })?;
+    let kind = data::data_kind_of(&a.model)?;
     if kind != DataKind::Trees && (a.grid.is_some() || a.perfect_tree.is_some()) {
         return Err(format!(
             "--grid and --perfect-tree make trees and DAGs; `{}` does not read them",

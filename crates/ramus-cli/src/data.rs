@@ -77,6 +77,17 @@ pub fn default_data(sub: &str) -> AnyResult<PathBuf> {
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
+/// The data model `name` reads, or an error listing the known models.
+pub fn data_kind_of(name: &str) -> AnyResult<DataKind> {
+    ramus_nn::data_kind(name).ok_or_else(|| {
+        format!(
+            "unknown model `{name}` (known: {})",
+            ramus_nn::MODEL_NAMES.join(", ")
+        )
+        .into()
+    })
+}
+
 /// Reads `dir/{train,dev,test}.txt` (`valid.txt` also accepted for dev) or,
 /// without a directory, generates the built-in treebank (images: the
 /// built-in synthetic images of the default shape and size).

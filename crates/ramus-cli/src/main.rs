@@ -201,13 +201,7 @@ fn main() -> ExitCode {
 type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 fn train(a: TrainArgs) -> AnyResult {
-    let kind = data_kind(&a.model).ok_or_else(|| {
-        format!(
-            "unknown model `{}` (known: {})",
-            a.model,
-            ramus_nn::MODEL_NAMES.join(", ")
-        )
-    })?;
+    let kind = data::data_kind_of(&a.model)?;
     let policy: BatchingPolicy = a.policy.parse()?;
     let vision_cfg = a.vision.config(&a.model, kind)?;
     let (optimizer, lr) = vision::optimizer_defaults(kind, a.optimizer.as_deref(), a.lr);

@@ -7,8 +7,8 @@
 use ramus_cpu::{training_trace, Batch};
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{
-    build_model, build_sequence_model, data_kind, is_sequence_model, ModelConfig, ModelOptions,
-    OptimizerKind, SequenceConfig,
+    build_model, build_sequence_model, is_sequence_model, ModelConfig, ModelOptions, OptimizerKind,
+    SequenceConfig,
 };
 use ramus_swap::{
     analyze, human_bytes, human_seconds, AutoVmPlanner, CostModel, LruPlanner, NoBudgetPlanner,
@@ -61,13 +61,7 @@ pub struct PlanMemoryArgs {
 type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 pub fn run(a: PlanMemoryArgs) -> AnyResult {
-    let kind = data_kind(&a.model).ok_or_else(|| {
-        format!(
-            "unknown model `{}` (known: {})",
-            a.model,
-            ramus_nn::MODEL_NAMES.join(", ")
-        )
-    })?;
+    let kind = crate::data::data_kind_of(&a.model)?;
     if a.batch_size == 0 || a.hidden == 0 {
         return Err("--batch-size and --hidden must be at least 1".into());
     }

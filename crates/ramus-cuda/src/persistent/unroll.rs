@@ -1300,13 +1300,8 @@ impl<'a> Unroller<'a> {
             for (a, b) in self.chunks(lo, hi, w) {
                 let mut deps = Vec::new();
                 for i in a..b {
-                    if let Some(c) = link.child(&s.functions[f], i) {
-                        let (cf, cr) = (
-                            s.vertex_function[c as usize] as usize,
-                            s.vertex_row[c as usize] as usize,
-                        );
-                        let func = &self.model.functions[cf];
-                        if let Some(sc) = func.scatter {
+                    if let Some((cf, cr)) = self.child_of(f, link, i) {
+                        if let Some(sc) = self.model.functions[cf].scatter {
                             self.deps_of(GraphKey::Forward(cf), sc, cr, cr + 1, &mut deps);
                         }
                     }
@@ -1399,19 +1394,22 @@ impl<'a> Unroller<'a> {
     /// children that rows `a..b` of function `f`'s child gradients (`link`)
     /// go to.
     fn record_child_grads(&mut self, f: usize, link: ChildLink, a: usize, b: usize, t: u32) {
-        let s = self.s;
         for i in a..b {
-            if let Some(c) = link.child(&s.functions[f], i) {
-                let (cf, cr) = (
-                    s.vertex_function[c as usize] as usize,
-                    s.vertex_row[c as usize] as usize,
-                );
+            if let Some((cf, cr)) = self.child_of(f, link, i) {
                 let cfunc = &self.model.functions[cf];
                 if let Some(sg) = cfunc.output_grad_node(Role::Scatter) {
                     self.record(GraphKey::Backward(cf), sg, cr, cr + 1, t);
                 }
             }
         }
+    }
+
+    /// The vertex function and row of the child that row `i` of function
+    /// `f`'s gathers (`link`) reads, if there is one.
+    fn child_of(&self, f: usize, link: ChildLink, i: usize) -> Option<(usize, usize)> {
+        let s = self.s;
+        let c = link.child(&s.functions[f], i)? as usize;
+        Some((s.vertex_function[c] as usize, s.vertex_row[c] as usize))
     }
 
     fn all_rows(&self, f: usize) -> [usize; 4] {
