@@ -4,7 +4,7 @@
 //! register-cached matrices, and where every parameter, gradient and
 //! optimizer moment lives in the pool.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use ramus_core::fusion::{self, InputKind, Step};
 use ramus_core::graph::{Graph, NodeId, NodeKind, Role, Source};
@@ -102,7 +102,7 @@ pub(crate) struct PersistentProgram {
     forward_product_outputs: Vec<Vec<bool>>,
     /// Per graph: the sums over children's gathered states that the
     /// children push (see [`Self::pushed_sum`]), node → first column.
-    pushed_sums: Vec<HashMap<NodeId, usize>>,
+    pushed_sums: Vec<BTreeMap<NodeId, usize>>,
     /// Per graph: its child gradients if its fused groups add them into the
     /// children's gradient rows themselves (see
     /// [`Self::scattered_child_grads`]).
@@ -180,17 +180,12 @@ impl PersistentProgram {
             plans.into_iter().map(|(k, p)| (k.index(n), p)).collect();
         keyed.sort_by_key(|(i, _)| *i);
         let plans: Vec<PlannedGraph> = keyed.into_iter().map(|(_, p)| p).collect();
-        let scattered_child_grads: Vec<Option<NodeId>> = (0..plans.len())
-            .map(|i| {
-                let key = graph_keys(model).into_iter().find(|k| k.index(n) == i)?;
-                match key {
-                    GraphKey::Backward(_) => {
-                        child_grads_written_in_place(key.graph(model), &plans[i])
-                    }
-                    _ => None,
-                }
-            })
-            .collect();
+        let mut scattered_child_grads = vec![None; plans.len()];
+        for f in 0..n {
+            let key = GraphKey::Backward(f);
+            scattered_child_grads[key.index(n)] =
+                child_grads_written_in_place(key.graph(model), &plans[key.index(n)]);
+        }
         // one case per distinct group body
         let mut cases: Vec<Vec<Vec<Option<u16>>>> = plans
             .iter()
@@ -247,7 +242,7 @@ impl PersistentProgram {
         }
         let mut vertex_bound = vec![Vec::new(); plans.len()];
         let mut forward_product_outputs = vec![Vec::new(); plans.len()];
-        let mut pushed_sums = vec![HashMap::new(); plans.len()];
+        let mut pushed_sums = vec![BTreeMap::new(); plans.len()];
         for key in graph_keys(model) {
             let i = key.index(n);
             vertex_bound[i] = vertex_bound_edges(key.graph(model), &plans[i], &epilogues[i]);
@@ -356,6 +351,14 @@ impl PersistentProgram {
     /// different processors.
     pub fn pushed_sum(&self, key: GraphKey, n: NodeId) -> Option<usize> {
         self.pushed_sums[key.index(self.functions)].get(&n).copied()
+    }
+
+    /// Every pushed sum of graph `key` (see [`Self::pushed_sum`]) with its
+    /// first column, in node order.
+    pub fn pushed_sums(&self, key: GraphKey) -> impl Iterator<Item = (NodeId, usize)> + '_ {
+        self.pushed_sums[key.index(self.functions)]
+            .iter()
+            .map(|(&n, &column)| (n, column))
     }
 
     /// The child gradients (`ChildGradAll` output) of backward graph
@@ -483,7 +486,7 @@ fn child_grads_written_in_place(g: &Graph, plan: &PlannedGraph) -> Option<NodeId
 /// `sum_children` steps of a vertex function's `F` (see
 /// [`PersistentProgram::pushed_sum`]) whose operand is the gathered
 /// children's states or a slice of them, with the slice's first column.
-fn sums_of_gathered_states(g: &Graph, plan: &PlannedGraph) -> HashMap<NodeId, usize> {
+fn sums_of_gathered_states(g: &Graph, plan: &PlannedGraph) -> BTreeMap<NodeId, usize> {
     let stepped: BTreeSet<NodeId> = plan
         .phases
         .iter()

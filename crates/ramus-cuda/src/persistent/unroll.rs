@@ -774,6 +774,18 @@ impl<'a> Unroller<'a> {
             _ => None,
         };
         let cuts = cuts.unwrap_or_else(|| self.chunks(lo, hi, group.width));
+        // child gradients the group adds into the children's rows itself:
+        // their concat, the function and the upload offset of the rows'
+        // index (see `PersistentProgram::scattered_child_grads`)
+        let scattered = match (self.prog.scattered_child_grads(key), f) {
+            (Some(concat), Some(fi)) if group.concat_writes.iter().any(|w| w.concat == concat) => {
+                let dst = self.functions[fi]
+                    .child_grad_all_dst
+                    .ok_or_else(|| err("no child-gradient index"))?;
+                Some((concat, fi, dst))
+            }
+            _ => None,
+        };
         for (a, b) in cuts {
             let mut ops = vec![u32_of((b - a) * group.width, "elements")?];
             let mut deps = Vec::new();
@@ -817,17 +829,11 @@ impl<'a> Unroller<'a> {
             for &o in &group.outputs {
                 ops.push(self.row_at(key, o, a)?);
             }
-            let scattered = self.prog.scattered_child_grads(key);
             for w in &group.concat_writes {
-                if Some(w.concat) == scattered {
+                match scattered {
                     // the children's state-gradient rows of edges a..b
-                    let fi = f.ok_or_else(|| err("child gradients outside a vertex function"))?;
-                    let dst = self.functions[fi]
-                        .child_grad_all_dst
-                        .ok_or_else(|| err("no child-gradient index"))?;
-                    ops.push(self.up(dst + a)?);
-                } else {
-                    ops.push(self.row_at(key, w.concat, a)?);
+                    Some((concat, _, dst)) if concat == w.concat => ops.push(self.up(dst + a)?),
+                    _ => ops.push(self.row_at(key, w.concat, a)?),
                 }
             }
             ops.extend(csr);
@@ -843,11 +849,11 @@ impl<'a> Unroller<'a> {
                 self.record(key, o, a, b, t);
             }
             for w in &group.concat_writes {
-                if Some(w.concat) == scattered {
-                    let fi = f.ok_or_else(|| err("child gradients outside a vertex function"))?;
-                    self.record_child_grads(fi, ChildLink::Edges, a, b, t);
-                } else {
-                    self.record(key, w.concat, a, b, t);
+                match scattered {
+                    Some((concat, fi, _)) if concat == w.concat => {
+                        self.record_child_grads(fi, ChildLink::Edges, a, b, t)
+                    }
+                    _ => self.record(key, w.concat, a, b, t),
                 }
             }
         }
@@ -1276,9 +1282,13 @@ impl<'a> Unroller<'a> {
         let g = self.graph(key);
         let w = self.model.state_width;
         let s = self.s;
-        let pushed: Vec<(NodeId, usize)> = (0..g.nodes.len())
-            .filter_map(|n| self.prog.pushed_sum(key, n).map(|column| (n, column)))
-            .collect();
+        // each pushed sum: its node, the column it starts at in the states,
+        // its width and where its rows are
+        let pushed = self
+            .prog
+            .pushed_sums(key)
+            .map(|(sum, column)| Ok((sum, column, g.nodes[sum].ty.width(), self.loc(key, sum)?.0)))
+            .collect::<Result<Vec<_>>>()?;
         for (n, node) in g.nodes.iter().enumerate() {
             let (link, index) = match node.kind {
                 NodeKind::Input(Source::GatherAll) => (
@@ -1307,9 +1317,7 @@ impl<'a> Unroller<'a> {
                     }
                 }
                 if link == ChildLink::Edges {
-                    for &(sum, column) in &pushed {
-                        let width = g.nodes[sum].ty.width();
-                        let (sum_base, _) = self.loc(key, sum)?;
+                    for &(sum, column, width, sum_base) in &pushed {
                         let t = self.rows_task(
                             ROWS_ACCUMULATE | ROWS_SRC_ABSOLUTE,
                             b - a,
@@ -2003,9 +2011,9 @@ mod tests {
     /// cell, the next gathers and the children's pushes into their
     /// parent's sum chained on one processor — the gates' edges cut with
     /// their vertex) and two
-    /// backward (the transposed products; the gate gradients and the
-    /// children's scatter chained), the bias-gradient sums running at the
-    /// end instead of in those chains.
+    /// backward (the transposed products; the gate gradients, which their
+    /// group adds into the children's gradient rows, chained), the
+    /// bias-gradient sums running at the end instead of in those chains.
     #[test]
     fn a_tree_level_costs_two_barriers_each_way() {
         let levels = |internal: usize| {
