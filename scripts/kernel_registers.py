@@ -4,20 +4,22 @@
 Compiles each CUDA source given (as `ramus-cuda`'s ignored `kernel_sources`
 test writes them) with NVRTC for sm_90, as the engine does, and prints
 ptxas's resource report: registers, stack frame and spill bytes. A kernel
-the engine would refuse shows nonzero spill stores. NVRTC 13 (the device's
-CUDA) comes from PyPI and needs no GPU or driver:
+the engine would refuse shows nonzero spill stores. The device's NVRTC
+(CUDA 13.0.88) comes from PyPI and needs no GPU or driver:
 
-    pip install --target /tmp/cu13 'nvidia-cuda-nvrtc>=13'
+    pip install --no-deps --target /tmp/cu13 'nvidia-cuda-nvrtc==13.0.88'
     RAMUS_KERNEL_SOURCE_DIR=$PWD/kernels cargo test --release -p ramus-cuda \\
         --lib kernel_sources -- --ignored
     python3 scripts/kernel_registers.py kernels/*.cu
 
 `NVRTC_LIB` names another libnvrtc (default: the one installed as above).
-Its ptxas must be the device's: CUDA 12's reported spills in kernels that
-CUDA 13 compiled without any.
+Its ptxas must be the device's exactly: CUDA 12's reported spills in
+kernels that CUDA 13 compiled without any, and CUDA 13.5's none in one
+that 13.0 spilled.
 """
 
 import ctypes
+import glob
 import os
 import re
 import sys
@@ -56,6 +58,10 @@ def main():
         sys.exit(__doc__)
     lib = os.environ.get("NVRTC_LIB", DEFAULT_LIB)
     try:
+        # its builtins library beside it, found without LD_LIBRARY_PATH
+        for builtins in sorted(glob.glob(os.path.join(os.path.dirname(lib),
+                                                      "libnvrtc-builtins.so.*"))):
+            ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
         nvrtc = ctypes.CDLL(lib)
     except OSError as e:
         sys.exit(f"cannot load NVRTC from {lib} ({e}); see --help")

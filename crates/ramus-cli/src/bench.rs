@@ -98,6 +98,14 @@ pub struct BenchArgs {
     /// With --engine persistent: rows per warp of the register partitions.
     #[arg(long)]
     rpw: Option<usize>,
+    /// With --engine persistent: resident CTAs per SM, 1 or 2 (default:
+    /// the plan's choice, searched with the rpw).
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=2))]
+    ctas_per_sm: Option<u8>,
+    /// With --engine persistent: keep the weight gradients in registers
+    /// (true) or in device memory (false) (default: the plan's choice).
+    #[arg(long)]
+    grads_in_registers: Option<bool>,
     /// Time synthetic ROWSxCOLS grid DAGs (random words of the tree file's
     /// vocabulary) instead of the trees, e.g. 10x10 for the DAG-RNN.
     #[arg(long)]

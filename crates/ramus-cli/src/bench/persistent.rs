@@ -126,6 +126,8 @@ pub(super) fn tuned_engine(
 ) -> AnyResult<PersistentEngine> {
     let options = PersistentOptions {
         rpw: a.rpw,
+        ctas_per_sm: a.ctas_per_sm.map(usize::from),
+        grads_in_registers: a.grads_in_registers,
         ..PersistentOptions::default()
     };
     let mut persistent = PersistentEngine::new(model, params, config, &options)?;

@@ -595,27 +595,37 @@ __device__ __forceinline__ void vp_signal_release(unsigned* p) {
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory");
 }
 
-// One parameter element's optimizer step (the rule is VP_RULE); `first` and
-// `second` are its moment slots (unused by SGD).
-__device__ __forceinline__ float vp_update(float wv, float gv, float* first, float* second,
-                                           float lr, float weight_decay, float beta1, float beta2,
-                                           float eps, float inv_bc1, float inv_bc2) {
+// One parameter element's optimizer step (the rule is VP_RULE) on values in
+// registers: `m1` and `m2` are its moments, updated in place (SGD uses
+// neither, Adagrad only `m2`).
+__device__ __forceinline__ float vp_step(float wv, float gv, float& m1, float& m2,
+                                         float lr, float weight_decay, float beta1, float beta2,
+                                         float eps, float inv_bc1, float inv_bc2) {
 #if VP_RULE == 0
     gv = gv + weight_decay * wv;
     return wv - lr * gv;
 #elif VP_RULE == 1
     gv = gv + weight_decay * wv;
-    const float s2 = *second + gv * gv;
-    *second = s2;
-    return wv - lr * gv / (sqrtf(s2) + eps);
+    m2 = m2 + gv * gv;
+    return wv - lr * gv / (sqrtf(m2) + eps);
 #else
-    const float m1 = beta1 * *first + (1.0f - beta1) * gv;
-    const float m2 = beta2 * *second + (1.0f - beta2) * gv * gv;
-    *first = m1;
-    *second = m2;
+    m1 = beta1 * m1 + (1.0f - beta1) * gv;
+    m2 = beta2 * m2 + (1.0f - beta2) * gv * gv;
     wv = wv - lr * weight_decay * wv;
     return wv - lr * (m1 * inv_bc1) / (sqrtf(m2 * inv_bc2) + eps);
 #endif
+}
+
+// The step of one element in the pool, whose moments are at `first` and
+// `second`.
+__device__ __forceinline__ float vp_update(float wv, float gv, float* first, float* second,
+                                           float lr, float weight_decay, float beta1, float beta2,
+                                           float eps, float inv_bc1, float inv_bc2) {
+    float m1 = VP_RULE == 2 ? *first : 0.0f, m2 = VP_RULE >= 1 ? *second : 0.0f;
+    wv = vp_step(wv, gv, m1, m2, lr, weight_decay, beta1, beta2, eps, inv_bc1, inv_bc2);
+    if (VP_RULE == 2) *first = m1;
+    if (VP_RULE >= 1) *second = m2;
+    return wv;
 }
 
 // An asynchronous 4-byte copy from pool[at] into shared memory (zeros where
@@ -1123,6 +1133,12 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
             }
             case OP_UPDATE: {
 #if VP_GRADS
+                // A piece of a row at a time, its loads (the wide outer
+                // products' sums, the moments) before its stores: the
+                // compiler keeps a pool load after a pool store (they may
+                // alias), so loading each element after the previous one's
+                // stores cost a round trip to memory per element (h 512:
+                // 50-60 us a batch on the H100), not per piece
 #pragma unroll
                 for (int p = 0; p < VP_P; ++p) {
                     if (pm[p] == VP_NONE) continue;
@@ -1133,20 +1149,38 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                     for (int r = 0; r < VP_R; ++r) {
                         const unsigned row = prow[p] + r;
                         if (row >= rows) continue;
+                        // `chunk` elements a piece, fewer with more moments
+                        // (with CUDA 13.0's ptxas, larger pieces spilled in
+                        // plans that did not spill before: whole rows at
+                        // h 512, 4 elements with Adam's two moments)
+                        constexpr int chunk = VP_RULE == 0 ? 8 : (VP_RULE == 1 ? 4 : 2);
 #pragma unroll
-                        for (int k = 0; k < VP_K; ++k) {
-                            const unsigned col = lane + VP_WARP * k;
-                            if (col >= cols) continue;
-                            const unsigned i = row * cols + col;
-                            // the wide outer products' sums join the registers'
-                            const float gv = g[p][r][k] + pool[grad + i];
-                            pool[grad + i] = 0.0f;
-                            const float wv = vp_update(w[p][r][k], gv * clip, pool + first + i,
-                                                       pool + second + i, lr, weight_decay, beta1, beta2,
-                                                       eps, inv_bc1, inv_bc2);
-                            w[p][r][k] = wv;
-                            g[p][r][k] = 0.0f;
-                            pool[value + i] = wv;
+                        for (int k0 = 0; k0 < VP_K; k0 += chunk) {
+                            float m1[chunk], m2[chunk];
+#pragma unroll
+                            for (int c = 0; c < chunk && k0 + c < VP_K; ++c) {
+                                const unsigned col = lane + VP_WARP * (k0 + c);
+                                const unsigned i = row * cols + col;
+                                const bool ok = col < cols;
+                                g[p][r][k0 + c] += ok ? pool[grad + i] : 0.0f;
+                                m1[c] = VP_RULE == 2 && ok ? pool[first + i] : 0.0f;
+                                m2[c] = VP_RULE >= 1 && ok ? pool[second + i] : 0.0f;
+                            }
+#pragma unroll
+                            for (int c = 0; c < chunk && k0 + c < VP_K; ++c) {
+                                const int k = k0 + c;
+                                const unsigned col = lane + VP_WARP * k;
+                                if (col >= cols) continue;
+                                const unsigned i = row * cols + col;
+                                pool[grad + i] = 0.0f;
+                                const float wv = vp_step(w[p][r][k], g[p][r][k] * clip, m1[c], m2[c], lr,
+                                                         weight_decay, beta1, beta2, eps, inv_bc1, inv_bc2);
+                                w[p][r][k] = wv;
+                                g[p][r][k] = 0.0f;
+                                pool[value + i] = wv;
+                                if (VP_RULE == 2) pool[first + i] = m1[c];
+                                if (VP_RULE >= 1) pool[second + i] = m2[c];
+                            }
                         }
                     }
                 }
