@@ -16,6 +16,11 @@
 //! detected, logged and rebuilt. Entries are written atomically (temporary
 //! file, then rename); a failed write is logged and otherwise ignored.
 //!
+//! [`KernelCache::prefetch`] starts a compile on a thread of its own, so that
+//! several sources compile at once on the host's cores (the persistent
+//! engine's `rpw` candidates) while the caller goes on; the lookup of that
+//! source then waits for it instead of compiling again.
+//!
 //! The compiler and the loader are passed in ([`KernelCache::new`]), so the
 //! cache logic is tested on the CPU with a fake compiler;
 //! [`KernelCache::for_device`] plugs in NVRTC and the CUDA driver.
@@ -27,6 +32,7 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::device::CudaDevice;
@@ -75,8 +81,14 @@ impl fmt::Display for KernelCacheStats {
     }
 }
 
+/// A compile started by [`KernelCache::prefetch`]: the image and the time
+/// the compile took.
+type Prefetched = JoinHandle<Result<(Vec<u8>, Duration)>>;
+
 struct CacheState<M> {
     loaded: HashMap<u64, Arc<M>>,
+    /// Compiles under way on threads of their own, by memory key.
+    prefetching: HashMap<u64, Prefetched>,
     stats: KernelCacheStats,
 }
 
@@ -85,7 +97,7 @@ struct CacheState<M> {
 pub struct KernelCache<M = LoadedModule> {
     directory: Option<PathBuf>,
     target_tag: String,
-    compile: Box<CompileFn>,
+    compile: Arc<CompileFn>,
     load: Box<LoadFn<M>>,
     state: Mutex<CacheState<M>>,
 }
@@ -153,10 +165,11 @@ impl<M> KernelCache<M> {
         Self {
             directory,
             target_tag,
-            compile: Box::new(compile),
+            compile: Arc::new(compile),
             load: Box::new(load),
             state: Mutex::new(CacheState {
                 loaded: HashMap::new(),
+                prefetching: HashMap::new(),
                 stats: KernelCacheStats::default(),
             }),
         }
@@ -188,9 +201,20 @@ impl<M> KernelCache<M> {
                 return Ok(module);
             }
         }
-        let started = Instant::now();
-        let image = (self.compile)(source, kernel_names)?;
-        state.stats.compile_time += started.elapsed();
+        let (image, took) = match state.prefetching.remove(&memory_key) {
+            Some(compiling) => compiling.join().unwrap_or_else(|_| {
+                Err(CudaError::BadArgument(format!(
+                    "the thread compiling {} panicked",
+                    kernel_names.join(", ")
+                )))
+            })?,
+            None => {
+                let started = Instant::now();
+                let image = (self.compile)(source, kernel_names)?;
+                (image, started.elapsed())
+            }
+        };
+        state.stats.compile_time += took;
         state.stats.compiled += 1;
         if let Some(path) = &path {
             if let Err(e) = write_atomically(path, &encode_entry(source_hash, &image)) {
@@ -207,6 +231,42 @@ impl<M> KernelCache<M> {
         let module = Arc::new((self.load)(&image, kernel_names)?);
         state.loaded.insert(memory_key, Arc::clone(&module));
         Ok(module)
+    }
+
+    /// Starts compiling `source` (which defines `kernel_names`) on a thread
+    /// of its own, unless it is loaded, on disk or already compiling; a
+    /// later [`get_or_compile`](Self::get_or_compile) of it waits for that
+    /// compile (and reports its error, if any) instead of compiling again.
+    /// Where no thread can be started, the lookup compiles as usual.
+    pub fn prefetch(&self, source: &str, kernel_names: &[&str]) -> Result<()> {
+        check_kernel_names(kernel_names)?;
+        let source_hash = fnv1a64(normalize_source(source).as_bytes());
+        let memory_key = with_kernel_names(source_hash, kernel_names);
+        let mut state = self.lock();
+        let on_disk = self
+            .entry_path(source_hash)
+            .is_some_and(|path| path.is_file());
+        if on_disk
+            || state.loaded.contains_key(&memory_key)
+            || state.prefetching.contains_key(&memory_key)
+        {
+            return Ok(());
+        }
+        let compile = Arc::clone(&self.compile);
+        let source = source.to_string();
+        let names: Vec<String> = kernel_names.iter().map(|n| n.to_string()).collect();
+        let compiling = std::thread::Builder::new()
+            .name("ramus-kernel-compile".into())
+            .spawn(move || {
+                let names: Vec<&str> = names.iter().map(String::as_str).collect();
+                let started = Instant::now();
+                let image = compile(&source, &names)?;
+                Ok((image, started.elapsed()))
+            });
+        if let Ok(compiling) = compiling {
+            state.prefetching.insert(memory_key, compiling);
+        }
+        Ok(())
     }
 
     /// The cache's counters.
@@ -565,6 +625,43 @@ mod tests {
             (1, 1, 0)
         );
         assert!(stats.to_string().contains("1 compiled"));
+    }
+
+    #[test]
+    fn a_prefetched_source_compiles_once_on_its_own_thread() {
+        let dir = TempDir::new("prefetch");
+        let (cache, compiles) = fake_cache(Some(dir.0.clone()));
+        cache.prefetch(SAXPY, &["saxpy"]).unwrap();
+        // asked again while (or after) it compiles: nothing more starts
+        cache.prefetch(SAXPY, &["saxpy"]).unwrap();
+        let module = cache.get_or_compile(SAXPY, &["saxpy"]).unwrap();
+        assert!(module.starts_with("IMAGE:"));
+        assert_eq!(compiles.load(Ordering::Relaxed), 1);
+        let stats = cache.stats();
+        assert_eq!((stats.compiled, stats.memory_hits), (1, 0));
+        // written to disk like any compile: a new cache prefetches nothing
+        assert!(cache.entry_path_for(SAXPY).unwrap().is_file());
+        let (cache, compiles) = fake_cache(Some(dir.0.clone()));
+        cache.prefetch(SAXPY, &["saxpy"]).unwrap();
+        cache.get_or_compile(SAXPY, &["saxpy"]).unwrap();
+        assert_eq!(compiles.load(Ordering::Relaxed), 0);
+        assert_eq!(cache.stats().disk_hits, 1);
+        // a loaded source is not compiled again either
+        cache.prefetch(SAXPY, &["saxpy"]).unwrap();
+        assert_eq!(compiles.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn a_prefetched_compile_error_reaches_the_lookup() {
+        let (cache, compiles) = fake_cache(None);
+        let broken = "syntax error";
+        cache.prefetch(broken, &["k"]).unwrap();
+        match cache.get_or_compile(broken, &["k"]) {
+            Err(CudaError::Compile { log, .. }) => assert!(log.contains("syntax error")),
+            other => panic!("expected the compile error, got {other:?}"),
+        }
+        assert_eq!(compiles.load(Ordering::Relaxed), 1);
+        assert!(cache.prefetch(broken, &[]).is_err(), "no kernel names");
     }
 
     #[test]

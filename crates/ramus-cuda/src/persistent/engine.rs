@@ -35,8 +35,8 @@ use rayon::prelude::*;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaStream};
 use ramus_core::vpps::kernel::{
-    KernelOptions, UpdateRule, PRODUCT_ITEM_WORDS, TRACE_AT, TRACE_RECORD_WORDS,
-    TRACE_WORDS_PER_CTA, WIDE_PRODUCT_ITEMS,
+    kernel_source, KernelOptions, UpdateRule, KERNEL_NAME, PRODUCT_ITEM_WORDS, TRACE_AT,
+    TRACE_RECORD_WORDS, TRACE_WORDS_PER_CTA, WIDE_PRODUCT_ITEMS,
 };
 
 use ramus_core::vpps::{
@@ -545,6 +545,9 @@ impl PersistentEngine {
                 (first, tuning)
             }
         };
+        if let Some(t) = &tuning {
+            prefetch_candidates(&cache, &prog, &build, &t.candidates);
+        }
         let first = build_variant(&device, &cache, &pool, &prog, &build, first_choice)?;
         if params.values.len() != model.params.len() {
             return Err(model_err(format!(
@@ -1331,6 +1334,39 @@ fn append_trace(path: &std::path::Path, launch: u64, words: &[u32]) -> Result<()
 }
 
 /// Plans the registers for `rpw` and compiles (or loads) its kernel.
+/// Starts compiling the kernels of the `rpw` search's `candidates` (each
+/// one's first plan) on threads of their own, so that the search finds each
+/// compiled when it gets to it, where the host has a core for each of them
+/// beside the one preparing batches. (A plan that spills falls back when it
+/// is built, compiling its fallback then.)
+fn prefetch_candidates(
+    cache: &KernelCache,
+    prog: &PersistentProgram,
+    build: &VariantBuild,
+    candidates: &[VariantChoice],
+) {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    if cores <= candidates.len() {
+        return;
+    }
+    let options = KernelOptions {
+        rule: build.rule,
+        trace: build.trace.is_some(),
+    };
+    for choice in candidates {
+        let request = PlanRequest {
+            rpw: choice.rpw,
+            ctas_per_sm: choice.ctas_per_sm,
+            grads_in_registers: choice.grads_in_registers,
+        };
+        if let Ok(register_plan) = plan(&prog.matrices, &build.limits, &request) {
+            let source = kernel_source(&register_plan, options, &prog.fused_source);
+            // a compile that cannot start now runs when the variant is built
+            let _ = cache.prefetch(&source, &[KERNEL_NAME]);
+        }
+    }
+}
+
 fn build_variant(
     device: &Arc<CudaDevice>,
     cache: &KernelCache,
