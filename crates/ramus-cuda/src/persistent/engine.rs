@@ -397,6 +397,39 @@ impl VariantChoice {
             .collect()
     }
 
+    /// The first plan request of this choice.
+    fn request(&self) -> PlanRequest {
+        PlanRequest {
+            rpw: self.rpw,
+            ctas_per_sm: self.ctas_per_sm,
+            grads_in_registers: self.grads_in_registers,
+        }
+    }
+
+    /// The request to try after the plan of `request`, with `(ctas per SM,
+    /// gradients in registers)` = `chosen`, failed (spilled or could not be
+    /// resident): one CTA per SM fewer (twice the registers per thread),
+    /// else the gradients outside registers, or with `keep_ctas` the other
+    /// way round; `None` where this choice leaves neither open.
+    fn fallback(&self, request: &PlanRequest, chosen: (usize, bool)) -> Option<PlanRequest> {
+        let fewer_ctas = self.ctas_per_sm.is_none() && chosen.0 > 1;
+        let grads_out = self.grads_in_registers.is_none() && chosen.1;
+        let (ctas_per_sm, grads_in_registers) = if self.keep_ctas && grads_out {
+            (Some(chosen.0), Some(false))
+        } else if fewer_ctas {
+            (Some(chosen.0 - 1), request.grads_in_registers)
+        } else if grads_out {
+            (self.ctas_per_sm, Some(false))
+        } else {
+            return None;
+        };
+        Some(PlanRequest {
+            rpw: self.rpw,
+            ctas_per_sm,
+            grads_in_registers,
+        })
+    }
+
     /// `rpw` with `build`'s options and the default fallback.
     fn of(build: &VariantBuild, rpw: usize) -> Self {
         VariantChoice {
@@ -1334,11 +1367,11 @@ fn append_trace(path: &std::path::Path, launch: u64, words: &[u32]) -> Result<()
 }
 
 /// Plans the registers for `rpw` and compiles (or loads) its kernel.
-/// Starts compiling the kernels of the `rpw` search's `candidates` (each
-/// one's first plan) on threads of their own, so that the search finds each
-/// compiled when it gets to it, where the host has a core for each of them
-/// beside the one preparing batches. (A plan that spills falls back when it
-/// is built, compiling its fallback then.)
+/// Starts compiling the kernels the `rpw` search's `candidates` may build
+/// on threads of their own, so that the search finds each compiled when it
+/// gets to it: every candidate's first plan, then each one's first
+/// fallback (a plan that spills falls back, see [`VariantChoice::fallback`]),
+/// as many as the host has cores beside the one preparing batches.
 fn prefetch_candidates(
     cache: &KernelCache,
     prog: &PersistentProgram,
@@ -1346,21 +1379,35 @@ fn prefetch_candidates(
     candidates: &[VariantChoice],
 ) {
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    if cores <= candidates.len() {
-        return;
-    }
     let options = KernelOptions {
         rule: build.rule,
         trace: build.trace.is_some(),
     };
+    let source_of = |request: &PlanRequest| {
+        plan(&prog.matrices, &build.limits, request)
+            .ok()
+            .map(|p| (kernel_source(&p, options, &prog.fused_source), p))
+    };
+    let mut sources: Vec<String> = Vec::new();
+    let mut fallbacks: Vec<PlanRequest> = Vec::new();
     for choice in candidates {
-        let request = PlanRequest {
-            rpw: choice.rpw,
-            ctas_per_sm: choice.ctas_per_sm,
-            grads_in_registers: choice.grads_in_registers,
-        };
-        if let Ok(register_plan) = plan(&prog.matrices, &build.limits, &request) {
-            let source = kernel_source(&register_plan, options, &prog.fused_source);
+        let request = choice.request();
+        if let Some((source, p)) = source_of(&request) {
+            fallbacks.extend(choice.fallback(&request, (p.ctas_per_sm, p.grads_in_registers)));
+            sources.push(source);
+        }
+    }
+    sources.extend(
+        fallbacks
+            .iter()
+            .filter_map(|r| source_of(r).map(|(source, _)| source)),
+    );
+    let mut started = std::collections::HashSet::new();
+    for source in sources {
+        if started.len() + 1 >= cores {
+            break;
+        }
+        if started.insert(source.clone()) {
             // a compile that cannot start now runs when the variant is built
             let _ = cache.prefetch(&source, &[KERNEL_NAME]);
         }
@@ -1380,11 +1427,7 @@ fn build_variant(
     // cannot be resident), the next choice left open is tried: one CTA per
     // SM (twice the registers per thread), then gradients outside
     // registers, or with `keep_ctas` the other way round.
-    let mut request = PlanRequest {
-        rpw: choice.rpw,
-        ctas_per_sm: choice.ctas_per_sm,
-        grads_in_registers: choice.grads_in_registers,
-    };
+    let mut request = choice.request();
     loop {
         let register_plan: RegisterPlan = plan(&prog.matrices, &build.limits, &request)?;
         let chosen = (register_plan.ctas_per_sm, register_plan.grads_in_registers);
@@ -1412,21 +1455,10 @@ fn build_variant(
                     scheduler: Arc::new(scheduler),
                 })
             }
-            Err(e) => {
-                let fewer_ctas = choice.ctas_per_sm.is_none() && chosen.0 > 1;
-                let grads_out = choice.grads_in_registers.is_none() && chosen.1;
-                if choice.keep_ctas && grads_out {
-                    request.ctas_per_sm = Some(chosen.0);
-                    request.grads_in_registers = Some(false);
-                } else if fewer_ctas {
-                    request.ctas_per_sm = Some(chosen.0 - 1);
-                } else if grads_out {
-                    request.ctas_per_sm = choice.ctas_per_sm;
-                    request.grads_in_registers = Some(false);
-                } else {
-                    return Err(e);
-                }
-            }
+            Err(e) => match choice.fallback(&request, chosen) {
+                Some(next) => request = next,
+                None => return Err(e),
+            },
         }
     }
 }
@@ -1435,6 +1467,49 @@ fn build_variant(
 mod tests {
     use super::*;
     use ramus_nn::{build_model_with, ModelConfig, ModelOptions};
+
+    /// Follows `choice`'s fallbacks from its first request (`chosen`: each
+    /// failed plan's CTAs per SM and gradients' place) until it gives up.
+    fn fallback_chain(
+        choice: VariantChoice,
+        chosen: &[(usize, bool)],
+    ) -> Vec<(Option<usize>, Option<bool>)> {
+        let mut request = choice.request();
+        let mut chain = Vec::new();
+        for &c in chosen {
+            match choice.fallback(&request, c) {
+                Some(next) => {
+                    assert_eq!(next.rpw, choice.rpw);
+                    chain.push((next.ctas_per_sm, next.grads_in_registers));
+                    request = next;
+                }
+                None => break,
+            }
+        }
+        chain
+    }
+
+    #[test]
+    fn a_failing_plan_falls_back_to_fewer_ctas_then_gradients_outside_registers() {
+        let open = VariantChoice::of(&build(None, None), 2);
+        // 2 CTAs with register gradients spill, then 1; the gradients go out
+        // (the plan takes 2 CTAs again), which spills too, then 1 CTA
+        // keeping the gradients out; then nothing is left
+        let chain = fallback_chain(open, &[(2, true), (1, true), (2, false), (1, false)]);
+        assert_eq!(
+            chain,
+            [(Some(1), None), (None, Some(false)), (Some(1), Some(false))]
+        );
+        let kept = VariantChoice {
+            keep_ctas: true,
+            ..open
+        };
+        let chain = fallback_chain(kept, &[(2, true), (2, false), (1, false)]);
+        assert_eq!(chain, [(Some(2), Some(false)), (Some(1), Some(false))]);
+        // fixed by the options: no fallback at all
+        let fixed = VariantChoice::of(&build(Some(2), Some(true)), 2);
+        assert!(fallback_chain(fixed, &[(2, true)]).is_empty());
+    }
 
     fn build(ctas_per_sm: Option<usize>, grads_in_registers: Option<bool>) -> VariantBuild {
         VariantBuild {
