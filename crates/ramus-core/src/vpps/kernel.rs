@@ -335,21 +335,40 @@ fn least_split_depth(m: usize) -> usize {
 /// given, `ranks / tiles` (see [`split_depth`]), which is why the count
 /// returned here is exactly `tiles × splits` when that fits.
 pub fn wide_tiles(op: u8, rows: usize, cols: usize, count: usize, vpps: usize) -> usize {
-    let (m, n, k) = match op {
-        OP_MATVEC => (count, rows, cols),
-        OP_MATVEC_T => (count, cols, rows),
-        _ => {
-            let tiles = rows.div_ceil(GEMM_TILE) * cols.div_ceil(GEMM_TILE);
-            return tiles * count.div_ceil(GEMM_OUTER_CHUNK);
-        }
-    };
+    let (m, n, k) = gemm_shape(op, rows, cols, count);
     let tiles = m.div_ceil(GEMM_TILE) * n.div_ceil(GEMM_TILE);
+    if op != OP_MATVEC && op != OP_MATVEC_T {
+        return tiles * count.div_ceil(GEMM_OUTER_CHUNK);
+    }
     let most = vpps / tiles.max(1);
     if most <= 1 {
         return tiles;
     }
     let depth = k.div_ceil(most).max(least_split_depth(m));
     tiles * split_depth(k, k.div_ceil(depth)).0
+}
+
+/// A wide product's GEMM, `(m, n, k)`: its output rows (items, or an
+/// outer product's matrix rows), output columns and reduction depth.
+fn gemm_shape(op: u8, rows: usize, cols: usize, count: usize) -> (usize, usize, usize) {
+    match op {
+        OP_MATVEC => (count, rows, cols),
+        OP_MATVEC_T => (count, cols, rows),
+        _ => (rows, cols, count),
+    }
+}
+
+/// The work of a wide product in steps of one output tile: output tiles
+/// times the reduction's depth in `GEMM_STEP`s. A tile costs the same
+/// however few of its rows are items (a level of a few dozen vectors fills
+/// a fraction of one row of tiles), so this, not the multiply-adds, is
+/// what a level's wide products share its VPPs by: a Tree-LSTM level's
+/// `U_iou h` (three times `U_f`'s rows, half its items) got 3/5 of the
+/// VPPs by multiply-adds, 6 steps a piece against `U_f`'s 3, and ran twice
+/// as long.
+pub fn wide_work(op: u8, rows: usize, cols: usize, count: usize) -> usize {
+    let (m, n, k) = gemm_shape(op, rows, cols, count);
+    m.div_ceil(GEMM_TILE) * n.div_ceil(GEMM_TILE) * k.div_ceil(GEMM_STEP)
 }
 
 /// The kernel's split of a reduction `k` deep over (at most) `splits`

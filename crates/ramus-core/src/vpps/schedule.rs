@@ -49,7 +49,7 @@
 //! checks every executed instruction against the task graph; tests use it as
 //! the oracle.
 
-use super::kernel::wide_tiles;
+use super::kernel::{wide_tiles, wide_work};
 use super::launches::OP_HOST;
 use super::regplan::RegisterPlan;
 use super::script::{
@@ -1022,7 +1022,8 @@ struct WideProduct {
 /// products' holders) where that is at least half of them, else every VPP
 /// starting at `next` (which then moves past the last range, so that
 /// successive levels' small products rotate over the VPPs). Each product
-/// gets a share of the region in proportion to its multiply-adds and as
+/// gets a share of the region in proportion to its tile steps
+/// ([`wide_work`]) and as
 /// many of those VPPs as it has pieces; the shares do not overlap (unless
 /// there are more products than VPPs in the region). Sharing, a level's
 /// two products run side by side rather than one after the other on every
@@ -1058,7 +1059,7 @@ fn deal_wide_ranges(
     } else {
         (*next, vpps)
     };
-    let weight = |p: &WideProduct| (p.count as u128) * (p.rows as u128) * (p.cols as u128);
+    let weight = |p: &WideProduct| wide_work(p.op, p.rows, p.cols, p.count) as u128;
     let total: u128 = products.iter().map(weight).sum::<u128>().max(1);
     let shares: Vec<usize> = if products.len() > len {
         vec![len; products.len()]
@@ -1645,6 +1646,34 @@ mod tests {
         deal_wide_ranges(&[false; 2], &mut next, &[small, small, small], &mut ranges);
         assert_eq!(ranges.len(), 3);
         assert!(ranges.iter().all(|&(_, n)| (1..=2).contains(&n)));
+    }
+
+    #[test]
+    fn a_levels_wide_products_share_the_vpps_by_tile_steps() {
+        use crate::vpps::kernel::split_depth;
+        // a Tree-LSTM level at h 512: U_iou h over 17 parents, U_f h over
+        // their 34 children; one row of tiles each, U_iou three times the
+        // tiles, so 3/4 of the VPPs (by multiply-adds it had 3/5: pieces 6
+        // steps deep against U_f's 3)
+        let u_iou = WideProduct {
+            op: OP_FIRST_ENGINE,
+            rows: 1536,
+            cols: 512,
+            count: 17,
+        };
+        let u_f = WideProduct {
+            rows: 512,
+            count: 34,
+            ..u_iou
+        };
+        assert_eq!(wide_work(OP_FIRST_ENGINE, 1536, 512, 17), 24 * 32);
+        assert_eq!(wide_work(OP_FIRST_ENGINE, 512, 512, 34), 8 * 32);
+        let mut ranges = Vec::new();
+        deal_wide_ranges(&[false; 264], &mut 0, &[u_iou, u_f], &mut ranges);
+        assert_eq!(ranges, vec![(0, 192), (198, 64)]);
+        // both split 512 columns 64 deep: 4 steps a piece
+        assert_eq!(split_depth(512, 192 / 24), (8, 64));
+        assert_eq!(split_depth(512, 64 / 8), (8, 64));
     }
 
     #[test]

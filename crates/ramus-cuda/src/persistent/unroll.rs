@@ -2201,8 +2201,17 @@ mod timing {
             .and_then(|v| v.parse().ok())
             .unwrap_or(20);
         for bs in sizes {
+            // the time-delay networks read a tree's leaves as a pyramid
+            let pyramids = name.starts_with("td-");
             let graphs: Vec<InputGraph> = (0..bs)
-                .map(|_| random_tree(&mut rng, 19, &[2], 2000, 5).expect("tree"))
+                .map(|_| {
+                    let tree = random_tree(&mut rng, 19, &[2], 2000, 5).expect("tree");
+                    if pyramids {
+                        ramus_graph::sequence::pyramid_of_tree(&tree).expect("pyramid")
+                    } else {
+                        tree
+                    }
+                })
                 .collect();
             let refs: Vec<&InputGraph> = graphs.iter().collect();
             let t0 = std::time::Instant::now();
