@@ -203,10 +203,11 @@ impl<M> KernelCache<M> {
         }
         let (image, took) = match state.prefetching.remove(&memory_key) {
             Some(compiling) => compiling.join().unwrap_or_else(|_| {
-                Err(CudaError::BadArgument(format!(
-                    "the thread compiling {} panicked",
-                    kernel_names.join(", ")
-                )))
+                Err(CudaError::Compile {
+                    kernels: kernel_names.join(", "),
+                    target: self.target_tag.clone(),
+                    log: "the thread compiling them panicked".into(),
+                })
             })?,
             None => {
                 let started = Instant::now();

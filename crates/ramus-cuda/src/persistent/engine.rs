@@ -1366,7 +1366,6 @@ fn append_trace(path: &std::path::Path, launch: u64, words: &[u32]) -> Result<()
         .map_err(trace_err)
 }
 
-/// Plans the registers for `rpw` and compiles (or loads) its kernel.
 /// Starts compiling the kernels the `rpw` search's `candidates` may build
 /// on threads of their own, so that the search finds each compiled when it
 /// gets to it: every candidate's first plan, then each one's first
@@ -1414,6 +1413,7 @@ fn prefetch_candidates(
     }
 }
 
+/// Plans the registers for `rpw` and compiles (or loads) its kernel.
 fn build_variant(
     device: &Arc<CudaDevice>,
     cache: &KernelCache,
@@ -1424,9 +1424,8 @@ fn build_variant(
 ) -> Result<Variant> {
     // The plan budgets registers with a fixed allowance for the
     // interpreter; where the compiled kernel needs more and spills (or
-    // cannot be resident), the next choice left open is tried: one CTA per
-    // SM (twice the registers per thread), then gradients outside
-    // registers, or with `keep_ctas` the other way round.
+    // cannot be resident), the choice's fallback is tried
+    // (`VariantChoice::fallback`).
     let mut request = choice.request();
     loop {
         let register_plan: RegisterPlan = plan(&prog.matrices, &build.limits, &request)?;
