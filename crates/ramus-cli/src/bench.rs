@@ -256,7 +256,7 @@ struct BenchInputs {
     vocab: usize,
 }
 
-/// Reads `a.trees` as the data of `a.model` (see [`data_kind`]) and
+/// Reads `a.trees` as the data of `a.model` (see [`data::data_kind_of`]) and
 /// builds the model for it: the vocabulary grows from the file, a tagger's
 /// classes are the file's tags (its rare words spelled out for the
 /// character tagger, as `ramus train` does; the inputs are the training

@@ -1023,9 +1023,9 @@ struct WideProduct {
 /// starting at `next` (which then moves past the last range, so that
 /// successive levels' small products rotate over the VPPs). Each product
 /// gets a share of the region in proportion to its tile steps
-/// ([`wide_work`]) and as
-/// many of those VPPs as it has pieces; the shares do not overlap (unless
-/// there are more products than VPPs in the region). Sharing, a level's
+/// ([`wide_work`]) and as many of those VPPs as it has pieces; the shares
+/// do not overlap (unless there are more products than VPPs in the
+/// region). Sharing, a level's
 /// two products run side by side rather than one after the other on every
 /// VPP, and its elementwise work beside them: at hidden 512, a
 /// Tree-LSTM's two recurrent products of a level took 5.9–7.5 µs each
