@@ -53,13 +53,14 @@ impl FromStr for TrainEngine {
 /// The persistent training engine when `choice` asks for it: `None` for
 /// the batched engine (asked for, or `auto` falling back after printing
 /// why the persistent one cannot run the model), an error if `persistent`
-/// was forced and cannot run.
+/// was forced and cannot run. Its `rpw` search tunes for `batch_size`.
 pub fn training_engine(
     choice: TrainEngine,
     device: Device,
     model: &Model,
     params: &ramus_core::Params<f32>,
     optimizer: ramus_nn::OptimizerConfig,
+    batch_size: usize,
 ) -> Result<Option<Box<dyn Engine<f32>>>, String> {
     if choice == TrainEngine::Batched {
         return Ok(None);
@@ -70,7 +71,10 @@ pub fn training_engine(
             _ => Ok(None),
         };
     }
-    let options = ramus_cuda::persistent::PersistentOptions::default();
+    let options = ramus_cuda::persistent::PersistentOptions {
+        batch_size: Some(batch_size),
+        ..Default::default()
+    };
     match ramus_cuda::persistent::PersistentTrainer::new(model, params, optimizer, &options) {
         Ok(engine) => Ok(Some(Box::new(engine))),
         Err(e) if choice == TrainEngine::Auto => {

@@ -258,10 +258,11 @@ fn train(a: TrainArgs) -> AnyResult {
     oc.weight_decay = a.weight_decay;
     oc.clip_norm = a.clip;
     let swap = device::swap_mode(a.device, &a.model, a.device_memory_budget, a.swap)?;
-    let engine = match device::training_engine(a.engine, a.device, &model, &params, oc)? {
-        Some(persistent) => persistent,
-        None => device::engine_with_swap(a.device, &model, a.device_memory_budget, swap)?,
-    };
+    let engine =
+        match device::training_engine(a.engine, a.device, &model, &params, oc, a.batch_size)? {
+            Some(persistent) => persistent,
+            None => device::engine_with_swap(a.device, &model, a.device_memory_budget, swap)?,
+        };
     let mut trainer = Trainer::new(model, params, oc);
     trainer.engine = engine;
     trainer.policy = policy;

@@ -24,14 +24,16 @@ pub fn run(
         return Err("--engine persistent runs on --device cuda".into());
     }
     let config = OptimizerConfig::new(OptimizerKind::Sgd, 0.05);
-    let largest = sizes.iter().copied().max().unwrap_or(1);
-    let mut persistent = tuned_engine(a, model, params, config, &trees[..largest])?;
     let mut batched = cuda_engine(model, a.device_memory_budget)?;
     let mut batched_params = params.clone();
     let mut opt = Optimizer::new(config, params);
     let mut grads = Grads::zeros(model);
     let mut results = Vec::new();
     for &bs in sizes {
+        // an engine tuned for this batch size, as training at it would be
+        // (the previous size's is dropped first: one holds the device's
+        // pool at a time)
+        let mut persistent = tuned_engine(a, model, params, config, &trees[..bs])?;
         let batch: Vec<&InputGraph> = trees[..bs].iter().collect();
         let nodes: usize = batch.iter().map(|g| g.len()).sum();
         // one synchronous batch for the step's own numbers, then the
@@ -114,9 +116,9 @@ pub fn run(
     Ok(())
 }
 
-/// The persistent engine with its `rpw` chosen: the profile-guided search
-/// runs on `warm` (the largest batch timed; its choice is remembered for
-/// later runs). Prints the set-up line.
+/// The persistent engine with its `rpw` chosen for batches like `warm`:
+/// the profile-guided search runs on it (its choice is remembered for later
+/// runs at batch sizes of its power-of-two class). Prints the set-up line.
 pub(super) fn tuned_engine(
     a: &BenchArgs,
     model: &Model,
@@ -128,6 +130,7 @@ pub(super) fn tuned_engine(
         rpw: a.rpw,
         ctas_per_sm: a.ctas_per_sm.map(usize::from),
         grads_in_registers: a.grads_in_registers,
+        batch_size: Some(warm.len()),
         ..PersistentOptions::default()
     };
     let mut persistent = PersistentEngine::new(model, params, config, &options)?;
