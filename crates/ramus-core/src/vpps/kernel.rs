@@ -159,14 +159,6 @@ pub const ROWS_DST_ABSOLUTE: u16 = 2;
 pub const ROWS_SRC_ABSOLUTE: u16 = 4;
 /// "No index array" / "no row" in operands and index arrays.
 pub const NO_INDEX: u32 = u32::MAX;
-/// Flag on an instruction's index-array operand (other than [`NO_INDEX`]):
-/// the array lies inside the instruction, at this many words past its
-/// first operand, not at a pool offset. A chained instruction over one row
-/// reads its row's index from the script in shared memory instead of
-/// waiting a round trip to the pool for it before the row itself.
-pub const INLINE_INDEX: u32 = 1 << 31;
-/// Index words an instruction carries inline at most (per array).
-pub const MAX_INLINE_INDEX_WORDS: usize = 16;
 
 /// Words per cached matrix in the `mats` table: rows, columns, value
 /// offset, first-moment offset, second-moment offset, gradient offset (the
@@ -547,7 +539,6 @@ pub fn kernel_source(plan: &RegisterPlan, options: KernelOptions, fused_cases: &
         super::schedule::INLINE_ITEMS
     );
     let _ = writeln!(s, "#define VP_WIDE_ITEMS {}u", super::schedule::WIDE_ITEMS);
-    let _ = writeln!(s, "#define VP_INLINE_INDEX {INLINE_INDEX}u");
     let _ = writeln!(s, "#define VP_GRADS {}", u32::from(plan.grads_in_registers));
     let _ = writeln!(s, "#define VP_RULE {}", rule.code());
     let _ = writeln!(s, "#define VP_CTAS_PER_SM {}", plan.ctas_per_sm);
@@ -621,14 +612,6 @@ __device__ __forceinline__ unsigned vp_load_acquire(const unsigned* p) {
 // CTA that acquires the count.
 __device__ __forceinline__ void vp_signal_release(unsigned* p) {
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory");
-}
-
-// An instruction's index array: operand word `w` is its pool offset or,
-// with VP_INLINE_INDEX, its word offset from the instruction's first
-// operand (the array then sits in the script, in shared memory).
-__device__ __forceinline__ const unsigned* vp_index(const unsigned* operand, unsigned w,
-                                                    const unsigned* upool) {
-    return (w & VP_INLINE_INDEX) ? operand + (w & ~VP_INLINE_INDEX) : upool + w;
 }
 
 // One parameter element's optimizer step (the rule is VP_RULE) on values in
@@ -1237,8 +1220,8 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                 const unsigned rows = operand[0], width = operand[1];
                 const unsigned dst = operand[2], dst_stride = operand[3];
                 const unsigned src = operand[4], src_stride = operand[5];
-                const unsigned* di = operand[6] == VP_NONE ? 0 : vp_index(operand, operand[6], upool);
-                const unsigned* si = operand[7] == VP_NONE ? 0 : vp_index(operand, operand[7], upool);
+                const unsigned* di = operand[6] == VP_NONE ? 0 : upool + operand[6];
+                const unsigned* si = operand[7] == VP_NONE ? 0 : upool + operand[7];
                 const unsigned n = rows * width;
                 // VP_AHEAD elements per thread at a time, loads first
                 for (unsigned e0 = threadIdx.x; e0 < n; e0 += VP_AHEAD * blockDim.x) {
@@ -1271,7 +1254,7 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
             case OP_SUM_CHILDREN: {
                 const unsigned rows = operand[0], width = operand[1], dst = operand[2];
                 const unsigned src = operand[3], src_stride = operand[4];
-                const unsigned* csr = vp_index(operand, operand[5], upool);
+                const unsigned* csr = upool + operand[5];
                 const unsigned n = rows * width;
                 // VP_AHEAD elements per thread at a time, loads first
                 for (unsigned e0 = threadIdx.x; e0 < n; e0 += VP_AHEAD * blockDim.x) {
@@ -1313,7 +1296,7 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
             }
             case OP_XENT: {
                 const unsigned rows = operand[0], classes = operand[1], dst = operand[2], x = operand[3];
-                const unsigned* labels = vp_index(operand, operand[4], upool);
+                const unsigned* labels = upool + operand[4];
                 for (unsigned i = warp; i < rows; i += VP_THREADS / VP_WARP) {
                     const float* row = pool + x + i * classes;
                     float m = __int_as_float(0xff800000);
@@ -1336,7 +1319,7 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
             case OP_UPDATE_DENSE: {
                 const unsigned rows = operand[0], width = operand[1], value = operand[2], grad = operand[3];
                 const unsigned first = operand[4], second = operand[5];
-                const unsigned* ri = operand[6] == VP_NONE ? 0 : vp_index(operand, operand[6], upool);
+                const unsigned* ri = operand[6] == VP_NONE ? 0 : upool + operand[6];
                 for (unsigned e = threadIdx.x; e < rows * width; e += blockDim.x) {
                     const unsigned i = (ri == 0 ? e / width : ri[e / width]) * width + e % width;
                     pool[value + i] = vp_update(pool[value + i], pool[grad + i] * clip, pool + first + i,

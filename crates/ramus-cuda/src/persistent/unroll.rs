@@ -40,12 +40,10 @@ use ramus_core::ops::{
     SoftmaxXentBackward, SumChildren, SumRows,
 };
 use ramus_core::vpps::kernel::{
-    INLINE_INDEX, MAX_INLINE_INDEX_WORDS, NO_INDEX, OP_BROADCAST_ROWS, OP_FUSED, OP_MATVEC,
-    OP_MATVEC_T, OP_NOP, OP_OUTER, OP_ROWS, OP_SUM_CHILDREN, OP_SUM_ROWS, OP_UPDATE,
-    OP_UPDATE_DENSE, OP_XENT, PRODUCT_ITEM_WORDS, ROWS_ACCUMULATE, ROWS_DST_ABSOLUTE,
-    ROWS_SRC_ABSOLUTE,
+    NO_INDEX, OP_BROADCAST_ROWS, OP_FUSED, OP_MATVEC, OP_MATVEC_T, OP_NOP, OP_OUTER, OP_ROWS,
+    OP_SUM_CHILDREN, OP_SUM_ROWS, OP_UPDATE, OP_UPDATE_DENSE, OP_XENT, PRODUCT_ITEM_WORDS,
+    ROWS_ACCUMULATE, ROWS_DST_ABSOLUTE, ROWS_SRC_ABSOLUTE,
 };
-use ramus_core::vpps::script::MAX_OPERANDS;
 use ramus_core::vpps::{Placement, Task, TaskGraph, OP_HOST};
 use ramus_core::Model;
 use ramus_cpu::fill_dropout_mask;
@@ -409,28 +407,15 @@ impl<'a> Unroller<'a> {
         self.producers(key, n).record(lo, hi, task);
     }
 
-    /// Pushes a task; the short index arrays an instruction of a fixed
-    /// operand layout reads go inside it ([`Self::inline_indices`]).
     fn push(
         &mut self,
         op: u8,
         arg: u16,
-        mut operands: Vec<u32>,
+        operands: Vec<u32>,
         mut deps: Vec<u32>,
         load: usize,
         placement: Placement,
     ) -> Result<u32> {
-        // (operand slot, length) of the index arrays, `rows` entries each
-        // (a CSR one more)
-        let rows = operands.first().map_or(0, |&r| r as usize);
-        let indices = match op {
-            OP_ROWS => vec![(6, rows), (7, rows)],
-            OP_UPDATE_DENSE => vec![(6, rows)],
-            OP_SUM_CHILDREN => vec![(5, rows + 1)],
-            OP_XENT => vec![(4, rows)],
-            _ => Vec::new(),
-        };
-        self.inline_indices(&mut operands, &indices)?;
         deps.sort_unstable();
         deps.dedup();
         self.g
@@ -443,33 +428,6 @@ impl<'a> Unroller<'a> {
                 placement,
             })
             .map_err(CudaError::from)
-    }
-
-    /// Moves the index arrays an instruction reads into it, where they are
-    /// short: `indices` lists each array's operand slot (its pool offset,
-    /// from [`Self::up`]) and length. The slot then holds
-    /// [`INLINE_INDEX`] and the array's place among the operands, which it
-    /// ends. A chain of one-row instructions (a level of a small batch)
-    /// otherwise waits a round trip to the pool for each row's index
-    /// before the row itself.
-    fn inline_indices(&self, ops: &mut Vec<u32>, indices: &[(usize, usize)]) -> Result<()> {
-        for &(slot, len) in indices {
-            let word = ops[slot];
-            if word == NO_INDEX || len > MAX_INLINE_INDEX_WORDS || ops.len() + len > MAX_OPERANDS {
-                continue;
-            }
-            let at = (word as usize)
-                .checked_sub(self.bases[2])
-                .filter(|&at| at + len <= self.upload.len())
-                .ok_or_else(|| {
-                    err(format!(
-                        "index operand {word} (length {len}) is outside the upload region"
-                    ))
-                })?;
-            ops[slot] = INLINE_INDEX | u32_of(ops.len(), "operand")?;
-            ops.extend_from_slice(&self.upload[at..at + len]);
-        }
-        Ok(())
     }
 
     // ------------------------------------------------------------ pass 1
@@ -722,16 +680,9 @@ impl<'a> Unroller<'a> {
         Ok(())
     }
 
-    /// Pool offset of an upload-region word (below [`INLINE_INDEX`], which
-    /// flags an index operand inside its instruction).
+    /// Pool offset of an upload-region word.
     fn up(&self, at: usize) -> Result<u32> {
-        let offset = u32_of(self.bases[2] + at, "upload offset")?;
-        if offset & INLINE_INDEX != 0 {
-            return Err(err(format!(
-                "upload offset {offset} needs the bit that flags inline index arrays (a pool of 2^31 floats or more)"
-            )));
-        }
-        Ok(offset)
+        u32_of(self.bases[2] + at, "upload offset")
     }
 
     // ------------------------------------------------------------ pass 3
@@ -866,34 +817,26 @@ impl<'a> Unroller<'a> {
                         let src_space = g.nodes[source].ty.space;
                         let (xa, xb) = self.span(key, group.space, src_space, a, b);
                         self.deps_of(key, source, xa, xb, &mut deps);
-                        let (index, len) = if matches!(input.kind, InputKind::ChildSum { .. }) {
-                            (self.functions[fi].edge_offsets, b - a + 1)
+                        let index = if matches!(input.kind, InputKind::ChildSum { .. }) {
+                            self.functions[fi].edge_offsets
                         } else {
-                            (self.functions[fi].edge_parent, b - a)
+                            self.functions[fi].edge_parent
                         };
-                        csr.push((self.up(index + a)?, len));
+                        csr.push(self.up(index + a)?);
                     }
                 }
             }
             for &o in &group.outputs {
                 ops.push(self.row_at(key, o, a)?);
             }
-            let mut indices = Vec::new();
             for w in &group.concat_writes {
                 match scattered {
                     // the children's state-gradient rows of edges a..b
-                    Some((concat, _, dst)) if concat == w.concat => {
-                        indices.push((ops.len(), b - a));
-                        ops.push(self.up(dst + a)?);
-                    }
+                    Some((concat, _, dst)) if concat == w.concat => ops.push(self.up(dst + a)?),
                     _ => ops.push(self.row_at(key, w.concat, a)?),
                 }
             }
-            for (word, len) in csr {
-                indices.push((ops.len(), len));
-                ops.push(word);
-            }
-            self.inline_indices(&mut ops, &indices)?;
+            ops.extend(csr);
             let t = self.push(
                 OP_FUSED,
                 case,
@@ -1895,81 +1838,6 @@ mod tests {
         let order = simulate(&schedule, &batch.graph).expect("the scripts run to the end");
         assert_eq!(order.len(), batch.graph.len());
         (batch.graph, schedule.levels)
-    }
-
-    /// The index arrays of one-row instructions (a small batch's chained
-    /// row copies, child sums, labels) sit inside the instructions; longer
-    /// ones (a whole level in one instruction) stay in the pool. Either way
-    /// the words an instruction reads are one of the batch's index arrays.
-    #[test]
-    fn short_index_arrays_go_inside_their_instructions() {
-        let mut rng = ChaCha8Rng::seed_from_u64(9);
-        let graphs: Vec<InputGraph> = (0..4)
-            .map(|_| random_tree(&mut rng, 9, &[2], 30, 5).expect("tree"))
-            .collect();
-        let refs: Vec<&InputGraph> = graphs.iter().collect();
-        let cfg = ModelConfig {
-            vocab: 30,
-            hidden: 16,
-            classes: 5,
-        };
-        let model = build_model_with("treelstm", &cfg, &ModelOptions::default()).expect("model");
-        let prog = PersistentProgram::build(&model).expect("program");
-        let s = ramus_cpu::Batch::new(&model, refs, BatchingPolicy::Cavs)
-            .expect("schedule")
-            .schedule;
-        // (inline arrays, arrays in the pool) over the index operands of
-        // the instructions of a fixed layout
-        let mut count = |spread: usize| {
-            let b = unroll_batch(&model, &prog, &s, true, spread, usize::MAX, &mut rng)
-                .expect("lowered");
-            let (mut inline, mut pooled) = (0, 0);
-            for t in &b.graph.tasks {
-                let rows = t.operands.first().map_or(0, |&r| r as usize);
-                let slots: &[(usize, usize)] = match t.op {
-                    OP_ROWS => &[(6, 0), (7, 0)],
-                    OP_SUM_CHILDREN => &[(5, 1)],
-                    OP_XENT => &[(4, 0)],
-                    OP_UPDATE_DENSE => &[(6, 0)],
-                    _ => &[],
-                };
-                for &(slot, extra) in slots {
-                    let (word, len) = (t.operands[slot], rows + extra);
-                    if word == NO_INDEX {
-                        continue;
-                    }
-                    let words = if word & INLINE_INDEX != 0 {
-                        let at = (word & !INLINE_INDEX) as usize;
-                        assert!(at > slot && at + len <= t.operands.len(), "{t:?}");
-                        assert!(len <= MAX_INLINE_INDEX_WORDS, "{t:?}");
-                        inline += 1;
-                        &t.operands[at..at + len]
-                    } else {
-                        let at = word as usize - b.upload_at;
-                        assert!(
-                            len > MAX_INLINE_INDEX_WORDS,
-                            "a short array in the pool: {t:?}"
-                        );
-                        pooled += 1;
-                        &b.upload[at..at + len]
-                    };
-                    assert!(
-                        b.upload.windows(len.max(1)).any(|w| len == 0 || w == words),
-                        "index words {words:?} of {t:?} are none of the batch's arrays"
-                    );
-                }
-            }
-            (inline, pooled)
-        };
-        // an instruction per row: every array inline
-        let (inline, pooled) = count(1 << 20);
-        assert!(
-            inline > 20 && pooled == 0,
-            "{inline} inline, {pooled} in the pool"
-        );
-        // one instruction per level: the wide levels' arrays stay in the pool
-        let (_, pooled) = count(1);
-        assert!(pooled > 0);
     }
 
     /// Products of at least `host_items` items become host work between
