@@ -668,10 +668,11 @@ fn the_rpw_search_settles_and_is_remembered() {
         "tried {tried:?}, chose {chosen}"
     );
     // two CTAs per SM with register gradients fit at h 64, so the
-    // candidates that would keep two CTAs per SM repeat plans: skipped
+    // candidates that would keep two CTAs per SM repeat plans (skipped),
+    // and each rpw is timed twice: gradients in registers, then in memory
     let mut distinct = tried.clone();
     distinct.dedup();
-    assert_eq!(distinct, tried, "a plan timed twice");
+    assert_eq!(tried.len(), 2 * distinct.len(), "tried {tried:?}");
     println!("rpw search: tried {tried:?}, chose {chosen} after {batches} batches");
     let second = PersistentEngine::new(&model, &params, config, &options).expect("engine");
     assert!(!second.tuning(), "the choice is remembered");

@@ -24,7 +24,9 @@ pub fn run(
         return Err("--engine persistent runs on --device cuda".into());
     }
     let config = OptimizerConfig::new(OptimizerKind::Sgd, 0.05);
-    let mut batched = cuda_engine(model, a.device_memory_budget)?;
+    // made after the first persistent engine, whose set-up then includes
+    // the CUDA context as a training run's does
+    let mut batched = None;
     let mut batched_params = params.clone();
     let mut opt = Optimizer::new(config, params);
     let mut grads = Grads::zeros(model);
@@ -34,6 +36,10 @@ pub fn run(
         // (the previous size's is dropped first: one holds the device's
         // pool at a time)
         let mut persistent = tuned_engine(a, model, params, config, &trees[..bs])?;
+        let batched = match &mut batched {
+            Some(engine) => engine,
+            None => batched.insert(cuda_engine(model, a.device_memory_budget)?),
+        };
         let batch: Vec<&InputGraph> = trees[..bs].iter().collect();
         let nodes: usize = batch.iter().map(|g| g.len()).sum();
         // one synchronous batch for the step's own numbers, then the
