@@ -367,7 +367,7 @@ struct Tuning {
     /// Costs of the batches timed with it: kernel seconds and a share of
     /// the host's (see where [`PersistentEngine::tune`] is called).
     samples: Vec<f64>,
-    /// Best `(median seconds, variant index)` so far.
+    /// Best `(median cost, variant index)` so far.
     best: Option<(f64, usize)>,
 }
 
@@ -1211,17 +1211,18 @@ impl PersistentEngine {
         })
     }
 
-    /// One timed batch of `variant` for the `rpw` search: after
-    /// [`TUNE_BATCHES`] of the current candidate, moves on to the next one
-    /// (compiling it) or settles on the best and remembers it.
-    fn tune(&mut self, variant: usize, seconds: f64) -> Result<()> {
+    /// One timed batch of `variant` for the `rpw` search, costing `cost`
+    /// seconds: after [`TUNE_BATCHES`] of the current candidate, moves on
+    /// to the next one (compiling it) or settles on the best and remembers
+    /// it.
+    fn tune(&mut self, variant: usize, cost: f64) -> Result<()> {
         let Some(t) = self.tuning.as_mut() else {
             return Ok(());
         };
         if variant != self.active {
             return Ok(()); // a batch of the previous candidate, still in flight
         }
-        t.samples.push(seconds);
+        t.samples.push(cost);
         if t.samples.len() < TUNE_BATCHES {
             return Ok(());
         }
