@@ -2146,7 +2146,7 @@ mod timing {
             let model =
                 build_model_with("treelstm", &cfg, &ModelOptions::default()).expect("model");
             let prog = PersistentProgram::build(&model).expect("program");
-            for rpw in 1..=3 {
+            for rpw in 1..=4 {
                 for ctas in 1..=2 {
                     for grads in [true, false] {
                         let req = PlanRequest {
