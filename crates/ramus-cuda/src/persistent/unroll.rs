@@ -272,6 +272,9 @@ struct Unroller<'a> {
     /// Producers per graph (by index) and node, per row (allocated at
     /// first use).
     prod: Vec<Vec<RowProducers>>,
+    /// Per graph (by index) and node, its [`Unroller::loc`] once the
+    /// regions' bases are known (`None`: none, or not yet filled).
+    locs: Vec<Vec<Option<(usize, usize)>>>,
     g: TaskGraph,
 }
 
@@ -330,14 +333,39 @@ impl<'a> Unroller<'a> {
     /// Pool offset of row 0 of node `n` (view windows included) and its
     /// row stride.
     fn loc(&self, key: GraphKey, n: NodeId) -> Result<(usize, usize)> {
+        match self
+            .locs
+            .get(key.index(self.prog.functions))
+            .and_then(|l| l.get(n))
+        {
+            Some(&Some(at)) => Ok(at),
+            _ => self.find_loc(key, n),
+        }
+    }
+
+    /// Every node's [`Self::loc`] where it has one, once the regions' bases
+    /// are known (a batch's lowering asks for them per instruction).
+    fn fill_locs(&mut self) {
+        let mut locs = vec![Vec::new(); 2 * self.prog.functions + 2];
+        for key in graph_keys(self.model) {
+            locs[key.index(self.prog.functions)] = (0..self.graph(key).nodes.len())
+                .map(|n| self.find_loc(key, n).ok())
+                .collect();
+        }
+        self.locs = locs;
+    }
+
+    /// [`Self::loc`] worked out: through forward inputs and views to the
+    /// node's buffer or parameter.
+    fn find_loc(&self, key: GraphKey, n: NodeId) -> Result<(usize, usize)> {
         let g = self.graph(key);
         if let NodeKind::Input(Source::Forward(m)) = g.nodes[n].kind {
             if let Some(fk) = key.forward_of() {
-                return self.loc(fk, m);
+                return self.find_loc(fk, m);
             }
         }
         if let Some(v) = self.prog.view(key, n) {
-            let (base, _) = self.loc(key, v.source)?;
+            let (base, _) = self.find_loc(key, v.source)?;
             return Ok((base + v.offset, v.stride));
         }
         let width = g.nodes[n].ty.width();
@@ -1708,6 +1736,7 @@ pub(crate) fn unroll_batch(
         head_grad_dst_at: 0,
         update_rows: HashMap::new(),
         prod: vec![Vec::new(); 2 * prog.functions + 2],
+        locs: Vec::new(),
         g: TaskGraph::new(),
     };
     u.allocate()?;
@@ -1719,6 +1748,7 @@ pub(crate) fn unroll_batch(
         params.total + u.sizes[0],
         params.total + u.sizes[0] + u.sizes[1],
     ];
+    u.fill_locs();
     u.index_arrays()?;
     // host-filled floats: the loss seed, then the dropout masks in the CPU
     // engine's order (functions' forward graphs, then the head)
