@@ -885,9 +885,13 @@ impl Leveling {
         match t.placement {
             Placement::Any => {
                 let v = self.any_vpp[i] as usize;
-                self.loads.add(v, t.load);
                 if sched.balance_per_level {
+                    // the batch's totals are only reported: their tree
+                    // catches up if ever looked up
+                    self.loads.add_lazy(v, t.load);
                     self.level_loads.add(level as usize, v, t.load);
+                } else {
+                    self.loads.add(v, t.load);
                 }
             }
             Placement::Every => {

@@ -275,6 +275,9 @@ struct Unroller<'a> {
     /// Per graph (by index) and node, its [`Unroller::loc`] once the
     /// regions' bases are known (`None`: none, or not yet filled).
     locs: Vec<Vec<Option<(usize, usize)>>>,
+    /// Per graph (by index) and node, where its rows are stored
+    /// ([`Unroller::resolve`]; empty until filled with `locs`).
+    stored: Vec<Vec<(GraphKey, NodeId)>>,
     g: TaskGraph,
 }
 
@@ -343,16 +346,20 @@ impl<'a> Unroller<'a> {
         }
     }
 
-    /// Every node's [`Self::loc`] where it has one, once the regions' bases
-    /// are known (a batch's lowering asks for them per instruction).
+    /// Every node's [`Self::loc`] where it has one and its
+    /// [`Self::resolve`], once the regions' bases are known (a batch's
+    /// lowering asks for them per instruction).
     fn fill_locs(&mut self) {
         let mut locs = vec![Vec::new(); 2 * self.prog.functions + 2];
+        let mut stored = locs.iter().map(|_| Vec::new()).collect::<Vec<_>>();
         for key in graph_keys(self.model) {
-            locs[key.index(self.prog.functions)] = (0..self.graph(key).nodes.len())
-                .map(|n| self.find_loc(key, n).ok())
-                .collect();
+            let nodes = 0..self.graph(key).nodes.len();
+            let k = key.index(self.prog.functions);
+            locs[k] = nodes.clone().map(|n| self.find_loc(key, n).ok()).collect();
+            stored[k] = nodes.map(|n| self.resolve(key, n)).collect();
         }
         self.locs = locs;
+        self.stored = stored;
     }
 
     /// [`Self::loc`] worked out: through forward inputs and views to the
@@ -418,13 +425,16 @@ impl<'a> Unroller<'a> {
     }
 
     fn producers(&mut self, key: GraphKey, n: NodeId) -> &mut RowProducers {
-        let (key, n) = self.resolve(key, n);
-        let rows = self.rows(key, self.graph(key).nodes[n].ty.space);
-        let slot = &mut self.prod[key.index(self.prog.functions)][n];
-        if slot.first.is_empty() {
-            *slot = RowProducers::new(rows.max(1));
+        let (key, n) = match self.stored.get(key.index(self.prog.functions)) {
+            Some(nodes) if n < nodes.len() => nodes[n],
+            _ => self.resolve(key, n),
+        };
+        let functions = self.prog.functions;
+        if self.prod[key.index(functions)][n].first.is_empty() {
+            let rows = self.rows(key, self.graph(key).nodes[n].ty.space);
+            self.prod[key.index(functions)][n] = RowProducers::new(rows.max(1));
         }
-        slot
+        &mut self.prod[key.index(functions)][n]
     }
 
     fn deps_of(&mut self, key: GraphKey, n: NodeId, lo: usize, hi: usize, out: &mut Vec<u32>) {
@@ -1737,6 +1747,7 @@ pub(crate) fn unroll_batch(
         update_rows: HashMap::new(),
         prod: vec![Vec::new(); 2 * prog.functions + 2],
         locs: Vec::new(),
+        stored: Vec::new(),
         g: TaskGraph::new(),
     };
     u.allocate()?;
