@@ -276,7 +276,7 @@ struct Unroller<'a> {
     /// regions' bases are known (`None`: none, or not yet filled).
     locs: Vec<Vec<Option<(usize, usize)>>>,
     /// Per graph (by index) and node, where its rows are stored
-    /// ([`Unroller::resolve`]; empty until filled with `locs`).
+    /// ([`Unroller::resolve`]; empty until filled with `locs`, see [`Unroller::fill_node_tables`]).
     stored: Vec<Vec<(GraphKey, NodeId)>>,
     g: TaskGraph,
 }
@@ -349,7 +349,7 @@ impl<'a> Unroller<'a> {
     /// Every node's [`Self::loc`] where it has one and its
     /// [`Self::resolve`], once the regions' bases are known (a batch's
     /// lowering asks for them per instruction).
-    fn fill_locs(&mut self) {
+    fn fill_node_tables(&mut self) {
         let mut locs = vec![Vec::new(); 2 * self.prog.functions + 2];
         let mut stored = locs.iter().map(|_| Vec::new()).collect::<Vec<_>>();
         for key in graph_keys(self.model) {
@@ -1759,7 +1759,7 @@ pub(crate) fn unroll_batch(
         params.total + u.sizes[0],
         params.total + u.sizes[0] + u.sizes[1],
     ];
-    u.fill_locs();
+    u.fill_node_tables();
     u.index_arrays()?;
     // host-filled floats: the loss seed, then the dropout masks in the CPU
     // engine's order (functions' forward graphs, then the head)
