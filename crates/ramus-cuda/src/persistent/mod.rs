@@ -16,7 +16,7 @@ mod program;
 mod train;
 mod unroll;
 
-pub use engine::{PersistentEngine, PersistentOptions, PersistentStep};
+pub use engine::{PersistentEngine, PersistentOptions, PersistentStep, HOST_PRODUCT_ITEMS};
 pub use train::{prepared_ahead, PersistentTrainer};
 
 use std::sync::Arc;
