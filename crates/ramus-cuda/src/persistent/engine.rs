@@ -1194,16 +1194,19 @@ impl PersistentEngine {
         let ms = start.elapsed_ms(end).in_call("cuEventElapsedTime")?;
         let seconds = f64::from(ms) / 1e3;
         self.last_kernel_seconds = Some(seconds);
-        // the search's cost of a batch: its device time and its share of
-        // the host's preparation (one core's time over the batches prepared
-        // in parallel). At large batches some models are host-bound, and a
-        // plan with twice the processors cuts a wide level into twice the
-        // instructions: RvNN at batch 128 on an H100 trained 116k sent/s
-        // with two CTAs per SM at rpw 1 (0.90 ms of device and 12.7 of host
-        // a batch), 159k with one and register gradients at rpw 3 (0.82 and
-        // 8.9), and the device time alone chose the first.
-        let share = step.host_seconds / super::train::prepared_ahead() as f64;
-        self.tune(variant, seconds + share)?;
+        if self.tuning.is_some() {
+            // the search's cost of a batch: its device time and its share
+            // of the host's preparation (one core's time over the batches
+            // prepared in parallel). At large batches some models are
+            // host-bound, and a plan with twice the processors cuts a wide
+            // level into twice the instructions: RvNN at batch 128 on an
+            // H100 trained 116k sent/s with two CTAs per SM at rpw 1 (0.90
+            // ms of device and 12.7 of host a batch), 159k with one and
+            // register gradients at rpw 3 (0.82 and 8.9), and the device
+            // time alone chose the first.
+            let share = step.host_seconds / super::train::prepared_ahead() as f64;
+            self.tune(variant, seconds + share)?;
+        }
         Ok(PersistentStep {
             loss,
             kernel_seconds: seconds,

@@ -107,6 +107,9 @@ pub(crate) struct PersistentProgram {
     /// children's gradient rows themselves (see
     /// [`Self::scattered_child_grads`]).
     scattered_child_grads: Vec<Option<NodeId>>,
+    /// Per graph and node, where its rows are stored (see
+    /// [`Self::stored`]).
+    stored: Vec<Vec<(GraphKey, NodeId)>>,
     /// The cases' CUDA source (one `case` block each).
     pub fused_source: String,
     /// Per parameter: its register-cached matrix, if it is one.
@@ -270,7 +273,8 @@ impl PersistentProgram {
             at += len;
         }
         params.total = at;
-        Ok(PersistentProgram {
+        let mut prog = PersistentProgram {
+            stored: Vec::new(),
             functions: n,
             plans,
             views,
@@ -285,7 +289,15 @@ impl PersistentProgram {
             matrices,
             params,
             row_grad_params,
-        })
+        };
+        prog.stored = storage_table(model, &prog);
+        Ok(prog)
+    }
+
+    /// `(graph, node)` where node `n` of graph `key` has its rows: after
+    /// `Forward(m)` inputs and slice views.
+    pub fn stored(&self, key: GraphKey, n: NodeId) -> (GraphKey, NodeId) {
+        self.stored[key.index(self.functions)][n]
     }
 
     /// The plan of graph `key`.
@@ -671,9 +683,36 @@ fn cached_matrices(model: &Model) -> Result<(Vec<Option<u16>>, Vec<MatrixSpec>)>
     Ok((cached, matrices))
 }
 
+/// [`PersistentProgram::stored`] for every node of every graph of `model`.
+fn storage_table(model: &Model, prog: &PersistentProgram) -> Vec<Vec<(GraphKey, NodeId)>> {
+    fn resolve(
+        model: &Model,
+        prog: &PersistentProgram,
+        key: GraphKey,
+        n: NodeId,
+    ) -> (GraphKey, NodeId) {
+        if let NodeKind::Input(Source::Forward(m)) = key.graph(model).nodes[n].kind {
+            if let Some(fk) = key.forward_of() {
+                return resolve(model, prog, fk, m);
+            }
+        }
+        match storage_node(prog, key, n) {
+            stored if stored != n => resolve(model, prog, key, stored),
+            _ => (key, n),
+        }
+    }
+    let mut table = vec![Vec::new(); 2 * prog.functions + 2];
+    for key in graph_keys(model) {
+        table[key.index(prog.functions)] = (0..key.graph(model).nodes.len())
+            .map(|n| resolve(model, prog, key, n))
+            .collect();
+    }
+    table
+}
+
 /// The node a fused-group or op input reads its rows from: a viewed slice's
 /// source, else the node itself.
-pub(crate) fn storage_node(prog: &PersistentProgram, key: GraphKey, n: NodeId) -> NodeId {
+fn storage_node(prog: &PersistentProgram, key: GraphKey, n: NodeId) -> NodeId {
     prog.view(key, n).map_or(n, |v| v.source)
 }
 

@@ -49,7 +49,7 @@ use ramus_core::Model;
 use ramus_cpu::fill_dropout_mask;
 use ramus_graph::{Schedule, NO_LABEL};
 
-use super::program::{graph_keys, storage_node, GraphKey, ParamLayout, PersistentProgram};
+use super::program::{graph_keys, GraphKey, ParamLayout, PersistentProgram};
 use crate::error::{CudaError, Result};
 
 /// Elements an instruction over rows covers at least, where it has the
@@ -275,9 +275,6 @@ struct Unroller<'a> {
     /// Per graph (by index) and node, its [`Unroller::loc`] once the
     /// regions' bases are known (`None`: none, or not yet filled).
     locs: Vec<Vec<Option<(usize, usize)>>>,
-    /// Per graph (by index) and node, where its rows are stored
-    /// ([`Unroller::resolve`]; empty until filled with `locs`, see [`Unroller::fill_node_tables`]).
-    stored: Vec<Vec<(GraphKey, NodeId)>>,
     g: TaskGraph,
 }
 
@@ -317,22 +314,6 @@ impl<'a> Unroller<'a> {
         self.bases[region_index(region)] + at
     }
 
-    /// `(graph, node)` after following `Forward(m)` inputs and slice views
-    /// to where the rows are stored.
-    fn resolve(&self, key: GraphKey, n: NodeId) -> (GraphKey, NodeId) {
-        let g = self.graph(key);
-        if let NodeKind::Input(Source::Forward(m)) = g.nodes[n].kind {
-            if let Some(fk) = key.forward_of() {
-                return self.resolve(fk, m);
-            }
-        }
-        let stored = storage_node(self.prog, key, n);
-        if stored != n {
-            return self.resolve(key, stored);
-        }
-        (key, n)
-    }
-
     /// Pool offset of row 0 of node `n` (view windows included) and its
     /// row stride.
     fn loc(&self, key: GraphKey, n: NodeId) -> Result<(usize, usize)> {
@@ -346,20 +327,16 @@ impl<'a> Unroller<'a> {
         }
     }
 
-    /// Every node's [`Self::loc`] where it has one and its
-    /// [`Self::resolve`], once the regions' bases are known (a batch's
-    /// lowering asks for them per instruction).
-    fn fill_node_tables(&mut self) {
+    /// Every node's [`Self::loc`] where it has one, once the regions' bases
+    /// are known (a batch's lowering asks for them per instruction).
+    fn fill_locs(&mut self) {
         let mut locs = vec![Vec::new(); 2 * self.prog.functions + 2];
-        let mut stored = locs.iter().map(|_| Vec::new()).collect::<Vec<_>>();
         for key in graph_keys(self.model) {
-            let nodes = 0..self.graph(key).nodes.len();
-            let k = key.index(self.prog.functions);
-            locs[k] = nodes.clone().map(|n| self.find_loc(key, n).ok()).collect();
-            stored[k] = nodes.map(|n| self.resolve(key, n)).collect();
+            locs[key.index(self.prog.functions)] = (0..self.graph(key).nodes.len())
+                .map(|n| self.find_loc(key, n).ok())
+                .collect();
         }
         self.locs = locs;
-        self.stored = stored;
     }
 
     /// [`Self::loc`] worked out: through forward inputs and views to the
@@ -425,10 +402,7 @@ impl<'a> Unroller<'a> {
     }
 
     fn producers(&mut self, key: GraphKey, n: NodeId) -> &mut RowProducers {
-        let (key, n) = match self.stored.get(key.index(self.prog.functions)) {
-            Some(nodes) if n < nodes.len() => nodes[n],
-            _ => self.resolve(key, n),
-        };
+        let (key, n) = self.prog.stored(key, n);
         let functions = self.prog.functions;
         if self.prod[key.index(functions)][n].first.is_empty() {
             let rows = self.rows(key, self.graph(key).nodes[n].ty.space);
@@ -1747,7 +1721,6 @@ pub(crate) fn unroll_batch(
         update_rows: HashMap::new(),
         prod: vec![Vec::new(); 2 * prog.functions + 2],
         locs: Vec::new(),
-        stored: Vec::new(),
         g: TaskGraph::new(),
     };
     u.allocate()?;
@@ -1759,7 +1732,7 @@ pub(crate) fn unroll_batch(
         params.total + u.sizes[0],
         params.total + u.sizes[0] + u.sizes[1],
     ];
-    u.fill_node_tables();
+    u.fill_locs();
     u.index_arrays()?;
     // host-filled floats: the loss seed, then the dropout masks in the CPU
     // engine's order (functions' forward graphs, then the head)
