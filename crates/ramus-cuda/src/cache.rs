@@ -81,9 +81,28 @@ impl fmt::Display for KernelCacheStats {
     }
 }
 
-/// A compile started by [`KernelCache::prefetch`]: the image and the time
-/// the compile took.
-type Prefetched = JoinHandle<Result<(Vec<u8>, Duration)>>;
+/// A compile started on a thread of its own ([`KernelCache::prefetch`],
+/// [`compile_in_background`]): the image and the time the compile took.
+pub type Prefetched = JoinHandle<Result<(Vec<u8>, Duration)>>;
+
+/// Starts `compile` of `source` (which defines `kernel_names`) on a thread
+/// of its own, for [`KernelCache::adopt`] once the cache exists.
+pub fn compile_in_background(
+    source: &str,
+    kernel_names: &[&str],
+    compile: impl FnOnce(&str, &[&str]) -> Result<Vec<u8>> + Send + 'static,
+) -> io::Result<Prefetched> {
+    let source = source.to_string();
+    let names: Vec<String> = kernel_names.iter().map(|n| n.to_string()).collect();
+    std::thread::Builder::new()
+        .name("ramus-kernel-compile".into())
+        .spawn(move || {
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            let started = Instant::now();
+            let image = compile(&source, &names)?;
+            Ok((image, started.elapsed()))
+        })
+}
 
 struct CacheState<M> {
     loaded: HashMap<u64, Arc<M>>,
@@ -151,17 +170,7 @@ impl<M> KernelCache<M> {
         compile: impl Fn(&str, &[&str]) -> Result<Vec<u8>> + Send + Sync + 'static,
         load: impl Fn(&[u8], &[&str]) -> Result<M> + Send + Sync + 'static,
     ) -> Self {
-        let target_tag = target_tag
-            .into()
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || "_-.".contains(c) {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect();
+        let target_tag = file_safe(&target_tag.into());
         Self {
             directory,
             target_tag,
@@ -254,20 +263,57 @@ impl<M> KernelCache<M> {
             return Ok(());
         }
         let compile = Arc::clone(&self.compile);
-        let source = source.to_string();
-        let names: Vec<String> = kernel_names.iter().map(|n| n.to_string()).collect();
-        let compiling = std::thread::Builder::new()
-            .name("ramus-kernel-compile".into())
-            .spawn(move || {
-                let names: Vec<&str> = names.iter().map(String::as_str).collect();
-                let started = Instant::now();
-                let image = compile(&source, &names)?;
-                Ok((image, started.elapsed()))
-            });
-        if let Ok(compiling) = compiling {
+        if let Ok(compiling) =
+            compile_in_background(source, kernel_names, move |s, n| compile(s, n))
+        {
             state.prefetching.insert(memory_key, compiling);
         }
         Ok(())
+    }
+
+    /// Takes over `compiling`, a compile of `source` (which defines
+    /// `kernel_names`) started with [`compile_in_background`] before this
+    /// cache existed, with the compiler this cache uses: a later lookup
+    /// waits for it as for a [`prefetch`](Self::prefetch). A source the
+    /// cache already has or compiles keeps that, and `compiling` is left to
+    /// finish on its own.
+    pub fn adopt(&self, source: &str, kernel_names: &[&str], compiling: Prefetched) -> Result<()> {
+        check_kernel_names(kernel_names)?;
+        let source_hash = fnv1a64(normalize_source(source).as_bytes());
+        let memory_key = with_kernel_names(source_hash, kernel_names);
+        let mut state = self.lock();
+        if !state.loaded.contains_key(&memory_key) {
+            state.prefetching.entry(memory_key).or_insert(compiling);
+        }
+        Ok(())
+    }
+
+    /// Whether the module for `source` can be had without waiting for a
+    /// compile: loaded, on disk, or its prefetched compile done. Where it is
+    /// none of these and no compile is under way, starts one (see
+    /// [`prefetch`](Self::prefetch)); where no thread can compile it, the
+    /// lookup has to, and it counts as ready.
+    pub fn is_ready(&self, source: &str, kernel_names: &[&str]) -> Result<bool> {
+        check_kernel_names(kernel_names)?;
+        let source_hash = fnv1a64(normalize_source(source).as_bytes());
+        let memory_key = with_kernel_names(source_hash, kernel_names);
+        {
+            let state = self.lock();
+            if state.loaded.contains_key(&memory_key) {
+                return Ok(true);
+            }
+            if let Some(compiling) = state.prefetching.get(&memory_key) {
+                return Ok(compiling.is_finished());
+            }
+        }
+        if self
+            .entry_path(source_hash)
+            .is_some_and(|path| path.is_file())
+        {
+            return Ok(true);
+        }
+        self.prefetch(source, kernel_names)?;
+        Ok(!self.lock().prefetching.contains_key(&memory_key))
     }
 
     /// The cache's counters.
@@ -286,12 +332,9 @@ impl<M> KernelCache<M> {
     }
 
     fn entry_path(&self, source_hash: u64) -> Option<PathBuf> {
-        let version = env!("CARGO_PKG_VERSION");
-        let file = format!(
-            "{source_hash:016x}-{}-ramus-{version}.kbin",
-            self.target_tag
-        );
-        self.directory.as_ref().map(|dir| dir.join(file))
+        self.directory
+            .as_ref()
+            .map(|dir| entry_file(dir, &self.target_tag, source_hash))
     }
 
     fn lock(&self) -> MutexGuard<'_, CacheState<M>> {
@@ -351,6 +394,34 @@ impl<M> KernelCache<M> {
             }
         }
     }
+}
+
+/// Whether a cache over `directory` whose compiler is tagged
+/// `target_tag` (see [`NvrtcCompiler::cache_tag`](crate::NvrtcCompiler::cache_tag)) holds `source` on
+/// disk: known before the device is opened.
+pub fn entry_on_disk(directory: &Path, target_tag: &str, source: &str) -> bool {
+    let source_hash = fnv1a64(normalize_source(source).as_bytes());
+    entry_file(directory, &file_safe(target_tag), source_hash).is_file()
+}
+
+/// `tag` with every character a file name might not take replaced by `_`.
+fn file_safe(tag: &str) -> String {
+    tag.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "_-.".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// The entry file of a source in `directory`, for a compiler tagged `tag`
+/// (already [`file_safe`]) and this version of Ramus.
+fn entry_file(directory: &Path, tag: &str, source_hash: u64) -> PathBuf {
+    let version = env!("CARGO_PKG_VERSION");
+    directory.join(format!("{source_hash:016x}-{tag}-ramus-{version}.kbin"))
 }
 
 /// The directory for disk entries: `$RAMUS_CACHE_DIR` if set, else
@@ -650,6 +721,56 @@ mod tests {
         // a loaded source is not compiled again either
         cache.prefetch(SAXPY, &["saxpy"]).unwrap();
         assert_eq!(compiles.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn readiness_starts_a_compile_and_follows_it_and_the_disk() {
+        let dir = TempDir::new("ready");
+        let (cache, compiles) = fake_cache(Some(dir.0.clone()));
+        assert!(!entry_on_disk(&dir.0, "sm_test", SAXPY));
+        // nothing compiles it yet: asking starts a compile of its own
+        let mut ready = cache.is_ready(SAXPY, &["saxpy"]).unwrap();
+        let started = Instant::now();
+        while !ready && started.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(1));
+            ready = cache.is_ready(SAXPY, &["saxpy"]).unwrap();
+        }
+        assert!(ready, "the compile finishes");
+        assert_eq!(compiles.load(Ordering::Relaxed), 1);
+        // the lookup takes the compiled image and writes it to disk
+        cache.get_or_compile(SAXPY, &["saxpy"]).unwrap();
+        assert_eq!(compiles.load(Ordering::Relaxed), 1);
+        assert!(cache.is_ready(SAXPY, &["saxpy"]).unwrap());
+        assert!(entry_on_disk(&dir.0, "sm_test", SAXPY));
+        assert!(!entry_on_disk(&dir.0, "sm_other", SAXPY));
+        // a new cache over the directory: ready from disk, nothing compiles
+        let (cache, compiles) = fake_cache(Some(dir.0.clone()));
+        assert!(cache.is_ready(SAXPY, &["saxpy"]).unwrap());
+        assert_eq!(compiles.load(Ordering::Relaxed), 0);
+        assert!(cache.is_ready(SAXPY, &[]).is_err(), "no kernel names");
+    }
+
+    #[test]
+    fn an_adopted_compile_is_what_the_lookup_takes() {
+        let (cache, compiles) = fake_cache(None);
+        let early = compile_in_background(SAXPY, &["saxpy"], |source, _| {
+            Ok(format!("EARLY:{source}").into_bytes())
+        })
+        .unwrap();
+        cache.adopt(SAXPY, &["saxpy"], early).unwrap();
+        // nothing else starts: it counts as compiling
+        cache.prefetch(SAXPY, &["saxpy"]).unwrap();
+        let module = cache.get_or_compile(SAXPY, &["saxpy"]).unwrap();
+        assert!(module.starts_with("EARLY:"), "{module}");
+        assert_eq!(compiles.load(Ordering::Relaxed), 0);
+        assert_eq!(cache.stats().compiled, 1);
+        // a loaded source keeps its module
+        let late = compile_in_background(SAXPY, &["saxpy"], |_, _| Ok(b"LATE".to_vec())).unwrap();
+        cache.adopt(SAXPY, &["saxpy"], late).unwrap();
+        assert!(cache
+            .get_or_compile(SAXPY, &["saxpy"])
+            .unwrap()
+            .starts_with("EARLY:"));
     }
 
     #[test]

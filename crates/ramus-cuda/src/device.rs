@@ -22,6 +22,15 @@ pub struct CudaDevice {
     sm_count: u32,
 }
 
+/// A device's properties as [`CudaDevice::probe`] reads them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceFacts {
+    pub name: String,
+    /// `(major, minor)`, e.g. `(9, 0)` for an H100.
+    pub compute_capability: (u32, u32),
+    pub sm_count: u32,
+}
+
 impl CudaDevice {
     /// Whether CUDA can be used here: the driver, NVRTC and cuBLAS libraries
     /// load and the driver reports at least one device. Tests and callers use
@@ -35,6 +44,37 @@ impl CudaDevice {
             }),
             _ => Ok(()),
         }
+    }
+
+    /// What code for device `ordinal` is compiled for, read without a
+    /// context: cheap next to [`open`](Self::open), so that a caller can
+    /// compile while another thread opens the device.
+    pub fn probe(ordinal: usize) -> Result<DeviceFacts> {
+        // not cuBLAS: loading it is a large part of a cold set-up's time,
+        // and `open` checks it
+        check_compile_libraries()?;
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(CudaError::NoDevice { ordinal, count });
+        }
+        let dev = i32::try_from(ordinal)
+            .map_err(|_| CudaError::NoDevice { ordinal, count })
+            .and_then(|o| cudarc::driver::result::device::get(o).in_call("cuDeviceGet"))?;
+        let attribute = |a: CUdevice_attribute| {
+            // SAFETY: `dev` is a device handle the driver just returned and
+            // `a` a valid attribute; the call only reads.
+            unsafe { cudarc::driver::result::device::get_attribute(dev, a) }
+                .in_call("cuDeviceGetAttribute")
+                .map(non_negative)
+        };
+        Ok(DeviceFacts {
+            name: cudarc::driver::result::device::get_name(dev).in_call("cuDeviceGetName")?,
+            compute_capability: (
+                attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+            ),
+            sm_count: attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+        })
     }
 
     /// Opens device `ordinal`: retains its primary context, creates the main
@@ -165,10 +205,17 @@ fn device_count() -> Result<usize> {
 /// library is first used, so this must run before any CUDA call).
 fn check_libraries() -> Result<()> {
     static CHECKED: OnceLock<Result<()>> = OnceLock::new();
-    CHECKED.get_or_init(find_libraries).clone()
+    check_compile_libraries()?;
+    CHECKED.get_or_init(find_cublas).clone()
 }
 
-fn find_libraries() -> Result<()> {
+/// [`check_libraries`] for the driver and NVRTC only.
+fn check_compile_libraries() -> Result<()> {
+    static CHECKED: OnceLock<Result<()>> = OnceLock::new();
+    CHECKED.get_or_init(find_driver_and_nvrtc).clone()
+}
+
+fn find_driver_and_nvrtc() -> Result<()> {
     // SAFETY: each check only tries `dlopen` on the library's usual names and
     // closes it again; loading runs the library's initialisers, which for the
     // NVIDIA libraries have no preconditions.
@@ -189,7 +236,11 @@ fn find_libraries() -> Result<()> {
                    put its directory (e.g. /usr/local/cuda/lib64) on LD_LIBRARY_PATH",
         });
     }
-    // SAFETY: as above.
+    Ok(())
+}
+
+fn find_cublas() -> Result<()> {
+    // SAFETY: as in `find_driver_and_nvrtc`.
     let cublas = unsafe { cudarc::cublas::sys::is_culib_present() };
     if !cublas {
         return Err(CudaError::LibraryMissing {

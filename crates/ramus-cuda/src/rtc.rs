@@ -88,6 +88,7 @@ pub fn supported_archs() -> Result<Vec<u32>> {
 pub struct NvrtcCompiler {
     target: CompileTarget,
     fast_math: bool,
+    fast_compile: bool,
 }
 
 impl NvrtcCompiler {
@@ -103,6 +104,7 @@ impl NvrtcCompiler {
         Self {
             target,
             fast_math: false,
+            fast_compile: false,
         }
     }
 
@@ -110,6 +112,17 @@ impl NvrtcCompiler {
     /// CPU reference).
     pub fn with_fast_math(self, fast_math: bool) -> Self {
         Self { fast_math, ..self }
+    }
+
+    /// Enables `--Ofast-compile=max` (NVRTC 12.8 and later): compiles in a
+    /// fraction of the time, into slower code that may keep arrays in local
+    /// memory (for a kernel that only bridges the time until the optimized
+    /// one is compiled).
+    pub fn with_fast_compile(self, fast_compile: bool) -> Self {
+        Self {
+            fast_compile,
+            ..self
+        }
     }
 
     pub fn target(&self) -> CompileTarget {
@@ -126,18 +139,23 @@ impl NvrtcCompiler {
         if self.fast_math {
             options.push("--use_fast_math".to_string());
         }
+        if self.fast_compile {
+            options.push("--Ofast-compile=max".to_string());
+        }
         options
     }
 
     /// Names what this compiler produces, for cache keys: the architecture
     /// plus any option that changes the code.
     pub fn cache_tag(&self) -> String {
-        let arch = self.target.gpu_architecture();
+        let mut tag = self.target.gpu_architecture();
         if self.fast_math {
-            format!("{arch}-fastmath")
-        } else {
-            arch
+            tag.push_str("-fastmath");
         }
+        if self.fast_compile {
+            tag.push_str("-fastcompile");
+        }
+        tag
     }
 
     /// Compiles `source`, which defines the `extern "C"` kernels
@@ -332,8 +350,11 @@ mod tests {
             ["--gpu-architecture=sm_90", "-default-device", "-std=c++17"]
         );
         assert_eq!(compiler.cache_tag(), "sm_90");
-        let fast = compiler.with_fast_math(true);
+        let fast = compiler.clone().with_fast_math(true);
         assert!(fast.options().contains(&"--use_fast_math".to_string()));
+        let quick = compiler.clone().with_fast_compile(true);
+        assert!(quick.options().contains(&"--Ofast-compile=max".to_string()));
+        assert_eq!(quick.cache_tag(), "sm_90-fastcompile");
         assert_eq!(fast.cache_tag(), "sm_90-fastmath");
     }
 

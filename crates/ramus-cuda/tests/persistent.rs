@@ -419,7 +419,12 @@ fn compare_steps(
 ) {
     let params: Params<f32> = Params::init(model, 5);
     let mut cpu = Trainer::new(model.clone(), params.clone(), config);
-    let mut gpu = PersistentEngine::new(model, &params, config, options)
+    // the kernels proper (a bridge kernel trains only where a test asks)
+    let options = PersistentOptions {
+        bridge: options.bridge.or(Some(false)),
+        ..options.clone()
+    };
+    let mut gpu = PersistentEngine::new(model, &params, config, &options)
         .unwrap_or_else(|e| panic!("{name}: {e}"));
     if let Some(want) = options.grads_in_registers {
         assert_eq!(gpu.register_plan().grads_in_registers, want);
@@ -585,10 +590,17 @@ fn the_trainer_runs_epochs_on_the_persistent_engine() {
     let config = OptimizerConfig::new(OptimizerKind::Adam, 0.01);
     let mut cpu = Trainer::new(model.clone(), params.clone(), config);
     let mut gpu = Trainer::new(model.clone(), params.clone(), config);
-    gpu.engine = Box::new(
-        PersistentTrainer::new(&model, &params, config, &PersistentOptions::default())
-            .expect("engine"),
-    );
+    // a cold cache: the first windows train on a bridge kernel, a batch at
+    // a time, until the kernel proper takes over
+    let dir = std::env::temp_dir().join(format!("ramus-trainer-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let options = PersistentOptions {
+        cache_dir: Some(dir.clone()),
+        bridge: Some(true),
+        ..PersistentOptions::default()
+    };
+    gpu.engine =
+        Box::new(PersistentTrainer::new(&model, &params, config, &options).expect("engine"));
     let mut losses = Vec::new();
     for epoch in 0..4u64 {
         let mut r1 = ramus_nn::train::rng(epoch);
@@ -623,6 +635,84 @@ fn the_trainer_runs_epochs_on_the_persistent_engine() {
         x.loss,
         y.loss
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// On a cold cache the first batches train on a bridge kernel (the kernel
+/// compiled quickly) while the kernels proper compile: its steps follow the
+/// CPU as theirs do, and the kernel proper takes over where the bridge left
+/// the weights. (Run with `CUDA_CACHE_DISABLE=1`: NVRTC's own cache can
+/// have the kernel proper ready before the first batch.)
+#[test]
+fn a_bridge_kernel_trains_until_the_kernel_proper_takes_over() {
+    if !common::cuda_ready("skipping") {
+        return;
+    }
+    let cfg = ModelConfig {
+        vocab: 40,
+        hidden: 24,
+        classes: 5,
+    };
+    let model = build_model_with("treelstm", &cfg, &ModelOptions { dropout: 0.0 }).expect("model");
+    let params: Params<f32> = Params::init(&model, 5);
+    let data = model_graphs("treelstm", 48, 12);
+    let dir = std::env::temp_dir().join(format!("ramus-bridge-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let options = PersistentOptions {
+        cache_dir: Some(dir.clone()),
+        bridge: Some(true),
+        ..PersistentOptions::default()
+    };
+    let config = OptimizerConfig::new(OptimizerKind::Adam, 0.01);
+    let mut cpu = Trainer::new(model.clone(), params.clone(), config);
+    let mut gpu = PersistentEngine::new(&model, &params, config, &options).expect("engine");
+    assert!(
+        gpu.kernel_report().bridge,
+        "a cold cache starts on a bridge kernel"
+    );
+    assert_eq!(gpu.kernel_ready_seconds(), None);
+    assert!(gpu.tuning(), "the kernel is still being chosen");
+    let mut on_bridge = Vec::new();
+    for (step, chunk) in data.chunks(6).enumerate() {
+        if step == 4 {
+            gpu.wait_for_kernel().expect("the kernel proper builds");
+            assert!(!gpu.kernel_report().bridge);
+            assert!(gpu.kernel_ready_seconds().is_some());
+        }
+        let refs: Vec<&InputGraph> = chunk.iter().collect();
+        let a = cpu.train_batch(&refs).expect("cpu step");
+        let b = gpu
+            .train_batch(&model, &refs)
+            .expect("persistent step")
+            .loss;
+        on_bridge.push(gpu.kernel_report().bridge);
+        assert!(
+            (a - b).abs() <= 1e-3 * a.abs().max(1.0),
+            "step {step} (bridge: {}): loss CPU {a} vs persistent {b}",
+            gpu.kernel_report().bridge
+        );
+    }
+    if !on_bridge[0] {
+        println!(
+            "notice: the kernel proper was ready at the first batch (NVRTC's own cache?), \
+             so no step ran on the bridge; run with CUDA_CACHE_DISABLE=1"
+        );
+    }
+    assert!(!on_bridge[4..].iter().any(|&b| b), "{on_bridge:?}");
+    assert!(
+        !gpu.compiled_rpws().is_empty(),
+        "the search's candidates are no bridges"
+    );
+    let trained = gpu.params(&model).expect("parameters come back");
+    for (p, spec) in model.params.iter().enumerate() {
+        close_all(
+            cpu.params.values[p].data(),
+            trained.values[p].data(),
+            &format!("bridge: updated {}", spec.name),
+        );
+    }
+    println!("bridge steps: {on_bridge:?}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The profile-guided `rpw` search: valid variants are compiled and timed
@@ -651,8 +741,10 @@ fn the_rpw_search_settles_and_is_remembered() {
     let config = OptimizerConfig::new(OptimizerKind::Sgd, 0.01);
     let mut first = PersistentEngine::new(&model, &params, config, &options).expect("engine");
     assert!(first.tuning(), "a fresh cache starts a search");
+    // on a bridge kernel first (the default), while the candidates compile
+    let started = std::time::Instant::now();
     let mut batches = 0;
-    while first.tuning() && batches < 100 {
+    while first.tuning() && started.elapsed().as_secs() < 120 {
         first.submit(&model, &refs).expect("step");
         batches += 1;
     }

@@ -142,8 +142,16 @@ pub(super) fn tuned_engine(
     let mut persistent = PersistentEngine::new(model, params, config, &options)?;
     let warm: Vec<&InputGraph> = warm.iter().collect();
     let search_started = std::time::Instant::now();
+    // the bridge kernel (while the kernel proper compiles) and the search
+    // train on the warm-up batch; their time is bounded, this only guards
+    // against a search that would not end
     let mut searched = 0;
-    while persistent.tuning() && searched < 100 {
+    while persistent.tuning() {
+        if search_started.elapsed() > std::time::Duration::from_secs(600) {
+            return Err(
+                format!("the rpw search still ran after {searched} batches and 600 s").into(),
+            );
+        }
         persistent.submit(model, &warm)?;
         searched += 1;
     }
@@ -151,11 +159,15 @@ pub(super) fn tuned_engine(
     let search_s = search_started.elapsed().as_secs_f64();
     let plan = persistent.register_plan();
     let report = persistent.kernel_report();
+    let bridge = persistent.bridge_batches();
     println!(
         "{}",
         serde_json::json!({
             "setup": "persistent", "setup_s": (persistent.setup_seconds() * 1e3).round() / 1e3,
             "context_s": (persistent.context_seconds() * 1e3).round() / 1e3,
+            "kernel_ready_s": persistent.kernel_ready_seconds().map(|s| (s * 1e3).round() / 1e3),
+            "setup_phases": persistent.setup_phases().iter().map(|(p, s)| (p.to_string(), serde_json::json!((s * 1e3).round() / 1e3))).collect::<serde_json::Map<String, serde_json::Value>>(),
+            "bridge_batches": bridge.0, "bridge_kernel_ms": (bridge.0 > 0).then(|| (bridge.1 / bridge.0 as f64 * 1e6).round() / 1e3),
             "ctas": plan.ctas, "ctas_per_sm": plan.ctas_per_sm, "rpw": plan.rpw,
             "partitions": plan.partitions, "grads_in_registers": plan.grads_in_registers,
             "registers_per_thread": report.registers_per_thread,

@@ -6,6 +6,9 @@
 //! register plan for its weight matrices, the kernel (compiled through the
 //! kernel cache, checked for spills and residency), and the parameters with
 //! their optimizer moments uploaded once into the pool, where they stay.
+//! Where the kernel must be compiled, a bridge kernel (the same source
+//! compiled quickly, [`PersistentKernel::bridge`]) trains the first batches
+//! while it compiles, and the device opens on another thread meanwhile.
 //!
 //! Per batch: schedule the graphs (levels), lower them to a task DAG
 //! ([`unroll_batch`]), level, balance and encode it into per-processor
@@ -51,11 +54,12 @@ use super::program::PersistentProgram;
 use super::unroll::{dropout_draws, unroll_batch, BatchProgram, GradientGemm, HostWork};
 use super::{MatrixSlots, PersistentKernel, UpdateScalars};
 use crate::blas::{Blas, Gemm};
-use crate::cache::KernelCache;
+use crate::cache::{compile_in_background, KernelCache, Prefetched};
 use crate::device::CudaDevice;
 use crate::error::{CudaError, InCall, Result};
 use crate::pinned::PinnedBuffer;
 use crate::pool::{DevicePool, DeviceView, PoolBuffer, PoolConfig};
+use crate::rtc::{supported_archs, CompileTarget, NvrtcCompiler};
 
 /// How to set up a [`PersistentEngine`].
 #[derive(Clone, Debug, Default)]
@@ -92,6 +96,12 @@ pub struct PersistentOptions {
     /// at rpw 4, against 0.41 with the choice for a batch of 128 (two CTAs
     /// per SM at rpw 2, 2.43 ms there against 2.61-2.66).
     pub batch_size: Option<usize>,
+    /// Where the kernel must be compiled (no cached image), train the first
+    /// batches on a bridge kernel, the same source compiled in a fraction
+    /// of the time ([`PersistentKernel::bridge`]), while the kernel proper
+    /// compiles on other threads (default: yes, unless tracing; NVRTC
+    /// older than 12.8 cannot, and then set-up waits for the kernel).
+    pub bridge: Option<bool>,
 }
 
 /// The key of a remembered `rpw` choice: `base` (model, kernel, device
@@ -122,7 +132,7 @@ pub struct PersistentStep {
 /// The persistent training engine on one device; see the module docs.
 pub struct PersistentEngine {
     device: Arc<CudaDevice>,
-    _cache: KernelCache,
+    cache: KernelCache,
     pool: Arc<DevicePool>,
     /// Shared with the threads preparing batches.
     prog: Arc<PersistentProgram>,
@@ -159,8 +169,26 @@ pub struct PersistentEngine {
     rng: ChaCha8Rng,
     fingerprint: Vec<usize>,
     setup_seconds: f64,
-    /// Seconds of that spent opening the device (the CUDA context).
+    /// Seconds the thread opening the device (the CUDA context) took.
     context_seconds: f64,
+    /// When [`new`](PersistentEngine::new) started.
+    created: Instant,
+    /// While a bridge kernel is in use: the kernel proper it waits for.
+    awaited: Option<AwaitedKernel>,
+    /// Seconds from `created` until a kernel proper was in use.
+    kernel_ready_seconds: Option<f64>,
+    /// Batches read back that ran on a bridge kernel, and their kernels'
+    /// seconds.
+    bridge_batches: (usize, f64),
+    /// See [`PersistentEngine::setup_phases`].
+    setup_phases: Vec<(&'static str, f64)>,
+}
+
+/// The kernel proper a bridge kernel stands in for: the first choice and
+/// the source of its first plan (compiling on another thread).
+struct AwaitedKernel {
+    choice: VariantChoice,
+    source: String,
 }
 
 /// One batch in flight: its staged upload, the device copy of its scripts,
@@ -534,17 +562,31 @@ impl PersistentEngine {
                 "the persistent engine does not clip gradients yet; train without --clip-norm",
             ));
         }
-        let device = CudaDevice::open(options.device)?;
-        let context_seconds = started.elapsed().as_secs_f64();
-        let cache = KernelCache::for_device(
-            &device,
-            options
-                .cache_dir
-                .clone()
-                .or_else(crate::cache::default_cache_dir),
-        )?;
+        // the CUDA context is created on a thread of its own while this one
+        // plans the kernel and, where it must be compiled, compiles a bridge
+        let ordinal = options.device;
+        let opening = std::thread::Builder::new()
+            .name("ramus-cuda-open".into())
+            .spawn(move || {
+                let opened = Instant::now();
+                CudaDevice::open(ordinal).map(|d| (d, opened.elapsed().as_secs_f64()))
+            });
+        let mut phases = Vec::new();
+        let mut mark = |phase: &'static str| phases.push((phase, started.elapsed().as_secs_f64()));
+        let facts = CudaDevice::probe(ordinal)?;
+        mark("probe");
+        let (major, minor) = facts.compute_capability;
+        let compiler = NvrtcCompiler::for_target(CompileTarget::choose(
+            major * 10 + minor,
+            &supported_archs()?,
+        )?);
+        let cache_dir = options
+            .cache_dir
+            .clone()
+            .or_else(crate::cache::default_cache_dir);
+        mark("nvrtc");
         let prog = PersistentProgram::build(model)?;
-        let limits = DeviceLimits::hopper(device.sm_count() as usize);
+        let limits = DeviceLimits::hopper(facts.sm_count as usize);
         let slots = prog
             .matrices
             .iter()
@@ -559,19 +601,18 @@ impl PersistentEngine {
                 })
             })
             .collect::<Result<Vec<MatrixSlots>>>()?;
-        let pool = DevicePool::new(&device, PoolConfig::default());
         let rule = rule_of(optimizer.kind);
         let wide_items = items_option(options.wide_items, WIDE_ENV, WIDE_PRODUCT_ITEMS)?;
         let host_items = items_option(options.host_items, HOST_ENV, HOST_PRODUCT_ITEMS)?;
         // the choice of an earlier search for this model, kernel and device
-        let choice_file = cache.directory().map(|d| {
+        let choice_file = cache_dir.as_ref().map(|d| {
             let key = choice_key(
                 format!(
                     "{}|{:?}|{:?}|{}|{:?}|{:?}|{wide_items}|{host_items}",
                     prog.fused_source,
                     prog.matrices,
                     rule,
-                    device.name(),
+                    facts.name,
                     options.ctas_per_sm,
                     options.grads_in_registers
                 ),
@@ -614,10 +655,70 @@ impl PersistentEngine {
                 (first, tuning)
             }
         };
+        mark("program");
+        let mut early = start_compiles(
+            &prog,
+            &build,
+            first_choice,
+            &compiler,
+            cache_dir.as_deref(),
+            options.bridge != Some(false) && build.trace.is_none(),
+        );
+        mark("bridge compile");
+        let (device, context_seconds) = match opening {
+            Ok(thread) => thread
+                .join()
+                .map_err(|_| model_err("the thread opening the device panicked"))??,
+            Err(_) => {
+                let opened = Instant::now();
+                (CudaDevice::open(ordinal)?, opened.elapsed().as_secs_f64())
+            }
+        };
+        // the context was made current on the thread that created it
+        device
+            .context()
+            .bind_to_thread()
+            .in_call("cuCtxSetCurrent")?;
+        mark("device");
+        let cache = KernelCache::with_compiler(&device, compiler, cache_dir);
+        let pool = DevicePool::new(&device, PoolConfig::default());
+        if let Some(e) = early.as_mut() {
+            // where no thread could compile it early, the lookup compiles it
+            if let Some(compiling) = e.kernel_proper.take() {
+                cache.adopt(&e.source, &[KERNEL_NAME], compiling)?;
+            }
+        }
         if let Some(t) = &tuning {
             prefetch_candidates(&cache, &prog, &build, &t.candidates);
         }
-        let first = build_variant(&device, &cache, &pool, &prog, &build, first_choice)?;
+        mark("prefetch");
+        let (first, awaited) = match early {
+            Some(EarlyCompiles {
+                plan,
+                source,
+                bridge: Some((image, compile_started)),
+                ..
+            }) => {
+                let kernel = PersistentKernel::bridge(
+                    &device,
+                    &pool,
+                    plan,
+                    &image,
+                    &build.slots,
+                    compile_started,
+                )?;
+                let scheduler = Arc::new(variant_scheduler(kernel.plan(), &build));
+                let awaited = AwaitedKernel {
+                    choice: first_choice,
+                    source,
+                };
+                (Variant { kernel, scheduler }, Some(awaited))
+            }
+            _ => (
+                build_variant(&device, &cache, &pool, &prog, &build, first_choice)?,
+                None,
+            ),
+        };
         if params.values.len() != model.params.len() {
             return Err(model_err(format!(
                 "{} parameter tensors for a model of {}",
@@ -626,6 +727,7 @@ impl PersistentEngine {
             )));
         }
         // parameters, zero gradients and moments, then room for batches
+        mark("kernel");
         let capacity = prog.params.total + (16 << 20);
         let buffer = pool.alloc::<f32>(capacity)?;
         let mut transfer = PinnedBuffer::new(&device)?;
@@ -641,9 +743,10 @@ impl PersistentEngine {
         let barriers = pool.alloc::<u32>(1024)?;
         let copy_stream = device.new_stream()?;
         transfer.wait()?;
+        mark("upload");
         Ok(PersistentEngine {
             device,
-            _cache: cache,
+            cache,
             pool,
             prog: Arc::new(prog),
             variants: vec![first],
@@ -666,6 +769,11 @@ impl PersistentEngine {
             fingerprint: crate::program::fingerprint(model),
             setup_seconds: started.elapsed().as_secs_f64(),
             context_seconds,
+            kernel_ready_seconds: awaited.is_none().then(|| started.elapsed().as_secs_f64()),
+            created: started,
+            awaited,
+            bridge_batches: (0, 0.0),
+            setup_phases: phases,
         })
     }
 
@@ -690,9 +798,11 @@ impl PersistentEngine {
         self.variants[self.active].kernel.report()
     }
 
-    /// Whether the profile-guided `rpw` search is still running.
+    /// Whether the kernel is still being chosen: a bridge kernel trains
+    /// while the kernel proper compiles, or the profile-guided `rpw` search
+    /// runs.
     pub fn tuning(&self) -> bool {
-        self.tuning.is_some()
+        self.tuning.is_some() || self.awaited.is_some()
     }
 
     /// Kernel seconds of the last batch whose loss came back.
@@ -740,6 +850,7 @@ impl PersistentEngine {
         started: Instant,
     ) -> Result<Option<PersistentStep>> {
         self.check_model(model)?;
+        self.take_up_kernel(false)?;
         let slot = self.free_slots(1)?[0];
         let prepare = PrepareFor::new(model, self);
         let mut staging = self.take_staging(slot)?;
@@ -777,7 +888,10 @@ impl PersistentEngine {
     }
 
     /// [`submit_many`](Self::submit_many) for batches already scheduled;
-    /// `started` is when the host began preparing them.
+    /// `started` is when the host began preparing them. While a bridge
+    /// kernel trains (see [`PersistentOptions::bridge`]), the batches go
+    /// one at a time, as [`submit`](Self::submit)s, and the steps returned
+    /// are those of every batch but the last one submitted.
     pub fn submit_many_scheduled(
         &mut self,
         model: &Model,
@@ -785,6 +899,17 @@ impl PersistentEngine {
         started: Instant,
     ) -> Result<Vec<PersistentStep>> {
         self.check_model(model)?;
+        self.take_up_kernel(false)?;
+        if self.awaited.is_some() {
+            // a bridge kernel trains one batch at a time (two in flight),
+            // so that the kernel proper takes over as soon as it is ready:
+            // a bridge batch can take a hundred times as long
+            let mut steps = Vec::new();
+            for schedule in schedules {
+                steps.extend(self.submit_scheduled(model, schedule, started)?);
+            }
+            return Ok(steps);
+        }
         // each batch's dropout masks continue the stream where the previous
         // batch's end (two words per draw)
         let mut rngs = Vec::with_capacity(schedules.len());
@@ -1194,6 +1319,10 @@ impl PersistentEngine {
         let ms = start.elapsed_ms(end).in_call("cuEventElapsedTime")?;
         let seconds = f64::from(ms) / 1e3;
         self.last_kernel_seconds = Some(seconds);
+        if self.variants[variant].kernel.report().bridge {
+            self.bridge_batches.0 += 1;
+            self.bridge_batches.1 += seconds;
+        }
         if self.tuning.is_some() {
             // the search's cost of a batch: its device time and its share
             // of the host's preparation (one core's time over the batches
@@ -1222,8 +1351,10 @@ impl PersistentEngine {
         let Some(t) = self.tuning.as_mut() else {
             return Ok(());
         };
-        if variant != self.active {
-            return Ok(()); // a batch of the previous candidate, still in flight
+        if variant != self.active || self.variants[variant].kernel.report().bridge {
+            // a batch of the previous candidate, still in flight, or of the
+            // bridge kernel
+            return Ok(());
         }
         t.samples.push(cost);
         if t.samples.len() < TUNE_BATCHES {
@@ -1237,11 +1368,31 @@ impl PersistentEngine {
             t.best = Some((median, variant));
         }
         let best = t.best.map_or(variant, |(_, v)| v);
-        let (first, candidates) = (t.at + 1, t.candidates.clone());
-        for (at, &choice) in candidates.iter().enumerate().skip(first) {
+        let next = t.at + 1;
+        if !self.next_candidate(next).0 {
+            self.settle(best);
+        }
+        Ok(())
+    }
+
+    /// Builds the search's candidates from index `from` on and makes the
+    /// first that builds (spills nothing, fits, and plans differently from
+    /// every variant timed) the one in use: whether one did, and the first
+    /// error of those that did not build.
+    fn next_candidate(&mut self, from: usize) -> (bool, Option<CudaError>) {
+        let candidates = match &self.tuning {
+            Some(t) => t.candidates.clone(),
+            None => return (false, None),
+        };
+        let mut failed = None;
+        let plan_of = |v: &Variant| {
+            let p = v.kernel.plan();
+            (p.rpw, p.ctas_per_sm, p.grads_in_registers)
+        };
+        for (at, &choice) in candidates.iter().enumerate().skip(from) {
             let built = build_variant(
                 &self.device,
-                &self._cache,
+                &self.cache,
                 &self.pool,
                 &self.prog,
                 &self.build,
@@ -1249,22 +1400,91 @@ impl PersistentEngine {
             );
             // a candidate that spills or does not fit is skipped, and so is
             // one whose plan was timed already
-            let plan_of = |v: &Variant| {
-                let p = v.kernel.plan();
-                (p.rpw, p.ctas_per_sm, p.grads_in_registers)
+            let v = match built {
+                Ok(v) => v,
+                Err(e) => {
+                    failed.get_or_insert(e);
+                    continue;
+                }
             };
-            let Ok(v) = built else { continue };
-            if !self.variants.iter().any(|w| plan_of(w) == plan_of(&v)) {
+            let timed = self
+                .variants
+                .iter()
+                .any(|w| !w.kernel.report().bridge && plan_of(w) == plan_of(&v));
+            if !timed {
                 self.variants.push(v);
                 self.active = self.variants.len() - 1;
                 if let Some(t) = self.tuning.as_mut() {
                     t.at = at;
                 }
-                return Ok(());
+                return (true, failed);
             }
         }
-        self.settle(best);
+        (false, failed)
+    }
+
+    /// While a bridge kernel is in use: once the kernel proper it waits for
+    /// is compiled (or at once, `wait`ing for it), builds it (with the
+    /// `rpw` search running, its first candidate that builds) and makes it
+    /// the one in use.
+    fn take_up_kernel(&mut self, wait: bool) -> Result<()> {
+        let Some(awaited) = &self.awaited else {
+            return Ok(());
+        };
+        if !wait && !self.cache.is_ready(&awaited.source, &[KERNEL_NAME])? {
+            return Ok(());
+        }
+        let choice = awaited.choice;
+        if self.tuning.is_some() {
+            let (found, failed) = self.next_candidate(0);
+            if !found {
+                return Err(failed.unwrap_or_else(|| {
+                    model_err("none of the rpw search's candidate kernels builds")
+                }));
+            }
+        } else {
+            let v = build_variant(
+                &self.device,
+                &self.cache,
+                &self.pool,
+                &self.prog,
+                &self.build,
+                choice,
+            )?;
+            self.variants.push(v);
+            self.active = self.variants.len() - 1;
+        }
+        self.awaited = None;
+        self.kernel_ready_seconds = Some(self.created.elapsed().as_secs_f64());
         Ok(())
+    }
+
+    /// Waits until the kernel proper is in use, where set-up left a bridge
+    /// kernel training while it compiled (see [`PersistentOptions::bridge`]).
+    pub fn wait_for_kernel(&mut self) -> Result<()> {
+        self.take_up_kernel(true)
+    }
+
+    /// Seconds from the start of set-up until a kernel proper (not a
+    /// bridge) was in use; `None` while the bridge still trains.
+    pub fn kernel_ready_seconds(&self) -> Option<f64> {
+        self.kernel_ready_seconds
+    }
+
+    /// Set-up's phases, each with the seconds from the start of set-up to
+    /// its end: reading the device's properties, loading NVRTC, planning
+    /// the program, compiling a bridge kernel (while the device opens on
+    /// another thread), waiting for the device, starting the candidates'
+    /// compiles, loading or building the first kernel, uploading the
+    /// parameters.
+    pub fn setup_phases(&self) -> &[(&'static str, f64)] {
+        &self.setup_phases
+    }
+
+    /// Batches read back that ran on a bridge kernel, and their kernels'
+    /// seconds in all.
+    pub fn bridge_batches(&self) -> (usize, f64) {
+        self.bridge_batches
     }
 
     /// Ends the `rpw` search on variant `best` and remembers its plan's
@@ -1285,9 +1505,14 @@ impl PersistentEngine {
         }
     }
 
-    /// The `rpw` variants compiled so far (the search's candidates).
+    /// The `rpw` variants compiled so far (the search's candidates; not
+    /// a bridge kernel).
     pub fn compiled_rpws(&self) -> Vec<usize> {
-        self.variants.iter().map(|v| v.kernel.plan().rpw).collect()
+        self.variants
+            .iter()
+            .filter(|v| !v.kernel.report().bridge)
+            .map(|v| v.kernel.plan().rpw)
+            .collect()
     }
 
     /// Grows the pool buffer to `floats`, keeping the parameter region.
@@ -1462,6 +1687,69 @@ fn prefetch_candidates(
     }
 }
 
+/// The scheduler of a variant with `register_plan`.
+fn variant_scheduler(register_plan: &RegisterPlan, build: &VariantBuild) -> Scheduler {
+    let mut scheduler = Scheduler::new(register_plan);
+    scheduler.record = false;
+    // product tasks carry an (input, output, bias) item per row
+    scheduler.holder_item = PRODUCT_ITEM_WORDS;
+    scheduler.wide_items = (build.wide_items != u32::MAX).then_some(build.wide_items as usize);
+    scheduler
+}
+
+/// Compiles started before the device is open, where the first choice's
+/// kernel is not in the cache: the kernel proper for its first plan on a
+/// thread of its own (`None` where no thread could be started, or once the
+/// cache took it over) and, with a bridge wanted and where NVRTC can, the
+/// bridge for the same source (its image, and when its compile started).
+struct EarlyCompiles {
+    plan: RegisterPlan,
+    source: String,
+    kernel_proper: Option<Prefetched>,
+    bridge: Option<(Vec<u8>, Instant)>,
+}
+
+/// Starts [`EarlyCompiles`] for `choice`'s first plan, unless the plan
+/// fails (set-up then builds the variant and reports that) or its kernel
+/// is in the cache `directory`; compiles the bridge on this thread (see
+/// [`PersistentOptions::bridge`]).
+fn start_compiles(
+    prog: &PersistentProgram,
+    build: &VariantBuild,
+    choice: VariantChoice,
+    compiler: &NvrtcCompiler,
+    directory: Option<&std::path::Path>,
+    bridge: bool,
+) -> Option<EarlyCompiles> {
+    let plan = plan(&prog.matrices, &build.limits, &choice.request()).ok()?;
+    let options = KernelOptions {
+        rule: build.rule,
+        trace: build.trace.is_some(),
+    };
+    let source = kernel_source(&plan, options, &prog.fused_source);
+    if directory.is_some_and(|d| crate::cache::entry_on_disk(d, &compiler.cache_tag(), &source)) {
+        return None;
+    }
+    let proper = compiler.clone();
+    let kernel_proper =
+        compile_in_background(&source, &[KERNEL_NAME], move |s, n| proper.compile(s, n)).ok();
+    let bridge = bridge
+        .then(|| {
+            let compile_started = Instant::now();
+            let quick = compiler.clone().with_fast_compile(true);
+            // an NVRTC that cannot compile quickly: no bridge
+            let image = quick.compile(&source, &[KERNEL_NAME]).ok()?;
+            Some((image, compile_started))
+        })
+        .flatten();
+    Some(EarlyCompiles {
+        plan,
+        source,
+        kernel_proper,
+        bridge,
+    })
+}
+
 /// Plans the registers for `rpw` and compiles (or loads) its kernel.
 fn build_variant(
     device: &Arc<CudaDevice>,
@@ -1479,11 +1767,7 @@ fn build_variant(
     loop {
         let register_plan: RegisterPlan = plan(&prog.matrices, &build.limits, &request)?;
         let chosen = (register_plan.ctas_per_sm, register_plan.grads_in_registers);
-        let mut scheduler = Scheduler::new(&register_plan);
-        scheduler.record = false;
-        // product tasks carry an (input, output, bias) item per row
-        scheduler.holder_item = PRODUCT_ITEM_WORDS;
-        scheduler.wide_items = (build.wide_items != u32::MAX).then_some(build.wide_items as usize);
+        let scheduler = variant_scheduler(&register_plan, build);
         let built = PersistentKernel::build(
             device,
             cache,

@@ -33,6 +33,7 @@ use crate::device::CudaDevice;
 use crate::error::{CudaError, InCall, Result};
 use crate::pinned::PinnedBuffer;
 use crate::pool::{DevicePool, DeviceView, PoolBuffer};
+use crate::rtc::LoadedModule;
 
 /// Where a cached matrix lives in the pool (float offsets): its values,
 /// the optimizer's first and second moments (unused by a rule that has
@@ -73,6 +74,9 @@ pub struct KernelReport {
     pub resident_per_sm: u32,
     /// Seconds to get the module (compile or cache hit).
     pub build_seconds: f64,
+    /// A bridge kernel (see [`PersistentKernel::bridge`]): compiled for
+    /// speed of compilation, its weights possibly in local memory.
+    pub bridge: bool,
 }
 
 /// One compiled persistent kernel with its device-side tables.
@@ -90,6 +94,18 @@ pub struct PersistentKernel {
 fn u32_of(value: usize, what: &str) -> Result<u32> {
     u32::try_from(value)
         .map_err(|_| CudaError::BadArgument(format!("{what} = {value} does not fit 32 bits")))
+}
+
+/// Errors unless there is a slot per cached matrix of `plan`.
+fn check_slots(plan: &RegisterPlan, slots: &[MatrixSlots]) -> Result<()> {
+    if slots.len() != plan.matrices.len() {
+        return Err(CudaError::BadArgument(format!(
+            "{} matrix slots for a plan of {} cached matrices",
+            slots.len(),
+            plan.matrices.len()
+        )));
+    }
+    Ok(())
 }
 
 fn model_err(message: impl Into<String>) -> CudaError {
@@ -110,16 +126,42 @@ impl PersistentKernel {
         fused_cases: &str,
         slots: &[MatrixSlots],
     ) -> Result<Self> {
-        if slots.len() != plan.matrices.len() {
-            return Err(CudaError::BadArgument(format!(
-                "{} matrix slots for a plan of {} cached matrices",
-                slots.len(),
-                plan.matrices.len()
-            )));
-        }
+        check_slots(&plan, slots)?;
         let started = Instant::now();
         let source = kernel_source(&plan, options, fused_cases);
         let module = cache.get_or_compile(&source, &[KERNEL_NAME])?;
+        Self::from_module(device, pool, plan, &module, slots, started, false)
+    }
+
+    /// A bridge kernel: `image`, the source for `plan` compiled for speed of
+    /// compilation ([`NvrtcCompiler::with_fast_compile`](crate::NvrtcCompiler::with_fast_compile),
+    /// from `compile_started` on). It computes what the kernel proper
+    /// computes, more slowly (its weights may live in local memory, which
+    /// is not checked), and trains while that one compiles.
+    pub fn bridge(
+        device: &Arc<CudaDevice>,
+        pool: &Arc<DevicePool>,
+        plan: RegisterPlan,
+        image: &[u8],
+        slots: &[MatrixSlots],
+        compile_started: Instant,
+    ) -> Result<Self> {
+        check_slots(&plan, slots)?;
+        let module = LoadedModule::load(device.context(), image, &[KERNEL_NAME])?;
+        Self::from_module(device, pool, plan, &module, slots, compile_started, true)
+    }
+
+    /// The kernel of `module`, checked (unless a `bridge`, for spills; for
+    /// residency always) and given its tables.
+    fn from_module(
+        device: &Arc<CudaDevice>,
+        pool: &Arc<DevicePool>,
+        plan: RegisterPlan,
+        module: &LoadedModule,
+        slots: &[MatrixSlots],
+        started: Instant,
+        bridge: bool,
+    ) -> Result<Self> {
         let function = module.function(KERNEL_NAME)?.clone();
         let build_seconds = started.elapsed().as_secs_f64();
         let local_bytes = function
@@ -128,7 +170,7 @@ impl PersistentKernel {
         let registers = function
             .num_regs()
             .in_call("cuFuncGetAttribute(NUM_REGS)")?;
-        if local_bytes > 0 {
+        if local_bytes > 0 && !bridge {
             return Err(model_err(format!(
                 "the persistent kernel spills {local_bytes} bytes per thread to local memory \
                  ({} partitions × {} rows × {} registers of weights{} per thread, {registers} \
@@ -181,9 +223,10 @@ impl PersistentKernel {
             mats,
             report: KernelReport {
                 registers_per_thread: registers.max(0) as u32,
-                local_bytes: 0,
+                local_bytes: local_bytes.max(0) as u32,
                 resident_per_sm,
                 build_seconds,
+                bridge,
             },
         })
     }
