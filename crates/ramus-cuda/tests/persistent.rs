@@ -10,7 +10,8 @@
 mod common;
 
 use ramus_core::vpps::kernel::{
-    UpdateRule, NO_INDEX, OP_MATVEC, OP_MATVEC_T, OP_OUTER, OP_UPDATE, PRODUCT_ITEM_WORDS,
+    KernelOptions, UpdateRule, NO_INDEX, OP_MATVEC, OP_MATVEC_T, OP_OUTER, OP_UPDATE,
+    PRODUCT_ITEM_WORDS,
 };
 use ramus_core::vpps::regplan::{plan, DeviceLimits, MatrixSpec, PlanRequest};
 use ramus_core::vpps::schedule::{Placement, Scheduler, Task, TaskGraph};
@@ -199,9 +200,18 @@ fn register_cached_products_gradients_and_updates_match_the_host() {
         let schedule = scheduler.schedule(&g).expect("schedule");
         assert_eq!(schedule.levels, 3, "three dependent levels");
 
-        let kernel =
-            PersistentKernel::build(&device, &cache, &pool, rp.clone(), rule.into(), "", &slots)
-                .expect("kernel builds without spilling");
+        // the vector epilogue, where it spills the scalar one (as the
+        // engine builds its variants)
+        let build = |vector_epilogue| {
+            let options = KernelOptions {
+                vector_epilogue,
+                ..rule.into()
+            };
+            PersistentKernel::build(&device, &cache, &pool, rp.clone(), options, "", &slots)
+        };
+        let kernel = build(true)
+            .or_else(|_| build(false))
+            .expect("kernel builds without spilling");
         let stream = device.stream().clone();
         let mut staging = PinnedBuffer::new(&device).expect("staging");
         let mut pool_host = vec![0f32; pool_len];

@@ -170,7 +170,7 @@ pub(super) fn tuned_engine(
             "bridge_batches": bridge.0, "bridge_kernel_ms": (bridge.0 > 0).then(|| (bridge.1 / bridge.0 as f64 * 1e6).round() / 1e3),
             "ctas": plan.ctas, "ctas_per_sm": plan.ctas_per_sm, "rpw": plan.rpw,
             "partitions": plan.partitions, "grads_in_registers": plan.grads_in_registers,
-            "registers_per_thread": report.registers_per_thread,
+            "registers_per_thread": report.registers_per_thread, "vector_epilogue": report.vector_epilogue,
             "kernel_build_s": (report.build_seconds * 1e3).round() / 1e3,
             "rpw_compiled": persistent.compiled_rpws(), "rpw_search_batches": searched,
             "rpw_search_s": (search_s * 1e3).round() / 1e3,

@@ -291,12 +291,22 @@ pub struct KernelOptions {
     pub rule: UpdateRule,
     /// Record every instruction's timing (see [`kernel_source`]).
     pub trace: bool,
+    /// The wide products' epilogue adds (or stores) each thread's outputs
+    /// four at a time, 16-byte atomics where a quad is whole and aligned
+    /// (at h 512 on the H100 a batch of 8 took 0.633 ms instead of 0.651);
+    /// off, one scalar atomic each, which takes fewer registers: where the
+    /// vector epilogue makes a plan spill, the engine builds it without.
+    pub vector_epilogue: bool,
 }
 
 impl From<UpdateRule> for KernelOptions {
     /// `rule`, untraced.
     fn from(rule: UpdateRule) -> Self {
-        KernelOptions { rule, trace: false }
+        KernelOptions {
+            rule,
+            trace: false,
+            vector_epilogue: true,
+        }
     }
 }
 
@@ -492,7 +502,11 @@ fn staged_vectors(plan: &RegisterPlan) -> usize {
 /// on, [`TRACE_WORDS_PER_CTA`] words per CTA (the buffer must be that
 /// large): a developer's view of where a batch's time goes.
 pub fn kernel_source(plan: &RegisterPlan, options: KernelOptions, fused_cases: &str) -> String {
-    let KernelOptions { rule, trace } = options;
+    let KernelOptions {
+        rule,
+        trace,
+        vector_epilogue,
+    } = options;
     let mut s = String::new();
     let _ = writeln!(s, "// Ramus VPPS persistent training kernel (generated)");
     let _ = writeln!(s, "#define VP_P {}", plan.partitions.max(1));
@@ -520,6 +534,11 @@ pub fn kernel_source(plan: &RegisterPlan, options: KernelOptions, fused_cases: &
     let _ = writeln!(s, "#define VP_V {}", staged_vectors(plan));
     let _ = writeln!(s, "#define VP_ITEM {PRODUCT_ITEM_WORDS}");
     let _ = writeln!(s, "#define VP_TRACE {}", u32::from(trace));
+    let _ = writeln!(
+        s,
+        "#define VP_VECTOR_EPILOGUE {}",
+        u32::from(vector_epilogue)
+    );
     let _ = writeln!(s, "#define VP_STAGE_FLOATS {STAGE_FLOATS}");
     let _ = writeln!(s, "#define VP_BT {GEMM_TILE}");
     let _ = writeln!(s, "#define VP_BK {GEMM_STEP}");
@@ -821,6 +840,47 @@ __device__ __forceinline__ void vp_wide_product(
                     for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
             }
         }
+// 16-byte atomics need sm_90
+#if VP_VECTOR_EPILOGUE && __CUDA_ARCH__ >= 900
+        // each thread's row quads, one 16-byte atomic (or store) where the
+        // quad is whole and aligned: four scalar atomics a quad took the
+        // epilogue 1.8 us at h 512 on the H100
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const unsigned mi = 4 * ty + i, row = m0 + mi, n = n0 + 4 * tx;
+            if (row >= M || n >= N) continue;
+            // the quad's row: the gradient's, the output's or the input
+            // gradient's; a product's output added to (split) or stored
+            unsigned dst = outer ? grad + row * cols : items[3 * mi + 1];
+            if (dst == VP_NONE) continue;
+            dst += n;
+            float v[4] = {acc[i][0], acc[i][1], acc[i][2], acc[i][3]};
+            bool add = true;
+            if (op == OP_MATVEC) {
+                // split: the output starts at zero (the lowering places
+                // forward products in the zeroed region)
+                add = splits > 1;
+                const unsigned bias = items[3 * mi + 2];
+                if (bias != VP_NONE && split == 0) {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) v[j] += n + j < N ? pool[bias + n + j] : 0.0f;
+                }
+            }
+            if (n + 3 < N && (dst & 3u) == 0) {
+                const float4 q = make_float4(v[0], v[1], v[2], v[3]);
+                if (add) atomicAdd((float4*)(pool + dst), q);
+                else *(float4*)(pool + dst) = q;
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    if (n + j >= N) continue;
+                    if (add) atomicAdd(pool + dst + j, v[j]);
+                    else pool[dst + j] = v[j];
+                }
+            }
+        }
+#else
+        // each thread's 16 outputs, one scalar atomic (or store) each
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const unsigned mi = 4 * ty + i, row = m0 + mi;
@@ -845,6 +905,7 @@ __device__ __forceinline__ void vp_wide_product(
                 }
             }
         }
+#endif
     }
 }
 
@@ -877,26 +938,29 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
     // index arrays (labels, row lists, child offsets) live in the pool as u32
     const unsigned* upool = (const unsigned*)pool;
 
-    // ---- register partitions: this warp's rows of each partition
-    unsigned pm[VP_P];   // cached matrix of partition p (VP_NONE: empty)
-    unsigned prow[VP_P]; // this warp's first row in it
+    // ---- register partitions: this warp's rows of each partition. Its
+    // matrix and first row are read from shared memory at each use (see
+    // `vp_mat`): held in registers through the interpreter, they cost the
+    // registers that kept the wide products' 16-byte epilogue from spilling
+#define VP_PM(p) vp_mat[p]
+#define VP_PROW(p) (vp_first[p] + warp * VP_R)
     float w[VP_P][VP_R][VP_K];
 #if VP_GRADS
     float g[VP_P][VP_R][VP_K];
 #endif
 #pragma unroll
     for (int p = 0; p < VP_P; ++p) {
-        pm[p] = parts[(cta * VP_P + p) * 2];
-        prow[p] = parts[(cta * VP_P + p) * 2 + 1] + warp * VP_R;
+        const unsigned pm = parts[(cta * VP_P + p) * 2];
+        const unsigned prow = parts[(cta * VP_P + p) * 2 + 1] + warp * VP_R;
         unsigned rows = 0, cols = 0, value = 0;
-        if (pm[p] != VP_NONE) {
-            rows = mats[pm[p] * VP_MAT_WORDS];
-            cols = mats[pm[p] * VP_MAT_WORDS + 1];
-            value = mats[pm[p] * VP_MAT_WORDS + 2];
+        if (pm != VP_NONE) {
+            rows = mats[pm * VP_MAT_WORDS];
+            cols = mats[pm * VP_MAT_WORDS + 1];
+            value = mats[pm * VP_MAT_WORDS + 2];
         }
 #pragma unroll
         for (int r = 0; r < VP_R; ++r) {
-            const unsigned row = prow[p] + r;
+            const unsigned row = prow + r;
 #pragma unroll
             for (int k = 0; k < VP_K; ++k) {
                 const unsigned col = lane + VP_WARP * k;
@@ -907,6 +971,11 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
             }
         }
     }
+
+    // every thread reads the partitions' matrices and first rows from here
+    // on (`VP_PM`, `VP_PROW`), a CTA with no instructions too (it still
+    // flushes its register gradients)
+    __syncthreads();
 
     // ---- the script interpreter
     const unsigned begin = script[prefix_at + cta];
@@ -962,7 +1031,7 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                 }
                 bool holds = false;
 #pragma unroll
-                for (int p = 0; p < VP_P; ++p) holds = holds || pm[p] == arg;
+                for (int p = 0; p < VP_P; ++p) holds = holds || VP_PM(p) == arg;
                 if (!holds) break;
                 const unsigned rows = mats[arg * VP_MAT_WORDS];
                 const unsigned cols = mats[arg * VP_MAT_WORDS + 1];
@@ -1005,7 +1074,7 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                                 const float* held = vp_dy + (j0 + t) * VP_HELD + warp * VP_R;
 #pragma unroll
                                 for (int p = 0; p < VP_P; ++p) {
-                                    if (pm[p] != arg) continue;
+                                    if (VP_PM(p) != arg) continue;
 #pragma unroll
                                     for (int r = 0; r < VP_R; ++r) {
                                         const float d = held[p * VP_WARPS * VP_R + r];
@@ -1080,7 +1149,7 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                                 for (int i = 0; i < VP_G; ++i) xv[i] = vp_xs[(j0 + i) * VP_COLS + lane + VP_WARP * k];
 #pragma unroll
                                 for (int p = 0; p < VP_P; ++p) {
-                                    if (pm[p] != arg) continue;
+                                    if (VP_PM(p) != arg) continue;
 #pragma unroll
                                     for (int r = 0; r < VP_R; ++r)
 #pragma unroll
@@ -1090,11 +1159,11 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                             const unsigned item = j0 + lane / (VP_WARP / VP_G);
 #pragma unroll
                             for (int p = 0; p < VP_P; ++p) {
-                                if (pm[p] != arg) continue;
+                                if (VP_PM(p) != arg) continue;
 #pragma unroll
                                 for (int r = 0; r < VP_R; ++r) {
                                     const float sum = vp_transposed_sum(acc[p][r], lane);
-                                    const unsigned row = prow[p] + r;
+                                    const unsigned row = VP_PROW(p) + r;
                                     if (lane % (VP_WARP / VP_G) == 0 && item < n && row < rows) {
                                         const unsigned y = list[VP_ITEM * (v0 + item) + 1];
                                         const unsigned h = (p * VP_WARPS + warp) * VP_R + r;
@@ -1130,13 +1199,13 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                         for (int p = 0; p < VP_P; ++p)
 #pragma unroll
                             for (int r = 0; r < VP_R; ++r) {
-                                const unsigned row = prow[p] + r;
-                                d[p][r][j] = (pm[p] == arg && row < rows && dy != VP_NONE) ? pool[dy + row] : 0.0f;
+                                const unsigned row = VP_PROW(p) + r;
+                                d[p][r][j] = (VP_PM(p) == arg && row < rows && dy != VP_NONE) ? pool[dy + row] : 0.0f;
                             }
                     }
 #pragma unroll
                     for (int p = 0; p < VP_P; ++p) {
-                        if (pm[p] != arg) continue;
+                        if (VP_PM(p) != arg) continue;
 #pragma unroll
                         for (int r = 0; r < VP_R; ++r)
 #pragma unroll
@@ -1160,13 +1229,13 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                 // 50-60 us a batch on the H100), not per piece
 #pragma unroll
                 for (int p = 0; p < VP_P; ++p) {
-                    if (pm[p] == VP_NONE) continue;
-                    const unsigned* m = mats + pm[p] * VP_MAT_WORDS;
+                    if (VP_PM(p) == VP_NONE) continue;
+                    const unsigned* m = mats + VP_PM(p) * VP_MAT_WORDS;
                     const unsigned rows = m[0], cols = m[1], value = m[2], first = m[3], second = m[4];
                     const unsigned grad = m[5];
 #pragma unroll
                     for (int r = 0; r < VP_R; ++r) {
-                        const unsigned row = prow[p] + r;
+                        const unsigned row = VP_PROW(p) + r;
                         if (row >= rows) continue;
                         // `chunk` elements a piece, fewer with more moments
                         // (with CUDA 13.0's ptxas, larger pieces spilled in
@@ -1359,12 +1428,12 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
     if (flush_grads) {
 #pragma unroll
         for (int p = 0; p < VP_P; ++p) {
-            if (pm[p] == VP_NONE) continue;
-            const unsigned* m = mats + pm[p] * VP_MAT_WORDS;
+            if (VP_PM(p) == VP_NONE) continue;
+            const unsigned* m = mats + VP_PM(p) * VP_MAT_WORDS;
             const unsigned rows = m[0], cols = m[1], grad = m[5];
 #pragma unroll
             for (int r = 0; r < VP_R; ++r) {
-                const unsigned row = prow[p] + r;
+                const unsigned row = VP_PROW(p) + r;
                 if (row >= rows) continue;
 #pragma unroll
                 for (int k = 0; k < VP_K; ++k) {

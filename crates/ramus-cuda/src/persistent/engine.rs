@@ -376,6 +376,9 @@ struct VariantBuild {
     trace: Option<PathBuf>,
     /// See [`PersistentOptions::wide_items`].
     wide_items: u32,
+    /// Whether kernels are tried with the vector epilogue first
+    /// ([`KernelOptions::vector_epilogue`]; off with [`EPILOGUE_ENV`]).
+    vector_epilogue: bool,
 }
 
 /// VPPS' profile-guided load granularity (§III-A1): time a few batches
@@ -635,6 +638,7 @@ impl PersistentEngine {
             choice_file,
             trace: std::env::var_os(TRACE_ENV).map(PathBuf::from),
             wide_items,
+            vector_epilogue: std::env::var(EPILOGUE_ENV).map_or(true, |v| v.trim() != "scalar"),
         };
         let remembered = remembered.and_then(|text| VariantChoice::parse(&text, &build));
         let (first_choice, tuning) = match (options.rpw, remembered) {
@@ -684,8 +688,8 @@ impl PersistentEngine {
         let pool = DevicePool::new(&device, PoolConfig::default());
         if let Some(e) = early.as_mut() {
             // where no thread could compile it early, the lookup compiles it
-            if let Some(compiling) = e.kernel_proper.take() {
-                cache.adopt(&e.source, &[KERNEL_NAME], compiling)?;
+            for (source, compiling) in e.kernel_proper.drain(..) {
+                cache.adopt(&source, &[KERNEL_NAME], compiling)?;
             }
         }
         if let Some(t) = &tuning {
@@ -1604,6 +1608,11 @@ pub const HOST_ENV: &str = "RAMUS_VPPS_HOST";
 /// tuning; see [`PersistentOptions::wide_items`]).
 pub const WIDE_ENV: &str = "RAMUS_VPPS_WIDE";
 
+/// The environment variable that, set to `scalar`, builds every kernel
+/// with the wide products' scalar epilogue (for tuning and diagnosis; see
+/// [`KernelOptions::vector_epilogue`]).
+pub const EPILOGUE_ENV: &str = "RAMUS_VPPS_EPILOGUE";
+
 /// The environment variable that turns the persistent kernel's instruction
 /// trace on: a file each launch's records are appended to.
 pub const TRACE_ENV: &str = "RAMUS_VPPS_TRACE";
@@ -1642,8 +1651,9 @@ fn append_trace(path: &std::path::Path, launch: u64, words: &[u32]) -> Result<()
 
 /// Starts compiling the kernels the `rpw` search's `candidates` may build
 /// on threads of their own, so that the search finds each compiled when it
-/// gets to it: every candidate's first plan, then each one's first
-/// fallback (a plan that spills falls back, see [`VariantChoice::fallback`]),
+/// gets to it: every candidate's first plan, then each one's first plan
+/// with the scalar epilogue, then each one's first fallback (a plan that
+/// spills falls back, see [`build_variant`]),
 /// as many as the host has cores beside the one preparing batches.
 fn prefetch_candidates(
     cache: &KernelCache,
@@ -1652,28 +1662,31 @@ fn prefetch_candidates(
     candidates: &[VariantChoice],
 ) {
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    let options = KernelOptions {
-        rule: build.rule,
-        trace: build.trace.is_some(),
+    let source_of = |request: &PlanRequest, vector_epilogue: bool| {
+        plan(&prog.matrices, &build.limits, request).ok().map(|p| {
+            let options = build.kernel_options(vector_epilogue);
+            (kernel_source(&p, options, &prog.fused_source), p)
+        })
     };
-    let source_of = |request: &PlanRequest| {
-        plan(&prog.matrices, &build.limits, request)
-            .ok()
-            .map(|p| (kernel_source(&p, options, &prog.fused_source), p))
-    };
+    let first_epilogue = build.epilogues()[0];
     let mut sources: Vec<String> = Vec::new();
+    let mut scalar: Vec<String> = Vec::new();
     let mut fallbacks: Vec<PlanRequest> = Vec::new();
     for choice in candidates {
         let request = choice.request();
-        if let Some((source, p)) = source_of(&request) {
+        if let Some((source, p)) = source_of(&request, first_epilogue) {
             fallbacks.extend(choice.fallback(&request, (p.ctas_per_sm, p.grads_in_registers)));
             sources.push(source);
         }
+        if first_epilogue {
+            scalar.extend(source_of(&request, false).map(|(source, _)| source));
+        }
     }
+    sources.extend(scalar);
     sources.extend(
         fallbacks
             .iter()
-            .filter_map(|r| source_of(r).map(|(source, _)| source)),
+            .filter_map(|r| source_of(r, first_epilogue).map(|(source, _)| source)),
     );
     let mut started = std::collections::HashSet::new();
     for source in sources {
@@ -1683,6 +1696,27 @@ fn prefetch_candidates(
         if started.insert(source.clone()) {
             // a compile that cannot start now runs when the variant is built
             let _ = cache.prefetch(&source, &[KERNEL_NAME]);
+        }
+    }
+}
+
+impl VariantBuild {
+    /// The kernel's options for its variants, with or without the vector
+    /// epilogue ([`KernelOptions::vector_epilogue`]).
+    fn kernel_options(&self, vector_epilogue: bool) -> KernelOptions {
+        KernelOptions {
+            rule: self.rule,
+            trace: self.trace.is_some(),
+            vector_epilogue,
+        }
+    }
+
+    /// The epilogues a plan's kernel is tried with, in order.
+    fn epilogues(&self) -> &'static [bool] {
+        if self.vector_epilogue {
+            &[true, false]
+        } else {
+            &[false]
         }
     }
 }
@@ -1698,14 +1732,15 @@ fn variant_scheduler(register_plan: &RegisterPlan, build: &VariantBuild) -> Sche
 }
 
 /// Compiles started before the device is open, where the first choice's
-/// kernel is not in the cache: the kernel proper for its first plan on a
-/// thread of its own (`None` where no thread could be started, or once the
-/// cache took it over) and, with a bridge wanted and where NVRTC can, the
-/// bridge for the same source (its image, and when its compile started).
+/// kernel is not in the cache: the kernel proper for its first plan, with
+/// each epilogue it is tried with (`source`: the first), each on a thread
+/// of its own (none where no thread could be started; taken over by the
+/// cache once it exists) and, with a bridge wanted and where NVRTC can,
+/// the bridge for the plan (its image, and when its compile started).
 struct EarlyCompiles {
     plan: RegisterPlan,
     source: String,
-    kernel_proper: Option<Prefetched>,
+    kernel_proper: Vec<(String, Prefetched)>,
     bridge: Option<(Vec<u8>, Instant)>,
 }
 
@@ -1722,23 +1757,31 @@ fn start_compiles(
     bridge: bool,
 ) -> Option<EarlyCompiles> {
     let plan = plan(&prog.matrices, &build.limits, &choice.request()).ok()?;
-    let options = KernelOptions {
-        rule: build.rule,
-        trace: build.trace.is_some(),
-    };
-    let source = kernel_source(&plan, options, &prog.fused_source);
+    let source_with =
+        |vector| kernel_source(&plan, build.kernel_options(vector), &prog.fused_source);
+    let sources: Vec<String> = build.epilogues().iter().map(|&v| source_with(v)).collect();
+    let source = sources[0].clone();
     if directory.is_some_and(|d| crate::cache::entry_on_disk(d, &compiler.cache_tag(), &source)) {
         return None;
     }
-    let proper = compiler.clone();
-    let kernel_proper =
-        compile_in_background(&source, &[KERNEL_NAME], move |s, n| proper.compile(s, n)).ok();
+    // the bridge's: the scalar epilogue (no 16-byte atomics in code
+    // compiled without optimization, whose pointers stay generic)
+    let scalar = source_with(false);
+    let kernel_proper = sources
+        .into_iter()
+        .filter_map(|s| {
+            let proper = compiler.clone();
+            let compiling =
+                compile_in_background(&s, &[KERNEL_NAME], move |s, n| proper.compile(s, n));
+            compiling.ok().map(|c| (s, c))
+        })
+        .collect();
     let bridge = bridge
         .then(|| {
             let compile_started = Instant::now();
             let quick = compiler.clone().with_fast_compile(true);
             // an NVRTC that cannot compile quickly: no bridge
-            let image = quick.compile(&source, &[KERNEL_NAME]).ok()?;
+            let image = quick.compile(&scalar, &[KERNEL_NAME]).ok()?;
             Some((image, compile_started))
         })
         .flatten();
@@ -1761,36 +1804,37 @@ fn build_variant(
 ) -> Result<Variant> {
     // The plan budgets registers with a fixed allowance for the
     // interpreter; where the compiled kernel needs more and spills (or
-    // cannot be resident), the choice's fallback is tried
-    // (`VariantChoice::fallback`).
+    // cannot be resident) with either epilogue, the choice's fallback is
+    // tried (`VariantChoice::fallback`).
     let mut request = choice.request();
     loop {
         let register_plan: RegisterPlan = plan(&prog.matrices, &build.limits, &request)?;
         let chosen = (register_plan.ctas_per_sm, register_plan.grads_in_registers);
-        let scheduler = variant_scheduler(&register_plan, build);
-        let built = PersistentKernel::build(
-            device,
-            cache,
-            pool,
-            register_plan,
-            KernelOptions {
-                rule: build.rule,
-                trace: build.trace.is_some(),
-            },
-            &prog.fused_source,
-            &build.slots,
-        );
-        match built {
-            Ok(kernel) => {
-                return Ok(Variant {
-                    kernel,
-                    scheduler: Arc::new(scheduler),
-                })
+        let mut failed = None;
+        // the vector epilogue first; where it spills, the scalar one
+        for &vector_epilogue in build.epilogues() {
+            let built = PersistentKernel::build(
+                device,
+                cache,
+                pool,
+                register_plan.clone(),
+                build.kernel_options(vector_epilogue),
+                &prog.fused_source,
+                &build.slots,
+            );
+            match built {
+                Ok(kernel) => {
+                    let scheduler = Arc::new(variant_scheduler(kernel.plan(), build));
+                    return Ok(Variant { kernel, scheduler });
+                }
+                Err(e) => failed = Some(e),
             }
-            Err(e) => match choice.fallback(&request, chosen) {
-                Some(next) => request = next,
-                None => return Err(e),
-            },
+        }
+        match choice.fallback(&request, chosen) {
+            Some(next) => request = next,
+            None => {
+                return Err(failed.unwrap_or_else(|| model_err("no kernel was built")));
+            }
         }
     }
 }
@@ -1819,6 +1863,18 @@ mod tests {
             }
         }
         chain
+    }
+
+    #[test]
+    fn kernels_try_the_vector_epilogue_first_unless_told_otherwise() {
+        let b = build(None, None);
+        assert_eq!(b.epilogues(), [true, false]);
+        assert!(b.kernel_options(true).vector_epilogue);
+        let scalar = VariantBuild {
+            vector_epilogue: false,
+            ..b
+        };
+        assert_eq!(scalar.epilogues(), [false]);
     }
 
     #[test]
@@ -1853,6 +1909,7 @@ mod tests {
             choice_file: None,
             trace: None,
             wide_items: WIDE_PRODUCT_ITEMS,
+            vector_epilogue: true,
         }
     }
 

@@ -77,6 +77,9 @@ pub struct KernelReport {
     /// A bridge kernel (see [`PersistentKernel::bridge`]): compiled for
     /// speed of compilation, its weights possibly in local memory.
     pub bridge: bool,
+    /// Built with the wide products' vector epilogue
+    /// ([`KernelOptions::vector_epilogue`]; false for a bridge).
+    pub vector_epilogue: bool,
 }
 
 /// One compiled persistent kernel with its device-side tables.
@@ -130,7 +133,9 @@ impl PersistentKernel {
         let started = Instant::now();
         let source = kernel_source(&plan, options, fused_cases);
         let module = cache.get_or_compile(&source, &[KERNEL_NAME])?;
-        Self::from_module(device, pool, plan, &module, slots, started, false)
+        let mut kernel = Self::from_module(device, pool, plan, &module, slots, started, false)?;
+        kernel.report.vector_epilogue = options.vector_epilogue;
+        Ok(kernel)
     }
 
     /// A bridge kernel: `image`, the source for `plan` compiled for speed of
@@ -227,6 +232,7 @@ impl PersistentKernel {
                 resident_per_sm,
                 build_seconds,
                 bridge,
+                vector_epilogue: false,
             },
         })
     }

@@ -2145,7 +2145,7 @@ mod timing {
     #[test]
     #[ignore]
     fn kernel_sources() {
-        use ramus_core::vpps::kernel::{kernel_source, UpdateRule};
+        use ramus_core::vpps::kernel::{kernel_source, KernelOptions, UpdateRule};
         let Ok(dir) = std::env::var("RAMUS_KERNEL_SOURCE_DIR") else {
             eprintln!("RAMUS_KERNEL_SOURCE_DIR is not set: nothing written");
             return;
@@ -2171,11 +2171,23 @@ mod timing {
                         let Ok(rp) = plan(&prog.matrices, &DeviceLimits::hopper(132), &req) else {
                             continue;
                         };
-                        let source = kernel_source(&rp, UpdateRule::Sgd.into(), &prog.fused_source);
-                        let name =
-                            format!("h{hidden}_rpw{rpw}_ctas{ctas}_grads{}.cu", u8::from(grads));
-                        std::fs::write(std::path::Path::new(&dir).join(name), source)
-                            .expect("source written");
+                        // the vector epilogue's, and the scalar one's
+                        // (`_scalar`), which a plan falls back to where the
+                        // first spills
+                        for vector_epilogue in [true, false] {
+                            let options = KernelOptions {
+                                vector_epilogue,
+                                ..UpdateRule::Sgd.into()
+                            };
+                            let source = kernel_source(&rp, options, &prog.fused_source);
+                            let name = format!(
+                                "h{hidden}_rpw{rpw}_ctas{ctas}_grads{}{}.cu",
+                                u8::from(grads),
+                                if vector_epilogue { "" } else { "_scalar" }
+                            );
+                            std::fs::write(std::path::Path::new(&dir).join(name), source)
+                                .expect("source written");
+                        }
                     }
                 }
             }
