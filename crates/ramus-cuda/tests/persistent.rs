@@ -416,6 +416,26 @@ fn follows_the_cpu_at(
     compare_steps(name, &model, config, &data, batch, &options);
 }
 
+/// A Tree-LSTM of `hidden` units over 40 words and 5 classes, without
+/// dropout, and its initial parameters.
+fn small_treelstm(hidden: usize) -> (Model, Params<f32>) {
+    let cfg = ModelConfig {
+        vocab: 40,
+        hidden,
+        classes: 5,
+    };
+    let model = build_model_with("treelstm", &cfg, &ModelOptions { dropout: 0.0 }).expect("model");
+    let params = Params::init(&model, 5);
+    (model, params)
+}
+
+/// An empty kernel cache directory of this process, named for `test`.
+fn fresh_cache_dir(test: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("ramus-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
 /// Trains `model` on `data` in batches of `batch` with the CPU engine and
 /// the persistent engine (`options`): the same loss at every step, the same
 /// parameters after the last.
@@ -589,21 +609,14 @@ fn the_trainer_runs_epochs_on_the_persistent_engine() {
     if !common::cuda_ready("skipping") {
         return;
     }
-    let cfg = ModelConfig {
-        vocab: 40,
-        hidden: 24,
-        classes: 5,
-    };
-    let model = build_model_with("treelstm", &cfg, &ModelOptions { dropout: 0.0 }).expect("model");
-    let params: Params<f32> = Params::init(&model, 5);
+    let (model, params) = small_treelstm(24);
     let data = model_graphs("treelstm", 60, 9);
     let config = OptimizerConfig::new(OptimizerKind::Adam, 0.01);
     let mut cpu = Trainer::new(model.clone(), params.clone(), config);
     let mut gpu = Trainer::new(model.clone(), params.clone(), config);
     // a cold cache: the first windows train on a bridge kernel, a batch at
     // a time, until the kernel proper takes over
-    let dir = std::env::temp_dir().join(format!("ramus-trainer-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = fresh_cache_dir("trainer");
     let options = PersistentOptions {
         cache_dir: Some(dir.clone()),
         bridge: Some(true),
@@ -658,16 +671,9 @@ fn a_bridge_kernel_trains_until_the_kernel_proper_takes_over() {
     if !common::cuda_ready("skipping") {
         return;
     }
-    let cfg = ModelConfig {
-        vocab: 40,
-        hidden: 24,
-        classes: 5,
-    };
-    let model = build_model_with("treelstm", &cfg, &ModelOptions { dropout: 0.0 }).expect("model");
-    let params: Params<f32> = Params::init(&model, 5);
+    let (model, params) = small_treelstm(24);
     let data = model_graphs("treelstm", 48, 12);
-    let dir = std::env::temp_dir().join(format!("ramus-bridge-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = fresh_cache_dir("bridge");
     let options = PersistentOptions {
         cache_dir: Some(dir.clone()),
         bridge: Some(true),
@@ -733,17 +739,10 @@ fn the_rpw_search_settles_and_is_remembered() {
     if !common::cuda_ready("skipping") {
         return;
     }
-    let cfg = ModelConfig {
-        vocab: 40,
-        hidden: 64,
-        classes: 5,
-    };
-    let model = build_model_with("treelstm", &cfg, &ModelOptions { dropout: 0.0 }).expect("model");
-    let params: Params<f32> = Params::init(&model, 5);
+    let (model, params) = small_treelstm(64);
     let data = model_graphs("treelstm", 8, 4);
     let refs: Vec<&InputGraph> = data.iter().collect();
-    let dir = std::env::temp_dir().join(format!("ramus-rpw-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = fresh_cache_dir("rpw");
     let options = PersistentOptions {
         cache_dir: Some(dir.clone()),
         ..PersistentOptions::default()

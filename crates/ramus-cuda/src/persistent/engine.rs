@@ -1394,14 +1394,7 @@ impl PersistentEngine {
             (p.rpw, p.ctas_per_sm, p.grads_in_registers)
         };
         for (at, &choice) in candidates.iter().enumerate().skip(from) {
-            let built = build_variant(
-                &self.device,
-                &self.cache,
-                &self.pool,
-                &self.prog,
-                &self.build,
-                choice,
-            );
+            let built = self.build_choice(choice);
             // a candidate that spills or does not fit is skipped, and so is
             // one whose plan was timed already
             let v = match built {
@@ -1416,8 +1409,7 @@ impl PersistentEngine {
                 .iter()
                 .any(|w| !w.kernel.report().bridge && plan_of(w) == plan_of(&v));
             if !timed {
-                self.variants.push(v);
-                self.active = self.variants.len() - 1;
+                self.activate(v);
                 if let Some(t) = self.tuning.as_mut() {
                     t.at = at;
                 }
@@ -1425,6 +1417,24 @@ impl PersistentEngine {
             }
         }
         (false, failed)
+    }
+
+    /// The variant of `choice` (see [`build_variant`]).
+    fn build_choice(&self, choice: VariantChoice) -> Result<Variant> {
+        build_variant(
+            &self.device,
+            &self.cache,
+            &self.pool,
+            &self.prog,
+            &self.build,
+            choice,
+        )
+    }
+
+    /// Adds `variant` and makes it the one in use.
+    fn activate(&mut self, variant: Variant) {
+        self.variants.push(variant);
+        self.active = self.variants.len() - 1;
     }
 
     /// While a bridge kernel is in use: once the kernel proper it waits for
@@ -1447,16 +1457,8 @@ impl PersistentEngine {
                 }));
             }
         } else {
-            let v = build_variant(
-                &self.device,
-                &self.cache,
-                &self.pool,
-                &self.prog,
-                &self.build,
-                choice,
-            )?;
-            self.variants.push(v);
-            self.active = self.variants.len() - 1;
+            let v = self.build_choice(choice)?;
+            self.activate(v);
         }
         self.awaited = None;
         self.kernel_ready_seconds = Some(self.created.elapsed().as_secs_f64());
