@@ -35,7 +35,7 @@
 //! # Per-row matrices
 //!
 //! A vertex may carry matrices in its state (an MV-RNN's `[p; vec(P)]`),
-//! multiplied by [`RowMatMul`](crate::ops::RowMatMul) products, which lower
+//! multiplied by [`RowMatMul`] products, which lower
 //! to two more scalar forms:
 //!
 //! * a per-row matrix times a per-row vector (`B a`): unit `j`'s lane is

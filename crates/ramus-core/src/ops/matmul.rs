@@ -387,7 +387,7 @@ const NR: usize = 16;
 /// Rows of A per register block.
 const MR: usize = 4;
 
-/// `op(B)` (`k x n`) packed once into panels of [`NR`] columns stored
+/// `op(B)` (`k x n`) packed once into panels of `NR` (16) columns stored
 /// k-major, so the microkernel streams each panel contiguously. Weights are
 /// packed once per batch and reused by every task's product.
 #[derive(Clone, Debug, Default)]
@@ -421,7 +421,7 @@ impl<T: Real> PackedB<T> {
 }
 
 /// `out = a · op(B)` for row-major `a` (`m x k`) against a packed `op(B)`:
-/// register blocks of up to [`MR`] rows x [`NR`] columns.
+/// register blocks of up to `MR` (4) rows x `NR` (16) columns.
 pub fn gemm_packed<T: Real>(a: &[T], m: usize, packed: &PackedB<T>, out: &mut [T]) {
     #[cfg(all(
         target_arch = "x86_64",
