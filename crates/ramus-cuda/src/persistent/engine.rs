@@ -908,9 +908,11 @@ impl PersistentEngine {
             // a bridge kernel trains one batch at a time (two in flight),
             // so that the kernel proper takes over as soon as it is ready:
             // a bridge batch can take a hundred times as long
+            // (each batch's host time from its own start: once the kernel
+            // proper takes over, the search weighs it)
             let mut steps = Vec::new();
             for schedule in schedules {
-                steps.extend(self.submit_scheduled(model, schedule, started)?);
+                steps.extend(self.submit_scheduled(model, schedule, Instant::now())?);
             }
             return Ok(steps);
         }
