@@ -188,9 +188,7 @@ impl<M> KernelCache<M> {
     /// from memory, else from disk, else compiled (and written to disk).
     /// Sources differing only in comments and whitespace share an entry.
     pub fn get_or_compile(&self, source: &str, kernel_names: &[&str]) -> Result<Arc<M>> {
-        check_kernel_names(kernel_names)?;
-        let source_hash = fnv1a64(normalize_source(source).as_bytes());
-        let memory_key = with_kernel_names(source_hash, kernel_names);
+        let (source_hash, memory_key) = entry_keys(source, kernel_names)?;
         // Held throughout, so each source is compiled once even when several
         // threads ask for it at the same time.
         let mut state = self.lock();
@@ -249,9 +247,7 @@ impl<M> KernelCache<M> {
     /// compile (and reports its error, if any) instead of compiling again.
     /// Where no thread can be started, the lookup compiles as usual.
     pub fn prefetch(&self, source: &str, kernel_names: &[&str]) -> Result<()> {
-        check_kernel_names(kernel_names)?;
-        let source_hash = fnv1a64(normalize_source(source).as_bytes());
-        let memory_key = with_kernel_names(source_hash, kernel_names);
+        let (source_hash, memory_key) = entry_keys(source, kernel_names)?;
         let mut state = self.lock();
         let on_disk = self
             .entry_path(source_hash)
@@ -278,9 +274,7 @@ impl<M> KernelCache<M> {
     /// cache already has or compiles keeps that, and `compiling` is left to
     /// finish on its own.
     pub fn adopt(&self, source: &str, kernel_names: &[&str], compiling: Prefetched) -> Result<()> {
-        check_kernel_names(kernel_names)?;
-        let source_hash = fnv1a64(normalize_source(source).as_bytes());
-        let memory_key = with_kernel_names(source_hash, kernel_names);
+        let (_, memory_key) = entry_keys(source, kernel_names)?;
         let mut state = self.lock();
         if !state.loaded.contains_key(&memory_key) {
             state.prefetching.entry(memory_key).or_insert(compiling);
@@ -294,9 +288,7 @@ impl<M> KernelCache<M> {
     /// [`prefetch`](Self::prefetch)); where no thread can compile it, the
     /// lookup has to, and it counts as ready.
     pub fn is_ready(&self, source: &str, kernel_names: &[&str]) -> Result<bool> {
-        check_kernel_names(kernel_names)?;
-        let source_hash = fnv1a64(normalize_source(source).as_bytes());
-        let memory_key = with_kernel_names(source_hash, kernel_names);
+        let (source_hash, memory_key) = entry_keys(source, kernel_names)?;
         {
             let state = self.lock();
             if state.loaded.contains_key(&memory_key) {
@@ -328,7 +320,7 @@ impl<M> KernelCache<M> {
 
     /// The file that holds (or would hold) the entry for `source`.
     pub fn entry_path_for(&self, source: &str) -> Option<PathBuf> {
-        self.entry_path(fnv1a64(normalize_source(source).as_bytes()))
+        self.entry_path(source_hash(source))
     }
 
     fn entry_path(&self, source_hash: u64) -> Option<PathBuf> {
@@ -400,8 +392,20 @@ impl<M> KernelCache<M> {
 /// `target_tag` (see [`NvrtcCompiler::cache_tag`](crate::NvrtcCompiler::cache_tag)) holds `source` on
 /// disk: known before the device is opened.
 pub fn entry_on_disk(directory: &Path, target_tag: &str, source: &str) -> bool {
-    let source_hash = fnv1a64(normalize_source(source).as_bytes());
-    entry_file(directory, &file_safe(target_tag), source_hash).is_file()
+    entry_file(directory, &file_safe(target_tag), source_hash(source)).is_file()
+}
+
+/// The hash that names `source`'s entry: of its text without comments and
+/// runs of whitespace.
+fn source_hash(source: &str) -> u64 {
+    fnv1a64(normalize_source(source).as_bytes())
+}
+
+/// `source`'s hash and its memory key with `kernel_names` (checked).
+fn entry_keys(source: &str, kernel_names: &[&str]) -> Result<(u64, u64)> {
+    check_kernel_names(kernel_names)?;
+    let hash = source_hash(source);
+    Ok((hash, with_kernel_names(hash, kernel_names)))
 }
 
 /// `tag` with every character a file name might not take replaced by `_`.

@@ -1763,14 +1763,18 @@ fn start_compiles(
     let plan = plan(&prog.matrices, &build.limits, &choice.request()).ok()?;
     let source_with =
         |vector| kernel_source(&plan, build.kernel_options(vector), &prog.fused_source);
-    let sources: Vec<String> = build.epilogues().iter().map(|&v| source_with(v)).collect();
+    // the bridge's is the scalar epilogue's (no 16-byte atomics in code
+    // compiled without optimization, whose pointers stay generic)
+    let scalar = source_with(false);
+    let sources: Vec<String> = build
+        .epilogues()
+        .iter()
+        .map(|&v| if v { source_with(true) } else { scalar.clone() })
+        .collect();
     let source = sources[0].clone();
     if directory.is_some_and(|d| crate::cache::entry_on_disk(d, &compiler.cache_tag(), &source)) {
         return None;
     }
-    // the bridge's: the scalar epilogue (no 16-byte atomics in code
-    // compiled without optimization, whose pointers stay generic)
-    let scalar = source_with(false);
     let kernel_proper = sources
         .into_iter()
         .filter_map(|s| {
