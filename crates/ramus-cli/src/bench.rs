@@ -116,8 +116,8 @@ pub struct BenchArgs {
     perfect_tree: Option<u32>,
     /// With --device cuda and --engine batched or persistent: instead of
     /// timing, train once over the first N trees in batches of each size,
-    /// each pass the one stretch a profiler records (`ncu
-    /// --profile-from-start off`), to count the bytes the engine loads.
+    /// each pass the one stretch a profiler records (`ncu --replay-mode
+    /// app-range`), to count the bytes the engine loads.
     #[arg(long)]
     profile_inputs: Option<usize>,
 }

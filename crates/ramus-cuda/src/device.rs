@@ -175,7 +175,7 @@ impl CudaDevice {
     }
 
     /// Runs `work` as the one stretch an attached profiler records (for
-    /// `ncu --profile-from-start off` or `nsys --capture-range=cudaProfilerApi`):
+    /// `ncu --replay-mode app-range` or `nsys --capture-range=cudaProfilerApi`):
     /// profiling starts before it and stops once the device has finished
     /// everything it queued. Without a profiler attached the calls do nothing.
     pub fn profiled<T, E: From<CudaError>>(

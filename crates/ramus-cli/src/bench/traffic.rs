@@ -1,7 +1,7 @@
 //! `ramus bench --profile-inputs N`: one training pass per batch size over
 //! the first N trees on the batched or the persistent engine, each pass the
 //! one stretch an attached profiler records, so that
-//! `ncu --profile-from-start off --metrics …` counts the bytes an engine
+//! `ncu --replay-mode app-range --metrics …` counts the bytes an engine
 //! loads to train N inputs (VPPS Table I). Nothing is timed; each pass
 //! prints a line with its batches and the weights' size: all parameters for
 //! the batched engine, the matrices held in registers (loaded once per
