@@ -50,9 +50,12 @@ impl CudaDevice {
     /// context: cheap next to [`open`](Self::open), so that a caller can
     /// compile while another thread opens the device.
     pub fn probe(ordinal: usize) -> Result<DeviceFacts> {
-        // not cuBLAS: loading it is a large part of a cold set-up's time,
-        // and `open` checks it
-        check_compile_libraries()?;
+        // The driver first, NVRTC once the facts are read: a thread running
+        // `open` beside this one loads NVRTC while this one waits for
+        // `cuInit` (each reads about 100 MB where the page cache does not
+        // hold them yet, as on a machine's first CUDA program since boot).
+        // Not cuBLAS: `open` loads it, last.
+        check_driver()?;
         let count = device_count()?;
         if ordinal >= count {
             return Err(CudaError::NoDevice { ordinal, count });
@@ -67,20 +70,22 @@ impl CudaDevice {
                 .in_call("cuDeviceGetAttribute")
                 .map(non_negative)
         };
-        Ok(DeviceFacts {
+        let facts = DeviceFacts {
             name: cudarc::driver::result::device::get_name(dev).in_call("cuDeviceGetName")?,
             compute_capability: (
                 attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
                 attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
             ),
             sm_count: attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
-        })
+        };
+        check_nvrtc()?;
+        Ok(facts)
     }
 
     /// Opens device `ordinal`: retains its primary context, creates the main
     /// stream and reads the device's properties.
     pub fn open(ordinal: usize) -> Result<Arc<Self>> {
-        check_libraries()?;
+        check_compile_libraries()?;
         let count = device_count()?;
         if ordinal >= count {
             return Err(CudaError::NoDevice { ordinal, count });
@@ -97,6 +102,9 @@ impl CudaDevice {
         let sm_count = context
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .in_call("cuDeviceGetAttribute")?;
+        // last: cuBLAS and cuBLASLt are some 570 MB to read where the page
+        // cache does not hold them, which would delay a `probe` beside this
+        check_libraries()?;
         Ok(Arc::new(Self {
             context,
             stream,
@@ -211,12 +219,22 @@ fn check_libraries() -> Result<()> {
 
 /// [`check_libraries`] for the driver and NVRTC only.
 fn check_compile_libraries() -> Result<()> {
-    static CHECKED: OnceLock<Result<()>> = OnceLock::new();
-    CHECKED.get_or_init(find_driver_and_nvrtc).clone()
+    check_driver()?;
+    check_nvrtc()
 }
 
-fn find_driver_and_nvrtc() -> Result<()> {
-    // SAFETY: each check only tries `dlopen` on the library's usual names and
+fn check_driver() -> Result<()> {
+    static CHECKED: OnceLock<Result<()>> = OnceLock::new();
+    CHECKED.get_or_init(find_driver).clone()
+}
+
+fn check_nvrtc() -> Result<()> {
+    static CHECKED: OnceLock<Result<()>> = OnceLock::new();
+    CHECKED.get_or_init(find_nvrtc).clone()
+}
+
+fn find_driver() -> Result<()> {
+    // SAFETY: the check only tries `dlopen` on the library's usual names and
     // closes it again; loading runs the library's initialisers, which for the
     // NVIDIA libraries have no preconditions.
     let driver = unsafe { cudarc::driver::sys::is_culib_present() };
@@ -227,7 +245,11 @@ fn find_driver_and_nvrtc() -> Result<()> {
                    an NVIDIA GPU cannot run the CUDA engines",
         });
     }
-    // SAFETY: as above.
+    Ok(())
+}
+
+fn find_nvrtc() -> Result<()> {
+    // SAFETY: as in `find_driver`.
     let nvrtc = unsafe { cudarc::nvrtc::sys::is_culib_present() };
     if !nvrtc {
         return Err(CudaError::LibraryMissing {
@@ -240,7 +262,7 @@ fn find_driver_and_nvrtc() -> Result<()> {
 }
 
 fn find_cublas() -> Result<()> {
-    // SAFETY: as in `find_driver_and_nvrtc`.
+    // SAFETY: as in `find_driver`.
     let cublas = unsafe { cudarc::cublas::sys::is_culib_present() };
     if !cublas {
         return Err(CudaError::LibraryMissing {
