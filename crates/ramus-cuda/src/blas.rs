@@ -172,6 +172,7 @@ unsafe impl Sync for Blas {}
 impl Blas {
     /// A handle on `device` that enqueues on `stream`, in FP32 math mode.
     pub fn new(device: &CudaDevice, stream: Arc<CudaStream>) -> Result<Self> {
+        crate::device::check_cublas()?;
         let context = Arc::clone(device.context());
         context.bind_to_thread().in_call("cuCtxSetCurrent")?;
         let handle = result::create_handle().in_call("cublasCreate")?;

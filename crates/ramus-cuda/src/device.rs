@@ -54,7 +54,7 @@ impl CudaDevice {
         // `open` beside this one loads NVRTC while this one waits for
         // `cuInit` (each reads about 100 MB where the page cache does not
         // hold them yet, as on a machine's first CUDA program since boot).
-        // Not cuBLAS: `open` loads it, last.
+        // Not cuBLAS: the first `Blas` loads it.
         check_driver()?;
         let count = device_count()?;
         if ordinal >= count {
@@ -83,7 +83,11 @@ impl CudaDevice {
     }
 
     /// Opens device `ordinal`: retains its primary context, creates the main
-    /// stream and reads the device's properties.
+    /// stream and reads the device's properties. cuBLAS is loaded by the
+    /// first [`Blas`](crate::Blas) instead: it and cuBLASLt are some 570 MB
+    /// to read where the page cache does not hold them yet, which would
+    /// delay a compile beside this, and the persistent engine may not need
+    /// them at all.
     pub fn open(ordinal: usize) -> Result<Arc<Self>> {
         check_compile_libraries()?;
         let count = device_count()?;
@@ -102,9 +106,6 @@ impl CudaDevice {
         let sm_count = context
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .in_call("cuDeviceGetAttribute")?;
-        // last: cuBLAS and cuBLASLt are some 570 MB to read where the page
-        // cache does not hold them, which would delay a `probe` beside this
-        check_libraries()?;
         Ok(Arc::new(Self {
             context,
             stream,
@@ -212,8 +213,13 @@ fn device_count() -> Result<usize> {
 /// Loads each CUDA library once per process (cudarc panics when a missing
 /// library is first used, so this must run before any CUDA call).
 fn check_libraries() -> Result<()> {
-    static CHECKED: OnceLock<Result<()>> = OnceLock::new();
     check_compile_libraries()?;
+    check_cublas()
+}
+
+/// [`check_libraries`] for cuBLAS only, before its first use.
+pub(crate) fn check_cublas() -> Result<()> {
+    static CHECKED: OnceLock<Result<()>> = OnceLock::new();
     CHECKED.get_or_init(find_cublas).clone()
 }
 
