@@ -56,6 +56,12 @@ impl GraphKey {
         }
     }
 
+    /// Entries of a per-graph table (see [`GraphKey::index`]) of a model
+    /// with `functions` vertex functions.
+    pub fn table_len(functions: usize) -> usize {
+        2 * functions + 2
+    }
+
     /// The forward graph a backward graph's `Forward(m)` inputs name.
     pub fn forward_of(self) -> Option<GraphKey> {
         match self {
@@ -701,7 +707,7 @@ fn storage_table(model: &Model, prog: &PersistentProgram) -> Vec<Vec<(GraphKey, 
             _ => (key, n),
         }
     }
-    let mut table = vec![Vec::new(); 2 * prog.functions + 2];
+    let mut table = vec![Vec::new(); GraphKey::table_len(prog.functions)];
     for key in graph_keys(model) {
         table[key.index(prog.functions)] = (0..key.graph(model).nodes.len())
             .map(|n| resolve(model, prog, key, n))

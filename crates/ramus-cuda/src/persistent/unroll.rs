@@ -330,7 +330,7 @@ impl<'a> Unroller<'a> {
     /// Every node's [`Self::loc`] where it has one, once the regions' bases
     /// are known (a batch's lowering asks for them per instruction).
     fn fill_locs(&mut self) {
-        let mut locs = vec![Vec::new(); 2 * self.prog.functions + 2];
+        let mut locs = vec![Vec::new(); GraphKey::table_len(self.prog.functions)];
         for key in graph_keys(self.model) {
             locs[key.index(self.prog.functions)] = (0..self.graph(key).nodes.len())
                 .map(|n| self.find_loc(key, n).ok())
@@ -1710,7 +1710,7 @@ pub(crate) fn unroll_batch(
         prog,
         s,
         head_vertices,
-        bufs: vec![Vec::new(); 2 * prog.functions + 2],
+        bufs: vec![Vec::new(); GraphKey::table_len(prog.functions)],
         sizes: [0; 3],
         bases: [0; 3],
         upload: Vec::new(),
@@ -1719,7 +1719,7 @@ pub(crate) fn unroll_batch(
         push_src_at: 0,
         head_grad_dst_at: 0,
         update_rows: HashMap::new(),
-        prod: vec![Vec::new(); 2 * prog.functions + 2],
+        prod: vec![Vec::new(); GraphKey::table_len(prog.functions)],
         locs: Vec::new(),
         g: TaskGraph::new(),
     };
