@@ -113,7 +113,13 @@ pub fn read_split(
                 .and_then(|e| e.to_str())
                 .map(str::to_ascii_lowercase);
             if file.is_file() && ext.is_some_and(|e| EXTENSIONS.contains(&e.as_str())) {
-                graphs.push(image_graph(load_image(&file, shape)?, label as i32)?);
+                let origin = ramus_graph::Origin {
+                    file: file.display().to_string().into(),
+                    line: 0,
+                };
+                graphs.push(
+                    image_graph(load_image(&file, shape)?, label as i32)?.with_origin(origin),
+                );
             }
         }
     }

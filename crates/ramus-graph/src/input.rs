@@ -11,17 +11,42 @@
 //! have the same shape of children but run different functions. Readers
 //! that do not set kinds leave every vertex at kind 0.
 
+use std::fmt;
+use std::sync::Arc;
+
 use crate::GraphError;
 
 /// Marker for "no label" in [`InputGraph::labels`].
 pub const NO_LABEL: i32 = -1;
+
+/// Where a graph was read from: its file and 1-based line (0 when the
+/// whole file is one graph, as an image is), so that an error about the
+/// graph found after reading (a vertex a model cannot use, a label out of
+/// range) names the input to change.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Origin {
+    pub file: Arc<str>,
+    pub line: usize,
+}
+
+impl fmt::Display for Origin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            0 => write!(f, "{}", self.file),
+            line => write!(f, "{}:{line}", self.file),
+        }
+    }
+}
 
 /// One sample's structure. Vertices are numbered `0..len()`; the children of
 /// a vertex are listed in order (child 0 first). Every child must have a
 /// smaller id than its parent (a topological numbering: post-order for
 /// trees, left-to-right for chains), which makes cycles impossible and lets
 /// schedules be computed in one pass.
-#[derive(Clone, Debug, Default, PartialEq)]
+///
+/// Equality compares the structure and the per-vertex data, not the
+/// [`Origin`].
+#[derive(Clone, Debug, Default)]
 pub struct InputGraph {
     /// `child_offsets[v]..child_offsets[v + 1]` indexes `children` for vertex `v`.
     child_offsets: Vec<u32>,
@@ -35,6 +60,19 @@ pub struct InputGraph {
     /// `feature_width` floats per vertex (vertex-major), or none.
     features: Vec<f32>,
     feature_width: usize,
+    origin: Option<Origin>,
+}
+
+impl PartialEq for InputGraph {
+    fn eq(&self, o: &Self) -> bool {
+        self.child_offsets == o.child_offsets
+            && self.children == o.children
+            && self.tokens == o.tokens
+            && self.labels == o.labels
+            && self.kinds == o.kinds
+            && self.features == o.features
+            && self.feature_width == o.feature_width
+    }
 }
 
 impl InputGraph {
@@ -132,6 +170,31 @@ impl InputGraph {
         self.kinds.get(v).copied().unwrap_or(0)
     }
 
+    /// Where the graph was read from, if a reader said.
+    pub fn origin(&self) -> Option<&Origin> {
+        self.origin.as_ref()
+    }
+
+    /// Records where the graph was read from.
+    pub fn set_origin(&mut self, origin: Origin) {
+        self.origin = Some(origin);
+    }
+
+    /// [`InputGraph::set_origin`], by value.
+    pub fn with_origin(mut self, origin: Origin) -> Self {
+        self.origin = Some(origin);
+        self
+    }
+
+    /// The graph's place for messages: `file:line`, or `graph N` (its
+    /// index in a batch) for a graph no reader made.
+    pub fn describe(&self, index: usize) -> String {
+        match &self.origin {
+            Some(o) => o.to_string(),
+            None => format!("graph {index}"),
+        }
+    }
+
     /// Number of vertices.
     pub fn len(&self) -> usize {
         self.tokens.len()
@@ -222,6 +285,21 @@ mod tests {
         assert_eq!((g.kind(a as usize), g.kind(b as usize)), (0, 3));
         assert_eq!(g.kind(9), 0, "out of range reads as kind 0");
         assert!(g.push_vertex_of_kind(1, &[7], 0, 0).is_err());
+    }
+
+    #[test]
+    fn origin_names_the_input_and_is_not_compared() {
+        let g = InputGraph::chain(&[1], &[0]).unwrap();
+        assert_eq!(g.describe(4), "graph 4");
+        let file: Arc<str> = Arc::from("a.txt");
+        let located = g.clone().with_origin(Origin { file, line: 7 });
+        assert_eq!(located.describe(4), "a.txt:7");
+        assert_eq!(located, g);
+        let whole = Origin {
+            file: Arc::from("img.png"),
+            line: 0,
+        };
+        assert_eq!(whole.to_string(), "img.png");
     }
 
     #[test]

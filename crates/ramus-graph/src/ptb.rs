@@ -169,7 +169,10 @@ pub fn parse_tree(
     if !finished {
         return Err(err(1, "no tree on this line".to_string()));
     }
-    Ok(graph)
+    Ok(graph.with_origin(crate::Origin {
+        file: file.into(),
+        line,
+    }))
 }
 
 /// A label: decimal digits only, fitting in `i32`.

@@ -165,7 +165,11 @@ pub fn pyramid_of_tree(tree: &InputGraph) -> Result<InputGraph, GraphError> {
         .filter(|&v| tree.children(v).is_empty())
         .map(|v| tree.tokens[v])
         .collect();
-    pyramid(&leaves, tree.root_label().unwrap_or(NO_LABEL))
+    let mut p = pyramid(&leaves, tree.root_label().unwrap_or(NO_LABEL))?;
+    if let Some(o) = tree.origin() {
+        p.set_origin(o.clone());
+    }
+    Ok(p)
 }
 
 #[cfg(test)]

@@ -273,12 +273,16 @@ impl TaggedVocab {
                 None => WordInput::Token(self.words.id(w)),
             })
             .collect();
-        tagger_graph(&inputs, &labels).map_err(|e| GraphError::Parse {
+        let graph = tagger_graph(&inputs, &labels).map_err(|e| GraphError::Parse {
             file: file.to_string(),
             line: s.line,
             column: 1,
             message: e.to_string(),
-        })
+        })?;
+        Ok(graph.with_origin(crate::Origin {
+            file: file.into(),
+            line: s.line,
+        }))
     }
 
     /// Every sentence of `sentences` as a tagger graph ([`TaggedVocab::graph`]).

@@ -37,6 +37,7 @@ pub fn parse_sentences(
         }
     }
     let mut sentences = Vec::new();
+    let file: std::sync::Arc<str> = file_name.into();
     for (k, line) in text.lines().enumerate() {
         let ids: Vec<u32> = line.split_whitespace().map(|w| vocab.lookup(w)).collect();
         if ids.is_empty() {
@@ -55,7 +56,12 @@ pub fn parse_sentences(
                 })
             })
             .collect::<Result<Vec<i32>, _>>()?;
-        sentences.push(InputGraph::chain(&ids, &labels)?);
+        sentences.push(
+            InputGraph::chain(&ids, &labels)?.with_origin(crate::Origin {
+                file: file.clone(),
+                line: k + 1,
+            }),
+        );
     }
     Ok(sentences)
 }
