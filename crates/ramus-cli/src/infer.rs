@@ -14,6 +14,7 @@ use ramus_graph::{ptb, BatchingPolicy, InputGraph, VocabMode};
 use ramus_nn::DataKind;
 
 use crate::device::{self, Device};
+use crate::output::outln;
 use crate::{load_checkpoint, AnyResult};
 
 #[derive(clap::Args)]
@@ -156,10 +157,10 @@ pub fn run(a: InferArgs) -> AnyResult {
                     }
                 })
                 .0;
-            println!(
+            outln!(
                 "{}",
                 serde_json::json!({"tree": index, "prediction": prediction, "scores": row})
-            );
+            )?;
             index += 1;
         }
     }

@@ -6,6 +6,7 @@ mod data;
 mod device;
 mod image_dir;
 mod infer;
+mod output;
 mod plan_memory;
 mod sequence;
 mod vision;
@@ -17,6 +18,7 @@ use std::time::Instant;
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use output::{logln, noteln, outln};
 use ramus_core::{HeadRows, Model, Params};
 use ramus_graph::BatchingPolicy;
 use ramus_nn::checkpoint;
@@ -191,8 +193,10 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // the reader of standard output stopped reading (`| head`): done
+        Err(e) if e.is::<output::OutputClosed>() => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            noteln!("error: {e}");
             ExitCode::FAILURE
         }
     }
@@ -221,7 +225,7 @@ fn train(a: TrainArgs) -> AnyResult {
         )?,
         None => data::load_splits(a.data.as_deref(), kind)?,
     };
-    println!(
+    logln!(
         "data: {} ({} train / {} dev / {} test, {})",
         data.source,
         data.train.len(),
@@ -268,7 +272,7 @@ fn train(a: TrainArgs) -> AnyResult {
     trainer.policy = policy;
     trainer.engine.set_seed(a.seed);
     let mut rng = ramus_nn::train::rng(a.seed);
-    println!(
+    logln!(
         "model: {} hidden {} | optimizer {} lr {} | batch {} | engine {} ({} host threads){}",
         a.model,
         hidden,
@@ -304,10 +308,10 @@ fn train(a: TrainArgs) -> AnyResult {
         bar.finish_and_clear();
         let secs = t0.elapsed().as_secs_f64();
         if let Some(report) = trainer.engine.memory_report() {
-            println!("  {report}");
+            logln!("  {report}");
         }
         let dev = trainer.evaluate(&data.dev, 64)?;
-        println!(
+        logln!(
             "epoch {epoch}: train loss {loss:.4} | dev loss {:.4} {} | {:.0} {}/s",
             dev.loss,
             vision::accuracy(kind, &dev),
@@ -322,7 +326,7 @@ fn train(a: TrainArgs) -> AnyResult {
     }
     if let Some((acc, epoch, params)) = best {
         if epoch != a.epochs {
-            println!(
+            logln!(
                 "using the parameters of epoch {epoch} (best dev {}acc {:.2}%)",
                 match kind {
                     DataKind::Images => "",
@@ -335,7 +339,7 @@ fn train(a: TrainArgs) -> AnyResult {
         trainer.params = params;
     }
     let test = trainer.evaluate(&data.test, 64)?;
-    println!(
+    logln!(
         "test: loss {:.4} {} ({} {}) | trained in {:.1} s",
         test.loss,
         vision::accuracy(kind, &test),
@@ -345,7 +349,7 @@ fn train(a: TrainArgs) -> AnyResult {
     );
     if let Some(path) = a.save {
         checkpoint::save(&path, &trainer.model, &trainer.params, &data.vocab)?;
-        println!("saved {}", path.display());
+        logln!("saved {}", path.display());
     }
     Ok(())
 }
@@ -439,7 +443,7 @@ pub(crate) fn load_checkpoint(path: &std::path::Path) -> AnyResult<Loaded> {
     }
     let (params, defaulted) = checkpoint::load_params_reporting(path, &bytes, &model)?;
     if let Some(first) = defaulted.first() {
-        eprintln!(
+        noteln!(
             "note: {} predates running statistics: {} buffers (`{first}`, ...) start from \
              their initial values (mean 0, variance 1), which evaluation normalises with",
             path.display(),
@@ -491,38 +495,38 @@ fn eval(a: EvalArgs) -> AnyResult {
         a.batch_size,
     )?;
     if a.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({
                 "model": info.model, "data": a.data.display().to_string(), "graphs": r.graphs,
                 "loss": r.loss, "root_accuracy": r.root_accuracy, "node_accuracy": r.node_accuracy,
             })
-        );
+        )?;
     } else if let DataKind::Tagged { .. } = kind {
-        println!(
+        outln!(
             "{}: {} sentences | loss {:.4} | tag acc {:.2}%",
             a.data.display(),
             r.graphs,
             r.loss,
             100.0 * r.node_accuracy
-        );
+        )?;
     } else if kind == DataKind::Images {
-        println!(
+        outln!(
             "{}: {} images | loss {:.4} | acc {:.2}%",
             a.data.display(),
             r.graphs,
             r.loss,
             100.0 * r.root_accuracy
-        );
+        )?;
     } else {
-        println!(
+        outln!(
             "{}: {} graphs | loss {:.4} | root acc {:.2}% | all-node acc {:.2}%",
             a.data.display(),
             r.graphs,
             r.loss,
             100.0 * r.root_accuracy,
             100.0 * r.node_accuracy
-        );
+        )?;
     }
     Ok(())
 }
@@ -542,9 +546,9 @@ fn inspect(model: &str, hidden: usize, fusion: bool) -> AnyResult {
     };
     let m = build(model, &cfg, None, seq.as_ref(), &ModelOptions::default())?;
     if fusion {
-        print!("{}", ramus_cuda::fusion_listing(&m)?);
+        crate::output::write(format_args!("{}", ramus_cuda::fusion_listing(&m)?))?;
     } else {
-        print!("{}", m.listing());
+        crate::output::write(format_args!("{}", m.listing()))?;
     }
     Ok(())
 }
