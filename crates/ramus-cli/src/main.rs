@@ -397,9 +397,34 @@ pub(crate) struct Loaded {
     pub vision: Option<ramus_nn::VisionConfig>,
 }
 
-/// Reads a checkpoint: its settings rebuild the model, then the parameters load.
+/// Reads a checkpoint: its settings rebuild the model, then the parameters
+/// load. Every error names the file.
 pub(crate) fn load_checkpoint(path: &std::path::Path) -> AnyResult<Loaded> {
     let (info, bytes) = checkpoint::read_info(path)?;
+    let (model, kind, vision_cfg) =
+        model_of(&info).map_err(|e| format!("{}: {e}", path.display()))?;
+    let (params, defaulted) = checkpoint::load_params_reporting(path, &bytes, &model)?;
+    if let Some(first) = defaulted.first() {
+        noteln!(
+            "note: {} predates running statistics: {} buffers (`{first}`, ...) start from \
+             their initial values (mean 0, variance 1), which evaluation normalises with",
+            path.display(),
+            defaulted.len()
+        );
+    }
+    Ok(Loaded {
+        info,
+        model,
+        params,
+        kind,
+        vision: vision_cfg,
+    })
+}
+
+/// The model a checkpoint's metadata describes (its name and settings).
+fn model_of(
+    info: &checkpoint::CheckpointInfo,
+) -> AnyResult<(Model, DataKind, Option<ramus_nn::VisionConfig>)> {
     let setting = |k: &str| -> AnyResult<usize> {
         let v = info
             .settings
@@ -421,7 +446,8 @@ pub(crate) fn load_checkpoint(path: &std::path::Path) -> AnyResult<Loaded> {
         )
         .into());
     }
-    let kind = data_kind(&info.model).ok_or("checkpoint names an unknown model")?;
+    let kind = data_kind(&info.model)
+        .ok_or_else(|| format!("checkpoint names an unknown model `{}`", info.model))?;
     let vision_cfg = match kind {
         DataKind::Images => Some(
             ramus_nn::VisionConfig::from_settings(&info.settings)
@@ -441,22 +467,7 @@ pub(crate) fn load_checkpoint(path: &std::path::Path) -> AnyResult<Loaded> {
         model.head.rows =
             loss_rows(at).map_err(|e| format!("checkpoint setting `loss_at`: {e}"))?;
     }
-    let (params, defaulted) = checkpoint::load_params_reporting(path, &bytes, &model)?;
-    if let Some(first) = defaulted.first() {
-        noteln!(
-            "note: {} predates running statistics: {} buffers (`{first}`, ...) start from \
-             their initial values (mean 0, variance 1), which evaluation normalises with",
-            path.display(),
-            defaulted.len()
-        );
-    }
-    Ok(Loaded {
-        info,
-        model,
-        params,
-        kind,
-        vision: vision_cfg,
-    })
+    Ok((model, kind, vision_cfg))
 }
 
 fn eval(a: EvalArgs) -> AnyResult {
@@ -469,17 +480,24 @@ fn eval(a: EvalArgs) -> AnyResult {
     } = load_checkpoint(&a.checkpoint)?;
     let graphs = match &vision_cfg {
         Some(v) => {
-            let names = info
-                .settings
-                .get("class_names")
-                .ok_or("checkpoint settings lack `class_names`")?;
-            let names: Vec<String> = serde_json::from_str(names)
-                .map_err(|e| format!("checkpoint setting `class_names`: {e}"))?;
+            let names = info.settings.get("class_names").ok_or_else(|| {
+                format!(
+                    "{}: checkpoint settings lack `class_names`",
+                    a.checkpoint.display()
+                )
+            })?;
+            let names: Vec<String> = serde_json::from_str(names).map_err(|e| {
+                format!(
+                    "{}: checkpoint setting `class_names`: {e}",
+                    a.checkpoint.display()
+                )
+            })?;
             data::read_image_split(&a.data, &names, v.image)?
         }
         None => match kind {
             DataKind::Tagged { chars } => {
-                let vocab = sequence::tagged_vocab(&info.vocab, &info.settings)?;
+                let vocab = sequence::tagged_vocab(&info.vocab, &info.settings)
+                    .map_err(|e| format!("{}: {e}", a.checkpoint.display()))?;
                 data::read_tagged_frozen(&a.data, &vocab, chars)?
             }
             _ => data::read_frozen(&a.data, kind, &info.vocab)?,

@@ -37,6 +37,10 @@ pub enum GraphError {
         column: usize,
         message: String,
     },
+    /// A data file (or standard input) with nothing to read: empty, or
+    /// only blank lines. `what` names what it should hold ("trees").
+    #[error("{file}: no {what} to read: it is empty or holds only blank lines")]
+    Empty { file: String, what: &'static str },
     /// A structural problem (bad child id, mismatched lengths).
     #[error("invalid graph: {0}")]
     Structure(String),
