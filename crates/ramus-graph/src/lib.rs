@@ -10,10 +10,14 @@ pub mod input;
 pub mod linearize;
 pub mod ptb;
 pub mod random;
+#[cfg(test)]
+mod reader_props;
 pub mod schedule;
 pub mod sequence;
 pub mod synthetic;
 pub mod tagged;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 pub mod text;
 pub mod unroll;
 pub mod vocab;

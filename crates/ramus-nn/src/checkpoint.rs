@@ -222,9 +222,11 @@ fn bad_tensor(header: &[u8], data_bytes: usize) -> Option<String> {
                     b / 8
                 ))
             }
-            _ => return Some(format!(
+            _ => {
+                return Some(format!(
                 "{place}: its shape and dtype need no whole number of bytes that fits in memory"
-            )),
+            ))
+            }
         }
         end = e;
     }
