@@ -8,6 +8,8 @@ mod image_dir;
 mod infer;
 mod output;
 mod plan_memory;
+#[cfg(test)]
+mod reader_props;
 mod sequence;
 mod vision;
 
