@@ -2,7 +2,7 @@
 //! crate's and, through the `testing` feature, `ramus-nn`'s checkpoint and
 //! the CLI's image folder tests): bit flips, inserted snippets (the formats'
 //! own structure characters, invalid UTF-8, huge numbers, random bytes),
-//! deleted and duplicated ranges, truncation.
+//! deleted and duplicated ranges, truncation, blanking.
 //!
 //! Each property test runs [`cases`] cases: a fixed number in CI, more
 //! with `RAMUS_PROPTEST_CASES=N`.
@@ -22,6 +22,8 @@ pub enum Mutation {
     Delete { at: f64, len: usize },
     /// Keeps the bytes before `at` only.
     Truncate { at: f64 },
+    /// Turns every byte but the line breaks into a space (a blank file).
+    Blank,
     /// Inserts a copy of up to `len` bytes from `from` before `to`.
     Duplicate { from: f64, to: f64, len: usize },
 }
@@ -83,7 +85,8 @@ pub fn mutation() -> impl Strategy<Value = Mutation> {
         3 => (POS, 0u8..8).prop_map(|(at, bit)| Mutation::Flip { at, bit }),
         4 => (POS, bytes).prop_map(|(at, bytes)| Mutation::Insert { at, bytes }),
         2 => (POS, 1usize..64).prop_map(|(at, len)| Mutation::Delete { at, len }),
-        1 => POS.prop_map(|at| Mutation::Truncate { at }),
+        1 => prop_oneof![Just(0.0), POS].prop_map(|at| Mutation::Truncate { at }),
+        1 => Just(Mutation::Blank),
         1 => (POS, POS, 1usize..256)
             .prop_map(|(from, to, len)| Mutation::Duplicate { from, to, len }),
     ]
@@ -117,6 +120,7 @@ pub fn apply(input: &[u8], mutations: &[Mutation]) -> Vec<u8> {
                 out.drain(p..(p + n).min(len));
             }
             Mutation::Truncate { at } => out.truncate(place(*at, len)),
+            Mutation::Blank => out.iter_mut().filter(|b| **b != b'\n').for_each(|b| *b = b' '),
             Mutation::Duplicate { from, to, len: n } => {
                 let p = place(*from, len);
                 let copy = out[p..(p + n).min(len)].to_vec();
