@@ -182,11 +182,10 @@ proptest! {
         std::fs::write(&path, bytes).unwrap();
         match crate::load_checkpoint(&path) {
             Ok(loaded) => {
+                // what `eval` reads for a tagger: it must not panic (eval
+                // names the file around its error)
                 if let ramus_nn::DataKind::Tagged { .. } = loaded.kind {
-                    if let Err(e) = crate::sequence::tagged_vocab(&loaded.info.vocab, &loaded.info.settings) {
-                        // `eval` names the file around this error
-                        prop_assert!(!e.to_string().is_empty());
-                    }
+                    let _ = crate::sequence::tagged_vocab(&loaded.info.vocab, &loaded.info.settings);
                 }
             }
             Err(e) => check_names(e.as_ref(), &path)?,

@@ -47,23 +47,17 @@ fn assert_quiet_success(o: &Output, what: &str) {
     );
 }
 
+/// A short training run of a small Tree-LSTM on the built-in treebank.
+const TRAIN_TINY: [&str; 8] = [
+    "train", "--model", "treelstm", "--epochs", "1", "--hidden", "4", "--quiet",
+];
+
 /// A Tree-LSTM checkpoint trained briefly on the built-in treebank.
 fn tree_checkpoint() -> &'static Path {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
     PATH.get_or_init(|| {
         let path = tmp("tree.safetensors");
-        ramus_ok(&[
-            "train",
-            "--model",
-            "treelstm",
-            "--epochs",
-            "1",
-            "--hidden",
-            "4",
-            "--quiet",
-            "--save",
-            path.to_str().unwrap(),
-        ]);
+        ramus_ok(&[&TRAIN_TINY[..], &["--save", path.to_str().unwrap()]].concat());
         path
     })
 }
@@ -127,18 +121,7 @@ fn a_closed_output_pipe_ends_commands_quietly() {
     // train's output is a log: it trains on and saves its checkpoint
     let saved = tmp("closed.safetensors");
     let o = with_output_closed_after(
-        &[
-            "train",
-            "--model",
-            "treelstm",
-            "--epochs",
-            "1",
-            "--hidden",
-            "4",
-            "--quiet",
-            "--save",
-            saved.to_str().unwrap(),
-        ],
+        &[&TRAIN_TINY[..], &["--save", saved.to_str().unwrap()]].concat(),
         0,
         b"",
     );

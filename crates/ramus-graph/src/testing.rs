@@ -120,7 +120,10 @@ pub fn apply(input: &[u8], mutations: &[Mutation]) -> Vec<u8> {
                 out.drain(p..(p + n).min(len));
             }
             Mutation::Truncate { at } => out.truncate(place(*at, len)),
-            Mutation::Blank => out.iter_mut().filter(|b| **b != b'\n').for_each(|b| *b = b' '),
+            Mutation::Blank => out
+                .iter_mut()
+                .filter(|b| **b != b'\n')
+                .for_each(|b| *b = b' '),
             Mutation::Duplicate { from, to, len: n } => {
                 let p = place(*from, len);
                 let copy = out[p..(p + n).min(len)].to_vec();
