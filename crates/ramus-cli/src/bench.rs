@@ -18,6 +18,7 @@ use ramus_nn::{
 
 use crate::data;
 use crate::device::{self, Device};
+use crate::output::outln;
 
 mod compiled;
 mod persistent;
@@ -210,14 +211,14 @@ fn bench_engine(
         Device::Cuda => {
             let engine = device::cuda_engine(model, a.device_memory_budget)?;
             if a.verbose {
-                println!(
+                outln!(
                     "{}",
                     serde_json::json!({
                         "setup": "cuda", "device": engine.device().name(), "arch": engine.device().arch(),
                         "setup_s": engine.setup_seconds(), "fused_kernels": engine.fused_kernels(),
                         "kernel_cache": engine.cache_stats().to_string(),
                     })
-                );
+                )?;
             }
             (BenchEngine::Cuda(Box::new(engine)), None)
         }
@@ -421,15 +422,15 @@ pub fn run(a: BenchArgs) -> AnyResult {
             "kernels_per_batch": infer_kernels, "kernels_per_train_batch": train_kernels,
             "infer_enqueue_ms": enqueue_ms,
         });
-        println!("{line}");
+        outln!("{line}")?;
         results.push(line);
     }
     if a.verbose {
         if let BenchEngine::Cuda(e) = &engine {
-            println!(
+            outln!(
                 "{}",
                 serde_json::json!({"kernel_cache": e.cache_stats().to_string(), "pool": e.pool_stats().to_string()})
-            );
+            )?;
         }
     }
     if let Some(anchor) = &a.anchor {
@@ -466,7 +467,7 @@ pub(crate) fn run_anchor(
         return Err(format!("anchor failed: {}", String::from_utf8_lossy(&out.stderr)).into());
     }
     for line in String::from_utf8_lossy(&out.stdout).lines() {
-        println!("{line}");
+        outln!("{line}")?;
         let Ok(t) = serde_json::from_str::<serde_json::Value>(line) else {
             continue;
         };
@@ -475,13 +476,13 @@ pub(crate) fn run_anchor(
                 let (x, y) = (r[k].as_f64()?, t[k].as_f64()?);
                 Some(((if inverse { y / x } else { x / y }) * 100.0).round() / 100.0)
             };
-            println!(
+            outln!(
                 "{}",
                 serde_json::json!({
                     "ratio": "ramus_vs_pytorch_levelbatch", "batch": t["batch"], "hidden": a.hidden,
                     "infer_speedup": ratio("infer_ms", true), "train_speedup": ratio("train_sent_per_s", false),
                 })
-            );
+            )?;
         }
     }
     Ok(())

@@ -28,6 +28,7 @@ use ramus_swap::human_bytes;
 use serde_json::json;
 
 use crate::device;
+use crate::output::{noteln, outln};
 
 #[derive(clap::Args)]
 pub struct BenchSwapArgs {
@@ -198,10 +199,16 @@ pub fn run_bench(a: BenchSwapArgs) -> AnyResult {
         .map(|c| c.iter().collect())
         .collect();
     let models: Vec<String> = parse_list(&a.models, "--models")?;
-    println!(
+    outln!(
         "bench-swap: batch {} of {} images, width {}, {} warm-up + {} timed steps, {} lr {}",
-        a.batch_size, a.image, a.hidden, a.warmup, a.steps, a.optimizer, a.lr
-    );
+        a.batch_size,
+        a.image,
+        a.hidden,
+        a.warmup,
+        a.steps,
+        a.optimizer,
+        a.lr
+    )?;
     for name in &models {
         let model = build(&a, name)?;
         let params = Params::<f32>::init(&model, a.seed);
@@ -218,7 +225,7 @@ pub fn run_bench(a: BenchSwapArgs) -> AnyResult {
         .map_err(|e| format!("{name}, in memory: {e}"))?;
         let report = base.report.clone().ok_or("no swap report")?;
         let peak = report.pool_peak_bytes;
-        println!(
+        outln!(
             "\n{name}: in memory (budget lifted) {} ms/step, peak {} ({} ops, {} tensors, \
              fixed overhead {})",
             ms(base.step_s),
@@ -226,7 +233,7 @@ pub fn run_bench(a: BenchSwapArgs) -> AnyResult {
             report.ops,
             report.tensors,
             human_bytes(report.overhead_bytes)
-        );
+        )?;
         emit(
             json!({"model": name, "mode": "in-memory", "budget": null, "nm": null,
             "step_s": base.step_s, "peak_bytes": peak, "losses": base.losses,
@@ -248,7 +255,7 @@ pub fn run_bench(a: BenchSwapArgs) -> AnyResult {
         if torch.is_some() {
             header.push_str("  planner/torch");
         }
-        println!("{header}  (ms per step)");
+        outln!("{header}  (ms per step)")?;
         for (&nm, &budget) in ratios.iter().zip(&budgets) {
             let mut row = format!(
                 "{nm:>5.2} {:>10} {:>9}",
@@ -292,7 +299,7 @@ pub fn run_bench(a: BenchSwapArgs) -> AnyResult {
                         emit(json!({"model": name, "mode": mode.name(), "budget": budget,
                             "nm": nm, "error": e.to_string()}))?;
                         if mode != SwapMode::Resident || nm <= 1.0 {
-                            eprintln!("  {name} Nm {nm} {}: {e}", mode.name());
+                            noteln!("  {name} Nm {nm} {}: {e}", mode.name());
                         }
                     }
                 }
@@ -318,13 +325,13 @@ pub fn run_bench(a: BenchSwapArgs) -> AnyResult {
                     ratio(times.get(&SwapMode::Planner), torch_s.as_ref())
                 ));
             }
-            println!("{row}");
-            println!(
+            outln!("{row}")?;
+            outln!(
                 "        losses after {} steps: in-mem={:.6} {}",
                 total,
                 base.losses.last().copied().unwrap_or(f64::NAN),
                 finals.join(" ")
-            );
+            )?;
         }
     }
     Ok(())
@@ -370,11 +377,11 @@ fn run_torch(
         )
         .into());
     }
-    println!("\nPyTorch ({model}, {}):", script.display());
+    outln!("\nPyTorch ({model}, {}):", script.display())?;
     let mut times = HashMap::new();
     for line in String::from_utf8_lossy(&out.stdout).lines() {
         let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
-            println!("  {line}");
+            outln!("  {line}")?;
             continue;
         };
         let budget = v["budget"].as_u64().map_or("none".to_string(), human_bytes);
@@ -384,15 +391,15 @@ fn run_torch(
         let mode = v["mode"].as_str().unwrap_or("?");
         match v["step_s"].as_f64() {
             Some(s) => {
-                println!("  {mode:<12} budget {budget:>10}{nm}: {:>9} ms/step", ms(s));
+                outln!("  {mode:<12} budget {budget:>10}{nm}: {:>9} ms/step", ms(s))?;
                 if let (Some(b), "save_on_cpu") = (v["budget"].as_u64(), mode) {
                     times.insert(b, s);
                 }
             }
-            None => println!(
+            None => outln!(
                 "  {mode:<12} budget {budget:>10}{nm}: {}",
                 v["error"].as_str().unwrap_or("failed")
-            ),
+            )?,
         }
         emit(v)?;
     }

@@ -5,6 +5,7 @@
 
 use std::str::FromStr;
 
+use crate::output::logln;
 use ramus_core::Model;
 use ramus_cpu::CpuEngine;
 use ramus_cuda::{CudaEngine, CudaEngineOptions, SwapConfig, SwapMode};
@@ -78,7 +79,7 @@ pub fn training_engine(
     match ramus_cuda::persistent::PersistentTrainer::new(model, params, optimizer, &options) {
         Ok(engine) => Ok(Some(Box::new(engine))),
         Err(e) if choice == TrainEngine::Auto => {
-            println!("persistent engine unavailable ({e}); training with the batched engine");
+            logln!("persistent engine unavailable ({e}); training with the batched engine");
             Ok(None)
         }
         Err(e) => Err(format!("--engine persistent: {e}")),

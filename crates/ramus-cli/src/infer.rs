@@ -4,16 +4,18 @@
 //! line per tree: its index, predicted class and root scores.
 
 use std::io::Read;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use ramus_core::HeadRows;
 use ramus_cpu::compiled::{CpuCompiledEngine, CpuCompiledSchedule};
 use ramus_cpu::{Batch, Mode};
 use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
-use ramus_graph::{ptb, BatchingPolicy, InputGraph, VocabMode};
+use ramus_graph::text::decode_utf8;
+use ramus_graph::{ptb, BatchingPolicy, InputGraph, Vocab, VocabMode};
 use ramus_nn::DataKind;
 
 use crate::device::{self, Device};
+use crate::output::outln;
 use crate::{load_checkpoint, AnyResult};
 
 #[derive(clap::Args)]
@@ -51,6 +53,26 @@ pub struct InferArgs {
     recursion: crate::bench::RecursionFlags,
 }
 
+/// The trees of `input` (a file; `-` or `None`: standard input), read with
+/// the checkpoint's vocabulary; errors name the file (or `<stdin>`), line
+/// and column.
+fn read_input(input: Option<&Path>, vocab: &Vocab) -> AnyResult<Vec<InputGraph>> {
+    match input {
+        Some(p) if p.as_os_str() != "-" => Ok(ptb::read_trees(p, VocabMode::Frozen(vocab))?),
+        _ => {
+            let mut bytes = Vec::new();
+            std::io::stdin()
+                .read_to_end(&mut bytes)
+                .map_err(|e| format!("cannot read standard input: {e}"))?;
+            let text = decode_utf8(bytes, STDIN)?;
+            Ok(ptb::parse_trees(&text, STDIN, VocabMode::Frozen(vocab))?)
+        }
+    }
+}
+
+/// How errors name standard input.
+const STDIN: &str = "<stdin>";
+
 /// Scores of the roots of one batch, a row of `classes` per tree.
 enum Scorer {
     CompiledCpu(Box<CpuCompiledEngine>),
@@ -70,21 +92,7 @@ pub fn run(a: InferArgs) -> AnyResult {
         )
         .into());
     }
-    let mut text = String::new();
-    let source = match &a.input {
-        Some(p) if p.as_os_str() != "-" => {
-            text = std::fs::read_to_string(p)
-                .map_err(|e| format!("cannot read {}: {e}", p.display()))?;
-            p.display().to_string()
-        }
-        _ => {
-            std::io::stdin()
-                .read_to_string(&mut text)
-                .map_err(|e| format!("cannot read standard input: {e}"))?;
-            "<stdin>".to_string()
-        }
-    };
-    let trees = ptb::parse_trees(&text, &source, VocabMode::Frozen(&loaded.info.vocab))?;
+    let trees = read_input(a.input.as_deref(), &loaded.info.vocab)?;
     let (model, params) = (&loaded.model, &loaded.params);
     let mut scorer = match (a.engine.as_str(), a.device) {
         ("compiled", Device::Cpu) => {
@@ -156,10 +164,10 @@ pub fn run(a: InferArgs) -> AnyResult {
                     }
                 })
                 .0;
-            println!(
+            outln!(
                 "{}",
                 serde_json::json!({"tree": index, "prediction": prediction, "scores": row})
-            );
+            )?;
             index += 1;
         }
     }

@@ -6,7 +6,10 @@ mod data;
 mod device;
 mod image_dir;
 mod infer;
+mod output;
 mod plan_memory;
+#[cfg(test)]
+mod reader_props;
 mod sequence;
 mod vision;
 
@@ -17,6 +20,7 @@ use std::time::Instant;
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use output::{logln, noteln, outln};
 use ramus_core::{HeadRows, Model, Params};
 use ramus_graph::BatchingPolicy;
 use ramus_nn::checkpoint;
@@ -191,8 +195,10 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // the reader of standard output stopped reading (`| head`): done
+        Err(e) if e.is::<output::OutputClosed>() => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            noteln!("error: {e}");
             ExitCode::FAILURE
         }
     }
@@ -221,7 +227,7 @@ fn train(a: TrainArgs) -> AnyResult {
         )?,
         None => data::load_splits(a.data.as_deref(), kind)?,
     };
-    println!(
+    logln!(
         "data: {} ({} train / {} dev / {} test, {})",
         data.source,
         data.train.len(),
@@ -268,7 +274,7 @@ fn train(a: TrainArgs) -> AnyResult {
     trainer.policy = policy;
     trainer.engine.set_seed(a.seed);
     let mut rng = ramus_nn::train::rng(a.seed);
-    println!(
+    logln!(
         "model: {} hidden {} | optimizer {} lr {} | batch {} | engine {} ({} host threads){}",
         a.model,
         hidden,
@@ -304,10 +310,10 @@ fn train(a: TrainArgs) -> AnyResult {
         bar.finish_and_clear();
         let secs = t0.elapsed().as_secs_f64();
         if let Some(report) = trainer.engine.memory_report() {
-            println!("  {report}");
+            logln!("  {report}");
         }
         let dev = trainer.evaluate(&data.dev, 64)?;
-        println!(
+        logln!(
             "epoch {epoch}: train loss {loss:.4} | dev loss {:.4} {} | {:.0} {}/s",
             dev.loss,
             vision::accuracy(kind, &dev),
@@ -322,7 +328,7 @@ fn train(a: TrainArgs) -> AnyResult {
     }
     if let Some((acc, epoch, params)) = best {
         if epoch != a.epochs {
-            println!(
+            logln!(
                 "using the parameters of epoch {epoch} (best dev {}acc {:.2}%)",
                 match kind {
                     DataKind::Images => "",
@@ -335,7 +341,7 @@ fn train(a: TrainArgs) -> AnyResult {
         trainer.params = params;
     }
     let test = trainer.evaluate(&data.test, 64)?;
-    println!(
+    logln!(
         "test: loss {:.4} {} ({} {}) | trained in {:.1} s",
         test.loss,
         vision::accuracy(kind, &test),
@@ -345,7 +351,7 @@ fn train(a: TrainArgs) -> AnyResult {
     );
     if let Some(path) = a.save {
         checkpoint::save(&path, &trainer.model, &trainer.params, &data.vocab)?;
-        println!("saved {}", path.display());
+        logln!("saved {}", path.display());
     }
     Ok(())
 }
@@ -393,9 +399,34 @@ pub(crate) struct Loaded {
     pub vision: Option<ramus_nn::VisionConfig>,
 }
 
-/// Reads a checkpoint: its settings rebuild the model, then the parameters load.
+/// Reads a checkpoint: its settings rebuild the model, then the parameters
+/// load. Every error names the file.
 pub(crate) fn load_checkpoint(path: &std::path::Path) -> AnyResult<Loaded> {
     let (info, bytes) = checkpoint::read_info(path)?;
+    let (model, kind, vision_cfg) =
+        model_of(&info).map_err(|e| format!("{}: {e}", path.display()))?;
+    let (params, defaulted) = checkpoint::load_params_reporting(path, &bytes, &model)?;
+    if let Some(first) = defaulted.first() {
+        noteln!(
+            "note: {} predates running statistics: {} buffers (`{first}`, ...) start from \
+             their initial values (mean 0, variance 1), which evaluation normalises with",
+            path.display(),
+            defaulted.len()
+        );
+    }
+    Ok(Loaded {
+        info,
+        model,
+        params,
+        kind,
+        vision: vision_cfg,
+    })
+}
+
+/// The model a checkpoint's metadata describes (its name and settings).
+fn model_of(
+    info: &checkpoint::CheckpointInfo,
+) -> AnyResult<(Model, DataKind, Option<ramus_nn::VisionConfig>)> {
     let setting = |k: &str| -> AnyResult<usize> {
         let v = info
             .settings
@@ -417,7 +448,8 @@ pub(crate) fn load_checkpoint(path: &std::path::Path) -> AnyResult<Loaded> {
         )
         .into());
     }
-    let kind = data_kind(&info.model).ok_or("checkpoint names an unknown model")?;
+    let kind = data_kind(&info.model)
+        .ok_or_else(|| format!("checkpoint names an unknown model `{}`", info.model))?;
     let vision_cfg = match kind {
         DataKind::Images => Some(
             ramus_nn::VisionConfig::from_settings(&info.settings)
@@ -437,22 +469,7 @@ pub(crate) fn load_checkpoint(path: &std::path::Path) -> AnyResult<Loaded> {
         model.head.rows =
             loss_rows(at).map_err(|e| format!("checkpoint setting `loss_at`: {e}"))?;
     }
-    let (params, defaulted) = checkpoint::load_params_reporting(path, &bytes, &model)?;
-    if let Some(first) = defaulted.first() {
-        eprintln!(
-            "note: {} predates running statistics: {} buffers (`{first}`, ...) start from \
-             their initial values (mean 0, variance 1), which evaluation normalises with",
-            path.display(),
-            defaulted.len()
-        );
-    }
-    Ok(Loaded {
-        info,
-        model,
-        params,
-        kind,
-        vision: vision_cfg,
-    })
+    Ok((model, kind, vision_cfg))
 }
 
 fn eval(a: EvalArgs) -> AnyResult {
@@ -465,17 +482,24 @@ fn eval(a: EvalArgs) -> AnyResult {
     } = load_checkpoint(&a.checkpoint)?;
     let graphs = match &vision_cfg {
         Some(v) => {
-            let names = info
-                .settings
-                .get("class_names")
-                .ok_or("checkpoint settings lack `class_names`")?;
-            let names: Vec<String> = serde_json::from_str(names)
-                .map_err(|e| format!("checkpoint setting `class_names`: {e}"))?;
+            let names = info.settings.get("class_names").ok_or_else(|| {
+                format!(
+                    "{}: checkpoint settings lack `class_names`",
+                    a.checkpoint.display()
+                )
+            })?;
+            let names: Vec<String> = serde_json::from_str(names).map_err(|e| {
+                format!(
+                    "{}: checkpoint setting `class_names`: {e}",
+                    a.checkpoint.display()
+                )
+            })?;
             data::read_image_split(&a.data, &names, v.image)?
         }
         None => match kind {
             DataKind::Tagged { chars } => {
-                let vocab = sequence::tagged_vocab(&info.vocab, &info.settings)?;
+                let vocab = sequence::tagged_vocab(&info.vocab, &info.settings)
+                    .map_err(|e| format!("{}: {e}", a.checkpoint.display()))?;
                 data::read_tagged_frozen(&a.data, &vocab, chars)?
             }
             _ => data::read_frozen(&a.data, kind, &info.vocab)?,
@@ -491,38 +515,38 @@ fn eval(a: EvalArgs) -> AnyResult {
         a.batch_size,
     )?;
     if a.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({
                 "model": info.model, "data": a.data.display().to_string(), "graphs": r.graphs,
                 "loss": r.loss, "root_accuracy": r.root_accuracy, "node_accuracy": r.node_accuracy,
             })
-        );
+        )?;
     } else if let DataKind::Tagged { .. } = kind {
-        println!(
+        outln!(
             "{}: {} sentences | loss {:.4} | tag acc {:.2}%",
             a.data.display(),
             r.graphs,
             r.loss,
             100.0 * r.node_accuracy
-        );
+        )?;
     } else if kind == DataKind::Images {
-        println!(
+        outln!(
             "{}: {} images | loss {:.4} | acc {:.2}%",
             a.data.display(),
             r.graphs,
             r.loss,
             100.0 * r.root_accuracy
-        );
+        )?;
     } else {
-        println!(
+        outln!(
             "{}: {} graphs | loss {:.4} | root acc {:.2}% | all-node acc {:.2}%",
             a.data.display(),
             r.graphs,
             r.loss,
             100.0 * r.root_accuracy,
             100.0 * r.node_accuracy
-        );
+        )?;
     }
     Ok(())
 }
@@ -542,9 +566,9 @@ fn inspect(model: &str, hidden: usize, fusion: bool) -> AnyResult {
     };
     let m = build(model, &cfg, None, seq.as_ref(), &ModelOptions::default())?;
     if fusion {
-        print!("{}", ramus_cuda::fusion_listing(&m)?);
+        crate::output::write(format_args!("{}", ramus_cuda::fusion_listing(&m)?))?;
     } else {
-        print!("{}", m.listing());
+        crate::output::write(format_args!("{}", m.listing()))?;
     }
     Ok(())
 }

@@ -16,6 +16,7 @@ use ramus_swap::{
 };
 
 use crate::data;
+use crate::output::outln;
 
 #[derive(clap::Args)]
 pub struct PlanMemoryArgs {
@@ -132,10 +133,10 @@ pub fn run(a: PlanMemoryArgs) -> AnyResult {
     let plan = planner.plan(&trace)?;
     let report = Simulator::for_plan(cost, &plan).run(&trace, &plan)?;
     if a.json {
-        println!("{}", plan.to_json());
+        outln!("{}", plan.to_json())?;
         return Ok(());
     }
-    println!(
+    outln!(
         "model {} hidden {} | batch of {} graphs ({} vertices, {} tasks) | {} ops, {} tensors",
         a.model,
         a.hidden,
@@ -144,14 +145,14 @@ pub fn run(a: PlanMemoryArgs) -> AnyResult {
         batch.schedule.tasks.len(),
         trace.num_ops(),
         trace.num_tensors()
-    );
-    print!("{}", plan.listing(Some(&trace)));
-    println!(
+    )?;
+    crate::output::write(format_args!("{}", plan.listing(Some(&trace))))?;
+    outln!(
         "simulated: step {} (compute {}, stall {}), peak {}",
         human_seconds(report.total_s),
         human_seconds(report.compute_s),
         human_seconds(report.stall_s),
         human_bytes(plan.predicted.peak_bytes)
-    );
+    )?;
     Ok(())
 }

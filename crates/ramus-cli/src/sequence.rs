@@ -83,8 +83,7 @@ pub fn tagged_vocab(
     let tags: Vec<String> = serde_json::from_str(names)
         .map_err(|e| format!("checkpoint setting `class_names`: {e}"))?;
     let chars = match settings.get(CHAR_VOCAB_SETTING) {
-        Some(json) => Vocab::from_json(json)
-            .map_err(|e| format!("checkpoint setting `{CHAR_VOCAB_SETTING}`: {e}"))?,
+        Some(json) => Vocab::from_json(json, &format!("setting `{CHAR_VOCAB_SETTING}`"))?,
         None => Vocab::new(),
     };
     Ok(TaggedVocab::from_parts(words.clone(), tags, chars)?)

@@ -10,10 +10,14 @@ pub mod input;
 pub mod linearize;
 pub mod ptb;
 pub mod random;
+#[cfg(test)]
+mod reader_props;
 pub mod schedule;
 pub mod sequence;
 pub mod synthetic;
 pub mod tagged;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 pub mod text;
 pub mod unroll;
 pub mod vocab;
@@ -37,6 +41,10 @@ pub enum GraphError {
         column: usize,
         message: String,
     },
+    /// A data file (or standard input) with nothing to read: empty, or
+    /// only blank lines. `what` names what it should hold ("trees").
+    #[error("{file}: no {what} to read: it is empty or holds only blank lines")]
+    Empty { file: String, what: &'static str },
     /// A structural problem (bad child id, mismatched lengths).
     #[error("invalid graph: {0}")]
     Structure(String),

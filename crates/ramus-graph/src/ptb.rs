@@ -198,7 +198,8 @@ fn unescape_into(token: &[char], out: &mut String) {
     }
 }
 
-/// Parses every non-blank line of `text` as a tree; `file_name` labels errors.
+/// Parses every non-blank line of `text` as a tree; `file_name` labels
+/// errors. Text without a tree (empty or blank) is [`GraphError::Empty`].
 pub fn parse_trees(
     text: &str,
     file_name: &str,
@@ -211,10 +212,16 @@ pub fn parse_trees(
         }
         trees.push(parse_tree(line, &mut vocab, file_name, k + 1)?);
     }
+    if trees.is_empty() {
+        return Err(GraphError::Empty {
+            file: file_name.to_string(),
+            what: "trees",
+        });
+    }
     Ok(trees)
 }
 
-/// Reads a treebank file (one tree a line, blank lines skipped).
+/// Reads a treebank file (one tree a line, blank lines skipped; at least one tree).
 pub fn read_trees(path: &Path, vocab: VocabMode<'_>) -> Result<Vec<InputGraph>, GraphError> {
     let text = crate::text::read_utf8(path)?;
     parse_trees(&text, &path.display().to_string(), vocab)
@@ -458,6 +465,18 @@ mod tests {
             err.to_string(),
             "x.txt:3:6: unexpected ')' after the end of the tree"
         );
+    }
+
+    #[test]
+    fn empty_or_blank_text_is_an_error_naming_the_file() {
+        for text in ["", "\n", "  \r\n\t\n \u{a0}\n"] {
+            let e = parse_trees(text, "e.txt", VocabMode::Grow(&mut Vocab::new())).unwrap_err();
+            assert!(
+                matches!(&e, GraphError::Empty { file, what: "trees" } if file == "e.txt"),
+                "{text:?}: {e:?}"
+            );
+            assert!(e.to_string().starts_with("e.txt: no trees"), "{e}");
+        }
     }
 
     #[test]

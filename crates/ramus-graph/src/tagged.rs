@@ -61,7 +61,8 @@ impl TaggedSentence {
 }
 
 /// Parses every non-blank line of `text` as a tagged sentence; `file_name`
-/// labels errors (a token without `|`, with an empty word or an empty tag).
+/// labels errors (a token without `|`, with an empty word or an empty tag;
+/// text without a sentence, [`GraphError::Empty`]).
 pub fn parse_tagged(text: &str, file_name: &str) -> Result<Vec<TaggedSentence>, GraphError> {
     let mut out = Vec::new();
     for (k, line) in text.lines().enumerate() {
@@ -99,6 +100,12 @@ pub fn parse_tagged(text: &str, file_name: &str) -> Result<Vec<TaggedSentence>, 
             out.push(s);
         }
     }
+    if out.is_empty() {
+        return Err(GraphError::Empty {
+            file: file_name.to_string(),
+            what: "tagged sentences",
+        });
+    }
     Ok(out)
 }
 
@@ -112,7 +119,8 @@ fn split_token(token: &str) -> Result<(&str, &str), String> {
     }
 }
 
-/// Reads a tagged-text file (one sentence a line, blank lines skipped).
+/// Reads a tagged-text file (one sentence a line, blank lines skipped; at
+/// least one sentence).
 pub fn read_tagged(path: &Path) -> Result<Vec<TaggedSentence>, GraphError> {
     let text = read_utf8(path)?;
     parse_tagged(&text, &path.display().to_string())
@@ -341,6 +349,17 @@ mod tests {
             let line = 1 + text.matches('\n').count();
             assert!(e.starts_with(&format!("f.txt:{line}:{col}:")), "{e}");
             assert!(e.contains(needle), "{e}");
+        }
+    }
+
+    #[test]
+    fn empty_or_blank_text_is_an_error_naming_the_file() {
+        for text in ["", "\n \n", "\t\r\n"] {
+            let e = parse_tagged(text, "ner.txt").unwrap_err();
+            assert!(
+                matches!(&e, GraphError::Empty { file, .. } if file == "ner.txt"),
+                "{text:?}: {e:?}"
+            );
         }
     }
 

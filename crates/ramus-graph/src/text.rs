@@ -4,7 +4,7 @@
 //! `t` and is labelled with the id of token `t + 1` — the next-word target —
 //! the last vertex being labelled with the id of [`EOS`]. This module also
 //! owns reading a text file as UTF-8 with located errors, shared with
-//! [`crate::ptb`].
+//! [`crate::ptb`], [`crate::tagged`] and the CLI's standard input.
 
 use std::path::Path;
 
@@ -16,7 +16,8 @@ use crate::GraphError;
 pub const EOS: &str = "<eos>";
 
 /// Parses every non-blank line of `text` as a sentence; `file_name` labels
-/// errors.
+/// errors. Text without a sentence (empty or blank) is
+/// [`GraphError::Empty`].
 ///
 /// With [`VocabMode::Grow`], a line's tokens are added in order and then
 /// [`EOS`] (so `<eos>` gets the id after the first sentence's new words).
@@ -63,10 +64,17 @@ pub fn parse_sentences(
             }),
         );
     }
+    if sentences.is_empty() {
+        return Err(GraphError::Empty {
+            file: file_name.to_string(),
+            what: "sentences",
+        });
+    }
     Ok(sentences)
 }
 
-/// Reads a sentence file (one sentence a line, blank lines skipped).
+/// Reads a sentence file (one sentence a line, blank lines skipped; at
+/// least one sentence).
 pub fn read_sentences(path: &Path, vocab: VocabMode<'_>) -> Result<Vec<InputGraph>, GraphError> {
     let text = read_utf8(path)?;
     parse_sentences(&text, &path.display().to_string(), vocab)
@@ -74,18 +82,25 @@ pub fn read_sentences(path: &Path, vocab: VocabMode<'_>) -> Result<Vec<InputGrap
 
 /// The contents of `path` as a string: [`GraphError::Io`] when it cannot
 /// be read, [`GraphError::Parse`] at the first byte that is not UTF-8.
-pub(crate) fn read_utf8(path: &Path) -> Result<String, GraphError> {
+pub fn read_utf8(path: &Path) -> Result<String, GraphError> {
     let bytes = std::fs::read(path).map_err(|source| GraphError::Io {
         path: path.to_path_buf(),
         source,
     })?;
+    decode_utf8(bytes, &path.display().to_string())
+}
+
+/// `bytes` read from `source` (a file name, `<stdin>`) as a string, or
+/// [`GraphError::Parse`] at the line and column of the first byte that is
+/// not UTF-8.
+pub fn decode_utf8(bytes: Vec<u8>, source: &str) -> Result<String, GraphError> {
     String::from_utf8(bytes).map_err(|e| {
         let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
         // `valid` is UTF-8 by construction, so this never falls back.
         let before = std::str::from_utf8(valid).unwrap_or_default();
         let line_start = before.rfind('\n').map_or(0, |p| p + 1);
         GraphError::Parse {
-            file: path.display().to_string(),
+            file: source.to_string(),
             line: before.matches('\n').count() + 1,
             column: before[line_start..].chars().count() + 1,
             message: format!("invalid UTF-8 (byte offset {})", valid.len()),
@@ -131,6 +146,28 @@ mod tests {
             matches!(e, GraphError::Structure(ref m) if m.contains("valid.txt") && m.contains(EOS)),
             "{e}"
         );
+    }
+
+    #[test]
+    fn empty_or_blank_text_is_an_error_naming_the_file() {
+        let mut v = Vocab::new();
+        parse_sentences("a", "train", VocabMode::Grow(&mut v)).unwrap();
+        for text in ["", "\n\n", " \t\r\n "] {
+            for mode in [VocabMode::Grow(&mut Vocab::new()), VocabMode::Frozen(&v)] {
+                let e = parse_sentences(text, "lm.txt", mode).unwrap_err();
+                assert!(
+                    matches!(&e, GraphError::Empty { file, what: "sentences" } if file == "lm.txt"),
+                    "{text:?}: {e:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn invalid_utf8_from_any_source_is_located() {
+        let e = decode_utf8(b"(1 a)\n(2 \xc3(".to_vec(), "<stdin>").unwrap_err();
+        assert_eq!(e.to_string(), "<stdin>:2:4: invalid UTF-8 (byte offset 9)");
+        assert_eq!(decode_utf8(b"ok".to_vec(), "x").unwrap(), "ok");
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! first-seen order. This module also owns [`VocabMode`], the choice readers
 //! make between growing a vocabulary and looking words up in a frozen one,
 //! and the vocabulary's on-disk form: a JSON array of strings, written and
-//! parsed here by hand (the crate does not depend on `serde_json`).
+//! parsed here by hand (the crate does not depend on `serde_json`); parse
+//! errors name the source, line and column.
 
 use std::collections::HashMap;
 
@@ -11,9 +12,6 @@ use crate::GraphError;
 
 /// The unknown word; always id 0.
 pub const UNK: &str = "<unk>";
-
-/// File name used in [`GraphError::Parse`] errors from [`Vocab::from_json`].
-const JSON_SOURCE: &str = "<vocab json>";
 
 /// Words and their ids. Id `i` is `words()[i]`; id 0 is [`UNK`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -130,9 +128,41 @@ impl Vocab {
     }
 
     /// Parses a JSON array of strings (as written by [`Vocab::to_json`]) and
-    /// builds the vocabulary with [`Vocab::from_words`].
-    pub fn from_json(json: &str) -> Result<Vocab, GraphError> {
-        let words = JsonReader::new(json).string_array()?;
+    /// builds the vocabulary as [`Vocab::from_words`] does. Every error is a
+    /// [`GraphError::Parse`] naming `source` (a file, a checkpoint's
+    /// metadata key) and the line and column: of the bad character, of a
+    /// first word other than [`UNK`], of a word's second occurrence.
+    pub fn from_json(json: &str, source: &str) -> Result<Vocab, GraphError> {
+        let mut reader = JsonReader::new(json, source);
+        let (words, places) = reader.string_array()?;
+        let at = |i: usize, message: String| {
+            let (line, column) = places[i];
+            reader.error(line, column, message)
+        };
+        match words.first() {
+            None => {
+                return Err(at(
+                    0,
+                    format!("the word array is empty; it must start with {UNK:?}"),
+                ))
+            }
+            Some(first) if first != UNK => {
+                return Err(at(
+                    1,
+                    format!("the first word is {first:?}; id 0 must be {UNK:?}"),
+                ))
+            }
+            Some(_) => {}
+        }
+        let mut seen = HashMap::with_capacity(words.len());
+        for (i, w) in words.iter().enumerate() {
+            if let Some(prev) = seen.insert(w.as_str(), i) {
+                return Err(at(
+                    i + 1,
+                    format!("word {w:?} appears twice (ids {prev} and {i})"),
+                ));
+            }
+        }
         Vocab::from_words(words)
     }
 }
@@ -193,20 +223,23 @@ struct JsonReader<'s> {
     chars: std::iter::Peekable<std::str::Chars<'s>>,
     line: usize,
     column: usize,
+    /// What errors name as the file.
+    source: &'s str,
 }
 
 impl<'s> JsonReader<'s> {
-    fn new(text: &'s str) -> Self {
+    fn new(text: &'s str, source: &'s str) -> Self {
         JsonReader {
             chars: text.chars().peekable(),
             line: 1,
             column: 1,
+            source,
         }
     }
 
     fn error(&self, line: usize, column: usize, message: impl Into<String>) -> GraphError {
         GraphError::Parse {
-            file: JSON_SOURCE.to_string(),
+            file: self.source.to_string(),
             line,
             column,
             message: message.into(),
@@ -245,7 +278,12 @@ impl<'s> JsonReader<'s> {
         }
     }
 
-    fn string_array(&mut self) -> Result<Vec<String>, GraphError> {
+    /// The words of the array and where each starts, after the place of
+    /// its `[` (so `places[i + 1]` is word `i`'s).
+    #[allow(clippy::type_complexity)]
+    fn string_array(&mut self) -> Result<(Vec<String>, Vec<(usize, usize)>), GraphError> {
+        self.skip_ws();
+        let mut places = vec![(self.line, self.column)];
         self.expect('[', "'[' starting the word array")?;
         let mut words = Vec::new();
         self.skip_ws();
@@ -254,6 +292,7 @@ impl<'s> JsonReader<'s> {
         } else {
             loop {
                 self.skip_ws();
+                places.push((self.line, self.column));
                 words.push(self.string()?);
                 self.skip_ws();
                 let (line, column) = (self.line, self.column);
@@ -286,7 +325,7 @@ impl<'s> JsonReader<'s> {
                 format!("unexpected {c:?} after the word array"),
             ));
         }
-        Ok(words)
+        Ok((words, places))
     }
 
     fn string(&mut self) -> Result<String, GraphError> {
@@ -477,7 +516,7 @@ mod tests {
         assert!(json.contains(r#""back\\slash""#), "{json}");
         assert!(json.contains(r#""\u0000nul""#), "{json}");
         assert!(json.contains(r#""\\u0041""#), "{json}");
-        let back = Vocab::from_json(&json).unwrap();
+        let back = Vocab::from_json(&json, "v").unwrap();
         assert_eq!(back, v);
         assert_eq!(back.id("\\u0041"), v.id("\\u0041"));
     }
@@ -486,6 +525,7 @@ mod tests {
     fn json_accepts_standard_escapes_and_whitespace() {
         let v = Vocab::from_json(
             " [ \"<unk>\" ,\"a\\/b\", \"\\u00e9\\uD83D\\uDE00\",\t\"\\b\\f\\n\\r\\t\" ] \n",
+            "v",
         )
         .unwrap();
         assert_eq!(
@@ -493,20 +533,20 @@ mod tests {
             &["<unk>", "a/b", "\u{e9}\u{1F600}", "\u{8}\u{c}\n\r\t"]
         );
         assert_eq!(
-            Vocab::from_json(&Vocab::new().to_json()).unwrap(),
+            Vocab::from_json(&Vocab::new().to_json(), "v").unwrap(),
             Vocab::new()
         );
     }
 
     fn parse_err(json: &str) -> (usize, usize, String) {
-        match Vocab::from_json(json) {
+        match Vocab::from_json(json, "vocab.json") {
             Err(GraphError::Parse {
                 file,
                 line,
                 column,
                 message,
             }) => {
-                assert_eq!(file, JSON_SOURCE);
+                assert_eq!(file, "vocab.json");
                 (line, column, message)
             }
             other => panic!("expected a parse error for {json:?}, got {other:?}"),
@@ -542,19 +582,22 @@ mod tests {
     }
 
     #[test]
-    fn json_structure_errors_come_from_from_words() {
-        assert!(matches!(
-            Vocab::from_json("[]"),
-            Err(GraphError::Structure(_))
-        ));
-        assert!(matches!(
-            Vocab::from_json("[\"a\"]"),
-            Err(GraphError::Structure(_))
-        ));
-        assert!(matches!(
-            Vocab::from_json("[\"<unk>\", \"x\", \"x\"]"),
-            Err(GraphError::Structure(_))
-        ));
+    fn json_structure_errors_point_at_the_word() {
+        let (l, c, m) = parse_err(" \n [ ]");
+        assert_eq!((l, c), (2, 2), "{m}");
+        assert!(m.contains("empty"), "{m}");
+        let (l, c, m) = parse_err("[\n  \"a\"]");
+        assert_eq!((l, c), (2, 3), "{m}");
+        assert!(m.contains("id 0 must be"), "{m}");
+        let (l, c, m) = parse_err("[\"<unk>\",\n\"x\",\n \"x\"]");
+        assert_eq!((l, c), (3, 2), "{m}");
+        assert!(m.contains("ids 1 and 2"), "{m}");
+        let e =
+            Vocab::from_json("[\"<unk>\", \"<unk>\"]", "m.st: metadata `ramus.vocab`").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "m.st: metadata `ramus.vocab`:1:11: word \"<unk>\" appears twice (ids 0 and 1)"
+        );
     }
 
     #[test]

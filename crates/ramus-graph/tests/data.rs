@@ -125,7 +125,7 @@ fn sst_splits_parse_completely() {
     );
 
     let json = vocab.to_json();
-    assert_eq!(Vocab::from_json(&json).unwrap(), vocab);
+    assert_eq!(Vocab::from_json(&json, "vocab").unwrap(), vocab);
 }
 
 #[test]

@@ -17,7 +17,8 @@ use std::path::Path;
 
 use ramus_core::{Model, ParamKind, Params, Tensor};
 use ramus_graph::Vocab;
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::{Dtype, TensorInfo, TensorView};
+use safetensors::SafeTensorError;
 
 use crate::error::{NnError, Result};
 
@@ -70,7 +71,7 @@ pub fn read_info(path: &Path) -> Result<(CheckpointInfo, Vec<u8>)> {
     })?;
     let bad = |m: String| NnError::Checkpoint(format!("{}: {m}", path.display()));
     let (_, header) = safetensors::SafeTensors::read_metadata(&data)
-        .map_err(|e| bad(format!("not a safetensors file ({e})")))?;
+        .map_err(|e| bad(format!("not a safetensors file: {}", locate(&e, &data))))?;
     let meta = header
         .metadata()
         .clone()
@@ -80,10 +81,10 @@ pub fn read_info(path: &Path) -> Result<(CheckpointInfo, Vec<u8>)> {
             .cloned()
             .ok_or_else(|| bad(format!("metadata lacks `{k}`")))
     };
-    let settings =
-        serde_json::from_str(&get(KEY_SETTINGS)?).map_err(|e| bad(format!("bad settings: {e}")))?;
-    let vocab =
-        Vocab::from_json(&get(KEY_VOCAB)?).map_err(|e| bad(format!("bad vocabulary: {e}")))?;
+    let settings = serde_json::from_str(&get(KEY_SETTINGS)?)
+        .map_err(|e| bad(format!("metadata `{KEY_SETTINGS}`: {e}")))?;
+    let vocab = Vocab::from_json(&get(KEY_VOCAB)?, &format!("metadata `{KEY_VOCAB}`"))
+        .map_err(|e| bad(e.to_string()))?;
     Ok((
         CheckpointInfo {
             model: get(KEY_MODEL)?,
@@ -108,7 +109,7 @@ pub fn load_params_reporting(
     model: &Model,
 ) -> Result<(Params<f32>, Vec<String>)> {
     let bad = |m: String| NnError::Checkpoint(format!("{}: {m}", path.display()));
-    let st = safetensors::SafeTensors::deserialize(data).map_err(|e| bad(e.to_string()))?;
+    let st = safetensors::SafeTensors::deserialize(data).map_err(|e| bad(locate(&e, data)))?;
     let mut values = Vec::new();
     let mut defaulted = Vec::new();
     let mut initial: Option<Params<f32>> = None;
@@ -152,4 +153,84 @@ pub fn load_params_reporting(
         values.push(Tensor::from_vec(&spec.shape, v)?);
     }
     Ok((Params::from_tensors(model, values)?, defaulted))
+}
+
+/// What is wrong with safetensors bytes `data` (`e`, from reading their
+/// header) and where: the bytes of the header length or of the header, or
+/// the tensor whose entry does not match its data.
+fn locate(e: &SafeTensorError, data: &[u8]) -> String {
+    let header_end = data
+        .get(..8)
+        .and_then(|b| Some(8 + usize::try_from(u64::from_le_bytes(b.try_into().ok()?)).ok()?));
+    match (e, header_end) {
+        (SafeTensorError::HeaderTooSmall, _) => format!(
+            "bytes 0..8 hold the header length, but the file has {} bytes",
+            data.len()
+        ),
+        (SafeTensorError::HeaderTooLarge | SafeTensorError::InvalidHeaderLength, end) => format!(
+            "bytes 0..8: the header length ({} bytes) does not fit the file's {} bytes or the 100 MB limit",
+            end.map_or("over 2^64".to_string(), |e| (e - 8).to_string()),
+            data.len()
+        ),
+        (SafeTensorError::InvalidHeader(u), _) => {
+            format!("header byte {}: invalid UTF-8", 8 + u.valid_up_to())
+        }
+        (SafeTensorError::InvalidHeaderDeserialization(j), Some(end)) => {
+            format!("header (bytes 8..{end}), JSON {j}")
+        }
+        (_, Some(end)) => match data.get(8..end).and_then(|h| bad_tensor(h, data.len() - end)) {
+            Some(why) => format!("header (bytes 8..{end}): {why}"),
+            None => format!("header (bytes 8..{end}): {e}"),
+        },
+        (_, None) => e.to_string(),
+    }
+}
+
+/// The first tensor entry of `header` (JSON) whose offsets do not follow
+/// the previous one's or do not hold its shape and dtype, or a note that
+/// the data does not end where the `data_bytes` after the header end.
+fn bad_tensor(header: &[u8], data_bytes: usize) -> Option<String> {
+    let entries: HashMap<String, serde_json::Value> = serde_json::from_slice(header).ok()?;
+    let mut tensors: Vec<(String, TensorInfo)> = entries
+        .into_iter()
+        .filter(|(name, _)| name != "__metadata__")
+        .map(|(name, v)| Some((name, serde_json::from_value(v).ok()?)))
+        .collect::<Option<_>>()?;
+    tensors.sort_by_key(|(_, t)| t.data_offsets);
+    let mut end = 0;
+    for (name, t) in &tensors {
+        let (s, e) = t.data_offsets;
+        let bits = t
+            .shape
+            .iter()
+            .try_fold(t.dtype.bitsize(), |n, &d| n.checked_mul(d));
+        let place = format!(
+            "tensor `{name}` ({:?} {:?}, data_offsets [{s}, {e}])",
+            t.dtype, t.shape
+        );
+        if s != end || e < s {
+            return Some(format!(
+                "{place} does not start where the previous tensor ends ({end})"
+            ));
+        }
+        match bits {
+            Some(b) if b % 8 == 0 && b / 8 == e - s => {}
+            Some(b) if b % 8 == 0 => {
+                return Some(format!(
+                    "{place} has {} bytes, its shape and dtype need {}",
+                    e - s,
+                    b / 8
+                ))
+            }
+            _ => {
+                return Some(format!(
+                "{place}: its shape and dtype need no whole number of bytes that fits in memory"
+            ))
+            }
+        }
+        end = e;
+    }
+    (end != data_bytes).then(|| {
+        format!("the tensors' data ends at byte {end} after the header, but {data_bytes} bytes follow it")
+    })
 }

@@ -10,6 +10,7 @@ use ramus_graph::InputGraph;
 
 use super::{run_anchor, samples, AnyResult, BenchArgs};
 use crate::device::Device;
+use crate::output::outln;
 
 /// The recursion steps of the ablation on top of the best schedule
 /// `base` (Cortex Fig. 11(b), (c)): refactoring (where the model has
@@ -164,14 +165,14 @@ fn compare_with_batched(
         })?;
         let batched_ms = percentile_ms(&times, 50.0);
         let compiled_ms = line["infer_ms"].as_f64().unwrap_or(f64::NAN);
-        println!(
+        outln!(
             "{}",
             serde_json::json!({
                 "ratio": "compiled_vs_batched", "model": a.model, "hidden": a.hidden, "batch": bs,
                 "engine": engine.name(), "batched_infer_ms": batched_ms,
                 "speedup": ((batched_ms / compiled_ms) * 100.0).round() / 100.0,
             })
-        );
+        )?;
     }
     Ok(())
 }
@@ -217,7 +218,7 @@ fn time_batches(
         {
             map.extend(fields);
         }
-        println!("{line}");
+        outln!("{line}")?;
         lines.push(line);
     }
     Ok(lines)
@@ -264,11 +265,11 @@ fn run_cpu(
         let mut engine = CpuCompiledEngine::with_schedule(model, params, schedule)?;
         let resolved = recursion_fields(engine.schedule().recursion);
         if a.verbose {
-            println!(
+            outln!(
                 "{}",
                 serde_json::json!({"setup": "compiled-cpu", "schedule": name,
                     "leaf_table_build_ms": (engine.leaf_table_seconds() * 1e6).round() / 1e3})
-            );
+            )?;
         }
         last = time_batches(
             a,
@@ -319,7 +320,7 @@ fn run_cuda(
         };
         let engine = CompiledEngine::new(model, params, &options)?;
         if a.verbose {
-            println!(
+            outln!(
                 "{}",
                 serde_json::json!({
                     "setup": "compiled", "schedule": name, "device": engine.device().name(),
@@ -327,7 +328,7 @@ fn run_cuda(
                     "leaf_table_build_ms": (engine.leaf_table_seconds() * 1e6).round() / 1e3,
                     "kernel_cache": engine.cache_stats().to_string(),
                 })
-            );
+            )?;
         }
         let device = engine.device().name().to_string();
         let engine = std::cell::RefCell::new(engine);

@@ -12,6 +12,7 @@ use ramus_nn::{Engine, Optimizer, OptimizerConfig, OptimizerKind};
 use super::{median_time, run_anchor, AnyResult, BenchArgs};
 
 use crate::device::{cuda_engine, Device};
+use crate::output::outln;
 
 pub fn run(
     a: &BenchArgs,
@@ -113,7 +114,7 @@ pub fn run(
             "stream_kernel_ms": (stream_kernel * 1e6).round() / 1e3, "device_busy": (busy * 100.0).round() / 100.0,
             "tasks": step.tasks, "levels": step.levels,
         });
-        println!("{line}");
+        outln!("{line}")?;
         results.push(line);
     }
     if let Some(anchor) = &a.anchor {
@@ -160,7 +161,7 @@ pub(super) fn tuned_engine(
     let plan = persistent.register_plan();
     let report = persistent.kernel_report();
     let bridge = persistent.bridge_batches();
-    println!(
+    outln!(
         "{}",
         serde_json::json!({
             "setup": "persistent", "setup_s": (persistent.setup_seconds() * 1e3).round() / 1e3,
@@ -175,6 +176,6 @@ pub(super) fn tuned_engine(
             "rpw_compiled": persistent.compiled_rpws(), "rpw_search_batches": searched,
             "rpw_search_s": (search_s * 1e3).round() / 1e3,
         })
-    );
+    )?;
     Ok(persistent)
 }

@@ -15,6 +15,7 @@ use ramus_nn::{Engine, Optimizer, OptimizerConfig, OptimizerKind};
 
 use super::{persistent::tuned_engine, AnyResult, BenchArgs};
 use crate::device::{cuda_engine, Device};
+use crate::output::outln;
 
 pub fn run(
     a: &BenchArgs,
@@ -39,8 +40,8 @@ pub fn run(
     let config = OptimizerConfig::new(OptimizerKind::Sgd, 0.05);
     let profiled: Vec<&InputGraph> = trees[..inputs].iter().collect();
     // `size`: what the pass's line says of the weights' size
-    let report = |bs: usize, size: (&str, usize)| {
-        println!(
+    let report = |bs: usize, size: (&str, usize)| -> AnyResult {
+        outln!(
             "{}",
             serde_json::json!({
                 "profiled": a.engine, "model": a.model, "hidden": a.hidden, "batch": bs,
@@ -48,7 +49,7 @@ pub fn run(
                 "nodes": profiled.iter().map(|g| g.len()).sum::<usize>(),
                 size.0: size.1,
             })
-        );
+        )
     };
     match a.engine.as_str() {
         "batched" => {
@@ -66,7 +67,7 @@ pub fn run(
                 // unprofiled: the first step of a size compiles and allocates
                 step(&profiled[..bs.min(inputs)])?;
                 device.profiled(|| profiled.chunks(bs).try_for_each(&mut step))?;
-                report(bs, ("param_bytes", param_bytes));
+                report(bs, ("param_bytes", param_bytes))?;
             }
         }
         "persistent" => {
@@ -81,7 +82,7 @@ pub fn run(
                         .chunks(bs)
                         .try_for_each(|batch| engine.train_batch(model, batch).map(drop))
                 })?;
-                report(bs, ("register_weight_bytes", weight_bytes));
+                report(bs, ("register_weight_bytes", weight_bytes))?;
             }
         }
         other => {
