@@ -127,7 +127,8 @@ struct TrainArgs {
     /// Where the loss is taken: `root` or `all` labelled nodes (default: the model's own choice).
     #[arg(long)]
     loss_at: Option<String>,
-    /// Write a safetensors checkpoint here after training.
+    /// Write a safetensors checkpoint here after training (checked before
+    /// training starts; written atomically).
     #[arg(long)]
     save: Option<PathBuf>,
     /// No progress bars (log lines only).
@@ -212,6 +213,9 @@ fn train(a: TrainArgs) -> AnyResult {
     });
     if a.batch_size == 0 || hidden == 0 {
         return Err("--batch-size and --hidden must be at least 1".into());
+    }
+    if let Some(path) = &a.save {
+        ramus_nn::atomic::check_writable(path, "--save")?;
     }
     let data = match &vision_cfg {
         Some(v) => data::load_image_splits(

@@ -1,6 +1,7 @@
 //! Ramus models and training: the model zoo (dynamic models and CNNs), optimizers, checkpoints and
 //! the training / evaluation loops.
 
+pub mod atomic;
 pub mod checkpoint;
 pub mod engine;
 pub mod error;

@@ -1508,8 +1508,9 @@ impl PersistentEngine {
             u8::from(p.grads_in_registers)
         );
         if let Some(file) = &self.build.choice_file {
-            // a failed write only costs the next run its search
-            let _ = std::fs::write(file, text);
+            // a failed write only costs the next run its search; a whole
+            // one or none, never a torn one the next run would misread
+            let _ = ramus_nn::atomic::write_atomic(file, text.as_bytes());
         }
     }
 
