@@ -72,5 +72,8 @@ fn bench_swap_json_destination_is_checked_first() {
     let o = ramus(&["bench-swap", "--json", missing.to_str().unwrap()]);
     let err = text(&o.stderr);
     assert!(!o.status.success());
-    assert!(err.contains("--json") && err.contains("does not exist"), "{err}");
+    assert!(
+        err.contains("--json") && err.contains("does not exist"),
+        "{err}"
+    );
 }

@@ -7,6 +7,7 @@ pub mod engine;
 pub mod error;
 pub mod models;
 pub mod optim;
+pub mod resume;
 pub mod sequence_models;
 pub mod train;
 pub mod vision;

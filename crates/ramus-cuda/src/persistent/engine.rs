@@ -50,6 +50,8 @@ use ramus_core::{Model, Params, Tensor};
 use ramus_graph::{BatchingPolicy, InputGraph, Schedule};
 use ramus_nn::{OptimizerConfig, OptimizerKind};
 
+mod resume;
+
 use super::program::PersistentProgram;
 use super::unroll::{dropout_draws, unroll_batch, BatchProgram, GradientGemm, HostWork};
 use super::{MatrixSlots, PersistentKernel, UpdateScalars};
