@@ -151,7 +151,7 @@ impl<T: Real> Trainer<T> {
             if next >= chunks.len() {
                 break SpanEnd::EpochDone;
             }
-            if every.is_some_and(|n| next % n == 0) {
+            if every.is_some_and(|n| next.is_multiple_of(n)) {
                 break SpanEnd::Checkpoint;
             }
             if (pauses.requested)() {
