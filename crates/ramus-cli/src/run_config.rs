@@ -78,9 +78,10 @@ pub fn current() -> Result<RunConfig, String> {
 
 /// The arguments of a run resumed from a checkpoint that recorded
 /// `recorded`: this command line with every recorded flag it does not give
-/// filled in. A flag given with a value other than the recorded one is an
+/// filled in, and their record (what the resumed run's checkpoints
+/// record). A flag given with a value other than the recorded one is an
 /// error naming each such flag (and the checkpoint, `from`).
-pub fn resumed_args(recorded: &RunConfig, from: &str) -> Result<TrainArgs, String> {
+pub fn resumed_args(recorded: &RunConfig, from: &str) -> Result<(TrainArgs, RunConfig), String> {
     let mut argv: Vec<OsString> = std::env::args_os().collect();
     let (_, train) = parse(&argv).map_err(|e| e.to_string())?;
     let now = record(&train);
@@ -124,7 +125,7 @@ pub fn resumed_args(recorded: &RunConfig, from: &str) -> Result<TrainArgs, Strin
         ));
     }
     parse(&argv)
-        .map(|(a, _)| a)
+        .map(|(a, train)| (a, record(&train)))
         .map_err(|e| format!("--resume {from}: the recorded flags do not parse: {e}"))
 }
 

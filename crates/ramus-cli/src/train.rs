@@ -89,6 +89,8 @@ struct ResumeFrom {
     bytes: Vec<u8>,
     state: RunState,
     steps: u64,
+    /// The resumed run's flags, recorded in its checkpoints.
+    config: run_config::RunConfig,
 }
 
 /// The run's arguments: as given, or for `--resume` completed from the
@@ -99,7 +101,7 @@ fn resolve(a: TrainArgs) -> AnyResult<(TrainArgs, Option<ResumeFrom>)> {
     };
     let (_, bytes) = checkpoint::read_info(&path)?;
     let (state, steps) = resume::read_state(&path, &bytes)?;
-    let a = run_config::resumed_args(&state.config, &path.display().to_string())?;
+    let (a, config) = run_config::resumed_args(&state.config, &path.display().to_string())?;
     Ok((
         a,
         Some(ResumeFrom {
@@ -107,6 +109,7 @@ fn resolve(a: TrainArgs) -> AnyResult<(TrainArgs, Option<ResumeFrom>)> {
             bytes,
             state,
             steps,
+            config,
         }),
     ))
 }
@@ -211,7 +214,11 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
                 .into());
             }
             let r = resume::load(&from.path, &from.bytes, &model, oc, &from.state, from.steps)?;
-            (from.state.clone(), r.params, Some(r.optimizer), r.best)
+            let run = RunState {
+                config: from.config.clone(),
+                ..from.state.clone()
+            };
+            (run, r.params, Some(r.optimizer), r.best)
         }
     };
     let swap = device::swap_mode(a.device, &a.model, a.device_memory_budget, a.swap)?;

@@ -219,6 +219,16 @@ fn resuming_with_contradicting_flags_or_other_data_is_refused() {
     // the same flags with the same values are fine (no training left)
     let o = ramus(&["train", "--resume", s(&last), "--hidden", "8"]);
     assert!(o.status.success(), "{}", text(&o.stderr));
+    // more epochs may be asked for, and the next resume remembers them
+    let o = ramus(&["train", "--resume", s(&last), "--epochs", "2"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(text(&o.stdout).contains("epoch 2:"), "{}", text(&o.stdout));
+    let o = ramus(&["train", "--resume", s(&last)]);
+    let out = text(&o.stdout);
+    assert!(
+        out.contains("epoch 3, batch 0") && !out.contains("epoch 2:"),
+        "{out}"
+    );
     // other data: refused, naming it
     let data = d.join("data");
     std::fs::create_dir_all(&data).unwrap();
