@@ -173,14 +173,17 @@ pub fn run_bench(a: BenchSwapArgs) -> AnyResult {
     let modes: Vec<SwapMode> = parse_list(&a.modes, "--modes")?;
     let kind: OptimizerKind = a.optimizer.parse()?;
     let config = OptimizerConfig::new(kind, a.lr);
-    let mut json_out = match &a.json {
-        Some(p) => Some(std::fs::File::create(p).map_err(|e| format!("{}: {e}", p.display()))?),
-        None => None,
-    };
+    if let Some(p) = &a.json {
+        ramus_nn::atomic::check_writable(p, "--json")?;
+    }
+    // every line so far, rewritten whole after each one: a kill leaves the
+    // lines written before it, none torn
+    let mut lines = String::new();
     let mut emit = |v: serde_json::Value| -> AnyResult {
-        if let Some(f) = json_out.as_mut() {
-            use std::io::Write;
-            writeln!(f, "{v}")?;
+        if let Some(p) = &a.json {
+            lines.push_str(&format!("{v}\n"));
+            ramus_nn::atomic::write_atomic(p, lines.as_bytes())
+                .map_err(|e| format!("--json {}: {e}", p.display()))?;
         }
         Ok(())
     };

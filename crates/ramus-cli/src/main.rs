@@ -10,24 +10,23 @@ mod output;
 mod plan_memory;
 #[cfg(test)]
 mod reader_props;
+mod run_config;
 mod sequence;
+mod train;
 mod vision;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Instant;
 
 use clap::{Parser, Subcommand};
-use indicatif::{ProgressBar, ProgressStyle};
 
-use output::{logln, noteln, outln};
+use output::{noteln, outln};
 use ramus_core::{HeadRows, Model, Params};
 use ramus_graph::BatchingPolicy;
 use ramus_nn::checkpoint;
 use ramus_nn::{
-    build_model_with, build_sequence_model, build_vision_model, data_kind, DataKind, EvalResult,
-    ModelConfig, ModelOptions, OptimizerConfig, OptimizerKind, SequenceConfig, Trainer,
-    VisionConfig,
+    build_model_with, build_sequence_model, build_vision_model, data_kind, DataKind, ModelConfig,
+    ModelOptions, SequenceConfig, VisionConfig,
 };
 
 /// mimalloc instead of the system allocator: the persistent engine lowers
@@ -131,9 +130,26 @@ struct TrainArgs {
     /// Where the loss is taken: `root` or `all` labelled nodes (default: the model's own choice).
     #[arg(long)]
     loss_at: Option<String>,
-    /// Write a safetensors checkpoint here after training.
+    /// Write a safetensors checkpoint here after training (checked before
+    /// training starts; written atomically).
     #[arg(long)]
     save: Option<PathBuf>,
+    /// Continue the run whose resumable checkpoint this is (a `last`
+    /// checkpoint): parameters, optimizer state, position in the epoch,
+    /// random streams and best dev epoch. Flags not given take the run's
+    /// values; flags that change what it computes must not differ.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Save a resumable checkpoint every N batches, besides the one at the
+    /// end of each epoch (needs --checkpoint-dir or --save).
+    #[arg(long)]
+    checkpoint_every: Option<usize>,
+    /// Where the resumable checkpoints go: DIR/last.safetensors (the run
+    /// so far) and DIR/best.safetensors (the best dev epoch) [default:
+    /// beside --save, NAME.last.EXT and NAME.best.EXT; without --save,
+    /// none].
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
     /// No progress bars (log lines only).
     #[arg(long)]
     quiet: bool,
@@ -181,7 +197,7 @@ struct EvalArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Train(a) => train(a),
+        Command::Train(a) => train::run(a),
         Command::Eval(a) => eval(a),
         Command::Bench(a) => bench::run(a),
         Command::Infer(a) => infer::run(a),
@@ -205,165 +221,6 @@ fn main() -> ExitCode {
 }
 
 type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
-
-fn train(a: TrainArgs) -> AnyResult {
-    let kind = data::data_kind_of(&a.model)?;
-    let policy: BatchingPolicy = a.policy.parse()?;
-    let vision_cfg = a.vision.config(&a.model, kind)?;
-    let (optimizer, lr) = vision::optimizer_defaults(kind, a.optimizer.as_deref(), a.lr);
-    let opt: OptimizerKind = optimizer.parse()?;
-    let hidden = a.hidden.unwrap_or(match kind {
-        DataKind::Images => vision::DEFAULT_CNN_WIDTH,
-        _ => vision::DEFAULT_HIDDEN,
-    });
-    if a.batch_size == 0 || hidden == 0 {
-        return Err("--batch-size and --hidden must be at least 1".into());
-    }
-    let data = match &vision_cfg {
-        Some(v) => data::load_image_splits(
-            a.data.as_deref(),
-            v.image,
-            a.vision.images.unwrap_or(vision::DEFAULT_TRAIN_IMAGES),
-        )?,
-        None => data::load_splits(a.data.as_deref(), kind)?,
-    };
-    logln!(
-        "data: {} ({} train / {} dev / {} test, {})",
-        data.source,
-        data.train.len(),
-        data.dev.len(),
-        data.test.len(),
-        data.describe()
-    );
-    let cfg = ModelConfig {
-        vocab: data.vocab.len(),
-        hidden,
-        classes: data.classes,
-    };
-    let opts = ModelOptions { dropout: a.dropout };
-    let seq_cfg = a.sequence.config(&a.model, data.chars())?;
-    let mut model = build(&a.model, &cfg, vision_cfg.as_ref(), seq_cfg.as_ref(), &opts)?;
-    if !data.class_names.is_empty() {
-        model.settings.insert(
-            "class_names".into(),
-            serde_json::to_string(&data.class_names)?,
-        );
-    }
-    if let (DataKind::Tagged { chars: true }, Some(t)) = (kind, &data.tagged) {
-        model
-            .settings
-            .insert(sequence::CHAR_VOCAB_SETTING.into(), t.chars.to_json());
-    }
-    if let Some(at) = a.loss_at.as_deref() {
-        model.head.rows = loss_rows(at).map_err(|e| format!("--loss-at {e}"))?;
-        // recorded so that `ramus eval` reports the loss the model trained on
-        model.settings.insert("loss_at".into(), at.into());
-    }
-    let params = Params::<f32>::init(&model, a.seed);
-    let mut oc = OptimizerConfig::new(opt, lr);
-    oc.weight_decay = a.weight_decay;
-    oc.clip_norm = a.clip;
-    let swap = device::swap_mode(a.device, &a.model, a.device_memory_budget, a.swap)?;
-    let engine =
-        match device::training_engine(a.engine, a.device, &model, &params, oc, a.batch_size)? {
-            Some(persistent) => persistent,
-            None => device::engine_with_swap(a.device, &model, a.device_memory_budget, swap)?,
-        };
-    let mut trainer = Trainer::new(model, params, oc);
-    trainer.engine = engine;
-    trainer.policy = policy;
-    trainer.engine.set_seed(a.seed);
-    let mut rng = ramus_nn::train::rng(a.seed);
-    logln!(
-        "model: {} hidden {} | optimizer {} lr {} | batch {} | engine {} ({} host threads){}",
-        a.model,
-        hidden,
-        optimizer,
-        lr,
-        a.batch_size,
-        trainer.engine.name(),
-        rayon::current_num_threads(),
-        match swap {
-            ramus_cuda::SwapMode::Off => String::new(),
-            mode => format!(" | swap {mode}"),
-        }
-    );
-    let started = Instant::now();
-    let mut best: Option<(f64, usize, Params<f32>)> = None;
-    let style =
-        ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {per_sec} loss {msg}")
-            .map_err(|e| e.to_string())?
-            .progress_chars("=> ");
-    for epoch in 1..=a.epochs {
-        let bar = if a.quiet {
-            ProgressBar::hidden()
-        } else {
-            ProgressBar::new(data.train.len() as u64)
-        };
-        bar.set_style(style.clone());
-        bar.set_prefix(epoch.to_string());
-        let t0 = Instant::now();
-        let loss = trainer.train_epoch(&data.train, a.batch_size, &mut rng, |_, seen, loss| {
-            bar.set_position(seen as u64);
-            bar.set_message(format!("{loss:.4}"));
-        })?;
-        bar.finish_and_clear();
-        let secs = t0.elapsed().as_secs_f64();
-        if let Some(report) = trainer.engine.memory_report() {
-            logln!("  {report}");
-        }
-        let dev = trainer.evaluate(&data.dev, 64)?;
-        logln!(
-            "epoch {epoch}: train loss {loss:.4} | dev loss {:.4} {} | {:.0} {}/s",
-            dev.loss,
-            vision::accuracy(kind, &dev),
-            data.train.len() as f64 / secs,
-            vision::unit(kind).0
-        );
-        // keep the parameters of the epoch with the best dev accuracy
-        let acc = selection_accuracy(kind, &dev);
-        if best.as_ref().is_none_or(|(best, _, _)| acc > *best) {
-            best = Some((acc, epoch, trainer.params.clone()));
-        }
-    }
-    if let Some((acc, epoch, params)) = best {
-        if epoch != a.epochs {
-            logln!(
-                "using the parameters of epoch {epoch} (best dev {}acc {:.2}%)",
-                match kind {
-                    DataKind::Images => "",
-                    DataKind::Tagged { .. } => "tag ",
-                    _ => "root ",
-                },
-                100.0 * acc
-            );
-        }
-        trainer.params = params;
-    }
-    let test = trainer.evaluate(&data.test, 64)?;
-    logln!(
-        "test: loss {:.4} {} ({} {}) | trained in {:.1} s",
-        test.loss,
-        vision::accuracy(kind, &test),
-        test.graphs,
-        vision::unit(kind).1,
-        started.elapsed().as_secs_f64()
-    );
-    if let Some(path) = a.save {
-        checkpoint::save(&path, &trainer.model, &trainer.params, &data.vocab)?;
-        logln!("saved {}", path.display());
-    }
-    Ok(())
-}
-
-/// The dev accuracy that picks the best epoch: per-token tag accuracy for
-/// the taggers, root (sentence / image) accuracy for the rest.
-fn selection_accuracy(kind: DataKind, r: &EvalResult) -> f64 {
-    match kind {
-        DataKind::Tagged { .. } => r.node_accuracy,
-        _ => r.root_accuracy,
-    }
-}
 
 /// Builds `name`: a CNN for `vision`, a sequence model for `seq`, else a
 /// zoo model.

@@ -405,6 +405,17 @@ impl<T: Real> CpuEngine<T> {
         self.rng = ChaCha8Rng::seed_from_u64(seed);
     }
 
+    /// The stream dropout masks are drawn from, where it stands (saved in a
+    /// resumable checkpoint).
+    pub fn dropout_rng(&self) -> &ChaCha8Rng {
+        &self.rng
+    }
+
+    /// Continues the dropout masks from `rng` (a resumed run).
+    pub fn set_dropout_rng(&mut self, rng: ChaCha8Rng) {
+        self.rng = rng;
+    }
+
     /// Supplies `pull()` inputs, `width` floats per vertex number, in place
     /// of the graphs' own features (`None`: read the features).
     pub fn set_pull_values(&mut self, values: Option<Vec<T>>) {

@@ -53,6 +53,7 @@ use crate::program::{
 use crate::swap::{SwapConfig, SwapMode};
 
 mod cnn;
+mod resume;
 mod swap;
 
 pub(crate) use cnn::cnn_workspace_floats;
@@ -197,6 +198,9 @@ pub struct CudaEngine {
     setup_seconds: f64,
     /// The fused optimizer, with the parameter-buffer generation it serves.
     optimizer: Option<(u64, DeviceOptimizer)>,
+    /// Optimizer state to load into the fused optimizer when it is built
+    /// (a resumed run, see [`CudaEngine::load_optimizer_state`]).
+    pending_optimizer: Option<ramus_nn::Optimizer<f32>>,
     pass_started: Option<std::time::Instant>,
     /// True while an evaluation or inference pass runs: ops with an
     /// inference form (batch normalisation with running statistics) run
@@ -295,6 +299,7 @@ impl CudaEngine {
             pull_values: None,
             setup_seconds: started.elapsed().as_secs_f64(),
             optimizer: None,
+            pending_optimizer: None,
             pass_started: None,
             inference_pass: false,
             track_running_stats: false,
@@ -1882,7 +1887,11 @@ impl CudaEngine {
                     },
                 })
                 .collect();
-            let opt = DeviceOptimizer::new(&self.device, &self.pool, &self.cache, config, &slots)?;
+            let mut opt =
+                DeviceOptimizer::new(&self.device, &self.pool, &self.cache, config, &slots)?;
+            if let Some(host) = self.pending_optimizer.take() {
+                opt.upload_from(self.device.stream(), &host)?;
+            }
             self.optimizer = Some((generation, opt));
         }
         match &mut self.optimizer {
@@ -2005,6 +2014,18 @@ impl ramus_nn::Engine<f32> for CudaEngine {
     }
     fn set_seed(&mut self, seed: u64) {
         CudaEngine::set_seed(self, seed)
+    }
+    fn dropout_rng(&self) -> ChaCha8Rng {
+        self.rng.clone()
+    }
+    fn set_dropout_rng(&mut self, rng: ChaCha8Rng) {
+        self.rng = rng;
+    }
+    fn sync_host_optimizer(&mut self, optimizer: &mut Optimizer<f32>) -> ramus_nn::Result<()> {
+        Ok(self.download_optimizer(optimizer)?)
+    }
+    fn load_optimizer_state(&mut self, optimizer: &Optimizer<f32>) -> ramus_nn::Result<()> {
+        Ok(self.upload_optimizer(optimizer)?)
     }
     fn memory_report(&self) -> Option<String> {
         self.last_swap_report().map(|r| r.to_string())

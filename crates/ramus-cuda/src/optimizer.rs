@@ -44,7 +44,8 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
-use ramus_nn::{OptimizerConfig, OptimizerKind};
+use ramus_core::Tensor;
+use ramus_nn::{Optimizer, OptimizerConfig, OptimizerKind};
 
 use crate::cache::KernelCache;
 use crate::device::CudaDevice;
@@ -797,6 +798,84 @@ impl DeviceOptimizer {
     /// What the kernels were generated from.
     pub fn spec(&self) -> UpdateKernelSpec {
         self.spec
+    }
+
+    /// Copies the moments and the step count into `host`, the host twin
+    /// for the same parameters (a checkpoint of a device run); waits for
+    /// `stream`.
+    pub fn download_into(&mut self, stream: &CudaStream, host: &mut Optimizer<f32>) -> Result<()> {
+        self.check_kind(host)?;
+        let first = self.download_moments(true, host.first_moments(), stream)?;
+        let second = self.download_moments(false, host.second_moments(), stream)?;
+        host.restore(self.steps, first, second)
+            .map_err(CudaError::BadArgument)
+    }
+
+    /// Makes `host`'s moments and step count the device's (a resumed run);
+    /// later steps on `stream` follow the copy.
+    pub fn upload_from(&mut self, stream: &CudaStream, host: &Optimizer<f32>) -> Result<()> {
+        self.check_kind(host)?;
+        for (buffer, moments) in [
+            (&self.state.first, host.first_moments()),
+            (&self.state.second, host.second_moments()),
+        ] {
+            let Some(buffer) = buffer else { continue };
+            let mut flat = Vec::new();
+            for (p, &(_, len)) in self.state.offsets.iter().enumerate() {
+                match moments.get(p) {
+                    Some(t) if t.len() == len => flat.extend_from_slice(t.data()),
+                    _ => {
+                        return Err(CudaError::BadArgument(format!(
+                            "host optimizer state of parameter {p} does not match its {len} values"
+                        )))
+                    }
+                }
+            }
+            self.staging
+                .upload_slice(&flat, buffer.view().slice(0..flat.len())?, stream)?;
+        }
+        stream.synchronize().in_call("cuStreamSynchronize")?;
+        self.steps = host.steps();
+        Ok(())
+    }
+
+    fn check_kind(&self, host: &Optimizer<f32>) -> Result<()> {
+        if host.config.kind != self.config.kind {
+            return Err(CudaError::BadArgument(format!(
+                "host optimizer {:?}, device optimizer {:?}",
+                host.config.kind, self.config.kind
+            )));
+        }
+        Ok(())
+    }
+
+    /// The first (`first`) or second moments, shaped as `like` (the host's:
+    /// empty where the rule keeps none).
+    fn download_moments(
+        &mut self,
+        first: bool,
+        like: &[Tensor<f32>],
+        stream: &CudaStream,
+    ) -> Result<Vec<Tensor<f32>>> {
+        let buffer = if first {
+            &self.state.first
+        } else {
+            &self.state.second
+        };
+        let Some(buffer) = buffer else {
+            return Ok(like.to_vec());
+        };
+        let total: usize = self.state.offsets.iter().map(|&(_, len)| len).sum();
+        let all = self
+            .staging
+            .download_to_vec(buffer.view().slice(0..total)?, stream)?;
+        like.iter()
+            .zip(&self.state.offsets)
+            .map(|(t, &(at, len))| {
+                Tensor::from_vec(t.shape(), all[at..at + len].to_vec())
+                    .map_err(|e| CudaError::BadArgument(format!("optimizer state: {e}")))
+            })
+            .collect()
     }
 
     /// Parameter `p`'s optimizer state on the device.

@@ -12,12 +12,12 @@
 //! and `ramus infer` print a note). A missing *trained* parameter is an
 //! error.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use ramus_core::{Model, ParamKind, Params, Tensor};
 use ramus_graph::Vocab;
-use safetensors::tensor::{Dtype, TensorInfo, TensorView};
+use safetensors::tensor::{Dtype, TensorInfo};
 use safetensors::SafeTensorError;
 
 use crate::error::{NnError, Result};
@@ -31,36 +31,101 @@ const KEY_VOCAB: &str = "ramus.vocab";
 #[derive(Clone, Debug)]
 pub struct CheckpointInfo {
     pub model: String,
-    pub settings: std::collections::BTreeMap<String, String>,
+    pub settings: BTreeMap<String, String>,
     pub vocab: Vocab,
 }
 
-/// Writes `params` of `model` with `vocab` to `path`.
+/// What a checkpoint may carry besides the model, its parameters and the
+/// vocabulary: more tensors (under names the model does not use) and more
+/// metadata (a resumable checkpoint's training state).
+#[derive(Default)]
+pub struct Extra<'a> {
+    pub tensors: Vec<(String, &'a Tensor<f32>)>,
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// Writes `params` of `model` with `vocab` to `path`, atomically (see
+/// [`crate::atomic`]): a crash leaves the old file or the new one.
 pub fn save(path: &Path, model: &Model, params: &Params<f32>, vocab: &Vocab) -> Result<()> {
-    let bytes: Vec<Vec<u8>> = params
-        .values
+    save_with(path, model, params, vocab, &Extra::default())
+}
+
+/// [`save`] with `extra` tensors and metadata.
+pub fn save_with(
+    path: &Path,
+    model: &Model,
+    params: &Params<f32>,
+    vocab: &Vocab,
+    extra: &Extra<'_>,
+) -> Result<()> {
+    let data = to_bytes(model, params, vocab, extra)?;
+    crate::atomic::write_atomic(path, &data).map_err(|e| NnError::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })
+}
+
+/// The bytes [`save_with`] writes: the same inputs always give the same
+/// bytes (tensors by name, metadata keys sorted).
+pub fn to_bytes(
+    model: &Model,
+    params: &Params<f32>,
+    vocab: &Vocab,
+    extra: &Extra<'_>,
+) -> Result<Vec<u8>> {
+    let mut tensors: Vec<(&str, &Tensor<f32>)> = model
+        .params
         .iter()
-        .map(|t| t.data().iter().flat_map(|x| x.to_le_bytes()).collect())
+        .zip(&params.values)
+        .map(|(spec, t)| (spec.name.as_str(), t))
         .collect();
-    let mut views = Vec::new();
-    for ((spec, t), b) in model.params.iter().zip(&params.values).zip(&bytes) {
-        let view = TensorView::new(Dtype::F32, t.shape().to_vec(), b)
-            .map_err(|e| NnError::Checkpoint(format!("tensor `{}`: {e}", spec.name)))?;
-        views.push((spec.name.clone(), view));
-    }
-    let mut meta = HashMap::new();
+    tensors.extend(extra.tensors.iter().map(|(n, t)| (n.as_str(), *t)));
+    let mut meta = extra.metadata.clone();
     meta.insert(KEY_MODEL.to_string(), model.name.clone());
     meta.insert(
         KEY_SETTINGS.to_string(),
         serde_json::to_string(&model.settings).map_err(|e| NnError::Checkpoint(e.to_string()))?,
     );
     meta.insert(KEY_VOCAB.to_string(), vocab.to_json());
-    let data = safetensors::serialize(views, Some(meta))
-        .map_err(|e| NnError::Checkpoint(e.to_string()))?;
-    std::fs::write(path, data).map_err(|e| NnError::Io {
-        path: path.to_path_buf(),
-        source: e,
-    })
+    serialize(tensors, &meta)
+}
+
+/// A safetensors file of f32 `tensors` and `meta`, in one order whatever
+/// the process: tensors sorted by name (the order `safetensors` itself
+/// lays one dtype out in), metadata keys sorted. (`safetensors::serialize`
+/// takes the metadata as a `HashMap`, whose order changes from run to run.)
+fn serialize(
+    mut tensors: Vec<(&str, &Tensor<f32>)>,
+    meta: &BTreeMap<String, String>,
+) -> Result<Vec<u8>> {
+    tensors.sort_by(|a, b| a.0.cmp(b.0));
+    if let Some(w) = tensors.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(NnError::Checkpoint(format!(
+            "two tensors named `{}`",
+            w[0].0
+        )));
+    }
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::json!(meta));
+    let mut offset = 0usize;
+    for (name, t) in &tensors {
+        let end = offset + 4 * t.len();
+        header.insert(
+            (*name).to_string(),
+            serde_json::json!({"dtype": "F32", "shape": t.shape(), "data_offsets": [offset, end]}),
+        );
+        offset = end;
+    }
+    let mut header = serde_json::to_vec(&header).map_err(|e| NnError::Checkpoint(e.to_string()))?;
+    // safetensors pads the header with spaces to a multiple of 8 bytes
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let mut out = Vec::with_capacity(8 + header.len() + offset);
+    out.extend((header.len() as u64).to_le_bytes());
+    out.extend(header);
+    for (_, t) in &tensors {
+        out.extend(t.data().iter().flat_map(|x| x.to_le_bytes()));
+    }
+    Ok(out)
 }
 
 /// Reads the metadata of the checkpoint at `path`.

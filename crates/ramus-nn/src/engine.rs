@@ -4,6 +4,7 @@
 
 use ramus_core::{Grads, HeadRows, Model, Params, Real};
 use ramus_cpu::{Batch, CpuEngine, ForwardOutput, Mode};
+use rand_chacha::ChaCha8Rng;
 
 use crate::error::{NnError, Result};
 use crate::optim::Optimizer;
@@ -47,6 +48,30 @@ pub trait Engine<T: Real> {
 
     /// Seeds the dropout masks.
     fn set_seed(&mut self, seed: u64);
+
+    /// The stream the dropout masks are drawn from, where it stands after
+    /// the steps submitted so far (a resumable checkpoint saves it; call
+    /// after [`Engine::finish_train_steps`]).
+    fn dropout_rng(&self) -> ChaCha8Rng;
+
+    /// Continues the dropout masks from `rng` (a resumed run).
+    fn set_dropout_rng(&mut self, rng: ChaCha8Rng);
+
+    /// Copies the optimizer state the engine keeps itself (a device
+    /// engine's moments and step count) into `optimizer`, for a checkpoint;
+    /// call after [`Engine::finish_train_steps`]. Host engines update
+    /// `optimizer` in place: a no-op.
+    fn sync_host_optimizer(&mut self, optimizer: &mut Optimizer<T>) -> Result<()> {
+        let _ = optimizer;
+        Ok(())
+    }
+
+    /// Makes the engine's own optimizer state `optimizer`'s (a resumed
+    /// run), before the next training step. A no-op for host engines.
+    fn load_optimizer_state(&mut self, optimizer: &Optimizer<T>) -> Result<()> {
+        let _ = optimizer;
+        Ok(())
+    }
 
     /// One line on how the last training step used device memory (what a
     /// device engine swapped), for logs; `None` when there is nothing to say.
@@ -171,6 +196,12 @@ impl<T: Real> Engine<T> for CpuEngine<T> {
     }
     fn set_seed(&mut self, seed: u64) {
         CpuEngine::set_seed(self, seed)
+    }
+    fn dropout_rng(&self) -> ChaCha8Rng {
+        CpuEngine::dropout_rng(self).clone()
+    }
+    fn set_dropout_rng(&mut self, rng: ChaCha8Rng) {
+        CpuEngine::set_dropout_rng(self, rng)
     }
     fn apply_running_stats(&mut self, params: &mut Params<T>) -> Result<()> {
         CpuEngine::apply_running_stats(self, params)?;

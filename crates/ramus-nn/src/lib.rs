@@ -1,11 +1,13 @@
 //! Ramus models and training: the model zoo (dynamic models and CNNs), optimizers, checkpoints and
 //! the training / evaluation loops.
 
+pub mod atomic;
 pub mod checkpoint;
 pub mod engine;
 pub mod error;
 pub mod models;
 pub mod optim;
+pub mod resume;
 pub mod sequence_models;
 pub mod train;
 pub mod vision;

@@ -62,6 +62,7 @@ impl OptimizerConfig {
 }
 
 /// Optimizer state for a model's parameters.
+#[derive(Clone)]
 pub struct Optimizer<T> {
     pub config: OptimizerConfig,
     first: Vec<Tensor<T>>,
@@ -96,6 +97,53 @@ impl<T: Real> Optimizer<T> {
     /// Number of steps taken.
     pub fn steps(&self) -> u64 {
         self.steps
+    }
+
+    /// Adam's first moments, one per parameter (empty tensors for the
+    /// other rules).
+    pub fn first_moments(&self) -> &[Tensor<T>] {
+        &self.first
+    }
+
+    /// Adagrad's sums of squared gradients or Adam's second moments, one
+    /// per parameter (empty tensors for SGD).
+    pub fn second_moments(&self) -> &[Tensor<T>] {
+        &self.second
+    }
+
+    /// Replaces the state with `steps` taken and the moments `first` and
+    /// `second` (shaped as [`first_moments`](Self::first_moments) and
+    /// [`second_moments`](Self::second_moments)): a resumed run, or a
+    /// device engine's state brought back to the host.
+    pub fn restore(
+        &mut self,
+        steps: u64,
+        first: Vec<Tensor<T>>,
+        second: Vec<Tensor<T>>,
+    ) -> Result<(), String> {
+        for (which, old, new) in [
+            ("first", &self.first, &first),
+            ("second", &self.second, &second),
+        ] {
+            if old.len() != new.len() {
+                return Err(format!(
+                    "{} {which} moments for {} parameters",
+                    new.len(),
+                    old.len()
+                ));
+            }
+            if let Some(p) = (0..old.len()).find(|&p| old[p].shape() != new[p].shape()) {
+                return Err(format!(
+                    "{which} moments of parameter {p} have shape {:?}, expected {:?}",
+                    new[p].shape(),
+                    old[p].shape()
+                ));
+            }
+        }
+        self.steps = steps;
+        self.first = first;
+        self.second = second;
+        Ok(())
     }
 
     /// Applies one update from `grads`. Returns the gradient norm before

@@ -1,6 +1,8 @@
 //! Training and evaluation loops over any [`Engine`] (the CPU batched
 //! engine by default).
 
+use std::collections::VecDeque;
+
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -79,25 +81,56 @@ impl<T: Real> Trainer<T> {
         data: &[InputGraph],
         batch_size: usize,
         rng: &mut ChaCha8Rng,
-        mut progress: impl FnMut(usize, usize, f64),
+        progress: impl FnMut(usize, usize, f64),
     ) -> Result<f64> {
-        if batch_size == 0 {
+        let order = shuffled_order(data.len(), rng);
+        let mut at = EpochProgress::default();
+        let span = Span {
+            data,
+            order: &order,
+            batch_size,
+        };
+        self.train_span(&span, &mut at, &Pauses::default(), progress)?;
+        Ok(at.mean_loss())
+    }
+
+    /// Trains on the batches of `span` from batch `at.batches` on, until
+    /// the epoch ends or `pauses` says to pause; `at` counts the batches,
+    /// graphs and loss, `progress(batches_done, graphs_done, loss)` is
+    /// called after each batch. When it returns, every step submitted has
+    /// finished and `self.params` is up to date, so the state can be saved
+    /// (the dropout stream included: an engine that prepares batches ahead
+    /// is never ahead of `at`).
+    pub fn train_span(
+        &mut self,
+        span: &Span<'_>,
+        at: &mut EpochProgress,
+        pauses: &Pauses<'_>,
+        mut progress: impl FnMut(usize, usize, f64),
+    ) -> Result<SpanEnd> {
+        if span.batch_size == 0 {
             return Err(NnError::Config("batch size must be at least 1".into()));
         }
-        let mut order: Vec<usize> = (0..data.len()).collect();
-        order.shuffle(rng);
-        let (mut total, mut seen) = (0.0, 0usize);
+        let chunks: Vec<&[usize]> = span.order.chunks(span.batch_size).collect();
         // sizes of the batches whose losses have not come back (an
         // overlapping engine returns each loss a batch later)
-        let mut in_flight = std::collections::VecDeque::new();
-        let mut done = 0usize;
+        let mut in_flight = VecDeque::new();
         // an engine that prepares batches ahead gets them a window at a
-        // time (scheduled in parallel)
+        // time (scheduled in parallel), a window never crossing a pause
         let window = self.engine.lookahead().max(1);
-        let chunks: Vec<&[usize]> = order.chunks(batch_size).collect();
-        for group in chunks.chunks(window) {
+        let every = pauses.every.filter(|&n| n > 0);
+        let mut next = at.batches;
+        let end = loop {
+            if next >= chunks.len() {
+                break SpanEnd::EpochDone;
+            }
+            let mut stop = (next + window).min(chunks.len());
+            if let Some(n) = every {
+                stop = stop.min((next / n + 1) * n);
+            }
+            let group = &chunks[next..stop];
             let build = |chunk: &&[usize]| {
-                let graphs: Vec<&InputGraph> = chunk.iter().map(|&i| &data[i]).collect();
+                let graphs: Vec<&InputGraph> = chunk.iter().map(|&i| &span.data[i]).collect();
                 Batch::new(&self.model, graphs, self.policy)
             };
             let batches = group
@@ -113,23 +146,25 @@ impl<T: Real> Trainer<T> {
                 &mut self.optimizer,
                 &batches,
             )?;
-            for loss in losses {
-                let n = in_flight.pop_front().unwrap_or(0);
-                total += loss * n as f64;
-                seen += n;
-                done += 1;
-                progress(done, seen, loss);
+            at.add(&mut in_flight, losses, &mut progress);
+            next = stop;
+            if next >= chunks.len() {
+                break SpanEnd::EpochDone;
             }
-        }
-        for loss in self.engine.finish_train_steps()? {
-            let n = in_flight.pop_front().unwrap_or(0);
-            total += loss * n as f64;
-            seen += n;
-            done += 1;
-            progress(done, seen, loss);
-        }
+            if every.is_some_and(|n| next.is_multiple_of(n)) {
+                break SpanEnd::Checkpoint;
+            }
+            if (pauses.requested)() {
+                break SpanEnd::Requested;
+            }
+        };
+        at.add(
+            &mut in_flight,
+            self.engine.finish_train_steps()?,
+            &mut progress,
+        );
         self.sync_params()?;
-        Ok(total / seen.max(1) as f64)
+        Ok(end)
     }
 
     /// Loss, root accuracy and all-node accuracy over `data`.
@@ -199,4 +234,81 @@ pub fn evaluate<T: Real>(
 /// A reproducible shuffling stream.
 pub fn rng(seed: u64) -> ChaCha8Rng {
     ChaCha8Rng::seed_from_u64(seed)
+}
+
+/// An epoch's order of `len` graphs, drawn from `rng`.
+pub fn shuffled_order(len: usize, rng: &mut ChaCha8Rng) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..len).collect();
+    order.shuffle(rng);
+    order
+}
+
+/// How far an epoch has got: batches trained, graphs in them, and the
+/// sum of their losses weighted by graphs.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EpochProgress {
+    pub batches: usize,
+    pub graphs: usize,
+    pub loss_sum: f64,
+}
+
+impl EpochProgress {
+    /// The epoch's mean loss per graph so far.
+    pub fn mean_loss(&self) -> f64 {
+        self.loss_sum / self.graphs.max(1) as f64
+    }
+
+    /// Counts the batches whose `losses` came back, oldest first, their
+    /// sizes taken from `in_flight`.
+    fn add(
+        &mut self,
+        in_flight: &mut VecDeque<usize>,
+        losses: Vec<f64>,
+        progress: &mut impl FnMut(usize, usize, f64),
+    ) {
+        for loss in losses {
+            let n = in_flight.pop_front().unwrap_or(0);
+            self.loss_sum += loss * n as f64;
+            self.graphs += n;
+            self.batches += 1;
+            progress(self.batches, self.graphs, loss);
+        }
+    }
+}
+
+/// An epoch's batches: `order` (indices into `data`) cut into batches of
+/// `batch_size`.
+pub struct Span<'a> {
+    pub data: &'a [InputGraph],
+    pub order: &'a [usize],
+    pub batch_size: usize,
+}
+
+/// Where [`Trainer::train_span`] pauses.
+pub struct Pauses<'a> {
+    /// After every this many batches of the epoch (a checkpoint).
+    pub every: Option<usize>,
+    /// Asked after every window of batches: pause there if it says so (an
+    /// interrupted run).
+    pub requested: &'a dyn Fn() -> bool,
+}
+
+impl Default for Pauses<'_> {
+    fn default() -> Self {
+        Pauses {
+            every: None,
+            requested: &|| false,
+        }
+    }
+}
+
+/// Why [`Trainer::train_span`] returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpanEnd {
+    /// The epoch's last batch is done.
+    EpochDone,
+    /// A multiple of [`Pauses::every`] batches is done.
+    Checkpoint,
+    /// [`Pauses::requested`] said to pause.
+    Requested,
 }

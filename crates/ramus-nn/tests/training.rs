@@ -174,6 +174,12 @@ impl ramus_nn::Engine<f32> for WindowedCpu {
     fn set_seed(&mut self, seed: u64) {
         ramus_nn::Engine::<f32>::set_seed(&mut self.inner, seed);
     }
+    fn dropout_rng(&self) -> rand_chacha::ChaCha8Rng {
+        self.inner.dropout_rng().clone()
+    }
+    fn set_dropout_rng(&mut self, rng: rand_chacha::ChaCha8Rng) {
+        self.inner.set_dropout_rng(rng);
+    }
     fn lookahead(&self) -> usize {
         3
     }

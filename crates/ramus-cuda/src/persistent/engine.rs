@@ -50,6 +50,8 @@ use ramus_core::{Model, Params, Tensor};
 use ramus_graph::{BatchingPolicy, InputGraph, Schedule};
 use ramus_nn::{OptimizerConfig, OptimizerKind};
 
+mod resume;
+
 use super::program::PersistentProgram;
 use super::unroll::{dropout_draws, unroll_batch, BatchProgram, GradientGemm, HostWork};
 use super::{MatrixSlots, PersistentKernel, UpdateScalars};
@@ -1508,8 +1510,9 @@ impl PersistentEngine {
             u8::from(p.grads_in_registers)
         );
         if let Some(file) = &self.build.choice_file {
-            // a failed write only costs the next run its search
-            let _ = std::fs::write(file, text);
+            // a failed write only costs the next run its search; a whole
+            // one or none, never a torn one the next run would misread
+            let _ = ramus_nn::atomic::write_atomic(file, text.as_bytes());
         }
     }
 

@@ -7,6 +7,7 @@
 use ramus_core::{Grads, Model, Params};
 use ramus_cpu::{Batch, ForwardOutput, Mode};
 use ramus_nn::{Engine, NnError, Optimizer, OptimizerConfig};
+use rand_chacha::ChaCha8Rng;
 
 use super::{PersistentEngine, PersistentOptions};
 use crate::engine::{CudaEngine, CudaEngineOptions};
@@ -95,6 +96,23 @@ impl Engine<f32> for PersistentTrainer {
     fn set_seed(&mut self, seed: u64) {
         self.engine.seed(seed);
         Engine::<f32>::set_seed(&mut self.eval, seed);
+    }
+
+    fn dropout_rng(&self) -> ChaCha8Rng {
+        self.engine.dropout_rng().clone()
+    }
+
+    fn set_dropout_rng(&mut self, rng: ChaCha8Rng) {
+        self.engine.set_dropout_rng(rng.clone());
+        Engine::<f32>::set_dropout_rng(&mut self.eval, rng);
+    }
+
+    fn sync_host_optimizer(&mut self, optimizer: &mut Optimizer<f32>) -> ramus_nn::Result<()> {
+        self.engine.download_optimizer(optimizer).map_err(nn_err)
+    }
+
+    fn load_optimizer_state(&mut self, optimizer: &Optimizer<f32>) -> ramus_nn::Result<()> {
+        self.engine.upload_optimizer(optimizer).map_err(nn_err)
     }
 
     fn sync_host_params(&mut self, params: &mut Params<f32>) -> ramus_nn::Result<()> {

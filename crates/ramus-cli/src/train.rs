@@ -1,0 +1,506 @@
+//! `ramus train`: set up the data, model and engine, run the epochs
+//! (resumable checkpoints every `--checkpoint-every` batches and at the end
+//! of each epoch, and on SIGINT / SIGTERM before exiting), keep the best
+//! dev epoch, evaluate on test and save.
+//!
+//! Checkpoint files (see README, "Checkpoints"): with `--checkpoint-dir
+//! DIR`, `DIR/last.safetensors` and `DIR/best.safetensors`; else, with
+//! `--save NAME.EXT`, `NAME.last.EXT` and `NAME.best.EXT` beside it; with
+//! neither, none.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use ramus_core::{Model, Params};
+use ramus_graph::BatchingPolicy;
+use ramus_nn::resume::{self, Best, RunState};
+use ramus_nn::train::{shuffled_order, Pauses, Span, SpanEnd};
+use ramus_nn::{
+    checkpoint, DataKind, EvalResult, ModelConfig, ModelOptions, OptimizerConfig, OptimizerKind,
+    Trainer,
+};
+
+use crate::data::Splits;
+use crate::output::logln;
+use crate::{build, data, device, loss_rows, run_config, sequence, vision, AnyResult, TrainArgs};
+
+/// Where a run's resumable checkpoints go.
+struct CheckpointPaths {
+    last: PathBuf,
+    best: PathBuf,
+}
+
+impl CheckpointPaths {
+    /// The paths for `--checkpoint-dir` or beside `--save` (see the module
+    /// docs), checked writable; `None` with neither flag.
+    fn of(a: &TrainArgs) -> AnyResult<Option<Self>> {
+        let (paths, flag) = match (&a.checkpoint_dir, &a.save) {
+            (Some(dir), _) => {
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| format!("--checkpoint-dir {}: {e}", dir.display()))?;
+                (
+                    CheckpointPaths {
+                        last: dir.join("last.safetensors"),
+                        best: dir.join("best.safetensors"),
+                    },
+                    "--checkpoint-dir",
+                )
+            }
+            (None, Some(save)) => (
+                CheckpointPaths {
+                    last: beside(save, "last"),
+                    best: beside(save, "best"),
+                },
+                "--save",
+            ),
+            (None, None) => {
+                if a.checkpoint_every.is_some() {
+                    return Err(
+                        "--checkpoint-every needs --checkpoint-dir or --save (where the \
+                                checkpoints go)"
+                            .into(),
+                    );
+                }
+                return Ok(None);
+            }
+        };
+        for path in [&paths.last, &paths.best] {
+            ramus_nn::atomic::check_writable(path, flag)?;
+        }
+        Ok(Some(paths))
+    }
+}
+
+/// `NAME.EXT` → `NAME.tag.EXT` (`NAME.tag` without an extension).
+fn beside(path: &Path, tag: &str) -> PathBuf {
+    let stem = path.file_stem().unwrap_or_default().to_string_lossy();
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.{tag}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.{tag}"),
+    };
+    path.with_file_name(name)
+}
+
+/// What a resumed run takes from its checkpoint.
+struct ResumeFrom {
+    path: PathBuf,
+    bytes: Vec<u8>,
+    state: RunState,
+    steps: u64,
+    /// The resumed run's flags, recorded in its checkpoints.
+    config: run_config::RunConfig,
+}
+
+/// The run's arguments: as given, or for `--resume` completed from the
+/// checkpoint's record (see [`run_config`]), with its state.
+fn resolve(a: TrainArgs) -> AnyResult<(TrainArgs, Option<ResumeFrom>)> {
+    let Some(path) = a.resume.clone() else {
+        return Ok((a, None));
+    };
+    let (_, bytes) = checkpoint::read_info(&path)?;
+    let (state, steps) = resume::read_state(&path, &bytes)?;
+    let (a, config) = run_config::resumed_args(&state.config, &path.display().to_string())?;
+    Ok((
+        a,
+        Some(ResumeFrom {
+            path,
+            bytes,
+            state,
+            steps,
+            config,
+        }),
+    ))
+}
+
+/// Everything a run trains with.
+struct Setup {
+    kind: DataKind,
+    data: Splits,
+    trainer: Trainer<f32>,
+    /// The state the run starts from (fresh, or the checkpoint's).
+    run: RunState,
+    best: Option<Params<f32>>,
+}
+
+/// Builds the model for `a` and `data` (settings recorded for `eval`).
+fn model_for(a: &TrainArgs, kind: DataKind, data: &Splits, hidden: usize) -> AnyResult<Model> {
+    let vision_cfg = a.vision.config(&a.model, kind)?;
+    let cfg = ModelConfig {
+        vocab: data.vocab.len(),
+        hidden,
+        classes: data.classes,
+    };
+    let opts = ModelOptions { dropout: a.dropout };
+    let seq_cfg = a.sequence.config(&a.model, data.chars())?;
+    let mut model = build(&a.model, &cfg, vision_cfg.as_ref(), seq_cfg.as_ref(), &opts)?;
+    if !data.class_names.is_empty() {
+        model.settings.insert(
+            "class_names".into(),
+            serde_json::to_string(&data.class_names)?,
+        );
+    }
+    if let (DataKind::Tagged { chars: true }, Some(t)) = (kind, &data.tagged) {
+        model
+            .settings
+            .insert(sequence::CHAR_VOCAB_SETTING.into(), t.chars.to_json());
+    }
+    if let Some(at) = a.loss_at.as_deref() {
+        model.head.rows = loss_rows(at).map_err(|e| format!("--loss-at {e}"))?;
+        // recorded so that `ramus eval` reports the loss the model trained on
+        model.settings.insert("loss_at".into(), at.into());
+    }
+    Ok(model)
+}
+
+/// Reads the data, builds the model, its parameters (fresh or resumed)
+/// and the engine; prints the `data:` and `model:` lines.
+fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
+    let kind = data::data_kind_of(&a.model)?;
+    let policy: BatchingPolicy = a.policy.parse()?;
+    let vision_cfg = a.vision.config(&a.model, kind)?;
+    let (optimizer, lr) = vision::optimizer_defaults(kind, a.optimizer.as_deref(), a.lr);
+    let opt: OptimizerKind = optimizer.parse()?;
+    let hidden = a.hidden.unwrap_or(match kind {
+        DataKind::Images => vision::DEFAULT_CNN_WIDTH,
+        _ => vision::DEFAULT_HIDDEN,
+    });
+    if a.batch_size == 0 || hidden == 0 {
+        return Err("--batch-size and --hidden must be at least 1".into());
+    }
+    let data = match &vision_cfg {
+        Some(v) => data::load_image_splits(
+            a.data.as_deref(),
+            v.image,
+            a.vision.images.unwrap_or(vision::DEFAULT_TRAIN_IMAGES),
+        )?,
+        None => data::load_splits(a.data.as_deref(), kind)?,
+    };
+    logln!(
+        "data: {} ({} train / {} dev / {} test, {})",
+        data.source,
+        data.train.len(),
+        data.dev.len(),
+        data.test.len(),
+        data.describe()
+    );
+    let fingerprint = resume::fingerprint(&[&data.train, &data.dev, &data.test], &data.vocab);
+    let model = model_for(a, kind, &data, hidden)?;
+    let mut oc = OptimizerConfig::new(opt, lr);
+    oc.weight_decay = a.weight_decay;
+    oc.clip_norm = a.clip;
+    let (run, params, restored, best) = match from {
+        None => {
+            let run = RunState {
+                epochs_done: 0,
+                progress: Default::default(),
+                shuffle: ramus_nn::train::rng(a.seed),
+                dropout: ramus_nn::train::rng(a.seed),
+                best: None,
+                config: run_config::current()?,
+                data: fingerprint,
+            };
+            (run, Params::<f32>::init(&model, a.seed), None, None)
+        }
+        Some(from) => {
+            if from.state.data != fingerprint {
+                return Err(format!(
+                    "--resume {}: the data differs from the run's ({}): resume on the same \
+                     data",
+                    from.path.display(),
+                    data.source
+                )
+                .into());
+            }
+            let r = resume::load(&from.path, &from.bytes, &model, oc, &from.state, from.steps)?;
+            let run = RunState {
+                config: from.config.clone(),
+                ..from.state.clone()
+            };
+            (run, r.params, Some(r.optimizer), r.best)
+        }
+    };
+    let swap = device::swap_mode(a.device, &a.model, a.device_memory_budget, a.swap)?;
+    let engine =
+        match device::training_engine(a.engine, a.device, &model, &params, oc, a.batch_size)? {
+            Some(persistent) => persistent,
+            None => device::engine_with_swap(a.device, &model, a.device_memory_budget, swap)?,
+        };
+    let mut trainer = Trainer::new(model, params, oc);
+    trainer.engine = engine;
+    trainer.policy = policy;
+    trainer.engine.set_dropout_rng(run.dropout.clone());
+    if let Some(optimizer) = restored {
+        trainer.optimizer = optimizer;
+        trainer.engine.load_optimizer_state(&trainer.optimizer)?;
+    }
+    logln!(
+        "model: {} hidden {} | optimizer {} lr {} | batch {} | engine {} ({} host threads){}",
+        a.model,
+        hidden,
+        optimizer,
+        lr,
+        a.batch_size,
+        trainer.engine.name(),
+        rayon::current_num_threads(),
+        match swap {
+            ramus_cuda::SwapMode::Off => String::new(),
+            mode => format!(" | swap {mode}"),
+        }
+    );
+    Ok(Setup {
+        kind,
+        data,
+        trainer,
+        run,
+        best,
+    })
+}
+
+/// SIGINT / SIGTERM ask the run to stop at the next batch boundary; a
+/// second SIGINT ends it at once.
+fn stop_flag() -> AnyResult<Arc<AtomicBool>> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let flag = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register_conditional_shutdown(SIGINT, 130, Arc::clone(&flag))?;
+    for signal in [SIGINT, SIGTERM] {
+        signal_hook::flag::register(signal, Arc::clone(&flag))?;
+    }
+    Ok(flag)
+}
+
+/// A run under way: its setup, checkpoint paths and stop flag.
+struct Run<'a> {
+    a: &'a TrainArgs,
+    s: Setup,
+    paths: Option<CheckpointPaths>,
+    stop: Option<Arc<AtomicBool>>,
+}
+
+impl Run<'_> {
+    /// Saves the run's state to the last checkpoint (if there is one).
+    fn save_last(&mut self) -> AnyResult {
+        let Some(paths) = &self.paths else {
+            return Ok(());
+        };
+        let t = &mut self.s.trainer;
+        t.engine.sync_host_optimizer(&mut t.optimizer)?;
+        self.s.run.dropout = t.engine.dropout_rng();
+        resume::save(
+            &paths.last,
+            &t.model,
+            &t.params,
+            &self.s.data.vocab,
+            (&self.s.run, &t.optimizer, self.s.best.as_ref()),
+        )?;
+        Ok(())
+    }
+
+    fn stopping(&self) -> bool {
+        self.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst))
+    }
+
+    /// The message a stopped run exits with.
+    fn stopped(&self) -> AnyResult {
+        let last = self.paths.as_ref().map(|p| p.last.display().to_string());
+        Err(format!(
+            "interrupted: saved {0} (epoch {1}, batch {2}); continue with `ramus train --resume {0}`",
+            last.unwrap_or_default(),
+            self.s.run.epochs_done + 1,
+            self.s.run.progress.batches
+        )
+        .into())
+    }
+
+    /// Trains epoch `epoch` from where the run state says it is; `Ok(false)`
+    /// if a signal stopped it (its state saved).
+    fn epoch(&mut self, epoch: usize, style: &ProgressStyle) -> AnyResult<bool> {
+        let data = &self.s.data;
+        let bar = if self.a.quiet {
+            ProgressBar::hidden()
+        } else {
+            ProgressBar::new(data.train.len() as u64)
+        };
+        bar.set_style(style.clone());
+        bar.set_prefix(epoch.to_string());
+        bar.set_position(self.s.run.progress.graphs as u64);
+        let t0 = Instant::now();
+        let mut shuffle = self.s.run.shuffle.clone();
+        let order = shuffled_order(data.train.len(), &mut shuffle);
+        let stop = self.stop.clone();
+        let requested = move || stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
+        let pauses = Pauses {
+            every: self.a.checkpoint_every.filter(|_| self.paths.is_some()),
+            requested: &requested,
+        };
+        let seen_before = self.s.run.progress.graphs;
+        loop {
+            let span = Span {
+                data: &self.s.data.train,
+                order: &order,
+                batch_size: self.a.batch_size,
+            };
+            let end = self.s.trainer.train_span(
+                &span,
+                &mut self.s.run.progress,
+                &pauses,
+                |_, seen, loss| {
+                    bar.set_position(seen as u64);
+                    bar.set_message(format!("{loss:.4}"));
+                },
+            )?;
+            match end {
+                SpanEnd::EpochDone => break,
+                SpanEnd::Checkpoint => self.save_last()?,
+                SpanEnd::Requested => {
+                    bar.finish_and_clear();
+                    self.save_last()?;
+                    return Ok(false);
+                }
+            }
+        }
+        bar.finish_and_clear();
+        let secs = t0.elapsed().as_secs_f64();
+        let loss = self.s.run.progress.mean_loss();
+        self.end_epoch(
+            epoch,
+            loss,
+            (self.s.data.train.len() - seen_before) as f64 / secs,
+        )?;
+        self.s.run.shuffle = shuffle;
+        Ok(true)
+    }
+
+    /// An epoch's report, dev evaluation and best model; then the epoch is
+    /// done in the run state and its end saved.
+    fn end_epoch(&mut self, epoch: usize, loss: f64, per_sec: f64) -> AnyResult {
+        let kind = self.s.kind;
+        let trainer = &mut self.s.trainer;
+        if let Some(report) = trainer.engine.memory_report() {
+            logln!("  {report}");
+        }
+        let dev = trainer.evaluate(&self.s.data.dev, 64)?;
+        logln!(
+            "epoch {epoch}: train loss {loss:.4} | dev loss {:.4} {} | {:.0} {}/s",
+            dev.loss,
+            vision::accuracy(kind, &dev),
+            per_sec,
+            vision::unit(kind).0
+        );
+        // keep the parameters of the epoch with the best dev accuracy
+        let acc = selection_accuracy(kind, &dev);
+        if self.s.run.best.is_none_or(|b| acc > b.score) {
+            self.s.run.best = Some(Best { score: acc, epoch });
+            self.s.best = Some(trainer.params.clone());
+            if let Some(paths) = &self.paths {
+                checkpoint::save(
+                    &paths.best,
+                    &trainer.model,
+                    &trainer.params,
+                    &self.s.data.vocab,
+                )?;
+            }
+        }
+        self.s.run.epochs_done = epoch;
+        self.s.run.progress = Default::default();
+        Ok(())
+    }
+}
+
+/// `ramus train`.
+pub fn run(a: TrainArgs) -> AnyResult {
+    let (a, from) = resolve(a)?;
+    if let Some(path) = &a.save {
+        ramus_nn::atomic::check_writable(path, "--save")?;
+    }
+    if a.checkpoint_every == Some(0) {
+        return Err("--checkpoint-every must be at least 1".into());
+    }
+    let paths = CheckpointPaths::of(&a)?;
+    let setup = setup(&a, from.as_ref())?;
+    if let Some(from) = &from {
+        logln!(
+            "resuming {}: epoch {}, batch {}",
+            from.path.display(),
+            setup.run.epochs_done + 1,
+            setup.run.progress.batches
+        );
+    }
+    let stop = match paths {
+        Some(_) => Some(stop_flag()?),
+        None => None,
+    };
+    let started = Instant::now();
+    let style =
+        ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {per_sec} loss {msg}")
+            .map_err(|e| e.to_string())?
+            .progress_chars("=> ");
+    let mut run = Run {
+        a: &a,
+        s: setup,
+        paths,
+        stop,
+    };
+    for epoch in run.s.run.epochs_done + 1..=a.epochs {
+        if !run.epoch(epoch, &style)? {
+            return run.stopped();
+        }
+        run.save_last()?;
+        if run.stopping() {
+            return run.stopped();
+        }
+    }
+    finish(&a, run.s, started)
+}
+
+/// Puts the best dev epoch's parameters in place, evaluates on test and
+/// saves.
+fn finish(a: &TrainArgs, s: Setup, started: Instant) -> AnyResult {
+    let Setup {
+        kind,
+        data,
+        mut trainer,
+        run,
+        best,
+    } = s;
+    if let (Some(b), Some(params)) = (run.best, best) {
+        if b.epoch != a.epochs {
+            logln!(
+                "using the parameters of epoch {} (best dev {}acc {:.2}%)",
+                b.epoch,
+                match kind {
+                    DataKind::Images => "",
+                    DataKind::Tagged { .. } => "tag ",
+                    _ => "root ",
+                },
+                100.0 * b.score
+            );
+        }
+        trainer.params = params;
+    }
+    let test = trainer.evaluate(&data.test, 64)?;
+    logln!(
+        "test: loss {:.4} {} ({} {}) | trained in {:.1} s",
+        test.loss,
+        vision::accuracy(kind, &test),
+        test.graphs,
+        vision::unit(kind).1,
+        started.elapsed().as_secs_f64()
+    );
+    if let Some(path) = &a.save {
+        checkpoint::save(path, &trainer.model, &trainer.params, &data.vocab)?;
+        logln!("saved {}", path.display());
+    }
+    Ok(())
+}
+
+/// The dev accuracy that picks the best epoch: per-token tag accuracy for
+/// the taggers, root (sentence / image) accuracy for the rest.
+fn selection_accuracy(kind: DataKind, r: &EvalResult) -> f64 {
+    match kind {
+        DataKind::Tagged { .. } => r.node_accuracy,
+        _ => r.root_accuracy,
+    }
+}

@@ -1,0 +1,255 @@
+//! Resuming a run on the device: a run interrupted in its second epoch —
+//! its parameters, optimizer state (moments and step count, downloaded
+//! from the device) and dropout stream saved in a resumable checkpoint,
+//! then loaded into a fresh engine — ends where the uninterrupted run
+//! ends, to rounding, on the batched engine, the persistent engine and the
+//! CNN swap path. Skips with a notice where no CUDA driver is found.
+
+mod common;
+
+use ramus_core::{Model, Params};
+use ramus_cuda::persistent::{PersistentOptions, PersistentTrainer};
+use ramus_cuda::{CudaEngine, CudaEngineOptions, PoolConfig, SwapConfig, SwapMode};
+use ramus_graph::images::{self, ImageSpec};
+use ramus_graph::random::random_tree;
+use ramus_graph::{InputGraph, Vocab};
+use ramus_nn::resume::{self, RunState};
+use ramus_nn::train::{shuffled_order, EpochProgress, Pauses, Span, SpanEnd};
+use ramus_nn::{
+    build_model_with, build_vision_model, Engine, ImageShape, ModelConfig, ModelOptions,
+    OptimizerConfig, OptimizerKind, Trainer, VisionConfig,
+};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+type MakeEngine<'a> = &'a dyn Fn(&Model, &Params<f32>, OptimizerConfig) -> Box<dyn Engine<f32>>;
+
+const BATCH: usize = 6;
+const EPOCHS: usize = 3;
+
+fn trainer(
+    model: &Model,
+    params: &Params<f32>,
+    config: OptimizerConfig,
+    make: MakeEngine,
+) -> Trainer<f32> {
+    let mut t = Trainer::new(model.clone(), params.clone(), config);
+    t.engine = make(model, params, config);
+    t.engine.set_seed(3);
+    t
+}
+
+/// `EPOCHS` epochs uninterrupted, and again stopped after 4 batches of
+/// epoch 2, saved, loaded into a fresh trainer and finished; the two final
+/// parameter sets must agree to `tol` (relative).
+fn resumed_matches(
+    what: &str,
+    model: &Model,
+    data: &[InputGraph],
+    config: OptimizerConfig,
+    make: MakeEngine,
+    tol: f32,
+) {
+    let params = Params::<f32>::init(model, 5);
+    let mut whole = trainer(model, &params, config, make);
+    let mut rng = ramus_nn::train::rng(9);
+    for _ in 0..EPOCHS {
+        whole
+            .train_epoch(data, BATCH, &mut rng, |_, _, _| {})
+            .expect("epoch");
+    }
+    // the interrupted run: epoch 1, then 4 batches of epoch 2
+    let mut first = trainer(model, &params, config, make);
+    let mut shuffle = ramus_nn::train::rng(9);
+    first
+        .train_epoch(data, BATCH, &mut shuffle, |_, _, _| {})
+        .expect("epoch 1");
+    let epoch2 = shuffle.clone();
+    let order = shuffled_order(data.len(), &mut shuffle);
+    let span = Span {
+        data,
+        order: &order,
+        batch_size: BATCH,
+    };
+    let mut at = EpochProgress::default();
+    let pauses = Pauses {
+        every: Some(4),
+        ..Pauses::default()
+    };
+    let end = first
+        .train_span(&span, &mut at, &pauses, |_, _, _| {})
+        .expect("span");
+    assert_eq!(end, SpanEnd::Checkpoint, "{what}");
+    first
+        .engine
+        .sync_host_optimizer(&mut first.optimizer)
+        .expect("optimizer download");
+    let state = RunState {
+        epochs_done: 1,
+        progress: at,
+        shuffle: epoch2,
+        dropout: first.engine.dropout_rng(),
+        best: None,
+        config: Default::default(),
+        data: String::new(),
+    };
+    let path = std::env::temp_dir().join(format!(
+        "ramus-cuda-resume-{what}-{}.safetensors",
+        std::process::id()
+    ));
+    resume::save(
+        &path,
+        model,
+        &first.params,
+        &Vocab::new(),
+        (&state, &first.optimizer, None),
+    )
+    .expect("save");
+    drop(first);
+    // a fresh engine from the checkpoint
+    let bytes = std::fs::read(&path).expect("read");
+    let (state, steps) = resume::read_state(&path, &bytes).expect("state");
+    let r = resume::load(&path, &bytes, model, config, &state, steps).expect("load");
+    let mut second = trainer(model, &r.params, config, make);
+    second.optimizer = r.optimizer;
+    second
+        .engine
+        .load_optimizer_state(&second.optimizer)
+        .expect("optimizer upload");
+    second.engine.set_dropout_rng(state.dropout.clone());
+    let mut at = state.progress;
+    let end = second
+        .train_span(&span, &mut at, &Pauses::default(), |_, _, _| {})
+        .expect("rest");
+    assert_eq!(end, SpanEnd::EpochDone);
+    for _ in 2..EPOCHS {
+        second
+            .train_epoch(data, BATCH, &mut shuffle, |_, _, _| {})
+            .expect("epoch");
+    }
+    let mut worst = 0f32;
+    for (p, spec) in model.params.iter().enumerate() {
+        for (&a, &b) in whole.params.values[p]
+            .data()
+            .iter()
+            .zip(second.params.values[p].data())
+        {
+            let d = (a - b).abs() / (1.0 + a.abs());
+            worst = worst.max(d);
+            assert!(
+                d <= tol,
+                "{what}: `{}`: uninterrupted {a}, resumed {b}",
+                spec.name
+            );
+        }
+    }
+    eprintln!("{what}: resumed run within {worst:e} of the uninterrupted one");
+    std::fs::remove_file(&path).ok();
+}
+
+fn trees(count: usize) -> Vec<InputGraph> {
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    (0..count)
+        .map(|_| random_tree(&mut rng, 6, &[2], 40, 5).expect("tree"))
+        .collect()
+}
+
+fn tree_model(name: &str, dropout: f64) -> Model {
+    let cfg = ModelConfig {
+        vocab: 40,
+        hidden: 16,
+        classes: 5,
+    };
+    build_model_with(name, &cfg, &ModelOptions { dropout }).expect("model")
+}
+
+#[test]
+fn the_batched_engine_resumes_to_rounding() {
+    if !common::cuda_ready("skipping") {
+        return;
+    }
+    let make: MakeEngine = &|model, _, _| {
+        Box::new(CudaEngine::new(model, &CudaEngineOptions::default()).expect("engine"))
+    };
+    let data = trees(60);
+    for kind in [OptimizerKind::Adam, OptimizerKind::Adagrad] {
+        let config = OptimizerConfig::new(kind, 0.01);
+        let what = format!("batched {kind:?}");
+        resumed_matches(
+            &what,
+            &tree_model("treelstm-nary", 0.2),
+            &data,
+            config,
+            make,
+            1e-4,
+        );
+    }
+}
+
+#[test]
+fn the_persistent_engine_resumes_to_rounding() {
+    if !common::cuda_ready("skipping") {
+        return;
+    }
+    let make: MakeEngine = &|model, params, config| {
+        let options = PersistentOptions::default();
+        Box::new(PersistentTrainer::new(model, params, config, &options).expect("engine"))
+    };
+    let data = trees(60);
+    let config = OptimizerConfig::new(OptimizerKind::Adam, 0.01);
+    resumed_matches(
+        "persistent",
+        &tree_model("treelstm", 0.0),
+        &data,
+        config,
+        make,
+        1e-4,
+    );
+}
+
+#[test]
+fn the_swap_path_resumes_to_rounding() {
+    if !common::cuda_ready("skipping") {
+        return;
+    }
+    let make: MakeEngine = &|model, _, _| {
+        let mut swap = SwapConfig::with_mode(SwapMode::Planner);
+        swap.size_threshold_bytes = 0;
+        let options = CudaEngineOptions {
+            conv_workspace: Some(1 << 16),
+            pool: PoolConfig::default(),
+            swap,
+            ..CudaEngineOptions::default()
+        };
+        Box::new(CudaEngine::new(model, &options).expect("engine"))
+    };
+    let image = ImageShape {
+        channels: 3,
+        height: 16,
+        width: 16,
+    };
+    let spec = ImageSpec {
+        channels: 3,
+        height: 16,
+        width: 16,
+        classes: 3,
+        noise: 0.5,
+    };
+    let data = images::generate(&spec, 2, (36, 0, 0))
+        .expect("images")
+        .train;
+    let cfg = ModelConfig {
+        vocab: 0,
+        hidden: 4,
+        classes: 3,
+    };
+    let vision = VisionConfig {
+        image,
+        vgg_depth: 11,
+        resnet_blocks: vec![1],
+    };
+    let model =
+        build_vision_model("resnet", &cfg, &vision, &ModelOptions { dropout: 0.0 }).expect("model");
+    let config = OptimizerConfig::new(OptimizerKind::Adam, 0.001);
+    resumed_matches("swap", &model, &data, config, make, 1e-3);
+}
