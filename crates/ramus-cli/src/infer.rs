@@ -11,9 +11,11 @@ use ramus_cpu::compiled::{CpuCompiledEngine, CpuCompiledSchedule};
 use ramus_cpu::{Batch, Mode};
 use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
 use ramus_graph::{ptb, BatchingPolicy, InputGraph, VocabMode};
+use ramus_nn::memory::Pass;
 use ramus_nn::DataKind;
 
 use crate::device::{self, Device};
+use crate::{labels, limits};
 use crate::{load_checkpoint, AnyResult};
 
 #[derive(clap::Args)]
@@ -49,6 +51,8 @@ pub struct InferArgs {
     grid_barriers: bool,
     #[command(flatten)]
     recursion: crate::bench::RecursionFlags,
+    #[command(flatten)]
+    host: crate::limits::HostBudgetArgs,
 }
 
 /// Scores of the roots of one batch, a row of `classes` per tree.
@@ -86,6 +90,12 @@ pub fn run(a: InferArgs) -> AnyResult {
     };
     let trees = ptb::parse_trees(&text, &source, VocabMode::Frozen(&loaded.info.vocab))?;
     let (model, params) = (&loaded.model, &loaded.params);
+    let whose = format!("of the checkpoint {}", a.checkpoint.display());
+    labels::check_model(&trees, model, &whose)?;
+    let tables = (a.engine == "compiled" && !a.no_tables).then_some(loaded.info.vocab.len());
+    let need =
+        limits::Inference::loaded(model, &trees, a.batch_size, Pass::Infer, tables, a.device);
+    need.check_host(a.host)?;
     let mut scorer = match (a.engine.as_str(), a.device) {
         ("compiled", Device::Cpu) => {
             Scorer::CompiledCpu(Box::new(CpuCompiledEngine::with_schedule(
@@ -98,6 +108,7 @@ pub fn run(a: InferArgs) -> AnyResult {
             )?))
         }
         ("compiled", Device::Cuda) => {
+            limits::device_unchecked("the compiled engine does not report its device memory");
             let options = CompiledOptions {
                 schedule: CompiledSchedule {
                     leaf_table: !a.no_tables,
@@ -112,7 +123,11 @@ pub fn run(a: InferArgs) -> AnyResult {
                     .map_err(|e| format!("--device cuda: {e}"))?,
             ))
         }
-        ("batched", d) => Scorer::Batched(device::engine(d, model, None)?),
+        ("batched", d) => {
+            let engine = device::engine(d, model, None)?;
+            need.check_device(engine.as_ref(), None)?;
+            Scorer::Batched(engine)
+        }
         (other, _) => {
             return Err(format!("unknown engine `{other}` (expected compiled or batched)").into())
         }

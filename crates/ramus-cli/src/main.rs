@@ -6,6 +6,8 @@ mod data;
 mod device;
 mod image_dir;
 mod infer;
+mod labels;
+mod limits;
 mod plan_memory;
 mod sequence;
 mod vision;
@@ -20,6 +22,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use ramus_core::{HeadRows, Model, Params};
 use ramus_graph::BatchingPolicy;
 use ramus_nn::checkpoint;
+use ramus_nn::memory::Pass;
 use ramus_nn::{
     build_model_with, build_sequence_model, build_vision_model, data_kind, DataKind, EvalResult,
     ModelConfig, ModelOptions, OptimizerConfig, OptimizerKind, SequenceConfig, Trainer,
@@ -97,6 +100,12 @@ struct TrainArgs {
     /// [default: 64, CNNs 16].
     #[arg(long)]
     hidden: Option<usize>,
+    /// Number of classes of a tree or td-rnn / td-lstm model [default: one
+    /// more than the largest label of train, dev and test].
+    #[arg(long)]
+    classes: Option<usize>,
+    #[command(flatten)]
+    host: limits::HostBudgetArgs,
     #[command(flatten)]
     vision: vision::VisionArgs,
     #[command(flatten)]
@@ -172,6 +181,8 @@ struct EvalArgs {
     /// Where to run: cpu or cuda.
     #[arg(long, default_value = "cpu")]
     device: device::Device,
+    #[command(flatten)]
+    host: limits::HostBudgetArgs,
 }
 
 fn main() -> ExitCode {
@@ -213,7 +224,7 @@ fn train(a: TrainArgs) -> AnyResult {
     if a.batch_size == 0 || hidden == 0 {
         return Err("--batch-size and --hidden must be at least 1".into());
     }
-    let data = match &vision_cfg {
+    let mut data = match &vision_cfg {
         Some(v) => data::load_image_splits(
             a.data.as_deref(),
             v.image,
@@ -221,6 +232,7 @@ fn train(a: TrainArgs) -> AnyResult {
         )?,
         None => data::load_splits(a.data.as_deref(), kind)?,
     };
+    labels::settle(&mut data, kind, a.classes)?;
     println!(
         "data: {} ({} train / {} dev / {} test, {})",
         data.source,
@@ -253,6 +265,16 @@ fn train(a: TrainArgs) -> AnyResult {
         // recorded so that `ramus eval` reports the loss the model trained on
         model.settings.insert("loss_at".into(), at.into());
     }
+    let need = limits::Training {
+        model: &model,
+        optimizer: opt,
+        data: &data,
+        batch_size: a.batch_size,
+        hidden,
+        class_source: labels::source(&data, kind, a.classes),
+        device: a.device,
+    };
+    need.check_host(a.host)?;
     let params = Params::<f32>::init(&model, a.seed);
     let mut oc = OptimizerConfig::new(opt, lr);
     oc.weight_decay = a.weight_decay;
@@ -263,6 +285,11 @@ fn train(a: TrainArgs) -> AnyResult {
             Some(persistent) => persistent,
             None => device::engine_with_swap(a.device, &model, a.device_memory_budget, swap)?,
         };
+    need.check_device(
+        engine.as_ref(),
+        a.device_memory_budget,
+        swap != ramus_cuda::SwapMode::Off,
+    )?;
     let mut trainer = Trainer::new(model, params, oc);
     trainer.engine = engine;
     trainer.policy = policy;
@@ -481,7 +508,19 @@ fn eval(a: EvalArgs) -> AnyResult {
             _ => data::read_frozen(&a.data, kind, &info.vocab)?,
         },
     };
+    let whose = format!("of the checkpoint {}", a.checkpoint.display());
+    labels::check_model(&graphs, &model, &whose)?;
+    let need = limits::Inference::loaded(
+        &model,
+        &graphs,
+        a.batch_size,
+        Pass::Evaluate,
+        None,
+        a.device,
+    );
+    need.check_host(a.host)?;
     let mut engine = device::engine(a.device, &model, None)?;
+    need.check_device(engine.as_ref(), None)?;
     let r = ramus_nn::evaluate(
         &model,
         &params,

@@ -4,6 +4,7 @@
 pub mod checkpoint;
 pub mod engine;
 pub mod error;
+pub mod memory;
 pub mod models;
 pub mod optim;
 pub mod sequence_models;

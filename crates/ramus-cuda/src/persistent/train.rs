@@ -97,6 +97,10 @@ impl Engine<f32> for PersistentTrainer {
         Engine::<f32>::set_seed(&mut self.eval, seed);
     }
 
+    fn device_memory_room(&self) -> Option<u64> {
+        self.eval.memory_room().ok()
+    }
+
     fn sync_host_params(&mut self, params: &mut Params<f32>) -> ramus_nn::Result<()> {
         // the batches still in flight update the parameters first
         self.engine.latest().map_err(nn_err)?;
