@@ -163,7 +163,13 @@ impl Need<'_> {
         if state.saturating_add(activations) <= limit.bytes {
             return Ok(());
         }
-        if state > limit.bytes {
+        // the model is to blame when it does not fit alone, or when not
+        // even the smallest input fits beside it and the model is larger
+        let smallest = self.batches.iter().filter_map(|b| b.costs.cheapest()).min();
+        let smallest = smallest.unwrap_or(0);
+        if state > limit.bytes
+            || (state.saturating_add(smallest) > limit.bytes && state >= smallest)
+        {
             let parts: Vec<String> = self
                 .parts
                 .iter()

@@ -365,6 +365,13 @@ impl GraphCosts {
             .map(|&(b, i)| (i, b.saturating_add(self.fixed)))
     }
 
+    /// What a batch of the cheapest graph alone needs (`None` without graphs).
+    pub fn cheapest(&self) -> Option<u64> {
+        self.sorted
+            .last()
+            .map(|&(b, _)| b.saturating_add(self.fixed))
+    }
+
     /// The largest batch size up to `batch_size` whose batches need at most
     /// `bytes` in any order (0 when not even one graph fits).
     pub fn fitting_batch(&self, batch_size: usize, bytes: u64) -> usize {
@@ -434,6 +441,10 @@ mod tests {
         let costs = train.graph_costs(&m, &[single.clone(), small.clone(), single.clone()]);
         let (big, _) = costs.costliest().unwrap();
         assert_eq!(big, 1);
+        assert_eq!(
+            costs.cheapest(),
+            Some(train.fixed() + train.graph_bytes(&m, &single))
+        );
         let one = train.graph_bytes(&m, &small);
         assert_eq!(costs.largest_batch(1), train.fixed() + one);
         assert!(costs.largest_batch(2) > costs.largest_batch(1));
