@@ -190,14 +190,7 @@ fn words(n: usize, vocab: usize, seed: usize) -> String {
 
 #[test]
 fn one_very_long_sentence_for_the_language_model_is_refused_with_its_line() {
-    let d = dir("lm");
-    let short = |seed: usize| {
-        (0..6)
-            .map(|k| words(12, 2000, seed + k) + "\n")
-            .collect::<String>()
-    };
-    let train = format!("{}{}\n{}", short(0), words(20000, 2000, 99), short(10));
-    let data = splits(&d, &train, &short(20), &short(30));
+    let data = long_line_text("lm");
     let args = ["train", "--model", "lstm-lm", "--data", &data, "--quiet"];
     // about 950 MiB of activations for that line alone at hidden 64
     refused(
@@ -216,6 +209,17 @@ fn one_very_long_sentence_for_the_language_model_is_refused_with_its_line() {
         &[&args[..], &["--host-memory-budget", "60000000"]].concat(),
         &["--batch-size 25", "input(s) a batch fit"],
     );
+}
+
+/// Six lines of 12 words from a vocabulary of 2000, starting at `seed`.
+fn short(seed: usize) -> String {
+    (0..6).map(|k| words(12, 2000, seed + k) + "\n").collect()
+}
+
+/// Sentences in a new directory `name`, line 7 of train.txt 20000 words long.
+fn long_line_text(name: &str) -> String {
+    let train = format!("{}{}\n{}", short(0), words(20000, 2000, 99), short(10));
+    splits(&dir(name), &train, &short(20), &short(30))
 }
 
 /// A balanced binary SST tree over `n` leaves.
@@ -350,4 +354,49 @@ fn runs_at_the_default_sizes_fit_a_modest_budget() {
         let out = succeeds(&[&["train", "--epochs", "0", "--quiet"][..], args].concat());
         assert!(out.contains("test:"), "{out}");
     }
+}
+
+#[test]
+fn what_cannot_fit_the_device_is_refused_before_training() {
+    if let Err(e) = ramus_cuda::CudaDevice::available() {
+        eprintln!("skipping: CUDA is not available ({e})");
+        return;
+    }
+    let cuda = ["train", "--device", "cuda", "--quiet"];
+    // parameters, gradients and Adagrad state of about 600 MB on a 100 MB budget
+    let budget = ["--device-memory-budget", "100000000"];
+    refused(
+        &[&cuda[..], &budget[..], &["--hidden", "2000"]].concat(),
+        &[
+            "device memory: the model needs",
+            "--device-memory-budget",
+            "--hidden",
+        ],
+    );
+    // the host holds only the schedule; the line's activations go to the device
+    let data = long_line_text("lm-cuda");
+    let lm = ["--model", "lstm-lm", "--data", &data, "--epochs", "1"];
+    refused(
+        &[&cuda[..], &budget[..], &lm[..]].concat(),
+        &[
+            "device memory",
+            &format!("{data}/train.txt:7"),
+            "alone needs",
+        ],
+    );
+    let out = succeeds(&[&cuda[..], &["--epochs", "1", "--hidden", "16"]].concat());
+    assert!(out.contains("test:"), "{out}");
+}
+
+#[test]
+fn plan_memory_plans_absurd_sizes_without_allocating() {
+    // a trace of 100000-wide tensors is planned, not allocated
+    let (o, took) = run(&["plan-memory", "--hidden", "100000", "--batch-size", "4"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+    // sizes that do not even add up are one line, not a panic
+    refused(
+        &["plan-memory", "--hidden", "1000000000000"],
+        &["too large"],
+    );
 }
