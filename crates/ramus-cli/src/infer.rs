@@ -90,8 +90,7 @@ pub fn run(a: InferArgs) -> AnyResult {
     };
     let trees = ptb::parse_trees(&text, &source, VocabMode::Frozen(&loaded.info.vocab))?;
     let (model, params) = (&loaded.model, &loaded.params);
-    let whose = format!("of the checkpoint {}", a.checkpoint.display());
-    labels::check_model(&trees, model, &whose)?;
+    labels::check_checkpoint(&trees, model, &a.checkpoint)?;
     let tables = (a.engine == "compiled" && !a.no_tables).then_some(loaded.info.vocab.len());
     let need =
         limits::Inference::loaded(model, &trees, a.batch_size, Pass::Infer, tables, a.device);

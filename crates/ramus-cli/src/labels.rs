@@ -71,6 +71,19 @@ pub fn check_model(graphs: &[InputGraph], model: &Model, whose: &str) -> Result<
     }
 }
 
+/// [`check_model`] for a model read from the checkpoint at `path`.
+pub fn check_checkpoint(
+    graphs: &[InputGraph],
+    model: &Model,
+    path: &std::path::Path,
+) -> Result<(), String> {
+    check_model(
+        graphs,
+        model,
+        &format!("of the checkpoint {}", path.display()),
+    )
+}
+
 /// `ramus train`'s class count: `--classes` when given, every label of
 /// every split checked against it; else the count [`count`] took from all
 /// splits. Refused for the models whose classes come from elsewhere.

@@ -13,7 +13,7 @@
 use ramus_core::Model;
 use ramus_graph::InputGraph;
 use ramus_nn::memory::{
-    largest_param, optimizer_copies, param_bytes, token_table_bytes, training_state,
+    largest_param, packed_weight_bytes, param_bytes, token_table_bytes, training_state,
     ActivationCost, GraphCosts, Pass,
 };
 use ramus_nn::{Engine, OptimizerKind};
@@ -188,9 +188,9 @@ impl Need<'_> {
         let costliest = self
             .batches
             .iter()
-            .filter_map(|b| b.costs.costliest().map(|c| (b, c)))
-            .max_by_key(|(_, (_, bytes))| *bytes);
-        if let Some((b, (i, one))) = costliest.filter(|(_, (_, one))| *one > room) {
+            .filter_map(|b| b.costs.costliest().map(|(i, one)| (b, i, one)))
+            .max_by_key(|&(_, _, one)| one);
+        if let Some((b, i, one)) = costliest.filter(|&(_, _, one)| one > room) {
             let g = &b.graphs[i];
             return Err(format!(
                 "{}: this input ({} vertices) alone needs {} for its activations, which with \
@@ -205,19 +205,37 @@ impl Need<'_> {
         let Some(b) = worst else {
             return Ok(());
         };
-        let fit = b.costs.fitting_batch(b.batch_size, room);
-        let size = match b.flag {
-            Some(flag) => format!("{flag} {}", b.batch_size),
-            None => format!("batch size {}", b.batch_size),
-        };
-        Err(format!(
-            "{size}: the largest of the {} needs {} for its activations, which with the \
-             model's {} is more than {}; at most {fit} input(s) a batch fit",
-            b.what,
+        let needs = format!(
+            "needs {} for its activations, which with the model's {} is more than {}",
             human_bytes(activations),
             human_bytes(state),
             limit.name
-        ))
+        );
+        // an evaluation that fits but for the buffers training leaves:
+        // the training batch size is what to lower
+        let evaluated = b.largest() - b.retained;
+        let flagged = self.batches.iter().find(|t| t.flag.is_some());
+        let (b, room) = match flagged {
+            Some(t) if b.flag.is_none() && evaluated <= room => (t, room - evaluated),
+            _ => (b, room.saturating_sub(b.retained)),
+        };
+        match (b.flag, b.costs.costliest()) {
+            (Some(flag), _) => {
+                let fit = b.costs.fitting_batch(b.batch_size, room);
+                Err(format!(
+                    "{flag} {}: the largest of the {} {needs}; at most {fit} input(s) a batch fit",
+                    b.batch_size, b.what
+                ))
+            }
+            // no flag sets this batch size: name the input that costs most
+            (None, Some((i, _))) => Err(format!(
+                "the largest of the {} ({} at a time) {needs}; the largest input is {}",
+                b.what,
+                b.batch_size,
+                b.graphs[i].describe(i)
+            )),
+            (None, None) => Err(format!("the largest of the {} {needs}", b.what)),
+        }
     }
 }
 
@@ -284,11 +302,11 @@ impl Training<'_> {
                 Some("--batch-size"),
             )
         };
-        let retained = match retains {
-            true => training
-                .largest()
-                .saturating_sub(eval.graph_costs(m, &d.train).largest_batch(b)),
-            false => 0,
+        let retained = if retains {
+            let forward = eval.graph_costs(m, &d.train).largest_batch(b);
+            training.largest().saturating_sub(forward)
+        } else {
+            0
         };
         let evaluation = |what, graphs| Batches {
             retained,
@@ -299,8 +317,8 @@ impl Training<'_> {
             parts,
             batches: vec![
                 training,
-                evaluation("dev batches", &d.dev),
-                evaluation("test batches", &d.test),
+                evaluation("dev batches training evaluates", &d.dev),
+                evaluation("test batches training evaluates", &d.test),
             ],
             model_hint: model_hint(m, self.hidden, classes),
         }
@@ -314,27 +332,23 @@ impl Training<'_> {
         if limit.is_none() {
             return Ok(());
         }
-        let p = param_bytes(self.model);
-        let (train, eval, mut parts) = match self.device {
-            Device::Cpu => (
-                ActivationCost::new(self.model, Pass::Train),
-                ActivationCost::new(self.model, Pass::Evaluate),
-                training_state(self.model, self.optimizer),
-            ),
-            // the trainer keeps host gradients and optimizer state beside
-            // the device's, and stages the parameters for upload
+        let m = self.model;
+        // on CUDA the trainer keeps host gradients and optimizer state
+        // beside the device's, and stages the parameters for upload
+        let mut parts = training_state(m, self.optimizer);
+        let (train, eval) = match self.device {
+            Device::Cpu => {
+                parts.push(("packed weights", packed_weight_bytes(m)));
+                let cost = |pass| ActivationCost::new(m, pass);
+                (cost(Pass::Train), cost(Pass::Evaluate))
+            }
             Device::Cuda => {
-                let mut parts = training_state(self.model, self.optimizer);
-                parts.retain(|(what, _)| *what != "packed weights");
-                parts.push(("upload staging", p));
-                (
-                    ActivationCost::host_side(self.model, Pass::Train),
-                    ActivationCost::host_side(self.model, Pass::Evaluate),
-                    parts,
-                )
+                parts.push(("upload staging", param_bytes(m)));
+                let cost = |pass| ActivationCost::host_side(m, pass);
+                (cost(Pass::Train), cost(Pass::Evaluate))
             }
         };
-        parts.push(("best epoch's copy", p));
+        parts.push(("best epoch's copy", param_bytes(m)));
         self.need(&train, &eval, self.device == Device::Cpu, parts)
             .check(limit.as_ref())
             .map_err(|e| format!("host memory: {e}"))
@@ -356,15 +370,7 @@ impl Training<'_> {
             device_unchecked("the engine does not report its device memory");
             return Ok(());
         };
-        let p = param_bytes(self.model);
-        let parts = vec![
-            ("parameters", p),
-            ("gradients", p),
-            (
-                "optimizer state",
-                p.saturating_mul(optimizer_copies(self.optimizer)),
-            ),
-        ];
+        let parts = training_state(self.model, self.optimizer);
         let train = ActivationCost::new(self.model, Pass::Train);
         let eval = ActivationCost::new(self.model, Pass::Evaluate);
         self.need(&train, &eval, false, parts)
@@ -412,7 +418,10 @@ impl<'a> Inference<'a> {
             batch_flag: "--batch-size",
             pass,
             host_parts,
-            model_hint: "the per-token tables are too large: pass --no-tables".into(),
+            model_hint: match tables {
+                Some(_) => "the per-token tables are too large: pass --no-tables".into(),
+                None => String::new(),
+            },
             device,
         }
     }

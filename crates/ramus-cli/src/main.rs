@@ -508,8 +508,7 @@ fn eval(a: EvalArgs) -> AnyResult {
             _ => data::read_frozen(&a.data, kind, &info.vocab)?,
         },
     };
-    let whose = format!("of the checkpoint {}", a.checkpoint.display());
-    labels::check_model(&graphs, &model, &whose)?;
+    labels::check_checkpoint(&graphs, &model, &a.checkpoint)?;
     let need = limits::Inference::loaded(
         &model,
         &graphs,

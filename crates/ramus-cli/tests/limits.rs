@@ -202,12 +202,39 @@ fn one_very_long_sentence_for_the_language_model_is_refused_with_its_line() {
         ],
     );
     // lines of 300 words each fit alone, but not 25 of them together
-    let medium: String = (0..30).map(|k| words(300, 2000, k) + "\n").collect();
-    let medium = splits(&dir("lm-medium"), &medium, &short(20), &short(30));
+    let medium_text: String = (0..30).map(|k| words(300, 2000, k) + "\n").collect();
+    let medium = splits(&dir("lm-medium"), &medium_text, &short(20), &short(30));
     let args = ["train", "--model", "lstm-lm", "--data", &medium];
+    let args = [
+        &args[..],
+        &["--host-memory-budget", "60000000", "--epochs", "1"],
+    ]
+    .concat();
+    let e = refused(&args, &["--batch-size 25", "input(s) a batch fit"]);
+    // and the batch size it says fits does
+    let fit = e.split("at most ").nth(1).and_then(|t| t.split(' ').next());
+    let fit = fit.expect("a batch size that fits");
+    assert!(
+        fit.parse::<usize>().is_ok_and(|n| (1..25).contains(&n)),
+        "{e}"
+    );
+    succeeds(&[&args[..], &["--batch-size", fit]].concat());
+    // the same lines as dev, which training evaluates 64 at a time
+    let dev = splits(&dir("lm-dev"), &short(0), &medium_text, &short(30));
     refused(
-        &[&args[..], &["--host-memory-budget", "60000000"]].concat(),
-        &["--batch-size 25", "input(s) a batch fit"],
+        &[
+            "train",
+            "--model",
+            "lstm-lm",
+            "--data",
+            &dev,
+            "--host-memory-budget",
+            "60000000",
+        ],
+        &[
+            "dev batches training evaluates (64 at a time)",
+            &format!("{dev}/dev.txt:"),
+        ],
     );
 }
 

@@ -21,7 +21,8 @@
 //!   the same over its rows, plus the copy of the logits a forward pass
 //!   returns; the vertex states (and their gradients) `vertices ×
 //!   state width`; the batch's schedule, [`SCHEDULE_WORDS_PER_VERTEX`] and
-//!   [`SCHEDULE_WORDS_PER_EDGE`] 4-byte words;
+//!   [`SCHEDULE_WORDS_PER_EDGE`] 4-byte words and a copy of the vertices'
+//!   features (an image's pixels);
 //! * **the largest batch** ([`GraphCosts`]): activations are a sum over the
 //!   batch's graphs (plus the static part), so the most a batch of `B`
 //!   graphs can need is the static part plus the `B` largest per-graph
@@ -90,10 +91,10 @@ pub fn optimizer_copies(kind: OptimizerKind) -> u64 {
     }
 }
 
-/// The model-sized memory of a training run on the CPU engine, by part:
-/// the parameters, their gradients, the optimizer's moments and the
-/// packed weights (what `Params::init`, `Trainer::new` and the engine's
-/// first pass allocate, whatever the data).
+/// The model-sized memory of training, by part: the parameters, their
+/// gradients and the optimizer's moments (what `Params::init` and
+/// `Trainer::new` allocate on the host, and a device engine beside them;
+/// the CPU engine adds its [`packed_weight_bytes`]).
 pub fn training_state(model: &Model, optimizer: OptimizerKind) -> Vec<(&'static str, u64)> {
     let p = param_bytes(model);
     vec![
@@ -103,7 +104,6 @@ pub fn training_state(model: &Model, optimizer: OptimizerKind) -> Vec<(&'static 
             "optimizer state",
             p.saturating_mul(optimizer_copies(optimizer)),
         ),
-        ("packed weights", packed_weight_bytes(model)),
     ]
 }
 
@@ -302,6 +302,9 @@ impl ActivationCost {
                     .saturating_add(edges.saturating_mul(edge));
             }
         }
+        // the schedule's copy of the graph's features
+        let features = bytes(g.len() as u64, g.feature_width() as u64);
+        total = total.saturating_add(features);
         let roots = has_parent.iter().filter(|&&p| !p).count() as u64;
         let labelled = g.labels.iter().filter(|&&l| l != NO_LABEL).count() as u64;
         let head_rows = match (self.head_rows, self.pass) {

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use ramus_core::Params;
 use ramus_graph::{ptb, synthetic, VocabMode};
-use ramus_nn::memory::{training_state, ActivationCost, Pass};
+use ramus_nn::memory::{packed_weight_bytes, training_state, ActivationCost, Pass};
 use ramus_nn::{build_model, ModelConfig, OptimizerConfig, OptimizerKind, Trainer};
 
 /// The system allocator, counting live bytes and their peak.
@@ -70,7 +70,8 @@ fn the_estimate_is_within_a_small_factor_of_the_measured_peak() {
             classes: 5,
         };
         let model = build_model(name, &cfg).unwrap();
-        let state: u64 = training_state(&model, opt).iter().map(|p| p.1).sum();
+        let state: u64 = training_state(&model, opt).iter().map(|p| p.1).sum::<u64>()
+            + packed_weight_bytes(&model);
         // as `ramus train` estimates a CPU run: the largest shuffled
         // training batch, or the largest evaluation batch (in order) beside
         // the backward buffers training left in the engine
