@@ -78,9 +78,16 @@ fn parse_mem_available(meminfo: &str) -> Option<u64> {
     }
 }
 
-/// The device limit of `engine`, if it runs on a device and says.
-fn device_limit(engine: &dyn Engine<f32>, budget: Option<u64>) -> Option<Limit> {
-    let bytes = engine.device_memory_room()?;
+/// The device limit of a CUDA run's `engine` (`None` on the CPU, and with
+/// a note where the engine does not say).
+fn cuda_limit(device: Device, engine: &dyn Engine<f32>, budget: Option<u64>) -> Option<Limit> {
+    if device != Device::Cuda {
+        return None;
+    }
+    let Some(bytes) = engine.device_memory_room() else {
+        device_unchecked("the engine does not report its device memory");
+        return None;
+    };
     let name = match budget {
         Some(b) if b <= bytes => format!(
             "the device memory budget of {} (--device-memory-budget)",
@@ -363,11 +370,10 @@ impl Training<'_> {
         budget: Option<u64>,
         swapping: bool,
     ) -> Result<(), String> {
-        if self.device != Device::Cuda || swapping {
+        if swapping {
             return Ok(());
         }
-        let Some(limit) = device_limit(engine, budget) else {
-            device_unchecked("the engine does not report its device memory");
+        let Some(limit) = cuda_limit(self.device, engine, budget) else {
             return Ok(());
         };
         let parts = training_state(self.model, self.optimizer);
@@ -496,11 +502,7 @@ impl<'a> Inference<'a> {
         engine: &dyn Engine<f32>,
         budget: Option<u64>,
     ) -> Result<(), String> {
-        if self.device != Device::Cuda {
-            return Ok(());
-        }
-        let Some(limit) = device_limit(engine, budget) else {
-            device_unchecked("the engine does not report its device memory");
+        let Some(limit) = cuda_limit(self.device, engine, budget) else {
             return Ok(());
         };
         let p = param_bytes(self.model);
