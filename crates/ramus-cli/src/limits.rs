@@ -34,6 +34,8 @@ pub struct HostBudgetArgs {
 
 /// A memory limit and where it comes from.
 struct Limit {
+    /// `host memory` or `device memory`, which errors start with.
+    memory: &'static str,
     bytes: u64,
     /// How messages name it, e.g. `the 12.00 GiB of host memory available (MemAvailable)`.
     name: String,
@@ -44,6 +46,7 @@ impl HostBudgetArgs {
     fn limit(self) -> Option<Limit> {
         match self.host_memory_budget {
             Some(b) => Some(Limit {
+                memory: "host memory",
                 bytes: b,
                 name: format!(
                     "the host memory budget of {} (--host-memory-budget)",
@@ -51,6 +54,7 @@ impl HostBudgetArgs {
                 ),
             }),
             None => mem_available().map(|b| Limit {
+                memory: "host memory",
                 bytes: b,
                 name: format!(
                     "the {} of host memory available (MemAvailable)",
@@ -95,7 +99,11 @@ fn cuda_limit(device: Device, engine: &dyn Engine<f32>, budget: Option<u64>) -> 
         ),
         _ => format!("the {} the device has free", human_bytes(bytes)),
     };
-    Some(Limit { bytes, name })
+    Some(Limit {
+        memory: "device memory",
+        bytes,
+        name,
+    })
 }
 
 /// Says on stderr that a CUDA run's device memory is not checked ahead.
@@ -161,9 +169,15 @@ struct Need<'a> {
 impl Need<'_> {
     /// An error naming what to change when this cannot fit in `limit`.
     fn check(&self, limit: Option<&Limit>) -> Result<(), String> {
-        let Some(limit) = limit else {
-            return Ok(());
-        };
+        match limit {
+            Some(limit) => self
+                .fits(limit)
+                .map_err(|e| format!("{}: {e}", limit.memory)),
+            None => Ok(()),
+        }
+    }
+
+    fn fits(&self, limit: &Limit) -> Result<(), String> {
         let state = self.parts.iter().fold(0u64, |s, p| s.saturating_add(p.1));
         let worst = self.batches.iter().max_by_key(|b| b.largest());
         let activations = worst.map_or(0, Batches::largest);
@@ -358,7 +372,6 @@ impl Training<'_> {
         parts.push(("best epoch's copy", param_bytes(m)));
         self.need(&train, &eval, self.device == Device::Cpu, parts)
             .check(limit.as_ref())
-            .map_err(|e| format!("host memory: {e}"))
     }
 
     /// Refuses a CUDA run whose device cannot hold the parameters, their
@@ -379,9 +392,7 @@ impl Training<'_> {
         let parts = training_state(self.model, self.optimizer);
         let train = ActivationCost::new(self.model, Pass::Train);
         let eval = ActivationCost::new(self.model, Pass::Evaluate);
-        self.need(&train, &eval, false, parts)
-            .check(Some(&limit))
-            .map_err(|e| format!("device memory: {e}"))
+        self.need(&train, &eval, false, parts).check(Some(&limit))
     }
 }
 
@@ -491,7 +502,6 @@ impl<'a> Inference<'a> {
         };
         self.need(&cost, self.host_parts.clone())
             .check(limit.as_ref())
-            .map_err(|e| format!("host memory: {e}"))
     }
 
     /// Refuses a CUDA run whose device cannot hold the parameters (and
@@ -509,7 +519,6 @@ impl<'a> Inference<'a> {
         let cost = ActivationCost::new(self.model, self.pass);
         self.need(&cost, vec![("parameters", p), ("gradients", p)])
             .check(Some(&limit))
-            .map_err(|e| format!("device memory: {e}"))
     }
 }
 
