@@ -342,7 +342,7 @@ fn bench_need<'a>(
     let graphs = &inputs[..largest];
     let need = limits::Inference::bench(model, graphs, largest, pass, vocab, a.hidden, a.device);
     need.check_host(a.host)?;
-    if a.device == Device::Cuda && a.engine != "batched" {
+    if a.verbose && a.device == Device::Cuda && a.engine != "batched" {
         limits::device_unchecked("only the batched engine reports its device memory");
     }
     Ok(need)

@@ -107,7 +107,6 @@ pub fn run(a: InferArgs) -> AnyResult {
             )?))
         }
         ("compiled", Device::Cuda) => {
-            limits::device_unchecked("the compiled engine does not report its device memory");
             let options = CompiledOptions {
                 schedule: CompiledSchedule {
                     leaf_table: !a.no_tables,
@@ -117,10 +116,10 @@ pub fn run(a: InferArgs) -> AnyResult {
                 },
                 ..CompiledOptions::default()
             };
-            Scorer::CompiledCuda(Box::new(
-                CompiledEngine::new(model, params, &options)
-                    .map_err(|e| format!("--device cuda: {e}"))?,
-            ))
+            let engine = CompiledEngine::new(model, params, &options)
+                .map_err(|e| format!("--device cuda: {e}"))?;
+            limits::device_unchecked("the compiled engine does not report its device memory");
+            Scorer::CompiledCuda(Box::new(engine))
         }
         ("batched", d) => {
             let engine = device::engine(d, model, None)?;

@@ -93,11 +93,11 @@ fn cuda_limit(device: Device, engine: &dyn Engine<f32>, budget: Option<u64>) -> 
         return None;
     };
     let name = match budget {
-        Some(b) if b <= bytes => format!(
-            "the device memory budget of {} (--device-memory-budget)",
-            human_bytes(b)
+        Some(b) => format!(
+            "the {} the device can still give within --device-memory-budget {b}",
+            human_bytes(bytes)
         ),
-        _ => format!("the {} the device has free", human_bytes(bytes)),
+        None => format!("the {} the device has free", human_bytes(bytes)),
     };
     Some(Limit {
         memory: "device memory",
