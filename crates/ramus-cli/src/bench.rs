@@ -11,14 +11,15 @@ use ramus_core::{Grads, Model, Params};
 use ramus_cpu::{Batch, CpuEngine, Mode};
 use ramus_cuda::CudaEngine;
 use ramus_graph::{BatchingPolicy, InputGraph, Vocab, VocabMode};
+use ramus_nn::memory::Pass;
 use ramus_nn::{
     build_model, build_sequence_model, DataKind, Engine, ModelConfig, ModelOptions, Optimizer,
     OptimizerConfig, OptimizerKind,
 };
 
-use crate::data;
 use crate::device::{self, Device};
 use crate::output::outln;
+use crate::{data, labels, limits};
 
 mod compiled;
 mod persistent;
@@ -121,6 +122,8 @@ pub struct BenchArgs {
     /// app-range`), to count the bytes the engine loads.
     #[arg(long)]
     profile_inputs: Option<usize>,
+    #[command(flatten)]
+    host: crate::limits::HostBudgetArgs,
 }
 
 /// The compiled engines' recursion primitives on the command line: each
@@ -319,6 +322,33 @@ fn read_inputs(a: &BenchArgs, count: usize) -> AnyResult<BenchInputs> {
     })
 }
 
+/// Checks the inputs' labels against the model's classes and that the
+/// host can hold the model and the largest batch (bench's batches are the
+/// first inputs, the largest `sizes` asks for); the check of the device,
+/// for the batched CUDA engine, is left to the caller.
+fn bench_need<'a>(
+    a: &BenchArgs,
+    model: &'a Model,
+    inputs: &'a [InputGraph],
+    sizes: &[usize],
+    vocab: usize,
+) -> AnyResult<limits::Inference<'a>> {
+    labels::check_model(inputs, model, "that `ramus bench` builds the model with")?;
+    let largest = sizes.iter().copied().max().unwrap_or(1).min(inputs.len());
+    let pass = if a.infer_only || a.engine == "compiled" {
+        Pass::Infer
+    } else {
+        Pass::Train
+    };
+    let graphs = &inputs[..largest];
+    let need = limits::Inference::bench(model, graphs, largest, pass, vocab, a.hidden, a.device);
+    need.check_host(a.host)?;
+    if a.verbose && a.device == Device::Cuda && a.engine != "batched" {
+        limits::device_unchecked("only the batched engine reports its device memory");
+    }
+    Ok(need)
+}
+
 /// `count` random `ROWSxCOLS` grid DAGs (`--grid`) over a vocabulary of
 /// `vocab` words.
 fn grid_dags(grid: &str, count: usize, vocab: usize) -> AnyResult<Vec<InputGraph>> {
@@ -364,6 +394,7 @@ pub fn run(a: BenchArgs) -> AnyResult {
         )
         .into());
     }
+    let need = bench_need(&a, &model, &inputs, &sizes, vocab)?;
     let mut params = Params::<f32>::init(&model, 0);
     if let Some(profiled) = a.profile_inputs {
         return traffic::run(&a, profiled, &model, &params, &inputs, &sizes);
@@ -382,6 +413,9 @@ pub fn run(a: BenchArgs) -> AnyResult {
     let mut opt = Optimizer::new(OptimizerConfig::new(OptimizerKind::Sgd, 0.05), &params);
     let mut grads = Grads::zeros(&model);
     let (mut engine, table_ms) = bench_engine(&a, &model, &params, vocab)?;
+    if let BenchEngine::Cuda(e) = &engine {
+        need.check_device(e.as_ref(), a.device_memory_budget)?;
+    }
     let device_name = match &engine {
         BenchEngine::Cpu(_) => "cpu".to_string(),
         BenchEngine::Cuda(e) => e.device().name().to_string(),

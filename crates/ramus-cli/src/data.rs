@@ -162,18 +162,10 @@ pub fn load_splits(dir: Option<&Path>, kind: DataKind) -> AnyResult<Splits> {
         )
         .into());
     }
+    // from every split, so that no dev or test label is out of range
     let classes = match kind {
         DataKind::Sentences | DataKind::Images => 0,
-        _ => {
-            train
-                .iter()
-                .flat_map(|g| g.labels.iter())
-                .copied()
-                .max()
-                .unwrap_or(0)
-                .max(1) as usize
-                + 1
-        }
+        _ => crate::labels::count(&[&train, &dev, &test]),
     };
     Ok(Splits {
         source,

@@ -12,10 +12,12 @@ use ramus_cpu::{Batch, Mode};
 use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
 use ramus_graph::text::decode_utf8;
 use ramus_graph::{ptb, BatchingPolicy, InputGraph, Vocab, VocabMode};
+use ramus_nn::memory::Pass;
 use ramus_nn::DataKind;
 
 use crate::device::{self, Device};
 use crate::output::outln;
+use crate::{labels, limits};
 use crate::{load_checkpoint, AnyResult};
 
 #[derive(clap::Args)]
@@ -51,6 +53,8 @@ pub struct InferArgs {
     grid_barriers: bool,
     #[command(flatten)]
     recursion: crate::bench::RecursionFlags,
+    #[command(flatten)]
+    host: crate::limits::HostBudgetArgs,
 }
 
 /// The trees of `input` (a file; `-` or `None`: standard input), read with
@@ -94,6 +98,11 @@ pub fn run(a: InferArgs) -> AnyResult {
     }
     let trees = read_input(a.input.as_deref(), &loaded.info.vocab)?;
     let (model, params) = (&loaded.model, &loaded.params);
+    labels::check_checkpoint(&trees, model, &a.checkpoint)?;
+    let tables = (a.engine == "compiled" && !a.no_tables).then_some(loaded.info.vocab.len());
+    let need =
+        limits::Inference::loaded(model, &trees, a.batch_size, Pass::Infer, tables, a.device);
+    need.check_host(a.host)?;
     let mut scorer = match (a.engine.as_str(), a.device) {
         ("compiled", Device::Cpu) => {
             Scorer::CompiledCpu(Box::new(CpuCompiledEngine::with_schedule(
@@ -115,12 +124,16 @@ pub fn run(a: InferArgs) -> AnyResult {
                 },
                 ..CompiledOptions::default()
             };
-            Scorer::CompiledCuda(Box::new(
-                CompiledEngine::new(model, params, &options)
-                    .map_err(|e| format!("--device cuda: {e}"))?,
-            ))
+            let engine = CompiledEngine::new(model, params, &options)
+                .map_err(|e| format!("--device cuda: {e}"))?;
+            limits::device_unchecked("the compiled engine does not report its device memory");
+            Scorer::CompiledCuda(Box::new(engine))
         }
-        ("batched", d) => Scorer::Batched(device::engine(d, model, None)?),
+        ("batched", d) => {
+            let engine = device::engine(d, model, None)?;
+            need.check_device(engine.as_ref(), None)?;
+            Scorer::Batched(engine)
+        }
         (other, _) => {
             return Err(format!("unknown engine `{other}` (expected compiled or batched)").into())
         }

@@ -6,6 +6,8 @@ mod data;
 mod device;
 mod image_dir;
 mod infer;
+mod labels;
+mod limits;
 mod output;
 mod plan_memory;
 #[cfg(test)]
@@ -24,6 +26,7 @@ use output::{noteln, outln};
 use ramus_core::{HeadRows, Model, Params};
 use ramus_graph::BatchingPolicy;
 use ramus_nn::checkpoint;
+use ramus_nn::memory::Pass;
 use ramus_nn::{
     build_model_with, build_sequence_model, build_vision_model, data_kind, DataKind, ModelConfig,
     ModelOptions, SequenceConfig, VisionConfig,
@@ -100,6 +103,12 @@ struct TrainArgs {
     /// [default: 64, CNNs 16].
     #[arg(long)]
     hidden: Option<usize>,
+    /// Number of classes of a tree or td-rnn / td-lstm model [default: one
+    /// more than the largest label of train, dev and test].
+    #[arg(long)]
+    classes: Option<usize>,
+    #[command(flatten)]
+    host: limits::HostBudgetArgs,
     #[command(flatten)]
     vision: vision::VisionArgs,
     #[command(flatten)]
@@ -192,6 +201,8 @@ struct EvalArgs {
     /// Where to run: cpu or cuda.
     #[arg(long, default_value = "cpu")]
     device: device::Device,
+    #[command(flatten)]
+    host: limits::HostBudgetArgs,
 }
 
 fn main() -> ExitCode {
@@ -362,7 +373,18 @@ fn eval(a: EvalArgs) -> AnyResult {
             _ => data::read_frozen(&a.data, kind, &info.vocab)?,
         },
     };
+    labels::check_checkpoint(&graphs, &model, &a.checkpoint)?;
+    let need = limits::Inference::loaded(
+        &model,
+        &graphs,
+        a.batch_size,
+        Pass::Evaluate,
+        None,
+        a.device,
+    );
+    need.check_host(a.host)?;
     let mut engine = device::engine(a.device, &model, None)?;
+    need.check_device(engine.as_ref(), None)?;
     let r = ramus_nn::evaluate(
         &model,
         &params,

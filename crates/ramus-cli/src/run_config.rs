@@ -21,7 +21,7 @@ pub type RunConfig = BTreeMap<String, Option<Vec<String>>>;
 /// Flags a resumed run may give with another value: where and how long it
 /// runs and where it writes, not what it computes; and the data, which may
 /// move (its fingerprint tells whether it is the same).
-const MAY_DIFFER: [&str; 10] = [
+const MAY_DIFFER: [&str; 11] = [
     "epochs",
     "save",
     "quiet",
@@ -32,6 +32,7 @@ const MAY_DIFFER: [&str; 10] = [
     "checkpoint-every",
     "checkpoint-dir",
     "data",
+    "host-memory-budget",
 ];
 
 /// The `train` arguments of the command line `argv` and their matches.

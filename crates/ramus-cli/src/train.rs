@@ -25,7 +25,10 @@ use ramus_nn::{
 
 use crate::data::Splits;
 use crate::output::logln;
-use crate::{build, data, device, loss_rows, run_config, sequence, vision, AnyResult, TrainArgs};
+use crate::{
+    build, data, device, labels, limits, loss_rows, run_config, sequence, vision, AnyResult,
+    TrainArgs,
+};
 
 /// Where a run's resumable checkpoints go.
 struct CheckpointPaths {
@@ -170,7 +173,7 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
     if a.batch_size == 0 || hidden == 0 {
         return Err("--batch-size and --hidden must be at least 1".into());
     }
-    let data = match &vision_cfg {
+    let mut data = match &vision_cfg {
         Some(v) => data::load_image_splits(
             a.data.as_deref(),
             v.image,
@@ -178,6 +181,7 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
         )?,
         None => data::load_splits(a.data.as_deref(), kind)?,
     };
+    labels::settle(&mut data, kind, a.classes)?;
     logln!(
         "data: {} ({} train / {} dev / {} test, {})",
         data.source,
@@ -188,6 +192,16 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
     );
     let fingerprint = resume::fingerprint(&[&data.train, &data.dev, &data.test], &data.vocab);
     let model = model_for(a, kind, &data, hidden)?;
+    let need = limits::Training {
+        model: &model,
+        optimizer: opt,
+        data: &data,
+        batch_size: a.batch_size,
+        hidden,
+        class_source: labels::source(&data, kind, a.classes),
+        device: a.device,
+    };
+    need.check_host(a.host)?;
     let mut oc = OptimizerConfig::new(opt, lr);
     oc.weight_decay = a.weight_decay;
     oc.clip_norm = a.clip;
@@ -228,6 +242,11 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
             Some(persistent) => persistent,
             None => device::engine_with_swap(a.device, &model, a.device_memory_budget, swap)?,
         };
+    need.check_device(
+        engine.as_ref(),
+        a.device_memory_budget,
+        swap != ramus_cuda::SwapMode::Off,
+    )?;
     let mut trainer = Trainer::new(model, params, oc);
     trainer.engine = engine;
     trainer.policy = policy;

@@ -323,6 +323,18 @@ impl CudaEngine {
         self.cache.stats()
     }
 
+    /// Device memory the engine can still take: what the device has free
+    /// plus what the pool holds unused, within the pool's budget.
+    pub fn memory_room(&self) -> Result<u64> {
+        let free = self.device.free_memory()? as u64;
+        let stats = self.pool.stats();
+        let room = free.saturating_add(stats.reserved_bytes.saturating_sub(stats.in_use_bytes));
+        Ok(match self.pool.max_bytes() {
+            Some(max) => room.min(max.saturating_sub(stats.in_use_bytes)),
+            None => room,
+        })
+    }
+
     /// Pool statistics (driver allocations, bytes reserved and in use).
     pub fn pool_stats(&self) -> crate::pool::PoolStats {
         self.pool.stats()
@@ -2029,6 +2041,9 @@ impl ramus_nn::Engine<f32> for CudaEngine {
     }
     fn memory_report(&self) -> Option<String> {
         self.last_swap_report().map(|r| r.to_string())
+    }
+    fn device_memory_room(&self) -> Option<u64> {
+        self.memory_room().ok()
     }
     fn sync_host_params(&mut self, params: &mut Params<f32>) -> ramus_nn::Result<()> {
         Ok(self.download_params(params)?)

@@ -79,6 +79,14 @@ pub trait Engine<T: Real> {
         None
     }
 
+    /// Device memory this engine can still take, in bytes (what the
+    /// device has free plus what its pool holds unused, within its
+    /// budget), so that a command can check ahead that a run fits; `None`
+    /// for engines that allocate on the host.
+    fn device_memory_room(&self) -> Option<u64> {
+        None
+    }
+
     /// Brings `params` up to date with the engine's own copy, for engines
     /// whose [`Engine::train_step`] updates parameters on a device (the host
     /// values then lag until this is called). A no-op for host engines.

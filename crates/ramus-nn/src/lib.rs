@@ -5,6 +5,7 @@ pub mod atomic;
 pub mod checkpoint;
 pub mod engine;
 pub mod error;
+pub mod memory;
 pub mod models;
 pub mod optim;
 pub mod resume;

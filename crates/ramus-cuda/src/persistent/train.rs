@@ -115,6 +115,10 @@ impl Engine<f32> for PersistentTrainer {
         self.engine.upload_optimizer(optimizer).map_err(nn_err)
     }
 
+    fn device_memory_room(&self) -> Option<u64> {
+        self.eval.memory_room().ok()
+    }
+
     fn sync_host_params(&mut self, params: &mut Params<f32>) -> ramus_nn::Result<()> {
         // the batches still in flight update the parameters first
         self.engine.latest().map_err(nn_err)?;

@@ -1,0 +1,536 @@
+//! Sizes that cannot fit are refused before anything large is allocated.
+//! Each command adds up what it is about to allocate — the model state
+//! and the activations of its largest batch, computed from the model
+//! ([`ramus_nn::memory`] documents how and what it leaves out) — and
+//! compares it with the host memory available (`MemAvailable` in
+//! `/proc/meminfo` on Linux, or `--host-memory-budget`; unchecked on other
+//! systems) and, on CUDA, with what the device engine can still take. A
+//! run that cannot fit is an error naming what to change: `--hidden` (or
+//! the label or `--classes` behind a huge class count) when the model
+//! alone is too large, the `file:line` of an input too large even alone,
+//! else `--batch-size` with the largest that fits.
+
+use ramus_core::Model;
+use ramus_graph::InputGraph;
+use ramus_nn::memory::{
+    largest_param, packed_weight_bytes, param_bytes, token_table_bytes, training_state,
+    ActivationCost, GraphCosts, Pass,
+};
+use ramus_nn::{Engine, OptimizerKind};
+use ramus_swap::human_bytes;
+
+use crate::data::Splits;
+use crate::device::Device;
+
+/// `--host-memory-budget`, shared by the commands that allocate.
+#[derive(clap::Args, Clone, Copy, Debug, Default)]
+pub struct HostBudgetArgs {
+    /// Host memory a run may need, in bytes; a run estimated to need more
+    /// is refused before it starts [default: MemAvailable from
+    /// /proc/meminfo on Linux; unchecked elsewhere].
+    #[arg(long)]
+    pub host_memory_budget: Option<u64>,
+}
+
+/// A memory limit and where it comes from.
+struct Limit {
+    /// `host memory` or `device memory`, which errors start with.
+    memory: &'static str,
+    bytes: u64,
+    /// How messages name it, e.g. `the 12.00 GiB of host memory available (MemAvailable)`.
+    name: String,
+}
+
+impl HostBudgetArgs {
+    /// The host limit: the flag, else `MemAvailable` (Linux), else none.
+    fn limit(self) -> Option<Limit> {
+        match self.host_memory_budget {
+            Some(b) => Some(Limit {
+                memory: "host memory",
+                bytes: b,
+                name: format!(
+                    "the host memory budget of {} (--host-memory-budget)",
+                    human_bytes(b)
+                ),
+            }),
+            None => mem_available().map(|b| Limit {
+                memory: "host memory",
+                bytes: b,
+                name: format!(
+                    "the {} of host memory available (MemAvailable)",
+                    human_bytes(b)
+                ),
+            }),
+        }
+    }
+}
+
+/// `MemAvailable` of `/proc/meminfo` in bytes (`None` where there is none).
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    parse_mem_available(&text)
+}
+
+fn parse_mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let mut words = line.split_whitespace().skip(1);
+    let n: u64 = words.next()?.parse().ok()?;
+    match words.next() {
+        Some("kB") => Some(n.saturating_mul(1024)),
+        None => Some(n),
+        Some(_) => None,
+    }
+}
+
+/// The device limit of a CUDA run's `engine` (`None` on the CPU, and with
+/// a note where the engine does not say).
+fn cuda_limit(device: Device, engine: &dyn Engine<f32>, budget: Option<u64>) -> Option<Limit> {
+    if device != Device::Cuda {
+        return None;
+    }
+    let Some(bytes) = engine.device_memory_room() else {
+        device_unchecked("the engine does not report its device memory");
+        return None;
+    };
+    let name = match budget {
+        Some(b) => format!(
+            "the {} the device can still give within --device-memory-budget {b}",
+            human_bytes(bytes)
+        ),
+        None => format!("the {} the device has free", human_bytes(bytes)),
+    };
+    Some(Limit {
+        memory: "device memory",
+        bytes,
+        name,
+    })
+}
+
+/// Says on stderr that a CUDA run's device memory is not checked ahead.
+pub fn device_unchecked(why: &str) {
+    eprintln!("note: device memory is not checked ahead ({why})");
+}
+
+/// The batches a command runs over one data set.
+struct Batches<'a> {
+    /// e.g. `training batches`.
+    what: &'static str,
+    graphs: &'a [InputGraph],
+    costs: GraphCosts,
+    batch_size: usize,
+    /// The flag that sets the batch size, if any.
+    flag: Option<&'static str>,
+    /// Whether batches are shuffled (else taken in order).
+    shuffled: bool,
+    /// Bytes an earlier pass leaves allocated beside these batches.
+    retained: u64,
+}
+
+impl<'a> Batches<'a> {
+    fn new(
+        what: &'static str,
+        cost: &ActivationCost,
+        model: &Model,
+        graphs: &'a [InputGraph],
+        batch_size: usize,
+        flag: Option<&'static str>,
+    ) -> Self {
+        Batches {
+            what,
+            graphs,
+            costs: cost.graph_costs(model, graphs),
+            batch_size,
+            flag,
+            shuffled: false,
+            retained: 0,
+        }
+    }
+
+    /// The most one of these batches needs.
+    fn largest(&self) -> u64 {
+        let batch = if self.shuffled {
+            self.costs.largest_batch(self.batch_size)
+        } else {
+            self.costs.largest_chunk(self.batch_size)
+        };
+        batch.saturating_add(self.retained)
+    }
+}
+
+/// What a command is about to allocate in one memory.
+struct Need<'a> {
+    /// Model-sized parts, by name.
+    parts: Vec<(&'static str, u64)>,
+    batches: Vec<Batches<'a>>,
+    /// What to change when the model alone does not fit.
+    model_hint: String,
+}
+
+impl Need<'_> {
+    /// An error naming what to change when this cannot fit in `limit`.
+    fn check(&self, limit: Option<&Limit>) -> Result<(), String> {
+        match limit {
+            Some(limit) => self
+                .fits(limit)
+                .map_err(|e| format!("{}: {e}", limit.memory)),
+            None => Ok(()),
+        }
+    }
+
+    fn fits(&self, limit: &Limit) -> Result<(), String> {
+        let state = self.parts.iter().fold(0u64, |s, p| s.saturating_add(p.1));
+        let worst = self.batches.iter().max_by_key(|b| b.largest());
+        let activations = worst.map_or(0, Batches::largest);
+        if state.saturating_add(activations) <= limit.bytes {
+            return Ok(());
+        }
+        // the model is to blame when it does not fit alone, or when not
+        // even the smallest input fits beside it and the model is larger
+        let smallest = self.batches.iter().filter_map(|b| b.costs.cheapest()).min();
+        let smallest = smallest.unwrap_or(0);
+        if state > limit.bytes
+            || (state.saturating_add(smallest) > limit.bytes && state >= smallest)
+        {
+            let parts: Vec<String> = self
+                .parts
+                .iter()
+                .filter(|p| p.1 > 0)
+                .map(|(what, b)| format!("{what} {}", human_bytes(*b)))
+                .collect();
+            return Err(format!(
+                "the model needs {} ({}), more than {}; {}",
+                human_bytes(state),
+                parts.join(" + "),
+                limit.name,
+                self.model_hint
+            ));
+        }
+        let room = limit.bytes - state;
+        let costliest = self
+            .batches
+            .iter()
+            .filter_map(|b| b.costs.costliest().map(|(i, one)| (b, i, one)))
+            .max_by_key(|&(_, _, one)| one);
+        if let Some((b, i, one)) = costliest.filter(|&(_, _, one)| one > room) {
+            let g = &b.graphs[i];
+            return Err(format!(
+                "{}: this input ({} vertices) alone needs {} for its activations, which with \
+                 the model's {} is more than {}; shorten or split it, or remove it",
+                g.describe(i),
+                g.len(),
+                human_bytes(one),
+                human_bytes(state),
+                limit.name
+            ));
+        }
+        let Some(b) = worst else {
+            return Ok(());
+        };
+        let needs = format!(
+            "needs {} for its activations, which with the model's {} is more than {}",
+            human_bytes(activations),
+            human_bytes(state),
+            limit.name
+        );
+        // an evaluation that fits but for the buffers training leaves:
+        // the training batch size is what to lower
+        let evaluated = b.largest() - b.retained;
+        let flagged = self.batches.iter().find(|t| t.flag.is_some());
+        let (b, room) = match flagged {
+            Some(t) if b.flag.is_none() && evaluated <= room => (t, room - evaluated),
+            _ => (b, room.saturating_sub(b.retained)),
+        };
+        match (b.flag, b.costs.costliest()) {
+            (Some(flag), _) => {
+                let fit = b.costs.fitting_batch(b.batch_size, room);
+                Err(format!(
+                    "{flag} {}: the largest of the {} {needs}; at most {fit} input(s) a batch fit",
+                    b.batch_size, b.what
+                ))
+            }
+            // no flag sets this batch size: name the input that costs most
+            (None, Some((i, _))) => Err(format!(
+                "the largest of the {} ({} at a time) {needs}; the largest input is {}",
+                b.what,
+                b.batch_size,
+                b.graphs[i].describe(i)
+            )),
+            (None, None) => Err(format!("the largest of the {} {needs}", b.what)),
+        }
+    }
+}
+
+/// The hint for a model too large: its largest parameter, and the class
+/// count (`classes`, from `class_source`) or `--hidden` behind it.
+fn model_hint(model: &Model, hidden: usize, classes: Option<(usize, &str)>) -> String {
+    let Some((p, bytes)) = largest_param(model) else {
+        return "lower --hidden".into();
+    };
+    let spec = &model.params[p];
+    let mut hint = format!(
+        "its largest parameter is `{}` {:?} ({})",
+        spec.name,
+        spec.shape,
+        human_bytes(bytes)
+    );
+    match classes {
+        Some((k, from)) if k > hidden && spec.shape.contains(&k) => {
+            hint += &format!(", a row per class: {k} classes come from {from}")
+        }
+        _ => hint += &format!(": lower --hidden (now {hidden})"),
+    }
+    hint
+}
+
+/// What `ramus train` is about to allocate; check the host with
+/// [`Training::check_host`] before the parameters are made and the device
+/// with [`Training::check_device`] once the engine exists.
+pub struct Training<'a> {
+    pub model: &'a Model,
+    pub optimizer: OptimizerKind,
+    pub data: &'a Splits,
+    pub batch_size: usize,
+    pub hidden: usize,
+    /// Where the class count came from ([`crate::labels::source`]).
+    pub class_source: Option<String>,
+    pub device: Device,
+}
+
+/// Dev and test are evaluated in batches of this many during training.
+const TRAIN_EVAL_BATCH: usize = 64;
+
+impl Training<'_> {
+    /// The need of training with `train`'s costs and evaluating with
+    /// `eval`'s; with `retains`, the engine keeps the training pass's
+    /// backward buffers while it evaluates (the CPU engine's arenas; the
+    /// CUDA engine's batch arena starts over each batch).
+    fn need(
+        &self,
+        train: &ActivationCost,
+        eval: &ActivationCost,
+        retains: bool,
+        parts: Vec<(&'static str, u64)>,
+    ) -> Need<'_> {
+        let (m, d, b) = (self.model, self.data, self.batch_size);
+        let training = Batches {
+            shuffled: true,
+            ..Batches::new(
+                "training batches",
+                train,
+                m,
+                &d.train,
+                b,
+                Some("--batch-size"),
+            )
+        };
+        let retained = if retains {
+            let forward = eval.graph_costs(m, &d.train).largest_batch(b);
+            training.largest().saturating_sub(forward)
+        } else {
+            0
+        };
+        let evaluation = |what, graphs| Batches {
+            retained,
+            ..Batches::new(what, eval, m, graphs, TRAIN_EVAL_BATCH, None)
+        };
+        let classes = self.class_source.as_deref().map(|s| (d.classes, s));
+        Need {
+            parts,
+            batches: vec![
+                training,
+                evaluation("dev batches training evaluates", &d.dev),
+                evaluation("test batches training evaluates", &d.test),
+            ],
+            model_hint: model_hint(m, self.hidden, classes),
+        }
+    }
+
+    /// Refuses a run whose host memory cannot hold the parameters, their
+    /// gradients, the optimizer state, the best epoch's copy and (on the
+    /// CPU) the activations of the largest batch.
+    pub fn check_host(&self, budget: HostBudgetArgs) -> Result<(), String> {
+        let limit = budget.limit();
+        if limit.is_none() {
+            return Ok(());
+        }
+        let m = self.model;
+        // on CUDA the trainer keeps host gradients and optimizer state
+        // beside the device's, and stages the parameters for upload
+        let mut parts = training_state(m, self.optimizer);
+        let (train, eval) = match self.device {
+            Device::Cpu => {
+                parts.push(("packed weights", packed_weight_bytes(m)));
+                let cost = |pass| ActivationCost::new(m, pass);
+                (cost(Pass::Train), cost(Pass::Evaluate))
+            }
+            Device::Cuda => {
+                parts.push(("upload staging", param_bytes(m)));
+                let cost = |pass| ActivationCost::host_side(m, pass);
+                (cost(Pass::Train), cost(Pass::Evaluate))
+            }
+        };
+        parts.push(("best epoch's copy", param_bytes(m)));
+        self.need(&train, &eval, self.device == Device::Cpu, parts)
+            .check(limit.as_ref())
+    }
+
+    /// Refuses a CUDA run whose device cannot hold the parameters, their
+    /// gradients, the optimizer state and the largest batch's activations
+    /// (not checked with swapping, which trains past the budget).
+    pub fn check_device(
+        &self,
+        engine: &dyn Engine<f32>,
+        budget: Option<u64>,
+        swapping: bool,
+    ) -> Result<(), String> {
+        if swapping {
+            return Ok(());
+        }
+        let Some(limit) = cuda_limit(self.device, engine, budget) else {
+            return Ok(());
+        };
+        let parts = training_state(self.model, self.optimizer);
+        let train = ActivationCost::new(self.model, Pass::Train);
+        let eval = ActivationCost::new(self.model, Pass::Evaluate);
+        self.need(&train, &eval, false, parts).check(Some(&limit))
+    }
+}
+
+/// What `eval`, `infer` and `bench` are about to allocate for a model whose
+/// parameters are (or are about to be) made.
+pub struct Inference<'a> {
+    pub model: &'a Model,
+    pub graphs: &'a [InputGraph],
+    pub batch_size: usize,
+    /// The flag that sets the batch size.
+    pub batch_flag: &'static str,
+    pub pass: Pass,
+    /// Model-sized host allocations still to come (parameters not yet
+    /// made, per-token tables), by name.
+    pub host_parts: Vec<(&'static str, u64)>,
+    /// What to change when those do not fit.
+    pub model_hint: String,
+    pub device: Device,
+}
+
+impl<'a> Inference<'a> {
+    /// For a model read from a checkpoint (parameters already in memory),
+    /// with per-token tables for `tables` tokens if the engine builds them.
+    pub fn loaded(
+        model: &'a Model,
+        graphs: &'a [InputGraph],
+        batch_size: usize,
+        pass: Pass,
+        tables: Option<usize>,
+        device: Device,
+    ) -> Self {
+        let host_parts = tables
+            .filter(|_| device == Device::Cpu)
+            .map(|v| vec![("per-token tables", token_table_bytes(model, v))])
+            .unwrap_or_default();
+        Inference {
+            model,
+            graphs,
+            batch_size,
+            batch_flag: "--batch-size",
+            pass,
+            host_parts,
+            model_hint: match tables {
+                Some(_) => "the per-token tables are too large: pass --no-tables".into(),
+                None => String::new(),
+            },
+            device,
+        }
+    }
+
+    /// A bench's model, its parameters (and SGD's gradients) still to be
+    /// made, with per-token tables for `vocab` tokens on the CPU.
+    pub fn bench(
+        model: &'a Model,
+        graphs: &'a [InputGraph],
+        batch_size: usize,
+        pass: Pass,
+        vocab: usize,
+        hidden: usize,
+        device: Device,
+    ) -> Self {
+        let p = param_bytes(model);
+        let mut host_parts = vec![("parameters", p)];
+        if pass == Pass::Train {
+            host_parts.push(("gradients", p));
+        }
+        if device == Device::Cpu {
+            host_parts.push(("per-token tables", token_table_bytes(model, vocab)));
+        }
+        Inference {
+            model,
+            graphs,
+            batch_size,
+            batch_flag: "--batch-sizes",
+            pass,
+            host_parts,
+            model_hint: model_hint(model, hidden, None),
+            device,
+        }
+    }
+
+    fn need(&self, cost: &ActivationCost, parts: Vec<(&'static str, u64)>) -> Need<'_> {
+        Need {
+            parts,
+            batches: vec![Batches::new(
+                "batches",
+                cost,
+                self.model,
+                self.graphs,
+                self.batch_size,
+                Some(self.batch_flag),
+            )],
+            model_hint: self.model_hint.clone(),
+        }
+    }
+
+    /// Refuses a run whose host memory cannot hold what is still to be
+    /// made and (on the CPU) the activations of the largest batch.
+    pub fn check_host(&self, budget: HostBudgetArgs) -> Result<(), String> {
+        let limit = budget.limit();
+        if limit.is_none() {
+            return Ok(());
+        }
+        let cost = match self.device {
+            Device::Cpu => ActivationCost::new(self.model, self.pass),
+            Device::Cuda => ActivationCost::host_side(self.model, self.pass),
+        };
+        self.need(&cost, self.host_parts.clone())
+            .check(limit.as_ref())
+    }
+
+    /// Refuses a CUDA run whose device cannot hold the parameters (and
+    /// their gradient buffer, which the engine allocates beside them) and
+    /// the largest batch's activations.
+    pub fn check_device(
+        &self,
+        engine: &dyn Engine<f32>,
+        budget: Option<u64>,
+    ) -> Result<(), String> {
+        let Some(limit) = cuda_limit(self.device, engine, budget) else {
+            return Ok(());
+        };
+        let p = param_bytes(self.model);
+        let cost = ActivationCost::new(self.model, self.pass);
+        self.need(&cost, vec![("parameters", p), ("gradients", p)])
+            .check(Some(&limit))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_mem_available() {
+        let text = "MemTotal:  100 kB\nMemAvailable:    2048 kB\nSwapTotal: 0 kB\n";
+        assert_eq!(parse_mem_available(text), Some(2048 * 1024));
+        assert_eq!(parse_mem_available("MemTotal: 1 kB\n"), None);
+        assert_eq!(parse_mem_available("MemAvailable: x kB\n"), None);
+    }
+}

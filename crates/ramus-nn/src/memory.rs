@@ -1,0 +1,464 @@
+//! What a run needs in memory, computed from the model and the data before
+//! anything large is allocated, so that a command can refuse sizes that
+//! cannot fit (naming the flag or input to change) instead of aborting
+//! on a failed allocation or growing until the machine kills it.
+//!
+//! The estimate follows how the batched engines size their buffers
+//! (`ramus_cpu::CpuEngine`'s arenas; the CUDA engine's `alloc_bufs` sizes
+//! its batch arena the same way):
+//!
+//! * **model state**: every parameter's elements ([`param_bytes`]); the
+//!   gradients (`Grads::zeros`: one dense tensor per parameter); the
+//!   optimizer's moments ([`optimizer_copies`]: SGD none, Adagrad one,
+//!   Adam two, each parameter-sized); the packed copies of the weights
+//!   small-row products read ([`packed_weight_bytes`]); per-token tables
+//!   where evaluation uses them ([`token_table_bytes`]);
+//! * **activations** ([`ActivationCost`]): for each vertex function, every
+//!   node of its forward graph (and of `∂F` when training) holds
+//!   `rows × width` elements for vertex-space values, `edges × width` for
+//!   edge-space values and its whole shape for static ones (parameters and
+//!   the forward values a backward graph reads are not copied); the head
+//!   the same over its rows, plus the copy of the logits a forward pass
+//!   returns; the vertex states (and their gradients) `vertices ×
+//!   state width`; the batch's schedule, [`SCHEDULE_WORDS_PER_VERTEX`] and
+//!   [`SCHEDULE_WORDS_PER_EDGE`] 4-byte words and a copy of the vertices'
+//!   features (an image's pixels);
+//! * **the largest batch** ([`GraphCosts`]): activations are a sum over the
+//!   batch's graphs (plus the static part), so the most a batch of `B`
+//!   graphs can need is the static part plus the `B` largest per-graph
+//!   costs, whatever the shuffle; where graphs run in order (evaluation),
+//!   the most any of their consecutive chunks needs.
+//!
+//! Every element is 4 bytes (`f32` values, `u32` indices). Not counted:
+//! scratch inside kernels (a convolution's unfolded input), allocator
+//! rounding and `Vec` growth slack, and the input graphs themselves (read
+//! before the check, so already outside the memory it is made against).
+//! Arithmetic saturates, so absurd sizes give `u64::MAX`, never a wrap.
+
+use ramus_core::graph::{Graph, NodeKind, Source, Space};
+use ramus_core::ops::Embedding;
+use ramus_core::plan::token_hoist;
+use ramus_core::{HeadRows, Model};
+use ramus_graph::{InputGraph, NO_LABEL};
+
+use crate::optim::OptimizerKind;
+
+/// Bytes of one element (`f32` value or `u32` index).
+pub const ELEMENT_BYTES: u64 = 4;
+/// 4-byte words a batch's schedule keeps per vertex: its number, function,
+/// row, token, label and graph, the function's row list and edge offsets,
+/// and the child offsets, heights, functions and task lists of its build.
+pub const SCHEDULE_WORDS_PER_VERTEX: u64 = 12;
+/// 4-byte words a batch's schedule keeps per child edge (the children, and
+/// each function's edge children and parents) plus the engine's local edges.
+pub const SCHEDULE_WORDS_PER_EDGE: u64 = 4;
+
+/// `count × width` elements, in bytes (saturating).
+fn bytes(count: u64, width: u64) -> u64 {
+    count.saturating_mul(width).saturating_mul(ELEMENT_BYTES)
+}
+
+/// Elements of `shape` (saturating).
+fn elements(shape: &[usize]) -> u64 {
+    shape.iter().fold(1u64, |n, &d| n.saturating_mul(d as u64))
+}
+
+/// Bytes of all of `model`'s parameters and buffers.
+pub fn param_bytes(model: &Model) -> u64 {
+    model
+        .params
+        .iter()
+        .fold(0u64, |s, p| s.saturating_add(bytes(elements(&p.shape), 1)))
+}
+
+/// The largest parameter: its index and bytes (`None` for a model without).
+pub fn largest_param(model: &Model) -> Option<(usize, u64)> {
+    model
+        .params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (i, bytes(elements(&p.shape), 1)))
+        .max_by_key(|&(_, b)| b)
+}
+
+/// Parameter-sized copies an optimizer keeps (`Optimizer::new`): Adam its
+/// first and second moments, Adagrad its sum of squares, SGD nothing.
+pub fn optimizer_copies(kind: OptimizerKind) -> u64 {
+    match kind {
+        OptimizerKind::Sgd => 0,
+        OptimizerKind::Adagrad => 1,
+        OptimizerKind::Adam => 2,
+    }
+}
+
+/// The model-sized memory of training, by part: the parameters, their
+/// gradients and the optimizer's moments (what `Params::init` and
+/// `Trainer::new` allocate on the host, and a device engine beside them;
+/// the CPU engine adds its [`packed_weight_bytes`]).
+pub fn training_state(model: &Model, optimizer: OptimizerKind) -> Vec<(&'static str, u64)> {
+    let p = param_bytes(model);
+    vec![
+        ("parameters", p),
+        ("gradients", p),
+        (
+            "optimizer state",
+            p.saturating_mul(optimizer_copies(optimizer)),
+        ),
+    ]
+}
+
+/// Bytes of the packed weights the CPU engine keeps for small-row products:
+/// one copy per parameter and orientation an op packs.
+pub fn packed_weight_bytes(model: &Model) -> u64 {
+    let mut packed = std::collections::BTreeSet::new();
+    for g in graphs_of(model, Pass::Train) {
+        for node in &g.nodes {
+            let Some(want) = node.op().and_then(|op| op.packed_operand()) else {
+                continue;
+            };
+            if let Some(NodeKind::Param(p)) = node.inputs.get(1).map(|&b| &g.nodes[b].kind) {
+                packed.insert((*p, want.trans_b));
+            }
+        }
+    }
+    packed.into_iter().fold(0u64, |s, (p, _)| {
+        s.saturating_add(bytes(elements(&model.params[p].shape), 1))
+    })
+}
+
+/// Bytes of the per-token tables evaluation builds for `vocab` tokens
+/// (`CpuEngine::use_token_tables`; the compiled engines' leaf tables hold
+/// the same values): one row per token, up to the function's smallest
+/// embedding table, for each token-only value.
+pub fn token_table_bytes(model: &Model, vocab: usize) -> u64 {
+    model.functions.iter().fold(0u64, |s, f| {
+        let g = &f.forward;
+        let rows = g
+            .nodes
+            .iter()
+            .filter(|n| n.op_as::<Embedding>().is_some())
+            .filter_map(|n| match g.nodes.get(*n.inputs.first()?)?.kind {
+                NodeKind::Param(p) => model.params.get(p)?.shape.first().copied(),
+                _ => None,
+            })
+            .min()
+            .map_or(vocab, |r| r.min(vocab)) as u64;
+        token_hoist(g).tabulated.iter().fold(s, |s, &n| {
+            s.saturating_add(bytes(rows, g.nodes[n].ty.width() as u64))
+        })
+    })
+}
+
+/// Which passes a command runs over a batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pass {
+    /// Forward and backward (training).
+    Train,
+    /// Forward with the loss; for a model whose head reads the roots, the
+    /// head again over every labelled vertex (`ramus_nn::evaluate`).
+    Evaluate,
+    /// Forward to the scores.
+    Infer,
+}
+
+/// The graphs a pass runs: each function's forward graph (and its
+/// backward graph when training), then the head's.
+fn graphs_of(model: &Model, pass: Pass) -> Vec<&Graph> {
+    let mut out: Vec<&Graph> = model.functions.iter().map(|f| &f.forward).collect();
+    out.push(&model.head.forward);
+    if pass == Pass::Train {
+        out.extend(model.functions.iter().map(|f| &f.backward));
+        out.push(&model.head.backward);
+    }
+    out
+}
+
+/// Bytes a graph's buffers need per vertex row, per edge row and in all
+/// (static values), as an engine arena holds them.
+fn arena_widths(g: &Graph) -> (u64, u64, u64) {
+    let (mut row, mut edge, mut fixed) = (0u64, 0u64, 0u64);
+    for node in &g.nodes {
+        if matches!(
+            node.kind,
+            NodeKind::Param(_) | NodeKind::Input(Source::Forward(_))
+        ) {
+            continue;
+        }
+        let w = node.ty.width() as u64;
+        match node.ty.space {
+            Space::Vertex => row = row.saturating_add(bytes(1, w)),
+            Space::Edge => edge = edge.saturating_add(bytes(1, w)),
+            Space::Static => fixed = fixed.saturating_add(bytes(1, w)),
+        }
+    }
+    (row, edge, fixed)
+}
+
+/// Activation bytes of a pass per unit of each of a batch's counts,
+/// computed once from the model's graphs (see the module docs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ActivationCost {
+    pass: Pass,
+    head_rows: HeadRows,
+    /// Per vertex function: bytes per row it runs and per child edge.
+    per_row: Vec<u64>,
+    per_edge: Vec<u64>,
+    /// Bytes per head row: the head's buffers and the returned logits.
+    per_head_row: u64,
+    /// Bytes per vertex: states (and their gradients), the schedule.
+    per_vertex: u64,
+    /// Bytes per child edge outside the functions' buffers (the schedule).
+    per_any_edge: u64,
+    /// Static values, whatever the batch.
+    fixed: u64,
+}
+
+impl ActivationCost {
+    /// The costs of `pass` over `model`'s graphs.
+    pub fn new(model: &Model, pass: Pass) -> Self {
+        let train = pass == Pass::Train;
+        let mut fixed = 0u64;
+        let (mut per_row, mut per_edge) = (Vec::new(), Vec::new());
+        for f in &model.functions {
+            let (mut r, mut e, s) = arena_widths(&f.forward);
+            fixed = fixed.saturating_add(s);
+            if train {
+                let (br, be, bs) = arena_widths(&f.backward);
+                (r, e) = (r.saturating_add(br), e.saturating_add(be));
+                fixed = fixed.saturating_add(bs);
+            }
+            per_row.push(r);
+            per_edge.push(e);
+        }
+        let head = &model.head;
+        let (mut per_head_row, _, s) = arena_widths(&head.forward);
+        fixed = fixed.saturating_add(s);
+        if train {
+            let (r, _, s) = arena_widths(&head.backward);
+            per_head_row = per_head_row.saturating_add(r);
+            fixed = fixed.saturating_add(s);
+        }
+        if let Some(l) = head.logits {
+            per_head_row =
+                per_head_row.saturating_add(bytes(1, head.forward.nodes[l].ty.width() as u64));
+        }
+        let states = if train { 2 } else { 1 };
+        let per_vertex = bytes(states, model.state_width as u64)
+            .saturating_add(bytes(SCHEDULE_WORDS_PER_VERTEX, 1));
+        ActivationCost {
+            pass,
+            head_rows: head.rows,
+            per_row,
+            per_edge,
+            per_head_row,
+            per_vertex,
+            per_any_edge: bytes(SCHEDULE_WORDS_PER_EDGE, 1),
+            fixed,
+        }
+    }
+
+    /// The host's share of `pass` when a device engine runs it: the
+    /// batch's schedule and the scores it brings back (the buffers
+    /// [`ActivationCost::new`] counts are on the device).
+    pub fn host_side(model: &Model, pass: Pass) -> Self {
+        let n = model.functions.len();
+        let head = &model.head;
+        let logits = head
+            .logits
+            .map_or(0, |l| bytes(1, head.forward.nodes[l].ty.width() as u64));
+        ActivationCost {
+            pass,
+            head_rows: head.rows,
+            per_row: vec![0; n],
+            per_edge: vec![0; n],
+            per_head_row: logits,
+            per_vertex: bytes(SCHEDULE_WORDS_PER_VERTEX, 1),
+            per_any_edge: bytes(SCHEDULE_WORDS_PER_EDGE, 1),
+            fixed: 0,
+        }
+    }
+
+    /// The static part: bytes a batch needs however small it is.
+    pub fn fixed(&self) -> u64 {
+        self.fixed
+    }
+
+    /// Bytes `g` adds to any batch it is in (without the static part).
+    pub fn graph_bytes(&self, model: &Model, g: &InputGraph) -> u64 {
+        let mut total = 0u64;
+        let mut has_parent = vec![false; g.len()];
+        for v in 0..g.len() {
+            let kids = g.children(v);
+            kids.iter().for_each(|&c| has_parent[c as usize] = true);
+            let edges = kids.len() as u64;
+            total = total.saturating_add(self.per_vertex);
+            total = total.saturating_add(edges.saturating_mul(self.per_any_edge));
+            // a vertex no function runs is refused by the schedule
+            if let Some(f) = model.selector.select(g.kind(v), kids.len()) {
+                let row = self.per_row.get(f).copied().unwrap_or(0);
+                let edge = self.per_edge.get(f).copied().unwrap_or(0);
+                total = total
+                    .saturating_add(row)
+                    .saturating_add(edges.saturating_mul(edge));
+            }
+        }
+        // the schedule's copy of the graph's features
+        let features = bytes(g.len() as u64, g.feature_width() as u64);
+        total = total.saturating_add(features);
+        let roots = has_parent.iter().filter(|&&p| !p).count() as u64;
+        let labelled = g.labels.iter().filter(|&&l| l != NO_LABEL).count() as u64;
+        let head_rows = match (self.head_rows, self.pass) {
+            (HeadRows::Labelled, _) => labelled,
+            // evaluation runs the head again over the labelled vertices
+            (HeadRows::Roots, Pass::Evaluate) => roots.max(labelled),
+            (HeadRows::Roots, _) => roots,
+        };
+        total.saturating_add(head_rows.saturating_mul(self.per_head_row))
+    }
+
+    /// The per-graph costs of `graphs` (see [`GraphCosts`]).
+    pub fn graph_costs(&self, model: &Model, graphs: &[InputGraph]) -> GraphCosts {
+        let in_order: Vec<u64> = graphs.iter().map(|g| self.graph_bytes(model, g)).collect();
+        let mut sorted: Vec<(u64, usize)> = in_order.iter().copied().zip(0..).collect();
+        sorted.sort_unstable_by(|a, b| b.cmp(a));
+        GraphCosts {
+            fixed: self.fixed,
+            in_order,
+            sorted,
+        }
+    }
+}
+
+/// The activation bytes each graph of a data set adds to its batch, and
+/// the static part every batch needs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GraphCosts {
+    fixed: u64,
+    /// Per graph, in the data set's order.
+    in_order: Vec<u64>,
+    /// `(bytes, index of the graph)`, most expensive first.
+    sorted: Vec<(u64, usize)>,
+}
+
+impl GraphCosts {
+    /// The most a batch of `batch_size` of these graphs, in any order
+    /// (shuffled training batches), can need: the static part plus the
+    /// `batch_size` largest costs.
+    pub fn largest_batch(&self, batch_size: usize) -> u64 {
+        self.sorted
+            .iter()
+            .take(batch_size)
+            .fold(self.fixed, |s, &(b, _)| s.saturating_add(b))
+    }
+
+    /// The most a batch needs when the graphs run in order, `batch_size`
+    /// at a time (evaluation, inference, a bench's first inputs).
+    pub fn largest_chunk(&self, batch_size: usize) -> u64 {
+        self.in_order
+            .chunks(batch_size.max(1))
+            .map(|c| c.iter().fold(self.fixed, |s, &b| s.saturating_add(b)))
+            .max()
+            .unwrap_or(self.fixed)
+    }
+
+    /// The most expensive graph: its index and what a batch of it alone needs.
+    pub fn costliest(&self) -> Option<(usize, u64)> {
+        self.sorted
+            .first()
+            .map(|&(b, i)| (i, b.saturating_add(self.fixed)))
+    }
+
+    /// What a batch of the cheapest graph alone needs (`None` without graphs).
+    pub fn cheapest(&self) -> Option<u64> {
+        self.sorted
+            .last()
+            .map(|&(b, _)| b.saturating_add(self.fixed))
+    }
+
+    /// The largest batch size up to `batch_size` whose batches need at most
+    /// `bytes` in any order (0 when not even one graph fits).
+    pub fn fitting_batch(&self, batch_size: usize, bytes: u64) -> usize {
+        let mut need = self.fixed;
+        for (k, &(b, _)) in self.sorted.iter().take(batch_size).enumerate() {
+            need = need.saturating_add(b);
+            if need > bytes {
+                return k;
+            }
+        }
+        batch_size.min(self.sorted.len())
+    }
+
+    /// Number of graphs.
+    pub fn len(&self) -> usize {
+        self.in_order.len()
+    }
+
+    /// True when there is no graph.
+    pub fn is_empty(&self) -> bool {
+        self.in_order.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{build_model, ModelConfig};
+
+    fn cfg(hidden: usize) -> ModelConfig {
+        ModelConfig {
+            vocab: 10,
+            hidden,
+            classes: 5,
+        }
+    }
+
+    #[test]
+    fn parameters_and_optimizer_state_scale_with_the_model() {
+        let m = build_model("treelstm", &cfg(8)).unwrap();
+        let by_hand: u64 = m
+            .params
+            .iter()
+            .map(|p| p.shape.iter().product::<usize>() as u64 * 4)
+            .sum();
+        assert_eq!(param_bytes(&m), by_hand);
+        let (i, b) = largest_param(&m).unwrap();
+        assert_eq!(b, m.params[i].shape.iter().product::<usize>() as u64 * 4);
+        assert_eq!(optimizer_copies(OptimizerKind::Adam), 2);
+        // absurd sizes saturate rather than wrap
+        let huge = build_model("treelstm", &cfg(1 << 31)).unwrap();
+        assert!(param_bytes(&huge) > 1 << 60);
+    }
+
+    #[test]
+    fn a_batch_costs_its_largest_graphs_and_training_costs_more() {
+        let m = build_model("treelstm-nary", &cfg(8)).unwrap();
+        let mut small = InputGraph::new();
+        let a = small.push_vertex(&[], 1, 2).unwrap();
+        let b = small.push_vertex(&[], 2, 2).unwrap();
+        small.push_vertex(&[a, b], 0, 3).unwrap();
+        let single = InputGraph::chain(&[1], &[0]).unwrap();
+        let train = ActivationCost::new(&m, Pass::Train);
+        let infer = ActivationCost::new(&m, Pass::Infer);
+        assert!(train.graph_bytes(&m, &small) > infer.graph_bytes(&m, &small));
+        assert!(train.graph_bytes(&m, &small) > train.graph_bytes(&m, &single));
+        let costs = train.graph_costs(&m, &[single.clone(), small.clone(), single.clone()]);
+        let (big, _) = costs.costliest().unwrap();
+        assert_eq!(big, 1);
+        assert_eq!(
+            costs.cheapest(),
+            Some(train.fixed() + train.graph_bytes(&m, &single))
+        );
+        let one = train.graph_bytes(&m, &small);
+        assert_eq!(costs.largest_batch(1), train.fixed() + one);
+        assert!(costs.largest_batch(2) > costs.largest_batch(1));
+        assert_eq!(costs.largest_batch(9), costs.largest_batch(3));
+        assert_eq!(costs.fitting_batch(3, costs.largest_batch(2)), 2);
+        assert_eq!(costs.fitting_batch(3, train.fixed()), 0);
+        // in order, batches of two are [single, small] and [single]
+        assert_eq!(costs.largest_chunk(2), costs.largest_batch(2));
+        assert!(costs.largest_chunk(1) == costs.largest_batch(1));
+        let ordered =
+            train.graph_costs(&m, &[small.clone(), single.clone(), single.clone(), small]);
+        assert!(ordered.largest_chunk(2) < ordered.largest_batch(2));
+    }
+}
