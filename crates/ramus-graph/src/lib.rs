@@ -5,6 +5,7 @@
 //! schedules (Cavs batching policy, DyNet agenda) that execution engines run,
 //! and the linearizer of the compiled (Cortex) engine.
 
+pub mod binarize;
 pub mod images;
 pub mod input;
 pub mod linearize;
@@ -12,6 +13,7 @@ pub mod ptb;
 pub mod random;
 pub mod schedule;
 pub mod sequence;
+pub mod structure;
 pub mod synthetic;
 pub mod tagged;
 pub mod text;
@@ -21,6 +23,7 @@ pub mod vocab;
 pub use input::{InputGraph, Origin, NO_LABEL};
 pub use linearize::{CsrGraph, LinearBatch, Linearizer, NO_CHILD};
 pub use schedule::{BatchingPolicy, FunctionRows, Schedule, Task};
+pub use structure::check_structure;
 pub use unroll::UnrolledPlan;
 pub use vocab::{Vocab, VocabMode};
 
@@ -40,6 +43,15 @@ pub enum GraphError {
     /// A structural problem (bad child id, mismatched lengths).
     #[error("invalid graph: {0}")]
     Structure(String),
+    /// A vertex the model cannot run as it is (no function for its kind,
+    /// more or fewer children than its function reads): `place` is the
+    /// graph's `file:line` ([`InputGraph::describe`]).
+    #[error("{place}: vertex {vertex} {message}")]
+    Unfit {
+        place: String,
+        vertex: usize,
+        message: String,
+    },
     /// An empty batch or a batch that cannot be scheduled.
     #[error("cannot schedule batch: {0}")]
     Schedule(String),

@@ -1,0 +1,183 @@
+//! Which children a vertex function reads, derived from its inputs
+//! (`gather(k)`, `gather_optional(k)`, `gather_all()`), and the check that
+//! a vertex fits the function a model runs there: input structure a model
+//! cannot read is refused, never silently ignored (a binary cell given a
+//! third child would drop it; given one child, read zeros for the second).
+
+use std::fmt;
+
+use crate::graph::{Graph, NodeKind, Source};
+use crate::model::{FunctionSelector, Model};
+
+/// The number of children a vertex function reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arity {
+    /// `gather_all()`: every child, however many.
+    Any,
+    /// `gather(k)` for children `k < max`: a vertex must have no children
+    /// at all (the start of a chain: every `gather` reads zeros) or between
+    /// `min` and `max`. `min < max` only where `gather_optional(k)` made
+    /// children `min..max` optional (a word step whose previous step the
+    /// first word lacks).
+    Fixed { min: usize, max: usize },
+}
+
+impl Arity {
+    /// What `forward` reads: `Any` if it gathers all children, else the
+    /// largest `gather(k)` plus one, of which children from
+    /// `optional_from` on may be missing. An error when a required
+    /// `gather(k)` comes after an optional one (the optional children must
+    /// be the last ones).
+    pub fn of(forward: &Graph, optional_from: Option<usize>) -> Result<Arity, String> {
+        if forward.input_node(Source::GatherAll).is_some() {
+            return Ok(Arity::Any);
+        }
+        let read = || {
+            forward.nodes.iter().filter_map(|n| match n.kind {
+                NodeKind::Input(Source::Gather(k)) => Some(k),
+                _ => None,
+            })
+        };
+        let max = read().max().map_or(0, |k| k + 1);
+        let min = optional_from.map_or(max, |o| o.min(max));
+        if let Some(k) = optional_from {
+            if k >= max {
+                return Err(format!(
+                    "child {k} is declared optional but never gathered"
+                ));
+            }
+        }
+        Ok(Arity::Fixed { min, max })
+    }
+
+    /// Whether a vertex with `children` children fits.
+    pub fn admits(self, children: usize) -> bool {
+        match self {
+            Arity::Any => true,
+            Arity::Fixed { min, max } => children == 0 || (min..=max).contains(&children),
+        }
+    }
+
+    /// True for a function that reads exactly two children (a binary
+    /// composition: `--binarize` makes trees fit it).
+    pub fn is_binary(self) -> bool {
+        self == Arity::Fixed { min: 2, max: 2 }
+    }
+}
+
+impl fmt::Display for Arity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let plural = |n: usize| if n == 1 { "" } else { "ren" };
+        match *self {
+            Arity::Any => write!(f, "any number of children"),
+            Arity::Fixed { max: 0, .. } => write!(f, "no children"),
+            Arity::Fixed { min, max } if min == max => {
+                write!(f, "exactly {max} child{} (or none)", plural(max))
+            }
+            Arity::Fixed { min, max } => write!(f, "{min} to {max} children (or none)"),
+        }
+    }
+}
+
+/// What an input graph must fit: which function a model runs at a vertex
+/// and what that function reads. [`Model::function_for`] answers from the
+/// model; engines that keep only lowered code (the compiled ones) keep
+/// this snapshot, taken once with [`VertexRules::of`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct VertexRules {
+    model: String,
+    selector: FunctionSelector,
+    /// Name and arity of every function.
+    functions: Vec<(String, Arity)>,
+}
+
+impl VertexRules {
+    /// The rules of `model`.
+    pub fn of(model: &Model) -> VertexRules {
+        VertexRules {
+            model: model.name.clone(),
+            selector: model.selector.clone(),
+            functions: model
+                .functions
+                .iter()
+                .map(|f| (f.name.clone(), f.arity))
+                .collect(),
+        }
+    }
+
+    /// See [`Model::function_for`].
+    pub fn function_for(&self, kind: u16, children: usize) -> Result<usize, String> {
+        function_for(&self.model, &self.selector, kind, children, |f| {
+            self.functions.get(f).map(|(n, a)| (n.as_str(), *a))
+        })
+    }
+}
+
+/// The function `selector` runs at a vertex of `kind` with `children`
+/// children, if it reads them (`function(f)`: the name and arity of
+/// function `f`); else why not. No allocation unless the vertex is refused.
+pub(crate) fn function_for<'a>(
+    model: &str,
+    selector: &FunctionSelector,
+    kind: u16,
+    children: usize,
+    function: impl Fn(usize) -> Option<(&'a str, Arity)>,
+) -> Result<usize, String> {
+    let Some(f) = selector.select(kind, children) else {
+        return Err(format!(
+            "has kind {kind}, which no vertex function of model `{model}` runs"
+        ));
+    };
+    let Some((name, arity)) = function(f) else {
+        return Err(format!(
+            "model `{model}` selects vertex function {f}, which does not exist"
+        ));
+    };
+    if arity.admits(children) {
+        return Ok(f);
+    }
+    let (first, last, fate) = match arity {
+        Arity::Fixed { max, .. } if children > max => (max, children - 1, "be ignored"),
+        Arity::Fixed { min, .. } => (children, min - 1, "read zeros"),
+        Arity::Any => (0, 0, ""),
+    };
+    let what = match last - first {
+        0 => format!("child {first} would {fate}"),
+        _ => format!("children {first} to {last} would {fate}"),
+    };
+    let hint = if arity.is_binary() {
+        "; rewrite the trees with `--binarize left` or `--binarize right` to use this model"
+    } else {
+        ""
+    };
+    Err(format!(
+        "has {children} child{}, but vertex function `{name}` of model `{model}` reads {arity} \
+         ({what}){hint}",
+        if children == 1 { "" } else { "ren" }
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fixed_arity_admits_none_or_its_range() {
+        let binary = Arity::Fixed { min: 2, max: 2 };
+        assert!(binary.admits(0) && binary.admits(2));
+        assert!(!binary.admits(1) && !binary.admits(3));
+        let optional = Arity::Fixed { min: 2, max: 3 };
+        assert!(optional.admits(2) && optional.admits(3) && !optional.admits(1));
+        let leaf = Arity::Fixed { min: 0, max: 0 };
+        assert!(leaf.admits(0) && !leaf.admits(1));
+        assert!(Arity::Any.admits(0) && Arity::Any.admits(40));
+        assert!(binary.is_binary() && !optional.is_binary());
+        assert_eq!(binary.to_string(), "exactly 2 children (or none)");
+        assert_eq!(leaf.to_string(), "no children");
+        assert_eq!(
+            Arity::Fixed { min: 1, max: 1 }.to_string(),
+            "exactly 1 child (or none)"
+        );
+        assert_eq!(optional.to_string(), "2 to 3 children (or none)");
+    }
+}
