@@ -49,6 +49,8 @@ pub struct InferArgs {
     grid_barriers: bool,
     #[command(flatten)]
     recursion: crate::bench::RecursionFlags,
+    #[command(flatten)]
+    structure: crate::structure::StructureArgs,
 }
 
 /// Scores of the roots of one batch, a row of `classes` per tree.
@@ -84,8 +86,9 @@ pub fn run(a: InferArgs) -> AnyResult {
             "<stdin>".to_string()
         }
     };
-    let trees = ptb::parse_trees(&text, &source, VocabMode::Frozen(&loaded.info.vocab))?;
+    let mut trees = ptb::parse_trees(&text, &source, VocabMode::Frozen(&loaded.info.vocab))?;
     let (model, params) = (&loaded.model, &loaded.params);
+    a.structure.fit(model, loaded.kind, &mut trees)?;
     let mut scorer = match (a.engine.as_str(), a.device) {
         ("compiled", Device::Cpu) => {
             Scorer::CompiledCpu(Box::new(CpuCompiledEngine::with_schedule(

@@ -8,6 +8,7 @@ mod image_dir;
 mod infer;
 mod plan_memory;
 mod sequence;
+mod structure;
 mod vision;
 
 use std::path::PathBuf;
@@ -101,6 +102,8 @@ struct TrainArgs {
     vision: vision::VisionArgs,
     #[command(flatten)]
     sequence: sequence::SequenceArgs,
+    #[command(flatten)]
+    structure: structure::StructureArgs,
     #[arg(long, default_value_t = 5)]
     epochs: usize,
     #[arg(long, default_value_t = 25)]
@@ -172,6 +175,8 @@ struct EvalArgs {
     /// Where to run: cpu or cuda.
     #[arg(long, default_value = "cpu")]
     device: device::Device,
+    #[command(flatten)]
+    structure: structure::StructureArgs,
 }
 
 fn main() -> ExitCode {
@@ -213,7 +218,7 @@ fn train(a: TrainArgs) -> AnyResult {
     if a.batch_size == 0 || hidden == 0 {
         return Err("--batch-size and --hidden must be at least 1".into());
     }
-    let data = match &vision_cfg {
+    let mut data = match &vision_cfg {
         Some(v) => data::load_image_splits(
             a.data.as_deref(),
             v.image,
@@ -237,6 +242,7 @@ fn train(a: TrainArgs) -> AnyResult {
     let opts = ModelOptions { dropout: a.dropout };
     let seq_cfg = a.sequence.config(&a.model, data.chars())?;
     let mut model = build(&a.model, &cfg, vision_cfg.as_ref(), seq_cfg.as_ref(), &opts)?;
+    a.structure.fit_splits(&model, kind, &mut data)?;
     if !data.class_names.is_empty() {
         model.settings.insert(
             "class_names".into(),
@@ -463,7 +469,7 @@ fn eval(a: EvalArgs) -> AnyResult {
         kind,
         vision: vision_cfg,
     } = load_checkpoint(&a.checkpoint)?;
-    let graphs = match &vision_cfg {
+    let mut graphs = match &vision_cfg {
         Some(v) => {
             let names = info
                 .settings
@@ -481,6 +487,7 @@ fn eval(a: EvalArgs) -> AnyResult {
             _ => data::read_frozen(&a.data, kind, &info.vocab)?,
         },
     };
+    a.structure.fit(&model, kind, &mut graphs)?;
     let mut engine = device::engine(a.device, &model, None)?;
     let r = ramus_nn::evaluate(
         &model,

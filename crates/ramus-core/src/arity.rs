@@ -42,9 +42,7 @@ impl Arity {
         let min = optional_from.map_or(max, |o| o.min(max));
         if let Some(k) = optional_from {
             if k >= max {
-                return Err(format!(
-                    "child {k} is declared optional but never gathered"
-                ));
+                return Err(format!("child {k} is declared optional but never gathered"));
             }
         }
         Ok(Arity::Fixed { min, max })
@@ -151,8 +149,8 @@ pub(crate) fn function_for<'a>(
         ""
     };
     Err(format!(
-        "has {children} child{}, but vertex function `{name}` of model `{model}` reads {arity} \
-         ({what}){hint}",
+        "has {children} child{}, but vertex function `{name}` of model `{model}` reads {arity}: \
+         {what}{hint}",
         if children == 1 { "" } else { "ren" }
     ))
 }

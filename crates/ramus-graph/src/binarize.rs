@@ -92,9 +92,8 @@ pub fn binarize(graph: &InputGraph, side: Side, index: usize) -> Result<InputGra
             &[] | &[_, _] => out.push(kind, &kids, token, label, graph.features(v))?,
             _ => {
                 let k = kids.len();
-                let inner = |out: &mut Rewrite, pair: [u32; 2]| {
-                    out.push(kind, &pair, 0, NO_LABEL, &[])
-                };
+                let inner =
+                    |out: &mut Rewrite, pair: [u32; 2]| out.push(kind, &pair, 0, NO_LABEL, &[]);
                 match side {
                     Side::Left => {
                         let mut acc = inner(&mut out, [kids[0], kids[1]])?;
@@ -206,14 +205,8 @@ mod tests {
         assert_eq!(shape(three, Side::Left), "3(-(1:a 2:b) 4:c)");
         assert_eq!(shape(three, Side::Right), "3(1:a -(2:b 4:c))");
         let five = "(0 (1 a) (1 b) (2 c) (3 d) (4 e))";
-        assert_eq!(
-            shape(five, Side::Left),
-            "0(-(-(-(1:a 1:b) 2:c) 3:d) 4:e)"
-        );
-        assert_eq!(
-            shape(five, Side::Right),
-            "0(1:a -(1:b -(2:c -(3:d 4:e))))"
-        );
+        assert_eq!(shape(five, Side::Left), "0(-(-(-(1:a 1:b) 2:c) 3:d) 4:e)");
+        assert_eq!(shape(five, Side::Right), "0(1:a -(1:b -(2:c -(3:d 4:e))))");
         // nested wide vertices, and the chain's inner vertices have token 0
         let mut vocab = Vocab::new();
         let t = tree("(2 (1 (0 a) (0 b) (0 c)) (3 d) (4 e))", &mut vocab);
@@ -249,7 +242,10 @@ mod tests {
         g.push_vertex(&[0], 0, 3).unwrap();
         g.push_vertex(&[0, 1, 2], 0, 4).unwrap();
         let e = binarize(&g, Side::Left, 5).unwrap_err().to_string();
-        assert!(e.contains("graph 5: vertex 2") && e.contains("vertex 0"), "{e}");
+        assert!(
+            e.contains("graph 5: vertex 2") && e.contains("vertex 0"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -291,7 +287,11 @@ mod tests {
                     after.iter().map(|l| l.0).collect::<Vec<_>>(),
                     "the words, in order"
                 );
-                assert_eq!(binarize(&b, side, 0).unwrap(), b, "binarizing twice changes nothing");
+                assert_eq!(
+                    binarize(&b, side, 0).unwrap(),
+                    b,
+                    "binarizing twice changes nothing"
+                );
             }
         }
     }
