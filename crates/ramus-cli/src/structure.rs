@@ -4,7 +4,7 @@
 //! refused before any work, naming its file:line and vertex, instead of
 //! when its batch comes up (or, before, silently misread).
 
-use ramus_core::Model;
+use ramus_core::{Model, VertexRules};
 use ramus_graph::binarize::{binarize, Side};
 use ramus_graph::{check_structure, InputGraph};
 use ramus_nn::DataKind;
@@ -42,9 +42,8 @@ impl StructureArgs {
                 *g = binarize(g, side, i)?;
             }
         }
-        check_structure(graphs.iter(), |kind, children| {
-            model.function_for(kind, children)
-        })?;
+        let rules = VertexRules::of(model);
+        check_structure(graphs.iter(), |kind, children| rules.check(kind, children))?;
         Ok(())
     }
 

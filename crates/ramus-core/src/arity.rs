@@ -49,10 +49,13 @@ impl Arity {
     }
 
     /// Whether a vertex with `children` children fits.
+    #[inline]
     pub fn admits(self, children: usize) -> bool {
         match self {
             Arity::Any => true,
-            Arity::Fixed { min, max } => children == 0 || (min..=max).contains(&children),
+            // without short-circuits: leaves and internal vertices
+            // alternate, so branches here would be mispredicted often
+            Arity::Fixed { min, max } => (children == 0) | ((children >= min) & (children <= max)),
         }
     }
 
@@ -79,20 +82,26 @@ impl fmt::Display for Arity {
 
 /// What an input graph must fit: which function a model runs at a vertex
 /// and what that function reads. [`Model::function_for`] answers from the
-/// model; engines that keep only lowered code (the compiled ones) keep
-/// this snapshot, taken once with [`VertexRules::of`].
+/// model; a check of whole graphs ([`VertexRules::check`]: the compiled
+/// engines per batch, the command line per file) uses this snapshot,
+/// taken once with [`VertexRules::of`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct VertexRules {
     model: String,
     selector: FunctionSelector,
     /// Name and arity of every function.
     functions: Vec<(String, Arity)>,
+    /// Bit `c` of entry `k`: a vertex of kind `k` (any kind, entry 0,
+    /// unless the selector goes by kind) with `c < 64` children fits —
+    /// one load and a shift per vertex, without the data-dependent
+    /// branches of the selection (leaves and internal vertices alternate).
+    fits: Vec<u64>,
 }
 
 impl VertexRules {
     /// The rules of `model`.
     pub fn of(model: &Model) -> VertexRules {
-        VertexRules {
+        let mut rules = VertexRules {
             model: model.name.clone(),
             selector: model.selector.clone(),
             functions: model
@@ -100,11 +109,40 @@ impl VertexRules {
                 .iter()
                 .map(|f| (f.name.clone(), f.arity))
                 .collect(),
+            fits: Vec::new(),
+        };
+        let kinds = match &model.selector {
+            FunctionSelector::ByKind(table) => table.len(),
+            _ => 1,
+        };
+        rules.fits = (0..kinds)
+            .map(|k| {
+                (0..64).fold(0u64, |bits, c| {
+                    let fits = rules.function_for(k as u16, c).is_ok();
+                    bits | (u64::from(fits) << c)
+                })
+            })
+            .collect();
+        rules
+    }
+
+    /// Whether a vertex of `kind` with `children` children fits (else
+    /// why not: [`Model::function_for`]'s message).
+    #[inline]
+    pub fn check(&self, kind: u16, children: usize) -> Result<(), String> {
+        let row = match self.selector {
+            FunctionSelector::ByKind(_) => usize::from(kind),
+            _ => 0,
+        };
+        let bits = self.fits.get(row).copied().unwrap_or(0);
+        if children < 64 && (bits >> children) & 1 == 1 {
+            return Ok(());
         }
+        self.function_for(kind, children).map(drop)
     }
 
     /// See [`Model::function_for`].
-    pub fn function_for(&self, kind: u16, children: usize) -> Result<usize, String> {
+    fn function_for(&self, kind: u16, children: usize) -> Result<usize, String> {
         function_for(&self.model, &self.selector, kind, children, |f| {
             self.functions.get(f).map(|(n, a)| (n.as_str(), *a))
         })
@@ -114,6 +152,7 @@ impl VertexRules {
 /// The function `selector` runs at a vertex of `kind` with `children`
 /// children, if it reads them (`function(f)`: the name and arity of
 /// function `f`); else why not. No allocation unless the vertex is refused.
+#[inline]
 pub(crate) fn function_for<'a>(
     model: &str,
     selector: &FunctionSelector,
@@ -122,18 +161,28 @@ pub(crate) fn function_for<'a>(
     function: impl Fn(usize) -> Option<(&'a str, Arity)>,
 ) -> Result<usize, String> {
     let Some(f) = selector.select(kind, children) else {
-        return Err(format!(
-            "has kind {kind}, which no vertex function of model `{model}` runs"
-        ));
+        return Err(no_function(model, kind));
     };
-    let Some((name, arity)) = function(f) else {
-        return Err(format!(
-            "model `{model}` selects vertex function {f}, which does not exist"
-        ));
-    };
-    if arity.admits(children) {
-        return Ok(f);
+    match function(f) {
+        Some((_, arity)) if arity.admits(children) => Ok(f),
+        Some((name, arity)) => Err(refusal(model, name, arity, children)),
+        None => Err(missing(model, f)),
     }
+}
+
+#[cold]
+fn no_function(model: &str, kind: u16) -> String {
+    format!("has kind {kind}, which no vertex function of model `{model}` runs")
+}
+
+#[cold]
+fn missing(model: &str, f: usize) -> String {
+    format!("model `{model}` selects vertex function {f}, which does not exist")
+}
+
+/// Why a vertex with `children` children cannot run function `name`.
+#[cold]
+fn refusal(model: &str, name: &str, arity: Arity, children: usize) -> String {
     let (first, last, fate) = match arity {
         Arity::Fixed { max, .. } if children > max => (max, children - 1, "be ignored"),
         Arity::Fixed { min, .. } => (children, min - 1, "read zeros"),
@@ -148,11 +197,11 @@ pub(crate) fn function_for<'a>(
     } else {
         ""
     };
-    Err(format!(
+    format!(
         "has {children} child{}, but vertex function `{name}` of model `{model}` reads {arity}: \
          {what}{hint}",
         if children == 1 { "" } else { "ren" }
-    ))
+    )
 }
 
 #[cfg(test)]

@@ -96,6 +96,7 @@ pub enum FunctionSelector {
 impl FunctionSelector {
     /// The function for a vertex of `kind` with `children` children, or
     /// `None` for a kind a `ByKind` table does not list.
+    #[inline]
     pub fn select(&self, kind: u16, children: usize) -> Option<usize> {
         match self {
             FunctionSelector::Single(f) => Some(*f),
@@ -184,6 +185,7 @@ impl Model {
     /// (its [`Arity`]). The message starts with the verb ("has 3
     /// children, but ..."), for the caller to put the vertex before it.
     /// Constant time, no allocation unless the vertex is refused.
+    #[inline]
     pub fn function_for(&self, kind: u16, children: usize) -> std::result::Result<usize, String> {
         arity::function_for(&self.name, &self.selector, kind, children, |f| {
             self.functions.get(f).map(|f| (f.name.as_str(), f.arity))

@@ -858,7 +858,7 @@ impl CpuCompiledEngine {
     fn infer_levels(&mut self, graphs: &[&InputGraph]) -> Result<CpuCompiledOutput> {
         let rules = &self.rules;
         ramus_graph::check_structure(graphs.iter().copied(), |kind, children| {
-            rules.function_for(kind, children)
+            rules.check(kind, children)
         })?;
         let batch = self
             .linearizer

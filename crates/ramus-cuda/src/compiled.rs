@@ -737,7 +737,7 @@ impl CompiledEngine {
         let started = Instant::now();
         let rules = &self.rules;
         ramus_graph::check_structure(graphs.iter().copied(), |kind, children| {
-            rules.function_for(kind, children)
+            rules.check(kind, children)
         })?;
         let batch = self
             .linearizer

@@ -9,16 +9,17 @@ use crate::{GraphError, InputGraph};
 
 /// Checks every vertex of `graphs` (graph `i` of the iteration described
 /// as [`InputGraph::describe`]`(i)`: its `file:line` when a reader made
-/// it): `select(kind, children)` returns the function that runs such a
-/// vertex, or why none can. The first refused vertex is the error. One
-/// pass over the vertices, no allocation unless a vertex is refused.
+/// it): `fits(kind, children)` says whether the model can run such a
+/// vertex, or why not (ramus-core's `VertexRules::check`). The first
+/// refused vertex is the error. One pass over the vertices, no allocation
+/// unless a vertex is refused.
 pub fn check_structure<'a>(
     graphs: impl IntoIterator<Item = &'a InputGraph>,
-    select: impl Fn(u16, usize) -> Result<usize, String>,
+    fits: impl Fn(u16, usize) -> Result<(), String>,
 ) -> Result<(), GraphError> {
     for (index, g) in graphs.into_iter().enumerate() {
-        for v in 0..g.len() {
-            select(g.kind(v), g.children(v).len()).map_err(|m| unfit(g, index, v, m))?;
+        for (v, (kind, children)) in g.kinds_and_child_counts().enumerate() {
+            fits(kind, children).map_err(|m| unfit(g, index, v, m))?;
         }
     }
     Ok(())
@@ -42,9 +43,9 @@ mod tests {
     use crate::{Origin, NO_LABEL};
 
     /// Binary internal vertices only.
-    fn binary(_kind: u16, children: usize) -> Result<usize, String> {
+    fn binary(_kind: u16, children: usize) -> Result<(), String> {
         match children {
-            0 | 2 => Ok(usize::from(children > 0)),
+            0 | 2 => Ok(()),
             n => Err(format!("has {n} children")),
         }
     }

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ramus_core::{Arity, Model, Params};
+use ramus_core::{Arity, Model, Params, VertexRules};
 use ramus_cpu::compiled::CpuCompiledEngine;
 use ramus_cpu::{Batch, CpuEngine, Mode};
 use ramus_graph::binarize::{binarize, Side};
@@ -71,8 +71,8 @@ fn model(name: &str) -> Model {
 }
 
 fn check(model: &Model, graphs: &[InputGraph]) -> Result<(), String> {
-    check_structure(graphs, |kind, children| model.function_for(kind, children))
-        .map_err(|e| e.to_string())
+    let rules = VertexRules::of(model);
+    check_structure(graphs, |kind, children| rules.check(kind, children)).map_err(|e| e.to_string())
 }
 
 #[test]
@@ -310,6 +310,37 @@ fn shared_data_fits_its_models() {
             let chains =
                 text::read_sentences(&ptb_dir.join(split), VocabMode::Grow(&mut vocab)).unwrap();
             check(&model("lstm-lm"), &chains).unwrap();
+        }
+    }
+}
+
+#[test]
+fn the_rules_snapshot_answers_as_the_model_does() {
+    let seq = SequenceConfig {
+        chars: 8,
+        ..SequenceConfig::default()
+    };
+    let mut models: Vec<Model> = ramus_nn::MODEL_NAMES
+        .iter()
+        .filter(|&&n| n != "bilstm-char-tagger")
+        .map(|n| model(n))
+        .collect();
+    models.push(
+        build_sequence_model("bilstm-char-tagger", &CFG, &seq, &ModelOptions::default()).unwrap(),
+    );
+    for m in &models {
+        let rules = VertexRules::of(m);
+        // past 64 children the snapshot's bit table gives way to the model's answer
+        for kind in 0..9u16 {
+            for children in (0..70).chain([200, 4096]) {
+                let want = m.function_for(kind, children).map(drop);
+                assert_eq!(
+                    rules.check(kind, children),
+                    want,
+                    "{} {kind} {children}",
+                    m.name
+                );
+            }
         }
     }
 }
