@@ -6,7 +6,8 @@
 //! built-in sets, and SST, WikiNER and PTB where `../shared/data` or
 //! `$RAMUS_DATA` has them); `binarize` makes a ternary tree trainable.
 
-use std::path::{Path, PathBuf};
+mod common;
+
 use std::sync::Arc;
 
 use ramus_core::{Arity, Model, Params, VertexRules};
@@ -20,8 +21,8 @@ use ramus_graph::{
     VocabMode, NO_LABEL,
 };
 use ramus_nn::{
-    build_model, build_sequence_model, ModelConfig, ModelOptions, OptimizerConfig, OptimizerKind,
-    SequenceConfig, Trainer,
+    build_model, build_sequence_model, data_kind, DataKind, ModelConfig, ModelOptions,
+    OptimizerConfig, OptimizerKind, SequenceConfig, Trainer, MODEL_NAMES,
 };
 
 const CFG: ModelConfig = ModelConfig {
@@ -158,12 +159,7 @@ fn chains_and_tagger_steps_may_start_without_children() {
     let e = check(&lm, &[fork]).unwrap_err();
     assert!(e.starts_with("graph 0: vertex 2 has 2 children"), "{e}");
 
-    let seq = SequenceConfig {
-        chars: 8,
-        ..SequenceConfig::default()
-    };
-    let tagger =
-        build_sequence_model("bilstm-char-tagger", &CFG, &seq, &ModelOptions::default()).unwrap();
+    let tagger = char_tagger();
     // a spelled first word: its forward step has no previous step
     let chars = [1, 2, 3];
     let words = [
@@ -217,41 +213,31 @@ fn binarized_ternary_trees_train() {
     }
 }
 
-/// `$RAMUS_DATA/<sub>`, else `<workspace>/../shared/data/<sub>`, if it exists.
-fn data_file(sub: &str) -> Option<PathBuf> {
-    let root = match std::env::var_os("RAMUS_DATA") {
-        Some(d) => PathBuf::from(d),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data"),
-    };
-    let path = root.join(sub);
-    if path.exists() {
-        Some(path)
-    } else {
-        let _ = std::io::Write::write_fmt(
-            &mut std::io::stderr(),
-            format_args!("skipping: {sub} not found at {}\n", path.display()),
-        );
-        None
+/// Checks `graphs` against every model that reads data of `kind`.
+fn check_models_of(kind: DataKind, graphs: &[InputGraph]) {
+    let names = MODEL_NAMES.iter().filter(|&&n| data_kind(n) == Some(kind));
+    for name in names {
+        let m = match name {
+            &"bilstm-char-tagger" => char_tagger(),
+            _ => model(name),
+        };
+        check(&m, graphs).unwrap_or_else(|e| panic!("{name}: {e}"));
     }
 }
 
-/// Checks `trees` (and their pyramids) against every tree model.
+fn char_tagger() -> Model {
+    let seq = SequenceConfig {
+        chars: 8,
+        ..SequenceConfig::default()
+    };
+    build_sequence_model("bilstm-char-tagger", &CFG, &seq, &ModelOptions::default()).unwrap()
+}
+
+/// Checks `trees` and their pyramids against the models that read them.
 fn check_tree_models(trees: &[InputGraph]) {
+    check_models_of(DataKind::Trees, trees);
     let pyramids: Vec<InputGraph> = trees.iter().map(|t| pyramid_of_tree(t).unwrap()).collect();
-    for name in [
-        "treelstm",
-        "treelstm-nary",
-        "treefc",
-        "treegru",
-        "mvrnn",
-        "dagrnn",
-        "rvnn",
-    ] {
-        check(&model(name), trees).unwrap_or_else(|e| panic!("{name}: {e}"));
-    }
-    for name in ["td-rnn", "td-lstm"] {
-        check(&model(name), &pyramids).unwrap_or_else(|e| panic!("{name}: {e}"));
-    }
+    check_models_of(DataKind::SentencePyramid, &pyramids);
 }
 
 #[test]
@@ -270,64 +256,48 @@ fn built_in_data_fits_its_models() {
     }
     let chains =
         text::parse_sentences(&sentences, "built-in", VocabMode::Grow(&mut vocab)).unwrap();
-    check(&model("lstm-lm"), &chains).unwrap();
+    check_models_of(DataKind::Sentences, &chains);
     let set = images::generate(&images::ImageSpec::default(), 1, (4, 0, 0)).unwrap();
-    for name in ["alexnet", "vgg", "resnet"] {
-        check(&model(name), &set.train).unwrap_or_else(|e| panic!("{name}: {e}"));
-    }
+    check_models_of(DataKind::Images, &set.train);
 }
 
 #[test]
 fn shared_data_fits_its_models() {
-    if let Some(sst) = data_file("sst") {
+    if let Some(sst) = common::data_file("sst") {
         let mut vocab = Vocab::new();
         for split in ["train.txt", "dev.txt", "test.txt"] {
             let trees = ptb::read_trees(&sst.join(split), VocabMode::Grow(&mut vocab)).unwrap();
             check_tree_models(&trees);
         }
     }
-    if let Some(wikiner) = data_file("wikiner/dev.txt") {
+    if let Some(wikiner) = common::data_file("wikiner/dev.txt") {
         let sentences = read_tagged(&wikiner).unwrap();
         let file = wikiner.display().to_string();
-        let seq = SequenceConfig {
-            chars: 8,
-            ..SequenceConfig::default()
-        };
-        for (name, chars, min_count) in [
-            ("bilstm-tagger", false, 2),
-            ("bilstm-char-tagger", true, RARE_BELOW),
-        ] {
+        for (chars, min_count) in [(false, 2), (true, RARE_BELOW)] {
             let graphs = TaggedVocab::build(&sentences, min_count)
                 .graphs(&sentences, &file, chars)
                 .unwrap();
-            let m = build_sequence_model(name, &CFG, &seq, &ModelOptions::default()).unwrap();
-            check(&m, &graphs).unwrap_or_else(|e| panic!("{name}: {e}"));
+            check_models_of(DataKind::Tagged { chars }, &graphs);
         }
     }
-    if let Some(ptb_dir) = data_file("ptb") {
+    if let Some(ptb_dir) = common::data_file("ptb") {
         let mut vocab = Vocab::new();
         for split in ["train.txt", "valid.txt", "test.txt"] {
             let chains =
                 text::read_sentences(&ptb_dir.join(split), VocabMode::Grow(&mut vocab)).unwrap();
-            check(&model("lstm-lm"), &chains).unwrap();
+            check_models_of(DataKind::Sentences, &chains);
         }
     }
 }
 
 #[test]
 fn the_rules_snapshot_answers_as_the_model_does() {
-    let seq = SequenceConfig {
-        chars: 8,
-        ..SequenceConfig::default()
-    };
-    let mut models: Vec<Model> = ramus_nn::MODEL_NAMES
+    let mut models: Vec<Model> = MODEL_NAMES
         .iter()
         .filter(|&&n| n != "bilstm-char-tagger")
         .map(|n| model(n))
         .collect();
-    models.push(
-        build_sequence_model("bilstm-char-tagger", &CFG, &seq, &ModelOptions::default()).unwrap(),
-    );
+    models.push(char_tagger());
     for m in &models {
         let rules = VertexRules::of(m);
         // past 64 children the snapshot's bit table gives way to the model's answer
