@@ -23,29 +23,24 @@ pub enum Arity {
 }
 
 impl Arity {
-    /// What `forward` reads: `Any` if it gathers all children, else the
-    /// largest `gather(k)` plus one, of which children from
-    /// `optional_from` on may be missing. An error when a required
-    /// `gather(k)` comes after an optional one (the optional children must
-    /// be the last ones).
-    pub fn of(forward: &Graph, optional_from: Option<usize>) -> Result<Arity, String> {
+    /// What `forward` reads: `Any` if it gathers all children, else
+    /// children up to its largest `gather(k)`, of which those from
+    /// `optional_from` on may be missing.
+    pub fn of(forward: &Graph, optional_from: Option<usize>) -> Arity {
         if forward.input_node(Source::GatherAll).is_some() {
-            return Ok(Arity::Any);
+            return Arity::Any;
         }
-        let read = || {
-            forward.nodes.iter().filter_map(|n| match n.kind {
-                NodeKind::Input(Source::Gather(k)) => Some(k),
+        let max = forward
+            .nodes
+            .iter()
+            .filter_map(|n| match n.kind {
+                NodeKind::Input(Source::Gather(k)) => Some(k + 1),
                 _ => None,
             })
-        };
-        let max = read().max().map_or(0, |k| k + 1);
+            .max()
+            .unwrap_or(0);
         let min = optional_from.map_or(max, |o| o.min(max));
-        if let Some(k) = optional_from {
-            if k >= max {
-                return Err(format!("child {k} is declared optional but never gathered"));
-            }
-        }
-        Ok(Arity::Fixed { min, max })
+        Arity::Fixed { min, max }
     }
 
     /// Whether a vertex with `children` children fits.
@@ -53,9 +48,7 @@ impl Arity {
     pub fn admits(self, children: usize) -> bool {
         match self {
             Arity::Any => true,
-            // without short-circuits: leaves and internal vertices
-            // alternate, so branches here would be mispredicted often
-            Arity::Fixed { min, max } => (children == 0) | ((children >= min) & (children <= max)),
+            Arity::Fixed { min, max } => children == 0 || (min..=max).contains(&children),
         }
     }
 
@@ -185,10 +178,10 @@ fn missing(model: &str, f: usize) -> String {
 fn refusal(model: &str, name: &str, arity: Arity, children: usize) -> String {
     let (first, last, fate) = match arity {
         Arity::Fixed { max, .. } if children > max => (max, children - 1, "be ignored"),
-        Arity::Fixed { min, .. } => (children, min - 1, "read zeros"),
+        Arity::Fixed { min, .. } => (children, min.saturating_sub(1), "read zeros"),
         Arity::Any => (0, 0, ""),
     };
-    let what = match last - first {
+    let what = match last.saturating_sub(first) {
         0 => format!("child {first} would {fate}"),
         _ => format!("children {first} to {last} would {fate}"),
     };

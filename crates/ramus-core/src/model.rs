@@ -563,8 +563,7 @@ impl ModelBuilder {
                 })
                 .max()
                 .unwrap_or(0);
-            let arity = Arity::of(forward, *optional_from)
-                .map_err(|m| err(format!("vertex function `{name}`: {m}")))?;
+            let arity = Arity::of(forward, *optional_from);
             let reads_children = arity != Arity::Fixed { min: 0, max: 0 };
             if reads_children && scatter.is_none() {
                 return Err(err(format!(
