@@ -83,6 +83,8 @@ pub struct BenchArgs {
     recursion: RecursionFlags,
     #[command(flatten)]
     sequence: crate::sequence::SequenceArgs,
+    #[command(flatten)]
+    structure: crate::structure::StructureArgs,
     /// With --engine compiled: threads per block of the generated kernel
     /// [default: by the weight registers, 512 or 256].
     #[arg(long)]
@@ -275,7 +277,7 @@ fn read_inputs(a: &BenchArgs, count: usize) -> AnyResult<BenchInputs> {
         )
         .into());
     }
-    let (graphs, vocab, classes, chars) = match kind {
+    let (mut graphs, vocab, classes, chars) = match kind {
         DataKind::Images => {
             return Err(format!(
                 "`{}` is a CNN: time it with `ramus bench-swap`, not `ramus bench`",
@@ -315,6 +317,7 @@ fn read_inputs(a: &BenchArgs, count: usize) -> AnyResult<BenchInputs> {
         Some(seq) => build_sequence_model(&a.model, &cfg, &seq, &ModelOptions::default())?,
         None => build_model(&a.model, &cfg)?,
     };
+    a.structure.fit(&model, kind, &mut graphs)?;
     Ok(BenchInputs {
         graphs,
         model,

@@ -55,6 +55,8 @@ pub struct InferArgs {
     recursion: crate::bench::RecursionFlags,
     #[command(flatten)]
     host: crate::limits::HostBudgetArgs,
+    #[command(flatten)]
+    structure: crate::structure::StructureArgs,
 }
 
 /// The trees of `input` (a file; `-` or `None`: standard input), read with
@@ -96,8 +98,9 @@ pub fn run(a: InferArgs) -> AnyResult {
         )
         .into());
     }
-    let trees = read_input(a.input.as_deref(), &loaded.info.vocab)?;
+    let mut trees = read_input(a.input.as_deref(), &loaded.info.vocab)?;
     let (model, params) = (&loaded.model, &loaded.params);
+    a.structure.fit(model, loaded.kind, &mut trees)?;
     labels::check_checkpoint(&trees, model, &a.checkpoint)?;
     let tables = (a.engine == "compiled" && !a.no_tables).then_some(loaded.info.vocab.len());
     let need =

@@ -14,6 +14,7 @@ mod plan_memory;
 mod reader_props;
 mod run_config;
 mod sequence;
+mod structure;
 mod train;
 mod vision;
 
@@ -113,6 +114,8 @@ struct TrainArgs {
     vision: vision::VisionArgs,
     #[command(flatten)]
     sequence: sequence::SequenceArgs,
+    #[command(flatten)]
+    structure: structure::StructureArgs,
     #[arg(long, default_value_t = 5)]
     epochs: usize,
     #[arg(long, default_value_t = 25)]
@@ -203,6 +206,8 @@ struct EvalArgs {
     device: device::Device,
     #[command(flatten)]
     host: limits::HostBudgetArgs,
+    #[command(flatten)]
+    structure: structure::StructureArgs,
 }
 
 fn main() -> ExitCode {
@@ -348,7 +353,7 @@ fn eval(a: EvalArgs) -> AnyResult {
         kind,
         vision: vision_cfg,
     } = load_checkpoint(&a.checkpoint)?;
-    let graphs = match &vision_cfg {
+    let mut graphs = match &vision_cfg {
         Some(v) => {
             let names = info.settings.get("class_names").ok_or_else(|| {
                 format!(
@@ -373,6 +378,7 @@ fn eval(a: EvalArgs) -> AnyResult {
             _ => data::read_frozen(&a.data, kind, &info.vocab)?,
         },
     };
+    a.structure.fit(&model, kind, &mut graphs)?;
     labels::check_checkpoint(&graphs, &model, &a.checkpoint)?;
     let need = limits::Inference::loaded(
         &model,

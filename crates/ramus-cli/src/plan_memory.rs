@@ -49,6 +49,8 @@ pub struct PlanMemoryArgs {
     /// Print the plan as JSON.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    structure: crate::structure::StructureArgs,
     /// Whose iteration to plan: cpu (the batched engines' trace) or cuda
     /// (the CUDA swap path's own op list and pool-sized tensors; a dynamic
     /// model's rows cut into segments in the batched engine's task order,
@@ -79,8 +81,7 @@ pub fn run(a: PlanMemoryArgs) -> AnyResult {
         "pcie5" => CostModel::pcie5_x16(),
         other => return Err(format!("--link must be pcie3 or pcie5, got `{other}`").into()),
     };
-    let splits = data::load_splits(a.data.as_deref(), kind)?;
-    let graphs: Vec<&InputGraph> = splits.train.iter().take(a.batch_size).collect();
+    let mut splits = data::load_splits(a.data.as_deref(), kind)?;
     let cfg = ModelConfig {
         vocab: splits.vocab.len(),
         hidden: a.hidden,
@@ -95,6 +96,8 @@ pub fn run(a: PlanMemoryArgs) -> AnyResult {
     } else {
         build_model(&a.model, &cfg)?
     };
+    a.structure.fit(&model, kind, &mut splits.train)?;
+    let graphs: Vec<&InputGraph> = splits.train.iter().take(a.batch_size).collect();
     let batch = Batch::new(&model, graphs, BatchingPolicy::Cavs)?;
     let optimizer: OptimizerKind = a.optimizer.parse()?;
     let cuda = match a.engine.as_str() {

@@ -190,8 +190,9 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
         data.test.len(),
         data.describe()
     );
-    let fingerprint = resume::fingerprint(&[&data.train, &data.dev, &data.test], &data.vocab);
     let model = model_for(a, kind, &data, hidden)?;
+    a.structure.fit_splits(&model, kind, &mut data)?;
+    let fingerprint = resume::fingerprint(&[&data.train, &data.dev, &data.test], &data.vocab);
     let need = limits::Training {
         model: &model,
         optimizer: opt,

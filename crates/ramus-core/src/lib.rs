@@ -35,8 +35,11 @@
 //! }).unwrap();
 //! let model = m.build().unwrap();
 //! assert_eq!(model.functions[0].gather_arity, 2);
+//! // a vertex with three children would lose one: refused
+//! assert!(model.function_for(0, 3).is_err());
 //! ```
 
+pub mod arity;
 pub mod autodiff;
 pub mod cellgen;
 pub mod cellgen_unroll;
@@ -56,6 +59,7 @@ pub mod simplify;
 pub mod tensor;
 pub mod vpps;
 
+pub use arity::{Arity, VertexRules};
 pub use error::{CoreError, Result};
 pub use graph::{
     DType, Graph, GraphBuilder, Node, NodeId, NodeKind, Output, ParamId, Role, Source, Space, Sym,

@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::ops::{Deref, DerefMut};
 
+use crate::arity::{self, Arity};
 use crate::autodiff::differentiate;
 use crate::error::{CoreError, Result};
 use crate::graph::{Graph, GraphBuilder, NodeId, Role, Source, Space, Sym, ValueType};
@@ -95,6 +96,7 @@ pub enum FunctionSelector {
 impl FunctionSelector {
     /// The function for a vertex of `kind` with `children` children, or
     /// `None` for a kind a `ByKind` table does not list.
+    #[inline]
     pub fn select(&self, kind: u16, children: usize) -> Option<usize> {
         match self {
             FunctionSelector::Single(f) => Some(*f),
@@ -138,6 +140,8 @@ pub struct VertexFunction {
     pub push: Option<NodeId>,
     /// Largest `k` used by `gather(k)`, plus one.
     pub gather_arity: usize,
+    /// The children a vertex it runs at must have ([`Model::function_for`]).
+    pub arity: Arity,
 }
 
 impl VertexFunction {
@@ -175,6 +179,18 @@ pub struct Model {
 }
 
 impl Model {
+    /// The vertex function that runs at a vertex of `kind` with
+    /// `children` children, or why the vertex cannot be run: no function
+    /// for its kind, or more or fewer children than the function reads
+    /// (its [`Arity`]). The message starts with the verb ("has 3
+    /// children, but ..."), for the caller to put the vertex before it.
+    /// Constant time, no allocation unless the vertex is refused.
+    #[inline]
+    pub fn function_for(&self, kind: u16, children: usize) -> std::result::Result<usize, String> {
+        arity::function_for(&self.name, &self.selector, kind, children, |f| {
+            self.functions.get(f).map(|f| (f.name.as_str(), f.arity))
+        })
+    }
     /// Parameter names in declaration order.
     pub fn param_names(&self) -> Vec<String> {
         self.params.iter().map(|p| p.name.clone()).collect()
@@ -241,6 +257,8 @@ impl Model {
 pub struct VertexFnBuilder {
     b: GraphBuilder,
     state_width: usize,
+    /// The smallest `k` of a `gather_optional(k)`.
+    optional_from: Option<usize>,
 }
 
 impl Deref for VertexFnBuilder {
@@ -256,11 +274,20 @@ impl DerefMut for VertexFnBuilder {
 }
 
 impl VertexFnBuilder {
-    /// The scattered state of child `k` (zeros where a vertex has no child `k`).
+    /// The scattered state of child `k`. A vertex the function runs at
+    /// must have every child it gathers, or no children at all (the start
+    /// of a chain, where every `gather` reads zeros); other counts are
+    /// refused when the batch is scheduled ([`Model::function_for`]).
     pub fn gather(&mut self, k: usize) -> Sym {
         let w = self.state_width;
         self.b
             .input(Source::Gather(k), ValueType::rows(Space::Vertex, w))
+    }
+    /// [`VertexFnBuilder::gather`] of a child a vertex may lack (zeros
+    /// then), with every later child: children `k..` are optional.
+    pub fn gather_optional(&mut self, k: usize) -> Sym {
+        self.optional_from = Some(self.optional_from.map_or(k, |o| o.min(k)));
+        self.gather(k)
     }
     /// The scattered state of every child: one edge row per child, in child
     /// order. Reduce with `sum_children`.
@@ -376,7 +403,8 @@ pub struct ModelBuilder {
     name: String,
     state_width: usize,
     params: Vec<ParamSpec>,
-    functions: Vec<(String, Graph)>,
+    /// Name, forward graph and first optional child of each function.
+    functions: Vec<(String, Graph, Option<usize>)>,
     selector: Option<FunctionSelector>,
     head: Option<(HeadRows, Graph)>,
     settings: BTreeMap<String, String>,
@@ -440,10 +468,13 @@ impl ModelBuilder {
         let mut f = VertexFnBuilder {
             b: GraphBuilder::new(&context, &self.shapes()),
             state_width: self.state_width,
+            optional_from: None,
         };
         body(&mut f);
+        let optional_from = f.optional_from;
         let graph = f.b.finish()?;
-        self.functions.push((name.to_string(), graph));
+        self.functions
+            .push((name.to_string(), graph, optional_from));
         Ok(self.functions.len() - 1)
     }
 
@@ -508,7 +539,7 @@ impl ModelBuilder {
         let shapes = self.shapes();
         let mut functions = Vec::new();
         let mut push_width = None;
-        for (name, forward) in &self.functions {
+        for (name, forward, optional_from) in &self.functions {
             let context = format!("{}/{name}", self.name);
             let scatter = forward.output(Role::Scatter).map(|o| o.node);
             let push = forward.output(Role::Push).map(|o| o.node);
@@ -532,8 +563,8 @@ impl ModelBuilder {
                 })
                 .max()
                 .unwrap_or(0);
-            let reads_children =
-                gather_arity > 0 || forward.input_node(Source::GatherAll).is_some();
+            let arity = Arity::of(forward, *optional_from);
+            let reads_children = arity != Arity::Fixed { min: 0, max: 0 };
             if reads_children && scatter.is_none() {
                 return Err(err(format!(
                     "vertex function `{name}` gathers children but never scatters a state"
@@ -563,6 +594,7 @@ impl ModelBuilder {
                 scatter,
                 push,
                 gather_arity,
+                arity,
             });
         }
         let head_input = head_graph.input_node(Source::HeadInput);

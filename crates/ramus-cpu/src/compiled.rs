@@ -23,7 +23,7 @@ use ramus_core::ops::matmul::{gemm_packed, PackedB, PACKED_MAX_M};
 use ramus_core::ops::unk_row;
 use ramus_core::parallel::SpinHelper;
 use ramus_core::recursion::{lower_scheduled, Backend, RecursionSchedule, ResolvedRecursion};
-use ramus_core::{Model, Params};
+use ramus_core::{Model, Params, VertexRules};
 use ramus_graph::{InputGraph, LinearBatch, Linearizer, UnrolledPlan, NO_CHILD};
 
 use crate::error::{EngineError, Result};
@@ -732,6 +732,8 @@ pub struct CpuCompiledEngine {
     state_width: usize,
     push_width: usize,
     classes: usize,
+    /// What a vertex must be to run (checked before linearizing).
+    rules: VertexRules,
     linearizer: Linearizer,
     state: Vec<f32>,
     push: Vec<f32>,
@@ -792,6 +794,7 @@ impl CpuCompiledEngine {
             params: params.values.iter().map(|t| t.data().to_vec()).collect(),
             table: None,
             vocab,
+            rules: VertexRules::of(model),
             linearizer: Linearizer::new(),
             state: Vec::new(),
             push: Vec::new(),
@@ -853,6 +856,10 @@ impl CpuCompiledEngine {
     }
 
     fn infer_levels(&mut self, graphs: &[&InputGraph]) -> Result<CpuCompiledOutput> {
+        let rules = &self.rules;
+        ramus_graph::check_structure(graphs.iter().copied(), |kind, children| {
+            rules.check(kind, children)
+        })?;
         let batch = self
             .linearizer
             .linearize(graphs)

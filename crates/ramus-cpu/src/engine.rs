@@ -37,11 +37,12 @@ pub struct Batch<'a> {
 }
 
 impl<'a> Batch<'a> {
-    /// Schedules `graphs` for `model` under `policy`.
+    /// Schedules `graphs` for `model` under `policy`; a vertex the model
+    /// cannot run as it is ([`Model::function_for`]: e.g. three children
+    /// for a binary cell) is an error naming the graph's place and the vertex.
     pub fn new(model: &Model, graphs: Vec<&'a InputGraph>, policy: BatchingPolicy) -> Result<Self> {
-        let selector = &model.selector;
         let schedule = Schedule::build(&graphs, policy, model.functions.len(), |kind, k| {
-            selector.select(kind, k)
+            model.function_for(kind, k)
         })?;
         Ok(Batch { graphs, schedule })
     }

@@ -26,7 +26,7 @@ use ramus_core::cellgen::{
     token_stage_kernel, used_stages, LoweredCell, TreeKernelSpec, CELL_BLOCK, INLINE_INDEX_WORDS,
 };
 use ramus_core::recursion::{lower_scheduled, Backend, RecursionSchedule};
-use ramus_core::{Model, Params};
+use ramus_core::{Model, Params, VertexRules};
 use ramus_graph::{InputGraph, Linearizer, UnrolledPlan};
 
 use crate::cache::KernelCache;
@@ -284,6 +284,8 @@ pub struct CompiledEngine {
     token_table: u64,
     _barrier: PoolBuffer<u32>,
     barrier: DeviceView<u32>,
+    /// What a vertex must be to run (checked before linearizing).
+    rules: VertexRules,
     linearizer: Linearizer,
     /// Per-batch scratch: the child row codes uploaded.
     child_rows: Vec<u32>,
@@ -618,6 +620,7 @@ impl CompiledEngine {
             token_table,
             barrier: barrier.view(),
             _barrier: barrier,
+            rules: VertexRules::of(model),
             linearizer: Linearizer::new(),
             child_rows: Vec::new(),
             inline: Box::new(InlineIndices {
@@ -732,6 +735,10 @@ impl CompiledEngine {
     /// Scores every root of `graphs` in one launch.
     pub fn infer(&mut self, graphs: &[&InputGraph]) -> Result<CompiledOutput> {
         let started = Instant::now();
+        let rules = &self.rules;
+        ramus_graph::check_structure(graphs.iter().copied(), |kind, children| {
+            rules.check(kind, children)
+        })?;
         let batch = self
             .linearizer
             .linearize(graphs)

@@ -453,3 +453,61 @@ fn compiled_mvrnn_with_shared_word_matrices_matches_the_cpu_engine() {
         }
     }
 }
+
+/// A vertex the model's cell cannot read (three children, or one, for the
+/// binary TreeFC) is refused by the compiled engine, naming the graph and
+/// the vertex, rather than run with a child dropped or read as zeros; the
+/// same trees binarized run and match the CPU engine.
+#[test]
+fn compiled_engine_refuses_vertices_its_cell_cannot_read() {
+    if !common::cuda_ready("skipping") {
+        return;
+    }
+    let cfg = ModelConfig {
+        vocab: 50,
+        hidden: 24,
+        classes: 5,
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let (model, params) = perturbed_model("treefc", &cfg, &mut rng);
+    let mut ternary = InputGraph::new();
+    for t in 1..=3 {
+        ternary.push_vertex(&[], t, 1).expect("leaf");
+    }
+    ternary.push_vertex(&[0, 1, 2], 0, 2).expect("root");
+    let mut unary = InputGraph::new();
+    unary.push_vertex(&[], 4, 1).expect("leaf");
+    unary.push_vertex(&[0], 0, 2).expect("root");
+    let options = CompiledOptions {
+        cache_dir: Some(cache_dir()),
+        ..CompiledOptions::default()
+    };
+    let mut engine = CompiledEngine::new(&model, &params, &options).expect("compiles");
+    let ok = random_tree(&mut rng, 5, &[2], 50, 3).expect("tree");
+    for (bad, want) in [
+        (&ternary, "graph 1: vertex 3 has 3 children"),
+        (&unary, "graph 1: vertex 1 has 1 child"),
+    ] {
+        let e = engine.infer(&[&ok, bad]).err().map(|e| e.to_string());
+        assert!(
+            e.as_deref()
+                .is_some_and(|e| e.starts_with(want) && e.contains("--binarize")),
+            "{e:?}"
+        );
+    }
+    let binary: Vec<InputGraph> = [&ternary, &unary]
+        .iter()
+        .map(|g| ramus_graph::binarize::binarize(g, ramus_graph::binarize::Side::Left, 0))
+        .collect::<Result<_, _>>()
+        .expect("binarized");
+    let refs: Vec<&InputGraph> = binary.iter().collect();
+    let got = engine.infer(&refs).expect("binarized trees run").scores;
+    let want = reference(&model, &params, &binary);
+    assert_eq!(got.len(), want.len());
+    for (g, w) in got.iter().zip(&want) {
+        assert!(
+            (w - g).abs() <= 1e-4 * (1.0 + w.abs()),
+            "{got:?} vs {want:?}"
+        );
+    }
+}

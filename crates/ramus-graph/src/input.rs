@@ -210,6 +210,14 @@ impl InputGraph {
         &self.children[self.child_offsets[v] as usize..self.child_offsets[v + 1] as usize]
     }
 
+    /// The kind and number of children of every vertex, in id order.
+    pub fn kinds_and_child_counts(&self) -> impl Iterator<Item = (u16, usize)> + '_ {
+        self.kinds
+            .iter()
+            .zip(self.child_offsets.windows(2))
+            .map(|(&kind, w)| (kind, (w[1] - w[0]) as usize))
+    }
+
     /// Total number of child edges.
     pub fn num_edges(&self) -> usize {
         self.children.len()

@@ -5,6 +5,7 @@
 //! schedules (Cavs batching policy, DyNet agenda) that execution engines run,
 //! and the linearizer of the compiled (Cortex) engine.
 
+pub mod binarize;
 pub mod images;
 pub mod input;
 pub mod linearize;
@@ -14,6 +15,7 @@ pub mod random;
 mod reader_props;
 pub mod schedule;
 pub mod sequence;
+pub mod structure;
 pub mod synthetic;
 pub mod tagged;
 #[cfg(any(test, feature = "testing"))]
@@ -25,6 +27,7 @@ pub mod vocab;
 pub use input::{InputGraph, Origin, NO_LABEL};
 pub use linearize::{CsrGraph, LinearBatch, Linearizer, NO_CHILD};
 pub use schedule::{BatchingPolicy, FunctionRows, Schedule, Task};
+pub use structure::check_structure;
 pub use unroll::UnrolledPlan;
 pub use vocab::{Vocab, VocabMode};
 
@@ -48,6 +51,15 @@ pub enum GraphError {
     /// A structural problem (bad child id, mismatched lengths).
     #[error("invalid graph: {0}")]
     Structure(String),
+    /// A vertex the model cannot run as it is (no function for its kind,
+    /// more or fewer children than its function reads): `place` is the
+    /// graph's `file:line` ([`InputGraph::describe`]).
+    #[error("{place}: vertex {vertex} {message}")]
+    Unfit {
+        place: String,
+        vertex: usize,
+        message: String,
+    },
     /// An empty batch or a batch that cannot be scheduled.
     #[error("cannot schedule batch: {0}")]
     Schedule(String),

@@ -127,13 +127,15 @@ impl Schedule {
 
     /// Schedules `graphs`. `select(kind, children)` names the vertex
     /// function for a vertex of that kind ([`InputGraph::kind`]) with that
-    /// many children, or `None` when no function runs such a vertex (an
-    /// error naming the vertex); there are `num_functions` functions.
+    /// many children, or says why no function can run it (a
+    /// [`GraphError::Unfit`] naming the graph's place and the vertex: the
+    /// structure check of [`crate::check_structure`], made here on the
+    /// way); there are `num_functions` functions.
     pub fn build(
         graphs: &[&InputGraph],
         policy: BatchingPolicy,
         num_functions: usize,
-        select: impl Fn(u16, usize) -> Option<usize>,
+        select: impl Fn(u16, usize) -> Result<usize, String>,
     ) -> Result<Schedule, GraphError> {
         if graphs.is_empty() {
             return Err(GraphError::Schedule("the batch holds no graph".into()));
@@ -165,12 +167,8 @@ impl Schedule {
                     height[id] = height[id].max(height[c as usize] + 1);
                 }
                 child_offsets.push(children.len() as u32);
-                let kind = g.kind(v);
-                let f = select(kind, kids.len()).ok_or_else(|| {
-                    GraphError::Schedule(format!(
-                        "graph {gi} vertex {v} has kind {kind}, which no vertex function runs"
-                    ))
-                })?;
+                let f = select(g.kind(v), kids.len())
+                    .map_err(|message| crate::structure::unfit(g, gi, v, message))?;
                 if f >= num_functions {
                     return Err(GraphError::Schedule(format!(
                         "vertex function {f} selected for graph {gi} vertex {v}, but only {num_functions} exist"
@@ -371,8 +369,8 @@ mod tests {
         g
     }
 
-    fn leaf_internal(_kind: u16, children: usize) -> Option<usize> {
-        Some(usize::from(children > 0))
+    fn leaf_internal(_kind: u16, children: usize) -> Result<usize, String> {
+        Ok(usize::from(children > 0))
     }
 
     fn check_invariants(s: &Schedule, graphs: &[&InputGraph]) {
@@ -443,16 +441,16 @@ mod tests {
 
     #[test]
     fn empty_batch_is_an_error() {
-        assert!(Schedule::build(&[], BatchingPolicy::Cavs, 1, |_, _| Some(0)).is_err());
+        assert!(Schedule::build(&[], BatchingPolicy::Cavs, 1, |_, _| Ok(0)).is_err());
         let e = InputGraph::new();
-        let err = Schedule::build(&[&e], BatchingPolicy::Cavs, 1, |_, _| Some(0)).unwrap_err();
+        let err = Schedule::build(&[&e], BatchingPolicy::Cavs, 1, |_, _| Ok(0)).unwrap_err();
         assert!(err.to_string().contains("graph 0"));
     }
 
     #[test]
     fn edges_follow_rows() {
         let a = tree("((a b) c)");
-        let s = Schedule::build(&[&a], BatchingPolicy::Cavs, 1, |_, _| Some(0)).unwrap();
+        let s = Schedule::build(&[&a], BatchingPolicy::Cavs, 1, |_, _| Ok(0)).unwrap();
         let rows = &s.functions[0];
         for (e, &p) in rows.edge_parent.iter().enumerate() {
             let r = p as usize;

@@ -177,7 +177,7 @@ fn check_graphs(graphs: &[InputGraph]) -> LinearBatch {
     check(&lb, &plain);
     for functions in [1, 2] {
         let s = Schedule::build(&refs, BatchingPolicy::Cavs, functions, |_, k| {
-            Some(usize::from(functions == 2 && k > 0))
+            Ok(usize::from(functions == 2 && k > 0))
         })
         .unwrap();
         assert_eq!(s.first_leaf as usize, lb.num_internal());

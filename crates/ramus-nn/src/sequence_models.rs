@@ -294,7 +294,8 @@ fn bilstm_tagger(
                 let (h_a, h_b) = (f.slice(a, 0, hc), f.slice(b, 0, hc));
                 let x = f.concat(&[h_a, h_b]);
                 let x = f.dropout(x, dropout);
-                let prev = f.gather(2);
+                // the first word in its direction has no previous step
+                let prev = f.gather_optional(2);
                 let (h, c) = lstm_step(f, x, prev, hd, w);
                 let s = f.concat(&[h, c]);
                 f.scatter(s);

@@ -5,7 +5,7 @@
 //! only the intended structure can fit — the backward LSTM, the character
 //! LSTMs — plus WikiNER when `../shared/data` is present.
 
-use std::path::{Path, PathBuf};
+mod common;
 
 use ramus_core::model::FunctionSelector;
 use ramus_core::{Model, Params};
@@ -568,27 +568,9 @@ fn pyramid_and_tree_models_losses_fall_on_the_synthetic_treebank() {
     }
 }
 
-/// `$RAMUS_DATA/<sub>`, else `<workspace>/../shared/data/<sub>`, if it exists.
-fn data_file(sub: &str) -> Option<PathBuf> {
-    let root = match std::env::var_os("RAMUS_DATA") {
-        Some(d) => PathBuf::from(d),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data"),
-    };
-    let path = root.join(sub);
-    if path.exists() {
-        Some(path)
-    } else {
-        let _ = std::io::Write::write_fmt(
-            &mut std::io::stderr(),
-            format_args!("skipping: {sub} not found at {}\n", path.display()),
-        );
-        None
-    }
-}
-
 #[test]
 fn bilstm_tagger_beats_the_majority_tag_on_wikiner() {
-    let Some(path) = data_file("wikiner/dev.txt") else {
+    let Some(path) = common::data_file("wikiner/dev.txt") else {
         return;
     };
     let splits = split_tagged(read_tagged(&path).unwrap());

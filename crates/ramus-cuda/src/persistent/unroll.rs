@@ -1801,6 +1801,7 @@ pub(crate) fn unroll_batch(
 mod tests {
     use super::*;
     use ramus_core::vpps::{plan, simulate, DeviceLimits, PlanRequest, Scheduler};
+    use ramus_graph::binarize::{binarize, Side};
     use ramus_graph::random::{random_chain, random_path, random_tree};
     use ramus_graph::{BatchingPolicy, InputGraph};
     use ramus_nn::{build_model_with, ModelConfig, ModelOptions};
@@ -1976,8 +1977,22 @@ mod tests {
             random_tree(&mut rng, 12, &[1, 2, 3], 30, 5).expect("tree"),
             random_path(&mut rng, 25, 30, 5).expect("path"),
         ];
+        // the binary TreeFC reads two children: the tree binarized, and a
+        // 25-deep caterpillar (a leaf beside each vertex of the path)
+        let mut binary = vec![
+            graphs[0].clone(),
+            binarize(&graphs[1], Side::Left, 1).expect("binarized"),
+        ];
+        let mut caterpillar = InputGraph::new();
+        let mut top = caterpillar.push_vertex(&[], 1, 0).expect("leaf");
+        for i in 1..25 {
+            let leaf = caterpillar.push_vertex(&[], i, 0).expect("leaf");
+            top = caterpillar.push_vertex(&[top, leaf], 0, 1).expect("vertex");
+        }
+        binary.push(caterpillar);
         for name in ["treelstm", "treegru", "treefc"] {
-            let (g, levels) = lowered(name, &graphs, 0.0);
+            let graphs = if name == "treefc" { &binary } else { &graphs };
+            let (g, levels) = lowered(name, graphs, 0.0);
             if name == "treelstm" {
                 // the child-sum Tree-LSTM's child gradients are added into
                 // the children's rows by the fused groups computing them:
