@@ -172,6 +172,7 @@ pub fn run_bench(a: BenchSwapArgs) -> AnyResult {
     let modes: Vec<SwapMode> = parse_list(&a.modes, "--modes")?;
     let kind: OptimizerKind = a.optimizer.parse()?;
     let config = OptimizerConfig::new(kind, a.lr);
+    config.validate()?;
     let mut json_out = match &a.json {
         Some(p) => Some(std::fs::File::create(p).map_err(|e| format!("{}: {e}", p.display()))?),
         None => None,

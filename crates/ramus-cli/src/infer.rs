@@ -49,6 +49,8 @@ pub struct InferArgs {
     grid_barriers: bool,
     #[command(flatten)]
     recursion: crate::bench::RecursionFlags,
+    #[command(flatten)]
+    checkpoint_flags: crate::CheckpointFlags,
 }
 
 /// Scores of the roots of one batch, a row of `classes` per tree.
@@ -62,7 +64,7 @@ pub fn run(a: InferArgs) -> AnyResult {
     if a.batch_size == 0 {
         return Err("--batch-size must be at least 1".into());
     }
-    let loaded = load_checkpoint(&a.checkpoint)?;
+    let loaded = load_checkpoint(&a.checkpoint, a.checkpoint_flags)?;
     if loaded.kind != DataKind::Trees {
         return Err(format!(
             "`ramus infer` reads trees; the checkpoint holds a {} model",

@@ -20,10 +20,11 @@ use indicatif::{ProgressBar, ProgressStyle};
 use ramus_core::{HeadRows, Model, Params};
 use ramus_graph::BatchingPolicy;
 use ramus_nn::checkpoint;
+use ramus_nn::nonfinite::first_nonfinite;
 use ramus_nn::{
     build_model_with, build_sequence_model, build_vision_model, data_kind, DataKind, EvalResult,
-    ModelConfig, ModelOptions, OptimizerConfig, OptimizerKind, SequenceConfig, Trainer,
-    VisionConfig,
+    ModelConfig, ModelOptions, OnNonFinite, OptimizerConfig, OptimizerKind, SequenceConfig,
+    Trainer, VisionConfig,
 };
 
 /// mimalloc instead of the system allocator: the persistent engine lowers
@@ -130,6 +131,11 @@ struct TrainArgs {
     /// Write a safetensors checkpoint here after training.
     #[arg(long)]
     save: Option<PathBuf>,
+    /// A batch whose loss or a gradient is not finite: `stop` training with
+    /// an error naming it, or `skip-batch` (leave the parameters and the
+    /// optimizer state as before it, count it in the epoch's log line).
+    #[arg(long, default_value = "stop")]
+    on_nonfinite: OnNonFinite,
     /// No progress bars (log lines only).
     #[arg(long)]
     quiet: bool,
@@ -172,6 +178,29 @@ struct EvalArgs {
     /// Where to run: cpu or cuda.
     #[arg(long, default_value = "cpu")]
     device: device::Device,
+    #[command(flatten)]
+    checkpoint_flags: CheckpointFlags,
+}
+
+/// What `eval` and `infer` accept in a checkpoint beyond a clean one.
+#[derive(clap::Args, Clone, Copy, Debug, Default)]
+pub(crate) struct CheckpointFlags {
+    /// Load a checkpoint even if a tensor holds NaN or infinite values.
+    #[arg(long)]
+    allow_nonfinite_checkpoint: bool,
+    /// Load a checkpoint even if it has tensors the model does not use
+    /// (they are ignored).
+    #[arg(long)]
+    allow_unused_tensors: bool,
+}
+
+impl CheckpointFlags {
+    fn options(self) -> checkpoint::LoadOptions {
+        checkpoint::LoadOptions {
+            allow_nonfinite: self.allow_nonfinite_checkpoint,
+            allow_unused: self.allow_unused_tensors,
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -213,6 +242,13 @@ fn train(a: TrainArgs) -> AnyResult {
     if a.batch_size == 0 || hidden == 0 {
         return Err("--batch-size and --hidden must be at least 1".into());
     }
+    let mut oc = OptimizerConfig::new(opt, lr);
+    oc.weight_decay = a.weight_decay;
+    oc.clip_norm = a.clip;
+    oc.validate()?;
+    let opts = ModelOptions { dropout: a.dropout };
+    opts.validate()?;
+    let engine_choice = device::engine_for_nonfinite(a.engine, a.on_nonfinite)?;
     let data = match &vision_cfg {
         Some(v) => data::load_image_splits(
             a.data.as_deref(),
@@ -234,7 +270,6 @@ fn train(a: TrainArgs) -> AnyResult {
         hidden,
         classes: data.classes,
     };
-    let opts = ModelOptions { dropout: a.dropout };
     let seq_cfg = a.sequence.config(&a.model, data.chars())?;
     let mut model = build(&a.model, &cfg, vision_cfg.as_ref(), seq_cfg.as_ref(), &opts)?;
     if !data.class_names.is_empty() {
@@ -254,18 +289,23 @@ fn train(a: TrainArgs) -> AnyResult {
         model.settings.insert("loss_at".into(), at.into());
     }
     let params = Params::<f32>::init(&model, a.seed);
-    let mut oc = OptimizerConfig::new(opt, lr);
-    oc.weight_decay = a.weight_decay;
-    oc.clip_norm = a.clip;
     let swap = device::swap_mode(a.device, &a.model, a.device_memory_budget, a.swap)?;
-    let engine =
-        match device::training_engine(a.engine, a.device, &model, &params, oc, a.batch_size)? {
-            Some(persistent) => persistent,
-            None => device::engine_with_swap(a.device, &model, a.device_memory_budget, swap)?,
-        };
+    let engine = match device::training_engine(
+        engine_choice,
+        a.device,
+        &model,
+        &params,
+        oc,
+        a.batch_size,
+    )? {
+        Some(persistent) => persistent,
+        None => device::engine_with_swap(a.device, &model, a.device_memory_budget, swap)?,
+    };
     let mut trainer = Trainer::new(model, params, oc);
     trainer.engine = engine;
     trainer.policy = policy;
+    trainer.on_nonfinite = a.on_nonfinite;
+    trainer.check_nonfinite_policy()?;
     trainer.engine.set_seed(a.seed);
     let mut rng = ramus_nn::train::rng(a.seed);
     println!(
@@ -297,10 +337,12 @@ fn train(a: TrainArgs) -> AnyResult {
         bar.set_style(style.clone());
         bar.set_prefix(epoch.to_string());
         let t0 = Instant::now();
-        let loss = trainer.train_epoch(&data.train, a.batch_size, &mut rng, |_, seen, loss| {
-            bar.set_position(seen as u64);
-            bar.set_message(format!("{loss:.4}"));
-        })?;
+        let loss = trainer
+            .train_epoch(&data.train, a.batch_size, &mut rng, |_, seen, loss| {
+                bar.set_position(seen as u64);
+                bar.set_message(format!("{loss:.4}"));
+            })
+            .map_err(|e| format!("epoch {epoch}: {e}"))?;
         bar.finish_and_clear();
         let secs = t0.elapsed().as_secs_f64();
         if let Some(report) = trainer.engine.memory_report() {
@@ -308,15 +350,22 @@ fn train(a: TrainArgs) -> AnyResult {
         }
         let dev = trainer.evaluate(&data.dev, 64)?;
         println!(
-            "epoch {epoch}: train loss {loss:.4} | dev loss {:.4} {} | {:.0} {}/s",
+            "epoch {epoch}: train loss {loss:.4} | dev loss {:.4} {} | {:.0} {}/s{}",
             dev.loss,
             vision::accuracy(kind, &dev),
             data.train.len() as f64 / secs,
-            vision::unit(kind).0
+            vision::unit(kind).0,
+            match a.on_nonfinite {
+                OnNonFinite::SkipBatch =>
+                    format!(" | {} non-finite batches skipped", trainer.skipped),
+                OnNonFinite::Stop => String::new(),
+            }
         );
-        // keep the parameters of the epoch with the best dev accuracy
+        // keep the parameters of the epoch with the best dev accuracy, if finite
         let acc = selection_accuracy(kind, &dev);
-        if best.as_ref().is_none_or(|(best, _, _)| acc > *best) {
+        if let Some(why) = nonfinite_model(&trainer, dev.loss) {
+            println!("  epoch {epoch}'s model is not kept: {why}");
+        } else if best.as_ref().is_none_or(|(best, _, _)| acc > *best) {
             best = Some((acc, epoch, trainer.params.clone()));
         }
     }
@@ -344,10 +393,27 @@ fn train(a: TrainArgs) -> AnyResult {
         started.elapsed().as_secs_f64()
     );
     if let Some(path) = a.save {
+        if let Some(why) = nonfinite_model(&trainer, test.loss) {
+            return Err(format!(
+                "not saving {}: the model is not finite ({why})",
+                path.display()
+            )
+            .into());
+        }
         checkpoint::save(&path, &trainer.model, &trainer.params, &data.vocab)?;
         println!("saved {}", path.display());
     }
     Ok(())
+}
+
+/// Why the trainer's model must not be kept or saved: a parameter that is
+/// not finite, or a non-finite loss on held-out data; `None` if finite.
+fn nonfinite_model(trainer: &Trainer<f32>, loss: f64) -> Option<String> {
+    match first_nonfinite(&trainer.model, &trainer.params, None) {
+        Some(p) => Some(format!("parameter {p} is not finite")),
+        None if !loss.is_finite() => Some(format!("its loss on held-out data is {loss}")),
+        None => None,
+    }
 }
 
 /// The dev accuracy that picks the best epoch: per-token tag accuracy for
@@ -393,8 +459,9 @@ pub(crate) struct Loaded {
     pub vision: Option<ramus_nn::VisionConfig>,
 }
 
-/// Reads a checkpoint: its settings rebuild the model, then the parameters load.
-pub(crate) fn load_checkpoint(path: &std::path::Path) -> AnyResult<Loaded> {
+/// Reads a checkpoint: its settings rebuild the model, then the parameters
+/// load (non-finite values and unused tensors refused unless `flags` allow them).
+pub(crate) fn load_checkpoint(path: &std::path::Path, flags: CheckpointFlags) -> AnyResult<Loaded> {
     let (info, bytes) = checkpoint::read_info(path)?;
     let setting = |k: &str| -> AnyResult<usize> {
         let v = info
@@ -437,7 +504,7 @@ pub(crate) fn load_checkpoint(path: &std::path::Path) -> AnyResult<Loaded> {
         model.head.rows =
             loss_rows(at).map_err(|e| format!("checkpoint setting `loss_at`: {e}"))?;
     }
-    let (params, defaulted) = checkpoint::load_params_reporting(path, &bytes, &model)?;
+    let (params, defaulted) = checkpoint::load_params_with(path, &bytes, &model, flags.options())?;
     if let Some(first) = defaulted.first() {
         eprintln!(
             "note: {} predates running statistics: {} buffers (`{first}`, ...) start from \
@@ -462,7 +529,7 @@ fn eval(a: EvalArgs) -> AnyResult {
         params,
         kind,
         vision: vision_cfg,
-    } = load_checkpoint(&a.checkpoint)?;
+    } = load_checkpoint(&a.checkpoint, a.checkpoint_flags)?;
     let graphs = match &vision_cfg {
         Some(v) => {
             let names = info

@@ -9,10 +9,11 @@ use rayon::prelude::*;
 use ramus_core::{Grads, HeadRows, Model, Params, Real};
 use ramus_cpu::{Batch, CpuEngine, Mode};
 
-use crate::engine::Engine;
+use crate::engine::{Engine, StepOutcome};
 use ramus_graph::{BatchingPolicy, InputGraph, NO_LABEL};
 
 use crate::error::{NnError, Result};
+use crate::nonfinite::{BatchPlace, NonFiniteFault, OnNonFinite};
 use crate::optim::{Optimizer, OptimizerConfig};
 
 /// Accuracy and loss over a data set.
@@ -29,6 +30,19 @@ pub struct EvalResult {
     pub graphs: usize,
 }
 
+/// An epoch's running totals.
+#[derive(Default)]
+struct Tally {
+    /// Batches in the epoch, and those whose outcome came back.
+    batches: usize,
+    done: usize,
+    /// Graphs of the batches that came back, and of those applied.
+    graphs: usize,
+    applied: usize,
+    /// Sum of the applied batches' losses, weighted by graphs.
+    loss: f64,
+}
+
 /// A model, its parameters, gradients, optimizer state and engine.
 pub struct Trainer<T> {
     pub model: Model,
@@ -37,6 +51,10 @@ pub struct Trainer<T> {
     pub optimizer: Optimizer<T>,
     pub engine: Box<dyn Engine<T>>,
     pub policy: BatchingPolicy,
+    /// What a batch whose loss or a gradient is not finite does.
+    pub on_nonfinite: OnNonFinite,
+    /// Batches the last [`Trainer::train_epoch`] skipped as non-finite.
+    pub skipped: usize,
 }
 
 impl<T: Real> Trainer<T> {
@@ -50,7 +68,22 @@ impl<T: Real> Trainer<T> {
             optimizer,
             engine: Box::new(CpuEngine::new()),
             policy: BatchingPolicy::Cavs,
+            on_nonfinite: OnNonFinite::Stop,
+            skipped: 0,
         }
+    }
+
+    /// Refuses [`OnNonFinite::SkipBatch`] on an engine that cannot hold a
+    /// non-finite update back (see [`Engine::skips_nonfinite`]).
+    pub fn check_nonfinite_policy(&self) -> Result<()> {
+        if self.on_nonfinite == OnNonFinite::SkipBatch && !self.engine.skips_nonfinite() {
+            return Err(NnError::Config(format!(
+                "--on-nonfinite skip-batch: the {} engine applies each update inside its \
+                 training kernel and cannot skip a batch; use --on-nonfinite stop or another engine",
+                self.engine.name()
+            )));
+        }
+        Ok(())
     }
 
     /// Forward, backward and one optimizer step on `graphs`; returns the
@@ -73,7 +106,11 @@ impl<T: Real> Trainer<T> {
     }
 
     /// One epoch over `data` in shuffled batches; `progress(batches_done,
-    /// graphs_done, loss)` is called after each batch. Returns the mean loss.
+    /// graphs_done, loss)` is called after each batch. Returns the mean loss
+    /// of the batches applied. A batch whose loss or a gradient is not
+    /// finite is never applied: it stops the epoch with
+    /// [`NnError::NonFinite`] naming the batch, or with
+    /// [`OnNonFinite::SkipBatch`] counts in [`Trainer::skipped`].
     pub fn train_epoch(
         &mut self,
         data: &[InputGraph],
@@ -84,13 +121,17 @@ impl<T: Real> Trainer<T> {
         if batch_size == 0 {
             return Err(NnError::Config("batch size must be at least 1".into()));
         }
+        self.check_nonfinite_policy()?;
+        self.skipped = 0;
         let mut order: Vec<usize> = (0..data.len()).collect();
         order.shuffle(rng);
-        let (mut total, mut seen) = (0.0, 0usize);
-        // sizes of the batches whose losses have not come back (an
-        // overlapping engine returns each loss a batch later)
+        let mut tally = Tally {
+            batches: order.len().div_ceil(batch_size),
+            ..Tally::default()
+        };
+        // size and first graph of the batches whose outcomes have not come
+        // back (an overlapping engine returns each a batch or more later)
         let mut in_flight = std::collections::VecDeque::new();
-        let mut done = 0usize;
         // an engine that prepares batches ahead gets them a window at a
         // time (scheduled in parallel)
         let window = self.engine.lookahead().max(1);
@@ -105,31 +146,67 @@ impl<T: Real> Trainer<T> {
                 .with_max_len(1)
                 .map(build)
                 .collect::<ramus_cpu::Result<Vec<Batch>>>()?;
-            in_flight.extend(group.iter().map(|c| c.len()));
-            let losses = self.engine.submit_train_steps(
+            in_flight.extend(group.iter().map(|c| (c.len(), c[0])));
+            let outcomes = self.engine.submit_train_steps(
                 &self.model,
                 &mut self.params,
                 &mut self.grads,
                 &mut self.optimizer,
                 &batches,
             )?;
-            for loss in losses {
-                let n = in_flight.pop_front().unwrap_or(0);
-                total += loss * n as f64;
-                seen += n;
-                done += 1;
-                progress(done, seen, loss);
+            for outcome in outcomes {
+                let batch = in_flight.pop_front().unwrap_or((0, 0));
+                self.count(&mut tally, outcome, batch, data, &mut progress)?;
             }
         }
-        for loss in self.engine.finish_train_steps()? {
-            let n = in_flight.pop_front().unwrap_or(0);
-            total += loss * n as f64;
-            seen += n;
-            done += 1;
-            progress(done, seen, loss);
+        for outcome in self.engine.finish_train_steps()? {
+            let batch = in_flight.pop_front().unwrap_or((0, 0));
+            self.count(&mut tally, outcome, batch, data, &mut progress)?;
         }
         self.sync_params()?;
-        Ok(total / seen.max(1) as f64)
+        Ok(tally.loss / tally.applied.max(1) as f64)
+    }
+
+    /// Adds one step's outcome (of a batch of `size` graphs, the first
+    /// `data[first]`) to the epoch's tally, or stops on a non-finite one.
+    fn count(
+        &mut self,
+        tally: &mut Tally,
+        outcome: StepOutcome,
+        (size, first): (usize, usize),
+        data: &[InputGraph],
+        progress: &mut impl FnMut(usize, usize, f64),
+    ) -> Result<()> {
+        tally.done += 1;
+        tally.graphs += size;
+        let loss = match outcome {
+            Ok(loss) => {
+                tally.loss += loss * size as f64;
+                tally.applied += size;
+                loss
+            }
+            Err(step)
+                if self.on_nonfinite == OnNonFinite::SkipBatch && !step.values_nonfinite() =>
+            {
+                self.skipped += 1;
+                step.loss
+            }
+            Err(step) => {
+                let place = BatchPlace {
+                    batch: tally.done,
+                    batches: tally.batches,
+                    first_graph: data
+                        .get(first)
+                        .map_or_else(String::new, |g| g.describe(first)),
+                };
+                return Err(NnError::NonFinite(Box::new(NonFiniteFault {
+                    step,
+                    place: Some(place),
+                })));
+            }
+        };
+        progress(tally.done, tally.graphs, loss);
+        Ok(())
     }
 
     /// Loss, root accuracy and all-node accuracy over `data`.

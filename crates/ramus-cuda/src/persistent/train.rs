@@ -3,10 +3,18 @@
 //! the overlapped VPPS call (each returns the previous batch's loss), and
 //! evaluation runs on the batched CUDA engine with the parameters brought
 //! back from the device.
+//!
+//! Non-finite steps: the update runs inside the training kernel, so a step
+//! cannot be held back ([`Engine::skips_nonfinite`] is false: the trainer
+//! refuses `skip-batch` up front). A batch whose loss comes back non-finite
+//! is reported with the first parameter whose value is not finite (read
+//! back then); a non-finite gradient under a finite loss makes the
+//! parameters it updates non-finite, which the next batch's loss shows.
 
 use ramus_core::{Grads, Model, Params};
 use ramus_cpu::{Batch, ForwardOutput, Mode};
-use ramus_nn::{Engine, NnError, Optimizer, OptimizerConfig};
+use ramus_nn::nonfinite::first_nonfinite;
+use ramus_nn::{Engine, NnError, NonFiniteStep, Optimizer, OptimizerConfig, StepOutcome};
 
 use super::{PersistentEngine, PersistentOptions};
 use crate::engine::{CudaEngine, CudaEngineOptions};
@@ -64,6 +72,27 @@ impl PersistentTrainer {
     pub fn persistent(&self) -> &PersistentEngine {
         &self.engine
     }
+
+    /// The outcome of a step whose loss came back: a non-finite loss names
+    /// the first parameter whose value is not finite (the parameters are
+    /// read back, after the batches in flight).
+    fn outcome(&mut self, loss: f64) -> ramus_nn::Result<StepOutcome> {
+        if loss.is_finite() {
+            return Ok(Ok(loss));
+        }
+        let params = self.engine.params(&self.model).map_err(nn_err)?;
+        Ok(Err(NonFiniteStep {
+            loss,
+            param: first_nonfinite(&self.model, &params, None),
+        }))
+    }
+
+    fn outcomes(
+        &mut self,
+        steps: Vec<super::PersistentStep>,
+    ) -> ramus_nn::Result<Vec<StepOutcome>> {
+        steps.into_iter().map(|s| self.outcome(s.loss)).collect()
+    }
 }
 
 impl Engine<f32> for PersistentTrainer {
@@ -115,8 +144,14 @@ impl Engine<f32> for PersistentTrainer {
         // a step still in flight is from an earlier call: its loss is dropped
         self.submit_train_step(model, params, grads, optimizer, batch)?;
         let step = self.engine.latest().map_err(nn_err)?;
-        step.map(|s| s.loss)
-            .ok_or_else(|| NnError::Config("the persistent step returned no loss".into()))
+        let loss = step
+            .map(|s| s.loss)
+            .ok_or_else(|| NnError::Config("the persistent step returned no loss".into()))?;
+        self.outcome(loss)?.map_err(Into::into)
+    }
+
+    fn skips_nonfinite(&self) -> bool {
+        false
     }
 
     fn submit_train_step(
@@ -126,12 +161,12 @@ impl Engine<f32> for PersistentTrainer {
         _grads: &mut Grads<f32>,
         _optimizer: &mut Optimizer<f32>,
         batch: &Batch<'_>,
-    ) -> ramus_nn::Result<Option<f64>> {
+    ) -> ramus_nn::Result<Option<StepOutcome>> {
         let previous = self
             .engine
             .submit_scheduled(model, &batch.schedule, std::time::Instant::now())
             .map_err(nn_err)?;
-        Ok(previous.map(|s| s.loss))
+        previous.map(|s| self.outcome(s.loss)).transpose()
     }
 
     fn lookahead(&self) -> usize {
@@ -145,17 +180,17 @@ impl Engine<f32> for PersistentTrainer {
         _grads: &mut Grads<f32>,
         _optimizer: &mut Optimizer<f32>,
         batches: &[Batch<'_>],
-    ) -> ramus_nn::Result<Vec<f64>> {
+    ) -> ramus_nn::Result<Vec<StepOutcome>> {
         let schedules: Vec<&ramus_graph::Schedule> = batches.iter().map(|b| &b.schedule).collect();
         let steps = self
             .engine
             .submit_many_scheduled(model, &schedules, std::time::Instant::now())
             .map_err(nn_err)?;
-        Ok(steps.into_iter().map(|s| s.loss).collect())
+        self.outcomes(steps)
     }
 
-    fn finish_train_steps(&mut self) -> ramus_nn::Result<Vec<f64>> {
+    fn finish_train_steps(&mut self) -> ramus_nn::Result<Vec<StepOutcome>> {
         let steps = self.engine.finish().map_err(nn_err)?;
-        Ok(steps.into_iter().map(|s| s.loss).collect())
+        self.outcomes(steps)
     }
 }
