@@ -335,3 +335,78 @@ fn hyper_parameters_no_one_can_mean_are_refused_naming_the_setting() {
     }
     assert!(ModelOptions { dropout: 0.5 }.validate().is_ok());
 }
+
+/// What the check costs per batch on the CPU engine: the CLI's default
+/// run (binary Tree-LSTM, hidden 64, batches of 25, Adagrad) on the
+/// built-in treebank. Every batch runs twice, its forward and backward pass
+/// followed by the optimizer step with the check (`step_if_finite` and the
+/// loss test, as `Engine::train_step` does) and without (`step`), in
+/// alternating order, so a busy machine slows both alike; and the check
+/// alone. Run with
+/// `cargo test --release -p ramus-nn --test nonfinite -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn nonfinite_check_cost_per_batch() {
+    use ramus_cpu::{Batch, CpuEngine, Mode};
+    use ramus_graph::BatchingPolicy;
+    use ramus_nn::nonfinite::gradients_finite;
+    use ramus_nn::{Engine, Optimizer};
+    use std::time::Instant;
+
+    let (data, vocab) = treebank(3000);
+    let cfg = ModelConfig {
+        vocab,
+        hidden: 64,
+        classes: 5,
+    };
+    let model = build_model("treelstm-nary", &cfg).unwrap();
+    let config = OptimizerConfig::new(OptimizerKind::Adagrad, 0.05);
+    let mut params = Params::<f32>::init(&model, 1);
+    let mut optimizer = Optimizer::new(config, &params);
+    let mut grads = ramus_core::Grads::zeros(&model);
+    let mut engine = CpuEngine::<f32>::new();
+    let batches: Vec<Batch> = data
+        .chunks(25)
+        .map(|c| Batch::new(&model, c.iter().collect(), BatchingPolicy::Cavs).unwrap())
+        .collect();
+    // seconds with and without the check, and of the check alone
+    let mut time = [0.0f64; 2];
+    let mut check = Vec::new();
+    let epochs = 4;
+    for epoch in 0..epochs {
+        for (i, b) in batches.iter().enumerate() {
+            for k in 0..2 {
+                let checked = (i + k) % 2 == 0;
+                let started = Instant::now();
+                let out = Engine::forward(&mut engine, &model, &params, b, Mode::Train).unwrap();
+                grads.clear();
+                Engine::backward(&mut engine, &model, &params, b, &mut grads).unwrap();
+                if checked {
+                    let loss = out.loss.unwrap();
+                    assert!(loss.is_finite() && optimizer.step_if_finite(&mut params, &grads));
+                } else {
+                    optimizer.step(&mut params, &grads);
+                }
+                // the first epoch warms up
+                if epoch > 0 {
+                    time[usize::from(checked)] += started.elapsed().as_secs_f64();
+                }
+            }
+            let t = Instant::now();
+            assert!(gradients_finite(&grads));
+            check.push(t.elapsed().as_secs_f64());
+        }
+    }
+    check.sort_by(f64::total_cmp);
+    let runs = ((epochs - 1) * batches.len()) as f64;
+    println!(
+        "{} batches of 25 x {} epochs: {:.3} ms a batch with the check, {:.3} ms without \
+         ({:+.2} %); the check alone: median {:.2} us a batch",
+        batches.len(),
+        epochs - 1,
+        1e3 * time[1] / runs,
+        1e3 * time[0] / runs,
+        100.0 * (time[1] / time[0] - 1.0),
+        1e6 * check[check.len() / 2]
+    );
+}
