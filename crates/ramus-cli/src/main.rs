@@ -229,7 +229,7 @@ fn main() -> ExitCode {
 
 type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
-fn train(a: TrainArgs) -> AnyResult {
+fn train(mut a: TrainArgs) -> AnyResult {
     let kind = data::data_kind_of(&a.model)?;
     let policy: BatchingPolicy = a.policy.parse()?;
     let vision_cfg = a.vision.config(&a.model, kind)?;
@@ -248,7 +248,7 @@ fn train(a: TrainArgs) -> AnyResult {
     oc.validate()?;
     let opts = ModelOptions { dropout: a.dropout };
     opts.validate()?;
-    let engine_choice = device::engine_for_nonfinite(a.engine, a.on_nonfinite)?;
+    a.engine = device::engine_for_nonfinite(a.engine, a.on_nonfinite)?;
     let data = match &vision_cfg {
         Some(v) => data::load_image_splits(
             a.data.as_deref(),
@@ -290,17 +290,11 @@ fn train(a: TrainArgs) -> AnyResult {
     }
     let params = Params::<f32>::init(&model, a.seed);
     let swap = device::swap_mode(a.device, &a.model, a.device_memory_budget, a.swap)?;
-    let engine = match device::training_engine(
-        engine_choice,
-        a.device,
-        &model,
-        &params,
-        oc,
-        a.batch_size,
-    )? {
-        Some(persistent) => persistent,
-        None => device::engine_with_swap(a.device, &model, a.device_memory_budget, swap)?,
-    };
+    let engine =
+        match device::training_engine(a.engine, a.device, &model, &params, oc, a.batch_size)? {
+            Some(persistent) => persistent,
+            None => device::engine_with_swap(a.device, &model, a.device_memory_budget, swap)?,
+        };
     let mut trainer = Trainer::new(model, params, oc);
     trainer.engine = engine;
     trainer.policy = policy;

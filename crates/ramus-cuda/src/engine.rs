@@ -1937,12 +1937,9 @@ impl CudaEngine {
             .into_iter()
             .map(|(_, v)| v)
             .collect();
-        let report = self.device_optimizer(model, config)?.step(
-            &stream,
-            &touched,
-            Some(loss_view),
-            false,
-        )?;
+        let report = self
+            .device_optimizer(model, config)?
+            .step(&stream, &touched, loss_view, false)?;
         for _ in 0..report.launches {
             self.launcher.count();
         }

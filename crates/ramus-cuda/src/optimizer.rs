@@ -37,16 +37,16 @@
 //! the device computes the host reference's values bit for bit.
 //!
 //! * **Non-finite steps.** The norm kernel also checks that every gradient
-//! it sums and the batch's loss are finite; if not, it raises the step's
-//! skip flag, which the update kernel reads first: a non-finite step
-//! changes neither the parameters nor the optimizer state (the host also
-//! takes the step back from its step count). Each thread that meets a
-//! non-finite gradient records its element (the lowest, in parameter
-//! order, wins), so the host can name the first offending parameter
-//! without reading the gradients. The step's status (flag, that element,
-//! the norm) comes back with one asynchronous copy that the host reads
-//! after its next synchronization ([`DeviceOptimizer::take_status`]): no
-//! host round trip of its own.
+//!   it sums and the batch's loss are finite; if not, it raises the step's
+//!   skip flag, which the update kernel reads first: a non-finite step
+//!   changes neither the parameters nor the optimizer state (the host also
+//!   takes the step back from its step count). Each thread that meets a
+//!   non-finite gradient records its element (the lowest, in parameter
+//!   order, wins), so the host can name the first offending parameter
+//!   without reading the gradients. The step's status (flag, that element,
+//!   the norm) comes back with one asynchronous copy that the host reads
+//!   after its next synchronization ([`DeviceOptimizer::take_status`]): no
+//!   host round trip of its own.
 //! * **Buffers.** Non-trained buffers (batch normalisation's running
 //!   statistics, updated by the forward pass) are copied aside before a
 //!   step's forward pass ([`DeviceOptimizer::keep_buffers`]) and copied back

@@ -194,22 +194,15 @@ pub fn first_nonfinite<T: Real>(
     })
 }
 
-/// [`first_nonfinite`] over host copies of a device's parameters, named
-/// `names` in model order: `values[p]`, then (where given) `grads[p]`.
-pub fn first_nonfinite_in(
-    names: &[String],
-    values: &[Vec<f32>],
-    grads: &[Vec<f32>],
-) -> Option<NonFiniteParam> {
-    let find = |tensors: &[Vec<f32>], part| {
-        let p = tensors.iter().position(|t| !all_finite(t))?;
-        Some(NonFiniteParam {
-            index: p,
-            name: names.get(p).cloned().unwrap_or_default(),
-            part,
-        })
-    };
-    find(values, TensorPart::Value).or_else(|| find(grads, TensorPart::Gradient))
+/// The first parameter whose value is not finite, over host copies of a
+/// device's parameters (`values[p]`, named `names[p]`, in model order).
+pub fn first_nonfinite_value(names: &[String], values: &[Vec<f32>]) -> Option<NonFiniteParam> {
+    let p = values.iter().position(|v| !all_finite(v))?;
+    Some(NonFiniteParam {
+        index: p,
+        name: names.get(p).cloned().unwrap_or_default(),
+        part: TensorPart::Value,
+    })
 }
 
 #[cfg(test)]

@@ -87,8 +87,10 @@ impl<T: Real> Trainer<T> {
     }
 
     /// Forward, backward and one optimizer step on `graphs`; returns the
-    /// loss. On a device engine `self.params` lags until [`Trainer::sync_params`]
-    /// (which [`Trainer::train_epoch`] calls at the end of each epoch).
+    /// loss, or [`NnError::NonFinite`] for a step not applied (its loss or
+    /// a gradient was not finite). On a device engine `self.params` lags
+    /// until [`Trainer::sync_params`] (which [`Trainer::train_epoch`] calls
+    /// at the end of each epoch).
     pub fn train_batch(&mut self, graphs: &[&InputGraph]) -> Result<f64> {
         let batch = Batch::new(&self.model, graphs.to_vec(), self.policy)?;
         self.engine.train_step(

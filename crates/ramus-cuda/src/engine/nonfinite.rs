@@ -8,7 +8,7 @@
 
 use ramus_core::Model;
 use ramus_cpu::Range;
-use ramus_nn::nonfinite::{first_nonfinite_in, NonFiniteParam, TensorPart};
+use ramus_nn::nonfinite::{first_nonfinite_value, NonFiniteParam, TensorPart};
 use ramus_nn::{NonFiniteStep, StepOutcome};
 
 use super::CudaEngine;
@@ -54,7 +54,7 @@ impl CudaEngine {
             .into_iter()
             .map(|v| self.staging.download_to_vec(v, &stream))
             .collect::<Result<Vec<_>>>()?;
-        let value = first_nonfinite_in(&self.param_names, &values, &[]);
+        let value = first_nonfinite_value(&self.param_names, &values);
         Ok(value.or_else(|| {
             gradient.map(|p| NonFiniteParam {
                 index: p,
@@ -65,11 +65,11 @@ impl CudaEngine {
     }
 
     /// The loss of the last train-mode forward pass on the device (one
-    /// float in the batch arena, alive until the next pass).
-    pub(super) fn loss_view(&self, model: &Model) -> Result<DeviceView<f32>> {
+    /// float in the batch arena, alive until the next pass), if it has one.
+    pub(super) fn loss_view(&self, model: &Model) -> Result<Option<DeviceView<f32>>> {
         let head = &model.head;
         let rows = Range::rows_only(self.state.head_vertices.len());
         let v = self.float_view(&head.forward, head.loss, &self.state.head_fwd, None, rows)?;
-        v.slice(0..1)
+        (!v.is_empty()).then(|| v.slice(0..1)).transpose()
     }
 }

@@ -32,7 +32,7 @@ pub(super) fn decode(words: &[u32], slots: &[ParamSlot]) -> StepStatus {
     let word = |i: usize| words.get(i).copied().map_or(0, u64::from);
     let norm = f64::from_bits(word(0) | (word(1) << 32));
     let report = word(6) | (word(7) << 32);
-    let nonfinite_gradient = (report != 0).then(|| !report).and_then(|key| {
+    let nonfinite_gradient = (report != 0).then_some(!report).and_then(|key| {
         let first = (key >> KEY_OFFSET_BITS) as usize;
         let offset = key & ((1 << KEY_OFFSET_BITS) - 1);
         let address = slots.get(first)?.grad.device_ptr() + 4 * offset;

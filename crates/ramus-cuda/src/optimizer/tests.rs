@@ -215,25 +215,38 @@ fn tables_between_dense_parameters_split_the_runs() {
     assert!(plan.segments(&[too_many.view(), touched[1]]).is_err());
 }
 
+/// Slots over `buf`: (value range, gradient range, layout) each.
+fn slots_in(
+    buf: &PoolBuffer<f32>,
+    specs: &[(std::ops::Range<usize>, std::ops::Range<usize>, GradLayout)],
+) -> Vec<ParamSlot> {
+    specs
+        .iter()
+        .map(|(value, grad, layout)| ParamSlot {
+            value: buf.view().slice(value.clone()).unwrap(),
+            grad: buf.view().slice(grad.clone()).unwrap(),
+            layout: *layout,
+        })
+        .collect()
+}
+
 #[test]
 fn frozen_buffers_are_left_out_of_every_segment() {
     let pool = fake_pool();
     let buf = pool.alloc::<f32>(1000).unwrap();
     let v = |a: usize, b: usize| buf.view().slice(a..b).unwrap();
-    let slot = |value, grad, layout| ParamSlot {
-        value,
-        grad,
-        layout,
-    };
     let (dense, frozen) = (GradLayout::Dense, GradLayout::Frozen);
     // dense, frozen, dense, dense: the frozen slot splits the run and
     // no segment covers it
-    let slots = [
-        slot(v(0, 10), v(500, 510), dense),
-        slot(v(10, 14), v(510, 514), frozen),
-        slot(v(14, 20), v(514, 520), dense),
-        slot(v(20, 30), v(520, 530), dense),
-    ];
+    let slots = slots_in(
+        &buf,
+        &[
+            (0..10, 500..510, dense),
+            (10..14, 510..514, frozen),
+            (14..20, 514..520, dense),
+            (20..30, 520..530, dense),
+        ],
+    );
     let state = State::new(&pool, OptimizerKind::Adam, &slots).unwrap();
     let segs = state.plan.segments(&[]).unwrap();
     assert_eq!(segs.len(), 2);
@@ -242,7 +255,7 @@ fn frozen_buffers_are_left_out_of_every_segment() {
     let covered: u64 = segs.iter().map(|s| s.elements()).sum();
     assert_eq!(covered, 26, "the 4 frozen values are not updated");
     // a model of buffers only has nothing to update
-    let only = [slot(v(0, 4), v(500, 504), frozen)];
+    let only = slots_in(&buf, &[(0..4, 500..504, frozen)]);
     let state = State::new(&pool, OptimizerKind::Sgd, &only).unwrap();
     assert!(state.plan.segments(&[]).unwrap().is_empty());
 }
@@ -365,6 +378,19 @@ fn test_model() -> Model {
 
 const TABLES: [usize; 2] = [1, 4];
 
+/// The test model's parameters: (length, row width if a table).
+fn test_shapes(model: &Model) -> Vec<(usize, Option<usize>)> {
+    model
+        .params
+        .iter()
+        .enumerate()
+        .map(|(p, spec)| {
+            let len = spec.shape.iter().product();
+            (len, TABLES.contains(&p).then(|| spec.shape[1]))
+        })
+        .collect()
+}
+
 /// Deterministic values in [-1, 1).
 fn random_values(len: usize, seed: u64) -> Vec<f32> {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -442,15 +468,7 @@ const STEPS: u64 = 5;
 /// parameter after every step, bit for bit.
 fn compare_with_host(configs: &[OptimizerConfig]) {
     let model = test_model();
-    let shapes: Vec<(usize, Option<usize>)> = model
-        .params
-        .iter()
-        .enumerate()
-        .map(|(p, spec)| {
-            let len = spec.shape.iter().product();
-            (len, TABLES.contains(&p).then(|| spec.shape[1]))
-        })
-        .collect();
+    let shapes = test_shapes(&model);
     let total: usize = shapes.iter().map(|s| s.0).sum();
     let initial = Params::<f32>::init(&model, 7);
     let modules: Vec<(String, UpdateKernelSpec)> = configs
@@ -725,15 +743,7 @@ fn poison(step: u64) -> Poison {
 fn a_nonfinite_step_changes_nothing() {
     use ramus_nn::nonfinite::first_nonfinite;
     let model = test_model();
-    let shapes: Vec<(usize, Option<usize>)> = model
-        .params
-        .iter()
-        .enumerate()
-        .map(|(p, spec)| {
-            let len = spec.shape.iter().product();
-            (len, TABLES.contains(&p).then(|| spec.shape[1]))
-        })
-        .collect();
+    let shapes = test_shapes(&model);
     let total: usize = shapes.iter().map(|s| s.0).sum();
     let configs = [
         config(OptimizerKind::Sgd, 0.1, 0.01, None),
@@ -858,20 +868,17 @@ fn a_nonfinite_step_changes_nothing() {
 fn buffers_come_back_only_after_a_skipped_step() {
     let pool = fake_pool();
     let buf = pool.alloc::<f32>(64).unwrap();
-    let v = |a: usize, b: usize| buf.view().slice(a..b).unwrap();
-    let slot = |value, grad, layout| ParamSlot {
-        value,
-        grad,
-        layout,
-    };
     let (dense, frozen) = (GradLayout::Dense, GradLayout::Frozen);
     // two adjacent buffers (one segment), a dense slot, one more buffer
-    let slots = [
-        slot(v(0, 4), v(32, 36), frozen),
-        slot(v(4, 8), v(36, 40), frozen),
-        slot(v(8, 12), v(40, 44), dense),
-        slot(v(12, 15), v(44, 47), frozen),
-    ];
+    let slots = slots_in(
+        &buf,
+        &[
+            (0..4, 32..36, frozen),
+            (4..8, 36..40, frozen),
+            (8..12, 40..44, dense),
+            (12..15, 44..47, frozen),
+        ],
+    );
     let state = State::new(&pool, OptimizerKind::Sgd, &slots).unwrap();
     assert_eq!(state.buffers.len(), 2);
     assert_eq!((state.buffers[0].len, state.buffers[1].len), (8, 3));
