@@ -9,7 +9,8 @@
 //! refuses `skip-batch` up front). A batch whose loss comes back non-finite
 //! is reported with the first parameter whose value is not finite (read
 //! back then); a non-finite gradient under a finite loss makes the
-//! parameters it updates non-finite, which the next batch's loss shows.
+//! parameters it updates non-finite, which the next batch using them shows
+//! in its loss, or the end of the epoch in the parameters.
 
 use ramus_core::{Grads, Model, Params};
 use ramus_cpu::{Batch, ForwardOutput, Mode};
@@ -189,8 +190,24 @@ impl Engine<f32> for PersistentTrainer {
         self.outcomes(steps)
     }
 
+    /// The last steps' outcomes; if every loss was finite but a parameter
+    /// is not (a non-finite gradient under a finite loss reached weights no
+    /// later batch used), the last step reports it: no epoch ends with
+    /// non-finite weights unsaid.
     fn finish_train_steps(&mut self) -> ramus_nn::Result<Vec<StepOutcome>> {
         let steps = self.engine.finish().map_err(nn_err)?;
-        self.outcomes(steps)
+        let mut outcomes = self.outcomes(steps)?;
+        if let Some(last) = outcomes.last_mut() {
+            if let Ok(loss) = *last {
+                let params = self.engine.params(&self.model).map_err(nn_err)?;
+                if let Some(param) = first_nonfinite(&self.model, &params, None) {
+                    *last = Err(NonFiniteStep {
+                        loss,
+                        param: Some(param),
+                    });
+                }
+            }
+        }
+        Ok(outcomes)
     }
 }
