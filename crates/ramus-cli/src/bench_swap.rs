@@ -143,10 +143,17 @@ fn run(
             started = Some(Instant::now());
         }
         let batch = Batch::new(model, graphs.clone(), BatchingPolicy::Cavs)?;
-        let loss = engine
-            .train_step(model, &mut params, &mut grads, &mut optimizer, &batch)
+        // each step's outcome comes back with the next one's loss
+        let earlier = engine
+            .submit_train_step(model, &mut params, &mut grads, &mut optimizer, &batch)
             .map_err(|e| format!("step {}: {e}", i + 1))?;
-        losses.push(loss);
+        if let Some(outcome) = earlier {
+            losses.push(outcome.map_err(|s| format!("step {i}: {}", ramus_nn::NnError::from(s)))?);
+        }
+    }
+    for outcome in engine.finish_train_steps()? {
+        let step = losses.len() + 1;
+        losses.push(outcome.map_err(|s| format!("step {step}: {}", ramus_nn::NnError::from(s)))?);
     }
     engine.device().synchronize()?;
     let timed = data.len().saturating_sub(warmup).max(1);
@@ -173,6 +180,7 @@ pub fn run_bench(a: BenchSwapArgs) -> AnyResult {
     let modes: Vec<SwapMode> = parse_list(&a.modes, "--modes")?;
     let kind: OptimizerKind = a.optimizer.parse()?;
     let config = OptimizerConfig::new(kind, a.lr);
+    config.validate()?;
     if let Some(p) = &a.json {
         ramus_nn::atomic::check_writable(p, "--json")?;
     }

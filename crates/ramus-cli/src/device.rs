@@ -51,6 +51,27 @@ impl FromStr for TrainEngine {
     }
 }
 
+/// The engine choice that can honour `on_nonfinite`: the persistent
+/// engine updates inside its kernel and cannot skip a batch, so with
+/// `skip-batch` `persistent` is refused (before any work) and `auto` means
+/// the batched engine.
+pub fn engine_for_nonfinite(
+    choice: TrainEngine,
+    on_nonfinite: ramus_nn::OnNonFinite,
+) -> Result<TrainEngine, String> {
+    if on_nonfinite != ramus_nn::OnNonFinite::SkipBatch {
+        return Ok(choice);
+    }
+    match choice {
+        TrainEngine::Persistent => Err("--on-nonfinite skip-batch: the persistent engine applies \
+             each update inside its training kernel and cannot skip a batch; use \
+             --on-nonfinite stop or --engine batched"
+            .into()),
+        TrainEngine::Auto => Ok(TrainEngine::Batched),
+        TrainEngine::Batched => Ok(TrainEngine::Batched),
+    }
+}
+
 /// The persistent training engine when `choice` asks for it: `None` for
 /// the batched engine (asked for, or `auto` falling back after printing
 /// why the persistent one cannot run the model), an error if `persistent`

@@ -57,6 +57,8 @@ pub struct InferArgs {
     host: crate::limits::HostBudgetArgs,
     #[command(flatten)]
     structure: crate::structure::StructureArgs,
+    #[command(flatten)]
+    checkpoint_flags: crate::CheckpointFlags,
 }
 
 /// The trees of `input` (a file; `-` or `None`: standard input), read with
@@ -90,7 +92,7 @@ pub fn run(a: InferArgs) -> AnyResult {
     if a.batch_size == 0 {
         return Err("--batch-size must be at least 1".into());
     }
-    let loaded = load_checkpoint(&a.checkpoint)?;
+    let loaded = load_checkpoint(&a.checkpoint, a.checkpoint_flags)?;
     if loaded.kind != DataKind::Trees {
         return Err(format!(
             "`ramus infer` reads trees; the checkpoint holds a {} model",

@@ -30,7 +30,7 @@ use ramus_nn::checkpoint;
 use ramus_nn::memory::Pass;
 use ramus_nn::{
     build_model_with, build_sequence_model, build_vision_model, data_kind, DataKind, ModelConfig,
-    ModelOptions, SequenceConfig, VisionConfig,
+    ModelOptions, OnNonFinite, SequenceConfig, VisionConfig,
 };
 
 /// mimalloc instead of the system allocator: the persistent engine lowers
@@ -162,6 +162,11 @@ struct TrainArgs {
     /// none].
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
+    /// A batch whose loss or a gradient is not finite: `stop` training with
+    /// an error naming it, or `skip-batch` (leave the parameters and the
+    /// optimizer state as before it, count it in the epoch's log line).
+    #[arg(long, default_value = "stop")]
+    on_nonfinite: OnNonFinite,
     /// No progress bars (log lines only).
     #[arg(long)]
     quiet: bool,
@@ -208,6 +213,29 @@ struct EvalArgs {
     host: limits::HostBudgetArgs,
     #[command(flatten)]
     structure: structure::StructureArgs,
+    #[command(flatten)]
+    checkpoint_flags: CheckpointFlags,
+}
+
+/// What `eval` and `infer` accept in a checkpoint beyond a clean one.
+#[derive(clap::Args, Clone, Copy, Debug, Default)]
+pub(crate) struct CheckpointFlags {
+    /// Load a checkpoint even if a tensor holds NaN or infinite values.
+    #[arg(long)]
+    allow_nonfinite_checkpoint: bool,
+    /// Load a checkpoint even if it has tensors the model does not use
+    /// (they are ignored).
+    #[arg(long)]
+    allow_unused_tensors: bool,
+}
+
+impl CheckpointFlags {
+    fn options(self) -> checkpoint::LoadOptions {
+        checkpoint::LoadOptions {
+            allow_nonfinite: self.allow_nonfinite_checkpoint,
+            allow_unused: self.allow_unused_tensors,
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -273,12 +301,13 @@ pub(crate) struct Loaded {
 }
 
 /// Reads a checkpoint: its settings rebuild the model, then the parameters
-/// load. Every error names the file.
-pub(crate) fn load_checkpoint(path: &std::path::Path) -> AnyResult<Loaded> {
+/// load (non-finite values and unused tensors refused unless `flags` allow
+/// them). Every error names the file.
+pub(crate) fn load_checkpoint(path: &std::path::Path, flags: CheckpointFlags) -> AnyResult<Loaded> {
     let (info, bytes) = checkpoint::read_info(path)?;
     let (model, kind, vision_cfg) =
         model_of(&info).map_err(|e| format!("{}: {e}", path.display()))?;
-    let (params, defaulted) = checkpoint::load_params_reporting(path, &bytes, &model)?;
+    let (params, defaulted) = checkpoint::load_params_with(path, &bytes, &model, flags.options())?;
     if let Some(first) = defaulted.first() {
         noteln!(
             "note: {} predates running statistics: {} buffers (`{first}`, ...) start from \
@@ -352,7 +381,7 @@ fn eval(a: EvalArgs) -> AnyResult {
         params,
         kind,
         vision: vision_cfg,
-    } = load_checkpoint(&a.checkpoint)?;
+    } = load_checkpoint(&a.checkpoint, a.checkpoint_flags)?;
     let mut graphs = match &vision_cfg {
         Some(v) => {
             let names = info.settings.get("class_names").ok_or_else(|| {

@@ -21,7 +21,7 @@ pub type RunConfig = BTreeMap<String, Option<Vec<String>>>;
 /// Flags a resumed run may give with another value: where and how long it
 /// runs and where it writes, not what it computes; and the data, which may
 /// move (its fingerprint tells whether it is the same).
-const MAY_DIFFER: [&str; 11] = [
+const MAY_DIFFER: [&str; 12] = [
     "epochs",
     "save",
     "quiet",
@@ -33,6 +33,7 @@ const MAY_DIFFER: [&str; 11] = [
     "checkpoint-dir",
     "data",
     "host-memory-budget",
+    "on-nonfinite",
 ];
 
 /// The `train` arguments of the command line `argv` and their matches.

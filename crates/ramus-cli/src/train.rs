@@ -16,11 +16,12 @@ use std::time::Instant;
 use indicatif::{ProgressBar, ProgressStyle};
 use ramus_core::{Model, Params};
 use ramus_graph::BatchingPolicy;
+use ramus_nn::nonfinite::first_nonfinite;
 use ramus_nn::resume::{self, Best, RunState};
 use ramus_nn::train::{shuffled_order, Pauses, Span, SpanEnd};
 use ramus_nn::{
-    checkpoint, DataKind, EvalResult, ModelConfig, ModelOptions, OptimizerConfig, OptimizerKind,
-    Trainer,
+    checkpoint, DataKind, EvalResult, ModelConfig, ModelOptions, OnNonFinite, OptimizerConfig,
+    OptimizerKind, Trainer,
 };
 
 use crate::data::Splits;
@@ -173,6 +174,13 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
     if a.batch_size == 0 || hidden == 0 {
         return Err("--batch-size and --hidden must be at least 1".into());
     }
+    // hyper-parameters no one can mean are refused before any work
+    let mut oc = OptimizerConfig::new(opt, lr);
+    oc.weight_decay = a.weight_decay;
+    oc.clip_norm = a.clip;
+    oc.validate()?;
+    ModelOptions { dropout: a.dropout }.validate()?;
+    let engine_choice = device::engine_for_nonfinite(a.engine, a.on_nonfinite)?;
     let mut data = match &vision_cfg {
         Some(v) => data::load_image_splits(
             a.data.as_deref(),
@@ -203,9 +211,6 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
         device: a.device,
     };
     need.check_host(a.host)?;
-    let mut oc = OptimizerConfig::new(opt, lr);
-    oc.weight_decay = a.weight_decay;
-    oc.clip_norm = a.clip;
     let (run, params, restored, best) = match from {
         None => {
             let run = RunState {
@@ -238,11 +243,17 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
         }
     };
     let swap = device::swap_mode(a.device, &a.model, a.device_memory_budget, a.swap)?;
-    let engine =
-        match device::training_engine(a.engine, a.device, &model, &params, oc, a.batch_size)? {
-            Some(persistent) => persistent,
-            None => device::engine_with_swap(a.device, &model, a.device_memory_budget, swap)?,
-        };
+    let engine = match device::training_engine(
+        engine_choice,
+        a.device,
+        &model,
+        &params,
+        oc,
+        a.batch_size,
+    )? {
+        Some(persistent) => persistent,
+        None => device::engine_with_swap(a.device, &model, a.device_memory_budget, swap)?,
+    };
     need.check_device(
         engine.as_ref(),
         a.device_memory_budget,
@@ -251,6 +262,8 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
     let mut trainer = Trainer::new(model, params, oc);
     trainer.engine = engine;
     trainer.policy = policy;
+    trainer.on_nonfinite = a.on_nonfinite;
+    trainer.check_nonfinite_policy()?;
     trainer.engine.set_dropout_rng(run.dropout.clone());
     if let Some(optimizer) = restored {
         trainer.optimizer = optimizer;
@@ -370,7 +383,8 @@ impl Run<'_> {
                     bar.set_position(seen as u64);
                     bar.set_message(format!("{loss:.4}"));
                 },
-            )?;
+            );
+            let end = end.map_err(|e| format!("epoch {epoch}: {e}"))?;
             match end {
                 SpanEnd::EpochDone => break,
                 SpanEnd::Checkpoint => self.save_last()?,
@@ -403,15 +417,24 @@ impl Run<'_> {
         }
         let dev = trainer.evaluate(&self.s.data.dev, 64)?;
         logln!(
-            "epoch {epoch}: train loss {loss:.4} | dev loss {:.4} {} | {:.0} {}/s",
+            "epoch {epoch}: train loss {loss:.4} | dev loss {:.4} {} | {:.0} {}/s{}",
             dev.loss,
             vision::accuracy(kind, &dev),
             per_sec,
-            vision::unit(kind).0
+            vision::unit(kind).0,
+            match self.a.on_nonfinite {
+                OnNonFinite::SkipBatch => format!(
+                    " | {} non-finite batches skipped",
+                    self.s.run.progress.skipped
+                ),
+                OnNonFinite::Stop => String::new(),
+            }
         );
-        // keep the parameters of the epoch with the best dev accuracy
+        // keep the parameters of the epoch with the best dev accuracy, if finite
         let acc = selection_accuracy(kind, &dev);
-        if self.s.run.best.is_none_or(|b| acc > b.score) {
+        if let Some(why) = nonfinite_model(trainer, dev.loss) {
+            logln!("  epoch {epoch}'s model is not kept: {why}");
+        } else if self.s.run.best.is_none_or(|b| acc > b.score) {
             self.s.run.best = Some(Best { score: acc, epoch });
             self.s.best = Some(trainer.params.clone());
             if let Some(paths) = &self.paths {
@@ -510,10 +533,27 @@ fn finish(a: &TrainArgs, s: Setup, started: Instant) -> AnyResult {
         started.elapsed().as_secs_f64()
     );
     if let Some(path) = &a.save {
+        if let Some(why) = nonfinite_model(&trainer, test.loss) {
+            return Err(format!(
+                "not saving {}: the model is not finite ({why})",
+                path.display()
+            )
+            .into());
+        }
         checkpoint::save(path, &trainer.model, &trainer.params, &data.vocab)?;
         logln!("saved {}", path.display());
     }
     Ok(())
+}
+
+/// Why the trainer's model must not be kept or saved: a parameter that is
+/// not finite, or a non-finite loss on held-out data; `None` if finite.
+fn nonfinite_model(trainer: &Trainer<f32>, loss: f64) -> Option<String> {
+    match first_nonfinite(&trainer.model, &trainer.params, None) {
+        Some(p) => Some(format!("parameter {p} is not finite")),
+        None if !loss.is_finite() => Some(format!("its loss on held-out data is {loss}")),
+        None => None,
+    }
 }
 
 /// The dev accuracy that picks the best epoch: per-token tag accuracy for

@@ -36,7 +36,7 @@ use ramus_core::ops::{
 use ramus_core::{Grads, HeadRows, Model, Params};
 use ramus_cpu::{fill_dropout_mask, Batch, ForwardOutput, Mode, Range};
 use ramus_graph::{FunctionRows, Schedule, NO_LABEL};
-use ramus_nn::{Optimizer, OptimizerConfig};
+use ramus_nn::{Optimizer, OptimizerConfig, StepOutcome};
 
 use crate::blas::{Blas, Gemm};
 use crate::cache::KernelCache;
@@ -53,6 +53,7 @@ use crate::program::{
 use crate::swap::{SwapConfig, SwapMode};
 
 mod cnn;
+mod nonfinite;
 mod resume;
 mod swap;
 
@@ -214,6 +215,11 @@ pub struct CudaEngine {
     enqueue_seconds: f64,
     /// The swap path's state, when it is on.
     swap: Option<swap::SwapRuntime>,
+    /// The loss of the last device training step whose status (applied or
+    /// skipped as non-finite) the host has not taken yet.
+    pending_loss: Option<f64>,
+    /// The model's parameter names, to name a non-finite one.
+    param_names: Vec<String>,
 }
 
 /// The rows of `range` (in the value's space) of a buffer of type `ty`.
@@ -305,6 +311,8 @@ impl CudaEngine {
             track_running_stats: false,
             enqueue_seconds: 0.0,
             swap,
+            pending_loss: None,
+            param_names: model.params.iter().map(|p| p.name.clone()).collect(),
         })
     }
 
@@ -1912,43 +1920,58 @@ impl CudaEngine {
         }
     }
 
-    /// Forward, backward and the fused optimizer update, all on the device;
-    /// the host parameters lag until [`CudaEngine::download_params`].
+    /// Forward, backward and the fused optimizer update (held back if the
+    /// loss or a gradient is not finite), all on the device; the host
+    /// parameters lag until [`CudaEngine::download_params`]. Returns the
+    /// outcome of the step before, which the loss's download has brought
+    /// back (see [`CudaEngine::settle_step`]); this step's stays pending.
     fn device_train_step(
         &mut self,
         model: &Model,
         params: &mut Params<f32>,
         config: &OptimizerConfig,
         batch: &Batch<'_>,
-    ) -> Result<f64> {
+    ) -> Result<Option<StepOutcome>> {
         if self.swap.is_some() {
             return self.swap_train_step(model, params, config, batch);
         }
+        self.check_model(model)?;
+        self.sync_params(model, params)?;
+        let stream = self.device.stream().clone();
+        // a skipped step puts back the running statistics its forward pass blends
+        let kept = self
+            .device_optimizer(model, config)?
+            .keep_buffers(&stream)?;
+        (0..kept).for_each(|_| self.launcher.count());
         self.track_running_stats = true;
         let out = self.forward_pass(model, params, batch, Mode::Train, model.head.rows);
         self.track_running_stats = false;
         let out = out?;
+        let loss = out
+            .loss
+            .ok_or_else(|| model_err("forward pass returned no loss"))?;
+        let previous = self.settle_step()?;
+        let loss_view = self.loss_view(model)?;
         self.backward_on_device(model, params, batch)?;
         let touched: Vec<DeviceView<u32>> = self
             .touched_rows(model, &batch.schedule)?
             .into_iter()
             .map(|(_, v)| v)
             .collect();
-        let stream = self.device.stream().clone();
         let report = self
             .device_optimizer(model, config)?
-            .step(&stream, &touched, false)?;
+            .step(&stream, &touched, loss_view, false)?;
         for _ in 0..report.launches {
             self.launcher.count();
         }
+        self.pending_loss = Some(loss);
         // the device copy is now ahead of the host values
         params.touch();
         if let Some(dp) = self.params.as_mut() {
             dp.version = params.version();
             dp.host_stale = true;
         }
-        out.loss
-            .ok_or_else(|| model_err("forward pass returned no loss"))
+        Ok(previous)
     }
 
     /// Copies the device parameters into `params` if a device step changed them.
@@ -2048,6 +2071,9 @@ impl ramus_nn::Engine<f32> for CudaEngine {
     fn sync_host_params(&mut self, params: &mut Params<f32>) -> ramus_nn::Result<()> {
         Ok(self.download_params(params)?)
     }
+    /// One step, waiting for its own outcome (a non-finite step is
+    /// [`ramus_nn::NnError::NonFinite`]); the trainer's loop submits steps
+    /// instead, learning each outcome with the next step's loss.
     fn train_step(
         &mut self,
         model: &Model,
@@ -2056,7 +2082,28 @@ impl ramus_nn::Engine<f32> for CudaEngine {
         optimizer: &mut Optimizer<f32>,
         batch: &Batch<'_>,
     ) -> ramus_nn::Result<f64> {
+        // a step submitted before and not yet settled is settled first
+        if let Some(Err(step)) = self.settle_step()? {
+            return Err(step.into());
+        }
+        self.device_train_step(model, params, &optimizer.config, batch)?;
+        match self.settle_step()? {
+            Some(outcome) => outcome.map_err(Into::into),
+            None => Err(model_err("the training step left no outcome").into()),
+        }
+    }
+    fn submit_train_step(
+        &mut self,
+        model: &Model,
+        params: &mut Params<f32>,
+        _grads: &mut Grads<f32>,
+        optimizer: &mut Optimizer<f32>,
+        batch: &Batch<'_>,
+    ) -> ramus_nn::Result<Option<StepOutcome>> {
         Ok(self.device_train_step(model, params, &optimizer.config, batch)?)
+    }
+    fn finish_train_steps(&mut self) -> ramus_nn::Result<Vec<StepOutcome>> {
+        Ok(self.settle_step()?.into_iter().collect())
     }
 }
 

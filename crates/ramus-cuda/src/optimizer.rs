@@ -36,9 +36,25 @@
 //! host's order with the host's `f32` constants, so for the same clip factor
 //! the device computes the host reference's values bit for bit.
 //!
-//! Launches per step: one update launch (plus one norm launch when clipping
-//! or when the norm is requested), one more of each for every further
-//! [`MAX_SEGMENTS`] segments.
+//! * **Non-finite steps.** The norm kernel also checks that every gradient
+//!   it sums and the batch's loss are finite; if not, it raises the step's
+//!   skip flag, which the update kernel reads first: a non-finite step
+//!   changes neither the parameters nor the optimizer state (the host also
+//!   takes the step back from its step count). Each thread that meets a
+//!   non-finite gradient records its element (the lowest, in parameter
+//!   order, wins), so the host can name the first offending parameter
+//!   without reading the gradients. The step's status (flag, that element,
+//!   the norm) comes back with one asynchronous copy that the host reads
+//!   after its next synchronization ([`DeviceOptimizer::take_status`]): no
+//!   host round trip of its own.
+//! * **Buffers.** Non-trained buffers (batch normalisation's running
+//!   statistics, updated by the forward pass) are copied aside before a
+//!   step's forward pass ([`DeviceOptimizer::keep_buffers`]) and copied back
+//!   when the step is skipped.
+//!
+//! Launches per step: one norm launch and one update launch, one more of
+//! each for every further [`MAX_SEGMENTS`] segments; with buffers, one
+//! launch to keep them and one to restore them (a no-op unless skipped).
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -54,6 +70,9 @@ use crate::pinned::PinnedBuffer;
 use crate::pool::{DevicePool, DeviceView, PoolBuffer};
 use crate::rtc::LoadedModule;
 
+mod status;
+pub use status::StepStatus;
+
 /// Segments (dense runs and tables) one launch covers (`RAMUS_MAX_SEGMENTS`
 /// in the generated source).
 pub const MAX_SEGMENTS: usize = 16;
@@ -65,6 +84,10 @@ const MAX_UPDATE_BLOCKS: u32 = 1024;
 const MAX_NORM_BLOCKS: u32 = 128;
 /// The norm kernel's name (the same in every module).
 const NORM_KERNEL: &str = "ramus_grad_norm";
+/// The kernel that keeps and restores buffers (the same in every module).
+const KEEP_KERNEL: &str = "ramus_keep_buffers";
+/// Words of the optimizer's status block (see `State::words`).
+const STATUS_WORDS: usize = 8;
 
 /// How a parameter's gradient arrives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -121,9 +144,14 @@ impl UpdateKernelSpec {
         format!("ramus_{}{clipped}_update", self.kind_name())
     }
 
-    /// The kernels the module defines: the update, then the norm.
-    pub fn kernel_names(&self) -> [String; 2] {
-        [self.update_kernel_name(), NORM_KERNEL.to_string()]
+    /// The kernels the module defines: the update, the norm, and the
+    /// buffers' keeping.
+    pub fn kernel_names(&self) -> [String; 3] {
+        [
+            self.update_kernel_name(),
+            NORM_KERNEL.to_string(),
+            KEEP_KERNEL.to_string(),
+        ]
     }
 
     /// The per-element update: statements reading `w` (the value), the
@@ -177,6 +205,7 @@ impl UpdateKernelSpec {
         } else {
             "no clipping (clip_scale is not read)"
         };
+        // nothing changes in a step the norm kernel found non-finite
         let mut s = format!("// Ramus optimizer step: {rule}; {clipping}.\n");
         s += PRELUDE;
         let name = self.update_kernel_name();
@@ -184,8 +213,9 @@ impl UpdateKernelSpec {
         let _ = writeln!(
             s,
             "\nextern \"C\" __global__ void {name}(Segments segments, Args a, \
-             const float* __restrict__ clip_scale) {{"
+             const float* __restrict__ clip_scale, const u32* __restrict__ status) {{"
         );
+        s += "    if (status[RAMUS_SKIP] != 0u) return;\n";
         s += "    const Segment s = segments.s[blockIdx.y];\n";
         s += "    const u64 n = segment_elements(s);\n";
         if self.clip {
@@ -213,18 +243,29 @@ typedef unsigned long long u64;
 #define RAMUS_MAX_SEGMENTS 16
 #define RAMUS_BLOCK 256
 
+// The status block (u32 words after the norm's double and the counter):
+// the step's skip flag, the lowest key of a non-finite gradient seen so
+// far (stored complemented, so 0 means none), the step's reported key.
+#define RAMUS_SKIP 0
+#define RAMUS_KEY_SEEN 1
+#define RAMUS_KEY_REPORT 3
+
 // What one grid row (blockIdx.y) works on: a dense run (width == 0: `len`
 // consecutive elements) or a table (`len` touched rows of `width` floats,
 // row ids in `rows`; ids >= table_rows are skipped, like the host does).
+// `slot` is the segment's first parameter: a non-finite gradient at
+// offset i is reported as the key (slot << 40) | i.
 struct Segment {
     float* value;
     const float* grad;
-    float* first;   // Adam: m
+    float* first;   // Adam: m; a buffer segment: the buffer's kept copy
     float* second;  // Adagrad: sum of squares; Adam: v
     const u32* rows;
     u64 len;
     u32 width;
     u32 table_rows;
+    u32 slot;
+    u32 reserved;
 };
 
 struct Segments {
@@ -275,10 +316,14 @@ __device__ __forceinline__ bool segment_offset(const Segment& s, u64 j, u64* at)
 // the last of the step's `total_blocks` blocks (over all its launches) adds
 // the partial sums in index order. That block writes the clip factor
 // (max_norm / norm when the norm exceeds max_norm, else 1, like the host),
-// the norm, and re-arms the counter `done` for the next step.
+// the norm, the step's skip flag (the norm or the loss, if given, is not
+// finite: a sum of squares of floats is finite exactly when every one is)
+// and the key of its first non-finite gradient, and re-arms the counter
+// `done` and the key for the next step.
 extern "C" __global__ void ramus_grad_norm(Segments segments, double* partials, u32 slot_base,
                                            u32 total_blocks, u32* done, double max_norm,
-                                           float* clip_scale, double* norm_out) {
+                                           float* clip_scale, double* norm_out,
+                                           const float* loss, u32* status) {
     __shared__ double sums[RAMUS_BLOCK];
     __shared__ u32 ticket;
     const Segment s = segments.s[blockIdx.y];
@@ -290,6 +335,10 @@ extern "C" __global__ void ramus_grad_norm(Segments segments, double* partials, 
         if (segment_offset(s, j, &i)) {
             const double g = s.grad[i];
             acc += g * g;  // exact product: an FMA changes nothing
+            if (!isfinite(g)) {
+                atomicMax((unsigned long long*)(status + RAMUS_KEY_SEEN),
+                          ~(((u64)s.slot << 40) | i));
+            }
         }
     }
     sums[threadIdx.x] = acc;
@@ -317,10 +366,31 @@ extern "C" __global__ void ramus_grad_norm(Segments segments, double* partials, 
     }
     if (threadIdx.x == 0) {
         const double norm = sqrt(sums[0]);
-        const double factor = (norm > max_norm && norm > 0.0) ? max_norm / norm : 1.0;
+        const bool finite = isfinite(norm) && (loss == 0 || isfinite(*loss));
+        const double factor = (finite && norm > max_norm && norm > 0.0) ? max_norm / norm : 1.0;
         *clip_scale = (float)factor;
         *norm_out = norm;
+        status[RAMUS_SKIP] = finite ? 0u : 1u;
+        volatile u64* seen = (volatile u64*)(status + RAMUS_KEY_SEEN);
+        *(u64*)(status + RAMUS_KEY_REPORT) = *seen;
+        *seen = 0;
         *done = 0;
+    }
+}
+
+// Buffers (running statistics, which a training step's forward pass
+// updates): with restore == 0, copies each segment's `len` values to its
+// `first`; with restore != 0 and the step skipped, copies them back.
+extern "C" __global__ void ramus_keep_buffers(Segments segments, const u32* status, u32 restore) {
+    if (restore != 0u && status[RAMUS_SKIP] == 0u) return;
+    const Segment s = segments.s[blockIdx.y];
+    for (u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x; j < s.len;
+         j += (u64)gridDim.x * blockDim.x) {
+        if (restore != 0u) {
+            s.value[j] = s.first[j];
+        } else {
+            s.first[j] = s.value[j];
+        }
     }
 }
 "#;
@@ -378,6 +448,9 @@ struct RawSegment {
     len: u64,
     width: u32,
     table_rows: u32,
+    /// The segment's first parameter (for the non-finite key).
+    slot: u32,
+    reserved: u32,
 }
 
 impl RawSegment {
@@ -398,8 +471,8 @@ struct RawSegments {
 }
 
 // SAFETY: `RawSegments` is `repr(C)` plain data laid out exactly as `struct
-// Segments` (each segment: six 8-byte fields, two u32, 56 bytes, no
-// padding), passed by value (896 bytes, within the parameter limit).
+// Segments` (each segment: six 8-byte fields, four u32, 64 bytes, no
+// padding), passed by value (1024 bytes, within the parameter limit).
 unsafe impl DeviceRepr for RawSegments {}
 
 /// One launch's share of a step's segments.
@@ -450,6 +523,8 @@ struct Run {
     first: u64,
     second: u64,
     len: usize,
+    /// Its first parameter.
+    slot: u32,
 }
 
 /// A row-gradient table.
@@ -461,6 +536,8 @@ struct Table {
     second: u64,
     width: u32,
     rows: u32,
+    /// Its parameter.
+    slot: u32,
 }
 
 /// Where everything is: dense runs and tables, with their state. Pure data
@@ -538,9 +615,16 @@ impl Plan {
             runs: Vec::new(),
             tables: Vec::new(),
         };
+        if u32::try_from(slots.len()).is_err() {
+            return Err(CudaError::BadArgument(format!(
+                "{} parameters",
+                slots.len()
+            )));
+        }
         let mut at = 0;
         let mut previous: Option<(&ParamSlot, usize)> = None; // last dense slot, its run
-        for slot in slots {
+        for (index, slot) in slots.iter().enumerate() {
+            let index = index as u32; // checked above
             let len = slot.value.len();
             let state = |v: Option<DeviceView<f32>>| -> Result<u64> {
                 v.map(|v| v.slice(at..at + len)).transpose().map(addr)
@@ -557,6 +641,7 @@ impl Plan {
                         second: second_at,
                         width: width as u32,        // checked above
                         rows: (len / width) as u32, // checked above
+                        slot: index,
                     });
                 }
                 GradLayout::Frozen => previous = None,
@@ -574,6 +659,7 @@ impl Plan {
                             first: first_at,
                             second: second_at,
                             len,
+                            slot: index,
                         }),
                     }
                     previous = Some((slot, plan.runs.len() - 1));
@@ -603,6 +689,8 @@ impl Plan {
             len: r.len as u64,
             width: 0,
             table_rows: 0,
+            slot: r.slot,
+            reserved: 0,
         }));
         for (t, (table, rows)) in self.tables.iter().zip(touched).enumerate() {
             if rows.is_empty() {
@@ -624,6 +712,8 @@ impl Plan {
                 len: rows.len() as u64,
                 width: table.width,
                 table_rows: table.rows,
+                slot: table.slot,
+                reserved: 0,
             });
         }
         Ok(out)
@@ -648,7 +738,7 @@ pub struct ParamState {
 /// What one [`DeviceOptimizer::step`] did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DeviceStep {
-    /// Kernels launched (update, plus norm when clipping or asked).
+    /// Kernels launched (norm, update and, with buffers, their restore).
     pub launches: usize,
     /// The global gradient norm before clipping, when asked for.
     pub norm: Option<f64>,
@@ -666,10 +756,20 @@ struct State {
     offsets: Vec<(usize, usize)>,
     /// Per-block partial sums of the norm (doubles: two words each).
     partials: PoolBuffer<u32>,
-    /// Words 0-1: the norm (a double); word 2: the norm kernel's counter.
+    /// [`STATUS_WORDS`] words: 0-1 the norm (a double), 2 the norm
+    /// kernel's counter, from 3 the status block (`RAMUS_SKIP` and the
+    /// keys in the source's words).
     words: PoolBuffer<u32>,
     /// The clip factor.
     scale: PoolBuffer<f32>,
+    /// A copy of the batch's loss, for callers whose loss does not outlive
+    /// the step's forward pass ([`DeviceOptimizer::loss_slot`]).
+    loss: PoolBuffer<f32>,
+    /// The buffers' segments (their kept copies in `kept`).
+    buffers: Vec<RawSegment>,
+    _kept: Option<PoolBuffer<f32>>,
+    /// Every slot, to name a non-finite gradient's parameter.
+    slots: Vec<ParamSlot>,
 }
 
 impl State {
@@ -691,20 +791,30 @@ impl State {
             offsets.push((at, slot.value.len()));
             at += slot.value.len();
         }
+        let (buffers, kept) = status::buffer_segments(pool, slots)?;
         Ok(Self {
             partials: pool.alloc::<u32>(2 * plan.norm_slots())?,
-            words: pool.alloc::<u32>(4)?,
+            words: pool.alloc::<u32>(STATUS_WORDS)?,
             scale: pool.alloc::<f32>(1)?,
+            loss: pool.alloc::<f32>(1)?,
             plan,
             first,
             second,
             offsets,
+            buffers,
+            _kept: kept,
+            slots: slots.to_vec(),
         })
     }
 
     /// The norm kernel's counter.
     fn counter(&self) -> Result<DeviceView<u32>> {
         self.words.view().slice(2..3)
+    }
+
+    /// The status block the kernels read and write.
+    fn status(&self) -> Result<DeviceView<u32>> {
+        self.words.view().slice(3..STATUS_WORDS)
     }
 }
 
@@ -720,9 +830,15 @@ pub struct DeviceOptimizer {
     _module: Arc<LoadedModule>,
     update: CudaFunction,
     norm: CudaFunction,
+    keep: CudaFunction,
     /// False after a failed norm launch may have left the counter armed.
     counter_clean: bool,
+    /// The last step's status words, copied back behind it.
     staging: PinnedBuffer,
+    /// Whether `staging` holds a step's status the host has not read.
+    status_pending: bool,
+    /// Statuses read but not yet taken, oldest first.
+    statuses: std::collections::VecDeque<StepStatus>,
 }
 
 impl DeviceOptimizer {
@@ -740,9 +856,10 @@ impl DeviceOptimizer {
     ) -> Result<Self> {
         let spec = UpdateKernelSpec::of(config);
         let names = spec.kernel_names();
-        let module = cache.get_or_compile(&spec.source(), &[&names[0], &names[1]])?;
+        let module = cache.get_or_compile(&spec.source(), &[&names[0], &names[1], &names[2]])?;
         let update = module.function(&names[0])?.clone();
         let norm = module.function(&names[1])?.clone();
+        let keep = module.function(&names[2])?.clone();
         let state = State::new(pool, config.kind, slots)?;
         let stream = device.stream();
         for buffer in [&state.first, &state.second].into_iter().flatten() {
@@ -760,8 +877,11 @@ impl DeviceOptimizer {
             _module: module,
             update,
             norm,
+            keep,
             counter_clean: true,
             staging: PinnedBuffer::new(device)?,
+            status_pending: false,
+            statuses: std::collections::VecDeque::new(),
         })
     }
 
@@ -785,7 +905,8 @@ impl DeviceOptimizer {
         Ok(())
     }
 
-    /// Steps taken.
+    /// Steps taken (applied: a skipped step is taken back once its status
+    /// is read).
     pub fn steps(&self) -> u64 {
         self.steps
     }
@@ -896,48 +1017,91 @@ impl DeviceOptimizer {
     }
 
     /// One update on `stream`, ordered after the work that wrote the
-    /// gradients, from the gradients in the slots' views. `touched[t]`
-    /// holds the touched row ids of the `t`-th row-gradient table (unique,
-    /// in any order; ids past the table's end are skipped; an empty view
-    /// leaves the table alone); it must stay allocated until the stream has
-    /// passed the step. With `want_norm`, the global gradient norm before
-    /// clipping (dense gradients plus touched rows) is computed, downloaded
-    /// and returned, which waits for the step; otherwise nothing waits. Use
-    /// one stream for all steps (or order them with events): the state is
-    /// read and written by each step.
+    /// gradients, from the gradients in the slots' views, unless a gradient
+    /// or `loss` (the batch's loss, one float, if given) is not finite:
+    /// then nothing changes (see the module docs). `touched[t]` holds the
+    /// touched row ids of the `t`-th row-gradient table (unique, in any
+    /// order; ids past the table's end are skipped; an empty view leaves
+    /// the table alone); it and `loss` must stay allocated until the stream
+    /// has passed the step. The step's status comes back behind it: read
+    /// it with [`DeviceOptimizer::take_status`]. The step first reads the
+    /// previous step's status (its step count depends on it), which waits
+    /// only if the host has not synchronized with the stream since. With
+    /// `want_norm`, the global gradient norm before clipping (dense
+    /// gradients plus touched rows) is returned, which waits for the step.
+    /// Use one stream for all steps (or order them with events): the state
+    /// is read and written by each step.
     pub fn step(
         &mut self,
         stream: &CudaStream,
         touched: &[DeviceView<u32>],
+        loss: Option<DeviceView<f32>>,
         want_norm: bool,
     ) -> Result<DeviceStep> {
+        self.settle()?;
         let segments = self.state.plan.segments(touched)?;
         self.steps += 1;
         let args = UpdateArgs::for_step(&self.config, self.steps);
-        let mut launches = 0;
-        let clip = self.config.clip_norm;
-        let mut norm = None;
-        if clip.is_some() || want_norm {
-            if segments.is_empty() {
-                norm = Some(0.0); // nothing to sum, nothing to scale
-            } else {
-                launches += self.launch_norm(stream, &segments, clip.unwrap_or(f64::INFINITY))?;
-            }
-        }
+        // with nothing to update, one empty segment: the loss is still checked
+        let empty = [RawSegment::default()];
+        let checked = if segments.is_empty() {
+            &empty[..]
+        } else {
+            &segments
+        };
+        let max_norm = self.config.clip_norm.unwrap_or(f64::INFINITY);
+        let mut launches = self.launch_norm(stream, checked, max_norm, addr(loss))?;
         launches += self.launch_update(stream, &segments, &args)?;
-        if want_norm && norm.is_none() {
-            let words = self
-                .staging
-                .download_to_vec(self.state.words.view().slice(0..2)?, stream)?;
-            let [low, high] = words[..] else {
-                return Err(CudaError::BadArgument("the norm did not come back".into()));
-            };
-            norm = Some(f64::from_bits(u64::from(low) | (u64::from(high) << 32)));
+        launches += self.launch_keep(stream, true)?;
+        self.staging
+            .download(self.state.words.view().slice(0..STATUS_WORDS)?, stream)?;
+        self.status_pending = true;
+        let norm = if want_norm {
+            self.settle()?;
+            self.statuses.back().map(|s| s.norm)
+        } else {
+            None
+        };
+        Ok(DeviceStep { launches, norm })
+    }
+
+    /// One float of the optimizer's own, for a caller to copy the batch's
+    /// loss into and pass to [`DeviceOptimizer::step`] when its own loss
+    /// buffer is freed before the step runs.
+    pub fn loss_slot(&self) -> Result<DeviceView<f32>> {
+        self.state.loss.view().slice(0..1)
+    }
+
+    /// Copies the buffers aside (before a training step's forward pass
+    /// updates them), so that a skipped step restores them. Nothing to do
+    /// for a model without buffers.
+    pub fn keep_buffers(&mut self, stream: &CudaStream) -> Result<usize> {
+        self.launch_keep(stream, false)
+    }
+
+    /// Reads the status of the last step if it has not been read (waiting
+    /// for its copy, which the host's next synchronization with the stream
+    /// has already finished): a skipped step is taken back from the step
+    /// count, and the status joins those [`DeviceOptimizer::take_status`]
+    /// returns.
+    fn settle(&mut self) -> Result<()> {
+        if !std::mem::take(&mut self.status_pending) {
+            return Ok(());
         }
-        Ok(DeviceStep {
-            launches,
-            norm: if want_norm { norm } else { None },
-        })
+        let words = self.staging.host::<u32>(STATUS_WORDS)?;
+        let status = status::decode(words, &self.state.slots);
+        if !status.applied {
+            self.steps -= 1;
+        }
+        self.statuses.push_back(status);
+        Ok(())
+    }
+
+    /// The status of the oldest step not yet taken (see
+    /// [`DeviceOptimizer::step`]), `None` if every step's was.
+    pub fn take_status(&mut self) -> Result<Option<StepStatus>> {
+        self.settle()?;
+        Ok(self.statuses.pop_front())
     }
 
     fn launch_norm(
@@ -945,6 +1109,7 @@ impl DeviceOptimizer {
         stream: &CudaStream,
         segments: &[RawSegment],
         max_norm: f64,
+        loss: u64,
     ) -> Result<usize> {
         let (chunks, total_blocks) = launch_chunks(segments, MAX_NORM_BLOCKS)?;
         if 2 * total_blocks as usize > self.state.partials.len() {
@@ -958,10 +1123,11 @@ impl DeviceOptimizer {
             counter.fill_zero(stream)?;
         }
         self.counter_clean = false;
-        let (partials, scale, norm_out) = (
+        let (partials, scale, norm_out, status) = (
             self.state.partials.view().device_ptr(),
             self.state.scale.view().device_ptr(),
             self.state.words.view().device_ptr(),
+            self.state.status()?.device_ptr(),
         );
         for chunk in &chunks {
             let cfg = LaunchConfig {
@@ -978,13 +1144,16 @@ impl DeviceOptimizer {
                 .arg(counter.kernel_arg())
                 .arg(&max_norm)
                 .arg(&scale)
-                .arg(&norm_out);
+                .arg(&norm_out)
+                .arg(&loss)
+                .arg(&status);
             // SAFETY: the arguments match `ramus_grad_norm`; every segment
             // addresses live pool memory checked by `Plan` (gradients of
             // `len` floats or `len` touched rows of a table whose ids the
-            // kernel bounds-checks); the partial sums hold `total_blocks`
-            // doubles (checked above); the counter, norm and factor are
-            // this optimizer's own buffers.
+            // kernel bounds-checks), or is empty; the partial sums hold
+            // `total_blocks` doubles (checked above); the counter, norm,
+            // factor and status block are this optimizer's own buffers;
+            // `loss` is 0 or one float the caller keeps alive (`step`).
             unsafe { launch.launch(cfg) }.in_call("cuLaunchKernel(ramus_grad_norm)")?;
             self.launches += 1;
         }
@@ -1004,6 +1173,7 @@ impl DeviceOptimizer {
         } else {
             0
         };
+        let status = self.state.status()?.device_ptr();
         for chunk in &chunks {
             let cfg = LaunchConfig {
                 grid_dim: (chunk.grid_x, chunk.count, 1),
@@ -1011,15 +1181,48 @@ impl DeviceOptimizer {
                 shared_mem_bytes: 0,
             };
             let mut launch = stream.launch_builder(&self.update);
-            launch.arg(&chunk.segments).arg(args).arg(&scale);
+            launch
+                .arg(&chunk.segments)
+                .arg(args)
+                .arg(&scale)
+                .arg(&status);
             // SAFETY: the arguments match the generated update kernel; the
             // segments address live pool memory checked by `Plan` (values,
             // gradients and state of `len` floats, or touched rows of
             // tables, ids bounds-checked in the kernel, unique per the
             // caller's contract so no element is written twice); the clip
-            // factor, read only when clipping, was written by the norm
-            // kernel launched before on this stream.
+            // factor, read only when clipping, and the skip flag in the
+            // status block were written by the norm kernel launched before
+            // on this stream.
             unsafe { launch.launch(cfg) }.in_call("cuLaunchKernel(optimizer update)")?;
+            self.launches += 1;
+        }
+        Ok(chunks.len())
+    }
+
+    /// Keeps the buffers (`restore` false) or restores them if the step
+    /// was skipped (`restore` true).
+    fn launch_keep(&mut self, stream: &CudaStream, restore: bool) -> Result<usize> {
+        if self.state.buffers.is_empty() {
+            return Ok(0);
+        }
+        let (chunks, _) = launch_chunks(&self.state.buffers, MAX_UPDATE_BLOCKS)?;
+        let status = self.state.status()?.device_ptr();
+        let restore = u32::from(restore);
+        for chunk in &chunks {
+            let cfg = LaunchConfig {
+                grid_dim: (chunk.grid_x, chunk.count, 1),
+                block_dim: (BLOCK, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut launch = stream.launch_builder(&self.keep);
+            launch.arg(&chunk.segments).arg(&status).arg(&restore);
+            // SAFETY: the arguments match `ramus_keep_buffers`; each
+            // segment is a buffer's live values and its kept copy of the
+            // same length (`status::buffer_segments`); the skip flag, read
+            // only when restoring, was written by this step's norm kernel
+            // earlier on this stream.
+            unsafe { launch.launch(cfg) }.in_call("cuLaunchKernel(ramus_keep_buffers)")?;
             self.launches += 1;
         }
         Ok(chunks.len())
@@ -1027,1031 +1230,6 @@ impl DeviceOptimizer {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::process::Command;
-
-    use ramus_core::model::{FunctionSelector, HeadRows, Init, ModelBuilder};
-    use ramus_core::{Grads, Model, Params, Tensor};
-    use ramus_nn::Optimizer;
-
-    use super::*;
-    use crate::pool::{ChunkMemory, PoolConfig};
-
-    fn config(
-        kind: OptimizerKind,
-        lr: f64,
-        weight_decay: f64,
-        clip: Option<f64>,
-    ) -> OptimizerConfig {
-        OptimizerConfig {
-            weight_decay,
-            clip_norm: clip,
-            ..OptimizerConfig::new(kind, lr)
-        }
-    }
-
-    const KINDS: [OptimizerKind; 3] = [
-        OptimizerKind::Sgd,
-        OptimizerKind::Adagrad,
-        OptimizerKind::Adam,
-    ];
-
-    #[test]
-    fn identical_configs_give_identical_source() {
-        for kind in KINDS {
-            for clip in [None, Some(1.0)] {
-                let a = UpdateKernelSpec::of(&config(kind, 0.1, 0.0, clip));
-                let b = UpdateKernelSpec::of(&config(kind, 0.1, 0.0, clip));
-                assert_eq!(a, b);
-                assert_eq!(a.source(), b.source());
-                assert_eq!(a.kernel_names(), b.kernel_names());
-                assert!(a
-                    .source()
-                    .contains(&format!("void {}(", a.update_kernel_name())));
-                assert!(a.source().contains("void ramus_grad_norm("));
-            }
-        }
-    }
-
-    #[test]
-    fn hyper_parameters_are_arguments_and_structure_is_source() {
-        let base = config(OptimizerKind::Adam, 0.01, 0.0, Some(1.0));
-        let variants = [
-            OptimizerConfig { lr: 0.02, ..base },
-            OptimizerConfig {
-                weight_decay: 0.1,
-                ..base
-            },
-            OptimizerConfig { beta1: 0.8, ..base },
-            OptimizerConfig {
-                beta2: 0.99,
-                ..base
-            },
-            OptimizerConfig { eps: 1e-6, ..base },
-            OptimizerConfig {
-                clip_norm: Some(5.0),
-                ..base
-            },
-        ];
-        let spec = UpdateKernelSpec::of(&base);
-        for v in &variants {
-            // same kernel...
-            assert_eq!(UpdateKernelSpec::of(v).source(), spec.source(), "{v:?}");
-        }
-        // ...different arguments (the clip threshold is the norm kernel's)
-        for v in &variants[..5] {
-            assert_ne!(
-                UpdateArgs::for_step(v, 3),
-                UpdateArgs::for_step(&base, 3),
-                "{v:?}"
-            );
-        }
-        assert_ne!(variants[5].clip_norm, base.clip_norm);
-
-        // the rule and clipping change the source and the kernel names
-        let mut sources = Vec::new();
-        let mut names = Vec::new();
-        for kind in KINDS {
-            for clip in [None, Some(1.0)] {
-                let spec = UpdateKernelSpec::of(&config(kind, 0.1, 0.0, clip));
-                sources.push(spec.source());
-                names.push(spec.update_kernel_name());
-            }
-        }
-        for i in 0..sources.len() {
-            for j in 0..i {
-                assert_ne!(sources[i], sources[j]);
-                assert_ne!(names[i], names[j]);
-            }
-        }
-        // weight decay on or off is the same kernel (AdamW is Adam's kernel)
-        assert_eq!(
-            UpdateKernelSpec::of(&config(OptimizerKind::Adam, 0.1, 0.05, None)),
-            UpdateKernelSpec::of(&config(OptimizerKind::Adam, 0.1, 0.0, None))
-        );
-    }
-
-    #[test]
-    fn the_clip_factor_is_read_only_when_clipping() {
-        for kind in KINDS {
-            let clipped = UpdateKernelSpec::of(&config(kind, 0.1, 0.0, Some(1.0))).source();
-            let plain = UpdateKernelSpec::of(&config(kind, 0.1, 0.0, None)).source();
-            assert!(clipped.contains("*clip_scale;"));
-            assert!(!plain.contains("*clip_scale;"));
-            // no FMA contraction anywhere in the update
-            assert!(clipped.contains("__fmul_rn") && clipped.contains("__fadd_rn"));
-        }
-    }
-
-    #[test]
-    fn bias_corrections_follow_the_host() {
-        let c = config(OptimizerKind::Adam, 0.001, 0.01, None);
-        for step in [1u64, 2, 10, 1000] {
-            let a = UpdateArgs::for_step(&c, step);
-            let t = step as f64;
-            assert_eq!(
-                a.inv_bias_correction1,
-                (1.0 / (1.0 - 0.9f64.powf(t))) as f32
-            );
-            assert_eq!(
-                a.inv_bias_correction2,
-                (1.0 / (1.0 - 0.999f64.powf(t))) as f32
-            );
-            assert_eq!(a.lr, 0.001f32);
-            assert_eq!(a.weight_decay, 0.01f32);
-            assert_eq!(a.one_minus_beta1, 1.0f32 - 0.9f32);
-            assert_eq!(a.one_minus_beta2, 1.0f32 - 0.999f32);
-            assert_eq!(a.eps, 1e-8f32);
-        }
-        assert_ne!(UpdateArgs::for_step(&c, 1), UpdateArgs::for_step(&c, 2));
-    }
-
-    #[test]
-    fn raw_structs_match_the_cuda_layout() {
-        assert_eq!(std::mem::size_of::<RawSegment>(), 56);
-        assert_eq!(std::mem::size_of::<RawSegments>(), 56 * MAX_SEGMENTS);
-        assert_eq!(std::mem::size_of::<UpdateArgs>(), 36);
-        assert!(PRELUDE.contains(&format!("#define RAMUS_MAX_SEGMENTS {MAX_SEGMENTS}")));
-        assert!(PRELUDE.contains(&format!("#define RAMUS_BLOCK {BLOCK}")));
-    }
-
-    // ------------------------------------------------------------------
-    // Plans over fake device addresses
-    // ------------------------------------------------------------------
-
-    const BASE: u64 = 1 << 32;
-    const CHUNK: u64 = 1 << 20;
-
-    /// One fake chunk of device memory at `BASE`.
-    #[derive(Debug)]
-    struct OneChunk(bool);
-
-    impl ChunkMemory for OneChunk {
-        fn allocate(&mut self, bytes: u64) -> Result<Option<u64>> {
-            if self.0 || bytes > CHUNK {
-                return Ok(None);
-            }
-            self.0 = true;
-            Ok(Some(BASE))
-        }
-        fn release(&mut self, _base: u64) -> Result<()> {
-            Ok(())
-        }
-    }
-
-    fn fake_pool() -> Arc<DevicePool> {
-        DevicePool::with_memory(
-            Box::new(OneChunk(false)),
-            PoolConfig {
-                initial_bytes: CHUNK,
-                max_bytes: Some(CHUNK),
-            },
-        )
-    }
-
-    /// Parameters laid out like the CUDA engine does: values in declaration
-    /// order in one buffer, gradients dense-first in another.
-    struct EngineLayout {
-        values: PoolBuffer<f32>,
-        grads: PoolBuffer<f32>,
-        slots: Vec<ParamSlot>,
-        /// Gradient offset of each parameter.
-        grad_at: Vec<usize>,
-    }
-
-    /// `params[p]`: (length, row width if a table).
-    fn engine_layout(pool: &Arc<DevicePool>, params: &[(usize, Option<usize>)]) -> EngineLayout {
-        let total: usize = params.iter().map(|p| p.0).sum();
-        let values = pool.alloc::<f32>(total).unwrap();
-        let grads = pool.alloc::<f32>(total).unwrap();
-        let mut grad_at = vec![0; params.len()];
-        let mut at = 0;
-        for tables in [false, true] {
-            for (p, &(len, width)) in params.iter().enumerate() {
-                if width.is_some() == tables {
-                    grad_at[p] = at;
-                    at += len;
-                }
-            }
-        }
-        let mut value_at = 0;
-        let slots = params
-            .iter()
-            .enumerate()
-            .map(|(p, &(len, width))| {
-                let slot = ParamSlot {
-                    value: values.view().slice(value_at..value_at + len).unwrap(),
-                    grad: grads.view().slice(grad_at[p]..grad_at[p] + len).unwrap(),
-                    layout: width.map_or(GradLayout::Dense, |width| GradLayout::Rows { width }),
-                };
-                value_at += len;
-                slot
-            })
-            .collect();
-        EngineLayout {
-            values,
-            grads,
-            slots,
-            grad_at,
-        }
-    }
-
-    #[test]
-    fn a_leading_table_leaves_one_dense_run() {
-        let pool = fake_pool();
-        let l = engine_layout(
-            &pool,
-            &[(40 * 6, Some(6)), (72, None), (6, None), (30, None)],
-        );
-        let state = State::new(&pool, OptimizerKind::Adam, &l.slots).unwrap();
-        let plan = &state.plan;
-        assert_eq!(plan.runs.len(), 1);
-        let run = plan.runs[0];
-        assert_eq!(run.len, 108);
-        assert_eq!(run.grad, l.grads.view().device_ptr()); // the dense prefix
-        assert_eq!(run.value, l.values.view().device_ptr() + 4 * 240);
-        let first = state.first.as_ref().unwrap().view().device_ptr();
-        assert_eq!(run.first, first + 4 * 240);
-        assert_eq!(plan.tables.len(), 1);
-        let t = plan.tables[0];
-        assert_eq!((t.width, t.rows), (6, 40));
-        assert_eq!(t.grad, l.grads.view().device_ptr() + 4 * 108);
-        assert_eq!(t.first, first);
-        assert_eq!(t.second, state.second.as_ref().unwrap().view().device_ptr());
-        assert_eq!(
-            state.offsets,
-            vec![(0, 240), (240, 72), (312, 6), (318, 30)]
-        );
-    }
-
-    #[test]
-    fn tables_between_dense_parameters_split_the_runs() {
-        let pool = fake_pool();
-        // W, emb, b, W_out, tags, W_leaf: runs [W], [b, W_out], [W_leaf]
-        let l = engine_layout(
-            &pool,
-            &[
-                (72, None),
-                (240, Some(6)),
-                (6, None),
-                (30, None),
-                (120, Some(4)),
-                (60, None),
-            ],
-        );
-        let state = State::new(&pool, OptimizerKind::Sgd, &l.slots).unwrap();
-        let plan = &state.plan;
-        assert!(state.first.is_none() && state.second.is_none());
-        let lens: Vec<usize> = plan.runs.iter().map(|r| r.len).collect();
-        assert_eq!(lens, [72, 36, 60]);
-        assert!(plan.runs.iter().all(|r| r.first == 0 && r.second == 0));
-        assert_eq!(plan.runs[1].grad, l.grads.view().device_ptr() + 4 * 72);
-        assert_eq!(plan.tables.len(), 2);
-
-        let rows = pool.alloc::<u32>(16).unwrap();
-        let touched = [
-            rows.view().slice(0..5).unwrap(),
-            rows.view().slice(5..5).unwrap(),
-        ];
-        let segs = plan.segments(&touched).unwrap();
-        assert_eq!(segs.len(), 4, "the empty table is left out");
-        assert_eq!(segs[3].rows, rows.view().device_ptr());
-        assert_eq!((segs[3].len, segs[3].width, segs[3].table_rows), (5, 6, 40));
-        assert_eq!(segs[3].elements(), 30);
-        assert_eq!(segs[0].elements(), 72);
-        assert_eq!(l.grad_at, vec![0, 168, 72, 78, 408, 108]);
-
-        assert!(plan.segments(&touched[..1]).is_err(), "one list per table");
-        let too_many = pool.alloc::<u32>(41).unwrap();
-        assert!(plan.segments(&[too_many.view(), touched[1]]).is_err());
-    }
-
-    #[test]
-    fn frozen_buffers_are_left_out_of_every_segment() {
-        let pool = fake_pool();
-        let buf = pool.alloc::<f32>(1000).unwrap();
-        let v = |a: usize, b: usize| buf.view().slice(a..b).unwrap();
-        let slot = |value, grad, layout| ParamSlot {
-            value,
-            grad,
-            layout,
-        };
-        let (dense, frozen) = (GradLayout::Dense, GradLayout::Frozen);
-        // dense, frozen, dense, dense: the frozen slot splits the run and
-        // no segment covers it
-        let slots = [
-            slot(v(0, 10), v(500, 510), dense),
-            slot(v(10, 14), v(510, 514), frozen),
-            slot(v(14, 20), v(514, 520), dense),
-            slot(v(20, 30), v(520, 530), dense),
-        ];
-        let state = State::new(&pool, OptimizerKind::Adam, &slots).unwrap();
-        let segs = state.plan.segments(&[]).unwrap();
-        assert_eq!(segs.len(), 2);
-        assert_eq!((segs[0].value, segs[0].len), (v(0, 10).device_ptr(), 10));
-        assert_eq!((segs[1].value, segs[1].len), (v(14, 20).device_ptr(), 16));
-        let covered: u64 = segs.iter().map(|s| s.elements()).sum();
-        assert_eq!(covered, 26, "the 4 frozen values are not updated");
-        // a model of buffers only has nothing to update
-        let only = [slot(v(0, 4), v(500, 504), frozen)];
-        let state = State::new(&pool, OptimizerKind::Sgd, &only).unwrap();
-        assert!(state.plan.segments(&[]).unwrap().is_empty());
-    }
-
-    #[test]
-    fn bad_layouts_are_errors() {
-        let pool = fake_pool();
-        let buf = pool.alloc::<f32>(1000).unwrap();
-        let v = |a: usize, b: usize| buf.view().slice(a..b).unwrap();
-        let slot = |value, grad, layout| ParamSlot {
-            value,
-            grad,
-            layout,
-        };
-        let dense = GradLayout::Dense;
-        let ok = [slot(v(0, 10), v(500, 510), dense)];
-        assert!(State::new(&pool, OptimizerKind::Adam, &ok).is_ok());
-        let bad: [&[ParamSlot]; 5] = [
-            &[slot(v(0, 10), v(500, 509), dense)],
-            &[slot(v(0, 10), v(500, 510), GradLayout::Rows { width: 3 })],
-            &[slot(v(0, 10), v(500, 510), GradLayout::Rows { width: 0 })],
-            &[
-                slot(v(0, 10), v(500, 510), dense),
-                slot(v(5, 15), v(600, 610), dense),
-            ],
-            &[slot(v(0, 10), v(5, 15), dense)],
-        ];
-        for slots in bad {
-            assert!(
-                matches!(
-                    State::new(&pool, OptimizerKind::Sgd, slots),
-                    Err(CudaError::BadArgument(_))
-                ),
-                "{slots:?}"
-            );
-        }
-    }
-
-    #[test]
-    fn chunks_split_at_max_segments_and_number_the_norm_slots() {
-        let seg = |len: u64, width: u32| RawSegment {
-            len,
-            width,
-            ..RawSegment::default()
-        };
-        let mut segments: Vec<RawSegment> = (0..20).map(|i| seg(100 + i, 0)).collect();
-        segments[3] = seg(1 << 20, 0);
-        segments[18] = seg(1000, 64); // 64000 elements
-        let (chunks, total) = launch_chunks(&segments, MAX_NORM_BLOCKS).unwrap();
-        assert_eq!(chunks.len(), 2);
-        assert_eq!((chunks[0].count, chunks[0].grid_x), (16, MAX_NORM_BLOCKS));
-        assert_eq!((chunks[1].count, chunks[1].grid_x), (4, MAX_NORM_BLOCKS));
-        assert_eq!(chunks[1].slot_base, 16 * MAX_NORM_BLOCKS);
-        assert_eq!(total, 20 * MAX_NORM_BLOCKS);
-        assert_eq!(chunks[1].segments.s[2], segments[18]);
-        assert_eq!(chunks[1].segments.s[4], RawSegment::default());
-        // updates: as wide as the largest segment of the launch needs
-        let (chunks, total) = launch_chunks(&segments, MAX_UPDATE_BLOCKS).unwrap();
-        assert_eq!(
-            (chunks[0].grid_x, chunks[1].grid_x),
-            (MAX_UPDATE_BLOCKS, 250)
-        );
-        assert_eq!(total, 16 * MAX_UPDATE_BLOCKS + 4 * 250);
-        let (small, total) = launch_chunks(&segments[..2], MAX_UPDATE_BLOCKS).unwrap();
-        assert_eq!((small.len(), small[0].grid_x, total), (1, 1, 2));
-        assert_eq!(launch_chunks(&[], MAX_NORM_BLOCKS).unwrap().1, 0);
-    }
-
-    // ------------------------------------------------------------------
-    // The generated kernels, compiled and run on the host
-    // ------------------------------------------------------------------
-
-    /// The parameters of the test model: (name, shape, row width if a table).
-    fn test_model() -> Model {
-        let h = 6;
-        let mut m = ModelBuilder::new("optimizer-test", h);
-        let w = m.param("W", &[h, 2 * h], Init::Xavier);
-        let emb = m.param("emb", &[40, h], Init::Normal { std: 0.5 });
-        let b = m.param("b", &[h], Init::Uniform { bound: 0.5 });
-        let w_out = m.param("W_out", &[5, h], Init::LinearDefault);
-        let tags = m.param("tags", &[30, 4], Init::Normal { std: 0.5 });
-        let w_leaf = m.param("W_leaf", &[h, h + 4], Init::Xavier);
-        let leaf = m
-            .vertex_fn("leaf", |f| {
-                let x = f.embed(emb);
-                let t = f.embed(tags);
-                let xt = f.concat(&[x, t]);
-                let w = f.param(w_leaf);
-                let z = f.linear(xt, w, None);
-                let y = f.tanh(z);
-                f.scatter(y);
-                f.push(y);
-            })
-            .unwrap();
-        let internal = m
-            .vertex_fn("internal", |f| {
-                let (l, r) = (f.gather(0), f.gather(1));
-                let lr = f.concat(&[l, r]);
-                let (w, b) = (f.param(w), f.param(b));
-                let z = f.linear(lr, w, Some(b));
-                let y = f.tanh(z);
-                f.scatter(y);
-                f.push(y);
-            })
-            .unwrap();
-        m.select(FunctionSelector::LeafInternal { leaf, internal });
-        m.head(HeadRows::Roots, h, |hd| {
-            let x = hd.input();
-            let w = hd.param(w_out);
-            let logits = hd.linear(x, w, None);
-            let labels = hd.labels();
-            let loss = hd.softmax_xent(logits, labels);
-            let loss = hd.mean_rows(loss);
-            hd.loss(loss);
-            hd.logits(logits);
-        })
-        .unwrap();
-        m.build().unwrap()
-    }
-
-    const TABLES: [usize; 2] = [1, 4];
-
-    /// Deterministic values in [-1, 1).
-    fn random_values(len: usize, seed: u64) -> Vec<f32> {
-        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
-    }
-
-    /// Step `step`'s gradients (every element, untouched rows included:
-    /// they must be ignored) and touched rows per table, in the order the
-    /// device gets them (not sorted; the tags table also names a row past
-    /// its end, which both sides skip; step 3 touches no tags row).
-    fn step_data(model: &Model, step: u64) -> (Vec<Vec<f32>>, Vec<Vec<u32>>) {
-        let grads = model
-            .params
-            .iter()
-            .enumerate()
-            .map(|(p, spec)| {
-                let n = spec.shape.iter().product();
-                random_values(n, step * 100 + p as u64)
-            })
-            .collect();
-        let pick = |rows: u32, seed: u64, count: usize| -> Vec<u32> {
-            let mut out = Vec::new();
-            for x in random_values(4 * count, seed) {
-                let r = ((x + 1.0) * 0.5 * rows as f32) as u32 % rows;
-                if !out.contains(&r) && out.len() < count {
-                    out.push(r);
-                }
-            }
-            out
-        };
-        let emb = pick(40, step * 7 + 1, 9);
-        let tags = if step == 3 {
-            Vec::new()
-        } else {
-            let mut t = pick(30, step * 7 + 2, 5);
-            t.insert(1, 30);
-            t
-        };
-        (grads, vec![emb, tags])
-    }
-
-    /// The host reference's gradients for step data.
-    fn host_grads(model: &Model, grads: &[Vec<f32>], touched: &[Vec<u32>]) -> Grads<f32> {
-        let mut g = Grads::zeros(model);
-        for (p, data) in grads.iter().enumerate() {
-            g.values[p] = Tensor::from_vec(&model.params[p].shape, data.clone()).unwrap();
-            match TABLES.iter().position(|&t| t == p) {
-                None => g.mark_dense(p),
-                Some(t) => touched[t].iter().for_each(|&r| g.mark_row(p, r)),
-            }
-        }
-        g.finish_rows();
-        g
-    }
-
-    fn flat(params: &Params<f32>) -> Vec<f32> {
-        params
-            .values
-            .iter()
-            .flat_map(|t| t.data().iter().copied())
-            .collect()
-    }
-
-    /// Enough CUDA to run the generated source as C++ on the host: blocks
-    /// one after another, each on 256 threads with a barrier for
-    /// `__syncthreads`; device addresses are offsets into `mem`.
-    const HOST_SHIM: &str = r#"
-#include <atomic>
-#include <barrier>
-#include <bit>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <functional>
-#include <thread>
-#include <vector>
-
-struct dim3 { unsigned x = 0, y = 0, z = 0; };
-static thread_local dim3 threadIdx, blockIdx;
-static dim3 blockDim, gridDim;
-
-struct Threads {
-    static constexpr unsigned N = 256;
-    std::barrier<> start{N + 1}, finish{N + 1}, sync{N};
-    std::function<void()> job;
-    bool quit = false;
-    std::vector<std::thread> threads;
-    Threads() {
-        for (unsigned t = 0; t < N; ++t)
-            threads.emplace_back([this, t] {
-                threadIdx.x = t;
-                for (;;) {
-                    start.arrive_and_wait();
-                    if (quit) return;
-                    job();
-                    finish.arrive_and_wait();
-                }
-            });
-    }
-    ~Threads() {
-        quit = true;
-        start.arrive_and_wait();
-        for (auto& t : threads) t.join();
-    }
-    template <class F> void launch(unsigned gx, unsigned gy, F kernel) {
-        gridDim.x = gx; gridDim.y = gy; blockDim.x = N; blockDim.y = 1;
-        for (unsigned y = 0; y < gy; ++y)
-            for (unsigned x = 0; x < gx; ++x) {
-                job = [&] { blockIdx.x = x; blockIdx.y = y; kernel(); };
-                start.arrive_and_wait();
-                finish.arrive_and_wait();
-            }
-    }
-};
-static Threads* pool;
-
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __shared__ static
-static inline void __syncthreads() { pool->sync.arrive_and_wait(); }
-static inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-static inline float __fmul_rn(float a, float b) { return a * b; }
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline float __fsub_rn(float a, float b) { return a - b; }
-static inline float __fdiv_rn(float a, float b) { return a / b; }
-static inline float __fsqrt_rn(float a) { return std::sqrt(a); }
-
-static unsigned char* mem;
-static const unsigned long long BASE = 0x100000000ull;
-static void* at(unsigned long long a) { return a ? mem + (a - BASE) : nullptr; }
-static void put(unsigned long long a, const unsigned* bits, unsigned long n) { std::memcpy(at(a), bits, 4 * n); }
-static void dump(unsigned long long a, unsigned long n) {
-    const unsigned* w = (const unsigned*)at(a);
-    for (unsigned long i = 0; i < n; ++i) std::printf("%u ", w[i]);
-    std::printf("\n");
-}
-static float F(unsigned bits) { return std::bit_cast<float>(bits); }
-static double D(unsigned long long bits) { return std::bit_cast<double>(bits); }
-"#;
-
-    fn host_compiler() -> Option<&'static str> {
-        ["c++", "g++", "clang++"].into_iter().find(|cc| {
-            Command::new(cc)
-                .arg("--version")
-                .output()
-                .is_ok_and(|o| o.status.success())
-        })
-    }
-
-    /// Compiles `src` (the shim, then the modules and a `main`) with the
-    /// host C++ compiler, runs it, and returns its output lines as words;
-    /// `None` (with a notice) without a compiler.
-    fn run_on_host(tag: &str, src: &str) -> Option<Vec<Vec<u32>>> {
-        let Some(cc) = host_compiler() else {
-            eprintln!("NOTICE: no C++ compiler found; skipping the host run of generated kernels");
-            return None;
-        };
-        let dir =
-            std::env::temp_dir().join(format!("ramus-optimizer-host-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let (file, exe) = (dir.join("optimizer.cpp"), dir.join("optimizer"));
-        std::fs::write(&file, src).unwrap();
-        let out = Command::new(cc)
-            .args([
-                "-std=c++20",
-                "-O1",
-                "-ffp-contract=off",
-                "-Wall",
-                "-Werror",
-                "-pthread",
-                "-o",
-            ])
-            .arg(&exe)
-            .arg(&file)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{cc} rejected the generated code ({}):\n{}",
-            file.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let run = Command::new(&exe).output().unwrap();
-        assert!(run.status.success(), "host program failed");
-        let _ = std::fs::remove_dir_all(&dir);
-        let text = String::from_utf8_lossy(&run.stdout).to_string();
-        Some(
-            text.lines()
-                .map(|l| l.split_whitespace().map(|w| w.parse().unwrap()).collect())
-                .collect(),
-        )
-    }
-
-    /// A C++ array expression of `data`.
-    fn words(data: &[u32]) -> String {
-        let w: Vec<String> = data.iter().map(|x| format!("{x}u")).collect();
-        format!("(const unsigned[]){{{}}}", w.join(", "))
-    }
-
-    /// C++ that copies `data` to device address `addr`.
-    fn put_cpp(addr: u64, data: &[u32]) -> String {
-        if data.is_empty() {
-            return String::new();
-        }
-        format!("    put({addr}ull, {}, {});\n", words(data), data.len())
-    }
-
-    fn bits(data: &[f32]) -> Vec<u32> {
-        data.iter().map(|x| x.to_bits()).collect()
-    }
-
-    /// C++ that fills `segs` with a launch's segments.
-    fn segments_cpp(ns: &str, chunk: &Chunk) -> String {
-        let mut s = format!("{ns}::Segments segs{{}};\n");
-        for (k, g) in chunk.segments.s[..chunk.count as usize].iter().enumerate() {
-            let _ = writeln!(
-                s,
-                "        segs.s[{k}] = {ns}::Segment{{(float*)at({}ull), (const float*)at({}ull), \
-                 (float*)at({}ull), (float*)at({}ull), (const unsigned*)at({}ull), {}ull, {}u, {}u}};",
-                g.value, g.grad, g.first, g.second, g.rows, g.len, g.width, g.table_rows
-            );
-        }
-        s
-    }
-
-    /// C++ for the norm launches of one step, as [`DeviceOptimizer::step`]
-    /// makes them.
-    fn norm_cpp(ns: &str, state: &State, segments: &[RawSegment], max_norm: f64) -> String {
-        let (chunks, total_blocks) = launch_chunks(segments, MAX_NORM_BLOCKS).unwrap();
-        assert!(2 * total_blocks as usize <= state.partials.len());
-        let mut s = String::new();
-        for chunk in &chunks {
-            let _ = writeln!(
-                s,
-                "    {{\n        {}        threads.launch({}, {}, [&] {{ {ns}::ramus_grad_norm(segs, \
-                 (double*)at({}ull), {}u, {total_blocks}u, (unsigned*)at({}ull), D({}ull), \
-                 (float*)at({}ull), (double*)at({}ull)); }});\n    }}",
-                segments_cpp(ns, chunk),
-                chunk.grid_x,
-                chunk.count,
-                state.partials.view().device_ptr(),
-                chunk.slot_base,
-                state.counter().unwrap().device_ptr(),
-                max_norm.to_bits(),
-                state.scale.view().device_ptr(),
-                state.words.view().device_ptr(),
-            );
-        }
-        s
-    }
-
-    /// C++ for the update launches of one step.
-    fn update_cpp(
-        ns: &str,
-        spec: UpdateKernelSpec,
-        state: &State,
-        segments: &[RawSegment],
-        args: &UpdateArgs,
-    ) -> String {
-        let (chunks, _) = launch_chunks(segments, MAX_UPDATE_BLOCKS).unwrap();
-        let a = [
-            args.lr,
-            args.weight_decay,
-            args.beta1,
-            args.beta2,
-            args.one_minus_beta1,
-            args.one_minus_beta2,
-            args.eps,
-            args.inv_bias_correction1,
-            args.inv_bias_correction2,
-        ]
-        .map(|x| format!("F({}u)", x.to_bits()))
-        .join(", ");
-        let scale = if spec.clip {
-            state.scale.view().device_ptr()
-        } else {
-            0
-        };
-        let mut s = String::new();
-        for chunk in &chunks {
-            let _ = writeln!(
-                s,
-                "    {{\n        {}        {ns}::Args args{{{a}}};\n        threads.launch({}, {}, [&] {{ \
-                 {ns}::{}(segs, args, (const float*)at({scale}ull)); }});\n    }}",
-                segments_cpp(ns, chunk),
-                chunk.grid_x,
-                chunk.count,
-                spec.update_kernel_name(),
-            );
-        }
-        s
-    }
-
-    /// The start of a host program: the shim, then `spec`'s module in
-    /// namespace `ns` for each `(ns, spec)`.
-    fn host_program(modules: &[(String, UpdateKernelSpec)]) -> String {
-        let mut src = String::from(HOST_SHIM);
-        for (ns, spec) in modules {
-            let _ = writeln!(
-                src,
-                "namespace {ns} {{\n{}\n}}",
-                spec.source().replace("extern \"C\" ", "")
-            );
-        }
-        src += "int main() {\n    mem = (unsigned char*)std::aligned_alloc(256, 1 << 20);\n    \
-                Threads threads;\n    pool = &threads;\n";
-        src
-    }
-
-    const STEPS: u64 = 5;
-
-    /// Runs `configs` for [`STEPS`] steps through the generated kernels on
-    /// the host and through `ramus_nn::Optimizer`, and compares every
-    /// parameter after every step, bit for bit.
-    fn compare_with_host(configs: &[OptimizerConfig]) {
-        let model = test_model();
-        let shapes: Vec<(usize, Option<usize>)> = model
-            .params
-            .iter()
-            .enumerate()
-            .map(|(p, spec)| {
-                let len = spec.shape.iter().product();
-                (len, TABLES.contains(&p).then(|| spec.shape[1]))
-            })
-            .collect();
-        let total: usize = shapes.iter().map(|s| s.0).sum();
-        let initial = Params::<f32>::init(&model, 7);
-        let modules: Vec<(String, UpdateKernelSpec)> = configs
-            .iter()
-            .enumerate()
-            .map(|(c, config)| (format!("c{c}"), UpdateKernelSpec::of(config)))
-            .collect();
-        let mut src = host_program(&modules);
-        // The host reference: per config, per step, (values, norm).
-        let mut expected: Vec<Vec<(Vec<f32>, Option<f64>)>> = Vec::new();
-        for (config, (ns, spec)) in configs.iter().zip(&modules) {
-            // The device: the engine's layout and the optimizer's own state.
-            let pool = fake_pool();
-            let layout = engine_layout(&pool, &shapes);
-            let state = State::new(&pool, config.kind, &layout.slots).unwrap();
-            let values_at = layout.values.view().device_ptr();
-            src += "    std::memset(mem, 0, 1 << 20);\n";
-            src += &put_cpp(values_at, &bits(&flat(&initial)));
-            let mut params = initial.clone();
-            let mut host = Optimizer::new(*config, &params);
-            let mut steps = Vec::new();
-            for step in 1..=STEPS {
-                let (grads, touched) = step_data(&model, step);
-                let g = host_grads(&model, &grads, &touched);
-                let norm = host.step(&mut params, &g);
-                steps.push((flat(&params), norm));
-
-                for (p, data) in grads.iter().enumerate() {
-                    let addr = layout.grads.view().device_ptr() + 4 * layout.grad_at[p] as u64;
-                    src += &put_cpp(addr, &bits(data));
-                }
-                let mut views = Vec::new();
-                let mut keep = Vec::new();
-                for rows in &touched {
-                    let buffer = pool.alloc::<u32>(rows.len().max(1)).unwrap();
-                    let view = buffer.view().slice(0..rows.len()).unwrap();
-                    src += &put_cpp(view.device_ptr(), rows);
-                    views.push(view);
-                    keep.push(buffer);
-                }
-                let segments = state.plan.segments(&views).unwrap();
-                if let Some(max) = config.clip_norm {
-                    src += &norm_cpp(ns, &state, &segments, max);
-                }
-                let args = UpdateArgs::for_step(config, step);
-                src += &update_cpp(ns, *spec, &state, &segments, &args);
-                let _ = writeln!(
-                    src,
-                    "    dump({values_at}ull, {total});\n    dump({}ull, 2);",
-                    state.words.view().device_ptr()
-                );
-            }
-            expected.push(steps);
-        }
-        src += "    return 0;\n}\n";
-        let Some(output) = run_on_host("compare", &src) else {
-            return;
-        };
-
-        let mut lines = output.into_iter();
-        let tables: Vec<(usize, usize, usize)> = TABLES
-            .iter()
-            .map(|&p| {
-                let at: usize = shapes[..p].iter().map(|s| s.0).sum();
-                (p, at, shapes[p].1.unwrap_or(1))
-            })
-            .collect();
-        for (c, config) in configs.iter().enumerate() {
-            let mut before = flat(&initial);
-            for (step, (want, want_norm)) in expected[c].iter().enumerate() {
-                let got: Vec<f32> = lines
-                    .next()
-                    .unwrap()
-                    .into_iter()
-                    .map(f32::from_bits)
-                    .collect();
-                let norm = lines.next().unwrap();
-                let what = format!("{config:?}, step {}", step + 1);
-                assert_eq!(got.len(), total);
-                for (i, (g, w)) in got.iter().zip(want).enumerate() {
-                    assert_eq!(
-                        g.to_bits(),
-                        w.to_bits(),
-                        "{what}: value {i}: kernel {g} vs host {w}"
-                    );
-                }
-                // untouched table rows did not move
-                let (_, touched) = step_data(&model, step as u64 + 1);
-                for (t, &(p, at, width)) in tables.iter().enumerate() {
-                    let rows = shapes[p].0 / width;
-                    for r in (0..rows as u32).filter(|r| !touched[t].contains(r)) {
-                        let range = at + r as usize * width..at + (r as usize + 1) * width;
-                        assert_eq!(
-                            got[range.clone()],
-                            before[range],
-                            "{what}: row {r} of table {p}"
-                        );
-                    }
-                }
-                if let Some(want_norm) = want_norm {
-                    let norm = f64::from_bits(u64::from(norm[0]) | (u64::from(norm[1]) << 32));
-                    assert!(
-                        (norm - want_norm).abs() <= 1e-12 * want_norm,
-                        "{what}: norm {norm} vs host {want_norm}"
-                    );
-                    assert!(norm > 1.0, "{what}: the clipping threshold is crossed");
-                }
-                before = got;
-            }
-        }
-    }
-
-    #[test]
-    fn generated_kernels_match_the_host_reference_bit_for_bit() {
-        let mut configs = Vec::new();
-        for clip in [None, Some(1.0)] {
-            configs.push(config(OptimizerKind::Sgd, 0.1, 0.01, clip));
-            configs.push(config(OptimizerKind::Adagrad, 0.1, 0.001, clip));
-            configs.push(config(OptimizerKind::Adam, 0.01, 0.0, clip));
-            configs.push(config(OptimizerKind::Adam, 0.01, 0.1, clip)); // AdamW
-        }
-        compare_with_host(&configs);
-    }
-
-    /// More segments than one launch takes: the norm's last block is in
-    /// the last launch and sums every launch's partial sums; the update
-    /// reaches every segment. Two steps check that the counter re-arms.
-    #[test]
-    fn the_norm_and_update_span_several_launches() {
-        // 37 dense parameters and 3 tables, interleaved so that nothing merges
-        let mut shapes = Vec::new();
-        for p in 0..40usize {
-            shapes.push(if p % 13 == 5 {
-                (12 * 4, Some(4))
-            } else {
-                (1 + p * 37 % 300, None)
-            });
-        }
-        // gaps between dense gradients keep the parameters separate runs
-        let pool = fake_pool();
-        let total: usize = shapes.iter().map(|s| s.0).sum();
-        let values = pool.alloc::<f32>(total).unwrap();
-        let grads = pool.alloc::<f32>(2 * total).unwrap();
-        let mut slots = Vec::new();
-        let (mut v, mut g) = (0, 0);
-        for &(len, width) in &shapes {
-            slots.push(ParamSlot {
-                value: values.view().slice(v..v + len).unwrap(),
-                grad: grads.view().slice(g..g + len).unwrap(),
-                layout: width.map_or(GradLayout::Dense, |width| GradLayout::Rows { width }),
-            });
-            v += len;
-            g += 2 * len;
-        }
-        let state = State::new(&pool, OptimizerKind::Sgd, &slots).unwrap();
-        assert_eq!((state.plan.runs.len(), state.plan.tables.len()), (37, 3));
-        let rows = pool.alloc::<u32>(3).unwrap();
-        let touched = [
-            rows.view().slice(0..1).unwrap(),
-            rows.view().slice(1..3).unwrap(),
-            rows.view().slice(3..3).unwrap(),
-        ];
-        let segments = state.plan.segments(&touched).unwrap();
-        assert_eq!(segments.len(), 39);
-        assert_eq!(
-            launch_chunks(&segments, MAX_NORM_BLOCKS).unwrap().0.len(),
-            3
-        );
-
-        let cfg = config(OptimizerKind::Sgd, 0.5, 0.0, Some(2.0));
-        let spec = UpdateKernelSpec::of(&cfg);
-        let mut src = host_program(&[("c0".to_string(), spec)]);
-        src += "    std::memset(mem, 0, 1 << 20);\n";
-        src += &put_cpp(rows.view().device_ptr(), &[7, 2, 11]);
-        let mut expected = Vec::new();
-        for step in 1..=2u64 {
-            let all = random_values(2 * total, 1000 + step);
-            src += &put_cpp(grads.view().device_ptr(), &bits(&all));
-            src += &norm_cpp("c0", &state, &segments, 2.0);
-            src += &update_cpp(
-                "c0",
-                spec,
-                &state,
-                &segments,
-                &UpdateArgs::for_step(&cfg, step),
-            );
-            let _ = writeln!(
-                src,
-                "    dump({}ull, {total});\n    dump({}ull, 2);",
-                values.view().device_ptr(),
-                state.words.view().device_ptr()
-            );
-            // the reference: every dense gradient, rows 7 of table 0 and 2
-            // and 11 of table 1
-            let mut sum = 0.0f64;
-            let mut read = Vec::new(); // (value index, grad index)
-            let (mut v, mut g, mut table) = (0, 0, 0);
-            for &(len, width) in &shapes {
-                match width {
-                    None => read.extend((0..len).map(|i| (v + i, g + i))),
-                    Some(w) => {
-                        let picked: &[usize] = [&[7][..], &[2, 11][..], &[][..]][table];
-                        for &r in picked {
-                            read.extend((0..w).map(|i| (v + r * w + i, g + r * w + i)));
-                        }
-                        table += 1;
-                    }
-                }
-                v += len;
-                g += 2 * len;
-            }
-            for &(_, gi) in &read {
-                sum += f64::from(all[gi]) * f64::from(all[gi]);
-            }
-            let norm = sum.sqrt();
-            let scale = if norm > 2.0 { (2.0 / norm) as f32 } else { 1.0 };
-            expected.push((norm, scale, read, all));
-        }
-        src += "    return 0;\n}\n";
-        let Some(output) = run_on_host("chunks", &src) else {
-            return;
-        };
-        let mut lines = output.into_iter();
-        let mut now = vec![0.0f32; total];
-        for (step, (norm, scale, read, all)) in expected.iter().enumerate() {
-            for &(vi, gi) in read {
-                now[vi] -= 0.5 * (all[gi] * scale);
-            }
-            let got: Vec<f32> = lines
-                .next()
-                .unwrap()
-                .into_iter()
-                .map(f32::from_bits)
-                .collect();
-            let words = lines.next().unwrap();
-            let got_norm = f64::from_bits(u64::from(words[0]) | (u64::from(words[1]) << 32));
-            assert!(
-                (got_norm - norm).abs() <= 1e-12 * norm,
-                "step {step}: norm {got_norm} vs {norm}"
-            );
-            assert_eq!(bits(&got), bits(&now), "step {step}");
-        }
-    }
-}
+mod host;
+#[cfg(test)]
+mod tests;

@@ -277,7 +277,7 @@ fn compare(s: &mut Setup, config: &OptimizerConfig, want_norm: bool) -> Result<(
         let g = host_grads(&model, &grads, &touched);
         let host_norm = host.step(&mut params, &g);
         let rows = upload_step(s, &dp, &grads, &touched)?;
-        let report = opt.step(&stream, &rows.views, want_norm)?;
+        let report = opt.step(&stream, &rows.views, None, want_norm)?;
         let got = s.staging.download_to_vec(dp.values.view(), &stream)?;
         let want = flat(&params);
         let what = format!("{config:?}, step {step}");
@@ -299,8 +299,13 @@ fn compare(s: &mut Setup, config: &OptimizerConfig, want_norm: bool) -> Result<(
                 );
             }
         }
-        let norm_launch = usize::from(config.clip_norm.is_some() || want_norm);
-        assert_eq!(report.launches, 1 + norm_launch, "{what}: launches");
+        // the norm kernel runs every step: it checks the gradients are finite
+        assert_eq!(report.launches, 2, "{what}: launches");
+        let status = opt.take_status()?.expect("the step's status");
+        assert!(
+            status.applied && status.nonfinite_gradient.is_none(),
+            "{what}"
+        );
         match (want_norm, report.norm) {
             (false, None) => {}
             (true, Some(norm)) => {
@@ -430,8 +435,76 @@ fn a_second_optimizer_with_the_same_config_compiles_nothing() -> Result<()> {
     assert!(first.state(6).is_err());
 
     // a wrong number of touched-row lists is an error, not a launch
-    assert!(first.step(&stream, &[], false).is_err());
+    assert!(first.step(&stream, &[], None, false).is_err());
     assert_eq!(first.steps(), 0);
     assert_eq!(first.launches(), 0);
+    Ok(())
+}
+
+/// A step whose gradient or loss is not finite changes no value and no
+/// moment and is taken back from the step count; its status names the
+/// parameter; the next step is the one the host takes after skipping.
+#[test]
+fn nonfinite_steps_change_nothing_and_the_next_step_follows_the_host() -> Result<()> {
+    let Some(mut s) = setup() else {
+        return Ok(());
+    };
+    let config = config(OptimizerKind::Adam, 0.01, 0.01, None);
+    let model = test_model();
+    let mut params = Params::<f32>::init(&model, 11);
+    let mut host = Optimizer::new(config, &params);
+    let dp = upload_params(&mut s, &model, &params)?;
+    let mut opt = DeviceOptimizer::new(&s.device, &s.pool, &s.cache, &config, &dp.slots)?;
+    let stream = s.device.stream().clone();
+    let loss = s.pool.alloc::<f32>(1)?;
+    let state = |s: &mut Setup, opt: &DeviceOptimizer| -> Result<Vec<f32>> {
+        let mut all = Vec::new();
+        for p in 0..model.params.len() {
+            let st = opt.state(p)?;
+            for v in [st.first, st.second].into_iter().flatten() {
+                all.extend(s.staging.download_to_vec(v, &stream)?);
+            }
+        }
+        Ok(all)
+    };
+    // step 2: NaN in a dense gradient (W_out, parameter 3); step 3: a NaN loss
+    for step in 1..=4u64 {
+        let (mut grads, touched) = step_data(&model, step);
+        if step == 2 {
+            grads[3][5] = f32::NAN;
+        }
+        let value = if step == 3 { f32::NAN } else { 0.25 };
+        s.staging.upload_slice(&[value], loss.view(), &stream)?;
+        let g = host_grads(&model, &grads, &touched);
+        let applied = step != 3 && host.step_if_finite(&mut params, &g);
+        let (values_before, state_before) = (
+            s.staging.download_to_vec(dp.values.view(), &stream)?,
+            state(&mut s, &opt)?,
+        );
+        let rows = upload_step(&mut s, &dp, &grads, &touched)?;
+        opt.step(&stream, &rows.views, Some(loss.view()), false)?;
+        let status = opt.take_status()?.expect("status");
+        assert_eq!(status.applied, applied, "step {step}");
+        assert_eq!(opt.steps(), host.steps(), "step {step}: step count");
+        let got = s.staging.download_to_vec(dp.values.view(), &stream)?;
+        if applied {
+            for (i, (&d, &h)) in got.iter().zip(&flat(&params)).enumerate() {
+                assert!(
+                    close(d, h),
+                    "step {step}: value {i}: device {d} vs host {h}"
+                );
+            }
+        } else {
+            assert_eq!(got, values_before, "step {step}: values moved");
+            assert_eq!(
+                state(&mut s, &opt)?,
+                state_before,
+                "step {step}: moments moved"
+            );
+            let named = (step == 2).then_some(3);
+            assert_eq!(status.nonfinite_gradient, named, "step {step}");
+        }
+    }
+    assert_eq!(opt.steps(), 2);
     Ok(())
 }

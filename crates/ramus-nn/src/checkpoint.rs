@@ -11,6 +11,12 @@
 //! [`load_params_reporting`] names it, so callers can say so (`ramus eval`
 //! and `ramus infer` print a note). A missing *trained* parameter is an
 //! error.
+//!
+//! Loading also refuses, naming the file and the tensor, what would give
+//! wrong answers without a word: a tensor holding a non-finite value (NaN
+//! or infinite, e.g. a model saved after training diverged) and tensors the
+//! model does not have (a checkpoint of another model or version, whose
+//! values would be silently ignored). [`LoadOptions`] accepts either.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -160,8 +166,18 @@ pub fn read_info(path: &Path) -> Result<(CheckpointInfo, Vec<u8>)> {
     ))
 }
 
-/// Loads parameters for `model` from checkpoint bytes, checking names and
-/// shapes; missing buffers take their initial values (see the module docs).
+/// What loading accepts beyond a clean checkpoint (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Accept tensors holding NaN or infinite values.
+    pub allow_nonfinite: bool,
+    /// Accept (and ignore) tensors the model does not have.
+    pub allow_unused: bool,
+}
+
+/// Loads parameters for `model` from checkpoint bytes, checking names,
+/// shapes and values; missing buffers take their initial values (see the
+/// module docs).
 pub fn load_params(path: &Path, data: &[u8], model: &Model) -> Result<Params<f32>> {
     load_params_reporting(path, data, model).map(|(params, _)| params)
 }
@@ -173,8 +189,36 @@ pub fn load_params_reporting(
     data: &[u8],
     model: &Model,
 ) -> Result<(Params<f32>, Vec<String>)> {
+    load_params_with(path, data, model, LoadOptions::default())
+}
+
+/// [`load_params_reporting`], accepting what `options` allows.
+pub fn load_params_with(
+    path: &Path,
+    data: &[u8],
+    model: &Model,
+    options: LoadOptions,
+) -> Result<(Params<f32>, Vec<String>)> {
     let bad = |m: String| NnError::Checkpoint(format!("{}: {m}", path.display()));
     let st = safetensors::SafeTensors::deserialize(data).map_err(|e| bad(locate(&e, data)))?;
+    if !options.allow_unused {
+        let mut unused: Vec<&str> = st
+            .names()
+            .into_iter()
+            .filter(|name| !crate::resume::is_resume_tensor(name))
+            .filter(|name| model.params.iter().all(|spec| spec.name != *name))
+            .collect();
+        if !unused.is_empty() {
+            unused.sort_unstable();
+            return Err(bad(format!(
+                "model `{}` has no tensor `{}` ({} unused in all: a checkpoint of another \
+                 model or version?); pass --allow-unused-tensors to ignore them",
+                model.name,
+                unused.join("`, `"),
+                unused.len()
+            )));
+        }
+    }
     let mut values = Vec::new();
     let mut defaulted = Vec::new();
     let mut initial: Option<Params<f32>> = None;
@@ -215,6 +259,16 @@ pub fn load_params_reporting(
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect();
+        if !options.allow_nonfinite {
+            if let Some((at, x)) = v.iter().enumerate().find(|(_, x)| !x.is_finite()) {
+                let count = v.iter().filter(|x| !x.is_finite()).count();
+                return Err(bad(format!(
+                    "tensor `{}` holds {count} non-finite value(s) (the first, {x}, at \
+                     element {at}); pass --allow-nonfinite-checkpoint to load it anyway",
+                    spec.name
+                )));
+            }
+        }
         values.push(Tensor::from_vec(&spec.shape, v)?);
     }
     Ok((Params::from_tensors(model, values)?, defaulted))

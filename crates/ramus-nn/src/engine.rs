@@ -7,7 +7,22 @@ use ramus_cpu::{Batch, CpuEngine, ForwardOutput, Mode};
 use rand_chacha::ChaCha8Rng;
 
 use crate::error::{NnError, Result};
+use crate::nonfinite::{first_nonfinite, NonFiniteStep};
 use crate::optim::Optimizer;
+
+/// What came back of one training step: its loss, or why it was not
+/// applied (its loss or a gradient was not finite).
+pub type StepOutcome = std::result::Result<f64, NonFiniteStep>;
+
+/// [`Engine::train_step`]'s result as a [`StepOutcome`]: a non-finite step
+/// is an outcome, any other error stays an error.
+pub fn step_outcome(result: Result<f64>) -> Result<StepOutcome> {
+    match result {
+        Ok(loss) => Ok(Ok(loss)),
+        Err(NnError::NonFinite(fault)) => Ok(Err(fault.step)),
+        Err(e) => Err(e),
+    }
+}
 
 /// Runs batches of a model: forward (with the head on a chosen set of rows),
 /// backward into host gradients, and a whole training step.
@@ -106,9 +121,12 @@ pub trait Engine<T: Real> {
         Ok(())
     }
 
-    /// Forward, backward and one optimizer step; returns the loss. Engines
-    /// that keep parameters on a device override this to update them there
-    /// (see [`Engine::sync_host_params`]).
+    /// Forward, backward and one optimizer step; returns the loss. A step
+    /// whose loss or a gradient is not finite is not applied (parameters,
+    /// running statistics and optimizer state stay as they were) and is
+    /// [`NnError::NonFinite`], naming the first non-finite parameter.
+    /// Engines that keep parameters on a device override this to update
+    /// them there (see [`Engine::sync_host_params`]).
     fn train_step(
         &mut self,
         model: &Model,
@@ -120,18 +138,35 @@ pub trait Engine<T: Real> {
         let out = self.forward(model, params, batch, Mode::Train)?;
         grads.clear();
         self.backward(model, params, batch, grads)?;
+        let loss = out
+            .loss
+            .ok_or_else(|| NnError::Config("forward pass returned no loss".into()))?;
+        // the running statistics this pass computed are dropped with its update
+        if !loss.is_finite() || !optimizer.step_if_finite(params, grads) {
+            return Err(NonFiniteStep {
+                loss,
+                param: first_nonfinite(model, params, Some(grads)),
+            }
+            .into());
+        }
         self.apply_running_stats(params)?;
-        optimizer.step(params, grads);
-        out.loss
-            .ok_or_else(|| NnError::Config("forward pass returned no loss".into()))
+        Ok(loss)
     }
 
-    /// Starts a training step whose loss may come back later (an engine
+    /// Whether a non-finite step leaves the parameters and optimizer state
+    /// as they were (every engine but one whose update runs inside its
+    /// training kernel, which can only stop).
+    fn skips_nonfinite(&self) -> bool {
+        true
+    }
+
+    /// Starts a training step whose outcome may come back later (an engine
     /// that overlaps the host's preparation of the next batch with the
-    /// device's work on this one, as VPPS does). Returns the loss of the
-    /// oldest step still in flight once it is known — losses come back in
-    /// submission order — or `None` if none is yet. By default the step
-    /// runs at once and returns its own loss.
+    /// device's work on this one, as VPPS does, or that learns whether a
+    /// step's gradients were finite only with the next step). Returns the
+    /// outcome of the oldest step still in flight once it is known —
+    /// outcomes come back in submission order — or `None` if none is yet.
+    /// By default the step runs at once and returns its own outcome.
     fn submit_train_step(
         &mut self,
         model: &Model,
@@ -139,9 +174,8 @@ pub trait Engine<T: Real> {
         grads: &mut Grads<T>,
         optimizer: &mut Optimizer<T>,
         batch: &Batch<'_>,
-    ) -> Result<Option<f64>> {
-        self.train_step(model, params, grads, optimizer, batch)
-            .map(Some)
+    ) -> Result<Option<StepOutcome>> {
+        step_outcome(self.train_step(model, params, grads, optimizer, batch)).map(Some)
     }
 
     /// How many batches the engine takes at once through
@@ -152,9 +186,9 @@ pub trait Engine<T: Real> {
     }
 
     /// Starts several training steps, in order (see
-    /// [`submit_train_step`](Engine::submit_train_step)); returns the losses
-    /// that came back meanwhile, oldest first. By default one step after
-    /// the other.
+    /// [`submit_train_step`](Engine::submit_train_step)); returns the
+    /// outcomes that came back meanwhile, oldest first. By default one step
+    /// after the other.
     fn submit_train_steps(
         &mut self,
         model: &Model,
@@ -162,17 +196,17 @@ pub trait Engine<T: Real> {
         grads: &mut Grads<T>,
         optimizer: &mut Optimizer<T>,
         batches: &[Batch<'_>],
-    ) -> Result<Vec<f64>> {
-        let mut losses = Vec::new();
+    ) -> Result<Vec<StepOutcome>> {
+        let mut outcomes = Vec::new();
         for batch in batches {
-            losses.extend(self.submit_train_step(model, params, grads, optimizer, batch)?);
+            outcomes.extend(self.submit_train_step(model, params, grads, optimizer, batch)?);
         }
-        Ok(losses)
+        Ok(outcomes)
     }
 
-    /// Waits for every submitted step and returns the losses not returned
-    /// yet, in submission order.
-    fn finish_train_steps(&mut self) -> Result<Vec<f64>> {
+    /// Waits for every submitted step and returns the outcomes not
+    /// returned yet, in submission order.
+    fn finish_train_steps(&mut self) -> Result<Vec<StepOutcome>> {
         Ok(Vec::new())
     }
 }

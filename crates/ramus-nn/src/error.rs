@@ -22,6 +22,63 @@ pub enum NnError {
     /// A device engine (CUDA) failed; the message names the call or input.
     #[error("device: {0}")]
     Device(String),
+    /// A training step whose loss or a gradient was not finite (see
+    /// [`crate::nonfinite`]).
+    #[error("{0}")]
+    NonFinite(Box<crate::nonfinite::NonFiniteFault>),
+    /// A hyper-parameter no one can mean (a negative learning rate, a clip
+    /// threshold of 0, ...), refused before any work.
+    #[error("{setting} must be {expected}, got {value}")]
+    InvalidSetting {
+        setting: Setting,
+        value: f64,
+        expected: &'static str,
+    },
+}
+
+/// A checked hyper-parameter, displayed with its `ramus train` flag.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Setting {
+    LearningRate,
+    WeightDecay,
+    Clip,
+    Beta1,
+    Beta2,
+    Eps,
+    Dropout,
+}
+
+impl std::fmt::Display for Setting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Setting::LearningRate => "the learning rate (--lr)",
+            Setting::WeightDecay => "the weight decay (--weight-decay)",
+            Setting::Clip => "the gradient clipping norm (--clip)",
+            Setting::Beta1 => "Adam's beta1",
+            Setting::Beta2 => "Adam's beta2",
+            Setting::Eps => "the optimizer's eps",
+            Setting::Dropout => "the dropout rate (--dropout)",
+        })
+    }
+}
+
+impl NnError {
+    /// The non-finite step this error reports, if it is one.
+    pub fn nonfinite(&self) -> Option<&crate::nonfinite::NonFiniteFault> {
+        match self {
+            NnError::NonFinite(f) => Some(f),
+            _ => None,
+        }
+    }
+}
+
+impl From<crate::nonfinite::NonFiniteStep> for NnError {
+    fn from(step: crate::nonfinite::NonFiniteStep) -> Self {
+        NnError::NonFinite(Box::new(crate::nonfinite::NonFiniteFault {
+            step,
+            place: None,
+        }))
+    }
 }
 
 pub type Result<T, E = NnError> = std::result::Result<T, E>;

@@ -102,6 +102,20 @@ pub struct ModelOptions {
     pub dropout: f64,
 }
 
+impl ModelOptions {
+    /// Refuses a dropout rate outside [0, 1) (1 would drop everything).
+    pub fn validate(&self) -> std::result::Result<(), crate::NnError> {
+        if self.dropout.is_finite() && (0.0..1.0).contains(&self.dropout) {
+            return Ok(());
+        }
+        Err(crate::NnError::InvalidSetting {
+            setting: crate::Setting::Dropout,
+            value: self.dropout,
+            expected: "in [0, 1)",
+        })
+    }
+}
+
 /// Builds model `name` (no dropout).
 pub fn build_model(name: &str, cfg: &ModelConfig) -> Result<Model> {
     build_model_with(name, cfg, &ModelOptions::default())

@@ -5,6 +5,9 @@
 
 use ramus_core::{Grads, Params, Real, Tensor};
 
+use crate::error::{NnError, Result, Setting};
+use crate::nonfinite::gradients_finite;
+
 /// Which update rule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OptimizerKind {
@@ -59,10 +62,58 @@ impl OptimizerConfig {
             eps,
         }
     }
+
+    /// Refuses settings no one can mean, naming the first: a learning rate
+    /// or weight decay that is negative or not finite, a clip norm that is
+    /// not a positive finite number, betas outside [0, 1), a negative or
+    /// non-finite eps.
+    pub fn validate(&self) -> Result<()> {
+        let check = |setting, value: f64, ok: bool, expected| {
+            if ok {
+                Ok(())
+            } else {
+                Err(NnError::InvalidSetting {
+                    setting,
+                    value,
+                    expected,
+                })
+            }
+        };
+        let non_negative = |v: f64| v.is_finite() && v >= 0.0;
+        let unit = |v: f64| v.is_finite() && (0.0..1.0).contains(&v);
+        check(
+            Setting::LearningRate,
+            self.lr,
+            non_negative(self.lr),
+            "a finite number >= 0",
+        )?;
+        check(
+            Setting::WeightDecay,
+            self.weight_decay,
+            non_negative(self.weight_decay),
+            "a finite number >= 0",
+        )?;
+        if let Some(clip) = self.clip_norm {
+            check(
+                Setting::Clip,
+                clip,
+                clip.is_finite() && clip > 0.0,
+                "a finite number > 0",
+            )?;
+        }
+        check(Setting::Beta1, self.beta1, unit(self.beta1), "in [0, 1)")?;
+        check(Setting::Beta2, self.beta2, unit(self.beta2), "in [0, 1)")?;
+        check(
+            Setting::Eps,
+            self.eps,
+            non_negative(self.eps),
+            "a finite number >= 0",
+        )
+    }
 }
 
 /// Optimizer state for a model's parameters.
-#[derive(Clone)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Optimizer<T> {
     pub config: OptimizerConfig,
     first: Vec<Tensor<T>>,
@@ -149,9 +200,33 @@ impl<T: Real> Optimizer<T> {
     /// Applies one update from `grads`. Returns the gradient norm before
     /// clipping when clipping is configured.
     pub fn step(&mut self, params: &mut Params<T>, grads: &Grads<T>) -> Option<f64> {
-        let c = self.config;
         // the global norm is only needed (and only computed) when clipping
-        let norm = c.clip_norm.map(|_| grads.norm());
+        let norm = self.config.clip_norm.map(|_| grads.norm());
+        self.apply(params, grads, norm);
+        norm
+    }
+
+    /// [`Optimizer::step`] only if every gradient is finite; otherwise
+    /// neither `params` nor the optimizer state (moments, step count)
+    /// change. Returns whether the update was applied. With clipping the
+    /// check is the norm the clipping computes anyway (finite exactly when
+    /// every gradient is: a sum of squares of `f32` values cannot overflow
+    /// an `f64`); without it, one scan of the gradients.
+    pub fn step_if_finite(&mut self, params: &mut Params<T>, grads: &Grads<T>) -> bool {
+        let norm = self.config.clip_norm.map(|_| grads.norm());
+        let finite = match norm {
+            Some(norm) => norm.is_finite(),
+            None => gradients_finite(grads),
+        };
+        if finite {
+            self.apply(params, grads, norm);
+        }
+        finite
+    }
+
+    /// The update itself, with the gradient norm when clipping.
+    fn apply(&mut self, params: &mut Params<T>, grads: &Grads<T>, norm: Option<f64>) {
+        let c = self.config;
         let clip = match (c.clip_norm, norm) {
             (Some(max), Some(norm)) if norm > max && norm > 0.0 => max / norm,
             _ => 1.0,
@@ -216,6 +291,5 @@ impl<T: Real> Optimizer<T> {
                 }
             }
         }
-        norm
     }
 }

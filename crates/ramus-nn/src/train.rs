@@ -11,10 +11,11 @@ use rayon::prelude::*;
 use ramus_core::{Grads, HeadRows, Model, Params, Real};
 use ramus_cpu::{Batch, CpuEngine, Mode};
 
-use crate::engine::Engine;
+use crate::engine::{Engine, StepOutcome};
 use ramus_graph::{BatchingPolicy, InputGraph, NO_LABEL};
 
 use crate::error::{NnError, Result};
+use crate::nonfinite::{BatchPlace, NonFiniteFault, OnNonFinite};
 use crate::optim::{Optimizer, OptimizerConfig};
 
 /// Accuracy and loss over a data set.
@@ -39,6 +40,8 @@ pub struct Trainer<T> {
     pub optimizer: Optimizer<T>,
     pub engine: Box<dyn Engine<T>>,
     pub policy: BatchingPolicy,
+    /// What a batch whose loss or a gradient is not finite does.
+    pub on_nonfinite: OnNonFinite,
 }
 
 impl<T: Real> Trainer<T> {
@@ -52,12 +55,28 @@ impl<T: Real> Trainer<T> {
             optimizer,
             engine: Box::new(CpuEngine::new()),
             policy: BatchingPolicy::Cavs,
+            on_nonfinite: OnNonFinite::Stop,
         }
     }
 
+    /// Refuses [`OnNonFinite::SkipBatch`] on an engine that cannot hold a
+    /// non-finite update back (see [`Engine::skips_nonfinite`]).
+    pub fn check_nonfinite_policy(&self) -> Result<()> {
+        if self.on_nonfinite == OnNonFinite::SkipBatch && !self.engine.skips_nonfinite() {
+            return Err(NnError::Config(format!(
+                "--on-nonfinite skip-batch: the {} engine applies each update inside its \
+                 training kernel and cannot skip a batch; use --on-nonfinite stop or another engine",
+                self.engine.name()
+            )));
+        }
+        Ok(())
+    }
+
     /// Forward, backward and one optimizer step on `graphs`; returns the
-    /// loss. On a device engine `self.params` lags until [`Trainer::sync_params`]
-    /// (which [`Trainer::train_epoch`] calls at the end of each epoch).
+    /// loss, or [`NnError::NonFinite`] for a step not applied (its loss or
+    /// a gradient was not finite). On a device engine `self.params` lags
+    /// until [`Trainer::sync_params`] (which [`Trainer::train_epoch`] calls
+    /// at the end of each epoch).
     pub fn train_batch(&mut self, graphs: &[&InputGraph]) -> Result<f64> {
         let batch = Batch::new(&self.model, graphs.to_vec(), self.policy)?;
         self.engine.train_step(
@@ -75,7 +94,11 @@ impl<T: Real> Trainer<T> {
     }
 
     /// One epoch over `data` in shuffled batches; `progress(batches_done,
-    /// graphs_done, loss)` is called after each batch. Returns the mean loss.
+    /// graphs_done, loss)` is called after each batch. Returns the mean loss
+    /// of the batches applied. A batch whose loss or a gradient is not
+    /// finite is never applied: it stops the epoch with
+    /// [`NnError::NonFinite`] naming the batch, or with
+    /// [`OnNonFinite::SkipBatch`] counts in [`Trainer::skipped`].
     pub fn train_epoch(
         &mut self,
         data: &[InputGraph],
@@ -83,6 +106,19 @@ impl<T: Real> Trainer<T> {
         rng: &mut ChaCha8Rng,
         progress: impl FnMut(usize, usize, f64),
     ) -> Result<f64> {
+        self.train_epoch_progress(data, batch_size, rng, progress)
+            .map(|at| at.mean_loss())
+    }
+
+    /// [`Trainer::train_epoch`], returning the epoch's whole progress (the
+    /// batches skipped for a non-finite step among it).
+    pub fn train_epoch_progress(
+        &mut self,
+        data: &[InputGraph],
+        batch_size: usize,
+        rng: &mut ChaCha8Rng,
+        progress: impl FnMut(usize, usize, f64),
+    ) -> Result<EpochProgress> {
         let order = shuffled_order(data.len(), rng);
         let mut at = EpochProgress::default();
         let span = Span {
@@ -91,7 +127,7 @@ impl<T: Real> Trainer<T> {
             batch_size,
         };
         self.train_span(&span, &mut at, &Pauses::default(), progress)?;
-        Ok(at.mean_loss())
+        Ok(at)
     }
 
     /// Trains on the batches of `span` from batch `at.batches` on, until
@@ -111,9 +147,10 @@ impl<T: Real> Trainer<T> {
         if span.batch_size == 0 {
             return Err(NnError::Config("batch size must be at least 1".into()));
         }
+        self.check_nonfinite_policy()?;
         let chunks: Vec<&[usize]> = span.order.chunks(span.batch_size).collect();
-        // sizes of the batches whose losses have not come back (an
-        // overlapping engine returns each loss a batch later)
+        // size and first graph of the batches whose outcomes have not come
+        // back (an overlapping engine returns each a batch or more later)
         let mut in_flight = VecDeque::new();
         // an engine that prepares batches ahead gets them a window at a
         // time (scheduled in parallel), a window never crossing a pause
@@ -138,15 +175,21 @@ impl<T: Real> Trainer<T> {
                 .with_max_len(1)
                 .map(build)
                 .collect::<ramus_cpu::Result<Vec<Batch>>>()?;
-            in_flight.extend(group.iter().map(|c| c.len()));
-            let losses = self.engine.submit_train_steps(
+            in_flight.extend(
+                group
+                    .iter()
+                    .map(|c| (c.len(), c.first().copied().unwrap_or(0))),
+            );
+            let outcomes = self.engine.submit_train_steps(
                 &self.model,
                 &mut self.params,
                 &mut self.grads,
                 &mut self.optimizer,
                 &batches,
             )?;
-            at.add(&mut in_flight, losses, &mut progress);
+            for outcome in outcomes {
+                self.count(at, outcome, &mut in_flight, span, &mut progress)?;
+            }
             next = stop;
             if next >= chunks.len() {
                 break SpanEnd::EpochDone;
@@ -158,13 +201,56 @@ impl<T: Real> Trainer<T> {
                 break SpanEnd::Requested;
             }
         };
-        at.add(
-            &mut in_flight,
-            self.engine.finish_train_steps()?,
-            &mut progress,
-        );
+        for outcome in self.engine.finish_train_steps()? {
+            self.count(at, outcome, &mut in_flight, span, &mut progress)?;
+        }
         self.sync_params()?;
         Ok(end)
+    }
+
+    /// Adds one step's outcome (of the oldest batch in `in_flight`: its
+    /// size and first graph) to the epoch's progress, or stops on a
+    /// non-finite one.
+    fn count(
+        &mut self,
+        at: &mut EpochProgress,
+        outcome: StepOutcome,
+        in_flight: &mut VecDeque<(usize, usize)>,
+        span: &Span<'_>,
+        progress: &mut impl FnMut(usize, usize, f64),
+    ) -> Result<()> {
+        let (size, first) = in_flight.pop_front().unwrap_or((0, 0));
+        at.batches += 1;
+        at.graphs += size;
+        let loss = match outcome {
+            Ok(loss) => {
+                at.loss_sum += loss * size as f64;
+                at.applied += size;
+                loss
+            }
+            Err(step)
+                if self.on_nonfinite == OnNonFinite::SkipBatch && !step.values_nonfinite() =>
+            {
+                at.skipped += 1;
+                step.loss
+            }
+            Err(step) => {
+                let place = BatchPlace {
+                    batch: at.batches,
+                    batches: span.order.len().div_ceil(span.batch_size),
+                    first_graph: span
+                        .data
+                        .get(first)
+                        .map_or_else(String::new, |g| g.describe(first)),
+                };
+                return Err(NnError::NonFinite(Box::new(NonFiniteFault {
+                    step,
+                    place: Some(place),
+                })));
+            }
+        };
+        progress(at.batches, at.graphs, loss);
+        Ok(())
     }
 
     /// Loss, root accuracy and all-node accuracy over `data`.
@@ -243,36 +329,22 @@ pub fn shuffled_order(len: usize, rng: &mut ChaCha8Rng) -> Vec<usize> {
     order
 }
 
-/// How far an epoch has got: batches trained, graphs in them, and the
-/// sum of their losses weighted by graphs.
+/// How far an epoch has got: batches trained (applied or skipped), graphs
+/// in them, the graphs of the batches applied and the sum of their losses
+/// weighted by graphs, and the batches skipped for a non-finite step.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct EpochProgress {
     pub batches: usize,
     pub graphs: usize,
+    pub applied: usize,
     pub loss_sum: f64,
+    pub skipped: usize,
 }
 
 impl EpochProgress {
-    /// The epoch's mean loss per graph so far.
+    /// The epoch's mean loss per graph of the batches applied so far.
     pub fn mean_loss(&self) -> f64 {
-        self.loss_sum / self.graphs.max(1) as f64
-    }
-
-    /// Counts the batches whose `losses` came back, oldest first, their
-    /// sizes taken from `in_flight`.
-    fn add(
-        &mut self,
-        in_flight: &mut VecDeque<usize>,
-        losses: Vec<f64>,
-        progress: &mut impl FnMut(usize, usize, f64),
-    ) {
-        for loss in losses {
-            let n = in_flight.pop_front().unwrap_or(0);
-            self.loss_sum += loss * n as f64;
-            self.graphs += n;
-            self.batches += 1;
-            progress(self.batches, self.graphs, loss);
-        }
+        self.loss_sum / self.applied.max(1) as f64
     }
 }
 

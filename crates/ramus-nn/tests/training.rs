@@ -145,7 +145,7 @@ fn lstm_language_model_loss_falls() {
 /// CPU engine underneath, steps run in order.
 struct WindowedCpu {
     inner: ramus_cpu::CpuEngine<f32>,
-    held: Vec<f64>,
+    held: Vec<ramus_nn::StepOutcome>,
 }
 
 impl ramus_nn::Engine<f32> for WindowedCpu {
@@ -190,15 +190,16 @@ impl ramus_nn::Engine<f32> for WindowedCpu {
         grads: &mut ramus_core::Grads<f32>,
         optimizer: &mut ramus_nn::Optimizer<f32>,
         batches: &[ramus_cpu::Batch<'_>],
-    ) -> ramus_nn::Result<Vec<f64>> {
+    ) -> ramus_nn::Result<Vec<ramus_nn::StepOutcome>> {
         assert!(batches.len() <= 3, "a window of {} batches", batches.len());
         let mut now = Vec::new();
         for b in batches {
-            now.push(self.train_step(model, params, grads, optimizer, b)?);
+            let step = self.train_step(model, params, grads, optimizer, b);
+            now.push(ramus_nn::step_outcome(step)?);
         }
         Ok(std::mem::replace(&mut self.held, now))
     }
-    fn finish_train_steps(&mut self) -> ramus_nn::Result<Vec<f64>> {
+    fn finish_train_steps(&mut self) -> ramus_nn::Result<Vec<ramus_nn::StepOutcome>> {
         Ok(std::mem::take(&mut self.held))
     }
 }

@@ -97,9 +97,14 @@ pub fn run(
             .map(|s| (s * 1e6).round() / 1e3);
         let batched_train = median_time(a.reps, || {
             let b = Batch::new(model, batch.clone(), BatchingPolicy::Cavs)?;
-            batched.train_step(model, &mut batched_params, &mut grads, &mut opt, &b)?;
+            let earlier =
+                batched.submit_train_step(model, &mut batched_params, &mut grads, &mut opt, &b)?;
+            earlier.transpose().map_err(ramus_nn::NnError::from)?;
             Ok(())
         })?;
+        for outcome in batched.finish_train_steps()? {
+            outcome.map_err(ramus_nn::NnError::from)?;
+        }
         let step = last.ok_or("no step ran")?;
         let per_s = |t: f64| ((bs as f64 / t) * 10.0).round() / 10.0;
         let line = serde_json::json!({

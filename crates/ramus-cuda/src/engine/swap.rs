@@ -14,7 +14,7 @@ use cudarc::driver::{CudaEvent, CudaStream};
 use ramus_core::graph::{DType, NodeKind, Role, Source};
 use ramus_core::{HeadRows, Model, Params};
 use ramus_cpu::{fill_dropout_mask, Batch, ForwardOutput, Mode, Range};
-use ramus_nn::OptimizerConfig;
+use ramus_nn::{OptimizerConfig, StepOutcome};
 use ramus_swap::{
     analyze, CostModel, ExecOptions, Executor, Policy, PrefetchTiming, SwapDevice, SwapPlan,
     TensorId,
@@ -320,7 +320,7 @@ impl CudaEngine {
         params: &mut Params<f32>,
         config: &OptimizerConfig,
         batch: &Batch<'_>,
-    ) -> Result<f64> {
+    ) -> Result<Option<StepOutcome>> {
         self.check_model(model)?;
         let mut rt = self
             .swap
@@ -343,13 +343,18 @@ impl CudaEngine {
         params: &mut Params<f32>,
         config: &OptimizerConfig,
         batch: &Batch<'_>,
-    ) -> Result<f64> {
+    ) -> Result<Option<StepOutcome>> {
         let s = &batch.schedule;
         self.begin_swap_step(model, params)?;
         self.inference_pass = false;
         self.upload_indices(model, s, Mode::Train, model.head.rows)?;
-        // the optimizer's state is part of the fixed memory: allocate it first
-        self.device_optimizer(model, config)?;
+        // the optimizer's state is part of the fixed memory: allocate it
+        // first; a skipped step puts back the running statistics
+        let stream = self.device.stream().clone();
+        let kept = self
+            .device_optimizer(model, config)?
+            .keep_buffers(&stream)?;
+        (0..kept).for_each(|_| self.launcher.count());
         let kind = Kind::Train {
             states: steps::optimizer_states(config.kind),
         };
@@ -358,13 +363,16 @@ impl CudaEngine {
         let result = self.swap_run(rt, &mut prep, model, Some(config), batch);
         rt.keep(key, prep);
         let (loss, _) = result?;
+        // the step before's status came back before this step's loss
+        let previous = self.settle_step()?;
+        self.pending_loss = Some(loss);
         // the device copy is now ahead of the host values
         params.touch();
         if let Some(dp) = self.params.as_mut() {
             dp.version = params.version();
             dp.host_stale = true;
         }
-        Ok(loss)
+        Ok(previous)
     }
 
     /// The prepared iteration for `key`, taken out of the runtime's cache
@@ -1098,9 +1106,25 @@ impl CudaSwapDevice<'_> {
             }
             SwapOp::ReadLoss => {
                 let v = view(GraphRef::Head, model.head.loss)?;
-                self.rt
-                    .loss
-                    .download(v.slice(0..1.min(v.len()))?, &stream)?;
+                let loss = v.slice(0..1.min(v.len()))?;
+                self.rt.loss.download(loss, &stream)?;
+                // the optimizer step (set up before the run) checks it after
+                // `v` is freed
+                if let (Some(_), Some((_, opt))) = (self.config, engine.optimizer.as_ref()) {
+                    let slot = opt.loss_slot()?;
+                    engine.launcher.move_rows(
+                        &stream,
+                        &[crate::launch::RowMove {
+                            dst: slot,
+                            src: loss,
+                            dst_rows: None,
+                            src_rows: None,
+                            rows: loss.len(),
+                            width: 1,
+                            accumulate: false,
+                        }],
+                    )?;
+                }
             }
             SwapOp::ZeroGrads => {
                 let grad_all = engine.param_views()?.grad_all;
@@ -1186,11 +1210,9 @@ impl CudaSwapDevice<'_> {
                 let config = self
                     .config
                     .ok_or_else(|| swap_err("swap path: an optimizer step without an optimizer"))?;
-                let report = self.engine.device_optimizer(model, config)?.step(
-                    &stream,
-                    &self.touched,
-                    false,
-                )?;
+                let opt = self.engine.device_optimizer(model, config)?;
+                let loss = opt.loss_slot()?;
+                let report = opt.step(&stream, &self.touched, Some(loss), false)?;
                 for _ in 0..report.launches {
                     self.engine.launcher.count();
                 }

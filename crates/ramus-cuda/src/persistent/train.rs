@@ -3,10 +3,19 @@
 //! the overlapped VPPS call (each returns the previous batch's loss), and
 //! evaluation runs on the batched CUDA engine with the parameters brought
 //! back from the device.
+//!
+//! Non-finite steps: the update runs inside the training kernel, so a step
+//! cannot be held back ([`Engine::skips_nonfinite`] is false: the trainer
+//! refuses `skip-batch` up front). A batch whose loss comes back non-finite
+//! is reported with the first parameter whose value is not finite (read
+//! back then); a non-finite gradient under a finite loss makes the
+//! parameters it updates non-finite, which the next batch using them shows
+//! in its loss, or the end of the epoch in the parameters.
 
 use ramus_core::{Grads, Model, Params};
 use ramus_cpu::{Batch, ForwardOutput, Mode};
-use ramus_nn::{Engine, NnError, Optimizer, OptimizerConfig};
+use ramus_nn::nonfinite::first_nonfinite;
+use ramus_nn::{Engine, NnError, NonFiniteStep, Optimizer, OptimizerConfig, StepOutcome};
 use rand_chacha::ChaCha8Rng;
 
 use super::{PersistentEngine, PersistentOptions};
@@ -64,6 +73,27 @@ impl PersistentTrainer {
     /// The persistent engine itself.
     pub fn persistent(&self) -> &PersistentEngine {
         &self.engine
+    }
+
+    /// The outcome of a step whose loss came back: a non-finite loss names
+    /// the first parameter whose value is not finite (the parameters are
+    /// read back, after the batches in flight).
+    fn outcome(&mut self, loss: f64) -> ramus_nn::Result<StepOutcome> {
+        if loss.is_finite() {
+            return Ok(Ok(loss));
+        }
+        let params = self.engine.params(&self.model).map_err(nn_err)?;
+        Ok(Err(NonFiniteStep {
+            loss,
+            param: first_nonfinite(&self.model, &params, None),
+        }))
+    }
+
+    fn outcomes(
+        &mut self,
+        steps: Vec<super::PersistentStep>,
+    ) -> ramus_nn::Result<Vec<StepOutcome>> {
+        steps.into_iter().map(|s| self.outcome(s.loss)).collect()
     }
 }
 
@@ -137,8 +167,14 @@ impl Engine<f32> for PersistentTrainer {
         // a step still in flight is from an earlier call: its loss is dropped
         self.submit_train_step(model, params, grads, optimizer, batch)?;
         let step = self.engine.latest().map_err(nn_err)?;
-        step.map(|s| s.loss)
-            .ok_or_else(|| NnError::Config("the persistent step returned no loss".into()))
+        let loss = step
+            .map(|s| s.loss)
+            .ok_or_else(|| NnError::Config("the persistent step returned no loss".into()))?;
+        self.outcome(loss)?.map_err(Into::into)
+    }
+
+    fn skips_nonfinite(&self) -> bool {
+        false
     }
 
     fn submit_train_step(
@@ -148,12 +184,12 @@ impl Engine<f32> for PersistentTrainer {
         _grads: &mut Grads<f32>,
         _optimizer: &mut Optimizer<f32>,
         batch: &Batch<'_>,
-    ) -> ramus_nn::Result<Option<f64>> {
+    ) -> ramus_nn::Result<Option<StepOutcome>> {
         let previous = self
             .engine
             .submit_scheduled(model, &batch.schedule, std::time::Instant::now())
             .map_err(nn_err)?;
-        Ok(previous.map(|s| s.loss))
+        previous.map(|s| self.outcome(s.loss)).transpose()
     }
 
     fn lookahead(&self) -> usize {
@@ -167,17 +203,33 @@ impl Engine<f32> for PersistentTrainer {
         _grads: &mut Grads<f32>,
         _optimizer: &mut Optimizer<f32>,
         batches: &[Batch<'_>],
-    ) -> ramus_nn::Result<Vec<f64>> {
+    ) -> ramus_nn::Result<Vec<StepOutcome>> {
         let schedules: Vec<&ramus_graph::Schedule> = batches.iter().map(|b| &b.schedule).collect();
         let steps = self
             .engine
             .submit_many_scheduled(model, &schedules, std::time::Instant::now())
             .map_err(nn_err)?;
-        Ok(steps.into_iter().map(|s| s.loss).collect())
+        self.outcomes(steps)
     }
 
-    fn finish_train_steps(&mut self) -> ramus_nn::Result<Vec<f64>> {
+    /// The last steps' outcomes; if every loss was finite but a parameter
+    /// is not (a non-finite gradient under a finite loss reached weights no
+    /// later batch used), the last step reports it: no epoch ends with
+    /// non-finite weights unsaid.
+    fn finish_train_steps(&mut self) -> ramus_nn::Result<Vec<StepOutcome>> {
         let steps = self.engine.finish().map_err(nn_err)?;
-        Ok(steps.into_iter().map(|s| s.loss).collect())
+        let mut outcomes = self.outcomes(steps)?;
+        if let Some(last) = outcomes.last_mut() {
+            if let Ok(loss) = *last {
+                let params = self.engine.params(&self.model).map_err(nn_err)?;
+                if let Some(param) = first_nonfinite(&self.model, &params, None) {
+                    *last = Err(NonFiniteStep {
+                        loss,
+                        param: Some(param),
+                    });
+                }
+            }
+        }
+        Ok(outcomes)
     }
 }
