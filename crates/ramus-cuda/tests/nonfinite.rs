@@ -114,7 +114,12 @@ fn skipped_steps_change_nothing(swap: SwapMode) {
     let before = bits(&skipping.params);
     let err = skipping.train_batch(&graphs(bad)).unwrap_err();
     let fault = err.nonfinite().unwrap_or_else(|| panic!("{swap}: {err}"));
-    assert!(fault.step.loss.is_nan(), "{swap}: {err}");
+    // the NaN pixel reaches the first convolution's weight gradient (the
+    // loss itself may stay finite: a ReLU maps NaN to 0 on the device)
+    assert!(
+        err.to_string().contains("`stem.W` (gradient)"),
+        "{swap}: {err}"
+    );
     skipping.sync_params().unwrap();
     assert_eq!(
         bits(&skipping.params),

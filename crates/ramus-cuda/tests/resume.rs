@@ -217,7 +217,12 @@ fn the_swap_path_resumes_to_rounding() {
         swap.size_threshold_bytes = 0;
         let options = CudaEngineOptions {
             conv_workspace: Some(1 << 16),
-            pool: PoolConfig::default(),
+            // the planner needs a budget; this one holds the whole step, so
+            // the test is of the swap path's state, not of its swapping
+            pool: PoolConfig {
+                max_bytes: Some(256 << 20),
+                ..PoolConfig::default()
+            },
             swap,
             ..CudaEngineOptions::default()
         };
