@@ -121,6 +121,19 @@ pub struct KernelCache<M = LoadedModule> {
     state: Mutex<CacheState<M>>,
 }
 
+/// Waits for the compiles still under way: a process that ends while a
+/// thread is inside the compiler (a run stopped by an error during its
+/// set-up) would otherwise tear the compiler's library down under it.
+impl<M> Drop for KernelCache<M> {
+    fn drop(&mut self) {
+        let prefetching = std::mem::take(&mut self.lock().prefetching);
+        for (_, compiling) in prefetching {
+            // its image or error is of no use any more
+            let _ = compiling.join();
+        }
+    }
+}
+
 impl<M> fmt::Debug for KernelCache<M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KernelCache")
