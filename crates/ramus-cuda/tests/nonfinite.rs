@@ -3,7 +3,8 @@
 //! non-finite update back on the device — parameters, running statistics
 //! and optimizer state stay bit for bit as they were — and report it one
 //! step late, naming the batch and parameter; the persistent engine stops
-//! on a non-finite loss naming the parameter, and cannot skip.
+//! on a non-finite loss or update at the batch that produced it, naming the
+//! parameter, and cannot skip.
 
 mod common;
 
@@ -168,9 +169,11 @@ fn swap_path_skipped_steps_change_nothing() {
     skipped_steps_change_nothing(SwapMode::Resident);
 }
 
-/// Random binary trees over 40 words; the embedding of word 7 is NaN in
-/// the trainer's parameters, so the first batch with it is the bad one.
-fn poisoned_trees() -> (Vec<InputGraph>, Model, Params<f32>, usize) {
+/// Random binary trees over 40 words; the embedding of word 7 holds
+/// `poison` in the trainer's parameters, so the first batch with it is the
+/// bad one. NaN makes that batch's loss NaN; infinity saturates the gates
+/// (the loss stays finite) but makes the gradient of `W_iou` NaN (0 · ∞).
+fn poisoned_trees(poison: f32) -> (Vec<InputGraph>, Model, Params<f32>, usize) {
     let mut rng = ChaCha8Rng::seed_from_u64(4);
     let data: Vec<InputGraph> = (0..96)
         .map(|_| random_tree(&mut rng, 3, &[2], 40, 5).unwrap())
@@ -184,7 +187,7 @@ fn poisoned_trees() -> (Vec<InputGraph>, Model, Params<f32>, usize) {
     let mut params = Params::<f32>::init(&model, 1);
     let emb = model.param_id("emb").unwrap();
     let hidden = model.params[emb].shape[1];
-    params.values[emb].data_mut()[7 * hidden] = f32::NAN;
+    params.values[emb].data_mut()[7 * hidden] = poison;
     let bad = batches(data.len(), 6)
         .iter()
         .position(|b| b.iter().any(|&i| data[i].tokens.contains(&7)))
@@ -192,13 +195,15 @@ fn poisoned_trees() -> (Vec<InputGraph>, Model, Params<f32>, usize) {
     (data, model, params, bad)
 }
 
-/// The stop error names the batch whose step was held back (learnt a step
-/// later), its first graph and the parameter.
+/// The stop error names the bad batch (whose fault the engine may learn of
+/// a step later), its first graph and the first non-finite parameter;
+/// returns the loss it reported.
 fn stops_naming_the_batch(
     name: &str,
+    poison: f32,
     engine: impl FnOnce(&Model, &Params<f32>) -> Box<dyn ramus_nn::Engine<f32>>,
-) {
-    let (data, model, params, bad) = poisoned_trees();
+) -> f64 {
+    let (data, model, params, bad) = poisoned_trees(poison);
     let mut t = Trainer::new(
         model.clone(),
         params.clone(),
@@ -219,6 +224,7 @@ fn stops_naming_the_batch(
         ("emb", TensorPart::Value),
         "{name}: {err}"
     );
+    fault.step.loss
 }
 
 #[test]
@@ -226,9 +232,11 @@ fn batched_engine_stops_naming_the_batch_and_parameter() {
     if !common::cuda_ready("skipping") {
         return;
     }
-    stops_naming_the_batch("batched", |model, _| {
+    let batched = |model: &Model, _: &Params<f32>| -> Box<dyn ramus_nn::Engine<f32>> {
         Box::new(CudaEngine::new(model, &options("stop", SwapMode::Off)).expect("engine"))
-    });
+    };
+    stops_naming_the_batch("batched", f32::NAN, batched);
+    stops_naming_the_batch("batched", f32::INFINITY, batched);
 }
 
 #[test]
@@ -247,8 +255,12 @@ fn persistent_engine_stops_naming_the_parameter_and_refuses_to_skip() {
             PersistentTrainer::new(model, params, config, &options).expect("persistent engine"),
         )
     };
-    stops_naming_the_batch("persistent", persistent);
-    let (data, model, params, _) = poisoned_trees();
+    stops_naming_the_batch("persistent", f32::NAN, persistent);
+    // a non-finite gradient under a finite loss: the kernel's fault word
+    // names its own batch, not the next one whose loss it poisons
+    let loss = stops_naming_the_batch("persistent", f32::INFINITY, persistent);
+    assert!(loss.is_finite(), "the saturated batch's loss: {loss}");
+    let (data, model, params, _) = poisoned_trees(f32::NAN);
     let mut t = Trainer::new(model.clone(), params.clone(), config);
     t.engine = persistent(&model, &params);
     t.on_nonfinite = OnNonFinite::SkipBatch;

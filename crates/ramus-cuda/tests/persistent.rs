@@ -248,6 +248,7 @@ fn register_cached_products_gradients_and_updates_match_the_host() {
             inv_bias_correction1: 1.0 / (1.0 - b1),
             inv_bias_correction2: 1.0 / (1.0 - b2),
             clip: 1.0,
+            fault_at: u32::MAX,
         };
         kernel
             .launch(

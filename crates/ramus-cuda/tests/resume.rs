@@ -3,13 +3,14 @@
 //! from the device) and dropout stream saved in a resumable checkpoint,
 //! then loaded into a fresh engine — ends where the uninterrupted run
 //! ends, to rounding, on the batched engine, the persistent engine and the
-//! CNN swap path. Skips with a notice where no CUDA driver is found.
+//! CNN swap path (under a budget that makes it swap). Skips with a notice where no CUDA driver is found.
 
 mod common;
 
 use ramus_core::{Model, Params};
+use ramus_cpu::Batch;
 use ramus_cuda::persistent::{PersistentOptions, PersistentTrainer};
-use ramus_cuda::{CudaEngine, CudaEngineOptions, PoolConfig, SwapConfig, SwapMode};
+use ramus_cuda::{CudaEngine, CudaEngineOptions, PoolConfig, SwapConfig, SwapMode, SwapStepReport};
 use ramus_graph::images::{self, ImageSpec};
 use ramus_graph::random::random_tree;
 use ramus_graph::{InputGraph, Vocab};
@@ -207,27 +208,46 @@ fn the_persistent_engine_resumes_to_rounding() {
     );
 }
 
+/// The swap path's engine for the resume test, under `budget` (`None`:
+/// resident, to measure the step).
+fn swap_engine(model: &Model, mode: SwapMode, budget: Option<u64>) -> CudaEngine {
+    let mut swap = SwapConfig::with_mode(mode);
+    swap.size_threshold_bytes = 0;
+    let options = CudaEngineOptions {
+        conv_workspace: Some(1 << 16),
+        pool: PoolConfig {
+            max_bytes: budget,
+            ..PoolConfig::default()
+        },
+        swap,
+        ..CudaEngineOptions::default()
+    };
+    CudaEngine::new(model, &options).expect("engine")
+}
+
+/// One training step of `engine` on the first batch; its swap report.
+fn swap_step(engine: &mut CudaEngine, model: &Model, data: &[InputGraph]) -> SwapStepReport {
+    let mut params = Params::<f32>::init(model, 5);
+    let mut optimizer =
+        ramus_nn::Optimizer::new(OptimizerConfig::new(OptimizerKind::Adam, 0.001), &params);
+    let mut grads = ramus_core::Grads::zeros(model);
+    let batch = Batch::new(
+        model,
+        data[..BATCH].iter().collect(),
+        ramus_graph::BatchingPolicy::Cavs,
+    )
+    .expect("batch");
+    engine
+        .train_step(model, &mut params, &mut grads, &mut optimizer, &batch)
+        .expect("step");
+    engine.last_swap_report().cloned().expect("a swap report")
+}
+
 #[test]
 fn the_swap_path_resumes_to_rounding() {
     if !common::cuda_ready("skipping") {
         return;
     }
-    let make: MakeEngine = &|model, _, _| {
-        let mut swap = SwapConfig::with_mode(SwapMode::Planner);
-        swap.size_threshold_bytes = 0;
-        let options = CudaEngineOptions {
-            conv_workspace: Some(1 << 16),
-            // the planner needs a budget; this one holds the whole step, so
-            // the test is of the swap path's state, not of its swapping
-            pool: PoolConfig {
-                max_bytes: Some(256 << 20),
-                ..PoolConfig::default()
-            },
-            swap,
-            ..CudaEngineOptions::default()
-        };
-        Box::new(CudaEngine::new(model, &options).expect("engine"))
-    };
     let image = ImageShape {
         channels: 3,
         height: 16,
@@ -255,6 +275,31 @@ fn the_swap_path_resumes_to_rounding() {
     };
     let model =
         build_vision_model("resnet", &cfg, &vision, &ModelOptions { dropout: 0.0 }).expect("model");
+    // a budget the step's tensors exceed by a third (as the swap tests
+    // give the engine), checked to make the planner swap
+    let measured = swap_step(
+        &mut swap_engine(&model, SwapMode::Resident, None),
+        &model,
+        &data,
+    );
+    let tensors = measured.trace_peak_bytes * 2 / 3;
+    let budget = ((measured.overhead_bytes + tensors) as f64 / 0.98) as u64;
+    let swapped = swap_step(
+        &mut swap_engine(&model, SwapMode::Planner, Some(budget)),
+        &model,
+        &data,
+    );
+    assert!(
+        swapped.exec.bytes_to_host > 0 && swapped.pool_peak_bytes <= budget,
+        "budget {budget}: {}",
+        swapped.to_json()
+    );
+    eprintln!(
+        "swap: budget {budget} bytes, {} bytes to the host a step",
+        swapped.exec.bytes_to_host
+    );
+    let make: MakeEngine =
+        &|model, _, _| Box::new(swap_engine(model, SwapMode::Planner, Some(budget)));
     let config = OptimizerConfig::new(OptimizerKind::Adam, 0.001);
     resumed_matches("swap", &model, &data, config, make, 1e-3);
 }

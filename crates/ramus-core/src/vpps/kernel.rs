@@ -76,7 +76,7 @@
 //!            u32 prefix_at, u32 scripts_at, u32 expect_at, u32 operands_at,
 //!            float lr, float weight_decay, float beta1, float beta2, float eps,
 //!            float inv_bias_correction1, float inv_bias_correction2, float clip,
-//!            u32 flush_grads)
+//!            u32 flush_grads, u32 fault_at)
 //! ```
 //!
 //! `pool` holds every tensor — parameters, their gradients and optimizer
@@ -94,6 +94,14 @@
 //! [`super::launches`]); `flush_grads`, non-zero for every launch but the
 //! last, makes each CTA add its register gradients to the pool's
 //! accumulator at the end, since registers do not outlive a launch.
+//!
+//! `fault_at` ([`NO_INDEX`]: none) is the pool word, zeroed before the
+//! batch, that an update sets to one when a value it wrote is not finite (a
+//! non-finite gradient makes it so): the host reads it back with the loss,
+//! so a non-finite gradient under a finite loss is reported at the batch
+//! that produced it, with no extra round trip. The test is one predicate
+//! per thread and update instruction (no general register: the register
+//! plans stay as they were), and the atomic a rare branch.
 
 use std::fmt::Write as _;
 
@@ -654,6 +662,12 @@ __device__ __forceinline__ float vp_step(float wv, float gv, float& m1, float& m
 #endif
 }
 
+// Raises the batch's fault word (see `fault_at`) unless every value the
+// thread's update wrote was finite.
+__device__ __forceinline__ void vp_report_finite(bool finite, float* pool, unsigned fault_at) {
+    if (!finite && fault_at != VP_NONE) atomicOr(reinterpret_cast<unsigned*>(pool) + fault_at, 1u);
+}
+
 // The step of one element in the pool, whose moments are at `first` and
 // `second`.
 __device__ __forceinline__ float vp_update(float wv, float gv, float* first, float* second,
@@ -914,7 +928,7 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
     unsigned* barriers, const unsigned* __restrict__ parts, const unsigned* __restrict__ mats,
     unsigned prefix_at, unsigned scripts_at, unsigned expect_at, unsigned operands_at,
     float lr, float weight_decay, float beta1, float beta2, float eps,
-    float inv_bc1, float inv_bc2, float clip, unsigned flush_grads)
+    float inv_bc1, float inv_bc2, float clip, unsigned flush_grads, unsigned fault_at)
 {
     __shared__ unsigned code[VP_SMEM_WORDS];
     // the products' stage: a transposed product's round (rows of dx sums
@@ -1221,6 +1235,7 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
             }
             case OP_UPDATE: {
 #if VP_GRADS
+                bool finite = true;
                 // A piece of a row at a time, its loads (the wide outer
                 // products' sums, the moments) before its stores: the
                 // compiler keeps a pool load after a pool store (they may
@@ -1263,6 +1278,7 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                                 pool[grad + i] = 0.0f;
                                 const float wv = vp_step(w[p][r][k], g[p][r][k] * clip, m1[c], m2[c], lr,
                                                          weight_decay, beta1, beta2, eps, inv_bc1, inv_bc2);
+                                finite = finite && isfinite(wv);
                                 w[p][r][k] = wv;
                                 g[p][r][k] = 0.0f;
                                 pool[value + i] = wv;
@@ -1272,6 +1288,7 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                         }
                     }
                 }
+                vp_report_finite(finite, pool, fault_at);
 #else
                 __trap();
 #endif
@@ -1389,13 +1406,17 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                 const unsigned rows = operand[0], width = operand[1], value = operand[2], grad = operand[3];
                 const unsigned first = operand[4], second = operand[5];
                 const unsigned* ri = operand[6] == VP_NONE ? 0 : upool + operand[6];
+                bool finite = true;
                 for (unsigned e = threadIdx.x; e < rows * width; e += blockDim.x) {
                     const unsigned i = (ri == 0 ? e / width : ri[e / width]) * width + e % width;
-                    pool[value + i] = vp_update(pool[value + i], pool[grad + i] * clip, pool + first + i,
-                                                pool + second + i, lr, weight_decay, beta1, beta2, eps,
-                                                inv_bc1, inv_bc2);
+                    const float wv = vp_update(pool[value + i], pool[grad + i] * clip, pool + first + i,
+                                               pool + second + i, lr, weight_decay, beta1, beta2, eps,
+                                               inv_bc1, inv_bc2);
+                    pool[value + i] = wv;
+                    finite = finite && isfinite(wv);
                     pool[grad + i] = 0.0f;
                 }
+                vp_report_finite(finite, pool, fault_at);
                 break;
             }
             default:

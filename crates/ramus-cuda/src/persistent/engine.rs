@@ -129,6 +129,9 @@ pub struct PersistentStep {
     /// Instructions of tasks (before merging) and barrier levels.
     pub tasks: usize,
     pub levels: usize,
+    /// An update met a non-finite gradient or value (the kernel's fault
+    /// word; false until the batch is back).
+    pub nonfinite: bool,
 }
 
 /// The persistent training engine on one device; see the module docs.
@@ -206,6 +209,8 @@ struct Slot {
     /// Recorded on the copy stream when the scripts are there.
     scripts_copied: CudaEvent,
     loss: PinnedBuffer,
+    /// The batch's fault word, copied back with the loss.
+    fault: PinnedBuffer,
     events: (CudaEvent, CudaEvent),
 }
 
@@ -1052,6 +1057,7 @@ impl PersistentEngine {
                 scripts: None,
                 scripts_copied: self.device.new_event()?,
                 loss: PinnedBuffer::new(&self.device)?,
+                fault: PinnedBuffer::new(&self.device)?,
                 events: (event()?, event()?),
             });
             free.push(self.slots.len() - 1);
@@ -1143,6 +1149,8 @@ impl PersistentEngine {
             inv_bias_correction1: (1.0 / (1.0 - c.beta1.powf(t))) as f32,
             inv_bias_correction2: (1.0 / (1.0 - c.beta2.powf(t))) as f32,
             clip: 1.0,
+            fault_at: u32::try_from(batch.fault_at)
+                .map_err(|_| model_err("the batch's fault word is past 2^32 floats"))?,
         };
         self.slots[slot]
             .events
@@ -1188,12 +1196,17 @@ impl PersistentEngine {
         self.slots[slot]
             .loss
             .download(view.slice(batch.loss_at..batch.loss_at + 1)?, &stream)?;
+        let fault: DeviceView<u32> = view
+            .slice(batch.fault_at..batch.fault_at + 1)?
+            .reinterpret();
+        self.slots[slot].fault.download(fault, &stream)?;
         let step = PersistentStep {
             loss: f64::NAN,
             host_seconds,
             kernel_seconds: f64::NAN,
             tasks,
             levels,
+            nonfinite: false,
         };
         self.pending.push_back(Pending {
             slot,
@@ -1323,6 +1336,7 @@ impl PersistentEngine {
             .pop_front()
             .ok_or_else(|| model_err("no submitted batch is pending"))?;
         let loss = f64::from(self.slots[slot].loss.host::<f32>(1)?[0]);
+        let nonfinite = self.slots[slot].fault.host::<u32>(1)?[0] != 0;
         let (start, end) = &self.slots[slot].events;
         let ms = start.elapsed_ms(end).in_call("cuEventElapsedTime")?;
         let seconds = f64::from(ms) / 1e3;
@@ -1346,6 +1360,7 @@ impl PersistentEngine {
         }
         Ok(PersistentStep {
             loss,
+            nonfinite,
             kernel_seconds: seconds,
             ..step
         })

@@ -62,6 +62,9 @@ pub struct UpdateScalars {
     pub inv_bias_correction2: f32,
     /// Gradient scale from global-norm clipping (1: none).
     pub clip: f32,
+    /// The pool word an update sets when a gradient or updated value is
+    /// not finite (zeroed before the batch); `NO_INDEX`: none.
+    pub fault_at: u32,
 }
 
 /// What set-up measured and found.
@@ -310,7 +313,8 @@ impl PersistentKernel {
             .arg(&s.inv_bias_correction1)
             .arg(&s.inv_bias_correction2)
             .arg(&s.clip)
-            .arg(&flush);
+            .arg(&flush)
+            .arg(&s.fault_at);
         let cfg = LaunchConfig {
             grid_dim: (u32_of(self.plan.ctas, "CTAs")?, 1, 1),
             block_dim: (u32_of(CTA_THREADS, "block")?, 1, 1),

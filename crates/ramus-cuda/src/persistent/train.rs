@@ -6,11 +6,10 @@
 //!
 //! Non-finite steps: the update runs inside the training kernel, so a step
 //! cannot be held back ([`Engine::skips_nonfinite`] is false: the trainer
-//! refuses `skip-batch` up front). A batch whose loss comes back non-finite
-//! is reported with the first parameter whose value is not finite (read
-//! back then); a non-finite gradient under a finite loss makes the
-//! parameters it updates non-finite, which the next batch using them shows
-//! in its loss, or the end of the epoch in the parameters.
+//! refuses `skip-batch` up front). A batch whose loss comes back non-finite,
+//! or whose update met a non-finite gradient or value (the kernel's fault
+//! word, copied back with the loss), is reported with the first parameter
+//! whose value is not finite (read back then).
 
 use ramus_core::{Grads, Model, Params};
 use ramus_cpu::{Batch, ForwardOutput, Mode};
@@ -75,16 +74,16 @@ impl PersistentTrainer {
         &self.engine
     }
 
-    /// The outcome of a step whose loss came back: a non-finite loss names
-    /// the first parameter whose value is not finite (the parameters are
-    /// read back, after the batches in flight).
-    fn outcome(&mut self, loss: f64) -> ramus_nn::Result<StepOutcome> {
-        if loss.is_finite() {
-            return Ok(Ok(loss));
+    /// The outcome of a step that came back: a non-finite loss or update
+    /// names the first parameter whose value is not finite (the parameters
+    /// are read back, after the batches in flight).
+    fn outcome(&mut self, step: &super::PersistentStep) -> ramus_nn::Result<StepOutcome> {
+        if step.loss.is_finite() && !step.nonfinite {
+            return Ok(Ok(step.loss));
         }
         let params = self.engine.params(&self.model).map_err(nn_err)?;
         Ok(Err(NonFiniteStep {
-            loss,
+            loss: step.loss,
             param: first_nonfinite(&self.model, &params, None),
         }))
     }
@@ -93,7 +92,7 @@ impl PersistentTrainer {
         &mut self,
         steps: Vec<super::PersistentStep>,
     ) -> ramus_nn::Result<Vec<StepOutcome>> {
-        steps.into_iter().map(|s| self.outcome(s.loss)).collect()
+        steps.iter().map(|s| self.outcome(s)).collect()
     }
 }
 
@@ -166,11 +165,12 @@ impl Engine<f32> for PersistentTrainer {
     ) -> ramus_nn::Result<f64> {
         // a step still in flight is from an earlier call: its loss is dropped
         self.submit_train_step(model, params, grads, optimizer, batch)?;
-        let step = self.engine.latest().map_err(nn_err)?;
-        let loss = step
-            .map(|s| s.loss)
+        let step = self
+            .engine
+            .latest()
+            .map_err(nn_err)?
             .ok_or_else(|| NnError::Config("the persistent step returned no loss".into()))?;
-        self.outcome(loss)?.map_err(Into::into)
+        self.outcome(&step)?.map_err(Into::into)
     }
 
     fn skips_nonfinite(&self) -> bool {
@@ -189,7 +189,7 @@ impl Engine<f32> for PersistentTrainer {
             .engine
             .submit_scheduled(model, &batch.schedule, std::time::Instant::now())
             .map_err(nn_err)?;
-        previous.map(|s| self.outcome(s.loss)).transpose()
+        previous.map(|s| self.outcome(&s)).transpose()
     }
 
     fn lookahead(&self) -> usize {
@@ -212,24 +212,8 @@ impl Engine<f32> for PersistentTrainer {
         self.outcomes(steps)
     }
 
-    /// The last steps' outcomes; if every loss was finite but a parameter
-    /// is not (a non-finite gradient under a finite loss reached weights no
-    /// later batch used), the last step reports it: no epoch ends with
-    /// non-finite weights unsaid.
     fn finish_train_steps(&mut self) -> ramus_nn::Result<Vec<StepOutcome>> {
         let steps = self.engine.finish().map_err(nn_err)?;
-        let mut outcomes = self.outcomes(steps)?;
-        if let Some(last) = outcomes.last_mut() {
-            if let Ok(loss) = *last {
-                let params = self.engine.params(&self.model).map_err(nn_err)?;
-                if let Some(param) = first_nonfinite(&self.model, &params, None) {
-                    *last = Err(NonFiniteStep {
-                        loss,
-                        param: Some(param),
-                    });
-                }
-            }
-        }
-        Ok(outcomes)
+        self.outcomes(steps)
     }
 }

@@ -80,6 +80,8 @@ pub(crate) struct BatchProgram {
     pub upload: Vec<u32>,
     /// The loss (one float), if the head has one.
     pub loss_at: usize,
+    /// The word (zeroed) an update sets when a value goes non-finite.
+    pub fault_at: usize,
     /// First pool float after the batch's regions.
     pub end: usize,
     /// Weight-gradient products left to cuBLAS when the gradients are not
@@ -269,6 +271,8 @@ struct Unroller<'a> {
     push_src_at: usize,
     head_grad_dst_at: usize,
     update_rows: HashMap<usize, (usize, usize)>,
+    /// The batch's non-finite fault word (see [`BatchProgram::fault_at`]).
+    fault: (Region, usize),
     /// Producers per graph (by index) and node, per row (allocated at
     /// first use).
     prod: Vec<Vec<RowProducers>>,
@@ -490,6 +494,7 @@ impl<'a> Unroller<'a> {
             self.prod[key.index(self.prog.functions)] = vec![RowProducers::default(); bufs.len()];
             self.bufs[key.index(self.prog.functions)] = bufs;
         }
+        self.fault = self.alloc(Region::Zeroed, 1);
         // upload placeholders for buffers the host fills
         self.upload = vec![0; self.sizes[2]];
         Ok(())
@@ -1719,6 +1724,7 @@ pub(crate) fn unroll_batch(
         push_src_at: 0,
         head_grad_dst_at: 0,
         update_rows: HashMap::new(),
+        fault: (Region::Zeroed, 0),
         prod: vec![Vec::new(); GraphKey::table_len(prog.functions)],
         locs: Vec::new(),
         g: TaskGraph::new(),
@@ -1782,6 +1788,7 @@ pub(crate) fn unroll_batch(
     let matrix_updates = std::mem::replace(&mut u.g, TaskGraph::new());
     std::mem::swap(&mut batch_graph, &mut u.g);
     let zeroed = u.bases[0]..u.bases[0] + u.sizes[0];
+    let fault_at = u.abs(u.fault);
     let upload_at = u.bases[2];
     let end = upload_at + u.upload.len();
     Ok(BatchProgram {
@@ -1793,6 +1800,7 @@ pub(crate) fn unroll_batch(
         upload_at,
         upload: u.upload,
         loss_at,
+        fault_at,
         end,
     })
 }
