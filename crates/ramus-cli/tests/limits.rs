@@ -280,13 +280,16 @@ fn binary_tree(leaves: &[String]) -> String {
     }
 }
 
+/// A balanced binary SST tree over `n` words (which ones: `seed`).
+fn sentence_tree(n: usize, seed: usize) -> String {
+    let w: Vec<String> = words(n, 500, seed).split(' ').map(String::from).collect();
+    binary_tree(&w)
+}
+
 /// Splits for a time-delay network whose `train.txt` line 6 is a
 /// sentence of `long` words (the other sentences have eight).
 fn td_splits(name: &str, long: usize) -> String {
-    let tree = |n, seed| {
-        let w: Vec<String> = words(n, 500, seed).split(' ').map(String::from).collect();
-        binary_tree(&w) + "\n"
-    };
+    let tree = |n, seed| sentence_tree(n, seed) + "\n";
     let few = |seed: usize| (0..5).map(|k| tree(8, seed + k)).collect::<String>();
     let train = format!("{}{}{}", few(0), tree(long, 1), few(10));
     splits(&dir(name), &train, &few(20), &few(30))
@@ -362,42 +365,15 @@ fn a_pyramid_that_cannot_fit_is_refused_before_it_is_built() {
         ]
         .concat(),
     );
-    // sentences that fit alone but not together: 300 of 200 words hold
-    // 126 MiB of pyramids (20100 vertices each), refused at the 146th
-    let many = (0..300)
-        .map(|k| {
-            binary_tree(
-                &words(200, 500, k)
-                    .split(' ')
-                    .map(String::from)
-                    .collect::<Vec<_>>(),
-            )
-        })
-        .collect::<Vec<_>>()
-        .join("\n");
-    let d = dir("td-many");
-    let data = splits(
-        &d,
-        &many,
-        &many[..many.find('\n').unwrap()],
-        &many[..many.find('\n').unwrap()],
-    );
-    let (o, took) = run_bounded(
-        &[
-            &["train", "--model", "td-rnn", "--data", &data, "--quiet"][..],
-            &budget[..],
-        ]
-        .concat(),
-        1 << 20,
-    );
-    refusal(
-        o,
-        took,
-        &[
-            "the time-delay pyramids of the",
-            "sentences read up to this line",
-        ],
-    );
+    // sentences that fit alone but not together: 300 of 200 words, 20100
+    // vertices and 430 KiB a pyramid, refused at the 146th
+    let many: Vec<String> = (0..300).map(|k| sentence_tree(200, k)).collect();
+    let data = splits(&dir("td-many"), &many.join("\n"), &many[0], &many[1]);
+    let train = ["train", "--model", "td-rnn", "--data", &data, "--quiet"];
+    let (o, took) = run_bounded(&[&train[..], &budget[..]].concat(), 1 << 20);
+    let at = format!("{data}/train.txt:146: ");
+    let held = "the time-delay pyramids of the 146 sentences read up to this line";
+    refusal(o, took, &[&at, held, "use shorter or fewer sentences"]);
 }
 
 #[test]

@@ -110,15 +110,19 @@ pub fn perfect_tree_shape(height: u32) -> GraphShape {
     if leaves > 1 {
         vertices.push((0, 2, leaves - 1));
     }
-    let shape = GraphShape {
+    one_root_all_labelled(vertices)
+}
+
+/// The shape of a graph of `vertices` (see [`GraphShape`]) with one root
+/// and a label on every vertex, as the builders here make them.
+fn one_root_all_labelled(vertices: Vec<(u16, usize, u64)>) -> GraphShape {
+    let mut shape = GraphShape {
         vertices,
         roots: 1,
         ..GraphShape::default()
     };
-    GraphShape {
-        labelled: shape.vertex_count(),
-        ..shape
-    }
+    shape.labelled = shape.vertex_count();
+    shape
 }
 
 /// The shape of [`grid_dag`]`(rows, cols)`, computed without building it
@@ -139,15 +143,7 @@ pub fn grid_dag_shape(rows: usize, cols: usize) -> GraphShape {
         .filter(|&(_, n)| n > 0)
         .map(|(kids, n)| (0, kids, n))
         .collect();
-    let shape = GraphShape {
-        vertices,
-        roots: 1,
-        ..GraphShape::default()
-    };
-    GraphShape {
-        labelled: shape.vertex_count(),
-        ..shape
-    }
+    one_root_all_labelled(vertices)
 }
 
 /// A `rows × cols` grid DAG (Cortex's DAG-RNN input): vertex `(i, j)` is
