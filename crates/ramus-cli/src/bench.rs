@@ -10,7 +10,7 @@ use std::time::Instant;
 use ramus_core::{Grads, Model, Params};
 use ramus_cpu::{Batch, CpuEngine, Mode};
 use ramus_cuda::CudaEngine;
-use ramus_graph::{BatchingPolicy, InputGraph, Vocab, VocabMode};
+use ramus_graph::{random, BatchingPolicy, InputGraph, Vocab, VocabMode};
 use ramus_nn::memory::Pass;
 use ramus_nn::{
     build_model, build_sequence_model, DataKind, Engine, ModelConfig, ModelOptions, Optimizer,
@@ -18,8 +18,9 @@ use ramus_nn::{
 };
 
 use crate::device::{self, Device};
+use crate::limits::{self, BuildGuard};
 use crate::output::outln;
-use crate::{data, labels, limits};
+use crate::{data, labels};
 
 mod compiled;
 mod persistent;
@@ -277,6 +278,17 @@ fn read_inputs(a: &BenchArgs, count: usize) -> AnyResult<BenchInputs> {
         )
         .into());
     }
+    let build = |vocab, classes, chars| -> AnyResult<Model> {
+        let cfg = ModelConfig {
+            vocab,
+            hidden: a.hidden,
+            classes,
+        };
+        Ok(match a.sequence.config(&a.model, chars)? {
+            Some(seq) => build_sequence_model(&a.model, &cfg, &seq, &ModelOptions::default())?,
+            None => build_model(&a.model, &cfg)?,
+        })
+    };
     let (mut graphs, vocab, classes, chars) = match kind {
         DataKind::Images => {
             return Err(format!(
@@ -292,31 +304,24 @@ fn read_inputs(a: &BenchArgs, count: usize) -> AnyResult<BenchInputs> {
         }
         DataKind::Trees | DataKind::Sentences | DataKind::SentencePyramid => {
             let mut vocab = Vocab::new();
-            let mut graphs = data::read_graphs(&a.trees, kind, VocabMode::Grow(&mut vocab))?;
-            if let Some(grid) = &a.grid {
-                graphs = grid_dags(grid, count, vocab.len())?;
-            }
-            if let Some(height) = a.perfect_tree {
-                let mut rng = ramus_nn::train::rng(0);
-                graphs = (0..count)
-                    .map(|_| {
-                        ramus_graph::random::perfect_tree(&mut rng, height, vocab.len() as u32, 5)
-                    })
-                    .collect::<Result<_, _>>()?;
+            // the activations of a pyramid, a grid or a perfect tree do not
+            // depend on the vocabulary: a model of one word costs them
+            // before they are built
+            let reader = match kind {
+                DataKind::Sentences => None,
+                _ => Some(build(1, 5, 0)?),
+            };
+            let mut guard = a.host.build_guard(reader.as_ref().map(|m| (m, a.device)));
+            let mode = VocabMode::Grow(&mut vocab);
+            let mut graphs = data::read_graphs(&a.trees, kind, mode, &mut guard)?;
+            if let Some(made) = synthetic(a, count, vocab.len(), &mut guard)? {
+                graphs = made;
             }
             let classes = if kind == DataKind::Sentences { 0 } else { 5 };
             (graphs, vocab, classes, 0)
         }
     };
-    let cfg = ModelConfig {
-        vocab: vocab.len(),
-        hidden: a.hidden,
-        classes,
-    };
-    let model = match a.sequence.config(&a.model, chars)? {
-        Some(seq) => build_sequence_model(&a.model, &cfg, &seq, &ModelOptions::default())?,
-        None => build_model(&a.model, &cfg)?,
-    };
+    let model = build(vocab.len(), classes, chars)?;
     a.structure.fit(&model, kind, &mut graphs)?;
     Ok(BenchInputs {
         graphs,
@@ -352,19 +357,39 @@ fn bench_need<'a>(
     Ok(need)
 }
 
-/// `count` random `ROWSxCOLS` grid DAGs (`--grid`) over a vocabulary of
-/// `vocab` words.
-fn grid_dags(grid: &str, count: usize, vocab: usize) -> AnyResult<Vec<InputGraph>> {
-    let bad = || format!("--grid `{grid}`: expected ROWSxCOLS, e.g. 10x10");
-    let (r, c) = grid.split_once('x').ok_or_else(bad)?;
-    let (r, c): (usize, usize) = (r.parse().map_err(|_| bad())?, c.parse().map_err(|_| bad())?);
-    if r == 0 || c == 0 {
-        return Err(bad().into());
-    }
+/// `count` random `ROWSxCOLS` grid DAGs (`--grid`) or perfect trees
+/// (`--perfect-tree`) over a vocabulary of `vocab` words, admitted by
+/// `guard` before they are built (a grid grows with the product of its
+/// sides, a perfect tree with the power of its height); `None` without
+/// either flag.
+fn synthetic(
+    a: &BenchArgs,
+    count: usize,
+    vocab: usize,
+    guard: &mut BuildGuard<'_>,
+) -> AnyResult<Option<Vec<InputGraph>>> {
+    let change = "lower it or the largest of --batch-sizes";
     let mut rng = ramus_nn::train::rng(0);
-    Ok((0..count)
-        .map(|_| ramus_graph::random::grid_dag(&mut rng, r, c, vocab as u32, 5))
-        .collect::<Result<_, _>>()?)
+    if let Some(grid) = &a.grid {
+        let bad = || format!("--grid `{grid}`: expected ROWSxCOLS, e.g. 10x10");
+        let (r, c) = grid.split_once('x').ok_or_else(bad)?;
+        let (r, c): (usize, usize) = (r.parse().map_err(|_| bad())?, c.parse().map_err(|_| bad())?);
+        if r == 0 || c == 0 {
+            return Err(bad().into());
+        }
+        let shape = random::grid_dag_shape(r, c);
+        guard.admit(&format!("--grid {grid}"), &shape, count as u64, change)?;
+        let made = (0..count).map(|_| random::grid_dag(&mut rng, r, c, vocab as u32, 5));
+        return Ok(Some(made.collect::<Result<_, _>>()?));
+    }
+    let Some(height) = a.perfect_tree else {
+        return Ok(None);
+    };
+    let shape = random::perfect_tree_shape(height);
+    let what = format!("--perfect-tree {height}");
+    guard.admit(&what, &shape, count as u64, change)?;
+    let made = (0..count).map(|_| random::perfect_tree(&mut rng, height, vocab as u32, 5));
+    Ok(Some(made.collect::<Result<_, _>>()?))
 }
 
 pub fn run(a: BenchArgs) -> AnyResult {

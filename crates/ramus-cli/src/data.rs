@@ -16,6 +16,7 @@ use ramus_graph::{ptb, synthetic, text, InputGraph, Vocab, VocabMode};
 use ramus_nn::{DataKind, ImageShape};
 
 use crate::image_dir;
+use crate::limits::BuildGuard;
 use crate::vision::DEFAULT_TRAIN_IMAGES;
 
 /// Train / dev / test graphs with the vocabulary built from train.
@@ -90,8 +91,13 @@ pub fn data_kind_of(name: &str) -> AnyResult<DataKind> {
 
 /// Reads `dir/{train,dev,test}.txt` (`valid.txt` also accepted for dev) or,
 /// without a directory, generates the built-in treebank (images: the
-/// built-in synthetic images of the default shape and size).
-pub fn load_splits(dir: Option<&Path>, kind: DataKind) -> AnyResult<Splits> {
+/// built-in synthetic images of the default shape and size). Pyramids are
+/// admitted by `guard` before they are built.
+pub fn load_splits(
+    dir: Option<&Path>,
+    kind: DataKind,
+    guard: &mut BuildGuard<'_>,
+) -> AnyResult<Splits> {
     match kind {
         DataKind::Images => {
             return load_image_splits(dir, ImageShape::default(), DEFAULT_TRAIN_IMAGES)
@@ -102,9 +108,9 @@ pub fn load_splits(dir: Option<&Path>, kind: DataKind) -> AnyResult<Splits> {
                 Some(d) => d.to_path_buf(),
                 None => default_data("sst")?,
             };
-            let mut s = load_splits(Some(&dir), DataKind::Trees)?;
+            let mut s = load_splits(Some(&dir), DataKind::Trees, guard)?;
             for part in [&mut s.train, &mut s.dev, &mut s.test] {
-                *part = part.iter().map(pyramid_of_tree).collect::<Result<_, _>>()?;
+                *part = pyramids(part, guard)?;
             }
             s.source = format!("{} (time-delay pyramids over the leaves)", s.source);
             return Ok(s);
@@ -147,9 +153,9 @@ pub fn load_splits(dir: Option<&Path>, kind: DataKind) -> AnyResult<Splits> {
                 file(&["dev.txt", "valid.txt"])?,
                 file(&["test.txt"])?,
             );
-            let train = read_graphs(&tr, kind, VocabMode::Grow(&mut vocab))?;
-            let dev = read_graphs(&dv, kind, VocabMode::Frozen(&vocab))?;
-            let test = read_graphs(&te, kind, VocabMode::Frozen(&vocab))?;
+            let train = read_graphs(&tr, kind, VocabMode::Grow(&mut vocab), guard)?;
+            let dev = read_graphs(&dv, kind, VocabMode::Frozen(&vocab), guard)?;
+            let test = read_graphs(&te, kind, VocabMode::Frozen(&vocab), guard)?;
             (dir.display().to_string(), train, dev, test)
         }
     };
@@ -311,10 +317,15 @@ pub fn load_image_splits(dir: Option<&Path>, shape: ImageShape, train: usize) ->
     })
 }
 
-/// Reads one file with a fixed vocabulary (trees, sentences or pyramids;
-/// tagged text with [`read_tagged_frozen`]).
-pub fn read_frozen(path: &Path, kind: DataKind, vocab: &Vocab) -> AnyResult<Vec<InputGraph>> {
-    read_graphs(path, kind, VocabMode::Frozen(vocab))
+/// Reads one file with a fixed vocabulary (trees, sentences or pyramids,
+/// admitted by `guard`; tagged text with [`read_tagged_frozen`]).
+pub fn read_frozen(
+    path: &Path,
+    kind: DataKind,
+    vocab: &Vocab,
+    guard: &mut BuildGuard<'_>,
+) -> AnyResult<Vec<InputGraph>> {
+    read_graphs(path, kind, VocabMode::Frozen(vocab), guard)
 }
 
 /// Reads one tagged-text file as tagger graphs with fixed vocabularies.
@@ -327,19 +338,18 @@ pub fn read_tagged_frozen(
     Ok(vocab.graphs(&sentences, &path.display().to_string(), chars)?)
 }
 
-/// Reads one file of trees, sentences or pyramids (not images: see
-/// [`read_image_split`]; not tagged text: see [`read_tagged_frozen`]).
+/// Reads one file of trees, sentences or pyramids (admitted by `guard`;
+/// not images: see [`read_image_split`]; not tagged text: see
+/// [`read_tagged_frozen`]).
 pub(crate) fn read_graphs(
     path: &Path,
     kind: DataKind,
     mode: VocabMode<'_>,
+    guard: &mut BuildGuard<'_>,
 ) -> AnyResult<Vec<InputGraph>> {
     Ok(match kind {
         DataKind::Trees => ptb::read_trees(path, mode)?,
-        DataKind::SentencePyramid => ptb::read_trees(path, mode)?
-            .iter()
-            .map(pyramid_of_tree)
-            .collect::<Result<_, _>>()?,
+        DataKind::SentencePyramid => pyramids(&ptb::read_trees(path, mode)?, guard)?,
         DataKind::Sentences => text::read_sentences(path, mode)?,
         DataKind::Images | DataKind::Tagged { .. } => {
             return Err(format!(
@@ -349,6 +359,17 @@ pub(crate) fn read_graphs(
             .into())
         }
     })
+}
+
+/// The time-delay pyramids over `trees`' leaves, each admitted by `guard`
+/// before it is built (a pyramid grows with the square of its sentence).
+fn pyramids(trees: &[InputGraph], guard: &mut BuildGuard<'_>) -> AnyResult<Vec<InputGraph>> {
+    let mut out = Vec::with_capacity(trees.len());
+    for (i, tree) in trees.iter().enumerate() {
+        guard.admit_pyramid(tree, i)?;
+        out.push(pyramid_of_tree(tree)?);
+    }
+    Ok(out)
 }
 
 /// The leaf words of bracketed trees, one sentence per line.

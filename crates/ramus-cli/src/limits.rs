@@ -8,10 +8,13 @@
 //! run that cannot fit is an error naming what to change: `--hidden` (or
 //! the label or `--classes` behind a huge class count) when the model
 //! alone is too large, the `file:line` of an input too large even alone,
-//! else `--batch-size` with the largest that fits.
+//! else `--batch-size` with the largest that fits. Inputs built from a
+//! line superlinearly (the time-delay pyramids) are checked before they
+//! are built, by a [`BuildGuard`] the readers consult.
 
 use ramus_core::Model;
-use ramus_graph::InputGraph;
+use ramus_graph::sequence::{pyramid_shape, pyramid_shape_of_tree};
+use ramus_graph::{GraphShape, InputGraph};
 use ramus_nn::memory::{
     largest_param, packed_weight_bytes, param_bytes, token_table_bytes, training_state,
     ActivationCost, GraphCosts, Pass,
@@ -61,6 +64,156 @@ impl HostBudgetArgs {
                     human_bytes(b)
                 ),
             }),
+        }
+    }
+}
+
+/// The activations of `pass` the host holds: all of them on the CPU; on
+/// CUDA the schedule and the scores brought back.
+fn host_cost(model: &Model, pass: Pass, device: Device) -> ActivationCost {
+    match device {
+        Device::Cpu => ActivationCost::new(model, pass),
+        Device::Cuda => ActivationCost::host_side(model, pass),
+    }
+}
+
+/// Refuses graphs whose size follows from their input before they are
+/// built. A time-delay pyramid's size follows from its sentence's word
+/// count ([`pyramid_shape_of_tree`]) and grows with its square, so one long
+/// line would exhaust the memory while the data is read, before
+/// [`Training`] or [`Inference`] could check it; `bench`'s synthetic grids
+/// and perfect trees follow from flags. Graphs are refused when they and
+/// the forward activations of a batch of them alone (the least any
+/// command needs for them) exceed the limit, and pyramids when their graphs
+/// together do.
+pub struct BuildGuard<'a> {
+    limit: Option<Limit>,
+    /// What else to change, besides the input, for a larger limit.
+    raise: &'static str,
+    /// The model that reads the graphs and its forward costs on the host
+    /// (none: the graphs alone are checked).
+    reader: Option<(&'a Model, ActivationCost)>,
+    /// Bytes of the graphs admitted so far, and how many.
+    held: u64,
+    admitted: u64,
+}
+
+impl HostBudgetArgs {
+    /// The guard for graphs `reader` (a model and its device) will read;
+    /// with no reader, the graphs alone are checked.
+    pub fn build_guard(self, reader: Option<(&Model, Device)>) -> BuildGuard<'_> {
+        BuildGuard {
+            limit: self.limit(),
+            raise: match self.host_memory_budget {
+                Some(_) => "raise --host-memory-budget",
+                None => "free host memory",
+            },
+            reader: reader.map(|(m, device)| (m, host_cost(m, Pass::Infer, device))),
+            held: 0,
+            admitted: 0,
+        }
+    }
+}
+
+impl BuildGuard<'_> {
+    /// The bytes of `count` graphs of `shape` and of the forward
+    /// activations of a batch of them alone.
+    fn need(&self, shape: &GraphShape, count: u64) -> (u64, u64) {
+        let run = self.reader.as_ref().map_or(0, |(m, cost)| {
+            let each = cost.shape_bytes(m, shape);
+            cost.fixed().saturating_add(each.saturating_mul(count))
+        });
+        (shape.input_bytes().saturating_mul(count), run)
+    }
+
+    /// `count` graphs of `shape` and a batch of them, when more than the
+    /// limit: `(limit, graphs' bytes, batch's bytes, in all)`.
+    fn over(&self, shape: &GraphShape, count: u64) -> Option<(&Limit, u64, u64, u64)> {
+        let limit = self.limit.as_ref()?;
+        let (graphs, run) = self.need(shape, count);
+        let all = graphs.saturating_add(run);
+        (all > limit.bytes).then_some((limit, graphs, run, all))
+    }
+
+    /// Counts `count` graphs of `shape` as built.
+    fn hold(&mut self, shape: &GraphShape, count: u64) {
+        let graphs = shape.input_bytes().saturating_mul(count);
+        self.held = self.held.saturating_add(graphs);
+        self.admitted = self.admitted.saturating_add(count);
+    }
+
+    /// Checks `count` graphs of `shape` that `what` (a flag and its
+    /// value) is about to build, to run in one batch; an error names
+    /// `what` and `change`, what to lower.
+    pub fn admit(
+        &mut self,
+        what: &str,
+        shape: &GraphShape,
+        count: u64,
+        change: &str,
+    ) -> Result<(), String> {
+        if let Some((limit, graphs, run, all)) = self.over(shape, count) {
+            return Err(format!(
+                "{}: {what}: {count} graph(s) of {} vertices and {} edges need at least {} \
+                 ({} for the graphs, {} to run them in one batch), more than {}; {change}, or {}",
+                limit.memory,
+                shape.vertex_count(),
+                shape.edge_count(),
+                human_bytes(all),
+                human_bytes(graphs),
+                human_bytes(run),
+                limit.name,
+                self.raise
+            ));
+        }
+        self.hold(shape, count);
+        Ok(())
+    }
+
+    /// Checks the pyramid over `tree`'s leaves (graph `index` of its file)
+    /// before it is built; an error names the tree's `file:line`, its word
+    /// count and the longest sentence that fits.
+    pub fn admit_pyramid(&mut self, tree: &InputGraph, index: usize) -> Result<(), String> {
+        let (words, shape) = pyramid_shape_of_tree(tree);
+        let labelled = shape.labelled > 0;
+        if let Some((limit, graph, run, all)) = self.over(&shape, 1) {
+            // the need grows with the word count: the longest that fits
+            let (mut lo, mut hi) = (0u64, words);
+            while lo + 1 < hi {
+                let mid = lo + (hi - lo) / 2;
+                match self.over(&pyramid_shape(mid, labelled), 1) {
+                    None => lo = mid,
+                    Some(_) => hi = mid,
+                }
+            }
+            return Err(format!(
+                "{}: {}: a sentence of {words} words makes a time-delay pyramid of {} vertices \
+                 and {} edges, which alone needs at least {} ({} for the graph, {} to run \
+                 it), more than {}; split the line into sentences of at most {lo} words, or {}",
+                limit.memory,
+                tree.describe(index),
+                shape.vertex_count(),
+                shape.edge_count(),
+                human_bytes(all),
+                human_bytes(graph),
+                human_bytes(run),
+                limit.name,
+                self.raise
+            ));
+        }
+        self.hold(&shape, 1);
+        match &self.limit {
+            Some(limit) if self.held > limit.bytes => Err(format!(
+                "{}: {}: the time-delay pyramids of the {} sentences read up to this line take {}, \
+                 more than {}; use shorter or fewer sentences, or {}",
+                limit.memory,
+                tree.describe(index),
+                self.admitted,
+                human_bytes(self.held),
+                limit.name,
+                self.raise
+            )),
+            _ => Ok(()),
         }
     }
 }
@@ -357,18 +510,12 @@ impl Training<'_> {
         // on CUDA the trainer keeps host gradients and optimizer state
         // beside the device's, and stages the parameters for upload
         let mut parts = training_state(m, self.optimizer);
-        let (train, eval) = match self.device {
-            Device::Cpu => {
-                parts.push(("packed weights", packed_weight_bytes(m)));
-                let cost = |pass| ActivationCost::new(m, pass);
-                (cost(Pass::Train), cost(Pass::Evaluate))
-            }
-            Device::Cuda => {
-                parts.push(("upload staging", param_bytes(m)));
-                let cost = |pass| ActivationCost::host_side(m, pass);
-                (cost(Pass::Train), cost(Pass::Evaluate))
-            }
-        };
+        parts.push(match self.device {
+            Device::Cpu => ("packed weights", packed_weight_bytes(m)),
+            Device::Cuda => ("upload staging", param_bytes(m)),
+        });
+        let train = host_cost(m, Pass::Train, self.device);
+        let eval = host_cost(m, Pass::Evaluate, self.device);
         parts.push(("best epoch's copy", param_bytes(m)));
         self.need(&train, &eval, self.device == Device::Cpu, parts)
             .check(limit.as_ref())
@@ -496,10 +643,7 @@ impl<'a> Inference<'a> {
         if limit.is_none() {
             return Ok(());
         }
-        let cost = match self.device {
-            Device::Cpu => ActivationCost::new(self.model, self.pass),
-            Device::Cuda => ActivationCost::host_side(self.model, self.pass),
-        };
+        let cost = host_cost(self.model, self.pass, self.device);
         self.need(&cost, self.host_parts.clone())
             .check(limit.as_ref())
     }

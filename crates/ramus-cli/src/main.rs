@@ -404,7 +404,10 @@ fn eval(a: EvalArgs) -> AnyResult {
                     .map_err(|e| format!("{}: {e}", a.checkpoint.display()))?;
                 data::read_tagged_frozen(&a.data, &vocab, chars)?
             }
-            _ => data::read_frozen(&a.data, kind, &info.vocab)?,
+            _ => {
+                let mut guard = a.host.build_guard(Some((&model, a.device)));
+                data::read_frozen(&a.data, kind, &info.vocab, &mut guard)?
+            }
         },
     };
     a.structure.fit(&model, kind, &mut graphs)?;

@@ -4,11 +4,12 @@
 //! comes from the batch's own schedule (`ramus_cpu::training_trace`), so
 //! dynamic models (trees, long sequences) are planned per batch.
 
+use ramus_core::Model;
 use ramus_cpu::{training_trace, Batch};
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{
-    build_model, build_sequence_model, is_sequence_model, ModelConfig, ModelOptions, OptimizerKind,
-    SequenceConfig,
+    build_model, build_sequence_model, is_sequence_model, DataKind, ModelConfig, ModelOptions,
+    OptimizerKind, SequenceConfig,
 };
 use ramus_swap::{
     analyze, human_bytes, human_seconds, AutoVmPlanner, CostModel, LruPlanner, NoBudgetPlanner,
@@ -16,6 +17,7 @@ use ramus_swap::{
 };
 
 use crate::data;
+use crate::device::Device;
 use crate::output::outln;
 
 #[derive(clap::Args)]
@@ -51,6 +53,8 @@ pub struct PlanMemoryArgs {
     json: bool,
     #[command(flatten)]
     structure: crate::structure::StructureArgs,
+    #[command(flatten)]
+    host: crate::limits::HostBudgetArgs,
     /// Whose iteration to plan: cpu (the batched engines' trace) or cuda
     /// (the CUDA swap path's own op list and pool-sized tensors; a dynamic
     /// model's rows cut into segments in the batched engine's task order,
@@ -81,21 +85,34 @@ pub fn run(a: PlanMemoryArgs) -> AnyResult {
         "pcie5" => CostModel::pcie5_x16(),
         other => return Err(format!("--link must be pcie3 or pcie5, got `{other}`").into()),
     };
-    let mut splits = data::load_splits(a.data.as_deref(), kind)?;
-    let cfg = ModelConfig {
-        vocab: splits.vocab.len(),
-        hidden: a.hidden,
-        classes: splits.classes,
-    };
-    let model = if is_sequence_model(&a.model) {
-        let seq = SequenceConfig {
-            chars: splits.chars(),
-            ..SequenceConfig::default()
+    let build = |vocab, classes, chars| -> AnyResult<Model> {
+        let cfg = ModelConfig {
+            vocab,
+            hidden: a.hidden,
+            classes,
         };
-        build_sequence_model(&a.model, &cfg, &seq, &ModelOptions::default())?
-    } else {
-        build_model(&a.model, &cfg)?
+        Ok(if is_sequence_model(&a.model) {
+            let seq = SequenceConfig {
+                chars,
+                ..SequenceConfig::default()
+            };
+            build_sequence_model(&a.model, &cfg, &seq, &ModelOptions::default())?
+        } else {
+            build_model(&a.model, &cfg)?
+        })
     };
+    // a pyramid's schedule does not depend on the vocabulary: a model of
+    // one word costs it before the pyramids are built. Planning runs no
+    // vertex function, so the host holds what it holds for a device run
+    let reader = match kind {
+        DataKind::SentencePyramid => Some(build(1, 1, 0)?),
+        _ => None,
+    };
+    let mut guard = a
+        .host
+        .build_guard(reader.as_ref().map(|m| (m, Device::Cuda)));
+    let mut splits = data::load_splits(a.data.as_deref(), kind, &mut guard)?;
+    let model = build(splits.vocab.len(), splits.classes, splits.chars())?;
     a.structure.fit(&model, kind, &mut splits.train)?;
     let graphs: Vec<&InputGraph> = splits.train.iter().take(a.batch_size).collect();
     let batch = Batch::new(&model, graphs, BatchingPolicy::Cavs)?;

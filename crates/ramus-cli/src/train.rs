@@ -131,15 +131,12 @@ struct Setup {
 
 /// Builds the model for `a` and `data` (settings recorded for `eval`).
 fn model_for(a: &TrainArgs, kind: DataKind, data: &Splits, hidden: usize) -> AnyResult<Model> {
-    let vision_cfg = a.vision.config(&a.model, kind)?;
     let cfg = ModelConfig {
         vocab: data.vocab.len(),
         hidden,
         classes: data.classes,
     };
-    let opts = ModelOptions { dropout: a.dropout };
-    let seq_cfg = a.sequence.config(&a.model, data.chars())?;
-    let mut model = build(&a.model, &cfg, vision_cfg.as_ref(), seq_cfg.as_ref(), &opts)?;
+    let mut model = build_for(a, kind, &cfg, data.chars())?;
     if !data.class_names.is_empty() {
         model.settings.insert(
             "class_names".into(),
@@ -151,12 +148,40 @@ fn model_for(a: &TrainArgs, kind: DataKind, data: &Splits, hidden: usize) -> Any
             .settings
             .insert(sequence::CHAR_VOCAB_SETTING.into(), t.chars.to_json());
     }
+    Ok(model)
+}
+
+/// `a.model` with `a`'s options for `cfg` (and `chars` characters).
+fn build_for(a: &TrainArgs, kind: DataKind, cfg: &ModelConfig, chars: usize) -> AnyResult<Model> {
+    let vision_cfg = a.vision.config(&a.model, kind)?;
+    let opts = ModelOptions { dropout: a.dropout };
+    let seq_cfg = a.sequence.config(&a.model, chars)?;
+    let mut model = build(&a.model, cfg, vision_cfg.as_ref(), seq_cfg.as_ref(), &opts)?;
     if let Some(at) = a.loss_at.as_deref() {
         model.head.rows = loss_rows(at).map_err(|e| format!("--loss-at {e}"))?;
         // recorded so that `ramus eval` reports the loss the model trained on
         model.settings.insert("loss_at".into(), at.into());
     }
     Ok(model)
+}
+
+/// Reads the splits of a model that reads text. The pyramids of a
+/// time-delay network are refused before they are built when they cannot
+/// fit: the vocabulary and class count are not known before the data is
+/// read, but a pyramid's activations do not depend on them, so a model of
+/// one word and one class costs them.
+fn load_text(a: &TrainArgs, kind: DataKind, hidden: usize) -> AnyResult<Splits> {
+    let one = ModelConfig {
+        vocab: 1,
+        hidden,
+        classes: 1,
+    };
+    let reader = match kind {
+        DataKind::SentencePyramid => Some(build_for(a, kind, &one, 0)?),
+        _ => None,
+    };
+    let mut guard = a.host.build_guard(reader.as_ref().map(|m| (m, a.device)));
+    data::load_splits(a.data.as_deref(), kind, &mut guard)
 }
 
 /// Reads the data, builds the model, its parameters (fresh or resumed)
@@ -187,7 +212,7 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
             v.image,
             a.vision.images.unwrap_or(vision::DEFAULT_TRAIN_IMAGES),
         )?,
-        None => data::load_splits(a.data.as_deref(), kind)?,
+        None => load_text(a, kind, hidden)?,
     };
     labels::settle(&mut data, kind, a.classes)?;
     logln!(

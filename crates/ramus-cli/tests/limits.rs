@@ -19,10 +19,30 @@ fn run(args: &[&str]) -> (Output, Duration) {
     (o, t.elapsed())
 }
 
+/// Runs `ramus` with its address space bounded to `kib` KiB (`ulimit -v`,
+/// where the shell can set it), so that a run building what it should
+/// have refused aborts instead of filling the machine.
+fn run_bounded(args: &[&str], kib: u64) -> (Output, Duration) {
+    let t = Instant::now();
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg(format!("ulimit -v {kib} 2>/dev/null; exec \"$0\" \"$@\""))
+        .arg(env!("CARGO_BIN_EXE_ramus"))
+        .args(args)
+        .output()
+        .expect("run ramus");
+    (o, t.elapsed())
+}
+
 /// Runs `ramus`, which must fail at once (before any epoch) with one
 /// `error:` line containing every needle; returns that line.
 fn refused(args: &[&str], needles: &[&str]) -> String {
     let (o, took) = run(args);
+    refusal(o, took, needles)
+}
+
+/// Checks that `o` is a refusal (see [`refused`]) and returns its line.
+fn refusal(o: Output, took: Duration, needles: &[&str]) -> String {
     let err = String::from_utf8_lossy(&o.stderr).to_string();
     let out = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(!o.status.success(), "expected a refusal: {out}{err}");
@@ -260,16 +280,24 @@ fn binary_tree(leaves: &[String]) -> String {
     }
 }
 
+/// A balanced binary SST tree over `n` words (which ones: `seed`).
+fn sentence_tree(n: usize, seed: usize) -> String {
+    let w: Vec<String> = words(n, 500, seed).split(' ').map(String::from).collect();
+    binary_tree(&w)
+}
+
+/// Splits for a time-delay network whose `train.txt` line 6 is a
+/// sentence of `long` words (the other sentences have eight).
+fn td_splits(name: &str, long: usize) -> String {
+    let tree = |n, seed| sentence_tree(n, seed) + "\n";
+    let few = |seed: usize| (0..5).map(|k| tree(8, seed + k)).collect::<String>();
+    let train = format!("{}{}{}", few(0), tree(long, 1), few(10));
+    splits(&dir(name), &train, &few(20), &few(30))
+}
+
 #[test]
 fn one_very_long_sentence_for_a_time_delay_network_is_refused_with_its_line() {
-    let d = dir("td");
-    let tree = |n, seed| {
-        let w: Vec<String> = words(n, 500, seed).split(' ').map(String::from).collect();
-        binary_tree(&w) + "\n"
-    };
-    let few = |seed: usize| (0..5).map(|k| tree(8, seed + k)).collect::<String>();
-    let train = format!("{}{}{}", few(0), tree(5000, 1), few(10));
-    let data = splits(&d, &train, &few(20), &few(30));
+    let data = td_splits("td", 5000);
     // its pyramid has 12.5 million vertices: tens of GiB of activations
     refused(
         &[
@@ -288,6 +316,107 @@ fn one_very_long_sentence_for_a_time_delay_network_is_refused_with_its_line() {
             "alone needs",
         ],
     );
+}
+
+#[test]
+fn a_pyramid_that_cannot_fit_is_refused_before_it_is_built() {
+    // 30000 words: a pyramid of 450 million vertices, 9 GiB for its graph
+    // alone. Building it takes seconds and GiBs (in 1 GiB of address
+    // space, it aborts); counting it takes neither
+    let data = td_splits("td-30000", 30_000);
+    let at = format!("{data}/train.txt:6");
+    let budget = ["--host-memory-budget", "64000000"];
+    let needles = [
+        &at[..],
+        "a sentence of 30000 words",
+        "450015000 vertices and 899970000 edges",
+        "split the line into sentences of at most",
+        "raise --host-memory-budget",
+    ];
+    let quick = |args: &[&str]| {
+        let (o, took) = run_bounded(args, 1 << 20);
+        refusal(o, took, &needles);
+        assert!(took < Duration::from_secs(2), "took {took:?}");
+    };
+    for model in ["td-rnn", "td-lstm"] {
+        let train = ["train", "--model", model, "--data", &data, "--quiet"];
+        quick(&[&train[..], &budget[..]].concat());
+    }
+    let file = format!("{data}/train.txt");
+    let bench = ["bench", &file, "--model", "td-rnn", "--reps", "1"];
+    quick(&[&bench[..], &budget[..]].concat());
+    let plan = ["plan-memory", "--model", "td-rnn", "--data", &data];
+    quick(&[&plan[..], &budget[..]].concat());
+    // eval reads its file the same way
+    let small = td_splits("td-8", 8);
+    let ckpt = format!("{small}/m.safetensors");
+    let train = ["train", "--model", "td-rnn", "--data", &small, "--quiet"];
+    succeeds(
+        &[
+            &train[..],
+            &["--epochs", "1", "--hidden", "8", "--save", &ckpt],
+        ]
+        .concat(),
+    );
+    quick(
+        &[
+            &["eval", "--checkpoint", &ckpt, "--data", &file][..],
+            &budget[..],
+        ]
+        .concat(),
+    );
+    // sentences that fit alone but not together: 300 of 200 words, 20100
+    // vertices and 430 KiB a pyramid, refused at the 146th
+    let many: Vec<String> = (0..300).map(|k| sentence_tree(200, k)).collect();
+    let data = splits(&dir("td-many"), &many.join("\n"), &many[0], &many[1]);
+    let train = ["train", "--model", "td-rnn", "--data", &data, "--quiet"];
+    let (o, took) = run_bounded(&[&train[..], &budget[..]].concat(), 1 << 20);
+    let at = format!("{data}/train.txt:146: ");
+    let held = "the time-delay pyramids of the 146 sentences read up to this line";
+    refusal(o, took, &[&at, held, "use shorter or fewer sentences"]);
+}
+
+#[test]
+fn benchs_synthetic_graphs_that_cannot_fit_are_refused_before_they_are_built() {
+    let data = td_splits("bench-synthetic", 8);
+    let file = format!("{data}/train.txt");
+    let bench = [
+        "bench",
+        &file,
+        "--reps",
+        "1",
+        "--host-memory-budget",
+        "64000000",
+    ];
+    // 10^10 vertices, 9 million times 64, 2 million times 2000: each
+    // aborted in 1 GiB of address space while being built
+    for (flag, value, sizes, needles) in [
+        (
+            "--grid",
+            "100000x100000",
+            "1",
+            "1 graph(s) of 10000000000 vertices",
+        ),
+        (
+            "--grid",
+            "3000x3000",
+            "64",
+            "64 graph(s) of 9000000 vertices",
+        ),
+        (
+            "--perfect-tree",
+            "20",
+            "2000",
+            "2000 graph(s) of 2097151 vertices",
+        ),
+    ] {
+        let args = [flag, value, "--batch-sizes", sizes];
+        let (o, took) = run_bounded(&[&bench[..], &args[..]].concat(), 1 << 20);
+        let at = format!("{flag} {value}: ");
+        let change = "lower it or the largest of --batch-sizes";
+        refusal(o, took, &[&at, needles, change]);
+        assert!(took < Duration::from_secs(2), "took {took:?}");
+    }
 }
 
 #[test]

@@ -84,6 +84,21 @@ impl InputGraph {
         }
     }
 
+    /// An empty graph with room for `vertices` vertices and `edges` child
+    /// edges, for a builder that knows its size (a pyramid).
+    pub fn with_capacity(vertices: usize, edges: usize) -> Self {
+        let mut child_offsets = Vec::with_capacity(vertices + 1);
+        child_offsets.push(0);
+        InputGraph {
+            child_offsets,
+            children: Vec::with_capacity(edges),
+            tokens: Vec::with_capacity(vertices),
+            labels: Vec::with_capacity(vertices),
+            kinds: Vec::with_capacity(vertices),
+            ..Default::default()
+        }
+    }
+
     /// Appends a vertex whose children are `children` (ids of vertices added
     /// before it) and returns its id.
     pub fn push_vertex(
@@ -266,6 +281,73 @@ impl InputGraph {
         let l = self.labels[r as usize];
         (l != NO_LABEL).then_some(l)
     }
+
+    /// The counts its memory depends on (see [`GraphShape`]).
+    pub fn shape(&self) -> GraphShape {
+        let mut vertices: Vec<(u16, usize, u64)> = Vec::new();
+        for (kind, kids) in self.kinds_and_child_counts() {
+            match vertices.iter_mut().find(|c| (c.0, c.1) == (kind, kids)) {
+                Some(c) => c.2 += 1,
+                None => vertices.push((kind, kids, 1)),
+            }
+        }
+        vertices.sort_unstable();
+        GraphShape {
+            vertices,
+            roots: self.roots().len() as u64,
+            labelled: self.labels.iter().filter(|&&l| l != NO_LABEL).count() as u64,
+            features: self.features.len() as u64,
+        }
+    }
+}
+
+/// Bytes an [`InputGraph`] keeps per vertex: its child offset, token,
+/// label and kind.
+pub const INPUT_BYTES_PER_VERTEX: u64 = 4 + 4 + 4 + 2;
+/// Bytes an [`InputGraph`] keeps per child edge (the child's id).
+pub const INPUT_BYTES_PER_EDGE: u64 = 4;
+
+/// What the memory of a graph, and of a batch's work on it, depends on:
+/// its vertices by kind and number of children, its roots, labelled
+/// vertices and feature floats. [`InputGraph::shape`] counts them; a
+/// builder whose size follows from its input computes them before building
+/// ([`crate::sequence::pyramid_shape`]), so that what cannot fit is refused
+/// before it is allocated.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GraphShape {
+    /// `(kind, children, number of such vertices)`, each pair once, sorted.
+    pub vertices: Vec<(u16, usize, u64)>,
+    /// Vertices that are nobody's child.
+    pub roots: u64,
+    /// Vertices with a label.
+    pub labelled: u64,
+    /// Feature floats, all vertices together.
+    pub features: u64,
+}
+
+impl GraphShape {
+    /// Number of vertices (saturating).
+    pub fn vertex_count(&self) -> u64 {
+        self.vertices
+            .iter()
+            .fold(0u64, |s, c| s.saturating_add(c.2))
+    }
+
+    /// Number of child edges (saturating).
+    pub fn edge_count(&self) -> u64 {
+        self.vertices.iter().fold(0u64, |s, c| {
+            s.saturating_add((c.1 as u64).saturating_mul(c.2))
+        })
+    }
+
+    /// Bytes the graph itself holds ([`INPUT_BYTES_PER_VERTEX`],
+    /// [`INPUT_BYTES_PER_EDGE`], 4 per feature float), saturating.
+    pub fn input_bytes(&self) -> u64 {
+        self.vertex_count()
+            .saturating_mul(INPUT_BYTES_PER_VERTEX)
+            .saturating_add(self.edge_count().saturating_mul(INPUT_BYTES_PER_EDGE))
+            .saturating_add(self.features.saturating_mul(4))
+    }
 }
 
 #[cfg(test)]
@@ -283,6 +365,30 @@ mod tests {
         assert_eq!(g.heights(), vec![0, 0, 1]);
         assert!(g.is_forest());
         assert_eq!(g.root_label(), Some(4));
+    }
+
+    #[test]
+    fn shape_counts_vertices_by_kind_and_children_and_the_graphs_bytes() {
+        let mut g = InputGraph::with_capacity(5, 4);
+        let a = g.push_vertex(&[], 1, NO_LABEL).unwrap();
+        let b = g.push_vertex_of_kind(2, &[], 2, 1).unwrap();
+        let ab = g.push_vertex(&[a, b], 0, NO_LABEL).unwrap();
+        g.push_vertex(&[ab], 0, 3).unwrap();
+        g.push_vertex(&[b], 0, NO_LABEL).unwrap();
+        g.set_features(3, vec![0.0; 15]).unwrap();
+        let s = g.shape();
+        assert_eq!(s.vertices, vec![(0, 0, 1), (0, 1, 2), (0, 2, 1), (2, 0, 1)]);
+        assert_eq!((s.roots, s.labelled, s.features), (2, 2, 15));
+        assert_eq!((s.vertex_count(), s.edge_count()), (5, 4));
+        // what the graph holds: its vectors' lengths
+        let held = 4 * (g.child_offsets.len() - 1)
+            + 4 * g.children.len()
+            + 4 * g.tokens.len()
+            + 4 * g.labels.len()
+            + 2 * g.kinds.len()
+            + 4 * g.features.len();
+        assert_eq!(s.input_bytes(), held as u64);
+        assert_eq!(InputGraph::new().shape(), GraphShape::default());
     }
 
     #[test]

@@ -24,7 +24,7 @@ pub mod text;
 pub mod unroll;
 pub mod vocab;
 
-pub use input::{InputGraph, Origin, NO_LABEL};
+pub use input::{GraphShape, InputGraph, Origin, NO_LABEL};
 pub use linearize::{CsrGraph, LinearBatch, Linearizer, NO_CHILD};
 pub use schedule::{BatchingPolicy, FunctionRows, Schedule, Task};
 pub use structure::check_structure;

@@ -4,7 +4,7 @@
 
 use rand::Rng;
 
-use crate::input::InputGraph;
+use crate::input::{GraphShape, InputGraph};
 use crate::GraphError;
 
 /// A random tree over `leaves` leaves: repeatedly joins `k` adjacent
@@ -102,6 +102,50 @@ pub fn perfect_tree(
     Ok(g)
 }
 
+/// The shape of [`perfect_tree`]`(height)`, computed without building it
+/// (every vertex labelled; saturating).
+pub fn perfect_tree_shape(height: u32) -> GraphShape {
+    let leaves = 1u64.checked_shl(height).unwrap_or(u64::MAX);
+    let mut vertices = vec![(0, 0, leaves)];
+    if leaves > 1 {
+        vertices.push((0, 2, leaves - 1));
+    }
+    one_root_all_labelled(vertices)
+}
+
+/// The shape of a graph of `vertices` (see [`GraphShape`]) with one root
+/// and a label on every vertex, as the builders here make them.
+fn one_root_all_labelled(vertices: Vec<(u16, usize, u64)>) -> GraphShape {
+    let mut shape = GraphShape {
+        vertices,
+        roots: 1,
+        ..GraphShape::default()
+    };
+    shape.labelled = shape.vertex_count();
+    shape
+}
+
+/// The shape of [`grid_dag`]`(rows, cols)`, computed without building it
+/// (every vertex labelled; saturating): the corner without children, the
+/// rest of the first row and column with one, the others with two.
+pub fn grid_dag_shape(rows: usize, cols: usize) -> GraphShape {
+    let (r, c) = (rows as u64, cols as u64);
+    if r == 0 || c == 0 {
+        return GraphShape::default();
+    }
+    let counts = [
+        (0, 1),
+        (1, (r - 1) + (c - 1)),
+        (2, (r - 1).saturating_mul(c - 1)),
+    ];
+    let vertices: Vec<(u16, usize, u64)> = counts
+        .into_iter()
+        .filter(|&(_, n)| n > 0)
+        .map(|(kids, n)| (0, kids, n))
+        .collect();
+    one_root_all_labelled(vertices)
+}
+
 /// A `rows × cols` grid DAG (Cortex's DAG-RNN input): vertex `(i, j)` is
 /// number `i · cols + j` and its children (predecessors) are `(i - 1, j)` and
 /// `(i, j - 1)` where they exist, so inner vertices have two parents and the
@@ -114,7 +158,17 @@ pub fn grid_dag(
     vocab: u32,
     classes: i32,
 ) -> Result<InputGraph, GraphError> {
-    let mut g = InputGraph::new();
+    let shape = grid_dag_shape(rows, cols);
+    // vertex ids are u32 (and child offsets count edges in u32)
+    if shape.edge_count() > u64::from(u32::MAX) {
+        return Err(GraphError::Structure(format!(
+            "a {rows}x{cols} grid has {} vertices and {} edges, more than a graph can number",
+            shape.vertex_count(),
+            shape.edge_count()
+        )));
+    }
+    let mut g =
+        InputGraph::with_capacity(shape.vertex_count() as usize, shape.edge_count() as usize);
     for i in 0..rows {
         for j in 0..cols {
             let mut kids = Vec::with_capacity(2);
@@ -135,6 +189,24 @@ pub fn grid_dag(
 mod tests {
     use super::*;
     use rand::SeedableRng;
+
+    #[test]
+    fn shapes_count_what_the_builders_build() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+        for height in 0..6 {
+            let g = perfect_tree(&mut rng, height, 50, 5).unwrap();
+            assert_eq!(perfect_tree_shape(height), g.shape(), "height {height}");
+        }
+        for (rows, cols) in [(1, 1), (1, 4), (3, 1), (3, 5), (6, 6)] {
+            let g = grid_dag(&mut rng, rows, cols, 50, 5).unwrap();
+            assert_eq!(grid_dag_shape(rows, cols), g.shape(), "{rows}x{cols}");
+        }
+        assert_eq!(perfect_tree_shape(200).vertex_count(), u64::MAX);
+        let huge = grid_dag_shape(100_000, 100_000);
+        assert_eq!(huge.vertex_count(), 10_000_000_000);
+        let e = grid_dag(&mut rng, 100_000, 100_000, 50, 5).unwrap_err();
+        assert!(e.to_string().contains("100000x100000"), "{e}");
+    }
 
     #[test]
     fn perfect_trees_have_two_children_everywhere_and_the_asked_height() {

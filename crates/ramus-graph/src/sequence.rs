@@ -13,7 +13,7 @@
 //!   carries the sentence label. [`pyramid_of_tree`] builds it from a
 //!   parsed tree's leaves (in order) and root label.
 
-use crate::input::{InputGraph, NO_LABEL};
+use crate::input::{GraphShape, InputGraph, NO_LABEL};
 use crate::GraphError;
 
 /// Vertex kinds of a tagger graph; entry `k` of the tagger models'
@@ -136,13 +136,22 @@ fn chain(
 /// (see the module docs): `n (n + 1) / 2` vertices, layer by layer, the
 /// word vertices first; vertex `i` of layer `l > 0` has children
 /// `[vertex i, vertex i + 1]` of layer `l − 1`. All vertices are kind 0
-/// (word vertices are the leaves).
+/// (word vertices are the leaves). Its size grows with the square of the
+/// sentence's: [`pyramid_shape`] gives it without building it.
 pub fn pyramid(tokens: &[u32], label: i32) -> Result<InputGraph, GraphError> {
     let n = tokens.len();
     if n == 0 {
         return Err(GraphError::Structure("pyramid: empty sentence".into()));
     }
-    let mut g = InputGraph::new();
+    let shape = pyramid_shape(n as u64, label != NO_LABEL);
+    let (vertices, edges) = (shape.vertex_count(), shape.edge_count());
+    // vertex ids are u32 (and child offsets count edges in u32)
+    if edges > u64::from(u32::MAX) {
+        return Err(GraphError::Structure(format!(
+            "pyramid: {n} words make {vertices} vertices and {edges} edges, more than a graph can number"
+        )));
+    }
+    let mut g = InputGraph::with_capacity(vertices as usize, edges as usize);
     let top_label = |width: usize| if width == 1 { label } else { NO_LABEL };
     for &t in tokens {
         g.push_vertex(&[], t, top_label(n))?;
@@ -157,19 +166,52 @@ pub fn pyramid(tokens: &[u32], label: i32) -> Result<InputGraph, GraphError> {
     Ok(g)
 }
 
-/// The pyramid over a parsed tree's leaves, left to right (its vertices
-/// without children, in id order — post-order keeps them in sentence
-/// order), labelled with the tree's root label (none if it has none).
-pub fn pyramid_of_tree(tree: &InputGraph) -> Result<InputGraph, GraphError> {
-    let leaves: Vec<u32> = (0..tree.len())
+/// The shape of [`pyramid`] over `words` words, with a label on its top
+/// vertex or not, computed without building it: `words` leaves and
+/// `words (words − 1) / 2` vertices of two children, all of kind 0, one
+/// root (none of it for no words). Saturates rather than wraps.
+pub fn pyramid_shape(words: u64, labelled: bool) -> GraphShape {
+    if words == 0 {
+        return GraphShape::default();
+    }
+    let inner = words.saturating_mul(words - 1) / 2;
+    let mut vertices = vec![(0, 0, words)];
+    if inner > 0 {
+        vertices.push((0, 2, inner));
+    }
+    GraphShape {
+        vertices,
+        roots: 1,
+        labelled: u64::from(labelled),
+        features: 0,
+    }
+}
+
+/// The tokens of a parsed tree's leaves, left to right (its vertices
+/// without children, in id order — post-order keeps them in sentence order).
+fn leaf_tokens(tree: &InputGraph) -> Vec<u32> {
+    (0..tree.len())
         .filter(|&v| tree.children(v).is_empty())
         .map(|v| tree.tokens[v])
-        .collect();
-    let mut p = pyramid(&leaves, tree.root_label().unwrap_or(NO_LABEL))?;
+        .collect()
+}
+
+/// The pyramid over a parsed tree's leaves, left to right, labelled with
+/// the tree's root label (none if it has none).
+pub fn pyramid_of_tree(tree: &InputGraph) -> Result<InputGraph, GraphError> {
+    let label = tree.root_label().unwrap_or(NO_LABEL);
+    let mut p = pyramid(&leaf_tokens(tree), label)?;
     if let Some(o) = tree.origin() {
         p.set_origin(o.clone());
     }
     Ok(p)
+}
+
+/// The number of words of a parsed tree (its leaves) and the shape of
+/// [`pyramid_of_tree`] over them, counted without building it.
+pub fn pyramid_shape_of_tree(tree: &InputGraph) -> (u64, GraphShape) {
+    let words = tree.kinds_and_child_counts().filter(|c| c.1 == 0).count() as u64;
+    (words, pyramid_shape(words, tree.root_label().is_some()))
 }
 
 #[cfg(test)]
@@ -270,5 +312,33 @@ mod tests {
         assert_eq!(p.len(), 6);
         assert_eq!(&p.tokens[..3], &[1, 2, 3]);
         assert_eq!(p.root_label(), Some(4));
+        assert_eq!(pyramid_shape_of_tree(&t), (3, p.shape()));
+    }
+
+    #[test]
+    fn pyramid_shape_counts_what_pyramid_builds() {
+        for words in 1..=40u32 {
+            let tokens: Vec<u32> = (0..words).map(|t| t % 7).collect();
+            for label in [NO_LABEL, 2] {
+                let built = pyramid(&tokens, label).unwrap();
+                let shape = pyramid_shape(u64::from(words), label != NO_LABEL);
+                assert_eq!(shape, built.shape(), "{words} words, label {label}");
+                let n = u64::from(words);
+                assert_eq!(shape.vertex_count(), n * (n + 1) / 2);
+                assert_eq!(shape.vertex_count(), built.len() as u64);
+                assert_eq!(shape.edge_count(), built.num_edges() as u64);
+            }
+        }
+        assert_eq!(pyramid_shape(0, true), GraphShape::default());
+        // 30000 words: 450 million vertices, counted without building them
+        let long = pyramid_shape(30_000, true);
+        assert_eq!(long.vertex_count(), 450_015_000);
+        assert_eq!(long.edge_count(), 2 * 449_985_000);
+        // saturates instead of wrapping
+        assert_eq!(pyramid_shape(u64::MAX, true).vertex_count(), u64::MAX);
+        // a pyramid whose edges a u32 cannot number is an error, not a wrap
+        let too_long = vec![0u32; 70_000];
+        let e = pyramid(&too_long, 0).unwrap_err().to_string();
+        assert!(e.contains("70000 words"), "{e}");
     }
 }

@@ -29,17 +29,21 @@
 //!   costs, whatever the shuffle; where graphs run in order (evaluation),
 //!   the most any of their consecutive chunks needs.
 //!
-//! Every element is 4 bytes (`f32` values, `u32` indices). Not counted:
-//! scratch inside kernels (a convolution's unfolded input), allocator
-//! rounding and `Vec` growth slack, and the input graphs themselves (read
-//! before the check, so already outside the memory it is made against).
+//! Every element is 4 bytes (`f32` values, `u32` indices). A graph's cost
+//! depends only on its [`GraphShape`], so a graph whose shape follows from
+//! its input (a time-delay pyramid from its word count) is costed before
+//! it is built. Not counted: scratch inside kernels (a convolution's
+//! unfolded input), allocator rounding and `Vec` growth slack, and the
+//! input graphs themselves (read before the check, so already outside the
+//! memory it is made against; [`GraphShape::input_bytes`] gives their
+//! size for a check made before building them).
 //! Arithmetic saturates, so absurd sizes give `u64::MAX`, never a wrap.
 
 use ramus_core::graph::{Graph, NodeKind, Source, Space};
 use ramus_core::ops::Embedding;
 use ramus_core::plan::token_hoist;
 use ramus_core::{HeadRows, Model};
-use ramus_graph::{InputGraph, NO_LABEL};
+use ramus_graph::{GraphShape, InputGraph};
 
 use crate::optim::OptimizerKind;
 
@@ -285,33 +289,36 @@ impl ActivationCost {
 
     /// Bytes `g` adds to any batch it is in (without the static part).
     pub fn graph_bytes(&self, model: &Model, g: &InputGraph) -> u64 {
+        self.shape_bytes(model, &g.shape())
+    }
+
+    /// Bytes a graph of `shape` adds to any batch it is in (without the
+    /// static part): what [`ActivationCost::graph_bytes`] gives for it,
+    /// known before it is built (a pyramid from its word count).
+    pub fn shape_bytes(&self, model: &Model, shape: &GraphShape) -> u64 {
         let mut total = 0u64;
-        let mut has_parent = vec![false; g.len()];
-        for v in 0..g.len() {
-            let kids = g.children(v);
-            kids.iter().for_each(|&c| has_parent[c as usize] = true);
-            let edges = kids.len() as u64;
-            total = total.saturating_add(self.per_vertex);
-            total = total.saturating_add(edges.saturating_mul(self.per_any_edge));
+        for &(kind, kids, count) in &shape.vertices {
+            let edges = kids as u64;
+            let mut each = self
+                .per_vertex
+                .saturating_add(edges.saturating_mul(self.per_any_edge));
             // a vertex no function runs is refused by the schedule
-            if let Some(f) = model.selector.select(g.kind(v), kids.len()) {
+            if let Some(f) = model.selector.select(kind, kids) {
                 let row = self.per_row.get(f).copied().unwrap_or(0);
                 let edge = self.per_edge.get(f).copied().unwrap_or(0);
-                total = total
+                each = each
                     .saturating_add(row)
                     .saturating_add(edges.saturating_mul(edge));
             }
+            total = total.saturating_add(count.saturating_mul(each));
         }
         // the schedule's copy of the graph's features
-        let features = bytes(g.len() as u64, g.feature_width() as u64);
-        total = total.saturating_add(features);
-        let roots = has_parent.iter().filter(|&&p| !p).count() as u64;
-        let labelled = g.labels.iter().filter(|&&l| l != NO_LABEL).count() as u64;
+        total = total.saturating_add(bytes(shape.features, 1));
         let head_rows = match (self.head_rows, self.pass) {
-            (HeadRows::Labelled, _) => labelled,
+            (HeadRows::Labelled, _) => shape.labelled,
             // evaluation runs the head again over the labelled vertices
-            (HeadRows::Roots, Pass::Evaluate) => roots.max(labelled),
-            (HeadRows::Roots, _) => roots,
+            (HeadRows::Roots, Pass::Evaluate) => shape.roots.max(shape.labelled),
+            (HeadRows::Roots, _) => shape.roots,
         };
         total.saturating_add(head_rows.saturating_mul(self.per_head_row))
     }
@@ -427,6 +434,33 @@ mod tests {
         // absurd sizes saturate rather than wrap
         let huge = build_model("treelstm", &cfg(1 << 31)).unwrap();
         assert!(param_bytes(&huge) > 1 << 60);
+    }
+
+    #[test]
+    fn a_pyramids_cost_from_its_word_count_is_the_built_pyramids() {
+        use ramus_graph::sequence::{pyramid, pyramid_shape};
+        for name in ["td-rnn", "td-lstm"] {
+            let m = build_model(name, &cfg(8)).unwrap();
+            for pass in [Pass::Train, Pass::Evaluate, Pass::Infer] {
+                let cost = ActivationCost::new(&m, pass);
+                for words in [1u32, 2, 5, 17] {
+                    let tokens: Vec<u32> = (0..words).map(|t| t % 10).collect();
+                    let built = pyramid(&tokens, 3).unwrap();
+                    let shape = pyramid_shape(u64::from(words), true);
+                    let want = cost.graph_bytes(&m, &built);
+                    assert_eq!(
+                        cost.shape_bytes(&m, &shape),
+                        want,
+                        "{name} {pass:?} {words}"
+                    );
+                    assert!(want > 0);
+                }
+            }
+            // a line of 30000 words: hundreds of GiB, computed at once
+            let cost = ActivationCost::new(&m, Pass::Infer);
+            let long = cost.shape_bytes(&m, &pyramid_shape(30_000, true));
+            assert!(long > 100 << 30, "{long}");
+        }
     }
 
     #[test]
