@@ -2,24 +2,9 @@
 //! identical runs writing identical files.
 
 use std::path::PathBuf;
-use std::process::{Command, Output};
 
-fn ramus(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ramus"))
-        .args(args)
-        .output()
-        .expect("run ramus")
-}
-
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ramus-ckpts-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).to_string()
-}
+mod common;
+use common::*;
 
 /// A short run on the built-in treebank.
 const SMALL: [&str; 7] = [
@@ -35,11 +20,11 @@ fn save_destinations_are_checked_before_training() {
         let mut args = SMALL.to_vec();
         args.push(path.to_str().unwrap());
         let o = ramus(&args);
-        let err = text(&o.stderr);
+        let err = stderr(&o);
         assert!(!o.status.success(), "{err}");
         assert!(err.contains("--save") && err.contains(why), "{err}");
         // refused before any epoch ran
-        assert!(!text(&o.stdout).contains("epoch 1"), "{}", text(&o.stdout));
+        assert!(!stdout(&o).contains("epoch 1"), "{}", stdout(&o));
     }
 }
 
@@ -53,8 +38,7 @@ fn two_runs_with_the_same_seed_save_identical_files() {
     for path in &paths {
         let mut args = SMALL.to_vec();
         args.push(path.to_str().unwrap());
-        let o = ramus(&args);
-        assert!(o.status.success(), "{}", text(&o.stderr));
+        ramus_ok(&args);
     }
     let first = std::fs::read(&paths[0]).unwrap();
     for path in &paths[1..] {
@@ -70,7 +54,7 @@ fn two_runs_with_the_same_seed_save_identical_files() {
 fn bench_swap_json_destination_is_checked_first() {
     let missing = tmp("no/such/dir/swap.json");
     let o = ramus(&["bench-swap", "--json", missing.to_str().unwrap()]);
-    let err = text(&o.stderr);
+    let err = stderr(&o);
     assert!(!o.status.success());
     assert!(
         err.contains("--json") && err.contains("does not exist"),

@@ -9,13 +9,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+mod common;
+use common::*;
+
 /// Runs `ramus` and returns its output and how long it took.
 fn run(args: &[&str]) -> (Output, Duration) {
     let t = Instant::now();
-    let o = Command::new(env!("CARGO_BIN_EXE_ramus"))
-        .args(args)
-        .output()
-        .expect("run ramus");
+    let o = ramus(args);
     (o, t.elapsed())
 }
 
@@ -43,48 +43,27 @@ fn refused(args: &[&str], needles: &[&str]) -> String {
 
 /// Checks that `o` is a refusal (see [`refused`]) and returns its line.
 fn refusal(o: Output, took: Duration, needles: &[&str]) -> String {
-    let err = String::from_utf8_lossy(&o.stderr).to_string();
-    let out = String::from_utf8_lossy(&o.stdout).to_string();
-    assert!(!o.status.success(), "expected a refusal: {out}{err}");
-    assert!(
-        !err.contains("panicked") && !err.contains("allocation"),
-        "{err}"
-    );
-    let lines: Vec<&str> = err.lines().collect();
-    assert_eq!(lines.len(), 1, "expected one line: {err}");
-    for n in needles {
-        assert!(
-            lines[0].starts_with("error: ") && lines[0].contains(n),
-            "no `{n}` in: {err}"
-        );
-    }
+    let line = error_line(&o, needles);
+    assert!(!line.contains("allocation"), "{line}");
+    let out = stdout(&o);
     assert!(
         !out.contains("epoch 1"),
         "refused only after training: {out}"
     );
-    assert!(took < Duration::from_secs(20), "took {took:?}: {err}");
-    lines[0].to_string()
+    assert!(took < Duration::from_secs(20), "took {took:?}: {line}");
+    line
 }
 
 fn succeeds(args: &[&str]) -> String {
-    let (o, _) = run(args);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{err}");
-    String::from_utf8_lossy(&o.stdout).to_string()
-}
-
-/// A fresh directory for one test.
-fn dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ramus-limits-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    stdout(&ramus_ok(args))
 }
 
 /// Writes `train.txt`, `dev.txt` and `test.txt` into `d`.
 fn splits(d: &Path, train: &str, dev: &str, test: &str) -> String {
-    for (name, text) in [("train.txt", train), ("dev.txt", dev), ("test.txt", test)] {
-        std::fs::write(d.join(name), text).unwrap();
-    }
+    write_files(
+        d,
+        &[("train.txt", train), ("dev.txt", dev), ("test.txt", test)],
+    );
     d.display().to_string()
 }
 
@@ -92,7 +71,7 @@ const TREES: &str = "(1 (2 a) (3 b))\n(0 (1 a) (2 c))\n";
 
 #[test]
 fn a_dev_label_beyond_the_training_labels_is_counted_not_found_after_training() {
-    let d = dir("dev-label");
+    let d = fresh_dir("dev-label");
     let data = splits(&d, TREES, "(1 (2 a) (3 b))\n(9 (2 a) (3 b))\n", TREES);
     // the class count comes from every split: training runs and evaluates dev
     let ckpt = d.join("m.safetensors");
@@ -114,7 +93,7 @@ fn a_dev_label_beyond_the_training_labels_is_counted_not_found_after_training() 
 
 #[test]
 fn classes_smaller_than_a_training_label_are_refused_with_its_line() {
-    let d = dir("classes");
+    let d = fresh_dir("classes");
     let data = splits(&d, TREES, TREES, TREES);
     let args = [
         "train", "--data", &data, "--epochs", "1", "--hidden", "8", "--quiet",
@@ -134,7 +113,7 @@ fn classes_smaller_than_a_training_label_are_refused_with_its_line() {
 
 #[test]
 fn a_huge_label_is_refused_with_its_line_and_size() {
-    let d = dir("huge-label");
+    let d = fresh_dir("huge-label");
     let data = splits(
         &d,
         "(2000000000 (2 a) (3 b))\n(0 (1 a) (2 c))\n",
@@ -183,7 +162,7 @@ fn a_huge_hidden_size_is_refused_naming_hidden_without_allocating() {
         );
     }
     // the same check covers `bench`, whose model is built from its flags
-    let d = dir("bench-hidden");
+    let d = fresh_dir("bench-hidden");
     let trees = d.join("trees.txt");
     std::fs::write(&trees, TREES).unwrap();
     let trees = trees.to_str().unwrap();
@@ -223,7 +202,12 @@ fn one_very_long_sentence_for_the_language_model_is_refused_with_its_line() {
     );
     // lines of 300 words each fit alone, but not 25 of them together
     let medium_text: String = (0..30).map(|k| words(300, 2000, k) + "\n").collect();
-    let medium = splits(&dir("lm-medium"), &medium_text, &short(20), &short(30));
+    let medium = splits(
+        &fresh_dir("lm-medium"),
+        &medium_text,
+        &short(20),
+        &short(30),
+    );
     let args = ["train", "--model", "lstm-lm", "--data", &medium];
     let args = [
         &args[..],
@@ -240,7 +224,7 @@ fn one_very_long_sentence_for_the_language_model_is_refused_with_its_line() {
     );
     succeeds(&[&args[..], &["--batch-size", fit]].concat());
     // the same lines as dev, which training evaluates 64 at a time
-    let dev = splits(&dir("lm-dev"), &short(0), &medium_text, &short(30));
+    let dev = splits(&fresh_dir("lm-dev"), &short(0), &medium_text, &short(30));
     refused(
         &[
             "train",
@@ -266,7 +250,7 @@ fn short(seed: usize) -> String {
 /// Sentences in a new directory `name`, line 7 of train.txt 20000 words long.
 fn long_line_text(name: &str) -> String {
     let train = format!("{}{}\n{}", short(0), words(20000, 2000, 99), short(10));
-    splits(&dir(name), &train, &short(20), &short(30))
+    splits(&fresh_dir(name), &train, &short(20), &short(30))
 }
 
 /// A balanced binary SST tree over `n` leaves.
@@ -292,7 +276,7 @@ fn td_splits(name: &str, long: usize) -> String {
     let tree = |n, seed| sentence_tree(n, seed) + "\n";
     let few = |seed: usize| (0..5).map(|k| tree(8, seed + k)).collect::<String>();
     let train = format!("{}{}{}", few(0), tree(long, 1), few(10));
-    splits(&dir(name), &train, &few(20), &few(30))
+    splits(&fresh_dir(name), &train, &few(20), &few(30))
 }
 
 #[test]
@@ -368,7 +352,7 @@ fn a_pyramid_that_cannot_fit_is_refused_before_it_is_built() {
     // sentences that fit alone but not together: 300 of 200 words, 20100
     // vertices and 430 KiB a pyramid, refused at the 146th
     let many: Vec<String> = (0..300).map(|k| sentence_tree(200, k)).collect();
-    let data = splits(&dir("td-many"), &many.join("\n"), &many[0], &many[1]);
+    let data = splits(&fresh_dir("td-many"), &many.join("\n"), &many[0], &many[1]);
     let train = ["train", "--model", "td-rnn", "--data", &data, "--quiet"];
     let (o, took) = run_bounded(&[&train[..], &budget[..]].concat(), 1 << 20);
     let at = format!("{data}/train.txt:146: ");
@@ -421,7 +405,7 @@ fn benchs_synthetic_graphs_that_cannot_fit_are_refused_before_they_are_built() {
 
 #[test]
 fn eval_infer_and_bench_name_a_label_beyond_the_models_classes() {
-    let d = dir("eval");
+    let d = fresh_dir("eval");
     let ckpt = d.join("m.safetensors");
     let ckpt = ckpt.to_str().unwrap();
     // the built-in treebank has five classes
@@ -548,7 +532,7 @@ fn what_cannot_fit_the_device_is_refused_before_training() {
 fn plan_memory_plans_absurd_sizes_without_allocating() {
     // a trace of 100000-wide tensors is planned, not allocated
     let (o, took) = run(&["plan-memory", "--hidden", "100000", "--batch-size", "4"]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{}", stderr(&o));
     assert!(took < Duration::from_secs(20), "took {took:?}");
     // sizes that do not even add up are one line, not a panic
     refused(

@@ -5,47 +5,15 @@
 //! a flag accepts them.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use ramus_core::model::{Init, ParamKind, ParamSpec};
 use ramus_core::{Params, Tensor};
 use ramus_graph::{ptb, Vocab, VocabMode};
 use ramus_nn::{build_model, checkpoint, ModelConfig};
 
-fn ramus(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ramus"))
-        .args(args)
-        .output()
-        .expect("run ramus")
-}
-
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ramus-cli-nonfinite-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
-}
-
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).to_string(),
-        String::from_utf8_lossy(&o.stderr).to_string(),
-    )
-}
-
-/// The command failed with one `error:` line containing every `needle`.
-fn fails_with(o: &Output, needles: &[&str]) -> String {
-    let (out, err) = text(o);
-    assert!(!o.status.success(), "expected a failure; stdout:\n{out}");
-    let lines: Vec<&str> = err.lines().collect();
-    assert_eq!(lines.len(), 1, "expected one line, got: {err}");
-    for needle in needles {
-        assert!(
-            lines[0].starts_with("error: ") && lines[0].contains(needle),
-            "{needle}: {err}"
-        );
-    }
-    err
-}
+mod common;
+use common::*;
 
 #[test]
 fn hyper_parameters_no_one_can_mean_are_refused_before_any_work() {
@@ -67,7 +35,7 @@ fn hyper_parameters_no_one_can_mean_are_refused_before_any_work() {
     ] {
         let arg = format!("{flag}={value}");
         let o = ramus(&["train", "--data", missing, "--epochs", "1", &arg]);
-        let err = fails_with(&o, &[flag]);
+        let err = error_line(&o, &[flag]);
         assert!(!err.contains("no-such-data"), "{arg}: {err}");
     }
     // the persistent engine cannot skip a batch: refused before the device is opened
@@ -82,16 +50,16 @@ fn hyper_parameters_no_one_can_mean_are_refused_before_any_work() {
         "--on-nonfinite",
         "skip-batch",
     ]);
-    fails_with(&o, &["--on-nonfinite skip-batch", "persistent"]);
+    error_line(&o, &["--on-nonfinite skip-batch", "persistent"]);
     let o = ramus(&["train", "--on-nonfinite", "skip"]);
     assert!(!o.status.success());
-    assert!(text(&o).1.contains("stop or skip-batch"), "{}", text(&o).1);
+    assert!(stderr(&o).contains("stop or skip-batch"), "{}", stderr(&o));
 }
 
 #[test]
 fn a_diverging_run_stops_naming_epoch_batch_graph_and_parameter() {
     let o = ramus(&["train", "--epochs", "2", "--lr", "1e30", "--quiet"]);
-    let err = fails_with(
+    let err = error_line(
         &o,
         &[
             "epoch 1: non-finite training step at batch ",
@@ -99,12 +67,12 @@ fn a_diverging_run_stops_naming_epoch_batch_graph_and_parameter() {
             "first non-finite parameter `",
         ],
     );
-    assert!(!text(&o).0.contains("epoch 1: train loss"), "{err}");
+    assert!(!stdout(&o).contains("epoch 1: train loss"), "{err}");
 }
 
 #[test]
 fn skip_batch_counts_skipped_batches_in_the_epoch_line() {
-    let o = ramus(&[
+    let out = stdout(&ramus_ok(&[
         "train",
         "--epochs",
         "1",
@@ -113,9 +81,7 @@ fn skip_batch_counts_skipped_batches_in_the_epoch_line() {
         "--on-nonfinite",
         "skip-batch",
         "--quiet",
-    ]);
-    let (out, err) = text(&o);
-    assert!(o.status.success(), "{err}");
+    ]));
     assert!(out.contains("| 0 non-finite batches skipped"), "{out}");
 }
 
@@ -141,11 +107,11 @@ fn a_non_finite_model_is_never_saved() {
         "--save",
         path,
     ]);
-    fails_with(&o, &["not saving", path, "not finite"]);
+    error_line(&o, &["not saving", path, "not finite"]);
     assert!(
-        text(&o).0.contains("epoch 1's model is not kept"),
+        stdout(&o).contains("epoch 1's model is not kept"),
         "{}",
-        text(&o).0
+        stdout(&o)
     );
     assert!(!ckpt.exists(), "a non-finite model was saved");
 }
@@ -194,7 +160,7 @@ fn checkpoints_with_non_finite_values_are_refused_unless_allowed() {
         params.values[w].data_mut()[3] = f32::NAN;
     });
     let o = eval(&ckpt, &data, &[]);
-    fails_with(
+    error_line(
         &o,
         &[
             ckpt.to_str().unwrap(),
@@ -204,7 +170,7 @@ fn checkpoints_with_non_finite_values_are_refused_unless_allowed() {
         ],
     );
     let o = eval(&ckpt, &data, &["--allow-nonfinite-checkpoint"]);
-    assert!(o.status.success(), "{}", text(&o).1);
+    assert!(o.status.success(), "{}", stderr(&o));
     let o = ramus(&[
         "infer",
         "--checkpoint",
@@ -212,7 +178,7 @@ fn checkpoints_with_non_finite_values_are_refused_unless_allowed() {
         "--input",
         data.to_str().unwrap(),
     ]);
-    fails_with(&o, &["tensor `W_out`"]);
+    error_line(&o, &["tensor `W_out`"]);
     let o = ramus(&[
         "infer",
         "--checkpoint",
@@ -221,7 +187,7 @@ fn checkpoints_with_non_finite_values_are_refused_unless_allowed() {
         data.to_str().unwrap(),
         "--allow-nonfinite-checkpoint",
     ]);
-    assert!(o.status.success(), "{}", text(&o).1);
+    assert!(o.status.success(), "{}", stderr(&o));
     // a clean checkpoint loads without any flag
     let (clean, data) = checkpoint_with("clean", |_, _| {});
     assert!(eval(&clean, &data, &[]).status.success());
@@ -241,7 +207,7 @@ fn checkpoints_with_tensors_the_model_does_not_use_are_refused_unless_allowed() 
         }
     });
     let o = eval(&ckpt, &data, &[]);
-    fails_with(
+    error_line(
         &o,
         &[
             ckpt.to_str().unwrap(),
@@ -250,5 +216,5 @@ fn checkpoints_with_tensors_the_model_does_not_use_are_refused_unless_allowed() 
         ],
     );
     let o = eval(&ckpt, &data, &["--allow-unused-tensors"]);
-    assert!(o.status.success(), "{}", text(&o).1);
+    assert!(o.status.success(), "{}", stderr(&o));
 }

@@ -4,9 +4,9 @@
 //! errors name the file and the place in it (`infer`'s UTF-8 errors, a
 //! broken checkpoint).
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 use std::sync::OnceLock;
 
 mod common;
@@ -16,16 +16,7 @@ use common::*;
 /// lines of its standard output and then closes it, as `| head -n LINES`
 /// does; returns the exit status and standard error.
 fn with_output_closed_after(args: &[&str], lines: usize, stdin: &[u8]) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ramus"))
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run ramus");
-    let mut input = child.stdin.take().expect("stdin");
-    input.write_all(stdin).expect("write stdin");
-    drop(input);
+    let mut child = spawn_with_stdin(args, stdin);
     let mut out = BufReader::new(child.stdout.take().expect("stdout"));
     for _ in 0..lines {
         let mut line = String::new();
@@ -64,11 +55,8 @@ fn tree_checkpoint() -> &'static Path {
 
 /// `name` in a fresh folder `dir` holding `files` (name, contents).
 fn folder(dir: &str, files: &[(&str, &str)]) -> PathBuf {
-    let d = tmp(dir);
-    std::fs::create_dir_all(&d).unwrap();
-    for (name, text) in files {
-        std::fs::write(d.join(name), text).unwrap();
-    }
+    let d = fresh_dir(dir);
+    write_files(&d, files);
     d
 }
 

@@ -5,16 +5,12 @@
 //! finished run finishes cleanly; a resumable checkpoint evaluates as a
 //! plain one.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn ramus(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ramus"))
-        .args(args)
-        .output()
-        .expect("run ramus")
-}
+mod common;
+use common::*;
 
 fn spawn(args: &[&str]) -> Child {
     Command::new(env!("CARGO_BIN_EXE_ramus"))
@@ -23,17 +19,6 @@ fn spawn(args: &[&str]) -> Child {
         .stderr(Stdio::piped())
         .spawn()
         .expect("run ramus")
-}
-
-fn dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ramus-resume-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).to_string()
 }
 
 fn s(p: &Path) -> &str {
@@ -61,8 +46,7 @@ const RUN: [&str; 12] = [
 fn reference(save: &Path) -> Vec<u8> {
     let mut args = RUN.to_vec();
     args.extend(["--save", s(save)]);
-    let o = ramus(&args);
-    assert!(o.status.success(), "{}", text(&o.stderr));
+    ramus_ok(&args);
     std::fs::read(save).unwrap()
 }
 
@@ -81,7 +65,7 @@ impl Lcg {
 
 #[test]
 fn killed_at_random_batches_and_resumed_ends_bit_identical() {
-    let d = dir("kill");
+    let d = fresh_dir("kill");
     let expected = reference(&d.join("reference.safetensors"));
     let save = d.join("run.safetensors");
     let ckpts = d.join("ckpt");
@@ -116,7 +100,7 @@ fn killed_at_random_batches_and_resumed_ends_bit_identical() {
         if kills == 6 {
             // the last one runs to the end
             let o = child.wait_with_output().unwrap();
-            assert!(o.status.success(), "{}", text(&o.stderr));
+            assert!(o.status.success(), "{}", stderr(&o));
             break;
         }
         std::thread::sleep(Duration::from_millis(20 + rng.below(300)));
@@ -137,7 +121,7 @@ fn killed_at_random_batches_and_resumed_ends_bit_identical() {
 
 #[test]
 fn sigterm_saves_says_how_to_resume_and_resumes_exactly() {
-    let d = dir("term");
+    let d = fresh_dir("term");
     let expected = reference(&d.join("reference.safetensors"));
     let save = d.join("run.safetensors");
     // checkpoints beside --save: run.last.safetensors, run.best.safetensors
@@ -153,21 +137,20 @@ fn sigterm_saves_says_how_to_resume_and_resumes_exactly() {
     let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     assert!(killed.success());
     let o = child.wait_with_output().unwrap();
-    let err = text(&o.stderr);
+    let err = stderr(&o);
     assert!(!o.status.success(), "{err}");
     assert!(
         err.contains("interrupted") && err.contains(&format!("--resume {}", last.display())),
         "{err}"
     );
-    let o = ramus(&["train", "--resume", s(&last)]);
-    assert!(o.status.success(), "{}", text(&o.stderr));
-    assert!(text(&o.stdout).contains("resuming"), "{}", text(&o.stdout));
+    let o = ramus_ok(&["train", "--resume", s(&last)]);
+    assert!(stdout(&o).contains("resuming"), "{}", stdout(&o));
     assert!(std::fs::read(&save).unwrap() == expected);
     // resuming the finished run finishes cleanly: nothing left to train,
     // the same model tested and saved again
     let o = ramus(&["train", "--resume", s(&last)]);
-    let out = text(&o.stdout);
-    assert!(o.status.success(), "{}", text(&o.stderr));
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
     assert!(
         out.contains("epoch 5, batch 0") && !out.contains("epoch 4:"),
         "{out}"
@@ -177,16 +160,15 @@ fn sigterm_saves_says_how_to_resume_and_resumes_exactly() {
     let trees = d.join("trees.txt");
     std::fs::write(&trees, "(3 (2 not) (1 bad))\n(1 (2 the) (4 wonderful))\n").unwrap();
     for ckpt in [&last, &d.join("run.best.safetensors")] {
-        let o = ramus(&["eval", "--data", s(&trees), "--checkpoint", s(ckpt)]);
-        assert!(o.status.success(), "{}", text(&o.stderr));
-        assert!(text(&o.stdout).contains("2 graphs"), "{}", text(&o.stdout));
+        let o = ramus_ok(&["eval", "--data", s(&trees), "--checkpoint", s(ckpt)]);
+        assert!(stdout(&o).contains("2 graphs"), "{}", stdout(&o));
     }
     std::fs::remove_dir_all(&d).ok();
 }
 
 #[test]
 fn resuming_with_contradicting_flags_or_other_data_is_refused() {
-    let d = dir("refuse");
+    let d = fresh_dir("refuse");
     let save = d.join("run.safetensors");
     let mut args = RUN.to_vec();
     args.extend(["--epochs", "1", "--save", s(&save)]);
@@ -196,8 +178,7 @@ fn resuming_with_contradicting_flags_or_other_data_is_refused() {
         .filter(|&(i, _)| !(1..=2).contains(&i)) // the first --epochs
         .map(|(_, a)| *a)
         .collect();
-    let o = ramus(&args);
-    assert!(o.status.success(), "{}", text(&o.stderr));
+    ramus_ok(&args);
     let last = d.join("run.last.safetensors");
     let o = ramus(&[
         "train",
@@ -210,21 +191,19 @@ fn resuming_with_contradicting_flags_or_other_data_is_refused() {
         "--epochs",
         "2",
     ]);
-    let err = text(&o.stderr);
+    let err = stderr(&o);
     assert!(!o.status.success());
     assert!(
         err.contains("--hidden 9") && err.contains("--seed 2") && !err.contains("--epochs"),
         "{err}"
     );
     // the same flags with the same values are fine (no training left)
-    let o = ramus(&["train", "--resume", s(&last), "--hidden", "8"]);
-    assert!(o.status.success(), "{}", text(&o.stderr));
+    ramus_ok(&["train", "--resume", s(&last), "--hidden", "8"]);
     // more epochs may be asked for, and the next resume remembers them
-    let o = ramus(&["train", "--resume", s(&last), "--epochs", "2"]);
-    assert!(o.status.success(), "{}", text(&o.stderr));
-    assert!(text(&o.stdout).contains("epoch 2:"), "{}", text(&o.stdout));
+    let o = ramus_ok(&["train", "--resume", s(&last), "--epochs", "2"]);
+    assert!(stdout(&o).contains("epoch 2:"), "{}", stdout(&o));
     let o = ramus(&["train", "--resume", s(&last)]);
-    let out = text(&o.stdout);
+    let out = stdout(&o);
     assert!(
         out.contains("epoch 3, batch 0") && !out.contains("epoch 2:"),
         "{out}"
@@ -232,11 +211,13 @@ fn resuming_with_contradicting_flags_or_other_data_is_refused() {
     // other data: refused, naming it
     let data = d.join("data");
     std::fs::create_dir_all(&data).unwrap();
-    for split in ["train", "dev", "test"] {
-        std::fs::write(data.join(format!("{split}.txt")), "(3 (2 not) (1 bad))\n").unwrap();
-    }
+    let tree = "(3 (2 not) (1 bad))\n";
+    write_files(
+        &data,
+        &[("train.txt", tree), ("dev.txt", tree), ("test.txt", tree)],
+    );
     let o = ramus(&["train", "--resume", s(&last), "--data", s(&data)]);
-    let err = text(&o.stderr);
+    let err = stderr(&o);
     assert!(!o.status.success());
     assert!(
         err.contains("--resume") && err.contains("data differs"),
@@ -244,13 +225,13 @@ fn resuming_with_contradicting_flags_or_other_data_is_refused() {
     );
     // a plain checkpoint has no run state to resume
     let o = ramus(&["train", "--resume", s(&save)]);
-    let err = text(&o.stderr);
+    let err = stderr(&o);
     assert!(
         !o.status.success() && err.contains("not a resumable checkpoint"),
         "{err}"
     );
     // --checkpoint-every needs somewhere to write
     let o = ramus(&["train", "--checkpoint-every", "3"]);
-    assert!(text(&o.stderr).contains("--checkpoint-dir or --save"));
+    assert!(stderr(&o).contains("--checkpoint-dir or --save"));
     std::fs::remove_dir_all(&d).ok();
 }

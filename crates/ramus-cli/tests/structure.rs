@@ -3,57 +3,30 @@
 //! bench); `--binarize left|right` rewrites them instead.
 
 use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 
-fn ramus(args: &[&str], stdin: Option<&str>) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ramus"))
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run ramus");
-    let input = child.stdin.take().expect("stdin");
-    if let Some(text) = stdin {
-        std::io::Write::write_all(&mut { input }, text.as_bytes()).expect("write stdin");
-    }
-    child.wait_with_output().expect("ramus output")
+mod common;
+use common::*;
+
+/// Runs `ramus`, with `input` as its standard input.
+fn with_stdin(args: &[&str], input: &str) -> Output {
+    spawn_with_stdin(args, input.as_bytes())
+        .wait_with_output()
+        .expect("ramus output")
 }
 
-fn out(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).to_string()
-}
-
-fn err(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).to_string()
-}
-
-/// Fails unless `o` succeeded.
-fn ok(o: Output) -> Output {
-    assert!(o.status.success(), "{}", err(&o));
-    o
-}
-
-/// Fails unless `o` failed with one `error:` line that contains `needle`.
-fn refused(o: &Output, needle: &str) {
-    assert!(!o.status.success(), "expected failure: {}", out(o));
-    let e = err(o);
-    assert_eq!(e.lines().count(), 1, "{e}");
-    assert!(e.starts_with("error: ") && e.contains(needle), "{e}");
-}
-
-/// A data directory whose dev.txt has a ternary vertex on line 2.
-fn data_dir() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ramus-structure-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+/// A new data directory `name` whose dev.txt has a ternary vertex on line 2.
+fn data_dir(name: &str) -> PathBuf {
+    let dir = fresh_dir(name);
     let binary = "(3 (2 a) (4 (2 b) (1 c)))\n(1 (2 a) (3 c))\n";
-    std::fs::write(dir.join("train.txt"), binary).unwrap();
-    std::fs::write(
-        dir.join("dev.txt"),
-        "(3 (2 a) (4 b))\n(2 (1 a) (2 b) (3 c))\n",
-    )
-    .unwrap();
-    std::fs::write(dir.join("test.txt"), "(3 (2 a) (4 b))\n").unwrap();
+    write_files(
+        &dir,
+        &[
+            ("train.txt", binary),
+            ("dev.txt", "(3 (2 a) (4 b))\n(2 (1 a) (2 b) (3 c))\n"),
+            ("test.txt", "(3 (2 a) (4 b))\n"),
+        ],
+    );
     dir
 }
 
@@ -61,31 +34,35 @@ const TRAIN: [&str; 6] = ["train", "--epochs", "1", "--hidden", "4", "--quiet"];
 
 #[test]
 fn train_refuses_a_ternary_dev_tree_before_training() {
-    let dir = data_dir();
+    let dir = data_dir("ternary-dev");
     let save = dir.join("never.safetensors");
     let data = dir.to_str().unwrap();
     for model in ["treefc", "treelstm-nary", "mvrnn", "rvnn"] {
         let mut args = TRAIN.to_vec();
         args.extend(["--data", data, "--model", model, "--save"]);
         args.push(save.to_str().unwrap());
-        let o = ramus(&args, None);
-        refused(
+        let o = ramus(&args);
+        assert_one_line_error(
             &o,
             &format!("dev.txt:2: vertex 3 has 3 children, but vertex function `internal` of model `{model}` reads exactly 2"),
         );
-        assert!(err(&o).contains("--binarize"), "{}", err(&o));
-        assert!(!out(&o).contains("epoch"), "{model} trained: {}", out(&o));
+        assert!(stderr(&o).contains("--binarize"), "{}", stderr(&o));
+        assert!(
+            !stdout(&o).contains("epoch"),
+            "{model} trained: {}",
+            stdout(&o)
+        );
         assert!(!save.exists());
     }
     // child-sum models read any number of children
     let mut args = TRAIN.to_vec();
     args.extend(["--data", data, "--model", "treelstm"]);
-    assert!(out(&ok(ramus(&args, None))).contains("epoch 1:"));
+    assert!(stdout(&ramus_ok(&args)).contains("epoch 1:"));
 }
 
 #[test]
 fn binarized_trees_train_evaluate_infer_and_bench() {
-    let dir = data_dir();
+    let dir = data_dir("binarized");
     let (data, ckpt) = (dir.to_str().unwrap(), dir.join("fc.safetensors"));
     let ckpt = ckpt.to_str().unwrap();
     let mut args = TRAIN.to_vec();
@@ -99,26 +76,25 @@ fn binarized_trees_train_evaluate_infer_and_bench() {
         "--save",
         ckpt,
     ]);
-    assert!(out(&ok(ramus(&args, None))).contains("epoch 1:"));
+    assert!(stdout(&ramus_ok(&args)).contains("epoch 1:"));
     let dev = dir.join("dev.txt");
     let dev = dev.to_str().unwrap();
     let eval = ["eval", "--data", dev, "--checkpoint", ckpt];
-    refused(&ramus(&eval, None), "dev.txt:2: vertex 3 has 3 children");
+    assert_one_line_error(&ramus(&eval), "dev.txt:2: vertex 3 has 3 children");
     let mut args = eval.to_vec();
     args.extend(["--binarize", "right"]);
-    assert!(out(&ok(ramus(&args, None))).contains("2 graphs"));
+    assert!(stdout(&ramus_ok(&args)).contains("2 graphs"));
 
     // a one-child root: refused by both engines, then collapsed
     let trees = "(1 (2 a) (3 b))\n(1 (2 (3 a) (1 b)))\n";
     for engine in ["compiled", "batched"] {
         let args = ["infer", "--checkpoint", ckpt, "--engine", engine];
-        refused(
-            &ramus(&args, Some(trees)),
-            "<stdin>:2: vertex 3 has 1 child",
-        );
+        assert_one_line_error(&with_stdin(&args, trees), "<stdin>:2: vertex 3 has 1 child");
         let mut args = args.to_vec();
         args.extend(["--binarize", "left"]);
-        assert_eq!(out(&ok(ramus(&args, Some(trees)))).lines().count(), 2);
+        let o = with_stdin(&args, trees);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert_eq!(stdout(&o).lines().count(), 2);
     }
 
     let bench = [
@@ -133,22 +109,22 @@ fn binarized_trees_train_evaluate_infer_and_bench() {
     ];
     let mut args = bench.to_vec();
     args.extend(["--reps", "1", "--infer-only"]);
-    refused(&ramus(&args, None), "dev.txt:2: vertex 3");
+    assert_one_line_error(&ramus(&args), "dev.txt:2: vertex 3");
     args.extend(["--binarize", "left"]);
-    assert!(out(&ok(ramus(&args, None))).contains("\"model\":\"treefc\""));
+    assert!(stdout(&ramus_ok(&args)).contains("\"model\":\"treefc\""));
 }
 
 #[test]
 fn binarize_is_for_trees_and_names_a_side() {
-    refused(
-        &ramus(&["train", "--model", "lstm-lm", "--binarize", "left"], None),
+    assert_one_line_error(
+        &ramus(&["train", "--model", "lstm-lm", "--binarize", "left"]),
         "--binarize rewrites trees; `lstm-lm`",
     );
-    let o = ramus(&["train", "--binarize", "up"], None);
+    let o = ramus(&["train", "--binarize", "up"]);
     assert!(!o.status.success());
     assert!(
-        err(&o).contains("unknown side `up` (known: left, right)"),
+        stderr(&o).contains("unknown side `up` (known: left, right)"),
         "{}",
-        err(&o)
+        stderr(&o)
     );
 }

@@ -2,14 +2,30 @@
 //! the one-line errors it must give.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
 
 pub fn ramus(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_ramus"))
         .args(args)
         .output()
         .expect("run ramus")
+}
+
+/// Starts `ramus` with every stream piped, writes `input` to its standard
+/// input and closes it.
+pub fn spawn_with_stdin(args: &[&str], input: &[u8]) -> Child {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ramus"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run ramus");
+    let mut stdin = child.stdin.take().expect("stdin");
+    stdin.write_all(input).expect("write stdin");
+    child
 }
 
 /// Runs `ramus` and fails, showing its stderr, unless it succeeded.
@@ -27,25 +43,58 @@ pub fn json_lines(o: &std::process::Output) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// `name` in this test process's temporary directory.
 pub fn tmp(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ramus-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir.join(name)
 }
 
+/// A new, empty directory `name` in this test process's temporary directory.
+pub fn fresh_dir(name: &str) -> PathBuf {
+    let d = tmp(name);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Writes `files` (name, contents) into the directory `dir`.
+pub fn write_files(dir: &Path, files: &[(&str, &str)]) {
+    for (name, text) in files {
+        std::fs::write(dir.join(name), text).unwrap();
+    }
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).to_string()
+}
+
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).to_string()
 }
 
-/// Fails unless the command failed with exactly one `error:` line naming `needle`.
-pub fn assert_one_line_error(o: &Output, needle: &str) {
-    assert!(!o.status.success(), "expected failure");
+/// Fails unless the command failed with exactly one `error:` line
+/// containing every needle; returns that line.
+pub fn error_line(o: &Output, needles: &[&str]) -> String {
     let err = stderr(o);
+    assert!(
+        !o.status.success(),
+        "expected failure; stdout:\n{}",
+        stdout(o)
+    );
     let lines: Vec<&str> = err.lines().collect();
     assert_eq!(lines.len(), 1, "expected one line, got: {err}");
-    assert!(
-        lines[0].starts_with("error: ") && lines[0].contains(needle),
-        "{err}"
-    );
+    for needle in needles {
+        assert!(
+            lines[0].starts_with("error: ") && lines[0].contains(needle),
+            "no `{needle}` in: {err}"
+        );
+    }
     assert!(!err.contains("panicked"), "{err}");
+    lines[0].to_string()
+}
+
+/// Fails unless the command failed with exactly one `error:` line naming `needle`.
+pub fn assert_one_line_error(o: &Output, needle: &str) {
+    error_line(o, &[needle]);
 }
