@@ -1230,6 +1230,8 @@ impl DeviceOptimizer {
 }
 
 #[cfg(test)]
+mod fixture;
+#[cfg(test)]
 mod host;
 #[cfg(test)]
 mod tests;

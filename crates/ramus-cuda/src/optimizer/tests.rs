@@ -1,20 +1,12 @@
 //! Tests of the device optimizer: layouts, and the generated kernels run
 //! as C++ on the host against `ramus_nn::Optimizer`, bit for bit.
 
-use ramus_core::model::{FunctionSelector, HeadRows, Init, ModelBuilder};
-use ramus_core::{Grads, Model, Params, Tensor};
+use ramus_core::{Model, Params};
 use ramus_nn::Optimizer;
 
+use super::fixture::*;
 use super::host::*;
 use super::*;
-
-fn config(kind: OptimizerKind, lr: f64, weight_decay: f64, clip: Option<f64>) -> OptimizerConfig {
-    OptimizerConfig {
-        weight_decay,
-        clip_norm: clip,
-        ..OptimizerConfig::new(kind, lr)
-    }
-}
 
 const KINDS: [OptimizerKind; 3] = [
     OptimizerKind::Sgd,
@@ -328,56 +320,6 @@ fn chunks_split_at_max_segments_and_number_the_norm_slots() {
 // The generated kernels, compiled and run on the host
 // ------------------------------------------------------------------
 
-/// The parameters of the test model: (name, shape, row width if a table).
-fn test_model() -> Model {
-    let h = 6;
-    let mut m = ModelBuilder::new("optimizer-test", h);
-    let w = m.param("W", &[h, 2 * h], Init::Xavier);
-    let emb = m.param("emb", &[40, h], Init::Normal { std: 0.5 });
-    let b = m.param("b", &[h], Init::Uniform { bound: 0.5 });
-    let w_out = m.param("W_out", &[5, h], Init::LinearDefault);
-    let tags = m.param("tags", &[30, 4], Init::Normal { std: 0.5 });
-    let w_leaf = m.param("W_leaf", &[h, h + 4], Init::Xavier);
-    let leaf = m
-        .vertex_fn("leaf", |f| {
-            let x = f.embed(emb);
-            let t = f.embed(tags);
-            let xt = f.concat(&[x, t]);
-            let w = f.param(w_leaf);
-            let z = f.linear(xt, w, None);
-            let y = f.tanh(z);
-            f.scatter(y);
-            f.push(y);
-        })
-        .unwrap();
-    let internal = m
-        .vertex_fn("internal", |f| {
-            let (l, r) = (f.gather(0), f.gather(1));
-            let lr = f.concat(&[l, r]);
-            let (w, b) = (f.param(w), f.param(b));
-            let z = f.linear(lr, w, Some(b));
-            let y = f.tanh(z);
-            f.scatter(y);
-            f.push(y);
-        })
-        .unwrap();
-    m.select(FunctionSelector::LeafInternal { leaf, internal });
-    m.head(HeadRows::Roots, h, |hd| {
-        let x = hd.input();
-        let w = hd.param(w_out);
-        let logits = hd.linear(x, w, None);
-        let labels = hd.labels();
-        let loss = hd.softmax_xent(logits, labels);
-        let loss = hd.mean_rows(loss);
-        hd.loss(loss);
-        hd.logits(logits);
-    })
-    .unwrap();
-    m.build().unwrap()
-}
-
-const TABLES: [usize; 2] = [1, 4];
-
 /// The test model's parameters: (length, row width if a table).
 fn test_shapes(model: &Model) -> Vec<(usize, Option<usize>)> {
     model
@@ -390,78 +332,6 @@ fn test_shapes(model: &Model) -> Vec<(usize, Option<usize>)> {
         })
         .collect()
 }
-
-/// Deterministic values in [-1, 1).
-fn random_values(len: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
-
-/// Step `step`'s gradients (every element, untouched rows included:
-/// they must be ignored) and touched rows per table, in the order the
-/// device gets them (not sorted; the tags table also names a row past
-/// its end, which both sides skip; step 3 touches no tags row).
-fn step_data(model: &Model, step: u64) -> (Vec<Vec<f32>>, Vec<Vec<u32>>) {
-    let grads = model
-        .params
-        .iter()
-        .enumerate()
-        .map(|(p, spec)| {
-            let n = spec.shape.iter().product();
-            random_values(n, step * 100 + p as u64)
-        })
-        .collect();
-    let pick = |rows: u32, seed: u64, count: usize| -> Vec<u32> {
-        let mut out = Vec::new();
-        for x in random_values(4 * count, seed) {
-            let r = ((x + 1.0) * 0.5 * rows as f32) as u32 % rows;
-            if !out.contains(&r) && out.len() < count {
-                out.push(r);
-            }
-        }
-        out
-    };
-    let emb = pick(40, step * 7 + 1, 9);
-    let tags = if step == 3 {
-        Vec::new()
-    } else {
-        let mut t = pick(30, step * 7 + 2, 5);
-        t.insert(1, 30);
-        t
-    };
-    (grads, vec![emb, tags])
-}
-
-/// The host reference's gradients for step data.
-fn host_grads(model: &Model, grads: &[Vec<f32>], touched: &[Vec<u32>]) -> Grads<f32> {
-    let mut g = Grads::zeros(model);
-    for (p, data) in grads.iter().enumerate() {
-        g.values[p] = Tensor::from_vec(&model.params[p].shape, data.clone()).unwrap();
-        match TABLES.iter().position(|&t| t == p) {
-            None => g.mark_dense(p),
-            Some(t) => touched[t].iter().for_each(|&r| g.mark_row(p, r)),
-        }
-    }
-    g.finish_rows();
-    g
-}
-
-fn flat(params: &Params<f32>) -> Vec<f32> {
-    params
-        .values
-        .iter()
-        .flat_map(|t| t.data().iter().copied())
-        .collect()
-}
-
-const STEPS: u64 = 5;
 
 /// Runs `configs` for [`STEPS`] steps through the generated kernels on
 /// the host and through `ramus_nn::Optimizer`, and compares every
@@ -644,7 +514,7 @@ fn the_norm_and_update_span_several_launches() {
     src += &put_cpp(rows.view().device_ptr(), &[7, 2, 11]);
     let mut expected = Vec::new();
     for step in 1..=2u64 {
-        let all = random_values(2 * total, 1000 + step);
+        let all = super::fixture::values(2 * total, 1000 + step);
         src += &put_cpp(grads.view().device_ptr(), &bits(&all));
         src += &norm_cpp("c0", &state, &segments, 2.0, 0);
         src += &update_cpp(

@@ -38,18 +38,12 @@ pub fn device() -> Option<Arc<CudaDevice>> {
     }
 }
 
-/// Deterministic values in [-1, 1).
-pub fn values(len: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
+/// The device optimizer's test model and step data, shared with its unit
+/// tests in `src/optimizer/`.
+#[path = "../../src/optimizer/fixture.rs"]
+pub mod optimizer_fixture;
+#[allow(unused_imports)] // as with `dead_code`: each test crate uses a subset
+pub use optimizer_fixture::values;
 
 /// Three rounds of training batches of `data` in chunks of `chunk`; after
 /// the first round no batch may make a device allocation. Round 0 prints
