@@ -14,7 +14,8 @@ use ramus_core::{Model, Params};
 use ramus_cuda::persistent::{PersistentOptions, PersistentTrainer};
 use ramus_cuda::{CudaEngine, CudaEngineOptions, SwapConfig, SwapMode};
 use ramus_graph::random::random_tree;
-use ramus_graph::{images, InputGraph};
+use ramus_graph::testing::{images_with_nan_pixel, SMALL_IMAGES};
+use ramus_graph::InputGraph;
 use ramus_nn::{
     build_model, build_vision_model, ImageShape, ModelConfig, ModelOptions, NnError, OnNonFinite,
     OptimizerConfig, OptimizerKind, TensorPart, Trainer, VisionConfig,
@@ -50,27 +51,14 @@ fn bits(params: &Params<f32>) -> Vec<Vec<u32>> {
         .collect()
 }
 
-/// A small ResNet (batch norm with running statistics) and 8×8 images,
-/// those at `poisoned` with a NaN pixel: their batches have a NaN loss.
-fn poisoned_images(poisoned: &[usize]) -> (Vec<InputGraph>, Model) {
-    let spec = images::ImageSpec {
-        channels: 3,
-        height: 8,
-        width: 8,
-        classes: 3,
-        noise: 0.3,
-    };
-    let mut data = images::generate(&spec, 3, (64, 0, 0)).unwrap().train;
-    for &i in poisoned {
-        let mut pixels = data[i].features(0).to_vec();
-        pixels[5] = f32::NAN;
-        data[i].set_features(pixels.len(), pixels).unwrap();
-    }
+/// A small ResNet (batch norm with running statistics: buffers) for
+/// [`SMALL_IMAGES`].
+fn small_resnet() -> Model {
     let vision = VisionConfig {
         image: ImageShape {
-            channels: 3,
-            height: 8,
-            width: 8,
+            channels: SMALL_IMAGES.channels,
+            height: SMALL_IMAGES.height,
+            width: SMALL_IMAGES.width,
         },
         resnet_blocks: vec![1],
         ..VisionConfig::default()
@@ -78,10 +66,15 @@ fn poisoned_images(poisoned: &[usize]) -> (Vec<InputGraph>, Model) {
     let cfg = ModelConfig {
         vocab: 0,
         hidden: 4,
-        classes: 3,
+        classes: SMALL_IMAGES.classes,
     };
-    let model = build_vision_model("resnet", &cfg, &vision, &ModelOptions::default()).unwrap();
-    (data, model)
+    build_vision_model("resnet", &cfg, &vision, &ModelOptions::default()).unwrap()
+}
+
+/// A small ResNet (batch norm with running statistics) and 8×8 images,
+/// those at `poisoned` with a NaN pixel: their batches have a NaN loss.
+fn poisoned_images(poisoned: &[usize]) -> (Vec<InputGraph>, Model) {
+    (images_with_nan_pixel(64, poisoned), small_resnet())
 }
 
 /// On `swap` (off: the batched path; otherwise the swap path): a clean

@@ -6,9 +6,15 @@
 //!
 //! Each property test runs [`cases`] cases: a fixed number in CI, more
 //! with `RAMUS_PROPTEST_CASES=N`.
+//!
+//! Also the poisoned images of the engines' numerical-fault tests
+//! ([`images_with_nan_pixel`]).
 
 use proptest::prelude::*;
 use proptest::test_runner::Config;
+
+use crate::images::{self, ImageSpec};
+use crate::InputGraph;
 
 /// One change to a byte string; positions are fractions of its length
 /// (in `[0, 1)`).
@@ -151,6 +157,32 @@ pub fn config(default: u32) -> Config {
     }
 }
 
+/// The images of the numerical-fault tests: 3×8×8 pixels, three classes.
+pub const SMALL_IMAGES: ImageSpec = ImageSpec {
+    channels: 3,
+    height: 8,
+    width: 8,
+    classes: 3,
+    noise: 0.3,
+};
+
+/// `count` training images of [`SMALL_IMAGES`] (seed 3); those at
+/// `nan_pixel` have a NaN pixel, so every batch holding one has a NaN loss
+/// while the parameters stay finite.
+pub fn images_with_nan_pixel(count: usize, nan_pixel: &[usize]) -> Vec<InputGraph> {
+    let mut data = images::generate(&SMALL_IMAGES, 3, (count, 0, 0))
+        .expect("the small images are valid")
+        .train;
+    for &i in nan_pixel {
+        let mut pixels = data[i].features(0).to_vec();
+        pixels[5] = f32::NAN;
+        data[i]
+            .set_features(pixels.len(), pixels)
+            .expect("the image keeps its width");
+    }
+    data
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -181,5 +213,15 @@ mod tests {
             len: 2,
         };
         assert_eq!(apply(b"abcd", &[dup]), b"abcdab");
+    }
+
+    #[test]
+    fn only_the_named_images_have_a_nan_pixel() {
+        let data = images_with_nan_pixel(6, &[1, 4]);
+        let nan: Vec<bool> = data
+            .iter()
+            .map(|g| g.features(0).iter().any(|x| x.is_nan()))
+            .collect();
+        assert_eq!(nan, [false, true, false, false, true, false]);
     }
 }

@@ -7,7 +7,7 @@
 use rand::seq::SliceRandom;
 
 use ramus_core::Params;
-use ramus_graph::images::{self, ImageSpec};
+use ramus_graph::testing::{images_with_nan_pixel, SMALL_IMAGES};
 use ramus_graph::{ptb, synthetic, InputGraph, VocabMode};
 use ramus_nn::nonfinite::first_nonfinite;
 use ramus_nn::{
@@ -114,29 +114,14 @@ fn a_nonfinite_batch_stops_training_naming_batch_graph_and_parameter() {
     assert_eq!(first_nonfinite(&t.model, &t.params, None), None);
 }
 
-/// A small ResNet (batch norm with running statistics: buffers) on 8×8
-/// images; the images at `poisoned` have a NaN pixel, so every batch with
-/// one has a NaN loss while the parameters stay finite.
-fn poisoned_images(poisoned: &[usize]) -> (Vec<InputGraph>, ramus_core::Model) {
-    let spec = ImageSpec {
-        channels: 3,
-        height: 8,
-        width: 8,
-        classes: 3,
-        noise: 0.3,
-    };
-    let mut data = images::generate(&spec, 3, (120, 0, 0)).unwrap().train;
-    for &i in poisoned {
-        let g = &mut data[i];
-        let mut pixels = g.features(0).to_vec();
-        pixels[5] = f32::NAN;
-        g.set_features(pixels.len(), pixels).unwrap();
-    }
+/// A small ResNet (batch norm with running statistics: buffers) for
+/// [`SMALL_IMAGES`].
+fn small_resnet() -> ramus_core::Model {
     let vision = VisionConfig {
         image: ImageShape {
-            channels: 3,
-            height: 8,
-            width: 8,
+            channels: SMALL_IMAGES.channels,
+            height: SMALL_IMAGES.height,
+            width: SMALL_IMAGES.width,
         },
         resnet_blocks: vec![1],
         ..VisionConfig::default()
@@ -144,9 +129,17 @@ fn poisoned_images(poisoned: &[usize]) -> (Vec<InputGraph>, ramus_core::Model) {
     let cfg = ModelConfig {
         vocab: 0,
         hidden: 4,
-        classes: 3,
+        classes: SMALL_IMAGES.classes,
     };
-    let model = build_vision_model("resnet", &cfg, &vision, &ModelOptions::default()).unwrap();
+    build_vision_model("resnet", &cfg, &vision, &ModelOptions::default()).unwrap()
+}
+
+/// A small ResNet (batch norm with running statistics: buffers) on 8×8
+/// images; the images at `poisoned` have a NaN pixel, so every batch with
+/// one has a NaN loss while the parameters stay finite.
+fn poisoned_images(poisoned: &[usize]) -> (Vec<InputGraph>, ramus_core::Model) {
+    let data = images_with_nan_pixel(120, poisoned);
+    let model = small_resnet();
     assert!((0..model.params.len()).any(|p| model.is_buffer(p)));
     (data, model)
 }
