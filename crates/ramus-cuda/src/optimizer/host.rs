@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 use std::process::Command;
 use std::sync::Arc;
 
+use super::plan::Chunk;
 use super::*;
 use crate::pool::{ChunkMemory, PoolConfig};
 

@@ -6,6 +6,7 @@ use ramus_nn::Optimizer;
 
 use super::fixture::*;
 use super::host::*;
+use super::plan::RawSegments;
 use super::*;
 
 const KINDS: [OptimizerKind; 3] = [
