@@ -117,23 +117,32 @@ fn build(a: &BenchSwapArgs, name: &str) -> AnyResult<Model> {
     )?)
 }
 
-/// Trains `warmup + steps` batches of `data` from `params` with a fresh
-/// engine in `mode` under `budget`.
-#[allow(clippy::too_many_arguments)] // model, data, parameters, optimizer, mode, budget, counts
-fn run(
-    model: &Model,
-    data: &[Vec<&InputGraph>],
-    params: &Params<f32>,
+/// What every run of one `bench-swap` shares: the batches (`warmup`
+/// untimed ones first), the optimizer, the Nm values and modes to run, the
+/// seed.
+struct Bench<'a> {
+    data: Vec<Vec<&'a InputGraph>>,
     config: OptimizerConfig,
-    mode: SwapMode,
-    budget: Option<u64>,
+    ratios: Vec<f64>,
+    modes: Vec<SwapMode>,
     warmup: usize,
     seed: u64,
+}
+
+/// Trains every batch of `b` from `params` with a fresh engine in `mode`
+/// under `budget`.
+fn run(
+    b: &Bench,
+    model: &Model,
+    params: &Params<f32>,
+    mode: SwapMode,
+    budget: Option<u64>,
 ) -> AnyResult<RunResult> {
+    let (data, warmup) = (&b.data, b.warmup);
     let mut engine = device::cuda_engine_with(model, budget, SwapConfig::with_mode(mode))?;
-    engine.set_seed(seed);
+    engine.set_seed(b.seed);
     let mut params = params.clone();
-    let mut optimizer = Optimizer::new(config, &params);
+    let mut optimizer = Optimizer::new(b.config, &params);
     let mut grads = Grads::zeros(model);
     let mut losses = Vec::with_capacity(data.len());
     let mut started = None;
@@ -204,11 +213,18 @@ pub fn run_bench(a: BenchSwapArgs) -> AnyResult {
     };
     let total = a.warmup + a.steps;
     let set = images::generate(&spec, a.seed, (total * a.batch_size, 0, 0))?;
-    let data: Vec<Vec<&InputGraph>> = set
-        .train
-        .chunks(a.batch_size)
-        .map(|c| c.iter().collect())
-        .collect();
+    let bench = Bench {
+        data: set
+            .train
+            .chunks(a.batch_size)
+            .map(|c| c.iter().collect())
+            .collect(),
+        config,
+        ratios,
+        modes,
+        warmup: a.warmup,
+        seed: a.seed,
+    };
     let models: Vec<String> = parse_list(&a.models, "--models")?;
     outln!(
         "bench-swap: batch {} of {} images, width {}, {} warm-up + {} timed steps, {} lr {}",
@@ -221,129 +237,126 @@ pub fn run_bench(a: BenchSwapArgs) -> AnyResult {
         a.lr
     )?;
     for name in &models {
-        let model = build(&a, name)?;
-        let params = Params::<f32>::init(&model, a.seed);
-        let base = run(
-            &model,
-            &data,
-            &params,
-            config,
-            SwapMode::Resident,
-            None,
-            a.warmup,
-            a.seed,
-        )
+        bench_model(&a, &bench, name, &mut emit)?;
+    }
+    Ok(())
+}
+
+/// Model `name`: its in-memory run, then a table row for each Nm with
+/// every mode's step time (and PyTorch's, with `--torch`); each run is
+/// also a JSON line for `emit`.
+fn bench_model(
+    a: &BenchSwapArgs,
+    bench: &Bench,
+    name: &str,
+    emit: &mut dyn FnMut(serde_json::Value) -> AnyResult,
+) -> AnyResult {
+    let (ratios, modes) = (&bench.ratios, &bench.modes);
+    let total = bench.data.len();
+    let model = build(a, name)?;
+    let params = Params::<f32>::init(&model, a.seed);
+    let base = run(bench, &model, &params, SwapMode::Resident, None)
         .map_err(|e| format!("{name}, in memory: {e}"))?;
-        let report = base.report.clone().ok_or("no swap report")?;
-        let peak = report.pool_peak_bytes;
-        outln!(
-            "\n{name}: in memory (budget lifted) {} ms/step, peak {} ({} ops, {} tensors, \
-             fixed overhead {})",
-            ms(base.step_s),
-            human_bytes(peak),
-            report.ops,
-            report.tensors,
-            human_bytes(report.overhead_bytes)
-        )?;
-        emit(
-            json!({"model": name, "mode": "in-memory", "budget": null, "nm": null,
-            "step_s": base.step_s, "peak_bytes": peak, "losses": base.losses,
-            "report": report.to_json()}),
-        )?;
-        let budgets: Vec<u64> = ratios.iter().map(|nm| (peak as f64 / nm) as u64).collect();
-        let torch = match &a.torch {
-            Some(script) => Some(run_torch(&a, script, name, &budgets, &ratios, &mut emit)?),
-            None => None,
-        };
-        let mut header = format!("{:>5} {:>10} {:>9}", "Nm", "budget", "in-mem");
-        for m in &modes {
-            header.push_str(&format!(" {:>9}", m.name()));
-        }
-        if torch.is_some() {
-            header.push_str(&format!(" {:>9}", "torch"));
-        }
-        header.push_str("  planner/in-mem  naive/planner  moved/step  losses");
-        if torch.is_some() {
-            header.push_str("  planner/torch");
-        }
-        outln!("{header}  (ms per step)")?;
-        for (&nm, &budget) in ratios.iter().zip(&budgets) {
-            let mut row = format!(
-                "{nm:>5.2} {:>10} {:>9}",
-                human_bytes(budget),
-                ms(base.step_s)
-            );
-            let mut times = HashMap::new();
-            let mut identical = true;
-            let mut moved = String::from("-");
-            let mut finals = Vec::new();
-            for &mode in &modes {
-                match run(
-                    &model,
-                    &data,
-                    &params,
-                    config,
-                    mode,
-                    Some(budget),
-                    a.warmup,
-                    a.seed,
-                ) {
-                    Ok(r) => {
-                        row.push_str(&format!(" {:>9}", ms(r.step_s)));
-                        identical &= r.losses == base.losses;
-                        finals.push(format!(
-                            "{}={:.6}",
-                            mode.name(),
-                            r.losses.last().copied().unwrap_or(f64::NAN)
-                        ));
-                        if let (SwapMode::Planner, Some(rep)) = (mode, &r.report) {
-                            moved = human_bytes(rep.exec.bytes_to_host + rep.exec.bytes_to_device);
-                        }
-                        times.insert(mode, r.step_s);
-                        emit(json!({"model": name, "mode": mode.name(), "budget": budget,
-                            "nm": nm, "step_s": r.step_s, "losses": r.losses,
-                            "identical": r.losses == base.losses,
-                            "report": r.report.as_ref().map(|x| x.to_json())}))?;
+    let report = base.report.clone().ok_or("no swap report")?;
+    let peak = report.pool_peak_bytes;
+    outln!(
+        "\n{name}: in memory (budget lifted) {} ms/step, peak {} ({} ops, {} tensors, \
+         fixed overhead {})",
+        ms(base.step_s),
+        human_bytes(peak),
+        report.ops,
+        report.tensors,
+        human_bytes(report.overhead_bytes)
+    )?;
+    emit(
+        json!({"model": name, "mode": "in-memory", "budget": null, "nm": null,
+        "step_s": base.step_s, "peak_bytes": peak, "losses": base.losses,
+        "report": report.to_json()}),
+    )?;
+    let budgets: Vec<u64> = ratios.iter().map(|nm| (peak as f64 / nm) as u64).collect();
+    let torch = match &a.torch {
+        Some(script) => Some(run_torch(a, script, name, &budgets, ratios, emit)?),
+        None => None,
+    };
+    let mut header = format!("{:>5} {:>10} {:>9}", "Nm", "budget", "in-mem");
+    for m in modes {
+        header.push_str(&format!(" {:>9}", m.name()));
+    }
+    if torch.is_some() {
+        header.push_str(&format!(" {:>9}", "torch"));
+    }
+    header.push_str("  planner/in-mem  naive/planner  moved/step  losses");
+    if torch.is_some() {
+        header.push_str("  planner/torch");
+    }
+    outln!("{header}  (ms per step)")?;
+    for (&nm, &budget) in ratios.iter().zip(&budgets) {
+        let mut row = format!(
+            "{nm:>5.2} {:>10} {:>9}",
+            human_bytes(budget),
+            ms(base.step_s)
+        );
+        let mut times = HashMap::new();
+        let mut identical = true;
+        let mut moved = String::from("-");
+        let mut finals = Vec::new();
+        for &mode in modes {
+            match run(bench, &model, &params, mode, Some(budget)) {
+                Ok(r) => {
+                    row.push_str(&format!(" {:>9}", ms(r.step_s)));
+                    identical &= r.losses == base.losses;
+                    finals.push(format!(
+                        "{}={:.6}",
+                        mode.name(),
+                        r.losses.last().copied().unwrap_or(f64::NAN)
+                    ));
+                    if let (SwapMode::Planner, Some(rep)) = (mode, &r.report) {
+                        moved = human_bytes(rep.exec.bytes_to_host + rep.exec.bytes_to_device);
                     }
-                    Err(e) => {
-                        row.push_str(&format!(" {:>9}", "-"));
-                        emit(json!({"model": name, "mode": mode.name(), "budget": budget,
-                            "nm": nm, "error": e.to_string()}))?;
-                        if mode != SwapMode::Resident || nm <= 1.0 {
-                            noteln!("  {name} Nm {nm} {}: {e}", mode.name());
-                        }
+                    times.insert(mode, r.step_s);
+                    emit(json!({"model": name, "mode": mode.name(), "budget": budget,
+                        "nm": nm, "step_s": r.step_s, "losses": r.losses,
+                        "identical": r.losses == base.losses,
+                        "report": r.report.as_ref().map(|x| x.to_json())}))?;
+                }
+                Err(e) => {
+                    row.push_str(&format!(" {:>9}", "-"));
+                    emit(json!({"model": name, "mode": mode.name(), "budget": budget,
+                        "nm": nm, "error": e.to_string()}))?;
+                    if mode != SwapMode::Resident || nm <= 1.0 {
+                        noteln!("  {name} Nm {nm} {}: {e}", mode.name());
                     }
                 }
             }
-            let torch_s = torch.as_ref().and_then(|t| t.get(&budget).copied());
-            if torch.is_some() {
-                row.push_str(&format!(" {:>9}", torch_s.map_or("-".to_string(), ms)));
-            }
-            let ratio = |x: Option<&f64>, y: Option<&f64>| match (x, y) {
-                (Some(x), Some(y)) if *y > 0.0 => format!("{:.2}", x / y),
-                _ => "-".into(),
-            };
-            row.push_str(&format!(
-                "  {:>14}  {:>13}  {:>10}  {:>9}",
-                ratio(times.get(&SwapMode::Planner), Some(&base.step_s)),
-                ratio(times.get(&SwapMode::Naive), times.get(&SwapMode::Planner)),
-                moved,
-                if identical { "identical" } else { "DIFFER" }
-            ));
-            if torch.is_some() {
-                row.push_str(&format!(
-                    "  {:>13}",
-                    ratio(times.get(&SwapMode::Planner), torch_s.as_ref())
-                ));
-            }
-            outln!("{row}")?;
-            outln!(
-                "        losses after {} steps: in-mem={:.6} {}",
-                total,
-                base.losses.last().copied().unwrap_or(f64::NAN),
-                finals.join(" ")
-            )?;
         }
+        let torch_s = torch.as_ref().and_then(|t| t.get(&budget).copied());
+        if torch.is_some() {
+            row.push_str(&format!(" {:>9}", torch_s.map_or("-".to_string(), ms)));
+        }
+        let ratio = |x: Option<&f64>, y: Option<&f64>| match (x, y) {
+            (Some(x), Some(y)) if *y > 0.0 => format!("{:.2}", x / y),
+            _ => "-".into(),
+        };
+        row.push_str(&format!(
+            "  {:>14}  {:>13}  {:>10}  {:>9}",
+            ratio(times.get(&SwapMode::Planner), Some(&base.step_s)),
+            ratio(times.get(&SwapMode::Naive), times.get(&SwapMode::Planner)),
+            moved,
+            if identical { "identical" } else { "DIFFER" }
+        ));
+        if torch.is_some() {
+            row.push_str(&format!(
+                "  {:>13}",
+                ratio(times.get(&SwapMode::Planner), torch_s.as_ref())
+            ));
+        }
+        outln!("{row}")?;
+        outln!(
+            "        losses after {} steps: in-mem={:.6} {}",
+            total,
+            base.losses.last().copied().unwrap_or(f64::NAN),
+            finals.join(" ")
+        )?;
     }
     Ok(())
 }
