@@ -227,6 +227,9 @@ struct JsonReader<'s> {
     source: &'s str,
 }
 
+/// A line and column (1-based) in the JSON text.
+type Place = (usize, usize);
+
 impl<'s> JsonReader<'s> {
     fn new(text: &'s str, source: &'s str) -> Self {
         JsonReader {
@@ -280,8 +283,7 @@ impl<'s> JsonReader<'s> {
 
     /// The words of the array and where each starts, after the place of
     /// its `[` (so `places[i + 1]` is word `i`'s).
-    #[allow(clippy::type_complexity)]
-    fn string_array(&mut self) -> Result<(Vec<String>, Vec<(usize, usize)>), GraphError> {
+    fn string_array(&mut self) -> Result<(Vec<String>, Vec<Place>), GraphError> {
         self.skip_ws();
         let mut places = vec![(self.line, self.column)];
         self.expect('[', "'[' starting the word array")?;
