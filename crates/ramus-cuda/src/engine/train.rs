@@ -1,0 +1,271 @@
+//! Training on the device: the fused optimizer over the engine's
+//! parameter buffers, a step's forward, backward and update without the
+//! host, the parameters brought back on demand; and the engine as a
+//! [`ramus_nn::Engine`].
+
+use rand_chacha::ChaCha8Rng;
+
+use ramus_core::graph::Role;
+use ramus_core::{Grads, HeadRows, Model, Params};
+use ramus_cpu::{Batch, ForwardOutput, Mode};
+use ramus_graph::Schedule;
+use ramus_nn::{Optimizer, OptimizerConfig, StepOutcome};
+
+use crate::error::{CudaError, Result};
+use crate::optimizer::{DeviceOptimizer, GradLayout, ParamSlot};
+use crate::pool::DeviceView;
+
+use super::{model_err, CudaEngine};
+
+impl CudaEngine {
+    /// Per row-gradient table, in parameter order: the rows this batch
+    /// touches (the distinct tokens of the rows of every function whose
+    /// backward graph adds rows into the table, as the CPU engine marks
+    /// them), uploaded as one sorted device list per table.
+    pub(super) fn touched_rows(
+        &mut self,
+        model: &Model,
+        s: &Schedule,
+    ) -> Result<Vec<(usize, DeviceView<u32>)>> {
+        let stream = self.device.stream().clone();
+        let mut lists = Vec::new();
+        for &p in &self.program.row_grad_params {
+            let mut rows: Vec<u32> = Vec::new();
+            for (f, func) in model.functions.iter().enumerate() {
+                if func
+                    .backward
+                    .outputs
+                    .iter()
+                    .any(|o| o.role == Role::ParamRowGrad(p))
+                {
+                    rows.extend(s.functions[f].vertex.iter().map(|&v| s.tokens[v as usize]));
+                }
+            }
+            rows.sort_unstable();
+            rows.dedup();
+            lists.push((p, rows));
+        }
+        let mut out = Vec::with_capacity(lists.len());
+        for (p, rows) in lists {
+            let view = self.arena_alloc::<u32>(rows.len(), &|| "touched row ids".into())?;
+            self.staging.upload_slice(&rows, view, &stream)?;
+            self.launcher.count();
+            out.push((p, view));
+        }
+        Ok(out)
+    }
+
+    /// The optimizer on the device for the current parameter buffers,
+    /// (re)built when missing, when the buffers moved, or when the
+    /// optimizer kind or clipping changed.
+    pub(super) fn device_optimizer(
+        &mut self,
+        model: &Model,
+        config: &OptimizerConfig,
+    ) -> Result<&mut DeviceOptimizer> {
+        let generation = self.param_views()?.generation;
+        let reusable = match &mut self.optimizer {
+            Some((built_for, opt)) if *built_for == generation => opt.set_config(config).is_ok(),
+            _ => false,
+        };
+        if !reusable {
+            let dp = self.param_views()?;
+            let slots: Vec<ParamSlot> = (0..dp.values.len())
+                .map(|p| ParamSlot {
+                    value: dp.values[p],
+                    grad: dp.grads[p],
+                    layout: if model.is_buffer(p) {
+                        GradLayout::Frozen
+                    } else if self.program.row_grad_params.contains(&p) {
+                        GradLayout::Rows {
+                            width: model.params[p].shape.get(1).copied().unwrap_or(1),
+                        }
+                    } else {
+                        GradLayout::Dense
+                    },
+                })
+                .collect();
+            let mut opt =
+                DeviceOptimizer::new(&self.device, &self.pool, &self.cache, config, &slots)?;
+            if let Some(host) = self.pending_optimizer.take() {
+                opt.upload_from(self.device.stream(), &host)?;
+            }
+            self.optimizer = Some((generation, opt));
+        }
+        match &mut self.optimizer {
+            Some((_, opt)) => Ok(opt),
+            None => Err(model_err("device optimizer missing")),
+        }
+    }
+
+    /// Forward, backward and the fused optimizer update (held back if the
+    /// loss or a gradient is not finite), all on the device; the host
+    /// parameters lag until [`CudaEngine::download_params`]. Returns the
+    /// outcome of the step before, which the loss's download has brought
+    /// back (see [`CudaEngine::settle_step`]); this step's stays pending.
+    pub(super) fn device_train_step(
+        &mut self,
+        model: &Model,
+        params: &mut Params<f32>,
+        config: &OptimizerConfig,
+        batch: &Batch<'_>,
+    ) -> Result<Option<StepOutcome>> {
+        if self.swap.is_some() {
+            return self.swap_train_step(model, params, config, batch);
+        }
+        self.check_model(model)?;
+        self.sync_params(model, params)?;
+        let stream = self.device.stream().clone();
+        // a skipped step puts back the running statistics its forward pass blends
+        let kept = self
+            .device_optimizer(model, config)?
+            .keep_buffers(&stream)?;
+        (0..kept).for_each(|_| self.launcher.count());
+        self.track_running_stats = true;
+        let out = self.forward_pass(model, params, batch, Mode::Train, model.head.rows);
+        self.track_running_stats = false;
+        let out = out?;
+        let loss = out
+            .loss
+            .ok_or_else(|| model_err("forward pass returned no loss"))?;
+        let previous = self.settle_step()?;
+        let loss_view = self.loss_view(model)?;
+        self.backward_on_device(model, params, batch)?;
+        let touched: Vec<DeviceView<u32>> = self
+            .touched_rows(model, &batch.schedule)?
+            .into_iter()
+            .map(|(_, v)| v)
+            .collect();
+        let report = self
+            .device_optimizer(model, config)?
+            .step(&stream, &touched, loss_view, false)?;
+        for _ in 0..report.launches {
+            self.launcher.count();
+        }
+        self.pending_loss = Some(loss);
+        // the device copy is now ahead of the host values
+        params.touch();
+        if let Some(dp) = self.params.as_mut() {
+            dp.version = params.version();
+            dp.host_stale = true;
+        }
+        Ok(previous)
+    }
+
+    /// Copies the device parameters into `params` if a device step changed them.
+    pub fn download_params(&mut self, params: &mut Params<f32>) -> Result<()> {
+        let stream = self.device.stream().clone();
+        let Some(dp) = self.params.as_ref() else {
+            return Ok(());
+        };
+        if !dp.host_stale || dp.version != params.version() {
+            return Ok(());
+        }
+        let all = dp._values.view();
+        let total: usize = params.values.iter().map(|t| t.data().len()).sum();
+        let host = self
+            .staging
+            .download_to_vec(all.slice(0..total)?, &stream)?;
+        let mut at = 0;
+        for t in params.values.iter_mut() {
+            let len = t.data().len();
+            t.data_mut().copy_from_slice(&host[at..at + len]);
+            at += len;
+        }
+        params.touch();
+        if let Some(dp) = self.params.as_mut() {
+            dp.version = params.version();
+            dp.host_stale = false;
+        }
+        Ok(())
+    }
+}
+
+impl ramus_nn::Engine<f32> for CudaEngine {
+    fn name(&self) -> &'static str {
+        "cuda-batched"
+    }
+    fn forward_rows(
+        &mut self,
+        model: &Model,
+        params: &Params<f32>,
+        batch: &Batch<'_>,
+        mode: Mode,
+        rows: HeadRows,
+    ) -> ramus_nn::Result<ForwardOutput<f32>> {
+        Ok(self.forward_pass(model, params, batch, mode, rows)?)
+    }
+    fn backward(
+        &mut self,
+        model: &Model,
+        params: &Params<f32>,
+        batch: &Batch<'_>,
+        grads: &mut Grads<f32>,
+    ) -> ramus_nn::Result<()> {
+        Ok(self.backward_pass(model, params, batch, grads)?)
+    }
+    fn set_seed(&mut self, seed: u64) {
+        CudaEngine::set_seed(self, seed)
+    }
+    fn dropout_rng(&self) -> ChaCha8Rng {
+        self.rng.clone()
+    }
+    fn set_dropout_rng(&mut self, rng: ChaCha8Rng) {
+        self.rng = rng;
+    }
+    fn sync_host_optimizer(&mut self, optimizer: &mut Optimizer<f32>) -> ramus_nn::Result<()> {
+        Ok(self.download_optimizer(optimizer)?)
+    }
+    fn load_optimizer_state(&mut self, optimizer: &Optimizer<f32>) -> ramus_nn::Result<()> {
+        Ok(self.upload_optimizer(optimizer)?)
+    }
+    fn memory_report(&self) -> Option<String> {
+        self.last_swap_report().map(|r| r.to_string())
+    }
+    fn device_memory_room(&self) -> Option<u64> {
+        self.memory_room().ok()
+    }
+    fn sync_host_params(&mut self, params: &mut Params<f32>) -> ramus_nn::Result<()> {
+        Ok(self.download_params(params)?)
+    }
+    /// One step, waiting for its own outcome (a non-finite step is
+    /// [`ramus_nn::NnError::NonFinite`]); the trainer's loop submits steps
+    /// instead, learning each outcome with the next step's loss.
+    fn train_step(
+        &mut self,
+        model: &Model,
+        params: &mut Params<f32>,
+        _grads: &mut Grads<f32>,
+        optimizer: &mut Optimizer<f32>,
+        batch: &Batch<'_>,
+    ) -> ramus_nn::Result<f64> {
+        // a step submitted before and not yet settled is settled first
+        if let Some(Err(step)) = self.settle_step()? {
+            return Err(step.into());
+        }
+        self.device_train_step(model, params, &optimizer.config, batch)?;
+        match self.settle_step()? {
+            Some(outcome) => outcome.map_err(Into::into),
+            None => Err(model_err("the training step left no outcome").into()),
+        }
+    }
+    fn submit_train_step(
+        &mut self,
+        model: &Model,
+        params: &mut Params<f32>,
+        _grads: &mut Grads<f32>,
+        optimizer: &mut Optimizer<f32>,
+        batch: &Batch<'_>,
+    ) -> ramus_nn::Result<Option<StepOutcome>> {
+        Ok(self.device_train_step(model, params, &optimizer.config, batch)?)
+    }
+    fn finish_train_steps(&mut self) -> ramus_nn::Result<Vec<StepOutcome>> {
+        Ok(self.settle_step()?.into_iter().collect())
+    }
+}
+
+impl From<CudaError> for ramus_nn::NnError {
+    fn from(e: CudaError) -> Self {
+        ramus_nn::NnError::Device(e.to_string())
+    }
+}
