@@ -16,6 +16,11 @@
 //! Backward pops the tasks in reverse, accumulating child gradients into the
 //! state-gradient buffer, and finally brings the parameter gradients back to
 //! the host (dense ones in one copy, embedding rows only where touched).
+//!
+//! This file sets up the engine, uploads a batch and runs the forward pass;
+//! `engine/exec.rs` runs a program's steps and ops, `engine/backward.rs`
+//! the backward pass, `engine/train.rs` the device training step and the
+//! [`ramus_nn::Engine`] implementation.
 
 use std::cell::{Cell, RefCell};
 use std::path::PathBuf;
