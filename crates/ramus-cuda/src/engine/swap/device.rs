@@ -9,7 +9,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaEvent;
 
-use ramus_core::graph::{DType, NodeKind, Role, Source};
+use ramus_core::graph::{DType, NodeId, NodeKind, Role, Source};
 use ramus_core::Model;
 use ramus_cpu::{Batch, Range};
 use ramus_nn::OptimizerConfig;
@@ -177,268 +177,126 @@ impl CudaSwapDevice<'_> {
             .ok_or_else(|| swap_err("swap path: event missing"))
     }
 
+    /// The rows `rows` of `graph` (the head: every head row).
+    fn range_of(&self, graph: GraphRef, rows: Rows) -> Result<Range> {
+        let s = &self.batch.schedule;
+        match (graph.function(), rows) {
+            (None, _) => Ok(Range::rows_only(self.engine.state.head_vertices.len())),
+            (Some(f), Rows::All) => Ok(Range::all(&s.functions[f])),
+            (Some(_), Rows::Segment(i)) => self
+                .program
+                .segments
+                .get(i)
+                .map(steps::Segment::range)
+                .ok_or_else(|| swap_err(format!("swap path: no segment {i}"))),
+            (Some(_), Rows::Piece(p)) => self
+                .program
+                .pieces
+                .get(p)
+                .map(steps::Piece::range)
+                .ok_or_else(|| swap_err(format!("swap path: no piece {p}"))),
+        }
+    }
+
+    /// The node buffers of `graph`.
+    fn own(&self, graph: GraphRef) -> &[Buf] {
+        self.bufs[graph.index(self.model.functions.len())].as_slice()
+    }
+
+    /// The node buffers of the forward graph `graph` differentiates, if any.
+    fn fwd_of(&self, graph: GraphRef) -> Option<&[Buf]> {
+        graph.forward().map(|fg| self.own(fg))
+    }
+
+    /// Node `n` of `graph` over all its rows, as floats.
+    fn view(&self, graph: GraphRef, n: NodeId) -> Result<DeviceView<f32>> {
+        self.engine.float_view(
+            graph.graph(self.model),
+            n,
+            self.own(graph),
+            self.fwd_of(graph),
+            self.range_of(graph, Rows::All)?,
+        )
+    }
+
+    /// The memory of the tensor op `op` writes (its only one).
+    fn written(&self, op: usize) -> Result<DeviceView<f32>> {
+        let t = self.program.trace.ops()[op]
+            .writes
+            .first()
+            .copied()
+            .ok_or_else(|| swap_err(format!("swap path: op {op} writes nothing")))?;
+        match self.mem(t)?.buf() {
+            Buf::Floats(v) => Ok(v),
+            _ => Err(swap_err(format!("swap path: tensor {t} is not floats"))),
+        }
+    }
+
+    /// The rows `rows` of function `f`, as indices into its rows.
+    fn rows_of(&self, f: usize, rows: Rows) -> Result<std::ops::Range<usize>> {
+        match rows {
+            Rows::All => Ok(0..self.batch.schedule.functions[f].rows()),
+            other => {
+                let r = self.range_of(GraphRef::Forward(f), other)?;
+                Ok(r.r0..r.r1)
+            }
+        }
+    }
+
     /// Runs op `op` (its tensors bound).
     fn execute(&mut self, op: usize) -> Result<()> {
-        let engine: &CudaEngine = self.engine;
-        let model = self.model;
-        let s = &self.batch.schedule;
-        let nf = model.functions.len();
-        let stream = engine.main.stream.clone();
-        let h = engine.state.head_vertices.len();
-        let segments = &self.program.segments;
-        let pieces = &self.program.pieces;
-        let range_of = |graph: GraphRef, rows: Rows| -> Result<Range> {
-            match (graph.function(), rows) {
-                (None, _) => Ok(Range::rows_only(h)),
-                (Some(f), Rows::All) => Ok(Range::all(&s.functions[f])),
-                (Some(_), Rows::Segment(i)) => segments
-                    .get(i)
-                    .map(steps::Segment::range)
-                    .ok_or_else(|| swap_err(format!("swap path: no segment {i}"))),
-                (Some(_), Rows::Piece(p)) => pieces
-                    .get(p)
-                    .map(steps::Piece::range)
-                    .ok_or_else(|| swap_err(format!("swap path: no piece {p}"))),
-            }
-        };
-        let bufs = &self.bufs;
-        let own = |graph: GraphRef| bufs[graph.index(nf)].as_slice();
-        let fwd_of = |graph: GraphRef| graph.forward().map(|fg| bufs[fg.index(nf)].as_slice());
-        let view_over = |graph: GraphRef, n, rows: Rows| -> Result<DeviceView<f32>> {
-            engine.float_view(
-                graph.graph(model),
-                n,
-                own(graph),
-                fwd_of(graph),
-                range_of(graph, rows)?,
-            )
-        };
-        let view = |graph: GraphRef, n| view_over(graph, n, Rows::All);
-        // the memory of the tensor op `op` writes (its only one)
-        let written = || -> Result<DeviceView<f32>> {
-            let t = self.program.trace.ops()[op]
-                .writes
-                .first()
-                .copied()
-                .ok_or_else(|| swap_err(format!("swap path: op {op} writes nothing")))?;
-            match self.mem(t)?.buf() {
-                Buf::Floats(v) => Ok(v),
-                _ => Err(swap_err(format!("swap path: tensor {t} is not floats"))),
-            }
-        };
-        let rows_of = |f: usize, rows: Rows| -> Result<std::ops::Range<usize>> {
-            match rows {
-                Rows::All => Ok(0..s.functions[f].rows()),
-                other => {
-                    let r = range_of(GraphRef::Forward(f), other)?;
-                    Ok(r.r0..r.r1)
-                }
-            }
-        };
+        let stream = self.engine.main.stream.clone();
         match self.program.ops[op] {
             SwapOp::Step {
                 graph,
                 phase,
                 index,
                 rows,
-            } => {
-                let prog = graph.program(&engine.program, self.program.kind);
-                let step = prog.phases[phase].get(index).ok_or_else(|| {
-                    swap_err(format!("swap path: no step {index} in phase {phase}"))
-                })?;
-                let topo = graph.function().map(|f| engine.topology(f)).transpose()?;
-                engine.run_step(
-                    graph.graph(model),
-                    step,
-                    own(graph),
-                    fwd_of(graph),
-                    range_of(graph, rows)?,
-                    topo,
-                    &engine.main,
-                    &prog.views,
-                )?;
-            }
-            SwapOp::UploadPull { f, node, rows } => {
-                let func = &model.functions[f];
-                let g = &func.forward;
-                let pw = g.nodes[node].ty.width();
-                let explicit = engine.pull_values.is_some();
-                let values = engine.pull_values.as_deref().unwrap_or(&s.features);
-                let values = ramus_cpu::pulled_values(values, s, pw, &func.name, explicit)
-                    .map_err(|e| model_err(e.to_string()))?;
-                let fr = &s.functions[f];
-                let span = rows_of(f, rows)?;
-                let mut host = Vec::with_capacity(span.len() * pw);
-                for &v in &fr.vertex[span] {
-                    host.extend_from_slice(&values[v as usize * pw..(v as usize + 1) * pw]);
-                }
-                let dst = written()?;
-                self.rt.upload.upload_slice(&host, dst, &stream)?;
-                engine.launcher.count();
-            }
-            SwapOp::UploadMask { mask, rows } => {
-                let &(graph, node, _, _) = self
-                    .program
-                    .masks
-                    .get(mask)
-                    .ok_or_else(|| swap_err(format!("swap path: no mask {mask}")))?;
-                let ty = &graph.graph(model).nodes[node].ty;
-                let (lo, hi) = match (graph.function(), rows) {
-                    (Some(_), Rows::Segment(_) | Rows::Piece(_)) => {
-                        range_of(graph, rows)?.span(ty.space)
-                    }
-                    _ => (0, self.masks[mask].len() / ty.width().max(1)),
-                };
-                let values = self.masks[mask]
-                    .get(lo * ty.width()..hi * ty.width())
-                    .ok_or_else(|| swap_err(format!("swap path: mask {mask} rows {lo}..{hi}")))?;
-                let dst = written()?;
-                self.rt.upload.upload_slice(values, dst, &stream)?;
-                engine.launcher.count();
-            }
-            SwapOp::HeadInput => {
-                let g = &model.head.forward;
-                if let Some(inp) = g.input_node(Source::HeadInput) {
-                    let dst = view(GraphRef::Head, inp)?;
-                    let pw = g.nodes[inp].ty.width();
-                    let mut moves = Vec::new();
-                    for (f, func) in model.functions.iter().enumerate() {
-                        let topo = engine.topology(f)?;
-                        if topo.head_rows.is_empty() {
-                            continue;
-                        }
-                        let push = func.push.ok_or_else(|| {
-                            model_err(format!("function `{}` pushes nothing", func.name))
-                        })?;
-                        let graph = GraphRef::Forward(f);
-                        let src = engine.whole_view(&func.forward, push, own(graph), None)?;
-                        moves.push(crate::launch::RowMove {
-                            dst,
-                            src,
-                            dst_rows: Some(topo.head_rows),
-                            src_rows: Some(topo.head_sources),
-                            rows: topo.head_rows.len(),
-                            width: pw,
-                            accumulate: false,
-                        });
-                    }
-                    engine.launcher.move_rows(&stream, &moves)?;
-                }
-            }
+            } => self.run_step(graph, phase, index, rows)?,
+            SwapOp::UploadPull { f, node, rows } => self.upload_pull(op, f, node, rows)?,
+            SwapOp::UploadMask { mask, rows } => self.upload_mask(op, mask, rows)?,
+            SwapOp::HeadInput => self.head_input()?,
             SwapOp::ReadLogits => {
-                if let Some(l) = model.head.logits {
-                    let v = view(GraphRef::Head, l)?;
+                if let Some(l) = self.model.head.logits {
+                    let v = self.view(GraphRef::Head, l)?;
                     self.rt.logits.download(v, &stream)?;
                     self.rt.logits_len = v.len();
                 }
             }
-            SwapOp::ReadLoss => {
-                let v = view(GraphRef::Head, model.head.loss)?;
-                let loss = v.slice(0..1.min(v.len()))?;
-                self.rt.loss.download(loss, &stream)?;
-                // the optimizer step (set up before the run) checks it after
-                // `v` is freed
-                if let (Some(_), Some((_, opt))) = (self.config, engine.optimizer.as_ref()) {
-                    let slot = opt.loss_slot()?;
-                    engine.launcher.move_rows(
-                        &stream,
-                        &[crate::launch::RowMove {
-                            dst: slot,
-                            src: loss,
-                            dst_rows: None,
-                            src_rows: None,
-                            rows: loss.len(),
-                            width: 1,
-                            accumulate: false,
-                        }],
-                    )?;
-                }
-            }
+            SwapOp::ReadLoss => self.read_loss()?,
             SwapOp::ZeroGrads => {
-                let grad_all = engine.param_views()?.grad_all;
-                engine.launcher.fill(&stream, grad_all, 0.0)?;
+                let grad_all = self.engine.param_views()?.grad_all;
+                self.engine.launcher.fill(&stream, grad_all, 0.0)?;
             }
             SwapOp::Seed { value, .. } => {
-                engine.launcher.fill(&stream, written()?, value)?;
+                self.engine
+                    .launcher
+                    .fill(&stream, self.written(op)?, value)?;
             }
-            SwapOp::Moves { set } => {
-                let specs = self
-                    .program
-                    .move_sets
-                    .get(set)
-                    .ok_or_else(|| swap_err(format!("swap path: no move set {set}")))?;
-                let words = self
-                    .move_indices
-                    .ok_or_else(|| swap_err("swap path: the moves' index words are missing"))?;
-                let floats = |t: TensorId| -> Result<DeviceView<f32>> {
-                    match self.mem(t)?.buf() {
-                        Buf::Floats(v) => Ok(v),
-                        _ => Err(swap_err(format!("swap path: tensor {t} is not floats"))),
-                    }
-                };
-                let index = |w: Option<steps::Words>| {
-                    w.map(|w| words.slice(w.offset..w.offset + w.len))
-                        .transpose()
-                };
-                let mut moves = Vec::with_capacity(specs.len());
-                for m in specs {
-                    let dst = floats(m.dst)?;
-                    let src = match m.src {
-                        Some(t) => floats(t)?,
-                        // every source row is NONE: never read
-                        None => dst,
-                    };
-                    moves.push(crate::launch::RowMove {
-                        dst,
-                        src,
-                        dst_rows: index(m.dst_rows)?,
-                        src_rows: index(m.src_rows)?,
-                        rows: m.rows,
-                        width: m.width,
-                        accumulate: m.accumulate,
-                    });
-                }
-                engine.launcher.move_rows(&stream, &moves)?;
-            }
+            SwapOp::Moves { set } => self.run_moves(set)?,
             SwapOp::PushGrads => {
+                let model = self.model;
                 let hb = &model.head.backward;
                 let Some(out) = hb.output(Role::HeadInputGrad) else {
                     return Ok(());
                 };
-                let src = view(GraphRef::HeadBackward, out.node)?;
+                let src = self.view(GraphRef::HeadBackward, out.node)?;
                 let pw = hb.nodes[out.node].ty.width();
-                let moves = engine
-                    .push_grad_moves(model, src, pw, |f, pg| own(GraphRef::Backward(f))[pg])?;
-                engine.launcher.move_rows(&stream, &moves)?;
+                let moves = self
+                    .engine
+                    .push_grad_moves(model, src, pw, |f, pg| self.own(GraphRef::Backward(f))[pg])?;
+                self.engine.launcher.move_rows(&stream, &moves)?;
             }
             SwapOp::AccumulateGrad {
                 graph,
                 output,
                 rows,
-            } => {
-                let g = graph.graph(model);
-                let o = g
-                    .outputs
-                    .get(output)
-                    .ok_or_else(|| swap_err(format!("swap path: no output {output}")))?;
-                if !matches!(o.role, Role::ParamGrad(_) | Role::ParamRowGrad(_)) {
-                    return Err(swap_err("swap path: accumulating a non-gradient output"));
-                }
-                let topo = graph.function().map(|f| engine.topology(f)).transpose()?;
-                engine.accumulate_output(
-                    g,
-                    o,
-                    own(graph),
-                    fwd_of(graph),
-                    range_of(graph, rows)?,
-                    topo,
-                )?;
-            }
+            } => self.accumulate_grad(graph, output, rows)?,
             SwapOp::Optimizer => {
                 let config = self
                     .config
                     .ok_or_else(|| swap_err("swap path: an optimizer step without an optimizer"))?;
-                let opt = self.engine.device_optimizer(model, config)?;
+                let opt = self.engine.device_optimizer(self.model, config)?;
                 let loss = opt.loss_slot()?;
                 let report = opt.step(&stream, &self.touched, Some(loss), false)?;
                 for _ in 0..report.launches {
@@ -447,6 +305,204 @@ impl CudaSwapDevice<'_> {
             }
         }
         Ok(())
+    }
+
+    /// Step `index` of phase `phase` of `graph`'s program, over `rows`.
+    fn run_step(&self, graph: GraphRef, phase: usize, index: usize, rows: Rows) -> Result<()> {
+        let engine: &CudaEngine = self.engine;
+        let prog = graph.program(&engine.program, self.program.kind);
+        let step = prog.phases[phase]
+            .get(index)
+            .ok_or_else(|| swap_err(format!("swap path: no step {index} in phase {phase}")))?;
+        let topo = graph.function().map(|f| engine.topology(f)).transpose()?;
+        engine.run_step(
+            graph.graph(self.model),
+            step,
+            self.own(graph),
+            self.fwd_of(graph),
+            self.range_of(graph, rows)?,
+            topo,
+            &engine.main,
+            &prog.views,
+        )
+    }
+
+    /// Uploads the pulled inputs of node `node` of function `f` over
+    /// `rows` into the memory op `op` writes.
+    fn upload_pull(&mut self, op: usize, f: usize, node: NodeId, rows: Rows) -> Result<()> {
+        let engine: &CudaEngine = self.engine;
+        let s = &self.batch.schedule;
+        let func = &self.model.functions[f];
+        let g = &func.forward;
+        let pw = g.nodes[node].ty.width();
+        let explicit = engine.pull_values.is_some();
+        let values = engine.pull_values.as_deref().unwrap_or(&s.features);
+        let values = ramus_cpu::pulled_values(values, s, pw, &func.name, explicit)
+            .map_err(|e| model_err(e.to_string()))?;
+        let fr = &s.functions[f];
+        let span = self.rows_of(f, rows)?;
+        let mut host = Vec::with_capacity(span.len() * pw);
+        for &v in &fr.vertex[span] {
+            host.extend_from_slice(&values[v as usize * pw..(v as usize + 1) * pw]);
+        }
+        let dst = self.written(op)?;
+        let stream = self.engine.main.stream.clone();
+        self.rt.upload.upload_slice(&host, dst, &stream)?;
+        self.engine.launcher.count();
+        Ok(())
+    }
+
+    /// Uploads dropout mask `mask` over `rows` into the memory op `op` writes.
+    fn upload_mask(&mut self, op: usize, mask: usize, rows: Rows) -> Result<()> {
+        let &(graph, node, _, _) = self
+            .program
+            .masks
+            .get(mask)
+            .ok_or_else(|| swap_err(format!("swap path: no mask {mask}")))?;
+        let ty = &graph.graph(self.model).nodes[node].ty;
+        let (lo, hi) = match (graph.function(), rows) {
+            (Some(_), Rows::Segment(_) | Rows::Piece(_)) => {
+                self.range_of(graph, rows)?.span(ty.space)
+            }
+            _ => (0, self.masks[mask].len() / ty.width().max(1)),
+        };
+        let values = self.masks[mask]
+            .get(lo * ty.width()..hi * ty.width())
+            .ok_or_else(|| swap_err(format!("swap path: mask {mask} rows {lo}..{hi}")))?;
+        let dst = self.written(op)?;
+        let stream = self.engine.main.stream.clone();
+        self.rt.upload.upload_slice(values, dst, &stream)?;
+        self.engine.launcher.count();
+        Ok(())
+    }
+
+    /// Copies every function's pushed rows into the head's input.
+    fn head_input(&self) -> Result<()> {
+        let engine: &CudaEngine = self.engine;
+        let model = self.model;
+        let g = &model.head.forward;
+        let Some(inp) = g.input_node(Source::HeadInput) else {
+            return Ok(());
+        };
+        let dst = self.view(GraphRef::Head, inp)?;
+        let pw = g.nodes[inp].ty.width();
+        let mut moves = Vec::new();
+        for (f, func) in model.functions.iter().enumerate() {
+            let topo = engine.topology(f)?;
+            if topo.head_rows.is_empty() {
+                continue;
+            }
+            let push = func
+                .push
+                .ok_or_else(|| model_err(format!("function `{}` pushes nothing", func.name)))?;
+            let graph = GraphRef::Forward(f);
+            let src = engine.whole_view(&func.forward, push, self.own(graph), None)?;
+            moves.push(crate::launch::RowMove {
+                dst,
+                src,
+                dst_rows: Some(topo.head_rows),
+                src_rows: Some(topo.head_sources),
+                rows: topo.head_rows.len(),
+                width: pw,
+                accumulate: false,
+            });
+        }
+        engine
+            .launcher
+            .move_rows(&engine.main.stream.clone(), &moves)
+    }
+
+    /// Downloads the loss and, when training, copies it where the optimizer
+    /// step (set up before the run) checks it after the loss's memory is freed.
+    fn read_loss(&mut self) -> Result<()> {
+        let v = self.view(GraphRef::Head, self.model.head.loss)?;
+        let loss = v.slice(0..1.min(v.len()))?;
+        let stream = self.engine.main.stream.clone();
+        self.rt.loss.download(loss, &stream)?;
+        let engine: &CudaEngine = self.engine;
+        if let (Some(_), Some((_, opt))) = (self.config, engine.optimizer.as_ref()) {
+            let slot = opt.loss_slot()?;
+            engine.launcher.move_rows(
+                &stream,
+                &[crate::launch::RowMove {
+                    dst: slot,
+                    src: loss,
+                    dst_rows: None,
+                    src_rows: None,
+                    rows: loss.len(),
+                    width: 1,
+                    accumulate: false,
+                }],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Runs the row moves of move set `set`.
+    fn run_moves(&self, set: usize) -> Result<()> {
+        let specs = self
+            .program
+            .move_sets
+            .get(set)
+            .ok_or_else(|| swap_err(format!("swap path: no move set {set}")))?;
+        let words = self
+            .move_indices
+            .ok_or_else(|| swap_err("swap path: the moves' index words are missing"))?;
+        let floats = |t: TensorId| -> Result<DeviceView<f32>> {
+            match self.mem(t)?.buf() {
+                Buf::Floats(v) => Ok(v),
+                _ => Err(swap_err(format!("swap path: tensor {t} is not floats"))),
+            }
+        };
+        let index = |w: Option<steps::Words>| {
+            w.map(|w| words.slice(w.offset..w.offset + w.len))
+                .transpose()
+        };
+        let mut moves = Vec::with_capacity(specs.len());
+        for m in specs {
+            let dst = floats(m.dst)?;
+            let src = match m.src {
+                Some(t) => floats(t)?,
+                // every source row is NONE: never read
+                None => dst,
+            };
+            moves.push(crate::launch::RowMove {
+                dst,
+                src,
+                dst_rows: index(m.dst_rows)?,
+                src_rows: index(m.src_rows)?,
+                rows: m.rows,
+                width: m.width,
+                accumulate: m.accumulate,
+            });
+        }
+        let engine: &CudaEngine = self.engine;
+        engine
+            .launcher
+            .move_rows(&engine.main.stream.clone(), &moves)
+    }
+
+    /// Adds output `output` of `graph` (a parameter gradient) over `rows`
+    /// into the parameter's gradient.
+    fn accumulate_grad(&self, graph: GraphRef, output: usize, rows: Rows) -> Result<()> {
+        let engine: &CudaEngine = self.engine;
+        let g = graph.graph(self.model);
+        let o = g
+            .outputs
+            .get(output)
+            .ok_or_else(|| swap_err(format!("swap path: no output {output}")))?;
+        if !matches!(o.role, Role::ParamGrad(_) | Role::ParamRowGrad(_)) {
+            return Err(swap_err("swap path: accumulating a non-gradient output"));
+        }
+        let topo = graph.function().map(|f| engine.topology(f)).transpose()?;
+        engine.accumulate_output(
+            g,
+            o,
+            self.own(graph),
+            self.fwd_of(graph),
+            self.range_of(graph, rows)?,
+            topo,
+        )
     }
 }
 
