@@ -350,11 +350,7 @@ impl CudaEngine {
         self.upload_indices(model, s, Mode::Train, model.head.rows)?;
         // the optimizer's state is part of the fixed memory: allocate it
         // first; a skipped step puts back the running statistics
-        let stream = self.device.stream().clone();
-        let kept = self
-            .device_optimizer(model, config)?
-            .keep_buffers(&stream)?;
-        (0..kept).for_each(|_| self.launcher.count());
+        self.keep_buffers(model, config)?;
         let kind = Kind::Train {
             states: steps::optimizer_states(config.kind),
         };
@@ -365,13 +361,7 @@ impl CudaEngine {
         let (loss, _) = result?;
         // the step before's status came back before this step's loss
         let previous = self.settle_step()?;
-        self.pending_loss = Some(loss);
-        // the device copy is now ahead of the host values
-        params.touch();
-        if let Some(dp) = self.params.as_mut() {
-            dp.version = params.version();
-            dp.host_stale = true;
-        }
+        self.step_submitted(params, loss);
         Ok(previous)
     }
 

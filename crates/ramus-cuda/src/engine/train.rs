@@ -116,11 +116,7 @@ impl CudaEngine {
         self.check_model(model)?;
         self.sync_params(model, params)?;
         let stream = self.device.stream().clone();
-        // a skipped step puts back the running statistics its forward pass blends
-        let kept = self
-            .device_optimizer(model, config)?
-            .keep_buffers(&stream)?;
-        (0..kept).for_each(|_| self.launcher.count());
+        self.keep_buffers(model, config)?;
         self.track_running_stats = true;
         let out = self.forward_pass(model, params, batch, Mode::Train, model.head.rows);
         self.track_running_stats = false;
@@ -142,14 +138,32 @@ impl CudaEngine {
         for _ in 0..report.launches {
             self.launcher.count();
         }
+        self.step_submitted(params, loss);
+        Ok(previous)
+    }
+
+    /// Before a training step's forward pass: keeps a copy of the buffers
+    /// (batch normalisation's running statistics, which the pass blends)
+    /// for the optimizer to put back if the step is skipped.
+    pub(super) fn keep_buffers(&mut self, model: &Model, config: &OptimizerConfig) -> Result<()> {
+        let stream = self.device.stream().clone();
+        let kept = self
+            .device_optimizer(model, config)?
+            .keep_buffers(&stream)?;
+        (0..kept).for_each(|_| self.launcher.count());
+        Ok(())
+    }
+
+    /// After a training step is enqueued: its loss waits for its status
+    /// ([`CudaEngine::settle_step`]), and the device parameters are ahead
+    /// of `params` until [`CudaEngine::download_params`].
+    pub(super) fn step_submitted(&mut self, params: &mut Params<f32>, loss: f64) {
         self.pending_loss = Some(loss);
-        // the device copy is now ahead of the host values
         params.touch();
         if let Some(dp) = self.params.as_mut() {
             dp.version = params.version();
             dp.host_stale = true;
         }
-        Ok(previous)
     }
 
     /// Copies the device parameters into `params` if a device step changed them.
