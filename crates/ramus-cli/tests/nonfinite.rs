@@ -141,12 +141,18 @@ fn checkpoint_with(
     (ckpt, data)
 }
 
-fn eval(ckpt: &Path, data: &Path, flags: &[&str]) -> Output {
+/// `ramus eval` (or `infer`) of `ckpt` on `data`, with `flags`.
+fn load(command: &str, ckpt: &Path, data: &Path, flags: &[&str]) -> Output {
+    let data_flag = if command == "infer" {
+        "--input"
+    } else {
+        "--data"
+    };
     let mut args = vec![
-        "eval",
+        command,
         "--checkpoint",
         ckpt.to_str().unwrap(),
-        "--data",
+        data_flag,
         data.to_str().unwrap(),
     ];
     args.extend_from_slice(flags);
@@ -159,7 +165,7 @@ fn checkpoints_with_non_finite_values_are_refused_unless_allowed() {
         let w = model.param_id("W_out").unwrap();
         params.values[w].data_mut()[3] = f32::NAN;
     });
-    let o = eval(&ckpt, &data, &[]);
+    let o = load("eval", &ckpt, &data, &[]);
     error_line(
         &o,
         &[
@@ -169,28 +175,15 @@ fn checkpoints_with_non_finite_values_are_refused_unless_allowed() {
             "--allow-nonfinite-checkpoint",
         ],
     );
-    let o = eval(&ckpt, &data, &["--allow-nonfinite-checkpoint"]);
+    let o = load("eval", &ckpt, &data, &["--allow-nonfinite-checkpoint"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let o = ramus(&[
-        "infer",
-        "--checkpoint",
-        ckpt.to_str().unwrap(),
-        "--input",
-        data.to_str().unwrap(),
-    ]);
+    let o = load("infer", &ckpt, &data, &[]);
     error_line(&o, &["tensor `W_out`"]);
-    let o = ramus(&[
-        "infer",
-        "--checkpoint",
-        ckpt.to_str().unwrap(),
-        "--input",
-        data.to_str().unwrap(),
-        "--allow-nonfinite-checkpoint",
-    ]);
+    let o = load("infer", &ckpt, &data, &["--allow-nonfinite-checkpoint"]);
     assert!(o.status.success(), "{}", stderr(&o));
     // a clean checkpoint loads without any flag
     let (clean, data) = checkpoint_with("clean", |_, _| {});
-    assert!(eval(&clean, &data, &[]).status.success());
+    assert!(load("eval", &clean, &data, &[]).status.success());
 }
 
 #[test]
@@ -206,7 +199,7 @@ fn checkpoints_with_tensors_the_model_does_not_use_are_refused_unless_allowed() 
             params.values.push(Tensor::zeros(&[2]));
         }
     });
-    let o = eval(&ckpt, &data, &[]);
+    let o = load("eval", &ckpt, &data, &[]);
     error_line(
         &o,
         &[
@@ -215,6 +208,6 @@ fn checkpoints_with_tensors_the_model_does_not_use_are_refused_unless_allowed() 
             "--allow-unused-tensors",
         ],
     );
-    let o = eval(&ckpt, &data, &["--allow-unused-tensors"]);
+    let o = load("eval", &ckpt, &data, &["--allow-unused-tensors"]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
