@@ -89,8 +89,10 @@ pub fn model_fits(need: &DeviceNeed, room: DeviceRoom) -> std::result::Result<Fi
 }
 
 /// What the batched engine allocates: the parameters and their gradient
-/// buffer (`sync_params`), with `optimizer` its fused optimizer's state,
-/// and a batch arena of `pass`'s activations ([`ActivationCost::new`]).
+/// buffer (`sync_params`), with `optimizer` (a training run) its fused
+/// optimizer's state, and a batch arena of `pass`'s activations
+/// ([`ActivationCost::new`]; a training run's evaluation batches reuse
+/// it).
 pub fn batched_need(model: &Model, optimizer: Option<OptimizerKind>, pass: Pass) -> DeviceNeed {
     let parts = match optimizer {
         Some(kind) => training_state(model, kind),
@@ -99,13 +101,16 @@ pub fn batched_need(model: &Model, optimizer: Option<OptimizerKind>, pass: Pass)
             vec![("parameters", p), ("gradients", p)]
         }
     };
-    let cost = ActivationCost::new(model, pass);
-    let train = pass == Pass::Train;
+    let (train, eval) = match (pass, optimizer) {
+        (Pass::Train, Some(_)) => (Some(Pass::Train), Some(Pass::Evaluate)),
+        (Pass::Train, None) => (Some(Pass::Train), None),
+        (pass, _) => (None, Some(pass)),
+    };
     DeviceNeed {
         engine: "cuda-batched",
         parts,
-        train: train.then(|| cost.clone()),
-        eval: (!train).then_some(cost),
+        train: train.map(|p| ActivationCost::new(model, p)),
+        eval: eval.map(|p| ActivationCost::new(model, p)),
         train_kept: false,
         train_extra: None,
     }
@@ -145,6 +150,7 @@ mod tests {
         );
         let e = model_fits(&n, room(1 << 40, Some(parts / 2))).unwrap_err();
         assert!(e.contains("the budget of"), "{e}");
+        assert!(n.train.is_some() && n.eval.is_some());
         let inference = batched_need(&model, None, Pass::Infer);
         assert_eq!(inference.parts_bytes(), parts / 2);
         assert!(inference.train.is_none() && inference.eval.is_some());
