@@ -13,10 +13,12 @@
 //! ([`CudaError::DoesNotFit`]) when it does not fit.
 //!
 //! Counted: every pool buffer the engine allocates, at the pool's aligned
-//! sizes. Not counted: the kernels' code and the driver's own reservations
-//! (a few MiB, loaded as the kernels are), cuBLAS's workspace, and the
-//! pool's geometric growth beyond what is in use (when the device is short
-//! the pool takes just the size asked for).
+//! sizes, and the local memory the driver takes for a kernel that spills
+//! (the compiled engine's level kernel, the persistent engine's bridge
+//! kernel). Not counted: the kernels' code and the driver's own
+//! reservations (a few MiB, loaded as the kernels are), cuBLAS's
+//! workspaces, and the pool's geometric growth beyond what is in use (when
+//! the device is short the pool takes just the size asked for).
 
 use ramus_core::Model;
 use ramus_nn::memory::{training_state, ActivationCost, DeviceNeed, DeviceRoom, Fitted, Pass};

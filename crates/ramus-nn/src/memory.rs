@@ -29,6 +29,12 @@
 //!   costs, whatever the shuffle; where graphs run in order (evaluation),
 //!   the most any of their consecutive chunks needs.
 //!
+//! A device engine whose buffers differ (the persistent and compiled CUDA
+//! engines) states its own per-unit costs ([`CostTerms`],
+//! [`ActivationCost::from_terms`]) in a [`DeviceNeed`], which a caller's
+//! [`DeviceCheck`] compares with the device's room before the engine
+//! allocates; the same [`GraphCosts`] then give its largest batch.
+//!
 //! Every element is 4 bytes (`f32` values, `u32` indices). Not counted:
 //! scratch inside kernels (a convolution's unfolded input), allocator
 //! rounding and `Vec` growth slack, and the input graphs themselves (read

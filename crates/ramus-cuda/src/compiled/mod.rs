@@ -665,6 +665,11 @@ impl CompiledEngine {
         self.cache.stats()
     }
 
+    /// The pool's counters (bytes reserved, in use, the peak in use).
+    pub fn pool_stats(&self) -> crate::pool::PoolStats {
+        self.counters.pool.stats()
+    }
+
     /// Seconds spent in [`CompiledEngine::new`].
     pub fn setup_seconds(&self) -> f64 {
         self.setup_seconds

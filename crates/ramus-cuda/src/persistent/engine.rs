@@ -663,11 +663,17 @@ impl PersistentEngine {
         let mut need = sizes::need(model, &prog, &build, &choices, host_items)?;
         if let Some(budget) = options.memory_budget {
             // a run over the budget is refused before anything compiles
+            // (once the thread opening the device is done with the driver)
             let room = DeviceRoom {
                 free: u64::MAX,
                 budget: Some(budget),
             };
-            run_check(check, &need, room)?;
+            if let Err(e) = run_check(check, &need, room) {
+                if let Ok(thread) = opening {
+                    let _ = thread.join();
+                }
+                return Err(e);
+            }
         }
         let mut early = start_compiles(
             &prog,
@@ -819,6 +825,11 @@ impl PersistentEngine {
             bridge_batches: (0, 0.0),
             setup_phases: phases,
         })
+    }
+
+    /// The pool's counters (bytes reserved, in use, the peak in use).
+    pub fn pool_stats(&self) -> crate::pool::PoolStats {
+        self.pool.stats()
     }
 
     /// Seconds [`new`](Self::new) took (kernel from the cache or compiled).

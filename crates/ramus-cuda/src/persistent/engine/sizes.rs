@@ -322,9 +322,12 @@ mod tests {
 
     const VOCAB: u32 = 40;
 
+    /// Makes an input of about `n` words for a model.
+    type Maker = fn(&mut ChaCha8Rng, usize) -> InputGraph;
+
     /// The persistent engine's models at `hidden` units (dropout on, so
     /// that masks are uploaded), each with a maker of its inputs.
-    fn models(hidden: usize) -> Vec<(Model, fn(&mut ChaCha8Rng, usize) -> InputGraph)> {
+    fn models(hidden: usize) -> Vec<(Model, Maker)> {
         let cfg = ModelConfig {
             vocab: VOCAB as usize,
             hidden,
@@ -335,13 +338,12 @@ mod tests {
             mlp: 12,
             ..SequenceConfig::default()
         };
-        let tree: fn(&mut ChaCha8Rng, usize) -> InputGraph =
-            |rng, n| random_tree(rng, n, &[2], VOCAB, 5).unwrap();
-        let pyramid_of: fn(&mut ChaCha8Rng, usize) -> InputGraph = |rng, n| {
+        let tree: Maker = |rng, n| random_tree(rng, n, &[2], VOCAB, 5).unwrap();
+        let pyramid_of: Maker = |rng, n| {
             let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..VOCAB)).collect();
             pyramid(&tokens, 2).unwrap()
         };
-        let sentence: fn(&mut ChaCha8Rng, usize) -> InputGraph = |rng, n| {
+        let sentence: Maker = |rng, n| {
             let words: Vec<WordInput<'_>> = (0..n)
                 .map(|_| WordInput::Token(rng.random_range(0..VOCAB)))
                 .collect();
