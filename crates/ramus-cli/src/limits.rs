@@ -14,7 +14,7 @@ use ramus_core::Model;
 use ramus_graph::InputGraph;
 use ramus_nn::memory::{
     largest_param, packed_weight_bytes, param_bytes, token_table_bytes, training_state,
-    ActivationCost, DeviceNeed, DeviceRoom, Fitted, GraphCosts, Pass,
+    ActivationCost, BatchExtra, DeviceNeed, DeviceRoom, Fitted, GraphCosts, Pass,
 };
 use ramus_nn::{Engine, OptimizerKind};
 use ramus_swap::human_bytes;
@@ -276,8 +276,9 @@ impl Need<'_> {
 /// Checks `run` — the batches a command gives a device engine, the first
 /// of them its training batches if `trains` — against `limit`, with what
 /// the engine's `need` adds: the largest training batch kept beside the
-/// evaluation batches, and what it needs beyond its linear costs (asked
-/// only once the rest fits). What fits, for the engine to size its
+/// evaluation batches, and what the largest training and evaluation
+/// batches need beyond their linear costs (measured on their costliest
+/// graphs, once the rest fits). What fits, for the engine to size its
 /// buffers.
 fn fit(
     mut run: Need<'_>,
@@ -293,24 +294,34 @@ fn fit(
         }
     }
     run.check(Some(limit))?;
-    let extra = match (&need.train_extra, trained) {
-        (Some(measure), 1) => {
-            let t = &run.batches[0];
-            let graphs: Vec<&InputGraph> = t
-                .costs
-                .costliest_graphs(t.batch_size)
-                .into_iter()
-                .map(|i| &t.graphs[i])
-                .collect();
-            measure(&graphs)?
-        }
-        _ => 0,
-    };
-    if extra > 0 {
-        for (i, b) in run.batches.iter_mut().enumerate() {
-            if i < trained || need.train_kept {
-                b.retained = b.retained.saturating_add(extra);
+    // what the costliest graphs of `batches` need beyond their costs
+    let measure = |extra: &Option<BatchExtra>, batches: &[Batches]| -> Result<u64, String> {
+        let Some(measure) = extra else {
+            return Ok(0);
+        };
+        let mut most = 0;
+        for b in batches {
+            let costliest = b.costs.costliest_graphs(b.batch_size);
+            let graphs: Vec<&InputGraph> = costliest.into_iter().map(|i| &b.graphs[i]).collect();
+            if !graphs.is_empty() {
+                most = most.max(measure(&graphs)?);
             }
+        }
+        Ok(most)
+    };
+    let (train, evals) = run.batches.split_at(trained);
+    let (train_extra, eval_extra) = (
+        measure(&need.train_extra, train)?,
+        measure(&need.eval_extra, evals)?,
+    );
+    if train_extra + eval_extra > 0 {
+        for (i, b) in run.batches.iter_mut().enumerate() {
+            let extra = match i < trained {
+                true => train_extra,
+                false if need.train_kept => train_extra + eval_extra,
+                false => eval_extra,
+            };
+            b.retained = b.retained.saturating_add(extra);
         }
         run.check(Some(limit))?;
     }
@@ -318,8 +329,9 @@ fn fit(
     let (train, evals) = run.batches.split_at(trained);
     Ok(Fitted {
         train_batch: train.iter().map(own).sum(),
-        train_extra: extra,
+        train_extra,
         eval_batch: evals.iter().map(own).max().unwrap_or(0),
+        eval_extra,
     })
 }
 
@@ -734,6 +746,7 @@ mod tests {
                 train_batch: batch,
                 train_extra: 1000,
                 eval_batch: dev,
+                eval_extra: 0,
             }
         );
         // measured on the two costliest training graphs

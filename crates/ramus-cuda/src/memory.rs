@@ -115,6 +115,7 @@ pub fn batched_need(model: &Model, optimizer: Option<OptimizerKind>, pass: Pass)
         eval: eval.map(|p| ActivationCost::new(model, p)),
         train_kept: false,
         train_extra: None,
+        eval_extra: None,
     }
 }
 

@@ -10,21 +10,30 @@
 mod common;
 
 use std::cell::RefCell;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use ramus_core::{Grads, Model, Params};
-use ramus_cpu::Batch;
+use ramus_core::{Model, Params};
 use ramus_cuda::compiled::{CompiledEngine, CompiledOptions};
-use ramus_cuda::persistent::{PersistentOptions, PersistentTrainer};
+use ramus_cuda::persistent::{PersistentEngine, PersistentOptions, PersistentTrainer};
 use ramus_cuda::{CudaDevice, CudaError, PoolStats};
 use ramus_graph::random::random_tree;
-use ramus_graph::{BatchingPolicy, InputGraph};
+use ramus_graph::InputGraph;
 use ramus_nn::memory::{DeviceNeed, DeviceRoom, Fitted};
-use ramus_nn::{build_model, Engine, ModelConfig, Optimizer, OptimizerConfig, OptimizerKind};
+use ramus_nn::{build_model, ModelConfig, OptimizerConfig, OptimizerKind};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 const MIB: u64 = 1 << 20;
+
+/// The tests measure the device's free memory: one at a time.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// The device, held by this test alone (`None` without CUDA).
+fn device() -> Option<(MutexGuard<'static, ()>, std::sync::Arc<CudaDevice>)> {
+    let guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    common::device().map(|d| (guard, d))
+}
 
 /// What the estimates leave out (`ramus_cuda::memory`): the kernels' code,
 /// cuBLAS's workspaces and the driver's own reservations, which the device
@@ -118,9 +127,10 @@ struct Checked {
     total: u64,
 }
 
-/// A check of `need` for batches of `batch` of `train` (in order) and
-/// what they need beyond (measured once the rest fits), and evaluation
-/// batches of `batch` of `dev`; records what it counted.
+/// A check of `need` for batches of `batch` of `train` and of `dev`, in
+/// order (training and evaluation), and what the largest need beyond
+/// (measured on the costliest graphs once the rest fits); records what it
+/// counted.
 fn check_run(
     model: &Model,
     train: &[InputGraph],
@@ -150,23 +160,27 @@ fn check_run(
         }
     };
     fits(parts + train_batch + eval_batch)?;
-    let train_extra = match (&need.train_extra, &need.train) {
-        (Some(measure), Some(cost)) => {
-            let costs = cost.graph_costs(model, train);
-            let graphs: Vec<&InputGraph> = costs
-                .costliest_graphs(batch)
-                .into_iter()
-                .map(|i| &train[i])
-                .collect();
-            measure(&graphs)?
+    let extra = |measure: &Option<ramus_nn::memory::BatchExtra>,
+                 cost: Option<&ramus_nn::memory::ActivationCost>,
+                 graphs: &[InputGraph]| {
+        match (measure, cost) {
+            (Some(measure), Some(cost)) if !graphs.is_empty() => {
+                let costs = cost.graph_costs(model, graphs);
+                let costliest = costs.costliest_graphs(batch);
+                let refs: Vec<&InputGraph> = costliest.into_iter().map(|i| &graphs[i]).collect();
+                measure(&refs)
+            }
+            _ => Ok(0),
         }
-        _ => 0,
     };
-    fits(parts + train_batch + train_extra + eval_batch)?;
+    let train_extra = extra(&need.train_extra, need.train.as_ref(), train)?;
+    let eval_extra = extra(&need.eval_extra, need.eval.as_ref(), dev)?;
+    fits(parts + train_batch + train_extra + eval_batch + eval_extra)?;
     Ok(Fitted {
         train_batch,
         train_extra,
         eval_batch,
+        eval_extra,
     })
 }
 
@@ -197,7 +211,7 @@ fn persistent_options(budget: Option<u64>) -> PersistentOptions {
 
 #[test]
 fn the_persistent_engine_is_refused_before_it_allocates_what_cannot_fit() {
-    let Some(device) = common::device() else {
+    let Some((_alone, device)) = device() else {
         return;
     };
     let model = model(512, 20_000);
@@ -225,6 +239,22 @@ fn the_persistent_engine_is_refused_before_it_allocates_what_cannot_fit() {
         "{:?}",
         started.elapsed()
     );
+    // the trainer's check sees the engine that evaluates beside it
+    let seen = RefCell::new(None);
+    let probe = |need: &DeviceNeed, _: DeviceRoom| {
+        *seen.borrow_mut() = Some(need.clone());
+        Err("probed".to_string())
+    };
+    let options = persistent_options(Some(u64::MAX));
+    assert!(PersistentTrainer::with_check(&model, &params, config, &options, &probe).is_err());
+    let need = seen.into_inner().expect("the check was asked");
+    let named: Vec<&str> = need.parts.iter().map(|p| p.0).collect();
+    assert!(
+        named.contains(&"the evaluating engine's parameters"),
+        "{named:?}"
+    );
+    assert!(need.train.is_some() && need.eval.is_some() && need.train_kept);
+    assert!(need.train_extra.is_some(), "the scripts are measured");
     // room for the model, not for a batch of long sentences
     let train = trees(64, 400, 20_000, 1);
     let checked = RefCell::new(Checked::default());
@@ -255,48 +285,29 @@ fn the_persistent_engine_is_refused_before_it_allocates_what_cannot_fit() {
 
 #[test]
 fn a_persistent_run_takes_what_was_estimated_and_not_half_as_little() {
-    let Some(device) = common::device() else {
+    let Some((_alone, device)) = device() else {
         return;
     };
     let model = model(512, 20_000);
-    let mut params = Params::<f32>::init(&model, 1);
+    let params = Params::<f32>::init(&model, 1);
     let config = OptimizerConfig::new(OptimizerKind::Adam, 0.001);
-    let (train, dev) = (trees(512, 60, 20_000, 2), trees(128, 60, 20_000, 3));
+    let train = trees(1024, 60, 20_000, 2);
     let batch = 128;
     let checked = RefCell::new(Checked::default());
     let check =
-        |need: &DeviceNeed, room| check_run(&model, &train, &dev, batch, need, room, &checked);
+        |need: &DeviceNeed, room| check_run(&model, &train, &[], batch, need, room, &checked);
     let before = free(&device);
-    let mut trainer =
-        PersistentTrainer::with_check(&model, &params, config, &persistent_options(None), &check)
-            .expect("a run that fits is set up");
-    let mut grads = Grads::zeros(&model);
-    let mut optimizer = Optimizer::new(config, &params);
-    let batches: Vec<Batch<'_>> = train
-        .chunks(batch)
-        .map(|c| Batch::new(&model, c.iter().collect(), BatchingPolicy::Cavs).expect("schedule"))
-        .collect();
-    for window in batches.chunks(trainer.lookahead()) {
-        for outcome in trainer
-            .submit_train_steps(&model, &mut params, &mut grads, &mut optimizer, window)
-            .expect("steps")
-        {
-            outcome.expect("a finite step");
+    let options = persistent_options(None);
+    let mut engine = PersistentEngine::with_check(&model, &params, config, &options, &check)
+        .expect("a run that fits is set up");
+    // windows of batches in flight, as the trainer submits them
+    let batches: Vec<Vec<&InputGraph>> = train.chunks(batch).map(|c| c.iter().collect()).collect();
+    for window in batches.chunks(ramus_cuda::persistent::prepared_ahead()) {
+        for step in engine.submit_many(&model, window).expect("steps") {
+            assert!(step.loss.is_finite(), "{step:?}");
         }
     }
-    for outcome in trainer.finish_train_steps().expect("steps") {
-        outcome.expect("a finite step");
-    }
-    trainer.sync_host_params(&mut params).expect("parameters");
-    ramus_nn::evaluate(
-        &model,
-        &params,
-        &mut trainer,
-        BatchingPolicy::Cavs,
-        &dev,
-        batch,
-    )
-    .expect("evaluation");
+    engine.finish().expect("steps");
     device.synchronize().expect("synchronize");
     let after = free(&device);
     compare(
@@ -304,7 +315,7 @@ fn a_persistent_run_takes_what_was_estimated_and_not_half_as_little() {
         checked.borrow().total,
         before,
         after,
-        &trainer.pool_stats(),
+        &[engine.pool_stats()],
     );
 }
 
@@ -318,7 +329,7 @@ fn compiled_options(budget: Option<u64>) -> CompiledOptions {
 
 #[test]
 fn the_compiled_engine_is_refused_before_it_allocates_what_cannot_fit() {
-    let Some(device) = common::device() else {
+    let Some((_alone, device)) = device() else {
         return;
     };
     // per-token tables of 200000 words
@@ -356,7 +367,7 @@ fn the_compiled_engine_is_refused_before_it_allocates_what_cannot_fit() {
 
 #[test]
 fn a_compiled_run_takes_what_was_estimated_and_not_half_as_little() {
-    let Some(device) = common::device() else {
+    let Some((_alone, device)) = device() else {
         return;
     };
     let model = model(256, 200_000);

@@ -379,8 +379,8 @@ impl CostTerms {
     }
 }
 
-/// A training batch's bytes beyond its linear costs, measured by preparing
-/// the batch (see [`DeviceNeed::train_extra`]).
+/// A batch's bytes beyond its linear costs, measured by preparing the
+/// batch (see [`DeviceNeed::train_extra`]).
 pub type BatchExtra = std::sync::Arc<dyn Fn(&[&InputGraph]) -> Result<u64, String> + Send + Sync>;
 
 /// What a device engine will allocate on its device for a run, worked out
@@ -411,6 +411,9 @@ pub struct DeviceNeed {
     /// ask only once the linear costs fit, since preparing a batch too large
     /// costs host memory and time.
     pub train_extra: Option<BatchExtra>,
+    /// The same for an evaluation or inference batch (the compiled
+    /// engine's node counters, which count the batch's internal nodes).
+    pub eval_extra: Option<BatchExtra>,
 }
 
 impl std::fmt::Debug for DeviceNeed {
@@ -422,6 +425,7 @@ impl std::fmt::Debug for DeviceNeed {
             .field("eval", &self.eval)
             .field("train_kept", &self.train_kept)
             .field("train_extra", &self.train_extra.is_some())
+            .field("eval_extra", &self.eval_extra.is_some())
             .finish()
     }
 }
@@ -451,12 +455,14 @@ impl DeviceRoom {
 /// What a [`DeviceCheck`] found fits, in bytes, for the engine to size
 /// its buffers once instead of growing them: the largest training batch's
 /// linear costs and what it needs beyond them
-/// ([`DeviceNeed::train_extra`]), and the largest evaluation batch's.
+/// ([`DeviceNeed::train_extra`]), and the largest evaluation batch's and
+/// what it needs beyond them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Fitted {
     pub train_batch: u64,
     pub train_extra: u64,
     pub eval_batch: u64,
+    pub eval_extra: u64,
 }
 
 /// A caller's check that a run fits an engine's device: given what the

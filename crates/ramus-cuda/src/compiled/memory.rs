@@ -7,7 +7,8 @@
 use ramus_core::lower::CellProgram;
 use ramus_core::recursion::{lower_scheduled, Backend, LoweredFunction, RecursionSchedule};
 use ramus_core::Model;
-use ramus_nn::memory::{ActivationCost, CostTerms, DeviceNeed, Pass, ELEMENT_BYTES};
+use ramus_graph::{InputGraph, LinearBatch};
+use ramus_nn::memory::{ActivationCost, BatchExtra, CostTerms, DeviceNeed, Pass, ELEMENT_BYTES};
 
 use super::{CompiledOptions, CompiledSchedule, COUNTERS_MAX_UNITS};
 use std::sync::Arc;
@@ -215,11 +216,10 @@ const BATCH_ALLOCATIONS: u64 = 4;
 
 /// What the compiled engine allocates for `model` lowered to `cells`: the
 /// parameters, the grid barrier and the per-token tables, and per
-/// inference batch (every node, internal or leaf, counted alike) its
-/// state, pushed-value and scratch rows, index words and, with levels
-/// ordered by node counters, two counter arrays of up to twice the
-/// internal nodes' stages (the arrays double; an old pair is held while
-/// the new one is made).
+/// inference batch (every node, internal or leaf, counted alike) its arena:
+/// state, pushed-value and scratch rows and index words; beside it, with
+/// levels ordered by node counters, the counter arrays, measured on the
+/// batch's internal nodes ([`counter_bytes`]).
 pub(super) fn need(model: &Model, cells: &Cells) -> Result<DeviceNeed> {
     let params: usize = model
         .params
@@ -227,20 +227,19 @@ pub(super) fn need(model: &Model, cells: &Cells) -> Result<DeviceNeed> {
         .map(|p| p.shape.iter().product::<usize>())
         .sum();
     let [state, push, scratch] = cells.row_widths();
-    // two arrays of fewer than twice the words, and the old pair
-    let (counters, fewest) = match cells.schedule.node_counters {
-        Some(true) | None => (
-            6 * cells.internal.program.stages as u64,
-            3 * 2 * MIN_COUNTERS as u64,
-        ),
-        Some(false) => (0, 0),
-    };
-    let per_node = (state + push + scratch) as u64 + INDEX_WORDS_PER_NODE + counters;
+    let per_node = (state + push + scratch) as u64 + INDEX_WORDS_PER_NODE;
     let mut terms = CostTerms::zero(model.functions.len());
     terms.per_vertex = per_node * ELEMENT_BYTES;
     terms.per_any_edge = ELEMENT_BYTES;
-    terms.fixed =
-        (INDEX_WORDS_FIXED + fewest) * ELEMENT_BYTES + BATCH_ALLOCATIONS * crate::ALIGNMENT;
+    terms.fixed = INDEX_WORDS_FIXED * ELEMENT_BYTES + BATCH_ALLOCATIONS * crate::ALIGNMENT;
+    let stages = cells.internal.program.stages;
+    let counters: Option<BatchExtra> = match cells.schedule.node_counters {
+        Some(false) => None,
+        _ => Some(Arc::new(move |graphs: &[&InputGraph]| {
+            let batch = LinearBatch::new(graphs).map_err(|e| e.to_string())?;
+            Ok(counter_bytes(batch.num_internal() * stages))
+        })),
+    };
     Ok(DeviceNeed {
         engine: "cuda-compiled",
         parts: vec![
@@ -252,7 +251,15 @@ pub(super) fn need(model: &Model, cells: &Cells) -> Result<DeviceNeed> {
         eval: Some(ActivationCost::from_terms(model, Pass::Infer, terms)),
         train_kept: false,
         train_extra: None,
+        eval_extra: counters,
     })
+}
+
+/// Bytes of the node counters for a batch needing `words` of them: a pair
+/// of arrays grown (doubling) to at most twice that, and while they grow
+/// the old pair, each under it.
+pub(super) fn counter_bytes(words: usize) -> u64 {
+    2 * block_bytes(counter_capacity(words, words)) + 2 * block_bytes(words)
 }
 
 #[cfg(test)]
@@ -265,11 +272,11 @@ mod tests {
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
 
-    /// What [`super::super::CompiledEngine::infer`] allocates for `graphs`
-    /// (every array uploaded, none carried by the launch), counted from the
-    /// linearized batch: the index arrays, the state, pushed-value and
-    /// scratch rows, and the node counters.
-    fn allocated(cells: &Cells, graphs: &[&InputGraph]) -> u64 {
+    /// What [`super::super::CompiledEngine::infer`] allocates in its arena
+    /// for `graphs` (every array uploaded, none carried by the launch),
+    /// counted from the linearized batch: the index arrays, the state,
+    /// pushed-value and scratch rows; and the node counters' pair.
+    fn allocated(cells: &Cells, graphs: &[&InputGraph]) -> (u64, u64) {
         let batch = LinearBatch::new(graphs).unwrap();
         let mut words = batch.child_offsets().len()
             + batch.child_nodes().len()
@@ -297,7 +304,7 @@ mod tests {
             }
             _ => 0,
         };
-        block(words) + rows + counters
+        (block(words) + rows, counters)
     }
 
     #[test]
@@ -320,17 +327,27 @@ mod tests {
                     ..CompiledOptions::default()
                 };
                 let cells = Cells::lower(&model, &options).unwrap();
-                let cost = need(&model, &cells).unwrap().eval.unwrap();
+                let need = need(&model, &cells).unwrap();
+                let cost = need.eval.as_ref().unwrap();
+                assert_eq!(need.eval_extra.is_some(), counters);
                 for size in [1, 5, 40] {
                     let graphs: Vec<InputGraph> = (0..size)
                         .map(|_| random_tree(&mut rng, 30, &[2], 50, 5).unwrap())
                         .collect();
                     let refs: Vec<&InputGraph> = graphs.iter().collect();
-                    let actual = allocated(&cells, &refs);
+                    let (arena, pair) = allocated(&cells, &refs);
                     let counted = cost.graph_costs(&model, &graphs).largest_batch(size);
                     let what = format!("{name} counters {counters} unroll {unroll}, {size}");
-                    assert!(counted >= actual, "{what}: {counted} < {actual}");
-                    assert!(counted <= 2 * actual, "{what}: {counted} for {actual}");
+                    assert!(counted >= arena, "{what}: {counted} < {arena}");
+                    assert!(
+                        counted <= arena + arena / 4,
+                        "{what}: {counted} for {arena}"
+                    );
+                    let beside = need.eval_extra.as_ref().map_or(0, |m| m(&refs).unwrap());
+                    assert!(
+                        beside >= pair && beside <= 3 * pair,
+                        "{what}: {beside} for {pair}"
+                    );
                 }
             }
         }

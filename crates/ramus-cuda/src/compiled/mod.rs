@@ -482,7 +482,7 @@ impl CompiledEngine {
             PoolConfig {
                 initial_bytes: PoolConfig::default()
                     .initial_bytes
-                    .max(pooled + fitted.eval_batch),
+                    .max(pooled + fitted.eval_batch + fitted.eval_extra),
                 max_bytes: options.memory_budget,
             },
         );

@@ -699,34 +699,8 @@ impl PersistentEngine {
             .bind_to_thread()
             .in_call("cuCtxSetCurrent")?;
         mark("device");
-        // a bridge kernel keeps its weights in local memory, which the
-        // driver takes for every thread the device holds at its launch
         let pooled = need.parts_bytes();
-        let bridge = match early.as_mut().and_then(|e| e.bridge.take()) {
-            Some((image, at)) => {
-                let module = LoadedModule::load(device.context(), &image, &[KERNEL_NAME])?;
-                let spilled = module
-                    .function(KERNEL_NAME)?
-                    .local_size_bytes()
-                    .in_call("cuFuncGetAttribute(LOCAL_SIZE_BYTES)")?;
-                let spilled = u64::try_from(spilled).unwrap_or(0);
-                let local = local_memory_bytes(&device, spilled)?;
-                need.parts.push(("the bridge kernel's local memory", local));
-                Some((module, at))
-            }
-            None => None,
-        };
-        let fitted = match run_check(check, &need, device_room(&device, options.memory_budget)?) {
-            Ok(fitted) => fitted,
-            Err(e) => {
-                // no compile may outlive a refused set-up (NVRTC torn
-                // down under it at exit)
-                for (_, compiling) in early.into_iter().flat_map(|e| e.kernel_proper) {
-                    let _ = compiling.join();
-                }
-                return Err(e);
-            }
-        };
+        let (fitted, bridge) = check_opened(&device, &mut need, &mut early, check, options)?;
         let cache = KernelCache::with_compiler(&device, compiler, cache_dir);
         // what the check found fits, in one chunk
         let checked = pooled + fitted.train_batch + fitted.train_extra;
@@ -1845,6 +1819,44 @@ fn start_compiles(
         kernel_proper,
         bridge,
     })
+}
+
+/// Once the device is open: loads the bridge kernel, if one was compiled
+/// (it keeps its weights in local memory, which the driver takes for every
+/// thread the device holds at its launch: a part of `need`), and asks
+/// `check` whether `need` fits the device's room. A refusal waits for the
+/// compiles under way first (NVRTC must not be torn down under them at
+/// exit).
+fn check_opened(
+    device: &Arc<CudaDevice>,
+    need: &mut ramus_nn::memory::DeviceNeed,
+    early: &mut Option<EarlyCompiles>,
+    check: DeviceCheck<'_>,
+    options: &PersistentOptions,
+) -> Result<(ramus_nn::memory::Fitted, Option<(LoadedModule, Instant)>)> {
+    let bridge = match early.as_mut().and_then(|e| e.bridge.take()) {
+        Some((image, at)) => {
+            let module = LoadedModule::load(device.context(), &image, &[KERNEL_NAME])?;
+            let spilled = module
+                .function(KERNEL_NAME)?
+                .local_size_bytes()
+                .in_call("cuFuncGetAttribute(LOCAL_SIZE_BYTES)")?;
+            let spilled = u64::try_from(spilled).unwrap_or(0);
+            let local = local_memory_bytes(device, spilled)?;
+            need.parts.push(("the bridge kernel's local memory", local));
+            Some((module, at))
+        }
+        None => None,
+    };
+    match run_check(check, need, device_room(device, options.memory_budget)?) {
+        Ok(fitted) => Ok((fitted, bridge)),
+        Err(e) => {
+            for (_, compiling) in early.take().into_iter().flat_map(|e| e.kernel_proper) {
+                let _ = compiling.join();
+            }
+            Err(e)
+        }
+    }
 }
 
 /// Plans the registers for `rpw` and compiles (or loads) its kernel.

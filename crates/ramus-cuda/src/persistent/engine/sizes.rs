@@ -308,6 +308,7 @@ pub(super) fn need(
         eval: None,
         train_kept: false,
         train_extra: Some(scripts),
+        eval_extra: None,
     })
 }
 
