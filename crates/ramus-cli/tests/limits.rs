@@ -260,9 +260,10 @@ fn binary_tree(leaves: &[String]) -> String {
     }
 }
 
-#[test]
-fn one_very_long_sentence_for_a_time_delay_network_is_refused_with_its_line() {
-    let d = dir("td");
+/// Trees of short sentences in a new directory `name`, line 6 of
+/// train.txt a 5000-word sentence: the directory and its splits.
+fn long_sentence_trees(name: &str) -> (PathBuf, String) {
+    let d = dir(name);
     let tree = |n, seed| {
         let w: Vec<String> = words(n, 500, seed).split(' ').map(String::from).collect();
         binary_tree(&w) + "\n"
@@ -270,6 +271,12 @@ fn one_very_long_sentence_for_a_time_delay_network_is_refused_with_its_line() {
     let few = |seed: usize| (0..5).map(|k| tree(8, seed + k)).collect::<String>();
     let train = format!("{}{}{}", few(0), tree(5000, 1), few(10));
     let data = splits(&d, &train, &few(20), &few(30));
+    (d, data)
+}
+
+#[test]
+fn one_very_long_sentence_for_a_time_delay_network_is_refused_with_its_line() {
+    let (_, data) = long_sentence_trees("td");
     // its pyramid has 12.5 million vertices: tens of GiB of activations
     refused(
         &[
@@ -440,14 +447,7 @@ fn the_persistent_and_compiled_engines_are_refused_before_they_allocate() {
         ],
     );
     // a pyramid of 12.5 million vertices: its line, before anything compiles
-    let d = dir("td-cuda");
-    let tree = |n, seed| {
-        let w: Vec<String> = words(n, 500, seed).split(' ').map(String::from).collect();
-        binary_tree(&w) + "\n"
-    };
-    let few = |seed: usize| (0..5).map(|k| tree(8, seed + k)).collect::<String>();
-    let train = format!("{}{}{}", few(0), tree(5000, 1), few(10));
-    let data = splits(&d, &train, &few(20), &few(30));
+    let (d, data) = long_sentence_trees("td-cuda");
     refused(
         &[
             &persistent[..],

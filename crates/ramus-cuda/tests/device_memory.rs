@@ -199,6 +199,28 @@ fn parts<T>(
     seen.into_inner().expect("the check was asked")
 }
 
+/// `set_up` (given a budget and a check) is refused by `check`, which
+/// records what it counted, on a budget of the model's parts and 64 MiB:
+/// room for the model, not for its batches.
+fn refused_for_the_batch<T>(
+    what: &str,
+    device: &CudaDevice,
+    checked: &RefCell<Checked>,
+    check: ramus_cuda::memory::DeviceCheck<'_>,
+    set_up: impl Fn(u64, ramus_cuda::memory::DeviceCheck<'_>) -> Result<T, CudaError>,
+) {
+    let budget = parts(|probe| set_up(u64::MAX, probe)) + 64 * MIB;
+    let before = free(device);
+    let made = set_up(budget, check);
+    let what = format!("{what}, batch over budget");
+    refused(&what, device, before, made, "device memory: the run needs");
+    let Checked { parts, total } = *checked.borrow();
+    assert!(
+        parts < budget && budget < total,
+        "{what}: {parts} {budget} {total}"
+    );
+}
+
 fn persistent_options(budget: Option<u64>) -> PersistentOptions {
     PersistentOptions {
         rpw: Some(2),
@@ -260,27 +282,10 @@ fn the_persistent_engine_is_refused_before_it_allocates_what_cannot_fit() {
     let checked = RefCell::new(Checked::default());
     let check =
         |need: &DeviceNeed, room| check_run(&model, &train, &train, 64, need, room, &checked);
-    let budget = parts(|probe| {
-        PersistentTrainer::with_check(
-            &model,
-            &params,
-            config,
-            &persistent_options(Some(u64::MAX)),
-            probe,
-        )
-    }) + 64 * MIB;
-    let before = free(&device);
-    let options = persistent_options(Some(budget));
-    let made = PersistentTrainer::with_check(&model, &params, config, &options, &check);
-    refused(
-        "persistent, batch over budget",
-        &device,
-        before,
-        made,
-        "device memory: the run needs",
-    );
-    let Checked { parts, total } = *checked.borrow();
-    assert!(parts < budget && budget < total, "{parts} {budget} {total}");
+    refused_for_the_batch("persistent", &device, &checked, &check, |budget, check| {
+        let options = persistent_options(Some(budget));
+        PersistentTrainer::with_check(&model, &params, config, &options, check)
+    });
 }
 
 #[test]
@@ -348,21 +353,9 @@ fn the_compiled_engine_is_refused_before_it_allocates_what_cannot_fit() {
     let trees = trees(256, 600, 200_000, 4);
     let checked = RefCell::new(Checked::default());
     let check = |need: &DeviceNeed, room| check_run(&model, &[], &trees, 256, need, room, &checked);
-    // a budget of the model's parts and 64 MiB
-    let budget = parts(|probe| {
-        CompiledEngine::with_check(&model, &params, &compiled_options(Some(u64::MAX)), probe)
-    }) + 64 * MIB;
-    let before = free(&device);
-    let made = CompiledEngine::with_check(&model, &params, &compiled_options(Some(budget)), &check);
-    refused(
-        "compiled, batch over budget",
-        &device,
-        before,
-        made,
-        "device memory: the run needs",
-    );
-    let Checked { parts, total } = *checked.borrow();
-    assert!(parts < budget && budget < total, "{parts} {budget} {total}");
+    refused_for_the_batch("compiled", &device, &checked, &check, |budget, check| {
+        CompiledEngine::with_check(&model, &params, &compiled_options(Some(budget)), check)
+    });
 }
 
 #[test]
