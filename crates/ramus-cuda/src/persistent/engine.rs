@@ -63,8 +63,7 @@ use crate::error::{CudaError, InCall, Result};
 use crate::memory::{device_room, local_memory_bytes, model_fits, run_check, DeviceCheck};
 use crate::pinned::PinnedBuffer;
 use crate::pool::{DevicePool, DeviceView, PoolBuffer, PoolConfig};
-use crate::rtc::LoadedModule;
-use crate::rtc::{supported_archs, CompileTarget, NvrtcCompiler};
+use crate::rtc::{supported_archs, CompileTarget, LoadedModule, NvrtcCompiler};
 
 /// How to set up a [`PersistentEngine`].
 #[derive(Clone, Debug, Default)]
@@ -700,7 +699,8 @@ impl PersistentEngine {
             .in_call("cuCtxSetCurrent")?;
         mark("device");
         let pooled = need.parts_bytes();
-        let (fitted, bridge) = check_opened(&device, &mut need, &mut early, check, options)?;
+        let budget = options.memory_budget;
+        let (fitted, bridge) = check_opened(&device, &mut need, &mut early, check, budget)?;
         let cache = KernelCache::with_compiler(&device, compiler, cache_dir);
         // what the check found fits, in one chunk
         let checked = pooled + fitted.train_batch + fitted.train_extra;
@@ -1832,7 +1832,7 @@ fn check_opened(
     need: &mut ramus_nn::memory::DeviceNeed,
     early: &mut Option<EarlyCompiles>,
     check: DeviceCheck<'_>,
-    options: &PersistentOptions,
+    budget: Option<u64>,
 ) -> Result<(ramus_nn::memory::Fitted, Option<(LoadedModule, Instant)>)> {
     let bridge = match early.as_mut().and_then(|e| e.bridge.take()) {
         Some((image, at)) => {
@@ -1848,7 +1848,7 @@ fn check_opened(
         }
         None => None,
     };
-    match run_check(check, need, device_room(device, options.memory_budget)?) {
+    match run_check(check, need, device_room(device, budget)?) {
         Ok(fitted) => Ok((fitted, bridge)),
         Err(e) => {
             for (_, compiling) in early.take().into_iter().flat_map(|e| e.kernel_proper) {

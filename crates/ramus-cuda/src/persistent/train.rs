@@ -110,12 +110,6 @@ impl PersistentTrainer {
         })
     }
 
-    /// The pools' counters: the persistent engine's and the evaluating
-    /// engine's.
-    pub fn pool_stats(&self) -> [crate::pool::PoolStats; 2] {
-        [self.engine.pool_stats(), self.eval.pool_stats()]
-    }
-
     /// The persistent engine itself.
     pub fn persistent(&self) -> &PersistentEngine {
         &self.engine
