@@ -217,6 +217,9 @@ pub(super) fn matrix_slots(prog: &PersistentProgram) -> Result<Vec<MatrixSlots>>
         .collect()
 }
 
+/// A graph as the scripts' estimate remembers it: its address and size.
+type GraphKey = (usize, usize);
+
 /// The register plans the engine may build kernels for: each of `choices`'
 /// first plan (the bridge kernel's is the first one's), once each.
 fn plans(
@@ -267,10 +270,11 @@ pub(super) fn need(
     let params_total = prog.params.total;
     let (model_copy, prog) = (model.clone(), Arc::clone(prog));
     let slots = slots_in_flight() as u64;
-    // a check asks again for the same batch once the device is open
-    let last: Mutex<Option<(Vec<(usize, usize)>, u64)>> = Mutex::new(None);
+    // a check asks again for the same batch once the device is open: the
+    // last batch asked (its graphs' addresses and sizes) and its bytes
+    let last: Mutex<Option<(Vec<GraphKey>, u64)>> = Mutex::new(None);
     let scripts: BatchExtra = Arc::new(move |graphs: &[&InputGraph]| {
-        let key: Vec<(usize, usize)> = graphs
+        let key: Vec<GraphKey> = graphs
             .iter()
             .map(|g| (std::ptr::from_ref(*g) as usize, g.len()))
             .collect();
