@@ -218,7 +218,7 @@ pub(super) fn matrix_slots(prog: &PersistentProgram) -> Result<Vec<MatrixSlots>>
 }
 
 /// A graph as the scripts' estimate remembers it: its address and size.
-type GraphKey = (usize, usize);
+type AskedGraph = (usize, usize);
 
 /// The register plans the engine may build kernels for: each of `choices`'
 /// first plan (the bridge kernel's is the first one's), once each.
@@ -272,9 +272,9 @@ pub(super) fn need(
     let slots = slots_in_flight() as u64;
     // a check asks again for the same batch once the device is open: the
     // last batch asked (its graphs' addresses and sizes) and its bytes
-    let last: Mutex<Option<(Vec<GraphKey>, u64)>> = Mutex::new(None);
+    let last: Mutex<Option<(Vec<AskedGraph>, u64)>> = Mutex::new(None);
     let scripts: BatchExtra = Arc::new(move |graphs: &[&InputGraph]| {
-        let key: Vec<GraphKey> = graphs
+        let key: Vec<AskedGraph> = graphs
             .iter()
             .map(|g| (std::ptr::from_ref(*g) as usize, g.len()))
             .collect();
