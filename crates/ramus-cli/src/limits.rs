@@ -296,7 +296,7 @@ fn fit(
     run.check(Some(limit))?;
     // what the costliest graphs of `batches` need beyond their costs
     let measure = |extra: &Option<BatchExtra>, batches: &[Batches]| -> Result<u64, String> {
-        let Some(measure) = extra else {
+        let Some(extra_of) = extra else {
             return Ok(0);
         };
         let mut most = 0;
@@ -304,7 +304,7 @@ fn fit(
             let costliest = b.costs.costliest_graphs(b.batch_size);
             let graphs: Vec<&InputGraph> = costliest.into_iter().map(|i| &b.graphs[i]).collect();
             if !graphs.is_empty() {
-                most = most.max(measure(&graphs)?);
+                most = most.max(extra_of(&graphs)?);
             }
         }
         Ok(most)
@@ -543,8 +543,8 @@ impl<'a> Inference<'a> {
             pass,
             host_parts,
             model_hint: match tables {
-                Some(_) => "the per-token tables are too large: pass --no-tables".into(),
-                None => String::new(),
+                Some(_) => "leave the per-token tables out with --no-tables".into(),
+                None => "the checkpoint's model is too large".into(),
             },
             device,
         }
