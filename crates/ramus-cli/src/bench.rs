@@ -332,8 +332,8 @@ fn read_inputs(a: &BenchArgs, count: usize) -> AnyResult<BenchInputs> {
 
 /// Checks the inputs' labels against the model's classes and that the
 /// host can hold the model and the largest batch (bench's batches are the
-/// first inputs, the largest `sizes` asks for); the check of the device,
-/// for the batched CUDA engine, is left to the caller.
+/// first inputs, the largest `sizes` asks for); the check of the device
+/// is left to the engine's set-up.
 fn bench_need<'a>(
     a: &BenchArgs,
     model: &'a Model,
@@ -351,9 +351,6 @@ fn bench_need<'a>(
     let graphs = &inputs[..largest];
     let need = limits::Inference::bench(model, graphs, largest, pass, vocab, a.hidden, a.device);
     need.check_host(a.host)?;
-    if a.verbose && a.device == Device::Cuda && a.engine != "batched" {
-        limits::device_unchecked("only the batched engine reports its device memory");
-    }
     Ok(need)
 }
 

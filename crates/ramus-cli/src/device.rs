@@ -5,10 +5,13 @@
 
 use std::str::FromStr;
 
+use crate::limits::Training;
 use crate::output::logln;
 use ramus_core::Model;
 use ramus_cpu::CpuEngine;
+use ramus_cuda::persistent::PersistentTrainer;
 use ramus_cuda::{CudaEngine, CudaEngineOptions, SwapConfig, SwapMode};
+use ramus_nn::memory::DeviceNeed;
 use ramus_nn::Engine;
 
 /// Where a command runs.
@@ -74,30 +77,34 @@ pub fn engine_for_nonfinite(
 
 /// The persistent training engine when `choice` asks for it: `None` for
 /// the batched engine (asked for, or `auto` falling back after printing
-/// why the persistent one cannot run the model), an error if `persistent`
-/// was forced and cannot run. Its `rpw` search tunes for `batch_size`.
+/// why the persistent one cannot run the model or does not fit), an error
+/// if `persistent` was forced and cannot run. Its `rpw` search tunes for
+/// the run's batch size; what it will allocate is checked against the
+/// device (within `budget`) before it allocates ([`Training::fit_device`]).
 pub fn training_engine(
     choice: TrainEngine,
-    device: Device,
-    model: &Model,
+    run: &Training<'_>,
     params: &ramus_core::Params<f32>,
     optimizer: ramus_nn::OptimizerConfig,
-    batch_size: usize,
+    budget: Option<u64>,
 ) -> Result<Option<Box<dyn Engine<f32>>>, String> {
     if choice == TrainEngine::Batched {
         return Ok(None);
     }
-    if device != Device::Cuda {
+    if run.device != Device::Cuda {
         return match choice {
             TrainEngine::Persistent => Err("--engine persistent runs on --device cuda".into()),
             _ => Ok(None),
         };
     }
     let options = ramus_cuda::persistent::PersistentOptions {
-        batch_size: Some(batch_size),
+        batch_size: Some(run.batch_size),
+        memory_budget: budget,
         ..Default::default()
     };
-    match ramus_cuda::persistent::PersistentTrainer::new(model, params, optimizer, &options) {
+    let check = |need: &DeviceNeed, room| run.fit_device(need, room);
+    let made = PersistentTrainer::with_check(run.model, params, optimizer, &options, &check);
+    match made {
         Ok(engine) => Ok(Some(Box::new(engine))),
         Err(e) if choice == TrainEngine::Auto => {
             logln!("persistent engine unavailable ({e}); training with the batched engine");

@@ -12,7 +12,7 @@ use ramus_cpu::{Batch, Mode};
 use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
 use ramus_graph::text::decode_utf8;
 use ramus_graph::{ptb, BatchingPolicy, InputGraph, Vocab, VocabMode};
-use ramus_nn::memory::Pass;
+use ramus_nn::memory::{DeviceNeed, Pass};
 use ramus_nn::DataKind;
 
 use crate::device::{self, Device};
@@ -129,9 +129,9 @@ pub fn run(a: InferArgs) -> AnyResult {
                 },
                 ..CompiledOptions::default()
             };
-            let engine = CompiledEngine::new(model, params, &options)
+            let check = |n: &DeviceNeed, room| need.fit_device(n, room);
+            let engine = CompiledEngine::with_check(model, params, &options, &check)
                 .map_err(|e| format!("--device cuda: {e}"))?;
-            limits::device_unchecked("the compiled engine does not report its device memory");
             Scorer::CompiledCuda(Box::new(engine))
         }
         ("batched", d) => {

@@ -17,7 +17,7 @@ use ramus_graph::sequence::{pyramid_shape, pyramid_shape_of_tree};
 use ramus_graph::{GraphShape, InputGraph};
 use ramus_nn::memory::{
     largest_param, packed_weight_bytes, param_bytes, token_table_bytes, training_state,
-    ActivationCost, GraphCosts, Pass,
+    ActivationCost, BatchExtra, DeviceNeed, DeviceRoom, Fitted, GraphCosts, Pass,
 };
 use ramus_nn::{Engine, OptimizerKind};
 use ramus_swap::human_bytes;
@@ -235,28 +235,39 @@ fn parse_mem_available(meminfo: &str) -> Option<u64> {
     }
 }
 
-/// The device limit of a CUDA run's `engine` (`None` on the CPU, and with
-/// a note where the engine does not say).
-fn cuda_limit(device: Device, engine: &dyn Engine<f32>, budget: Option<u64>) -> Option<Limit> {
-    if device != Device::Cuda {
-        return None;
-    }
-    let Some(bytes) = engine.device_memory_room() else {
-        device_unchecked("the engine does not report its device memory");
-        return None;
-    };
-    let name = match budget {
+/// A device's room as the limit messages name.
+fn device_limit(room: DeviceRoom) -> Limit {
+    let bytes = room.bytes();
+    let name = match room.budget {
         Some(b) => format!(
             "the {} the device can still give within --device-memory-budget {b}",
             human_bytes(bytes)
         ),
         None => format!("the {} the device has free", human_bytes(bytes)),
     };
-    Some(Limit {
+    Limit {
         memory: "device memory",
         bytes,
         name,
-    })
+    }
+}
+
+/// The room of a CUDA run's batched `engine`, which is checked once it
+/// exists (`None` on the CPU, and with a note where the engine does not
+/// say).
+fn batched_room(
+    device: Device,
+    engine: &dyn Engine<f32>,
+    budget: Option<u64>,
+) -> Option<DeviceRoom> {
+    if device != Device::Cuda {
+        return None;
+    }
+    let Some(free) = engine.device_memory_room() else {
+        device_unchecked("the engine does not report its device memory");
+        return None;
+    };
+    Some(DeviceRoom { free, budget })
 }
 
 /// Says on stderr that a CUDA run's device memory is not checked ahead.
@@ -390,7 +401,9 @@ impl Need<'_> {
         let evaluated = b.largest() - b.retained;
         let flagged = self.batches.iter().find(|t| t.flag.is_some());
         let (b, room) = match flagged {
-            Some(t) if b.flag.is_none() && evaluated <= room => (t, room - evaluated),
+            Some(t) if b.flag.is_none() && evaluated <= room => {
+                (t, (room - evaluated).saturating_sub(t.retained))
+            }
             _ => (b, room.saturating_sub(b.retained)),
         };
         match (b.flag, b.costs.costliest()) {
@@ -411,6 +424,68 @@ impl Need<'_> {
             (None, None) => Err(format!("the largest of the {} {needs}", b.what)),
         }
     }
+}
+
+/// Checks `run` — the batches a command gives a device engine, the first
+/// of them its training batches if `trains` — against `limit`, with what
+/// the engine's `need` adds: the largest training batch kept beside the
+/// evaluation batches, and what the largest training and evaluation
+/// batches need beyond their linear costs (measured on their costliest
+/// graphs, once the rest fits). What fits, for the engine to size its
+/// buffers.
+fn fit(
+    mut run: Need<'_>,
+    need: &DeviceNeed,
+    limit: &Limit,
+    trains: bool,
+) -> Result<Fitted, String> {
+    let trained = usize::from(trains).min(run.batches.len());
+    let largest_train = run.batches[..trained].iter().map(Batches::largest).sum();
+    if need.train_kept {
+        for e in &mut run.batches[trained..] {
+            e.retained = largest_train;
+        }
+    }
+    run.check(Some(limit))?;
+    // what the costliest graphs of `batches` need beyond their costs
+    let measure = |extra: &Option<BatchExtra>, batches: &[Batches]| -> Result<u64, String> {
+        let Some(extra_of) = extra else {
+            return Ok(0);
+        };
+        let mut most = 0;
+        for b in batches {
+            let costliest = b.costs.costliest_graphs(b.batch_size);
+            let graphs: Vec<&InputGraph> = costliest.into_iter().map(|i| &b.graphs[i]).collect();
+            if !graphs.is_empty() {
+                most = most.max(extra_of(&graphs)?);
+            }
+        }
+        Ok(most)
+    };
+    let (train, evals) = run.batches.split_at(trained);
+    let (train_extra, eval_extra) = (
+        measure(&need.train_extra, train)?,
+        measure(&need.eval_extra, evals)?,
+    );
+    if train_extra + eval_extra > 0 {
+        for (i, b) in run.batches.iter_mut().enumerate() {
+            let extra = match i < trained {
+                true => train_extra,
+                false if need.train_kept => train_extra + eval_extra,
+                false => eval_extra,
+            };
+            b.retained = b.retained.saturating_add(extra);
+        }
+        run.check(Some(limit))?;
+    }
+    let own = |b: &Batches| b.largest() - b.retained;
+    let (train, evals) = run.batches.split_at(trained);
+    Ok(Fitted {
+        train_batch: train.iter().map(own).sum(),
+        train_extra,
+        eval_batch: evals.iter().map(own).max().unwrap_or(0),
+        eval_extra,
+    })
 }
 
 /// The hint for a model too large: its largest parameter, and the class
@@ -521,9 +596,10 @@ impl Training<'_> {
             .check(limit.as_ref())
     }
 
-    /// Refuses a CUDA run whose device cannot hold the parameters, their
-    /// gradients, the optimizer state and the largest batch's activations
-    /// (not checked with swapping, which trains past the budget).
+    /// Refuses a CUDA run on the batched `engine` whose device cannot hold
+    /// the parameters, their gradients, the optimizer state and the largest
+    /// batch's activations (not checked with swapping, which trains past
+    /// the budget).
     pub fn check_device(
         &self,
         engine: &dyn Engine<f32>,
@@ -533,13 +609,44 @@ impl Training<'_> {
         if swapping {
             return Ok(());
         }
-        let Some(limit) = cuda_limit(self.device, engine, budget) else {
+        let Some(room) = batched_room(self.device, engine, budget) else {
             return Ok(());
         };
-        let parts = training_state(self.model, self.optimizer);
-        let train = ActivationCost::new(self.model, Pass::Train);
-        let eval = ActivationCost::new(self.model, Pass::Evaluate);
-        self.need(&train, &eval, false, parts).check(Some(&limit))
+        let need = ramus_cuda::memory::batched_need(self.model, Some(self.optimizer), Pass::Train);
+        self.fit_device(&need, room).map(|_| ())
+    }
+
+    /// Checks what a CUDA engine will allocate (`need`) for this run
+    /// against `room`: its model-sized parts, the largest training batch
+    /// and the dev and test batches training evaluates (see [`fit`]). The
+    /// check the persistent engine runs before it allocates.
+    pub fn fit_device(&self, need: &DeviceNeed, room: DeviceRoom) -> Result<Fitted, String> {
+        let (m, d) = (self.model, self.data);
+        let mut batches = Vec::new();
+        if let Some(cost) = &need.train {
+            let flag = Some("--batch-size");
+            let training =
+                Batches::new("training batches", cost, m, &d.train, self.batch_size, flag);
+            batches.push(Batches {
+                shuffled: true,
+                ..training
+            });
+        }
+        if let Some(cost) = &need.eval {
+            for (what, graphs) in [
+                ("dev batches training evaluates", &d.dev),
+                ("test batches training evaluates", &d.test),
+            ] {
+                batches.push(Batches::new(what, cost, m, graphs, TRAIN_EVAL_BATCH, None));
+            }
+        }
+        let classes = self.class_source.as_deref().map(|s| (d.classes, s));
+        let run = Need {
+            parts: need.parts.clone(),
+            batches,
+            model_hint: model_hint(m, self.hidden, classes),
+        };
+        fit(run, need, &device_limit(room), need.train.is_some())
     }
 }
 
@@ -583,8 +690,8 @@ impl<'a> Inference<'a> {
             pass,
             host_parts,
             model_hint: match tables {
-                Some(_) => "the per-token tables are too large: pass --no-tables".into(),
-                None => String::new(),
+                Some(_) => "leave the per-token tables out with --no-tables".into(),
+                None => "the checkpoint's model is too large".into(),
             },
             device,
         }
@@ -648,27 +755,180 @@ impl<'a> Inference<'a> {
             .check(limit.as_ref())
     }
 
-    /// Refuses a CUDA run whose device cannot hold the parameters (and
-    /// their gradient buffer, which the engine allocates beside them) and
-    /// the largest batch's activations.
+    /// Refuses a CUDA run on the batched `engine` whose device cannot hold
+    /// the parameters (and their gradient buffer, which the engine
+    /// allocates beside them) and the largest batch's activations.
     pub fn check_device(
         &self,
         engine: &dyn Engine<f32>,
         budget: Option<u64>,
     ) -> Result<(), String> {
-        let Some(limit) = cuda_limit(self.device, engine, budget) else {
+        let Some(room) = batched_room(self.device, engine, budget) else {
             return Ok(());
         };
-        let p = param_bytes(self.model);
-        let cost = ActivationCost::new(self.model, self.pass);
-        self.need(&cost, vec![("parameters", p), ("gradients", p)])
-            .check(Some(&limit))
+        let need = ramus_cuda::memory::batched_need(self.model, None, self.pass);
+        self.fit_device(&need, room).map(|_| ())
+    }
+
+    /// Checks what a CUDA engine will allocate (`need`) for these batches
+    /// against `room` (see [`fit`]): its training batches where it trains
+    /// (the persistent engine in `bench`), else its inference batches. The
+    /// check the persistent and compiled engines run before they allocate.
+    pub fn fit_device(&self, need: &DeviceNeed, room: DeviceRoom) -> Result<Fitted, String> {
+        let cost = need.train.as_ref().or(need.eval.as_ref());
+        let batches = cost
+            .map(|c| {
+                let flag = Some(self.batch_flag);
+                Batches::new("batches", c, self.model, self.graphs, self.batch_size, flag)
+            })
+            .into_iter()
+            .collect();
+        let run = Need {
+            parts: need.parts.clone(),
+            batches,
+            model_hint: self.model_hint.clone(),
+        };
+        fit(run, need, &device_limit(room), need.train.is_some())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::{Arc, Mutex};
+
+    use ramus_graph::Origin;
+    use ramus_nn::{build_model, ModelConfig};
+
+    fn model() -> Model {
+        let cfg = ModelConfig {
+            vocab: 50,
+            hidden: 16,
+            classes: 5,
+        };
+        build_model("treelstm", &cfg).unwrap()
+    }
+
+    /// Binary trees of `leaves[i]` leaves, line `i + 1` of `file`.
+    fn trees(file: &str, leaves: &[usize]) -> Vec<InputGraph> {
+        leaves
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let mut g = InputGraph::new();
+                let mut level: Vec<u32> = (0..n)
+                    .map(|t| g.push_vertex(&[], t as u32 % 50, 1).unwrap())
+                    .collect();
+                while level.len() > 1 {
+                    level = level
+                        .chunks(2)
+                        .map(|pair| match pair {
+                            [a, b] => g.push_vertex(&[*a, *b], 0, 2).unwrap(),
+                            _ => pair[0],
+                        })
+                        .collect();
+                }
+                g.with_origin(Origin {
+                    file: file.into(),
+                    line: i + 1,
+                })
+            })
+            .collect()
+    }
+
+    /// A need whose training batches the engine keeps while it evaluates,
+    /// and whose measured extra is `extra` bytes; records how many graphs
+    /// each measure was given and their vertices.
+    fn kept_need(model: &Model, extra: u64) -> (DeviceNeed, Arc<Mutex<Vec<usize>>>) {
+        let mut need =
+            ramus_cuda::memory::batched_need(model, Some(OptimizerKind::Sgd), Pass::Train);
+        need.train_kept = true;
+        let asked = Arc::new(Mutex::new(Vec::new()));
+        let seen = Arc::clone(&asked);
+        need.train_extra = Some(Arc::new(move |graphs: &[&InputGraph]| {
+            seen.lock().unwrap().extend(graphs.iter().map(|g| g.len()));
+            Ok(extra)
+        }));
+        (need, asked)
+    }
+
+    #[test]
+    fn a_device_engines_need_counts_its_kept_batch_and_what_it_measured() {
+        let model = model();
+        let data = Splits {
+            source: "data".into(),
+            train: trees("train.txt", &[3, 30, 5, 12, 40, 2]),
+            dev: trees("dev.txt", &[7, 9]),
+            test: trees("test.txt", &[4]),
+            vocab: Default::default(),
+            classes: 5,
+            class_names: Vec::new(),
+            image: None,
+            tagged: None,
+        };
+        let run = Training {
+            model: &model,
+            optimizer: OptimizerKind::Sgd,
+            data: &data,
+            batch_size: 2,
+            hidden: 16,
+            class_source: None,
+            device: Device::Cuda,
+        };
+        let (need, asked) = kept_need(&model, 1000);
+        let (train, eval) = (need.train.as_ref().unwrap(), need.eval.as_ref().unwrap());
+        let batch = train.graph_costs(&model, &data.train).largest_batch(2);
+        let dev = eval.graph_costs(&model, &data.dev).largest_chunk(64);
+        // the training batch (and what it needs beyond) stays beside the
+        // evaluation batch
+        let exact = need.parts_bytes() + batch + 1000 + dev;
+        let room = |free| DeviceRoom { free, budget: None };
+        let fitted = run.fit_device(&need, room(exact)).unwrap();
+        assert_eq!(
+            fitted,
+            Fitted {
+                train_batch: batch,
+                train_extra: 1000,
+                eval_batch: dev,
+                eval_extra: 0,
+            }
+        );
+        // measured on the two costliest training graphs
+        let lens: Vec<usize> = [4, 1].iter().map(|&i| data.train[i].len()).collect();
+        assert_eq!(&asked.lock().unwrap()[..2], &lens[..]);
+        // a byte short: the evaluation batch does not fit beside the kept
+        // training batch, whose size is what to lower
+        let e = run.fit_device(&need, room(exact - 1)).unwrap_err();
+        assert!(e.starts_with("device memory: --batch-size 2"), "{e}");
+        assert!(e.contains("at most 1 input(s)"), "{e}");
+        // the measure is asked only once the linear costs fit
+        let before = asked.lock().unwrap().len();
+        let alone = train
+            .graph_costs(&model, &data.train)
+            .costliest()
+            .unwrap()
+            .1;
+        let e = run
+            .fit_device(&need, room(need.parts_bytes() + alone - 1))
+            .unwrap_err();
+        assert_eq!(asked.lock().unwrap().len(), before, "{e}");
+        assert!(
+            e.contains("train.txt:5") && e.contains("alone needs"),
+            "{e}"
+        );
+        let e = run.fit_device(&need, room(1000)).unwrap_err();
+        assert!(
+            e.contains("the model needs") && e.contains("--hidden"),
+            "{e}"
+        );
+        // the budget is named
+        let budget = DeviceRoom {
+            free: u64::MAX,
+            budget: Some(1000),
+        };
+        let e = run.fit_device(&need, budget).unwrap_err();
+        assert!(e.contains("--device-memory-budget 1000"), "{e}");
+    }
 
     #[test]
     fn reads_mem_available() {

@@ -268,22 +268,17 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
         }
     };
     let swap = device::swap_mode(a.device, &a.model, a.device_memory_budget, a.swap)?;
-    let engine = match device::training_engine(
-        engine_choice,
-        a.device,
-        &model,
-        &params,
-        oc,
-        a.batch_size,
-    )? {
+    let budget = a.device_memory_budget;
+    let engine = match device::training_engine(engine_choice, &need, &params, oc, budget)? {
+        // checked before it allocated
         Some(persistent) => persistent,
-        None => device::engine_with_swap(a.device, &model, a.device_memory_budget, swap)?,
+        None => {
+            let engine = device::engine_with_swap(a.device, &model, budget, swap)?;
+            let swapping = swap != ramus_cuda::SwapMode::Off;
+            need.check_device(engine.as_ref(), budget, swapping)?;
+            engine
+        }
     };
-    need.check_device(
-        engine.as_ref(),
-        a.device_memory_budget,
-        swap != ramus_cuda::SwapMode::Off,
-    )?;
     let mut trainer = Trainer::new(model, params, oc);
     trainer.engine = engine;
     trainer.policy = policy;

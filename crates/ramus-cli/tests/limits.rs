@@ -529,6 +529,72 @@ fn what_cannot_fit_the_device_is_refused_before_training() {
 }
 
 #[test]
+fn the_persistent_and_compiled_engines_are_refused_before_they_allocate() {
+    if let Err(e) = ramus_cuda::CudaDevice::available() {
+        eprintln!("skipping: CUDA is not available ({e})");
+        return;
+    }
+    let budget = ["--device-memory-budget", "100000000"];
+    let persistent = [
+        "train",
+        "--device",
+        "cuda",
+        "--engine",
+        "persistent",
+        "--quiet",
+    ];
+    // about 200 MB of parameters alone on a 100 MB budget
+    refused(
+        &[&persistent[..], &budget[..], &["--hidden", "2000"]].concat(),
+        &[
+            "--engine persistent: device memory: the model needs",
+            "--device-memory-budget",
+            "--hidden",
+        ],
+    );
+    // a pyramid of 12.5 million vertices: its line, before anything compiles
+    let data = td_splits("td-cuda", 5000);
+    let d = PathBuf::from(&data);
+    refused(
+        &[
+            &persistent[..],
+            &["--model", "td-rnn", "--data", &data],
+            &["--device-memory-budget", "1000000000"],
+        ]
+        .concat(),
+        &[
+            &format!("{data}/train.txt:6"),
+            "alone needs",
+            "device memory",
+        ],
+    );
+    // the same checks in `bench`, for either engine
+    let file = d.join("trees.txt");
+    std::fs::write(&file, TREES).unwrap();
+    let file = file.to_str().unwrap();
+    for engine in ["persistent", "compiled"] {
+        let bench = [
+            "bench",
+            file,
+            "--device",
+            "cuda",
+            "--engine",
+            engine,
+            "--hidden",
+            "2000",
+            "--batch-sizes",
+            "1",
+            "--reps",
+            "1",
+        ];
+        refused(
+            &[&bench[..], &budget[..]].concat(),
+            &["device memory: the model needs", "--hidden"],
+        );
+    }
+}
+
+#[test]
 fn plan_memory_plans_absurd_sizes_without_allocating() {
     // a trace of 100000-wide tensors is planned, not allocated
     let (o, took) = run(&["plan-memory", "--hidden", "100000", "--batch-size", "4"]);

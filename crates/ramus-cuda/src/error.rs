@@ -64,6 +64,11 @@ pub enum CudaError {
         free: u64,
         pool_size: u64,
     },
+    /// A run whose buffers cannot fit the device, refused by its
+    /// [`ramus_nn::memory::DeviceCheck`] before they were allocated (the
+    /// message names what to change).
+    #[error("{0}")]
+    DoesNotFit(String),
     /// An argument is out of range or inconsistent (the message says which).
     #[error("bad argument: {0}")]
     BadArgument(String),

@@ -29,6 +29,12 @@
 //!   costs, whatever the shuffle; where graphs run in order (evaluation),
 //!   the most any of their consecutive chunks needs.
 //!
+//! A device engine whose buffers differ (the persistent and compiled CUDA
+//! engines) states its own per-unit costs ([`CostTerms`],
+//! [`ActivationCost::from_terms`]) in a [`DeviceNeed`], which a caller's
+//! [`DeviceCheck`] compares with the device's room before the engine
+//! allocates; the same [`GraphCosts`] then give its largest batch.
+//!
 //! Every element is 4 bytes (`f32` values, `u32` indices). A graph's cost
 //! depends only on its [`GraphShape`], so a graph whose shape follows from
 //! its input (a time-delay pyramid from its word count) is costed before
@@ -261,6 +267,23 @@ impl ActivationCost {
         }
     }
 
+    /// The costs of `pass` with `terms` per unit of a batch's counts: for
+    /// an engine whose buffers are not the batched engines' (the
+    /// persistent and compiled CUDA engines derive theirs from their own
+    /// allocation code).
+    pub fn from_terms(model: &Model, pass: Pass, terms: CostTerms) -> Self {
+        ActivationCost {
+            pass,
+            head_rows: model.head.rows,
+            per_row: terms.per_row,
+            per_edge: terms.per_edge,
+            per_head_row: terms.per_head_row,
+            per_vertex: terms.per_vertex,
+            per_any_edge: terms.per_any_edge,
+            fixed: terms.fixed,
+        }
+    }
+
     /// The host's share of `pass` when a device engine runs it: the
     /// batch's schedule and the scores it brings back (the buffers
     /// [`ActivationCost::new`] counts are on the device).
@@ -336,6 +359,124 @@ impl ActivationCost {
     }
 }
 
+/// Bytes per unit of a batch's counts ([`ActivationCost::from_terms`]);
+/// the units are those [`ActivationCost::graph_bytes`] counts: a vertex
+/// function's rows and child edges, the head's rows, every vertex and
+/// edge, and the batch itself.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CostTerms {
+    /// Per vertex function: bytes per row it runs and per child edge.
+    pub per_row: Vec<u64>,
+    pub per_edge: Vec<u64>,
+    pub per_head_row: u64,
+    pub per_vertex: u64,
+    pub per_any_edge: u64,
+    /// Whatever the batch.
+    pub fixed: u64,
+}
+
+impl CostTerms {
+    /// No bytes for any unit of a model of `functions` vertex functions.
+    pub fn zero(functions: usize) -> Self {
+        CostTerms {
+            per_row: vec![0; functions],
+            per_edge: vec![0; functions],
+            ..CostTerms::default()
+        }
+    }
+}
+
+/// A batch's bytes beyond its linear costs, measured by preparing the
+/// batch (see [`DeviceNeed::train_extra`]).
+pub type BatchExtra = std::sync::Arc<dyn Fn(&[&InputGraph]) -> Result<u64, String> + Send + Sync>;
+
+/// What a device engine will allocate on its device for a run, worked out
+/// from the model and the engine's options before it allocates anything
+/// large, so that a caller can refuse a run that cannot fit (see
+/// [`DeviceCheck`]): model-sized parts, and the linear costs of a training
+/// and an evaluation batch.
+#[derive(Clone)]
+pub struct DeviceNeed {
+    /// The engine, e.g. `cuda-persistent`.
+    pub engine: &'static str,
+    /// Model-sized allocations by name (parameters, optimizer state,
+    /// per-token tables, kernel tables), in bytes.
+    pub parts: Vec<(&'static str, u64)>,
+    /// A training batch's buffers (`None`: the engine does not train).
+    pub train: Option<ActivationCost>,
+    /// An evaluation or inference batch's buffers (`None`: the engine
+    /// does not evaluate).
+    pub eval: Option<ActivationCost>,
+    /// The largest training batch's buffers stay allocated while
+    /// evaluation batches run (the persistent engine keeps its batch region
+    /// beside the engine that evaluates); else each batch's buffers are
+    /// reused by the next.
+    pub train_kept: bool,
+    /// What a training batch of the given graphs needs beyond `train`'s
+    /// linear costs, found by preparing it on the host (the persistent
+    /// engine's instruction scripts, whose size no per-graph cost gives);
+    /// ask only once the linear costs fit, since preparing a batch too large
+    /// costs host memory and time.
+    pub train_extra: Option<BatchExtra>,
+    /// The same for an evaluation or inference batch (the compiled
+    /// engine's node counters, which count the batch's internal nodes).
+    pub eval_extra: Option<BatchExtra>,
+}
+
+impl std::fmt::Debug for DeviceNeed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceNeed")
+            .field("engine", &self.engine)
+            .field("parts", &self.parts)
+            .field("train", &self.train)
+            .field("eval", &self.eval)
+            .field("train_kept", &self.train_kept)
+            .field("train_extra", &self.train_extra.is_some())
+            .field("eval_extra", &self.eval_extra.is_some())
+            .finish()
+    }
+}
+
+impl DeviceNeed {
+    /// The model-sized parts' bytes.
+    pub fn parts_bytes(&self) -> u64 {
+        self.parts.iter().fold(0u64, |s, p| s.saturating_add(p.1))
+    }
+}
+
+/// The device memory an engine can take: what the device has free (for
+/// every process on it) and the caller's budget, if any.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceRoom {
+    pub free: u64,
+    pub budget: Option<u64>,
+}
+
+impl DeviceRoom {
+    /// The bytes a run may take: the free memory, within the budget.
+    pub fn bytes(&self) -> u64 {
+        self.budget.map_or(self.free, |b| b.min(self.free))
+    }
+}
+
+/// What a [`DeviceCheck`] found fits, in bytes, for the engine to size
+/// its buffers once instead of growing them: the largest training batch's
+/// linear costs and what it needs beyond them
+/// ([`DeviceNeed::train_extra`]), and the largest evaluation batch's and
+/// what it needs beyond them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Fitted {
+    pub train_batch: u64,
+    pub train_extra: u64,
+    pub eval_batch: u64,
+    pub eval_extra: u64,
+}
+
+/// A caller's check that a run fits an engine's device: given what the
+/// engine will allocate and the room it has, what fits, or an error naming
+/// what to change. Engines call it before their first large allocation.
+pub type DeviceCheck<'a> = &'a dyn Fn(&DeviceNeed, DeviceRoom) -> Result<Fitted, String>;
+
 /// The activation bytes each graph of a data set adds to its batch, and
 /// the static part every batch needs.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -373,6 +514,16 @@ impl GraphCosts {
         self.sorted
             .first()
             .map(|&(b, i)| (i, b.saturating_add(self.fixed)))
+    }
+
+    /// The indices of the `batch_size` most expensive graphs: the largest
+    /// batch [`GraphCosts::largest_batch`] counts.
+    pub fn costliest_graphs(&self, batch_size: usize) -> Vec<usize> {
+        self.sorted
+            .iter()
+            .take(batch_size)
+            .map(|&(_, i)| i)
+            .collect()
     }
 
     /// What a batch of the cheapest graph alone needs (`None` without graphs).

@@ -10,7 +10,9 @@ use ramus_graph::InputGraph;
 
 use super::{run_anchor, samples, AnyResult, BenchArgs};
 use crate::device::Device;
+use crate::limits::Inference;
 use crate::output::outln;
+use ramus_nn::memory::{DeviceNeed, Pass};
 
 /// The recursion steps of the ablation on top of the best schedule
 /// `base` (Cortex Fig. 11(b), (c)): refactoring (where the model has
@@ -316,9 +318,23 @@ fn run_cuda(
             block_threads: a.block_threads,
             blocks_per_sm: a.blocks_per_sm,
             max_blocks: a.max_blocks,
+            memory_budget: a.device_memory_budget,
             ..CompiledOptions::default()
         };
-        let engine = CompiledEngine::new(model, params, &options)?;
+        // the largest size's batch, the first inputs, is checked
+        let largest = sizes.iter().copied().max().unwrap_or(1).min(trees.len());
+        let batches = &trees[..largest];
+        let need = Inference::bench(
+            model,
+            batches,
+            largest,
+            Pass::Infer,
+            0,
+            a.hidden,
+            Device::Cuda,
+        );
+        let check = |n: &DeviceNeed, room| need.fit_device(n, room);
+        let engine = CompiledEngine::with_check(model, params, &options, &check)?;
         if a.verbose {
             outln!(
                 "{}",

@@ -12,7 +12,9 @@ use ramus_nn::{Engine, Optimizer, OptimizerConfig, OptimizerKind};
 use super::{median_time, run_anchor, AnyResult, BenchArgs};
 
 use crate::device::{cuda_engine, Device};
+use crate::limits::Inference;
 use crate::output::outln;
+use ramus_nn::memory::{DeviceNeed, Pass};
 
 pub fn run(
     a: &BenchArgs,
@@ -143,9 +145,21 @@ pub(super) fn tuned_engine(
         ctas_per_sm: a.ctas_per_sm.map(usize::from),
         grads_in_registers: a.grads_in_registers,
         batch_size: Some(warm.len()),
+        memory_budget: a.device_memory_budget,
         ..PersistentOptions::default()
     };
-    let mut persistent = PersistentEngine::new(model, params, config, &options)?;
+    // it trains on `warm` alone, as one batch
+    let need = Inference::bench(
+        model,
+        warm,
+        warm.len(),
+        Pass::Train,
+        0,
+        a.hidden,
+        Device::Cuda,
+    );
+    let check = |n: &DeviceNeed, room| need.fit_device(n, room);
+    let mut persistent = PersistentEngine::with_check(model, params, config, &options, &check)?;
     let warm: Vec<&InputGraph> = warm.iter().collect();
     let search_started = std::time::Instant::now();
     // the bridge kernel (while the kernel proper compiles) and the search

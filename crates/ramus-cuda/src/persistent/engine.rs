@@ -43,14 +43,15 @@ use ramus_core::vpps::kernel::{
 };
 
 use ramus_core::vpps::{
-    plan, split_launches, valid_rpws, DeviceLimits, PlanRequest, RegisterPlan, Schedule as Scripts,
-    Scheduler,
+    plan, valid_rpws, DeviceLimits, PlanRequest, RegisterPlan, Schedule as Scripts, Scheduler,
 };
 use ramus_core::{Model, Params, Tensor};
 use ramus_graph::{BatchingPolicy, InputGraph, Schedule};
+use ramus_nn::memory::DeviceRoom;
 use ramus_nn::{OptimizerConfig, OptimizerKind};
 
 mod resume;
+mod sizes;
 
 use super::program::PersistentProgram;
 use super::unroll::{dropout_draws, unroll_batch, BatchProgram, GradientGemm, HostWork};
@@ -59,9 +60,10 @@ use crate::blas::{Blas, Gemm};
 use crate::cache::{compile_in_background, KernelCache, Prefetched};
 use crate::device::CudaDevice;
 use crate::error::{CudaError, InCall, Result};
+use crate::memory::{device_room, local_memory_bytes, model_fits, run_check, DeviceCheck};
 use crate::pinned::PinnedBuffer;
 use crate::pool::{DevicePool, DeviceView, PoolBuffer, PoolConfig};
-use crate::rtc::{supported_archs, CompileTarget, NvrtcCompiler};
+use crate::rtc::{supported_archs, CompileTarget, LoadedModule, NvrtcCompiler};
 
 /// How to set up a [`PersistentEngine`].
 #[derive(Clone, Debug, Default)]
@@ -104,6 +106,10 @@ pub struct PersistentOptions {
     /// compiles on other threads (default: yes, unless tracing; NVRTC
     /// older than 12.8 cannot, and then set-up waits for the kernel).
     pub bridge: Option<bool>,
+    /// Device memory the engine may take at most (its pool's budget, and
+    /// what [`PersistentEngine::with_check`] checks against besides the
+    /// free memory); `None`: as much as the device has free.
+    pub memory_budget: Option<u64>,
 }
 
 /// The key of a remembered `rpw` choice: `base` (model, kernel, device
@@ -232,7 +238,7 @@ struct PreparedBatch {
     /// The batch's layout and gradient products (graphs and words freed).
     batch: BatchProgram,
     /// The batch's launches, one unless it has host work (see
-    /// [`split_launches`]).
+    /// [`ramus_core::vpps::split_launches`]).
     launches: Vec<LaunchScripts>,
     /// Without register gradients: the matrices' update, a last script.
     updates: Option<Scripts>,
@@ -298,26 +304,8 @@ impl<'a> PrepareFor<'a> {
             self.host_items,
             rng,
         )?;
-        let graph = std::mem::take(&mut batch.graph);
-        let tasks = graph.len();
-        let mut launches = Vec::new();
-        let mut at = 0;
-        // each launch's graph is freed once scheduled
-        for launch in split_launches(graph)? {
-            let scripts = (!launch.graph.is_empty())
-                .then(|| scheduler.schedule(&launch.graph))
-                .transpose()?;
-            let words = scripts.as_ref().map_or(0, |s| s.packed.words.len());
-            launches.push(LaunchScripts {
-                scripts,
-                at,
-                host_after: launch.host_after,
-            });
-            at += words;
-        }
-        let updates = (!in_registers)
-            .then(|| scheduler.schedule(&batch.matrix_updates))
-            .transpose()?;
+        let tasks = batch.graph.len();
+        let (launches, updates) = sizes::schedule_batch(scheduler, &mut batch, in_registers)?;
         let update_words = updates.as_ref().map_or(&[][..], |u| &u.packed.words[..]);
         let mut parts = vec![&batch.upload[..]];
         parts.extend(
@@ -559,12 +547,31 @@ fn rule_of(kind: OptimizerKind) -> UpdateRule {
 }
 
 impl PersistentEngine {
-    /// Sets the engine up for `model` with initial `params` and `optimizer`.
+    /// Sets the engine up for `model` with initial `params` and `optimizer`
+    /// (refusing a model whose parameters cannot fit the device; see
+    /// [`with_check`](Self::with_check)).
     pub fn new(
         model: &Model,
         params: &Params<f32>,
         optimizer: OptimizerConfig,
         options: &PersistentOptions,
+    ) -> Result<Self> {
+        Self::with_check(model, params, optimizer, options, &model_fits)
+    }
+
+    /// [`new`](Self::new), asking `check` whether what the run will
+    /// allocate fits the device ([`sizes::need`]; within
+    /// [`PersistentOptions::memory_budget`] before the kernels compile,
+    /// within the free memory once the device is open), before the pool
+    /// holds anything: a refusal is [`CudaError::DoesNotFit`]. The pool
+    /// then reserves what the check found fits, its buffer sized for the
+    /// largest batch.
+    pub fn with_check(
+        model: &Model,
+        params: &Params<f32>,
+        optimizer: OptimizerConfig,
+        options: &PersistentOptions,
+        check: DeviceCheck<'_>,
     ) -> Result<Self> {
         let started = Instant::now();
         if optimizer.clip_norm.is_some() {
@@ -595,22 +602,9 @@ impl PersistentEngine {
             .clone()
             .or_else(crate::cache::default_cache_dir);
         mark("nvrtc");
-        let prog = PersistentProgram::build(model)?;
+        let prog = Arc::new(PersistentProgram::build(model)?);
         let limits = DeviceLimits::hopper(facts.sm_count as usize);
-        let slots = prog
-            .matrices
-            .iter()
-            .map(|m| {
-                Ok(MatrixSlots {
-                    value: prog.params.value[m.param],
-                    first_moment: prog.params.first[m.param],
-                    second_moment: prog.params.second[m.param],
-                    gradient: prog.params.grad[m.param].ok_or_else(|| {
-                        model_err(format!("cached parameter {} has no gradient slot", m.param))
-                    })?,
-                })
-            })
-            .collect::<Result<Vec<MatrixSlots>>>()?;
+        let slots = sizes::matrix_slots(&prog)?;
         let rule = rule_of(optimizer.kind);
         let wide_items = items_option(options.wide_items, WIDE_ENV, WIDE_PRODUCT_ITEMS)?;
         let host_items = items_option(options.host_items, HOST_ENV, HOST_PRODUCT_ITEMS)?;
@@ -667,6 +661,24 @@ impl PersistentEngine {
             }
         };
         mark("program");
+        let choices = tuning
+            .as_ref()
+            .map_or_else(|| vec![first_choice], |t| t.candidates.clone());
+        let mut need = sizes::need(model, &prog, &build, &choices, host_items)?;
+        if let Some(budget) = options.memory_budget {
+            // a run over the budget is refused before anything compiles
+            // (once the thread opening the device is done with the driver)
+            let room = DeviceRoom {
+                free: u64::MAX,
+                budget: Some(budget),
+            };
+            if let Err(e) = run_check(check, &need, room) {
+                if let Ok(thread) = opening {
+                    let _ = thread.join();
+                }
+                return Err(e);
+            }
+        }
         let mut early = start_compiles(
             &prog,
             &build,
@@ -691,8 +703,19 @@ impl PersistentEngine {
             .bind_to_thread()
             .in_call("cuCtxSetCurrent")?;
         mark("device");
+        let pooled = need.parts_bytes();
+        let budget = options.memory_budget;
+        let (fitted, bridge) = check_opened(&device, &mut need, &mut early, check, budget)?;
         let cache = KernelCache::with_compiler(&device, compiler, cache_dir);
-        let pool = DevicePool::new(&device, PoolConfig::default());
+        // what the check found fits, in one chunk
+        let checked = pooled + fitted.train_batch + fitted.train_extra;
+        let pool = DevicePool::new(
+            &device,
+            PoolConfig {
+                initial_bytes: PoolConfig::default().initial_bytes.max(checked),
+                max_bytes: options.memory_budget,
+            },
+        );
         if let Some(e) = early.as_mut() {
             // where no thread could compile it early, the lookup compiles it
             for (source, compiling) in e.kernel_proper.drain(..) {
@@ -703,18 +726,13 @@ impl PersistentEngine {
             prefetch_candidates(&cache, &prog, &build, &t.candidates);
         }
         mark("prefetch");
-        let (first, awaited) = match early {
-            Some(EarlyCompiles {
-                plan,
-                source,
-                bridge: Some((image, compile_started)),
-                ..
-            }) => {
+        let (first, awaited) = match (early, bridge) {
+            (Some(EarlyCompiles { plan, source, .. }), Some((module, compile_started))) => {
                 let kernel = PersistentKernel::bridge(
                     &device,
                     &pool,
                     plan,
-                    &image,
+                    &module,
                     &build.slots,
                     compile_started,
                 )?;
@@ -739,7 +757,7 @@ impl PersistentEngine {
         }
         // parameters, zero gradients and moments, then room for batches
         mark("kernel");
-        let capacity = prog.params.total + (16 << 20);
+        let capacity = sizes::buffer_floats(prog.params.total, fitted.train_batch);
         let buffer = pool.alloc::<f32>(capacity)?;
         let mut transfer = PinnedBuffer::new(&device)?;
         {
@@ -759,7 +777,7 @@ impl PersistentEngine {
             device,
             cache,
             pool,
-            prog: Arc::new(prog),
+            prog,
             variants: vec![first],
             active: 0,
             tuning,
@@ -786,6 +804,11 @@ impl PersistentEngine {
             bridge_batches: (0, 0.0),
             setup_phases: phases,
         })
+    }
+
+    /// The pool's counters (bytes reserved, in use, the peak in use).
+    pub fn pool_stats(&self) -> crate::pool::PoolStats {
+        self.pool.stats()
     }
 
     /// Seconds [`new`](Self::new) took (kernel from the cache or compiled).
@@ -1087,7 +1110,7 @@ impl PersistentEngine {
         let launched = || launches.iter().filter_map(|l| l.scripts.as_ref());
         let update_at: usize = launched().map(|s| s.packed.words.len()).sum();
         let levels = launched().map(|s| s.levels).sum();
-        let script_words = update_at + updates.as_ref().map_or(0, |u| u.packed.words.len());
+        let script_words = sizes::script_words(&launches, updates.as_ref());
         // the slot's batch before this one is done (its loss was read); a
         // new buffer may be memory the pool took back from work still
         // queued on the stream (it reuses freed blocks at once), so the
@@ -1095,7 +1118,9 @@ impl PersistentEngine {
         let script_buffer = match self.slots[slot].scripts.take() {
             Some(b) if b.len() >= script_words => b,
             _ => {
-                let b = self.pool.alloc::<u32>(script_words.next_power_of_two())?;
+                let b = self
+                    .pool
+                    .alloc::<u32>(sizes::script_buffer_words(script_words))?;
                 let queued = self.device.new_event()?;
                 queued
                     .record(self.device.stream())
@@ -1108,17 +1133,9 @@ impl PersistentEngine {
         };
         let script_view = script_buffer.view().slice(0..script_words)?;
         self.slots[slot].scripts = Some(script_buffer);
-        let barriers = launched()
-            .chain(updates.iter())
-            .map(|s| s.packed.barriers)
-            .max()
-            .unwrap_or(0)
-            .max(1);
-        // a traced kernel writes its records behind the counters
-        let barriers = match self.build.trace {
-            Some(_) => TRACE_AT + TRACE_WORDS_PER_CTA * self.variants[variant].kernel.plan().ctas,
-            None => barriers,
-        };
+        let traced = self.build.trace.is_some();
+        let ctas = self.variants[variant].kernel.plan().ctas;
+        let barriers = sizes::barrier_words(&launches, updates.as_ref(), traced.then_some(ctas));
         if self.barriers.len() < barriers {
             self.barriers = self.pool.alloc::<u32>(barriers.next_power_of_two())?;
         }
@@ -1551,7 +1568,7 @@ impl PersistentEngine {
         let kept = self
             .transfer
             .download_to_vec(self.buffer.view().slice(0..total)?, &stream)?;
-        let bigger = self.pool.alloc::<f32>(floats.next_power_of_two())?;
+        let bigger = self.pool.alloc::<f32>(sizes::grown_buffer_floats(floats))?;
         self.transfer
             .upload_slice(&kept, bigger.view().slice(0..total)?, &stream)?;
         self.transfer.wait()?;
@@ -1817,6 +1834,44 @@ fn start_compiles(
         kernel_proper,
         bridge,
     })
+}
+
+/// Once the device is open: loads the bridge kernel, if one was compiled
+/// (it keeps its weights in local memory, which the driver takes for every
+/// thread the device holds at its launch: a part of `need`), and asks
+/// `check` whether `need` fits the device's room. A refusal waits for the
+/// compiles under way first (NVRTC must not be torn down under them at
+/// exit).
+fn check_opened(
+    device: &Arc<CudaDevice>,
+    need: &mut ramus_nn::memory::DeviceNeed,
+    early: &mut Option<EarlyCompiles>,
+    check: DeviceCheck<'_>,
+    budget: Option<u64>,
+) -> Result<(ramus_nn::memory::Fitted, Option<(LoadedModule, Instant)>)> {
+    let bridge = match early.as_mut().and_then(|e| e.bridge.take()) {
+        Some((image, at)) => {
+            let module = LoadedModule::load(device.context(), &image, &[KERNEL_NAME])?;
+            let spilled = module
+                .function(KERNEL_NAME)?
+                .local_size_bytes()
+                .in_call("cuFuncGetAttribute(LOCAL_SIZE_BYTES)")?;
+            let spilled = u64::try_from(spilled).unwrap_or(0);
+            let local = local_memory_bytes(device, spilled)?;
+            need.parts.push(("the bridge kernel's local memory", local));
+            Some((module, at))
+        }
+        None => None,
+    };
+    match run_check(check, need, device_room(device, budget)?) {
+        Ok(fitted) => Ok((fitted, bridge)),
+        Err(e) => {
+            for (_, compiling) in early.take().into_iter().flat_map(|e| e.kernel_proper) {
+                let _ = compiling.join();
+            }
+            Err(e)
+        }
+    }
 }
 
 /// Plans the registers for `rpw` and compiles (or loads) its kernel.

@@ -114,6 +114,16 @@ fn check_slots(plan: &RegisterPlan, slots: &[MatrixSlots]) -> Result<()> {
     Ok(())
 }
 
+/// The kernel's device tables for `plan`: its partitions' and its cached
+/// matrices' (where `slots` places each in the pool).
+pub(crate) fn kernel_tables(plan: &RegisterPlan, slots: &[MatrixSlots]) -> Result<[Vec<u32>; 2]> {
+    let mats = matrix_table(plan, |m| {
+        let s = &slots[m];
+        [s.value, s.first_moment, s.second_moment, s.gradient]
+    })?;
+    Ok([plan.table(), mats])
+}
+
 fn model_err(message: impl Into<String>) -> CudaError {
     CudaError::Model(message.into())
 }
@@ -141,22 +151,21 @@ impl PersistentKernel {
         Ok(kernel)
     }
 
-    /// A bridge kernel: `image`, the source for `plan` compiled for speed of
-    /// compilation ([`NvrtcCompiler::with_fast_compile`](crate::NvrtcCompiler::with_fast_compile),
-    /// from `compile_started` on). It computes what the kernel proper
-    /// computes, more slowly (its weights may live in local memory, which
-    /// is not checked), and trains while that one compiles.
+    /// A bridge kernel: `module`, the source for `plan` compiled for speed
+    /// of compilation ([`NvrtcCompiler::with_fast_compile`](crate::NvrtcCompiler::with_fast_compile),
+    /// from `compile_started` on) and loaded. It computes what the kernel
+    /// proper computes, more slowly (its weights may live in local memory,
+    /// which is not checked), and trains while that one compiles.
     pub fn bridge(
         device: &Arc<CudaDevice>,
         pool: &Arc<DevicePool>,
         plan: RegisterPlan,
-        image: &[u8],
+        module: &LoadedModule,
         slots: &[MatrixSlots],
         compile_started: Instant,
     ) -> Result<Self> {
         check_slots(&plan, slots)?;
-        let module = LoadedModule::load(device.context(), image, &[KERNEL_NAME])?;
-        Self::from_module(device, pool, plan, &module, slots, compile_started, true)
+        Self::from_module(device, pool, plan, module, slots, compile_started, true)
     }
 
     /// The kernel of `module`, checked (unless a `bridge`, for spills; for
@@ -207,14 +216,10 @@ impl PersistentKernel {
         }
         let stream = device.stream().clone();
         let mut staging = PinnedBuffer::new(device)?;
-        let table = plan.table();
+        let [table, mats_host] = kernel_tables(&plan, slots)?;
         let parts_buf = pool.alloc::<u32>(table.len().max(1))?;
         let parts = parts_buf.view().slice(0..table.len().max(1))?;
         staging.upload_slice(&table, parts.slice(0..table.len())?, &stream)?;
-        let mats_host = matrix_table(&plan, |m| {
-            let s = &slots[m];
-            [s.value, s.first_moment, s.second_moment, s.gradient]
-        })?;
         let mats_buf = pool.alloc::<u32>(mats_host.len().max(1))?;
         let mats = mats_buf.view().slice(0..mats_host.len().max(1))?;
         if !mats_host.is_empty() {

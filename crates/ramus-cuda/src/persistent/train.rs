@@ -20,6 +20,8 @@ use rand_chacha::ChaCha8Rng;
 use super::{PersistentEngine, PersistentOptions};
 use crate::engine::{CudaEngine, CudaEngineOptions};
 use crate::error::Result;
+use crate::memory::{block_bytes, model_fits, DeviceCheck};
+use ramus_nn::memory::{ActivationCost, DeviceNeed, Pass};
 
 /// Batches the trainer hands the persistent engine at once: prepared in
 /// parallel, one per core (2 to 16), while the device runs the window
@@ -40,28 +42,66 @@ pub struct PersistentTrainer {
     model: Model,
 }
 
+/// What the evaluating (batched) engine allocates for the model: the
+/// parameters and their gradient buffer, a block each.
+fn evaluation_parts(model: &Model) -> [(&'static str, u64); 2] {
+    let floats: usize = model
+        .params
+        .iter()
+        .map(|p| p.shape.iter().product::<usize>())
+        .sum();
+    [
+        ("the evaluating engine's parameters", block_bytes(floats)),
+        ("its gradient buffer", block_bytes(floats)),
+    ]
+}
+
 fn nn_err(e: crate::error::CudaError) -> NnError {
     NnError::Config(e.to_string())
 }
 
 impl PersistentTrainer {
     /// Sets both engines up for `model`, starting from `params`, updating
-    /// with `optimizer` (its state lives on the device).
+    /// with `optimizer` (its state lives on the device); refuses a model
+    /// whose parameters cannot fit the device (see
+    /// [`with_check`](Self::with_check)).
     pub fn new(
         model: &Model,
         params: &Params<f32>,
         optimizer: OptimizerConfig,
         options: &PersistentOptions,
     ) -> Result<Self> {
-        let engine = PersistentEngine::new(model, params, optimizer, options)?;
-        let eval = CudaEngine::new(
-            model,
-            &CudaEngineOptions {
-                device: options.device,
-                cache_dir: options.cache_dir.clone(),
-                ..CudaEngineOptions::default()
-            },
-        )?;
+        Self::with_check(model, params, optimizer, options, &model_fits)
+    }
+
+    /// [`new`](Self::new), asking `check` before anything large is
+    /// allocated whether the run fits the device (see
+    /// [`PersistentEngine::with_check`]): what the persistent engine
+    /// allocates, and beside it the evaluating engine's parameters, their
+    /// gradient buffer and an evaluation batch ([`DeviceNeed::train_kept`]:
+    /// the training batch's region stays while it evaluates).
+    pub fn with_check(
+        model: &Model,
+        params: &Params<f32>,
+        optimizer: OptimizerConfig,
+        options: &PersistentOptions,
+        check: DeviceCheck<'_>,
+    ) -> Result<Self> {
+        let both = |need: &DeviceNeed, room| {
+            let mut need = need.clone();
+            need.parts.extend(evaluation_parts(model));
+            need.eval = Some(ActivationCost::new(model, Pass::Evaluate));
+            need.train_kept = true;
+            check(&need, room)
+        };
+        let engine = PersistentEngine::with_check(model, params, optimizer, options, &both)?;
+        let mut eval_options = CudaEngineOptions {
+            device: options.device,
+            cache_dir: options.cache_dir.clone(),
+            ..CudaEngineOptions::default()
+        };
+        eval_options.pool.max_bytes = options.memory_budget;
+        let eval = CudaEngine::new(model, &eval_options)?;
         Ok(PersistentTrainer {
             engine,
             eval,

@@ -129,7 +129,7 @@ pub(crate) struct GradientGemm {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Region {
+pub(crate) enum Region {
     Zeroed,
     Plain,
     Upload,
@@ -452,44 +452,12 @@ impl<'a> Unroller<'a> {
     fn allocate(&mut self) -> Result<()> {
         for key in graph_keys(self.model) {
             let g = self.graph(key);
-            let plan = self.prog.plan(key);
             let mut bufs = vec![None; g.nodes.len()];
             for (n, node) in g.nodes.iter().enumerate() {
-                let len = self.rows(key, node.ty.space) * node.ty.width();
-                bufs[n] = match node.kind {
-                    NodeKind::Param(_) => None,
-                    NodeKind::Input(src) => match src {
-                        Source::Forward(_) | Source::Token | Source::Label => None,
-                        Source::Gather(_) | Source::GatherAll | Source::HeadInput => {
-                            Some(self.alloc(Region::Plain, len))
-                        }
-                        Source::DropoutMask { .. } => Some(self.alloc(Region::Upload, len)),
-                        Source::OutputGrad(_) => Some(match key {
-                            GraphKey::HeadBackward => self.alloc(Region::Upload, len),
-                            _ => self.alloc(Region::Zeroed, len),
-                        }),
-                        Source::Pull => {
-                            return Err(err(
-                                "pulled inputs (features) are not supported yet".to_string()
-                            ))
-                        }
-                    },
-                    NodeKind::Op(_) if !plan.materialized[n] || plan.views.contains_key(&n) => None,
-                    NodeKind::Op(_) if node.ty.dtype == DType::Index => {
-                        return Err(err(format!(
-                            "op %{n} of {key:?} computes indices, which the kernel cannot"
-                        )))
-                    }
-                    NodeKind::Op(_) => {
-                        if self.outer_product(key, n)?.is_some() {
-                            None
-                        } else if self.accumulated(key, n) {
-                            Some(self.alloc(Region::Zeroed, len))
-                        } else {
-                            Some(self.alloc(Region::Plain, len))
-                        }
-                    }
-                };
+                if let Some(region) = node_region(self.model, self.prog, key, n)? {
+                    let len = self.rows(key, node.ty.space) * node.ty.width();
+                    bufs[n] = Some(self.alloc(region, len));
+                }
             }
             self.prod[key.index(self.prog.functions)] = vec![RowProducers::default(); bufs.len()];
             self.bufs[key.index(self.prog.functions)] = bufs;
@@ -500,47 +468,9 @@ impl<'a> Unroller<'a> {
         Ok(())
     }
 
-    /// True for nodes written with atomics (they must start at zero).
-    fn accumulated(&self, key: GraphKey, n: NodeId) -> bool {
-        let node = &self.graph(key).nodes[n];
-        node.op_as::<SumRows>().is_some()
-            || node.op_as::<Pad>().is_some()
-            || self.prog.pushed_sum(key, n).is_some()
-            || self.transposed_product(key, n).is_some()
-            || self.prog.forward_product_output(key, n)
-    }
-
-    /// `Some(matrix)` if `n` is `dy W` with `W` a register-cached matrix.
-    fn transposed_product(&self, key: GraphKey, n: NodeId) -> Option<u16> {
-        let g = self.graph(key);
-        let mm = g.nodes[n].op_as::<MatMul>()?;
-        let NodeKind::Param(p) = g.nodes[*g.nodes[n].inputs.get(1)?].kind else {
-            return None;
-        };
-        (!mm.trans_a && !mm.trans_b)
-            .then_some(self.prog.cached[p])
-            .flatten()
-    }
-
     /// `Some(matrix)` if `n` is a cached matrix's gradient product `dyᵀ x`.
     fn outer_product(&self, key: GraphKey, n: NodeId) -> Result<Option<u16>> {
-        let g = self.graph(key);
-        let Some(mm) = g.nodes[n].op_as::<MatMul>() else {
-            return Ok(None);
-        };
-        if !mm.trans_a {
-            return Ok(None);
-        }
-        let param = g.outputs.iter().find_map(|o| match o.role {
-            Role::ParamGrad(p) if o.node == n => Some(p),
-            _ => None,
-        });
-        match param.and_then(|p| self.prog.cached[p]) {
-            Some(m) => Ok(Some(m)),
-            None => Err(err(format!(
-                "product %{n} of {key:?} (Aᵀ B) is not a register-cached weight's gradient"
-            ))),
-        }
+        outer_product(self.model, self.prog, key, n)
     }
 
     /// Fills the index arrays (needs the regions' bases).
@@ -1641,9 +1571,104 @@ impl<'a> Unroller<'a> {
     }
 }
 
+/// The region node `n` of graph `key` has a buffer in, or `None` (a
+/// parameter, an input read where it lives, a view, a value not
+/// materialized, or a product whose outer sum stays in the gradient
+/// registers). Its buffer holds its space's rows of its width (at least
+/// one float): the batch's layout, which [`unroll_batch`] allocates and
+/// [`super::memory`] counts.
+pub(crate) fn node_region(
+    model: &Model,
+    prog: &PersistentProgram,
+    key: GraphKey,
+    n: NodeId,
+) -> Result<Option<Region>> {
+    let node = &key.graph(model).nodes[n];
+    let plan = prog.plan(key);
+    Ok(match node.kind {
+        NodeKind::Param(_) => None,
+        NodeKind::Input(src) => match src {
+            Source::Forward(_) | Source::Token | Source::Label => None,
+            Source::Gather(_) | Source::GatherAll | Source::HeadInput => Some(Region::Plain),
+            Source::DropoutMask { .. } => Some(Region::Upload),
+            Source::OutputGrad(_) => Some(match key {
+                GraphKey::HeadBackward => Region::Upload,
+                _ => Region::Zeroed,
+            }),
+            Source::Pull => {
+                return Err(err(
+                    "pulled inputs (features) are not supported yet".to_string()
+                ))
+            }
+        },
+        NodeKind::Op(_) if !plan.materialized[n] || plan.views.contains_key(&n) => None,
+        NodeKind::Op(_) if node.ty.dtype == DType::Index => {
+            return Err(err(format!(
+                "op %{n} of {key:?} computes indices, which the kernel cannot"
+            )))
+        }
+        NodeKind::Op(_) if outer_product(model, prog, key, n)?.is_some() => None,
+        NodeKind::Op(_) if accumulated(model, prog, key, n) => Some(Region::Zeroed),
+        NodeKind::Op(_) => Some(Region::Plain),
+    })
+}
+
+/// True for nodes written with atomics (they must start at zero).
+fn accumulated(model: &Model, prog: &PersistentProgram, key: GraphKey, n: NodeId) -> bool {
+    let node = &key.graph(model).nodes[n];
+    node.op_as::<SumRows>().is_some()
+        || node.op_as::<Pad>().is_some()
+        || prog.pushed_sum(key, n).is_some()
+        || transposed_product(model, prog, key, n).is_some()
+        || prog.forward_product_output(key, n)
+}
+
+/// `Some(matrix)` if `n` is `dy W` with `W` a register-cached matrix.
+fn transposed_product(
+    model: &Model,
+    prog: &PersistentProgram,
+    key: GraphKey,
+    n: NodeId,
+) -> Option<u16> {
+    let g = key.graph(model);
+    let mm = g.nodes[n].op_as::<MatMul>()?;
+    let NodeKind::Param(p) = g.nodes[*g.nodes[n].inputs.get(1)?].kind else {
+        return None;
+    };
+    (!mm.trans_a && !mm.trans_b)
+        .then_some(prog.cached[p])
+        .flatten()
+}
+
+/// `Some(matrix)` if `n` is a cached matrix's gradient product `dyᵀ x`.
+fn outer_product(
+    model: &Model,
+    prog: &PersistentProgram,
+    key: GraphKey,
+    n: NodeId,
+) -> Result<Option<u16>> {
+    let g = key.graph(model);
+    let Some(mm) = g.nodes[n].op_as::<MatMul>() else {
+        return Ok(None);
+    };
+    if !mm.trans_a {
+        return Ok(None);
+    }
+    let param = g.outputs.iter().find_map(|o| match o.role {
+        Role::ParamGrad(p) if o.node == n => Some(p),
+        _ => None,
+    });
+    match param.and_then(|p| prog.cached[p]) {
+        Some(m) => Ok(Some(m)),
+        None => Err(err(format!(
+            "product %{n} of {key:?} (Aᵀ B) is not a register-cached weight's gradient"
+        ))),
+    }
+}
+
 /// Rows of `space` in graph `key` of batch `s` with `head_rows` head
 /// vertices.
-fn space_rows(s: &Schedule, head_rows: usize, key: GraphKey, space: Space) -> usize {
+pub(crate) fn space_rows(s: &Schedule, head_rows: usize, key: GraphKey, space: Space) -> usize {
     match (key.function(), space) {
         (_, Space::Static) => 1,
         (Some(f), Space::Vertex) => s.functions[f].rows(),

@@ -25,14 +25,19 @@ use cudarc::driver::{CudaEvent, CudaFunction, DeviceRepr, LaunchConfig, PushKern
 use ramus_core::cellgen::{
     token_stage_kernel, used_stages, LoweredCell, TreeKernelSpec, CELL_BLOCK, INLINE_INDEX_WORDS,
 };
-use ramus_core::recursion::{lower_scheduled, Backend, RecursionSchedule};
+use ramus_core::recursion::RecursionSchedule;
 use ramus_core::{Model, Params, VertexRules};
 use ramus_graph::{InputGraph, Linearizer, UnrolledPlan};
 
 use crate::cache::KernelCache;
 use crate::device::CudaDevice;
 use crate::error::{CudaError, InCall, Result};
+use crate::memory::{device_room, local_memory_bytes, model_fits, run_check, DeviceCheck};
 use crate::pinned::{MappedBuffer, PinnedBuffer};
+use memory::{Cells, CounterPair};
+use ramus_nn::memory::DeviceRoom;
+
+mod memory;
 use crate::pool::{Arena, DevicePool, DeviceView, PoolBuffer, PoolConfig};
 
 /// The Cortex schedule knobs of the compiled engine (the ablation of
@@ -123,52 +128,6 @@ impl InlineIndices {
     }
 }
 
-/// The two node-counter arrays the level kernels alternate between: a
-/// launch uses one and clears the other for the next (so the counters
-/// are never uploaded).
-struct CounterPair {
-    pool: Arc<DevicePool>,
-    buffers: Option<[PoolBuffer<u32>; 2]>,
-    /// Words of each array (all zero outside a running launch).
-    capacity: usize,
-    /// The array the next launch uses.
-    next: usize,
-}
-
-impl CounterPair {
-    /// The arrays for a launch needing `words` counters: (this launch's,
-    /// the next's), growing both (zeroed on `stream`) when too small.
-    fn for_launch(
-        &mut self,
-        words: usize,
-        stream: &cudarc::driver::CudaStream,
-    ) -> Result<(DeviceView<u32>, DeviceView<u32>)> {
-        if self.buffers.is_none() || words > self.capacity {
-            let capacity = words.max(self.capacity.saturating_mul(2)).max(1024);
-            let pair = [
-                self.pool.alloc::<u32>(capacity)?,
-                self.pool.alloc::<u32>(capacity)?,
-            ];
-            for b in &pair {
-                b.view().fill_zero(stream)?;
-            }
-            self.buffers = Some(pair);
-            self.capacity = capacity;
-        }
-        let Some(pair) = &self.buffers else {
-            return Err(model_err("node counters were not allocated"));
-        };
-        Ok((pair[self.next].view(), pair[1 - self.next].view()))
-    }
-
-    /// After a launch with [`CounterPair::for_launch`]'s arrays was
-    /// enqueued: the next launch uses the array it clears. (A launch that
-    /// failed to enqueue cleared nothing, so the arrays stay.)
-    fn launched(&mut self) {
-        self.next = 1 - self.next;
-    }
-}
-
 /// A pair of timing events recorded around a launch.
 fn timing_events(device: &CudaDevice) -> Result<(CudaEvent, CudaEvent)> {
     let timed = || {
@@ -221,6 +180,10 @@ pub struct CompiledOptions {
     /// ([`CompiledEngine::last_kernel_seconds`]); off by default: two event
     /// records per batch.
     pub time_kernel: bool,
+    /// Device memory the engine may take at most (its pool's budget, and
+    /// what [`CompiledEngine::with_check`] checks against besides the free
+    /// memory); `None`: as much as the device has free.
+    pub memory_budget: Option<u64>,
 }
 
 impl Default for CompiledOptions {
@@ -233,6 +196,7 @@ impl Default for CompiledOptions {
             blocks_per_sm: 2,
             max_blocks: None,
             time_kernel: false,
+            memory_budget: None,
         }
     }
 }
@@ -371,50 +335,57 @@ fn launch_table_kernel(
 
 impl CompiledEngine {
     /// Lowers, generates and compiles `model`'s cells, uploads `params` and
-    /// (with leaf specialization) tabulates the leaf cell over the vocabulary.
+    /// (with leaf specialization) tabulates the leaf cell over the
+    /// vocabulary; refuses a model whose parameters and tables cannot fit
+    /// the device (see [`with_check`](Self::with_check)).
     pub fn new(model: &Model, params: &Params<f32>, options: &CompiledOptions) -> Result<Self> {
+        Self::with_check(model, params, options, &model_fits)
+    }
+
+    /// [`new`](Self::new), asking `check` whether what the engine will
+    /// allocate fits the device ([`memory::need`]): within
+    /// [`CompiledOptions::memory_budget`] before the kernels compile, and
+    /// within the free memory (less the local memory the level kernel's
+    /// spilled registers take) once they are loaded, before the pool holds
+    /// anything. A refusal is [`CudaError::DoesNotFit`]; the pool then
+    /// reserves what fits, its arena sized for the largest batch.
+    pub fn with_check(
+        model: &Model,
+        params: &Params<f32>,
+        options: &CompiledOptions,
+        check: DeviceCheck<'_>,
+    ) -> Result<Self> {
         let started = Instant::now();
+        let cells = Cells::lower(model, options)?;
+        let mut need = memory::need(model, &cells)?;
+        if let Some(budget) = options.memory_budget {
+            // a run over the budget is refused before anything compiles
+            let room = DeviceRoom {
+                free: u64::MAX,
+                budget: Some(budget),
+            };
+            run_check(check, &need, room)?;
+        }
         let device = CudaDevice::open(options.device)?;
         let dir = options
             .cache_dir
             .clone()
             .or_else(crate::cache::default_cache_dir);
         let cache = KernelCache::for_device(&device, dir)?;
-        let recursion = options.schedule.recursion.resolve(
-            model,
-            Backend::Cuda,
-            options.schedule.leaf_table,
-        )?;
-        let cells = lower_scheduled(model, recursion.refactor)?;
-        let vocab = cells.vocab;
-        let (leaf_graph, leaf) = (cells.leaf.graph, cells.leaf.program);
-        let (internal_graph, mut internal) = (cells.internal.graph, cells.internal.program);
-        let head = cells.head;
-        let schedule = CompiledSchedule {
-            // a table needs a token to index it
-            leaf_table: options.schedule.leaf_table && vocab.is_some(),
-            // a block computing whole nodes cannot keep every unit's rows,
-            // and orders its steps by grid barriers
-            persistent_weights: options.schedule.persistent_weights && !recursion.unroll,
-            node_counters: Some(
-                !recursion.unroll
-                    && options
-                        .schedule
-                        .node_counters
-                        .unwrap_or(internal.units <= COUNTERS_MAX_UNITS),
-            ),
-            recursion: RecursionSchedule::fixed(recursion.refactor, recursion.unroll),
-        };
-        // hoisting: the internal cell's token-only values from a table
-        let hoisted = if schedule.leaf_table {
-            internal.hoist_token_values()
-        } else {
-            None
-        };
-        let token_table_program = hoisted.map(|h| {
-            internal = h.program;
-            (h.table, h.width)
-        });
+        let leaf_stages = used_stages(&cells.leaf.program);
+        let table_lens = cells.table_lens()?;
+        let [state_width, push_width, scratch_width] = cells.row_widths();
+        let Cells {
+            leaf,
+            internal,
+            head,
+            vocab,
+            schedule,
+            unroll,
+            token_table: token_table_program,
+        } = cells;
+        let (leaf_graph, leaf) = (leaf.graph, leaf.program);
+        let (internal_graph, internal) = (internal.graph, internal.program);
         let mut offsets = Vec::with_capacity(model.params.len());
         let mut total = 0usize;
         for p in &params.values {
@@ -449,14 +420,12 @@ impl CompiledEngine {
             .block_threads
             .unwrap_or_else(|| spec.default_block_threads());
         let block = spec.block_threads;
-        let unroll = recursion.unroll;
         let source = if unroll {
             spec.unrolled_source()?
         } else {
             spec.source()?
         };
         // a refactored leaf has a stage per moved product: a table kernel each
-        let leaf_stages = used_stages(&leaf);
         let leaf_table_kernels: Vec<String> = (0..leaf_stages)
             .map(|stage| token_stage_kernel("cortex_leaf_table", stage))
             .collect();
@@ -493,7 +462,30 @@ impl CompiledEngine {
             None
         };
 
-        let pool = DevicePool::new(&device, PoolConfig::default());
+        let pooled = need.parts_bytes();
+        // the level kernels' spilled registers take local memory at launch
+        let mut spilled = 0;
+        for f in std::iter::once(&levels).chain(tuning.as_ref().map(|t| &t.other)) {
+            let bytes = f
+                .local_size_bytes()
+                .in_call("cuFuncGetAttribute(LOCAL_SIZE_BYTES)")?;
+            spilled = spilled.max(u64::try_from(bytes).unwrap_or(0));
+        }
+        need.parts.push((
+            "local memory of spilled registers",
+            local_memory_bytes(&device, spilled)?,
+        ));
+        let fitted = run_check(check, &need, device_room(&device, options.memory_budget)?)?;
+        // what the check found fits, in one chunk
+        let pool = DevicePool::new(
+            &device,
+            PoolConfig {
+                initial_bytes: PoolConfig::default()
+                    .initial_bytes
+                    .max(pooled + fitted.eval_batch + fitted.eval_extra),
+                max_bytes: options.memory_budget,
+            },
+        );
         let stream = device.stream().clone();
         let mut staging = PinnedBuffer::new(&device)?;
         let param_buf = pool.alloc::<f32>(total.max(1))?;
@@ -508,7 +500,6 @@ impl CompiledEngine {
         let barrier = pool.alloc::<u32>(2)?;
         barrier.view().fill_zero(&stream)?;
 
-        let (state_width, push_width) = (internal.output_width(0), internal.output_width(1));
         let sm = device.sm_count();
         let mut per_sm = levels
             .occupancy_max_active_blocks_per_multiprocessor(block, 0, None)
@@ -542,15 +533,14 @@ impl CompiledEngine {
         let table_started = Instant::now();
         if schedule.leaf_table {
             let v = vocab.ok_or_else(|| model_err("leaf table without a vocabulary"))?;
-            let ts = pool.alloc::<f32>((v * state_width).max(1))?;
-            let tp = pool.alloc::<f32>((v * push_width).max(1))?;
+            let ts = pool.alloc::<f32>(table_lens.state.max(1))?;
+            let tp = pool.alloc::<f32>(table_lens.push.max(1))?;
             let vocab_arg = u32_of(v, "vocabulary")?;
             // stage by stage (stream order separates them), a scratch row per token
-            let leaf_scratch = if leaf_stages > 1 {
-                Some(pool.alloc::<f32>((v * leaf.scratch_width).max(1))?)
-            } else {
-                None
-            };
+            let leaf_scratch = table_lens
+                .scratch
+                .map(|n| pool.alloc::<f32>(n.max(1)))
+                .transpose()?;
             let mut outputs = vec![ts.view(), tp.view()];
             if let Some(scratch) = &leaf_scratch {
                 outputs.push(scratch.view());
@@ -572,8 +562,8 @@ impl CompiledEngine {
             table_state = ts.view().device_ptr();
             table_push = tp.view().device_ptr();
             tables = Some((ts, tp));
-            if let Some((table, width)) = &token_table_program {
-                let tt = pool.alloc::<f32>((v * width).max(1))?;
+            if let (Some((table, _)), Some(n)) = (&token_table_program, table_lens.token) {
+                let tt = pool.alloc::<f32>(n.max(1))?;
                 let token_fn = module.function("cortex_token_table")?;
                 let tt_view = tt.view();
                 launch_table_kernel(
@@ -595,7 +585,7 @@ impl CompiledEngine {
         } else {
             0.0
         };
-        let arena = pool.arena(16 << 20);
+        let arena = pool.arena(memory::arena_bytes(fitted.eval_batch));
         let kernel_events = if options.time_kernel || tuning.is_some() {
             Some(timing_events(&device)?)
         } else {
@@ -640,7 +630,7 @@ impl CompiledEngine {
             min_blocks,
             block,
             units: internal.units,
-            scratch_width: internal.scratch_width.max(leaf.scratch_width),
+            scratch_width,
             state_width,
             push_width,
             classes: head.output_width(0),
@@ -673,6 +663,11 @@ impl CompiledEngine {
     /// Kernel-cache counters (compiled, memory and disk hits, compile time).
     pub fn cache_stats(&self) -> crate::cache::KernelCacheStats {
         self.cache.stats()
+    }
+
+    /// The pool's counters (bytes reserved, in use, the peak in use).
+    pub fn pool_stats(&self) -> crate::pool::PoolStats {
+        self.counters.pool.stats()
     }
 
     /// Seconds spent in [`CompiledEngine::new`].
@@ -846,13 +841,13 @@ impl CompiledEngine {
             Some(self.counters.for_launch(ni * self.stages, &stream)?)
         };
         let done_clear = u32_of(self.counters.capacity, "node counters")?;
-        let state = self.arena.alloc::<f32>((nodes * self.state_width).max(1))?;
-        let push = self.arena.alloc::<f32>((nodes * self.push_width).max(1))?;
+        let widths = [self.state_width, self.push_width, self.scratch_width];
+        let [state_len, push_len, scratch_len] = memory::batch_lens(nodes, widths);
+        let state = self.arena.alloc::<f32>(state_len)?;
+        let push = self.arena.alloc::<f32>(push_len)?;
         let score_len = roots * self.classes;
         let scores = self.scores_out.device_ptr_for::<f32>(score_len, &stream)?;
-        let scratch = self
-            .arena
-            .alloc::<f32>((nodes * self.scratch_width).max(1))?;
+        let scratch = self.arena.alloc::<f32>(scratch_len)?;
         // enough warps for every unit of the widest level (unrolled: a
         // block per group of the widest step), as far as fit
         let wanted = if unroll {
