@@ -1,0 +1,45 @@
+//! `ramus-shape [--json] [WORKSPACE]`: prints the workspace's shape report (text, or JSON
+//! with `--json`). WORKSPACE defaults to the one this crate was built in.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let mut json = false;
+    let mut root = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."));
+    for arg in std::env::args().skip(1) {
+        match arg.as_str() {
+            "--json" => json = true,
+            "-h" | "--help" => {
+                println!("usage: ramus-shape [--json] [WORKSPACE]");
+                return ExitCode::SUCCESS;
+            }
+            flag if flag.starts_with('-') => {
+                eprintln!(
+                    "ramus-shape: unknown flag {flag} (usage: ramus-shape [--json] [WORKSPACE])"
+                );
+                return ExitCode::from(2);
+            }
+            path => root = PathBuf::from(path),
+        }
+    }
+    let report = match ramus_shape::measure_workspace(&root) {
+        Ok(report) => report,
+        Err(e) => {
+            eprintln!("ramus-shape: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if json {
+        match serde_json::to_string_pretty(&report) {
+            Ok(text) => println!("{text}"),
+            Err(e) => {
+                eprintln!("ramus-shape: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        print!("{}", report.render_text());
+    }
+    ExitCode::SUCCESS
+}
