@@ -172,7 +172,7 @@ fn read_sources(root: &Path, dir: &str) -> Result<BTreeMap<String, String>> {
 
 fn read_dir(root: &Path, dir: &str) -> Result<Vec<std::fs::DirEntry>> {
     let io = |source| ShapeError::Io {
-        path: dir.to_string(),
+        path: root.join(dir).display().to_string(),
         source,
     };
     std::fs::read_dir(root.join(dir))
@@ -182,8 +182,9 @@ fn read_dir(root: &Path, dir: &str) -> Result<Vec<std::fs::DirEntry>> {
 }
 
 fn read(root: &Path, file: &str) -> Result<String> {
-    std::fs::read_to_string(root.join(file)).map_err(|source| ShapeError::Io {
-        path: file.to_string(),
+    let path = root.join(file);
+    std::fs::read_to_string(&path).map_err(|source| ShapeError::Io {
+        path: path.display().to_string(),
         source,
     })
 }

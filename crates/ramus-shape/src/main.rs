@@ -1,8 +1,11 @@
 //! `ramus-shape [--json] [WORKSPACE]`: prints the workspace's shape report (text, or JSON
 //! with `--json`). WORKSPACE defaults to the one this crate was built in.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
+
+const USAGE: &str = "usage: ramus-shape [--json] [WORKSPACE]";
 
 fn main() -> ExitCode {
     let mut json = false;
@@ -11,13 +14,11 @@ fn main() -> ExitCode {
         match arg.as_str() {
             "--json" => json = true,
             "-h" | "--help" => {
-                println!("usage: ramus-shape [--json] [WORKSPACE]");
+                println!("{USAGE}");
                 return ExitCode::SUCCESS;
             }
             flag if flag.starts_with('-') => {
-                eprintln!(
-                    "ramus-shape: unknown flag {flag} (usage: ramus-shape [--json] [WORKSPACE])"
-                );
+                eprintln!("ramus-shape: unknown flag {flag} ({USAGE})");
                 return ExitCode::from(2);
             }
             path => root = PathBuf::from(path),
@@ -30,16 +31,18 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    if json {
+    let text = if json {
         match serde_json::to_string_pretty(&report) {
-            Ok(text) => println!("{text}"),
+            Ok(text) => text + "\n",
             Err(e) => {
-                eprintln!("ramus-shape: {e}");
+                eprintln!("ramus-shape: the report as JSON: {e}");
                 return ExitCode::FAILURE;
             }
         }
     } else {
-        print!("{}", report.render_text());
-    }
+        report.render_text()
+    };
+    // A closed pipe (`| head`) is no error of the measurement.
+    let _ = std::io::stdout().lock().write_all(text.as_bytes());
     ExitCode::SUCCESS
 }

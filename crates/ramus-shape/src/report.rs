@@ -213,26 +213,19 @@ impl Report {
                 f.lines, f.file, f.line, f.name
             );
         }
-        let sections = [
-            ("#[allow(clippy::too_many_arguments)] by file:", 0),
+        type Counts = fn(&CrateReport) -> &Vec<FileCount>;
+        let sections: [(&str, Counts); 2] = [
+            ("#[allow(clippy::too_many_arguments)] by file:", |c| {
+                &c.too_many_arguments
+            }),
             (
                 "Runtime op dispatch (op_as / downcast_ref calls) by file:",
-                1,
+                |c| &c.op_dispatch,
             ),
         ];
-        for (title, which) in sections {
+        for (title, counts_of) in sections {
             let _ = writeln!(out, "\n{title}");
-            let mut counts: Vec<&FileCount> = self
-                .crates
-                .iter()
-                .flat_map(|c| {
-                    if which == 0 {
-                        &c.too_many_arguments
-                    } else {
-                        &c.op_dispatch
-                    }
-                })
-                .collect();
+            let mut counts: Vec<&FileCount> = self.crates.iter().flat_map(counts_of).collect();
             counts.sort_by(|a, b| b.count.cmp(&a.count).then(a.file.cmp(&b.file)));
             for c in counts {
                 let _ = writeln!(out, "  {:>5}  {}", c.count, c.file);

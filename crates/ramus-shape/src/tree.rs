@@ -371,7 +371,7 @@ impl Builder<'_> {
         }
         match &m.content {
             Some((_, items)) => self.scan(items, child, &join(dir, &name), rel, test),
-            None if has_path_attr(m) || file.ends_with("/mod.rs") || file == "mod.rs" => {
+            None if path_attr(m).is_some() || file.ends_with("/mod.rs") || file == "mod.rs" => {
                 self.load_file(&file, child, test, parent_dir(&file))
             }
             None => {
@@ -419,10 +419,6 @@ fn path_attr(m: &ItemMod) -> Option<String> {
         },
         _ => None,
     })
-}
-
-fn has_path_attr(m: &ItemMod) -> bool {
-    path_attr(m).is_some()
 }
 
 fn parse(src: &CrateSources, rel: &str, text: &str) -> Result<syn::File> {

@@ -354,6 +354,25 @@ fn the_ratchet_fails_on_growth_and_new_offenders_and_reports_improvements() {
 }
 
 #[test]
+fn an_offender_that_moved_fails_with_a_hint_to_record_the_move() {
+    let before = baseline_of(&[
+        ("lib.rs", &format!("mod a;\n{}", long_fn("g", 130))),
+        ("a.rs", ""),
+    ]);
+    let moved = baseline_of(&[("lib.rs", "mod a;\n"), ("a.rs", &long_fn("g", 130))]);
+    let r = before.compare(&moved);
+    assert_eq!(r.regressions.len(), 1);
+    assert!(
+        r.regressions[0].starts_with(
+            "new: fn crates/demo/src/a.rs::g: 130 lines (moved from crates/demo/src/lib.rs::g? \
+             then rewrite the baseline: RAMUS_SHAPE_UPDATE=1"
+        ),
+        "{}",
+        r.regressions[0]
+    );
+}
+
+#[test]
 fn a_smaller_cycle_passes_the_ratchet_and_a_new_one_fails() {
     let files3 = [
         ("lib.rs", "mod a;\nmod b;\nmod c;\n"),
