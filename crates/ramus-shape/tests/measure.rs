@@ -6,16 +6,19 @@ use std::collections::BTreeMap;
 use ramus_shape::deps::{forbidden_edges, workspace_deps};
 use ramus_shape::{measure_crate, Baseline, CrateReport, CrateSources, Report};
 
-fn measure(files: &[(&str, &str)]) -> CrateReport {
-    let src = CrateSources {
+fn sources(files: &[(&str, &str)]) -> CrateSources {
+    CrateSources {
         name: "demo".to_string(),
         dir: "crates/demo".to_string(),
         files: files
             .iter()
             .map(|(p, t)| (p.to_string(), t.to_string()))
             .collect(),
-    };
-    measure_crate(&src).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+fn measure(files: &[(&str, &str)]) -> CrateReport {
+    measure_crate(&sources(files)).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// A function `name` of exactly `lines` lines (signature to closing brace).
@@ -41,10 +44,7 @@ fn two_modules_importing_each_other_are_a_cycle_and_a_chain_is_not() {
         ),
         ("c.rs", "use crate::a::A;\npub fn f(_: A) {}\n"),
     ]);
-    assert_eq!(
-        cycle_files(&report),
-        vec![vec!["a.rs".to_string(), "b.rs".to_string()]]
-    );
+    assert_eq!(cycle_files(&report), [["a.rs", "b.rs"]]);
     let sites: Vec<&str> = report.cycles[0]
         .edges
         .iter()
@@ -66,10 +66,7 @@ fn a_child_using_super_and_a_parent_calling_it_are_a_cycle() {
             "pub fn step() { let _e = super::Engine; }\n",
         ),
     ]);
-    assert_eq!(
-        cycle_files(&report),
-        vec![vec!["engine.rs".to_string(), "engine/swap.rs".to_string()]]
-    );
+    assert_eq!(cycle_files(&report), [["engine.rs", "engine/swap.rs"]]);
 }
 
 #[test]
@@ -87,10 +84,7 @@ fn a_re_export_is_no_edge_and_paths_through_it_reach_the_defining_module() {
             "pub struct B;\npub fn g() -> crate::A { crate::A }\n",
         ),
     ]);
-    assert_eq!(
-        cycle_files(&report),
-        vec![vec!["a.rs".to_string(), "b.rs".to_string()]]
-    );
+    assert_eq!(cycle_files(&report), [["a.rs", "b.rs"]]);
     // The root re-exports `a::A` and `a` uses the root's `Config`: no cycle.
     let report = measure(&[
         ("lib.rs", "mod a;\npub use a::A;\npub struct Config;\n"),
@@ -105,10 +99,7 @@ fn a_re_export_is_no_edge_and_paths_through_it_reach_the_defining_module() {
         ),
         ("a.rs", "pub struct A(crate::Config);\n"),
     ]);
-    assert_eq!(
-        cycle_files(&report),
-        vec![vec!["a.rs".to_string(), "lib.rs".to_string()]]
-    );
+    assert_eq!(cycle_files(&report), [["a.rs", "lib.rs"]]);
 }
 
 #[test]
@@ -121,7 +112,7 @@ fn a_path_inside_a_macro_call_is_an_edge() {
         ),
         ("b.rs", "pub const M: usize = crate::a::N;\n"),
     ]);
-    assert_eq!(cycle_files(&report).len(), 1);
+    assert_eq!(cycle_files(&report), [["a.rs", "b.rs"]]);
 }
 
 #[test]
@@ -236,15 +227,7 @@ fn exemptions_and_dispatch_calls_are_counted_outside_tests_and_strings() {
 
 #[test]
 fn a_missing_module_file_and_a_parse_error_name_the_file_and_line() {
-    let src = |files: &[(&str, &str)]| CrateSources {
-        name: "demo".to_string(),
-        dir: "crates/demo".to_string(),
-        files: files
-            .iter()
-            .map(|(p, t)| (p.to_string(), t.to_string()))
-            .collect(),
-    };
-    let missing = measure_crate(&src(&[("lib.rs", "\nmod gone;\n")]))
+    let missing = measure_crate(&sources(&[("lib.rs", "\nmod gone;\n")]))
         .err()
         .map(|e| e.to_string());
     assert_eq!(
@@ -254,7 +237,7 @@ fn a_missing_module_file_and_a_parse_error_name_the_file_and_line() {
              crates/demo/src/gone.rs, crates/demo/src/gone/mod.rs"
         )
     );
-    let broken = measure_crate(&src(&[("lib.rs", "fn f() {}\nfn g( {}\n")]))
+    let broken = measure_crate(&sources(&[("lib.rs", "fn f() {}\nfn g( {}\n")]))
         .err()
         .map(|e| e.to_string());
     assert!(
