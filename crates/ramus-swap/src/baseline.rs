@@ -26,7 +26,7 @@ use crate::analysis::analyze;
 use crate::cost::CostModel;
 use crate::error::PlanError;
 use crate::plan::{Action, Policy, SwapPlan};
-use crate::planner::{working_set_error, Planner};
+use crate::planner::Planner;
 use crate::sim::Simulator;
 use crate::trace::{TensorId, Trace};
 use std::collections::BTreeSet;
@@ -113,12 +113,7 @@ impl Planner for LruPlanner {
         let an = analyze(trace, &self.cost);
         let nt = trace.num_tensors();
         let n = trace.num_ops();
-        let mut last_use = vec![None; nt];
-        for op in 0..n {
-            for &t in trace.uses(op) {
-                last_use[t.index()] = Some(op);
-            }
-        }
+        let last_use = trace.last_uses();
         let mut resident = vec![false; nt];
         let mut on_host = vec![false; nt];
         let mut touched = vec![0usize; nt];
@@ -147,7 +142,7 @@ impl Planner for LruPlanner {
             if trace.working_set_bytes(op) > budget {
                 // A working set over the budget is not empty: the error names
                 // the op's largest tensor.
-                return Err(working_set_error(trace, op, budget));
+                return Err(PlanError::working_set_exceeded(trace, op, budget));
             }
             let need: u64 = uses
                 .iter()

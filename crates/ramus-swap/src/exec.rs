@@ -424,12 +424,7 @@ impl<'t> Executor<'t> {
                 .map(|t| !t.kind.is_persistent())
                 .collect(),
         };
-        let mut last_use = vec![None; nt];
-        for op in 0..n {
-            for &t in trace.uses(op) {
-                last_use[t.index()] = Some(op);
-            }
-        }
+        let last_use = trace.last_uses();
         let mut actions_at = vec![Vec::new(); 2 * n];
         if let Some(plan) = plan {
             if plan.num_ops != n {

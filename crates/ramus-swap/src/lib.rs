@@ -71,11 +71,10 @@ pub mod trace;
 pub use analysis::{analyze, Analysis, ReuseGap, TensorLiveness};
 pub use baseline::{LruPlanner, NoBudgetPlanner};
 pub use cost::{human_bytes, human_seconds, CostModel};
-pub use error::{PlanError, SimError};
+pub use error::{LayoutError, PlanError, SimError};
 pub use exec::{ExecError, ExecOptions, ExecReport, Executor, SwapDevice};
-pub use layout::{Block, Layout, LayoutError};
 pub use offset_allocator::{aligned_size, Allocation, OffsetAllocator, ALIGNMENT};
-pub use plan::{Action, OffloadDecision, Policy, Prediction, SwapPlan};
+pub use plan::{Action, Block, Layout, OffloadDecision, Policy, Prediction, SwapPlan};
 pub use planner::{
     AutoVmPlanner, Candidate, PlacementOrder, Planner, PlannerConfig, PrefetchTiming, Selection,
 };

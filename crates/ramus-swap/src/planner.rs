@@ -55,8 +55,7 @@
 use crate::analysis::{analyze, Analysis, ReuseGap};
 use crate::cost::{human_bytes, CostModel};
 use crate::error::PlanError;
-use crate::layout::Layout;
-use crate::plan::{Action, OffloadDecision, Policy, SwapPlan};
+use crate::plan::{Action, Layout, OffloadDecision, Policy, SwapPlan};
 use crate::sim::{Direction, SimReport, Simulator};
 use crate::trace::{TensorId, TensorKind, Trace};
 use serde::{Deserialize, Serialize};
@@ -337,7 +336,7 @@ impl AutoVmPlanner {
                     reason: self.why_not(an, t.index(), op),
                 }
             }
-            None => working_set_error(trace, op, budget),
+            None => PlanError::working_set_exceeded(trace, op, budget),
         }
     }
 
@@ -348,7 +347,7 @@ impl AutoVmPlanner {
         let n = trace.num_ops();
         let budget = self.config.budget_bytes;
         if let Some(op) = (0..n).find(|&op| an.working_set_bytes[op] > budget) {
-            return Err(working_set_error(trace, op, budget));
+            return Err(PlanError::working_set_exceeded(trace, op, budget));
         }
         let cands = self.candidates_of(an);
         let mut r = an.resident_bytes.clone();
@@ -707,30 +706,6 @@ fn gap_ranges(g: &ReuseGap, n: usize, mut f: impl FnMut(usize, usize)) {
         f(0, g.before_op);
     } else {
         f(g.after_op + 1, g.before_op);
-    }
-}
-
-/// The error for op `op` whose working set exceeds `budget`, naming its
-/// largest tensor.
-pub(crate) fn working_set_error(trace: &Trace, op: usize, budget: u64) -> PlanError {
-    let uses = trace.uses(op);
-    let largest = uses
-        .iter()
-        .copied()
-        .max_by_key(|&t| (trace.tensor(t).bytes, std::cmp::Reverse(t)))
-        .unwrap_or(TensorId(0));
-    let (tensor_name, tensor_bytes) = match trace.get_tensor(largest) {
-        Some(t) if !uses.is_empty() => (t.name.clone(), t.bytes),
-        _ => (String::from("(none)"), 0),
-    };
-    PlanError::WorkingSetExceedsBudget {
-        op,
-        op_name: trace.ops()[op].name.clone(),
-        tensor: largest,
-        tensor_name,
-        tensor_bytes,
-        working_set: trace.working_set_bytes(op),
-        budget,
     }
 }
 

@@ -29,8 +29,7 @@
 
 use crate::cost::CostModel;
 use crate::error::SimError;
-use crate::layout::Layout;
-use crate::plan::{Action, Prediction, SwapPlan};
+use crate::plan::{Action, Layout, Prediction, SwapPlan};
 use crate::trace::{TensorId, Trace};
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
@@ -438,12 +437,7 @@ impl Simulator {
             at[pos].push(i);
         }
 
-        let mut last_use = vec![None; nt];
-        for op in 0..n {
-            for &t in trace.uses(op) {
-                last_use[t.index()] = Some(op);
-            }
-        }
+        let last_use = trace.last_uses();
 
         let budget = self.budget_bytes.unwrap_or(u64::MAX);
         let over_budget = |op: usize, t: usize, used: u64| SimError::BudgetExceeded {
