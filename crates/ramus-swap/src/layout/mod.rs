@@ -189,8 +189,35 @@ fn spans(
         )));
     }
     let nt = trace.num_tensors();
-    let last_use = trace.last_uses();
-    // where each offload's memory became free in the replay, by action
+    let released = released_before(plan, replay);
+    let at = actions_by_position(trace, plan)?;
+    let mut walk = Walk {
+        trace,
+        plan,
+        last_use: trace.last_uses(),
+        spans: Vec::new(),
+        open: vec![None; nt],
+        seen: vec![false; nt],
+    };
+    for op in 0..n {
+        for &i in &at[2 * op] {
+            walk.before(op, i)?;
+        }
+        walk.uses(op);
+        for &i in &at[2 * op + 1] {
+            walk.after(op, i, released[i], hold)?;
+        }
+    }
+    let mut spans = walk.spans;
+    for s in &mut spans {
+        s.soft_until = s.soft_until.max(s.until);
+    }
+    Ok(spans)
+}
+
+/// Per plan action, for an offload: the op whose allocations the replay
+/// found its memory released (the copy complete).
+fn released_before(plan: &SwapPlan, replay: Option<&SimReport>) -> Vec<Option<usize>> {
     let mut released: Vec<Option<usize>> = vec![None; plan.actions.len()];
     if let Some(rep) = replay {
         for r in &rep.transfers {
@@ -201,111 +228,145 @@ fn spans(
             }
         }
     }
+    released
+}
+
+/// The plan's action indices by position (`2 * op` before the op,
+/// `2 * op + 1` after it), in plan order.
+fn actions_by_position(trace: &Trace, plan: &SwapPlan) -> Result<Vec<Vec<usize>>, LayoutError> {
+    let n = trace.num_ops();
     let mut at: Vec<Vec<usize>> = vec![Vec::new(); 2 * n];
     for (i, a) in plan.actions.iter().enumerate() {
         let pos = a.position();
-        if pos >= 2 * n || a.tensor().index() >= nt {
+        if pos >= 2 * n || a.tensor().index() >= trace.num_tensors() {
             return Err(LayoutError(format!(
                 "plan action {i} names an op or a tensor the trace does not have"
             )));
         }
         at[pos].push(i);
     }
-    let persistent = |t: usize| trace.tensors()[t].kind.is_persistent();
-    let mut spans: Vec<Span> = Vec::new();
-    // the open block of each tensor, and whether it was ever allocated
-    let mut open: Vec<Option<usize>> = vec![None; nt];
-    let mut seen = vec![false; nt];
-    let moved_persistent = |t: usize, i: usize| {
-        LayoutError(format!(
-            "plan action {i} moves persistent tensor t{t} `{}`; a layout places only the \
-             iteration's own tensors",
-            trace.tensors()[t].name
-        ))
-    };
-    for op in 0..n {
-        for &i in &at[2 * op] {
-            let a = &plan.actions[i];
-            let t = a.tensor().index();
-            if persistent(t) {
-                return Err(moved_persistent(t, i));
-            }
-            match a {
-                Action::Prefetch { .. } | Action::Fetch { .. } => {
-                    if open[t].is_some() {
-                        return Err(LayoutError(format!(
-                            "plan action {i} brings back t{t}, which is on the device"
-                        )));
-                    }
-                    open[t] = Some(spans.len());
-                    spans.push(Span {
-                        tensor: t,
-                        bytes: trace.tensors()[t].bytes,
-                        from: op,
-                        until: n,
-                        soft_until: 0,
-                    });
-                }
-                Action::Evict { .. } => {
-                    let Some(s) = open[t].take() else {
-                        return Err(LayoutError(format!(
-                            "plan action {i} evicts t{t}, which is not on the device"
-                        )));
-                    };
-                    spans[s].until = op;
-                }
-                Action::Offload { .. } => {}
-            }
+    Ok(at)
+}
+
+/// A walk over a plan's iteration in the executor's order, opening a span
+/// at each allocation and closing it where its memory may be reused.
+struct Walk<'a> {
+    trace: &'a Trace,
+    plan: &'a SwapPlan,
+    last_use: Vec<Option<usize>>,
+    spans: Vec<Span>,
+    /// The open span of each tensor.
+    open: Vec<Option<usize>>,
+    /// Whether the tensor was ever allocated.
+    seen: Vec<bool>,
+}
+
+impl Walk<'_> {
+    /// Opens a span for tensor `t` allocated before op `op`.
+    fn open(&mut self, t: usize, op: usize) {
+        self.open[t] = Some(self.spans.len());
+        self.spans.push(Span {
+            tensor: t,
+            bytes: self.trace.tensors()[t].bytes,
+            from: op,
+            until: self.trace.num_ops(),
+            soft_until: 0,
+        });
+    }
+
+    /// Plan action `i` moves tensor `t`, which must not be persistent.
+    fn movable(&self, t: usize, i: usize) -> Result<(), LayoutError> {
+        let info = &self.trace.tensors()[t];
+        if info.kind.is_persistent() {
+            return Err(LayoutError(format!(
+                "plan action {i} moves persistent tensor t{t} `{}`; a layout places only the \
+                 iteration's own tensors",
+                info.name
+            )));
         }
+        Ok(())
+    }
+
+    /// Action `i`, placed before op `op`: a copy back opens a span, an
+    /// eviction closes one.
+    fn before(&mut self, op: usize, i: usize) -> Result<(), LayoutError> {
+        let a = &self.plan.actions[i];
+        let t = a.tensor().index();
+        self.movable(t, i)?;
+        match a {
+            Action::Prefetch { .. } | Action::Fetch { .. } => {
+                if self.open[t].is_some() {
+                    return Err(LayoutError(format!(
+                        "plan action {i} brings back t{t}, which is on the device"
+                    )));
+                }
+                self.open(t, op);
+            }
+            Action::Evict { .. } => {
+                let Some(s) = self.open[t].take() else {
+                    return Err(LayoutError(format!(
+                        "plan action {i} evicts t{t}, which is not on the device"
+                    )));
+                };
+                self.spans[s].until = op;
+            }
+            Action::Offload { .. } => {}
+        }
+        Ok(())
+    }
+
+    /// Op `op`'s uses: first uses open spans, last uses close them.
+    fn uses(&mut self, op: usize) {
+        let trace = self.trace;
+        let persistent = |t: usize| trace.tensors()[t].kind.is_persistent();
         for &tid in trace.uses(op) {
             let t = tid.index();
-            if persistent(t) || seen[t] {
+            if persistent(t) || self.seen[t] {
                 continue;
             }
-            seen[t] = true;
-            open[t] = Some(spans.len());
-            spans.push(Span {
-                tensor: t,
-                bytes: trace.tensors()[t].bytes,
-                from: op,
-                until: n,
-                soft_until: 0,
-            });
+            self.seen[t] = true;
+            self.open(t, op);
         }
         for &t in trace.uses(op) {
             let t = t.index();
             if persistent(t) {
                 continue;
             }
-            seen[t] = true;
-            if last_use[t] == Some(op) {
-                if let Some(s) = open[t].take() {
-                    spans[s].until = op + 1;
+            self.seen[t] = true;
+            if self.last_use[t] == Some(op) {
+                if let Some(s) = self.open[t].take() {
+                    self.spans[s].until = op + 1;
                 }
             }
         }
-        for &i in &at[2 * op + 1] {
-            let a = &plan.actions[i];
-            let t = a.tensor().index();
-            if persistent(t) {
-                return Err(moved_persistent(t, i));
-            }
-            if let Action::Offload { .. } = a {
-                let Some(s) = open[t].take() else {
-                    return Err(LayoutError(format!(
-                        "plan action {i} offloads t{t}, which is not on the device after op {op}"
-                    )));
-                };
-                let soonest = op + 1;
-                let complete = released[i].unwrap_or(soonest).clamp(soonest, n);
-                let held = ((complete - soonest) as f64 * hold.clamp(0.0, 1.0)).round() as usize;
-                spans[s].until = soonest + held;
-                spans[s].soft_until = complete;
-            }
+    }
+
+    /// Action `i`, placed after op `op`: an offload closes its span `hold`
+    /// of the way from the op after it to `released`, where the replay
+    /// found its copy complete.
+    fn after(
+        &mut self,
+        op: usize,
+        i: usize,
+        released: Option<usize>,
+        hold: f64,
+    ) -> Result<(), LayoutError> {
+        let a = &self.plan.actions[i];
+        let t = a.tensor().index();
+        self.movable(t, i)?;
+        if let Action::Offload { .. } = a {
+            let Some(s) = self.open[t].take() else {
+                return Err(LayoutError(format!(
+                    "plan action {i} offloads t{t}, which is not on the device after op {op}"
+                )));
+            };
+            let n = self.trace.num_ops();
+            let soonest = op + 1;
+            let complete = released.unwrap_or(soonest).clamp(soonest, n);
+            let held = ((complete - soonest) as f64 * hold.clamp(0.0, 1.0)).round() as usize;
+            self.spans[s].until = soonest + held;
+            self.spans[s].soft_until = complete;
         }
+        Ok(())
     }
-    for s in &mut spans {
-        s.soft_until = s.soft_until.max(s.until);
-    }
-    Ok(spans)
 }

@@ -186,9 +186,43 @@ pub(super) fn pack_with(spans: &[Span], target: u64, soft: bool) -> Layout {
         hard: conflicts(spans, |s| s.until),
         soft: soft.then(|| conflicts(spans, |s| s.soft_until)),
     };
-    let place = |order: &[usize], best_fit: bool, keep: usize, previous: &[u64]| {
-        place_from(spans, &conf, order, best_fit, keep, previous)
+    let Some(greedy) = best_greedy(spans, &conf) else {
+        return Layout {
+            arena_bytes: 0,
+            max_live_bytes: 0,
+            blocks: Vec::new(),
+        };
     };
+    let best = local_search(spans, &conf, greedy, lower.max(target));
+    Layout {
+        arena_bytes: best.arena,
+        max_live_bytes: lower,
+        blocks: spans
+            .iter()
+            .zip(best.offsets)
+            .map(|(s, offset)| Block {
+                tensor: TensorId(s.tensor as u32),
+                offset,
+                bytes: s.bytes,
+                from_op: s.from,
+                until_op: s.until,
+            })
+            .collect(),
+    }
+}
+
+/// One packing: the order spans were placed in, the fit, the offsets it
+/// gave them, the arena and the span that reaches its top.
+struct Packing {
+    order: Vec<usize>,
+    best_fit: bool,
+    offsets: Vec<u64>,
+    arena: u64,
+    top: usize,
+}
+
+/// The orders the greedy packing tries.
+fn greedy_orders(spans: &[Span]) -> Vec<Vec<usize>> {
     let idx: Vec<usize> = (0..spans.len()).collect();
     let life = |s: &Span| (s.until - s.from) as u64;
     let mut orders: Vec<Vec<usize>> = Vec::new();
@@ -223,44 +257,54 @@ pub(super) fn pack_with(spans: &[Span], target: u64, soft: bool) -> Layout {
     orders.push(o);
     // in allocation order (what an allocator at run time would see)
     orders.push(idx);
-    // (order, best fit?, offsets, arena, top span)
-    type Packing = (Vec<usize>, bool, Vec<u64>, u64, usize);
+    orders
+}
+
+/// The greedy packing with the smallest arena over the orders of
+/// [`greedy_orders`] and both fits (the first found among equals).
+fn best_greedy(spans: &[Span], conf: &Conflicts) -> Option<Packing> {
     let mut best: Option<Packing> = None;
-    for order in orders {
+    for order in greedy_orders(spans) {
         for best_fit in [true, false] {
-            let (offsets, arena, top) = place(&order, best_fit, 0, &[]);
-            if best.as_ref().is_none_or(|b| arena < b.3) {
-                best = Some((order.clone(), best_fit, offsets, arena, top));
+            let (offsets, arena, top) = place_from(spans, conf, &order, best_fit, 0, &[]);
+            if best.as_ref().is_none_or(|b| arena < b.arena) {
+                best = Some(Packing {
+                    order: order.clone(),
+                    best_fit,
+                    offsets,
+                    arena,
+                    top,
+                });
             }
         }
     }
-    let Some((mut order, best_fit, mut offsets, mut arena, mut top)) = best else {
-        return Layout {
-            arena_bytes: 0,
-            max_live_bytes: 0,
-            blocks: Vec::new(),
-        };
-    };
+    best
+}
+
+/// The local search of [`pack_with`] from packing `p`, until the arena is
+/// at most `goal` or the steps or the patience run out.
+fn local_search(spans: &[Span], conf: &Conflicts, mut p: Packing, goal: u64) -> Packing {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ spans.len() as u64);
     let mut position = vec![0; spans.len()];
     let mut since_better = 0;
     for _ in 0..SEARCH_STEPS {
-        if arena <= lower.max(target) || since_better >= SEARCH_PATIENCE {
+        if p.arena <= goal || since_better >= SEARCH_PATIENCE {
             break;
         }
         since_better += 1;
         // the top block, or one of those below it that reach near the top
+        let top = p.top;
         let near: Vec<usize> = conf.hard[top]
             .iter()
             .copied()
-            .filter(|&j| offsets[j] + spans[j].bytes + spans[top].bytes > arena)
+            .filter(|&j| p.offsets[j] + spans[j].bytes + spans[top].bytes > p.arena)
             .collect();
         let pick = if near.is_empty() || rng.next().is_multiple_of(2) {
             top
         } else {
             near[rng.up_to(near.len() - 1)]
         };
-        for (k, &i) in order.iter().enumerate() {
+        for (k, &i) in p.order.iter().enumerate() {
             position[i] = k;
         }
         let from = position[pick];
@@ -268,34 +312,20 @@ pub(super) fn pack_with(spans: &[Span], target: u64, soft: bool) -> Layout {
             continue;
         }
         let to = rng.up_to(from - 1);
-        let mut candidate = order.clone();
+        let mut candidate = p.order.clone();
         let moved = candidate.remove(from);
         candidate.insert(to, moved);
         // the spans before the moved one keep their offsets
-        let (o, a, t) = place(&candidate, best_fit, to, &offsets);
-        if a < arena {
+        let (o, a, t) = place_from(spans, conf, &candidate, p.best_fit, to, &p.offsets);
+        if a < p.arena {
             since_better = 0;
         }
-        if a <= arena {
-            order = candidate;
-            offsets = o;
-            arena = a;
-            top = t;
+        if a <= p.arena {
+            p.order = candidate;
+            p.offsets = o;
+            p.arena = a;
+            p.top = t;
         }
     }
-    Layout {
-        arena_bytes: arena,
-        max_live_bytes: lower,
-        blocks: spans
-            .iter()
-            .zip(offsets)
-            .map(|(s, offset)| Block {
-                tensor: TensorId(s.tensor as u32),
-                offset,
-                bytes: s.bytes,
-                from_op: s.from,
-                until_op: s.until,
-            })
-            .collect(),
-    }
+    p
 }

@@ -152,73 +152,20 @@ impl AutoVmPlanner {
         }
         let cands = self.candidates_of(an);
         let mut r = an.resident_bytes.clone();
-        let mut chosen = vec![false; cands.len()];
-        let absent_at = |op: usize, chosen: &[bool]| -> Vec<bool> {
-            let mut absent = vec![false; trace.num_tensors()];
-            for (c, &on) in cands.iter().zip(chosen) {
-                if on && c.gap.covers(op) {
-                    absent[c.tensor.index()] = true;
-                }
-            }
-            absent
-        };
-        match self.config.selection {
+        let chosen = match self.config.selection {
             Selection::AllCandidates => {
-                for (i, c) in cands.iter().enumerate() {
-                    chosen[i] = true;
+                for c in &cands {
                     gap_ranges(&c.gap, n, |from, to| sub(&mut r, from, to, c.bytes));
                 }
+                let chosen = vec![true; cands.len()];
                 if let Some(op) = (0..n).find(|&op| r[op] > budget) {
-                    let absent = absent_at(op, &chosen);
+                    let absent = absent_at(trace, &cands, &chosen, op);
                     return Err(self.no_plan(trace, an, &absent, op, r[op]));
                 }
+                chosen
             }
-            Selection::Needed => {
-                let mut order = Vec::new();
-                for op in 0..n {
-                    while r[op] > budget {
-                        let dist = |g: &ReuseGap| {
-                            if g.before_op > op {
-                                g.before_op - op
-                            } else {
-                                n - op + g.before_op
-                            }
-                        };
-                        let best = cands
-                            .iter()
-                            .enumerate()
-                            .filter(|&(i, c)| !chosen[i] && c.gap.covers(op))
-                            .max_by_key(|&(i, c)| (dist(&c.gap), c.bytes, std::cmp::Reverse(i)));
-                        match best {
-                            Some((i, c)) => {
-                                chosen[i] = true;
-                                order.push(i);
-                                gap_ranges(&c.gap, n, |from, to| sub(&mut r, from, to, c.bytes));
-                            }
-                            None => {
-                                let absent = absent_at(op, &chosen);
-                                return Err(self.no_plan(trace, an, &absent, op, r[op]));
-                            }
-                        }
-                    }
-                }
-                // Greedy choices made for early ops can be made redundant
-                // by later ones: keep on the device, largest first, every
-                // chosen gap the budget does not need.
-                order.sort_by_key(|&i| (std::cmp::Reverse(cands[i].bytes), i));
-                for i in order {
-                    let c = &cands[i];
-                    let mut fits = true;
-                    gap_ranges(&c.gap, n, |from, to| {
-                        fits &= r[from..to].iter().all(|&v| v + c.bytes <= budget);
-                    });
-                    if fits {
-                        chosen[i] = false;
-                        gap_ranges(&c.gap, n, |from, to| add(&mut r, from, to, c.bytes));
-                    }
-                }
-            }
-        }
+            Selection::Needed => self.select_needed(trace, an, &cands, &mut r)?,
+        };
         let mut trips: Vec<Trip> = cands
             .iter()
             .zip(&chosen)
@@ -240,6 +187,63 @@ impl AutoVmPlanner {
         trips.sort_by_key(|t| (t.b, t.a, t.tensor));
         Ok((trips, r))
     }
+
+    /// [`Selection::Needed`]: wherever the resident bytes `r` exceed the
+    /// budget, the candidate covering the op whose next use is farthest
+    /// away (Belady's rule), until it fits; then every choice a later one
+    /// made redundant is undone, largest first. Returns which candidates
+    /// are chosen; `r` then counts them on the host.
+    fn select_needed(
+        &self,
+        trace: &Trace,
+        an: &Analysis,
+        cands: &[Candidate],
+        r: &mut [u64],
+    ) -> Result<Vec<bool>, PlanError> {
+        let n = trace.num_ops();
+        let budget = self.config.budget_bytes;
+        let mut chosen = vec![false; cands.len()];
+        let mut order = Vec::new();
+        for op in 0..n {
+            while r[op] > budget {
+                let dist = |g: &ReuseGap| {
+                    if g.before_op > op {
+                        g.before_op - op
+                    } else {
+                        n - op + g.before_op
+                    }
+                };
+                let best = cands
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, c)| !chosen[i] && c.gap.covers(op))
+                    .max_by_key(|&(i, c)| (dist(&c.gap), c.bytes, std::cmp::Reverse(i)));
+                let Some((i, c)) = best else {
+                    let absent = absent_at(trace, cands, &chosen, op);
+                    return Err(self.no_plan(trace, an, &absent, op, r[op]));
+                };
+                chosen[i] = true;
+                order.push(i);
+                gap_ranges(&c.gap, n, |from, to| sub(r, from, to, c.bytes));
+            }
+        }
+        // Greedy choices made for early ops can be made redundant by later
+        // ones: keep on the device, largest first, every chosen gap the
+        // budget does not need.
+        order.sort_by_key(|&i| (std::cmp::Reverse(cands[i].bytes), i));
+        for i in order {
+            let c = &cands[i];
+            let mut fits = true;
+            gap_ranges(&c.gap, n, |from, to| {
+                fits &= r[from..to].iter().all(|&v| v + c.bytes <= budget);
+            });
+            if fits {
+                chosen[i] = false;
+                gap_ranges(&c.gap, n, |from, to| add(r, from, to, c.bytes));
+            }
+        }
+        Ok(chosen)
+    }
 }
 
 /// Calls `f(from, to)` for the op ranges a gap spends on the host when the
@@ -251,4 +255,16 @@ fn gap_ranges(g: &ReuseGap, n: usize, mut f: impl FnMut(usize, usize)) {
     } else {
         f(g.after_op + 1, g.before_op);
     }
+}
+
+/// Per tensor, whether a chosen candidate's gap has it on the host at op
+/// `op`.
+fn absent_at(trace: &Trace, cands: &[Candidate], chosen: &[bool], op: usize) -> Vec<bool> {
+    let mut absent = vec![false; trace.num_tensors()];
+    for (c, &on) in cands.iter().zip(chosen) {
+        if on && c.gap.covers(op) {
+            absent[c.tensor.index()] = true;
+        }
+    }
+    absent
 }
