@@ -1,4 +1,4 @@
-//! Address-aware placement: where in device memory each tensor of a swap
+//! Memory layout: where in device memory each tensor of a swap
 //! plan lives.
 //!
 //! A plan that keeps the bytes resident at every op within the budget can
@@ -46,7 +46,7 @@
 //!
 //! [`Layout::check`] verifies a layout against its trace and plan; the
 //! executor follows it (see [`exec`](crate::exec)) and the simulated device
-//! checks every placement for overlaps.
+//! checks every block for overlaps.
 
 mod pack;
 

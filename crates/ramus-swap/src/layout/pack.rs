@@ -150,7 +150,7 @@ fn place_from(
     )
 }
 
-/// Iterations of the local search over placement orders, and how many it
+/// Iterations of the local search over packing orders, and how many it
 /// tries without making the arena smaller before it stops.
 const SEARCH_STEPS: usize = 400;
 const SEARCH_PATIENCE: usize = 150;
