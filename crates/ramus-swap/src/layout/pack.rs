@@ -115,22 +115,14 @@ fn place_from(
         }
     }
     let mut busy: Vec<(u64, u64)> = Vec::new();
-    let fill = |busy: &mut Vec<(u64, u64)>, with: &[usize], offset: &[Option<u64>]| {
-        busy.clear();
-        busy.extend(
-            with.iter()
-                .filter_map(|&j| offset[j].map(|o| (o, o + spans[j].bytes))),
-        );
-        busy.sort_unstable();
-    };
     for &i in &order[keep..] {
         let bytes = spans[i].bytes;
         let mut at = None;
         if let Some(soft) = &conf.soft {
-            fill(&mut busy, &soft[i], &offset);
+            busy_ranges(spans, &mut busy, &soft[i], &offset);
             at = fit(&busy, bytes, best_fit, arena);
         }
-        fill(&mut busy, &conf.hard[i], &offset);
+        busy_ranges(spans, &mut busy, &conf.hard[i], &offset);
         if at.is_none() && conf.soft.is_some() {
             at = fit(&busy, bytes, best_fit, arena);
         }
@@ -148,6 +140,19 @@ fn place_from(
         arena,
         top,
     )
+}
+
+/// The ranges the spans `with` hold at their offsets, sorted, in `busy`.
+/// Kept out of line: inlined into [`place_from`]'s loop, it makes the loop
+/// slower.
+#[inline(never)]
+fn busy_ranges(spans: &[Span], busy: &mut Vec<(u64, u64)>, with: &[usize], offset: &[Option<u64>]) {
+    busy.clear();
+    busy.extend(
+        with.iter()
+            .filter_map(|&j| offset[j].map(|o| (o, o + spans[j].bytes))),
+    );
+    busy.sort_unstable();
 }
 
 /// Iterations of the local search over packing orders, and how many it
