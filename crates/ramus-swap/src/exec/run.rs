@@ -119,6 +119,10 @@ impl<D: SwapDevice> Run<'_, '_, D> {
         self.trace().tensors()[t].bytes
     }
 
+    /// One op: the actions before it, pre-access, the op itself, frees and
+    /// the actions after it. `#[inline]`: the body of [`Executor::run`]'s
+    /// loop, compiled as part of it.
+    #[inline]
     fn op(&mut self, op: usize) -> Result<(), D::Error> {
         let ex = self.ex;
         let trace = ex.trace;

@@ -36,7 +36,6 @@ use crate::cost::CostModel;
 use crate::error::SimError;
 use crate::plan::SwapPlan;
 use crate::trace::Trace;
-use replay::Replay;
 pub use report::{Direction, SimReport, TransferRecord};
 
 /// The simulated device: a cost model and a memory budget.
@@ -61,6 +60,6 @@ impl Simulator {
 
     /// Replays one iteration of `trace` under `plan`.
     pub fn run(&self, trace: &Trace, plan: &SwapPlan) -> Result<SimReport, SimError> {
-        Replay::new(self.cost, self.budget_bytes, trace, plan)?.run()
+        replay::replay(self.cost, self.budget_bytes, trace, plan)
     }
 }

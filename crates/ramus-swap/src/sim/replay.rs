@@ -300,14 +300,24 @@ fn homed_on_host(trace: &Trace, plan: &SwapPlan) -> Result<Vec<bool>, SimError> 
     Ok(homed)
 }
 
+/// Replays one iteration of `trace` under `plan` on a device with this
+/// cost model and budget.
+pub(super) fn replay(
+    cost: CostModel,
+    budget_bytes: Option<u64>,
+    trace: &Trace,
+    plan: &SwapPlan,
+) -> Result<SimReport, SimError> {
+    let at = actions_by_position(trace, plan)?;
+    Replay::new(cost, budget_bytes, trace, plan)?.run(&at)
+}
+
 /// One replay of a trace under a plan (see the [module docs](super)).
-pub(super) struct Replay<'a> {
+struct Replay<'a> {
     cost: CostModel,
     budget_bytes: Option<u64>,
     trace: &'a Trace,
     plan: &'a SwapPlan,
-    /// Plan action indices by position (`2 * op` before, `2 * op + 1` after).
-    at: Vec<Vec<usize>>,
     last_use: Vec<Option<usize>>,
     /// Persistent tensors the plan homes on the host between iterations.
     homed: Vec<bool>,
@@ -326,16 +336,17 @@ pub(super) struct Replay<'a> {
     op_start_s: Vec<f64>,
 }
 
+// The steps below are `#[inline]`: they are the body of one loop over the
+// ops, and inlined they compile to what that loop was as one function.
 impl<'a> Replay<'a> {
     /// Checks the plan against the trace and starts the iteration: every
     /// persistent tensor resident, or on the host where the plan homes it.
-    pub(super) fn new(
+    fn new(
         cost: CostModel,
         budget_bytes: Option<u64>,
         trace: &'a Trace,
         plan: &'a SwapPlan,
     ) -> Result<Replay<'a>, SimError> {
-        let at = actions_by_position(trace, plan)?;
         let homed = homed_on_host(trace, plan)?;
         let n = trace.num_ops();
         let mut replay = Replay {
@@ -343,7 +354,6 @@ impl<'a> Replay<'a> {
             budget_bytes,
             trace,
             plan,
-            at,
             last_use: trace.last_uses(),
             homed,
             mem: Memory {
@@ -386,10 +396,11 @@ impl<'a> Replay<'a> {
         Ok(replay)
     }
 
-    /// Replays every op and reports.
-    pub(super) fn run(mut self) -> Result<SimReport, SimError> {
+    /// Replays every op, with the plan's action indices `at` by position
+    /// (`2 * op` before the op, `2 * op + 1` after it), and reports.
+    fn run(mut self, at: &[Vec<usize>]) -> Result<SimReport, SimError> {
         for op in 0..self.trace.num_ops() {
-            self.op(op)?;
+            self.op(op, &at[2 * op], &at[2 * op + 1])?;
         }
         Ok(self.finish())
     }
@@ -410,6 +421,7 @@ impl<'a> Replay<'a> {
 
     /// Allocates `bytes` for tensor `t` at op `op`, waiting for in-flight
     /// offloads if needed; moves the clock to when it fits.
+    #[inline]
     fn alloc(&mut self, op: usize, t: usize, bytes: u64) -> Result<(), SimError> {
         match self.mem.alloc(bytes, self.now, &mut self.loc) {
             Some(now) => {
@@ -422,6 +434,7 @@ impl<'a> Replay<'a> {
 
     /// Places tensor `t`'s next block, if the plan has a layout; returns
     /// when its memory is free.
+    #[inline]
     fn place(&mut self, t: usize) -> Result<f64, SimError> {
         match self.arena.as_mut() {
             Some(a) => a.place(t, self.now).map_err(SimError::TraceMismatch),
@@ -430,20 +443,20 @@ impl<'a> Replay<'a> {
     }
 
     /// Tensor `t`'s block is free from `at`, if the plan has a layout.
+    #[inline]
     fn free(&mut self, t: usize, at: f64) {
         if let Some(a) = self.arena.as_mut() {
             a.free(t, at);
         }
     }
 
-    /// One op: the copies issued before it, its launch and compute, the
-    /// frees after its last uses and the offloads issued after it.
-    fn op(&mut self, op: usize) -> Result<(), SimError> {
+    /// One op: the copies issued `before` it, its launch and compute, the
+    /// frees after its last uses and the offloads issued `after` it.
+    #[inline]
+    fn op(&mut self, op: usize, before: &[usize], after: &[usize]) -> Result<(), SimError> {
         self.mem.op = op;
         let plan = self.plan;
-        // by index: the steps below borrow the replay mutably
-        for k in 0..self.at[2 * op].len() {
-            let i = self.at[2 * op][k];
+        for &i in before {
             let a = &plan.actions[i];
             self.mem.release_until(self.now, &mut self.loc);
             match a {
@@ -460,14 +473,14 @@ impl<'a> Replay<'a> {
         }
         self.launch(op)?;
         self.free_after(op);
-        for k in 0..self.at[2 * op + 1].len() {
-            let i = self.at[2 * op + 1][k];
+        for &i in after {
             self.offload(i, &plan.actions[i])?;
         }
         Ok(())
     }
 
     /// A prefetch or (synchronous) fetch issued before op `op`.
+    #[inline]
     fn copy_in(&mut self, op: usize, i: usize, a: &Action) -> Result<(), SimError> {
         let t = a.tensor().index();
         let bytes = a.bytes();
@@ -506,6 +519,7 @@ impl<'a> Replay<'a> {
     }
 
     /// A synchronous eviction: compute waits for the copy to the host.
+    #[inline]
     fn evict(&mut self, i: usize, a: &Action) -> Result<(), SimError> {
         let t = a.tensor().index();
         let bytes = a.bytes();
@@ -526,6 +540,7 @@ impl<'a> Replay<'a> {
 
     /// Launches op `op`: allocates first uses, waits for prefetched inputs,
     /// then computes.
+    #[inline]
     fn launch(&mut self, op: usize) -> Result<(), SimError> {
         let trace = self.trace;
         for &tid in trace.uses(op) {
@@ -578,6 +593,7 @@ impl<'a> Replay<'a> {
     }
 
     /// Frees the tensors op `op` used last.
+    #[inline]
     fn free_after(&mut self, op: usize) {
         let trace = self.trace;
         for &tid in trace.uses(op) {
@@ -595,6 +611,7 @@ impl<'a> Replay<'a> {
 
     /// An offload issued after the op: its memory is released when the
     /// copy completes.
+    #[inline]
     fn offload(&mut self, i: usize, a: &Action) -> Result<(), SimError> {
         let t = a.tensor().index();
         let bytes = a.bytes();
