@@ -518,17 +518,32 @@ impl<'a> Replay<'a> {
         Ok(())
     }
 
+    /// Queues action `i`'s copy of its (resident) tensor to the host at the
+    /// compute stream's clock; returns when the copy ends.
+    #[inline]
+    fn copy_out(&mut self, i: usize, a: &Action, synchronous: bool) -> Result<f64, SimError> {
+        let bytes = a.bytes();
+        require_resident(self.loc[a.tensor().index()], i, a)?;
+        let now = self.now;
+        let (start, end) = self.d2h.copy(now, self.cost.d2h_time(bytes), bytes);
+        self.transfers.push(record(
+            i,
+            a,
+            Direction::ToHost,
+            synchronous,
+            now,
+            (start, end),
+        ));
+        Ok(end)
+    }
+
     /// A synchronous eviction: compute waits for the copy to the host.
     #[inline]
     fn evict(&mut self, i: usize, a: &Action) -> Result<(), SimError> {
         let t = a.tensor().index();
         let bytes = a.bytes();
-        require_resident(self.loc[t], i, a)?;
-        let now = self.now;
-        let (start, end) = self.d2h.copy(now, self.cost.d2h_time(bytes), bytes);
-        self.transfers
-            .push(record(i, a, Direction::ToHost, true, now, (start, end)));
-        self.mem.stall_s += end - now;
+        let end = self.copy_out(i, a, true)?;
+        self.mem.stall_s += end - self.now;
         self.now = end;
         // Everything queued before it on the stream is done too.
         self.mem.release_until(self.now, &mut self.loc);
@@ -615,11 +630,7 @@ impl<'a> Replay<'a> {
     fn offload(&mut self, i: usize, a: &Action) -> Result<(), SimError> {
         let t = a.tensor().index();
         let bytes = a.bytes();
-        require_resident(self.loc[t], i, a)?;
-        let now = self.now;
-        let (start, end) = self.d2h.copy(now, self.cost.d2h_time(bytes), bytes);
-        self.transfers
-            .push(record(i, a, Direction::ToHost, false, now, (start, end)));
+        let end = self.copy_out(i, a, false)?;
         self.loc[t] = Loc::Offloading { done: end };
         self.free(t, end);
         self.mem

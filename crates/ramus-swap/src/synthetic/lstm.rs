@@ -101,28 +101,19 @@ impl LstmSpec {
     /// The head on the last hidden state `last`, the loss and the head's
     /// backward; returns the gradient of `last`.
     fn head(&self, r: &mut Recorder, last: TensorId) -> TensorId {
-        let (bsz, h, eb) = (self.batch as u64, self.hidden as u64, self.elem_bytes);
+        let (bsz, h) = (self.batch as u64, self.hidden as u64);
         let classes = 16u64;
         let (hp, hg) = r.params("head", &[("w", classes * h), ("b", classes)]);
-        let logits = r.tensor("logits", bsz * classes * eb, TensorKind::Activation);
-        let labels = r.tensor("labels", bsz * 8, TensorKind::Activation);
-        let loss = r.tensor("loss", bsz * eb, TensorKind::Activation);
-        let dlogits = r.tensor("logits.grad", bsz * classes * eb, TensorKind::Gradient);
+        let l = r.loss_tensors(bsz, classes);
         let head_flops = 2.0 * (bsz * classes * h) as f64;
         r.op(
             "head",
             Phase::Forward,
             &[last, hp[0], hp[1]],
-            &[logits],
+            &[l.logits],
             head_flops,
         );
-        r.op(
-            "softmax_xent",
-            Phase::Forward,
-            &[logits, labels],
-            &[loss, dlogits],
-            0.0,
-        );
+        r.softmax_xent(&l);
         let dh = r.tensor(
             format!("h.{}.grad", self.steps),
             self.state_bytes(),
@@ -132,7 +123,7 @@ impl LstmSpec {
         r.op(
             "head.bwd",
             Phase::Backward,
-            &[dlogits, last, hp[0]],
+            &[l.dlogits, last, hp[0]],
             &head_bwd_writes,
             2.0 * head_flops,
         );

@@ -61,6 +61,15 @@ impl Optimizer {
     }
 }
 
+/// The tensors of a softmax cross-entropy loss.
+pub(super) struct Loss {
+    pub(super) logits: TensorId,
+    pub(super) labels: TensorId,
+    pub(super) loss: TensorId,
+    /// The logits' gradient.
+    pub(super) dlogits: TensorId,
+}
+
 /// A parameter group updated by one optimizer op.
 struct Group {
     name: String,
@@ -128,6 +137,30 @@ impl Recorder {
             .sum();
         let d = self.speed.op_time(flops, bytes);
         self.b.timed_op(name, phase, reads, writes, d);
+    }
+
+    /// The tensors of a softmax cross-entropy loss over `rows` rows of
+    /// `classes` logits (the labels are 8-byte class indices).
+    pub(super) fn loss_tensors(&mut self, rows: u64, classes: u64) -> Loss {
+        let eb = self.elem_bytes;
+        Loss {
+            logits: self.tensor("logits", rows * classes * eb, TensorKind::Activation),
+            labels: self.tensor("labels", rows * 8, TensorKind::Activation),
+            loss: self.tensor("loss", rows * eb, TensorKind::Activation),
+            dlogits: self.tensor("logits.grad", rows * classes * eb, TensorKind::Gradient),
+        }
+    }
+
+    /// The loss op: reads the logits and labels, writes the loss and the
+    /// logits' gradient.
+    pub(super) fn softmax_xent(&mut self, l: &Loss) {
+        self.op(
+            "softmax_xent",
+            Phase::Forward,
+            &[l.logits, l.labels],
+            &[l.loss, l.dlogits],
+            0.0,
+        );
     }
 
     /// Adds a parameter group `name` (one parameter per part, of its

@@ -283,22 +283,13 @@ impl TreeGen<'_> {
         let classes = 5u64;
         let (hp, hg) = r.params("head", &[("w", classes * h)]);
         let nroots = self.spec.trees as u64;
-        let logits = r.tensor("logits", nroots * classes * eb, TensorKind::Activation);
-        let labels = r.tensor("labels", nroots * 8, TensorKind::Activation);
-        let loss = r.tensor("loss", nroots * eb, TensorKind::Activation);
-        let dlogits = r.tensor("logits.grad", nroots * classes * eb, TensorKind::Gradient);
+        let l = r.loss_tensors(nroots, classes);
         let roots = &self.levels.roots;
         let mut reads: Vec<TensorId> = roots.iter().map(|&l| self.hs[l]).collect();
         reads.push(hp[0]);
         let head_flops = 2.0 * (nroots * classes * h) as f64;
-        r.op("head", Phase::Forward, &reads, &[logits], head_flops);
-        r.op(
-            "softmax_xent",
-            Phase::Forward,
-            &[logits, labels],
-            &[loss, dlogits],
-            0.0,
-        );
+        r.op("head", Phase::Forward, &reads, &[l.logits], head_flops);
+        r.softmax_xent(&l);
         let count = &self.levels.count;
         let mut level_grads = |what: &str| -> Vec<TensorId> {
             (0..count.len())
@@ -313,7 +304,7 @@ impl TreeGen<'_> {
         };
         let dh = level_grads("h");
         let dc = level_grads("c");
-        let mut reads = vec![dlogits, hp[0]];
+        let mut reads = vec![l.dlogits, hp[0]];
         reads.extend(roots.iter().map(|&l| self.hs[l]));
         let mut writes: Vec<TensorId> = roots.iter().map(|&l| dh[l]).collect();
         writes.push(hg[0]);
