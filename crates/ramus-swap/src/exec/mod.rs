@@ -60,6 +60,10 @@
 //! Persistent tensors are the device's own (parameters, their gradients,
 //! optimizer state): they are resident from the start, never released, and
 //! never moved unless [`ExecOptions::movable`] says so.
+//!
+//! The code: `device.rs` holds the device contract ([`SwapDevice`]) and
+//! [`ExecError`]; this file checks a plan against its trace
+//! ([`Executor::new`]); `run.rs` runs one iteration, one method per rule.
 
 mod device;
 mod run;

@@ -47,6 +47,9 @@
 //! [`Layout::check`] verifies a layout against its trace and plan; the
 //! executor follows it (see [`exec`](crate::exec)) and the simulated device
 //! checks every block for overlaps.
+//!
+//! The code: this file finds the blocks a plan allocates and checks a
+//! layout; `pack.rs` packs the blocks.
 
 mod pack;
 

@@ -51,6 +51,10 @@
 //!
 //! The plan's prediction (peak memory, bytes each way, stall) comes from a
 //! replay on the [`Simulator`] with the same cost model.
+//!
+//! The code follows the steps: `select.rs` (1–2), `place.rs` (3–5) and
+//! `lay_out.rs` (6) each add their step's methods to [`AutoVmPlanner`];
+//! this file runs them in order, and `config.rs` holds the settings.
 
 mod config;
 mod lay_out;
@@ -95,13 +99,6 @@ pub struct AutoVmPlanner {
     pub config: PlannerConfig,
 }
 
-impl AutoVmPlanner {
-    /// A planner with these settings.
-    pub fn new(config: PlannerConfig) -> AutoVmPlanner {
-        AutoVmPlanner { config }
-    }
-}
-
 impl Planner for AutoVmPlanner {
     fn policy(&self) -> Policy {
         match self.config.timing {
@@ -121,6 +118,11 @@ impl Planner for AutoVmPlanner {
 }
 
 impl AutoVmPlanner {
+    /// A planner with these settings.
+    pub fn new(config: PlannerConfig) -> AutoVmPlanner {
+        AutoVmPlanner { config }
+    }
+
     /// Steps 1–5 and the replay of the plan they make.
     fn plan_with_replay(&self, trace: &Trace) -> Result<(SwapPlan, SimReport), PlanError> {
         let cfg = &self.config;
@@ -188,6 +190,7 @@ impl AutoVmPlanner {
         Ok((plan, rep))
     }
 
+    /// Replays `plan` under its own budget with the planner's cost model.
     fn simulate(&self, trace: &Trace, plan: &SwapPlan) -> Result<SimReport, PlanError> {
         Ok(Simulator::new(self.config.cost, plan.budget_bytes).run(trace, plan)?)
     }

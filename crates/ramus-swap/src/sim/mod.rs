@@ -26,6 +26,9 @@
 //! The report counts bytes and copies each way, peak memory, the compute
 //! stream's stalls and whether prefetches completed in the order their ops
 //! need them.
+//!
+//! The code: `report.rs` holds what a replay reports, `replay.rs` the
+//! replay itself, one method per step.
 
 mod replay;
 mod report;
