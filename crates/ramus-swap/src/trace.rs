@@ -311,7 +311,6 @@ impl Trace {
 
     /// Per tensor, the last op that uses it (`None`: no op does); the
     /// executor, the simulator and the planners free a tensor after it.
-    #[inline]
     pub fn last_uses(&self) -> Vec<Option<usize>> {
         let mut last = vec![None; self.tensors.len()];
         for (op, uses) in self.uses.iter().enumerate() {
