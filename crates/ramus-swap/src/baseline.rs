@@ -26,7 +26,7 @@ use crate::analysis::analyze;
 use crate::cost::CostModel;
 use crate::error::PlanError;
 use crate::plan::{Action, Policy, SwapPlan};
-use crate::planner::{working_set_error, Planner};
+use crate::planner::Planner;
 use crate::sim::Simulator;
 use crate::trace::{TensorId, Trace};
 use std::collections::BTreeSet;
@@ -111,117 +111,30 @@ impl Planner for LruPlanner {
         self.cost.validate().map_err(PlanError::Config)?;
         let budget = self.budget_bytes;
         let an = analyze(trace, &self.cost);
-        let nt = trace.num_tensors();
-        let n = trace.num_ops();
-        let mut last_use = vec![None; nt];
-        for op in 0..n {
-            for &t in trace.uses(op) {
-                last_use[t.index()] = Some(op);
-            }
-        }
-        let mut resident = vec![false; nt];
-        let mut on_host = vec![false; nt];
-        let mut touched = vec![0usize; nt];
-        // (last touch + 1, tensor): 0 means "not touched this iteration".
-        let mut lru: BTreeSet<(usize, usize)> = BTreeSet::new();
-        let mut used: u64 = 0;
         let host_resident_at_start = start_state(trace, budget);
         if !self.evict_persistent {
             if let Some(&t) = host_resident_at_start.first() {
                 return Err(persistent_error(trace, t, budget));
             }
         }
-        for &t in &host_resident_at_start {
-            on_host[t.index()] = true;
-        }
-        for (t, info) in trace.tensors().iter().enumerate() {
-            if info.kind.is_persistent() && !on_host[t] {
-                resident[t] = true;
-                used += info.bytes;
-                lru.insert((0, t));
-            }
-        }
-        let mut actions = Vec::new();
-        for op in 0..n {
-            let uses = trace.uses(op);
+        let mut lru = Lru::new(self, trace, &host_resident_at_start);
+        for op in 0..trace.num_ops() {
             if trace.working_set_bytes(op) > budget {
                 // A working set over the budget is not empty: the error names
                 // the op's largest tensor.
-                return Err(working_set_error(trace, op, budget));
+                return Err(PlanError::working_set_exceeded(trace, op, budget));
             }
-            let need: u64 = uses
-                .iter()
-                .filter(|t| !resident[t.index()])
-                .map(|&t| trace.tensor(t).bytes)
-                .sum();
-            while used + need > budget {
-                // The resident tensors are exactly those in `lru`; were they
-                // all among the op's uses, `used + need` would be its working
-                // set, which fits. So a victim outside the uses exists.
-                let evictable =
-                    |t: usize| self.evict_persistent || !trace.tensors()[t].kind.is_persistent();
-                let Some(&(key, victim)) = lru
-                    .iter()
-                    .find(|&&(_, t)| evictable(t) && !uses.contains(&TensorId(t as u32)))
-                else {
-                    return Err(no_victim(
-                        trace,
-                        op,
-                        &resident,
-                        used + need,
-                        budget,
-                        self.evict_persistent,
-                    ));
-                };
-                lru.remove(&(key, victim));
-                let info = &trace.tensors()[victim];
-                actions.push(Action::Evict {
-                    tensor: TensorId(victim as u32),
-                    name: info.name.clone(),
-                    bytes: info.bytes,
-                    before_op: op,
-                });
-                resident[victim] = false;
-                on_host[victim] = true;
-                used -= info.bytes;
-            }
-            for &t in uses {
-                let i = t.index();
-                if !resident[i] {
-                    let info = trace.tensor(t);
-                    if on_host[i] {
-                        actions.push(Action::Fetch {
-                            tensor: t,
-                            name: info.name.clone(),
-                            bytes: info.bytes,
-                            before_op: op,
-                        });
-                        on_host[i] = false;
-                    }
-                    resident[i] = true;
-                    used += info.bytes;
-                } else {
-                    lru.remove(&(touched[i], i));
-                }
-                touched[i] = op + 1;
-                lru.insert((op + 1, i));
-            }
-            for &t in uses {
-                let i = t.index();
-                if !trace.tensor(t).kind.is_persistent() && last_use[i] == Some(op) {
-                    resident[i] = false;
-                    used -= trace.tensor(t).bytes;
-                    lru.remove(&(touched[i], i));
-                }
-            }
+            lru.make_room(op)?;
+            lru.touch_uses(op);
+            lru.free_last_uses(op);
         }
         let mut plan = SwapPlan {
             policy: Policy::Lru,
             budget_bytes: Some(budget),
             unplanned_peak_bytes: an.peak_bytes,
-            num_ops: n,
+            num_ops: trace.num_ops(),
             host_resident_at_start,
-            actions,
+            actions: lru.actions,
             offloads: Vec::new(),
             predicted: Default::default(),
             notes: Vec::new(),
@@ -237,6 +150,136 @@ impl Planner for LruPlanner {
         }
         plan.predicted = rep.prediction();
         Ok(plan)
+    }
+}
+
+/// Naive swapping walked op by op: what is resident, what is on the host,
+/// the order of last touches, and the evictions and fetches so far.
+struct Lru<'a> {
+    planner: &'a LruPlanner,
+    trace: &'a Trace,
+    last_use: Vec<Option<usize>>,
+    resident: Vec<bool>,
+    on_host: Vec<bool>,
+    touched: Vec<usize>,
+    /// (last touch + 1, tensor): 0 means "not touched this iteration".
+    lru: BTreeSet<(usize, usize)>,
+    used: u64,
+    actions: Vec<Action>,
+}
+
+impl<'a> Lru<'a> {
+    /// The iteration's start: persistent tensors resident, but those in
+    /// `homed`, which are on the host.
+    fn new(planner: &'a LruPlanner, trace: &'a Trace, homed: &[TensorId]) -> Lru<'a> {
+        let nt = trace.num_tensors();
+        let mut s = Lru {
+            planner,
+            trace,
+            last_use: trace.last_uses(),
+            resident: vec![false; nt],
+            on_host: vec![false; nt],
+            touched: vec![0usize; nt],
+            lru: BTreeSet::new(),
+            used: 0,
+            actions: Vec::new(),
+        };
+        for &t in homed {
+            s.on_host[t.index()] = true;
+        }
+        for (t, info) in trace.tensors().iter().enumerate() {
+            if info.kind.is_persistent() && !s.on_host[t] {
+                s.resident[t] = true;
+                s.used += info.bytes;
+                s.lru.insert((0, t));
+            }
+        }
+        s
+    }
+
+    /// Evicts least-recently-used tensors op `op` does not use until its
+    /// tensors that are not resident fit the budget.
+    fn make_room(&mut self, op: usize) -> Result<(), PlanError> {
+        let trace = self.trace;
+        let budget = self.planner.budget_bytes;
+        let evict_persistent = self.planner.evict_persistent;
+        let uses = trace.uses(op);
+        let need: u64 = uses
+            .iter()
+            .filter(|t| !self.resident[t.index()])
+            .map(|&t| trace.tensor(t).bytes)
+            .sum();
+        while self.used + need > budget {
+            // The resident tensors are exactly those in `lru`; were they
+            // all among the op's uses, `used + need` would be its working
+            // set, which fits. So a victim outside the uses exists.
+            let evictable = |t: usize| evict_persistent || !trace.tensors()[t].kind.is_persistent();
+            let Some(&(key, victim)) = self
+                .lru
+                .iter()
+                .find(|&&(_, t)| evictable(t) && !uses.contains(&TensorId(t as u32)))
+            else {
+                return Err(no_victim(
+                    trace,
+                    op,
+                    &self.resident,
+                    self.used + need,
+                    budget,
+                    evict_persistent,
+                ));
+            };
+            self.lru.remove(&(key, victim));
+            let info = &trace.tensors()[victim];
+            self.actions.push(Action::Evict {
+                tensor: TensorId(victim as u32),
+                name: info.name.clone(),
+                bytes: info.bytes,
+                before_op: op,
+            });
+            self.resident[victim] = false;
+            self.on_host[victim] = true;
+            self.used -= info.bytes;
+        }
+        Ok(())
+    }
+
+    /// Makes op `op`'s tensors resident, fetching those on the host, and
+    /// marks them used last by it.
+    fn touch_uses(&mut self, op: usize) {
+        for &t in self.trace.uses(op) {
+            let i = t.index();
+            if !self.resident[i] {
+                let info = self.trace.tensor(t);
+                if self.on_host[i] {
+                    self.actions.push(Action::Fetch {
+                        tensor: t,
+                        name: info.name.clone(),
+                        bytes: info.bytes,
+                        before_op: op,
+                    });
+                    self.on_host[i] = false;
+                }
+                self.resident[i] = true;
+                self.used += info.bytes;
+            } else {
+                self.lru.remove(&(self.touched[i], i));
+            }
+            self.touched[i] = op + 1;
+            self.lru.insert((op + 1, i));
+        }
+    }
+
+    /// Frees the tensors (not persistent) op `op` used last.
+    fn free_last_uses(&mut self, op: usize) {
+        for &t in self.trace.uses(op) {
+            let i = t.index();
+            let info = self.trace.tensor(t);
+            if !info.kind.is_persistent() && self.last_use[i] == Some(op) {
+                self.resident[i] = false;
+                self.used -= info.bytes;
+                self.lru.remove(&(self.touched[i], i));
+            }
+        }
     }
 }
 

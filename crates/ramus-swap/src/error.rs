@@ -1,7 +1,13 @@
-//! Errors of the planners and the simulated device.
+//! Errors of the planners, the layout and the simulated device.
+//!
+//! This module sits below everything that returns these errors: it builds
+//! on the trace (ids, names, sizes) and nothing else of the crate, so no
+//! module that returns an error is imported by it. The executor's
+//! [`ExecError`](crate::ExecError) lives with the [`SwapDevice`](crate::SwapDevice)
+//! contract it is part of; the trace's own [`TraceError`] with the trace.
 
 use crate::cost::human_bytes;
-use crate::trace::{TensorId, TraceError};
+use crate::trace::{TensorId, Trace, TraceError};
 
 /// Why no plan could be made.
 #[derive(Debug, thiserror::Error)]
@@ -90,7 +96,7 @@ pub enum PlanError {
     },
     /// A layout that does not match its plan (a bug in the planner).
     #[error("internal error: {0}")]
-    Layout(#[from] crate::layout::LayoutError),
+    Layout(#[from] LayoutError),
     /// The trace itself is malformed.
     #[error(transparent)]
     Trace(#[from] TraceError),
@@ -100,6 +106,32 @@ pub enum PlanError {
     /// A plan could not be read from JSON.
     #[error("invalid plan JSON: {0}")]
     Json(#[from] serde_json::Error),
+}
+
+impl PlanError {
+    /// The error for op `op` whose working set exceeds `budget`, naming its
+    /// largest tensor.
+    pub(crate) fn working_set_exceeded(trace: &Trace, op: usize, budget: u64) -> PlanError {
+        let uses = trace.uses(op);
+        let largest = uses
+            .iter()
+            .copied()
+            .max_by_key(|&t| (trace.tensor(t).bytes, std::cmp::Reverse(t)))
+            .unwrap_or(TensorId(0));
+        let (tensor_name, tensor_bytes) = match trace.get_tensor(largest) {
+            Some(t) if !uses.is_empty() => (t.name.clone(), t.bytes),
+            _ => (String::from("(none)"), 0),
+        };
+        PlanError::WorkingSetExceedsBudget {
+            op,
+            op_name: trace.ops()[op].name.clone(),
+            tensor: largest,
+            tensor_name,
+            tensor_bytes,
+            working_set: trace.working_set_bytes(op),
+            budget,
+        }
+    }
 }
 
 /// Why a plan cannot be replayed on the simulated device.
@@ -161,3 +193,8 @@ pub enum SimError {
     #[error("plan does not match the trace: {0}")]
     TraceMismatch(String),
 }
+
+/// Why a layout does not fit its trace and plan.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("memory layout: {0}")]
+pub struct LayoutError(pub String);

@@ -32,11 +32,11 @@
 //! * **Execution** ([`exec`]): the mechanism's ordering logic. The
 //!   [`Executor`] walks an iteration op by op — pre-access allocation,
 //!   frees after last use, offloads and prefetches ordered by events,
-//!   naive on-demand LRU swapping, placement by a plan's layout — and drives
+//!   naive on-demand LRU swapping, offsets from a plan's layout — and drives
 //!   any [`SwapDevice`]: the CUDA engine's copy streams and pool, or the
 //!   [`SimDevice`] that enforces a budget (counting bytes, or modelling the
 //!   CUDA pool's best-fit [`OffsetAllocator`] and its fragmentation), counts
-//!   transfers and checks every order and placement in the tests.
+//!   transfers and checks every order and offset in the tests.
 //!
 //! ```
 //! use ramus_swap::synthetic::{vgg19, DeviceSpeed};
@@ -53,6 +53,27 @@
 //! assert!(plan.predicted.peak_bytes <= budget);
 //! assert!(plan.predicted.stall_s < lru.predicted.stall_s);
 //! ```
+//!
+//! ## Modules, bottom up
+//!
+//! Each module imports only modules listed before it (no import cycles),
+//! so the crate reads from the top of this list down:
+//!
+//! | module | what it holds | builds on |
+//! | --- | --- | --- |
+//! | [`trace`] | the input: ops and the tensors they use | — |
+//! | [`cost`] | copy and op times, byte and time formatting | trace |
+//! | [`error`] | planning, layout and replay errors | trace, cost |
+//! | [`analysis`] | liveness, reuse gaps, resident bytes | trace, cost |
+//! | [`plan`] | the output: actions, prediction, layout data | error |
+//! | [`sim`] | replaying a plan on a simulated device | plan |
+//! | [`layout`] | laying a plan out in one arena | plan, sim |
+//! | [`planner`] | the AutoVM planner, step by step | analysis, sim, layout |
+//! | [`baseline`] | no-budget and LRU planners | planner (trait), sim |
+//! | [`exec`] | executing a plan on any [`SwapDevice`] | plan, layout |
+//! | [`offset_allocator`] | the best-fit allocator of the CUDA pool | — |
+//! | [`simdev`] | the simulated [`SwapDevice`] | exec, offset_allocator |
+//! | [`synthetic`] | synthetic training traces | trace |
 
 pub mod analysis;
 pub mod baseline;
@@ -71,11 +92,10 @@ pub mod trace;
 pub use analysis::{analyze, Analysis, ReuseGap, TensorLiveness};
 pub use baseline::{LruPlanner, NoBudgetPlanner};
 pub use cost::{human_bytes, human_seconds, CostModel};
-pub use error::{PlanError, SimError};
+pub use error::{LayoutError, PlanError, SimError};
 pub use exec::{ExecError, ExecOptions, ExecReport, Executor, SwapDevice};
-pub use layout::{Block, Layout, LayoutError};
 pub use offset_allocator::{aligned_size, Allocation, OffsetAllocator, ALIGNMENT};
-pub use plan::{Action, OffloadDecision, Policy, Prediction, SwapPlan};
+pub use plan::{Action, Block, Layout, OffloadDecision, Policy, Prediction, SwapPlan};
 pub use planner::{
     AutoVmPlanner, Candidate, PlacementOrder, Planner, PlannerConfig, PrefetchTiming, Selection,
 };

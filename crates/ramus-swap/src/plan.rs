@@ -1,13 +1,17 @@
 //! Swap plans: what to copy where, and when, relative to the ops of a trace.
 //!
-//! A [`SwapPlan`] is a list of [`Action`]s placed before or after ops. It is
-//! what the mechanism (copy streams, events and pinned buffers in the CUDA
-//! back end) executes and what the [`Simulator`](crate::Simulator) replays.
+//! A [`SwapPlan`] is a list of [`Action`]s placed before or after ops and,
+//! optionally, a [`Layout`] fixing where each allocation lives. It is what
+//! the mechanism (copy streams, events and pinned buffers in the CUDA back
+//! end) executes and what the [`Simulator`](crate::Simulator) replays.
 //! Every planner — the AutoVM planner and both baselines — produces one.
+//!
+//! This module holds the plan's data only, so that the simulator, the
+//! layout algorithm ([`layout`](crate::layout)) and the planners above it
+//! all build on it without importing one another.
 
 use crate::cost::{human_bytes, human_seconds};
 use crate::error::PlanError;
-use crate::layout::Layout;
 use crate::trace::{TensorId, Trace};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -338,5 +342,62 @@ impl SwapPlan {
 impl fmt::Display for SwapPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.listing(None))
+    }
+}
+
+/// One allocation of one tensor at a fixed offset of the arena.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Block {
+    /// The tensor.
+    pub tensor: TensorId,
+    /// Offset in the arena, bytes.
+    pub offset: u64,
+    /// Size, bytes.
+    pub bytes: u64,
+    /// Allocated before this op runs (at its first use or its prefetch).
+    pub from_op: usize,
+    /// Its memory may be reused by allocations made before this op on
+    /// (the number of ops: only after the iteration).
+    pub until_op: usize,
+}
+
+impl Block {
+    /// Whether the two blocks are alive at the same time.
+    pub fn coexists_with(&self, other: &Block) -> bool {
+        self.from_op < other.until_op && other.from_op < self.until_op
+    }
+
+    /// Whether the two blocks share bytes of the arena.
+    pub fn overlaps(&self, other: &Block) -> bool {
+        self.offset < other.offset + other.bytes && other.offset < self.offset + self.bytes
+    }
+
+    /// One past the block's last byte.
+    pub fn end(&self) -> u64 {
+        self.offset + self.bytes
+    }
+}
+
+/// Where every allocation of a plan's iteration lives; made and checked
+/// by [`layout`](crate::layout), whose docs tell how.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Layout {
+    /// Bytes of the arena: the end of the highest block.
+    pub arena_bytes: u64,
+    /// The most bytes alive at once: no layout can use a smaller arena.
+    pub max_live_bytes: u64,
+    /// Every allocation in the order the executor makes them.
+    pub blocks: Vec<Block>,
+}
+
+impl Layout {
+    /// A one-line summary.
+    pub fn summary(&self) -> String {
+        format!(
+            "{} blocks in an arena of {} (at least {} live at once)",
+            self.blocks.len(),
+            human_bytes(self.arena_bytes),
+            human_bytes(self.max_live_bytes)
+        )
     }
 }

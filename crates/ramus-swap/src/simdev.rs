@@ -38,7 +38,7 @@
 //!
 //! For a plan with a [`Layout`](crate::Layout) the device keeps an arena
 //! (carved from the pool model's chunk, or counted against the budget) and
-//! checks every placement: inside the arena, never over a tensor that still
+//! checks every block it places: inside the arena, never over a tensor that still
 //! holds memory, and — where the range was released while an offload still
 //! read it ([`SwapDevice::release_offloading`]) — every write into it
 //! ordered after that offload ([`SwapDevice::order_after_offload`]); such
@@ -84,9 +84,10 @@ pub struct SimDeviceCounts {
     pub used_bytes: u64,
 }
 
-/// One copy in flight.
+/// One copy between host and device, in flight or complete (the
+/// simulator's word for it: a transfer).
 #[derive(Clone, Copy, Debug)]
-struct Copy {
+struct Transfer {
     version: u64,
     /// Completes once this many ops have been queued.
     done_at: usize,
@@ -106,8 +107,8 @@ struct SimTensor {
     data: Option<u64>,
     /// Version held in the host slot.
     host: Option<u64>,
-    offload: Option<Copy>,
-    prefetch: Option<Copy>,
+    offload: Option<Transfer>,
+    prefetch: Option<Transfer>,
     /// Layout mode: tensors whose offload may still read this tensor's
     /// memory, not yet ordered before its writes / ordered before them.
     unordered: Vec<usize>,
@@ -512,7 +513,7 @@ impl SwapDevice for SimDevice<'_> {
         if self.offload_in_flight(t) {
             return Err(self.violation(format!("{} offloaded twice at once", self.label(t))));
         }
-        self.tensors[t].offload = Some(Copy {
+        self.tensors[t].offload = Some(Transfer {
             version,
             done_at: self.now + self.latency_ops,
             complete: false,
@@ -599,7 +600,7 @@ impl SwapDevice for SimDevice<'_> {
         let done_at = (self.now + self.latency_ops).max(offloaded_at);
         let st = &mut self.tensors[t];
         st.data = Some(version);
-        st.prefetch = Some(Copy {
+        st.prefetch = Some(Transfer {
             version,
             done_at,
             complete: false,

@@ -309,6 +309,18 @@ impl Trace {
         self.uses.get(op).map(Vec::as_slice).unwrap_or(&[])
     }
 
+    /// Per tensor, the last op that uses it (`None`: no op does); the
+    /// executor, the simulator and the planners free a tensor after it.
+    pub fn last_uses(&self) -> Vec<Option<usize>> {
+        let mut last = vec![None; self.tensors.len()];
+        for (op, uses) in self.uses.iter().enumerate() {
+            for &t in uses {
+                last[t.index()] = Some(op);
+            }
+        }
+        last
+    }
+
     /// Bytes of the distinct tensors op `op` reads or writes: the least
     /// device memory the op can run in.
     pub fn working_set_bytes(&self, op: usize) -> u64 {
