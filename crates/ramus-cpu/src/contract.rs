@@ -19,9 +19,7 @@ impl<T: Real> Engine<T> for CpuEngine<T> {
         mode: Mode,
         rows: HeadRows,
     ) -> Result<ForwardOutput<T>> {
-        Ok(CpuEngine::forward_rows(
-            self, model, params, batch, mode, rows,
-        )?)
+        CpuEngine::forward_rows(self, model, params, batch, mode, rows)
     }
     fn backward(
         &mut self,
@@ -30,7 +28,7 @@ impl<T: Real> Engine<T> for CpuEngine<T> {
         batch: &Batch<'_>,
         grads: &mut Grads<T>,
     ) -> Result<()> {
-        Ok(CpuEngine::backward(self, model, params, batch, grads)?)
+        CpuEngine::backward(self, model, params, batch, grads)
     }
     fn set_seed(&mut self, seed: u64) {
         CpuEngine::set_seed(self, seed)
