@@ -8,14 +8,13 @@ use std::process::Command;
 use std::time::Instant;
 
 use ramus_core::{Grads, Model, Params};
-use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_cpu::CpuEngine;
 use ramus_cuda::CudaEngine;
+use ramus_exec::memory::Pass;
+use ramus_exec::{Batch, Mode};
+use ramus_exec::{Engine, Optimizer, OptimizerConfig, OptimizerKind};
 use ramus_graph::{random, BatchingPolicy, InputGraph, Vocab, VocabMode};
-use ramus_nn::memory::Pass;
-use ramus_nn::{
-    build_model, build_sequence_model, DataKind, Engine, ModelConfig, ModelOptions, Optimizer,
-    OptimizerConfig, OptimizerKind,
-};
+use ramus_nn::{build_model, build_sequence_model, DataKind, ModelConfig, ModelOptions};
 
 use crate::device::{self, Device};
 use crate::limits::{self, BuildGuard};
@@ -471,11 +470,11 @@ pub fn run(a: BenchArgs) -> AnyResult {
                 let b = Batch::new(&model, batch.clone(), policy)?;
                 let e = engine.engine();
                 let earlier = e.submit_train_step(&model, &mut params, &mut grads, &mut opt, &b)?;
-                earlier.transpose().map_err(ramus_nn::NnError::from)?;
+                earlier.transpose().map_err(ramus_exec::ExecError::from)?;
                 Ok(())
             })?;
             for outcome in engine.engine().finish_train_steps()? {
-                outcome.map_err(ramus_nn::NnError::from)?;
+                outcome.map_err(ramus_exec::ExecError::from)?;
             }
             time
         };

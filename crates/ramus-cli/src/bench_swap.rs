@@ -16,14 +16,12 @@ use std::process::Command;
 use std::time::Instant;
 
 use ramus_core::{Grads, Model, Params};
-use ramus_cpu::Batch;
 use ramus_cuda::{SwapConfig, SwapMode, SwapStepReport};
+use ramus_exec::Batch;
+use ramus_exec::{Engine, Optimizer, OptimizerConfig, OptimizerKind};
 use ramus_graph::{images, BatchingPolicy, InputGraph};
 use ramus_nn::vision::parse_blocks;
-use ramus_nn::{
-    build_vision_model, Engine, ImageShape, ModelConfig, ModelOptions, Optimizer, OptimizerConfig,
-    OptimizerKind, VisionConfig,
-};
+use ramus_nn::{build_vision_model, ImageShape, ModelConfig, ModelOptions, VisionConfig};
 use ramus_swap::human_bytes;
 use serde_json::json;
 
@@ -157,12 +155,15 @@ fn run(
             .submit_train_step(model, &mut params, &mut grads, &mut optimizer, &batch)
             .map_err(|e| format!("step {}: {e}", i + 1))?;
         if let Some(outcome) = earlier {
-            losses.push(outcome.map_err(|s| format!("step {i}: {}", ramus_nn::NnError::from(s)))?);
+            losses.push(
+                outcome.map_err(|s| format!("step {i}: {}", ramus_exec::ExecError::from(s)))?,
+            );
         }
     }
     for outcome in engine.finish_train_steps()? {
         let step = losses.len() + 1;
-        losses.push(outcome.map_err(|s| format!("step {step}: {}", ramus_nn::NnError::from(s)))?);
+        losses
+            .push(outcome.map_err(|s| format!("step {step}: {}", ramus_exec::ExecError::from(s)))?);
     }
     engine.device().synchronize()?;
     let timed = data.len().saturating_sub(warmup).max(1);
@@ -191,7 +192,7 @@ pub fn run_bench(a: BenchSwapArgs) -> AnyResult {
     let config = OptimizerConfig::new(kind, a.lr);
     config.validate()?;
     if let Some(p) = &a.json {
-        ramus_nn::atomic::check_writable(p, "--json")?;
+        ramus_exec::atomic::check_writable(p, "--json")?;
     }
     // every line so far, rewritten whole after each one: a kill leaves the
     // lines written before it, none torn
@@ -199,7 +200,7 @@ pub fn run_bench(a: BenchSwapArgs) -> AnyResult {
     let mut emit = |v: serde_json::Value| -> AnyResult {
         if let Some(p) = &a.json {
             lines.push_str(&format!("{v}\n"));
-            ramus_nn::atomic::write_atomic(p, lines.as_bytes())
+            ramus_exec::atomic::write_atomic(p, lines.as_bytes())
                 .map_err(|e| format!("--json {}: {e}", p.display()))?;
         }
         Ok(())

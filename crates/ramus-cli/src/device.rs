@@ -11,8 +11,8 @@ use ramus_core::Model;
 use ramus_cpu::CpuEngine;
 use ramus_cuda::persistent::PersistentTrainer;
 use ramus_cuda::{CudaEngine, CudaEngineOptions, SwapConfig, SwapMode};
-use ramus_nn::memory::DeviceNeed;
-use ramus_nn::Engine;
+use ramus_exec::memory::DeviceNeed;
+use ramus_exec::Engine;
 
 /// Where a command runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,9 +60,9 @@ impl FromStr for TrainEngine {
 /// the batched engine.
 pub fn engine_for_nonfinite(
     choice: TrainEngine,
-    on_nonfinite: ramus_nn::OnNonFinite,
+    on_nonfinite: ramus_exec::OnNonFinite,
 ) -> Result<TrainEngine, String> {
-    if on_nonfinite != ramus_nn::OnNonFinite::SkipBatch {
+    if on_nonfinite != ramus_exec::OnNonFinite::SkipBatch {
         return Ok(choice);
     }
     match choice {
@@ -85,7 +85,7 @@ pub fn training_engine(
     choice: TrainEngine,
     run: &Training<'_>,
     params: &ramus_core::Params<f32>,
-    optimizer: ramus_nn::OptimizerConfig,
+    optimizer: ramus_exec::OptimizerConfig,
     budget: Option<u64>,
 ) -> Result<Option<Box<dyn Engine<f32>>>, String> {
     if choice == TrainEngine::Batched {

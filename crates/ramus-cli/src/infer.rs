@@ -8,11 +8,11 @@ use std::path::{Path, PathBuf};
 
 use ramus_core::HeadRows;
 use ramus_cpu::compiled::{CpuCompiledEngine, CpuCompiledSchedule};
-use ramus_cpu::{Batch, Mode};
 use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
+use ramus_exec::memory::{DeviceNeed, Pass};
+use ramus_exec::{Batch, Mode};
 use ramus_graph::text::decode_utf8;
 use ramus_graph::{ptb, BatchingPolicy, InputGraph, Vocab, VocabMode};
-use ramus_nn::memory::{DeviceNeed, Pass};
 use ramus_nn::DataKind;
 
 use crate::device::{self, Device};
@@ -85,7 +85,7 @@ const STDIN: &str = "<stdin>";
 enum Scorer {
     CompiledCpu(Box<CpuCompiledEngine>),
     CompiledCuda(Box<CompiledEngine>),
-    Batched(Box<dyn ramus_nn::Engine<f32>>),
+    Batched(Box<dyn ramus_exec::Engine<f32>>),
 }
 
 pub fn run(a: InferArgs) -> AnyResult {

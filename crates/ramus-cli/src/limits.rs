@@ -1,7 +1,7 @@
 //! Sizes that cannot fit are refused before anything large is allocated.
 //! Each command adds up what it is about to allocate — the model state
 //! and the activations of its largest batch, computed from the model
-//! ([`ramus_nn::memory`] documents how and what it leaves out) — and
+//! ([`ramus_exec::memory`] documents how and what it leaves out) — and
 //! compares it with the host memory available (`MemAvailable` in
 //! `/proc/meminfo` on Linux, or `--host-memory-budget`; unchecked on other
 //! systems) and, on CUDA, with what the device engine can still take. A
@@ -13,13 +13,13 @@
 //! are built, by a [`BuildGuard`] the readers consult.
 
 use ramus_core::Model;
-use ramus_graph::sequence::{pyramid_shape, pyramid_shape_of_tree};
-use ramus_graph::{GraphShape, InputGraph};
-use ramus_nn::memory::{
+use ramus_exec::memory::{
     largest_param, packed_weight_bytes, param_bytes, token_table_bytes, training_state,
     ActivationCost, BatchExtra, DeviceNeed, DeviceRoom, Fitted, GraphCosts, Pass,
 };
-use ramus_nn::{Engine, OptimizerKind};
+use ramus_exec::{Engine, OptimizerKind};
+use ramus_graph::sequence::{pyramid_shape, pyramid_shape_of_tree};
+use ramus_graph::{GraphShape, InputGraph};
 use ramus_swap::human_bytes;
 
 use crate::data::Splits;

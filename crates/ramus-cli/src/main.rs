@@ -25,12 +25,13 @@ use clap::{Parser, Subcommand};
 
 use output::{noteln, outln};
 use ramus_core::{HeadRows, Model, Params};
+use ramus_exec::memory::Pass;
+use ramus_exec::OnNonFinite;
 use ramus_graph::BatchingPolicy;
 use ramus_nn::checkpoint;
-use ramus_nn::memory::Pass;
 use ramus_nn::{
     build_model_with, build_sequence_model, build_vision_model, data_kind, DataKind, ModelConfig,
-    ModelOptions, OnNonFinite, SequenceConfig, VisionConfig,
+    ModelOptions, SequenceConfig, VisionConfig,
 };
 
 /// mimalloc instead of the system allocator: the persistent engine lowers

@@ -5,11 +5,13 @@
 //! dynamic models (trees, long sequences) are planned per batch.
 
 use ramus_core::Model;
-use ramus_cpu::{training_trace, Batch};
+use ramus_cpu::training_trace;
+use ramus_exec::Batch;
+use ramus_exec::OptimizerKind;
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{
     build_model, build_sequence_model, is_sequence_model, DataKind, ModelConfig, ModelOptions,
-    OptimizerKind, SequenceConfig,
+    SequenceConfig,
 };
 use ramus_swap::{
     analyze, human_bytes, human_seconds, AutoVmPlanner, CostModel, LruPlanner, NoBudgetPlanner,

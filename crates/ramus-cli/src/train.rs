@@ -15,14 +15,12 @@ use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use ramus_core::{Model, Params};
+use ramus_exec::nonfinite::first_nonfinite;
+use ramus_exec::{OnNonFinite, OptimizerConfig, OptimizerKind};
 use ramus_graph::BatchingPolicy;
-use ramus_nn::nonfinite::first_nonfinite;
 use ramus_nn::resume::{self, Best, RunState};
 use ramus_nn::train::{shuffled_order, Pauses, Span, SpanEnd};
-use ramus_nn::{
-    checkpoint, DataKind, EvalResult, ModelConfig, ModelOptions, OnNonFinite, OptimizerConfig,
-    OptimizerKind, Trainer,
-};
+use ramus_nn::{checkpoint, DataKind, EvalResult, ModelConfig, ModelOptions, Trainer};
 
 use crate::data::Splits;
 use crate::output::logln;
@@ -72,7 +70,7 @@ impl CheckpointPaths {
             }
         };
         for path in [&paths.last, &paths.best] {
-            ramus_nn::atomic::check_writable(path, flag)?;
+            ramus_exec::atomic::check_writable(path, flag)?;
         }
         Ok(Some(paths))
     }
@@ -476,7 +474,7 @@ impl Run<'_> {
 pub fn run(a: TrainArgs) -> AnyResult {
     let (a, from) = resolve(a)?;
     if let Some(path) = &a.save {
-        ramus_nn::atomic::check_writable(path, "--save")?;
+        ramus_exec::atomic::check_writable(path, "--save")?;
     }
     if a.checkpoint_every == Some(0) {
         return Err("--checkpoint-every must be at least 1".into());

@@ -20,13 +20,13 @@ use ramus_core::recursion::{lower_scheduled, Backend, RecursionSchedule, Resolve
 use ramus_core::{Model, Params, VertexRules};
 use ramus_graph::{InputGraph, LinearBatch, Linearizer, UnrolledPlan, NO_CHILD};
 
-use crate::error::{EngineError, Result};
+use ramus_exec::{ExecError, Result};
 
 mod cell;
 use cell::{tabulate, Cell, LevelInputs, Nodes};
 
-fn err(message: impl Into<String>) -> EngineError {
-    EngineError::Input(message.into())
+fn err(message: impl Into<String>) -> ExecError {
+    ExecError::Input(message.into())
 }
 
 /// Child state rows an unrolled step keeps together in one tile (children

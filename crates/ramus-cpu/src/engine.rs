@@ -24,91 +24,21 @@ use ramus_core::ops::matmul::PackedB;
 use ramus_core::parallel::SpinHelper;
 use ramus_core::plan::{token_hoist, TokenHoist};
 use ramus_core::{Grads, HeadRows, Model, Params, Real};
-use ramus_graph::{BatchingPolicy, FunctionRows, InputGraph, Schedule, Task, NO_LABEL};
+use ramus_graph::{Schedule, NO_LABEL};
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::error::{EngineError, Result};
+use ramus_exec::{Batch, ExecError, ForwardOutput, Mode, Range, Result};
 
 mod inputs;
 mod nodes;
 use inputs::{copy_vertex_rows, fill_dropout_masks};
-pub use inputs::{fill_dropout_mask, pulled_values};
 use nodes::{
     accumulate_param_grads, ancestors, local_edges, resolve_floats, run_all_rows, run_node,
     run_nodes, running_stat_updates,
 };
-
-/// A batch of input graphs with its schedule.
-pub struct Batch<'a> {
-    pub graphs: Vec<&'a InputGraph>,
-    pub schedule: Schedule,
-}
-
-impl<'a> Batch<'a> {
-    /// Schedules `graphs` for `model` under `policy`; a vertex the model
-    /// cannot run as it is ([`Model::function_for`]: e.g. three children
-    /// for a binary cell) is an error naming the graph's place and the vertex.
-    pub fn new(model: &Model, graphs: Vec<&'a InputGraph>, policy: BatchingPolicy) -> Result<Self> {
-        let schedule = Schedule::build(&graphs, policy, model.functions.len(), |kind, k| {
-            model.function_for(kind, k)
-        })?;
-        Ok(Batch { graphs, schedule })
-    }
-    /// Number of graphs.
-    pub fn len(&self) -> usize {
-        self.graphs.len()
-    }
-    pub fn is_empty(&self) -> bool {
-        self.graphs.is_empty()
-    }
-}
-
-/// Whether a forward pass computes the loss (needs labels) or only scores,
-/// and whether dropout is active.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Mode {
-    /// Loss and scores with dropout active; a backward pass may follow.
-    Train,
-    /// Loss and scores without dropout (evaluation).
-    Evaluate,
-    /// Scores only (no labels needed), without dropout.
-    Infer,
-}
-
-/// What a forward pass returns.
-#[derive(Clone, Debug)]
-pub struct ForwardOutput<T> {
-    /// Mean loss over head rows (train mode).
-    pub loss: Option<f64>,
-    /// Vertex number of every head row.
-    pub head_vertices: Vec<u32>,
-    /// Scores, `head_vertices.len() × classes` (if the head declares logits).
-    pub logits: Vec<T>,
-    pub classes: usize,
-}
-
-impl<T: Real> ForwardOutput<T> {
-    /// Argmax class of each head row.
-    pub fn predictions(&self) -> Vec<u32> {
-        if self.classes == 0 {
-            return Vec::new();
-        }
-        self.logits
-            .chunks(self.classes)
-            .map(|row| {
-                let mut best = 0;
-                for (i, &v) in row.iter().enumerate() {
-                    if v > row[best] {
-                        best = i;
-                    }
-                }
-                best as u32
-            })
-            .collect()
-    }
-}
+use ramus_exec::pulled_values;
 
 /// Values of one graph's nodes for a batch: floats or indices per node.
 #[derive(Default)]
@@ -142,55 +72,6 @@ impl<T: Real> Arena<T> {
                 DType::Float => self.vals[n].resize(len, T::ZERO),
                 DType::Index => self.idx[n].resize(len, 0),
             }
-        }
-    }
-}
-
-/// A contiguous run of a vertex function's rows and edge rows: one task,
-/// every row, or the head's rows. Engines run ops over such runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Range {
-    pub r0: usize,
-    pub r1: usize,
-    pub e0: usize,
-    pub e1: usize,
-}
-
-impl Range {
-    /// Every row and edge of a vertex function.
-    pub fn all(rows: &FunctionRows) -> Self {
-        Range {
-            r0: 0,
-            r1: rows.rows(),
-            e0: 0,
-            e1: rows.edges(),
-        }
-    }
-    /// The rows and edges of one task.
-    pub fn task(t: &Task) -> Self {
-        Range {
-            r0: t.row_offset as usize,
-            r1: (t.row_offset + t.len) as usize,
-            e0: t.edge_offset as usize,
-            e1: (t.edge_offset + t.edge_len) as usize,
-        }
-    }
-    /// `rows` vertex rows and no edges (the head's rows).
-    pub fn rows_only(rows: usize) -> Self {
-        Range {
-            r0: 0,
-            r1: rows,
-            e0: 0,
-            e1: 0,
-        }
-    }
-    /// First and one-past-last row of `space` in this run (static values
-    /// are one row).
-    pub fn span(&self, space: Space) -> (usize, usize) {
-        match space {
-            Space::Vertex => (self.r0, self.r1),
-            Space::Edge => (self.e0, self.e1),
-            Space::Static => (0, 1),
         }
     }
 }
@@ -528,7 +409,7 @@ impl<T: Real> CpuEngine<T> {
                         for (r, &v) in rows.vertex.iter().enumerate() {
                             let t = s.tokens[v as usize] as usize;
                             if t >= vocab {
-                                return Err(EngineError::Input(format!(
+                                return Err(ExecError::Input(format!(
                                     "token id {t} is outside the {vocab} tabulated tokens"
                                 )));
                             }
@@ -642,10 +523,10 @@ impl<T: Real> CpuEngine<T> {
         }
         for (p, values) in self.running_stats.drain(..) {
             let target = params.values.get_mut(p).ok_or_else(|| {
-                EngineError::Input(format!("running statistics for missing parameter {p}"))
+                ExecError::Input(format!("running statistics for missing parameter {p}"))
             })?;
             if target.len() != values.len() {
-                return Err(EngineError::Input(format!(
+                return Err(ExecError::Input(format!(
                     "running statistics of {} values for parameter {p} of {}",
                     values.len(),
                     target.len()
@@ -678,7 +559,7 @@ impl<T: Real> CpuEngine<T> {
         }
         let h = self.head_vertices.len();
         if h == 0 {
-            return Err(EngineError::Input(
+            return Err(ExecError::Input(
                 "the batch has no vertex for the head (no labelled vertex)".into(),
             ));
         }
@@ -695,7 +576,7 @@ impl<T: Real> CpuEngine<T> {
                 );
                 let push = model.functions[f]
                     .push
-                    .ok_or_else(|| EngineError::Input("no push".into()))?;
+                    .ok_or_else(|| ExecError::Input("no push".into()))?;
                 self.head_fwd.vals[inp][i * pw..(i + 1) * pw]
                     .copy_from_slice(&self.fwd[f].vals[push][r * pw..(r + 1) * pw]);
             }
@@ -711,7 +592,7 @@ impl<T: Real> CpuEngine<T> {
                     let l = s.labels[v as usize];
                     if l < 0 {
                         let gi = s.graph[v as usize];
-                        return Err(EngineError::Input(format!(
+                        return Err(ExecError::Input(format!(
                             "graph {gi} of the batch has a head vertex without a label"
                         )));
                     }
@@ -767,7 +648,7 @@ impl<T: Real> CpuEngine<T> {
         grads: &mut Grads<T>,
     ) -> Result<()> {
         if !std::mem::take(&mut self.forward_done) {
-            return Err(EngineError::Input(
+            return Err(ExecError::Input(
                 "backward needs a preceding forward pass in train mode".into(),
             ));
         }

@@ -2,10 +2,9 @@
 //! and lazy batching) that every other engine is checked against.
 
 pub mod compiled;
+mod contract;
 pub mod engine;
-pub mod error;
 pub mod trace;
 
-pub use engine::{fill_dropout_mask, pulled_values, Batch, CpuEngine, ForwardOutput, Mode, Range};
-pub use error::{EngineError, Result};
+pub use engine::CpuEngine;
 pub use trace::training_trace;

@@ -16,8 +16,8 @@ use ramus_core::graph::{Graph, NodeId, NodeKind, Role, Source, Space};
 use ramus_core::Model;
 use ramus_swap::{Phase, TensorId, TensorKind, Trace, TraceBuilder};
 
-use crate::engine::Batch;
-use crate::error::{EngineError, Result};
+use ramus_exec::Batch;
+use ramus_exec::{ExecError, Result};
 
 /// Bytes per element of every engine buffer (f32 values and u32 indices).
 const ELEMENT: u64 = 4;
@@ -310,7 +310,7 @@ pub fn training_trace(model: &Model, batch: &Batch<'_>, optimizer_states: usize)
         );
     }
     t.build()
-        .map_err(|e| EngineError::Input(format!("memory trace of model `{}`: {e}", model.name)))
+        .map_err(|e| ExecError::Input(format!("memory trace of model `{}`: {e}", model.name)))
 }
 
 fn numel(shape: &[usize]) -> u64 {

@@ -5,7 +5,8 @@
 
 use ramus_core::model::{FunctionSelector, HeadRows, Init, ModelBuilder};
 use ramus_core::Model;
-use ramus_cpu::{training_trace, Batch};
+use ramus_cpu::training_trace;
+use ramus_exec::Batch;
 use ramus_graph::random::random_tree;
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_swap::{analyze, AutoVmPlanner, CostModel, Phase, Planner, PlannerConfig, Simulator};

@@ -1,5 +1,5 @@
 //! The CUDA batched engine (Cavs on the GPU). Same passes as the CPU
-//! reference engine (`ramus_cpu::engine`), with every tensor in a per-batch
+//! reference engine (`ramus_cpu::CpuEngine`), with every tensor in a per-batch
 //! arena of the device pool:
 //!
 //! * once per batch, all index arrays (tokens, child rows, CSR edges, head
@@ -20,7 +20,7 @@
 //! This file sets up the engine, uploads a batch and runs the forward pass;
 //! `engine/exec.rs` runs a program's steps and ops, `engine/backward.rs`
 //! the backward pass, `engine/train.rs` the device training step and the
-//! [`ramus_nn::Engine`] implementation.
+//! [`ramus_exec::Engine`] implementation.
 
 use std::cell::{Cell, RefCell};
 use std::path::PathBuf;
@@ -32,7 +32,7 @@ use rand_chacha::ChaCha8Rng;
 
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, Role, Source, Space};
 use ramus_core::{HeadRows, Model, Params};
-use ramus_cpu::{fill_dropout_mask, Batch, ForwardOutput, Mode, Range};
+use ramus_exec::{fill_dropout_mask, Batch, ForwardOutput, Mode, Range};
 use ramus_graph::{FunctionRows, Schedule, NO_LABEL};
 
 use crate::blas::Blas;
@@ -198,13 +198,13 @@ pub struct CudaEngine {
     optimizer: Option<(u64, DeviceOptimizer)>,
     /// Optimizer state to load into the fused optimizer when it is built
     /// (a resumed run, see [`CudaEngine::load_optimizer_state`]).
-    pending_optimizer: Option<ramus_nn::Optimizer<f32>>,
+    pending_optimizer: Option<ramus_exec::Optimizer<f32>>,
     pass_started: Option<std::time::Instant>,
     /// True while an evaluation or inference pass runs: ops with an
     /// inference form (batch normalisation with running statistics) run
     /// that instead.
     inference_pass: bool,
-    /// True while a device training step ([`ramus_nn::Engine::train_step`],
+    /// True while a device training step ([`ramus_exec::Engine::train_step`],
     /// plain or swap path) runs: its forward pass blends the batch
     /// statistics into the running statistics of the device parameters. A
     /// bare train-mode forward pass leaves them alone, as on the CPU.
@@ -841,7 +841,7 @@ impl CudaEngine {
         let pw = g.nodes[pull].ty.width();
         let explicit = self.pull_values.is_some();
         let values = self.pull_values.as_deref().unwrap_or(&s.features);
-        let values = ramus_cpu::pulled_values(values, s, pw, name, explicit)
+        let values = ramus_exec::pulled_values(values, s, pw, name, explicit)
             .map_err(|e| model_err(e.to_string()))?;
         let mut rows = Vec::with_capacity(fr.rows() * pw);
         for &v in &fr.vertex {

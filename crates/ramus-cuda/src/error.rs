@@ -65,7 +65,7 @@ pub enum CudaError {
         pool_size: u64,
     },
     /// A run whose buffers cannot fit the device, refused by its
-    /// [`ramus_nn::memory::DeviceCheck`] before they were allocated (the
+    /// [`ramus_exec::memory::DeviceCheck`] before they were allocated (the
     /// message names what to change).
     #[error("{0}")]
     DoesNotFit(String),

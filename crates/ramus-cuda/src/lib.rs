@@ -4,7 +4,7 @@
 //! |---|---|---|
 //! | device | [`device`] | library checks, context, main stream, more streams and events, device properties, `sm_XX` |
 //! | memory | [`pool`], [`offset_allocator`] | one pool of a few large `cuMemAlloc` chunks, per-batch [`Arena`]s, typed [`DeviceView`]s |
-//! | memory checks | [`memory`] | what each engine will allocate ([`ramus_nn::memory::DeviceNeed`]), checked against the device's room before it allocates |
+//! | memory checks | [`memory`] | what each engine will allocate ([`ramus_exec::memory::DeviceNeed`]), checked against the device's room before it allocates |
 //! | transfers | [`pinned`] | pinned host staging buffers and async host↔device copies |
 //! | kernels | [`rtc`], [`cache`] | NVRTC compilation for the device's architecture; the memory + disk kernel cache |
 //! | persistent | [`persistent`] | the VPPS persistent training kernel: build (spill and residency checks) and cooperative launch on packed scripts |

@@ -21,8 +21,8 @@
 //! the device is short the pool takes just the size asked for).
 
 use ramus_core::Model;
-use ramus_nn::memory::{training_state, ActivationCost, DeviceNeed, DeviceRoom, Fitted, Pass};
-use ramus_nn::OptimizerKind;
+use ramus_exec::memory::{training_state, ActivationCost, DeviceNeed, DeviceRoom, Fitted, Pass};
+use ramus_exec::OptimizerKind;
 use ramus_swap::human_bytes;
 
 use crate::device::CudaDevice;
@@ -30,7 +30,7 @@ use crate::error::{CudaError, InCall, Result};
 use crate::offset_allocator::aligned_size;
 use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR;
 
-pub use ramus_nn::memory::DeviceCheck;
+pub use ramus_exec::memory::DeviceCheck;
 
 /// Bytes of a pool block of `elements` 4-byte elements (the pool aligns
 /// every block; engines ask for at least one element).
@@ -99,7 +99,7 @@ pub fn batched_need(model: &Model, optimizer: Option<OptimizerKind>, pass: Pass)
     let parts = match optimizer {
         Some(kind) => training_state(model, kind),
         None => {
-            let p = ramus_nn::memory::param_bytes(model);
+            let p = ramus_exec::memory::param_bytes(model);
             vec![("parameters", p), ("gradients", p)]
         }
     };
@@ -143,7 +143,7 @@ mod tests {
         let n = batched_need(&model, Some(OptimizerKind::Adam), Pass::Train);
         // parameters, gradients and Adam's two moments
         let parts = n.parts_bytes();
-        assert_eq!(parts, 4 * ramus_nn::memory::param_bytes(&model));
+        assert_eq!(parts, 4 * ramus_exec::memory::param_bytes(&model));
         let room = |free, budget| DeviceRoom { free, budget };
         assert!(model_fits(&n, room(parts, None)).is_ok());
         let e = model_fits(&n, room(parts - 1, None)).unwrap_err();

@@ -1,6 +1,6 @@
 //! The optimizer step on the device: SGD, Adagrad and Adam / AdamW with
 //! global gradient-norm clipping, as fused generated kernels, mirroring the
-//! host reference [`ramus_nn::Optimizer`] operation for operation.
+//! host reference [`ramus_exec::Optimizer`] operation for operation.
 //!
 //! Like the runtime-compiled Adam of NNVM-Fusion, the whole update rule of an
 //! element (decay, moments, bias correction, the step) is one generated
@@ -61,7 +61,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 use ramus_core::Tensor;
-use ramus_nn::{Optimizer, OptimizerConfig, OptimizerKind};
+use ramus_exec::{Optimizer, OptimizerConfig, OptimizerKind};
 
 use crate::cache::KernelCache;
 use crate::device::CudaDevice;
@@ -158,7 +158,7 @@ impl UpdateKernelSpec {
 
     /// The per-element update: statements reading `w` (the value), the
     /// segment `s`, offset `i` and arguments `a`, leaving the new value in
-    /// `w`. Operand order and rounding follow `ramus_nn::optim` exactly.
+    /// `w`. Operand order and rounding follow `ramus_exec::optim` exactly.
     fn update_statements(&self) -> Vec<String> {
         // The host multiplies by the clip factor (1 without clipping, exact).
         let g = if self.clip {
@@ -533,7 +533,7 @@ impl State {
 
 /// Optimizer state and generated kernels for parameters living on the
 /// device; [`DeviceOptimizer::step`] is the device twin of
-/// [`ramus_nn::Optimizer::step`].
+/// [`ramus_exec::Optimizer::step`].
 pub struct DeviceOptimizer {
     config: OptimizerConfig,
     spec: UpdateKernelSpec,

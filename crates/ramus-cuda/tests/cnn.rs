@@ -17,13 +17,12 @@ mod common;
 use std::path::PathBuf;
 
 use ramus_core::{Grads, HeadRows, Init, Model, Params};
-use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_cpu::CpuEngine;
 use ramus_cuda::{CudaEngine, CudaEngineOptions};
+use ramus_exec::{Batch, Mode};
+use ramus_exec::{Engine, OptimizerConfig, OptimizerKind};
 use ramus_graph::{BatchingPolicy, InputGraph};
-use ramus_nn::{
-    build_vision_model, Engine, ImageShape, ModelConfig, ModelOptions, OptimizerConfig,
-    OptimizerKind, Trainer, VisionConfig,
-};
+use ramus_nn::{build_vision_model, ImageShape, ModelConfig, ModelOptions, Trainer, VisionConfig};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 

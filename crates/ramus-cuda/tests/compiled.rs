@@ -12,10 +12,11 @@ mod common;
 
 use ramus_core::recursion::{analyze, RecursionSchedule};
 use ramus_core::{HeadRows, Model, Params};
-use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_cpu::CpuEngine;
 use ramus_cuda::compiled::{
     CompiledEngine, CompiledOptions, CompiledOutput, CompiledSchedule, LEVEL_ORDER_SAMPLES,
 };
+use ramus_exec::{Batch, Mode};
 use ramus_graph::random::{grid_dag, random_chain, random_path, random_tree};
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{build_model_with, build_mvrnn, ModelConfig, ModelOptions};

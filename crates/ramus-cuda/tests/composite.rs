@@ -12,11 +12,12 @@ mod common;
 use ramus_core::fusion;
 use ramus_core::model::{FunctionSelector, HeadRows, Init, ModelBuilder};
 use ramus_core::{Model, OpRegistry, Params};
-use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_cpu::CpuEngine;
 use ramus_cuda::{CudaEngine, CudaEngineOptions};
+use ramus_exec::Engine;
+use ramus_exec::{Batch, Mode};
 use ramus_graph::random::random_tree;
 use ramus_graph::{BatchingPolicy, InputGraph};
-use ramus_nn::Engine;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 

@@ -17,10 +17,11 @@ use ramus_core::{Model, Params};
 use ramus_cuda::compiled::{CompiledEngine, CompiledOptions};
 use ramus_cuda::persistent::{PersistentEngine, PersistentOptions, PersistentTrainer};
 use ramus_cuda::{CudaDevice, CudaError, PoolStats};
+use ramus_exec::memory::{DeviceNeed, DeviceRoom, Fitted};
+use ramus_exec::{OptimizerConfig, OptimizerKind};
 use ramus_graph::random::random_tree;
 use ramus_graph::InputGraph;
-use ramus_nn::memory::{DeviceNeed, DeviceRoom, Fitted};
-use ramus_nn::{build_model, ModelConfig, OptimizerConfig, OptimizerKind};
+use ramus_nn::{build_model, ModelConfig};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -160,8 +161,8 @@ fn check_run(
         }
     };
     fits(parts + train_batch + eval_batch)?;
-    let extra = |measure: &Option<ramus_nn::memory::BatchExtra>,
-                 cost: Option<&ramus_nn::memory::ActivationCost>,
+    let extra = |measure: &Option<ramus_exec::memory::BatchExtra>,
+                 cost: Option<&ramus_exec::memory::ActivationCost>,
                  graphs: &[InputGraph]| {
         match (measure, cost) {
             (Some(measure), Some(cost)) if !graphs.is_empty() => {
@@ -239,7 +240,7 @@ fn the_persistent_engine_is_refused_before_it_allocates_what_cannot_fit() {
     let model = model(512, 20_000);
     let params = Params::<f32>::init(&model, 1);
     let config = OptimizerConfig::new(OptimizerKind::Adam, 0.001);
-    let param_bytes = ramus_nn::memory::param_bytes(&model);
+    let param_bytes = ramus_exec::memory::param_bytes(&model);
     // a budget under the parameters alone: refused before anything compiles
     let before = free(&device);
     let started = Instant::now();
@@ -340,7 +341,7 @@ fn the_compiled_engine_is_refused_before_it_allocates_what_cannot_fit() {
     // per-token tables of 200000 words
     let model = model(256, 200_000);
     let params = Params::<f32>::init(&model, 1);
-    let param_bytes = ramus_nn::memory::param_bytes(&model);
+    let param_bytes = ramus_exec::memory::param_bytes(&model);
     let before = free(&device);
     let made = CompiledEngine::new(&model, &params, &compiled_options(Some(param_bytes + MIB)));
     refused(

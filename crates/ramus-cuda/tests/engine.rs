@@ -9,13 +9,13 @@ mod common;
 use std::path::PathBuf;
 
 use ramus_core::{Grads, HeadRows, Model, Params};
-use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_cpu::CpuEngine;
 use ramus_cuda::{CudaEngine, CudaEngineOptions};
+use ramus_exec::{Batch, Mode};
+use ramus_exec::{Engine, OptimizerConfig, OptimizerKind};
 use ramus_graph::random::{grid_dag, random_chain, random_path, random_tree};
 use ramus_graph::{BatchingPolicy, InputGraph};
-use ramus_nn::{
-    build_model_with, Engine, ModelConfig, ModelOptions, OptimizerConfig, OptimizerKind, Trainer,
-};
+use ramus_nn::{build_model_with, ModelConfig, ModelOptions, Trainer};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 

@@ -13,12 +13,12 @@ use rand::seq::SliceRandom;
 use ramus_core::{Model, Params};
 use ramus_cuda::persistent::{PersistentOptions, PersistentTrainer};
 use ramus_cuda::{CudaEngine, CudaEngineOptions, SwapConfig, SwapMode};
+use ramus_exec::{ExecError, OnNonFinite, OptimizerConfig, OptimizerKind, TensorPart};
 use ramus_graph::random::random_tree;
 use ramus_graph::testing::{images_with_nan_pixel, SMALL_IMAGES};
 use ramus_graph::InputGraph;
 use ramus_nn::{
-    build_model, build_vision_model, ImageShape, ModelConfig, ModelOptions, NnError, OnNonFinite,
-    OptimizerConfig, OptimizerKind, TensorPart, Trainer, VisionConfig,
+    build_model, build_vision_model, ImageShape, ModelConfig, ModelOptions, Trainer, VisionConfig,
 };
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -147,7 +147,7 @@ fn skipped_steps_change_nothing(swap: SwapMode) {
     assert_eq!(at.skipped, all.len() - clean.len(), "{swap}");
     assert!(loss.is_finite(), "{swap}: loss {loss}");
     assert_eq!(
-        ramus_nn::nonfinite::first_nonfinite(&t.model, &t.params, None),
+        ramus_exec::nonfinite::first_nonfinite(&t.model, &t.params, None),
         None
     );
 }
@@ -194,7 +194,7 @@ fn poisoned_trees(poison: f32) -> (Vec<InputGraph>, Model, Params<f32>, usize) {
 fn stops_naming_the_batch(
     name: &str,
     poison: f32,
-    engine: impl FnOnce(&Model, &Params<f32>) -> Box<dyn ramus_nn::Engine<f32>>,
+    engine: impl FnOnce(&Model, &Params<f32>) -> Box<dyn ramus_exec::Engine<f32>>,
 ) -> f64 {
     let (data, model, params, bad) = poisoned_trees(poison);
     let mut t = Trainer::new(
@@ -225,7 +225,7 @@ fn batched_engine_stops_naming_the_batch_and_parameter() {
     if !common::cuda_ready("skipping") {
         return;
     }
-    let batched = |model: &Model, _: &Params<f32>| -> Box<dyn ramus_nn::Engine<f32>> {
+    let batched = |model: &Model, _: &Params<f32>| -> Box<dyn ramus_exec::Engine<f32>> {
         Box::new(CudaEngine::new(model, &options("stop", SwapMode::Off)).expect("engine"))
     };
     stops_naming_the_batch("batched", f32::NAN, batched);
@@ -238,7 +238,7 @@ fn persistent_engine_stops_naming_the_parameter_and_refuses_to_skip() {
         return;
     }
     let config = OptimizerConfig::new(OptimizerKind::Sgd, 0.1);
-    let persistent = |model: &Model, params: &Params<f32>| -> Box<dyn ramus_nn::Engine<f32>> {
+    let persistent = |model: &Model, params: &Params<f32>| -> Box<dyn ramus_exec::Engine<f32>> {
         let options = PersistentOptions {
             batch_size: Some(BATCH),
             cache_dir: options("persistent", SwapMode::Off).cache_dir,
@@ -260,6 +260,6 @@ fn persistent_engine_stops_naming_the_parameter_and_refuses_to_skip() {
     let err = t
         .train_epoch(&data, BATCH, &mut ramus_nn::train::rng(6), |_, _, _| {})
         .unwrap_err();
-    assert!(matches!(err, NnError::Config(_)), "{err}");
+    assert!(matches!(err, ExecError::Config(_)), "{err}");
     assert!(err.to_string().contains("cannot skip"), "{err}");
 }

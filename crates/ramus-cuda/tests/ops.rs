@@ -10,11 +10,12 @@ mod common;
 use ramus_core::model::{HeadRows, Init, ModelBuilder, VertexFnBuilder};
 use ramus_core::ops::RowMatMul;
 use ramus_core::{Grads, Model, Params, Sym};
-use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_cpu::CpuEngine;
 use ramus_cuda::{CudaEngine, CudaEngineOptions};
+use ramus_exec::Engine;
+use ramus_exec::{Batch, Mode};
 use ramus_graph::random::random_tree;
 use ramus_graph::{BatchingPolicy, InputGraph};
-use ramus_nn::Engine;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 

@@ -1,4 +1,4 @@
-//! The device optimizer against the host reference `ramus_nn::Optimizer`:
+//! The device optimizer against the host reference `ramus_exec::Optimizer`:
 //! SGD, Adagrad, Adam and AdamW, each with and without global-norm
 //! clipping, five steps on parameters laid out like the CUDA engine's
 //! (values in declaration order, gradients dense-first) with two embedding
@@ -18,7 +18,7 @@ use ramus_cuda::{
     CudaDevice, DeviceOptimizer, DevicePool, DeviceView, GradLayout, KernelCache, ParamSlot,
     PinnedBuffer, PoolBuffer, PoolConfig, Result,
 };
-use ramus_nn::{Optimizer, OptimizerConfig, OptimizerKind};
+use ramus_exec::{Optimizer, OptimizerConfig, OptimizerKind};
 
 /// Everything one comparison needs on the device.
 struct Setup {

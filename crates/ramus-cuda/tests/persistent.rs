@@ -23,13 +23,12 @@ use ramus_cuda::persistent::{
 use ramus_cuda::{
     default_cache_dir, CudaDevice, DevicePool, KernelCache, PinnedBuffer, PoolConfig,
 };
+use ramus_exec::{OptimizerConfig, OptimizerKind};
 use ramus_graph::random::{grid_dag, random_chain, random_path, random_tree};
 use ramus_graph::sequence::{pyramid, tagger_graph, WordInput};
 use ramus_graph::InputGraph;
 use ramus_nn::sequence_models::{build_sequence_model, SequenceConfig};
-use ramus_nn::{
-    build_model_with, ModelConfig, ModelOptions, OptimizerConfig, OptimizerKind, Trainer,
-};
+use ramus_nn::{build_model_with, ModelConfig, ModelOptions, Trainer};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 

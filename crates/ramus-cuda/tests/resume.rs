@@ -8,17 +8,18 @@
 mod common;
 
 use ramus_core::{Model, Params};
-use ramus_cpu::Batch;
 use ramus_cuda::persistent::{PersistentOptions, PersistentTrainer};
 use ramus_cuda::{CudaEngine, CudaEngineOptions, PoolConfig, SwapConfig, SwapMode, SwapStepReport};
+use ramus_exec::Batch;
+use ramus_exec::{Engine, OptimizerConfig, OptimizerKind};
 use ramus_graph::images::{self, ImageSpec};
 use ramus_graph::random::random_tree;
 use ramus_graph::{InputGraph, Vocab};
 use ramus_nn::resume::{self, RunState};
 use ramus_nn::train::{shuffled_order, EpochProgress, Pauses, Span, SpanEnd};
 use ramus_nn::{
-    build_model_with, build_vision_model, Engine, ImageShape, ModelConfig, ModelOptions,
-    OptimizerConfig, OptimizerKind, Trainer, VisionConfig,
+    build_model_with, build_vision_model, ImageShape, ModelConfig, ModelOptions, Trainer,
+    VisionConfig,
 };
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -229,7 +230,7 @@ fn swap_engine(model: &Model, mode: SwapMode, budget: Option<u64>) -> CudaEngine
 fn swap_step(engine: &mut CudaEngine, model: &Model, data: &[InputGraph]) -> SwapStepReport {
     let mut params = Params::<f32>::init(model, 5);
     let mut optimizer =
-        ramus_nn::Optimizer::new(OptimizerConfig::new(OptimizerKind::Adam, 0.001), &params);
+        ramus_exec::Optimizer::new(OptimizerConfig::new(OptimizerKind::Adam, 0.001), &params);
     let mut grads = ramus_core::Grads::zeros(model);
     let batch = Batch::new(
         model,

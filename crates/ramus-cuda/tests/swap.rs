@@ -19,16 +19,16 @@ mod common;
 use std::path::PathBuf;
 
 use ramus_core::Model;
-use ramus_cpu::{Batch, Mode};
 use ramus_cuda::{
     plan_budget, plan_training, resident_plan, training_iteration, training_iteration_with,
     training_trace, CudaEngine, CudaEngineOptions, PoolConfig, SwapConfig, SwapMode,
 };
+use ramus_exec::{Batch, Mode};
+use ramus_exec::{Optimizer, OptimizerConfig, OptimizerKind};
 use ramus_graph::random::{random_chain, random_tree};
 use ramus_graph::{images, BatchingPolicy, InputGraph};
 use ramus_nn::{
-    build_model_with, build_vision_model, ImageShape, ModelConfig, ModelOptions, Optimizer,
-    OptimizerConfig, OptimizerKind, VisionConfig,
+    build_model_with, build_vision_model, ImageShape, ModelConfig, ModelOptions, VisionConfig,
 };
 use ramus_swap::{
     analyze, Action, AutoVmPlanner, CostModel, ExecError, ExecOptions, Executor, LruPlanner,
@@ -645,7 +645,7 @@ fn train(net: &Net, mode: SwapMode, budget: Option<u64>, steps: usize) -> Traine
     let mut losses = Vec::new();
     for chunk in data.chunks(net.batch) {
         let batch = Batch::new(&model, chunk.iter().collect(), BatchingPolicy::Cavs).unwrap();
-        let loss = ramus_nn::Engine::train_step(
+        let loss = ramus_exec::Engine::train_step(
             &mut engine,
             &model,
             &mut params,
@@ -657,14 +657,14 @@ fn train(net: &Net, mode: SwapMode, budget: Option<u64>, steps: usize) -> Traine
         losses.push(loss);
     }
     let report = engine.last_swap_report().cloned();
-    ramus_nn::Engine::sync_host_params(&mut engine, &mut params).expect("parameters");
+    ramus_exec::Engine::sync_host_params(&mut engine, &mut params).expect("parameters");
     let running_stats: Vec<ramus_core::Tensor<f32>> = (0..model.params.len())
         .filter(|&p| model.is_buffer(p))
         .map(|p| params.values[p].clone())
         .collect();
     let held_out = net.images(net.batch, 99);
     let batch = Batch::new(&model, held_out.iter().collect(), BatchingPolicy::Cavs).unwrap();
-    let out = ramus_nn::Engine::forward(&mut engine, &model, &params, &batch, Mode::Evaluate)
+    let out = ramus_exec::Engine::forward(&mut engine, &model, &params, &batch, Mode::Evaluate)
         .unwrap_or_else(|e| panic!("{} {mode} evaluation: {e}", net.name));
     Trained {
         losses,
@@ -767,7 +767,7 @@ fn identical_losses(net: &Net) {
     let data = net.images(net.batch, 21);
     let batch = Batch::new(&model, data.iter().collect(), BatchingPolicy::Cavs).unwrap();
     let mut step = || {
-        ramus_nn::Engine::train_step(
+        ramus_exec::Engine::train_step(
             &mut engine,
             &model,
             &mut params,
@@ -1065,7 +1065,7 @@ fn dynamic_identical_losses(case: &Dynamic) {
         let batch = Batch::new(&model, data.iter().collect(), BatchingPolicy::Cavs).unwrap();
         let mut losses = Vec::new();
         for _ in 0..STEPS {
-            let loss = ramus_nn::Engine::train_step(
+            let loss = ramus_exec::Engine::train_step(
                 &mut engine,
                 &model,
                 &mut params,
@@ -1077,8 +1077,8 @@ fn dynamic_identical_losses(case: &Dynamic) {
             losses.push(loss);
         }
         let report = engine.last_swap_report().cloned();
-        ramus_nn::Engine::sync_host_params(&mut engine, &mut params).expect("parameters");
-        let out = ramus_nn::Engine::forward(&mut engine, &model, &params, &batch, Mode::Evaluate)
+        ramus_exec::Engine::sync_host_params(&mut engine, &mut params).expect("parameters");
+        let out = ramus_exec::Engine::forward(&mut engine, &model, &params, &batch, Mode::Evaluate)
             .unwrap_or_else(|e| panic!("{} {mode} evaluation: {e}", case.name));
         (losses, out.loss, report)
     };

@@ -26,7 +26,7 @@ use ramus_graph::Vocab;
 use safetensors::tensor::{Dtype, TensorInfo};
 use safetensors::SafeTensorError;
 
-use crate::error::{NnError, Result};
+use ramus_exec::{ExecError, Result};
 
 /// Metadata keys.
 const KEY_MODEL: &str = "ramus.model";
@@ -51,7 +51,7 @@ pub struct Extra<'a> {
 }
 
 /// Writes `params` of `model` with `vocab` to `path`, atomically (see
-/// [`crate::atomic`]): a crash leaves the old file or the new one.
+/// [`ramus_exec::atomic`]): a crash leaves the old file or the new one.
 pub fn save(path: &Path, model: &Model, params: &Params<f32>, vocab: &Vocab) -> Result<()> {
     save_with(path, model, params, vocab, &Extra::default())
 }
@@ -65,7 +65,7 @@ pub fn save_with(
     extra: &Extra<'_>,
 ) -> Result<()> {
     let data = to_bytes(model, params, vocab, extra)?;
-    crate::atomic::write_atomic(path, &data).map_err(|e| NnError::Io {
+    ramus_exec::atomic::write_atomic(path, &data).map_err(|e| ExecError::Io {
         path: path.to_path_buf(),
         source: e,
     })
@@ -90,7 +90,7 @@ pub fn to_bytes(
     meta.insert(KEY_MODEL.to_string(), model.name.clone());
     meta.insert(
         KEY_SETTINGS.to_string(),
-        serde_json::to_string(&model.settings).map_err(|e| NnError::Checkpoint(e.to_string()))?,
+        serde_json::to_string(&model.settings).map_err(|e| ExecError::Checkpoint(e.to_string()))?,
     );
     meta.insert(KEY_VOCAB.to_string(), vocab.to_json());
     serialize(tensors, &meta)
@@ -106,7 +106,7 @@ fn serialize(
 ) -> Result<Vec<u8>> {
     tensors.sort_by(|a, b| a.0.cmp(b.0));
     if let Some(w) = tensors.windows(2).find(|w| w[0].0 == w[1].0) {
-        return Err(NnError::Checkpoint(format!(
+        return Err(ExecError::Checkpoint(format!(
             "two tensors named `{}`",
             w[0].0
         )));
@@ -122,7 +122,8 @@ fn serialize(
         );
         offset = end;
     }
-    let mut header = serde_json::to_vec(&header).map_err(|e| NnError::Checkpoint(e.to_string()))?;
+    let mut header =
+        serde_json::to_vec(&header).map_err(|e| ExecError::Checkpoint(e.to_string()))?;
     // safetensors pads the header with spaces to a multiple of 8 bytes
     header.resize(header.len().next_multiple_of(8), b' ');
     let mut out = Vec::with_capacity(8 + header.len() + offset);
@@ -136,11 +137,11 @@ fn serialize(
 
 /// Reads the metadata of the checkpoint at `path`.
 pub fn read_info(path: &Path) -> Result<(CheckpointInfo, Vec<u8>)> {
-    let data = std::fs::read(path).map_err(|e| NnError::Io {
+    let data = std::fs::read(path).map_err(|e| ExecError::Io {
         path: path.to_path_buf(),
         source: e,
     })?;
-    let bad = |m: String| NnError::Checkpoint(format!("{}: {m}", path.display()));
+    let bad = |m: String| ExecError::Checkpoint(format!("{}: {m}", path.display()));
     let (_, header) = safetensors::SafeTensors::read_metadata(&data)
         .map_err(|e| bad(format!("not a safetensors file: {}", locate(&e, &data))))?;
     let meta = header
@@ -199,7 +200,7 @@ pub fn load_params_with(
     model: &Model,
     options: LoadOptions,
 ) -> Result<(Params<f32>, Vec<String>)> {
-    let bad = |m: String| NnError::Checkpoint(format!("{}: {m}", path.display()));
+    let bad = |m: String| ExecError::Checkpoint(format!("{}: {m}", path.display()));
     let st = safetensors::SafeTensors::deserialize(data).map_err(|e| bad(locate(&e, data)))?;
     if !options.allow_unused {
         let mut unused: Vec<&str> = st

@@ -104,12 +104,12 @@ pub struct ModelOptions {
 
 impl ModelOptions {
     /// Refuses a dropout rate outside [0, 1) (1 would drop everything).
-    pub fn validate(&self) -> std::result::Result<(), crate::NnError> {
+    pub fn validate(&self) -> std::result::Result<(), ramus_exec::ExecError> {
         if self.dropout.is_finite() && (0.0..1.0).contains(&self.dropout) {
             return Ok(());
         }
-        Err(crate::NnError::InvalidSetting {
-            setting: crate::Setting::Dropout,
+        Err(ramus_exec::ExecError::InvalidSetting {
+            setting: ramus_exec::Setting::Dropout,
             value: self.dropout,
             expected: "in [0, 1)",
         })

@@ -25,9 +25,9 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
+use ramus_exec::{ExecError, Optimizer, OptimizerConfig, Result};
+
 use crate::checkpoint::{self, Extra};
-use crate::error::{NnError, Result};
-use crate::optim::{Optimizer, OptimizerConfig};
 use crate::train::EpochProgress;
 
 /// The metadata key of the run state.
@@ -129,7 +129,7 @@ fn extra_name(kind: &str, name: &str) -> String {
     format!("{TENSOR_PREFIX}{kind}/{name}")
 }
 
-/// Writes a resumable checkpoint (atomically, see [`crate::atomic`]):
+/// Writes a resumable checkpoint (atomically, see [`ramus_exec::atomic`]):
 /// `params` under their own names, `state`, `optimizer`'s moments and step
 /// count, and `best` (the best dev epoch's parameters, if any).
 pub fn save(
@@ -172,7 +172,7 @@ pub fn save(
         config: state.config.clone(),
         data: state.data.clone(),
     };
-    let json = serde_json::to_string(&record).map_err(|e| NnError::Checkpoint(e.to_string()))?;
+    let json = serde_json::to_string(&record).map_err(|e| ExecError::Checkpoint(e.to_string()))?;
     extra.metadata.insert(KEY_RESUME.into(), json);
     checkpoint::save_with(path, model, params, vocab, &extra)
 }
@@ -181,7 +181,7 @@ pub fn save(
 /// [`checkpoint::read_info`]), with the optimizer's step count; an error
 /// naming the file if it is no resumable checkpoint.
 pub fn read_state(path: &Path, data: &[u8]) -> Result<(RunState, u64)> {
-    let bad = |m: String| NnError::Checkpoint(format!("{}: {m}", path.display()));
+    let bad = |m: String| ExecError::Checkpoint(format!("{}: {m}", path.display()));
     let (_, header) = safetensors::SafeTensors::read_metadata(data)
         .map_err(|e| bad(format!("not a safetensors file ({e})")))?;
     let json = header
@@ -246,7 +246,7 @@ pub fn load(
     state: &RunState,
     steps: u64,
 ) -> Result<Resumed> {
-    let bad = |m: String| NnError::Checkpoint(format!("{}: {m}", path.display()));
+    let bad = |m: String| ExecError::Checkpoint(format!("{}: {m}", path.display()));
     let params = checkpoint::load_params(path, data, model)?;
     let st = safetensors::SafeTensors::deserialize(data).map_err(|e| bad(e.to_string()))?;
     let mut optimizer = Optimizer::new(config, &params);

@@ -9,14 +9,14 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use ramus_core::{Grads, HeadRows, Model, Params, Real};
-use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_cpu::CpuEngine;
+use ramus_exec::nonfinite::BatchPlace;
+use ramus_exec::{
+    Batch, Engine, ExecError, Mode, NonFiniteFault, OnNonFinite, Optimizer, OptimizerConfig,
+    Result, StepOutcome,
+};
 
-use crate::engine::{Engine, StepOutcome};
 use ramus_graph::{BatchingPolicy, InputGraph, NO_LABEL};
-
-use crate::error::{NnError, Result};
-use crate::nonfinite::{BatchPlace, NonFiniteFault, OnNonFinite};
-use crate::optim::{Optimizer, OptimizerConfig};
 
 /// Accuracy and loss over a data set.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -63,7 +63,7 @@ impl<T: Real> Trainer<T> {
     /// non-finite update back (see [`Engine::skips_nonfinite`]).
     pub fn check_nonfinite_policy(&self) -> Result<()> {
         if self.on_nonfinite == OnNonFinite::SkipBatch && !self.engine.skips_nonfinite() {
-            return Err(NnError::Config(format!(
+            return Err(ExecError::Config(format!(
                 "--on-nonfinite skip-batch: the {} engine applies each update inside its \
                  training kernel and cannot skip a batch; use --on-nonfinite stop or another engine",
                 self.engine.name()
@@ -73,7 +73,7 @@ impl<T: Real> Trainer<T> {
     }
 
     /// Forward, backward and one optimizer step on `graphs`; returns the
-    /// loss, or [`NnError::NonFinite`] for a step not applied (its loss or
+    /// loss, or [`ExecError::NonFinite`] for a step not applied (its loss or
     /// a gradient was not finite). On a device engine `self.params` lags
     /// until [`Trainer::sync_params`] (which [`Trainer::train_epoch`] calls
     /// at the end of each epoch).
@@ -97,7 +97,7 @@ impl<T: Real> Trainer<T> {
     /// graphs_done, loss)` is called after each batch. Returns the mean loss
     /// of the batches applied. A batch whose loss or a gradient is not
     /// finite is never applied: it stops the epoch with
-    /// [`NnError::NonFinite`] naming the batch, or with
+    /// [`ExecError::NonFinite`] naming the batch, or with
     /// [`OnNonFinite::SkipBatch`] counts in [`Trainer::skipped`].
     pub fn train_epoch(
         &mut self,
@@ -145,7 +145,7 @@ impl<T: Real> Trainer<T> {
         mut progress: impl FnMut(usize, usize, f64),
     ) -> Result<SpanEnd> {
         if span.batch_size == 0 {
-            return Err(NnError::Config("batch size must be at least 1".into()));
+            return Err(ExecError::Config("batch size must be at least 1".into()));
         }
         self.check_nonfinite_policy()?;
         let chunks: Vec<&[usize]> = span.order.chunks(span.batch_size).collect();
@@ -174,7 +174,7 @@ impl<T: Real> Trainer<T> {
                 .par_iter()
                 .with_max_len(1)
                 .map(build)
-                .collect::<ramus_cpu::Result<Vec<Batch>>>()?;
+                .collect::<Result<Vec<Batch>>>()?;
             in_flight.extend(
                 group
                     .iter()
@@ -243,7 +243,7 @@ impl<T: Real> Trainer<T> {
                         .get(first)
                         .map_or_else(String::new, |g| g.describe(first)),
                 };
-                return Err(NnError::NonFinite(Box::new(NonFiniteFault {
+                return Err(ExecError::NonFinite(Box::new(NonFiniteFault {
                     step,
                     place: Some(place),
                 })));

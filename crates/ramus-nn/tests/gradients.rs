@@ -5,7 +5,8 @@
 //! policy against the Cavs policy.
 
 use ramus_core::{Grads, Params};
-use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_cpu::CpuEngine;
+use ramus_exec::{Batch, Mode};
 use ramus_graph::sequence::{pyramid, tagger_graph, WordInput};
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{

@@ -7,7 +7,8 @@
 use ramus_core::lower::{lower, CellProgram, ScalarExpr, VertexInputs};
 use ramus_core::{HeadRows, Model, Params};
 use ramus_cpu::compiled::CpuCompiledEngine;
-use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_cpu::CpuEngine;
+use ramus_exec::{Batch, Mode};
 use ramus_graph::random::{grid_dag, random_chain, random_path, random_tree};
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{build_model_with, build_mvrnn, ModelConfig, ModelOptions};

@@ -1,4 +1,4 @@
-//! `ramus_nn::memory`'s estimate against what training really allocates:
+//! `ramus_exec::memory`'s estimate against what training really allocates:
 //! a counting allocator records the peak of live heap bytes while a
 //! Tree-LSTM is set up, trained for an epoch and evaluated, and the
 //! estimate must lie within a small factor of it (this file holds one
@@ -8,9 +8,10 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use ramus_core::Params;
+use ramus_exec::memory::{packed_weight_bytes, training_state, ActivationCost, Pass};
+use ramus_exec::{OptimizerConfig, OptimizerKind};
 use ramus_graph::{ptb, synthetic, VocabMode};
-use ramus_nn::memory::{packed_weight_bytes, training_state, ActivationCost, Pass};
-use ramus_nn::{build_model, ModelConfig, OptimizerConfig, OptimizerKind, Trainer};
+use ramus_nn::{build_model, ModelConfig, Trainer};
 
 /// The system allocator, counting live bytes and their peak.
 struct Counting;

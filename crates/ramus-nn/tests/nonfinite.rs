@@ -7,12 +7,12 @@
 use rand::seq::SliceRandom;
 
 use ramus_core::Params;
+use ramus_exec::nonfinite::first_nonfinite;
+use ramus_exec::{ExecError, OnNonFinite, OptimizerConfig, OptimizerKind, Setting, TensorPart};
 use ramus_graph::testing::{images_with_nan_pixel, SMALL_IMAGES};
 use ramus_graph::{ptb, synthetic, InputGraph, VocabMode};
-use ramus_nn::nonfinite::first_nonfinite;
 use ramus_nn::{
-    build_model, build_vision_model, ImageShape, ModelConfig, ModelOptions, NnError, OnNonFinite,
-    OptimizerConfig, OptimizerKind, Setting, TensorPart, Trainer, VisionConfig,
+    build_model, build_vision_model, ImageShape, ModelConfig, ModelOptions, Trainer, VisionConfig,
 };
 
 const BATCH: usize = 10;
@@ -167,7 +167,7 @@ fn skip_batch_leaves_parameters_and_optimizer_state_bit_for_bit_and_trains_on() 
         t.train_batch(&graphs(clean)).unwrap();
         let (params, optimizer) = (bits(&t.params), t.optimizer.clone());
         let err = t.train_batch(&graphs(bad)).unwrap_err();
-        assert!(matches!(err, NnError::NonFinite(_)), "{err}");
+        assert!(matches!(err, ExecError::NonFinite(_)), "{err}");
         assert_eq!(bits(&t.params), params, "clip {clip:?}: parameters moved");
         assert_eq!(
             t.optimizer, optimizer,
@@ -316,7 +316,7 @@ fn hyper_parameters_no_one_can_mean_are_refused_naming_the_setting() {
     ];
     for (config, setting, named) in cases {
         match config.validate() {
-            Err(e @ NnError::InvalidSetting { setting: s, .. }) => {
+            Err(e @ ExecError::InvalidSetting { setting: s, .. }) => {
                 assert_eq!(s, setting, "{config:?}");
                 assert!(e.to_string().contains(named), "{e}");
             }
@@ -341,10 +341,11 @@ fn hyper_parameters_no_one_can_mean_are_refused_naming_the_setting() {
 #[test]
 #[ignore]
 fn nonfinite_check_cost_per_batch() {
-    use ramus_cpu::{Batch, CpuEngine, Mode};
+    use ramus_cpu::CpuEngine;
+    use ramus_exec::nonfinite::gradients_finite;
+    use ramus_exec::{Batch, Mode};
+    use ramus_exec::{Engine, Optimizer};
     use ramus_graph::BatchingPolicy;
-    use ramus_nn::nonfinite::gradients_finite;
-    use ramus_nn::{Engine, Optimizer};
     use std::time::Instant;
 
     let (data, vocab) = treebank(3000);

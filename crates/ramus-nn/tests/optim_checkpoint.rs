@@ -2,10 +2,12 @@
 //! and checkpoint round trips and mismatches.
 
 use ramus_core::{Grads, Params};
-use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_cpu::CpuEngine;
+use ramus_exec::{Batch, Mode};
+use ramus_exec::{Optimizer, OptimizerConfig, OptimizerKind};
 use ramus_graph::{BatchingPolicy, InputGraph, Vocab};
 use ramus_nn::checkpoint;
-use ramus_nn::{build_model, ModelConfig, Optimizer, OptimizerConfig, OptimizerKind};
+use ramus_nn::{build_model, ModelConfig};
 
 fn setup() -> (ramus_core::Model, Params<f64>, Grads<f64>) {
     let model = build_model(

@@ -3,12 +3,11 @@
 //! (parameters, optimizer moments and steps, dropout stream, epoch loss).
 
 use ramus_core::Params;
+use ramus_exec::{OptimizerConfig, OptimizerKind};
 use ramus_graph::{ptb, synthetic, InputGraph, Vocab, VocabMode};
 use ramus_nn::resume::{self, Best, RunState};
 use ramus_nn::train::{shuffled_order, EpochProgress, Pauses, Span, SpanEnd};
-use ramus_nn::{
-    build_model_with, ModelConfig, ModelOptions, OptimizerConfig, OptimizerKind, Trainer,
-};
+use ramus_nn::{build_model_with, ModelConfig, ModelOptions, Trainer};
 
 fn treebank() -> (Vec<InputGraph>, Vocab) {
     let tb = synthetic::generate(7, (60, 1, 1));

@@ -8,13 +8,14 @@
 
 use ramus_core::ops::NormGeom;
 use ramus_core::{Init, Model, ModelBuilder, ParamKind, Params};
-use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_cpu::CpuEngine;
+use ramus_exec::{Batch, Mode};
+use ramus_exec::{Engine, Optimizer, OptimizerConfig, OptimizerKind};
 use ramus_graph::images::{self, ImageSpec};
 use ramus_graph::{BatchingPolicy, InputGraph, Vocab};
 use ramus_nn::vision::BN_EPS;
 use ramus_nn::{
-    build_vision_model, checkpoint, Engine, ImageShape, ModelConfig, ModelOptions, Optimizer,
-    OptimizerConfig, OptimizerKind, VisionConfig,
+    build_vision_model, checkpoint, ImageShape, ModelConfig, ModelOptions, VisionConfig,
 };
 
 const C: usize = 3;

@@ -9,13 +9,15 @@ mod common;
 
 use ramus_core::model::FunctionSelector;
 use ramus_core::{Model, Params};
-use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_cpu::CpuEngine;
+use ramus_exec::{Batch, Mode};
+use ramus_exec::{OptimizerConfig, OptimizerKind};
 use ramus_graph::sequence::{pyramid, tagger_graph, tagger_kinds, WordInput};
 use ramus_graph::tagged::{parse_tagged, read_tagged, split_tagged, TaggedVocab, RARE_BELOW};
 use ramus_graph::{ptb, synthetic, BatchingPolicy, InputGraph, Vocab, VocabMode};
 use ramus_nn::{
-    build_model, build_sequence_model, EvalResult, ModelConfig, ModelOptions, OptimizerConfig,
-    OptimizerKind, SequenceConfig, Trainer,
+    build_model, build_sequence_model, EvalResult, ModelConfig, ModelOptions, SequenceConfig,
+    Trainer,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;

@@ -12,7 +12,9 @@ use std::sync::Arc;
 
 use ramus_core::{Arity, Model, Params, VertexRules};
 use ramus_cpu::compiled::CpuCompiledEngine;
-use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_cpu::CpuEngine;
+use ramus_exec::{Batch, Mode};
+use ramus_exec::{OptimizerConfig, OptimizerKind};
 use ramus_graph::binarize::{binarize, Side};
 use ramus_graph::sequence::{pyramid_of_tree, tagger_graph, tagger_kinds, WordInput};
 use ramus_graph::tagged::{read_tagged, TaggedVocab, RARE_BELOW};
@@ -22,7 +24,7 @@ use ramus_graph::{
 };
 use ramus_nn::{
     build_model, build_sequence_model, data_kind, DataKind, ModelConfig, ModelOptions,
-    OptimizerConfig, OptimizerKind, SequenceConfig, Trainer, MODEL_NAMES,
+    SequenceConfig, Trainer, MODEL_NAMES,
 };
 
 const CFG: ModelConfig = ModelConfig {

@@ -2,7 +2,8 @@
 //! without them, for every model, and tables follow parameter updates.
 
 use ramus_core::Params;
-use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_cpu::CpuEngine;
+use ramus_exec::{Batch, Mode};
 use ramus_graph::sequence::{pyramid_of_tree, tagger_graph, WordInput};
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{

@@ -12,7 +12,8 @@
 use std::path::PathBuf;
 
 use ramus_core::{Grads, Params, Tensor};
-use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_cpu::CpuEngine;
+use ramus_exec::{Batch, Mode};
 use ramus_graph::{ptb, BatchingPolicy, InputGraph, Vocab, VocabMode};
 use ramus_nn::{build_model, ModelConfig};
 use serde_json::Value;

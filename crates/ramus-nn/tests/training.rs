@@ -2,8 +2,9 @@
 //! loss falls, and the binary Tree-LSTM reaches a stated accuracy.
 
 use ramus_core::Params;
+use ramus_exec::{OptimizerConfig, OptimizerKind};
 use ramus_graph::{ptb, synthetic, text, InputGraph, Vocab, VocabMode};
-use ramus_nn::{build_model, ModelConfig, OptimizerConfig, OptimizerKind, Trainer};
+use ramus_nn::{build_model, ModelConfig, Trainer};
 
 fn treebank(train: usize, dev: usize) -> (Vec<InputGraph>, Vec<InputGraph>, Vocab) {
     let tb = synthetic::generate(7, (train, dev, 1));
@@ -145,10 +146,10 @@ fn lstm_language_model_loss_falls() {
 /// CPU engine underneath, steps run in order.
 struct WindowedCpu {
     inner: ramus_cpu::CpuEngine<f32>,
-    held: Vec<ramus_nn::StepOutcome>,
+    held: Vec<ramus_exec::StepOutcome>,
 }
 
-impl ramus_nn::Engine<f32> for WindowedCpu {
+impl ramus_exec::Engine<f32> for WindowedCpu {
     fn name(&self) -> &'static str {
         "windowed-cpu"
     }
@@ -156,23 +157,23 @@ impl ramus_nn::Engine<f32> for WindowedCpu {
         &mut self,
         model: &ramus_core::Model,
         params: &Params<f32>,
-        batch: &ramus_cpu::Batch<'_>,
-        mode: ramus_cpu::Mode,
+        batch: &ramus_exec::Batch<'_>,
+        mode: ramus_exec::Mode,
         rows: ramus_core::HeadRows,
-    ) -> ramus_nn::Result<ramus_cpu::ForwardOutput<f32>> {
-        ramus_nn::Engine::forward_rows(&mut self.inner, model, params, batch, mode, rows)
+    ) -> ramus_exec::Result<ramus_exec::ForwardOutput<f32>> {
+        ramus_exec::Engine::forward_rows(&mut self.inner, model, params, batch, mode, rows)
     }
     fn backward(
         &mut self,
         model: &ramus_core::Model,
         params: &Params<f32>,
-        batch: &ramus_cpu::Batch<'_>,
+        batch: &ramus_exec::Batch<'_>,
         grads: &mut ramus_core::Grads<f32>,
-    ) -> ramus_nn::Result<()> {
-        ramus_nn::Engine::backward(&mut self.inner, model, params, batch, grads)
+    ) -> ramus_exec::Result<()> {
+        ramus_exec::Engine::backward(&mut self.inner, model, params, batch, grads)
     }
     fn set_seed(&mut self, seed: u64) {
-        ramus_nn::Engine::<f32>::set_seed(&mut self.inner, seed);
+        ramus_exec::Engine::<f32>::set_seed(&mut self.inner, seed);
     }
     fn dropout_rng(&self) -> rand_chacha::ChaCha8Rng {
         self.inner.dropout_rng().clone()
@@ -188,18 +189,18 @@ impl ramus_nn::Engine<f32> for WindowedCpu {
         model: &ramus_core::Model,
         params: &mut Params<f32>,
         grads: &mut ramus_core::Grads<f32>,
-        optimizer: &mut ramus_nn::Optimizer<f32>,
-        batches: &[ramus_cpu::Batch<'_>],
-    ) -> ramus_nn::Result<Vec<ramus_nn::StepOutcome>> {
+        optimizer: &mut ramus_exec::Optimizer<f32>,
+        batches: &[ramus_exec::Batch<'_>],
+    ) -> ramus_exec::Result<Vec<ramus_exec::StepOutcome>> {
         assert!(batches.len() <= 3, "a window of {} batches", batches.len());
         let mut now = Vec::new();
         for b in batches {
             let step = self.train_step(model, params, grads, optimizer, b);
-            now.push(ramus_nn::step_outcome(step)?);
+            now.push(ramus_exec::step_outcome(step)?);
         }
         Ok(std::mem::replace(&mut self.held, now))
     }
-    fn finish_train_steps(&mut self) -> ramus_nn::Result<Vec<ramus_nn::StepOutcome>> {
+    fn finish_train_steps(&mut self) -> ramus_exec::Result<Vec<ramus_exec::StepOutcome>> {
         Ok(std::mem::take(&mut self.held))
     }
 }

@@ -7,13 +7,15 @@
 use std::time::Instant;
 
 use ramus_core::{Grads, Init, Params};
-use ramus_cpu::{Batch, CpuEngine, Mode};
+use ramus_cpu::CpuEngine;
+use ramus_exec::{Batch, Mode};
+use ramus_exec::{OptimizerConfig, OptimizerKind};
 use ramus_graph::images::{self, ImageSpec};
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::vision::{parse_blocks, VISION_MODELS};
 use ramus_nn::{
     build_model, build_vision_model, data_kind, DataKind, ImageShape, ModelConfig, ModelOptions,
-    OptimizerConfig, OptimizerKind, Trainer, VisionConfig,
+    Trainer, VisionConfig,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;

@@ -13,6 +13,10 @@ pub const ENGINE_CRATES: &[&str] = &["ramus-cpu", "ramus-cuda"];
 /// The training crate (trainer, checkpoints, models). Engines must not depend on it.
 pub const TRAINING_CRATES: &[&str] = &["ramus-nn"];
 
+/// The backend-neutral execution layer (batches, the engine contract, optimizers,
+/// errors) every engine builds on. It depends on no engine and not on the trainer.
+pub const EXEC_CRATES: &[&str] = &["ramus-exec"];
+
 /// What one workspace crate depends on among the others.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct CrateDeps {
@@ -84,16 +88,19 @@ fn collect(table: Option<&Item>, members: &BTreeSet<String>, into: &mut BTreeSet
 }
 
 /// Edges that break the layering, as `from -> to`: an engine crate depending (normal or
-/// build) on another engine crate or on the training crate.
+/// build) on another engine crate or on the training crate, or the execution layer
+/// depending on any engine or on the training crate.
 pub fn forbidden_edges(deps: &[CrateDeps]) -> Vec<String> {
     let mut out = Vec::new();
-    for d in deps
-        .iter()
-        .filter(|d| ENGINE_CRATES.contains(&d.name.as_str()))
-    {
+    for d in deps.iter() {
+        let from = d.name.as_str();
+        let is_engine = ENGINE_CRATES.contains(&from);
+        if !is_engine && !EXEC_CRATES.contains(&from) {
+            continue;
+        }
         for to in d.normal.iter().chain(&d.build) {
-            let other_engine = ENGINE_CRATES.contains(&to.as_str()) && *to != d.name;
-            if other_engine || TRAINING_CRATES.contains(&to.as_str()) {
+            let engine = ENGINE_CRATES.contains(&to.as_str()) && *to != d.name;
+            if engine || TRAINING_CRATES.contains(&to.as_str()) {
                 out.push(format!("{} -> {to}", d.name));
             }
         }

@@ -249,7 +249,7 @@ fn a_missing_module_file_and_a_parse_error_name_the_file_and_line() {
 }
 
 #[test]
-fn an_engine_crate_depending_on_another_engine_or_the_trainer_breaks_the_layering() {
+fn an_engine_or_the_execution_layer_depending_on_an_engine_or_the_trainer_breaks_the_layering() {
     let manifest = |name: &str, deps: &str| {
         (
             format!("crates/{name}/Cargo.toml"),
@@ -261,6 +261,7 @@ fn an_engine_crate_depending_on_another_engine_or_the_trainer_breaks_the_layerin
         manifest("ramus-nn", "ramus-core.workspace = true\n"),
         manifest("ramus-cpu", "ramus-core.workspace = true\n\n[dev-dependencies]\nramus-nn.workspace = true\n"),
         manifest("ramus-cuda", "ramus-core = { path = \"../ramus-core\" }\ncpu = { package = \"ramus-cpu\", path = \"../ramus-cpu\" }\n\n[target.'cfg(unix)'.dependencies]\nramus-nn.workspace = true\n"),
+        manifest("ramus-exec", "ramus-core.workspace = true\nramus-cpu.workspace = true\nramus-nn.workspace = true\n\n[dev-dependencies]\nramus-cuda.workspace = true\n"),
     ];
     let deps = workspace_deps(&manifests).unwrap_or_else(|e| panic!("{e}"));
     let cuda = &deps[3];
@@ -269,10 +270,17 @@ fn an_engine_crate_depending_on_another_engine_or_the_trainer_breaks_the_layerin
         ["ramus-core", "ramus-cpu", "ramus-nn"]
     );
     assert_eq!(deps[0].normal.len(), 0, "serde is not a workspace crate");
-    // ramus-cpu's dev-dependency on the trainer is allowed (tests may train).
+    // ramus-cpu's dev-dependency on the trainer is allowed (tests may train), and so
+    // is the execution layer's on an engine; its normal ones on an engine or the
+    // trainer are not.
     assert_eq!(
         forbidden_edges(&deps),
-        ["ramus-cuda -> ramus-cpu", "ramus-cuda -> ramus-nn"]
+        [
+            "ramus-cuda -> ramus-cpu",
+            "ramus-cuda -> ramus-nn",
+            "ramus-exec -> ramus-cpu",
+            "ramus-exec -> ramus-nn"
+        ]
     );
 }
 

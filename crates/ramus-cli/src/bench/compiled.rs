@@ -12,7 +12,7 @@ use super::{run_anchor, samples, AnyResult, BenchArgs};
 use crate::device::Device;
 use crate::limits::Inference;
 use crate::output::outln;
-use ramus_nn::memory::{DeviceNeed, Pass};
+use ramus_exec::memory::{DeviceNeed, Pass};
 
 /// The recursion steps of the ablation on top of the best schedule
 /// `base` (Cortex Fig. 11(b), (c)): refactoring (where the model has
@@ -161,8 +161,9 @@ fn compare_with_batched(
         let bs = line["batch"].as_u64().unwrap_or(1) as usize;
         let batch: Vec<&InputGraph> = trees[..bs].iter().collect();
         let times = samples(a.reps, || {
-            let b = ramus_cpu::Batch::new(model, batch.clone(), ramus_graph::BatchingPolicy::Cavs)?;
-            engine.forward(model, params, &b, ramus_cpu::Mode::Infer)?;
+            let b =
+                ramus_exec::Batch::new(model, batch.clone(), ramus_graph::BatchingPolicy::Cavs)?;
+            engine.forward(model, params, &b, ramus_exec::Mode::Infer)?;
             Ok(())
         })?;
         let batched_ms = percentile_ms(&times, 50.0);

@@ -4,17 +4,17 @@
 //! `--anchor`).
 
 use ramus_core::{Grads, Model, Params};
-use ramus_cpu::Batch;
 use ramus_cuda::persistent::{prepared_ahead, PersistentEngine, PersistentOptions, PersistentStep};
+use ramus_exec::Batch;
+use ramus_exec::{Engine, Optimizer, OptimizerConfig, OptimizerKind};
 use ramus_graph::{BatchingPolicy, InputGraph};
-use ramus_nn::{Engine, Optimizer, OptimizerConfig, OptimizerKind};
 
 use super::{median_time, run_anchor, AnyResult, BenchArgs};
 
 use crate::device::{cuda_engine, Device};
 use crate::limits::Inference;
 use crate::output::outln;
-use ramus_nn::memory::{DeviceNeed, Pass};
+use ramus_exec::memory::{DeviceNeed, Pass};
 
 pub fn run(
     a: &BenchArgs,
@@ -101,11 +101,11 @@ pub fn run(
             let b = Batch::new(model, batch.clone(), BatchingPolicy::Cavs)?;
             let earlier =
                 batched.submit_train_step(model, &mut batched_params, &mut grads, &mut opt, &b)?;
-            earlier.transpose().map_err(ramus_nn::NnError::from)?;
+            earlier.transpose().map_err(ramus_exec::ExecError::from)?;
             Ok(())
         })?;
         for outcome in batched.finish_train_steps()? {
-            outcome.map_err(ramus_nn::NnError::from)?;
+            outcome.map_err(ramus_exec::ExecError::from)?;
         }
         let step = last.ok_or("no step ran")?;
         let per_s = |t: f64| ((bs as f64 / t) * 10.0).round() / 10.0;

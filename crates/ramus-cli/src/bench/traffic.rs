@@ -8,10 +8,10 @@
 //! batch) for the persistent one.
 
 use ramus_core::{Grads, Model, Params};
-use ramus_cpu::Batch;
 use ramus_cuda::CudaDevice;
+use ramus_exec::Batch;
+use ramus_exec::{Engine, Optimizer, OptimizerConfig, OptimizerKind};
 use ramus_graph::{BatchingPolicy, InputGraph};
-use ramus_nn::{Engine, Optimizer, OptimizerConfig, OptimizerKind};
 
 use super::{persistent::tuned_engine, AnyResult, BenchArgs};
 use crate::device::{cuda_engine, Device};

@@ -272,7 +272,7 @@ const _: () = assert!(TRACE_AT > super::schedule::MAX_BARRIERS);
 pub const KERNEL_NAME: &str = "vpps_train";
 
 /// The optimizer the kernel applies at [`OP_UPDATE`] (the rules of
-/// `ramus_nn::Optimizer`: SGD and Adagrad add `weight_decay · w` to the
+/// `ramus_exec::Optimizer`: SGD and Adagrad add `weight_decay · w` to the
 /// gradient, Adam decays decoupled).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum UpdateRule {

@@ -13,7 +13,7 @@ use ramus_core::Params;
 use ramus_graph::LinearBatch;
 
 use super::err;
-use crate::error::Result;
+use ramus_exec::Result;
 
 /// A block of rows (`rows × width`, row-major), or one row broadcast to
 /// every row (a parameter, a constant).

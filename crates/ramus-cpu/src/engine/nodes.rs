@@ -11,7 +11,7 @@ use ramus_core::ops::{update_running_stats, BatchNorm};
 use ramus_core::{CoreError, Grads, Params, Real};
 use ramus_graph::FunctionRows;
 
-use crate::error::{EngineError, Result};
+use ramus_exec::{ExecError, Result};
 
 use super::{Arena, Packs, Range};
 
@@ -48,7 +48,7 @@ pub(super) fn source<'a, T: Real>(
     match g.nodes[n].kind {
         NodeKind::Input(Source::Forward(m)) => {
             let fwd = fwd.ok_or_else(|| {
-                EngineError::Input("forward value requested outside a backward graph".into())
+                ExecError::Input("forward value requested outside a backward graph".into())
             })?;
             Ok((fwd, m))
         }
@@ -219,16 +219,14 @@ pub(super) fn run_node<T: Real>(
             edge_parent,
             packed_b: packed_key.and_then(|key| packs.get(&key)),
         };
-        T::run_kernel(op.as_ref(), &mut ctx).map_err(EngineError::from)
+        T::run_kernel(op.as_ref(), &mut ctx).map_err(ExecError::from)
     })();
     own.vals[n] = out;
     result.map_err(|e| match e {
-        EngineError::Core(CoreError::Kernel { op, message }) => {
-            EngineError::Core(CoreError::Kernel {
-                op,
-                message: format!("{message} (node %{n})"),
-            })
-        }
+        ExecError::Core(CoreError::Kernel { op, message }) => ExecError::Core(CoreError::Kernel {
+            op,
+            message: format!("{message} (node %{n})"),
+        }),
         e => e,
     })
 }
@@ -254,7 +252,7 @@ pub(super) fn running_stat_updates<T: Real>(
         };
         let (NodeKind::Param(pm), NodeKind::Param(pv)) = (&g.nodes[mean].kind, &g.nodes[var].kind)
         else {
-            return Err(EngineError::Input(format!(
+            return Err(ExecError::Input(format!(
                 "batch normalisation's running statistics (nodes %{mean}, %{var}) must be parameters"
             )));
         };
@@ -266,13 +264,13 @@ pub(super) fn running_stat_updates<T: Real>(
                 .values
                 .get(p)
                 .map(|t| t.data().to_vec())
-                .ok_or_else(|| EngineError::Input(format!("no parameter {p}")))
+                .ok_or_else(|| ExecError::Input(format!("no parameter {p}")))
         };
         let (mut m, mut v) = (current(*pm)?, current(*pv)?);
         let values = resolve_floats(g, x, arena, None)?;
         let used = rows * norm.channels * norm.spatial;
         let values = values.get(..used).ok_or_else(|| {
-            EngineError::Input(format!(
+            ExecError::Input(format!(
                 "batch normalisation input %{x} holds {} values, expected {used}",
                 values.len()
             ))
@@ -307,7 +305,7 @@ pub(super) fn accumulate_param_grads<T: Real>(
                 let rows = grads.values[p].shape().first().copied().unwrap_or(0);
                 for (r, &i) in index.iter().enumerate() {
                     if i as usize >= rows {
-                        return Err(EngineError::Input(format!(
+                        return Err(ExecError::Input(format!(
                             "row index {i} out of range for a parameter of {rows} rows"
                         )));
                     }

@@ -7,8 +7,8 @@
 use ramus_core::lower::CellProgram;
 use ramus_core::recursion::{lower_scheduled, Backend, LoweredFunction, RecursionSchedule};
 use ramus_core::Model;
+use ramus_exec::memory::{ActivationCost, BatchExtra, CostTerms, DeviceNeed, Pass, ELEMENT_BYTES};
 use ramus_graph::{InputGraph, LinearBatch};
-use ramus_nn::memory::{ActivationCost, BatchExtra, CostTerms, DeviceNeed, Pass, ELEMENT_BYTES};
 
 use super::{CompiledOptions, CompiledSchedule, COUNTERS_MAX_UNITS};
 use std::sync::Arc;

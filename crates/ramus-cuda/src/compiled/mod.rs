@@ -35,7 +35,7 @@ use crate::error::{CudaError, InCall, Result};
 use crate::memory::{device_room, local_memory_bytes, model_fits, run_check, DeviceCheck};
 use crate::pinned::{MappedBuffer, PinnedBuffer};
 use memory::{Cells, CounterPair};
-use ramus_nn::memory::DeviceRoom;
+use ramus_exec::memory::DeviceRoom;
 
 mod memory;
 use crate::pool::{Arena, DevicePool, DeviceView, PoolBuffer, PoolConfig};

@@ -5,7 +5,7 @@
 
 use ramus_core::graph::{Graph, NodeKind, Role, Source};
 use ramus_core::{Grads, Model, Params};
-use ramus_cpu::{Batch, Range};
+use ramus_exec::{Batch, Range};
 use ramus_graph::Schedule;
 
 use crate::error::Result;

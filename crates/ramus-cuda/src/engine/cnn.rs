@@ -37,7 +37,7 @@ use ramus_core::ops::{
     Conv2d, Conv2dBackwardInput, Conv2dBackwardWeight, Conv2dGeom, GlobalAvgPool,
     GlobalAvgPoolBackward, MaxPool2d, MaxPool2dBackward, NormGeom,
 };
-use ramus_cpu::Range;
+use ramus_exec::Range;
 
 use super::{model_err, Buf, CudaEngine, Lane};
 use crate::blas::{Gemm, StridedBatch};

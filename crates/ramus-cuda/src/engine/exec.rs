@@ -13,7 +13,7 @@ use ramus_core::ops::{
     BroadcastRows, Concat, Embedding, EmbeddingUnk, EmbeddingUnkBackward, ExpandChildren, MatMul,
     Pad, Reshape, RowMatMul, Slice, SoftmaxXent, SoftmaxXentBackward, SumChildren, SumRows,
 };
-use ramus_cpu::Range;
+use ramus_exec::Range;
 use ramus_graph::Schedule;
 
 use crate::blas::Gemm;

@@ -7,9 +7,9 @@
 //! step late and the check costs no host round trip of its own.
 
 use ramus_core::Model;
-use ramus_cpu::Range;
-use ramus_nn::nonfinite::{first_nonfinite_value, NonFiniteParam, TensorPart};
-use ramus_nn::{NonFiniteStep, StepOutcome};
+use ramus_exec::nonfinite::{first_nonfinite_value, NonFiniteParam, TensorPart};
+use ramus_exec::Range;
+use ramus_exec::{NonFiniteStep, StepOutcome};
 
 use super::CudaEngine;
 use crate::error::Result;

@@ -2,7 +2,7 @@
 //! plain and swap paths share the fused optimizer), for resumable
 //! checkpoints.
 
-use ramus_nn::Optimizer;
+use ramus_exec::Optimizer;
 
 use super::CudaEngine;
 use crate::error::Result;

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use cudarc::driver::{CudaEvent, CudaStream};
 
 use ramus_core::{HeadRows, Model, Params};
-use ramus_cpu::{fill_dropout_mask, Batch, ForwardOutput, Mode};
-use ramus_nn::{OptimizerConfig, StepOutcome};
+use ramus_exec::{fill_dropout_mask, Batch, ForwardOutput, Mode};
+use ramus_exec::{OptimizerConfig, StepOutcome};
 use ramus_swap::{
     analyze, CostModel, ExecOptions, Executor, Policy, PrefetchTiming, SwapPlan, TensorId,
 };

@@ -1,15 +1,15 @@
 //! Training on the device: the fused optimizer over the engine's
 //! parameter buffers, a step's forward, backward and update without the
 //! host, the parameters brought back on demand; and the engine as a
-//! [`ramus_nn::Engine`].
+//! [`ramus_exec::Engine`].
 
 use rand_chacha::ChaCha8Rng;
 
 use ramus_core::graph::Role;
 use ramus_core::{Grads, HeadRows, Model, Params};
-use ramus_cpu::{Batch, ForwardOutput, Mode};
+use ramus_exec::{Batch, ForwardOutput, Mode};
+use ramus_exec::{Optimizer, OptimizerConfig, StepOutcome};
 use ramus_graph::Schedule;
-use ramus_nn::{Optimizer, OptimizerConfig, StepOutcome};
 
 use crate::error::{CudaError, Result};
 use crate::optimizer::{DeviceOptimizer, GradLayout, ParamSlot};
@@ -195,7 +195,7 @@ impl CudaEngine {
     }
 }
 
-impl ramus_nn::Engine<f32> for CudaEngine {
+impl ramus_exec::Engine<f32> for CudaEngine {
     fn name(&self) -> &'static str {
         "cuda-batched"
     }
@@ -206,7 +206,7 @@ impl ramus_nn::Engine<f32> for CudaEngine {
         batch: &Batch<'_>,
         mode: Mode,
         rows: HeadRows,
-    ) -> ramus_nn::Result<ForwardOutput<f32>> {
+    ) -> ramus_exec::Result<ForwardOutput<f32>> {
         Ok(self.forward_pass(model, params, batch, mode, rows)?)
     }
     fn backward(
@@ -215,7 +215,7 @@ impl ramus_nn::Engine<f32> for CudaEngine {
         params: &Params<f32>,
         batch: &Batch<'_>,
         grads: &mut Grads<f32>,
-    ) -> ramus_nn::Result<()> {
+    ) -> ramus_exec::Result<()> {
         Ok(self.backward_pass(model, params, batch, grads)?)
     }
     fn set_seed(&mut self, seed: u64) {
@@ -227,10 +227,10 @@ impl ramus_nn::Engine<f32> for CudaEngine {
     fn set_dropout_rng(&mut self, rng: ChaCha8Rng) {
         self.rng = rng;
     }
-    fn sync_host_optimizer(&mut self, optimizer: &mut Optimizer<f32>) -> ramus_nn::Result<()> {
+    fn sync_host_optimizer(&mut self, optimizer: &mut Optimizer<f32>) -> ramus_exec::Result<()> {
         Ok(self.download_optimizer(optimizer)?)
     }
-    fn load_optimizer_state(&mut self, optimizer: &Optimizer<f32>) -> ramus_nn::Result<()> {
+    fn load_optimizer_state(&mut self, optimizer: &Optimizer<f32>) -> ramus_exec::Result<()> {
         Ok(self.upload_optimizer(optimizer)?)
     }
     fn memory_report(&self) -> Option<String> {
@@ -239,11 +239,11 @@ impl ramus_nn::Engine<f32> for CudaEngine {
     fn device_memory_room(&self) -> Option<u64> {
         self.memory_room().ok()
     }
-    fn sync_host_params(&mut self, params: &mut Params<f32>) -> ramus_nn::Result<()> {
+    fn sync_host_params(&mut self, params: &mut Params<f32>) -> ramus_exec::Result<()> {
         Ok(self.download_params(params)?)
     }
     /// One step, waiting for its own outcome (a non-finite step is
-    /// [`ramus_nn::NnError::NonFinite`]); the trainer's loop submits steps
+    /// [`ramus_exec::ExecError::NonFinite`]); the trainer's loop submits steps
     /// instead, learning each outcome with the next step's loss.
     fn train_step(
         &mut self,
@@ -252,7 +252,7 @@ impl ramus_nn::Engine<f32> for CudaEngine {
         _grads: &mut Grads<f32>,
         optimizer: &mut Optimizer<f32>,
         batch: &Batch<'_>,
-    ) -> ramus_nn::Result<f64> {
+    ) -> ramus_exec::Result<f64> {
         // a step submitted before and not yet settled is settled first
         if let Some(Err(step)) = self.settle_step()? {
             return Err(step.into());
@@ -270,16 +270,16 @@ impl ramus_nn::Engine<f32> for CudaEngine {
         _grads: &mut Grads<f32>,
         optimizer: &mut Optimizer<f32>,
         batch: &Batch<'_>,
-    ) -> ramus_nn::Result<Option<StepOutcome>> {
+    ) -> ramus_exec::Result<Option<StepOutcome>> {
         Ok(self.device_train_step(model, params, &optimizer.config, batch)?)
     }
-    fn finish_train_steps(&mut self) -> ramus_nn::Result<Vec<StepOutcome>> {
+    fn finish_train_steps(&mut self) -> ramus_exec::Result<Vec<StepOutcome>> {
         Ok(self.settle_step()?.into_iter().collect())
     }
 }
 
-impl From<CudaError> for ramus_nn::NnError {
+impl From<CudaError> for ramus_exec::ExecError {
     fn from(e: CudaError) -> Self {
-        ramus_nn::NnError::Device(e.to_string())
+        ramus_exec::ExecError::Device(e.to_string())
     }
 }

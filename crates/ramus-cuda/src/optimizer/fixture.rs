@@ -3,11 +3,11 @@
 //! `tests/common/mod.rs`): a small tree model with two embedding tables
 //! between dense parameters, each step's gradients and touched rows, and
 //! the host reference's view of them. Only public items of `ramus_core`
-//! and `ramus_nn` are used, so that both kinds of test can include it.
+//! and `ramus_exec` are used, so that both kinds of test can include it.
 
 use ramus_core::model::{FunctionSelector, HeadRows, Init, ModelBuilder};
 use ramus_core::{Grads, Model, Params, Tensor};
-use ramus_nn::{OptimizerConfig, OptimizerKind};
+use ramus_exec::{OptimizerConfig, OptimizerKind};
 
 /// Deterministic values in [-1, 1).
 pub fn values(len: usize, seed: u64) -> Vec<f32> {

@@ -1,8 +1,8 @@
 //! Tests of the device optimizer: layouts, and the generated kernels run
-//! as C++ on the host against `ramus_nn::Optimizer`, bit for bit.
+//! as C++ on the host against `ramus_exec::Optimizer`, bit for bit.
 
 use ramus_core::{Model, Params};
-use ramus_nn::Optimizer;
+use ramus_exec::Optimizer;
 
 use super::fixture::*;
 use super::host::*;
@@ -335,7 +335,7 @@ fn test_shapes(model: &Model) -> Vec<(usize, Option<usize>)> {
 }
 
 /// Runs `configs` for [`STEPS`] steps through the generated kernels on
-/// the host and through `ramus_nn::Optimizer`, and compares every
+/// the host and through `ramus_exec::Optimizer`, and compares every
 /// parameter after every step, bit for bit.
 fn compare_with_host(configs: &[OptimizerConfig]) {
     let model = test_model();
@@ -608,11 +608,11 @@ fn poison(step: u64) -> Poison {
 /// The generated kernels against the host reference over poisoned steps:
 /// a step whose loss or a touched gradient is not finite changes no value
 /// and no moment, raises the skip flag and names, through the reported
-/// key, the parameter `ramus_nn`'s check names first; the step count the
+/// key, the parameter `ramus_exec`'s check names first; the step count the
 /// update is given (the host's applied steps) keeps both sides equal after.
 #[test]
 fn a_nonfinite_step_changes_nothing() {
-    use ramus_nn::nonfinite::first_nonfinite;
+    use ramus_exec::nonfinite::first_nonfinite;
     let model = test_model();
     let shapes = test_shapes(&model);
     let total: usize = shapes.iter().map(|s| s.0).sum();

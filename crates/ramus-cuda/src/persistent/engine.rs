@@ -46,9 +46,9 @@ use ramus_core::vpps::{
     plan, valid_rpws, DeviceLimits, PlanRequest, RegisterPlan, Schedule as Scripts, Scheduler,
 };
 use ramus_core::{Model, Params, Tensor};
+use ramus_exec::memory::DeviceRoom;
+use ramus_exec::{OptimizerConfig, OptimizerKind};
 use ramus_graph::{BatchingPolicy, InputGraph, Schedule};
-use ramus_nn::memory::DeviceRoom;
-use ramus_nn::{OptimizerConfig, OptimizerKind};
 
 mod resume;
 mod sizes;
@@ -344,7 +344,7 @@ fn schedule_graphs(model: &Model, graphs: &[&InputGraph]) -> Result<Schedule> {
         return Err(model_err("an empty batch"));
     }
     Ok(
-        ramus_cpu::Batch::new(model, graphs.to_vec(), BatchingPolicy::Cavs)
+        ramus_exec::Batch::new(model, graphs.to_vec(), BatchingPolicy::Cavs)
             .map_err(|e| model_err(format!("scheduling the batch: {e}")))?
             .schedule,
     )
@@ -1544,7 +1544,7 @@ impl PersistentEngine {
         if let Some(file) = &self.build.choice_file {
             // a failed write only costs the next run its search; a whole
             // one or none, never a torn one the next run would misread
-            let _ = ramus_nn::atomic::write_atomic(file, text.as_bytes());
+            let _ = ramus_exec::atomic::write_atomic(file, text.as_bytes());
         }
     }
 
@@ -1844,11 +1844,11 @@ fn start_compiles(
 /// exit).
 fn check_opened(
     device: &Arc<CudaDevice>,
-    need: &mut ramus_nn::memory::DeviceNeed,
+    need: &mut ramus_exec::memory::DeviceNeed,
     early: &mut Option<EarlyCompiles>,
     check: DeviceCheck<'_>,
     budget: Option<u64>,
-) -> Result<(ramus_nn::memory::Fitted, Option<(LoadedModule, Instant)>)> {
+) -> Result<(ramus_exec::memory::Fitted, Option<(LoadedModule, Instant)>)> {
     let bridge = match early.as_mut().and_then(|e| e.bridge.take()) {
         Some((image, at)) => {
             let module = LoadedModule::load(device.context(), &image, &[KERNEL_NAME])?;

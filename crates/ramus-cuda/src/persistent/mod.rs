@@ -48,7 +48,7 @@ pub struct MatrixSlots {
     pub gradient: usize,
 }
 
-/// The optimizer's scalars for one step (see `ramus_nn::Optimizer::step`).
+/// The optimizer's scalars for one step (see `ramus_exec::Optimizer::step`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct UpdateScalars {
     pub lr: f32,

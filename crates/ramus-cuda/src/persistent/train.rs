@@ -12,16 +12,16 @@
 //! whose value is not finite (read back then).
 
 use ramus_core::{Grads, Model, Params};
-use ramus_cpu::{Batch, ForwardOutput, Mode};
-use ramus_nn::nonfinite::first_nonfinite;
-use ramus_nn::{Engine, NnError, NonFiniteStep, Optimizer, OptimizerConfig, StepOutcome};
+use ramus_exec::nonfinite::first_nonfinite;
+use ramus_exec::{Batch, ForwardOutput, Mode};
+use ramus_exec::{Engine, ExecError, NonFiniteStep, Optimizer, OptimizerConfig, StepOutcome};
 use rand_chacha::ChaCha8Rng;
 
 use super::{PersistentEngine, PersistentOptions};
 use crate::engine::{CudaEngine, CudaEngineOptions};
 use crate::error::Result;
 use crate::memory::{block_bytes, model_fits, DeviceCheck};
-use ramus_nn::memory::{ActivationCost, DeviceNeed, Pass};
+use ramus_exec::memory::{ActivationCost, DeviceNeed, Pass};
 
 /// Batches the trainer hands the persistent engine at once: prepared in
 /// parallel, one per core (2 to 16), while the device runs the window
@@ -56,8 +56,8 @@ fn evaluation_parts(model: &Model) -> [(&'static str, u64); 2] {
     ]
 }
 
-fn nn_err(e: crate::error::CudaError) -> NnError {
-    NnError::Config(e.to_string())
+fn exec_err(e: crate::error::CudaError) -> ExecError {
+    ExecError::Config(e.to_string())
 }
 
 impl PersistentTrainer {
@@ -117,11 +117,11 @@ impl PersistentTrainer {
     /// The outcome of a step that came back: a non-finite loss or update
     /// names the first parameter whose value is not finite (the parameters
     /// are read back, after the batches in flight).
-    fn outcome(&mut self, step: &super::PersistentStep) -> ramus_nn::Result<StepOutcome> {
+    fn outcome(&mut self, step: &super::PersistentStep) -> ramus_exec::Result<StepOutcome> {
         if step.loss.is_finite() && !step.nonfinite {
             return Ok(Ok(step.loss));
         }
-        let params = self.engine.params(&self.model).map_err(nn_err)?;
+        let params = self.engine.params(&self.model).map_err(exec_err)?;
         Ok(Err(NonFiniteStep {
             loss: step.loss,
             param: first_nonfinite(&self.model, &params, None),
@@ -131,7 +131,7 @@ impl PersistentTrainer {
     fn outcomes(
         &mut self,
         steps: Vec<super::PersistentStep>,
-    ) -> ramus_nn::Result<Vec<StepOutcome>> {
+    ) -> ramus_exec::Result<Vec<StepOutcome>> {
         steps.iter().map(|s| self.outcome(s)).collect()
     }
 }
@@ -148,7 +148,7 @@ impl Engine<f32> for PersistentTrainer {
         batch: &Batch<'_>,
         mode: Mode,
         rows: ramus_core::HeadRows,
-    ) -> ramus_nn::Result<ForwardOutput<f32>> {
+    ) -> ramus_exec::Result<ForwardOutput<f32>> {
         self.eval.forward_rows(model, params, batch, mode, rows)
     }
 
@@ -158,7 +158,7 @@ impl Engine<f32> for PersistentTrainer {
         params: &Params<f32>,
         batch: &Batch<'_>,
         grads: &mut Grads<f32>,
-    ) -> ramus_nn::Result<()> {
+    ) -> ramus_exec::Result<()> {
         self.eval.backward(model, params, batch, grads)
     }
 
@@ -176,22 +176,22 @@ impl Engine<f32> for PersistentTrainer {
         Engine::<f32>::set_dropout_rng(&mut self.eval, rng);
     }
 
-    fn sync_host_optimizer(&mut self, optimizer: &mut Optimizer<f32>) -> ramus_nn::Result<()> {
-        self.engine.download_optimizer(optimizer).map_err(nn_err)
+    fn sync_host_optimizer(&mut self, optimizer: &mut Optimizer<f32>) -> ramus_exec::Result<()> {
+        self.engine.download_optimizer(optimizer).map_err(exec_err)
     }
 
-    fn load_optimizer_state(&mut self, optimizer: &Optimizer<f32>) -> ramus_nn::Result<()> {
-        self.engine.upload_optimizer(optimizer).map_err(nn_err)
+    fn load_optimizer_state(&mut self, optimizer: &Optimizer<f32>) -> ramus_exec::Result<()> {
+        self.engine.upload_optimizer(optimizer).map_err(exec_err)
     }
 
     fn device_memory_room(&self) -> Option<u64> {
         self.eval.memory_room().ok()
     }
 
-    fn sync_host_params(&mut self, params: &mut Params<f32>) -> ramus_nn::Result<()> {
+    fn sync_host_params(&mut self, params: &mut Params<f32>) -> ramus_exec::Result<()> {
         // the batches still in flight update the parameters first
-        self.engine.latest().map_err(nn_err)?;
-        *params = self.engine.params(&self.model).map_err(nn_err)?;
+        self.engine.latest().map_err(exec_err)?;
+        *params = self.engine.params(&self.model).map_err(exec_err)?;
         Ok(())
     }
 
@@ -202,14 +202,14 @@ impl Engine<f32> for PersistentTrainer {
         grads: &mut Grads<f32>,
         optimizer: &mut Optimizer<f32>,
         batch: &Batch<'_>,
-    ) -> ramus_nn::Result<f64> {
+    ) -> ramus_exec::Result<f64> {
         // a step still in flight is from an earlier call: its loss is dropped
         self.submit_train_step(model, params, grads, optimizer, batch)?;
         let step = self
             .engine
             .latest()
-            .map_err(nn_err)?
-            .ok_or_else(|| NnError::Config("the persistent step returned no loss".into()))?;
+            .map_err(exec_err)?
+            .ok_or_else(|| ExecError::Config("the persistent step returned no loss".into()))?;
         self.outcome(&step)?.map_err(Into::into)
     }
 
@@ -224,11 +224,11 @@ impl Engine<f32> for PersistentTrainer {
         _grads: &mut Grads<f32>,
         _optimizer: &mut Optimizer<f32>,
         batch: &Batch<'_>,
-    ) -> ramus_nn::Result<Option<StepOutcome>> {
+    ) -> ramus_exec::Result<Option<StepOutcome>> {
         let previous = self
             .engine
             .submit_scheduled(model, &batch.schedule, std::time::Instant::now())
-            .map_err(nn_err)?;
+            .map_err(exec_err)?;
         previous.map(|s| self.outcome(&s)).transpose()
     }
 
@@ -243,17 +243,17 @@ impl Engine<f32> for PersistentTrainer {
         _grads: &mut Grads<f32>,
         _optimizer: &mut Optimizer<f32>,
         batches: &[Batch<'_>],
-    ) -> ramus_nn::Result<Vec<StepOutcome>> {
+    ) -> ramus_exec::Result<Vec<StepOutcome>> {
         let schedules: Vec<&ramus_graph::Schedule> = batches.iter().map(|b| &b.schedule).collect();
         let steps = self
             .engine
             .submit_many_scheduled(model, &schedules, std::time::Instant::now())
-            .map_err(nn_err)?;
+            .map_err(exec_err)?;
         self.outcomes(steps)
     }
 
-    fn finish_train_steps(&mut self) -> ramus_nn::Result<Vec<StepOutcome>> {
-        let steps = self.engine.finish().map_err(nn_err)?;
+    fn finish_train_steps(&mut self) -> ramus_exec::Result<Vec<StepOutcome>> {
+        let steps = self.engine.finish().map_err(exec_err)?;
         self.outcomes(steps)
     }
 }

@@ -46,7 +46,7 @@ use ramus_core::vpps::kernel::{
 };
 use ramus_core::vpps::{Placement, Task, TaskGraph, OP_HOST};
 use ramus_core::Model;
-use ramus_cpu::fill_dropout_mask;
+use ramus_exec::fill_dropout_mask;
 use ramus_graph::{Schedule, NO_LABEL};
 
 use super::program::{graph_keys, GraphKey, ParamLayout, PersistentProgram};
@@ -1860,7 +1860,7 @@ mod tests {
         let model = build_model_with(name, &cfg, &ModelOptions { dropout }).expect("model");
         let prog = PersistentProgram::build(&model).expect("program");
         let refs: Vec<&InputGraph> = graphs.iter().collect();
-        let s = ramus_cpu::Batch::new(&model, refs, ramus_graph::BatchingPolicy::Cavs)
+        let s = ramus_exec::Batch::new(&model, refs, ramus_graph::BatchingPolicy::Cavs)
             .expect("schedule")
             .schedule;
         let mut rng = ChaCha8Rng::seed_from_u64(1);
@@ -1912,7 +1912,7 @@ mod tests {
                 let model =
                     build_model_with(name, &cfg, &ModelOptions { dropout: 0.0 }).expect("model");
                 let prog = PersistentProgram::build(&model).expect("program");
-                let s = ramus_cpu::Batch::new(&model, refs.clone(), BatchingPolicy::Cavs)
+                let s = ramus_exec::Batch::new(&model, refs.clone(), BatchingPolicy::Cavs)
                     .expect("schedule")
                     .schedule;
                 let mut masks = ChaCha8Rng::seed_from_u64(1);
@@ -2123,7 +2123,7 @@ mod tests {
                     .map(|_| random_tree(&mut trees, 7, &[2], 30, 5).expect("tree"))
                     .collect();
                 let refs: Vec<&InputGraph> = graphs.iter().collect();
-                ramus_cpu::Batch::new(&model, refs, ramus_graph::BatchingPolicy::Cavs)
+                ramus_exec::Batch::new(&model, refs, ramus_graph::BatchingPolicy::Cavs)
                     .expect("schedule")
                     .schedule
             })
@@ -2167,7 +2167,7 @@ mod tests {
         let b = g.push_vertex(&[], 42, -1).expect("leaf");
         g.push_vertex(&[a, b], 0, 1).expect("root");
         let refs = vec![&g];
-        let s = ramus_cpu::Batch::new(&model, refs, ramus_graph::BatchingPolicy::Cavs)
+        let s = ramus_exec::Batch::new(&model, refs, ramus_graph::BatchingPolicy::Cavs)
             .expect("schedule")
             .schedule;
         match unroll_batch(&model, &prog, &s, true, 6, usize::MAX, &mut rng) {
@@ -2294,7 +2294,7 @@ mod timing {
             for _ in 0..reps {
                 let a = std::time::Instant::now();
                 let s =
-                    ramus_cpu::Batch::new(&model, refs.clone(), ramus_graph::BatchingPolicy::Cavs)
+                    ramus_exec::Batch::new(&model, refs.clone(), ramus_graph::BatchingPolicy::Cavs)
                         .expect("schedule")
                         .schedule;
                 let b = std::time::Instant::now();

@@ -76,8 +76,8 @@ use std::fmt;
 use std::str::FromStr;
 
 use ramus_core::Model;
-use ramus_cpu::Batch;
-use ramus_nn::OptimizerKind;
+use ramus_exec::Batch;
+use ramus_exec::OptimizerKind;
 use ramus_swap::{
     AutoVmPlanner, CostModel, ExecReport, Layout, NoBudgetPlanner, Planner, PlannerConfig, Policy,
     PrefetchTiming, SwapPlan, TensorKind, Trace,

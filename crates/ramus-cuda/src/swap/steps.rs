@@ -41,8 +41,8 @@ use std::collections::{HashMap, HashSet};
 
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, Role, Source, Space};
 use ramus_core::{HeadRows, Model};
+use ramus_exec::OptimizerKind;
 use ramus_graph::Schedule;
-use ramus_nn::OptimizerKind;
 use ramus_swap::{Phase, TensorId, TensorKind, Trace, TraceBuilder};
 
 use crate::engine::cnn_workspace_floats;
@@ -171,8 +171,8 @@ pub(crate) struct Piece {
 }
 
 impl Piece {
-    pub(crate) fn range(&self) -> ramus_cpu::Range {
-        ramus_cpu::Range {
+    pub(crate) fn range(&self) -> ramus_exec::Range {
+        ramus_exec::Range {
             r0: self.r0,
             r1: self.r1,
             e0: self.e0,
@@ -197,8 +197,8 @@ pub(crate) struct Segment {
 }
 
 impl Segment {
-    pub(crate) fn range(&self) -> ramus_cpu::Range {
-        ramus_cpu::Range {
+    pub(crate) fn range(&self) -> ramus_exec::Range {
+        ramus_exec::Range {
             r0: self.r0,
             r1: self.r1,
             e0: self.e0,

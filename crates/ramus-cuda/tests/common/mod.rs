@@ -6,10 +6,10 @@
 use std::sync::Arc;
 
 use ramus_core::{Grads, Model, Params};
-use ramus_cpu::{Batch, Mode};
 use ramus_cuda::{CudaDevice, CudaEngine};
+use ramus_exec::Engine;
+use ramus_exec::{Batch, Mode};
 use ramus_graph::{BatchingPolicy, InputGraph};
-use ramus_nn::Engine;
 
 /// Whether a CUDA driver is usable here; otherwise prints
 /// `"{skip}: no CUDA driver: …"` and returns `false`.

@@ -11,8 +11,8 @@ use cudarc::driver::CudaEvent;
 
 use ramus_core::graph::{DType, NodeId, NodeKind, Role, Source};
 use ramus_core::Model;
-use ramus_cpu::{Batch, Range};
-use ramus_nn::OptimizerConfig;
+use ramus_exec::OptimizerConfig;
+use ramus_exec::{Batch, Range};
 use ramus_swap::{SwapDevice, TensorId};
 
 use super::{swap_err, Mem, Profile, Slot, SwapRuntime};
@@ -337,7 +337,7 @@ impl CudaSwapDevice<'_> {
         let pw = g.nodes[node].ty.width();
         let explicit = engine.pull_values.is_some();
         let values = engine.pull_values.as_deref().unwrap_or(&s.features);
-        let values = ramus_cpu::pulled_values(values, s, pw, &func.name, explicit)
+        let values = ramus_exec::pulled_values(values, s, pw, &func.name, explicit)
             .map_err(|e| model_err(e.to_string()))?;
         let fr = &s.functions[f];
         let span = self.rows_of(f, rows)?;

@@ -3,7 +3,7 @@
 //! in the pool), its step count and the dropout stream.
 
 use ramus_core::Tensor;
-use ramus_nn::Optimizer;
+use ramus_exec::Optimizer;
 use rand_chacha::ChaCha8Rng;
 
 use super::{model_err, PersistentEngine};

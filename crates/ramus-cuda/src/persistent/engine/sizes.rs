@@ -26,8 +26,8 @@ use rayon::prelude::*;
 use ramus_core::graph::{NodeKind, Role, Source, Space};
 use ramus_core::vpps::{plan, split_launches, RegisterPlan, Schedule as Scripts, Scheduler};
 use ramus_core::Model;
+use ramus_exec::memory::{ActivationCost, BatchExtra, CostTerms, DeviceNeed, Pass, ELEMENT_BYTES};
 use ramus_graph::InputGraph;
-use ramus_nn::memory::{ActivationCost, BatchExtra, CostTerms, DeviceNeed, Pass, ELEMENT_BYTES};
 
 use super::{
     schedule_graphs, variant_scheduler, LaunchScripts, VariantBuild, VariantChoice, TRACE_AT,

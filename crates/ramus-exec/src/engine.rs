@@ -1,12 +1,13 @@
-//! The engine interface the training and evaluation loops drive. The CPU
-//! batched engine implements it here; device engines (CUDA) implement it in
-//! their own crates, so a [`crate::Trainer`] runs on whichever it is given.
+//! The engine interface the training and evaluation loops drive. Each engine
+//! crate implements it for its engines (the CPU batched engine in
+//! `ramus-cpu`, the CUDA engines in `ramus-cuda`), so `ramus-nn`'s trainer
+//! runs on whichever it is given.
 
 use ramus_core::{Grads, HeadRows, Model, Params, Real};
-use ramus_cpu::{Batch, CpuEngine, ForwardOutput, Mode};
 use rand_chacha::ChaCha8Rng;
 
-use crate::error::{NnError, Result};
+use crate::batch::{Batch, ForwardOutput, Mode};
+use crate::error::{ExecError, Result};
 use crate::nonfinite::{first_nonfinite, NonFiniteStep};
 use crate::optim::Optimizer;
 
@@ -19,7 +20,7 @@ pub type StepOutcome = std::result::Result<f64, NonFiniteStep>;
 pub fn step_outcome(result: Result<f64>) -> Result<StepOutcome> {
     match result {
         Ok(loss) => Ok(Ok(loss)),
-        Err(NnError::NonFinite(fault)) => Ok(Err(fault.step)),
+        Err(ExecError::NonFinite(fault)) => Ok(Err(fault.step)),
         Err(e) => Err(e),
     }
 }
@@ -124,7 +125,7 @@ pub trait Engine<T: Real> {
     /// Forward, backward and one optimizer step; returns the loss. A step
     /// whose loss or a gradient is not finite is not applied (parameters,
     /// running statistics and optimizer state stay as they were) and is
-    /// [`NnError::NonFinite`], naming the first non-finite parameter.
+    /// [`ExecError::NonFinite`], naming the first non-finite parameter.
     /// Engines that keep parameters on a device override this to update
     /// them there (see [`Engine::sync_host_params`]).
     fn train_step(
@@ -140,7 +141,7 @@ pub trait Engine<T: Real> {
         self.backward(model, params, batch, grads)?;
         let loss = out
             .loss
-            .ok_or_else(|| NnError::Config("forward pass returned no loss".into()))?;
+            .ok_or_else(|| ExecError::Config("forward pass returned no loss".into()))?;
         // the running statistics this pass computed are dropped with its update
         if !loss.is_finite() || !optimizer.step_if_finite(params, grads) {
             return Err(NonFiniteStep {
@@ -208,45 +209,5 @@ pub trait Engine<T: Real> {
     /// returned yet, in submission order.
     fn finish_train_steps(&mut self) -> Result<Vec<StepOutcome>> {
         Ok(Vec::new())
-    }
-}
-
-impl<T: Real> Engine<T> for CpuEngine<T> {
-    fn name(&self) -> &'static str {
-        "cpu-batched"
-    }
-    fn forward_rows(
-        &mut self,
-        model: &Model,
-        params: &Params<T>,
-        batch: &Batch<'_>,
-        mode: Mode,
-        rows: HeadRows,
-    ) -> Result<ForwardOutput<T>> {
-        Ok(CpuEngine::forward_rows(
-            self, model, params, batch, mode, rows,
-        )?)
-    }
-    fn backward(
-        &mut self,
-        model: &Model,
-        params: &Params<T>,
-        batch: &Batch<'_>,
-        grads: &mut Grads<T>,
-    ) -> Result<()> {
-        Ok(CpuEngine::backward(self, model, params, batch, grads)?)
-    }
-    fn set_seed(&mut self, seed: u64) {
-        CpuEngine::set_seed(self, seed)
-    }
-    fn dropout_rng(&self) -> ChaCha8Rng {
-        CpuEngine::dropout_rng(self).clone()
-    }
-    fn set_dropout_rng(&mut self, rng: ChaCha8Rng) {
-        CpuEngine::set_dropout_rng(self, rng)
-    }
-    fn apply_running_stats(&mut self, params: &mut Params<T>) -> Result<()> {
-        CpuEngine::apply_running_stats(self, params)?;
-        Ok(())
     }
 }

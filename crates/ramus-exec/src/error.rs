@@ -1,15 +1,19 @@
-//! Errors of the model, training and checkpoint layer.
+//! The one error type of engines and training: engines return it, and the
+//! training crate (`ramus-nn`) reuses it for its models, trainer and
+//! checkpoints, so an engine's error reaches the command unchanged.
 
 use std::path::PathBuf;
 
+/// Why running or training a model failed.
 #[derive(Debug, thiserror::Error)]
-pub enum NnError {
+pub enum ExecError {
     #[error(transparent)]
     Core(#[from] ramus_core::CoreError),
     #[error(transparent)]
     Graph(#[from] ramus_graph::GraphError),
-    #[error(transparent)]
-    Engine(#[from] ramus_cpu::EngineError),
+    /// Inconsistent inputs for this model and batch.
+    #[error("bad input: {0}")]
+    Input(String),
     #[error("checkpoint: {0}")]
     Checkpoint(String),
     #[error("cannot access {path}: {source}")]
@@ -62,23 +66,23 @@ impl std::fmt::Display for Setting {
     }
 }
 
-impl NnError {
+impl ExecError {
     /// The non-finite step this error reports, if it is one.
     pub fn nonfinite(&self) -> Option<&crate::nonfinite::NonFiniteFault> {
         match self {
-            NnError::NonFinite(f) => Some(f),
+            ExecError::NonFinite(f) => Some(f),
             _ => None,
         }
     }
 }
 
-impl From<crate::nonfinite::NonFiniteStep> for NnError {
+impl From<crate::nonfinite::NonFiniteStep> for ExecError {
     fn from(step: crate::nonfinite::NonFiniteStep) -> Self {
-        NnError::NonFinite(Box::new(crate::nonfinite::NonFiniteFault {
+        ExecError::NonFinite(Box::new(crate::nonfinite::NonFiniteFault {
             step,
             place: None,
         }))
     }
 }
 
-pub type Result<T, E = NnError> = std::result::Result<T, E>;
+pub type Result<T, E = ExecError> = std::result::Result<T, E>;

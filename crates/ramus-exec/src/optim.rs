@@ -5,7 +5,7 @@
 
 use ramus_core::{Grads, Params, Real, Tensor};
 
-use crate::error::{NnError, Result, Setting};
+use crate::error::{ExecError, Result, Setting};
 use crate::nonfinite::gradients_finite;
 
 /// Which update rule.
@@ -72,7 +72,7 @@ impl OptimizerConfig {
             if ok {
                 Ok(())
             } else {
-                Err(NnError::InvalidSetting {
+                Err(ExecError::InvalidSetting {
                     setting,
                     value,
                     expected,
