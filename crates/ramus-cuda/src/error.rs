@@ -79,7 +79,7 @@ pub enum CudaError {
     /// The swap path could not carry out an iteration (names the op, the
     /// tensor and the budget, or the plan action).
     #[error(transparent)]
-    Swap(#[from] ramus_swap::ExecError),
+    Swap(#[from] ramus_swap::ExecutorError),
 }
 
 impl From<ramus_core::CoreError> for CudaError {

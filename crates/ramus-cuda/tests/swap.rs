@@ -31,7 +31,7 @@ use ramus_nn::{
     build_model_with, build_vision_model, ImageShape, ModelConfig, ModelOptions, VisionConfig,
 };
 use ramus_swap::{
-    analyze, Action, AutoVmPlanner, CostModel, ExecError, ExecOptions, Executor, LruPlanner,
+    analyze, Action, AutoVmPlanner, CostModel, ExecOptions, Executor, ExecutorError, LruPlanner,
     Planner, PlannerConfig, PrefetchTiming, SimDevice, SwapPlan, TensorKind, Trace,
 };
 use rand::SeedableRng;
@@ -251,7 +251,7 @@ fn execute(
     plan: &SwapPlan,
     budget: u64,
     latency: usize,
-) -> Result<ramus_swap::ExecReport, ExecError> {
+) -> Result<ramus_swap::ExecReport, ExecutorError> {
     let ex = Executor::new(trace, Some(plan), ExecOptions::planned(Some(budget)))?;
     let mut dev = SimDevice::new(trace, Some(budget)).with_latency(latency);
     let r = ex.run(&mut dev)?;
@@ -355,7 +355,7 @@ fn a_broken_plan_of_a_real_trace_is_rejected() {
     let e = execute(&trace, &plan, budget, 1).unwrap_err();
     let msg = e.to_string();
     assert!(
-        matches!(e, ExecError::NotResident { op, .. } if op == needed_by_op),
+        matches!(e, ExecutorError::NotResident { op, .. } if op == needed_by_op),
         "{msg}"
     );
     assert!(msg.contains(&trace.tensor(tensor).name), "{msg}");

@@ -3,7 +3,7 @@
 //! This module sits below everything that returns these errors: it builds
 //! on the trace (ids, names, sizes) and nothing else of the crate, so no
 //! module that returns an error is imported by it. The executor's
-//! [`ExecError`](crate::ExecError) lives with the [`SwapDevice`](crate::SwapDevice)
+//! [`ExecutorError`](crate::ExecutorError) lives with the [`SwapDevice`](crate::SwapDevice)
 //! contract it is part of; the trace's own [`TraceError`] with the trace.
 
 use crate::cost::human_bytes;

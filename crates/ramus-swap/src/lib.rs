@@ -93,7 +93,7 @@ pub use analysis::{analyze, Analysis, ReuseGap, TensorLiveness};
 pub use baseline::{LruPlanner, NoBudgetPlanner};
 pub use cost::{human_bytes, human_seconds, CostModel};
 pub use error::{LayoutError, PlanError, SimError};
-pub use exec::{ExecError, ExecOptions, ExecReport, Executor, SwapDevice};
+pub use exec::{ExecOptions, ExecReport, Executor, ExecutorError, SwapDevice};
 pub use offset_allocator::{aligned_size, Allocation, OffsetAllocator, ALIGNMENT};
 pub use plan::{Action, Block, Layout, OffloadDecision, Policy, Prediction, SwapPlan};
 pub use planner::{

@@ -9,7 +9,7 @@
 //! before op `k` (or after op `k - 1`) completes once
 //! [`SimDevice::latency_ops`] more ops have been queued, or when waited
 //! for, and each copy stream completes in issue order. The device reports
-//! [`ExecError::Device`] naming the op and the tensor when
+//! [`ExecutorError::Device`] naming the op and the tensor when
 //!
 //! * an op reads a tensor with no device memory, whose memory holds no data
 //!   or stale data (an older version than the last one written), or whose
@@ -47,7 +47,7 @@
 
 use std::collections::VecDeque;
 
-use crate::exec::{ExecError, SwapDevice};
+use crate::exec::{ExecutorError, SwapDevice};
 use crate::offset_allocator::OffsetAllocator;
 use crate::trace::{TensorId, Trace};
 use serde::{Deserialize, Serialize};
@@ -209,25 +209,27 @@ impl<'t> SimDevice<'t> {
         trace: &'t Trace,
         budget: u64,
         fixed_bytes: u64,
-    ) -> Result<SimDevice<'t>, ExecError> {
+    ) -> Result<SimDevice<'t>, ExecutorError> {
         let mut dev = SimDevice::new(trace, Some(budget));
         let mut chunk = OffsetAllocator::new(budget);
         let mut offset = vec![None; trace.num_tensors()];
         for (t, info) in trace.tensors().iter().enumerate() {
             if info.kind.is_persistent() {
-                let block = chunk.alloc(info.bytes).ok_or_else(|| ExecError::Device {
-                    op: None,
-                    message: format!(
-                        "the persistent tensors do not fit a pool of {budget} bytes \
+                let block = chunk
+                    .alloc(info.bytes)
+                    .ok_or_else(|| ExecutorError::Device {
+                        op: None,
+                        message: format!(
+                            "the persistent tensors do not fit a pool of {budget} bytes \
                          (t{t} `{}`)",
-                        info.name
-                    ),
-                })?;
+                            info.name
+                        ),
+                    })?;
                 offset[t] = Some(block.offset);
             }
         }
         if fixed_bytes > 0 && chunk.alloc(fixed_bytes).is_none() {
-            return Err(ExecError::Device {
+            return Err(ExecutorError::Device {
                 op: None,
                 message: format!(
                     "{fixed_bytes} bytes of fixed overhead do not fit a pool of {budget} bytes \
@@ -245,7 +247,7 @@ impl<'t> SimDevice<'t> {
     /// Starts another iteration of the trace on the same device: the
     /// persistent tensors' contents carry over, every other tensor starts
     /// anew, and every copy of the last iteration must have completed.
-    pub fn start_iteration(&mut self) -> Result<(), ExecError> {
+    pub fn start_iteration(&mut self) -> Result<(), ExecutorError> {
         self.advance();
         if let Some(&t) = self.d2h.front().or(self.h2d.front()) {
             return Err(self.violation(format!(
@@ -286,8 +288,8 @@ impl<'t> SimDevice<'t> {
             .is_some_and(|t| t.allocated)
     }
 
-    fn violation(&self, message: String) -> ExecError {
-        ExecError::Device {
+    fn violation(&self, message: String) -> ExecutorError {
+        ExecutorError::Device {
             op: Some(self.next_op),
             message,
         }
@@ -300,7 +302,7 @@ impl<'t> SimDevice<'t> {
         }
     }
 
-    fn tensor(&self, tensor: TensorId) -> Result<usize, ExecError> {
+    fn tensor(&self, tensor: TensorId) -> Result<usize, ExecutorError> {
         let t = tensor.index();
         if t >= self.tensors.len() {
             return Err(self.violation(format!(
@@ -354,7 +356,7 @@ impl<'t> SimDevice<'t> {
     /// Layout mode, before anything writes `t`'s memory: every offload
     /// still reading it must be ordered before the write (which then waits
     /// for it).
-    fn order_write(&mut self, t: usize, what: &str) -> Result<(), ExecError> {
+    fn order_write(&mut self, t: usize, what: &str) -> Result<(), ExecutorError> {
         let unordered = std::mem::take(&mut self.tensors[t].unordered);
         if let Some(&u) = unordered.iter().find(|&&u| self.offload_in_flight(u)) {
             return Err(self.violation(format!(
@@ -399,13 +401,13 @@ impl<'t> SimDevice<'t> {
 }
 
 impl SwapDevice for SimDevice<'_> {
-    type Error = ExecError;
+    type Error = ExecutorError;
 
     fn budget_bytes(&self) -> Option<u64> {
         self.budget
     }
 
-    fn allocate(&mut self, tensor: TensorId, bytes: u64) -> Result<bool, ExecError> {
+    fn allocate(&mut self, tensor: TensorId, bytes: u64) -> Result<bool, ExecutorError> {
         let t = self.tensor(tensor)?;
         self.advance();
         if self.tensors[t].allocated {
@@ -447,7 +449,7 @@ impl SwapDevice for SimDevice<'_> {
         Ok(true)
     }
 
-    fn release(&mut self, tensor: TensorId) -> Result<(), ExecError> {
+    fn release(&mut self, tensor: TensorId) -> Result<(), ExecutorError> {
         let t = self.tensor(tensor)?;
         self.advance();
         if !self.tensors[t].allocated {
@@ -495,7 +497,7 @@ impl SwapDevice for SimDevice<'_> {
         Ok(())
     }
 
-    fn offload(&mut self, tensor: TensorId) -> Result<(), ExecError> {
+    fn offload(&mut self, tensor: TensorId) -> Result<(), ExecutorError> {
         let t = self.tensor(tensor)?;
         self.advance();
         let Some(version) = self.tensors[t].data.filter(|_| self.tensors[t].allocated) else {
@@ -529,7 +531,7 @@ impl SwapDevice for SimDevice<'_> {
         Ok(())
     }
 
-    fn offload_complete(&mut self, tensor: TensorId) -> Result<bool, ExecError> {
+    fn offload_complete(&mut self, tensor: TensorId) -> Result<bool, ExecutorError> {
         let t = self.tensor(tensor)?;
         self.advance();
         match self.tensors[t].offload {
@@ -541,7 +543,7 @@ impl SwapDevice for SimDevice<'_> {
         }
     }
 
-    fn wait_offload(&mut self, tensor: TensorId) -> Result<(), ExecError> {
+    fn wait_offload(&mut self, tensor: TensorId) -> Result<(), ExecutorError> {
         let t = self.tensor(tensor)?;
         self.advance();
         if self.tensors[t].offload.is_none() {
@@ -563,7 +565,7 @@ impl SwapDevice for SimDevice<'_> {
         Ok(())
     }
 
-    fn prefetch(&mut self, tensor: TensorId) -> Result<(), ExecError> {
+    fn prefetch(&mut self, tensor: TensorId) -> Result<(), ExecutorError> {
         let t = self.tensor(tensor)?;
         self.advance();
         if !self.tensors[t].allocated {
@@ -616,7 +618,7 @@ impl SwapDevice for SimDevice<'_> {
         Ok(())
     }
 
-    fn await_prefetch(&mut self, tensor: TensorId) -> Result<(), ExecError> {
+    fn await_prefetch(&mut self, tensor: TensorId) -> Result<(), ExecutorError> {
         let t = self.tensor(tensor)?;
         match self.tensors[t].prefetch.as_mut() {
             Some(c) => {
@@ -638,7 +640,7 @@ impl SwapDevice for SimDevice<'_> {
         }
     }
 
-    fn wait_prefetch(&mut self, tensor: TensorId) -> Result<(), ExecError> {
+    fn wait_prefetch(&mut self, tensor: TensorId) -> Result<(), ExecutorError> {
         let t = self.tensor(tensor)?;
         self.advance();
         if self.tensors[t].prefetch.is_none() {
@@ -659,7 +661,7 @@ impl SwapDevice for SimDevice<'_> {
         Ok(())
     }
 
-    fn run_op(&mut self, op: usize) -> Result<(), ExecError> {
+    fn run_op(&mut self, op: usize) -> Result<(), ExecutorError> {
         self.advance();
         if op != self.next_op {
             return Err(self.violation(format!(
@@ -750,7 +752,7 @@ impl SwapDevice for SimDevice<'_> {
         Ok(())
     }
 
-    fn reserve_arena(&mut self, bytes: u64) -> Result<(), ExecError> {
+    fn reserve_arena(&mut self, bytes: u64) -> Result<(), ExecutorError> {
         if self.arena.is_some() {
             return Err(self.violation("an arena reserved twice".into()));
         }
@@ -758,7 +760,7 @@ impl SwapDevice for SimDevice<'_> {
             Some(pool) => match pool.chunk.alloc(bytes) {
                 Some(block) => Some(block.offset),
                 None => {
-                    return Err(ExecError::Device {
+                    return Err(ExecutorError::Device {
                         op: None,
                         message: format!(
                             "the arena of {bytes} bytes does not fit the pool ({} of {} bytes \
@@ -774,7 +776,7 @@ impl SwapDevice for SimDevice<'_> {
                 .budget
                 .is_some_and(|b| self.counts.used_bytes + bytes > b) =>
             {
-                return Err(ExecError::Device {
+                return Err(ExecutorError::Device {
                     op: None,
                     message: format!(
                         "the arena of {bytes} bytes and the {} bytes in use exceed the budget \
@@ -797,7 +799,12 @@ impl SwapDevice for SimDevice<'_> {
         Ok(())
     }
 
-    fn allocate_at(&mut self, tensor: TensorId, offset: u64, bytes: u64) -> Result<(), ExecError> {
+    fn allocate_at(
+        &mut self,
+        tensor: TensorId,
+        offset: u64,
+        bytes: u64,
+    ) -> Result<(), ExecutorError> {
         let t = self.tensor(tensor)?;
         self.advance();
         if self.tensors[t].allocated {
@@ -852,7 +859,7 @@ impl SwapDevice for SimDevice<'_> {
         Ok(())
     }
 
-    fn release_offloading(&mut self, tensor: TensorId) -> Result<(), ExecError> {
+    fn release_offloading(&mut self, tensor: TensorId) -> Result<(), ExecutorError> {
         let t = self.tensor(tensor)?;
         self.advance();
         if !self.tensors[t].allocated {
@@ -887,7 +894,7 @@ impl SwapDevice for SimDevice<'_> {
         &mut self,
         tensor: TensorId,
         previous: TensorId,
-    ) -> Result<(), ExecError> {
+    ) -> Result<(), ExecutorError> {
         let t = self.tensor(tensor)?;
         let u = self.tensor(previous)?;
         let st = &mut self.tensors[t];
@@ -896,7 +903,7 @@ impl SwapDevice for SimDevice<'_> {
         Ok(())
     }
 
-    fn release_arena(&mut self) -> Result<(), ExecError> {
+    fn release_arena(&mut self) -> Result<(), ExecutorError> {
         self.advance();
         let Some(arena) = self.arena.take() else {
             return Err(self.violation("no arena to release".into()));

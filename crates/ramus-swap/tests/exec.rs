@@ -9,7 +9,7 @@ mod common;
 
 use common::{cnn_traces, cost, peak};
 use ramus_swap::{
-    Action, AutoVmPlanner, ExecError, ExecOptions, Executor, LruPlanner, Phase, Planner,
+    Action, AutoVmPlanner, ExecOptions, Executor, ExecutorError, LruPlanner, Phase, Planner,
     PlannerConfig, PrefetchTiming, SimDevice, SwapDevice, SwapPlan, TensorId, TensorKind, Trace,
     TraceBuilder,
 };
@@ -28,7 +28,7 @@ fn run_plan(
     plan: &SwapPlan,
     budget: u64,
     latency: usize,
-) -> Result<(ramus_swap::ExecReport, ramus_swap::SimDeviceCounts), ExecError> {
+) -> Result<(ramus_swap::ExecReport, ramus_swap::SimDeviceCounts), ExecutorError> {
     let ex = Executor::new(trace, Some(plan), ExecOptions::planned(Some(budget)))?;
     let mut dev = SimDevice::new(trace, Some(budget)).with_latency(latency);
     let report = ex.run(&mut dev)?;
@@ -176,7 +176,7 @@ fn no_swapping_over_the_budget_names_the_op_tensor_and_budget() {
     let e = ex
         .run(&mut SimDevice::new(&trace, Some(budget)))
         .unwrap_err();
-    let ExecError::OutOfMemory {
+    let ExecutorError::OutOfMemory {
         budget: b,
         ref tensor_name,
         ..
@@ -224,7 +224,7 @@ fn a_plan_missing_a_prefetch_is_rejected_naming_the_op_and_tensor() {
     };
     let e = run_plan(&trace, &plan, budget, 1).unwrap_err();
     match &e {
-        ExecError::NotResident { op, tensor: t, .. } => {
+        ExecutorError::NotResident { op, tensor: t, .. } => {
             assert_eq!((*op, *t), (needed_by_op, tensor))
         }
         other => panic!("{other}"),
@@ -261,7 +261,7 @@ fn a_prefetch_before_its_offload_is_rejected() {
     }
     plan.actions.sort_by_key(|a| a.position());
     let e = run_plan(&trace, &plan, budget, 1).unwrap_err();
-    assert!(matches!(e, ExecError::InvalidAction { .. }), "{e}");
+    assert!(matches!(e, ExecutorError::InvalidAction { .. }), "{e}");
     assert!(e.to_string().contains("not on the host"), "{e}");
 }
 
@@ -271,7 +271,7 @@ fn a_plan_over_a_smaller_budget_is_rejected_naming_the_budget() {
     let smaller = budget * 9 / 10;
     let e = run_plan(&trace, &plan, smaller, 1).unwrap_err();
     match &e {
-        ExecError::OutOfMemory { budget, .. } => assert_eq!(*budget, Some(smaller)),
+        ExecutorError::OutOfMemory { budget, .. } => assert_eq!(*budget, Some(smaller)),
         other => panic!("{other}"),
     }
     assert!(e
@@ -302,7 +302,7 @@ fn plans_that_move_persistent_tensors_or_belong_elsewhere_are_refused() {
     let mut other = plan;
     other.num_ops += 1;
     let e = Executor::new(&trace, Some(&other), ExecOptions::planned(Some(budget))).unwrap_err();
-    assert!(matches!(e, ExecError::Mismatch(_)), "{e}");
+    assert!(matches!(e, ExecutorError::Mismatch(_)), "{e}");
 }
 
 #[test]

@@ -8,7 +8,7 @@ mod common;
 
 use common::{all_traces, cost, peak};
 use ramus_swap::{
-    AutoVmPlanner, Block, ExecError, ExecOptions, Executor, Layout, Phase, PlanError, Planner,
+    AutoVmPlanner, Block, ExecOptions, Executor, ExecutorError, Layout, Phase, PlanError, Planner,
     PlannerConfig, PrefetchTiming, SimDevice, SwapDevice, SwapPlan, TensorId, TensorKind, Trace,
     TraceBuilder,
 };
@@ -32,7 +32,7 @@ fn run_in_pool(
     plan: &SwapPlan,
     budget: u64,
     latency: usize,
-) -> Result<(ramus_swap::ExecReport, ramus_swap::SimDeviceCounts), ExecError> {
+) -> Result<(ramus_swap::ExecReport, ramus_swap::SimDeviceCounts), ExecutorError> {
     let ex = Executor::new(trace, Some(plan), ExecOptions::planned(plan.budget_bytes))?;
     let mut dev = SimDevice::with_pool(trace, budget, 0)?.with_latency(latency);
     let r = ex.run(&mut dev)?;
@@ -186,7 +186,7 @@ fn a_broken_layout_is_rejected_naming_the_tensors() {
     assert!(e.to_string().contains("overlap"), "{e}");
     plan.layout = Some(layout);
     let e = Executor::new(&trace, Some(&plan), ExecOptions::planned(Some(budget))).unwrap_err();
-    assert!(matches!(e, ExecError::Mismatch(_)), "{e}");
+    assert!(matches!(e, ExecutorError::Mismatch(_)), "{e}");
 
     // a block that ends before its tensor's last use
     let mut plan = planner(budget, PrefetchTiming::Earliest)

@@ -8,7 +8,7 @@ use crate::trace::TensorId;
 /// asynchronously where they can; the executor orders it.
 pub trait SwapDevice {
     /// The device's error; executor errors convert into it.
-    type Error: From<ExecError>;
+    type Error: From<ExecutorError>;
 
     /// The device's own memory limit, for error messages (`None`: none).
     fn budget_bytes(&self) -> Option<u64> {
@@ -55,7 +55,7 @@ pub trait SwapDevice {
     /// arena of `bytes` in which every tensor of the iteration is placed.
     /// A device that cannot place tensors refuses.
     fn reserve_arena(&mut self, bytes: u64) -> Result<(), Self::Error> {
-        Err(ExecError::Mismatch(format!(
+        Err(ExecutorError::Mismatch(format!(
             "the plan places its tensors in an arena of {bytes} bytes; this device cannot \
              place tensors at offsets"
         ))
@@ -73,7 +73,7 @@ pub trait SwapDevice {
         bytes: u64,
     ) -> Result<(), Self::Error> {
         let _ = (offset, bytes);
-        Err(ExecError::Mismatch(format!(
+        Err(ExecutorError::Mismatch(format!(
             "tensor {tensor} placed at an offset on a device that cannot place tensors"
         ))
         .into())
@@ -111,7 +111,7 @@ pub trait SwapDevice {
 
 /// Why the executor cannot go on.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum ExecError {
+pub enum ExecutorError {
     /// An allocation that neither the budget nor the device can hold.
     #[error(
         "op {op} `{op_name}`: tensor {tensor} `{tensor_name}` ({bytes} bytes, {}) does not fit: \

@@ -36,7 +36,7 @@
 //!   of its heap): the executor then does the same, and with a plan
 //!   ([`ExecOptions::fallback`]) evicts least-recently-used tensors as a
 //!   last resort, fetching them back on demand (counted in the report).
-//!   Otherwise it fails with [`ExecError::OutOfMemory`] naming the op, the
+//!   Otherwise it fails with [`ExecutorError::OutOfMemory`] naming the op, the
 //!   tensor and the budget.
 //!
 //! **Layout mode.** A plan with a [`Layout`](crate::Layout) fixes every
@@ -62,7 +62,7 @@
 //! never moved unless [`ExecOptions::movable`] says so.
 //!
 //! The code: `device.rs` holds the device contract ([`SwapDevice`]) and
-//! [`ExecError`]; this file checks a plan against its trace
+//! [`ExecutorError`]; this file checks a plan against its trace
 //! ([`Executor::new`]); `run.rs` runs one iteration, one method per rule.
 
 mod device;
@@ -70,7 +70,7 @@ mod run;
 
 use crate::plan::{Action, SwapPlan};
 use crate::trace::Trace;
-pub use device::{ExecError, SwapDevice};
+pub use device::{ExecutorError, SwapDevice};
 use serde::{Deserialize, Serialize};
 
 /// How the executor treats memory.
@@ -182,7 +182,7 @@ impl<'t> Executor<'t> {
         trace: &'t Trace,
         plan: Option<&'t SwapPlan>,
         options: ExecOptions,
-    ) -> Result<Executor<'t>, ExecError> {
+    ) -> Result<Executor<'t>, ExecutorError> {
         let movable = movable_flags(trace, &options)?;
         let last_use = trace.last_uses();
         let actions_at = match plan {
@@ -209,10 +209,10 @@ impl<'t> Executor<'t> {
 
 /// Per tensor, whether it may leave the device: as `options` says, or
 /// every tensor that is not persistent.
-fn movable_flags(trace: &Trace, options: &ExecOptions) -> Result<Vec<bool>, ExecError> {
+fn movable_flags(trace: &Trace, options: &ExecOptions) -> Result<Vec<bool>, ExecutorError> {
     let nt = trace.num_tensors();
     match &options.movable {
-        Some(m) if m.len() != nt => Err(ExecError::Mismatch(format!(
+        Some(m) if m.len() != nt => Err(ExecutorError::Mismatch(format!(
             "{} movable flags for {nt} tensors",
             m.len()
         ))),
@@ -232,17 +232,17 @@ fn actions_by_position(
     trace: &Trace,
     plan: &SwapPlan,
     movable: &[bool],
-) -> Result<Vec<Vec<usize>>, ExecError> {
+) -> Result<Vec<Vec<usize>>, ExecutorError> {
     let n = trace.num_ops();
     let nt = trace.num_tensors();
     if plan.num_ops != n {
-        return Err(ExecError::Mismatch(format!(
+        return Err(ExecutorError::Mismatch(format!(
             "the plan is for {} ops, the iteration has {n}",
             plan.num_ops
         )));
     }
     if let Some(&t) = plan.host_resident_at_start.first() {
-        return Err(ExecError::Mismatch(format!(
+        return Err(ExecutorError::Mismatch(format!(
             "the plan starts with persistent tensor {t} `{}` on the host; this device \
              keeps persistent tensors resident",
             trace.get_tensor(t).map_or("?", |i| i.name.as_str())
@@ -250,7 +250,7 @@ fn actions_by_position(
     }
     let mut actions_at = vec![Vec::new(); 2 * n];
     for (i, a) in plan.actions.iter().enumerate() {
-        let invalid = |message: String| ExecError::InvalidAction {
+        let invalid = |message: String| ExecutorError::InvalidAction {
             index: i,
             action: brief(a, trace),
             message,
@@ -302,13 +302,13 @@ fn actions_by_position(
 fn blocks_by_tensor(
     trace: &Trace,
     plan: Option<&SwapPlan>,
-) -> Result<Option<Vec<Vec<usize>>>, ExecError> {
+) -> Result<Option<Vec<Vec<usize>>>, ExecutorError> {
     let Some((plan, layout)) = plan.and_then(|p| p.layout.as_ref().map(|l| (p, l))) else {
         return Ok(None);
     };
     layout
         .check(trace, plan)
-        .map_err(|e| ExecError::Mismatch(e.to_string()))?;
+        .map_err(|e| ExecutorError::Mismatch(e.to_string()))?;
     let mut of = vec![Vec::new(); trace.num_tensors()];
     for (i, b) in layout.blocks.iter().enumerate() {
         of[b.tensor.index()].push(i);

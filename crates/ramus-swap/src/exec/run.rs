@@ -3,7 +3,7 @@
 //! around an op, pre-access, frees, reclaiming offloaded memory, making
 //! room (waiting, evicting, defragmenting) and placing tensors by a layout.
 
-use super::device::{ExecError, SwapDevice};
+use super::device::{ExecutorError, SwapDevice};
 use super::{brief, ExecReport, Executor};
 use crate::plan::Action;
 use crate::trace::{TensorId, Trace};
@@ -200,7 +200,7 @@ impl<D: SwapDevice> Run<'_, '_, D> {
                     }
                 }
                 other => {
-                    return Err(ExecError::NotResident {
+                    return Err(ExecutorError::NotResident {
                         op,
                         op_name: trace.ops()[op].name.clone(),
                         tensor: tid,
@@ -214,19 +214,19 @@ impl<D: SwapDevice> Run<'_, '_, D> {
         Ok(())
     }
 
-    fn action(&self, i: usize) -> Result<&Action, ExecError> {
+    fn action(&self, i: usize) -> Result<&Action, ExecutorError> {
         self.ex
             .plan
             .and_then(|p| p.actions.get(i))
-            .ok_or_else(|| ExecError::Mismatch(format!("no plan action {i}")))
+            .ok_or_else(|| ExecutorError::Mismatch(format!("no plan action {i}")))
     }
 
-    fn invalid(&self, i: usize, message: String) -> ExecError {
+    fn invalid(&self, i: usize, message: String) -> ExecutorError {
         let action = self
             .action(i)
             .map(|a| brief(a, self.trace()))
             .unwrap_or_default();
-        ExecError::InvalidAction {
+        ExecutorError::InvalidAction {
             index: i,
             action,
             message,
@@ -403,21 +403,21 @@ impl<D: SwapDevice> Run<'_, '_, D> {
     fn place(&mut self, op: usize, t: usize) -> Result<(), D::Error> {
         let ex = self.ex;
         let (Some(plan), Some(blocks_of)) = (ex.plan, ex.blocks_of.as_ref()) else {
-            return Err(ExecError::Mismatch("no layout to place tensors by".into()).into());
+            return Err(ExecutorError::Mismatch("no layout to place tensors by".into()).into());
         };
         let name = self.name(t);
         let block = blocks_of[t]
             .get(self.next_block[t])
             .and_then(|&i| plan.layout.as_ref().and_then(|l| l.blocks.get(i)))
             .ok_or_else(|| {
-                ExecError::Mismatch(format!(
+                ExecutorError::Mismatch(format!(
                     "op {op}: the layout has no block for allocation {} of t{t} `{name}`",
                     self.next_block[t] + 1
                 ))
             })?
             .clone();
         if block.from_op != op {
-            return Err(ExecError::Mismatch(format!(
+            return Err(ExecutorError::Mismatch(format!(
                 "the layout allocates t{t} `{name}` before op {}, the iteration before op {op}",
                 block.from_op
             ))
@@ -431,7 +431,7 @@ impl<D: SwapDevice> Run<'_, '_, D> {
             .collect();
         for u in overlapping {
             if self.loc[u] != Loc::Offloading {
-                return Err(ExecError::Mismatch(format!(
+                return Err(ExecutorError::Mismatch(format!(
                     "op {op} `{}`: the layout places t{t} `{name}` at bytes {start}..{end} of the \
                      arena, over t{u} `{}`, which is {}",
                     self.trace().ops()[op].name,
@@ -606,7 +606,7 @@ impl<D: SwapDevice> Run<'_, '_, D> {
                  enable swapping)"
                     .to_string()
             };
-            return Err(ExecError::OutOfMemory {
+            return Err(ExecutorError::OutOfMemory {
                 op,
                 op_name: self.trace().ops()[op].name.clone(),
                 tensor: tid,
