@@ -1637,6 +1637,72 @@ mod tests {
         }
     }
 
+    /// FNV-1a (64 bits) of a generated source: stable across Rust releases,
+    /// unlike `DefaultHasher`.
+    fn fnv1a(s: &str) -> u64 {
+        s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+    }
+
+    #[test]
+    fn generated_sources_are_byte_identical_to_the_recorded_ones() {
+        // The kernel cache is keyed on the source, and a restructuring of
+        // the generator must not change what it emits: these hashes were
+        // recorded from the generator before the VPPS modules were split
+        // (issue 31). A deliberate change to the kernel updates them.
+        let cases = "case 0: { /*fused group 0*/ } break;\n";
+        let shapes: [(usize, usize, usize, usize, Option<bool>); 4] = [
+            (1280, 256, 1, 1, None),
+            (2560, 512, 2, 2, Some(false)),
+            (4096, 512, 1, 1, Some(true)),
+            (300, 96, 1, 2, Some(false)),
+        ];
+        let mut got = Vec::new();
+        for (rows, cols, rpw, ctas, grads) in shapes {
+            let m = [MatrixSpec {
+                param: 0,
+                rows,
+                cols,
+            }];
+            let req = PlanRequest {
+                ctas_per_sm: Some(ctas),
+                grads_in_registers: grads,
+                ..PlanRequest::new(rpw)
+            };
+            let p = plan(&m, &DeviceLimits::hopper(132), &req).unwrap();
+            for (rule, trace, vector_epilogue) in [
+                (UpdateRule::Sgd, false, true),
+                (UpdateRule::Adagrad, true, false),
+                (UpdateRule::Adam, false, true),
+            ] {
+                let options = KernelOptions {
+                    rule,
+                    trace,
+                    vector_epilogue,
+                };
+                let src = kernel_source(&p, options, cases);
+                assert!(src.contains(cases));
+                got.push((src.len(), fnv1a(&src)));
+            }
+        }
+        let want: [(usize, u64); 12] = [
+            (44247, 0xd861711902002531),
+            (44247, 0xbbb64d5082d16ee6),
+            (44247, 0x1fdc016f06f5aacf),
+            (44248, 0xcfd4af43d3aabd59),
+            (44248, 0x753da5201e22cb76),
+            (44248, 0x47151f59d7f04517),
+            (44249, 0x1d5403f3d5e7a24a),
+            (44249, 0x3bdbf88022ce7145),
+            (44249, 0x8002492916642300),
+            (44245, 0xaaecc12bbd6e4339),
+            (44245, 0x787ab9ea54b89f56),
+            (44245, 0x53433b3092b65a77),
+        ];
+        assert_eq!(got, want, "{got:#x?}");
+    }
+
     #[test]
     fn the_matrix_table_gives_shapes_and_offsets() {
         let m = [
