@@ -24,6 +24,21 @@
 //!
 //! A *virtual persistent processor* (VPP) is one persistent CTA; the two words
 //! are used interchangeably and both are numbered `0..ctas`.
+//!
+//! # Vocabulary
+//!
+//! * **plan** — decided once per model at set-up: the [`RegisterPlan`] (which
+//!   CTA holds which weight rows); the *kernel* is generated for one plan.
+//! * **task** — one node of a batch's DAG ([`VppTask`] in a [`VppTaskGraph`]):
+//!   an instruction and its [`Placement`]. (`ramus_graph::Task` is a batch of
+//!   vertices of the Cavs schedule, a different thing.)
+//! * **scripts** — what the [`Scheduler`] makes of a task graph: each VPP's
+//!   instruction stream with its barriers ([`BatchScripts`], packed for the
+//!   device as [`PackedScripts`]). Not a "schedule": that word is
+//!   `ramus_graph::Schedule`, the batching of a model's vertices.
+//! * **launch** — the part of a task graph between two host tasks.
+//! * **program** is not used here: it is what `ramus-cuda` lowers a model or
+//!   batch into (its task graphs and pool layout).
 
 pub mod kernel;
 pub mod launches;
@@ -37,7 +52,7 @@ pub use regplan::{
     WARP, WARPS_PER_CTA,
 };
 pub use schedule::{
-    simulate, simulate_with, Placement, Schedule, Scheduler, Simulation, Task, TaskGraph,
+    simulate, simulate_with, BatchScripts, Placement, Scheduler, Simulation, VppTask, VppTaskGraph,
     INLINE_ITEMS, MAX_INLINE_ITEM_WORDS, WIDE_ITEMS,
 };
 pub use script::{decode, Instr, PackedScripts, OP_FIRST_ENGINE, OP_SIGNAL, OP_WAIT};

@@ -2,7 +2,7 @@
 //! persistent processors (VPPS §III-B1, Fig. 6).
 //!
 //! One batch — forward pass, backward pass and optimizer update of all its
-//! samples — is a [`TaskGraph`]: a DAG of tasks, each one instruction for the
+//! samples — is a [`VppTaskGraph`]: a DAG of tasks, each one instruction for the
 //! kernel's interpreter plus a [`Placement`] saying which virtual processors
 //! (VPPs, one per persistent CTA) must execute it. The backward pass is not
 //! special: its tasks simply depend on the forward tasks they read.
@@ -100,7 +100,7 @@ pub enum Placement {
 /// One node of a batch's task DAG: an interpreter instruction and where it
 /// runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Task {
+pub struct VppTask {
     /// Engine opcode (at least [`OP_FIRST_ENGINE`]).
     pub op: u8,
     /// The instruction's 16-bit immediate.
@@ -120,13 +120,13 @@ pub struct Task {
 /// A batch's tasks; dependencies always point to earlier tasks, so the graph
 /// is acyclic by construction.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct TaskGraph {
+pub struct VppTaskGraph {
     /// Tasks in push order; a task's id is its index.
-    pub tasks: Vec<Task>,
+    pub tasks: Vec<VppTask>,
 }
 
 /// Checks what can be checked about task `index` without a scheduler.
-fn check_task(index: usize, task: &Task) -> Result<()> {
+fn check_task(index: usize, task: &VppTask) -> Result<()> {
     if let Some(&dep) = task.deps.iter().find(|&&d| d as usize >= index) {
         return Err(CoreError::vpps(
             WHAT,
@@ -154,16 +154,16 @@ fn check_task(index: usize, task: &Task) -> Result<()> {
     Ok(())
 }
 
-impl TaskGraph {
+impl VppTaskGraph {
     /// An empty graph.
     pub fn new() -> Self {
-        TaskGraph::default()
+        VppTaskGraph::default()
     }
 
     /// Appends `task` and returns its id. Errors (and does not append) if it
     /// depends on a task not pushed yet, has a control opcode, or carries more
     /// inline operands than an instruction holds.
-    pub fn push(&mut self, task: Task) -> Result<u32> {
+    pub fn push(&mut self, task: VppTask) -> Result<u32> {
         let index = self.tasks.len();
         let id = u32::try_from(index)
             .map_err(|_| CoreError::vpps(WHAT, "more than 2^32 tasks in one batch"))?;
@@ -233,7 +233,7 @@ pub struct Scheduler {
     /// 128-tree batch, 360 µs instead of about 25.
     pub balance_per_level: bool,
     /// Record which VPPs run each task and which tasks each VPP runs
-    /// ([`Schedule::task_vpps`], [`Schedule::vpp_tasks`]: what [`simulate`]
+    /// ([`BatchScripts::task_vpps`], [`BatchScripts::vpp_tasks`]: what [`simulate`]
     /// checks). Off, both stay empty — an engine does not need them, and at
     /// a hundred holders per product they cost more than the scheduling.
     pub record: bool,
@@ -257,9 +257,10 @@ pub struct Scheduler {
     pub matrix_shapes: Vec<(usize, usize)>,
 }
 
-/// The scripts for one batch and how they were made.
+/// The scripts for one batch and how they were made: what
+/// [`Scheduler::schedule`] returns.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Schedule {
+pub struct BatchScripts {
     /// Scripts, barrier expectations and operand pool in one buffer.
     pub packed: PackedScripts,
     /// Number of levels (barriers are `levels − 1`).
@@ -521,7 +522,7 @@ impl Scheduler {
     /// invalid graph or scheduler (naming the task or matrix), `Holders`
     /// tasks merged into one instruction with unequal operand counts, more
     /// than [`MAX_BARRIERS`] barriers, or a buffer beyond 32-bit offsets.
-    pub fn schedule(&self, g: &TaskGraph) -> Result<Schedule> {
+    pub fn schedule(&self, g: &VppTaskGraph) -> Result<BatchScripts> {
         let totals = self.check()?;
         let n = g.tasks.len();
         if n > u32::MAX as usize {
@@ -829,7 +830,7 @@ impl Scheduler {
         }
 
         let packed = assemble(vpps, levels, &code, &pieces, &pool)?;
-        Ok(Schedule {
+        Ok(BatchScripts {
             packed,
             levels,
             task_levels,
@@ -842,7 +843,7 @@ impl Scheduler {
 }
 
 /// A sink: a task past the first two that depends on every task before it.
-fn is_sink(i: usize, t: &Task) -> bool {
+fn is_sink(i: usize, t: &VppTask) -> bool {
     i >= 2 && t.deps.len() == i
 }
 
@@ -871,7 +872,7 @@ impl Leveling {
         sched: &Scheduler,
         totals: &[u64],
         i: usize,
-        t: &Task,
+        t: &VppTask,
         level: u32,
         chained: Option<u32>,
     ) {
@@ -916,7 +917,7 @@ impl Leveling {
     /// onto at level `l`: the one all its dependencies of level `l` ran on
     /// (as `Any` tasks). A task nothing but sinks waits for (`waited_for`
     /// false) chains only where no other such task chained at that level.
-    fn chain_vpp(&mut self, t: &Task, l: u32, waited_for: bool) -> Option<u32> {
+    fn chain_vpp(&mut self, t: &VppTask, l: u32, waited_for: bool) -> Option<u32> {
         let mut on = t
             .deps
             .iter()
@@ -948,7 +949,7 @@ impl Leveling {
     fn place_deferred(
         &mut self,
         sched: &Scheduler,
-        g: &TaskGraph,
+        g: &VppTaskGraph,
         totals: &[u64],
         deferred: &mut Vec<usize>,
     ) {
@@ -993,7 +994,7 @@ fn holder_share(load: u64, factor: u64, rows: u64, total: u64) -> u64 {
 /// past the first two that depends on every task before it) waits for
 /// everything, so only what other tasks wait for is on a critical path.
 /// Dependencies that are out of range are left to `check_task`.
-fn waited_for_beyond_sinks(g: &TaskGraph) -> Vec<bool> {
+fn waited_for_beyond_sinks(g: &VppTaskGraph) -> Vec<bool> {
     let mut waited = vec![false; g.tasks.len()];
     for (i, t) in g.tasks.iter().enumerate() {
         if is_sink(i, t) {
@@ -1210,7 +1211,7 @@ pub struct Simulation {
 /// Runs `schedule`'s packed scripts on the CPU, one instruction per turn,
 /// visiting the VPPs round-robin, and returns the order in which tasks
 /// completed. See [`simulate_with`] for the checks.
-pub fn simulate(schedule: &Schedule, g: &TaskGraph) -> Result<Vec<u32>> {
+pub fn simulate(schedule: &BatchScripts, g: &VppTaskGraph) -> Result<Vec<u32>> {
     let mut last: Option<u32> = None;
     let sim = simulate_with(schedule, g, |runnable| {
         let at = last
@@ -1240,13 +1241,13 @@ fn sim_err(message: String) -> CoreError {
 ///
 /// Errors when the graph has a forward dependency, the scripts deadlock, a
 /// barrier is unknown or signalled more often than expected, an instruction
-/// does not match the task [`Schedule::vpp_tasks`] says it runs (opcode, arg,
+/// does not match the task [`BatchScripts::vpp_tasks`] says it runs (opcode, arg,
 /// operands, or for a merged instruction the operand-pool slice), a task runs
 /// before all its dependencies completed on all their VPPs, or a task does
-/// not run on exactly the VPPs of [`Schedule::task_vpps`].
+/// not run on exactly the VPPs of [`BatchScripts::task_vpps`].
 pub fn simulate_with(
-    schedule: &Schedule,
-    g: &TaskGraph,
+    schedule: &BatchScripts,
+    g: &VppTaskGraph,
     mut choose: impl FnMut(&[u32]) -> usize,
 ) -> Result<Simulation> {
     let packed = &schedule.packed;
@@ -1476,8 +1477,8 @@ pub fn simulate_with(
 mod tests {
     use super::*;
 
-    fn task(op: u8, operands: &[u32], deps: &[u32], load: u64, placement: Placement) -> Task {
-        Task {
+    fn task(op: u8, operands: &[u32], deps: &[u32], load: u64, placement: Placement) -> VppTask {
+        VppTask {
             op,
             arg: 0,
             operands: operands.to_vec(),
@@ -1506,9 +1507,9 @@ mod tests {
         }
     }
 
-    fn fig6_graph() -> TaskGraph {
+    fn fig6_graph() -> VppTaskGraph {
         let h0 = Placement::Holders { matrix: 0 };
-        let mut g = TaskGraph::new();
+        let mut g = VppTaskGraph::new();
         g.push(task(20, &[100], &[], 5, Placement::Any)).unwrap();
         g.push(task(16, &[10, 11], &[], 4, h0)).unwrap();
         g.push(task(16, &[12, 13], &[], 4, h0)).unwrap();
@@ -1535,7 +1536,7 @@ mod tests {
         // too shallow a reduction to split)
         scheduler.matrix_shapes = vec![(8, 8), (128, 32)];
         let h1 = Placement::Holders { matrix: 1 };
-        let mut g = TaskGraph::new();
+        let mut g = VppTaskGraph::new();
         // three items on matrix 1 (held by VPPs 1 and 2): wide, two tiles;
         // then two items on it a level later: narrow, on the holders
         g.push(task(OP_FIRST_ENGINE, &[1, 2, 3, 4, 5, 6], &[], 1, h1))
@@ -1577,7 +1578,7 @@ mod tests {
         // a long list goes to the operand pool; two wide products of a
         // level share the VPPs in proportion to their work
         let items: Vec<u32> = (0..30).collect();
-        let mut g = TaskGraph::new();
+        let mut g = VppTaskGraph::new();
         g.push(task(OP_FIRST_ENGINE, &items, &[], 1, h1)).unwrap();
         g.push(task(OP_FIRST_ENGINE + 1, &items, &[], 1, h1))
             .unwrap();
@@ -1717,7 +1718,7 @@ mod tests {
     fn simulator_catches_broken_scripts() {
         let g = fig6_graph();
         let s = fig6_scheduler().schedule(&g).unwrap();
-        let repack = |s: &Schedule, scripts: Vec<Vec<u32>>, expect: &[u32], pool: &[u32]| {
+        let repack = |s: &BatchScripts, scripts: Vec<Vec<u32>>, expect: &[u32], pool: &[u32]| {
             let mut t = s.clone();
             t.packed = PackedScripts::pack(&scripts, expect, pool).unwrap();
             t
@@ -1760,7 +1761,7 @@ mod tests {
 
     #[test]
     fn invalid_graphs_are_rejected() {
-        let mut g = TaskGraph::new();
+        let mut g = VppTaskGraph::new();
         let err = g.push(task(16, &[], &[0], 1, Placement::Any)).unwrap_err();
         assert!(
             err.to_string().contains("task 0 depends on task 0"),
@@ -1795,7 +1796,7 @@ mod tests {
             "{err}"
         );
         // A hand-built graph with a forward edge.
-        let g = TaskGraph {
+        let g = VppTaskGraph {
             tasks: vec![
                 task(16, &[], &[1], 1, Placement::Any),
                 task(16, &[], &[], 1, Placement::Any),
@@ -1808,25 +1809,29 @@ mod tests {
         );
         let mut bad = fig6_scheduler();
         bad.holders[1] = vec![2, 1];
-        assert!(bad.schedule(&TaskGraph::new()).is_err());
+        assert!(bad.schedule(&VppTaskGraph::new()).is_err());
         bad.holders[1] = vec![1, 4];
-        assert!(bad.schedule(&TaskGraph::new()).is_err());
-        assert!(Scheduler::with_vpps(0).schedule(&TaskGraph::new()).is_err());
+        assert!(bad.schedule(&VppTaskGraph::new()).is_err());
+        assert!(Scheduler::with_vpps(0)
+            .schedule(&VppTaskGraph::new())
+            .is_err());
     }
 
     #[test]
     fn empty_graph_gives_empty_scripts() {
-        let s = Scheduler::with_vpps(3).schedule(&TaskGraph::new()).unwrap();
+        let s = Scheduler::with_vpps(3)
+            .schedule(&VppTaskGraph::new())
+            .unwrap();
         assert_eq!((s.levels, s.packed.barriers, s.packed.vpps), (0, 0, 3));
         assert!(s.packed.script(1).is_empty());
-        assert!(simulate(&s, &TaskGraph::new()).unwrap().is_empty());
+        assert!(simulate(&s, &VppTaskGraph::new()).unwrap().is_empty());
     }
 
     #[test]
     fn holder_tasks_of_item_pairs_merge_by_items() {
         let mut s = fig6_scheduler();
         s.holder_item = 2;
-        let mut g = TaskGraph::new();
+        let mut g = VppTaskGraph::new();
         let a = g
             .push(task(20, &[1, 2], &[], 1, Placement::Holders { matrix: 0 }))
             .unwrap();
@@ -1889,7 +1894,7 @@ mod tests {
     #[test]
     fn only_one_task_that_only_a_sink_waits_for_chains_per_processor_and_level() {
         // a producer, four siblings nothing but the sink waits for, the sink
-        let mut g = TaskGraph::new();
+        let mut g = VppTaskGraph::new();
         g.push(task(16, &[0], &[], 1, Placement::Any)).unwrap();
         for k in 1..=4 {
             g.push(task(16, &[k], &[0], 1, Placement::Any)).unwrap();
@@ -1908,7 +1913,7 @@ mod tests {
     fn tasks_only_a_sink_waits_for_run_at_the_end() {
         // a three-level chain, a sum of its first task's rows that only
         // the sink waits for, the sink
-        let mut g = TaskGraph::new();
+        let mut g = VppTaskGraph::new();
         g.push(task(16, &[0], &[], 1, Placement::Any)).unwrap();
         g.push(task(16, &[1], &[0], 1, Placement::Any)).unwrap();
         g.push(task(16, &[2], &[1], 1, Placement::Any)).unwrap();
@@ -1933,7 +1938,7 @@ mod tests {
         // a backward pass's end: two levels' weight-gradient outer products
         // (tasks 1 and 4, on the holders of different matrices) that only
         // the sink waits for
-        let mut g = TaskGraph::new();
+        let mut g = VppTaskGraph::new();
         let (h0, h1) = (
             Placement::Holders { matrix: 0 },
             Placement::Holders { matrix: 1 },
@@ -1955,7 +1960,7 @@ mod tests {
         // an update on every VPP that waits for the outer product only
         // still runs after the transposed product nothing waits for (it
         // overwrites the weights that product reads)
-        let mut g = TaskGraph::new();
+        let mut g = VppTaskGraph::new();
         g.push(task(16, &[0], &[], 1, h0)).unwrap();
         g.push(task(17, &[1], &[0], 1, h0)).unwrap();
         g.push(task(18, &[2], &[0], 1, h0)).unwrap();
@@ -1967,7 +1972,7 @@ mod tests {
     #[test]
     fn barrier_limit() {
         let chain = |n: u32| {
-            let mut g = TaskGraph::new();
+            let mut g = VppTaskGraph::new();
             for i in 0..n {
                 let deps = if i == 0 { vec![] } else { vec![i - 1] };
                 g.push(task(16, &[i], &deps, 1, Placement::Any)).unwrap();
