@@ -105,79 +105,19 @@
 
 use std::fmt::Write as _;
 
+use super::isa::{
+    INLINE_ITEMS, MATRIX_WORDS, MAX_BARRIERS, OP_BROADCAST_ROWS, OP_FUSED, OP_MATVEC, OP_MATVEC_T,
+    OP_NOP, OP_OUTER, OP_ROWS, OP_SIGNAL, OP_SUM_CHILDREN, OP_SUM_ROWS, OP_UPDATE, OP_UPDATE_DENSE,
+    OP_WAIT, OP_XENT, PRODUCT_ITEM_WORDS, ROWS_ACCUMULATE, ROWS_DST_ABSOLUTE, ROWS_SRC_ABSOLUTE,
+    WIDE_ITEMS,
+};
 use super::regplan::{RegisterPlan, CTA_THREADS, WARP};
-use super::script::OP_FIRST_ENGINE;
 use crate::error::{CoreError, Result};
-
-/// `y = W x (+ bias)` on the holders of `W` (arg: cached matrix index).
-pub const OP_MATVEC: u8 = OP_FIRST_ENGINE;
-
-/// Words per item of a product instruction's operand list: two vector
-/// offsets and a bias offset ([`NO_INDEX`]: none; only [`OP_MATVEC`] adds
-/// one).
-pub const PRODUCT_ITEM_WORDS: usize = 3;
-/// `dx += Wᵀ dy` on the holders of `W` (arg: cached matrix index).
-pub const OP_MATVEC_T: u8 = OP_FIRST_ENGINE + 1;
-/// `G += dy xᵀ` into the gradient registers (arg: cached matrix index).
-pub const OP_OUTER: u8 = OP_FIRST_ENGINE + 2;
-/// The optimizer step on every register partition of the VPP.
-pub const OP_UPDATE: u8 = OP_FIRST_ENGINE + 3;
-
-/// Fused elementwise group (arg: its case number).
-pub const OP_FUSED: u8 = OP_FIRST_ENGINE + 4;
-/// Row copy. Operands `[rows, width, dst, dst_stride, src, src_stride,
-/// dst_index, src_index]`: for `i < rows`, `c < width`,
-/// `dst[D(i) + c] (+)= src[S(i) + c]` where `D(i) = dst + i·dst_stride`
-/// without an index (`dst_index = NO_INDEX`), else `dst + idx[i]·dst_stride`
-/// or, with [`ROWS_DST_ABSOLUTE`], `dst + idx[i]` (the entries are pool
-/// offsets, `dst` a column within the rows; likewise `S`); a source index
-/// entry [`NO_INDEX`] reads zeros, a destination one skips the row. Arg:
-/// [`ROWS_ACCUMULATE`] (atomic add) | [`ROWS_DST_ABSOLUTE`] |
-/// [`ROWS_SRC_ABSOLUTE`].
-pub const OP_ROWS: u8 = OP_FIRST_ENGINE + 5;
-/// `dst[i, c] = Σ_{e = csr[i]..csr[i+1]} src[e·src_stride + c]`; operands
-/// `[rows, width, dst, src, src_stride, csr]` (csr: pool offset of rows + 1
-/// `u32` entries, edge rows of `src`).
-pub const OP_SUM_CHILDREN: u8 = OP_FIRST_ENGINE + 6;
-/// `dst[c] (+)= scale · Σ_i src[i·src_stride + c]`; operands `[rows, width,
-/// dst, src, src_stride, scale as f32 bits]`; arg [`ROWS_ACCUMULATE`].
-pub const OP_SUM_ROWS: u8 = OP_FIRST_ENGINE + 7;
-/// `dst[i, c] = scale · src[c]`; operands `[rows, width, dst, src, scale bits]`.
-pub const OP_BROADCAST_ROWS: u8 = OP_FIRST_ENGINE + 8;
-/// Softmax cross-entropy, a warp per row. Arg 0: `dst[i] = logsumexp(x_i)
-/// − x_i[label_i]`, operands `[rows, classes, dst, x, labels]`; arg 1 (its
-/// gradient): `dst[i, j] = up[i] · (softmax(x_i)_j − [j = label_i])`,
-/// operands `[rows, classes, dst, x, labels, up]` (labels: pool offset of `u32` labels).
-pub const OP_XENT: u8 = OP_FIRST_ENGINE + 9;
-/// The optimizer step on rows of a parameter in the pool; operands `[rows,
-/// width, value, grad, first, second, row_index]` (row `i` is `idx[i]` or,
-/// with `NO_INDEX`, `i`); the gradient is zeroed after use.
-pub const OP_UPDATE_DENSE: u8 = OP_FIRST_ENGINE + 10;
-
-/// Does nothing: a sink other tasks' dependencies meet in.
-pub const OP_NOP: u8 = OP_FIRST_ENGINE + 11;
-
-/// [`OP_ROWS`] / [`OP_SUM_ROWS`] flag: add atomically instead of storing.
-pub const ROWS_ACCUMULATE: u16 = 1;
-/// [`OP_ROWS`] flag: destination index entries are pool offsets of rows
-/// (the instruction's `dst` adds a column to them).
-pub const ROWS_DST_ABSOLUTE: u16 = 2;
-/// [`OP_ROWS`] flag: source index entries are pool offsets of rows (the
-/// instruction's `src` adds a column to them).
-pub const ROWS_SRC_ABSOLUTE: u16 = 4;
-/// "No index array" / "no row" in operands and index arrays.
-pub const NO_INDEX: u32 = u32::MAX;
-
-/// Words per cached matrix in the `mats` table: rows, columns, value
-/// offset, first-moment offset, second-moment offset, gradient offset (the
-/// wide outer products' accumulator, see [`WIDE_PRODUCT_ITEMS`]); see
-/// [`matrix_table`].
-pub const MATRIX_WORDS: usize = 6;
 
 /// The scheduler's default for [`Scheduler::wide_items`](super::Scheduler):
 /// a merged product instruction of at least this many items is sent to a
 /// range of processors (one per piece, see [`wide_tiles`]) with the
-/// [`WIDE_ITEMS`](super::schedule::WIDE_ITEMS) flag and runs as a tiled GEMM
+/// [`WIDE_ITEMS`] flag and runs as a tiled GEMM
 /// dealt over them instead of on the held rows: the weights come from the
 /// master copy in the pool (L2-resident), `Wᵀ dy` needs no cross-processor
 /// atomics per row piece, and the outer products of a wide level go to the
@@ -256,7 +196,7 @@ const MAX_STAGED_VECTORS: usize = 8;
 
 /// Tracing (see [`kernel_source`]): the per-CTA records start this many
 /// words into the barrier buffer (past every addressable barrier counter).
-pub const TRACE_AT: usize = super::schedule::MAX_BARRIERS + 1;
+pub const TRACE_AT: usize = MAX_BARRIERS + 1;
 /// Words of the barrier buffer each CTA's trace takes: a record count,
 /// then records of [`TRACE_RECORD_WORDS`] words.
 pub const TRACE_WORDS_PER_CTA: usize = 8192;
@@ -266,7 +206,7 @@ pub const TRACE_WORDS_PER_CTA: usize = 8192;
 pub const TRACE_RECORD_WORDS: usize = 3;
 
 // the records never overlap a barrier counter
-const _: () = assert!(TRACE_AT > super::schedule::MAX_BARRIERS);
+const _: () = assert!(TRACE_AT > MAX_BARRIERS);
 
 /// Name of the generated kernel.
 pub const KERNEL_NAME: &str = "vpps_train";
@@ -560,12 +500,8 @@ pub fn kernel_source(plan: &RegisterPlan, options: KernelOptions, fused_cases: &
         "#define VP_TRACE_RECORDS {}u",
         (TRACE_WORDS_PER_CTA - 1) / TRACE_RECORD_WORDS
     );
-    let _ = writeln!(
-        s,
-        "#define VP_INLINE_ITEMS {}u",
-        super::schedule::INLINE_ITEMS
-    );
-    let _ = writeln!(s, "#define VP_WIDE_ITEMS {}u", super::schedule::WIDE_ITEMS);
+    let _ = writeln!(s, "#define VP_INLINE_ITEMS {}u", INLINE_ITEMS);
+    let _ = writeln!(s, "#define VP_WIDE_ITEMS {}u", WIDE_ITEMS);
     let _ = writeln!(s, "#define VP_GRADS {}", u32::from(plan.grads_in_registers));
     let _ = writeln!(s, "#define VP_RULE {}", rule.code());
     let _ = writeln!(s, "#define VP_CTAS_PER_SM {}", plan.ctas_per_sm);
@@ -580,8 +516,8 @@ pub fn kernel_source(plan: &RegisterPlan, options: KernelOptions, fused_cases: &
     let _ = writeln!(s, "#define VP_WARP {WARP}");
     let _ = writeln!(s, "#define VP_SMEM_WORDS {SCRIPT_SMEM_WORDS}");
     let _ = writeln!(s, "#define VP_MAT_WORDS {MATRIX_WORDS}");
-    let _ = writeln!(s, "#define OP_SIGNAL {}", super::script::OP_SIGNAL);
-    let _ = writeln!(s, "#define OP_WAIT {}", super::script::OP_WAIT);
+    let _ = writeln!(s, "#define OP_SIGNAL {}", OP_SIGNAL);
+    let _ = writeln!(s, "#define OP_WAIT {}", OP_WAIT);
     let _ = writeln!(s, "#define OP_MATVEC {OP_MATVEC}");
     let _ = writeln!(s, "#define OP_MATVEC_T {OP_MATVEC_T}");
     let _ = writeln!(s, "#define OP_OUTER {OP_OUTER}");

@@ -11,12 +11,9 @@
 //! dependencies renumbered within the launch; dependencies on earlier
 //! launches and on host tasks are dropped, since the stream orders them.
 
+use super::isa::OP_HOST;
 use super::schedule::{VppTask, VppTaskGraph};
 use crate::{CoreError, Result};
-
-/// Opcode of a host task: never encoded into a script (the scheduler
-/// refuses it); its first operand is the caller's index of the work.
-pub const OP_HOST: u8 = 0xff;
 
 /// One launch of the kernel and the host work that follows it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -7,6 +7,8 @@
 //!   the persistent CTAs (VPPS §III-A1, Fig. 4, eq. 1), and which partition
 //!   sizes (`rpw`, rows per warp) are worth compiling for the profile-guided
 //!   search.
+//! * [`isa`] is the instruction set: every opcode, its flags and operand
+//!   layouts (a leaf the other modules import).
 //! * [`script`] is the instruction encoding the generated kernel interprets:
 //!   a 4-byte preamble plus 4-byte operands (VPPS §III-B1, Fig. 6c), the
 //!   reserved signal/wait control opcodes, and the one buffer that carries all
@@ -40,19 +42,22 @@
 //! * **program** is not used here: it is what `ramus-cuda` lowers a model or
 //!   batch into (its task graphs and pool layout).
 
+pub mod isa;
 pub mod kernel;
 pub mod launches;
 pub mod regplan;
 pub mod schedule;
 pub mod script;
 
-pub use launches::{split_launches, Launch, OP_HOST};
+pub use isa::{
+    INLINE_ITEMS, MAX_INLINE_ITEM_WORDS, OP_FIRST_ENGINE, OP_HOST, OP_SIGNAL, OP_WAIT, WIDE_ITEMS,
+};
+pub use launches::{split_launches, Launch};
 pub use regplan::{
     plan, valid_rpws, DeviceLimits, MatrixSpec, Piece, PlanRequest, RegisterPlan, CTA_THREADS,
     WARP, WARPS_PER_CTA,
 };
 pub use schedule::{
     simulate, simulate_with, BatchScripts, Placement, Scheduler, Simulation, VppTask, VppTaskGraph,
-    INLINE_ITEMS, MAX_INLINE_ITEM_WORDS, WIDE_ITEMS,
 };
-pub use script::{decode, Instr, PackedScripts, OP_FIRST_ENGINE, OP_SIGNAL, OP_WAIT};
+pub use script::{decode, Instr, PackedScripts};

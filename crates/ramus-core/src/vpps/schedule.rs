@@ -49,38 +49,21 @@
 //! checks every executed instruction against the task graph; tests use it as
 //! the oracle.
 
-use super::kernel::{wide_tiles, wide_work};
-use super::launches::OP_HOST;
-use super::regplan::RegisterPlan;
-use super::script::{
-    encode_parts, preamble, Instr, PackedScripts, MAX_OPERANDS, OP_FIRST_ENGINE, OP_SIGNAL, OP_WAIT,
+use super::isa::{
+    INLINE_ITEMS, MAX_BARRIERS, MAX_INLINE_ITEM_WORDS, OP_FIRST_ENGINE, OP_HOST, OP_SIGNAL,
+    OP_WAIT, WIDE_ITEMS,
 };
+use super::kernel::{wide_tiles, wide_work};
+use super::regplan::RegisterPlan;
+use super::script::{encode_parts, preamble, Instr, PackedScripts, MAX_OPERANDS};
 use crate::error::{CoreError, Result};
 
 /// Load multiplier of cached-matrix work relative to other work (VPPS
 /// §III-B1 gives matrix operations "a relatively higher load"); tunable
 /// through [`Scheduler::matrix_load_factor`].
 pub const DEFAULT_MATRIX_LOAD_FACTOR: u64 = 4;
-/// Most barriers one batch may use (the barrier index is 16 bits).
-pub const MAX_BARRIERS: usize = 65535;
 
 const WHAT: &str = "schedule";
-
-/// Flag on a merged holder instruction's count: its items follow the count
-/// inside the instruction instead of sitting at an offset of the operand
-/// pool.
-pub const INLINE_ITEMS: u32 = 1 << 31;
-
-/// Flag on a merged product instruction's count: the instruction runs as a
-/// GEMM whose tiles are dealt over a range of VPPs (see
-/// [`Scheduler::wide_items`]), named by the word after the count: `first |
-/// n << 16`, VPPs `first, first + 1, … (mod vpps)`, `n` of them, each
-/// taking tiles `rank, rank + n, …`.
-pub const WIDE_ITEMS: u32 = 1 << 30;
-
-/// Item words a merged holder instruction carries inline at most (longer
-/// lists go to the operand pool); every holder's script repeats them.
-pub const MAX_INLINE_ITEM_WORDS: usize = 24;
 
 /// Which virtual processors execute a task.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

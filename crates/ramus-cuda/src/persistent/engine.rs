@@ -37,9 +37,10 @@ use rayon::prelude::*;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaStream};
+use ramus_core::vpps::isa::PRODUCT_ITEM_WORDS;
 use ramus_core::vpps::kernel::{
-    kernel_source, KernelOptions, UpdateRule, KERNEL_NAME, PRODUCT_ITEM_WORDS, TRACE_AT,
-    TRACE_RECORD_WORDS, TRACE_WORDS_PER_CTA, WIDE_PRODUCT_ITEMS,
+    kernel_source, KernelOptions, UpdateRule, KERNEL_NAME, TRACE_AT, TRACE_RECORD_WORDS,
+    TRACE_WORDS_PER_CTA, WIDE_PRODUCT_ITEMS,
 };
 
 use ramus_core::vpps::{

@@ -39,7 +39,7 @@ use ramus_core::ops::{
     BroadcastRows, Concat, Embedding, ExpandChildren, MatMul, Pad, Reshape, Slice, SoftmaxXent,
     SoftmaxXentBackward, SumChildren, SumRows,
 };
-use ramus_core::vpps::kernel::{
+use ramus_core::vpps::isa::{
     NO_INDEX, OP_BROADCAST_ROWS, OP_FUSED, OP_MATVEC, OP_MATVEC_T, OP_NOP, OP_OUTER, OP_ROWS,
     OP_SUM_CHILDREN, OP_SUM_ROWS, OP_UPDATE, OP_UPDATE_DENSE, OP_XENT, PRODUCT_ITEM_WORDS,
     ROWS_ACCUMULATE, ROWS_DST_ABSOLUTE, ROWS_SRC_ABSOLUTE,
