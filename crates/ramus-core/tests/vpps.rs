@@ -8,8 +8,8 @@ use std::collections::BTreeSet;
 use proptest::prelude::*;
 use proptest::test_runner::Config;
 use ramus_core::vpps::regplan::{plan, valid_rpws, TABLE_WORDS};
-use ramus_core::vpps::schedule::simulate_with;
 use ramus_core::vpps::script::{decode, Instr, MAX_OPERANDS};
+use ramus_core::vpps::simulate_with;
 use ramus_core::vpps::{
     BatchScripts, DeviceLimits, MatrixSpec, Placement, PlanRequest, RegisterPlan, Scheduler,
     Simulation, VppTask, VppTaskGraph, WARPS_PER_CTA,

@@ -95,7 +95,7 @@
 //! last, makes each CTA add its register gradients to the pool's
 //! accumulator at the end, since registers do not outlive a launch.
 //!
-//! `fault_at` ([`NO_INDEX`]: none) is the pool word, zeroed before the
+//! `fault_at` ([`NO_INDEX`](super::isa::NO_INDEX): none) is the pool word, zeroed before the
 //! batch, that an update sets to one when a value it wrote is not finite (a
 //! non-finite gradient makes it so): the host reads it back with the loss,
 //! so a non-finite gradient under a finite loss is reported at the batch

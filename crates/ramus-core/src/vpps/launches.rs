@@ -12,7 +12,7 @@
 //! launches and on host tasks are dropped, since the stream orders them.
 
 use super::isa::OP_HOST;
-use super::schedule::{VppTask, VppTaskGraph};
+use super::task::{VppTask, VppTaskGraph};
 use crate::{CoreError, Result};
 
 /// One launch of the kernel and the host work that follows it.
@@ -76,7 +76,7 @@ pub fn split_launches(g: VppTaskGraph) -> Result<Vec<Launch>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::vpps::schedule::Placement;
+    use crate::vpps::task::Placement;
     use crate::vpps::OP_FIRST_ENGINE;
 
     fn task(op: u8, operands: Vec<u32>, deps: Vec<u32>) -> VppTask {
