@@ -42,7 +42,6 @@ use ramus_core::vpps::kernel::{
     kernel_source, KernelOptions, UpdateRule, KERNEL_NAME, TRACE_AT, TRACE_RECORD_WORDS,
     TRACE_WORDS_PER_CTA, WIDE_PRODUCT_ITEMS,
 };
-
 use ramus_core::vpps::{
     plan, valid_rpws, BatchScripts, DeviceLimits, PlanRequest, RegisterPlan, Scheduler,
 };
