@@ -8,11 +8,11 @@ use std::collections::BTreeSet;
 use proptest::prelude::*;
 use proptest::test_runner::Config;
 use ramus_core::vpps::regplan::{plan, valid_rpws, TABLE_WORDS};
-use ramus_core::vpps::schedule::simulate_with;
 use ramus_core::vpps::script::{decode, Instr, MAX_OPERANDS};
+use ramus_core::vpps::simulate_with;
 use ramus_core::vpps::{
-    DeviceLimits, MatrixSpec, Placement, PlanRequest, RegisterPlan, Schedule, Scheduler,
-    Simulation, Task, TaskGraph, WARPS_PER_CTA,
+    BatchScripts, DeviceLimits, MatrixSpec, Placement, PlanRequest, RegisterPlan, Scheduler,
+    Simulation, VppTask, VppTaskGraph, WARPS_PER_CTA,
 };
 use ramus_core::CoreError;
 
@@ -126,8 +126,8 @@ fn raw_tasks(max: usize) -> impl Strategy<Value = Vec<RawTask>> {
 /// Builds a DAG from raw tasks. `Holders` tasks take `1 + op offset` operands
 /// so that tasks merged by `(op, arg, matrix)` agree on their width; every
 /// operand is unique so that mix-ups show in the simulator.
-fn build_graph(raw: &[RawTask], matrices: usize, any_only: bool) -> TaskGraph {
-    let mut g = TaskGraph::new();
+fn build_graph(raw: &[RawTask], matrices: usize, any_only: bool) -> VppTaskGraph {
+    let mut g = VppTaskGraph::new();
     for (i, (dep_seeds, kind, mseed, op_off, arg, load, nops)) in raw.iter().enumerate() {
         let mut deps: Vec<u32> = if i == 0 {
             Vec::new()
@@ -149,7 +149,7 @@ fn build_graph(raw: &[RawTask], matrices: usize, any_only: bool) -> TaskGraph {
             _ => usize::from(*nops),
         };
         let operands = (0..width as u32).map(|j| i as u32 * 16 + j).collect();
-        let task = Task {
+        let task = VppTask {
             op: 16 + op_off,
             arg: *arg,
             operands,
@@ -174,7 +174,13 @@ fn replay(choices: &[usize]) -> impl FnMut(&[u32]) -> usize + '_ {
 
 /// Checks properties (a)–(d) of a simulated run against the graph itself:
 /// placements, dependency order and barrier counts.
-fn check_run(g: &TaskGraph, s: &Schedule, sim: &Simulation, holders: &[Vec<u32>], vpps: usize) {
+fn check_run(
+    g: &VppTaskGraph,
+    s: &BatchScripts,
+    sim: &Simulation,
+    holders: &[Vec<u32>],
+    vpps: usize,
+) {
     let n = g.tasks.len();
     let mut ran_on: Vec<BTreeSet<u32>> = vec![BTreeSet::new(); n];
     let mut first = vec![usize::MAX; n];
@@ -398,9 +404,9 @@ fn merged_holder_tasks_with_unequal_widths_are_rejected() {
         cols: 64,
     }];
     let p = plan(&matrices, &DeviceLimits::hopper(2), &PlanRequest::new(1)).unwrap();
-    let mut g = TaskGraph::new();
+    let mut g = VppTaskGraph::new();
     for width in [2u32, 3] {
-        g.push(Task {
+        g.push(VppTask {
             op: 20,
             arg: 1,
             operands: (0..width).collect(),

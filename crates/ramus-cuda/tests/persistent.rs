@@ -9,12 +9,12 @@
 
 mod common;
 
-use ramus_core::vpps::kernel::{
-    KernelOptions, UpdateRule, NO_INDEX, OP_MATVEC, OP_MATVEC_T, OP_OUTER, OP_UPDATE,
-    PRODUCT_ITEM_WORDS,
+use ramus_core::vpps::isa::{
+    NO_INDEX, OP_MATVEC, OP_MATVEC_T, OP_OUTER, OP_UPDATE, PRODUCT_ITEM_WORDS,
 };
+use ramus_core::vpps::kernel::{KernelOptions, UpdateRule};
 use ramus_core::vpps::regplan::{plan, DeviceLimits, MatrixSpec, PlanRequest};
-use ramus_core::vpps::schedule::{Placement, Scheduler, Task, TaskGraph};
+use ramus_core::vpps::{Placement, Scheduler, VppTask, VppTaskGraph};
 use ramus_core::{Model, Params};
 use ramus_cuda::persistent::{
     MatrixSlots, PersistentEngine, PersistentKernel, PersistentOptions, PersistentTrainer,
@@ -144,7 +144,7 @@ fn register_cached_products_gradients_and_updates_match_the_host() {
             });
         }
         // level 0: y = W x; level 1: dx = Wᵀ y and G += y xᵀ; level 2: update
-        let mut g = TaskGraph::default();
+        let mut g = VppTaskGraph::default();
         let mut outers = Vec::new();
         for (m, c) in cases.iter().enumerate() {
             let holders = Placement::Holders { matrix: m as u16 };
@@ -152,7 +152,7 @@ fn register_cached_products_gradients_and_updates_match_the_host() {
                 let (x, y, dx) = (c.x_at[v] as u32, c.y_at[v] as u32, c.dx_at[v] as u32);
                 let load = (c.rows * c.cols) as u64;
                 let mv = g
-                    .push(Task {
+                    .push(VppTask {
                         op: OP_MATVEC,
                         arg: m as u16,
                         // the first vector's product adds a bias
@@ -162,7 +162,7 @@ fn register_cached_products_gradients_and_updates_match_the_host() {
                         placement: holders,
                     })
                     .expect("task");
-                g.push(Task {
+                g.push(VppTask {
                     op: OP_MATVEC_T,
                     arg: m as u16,
                     operands: vec![y, dx, NO_INDEX],
@@ -172,7 +172,7 @@ fn register_cached_products_gradients_and_updates_match_the_host() {
                 })
                 .expect("task");
                 outers.push(
-                    g.push(Task {
+                    g.push(VppTask {
                         op: OP_OUTER,
                         arg: m as u16,
                         operands: vec![y, x, NO_INDEX],
@@ -184,7 +184,7 @@ fn register_cached_products_gradients_and_updates_match_the_host() {
                 );
             }
         }
-        g.push(Task {
+        g.push(VppTask {
             op: OP_UPDATE,
             arg: 0,
             operands: vec![],

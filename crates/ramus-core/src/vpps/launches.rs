@@ -11,18 +11,15 @@
 //! dependencies renumbered within the launch; dependencies on earlier
 //! launches and on host tasks are dropped, since the stream orders them.
 
-use super::schedule::{Task, TaskGraph};
+use super::isa::OP_HOST;
+use super::task::{VppTask, VppTaskGraph};
 use crate::{CoreError, Result};
-
-/// Opcode of a host task: never encoded into a script (the scheduler
-/// refuses it); its first operand is the caller's index of the work.
-pub const OP_HOST: u8 = 0xff;
 
 /// One launch of the kernel and the host work that follows it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Launch {
     /// The launch's tasks (may be empty: then only its host work runs).
-    pub graph: TaskGraph,
+    pub graph: VppTaskGraph,
     /// First operands of the host tasks to run after the launch, in order.
     pub host_after: Vec<u32>,
 }
@@ -30,7 +27,7 @@ pub struct Launch {
 /// Splits `g` at its host tasks (see the module docs). A graph without
 /// host tasks is one launch, moved, not copied. Errors for a host task
 /// without an operand naming its work.
-pub fn split_launches(g: TaskGraph) -> Result<Vec<Launch>> {
+pub fn split_launches(g: VppTaskGraph) -> Result<Vec<Launch>> {
     if !g.tasks.iter().any(|t| t.op == OP_HOST) {
         return Ok(vec![Launch {
             graph: g,
@@ -71,7 +68,7 @@ pub fn split_launches(g: TaskGraph) -> Result<Vec<Launch>> {
             .filter(|&&d| local[d as usize] != u32::MAX && launch_of[d as usize] == at)
             .map(|&d| local[d as usize])
             .collect();
-        local[i] = launches[at].graph.push(Task { deps, ..t })?;
+        local[i] = launches[at].graph.push(VppTask { deps, ..t })?;
     }
     Ok(launches)
 }
@@ -79,11 +76,11 @@ pub fn split_launches(g: TaskGraph) -> Result<Vec<Launch>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::vpps::schedule::Placement;
+    use crate::vpps::task::Placement;
     use crate::vpps::OP_FIRST_ENGINE;
 
-    fn task(op: u8, operands: Vec<u32>, deps: Vec<u32>) -> Task {
-        Task {
+    fn task(op: u8, operands: Vec<u32>, deps: Vec<u32>) -> VppTask {
+        VppTask {
             op,
             arg: 0,
             operands,
@@ -93,12 +90,12 @@ mod tests {
         }
     }
 
-    fn kernel(id: u32, deps: Vec<u32>) -> Task {
+    fn kernel(id: u32, deps: Vec<u32>) -> VppTask {
         task(OP_FIRST_ENGINE, vec![id], deps)
     }
 
-    fn graph(tasks: Vec<Task>) -> TaskGraph {
-        let mut g = TaskGraph::new();
+    fn graph(tasks: Vec<VppTask>) -> VppTaskGraph {
+        let mut g = VppTaskGraph::new();
         for t in tasks {
             g.push(t).unwrap();
         }

@@ -2,7 +2,7 @@
 //! persistent processors (VPPS §III-B1, Fig. 6).
 //!
 //! One batch — forward pass, backward pass and optimizer update of all its
-//! samples — is a [`TaskGraph`]: a DAG of tasks, each one instruction for the
+//! samples — is a [`VppTaskGraph`]: a DAG of tasks, each one instruction for the
 //! kernel's interpreter plus a [`Placement`] saying which virtual processors
 //! (VPPs, one per persistent CTA) must execute it. The backward pass is not
 //! special: its tasks simply depend on the forward tasks they read.
@@ -44,144 +44,31 @@
 //! and its VPP waited on `b_l` before running it. The same induction shows
 //! the scripts cannot deadlock: the signals of `b_l` only wait on `b_{l−1}`.
 //!
-//! [`simulate`] interprets packed scripts on the CPU (several VPPs round-robin,
+//! [`simulate`](super::simulate) interprets packed scripts on the CPU (several VPPs round-robin,
 //! `WAIT` blocking until its barrier's count reaches the expectation) and
 //! checks every executed instruction against the task graph; tests use it as
 //! the oracle.
 
-use super::kernel::{wide_tiles, wide_work};
-use super::launches::OP_HOST;
-use super::regplan::RegisterPlan;
-use super::script::{
-    encode_parts, preamble, Instr, PackedScripts, MAX_OPERANDS, OP_FIRST_ENGINE, OP_SIGNAL, OP_WAIT,
+use super::isa::{
+    INLINE_ITEMS, MAX_BARRIERS, MAX_INLINE_ITEM_WORDS, OP_HOST, OP_SIGNAL, OP_WAIT, WIDE_ITEMS,
 };
+use super::kernel::{wide_tiles, wide_work};
+use super::regplan::RegisterPlan;
+use super::script::{encode_parts, preamble, PackedScripts};
+use super::task::{check_task, Placement, VppTask, VppTaskGraph};
 use crate::error::{CoreError, Result};
+use loads::{LevelLoads, MinLoad};
+
+mod loads;
+#[cfg(test)]
+mod tests;
 
 /// Load multiplier of cached-matrix work relative to other work (VPPS
 /// §III-B1 gives matrix operations "a relatively higher load"); tunable
 /// through [`Scheduler::matrix_load_factor`].
 pub const DEFAULT_MATRIX_LOAD_FACTOR: u64 = 4;
-/// Most barriers one batch may use (the barrier index is 16 bits).
-pub const MAX_BARRIERS: usize = 65535;
 
 const WHAT: &str = "schedule";
-
-/// Flag on a merged holder instruction's count: its items follow the count
-/// inside the instruction instead of sitting at an offset of the operand
-/// pool.
-pub const INLINE_ITEMS: u32 = 1 << 31;
-
-/// Flag on a merged product instruction's count: the instruction runs as a
-/// GEMM whose tiles are dealt over a range of VPPs (see
-/// [`Scheduler::wide_items`]), named by the word after the count: `first |
-/// n << 16`, VPPs `first, first + 1, … (mod vpps)`, `n` of them, each
-/// taking tiles `rank, rank + n, …`.
-pub const WIDE_ITEMS: u32 = 1 << 30;
-
-/// Item words a merged holder instruction carries inline at most (longer
-/// lists go to the operand pool); every holder's script repeats them.
-pub const MAX_INLINE_ITEM_WORDS: usize = 24;
-
-/// Which virtual processors execute a task.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Placement {
-    /// Exactly one VPP, the one with the least accumulated load.
-    Any,
-    /// Every CTA holding a piece of this register-cached matrix (an index
-    /// into [`RegisterPlan::matrices`]), each on its own rows.
-    Holders {
-        /// The cached matrix.
-        matrix: u16,
-    },
-    /// All VPPs (e.g. the final optimizer update).
-    Every,
-}
-
-/// One node of a batch's task DAG: an interpreter instruction and where it
-/// runs.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Task {
-    /// Engine opcode (at least [`OP_FIRST_ENGINE`]).
-    pub op: u8,
-    /// The instruction's 16-bit immediate.
-    pub arg: u16,
-    /// Operand words (pool offsets, counts). `Any`/`Every` tasks carry them
-    /// inline (at most [`MAX_OPERANDS`]); `Holders` tasks through the operand
-    /// pool, and merged tasks must have equal operand counts.
-    pub operands: Vec<u32>,
-    /// Tasks that must complete (on all their VPPs) before this one starts.
-    pub deps: Vec<u32>,
-    /// Estimated cost, for load balancing.
-    pub load: u64,
-    /// Where the task runs.
-    pub placement: Placement,
-}
-
-/// A batch's tasks; dependencies always point to earlier tasks, so the graph
-/// is acyclic by construction.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct TaskGraph {
-    /// Tasks in push order; a task's id is its index.
-    pub tasks: Vec<Task>,
-}
-
-/// Checks what can be checked about task `index` without a scheduler.
-fn check_task(index: usize, task: &Task) -> Result<()> {
-    if let Some(&dep) = task.deps.iter().find(|&&d| d as usize >= index) {
-        return Err(CoreError::vpps(
-            WHAT,
-            format!("task {index} depends on task {dep}, which is not an earlier task"),
-        ));
-    }
-    if task.op < OP_FIRST_ENGINE {
-        return Err(CoreError::vpps(
-            WHAT,
-            format!(
-                "task {index} has opcode {}, below the first engine opcode {OP_FIRST_ENGINE}",
-                task.op
-            ),
-        ));
-    }
-    if !matches!(task.placement, Placement::Holders { .. }) && task.operands.len() > MAX_OPERANDS {
-        return Err(CoreError::vpps(
-            WHAT,
-            format!(
-                "task {index} has {} operands, at most {MAX_OPERANDS} fit in an instruction",
-                task.operands.len()
-            ),
-        ));
-    }
-    Ok(())
-}
-
-impl TaskGraph {
-    /// An empty graph.
-    pub fn new() -> Self {
-        TaskGraph::default()
-    }
-
-    /// Appends `task` and returns its id. Errors (and does not append) if it
-    /// depends on a task not pushed yet, has a control opcode, or carries more
-    /// inline operands than an instruction holds.
-    pub fn push(&mut self, task: Task) -> Result<u32> {
-        let index = self.tasks.len();
-        let id = u32::try_from(index)
-            .map_err(|_| CoreError::vpps(WHAT, "more than 2^32 tasks in one batch"))?;
-        check_task(index, &task)?;
-        self.tasks.push(task);
-        Ok(id)
-    }
-
-    /// Number of tasks.
-    pub fn len(&self) -> usize {
-        self.tasks.len()
-    }
-
-    /// Whether there are no tasks.
-    pub fn is_empty(&self) -> bool {
-        self.tasks.is_empty()
-    }
-}
 
 /// Turns task graphs into packed scripts for a fixed set of VPPs and a fixed
 /// register plan.
@@ -233,7 +120,7 @@ pub struct Scheduler {
     /// 128-tree batch, 360 µs instead of about 25.
     pub balance_per_level: bool,
     /// Record which VPPs run each task and which tasks each VPP runs
-    /// ([`Schedule::task_vpps`], [`Schedule::vpp_tasks`]: what [`simulate`]
+    /// ([`BatchScripts::task_vpps`], [`BatchScripts::vpp_tasks`]: what [`simulate`](super::simulate)
     /// checks). Off, both stay empty — an engine does not need them, and at
     /// a hundred holders per product they cost more than the scheduling.
     pub record: bool,
@@ -257,9 +144,10 @@ pub struct Scheduler {
     pub matrix_shapes: Vec<(usize, usize)>,
 }
 
-/// The scripts for one batch and how they were made.
+/// The scripts for one batch and how they were made: what
+/// [`Scheduler::schedule`] returns.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Schedule {
+pub struct BatchScripts {
     /// Scripts, barrier expectations and operand pool in one buffer.
     pub packed: PackedScripts,
     /// Number of levels (barriers are `levels − 1`).
@@ -275,152 +163,6 @@ pub struct Schedule {
     pub loads: Vec<u64>,
     /// The scheduler's [`Scheduler::holder_item`] (how merged counts read).
     pub holder_item: usize,
-}
-
-/// Minimum-load lookup over VPPs: a tournament tree whose nodes hold the
-/// index of the least-loaded VPP below them (ties to the lower index).
-/// Cached-matrix work adds load to a hundred holders at once; those adds
-/// ([`MinLoad::add_lazy`]) only mark the leaves, and the tree catches up
-/// at a lookup when few are marked, else every [`MinLoad::FLUSH_EVERY`]
-/// lookups.
-struct MinLoad {
-    size: usize,
-    tree: Vec<u32>,
-    loads: Vec<u64>,
-    dirty: Vec<bool>,
-    dirty_list: Vec<u32>,
-    lookups: u32,
-}
-
-impl MinLoad {
-    const NONE: u32 = u32::MAX;
-
-    fn new(n: usize) -> Self {
-        let size = n.max(1).next_power_of_two();
-        let mut tree = vec![Self::NONE; 2 * size];
-        for (i, slot) in tree[size..size + n].iter_mut().enumerate() {
-            *slot = i as u32;
-        }
-        let mut m = MinLoad {
-            size,
-            tree,
-            loads: vec![0; n],
-            dirty: vec![false; n],
-            dirty_list: Vec::new(),
-            lookups: 0,
-        };
-        for k in (1..size).rev() {
-            m.tree[k] = lighter(&m.loads, m.tree[2 * k], m.tree[2 * k + 1]);
-        }
-        m
-    }
-
-    /// Lookups between two catch-ups of lazily added load.
-    const FLUSH_EVERY: u32 = 16;
-
-    /// Fewer lazily added leaves than this are caught up at every lookup.
-    const FLUSH_SMALL: usize = 32;
-
-    fn argmin(&mut self) -> u32 {
-        self.lookups += 1;
-        if self.lookups >= Self::FLUSH_EVERY || self.dirty_list.len() <= Self::FLUSH_SMALL {
-            self.flush();
-        }
-        self.tree[1]
-    }
-
-    /// Brings the tree up to date with every lazily added load.
-    fn flush(&mut self) {
-        self.lookups = 0;
-        while let Some(v) = self.dirty_list.pop() {
-            self.dirty[v as usize] = false;
-            self.update(v as usize);
-        }
-    }
-
-    fn add(&mut self, vpp: usize, amount: u64) {
-        self.loads[vpp] = self.loads[vpp].saturating_add(amount);
-        self.update(vpp);
-    }
-
-    /// Adds load without updating the tree until the next catch-up.
-    fn add_lazy(&mut self, vpp: usize, amount: u64) {
-        self.loads[vpp] = self.loads[vpp].saturating_add(amount);
-        if !self.dirty[vpp] {
-            self.dirty[vpp] = true;
-            self.dirty_list.push(vpp as u32);
-        }
-    }
-
-    fn update(&mut self, vpp: usize) {
-        repick_above(&mut self.tree, &self.loads, vpp);
-    }
-}
-
-/// Of two entries of a load tree (VPP indices, or [`MinLoad::NONE`]), the
-/// one with less load (ties to `a`).
-fn lighter(loads: &[u64], a: u32, b: u32) -> u32 {
-    match (a, b) {
-        (MinLoad::NONE, _) => b,
-        (_, MinLoad::NONE) => a,
-        _ if loads[b as usize] < loads[a as usize] => b,
-        _ => a,
-    }
-}
-
-/// Re-picks the nodes of the load tree `tree` (a power-of-two leaf count:
-/// half its length) on the path above leaf `vpp`.
-fn repick_above(tree: &mut [u32], loads: &[u64], vpp: usize) {
-    let mut k = (tree.len() / 2 + vpp) / 2;
-    while k >= 1 {
-        tree[k] = lighter(loads, tree[2 * k], tree[2 * k + 1]);
-        k /= 2;
-    }
-}
-
-/// Per level, the `Any` load of every VPP and a tournament tree over it
-/// (see [`MinLoad`]; no lazy adds): the levels' trees side by side in one
-/// buffer, a new level's copied from the all-zero template.
-struct LevelLoads {
-    n: usize,
-    size: usize,
-    template: Vec<u32>,
-    trees: Vec<u32>,
-    loads: Vec<u64>,
-}
-
-impl LevelLoads {
-    fn new(n: usize) -> Self {
-        let zero = MinLoad::new(n);
-        LevelLoads {
-            n,
-            size: zero.size,
-            template: zero.tree,
-            trees: Vec::new(),
-            loads: Vec::new(),
-        }
-    }
-
-    /// Makes room for `level` (levels appear at most one past the deepest).
-    fn reach(&mut self, level: usize) {
-        while self.loads.len() <= level * self.n {
-            self.trees.extend_from_slice(&self.template);
-            self.loads.resize(self.loads.len() + self.n, 0);
-        }
-    }
-
-    fn argmin(&mut self, level: usize) -> u32 {
-        self.reach(level);
-        self.trees[level * 2 * self.size + 1]
-    }
-
-    fn add(&mut self, level: usize, vpp: usize, amount: u64) {
-        self.reach(level);
-        let loads = &mut self.loads[level * self.n..(level + 1) * self.n];
-        loads[vpp] = loads[vpp].saturating_add(amount);
-        let tree = &mut self.trees[level * 2 * self.size..(level + 1) * 2 * self.size];
-        repick_above(tree, loads, vpp);
-    }
 }
 
 impl Scheduler {
@@ -521,7 +263,7 @@ impl Scheduler {
     /// invalid graph or scheduler (naming the task or matrix), `Holders`
     /// tasks merged into one instruction with unequal operand counts, more
     /// than [`MAX_BARRIERS`] barriers, or a buffer beyond 32-bit offsets.
-    pub fn schedule(&self, g: &TaskGraph) -> Result<Schedule> {
+    pub fn schedule(&self, g: &VppTaskGraph) -> Result<BatchScripts> {
         let totals = self.check()?;
         let n = g.tasks.len();
         if n > u32::MAX as usize {
@@ -829,7 +571,7 @@ impl Scheduler {
         }
 
         let packed = assemble(vpps, levels, &code, &pieces, &pool)?;
-        Ok(Schedule {
+        Ok(BatchScripts {
             packed,
             levels,
             task_levels,
@@ -842,7 +584,7 @@ impl Scheduler {
 }
 
 /// A sink: a task past the first two that depends on every task before it.
-fn is_sink(i: usize, t: &Task) -> bool {
+fn is_sink(i: usize, t: &VppTask) -> bool {
     i >= 2 && t.deps.len() == i
 }
 
@@ -871,7 +613,7 @@ impl Leveling {
         sched: &Scheduler,
         totals: &[u64],
         i: usize,
-        t: &Task,
+        t: &VppTask,
         level: u32,
         chained: Option<u32>,
     ) {
@@ -916,7 +658,7 @@ impl Leveling {
     /// onto at level `l`: the one all its dependencies of level `l` ran on
     /// (as `Any` tasks). A task nothing but sinks waits for (`waited_for`
     /// false) chains only where no other such task chained at that level.
-    fn chain_vpp(&mut self, t: &Task, l: u32, waited_for: bool) -> Option<u32> {
+    fn chain_vpp(&mut self, t: &VppTask, l: u32, waited_for: bool) -> Option<u32> {
         let mut on = t
             .deps
             .iter()
@@ -948,7 +690,7 @@ impl Leveling {
     fn place_deferred(
         &mut self,
         sched: &Scheduler,
-        g: &TaskGraph,
+        g: &VppTaskGraph,
         totals: &[u64],
         deferred: &mut Vec<usize>,
     ) {
@@ -993,7 +735,7 @@ fn holder_share(load: u64, factor: u64, rows: u64, total: u64) -> u64 {
 /// past the first two that depends on every task before it) waits for
 /// everything, so only what other tasks wait for is on a critical path.
 /// Dependencies that are out of range are left to `check_task`.
-fn waited_for_beyond_sinks(g: &TaskGraph) -> Vec<bool> {
+fn waited_for_beyond_sinks(g: &VppTaskGraph) -> Vec<bool> {
     let mut waited = vec![false; g.tasks.len()];
     for (i, t) in g.tasks.iter().enumerate() {
         if is_sink(i, t) {
@@ -1192,815 +934,4 @@ fn assemble(
             .map_err(|_| CoreError::vpps(WHAT, "scripts beyond 32-bit offsets"))?;
     }
     PackedScripts::assemble(words, vpps, &expect, pool)
-}
-
-/// What a simulated run did.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Simulation {
-    /// Task ids in the order they completed (on the last of their VPPs).
-    pub order: Vec<u32>,
-    /// Every `(vpp, task)` execution, in simulated time order.
-    pub executions: Vec<(u32, u32)>,
-    /// Final signal count of each barrier.
-    pub barrier_counts: Vec<u32>,
-    /// Instructions executed, control instructions included.
-    pub steps: usize,
-}
-
-/// Runs `schedule`'s packed scripts on the CPU, one instruction per turn,
-/// visiting the VPPs round-robin, and returns the order in which tasks
-/// completed. See [`simulate_with`] for the checks.
-pub fn simulate(schedule: &Schedule, g: &TaskGraph) -> Result<Vec<u32>> {
-    let mut last: Option<u32> = None;
-    let sim = simulate_with(schedule, g, |runnable| {
-        let at = last
-            .and_then(|p| runnable.iter().position(|&v| v > p))
-            .unwrap_or(0);
-        last = runnable.get(at).copied();
-        at
-    })?;
-    Ok(sim.order)
-}
-
-/// One VPP's place in its decoded script.
-struct Cursor {
-    instrs: Vec<Instr>,
-    pc: usize,
-    task: usize,
-}
-
-fn sim_err(message: String) -> CoreError {
-    CoreError::vpps("simulation", message)
-}
-
-/// Runs `schedule`'s packed scripts on the CPU. Before each instruction,
-/// `choose` gets the VPPs that can run (not finished, not blocked on a `WAIT`
-/// whose barrier is short of its expectation), ascending, and returns the
-/// position of the one that runs next (taken modulo the list's length).
-///
-/// Errors when the graph has a forward dependency, the scripts deadlock, a
-/// barrier is unknown or signalled more often than expected, an instruction
-/// does not match the task [`Schedule::vpp_tasks`] says it runs (opcode, arg,
-/// operands, or for a merged instruction the operand-pool slice), a task runs
-/// before all its dependencies completed on all their VPPs, or a task does
-/// not run on exactly the VPPs of [`Schedule::task_vpps`].
-pub fn simulate_with(
-    schedule: &Schedule,
-    g: &TaskGraph,
-    mut choose: impl FnMut(&[u32]) -> usize,
-) -> Result<Simulation> {
-    let packed = &schedule.packed;
-    let n = g.tasks.len();
-    if schedule.task_vpps.len() != n || schedule.vpp_tasks.len() != packed.vpps {
-        return Err(sim_err(format!(
-            "schedule for {} tasks on {} VPPs does not match a graph of {n} tasks and {} scripts",
-            schedule.task_vpps.len(),
-            schedule.vpp_tasks.len(),
-            packed.vpps
-        )));
-    }
-    for (i, t) in g.tasks.iter().enumerate() {
-        check_task(i, t)?;
-    }
-    let mut cursors = Vec::with_capacity(packed.vpps);
-    for v in 0..packed.vpps {
-        cursors.push(Cursor {
-            instrs: packed.decode_script(v)?,
-            pc: 0,
-            task: 0,
-        });
-    }
-    let expect = packed.barrier_expects();
-    let pool = packed.operand_pool();
-    let mut counts = vec![0u32; packed.barriers];
-    let mut done = vec![0usize; n];
-    let mut sim = Simulation {
-        order: Vec::new(),
-        executions: Vec::new(),
-        barrier_counts: Vec::new(),
-        steps: 0,
-    };
-    let mut runnable: Vec<u32> = Vec::with_capacity(packed.vpps);
-    loop {
-        runnable.clear();
-        let mut blocked = Vec::new();
-        for (v, c) in cursors.iter().enumerate() {
-            let Some(instr) = c.instrs.get(c.pc) else {
-                continue;
-            };
-            if instr.op == OP_WAIT {
-                let b = usize::from(instr.arg);
-                let (Some(&have), Some(&want)) = (counts.get(b), expect.get(b)) else {
-                    return Err(sim_err(format!("vpp {v} waits on unknown barrier {b}")));
-                };
-                if have < want {
-                    blocked.push(format!("vpp {v} waits on barrier {b} ({have} of {want})"));
-                    continue;
-                }
-            }
-            runnable.push(v as u32);
-        }
-        if runnable.is_empty() {
-            if blocked.is_empty() {
-                break;
-            }
-            return Err(sim_err(format!("deadlock: {}", blocked.join("; "))));
-        }
-        let v = runnable[choose(&runnable) % runnable.len()] as usize;
-        let c = &mut cursors[v];
-        let instr = &c.instrs[c.pc];
-        c.pc += 1;
-        sim.steps += 1;
-        match instr.op {
-            OP_WAIT => {}
-            OP_SIGNAL => {
-                let b = usize::from(instr.arg);
-                let (Some(have), Some(&want)) = (counts.get_mut(b), expect.get(b)) else {
-                    return Err(sim_err(format!("vpp {v} signals unknown barrier {b}")));
-                };
-                *have += 1;
-                if *have > want {
-                    return Err(sim_err(format!(
-                        "vpp {v} signals barrier {b} beyond its expected {want}"
-                    )));
-                }
-            }
-            op if op < OP_FIRST_ENGINE => {
-                return Err(sim_err(format!(
-                    "vpp {v}: reserved opcode {op} at instruction {}",
-                    c.pc - 1
-                )));
-            }
-            _ => {
-                let tasks = &schedule.vpp_tasks[v];
-                let Some(&first) = tasks.get(c.task) else {
-                    return Err(sim_err(format!(
-                        "vpp {v}: instruction {} has no scheduled task",
-                        c.pc - 1
-                    )));
-                };
-                let task = g.tasks.get(first as usize).ok_or_else(|| {
-                    sim_err(format!(
-                        "vpp {v}: scheduled task {first} is not in the graph"
-                    ))
-                })?;
-                let mismatch = |what: &str| {
-                    sim_err(format!(
-                        "vpp {v}: instruction {} does not match task {first}: {what}",
-                        c.pc - 1
-                    ))
-                };
-                if instr.op != task.op || instr.arg != task.arg {
-                    return Err(mismatch("opcode or arg"));
-                }
-                let ran: &[u32] = if let Placement::Holders { .. } = task.placement {
-                    // the merged items: inline after the count, or at an
-                    // offset of the operand pool
-                    // (a wide one's VPP range follows the count)
-                    let skip = match instr.operands.first() {
-                        Some(&count) if count & WIDE_ITEMS != 0 => 1,
-                        _ => 0,
-                    };
-                    let (count, items): (u32, &[u32]) = match instr.operands[..] {
-                        [count, ..] if count & INLINE_ITEMS != 0 => (
-                            count & !(INLINE_ITEMS | WIDE_ITEMS),
-                            instr.operands.get(1 + skip..).unwrap_or(&[]),
-                        ),
-                        [count, .., offset] if instr.operands.len() == 2 + skip => (
-                            count & !WIDE_ITEMS,
-                            pool.get(offset as usize..).unwrap_or(&[]),
-                        ),
-                        _ => {
-                            return Err(mismatch(
-                                "a merged instruction needs [count, offset] or inline items",
-                            ))
-                        }
-                    };
-                    // tasks merged into the instruction: `count` tasks, or
-                    // as many as carry `count` items
-                    let merged = match schedule.holder_item {
-                        0 => count as usize,
-                        item => {
-                            let (mut items, mut k) = (0usize, 0usize);
-                            while items < count as usize {
-                                let t = tasks.get(c.task + k).ok_or_else(|| {
-                                    mismatch("count runs past the scheduled tasks")
-                                })?;
-                                let words =
-                                    g.tasks.get(*t as usize).map_or(0, |x| x.operands.len());
-                                items += words / item;
-                                k += 1;
-                            }
-                            if items != count as usize {
-                                return Err(mismatch("count splits a task's items"));
-                            }
-                            k
-                        }
-                    };
-                    let ran = tasks
-                        .get(c.task..c.task + merged)
-                        .ok_or_else(|| mismatch("count runs past the scheduled tasks"))?;
-                    let mut at = 0;
-                    for &t in ran {
-                        let other = g.tasks.get(t as usize).ok_or_else(|| {
-                            sim_err(format!("vpp {v}: scheduled task {t} is not in the graph"))
-                        })?;
-                        if other.op != task.op
-                            || other.arg != task.arg
-                            || other.placement != task.placement
-                        {
-                            return Err(mismatch("merged tasks differ in opcode, arg or matrix"));
-                        }
-                        let end = at + other.operands.len();
-                        if items.get(at..end) != Some(&other.operands[..]) {
-                            return Err(mismatch("merged operand items"));
-                        }
-                        at = end;
-                    }
-                    ran
-                } else {
-                    if instr.operands != task.operands {
-                        return Err(mismatch("operands"));
-                    }
-                    std::slice::from_ref(&tasks[c.task])
-                };
-                c.task += ran.len();
-                for &t in ran {
-                    let tu = t as usize;
-                    for &d in &g.tasks[tu].deps {
-                        let du = d as usize;
-                        if done[du] < schedule.task_vpps[du].len() {
-                            return Err(sim_err(format!(
-                                "task {t} ran on vpp {v} before its dependency {d} completed \
-                                 ({} of {} VPPs)",
-                                done[du],
-                                schedule.task_vpps[du].len()
-                            )));
-                        }
-                    }
-                    if !schedule.task_vpps[tu].contains(&(v as u32)) {
-                        return Err(sim_err(format!(
-                            "task {t} ran on vpp {v}, not one of its VPPs {:?}",
-                            schedule.task_vpps[tu]
-                        )));
-                    }
-                    done[tu] += 1;
-                    sim.executions.push((v as u32, t));
-                    if done[tu] == schedule.task_vpps[tu].len() {
-                        sim.order.push(t);
-                    }
-                }
-            }
-        }
-    }
-    for (v, c) in cursors.iter().enumerate() {
-        if c.task != schedule.vpp_tasks[v].len() {
-            return Err(sim_err(format!(
-                "vpp {v} finished its script after {} of its {} tasks",
-                c.task,
-                schedule.vpp_tasks[v].len()
-            )));
-        }
-    }
-    if let Some(t) = (0..n).find(|&t| done[t] != schedule.task_vpps[t].len() || done[t] == 0) {
-        return Err(sim_err(format!(
-            "task {t} ran {} times, scheduled on VPPs {:?}",
-            done[t], schedule.task_vpps[t]
-        )));
-    }
-    sim.barrier_counts = counts;
-    Ok(sim)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn task(op: u8, operands: &[u32], deps: &[u32], load: u64, placement: Placement) -> Task {
-        Task {
-            op,
-            arg: 0,
-            operands: operands.to_vec(),
-            deps: deps.to_vec(),
-            load,
-            placement,
-        }
-    }
-
-    /// Four VPPs; matrix 0 cached on all of them, matrix 1 on VPPs 1 and 2
-    /// (the setting of VPPS Fig. 6d).
-    fn fig6_scheduler() -> Scheduler {
-        Scheduler {
-            vpps: 4,
-            holders: vec![vec![0, 1, 2, 3], vec![1, 2]],
-            holder_rows: vec![vec![8; 4], vec![8; 2]],
-            matrix_load_factor: 1,
-            chain: false,
-            defer_terminal: false,
-            // the figure balances the batch's accumulated load
-            balance_per_level: false,
-            record: true,
-            holder_item: 0,
-            wide_items: None,
-            matrix_shapes: Vec::new(),
-        }
-    }
-
-    fn fig6_graph() -> TaskGraph {
-        let h0 = Placement::Holders { matrix: 0 };
-        let mut g = TaskGraph::new();
-        g.push(task(20, &[100], &[], 5, Placement::Any)).unwrap();
-        g.push(task(16, &[10, 11], &[], 4, h0)).unwrap();
-        g.push(task(16, &[12, 13], &[], 4, h0)).unwrap();
-        g.push(task(
-            16,
-            &[14, 15],
-            &[],
-            2,
-            Placement::Holders { matrix: 1 },
-        ))
-        .unwrap();
-        g.push(task(21, &[200], &[0, 1], 1, Placement::Any))
-            .unwrap();
-        g.push(task(30, &[], &[4], 1, Placement::Every)).unwrap();
-        g
-    }
-
-    #[test]
-    fn wide_products_go_to_a_rotating_range_of_vpps_one_per_tile() {
-        let mut scheduler = fig6_scheduler();
-        scheduler.holder_item = 3;
-        scheduler.wide_items = Some(3);
-        // matrix 1: 128 rows, so a product has two row tiles (32 columns:
-        // too shallow a reduction to split)
-        scheduler.matrix_shapes = vec![(8, 8), (128, 32)];
-        let h1 = Placement::Holders { matrix: 1 };
-        let mut g = TaskGraph::new();
-        // three items on matrix 1 (held by VPPs 1 and 2): wide, two tiles;
-        // then two items on it a level later: narrow, on the holders
-        g.push(task(OP_FIRST_ENGINE, &[1, 2, 3, 4, 5, 6], &[], 1, h1))
-            .unwrap();
-        g.push(task(OP_FIRST_ENGINE, &[7, 8, 9], &[], 1, h1))
-            .unwrap();
-        g.push(task(17, &[10, 11, 12, 13, 14, 15], &[0, 1], 1, h1))
-            .unwrap();
-        let s = scheduler.schedule(&g).unwrap();
-        assert_eq!(wide_tiles(OP_FIRST_ENGINE, 128, 32, 3, 4), 2);
-        let p = |op, len, arg| preamble(op, len, arg);
-        let wide = [
-            p(OP_FIRST_ENGINE, 12, 0),
-            3 | INLINE_ITEMS | WIDE_ITEMS,
-            2 << 16, // VPPs 0 and 1
-            1,
-            2,
-            3,
-            4,
-            5,
-            6,
-            7,
-            8,
-            9,
-        ];
-        let narrow = [p(17, 8, 0), 2 | INLINE_ITEMS, 10, 11, 12, 13, 14, 15];
-        let (signal, wait) = (p(OP_SIGNAL, 1, 0), p(OP_WAIT, 1, 0));
-        assert_eq!(s.packed.script(0), &[&wide[..], &[signal]].concat()[..]);
-        assert_eq!(
-            s.packed.script(1),
-            &[&wide[..], &[signal, wait], &narrow[..]].concat()[..]
-        );
-        assert_eq!(s.packed.script(2), &[&[wait][..], &narrow[..]].concat()[..]);
-        assert!(s.packed.script(3).is_empty());
-        assert_eq!(s.packed.barrier_expects(), &[2]);
-        assert_eq!(s.task_vpps[0], vec![0, 1]);
-        assert_eq!(s.task_vpps[2], vec![1, 2]);
-        assert_eq!(simulate(&s, &g).unwrap().len(), 3);
-        // a long list goes to the operand pool; two wide products of a
-        // level share the VPPs in proportion to their work
-        let items: Vec<u32> = (0..30).collect();
-        let mut g = TaskGraph::new();
-        g.push(task(OP_FIRST_ENGINE, &items, &[], 1, h1)).unwrap();
-        g.push(task(OP_FIRST_ENGINE + 1, &items, &[], 1, h1))
-            .unwrap();
-        g.push(task(OP_FIRST_ENGINE + 1, &items[..3], &[], 1, h1))
-            .unwrap();
-        scheduler.matrix_shapes = vec![(8, 8), (64, 96)];
-        let s = scheduler.schedule(&g).unwrap();
-        // MATVEC (10 items) gets one VPP of four, MATVEC_T (the one-item
-        // task merged in: 11 items) the other three: one row tile on VPP 0,
-        // its reduction not split; 2 column tiles on VPPs 1 and 2
-        let first = [p(OP_FIRST_ENGINE, 4, 0), 10 | WIDE_ITEMS, 1 << 16, 0];
-        let second = [
-            p(OP_FIRST_ENGINE + 1, 4, 0),
-            11 | WIDE_ITEMS,
-            1 | 2 << 16,
-            30,
-        ];
-        assert_eq!(s.packed.script(0), &first[..]);
-        assert_eq!(s.packed.script(1), &second[..]);
-        assert_eq!(s.task_vpps[1], vec![1, 2]);
-        assert!(s.packed.script(3).is_empty());
-        assert_eq!(simulate(&s, &g).unwrap().len(), 3);
-    }
-
-    #[test]
-    fn wide_ranges_share_the_vpps_the_level_leaves_idle() {
-        let product = |count| WideProduct {
-            op: OP_FIRST_ENGINE,
-            rows: 1024,
-            cols: 64,
-            count,
-        };
-        // 32 tiles each: more than any share, so each fills its share
-        assert_eq!(wide_tiles(OP_FIRST_ENGINE, 1024, 64, 100, 8), 32);
-        let mut ranges = Vec::new();
-        let mut next = 5;
-        // VPPs 0 and 7 busy: the region is 1..=6, shared 1 : 3 by work
-        // (1.5 and 4.5 rounded down, the spare VPP to the heavier)
-        let mut busy = [false; 8];
-        busy[0] = true;
-        busy[7] = true;
-        deal_wide_ranges(&busy, &mut next, &[product(100), product(300)], &mut ranges);
-        assert_eq!(ranges, vec![(1, 1), (2, 5)]);
-        // the idle run may wrap around: VPPs 3 and 4 busy, region 5..=2
-        let mut busy = [false; 8];
-        busy[3] = true;
-        busy[4] = true;
-        deal_wide_ranges(&busy, &mut next, &[product(100)], &mut ranges);
-        assert_eq!(ranges, vec![(5, 6)]);
-        // nothing else at the level: every VPP, from where the last range
-        // ended; a product with fewer pieces than VPPs takes only those
-        next = 6;
-        let small = WideProduct {
-            op: OP_FIRST_ENGINE,
-            rows: 128,
-            cols: 32,
-            count: 3,
-        };
-        assert_eq!(wide_tiles(OP_FIRST_ENGINE, 128, 32, 3, 8), 2);
-        deal_wide_ranges(&[false; 8], &mut next, &[small], &mut ranges);
-        assert_eq!(ranges, vec![(6, 2)]);
-        assert_eq!(next, 0);
-        // less than half idle: every VPP again (the level's other work is
-        // spread over them), from `next`
-        let mut busy = [true; 8];
-        busy[2] = false;
-        deal_wide_ranges(&busy, &mut next, &[product(100), product(100)], &mut ranges);
-        assert_eq!(ranges, vec![(0, 4), (4, 4)]);
-        // more products than VPPs: each may use all of them
-        deal_wide_ranges(&[false; 2], &mut next, &[small, small, small], &mut ranges);
-        assert_eq!(ranges.len(), 3);
-        assert!(ranges.iter().all(|&(_, n)| (1..=2).contains(&n)));
-    }
-
-    #[test]
-    fn a_levels_wide_products_share_the_vpps_by_tile_steps() {
-        use crate::vpps::kernel::split_depth;
-        // a Tree-LSTM level at h 512: U_iou h over 17 parents, U_f h over
-        // their 34 children; one row of tiles each, U_iou three times the
-        // tiles, so 3/4 of the VPPs (by multiply-adds it had 3/5: pieces 6
-        // steps deep against U_f's 3)
-        let u_iou = WideProduct {
-            op: OP_FIRST_ENGINE,
-            rows: 1536,
-            cols: 512,
-            count: 17,
-        };
-        let u_f = WideProduct {
-            rows: 512,
-            count: 34,
-            ..u_iou
-        };
-        assert_eq!(wide_work(OP_FIRST_ENGINE, 1536, 512, 17), 24 * 32);
-        assert_eq!(wide_work(OP_FIRST_ENGINE, 512, 512, 34), 8 * 32);
-        let mut ranges = Vec::new();
-        deal_wide_ranges(&[false; 264], &mut 0, &[u_iou, u_f], &mut ranges);
-        assert_eq!(ranges, vec![(0, 192), (198, 64)]);
-        // both split 512 columns 64 deep: 4 steps a piece
-        assert_eq!(split_depth(512, 192 / 24), (8, 64));
-        assert_eq!(split_depth(512, 64 / 8), (8, 64));
-    }
-
-    #[test]
-    fn fig6_scripts() {
-        let g = fig6_graph();
-        let s = fig6_scheduler().schedule(&g).unwrap();
-        assert_eq!(s.levels, 3);
-        assert_eq!(s.task_levels, vec![0, 0, 0, 0, 1, 2]);
-        let p = |op, len, arg| preamble(op, len, arg);
-        let merged0 = [p(16, 3, 0), 2, 0];
-        let merged1 = [p(16, 3, 0), 1, 4];
-        let (s0, w0, s1, w1) = (p(1, 1, 0), p(2, 1, 0), p(1, 1, 1), p(2, 1, 1));
-        let update = p(30, 1, 0);
-        let vpp0 = [&merged0[..], &[p(20, 2, 0), 100, s0, w1, update]].concat();
-        let vpp1 = [&merged0[..], &merged1[..], &[s0, w1, update]].concat();
-        let vpp3 = [&merged0[..], &[s0, w0, p(21, 2, 0), 200, s1, w1, update]].concat();
-        assert_eq!(s.packed.script(0), &vpp0[..]);
-        assert_eq!(s.packed.script(1), &vpp1[..]);
-        assert_eq!(s.packed.script(2), &vpp1[..]);
-        assert_eq!(s.packed.script(3), &vpp3[..]);
-        assert_eq!(s.packed.barrier_expects(), &[4, 1]);
-        assert_eq!(s.packed.operand_pool(), &[10, 11, 12, 13, 14, 15]);
-        // Holder loads: 8 x 8/32 = 2 each, matrix 1: 2 x 8/16 = 1; then the
-        // Any tasks go to VPP 0 (tie, lowest index) and VPP 3.
-        assert_eq!(s.loads, vec![8, 4, 4, 4]);
-        assert_eq!(s.task_vpps[0], vec![0]);
-        assert_eq!(s.task_vpps[3], vec![1, 2]);
-        assert_eq!(s.task_vpps[4], vec![3]);
-        assert_eq!(s.task_vpps[5], vec![0, 1, 2, 3]);
-        assert_eq!(s.vpp_tasks[1], vec![1, 2, 3, 5]);
-        let order = simulate(&s, &g).unwrap();
-        assert_eq!(order.len(), 6);
-        assert_eq!(order.last(), Some(&5));
-    }
-
-    #[test]
-    fn simulator_catches_broken_scripts() {
-        let g = fig6_graph();
-        let s = fig6_scheduler().schedule(&g).unwrap();
-        let repack = |s: &Schedule, scripts: Vec<Vec<u32>>, expect: &[u32], pool: &[u32]| {
-            let mut t = s.clone();
-            t.packed = PackedScripts::pack(&scripts, expect, pool).unwrap();
-            t
-        };
-        let scripts: Vec<Vec<u32>> = (0..4).map(|v| s.packed.script(v).to_vec()).collect();
-        let pool = s.packed.operand_pool().to_vec();
-        // VPP 3 without its WAIT 0, running ahead of everyone else.
-        let mut broken = scripts.clone();
-        broken[3].remove(4);
-        let t = repack(&s, broken, &[4, 1], &pool);
-        let err = simulate_with(&t, &g, |r| r.len() - 1).unwrap_err();
-        assert!(err.to_string().contains("before its dependency"), "{err}");
-        // A graph that is not the scheduled one (and not a DAG).
-        let mut other = g.clone();
-        other.tasks[0].deps = vec![5];
-        let err = simulate(&s, &other).unwrap_err();
-        assert!(
-            err.to_string().contains("task 0 depends on task 5"),
-            "{err}"
-        );
-        // An expectation nobody meets.
-        let t = repack(&s, scripts.clone(), &[4, 2], &pool);
-        let err = simulate(&t, &g).unwrap_err();
-        assert!(err.to_string().contains("deadlock"), "{err}");
-        // Over-signalling.
-        let t = repack(&s, scripts.clone(), &[3, 1], &pool);
-        assert!(simulate(&t, &g).is_err());
-        // A corrupted operand pool.
-        let mut bad_pool = pool.clone();
-        bad_pool[3] += 1;
-        let t = repack(&s, scripts.clone(), &[4, 1], &bad_pool);
-        let err = simulate(&t, &g).unwrap_err();
-        assert!(err.to_string().contains("merged operand items"), "{err}");
-        // A task dropped from a VPP's script.
-        let mut broken = scripts;
-        broken[0].truncate(3);
-        let t = repack(&s, broken, &[4, 1], &pool);
-        assert!(simulate(&t, &g).is_err());
-    }
-
-    #[test]
-    fn invalid_graphs_are_rejected() {
-        let mut g = TaskGraph::new();
-        let err = g.push(task(16, &[], &[0], 1, Placement::Any)).unwrap_err();
-        assert!(
-            err.to_string().contains("task 0 depends on task 0"),
-            "{err}"
-        );
-        let err = g
-            .push(task(OP_WAIT, &[], &[], 1, Placement::Any))
-            .unwrap_err();
-        assert!(err.to_string().contains("opcode 2"), "{err}");
-        let err = g
-            .push(task(16, &[0; 255], &[], 1, Placement::Every))
-            .unwrap_err();
-        assert!(err.to_string().contains("255 operands"), "{err}");
-        assert!(g.is_empty());
-        // Many operands are fine through the pool.
-        g.push(task(
-            16,
-            &[0; 300],
-            &[],
-            1,
-            Placement::Holders { matrix: 1 },
-        ))
-        .unwrap();
-        g.push(task(16, &[0; 2], &[], 1, Placement::Holders { matrix: 1 }))
-            .unwrap();
-        let err = fig6_scheduler().schedule(&g).unwrap_err();
-        assert!(err.to_string().contains("300 and 2 operands"), "{err}");
-        let err = Scheduler::with_vpps(4).schedule(&g).unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("task 0 runs on the holders of matrix 1"),
-            "{err}"
-        );
-        // A hand-built graph with a forward edge.
-        let g = TaskGraph {
-            tasks: vec![
-                task(16, &[], &[1], 1, Placement::Any),
-                task(16, &[], &[], 1, Placement::Any),
-            ],
-        };
-        let err = Scheduler::with_vpps(2).schedule(&g).unwrap_err();
-        assert!(
-            err.to_string().contains("task 0 depends on task 1"),
-            "{err}"
-        );
-        let mut bad = fig6_scheduler();
-        bad.holders[1] = vec![2, 1];
-        assert!(bad.schedule(&TaskGraph::new()).is_err());
-        bad.holders[1] = vec![1, 4];
-        assert!(bad.schedule(&TaskGraph::new()).is_err());
-        assert!(Scheduler::with_vpps(0).schedule(&TaskGraph::new()).is_err());
-    }
-
-    #[test]
-    fn empty_graph_gives_empty_scripts() {
-        let s = Scheduler::with_vpps(3).schedule(&TaskGraph::new()).unwrap();
-        assert_eq!((s.levels, s.packed.barriers, s.packed.vpps), (0, 0, 3));
-        assert!(s.packed.script(1).is_empty());
-        assert!(simulate(&s, &TaskGraph::new()).unwrap().is_empty());
-    }
-
-    #[test]
-    fn holder_tasks_of_item_pairs_merge_by_items() {
-        let mut s = fig6_scheduler();
-        s.holder_item = 2;
-        let mut g = TaskGraph::new();
-        let a = g
-            .push(task(20, &[1, 2], &[], 1, Placement::Holders { matrix: 0 }))
-            .unwrap();
-        g.push(task(
-            20,
-            &[3, 4, 5, 6],
-            &[],
-            1,
-            Placement::Holders { matrix: 0 },
-        ))
-        .unwrap();
-        g.push(task(21, &[7], &[a], 1, Placement::Any)).unwrap();
-        let sc = s.schedule(&g).unwrap();
-        let first = sc.packed.decode_script(0).unwrap();
-        assert_eq!(
-            first[0].operands,
-            [3 | INLINE_ITEMS, 1, 2, 3, 4, 5, 6],
-            "three pairs inside one instruction"
-        );
-        assert!(sc.packed.operand_pool().is_empty());
-        assert_eq!(simulate(&sc, &g).unwrap().len(), 3);
-        // a list longer than the inline limit goes to the operand pool
-        let mut long = g.clone();
-        let many: Vec<u32> = (100..100 + MAX_INLINE_ITEM_WORDS as u32).collect();
-        long.push(task(20, &many, &[], 1, Placement::Holders { matrix: 0 }))
-            .unwrap();
-        let sc = s.schedule(&long).unwrap();
-        let first = sc.packed.decode_script(0).unwrap();
-        let items = (6 + MAX_INLINE_ITEM_WORDS) / 2;
-        assert_eq!(first[0].operands, [items as u32, 0]);
-        assert_eq!(
-            &sc.packed.operand_pool()[..8],
-            &[1, 2, 3, 4, 5, 6, 100, 101]
-        );
-        assert_eq!(simulate(&sc, &long).unwrap().len(), 4);
-        // the simulator checks inline items against the tasks'
-        let mut bad = s.schedule(&g).unwrap();
-        let mut scripts: Vec<Vec<u32>> = (0..bad.packed.vpps)
-            .map(|v| bad.packed.script(v).to_vec())
-            .collect();
-        scripts[0][2] += 1;
-        bad.packed = PackedScripts::pack(&scripts, bad.packed.barrier_expects(), &[]).unwrap();
-        let err = simulate(&bad, &g).unwrap_err().to_string();
-        assert!(err.contains("merged operand items"), "{err}");
-        g.push(task(
-            20,
-            &[1, 2, 3],
-            &[],
-            1,
-            Placement::Holders { matrix: 0 },
-        ))
-        .unwrap();
-        let err = s.schedule(&g).unwrap_err().to_string();
-        assert!(
-            err.contains("not a positive multiple of 2-word items"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn only_one_task_that_only_a_sink_waits_for_chains_per_processor_and_level() {
-        // a producer, four siblings nothing but the sink waits for, the sink
-        let mut g = TaskGraph::new();
-        g.push(task(16, &[0], &[], 1, Placement::Any)).unwrap();
-        for k in 1..=4 {
-            g.push(task(16, &[k], &[0], 1, Placement::Any)).unwrap();
-        }
-        g.push(task(16, &[5], &[0, 1, 2, 3, 4], 1, Placement::Any))
-            .unwrap();
-        let s = Scheduler::with_vpps(4).schedule(&g).unwrap();
-        assert_eq!(s.task_levels, vec![0, 0, 1, 1, 1, 2]);
-        assert_eq!(s.task_vpps[1], s.task_vpps[0], "the first sibling chains");
-        let spread: std::collections::BTreeSet<u32> = (2..5).map(|t| s.task_vpps[t][0]).collect();
-        assert_eq!(spread.len(), 3, "the others run side by side");
-        assert_eq!(simulate(&s, &g).unwrap().len(), 6);
-    }
-
-    #[test]
-    fn tasks_only_a_sink_waits_for_run_at_the_end() {
-        // a three-level chain, a sum of its first task's rows that only
-        // the sink waits for, the sink
-        let mut g = TaskGraph::new();
-        g.push(task(16, &[0], &[], 1, Placement::Any)).unwrap();
-        g.push(task(16, &[1], &[0], 1, Placement::Any)).unwrap();
-        g.push(task(16, &[2], &[1], 1, Placement::Any)).unwrap();
-        g.push(task(17, &[3], &[0], 1, Placement::Any)).unwrap();
-        g.push(task(16, &[4], &[0, 1, 2, 3], 1, Placement::Any))
-            .unwrap();
-        let mut s = Scheduler::with_vpps(2);
-        s.chain = false;
-        let deferred = s.schedule(&g).unwrap();
-        assert_eq!(deferred.task_levels, vec![0, 1, 2, 2, 3]);
-        assert_ne!(
-            deferred.task_vpps[3], deferred.task_vpps[2],
-            "beside the last level's work"
-        );
-        assert_eq!(simulate(&deferred, &g).unwrap().len(), 5);
-        s.defer_terminal = false;
-        assert_eq!(s.schedule(&g).unwrap().task_levels, vec![0, 1, 2, 1, 3]);
-    }
-
-    #[test]
-    fn products_only_a_sink_waits_for_run_together_at_the_end() {
-        // a backward pass's end: two levels' weight-gradient outer products
-        // (tasks 1 and 4, on the holders of different matrices) that only
-        // the sink waits for
-        let mut g = TaskGraph::new();
-        let (h0, h1) = (
-            Placement::Holders { matrix: 0 },
-            Placement::Holders { matrix: 1 },
-        );
-        g.push(task(20, &[0], &[], 1, Placement::Any)).unwrap();
-        g.push(task(18, &[1], &[0], 1, h1)).unwrap();
-        g.push(task(17, &[2], &[0], 1, h0)).unwrap();
-        g.push(task(20, &[3], &[2], 1, Placement::Any)).unwrap();
-        g.push(task(18, &[4], &[3], 1, h0)).unwrap();
-        g.push(task(27, &[], &[0, 1, 2, 3, 4], 1, Placement::Any))
-            .unwrap();
-        let mut s = fig6_scheduler();
-        s.defer_terminal = true;
-        let deferred = s.schedule(&g).unwrap();
-        assert_eq!(deferred.task_levels, vec![0, 3, 1, 2, 3, 4]);
-        assert_eq!(simulate(&deferred, &g).unwrap().len(), 6);
-        s.defer_terminal = false;
-        assert_eq!(s.schedule(&g).unwrap().task_levels, vec![0, 1, 1, 2, 3, 4]);
-        // an update on every VPP that waits for the outer product only
-        // still runs after the transposed product nothing waits for (it
-        // overwrites the weights that product reads)
-        let mut g = TaskGraph::new();
-        g.push(task(16, &[0], &[], 1, h0)).unwrap();
-        g.push(task(17, &[1], &[0], 1, h0)).unwrap();
-        g.push(task(18, &[2], &[0], 1, h0)).unwrap();
-        g.push(task(19, &[], &[2], 1, Placement::Every)).unwrap();
-        s.defer_terminal = true;
-        assert_eq!(s.schedule(&g).unwrap().task_levels, vec![0, 1, 1, 2]);
-    }
-
-    #[test]
-    fn barrier_limit() {
-        let chain = |n: u32| {
-            let mut g = TaskGraph::new();
-            for i in 0..n {
-                let deps = if i == 0 { vec![] } else { vec![i - 1] };
-                g.push(task(16, &[i], &deps, 1, Placement::Any)).unwrap();
-            }
-            g
-        };
-        let mut unchained = Scheduler::with_vpps(2);
-        unchained.chain = false;
-        let s = unchained.schedule(&chain(65536)).unwrap();
-        assert_eq!(s.packed.barriers, MAX_BARRIERS);
-        assert_eq!(s.packed.barrier_expect(65534), Some(1));
-        let err = unchained.schedule(&chain(65537)).unwrap_err();
-        assert!(err.to_string().contains("65537 levels"), "{err}");
-        // chained, the same dependency chain is one processor's one level
-        let s = Scheduler::with_vpps(2).schedule(&chain(65537)).unwrap();
-        assert_eq!((s.levels, s.packed.barriers), (1, 0));
-        assert!(s.task_vpps.iter().all(|v| v == &s.task_vpps[0]));
-        assert_eq!(simulate(&s, &chain(65537)).unwrap().len(), 65537);
-    }
-
-    #[test]
-    fn min_load_matches_a_scan() {
-        for n in [1usize, 2, 3, 5, 8, 13] {
-            let mut m = MinLoad::new(n);
-            let mut naive = vec![0u64; n];
-            for step in 0..200u64 {
-                let want = (0..n).min_by_key(|&v| (naive[v], v)).unwrap_or(0);
-                assert_eq!(m.argmin() as usize, want, "n {n} step {step}");
-                let v = ((step * 7 + 3) % n as u64) as usize;
-                let amount = (step * 31) % 11;
-                m.add(v, amount);
-                naive[v] += amount;
-            }
-        }
-    }
 }

@@ -15,17 +15,9 @@
 //! to the next instruction without knowing the opcode. Signal and wait are one
 //! word each, their `arg` being the barrier index.
 
+use super::isa::{OP_SIGNAL, OP_WAIT};
 use crate::error::{CoreError, Result};
 
-/// Control opcode: add one to barrier `arg` once this VPP's earlier work is
-/// visible to the others.
-pub const OP_SIGNAL: u8 = 1;
-/// Control opcode: block until barrier `arg` has received its expected number
-/// of signals ([`PackedScripts::barrier_expect`]).
-pub const OP_WAIT: u8 = 2;
-/// First opcode available to the engine's own operations; `0` and
-/// `3..OP_FIRST_ENGINE` are reserved.
-pub const OP_FIRST_ENGINE: u8 = 16;
 /// Most operands one instruction can carry (the length field is 8 bits and
 /// counts the preamble).
 pub const MAX_OPERANDS: usize = 254;
@@ -296,6 +288,7 @@ impl PackedScripts {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::vpps::isa::OP_FIRST_ENGINE;
 
     #[test]
     fn preamble_layout() {

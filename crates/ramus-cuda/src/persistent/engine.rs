@@ -37,13 +37,13 @@ use rayon::prelude::*;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaStream};
+use ramus_core::vpps::isa::PRODUCT_ITEM_WORDS;
 use ramus_core::vpps::kernel::{
-    kernel_source, KernelOptions, UpdateRule, KERNEL_NAME, PRODUCT_ITEM_WORDS, TRACE_AT,
-    TRACE_RECORD_WORDS, TRACE_WORDS_PER_CTA, WIDE_PRODUCT_ITEMS,
+    kernel_source, KernelOptions, UpdateRule, KERNEL_NAME, TRACE_AT, TRACE_RECORD_WORDS,
+    TRACE_WORDS_PER_CTA, WIDE_PRODUCT_ITEMS,
 };
-
 use ramus_core::vpps::{
-    plan, valid_rpws, DeviceLimits, PlanRequest, RegisterPlan, Schedule as Scripts, Scheduler,
+    plan, valid_rpws, BatchScripts, DeviceLimits, PlanRequest, RegisterPlan, Scheduler,
 };
 use ramus_core::{Model, Params, Tensor};
 use ramus_exec::memory::DeviceRoom;
@@ -241,7 +241,7 @@ struct PreparedBatch {
     /// [`ramus_core::vpps::split_launches`]).
     launches: Vec<LaunchScripts>,
     /// Without register gradients: the matrices' update, a last script.
-    updates: Option<Scripts>,
+    updates: Option<BatchScripts>,
     host_seconds: f64,
 }
 
@@ -249,7 +249,7 @@ struct PreparedBatch {
 /// work), `at` words into the slot's script buffer, and the indices of the
 /// batch's host work ([`BatchProgram::host_work`]) that follows it.
 struct LaunchScripts {
-    scripts: Option<Scripts>,
+    scripts: Option<BatchScripts>,
     at: usize,
     host_after: Vec<u32>,
 }

@@ -39,12 +39,12 @@ use ramus_core::ops::{
     BroadcastRows, Concat, Embedding, ExpandChildren, MatMul, Pad, Reshape, Slice, SoftmaxXent,
     SoftmaxXentBackward, SumChildren, SumRows,
 };
-use ramus_core::vpps::kernel::{
+use ramus_core::vpps::isa::{
     NO_INDEX, OP_BROADCAST_ROWS, OP_FUSED, OP_MATVEC, OP_MATVEC_T, OP_NOP, OP_OUTER, OP_ROWS,
     OP_SUM_CHILDREN, OP_SUM_ROWS, OP_UPDATE, OP_UPDATE_DENSE, OP_XENT, PRODUCT_ITEM_WORDS,
     ROWS_ACCUMULATE, ROWS_DST_ABSOLUTE, ROWS_SRC_ABSOLUTE,
 };
-use ramus_core::vpps::{Placement, Task, TaskGraph, OP_HOST};
+use ramus_core::vpps::{Placement, VppTask, VppTaskGraph, OP_HOST};
 use ramus_core::Model;
 use ramus_exec::fill_dropout_mask;
 use ramus_graph::{Schedule, NO_LABEL};
@@ -71,7 +71,7 @@ impl RowLocator {
 
 /// One batch lowered: the task DAG and the memory the kernel needs.
 pub(crate) struct BatchProgram {
-    pub graph: TaskGraph,
+    pub graph: VppTaskGraph,
     /// Pool floats to zero before the launch.
     pub zeroed: std::ops::Range<usize>,
     /// Where `upload` goes in the pool.
@@ -88,7 +88,7 @@ pub(crate) struct BatchProgram {
     /// in registers, and the update tasks of the cached matrices that run
     /// after them (a second launch).
     pub gemms: Vec<GradientGemm>,
-    pub matrix_updates: TaskGraph,
+    pub matrix_updates: VppTaskGraph,
     /// The work of the graph's host tasks ([`OP_HOST`], whose first
     /// operand indexes this): products too wide for the kernel's own tiles.
     pub host_work: Vec<HostWork>,
@@ -279,7 +279,7 @@ struct Unroller<'a> {
     /// Per graph (by index) and node, its [`Unroller::loc`] once the
     /// regions' bases are known (`None`: none, or not yet filled).
     locs: Vec<Vec<Option<(usize, usize)>>>,
-    g: TaskGraph,
+    g: VppTaskGraph,
 }
 
 fn region_index(r: Region) -> usize {
@@ -435,7 +435,7 @@ impl<'a> Unroller<'a> {
         deps.sort_unstable();
         deps.dedup();
         self.g
-            .push(Task {
+            .push(VppTask {
                 op,
                 arg,
                 operands,
@@ -1752,7 +1752,7 @@ pub(crate) fn unroll_batch(
         fault: (Region::Zeroed, 0),
         prod: vec![Vec::new(); GraphKey::table_len(prog.functions)],
         locs: Vec::new(),
-        g: TaskGraph::new(),
+        g: VppTaskGraph::new(),
     };
     u.allocate()?;
     // index arrays go after the buffers the host fills; their contents
@@ -1810,7 +1810,7 @@ pub(crate) fn unroll_batch(
             u.dense_update(m.param, &model.params[m.param].shape, Vec::new())?;
         }
     }
-    let matrix_updates = std::mem::replace(&mut u.g, TaskGraph::new());
+    let matrix_updates = std::mem::replace(&mut u.g, VppTaskGraph::new());
     std::mem::swap(&mut batch_graph, &mut u.g);
     let zeroed = u.bases[0]..u.bases[0] + u.sizes[0];
     let fault_at = u.abs(u.fault);
@@ -1840,7 +1840,7 @@ mod tests {
     use ramus_nn::{build_model_with, ModelConfig, ModelOptions};
     use rand::SeedableRng;
 
-    fn lowered(name: &str, graphs: &[InputGraph], dropout: f64) -> (TaskGraph, usize) {
+    fn lowered(name: &str, graphs: &[InputGraph], dropout: f64) -> (VppTaskGraph, usize) {
         lowered_on(name, graphs, dropout, 20, 6)
     }
 
@@ -1851,7 +1851,7 @@ mod tests {
         dropout: f64,
         hidden: usize,
         vpps: usize,
-    ) -> (TaskGraph, usize) {
+    ) -> (VppTaskGraph, usize) {
         let cfg = ModelConfig {
             vocab: 30,
             hidden,

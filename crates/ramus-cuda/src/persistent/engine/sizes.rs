@@ -24,7 +24,7 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use ramus_core::graph::{NodeKind, Role, Source, Space};
-use ramus_core::vpps::{plan, split_launches, RegisterPlan, Schedule as Scripts, Scheduler};
+use ramus_core::vpps::{plan, split_launches, BatchScripts, RegisterPlan, Scheduler};
 use ramus_core::Model;
 use ramus_exec::memory::{ActivationCost, BatchExtra, CostTerms, DeviceNeed, Pass, ELEMENT_BYTES};
 use ramus_graph::InputGraph;
@@ -84,7 +84,7 @@ pub(super) fn schedule_batch(
     scheduler: &Scheduler,
     batch: &mut BatchProgram,
     in_registers: bool,
-) -> Result<(Vec<LaunchScripts>, Option<Scripts>)> {
+) -> Result<(Vec<LaunchScripts>, Option<BatchScripts>)> {
     let graph = std::mem::take(&mut batch.graph);
     let mut launches = Vec::new();
     let mut at = 0;
@@ -107,7 +107,7 @@ pub(super) fn schedule_batch(
 }
 
 /// Words of a batch's scripts: every launch's, then the update's.
-pub(super) fn script_words(launches: &[LaunchScripts], updates: Option<&Scripts>) -> usize {
+pub(super) fn script_words(launches: &[LaunchScripts], updates: Option<&BatchScripts>) -> usize {
     launches
         .iter()
         .filter_map(|l| l.scripts.as_ref())
@@ -120,7 +120,7 @@ pub(super) fn script_words(launches: &[LaunchScripts], updates: Option<&Scripts>
 /// `traced_ctas` CTAs writes its records behind them).
 pub(super) fn barrier_words(
     launches: &[LaunchScripts],
-    updates: Option<&Scripts>,
+    updates: Option<&BatchScripts>,
     traced_ctas: Option<usize>,
 ) -> usize {
     match traced_ctas {
