@@ -1,2 +1,8 @@
 //! Ramus code generation: the CUDA C++ the engines compile, generated from
 //! the IR and its passes in `ramus-core`.
+//!
+//! * [`compiled`]: the compiled inference engine's kernels (Cortex): a
+//!   recursive model's lowered cells ([`ramus_core::lower`]) as one
+//!   persistent level kernel and per-token table kernels.
+
+pub mod compiled;

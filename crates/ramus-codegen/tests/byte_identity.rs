@@ -5,7 +5,7 @@
 //! generator updates these hashes (run with `--nocapture` to see the new
 //! ones in the failure message).
 
-use ramus_core::cellgen::{
+use ramus_codegen::compiled::{
     token_stage_kernel, used_stages, LoweredCell, TreeKernelSpec, CELL_BLOCK,
 };
 use ramus_core::fusion::{forward_reads, fuse, FusionPlan, Step};

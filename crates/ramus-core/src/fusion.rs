@@ -975,10 +975,7 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
 
 /// Replaces the placeholders `{0}`, `{1}`, ... of an elementwise template by
 /// `operands`; `{{` and `}}` stand for literal braces.
-pub(crate) fn instantiate(
-    template: &str,
-    operands: &[String],
-) -> std::result::Result<String, String> {
+pub fn instantiate(template: &str, operands: &[String]) -> std::result::Result<String, String> {
     let bytes = template.as_bytes();
     let mut out = String::with_capacity(template.len() + 8 * operands.len());
     let mut i = 0;

@@ -29,12 +29,15 @@
 //! ```
 //!
 //! `scratch` holds a row per node (the wider of the leaf's and internal
-//! cell's scratch widths); the rest as in [`crate::cellgen`].
+//! cell's scratch widths); the rest as in [`super`].
 
 use std::fmt::Write as _;
 
-use crate::cellgen::{param_pointers, used_stages, CellWriter, TreeKernelSpec};
-use crate::error::Result;
+use ramus_core::error::Result;
+
+use super::level::param_pointers;
+use super::spec::{used_stages, TreeKernelSpec};
+use super::writer::CellWriter;
 
 impl TreeKernelSpec<'_> {
     /// The table kernels and level kernel of [`TreeKernelSpec::source`]
@@ -90,9 +93,9 @@ impl TreeKernelSpec<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cellgen::{LoweredCell, CELL_BLOCK};
-    use crate::lower::lower;
-    use crate::model::{FunctionSelector, HeadRows, Init, ModelBuilder};
+    use crate::compiled::{LoweredCell, CELL_BLOCK};
+    use ramus_core::lower::lower;
+    use ramus_core::model::{FunctionSelector, HeadRows, Init, ModelBuilder};
 
     /// Calls `check` with the kernel spec of a binary tree RNN (hidden 32,
     /// no tables, weights from memory, grid barriers).

@@ -1,0 +1,11 @@
+__shared__ u32 inline_words[INLINE_INDEX_WORDS];
+const bool inline_indices = inl.count > 0u;
+if (inline_indices) for (u32 i = threadIdx.x; i < inl.count; i += blockDim.x) inline_words[i] = inl.words[i];
+const u32* child_offsets = inline_indices ? inline_words + inl.at[0] : child_offsets_in;
+const u32* child_rows = inline_indices ? inline_words + inl.at[1] : child_rows_in;
+const u32* tokens = inline_indices ? inline_words + inl.at[2] : tokens_in;
+const u32* batch_begin = inline_indices ? inline_words + inl.at[3] : batch_begin_in;
+const u32* batch_length = inline_indices ? inline_words + inl.at[4] : batch_length_in;
+const u32* roots = inline_indices ? inline_words + inl.at[5] : roots_in;
+for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < done_clear; i += gridDim.x * blockDim.x) done_next[i] = 0u;
+__syncthreads();
