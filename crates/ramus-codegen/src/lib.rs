@@ -4,5 +4,9 @@
 //! * [`compiled`]: the compiled inference engine's kernels (Cortex): a
 //!   recursive model's lowered cells ([`ramus_core::lower`]) as one
 //!   persistent level kernel and per-token table kernels.
+//! * [`persistent`]: the persistent training engine's kernel (VPPS), for a
+//!   register plan and the model's fused groups, interpreting the scripts
+//!   `ramus_core::vpps` schedules.
 
 pub mod compiled;
+pub mod persistent;
