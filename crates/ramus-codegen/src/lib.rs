@@ -1,6 +1,8 @@
 //! Ramus code generation: the CUDA C++ the engines compile, generated from
 //! the IR and its passes in `ramus-core`.
 //!
+//! * [`fused`]: the kernels of the fusion pass's elementwise groups, for
+//!   the batched engine and as cases of the persistent kernel.
 //! * [`compiled`]: the compiled inference engine's kernels (Cortex): a
 //!   recursive model's lowered cells ([`ramus_core::lower`]) as one
 //!   persistent level kernel and per-token table kernels.
@@ -9,4 +11,5 @@
 //!   `ramus_core::vpps` schedules.
 
 pub mod compiled;
+pub mod fused;
 pub mod persistent;

@@ -8,6 +8,7 @@
 use ramus_codegen::compiled::{
     token_stage_kernel, used_stages, LoweredCell, TreeKernelSpec, CELL_BLOCK,
 };
+use ramus_codegen::fused::FusedSource;
 use ramus_core::fusion::{forward_reads, fuse, FusionPlan, Step};
 use ramus_core::graph::{Graph, NodeId, NodeKind};
 use ramus_core::recursion::{analyze, lower_scheduled};

@@ -57,7 +57,8 @@
 //!   accumulator in the pool, which [`OP_UPDATE`] adds to the registers'
 //!   sums (and zeroes).
 //! * [`OP_FUSED`] `k` — fused elementwise group `k` of the model (its code
-//!   generated into the kernel, see `FusedGroup::persistent_case`).
+//!   generated into the kernel, see
+//!   [`persistent_case`](crate::fused::FusedSource::persistent_case)).
 //! * [`OP_ROWS`] — a row copy `dst[d(i)] (+)= src[s(i)]` (gathers, pushes,
 //!   embedding lookups, gradient scatter-adds, slices and concats).
 //! * [`OP_SUM_CHILDREN`], [`OP_SUM_ROWS`], [`OP_BROADCAST_ROWS`],
@@ -143,8 +144,9 @@ const _: () = assert!(
 const ELEMENTS_AHEAD: usize = 4;
 
 /// Elements per thread a fused group loads before it computes them (see
-/// `FusedGroup::persistent_case`): two with one CTA per SM where the
-/// register partitions (weights and gradients) take at most
+/// [`persistent_case`](crate::fused::FusedSource::persistent_case)): two
+/// with one CTA per SM where the register partitions (weights and
+/// gradients) take at most
 /// [`FUSED_AHEAD_MOST_PARTITION_REGISTERS`] registers per thread, else one.
 /// Two of each input cost about a register per input and element; with
 /// two CTAs per SM (128 registers) every plan of the Tree-LSTM at h 256 and
@@ -341,7 +343,8 @@ fn staged_vectors(plan: &RegisterPlan) -> usize {
 
 /// The CUDA C++ source of the persistent kernel for `plan` and `options`;
 /// `fused_cases` are the model's fused groups as `case` blocks (see
-/// `FusedGroup::persistent_case`), dispatched by [`OP_FUSED`]. With
+/// [`persistent_case`](crate::fused::FusedSource::persistent_case)), dispatched by
+/// [`OP_FUSED`]. With
 /// `options.trace`, thread 0 of every CTA records each instruction it runs (opcode,
 /// arg, start and end on `%globaltimer`, the end after the block barrier
 /// that closes the instruction) into the barrier buffer from [`TRACE_AT`]

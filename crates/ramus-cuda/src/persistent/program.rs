@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use ramus_codegen::fused::FusedSource;
 use ramus_core::fusion::{self, InputKind, Step};
 use ramus_core::graph::{Graph, NodeId, NodeKind, Role, Source};
 use ramus_core::ops::{MatMul, Slice, SumChildren};
