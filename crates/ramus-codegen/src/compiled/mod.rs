@@ -88,7 +88,7 @@
 //! cover every node); its table is built by one kernel per stage,
 //! `NAME_leaf_table`, `NAME_leaf_table_s1`, …, each taking a scratch
 //! pointer (a row per token) before `vocab`, launched in order. The
-//! unrolled level kernel is generated in [`unroll`].
+//! unrolled level kernel is [`TreeKernelSpec::unrolled_source`].
 //!
 //! `params` holds every parameter at its offset ([`TreeKernelSpec::param_offsets`],
 //! compiled in as constants); `state`/`push` have a row per node
@@ -96,6 +96,10 @@
 //! words; `done` `stages · num_internal` zeroed counters (node counters
 //! only; unused otherwise); `scratch` a row of the internal cell's scratch width per internal
 //! node (multi-stage cells).
+//!
+//! [`CellProgram`]: ramus_core::lower::CellProgram
+//! [`CellProgram::stages`]: ramus_core::lower::CellProgram::stages
+//! [`CellProgram::hoist_token_values`]: ramus_core::lower::CellProgram::hoist_token_values
 
 mod level;
 mod spec;

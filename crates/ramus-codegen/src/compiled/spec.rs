@@ -57,7 +57,8 @@ pub struct TreeKernelSpec<'a> {
     pub node_counters: bool,
     /// With hoisting, the program computing the internal cell's token
     /// table (its values that depend on the token alone; the internal
-    /// program then reads them through [`VecExpr::TokenTable`]).
+    /// program then reads them through
+    /// [`VecExpr::TokenTable`](ramus_core::lower::VecExpr::TokenTable)).
     pub token_table: Option<LoweredCell<'a>>,
 }
 
