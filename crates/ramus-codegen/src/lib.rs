@@ -13,3 +13,4 @@
 pub mod compiled;
 pub mod fused;
 pub mod persistent;
+mod template;

@@ -7,6 +7,7 @@ use super::spec::{
     chunks, gen_error, used_stages, LoweredCell, TreeKernelSpec, INLINE_INDEX_WORDS,
 };
 use super::writer::CellWriter;
+use crate::template::fill;
 use ramus_core::error::Result;
 use ramus_core::lower::ScalarExpr;
 
@@ -14,11 +15,12 @@ use ramus_core::lower::ScalarExpr;
 /// sum, child prefetch, grid barrier and node counters.
 const PRELUDE: &str = include_str!("prelude.cu");
 
-/// The level kernel's first code: the index arrays from the launch's
-/// inline words (copied to shared memory) or from the pointers passed,
-/// and the next launch's node counters cleared (the engine alternates two
-/// counter arrays, so no batch uploads zeros).
-const INLINE_PROLOGUE: &str = include_str!("inline_prologue.cu");
+/// The level kernel (`levels.cu`), its `@KEY@`s filled by
+/// [`TreeKernelSpec::source`]. It starts by taking the index arrays from the
+/// launch's inline words (copied to shared memory) or from the pointers
+/// passed, and clearing the next launch's node counters (the engine
+/// alternates two counter arrays, so no batch uploads zeros).
+const LEVELS: &str = include_str!("levels.cu");
 
 /// `const float* P<p> = params + offset;` for every parameter.
 pub(crate) fn param_pointers(offsets: &[usize]) -> String {
@@ -275,24 +277,30 @@ impl TreeKernelSpec<'_> {
                 sync.publish(stage),
             );
         }
-        let use_table = self.leaf_table;
-        let _ = write!(
-            src,
-            "extern \"C\" __global__ void __launch_bounds__({block}) {name}_levels(const float* __restrict__ params, float* state, float* push, const float* __restrict__ table_state, const float* __restrict__ table_push, const float* __restrict__ token_table, float* scratch, const u32* child_offsets_in, const u32* child_rows_in, const u32* tokens_in, const u32* batch_begin_in, const u32* batch_length_in, u32 num_batches, u32 num_internal, u32 num_nodes, const u32* roots_in, u32 num_roots, float* scores, u32* barrier, u32* done, const __grid_constant__ InlineIndices inl, u32* done_next, u32 done_clear) {{\n{}const bool use_table = {use_table}; (void)token_table; (void)scratch; (void)done;\n{INLINE_PROLOGUE}// the barrier generation (thread 0's copy; no block can arrive before every block has read it)\nu32 bar_gen = 0;\nif (threadIdx.x == 0) bar_gen = barrier_generation(barrier);\nconst u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n",
-            param_pointers(self.param_offsets),
+        let leaf_phase = self.leaf_phase()?;
+        let head_phase = self.head_phase(&sync.before_head(stages))?;
+        src += &fill(
+            LEVELS,
+            &[
+                ("BLOCK", &block.to_string()),
+                ("NAME", name),
+                ("PARAM_POINTERS", &param_pointers(self.param_offsets)),
+                ("USE_TABLE", &self.leaf_table.to_string()),
+                ("LEAF_PHASE", &leaf_phase),
+                (
+                    "WARP_COORDINATES",
+                    &warp_coordinates(self.internal.program.units),
+                ),
+                ("WEIGHTS", &weights),
+                ("PREFETCH_FIRST", &sync.prefetch_first()),
+                ("BEFORE_LEVEL", &sync.before_level(stages)),
+                ("INTERNAL_CELL", &internal_cell),
+                ("PUBLISH", &sync.publish(0)),
+                ("LATER_STAGES", &later_stages),
+                ("AFTER_LEVEL", &sync.after_level()),
+                ("HEAD_PHASE", &head_phase),
+            ],
         );
-        src += &self.leaf_phase()?;
-        let _ = write!(
-            src,
-            "{{\n{}{weights}\nu32 begin = num_batches > 0 ? batch_begin[0] : 0, len = num_batches > 0 ? batch_length[0] : 0;\n// this warp's first node of a level, its child range and first two child rows, loaded ahead (before the barrier)\nu32 pcb = 0, pce = 0, pc0 = 0, pc1 = 0;\nprefetch_node(begin, len, rep, child_offsets, child_rows, &pcb, &pce, &pc0, &pc1);\n{}for (u32 b = 0; b < num_batches; ++b) {{\nconst u32 next_begin = b + 1 < num_batches ? batch_begin[b + 1] : 0, next_len = b + 1 < num_batches ? batch_length[b + 1] : 0;\nif (rep < R) {{\n{}for (u32 i = rep; i < len; i += R) {{\nconst u32 n = begin + i;\nconst u32 tok = tokens[n]; (void)tok;\nu32 cb = pcb, ce = pce, c0 = pc0, c1 = pc1;\nif (i != rep) {{ cb = child_offsets[n]; ce = child_offsets[n + 1]; c0 = cb < ce ? child_rows[cb] : 0; c1 = cb + 1 < ce ? child_rows[cb + 1] : 0; }}\n{internal_cell}}}\n{}{later_stages}}}\nprefetch_node(next_begin, next_len, rep, child_offsets, child_rows, &pcb, &pce, &pc0, &pc1);\n{}begin = next_begin; len = next_len;\n}}\n}}\n",
-            warp_coordinates(self.internal.program.units),
-            sync.prefetch_first(),
-            sync.before_level(stages),
-            sync.publish(0),
-            sync.after_level(),
-        );
-        src += &self.head_phase(&sync.before_head(stages))?;
-        src += "}\n";
         Ok(src)
     }
 
