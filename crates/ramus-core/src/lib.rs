@@ -41,8 +41,6 @@
 
 pub mod arity;
 pub mod autodiff;
-pub mod cellgen;
-pub mod cellgen_unroll;
 pub mod error;
 pub mod fusion;
 pub mod graph;

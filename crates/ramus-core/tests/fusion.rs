@@ -19,9 +19,10 @@ use common::{assert_close, eval, run_op, Env, Rng, Topo, Val};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use proptest::test_runner::{Config, TestRunner};
+use ramus_codegen::fused::{FusedKernel, FusedSource};
 use ramus_core::fusion::{
-    forward_reads, fuse, ConcatWrite, FusedGroup, FusedInput, FusedKernel, FusionPlan, InputKind,
-    SliceView, Step,
+    forward_reads, fuse, ConcatWrite, FusedGroup, FusedInput, FusionPlan, InputKind, SliceView,
+    Step,
 };
 use ramus_core::model::{HeadRows, Init, ModelBuilder};
 use ramus_core::ops::{Concat, ExpandChildren, MatMul, Slice, SumChildren};

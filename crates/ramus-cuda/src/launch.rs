@@ -701,7 +701,7 @@ impl Launcher {
 
     /// A generated fused elementwise kernel over `n` elements of rows of
     /// `width`, with the parameter order of
-    /// [`ramus_core::fusion::FusedGroup::cuda_source`]: input pointers (a
+    /// [`ramus_codegen::fused::FusedSource::cuda_source`]: input pointers (a
     /// window's source), output pointers, concat pointers, `n`, `width`,
     /// then `(stride, offset)` per window input and per concat write.
     pub fn fused(

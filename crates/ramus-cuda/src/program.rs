@@ -9,6 +9,7 @@ use std::fmt::Write as _;
 
 use cudarc::driver::CudaFunction;
 
+use ramus_codegen::fused::FusedSource;
 use ramus_core::fusion::{self, FusedGroup, InputKind, SliceView, Step};
 use ramus_core::graph::{Graph, NodeId, NodeKind, Role};
 use ramus_core::ops::{Add, MatMul};

@@ -9,10 +9,10 @@
 
 mod common;
 
+use ramus_codegen::persistent::{KernelOptions, UpdateRule};
 use ramus_core::vpps::isa::{
     NO_INDEX, OP_MATVEC, OP_MATVEC_T, OP_OUTER, OP_UPDATE, PRODUCT_ITEM_WORDS,
 };
-use ramus_core::vpps::kernel::{KernelOptions, UpdateRule};
 use ramus_core::vpps::regplan::{plan, DeviceLimits, MatrixSpec, PlanRequest};
 use ramus_core::vpps::{Placement, Scheduler, VppTask, VppTaskGraph};
 use ramus_core::{Model, Params};

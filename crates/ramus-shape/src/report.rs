@@ -19,7 +19,7 @@ pub struct Report {
     pub crates: Vec<CrateReport>,
     /// Dependencies among the workspace crates.
     pub crate_deps: Vec<CrateDeps>,
-    /// Engine crates depending on another engine or on the training crate (`a -> b`).
+    /// Crate dependencies that break the layering (`a -> b`; see `deps::forbidden_edges`).
     pub forbidden_deps: Vec<String>,
 }
 
@@ -273,7 +273,7 @@ impl Report {
         }
         let _ = writeln!(
             out,
-            "\nEngine crates depending on another engine or on the training crate: {}",
+            "\nCrate dependencies that break the layering: {}",
             if self.forbidden_deps.is_empty() {
                 "none".to_string()
             } else {

@@ -390,3 +390,39 @@ fn a_smaller_cycle_passes_the_ratchet_and_a_new_one_fails() {
         ["new import cycle in demo: a.rs, d.rs"]
     );
 }
+
+#[test]
+fn code_generation_depends_on_the_ir_alone_and_engines_may_depend_on_it() {
+    let manifest = |name: &str, deps: &str| {
+        (
+            format!("crates/{name}/Cargo.toml"),
+            format!("[package]\nname = \"{name}\"\n\n{deps}"),
+        )
+    };
+    let manifests = [
+        manifest("ramus-core", ""),
+        manifest(
+            "ramus-exec",
+            "[dependencies]\nramus-core.workspace = true\n",
+        ),
+        manifest("ramus-nn", "[dependencies]\nramus-core.workspace = true\n"),
+        manifest(
+            "ramus-codegen",
+            "[dependencies]\nramus-core.workspace = true\nramus-exec.workspace = true\n\n\
+             [build-dependencies]\nramus-nn.workspace = true\n\n\
+             [dev-dependencies]\nramus-nn.workspace = true\n",
+        ),
+        manifest(
+            "ramus-cuda",
+            "[dependencies]\nramus-core.workspace = true\nramus-codegen.workspace = true\n",
+        ),
+    ];
+    let deps = workspace_deps(&manifests).unwrap_or_else(|e| panic!("{e}"));
+    // the engine's dependency on code generation and code generation's
+    // dev-dependency on the trainer are allowed; its normal and build ones on
+    // anything but the IR crate are not
+    assert_eq!(
+        forbidden_edges(&deps),
+        ["ramus-codegen -> ramus-exec", "ramus-codegen -> ramus-nn"]
+    );
+}

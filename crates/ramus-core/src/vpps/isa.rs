@@ -100,8 +100,8 @@ pub const PRODUCT_ITEM_WORDS: usize = 3;
 /// Words per cached matrix in the `mats` table: rows, columns, value
 /// offset, first-moment offset, second-moment offset, gradient offset (the
 /// wide outer products' accumulator, see
-/// [`WIDE_PRODUCT_ITEMS`](super::kernel::WIDE_PRODUCT_ITEMS)); see
-/// [`matrix_table`](super::kernel::matrix_table).
+/// [`WIDE_PRODUCT_ITEMS`](super::wide::WIDE_PRODUCT_ITEMS)); see
+/// `ramus_codegen::persistent::matrix_table`.
 pub const MATRIX_WORDS: usize = 6;
 
 /// Flag on a merged holder instruction's count: its items follow the count

@@ -1,6 +1,7 @@
 //! Host side of the persistent training engine (VPPS: *Virtual Persistent
 //! Processor Specialization*): everything that is pure logic and does not
-//! touch the device.
+//! touch the device. The kernel's CUDA C++ is generated from it in
+//! `ramus_codegen::persistent`.
 //!
 //! * [`regplan`] decides how the model's weight matrices (and, when the
 //!   register file allows, their gradients) are spread over the registers of
@@ -13,9 +14,8 @@
 //!   a 4-byte preamble plus 4-byte operands (VPPS §III-B1, Fig. 6c), and the
 //!   one buffer that carries all per-CTA scripts to the device in a single
 //!   copy (§III-B2).
-//! * [`kernel`] generates the CUDA C++ of the persistent kernel for a plan
-//!   (its template is `kernel.cu`): register partitions, the script
-//!   interpreter and every instruction.
+//! * [`wide`] cuts a wide product instruction's GEMM into the pieces the
+//!   scheduler deals over the processors (and the kernel cuts the same way).
 //! * [`task`] is a batch's task DAG, the scheduler's input.
 //! * [`schedule`] turns one batch's task DAG into those scripts: level
 //!   scheduling by maximum depth, greedy load balancing over the virtual
@@ -46,13 +46,13 @@
 //!   batch into (its task graphs and pool layout).
 
 pub mod isa;
-pub mod kernel;
 pub mod launches;
 pub mod regplan;
 pub mod schedule;
 pub mod script;
 pub mod simulator;
 pub mod task;
+pub mod wide;
 
 pub use isa::{
     INLINE_ITEMS, MAX_INLINE_ITEM_WORDS, OP_FIRST_ENGINE, OP_HOST, OP_SIGNAL, OP_WAIT, WIDE_ITEMS,
@@ -66,3 +66,4 @@ pub use schedule::{BatchScripts, Scheduler};
 pub use script::{decode, Instr, PackedScripts};
 pub use simulator::{simulate, simulate_with, Simulation};
 pub use task::{Placement, VppTask, VppTaskGraph};
+pub use wide::{split_depth, wide_tiles, wide_work, WIDE_PRODUCT_ITEMS};

@@ -52,10 +52,10 @@
 use super::isa::{
     INLINE_ITEMS, MAX_BARRIERS, MAX_INLINE_ITEM_WORDS, OP_HOST, OP_SIGNAL, OP_WAIT, WIDE_ITEMS,
 };
-use super::kernel::{wide_tiles, wide_work};
 use super::regplan::RegisterPlan;
 use super::script::{encode_parts, preamble, PackedScripts};
 use super::task::{check_task, Placement, VppTask, VppTaskGraph};
+use super::wide::{wide_tiles, wide_work};
 use crate::error::{CoreError, Result};
 use loads::{LevelLoads, MinLoad};
 
@@ -136,7 +136,7 @@ pub struct Scheduler {
     /// GEMM pieces ([`wide_tiles`], at most all of them; a level's wide
     /// products share the VPPs its other work leaves idle, see
     /// `deal_wide_ranges`) instead of to the matrix's holders (see
-    /// [`kernel::WIDE_PRODUCT_ITEMS`](super::kernel::WIDE_PRODUCT_ITEMS));
+    /// [`WIDE_PRODUCT_ITEMS`](super::wide::WIDE_PRODUCT_ITEMS));
     /// `None`: never.
     pub wide_items: Option<usize>,
     /// Rows and columns of each cached matrix (a wide product's tiles);

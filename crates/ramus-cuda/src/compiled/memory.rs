@@ -104,7 +104,8 @@ impl Cells {
             state: v * state,
             push: v * push,
             // stage by stage, a scratch row per token
-            scratch: (ramus_core::cellgen::used_stages(leaf) > 1).then_some(v * leaf.scratch_width),
+            scratch: (ramus_codegen::compiled::used_stages(leaf) > 1)
+                .then_some(v * leaf.scratch_width),
             token: self.token_table.as_ref().map(|(_, width)| v * width),
         })
     }

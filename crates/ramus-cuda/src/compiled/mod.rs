@@ -1,6 +1,6 @@
 //! The compiled inference engine on CUDA (Cortex): a recursive model's
 //! cells lowered ([`ramus_core::lower`]) and generated
-//! ([`ramus_core::cellgen`]) into one persistent kernel per
+//! ([`ramus_codegen::compiled`]) into one persistent kernel per
 //! (model, schedule, device) that runs a whole linearized batch — every
 //! level (ordered by node counters or grid barriers), and the head — in a single
 //! cooperative launch.
@@ -22,7 +22,7 @@ use std::time::Instant;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
 
-use ramus_core::cellgen::{
+use ramus_codegen::compiled::{
     token_stage_kernel, used_stages, LoweredCell, TreeKernelSpec, CELL_BLOCK, INLINE_INDEX_WORDS,
 };
 use ramus_core::recursion::RecursionSchedule;

@@ -37,13 +37,13 @@ use rayon::prelude::*;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaStream};
-use ramus_core::vpps::isa::PRODUCT_ITEM_WORDS;
-use ramus_core::vpps::kernel::{
+use ramus_codegen::persistent::{
     kernel_source, KernelOptions, UpdateRule, KERNEL_NAME, TRACE_AT, TRACE_RECORD_WORDS,
-    TRACE_WORDS_PER_CTA, WIDE_PRODUCT_ITEMS,
+    TRACE_WORDS_PER_CTA,
 };
 use ramus_core::vpps::{
-    plan, valid_rpws, BatchScripts, DeviceLimits, PlanRequest, RegisterPlan, Scheduler,
+    isa::PRODUCT_ITEM_WORDS, plan, valid_rpws, BatchScripts, DeviceLimits, PlanRequest,
+    RegisterPlan, Scheduler, WIDE_PRODUCT_ITEMS,
 };
 use ramus_core::{Model, Params, Tensor};
 use ramus_exec::memory::DeviceRoom;

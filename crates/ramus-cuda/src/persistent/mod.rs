@@ -1,5 +1,5 @@
 //! The persistent training kernel (VPPS) on the device: compiles the kernel
-//! generated for a [`RegisterPlan`] ([`ramus_core::vpps::kernel`]) through
+//! generated for a [`RegisterPlan`] ([`ramus_codegen::persistent`]) through
 //! the kernel cache, checks that its weight registers stay registers (no
 //! local-memory spill) and that every CTA of the plan can be resident at
 //! once, uploads the plan's partition and matrix tables, and launches it
@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 
-use ramus_core::vpps::kernel::{kernel_source, matrix_table, KernelOptions, KERNEL_NAME};
+use ramus_codegen::persistent::{kernel_source, matrix_table, KernelOptions, KERNEL_NAME};
 use ramus_core::vpps::regplan::{RegisterPlan, CTA_THREADS};
 use ramus_core::vpps::script::PackedScripts;
 
@@ -326,7 +326,7 @@ impl PersistentKernel {
             shared_mem_bytes: 0,
         };
         // SAFETY: the arguments match `vpps_train`'s parameters in order
-        // (see `ramus_core::vpps::kernel`); the partition and matrix tables
+        // (see `ramus_codegen::persistent`); the partition and matrix tables
         // were built from this kernel's plan; the script buffer holds the
         // packed words (checked above) whose offsets the scheduler built for
         // `pool` and `params`; the barrier counters cover every barrier and

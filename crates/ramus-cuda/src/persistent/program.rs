@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use ramus_codegen::fused::FusedSource;
 use ramus_core::fusion::{self, InputKind, Step};
 use ramus_core::graph::{Graph, NodeId, NodeKind, Role, Source};
 use ramus_core::ops::{MatMul, Slice, SumChildren};
@@ -350,7 +351,7 @@ impl PersistentProgram {
     /// with a register-cached `W` writes (the product, or the add of its
     /// bias epilogue): a wide instruction may split the product's reduction
     /// over processors that add their partial sums atomically (see
-    /// `ramus_core::vpps::kernel::wide_tiles`), so it starts at zero.
+    /// `ramus_core::vpps::wide_tiles`), so it starts at zero.
     pub fn forward_product_output(&self, key: GraphKey, n: NodeId) -> bool {
         self.forward_product_outputs[key.index(self.functions)]
             .get(n)

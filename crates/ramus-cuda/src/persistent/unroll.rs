@@ -2193,7 +2193,7 @@ mod timing {
     #[test]
     #[ignore]
     fn kernel_sources() {
-        use ramus_core::vpps::kernel::{kernel_source, KernelOptions, UpdateRule};
+        use ramus_codegen::persistent::{kernel_source, KernelOptions, UpdateRule};
         let Ok(dir) = std::env::var("RAMUS_KERNEL_SOURCE_DIR") else {
             eprintln!("RAMUS_KERNEL_SOURCE_DIR is not set: nothing written");
             return;

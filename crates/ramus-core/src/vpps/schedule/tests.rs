@@ -182,7 +182,7 @@ fn wide_ranges_share_the_vpps_the_level_leaves_idle() {
 
 #[test]
 fn a_levels_wide_products_share_the_vpps_by_tile_steps() {
-    use crate::vpps::kernel::split_depth;
+    use crate::vpps::wide::split_depth;
     // a Tree-LSTM level at h 512: U_iou h over 17 parents, U_f h over
     // their 34 children; one row of tiles each, U_iou three times the
     // tiles, so 3/4 of the VPPs (by multiply-adds it had 3/5: pieces 6

@@ -425,8 +425,9 @@ mod tests {
 
     #[test]
     fn the_scripts_counted_hold_what_every_plan_schedules_for_the_batch() {
-        use ramus_core::vpps::kernel::{UpdateRule, WIDE_PRODUCT_ITEMS};
+        use ramus_codegen::persistent::UpdateRule;
         use ramus_core::vpps::DeviceLimits;
+        use ramus_core::vpps::WIDE_PRODUCT_ITEMS;
         let (model, make) = models(24).remove(0);
         let prog = Arc::new(PersistentProgram::build(&model).unwrap());
         let build = VariantBuild {

@@ -29,12 +29,20 @@
 //! ```
 //!
 //! `scratch` holds a row per node (the wider of the leaf's and internal
-//! cell's scratch widths); the rest as in [`crate::cellgen`].
+//! cell's scratch widths); the rest as in [`super`].
 
 use std::fmt::Write as _;
 
-use crate::cellgen::{param_pointers, used_stages, CellWriter, TreeKernelSpec};
-use crate::error::Result;
+use ramus_core::error::Result;
+
+use super::level::param_pointers;
+use super::spec::{used_stages, TreeKernelSpec};
+use super::writer::CellWriter;
+use crate::template::fill;
+
+/// The unrolled level kernel (`unrolled.cu`), its `@KEY@`s filled by
+/// [`TreeKernelSpec::unrolled_source`].
+const UNROLLED: &str = include_str!("unrolled.cu");
 
 impl TreeKernelSpec<'_> {
     /// The table kernels and level kernel of [`TreeKernelSpec::source`]
@@ -68,21 +76,23 @@ impl TreeKernelSpec<'_> {
                 "for (u32 j = bw; j < {units}u; j += BW) {{\nconst u32 n = par;\n{node}{code}}}\n__syncthreads();\n"
             );
         }
-        let _ = write!(
-            src,
-            "extern \"C\" __global__ void __launch_bounds__({block}) {name}_unrolled(const float* __restrict__ params, float* state, float* push, const float* __restrict__ table_state, const float* __restrict__ table_push, const float* __restrict__ token_table, float* scratch, const u32* __restrict__ child_offsets, const u32* __restrict__ child_rows, const u32* __restrict__ tokens, const u32* __restrict__ step_begin, u32 num_steps, const u32* __restrict__ group_parent, const u32* __restrict__ group_child_begin, const u32* __restrict__ group_children, u32 num_internal, u32 num_nodes, const u32* __restrict__ roots, u32 num_roots, float* scores, u32* barrier) {{\n{}const bool use_table = {}; (void)token_table; (void)scratch;\nu32 bar_gen = 0;\nif (threadIdx.x == 0) bar_gen = barrier_generation(barrier);\nconst u32 lane = threadIdx.x & 31u;\nconst u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;\nconst u32 gwarps = (gridDim.x * blockDim.x) >> 5;\n",
-            param_pointers(self.param_offsets),
-            self.leaf_table,
+        let leaf_phase = self.leaf_phase()?;
+        // every branch of the steps' loop is uniform over the block (group
+        // and step indices), so each `__syncthreads` is reached by all its
+        // threads
+        src += &fill(
+            UNROLLED,
+            &[
+                ("BLOCK", &block.to_string()),
+                ("NAME", name),
+                ("PARAM_POINTERS", &param_pointers(self.param_offsets)),
+                ("USE_TABLE", &self.leaf_table.to_string()),
+                ("LEAF_PHASE", &leaf_phase),
+                ("CHILDREN", &children),
+                ("PARENT", &parent),
+                ("HEAD_PHASE", &self.head_phase("")?),
+            ],
         );
-        src += &self.leaf_phase()?;
-        // every branch below is uniform over the block (group and step
-        // indices), so each `__syncthreads` is reached by all its threads
-        let _ = write!(
-            src,
-            "{{\nconst u32 bw = threadIdx.x >> 5, BW = blockDim.x >> 5;\nfor (u32 st = 0; st < num_steps; ++st) {{\nconst u32 g_end = step_begin[st + 1];\nfor (u32 g = step_begin[st] + blockIdx.x; g < g_end; g += gridDim.x) {{\nconst u32 kb = group_child_begin[g], ke = group_child_begin[g + 1];\nconst u32 par = group_parent[g];\n// the children of the group (their own children are ready)\n{children}// then the parent, reading them back from L1\nif (par != 0xffffffffu) {{\n{parent}}}\n}}\ngrid_sync(barrier, &bar_gen);\n}}\n}}\n"
-        );
-        src += &self.head_phase("")?;
-        src += "}\n";
         Ok(src)
     }
 }
@@ -90,9 +100,9 @@ impl TreeKernelSpec<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cellgen::{LoweredCell, CELL_BLOCK};
-    use crate::lower::lower;
-    use crate::model::{FunctionSelector, HeadRows, Init, ModelBuilder};
+    use crate::compiled::{LoweredCell, CELL_BLOCK};
+    use ramus_core::lower::lower;
+    use ramus_core::model::{FunctionSelector, HeadRows, Init, ModelBuilder};
 
     /// Calls `check` with the kernel spec of a binary tree RNN (hidden 32,
     /// no tables, weights from memory, grid barriers).

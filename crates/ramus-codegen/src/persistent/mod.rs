@@ -1,4 +1,4 @@
-//! CodeGen of the persistent training kernel (VPPS §III-A2, Fig. 5): CUDA
+//! CodeGen of the persistent (VPPS) training kernel (§III-A2, Fig. 5): CUDA
 //! C++ specialised to a [`RegisterPlan`], compiled once per model at set-up.
 //!
 //! # What the kernel does
@@ -13,7 +13,7 @@
 //! in registers a second array `g` of the same shape accumulates the weight
 //! gradients.
 //!
-//! Then the VPP interprets its own script (see [`super::script`]): it copies
+//! Then the VPP interprets its own script (see [`ramus_core::vpps::script`]): it copies
 //! the script into shared memory in rounds of [`SCRIPT_SMEM_WORDS`] words
 //! (only whole instructions are executed from a round; the next round starts
 //! at the first instruction that did not fit), decodes each preamble and
@@ -30,7 +30,7 @@
 //!   a batch of 8 at h 256, against 0.49.)
 //! * [`OP_MATVEC`] `m` — for each `(x, y, bias)` item of its operand list
 //!   (inline after the count, or in the operand pool; see
-//!   [`super::schedule`]), `y[row] = W_m[row, :] · x (+ bias[row])` for
+//!   [`ramus_core::vpps::schedule`]), `y[row] = W_m[row, :] · x (+ bias[row])` for
 //!   every row of `W_m` this VPP holds (one warp per row, lanes over
 //!   columns; the block stages the items' `x` and the held rows' biases in
 //!   shared memory, and a warp reduces the sums of several items in one
@@ -44,10 +44,11 @@
 //! * [`OP_OUTER`] `m` — for each `(dy, x)` pair, `G_m[row, :] += dy[row] · x`
 //!   into the gradient registers.
 //! * A product instruction the scheduler flagged wide (at least
-//!   [`WIDE_PRODUCT_ITEMS`] items by default: many leaves, a large batch)
+//!   [`WIDE_PRODUCT_ITEMS`](ramus_core::vpps::WIDE_PRODUCT_ITEMS) items by default: many leaves, a large batch)
 //!   is in the scripts of a range of VPPs and runs instead as a tiled GEMM
 //!   whose pieces (output tiles, and splits of the reduction where there
-//!   are fewer tiles than VPPs; see [`wide_tiles`]) are dealt over them,
+//!   are fewer tiles than VPPs; see [`ramus_core::vpps::wide_tiles`]) are
+//!   dealt over them,
 //!   reading the weights from their master copy in the pool: one
 //!   processor's rows cannot keep up with hundreds of vectors (each is a
 //!   round trip), and `Wᵀ dy` on
@@ -56,7 +57,8 @@
 //!   accumulator in the pool, which [`OP_UPDATE`] adds to the registers'
 //!   sums (and zeroes).
 //! * [`OP_FUSED`] `k` — fused elementwise group `k` of the model (its code
-//!   generated into the kernel, see `FusedGroup::persistent_case`).
+//!   generated into the kernel, see
+//!   [`persistent_case`](crate::fused::FusedSource::persistent_case)).
 //! * [`OP_ROWS`] — a row copy `dst[d(i)] (+)= src[s(i)]` (gathers, pushes,
 //!   embedding lookups, gradient scatter-adds, slices and concats).
 //! * [`OP_SUM_CHILDREN`], [`OP_SUM_ROWS`], [`OP_BROADCAST_ROWS`],
@@ -82,7 +84,7 @@
 //! `pool` holds every tensor — parameters, their gradients and optimizer
 //! moments, and the batch's values (operands are float offsets into it;
 //! VPPS' single memory pool); `script` the packed
-//! scripts ([`super::script::PackedScripts`]) with the given word offsets;
+//! scripts ([`ramus_core::vpps::PackedScripts`]) with the given word offsets;
 //! `barriers` one zeroed counter per barrier; `parts` the plan's partition
 //! table ([`RegisterPlan::table`]: per CTA and partition the matrix, or
 //! `u32::MAX`, and the first row); `mats` the [`matrix_table`]
@@ -91,11 +93,11 @@
 //! (labels, child offsets, row lists) live in the pool as `u32` words;
 //! operands name them by their offset like any tensor. A batch may take
 //! several launches, with host work between them (see
-//! [`super::launches`]); `flush_grads`, non-zero for every launch but the
+//! [`ramus_core::vpps::launches`]); `flush_grads`, non-zero for every launch but the
 //! last, makes each CTA add its register gradients to the pool's
 //! accumulator at the end, since registers do not outlive a launch.
 //!
-//! `fault_at` ([`NO_INDEX`](super::isa::NO_INDEX): none) is the pool word, zeroed before the
+//! `fault_at` ([`NO_INDEX`](ramus_core::vpps::isa::NO_INDEX): none) is the pool word, zeroed before the
 //! batch, that an update sets to one when a value it wrote is not finite (a
 //! non-finite gradient makes it so): the host reads it back with the loss,
 //! so a non-finite gradient under a finite loss is reported at the batch
@@ -105,38 +107,16 @@
 
 use std::fmt::Write as _;
 
-use super::isa::{
+use ramus_core::error::{CoreError, Result};
+use ramus_core::vpps::isa::{
     INLINE_ITEMS, MATRIX_WORDS, MAX_BARRIERS, OP_BROADCAST_ROWS, OP_FUSED, OP_MATVEC, OP_MATVEC_T,
     OP_NOP, OP_OUTER, OP_ROWS, OP_SIGNAL, OP_SUM_CHILDREN, OP_SUM_ROWS, OP_UPDATE, OP_UPDATE_DENSE,
     OP_WAIT, OP_XENT, PRODUCT_ITEM_WORDS, ROWS_ACCUMULATE, ROWS_DST_ABSOLUTE, ROWS_SRC_ABSOLUTE,
     WIDE_ITEMS,
 };
-use super::regplan::{RegisterPlan, CTA_THREADS, WARP};
-use crate::error::{CoreError, Result};
+use ramus_core::vpps::regplan::{RegisterPlan, CTA_THREADS, WARP};
+use ramus_core::vpps::wide::{GEMM_OUTER_CHUNK, GEMM_STEP, GEMM_TILE};
 
-/// The scheduler's default for [`Scheduler::wide_items`](super::Scheduler):
-/// a merged product instruction of at least this many items is sent to a
-/// range of processors (one per piece, see [`wide_tiles`]) with the
-/// [`WIDE_ITEMS`] flag and runs as a tiled GEMM
-/// dealt over them instead of on the held rows: the weights come from the
-/// master copy in the pool (L2-resident), `Wᵀ dy` needs no cross-processor
-/// atomics per row piece, and the outer products of a wide level go to the
-/// gradient accumulator in the pool (added to the register gradients at
-/// [`OP_UPDATE`]). Below it the register path's latency wins: on the H100,
-/// 8 rather than 32 took the Tree-LSTM's kernel at batch 8 from 0.68 to
-/// 0.62 ms (h 256; 16: 0.66) and from 1.19 to 1.04 ms (h 512); 4 was no
-/// faster. With the held-row products staging their inputs, 16 was no
-/// faster than 8 (h 512, batch 8: 0.755 against 0.767 ms; h 256 0.458
-/// against 0.468), 32 and 64 slower (0.838 and 0.939 at h 512).
-pub const WIDE_PRODUCT_ITEMS: u32 = 8;
-
-/// Output tile of a wide product (rows × columns of the GEMM), the depth
-/// of one step of its reduction, and the items of an outer product's
-/// reduction one tile takes (longer lists are split over tiles that add
-/// their sums atomically).
-const GEMM_TILE: usize = 64;
-const GEMM_STEP: usize = 16;
-const GEMM_OUTER_CHUNK: usize = 256;
 /// Buffers of a wide product's operand tiles: the steps whose copies fly
 /// while one is computed, plus it.
 const GEMM_STAGES: usize = 3;
@@ -164,8 +144,9 @@ const _: () = assert!(
 const ELEMENTS_AHEAD: usize = 4;
 
 /// Elements per thread a fused group loads before it computes them (see
-/// `FusedGroup::persistent_case`): two with one CTA per SM where the
-/// register partitions (weights and gradients) take at most
+/// [`persistent_case`](crate::fused::FusedSource::persistent_case)): two
+/// with one CTA per SM where the register partitions (weights and
+/// gradients) take at most
 /// [`FUSED_AHEAD_MOST_PARTITION_REGISTERS`] registers per thread, else one.
 /// Two of each input cost about a register per input and element; with
 /// two CTAs per SM (128 registers) every plan of the Tree-LSTM at h 256 and
@@ -258,96 +239,15 @@ impl From<UpdateRule> for KernelOptions {
     }
 }
 
-/// The least reduction depth a split of a (transposed) product's
-/// reduction takes: shallower splits would spend more on their tile's set-up
-/// and atomic epilogue than on the reduction. A product whose items fit one
-/// row of tiles (a small batch's level) splits half as deep: on the H100 the
-/// Tree-LSTM's kernel at batch 8 (h 256) took 0.535-0.547 ms with 32 for
-/// all products and 0.568-0.573 with 64, but at batch 128 1.634 against
-/// 1.565, where the levels of a few hundred items split into more pieces
-/// than processors.
-const GEMM_MIN_SPLIT_DEPTH: usize = 64;
-
-/// The least depth of a split of a product with `m` output rows (items).
-fn least_split_depth(m: usize) -> usize {
-    if m <= GEMM_TILE {
-        GEMM_MIN_SPLIT_DEPTH / 2
-    } else {
-        GEMM_MIN_SPLIT_DEPTH
-    }
-}
-
-/// The pieces of a wide product instruction (opcode `op`) with `count`
-/// items on a `rows × cols` matrix, out of `vpps` processors: output tiles
-/// times splits of the reduction. The kernel deals them over the VPPs the
-/// scheduler gives it (see [`Scheduler::wide_items`](super::Scheduler)),
-/// one each where they are at most `vpps`.
-///
-/// An outer product splits its items into chunks of `GEMM_OUTER_CHUNK`.
-/// A product `y = W x` or `dx += Wᵀ dy` with fewer output tiles than
-/// processors splits its reduction so that the pieces fill them (each split
-/// at least `least_split_depth` deep) and adds the splits' partial
-/// sums atomically: a level of a few dozen vectors would otherwise run on a
-/// handful of processors, each walking the whole reduction. The kernel has
-/// no word for the split count; it derives it from the processors it is
-/// given, `ranks / tiles` (see [`split_depth`]), which is why the count
-/// returned here is exactly `tiles × splits` when that fits.
-pub fn wide_tiles(op: u8, rows: usize, cols: usize, count: usize, vpps: usize) -> usize {
-    let (m, n, k) = gemm_shape(op, rows, cols, count);
-    let tiles = m.div_ceil(GEMM_TILE) * n.div_ceil(GEMM_TILE);
-    if op != OP_MATVEC && op != OP_MATVEC_T {
-        return tiles * count.div_ceil(GEMM_OUTER_CHUNK);
-    }
-    let most = vpps / tiles.max(1);
-    if most <= 1 {
-        return tiles;
-    }
-    let depth = k.div_ceil(most).max(least_split_depth(m));
-    tiles * split_depth(k, k.div_ceil(depth)).0
-}
-
-/// A wide product's GEMM, `(m, n, k)`: its output rows (items, or an
-/// outer product's matrix rows), output columns and reduction depth.
-fn gemm_shape(op: u8, rows: usize, cols: usize, count: usize) -> (usize, usize, usize) {
-    match op {
-        OP_MATVEC => (count, rows, cols),
-        OP_MATVEC_T => (count, cols, rows),
-        _ => (rows, cols, count),
-    }
-}
-
-/// The work of a wide product in steps of one output tile: output tiles
-/// times the reduction's depth in `GEMM_STEP`s. A tile costs the same
-/// however few of its rows are items (a level of a few dozen vectors fills
-/// a fraction of one row of tiles), so this, not the multiply-adds, is
-/// what a level's wide products share its VPPs by: a Tree-LSTM level's
-/// `U_iou h` (three times `U_f`'s rows, half its items) got 3/5 of the
-/// VPPs by multiply-adds, 6 steps a piece against `U_f`'s 3, and ran twice
-/// as long.
-pub fn wide_work(op: u8, rows: usize, cols: usize, count: usize) -> usize {
-    let (m, n, k) = gemm_shape(op, rows, cols, count);
-    m.div_ceil(GEMM_TILE) * n.div_ceil(GEMM_TILE) * k.div_ceil(GEMM_STEP)
-}
-
-/// The kernel's split of a reduction `k` deep over (at most) `splits`
-/// pieces: `(splits, depth)` with every split `GEMM_STEP`-aligned and
-/// none empty (the kernel's `vp_wide_product` computes the same).
-pub fn split_depth(k: usize, splits: usize) -> (usize, usize) {
-    let depth = k.div_ceil(splits.max(1)).div_ceil(GEMM_STEP) * GEMM_STEP;
-    (k.div_ceil(depth.max(1)).max(1), depth)
-}
-
 /// The `mats` table of a launch (see [`MATRIX_WORDS`]): for each of
 /// `plan`'s matrices its shape and the pool offsets `slots(m)` gives
 /// (value, first moment, second moment, gradient). Errors name an offset
 /// or size beyond 32 bits.
 pub fn matrix_table(plan: &RegisterPlan, slots: impl Fn(usize) -> [usize; 4]) -> Result<Vec<u32>> {
     let word = |v: usize, what: &str| {
-        u32::try_from(v).map_err(|_| {
-            CoreError::vpps(
-                "kernel",
-                format!("{what} {v} does not fit the 32-bit matrix table"),
-            )
+        u32::try_from(v).map_err(|_| CoreError::Vpps {
+            what: "kernel".into(),
+            message: format!("{what} {v} does not fit the 32-bit matrix table"),
         })
     };
     let mut table = Vec::with_capacity(plan.matrices.len() * MATRIX_WORDS);
@@ -443,7 +343,8 @@ fn staged_vectors(plan: &RegisterPlan) -> usize {
 
 /// The CUDA C++ source of the persistent kernel for `plan` and `options`;
 /// `fused_cases` are the model's fused groups as `case` blocks (see
-/// `FusedGroup::persistent_case`), dispatched by [`OP_FUSED`]. With
+/// [`persistent_case`](crate::fused::FusedSource::persistent_case)), dispatched by
+/// [`OP_FUSED`]. With
 /// `options.trace`, thread 0 of every CTA records each instruction it runs (opcode,
 /// arg, start and end on `%globaltimer`, the end after the block barrier
 /// that closes the instruction) into the barrier buffer from [`TRACE_AT`]
@@ -555,64 +456,7 @@ const KERNEL_BODY: &str = include_str!("kernel.cu");
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::vpps::regplan::{plan, DeviceLimits, MatrixSpec, PlanRequest};
-
-    #[test]
-    fn a_narrow_product_splits_its_reduction_to_fill_the_processors() {
-        // Tree-LSTM h 256 on 264 VPPs: Uᵀ dy (1280 x 512) for 48 vectors
-        // has 8 output tiles; 1280 deep, it splits 27 ways, 48 deep each
-        // (items in one row of tiles: splits at least 32 deep)
-        assert_eq!(wide_tiles(OP_MATVEC_T, 1280, 512, 48, 264), 8 * 27);
-        assert_eq!(split_depth(1280, 27), (27, 48));
-        // W x (1280 x 512) for 48 vectors: 20 tiles, 11 splits of 48
-        assert_eq!(wide_tiles(OP_MATVEC, 1280, 512, 48, 264), 20 * 11);
-        // for 80 vectors: 40 tiles, 6 splits of 96 (at least 64 deep)
-        assert_eq!(wide_tiles(OP_MATVEC, 1280, 512, 80, 264), 40 * 6);
-        // a reduction no deeper than the least split does not split
-        assert_eq!(wide_tiles(OP_MATVEC, 1280, 32, 48, 264), 20);
-        assert_eq!(wide_tiles(OP_MATVEC, 1280, 64, 80, 264), 40);
-        assert_eq!(wide_tiles(OP_MATVEC, 1280, 64, 48, 264), 20 * 2);
-        // as many tiles as processors (or more): no split
-        assert_eq!(wide_tiles(OP_MATVEC, 1280, 512, 3000, 264), 47 * 20);
-        assert_eq!(wide_tiles(OP_MATVEC, 1280, 512, 640, 264), 200);
-        // outer products split their items, whatever the processors
-        assert_eq!(wide_tiles(OP_OUTER, 1280, 512, 600, 8), 20 * 8 * 3);
-    }
-
-    #[test]
-    fn the_kernel_recovers_the_hosts_split_from_the_processors_it_is_given() {
-        for op in [OP_MATVEC, OP_MATVEC_T] {
-            for (rows, cols) in [
-                (1280usize, 512usize),
-                (2560, 1024),
-                (96, 300),
-                (7, 1000),
-                (4096, 33),
-            ] {
-                for count in [1usize, 17, 32, 64, 65, 200, 1000] {
-                    for vpps in [4, 132, 264] {
-                        let (m, n, k) = if op == OP_MATVEC {
-                            (count, rows, cols)
-                        } else {
-                            (count, cols, rows)
-                        };
-                        let tiles = m.div_ceil(GEMM_TILE) * n.div_ceil(GEMM_TILE);
-                        let pieces = wide_tiles(op, rows, cols, count, vpps);
-                        let ranks = pieces.clamp(1, vpps);
-                        // the kernel: ranks / tiles splits, re-cut aligned
-                        let (splits, depth) = split_depth(k, (ranks / tiles).max(1));
-                        let what = format!("op {op} {rows}x{cols} count {count} vpps {vpps}");
-                        assert_eq!(tiles * splits, pieces, "{what}");
-                        assert!(pieces <= vpps.max(tiles), "{what}");
-                        assert_eq!(depth % GEMM_STEP, 0, "{what}");
-                        assert!(splits <= k.div_ceil(least_split_depth(m)), "{what}");
-                        // every split has work, and together they cover k
-                        assert!((splits - 1) * depth < k && splits * depth >= k, "{what}");
-                    }
-                }
-            }
-        }
-    }
+    use ramus_core::vpps::regplan::{plan, DeviceLimits, MatrixSpec, PlanRequest};
 
     #[test]
     fn held_row_products_stage_fewer_vectors_of_wide_rows_at_two_ctas_per_sm() {
