@@ -37,8 +37,8 @@ use ramus_nn::{
 /// mimalloc instead of the system allocator: the persistent engine lowers
 /// and encodes a window of batches on every core at once, tens of thousands
 /// of small vectors per batch; with glibc's allocator those threads contend
-/// on its arenas and on page faults (one batch of 128 N-ary trees: 12.5 ms
-/// to lower and encode on one core with glibc, 8.2 ms with mimalloc).
+/// on its arenas and on page faults (timings:
+/// `docs/benchmarks.md#allocator-of-the-ramus-binary`).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

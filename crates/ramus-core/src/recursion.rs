@@ -91,14 +91,13 @@ impl RecursionSchedule {
     /// * refactoring, on the CPU: on where the moved values are read per
     ///   child edge (`gather_all`: the child-sum Tree-LSTM, the TreeGRU)
     ///   and leaf tables absorb them: the per-edge products on leaf
-    ///   children vanish (SST test trees, hidden 256, 2 cores: TreeGRU
-    ///   batch 10 0.53 → 0.43–0.48 ms, Tree-LSTM 0.64–0.66 → 0.62–0.65
-    ///   ms; batch 1 about 7 % faster for both); off for values read
+    ///   children vanish (faster on SST trees at hidden 256:
+    ///   `docs/benchmarks.md#cpu-recursion-primitives`); off for values read
     ///   through `gather(k)` (a chain: the same products, moved, plus one
     ///   for the last node and a stage). On CUDA: off until measured on a
     ///   device (the child's moved products need every unit of its new
     ///   state: a grid barrier per level is added);
-    /// * unrolling: off on both (on the CPU within ±3 % of level by level,
+    /// * unrolling: off on both (on the CPU no faster than level by level,
     ///   a level's child states already sit in cache at these sizes; on
     ///   CUDA it gives model persistence up, Cortex §7.4 and appendix D).
     ///

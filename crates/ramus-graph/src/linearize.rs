@@ -42,10 +42,9 @@
 //! A [`Linearizer`] keeps its output and scratch vectors between calls, so a
 //! steady stream of batches allocates nothing once the buffers have grown.
 //! Linearizing is a few linear passes over the vertices and edges (levels,
-//! a counting sort by level, the per-node arrays, the child lists): about
-//! 0.5–0.8 µs for one SST tree and 3–7 µs for ten on one CPU core, against
-//! Cortex's 1.31 µs and 9.64 µs (`cargo run --release -p ramus-graph
-//! --example linearize_bench`).
+//! a counting sort by level, the per-node arrays, the child lists),
+//! measured against Cortex's figures by `cargo run --release -p
+//! ramus-graph --example linearize_bench` (`docs/benchmarks.md#linearizer`).
 //!
 //! # Inputs and errors
 //!

@@ -12,15 +12,15 @@ use ramus_core::lower::{CellProgram, ScalarExpr};
 pub const INLINE_INDEX_WORDS: usize = 896;
 
 /// Threads per block of the generated kernels by default: few, large
-/// blocks keep the grid barrier cheap (1024 was slower on an H100: costlier
-/// block barriers and half the registers per thread).
+/// blocks keep the grid barrier cheap (1024 was slower: costlier block
+/// barriers and half the registers per thread;
+/// `docs/benchmarks.md#compiled-engine-block-size`).
 pub const CELL_BLOCK: u32 = 512;
 
 /// Threads per block when the persistent weights need more than 64
 /// registers per thread: a block of 256 threads may use up to 255 each,
-/// where 512 threads (128 each) would spill them (a binary Tree-LSTM at
-/// hidden 512, 160 weight registers: 0.07 ms a tree instead of 0.18 on an
-/// H100).
+/// where 512 threads (128 each) would spill them (see
+/// `docs/benchmarks.md#compiled-engine-block-size`).
 pub const WIDE_CELL_BLOCK: u32 = 256;
 
 /// A lowered function: its graph (for the ops' templates) and program.

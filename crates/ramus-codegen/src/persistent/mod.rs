@@ -24,10 +24,9 @@
 //!   VPP's thread 0 spins until the counter reaches the count the script
 //!   buffer stores for `b` (relaxed loads: an acquire load would invalidate
 //!   the L1 on every poll), reads it once more with acquire semantics and
-//!   releases the block. (A full fence on each side instead cost about a
-//!   tenth of the Tree-LSTM's kernel time on the H100, and so did a
-//!   `fence.acq_rel` after the poll in place of the acquire load: 0.54 ms
-//!   a batch of 8 at h 256, against 0.49.)
+//!   releases the block. (A full fence on each side, or a `fence.acq_rel`
+//!   after the poll in place of the acquire load, made the kernel slower:
+//!   `docs/benchmarks.md#persistent-kernel-barrier-fences`.)
 //! * [`OP_MATVEC`] `m` — for each `(x, y, bias)` item of its operand list
 //!   (inline after the count, or in the operand pool; see
 //!   [`ramus_core::vpps::schedule`]), `y[row] = W_m[row, :] · x (+ bias[row])` for
@@ -136,11 +135,10 @@ const _: () = assert!(
 /// outputs, so one element at a time waits for each element's loads in
 /// turn; at a wide level (h 512, batch 128) that is dozens of L2 round
 /// trips per thread. With two CTAs per SM (h 256) loading ahead made the
-/// kernel 2-5 % slower, so there they take one element at a time. On the
-/// H100 at h 512, batch 128 (rpw 3) 4 took the Tree-LSTM's kernel from
-/// 3.47-3.49 to 3.40-3.43 ms, and 8 to 3.44-3.45. The fused groups load
-/// one element at a time: loading 2 or 4 ahead there made that kernel
-/// spill (56 and 336 bytes).
+/// kernel slower, so there they take one element at a time; 4 beat 8 at
+/// one CTA per SM (`docs/benchmarks.md#persistent-kernel-elements-ahead`).
+/// The fused groups load one element at a time: loading 2 or 4 ahead
+/// there made that kernel spill (56 and 336 bytes).
 const ELEMENTS_AHEAD: usize = 4;
 
 /// Elements per thread a fused group loads before it computes them (see
@@ -222,7 +220,7 @@ pub struct KernelOptions {
     pub trace: bool,
     /// The wide products' epilogue adds (or stores) each thread's outputs
     /// four at a time, 16-byte atomics where a quad is whole and aligned
-    /// (at h 512 on the H100 a batch of 8 took 0.633 ms instead of 0.651);
+    /// (fewer atomics: `docs/benchmarks.md#persistent-kernel-vector-epilogue`);
     /// off, one scalar atomic each, which takes fewer registers: where the
     /// vector epilogue makes a plan spill, the engine builds it without.
     pub vector_epilogue: bool,

@@ -117,7 +117,7 @@ pub struct Scheduler {
     /// let the VPPs that hold fewer rows (less accumulated product load)
     /// collect all of a wide level's
     /// elementwise work — 17 of 132 processors ran a whole level of a
-    /// 128-tree batch, 360 µs instead of about 25.
+    /// 128-tree batch (`docs/benchmarks.md#vpps-scheduler-balance-per-level`).
     pub balance_per_level: bool,
     /// Record which VPPs run each task and which tasks each VPP runs
     /// ([`BatchScripts::task_vpps`], [`BatchScripts::vpp_tasks`]: what [`simulate`](super::simulate)
@@ -773,9 +773,8 @@ struct WideProduct {
 /// do not overlap (unless there are more products than VPPs in the
 /// region). Sharing, a level's
 /// two products run side by side rather than one after the other on every
-/// VPP, and its elementwise work beside them: at hidden 512, a
-/// Tree-LSTM's two recurrent products of a level took 5.9–7.5 µs each
-/// over all VPPs, and a gate's fused work 2–3 µs after them on one.
+/// VPP, and its elementwise work beside them
+/// (`docs/benchmarks.md#vpps-scheduler-shared-wide-ranges`).
 fn deal_wide_ranges(
     busy: &[bool],
     next: &mut usize,

@@ -15,12 +15,9 @@ use super::isa::{OP_MATVEC, OP_MATVEC_T};
 /// master copy in the pool (L2-resident), `Wᵀ dy` needs no cross-processor
 /// atomics per row piece, and the outer products of a wide level go to the
 /// gradient accumulator in the pool (added to the register gradients at
-/// `OP_UPDATE`). Below it the register path's latency wins: on the H100,
-/// 8 rather than 32 took the Tree-LSTM's kernel at batch 8 from 0.68 to
-/// 0.62 ms (h 256; 16: 0.66) and from 1.19 to 1.04 ms (h 512); 4 was no
-/// faster. With the held-row products staging their inputs, 16 was no
-/// faster than 8 (h 512, batch 8: 0.755 against 0.767 ms; h 256 0.458
-/// against 0.468), 32 and 64 slower (0.838 and 0.939 at h 512).
+/// `OP_UPDATE`). Below it the register path's latency wins; 8 was the
+/// fastest threshold of a sweep
+/// (`docs/benchmarks.md#persistent-kernel-wide-product-threshold`).
 pub const WIDE_PRODUCT_ITEMS: u32 = 8;
 
 /// Output tile of a wide product (rows × columns of the GEMM), the depth
@@ -34,11 +31,10 @@ pub const GEMM_OUTER_CHUNK: usize = 256;
 /// The least reduction depth a split of a (transposed) product's
 /// reduction takes: shallower splits would spend more on their tile's set-up
 /// and atomic epilogue than on the reduction. A product whose items fit one
-/// row of tiles (a small batch's level) splits half as deep: on the H100 the
-/// Tree-LSTM's kernel at batch 8 (h 256) took 0.535-0.547 ms with 32 for
-/// all products and 0.568-0.573 with 64, but at batch 128 1.634 against
-/// 1.565, where the levels of a few hundred items split into more pieces
-/// than processors.
+/// row of tiles (a small batch's level) splits half as deep: that helps
+/// small batches, where a shallower split for all products slowed large
+/// ones, whose levels of a few hundred items split into more pieces than
+/// processors (`docs/benchmarks.md#persistent-kernel-split-depth`).
 const GEMM_MIN_SPLIT_DEPTH: usize = 64;
 
 /// The least depth of a split of a product with `m` output rows (items).

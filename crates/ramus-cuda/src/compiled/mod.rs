@@ -51,8 +51,8 @@ pub struct CompiledSchedule {
     /// the internal cell's token-only values (input projections) another.
     pub leaf_table: bool,
     /// The internal cell's weight rows stay in registers across levels
-    /// (even where they spill: a binary Tree-LSTM at hidden 512 keeps 160
-    /// per thread and still ran 1.9× faster than reading them from L2).
+    /// (even where they spill, still faster than reading them from L2:
+    /// `docs/benchmarks.md#compiled-engine-persistent-weights`).
     pub persistent_weights: bool,
     /// Levels ordered by per-node completion counters instead of grid
     /// barriers ([`TreeKernelSpec::node_counters`]): a block waits only for
@@ -72,11 +72,9 @@ pub struct CompiledSchedule {
 }
 
 /// The widest internal cell (in units) that orders its levels by node
-/// counters by default. On an H100 (one run of `ramus bench --engine
-/// compiled --ablation` per model) counters cut the kernel time of every
-/// tree model at 256 units by 3–23 % (Tree-LSTM bs 1: 0.079 → 0.061 ms),
-/// where at 512 units they were slower for the Tree-LSTM (0.078 → 0.083 ms
-/// at bs 1) and the DAG-RNN (0.294 → 0.417 ms on ten 10×10 grids).
+/// counters by default: counters were faster for every tree model at 256
+/// units and slower at 512
+/// (`docs/benchmarks.md#compiled-engine-node-counters`).
 pub const COUNTERS_MAX_UNITS: usize = 256;
 
 /// Batches each level ordering is timed on before the engine keeps the
@@ -170,8 +168,8 @@ pub struct CompiledOptions {
     pub block_threads: Option<u32>,
     /// Blocks per multiprocessor at most (fewer blocks: a cheaper grid
     /// barrier; more: more warps per level), within what fits. Default 2:
-    /// on an H100 the same latency as 1 for narrow levels, and up to 35 %
-    /// less for wide ones (ten 10×10 grid DAGs).
+    /// no slower than 1 on narrow levels, faster on wide ones
+    /// (`docs/benchmarks.md#compiled-engine-blocks-per-sm`).
     pub blocks_per_sm: u32,
     /// Blocks in all at most (`None`: as many as fit and the widest level
     /// can use).

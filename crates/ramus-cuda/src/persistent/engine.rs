@@ -95,10 +95,9 @@ pub struct PersistentOptions {
     /// The batch size the engine will train on, if known. The `rpw`
     /// search times the first batches submitted, so its choice suits their
     /// size: a choice is remembered per batch-size class (powers of two),
-    /// and a later run of another class searches again. On the H100 the
-    /// Tree-LSTM at h 512 takes 0.38 ms a batch of 1 with one CTA per SM
-    /// at rpw 4, against 0.41 with the choice for a batch of 128 (two CTAs
-    /// per SM at rpw 2, 2.43 ms there against 2.61-2.66).
+    /// and a later run of another class searches again: the best plan for
+    /// a batch of 1 is not the best for 128
+    /// (`docs/benchmarks.md#persistent-engine-rpw-search`).
     pub batch_size: Option<usize>,
     /// Where the kernel must be compiled (no cached image), train the first
     /// batches on a bridge kernel, the same source compiled in a fraction
@@ -379,8 +378,8 @@ struct VariantBuild {
 /// VPPS' profile-guided load granularity (§III-A1): time a few batches
 /// with each valid `rpw` from 1 up (one that spills is skipped), keep the
 /// best. Every candidate is timed: stopping at the first one slower than
-/// the best so far left the Tree-LSTM at h 512 on rpw 1 (register
-/// gradients, 4.4 ms a batch of 128 on an H100) where rpw 3 takes 3.7.
+/// the best so far missed a faster larger `rpw`
+/// (`docs/benchmarks.md#persistent-engine-rpw-search`).
 /// Where the CTAs per SM and the gradients' place are left open, each
 /// `rpw` is also tried keeping two CTAs per SM when two with register
 /// gradients spill (see [`VariantChoice::keep_ctas`]), and where the
@@ -399,9 +398,9 @@ struct Tuning {
 
 /// Batches timed per `rpw` candidate (the first, with compilation and
 /// cold caches behind it, is dropped; the median of the rest counts, so
-/// one slow batch does not decide). With the mean of three, one run of
-/// the Tree-LSTM's search at h 256 on an H100 kept a variant whose batch
-/// of 128 then took 1.50 ms, where another run's choice took 1.36.
+/// one slow batch does not decide; with the mean of three, runs of the
+/// same search kept different variants:
+/// `docs/benchmarks.md#persistent-engine-rpw-search`).
 const TUNE_BATCHES: usize = 6;
 /// Most `rpw` values tried.
 const TUNE_CANDIDATES: usize = 4;
@@ -416,11 +415,8 @@ struct VariantChoice {
     grads_in_registers: Option<bool>,
     /// Where the plan's CTAs per SM with register gradients spill, give up
     /// the register gradients before a CTA per SM (else the other way
-    /// round). On the H100 the Tree-LSTM at h 512 (whose two CTAs per SM
-    /// with register gradients spill) took 0.50 ms a batch of 1, 0.83 of 8
-    /// and 2.67-2.71 of 128 with two CTAs per SM at rpw 2 and the gradients
-    /// through cuBLAS; 0.60, 0.90 and 3.15 with one and register gradients
-    /// (rpw 1); 0.51, 0.85 and 3.01 with one without (rpw 3).
+    /// round): either can be the faster
+    /// (`docs/benchmarks.md#persistent-engine-rpw-search`).
     keep_ctas: bool,
 }
 
@@ -430,9 +426,8 @@ impl VariantChoice {
     /// the gradients' place are open, and with the gradients in memory
     /// from the first plan on where their place is open: where they fit in
     /// registers the other candidates never try that, and it can be the
-    /// fastest for small batches (H100, Tree-LSTM h 512: one CTA per SM at
-    /// rpw 4 takes 0.385 / 0.655 ms a batch of 1 / 8 with the gradients in
-    /// memory, 0.409 / 0.719 with them in registers)).
+    /// fastest for small batches:
+    /// `docs/benchmarks.md#persistent-engine-rpw-search`).
     fn candidates(prog: &PersistentProgram, build: &VariantBuild) -> Vec<VariantChoice> {
         let grads_open = build.grads_in_registers.is_none();
         let open = build.ctas_per_sm.is_none() && grads_open;
@@ -1367,11 +1362,9 @@ impl PersistentEngine {
             // of the host's preparation (one core's time over the batches
             // prepared in parallel). At large batches some models are
             // host-bound, and a plan with twice the processors cuts a wide
-            // level into twice the instructions: RvNN at batch 128 on an
-            // H100 trained 116k sent/s with two CTAs per SM at rpw 1 (0.90
-            // ms of device and 12.7 of host a batch), 159k with one and
-            // register gradients at rpw 3 (0.82 and 8.9), and the device
-            // time alone chose the first.
+            // level into twice the instructions, so the device time alone
+            // chose a plan that trained slower
+            // (docs/benchmarks.md#persistent-engine-rpw-search)
             let share = step.host_seconds / super::train::prepared_ahead() as f64;
             self.tune(variant, seconds + share)?;
         }
@@ -1632,11 +1625,9 @@ fn gradient_gemm(
 /// Items from which a product is host work between launches (see
 /// [`PersistentOptions::host_items`]): cuBLAS runs a wide level's product
 /// faster than the kernel's tiles (which share the SMs with the held
-/// weights), once that saves more than a launch costs. On the H100 the
-/// Tree-LSTM's batch of 128 (its leaves' products, 2400 items) took 3.41
-/// ms without, 3.13 with 2048, 3.13 with 1024, 3.01 with 512 (the first
-/// levels' products too), 2.99 with 256 and 3.02-3.08 with 128 and 64 at
-/// h 512; at h 256, 1.39, 1.38, 1.41, 1.37, 1.51 and 1.60-1.63 ms.
+/// weights), once that saves more than a launch costs; 512 was about the
+/// best of the thresholds swept at h 256 and 512
+/// (`docs/benchmarks.md#persistent-engine-host-products`).
 pub const HOST_PRODUCT_ITEMS: usize = 512;
 
 /// The environment variable that overrides [`HOST_PRODUCT_ITEMS`] (for

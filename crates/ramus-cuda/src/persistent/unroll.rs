@@ -641,8 +641,7 @@ impl<'a> Unroller<'a> {
     /// chain of instructions waits only for row `i`'s producers, and a
     /// level's elementwise work spreads over the processors instead of
     /// queueing on a few: one row per instruction on narrow levels
-    /// (instructions of 2048 elements made an 8-tree batch's kernel 1.32
-    /// ms instead of 0.84 on an H100).
+    /// (`docs/benchmarks.md#persistent-lowering-row-chunks`).
     fn chunks(&self, lo: usize, hi: usize, width: usize) -> Vec<(usize, usize)> {
         let rows = hi.saturating_sub(lo);
         let step = rows
