@@ -208,9 +208,8 @@ __device__ __forceinline__ void vp_wide_product(
         for (int i = 0; i < 4; ++i)
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
-        // VP_STAGES - 1 steps in flight ahead of the one computed (one step
-        // ahead through registers took the Tree-LSTM's kernel at batch 8,
-        // h 256, 0.576 ms on the H100; this, 0.559)
+        // VP_STAGES - 1 steps in flight ahead of the one computed: hides the
+        // load latency (docs/benchmarks.md#persistent-kernel-gemm-pipeline-depth)
         const unsigned steps = (k_hi - k_lo + VP_BK - 1) / VP_BK;
 #pragma unroll
         for (unsigned s = 0; s + 1 < VP_STAGES; ++s) {
@@ -242,8 +241,8 @@ __device__ __forceinline__ void vp_wide_product(
 // 16-byte atomics need sm_90
 #if VP_VECTOR_EPILOGUE && __CUDA_ARCH__ >= 900
         // each thread's row quads, one 16-byte atomic (or store) where the
-        // quad is whole and aligned: four scalar atomics a quad took the
-        // epilogue 1.8 us at h 512 on the H100
+        // quad is whole and aligned: a quarter of the atomics
+        // (docs/benchmarks.md#persistent-kernel-vector-epilogue)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const unsigned mi = 4 * ty + i, row = m0 + mi, n = n0 + 4 * tx;
@@ -625,8 +624,8 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS, VP_CTAS_PER_SM) vpps_tr
                 // products' sums, the moments) before its stores: the
                 // compiler keeps a pool load after a pool store (they may
                 // alias), so loading each element after the previous one's
-                // stores cost a round trip to memory per element (h 512:
-                // 50-60 us a batch on the H100), not per piece
+                // stores would cost a round trip to memory per element, not
+                // per piece (docs/benchmarks.md#persistent-kernel-update-loads)
 #pragma unroll
                 for (int p = 0; p < VP_P; ++p) {
                     if (VP_PM(p) == VP_NONE) continue;
