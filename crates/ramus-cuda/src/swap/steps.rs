@@ -41,14 +41,18 @@ mod types;
 
 pub(crate) use types::{GraphRef, Kind, Piece, Rows, Segment, Shape, SwapOp, SwapProgram, Words};
 
+use std::any::Any;
+
 use ramus_core::graph::{NodeId, NodeKind, Role, Source};
-use ramus_core::Model;
+use ramus_core::{HeadRows, Model};
 use ramus_exec::OptimizerKind;
+use ramus_graph::Schedule;
 use ramus_swap::Phase;
 
+use crate::engine::cnn_workspace_floats;
 use crate::error::Result;
-use crate::program::{Program, EAGER, LAZY, PER_TASK};
-use builder::{unsupported, Builder};
+use crate::program::{PlannedStep, Program, EAGER, LAZY, PER_TASK};
+use builder::{step_cost, step_nodes, unsupported, Builder};
 
 /// Checks that `model` is a static-graph model the swap path runs.
 pub(crate) fn check_static(model: &Model, program: &Program) -> Result<()> {
@@ -157,6 +161,8 @@ pub(crate) fn build(
     b.finish(masks)
 }
 
+// The static builder's own steps, and the steps of a graph's phase both
+// builders emit (see the note at `impl Shape` below).
 impl Builder<'_> {
     /// Host-only producers of the forward pass: pulled inputs and masks, the
     /// masks drawn in the plain engine's order (functions, then the head).
@@ -261,5 +267,97 @@ impl Builder<'_> {
             self.accumulate(GraphRef::Backward(f), Rows::All)?;
         }
         Ok(())
+    }
+
+    /// The steps of `phase` of `graph` over every row.
+    pub(super) fn steps(&mut self, graph: GraphRef, phase: usize, op_phase: Phase) -> Result<()> {
+        let rows = match graph.function() {
+            Some(f) => self.shape.rows[f],
+            None => self.shape.head_rows,
+        };
+        self.steps_over(graph, phase, op_phase, Rows::All, rows)
+    }
+
+    /// The steps of `phase` of `graph` over `rows` (`count` of them).
+    pub(super) fn steps_over(
+        &mut self,
+        graph: GraphRef,
+        phase: usize,
+        op_phase: Phase,
+        rows: Rows,
+        count: usize,
+    ) -> Result<()> {
+        let g = graph.graph(self.model);
+        let prog = graph.program(self.program, self.kind);
+        let label = match rows {
+            Rows::All => graph.label(self.model),
+            Rows::Segment(s) => format!("{} segment {s}", graph.label(self.model)),
+            Rows::Piece(p) => match self.pieces.get(p) {
+                Some(piece) => format!(
+                    "{} task {} rows {}..{}",
+                    graph.label(self.model),
+                    piece.task,
+                    piece.r0,
+                    piece.r1
+                ),
+                None => format!("{} piece {p}", graph.label(self.model)),
+            },
+        };
+        for (index, step) in prog.phases[phase].iter().enumerate() {
+            if let PlannedStep::Op(n) = &step.step {
+                if let NodeKind::Op(op) = &g.nodes[*n].kind {
+                    let any: &dyn Any = op.as_ref();
+                    self.workspace_floats = self.workspace_floats.max(cnn_workspace_floats(
+                        any,
+                        count,
+                        self.conv_workspace,
+                    ));
+                }
+            }
+            let (reads, writes, name) = step_nodes(g, &step.step, &label);
+            self.step_cost = Some(step_cost(g, &step.step, count));
+            let reads = self.resolve_all(graph, &reads)?;
+            let writes = self.resolve_all(graph, &writes)?;
+            self.emit(
+                SwapOp::Step {
+                    graph,
+                    phase,
+                    index,
+                    rows,
+                },
+                name,
+                op_phase,
+                &reads,
+                &writes,
+            );
+            if let Some(outputs) = self.early.remove(&(graph, phase, index)) {
+                for output in outputs {
+                    self.accumulate_output(graph, output, Rows::All)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+// Here, not in `types`, with the steps below: they ask the engine (which
+// vertices the head reads, the convolution workspace), so `types` and
+// `builder` stay out of the engine <-> swap import cycle.
+impl Shape {
+    /// The shape of batch `s` with the head on `rows`.
+    pub(crate) fn of(model: &Model, s: &Schedule, rows: HeadRows) -> Shape {
+        let head: Vec<u32> = crate::engine::head_vertices(rows, s);
+        let mut head_rows_of = vec![0; model.functions.len()];
+        for &v in &head {
+            if let Some(n) = head_rows_of.get_mut(s.vertex_function[v as usize] as usize) {
+                *n += 1;
+            }
+        }
+        Shape {
+            rows: s.functions.iter().map(|f| f.rows()).collect(),
+            edges: s.functions.iter().map(|f| f.edges()).collect(),
+            head_rows: head.len(),
+            head_rows_of,
+        }
     }
 }

@@ -3,7 +3,6 @@
 //! ops with their host-only producers, steps, seeds and gradient
 //! accumulations.
 
-use std::any::Any;
 use std::collections::{HashMap, HashSet};
 
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, Role, Source, Space};
@@ -14,7 +13,6 @@ use super::types::{
     pool_bytes, GraphRef, Home, Kind, MoveSpec, Piece, Rows, Segment, Shape, SwapOp, SwapProgram,
     WHOLE,
 };
-use crate::engine::cnn_workspace_floats;
 use crate::error::{CudaError, Result};
 use crate::program::{PlannedStep, Program, HEAD_ALL, HEAD_SCORES};
 
@@ -347,76 +345,6 @@ impl Builder<'_> {
         self.pending.insert(t, (op, name));
     }
 
-    /// The steps of `phase` of `graph` over every row.
-    pub(super) fn steps(&mut self, graph: GraphRef, phase: usize, op_phase: Phase) -> Result<()> {
-        let rows = match graph.function() {
-            Some(f) => self.shape.rows[f],
-            None => self.shape.head_rows,
-        };
-        self.steps_over(graph, phase, op_phase, Rows::All, rows)
-    }
-
-    /// The steps of `phase` of `graph` over `rows` (`count` of them).
-    pub(super) fn steps_over(
-        &mut self,
-        graph: GraphRef,
-        phase: usize,
-        op_phase: Phase,
-        rows: Rows,
-        count: usize,
-    ) -> Result<()> {
-        let g = graph.graph(self.model);
-        let prog = graph.program(self.program, self.kind);
-        let label = match rows {
-            Rows::All => graph.label(self.model),
-            Rows::Segment(s) => format!("{} segment {s}", graph.label(self.model)),
-            Rows::Piece(p) => match self.pieces.get(p) {
-                Some(piece) => format!(
-                    "{} task {} rows {}..{}",
-                    graph.label(self.model),
-                    piece.task,
-                    piece.r0,
-                    piece.r1
-                ),
-                None => format!("{} piece {p}", graph.label(self.model)),
-            },
-        };
-        for (index, step) in prog.phases[phase].iter().enumerate() {
-            if let PlannedStep::Op(n) = &step.step {
-                if let NodeKind::Op(op) = &g.nodes[*n].kind {
-                    let any: &dyn Any = op.as_ref();
-                    self.workspace_floats = self.workspace_floats.max(cnn_workspace_floats(
-                        any,
-                        count,
-                        self.conv_workspace,
-                    ));
-                }
-            }
-            let (reads, writes, name) = step_nodes(g, &step.step, &label);
-            self.step_cost = Some(step_cost(g, &step.step, count));
-            let reads = self.resolve_all(graph, &reads)?;
-            let writes = self.resolve_all(graph, &writes)?;
-            self.emit(
-                SwapOp::Step {
-                    graph,
-                    phase,
-                    index,
-                    rows,
-                },
-                name,
-                op_phase,
-                &reads,
-                &writes,
-            );
-            if let Some(outputs) = self.early.remove(&(graph, phase, index)) {
-                for output in outputs {
-                    self.accumulate_output(graph, output, Rows::All)?;
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// Seeds of the output-gradient inputs of backward graph `graph`.
     pub(super) fn seeds(&mut self, graph: GraphRef, forward: &Graph) -> Result<()> {
         let g = graph.graph(self.model);
@@ -629,7 +557,7 @@ impl Builder<'_> {
 
 /// The estimated work of a step over `rows` rows: (flops, bytes), summed
 /// over its op nodes by the op registry's cost model.
-fn step_cost(g: &Graph, step: &PlannedStep, rows: usize) -> (f64, f64) {
+pub(super) fn step_cost(g: &Graph, step: &PlannedStep, rows: usize) -> (f64, f64) {
     let node = |n: NodeId| -> (f64, f64) {
         let node = &g.nodes[n];
         let Some(op) = node.op() else {
@@ -655,7 +583,11 @@ fn step_cost(g: &Graph, step: &PlannedStep, rows: usize) -> (f64, f64) {
 }
 
 /// Nodes a step reads (buffers of its inputs) and writes, and its name.
-fn step_nodes(g: &Graph, step: &PlannedStep, label: &str) -> (Vec<NodeId>, Vec<NodeId>, String) {
+pub(super) fn step_nodes(
+    g: &Graph,
+    step: &PlannedStep,
+    label: &str,
+) -> (Vec<NodeId>, Vec<NodeId>, String) {
     match step {
         PlannedStep::Op(n) => {
             let node = &g.nodes[*n];

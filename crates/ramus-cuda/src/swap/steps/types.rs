@@ -3,8 +3,7 @@
 //! (shared by the static and the dynamic builders and the executor).
 
 use ramus_core::graph::{DType, Graph, NodeId, Space};
-use ramus_core::{HeadRows, Model};
-use ramus_graph::Schedule;
+use ramus_core::Model;
 use ramus_swap::{TensorId, Trace};
 
 use crate::offset_allocator::aligned_size;
@@ -327,23 +326,6 @@ pub(crate) struct Shape {
 }
 
 impl Shape {
-    /// The shape of batch `s` with the head on `rows`.
-    pub(crate) fn of(model: &Model, s: &Schedule, rows: HeadRows) -> Shape {
-        let head: Vec<u32> = crate::engine::head_vertices(rows, s);
-        let mut head_rows_of = vec![0; model.functions.len()];
-        for &v in &head {
-            if let Some(n) = head_rows_of.get_mut(s.vertex_function[v as usize] as usize) {
-                *n += 1;
-            }
-        }
-        Shape {
-            rows: s.functions.iter().map(|f| f.rows()).collect(),
-            edges: s.functions.iter().map(|f| f.edges()).collect(),
-            head_rows: head.len(),
-            head_rows_of,
-        }
-    }
-
     pub(super) fn count(&self, graph: GraphRef, space: Space) -> usize {
         match (graph.function(), space) {
             (_, Space::Static) => 1,
