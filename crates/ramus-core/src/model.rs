@@ -507,31 +507,7 @@ impl ModelBuilder {
         if self.functions.is_empty() {
             return Err(err("declares no vertex function".into()));
         }
-        let selector = match self.selector.clone() {
-            Some(s) => s,
-            None if self.functions.len() == 1 => FunctionSelector::Single(0),
-            None => {
-                return Err(err(
-                    "declares several vertex functions but no selector".into()
-                ))
-            }
-        };
-        let used = selector.functions();
-        if used.is_empty() {
-            return Err(err("the selector's kind table is empty".into()));
-        }
-        if u16::try_from(used.len() - 1).is_err() {
-            return Err(err(format!(
-                "the selector's kind table has {} entries; kinds are u16",
-                used.len()
-            )));
-        }
-        if let Some(&bad) = used.iter().find(|&&f| f >= self.functions.len()) {
-            return Err(err(format!(
-                "selector names function {bad}, but only {} exist",
-                self.functions.len()
-            )));
-        }
+        let selector = self.checked_selector()?;
         let (rows, head_graph) = self
             .head
             .clone()
@@ -540,62 +516,9 @@ impl ModelBuilder {
         let mut functions = Vec::new();
         let mut push_width = None;
         for (name, forward, optional_from) in &self.functions {
-            let context = format!("{}/{name}", self.name);
-            let scatter = forward.output(Role::Scatter).map(|o| o.node);
-            let push = forward.output(Role::Push).map(|o| o.node);
-            let Some(push_node) = push else {
-                return Err(err(format!(
-                    "vertex function `{name}` never pushes a value for the head"
-                )));
-            };
-            let w = forward.nodes[push_node].ty.width();
-            if *push_width.get_or_insert(w) != w {
-                return Err(err(format!(
-                    "vertex functions push values of different widths ({w} in `{name}`)"
-                )));
-            }
-            let gather_arity = forward
-                .nodes
-                .iter()
-                .filter_map(|n| match n.kind {
-                    crate::graph::NodeKind::Input(Source::Gather(k)) => Some(k + 1),
-                    _ => None,
-                })
-                .max()
-                .unwrap_or(0);
-            let arity = Arity::of(forward, *optional_from);
-            let reads_children = arity != Arity::Fixed { min: 0, max: 0 };
-            if reads_children && scatter.is_none() {
-                return Err(err(format!(
-                    "vertex function `{name}` gathers children but never scatters a state"
-                )));
-            }
-            // the gradients of column slices (pads summed) become concats
-            let backward = pads_to_concat(&differentiate(forward, &shapes, &context)?)?;
-            let forward_plan = classify(
-                forward,
-                |s| matches!(s, Source::Gather(_) | Source::GatherAll),
-                |r| r == Role::Scatter,
-                &context,
-            )?;
-            let scatter_output = forward.outputs.iter().position(|o| o.role == Role::Scatter);
-            let backward_plan = classify(
-                &backward,
-                |s| Some(s) == scatter_output.map(Source::OutputGrad),
-                |r| matches!(r, Role::ChildGrad(_) | Role::ChildGradAll),
-                &format!("∂{context}"),
-            )?;
-            functions.push(VertexFunction {
-                name: name.clone(),
-                forward: forward.clone(),
-                backward,
-                forward_plan,
-                backward_plan,
-                scatter,
-                push,
-                gather_arity,
-                arity,
-            });
+            let f =
+                self.vertex_function(name, forward, *optional_from, &shapes, &mut push_width)?;
+            functions.push(f);
         }
         let head_input = head_graph.input_node(Source::HeadInput);
         if let (Some(n), Some(w)) = (head_input, push_width) {
@@ -630,6 +553,109 @@ impl ModelBuilder {
             },
             state_width: self.state_width,
             settings: self.settings.clone(),
+        })
+    }
+
+    /// The selector (a single function needs none), checked against the
+    /// functions declared.
+    fn checked_selector(&self) -> Result<FunctionSelector> {
+        let err = |m: String| CoreError::model(&self.name, m);
+        let selector = match self.selector.clone() {
+            Some(s) => s,
+            None if self.functions.len() == 1 => FunctionSelector::Single(0),
+            None => {
+                return Err(err(
+                    "declares several vertex functions but no selector".into()
+                ))
+            }
+        };
+        let used = selector.functions();
+        if used.is_empty() {
+            return Err(err("the selector's kind table is empty".into()));
+        }
+        if u16::try_from(used.len() - 1).is_err() {
+            return Err(err(format!(
+                "the selector's kind table has {} entries; kinds are u16",
+                used.len()
+            )));
+        }
+        if let Some(&bad) = used.iter().find(|&&f| f >= self.functions.len()) {
+            return Err(err(format!(
+                "selector names function {bad}, but only {} exist",
+                self.functions.len()
+            )));
+        }
+        Ok(selector)
+    }
+
+    /// Vertex function `name`: checked (it pushes a value of the width
+    /// `push_width` of the functions before it, or sets that width; it
+    /// scatters a state if it gathers children), differentiated and
+    /// classified.
+    fn vertex_function(
+        &self,
+        name: &str,
+        forward: &Graph,
+        optional_from: Option<usize>,
+        shapes: &[Vec<usize>],
+        push_width: &mut Option<usize>,
+    ) -> Result<VertexFunction> {
+        let err = |m: String| CoreError::model(&self.name, m);
+        let context = format!("{}/{name}", self.name);
+        let scatter = forward.output(Role::Scatter).map(|o| o.node);
+        let push = forward.output(Role::Push).map(|o| o.node);
+        let Some(push_node) = push else {
+            return Err(err(format!(
+                "vertex function `{name}` never pushes a value for the head"
+            )));
+        };
+        let w = forward.nodes[push_node].ty.width();
+        if *push_width.get_or_insert(w) != w {
+            return Err(err(format!(
+                "vertex functions push values of different widths ({w} in `{name}`)"
+            )));
+        }
+        let gather_arity = forward
+            .nodes
+            .iter()
+            .filter_map(|n| match n.kind {
+                crate::graph::NodeKind::Input(Source::Gather(k)) => Some(k + 1),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0);
+        let arity = Arity::of(forward, optional_from);
+        let reads_children = arity != Arity::Fixed { min: 0, max: 0 };
+        if reads_children && scatter.is_none() {
+            return Err(err(format!(
+                "vertex function `{name}` gathers children but never scatters a state"
+            )));
+        }
+        // the gradients of column slices (pads summed) become concats
+        let backward = pads_to_concat(&differentiate(forward, shapes, &context)?)?;
+        let forward_plan = classify(
+            forward,
+            |s| matches!(s, Source::Gather(_) | Source::GatherAll),
+            |r| r == Role::Scatter,
+            &context,
+        )?;
+        let scatter_output = forward.outputs.iter().position(|o| o.role == Role::Scatter);
+        let backward_plan = classify(
+            &backward,
+            |s| Some(s) == scatter_output.map(Source::OutputGrad),
+            |r| matches!(r, Role::ChildGrad(_) | Role::ChildGradAll),
+            &format!("∂{context}"),
+        )?;
+        Ok(VertexFunction {
+            name: name.to_string(),
+            forward: forward.clone(),
+            backward,
+            forward_plan,
+            backward_plan,
+            scatter,
+            push,
+            gather_arity,
+            arity,
         })
     }
 }

@@ -374,43 +374,29 @@ impl Linearizer {
         if graphs.is_empty() {
             return Err(GraphError::Schedule("the batch holds no graph".into()));
         }
-        let out = &mut self.out;
-        out.clear();
-        // Vertex and edge counts, with the structure of raw graphs checked.
-        out.graph_offsets.push(0);
-        let (mut n, mut edges) = (0u64, 0u64);
-        for (gi, g) in graphs.iter().enumerate() {
-            if g.len() == 0 {
-                return Err(GraphError::Schedule(format!(
-                    "graph {gi} of the batch has no vertex"
-                )));
-            }
-            g.check(gi)?;
-            n += g.len() as u64;
-            edges += g.num_edges() as u64;
-            // NO_CHILD must never be a node number.
-            if n >= u64::from(NO_CHILD) || edges >= u64::from(NO_CHILD) {
-                return Err(GraphError::Schedule(format!(
-                    "the batch is too large at graph {gi}: {n} vertices, {edges} edges"
-                )));
-            }
-            out.graph_offsets.push(n as u32);
-        }
-        let n = n as usize;
+        self.out.clear();
+        let (n, edges) = count_graphs(&mut self.out, graphs)?;
+        self.levels(graphs, n)?;
+        let num_internal = number_levels(&mut self.out, &mut self.cursor, n);
+        self.number_nodes(graphs, n);
+        child_lists(&mut self.out, graphs, n, edges, num_internal);
+        Ok(())
+    }
 
-        // Levels, in one pass when every child precedes its parent (always
-        // for an InputGraph), else by a depth-first search that also finds
-        // cycles and children out of range.
+    /// Levels, in one pass when every child precedes its parent (always
+    /// for an InputGraph), else by a depth-first search that also finds
+    /// cycles and children out of range; nodes per level are counted on
+    /// the way (into `cursor`).
+    fn levels<G: Source>(&mut self, graphs: &[G], n: usize) -> Result<(), GraphError> {
         self.level.clear();
         self.level.resize(n, 0);
         self.has_parent.clear();
         self.has_parent.resize(n, false);
-        // Nodes per level are counted on the way.
         self.cursor.clear();
         self.cursor.push(0);
         let cursor = &mut self.cursor;
         for (gi, g) in graphs.iter().enumerate() {
-            let base = out.graph_offsets[gi] as usize;
+            let base = self.out.graph_offsets[gi] as usize;
             let len = g.len();
             let level = &mut self.level[base..base + len];
             let has_parent = &mut self.has_parent[base..base + len];
@@ -449,78 +435,120 @@ impl Linearizer {
                 }
             }
         }
+        Ok(())
+    }
 
-        // Counting sort by level: internal levels from the top down, leaves
-        // last. `cursor[l]` becomes the next free number of level `l`.
-        let levels = cursor.len();
-        let num_internal = n as u32 - cursor[0];
-        out.num_internal = num_internal;
-        out.batch_begin.resize(levels - 1, 0);
-        out.batch_length.resize(levels - 1, 0);
-        let mut next = 0u32;
-        for l in (1..levels).rev() {
-            let count = cursor[l];
-            out.batch_begin[l - 1] = next;
-            out.batch_length[l - 1] = count;
-            cursor[l] = next;
-            next += count;
-        }
-        cursor[0] = num_internal;
-
-        // Numbers, and per node: graph, vertex, token; roots graph by graph.
+    /// Numbers, and per node: graph, vertex, token; roots graph by graph.
+    fn number_nodes<G: Source>(&mut self, graphs: &[G], n: usize) {
+        let out = &mut self.out;
         out.node.resize(n, 0);
         out.node_graph.resize(n, 0);
         out.node_vertex.resize(n, 0);
         out.tokens.resize(n, 0);
         out.root_offsets.push(0);
-        {
-            let node = &mut out.node[..];
-            let node_graph = &mut out.node_graph[..];
-            let node_vertex = &mut out.node_vertex[..];
-            let tokens = &mut out.tokens[..];
-            let (level, has_parent) = (&self.level[..], &self.has_parent[..]);
-            let mut id = 0usize;
-            for (gi, g) in graphs.iter().enumerate() {
-                for v in 0..g.len() {
-                    let slot = &mut cursor[level[id] as usize];
-                    let m = *slot;
-                    *slot += 1;
-                    node[id] = m;
-                    let m = m as usize;
-                    node_graph[m] = gi as u32;
-                    node_vertex[m] = v as u32;
-                    tokens[m] = g.token(v);
-                    if !has_parent[id] {
-                        out.root_nodes.push(m as u32);
-                    }
-                    id += 1;
+        let node = &mut out.node[..];
+        let node_graph = &mut out.node_graph[..];
+        let node_vertex = &mut out.node_vertex[..];
+        let tokens = &mut out.tokens[..];
+        let (level, has_parent) = (&self.level[..], &self.has_parent[..]);
+        let cursor = &mut self.cursor;
+        let mut id = 0usize;
+        for (gi, g) in graphs.iter().enumerate() {
+            for v in 0..g.len() {
+                let slot = &mut cursor[level[id] as usize];
+                let m = *slot;
+                *slot += 1;
+                node[id] = m;
+                let m = m as usize;
+                node_graph[m] = gi as u32;
+                node_vertex[m] = v as u32;
+                tokens[m] = g.token(v);
+                if !has_parent[id] {
+                    out.root_nodes.push(m as u32);
                 }
-                out.root_offsets.push(out.root_nodes.len() as u32);
+                id += 1;
             }
+            out.root_offsets.push(out.root_nodes.len() as u32);
         }
-
-        // Child lists in node order.
-        let child_offsets = &mut out.child_offsets;
-        let child_nodes = &mut out.child_nodes;
-        child_offsets.reserve(n + 1);
-        child_offsets.push(0);
-        child_nodes.reserve(edges as usize);
-        let (node, graph_offsets) = (&out.node[..], &out.graph_offsets[..]);
-        let mut max_children = 0;
-        for (&gi, &v) in out.node_graph[..num_internal as usize]
-            .iter()
-            .zip(&out.node_vertex[..num_internal as usize])
-        {
-            let base = graph_offsets[gi as usize] as usize;
-            let kids = graphs[gi as usize].children(v as usize);
-            max_children = max_children.max(kids.len());
-            child_nodes.extend(kids.iter().map(|&c| node[base + c as usize]));
-            child_offsets.push(child_nodes.len() as u32);
-        }
-        child_offsets.resize(n + 1, child_nodes.len() as u32);
-        out.max_children = max_children as u32;
-        Ok(())
     }
+}
+
+/// Vertex and edge counts of the batch, with the structure of raw graphs
+/// checked; fills `out`'s graph offsets.
+fn count_graphs<G: Source>(
+    out: &mut LinearBatch,
+    graphs: &[G],
+) -> Result<(usize, u64), GraphError> {
+    out.graph_offsets.push(0);
+    let (mut n, mut edges) = (0u64, 0u64);
+    for (gi, g) in graphs.iter().enumerate() {
+        if g.len() == 0 {
+            return Err(GraphError::Schedule(format!(
+                "graph {gi} of the batch has no vertex"
+            )));
+        }
+        g.check(gi)?;
+        n += g.len() as u64;
+        edges += g.num_edges() as u64;
+        // NO_CHILD must never be a node number.
+        if n >= u64::from(NO_CHILD) || edges >= u64::from(NO_CHILD) {
+            return Err(GraphError::Schedule(format!(
+                "the batch is too large at graph {gi}: {n} vertices, {edges} edges"
+            )));
+        }
+        out.graph_offsets.push(n as u32);
+    }
+    Ok((n as usize, edges))
+}
+
+/// Counting sort by level: internal levels from the top down, leaves last.
+/// `cursor[l]` (nodes of level `l`) becomes the next free number of level
+/// `l`; returns the number of internal nodes.
+fn number_levels(out: &mut LinearBatch, cursor: &mut [u32], n: usize) -> u32 {
+    let levels = cursor.len();
+    let num_internal = n as u32 - cursor[0];
+    out.num_internal = num_internal;
+    out.batch_begin.resize(levels - 1, 0);
+    out.batch_length.resize(levels - 1, 0);
+    let mut next = 0u32;
+    for l in (1..levels).rev() {
+        let count = cursor[l];
+        out.batch_begin[l - 1] = next;
+        out.batch_length[l - 1] = count;
+        cursor[l] = next;
+        next += count;
+    }
+    cursor[0] = num_internal;
+    num_internal
+}
+
+/// Child lists in node order.
+fn child_lists<G: Source>(
+    out: &mut LinearBatch,
+    graphs: &[G],
+    n: usize,
+    edges: u64,
+    num_internal: u32,
+) {
+    let child_offsets = &mut out.child_offsets;
+    let child_nodes = &mut out.child_nodes;
+    child_offsets.reserve(n + 1);
+    child_offsets.push(0);
+    child_nodes.reserve(edges as usize);
+    let (node, graph_offsets) = (&out.node[..], &out.graph_offsets[..]);
+    let mut max_children = 0;
+    for (&gi, &v) in out.node_graph[..num_internal as usize]
+        .iter()
+        .zip(&out.node_vertex[..num_internal as usize])
+    {
+        let base = graph_offsets[gi as usize] as usize;
+        let kids = graphs[gi as usize].children(v as usize);
+        max_children = max_children.max(kids.len());
+        child_nodes.extend(kids.iter().map(|&c| node[base + c as usize]));
+        child_offsets.push(child_nodes.len() as u32);
+    }
+    child_offsets.resize(n + 1, child_nodes.len() as u32);
+    out.max_children = max_children as u32;
 }
 
 /// Levels of one graph whose children are not all earlier vertices, by an

@@ -40,139 +40,190 @@ pub fn parse_tree(
     file: &str,
     line: usize,
 ) -> Result<InputGraph, GraphError> {
-    let err = |column: usize, message: String| GraphError::Parse {
-        file: file.to_string(),
+    let mut p = Parser {
+        chars: text.chars().collect(),
+        file,
         line,
-        column,
-        message,
+        graph: InputGraph::new(),
+        stack: Vec::new(),
+        finished: false,
     };
-    let chars: Vec<char> = text.chars().collect();
-    let n = chars.len();
-    // Index of the first character at or after `i` that ends a token.
-    let token_end = |mut i: usize| {
-        while i < n && !chars[i].is_whitespace() && chars[i] != '(' && chars[i] != ')' {
-            i += 1;
-        }
-        i
-    };
-
-    let mut graph = InputGraph::new();
-    let mut stack: Vec<Open> = Vec::new();
-    let mut finished = false;
+    let n = p.chars.len();
     let mut i = 0;
     while i < n {
-        let c = chars[i];
+        let c = p.chars[i];
         if c.is_whitespace() {
             i += 1;
             continue;
         }
-        if finished {
-            return Err(err(
+        if p.finished {
+            return Err(p.err(i + 1, format!("unexpected {c:?} after the end of the tree")));
+        }
+        i = match c {
+            '(' => p.open(i)?,
+            ')' => p.close(i, vocab)?,
+            _ => p.text(i)?,
+        };
+    }
+    p.finish()
+}
+
+/// One line's parse in progress: the tree so far and its open nodes.
+struct Parser<'a> {
+    chars: Vec<char>,
+    file: &'a str,
+    line: usize,
+    graph: InputGraph,
+    stack: Vec<Open>,
+    /// The root was closed.
+    finished: bool,
+}
+
+impl Parser<'_> {
+    /// An error at 1-based `column` of the line.
+    fn err(&self, column: usize, message: String) -> GraphError {
+        parse_error(self.file, self.line, column, message)
+    }
+
+    /// Index of the first character at or after `i` that ends a token.
+    fn token_end(&self, mut i: usize) -> usize {
+        let chars = &self.chars;
+        while i < chars.len() && !chars[i].is_whitespace() && chars[i] != '(' && chars[i] != ')' {
+            i += 1;
+        }
+        i
+    }
+
+    /// Opens a node at the `(` at `i` and reads its label; returns where
+    /// parsing goes on.
+    fn open(&mut self, mut i: usize) -> Result<usize, GraphError> {
+        let (chars, n) = (&self.chars, self.chars.len());
+        if let Some(top) = self.stack.last() {
+            if top.text.is_some() {
+                return Err(self.err(
+                    i + 1,
+                    format!(
+                        "node opened at column {} mixes text and child nodes",
+                        top.column
+                    ),
+                ));
+            }
+        }
+        let column = i + 1;
+        i += 1;
+        while i < n && chars[i].is_whitespace() {
+            i += 1;
+        }
+        let end = self.token_end(i);
+        if end == i {
+            return Err(match chars.get(i) {
+                Some(')') if i == column => self.err(i + 1, "empty node '()'".to_string()),
+                Some(c) => self.err(
+                    i + 1,
+                    format!("missing label: expected an integer after '(', found {c:?}"),
+                ),
+                None => self.err(i + 1, "missing label: line ends after '('".to_string()),
+            });
+        }
+        let label_text: String = chars[i..end].iter().collect();
+        let label = parse_label(&label_text).map_err(|m| self.err(i + 1, m))?;
+        self.stack.push(Open {
+            column,
+            label,
+            children: Vec::new(),
+            text: None,
+        });
+        Ok(end)
+    }
+
+    /// Closes the open node at the `)` at `i`: a leaf's word becomes its
+    /// token; returns where parsing goes on.
+    fn close(&mut self, i: usize, vocab: &mut VocabMode<'_>) -> Result<usize, GraphError> {
+        let Some(open) = self.stack.pop() else {
+            return Err(self.err(i + 1, "unbalanced ')': no node is open".to_string()));
+        };
+        let id = match open.text {
+            Some(word) => self
+                .graph
+                .push_vertex(&[], vocab.lookup(&word), open.label)?,
+            None if open.children.is_empty() => {
+                return Err(self.err(
+                    i + 1,
+                    format!(
+                        "node opened at column {} has a label but no text or children",
+                        open.column
+                    ),
+                ))
+            }
+            None => self.graph.push_vertex(&open.children, 0, open.label)?,
+        };
+        match self.stack.last_mut() {
+            Some(parent) => parent.children.push(id),
+            None => self.finished = true,
+        }
+        Ok(i + 1)
+    }
+
+    /// Appends the token at `i` to the open leaf's word; returns where
+    /// parsing goes on.
+    fn text(&mut self, i: usize) -> Result<usize, GraphError> {
+        let c = self.chars[i];
+        let end = self.token_end(i);
+        let (file, line) = (self.file, self.line);
+        let Some(top) = self.stack.last_mut() else {
+            return Err(parse_error(
+                file,
+                line,
                 i + 1,
-                format!("unexpected {c:?} after the end of the tree"),
+                format!("expected '(' to start a tree, found {c:?}"),
+            ));
+        };
+        if !top.children.is_empty() {
+            return Err(parse_error(
+                file,
+                line,
+                i + 1,
+                format!(
+                    "node opened at column {} mixes child nodes and text",
+                    top.column
+                ),
             ));
         }
-        match c {
-            '(' => {
-                if let Some(top) = stack.last() {
-                    if top.text.is_some() {
-                        return Err(err(
-                            i + 1,
-                            format!(
-                                "node opened at column {} mixes text and child nodes",
-                                top.column
-                            ),
-                        ));
-                    }
-                }
-                let column = i + 1;
-                i += 1;
-                while i < n && chars[i].is_whitespace() {
-                    i += 1;
-                }
-                let end = token_end(i);
-                if end == i {
-                    return Err(match chars.get(i) {
-                        Some(')') if i == column => err(i + 1, "empty node '()'".to_string()),
-                        Some(c) => err(
-                            i + 1,
-                            format!("missing label: expected an integer after '(', found {c:?}"),
-                        ),
-                        None => err(i + 1, "missing label: line ends after '('".to_string()),
-                    });
-                }
-                let label_text: String = chars[i..end].iter().collect();
-                let label = parse_label(&label_text).map_err(|m| err(i + 1, m))?;
-                stack.push(Open {
-                    column,
-                    label,
-                    children: Vec::new(),
-                    text: None,
-                });
-                i = end;
-            }
-            ')' => {
-                let Some(open) = stack.pop() else {
-                    return Err(err(i + 1, "unbalanced ')': no node is open".to_string()));
-                };
-                let id = match open.text {
-                    Some(word) => graph.push_vertex(&[], vocab.lookup(&word), open.label)?,
-                    None if open.children.is_empty() => {
-                        return Err(err(
-                            i + 1,
-                            format!(
-                                "node opened at column {} has a label but no text or children",
-                                open.column
-                            ),
-                        ))
-                    }
-                    None => graph.push_vertex(&open.children, 0, open.label)?,
-                };
-                match stack.last_mut() {
-                    Some(parent) => parent.children.push(id),
-                    None => finished = true,
-                }
-                i += 1;
-            }
-            _ => {
-                let Some(top) = stack.last_mut() else {
-                    return Err(err(
-                        i + 1,
-                        format!("expected '(' to start a tree, found {c:?}"),
-                    ));
-                };
-                if !top.children.is_empty() {
-                    return Err(err(
-                        i + 1,
-                        format!(
-                            "node opened at column {} mixes child nodes and text",
-                            top.column
-                        ),
-                    ));
-                }
-                let end = token_end(i);
-                let word = top.text.get_or_insert_with(String::new);
-                if !word.is_empty() {
-                    word.push(' ');
-                }
-                unescape_into(&chars[i..end], word);
-                i = end;
-            }
+        let word = top.text.get_or_insert_with(String::new);
+        if !word.is_empty() {
+            word.push(' ');
         }
+        unescape_into(&self.chars[i..end], word);
+        Ok(end)
     }
-    if let Some(open) = stack.last() {
-        return Err(err(
-            open.column,
-            format!("unbalanced '(': {} node(s) still open at the end of the line; this one is never closed", stack.len()),
-        ));
+
+    /// The finished tree, or the error of a line whose tree is not closed
+    /// or missing.
+    fn finish(self) -> Result<InputGraph, GraphError> {
+        if let Some(open) = self.stack.last() {
+            return Err(self.err(
+                open.column,
+                format!("unbalanced '(': {} node(s) still open at the end of the line; this one is never closed", self.stack.len()),
+            ));
+        }
+        if !self.finished {
+            return Err(self.err(1, "no tree on this line".to_string()));
+        }
+        Ok(self.graph.with_origin(crate::Origin {
+            file: self.file.into(),
+            line: self.line,
+        }))
     }
-    if !finished {
-        return Err(err(1, "no tree on this line".to_string()));
-    }
-    Ok(graph.with_origin(crate::Origin {
-        file: file.into(),
+}
+
+/// An error at `file:line:column`.
+fn parse_error(file: &str, line: usize, column: usize, message: String) -> GraphError {
+    GraphError::Parse {
+        file: file.to_string(),
         line,
-    }))
+        column,
+        message,
+    }
 }
 
 /// A label: decimal digits only, fitting in `i32`.

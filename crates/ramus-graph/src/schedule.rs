@@ -150,7 +150,94 @@ impl Schedule {
             graph_offsets.push(graph_offsets[i] + g.len() as u32);
         }
         let n = *graph_offsets.last().unwrap_or(&0) as usize;
-        // Global ids: graph offset + local id. Children, heights, functions.
+        let topo = Topology::of(graphs, &graph_offsets, num_functions, select)?;
+        let kids_of = |id: usize| topo.children(id);
+        let groups = match policy {
+            BatchingPolicy::Cavs => levels(n, &topo.height, &topo.function, num_functions),
+            BatchingPolicy::Agenda => {
+                agenda(n, &kids_of, &topo.height, &topo.function, num_functions)
+            }
+        };
+        let (number, tasks, functions) = number_tasks(&groups, n, num_functions, &kids_of);
+        let mut s = Schedule {
+            policy,
+            tasks,
+            vertex_function: vec![0; n],
+            vertex_row: vec![0; n],
+            tokens: vec![0; n],
+            features: Vec::new(),
+            feature_width: 0,
+            labels: vec![NO_LABEL; n],
+            graph: vec![0; n],
+            number,
+            graph_offsets,
+            roots: Vec::new(),
+            first_leaf: n as u32,
+            functions: Vec::new(),
+        };
+        for (f, rows) in functions.iter().enumerate() {
+            for (r, &v) in rows.vertex.iter().enumerate() {
+                s.vertex_function[v as usize] = f as u32;
+                s.vertex_row[v as usize] = r as u32;
+            }
+        }
+        s.functions = functions;
+        s.fill_vertices(graphs)?;
+        Ok(s)
+    }
+
+    /// Per vertex number: features, token, label, graph; the first leaf and
+    /// the roots. Every graph of the batch must carry the same feature width.
+    fn fill_vertices(&mut self, graphs: &[&InputGraph]) -> Result<(), GraphError> {
+        let s = self;
+        let n = s.tokens.len();
+        let fw = graphs.first().map_or(0, |g| g.feature_width());
+        if let Some(gi) = graphs.iter().position(|g| g.feature_width() != fw) {
+            return Err(GraphError::Structure(format!(
+                "graph {gi} of the batch has {} features per vertex, graph 0 has {fw}",
+                graphs[gi].feature_width()
+            )));
+        }
+        s.feature_width = fw;
+        s.features = vec![0.0; n * fw];
+        for (gi, g) in graphs.iter().enumerate() {
+            let base = s.graph_offsets[gi] as usize;
+            for v in 0..g.len() {
+                let num = s.number[base + v] as usize;
+                s.features[num * fw..(num + 1) * fw].copy_from_slice(g.features(v));
+                s.tokens[num] = g.tokens[v];
+                s.labels[num] = g.labels[v];
+                s.graph[num] = gi as u32;
+                if g.children(v).is_empty() {
+                    s.first_leaf = s.first_leaf.min(num as u32);
+                }
+            }
+            s.roots
+                .extend(g.roots().into_iter().map(|r| s.number[base + r as usize]));
+        }
+        Ok(())
+    }
+}
+
+/// The batch's vertices by global id (graph offset + local id): children,
+/// heights and vertex functions.
+struct Topology {
+    child_offsets: Vec<u32>,
+    children: Vec<u32>,
+    height: Vec<u32>,
+    function: Vec<u32>,
+}
+
+impl Topology {
+    /// The topology of `graphs` (starting at `graph_offsets`), each vertex's
+    /// function chosen by `select` (see [`Schedule::build`]).
+    fn of(
+        graphs: &[&InputGraph],
+        graph_offsets: &[u32],
+        num_functions: usize,
+        select: impl Fn(u16, usize) -> Result<usize, String>,
+    ) -> Result<Topology, GraphError> {
+        let n = *graph_offsets.last().unwrap_or(&0) as usize;
         let mut child_offsets = Vec::with_capacity(n + 1);
         child_offsets.push(0u32);
         let mut children = Vec::new();
@@ -177,99 +264,66 @@ impl Schedule {
                 function[id] = f as u32;
             }
         }
-        let kids_of =
-            |id: usize| &children[child_offsets[id] as usize..child_offsets[id + 1] as usize];
-        let groups = match policy {
-            BatchingPolicy::Cavs => levels(n, &height, &function, num_functions),
-            BatchingPolicy::Agenda => agenda(n, &kids_of, &height, &function, num_functions),
-        };
-        // Number vertices: task blocks from the top down, ascending inside a block.
-        let mut number = vec![0u32; n];
-        let mut tasks = Vec::with_capacity(groups.len());
-        let mut functions = vec![
-            FunctionRows {
-                edge_offsets: vec![0],
-                ..Default::default()
-            };
-            num_functions
-        ];
-        let mut done = 0usize;
-        for (f, members) in &groups {
-            let begin = (n - done - members.len()) as u32;
-            for (i, &v) in members.iter().enumerate() {
-                number[v as usize] = begin + i as u32;
-            }
-            done += members.len();
-            let rows = &mut functions[*f];
-            let row_offset = rows.vertex.len() as u32;
-            let edge_offset = rows.edge_child.len() as u32;
-            for (i, &v) in members.iter().enumerate() {
-                let row = row_offset + i as u32;
-                rows.vertex.push(begin + i as u32);
-                for &c in kids_of(v as usize) {
-                    rows.edge_child.push(number[c as usize]);
-                    rows.edge_parent.push(row);
-                }
-                rows.edge_offsets.push(rows.edge_child.len() as u32);
-            }
-            tasks.push(Task {
-                function: *f,
-                begin,
-                len: members.len() as u32,
-                row_offset,
-                edge_offset,
-                edge_len: rows.edge_child.len() as u32 - edge_offset,
-            });
-        }
-        let mut s = Schedule {
-            policy,
-            tasks,
-            vertex_function: vec![0; n],
-            vertex_row: vec![0; n],
-            tokens: vec![0; n],
-            features: Vec::new(),
-            feature_width: 0,
-            labels: vec![NO_LABEL; n],
-            graph: vec![0; n],
-            number,
-            graph_offsets,
-            roots: Vec::new(),
-            first_leaf: n as u32,
-            functions: Vec::new(),
-        };
-        for (f, rows) in functions.iter().enumerate() {
-            for (r, &v) in rows.vertex.iter().enumerate() {
-                s.vertex_function[v as usize] = f as u32;
-                s.vertex_row[v as usize] = r as u32;
-            }
-        }
-        s.functions = functions;
-        let fw = graphs.first().map_or(0, |g| g.feature_width());
-        if let Some(gi) = graphs.iter().position(|g| g.feature_width() != fw) {
-            return Err(GraphError::Structure(format!(
-                "graph {gi} of the batch has {} features per vertex, graph 0 has {fw}",
-                graphs[gi].feature_width()
-            )));
-        }
-        s.feature_width = fw;
-        s.features = vec![0.0; n * fw];
-        for (gi, g) in graphs.iter().enumerate() {
-            let base = s.graph_offsets[gi] as usize;
-            for v in 0..g.len() {
-                let num = s.number[base + v] as usize;
-                s.features[num * fw..(num + 1) * fw].copy_from_slice(g.features(v));
-                s.tokens[num] = g.tokens[v];
-                s.labels[num] = g.labels[v];
-                s.graph[num] = gi as u32;
-                if g.children(v).is_empty() {
-                    s.first_leaf = s.first_leaf.min(num as u32);
-                }
-            }
-            s.roots
-                .extend(g.roots().into_iter().map(|r| s.number[base + r as usize]));
-        }
-        Ok(s)
+        Ok(Topology {
+            child_offsets,
+            children,
+            height,
+            function,
+        })
     }
+
+    /// The children of vertex `id`.
+    fn children(&self, id: usize) -> &[u32] {
+        &self.children[self.child_offsets[id] as usize..self.child_offsets[id + 1] as usize]
+    }
+}
+
+/// Numbers the vertices — task blocks from the top down, ascending inside
+/// a block — and lays out the tasks and each function's rows and edges.
+fn number_tasks<'a>(
+    groups: &[(usize, Vec<u32>)],
+    n: usize,
+    num_functions: usize,
+    kids_of: &impl Fn(usize) -> &'a [u32],
+) -> (Vec<u32>, Vec<Task>, Vec<FunctionRows>) {
+    let mut number = vec![0u32; n];
+    let mut tasks = Vec::with_capacity(groups.len());
+    let mut functions = vec![
+        FunctionRows {
+            edge_offsets: vec![0],
+            ..Default::default()
+        };
+        num_functions
+    ];
+    let mut done = 0usize;
+    for (f, members) in groups {
+        let begin = (n - done - members.len()) as u32;
+        for (i, &v) in members.iter().enumerate() {
+            number[v as usize] = begin + i as u32;
+        }
+        done += members.len();
+        let rows = &mut functions[*f];
+        let row_offset = rows.vertex.len() as u32;
+        let edge_offset = rows.edge_child.len() as u32;
+        for (i, &v) in members.iter().enumerate() {
+            let row = row_offset + i as u32;
+            rows.vertex.push(begin + i as u32);
+            for &c in kids_of(v as usize) {
+                rows.edge_child.push(number[c as usize]);
+                rows.edge_parent.push(row);
+            }
+            rows.edge_offsets.push(rows.edge_child.len() as u32);
+        }
+        tasks.push(Task {
+            function: *f,
+            begin,
+            len: members.len() as u32,
+            row_offset,
+            edge_offset,
+            edge_len: rows.edge_child.len() as u32 - edge_offset,
+        });
+    }
+    (number, tasks, functions)
 }
 
 /// Cavs policy: tasks are (height, function) buckets in height order.

@@ -2,6 +2,7 @@
 //! runs and the training / evaluation loops. The engine contract, optimizers, errors and memory
 //! estimates they use are `ramus-exec`'s.
 
+mod blocks;
 pub mod checkpoint;
 pub mod models;
 pub mod resume;

@@ -43,7 +43,7 @@ use ramus_core::model::{FunctionSelector, HeadBuilder, HeadRows, Init, ModelBuil
 use ramus_core::{CoreError, Model, Result};
 use ramus_graph::sequence::tagger_kinds;
 
-use crate::models::{
+use crate::blocks::{
     binary_lstm_internal, binary_tanh_internal, classifier_head, linear_bias, lstm_leaf, lstm_step,
     record_settings, tanh_leaf, ModelConfig, ModelOptions,
 };

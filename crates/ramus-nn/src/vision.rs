@@ -63,7 +63,7 @@ use ramus_core::model::{HeadRows, Init, ModelBuilder, VertexFnBuilder};
 use ramus_core::ops::{Conv2dGeom, NormGeom, Pool2dGeom};
 use ramus_core::{CoreError, Model, Result, Sym};
 
-use crate::models::{classifier_head, linear_bias, record_settings, ModelConfig, ModelOptions};
+use crate::blocks::{classifier_head, linear_bias, record_settings, ModelConfig, ModelOptions};
 
 /// Names of the CNN models.
 pub const VISION_MODELS: [&str; 7] = [

@@ -55,11 +55,12 @@ use super::isa::{
 use super::regplan::RegisterPlan;
 use super::script::{encode_parts, preamble, PackedScripts};
 use super::task::{check_task, Placement, VppTask, VppTaskGraph};
-use super::wide::{wide_tiles, wide_work};
 use crate::error::{CoreError, Result};
 use loads::{LevelLoads, MinLoad};
+use ranges::{deal_wide_ranges, WideProduct};
 
 mod loads;
+mod ranges;
 #[cfg(test)]
 mod tests;
 
@@ -133,7 +134,7 @@ pub struct Scheduler {
     pub holder_item: usize,
     /// A merged product instruction (`holder_item > 0`) of at least this
     /// many items goes, flagged [`WIDE_ITEMS`], to as many VPPs as it has
-    /// GEMM pieces ([`wide_tiles`], at most all of them; a level's wide
+    /// GEMM pieces ([`wide_tiles`](super::wide::wide_tiles), at most all of them; a level's wide
     /// products share the VPPs its other work leaves idle, see
     /// `deal_wide_ranges`) instead of to the matrix's holders (see
     /// [`WIDE_PRODUCT_ITEMS`](super::wide::WIDE_PRODUCT_ITEMS));
@@ -269,11 +270,50 @@ impl Scheduler {
         if n > u32::MAX as usize {
             return Err(CoreError::vpps(WHAT, "more than 2^32 tasks in one batch"));
         }
+        let Leveling {
+            task_levels,
+            any_vpp,
+            loads,
+            levels,
+            ..
+        } = self.level(g, &totals)?;
+        if levels.saturating_sub(1) > MAX_BARRIERS {
+            return Err(CoreError::vpps(
+                WHAT,
+                format!(
+                    "the batch has {levels} levels and needs {} barriers, at most {MAX_BARRIERS} \
+                     are addressable",
+                    levels - 1
+                ),
+            ));
+        }
+        let (starts, order) = bucket_by_level(&task_levels, levels);
+        let mut emit = Emitter::new(self, g, &any_vpp);
+        for l in 0..levels {
+            let level_tasks = &order[starts[l]..starts[l + 1]];
+            emit.group_products(level_tasks);
+            emit.deal_wide(level_tasks);
+            emit.products(l)?;
+            emit.others(level_tasks, l)?;
+        }
+        let packed = assemble(self.vpps, levels, &emit.code, &emit.pieces, &emit.pool)?;
+        Ok(BatchScripts {
+            packed,
+            levels,
+            task_levels,
+            task_vpps: emit.task_vpps,
+            vpp_tasks: emit.vpp_tasks,
+            loads: loads.loads,
+            holder_item: self.holder_item,
+        })
+    }
 
-        // Levels by longest dependency chain (dependencies point backwards),
-        // with `Any` tasks placed on the least-loaded VPP as they come, or
-        // chained onto the one VPP their latest dependencies ran on; tasks
-        // only sinks wait for deferred to the sink (`defer_terminal`).
+    /// Levels by longest dependency chain (dependencies point backwards),
+    /// with `Any` tasks placed on the least-loaded VPP as they come, or
+    /// chained onto the one VPP their latest dependencies ran on; tasks
+    /// only sinks wait for deferred to the sink (`defer_terminal`).
+    fn level(&self, g: &VppTaskGraph, totals: &[u64]) -> Result<Leveling> {
+        let n = g.tasks.len();
         let mut levels = Leveling {
             task_levels: vec![u32::MAX; n],
             any_vpp: vec![u32::MAX; n],
@@ -285,25 +325,7 @@ impl Scheduler {
         let waited_for = waited_for_beyond_sinks(g);
         let mut deferred: Vec<usize> = Vec::new();
         for (i, t) in g.tasks.iter().enumerate() {
-            check_task(i, t)?;
-            if t.op == OP_HOST {
-                return Err(CoreError::vpps(
-                    WHAT,
-                    format!("task {i} is a host task: split the graph into launches first"),
-                ));
-            }
-            if let Placement::Holders { matrix } = t.placement {
-                if usize::from(matrix) >= self.holders.len() {
-                    return Err(CoreError::vpps(
-                        WHAT,
-                        format!(
-                            "task {i} runs on the holders of matrix {matrix}, but only {} \
-                             matrices are cached",
-                            self.holders.len()
-                        ),
-                    ));
-                }
-            }
+            self.check_placement(i, t)?;
             let sink = is_sink(i, t);
             if self.defer_terminal && !waited_for[i] && !sink && t.placement != Placement::Every {
                 deferred.push(i);
@@ -313,7 +335,7 @@ impl Scheduler {
             // deferred one reads (the weights) without depending on it: the
             // deferred tasks go before it, as before a sink
             if sink || t.placement == Placement::Every {
-                levels.place_deferred(self, g, &totals, &mut deferred);
+                levels.place_deferred(self, g, totals, &mut deferred);
             }
             let latest = t.deps.iter().map(|&d| levels.task_levels[d as usize]).max();
             let chained = match (t.placement, latest) {
@@ -323,263 +345,339 @@ impl Scheduler {
                 _ => None,
             };
             let level = chained.map_or_else(|| latest.map_or(0, |l| l + 1), |(l, _)| l);
-            levels.place(self, &totals, i, t, level, chained.map(|(_, v)| v));
+            levels.place(self, totals, i, t, level, chained.map(|(_, v)| v));
         }
-        levels.place_deferred(self, g, &totals, &mut deferred);
-        let Leveling {
-            task_levels,
-            any_vpp,
-            loads,
-            levels,
-            ..
-        } = levels;
-        if levels.saturating_sub(1) > MAX_BARRIERS {
+        levels.place_deferred(self, g, totals, &mut deferred);
+        Ok(levels)
+    }
+
+    /// Checks task `i` and that the scheduler can place it: no host task,
+    /// products only on cached matrices.
+    fn check_placement(&self, i: usize, t: &VppTask) -> Result<()> {
+        check_task(i, t)?;
+        if t.op == OP_HOST {
             return Err(CoreError::vpps(
                 WHAT,
-                format!(
-                    "the batch has {levels} levels and needs {} barriers, at most {MAX_BARRIERS} \
-                     are addressable",
-                    levels - 1
-                ),
+                format!("task {i} is a host task: split the graph into launches first"),
             ));
         }
-
-        // Tasks bucketed by level, in id order within a level.
-        let mut starts = vec![0usize; levels + 1];
-        for &l in &task_levels {
-            starts[l as usize + 1] += 1;
-        }
-        for l in 0..levels {
-            starts[l + 1] += starts[l];
-        }
-        let mut order = vec![0u32; n];
-        let mut fill = starts.clone();
-        for (i, &l) in task_levels.iter().enumerate() {
-            order[fill[l as usize]] = i as u32;
-            fill[l as usize] += 1;
-        }
-
-        let vpps = self.vpps;
-        // every instruction encoded once into `code`; a piece names the
-        // VPP, level and words of one instruction in a VPP's script (a
-        // merged product's instruction is one piece per holder)
-        let mut code: Vec<u32> = Vec::with_capacity(2 * n);
-        let mut pieces: Vec<Piece> = Vec::with_capacity(n);
-        let record = self.record;
-        let mut vpp_tasks: Vec<Vec<u32>> = vec![Vec::new(); if record { vpps } else { 0 }];
-        let mut task_vpps: Vec<Vec<u32>> = vec![Vec::new(); if record { n } else { 0 }];
-        let mut pool: Vec<u32> = Vec::new();
-        let every: Vec<u32> = (0..vpps as u32).collect();
-        // where the next wide product's VPP range starts, and its VPPs
-        let mut wide_next = 0usize;
-        let mut wide_runners: Vec<u32> = Vec::new();
-        // per VPP: runs other work at this level (see `deal_wide_ranges`)
-        let mut busy = vec![false; vpps];
-        let mut wide_products: Vec<WideProduct> = Vec::new();
-        let mut wide_ranges: Vec<(usize, usize)> = Vec::new();
-        // per merged group of the level: its wide product's index, if wide
-        let mut group_wide: Vec<Option<usize>> = Vec::new();
-        // (op, arg, matrix) of each merged group of the level (few: a scan)
-        let mut group_of: Vec<(u8, u16, u16)> = Vec::new();
-        let mut groups: Vec<Vec<u32>> = Vec::new();
-
-        for l in 0..levels {
-            let level_tasks = &order[starts[l]..starts[l + 1]];
-
-            // Cached-matrix work, merged per (op, arg, matrix).
-            group_of.clear();
-            groups.clear();
-            for &t in level_tasks {
-                let task = &g.tasks[t as usize];
-                if let Placement::Holders { matrix } = task.placement {
-                    let key = (task.op, task.arg, matrix);
-                    let at = match group_of.iter().position(|&k| k == key) {
-                        Some(at) => at,
-                        None => {
-                            group_of.push(key);
-                            groups.push(Vec::new());
-                            groups.len() - 1
-                        }
-                    };
-                    groups[at].push(t);
-                }
+        if let Placement::Holders { matrix } = t.placement {
+            if usize::from(matrix) >= self.holders.len() {
+                return Err(CoreError::vpps(
+                    WHAT,
+                    format!(
+                        "task {i} runs on the holders of matrix {matrix}, but only {} \
+                         matrices are cached",
+                        self.holders.len()
+                    ),
+                ));
             }
-            // The level's wide products, dealt over disjoint VPP ranges.
-            wide_products.clear();
-            group_wide.clear();
-            busy.fill(false);
-            for group in &groups {
-                let first = &g.tasks[group[0] as usize];
-                let at = group_wide.len();
-                group_wide.push(None);
-                let Placement::Holders { matrix } = first.placement else {
-                    continue;
-                };
-                let m = usize::from(matrix);
-                let items = group
-                    .iter()
-                    .map(|&t| g.tasks[t as usize].operands.len())
-                    .sum::<usize>()
-                    .checked_div(self.holder_item);
-                match (self.wide_items, self.matrix_shapes.get(m), items) {
-                    (Some(w), Some(&(rows, cols)), Some(count)) if count >= w => {
-                        group_wide[at] = Some(wide_products.len());
-                        wide_products.push(WideProduct {
-                            op: first.op,
-                            rows,
-                            cols,
-                            count,
-                        });
-                    }
-                    _ => {
-                        for &h in &self.holders[m] {
-                            busy[h as usize] = true;
-                        }
-                    }
-                }
-            }
-            for &t in level_tasks {
-                if g.tasks[t as usize].placement == Placement::Any {
-                    busy[any_vpp[t as usize] as usize] = true;
-                }
-            }
-            deal_wide_ranges(&busy, &mut wide_next, &wide_products, &mut wide_ranges);
+        }
+        Ok(())
+    }
 
-            for (group, wide) in groups.iter().zip(&group_wide) {
-                let first = &g.tasks[group[0] as usize];
-                let Placement::Holders { matrix } = first.placement else {
-                    continue;
-                };
-                let m = usize::from(matrix);
-                let width = first.operands.len();
-                let offset = pool.len();
-                let item = self.holder_item;
-                for &t in group {
-                    let task = &g.tasks[t as usize];
-                    if item > 0
-                        && (task.operands.is_empty() || !task.operands.len().is_multiple_of(item))
-                    {
-                        return Err(CoreError::vpps(
-                            WHAT,
-                            format!(
-                                "task {t} (opcode {}, matrix {matrix}) has {} operands, not a \
-                                 positive multiple of {item}-word items",
-                                task.op,
-                                task.operands.len()
-                            ),
-                        ));
-                    }
-                    if item == 0 && task.operands.len() != width {
-                        return Err(CoreError::vpps(
-                            WHAT,
-                            format!(
-                                "tasks {} and {t} (opcode {}, arg {}, matrix {matrix}) merge into \
-                                 one instruction but have {width} and {} operands",
-                                group[0],
-                                task.op,
-                                task.arg,
-                                task.operands.len()
-                            ),
-                        ));
-                    }
-                    pool.extend_from_slice(&task.operands);
-                }
-                let words = pool.len() - offset;
-                let count = words.checked_div(item).unwrap_or(group.len());
-                let count = u32::try_from(count)
-                    .ok()
-                    .filter(|&c| c & (INLINE_ITEMS | WIDE_ITEMS) == 0)
-                    .ok_or_else(|| {
-                        CoreError::vpps(WHAT, "more than 2^30 items in one instruction")
-                    })?;
-                // a wide one runs on a range of VPPs, one per GEMM piece
-                let wide = wide.and_then(|at| wide_ranges.get(at).copied());
-                let mut operands = Vec::with_capacity(2 + words.min(MAX_INLINE_ITEM_WORDS));
-                let runners = match wide {
-                    Some((first_vpp, n)) => {
-                        operands.push(count | WIDE_ITEMS);
-                        // vpps fits in 16 bits (checked with the wide option)
-                        operands.push((first_vpp | n << 16) as u32);
-                        // ascending: the wrapped part first
-                        let end = first_vpp + n;
-                        wide_runners.clear();
-                        wide_runners.extend(
-                            (0..end.saturating_sub(vpps))
-                                .chain(first_vpp..end.min(vpps))
-                                .map(|v| v as u32),
-                        );
-                        &wide_runners
-                    }
+    /// Appends the operands of the tasks of a merged `group` (on `matrix`)
+    /// to `pool`, checking that they merge; returns the instruction's
+    /// count: items, or tasks without items.
+    fn merge_operands(
+        &self,
+        g: &VppTaskGraph,
+        group: &[u32],
+        matrix: u16,
+        pool: &mut Vec<u32>,
+    ) -> Result<u32> {
+        let first = &g.tasks[group[0] as usize];
+        let width = first.operands.len();
+        let offset = pool.len();
+        let item = self.holder_item;
+        for &t in group {
+            let task = &g.tasks[t as usize];
+            if item > 0 && (task.operands.is_empty() || !task.operands.len().is_multiple_of(item)) {
+                return Err(CoreError::vpps(
+                    WHAT,
+                    format!(
+                        "task {t} (opcode {}, matrix {matrix}) has {} operands, not a \
+                         positive multiple of {item}-word items",
+                        task.op,
+                        task.operands.len()
+                    ),
+                ));
+            }
+            if item == 0 && task.operands.len() != width {
+                return Err(CoreError::vpps(
+                    WHAT,
+                    format!(
+                        "tasks {} and {t} (opcode {}, arg {}, matrix {matrix}) merge into \
+                         one instruction but have {width} and {} operands",
+                        group[0],
+                        task.op,
+                        task.arg,
+                        task.operands.len()
+                    ),
+                ));
+            }
+            pool.extend_from_slice(&task.operands);
+        }
+        let words = pool.len() - offset;
+        let count = words.checked_div(item).unwrap_or(group.len());
+        u32::try_from(count)
+            .ok()
+            .filter(|&c| c & (INLINE_ITEMS | WIDE_ITEMS) == 0)
+            .ok_or_else(|| CoreError::vpps(WHAT, "more than 2^30 items in one instruction"))
+    }
+}
+
+/// The tasks bucketed by level, in id order within a level: level `l`'s
+/// tasks are `order[starts[l]..starts[l + 1]]`.
+fn bucket_by_level(task_levels: &[u32], levels: usize) -> (Vec<usize>, Vec<u32>) {
+    let mut starts = vec![0usize; levels + 1];
+    for &l in task_levels {
+        starts[l as usize + 1] += 1;
+    }
+    for l in 0..levels {
+        starts[l + 1] += starts[l];
+    }
+    let mut order = vec![0u32; task_levels.len()];
+    let mut fill = starts.clone();
+    for (i, &l) in task_levels.iter().enumerate() {
+        order[fill[l as usize]] = i as u32;
+        fill[l as usize] += 1;
+    }
+    (starts, order)
+}
+
+/// The instructions of the levels as they are emitted: every instruction
+/// encoded once into `code`; a piece names the VPP, level and words of one
+/// instruction in a VPP's script (a merged product's instruction is one
+/// piece per holder). The per-level buffers are reused from level to level.
+struct Emitter<'a> {
+    s: &'a Scheduler,
+    g: &'a VppTaskGraph,
+    /// The VPP of each `Any` task.
+    any_vpp: &'a [u32],
+    code: Vec<u32>,
+    pieces: Vec<Piece>,
+    /// With [`Scheduler::record`]: the tasks of each VPP and the VPPs of
+    /// each task (empty otherwise).
+    vpp_tasks: Vec<Vec<u32>>,
+    task_vpps: Vec<Vec<u32>>,
+    /// The operand pool.
+    pool: Vec<u32>,
+    every: Vec<u32>,
+    /// Where the next wide product's VPP range starts, and its VPPs.
+    wide_next: usize,
+    wide_runners: Vec<u32>,
+    /// Per VPP: runs other work at this level (see `deal_wide_ranges`).
+    busy: Vec<bool>,
+    wide_products: Vec<WideProduct>,
+    wide_ranges: Vec<(usize, usize)>,
+    /// Per merged group of the level: its wide product's index, if wide.
+    group_wide: Vec<Option<usize>>,
+    /// (op, arg, matrix) of each merged group of the level (few: a scan),
+    /// and its tasks.
+    group_of: Vec<(u8, u16, u16)>,
+    groups: Vec<Vec<u32>>,
+}
+
+impl<'a> Emitter<'a> {
+    fn new(s: &'a Scheduler, g: &'a VppTaskGraph, any_vpp: &'a [u32]) -> Self {
+        let (n, vpps, record) = (g.tasks.len(), s.vpps, s.record);
+        Emitter {
+            s,
+            g,
+            any_vpp,
+            code: Vec::with_capacity(2 * n),
+            pieces: Vec::with_capacity(n),
+            vpp_tasks: vec![Vec::new(); if record { vpps } else { 0 }],
+            task_vpps: vec![Vec::new(); if record { n } else { 0 }],
+            pool: Vec::new(),
+            every: (0..vpps as u32).collect(),
+            wide_next: 0,
+            wide_runners: Vec::new(),
+            busy: vec![false; vpps],
+            wide_products: Vec::new(),
+            wide_ranges: Vec::new(),
+            group_wide: Vec::new(),
+            group_of: Vec::new(),
+            groups: Vec::new(),
+        }
+    }
+
+    /// The level's cached-matrix work, merged per (op, arg, matrix).
+    fn group_products(&mut self, level_tasks: &[u32]) {
+        self.group_of.clear();
+        self.groups.clear();
+        for &t in level_tasks {
+            let task = &self.g.tasks[t as usize];
+            if let Placement::Holders { matrix } = task.placement {
+                let key = (task.op, task.arg, matrix);
+                let at = match self.group_of.iter().position(|&k| k == key) {
+                    Some(at) => at,
                     None => {
-                        operands.push(count);
-                        &self.holders[m]
+                        self.group_of.push(key);
+                        self.groups.push(Vec::new());
+                        self.groups.len() - 1
                     }
                 };
-                // a short item list travels inside the instruction (the
-                // processor reads it from its script in shared memory, not
-                // from the operand pool in device memory)
-                if item > 0 && words <= MAX_INLINE_ITEM_WORDS {
-                    operands[0] |= INLINE_ITEMS;
-                    operands.extend(pool.drain(offset..));
-                } else {
-                    let offset = u32::try_from(offset).map_err(|_| {
-                        CoreError::vpps(WHAT, "operand pool exceeds 32-bit offsets")
-                    })?;
-                    operands.push(offset);
-                }
-                let words = encode_piece(first.op, first.arg, &operands, &mut code)?;
-                for &h in runners {
-                    pieces.push(Piece::new(h, l, words));
-                    if record {
-                        vpp_tasks[h as usize].extend_from_slice(group);
-                    }
-                }
-                if record {
-                    for &t in group {
-                        task_vpps[t as usize] = runners.clone();
-                    }
-                }
+                self.groups[at].push(t);
             }
+        }
+    }
 
-            // Everything else, in id order.
-            for &t in level_tasks {
-                let task = &g.tasks[t as usize];
-                match task.placement {
-                    Placement::Holders { .. } => {}
-                    Placement::Every => {
-                        let words = encode_piece(task.op, task.arg, &task.operands, &mut code)?;
-                        pieces.extend((0..vpps as u32).map(|v| Piece::new(v, l, words)));
-                        if record {
-                            for tasks in &mut vpp_tasks {
-                                tasks.push(t);
-                            }
-                            task_vpps[t as usize] = every.clone();
-                        }
-                    }
-                    Placement::Any => {
-                        let v = any_vpp[t as usize];
-                        let vu = v as usize;
-                        let words = encode_piece(task.op, task.arg, &task.operands, &mut code)?;
-                        pieces.push(Piece::new(v, l, words));
-                        if record {
-                            vpp_tasks[vu].push(t);
-                            task_vpps[t as usize] = vec![v];
-                        }
+    /// The level's wide products, dealt over disjoint VPP ranges.
+    fn deal_wide(&mut self, level_tasks: &[u32]) {
+        let (s, g) = (self.s, self.g);
+        self.wide_products.clear();
+        self.group_wide.clear();
+        self.busy.fill(false);
+        for group in &self.groups {
+            let first = &g.tasks[group[0] as usize];
+            let at = self.group_wide.len();
+            self.group_wide.push(None);
+            let Placement::Holders { matrix } = first.placement else {
+                continue;
+            };
+            let m = usize::from(matrix);
+            let items = group
+                .iter()
+                .map(|&t| g.tasks[t as usize].operands.len())
+                .sum::<usize>()
+                .checked_div(s.holder_item);
+            match (s.wide_items, s.matrix_shapes.get(m), items) {
+                (Some(w), Some(&(rows, cols)), Some(count)) if count >= w => {
+                    self.group_wide[at] = Some(self.wide_products.len());
+                    self.wide_products.push(WideProduct {
+                        op: first.op,
+                        rows,
+                        cols,
+                        count,
+                    });
+                }
+                _ => {
+                    for &h in &s.holders[m] {
+                        self.busy[h as usize] = true;
                     }
                 }
             }
         }
+        for &t in level_tasks {
+            if g.tasks[t as usize].placement == Placement::Any {
+                self.busy[self.any_vpp[t as usize] as usize] = true;
+            }
+        }
+        deal_wide_ranges(
+            &self.busy,
+            &mut self.wide_next,
+            &self.wide_products,
+            &mut self.wide_ranges,
+        );
+    }
 
-        let packed = assemble(vpps, levels, &code, &pieces, &pool)?;
-        Ok(BatchScripts {
-            packed,
-            levels,
-            task_levels,
-            task_vpps,
+    /// One instruction per merged group of level `l`, on its holders or,
+    /// wide, on its range of VPPs.
+    fn products(&mut self, l: usize) -> Result<()> {
+        let (s, g, vpps, record) = (self.s, self.g, self.s.vpps, self.s.record);
+        let Emitter {
+            code,
+            pieces,
             vpp_tasks,
-            loads: loads.loads,
-            holder_item: self.holder_item,
-        })
+            task_vpps,
+            pool,
+            wide_runners,
+            wide_ranges,
+            group_wide,
+            groups,
+            ..
+        } = self;
+        for (group, wide) in groups.iter().zip(group_wide.iter()) {
+            let first = &g.tasks[group[0] as usize];
+            let Placement::Holders { matrix } = first.placement else {
+                continue;
+            };
+            let m = usize::from(matrix);
+            let offset = pool.len();
+            let count = s.merge_operands(g, group, matrix, pool)?;
+            let words = pool.len() - offset;
+            // a wide one runs on a range of VPPs, one per GEMM piece
+            let wide = wide.and_then(|at| wide_ranges.get(at).copied());
+            let mut operands = Vec::with_capacity(2 + words.min(MAX_INLINE_ITEM_WORDS));
+            let runners = match wide {
+                Some((first_vpp, n)) => {
+                    operands.push(count | WIDE_ITEMS);
+                    // vpps fits in 16 bits (checked with the wide option)
+                    operands.push((first_vpp | n << 16) as u32);
+                    // ascending: the wrapped part first
+                    let end = first_vpp + n;
+                    wide_runners.clear();
+                    wide_runners.extend(
+                        (0..end.saturating_sub(vpps))
+                            .chain(first_vpp..end.min(vpps))
+                            .map(|v| v as u32),
+                    );
+                    &*wide_runners
+                }
+                None => {
+                    operands.push(count);
+                    &s.holders[m]
+                }
+            };
+            // a short item list travels inside the instruction (the
+            // processor reads it from its script in shared memory, not
+            // from the operand pool in device memory)
+            if s.holder_item > 0 && words <= MAX_INLINE_ITEM_WORDS {
+                operands[0] |= INLINE_ITEMS;
+                operands.extend(pool.drain(offset..));
+            } else {
+                let offset = u32::try_from(offset)
+                    .map_err(|_| CoreError::vpps(WHAT, "operand pool exceeds 32-bit offsets"))?;
+                operands.push(offset);
+            }
+            let words = encode_piece(first.op, first.arg, &operands, code)?;
+            for &h in runners {
+                pieces.push(Piece::new(h, l, words));
+                if record {
+                    vpp_tasks[h as usize].extend_from_slice(group);
+                }
+            }
+            if record {
+                for &t in group {
+                    task_vpps[t as usize] = runners.to_vec();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Everything else of level `l`, in id order.
+    fn others(&mut self, level_tasks: &[u32], l: usize) -> Result<()> {
+        let (g, vpps, record) = (self.g, self.s.vpps, self.s.record);
+        for &t in level_tasks {
+            let task = &g.tasks[t as usize];
+            match task.placement {
+                Placement::Holders { .. } => {}
+                Placement::Every => {
+                    let words = encode_piece(task.op, task.arg, &task.operands, &mut self.code)?;
+                    self.pieces
+                        .extend((0..vpps as u32).map(|v| Piece::new(v, l, words)));
+                    if record {
+                        for tasks in &mut self.vpp_tasks {
+                            tasks.push(t);
+                        }
+                        self.task_vpps[t as usize] = self.every.clone();
+                    }
+                }
+                Placement::Any => {
+                    let v = self.any_vpp[t as usize];
+                    let words = encode_piece(task.op, task.arg, &task.operands, &mut self.code)?;
+                    self.pieces.push(Piece::new(v, l, words));
+                    if record {
+                        self.vpp_tasks[v as usize].push(t);
+                        self.task_vpps[t as usize] = vec![v];
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -748,94 +846,6 @@ fn waited_for_beyond_sinks(g: &VppTaskGraph) -> Vec<bool> {
         }
     }
     waited
-}
-
-/// A level's wide product: its opcode, matrix shape and item count.
-#[derive(Clone, Copy, Debug)]
-struct WideProduct {
-    op: u8,
-    rows: usize,
-    cols: usize,
-    count: usize,
-}
-
-/// Deals a level's wide products (`products`, in instruction order) over
-/// VPP ranges, `ranges[i] = (first, n)`: VPPs `first, first + 1, …
-/// (mod vpps)`, one per GEMM piece.
-///
-/// The products share a *region*: the longest circular run of VPPs that are
-/// not `busy` with the level's other work (its `Any` tasks, its register
-/// products' holders) where that is at least half of them, else every VPP
-/// starting at `next` (which then moves past the last range, so that
-/// successive levels' small products rotate over the VPPs). Each product
-/// gets a share of the region in proportion to its tile steps
-/// ([`wide_work`]) and as many of those VPPs as it has pieces; the shares
-/// do not overlap (unless there are more products than VPPs in the
-/// region). Sharing, a level's
-/// two products run side by side rather than one after the other on every
-/// VPP, and its elementwise work beside them
-/// (`docs/benchmarks.md#vpps-scheduler-shared-wide-ranges`).
-fn deal_wide_ranges(
-    busy: &[bool],
-    next: &mut usize,
-    products: &[WideProduct],
-    ranges: &mut Vec<(usize, usize)>,
-) {
-    ranges.clear();
-    let vpps = busy.len();
-    if products.is_empty() || vpps == 0 {
-        return;
-    }
-    // the longest circular run of idle VPPs: (start, length)
-    let mut best = (0usize, 0usize);
-    let mut run = 0usize;
-    for i in 0..2 * vpps {
-        if busy[i % vpps] {
-            run = 0;
-        } else {
-            run += 1;
-            if run > best.1 && run <= vpps {
-                best = ((i + 1 - run) % vpps, run);
-            }
-        }
-    }
-    let (start, len) = if best.1 * 2 >= vpps && best.1 < vpps {
-        best
-    } else {
-        (*next, vpps)
-    };
-    let weight = |p: &WideProduct| wide_work(p.op, p.rows, p.cols, p.count) as u128;
-    let total: u128 = products.iter().map(weight).sum::<u128>().max(1);
-    let shares: Vec<usize> = if products.len() > len {
-        vec![len; products.len()]
-    } else {
-        let mut shares: Vec<usize> = products
-            .iter()
-            .map(|p| ((len as u128 * weight(p) / total) as usize).max(1))
-            .collect();
-        // rounding: take from the largest shares, give to the heaviest
-        while shares.iter().sum::<usize>() > len {
-            let at = (0..shares.len()).max_by_key(|&i| shares[i]).unwrap_or(0);
-            shares[at] -= 1;
-        }
-        let mut order: Vec<usize> = (0..products.len()).collect();
-        order.sort_by_key(|&i| std::cmp::Reverse(weight(&products[i])));
-        let spare = len - shares.iter().sum::<usize>();
-        for &i in order.iter().cycle().take(spare) {
-            shares[i] += 1;
-        }
-        shares
-    };
-    let mut offset = 0usize;
-    for (p, &share) in products.iter().zip(&shares) {
-        let n = wide_tiles(p.op, p.rows, p.cols, p.count, share).clamp(1, share);
-        let first = (start + offset) % vpps;
-        ranges.push((first, n));
-        *next = (first + n) % vpps;
-        if products.len() <= len {
-            offset += share;
-        }
-    }
 }
 
 /// One instruction of a VPP's script: its level and its words in the

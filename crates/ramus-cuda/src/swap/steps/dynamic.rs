@@ -42,13 +42,13 @@ use ramus_core::{HeadRows, Model};
 use ramus_graph::Schedule;
 use ramus_swap::{Phase, TensorId};
 
-use super::{
-    Builder, GraphRef, Kind, MoveSpec, Piece, Rows, Segment, Shape, SwapOp, SwapProgram, Words,
-    EAGER, LAZY, PER_TASK, WHOLE,
+use super::builder::Builder;
+use super::types::{
+    GraphRef, Kind, MoveSpec, Piece, Rows, Segment, Shape, SwapOp, SwapProgram, Words, WHOLE,
 };
 use crate::error::{CudaError, Result};
 use crate::launch::NONE;
-use crate::program::{PlannedStep, Program};
+use crate::program::{PlannedStep, Program, EAGER, LAZY, PER_TASK};
 
 fn refused(model: &Model, what: String) -> CudaError {
     CudaError::Model(format!(
@@ -321,18 +321,7 @@ pub(crate) fn build(
         b.accumulate(bwd, Rows::Segment(i))?;
     }
     b.current = WHOLE;
-    let mut reads = b.params.clone();
-    reads.extend(&b.grads);
-    reads.extend(&b.states);
-    let mut writes = b.params.clone();
-    writes.extend(&b.states);
-    b.emit(
-        SwapOp::Optimizer,
-        "optimizer step".into(),
-        Phase::Optimizer,
-        &reads,
-        &writes,
-    );
+    b.optimizer_step();
     b.finish(masks)
 }
 
