@@ -105,6 +105,7 @@ use crate::graph::Graph;
 use crate::lower::{
     scalar_deps, CellProgram, ChildRef, ScalarExpr, ScalarId, Scope, VecExpr, VecId,
 };
+use crate::op::OpDef;
 
 /// Index words a level kernel launch carries by value
 /// (`InlineIndices::words`; the whole parameter block stays under the

@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use ramus_core::fusion::{self, InputKind, Step};
 use ramus_core::graph::{Graph, NodeId, NodeKind, Role, Source};
+use ramus_core::op::OpDef;
 use ramus_core::ops::{MatMul, Slice, SumChildren};
 use ramus_core::vpps::MatrixSpec;
 use ramus_core::Model;

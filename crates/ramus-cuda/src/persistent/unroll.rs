@@ -35,6 +35,7 @@ use rand_chacha::ChaCha8Rng;
 
 use ramus_core::fusion::{InputKind, Step};
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, Role, Source, Space};
+use ramus_core::op::OpDef;
 use ramus_core::ops::{
     BroadcastRows, Concat, Embedding, ExpandChildren, MatMul, Pad, Reshape, Slice, SoftmaxXent,
     SoftmaxXentBackward, SumChildren, SumRows,

@@ -36,10 +36,10 @@ mod dynamic;
 
 pub(crate) use dynamic::{build as build_dynamic, check_dynamic};
 
-use std::any::Any;
 use std::collections::{HashMap, HashSet};
 
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, Role, Source, Space};
+use ramus_core::op::OpDef;
 use ramus_core::{HeadRows, Model};
 use ramus_exec::OptimizerKind;
 use ramus_graph::Schedule;
@@ -815,9 +815,8 @@ impl Builder<'_> {
         for (index, step) in prog.phases[phase].iter().enumerate() {
             if let PlannedStep::Op(n) = &step.step {
                 if let NodeKind::Op(op) = &g.nodes[*n].kind {
-                    let any: &dyn Any = op.as_ref();
                     self.workspace_floats = self.workspace_floats.max(cnn_workspace_floats(
-                        any,
+                        op,
                         count,
                         self.conv_workspace,
                     ));
