@@ -152,10 +152,13 @@ impl Node {
             _ => None,
         }
     }
-    /// The op, if this is an op node of type `T`.
-    pub fn op_as<T: 'static>(&self) -> Option<&T> {
-        self.op()
-            .and_then(|op| (op.def() as &dyn std::any::Any).downcast_ref::<T>())
+    /// The product's attributes, if this node is a [`MatMul`](crate::ops::MatMul)
+    /// (the op most passes look at).
+    pub fn matmul(&self) -> Option<&crate::ops::MatMul> {
+        match self.op() {
+            Some(Op::MatMul(mm)) => Some(mm),
+            _ => None,
+        }
     }
     /// A short description: op name, input source or parameter.
     pub fn describe(&self, params: &[String]) -> String {

@@ -24,7 +24,7 @@ pub struct Cost {
 }
 
 /// A registered op. See the module docs.
-pub trait OpDef: Send + Sync + Debug + CpuKernel + std::any::Any {
+pub trait OpDef: Send + Sync + Debug + CpuKernel {
     /// The registry name.
     fn name(&self) -> &'static str;
     /// Attribute values, rendered for listings and cache keys ("" if none).

@@ -109,7 +109,7 @@ fn unary_ops_forward() {
     for (op, f, dist) in unary_ops() {
         for (ty, topo) in elementwise_layouts() {
             let x = dist.sample(&mut rng, topo.len(&ty));
-            let (out_ty, got) = fwd(op.as_ref(), &[(ty.clone(), Val::F(x.clone()))], &topo);
+            let (out_ty, got) = fwd(&op, &[(ty.clone(), Val::F(x.clone()))], &topo);
             assert_eq!(out_ty, ty, "{} keeps the operand's type", op.signature());
             let want: Vec<f64> = x.iter().map(|&x| f(x)).collect();
             assert_close(
@@ -207,7 +207,7 @@ fn binary_ops_forward_with_broadcasting() {
             let a = da.sample(&mut rng, topo.len(&ta));
             let b = db.sample(&mut rng, topo.len(&tb));
             let (out_ty, got) = fwd(
-                op.as_ref(),
+                &op,
                 &[
                     (ta.clone(), Val::F(a.clone())),
                     (tb.clone(), Val::F(b.clone())),
@@ -498,7 +498,7 @@ fn f32_kernels_match_f64_reference() {
                 .map(|v| v as f32 as f64)
                 .collect();
             let got = run_op_f32(
-                op.as_ref(),
+                &op,
                 &[(rows(V, 257), Val::F(x.clone()))],
                 &Topo::vertices(r),
             )
@@ -941,7 +941,7 @@ fn structure_ops_on_zero_rows() {
 fn elementwise_ops_on_zero_rows() {
     let topo = Topo::vertices(2); // no edges
     for (op, _, _) in unary_ops() {
-        let r = run_op(op.as_ref(), &[(rows(E, 4), Val::F(vec![]))], &topo);
+        let r = run_op(&op, &[(rows(E, 4), Val::F(vec![]))], &topo);
         assert_eq!(
             r,
             Ok((rows(E, 4), vec![])),
@@ -951,7 +951,7 @@ fn elementwise_ops_on_zero_rows() {
     }
     for (op, _, _, _) in binary_ops() {
         let r = run_op(
-            op.as_ref(),
+            &op,
             &[
                 (rows(E, 4), Val::F(vec![])),
                 (fixed(&[4]), Val::F(vec![1.0; 4])),
@@ -2057,7 +2057,7 @@ fn elementwise_templates_match_kernels() {
         );
         let x = dist.sample(&mut rng, 16);
         let (_, got) = fwd(
-            op.as_ref(),
+            &op,
             &[(rows(V, 16), Val::F(x.clone()))],
             &Topo::vertices(1),
         );
@@ -2084,7 +2084,7 @@ fn elementwise_templates_match_kernels() {
         let a = da.sample(&mut rng, 16);
         let b = db.sample(&mut rng, 16);
         let (_, got) = fwd(
-            op.as_ref(),
+            &op,
             &[
                 (rows(V, 16), Val::F(a.clone())),
                 (rows(V, 16), Val::F(b.clone())),

@@ -291,7 +291,7 @@ pub fn eval(
                     edge_parent: &topo.edge_parent,
                     packed_b: None,
                 };
-                f64::run_kernel(op.as_ref(), &mut ctx)
+                f64::run_kernel(op, &mut ctx)
                     .map_err(|e| format!("node %{n} ({}): {e}", op.signature()))?;
                 Val::F(out)
             }
