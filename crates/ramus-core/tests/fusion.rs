@@ -24,8 +24,8 @@ use ramus_core::fusion::{
 };
 use ramus_core::model::{HeadRows, Init, ModelBuilder};
 use ramus_core::ops::{MatMul, Op};
-use ramus_core::{OpDef, ValueType};
 use ramus_core::{Graph, GraphBuilder, NodeId, NodeKind, OpRegistry, Role, Source, Space, Sym};
+use ramus_core::{OpDef, ValueType};
 
 const V: Space = Space::Vertex;
 const E: Space = Space::Edge;

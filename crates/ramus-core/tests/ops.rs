@@ -2056,11 +2056,7 @@ fn elementwise_templates_match_kernels() {
             op.signature()
         );
         let x = dist.sample(&mut rng, 16);
-        let (_, got) = fwd(
-            &op,
-            &[(rows(V, 16), Val::F(x.clone()))],
-            &Topo::vertices(1),
-        );
+        let (_, got) = fwd(&op, &[(rows(V, 16), Val::F(x.clone()))], &Topo::vertices(1));
         let from_template: Vec<f64> = x
             .iter()
             .map(|&x| CExpr::eval(&instantiate(&t, &[x])))

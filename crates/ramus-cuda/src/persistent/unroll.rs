@@ -871,8 +871,6 @@ impl<'a> Unroller<'a> {
         let g = self.graph(key);
         let node = &g.nodes[n];
         let arg = |i: usize| node.inputs[i];
-        let out_space = node.ty.space;
-        let width = node.ty.width();
         let a_space = g.nodes[arg(0)].ty.space;
         let (lo, hi) = Self::space_range(a_space, r);
         if hi <= lo {
@@ -1120,9 +1118,7 @@ impl<'a> Unroller<'a> {
         let g = self.graph(key);
         let node = &g.nodes[n];
         let arg = |i: usize| node.inputs[i];
-        let out_space = node.ty.space;
         let width = node.ty.width();
-        let (lo, hi) = Self::space_range(out_space, r);
         let x = arg(0);
         let x_space = g.nodes[x].ty.space;
         let total = self.rows(key, x_space);
@@ -1243,7 +1239,6 @@ impl<'a> Unroller<'a> {
         let node = &g.nodes[n];
         let arg = |i: usize| node.inputs[i];
         let out_space = node.ty.space;
-        let width = node.ty.width();
         let (lo, hi) = Self::space_range(out_space, r);
         let labels = self
             .labels_at
@@ -1901,6 +1896,31 @@ pub(crate) fn unroll_batch(
         fault_at,
         end,
     })
+}
+
+/// Whether the persistent kernel runs `op` as a step of its own: the arms
+/// of `Unroller::op` (elementwise ops run inside fused groups). `Err`
+/// names what is missing.
+pub(super) fn instruction_support(op: &Op) -> std::result::Result<(), &'static str> {
+    match op {
+        Op::MatMul(_)
+        | Op::Concat(_)
+        | Op::Slice(_)
+        | Op::Reshape(_)
+        | Op::Pad(_)
+        | Op::SumChildren(_)
+        | Op::ExpandChildren(_)
+        | Op::SumRows(_)
+        | Op::BroadcastRows(_)
+        | Op::Embedding(_)
+        | Op::SoftmaxXent(_)
+        | Op::SoftmaxXentBackward(_)
+        | ramus_core::elementwise_op!() => Ok(()),
+        Op::RowMatMul(_) | Op::EmbeddingUnk(_) | Op::EmbeddingUnkBackward(_) => {
+            Err("has no persistent-kernel instruction")
+        }
+        ramus_core::image_op!() => Err("has no persistent-kernel instruction (an image op)"),
+    }
 }
 
 #[cfg(test)]
