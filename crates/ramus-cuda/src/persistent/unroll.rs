@@ -859,10 +859,16 @@ impl<'a> Unroller<'a> {
             | Op::RowMatMul(_)
             | Op::EmbeddingUnk(_)
             | Op::EmbeddingUnkBackward(_)
-            | ramus_core::image_op!() => Err(err(format!(
-                "op `{}` (node %{n} of {key:?}) has no persistent-kernel instruction",
-                op.signature()
-            ))),
+            | ramus_core::image_op!() => {
+                let why = instruction_support(op)
+                    .err()
+                    .unwrap_or("has no persistent-kernel instruction (it runs in fused groups)");
+                Err(err(format!(
+                    "model `{}`: op `{}` (node %{n} of {key:?}) {why}",
+                    self.model.name,
+                    op.signature()
+                )))
+            }
         }
     }
 
