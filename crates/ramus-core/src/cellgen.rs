@@ -105,7 +105,6 @@ use crate::graph::Graph;
 use crate::lower::{
     scalar_deps, CellProgram, ChildRef, ScalarExpr, ScalarId, Scope, VecExpr, VecId,
 };
-use crate::op::OpDef;
 
 /// Index words a level kernel launch carries by value
 /// (`InlineIndices::words`; the whole parameter block stays under the
@@ -236,8 +235,7 @@ impl<'a> CellWriter<'a> {
         let op = self.cell.graph.nodes[node]
             .op()
             .ok_or_else(|| gen_error(format!("node %{node} is not an op")))?;
-        let t = op
-            .elementwise_template()
+        let t = crate::op::OpDef::elementwise_template(op)
             .ok_or_else(|| gen_error(format!("node %{node} has no elementwise template")))?;
         instantiate(&t, operands).map_err(|e| gen_error(format!("node %{node}: {e}")))
     }

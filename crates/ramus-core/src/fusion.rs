@@ -917,15 +917,9 @@ impl FusionPlan {
             s += &format!("in place {}  (written by fused groups)\n", line(c));
         }
         for &v in &self.inline_reads {
-            let child_sum = graph
-                .nodes
-                .get(v)
-                .and_then(|n| n.op())
-                .is_some_and(Op::is_child_sum);
-            let how = if child_sum {
-                "CSR offsets"
-            } else {
-                "parent indices"
+            let how = match graph.nodes.get(v).and_then(|n| n.op()) {
+                Some(op) if op.is_child_sum() => "CSR offsets",
+                _ => "parent indices",
             };
             s += &format!("inline {}  (read by fused groups through {how})\n", line(v));
         }
