@@ -15,6 +15,7 @@ mod reader_props;
 mod run_config;
 mod sequence;
 mod structure;
+mod support;
 mod train;
 mod vision;
 
@@ -80,6 +81,10 @@ enum Command {
         /// Print the fusion plans (what the CUDA engine launches per phase) instead.
         #[arg(long)]
         fusion: bool,
+        /// Print which built-in model runs on which engine (every model,
+        /// `--model` ignored), with the reason where one does not.
+        #[arg(long, conflicts_with = "fusion")]
+        support: bool,
     },
 }
 
@@ -252,7 +257,14 @@ fn main() -> ExitCode {
             model,
             hidden,
             fusion,
-        } => inspect(&model, hidden, fusion),
+            support,
+        } => {
+            if support {
+                inspect_support(hidden)
+            } else {
+                inspect(&model, hidden, fusion)
+            }
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -469,7 +481,9 @@ fn eval(a: EvalArgs) -> AnyResult {
     Ok(())
 }
 
-fn inspect(model: &str, hidden: usize, fusion: bool) -> AnyResult {
+/// Built-in model `model` as `ramus inspect` shows it (hidden width
+/// `hidden`, a vocabulary of 100).
+fn inspect_model(model: &str, hidden: usize) -> AnyResult<Model> {
     let kind = data_kind(model).ok_or_else(|| format!("unknown model `{model}`"))?;
     let classes = match kind {
         DataKind::Trees | DataKind::Tagged { .. } | DataKind::SentencePyramid => 5,
@@ -482,11 +496,31 @@ fn inspect(model: &str, hidden: usize, fusion: bool) -> AnyResult {
         hidden,
         classes,
     };
-    let m = build(model, &cfg, None, seq.as_ref(), &ModelOptions::default())?;
+    Ok(build(
+        model,
+        &cfg,
+        None,
+        seq.as_ref(),
+        &ModelOptions::default(),
+    )?)
+}
+
+fn inspect(model: &str, hidden: usize, fusion: bool) -> AnyResult {
+    let m = inspect_model(model, hidden)?;
     if fusion {
         crate::output::write(format_args!("{}", ramus_cuda::fusion_listing(&m)?))?;
     } else {
         crate::output::write(format_args!("{}", m.listing()))?;
     }
+    Ok(())
+}
+
+/// `ramus inspect --support`: the engine support table of every built-in model.
+fn inspect_support(hidden: usize) -> AnyResult {
+    let models = ramus_nn::MODEL_NAMES
+        .iter()
+        .map(|&name| Ok((name, inspect_model(name, hidden)?)))
+        .collect::<AnyResult<Vec<_>>>()?;
+    crate::output::write(format_args!("{}", support::table(&models)))?;
     Ok(())
 }

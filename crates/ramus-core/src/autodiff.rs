@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use crate::error::{CoreError, Result};
 use crate::graph::{DType, Graph, GraphBuilder, NodeId, NodeKind, Role, Source, Sym};
-use crate::op::{GradCtx, GradTerm};
+use crate::op::{GradCtx, GradTerm, OpDef};
 
 /// Roles whose gradient seeds the backward pass.
 fn seeded(role: Role) -> bool {

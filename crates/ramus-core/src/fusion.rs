@@ -57,15 +57,14 @@
 //! ([`FusedGroup::eval_cpu`]): the oracle the generated code is tested
 //! against.
 
-use std::any::Any;
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap};
 use std::fmt;
 
 use crate::error::{CoreError, Result};
 use crate::graph::{DType, Graph, NodeId, NodeKind, Source, Space};
-use crate::op::{Arg, ArgData, KernelCtx};
-use crate::ops::{Concat, ExpandChildren, MatMul, Slice, SumChildren};
+use crate::op::{Arg, ArgData, KernelCtx, OpDef};
+use crate::ops::Op;
 use crate::real::Real;
 
 // ---------------------------------------------------------------- plan types
@@ -542,8 +541,7 @@ pub fn fuse(graph: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool) -> R
     for &v in nodes {
         let node = &graph.nodes[v];
         let Some(op) = node.op() else { continue };
-        let any = op as &dyn Any;
-        if let Some(slice) = any.downcast_ref::<Slice>() {
+        if let Op::Slice(slice) = op {
             let Some(&source) = node.inputs.first() else {
                 continue;
             };
@@ -571,7 +569,7 @@ pub fn fuse(graph: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool) -> R
                 view[v] = Some(sv);
                 views.push(sv);
             }
-        } else if any.downcast_ref::<Concat>().is_some()
+        } else if matches!(op, Op::Concat(_))
             && node.ty.is_rows()
             && !node.inputs.is_empty()
             && node
@@ -589,12 +587,10 @@ pub fn fuse(graph: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool) -> R
     let mut inline_reads = Vec::new();
     for &v in nodes {
         let node = &graph.nodes[v];
-        let (from, to) = if node.op_as::<SumChildren>().is_some() {
-            (Space::Edge, Space::Vertex)
-        } else if node.op_as::<ExpandChildren>().is_some() {
-            (Space::Vertex, Space::Edge)
-        } else {
-            continue;
+        let (from, to) = match node.op() {
+            Some(op) if op.is_child_sum() => (Space::Edge, Space::Vertex),
+            Some(op) if op.is_expand_children() => (Space::Vertex, Space::Edge),
+            _ => continue,
         };
         let [source] = node.inputs[..] else { continue };
         let (ty, src) = (&node.ty, &graph.nodes[source].ty);
@@ -779,11 +775,10 @@ pub fn reads_in_place(graph: &Graph, user: NodeId, slice: NodeId, elementwise: b
         let st = &graph.nodes[slice].ty;
         return node.ty.space == st.space && node.ty.width() == st.width();
     }
-    if node.op_as::<SumChildren>().is_some() {
-        return true;
-    }
-    let Some(mm) = node.op_as::<MatMul>() else {
-        return false;
+    let mm = match node.op() {
+        Some(Op::SumChildren(_)) => return true,
+        Some(Op::MatMul(mm)) => mm,
+        _ => return false,
     };
     match node.inputs.as_slice() {
         [a, b] if mm.trans_a => *a == slice || *b == slice,
@@ -911,9 +906,9 @@ impl FusionPlan {
             s += &format!("in place {}  (written by fused groups)\n", line(c));
         }
         for &v in &self.inline_reads {
-            let how = match graph.nodes.get(v).and_then(|n| n.op_as::<SumChildren>()) {
-                Some(_) => "CSR offsets",
-                None => "parent indices",
+            let how = match graph.nodes.get(v).and_then(|n| n.op()) {
+                Some(op) if op.is_child_sum() => "CSR offsets",
+                _ => "parent indices",
             };
             s += &format!("inline {}  (read by fused groups through {how})\n", line(v));
         }
@@ -1172,8 +1167,8 @@ impl FusedGroup {
             .get(input.node)
             .ok_or_else(|| group_error(self, format!("{what} is not in the graph")))?;
         let is_op = match input.kind {
-            InputKind::ChildSum { .. } => node.op_as::<SumChildren>().is_some(),
-            _ => node.op_as::<ExpandChildren>().is_some(),
+            InputKind::ChildSum { .. } => node.op().is_some_and(Op::is_child_sum),
+            _ => node.op().is_some_and(Op::is_expand_children),
         };
         if !is_op || node.inputs != [source] {
             return Err(group_error(self, format!("{what} is not {op}(%{source})")));

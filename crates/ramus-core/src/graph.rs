@@ -10,10 +10,10 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
 
 use crate::error::{CoreError, Result};
 use crate::op::OpDef;
+use crate::ops::Op;
 
 /// Index of a node inside its [`Graph`].
 pub type NodeId = usize;
@@ -133,7 +133,7 @@ pub enum NodeKind {
     /// A model parameter.
     Param(ParamId),
     /// A registered op applied to the node's inputs.
-    Op(Arc<dyn OpDef>),
+    Op(Op),
 }
 
 /// One node of a graph.
@@ -146,16 +146,19 @@ pub struct Node {
 
 impl Node {
     /// The op, if this node applies one.
-    pub fn op(&self) -> Option<&dyn OpDef> {
+    pub fn op(&self) -> Option<&Op> {
         match &self.kind {
-            NodeKind::Op(op) => Some(op.as_ref()),
+            NodeKind::Op(op) => Some(op),
             _ => None,
         }
     }
-    /// The op, if this is an op node of type `T`.
-    pub fn op_as<T: 'static>(&self) -> Option<&T> {
-        self.op()
-            .and_then(|op| (op as &dyn std::any::Any).downcast_ref::<T>())
+    /// The product's attributes, if this node is a [`MatMul`](crate::ops::MatMul)
+    /// (the op most passes look at).
+    pub fn matmul(&self) -> Option<&crate::ops::MatMul> {
+        match self.op() {
+            Some(Op::MatMul(mm)) => Some(mm),
+            _ => None,
+        }
     }
     /// A short description: op name, input source or parameter.
     pub fn describe(&self, params: &[String]) -> String {
@@ -424,7 +427,8 @@ impl GraphBuilder {
     }
 
     /// Applies a registered op, inferring the result type.
-    pub fn apply(&mut self, op: Arc<dyn OpDef>, inputs: &[Sym]) -> Sym {
+    pub fn apply(&mut self, op: impl Into<Op>, inputs: &[Sym]) -> Sym {
+        let op: Op = op.into();
         if self.failed() || inputs.contains(&Sym::POISON) {
             return Sym::POISON;
         }

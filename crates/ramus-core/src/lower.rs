@@ -74,15 +74,11 @@
 //! naming the node.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use crate::error::{CoreError, Result};
 use crate::graph::{DType, Graph, NodeId, NodeKind, ParamId, Source, Space};
 use crate::op::OpDef;
-use crate::ops::{
-    unk_row, Concat, Embedding, EmbeddingUnk, ExpandChildren, MatMul, Mul, RowMatMul, Slice,
-    SumChildren,
-};
+use crate::ops::{unk_row, MatMul, Op, RowMatMul};
 
 /// Index of a [`VecNode`] in [`CellProgram::vectors`].
 pub type VecId = usize;
@@ -131,7 +127,7 @@ pub enum VecExpr {
     Concat { parts: Vec<(VecId, usize)> },
     /// An elementwise op (of graph node `node`) applied column by column.
     Map {
-        op: Arc<dyn OpDef>,
+        op: Op,
         node: NodeId,
         args: Vec<VecId>,
     },
@@ -197,7 +193,7 @@ pub enum ScalarExpr {
     Param { param: ParamId, col: usize },
     /// An elementwise op (of graph node `node`) on scalars.
     Map {
-        op: Arc<dyn OpDef>,
+        op: Op,
         node: NodeId,
         args: Vec<ScalarId>,
     },
@@ -770,7 +766,7 @@ fn classify(g: &Graph, needed: &[bool]) -> Vec<bool> {
         if !needed[i] {
             continue;
         }
-        if node.op_as::<MatMul>().is_some() || node.op_as::<RowMatMul>().is_some() {
+        if matches!(node.op(), Some(Op::MatMul(_) | Op::RowMatMul(_))) {
             // (a product of a unit value is a new stage: see `Lowering::staged`)
             unit[i] = true;
         } else {
@@ -790,23 +786,23 @@ fn unit_count(g: &Graph, needed: &[bool], unit: &[bool], outputs: &[NodeId]) -> 
             continue;
         }
         u = gcd(u, node.ty.width());
-        if let Some(s) = node.op_as::<Slice>() {
-            u = gcd(gcd(u, s.start), s.len);
-        }
-        if node.op_as::<Concat>().is_some() {
-            for &x in &node.inputs {
-                u = gcd(u, g.nodes[x].ty.width());
+        match node.op() {
+            Some(Op::Slice(s)) => u = gcd(gcd(u, s.start), s.len),
+            Some(Op::Concat(_)) => {
+                for &x in &node.inputs {
+                    u = gcd(u, g.nodes[x].ty.width());
+                }
             }
-        }
-        // a static matrix times per-row matrices: the units split the columns
-        if let Some(rm) = node.op_as::<RowMatMul>() {
-            if node
-                .inputs
-                .first()
-                .is_some_and(|&a| !g.nodes[a].ty.is_rows())
+            // a static matrix times per-row matrices: the units split the columns
+            Some(Op::RowMatMul(rm))
+                if node
+                    .inputs
+                    .first()
+                    .is_some_and(|&a| !g.nodes[a].ty.is_rows()) =>
             {
-                u = gcd(u, rm.n);
+                u = gcd(u, rm.n)
             }
+            _ => {}
         }
     }
     if u == 0 {
@@ -1064,7 +1060,7 @@ impl Lowering<'_> {
         }
         let args = &node.inputs;
         // multiplying by an inference dropout mask (1) is the identity
-        if node.op_as::<Mul>().is_some() {
+        if matches!(op, Op::Mul(_)) {
             if let [a, b] = args[..] {
                 let keep = if self.is_one(b) {
                     Some(a)
@@ -1081,80 +1077,78 @@ impl Lowering<'_> {
         if unit {
             return self.lower_unit(i, op);
         }
-        if node.op_as::<Embedding>().is_some() {
-            let table = match (self.value(args[0])?, self.value(args[1])?) {
-                (Lowered::Param(p), Lowered::Token) => *p,
-                _ => {
-                    return Err(unsupported(
-                        g,
-                        i,
-                        "an embedding must look a parameter table up by the vertex token",
-                    ))
-                }
-            };
-            return Ok(Lowered::Vector(self.vec(
-                VecExpr::Embedding { table },
-                width,
-                scope,
-            )));
-        }
-        if node.op_as::<EmbeddingUnk>().is_some() {
-            let (table, rows) = match (self.value(args[0])?, self.value(args[1])?) {
-                (Lowered::Param(p), Lowered::Token) => (*p, g.nodes[args[0]].ty.shape[0]),
-                _ => {
-                    return Err(unsupported(
-                        g,
-                        i,
-                        "an embedding must look a parameter table up by the vertex token",
-                    ))
-                }
-            };
-            return Ok(Lowered::Vector(self.vec(
-                VecExpr::EmbeddingUnk { table, rows },
-                width,
-                scope,
-            )));
-        }
-        let expr = if let Some(s) = node.op_as::<Slice>() {
-            VecExpr::Slice {
+        let expr = match &op {
+            Op::Embedding(_) => VecExpr::Embedding {
+                table: self.embedding_table(i)?,
+            },
+            Op::EmbeddingUnk(_) => VecExpr::EmbeddingUnk {
+                table: self.embedding_table(i)?,
+                rows: g.nodes[args[0]].ty.shape[0],
+            },
+            Op::Slice(s) => VecExpr::Slice {
                 src: self.vector_of(args[0])?,
                 offset: s.start,
+            },
+            Op::Concat(_) => {
+                let parts = args
+                    .iter()
+                    .map(|&x| Ok((self.vector_of(x)?, g.nodes[x].ty.width())))
+                    .collect::<Result<_>>()?;
+                VecExpr::Concat { parts }
             }
-        } else if node.op_as::<Concat>().is_some() {
-            let parts = args
-                .iter()
-                .map(|&x| Ok((self.vector_of(x)?, g.nodes[x].ty.width())))
-                .collect::<Result<_>>()?;
-            VecExpr::Concat { parts }
-        } else if node.op_as::<SumChildren>().is_some() {
-            VecExpr::SumChildren(self.vector_of(args[0])?)
-        } else if node.op_as::<ExpandChildren>().is_some() {
-            VecExpr::Parent(self.vector_of(args[0])?)
-        } else if op.elementwise_template().is_some() {
-            let mut vs = Vec::with_capacity(args.len());
-            for &x in args {
-                vs.push(match self.value(x)?.clone() {
-                    Lowered::Vector(v) => v,
-                    Lowered::Param(p) => {
-                        let w = g.nodes[x].ty.width();
-                        self.vec(VecExpr::Param(p), w, Scope::Vertex)
-                    }
-                    _ => return Err(unsupported(g, i, "an operand is not a float vector")),
-                });
+            Op::SumChildren(_) => VecExpr::SumChildren(self.vector_of(args[0])?),
+            Op::ExpandChildren(_) => VecExpr::Parent(self.vector_of(args[0])?),
+            crate::elementwise_op!() => {
+                let mut vs = Vec::with_capacity(args.len());
+                for &x in args {
+                    vs.push(match self.value(x)?.clone() {
+                        Lowered::Vector(v) => v,
+                        Lowered::Param(p) => {
+                            let w = g.nodes[x].ty.width();
+                            self.vec(VecExpr::Param(p), w, Scope::Vertex)
+                        }
+                        _ => return Err(unsupported(g, i, "an operand is not a float vector")),
+                    });
+                }
+                VecExpr::Map {
+                    op,
+                    node: i,
+                    args: vs,
+                }
             }
-            VecExpr::Map {
-                op,
-                node: i,
-                args: vs,
+            // products are unit values (`classify`), lowered by `lower_unit`
+            Op::MatMul(_)
+            | Op::RowMatMul(_)
+            | Op::Pad(_)
+            | Op::SumRows(_)
+            | Op::BroadcastRows(_)
+            | Op::Reshape(_)
+            | Op::EmbeddingUnkBackward(_)
+            | Op::SoftmaxXent(_)
+            | Op::SoftmaxXentBackward(_)
+            | crate::image_op!() => {
+                return Err(unsupported(
+                    g,
+                    i,
+                    "this op has no per-column form for the compiled engine",
+                ))
             }
-        } else {
-            return Err(unsupported(
-                g,
-                i,
-                "this op has no per-column form for the compiled engine",
-            ));
         };
         Ok(Lowered::Vector(self.vec(expr, width, scope)))
+    }
+
+    /// The parameter table embedding node `i` looks up by the vertex token.
+    fn embedding_table(&mut self, i: NodeId) -> Result<ParamId> {
+        let g = self.g;
+        let args = &g.nodes[i].inputs;
+        match (self.value(args[0])?, self.value(args[1])?) {
+            (Lowered::Param(p), Lowered::Token) => Ok(*p),
+            _ => Err(unsupported(
+                g,
+                i,
+                "an embedding must look a parameter table up by the vertex token",
+            )),
+        }
     }
 
     /// Per-row operand `x` of a product as a vector (a unit value is
@@ -1240,78 +1234,102 @@ impl Lowering<'_> {
         Ok(Lowered::Unit(dots))
     }
 
-    fn lower_unit(&mut self, i: NodeId, op: Arc<dyn OpDef>) -> Result<Lowered> {
+    fn lower_unit(&mut self, i: NodeId, op: Op) -> Result<Lowered> {
+        let g = self.g;
+        let node = &g.nodes[i];
+        let args = &node.inputs;
+        let u = self.units;
+        let lanes = node.ty.width() / u;
+        match &op {
+            Op::MatMul(mm) => self.lower_dot(i, mm),
+            Op::RowMatMul(rm) => self.lower_row_matmul(i, rm),
+            Op::Slice(s) => {
+                let src = self.lanes(args[0])?;
+                Ok(Lowered::Unit(
+                    src[s.start / u..(s.start + s.len) / u].to_vec(),
+                ))
+            }
+            Op::Concat(_) => {
+                let mut all = Vec::with_capacity(lanes);
+                for &x in args {
+                    all.extend(self.lanes(x)?);
+                }
+                Ok(Lowered::Unit(all))
+            }
+            Op::SumChildren(_) => {
+                let src = self.lanes(args[0])?;
+                let sums = src
+                    .into_iter()
+                    .map(|s| self.scalar(ScalarExpr::ChildSum(s), Scope::Vertex))
+                    .collect();
+                Ok(Lowered::Unit(sums))
+            }
+            // an edge reads its vertex's scalars directly
+            Op::ExpandChildren(_) => Ok(Lowered::Unit(self.lanes(args[0])?)),
+            crate::elementwise_op!() => self.lower_unit_map(i, &op),
+            Op::Pad(_)
+            | Op::SumRows(_)
+            | Op::BroadcastRows(_)
+            | Op::Reshape(_)
+            | Op::Embedding(_)
+            | Op::EmbeddingUnk(_)
+            | Op::EmbeddingUnkBackward(_)
+            | Op::SoftmaxXent(_)
+            | Op::SoftmaxXentBackward(_)
+            | crate::image_op!() => Err(unsupported(
+                g,
+                i,
+                "this op has no per-unit form for the compiled engine",
+            )),
+        }
+    }
+
+    /// A unit product `x·Wᵀ` ([`MatMul`] with a `[out, in]` weight): one
+    /// dot product per unit lane.
+    fn lower_dot(&mut self, i: NodeId, mm: &MatMul) -> Result<Lowered> {
         let g = self.g;
         let node = &g.nodes[i];
         let args = &node.inputs;
         let scope = space_scope(node.ty.space);
         let u = self.units;
         let lanes = node.ty.width() / u;
-        if let Some(mm) = node.op_as::<MatMul>() {
-            let input = self.product_input(args[0])?;
-            let weight = match self.value(args[1])? {
-                Lowered::Param(p) => *p,
-                _ => return Err(unsupported(g, i, "the weight must be a parameter")),
-            };
-            let wty = &g.nodes[args[1]].ty;
-            if mm.trans_a || !mm.trans_b || wty.shape.len() != 2 {
-                return Err(unsupported(
-                    g,
-                    i,
-                    "only products x·Wᵀ with a [out, in] weight are lowered",
-                ));
-            }
-            let k = wty.shape[1];
-            let dots = (0..lanes)
-                .map(|m| {
-                    self.scalar(
-                        ScalarExpr::Dot {
-                            weight,
-                            row: m * u,
-                            input,
-                            k,
-                        },
-                        scope,
-                    )
-                })
-                .collect();
-            return Ok(Lowered::Unit(dots));
-        }
-        if let Some(rm) = node.op_as::<RowMatMul>() {
-            return self.lower_row_matmul(i, rm);
-        }
-        if let Some(s) = node.op_as::<Slice>() {
-            let src = self.lanes(args[0])?;
-            return Ok(Lowered::Unit(
-                src[s.start / u..(s.start + s.len) / u].to_vec(),
-            ));
-        }
-        if node.op_as::<Concat>().is_some() {
-            let mut all = Vec::with_capacity(lanes);
-            for &x in args {
-                all.extend(self.lanes(x)?);
-            }
-            return Ok(Lowered::Unit(all));
-        }
-        if node.op_as::<SumChildren>().is_some() {
-            let src = self.lanes(args[0])?;
-            let sums = src
-                .into_iter()
-                .map(|s| self.scalar(ScalarExpr::ChildSum(s), Scope::Vertex))
-                .collect();
-            return Ok(Lowered::Unit(sums));
-        }
-        if node.op_as::<ExpandChildren>().is_some() {
-            // an edge reads its vertex's scalars directly
-            return Ok(Lowered::Unit(self.lanes(args[0])?));
-        }
-        if op.elementwise_template().is_none() {
+        let input = self.product_input(args[0])?;
+        let weight = match self.value(args[1])? {
+            Lowered::Param(p) => *p,
+            _ => return Err(unsupported(g, i, "the weight must be a parameter")),
+        };
+        let wty = &g.nodes[args[1]].ty;
+        if mm.trans_a || !mm.trans_b || wty.shape.len() != 2 {
             return Err(unsupported(
                 g,
                 i,
-                "this op has no per-unit form for the compiled engine",
+                "only products x·Wᵀ with a [out, in] weight are lowered",
             ));
         }
+        let k = wty.shape[1];
+        let dots = (0..lanes)
+            .map(|m| {
+                self.scalar(
+                    ScalarExpr::Dot {
+                        weight,
+                        row: m * u,
+                        input,
+                        k,
+                    },
+                    scope,
+                )
+            })
+            .collect();
+        Ok(Lowered::Unit(dots))
+    }
+
+    /// An elementwise op on unit values: the op applied lane by lane.
+    fn lower_unit_map(&mut self, i: NodeId, op: &Op) -> Result<Lowered> {
+        let g = self.g;
+        let node = &g.nodes[i];
+        let args = &node.inputs;
+        let scope = space_scope(node.ty.space);
+        let lanes = node.ty.width() / self.units;
         let operands = args
             .iter()
             .map(|&x| self.lanes(x))
@@ -1487,7 +1505,7 @@ impl CellProgram {
                         }
                         VecExpr::Map { op, node, args } => {
                             let rows: Vec<&[T]> = args.iter().map(|&a| vecs[a].at(e)).collect();
-                            map_kernel(g, op.as_ref(), *node, &rows, w)?
+                            map_kernel(g, op, *node, &rows, w)?
                         }
                         VecExpr::SumChildren(src) => {
                             let mut acc = vec![T::ZERO; w];
@@ -1580,7 +1598,7 @@ impl CellProgram {
                             .to_vec(),
                         ScalarExpr::Map { op, node, args } => {
                             let rows: Vec<&[T]> = args.iter().map(|&a| scalars[a].at(e)).collect();
-                            map_kernel(g, op.as_ref(), *node, &rows, u)?
+                            map_kernel(g, op, *node, &rows, u)?
                         }
                         ScalarExpr::ChildSum(src) => {
                             let mut acc = vec![T::ZERO; u];

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use crate::error::{CoreError, Result};
 use crate::graph::{DType, GraphBuilder, Space, Sym, ValueType};
+use crate::ops::Op;
 use crate::real::Real;
 
 /// Estimated work of one op application.
@@ -23,7 +24,7 @@ pub struct Cost {
 }
 
 /// A registered op. See the module docs.
-pub trait OpDef: Send + Sync + Debug + CpuKernel + std::any::Any {
+pub trait OpDef: Send + Sync + Debug + CpuKernel {
     /// The registry name.
     fn name(&self) -> &'static str;
     /// Attribute values, rendered for listings and cache keys ("" if none).
@@ -68,7 +69,7 @@ pub trait OpDef: Send + Sync + Debug + CpuKernel + std::any::Any {
     /// inputs unchanged; `None` (the default) runs the op itself in every
     /// mode. Batch normalisation with running statistics (5 inputs) answers
     /// the inference op that normalises with them.
-    fn inference_op(&self, arity: usize) -> Option<Arc<dyn OpDef>> {
+    fn inference_op(&self, arity: usize) -> Option<Op> {
         let _ = arity;
         None
     }
@@ -261,7 +262,7 @@ impl<'a> GradCtx<'a> {
 pub type CompositeBuilder = Arc<dyn Fn(&mut GraphBuilder, &[Sym]) -> Sym + Send + Sync>;
 
 /// Makes a primitive op from numeric attributes.
-pub type PrimitiveMaker = fn(&[f64]) -> std::result::Result<Arc<dyn OpDef>, String>;
+pub type PrimitiveMaker = fn(&[f64]) -> std::result::Result<Op, String>;
 
 enum Entry {
     Primitive {

@@ -12,6 +12,7 @@
 
 use crate::error::{CoreError, Result};
 use crate::graph::{Graph, NodeId, NodeKind, Role, Source, Space};
+use crate::op::OpDef;
 
 /// When an op node runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

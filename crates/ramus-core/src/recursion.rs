@@ -41,13 +41,11 @@
 //! Unrolling does not (a child shared by two unrolled parents would have
 //! to be computed twice); the engines refuse it on a DAG input.
 
-use std::sync::Arc;
-
 use crate::error::{CoreError, Result};
 use crate::graph::{DType, Graph, Node, NodeId, NodeKind, Output, Role, Source, Space, ValueType};
 use crate::lower::{lower, map_rows, CellProgram, VecExpr};
 use crate::op::OpDef;
-use crate::ops::{Concat, ExpandChildren, MatMul, Mul, Slice, SumChildren};
+use crate::ops::{Concat, Op, Slice};
 use crate::Model;
 
 /// The back end a schedule default is chosen for.
@@ -206,9 +204,8 @@ fn reach(g: &Graph) -> Vec<Reach> {
             NodeKind::Input(Source::Gather(k)) => Reach::Child(ChildKey::Index(*k)),
             NodeKind::Input(Source::DropoutMask { .. }) | NodeKind::Param(_) => Reach::Static,
             NodeKind::Input(_) => Reach::Mixed,
-            NodeKind::Op(_) => {
-                if node.op_as::<SumChildren>().is_some() || node.op_as::<ExpandChildren>().is_some()
-                {
+            NodeKind::Op(op) => {
+                if op.crosses_edges() {
                     Reach::Mixed
                 } else {
                     let r = node
@@ -244,11 +241,11 @@ fn vanishes_on_zero(g: &Graph, i: NodeId, memo: &mut Vec<Option<bool>>) -> bool 
         NodeKind::Input(_) | NodeKind::Param(_) => false,
         NodeKind::Op(op) => {
             let inputs = node.inputs.clone();
-            if node.op_as::<MatMul>().is_some() {
+            if matches!(op, Op::MatMul(_)) {
                 vanishes_on_zero(g, inputs[0], memo)
-            } else if node.op_as::<Mul>().is_some() {
+            } else if matches!(op, Op::Mul(_)) {
                 inputs.iter().any(|&x| vanishes_on_zero(g, x, memo))
-            } else if node.op_as::<Slice>().is_some() || node.op_as::<Concat>().is_some() {
+            } else if matches!(op, Op::Slice(_) | Op::Concat(_)) {
                 inputs.iter().all(|&x| vanishes_on_zero(g, x, memo))
             } else if op.elementwise_template().is_some()
                 && inputs.iter().all(|&x| vanishes_on_zero(g, x, memo))
@@ -259,8 +256,7 @@ fn vanishes_on_zero(g: &Graph, i: NodeId, memo: &mut Vec<Option<bool>>) -> bool 
                 let operands: Vec<(&[f32], bool)> =
                     inputs.iter().map(|_| (zeros.as_slice(), false)).collect();
                 let mut out = Vec::new();
-                map_rows(op.as_ref(), &operands, 1, w, &mut out).is_ok()
-                    && out.iter().all(|&x| x == 0.0)
+                map_rows(op, &operands, 1, w, &mut out).is_ok() && out.iter().all(|&x| x == 0.0)
             } else {
                 false
             }
@@ -278,7 +274,8 @@ fn moved_values(g: &Graph, outputs: &[NodeId], state_width: usize) -> Vec<MovedV
     let mut product = vec![false; g.nodes.len()];
     for (i, node) in g.nodes.iter().enumerate() {
         product[i] = matches!(reach[i], Reach::Child(_))
-            && (node.op_as::<MatMul>().is_some() || node.inputs.iter().any(|&x| product[x]));
+            && (matches!(node.op(), Some(Op::MatMul(_)))
+                || node.inputs.iter().any(|&x| product[x]));
     }
     let mut read_outside = vec![false; g.nodes.len()];
     for (i, node) in g.nodes.iter().enumerate() {
@@ -374,7 +371,8 @@ impl Rebuild {
     }
 
     /// Applies `op` to `inputs`, its type inferred.
-    fn op(&mut self, op: Arc<dyn OpDef>, inputs: Vec<NodeId>) -> Result<NodeId> {
+    fn op(&mut self, op: impl Into<Op>, inputs: Vec<NodeId>) -> Result<NodeId> {
+        let op: Op = op.into();
         let types: Vec<&ValueType> = inputs.iter().map(|&x| &self.nodes[x].ty).collect();
         let ty = op.infer(&types).map_err(|message| CoreError::Shape {
             context: "recursive refactoring".into(),
@@ -439,7 +437,7 @@ impl Rebuild {
         for m in moved {
             parts.push(self.clone_on_state(internal, m.node, state, &mut memo)?);
         }
-        self.op(Arc::new(Concat), parts)
+        self.op(Concat, parts)
     }
 }
 
@@ -506,10 +504,10 @@ fn rewrite_internal(
                     message: format!("moved node %{i} precedes its child input"),
                 })?;
             remap[i] = b.op(
-                Arc::new(Slice {
+                Slice {
                     start: m.columns.start,
                     len: m.width,
-                }),
+                },
                 vec![wide],
             )?;
             continue;
@@ -528,10 +526,10 @@ fn rewrite_internal(
             wide_input.push((key, wide));
             let width = node.ty.width();
             remap[i] = b.op(
-                Arc::new(Slice {
+                Slice {
                     start: 0,
                     len: width,
-                }),
+                },
                 vec![wide],
             )?;
             continue;

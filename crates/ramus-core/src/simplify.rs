@@ -8,15 +8,13 @@
 //! fusion pass can even write in place) instead of zero-filled copies and
 //! additions.
 
-use std::sync::Arc;
-
 use crate::error::{CoreError, Result};
 use crate::graph::{DType, Graph, NodeId, NodeKind};
 use crate::op::OpDef;
-use crate::ops::{Add, Concat, Pad};
+use crate::ops::{Concat, Op};
 
-fn op_as<T: 'static>(graph: &Graph, node: NodeId) -> Option<&T> {
-    graph.nodes.get(node)?.op_as::<T>()
+fn op_at(graph: &Graph, node: NodeId) -> Option<&Op> {
+    graph.nodes.get(node)?.op()
 }
 
 /// A rewritable tree: its inner `add` nodes and its `pad` leaves.
@@ -53,7 +51,7 @@ pub fn pads_to_concat(graph: &Graph) -> Result<Graph> {
     }
     let is_output = graph.output_mask();
     let users = graph.users();
-    let is_add = |v: NodeId| op_as::<Add>(graph, v).is_some();
+    let is_add = |v: NodeId| matches!(op_at(graph, v), Some(Op::Add(_)));
 
     let mut out = graph.clone();
     let mut consumed = vec![false; n];
@@ -67,7 +65,7 @@ pub fn pads_to_concat(graph: &Graph) -> Result<Graph> {
         let Some(tree) = pad_tree(graph, root, &users, &is_output) else {
             continue;
         };
-        let concat: Arc<dyn OpDef> = Arc::new(Concat);
+        let concat = Op::Concat(Concat);
         let parts: Vec<NodeId> = tree.leaves.iter().map(|&(_, _, x)| x).collect();
         let tys: Vec<_> = parts.iter().map(|&x| &graph.nodes[x].ty).collect();
         if concat.infer(&tys).as_ref() != Ok(&graph.nodes[root].ty) {
@@ -115,11 +113,13 @@ fn pad_tree(
     let mut stack = vec![root];
     while let Some(a) = stack.pop() {
         for &x in &graph.nodes[a].inputs {
-            if op_as::<Add>(graph, x).is_some() && !is_output[x] && users[x].iter().all(|&u| u == a)
+            if matches!(op_at(graph, x), Some(Op::Add(_)))
+                && !is_output[x]
+                && users[x].iter().all(|&u| u == a)
             {
                 inner.push(x);
                 stack.push(x);
-            } else if let Some(pad) = op_as::<Pad>(graph, x) {
+            } else if let Some(Op::Pad(pad)) = op_at(graph, x) {
                 let &[value] = graph.nodes[x].inputs.as_slice() else {
                     return None;
                 };

@@ -10,7 +10,6 @@
 
 mod common;
 
-use std::any::Any;
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::process::Command;
@@ -25,9 +24,9 @@ use ramus_core::fusion::{
     Step,
 };
 use ramus_core::model::{HeadRows, Init, ModelBuilder};
-use ramus_core::ops::{Concat, ExpandChildren, MatMul, Slice, SumChildren};
+use ramus_core::ops::{MatMul, Op};
 use ramus_core::{Graph, GraphBuilder, NodeId, NodeKind, OpRegistry, Role, Source, Space, Sym};
-use ramus_core::{NodeKind::Op, ValueType};
+use ramus_core::{OpDef, ValueType};
 
 const V: Space = Space::Vertex;
 const E: Space = Space::Edge;
@@ -39,7 +38,7 @@ fn rows(space: Space, w: usize) -> ValueType {
 /// Every op node of `g`, in order.
 fn op_nodes(g: &Graph) -> Vec<NodeId> {
     (0..g.nodes.len())
-        .filter(|&i| matches!(g.nodes[i].kind, Op(_)))
+        .filter(|&i| matches!(g.nodes[i].kind, NodeKind::Op(_)))
         .collect()
 }
 
@@ -76,10 +75,15 @@ fn ids(s: &[Sym]) -> Vec<NodeId> {
 // Plan checks and evaluation
 // ======================================================================
 
-fn op_as<T: 'static>(g: &Graph, v: NodeId) -> Option<&T> {
-    g.nodes[v]
-        .op()
-        .and_then(|op| (op as &dyn Any).downcast_ref::<T>())
+fn op_at(g: &Graph, v: NodeId) -> Option<&Op> {
+    g.nodes[v].op()
+}
+
+fn matmul_of(op: &Op) -> Option<&MatMul> {
+    match op {
+        Op::MatMul(mm) => Some(mm),
+        _ => None,
+    }
 }
 
 /// What a plan runs without a step of its own, from the rules alone.
@@ -99,15 +103,15 @@ fn expected_without_step(g: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> b
     let mut views = Vec::new();
     let mut concats = Vec::new();
     for &v in nodes {
-        if let Some(sl) = op_as::<Slice>(g, v) {
+        if let Some(Op::Slice(sl)) = op_at(g, v) {
             let src = g.nodes[v].inputs[0];
             let ok = !keep(v)
                 && !is_output(v)
                 && users[v].iter().all(|&u| {
                     listed(u)
                         && (fused(u)
-                            || op_as::<SumChildren>(g, u).is_some()
-                            || op_as::<MatMul>(g, u).is_some_and(|mm| {
+                            || matches!(op_at(g, u), Some(Op::SumChildren(_)))
+                            || op_at(g, u).and_then(matmul_of).is_some_and(|mm| {
                                 let ins = &g.nodes[u].inputs;
                                 if mm.trans_a {
                                     true
@@ -125,7 +129,9 @@ fn expected_without_step(g: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> b
                     len: sl.len,
                 });
             }
-        } else if op_as::<Concat>(g, v).is_some() && g.nodes[v].inputs.iter().all(|&x| fused(x)) {
+        } else if matches!(op_at(g, v), Some(Op::Concat(_)))
+            && g.nodes[v].inputs.iter().all(|&x| fused(x))
+        {
             concats.push(v);
         }
     }
@@ -134,9 +140,9 @@ fn expected_without_step(g: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> b
     // a viewed slice
     let mut inline_reads = Vec::new();
     for &v in nodes {
-        let readers = if op_as::<SumChildren>(g, v).is_some() {
+        let readers = if matches!(op_at(g, v), Some(Op::SumChildren(_))) {
             V
-        } else if op_as::<ExpandChildren>(g, v).is_some() {
+        } else if matches!(op_at(g, v), Some(Op::ExpandChildren(_))) {
             E
         } else {
             continue;
@@ -164,7 +170,7 @@ fn expected_without_step(g: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> b
 /// The kind of input an inline read `x` is for its readers.
 fn inline_kind(g: &Graph, x: NodeId) -> InputKind {
     let source = g.nodes[x].inputs[0];
-    if op_as::<SumChildren>(g, x).is_some() {
+    if matches!(op_at(g, x), Some(Op::SumChildren(_))) {
         InputKind::ChildSum { source }
     } else {
         InputKind::ParentRow { source }
@@ -269,8 +275,8 @@ fn check_plan(g: &Graph, nodes: &[NodeId], keep: &dyn Fn(NodeId) -> bool, plan: 
             }
             if is_view(x).is_some() {
                 let ok = matches!(&plan.steps[sv], Step::Fused(_))
-                    || op_as::<MatMul>(g, v).is_some()
-                    || op_as::<SumChildren>(g, v).is_some();
+                    || matches!(op_at(g, v), Some(Op::MatMul(_)))
+                    || matches!(op_at(g, v), Some(Op::SumChildren(_)));
                 assert!(ok, "%{v} reads view %{x} but cannot:\n{plan}");
             }
             if inline(x) {
@@ -533,7 +539,7 @@ fn run_plans(g: &Graph, env: &Env, plans: &[&FusionPlan]) -> Result<Vec<Option<V
                 None => {}
             },
             NodeKind::Param(p) => vals[i] = env.params.get(p).cloned(),
-            Op(_) => {}
+            NodeKind::Op(_) => {}
         }
     }
     let get = |vals: &[Option<Vec<f64>>], x: NodeId, reader: &str| -> Result<Val, String> {
@@ -634,7 +640,7 @@ fn check_plans_match_reference(
         assert!(got[o.node].is_some(), "graph output %{} lost", o.node);
     }
     for (i, (node, v)) in g.nodes.iter().zip(&got).enumerate() {
-        if keep(i) && matches!(node.kind, Op(_)) {
+        if keep(i) && matches!(node.kind, NodeKind::Op(_)) {
             assert!(v.is_some(), "kept %{i} lost");
         }
     }
@@ -1950,7 +1956,7 @@ fn model_phases_fuse_into_valid_plans_that_keep_what_backward_reads() {
                 }
             }
             for v in (0..graph.nodes.len()).filter(|&v| keep(v)) {
-                if matches!(graph.nodes[v].kind, Op(_)) {
+                if matches!(graph.nodes[v].kind, NodeKind::Op(_)) {
                     assert!(
                         materialized.contains(&v),
                         "%{v} read by backward is not materialized"
@@ -2068,11 +2074,11 @@ fn function_env(
     env
 }
 
-/// The op nodes of `g` running `T`.
-fn nodes_of<T: 'static>(g: &Graph) -> Vec<NodeId> {
+/// The op nodes of `g` whose op passes `which`.
+fn nodes_of(g: &Graph, which: fn(&Op) -> bool) -> Vec<NodeId> {
     op_nodes(g)
         .into_iter()
-        .filter(|&v| op_as::<T>(g, v).is_some())
+        .filter(|&v| op_at(g, v).is_some_and(which))
         .collect()
 }
 
@@ -2104,7 +2110,7 @@ fn child_sum_tree_lstm_reads_child_sums_and_parent_rows_inline() {
     let fwd = fuse_phases(fg, &func.forward_plan, &keep_fwd);
     let f_task = &fwd[1];
     assert_eq!(f_task.kernel_launches(), 8, "{f_task}");
-    let sums = nodes_of::<SumChildren>(fg);
+    let sums = nodes_of(fg, Op::is_child_sum);
     assert_eq!(sums.len(), 2);
     let (h_sum, fc_sum) = (sums[0], sums[1]);
     assert!(f_task.steps.contains(&Step::Op(h_sum)), "{f_task}");
@@ -2141,7 +2147,7 @@ fn child_sum_tree_lstm_reads_child_sums_and_parent_rows_inline() {
     let bwd = fuse_phases(bg, &func.backward_plan, &no_keep);
     let b_task = &bwd[1];
     assert_eq!(b_task.kernel_launches(), 5, "{b_task}");
-    let expands = nodes_of::<ExpandChildren>(bg);
+    let expands = nodes_of(bg, Op::is_expand_children);
     assert_eq!(expands.len(), 2);
     assert_eq!(b_task.inline_reads, expands);
     let users = bg.users();
@@ -3089,8 +3095,8 @@ fn random_dag_kernels_compiled_for_the_host_match_op_by_op() {
                 .steps
                 .iter()
                 .filter(|s| {
-                    matches!(s, Step::Op(v) if op_as::<SumChildren>(&d.graph, *v).is_some()
-                        || op_as::<ExpandChildren>(&d.graph, *v).is_some())
+                    matches!(s, Step::Op(v) if matches!(op_at(&d.graph, *v), Some(Op::SumChildren(_)))
+                        || matches!(op_at(&d.graph, *v), Some(Op::ExpandChildren(_))))
                 })
                 .count();
             for grp in p.groups() {
@@ -3123,13 +3129,13 @@ fn random_dag_kernels_compiled_for_the_host_match_op_by_op() {
                 let users = d.graph.users();
                 matmul_views += users[v.slice]
                     .iter()
-                    .filter(|&&u| op_as::<MatMul>(&d.graph, u).is_some())
+                    .filter(|&&u| matches!(op_at(&d.graph, u), Some(Op::MatMul(_))))
                     .count();
             }
             kept_slices += p
                 .steps
                 .iter()
-                .filter(|s| matches!(s, Step::Op(v) if op_as::<Slice>(&d.graph, *v).is_some()))
+                .filter(|s| matches!(s, Step::Op(v) if matches!(op_at(&d.graph, *v), Some(Op::Slice(_)))))
                 .count();
         }
     }

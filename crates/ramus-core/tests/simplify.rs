@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use common::{assert_close, eval, Env, Rng, Topo, Val};
 use ramus_core::model::{HeadRows, Init, ModelBuilder};
 use ramus_core::simplify::pads_to_concat;
-use ramus_core::{Graph, GraphBuilder, Node, NodeKind, Role, Source, Space, Sym, ValueType};
+use ramus_core::{Graph, GraphBuilder, Node, NodeKind, OpDef, Role, Source, Space, Sym, ValueType};
 
 const V: Space = Space::Vertex;
 

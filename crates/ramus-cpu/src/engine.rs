@@ -21,6 +21,7 @@ use std::collections::HashMap;
 
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, ParamId, Role, Source, Space};
 use ramus_core::ops::matmul::PackedB;
+use ramus_core::ops::Op;
 use ramus_core::parallel::SpinHelper;
 use ramus_core::plan::{token_hoist, TokenHoist};
 use ramus_core::{Grads, HeadRows, Model, Params, Real};
@@ -129,7 +130,7 @@ fn embedding_rows(model: &Model, graph: &Graph) -> Option<usize> {
     graph
         .nodes
         .iter()
-        .filter(|n| n.op_as::<ramus_core::ops::Embedding>().is_some())
+        .filter(|n| matches!(n.op(), Some(Op::Embedding(_))))
         .filter_map(|n| match graph.nodes.get(*n.inputs.first()?)?.kind {
             NodeKind::Param(p) => model.params.get(p)?.shape.first().copied(),
             _ => None,

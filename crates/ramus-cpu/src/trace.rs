@@ -13,7 +13,7 @@
 //! trace lists the whole tensors, which is what must be resident.
 
 use ramus_core::graph::{Graph, NodeId, NodeKind, Role, Source, Space};
-use ramus_core::Model;
+use ramus_core::{Model, OpDef};
 use ramus_swap::{Phase, TensorId, TensorKind, Trace, TraceBuilder};
 
 use ramus_exec::Batch;

@@ -54,6 +54,7 @@ pub mod pinned;
 pub mod pool;
 pub(crate) mod program;
 pub mod rtc;
+pub mod support;
 pub mod swap;
 
 pub use blas::{Blas, Gemm, MathMode, StridedBatch};

@@ -12,7 +12,7 @@ use cudarc::driver::CudaFunction;
 use ramus_codegen::fused::FusedSource;
 use ramus_core::fusion::{self, FusedGroup, InputKind, SliceView, Step};
 use ramus_core::graph::{Graph, NodeId, NodeKind, Role};
-use ramus_core::ops::{Add, MatMul};
+use ramus_core::ops::Op;
 use ramus_core::Model;
 
 use crate::cache::KernelCache;
@@ -277,7 +277,10 @@ fn bias_of_product(
 ) -> Option<(usize, NodeId, NodeId)> {
     let [add] = group.nodes[..] else { return None };
     let node = &graph.nodes[add];
-    if node.op_as::<Add>().is_none() || group.outputs != [add] || !group.concat_writes.is_empty() {
+    if !matches!(node.op(), Some(Op::Add(_)))
+        || group.outputs != [add]
+        || !group.concat_writes.is_empty()
+    {
         return None;
     }
     let [i0, i1] = group.inputs[..] else {
@@ -288,7 +291,9 @@ fn bias_of_product(
         (InputKind::Broadcast, InputKind::PerElement) => (i1.node, i0.node),
         _ => return None,
     };
-    let mm = graph.nodes[product].op_as::<MatMul>()?;
+    let Some(Op::MatMul(mm)) = graph.nodes[product].op() else {
+        return None;
+    };
     let weight = graph.nodes[product].inputs.get(1)?;
     let plain_weight = !graph.nodes[*weight].ty.is_rows();
     let only_reader = users[product] == [add] && !is_output[product] && !keep.contains(&product);

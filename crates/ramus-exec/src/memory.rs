@@ -46,9 +46,9 @@
 //! Arithmetic saturates, so absurd sizes give `u64::MAX`, never a wrap.
 
 use ramus_core::graph::{Graph, NodeKind, Source, Space};
-use ramus_core::ops::Embedding;
+use ramus_core::ops::Op;
 use ramus_core::plan::token_hoist;
-use ramus_core::{HeadRows, Model};
+use ramus_core::{HeadRows, Model, OpDef};
 use ramus_graph::{GraphShape, InputGraph};
 
 use crate::optim::OptimizerKind;
@@ -146,7 +146,7 @@ pub fn token_table_bytes(model: &Model, vocab: usize) -> u64 {
         let rows = g
             .nodes
             .iter()
-            .filter(|n| n.op_as::<Embedding>().is_some())
+            .filter(|n| matches!(n.op(), Some(Op::Embedding(_))))
             .filter_map(|n| match g.nodes.get(*n.inputs.first()?)?.kind {
                 NodeKind::Param(p) => model.params.get(p)?.shape.first().copied(),
                 _ => None,

@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 
 use ramus_core::error::Result;
 use ramus_core::lower::{scalar_deps, ChildRef, ScalarExpr, ScalarId, Scope, VecExpr, VecId};
+use ramus_core::op::OpDef;
 
 use super::spec::{chunks, gen_error, LoweredCell};
 use ramus_core::fusion::instantiate;

@@ -64,8 +64,6 @@
 //! ReLU, linear layers, dropout, residual adds (`add`) and softmax
 //! cross-entropy are the existing ops.
 
-use std::sync::Arc;
-
 use crate::error::{CoreError, Result};
 use crate::graph::{GraphBuilder, Space, Sym, ValueType};
 use crate::op::{want_arity, want_float, Cost, GradCtx, Kernel, KernelCtx, OpDef};
@@ -1035,7 +1033,7 @@ impl OpDef for GlobalAvgPool {
     fn gradient(&self, g: &mut GradCtx<'_>) {
         let dy = g.grad();
         let op = GlobalAvgPoolBackward { pool: *self };
-        let dx = g.b.apply(Arc::new(op), &[dy]);
+        let dx = g.b.apply(op, &[dy]);
         g.set(0, dx);
     }
 }
@@ -1082,7 +1080,7 @@ impl OpDef for GlobalAvgPoolBackward {
     }
     fn gradient(&self, g: &mut GradCtx<'_>) {
         let gr = g.grad();
-        let d = g.b.apply(Arc::new(self.pool), &[gr]);
+        let d = g.b.apply(self.pool, &[gr]);
         g.set(0, d);
     }
 }
@@ -1387,16 +1385,17 @@ impl OpDef for BatchNorm {
         }
         Ok(inputs[0].clone())
     }
-    fn inference_op(&self, arity: usize) -> Option<Arc<dyn OpDef>> {
-        (arity == 5).then(|| Arc::new(BatchNormInference(self.0)) as Arc<dyn OpDef>)
+    fn inference_op(&self, arity: usize) -> Option<crate::ops::Op> {
+        (arity == 5).then_some(crate::ops::Op::BatchNormInference(BatchNormInference(
+            self.0,
+        )))
     }
     fn gradient(&self, g: &mut GradCtx<'_>) {
         let n = self.0;
         let (x, gamma, dy) = (g.input(0), g.input(1), g.grad());
-        let dx =
-            g.b.apply(Arc::new(BatchNormBackwardInput(n)), &[x, gamma, dy]);
+        let dx = g.b.apply(BatchNormBackwardInput(n), &[x, gamma, dy]);
         g.set(0, dx);
-        let dgamma = g.b.apply(Arc::new(BatchNormBackwardGamma(n)), &[x, dy]);
+        let dgamma = g.b.apply(BatchNormBackwardGamma(n), &[x, dy]);
         set_static(g, 1, dgamma);
         let dbeta = g.b.channel_sum(dy, n.channels, n.spatial);
         set_static(g, 2, dbeta);
@@ -1636,10 +1635,8 @@ impl OpDef for BatchNormInference {
     fn gradient(&self, g: &mut GradCtx<'_>) {
         let n = self.0;
         let (x, gamma, mean, var, dy) = (g.input(0), g.input(1), g.input(3), g.input(4), g.grad());
-        let dx = g.b.apply(
-            Arc::new(BatchNormInferenceBackwardInput(n)),
-            &[gamma, var, dy],
-        );
+        let dx =
+            g.b.apply(BatchNormInferenceBackwardInput(n), &[gamma, var, dy]);
         g.set(0, dx);
         let dbeta = g.b.channel_sum(dy, n.channels, n.spatial);
         set_static(g, 2, dbeta);
@@ -1649,7 +1646,7 @@ impl OpDef for BatchNormInference {
             (4, NormParam::Var),
         ] {
             let op = BatchNormInferenceBackwardParam { geom: n, param };
-            let d = g.b.apply(Arc::new(op), &[x, gamma, mean, var, dy]);
+            let d = g.b.apply(op, &[x, gamma, mean, var, dy]);
             set_static(g, i, d);
         }
     }
@@ -1805,7 +1802,7 @@ impl GraphBuilder {
     /// 2-D convolution of image rows `[C*H*W]` with a weight `[O, C*kh*kw]`
     /// (or `[O, C, kh, kw]`) and an optional per-channel bias `[O]`.
     pub fn conv2d(&mut self, x: Sym, w: Sym, bias: Option<Sym>, geom: Conv2dGeom) -> Sym {
-        let op = Arc::new(Conv2d(geom));
+        let op = Conv2d(geom);
         match bias {
             Some(b) => self.apply(op, &[x, w, b]),
             None => self.apply(op, &[x, w]),
@@ -1813,19 +1810,19 @@ impl GraphBuilder {
     }
     /// `d(input)` of [`Conv2d`] from the output gradient rows and the weight.
     pub fn conv2d_backward_input(&mut self, dy: Sym, w: Sym, geom: Conv2dGeom) -> Sym {
-        self.apply(Arc::new(Conv2dBackwardInput(geom)), &[dy, w])
+        self.apply(Conv2dBackwardInput(geom), &[dy, w])
     }
     /// `d(weight)` of [`Conv2d`] (a static `[O, C*kh*kw]`, summed over rows).
     pub fn conv2d_backward_weight(&mut self, x: Sym, dy: Sym, geom: Conv2dGeom) -> Sym {
-        self.apply(Arc::new(Conv2dBackwardWeight(geom)), &[x, dy])
+        self.apply(Conv2dBackwardWeight(geom), &[x, dy])
     }
     /// Max pooling of image rows.
     pub fn max_pool2d(&mut self, x: Sym, geom: Pool2dGeom) -> Sym {
-        self.apply(Arc::new(MaxPool2d(geom)), &[x])
+        self.apply(MaxPool2d(geom), &[x])
     }
     /// Gradient of [`MaxPool2d`] from the forward input and the output gradient.
     pub fn max_pool2d_backward(&mut self, x: Sym, dy: Sym, geom: Pool2dGeom) -> Sym {
-        self.apply(Arc::new(MaxPool2dBackward(geom)), &[x, dy])
+        self.apply(MaxPool2dBackward(geom), &[x, dy])
     }
     /// Per-channel mean over positions: rows `[C*H*W]` → rows `[C]`.
     pub fn global_avg_pool(&mut self, x: Sym, channels: usize, height: usize, width: usize) -> Sym {
@@ -1834,20 +1831,20 @@ impl GraphBuilder {
             height,
             width,
         };
-        self.apply(Arc::new(op), &[x])
+        self.apply(op, &[x])
     }
     /// Sum over rows and positions per channel: rows `[C*S]` → static `[C]`.
     pub fn channel_sum(&mut self, x: Sym, channels: usize, spatial: usize) -> Sym {
-        self.apply(Arc::new(ChannelSum { channels, spatial }), &[x])
+        self.apply(ChannelSum { channels, spatial }, &[x])
     }
     /// A static `[C]` spread over positions and over the rows of `like`.
     pub fn channel_broadcast(&mut self, s: Sym, like: Sym, channels: usize, spatial: usize) -> Sym {
-        self.apply(Arc::new(ChannelBroadcast { channels, spatial }), &[s, like])
+        self.apply(ChannelBroadcast { channels, spatial }, &[s, like])
     }
     /// Training-mode batch normalisation over all rows of the run (see the
     /// module docs for where it may be used).
     pub fn batch_norm(&mut self, x: Sym, gamma: Sym, beta: Sym, geom: NormGeom) -> Sym {
-        self.apply(Arc::new(BatchNorm(geom)), &[x, gamma, beta])
+        self.apply(BatchNorm(geom), &[x, gamma, beta])
     }
     /// Training-mode batch normalisation that keeps running statistics
     /// `running = (mean, var)` (buffers the engines update after each
@@ -1860,10 +1857,7 @@ impl GraphBuilder {
         running: (Sym, Sym),
         geom: NormGeom,
     ) -> Sym {
-        self.apply(
-            Arc::new(BatchNorm(geom)),
-            &[x, gamma, beta, running.0, running.1],
-        )
+        self.apply(BatchNorm(geom), &[x, gamma, beta, running.0, running.1])
     }
     /// Batch normalisation with given per-channel statistics `stats = (mean, var)`.
     pub fn batch_norm_inference(
@@ -1875,7 +1869,7 @@ impl GraphBuilder {
         geom: NormGeom,
     ) -> Sym {
         self.apply(
-            Arc::new(BatchNormInference(geom)),
+            BatchNormInference(geom),
             &[x, gamma, beta, stats.0, stats.1],
         )
     }

@@ -59,8 +59,7 @@ impl OpDef for SoftmaxXent {
     }
     fn gradient(&self, g: &mut GradCtx<'_>) {
         let (x, l, gr) = (g.input(0), g.input(1), g.grad());
-        let d =
-            g.b.apply(std::sync::Arc::new(SoftmaxXentBackward), &[x, l, gr]);
+        let d = g.b.apply(SoftmaxXentBackward, &[x, l, gr]);
         g.set(0, d);
     }
 }

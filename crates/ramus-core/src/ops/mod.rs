@@ -5,12 +5,11 @@ pub mod elementwise;
 pub mod loss;
 pub mod matmul;
 pub mod row_matrix;
+mod set;
 pub mod structure;
 
-use std::sync::Arc;
-
 use crate::graph::{GraphBuilder, Sym, ValueType};
-use crate::op::{OpDef, PrimitiveMaker};
+use crate::op::PrimitiveMaker;
 
 pub use cnn::{
     update_running_stats, BatchNorm, BatchNormBackwardGamma, BatchNormBackwardInput,
@@ -23,6 +22,7 @@ pub use elementwise::*;
 pub use loss::{SoftmaxXent, SoftmaxXentBackward};
 pub use matmul::MatMul;
 pub use row_matrix::RowMatMul;
+pub use set::Op;
 pub use structure::*;
 
 fn attr(attrs: &[f64], i: usize, name: &str) -> Result<f64, String> {
@@ -42,37 +42,37 @@ fn usize_attr(attrs: &[f64], i: usize, name: &str) -> Result<usize, String> {
     Ok(v as usize)
 }
 
-fn arc(op: impl OpDef + 'static) -> Result<Arc<dyn OpDef>, String> {
-    Ok(Arc::new(op))
+fn prim(op: impl Into<Op>) -> Result<Op, String> {
+    Ok(op.into())
 }
 
 /// `(name, doc, constructor from numeric attributes)` for every primitive.
 pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> {
     vec![
-        ("neg", "-x", |_| arc(Neg)),
-        ("exp", "exp(x)", |_| arc(Exp)),
-        ("log", "natural log", |_| arc(Log)),
-        ("sigmoid", "logistic sigmoid", |_| arc(Sigmoid)),
-        ("tanh", "hyperbolic tangent", |_| arc(Tanh)),
-        ("relu", "max(x, 0)", |_| arc(Relu)),
+        ("neg", "-x", |_| prim(Neg)),
+        ("exp", "exp(x)", |_| prim(Exp)),
+        ("log", "natural log", |_| prim(Log)),
+        ("sigmoid", "logistic sigmoid", |_| prim(Sigmoid)),
+        ("tanh", "hyperbolic tangent", |_| prim(Tanh)),
+        ("relu", "max(x, 0)", |_| prim(Relu)),
         ("scale", "a * x; attrs [a]", |a| {
-            arc(Scale(attr(a, 0, "a")?))
+            prim(Scale(attr(a, 0, "a")?))
         }),
         ("add_scalar", "x + a; attrs [a]", |a| {
-            arc(AddScalar(attr(a, 0, "a")?))
+            prim(AddScalar(attr(a, 0, "a")?))
         }),
         ("rsub_scalar", "a - x; attrs [a]", |a| {
-            arc(RsubScalar(attr(a, 0, "a")?))
+            prim(RsubScalar(attr(a, 0, "a")?))
         }),
-        ("add", "a + b (static rows broadcast)", |_| arc(Add)),
-        ("sub", "a - b (static rows broadcast)", |_| arc(Sub)),
-        ("mul", "a * b (static rows broadcast)", |_| arc(Mul)),
-        ("div", "a / b (static rows broadcast)", |_| arc(Div)),
+        ("add", "a + b (static rows broadcast)", |_| prim(Add)),
+        ("sub", "a - b (static rows broadcast)", |_| prim(Sub)),
+        ("mul", "a * b (static rows broadcast)", |_| prim(Mul)),
+        ("div", "a / b (static rows broadcast)", |_| prim(Div)),
         ("sigmoid_backward", "g * y * (1 - y)", |_| {
-            arc(SigmoidBackward)
+            prim(SigmoidBackward)
         }),
-        ("tanh_backward", "g * (1 - y^2)", |_| arc(TanhBackward)),
-        ("relu_backward", "x > 0 ? g : 0", |_| arc(ReluBackward)),
+        ("tanh_backward", "g * (1 - y^2)", |_| prim(TanhBackward)),
+        ("relu_backward", "x > 0 ? g : 0", |_| prim(ReluBackward)),
         (
             "matmul",
             "op(A)·op(B); attrs [trans_a, trans_b] as 0/1 (missing ones are 0)",
@@ -85,18 +85,18 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
                     Some(v) if v == 0.0 || v == 1.0 => Ok(v == 1.0),
                     Some(v) => Err(format!("attribute {name} must be 0 or 1, got {v}")),
                 };
-                arc(MatMul {
+                prim(MatMul {
                     trans_a: flag(0, "trans_a")?,
                     trans_b: flag(1, "trans_b")?,
                 })
             },
         ),
-        ("concat", "concatenate rows along features", |_| arc(Concat)),
+        ("concat", "concatenate rows along features", |_| prim(Concat)),
         (
             "slice",
             "columns start..start+len; attrs [start, len]",
             |a| {
-                arc(Slice {
+                prim(Slice {
                     start: usize_attr(a, 0, "start")?,
                     len: usize_attr(a, 1, "len")?,
                 })
@@ -106,7 +106,7 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
             "pad",
             "place rows at column start of zero rows of width total; attrs [start, total]",
             |a| {
-                arc(Pad {
+                prim(Pad {
                     start: usize_attr(a, 0, "start")?,
                     total: usize_attr(a, 1, "total")?,
                 })
@@ -115,28 +115,28 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
         (
             "sum_children",
             "sum of edge rows into their parent vertex",
-            |_| arc(SumChildren),
+            |_| prim(SumChildren),
         ),
         (
             "expand_children",
             "copy vertex rows to their child edges",
-            |_| arc(ExpandChildren),
+            |_| prim(ExpandChildren),
         ),
         ("sum_rows", "sum over rows", |_| {
-            arc(SumRows { mean: false })
+            prim(SumRows { mean: false })
         }),
         ("mean_rows", "mean over rows", |_| {
-            arc(SumRows { mean: true })
+            prim(SumRows { mean: true })
         }),
         (
             "broadcast_rows",
             "repeat a static row for each row of a reference",
-            |_| arc(BroadcastRows { mean: false }),
+            |_| prim(BroadcastRows { mean: false }),
         ),
         (
             "broadcast_rows_mean",
             "repeat a static row divided by the row count for each row of a reference",
-            |_| arc(BroadcastRows { mean: true }),
+            |_| prim(BroadcastRows { mean: true }),
         ),
         (
             "reshape",
@@ -148,22 +148,22 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
                 let shape = (0..a.len())
                     .map(|i| usize_attr(a, i, "dimension"))
                     .collect::<Result<Vec<_>, _>>()?;
-                arc(Reshape { shape })
+                prim(Reshape { shape })
             },
         ),
         ("embedding", "table rows looked up by token", |_| {
-            arc(Embedding)
+            prim(Embedding)
         }),
         (
             "embedding_unk",
             "table rows looked up by token; a token beyond the table reads row 0 (the unknown word's)",
-            |_| arc(EmbeddingUnk),
+            |_| prim(EmbeddingUnk),
         ),
         (
             "embedding_unk_backward",
             "gradient of embedding_unk's table from (gradient rows, tokens) -> static [rows, H]; attrs [rows]",
             |a| {
-                arc(EmbeddingUnkBackward {
+                prim(EmbeddingUnkBackward {
                     rows: usize_attr(a, 0, "rows")?,
                 })
             },
@@ -177,7 +177,7 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
                     Some(v) if v == 0.0 || v == 1.0 => Ok(v == 1.0),
                     Some(v) => Err(format!("attribute {name} must be 0 or 1, got {v}")),
                 };
-                arc(RowMatMul {
+                prim(RowMatMul {
                     m: usize_attr(a, 0, "m")?,
                     k: usize_attr(a, 1, "k")?,
                     n: usize_attr(a, 2, "n")?,
@@ -189,48 +189,48 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
         (
             "softmax_xent",
             "per-row softmax cross-entropy against labels",
-            |_| arc(SoftmaxXent),
+            |_| prim(SoftmaxXent),
         ),
         (
             "softmax_xent_backward",
             "gradient of softmax_xent from (scores, labels, upstream [1]-wide rows)",
-            |_| arc(SoftmaxXentBackward),
+            |_| prim(SoftmaxXentBackward),
         ),
         (
             "conv2d",
             "2-D convolution of image rows [C*H*W] (CHW) by weight [O, C*kh*kw] (+ bias [O]) -> rows [O*Ho*Wo]; attrs [C, H, W, O, kh, kw, stride=1, padding=0]",
-            |a| arc(Conv2d(cnn::conv_geom(a)?)),
+            |a| prim(Conv2d(cnn::conv_geom(a)?)),
         ),
         (
             "conv2d_backward_input",
             "d(input) of conv2d: col2im(Wᵀ·dY) from (dY rows, weight); attrs as conv2d",
-            |a| arc(Conv2dBackwardInput(cnn::conv_geom(a)?)),
+            |a| prim(Conv2dBackwardInput(cnn::conv_geom(a)?)),
         ),
         (
             "conv2d_backward_weight",
             "d(weight) of conv2d: Σ_rows dY·im2col(x)ᵀ from (x rows, dY rows) -> static [O, C*kh*kw]; attrs as conv2d",
-            |a| arc(Conv2dBackwardWeight(cnn::conv_geom(a)?)),
+            |a| prim(Conv2dBackwardWeight(cnn::conv_geom(a)?)),
         ),
         (
             "max_pool2d",
             "max pooling of image rows [C*H*W] over k x k windows -> rows [C*Ho*Wo]; attrs [C, H, W, k, stride=k, padding=0]",
-            |a| arc(MaxPool2d(cnn::pool_geom(a)?)),
+            |a| prim(MaxPool2d(cnn::pool_geom(a)?)),
         ),
         (
             "max_pool2d_backward",
             "gradient of max_pool2d from (x rows, dY rows), routed to each window's first maximum; attrs as max_pool2d",
-            |a| arc(MaxPool2dBackward(cnn::pool_geom(a)?)),
+            |a| prim(MaxPool2dBackward(cnn::pool_geom(a)?)),
         ),
         (
             "global_avg_pool",
             "per-channel mean over positions: rows [C*H*W] -> rows [C]; attrs [C, H, W]",
-            |a| arc(cnn::global_pool(a)?),
+            |a| prim(cnn::global_pool(a)?),
         ),
         (
             "global_avg_pool_backward",
             "gradient of global_avg_pool: rows [C] spread over H*W positions / (H*W); attrs [C, H, W]",
             |a| {
-                arc(GlobalAvgPoolBackward {
+                prim(GlobalAvgPoolBackward {
                     pool: cnn::global_pool(a)?,
                 })
             },
@@ -240,7 +240,7 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
             "rows [C*S] summed over rows and positions -> static [C]; attrs [C, S]",
             |a| {
                 let (channels, spatial) = cnn::cs_attrs(a)?;
-                arc(ChannelSum { channels, spatial })
+                prim(ChannelSum { channels, spatial })
             },
         ),
         (
@@ -248,39 +248,39 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
             "static [C] spread over S positions for every row of a reference -> rows [C*S]; attrs [C, S]",
             |a| {
                 let (channels, spatial) = cnn::cs_attrs(a)?;
-                arc(ChannelBroadcast { channels, spatial })
+                prim(ChannelBroadcast { channels, spatial })
             },
         ),
         (
             "batch_norm",
             "training-mode batch normalisation of rows [C*S] with batch statistics over all rows of the run, (x, gamma [C], beta [C][, running mean [C], running var [C]]: buffers updated by training passes and used by evaluation); attrs [C, S, eps=1e-5]",
-            |a| arc(BatchNorm(cnn::norm_geom(a)?)),
+            |a| prim(BatchNorm(cnn::norm_geom(a)?)),
         ),
         (
             "batch_norm_backward_input",
             "d(input) of batch_norm from (x rows, gamma, dY rows); attrs as batch_norm",
-            |a| arc(BatchNormBackwardInput(cnn::norm_geom(a)?)),
+            |a| prim(BatchNormBackwardInput(cnn::norm_geom(a)?)),
         ),
         (
             "batch_norm_backward_gamma",
             "d(gamma) of batch_norm from (x rows, dY rows) -> static [C]; attrs as batch_norm",
-            |a| arc(BatchNormBackwardGamma(cnn::norm_geom(a)?)),
+            |a| prim(BatchNormBackwardGamma(cnn::norm_geom(a)?)),
         ),
         (
             "batch_norm_inference",
             "batch normalisation with given statistics, (x, gamma, beta, mean, var) all [C] but x; attrs [C, S, eps=1e-5]",
-            |a| arc(BatchNormInference(cnn::norm_geom(a)?)),
+            |a| prim(BatchNormInference(cnn::norm_geom(a)?)),
         ),
         (
             "batch_norm_inference_backward_input",
             "d(input) of batch_norm_inference from (gamma, var, dY rows); attrs as batch_norm",
-            |a| arc(BatchNormInferenceBackwardInput(cnn::norm_geom(a)?)),
+            |a| prim(BatchNormInferenceBackwardInput(cnn::norm_geom(a)?)),
         ),
         (
             "batch_norm_inference_backward_gamma",
             "d(gamma) of batch_norm_inference from (x rows, gamma, mean, var, dY rows) -> static [C]; attrs as batch_norm",
             |a| {
-                arc(BatchNormInferenceBackwardParam {
+                prim(BatchNormInferenceBackwardParam {
                     geom: cnn::norm_geom(a)?,
                     param: NormParam::Gamma,
                 })
@@ -290,7 +290,7 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
             "batch_norm_inference_backward_mean",
             "d(mean) of batch_norm_inference from (x rows, gamma, mean, var, dY rows) -> static [C]; attrs as batch_norm",
             |a| {
-                arc(BatchNormInferenceBackwardParam {
+                prim(BatchNormInferenceBackwardParam {
                     geom: cnn::norm_geom(a)?,
                     param: NormParam::Mean,
                 })
@@ -300,7 +300,7 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
             "batch_norm_inference_backward_var",
             "d(var) of batch_norm_inference from (x rows, gamma, mean, var, dY rows) -> static [C]; attrs as batch_norm",
             |a| {
-                arc(BatchNormInferenceBackwardParam {
+                prim(BatchNormInferenceBackwardParam {
                     geom: cnn::norm_geom(a)?,
                     param: NormParam::Var,
                 })
@@ -311,11 +311,11 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
 
 /// Builder methods, one per op (plus `linear` and `split`, which compose).
 impl GraphBuilder {
-    fn op1(&mut self, op: impl OpDef + 'static, x: Sym) -> Sym {
-        self.apply(Arc::new(op), &[x])
+    fn op1(&mut self, op: impl Into<Op>, x: Sym) -> Sym {
+        self.apply(op, &[x])
     }
-    fn op2(&mut self, op: impl OpDef + 'static, a: Sym, b: Sym) -> Sym {
-        self.apply(Arc::new(op), &[a, b])
+    fn op2(&mut self, op: impl Into<Op>, a: Sym, b: Sym) -> Sym {
+        self.apply(op, &[a, b])
     }
     pub fn neg(&mut self, x: Sym) -> Sym {
         self.op1(Neg, x)
@@ -384,7 +384,7 @@ impl GraphBuilder {
         }
     }
     pub fn concat(&mut self, xs: &[Sym]) -> Sym {
-        self.apply(Arc::new(Concat), xs)
+        self.apply(Concat, xs)
     }
     /// Columns `start..start + len`.
     pub fn slice(&mut self, x: Sym, start: usize, len: usize) -> Sym {

@@ -342,8 +342,7 @@ impl OpDef for BroadcastRows {
     }
     fn gradient(&self, g: &mut GradCtx<'_>) {
         let gr = g.grad();
-        let s =
-            g.b.apply(std::sync::Arc::new(SumRows { mean: self.mean }), &[gr]);
+        let s = g.b.apply(SumRows { mean: self.mean }, &[gr]);
         let shape = g.input_type(0).map(|t| t.shape).unwrap_or_default();
         let s = if g.b.ty(s).map(|t| t.shape != shape).unwrap_or(false) {
             g.b.reshape(s, &shape)
@@ -500,10 +499,7 @@ impl OpDef for EmbeddingUnk {
         };
         let (gr, idx) = (g.grad(), g.input(1));
         let rows = table.shape.first().copied().unwrap_or(0);
-        let dt = g.b.apply(
-            std::sync::Arc::new(EmbeddingUnkBackward { rows }),
-            &[gr, idx],
-        );
+        let dt = g.b.apply(EmbeddingUnkBackward { rows }, &[gr, idx]);
         g.set(0, dt);
     }
     fn cost(&self, _: &[&ValueType], out: &ValueType, rows: usize) -> Cost {

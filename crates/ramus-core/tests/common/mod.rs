@@ -4,10 +4,10 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use ramus_core::autodiff::differentiate;
 use ramus_core::op::{Arg, ArgData, KernelCtx};
+use ramus_core::ops::Op;
 use ramus_core::{
     DType, Graph, GraphBuilder, NodeKind, OpDef, ParamId, Real, Role, Source, Space, Sym, ValueType,
 };
@@ -291,7 +291,7 @@ pub fn eval(
                     edge_parent: &topo.edge_parent,
                     packed_b: None,
                 };
-                f64::run_kernel(op.as_ref(), &mut ctx)
+                f64::run_kernel(op, &mut ctx)
                     .map_err(|e| format!("node %{n} ({}): {e}", op.signature()))?;
                 Val::F(out)
             }
@@ -418,13 +418,25 @@ pub const ATOL: f64 = 1e-8;
 /// differences of `sum <seed, output>` (seed 1.0 for a scalar loss, a
 /// random cotangent for any other seeded output). Panics on any mismatch.
 pub fn grad_check(graph: &Graph, param_shapes: &[Vec<usize>], env: &Env, seed: u64) -> GradReport {
+    let bwd = differentiate(graph, param_shapes, "test")
+        .unwrap_or_else(|e| panic!("differentiate failed: {e}"));
+    grad_check_backward(graph, param_shapes, env, seed, bwd)
+}
+
+/// [`grad_check`] with the backward graph given: compares the gradients
+/// `bwd` computes for `graph` with finite differences of `graph`.
+pub fn grad_check_backward(
+    graph: &Graph,
+    param_shapes: &[Vec<usize>],
+    env: &Env,
+    seed: u64,
+    bwd: Graph,
+) -> GradReport {
     let mut rng = Rng::new(seed);
     let fwd = eval(graph, env, None, &HashMap::new())
         .unwrap_or_else(|e| panic!("forward evaluation failed: {e}"));
     let seeds = seeds(graph, &fwd, &mut rng);
     assert!(!seeds.is_empty(), "test bug: graph has no seeded output");
-    let bwd = differentiate(graph, param_shapes, "test")
-        .unwrap_or_else(|e| panic!("differentiate failed: {e}"));
     let bvals = eval(&bwd, env, Some(&fwd), &seeds)
         .unwrap_or_else(|e| panic!("backward evaluation failed: {e}\n{}", bwd.listing(&[])));
 
@@ -583,9 +595,9 @@ impl Case {
     }
 }
 
-/// Convenience: an op as an `Arc<dyn OpDef>`.
-pub fn arc(op: impl OpDef + 'static) -> Arc<dyn OpDef> {
-    Arc::new(op)
+/// Convenience: a primitive op type as an [`Op`].
+pub fn prim(op: impl Into<Op>) -> Op {
+    op.into()
 }
 
 // ---------------------------------------------------------------- comparisons

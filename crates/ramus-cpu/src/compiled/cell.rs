@@ -412,7 +412,7 @@ impl Cell {
                         let all_broadcast = a.iter().all(|b| b.broadcast);
                         let n = if all_broadcast { 1 } else { scope_rows };
                         let mut data = std::mem::take(&mut out.data);
-                        map_rows(op.as_ref(), &operands(&a), n, w, &mut data)?;
+                        map_rows(op, &operands(&a), n, w, &mut data)?;
                         out.data = data;
                         out.rows = n;
                         out.width = w;
@@ -555,7 +555,7 @@ impl Cell {
                         let all_broadcast = a.iter().all(|b| b.broadcast);
                         let n = if all_broadcast { 1 } else { scope_rows };
                         let mut data = std::mem::take(&mut out.data);
-                        map_rows(op.as_ref(), &operands(&a), n, u, &mut data)?;
+                        map_rows(op, &operands(&a), n, u, &mut data)?;
                         out.data = data;
                         out.rows = n;
                         out.width = u;

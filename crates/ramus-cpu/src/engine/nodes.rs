@@ -7,8 +7,8 @@
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, ParamId, Role, Source, Space};
 use ramus_core::op::{Arg, ArgData, KernelCtx};
 use ramus_core::ops::matmul::PackedB;
-use ramus_core::ops::{update_running_stats, BatchNorm};
-use ramus_core::{CoreError, Grads, Params, Real};
+use ramus_core::ops::{update_running_stats, BatchNorm, Op};
+use ramus_core::{CoreError, Grads, OpDef, Params, Real};
 use ramus_graph::FunctionRows;
 
 use ramus_exec::{ExecError, Result};
@@ -177,7 +177,7 @@ pub(super) fn run_node<T: Real>(
         None
     };
     let op = substitute.as_ref().unwrap_or(op);
-    let packed_key = packed_weight(g, node, op.as_ref(), range, params, packs);
+    let packed_key = packed_weight(g, node, op, range, params, packs);
     let packs = &*packs;
     let mut out = std::mem::take(&mut own.vals[n]);
     let result = (|| {
@@ -219,7 +219,7 @@ pub(super) fn run_node<T: Real>(
             edge_parent,
             packed_b: packed_key.and_then(|key| packs.get(&key)),
         };
-        T::run_kernel(op.as_ref(), &mut ctx).map_err(ExecError::from)
+        T::run_kernel(op, &mut ctx).map_err(ExecError::from)
     })();
     own.vals[n] = out;
     result.map_err(|e| match e {
@@ -244,7 +244,7 @@ pub(super) fn running_stat_updates<T: Real>(
     updates: &mut Vec<(ParamId, Vec<T>)>,
 ) -> Result<()> {
     for node in &g.nodes {
-        let Some(BatchNorm(norm)) = node.op_as::<BatchNorm>() else {
+        let Some(Op::BatchNorm(BatchNorm(norm))) = node.op() else {
             continue;
         };
         let [x, _, _, mean, var] = node.inputs[..] else {

@@ -155,6 +155,12 @@ impl Default for CompiledSchedule {
     }
 }
 
+/// Whether `model`'s cells lower for the compiled engine under `options`
+/// (no device needed): the check [`CompiledEngine::new`] starts with.
+pub(crate) fn lowers(model: &Model, options: &CompiledOptions) -> Result<()> {
+    memory::Cells::lower(model, options).map(|_| ())
+}
+
 /// Options of [`CompiledEngine::new`].
 #[derive(Clone, Debug)]
 pub struct CompiledOptions {

@@ -28,15 +28,13 @@
 //! it runs over chunks of images (the weight gradient accumulating with
 //! `beta = 1` after the first chunk).
 
-use std::any::Any;
-
 use ramus_core::graph::{Graph, NodeId, Space};
 use ramus_core::ops::{
     BatchNorm, BatchNormBackwardGamma, BatchNormBackwardInput, BatchNormInference,
-    BatchNormInferenceBackwardInput, BatchNormInferenceBackwardParam, ChannelBroadcast, ChannelSum,
-    Conv2d, Conv2dBackwardInput, Conv2dBackwardWeight, Conv2dGeom, GlobalAvgPool,
-    GlobalAvgPoolBackward, MaxPool2d, MaxPool2dBackward, NormGeom,
+    BatchNormInferenceBackwardInput, Conv2d, Conv2dBackwardInput, Conv2dBackwardWeight, Conv2dGeom,
+    MaxPool2d, MaxPool2dBackward, NormGeom, Op,
 };
+use ramus_core::OpDef;
 use ramus_exec::Range;
 
 use super::{model_err, Buf, CudaEngine, Lane};
@@ -81,56 +79,46 @@ fn chunk_images(cap: usize, per_image: usize, rows: usize) -> usize {
 /// Floats of lane workspace that CNN op `op` asks for over `rows` rows with
 /// convolution columns capped at `cap` floats (0 for other ops): what
 /// [`CudaEngine::run_cnn_op`] requests, so a caller can reserve it up front.
-pub(crate) fn cnn_workspace_floats(op: &dyn Any, rows: usize, cap: usize) -> usize {
+pub(crate) fn cnn_workspace_floats(op: &Op, rows: usize, cap: usize) -> usize {
     let columns = |per_image: usize| chunk_images(cap, per_image, rows) * per_image;
     if rows == 0 {
         return 0;
     }
-    if let Some(Conv2d(g)) = op.downcast_ref::<Conv2d>() {
-        let (k, p, _) = conv_dims(g);
-        if pointwise(g) {
-            0
-        } else {
-            columns(k * p)
+    match op {
+        Op::Conv2d(Conv2d(g)) | Op::Conv2dBackwardInput(Conv2dBackwardInput(g)) => {
+            let (k, p, _) = conv_dims(g);
+            if pointwise(g) {
+                0
+            } else {
+                columns(k * p)
+            }
         }
-    } else if let Some(Conv2dBackwardInput(g)) = op.downcast_ref::<Conv2dBackwardInput>() {
-        let (k, p, _) = conv_dims(g);
-        if pointwise(g) {
-            0
-        } else {
-            columns(k * p)
+        Op::Conv2dBackwardWeight(Conv2dBackwardWeight(g)) => {
+            let (k, p, o) = conv_dims(g);
+            columns((k + o) * p)
         }
-    } else if let Some(Conv2dBackwardWeight(g)) = op.downcast_ref::<Conv2dBackwardWeight>() {
-        let (k, p, o) = conv_dims(g);
-        columns((k + o) * p)
-    } else if let Some(BatchNorm(n)) = op.downcast_ref::<BatchNorm>() {
-        2 * n.channels
-    } else if let Some(BatchNormBackwardInput(n)) = op.downcast_ref::<BatchNormBackwardInput>() {
-        3 * n.channels
-    } else if let Some(BatchNormInference(n)) = op.downcast_ref::<BatchNormInference>() {
-        2 * n.channels
-    } else if let Some(BatchNormInferenceBackwardInput(n)) =
-        op.downcast_ref::<BatchNormInferenceBackwardInput>()
-    {
-        2 * n.channels
-    } else {
-        0
+        Op::BatchNorm(BatchNorm(n))
+        | Op::BatchNormInference(BatchNormInference(n))
+        | Op::BatchNormInferenceBackwardInput(BatchNormInferenceBackwardInput(n)) => 2 * n.channels,
+        Op::BatchNormBackwardInput(BatchNormBackwardInput(n)) => 3 * n.channels,
+        _ => 0,
     }
 }
 
 impl CudaEngine {
-    /// Runs node `n` if it is a CNN op; `Ok(false)` when it is not one.
+    /// Runs node `n`, an image op (`ramus_core::image_op!()`); any other
+    /// op is refused with the node named.
     #[allow(clippy::too_many_arguments)] // as run_op: graph, node, buffers, rows, lane
     pub(super) fn run_cnn_op(
         &self,
-        op: &dyn Any,
+        op: &Op,
         g: &Graph,
         n: NodeId,
         own: &[Buf],
         fwd: Option<&[Buf]>,
         range: Range,
         lane: &Lane,
-    ) -> Result<bool> {
+    ) -> Result<()> {
         let node = &g.nodes[n];
         let stream = &*lane.stream;
         let launcher = &self.launcher;
@@ -148,139 +136,182 @@ impl CudaEngine {
         let norm_affine = |y, x, coef, r, norm: &NormGeom| {
             launcher.channel_affine(stream, y, x, coef, r, norm.channels, norm.spatial)
         };
-        if let Some(Conv2d(geom)) = op.downcast_ref::<Conv2d>() {
-            let bias = if node.inputs.len() > 2 {
-                Some(fv(2)?)
-            } else {
-                None
-            };
-            self.conv2d(lane, geom, rows(0), [fv(0)?, fv(1)?], bias, out()?)?;
-        } else if let Some(Conv2dBackwardInput(geom)) = op.downcast_ref::<Conv2dBackwardInput>() {
-            self.conv2d_backward_input(lane, geom, rows(0), fv(0)?, fv(1)?, out()?)?;
-        } else if let Some(Conv2dBackwardWeight(geom)) = op.downcast_ref::<Conv2dBackwardWeight>() {
-            self.conv2d_backward_weight(lane, geom, rows(0), fv(0)?, fv(1)?, out()?)?;
-        } else if let Some(MaxPool2d(geom)) = op.downcast_ref::<MaxPool2d>() {
-            launcher.max_pool2d(stream, out()?, fv(0)?, geom, rows(0))?;
-        } else if let Some(MaxPool2dBackward(geom)) = op.downcast_ref::<MaxPool2dBackward>() {
-            launcher.max_pool2d_backward(stream, out()?, fv(0)?, fv(1)?, geom, rows(0))?;
-        } else if let Some(p) = op.downcast_ref::<GlobalAvgPool>() {
-            let spatial = p.height * p.width;
-            launcher.global_avg_pool(stream, out()?, fv(0)?, rows(0), p.channels, spatial)?;
-        } else if let Some(b) = op.downcast_ref::<GlobalAvgPoolBackward>() {
-            let p = &b.pool;
-            let spatial = p.height * p.width;
-            launcher.global_avg_pool_backward(
-                stream,
-                out()?,
-                fv(0)?,
-                rows(0),
-                p.channels,
-                spatial,
-            )?;
-        } else if let Some(cs) = op.downcast_ref::<ChannelSum>() {
-            launcher.channel_sum(stream, out()?, fv(0)?, rows(0), cs.channels, cs.spatial)?;
-        } else if let Some(cb) = op.downcast_ref::<ChannelBroadcast>() {
-            // rows of the reference operand
-            launcher.channel_broadcast(stream, out()?, fv(0)?, rows(1), cb.channels, cb.spatial)?;
-        } else if let Some(BatchNorm(norm)) = op.downcast_ref::<BatchNorm>() {
-            // inputs: x, gamma, beta[, running mean, running var]
-            let (x, r) = (fv(0)?, rows(0));
-            let tracked = node.inputs.len() == 5;
-            if r > 0 && tracked && self.inference_pass {
-                // evaluation and inference normalise with the running statistics
-                let coef = self.workspace(lane, 2 * norm.channels)?;
-                let (gamma, beta) = (fv(1)?, Some(fv(2)?));
-                launcher.batch_norm_inference_coef(
-                    stream,
-                    coef,
-                    gamma,
-                    beta,
-                    Some(fv(3)?),
-                    fv(4)?,
-                    norm,
-                )?;
-                norm_affine(out()?, x, coef, r, norm)?;
-            } else if r > 0 {
-                // training: batch statistics, blended into the running ones
-                // during device training steps
-                let coef = self.workspace(lane, 2 * norm.channels)?;
-                let running = if tracked && self.track_running_stats {
-                    Some((fv(3)?, fv(4)?))
+        match op {
+            Op::Conv2d(Conv2d(geom)) => {
+                let bias = if node.inputs.len() > 2 {
+                    Some(fv(2)?)
                 } else {
                     None
                 };
-                launcher.batch_norm_coef(stream, coef, x, fv(1)?, fv(2)?, running, r, norm)?;
-                norm_affine(out()?, x, coef, r, norm)?;
+                self.conv2d(lane, geom, rows(0), [fv(0)?, fv(1)?], bias, out()?)?;
             }
-        } else if let Some(BatchNormBackwardInput(norm)) =
-            op.downcast_ref::<BatchNormBackwardInput>()
-        {
-            let r = rows(0);
-            if r > 0 {
-                let coef = self.workspace(lane, 3 * norm.channels)?;
-                launcher.batch_norm_backward_input(
+            Op::Conv2dBackwardInput(Conv2dBackwardInput(geom)) => {
+                self.conv2d_backward_input(lane, geom, rows(0), fv(0)?, fv(1)?, out()?)?;
+            }
+            Op::Conv2dBackwardWeight(Conv2dBackwardWeight(geom)) => {
+                self.conv2d_backward_weight(lane, geom, rows(0), fv(0)?, fv(1)?, out()?)?;
+            }
+            Op::MaxPool2d(MaxPool2d(geom)) => {
+                launcher.max_pool2d(stream, out()?, fv(0)?, geom, rows(0))?;
+            }
+            Op::MaxPool2dBackward(MaxPool2dBackward(geom)) => {
+                launcher.max_pool2d_backward(stream, out()?, fv(0)?, fv(1)?, geom, rows(0))?;
+            }
+            Op::GlobalAvgPool(p) => {
+                let spatial = p.height * p.width;
+                launcher.global_avg_pool(stream, out()?, fv(0)?, rows(0), p.channels, spatial)?;
+            }
+            Op::GlobalAvgPoolBackward(b) => {
+                let p = &b.pool;
+                let spatial = p.height * p.width;
+                launcher.global_avg_pool_backward(
+                    stream,
+                    out()?,
+                    fv(0)?,
+                    rows(0),
+                    p.channels,
+                    spatial,
+                )?;
+            }
+            Op::ChannelSum(cs) => {
+                launcher.channel_sum(stream, out()?, fv(0)?, rows(0), cs.channels, cs.spatial)?;
+            }
+            Op::ChannelBroadcast(cb) => {
+                // rows of the reference operand
+                launcher.channel_broadcast(
+                    stream,
+                    out()?,
+                    fv(0)?,
+                    rows(1),
+                    cb.channels,
+                    cb.spatial,
+                )?;
+            }
+            Op::BatchNorm(BatchNorm(norm)) => {
+                // inputs: x, gamma, beta[, running mean, running var]
+                let (x, r) = (fv(0)?, rows(0));
+                let tracked = node.inputs.len() == 5;
+                if r > 0 && tracked && self.inference_pass {
+                    // evaluation and inference normalise with the running statistics
+                    let coef = self.workspace(lane, 2 * norm.channels)?;
+                    let (gamma, beta) = (fv(1)?, Some(fv(2)?));
+                    launcher.batch_norm_inference_coef(
+                        stream,
+                        coef,
+                        gamma,
+                        beta,
+                        Some(fv(3)?),
+                        fv(4)?,
+                        norm,
+                    )?;
+                    norm_affine(out()?, x, coef, r, norm)?;
+                } else if r > 0 {
+                    // training: batch statistics, blended into the running ones
+                    // during device training steps
+                    let coef = self.workspace(lane, 2 * norm.channels)?;
+                    let running = if tracked && self.track_running_stats {
+                        Some((fv(3)?, fv(4)?))
+                    } else {
+                        None
+                    };
+                    launcher.batch_norm_coef(stream, coef, x, fv(1)?, fv(2)?, running, r, norm)?;
+                    norm_affine(out()?, x, coef, r, norm)?;
+                }
+            }
+            Op::BatchNormBackwardInput(BatchNormBackwardInput(norm)) => {
+                let r = rows(0);
+                if r > 0 {
+                    let coef = self.workspace(lane, 3 * norm.channels)?;
+                    launcher.batch_norm_backward_input(
+                        stream,
+                        out()?,
+                        fv(0)?,
+                        fv(1)?,
+                        fv(2)?,
+                        coef,
+                        r,
+                        norm,
+                    )?;
+                }
+            }
+            Op::BatchNormBackwardGamma(BatchNormBackwardGamma(norm)) => {
+                launcher.batch_norm_backward_gamma(
                     stream,
                     out()?,
                     fv(0)?,
                     fv(1)?,
-                    fv(2)?,
-                    coef,
-                    r,
+                    rows(0),
                     norm,
                 )?;
             }
-        } else if let Some(BatchNormBackwardGamma(norm)) =
-            op.downcast_ref::<BatchNormBackwardGamma>()
-        {
-            launcher.batch_norm_backward_gamma(stream, out()?, fv(0)?, fv(1)?, rows(0), norm)?;
-        } else if let Some(BatchNormInference(norm)) = op.downcast_ref::<BatchNormInference>() {
-            // inputs: x, gamma, beta, mean, var
-            let (x, r) = (fv(0)?, rows(0));
-            if r > 0 {
-                let coef = self.workspace(lane, 2 * norm.channels)?;
-                launcher.batch_norm_inference_coef(
+            Op::BatchNormInference(BatchNormInference(norm)) => {
+                // inputs: x, gamma, beta, mean, var
+                let (x, r) = (fv(0)?, rows(0));
+                if r > 0 {
+                    let coef = self.workspace(lane, 2 * norm.channels)?;
+                    launcher.batch_norm_inference_coef(
+                        stream,
+                        coef,
+                        fv(1)?,
+                        Some(fv(2)?),
+                        Some(fv(3)?),
+                        fv(4)?,
+                        norm,
+                    )?;
+                    norm_affine(out()?, x, coef, r, norm)?;
+                }
+            }
+            Op::BatchNormInferenceBackwardInput(BatchNormInferenceBackwardInput(norm)) => {
+                // inputs: gamma, var, dy; dx = dy · gamma / sqrt(var + eps)
+                let r = rows(2);
+                if r > 0 {
+                    let coef = self.workspace(lane, 2 * norm.channels)?;
+                    launcher.batch_norm_inference_coef(
+                        stream,
+                        coef,
+                        fv(0)?,
+                        None,
+                        None,
+                        fv(1)?,
+                        norm,
+                    )?;
+                    norm_affine(out()?, fv(2)?, coef, r, norm)?;
+                }
+            }
+            Op::BatchNormInferenceBackwardParam(p) => {
+                // inputs: x, gamma, mean, var, dy
+                launcher.batch_norm_inference_param(
                     stream,
-                    coef,
-                    fv(1)?,
-                    Some(fv(2)?),
-                    Some(fv(3)?),
-                    fv(4)?,
-                    norm,
+                    out()?,
+                    [fv(0)?, fv(1)?, fv(2)?, fv(3)?, fv(4)?],
+                    rows(0),
+                    &p.geom,
+                    p.param,
                 )?;
-                norm_affine(out()?, x, coef, r, norm)?;
             }
-        } else if let Some(BatchNormInferenceBackwardInput(norm)) =
-            op.downcast_ref::<BatchNormInferenceBackwardInput>()
-        {
-            // inputs: gamma, var, dy; dx = dy · gamma / sqrt(var + eps)
-            let r = rows(2);
-            if r > 0 {
-                let coef = self.workspace(lane, 2 * norm.channels)?;
-                launcher.batch_norm_inference_coef(
-                    stream,
-                    coef,
-                    fv(0)?,
-                    None,
-                    None,
-                    fv(1)?,
-                    norm,
-                )?;
-                norm_affine(out()?, fv(2)?, coef, r, norm)?;
+            ramus_core::elementwise_op!()
+            | Op::MatMul(_)
+            | Op::RowMatMul(_)
+            | Op::Concat(_)
+            | Op::Slice(_)
+            | Op::Pad(_)
+            | Op::SumChildren(_)
+            | Op::ExpandChildren(_)
+            | Op::SumRows(_)
+            | Op::BroadcastRows(_)
+            | Op::Reshape(_)
+            | Op::Embedding(_)
+            | Op::EmbeddingUnk(_)
+            | Op::EmbeddingUnkBackward(_)
+            | Op::SoftmaxXent(_)
+            | Op::SoftmaxXentBackward(_) => {
+                return Err(model_err(format!(
+                    "op `{}` (node %{n}) is not an image op",
+                    op.signature()
+                )))
             }
-        } else if let Some(p) = op.downcast_ref::<BatchNormInferenceBackwardParam>() {
-            // inputs: x, gamma, mean, var, dy
-            launcher.batch_norm_inference_param(
-                stream,
-                out()?,
-                [fv(0)?, fv(1)?, fv(2)?, fv(3)?, fv(4)?],
-                rows(0),
-                &p.geom,
-                p.param,
-            )?;
-        } else {
-            return Ok(false);
         }
-        Ok(true)
+        Ok(())
     }
 
     /// `len` floats of `lane`'s scratch memory, valid until the next op on

@@ -2,17 +2,14 @@
 //! range (eager, per task, lazy), fused elementwise groups, GEMMs and the
 //! built-in ops, each on the rows' buffer views.
 
-use std::any::Any;
 use std::collections::HashMap;
 
 use cudarc::driver::CudaFunction;
 
 use ramus_core::fusion::{FusedGroup, InputKind, SliceView};
 use ramus_core::graph::{Graph, NodeId, NodeKind, Source, Space};
-use ramus_core::ops::{
-    BroadcastRows, Concat, Embedding, EmbeddingUnk, EmbeddingUnkBackward, ExpandChildren, MatMul,
-    Pad, Reshape, RowMatMul, Slice, SoftmaxXent, SoftmaxXentBackward, SumChildren, SumRows,
-};
+use ramus_core::op::OpDef;
+use ramus_core::ops::Op;
 use ramus_exec::Range;
 use ramus_graph::Schedule;
 
@@ -300,9 +297,9 @@ impl CudaEngine {
         c: DeviceView<f32>,
     ) -> Result<()> {
         let node = &g.nodes[n];
-        let mm = node
-            .op_as::<MatMul>()
-            .ok_or_else(|| model_err(format!("%{n} is not a matmul")))?;
+        let Some(Op::MatMul(mm)) = node.op() else {
+            return Err(model_err(format!("%{n} is not a matmul")));
+        };
         let arg = |i: usize| node.inputs[i];
         let (a, b) = (&g.nodes[arg(0)].ty, &g.nodes[arg(1)].ty);
         let rows_of = |space: Space| {
@@ -384,7 +381,6 @@ impl CudaEngine {
         let NodeKind::Op(op) = &node.kind else {
             return Ok(());
         };
-        let any: &dyn Any = op.as_ref();
         let rows_of = |space: Space| {
             let (lo, hi) = range.span(space);
             hi - lo
@@ -396,152 +392,142 @@ impl CudaEngine {
         let in_ty = |i: usize| &g.nodes[arg(i)].ty;
         let need_topo =
             || topo.ok_or_else(|| model_err(format!("{} outside a vertex function", op.name())));
-        if any.downcast_ref::<MatMul>().is_some() {
-            return self.run_matmul(g, n, own, fwd, range, lane, views, None, out()?);
-        }
-        if any.downcast_ref::<Concat>().is_some() {
-            let (o, ow) = (out()?, node.ty.width());
-            let mut start = 0;
-            for i in 0..node.inputs.len() {
-                let w = in_ty(i).width();
-                self.launcher
-                    .copy_columns(&stream, o, ow, start, fv(i)?, w, 0, w, out_rows)?;
-                start += w;
+        match op {
+            Op::MatMul(_) => self.run_matmul(g, n, own, fwd, range, lane, views, None, out()?),
+            Op::Concat(_) => {
+                let (o, ow) = (out()?, node.ty.width());
+                let mut start = 0;
+                for i in 0..node.inputs.len() {
+                    let w = in_ty(i).width();
+                    self.launcher
+                        .copy_columns(&stream, o, ow, start, fv(i)?, w, 0, w, out_rows)?;
+                    start += w;
+                }
+                Ok(())
             }
-            return Ok(());
-        }
-        if let Some(sl) = any.downcast_ref::<Slice>() {
-            let w = in_ty(0).width();
-            return self.launcher.copy_columns(
-                &stream,
-                out()?,
-                sl.len,
-                0,
-                fv(0)?,
-                w,
-                sl.start,
-                sl.len,
-                out_rows,
-            );
-        }
-        if let Some(pad) = any.downcast_ref::<Pad>() {
-            let (o, w) = (out()?, in_ty(0).width());
-            self.launcher.fill(&stream, o, 0.0)?;
-            return self.launcher.copy_columns(
-                &stream,
-                o,
-                pad.total,
-                pad.start,
-                fv(0)?,
-                w,
-                0,
-                w,
-                out_rows,
-            );
-        }
-        if any.downcast_ref::<SumChildren>().is_some() {
-            let t = need_topo()?;
-            let offsets = t.edge_offsets.slice(range.r0..range.r1 + 1)?;
-            let width = node.ty.width();
-            // a viewed slice: the rows of its source, read with a stride
-            let (src, window) = match views.get(&arg(0)) {
-                Some(v) => (
-                    self.float_view(g, v.source, own, fwd, range)?,
-                    (v.stride, v.offset),
-                ),
-                None => (fv(0)?, (width, 0)),
-            };
-            return self.launcher.sum_children(
-                &stream,
-                out()?,
-                src,
-                window,
-                offsets,
-                range.e0,
-                out_rows,
-                width,
-            );
-        }
-        if any.downcast_ref::<ExpandChildren>().is_some() {
-            let t = need_topo()?;
-            let parent = t.edge_parent.slice(range.e0..range.e1)?;
-            return self.launcher.expand_children(
-                &stream,
-                out()?,
-                fv(0)?,
-                parent,
-                range.r0,
-                out_rows,
-                node.ty.width(),
-            );
-        }
-        if let Some(sr) = any.downcast_ref::<SumRows>() {
-            let rows = rows_of(in_ty(0).space);
-            let scale = if sr.mean && rows > 0 {
-                1.0 / rows as f32
-            } else {
-                1.0
-            };
-            return self
-                .launcher
-                .sum_rows(&stream, out()?, fv(0)?, rows, in_ty(0).width(), scale);
-        }
-        if let Some(br) = any.downcast_ref::<BroadcastRows>() {
-            let rows = rows_of(in_ty(1).space);
-            let scale = if br.mean && rows > 0 {
-                1.0 / rows as f32
-            } else {
-                1.0
-            };
-            return self.launcher.broadcast_rows(
-                &stream,
-                out()?,
-                fv(0)?,
-                rows,
-                node.ty.width(),
-                scale,
-            );
-        }
-        if any.downcast_ref::<Reshape>().is_some() {
-            let len = node.ty.width();
-            return self
-                .launcher
-                .copy_columns(&stream, out()?, len, 0, fv(0)?, len, 0, len, 1);
-        }
-        if any.downcast_ref::<Embedding>().is_some() {
-            let table = in_ty(0);
-            let (vocab, h) = (table.shape[0], table.shape[1]);
-            let idx = self.index_view(g, arg(1), own, fwd, range)?;
-            match topo {
-                Some(t) if is_tokens(idx, t, range) => {
-                    if t.max_token as usize >= vocab {
-                        return Err(model_err(format!(
-                            "embedding: token id {} out of range for a table of {vocab} rows",
-                            t.max_token
-                        )));
+            Op::Slice(sl) => {
+                let w = in_ty(0).width();
+                self.launcher.copy_columns(
+                    &stream,
+                    out()?,
+                    sl.len,
+                    0,
+                    fv(0)?,
+                    w,
+                    sl.start,
+                    sl.len,
+                    out_rows,
+                )
+            }
+            Op::Pad(pad) => {
+                let (o, w) = (out()?, in_ty(0).width());
+                self.launcher.fill(&stream, o, 0.0)?;
+                self.launcher.copy_columns(
+                    &stream,
+                    o,
+                    pad.total,
+                    pad.start,
+                    fv(0)?,
+                    w,
+                    0,
+                    w,
+                    out_rows,
+                )
+            }
+            Op::SumChildren(_) => {
+                let t = need_topo()?;
+                let offsets = t.edge_offsets.slice(range.r0..range.r1 + 1)?;
+                let width = node.ty.width();
+                // a viewed slice: the rows of its source, read with a stride
+                let (src, window) = match views.get(&arg(0)) {
+                    Some(v) => (
+                        self.float_view(g, v.source, own, fwd, range)?,
+                        (v.stride, v.offset),
+                    ),
+                    None => (fv(0)?, (width, 0)),
+                };
+                self.launcher.sum_children(
+                    &stream,
+                    out()?,
+                    src,
+                    window,
+                    offsets,
+                    range.e0,
+                    out_rows,
+                    width,
+                )
+            }
+            Op::ExpandChildren(_) => {
+                let t = need_topo()?;
+                let parent = t.edge_parent.slice(range.e0..range.e1)?;
+                self.launcher.expand_children(
+                    &stream,
+                    out()?,
+                    fv(0)?,
+                    parent,
+                    range.r0,
+                    out_rows,
+                    node.ty.width(),
+                )
+            }
+            Op::SumRows(sr) => {
+                let rows = rows_of(in_ty(0).space);
+                let scale = if sr.mean && rows > 0 {
+                    1.0 / rows as f32
+                } else {
+                    1.0
+                };
+                self.launcher
+                    .sum_rows(&stream, out()?, fv(0)?, rows, in_ty(0).width(), scale)
+            }
+            Op::BroadcastRows(br) => {
+                let rows = rows_of(in_ty(1).space);
+                let scale = if br.mean && rows > 0 {
+                    1.0 / rows as f32
+                } else {
+                    1.0
+                };
+                self.launcher
+                    .broadcast_rows(&stream, out()?, fv(0)?, rows, node.ty.width(), scale)
+            }
+            Op::Reshape(_) => {
+                let len = node.ty.width();
+                self.launcher
+                    .copy_columns(&stream, out()?, len, 0, fv(0)?, len, 0, len, 1)
+            }
+            Op::Embedding(_) => {
+                let table = in_ty(0);
+                let (vocab, h) = (table.shape[0], table.shape[1]);
+                let idx = self.index_view(g, arg(1), own, fwd, range)?;
+                match topo {
+                    Some(t) if is_tokens(idx, t, range) => {
+                        if t.max_token as usize >= vocab {
+                            return Err(model_err(format!(
+                                "embedding: token id {} out of range for a table of {vocab} rows",
+                                t.max_token
+                            )));
+                        }
+                    }
+                    _ => {
+                        return Err(model_err(
+                            "embedding: the CUDA engine looks up rows by the vertex tokens only",
+                        ))
                     }
                 }
-                _ => {
-                    return Err(model_err(
-                        "embedding: the CUDA engine looks up rows by the vertex tokens only",
-                    ))
-                }
+                self.launcher.move_rows(
+                    &stream,
+                    &[RowMove {
+                        dst: out()?,
+                        src: fv(0)?,
+                        dst_rows: None,
+                        src_rows: Some(idx),
+                        rows: out_rows,
+                        width: h,
+                        accumulate: false,
+                    }],
+                )
             }
-            return self.launcher.move_rows(
-                &stream,
-                &[RowMove {
-                    dst: out()?,
-                    src: fv(0)?,
-                    dst_rows: None,
-                    src_rows: Some(idx),
-                    rows: out_rows,
-                    width: h,
-                    accumulate: false,
-                }],
-            );
-        }
-        if let Some(product) = any.downcast_ref::<RowMatMul>() {
-            return self.launcher.row_matmul(
+            Op::RowMatMul(product) => self.launcher.row_matmul(
                 &stream,
                 out()?,
                 fv(0)?,
@@ -550,55 +536,49 @@ impl CudaEngine {
                 in_ty(1).is_rows(),
                 out_rows,
                 product,
-            );
-        }
-        let unk_forward = any.downcast_ref::<EmbeddingUnk>().is_some();
-        let unk_backward = any.downcast_ref::<EmbeddingUnkBackward>();
-        if unk_forward || unk_backward.is_some() {
-            let tokens = self.index_view(g, arg(1), own, fwd, range)?;
-            let (table_rows, width) = match unk_backward {
-                Some(b) => (b.rows, in_ty(0).width()),
-                None => (in_ty(0).shape[0], in_ty(0).shape[1]),
-            };
-            let rows = rows_of(in_ty(1).space);
-            return self.launcher.embedding_unk(
-                &stream,
-                out()?,
-                fv(0)?,
-                tokens,
-                rows,
-                table_rows,
-                width,
-                unk_backward.is_some(),
-            );
-        }
-        let xent = any.downcast_ref::<SoftmaxXent>().is_some();
-        if xent || any.downcast_ref::<SoftmaxXentBackward>().is_some() {
-            let classes = in_ty(0).width();
-            if self.state.max_label as usize >= classes {
-                return Err(model_err(format!(
-                    "softmax_xent: label {} out of range for {classes} classes",
-                    self.state.max_label
-                )));
+            ),
+            Op::EmbeddingUnk(_) | Op::EmbeddingUnkBackward(_) => {
+                let unk_backward = match op {
+                    Op::EmbeddingUnkBackward(b) => Some(b),
+                    _ => None,
+                };
+                let tokens = self.index_view(g, arg(1), own, fwd, range)?;
+                let (table_rows, width) = match unk_backward {
+                    Some(b) => (b.rows, in_ty(0).width()),
+                    None => (in_ty(0).shape[0], in_ty(0).shape[1]),
+                };
+                let rows = rows_of(in_ty(1).space);
+                self.launcher.embedding_unk(
+                    &stream,
+                    out()?,
+                    fv(0)?,
+                    tokens,
+                    rows,
+                    table_rows,
+                    width,
+                    unk_backward.is_some(),
+                )
             }
-            let labels = self.index_view(g, arg(1), own, fwd, range)?;
-            let up = if xent { None } else { Some(fv(2)?) };
-            return self.launcher.softmax_xent(
-                &stream,
-                out()?,
-                fv(0)?,
-                labels,
-                up,
-                out_rows,
-                classes,
-            );
+            Op::SoftmaxXent(_) | Op::SoftmaxXentBackward(_) => {
+                let xent = matches!(op, Op::SoftmaxXent(_));
+                let classes = in_ty(0).width();
+                if self.state.max_label as usize >= classes {
+                    return Err(model_err(format!(
+                        "softmax_xent: label {} out of range for {classes} classes",
+                        self.state.max_label
+                    )));
+                }
+                let labels = self.index_view(g, arg(1), own, fwd, range)?;
+                let up = if xent { None } else { Some(fv(2)?) };
+                self.launcher
+                    .softmax_xent(&stream, out()?, fv(0)?, labels, up, out_rows, classes)
+            }
+            ramus_core::image_op!() => self.run_cnn_op(op, g, n, own, fwd, range, lane),
+            // elementwise ops run inside fused groups (`Program`), never alone
+            ramus_core::elementwise_op!() => Err(model_err(format!(
+                "op `{}` (node %{n}) has no CUDA implementation",
+                op.signature()
+            ))),
         }
-        if self.run_cnn_op(any, g, n, own, fwd, range, lane)? {
-            return Ok(());
-        }
-        Err(model_err(format!(
-            "op `{}` (node %{n}) has no CUDA implementation",
-            op.signature()
-        )))
     }
 }

@@ -19,6 +19,38 @@ mod unroll;
 pub use engine::{PersistentEngine, PersistentOptions, PersistentStep, HOST_PRODUCT_ITEMS};
 pub use train::{prepared_ahead, PersistentTrainer};
 
+/// Whether the persistent engine runs `model`, without a device: its
+/// program builds and every op it runs alone has an instruction
+/// ([`unroll::instruction_support`]). `Err` names the model, the graph,
+/// the node and the op.
+pub fn support(model: &ramus_core::Model) -> Result<()> {
+    use ramus_core::OpDef;
+    program::PersistentProgram::build(model)?;
+    let head = [
+        ("head", &model.head.forward),
+        ("head backward", &model.head.backward),
+    ];
+    let functions = model.functions.iter().flat_map(|f| {
+        [
+            (f.name.as_str(), &f.forward),
+            (f.name.as_str(), &f.backward),
+        ]
+    });
+    for (label, g) in functions.chain(head) {
+        for (n, node) in g.nodes.iter().enumerate() {
+            let Some(op) = node.op() else { continue };
+            if let Err(why) = unroll::instruction_support(op) {
+                return Err(CudaError::Model(format!(
+                    "model `{}`: op `{}` (node %{n} of {label}) {why}",
+                    model.name,
+                    op.signature()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 use std::sync::Arc;
 use std::time::Instant;
 

@@ -9,7 +9,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use ramus_codegen::fused::FusedSource;
 use ramus_core::fusion::{self, InputKind, Step};
 use ramus_core::graph::{Graph, NodeId, NodeKind, Role, Source};
-use ramus_core::ops::{MatMul, Slice, SumChildren};
+use ramus_core::op::OpDef;
+use ramus_core::ops::Op;
 use ramus_core::vpps::MatrixSpec;
 use ramus_core::Model;
 
@@ -415,7 +416,7 @@ impl PersistentProgram {
 fn persistent_keep(forward: &Graph, backward: &Graph) -> BTreeSet<NodeId> {
     let mut keep = fusion::forward_reads(backward);
     keep.retain(|&m| {
-        if forward.nodes[m].op_as::<Slice>().is_none() {
+        if !matches!(forward.nodes[m].op(), Some(Op::Slice(_))) {
             return true;
         }
         let read_in_place = |input: NodeId| {
@@ -430,8 +431,7 @@ fn persistent_keep(forward: &Graph, backward: &Graph) -> BTreeSet<NodeId> {
                         node.ty.space == ty.space && node.ty.width() == ty.width()
                     }
                     Some(_) => {
-                        node.op_as::<MatMul>().is_some()
-                            && fusion::reads_in_place(backward, u, input, false)
+                        node.matmul().is_some() && fusion::reads_in_place(backward, u, input, false)
                     }
                     None => false,
                 })
@@ -518,13 +518,15 @@ fn sums_of_gathered_states(g: &Graph, plan: &PlannedGraph) -> BTreeMap<NodeId, u
     let gathered = |x: NodeId| matches!(g.nodes[x].kind, NodeKind::Input(Source::GatherAll));
     stepped
         .into_iter()
-        .filter(|&n| g.nodes[n].op_as::<SumChildren>().is_some())
+        .filter(|&n| g.nodes[n].op().is_some_and(Op::is_child_sum))
         .filter_map(|n| {
             let x = *g.nodes[n].inputs.first()?;
             if gathered(x) {
                 return Some((n, 0));
             }
-            let slice = g.nodes[x].op_as::<Slice>()?;
+            let Some(Op::Slice(slice)) = g.nodes[x].op() else {
+                return None;
+            };
             gathered(*g.nodes[x].inputs.first()?).then_some((n, slice.start))
         })
         .collect()
@@ -542,18 +544,16 @@ fn vertex_bound_edges(
     plan: &PlannedGraph,
     epilogues: &HashMap<NodeId, (NodeId, NodeId)>,
 ) -> Vec<bool> {
-    use ramus_core::ops::SumChildren;
     let mut bound = vec![false; g.nodes.len()];
     for node in &g.nodes {
-        if node.op_as::<SumChildren>().is_some() {
+        if node.op().is_some_and(Op::is_child_sum) {
             if let Some(&x) = node.inputs.first() {
                 bound[x] = true;
             }
         }
     }
-    let is_product = |x: NodeId| {
-        g.nodes[x].op_as::<MatMul>().is_some() || epilogues.values().any(|&(add, _)| add == x)
-    };
+    let is_product =
+        |x: NodeId| g.nodes[x].matmul().is_some() || epilogues.values().any(|&(add, _)| add == x);
     for phase in &plan.phases {
         for step in &phase.steps {
             let Step::Fused(group) = step else { continue };
@@ -586,9 +586,7 @@ fn forward_product_writes(
 ) -> Vec<bool> {
     let mut writes = vec![false; g.nodes.len()];
     for (n, node) in g.nodes.iter().enumerate() {
-        let product = node
-            .op_as::<MatMul>()
-            .is_some_and(|mm| mm.trans_b && !mm.trans_a)
+        let product = node.matmul().is_some_and(|mm| mm.trans_b && !mm.trans_a)
             && matches!(
                 node.inputs.get(1).map(|&w| &g.nodes[w].kind),
                 Some(NodeKind::Param(p)) if cached[*p].is_some()
@@ -644,7 +642,7 @@ fn cached_matrices(model: &Model) -> Result<(Vec<Option<u16>>, Vec<MatrixSpec>)>
                 let NodeKind::Param(p) = g.nodes[x].kind else {
                     continue;
                 };
-                let as_weight = node.op_as::<MatMul>().is_some_and(|mm| {
+                let as_weight = node.matmul().is_some_and(|mm| {
                     i == 1 && !mm.trans_a && g.nodes[node.inputs[0]].ty.is_rows()
                 });
                 if as_weight {
@@ -657,7 +655,7 @@ fn cached_matrices(model: &Model) -> Result<(Vec<Option<u16>>, Vec<MatrixSpec>)>
         for o in &g.outputs {
             if let Role::ParamGrad(p) = o.role {
                 let from_product = g.nodes[o.node]
-                    .op_as::<MatMul>()
+                    .matmul()
                     .is_some_and(|mm| mm.trans_a && !mm.trans_b);
                 if !from_product {
                     other_use[p] = true;
@@ -749,7 +747,7 @@ fn bias_epilogues(
         for step in &phase.steps {
             let Step::Fused(group) = step else { continue };
             let [add] = group.nodes[..] else { continue };
-            if g.nodes[add].op_as::<ramus_core::ops::Add>().is_none()
+            if !matches!(g.nodes[add].op(), Some(Op::Add(_)))
                 || group.outputs != [add]
                 || !group.concat_writes.is_empty()
             {
@@ -761,7 +759,7 @@ fn bias_epilogues(
                 (InputKind::Broadcast, InputKind::PerElement) => (i1.node, i0.node),
                 _ => continue,
             };
-            let weight_cached = g.nodes[product].op_as::<MatMul>().is_some_and(|mm| {
+            let weight_cached = g.nodes[product].matmul().is_some_and(|mm| {
                 !mm.trans_a
                     && mm.trans_b
                     && matches!(g.nodes[g.nodes[product].inputs[1]].kind,

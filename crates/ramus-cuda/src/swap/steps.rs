@@ -41,8 +41,6 @@ mod types;
 
 pub(crate) use types::{GraphRef, Kind, Piece, Rows, Segment, Shape, SwapOp, SwapProgram, Words};
 
-use std::any::Any;
-
 use ramus_core::graph::{NodeId, NodeKind, Role, Source};
 use ramus_core::{HeadRows, Model};
 use ramus_exec::OptimizerKind;
@@ -306,9 +304,8 @@ impl Builder<'_> {
         for (index, step) in prog.phases[phase].iter().enumerate() {
             if let PlannedStep::Op(n) = &step.step {
                 if let NodeKind::Op(op) = &g.nodes[*n].kind {
-                    let any: &dyn Any = op.as_ref();
                     self.workspace_floats = self.workspace_floats.max(cnn_workspace_floats(
-                        any,
+                        op,
                         count,
                         self.conv_workspace,
                     ));

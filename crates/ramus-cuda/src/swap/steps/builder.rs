@@ -6,6 +6,7 @@
 use std::collections::{HashMap, HashSet};
 
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, Role, Source, Space};
+use ramus_core::op::OpDef;
 use ramus_core::Model;
 use ramus_swap::{Phase, TensorId, TensorKind, TraceBuilder};
 

@@ -38,6 +38,7 @@
 use std::collections::BTreeMap;
 
 use ramus_core::graph::{Graph, NodeId, NodeKind, Role, Source};
+use ramus_core::op::OpDef;
 use ramus_core::{HeadRows, Model};
 use ramus_graph::Schedule;
 use ramus_swap::{Phase, TensorId};

@@ -1,0 +1,88 @@
+//! `ramus inspect --support` against the engines themselves: what the
+//! table says an engine refuses, the engine refuses when built (CPU
+//! compiled), or refuses before it needs a device (CUDA compiled: its
+//! cells lower first); what it says an engine runs, the engine accepts.
+
+mod common;
+
+use common::*;
+use ramus_core::Params;
+use ramus_nn::{build_model, ModelConfig};
+
+/// The table's cell for `model` under the column `engine`.
+fn cell(table: &str, model: &str, engine: &str) -> String {
+    let mut lines = table.lines();
+    let header = lines.next().expect("a header line");
+    let columns: Vec<&str> = header
+        .split("  ")
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .collect();
+    let col = columns
+        .iter()
+        .position(|&c| c == engine)
+        .unwrap_or_else(|| panic!("no column `{engine}` in {header}"));
+    let row = lines
+        .find(|l| l.split_whitespace().next() == Some(model))
+        .unwrap_or_else(|| panic!("no row for `{model}`:\n{table}"));
+    let cells: Vec<&str> = row
+        .split("  ")
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .collect();
+    cells[col].to_string()
+}
+
+fn tree_model(name: &str) -> ramus_core::Model {
+    let cfg = ModelConfig {
+        vocab: 100,
+        hidden: 8,
+        classes: 5,
+    };
+    build_model(name, &cfg).unwrap()
+}
+
+#[test]
+fn support_table_matches_the_engines() {
+    let o = ramus_ok(&["inspect", "--support"]);
+    let table = stdout(&o);
+    // a child-sum Tree-LSTM runs everywhere
+    for engine in [
+        "cpu batched",
+        "cpu compiled",
+        "cuda batched",
+        "cuda compiled",
+        "cuda persistent",
+        "swap",
+    ] {
+        assert_eq!(cell(&table, "treelstm", engine), "yes", "{table}");
+    }
+    // a reason is printed for every refusal
+    let no = cell(&table, "bilstm-tagger", "cpu compiled");
+    assert!(no.starts_with("no ("), "{table}");
+    assert!(table.contains("bilstm-tagger on cpu compiled:"), "{table}");
+    assert!(cell(&table, "alexnet", "cuda persistent").starts_with("no ("));
+    assert!(table.contains("(an image op)"), "{table}");
+
+    // the CPU compiled engine: refuses the tagger, builds the Tree-LSTM
+    let tagger = tree_model("bilstm-tagger");
+    let params = Params::init(&tagger, 0);
+    let err = ramus_cpu::compiled::CpuCompiledEngine::new(&tagger, &params, false)
+        .err()
+        .expect("the CPU compiled engine refuses bilstm-tagger")
+        .to_string();
+    assert!(table.contains(&err), "engine said `{err}`, table:\n{table}");
+    let tree = tree_model("treelstm");
+    assert!(
+        ramus_cpu::compiled::CpuCompiledEngine::new(&tree, &Params::init(&tree, 0), false).is_ok()
+    );
+
+    // the CUDA compiled engine lowers before it opens a device: its refusal
+    // of the tagger is the table's reason with or without a GPU
+    let options = ramus_cuda::compiled::CompiledOptions::default();
+    let err = ramus_cuda::compiled::CompiledEngine::new(&tagger, &params, &options)
+        .err()
+        .expect("the CUDA compiled engine refuses bilstm-tagger")
+        .to_string();
+    assert!(table.contains(&err), "engine said `{err}`, table:\n{table}");
+}
