@@ -54,6 +54,8 @@ mod resume;
 mod swap;
 mod train;
 
+pub use train::CudaTrainer;
+
 pub(crate) use cnn::cnn_workspace_floats;
 
 /// How to set up a [`CudaEngine`].
