@@ -66,10 +66,12 @@ pub fn engine_for_nonfinite(
         return Ok(choice);
     }
     match choice {
-        TrainEngineChoice::Persistent => Err("--on-nonfinite skip-batch: the persistent engine applies \
+        TrainEngineChoice::Persistent => {
+            Err("--on-nonfinite skip-batch: the persistent engine applies \
              each update inside its training kernel and cannot skip a batch; use \
              --on-nonfinite stop or --engine batched"
-            .into()),
+                .into())
+        }
         TrainEngineChoice::Auto => Ok(TrainEngineChoice::Batched),
         TrainEngineChoice::Batched => Ok(TrainEngineChoice::Batched),
     }
@@ -93,7 +95,9 @@ pub fn training_engine(
     }
     if run.device != Device::Cuda {
         return match choice {
-            TrainEngineChoice::Persistent => Err("--engine persistent runs on --device cuda".into()),
+            TrainEngineChoice::Persistent => {
+                Err("--engine persistent runs on --device cuda".into())
+            }
             _ => Ok(None),
         };
     }

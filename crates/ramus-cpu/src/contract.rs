@@ -8,8 +8,8 @@
 use ramus_core::{HeadRows, Model, Params, Real};
 use ramus_exec::nonfinite::first_nonfinite;
 use ramus_exec::{
-    step_outcome, Batch, ExecError, ForwardOutput, HostState, Mode, NonFiniteStep,
-    OptimizerConfig, Result, StepOutcome, TrainEngine, TrainState,
+    step_outcome, Batch, ExecError, ForwardOutput, HostState, Mode, NonFiniteStep, OptimizerConfig,
+    Result, StepOutcome, TrainEngine, TrainState,
 };
 
 use crate::engine::CpuEngine;

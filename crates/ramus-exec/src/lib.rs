@@ -48,9 +48,7 @@ pub mod nonfinite;
 pub mod optim;
 
 pub use batch::{fill_dropout_mask, pulled_values, Batch, ForwardOutput, Mode, Range};
-pub use engine::{
-    step_outcome, steps_in_flight, HostState, StepOutcome, TrainEngine, TrainState,
-};
+pub use engine::{step_outcome, steps_in_flight, HostState, StepOutcome, TrainEngine, TrainState};
 pub use error::{ExecError, Result, Setting};
 pub use nonfinite::{NonFiniteFault, NonFiniteParam, NonFiniteStep, OnNonFinite, TensorPart};
 pub use optim::{Optimizer, OptimizerConfig, OptimizerKind};

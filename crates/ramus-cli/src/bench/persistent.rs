@@ -41,7 +41,12 @@ pub fn run(
             Some(engine) => engine,
             None => {
                 let engine = cuda_engine(model, a.device_memory_budget)?;
-                batched.insert(CudaTrainer::new(engine, model.clone(), params.clone(), config)?)
+                batched.insert(CudaTrainer::new(
+                    engine,
+                    model.clone(),
+                    params.clone(),
+                    config,
+                )?)
             }
         };
         let batch: Vec<&InputGraph> = trees[..bs].iter().collect();

@@ -171,7 +171,9 @@ impl TrainEngine<f32> for PersistentTrainer {
             Some(params) => params,
             None => self.engine.params(&self.model).map_err(exec_err)?,
         };
-        let out = self.eval.forward_rows(&self.model, &params, batch, mode, rows);
+        let out = self
+            .eval
+            .forward_rows(&self.model, &params, batch, mode, rows);
         self.evaluated = Some(params);
         Ok(out?)
     }
