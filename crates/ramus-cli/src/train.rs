@@ -16,7 +16,7 @@ use std::time::Instant;
 use indicatif::{ProgressBar, ProgressStyle};
 use ramus_core::{Model, Params};
 use ramus_exec::nonfinite::first_nonfinite;
-use ramus_exec::{OnNonFinite, OptimizerConfig, OptimizerKind, TrainState};
+use ramus_exec::{OnNonFinite, Optimizer, OptimizerConfig, OptimizerKind, TrainState};
 use ramus_graph::BatchingPolicy;
 use ramus_nn::resume::{self, Best, RunState};
 use ramus_nn::train::{shuffled_order, Pauses, Span, SpanEnd};
@@ -281,18 +281,7 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
     trainer.policy = policy;
     trainer.on_nonfinite = a.on_nonfinite;
     trainer.check_nonfinite_policy()?;
-    match restored {
-        // the checkpoint's parameters, optimizer state and dropout stream
-        Some(optimizer) => {
-            let state = trainer.state()?;
-            trainer.engine.restore(TrainState {
-                optimizer,
-                dropout: run.dropout.clone(),
-                ..state
-            })?;
-        }
-        None => trainer.engine.set_seed(a.seed),
-    }
+    start(&mut trainer, a.seed, restored.map(|o| (o, &run)))?;
     logln!(
         "model: {} hidden {} | optimizer {} lr {} | batch {} | engine {} ({} host threads){}",
         a.model,
@@ -314,6 +303,27 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
         run,
         best,
     })
+}
+
+/// Starts `trainer`'s dropout stream from `seed`, or, resumed, makes the
+/// checkpoint's optimizer state and the run's dropout stream its own.
+fn start(
+    trainer: &mut Trainer<f32>,
+    seed: u64,
+    resumed: Option<(Optimizer<f32>, &RunState)>,
+) -> AnyResult {
+    match resumed {
+        Some((optimizer, run)) => {
+            let state = trainer.state()?;
+            trainer.engine.restore(TrainState {
+                optimizer,
+                dropout: run.dropout.clone(),
+                ..state
+            })?;
+        }
+        None => trainer.engine.set_seed(seed),
+    }
+    Ok(())
 }
 
 /// SIGINT / SIGTERM ask the run to stop at the next batch boundary; a

@@ -221,3 +221,36 @@ fn windowed_engines_train_as_one_batch_at_a_time() {
     let (p1, p2) = (plain.state().unwrap(), windowed.state().unwrap());
     assert_eq!(p1.params.values, p2.params.values);
 }
+
+/// `state()` reads back what `restore()` takes: a trainer restored from
+/// another's state trains on exactly as it does (parameters, optimizer
+/// moments and step count, dropout stream); a state for another model or
+/// another kind of update is refused, naming what differs.
+#[test]
+fn restored_state_trains_on_exactly_and_misfits_are_refused() {
+    let (train, _, vocab) = treebank(24, 1);
+    let graphs: Vec<&InputGraph> = train.iter().collect();
+    let mut a = trainer("treelstm", vocab.len(), 8, 5, OptimizerKind::Adam, 0.05);
+    a.engine.set_seed(4);
+    a.train_batch(&graphs[..8]).unwrap();
+    let mut b = trainer("treelstm", vocab.len(), 8, 5, OptimizerKind::Adam, 0.05);
+    b.engine.restore(a.state().unwrap()).unwrap();
+    for chunk in graphs[8..].chunks(8) {
+        assert_eq!(a.train_batch(chunk).unwrap(), b.train_batch(chunk).unwrap());
+    }
+    let (sa, sb) = (a.state().unwrap(), b.state().unwrap());
+    assert_eq!(sa.params.values, sb.params.values);
+    assert_eq!(sa.optimizer, sb.optimizer);
+    assert_eq!(sa.optimizer.steps(), 3);
+    assert_eq!(sa.dropout, sb.dropout);
+
+    let mut wider = trainer("treelstm", vocab.len(), 16, 5, OptimizerKind::Adam, 0.05);
+    let err = wider.engine.restore(sa.clone()).unwrap_err().to_string();
+    assert!(
+        err.contains("restored parameter `emb`") && err.contains(", 8]") && err.contains(", 16]"),
+        "{err}"
+    );
+    let mut sgd = trainer("treelstm", vocab.len(), 8, 5, OptimizerKind::Sgd, 0.05);
+    let err = sgd.engine.restore(sa).unwrap_err().to_string();
+    assert!(err.contains("Adam") && err.contains("Sgd"), "{err}");
+}

@@ -7,7 +7,7 @@ use ramus_core::{Model, Params};
 use ramus_cuda::persistent::{prepared_ahead, PersistentEngine, PersistentOptions, PersistentStep};
 use ramus_cuda::CudaTrainer;
 use ramus_exec::Batch;
-use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine};
+use ramus_exec::{ExecError, OptimizerConfig, OptimizerKind, TrainEngine};
 use ramus_graph::{BatchingPolicy, InputGraph};
 
 use super::{median_time, run_anchor, AnyResult, BenchArgs};
@@ -16,6 +16,23 @@ use crate::device::{cuda_engine, Device};
 use crate::limits::Inference;
 use crate::output::outln;
 use ramus_exec::memory::{DeviceNeed, Pass};
+
+/// The batched engine the persistent one is compared with, training
+/// `params` with `config`.
+fn batched_trainer(
+    a: &BenchArgs,
+    model: &Model,
+    params: &Params<f32>,
+    config: OptimizerConfig,
+) -> AnyResult<CudaTrainer> {
+    let engine = cuda_engine(model, a.device_memory_budget)?;
+    Ok(CudaTrainer::new(
+        engine,
+        model.clone(),
+        params.clone(),
+        config,
+    )?)
+}
 
 pub fn run(
     a: &BenchArgs,
@@ -39,15 +56,7 @@ pub fn run(
         let mut persistent = tuned_engine(a, model, params, config, &trees[..bs])?;
         let batched = match &mut batched {
             Some(engine) => engine,
-            None => {
-                let engine = cuda_engine(model, a.device_memory_budget)?;
-                batched.insert(CudaTrainer::new(
-                    engine,
-                    model.clone(),
-                    params.clone(),
-                    config,
-                )?)
-            }
+            None => batched.insert(batched_trainer(a, model, params, config)?),
         };
         let batch: Vec<&InputGraph> = trees[..bs].iter().collect();
         let nodes: usize = batch.iter().map(|g| g.len()).sum();
@@ -105,10 +114,8 @@ pub fn run(
             .map(|s| (s * 1e6).round() / 1e3);
         let batched_train = median_time(a.reps, || {
             let b = Batch::new(model, batch.clone(), BatchingPolicy::Cavs)?;
-            for earlier in batched.submit(std::slice::from_ref(&b))? {
-                earlier.map_err(ramus_exec::ExecError::from)?;
-            }
-            Ok(())
+            let mut earlier = batched.submit(std::slice::from_ref(&b))?.into_iter();
+            Ok(earlier.try_for_each(|o| o.map(drop).map_err(ExecError::from))?)
         })?;
         for outcome in batched.finish()? {
             outcome.map_err(ramus_exec::ExecError::from)?;
