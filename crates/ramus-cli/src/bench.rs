@@ -7,12 +7,12 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
-use ramus_core::{Grads, Model, Params};
-use ramus_cpu::CpuEngine;
-use ramus_cuda::CudaEngine;
+use ramus_core::{Model, Params};
+use ramus_cpu::{CpuEngine, CpuTrainer};
+use ramus_cuda::CudaTrainer;
 use ramus_exec::memory::Pass;
 use ramus_exec::{Batch, Mode};
-use ramus_exec::{Engine, Optimizer, OptimizerConfig, OptimizerKind};
+use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine};
 use ramus_graph::{random, BatchingPolicy, InputGraph, Vocab, VocabMode};
 use ramus_nn::{build_model, build_sequence_model, DataKind, ModelConfig, ModelOptions};
 
@@ -170,12 +170,12 @@ impl RecursionFlags {
 
 /// The engine under test, with what only one kind reports.
 enum BenchEngine {
-    Cpu(Box<CpuEngine<f32>>),
-    Cuda(Box<CudaEngine>),
+    Cpu(Box<CpuTrainer<f32>>),
+    Cuda(Box<CudaTrainer>),
 }
 
 impl BenchEngine {
-    fn engine(&mut self) -> &mut dyn Engine<f32> {
+    fn engine(&mut self) -> &mut dyn TrainEngine<f32> {
         match self {
             BenchEngine::Cpu(e) => e.as_mut(),
             BenchEngine::Cuda(e) => e.as_mut(),
@@ -185,18 +185,23 @@ impl BenchEngine {
     fn launches(&self) -> Option<u64> {
         match self {
             BenchEngine::Cpu(_) => None,
-            BenchEngine::Cuda(e) => Some(e.launches()),
+            BenchEngine::Cuda(e) => Some(e.engine().launches()),
         }
     }
 }
 
-/// Builds the engine; the CPU one gets per-token leaf tables (Cortex's
-/// leaf specialisation and hoisting for fixed parameters), whose build
-/// time is returned.
+/// The optimizer the batched engine trains with in a benchmark.
+fn bench_optimizer() -> OptimizerConfig {
+    OptimizerConfig::new(OptimizerKind::Sgd, 0.05)
+}
+
+/// Builds the engine, training `params` with `config`; the CPU one gets
+/// per-token leaf tables (Cortex's leaf specialisation and hoisting for
+/// fixed parameters), whose build time is returned.
 fn bench_engine(
     a: &BenchArgs,
     model: &Model,
-    params: &Params<f32>,
+    (params, config): (Params<f32>, OptimizerConfig),
     vocab: usize,
 ) -> AnyResult<(BenchEngine, Option<f64>)> {
     Ok(match a.device {
@@ -207,11 +212,10 @@ fn bench_engine(
             let mut engine = CpuEngine::<f32>::new();
             engine.use_token_tables(Some(vocab));
             let t = Instant::now();
-            engine.prepare_token_tables(model, params)?;
-            (
-                BenchEngine::Cpu(Box::new(engine)),
-                Some(t.elapsed().as_secs_f64() * 1e3),
-            )
+            engine.prepare_token_tables(model, &params)?;
+            let table_ms = t.elapsed().as_secs_f64() * 1e3;
+            let trainer = CpuTrainer::with_engine(engine, model.clone(), params, config);
+            (BenchEngine::Cpu(Box::new(trainer)), Some(table_ms))
         }
         Device::Cuda => {
             let engine = device::cuda_engine(model, a.device_memory_budget)?;
@@ -225,7 +229,8 @@ fn bench_engine(
                     })
                 )?;
             }
-            (BenchEngine::Cuda(Box::new(engine)), None)
+            let trainer = CudaTrainer::new(engine, model.clone(), params, config)?;
+            (BenchEngine::Cuda(Box::new(trainer)), None)
         }
     })
 }
@@ -419,7 +424,7 @@ pub fn run(a: BenchArgs) -> AnyResult {
         .into());
     }
     let need = bench_need(&a, &model, &inputs, &sizes, vocab)?;
-    let mut params = Params::<f32>::init(&model, 0);
+    let params = Params::<f32>::init(&model, 0);
     if let Some(profiled) = a.profile_inputs {
         return traffic::run(&a, profiled, &model, &params, &inputs, &sizes);
     }
@@ -434,15 +439,13 @@ pub fn run(a: BenchArgs) -> AnyResult {
             .into())
         }
     }
-    let mut opt = Optimizer::new(OptimizerConfig::new(OptimizerKind::Sgd, 0.05), &params);
-    let mut grads = Grads::zeros(&model);
-    let (mut engine, table_ms) = bench_engine(&a, &model, &params, vocab)?;
+    let (mut engine, table_ms) = bench_engine(&a, &model, (params, bench_optimizer()), vocab)?;
     if let BenchEngine::Cuda(e) = &engine {
         need.check_device(e.as_ref(), a.device_memory_budget)?;
     }
     let device_name = match &engine {
         BenchEngine::Cpu(_) => "cpu".to_string(),
-        BenchEngine::Cuda(e) => e.device().name().to_string(),
+        BenchEngine::Cuda(e) => e.engine().device().name().to_string(),
     };
     let mut results = Vec::new();
     for &bs in &sizes {
@@ -451,11 +454,11 @@ pub fn run(a: BenchArgs) -> AnyResult {
         let before = engine.launches();
         let infer = median_time(a.reps, || {
             let b = Batch::new(&model, batch.clone(), policy)?;
-            engine.engine().forward(&model, &params, &b, Mode::Infer)?;
+            engine.engine().forward(&b, Mode::Infer)?;
             Ok(())
         })?;
         let enqueue_ms = match &engine {
-            BenchEngine::Cuda(e) => Some((e.last_enqueue_seconds() * 1e6).round() / 1e3),
+            BenchEngine::Cuda(e) => Some((e.engine().last_enqueue_seconds() * 1e6).round() / 1e3),
             BenchEngine::Cpu(_) => None,
         };
         let calls = (a.reps.max(1) + 3) as u64;
@@ -468,12 +471,12 @@ pub fn run(a: BenchArgs) -> AnyResult {
             // reports its outcome with the next one's loss
             let time = median_time(a.reps, || {
                 let b = Batch::new(&model, batch.clone(), policy)?;
-                let e = engine.engine();
-                let earlier = e.submit_train_step(&model, &mut params, &mut grads, &mut opt, &b)?;
-                earlier.transpose().map_err(ramus_exec::ExecError::from)?;
+                for earlier in engine.engine().submit(std::slice::from_ref(&b))? {
+                    earlier.map_err(ramus_exec::ExecError::from)?;
+                }
                 Ok(())
             })?;
-            for outcome in engine.engine().finish_train_steps()? {
+            for outcome in engine.engine().finish()? {
                 outcome.map_err(ramus_exec::ExecError::from)?;
             }
             time
@@ -494,7 +497,7 @@ pub fn run(a: BenchArgs) -> AnyResult {
         if let BenchEngine::Cuda(e) = &engine {
             outln!(
                 "{}",
-                serde_json::json!({"kernel_cache": e.cache_stats().to_string(), "pool": e.pool_stats().to_string()})
+                serde_json::json!({"kernel_cache": e.engine().cache_stats().to_string(), "pool": e.engine().pool_stats().to_string()})
             )?;
         }
     }

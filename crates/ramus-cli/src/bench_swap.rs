@@ -15,10 +15,10 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
-use ramus_core::{Grads, Model, Params};
-use ramus_cuda::{SwapConfig, SwapMode, SwapStepReport};
+use ramus_core::{Model, Params};
+use ramus_cuda::{CudaTrainer, SwapConfig, SwapMode, SwapStepReport};
 use ramus_exec::Batch;
-use ramus_exec::{Engine, Optimizer, OptimizerConfig, OptimizerKind};
+use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine};
 use ramus_graph::{images, BatchingPolicy, InputGraph};
 use ramus_nn::vision::parse_blocks;
 use ramus_nn::{build_vision_model, ImageShape, ModelConfig, ModelOptions, VisionConfig};
@@ -137,41 +137,39 @@ fn run(
     budget: Option<u64>,
 ) -> AnyResult<RunResult> {
     let (data, warmup) = (&b.data, b.warmup);
-    let mut engine = device::cuda_engine_with(model, budget, SwapConfig::with_mode(mode))?;
+    let engine = device::cuda_engine_with(model, budget, SwapConfig::with_mode(mode))?;
+    let mut engine = CudaTrainer::new(engine, model.clone(), params.clone(), b.config)?;
     engine.set_seed(b.seed);
-    let mut params = params.clone();
-    let mut optimizer = Optimizer::new(b.config, &params);
-    let mut grads = Grads::zeros(model);
     let mut losses = Vec::with_capacity(data.len());
     let mut started = None;
     for (i, graphs) in data.iter().enumerate() {
         if i == warmup {
-            engine.device().synchronize()?;
+            engine.engine().device().synchronize()?;
             started = Some(Instant::now());
         }
         let batch = Batch::new(model, graphs.clone(), BatchingPolicy::Cavs)?;
         // each step's outcome comes back with the next one's loss
         let earlier = engine
-            .submit_train_step(model, &mut params, &mut grads, &mut optimizer, &batch)
+            .submit(std::slice::from_ref(&batch))
             .map_err(|e| format!("step {}: {e}", i + 1))?;
-        if let Some(outcome) = earlier {
+        for outcome in earlier {
             losses.push(
                 outcome.map_err(|s| format!("step {i}: {}", ramus_exec::ExecError::from(s)))?,
             );
         }
     }
-    for outcome in engine.finish_train_steps()? {
+    for outcome in engine.finish()? {
         let step = losses.len() + 1;
         losses
             .push(outcome.map_err(|s| format!("step {step}: {}", ramus_exec::ExecError::from(s)))?);
     }
-    engine.device().synchronize()?;
+    engine.engine().device().synchronize()?;
     let timed = data.len().saturating_sub(warmup).max(1);
     let step_s = started.map_or(0.0, |t| t.elapsed().as_secs_f64() / timed as f64);
     Ok(RunResult {
         step_s,
         losses,
-        report: engine.last_swap_report().cloned(),
+        report: engine.engine().last_swap_report().cloned(),
     })
 }
 

@@ -7,12 +7,12 @@ use std::str::FromStr;
 
 use crate::limits::Training;
 use crate::output::logln;
-use ramus_core::Model;
-use ramus_cpu::CpuEngine;
+use ramus_core::{Model, Params};
+use ramus_cpu::CpuTrainer;
 use ramus_cuda::persistent::PersistentTrainer;
-use ramus_cuda::{CudaEngine, CudaEngineOptions, SwapConfig, SwapMode};
+use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer, SwapConfig, SwapMode};
 use ramus_exec::memory::DeviceNeed;
-use ramus_exec::Engine;
+use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine};
 
 /// Where a command runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,19 +34,19 @@ impl FromStr for Device {
 
 /// Which engine `ramus train` uses on CUDA.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TrainEngine {
+pub enum TrainEngineChoice {
     Batched,
     Persistent,
     Auto,
 }
 
-impl FromStr for TrainEngine {
+impl FromStr for TrainEngineChoice {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
-            "batched" => Ok(TrainEngine::Batched),
-            "persistent" => Ok(TrainEngine::Persistent),
-            "auto" => Ok(TrainEngine::Auto),
+            "batched" => Ok(TrainEngineChoice::Batched),
+            "persistent" => Ok(TrainEngineChoice::Persistent),
+            "auto" => Ok(TrainEngineChoice::Auto),
             other => Err(format!(
                 "unknown engine `{other}` (known: batched, persistent, auto)"
             )),
@@ -59,19 +59,21 @@ impl FromStr for TrainEngine {
 /// `skip-batch` `persistent` is refused (before any work) and `auto` means
 /// the batched engine.
 pub fn engine_for_nonfinite(
-    choice: TrainEngine,
+    choice: TrainEngineChoice,
     on_nonfinite: ramus_exec::OnNonFinite,
-) -> Result<TrainEngine, String> {
+) -> Result<TrainEngineChoice, String> {
     if on_nonfinite != ramus_exec::OnNonFinite::SkipBatch {
         return Ok(choice);
     }
     match choice {
-        TrainEngine::Persistent => Err("--on-nonfinite skip-batch: the persistent engine applies \
+        TrainEngineChoice::Persistent => {
+            Err("--on-nonfinite skip-batch: the persistent engine applies \
              each update inside its training kernel and cannot skip a batch; use \
              --on-nonfinite stop or --engine batched"
-            .into()),
-        TrainEngine::Auto => Ok(TrainEngine::Batched),
-        TrainEngine::Batched => Ok(TrainEngine::Batched),
+                .into())
+        }
+        TrainEngineChoice::Auto => Ok(TrainEngineChoice::Batched),
+        TrainEngineChoice::Batched => Ok(TrainEngineChoice::Batched),
     }
 }
 
@@ -82,18 +84,20 @@ pub fn engine_for_nonfinite(
 /// the run's batch size; what it will allocate is checked against the
 /// device (within `budget`) before it allocates ([`Training::fit_device`]).
 pub fn training_engine(
-    choice: TrainEngine,
+    choice: TrainEngineChoice,
     run: &Training<'_>,
-    params: &ramus_core::Params<f32>,
-    optimizer: ramus_exec::OptimizerConfig,
+    params: &Params<f32>,
+    optimizer: OptimizerConfig,
     budget: Option<u64>,
-) -> Result<Option<Box<dyn Engine<f32>>>, String> {
-    if choice == TrainEngine::Batched {
+) -> Result<Option<Box<dyn TrainEngine<f32>>>, String> {
+    if choice == TrainEngineChoice::Batched {
         return Ok(None);
     }
     if run.device != Device::Cuda {
         return match choice {
-            TrainEngine::Persistent => Err("--engine persistent runs on --device cuda".into()),
+            TrainEngineChoice::Persistent => {
+                Err("--engine persistent runs on --device cuda".into())
+            }
             _ => Ok(None),
         };
     }
@@ -106,7 +110,7 @@ pub fn training_engine(
     let made = PersistentTrainer::with_check(run.model, params, optimizer, &options, &check);
     match made {
         Ok(engine) => Ok(Some(Box::new(engine))),
-        Err(e) if choice == TrainEngine::Auto => {
+        Err(e) if choice == TrainEngineChoice::Auto => {
             logln!("persistent engine unavailable ({e}); training with the batched engine");
             Ok(None)
         }
@@ -153,31 +157,39 @@ pub fn swap_mode(
     }
 }
 
-/// The engine for `device`; a memory budget applies to CUDA only.
+/// The batched training engine for `device`, built for `model` and
+/// holding `params` and a fresh optimizer of `config`; a memory budget
+/// applies to CUDA only, and so does `swap` (the CUDA engine's swap path).
 pub fn engine(
     device: Device,
     model: &Model,
-    budget: Option<u64>,
-) -> Result<Box<dyn Engine<f32>>, String> {
-    engine_with_swap(device, model, budget, SwapMode::Off)
-}
-
-/// [`engine`] with the CUDA engine's swap path in `swap` mode.
-pub fn engine_with_swap(
-    device: Device,
-    model: &Model,
+    (params, config): (Params<f32>, OptimizerConfig),
     budget: Option<u64>,
     swap: SwapMode,
-) -> Result<Box<dyn Engine<f32>>, String> {
+) -> Result<Box<dyn TrainEngine<f32>>, String> {
     Ok(match device {
         Device::Cpu if budget.is_some() => {
             return Err("--device-memory-budget applies to --device cuda".into())
         }
-        Device::Cpu => Box::new(CpuEngine::<f32>::new()),
-        Device::Cuda => Box::new(cuda_engine_with(
-            model,
-            budget,
-            SwapConfig::with_mode(swap),
-        )?),
+        Device::Cpu => Box::new(CpuTrainer::new(model.clone(), params, config)),
+        Device::Cuda => {
+            let engine = cuda_engine_with(model, budget, SwapConfig::with_mode(swap))?;
+            Box::new(
+                CudaTrainer::new(engine, model.clone(), params, config)
+                    .map_err(|e| format!("--device cuda: {e}"))?,
+            )
+        }
     })
+}
+
+/// The batched engine for `device` evaluating `params` of `model` (it
+/// never trains: its optimizer, plain SGD, keeps no state).
+pub fn evaluator(
+    device: Device,
+    model: &Model,
+    params: Params<f32>,
+    budget: Option<u64>,
+) -> Result<Box<dyn TrainEngine<f32>>, String> {
+    let config = OptimizerConfig::new(OptimizerKind::Sgd, 0.0);
+    engine(device, model, (params, config), budget, SwapMode::Off)
 }

@@ -85,7 +85,7 @@ const STDIN: &str = "<stdin>";
 enum Scorer {
     CompiledCpu(Box<CpuCompiledEngine>),
     CompiledCuda(Box<CompiledEngine>),
-    Batched(Box<dyn ramus_exec::Engine<f32>>),
+    Batched(Box<dyn ramus_exec::TrainEngine<f32>>),
 }
 
 pub fn run(a: InferArgs) -> AnyResult {
@@ -135,7 +135,7 @@ pub fn run(a: InferArgs) -> AnyResult {
             Scorer::CompiledCuda(Box::new(engine))
         }
         ("batched", d) => {
-            let engine = device::engine(d, model, None)?;
+            let engine = device::evaluator(d, model, params.clone(), None)?;
             need.check_device(engine.as_ref(), None)?;
             Scorer::Batched(engine)
         }
@@ -157,7 +157,7 @@ pub fn run(a: InferArgs) -> AnyResult {
             }
             Scorer::Batched(e) => {
                 let batch = Batch::new(model, refs.clone(), BatchingPolicy::Cavs)?;
-                let out = e.forward_rows(model, params, &batch, Mode::Infer, HeadRows::Roots)?;
+                let out = e.forward_rows(&batch, Mode::Infer, HeadRows::Roots)?;
                 let classes = out.classes;
                 (out.logits, classes)
             }

@@ -17,7 +17,7 @@ use ramus_exec::memory::{
     largest_param, packed_weight_bytes, param_bytes, token_table_bytes, training_state,
     ActivationCost, BatchExtra, DeviceNeed, DeviceRoom, Fitted, GraphCosts, Pass,
 };
-use ramus_exec::{Engine, OptimizerKind};
+use ramus_exec::{OptimizerKind, TrainEngine};
 use ramus_graph::sequence::{pyramid_shape, pyramid_shape_of_tree};
 use ramus_graph::{GraphShape, InputGraph};
 use ramus_swap::human_bytes;
@@ -257,7 +257,7 @@ fn device_limit(room: DeviceRoom) -> Limit {
 /// say).
 fn batched_room(
     device: Device,
-    engine: &dyn Engine<f32>,
+    engine: &dyn TrainEngine<f32>,
     budget: Option<u64>,
 ) -> Option<DeviceRoom> {
     if device != Device::Cuda {
@@ -602,7 +602,7 @@ impl Training<'_> {
     /// the budget).
     pub fn check_device(
         &self,
-        engine: &dyn Engine<f32>,
+        engine: &dyn TrainEngine<f32>,
         budget: Option<u64>,
         swapping: bool,
     ) -> Result<(), String> {
@@ -760,7 +760,7 @@ impl<'a> Inference<'a> {
     /// allocates beside them) and the largest batch's activations.
     pub fn check_device(
         &self,
-        engine: &dyn Engine<f32>,
+        engine: &dyn TrainEngine<f32>,
         budget: Option<u64>,
     ) -> Result<(), String> {
         let Some(room) = batched_room(self.device, engine, budget) else {

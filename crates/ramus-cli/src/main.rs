@@ -188,7 +188,7 @@ struct TrainArgs {
     /// fit on chip and the model's ops are supported, else batched, saying
     /// why).
     #[arg(long, default_value = "batched")]
-    engine: device::TrainEngine,
+    engine: device::TrainEngineChoice,
     /// How a CNN trains on CUDA under the budget: planner (AutoVM: planned
     /// offloads and prefetches on copy streams), naive (on-demand LRU
     /// swapping), none (no swapping: exceeding the budget is an error
@@ -434,16 +434,9 @@ fn eval(a: EvalArgs) -> AnyResult {
         a.device,
     );
     need.check_host(a.host)?;
-    let mut engine = device::engine(a.device, &model, None)?;
+    let mut engine = device::evaluator(a.device, &model, params, None)?;
     need.check_device(engine.as_ref(), None)?;
-    let r = ramus_nn::evaluate(
-        &model,
-        &params,
-        engine.as_mut(),
-        BatchingPolicy::Cavs,
-        &graphs,
-        a.batch_size,
-    )?;
+    let r = ramus_nn::evaluate(engine.as_mut(), BatchingPolicy::Cavs, &graphs, a.batch_size)?;
     if a.json {
         outln!(
             "{}",

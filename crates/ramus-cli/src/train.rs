@@ -16,7 +16,7 @@ use std::time::Instant;
 use indicatif::{ProgressBar, ProgressStyle};
 use ramus_core::{Model, Params};
 use ramus_exec::nonfinite::first_nonfinite;
-use ramus_exec::{OnNonFinite, OptimizerConfig, OptimizerKind};
+use ramus_exec::{OnNonFinite, Optimizer, OptimizerConfig, OptimizerKind, TrainState};
 use ramus_graph::BatchingPolicy;
 use ramus_nn::resume::{self, Best, RunState};
 use ramus_nn::train::{shuffled_order, Pauses, Span, SpanEnd};
@@ -271,22 +271,17 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
         // checked before it allocated
         Some(persistent) => persistent,
         None => {
-            let engine = device::engine_with_swap(a.device, &model, budget, swap)?;
+            let engine = device::engine(a.device, &model, (params, oc), budget, swap)?;
             let swapping = swap != ramus_cuda::SwapMode::Off;
             need.check_device(engine.as_ref(), budget, swapping)?;
             engine
         }
     };
-    let mut trainer = Trainer::new(model, params, oc);
-    trainer.engine = engine;
+    let mut trainer = Trainer::with_engine(engine);
     trainer.policy = policy;
     trainer.on_nonfinite = a.on_nonfinite;
     trainer.check_nonfinite_policy()?;
-    trainer.engine.set_dropout_rng(run.dropout.clone());
-    if let Some(optimizer) = restored {
-        trainer.optimizer = optimizer;
-        trainer.engine.load_optimizer_state(&trainer.optimizer)?;
-    }
+    start(&mut trainer, a.seed, restored.map(|o| (o, &run)))?;
     logln!(
         "model: {} hidden {} | optimizer {} lr {} | batch {} | engine {} ({} host threads){}",
         a.model,
@@ -308,6 +303,27 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
         run,
         best,
     })
+}
+
+/// Starts `trainer`'s dropout stream from `seed`, or, resumed, makes the
+/// checkpoint's optimizer state and the run's dropout stream its own.
+fn start(
+    trainer: &mut Trainer<f32>,
+    seed: u64,
+    resumed: Option<(Optimizer<f32>, &RunState)>,
+) -> AnyResult {
+    match resumed {
+        Some((optimizer, run)) => {
+            let state = trainer.state()?;
+            trainer.engine.restore(TrainState {
+                optimizer,
+                dropout: run.dropout.clone(),
+                ..state
+            })?;
+        }
+        None => trainer.engine.set_seed(seed),
+    }
+    Ok(())
 }
 
 /// SIGINT / SIGTERM ask the run to stop at the next batch boundary; a
@@ -337,14 +353,14 @@ impl Run<'_> {
             return Ok(());
         };
         let t = &mut self.s.trainer;
-        t.engine.sync_host_optimizer(&mut t.optimizer)?;
-        self.s.run.dropout = t.engine.dropout_rng();
+        let state = t.state()?;
+        self.s.run.dropout = state.dropout;
         resume::save(
             &paths.last,
-            &t.model,
-            &t.params,
+            t.model(),
+            &state.params,
             &self.s.data.vocab,
-            (&self.s.run, &t.optimizer, self.s.best.as_ref()),
+            (&self.s.run, &state.optimizer, self.s.best.as_ref()),
         )?;
         Ok(())
     }
@@ -450,19 +466,15 @@ impl Run<'_> {
         );
         // keep the parameters of the epoch with the best dev accuracy, if finite
         let acc = selection_accuracy(kind, &dev);
-        if let Some(why) = nonfinite_model(trainer, dev.loss) {
+        let params = trainer.state()?.params;
+        if let Some(why) = nonfinite_model(trainer.model(), &params, dev.loss) {
             logln!("  epoch {epoch}'s model is not kept: {why}");
         } else if self.s.run.best.is_none_or(|b| acc > b.score) {
             self.s.run.best = Some(Best { score: acc, epoch });
-            self.s.best = Some(trainer.params.clone());
             if let Some(paths) = &self.paths {
-                checkpoint::save(
-                    &paths.best,
-                    &trainer.model,
-                    &trainer.params,
-                    &self.s.data.vocab,
-                )?;
+                checkpoint::save(&paths.best, trainer.model(), &params, &self.s.data.vocab)?;
             }
+            self.s.best = Some(params);
         }
         self.s.run.epochs_done = epoch;
         self.s.run.progress = Default::default();
@@ -539,7 +551,8 @@ fn finish(a: &TrainArgs, s: Setup, started: Instant) -> AnyResult {
                 100.0 * b.score
             );
         }
-        trainer.params = params;
+        let state = trainer.state()?;
+        trainer.engine.restore(TrainState { params, ..state })?;
     }
     let test = trainer.evaluate(&data.test, 64)?;
     logln!(
@@ -551,23 +564,24 @@ fn finish(a: &TrainArgs, s: Setup, started: Instant) -> AnyResult {
         started.elapsed().as_secs_f64()
     );
     if let Some(path) = &a.save {
-        if let Some(why) = nonfinite_model(&trainer, test.loss) {
+        let params = trainer.state()?.params;
+        if let Some(why) = nonfinite_model(trainer.model(), &params, test.loss) {
             return Err(format!(
                 "not saving {}: the model is not finite ({why})",
                 path.display()
             )
             .into());
         }
-        checkpoint::save(path, &trainer.model, &trainer.params, &data.vocab)?;
+        checkpoint::save(path, trainer.model(), &params, &data.vocab)?;
         logln!("saved {}", path.display());
     }
     Ok(())
 }
 
-/// Why the trainer's model must not be kept or saved: a parameter that is
-/// not finite, or a non-finite loss on held-out data; `None` if finite.
-fn nonfinite_model(trainer: &Trainer<f32>, loss: f64) -> Option<String> {
-    match first_nonfinite(&trainer.model, &trainer.params, None) {
+/// Why a trained model must not be kept or saved: a parameter that is not
+/// finite, or a non-finite loss on held-out data; `None` if finite.
+fn nonfinite_model(model: &Model, params: &Params<f32>, loss: f64) -> Option<String> {
+    match first_nonfinite(model, params, None) {
         Some(p) => Some(format!("parameter {p} is not finite")),
         None if !loss.is_finite() => Some(format!("its loss on held-out data is {loss}")),
         None => None,

@@ -1,46 +1,139 @@
-//! The CPU batched engine under the training contract ([`ramus_exec::Engine`]):
-//! each call forwards to [`CpuEngine`]'s own method.
+//! The CPU batched engine under the training contract
+//! ([`ramus_exec::TrainEngine`]): [`CpuTrainer`] holds the model, the
+//! engine and the run's [`HostState`], and each step updates that state in
+//! place. [`CpuEngine`]'s own methods (taking the model and parameters on
+//! each call) stay the reference evaluator the other engines are checked
+//! against.
 
-use ramus_core::{Grads, HeadRows, Model, Params, Real};
-use ramus_exec::{Batch, Engine, ForwardOutput, Mode, Result};
-use rand_chacha::ChaCha8Rng;
+use ramus_core::{HeadRows, Model, Params, Real};
+use ramus_exec::nonfinite::first_nonfinite;
+use ramus_exec::{
+    step_outcome, Batch, ExecError, ForwardOutput, HostState, Mode, NonFiniteStep, OptimizerConfig,
+    Result, StepOutcome, TrainEngine, TrainState,
+};
 
 use crate::engine::CpuEngine;
 
-impl<T: Real> Engine<T> for CpuEngine<T> {
+/// The CPU batched engine as a training engine for one model: the
+/// parameters, gradients and optimizer live on the host ([`HostState`]).
+pub struct CpuTrainer<T> {
+    engine: CpuEngine<T>,
+    model: Model,
+    state: HostState<T>,
+}
+
+impl<T: Real> CpuTrainer<T> {
+    /// Trains `model` from `params` with a fresh optimizer of `config`.
+    pub fn new(model: Model, params: Params<T>, config: OptimizerConfig) -> Self {
+        Self::with_engine(CpuEngine::new(), model, params, config)
+    }
+
+    /// [`new`](Self::new) on an engine set up beforehand (token tables,
+    /// spin helper, seed).
+    pub fn with_engine(
+        engine: CpuEngine<T>,
+        model: Model,
+        params: Params<T>,
+        config: OptimizerConfig,
+    ) -> Self {
+        let state = HostState::new(&model, params, config);
+        CpuTrainer {
+            engine,
+            model,
+            state,
+        }
+    }
+
+    /// The run's state, updated in place by each step.
+    pub fn host(&self) -> &HostState<T> {
+        &self.state
+    }
+
+    /// The engine underneath (its settings and counters).
+    pub fn engine_mut(&mut self) -> &mut CpuEngine<T> {
+        &mut self.engine
+    }
+
+    /// Forward, backward and one optimizer step on the host; returns the
+    /// loss. A step whose loss or a gradient is not finite is not applied
+    /// (parameters, running statistics and optimizer state stay as they
+    /// were) and is [`ExecError::NonFinite`], naming the first non-finite
+    /// parameter.
+    fn step(&mut self, batch: &Batch<'_>) -> Result<f64> {
+        let HostState {
+            params,
+            grads,
+            optimizer,
+        } = &mut self.state;
+        let model = &self.model;
+        let out = self.engine.forward(model, params, batch, Mode::Train)?;
+        grads.clear();
+        self.engine.backward(model, params, batch, grads)?;
+        let loss = out
+            .loss
+            .ok_or_else(|| ExecError::Config("forward pass returned no loss".into()))?;
+        // the running statistics this pass computed are dropped with its update
+        if !loss.is_finite() || !optimizer.step_if_finite(params, grads) {
+            return Err(NonFiniteStep {
+                loss,
+                param: first_nonfinite(model, params, Some(grads)),
+            }
+            .into());
+        }
+        self.engine.apply_running_stats(params)?;
+        Ok(loss)
+    }
+}
+
+impl<T: Real> TrainEngine<T> for CpuTrainer<T> {
     fn name(&self) -> &'static str {
         "cpu-batched"
     }
+    fn model(&self) -> &Model {
+        &self.model
+    }
     fn forward_rows(
         &mut self,
-        model: &Model,
-        params: &Params<T>,
         batch: &Batch<'_>,
         mode: Mode,
         rows: HeadRows,
     ) -> Result<ForwardOutput<T>> {
-        CpuEngine::forward_rows(self, model, params, batch, mode, rows)
+        let params = &self.state.params;
+        self.engine
+            .forward_rows(&self.model, params, batch, mode, rows)
     }
-    fn backward(
-        &mut self,
-        model: &Model,
-        params: &Params<T>,
-        batch: &Batch<'_>,
-        grads: &mut Grads<T>,
-    ) -> Result<()> {
-        CpuEngine::backward(self, model, params, batch, grads)
+    fn submit(&mut self, batches: &[Batch<'_>]) -> Result<Vec<StepOutcome>> {
+        batches
+            .iter()
+            .map(|batch| step_outcome(self.step(batch)))
+            .collect()
+    }
+    fn finish(&mut self) -> Result<Vec<StepOutcome>> {
+        Ok(Vec::new())
+    }
+    fn train_step(&mut self, batch: &Batch<'_>) -> Result<f64> {
+        self.step(batch)
     }
     fn set_seed(&mut self, seed: u64) {
-        CpuEngine::set_seed(self, seed)
+        self.engine.set_seed(seed);
     }
-    fn dropout_rng(&self) -> ChaCha8Rng {
-        CpuEngine::dropout_rng(self).clone()
+    fn state(&mut self) -> Result<TrainState<T>> {
+        Ok(TrainState {
+            params: self.state.params.clone(),
+            optimizer: self.state.optimizer.clone(),
+            dropout: self.engine.dropout_rng().clone(),
+        })
     }
-    fn set_dropout_rng(&mut self, rng: ChaCha8Rng) {
-        CpuEngine::set_dropout_rng(self, rng)
-    }
-    fn apply_running_stats(&mut self, params: &mut Params<T>) -> Result<()> {
-        CpuEngine::apply_running_stats(self, params)?;
+    fn restore(&mut self, state: TrainState<T>) -> Result<()> {
+        state.check_fits(&self.model, &self.state.optimizer.config)?;
+        let TrainState {
+            params,
+            optimizer,
+            dropout,
+        } = state;
+        self.state.params = params;
+        self.state.optimizer = optimizer;
+        self.engine.set_dropout_rng(dropout);
         Ok(())
     }
 }

@@ -6,5 +6,6 @@ mod contract;
 pub mod engine;
 pub mod trace;
 
+pub use contract::CpuTrainer;
 pub use engine::CpuEngine;
 pub use trace::training_trace;

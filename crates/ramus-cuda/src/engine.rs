@@ -20,7 +20,7 @@
 //! This file sets up the engine, uploads a batch and runs the forward pass;
 //! `engine/exec.rs` runs a program's steps and ops, `engine/backward.rs`
 //! the backward pass, `engine/train.rs` the device training step and the
-//! [`ramus_exec::Engine`] implementation.
+//! training engine ([`CudaTrainer`], a [`ramus_exec::TrainEngine`]).
 
 use std::cell::{Cell, RefCell};
 use std::path::PathBuf;
@@ -53,6 +53,8 @@ mod nonfinite;
 mod resume;
 mod swap;
 mod train;
+
+pub use train::CudaTrainer;
 
 pub(crate) use cnn::cnn_workspace_floats;
 
@@ -204,7 +206,7 @@ pub struct CudaEngine {
     /// inference form (batch normalisation with running statistics) run
     /// that instead.
     inference_pass: bool,
-    /// True while a device training step ([`ramus_exec::Engine::train_step`],
+    /// True while a device training step ([`ramus_exec::TrainEngine::submit`],
     /// plain or swap path) runs: its forward pass blends the batch
     /// statistics into the running statistics of the device parameters. A
     /// bare train-mode forward pass leaves them alone, as on the CPU.

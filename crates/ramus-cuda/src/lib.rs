@@ -60,7 +60,7 @@ pub mod swap;
 pub use blas::{Blas, Gemm, MathMode, StridedBatch};
 pub use cache::{default_cache_dir, normalize_source, KernelCache, KernelCacheStats};
 pub use device::{CudaDevice, DeviceFacts};
-pub use engine::{CudaEngine, CudaEngineOptions};
+pub use engine::{CudaEngine, CudaEngineOptions, CudaTrainer};
 pub use error::{CudaError, InCall, Result};
 pub use offset_allocator::{OffsetAllocator, ALIGNMENT};
 pub use optimizer::{

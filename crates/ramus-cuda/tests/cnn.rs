@@ -18,9 +18,9 @@ use std::path::PathBuf;
 
 use ramus_core::{Grads, HeadRows, Init, Model, Params};
 use ramus_cpu::CpuEngine;
-use ramus_cuda::{CudaEngine, CudaEngineOptions};
+use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer};
 use ramus_exec::{Batch, Mode};
-use ramus_exec::{Engine, OptimizerConfig, OptimizerKind};
+use ramus_exec::{OptimizerConfig, OptimizerKind};
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{build_vision_model, ImageShape, ModelConfig, ModelOptions, Trainer, VisionConfig};
 use rand::{Rng, SeedableRng};
@@ -203,30 +203,30 @@ struct Outcome {
     scores: Vec<f32>,
 }
 
-fn run(
-    engine: &mut dyn Engine<f32>,
-    model: &Model,
-    params: &Params<f32>,
-    batch: &Batch<'_>,
-) -> Outcome {
-    engine.set_seed(9);
-    let out = engine
-        .forward(model, params, batch, Mode::Train)
-        .expect("forward");
-    let mut grads = Grads::zeros(model);
-    engine
-        .backward(model, params, batch, &mut grads)
-        .expect("backward");
-    let infer = engine
-        .forward_rows(model, params, batch, Mode::Infer, HeadRows::Labelled)
-        .expect("inference");
-    assert!(infer.loss.is_none());
-    Outcome {
-        loss: out.loss.expect("a training pass has a loss"),
-        logits: out.logits,
-        grads: grads.values.iter().map(|t| t.data().to_vec()).collect(),
-        scores: infer.logits,
-    }
+/// [`Outcome`] of `$engine` (the CPU or the CUDA batched engine, whose
+/// reference passes take the model and parameters) on `$batch`.
+macro_rules! run {
+    ($engine:expr, $model:expr, $params:expr, $batch:expr) => {{
+        let (engine, model, params, batch) = ($engine, $model, $params, $batch);
+        engine.set_seed(9);
+        let out = engine
+            .forward(model, params, batch, Mode::Train)
+            .expect("forward");
+        let mut grads = Grads::zeros(model);
+        engine
+            .backward(model, params, batch, &mut grads)
+            .expect("backward");
+        let infer = engine
+            .forward_rows(model, params, batch, Mode::Infer, HeadRows::Labelled)
+            .expect("inference");
+        assert!(infer.loss.is_none());
+        Outcome {
+            loss: out.loss.expect("a training pass has a loss"),
+            logits: out.logits,
+            grads: grads.values.iter().map(|t| t.data().to_vec()).collect(),
+            scores: infer.logits,
+        }
+    }};
 }
 
 /// The f64 CPU engine's view of the same batch, rounded to f32.
@@ -300,7 +300,7 @@ fn check_case(case: &Case) {
             Batch::new(&model, graphs.iter().collect(), BatchingPolicy::Cavs).expect("schedule");
         let what = format!("{name} bs{bs}");
         let mut cpu = CpuEngine::<f32>::new();
-        let want = run(&mut cpu, &model, &params, &batch);
+        let want = run!(&mut cpu, &model, &params, &batch);
         assert!(want.loss.is_finite(), "{what}: CPU loss {}", want.loss);
         let norm: f64 = want
             .grads
@@ -313,7 +313,7 @@ fn check_case(case: &Case) {
         let exact = run_f64(&model, &params, &batch);
         compare(&model, &exact, &want, &format!("{what} CPU f32 vs f64"));
         for (label, cuda) in engines.iter_mut() {
-            let got = run(cuda, &model, &params, &batch);
+            let got = run!(cuda, &model, &params, &batch);
             compare(&model, &want, &got, &format!("{what} CUDA ({label})"));
         }
     }
@@ -367,8 +367,9 @@ fn follows_the_cpu_trajectory(case: &Case, config: OptimizerConfig, tag: &str) {
     if !device_ready() {
         return;
     }
-    let mut gpu = Trainer::new(model.clone(), params, config);
-    gpu.engine = Box::new(CudaEngine::new(&model, &options(tag, None)).expect("engine"));
+    let engine = CudaEngine::new(&model, &options(tag, None)).expect("engine");
+    let engine = CudaTrainer::new(engine, model.clone(), params, config).expect("trainer");
+    let mut gpu = Trainer::with_engine(Box::new(engine));
     for (chunk, &a) in data.chunks(4).zip(&losses) {
         let refs: Vec<&InputGraph> = chunk.iter().collect();
         let b = gpu.train_batch(&refs).expect("cuda step");
@@ -377,11 +378,14 @@ fn follows_the_cpu_trajectory(case: &Case, config: OptimizerConfig, tag: &str) {
             "{tag}: loss CPU {a} vs CUDA {b}"
         );
     }
-    gpu.sync_params()
-        .expect("parameters come back from the device");
+    let cpu_params = cpu.state().expect("cpu state").params;
+    let gpu_params = gpu
+        .state()
+        .expect("parameters come back from the device")
+        .params;
     // every parameter, the running statistics (buffers) included
     for (p, spec) in model.params.iter().enumerate() {
-        let (x, y) = (cpu.params.values[p].data(), gpu.params.values[p].data());
+        let (x, y) = (cpu_params.values[p].data(), gpu_params.values[p].data());
         let scale = x.iter().fold(1f32, |m, v| m.max(v.abs()));
         let what = if model.is_buffer(p) {
             "running statistic"
@@ -397,7 +401,7 @@ fn follows_the_cpu_trajectory(case: &Case, config: OptimizerConfig, tag: &str) {
         }
         if model.is_buffer(p) {
             assert_ne!(
-                gpu.params.values[p], initial.values[p],
+                gpu_params.values[p], initial.values[p],
                 "{tag}: CUDA training steps left {} alone",
                 spec.name
             );

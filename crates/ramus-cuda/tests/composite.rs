@@ -14,7 +14,6 @@ use ramus_core::model::{FunctionSelector, HeadRows, Init, ModelBuilder};
 use ramus_core::{Model, OpRegistry, Params};
 use ramus_cpu::CpuEngine;
 use ramus_cuda::{CudaEngine, CudaEngineOptions};
-use ramus_exec::Engine;
 use ramus_exec::{Batch, Mode};
 use ramus_graph::random::random_tree;
 use ramus_graph::{BatchingPolicy, InputGraph};
@@ -159,8 +158,8 @@ fn launches_of(m: &Model, cuda: &mut CudaEngine) -> (u64, f64) {
     let batch = Batch::new(m, graphs.iter().collect(), BatchingPolicy::Cavs).expect("schedule");
     let mut grads = ramus_core::Grads::zeros(m);
     let before = cuda.launches();
-    let out = Engine::forward(cuda, m, &params, &batch, Mode::Train).expect("forward");
-    Engine::backward(cuda, m, &params, &batch, &mut grads).expect("backward");
+    let out = CudaEngine::forward(cuda, m, &params, &batch, Mode::Train).expect("forward");
+    CudaEngine::backward(cuda, m, &params, &batch, &mut grads).expect("backward");
     let launches = cuda.launches() - before;
     let want = CpuEngine::<f32>::new()
         .forward(m, &params, &batch, Mode::Train)
@@ -229,7 +228,7 @@ fn every_elementwise_op_matches_the_cpu_engine_on_the_device() {
             .forward(&m, &params, &batch, Mode::Train)
             .expect("cpu forward");
         let got =
-            Engine::forward(&mut cuda, &m, &params, &batch, Mode::Train).expect("cuda forward");
+            CudaEngine::forward(&mut cuda, &m, &params, &batch, Mode::Train).expect("cuda forward");
         let (l0, l1) = (want.loss.unwrap_or(f64::NAN), got.loss.unwrap_or(f64::NAN));
         assert!(
             (l0 - l1).abs() <= 1e-4 * l0.abs().max(1.0),
@@ -238,7 +237,7 @@ fn every_elementwise_op_matches_the_cpu_engine_on_the_device() {
         let (mut g0, mut g1) = (ramus_core::Grads::zeros(&m), ramus_core::Grads::zeros(&m));
         cpu.backward(&m, &params, &batch, &mut g0)
             .expect("cpu backward");
-        Engine::backward(&mut cuda, &m, &params, &batch, &mut g1).expect("cuda backward");
+        CudaEngine::backward(&mut cuda, &m, &params, &batch, &mut g1).expect("cuda backward");
         for (p, spec) in m.params.iter().enumerate() {
             let (a, b) = (g0.values[p].data(), g1.values[p].data());
             let scale = a.iter().fold(0f32, |s, x| s.max(x.abs())).max(1e-3);

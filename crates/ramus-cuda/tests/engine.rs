@@ -10,9 +10,9 @@ use std::path::PathBuf;
 
 use ramus_core::{Grads, HeadRows, Model, Params};
 use ramus_cpu::CpuEngine;
-use ramus_cuda::{CudaEngine, CudaEngineOptions};
+use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer};
 use ramus_exec::{Batch, Mode};
-use ramus_exec::{Engine, OptimizerConfig, OptimizerKind};
+use ramus_exec::{OptimizerConfig, OptimizerKind};
 use ramus_graph::random::{grid_dag, random_chain, random_path, random_tree};
 use ramus_graph::{BatchingPolicy, InputGraph};
 use ramus_nn::{build_model_with, ModelConfig, ModelOptions, Trainer};
@@ -91,7 +91,7 @@ fn compare_batch(
     let want = cpu
         .forward(model, params, &batch, Mode::Train)
         .expect("cpu forward");
-    let got = Engine::forward(cuda, model, params, &batch, Mode::Train).expect("cuda forward");
+    let got = CudaEngine::forward(cuda, model, params, &batch, Mode::Train).expect("cuda forward");
     let what = format!("{name} bs{}", gs.len());
     let (l0, l1) = (want.loss.unwrap_or(f64::NAN), got.loss.unwrap_or(f64::NAN));
     assert!(
@@ -103,7 +103,7 @@ fn compare_batch(
     let (mut g0, mut g1) = (Grads::zeros(model), Grads::zeros(model));
     cpu.backward(model, params, &batch, &mut g0)
         .expect("cpu backward");
-    Engine::backward(cuda, model, params, &batch, &mut g1).expect("cuda backward");
+    CudaEngine::backward(cuda, model, params, &batch, &mut g1).expect("cuda backward");
     for (p, spec) in model.params.iter().enumerate() {
         close(
             g0.values[p].data(),
@@ -116,8 +116,9 @@ fn compare_batch(
     let want = cpu
         .forward_rows(model, params, &batch, Mode::Infer, HeadRows::Labelled)
         .expect("cpu infer");
-    let got = Engine::forward_rows(cuda, model, params, &batch, Mode::Infer, HeadRows::Labelled)
-        .expect("cuda infer");
+    let got =
+        CudaEngine::forward_rows(cuda, model, params, &batch, Mode::Infer, HeadRows::Labelled)
+            .expect("cuda infer");
     assert!(got.loss.is_none());
     close(
         &want.logits,
@@ -196,8 +197,9 @@ fn follows_the_cpu_trajectory(config: OptimizerConfig, name: &str) {
     let params: Params<f32> = Params::init(&model, 5);
     let data = graphs("treelstm", 48, 8);
     let mut cpu = Trainer::new(model.clone(), params.clone(), config);
-    let mut gpu = Trainer::new(model.clone(), params, config);
-    gpu.engine = Box::new(CudaEngine::new(&model, &options(name)).expect("engine"));
+    let engine = CudaEngine::new(&model, &options(name)).expect("engine");
+    let engine = CudaTrainer::new(engine, model.clone(), params, config).expect("trainer");
+    let mut gpu = Trainer::with_engine(Box::new(engine));
     for chunk in data.chunks(12) {
         let refs: Vec<&InputGraph> = chunk.iter().collect();
         let a = cpu.train_batch(&refs).expect("cpu step");
@@ -207,12 +209,15 @@ fn follows_the_cpu_trajectory(config: OptimizerConfig, name: &str) {
             "{name}: loss CPU {a} vs CUDA {b}"
         );
     }
-    gpu.sync_params()
-        .expect("parameters come back from the device");
+    let cpu_params = cpu.state().expect("cpu state").params;
+    let gpu_params = gpu
+        .state()
+        .expect("parameters come back from the device")
+        .params;
     for (p, spec) in model.params.iter().enumerate() {
         close(
-            cpu.params.values[p].data(),
-            gpu.params.values[p].data(),
+            cpu_params.values[p].data(),
+            gpu_params.values[p].data(),
             &format!("{name}: updated {}", spec.name),
         );
     }
@@ -285,7 +290,8 @@ fn a_batch_of_another_model_is_refused() {
     let mut cuda = CudaEngine::new(&a, &options("refuse")).expect("engine");
     let gs = graphs("treefc", 2, 1);
     let batch = Batch::new(&b, gs.iter().collect(), BatchingPolicy::Cavs).expect("schedule");
-    let err = Engine::forward(&mut cuda, &b, &params, &batch, Mode::Train).expect_err("refused");
+    let err =
+        CudaEngine::forward(&mut cuda, &b, &params, &batch, Mode::Train).expect_err("refused");
     assert!(err.to_string().contains("another model"), "{err}");
 }
 
@@ -301,7 +307,7 @@ fn a_batch_over_the_memory_budget_names_the_tensor_and_the_budget() {
     let mut cuda = CudaEngine::new(&model, &opts).expect("engine");
     let gs = graphs("treelstm", 128, 5);
     let batch = Batch::new(&model, gs.iter().collect(), BatchingPolicy::Cavs).expect("schedule");
-    let err = Engine::forward(&mut cuda, &model, &params, &batch, Mode::Train)
+    let err = CudaEngine::forward(&mut cuda, &model, &params, &batch, Mode::Train)
         .expect_err("over the budget");
     let msg = err.to_string();
     assert!(msg.contains("device memory budget is exceeded"), "{msg}");
@@ -314,5 +320,6 @@ fn a_batch_over_the_memory_budget_names_the_tensor_and_the_budget() {
     // a small batch fits the same budget
     let small = graphs("treelstm", 1, 6);
     let batch = Batch::new(&model, small.iter().collect(), BatchingPolicy::Cavs).expect("schedule");
-    Engine::forward(&mut cuda, &model, &params, &batch, Mode::Train).expect("a small batch fits");
+    CudaEngine::forward(&mut cuda, &model, &params, &batch, Mode::Train)
+        .expect("a small batch fits");
 }

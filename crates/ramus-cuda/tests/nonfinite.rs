@@ -12,8 +12,8 @@ use rand::seq::SliceRandom;
 
 use ramus_core::{Model, Params};
 use ramus_cuda::persistent::{PersistentOptions, PersistentTrainer};
-use ramus_cuda::{CudaEngine, CudaEngineOptions, SwapConfig, SwapMode};
-use ramus_exec::{ExecError, OnNonFinite, OptimizerConfig, OptimizerKind, TensorPart};
+use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer, SwapConfig, SwapMode};
+use ramus_exec::{ExecError, OnNonFinite, OptimizerConfig, OptimizerKind, TensorPart, TrainEngine};
 use ramus_graph::random::random_tree;
 use ramus_graph::testing::{images_with_nan_pixel, SMALL_IMAGES};
 use ramus_graph::InputGraph;
@@ -96,16 +96,17 @@ fn skipped_steps_change_nothing(swap: SwapMode) {
     let bad = all.iter().find(|b| is_bad(b)).unwrap();
     let config = OptimizerConfig::new(OptimizerKind::Adam, 0.01);
     let trainer = |name: &str| {
-        let mut t = Trainer::new(model.clone(), Params::init(&model, 1), config);
-        t.engine = Box::new(CudaEngine::new(&model, &options(name, swap)).expect("engine"));
-        t
+        let engine = CudaEngine::new(&model, &options(name, swap)).expect("engine");
+        let params = Params::init(&model, 1);
+        let engine = CudaTrainer::new(engine, model.clone(), params, config).expect("trainer");
+        Trainer::with_engine(Box::new(engine))
     };
+    let params = |t: &mut Trainer<f32>| t.state().expect("state").params;
     let (mut skipping, mut reference) = (trainer("skipping"), trainer("reference"));
     for t in [&mut skipping, &mut reference] {
         t.train_batch(&graphs(clean[0])).expect("clean step");
-        t.sync_params().unwrap();
     }
-    let before = bits(&skipping.params);
+    let before = bits(&params(&mut skipping));
     let err = skipping.train_batch(&graphs(bad)).unwrap_err();
     assert!(err.nonfinite().is_some(), "{swap}: {err}");
     // the NaN pixel reaches the first convolution's weight gradient (the
@@ -114,21 +115,17 @@ fn skipped_steps_change_nothing(swap: SwapMode) {
         err.to_string().contains("`stem.W` (gradient)"),
         "{swap}: {err}"
     );
-    skipping.sync_params().unwrap();
     assert_eq!(
-        bits(&skipping.params),
+        bits(&params(&mut skipping)),
         before,
         "{swap}: the skipped step moved parameters"
     );
     for t in [&mut skipping, &mut reference] {
         t.train_batch(&graphs(clean[1])).expect("clean step");
-        t.sync_params().unwrap();
     }
+    let (skipped, unseen) = (params(&mut skipping), params(&mut reference));
     for (p, spec) in model.params.iter().enumerate() {
-        let (a, b) = (
-            skipping.params.values[p].data(),
-            reference.params.values[p].data(),
-        );
+        let (a, b) = (skipped.values[p].data(), unseen.values[p].data());
         for (x, y) in a.iter().zip(b) {
             assert!(
                 (x - y).abs() <= 1e-5 * y.abs().max(1.0),
@@ -147,7 +144,7 @@ fn skipped_steps_change_nothing(swap: SwapMode) {
     assert_eq!(at.skipped, all.len() - clean.len(), "{swap}");
     assert!(loss.is_finite(), "{swap}: loss {loss}");
     assert_eq!(
-        ramus_exec::nonfinite::first_nonfinite(&t.model, &t.params, None),
+        ramus_exec::nonfinite::first_nonfinite(&model, &params(&mut t), None),
         None
     );
 }
@@ -194,15 +191,10 @@ fn poisoned_trees(poison: f32) -> (Vec<InputGraph>, Model, Params<f32>, usize) {
 fn stops_naming_the_batch(
     name: &str,
     poison: f32,
-    engine: impl FnOnce(&Model, &Params<f32>) -> Box<dyn ramus_exec::Engine<f32>>,
+    engine: impl FnOnce(&Model, &Params<f32>) -> Box<dyn TrainEngine<f32>>,
 ) -> f64 {
     let (data, model, params, bad) = poisoned_trees(poison);
-    let mut t = Trainer::new(
-        model.clone(),
-        params.clone(),
-        OptimizerConfig::new(OptimizerKind::Sgd, 0.1),
-    );
-    t.engine = engine(&model, &params);
+    let mut t = Trainer::with_engine(engine(&model, &params));
     let err = t
         .train_epoch(&data, BATCH, &mut ramus_nn::train::rng(6), |_, _, _| {})
         .unwrap_err();
@@ -225,8 +217,11 @@ fn batched_engine_stops_naming_the_batch_and_parameter() {
     if !common::cuda_ready("skipping") {
         return;
     }
-    let batched = |model: &Model, _: &Params<f32>| -> Box<dyn ramus_exec::Engine<f32>> {
-        Box::new(CudaEngine::new(model, &options("stop", SwapMode::Off)).expect("engine"))
+    let batched = |model: &Model, params: &Params<f32>| -> Box<dyn TrainEngine<f32>> {
+        let engine = CudaEngine::new(model, &options("stop", SwapMode::Off)).expect("engine");
+        let config = OptimizerConfig::new(OptimizerKind::Sgd, 0.1);
+        let params = params.clone();
+        Box::new(CudaTrainer::new(engine, model.clone(), params, config).expect("trainer"))
     };
     stops_naming_the_batch("batched", f32::NAN, batched);
     stops_naming_the_batch("batched", f32::INFINITY, batched);
@@ -238,7 +233,7 @@ fn persistent_engine_stops_naming_the_parameter_and_refuses_to_skip() {
         return;
     }
     let config = OptimizerConfig::new(OptimizerKind::Sgd, 0.1);
-    let persistent = |model: &Model, params: &Params<f32>| -> Box<dyn ramus_exec::Engine<f32>> {
+    let persistent = |model: &Model, params: &Params<f32>| -> Box<dyn TrainEngine<f32>> {
         let options = PersistentOptions {
             batch_size: Some(BATCH),
             cache_dir: options("persistent", SwapMode::Off).cache_dir,
@@ -254,8 +249,7 @@ fn persistent_engine_stops_naming_the_parameter_and_refuses_to_skip() {
     let loss = stops_naming_the_batch("persistent", f32::INFINITY, persistent);
     assert!(loss.is_finite(), "the saturated batch's loss: {loss}");
     let (data, model, params, _) = poisoned_trees(f32::NAN);
-    let mut t = Trainer::new(model.clone(), params.clone(), config);
-    t.engine = persistent(&model, &params);
+    let mut t = Trainer::with_engine(persistent(&model, &params));
     t.on_nonfinite = OnNonFinite::SkipBatch;
     let err = t
         .train_epoch(&data, BATCH, &mut ramus_nn::train::rng(6), |_, _, _| {})

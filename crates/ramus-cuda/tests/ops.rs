@@ -12,7 +12,6 @@ use ramus_core::ops::RowMatMul;
 use ramus_core::{Grads, Model, Params, Sym};
 use ramus_cpu::CpuEngine;
 use ramus_cuda::{CudaEngine, CudaEngineOptions};
-use ramus_exec::Engine;
 use ramus_exec::{Batch, Mode};
 use ramus_graph::random::random_tree;
 use ramus_graph::{BatchingPolicy, InputGraph};
@@ -223,7 +222,7 @@ fn every_structure_op_matches_the_cpu_engine_on_the_device() {
         }
         let mut cuda = CudaEngine::new(&m, &opts).expect("engine");
         let got =
-            Engine::forward(&mut cuda, &m, &params, &batch, Mode::Train).expect("cuda forward");
+            CudaEngine::forward(&mut cuda, &m, &params, &batch, Mode::Train).expect("cuda forward");
         let name = &m.name;
         let (l0, l1) = (want.loss.unwrap_or(f64::NAN), got.loss.unwrap_or(f64::NAN));
         assert!(
@@ -237,7 +236,7 @@ fn every_structure_op_matches_the_cpu_engine_on_the_device() {
             );
         }
         let mut g1 = Grads::zeros(&m);
-        Engine::backward(&mut cuda, &m, &params, &batch, &mut g1).expect("cuda backward");
+        CudaEngine::backward(&mut cuda, &m, &params, &batch, &mut g1).expect("cuda backward");
         assert!(g0.norm() > 0.0, "{name}: the gradient vanished");
         for (p, spec) in m.params.iter().enumerate() {
             let (a, b) = (g0.values[p].data(), g1.values[p].data());

@@ -469,9 +469,10 @@ fn compare_steps(
         );
     }
     let trained = gpu.params(model).expect("parameters come back");
+    let cpu_params = cpu.state().expect("cpu state").params;
     for (p, spec) in model.params.iter().enumerate() {
         close_all(
-            cpu.params.values[p].data(),
+            cpu_params.values[p].data(),
             trained.values[p].data(),
             &format!("{name}: updated {}", spec.name),
         );
@@ -613,7 +614,6 @@ fn the_trainer_runs_epochs_on_the_persistent_engine() {
     let data = model_graphs("treelstm", 60, 9);
     let config = OptimizerConfig::new(OptimizerKind::Adam, 0.01);
     let mut cpu = Trainer::new(model.clone(), params.clone(), config);
-    let mut gpu = Trainer::new(model.clone(), params.clone(), config);
     // a cold cache: the first windows train on a bridge kernel, a batch at
     // a time, until the kernel proper takes over
     let dir = fresh_cache_dir("trainer");
@@ -622,8 +622,8 @@ fn the_trainer_runs_epochs_on_the_persistent_engine() {
         bridge: Some(true),
         ..PersistentOptions::default()
     };
-    gpu.engine =
-        Box::new(PersistentTrainer::new(&model, &params, config, &options).expect("engine"));
+    let engine = PersistentTrainer::new(&model, &params, config, &options).expect("engine");
+    let mut gpu = Trainer::with_engine(Box::new(engine));
     let mut losses = Vec::new();
     for epoch in 0..4u64 {
         let mut r1 = ramus_nn::train::rng(epoch);
@@ -641,10 +641,12 @@ fn the_trainer_runs_epochs_on_the_persistent_engine() {
         losses.push(b);
     }
     assert!(losses[3] < losses[0], "the loss falls: {losses:?}");
+    let cpu_params = cpu.state().expect("cpu state").params;
+    let gpu_params = gpu.state().expect("persistent state").params;
     for (p, spec) in model.params.iter().enumerate() {
         close_all(
-            cpu.params.values[p].data(),
-            gpu.params.values[p].data(),
+            cpu_params.values[p].data(),
+            gpu_params.values[p].data(),
             &format!("trainer: {}", spec.name),
         );
     }
@@ -720,9 +722,10 @@ fn a_bridge_kernel_trains_until_the_kernel_proper_takes_over() {
         "the search's candidates are no bridges"
     );
     let trained = gpu.params(&model).expect("parameters come back");
+    let cpu_params = cpu.state().expect("cpu state").params;
     for (p, spec) in model.params.iter().enumerate() {
         close_all(
-            cpu.params.values[p].data(),
+            cpu_params.values[p].data(),
             trained.values[p].data(),
             &format!("bridge: updated {}", spec.name),
         );

@@ -9,9 +9,11 @@ mod common;
 
 use ramus_core::{Model, Params};
 use ramus_cuda::persistent::{PersistentOptions, PersistentTrainer};
-use ramus_cuda::{CudaEngine, CudaEngineOptions, PoolConfig, SwapConfig, SwapMode, SwapStepReport};
+use ramus_cuda::{
+    CudaEngine, CudaEngineOptions, CudaTrainer, PoolConfig, SwapConfig, SwapMode, SwapStepReport,
+};
 use ramus_exec::Batch;
-use ramus_exec::{Engine, OptimizerConfig, OptimizerKind};
+use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine, TrainState};
 use ramus_graph::images::{self, ImageSpec};
 use ramus_graph::random::random_tree;
 use ramus_graph::{InputGraph, Vocab};
@@ -24,7 +26,8 @@ use ramus_nn::{
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-type MakeEngine<'a> = &'a dyn Fn(&Model, &Params<f32>, OptimizerConfig) -> Box<dyn Engine<f32>>;
+type MakeEngine<'a> =
+    &'a dyn Fn(&Model, &Params<f32>, OptimizerConfig) -> Box<dyn TrainEngine<f32>>;
 
 const BATCH: usize = 6;
 const EPOCHS: usize = 3;
@@ -35,8 +38,7 @@ fn trainer(
     config: OptimizerConfig,
     make: MakeEngine,
 ) -> Trainer<f32> {
-    let mut t = Trainer::new(model.clone(), params.clone(), config);
-    t.engine = make(model, params, config);
+    let mut t = Trainer::with_engine(make(model, params, config));
     t.engine.set_seed(3);
     t
 }
@@ -82,15 +84,12 @@ fn resumed_matches(
         .train_span(&span, &mut at, &pauses, |_, _, _| {})
         .expect("span");
     assert_eq!(end, SpanEnd::Checkpoint, "{what}");
-    first
-        .engine
-        .sync_host_optimizer(&mut first.optimizer)
-        .expect("optimizer download");
+    let saved = first.state().expect("state read back");
     let state = RunState {
         epochs_done: 1,
         progress: at,
         shuffle: epoch2,
-        dropout: first.engine.dropout_rng(),
+        dropout: saved.dropout.clone(),
         best: None,
         config: Default::default(),
         data: String::new(),
@@ -102,9 +101,9 @@ fn resumed_matches(
     resume::save(
         &path,
         model,
-        &first.params,
+        &saved.params,
         &Vocab::new(),
-        (&state, &first.optimizer, None),
+        (&state, &saved.optimizer, None),
     )
     .expect("save");
     drop(first);
@@ -113,12 +112,14 @@ fn resumed_matches(
     let (state, steps) = resume::read_state(&path, &bytes).expect("state");
     let r = resume::load(&path, &bytes, model, config, &state, steps).expect("load");
     let mut second = trainer(model, &r.params, config, make);
-    second.optimizer = r.optimizer;
     second
         .engine
-        .load_optimizer_state(&second.optimizer)
-        .expect("optimizer upload");
-    second.engine.set_dropout_rng(state.dropout.clone());
+        .restore(TrainState {
+            params: r.params,
+            optimizer: r.optimizer,
+            dropout: state.dropout.clone(),
+        })
+        .expect("state restored");
     let mut at = state.progress;
     let end = second
         .train_span(&span, &mut at, &Pauses::default(), |_, _, _| {})
@@ -129,6 +130,10 @@ fn resumed_matches(
             .train_epoch(data, BATCH, &mut shuffle, |_, _, _| {})
             .expect("epoch");
     }
+    let (whole, second) = (
+        whole.state().expect("state"),
+        second.state().expect("state"),
+    );
     let mut worst = 0f32;
     for (p, spec) in model.params.iter().enumerate() {
         for (&a, &b) in whole.params.values[p]
@@ -170,8 +175,9 @@ fn the_batched_engine_resumes_to_rounding() {
     if !common::cuda_ready("skipping") {
         return;
     }
-    let make: MakeEngine = &|model, _, _| {
-        Box::new(CudaEngine::new(model, &CudaEngineOptions::default()).expect("engine"))
+    let make: MakeEngine = &|model, params, config| {
+        let engine = CudaEngine::new(model, &CudaEngineOptions::default()).expect("engine");
+        Box::new(CudaTrainer::new(engine, model.clone(), params.clone(), config).expect("trainer"))
     };
     let data = trees(60);
     for kind in [OptimizerKind::Adam, OptimizerKind::Adagrad] {
@@ -227,21 +233,22 @@ fn swap_engine(model: &Model, mode: SwapMode, budget: Option<u64>) -> CudaEngine
 }
 
 /// One training step of `engine` on the first batch; its swap report.
-fn swap_step(engine: &mut CudaEngine, model: &Model, data: &[InputGraph]) -> SwapStepReport {
-    let mut params = Params::<f32>::init(model, 5);
-    let mut optimizer =
-        ramus_exec::Optimizer::new(OptimizerConfig::new(OptimizerKind::Adam, 0.001), &params);
-    let mut grads = ramus_core::Grads::zeros(model);
+fn swap_step(engine: CudaEngine, model: &Model, data: &[InputGraph]) -> SwapStepReport {
+    let params = Params::<f32>::init(model, 5);
+    let config = OptimizerConfig::new(OptimizerKind::Adam, 0.001);
+    let mut engine = CudaTrainer::new(engine, model.clone(), params, config).expect("trainer");
     let batch = Batch::new(
         model,
         data[..BATCH].iter().collect(),
         ramus_graph::BatchingPolicy::Cavs,
     )
     .expect("batch");
+    engine.train_step(&batch).expect("step");
     engine
-        .train_step(model, &mut params, &mut grads, &mut optimizer, &batch)
-        .expect("step");
-    engine.last_swap_report().cloned().expect("a swap report")
+        .engine()
+        .last_swap_report()
+        .cloned()
+        .expect("a swap report")
 }
 
 #[test]
@@ -278,15 +285,11 @@ fn the_swap_path_resumes_to_rounding() {
         build_vision_model("resnet", &cfg, &vision, &ModelOptions { dropout: 0.0 }).expect("model");
     // a budget the step's tensors exceed by a third (as the swap tests
     // give the engine), checked to make the planner swap
-    let measured = swap_step(
-        &mut swap_engine(&model, SwapMode::Resident, None),
-        &model,
-        &data,
-    );
+    let measured = swap_step(swap_engine(&model, SwapMode::Resident, None), &model, &data);
     let tensors = measured.trace_peak_bytes * 2 / 3;
     let budget = ((measured.overhead_bytes + tensors) as f64 / 0.98) as u64;
     let swapped = swap_step(
-        &mut swap_engine(&model, SwapMode::Planner, Some(budget)),
+        swap_engine(&model, SwapMode::Planner, Some(budget)),
         &model,
         &data,
     );
@@ -299,8 +302,10 @@ fn the_swap_path_resumes_to_rounding() {
         "swap: budget {budget} bytes, {} bytes to the host a step",
         swapped.exec.bytes_to_host
     );
-    let make: MakeEngine =
-        &|model, _, _| Box::new(swap_engine(model, SwapMode::Planner, Some(budget)));
+    let make: MakeEngine = &|model, params, config| {
+        let engine = swap_engine(model, SwapMode::Planner, Some(budget));
+        Box::new(CudaTrainer::new(engine, model.clone(), params.clone(), config).expect("trainer"))
+    };
     let config = OptimizerConfig::new(OptimizerKind::Adam, 0.001);
     resumed_matches("swap", &model, &data, config, make, 1e-3);
 }

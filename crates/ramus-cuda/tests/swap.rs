@@ -21,10 +21,10 @@ use std::path::PathBuf;
 use ramus_core::Model;
 use ramus_cuda::{
     plan_budget, plan_training, resident_plan, training_iteration, training_iteration_with,
-    training_trace, CudaEngine, CudaEngineOptions, PoolConfig, SwapConfig, SwapMode,
+    training_trace, CudaEngine, CudaEngineOptions, CudaTrainer, PoolConfig, SwapConfig, SwapMode,
 };
 use ramus_exec::{Batch, Mode};
-use ramus_exec::{Optimizer, OptimizerConfig, OptimizerKind};
+use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine};
 use ramus_graph::random::{random_chain, random_tree};
 use ramus_graph::{images, BatchingPolicy, InputGraph};
 use ramus_nn::{
@@ -636,35 +636,29 @@ fn engine(model: &Model, mode: SwapMode, budget: Option<u64>) -> CudaEngine {
 /// K steps of `net` with `mode` under `budget`, then an evaluation pass.
 fn train(net: &Net, mode: SwapMode, budget: Option<u64>, steps: usize) -> Trained {
     let model = net.model();
-    let mut params = ramus_core::Params::<f32>::init(&model, 5);
-    let mut engine = engine(&model, mode, budget);
+    let params = ramus_core::Params::<f32>::init(&model, 5);
     let config = OptimizerConfig::new(OptimizerKind::Adam, 1e-3);
-    let mut optimizer = Optimizer::new(config, &params);
-    let mut grads = ramus_core::Grads::zeros(&model);
+    let engine = engine(&model, mode, budget);
+    let mut engine = CudaTrainer::new(engine, model.clone(), params, config).expect("trainer");
     let data = net.images(steps * net.batch, 21);
     let mut losses = Vec::new();
     for chunk in data.chunks(net.batch) {
         let batch = Batch::new(&model, chunk.iter().collect(), BatchingPolicy::Cavs).unwrap();
-        let loss = ramus_exec::Engine::train_step(
-            &mut engine,
-            &model,
-            &mut params,
-            &mut grads,
-            &mut optimizer,
-            &batch,
-        )
-        .unwrap_or_else(|e| panic!("{} {mode} step: {e}", net.name));
+        let loss = engine
+            .train_step(&batch)
+            .unwrap_or_else(|e| panic!("{} {mode} step: {e}", net.name));
         losses.push(loss);
     }
-    let report = engine.last_swap_report().cloned();
-    ramus_exec::Engine::sync_host_params(&mut engine, &mut params).expect("parameters");
+    let report = engine.engine().last_swap_report().cloned();
+    let params = engine.state().expect("parameters").params;
     let running_stats: Vec<ramus_core::Tensor<f32>> = (0..model.params.len())
         .filter(|&p| model.is_buffer(p))
         .map(|p| params.values[p].clone())
         .collect();
     let held_out = net.images(net.batch, 99);
     let batch = Batch::new(&model, held_out.iter().collect(), BatchingPolicy::Cavs).unwrap();
-    let out = ramus_exec::Engine::forward(&mut engine, &model, &params, &batch, Mode::Evaluate)
+    let out = engine
+        .forward(&batch, Mode::Evaluate)
         .unwrap_or_else(|e| panic!("{} {mode} evaluation: {e}", net.name));
     Trained {
         losses,
@@ -759,24 +753,17 @@ fn identical_losses(net: &Net) {
     // and the budget; a failed step leaves nothing behind, so the next one
     // fails the same way
     let model = net.model();
-    let mut params = ramus_core::Params::<f32>::init(&model, 5);
-    let mut engine = engine(&model, SwapMode::Resident, Some(budget));
+    let params = ramus_core::Params::<f32>::init(&model, 5);
+    let engine = engine(&model, SwapMode::Resident, Some(budget));
     let config = OptimizerConfig::new(OptimizerKind::Adam, 1e-3);
-    let mut optimizer = Optimizer::new(config, &params);
-    let mut grads = ramus_core::Grads::zeros(&model);
+    let mut engine = CudaTrainer::new(engine, model.clone(), params, config).expect("trainer");
     let data = net.images(net.batch, 21);
     let batch = Batch::new(&model, data.iter().collect(), BatchingPolicy::Cavs).unwrap();
     let mut step = || {
-        ramus_exec::Engine::train_step(
-            &mut engine,
-            &model,
-            &mut params,
-            &mut grads,
-            &mut optimizer,
-            &batch,
-        )
-        .expect_err("over the budget without swapping")
-        .to_string()
+        engine
+            .train_step(&batch)
+            .expect_err("over the budget without swapping")
+            .to_string()
     };
     let msg = step();
     assert!(
@@ -1042,7 +1029,7 @@ fn dynamic_identical_losses(case: &Dynamic) {
     const STEPS: usize = 3;
     let run = |mode: SwapMode, budget: Option<u64>| {
         let model = case.model();
-        let mut params = ramus_core::Params::<f32>::init(&model, 5);
+        let params = ramus_core::Params::<f32>::init(&model, 5);
         let mut swap = SwapConfig::with_mode(mode);
         swap.size_threshold_bytes = 0;
         // small segments: many tensors to offload in a small batch
@@ -1056,29 +1043,22 @@ fn dynamic_identical_losses(case: &Dynamic) {
             swap,
             ..CudaEngineOptions::default()
         };
-        let mut engine = CudaEngine::new(&model, &options).expect("engine");
-        engine.set_seed(11);
+        let engine = CudaEngine::new(&model, &options).expect("engine");
         let config = OptimizerConfig::new(OptimizerKind::Adam, 1e-2);
-        let mut optimizer = Optimizer::new(config, &params);
-        let mut grads = ramus_core::Grads::zeros(&model);
+        let mut engine = CudaTrainer::new(engine, model.clone(), params, config).expect("trainer");
+        engine.set_seed(11);
         let data = case.graphs(case.graphs, 4);
         let batch = Batch::new(&model, data.iter().collect(), BatchingPolicy::Cavs).unwrap();
         let mut losses = Vec::new();
         for _ in 0..STEPS {
-            let loss = ramus_exec::Engine::train_step(
-                &mut engine,
-                &model,
-                &mut params,
-                &mut grads,
-                &mut optimizer,
-                &batch,
-            )
-            .unwrap_or_else(|e| panic!("{} {mode} step: {e}", case.name));
+            let loss = engine
+                .train_step(&batch)
+                .unwrap_or_else(|e| panic!("{} {mode} step: {e}", case.name));
             losses.push(loss);
         }
-        let report = engine.last_swap_report().cloned();
-        ramus_exec::Engine::sync_host_params(&mut engine, &mut params).expect("parameters");
-        let out = ramus_exec::Engine::forward(&mut engine, &model, &params, &batch, Mode::Evaluate)
+        let report = engine.engine().last_swap_report().cloned();
+        let out = engine
+            .forward(&batch, Mode::Evaluate)
             .unwrap_or_else(|e| panic!("{} {mode} evaluation: {e}", case.name));
         (losses, out.loss, report)
     };

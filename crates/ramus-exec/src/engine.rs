@@ -1,22 +1,32 @@
-//! The engine interface the training and evaluation loops drive. Each engine
-//! crate implements it for its engines (the CPU batched engine in
-//! `ramus-cpu`, the CUDA engines in `ramus-cuda`), so `ramus-nn`'s trainer
-//! runs on whichever it is given.
+//! The training contract: [`TrainEngine`], which the training and
+//! evaluation loops drive, and [`TrainState`], what a run's state is when
+//! read back or restored. Each engine crate implements the contract for its
+//! engines (the CPU batched engine in `ramus-cpu`, the CUDA batched and
+//! persistent engines in `ramus-cuda`), so `ramus-nn`'s trainer runs on
+//! whichever it is given.
+//!
+//! A training engine is built for one model and owns the run's training
+//! state: the parameters, the optimizer (its settings, moments and step
+//! count) and the dropout stream. Where the truth lives is the engine's
+//! type: a host engine holds a [`HostState`] and updates it in place; a
+//! device engine holds the state on its device. Either way the one way to
+//! read the state is [`TrainEngine::state`], and the one way to replace it
+//! is [`TrainEngine::restore`] (a resumed run).
 
 use ramus_core::{Grads, HeadRows, Model, Params, Real};
 use rand_chacha::ChaCha8Rng;
 
 use crate::batch::{Batch, ForwardOutput, Mode};
 use crate::error::{ExecError, Result};
-use crate::nonfinite::{first_nonfinite, NonFiniteStep};
-use crate::optim::Optimizer;
+use crate::nonfinite::NonFiniteStep;
+use crate::optim::{Optimizer, OptimizerConfig};
 
 /// What came back of one training step: its loss, or why it was not
 /// applied (its loss or a gradient was not finite).
 pub type StepOutcome = std::result::Result<f64, NonFiniteStep>;
 
-/// [`Engine::train_step`]'s result as a [`StepOutcome`]: a non-finite step
-/// is an outcome, any other error stays an error.
+/// A step's result as a [`StepOutcome`]: a non-finite step
+/// ([`ExecError::NonFinite`]) is an outcome, any other error stays an error.
 pub fn step_outcome(result: Result<f64>) -> Result<StepOutcome> {
     match result {
         Ok(loss) => Ok(Ok(loss)),
@@ -25,69 +35,162 @@ pub fn step_outcome(result: Result<f64>) -> Result<StepOutcome> {
     }
 }
 
-/// Runs batches of a model: forward (with the head on a chosen set of rows),
-/// backward into host gradients, and a whole training step.
-pub trait Engine<T: Real> {
+/// A training run's state, as [`TrainEngine::state`] reads it back and
+/// [`TrainEngine::restore`] takes it: what a resumable checkpoint saves.
+#[derive(Clone, Debug)]
+pub struct TrainState<T> {
+    /// The parameters (with their buffers, e.g. running statistics).
+    pub params: Params<T>,
+    /// The optimizer: its settings, moments and step count.
+    pub optimizer: Optimizer<T>,
+    /// The stream the dropout masks are drawn from, where it stands.
+    pub dropout: ChaCha8Rng,
+}
+
+impl<T: Real> TrainState<T> {
+    /// Refuses a state that does not fit an engine for `model` updating
+    /// with `config`: other parameter shapes, or another kind of update.
+    pub fn check_fits(&self, model: &Model, config: &OptimizerConfig) -> Result<()> {
+        let values = &self.params.values;
+        if values.len() != model.params.len() {
+            return Err(ExecError::Config(format!(
+                "restored state has {} parameter tensors for model `{}` of {}",
+                values.len(),
+                model.name,
+                model.params.len()
+            )));
+        }
+        for (t, spec) in values.iter().zip(&model.params) {
+            if t.shape() != spec.shape.as_slice() {
+                return Err(ExecError::Config(format!(
+                    "restored parameter `{}` is {:?}, the model's is {:?}",
+                    spec.name,
+                    t.shape(),
+                    spec.shape
+                )));
+            }
+        }
+        if self.optimizer.config.kind != config.kind {
+            return Err(ExecError::Config(format!(
+                "restored optimizer is {:?}, the engine was built for {:?}",
+                self.optimizer.config.kind, config.kind
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Training state held on the host and updated in place by a host
+/// engine's steps: the parameters, their gradient buffer and the optimizer.
+#[derive(Clone, Debug)]
+pub struct HostState<T> {
+    pub params: Params<T>,
+    /// The last step's gradients (scratch: cleared before each backward pass).
+    pub grads: Grads<T>,
+    pub optimizer: Optimizer<T>,
+}
+
+impl<T: Real> HostState<T> {
+    /// `params` of `model`, zero gradients and a fresh optimizer.
+    pub fn new(model: &Model, params: Params<T>, config: OptimizerConfig) -> Self {
+        let optimizer = Optimizer::new(config, &params);
+        HostState {
+            grads: Grads::zeros(model),
+            params,
+            optimizer,
+        }
+    }
+}
+
+/// A training engine: built for one model, it owns the run's training state
+/// (see the [module](self) docs) and runs forward passes on its current
+/// parameters and training steps that update them.
+///
+/// Steps are submitted ([`submit`](Self::submit)) and their outcomes come
+/// back in submission order, possibly later (an engine that overlaps the
+/// host's preparation of the next batch with the device's work on this
+/// one, or that learns whether a step's gradients were finite only with
+/// the next step); [`finish`](Self::finish) waits for the rest. Forward
+/// passes, [`state`](Self::state) and [`restore`](Self::restore) need every
+/// submitted step finished and refuse otherwise.
+pub trait TrainEngine<T: Real> {
     /// Short name for reports, e.g. `cpu-batched`.
     fn name(&self) -> &'static str;
 
-    /// Forward pass with the head on `rows`.
+    /// The model this engine was built for.
+    fn model(&self) -> &Model;
+
+    /// Forward pass on the current parameters with the head on `rows`.
+    /// `Mode::Train` draws dropout masks (the stream moves on) but updates
+    /// nothing (the running statistics it computes are dropped).
     fn forward_rows(
         &mut self,
-        model: &Model,
-        params: &Params<T>,
         batch: &Batch<'_>,
         mode: Mode,
         rows: HeadRows,
     ) -> Result<ForwardOutput<T>>;
 
     /// Forward pass with the head on the model's own rows.
-    fn forward(
-        &mut self,
-        model: &Model,
-        params: &Params<T>,
-        batch: &Batch<'_>,
-        mode: Mode,
-    ) -> Result<ForwardOutput<T>> {
-        self.forward_rows(model, params, batch, mode, model.head.rows)
+    fn forward(&mut self, batch: &Batch<'_>, mode: Mode) -> Result<ForwardOutput<T>> {
+        let rows = self.model().head.rows;
+        self.forward_rows(batch, mode, rows)
     }
 
-    /// Backward pass of the last train-mode forward pass; adds parameter
-    /// gradients into `grads`.
-    fn backward(
-        &mut self,
-        model: &Model,
-        params: &Params<T>,
-        batch: &Batch<'_>,
-        grads: &mut Grads<T>,
-    ) -> Result<()>;
+    /// Starts training steps on `batches`, in order: forward, backward and
+    /// one optimizer step each. A step whose loss or a gradient is not
+    /// finite is not applied (parameters, running statistics and optimizer
+    /// state stay as they were) where [`skips_nonfinite`](Self::skips_nonfinite)
+    /// holds. Returns the outcomes that came back meanwhile (of these or
+    /// earlier steps), oldest first.
+    fn submit(&mut self, batches: &[Batch<'_>]) -> Result<Vec<StepOutcome>>;
 
-    /// Seeds the dropout masks.
+    /// Waits for every submitted step and returns the outcomes not
+    /// returned yet, in submission order.
+    fn finish(&mut self) -> Result<Vec<StepOutcome>>;
+
+    /// One step, waiting for its outcome: its loss, or
+    /// [`ExecError::NonFinite`] for a step not applied (or for an earlier
+    /// step still in flight that was not).
+    fn train_step(&mut self, batch: &Batch<'_>) -> Result<f64> {
+        let mut outcomes = self.submit(std::slice::from_ref(batch))?;
+        outcomes.extend(self.finish()?);
+        let last = outcomes
+            .pop()
+            .ok_or_else(|| ExecError::Config("the training step left no outcome".into()))?;
+        if let Some(Err(step)) = outcomes.into_iter().find(|o| o.is_err()) {
+            return Err(step.into());
+        }
+        last.map_err(Into::into)
+    }
+
+    /// How many batches [`submit`](Self::submit) takes at once to best
+    /// effect (an engine that prepares several batches in parallel); 1 by
+    /// default.
+    fn lookahead(&self) -> usize {
+        1
+    }
+
+    /// Whether a non-finite step leaves the parameters and optimizer state
+    /// as they were (every engine but one whose update runs inside its
+    /// training kernel, which can only stop).
+    fn skips_nonfinite(&self) -> bool {
+        true
+    }
+
+    /// Starts the dropout stream from `seed`.
     fn set_seed(&mut self, seed: u64);
 
-    /// The stream the dropout masks are drawn from, where it stands after
-    /// the steps submitted so far (a resumable checkpoint saves it; call
-    /// after [`Engine::finish_train_steps`]).
-    fn dropout_rng(&self) -> ChaCha8Rng;
+    /// The training state after every step submitted so far: the
+    /// parameters, the optimizer and the dropout stream, read back from
+    /// wherever the engine keeps them. Refused while steps are in flight
+    /// (call [`finish`](Self::finish) first, so that no outcome is lost).
+    fn state(&mut self) -> Result<TrainState<T>>;
 
-    /// Continues the dropout masks from `rng` (a resumed run).
-    fn set_dropout_rng(&mut self, rng: ChaCha8Rng);
-
-    /// Copies the optimizer state the engine keeps itself (a device
-    /// engine's moments and step count) into `optimizer`, for a checkpoint;
-    /// call after [`Engine::finish_train_steps`]. Host engines update
-    /// `optimizer` in place: a no-op.
-    fn sync_host_optimizer(&mut self, optimizer: &mut Optimizer<T>) -> Result<()> {
-        let _ = optimizer;
-        Ok(())
-    }
-
-    /// Makes the engine's own optimizer state `optimizer`'s (a resumed
-    /// run), before the next training step. A no-op for host engines.
-    fn load_optimizer_state(&mut self, optimizer: &Optimizer<T>) -> Result<()> {
-        let _ = optimizer;
-        Ok(())
-    }
+    /// Makes `state` the engine's (a resumed run): the next step continues
+    /// from these parameters, optimizer moments, step count and dropout
+    /// stream. The optimizer's settings must be the ones the engine was
+    /// built with. Refused while steps are in flight.
+    fn restore(&mut self, state: TrainState<T>) -> Result<()>;
 
     /// One line on how the last training step used device memory (what a
     /// device engine swapped), for logs; `None` when there is nothing to say.
@@ -102,112 +205,12 @@ pub trait Engine<T: Real> {
     fn device_memory_room(&self) -> Option<u64> {
         None
     }
+}
 
-    /// Brings `params` up to date with the engine's own copy, for engines
-    /// whose [`Engine::train_step`] updates parameters on a device (the host
-    /// values then lag until this is called). A no-op for host engines.
-    fn sync_host_params(&mut self, params: &mut Params<T>) -> Result<()> {
-        let _ = params;
-        Ok(())
-    }
-
-    /// Writes the running statistics the last train-mode forward pass
-    /// computed (batch normalisation's running mean and variance, buffers
-    /// of `params`) into `params`. Host engines keep them pending until
-    /// this is called ([`Engine::train_step`] does, after its forward pass);
-    /// device engines update their own copy during the pass (see
-    /// [`Engine::sync_host_params`]), so the default does nothing.
-    fn apply_running_stats(&mut self, params: &mut Params<T>) -> Result<()> {
-        let _ = params;
-        Ok(())
-    }
-
-    /// Forward, backward and one optimizer step; returns the loss. A step
-    /// whose loss or a gradient is not finite is not applied (parameters,
-    /// running statistics and optimizer state stay as they were) and is
-    /// [`ExecError::NonFinite`], naming the first non-finite parameter.
-    /// Engines that keep parameters on a device override this to update
-    /// them there (see [`Engine::sync_host_params`]).
-    fn train_step(
-        &mut self,
-        model: &Model,
-        params: &mut Params<T>,
-        grads: &mut Grads<T>,
-        optimizer: &mut Optimizer<T>,
-        batch: &Batch<'_>,
-    ) -> Result<f64> {
-        let out = self.forward(model, params, batch, Mode::Train)?;
-        grads.clear();
-        self.backward(model, params, batch, grads)?;
-        let loss = out
-            .loss
-            .ok_or_else(|| ExecError::Config("forward pass returned no loss".into()))?;
-        // the running statistics this pass computed are dropped with its update
-        if !loss.is_finite() || !optimizer.step_if_finite(params, grads) {
-            return Err(NonFiniteStep {
-                loss,
-                param: first_nonfinite(model, params, Some(grads)),
-            }
-            .into());
-        }
-        self.apply_running_stats(params)?;
-        Ok(loss)
-    }
-
-    /// Whether a non-finite step leaves the parameters and optimizer state
-    /// as they were (every engine but one whose update runs inside its
-    /// training kernel, which can only stop).
-    fn skips_nonfinite(&self) -> bool {
-        true
-    }
-
-    /// Starts a training step whose outcome may come back later (an engine
-    /// that overlaps the host's preparation of the next batch with the
-    /// device's work on this one, as VPPS does, or that learns whether a
-    /// step's gradients were finite only with the next step). Returns the
-    /// outcome of the oldest step still in flight once it is known —
-    /// outcomes come back in submission order — or `None` if none is yet.
-    /// By default the step runs at once and returns its own outcome.
-    fn submit_train_step(
-        &mut self,
-        model: &Model,
-        params: &mut Params<T>,
-        grads: &mut Grads<T>,
-        optimizer: &mut Optimizer<T>,
-        batch: &Batch<'_>,
-    ) -> Result<Option<StepOutcome>> {
-        step_outcome(self.train_step(model, params, grads, optimizer, batch)).map(Some)
-    }
-
-    /// How many batches the engine takes at once through
-    /// [`submit_train_steps`](Engine::submit_train_steps) (an engine that
-    /// prepares several batches in parallel); 1 by default.
-    fn lookahead(&self) -> usize {
-        1
-    }
-
-    /// Starts several training steps, in order (see
-    /// [`submit_train_step`](Engine::submit_train_step)); returns the
-    /// outcomes that came back meanwhile, oldest first. By default one step
-    /// after the other.
-    fn submit_train_steps(
-        &mut self,
-        model: &Model,
-        params: &mut Params<T>,
-        grads: &mut Grads<T>,
-        optimizer: &mut Optimizer<T>,
-        batches: &[Batch<'_>],
-    ) -> Result<Vec<StepOutcome>> {
-        let mut outcomes = Vec::new();
-        for batch in batches {
-            outcomes.extend(self.submit_train_step(model, params, grads, optimizer, batch)?);
-        }
-        Ok(outcomes)
-    }
-
-    /// Waits for every submitted step and returns the outcomes not
-    /// returned yet, in submission order.
-    fn finish_train_steps(&mut self) -> Result<Vec<StepOutcome>> {
-        Ok(Vec::new())
-    }
+/// The error of [`TrainEngine::state`], [`TrainEngine::restore`] or a
+/// forward pass called while steps are in flight.
+pub fn steps_in_flight(engine: &str, call: &str) -> ExecError {
+    ExecError::Config(format!(
+        "{call} on the {engine} engine with training steps in flight: call finish() first"
+    ))
 }

@@ -7,7 +7,7 @@
 //! | what | where |
 //! |---|---|
 //! | a batch with its schedule, the pass's mode, a forward pass's output, row runs, dropout masks, pulled values | [`batch`] |
-//! | the training contract engines implement ([`Engine`]) and a step's outcome | [`engine`] |
+//! | the training contract engines implement ([`TrainEngine`]), the state it reads back and restores ([`TrainState`], [`HostState`]) and a step's outcome | [`engine`] |
 //! | optimizer settings and host state (SGD, Adagrad, Adam) | [`optim`] |
 //! | the one error type of engines and training ([`ExecError`]) | [`error`] |
 //! | non-finite losses and gradients: detection and reports | [`nonfinite`] |
@@ -48,7 +48,7 @@ pub mod nonfinite;
 pub mod optim;
 
 pub use batch::{fill_dropout_mask, pulled_values, Batch, ForwardOutput, Mode, Range};
-pub use engine::{step_outcome, Engine, StepOutcome};
+pub use engine::{step_outcome, steps_in_flight, HostState, StepOutcome, TrainEngine, TrainState};
 pub use error::{ExecError, Result, Setting};
 pub use nonfinite::{NonFiniteFault, NonFiniteParam, NonFiniteStep, OnNonFinite, TensorPart};
 pub use optim::{Optimizer, OptimizerConfig, OptimizerKind};

@@ -63,7 +63,7 @@ impl fmt::Display for NonFiniteParam {
 }
 
 /// A training step that was not applied (or, on an engine that cannot hold
-/// an update back, see [`crate::Engine::skips_nonfinite`], that made the
+/// an update back, see [`crate::TrainEngine::skips_nonfinite`], that made the
 /// parameters non-finite).
 #[derive(Clone, Debug, PartialEq)]
 pub struct NonFiniteStep {

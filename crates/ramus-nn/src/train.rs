@@ -1,4 +1,4 @@
-//! Training and evaluation loops over any [`Engine`] (the CPU batched
+//! Training and evaluation loops over any [`TrainEngine`] (the CPU batched
 //! engine by default).
 
 use std::collections::VecDeque;
@@ -8,12 +8,12 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
-use ramus_core::{Grads, HeadRows, Model, Params, Real};
-use ramus_cpu::CpuEngine;
+use ramus_core::{HeadRows, Model, Params, Real};
+use ramus_cpu::CpuTrainer;
 use ramus_exec::nonfinite::BatchPlace;
 use ramus_exec::{
-    Batch, Engine, ExecError, Mode, NonFiniteFault, OnNonFinite, Optimizer, OptimizerConfig,
-    Result, StepOutcome,
+    Batch, ExecError, Mode, NonFiniteFault, OnNonFinite, OptimizerConfig, Result, StepOutcome,
+    TrainEngine, TrainState,
 };
 
 use ramus_graph::{BatchingPolicy, InputGraph, NO_LABEL};
@@ -32,35 +32,43 @@ pub struct EvalResult {
     pub graphs: usize,
 }
 
-/// A model, its parameters, gradients, optimizer state and engine.
+/// The training and evaluation loops around a [`TrainEngine`], which owns
+/// the model's training state (parameters, optimizer, dropout stream): read
+/// it back with [`Trainer::state`].
 pub struct Trainer<T> {
-    pub model: Model,
-    pub params: Params<T>,
-    pub grads: Grads<T>,
-    pub optimizer: Optimizer<T>,
-    pub engine: Box<dyn Engine<T>>,
+    pub engine: Box<dyn TrainEngine<T>>,
     pub policy: BatchingPolicy,
     /// What a batch whose loss or a gradient is not finite does.
     pub on_nonfinite: OnNonFinite,
 }
 
 impl<T: Real> Trainer<T> {
+    /// Trains `model` from `params` on the CPU batched engine.
     pub fn new(model: Model, params: Params<T>, config: OptimizerConfig) -> Self {
-        let grads = Grads::zeros(&model);
-        let optimizer = Optimizer::new(config, &params);
+        Self::with_engine(Box::new(CpuTrainer::new(model, params, config)))
+    }
+
+    /// Trains on `engine` (built for its model, holding its state).
+    pub fn with_engine(engine: Box<dyn TrainEngine<T>>) -> Self {
         Trainer {
-            model,
-            params,
-            grads,
-            optimizer,
-            engine: Box::new(CpuEngine::new()),
+            engine,
             policy: BatchingPolicy::Cavs,
             on_nonfinite: OnNonFinite::Stop,
         }
     }
 
+    /// The model trained.
+    pub fn model(&self) -> &Model {
+        self.engine.model()
+    }
+
+    /// The training state (see [`TrainEngine::state`]).
+    pub fn state(&mut self) -> Result<TrainState<T>> {
+        self.engine.state()
+    }
+
     /// Refuses [`OnNonFinite::SkipBatch`] on an engine that cannot hold a
-    /// non-finite update back (see [`Engine::skips_nonfinite`]).
+    /// non-finite update back (see [`TrainEngine::skips_nonfinite`]).
     pub fn check_nonfinite_policy(&self) -> Result<()> {
         if self.on_nonfinite == OnNonFinite::SkipBatch && !self.engine.skips_nonfinite() {
             return Err(ExecError::Config(format!(
@@ -74,23 +82,10 @@ impl<T: Real> Trainer<T> {
 
     /// Forward, backward and one optimizer step on `graphs`; returns the
     /// loss, or [`ExecError::NonFinite`] for a step not applied (its loss or
-    /// a gradient was not finite). On a device engine `self.params` lags
-    /// until [`Trainer::sync_params`] (which [`Trainer::train_epoch`] calls
-    /// at the end of each epoch).
+    /// a gradient was not finite).
     pub fn train_batch(&mut self, graphs: &[&InputGraph]) -> Result<f64> {
-        let batch = Batch::new(&self.model, graphs.to_vec(), self.policy)?;
-        self.engine.train_step(
-            &self.model,
-            &mut self.params,
-            &mut self.grads,
-            &mut self.optimizer,
-            &batch,
-        )
-    }
-
-    /// Brings `self.params` up to date with the engine's copy.
-    pub fn sync_params(&mut self) -> Result<()> {
-        self.engine.sync_host_params(&mut self.params)
+        let batch = Batch::new(self.engine.model(), graphs.to_vec(), self.policy)?;
+        self.engine.train_step(&batch)
     }
 
     /// One epoch over `data` in shuffled batches; `progress(batches_done,
@@ -134,9 +129,9 @@ impl<T: Real> Trainer<T> {
     /// the epoch ends or `pauses` says to pause; `at` counts the batches,
     /// graphs and loss, `progress(batches_done, graphs_done, loss)` is
     /// called after each batch. When it returns, every step submitted has
-    /// finished and `self.params` is up to date, so the state can be saved
-    /// (the dropout stream included: an engine that prepares batches ahead
-    /// is never ahead of `at`).
+    /// finished, so [`Trainer::state`] reads the state to save (the dropout
+    /// stream included: an engine that prepares batches ahead is never
+    /// ahead of `at`).
     pub fn train_span(
         &mut self,
         span: &Span<'_>,
@@ -166,9 +161,10 @@ impl<T: Real> Trainer<T> {
                 stop = stop.min((next / n + 1) * n);
             }
             let group = &chunks[next..stop];
+            let (model, policy) = (self.engine.model(), self.policy);
             let build = |chunk: &&[usize]| {
                 let graphs: Vec<&InputGraph> = chunk.iter().map(|&i| &span.data[i]).collect();
-                Batch::new(&self.model, graphs, self.policy)
+                Batch::new(model, graphs, policy)
             };
             let batches = group
                 .par_iter()
@@ -180,13 +176,7 @@ impl<T: Real> Trainer<T> {
                     .iter()
                     .map(|c| (c.len(), c.first().copied().unwrap_or(0))),
             );
-            let outcomes = self.engine.submit_train_steps(
-                &self.model,
-                &mut self.params,
-                &mut self.grads,
-                &mut self.optimizer,
-                &batches,
-            )?;
+            let outcomes = self.engine.submit(&batches)?;
             for outcome in outcomes {
                 self.count(at, outcome, &mut in_flight, span, &mut progress)?;
             }
@@ -201,10 +191,9 @@ impl<T: Real> Trainer<T> {
                 break SpanEnd::Requested;
             }
         };
-        for outcome in self.engine.finish_train_steps()? {
+        for outcome in self.engine.finish()? {
             self.count(at, outcome, &mut in_flight, span, &mut progress)?;
         }
-        self.sync_params()?;
         Ok(end)
     }
 
@@ -255,35 +244,28 @@ impl<T: Real> Trainer<T> {
 
     /// Loss, root accuracy and all-node accuracy over `data`.
     pub fn evaluate(&mut self, data: &[InputGraph], batch_size: usize) -> Result<EvalResult> {
-        evaluate(
-            &self.model,
-            &self.params,
-            self.engine.as_mut(),
-            self.policy,
-            data,
-            batch_size,
-        )
+        evaluate(self.engine.as_mut(), self.policy, data, batch_size)
     }
 }
 
-/// Loss, root accuracy and all-node accuracy of `params` over `data`.
+/// Loss, root accuracy and all-node accuracy of `engine`'s current
+/// parameters over `data`.
 pub fn evaluate<T: Real>(
-    model: &Model,
-    params: &Params<T>,
-    engine: &mut dyn Engine<T>,
+    engine: &mut dyn TrainEngine<T>,
     policy: BatchingPolicy,
     data: &[InputGraph],
     batch_size: usize,
 ) -> Result<EvalResult> {
+    let head_rows = engine.model().head.rows;
     let (mut loss, mut root_ok, mut node_ok, mut nodes) = (0.0, 0usize, 0usize, 0usize);
     let mut roots = 0usize;
     for chunk in data.chunks(batch_size.max(1)) {
         let graphs: Vec<&InputGraph> = chunk.iter().collect();
-        let batch = Batch::new(model, graphs, policy)?;
+        let batch = Batch::new(engine.model(), graphs, policy)?;
         let s = &batch.schedule;
-        let out = engine.forward(model, params, &batch, Mode::Evaluate)?;
+        let out = engine.forward(&batch, Mode::Evaluate)?;
         loss += out.loss.unwrap_or(0.0) * chunk.len() as f64;
-        let all = match model.head.rows {
+        let all = match head_rows {
             HeadRows::Labelled => out,
             HeadRows::Roots => {
                 let preds = out.predictions();
@@ -292,7 +274,7 @@ pub fn evaluate<T: Real>(
                     roots += usize::from(label != NO_LABEL);
                     root_ok += usize::from(label == p as i32);
                 }
-                engine.forward_rows(model, params, &batch, Mode::Infer, HeadRows::Labelled)?
+                engine.forward_rows(&batch, Mode::Infer, HeadRows::Labelled)?
             }
         };
         let preds = all.predictions();
@@ -302,7 +284,7 @@ pub fn evaluate<T: Real>(
             let ok = s.labels[v as usize] == p as i32;
             node_ok += ok as usize;
             nodes += 1;
-            if model.head.rows == HeadRows::Labelled && is_root[v as usize] {
+            if head_rows == HeadRows::Labelled && is_root[v as usize] {
                 roots += 1;
                 root_ok += ok as usize;
             }

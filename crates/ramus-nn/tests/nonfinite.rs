@@ -109,9 +109,10 @@ fn a_nonfinite_batch_stops_training_naming_batch_graph_and_parameter() {
         "{text}"
     );
     // the bad batch was not applied: only the poisoned row is not finite
-    let emb = t.model.param_id("emb").unwrap();
-    t.params.values[emb].data_mut()[word as usize * 8] = 0.0;
-    assert_eq!(first_nonfinite(&t.model, &t.params, None), None);
+    let emb = t.model().param_id("emb").unwrap();
+    let mut params = t.state().unwrap().params;
+    params.values[emb].data_mut()[word as usize * 8] = 0.0;
+    assert_eq!(first_nonfinite(t.model(), &params, None), None);
 }
 
 /// A small ResNet (batch norm with running statistics: buffers) for
@@ -165,15 +166,20 @@ fn skip_batch_leaves_parameters_and_optimizer_state_bit_for_bit_and_trains_on() 
         let bad = all.iter().find(|b| is_bad(b)).unwrap();
         let graphs = |b: &[usize]| b.iter().map(|&i| &data[i]).collect::<Vec<_>>();
         t.train_batch(&graphs(clean)).unwrap();
-        let (params, optimizer) = (bits(&t.params), t.optimizer.clone());
+        let before = t.state().unwrap();
         let err = t.train_batch(&graphs(bad)).unwrap_err();
         assert!(matches!(err, ExecError::NonFinite(_)), "{err}");
-        assert_eq!(bits(&t.params), params, "clip {clip:?}: parameters moved");
+        let after = t.state().unwrap();
         assert_eq!(
-            t.optimizer, optimizer,
+            bits(&after.params),
+            bits(&before.params),
+            "clip {clip:?}: parameters moved"
+        );
+        assert_eq!(
+            after.optimizer, before.optimizer,
             "clip {clip:?}: optimizer state moved"
         );
-        assert_eq!(t.optimizer.steps(), 1);
+        assert_eq!(after.optimizer.steps(), 1);
 
         // a whole epoch: the bad batches are skipped, the rest train, and
         // the parameters are those of training on the clean batches alone
@@ -185,13 +191,19 @@ fn skip_batch_leaves_parameters_and_optimizer_state_bit_for_bit_and_trains_on() 
         let loss = at.mean_loss();
         assert_eq!(at.skipped, skipped, "clip {clip:?}");
         assert!(loss.is_finite(), "clip {clip:?}: loss {loss}");
-        assert_eq!(t.optimizer.steps(), (all.len() - skipped) as u64);
+        let trained = t.state().unwrap();
+        assert_eq!(trained.optimizer.steps(), (all.len() - skipped) as u64);
         let mut reference = fresh();
         for b in all.iter().filter(|b| !is_bad(b)) {
             reference.train_batch(&graphs(b)).unwrap();
         }
-        assert_eq!(bits(&t.params), bits(&reference.params), "clip {clip:?}");
-        assert_eq!(t.optimizer, reference.optimizer, "clip {clip:?}");
+        let reference = reference.state().unwrap();
+        assert_eq!(
+            bits(&trained.params),
+            bits(&reference.params),
+            "clip {clip:?}"
+        );
+        assert_eq!(trained.optimizer, reference.optimizer, "clip {clip:?}");
     }
 }
 
@@ -334,7 +346,7 @@ fn hyper_parameters_no_one_can_mean_are_refused_naming_the_setting() {
 /// run (binary Tree-LSTM, hidden 64, batches of 25, Adagrad) on the
 /// built-in treebank. Every batch runs twice, its forward and backward pass
 /// followed by the optimizer step with the check (`step_if_finite` and the
-/// loss test, as `Engine::train_step` does) and without (`step`), in
+/// loss test, as a training engine's step does) and without (`step`), in
 /// alternating order, so a busy machine slows both alike; and the check
 /// alone. Run with
 /// `cargo test --release -p ramus-nn --test nonfinite -- --ignored --nocapture`.
@@ -343,8 +355,8 @@ fn hyper_parameters_no_one_can_mean_are_refused_naming_the_setting() {
 fn nonfinite_check_cost_per_batch() {
     use ramus_cpu::CpuEngine;
     use ramus_exec::nonfinite::gradients_finite;
+    use ramus_exec::Optimizer;
     use ramus_exec::{Batch, Mode};
-    use ramus_exec::{Engine, Optimizer};
     use ramus_graph::BatchingPolicy;
     use std::time::Instant;
 
@@ -373,9 +385,9 @@ fn nonfinite_check_cost_per_batch() {
             for k in 0..2 {
                 let checked = (i + k) % 2 == 0;
                 let started = Instant::now();
-                let out = Engine::forward(&mut engine, &model, &params, b, Mode::Train).unwrap();
+                let out = engine.forward(&model, &params, b, Mode::Train).unwrap();
                 grads.clear();
-                Engine::backward(&mut engine, &model, &params, b, &mut grads).unwrap();
+                engine.backward(&model, &params, b, &mut grads).unwrap();
                 if checked {
                     let loss = out.loss.unwrap();
                     assert!(loss.is_finite() && optimizer.step_if_finite(&mut params, &grads));

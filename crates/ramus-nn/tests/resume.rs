@@ -3,7 +3,7 @@
 //! (parameters, optimizer moments and steps, dropout stream, epoch loss).
 
 use ramus_core::Params;
-use ramus_exec::{OptimizerConfig, OptimizerKind};
+use ramus_exec::{OptimizerConfig, OptimizerKind, TrainState};
 use ramus_graph::{ptb, synthetic, InputGraph, Vocab, VocabMode};
 use ramus_nn::resume::{self, Best, RunState};
 use ramus_nn::train::{shuffled_order, EpochProgress, Pauses, Span, SpanEnd};
@@ -16,14 +16,14 @@ fn treebank() -> (Vec<InputGraph>, Vocab) {
     (tr, vocab)
 }
 
-fn trainer(vocab: usize, params: Option<Params<f32>>) -> Trainer<f32> {
+fn trainer(vocab: usize) -> Trainer<f32> {
     let cfg = ModelConfig {
         vocab,
         hidden: 6,
         classes: 5,
     };
     let model = build_model_with("treelstm-nary", &cfg, &ModelOptions { dropout: 0.3 }).unwrap();
-    let params = params.unwrap_or_else(|| Params::init(&model, 2));
+    let params = Params::init(&model, 2);
     let mut t = Trainer::new(
         model,
         params,
@@ -37,12 +37,12 @@ fn trainer(vocab: usize, params: Option<Params<f32>>) -> Trainer<f32> {
 fn a_run_paused_saved_and_loaded_continues_bit_for_bit() {
     let (data, vocab) = treebank();
     // uninterrupted: two epochs of 60 graphs in batches of 4 (15 batches)
-    let mut whole = trainer(vocab.len(), None);
+    let mut whole = trainer(vocab.len());
     let mut rng = ramus_nn::train::rng(3);
     whole.train_epoch(&data, 4, &mut rng, |_, _, _| {}).unwrap();
     let whole_loss = whole.train_epoch(&data, 4, &mut rng, |_, _, _| {}).unwrap();
     // paused after 6 batches of epoch 2
-    let mut first = trainer(vocab.len(), None);
+    let mut first = trainer(vocab.len());
     let mut shuffle = ramus_nn::train::rng(3);
     first
         .train_epoch(&data, 4, &mut shuffle, |_, _, _| {})
@@ -66,11 +66,12 @@ fn a_run_paused_saved_and_loaded_continues_bit_for_bit() {
         SpanEnd::Checkpoint
     );
     assert_eq!(at.batches, 6);
+    let saved = first.state().unwrap();
     let state = RunState {
         epochs_done: 1,
         progress: at,
         shuffle: epoch2,
-        dropout: first.engine.dropout_rng(),
+        dropout: saved.dropout.clone(),
         best: Some(Best {
             score: 0.1 + 0.2,
             epoch: 1,
@@ -81,13 +82,13 @@ fn a_run_paused_saved_and_loaded_continues_bit_for_bit() {
     let dir = std::env::temp_dir().join(format!("ramus-nn-resume-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("last.safetensors");
-    let best = first.params.clone();
+    let best = saved.params.clone();
     resume::save(
         &path,
-        &first.model,
-        &first.params,
+        first.model(),
+        &saved.params,
         &vocab,
-        (&state, &first.optimizer, Some(&best)),
+        (&state, &saved.optimizer, Some(&best)),
     )
     .unwrap();
     // loaded into a fresh trainer
@@ -95,12 +96,18 @@ fn a_run_paused_saved_and_loaded_continues_bit_for_bit() {
     let (back, steps) = resume::read_state(&path, &bytes).unwrap();
     assert_eq!(back, state, "the run state round-trips exactly");
     assert_eq!(steps, 15 + 6);
-    let model = first.model.clone();
-    let r = resume::load(&path, &bytes, &model, first.optimizer.config, &back, steps).unwrap();
+    let model = first.model().clone();
+    let r = resume::load(&path, &bytes, &model, saved.optimizer.config, &back, steps).unwrap();
     assert_eq!(r.best.as_ref(), Some(&best));
-    let mut second = trainer(vocab.len(), Some(r.params));
-    second.optimizer = r.optimizer;
-    second.engine.set_dropout_rng(back.dropout.clone());
+    let mut second = trainer(vocab.len());
+    second
+        .engine
+        .restore(TrainState {
+            params: r.params,
+            optimizer: r.optimizer,
+            dropout: back.dropout.clone(),
+        })
+        .unwrap();
     let mut at = back.progress;
     assert_eq!(
         second
@@ -109,6 +116,7 @@ fn a_run_paused_saved_and_loaded_continues_bit_for_bit() {
         SpanEnd::EpochDone
     );
     assert_eq!(at.mean_loss(), whole_loss, "the epoch's loss");
+    let (second, whole) = (second.state().unwrap(), whole.state().unwrap());
     assert_eq!(second.params.values, whole.params.values);
     assert_eq!(
         second.optimizer.second_moments(),

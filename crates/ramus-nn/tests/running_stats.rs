@@ -8,9 +8,9 @@
 
 use ramus_core::ops::NormGeom;
 use ramus_core::{Init, Model, ModelBuilder, ParamKind, Params};
-use ramus_cpu::CpuEngine;
+use ramus_cpu::{CpuEngine, CpuTrainer};
 use ramus_exec::{Batch, Mode};
-use ramus_exec::{Engine, Optimizer, OptimizerConfig, OptimizerKind};
+use ramus_exec::{HostState, OptimizerConfig, OptimizerKind, TrainEngine};
 use ramus_graph::images::{self, ImageSpec};
 use ramus_graph::{BatchingPolicy, InputGraph, Vocab};
 use ramus_nn::vision::BN_EPS;
@@ -103,7 +103,7 @@ fn training_steps_update_running_statistics_like_the_reference() {
     let model = tiny_bn_model();
     assert!(model.is_buffer(model.param_id("bn.running_var").unwrap()));
     assert!(!model.is_buffer(model.param_id("bn.gamma").unwrap()));
-    let mut params: Params<f64> = Params::init(&model, 3);
+    let params: Params<f64> = Params::init(&model, 3);
     let (pm, pv) = (
         model.param_id("bn.running_mean").unwrap(),
         model.param_id("bn.running_var").unwrap(),
@@ -111,25 +111,16 @@ fn training_steps_update_running_statistics_like_the_reference() {
     assert_eq!(params.values[pm].data(), &[0.0; C]);
     assert_eq!(params.values[pv].data(), &[1.0; C]);
     let batches = [images(6, 1), images(4, 2), images(9, 3)];
-    let mut engine = CpuEngine::<f64>::new();
-    let mut grads = ramus_core::Grads::zeros(&model);
     // weight decay would shrink the buffers if the optimizer touched them
     let mut config = OptimizerConfig::new(OptimizerKind::Sgd, 0.1);
     config.weight_decay = 0.5;
-    let mut opt = Optimizer::new(config, &params);
+    let mut trainer = CpuTrainer::new(model.clone(), params, config);
     let (mut mean, mut var) = (vec![0.0; C], vec![1.0; C]);
     for step in 0..5 {
         let graphs = &batches[step % batches.len()];
-        let gamma_before = params.values[0].data().to_vec();
-        Engine::train_step(
-            &mut engine,
-            &model,
-            &mut params,
-            &mut grads,
-            &mut opt,
-            &batch(&model, graphs),
-        )
-        .unwrap();
+        let gamma_before = trainer.host().params.values[0].data().to_vec();
+        trainer.train_step(&batch(&model, graphs)).unwrap();
+        let params = &trainer.host().params;
         assert_ne!(params.values[0].data(), &gamma_before[..], "gamma trains");
         for (ch, (bm, bv)) in batch_moments(graphs).into_iter().enumerate() {
             mean[ch] = 0.9 * mean[ch] + 0.1 * bm;
@@ -145,6 +136,10 @@ fn training_steps_update_running_statistics_like_the_reference() {
             );
         }
     }
+    let HostState {
+        mut params, grads, ..
+    } = trainer.host().clone();
+    let engine = trainer.engine_mut();
     assert!(grads.is_buffer(pm) && grads.is_buffer(pv));
     assert!(
         grads.values[pm].data().iter().all(|&g| g == 0.0),
@@ -246,15 +241,14 @@ fn vision_models_keep_running_statistics_and_checkpoint_them() {
         ..spec()
     };
     let train = images::generate(&spec8, 4, (24, 0, 0)).unwrap().train;
-    let mut params: Params<f32> = Params::init(&model, 1);
-    let initial = params.clone();
-    let mut engine = CpuEngine::<f32>::new();
-    let mut grads = ramus_core::Grads::zeros(&model);
-    let mut opt = Optimizer::new(OptimizerConfig::new(OptimizerKind::Adam, 0.01), &params);
+    let initial: Params<f32> = Params::init(&model, 1);
+    let config = OptimizerConfig::new(OptimizerKind::Adam, 0.01);
+    let mut trainer = CpuTrainer::new(model.clone(), initial.clone(), config);
     for chunk in train.chunks(8) {
         let b = Batch::new(&model, chunk.iter().collect(), BatchingPolicy::Cavs).unwrap();
-        Engine::train_step(&mut engine, &model, &mut params, &mut grads, &mut opt, &b).unwrap();
+        trainer.train_step(&b).unwrap();
     }
+    let params = trainer.state().unwrap().params;
     for p in first_buffer..model.params.len() {
         assert_ne!(
             params.values[p], initial.values[p],

@@ -456,11 +456,12 @@ fn bilstm_tagger_learns_tags_that_need_the_backward_direction() {
 /// Tag accuracy on the words the vocabulary does not hold.
 fn rare_word_accuracy(t: &mut Trainer<f32>, graphs: &[InputGraph], rare: &[bool]) -> f64 {
     let mut engine = CpuEngine::<f32>::new();
+    let params = t.state().unwrap().params;
     let (mut ok, mut seen, mut at) = (0usize, 0usize, 0usize);
     for g in graphs {
-        let batch = Batch::new(&t.model, vec![g], BatchingPolicy::Cavs).unwrap();
+        let batch = Batch::new(t.model(), vec![g], BatchingPolicy::Cavs).unwrap();
         let out = engine
-            .forward(&t.model, &t.params, &batch, Mode::Evaluate)
+            .forward(t.model(), &params, &batch, Mode::Evaluate)
             .unwrap();
         let preds = out.predictions();
         let n = (0..g.len())

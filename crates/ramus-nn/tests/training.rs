@@ -2,7 +2,7 @@
 //! loss falls, and the binary Tree-LSTM reaches a stated accuracy.
 
 use ramus_core::Params;
-use ramus_exec::{OptimizerConfig, OptimizerKind};
+use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine};
 use ramus_graph::{ptb, synthetic, text, InputGraph, Vocab, VocabMode};
 use ramus_nn::{build_model, ModelConfig, Trainer};
 
@@ -145,62 +145,46 @@ fn lstm_language_model_loss_falls() {
 /// losses only with the next window (as the persistent engine does): the
 /// CPU engine underneath, steps run in order.
 struct WindowedCpu {
-    inner: ramus_cpu::CpuEngine<f32>,
+    inner: ramus_cpu::CpuTrainer<f32>,
     held: Vec<ramus_exec::StepOutcome>,
 }
 
-impl ramus_exec::Engine<f32> for WindowedCpu {
+impl TrainEngine<f32> for WindowedCpu {
     fn name(&self) -> &'static str {
         "windowed-cpu"
     }
+    fn model(&self) -> &ramus_core::Model {
+        self.inner.model()
+    }
     fn forward_rows(
         &mut self,
-        model: &ramus_core::Model,
-        params: &Params<f32>,
         batch: &ramus_exec::Batch<'_>,
         mode: ramus_exec::Mode,
         rows: ramus_core::HeadRows,
     ) -> ramus_exec::Result<ramus_exec::ForwardOutput<f32>> {
-        ramus_exec::Engine::forward_rows(&mut self.inner, model, params, batch, mode, rows)
-    }
-    fn backward(
-        &mut self,
-        model: &ramus_core::Model,
-        params: &Params<f32>,
-        batch: &ramus_exec::Batch<'_>,
-        grads: &mut ramus_core::Grads<f32>,
-    ) -> ramus_exec::Result<()> {
-        ramus_exec::Engine::backward(&mut self.inner, model, params, batch, grads)
+        self.inner.forward_rows(batch, mode, rows)
     }
     fn set_seed(&mut self, seed: u64) {
-        ramus_exec::Engine::<f32>::set_seed(&mut self.inner, seed);
+        self.inner.set_seed(seed);
     }
-    fn dropout_rng(&self) -> rand_chacha::ChaCha8Rng {
-        self.inner.dropout_rng().clone()
+    fn state(&mut self) -> ramus_exec::Result<ramus_exec::TrainState<f32>> {
+        self.inner.state()
     }
-    fn set_dropout_rng(&mut self, rng: rand_chacha::ChaCha8Rng) {
-        self.inner.set_dropout_rng(rng);
+    fn restore(&mut self, state: ramus_exec::TrainState<f32>) -> ramus_exec::Result<()> {
+        self.inner.restore(state)
     }
     fn lookahead(&self) -> usize {
         3
     }
-    fn submit_train_steps(
+    fn submit(
         &mut self,
-        model: &ramus_core::Model,
-        params: &mut Params<f32>,
-        grads: &mut ramus_core::Grads<f32>,
-        optimizer: &mut ramus_exec::Optimizer<f32>,
         batches: &[ramus_exec::Batch<'_>],
     ) -> ramus_exec::Result<Vec<ramus_exec::StepOutcome>> {
         assert!(batches.len() <= 3, "a window of {} batches", batches.len());
-        let mut now = Vec::new();
-        for b in batches {
-            let step = self.train_step(model, params, grads, optimizer, b);
-            now.push(ramus_exec::step_outcome(step)?);
-        }
+        let now = self.inner.submit(batches)?;
         Ok(std::mem::replace(&mut self.held, now))
     }
-    fn finish_train_steps(&mut self) -> ramus_exec::Result<Vec<ramus_exec::StepOutcome>> {
+    fn finish(&mut self) -> ramus_exec::Result<Vec<ramus_exec::StepOutcome>> {
         Ok(std::mem::take(&mut self.held))
     }
 }
@@ -212,11 +196,14 @@ impl ramus_exec::Engine<f32> for WindowedCpu {
 fn windowed_engines_train_as_one_batch_at_a_time() {
     let (train, _, vocab) = treebank(50, 1);
     let mut plain = trainer("treelstm", vocab.len(), 8, 5, OptimizerKind::Sgd, 0.1);
-    let mut windowed = trainer("treelstm", vocab.len(), 8, 5, OptimizerKind::Sgd, 0.1);
-    windowed.engine = Box::new(WindowedCpu {
-        inner: ramus_cpu::CpuEngine::new(),
+    let mut built = trainer("treelstm", vocab.len(), 8, 5, OptimizerKind::Sgd, 0.1);
+    let start = built.state().unwrap();
+    let inner =
+        ramus_cpu::CpuTrainer::new(built.model().clone(), start.params, start.optimizer.config);
+    let mut windowed = Trainer::with_engine(Box::new(WindowedCpu {
+        inner,
         held: Vec::new(),
-    });
+    }));
     for epoch in 0..2 {
         let (mut r1, mut r2) = (ramus_nn::train::rng(epoch), ramus_nn::train::rng(epoch));
         let (mut p1, mut p2) = (Vec::new(), Vec::new());
@@ -231,5 +218,39 @@ fn windowed_engines_train_as_one_batch_at_a_time() {
         assert_eq!(p1, p2, "epoch {epoch}: progress reports");
         assert_eq!(a, b, "epoch {epoch}: mean loss");
     }
-    assert_eq!(plain.params.values, windowed.params.values);
+    let (p1, p2) = (plain.state().unwrap(), windowed.state().unwrap());
+    assert_eq!(p1.params.values, p2.params.values);
+}
+
+/// `state()` reads back what `restore()` takes: a trainer restored from
+/// another's state trains on exactly as it does (parameters, optimizer
+/// moments and step count, dropout stream); a state for another model or
+/// another kind of update is refused, naming what differs.
+#[test]
+fn restored_state_trains_on_exactly_and_misfits_are_refused() {
+    let (train, _, vocab) = treebank(24, 1);
+    let graphs: Vec<&InputGraph> = train.iter().collect();
+    let mut a = trainer("treelstm", vocab.len(), 8, 5, OptimizerKind::Adam, 0.05);
+    a.engine.set_seed(4);
+    a.train_batch(&graphs[..8]).unwrap();
+    let mut b = trainer("treelstm", vocab.len(), 8, 5, OptimizerKind::Adam, 0.05);
+    b.engine.restore(a.state().unwrap()).unwrap();
+    for chunk in graphs[8..].chunks(8) {
+        assert_eq!(a.train_batch(chunk).unwrap(), b.train_batch(chunk).unwrap());
+    }
+    let (sa, sb) = (a.state().unwrap(), b.state().unwrap());
+    assert_eq!(sa.params.values, sb.params.values);
+    assert_eq!(sa.optimizer, sb.optimizer);
+    assert_eq!(sa.optimizer.steps(), 3);
+    assert_eq!(sa.dropout, sb.dropout);
+
+    let mut wider = trainer("treelstm", vocab.len(), 16, 5, OptimizerKind::Adam, 0.05);
+    let err = wider.engine.restore(sa.clone()).unwrap_err().to_string();
+    assert!(
+        err.contains("restored parameter `emb`") && err.contains(", 8]") && err.contains(", 16]"),
+        "{err}"
+    );
+    let mut sgd = trainer("treelstm", vocab.len(), 8, 5, OptimizerKind::Sgd, 0.05);
+    let err = sgd.engine.restore(sa).unwrap_err().to_string();
+    assert!(err.contains("Adam") && err.contains("Sgd"), "{err}");
 }

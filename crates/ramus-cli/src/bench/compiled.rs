@@ -155,7 +155,8 @@ fn compare_with_batched(
         .get("vocab")
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
-    let (mut engine, _) = super::bench_engine(a, model, params, vocab)?;
+    let trained = (params.clone(), super::bench_optimizer());
+    let (mut engine, _) = super::bench_engine(a, model, trained, vocab)?;
     let engine = engine.engine();
     for line in compiled {
         let bs = line["batch"].as_u64().unwrap_or(1) as usize;
@@ -163,7 +164,7 @@ fn compare_with_batched(
         let times = samples(a.reps, || {
             let b =
                 ramus_exec::Batch::new(model, batch.clone(), ramus_graph::BatchingPolicy::Cavs)?;
-            engine.forward(model, params, &b, ramus_exec::Mode::Infer)?;
+            engine.forward(&b, ramus_exec::Mode::Infer)?;
             Ok(())
         })?;
         let batched_ms = percentile_ms(&times, 50.0);

@@ -3,10 +3,11 @@
 //! same batches in the same process (and the PyTorch anchor with
 //! `--anchor`).
 
-use ramus_core::{Grads, Model, Params};
+use ramus_core::{Model, Params};
 use ramus_cuda::persistent::{prepared_ahead, PersistentEngine, PersistentOptions, PersistentStep};
+use ramus_cuda::CudaTrainer;
 use ramus_exec::Batch;
-use ramus_exec::{Engine, Optimizer, OptimizerConfig, OptimizerKind};
+use ramus_exec::{ExecError, OptimizerConfig, OptimizerKind, TrainEngine};
 use ramus_graph::{BatchingPolicy, InputGraph};
 
 use super::{median_time, run_anchor, AnyResult, BenchArgs};
@@ -15,6 +16,23 @@ use crate::device::{cuda_engine, Device};
 use crate::limits::Inference;
 use crate::output::outln;
 use ramus_exec::memory::{DeviceNeed, Pass};
+
+/// The batched engine the persistent one is compared with, training
+/// `params` with `config`.
+fn batched_trainer(
+    a: &BenchArgs,
+    model: &Model,
+    params: &Params<f32>,
+    config: OptimizerConfig,
+) -> AnyResult<CudaTrainer> {
+    let engine = cuda_engine(model, a.device_memory_budget)?;
+    Ok(CudaTrainer::new(
+        engine,
+        model.clone(),
+        params.clone(),
+        config,
+    )?)
+}
 
 pub fn run(
     a: &BenchArgs,
@@ -30,9 +48,6 @@ pub fn run(
     // made after the first persistent engine, whose set-up then includes
     // the CUDA context as a training run's does
     let mut batched = None;
-    let mut batched_params = params.clone();
-    let mut opt = Optimizer::new(config, params);
-    let mut grads = Grads::zeros(model);
     let mut results = Vec::new();
     for &bs in sizes {
         // an engine tuned for this batch size, as training at it would be
@@ -41,7 +56,7 @@ pub fn run(
         let mut persistent = tuned_engine(a, model, params, config, &trees[..bs])?;
         let batched = match &mut batched {
             Some(engine) => engine,
-            None => batched.insert(cuda_engine(model, a.device_memory_budget)?),
+            None => batched.insert(batched_trainer(a, model, params, config)?),
         };
         let batch: Vec<&InputGraph> = trees[..bs].iter().collect();
         let nodes: usize = batch.iter().map(|g| g.len()).sum();
@@ -99,12 +114,10 @@ pub fn run(
             .map(|s| (s * 1e6).round() / 1e3);
         let batched_train = median_time(a.reps, || {
             let b = Batch::new(model, batch.clone(), BatchingPolicy::Cavs)?;
-            let earlier =
-                batched.submit_train_step(model, &mut batched_params, &mut grads, &mut opt, &b)?;
-            earlier.transpose().map_err(ramus_exec::ExecError::from)?;
-            Ok(())
+            let mut earlier = batched.submit(std::slice::from_ref(&b))?.into_iter();
+            Ok(earlier.try_for_each(|o| o.map(drop).map_err(ExecError::from))?)
         })?;
-        for outcome in batched.finish_train_steps()? {
+        for outcome in batched.finish()? {
             outcome.map_err(ramus_exec::ExecError::from)?;
         }
         let step = last.ok_or("no step ran")?;

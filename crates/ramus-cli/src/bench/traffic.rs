@@ -7,10 +7,10 @@
 //! the batched engine, the matrices held in registers (loaded once per
 //! batch) for the persistent one.
 
-use ramus_core::{Grads, Model, Params};
-use ramus_cuda::CudaDevice;
+use ramus_core::{Model, Params};
+use ramus_cuda::{CudaDevice, CudaTrainer};
 use ramus_exec::Batch;
-use ramus_exec::{Engine, Optimizer, OptimizerConfig, OptimizerKind};
+use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine};
 use ramus_graph::{BatchingPolicy, InputGraph};
 
 use super::{persistent::tuned_engine, AnyResult, BenchArgs};
@@ -53,15 +53,13 @@ pub fn run(
     };
     match a.engine.as_str() {
         "batched" => {
-            let mut engine = cuda_engine(model, a.device_memory_budget)?;
-            let mut params = params.clone();
-            let mut opt = Optimizer::new(config, &params);
-            let mut grads = Grads::zeros(model);
+            let engine = cuda_engine(model, a.device_memory_budget)?;
+            let mut engine = CudaTrainer::new(engine, model.clone(), params.clone(), config)?;
             let param_bytes = 4 * params.values.iter().map(|t| t.len()).sum::<usize>();
             for &bs in sizes {
                 let mut step = |batch: &[&InputGraph]| -> AnyResult {
                     let b = Batch::new(model, batch.to_vec(), BatchingPolicy::Cavs)?;
-                    engine.train_step(model, &mut params, &mut grads, &mut opt, &b)?;
+                    engine.train_step(&b)?;
                     Ok(())
                 };
                 // unprofiled: the first step of a size compiles and allocates

@@ -1,13 +1,11 @@
 //! Training on the device: the fused optimizer over the engine's
 //! parameter buffers, a step's forward, backward and update without the
 //! host, the parameters brought back on demand; and the engine as a
-//! [`ramus_exec::Engine`].
-
-use rand_chacha::ChaCha8Rng;
+//! training engine, [`CudaTrainer`] ([`ramus_exec::TrainEngine`]).
 
 use ramus_core::graph::Role;
 use ramus_core::{Grads, HeadRows, Model, Params};
-use ramus_exec::{Batch, ForwardOutput, Mode};
+use ramus_exec::{steps_in_flight, Batch, ForwardOutput, Mode, TrainEngine, TrainState};
 use ramus_exec::{Optimizer, OptimizerConfig, StepOutcome};
 use ramus_graph::Schedule;
 
@@ -195,86 +193,164 @@ impl CudaEngine {
     }
 }
 
-impl ramus_exec::Engine<f32> for CudaEngine {
-    fn name(&self) -> &'static str {
-        "cuda-batched"
+/// The batched engine's own passes, taking the model and parameters on
+/// each call as the CPU reference engine's do: what tests compare against
+/// it. Training goes through [`CudaTrainer`].
+impl CudaEngine {
+    /// Forward pass over `batch` with the head on the model's own rows.
+    pub fn forward(
+        &mut self,
+        model: &Model,
+        params: &Params<f32>,
+        batch: &Batch<'_>,
+        mode: Mode,
+    ) -> Result<ForwardOutput<f32>> {
+        self.forward_pass(model, params, batch, mode, model.head.rows)
     }
-    fn forward_rows(
+
+    /// Forward pass with the head on `rows`.
+    pub fn forward_rows(
         &mut self,
         model: &Model,
         params: &Params<f32>,
         batch: &Batch<'_>,
         mode: Mode,
         rows: HeadRows,
-    ) -> ramus_exec::Result<ForwardOutput<f32>> {
-        Ok(self.forward_pass(model, params, batch, mode, rows)?)
+    ) -> Result<ForwardOutput<f32>> {
+        self.forward_pass(model, params, batch, mode, rows)
     }
-    fn backward(
+
+    /// Backward pass of the last train-mode forward pass; adds parameter
+    /// gradients into `grads` (on the host).
+    pub fn backward(
         &mut self,
         model: &Model,
         params: &Params<f32>,
         batch: &Batch<'_>,
         grads: &mut Grads<f32>,
-    ) -> ramus_exec::Result<()> {
-        Ok(self.backward_pass(model, params, batch, grads)?)
+    ) -> Result<()> {
+        self.backward_pass(model, params, batch, grads)
     }
-    fn set_seed(&mut self, seed: u64) {
-        CudaEngine::set_seed(self, seed)
-    }
-    fn dropout_rng(&self) -> ChaCha8Rng {
-        self.rng.clone()
-    }
-    fn set_dropout_rng(&mut self, rng: ChaCha8Rng) {
+
+    /// Continues the dropout masks from `rng`.
+    pub fn set_dropout_rng(&mut self, rng: rand_chacha::ChaCha8Rng) {
         self.rng = rng;
     }
-    fn sync_host_optimizer(&mut self, optimizer: &mut Optimizer<f32>) -> ramus_exec::Result<()> {
-        Ok(self.download_optimizer(optimizer)?)
+}
+
+/// The CUDA batched engine as a training engine for one model: the
+/// parameters and the optimizer's moments and step count live on the
+/// device and are updated there; [`TrainEngine::state`] reads them back.
+pub struct CudaTrainer {
+    engine: CudaEngine,
+    model: Model,
+    /// The parameters the device copy was made from. The engine uploads
+    /// them when their version changes; a training step leaves the device
+    /// copy ahead and gives these values the device copy's version, so
+    /// they are never uploaded over it (their values lag until
+    /// [`TrainEngine::state`] brings them back).
+    uploaded: Params<f32>,
+    config: OptimizerConfig,
+}
+
+impl CudaTrainer {
+    /// Trains `model` from `params` on `engine` (set up for `model`) with
+    /// a fresh optimizer of `config`.
+    pub fn new(
+        engine: CudaEngine,
+        model: Model,
+        params: Params<f32>,
+        config: OptimizerConfig,
+    ) -> Result<Self> {
+        engine.check_model(&model)?;
+        Ok(CudaTrainer {
+            engine,
+            model,
+            uploaded: params,
+            config,
+        })
     }
-    fn load_optimizer_state(&mut self, optimizer: &Optimizer<f32>) -> ramus_exec::Result<()> {
-        Ok(self.upload_optimizer(optimizer)?)
+
+    /// The engine underneath (its counters and reports).
+    pub fn engine(&self) -> &CudaEngine {
+        &self.engine
+    }
+
+    fn check_idle(&self, call: &str) -> ramus_exec::Result<()> {
+        match self.engine.pending_loss {
+            Some(_) => Err(steps_in_flight("cuda-batched", call)),
+            None => Ok(()),
+        }
+    }
+}
+
+impl TrainEngine<f32> for CudaTrainer {
+    fn name(&self) -> &'static str {
+        "cuda-batched"
+    }
+    fn model(&self) -> &Model {
+        &self.model
+    }
+    fn forward_rows(
+        &mut self,
+        batch: &Batch<'_>,
+        mode: Mode,
+        rows: HeadRows,
+    ) -> ramus_exec::Result<ForwardOutput<f32>> {
+        self.check_idle("a forward pass")?;
+        let (model, params) = (&self.model, &self.uploaded);
+        Ok(self.engine.forward_pass(model, params, batch, mode, rows)?)
+    }
+    /// Forward, backward and the fused optimizer update of each batch on
+    /// the device; each step's outcome comes back with the next step's
+    /// loss (or [`finish`](TrainEngine::finish)).
+    fn submit(&mut self, batches: &[Batch<'_>]) -> ramus_exec::Result<Vec<StepOutcome>> {
+        let mut outcomes = Vec::new();
+        for batch in batches {
+            let (model, params) = (&self.model, &mut self.uploaded);
+            outcomes.extend(
+                self.engine
+                    .device_train_step(model, params, &self.config, batch)?,
+            );
+        }
+        Ok(outcomes)
+    }
+    fn finish(&mut self) -> ramus_exec::Result<Vec<StepOutcome>> {
+        Ok(self.engine.settle_step()?.into_iter().collect())
+    }
+    fn set_seed(&mut self, seed: u64) {
+        self.engine.set_seed(seed)
+    }
+    fn state(&mut self) -> ramus_exec::Result<TrainState<f32>> {
+        self.check_idle("state()")?;
+        self.engine.download_params(&mut self.uploaded)?;
+        // before the first step the optimizer state is the restored one
+        let mut optimizer = match &self.engine.pending_optimizer {
+            Some(restored) => restored.clone(),
+            None => Optimizer::new(self.config, &self.uploaded),
+        };
+        self.engine.download_optimizer(&mut optimizer)?;
+        Ok(TrainState {
+            params: self.uploaded.clone(),
+            optimizer,
+            dropout: self.engine.rng.clone(),
+        })
+    }
+    fn restore(&mut self, state: TrainState<f32>) -> ramus_exec::Result<()> {
+        self.check_idle("restore()")?;
+        state.check_fits(&self.model, &self.config)?;
+        self.engine.upload_optimizer(&state.optimizer)?;
+        self.config = state.optimizer.config;
+        // new values, a new version: uploaded before the next pass
+        self.uploaded = state.params;
+        self.engine.set_dropout_rng(state.dropout);
+        Ok(())
     }
     fn memory_report(&self) -> Option<String> {
-        self.last_swap_report().map(|r| r.to_string())
+        self.engine.last_swap_report().map(|r| r.to_string())
     }
     fn device_memory_room(&self) -> Option<u64> {
-        self.memory_room().ok()
-    }
-    fn sync_host_params(&mut self, params: &mut Params<f32>) -> ramus_exec::Result<()> {
-        Ok(self.download_params(params)?)
-    }
-    /// One step, waiting for its own outcome (a non-finite step is
-    /// [`ramus_exec::ExecError::NonFinite`]); the trainer's loop submits steps
-    /// instead, learning each outcome with the next step's loss.
-    fn train_step(
-        &mut self,
-        model: &Model,
-        params: &mut Params<f32>,
-        _grads: &mut Grads<f32>,
-        optimizer: &mut Optimizer<f32>,
-        batch: &Batch<'_>,
-    ) -> ramus_exec::Result<f64> {
-        // a step submitted before and not yet settled is settled first
-        if let Some(Err(step)) = self.settle_step()? {
-            return Err(step.into());
-        }
-        self.device_train_step(model, params, &optimizer.config, batch)?;
-        match self.settle_step()? {
-            Some(outcome) => outcome.map_err(Into::into),
-            None => Err(model_err("the training step left no outcome").into()),
-        }
-    }
-    fn submit_train_step(
-        &mut self,
-        model: &Model,
-        params: &mut Params<f32>,
-        _grads: &mut Grads<f32>,
-        optimizer: &mut Optimizer<f32>,
-        batch: &Batch<'_>,
-    ) -> ramus_exec::Result<Option<StepOutcome>> {
-        Ok(self.device_train_step(model, params, &optimizer.config, batch)?)
-    }
-    fn finish_train_steps(&mut self) -> ramus_exec::Result<Vec<StepOutcome>> {
-        Ok(self.settle_step()?.into_iter().collect())
+        self.engine.memory_room().ok()
     }
 }
 

@@ -1,21 +1,21 @@
-//! The persistent engine behind the [`Engine`] trait, so the trainer (and
-//! `ramus train --engine persistent`) drives it: training steps go through
-//! the overlapped VPPS call (each returns the previous batch's loss), and
-//! evaluation runs on the batched CUDA engine with the parameters brought
-//! back from the device.
+//! The persistent engine as a training engine ([`TrainEngine`]), so the
+//! trainer (and `ramus train --engine persistent`) drives it: training
+//! steps go through the overlapped VPPS call (each returns the previous
+//! batch's loss), and evaluation runs on the batched CUDA engine with the
+//! parameters brought back from the device. The parameters and the
+//! optimizer state live in the persistent engine's pool.
 //!
 //! Non-finite steps: the update runs inside the training kernel, so a step
-//! cannot be held back ([`Engine::skips_nonfinite`] is false: the trainer
+//! cannot be held back ([`TrainEngine::skips_nonfinite`] is false: the trainer
 //! refuses `skip-batch` up front). A batch whose loss comes back non-finite,
 //! or whose update met a non-finite gradient or value (the kernel's fault
 //! word, copied back with the loss), is reported with the first parameter
 //! whose value is not finite (read back then).
 
-use ramus_core::{Grads, Model, Params};
+use ramus_core::{Model, Params};
 use ramus_exec::nonfinite::first_nonfinite;
-use ramus_exec::{Batch, ForwardOutput, Mode};
-use ramus_exec::{Engine, ExecError, NonFiniteStep, Optimizer, OptimizerConfig, StepOutcome};
-use rand_chacha::ChaCha8Rng;
+use ramus_exec::{steps_in_flight, Batch, ForwardOutput, Mode, TrainEngine, TrainState};
+use ramus_exec::{ExecError, NonFiniteStep, Optimizer, OptimizerConfig, StepOutcome};
 
 use super::{PersistentEngine, PersistentOptions};
 use crate::engine::{CudaEngine, CudaEngineOptions};
@@ -36,10 +36,14 @@ pub fn prepared_ahead() -> usize {
 
 /// Training on the persistent engine, evaluation on the batched one.
 pub struct PersistentTrainer {
+    /// Holds the parameters and the optimizer state (in its pool).
     engine: PersistentEngine,
     eval: CudaEngine,
-    /// The model the engines were set up for (to rebuild parameters).
+    /// The model the engines were set up for.
     model: Model,
+    config: OptimizerConfig,
+    /// The parameters last read back for evaluation, until the next step.
+    evaluated: Option<Params<f32>>,
 }
 
 /// What the evaluating (batched) engine allocates for the model: the
@@ -106,6 +110,8 @@ impl PersistentTrainer {
             engine,
             eval,
             model: model.clone(),
+            config: optimizer,
+            evaluated: None,
         })
     }
 
@@ -128,6 +134,13 @@ impl PersistentTrainer {
         }))
     }
 
+    fn check_idle(&self, call: &str) -> ramus_exec::Result<()> {
+        match self.engine.in_flight() {
+            0 => Ok(()),
+            _ => Err(steps_in_flight("cuda-persistent", call)),
+        }
+    }
+
     fn outcomes(
         &mut self,
         steps: Vec<super::PersistentStep>,
@@ -136,124 +149,104 @@ impl PersistentTrainer {
     }
 }
 
-impl Engine<f32> for PersistentTrainer {
+impl TrainEngine<f32> for PersistentTrainer {
     fn name(&self) -> &'static str {
         "cuda-persistent"
     }
 
+    fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// On the batched engine, with the parameters read back from the
+    /// persistent engine's pool (once after each run of steps).
     fn forward_rows(
         &mut self,
-        model: &Model,
-        params: &Params<f32>,
         batch: &Batch<'_>,
         mode: Mode,
         rows: ramus_core::HeadRows,
     ) -> ramus_exec::Result<ForwardOutput<f32>> {
-        self.eval.forward_rows(model, params, batch, mode, rows)
+        self.check_idle("a forward pass")?;
+        let params = match self.evaluated.take() {
+            Some(params) => params,
+            None => self.engine.params(&self.model).map_err(exec_err)?,
+        };
+        let out = self
+            .eval
+            .forward_rows(&self.model, &params, batch, mode, rows);
+        self.evaluated = Some(params);
+        Ok(out?)
     }
 
-    fn backward(
-        &mut self,
-        model: &Model,
-        params: &Params<f32>,
-        batch: &Batch<'_>,
-        grads: &mut Grads<f32>,
-    ) -> ramus_exec::Result<()> {
-        self.eval.backward(model, params, batch, grads)
+    fn submit(&mut self, batches: &[Batch<'_>]) -> ramus_exec::Result<Vec<StepOutcome>> {
+        self.evaluated = None;
+        let started = std::time::Instant::now();
+        let steps = match batches {
+            // one batch in flight behind the one submitted
+            [batch] => {
+                let previous = self
+                    .engine
+                    .submit_scheduled(&self.model, &batch.schedule, started)
+                    .map_err(exec_err)?;
+                previous.into_iter().collect()
+            }
+            _ => {
+                let schedules: Vec<&ramus_graph::Schedule> =
+                    batches.iter().map(|b| &b.schedule).collect();
+                self.engine
+                    .submit_many_scheduled(&self.model, &schedules, started)
+                    .map_err(exec_err)?
+            }
+        };
+        self.outcomes(steps)
     }
 
-    fn set_seed(&mut self, seed: u64) {
-        self.engine.seed(seed);
-        Engine::<f32>::set_seed(&mut self.eval, seed);
-    }
-
-    fn dropout_rng(&self) -> ChaCha8Rng {
-        self.engine.dropout_rng().clone()
-    }
-
-    fn set_dropout_rng(&mut self, rng: ChaCha8Rng) {
-        self.engine.set_dropout_rng(rng.clone());
-        Engine::<f32>::set_dropout_rng(&mut self.eval, rng);
-    }
-
-    fn sync_host_optimizer(&mut self, optimizer: &mut Optimizer<f32>) -> ramus_exec::Result<()> {
-        self.engine.download_optimizer(optimizer).map_err(exec_err)
-    }
-
-    fn load_optimizer_state(&mut self, optimizer: &Optimizer<f32>) -> ramus_exec::Result<()> {
-        self.engine.upload_optimizer(optimizer).map_err(exec_err)
-    }
-
-    fn device_memory_room(&self) -> Option<u64> {
-        self.eval.memory_room().ok()
-    }
-
-    fn sync_host_params(&mut self, params: &mut Params<f32>) -> ramus_exec::Result<()> {
-        // the batches still in flight update the parameters first
-        self.engine.latest().map_err(exec_err)?;
-        *params = self.engine.params(&self.model).map_err(exec_err)?;
-        Ok(())
-    }
-
-    fn train_step(
-        &mut self,
-        model: &Model,
-        params: &mut Params<f32>,
-        grads: &mut Grads<f32>,
-        optimizer: &mut Optimizer<f32>,
-        batch: &Batch<'_>,
-    ) -> ramus_exec::Result<f64> {
-        // a step still in flight is from an earlier call: its loss is dropped
-        self.submit_train_step(model, params, grads, optimizer, batch)?;
-        let step = self
-            .engine
-            .latest()
-            .map_err(exec_err)?
-            .ok_or_else(|| ExecError::Config("the persistent step returned no loss".into()))?;
-        self.outcome(&step)?.map_err(Into::into)
-    }
-
-    fn skips_nonfinite(&self) -> bool {
-        false
-    }
-
-    fn submit_train_step(
-        &mut self,
-        model: &Model,
-        _params: &mut Params<f32>,
-        _grads: &mut Grads<f32>,
-        _optimizer: &mut Optimizer<f32>,
-        batch: &Batch<'_>,
-    ) -> ramus_exec::Result<Option<StepOutcome>> {
-        let previous = self
-            .engine
-            .submit_scheduled(model, &batch.schedule, std::time::Instant::now())
-            .map_err(exec_err)?;
-        previous.map(|s| self.outcome(&s)).transpose()
+    fn finish(&mut self) -> ramus_exec::Result<Vec<StepOutcome>> {
+        let steps = self.engine.finish().map_err(exec_err)?;
+        self.outcomes(steps)
     }
 
     fn lookahead(&self) -> usize {
         prepared_ahead()
     }
 
-    fn submit_train_steps(
-        &mut self,
-        model: &Model,
-        _params: &mut Params<f32>,
-        _grads: &mut Grads<f32>,
-        _optimizer: &mut Optimizer<f32>,
-        batches: &[Batch<'_>],
-    ) -> ramus_exec::Result<Vec<StepOutcome>> {
-        let schedules: Vec<&ramus_graph::Schedule> = batches.iter().map(|b| &b.schedule).collect();
-        let steps = self
-            .engine
-            .submit_many_scheduled(model, &schedules, std::time::Instant::now())
-            .map_err(exec_err)?;
-        self.outcomes(steps)
+    fn skips_nonfinite(&self) -> bool {
+        false
     }
 
-    fn finish_train_steps(&mut self) -> ramus_exec::Result<Vec<StepOutcome>> {
-        let steps = self.engine.finish().map_err(exec_err)?;
-        self.outcomes(steps)
+    fn set_seed(&mut self, seed: u64) {
+        self.engine.seed(seed);
+        self.eval.set_seed(seed);
+    }
+
+    fn state(&mut self) -> ramus_exec::Result<TrainState<f32>> {
+        self.check_idle("state()")?;
+        let params = self.engine.params(&self.model).map_err(exec_err)?;
+        let mut optimizer = Optimizer::new(self.config, &params);
+        self.engine
+            .download_optimizer(&mut optimizer)
+            .map_err(exec_err)?;
+        Ok(TrainState {
+            params,
+            optimizer,
+            dropout: self.engine.dropout_rng().clone(),
+        })
+    }
+
+    fn restore(&mut self, state: TrainState<f32>) -> ramus_exec::Result<()> {
+        self.check_idle("restore()")?;
+        state.check_fits(&self.model, &self.config)?;
+        self.engine.upload_params(&state.params).map_err(exec_err)?;
+        self.engine
+            .upload_optimizer(&state.optimizer)
+            .map_err(exec_err)?;
+        self.engine.set_dropout_rng(state.dropout.clone());
+        self.eval.set_dropout_rng(state.dropout);
+        self.evaluated = Some(state.params);
+        Ok(())
+    }
+
+    fn device_memory_room(&self) -> Option<u64> {
+        self.eval.memory_room().ok()
     }
 }

@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use ramus_core::{Grads, Model, Params};
 use ramus_cuda::{CudaDevice, CudaEngine};
-use ramus_exec::Engine;
 use ramus_exec::{Batch, Mode};
 use ramus_graph::{BatchingPolicy, InputGraph};
 
@@ -63,9 +62,9 @@ pub fn assert_steady_state(
             let batch =
                 Batch::new(model, chunk.iter().collect(), BatchingPolicy::Cavs).expect("schedule");
             let launches = cuda.launches();
-            Engine::forward(cuda, model, params, &batch, Mode::Train).expect("forward");
+            CudaEngine::forward(cuda, model, params, &batch, Mode::Train).expect("forward");
             grads.clear();
-            Engine::backward(cuda, model, params, &batch, &mut grads).expect("backward");
+            CudaEngine::backward(cuda, model, params, &batch, &mut grads).expect("backward");
             if round == 0 {
                 println!(
                     "{} {what}: {} launches per training batch",

@@ -1,8 +1,9 @@
 //! The persistent engine's training state in and out of the pool, for
-//! resumable checkpoints: the optimizer's moments (beside each parameter
-//! in the pool), its step count and the dropout stream.
+//! resumable checkpoints: the parameter values, the optimizer's moments
+//! (beside each parameter in the pool), its step count and the dropout
+//! stream.
 
-use ramus_core::Tensor;
+use ramus_core::{Params, Tensor};
 use ramus_exec::Optimizer;
 use rand_chacha::ChaCha8Rng;
 
@@ -81,12 +82,52 @@ impl PersistentEngine {
         Ok(())
     }
 
-    fn check_idle(&self, host: &Optimizer<f32>) -> Result<()> {
-        if !self.pending.is_empty() {
-            return Err(model_err(
-                "the optimizer state moves only between batches (finish them first)",
-            ));
+    /// Makes `params` the engine's parameter values. Every submitted
+    /// batch must be finished.
+    pub fn upload_params(&mut self, params: &Params<f32>) -> Result<()> {
+        self.check_no_pending()?;
+        let layout = &self.prog.params;
+        if params.values.len() != layout.len.len() {
+            return Err(model_err(format!(
+                "{} parameter tensors for an engine of {}",
+                params.values.len(),
+                layout.len.len()
+            )));
         }
+        let stream = self.device.stream().clone();
+        let view = self.buffer.view().slice(0..layout.total)?;
+        let mut all = self.transfer.download_to_vec(view, &stream)?;
+        for (p, t) in params.values.iter().enumerate() {
+            if t.len() != layout.len[p] {
+                return Err(model_err(format!(
+                    "parameter {p}: {} values for {}",
+                    t.len(),
+                    layout.len[p]
+                )));
+            }
+            let at = layout.value[p];
+            all[at..at + t.len()].copy_from_slice(t.data());
+        }
+        self.transfer.upload_slice(&all, view, &stream)?;
+        self.transfer.wait()
+    }
+
+    /// Batches submitted whose steps were not returned yet.
+    pub fn in_flight(&self) -> usize {
+        self.pending.len()
+    }
+
+    fn check_no_pending(&self) -> Result<()> {
+        match self.pending.is_empty() {
+            true => Ok(()),
+            false => Err(model_err(
+                "the training state moves only between batches (finish them first)",
+            )),
+        }
+    }
+
+    fn check_idle(&self, host: &Optimizer<f32>) -> Result<()> {
+        self.check_no_pending()?;
         if host.config.kind != self.optimizer.kind
             || host.first_moments().len() != self.prog.params.len.len()
         {
