@@ -3,6 +3,7 @@
 
 pub mod compiled;
 mod contract;
+mod infer;
 pub mod engine;
 pub mod trace;
 
