@@ -273,15 +273,27 @@ fn train_save_eval_on_built_in_data() {
     };
     assert_eq!(auto.len(), chosen.len());
     for (a, c) in auto.iter().zip(chosen) {
-        assert_eq!((&a["tree"], &a["prediction"]), (&c["tree"], &c["prediction"]));
-        let (xs, ys) = (a["scores"].as_array().unwrap(), c["scores"].as_array().unwrap());
+        assert_eq!(
+            (&a["tree"], &a["prediction"]),
+            (&c["tree"], &c["prediction"])
+        );
+        let (xs, ys) = (
+            a["scores"].as_array().unwrap(),
+            c["scores"].as_array().unwrap(),
+        );
         for (x, y) in xs.iter().zip(ys) {
             let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
             assert!((x - y).abs() <= 1e-6 * (1.0 + y.abs()), "auto {x} vs {y}");
         }
     }
     assert_one_line_error(
-        &ramus(&["infer", "--checkpoint", ckpt.to_str().unwrap(), "--engine", "fast"]),
+        &ramus(&[
+            "infer",
+            "--checkpoint",
+            ckpt.to_str().unwrap(),
+            "--engine",
+            "fast",
+        ]),
         "unknown engine `fast` (expected compiled, batched or auto)",
     );
 }

@@ -3,8 +3,8 @@
 
 pub mod compiled;
 mod contract;
-mod infer;
 pub mod engine;
+mod infer;
 pub mod trace;
 
 pub use engine::CpuEngine;

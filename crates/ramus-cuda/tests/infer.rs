@@ -59,7 +59,11 @@ fn cuda_inference_engines_give_the_cpu_reference_scores() {
         let batched = || -> Result<Box<dyn InferEngine<f32> + '_>, String> {
             let engine = CudaEngine::new(&model, &CudaEngineOptions::default())
                 .map_err(|e| e.to_string())?;
-            Ok(Box::new(BatchedInfer::new(Box::new(engine), &model, &params)))
+            Ok(Box::new(BatchedInfer::new(
+                Box::new(engine),
+                &model,
+                &params,
+            )))
         };
         let engines = [
             compiled().expect("cuda-compiled"),

@@ -425,7 +425,10 @@ mod tests {
         let mut warming = s.fake("warming", 0.001, 0.0, 1.0);
         warming.first_extra = 0.050;
         let steady = s.fake("steady", 0.0015, 0.0, 2.0);
-        let mut auto = s.auto(vec![offer(warming), offer(steady)]).unwrap().with_rounds(1);
+        let mut auto = s
+            .auto(vec![offer(warming), offer(steady)])
+            .unwrap()
+            .with_rounds(1);
         assert_eq!(auto.infer(&[&g[0]]).unwrap().values, vec![2.0]);
         assert_eq!(s.runs.borrow().len(), 2);
     }
@@ -462,10 +465,8 @@ mod tests {
 
         // nothing buildable: an error naming every refusal
         let s = Setup::new();
-        let offers: Vec<Offer<'static, f32>> = vec![
-            ("x", Err("no CUDA".into())),
-            ("y", Err("no cell".into())),
-        ];
+        let offers: Vec<Offer<'static, f32>> =
+            vec![("x", Err("no CUDA".into())), ("y", Err("no cell".into()))];
         let e = s.auto(offers).err().expect("refused").to_string();
         assert!(e.contains("x: no CUDA; y: no cell"), "{e}");
     }

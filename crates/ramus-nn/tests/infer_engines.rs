@@ -46,7 +46,11 @@ fn every_cpu_inference_engine_gives_the_batched_reference_scores() {
         let mut reference = BatchedInfer::new(Box::new(CpuEngine::<f32>::new()), &model, &params);
         assert_eq!(reference.name(), "cpu-batched");
         let want = reference.infer(&refs).expect("reference");
-        assert_eq!(want.rows().count(), graphs.len(), "{name}: one row per tree");
+        assert_eq!(
+            want.rows().count(),
+            graphs.len(),
+            "{name}: one row per tree"
+        );
 
         let engines: Vec<Box<dyn InferEngine<f32> + '_>> = vec![
             Box::new(CpuCompiledEngine::new(&model, &params, true).expect("compiles")),
@@ -77,8 +81,8 @@ fn every_cpu_inference_engine_gives_the_batched_reference_scores() {
                 ))),
             ),
         ];
-        let mut auto = AutoInfer::new(offers, |l: &str| notices.push(l.to_string()))
-            .expect("two candidates");
+        let mut auto =
+            AutoInfer::new(offers, |l: &str| notices.push(l.to_string())).expect("two candidates");
         for round in 0..2 {
             let got = auto.infer(&refs).expect("auto infers");
             assert_close(&format!("{name} auto round {round}"), &want, &got);
