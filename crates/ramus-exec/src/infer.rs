@@ -79,36 +79,22 @@ pub trait InferEngine<T: Real> {
 }
 
 /// A batched engine ([`Engine`]) as an [`InferEngine`] for one model and
-/// its parameters: each batch is scheduled under its batching policy and
-/// run forward in [`Mode::Infer`] with the head on the roots.
+/// its parameters: each batch is scheduled by [`BatchingPolicy::Cavs`] (as
+/// training does) and run forward in [`Mode::Infer`] with the head on the roots.
 pub struct BatchedInfer<'a, T: Real> {
     engine: Box<dyn Engine<T> + 'a>,
     model: &'a Model,
     params: &'a Params<T>,
-    policy: BatchingPolicy,
 }
 
 impl<'a, T: Real> BatchedInfer<'a, T> {
-    /// `engine` running `model` with `params`, batches scheduled by
-    /// [`BatchingPolicy::Cavs`] (as training does).
+    /// `engine` running `model` with `params`.
     pub fn new(engine: Box<dyn Engine<T> + 'a>, model: &'a Model, params: &'a Params<T>) -> Self {
         BatchedInfer {
             engine,
             model,
             params,
-            policy: BatchingPolicy::Cavs,
         }
-    }
-
-    /// The same engine scheduling batches under `policy`.
-    pub fn with_policy(mut self, policy: BatchingPolicy) -> Self {
-        self.policy = policy;
-        self
-    }
-
-    /// The batched engine inside, e.g. to ask what device memory it has left.
-    pub fn engine(&self) -> &(dyn Engine<T> + 'a) {
-        self.engine.as_ref()
     }
 }
 
@@ -118,7 +104,7 @@ impl<T: Real> InferEngine<T> for BatchedInfer<'_, T> {
     }
 
     fn infer(&mut self, graphs: &[&InputGraph]) -> Result<Scores<T>> {
-        let batch = Batch::new(self.model, graphs.to_vec(), self.policy)?;
+        let batch = Batch::new(self.model, graphs.to_vec(), BatchingPolicy::Cavs)?;
         let (model, params) = (self.model, self.params);
         let out = self
             .engine
