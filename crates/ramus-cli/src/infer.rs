@@ -1,23 +1,22 @@
 //! `ramus infer`: predictions of a trained tree model for trees read from
 //! a file or standard input, in batches, through the compiled (Cortex)
-//! engine on the CPU or the CUDA device, or the batched engine. One JSON
-//! line per tree: its index, predicted class and root scores.
+//! engine on the CPU or the CUDA device, the batched engine, or the faster
+//! of the two measured per batch shape (`auto`; see [`crate::infer_engine`]).
+//! One JSON line per tree: its index, predicted class and root scores.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use ramus_core::HeadRows;
-use ramus_cpu::compiled::{CpuCompiledEngine, CpuCompiledSchedule};
-use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
-use ramus_exec::memory::{DeviceNeed, Pass};
-use ramus_exec::{Batch, Mode};
+use ramus_cuda::compiled::CompiledSchedule;
+use ramus_exec::Scores;
 use ramus_graph::text::decode_utf8;
-use ramus_graph::{ptb, BatchingPolicy, InputGraph, Vocab, VocabMode};
+use ramus_graph::{ptb, InputGraph, Vocab, VocabMode};
 use ramus_nn::DataKind;
 
-use crate::device::{self, Device};
+use crate::device::Device;
+use crate::infer_engine::{build_infer_engine, InferKind, InferSetup};
+use crate::labels;
 use crate::output::outln;
-use crate::{labels, limits};
 use crate::{load_checkpoint, AnyResult};
 
 #[derive(clap::Args)]
@@ -28,7 +27,9 @@ pub struct InferArgs {
     /// Bracketed trees, one per line; `-` or nothing: standard input.
     #[arg(long)]
     input: Option<PathBuf>,
-    /// compiled (one generated kernel or level loop per batch) or batched.
+    /// compiled (one generated kernel or level loop per batch), batched, or
+    /// auto (the faster of the two for each batch shape, measured on its
+    /// first batch; the choice and its timings on standard error).
     #[arg(long, default_value = "compiled")]
     engine: String,
     /// Where to run: cpu or cuda.
@@ -81,17 +82,11 @@ fn read_input(input: Option<&Path>, vocab: &Vocab) -> AnyResult<Vec<InputGraph>>
 /// How errors name standard input.
 const STDIN: &str = "<stdin>";
 
-/// Scores of the roots of one batch, a row of `classes` per tree.
-enum Scorer {
-    CompiledCpu(Box<CpuCompiledEngine>),
-    CompiledCuda(Box<CompiledEngine>),
-    Batched(Box<dyn ramus_exec::TrainEngine<f32>>),
-}
-
 pub fn run(a: InferArgs) -> AnyResult {
     if a.batch_size == 0 {
         return Err("--batch-size must be at least 1".into());
     }
+    let kind: InferKind = a.engine.parse()?;
     let loaded = load_checkpoint(&a.checkpoint, a.checkpoint_flags)?;
     if loaded.kind != DataKind::Trees {
         return Err(format!(
@@ -104,64 +99,27 @@ pub fn run(a: InferArgs) -> AnyResult {
     let (model, params) = (&loaded.model, &loaded.params);
     a.structure.fit(model, loaded.kind, &mut trees)?;
     labels::check_checkpoint(&trees, model, &a.checkpoint)?;
-    let tables = (a.engine == "compiled" && !a.no_tables).then_some(loaded.info.vocab.len());
-    let need =
-        limits::Inference::loaded(model, &trees, a.batch_size, Pass::Infer, tables, a.device);
-    need.check_host(a.host)?;
-    let mut scorer = match (a.engine.as_str(), a.device) {
-        ("compiled", Device::Cpu) => {
-            Scorer::CompiledCpu(Box::new(CpuCompiledEngine::with_schedule(
-                model,
-                params,
-                &CpuCompiledSchedule {
-                    leaf_table: !a.no_tables,
-                    recursion: a.recursion.schedule(),
-                },
-            )?))
-        }
-        ("compiled", Device::Cuda) => {
-            let options = CompiledOptions {
-                schedule: CompiledSchedule {
-                    leaf_table: !a.no_tables,
-                    persistent_weights: !a.no_persistence,
-                    node_counters: a.grid_barriers.then_some(false),
-                    recursion: a.recursion.schedule(),
-                },
-                ..CompiledOptions::default()
-            };
-            let check = |n: &DeviceNeed, room| need.fit_device(n, room);
-            let engine = CompiledEngine::with_check(model, params, &options, &check)
-                .map_err(|e| format!("--device cuda: {e}"))?;
-            Scorer::CompiledCuda(Box::new(engine))
-        }
-        ("batched", d) => {
-            let engine = device::evaluator(d, model, params.clone(), None)?;
-            need.check_device(engine.as_ref(), None)?;
-            Scorer::Batched(engine)
-        }
-        (other, _) => {
-            return Err(format!("unknown engine `{other}` (expected compiled or batched)").into())
-        }
+    let setup = InferSetup {
+        device: a.device,
+        schedule: CompiledSchedule {
+            leaf_table: !a.no_tables,
+            persistent_weights: !a.no_persistence,
+            node_counters: a.grid_barriers.then_some(false),
+            recursion: a.recursion.schedule(),
+        },
+        graphs: &trees,
+        batch_size: a.batch_size,
+        vocab: loaded.info.vocab.len(),
+        host: a.host,
     };
+    let mut engine = build_infer_engine(kind, model, params, &setup)?;
     let mut index = 0usize;
     for chunk in trees.chunks(a.batch_size) {
         let refs: Vec<&InputGraph> = chunk.iter().collect();
-        let (scores, classes) = match &mut scorer {
-            Scorer::CompiledCpu(e) => {
-                let out = e.infer(&refs)?;
-                (out.scores, out.classes)
-            }
-            Scorer::CompiledCuda(e) => {
-                let out = e.infer(&refs)?;
-                (out.scores, out.classes)
-            }
-            Scorer::Batched(e) => {
-                let batch = Batch::new(model, refs.clone(), BatchingPolicy::Cavs)?;
-                let out = e.forward_rows(&batch, Mode::Infer, HeadRows::Roots)?;
-                let classes = out.classes;
-                (out.logits, classes)
-            }
-        };
+        let Scores {
+            values: scores,
+            classes,
+        } = engine.infer(&refs)?;
         if scores.len() != refs.len() * classes {
             return Err(format!(
                 "{} scores for {} trees of {classes} classes: every tree must have one root",

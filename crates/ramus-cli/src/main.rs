@@ -6,6 +6,7 @@ mod data;
 mod device;
 mod image_dir;
 mod infer;
+mod infer_engine;
 mod labels;
 mod limits;
 mod output;

@@ -244,6 +244,58 @@ fn train_save_eval_on_built_in_data() {
             );
         }
     }
+    // auto: the same lines as the engine it measured fastest, its choice
+    // and the timings behind it on standard error; unknown engines named
+    let o = ramus_ok(&[
+        "infer",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--input",
+        trees.to_str().unwrap(),
+        "--engine",
+        "auto",
+    ]);
+    let auto = json_lines(&o);
+    let err = stderr(&o);
+    let choice = err
+        .lines()
+        .find(|l| l.starts_with("auto: batches of 2 graphs"))
+        .unwrap_or_else(|| panic!("no choice noticed: {err}"));
+    assert!(
+        choice.contains("cpu-compiled") && choice.contains("cpu-batched") && choice.contains(" ms"),
+        "{choice}"
+    );
+    let chosen = if choice.ends_with(": cpu-compiled") {
+        &compiled
+    } else {
+        assert!(choice.ends_with(": cpu-batched"), "{choice}");
+        &batched
+    };
+    assert_eq!(auto.len(), chosen.len());
+    for (a, c) in auto.iter().zip(chosen) {
+        assert_eq!(
+            (&a["tree"], &a["prediction"]),
+            (&c["tree"], &c["prediction"])
+        );
+        let (xs, ys) = (
+            a["scores"].as_array().unwrap(),
+            c["scores"].as_array().unwrap(),
+        );
+        for (x, y) in xs.iter().zip(ys) {
+            let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+            assert!((x - y).abs() <= 1e-6 * (1.0 + y.abs()), "auto {x} vs {y}");
+        }
+    }
+    assert_one_line_error(
+        &ramus(&[
+            "infer",
+            "--checkpoint",
+            ckpt.to_str().unwrap(),
+            "--engine",
+            "fast",
+        ]),
+        "unknown engine `fast` (expected compiled, batched or auto)",
+    );
 }
 
 #[test]

@@ -4,6 +4,7 @@
 pub mod compiled;
 mod contract;
 pub mod engine;
+mod infer;
 pub mod trace;
 
 pub use contract::CpuTrainer;

@@ -45,6 +45,7 @@ pub mod compiled;
 pub mod device;
 pub mod engine;
 pub mod error;
+mod infer;
 pub mod launch;
 pub mod memory;
 pub mod offset_allocator;

@@ -8,6 +8,8 @@
 //! |---|---|
 //! | a batch with its schedule, the pass's mode, a forward pass's output, row runs, dropout masks, pulled values | [`batch`] |
 //! | the training contract engines implement ([`TrainEngine`]), the state it reads back and restores ([`TrainState`], [`HostState`]) and a step's outcome | [`engine`] |
+//! | the inference contract ([`InferEngine`]), a batched engine as one ([`BatchedInfer`]) | [`infer`] |
+//! | the measuring chooser among inference engines ([`AutoInfer`]) | [`auto`] |
 //! | optimizer settings and host state (SGD, Adagrad, Adam) | [`optim`] |
 //! | the one error type of engines and training ([`ExecError`]) | [`error`] |
 //! | non-finite losses and gradients: detection and reports | [`nonfinite`] |
@@ -40,15 +42,19 @@
 //! ```
 
 pub mod atomic;
+pub mod auto;
 pub mod batch;
 pub mod engine;
 pub mod error;
+pub mod infer;
 pub mod memory;
 pub mod nonfinite;
 pub mod optim;
 
+pub use auto::{AutoInfer, BatchShape, Clock, Offer, WallClock};
 pub use batch::{fill_dropout_mask, pulled_values, Batch, ForwardOutput, Mode, Range};
 pub use engine::{step_outcome, steps_in_flight, HostState, StepOutcome, TrainEngine, TrainState};
 pub use error::{ExecError, Result, Setting};
+pub use infer::{BatchedInfer, InferEngine, Scores};
 pub use nonfinite::{NonFiniteFault, NonFiniteParam, NonFiniteStep, OnNonFinite, TensorPart};
 pub use optim::{Optimizer, OptimizerConfig, OptimizerKind};

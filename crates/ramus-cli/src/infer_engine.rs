@@ -1,0 +1,140 @@
+//! `--engine compiled|batched|auto` with `--device cpu|cuda`: building an
+//! inference engine ([`ramus_exec::InferEngine`]) for a model and its
+//! parameters, checking ahead that the run fits in host and device memory.
+//! `auto` offers both engines of the device to [`ramus_exec::AutoInfer`],
+//! which leaves out one that cannot run the model and measures the others
+//! on the first batch of each shape.
+
+use std::str::FromStr;
+
+use ramus_core::{Model, Params};
+use ramus_cpu::compiled::{CpuCompiledEngine, CpuCompiledSchedule};
+use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
+use ramus_exec::memory::{DeviceNeed, Pass};
+use ramus_exec::{AutoInfer, BatchedInfer, InferEngine};
+use ramus_graph::InputGraph;
+
+use crate::device::{self, Device};
+use crate::limits::{HostBudgetArgs, Inference};
+use crate::output::noteln;
+
+/// Which inference engine runs (`--engine`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InferKind {
+    /// The compiled engine of the device (one generated kernel, or a level
+    /// loop on the CPU, per batch).
+    Compiled,
+    /// The batched engine of the device (the training engine's forward pass).
+    Batched,
+    /// The faster of the two for each batch shape, measured.
+    Auto,
+}
+
+impl FromStr for InferKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "compiled" => Ok(InferKind::Compiled),
+            "batched" => Ok(InferKind::Batched),
+            "auto" => Ok(InferKind::Auto),
+            other => Err(format!(
+                "unknown engine `{other}` (expected compiled, batched or auto)"
+            )),
+        }
+    }
+}
+
+/// How the engines run and what the run will feed them, besides the model
+/// and its parameters.
+pub struct InferSetup<'a> {
+    pub device: Device,
+    /// The compiled engines' schedule (leaf tables, recursion); on CUDA
+    /// also weight persistence and level ordering.
+    pub schedule: CompiledSchedule,
+    /// The graphs the run scores, `batch_size` at a time, and the token
+    /// vocabulary a per-token table spans: checked against the memory
+    /// available before an engine allocates.
+    pub graphs: &'a [InputGraph],
+    pub batch_size: usize,
+    pub vocab: usize,
+    pub host: HostBudgetArgs,
+}
+
+impl InferSetup<'_> {
+    /// What the run needs, with the compiled engine's per-token tables.
+    fn need<'m>(&'m self, model: &'m Model, compiled: bool) -> Inference<'m> {
+        let tables = (compiled && self.schedule.leaf_table).then_some(self.vocab);
+        let (graphs, b) = (self.graphs, self.batch_size);
+        Inference::loaded(model, graphs, b, Pass::Infer, tables, self.device)
+    }
+}
+
+/// The engine `kind` on `setup.device` for `model` with `params`, after
+/// checking that the run fits; an error names what to change.
+pub fn build_infer_engine<'a>(
+    kind: InferKind,
+    model: &'a Model,
+    params: &'a Params<f32>,
+    setup: &InferSetup<'_>,
+) -> Result<Box<dyn InferEngine<f32> + 'a>, String> {
+    match kind {
+        InferKind::Compiled => compiled(model, params, setup),
+        InferKind::Batched => batched(model, params, setup),
+        InferKind::Auto => {
+            let (c, b) = match setup.device {
+                Device::Cpu => ("cpu-compiled", "cpu-batched"),
+                Device::Cuda => ("cuda-compiled", "cuda-batched"),
+            };
+            let offers = vec![
+                (c, compiled(model, params, setup)),
+                (b, batched(model, params, setup)),
+            ];
+            let auto = AutoInfer::new(offers, |line: &str| noteln!("{line}"));
+            Ok(Box::new(auto.map_err(|e| e.to_string())?))
+        }
+    }
+}
+
+/// The compiled engine of the device.
+fn compiled<'a>(
+    model: &'a Model,
+    params: &'a Params<f32>,
+    setup: &InferSetup<'_>,
+) -> Result<Box<dyn InferEngine<f32> + 'a>, String> {
+    let need = setup.need(model, true);
+    need.check_host(setup.host)?;
+    let s = setup.schedule;
+    Ok(match setup.device {
+        Device::Cpu => {
+            let schedule = CpuCompiledSchedule {
+                leaf_table: s.leaf_table,
+                recursion: s.recursion,
+            };
+            let engine = CpuCompiledEngine::with_schedule(model, params, &schedule);
+            Box::new(engine.map_err(|e| e.to_string())?)
+        }
+        Device::Cuda => {
+            let options = CompiledOptions {
+                schedule: s,
+                ..CompiledOptions::default()
+            };
+            let check = |n: &DeviceNeed, room| need.fit_device(n, room);
+            let engine = CompiledEngine::with_check(model, params, &options, &check)
+                .map_err(|e| format!("--device cuda: {e}"))?;
+            Box::new(engine)
+        }
+    })
+}
+
+/// The batched engine of the device.
+fn batched<'a>(
+    model: &'a Model,
+    params: &'a Params<f32>,
+    setup: &InferSetup<'_>,
+) -> Result<Box<dyn InferEngine<f32> + 'a>, String> {
+    let need = setup.need(model, false);
+    need.check_host(setup.host)?;
+    let engine = device::evaluator(setup.device, model, params.clone(), None)?;
+    need.check_device(engine.as_ref(), None)?;
+    Ok(Box::new(BatchedInfer::new(engine)))
+}
