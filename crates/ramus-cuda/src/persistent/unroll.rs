@@ -1491,6 +1491,7 @@ pub(super) fn instruction_support(op: &Op) -> std::result::Result<(), &'static s
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ramus_core::vpps::isa::{OP_MATVEC, OP_MATVEC_T, PRODUCT_ITEM_WORDS};
     use ramus_core::vpps::{plan, simulate, DeviceLimits, PlanRequest, Scheduler};
     use ramus_graph::binarize::{binarize, Side};
     use ramus_graph::random::{random_chain, random_path, random_tree};
@@ -1838,6 +1839,7 @@ mod tests {
 #[cfg(test)]
 mod timing {
     use super::*;
+    use ramus_core::vpps::isa::PRODUCT_ITEM_WORDS;
     use ramus_core::vpps::{plan, DeviceLimits, PlanRequest, Scheduler};
     use ramus_graph::random::random_tree;
     use ramus_graph::InputGraph;
