@@ -80,6 +80,10 @@ use crate::graph::{DType, Graph, NodeId, NodeKind, ParamId, Source, Space};
 use crate::op::OpDef;
 use crate::ops::{unk_row, MatMul, Op, RowMatMul};
 
+mod eval;
+use eval::{eval_error, Rows};
+pub use eval::{map_rows, MapOperand, VertexInputs};
+
 /// Index of a [`VecNode`] in [`CellProgram::vectors`].
 pub type VecId = usize;
 /// Index of a [`ScalarNode`] in [`CellProgram::scalars`].
@@ -1363,44 +1367,6 @@ impl Lowering<'_> {
 
 // ---------------------------------------------------------------- reference evaluation
 
-/// One vertex's inputs for [`CellProgram::eval_vertex`].
-#[derive(Clone, Copy, Debug)]
-pub struct VertexInputs<'a, T> {
-    /// The state rows of the vertex's children, in order (the edges).
-    pub children: &'a [&'a [T]],
-    /// The vertex's token (for embeddings).
-    pub token: Option<u32>,
-    /// The head's input row (for a head program).
-    pub head_input: Option<&'a [T]>,
-    /// The vertex's token's row of the cell's token table (for a program
-    /// with hoisted values).
-    pub token_table: Option<&'a [T]>,
-}
-
-/// A value of one vertex: one row, or one row per child edge.
-enum Rows<T> {
-    Vertex(Vec<T>),
-    Edge(Vec<Vec<T>>),
-}
-
-impl<T> Rows<T> {
-    /// The row for edge `e` (a vertex value is the same for every edge).
-    fn at(&self, e: usize) -> &[T] {
-        match self {
-            Rows::Vertex(v) => v,
-            Rows::Edge(rows) => &rows[e],
-        }
-    }
-}
-
-fn eval_error(message: impl Into<String>) -> CoreError {
-    CoreError::Shape {
-        context: "compiled-engine lowering".into(),
-        op: "eval".into(),
-        message: message.into(),
-    }
-}
-
 impl CellProgram {
     /// Evaluates the program for one vertex, all units at once, through
     /// the ops' own CPU kernels: the oracle the compiled engines are
@@ -1641,57 +1607,6 @@ impl CellProgram {
         }
         Ok(outs)
     }
-}
-
-/// One operand of [`map_rows`]: its data, and whether it is one row
-/// broadcast to every row (a parameter, a constant) rather than a row each.
-pub type MapOperand<'a, T> = (&'a [T], bool);
-
-/// Runs elementwise op `op` through its CPU kernel over `rows` rows of
-/// `width` columns into `out` (resized to `rows × width`): how cell
-/// programs evaluate their maps (the reference here, the CPU compiled
-/// engine level by level).
-pub fn map_rows<T: crate::real::Real>(
-    op: &dyn OpDef,
-    operands: &[MapOperand<'_, T>],
-    rows: usize,
-    width: usize,
-    out: &mut Vec<T>,
-) -> Result<()> {
-    let types: Vec<crate::graph::ValueType> = operands
-        .iter()
-        .map(|&(data, broadcast)| {
-            if broadcast {
-                crate::graph::ValueType {
-                    space: Space::Static,
-                    dtype: DType::Float,
-                    shape: vec![data.len()],
-                }
-            } else {
-                crate::graph::ValueType::rows(Space::Vertex, width)
-            }
-        })
-        .collect();
-    let args: Vec<crate::op::Arg<'_, T>> = types
-        .iter()
-        .zip(operands)
-        .map(|(ty, &(data, broadcast))| crate::op::Arg {
-            ty,
-            rows: if broadcast { 1 } else { rows },
-            data: crate::op::ArgData::Float(data),
-        })
-        .collect();
-    out.clear();
-    out.resize(rows * width, T::ZERO);
-    let mut ctx = crate::op::KernelCtx {
-        args: &args,
-        out,
-        out_rows: rows,
-        vertex_rows: rows,
-        edge_parent: &[],
-        packed_b: None,
-    };
-    T::run_kernel(op, &mut ctx)
 }
 
 /// Elementwise op `op` (of node `node`) on one row of `width` columns.

@@ -105,7 +105,59 @@ pub(crate) fn cnn_workspace_floats(op: &Op, rows: usize, cap: usize) -> usize {
     }
 }
 
+/// What an image op reads: its node, its buffers and the rows of this run.
+struct CnnArgs<'a> {
+    g: &'a Graph,
+    n: NodeId,
+    own: &'a [Buf],
+    fwd: Option<&'a [Buf]>,
+    range: Range,
+    lane: &'a Lane,
+}
+
+impl CnnArgs<'_> {
+    /// The node's input `i`.
+    fn arg(&self, i: usize) -> NodeId {
+        self.g.nodes[self.n].inputs[i]
+    }
+
+    /// The number of inputs of the node.
+    fn arity(&self) -> usize {
+        self.g.nodes[self.n].inputs.len()
+    }
+
+    /// Rows of input `i` in this run.
+    fn rows(&self, i: usize) -> usize {
+        let space: Space = self.g.nodes[self.arg(i)].ty.space;
+        let (lo, hi) = self.range.span(space);
+        hi - lo
+    }
+}
+
 impl CudaEngine {
+    /// Input `i` of the image op in `a`, as floats of this run's rows.
+    fn cnn_in(&self, a: &CnnArgs<'_>, i: usize) -> Result<DeviceView<f32>> {
+        self.float_view(a.g, a.arg(i), a.own, a.fwd, a.range)
+    }
+
+    /// The output of the image op in `a`, as floats of this run's rows.
+    fn cnn_out(&self, a: &CnnArgs<'_>) -> Result<DeviceView<f32>> {
+        self.float_view(a.g, a.n, a.own, a.fwd, a.range)
+    }
+
+    /// Batch normalisation once its coefficients are in `coef`: `y` is `x`
+    /// (r rows) scaled and shifted per channel.
+    fn norm_affine(
+        &self,
+        a: &CnnArgs<'_>,
+        [y, x, coef]: [DeviceView<f32>; 3],
+        r: usize,
+        norm: &NormGeom,
+    ) -> Result<()> {
+        let stream = &*a.lane.stream;
+        (self.launcher).channel_affine(stream, y, x, coef, r, norm.channels, norm.spatial)
+    }
+
     /// Runs node `n`, an image op (`ramus_core::image_op!()`); any other
     /// op is refused with the node named.
     #[allow(clippy::too_many_arguments)] // as run_op: graph, node, buffers, rows, lane
@@ -119,175 +171,74 @@ impl CudaEngine {
         range: Range,
         lane: &Lane,
     ) -> Result<()> {
-        let node = &g.nodes[n];
+        let a = &CnnArgs {
+            g,
+            n,
+            own,
+            fwd,
+            range,
+            lane,
+        };
         let stream = &*lane.stream;
         let launcher = &self.launcher;
-        let arg = |i: usize| node.inputs[i];
-        let fv = |i: usize| self.float_view(g, arg(i), own, fwd, range);
-        let out = || self.float_view(g, n, own, fwd, range);
-        // rows of input i in this run
-        let rows = |i: usize| {
-            let space: Space = g.nodes[arg(i)].ty.space;
-            let (lo, hi) = range.span(space);
-            hi - lo
-        };
-        // batch normalisation once its coefficients are in `coef`: `y` is
-        // `x` (r rows) scaled and shifted per channel
-        let norm_affine = |y, x, coef, r, norm: &NormGeom| {
-            launcher.channel_affine(stream, y, x, coef, r, norm.channels, norm.spatial)
-        };
+        let fv = |i: usize| self.cnn_in(a, i);
+        let out = || self.cnn_out(a);
+        let rows = |i: usize| a.rows(i);
         match op {
             Op::Conv2d(Conv2d(geom)) => {
-                let bias = if node.inputs.len() > 2 {
-                    Some(fv(2)?)
-                } else {
-                    None
-                };
-                self.conv2d(lane, geom, rows(0), [fv(0)?, fv(1)?], bias, out()?)?;
+                let bias = if a.arity() > 2 { Some(fv(2)?) } else { None };
+                self.conv2d(lane, geom, rows(0), [fv(0)?, fv(1)?], bias, out()?)
             }
             Op::Conv2dBackwardInput(Conv2dBackwardInput(geom)) => {
-                self.conv2d_backward_input(lane, geom, rows(0), fv(0)?, fv(1)?, out()?)?;
+                self.conv2d_backward_input(lane, geom, rows(0), fv(0)?, fv(1)?, out()?)
             }
             Op::Conv2dBackwardWeight(Conv2dBackwardWeight(geom)) => {
-                self.conv2d_backward_weight(lane, geom, rows(0), fv(0)?, fv(1)?, out()?)?;
+                self.conv2d_backward_weight(lane, geom, rows(0), fv(0)?, fv(1)?, out()?)
             }
             Op::MaxPool2d(MaxPool2d(geom)) => {
-                launcher.max_pool2d(stream, out()?, fv(0)?, geom, rows(0))?;
+                launcher.max_pool2d(stream, out()?, fv(0)?, geom, rows(0))
             }
             Op::MaxPool2dBackward(MaxPool2dBackward(geom)) => {
-                launcher.max_pool2d_backward(stream, out()?, fv(0)?, fv(1)?, geom, rows(0))?;
+                launcher.max_pool2d_backward(stream, out()?, fv(0)?, fv(1)?, geom, rows(0))
             }
             Op::GlobalAvgPool(p) => {
                 let spatial = p.height * p.width;
-                launcher.global_avg_pool(stream, out()?, fv(0)?, rows(0), p.channels, spatial)?;
+                launcher.global_avg_pool(stream, out()?, fv(0)?, rows(0), p.channels, spatial)
             }
             Op::GlobalAvgPoolBackward(b) => {
                 let p = &b.pool;
-                let spatial = p.height * p.width;
-                launcher.global_avg_pool_backward(
-                    stream,
-                    out()?,
-                    fv(0)?,
-                    rows(0),
-                    p.channels,
-                    spatial,
-                )?;
+                let (x, spatial) = (fv(0)?, p.height * p.width);
+                launcher.global_avg_pool_backward(stream, out()?, x, rows(0), p.channels, spatial)
             }
             Op::ChannelSum(cs) => {
-                launcher.channel_sum(stream, out()?, fv(0)?, rows(0), cs.channels, cs.spatial)?;
+                launcher.channel_sum(stream, out()?, fv(0)?, rows(0), cs.channels, cs.spatial)
             }
+            // rows of the reference operand
             Op::ChannelBroadcast(cb) => {
-                // rows of the reference operand
-                launcher.channel_broadcast(
-                    stream,
-                    out()?,
-                    fv(0)?,
-                    rows(1),
-                    cb.channels,
-                    cb.spatial,
-                )?;
+                let x = fv(0)?;
+                launcher.channel_broadcast(stream, out()?, x, rows(1), cb.channels, cb.spatial)
             }
-            Op::BatchNorm(BatchNorm(norm)) => {
-                // inputs: x, gamma, beta[, running mean, running var]
-                let (x, r) = (fv(0)?, rows(0));
-                let tracked = node.inputs.len() == 5;
-                if r > 0 && tracked && self.inference_pass {
-                    // evaluation and inference normalise with the running statistics
-                    let coef = self.workspace(lane, 2 * norm.channels)?;
-                    let (gamma, beta) = (fv(1)?, Some(fv(2)?));
-                    launcher.batch_norm_inference_coef(
-                        stream,
-                        coef,
-                        gamma,
-                        beta,
-                        Some(fv(3)?),
-                        fv(4)?,
-                        norm,
-                    )?;
-                    norm_affine(out()?, x, coef, r, norm)?;
-                } else if r > 0 {
-                    // training: batch statistics, blended into the running ones
-                    // during device training steps
-                    let coef = self.workspace(lane, 2 * norm.channels)?;
-                    let running = if tracked && self.track_running_stats {
-                        Some((fv(3)?, fv(4)?))
-                    } else {
-                        None
-                    };
-                    launcher.batch_norm_coef(stream, coef, x, fv(1)?, fv(2)?, running, r, norm)?;
-                    norm_affine(out()?, x, coef, r, norm)?;
-                }
-            }
+            Op::BatchNorm(BatchNorm(norm)) => self.batch_norm(a, norm),
             Op::BatchNormBackwardInput(BatchNormBackwardInput(norm)) => {
                 let r = rows(0);
-                if r > 0 {
-                    let coef = self.workspace(lane, 3 * norm.channels)?;
-                    launcher.batch_norm_backward_input(
-                        stream,
-                        out()?,
-                        fv(0)?,
-                        fv(1)?,
-                        fv(2)?,
-                        coef,
-                        r,
-                        norm,
-                    )?;
+                if r == 0 {
+                    return Ok(());
                 }
+                let coef = self.workspace(lane, 3 * norm.channels)?;
+                let (dy, x, gamma) = (fv(0)?, fv(1)?, fv(2)?);
+                launcher.batch_norm_backward_input(stream, out()?, dy, x, gamma, coef, r, norm)
             }
             Op::BatchNormBackwardGamma(BatchNormBackwardGamma(norm)) => {
-                launcher.batch_norm_backward_gamma(
-                    stream,
-                    out()?,
-                    fv(0)?,
-                    fv(1)?,
-                    rows(0),
-                    norm,
-                )?;
+                launcher.batch_norm_backward_gamma(stream, out()?, fv(0)?, fv(1)?, rows(0), norm)
             }
-            Op::BatchNormInference(BatchNormInference(norm)) => {
-                // inputs: x, gamma, beta, mean, var
-                let (x, r) = (fv(0)?, rows(0));
-                if r > 0 {
-                    let coef = self.workspace(lane, 2 * norm.channels)?;
-                    launcher.batch_norm_inference_coef(
-                        stream,
-                        coef,
-                        fv(1)?,
-                        Some(fv(2)?),
-                        Some(fv(3)?),
-                        fv(4)?,
-                        norm,
-                    )?;
-                    norm_affine(out()?, x, coef, r, norm)?;
-                }
-            }
+            Op::BatchNormInference(BatchNormInference(norm)) => self.batch_norm_inference(a, norm),
             Op::BatchNormInferenceBackwardInput(BatchNormInferenceBackwardInput(norm)) => {
-                // inputs: gamma, var, dy; dx = dy · gamma / sqrt(var + eps)
-                let r = rows(2);
-                if r > 0 {
-                    let coef = self.workspace(lane, 2 * norm.channels)?;
-                    launcher.batch_norm_inference_coef(
-                        stream,
-                        coef,
-                        fv(0)?,
-                        None,
-                        None,
-                        fv(1)?,
-                        norm,
-                    )?;
-                    norm_affine(out()?, fv(2)?, coef, r, norm)?;
-                }
+                self.batch_norm_inference_backward_input(a, norm)
             }
             Op::BatchNormInferenceBackwardParam(p) => {
                 // inputs: x, gamma, mean, var, dy
-                launcher.batch_norm_inference_param(
-                    stream,
-                    out()?,
-                    [fv(0)?, fv(1)?, fv(2)?, fv(3)?, fv(4)?],
-                    rows(0),
-                    &p.geom,
-                    p.param,
-                )?;
+                let xs = [fv(0)?, fv(1)?, fv(2)?, fv(3)?, fv(4)?];
+                launcher.batch_norm_inference_param(stream, out()?, xs, rows(0), &p.geom, p.param)
             }
             ramus_core::elementwise_op!()
             | Op::MatMul(_)
@@ -304,14 +255,88 @@ impl CudaEngine {
             | Op::EmbeddingUnk(_)
             | Op::EmbeddingUnkBackward(_)
             | Op::SoftmaxXent(_)
-            | Op::SoftmaxXentBackward(_) => {
-                return Err(model_err(format!(
-                    "op `{}` (node %{n}) is not an image op",
-                    op.signature()
-                )))
-            }
+            | Op::SoftmaxXentBackward(_) => Err(model_err(format!(
+                "op `{}` (node %{n}) is not an image op",
+                op.signature()
+            ))),
         }
-        Ok(())
+    }
+
+    /// Batch normalisation (inputs: x, gamma, beta[, running mean, running
+    /// var]): with the running statistics in evaluation and inference, with
+    /// the batch's in training (blended into the running ones during device
+    /// training steps).
+    fn batch_norm(&self, a: &CnnArgs<'_>, norm: &NormGeom) -> Result<()> {
+        let (stream, launcher) = (&*a.lane.stream, &self.launcher);
+        let (x, r) = (self.cnn_in(a, 0)?, a.rows(0));
+        if r == 0 {
+            return Ok(());
+        }
+        let tracked = a.arity() == 5;
+        let coef = self.workspace(a.lane, 2 * norm.channels)?;
+        let (gamma, beta) = (self.cnn_in(a, 1)?, self.cnn_in(a, 2)?);
+        if tracked && self.inference_pass {
+            let (mean, var) = (self.cnn_in(a, 3)?, self.cnn_in(a, 4)?);
+            launcher.batch_norm_inference_coef(
+                stream,
+                coef,
+                gamma,
+                Some(beta),
+                Some(mean),
+                var,
+                norm,
+            )?;
+        } else {
+            let running = if tracked && self.track_running_stats {
+                Some((self.cnn_in(a, 3)?, self.cnn_in(a, 4)?))
+            } else {
+                None
+            };
+            launcher.batch_norm_coef(stream, coef, x, gamma, beta, running, r, norm)?;
+        }
+        self.norm_affine(a, [self.cnn_out(a)?, x, coef], r, norm)
+    }
+
+    /// Batch normalisation with given statistics (inputs: x, gamma, beta,
+    /// mean, var).
+    fn batch_norm_inference(&self, a: &CnnArgs<'_>, norm: &NormGeom) -> Result<()> {
+        let (x, r) = (self.cnn_in(a, 0)?, a.rows(0));
+        if r == 0 {
+            return Ok(());
+        }
+        let coef = self.workspace(a.lane, 2 * norm.channels)?;
+        let [gamma, beta, mean, var] = [1, 2, 3, 4].map(|i| self.cnn_in(a, i));
+        (self.launcher).batch_norm_inference_coef(
+            &a.lane.stream,
+            coef,
+            gamma?,
+            Some(beta?),
+            Some(mean?),
+            var?,
+            norm,
+        )?;
+        self.norm_affine(a, [self.cnn_out(a)?, x, coef], r, norm)
+    }
+
+    /// The input gradient of [`Self::batch_norm_inference`] (inputs: gamma,
+    /// var, dy): dx = dy · gamma / sqrt(var + eps).
+    fn batch_norm_inference_backward_input(&self, a: &CnnArgs<'_>, norm: &NormGeom) -> Result<()> {
+        let r = a.rows(2);
+        if r == 0 {
+            return Ok(());
+        }
+        let coef = self.workspace(a.lane, 2 * norm.channels)?;
+        let (gamma, var) = (self.cnn_in(a, 0)?, self.cnn_in(a, 1)?);
+        (self.launcher).batch_norm_inference_coef(
+            &a.lane.stream,
+            coef,
+            gamma,
+            None,
+            None,
+            var,
+            norm,
+        )?;
+        self.norm_affine(a, [self.cnn_out(a)?, self.cnn_in(a, 2)?, coef], r, norm)
     }
 
     /// `len` floats of `lane`'s scratch memory, valid until the next op on
