@@ -12,7 +12,7 @@ use ramus_cpu::CpuTrainer;
 use ramus_cuda::persistent::PersistentTrainer;
 use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer, SwapConfig, SwapMode};
 use ramus_exec::memory::DeviceNeed;
-use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine};
+use ramus_exec::{OptimizerConfig, TrainEngine};
 
 /// Where a command runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -190,6 +190,6 @@ pub fn evaluator(
     params: Params<f32>,
     budget: Option<u64>,
 ) -> Result<Box<dyn TrainEngine<f32>>, String> {
-    let config = OptimizerConfig::new(OptimizerKind::Sgd, 0.0);
+    let config = OptimizerConfig::forward_only();
     engine(device, model, (params, config), budget, SwapMode::Off)
 }

@@ -11,7 +11,7 @@ use ramus_cpu::CpuTrainer;
 use ramus_cuda::compiled::{CompiledEngine, CompiledOptions};
 use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer};
 use ramus_exec::{
-    AutoInfer, BatchShape, BatchedInfer, InferEngine, Offer, OptimizerConfig, OptimizerKind, Scores,
+    AutoInfer, BatchShape, BatchedInfer, InferEngine, Offer, OptimizerConfig, Scores,
 };
 use ramus_graph::random::random_tree;
 use ramus_graph::InputGraph;
@@ -62,8 +62,13 @@ fn cuda_inference_engines_give_the_cpu_reference_scores() {
             let engine = CudaEngine::new(&model, &CudaEngineOptions::default())
                 .map_err(|e| e.to_string())?;
             Ok(Box::new(BatchedInfer::new(Box::new(
-                CudaTrainer::new(engine, model.clone(), params.clone(), sgd())
-                    .map_err(|e| e.to_string())?,
+                CudaTrainer::new(
+                    engine,
+                    model.clone(),
+                    params.clone(),
+                    OptimizerConfig::forward_only(),
+                )
+                .map_err(|e| e.to_string())?,
             ))))
         };
         let engines = [
@@ -94,12 +99,11 @@ fn cuda_inference_engines_give_the_cpu_reference_scores() {
     }
 }
 
-/// Inference needs no optimizer state: plain SGD keeps none.
-fn sgd() -> OptimizerConfig {
-    OptimizerConfig::new(OptimizerKind::Sgd, 0.0)
-}
-
 /// The CPU batched engine for `model` with `params`, the reference.
 fn cpu_batched(model: &ramus_core::Model, params: &Params<f32>) -> CpuTrainer<f32> {
-    CpuTrainer::new(model.clone(), params.clone(), sgd())
+    CpuTrainer::new(
+        model.clone(),
+        params.clone(),
+        OptimizerConfig::forward_only(),
+    )
 }

@@ -45,6 +45,12 @@ pub struct OptimizerConfig {
 }
 
 impl OptimizerConfig {
+    /// The optimizer of an engine that only runs forward passes (evaluation,
+    /// inference): plain SGD at rate 0, which keeps no state.
+    pub fn forward_only() -> Self {
+        Self::new(OptimizerKind::Sgd, 0.0)
+    }
+
     /// Defaults for `kind` at learning rate `lr`.
     pub fn new(kind: OptimizerKind, lr: f64) -> Self {
         let eps = if kind == OptimizerKind::Adagrad {

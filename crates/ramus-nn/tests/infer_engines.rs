@@ -9,7 +9,7 @@ use ramus_core::Params;
 use ramus_cpu::compiled::CpuCompiledEngine;
 use ramus_cpu::CpuTrainer;
 use ramus_exec::{
-    AutoInfer, BatchShape, BatchedInfer, InferEngine, Offer, OptimizerConfig, OptimizerKind, Scores,
+    AutoInfer, BatchShape, BatchedInfer, InferEngine, Offer, OptimizerConfig, Scores,
 };
 use ramus_graph::random::random_tree;
 use ramus_graph::InputGraph;
@@ -99,12 +99,11 @@ fn every_cpu_inference_engine_gives_the_batched_reference_scores() {
     }
 }
 
-/// Inference needs no optimizer state: plain SGD keeps none.
-fn sgd() -> OptimizerConfig {
-    OptimizerConfig::new(OptimizerKind::Sgd, 0.0)
-}
-
 /// The CPU batched engine for `model` with `params`, the reference.
 fn cpu_batched(model: &ramus_core::Model, params: &Params<f32>) -> CpuTrainer<f32> {
-    CpuTrainer::new(model.clone(), params.clone(), sgd())
+    CpuTrainer::new(
+        model.clone(),
+        params.clone(),
+        OptimizerConfig::forward_only(),
+    )
 }

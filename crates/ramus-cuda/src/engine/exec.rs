@@ -472,21 +472,13 @@ impl CudaEngine {
             }
             Op::SumRows(sr) => {
                 let rows = rows_of(in_ty(0).space);
-                let scale = if sr.mean && rows > 0 {
-                    1.0 / rows as f32
-                } else {
-                    1.0
-                };
+                let scale = mean_scale(sr.mean, rows);
                 self.launcher
                     .sum_rows(&stream, out()?, fv(0)?, rows, in_ty(0).width(), scale)
             }
             Op::BroadcastRows(br) => {
                 let rows = rows_of(in_ty(1).space);
-                let scale = if br.mean && rows > 0 {
-                    1.0 / rows as f32
-                } else {
-                    1.0
-                };
+                let scale = mean_scale(br.mean, rows);
                 self.launcher
                     .broadcast_rows(&stream, out()?, fv(0)?, rows, node.ty.width(), scale)
             }
@@ -580,5 +572,15 @@ impl CudaEngine {
                 op.signature()
             ))),
         }
+    }
+}
+
+/// The factor a row sum is scaled by: `1 / rows` for a mean (over at least
+/// one row), else 1.
+fn mean_scale(mean: bool, rows: usize) -> f32 {
+    if mean && rows > 0 {
+        1.0 / rows as f32
+    } else {
+        1.0
     }
 }
