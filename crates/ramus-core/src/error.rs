@@ -56,7 +56,8 @@ pub enum CoreError {
 pub type Result<T, E = CoreError> = std::result::Result<T, E>;
 
 impl CoreError {
-    pub(crate) fn kernel(op: &str, message: impl Into<String>) -> Self {
+    /// A kernel error of op `op` (the CPU kernels in `ramus_cpu::kernels` raise these).
+    pub fn kernel(op: &str, message: impl Into<String>) -> Self {
         CoreError::Kernel {
             op: op.to_string(),
             message: message.into(),

@@ -1,8 +1,8 @@
 //! The op registry (NNVM style): every op is declared once, as a type
 //! implementing [`OpDef`], with its attributes — shape inference, gradient
 //! builder (`FGradient`: emits backward ops into a graph), an elementwise
-//! code template for fusion code generation, a CPU kernel and a cost
-//! estimate. [`OpRegistry`] finds ops by name and holds user-defined
+//! code template for fusion code generation and a cost estimate (the CPU
+//! kernels live in the CPU engine, `ramus_cpu::kernels`). [`OpRegistry`] finds ops by name and holds user-defined
 //! composite ops built from registered ones.
 
 use std::collections::BTreeMap;
@@ -12,7 +12,6 @@ use std::sync::Arc;
 use crate::error::{CoreError, Result};
 use crate::graph::{DType, GraphBuilder, Space, Sym, ValueType};
 use crate::ops::Op;
-use crate::real::Real;
 
 /// Estimated work of one op application.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -24,7 +23,7 @@ pub struct Cost {
 }
 
 /// A registered op. See the module docs.
-pub trait OpDef: Send + Sync + Debug + CpuKernel {
+pub trait OpDef: Send + Sync + Debug {
     /// The registry name.
     fn name(&self) -> &'static str;
     /// Attribute values, rendered for listings and cache keys ("" if none).
@@ -51,7 +50,7 @@ pub trait OpDef: Send + Sync + Debug + CpuKernel {
     }
     /// For ops whose second operand is a static matrix used by many tasks
     /// (weights): `Some(trans_b)` asks the engine to pack `op(B)` once per
-    /// pass and hand it over in [`KernelCtx::packed_b`] when a run has at most
+    /// pass and hand it over to the op's kernel when a run has at most
     /// `rows_limit` rows.
     fn packed_operand(&self) -> Option<PackedOperand> {
         None
@@ -94,81 +93,6 @@ pub trait OpDef: Send + Sync + Debug + CpuKernel {
 pub struct PackedOperand {
     pub trans_b: bool,
     pub rows_limit: usize,
-}
-
-/// Data of one kernel argument.
-#[derive(Clone, Copy, Debug)]
-pub enum ArgData<'a, T> {
-    Float(&'a [T]),
-    Index(&'a [u32]),
-}
-
-/// One kernel argument: its declared type, its row count at run time
-/// (1 for static values) and its data.
-#[derive(Clone, Copy, Debug)]
-pub struct Arg<'a, T> {
-    pub ty: &'a ValueType,
-    pub rows: usize,
-    pub data: ArgData<'a, T>,
-}
-
-impl<'a, T> Arg<'a, T> {
-    /// The float data (kernels are only handed index data where they declared it).
-    pub fn floats(&self, op: &str) -> Result<&'a [T]> {
-        match self.data {
-            ArgData::Float(d) => Ok(d),
-            ArgData::Index(_) => Err(CoreError::kernel(
-                op,
-                "expected a float argument, got indices",
-            )),
-        }
-    }
-    /// The index data.
-    pub fn indices(&self, op: &str) -> Result<&'a [u32]> {
-        match self.data {
-            ArgData::Index(d) => Ok(d),
-            ArgData::Float(_) => Err(CoreError::kernel(
-                op,
-                "expected an index argument, got floats",
-            )),
-        }
-    }
-}
-
-/// Everything a CPU kernel sees: arguments, the output buffer (overwritten,
-/// sized `out_rows * width`), and the edge topology of the rows being run.
-pub struct KernelCtx<'a, T> {
-    pub args: &'a [Arg<'a, T>],
-    pub out: &'a mut [T],
-    pub out_rows: usize,
-    /// Number of vertex rows in this run.
-    pub vertex_rows: usize,
-    /// For each edge row of this run, the vertex row (0-based in this run) it belongs to.
-    pub edge_parent: &'a [u32],
-    /// The static second operand pre-packed by the engine, for ops that ask
-    /// for it through [`OpDef::packed_operand`].
-    pub packed_b: Option<&'a crate::ops::matmul::PackedB<T>>,
-}
-
-/// Object-safe CPU kernel entry points, one per element type. Ops implement
-/// the generic [`Kernel`] instead and get this through a blanket impl.
-pub trait CpuKernel {
-    fn run_f32(&self, ctx: &mut KernelCtx<'_, f32>) -> Result<()>;
-    fn run_f64(&self, ctx: &mut KernelCtx<'_, f64>) -> Result<()>;
-}
-
-/// A CPU kernel written once for every [`Real`] type.
-pub trait Kernel {
-    fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()>;
-}
-
-impl<K: Kernel> CpuKernel for K {
-    fn run_f32(&self, ctx: &mut KernelCtx<'_, f32>) -> Result<()> {
-        self.run(ctx)
-    }
-    fn run_f64(&self, ctx: &mut KernelCtx<'_, f64>) -> Result<()> {
-        self.run(ctx)
-    }
 }
 
 /// One gradient contribution for an op input.

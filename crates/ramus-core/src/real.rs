@@ -45,11 +45,6 @@ pub trait Real:
     fn exp_fast(self) -> Self;
     /// `tanh` built on [`Real::exp_fast`] (f32 absolute error below 1e-7).
     fn tanh_fast(self) -> Self;
-    /// Runs an op's CPU kernel for this element type.
-    fn run_kernel(
-        kernel: &dyn crate::op::CpuKernel,
-        ctx: &mut crate::op::KernelCtx<'_, Self>,
-    ) -> crate::error::Result<()>;
     /// `c = alpha * a * b + beta * c` on strided matrices (row stride, column stride).
     #[allow(clippy::too_many_arguments)]
     fn gemm(
@@ -68,7 +63,7 @@ pub trait Real:
 }
 
 macro_rules! impl_real {
-    ($t:ty, $name:literal, $gemm:path, $run:ident, $exp:path, $tanh:path, |$s:ident| $f32:expr, |$m:ident| $f32m:expr) => {
+    ($t:ty, $name:literal, $gemm:path, $exp:path, $tanh:path, |$s:ident| $f32:expr, |$m:ident| $f32m:expr) => {
         impl Real for $t {
             const ZERO: Self = 0.0;
             const ONE: Self = 1.0;
@@ -116,12 +111,6 @@ macro_rules! impl_real {
             #[inline(always)]
             fn tanh_fast(self) -> Self {
                 $tanh(self)
-            }
-            fn run_kernel(
-                kernel: &dyn crate::op::CpuKernel,
-                ctx: &mut crate::op::KernelCtx<'_, Self>,
-            ) -> crate::error::Result<()> {
-                kernel.$run(ctx)
             }
             fn gemm(
                 m: usize,
@@ -185,7 +174,6 @@ impl_real!(
     f32,
     "f32",
     matrixmultiply::sgemm,
-    run_f32,
     exp_f32,
     tanh_f32,
     |s| Some(s),
@@ -195,7 +183,6 @@ impl_real!(
     f64,
     "f64",
     matrixmultiply::dgemm,
-    run_f64,
     f64::exp,
     f64::tanh,
     |_s| None,

@@ -43,7 +43,7 @@
 
 use crate::error::{CoreError, Result};
 use crate::graph::{DType, Graph, Node, NodeId, NodeKind, Output, Role, Source, Space, ValueType};
-use crate::lower::{lower, map_rows, CellProgram, VecExpr};
+use crate::lower::{lower, CellProgram, VecExpr};
 use crate::op::OpDef;
 use crate::ops::{Concat, Op, Slice};
 use crate::Model;
@@ -250,13 +250,9 @@ fn vanishes_on_zero(g: &Graph, i: NodeId, memo: &mut Vec<Option<bool>>) -> bool 
             } else if op.elementwise_template().is_some()
                 && inputs.iter().all(|&x| vanishes_on_zero(g, x, memo))
             {
-                // the op itself must map zeros to zero (tanh does, sigmoid not)
-                let w = node.ty.width();
-                let zeros = vec![0.0f32; w];
-                let operands: Vec<(&[f32], bool)> =
-                    inputs.iter().map(|_| (zeros.as_slice(), false)).collect();
-                let mut out = Vec::new();
-                map_rows(op, &operands, 1, w, &mut out).is_ok() && out.iter().all(|&x| x == 0.0)
+                // the op itself must map zeros to zero (tanh does, sigmoid
+                // not); an empty row has nothing to map
+                node.ty.width() == 0 || op.maps_zero_to_zero()
             } else {
                 false
             }

@@ -14,7 +14,7 @@ use ramus_core::model::{HeadRows, Init, ModelBuilder};
 use ramus_core::ops::{
     BatchNorm, BatchNormBackwardGamma, BatchNormBackwardInput, ChannelBroadcast, ChannelSum,
     Conv2d, Conv2dBackwardInput, Conv2dBackwardWeight, Conv2dGeom, GlobalAvgPool,
-    GlobalAvgPoolBackward, MaxPool2d, MaxPool2dBackward, NormGeom, Pool2dGeom,
+    GlobalAvgPoolBackward, MaxPool2d, MaxPool2dBackward, NormGeom, Op, Pool2dGeom,
 };
 use ramus_core::plan::Phase;
 use ramus_core::{GraphBuilder, NodeKind, OpDef, OpRegistry, Role, Source, Space, ValueType};
@@ -29,7 +29,7 @@ fn rows(w: usize) -> ValueType {
 fn fixed(shape: &[usize]) -> ValueType {
     ValueType::fixed(shape)
 }
-fn fwd(op: &dyn OpDef, args: &[(ValueType, Val)], topo: &Topo) -> Vec<f64> {
+fn fwd(op: &(impl OpDef + Clone + Into<Op>), args: &[(ValueType, Val)], topo: &Topo) -> Vec<f64> {
     run_op(op, args, topo)
         .unwrap_or_else(|e| panic!("{} failed: {e}", op.signature()))
         .1
@@ -299,7 +299,7 @@ fn conv2d_backward_ops_match_loops() {
 }
 
 /// An op, its arguments and the expected result.
-type OpCase<'a> = (&'a dyn OpDef, Vec<(ValueType, Val)>, Vec<f64>);
+type OpCase = (Op, Vec<(ValueType, Val)>, Vec<f64>);
 
 /// Sizes large enough to split rows over threads and to sum the weight
 /// gradient in partial blocks; f32 and f64 agree with the loops.
@@ -319,27 +319,27 @@ fn conv2d_threaded_paths_match_loops() {
         let xa = (rows(g.in_len()), Val::F(x.clone()));
         let wa = (wty, Val::F(w.clone()));
         let dya = (rows(g.out_len()), Val::F(dy.clone()));
-        let cases: [OpCase<'_>; 3] = [
+        let cases: [OpCase; 3] = [
             (
-                &Conv2d(g),
+                Conv2d(g).into(),
                 vec![xa.clone(), wa.clone()],
                 conv_ref(&g, &x, &w, None, n),
             ),
             (
-                &Conv2dBackwardInput(g),
+                Conv2dBackwardInput(g).into(),
                 vec![dya.clone(), wa.clone()],
                 conv_backward_input_ref(&g, &dy, &w, n),
             ),
             (
-                &Conv2dBackwardWeight(g),
+                Conv2dBackwardWeight(g).into(),
                 vec![xa.clone(), dya.clone()],
                 conv_backward_weight_ref(&g, &x, &dy, n),
             ),
         ];
         for (op, args, want) in cases {
-            let got = fwd(op, &args, &topo);
+            let got = fwd(&op, &args, &topo);
             assert_close(&got, &want, 1e-11, &op.signature());
-            let got32 = run_op_f32(op, &args, &topo).unwrap();
+            let got32 = run_op_f32(&op, &args, &topo).unwrap();
             assert_close(&got32, &want, 1e-4, &format!("f32 {}", op.signature()));
         }
     }
@@ -1322,10 +1322,9 @@ fn registry_and_builder_agree() {
 /// the op instead of panicking.
 #[test]
 fn kernels_reject_inconsistent_arguments() {
-    use ramus_core::op::{Arg, ArgData, KernelCtx};
-    use ramus_core::Real;
+    use ramus_cpu::kernels::{self, Arg, ArgData, KernelCtx};
     fn run(
-        op: &dyn OpDef,
+        op: &(impl OpDef + Clone + Into<Op>),
         args: &[(ValueType, usize, Vec<f64>)],
         out_len: usize,
         out_rows: usize,
@@ -1347,7 +1346,7 @@ fn kernels_reject_inconsistent_arguments() {
             edge_parent: &[],
             packed_b: None,
         };
-        f64::run_kernel(op, &mut ctx)
+        kernels::run::<f64>(&op.clone().into(), &mut ctx)
             .expect_err("kernel should fail")
             .to_string()
     }

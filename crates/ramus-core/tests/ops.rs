@@ -9,16 +9,15 @@ use std::collections::HashMap;
 
 use common::*;
 use ramus_core::autodiff::differentiate;
-use ramus_core::op::{Arg, ArgData, KernelCtx};
 use ramus_core::ops::{
     Add, AddScalar, BroadcastRows, Concat, Div, Embedding, Exp, ExpandChildren, Log, MatMul, Mul,
     Neg, Op, Pad, Relu, ReluBackward, Reshape, RsubScalar, Scale, Sigmoid, SigmoidBackward, Slice,
     SoftmaxXent, SoftmaxXentBackward, Sub, SumChildren, SumRows, Tanh, TanhBackward,
 };
 use ramus_core::{
-    DType, Graph, GraphBuilder, NodeKind, OpDef, OpRegistry, Real, Role, Source, Space, Sym,
-    ValueType,
+    DType, Graph, GraphBuilder, NodeKind, OpDef, OpRegistry, Role, Source, Space, Sym, ValueType,
 };
+use ramus_cpu::kernels::{self, Arg, ArgData, KernelCtx};
 
 const V: Space = Space::Vertex;
 const E: Space = Space::Edge;
@@ -62,7 +61,11 @@ fn at(data: &[f64], per_row: bool, width: usize, r: usize, j: usize) -> f64 {
     }
 }
 
-fn fwd(op: &dyn OpDef, args: &[(ValueType, Val)], topo: &Topo) -> (ValueType, Vec<f64>) {
+fn fwd(
+    op: &(impl OpDef + Clone + Into<Op>),
+    args: &[(ValueType, Val)],
+    topo: &Topo,
+) -> (ValueType, Vec<f64>) {
     run_op(op, args, topo).unwrap_or_else(|e| panic!("{} failed: {e}", op.signature()))
 }
 
@@ -2234,7 +2237,7 @@ fn kernels_reject_inconsistent_arguments() {
         edge_parent: &[0, 0, 1],
         packed_b: None,
     };
-    let err = f64::run_kernel(&SumChildren, &mut ctx)
+    let err = kernels::run::<f64>(&SumChildren.into(), &mut ctx)
         .unwrap_err()
         .to_string();
     assert!(err.contains("edge topology does not match"), "{err}");
@@ -2255,7 +2258,9 @@ fn kernels_reject_inconsistent_arguments() {
         edge_parent: &[],
         packed_b: None,
     };
-    let err = f64::run_kernel(&Exp, &mut ctx).unwrap_err().to_string();
+    let err = kernels::run::<f64>(&Exp.into(), &mut ctx)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("exp") && err.contains("need 8"), "{err}");
 
     let ty_i = ValueType::index_rows(V);
@@ -2274,7 +2279,9 @@ fn kernels_reject_inconsistent_arguments() {
         edge_parent: &[],
         packed_b: None,
     };
-    let err = f64::run_kernel(&Neg, &mut ctx).unwrap_err().to_string();
+    let err = kernels::run::<f64>(&Neg.into(), &mut ctx)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("expected a float argument"), "{err}");
 }
 

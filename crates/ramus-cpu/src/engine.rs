@@ -20,7 +20,6 @@
 use std::collections::HashMap;
 
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, ParamId, Role, Source, Space};
-use ramus_core::ops::matmul::PackedB;
 use ramus_core::ops::Op;
 use ramus_core::parallel::SpinHelper;
 use ramus_core::plan::{token_hoist, TokenHoist};
@@ -31,6 +30,8 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use ramus_exec::{Batch, ExecError, ForwardOutput, Mode, Range, Result};
+
+use crate::kernels::PackedB;
 
 mod inputs;
 mod nodes;

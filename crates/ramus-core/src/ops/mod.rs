@@ -12,11 +12,11 @@ use crate::graph::{GraphBuilder, Sym, ValueType};
 use crate::op::PrimitiveMaker;
 
 pub use cnn::{
-    update_running_stats, BatchNorm, BatchNormBackwardGamma, BatchNormBackwardInput,
-    BatchNormInference, BatchNormInferenceBackwardInput, BatchNormInferenceBackwardParam,
-    ChannelBroadcast, ChannelSum, Conv2d, Conv2dBackwardInput, Conv2dBackwardWeight, Conv2dGeom,
-    GlobalAvgPool, GlobalAvgPoolBackward, MaxPool2d, MaxPool2dBackward, NormGeom, NormParam,
-    Pool2dGeom, RUNNING_STATS_MOMENTUM,
+    BatchNorm, BatchNormBackwardGamma, BatchNormBackwardInput, BatchNormInference,
+    BatchNormInferenceBackwardInput, BatchNormInferenceBackwardParam, ChannelBroadcast, ChannelSum,
+    Conv2d, Conv2dBackwardInput, Conv2dBackwardWeight, Conv2dGeom, GlobalAvgPool,
+    GlobalAvgPoolBackward, MaxPool2d, MaxPool2dBackward, NormGeom, NormParam, Pool2dGeom,
+    RUNNING_STATS_MOMENTUM,
 };
 pub use elementwise::*;
 pub use loss::{SoftmaxXent, SoftmaxXentBackward};

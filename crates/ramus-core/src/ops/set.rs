@@ -2,8 +2,9 @@
 //! nodes hold an `Op`; engines and lowerings `match` on it, exhaustively
 //! where they run ops, so adding a variant makes the compiler list every
 //! place that must handle it. The per-op metadata (shape inference,
-//! gradient, fusion template, cost, CPU kernel) stays in each type's
-//! [`OpDef`] / [`Kernel`] impl, reached through [`Op::def`].
+//! gradient, fusion template, cost) stays in each type's [`OpDef`] impl,
+//! reached through [`Op::def`]; the CPU kernels are in the CPU engine
+//! (`ramus_cpu::kernels::run`, one match over `Op`).
 
 use super::cnn::*;
 use super::elementwise::*;
@@ -11,10 +12,8 @@ use super::loss::{SoftmaxXent, SoftmaxXentBackward};
 use super::matmul::MatMul;
 use super::row_matrix::RowMatMul;
 use super::structure::*;
-use crate::error::Result;
 use crate::graph::ValueType;
-use crate::op::{Cost, GradCtx, Kernel, KernelCtx, OpDef, PackedOperand};
-use crate::real::Real;
+use crate::op::{Cost, GradCtx, OpDef, PackedOperand};
 
 macro_rules! op_set {
     ($($(#[$doc:meta])* $v:ident),* $(,)?) => {
@@ -32,14 +31,6 @@ macro_rules! op_set {
             pub fn def(&self) -> &dyn OpDef {
                 match self {
                     $(Op::$v(o) => o,)*
-                }
-            }
-        }
-
-        impl Kernel for Op {
-            fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
-                match self {
-                    $(Op::$v(o) => o.run(ctx),)*
                 }
             }
         }
@@ -211,6 +202,43 @@ impl Op {
     /// rows of other vertices.
     pub fn crosses_edges(&self) -> bool {
         self.is_child_sum() || self.is_expand_children()
+    }
+    /// True when the op's CPU kernel maps all-zero operands to zero (in
+    /// `f32`, as the kernels compute: `tanh(0)`, `0 + 0`, `a · 0` for a
+    /// finite `a`; not `exp`, `sigmoid` or `0 / 0`). Ops other than the
+    /// elementwise ones answer false. Refactoring of child reads
+    /// ([`crate::recursion`]) asks it.
+    pub fn maps_zero_to_zero(&self) -> bool {
+        match self {
+            Op::Neg(_)
+            | Op::Tanh(_)
+            | Op::Relu(_)
+            | Op::Add(_)
+            | Op::Sub(_)
+            | Op::Mul(_)
+            | Op::SigmoidBackward(_)
+            | Op::TanhBackward(_)
+            | Op::ReluBackward(_) => true,
+            Op::Scale(Scale(a)) => (*a as f32).is_finite(),
+            Op::AddScalar(AddScalar(a)) | Op::RsubScalar(RsubScalar(a)) => *a as f32 == 0.0,
+            Op::Exp(_) | Op::Log(_) | Op::Sigmoid(_) | Op::Div(_) => false,
+            Op::MatMul(_)
+            | Op::RowMatMul(_)
+            | Op::Concat(_)
+            | Op::Slice(_)
+            | Op::Pad(_)
+            | Op::SumChildren(_)
+            | Op::ExpandChildren(_)
+            | Op::SumRows(_)
+            | Op::BroadcastRows(_)
+            | Op::Reshape(_)
+            | Op::Embedding(_)
+            | Op::EmbeddingUnk(_)
+            | Op::EmbeddingUnkBackward(_)
+            | Op::SoftmaxXent(_)
+            | Op::SoftmaxXentBackward(_)
+            | crate::image_op!() => false,
+        }
     }
 }
 

@@ -6,11 +6,11 @@
 use std::collections::HashMap;
 
 use ramus_core::autodiff::differentiate;
-use ramus_core::op::{Arg, ArgData, KernelCtx};
 use ramus_core::ops::Op;
 use ramus_core::{
-    DType, Graph, GraphBuilder, NodeKind, OpDef, ParamId, Real, Role, Source, Space, Sym, ValueType,
+    DType, Graph, GraphBuilder, NodeKind, OpDef, ParamId, Role, Source, Space, Sym, ValueType,
 };
+use ramus_cpu::kernels::{self, Arg, ArgData, KernelCtx};
 
 // ---------------------------------------------------------------- PRNG
 
@@ -148,7 +148,7 @@ impl Topo {
 /// output type comes from `op.infer`; the output buffer is pre-filled with
 /// NaN so that elements a kernel forgets to write are caught.
 pub fn run_op(
-    op: &dyn OpDef,
+    op: &(impl OpDef + Clone + Into<Op>),
     args: &[(ValueType, Val)],
     topo: &Topo,
 ) -> Result<(ValueType, Vec<f64>), String> {
@@ -181,13 +181,13 @@ pub fn run_op(
         edge_parent: &topo.edge_parent,
         packed_b: None,
     };
-    f64::run_kernel(op, &mut ctx).map_err(|e| e.to_string())?;
+    kernels::run::<f64>(&op.clone().into(), &mut ctx).map_err(|e| e.to_string())?;
     Ok((out_ty, out))
 }
 
 /// Same as [`run_op`] in f32 (inputs rounded to f32, output widened back).
 pub fn run_op_f32(
-    op: &dyn OpDef,
+    op: &(impl OpDef + Clone + Into<Op>),
     args: &[(ValueType, Val)],
     topo: &Topo,
 ) -> Result<Vec<f64>, String> {
@@ -221,7 +221,7 @@ pub fn run_op_f32(
         edge_parent: &topo.edge_parent,
         packed_b: None,
     };
-    f32::run_kernel(op, &mut ctx).map_err(|e| e.to_string())?;
+    kernels::run::<f32>(&op.clone().into(), &mut ctx).map_err(|e| e.to_string())?;
     Ok(out.into_iter().map(f64::from).collect())
 }
 
@@ -291,7 +291,7 @@ pub fn eval(
                     edge_parent: &topo.edge_parent,
                     packed_b: None,
                 };
-                f64::run_kernel(op, &mut ctx)
+                kernels::run::<f64>(op, &mut ctx)
                     .map_err(|e| format!("node %{n} ({}): {e}", op.signature()))?;
                 Val::F(out)
             }

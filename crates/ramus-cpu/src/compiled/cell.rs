@@ -4,13 +4,15 @@
 //! tables of leaf specialization ([`tabulate`]).
 
 use ramus_core::lower::{
-    map_rows, scalar_vectors, vec_deps, CellProgram, ChildRef, MapOperand, ScalarExpr, Scope,
-    VecExpr,
+    scalar_vectors, vec_deps, CellProgram, ChildRef, ScalarExpr, Scope, VecExpr,
 };
-use ramus_core::ops::matmul::{gemm_packed, PackedB, PACKED_MAX_M};
+use ramus_core::ops::matmul::PACKED_MAX_M;
 use ramus_core::ops::unk_row;
 use ramus_core::Params;
 use ramus_graph::LinearBatch;
+
+use crate::cell_eval::{map_rows, MapOperand};
+use crate::kernels::{gemm_packed, PackedB};
 
 use super::err;
 use ramus_exec::Result;

@@ -5,13 +5,13 @@
 //! the gradients.
 
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, ParamId, Role, Source, Space};
-use ramus_core::op::{Arg, ArgData, KernelCtx};
-use ramus_core::ops::matmul::PackedB;
-use ramus_core::ops::{update_running_stats, BatchNorm, Op};
+use ramus_core::ops::{BatchNorm, Op};
 use ramus_core::{CoreError, Grads, OpDef, Params, Real};
 use ramus_graph::FunctionRows;
 
 use ramus_exec::{ExecError, Result};
+
+use crate::kernels::{self, update_running_stats, Arg, ArgData, KernelCtx, PackedB};
 
 use super::{Arena, Packs, Range};
 
@@ -219,7 +219,7 @@ pub(super) fn run_node<T: Real>(
             edge_parent,
             packed_b: packed_key.and_then(|key| packs.get(&key)),
         };
-        T::run_kernel(op, &mut ctx).map_err(ExecError::from)
+        kernels::run(op, &mut ctx).map_err(ExecError::from)
     })();
     own.vals[n] = out;
     result.map_err(|e| match e {
