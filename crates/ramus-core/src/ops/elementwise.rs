@@ -1,6 +1,7 @@
 //! Elementwise ops: unary math, scalar ops and binary arithmetic with
 //! broadcasting of a static row (bias). Each carries a C code template used
-//! by fusion code generation and a CPU kernel applied row by row.
+//! by fusion code generation; its CPU kernel, applied row by row, is in the
+//! CPU engine (`ramus_cpu::kernels`).
 
 use crate::graph::ValueType;
 use crate::op::{want_float, GradCtx, OpDef};

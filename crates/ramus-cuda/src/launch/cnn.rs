@@ -651,7 +651,7 @@ impl Launcher {
     /// with `running = Some((mean, var))`, also blends the batch's
     /// statistics into those running statistics in place (momentum
     /// [`RUNNING_STATS_MOMENTUM`], unbiased variance, as
-    /// `ramus_core::ops::update_running_stats`).
+    /// `ramus_cpu::kernels::update_running_stats`).
     #[allow(clippy::too_many_arguments)] // three inputs, an output, the running statistics and extents
     pub fn batch_norm_coef(
         &self,
