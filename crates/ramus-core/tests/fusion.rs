@@ -605,7 +605,7 @@ fn run_plans(g: &Graph, env: &Env, plans: &[&FusionPlan]) -> Result<Vec<Option<V
                             outs.iter_mut().map(|o| o.as_mut_slice()).collect();
                         let mut cat_refs: Vec<&mut [f64]> =
                             cats.iter_mut().map(|o| o.as_mut_slice()).collect();
-                        eval_cpu(&grp, g, &ins, &csr, r, &mut refs, &mut cat_refs)
+                        eval_cpu(grp, g, &ins, &csr, r, &mut refs, &mut cat_refs)
                             .map_err(|e| e.to_string())?;
                     }
                     for (&c, buf) in targets.iter().zip(cats) {

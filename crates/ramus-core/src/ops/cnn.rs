@@ -120,11 +120,11 @@ fn want_norm_grad(
 ) -> std::result::Result<(), String> {
     n.validate()?;
     want_arity(inputs, params.len() + 2)?;
-    want_rows(inputs[0], n.len(), "input")?;
+    want_rows(inputs[0], n.row_len(), "input")?;
     for (t, what) in inputs[1..].iter().zip(params) {
         want_channels(t, n.channels, what)?;
     }
-    want_grad_rows(inputs[0], inputs[params.len() + 1], n.len())
+    want_grad_rows(inputs[0], inputs[params.len() + 1], n.row_len())
 }
 
 /// Gradient of a gradient op `op` that has none: records "second
@@ -534,7 +534,7 @@ impl OpDef for BatchNorm {
                 inputs.len()
             ));
         }
-        want_rows(inputs[0], n.len(), &n.input_what())?;
+        want_rows(inputs[0], n.row_len(), &n.input_what())?;
         let names = ["gamma", "beta", "running mean", "running variance"];
         for (t, what) in inputs[1..].iter().zip(names) {
             want_channels(t, n.channels, what)?;
@@ -633,7 +633,7 @@ impl OpDef for BatchNormInference {
         let n = &self.0;
         n.validate()?;
         want_arity(inputs, 5)?;
-        want_rows(inputs[0], n.len(), &n.input_what())?;
+        want_rows(inputs[0], n.row_len(), &n.input_what())?;
         for (t, what) in inputs[1..].iter().zip(["gamma", "beta", "mean", "var"]) {
             want_channels(t, n.channels, what)?;
         }
@@ -680,7 +680,7 @@ impl OpDef for BatchNormInferenceBackwardInput {
         want_arity(inputs, 3)?;
         want_channels(inputs[0], n.channels, "gamma")?;
         want_channels(inputs[1], n.channels, "var")?;
-        want_rows(inputs[2], n.len(), "output gradient")?;
+        want_rows(inputs[2], n.row_len(), "output gradient")?;
         Ok(inputs[2].clone())
     }
     fn gradient(&self, g: &mut GradCtx<'_>) {

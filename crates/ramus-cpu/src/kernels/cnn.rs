@@ -726,8 +726,8 @@ impl Kernel for BatchNormBackwardGamma {
         let n = self.0;
         let rows = rows_of(ctx, OP, 0, None)?;
         rows_of(ctx, OP, 1, Some(rows))?;
-        let x = floats(ctx, OP, 0, rows * n.len())?;
-        let dy = floats(ctx, OP, 1, rows * n.len())?;
+        let x = floats(ctx, OP, 0, rows * n.row_len())?;
+        let dy = floats(ctx, OP, 1, rows * n.row_len())?;
         check_out(ctx, OP, n.channels)?;
         let stats = channel_stats(&n, x, rows);
         let sums = channel_grad_sums(&n, x, dy, rows, &stats);

@@ -222,7 +222,7 @@ impl NormGeom {
         format!("C{},S{},eps{}", self.channels, self.spatial, self.eps)
     }
     /// Width of a row, `C*S`.
-    pub fn len(&self) -> usize {
+    pub fn row_len(&self) -> usize {
         self.channels * self.spatial
     }
     /// Names the input rows in the forward ops' shape errors.
@@ -233,8 +233,8 @@ impl NormGeom {
     /// per element of a row.
     pub(crate) fn cost(&self, rows: usize, flops: usize, words: usize) -> Cost {
         Cost {
-            flops: (flops * rows * self.len()) as f64,
-            bytes: 4.0 * (words * rows * self.len()) as f64,
+            flops: (flops * rows * self.row_len()) as f64,
+            bytes: 4.0 * (words * rows * self.row_len()) as f64,
         }
     }
 }
