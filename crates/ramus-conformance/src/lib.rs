@@ -15,6 +15,7 @@
 //! | comparing with a tolerance, naming the tensor and element | [`close`] |
 //! | whether a CUDA driver is here, with a notice when not | [`gpu`] |
 //! | deterministic values and small fixture models for engine tests | [`fixtures`] |
+//! | the CUDA device optimizer's test model and step data | [`optimizer_fixture`] |
 //!
 //! ```
 //! use ramus_conformance::close::{assert_close, Tolerance};
@@ -29,4 +30,5 @@ pub mod close;
 pub mod engines;
 pub mod fixtures;
 pub mod gpu;
+pub mod optimizer_fixture;
 pub mod zoo;

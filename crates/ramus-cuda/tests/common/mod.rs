@@ -37,12 +37,9 @@ pub fn device() -> Option<Arc<CudaDevice>> {
     }
 }
 
-/// The device optimizer's test model and step data, shared with its unit
-/// tests in `src/optimizer/`.
-#[path = "../../src/optimizer/fixture.rs"]
-pub mod optimizer_fixture;
-#[allow(unused_imports)] // as with `dead_code`: each test crate uses a subset
-pub use optimizer_fixture::values;
+// as with `dead_code`: each test crate uses a subset
+#[allow(unused_imports)]
+pub use ramus_conformance::{fixtures::values, optimizer_fixture};
 
 /// Three rounds of training batches of `data` in chunks of `chunk`; after
 /// the first round no batch may make a device allocation. Round 0 prints
