@@ -17,7 +17,9 @@
 //! model (`conformance!`), so that a failure names its model and the
 //! models run in parallel.
 
-use ramus_conformance::close::{assert_close, assert_close_value, assert_scores_close, Tolerance};
+use ramus_conformance::close::{
+    assert_close, assert_close_value, assert_scores_close, epsilon, Tolerance,
+};
 use ramus_conformance::engines::{
     reference_infer, reference_trainer, Device, InferKind, TrainKind,
 };
@@ -221,8 +223,8 @@ fn check_gradients(kind: TrainKind, case: &Case, what: &str, tol: Tolerances) {
         let (dw, dg) = (delta(w), delta(g));
         moved |= dw.iter().any(|x| *x != 0.0);
         // each side's update rounds p₁ = p₀ − g to f32: ε/2 of |p₁| each
-        let largest = start.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
-        let rounding = f32::EPSILON as f64 * (largest + 1.0);
+        let largest = w.iter().chain(g).fold(0f32, |m, x| m.max(x.abs())) as f64;
+        let rounding = epsilon::<f32>() * largest;
         assert_close(
             &format!("{what}: gradient of {}", spec.name),
             &dw,
