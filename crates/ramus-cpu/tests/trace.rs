@@ -3,6 +3,7 @@
 //! backward in reverse task order, optimizer), sizes tensors from the
 //! batch's rows, and the swap planner fits it into a smaller budget.
 
+use ramus_conformance::fixtures::{binary_cell, softmax_head};
 use ramus_core::model::{FunctionSelector, HeadRows, Init, ModelBuilder};
 use ramus_core::Model;
 use ramus_cpu::training_trace;
@@ -30,28 +31,11 @@ fn tree_fc() -> Model {
         })
         .expect("leaf");
     let internal = m
-        .vertex_fn("internal", |f| {
-            let (l, r) = (f.gather(0), f.gather(1));
-            let lr = f.concat(&[l, r]);
-            let (w, b) = (f.param(w), f.param(b));
-            let z = f.linear(lr, w, Some(b));
-            let h = f.tanh(z);
-            f.scatter(h);
-            f.push(h);
-        })
+        .vertex_fn("internal", |f| binary_cell(f, w, Some(b), |f, z| f.tanh(z)))
         .expect("internal");
     m.select(FunctionSelector::LeafInternal { leaf, internal });
-    m.head(HeadRows::Roots, H, |hd| {
-        let x = hd.input();
-        let w = hd.param(w_out);
-        let logits = hd.linear(x, w, None);
-        let labels = hd.labels();
-        let l = hd.softmax_xent(logits, labels);
-        let loss = hd.mean_rows(l);
-        hd.loss(loss);
-        hd.logits(logits);
-    })
-    .expect("head");
+    m.head(HeadRows::Roots, H, |hd| softmax_head(hd, w_out))
+        .expect("head");
     m.build().expect("model")
 }
 

@@ -943,8 +943,6 @@ impl DeviceOptimizer {
 }
 
 #[cfg(test)]
-mod fixture;
-#[cfg(test)]
 mod host;
 #[cfg(test)]
 mod tests;

@@ -9,6 +9,7 @@
 
 mod common;
 
+use ramus_conformance::fixtures::{binary_cell, softmax_head};
 use ramus_core::fusion;
 use ramus_core::model::{FunctionSelector, HeadRows, Init, ModelBuilder};
 use ramus_core::{Model, OpRegistry, Params};
@@ -82,27 +83,12 @@ fn model_with(activation: &str, attrs: &[f64]) -> Model {
         .expect("leaf");
     let internal = m
         .vertex_fn("internal", |f| {
-            let (l, r) = (f.gather(0), f.gather(1));
-            let lr = f.concat(&[l, r]);
-            let (wp, bp) = (f.param(w), f.param(b));
-            let z = f.linear(lr, wp, Some(bp));
-            let h = reg.call(f, activation, &[z], attrs);
-            f.scatter(h);
-            f.push(h);
+            binary_cell(f, w, Some(b), |f, z| reg.call(f, activation, &[z], attrs))
         })
         .expect("internal");
     m.select(FunctionSelector::LeafInternal { leaf, internal });
-    m.head(HeadRows::Roots, HIDDEN, |hd| {
-        let x = hd.input();
-        let w = hd.param(w_out);
-        let logits = hd.linear(x, w, None);
-        let labels = hd.labels();
-        let l = hd.softmax_xent(logits, labels);
-        let loss = hd.mean_rows(l);
-        hd.loss(loss);
-        hd.logits(logits);
-    })
-    .expect("head");
+    m.head(HeadRows::Roots, HIDDEN, |hd| softmax_head(hd, w_out))
+        .expect("head");
     m.build().expect("model")
 }
 

@@ -6,8 +6,9 @@
 
 mod common;
 
+use ramus_conformance::close::{assert_scores_close, Tolerance};
+use ramus_conformance::engines::reference_infer;
 use ramus_core::Params;
-use ramus_cpu::CpuTrainer;
 use ramus_cuda::compiled::{CompiledEngine, CompiledOptions};
 use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer};
 use ramus_exec::{
@@ -25,15 +26,11 @@ const CFG: ModelConfig = ModelConfig {
     classes: 4,
 };
 
+/// How close the engines' scores come to the reference's (reordered f32 sums on the device).
+const SCORES: Tolerance = Tolerance::element(1e-3);
+
 fn assert_close(name: &str, want: &Scores<f32>, got: &Scores<f32>) {
-    assert_eq!(got.classes, want.classes, "{name}: classes");
-    assert_eq!(got.values.len(), want.values.len(), "{name}: score count");
-    for (i, (w, g)) in want.values.iter().zip(&got.values).enumerate() {
-        assert!(
-            (w - g).abs() <= 1e-3 * (1.0 + w.abs()),
-            "{name}: score {i}: reference {w} vs {g}"
-        );
-    }
+    assert_scores_close(name, want, got, SCORES);
 }
 
 #[test]
@@ -50,7 +47,7 @@ fn cuda_inference_engines_give_the_cpu_reference_scores() {
             .map(|&leaves| random_tree(&mut rng, leaves, &[2], CFG.vocab as u32, 4).expect("tree"))
             .collect();
         let refs: Vec<&InputGraph> = graphs.iter().collect();
-        let mut reference = BatchedInfer::new(Box::new(cpu_batched(&model, &params)));
+        let mut reference = reference_infer(&model, &params);
         let want = reference.infer(&refs).expect("reference");
 
         let compiled = || {
@@ -97,13 +94,4 @@ fn cuda_inference_engines_give_the_cpu_reference_scores() {
         assert!(notices[0].ends_with(&format!(": {chosen}")), "{notices:?}");
         eprintln!("{name}: {}", notices[0]);
     }
-}
-
-/// The CPU batched engine for `model` with `params`, the reference.
-fn cpu_batched(model: &ramus_core::Model, params: &Params<f32>) -> CpuTrainer<f32> {
-    CpuTrainer::new(
-        model.clone(),
-        params.clone(),
-        OptimizerConfig::forward_only(),
-    )
 }

@@ -7,6 +7,7 @@
 
 mod common;
 
+use ramus_conformance::fixtures::softmax_head;
 use ramus_core::model::{HeadRows, Init, ModelBuilder, VertexFnBuilder};
 use ramus_core::ops::RowMatMul;
 use ramus_core::{Grads, Model, Params, Sym};
@@ -46,17 +47,8 @@ fn op_model(
         f.push(h);
     })
     .expect("cell");
-    m.head(HeadRows::Labelled, S, |hd| {
-        let x = hd.input();
-        let w = hd.param(w_out);
-        let logits = hd.linear(x, w, None);
-        let labels = hd.labels();
-        let l = hd.softmax_xent(logits, labels);
-        let loss = hd.mean_rows(l);
-        hd.loss(loss);
-        hd.logits(logits);
-    })
-    .expect("head");
+    m.head(HeadRows::Labelled, S, |hd| softmax_head(hd, w_out))
+        .expect("head");
     m.build().expect("model")
 }
 

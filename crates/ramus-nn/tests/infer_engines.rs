@@ -5,12 +5,11 @@
 //! user would. (The CUDA engines' twin of this test is in
 //! `ramus-cuda/tests/compiled.rs`.)
 
+use ramus_conformance::close::{assert_scores_close, Tolerance};
+use ramus_conformance::engines::reference_infer;
 use ramus_core::Params;
 use ramus_cpu::compiled::CpuCompiledEngine;
-use ramus_cpu::CpuTrainer;
-use ramus_exec::{
-    AutoInfer, BatchShape, BatchedInfer, InferEngine, Offer, OptimizerConfig, Scores,
-};
+use ramus_exec::{AutoInfer, BatchShape, InferEngine, Offer, Scores};
 use ramus_graph::random::random_tree;
 use ramus_graph::InputGraph;
 use ramus_nn::{build_model_with, ModelConfig, ModelOptions};
@@ -23,15 +22,11 @@ const CFG: ModelConfig = ModelConfig {
     classes: 4,
 };
 
+/// How close the engines' scores come to the reference's (the compiled level loop's own dot products).
+const SCORES: Tolerance = Tolerance::element(1e-4);
+
 fn assert_close(name: &str, want: &Scores<f32>, got: &Scores<f32>) {
-    assert_eq!(got.classes, want.classes, "{name}: classes");
-    assert_eq!(got.values.len(), want.values.len(), "{name}: score count");
-    for (i, (w, g)) in want.values.iter().zip(&got.values).enumerate() {
-        assert!(
-            (w - g).abs() <= 1e-4 * (1.0 + w.abs()),
-            "{name}: score {i}: reference {w} vs {g}"
-        );
-    }
+    assert_scores_close(name, want, got, SCORES);
 }
 
 #[test]
@@ -45,7 +40,7 @@ fn every_cpu_inference_engine_gives_the_batched_reference_scores() {
             .map(|&leaves| random_tree(&mut rng, leaves, &[2], CFG.vocab as u32, 4).expect("tree"))
             .collect();
         let refs: Vec<&InputGraph> = graphs.iter().collect();
-        let mut reference = BatchedInfer::new(Box::new(cpu_batched(&model, &params)));
+        let mut reference = reference_infer(&model, &params);
         assert_eq!(reference.name(), "cpu-batched");
         let want = reference.infer(&refs).expect("reference");
         assert_eq!(
@@ -76,9 +71,7 @@ fn every_cpu_inference_engine_gives_the_batched_reference_scores() {
             ),
             (
                 "cpu-batched",
-                Ok(Box::new(BatchedInfer::new(Box::new(cpu_batched(
-                    &model, &params,
-                ))))),
+                Ok(Box::new(reference_infer(&model, &params))),
             ),
         ];
         let mut auto =
@@ -97,13 +90,4 @@ fn every_cpu_inference_engine_gives_the_batched_reference_scores() {
         );
         assert!(notices[0].ends_with(&format!(": {chosen}")), "{notices:?}");
     }
-}
-
-/// The CPU batched engine for `model` with `params`, the reference.
-fn cpu_batched(model: &ramus_core::Model, params: &Params<f32>) -> CpuTrainer<f32> {
-    CpuTrainer::new(
-        model.clone(),
-        params.clone(),
-        OptimizerConfig::forward_only(),
-    )
 }

@@ -4,10 +4,10 @@
 use ramus_core::{Model, Params};
 use ramus_exec::Optimizer;
 
-use super::fixture::*;
 use super::host::*;
 use super::plan::RawSegments;
 use super::*;
+use ramus_conformance::optimizer_fixture::*;
 
 const KINDS: [OptimizerKind; 3] = [
     OptimizerKind::Sgd,
@@ -515,7 +515,7 @@ fn the_norm_and_update_span_several_launches() {
     src += &put_cpp(rows.view().device_ptr(), &[7, 2, 11]);
     let mut expected = Vec::new();
     for step in 1..=2u64 {
-        let all = super::fixture::values(2 * total, 1000 + step);
+        let all = ramus_conformance::fixtures::values(2 * total, 1000 + step);
         src += &put_cpp(grads.view().device_ptr(), &bits(&all));
         src += &norm_cpp("c0", &state, &segments, 2.0, 0);
         src += &update_cpp(

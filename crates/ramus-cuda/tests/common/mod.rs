@@ -10,22 +10,6 @@ use ramus_cuda::{CudaDevice, CudaEngine};
 use ramus_exec::{Batch, Mode};
 use ramus_graph::{BatchingPolicy, InputGraph};
 
-/// Whether a CUDA driver is usable here; otherwise prints
-/// `"{skip}: no CUDA driver: …"` and returns `false`.
-pub fn cuda_ready(skip: &str) -> bool {
-    match CudaDevice::available() {
-        Ok(()) => true,
-        Err(e) => {
-            // written to stderr directly: the test harness does not capture it, so CI logs show the skip
-            let _ = std::io::Write::write_fmt(
-                &mut std::io::stderr(),
-                format_args!("{skip}: no CUDA driver: {e}\n"),
-            );
-            false
-        }
-    }
-}
-
 /// Device 0, or `None` (after printing why) when CUDA is not usable here.
 pub fn device() -> Option<Arc<CudaDevice>> {
     if !cuda_ready("skipping") {
@@ -37,12 +21,9 @@ pub fn device() -> Option<Arc<CudaDevice>> {
     }
 }
 
-/// The device optimizer's test model and step data, shared with its unit
-/// tests in `src/optimizer/`.
-#[path = "../../src/optimizer/fixture.rs"]
-pub mod optimizer_fixture;
-#[allow(unused_imports)] // as with `dead_code`: each test crate uses a subset
-pub use optimizer_fixture::values;
+// as with `dead_code`: each test crate uses a subset
+#[allow(unused_imports)]
+pub use ramus_conformance::{fixtures::values, gpu::cuda_ready, optimizer_fixture};
 
 /// Three rounds of training batches of `data` in chunks of `chunk`; after
 /// the first round no batch may make a device allocation. Round 0 prints

@@ -1,26 +1,17 @@
-//! Deterministic data for the device optimizer's tests, shared by its unit
-//! tests (`optimizer/tests.rs`) and the integration tests (included by
-//! `tests/common/mod.rs`): a small tree model with two embedding tables
-//! between dense parameters, each step's gradients and touched rows, and
-//! the host reference's view of them. Only public items of `ramus_core`
-//! and `ramus_exec` are used, so that both kinds of test can include it.
+//! Deterministic data for the CUDA device optimizer's tests, shared by its
+//! unit tests (`ramus-cuda/src/optimizer/tests.rs`) and its integration
+//! tests (`ramus-cuda/tests/optimizer.rs`): a small tree model with two
+//! embedding tables between dense parameters, each step's gradients and
+//! touched rows, and the host reference's view of them. Only `ramus_core`
+//! and `ramus_exec` types appear, so that the unit tests (another build of
+//! `ramus-cuda`) can use it too.
 
 use ramus_core::model::{FunctionSelector, HeadRows, Init, ModelBuilder};
 use ramus_core::{Grads, Model, Params, Tensor};
 use ramus_exec::{OptimizerConfig, OptimizerKind};
 
-/// Deterministic values in [-1, 1).
-pub fn values(len: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
+pub use crate::fixtures::values;
+use crate::fixtures::{binary_cell, softmax_head};
 
 /// Parameters `W, emb (table), b, W_out, tags (table), W_leaf` of a small
 /// tree model: the tables split the dense parameters into three runs.
@@ -46,28 +37,11 @@ pub fn test_model() -> Model {
         })
         .expect("leaf function");
     let internal = m
-        .vertex_fn("internal", |f| {
-            let (l, r) = (f.gather(0), f.gather(1));
-            let lr = f.concat(&[l, r]);
-            let (w, b) = (f.param(w), f.param(b));
-            let z = f.linear(lr, w, Some(b));
-            let y = f.tanh(z);
-            f.scatter(y);
-            f.push(y);
-        })
+        .vertex_fn("internal", |f| binary_cell(f, w, Some(b), |f, z| f.tanh(z)))
         .expect("internal function");
     m.select(FunctionSelector::LeafInternal { leaf, internal });
-    m.head(HeadRows::Roots, h, |hd| {
-        let x = hd.input();
-        let w = hd.param(w_out);
-        let logits = hd.linear(x, w, None);
-        let labels = hd.labels();
-        let loss = hd.softmax_xent(logits, labels);
-        let loss = hd.mean_rows(loss);
-        hd.loss(loss);
-        hd.logits(logits);
-    })
-    .expect("head");
+    m.head(HeadRows::Roots, h, |hd| softmax_head(hd, w_out))
+        .expect("head");
     m.build().expect("the test model builds")
 }
 
