@@ -52,10 +52,9 @@
 //!
 //! For each group this module renders the members as C expressions from
 //! the ops' registered templates ([`FusedGroup::members_code`], from which
-//! `ramus_codegen::fused` generates one CUDA C++ kernel per group), and
-//! evaluates it on the CPU through the ops' own kernels
-//! ([`FusedGroup::eval_cpu`]): the oracle the generated code is tested
-//! against.
+//! `ramus_codegen::fused` generates one CUDA C++ kernel per group);
+//! `ramus_cpu::fused::eval_group` evaluates a group on the CPU through the
+//! ops' own kernels: the oracle the generated code is tested against.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap};
@@ -63,9 +62,8 @@ use std::fmt;
 
 use crate::error::{CoreError, Result};
 use crate::graph::{DType, Graph, NodeId, NodeKind, Source, Space};
-use crate::op::{Arg, ArgData, KernelCtx, OpDef};
+use crate::op::OpDef;
 use crate::ops::Op;
-use crate::real::Real;
 
 // ---------------------------------------------------------------- plan types
 
@@ -107,7 +105,9 @@ pub enum InputKind {
 }
 
 impl InputKind {
-    fn short(self) -> &'static str {
+    /// Short name in listings and errors: `elem`, `bcast`, `win`, `csum`,
+    /// `parent`.
+    pub fn short(self) -> &'static str {
         match self {
             InputKind::PerElement => "elem",
             InputKind::Broadcast => "bcast",
@@ -120,7 +120,7 @@ impl InputKind {
     /// True for the kinds read through the row topology
     /// ([`ChildSum`](InputKind::ChildSum), [`ParentRow`](InputKind::ParentRow)):
     /// their kernels take an index array and a base besides the data (see
-    /// `ramus_codegen::fused` and [`FusedGroup::eval_cpu`]).
+    /// `ramus_codegen::fused` and `ramus_cpu::fused::eval_group`).
     pub fn is_csr(self) -> bool {
         matches!(
             self,
@@ -243,7 +243,9 @@ pub struct FusionPlan {
 
 // ---------------------------------------------------------------- errors
 
-fn node_error(graph: &Graph, node: NodeId, message: impl Into<String>) -> CoreError {
+/// An error about node `node` of `graph` (fusion, code generation or
+/// evaluation of a group).
+pub fn node_error(graph: &Graph, node: NodeId, message: impl Into<String>) -> CoreError {
     let op = graph
         .nodes
         .get(node)
@@ -256,7 +258,8 @@ fn node_error(graph: &Graph, node: NodeId, message: impl Into<String>) -> CoreEr
     }
 }
 
-fn group_error(group: &FusedGroup, message: impl Into<String>) -> CoreError {
+/// An error about `group` as a whole, named by its members.
+pub fn group_error(group: &FusedGroup, message: impl Into<String>) -> CoreError {
     CoreError::Kernel {
         op: group.describe(),
         message: message.into(),
@@ -1070,22 +1073,9 @@ impl FusedGroup {
     }
 
     /// Short name for errors: `fused group [%7 %8]`.
-    fn describe(&self) -> String {
+    pub fn describe(&self) -> String {
         let ids: Vec<String> = self.nodes.iter().map(|v| format!("%{v}")).collect();
         format!("fused group [{}]", ids.join(" "))
-    }
-
-    /// The concats this group writes into, each once, in order of their
-    /// first entry in [`concat_writes`](Self::concat_writes) (the buffers
-    /// [`eval_cpu`](Self::eval_cpu) takes).
-    pub fn concat_targets(&self) -> Vec<NodeId> {
-        let mut targets: Vec<NodeId> = Vec::new();
-        for w in &self.concat_writes {
-            if !targets.contains(&w.concat) {
-                targets.push(w.concat);
-            }
-        }
-        targets
     }
 
     /// The variable holding value `x` inside the kernel: `t<j>` for member
@@ -1337,247 +1327,6 @@ impl FusedGroup {
                     })
             })
             .collect()
-    }
-
-    // ------------------------------------------------------------ CPU oracle
-
-    /// Evaluates the group op by op through the members' CPU kernels, with
-    /// the buffers the generated kernel takes:
-    ///
-    /// * `inputs[k]` holds input `k`: rows × width elements (per element),
-    ///   `width` (broadcast), for an [`InputKind::Window`] the whole
-    ///   *source* buffer (rows × stride elements) the window is read from,
-    ///   and for an [`InputKind::ChildSum`] / [`InputKind::ParentRow`] the
-    ///   whole *source* buffer (edges × width / vertex rows × width);
-    /// * `csr_rows[c]` is the index array of the `c`-th CSR input (see
-    ///   [`InputKind::is_csr`]; in input order), *relative* to the source
-    ///   (the kernel's base already subtracted): for a `ChildSum`, rows + 1
-    ///   non-decreasing offsets into the source's edge rows; for a
-    ///   `ParentRow`, one source row per row (edge) of the group;
-    /// * `outputs[k]` receives output `k` (rows × width);
-    /// * `concats[k]` is the buffer (rows × its width) of the `k`-th concat
-    ///   of [`concat_targets`](Self::concat_targets) (one buffer per concat,
-    ///   however many members go into it); only the columns this group
-    ///   writes change.
-    ///
-    /// `rows` is ignored for a static group (one "row" of `width` elements).
-    /// Buffers of the wrong length and indices outside their source are
-    /// errors naming the input.
-    pub fn eval_cpu<T: Real>(
-        &self,
-        graph: &Graph,
-        inputs: &[&[T]],
-        csr_rows: &[&[u32]],
-        rows: usize,
-        outputs: &mut [&mut [T]],
-        concats: &mut [&mut [T]],
-    ) -> Result<()> {
-        self.members_code(graph)?;
-        let output_members = self.output_members()?;
-        let write_members = self.concat_write_members()?;
-        let targets = self.concat_targets();
-        let csr_inputs = self.inputs.iter().filter(|i| i.kind.is_csr()).count();
-        if inputs.len() != self.inputs.len()
-            || csr_rows.len() != csr_inputs
-            || outputs.len() != self.outputs.len()
-            || concats.len() != targets.len()
-        {
-            return Err(group_error(
-                self,
-                format!(
-                    "takes {} inputs, {} index arrays, {} outputs and {} concat buffers, \
-                     got {}, {}, {} and {}",
-                    self.inputs.len(),
-                    csr_inputs,
-                    self.outputs.len(),
-                    targets.len(),
-                    inputs.len(),
-                    csr_rows.len(),
-                    outputs.len(),
-                    concats.len()
-                ),
-            ));
-        }
-        let rows = if self.space == Space::Static { 1 } else { rows };
-        let width = self.width;
-        let overflow = |w: usize| {
-            rows.checked_mul(w)
-                .ok_or_else(|| group_error(self, format!("{rows} rows of width {w} overflow")))
-        };
-        let n = overflow(width)?;
-        // window and inline inputs, gathered into rows × width
-        let mut gathered: Vec<Option<Vec<T>>> = Vec::with_capacity(self.inputs.len());
-        let mut csr = csr_rows.iter();
-        for (k, (input, data)) in self.inputs.iter().zip(inputs).enumerate() {
-            let what = || format!("input {k} (%{}, {})", input.node, input.kind.short());
-            let bad = |message: String| group_error(self, format!("{} {message}", what()));
-            let need = match input.kind {
-                InputKind::PerElement => Some(n),
-                InputKind::Broadcast => Some(width),
-                InputKind::Window { stride, .. } => Some(overflow(stride)?),
-                // whole rows of the source, as many as there are
-                InputKind::ChildSum { .. } | InputKind::ParentRow { .. } => None,
-            };
-            match need {
-                Some(need) if data.len() != need => {
-                    return Err(bad(format!("has {} elements, expected {need}", data.len())));
-                }
-                None if width > 0 && !data.len().is_multiple_of(width) => {
-                    return Err(bad(format!(
-                        "has {} elements, not whole rows of width {width}",
-                        data.len()
-                    )));
-                }
-                _ => {}
-            }
-            // rows of the source of an inline read (nothing is read at width 0)
-            let source_rows = data.len().checked_div(width).unwrap_or(usize::MAX);
-            gathered.push(match input.kind {
-                InputKind::PerElement | InputKind::Broadcast => None,
-                InputKind::Window { offset, stride, .. } => {
-                    let mut w = Vec::with_capacity(n);
-                    for r in 0..rows {
-                        let at = r * stride + offset;
-                        w.extend_from_slice(&data[at..at + width]);
-                    }
-                    Some(w)
-                }
-                InputKind::ChildSum { .. } => {
-                    let offsets = csr.next().copied().unwrap_or_default();
-                    if offsets.len().checked_sub(1) != Some(rows) {
-                        return Err(bad(format!(
-                            "has {} CSR offsets, expected {rows} + 1 (one per row and an end)",
-                            offsets.len()
-                        )));
-                    }
-                    let mut w = vec![T::ZERO; n];
-                    for (r, pair) in offsets.windows(2).enumerate() {
-                        let (lo, hi) = (pair[0] as usize, pair[1] as usize);
-                        if lo > hi || hi > source_rows {
-                            return Err(bad(format!(
-                                "row {r} sums edges {lo}..{hi}, outside the source's \
-                                 {source_rows} edge rows"
-                            )));
-                        }
-                        let acc = &mut w[r * width..(r + 1) * width];
-                        for e in lo..hi {
-                            for (a, &x) in acc.iter_mut().zip(&data[e * width..(e + 1) * width]) {
-                                *a += x;
-                            }
-                        }
-                    }
-                    Some(w)
-                }
-                InputKind::ParentRow { .. } => {
-                    let parents = csr.next().copied().unwrap_or_default();
-                    if parents.len() != rows {
-                        return Err(bad(format!(
-                            "has {} parent rows, expected {rows} (one per edge)",
-                            parents.len()
-                        )));
-                    }
-                    let mut w = Vec::with_capacity(n);
-                    for (e, &p) in parents.iter().enumerate() {
-                        let p = p as usize;
-                        if p >= source_rows {
-                            return Err(bad(format!(
-                                "edge {e} has parent row {p}, outside the source's \
-                                 {source_rows} rows"
-                            )));
-                        }
-                        w.extend_from_slice(&data[p * width..(p + 1) * width]);
-                    }
-                    Some(w)
-                }
-            });
-        }
-        if let Some((k, o)) = outputs.iter().enumerate().find(|(_, o)| o.len() != n) {
-            return Err(group_error(
-                self,
-                format!(
-                    "output {k} (%{}) has {} elements, expected {n}",
-                    self.outputs[k],
-                    o.len()
-                ),
-            ));
-        }
-        for (k, (&c, buf)) in targets.iter().zip(concats.iter()).enumerate() {
-            let stride = graph.nodes[c].ty.width();
-            let need = overflow(stride)?;
-            if buf.len() != need {
-                return Err(group_error(
-                    self,
-                    format!(
-                        "concat buffer {k} (%{c}) has {} elements, expected {need}",
-                        buf.len()
-                    ),
-                ));
-            }
-        }
-        let mut values: Vec<Vec<T>> = Vec::with_capacity(self.nodes.len());
-        for (j, &m) in self.nodes.iter().enumerate() {
-            let node = &graph.nodes[m];
-            let op = node
-                .op()
-                .ok_or_else(|| node_error(graph, m, "fused member is not an op node"))?;
-            let mut out = vec![T::ZERO; n];
-            {
-                let mut args = Vec::with_capacity(node.inputs.len());
-                for &x in &node.inputs {
-                    let data: &[T] =
-                        match self.nodes[..j].iter().position(|&p| p == x) {
-                            Some(p) => &values[p],
-                            None => {
-                                let k = self.inputs.iter().position(|i| i.node == x).ok_or_else(
-                                    || {
-                                        node_error(
-                                            graph,
-                                            m,
-                                            format!("operand %{x} is not available"),
-                                        )
-                                    },
-                                )?;
-                                match &gathered[k] {
-                                    Some(w) => w,
-                                    None => inputs[k],
-                                }
-                            }
-                        };
-                    let ty = &graph.nodes[x].ty;
-                    args.push(Arg {
-                        ty,
-                        rows: if ty.is_rows() { rows } else { 1 },
-                        data: ArgData::Float(data),
-                    });
-                }
-                let mut ctx = KernelCtx {
-                    args: &args,
-                    out: &mut out,
-                    out_rows: rows,
-                    // elementwise kernels do not look at the row topology
-                    vertex_rows: rows,
-                    edge_parent: &[],
-                    packed_b: None,
-                };
-                T::run_kernel(op, &mut ctx)
-                    .map_err(|e| node_error(graph, m, format!("in {}: {e}", self.describe())))?;
-            }
-            values.push(out);
-        }
-        for (out, &j) in outputs.iter_mut().zip(&output_members) {
-            out.copy_from_slice(&values[j]);
-        }
-        for (w, &j) in self.concat_writes.iter().zip(&write_members) {
-            let Some(t) = targets.iter().position(|&c| c == w.concat) else {
-                continue;
-            };
-            let buf = &mut concats[t];
-            for (r, src) in values[j].chunks(self.width.max(1)).take(rows).enumerate() {
-                let at = r * w.stride + w.offset;
-                buf[at..at + src.len()].copy_from_slice(src);
-            }
-        }
-        Ok(())
     }
 }
 

@@ -27,6 +27,7 @@ use ramus_core::model::{HeadRows, Init, ModelBuilder};
 use ramus_core::ops::{MatMul, Op};
 use ramus_core::{Graph, GraphBuilder, NodeId, NodeKind, OpRegistry, Role, Source, Space, Sym};
 use ramus_core::{OpDef, ValueType};
+use ramus_cpu::fused::{concat_targets, eval_group};
 
 const V: Space = Space::Vertex;
 const E: Space = Space::Edge;
@@ -519,7 +520,7 @@ fn reference(g: &Graph, env: &Env) -> Vec<Val> {
 }
 
 /// Runs `plans` in order (ops through their kernels, fused groups through
-/// `eval_cpu`), starting from `env`'s inputs and parameters, the way an
+/// `eval_group`), starting from `env`'s inputs and parameters, the way an
 /// engine does: a view has no value of its own (groups get its source, a
 /// matmul its window), an inline read neither (groups get its operand and
 /// the topology), and an in-place concat's buffer (NaN at first) is filled
@@ -594,7 +595,7 @@ fn run_plans(g: &Graph, env: &Env, plans: &[&FusionPlan]) -> Result<Vec<Option<V
                     let csr: Vec<&[u32]> = csr.iter().map(|v| v.as_slice()).collect();
                     let r = topo.rows(grp.space);
                     let mut outs = vec![vec![f64::NAN; r * grp.width]; grp.outputs.len()];
-                    let targets = grp.concat_targets();
+                    let targets = concat_targets(grp);
                     let mut cats = targets
                         .iter()
                         .map(|&c| vals[c].take().ok_or(format!("%{c} has no buffer")))
@@ -604,7 +605,7 @@ fn run_plans(g: &Graph, env: &Env, plans: &[&FusionPlan]) -> Result<Vec<Option<V
                             outs.iter_mut().map(|o| o.as_mut_slice()).collect();
                         let mut cat_refs: Vec<&mut [f64]> =
                             cats.iter_mut().map(|o| o.as_mut_slice()).collect();
-                        grp.eval_cpu(g, &ins, &csr, r, &mut refs, &mut cat_refs)
+                        eval_group(grp, g, &ins, &csr, r, &mut refs, &mut cat_refs)
                             .map_err(|e| e.to_string())?;
                     }
                     for (&c, buf) in targets.iter().zip(cats) {
@@ -868,7 +869,7 @@ fn check_codegen_on_host(tag: &str, cases: &[(&Graph, &Env, Vec<&FusionPlan>)]) 
                 continue;
             }
             let k = grp.kernel(g).unwrap_or_else(|e| panic!("codegen: {e}"));
-            let targets = grp.concat_targets();
+            let targets = concat_targets(grp);
             let mut tail = Vec::new();
             let (mut csr, mut bases) = (Vec::new(), Vec::new());
             let inputs = grp
@@ -926,7 +927,7 @@ fn check_codegen_on_host(tag: &str, cases: &[(&Graph, &Env, Vec<&FusionPlan>)]) 
                 &format!("case {case}: generated kernel output %{o} of {grp:?}"),
             );
         }
-        for (&c, got) in grp.concat_targets().iter().zip(cats) {
+        for (&c, got) in concat_targets(grp).iter().zip(cats) {
             let stride = cases[*case].0.nodes[c].ty.width();
             let mut written = vec![false; stride];
             for w in grp.concat_writes.iter().filter(|w| w.concat == c) {
@@ -1142,7 +1143,7 @@ fn lstm_cell_fuses_into_two_groups_reading_slices_in_place_and_writing_the_state
             },
         ]
     );
-    assert_eq!(cell.concat_targets(), ids(&[l.state]));
+    assert_eq!(concat_targets(&cell), ids(&[l.state]));
 
     // the matmuls read h_prev in place (the engine passes the window)
     let kinds: Vec<String> = plan
@@ -2483,7 +2484,7 @@ fn bad_index_arrays_and_hand_made_inline_reads_are_errors_naming_the_input() {
     let (src, vin) = (vec![1.0f64; 3 * w], vec![0.5f64; 2 * w]);
     let mut out = vec![0.0f64; 2 * w];
     let call = |offsets: &[u32], src: &[f64], out: &mut [f64]| {
-        vg.eval_cpu::<f64>(&g, &[src, &vin], &[offsets], 2, &mut [out], &mut [])
+        eval_group::<f64>(&vg, &g, &[src, &vin], &[offsets], 2, &mut [out], &mut [])
             .map_err(|e| e.to_string())
     };
     assert_eq!(call(&[0, 2, 3], &src, &mut out), Ok(()));
@@ -2503,8 +2504,7 @@ fn bad_index_arrays_and_hand_made_inline_reads_are_errors_naming_the_input() {
     assert!(msg.contains("row 0 sums edges 2..1"), "{msg}");
     let msg = call(&[0, 2, 3], &src[1..], &mut out).unwrap_err();
     assert!(msg.contains("not whole rows of width 2"), "{msg}");
-    let msg = vg
-        .eval_cpu::<f64>(&g, &[&src, &vin], &[], 2, &mut [&mut out], &mut [])
+    let msg = eval_group::<f64>(&vg, &g, &[&src, &vin], &[], 2, &mut [&mut out], &mut [])
         .unwrap_err()
         .to_string();
     assert!(msg.contains("1 index arrays"), "{msg}");
@@ -2512,7 +2512,8 @@ fn bad_index_arrays_and_hand_made_inline_reads_are_errors_naming_the_input() {
     let (parents_src, ein) = (vec![1.0f64; 2 * w], vec![1.0f64; 3 * w]);
     let mut eout = vec![0.0f64; 3 * w];
     let ecall = |parents: &[u32], eout: &mut [f64]| {
-        eg.eval_cpu::<f64>(
+        eval_group::<f64>(
+            &eg,
             &g,
             &[&parents_src, &ein],
             &[parents],
@@ -2592,26 +2593,39 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
     let grp = group_of(&plan, l.z.id()).clone();
     let (a, b) = (vec![0.0f32; 8], vec![0.0f32; 8]);
     let mut out = vec![0.0f32; 8];
-    let msg = grp
-        .eval_cpu::<f32>(&g, &[&a, &b], &[], 1, &mut [&mut out], &mut [])
+    let msg = eval_group::<f32>(&grp, &g, &[&a, &b], &[], 1, &mut [&mut out], &mut [])
         .unwrap_err()
         .to_string();
     assert!(msg.contains("takes 3 inputs"), "{msg}");
     let bias_wrong = vec![0.0f32; 3];
-    let msg = grp
-        .eval_cpu::<f32>(&g, &[&a, &bias_wrong, &b], &[], 1, &mut [&mut out], &mut [])
-        .unwrap_err()
-        .to_string();
+    let msg = eval_group::<f32>(
+        &grp,
+        &g,
+        &[&a, &bias_wrong, &b],
+        &[],
+        1,
+        &mut [&mut out],
+        &mut [],
+    )
+    .unwrap_err()
+    .to_string();
     assert!(
         msg.contains("input 1") && msg.contains("expected 8"),
         "{msg}"
     );
     let mut short = vec![0.0f32; 7];
     let bias = vec![0.0f32; 8];
-    let msg = grp
-        .eval_cpu::<f32>(&g, &[&a, &bias, &b], &[], 1, &mut [&mut short], &mut [])
-        .unwrap_err()
-        .to_string();
+    let msg = eval_group::<f32>(
+        &grp,
+        &g,
+        &[&a, &bias, &b],
+        &[],
+        1,
+        &mut [&mut short],
+        &mut [],
+    )
+    .unwrap_err()
+    .to_string();
     assert!(msg.contains("output 0"), "{msg}");
 
     // the cell reads windows of z (8 wide) and hc (4 wide), writes [h; c]
@@ -2619,7 +2633,8 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
     let (z8, hc4) = (vec![0.5f32; 2 * 8], vec![0.5f32; 2 * 4]);
     let mut h = vec![0.0f32; 2 * 2];
     let mut state = vec![0.0f32; 2 * 4];
-    let ok = cell.eval_cpu::<f32>(
+    let ok = eval_group::<f32>(
+        &cell,
         &g,
         &[&z8, &z8, &z8, &z8, &hc4],
         &[],
@@ -2629,45 +2644,45 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
     );
     assert!(ok.is_ok(), "{ok:?}");
     assert_eq!(&state[..2], &h[..2], "h goes to columns 0..2 of the state");
-    let msg = cell
-        .eval_cpu::<f32>(
-            &g,
-            &[&z8, &z8, &z8, &z8, &z8],
-            &[],
-            2,
-            &mut [&mut h],
-            &mut [&mut state],
-        )
-        .unwrap_err()
-        .to_string();
+    let msg = eval_group::<f32>(
+        &cell,
+        &g,
+        &[&z8, &z8, &z8, &z8, &z8],
+        &[],
+        2,
+        &mut [&mut h],
+        &mut [&mut state],
+    )
+    .unwrap_err()
+    .to_string();
     assert!(
         msg.contains("input 4") && msg.contains("expected 8"),
         "{msg}"
     );
-    let msg = cell
-        .eval_cpu::<f32>(
-            &g,
-            &[&z8, &z8, &z8, &z8, &hc4],
-            &[],
-            2,
-            &mut [&mut h],
-            &mut [],
-        )
-        .unwrap_err()
-        .to_string();
+    let msg = eval_group::<f32>(
+        &cell,
+        &g,
+        &[&z8, &z8, &z8, &z8, &hc4],
+        &[],
+        2,
+        &mut [&mut h],
+        &mut [],
+    )
+    .unwrap_err()
+    .to_string();
     assert!(msg.contains("1 concat buffers"), "{msg}");
     let mut short_state = vec![0.0f32; 7];
-    let msg = cell
-        .eval_cpu::<f32>(
-            &g,
-            &[&z8, &z8, &z8, &z8, &hc4],
-            &[],
-            2,
-            &mut [&mut h],
-            &mut [&mut short_state],
-        )
-        .unwrap_err()
-        .to_string();
+    let msg = eval_group::<f32>(
+        &cell,
+        &g,
+        &[&z8, &z8, &z8, &z8, &hc4],
+        &[],
+        2,
+        &mut [&mut h],
+        &mut [&mut short_state],
+    )
+    .unwrap_err()
+    .to_string();
     assert!(msg.contains("concat buffer 0"), "{msg}");
     // hand-made windows and writes that do not fit are errors, not panics
     let mut broken = cell.clone();
@@ -2692,17 +2707,17 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
     assert!(msg.contains("not a member"), "{msg}");
     let mut broken = cell;
     broken.concat_writes[0].offset = 3;
-    let msg = broken
-        .eval_cpu::<f32>(
-            &g,
-            &[&z8, &z8, &z8, &z8, &hc4],
-            &[],
-            2,
-            &mut [&mut h],
-            &mut [&mut state],
-        )
-        .unwrap_err()
-        .to_string();
+    let msg = eval_group::<f32>(
+        &broken,
+        &g,
+        &[&z8, &z8, &z8, &z8, &hc4],
+        &[],
+        2,
+        &mut [&mut h],
+        &mut [&mut state],
+    )
+    .unwrap_err()
+    .to_string();
     assert!(msg.contains("do not fit"), "{msg}");
     // a hand-made group that reads a value it does not declare
     let mut broken = grp.clone();

@@ -4,8 +4,9 @@
 //! random trees, deep paths, wide nodes and chains; and so does the
 //! compiled CPU engine running those programs level by level.
 
-use ramus_core::lower::{lower, CellProgram, ScalarExpr, VertexInputs};
+use ramus_core::lower::{lower, CellProgram, ScalarExpr};
 use ramus_core::{HeadRows, Model, Params};
+use ramus_cpu::cell_eval::{eval_vertex, VertexInputs};
 use ramus_cpu::compiled::CpuCompiledEngine;
 use ramus_cpu::CpuEngine;
 use ramus_exec::{Batch, Mode};
@@ -66,9 +67,13 @@ fn lowered_scores(
             head_input: None,
             token_table: None,
         };
-        let mut out = lowered.functions[f]
-            .eval_vertex(&model.functions[f].forward, &data, &inputs)
-            .expect("vertex evaluates");
+        let mut out = eval_vertex(
+            &lowered.functions[f],
+            &model.functions[f].forward,
+            &data,
+            &inputs,
+        )
+        .expect("vertex evaluates");
         pushed.push(out.pop().expect("push row"));
         states.push(out.pop().expect("state row"));
     }
@@ -80,9 +85,7 @@ fn lowered_scores(
             head_input: Some(&pushed[root as usize]),
             token_table: None,
         };
-        let out = lowered
-            .head
-            .eval_vertex(&model.head.forward, &data, &inputs)
+        let out = eval_vertex(&lowered.head, &model.head.forward, &data, &inputs)
             .expect("head evaluates");
         scores.extend_from_slice(&out[0]);
     }
@@ -290,32 +293,30 @@ fn hoisted_token_values_give_the_same_cells() {
                     head_input: None,
                     token_table: None,
                 };
-                let want = program.eval_vertex(g, &data, &plain).expect("plain");
-                let row = h
-                    .table
-                    .eval_vertex(
-                        g,
-                        &data,
-                        &VertexInputs {
-                            children: &[],
-                            ..plain
-                        },
-                    )
-                    .expect("table row")
-                    .pop()
-                    .expect("one output");
+                let want = eval_vertex(&program, g, &data, &plain).expect("plain");
+                let row = eval_vertex(
+                    &h.table,
+                    g,
+                    &data,
+                    &VertexInputs {
+                        children: &[],
+                        ..plain
+                    },
+                )
+                .expect("table row")
+                .pop()
+                .expect("one output");
                 assert_eq!(row.len(), h.width);
-                let got = h
-                    .program
-                    .eval_vertex(
-                        g,
-                        &data,
-                        &VertexInputs {
-                            token_table: Some(&row),
-                            ..plain
-                        },
-                    )
-                    .expect("hoisted");
+                let got = eval_vertex(
+                    &h.program,
+                    g,
+                    &data,
+                    &VertexInputs {
+                        token_table: Some(&row),
+                        ..plain
+                    },
+                )
+                .expect("hoisted");
                 for (w, x) in want.iter().flatten().zip(got.iter().flatten()) {
                     assert!(
                         (w - x).abs() < 1e-12,

@@ -9,9 +9,9 @@
 
 use std::path::PathBuf;
 
-use ramus_core::lower::VertexInputs;
 use ramus_core::recursion::{analyze, lower_scheduled, ChildKey, RecursionSchedule};
 use ramus_core::{HeadRows, Model, Params};
+use ramus_cpu::cell_eval::{eval_vertex, VertexInputs};
 use ramus_cpu::compiled::{CpuCompiledEngine, CpuCompiledSchedule};
 use ramus_cpu::CpuEngine;
 use ramus_exec::{Batch, Mode};
@@ -210,10 +210,7 @@ fn refactored_cells_reproduce_the_reference_vertex_by_vertex() {
                     head_input: None,
                     token_table: None,
                 };
-                let mut out = f
-                    .program
-                    .eval_vertex(&f.graph, &data, &inputs)
-                    .expect("evaluates");
+                let mut out = eval_vertex(&f.program, &f.graph, &data, &inputs).expect("evaluates");
                 pushed.push(out.pop().expect("push"));
                 states.push(out.pop().expect("state"));
             }
@@ -224,10 +221,8 @@ fn refactored_cells_reproduce_the_reference_vertex_by_vertex() {
                     head_input: Some(&pushed[root as usize]),
                     token_table: None,
                 };
-                let out = cells
-                    .head
-                    .eval_vertex(&model.head.forward, &data, &inputs)
-                    .expect("head");
+                let out =
+                    eval_vertex(&cells.head, &model.head.forward, &data, &inputs).expect("head");
                 got.extend_from_slice(&out[0]);
             }
         }
