@@ -6,7 +6,7 @@
 //! ([`FusedSource::persistent_case`]). The members' C expressions come from
 //! the ops' elementwise templates ([`FusedGroup::members_code`]); the CPU
 //! evaluator of a group, the oracle these kernels are tested against, is
-//! `ramus_cpu::fused_eval::eval_cpu`.
+//! `ramus_cpu::fused::eval_group`.
 
 use std::fmt::Write as _;
 

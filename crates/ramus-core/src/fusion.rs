@@ -54,7 +54,7 @@
 //! the ops' registered templates ([`FusedGroup::members_code`], from which
 //! `ramus_codegen::fused` generates one CUDA C++ kernel per group); the
 //! CPU engine evaluates a group through the ops' own kernels
-//! (`ramus_cpu::fused_eval::eval_cpu`): the oracle the generated code is
+//! (`ramus_cpu::fused::eval_group`): the oracle the generated code is
 //! tested against.
 
 use std::cmp::Reverse;
@@ -120,7 +120,7 @@ impl InputKind {
     /// True for the kinds read through the row topology
     /// ([`ChildSum`](InputKind::ChildSum), [`ParentRow`](InputKind::ParentRow)):
     /// their kernels take an index array and a base besides the data (see
-    /// `ramus_codegen::fused` and `ramus_cpu::fused_eval::eval_cpu`).
+    /// `ramus_codegen::fused` and `ramus_cpu::fused::eval_group`).
     pub fn is_csr(self) -> bool {
         matches!(
             self,
@@ -1079,7 +1079,7 @@ impl FusedGroup {
 
     /// The concats this group writes into, each once, in order of their
     /// first entry in [`concat_writes`](Self::concat_writes) (the buffers
-    /// `ramus_cpu::fused_eval::eval_cpu` takes).
+    /// `ramus_cpu::fused::eval_group` takes).
     pub fn concat_targets(&self) -> Vec<NodeId> {
         let mut targets: Vec<NodeId> = Vec::new();
         for w in &self.concat_writes {

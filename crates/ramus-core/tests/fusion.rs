@@ -27,7 +27,7 @@ use ramus_core::model::{HeadRows, Init, ModelBuilder};
 use ramus_core::ops::{MatMul, Op};
 use ramus_core::{Graph, GraphBuilder, NodeId, NodeKind, OpRegistry, Role, Source, Space, Sym};
 use ramus_core::{OpDef, ValueType};
-use ramus_cpu::fused_eval::eval_cpu;
+use ramus_cpu::fused::eval_group;
 
 const V: Space = Space::Vertex;
 const E: Space = Space::Edge;
@@ -520,7 +520,7 @@ fn reference(g: &Graph, env: &Env) -> Vec<Val> {
 }
 
 /// Runs `plans` in order (ops through their kernels, fused groups through
-/// `eval_cpu`), starting from `env`'s inputs and parameters, the way an
+/// `eval_group`), starting from `env`'s inputs and parameters, the way an
 /// engine does: a view has no value of its own (groups get its source, a
 /// matmul its window), an inline read neither (groups get its operand and
 /// the topology), and an in-place concat's buffer (NaN at first) is filled
@@ -605,7 +605,7 @@ fn run_plans(g: &Graph, env: &Env, plans: &[&FusionPlan]) -> Result<Vec<Option<V
                             outs.iter_mut().map(|o| o.as_mut_slice()).collect();
                         let mut cat_refs: Vec<&mut [f64]> =
                             cats.iter_mut().map(|o| o.as_mut_slice()).collect();
-                        eval_cpu(grp, g, &ins, &csr, r, &mut refs, &mut cat_refs)
+                        eval_group(grp, g, &ins, &csr, r, &mut refs, &mut cat_refs)
                             .map_err(|e| e.to_string())?;
                     }
                     for (&c, buf) in targets.iter().zip(cats) {
@@ -2484,7 +2484,7 @@ fn bad_index_arrays_and_hand_made_inline_reads_are_errors_naming_the_input() {
     let (src, vin) = (vec![1.0f64; 3 * w], vec![0.5f64; 2 * w]);
     let mut out = vec![0.0f64; 2 * w];
     let call = |offsets: &[u32], src: &[f64], out: &mut [f64]| {
-        eval_cpu::<f64>(&vg, &g, &[src, &vin], &[offsets], 2, &mut [out], &mut [])
+        eval_group::<f64>(&vg, &g, &[src, &vin], &[offsets], 2, &mut [out], &mut [])
             .map_err(|e| e.to_string())
     };
     assert_eq!(call(&[0, 2, 3], &src, &mut out), Ok(()));
@@ -2504,7 +2504,7 @@ fn bad_index_arrays_and_hand_made_inline_reads_are_errors_naming_the_input() {
     assert!(msg.contains("row 0 sums edges 2..1"), "{msg}");
     let msg = call(&[0, 2, 3], &src[1..], &mut out).unwrap_err();
     assert!(msg.contains("not whole rows of width 2"), "{msg}");
-    let msg = eval_cpu::<f64>(&vg, &g, &[&src, &vin], &[], 2, &mut [&mut out], &mut [])
+    let msg = eval_group::<f64>(&vg, &g, &[&src, &vin], &[], 2, &mut [&mut out], &mut [])
         .unwrap_err()
         .to_string();
     assert!(msg.contains("1 index arrays"), "{msg}");
@@ -2512,7 +2512,7 @@ fn bad_index_arrays_and_hand_made_inline_reads_are_errors_naming_the_input() {
     let (parents_src, ein) = (vec![1.0f64; 2 * w], vec![1.0f64; 3 * w]);
     let mut eout = vec![0.0f64; 3 * w];
     let ecall = |parents: &[u32], eout: &mut [f64]| {
-        eval_cpu::<f64>(
+        eval_group::<f64>(
             &eg,
             &g,
             &[&parents_src, &ein],
@@ -2593,12 +2593,12 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
     let grp = group_of(&plan, l.z.id()).clone();
     let (a, b) = (vec![0.0f32; 8], vec![0.0f32; 8]);
     let mut out = vec![0.0f32; 8];
-    let msg = eval_cpu::<f32>(&grp, &g, &[&a, &b], &[], 1, &mut [&mut out], &mut [])
+    let msg = eval_group::<f32>(&grp, &g, &[&a, &b], &[], 1, &mut [&mut out], &mut [])
         .unwrap_err()
         .to_string();
     assert!(msg.contains("takes 3 inputs"), "{msg}");
     let bias_wrong = vec![0.0f32; 3];
-    let msg = eval_cpu::<f32>(
+    let msg = eval_group::<f32>(
         &grp,
         &g,
         &[&a, &bias_wrong, &b],
@@ -2615,7 +2615,7 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
     );
     let mut short = vec![0.0f32; 7];
     let bias = vec![0.0f32; 8];
-    let msg = eval_cpu::<f32>(
+    let msg = eval_group::<f32>(
         &grp,
         &g,
         &[&a, &bias, &b],
@@ -2633,7 +2633,7 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
     let (z8, hc4) = (vec![0.5f32; 2 * 8], vec![0.5f32; 2 * 4]);
     let mut h = vec![0.0f32; 2 * 2];
     let mut state = vec![0.0f32; 2 * 4];
-    let ok = eval_cpu::<f32>(
+    let ok = eval_group::<f32>(
         &cell,
         &g,
         &[&z8, &z8, &z8, &z8, &hc4],
@@ -2644,7 +2644,7 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
     );
     assert!(ok.is_ok(), "{ok:?}");
     assert_eq!(&state[..2], &h[..2], "h goes to columns 0..2 of the state");
-    let msg = eval_cpu::<f32>(
+    let msg = eval_group::<f32>(
         &cell,
         &g,
         &[&z8, &z8, &z8, &z8, &z8],
@@ -2659,7 +2659,7 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
         msg.contains("input 4") && msg.contains("expected 8"),
         "{msg}"
     );
-    let msg = eval_cpu::<f32>(
+    let msg = eval_group::<f32>(
         &cell,
         &g,
         &[&z8, &z8, &z8, &z8, &hc4],
@@ -2672,7 +2672,7 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
     .to_string();
     assert!(msg.contains("1 concat buffers"), "{msg}");
     let mut short_state = vec![0.0f32; 7];
-    let msg = eval_cpu::<f32>(
+    let msg = eval_group::<f32>(
         &cell,
         &g,
         &[&z8, &z8, &z8, &z8, &hc4],
@@ -2707,7 +2707,7 @@ fn bad_node_lists_and_bad_buffers_are_errors_naming_the_node() {
     assert!(msg.contains("not a member"), "{msg}");
     let mut broken = cell;
     broken.concat_writes[0].offset = 3;
-    let msg = eval_cpu::<f32>(
+    let msg = eval_group::<f32>(
         &broken,
         &g,
         &[&z8, &z8, &z8, &z8, &hc4],

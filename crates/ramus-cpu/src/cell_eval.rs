@@ -5,7 +5,9 @@
 //! (here and in the CPU compiled engine, level by level).
 
 use ramus_core::graph::{DType, Graph, NodeId, ParamId, Space, ValueType};
-use ramus_core::lower::{unsupported, CellProgram, ChildRef, ScalarExpr, Scope, VecExpr};
+use ramus_core::lower::{
+    unsupported, CellProgram, ChildRef, ScalarExpr, ScalarNode, Scope, VecExpr, VecNode,
+};
 use ramus_core::ops::{unk_row, Op};
 use ramus_core::real::Real;
 use ramus_core::{CoreError, Result};
@@ -101,10 +103,11 @@ pub fn map_rows<T: Real>(
     kernels::run(op, &mut ctx)
 }
 
-/// Evaluates the program for one vertex, all units at once, through
-/// the ops' own CPU kernels: the oracle the compiled engines are
-/// checked against. Returns each output's row (`output_width(o)` wide).
-/// `params[p]` holds parameter `p`'s data (row-major).
+/// Evaluates `program` (lowered from graph `g`) for one vertex, all units
+/// at once, through the ops' own CPU kernels: the oracle the compiled
+/// engines are checked against. Returns each output's row
+/// (`output_width(o)` wide). `params[p]` holds parameter `p`'s data
+/// (row-major).
 pub fn eval_vertex<T: Real>(
     program: &CellProgram,
     g: &Graph,
@@ -112,11 +115,12 @@ pub fn eval_vertex<T: Real>(
     inputs: &VertexInputs<'_, T>,
 ) -> Result<Vec<Vec<T>>> {
     let edges = inputs.children.len();
-    let param = |p: ParamId| {
-        params
-            .get(p)
-            .copied()
-            .ok_or_else(|| eval_error(format!("parameter {p} missing")))
+    let ev = Vertex {
+        g,
+        params,
+        inputs,
+        units: program.units,
+        edges,
     };
     let u = program.units;
     // stage by stage: a stage's vectors, its scalars, then its stores
@@ -134,95 +138,13 @@ pub fn eval_vertex<T: Real>(
             .enumerate()
             .filter(|(_, v)| v.stage == stage)
         {
-            let w = v.width;
-            let row = |e: usize, vecs: &[Rows<T>]| -> Result<Vec<T>> {
-                Ok(match &v.expr {
-                    VecExpr::ChildState(which) => {
-                        let child = match which {
-                            ChildRef::Index(k) => inputs.children.get(*k).copied(),
-                            ChildRef::Edge => inputs.children.get(e).copied(),
-                        };
-                        match child {
-                            Some(c) if c.len() >= w => c[..w].to_vec(),
-                            Some(c) => {
-                                return Err(eval_error(format!(
-                                    "a child state of {} values, {w} read",
-                                    c.len()
-                                )))
-                            }
-                            None => vec![T::ZERO; w],
-                        }
-                    }
-                    VecExpr::Embedding { table } => {
-                        let t = inputs
-                            .token
-                            .ok_or_else(|| eval_error("an embedding without a token"))?
-                            as usize;
-                        param(*table)?
-                            .get(t * w..(t + 1) * w)
-                            .ok_or_else(|| eval_error(format!("token {t} beyond the table")))?
-                            .to_vec()
-                    }
-                    VecExpr::EmbeddingUnk { table, rows } => {
-                        let t = inputs
-                            .token
-                            .ok_or_else(|| eval_error("an embedding without a token"))?;
-                        let r = unk_row(t, *rows);
-                        param(*table)?
-                            .get(r * w..(r + 1) * w)
-                            .ok_or_else(|| eval_error(format!("table {table} too short")))?
-                            .to_vec()
-                    }
-                    VecExpr::HeadInput => inputs
-                        .head_input
-                        .and_then(|h| h.get(..w))
-                        .ok_or_else(|| eval_error("no head input row"))?
-                        .to_vec(),
-                    VecExpr::One => vec![T::ONE; w],
-                    VecExpr::Staged { slot } => scratch
-                        .get(*slot..*slot + w)
-                        .ok_or_else(|| eval_error("a scratch read beyond the scratch row"))?
-                        .to_vec(),
-                    VecExpr::TokenTable => inputs
-                        .token_table
-                        .and_then(|t| t.get(..w))
-                        .ok_or_else(|| eval_error("no token table row"))?
-                        .to_vec(),
-                    VecExpr::Param(p) => param(*p)?
-                        .get(..w)
-                        .ok_or_else(|| eval_error(format!("parameter {p} too short")))?
-                        .to_vec(),
-                    VecExpr::Slice { src, offset } => {
-                        vecs[*src].at(e)[*offset..*offset + w].to_vec()
-                    }
-                    VecExpr::Concat { parts } => {
-                        let mut out = Vec::with_capacity(w);
-                        for &(p, pw) in parts {
-                            out.extend_from_slice(&vecs[p].at(e)[..pw]);
-                        }
-                        out
-                    }
-                    VecExpr::Map { op, node, args } => {
-                        let rows: Vec<&[T]> = args.iter().map(|&a| vecs[a].at(e)).collect();
-                        map_kernel(g, op, *node, &rows, w)?
-                    }
-                    VecExpr::SumChildren(src) => {
-                        let mut acc = vec![T::ZERO; w];
-                        for k in 0..edges {
-                            for (a, x) in acc.iter_mut().zip(vecs[*src].at(k)) {
-                                *a += *x;
-                            }
-                        }
-                        acc
-                    }
-                    VecExpr::Parent(src) => vecs[*src].at(0).to_vec(),
-                })
-            };
             let value = match v.scope {
-                Scope::Vertex => Rows::Vertex(row(0, &vecs)?),
-                Scope::Edge => {
-                    Rows::Edge((0..edges).map(|e| row(e, &vecs)).collect::<Result<_>>()?)
-                }
+                Scope::Vertex => Rows::Vertex(ev.vector_row(v, 0, &vecs, &scratch)?),
+                Scope::Edge => Rows::Edge(
+                    (0..edges)
+                        .map(|e| ev.vector_row(v, e, &vecs, &scratch))
+                        .collect::<Result<_>>()?,
+                ),
             };
             vecs[vi] = value;
         }
@@ -232,89 +154,11 @@ pub fn eval_vertex<T: Real>(
             .enumerate()
             .filter(|(_, s)| s.stage == stage)
         {
-            let row = |e: usize, scalars: &[Rows<T>]| -> Result<Vec<T>> {
-                Ok(match &s.expr {
-                    ScalarExpr::Dot {
-                        weight,
-                        row,
-                        input,
-                        k,
-                    } => {
-                        let w = param(*weight)?;
-                        let x = vecs[*input].at(e);
-                        (0..u)
-                            .map(|j| {
-                                let wr = &w[(row + j) * k..(row + j + 1) * k];
-                                wr.iter().zip(x).fold(T::ZERO, |acc, (a, b)| acc + *a * *b)
-                            })
-                            .collect()
-                    }
-                    ScalarExpr::RowDot {
-                        matrix,
-                        row,
-                        vector,
-                        k,
-                    } => {
-                        let (mat, x) = (vecs[*matrix].at(e), vecs[*vector].at(e));
-                        (0..u)
-                            .map(|j| {
-                                let r = mat
-                                    .get((row + j) * k..(row + j + 1) * k)
-                                    .ok_or_else(|| eval_error("a matrix row beyond its vector"))?;
-                                Ok(r.iter().zip(x).fold(T::ZERO, |acc, (a, b)| acc + *a * *b))
-                            })
-                            .collect::<Result<_>>()?
-                    }
-                    ScalarExpr::ColumnDot {
-                        weight,
-                        base,
-                        step,
-                        input,
-                        offset,
-                        stride,
-                        k,
-                    } => {
-                        let (w, x) = (param(*weight)?, vecs[*input].at(e));
-                        let last = k.saturating_sub(1);
-                        if *k == 0
-                            || base + last * step >= w.len()
-                            || last * stride + offset + u > x.len()
-                        {
-                            return Err(eval_error("a column product beyond its operands"));
-                        }
-                        (0..u)
-                            .map(|j| {
-                                (0..*k).fold(T::ZERO, |acc, t| {
-                                    acc + w[base + t * step] * x[t * stride + offset + j]
-                                })
-                            })
-                            .collect()
-                    }
-                    ScalarExpr::Read { src, col } => vecs[*src].at(e)[*col..*col + u].to_vec(),
-                    ScalarExpr::Param { param: p, col } => param(*p)?
-                        .get(*col..*col + u)
-                        .ok_or_else(|| eval_error(format!("parameter {p} too short")))?
-                        .to_vec(),
-                    ScalarExpr::Map { op, node, args } => {
-                        let rows: Vec<&[T]> = args.iter().map(|&a| scalars[a].at(e)).collect();
-                        map_kernel(g, op, *node, &rows, u)?
-                    }
-                    ScalarExpr::ChildSum(src) => {
-                        let mut acc = vec![T::ZERO; u];
-                        for k in 0..edges {
-                            for (a, x) in acc.iter_mut().zip(scalars[*src].at(k)) {
-                                *a += *x;
-                            }
-                        }
-                        acc
-                    }
-                })
-            };
             let value = match s.scope {
-                Scope::Vertex => Rows::Vertex(row(0, &scalars)?),
+                Scope::Vertex => Rows::Vertex(ev.scalar_row(s, 0, &vecs, &scalars)?),
                 Scope::Edge => Rows::Edge(
                     (0..edges)
-                        .map(|e| row(e, &scalars))
+                        .map(|e| ev.scalar_row(s, e, &vecs, &scalars))
                         .collect::<Result<_>>()?,
                 ),
             };
@@ -339,6 +183,201 @@ pub fn eval_vertex<T: Real>(
         outs.push(row);
     }
     Ok(outs)
+}
+
+/// What [`eval_vertex`] evaluates against: the graph, the parameters and
+/// the vertex's inputs.
+struct Vertex<'a, 'v, T> {
+    g: &'a Graph,
+    params: &'a [&'a [T]],
+    inputs: &'a VertexInputs<'v, T>,
+    units: usize,
+    /// The vertex's child edges.
+    edges: usize,
+}
+
+impl<T: Real> Vertex<'_, '_, T> {
+    /// Parameter `p`'s data.
+    fn param(&self, p: ParamId) -> Result<&[T]> {
+        self.params
+            .get(p)
+            .copied()
+            .ok_or_else(|| eval_error(format!("parameter {p} missing")))
+    }
+
+    /// Vector `v`'s row for edge `e` (`e = 0` for a vertex vector), from
+    /// the vectors computed so far and the scratch row.
+    fn vector_row(&self, v: &VecNode, e: usize, vecs: &[Rows<T>], scratch: &[T]) -> Result<Vec<T>> {
+        let (g, inputs, edges) = (self.g, self.inputs, self.edges);
+        let param = |p: ParamId| self.param(p);
+        let w = v.width;
+        Ok(match &v.expr {
+            VecExpr::ChildState(which) => {
+                let child = match which {
+                    ChildRef::Index(k) => inputs.children.get(*k).copied(),
+                    ChildRef::Edge => inputs.children.get(e).copied(),
+                };
+                match child {
+                    Some(c) if c.len() >= w => c[..w].to_vec(),
+                    Some(c) => {
+                        return Err(eval_error(format!(
+                            "a child state of {} values, {w} read",
+                            c.len()
+                        )))
+                    }
+                    None => vec![T::ZERO; w],
+                }
+            }
+            VecExpr::Embedding { table } => {
+                let t = inputs
+                    .token
+                    .ok_or_else(|| eval_error("an embedding without a token"))?
+                    as usize;
+                param(*table)?
+                    .get(t * w..(t + 1) * w)
+                    .ok_or_else(|| eval_error(format!("token {t} beyond the table")))?
+                    .to_vec()
+            }
+            VecExpr::EmbeddingUnk { table, rows } => {
+                let t = inputs
+                    .token
+                    .ok_or_else(|| eval_error("an embedding without a token"))?;
+                let r = unk_row(t, *rows);
+                param(*table)?
+                    .get(r * w..(r + 1) * w)
+                    .ok_or_else(|| eval_error(format!("table {table} too short")))?
+                    .to_vec()
+            }
+            VecExpr::HeadInput => inputs
+                .head_input
+                .and_then(|h| h.get(..w))
+                .ok_or_else(|| eval_error("no head input row"))?
+                .to_vec(),
+            VecExpr::One => vec![T::ONE; w],
+            VecExpr::Staged { slot } => scratch
+                .get(*slot..*slot + w)
+                .ok_or_else(|| eval_error("a scratch read beyond the scratch row"))?
+                .to_vec(),
+            VecExpr::TokenTable => inputs
+                .token_table
+                .and_then(|t| t.get(..w))
+                .ok_or_else(|| eval_error("no token table row"))?
+                .to_vec(),
+            VecExpr::Param(p) => param(*p)?
+                .get(..w)
+                .ok_or_else(|| eval_error(format!("parameter {p} too short")))?
+                .to_vec(),
+            VecExpr::Slice { src, offset } => vecs[*src].at(e)[*offset..*offset + w].to_vec(),
+            VecExpr::Concat { parts } => {
+                let mut out = Vec::with_capacity(w);
+                for &(p, pw) in parts {
+                    out.extend_from_slice(&vecs[p].at(e)[..pw]);
+                }
+                out
+            }
+            VecExpr::Map { op, node, args } => {
+                let rows: Vec<&[T]> = args.iter().map(|&a| vecs[a].at(e)).collect();
+                map_kernel(g, op, *node, &rows, w)?
+            }
+            VecExpr::SumChildren(src) => {
+                let mut acc = vec![T::ZERO; w];
+                for k in 0..edges {
+                    for (a, x) in acc.iter_mut().zip(vecs[*src].at(k)) {
+                        *a += *x;
+                    }
+                }
+                acc
+            }
+            VecExpr::Parent(src) => vecs[*src].at(0).to_vec(),
+        })
+    }
+
+    /// Scalar `s`'s row (one value per unit) for edge `e` (`e = 0` for a
+    /// vertex scalar), from the vectors and scalars computed so far.
+    fn scalar_row(
+        &self,
+        s: &ScalarNode,
+        e: usize,
+        vecs: &[Rows<T>],
+        scalars: &[Rows<T>],
+    ) -> Result<Vec<T>> {
+        let (g, u, edges) = (self.g, self.units, self.edges);
+        let param = |p: ParamId| self.param(p);
+        Ok(match &s.expr {
+            ScalarExpr::Dot {
+                weight,
+                row,
+                input,
+                k,
+            } => {
+                let w = param(*weight)?;
+                let x = vecs[*input].at(e);
+                (0..u)
+                    .map(|j| {
+                        let wr = &w[(row + j) * k..(row + j + 1) * k];
+                        wr.iter().zip(x).fold(T::ZERO, |acc, (a, b)| acc + *a * *b)
+                    })
+                    .collect()
+            }
+            ScalarExpr::RowDot {
+                matrix,
+                row,
+                vector,
+                k,
+            } => {
+                let (mat, x) = (vecs[*matrix].at(e), vecs[*vector].at(e));
+                (0..u)
+                    .map(|j| {
+                        let r = mat
+                            .get((row + j) * k..(row + j + 1) * k)
+                            .ok_or_else(|| eval_error("a matrix row beyond its vector"))?;
+                        Ok(r.iter().zip(x).fold(T::ZERO, |acc, (a, b)| acc + *a * *b))
+                    })
+                    .collect::<Result<_>>()?
+            }
+            ScalarExpr::ColumnDot {
+                weight,
+                base,
+                step,
+                input,
+                offset,
+                stride,
+                k,
+            } => {
+                let (w, x) = (param(*weight)?, vecs[*input].at(e));
+                let last = k.saturating_sub(1);
+                if *k == 0 || base + last * step >= w.len() || last * stride + offset + u > x.len()
+                {
+                    return Err(eval_error("a column product beyond its operands"));
+                }
+                (0..u)
+                    .map(|j| {
+                        (0..*k).fold(T::ZERO, |acc, t| {
+                            acc + w[base + t * step] * x[t * stride + offset + j]
+                        })
+                    })
+                    .collect()
+            }
+            ScalarExpr::Read { src, col } => vecs[*src].at(e)[*col..*col + u].to_vec(),
+            ScalarExpr::Param { param: p, col } => param(*p)?
+                .get(*col..*col + u)
+                .ok_or_else(|| eval_error(format!("parameter {p} too short")))?
+                .to_vec(),
+            ScalarExpr::Map { op, node, args } => {
+                let rows: Vec<&[T]> = args.iter().map(|&a| scalars[a].at(e)).collect();
+                map_kernel(g, op, *node, &rows, u)?
+            }
+            ScalarExpr::ChildSum(src) => {
+                let mut acc = vec![T::ZERO; u];
+                for k in 0..edges {
+                    for (a, x) in acc.iter_mut().zip(scalars[*src].at(k)) {
+                        *a += *x;
+                    }
+                }
+                acc
+            }
+        })
+    }
 }
 
 /// Elementwise op `op` (of node `node`) on one row of `width` columns.

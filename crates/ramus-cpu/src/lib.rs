@@ -5,7 +5,7 @@ pub mod cell_eval;
 pub mod compiled;
 mod contract;
 pub mod engine;
-pub mod fused_eval;
+pub mod fused;
 mod infer;
 pub mod kernels;
 pub mod trace;
