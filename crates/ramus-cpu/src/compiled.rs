@@ -23,15 +23,16 @@ use ramus_graph::{InputGraph, LinearBatch, Linearizer, UnrolledPlan, NO_CHILD};
 use ramus_exec::Result;
 
 mod cell;
-use cell::{err, tabulate, Cell, LevelInputs, Nodes};
+use cell::{err, tabulate, Cell, LevelInputs, Nodes, TABLE_CHUNK};
 
 /// Child state rows an unrolled step keeps together in one tile (children
 /// pass, then their parents): about a core's L2 share, so the parents read
 /// their children's fresh rows from cache.
 pub const UNROLL_TILE_BYTES: usize = 256 << 10;
 
-/// Tokens [`CpuCompiledEngine::estimate_setup_seconds`] tabulates.
-pub const SETUP_SAMPLE_TOKENS: usize = 1024;
+/// Tokens [`CpuCompiledEngine::estimate_setup_seconds`] tabulates: three
+/// chunks.
+pub const SETUP_SAMPLE_TOKENS: usize = 3 * TABLE_CHUNK;
 
 /// The CPU compiled engine's schedule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,6 +143,9 @@ pub struct CpuCompiledEngine {
     state: Vec<f32>,
     push: Vec<f32>,
     table_seconds: f64,
+    /// The tables' seconds for the whole vocabulary at their median
+    /// chunk's rate (an estimate's sample tabulates a few chunks only).
+    full_table_seconds: f64,
     /// Refactoring and unrolling in effect.
     recursion: ResolvedRecursion,
     /// The unrolled groups of the current batch.
@@ -179,37 +183,33 @@ impl CpuCompiledEngine {
         params: &Params<f32>,
         schedule: &CpuCompiledSchedule,
     ) -> Result<Self> {
-        Self::build(model, params, schedule, usize::MAX)
+        Self::build(model, params, schedule, None)
     }
 
     /// Seconds [`CpuCompiledEngine::with_schedule`] is expected to take:
     /// the engine built with tables of only the first
-    /// [`SETUP_SAMPLE_TOKENS`] tokens, its table time scaled to the whole
-    /// vocabulary (tabulating is linear in the tokens).
+    /// [`SETUP_SAMPLE_TOKENS`] tokens, each table's time taken as its
+    /// median chunk of tokens times the chunks of the whole vocabulary
+    /// (tabulating is linear in the tokens; the median leaves out the
+    /// first chunk's warm-up and a preempted one).
     pub fn estimate_setup_seconds(
         model: &Model,
         params: &Params<f32>,
         schedule: &CpuCompiledSchedule,
     ) -> Result<f64> {
         let started = std::time::Instant::now();
-        let sample = Self::build(model, params, schedule, SETUP_SAMPLE_TOKENS)?;
+        let sample = Self::build(model, params, schedule, Some(SETUP_SAMPLE_TOKENS))?;
         let whole = started.elapsed().as_secs_f64();
-        let table = sample.table_seconds;
-        Ok(match (sample.table.is_some(), sample.vocab) {
-            (true, Some(v)) => {
-                whole - table + table * v as f64 / v.min(SETUP_SAMPLE_TOKENS).max(1) as f64
-            }
-            _ => whole,
-        })
+        Ok(whole - sample.table_seconds + sample.full_table_seconds)
     }
 
-    /// The engine under `schedule`, its tables over at most `table_tokens`
-    /// of the vocabulary (the rest: an estimate's sample only).
+    /// The engine under `schedule`; with `sample`, its tables over only
+    /// that many tokens (an estimate's sample).
     fn build(
         model: &Model,
         params: &Params<f32>,
         schedule: &CpuCompiledSchedule,
-        table_tokens: usize,
+        sample: Option<usize>,
     ) -> Result<Self> {
         let leaf_table = schedule.leaf_table;
         let recursion = schedule
@@ -235,6 +235,7 @@ impl CpuCompiledEngine {
             state: Vec::new(),
             push: Vec::new(),
             table_seconds: 0.0,
+            full_table_seconds: 0.0,
             recursion,
             plan: UnrolledPlan::new(),
             list_rows: (Vec::new(), Vec::new()),
@@ -245,17 +246,21 @@ impl CpuCompiledEngine {
                 None
             },
         };
-        if let (true, Some(v)) = (leaf_table, vocab) {
-            let v = v.min(table_tokens);
+        if let (true, Some(full)) = (leaf_table, vocab) {
+            let v = sample.map_or(full, |n| n.min(full));
+            // a table's median chunk, for every chunk of the vocabulary
+            let whole = |chunk: f64| full.div_ceil(TABLE_CHUNK) as f64 * chunk;
             let started = std::time::Instant::now();
-            let mut tables = tabulate(&mut engine.leaf, &engine.params, v)?.into_iter();
+            let (tables, chunk) = tabulate(&mut engine.leaf, &engine.params, v)?;
+            engine.full_table_seconds = whole(chunk);
+            let mut tables = tables.into_iter();
             engine.table = tables.next().zip(tables.next());
             // hoisting: the internal cell's token-only values from a table
             if let Some(h) = engine.internal.program.hoist_token_values() {
                 let mut builder = Cell::new(h.table, params)?;
-                let table = tabulate(&mut builder, &engine.params, v)?
-                    .pop()
-                    .unwrap_or_default();
+                let (mut tables, chunk) = tabulate(&mut builder, &engine.params, v)?;
+                engine.full_table_seconds += whole(chunk);
+                let table = tables.pop().unwrap_or_default();
                 let mut hoisted = Cell::new(h.program, params)?;
                 hoisted.token_table = table;
                 hoisted.token_width = h.width;

@@ -383,8 +383,9 @@ impl<'a, T: Real> AutoInfer<'a, T> {
             if let (Some(batches), Some(setup), Some((_, best))) = (batches, estimate, trial.best())
             {
                 if setup >= batches as f64 * best {
+                    let s = if batches == 1 { "" } else { "es" };
                     trial.not_built[i] = Some(format!(
-                        "not built (set-up est. {:.1} ms >= {batches} batches x {:.3} ms)",
+                        "not built (set-up est. {:.1} ms >= {batches} batch{s} x {:.3} ms)",
                         setup * 1e3,
                         best * 1e3
                     ));

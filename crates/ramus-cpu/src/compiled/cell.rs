@@ -743,22 +743,26 @@ fn column_dot(
     Ok(())
 }
 
+/// Tokens a table build runs the cell on at once.
+pub(super) const TABLE_CHUNK: usize = 512;
+
 /// Runs `cell` once per token below `vocab` (a vertex with that token and
-/// no children): one table per output, a row per token.
+/// no children): one table per output, a row per token; and the median
+/// seconds of a chunk of [`TABLE_CHUNK`] tokens.
 pub(super) fn tabulate(
     cell: &mut Cell,
     params: &[Vec<f32>],
     vocab: usize,
-) -> Result<Vec<Vec<f32>>> {
+) -> Result<(Vec<Vec<f32>>, f64)> {
     let widths: Vec<usize> = (0..cell.program.outputs.len())
         .map(|o| cell.program.output_width(o))
         .collect();
     let mut tables: Vec<Vec<f32>> = widths.iter().map(|&w| vec![0.0; vocab * w]).collect();
     let empty = LinearBatch::default();
     let no_rows = |_: u32| -> &[f32] { &[] };
-    const CHUNK: usize = 512;
-    for start in (0..vocab).step_by(CHUNK) {
-        let end = (start + CHUNK).min(vocab);
+    let mut chunks = Vec::new();
+    for start in (0..vocab).step_by(TABLE_CHUNK) {
+        let end = (start + TABLE_CHUNK).min(vocab);
         let tok = move |r: usize| (start + r) as u32;
         let level = LevelInputs {
             nodes: Nodes::Range(start, end),
@@ -767,10 +771,13 @@ pub(super) fn tabulate(
             head_input: None,
             token_of: Some(&tok),
         };
+        let started = std::time::Instant::now();
         cell.run(params, &level, &mut |o, r, row| {
             let (t, w) = (start + r, widths[o]);
             tables[o][t * w..(t + 1) * w].copy_from_slice(row);
         })?;
+        chunks.push(started.elapsed().as_secs_f64());
     }
-    Ok(tables)
+    chunks.sort_by(f64::total_cmp);
+    Ok((tables, chunks.get(chunks.len() / 2).copied().unwrap_or(0.0)))
 }
