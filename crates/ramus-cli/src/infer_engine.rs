@@ -94,11 +94,13 @@ pub fn build_infer_engine<'a>(
                 LazyOffer {
                     name: c,
                     setup_estimate: compiled_setup_estimate(model, params, setup),
+                    speedup_bound: compiled_speedup_bound(setup.device),
                     build: Box::new(move || compiled(model, params, setup)),
                 },
                 LazyOffer {
                     name: b,
                     setup_estimate: None,
+                    speedup_bound: f64::INFINITY,
                     build: Box::new(move || batched(model, params, setup)),
                 },
             ];
@@ -125,6 +127,16 @@ fn compiled_setup_estimate(
             CpuCompiledEngine::estimate_setup_seconds(model, params, &schedule).ok()
         }
         Device::Cuda => None,
+    }
+}
+
+/// At most how many times faster a batch the compiled engine runs than the
+/// batched one: on the CPU about twice (SST, Tree-LSTM at hidden 64, batches
+/// of 10: 0.23 against 0.47 ms), bounded at 2.5; unknown on CUDA.
+fn compiled_speedup_bound(device: Device) -> f64 {
+    match device {
+        Device::Cpu => 2.5,
+        Device::Cuda => f64::INFINITY,
     }
 }
 

@@ -8,9 +8,10 @@
 //!
 //! Set-up counts too ([`AutoInfer::lazy`]): candidates are built when a
 //! shape first needs them, their set-up timed, and one whose estimated
-//! set-up exceeds the time the fastest engine already measured needs for
-//! all the run's batches of the shape ([`AutoInfer::with_run`]) is not
-//! built for it: its set-up cannot pay for itself there.
+//! set-up exceeds what it can save over the run's batches of the shape
+//! ([`AutoInfer::with_run`]: the fastest measured engine's time for them,
+//! the share of it a candidate at most [`LazyOffer::speedup_bound`] times
+//! faster saves) is not built for it: its set-up cannot pay for itself.
 //!
 //! ```
 //! use ramus_exec::{AutoInfer, InferEngine, Scores};
@@ -139,6 +140,10 @@ pub struct LazyOffer<'a, T> {
     /// tell cheaply beforehand (`None`: negligible or unknown, so it is
     /// built when first needed).
     pub setup_estimate: Option<f64>,
+    /// At most how many times faster than another engine it runs a batch,
+    /// as far as known (`f64::INFINITY` where unknown): its set-up must be
+    /// repaid by what it can save, not by the other engine's whole time.
+    pub speedup_bound: f64,
     pub build: Build<'a, T>,
 }
 
@@ -153,6 +158,7 @@ struct Candidate<'a, T> {
     name: &'static str,
     slot: Slot<'a, T>,
     setup_estimate: Option<f64>,
+    speedup_bound: f64,
     /// Seconds its build took, once built here (`None` when given built).
     setup: Option<f64>,
 }
@@ -221,6 +227,7 @@ impl<'a, T: Real> AutoInfer<'a, T> {
                     name,
                     slot: Slot::Built(engine),
                     setup_estimate: None,
+                    speedup_bound: f64::INFINITY,
                     setup: None,
                 }),
                 Err(why) => {
@@ -238,8 +245,8 @@ impl<'a, T: Real> AutoInfer<'a, T> {
     /// The chooser among `offers` (in order of preference), each built
     /// when a batch shape first needs it measured, its set-up timed. With
     /// the run's batches known ([`AutoInfer::with_run`]), a candidate
-    /// whose estimated set-up alone exceeds what an engine already
-    /// measured needs for every batch of the shape is not built for it.
+    /// whose estimated set-up exceeds what it can save over the shape's
+    /// batches against the fastest engine measured is not built for it.
     /// A refusal to build is a `notice` line; an error when `offers` is
     /// empty.
     pub fn lazy(offers: Vec<LazyOffer<'a, T>>, notice: impl FnMut(&str) + 'a) -> Result<Self> {
@@ -252,6 +259,7 @@ impl<'a, T: Real> AutoInfer<'a, T> {
                 name: o.name,
                 slot: Slot::Unbuilt(o.build),
                 setup_estimate: o.setup_estimate,
+                speedup_bound: o.speedup_bound,
                 setup: None,
             })
             .collect();
@@ -357,9 +365,9 @@ impl<'a, T: Real> AutoInfer<'a, T> {
 
     /// Measures the candidates on the first batch of `shape` (the built
     /// ones first, then each unbuilt one, cheapest estimated set-up first,
-    /// unless its set-up alone would outlast the best one's batches of
-    /// the shape), remembers the fastest and returns its scores; the first
-    /// candidate's error if every one failed.
+    /// unless its set-up exceeds what it can save over the shape's batches),
+    /// remembers the fastest and returns its scores; the first candidate's
+    /// error if every one failed.
     fn choose(&mut self, shape: BatchShape, graphs: &[&InputGraph]) -> Result<Scores<T>> {
         let n = self.candidates.len();
         let mut trial = Trial::new(n);
@@ -379,14 +387,21 @@ impl<'a, T: Real> AutoInfer<'a, T> {
             .as_ref()
             .map(|p| p.get(&shape).copied().unwrap_or(1));
         for i in unbuilt {
-            let estimate = self.candidates[i].setup_estimate;
+            let (estimate, bound) = {
+                let c = &self.candidates[i];
+                (c.setup_estimate, c.speedup_bound)
+            };
             if let (Some(batches), Some(setup), Some((_, best))) = (batches, estimate, trial.best())
             {
-                if setup >= batches as f64 * best {
+                // the most it can save over the shape's batches
+                let saving = batches as f64 * best * (1.0 - 1.0 / bound.max(1.0));
+                if setup >= saving {
                     let s = if batches == 1 { "" } else { "es" };
                     trial.not_built[i] = Some(format!(
-                        "not built (set-up est. {:.1} ms >= {batches} batch{s} x {:.3} ms)",
+                        "not built (set-up est. {:.1} ms >= {:.1} ms it can save over \
+                         {batches} batch{s} of {:.3} ms)",
                         setup * 1e3,
+                        saving * 1e3,
                         best * 1e3
                     ));
                     continue;
@@ -715,6 +730,7 @@ mod tests {
         LazyOffer {
             name: engine.name,
             setup_estimate: estimate,
+            speedup_bound: f64::INFINITY,
             build: Box::new(move || {
                 let c = &engine.clock.0;
                 c.set(c.get() + setup);
@@ -766,9 +782,31 @@ mod tests {
         assert_eq!(
             notices[0],
             "auto: batches of 3 graphs of 3-4 vertices (10 in the run): tables not built \
-             (set-up est. 100.0 ms >= 10 batches x 2.000 ms), plain 2.000 ms (set-up 0.0 ms) \
-             (best of 3 runs): plain"
+             (set-up est. 100.0 ms >= 20.0 ms it can save over 10 batches of 2.000 ms), \
+             plain 2.000 ms (set-up 0.0 ms) (best of 3 runs): plain"
         );
+    }
+
+    #[test]
+    fn a_speedup_bound_keeps_a_set_up_that_cannot_be_repaid() {
+        // 60 batches of 2 ms: 120 ms, more than the 100 ms set-up, but a
+        // table engine at most twice as fast saves at most 60 ms of them
+        for (bound, built_then) in [(f64::INFINITY, true), (2.0, false)] {
+            let s = Setup::new();
+            let built = Rc::new(Cell::new(false));
+            let mut tables = lazy_offer(s.fake("tables", 0.001, 0.0, 1.0), 0.1, Some(0.1), &built);
+            tables.speedup_bound = bound;
+            let plain = lazy_offer(s.fake("plain", 0.002, 0.0, 2.0), 0.0, None, &Rc::default());
+            let g = leaves(1);
+            let batch = [&g[0]];
+            let mut auto = s
+                .lazy(vec![tables, plain])
+                .with_run(vec![BatchShape::of(&batch); 60]);
+            auto.infer(&batch).unwrap();
+            assert_eq!(built.get(), built_then, "bound {bound}");
+            let want = if built_then { "tables" } else { "plain" };
+            assert_eq!(auto.chosen(BatchShape::of(&batch)), Some(want));
+        }
     }
 
     #[test]
@@ -849,6 +887,7 @@ mod tests {
         let refuser = |name: &'static str, why: &'static str| LazyOffer::<'static, f32> {
             name,
             setup_estimate: None,
+            speedup_bound: f64::INFINITY,
             build: Box::new(move || Err(why.to_string())),
         };
         let plain = lazy_offer(s.fake("plain", 0.002, 0.0, 2.0), 0.0, None, &Rc::default());
