@@ -241,21 +241,12 @@ pub fn run_bench(a: BenchSwapArgs) -> AnyResult {
     Ok(())
 }
 
-/// Model `name`: its in-memory run, then a table row for each Nm with
-/// every mode's step time (and PyTorch's, with `--torch`); each run is
-/// also a JSON line for `emit`.
-fn bench_model(
-    a: &BenchSwapArgs,
-    bench: &Bench,
+/// Prints and emits model `name`'s in-memory run `base`; its peak bytes.
+fn report_in_memory(
     name: &str,
+    base: &RunResult,
     emit: &mut dyn FnMut(serde_json::Value) -> AnyResult,
-) -> AnyResult {
-    let (ratios, modes) = (&bench.ratios, &bench.modes);
-    let total = bench.data.len();
-    let model = build(a, name)?;
-    let params = Params::<f32>::init(&model, a.seed);
-    let base = run(bench, &model, &params, SwapMode::Resident, None)
-        .map_err(|e| format!("{name}, in memory: {e}"))?;
+) -> AnyResult<u64> {
     let report = base.report.clone().ok_or("no swap report")?;
     let peak = report.pool_peak_bytes;
     outln!(
@@ -272,23 +263,48 @@ fn bench_model(
         "step_s": base.step_s, "peak_bytes": peak, "losses": base.losses,
         "report": report.to_json()}),
     )?;
+    Ok(peak)
+}
+
+/// The swap table's header: Nm, budget, each mode's and PyTorch's step
+/// time, the ratios.
+fn table_header(modes: &[SwapMode], torch: bool) -> String {
+    let mut header = format!("{:>5} {:>10} {:>9}", "Nm", "budget", "in-mem");
+    for m in modes {
+        header.push_str(&format!(" {:>9}", m.name()));
+    }
+    if torch {
+        header.push_str(&format!(" {:>9}", "torch"));
+    }
+    header.push_str("  planner/in-mem  naive/planner  moved/step  losses");
+    if torch {
+        header.push_str("  planner/torch");
+    }
+    header
+}
+
+/// Model `name`: its in-memory run, then a table row for each Nm with
+/// every mode's step time (and PyTorch's, with `--torch`); each run is
+/// also a JSON line for `emit`.
+fn bench_model(
+    a: &BenchSwapArgs,
+    bench: &Bench,
+    name: &str,
+    emit: &mut dyn FnMut(serde_json::Value) -> AnyResult,
+) -> AnyResult {
+    let (ratios, modes) = (&bench.ratios, &bench.modes);
+    let total = bench.data.len();
+    let model = build(a, name)?;
+    let params = Params::<f32>::init(&model, a.seed);
+    let base = run(bench, &model, &params, SwapMode::Resident, None)
+        .map_err(|e| format!("{name}, in memory: {e}"))?;
+    let peak = report_in_memory(name, &base, emit)?;
     let budgets: Vec<u64> = ratios.iter().map(|nm| (peak as f64 / nm) as u64).collect();
     let torch = match &a.torch {
         Some(script) => Some(run_torch(a, script, name, &budgets, ratios, emit)?),
         None => None,
     };
-    let mut header = format!("{:>5} {:>10} {:>9}", "Nm", "budget", "in-mem");
-    for m in modes {
-        header.push_str(&format!(" {:>9}", m.name()));
-    }
-    if torch.is_some() {
-        header.push_str(&format!(" {:>9}", "torch"));
-    }
-    header.push_str("  planner/in-mem  naive/planner  moved/step  losses");
-    if torch.is_some() {
-        header.push_str("  planner/torch");
-    }
-    outln!("{header}  (ms per step)")?;
+    outln!("{}  (ms per step)", table_header(modes, torch.is_some()))?;
     for (&nm, &budget) in ratios.iter().zip(&budgets) {
         let mut row = format!(
             "{nm:>5.2} {:>10} {:>9}",

@@ -16,45 +16,10 @@ use ramus_graph::{ptb, synthetic, text, InputGraph, Vocab, VocabMode};
 use ramus_nn::{DataKind, ImageShape};
 
 use crate::image_dir;
+// defined in a leaf module: `labels` and `limits` read it, and `data` them
 use crate::limits::BuildGuard;
+pub use crate::splits::Splits;
 use crate::vision::DEFAULT_TRAIN_IMAGES;
-
-/// Train / dev / test graphs with the vocabulary built from train.
-pub struct Splits {
-    pub source: String,
-    pub train: Vec<InputGraph>,
-    pub dev: Vec<InputGraph>,
-    pub test: Vec<InputGraph>,
-    pub vocab: Vocab,
-    pub classes: usize,
-    /// The name of each class (images), by label.
-    pub class_names: Vec<String>,
-    /// The image shape (images only).
-    pub image: Option<ImageShape>,
-    /// The taggers' vocabularies (tagged text only).
-    pub tagged: Option<TaggedVocab>,
-}
-
-impl Splits {
-    /// What the data holds besides its sizes, for the training log.
-    pub fn describe(&self) -> String {
-        match (&self.image, &self.tagged) {
-            (Some(shape), _) => format!("{shape} images, {} classes", self.classes),
-            (None, Some(t)) => format!(
-                "vocabulary {}, {} tags, {} characters",
-                self.vocab.len(),
-                t.tags.len(),
-                t.chars.len()
-            ),
-            (None, None) => format!("vocabulary {}", self.vocab.len()),
-        }
-    }
-
-    /// Size of the character vocabulary (0 without one).
-    pub fn chars(&self) -> usize {
-        self.tagged.as_ref().map_or(0, |t| t.chars.len())
-    }
-}
 
 /// `$RAMUS_DATA/<sub>`, else `../shared/data/<sub>` (beside the checkout,
 /// seen from the working directory): where the taggers and the time-delay

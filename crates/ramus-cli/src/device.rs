@@ -14,23 +14,8 @@ use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer, SwapConfig, SwapMod
 use ramus_exec::memory::DeviceNeed;
 use ramus_exec::{OptimizerConfig, TrainEngine};
 
-/// Where a command runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Device {
-    Cpu,
-    Cuda,
-}
-
-impl FromStr for Device {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "cpu" => Ok(Device::Cpu),
-            "cuda" => Ok(Device::Cuda),
-            other => Err(format!("unknown device `{other}` (known: cpu, cuda)")),
-        }
-    }
-}
+// defined in a leaf module: `limits` reads it, and `device` reads `limits`
+pub use crate::device_name::Device;
 
 /// Which engine `ramus train` uses on CUDA.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

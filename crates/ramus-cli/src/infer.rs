@@ -16,8 +16,8 @@ use ramus_nn::DataKind;
 use crate::device::Device;
 use crate::infer_engine::{build_infer_engine, InferKind, InferSetup};
 use crate::labels;
+use crate::model_build::{load_checkpoint, AnyResult};
 use crate::output::outln;
-use crate::{load_checkpoint, AnyResult};
 
 #[derive(clap::Args)]
 pub struct InferArgs {
@@ -59,7 +59,7 @@ pub struct InferArgs {
     #[command(flatten)]
     structure: crate::structure::StructureArgs,
     #[command(flatten)]
-    checkpoint_flags: crate::CheckpointFlags,
+    checkpoint_flags: crate::model_build::CheckpointFlags,
 }
 
 /// The trees of `input` (a file; `-` or `None`: standard input), read with

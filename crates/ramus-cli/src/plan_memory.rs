@@ -69,6 +69,30 @@ pub struct PlanMemoryArgs {
 
 type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
+/// The planner `--policy` names, for a device of `budget` bytes (on CUDA
+/// as the CUDA swap path plans).
+fn planner(policy: &str, budget: u64, cost: CostModel, cuda: bool) -> AnyResult<Box<dyn Planner>> {
+    Ok(match policy {
+        "planner" => {
+            let mut config = PlannerConfig::new(budget);
+            config.cost = cost;
+            if cuda {
+                // as the CUDA swap path plans: persistent tensors stay, and
+                // every allocation is laid out in one arena
+                config.offload_kinds = vec![TensorKind::Activation, TensorKind::Gradient];
+                config.layout = true;
+            }
+            Box::new(AutoVmPlanner::new(config))
+        }
+        "lru" if cuda => Box::new(LruPlanner::new(budget, cost).keep_persistent_resident()),
+        "lru" => Box::new(LruPlanner::new(budget, cost)),
+        "none" => Box::new(NoBudgetPlanner::new(cost)),
+        other => {
+            return Err(format!("--policy must be planner, lru or none, got `{other}`").into())
+        }
+    })
+}
+
 pub fn run(a: PlanMemoryArgs) -> AnyResult {
     let kind = crate::data::data_kind_of(&a.model)?;
     if a.batch_size == 0 || a.hidden == 0 {
@@ -133,26 +157,7 @@ pub fn run(a: PlanMemoryArgs) -> AnyResult {
     let budget = a
         .device_memory_budget
         .unwrap_or((peak as f64 / a.budget_ratio) as u64);
-    let planner: Box<dyn Planner> = match a.policy.as_str() {
-        "planner" => {
-            let mut config = PlannerConfig::new(budget);
-            config.cost = cost;
-            if cuda {
-                // as the CUDA swap path plans: persistent tensors stay, and
-                // every allocation is laid out in one arena
-                config.offload_kinds = vec![TensorKind::Activation, TensorKind::Gradient];
-                config.layout = true;
-            }
-            Box::new(AutoVmPlanner::new(config))
-        }
-        "lru" if cuda => Box::new(LruPlanner::new(budget, cost).keep_persistent_resident()),
-        "lru" => Box::new(LruPlanner::new(budget, cost)),
-        "none" => Box::new(NoBudgetPlanner::new(cost)),
-        other => {
-            return Err(format!("--policy must be planner, lru or none, got `{other}`").into())
-        }
-    };
-    let plan = planner.plan(&trace)?;
+    let plan = planner(&a.policy, budget, cost, cuda)?.plan(&trace)?;
     let report = Simulator::for_plan(cost, &plan).run(&trace, &plan)?;
     if a.json {
         outln!("{}", plan.to_json())?;

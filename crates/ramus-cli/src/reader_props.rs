@@ -1,7 +1,7 @@
 //! Property tests of the CLI's own readers over randomly mutated real
 //! inputs ([`ramus_graph::testing`]): a folder of class folders of PNG and
 //! JPEG images ([`crate::image_dir`]), and checkpoints loaded as `eval` and
-//! `infer` load them ([`crate::load_checkpoint`]: the model is rebuilt
+//! `infer` load them ([`crate::model_build::load_checkpoint`]: the model is rebuilt
 //! from the mutated settings). No panic, no abort, and every error names
 //! the file.
 
@@ -71,13 +71,14 @@ fn checkpoints() -> &'static [Vec<u8>] {
             classes,
         };
         let opts = ModelOptions::default();
-        let tree = crate::build("treelstm", &cfg(vocab.len(), 5), None, None, &opts).unwrap();
+        let tree =
+            crate::model_build::build("treelstm", &cfg(vocab.len(), 5), None, None, &opts).unwrap();
         let seq = SequenceConfig {
             chars: 4,
             mlp: 4,
             char_embed: 3,
         };
-        let mut tagger = crate::build(
+        let mut tagger = crate::model_build::build(
             "bilstm-char-tagger",
             &cfg(vocab.len(), 2),
             None,
@@ -101,7 +102,8 @@ fn checkpoints() -> &'static [Vec<u8>] {
             resnet_blocks: vec![1],
             ..VisionConfig::default()
         };
-        let mut cnn = crate::build("resnet", &cfg(1, 2), Some(&vision), None, &opts).unwrap();
+        let mut cnn =
+            crate::model_build::build("resnet", &cfg(1, 2), Some(&vision), None, &opts).unwrap();
         cnn.settings
             .insert("class_names".into(), r#"["a","b"]"#.into());
         let dir = case_dir("originals");
@@ -180,7 +182,7 @@ proptest! {
         let bytes = mutate_metadata(original, key, &muts);
         let path = case_dir("checkpoints").join("case.safetensors");
         std::fs::write(&path, bytes).unwrap();
-        match crate::load_checkpoint(&path, crate::CheckpointFlags::default()) {
+        match crate::model_build::load_checkpoint(&path, crate::model_build::CheckpointFlags::default()) {
             Ok(loaded) => {
                 // what `eval` reads for a tagger: it must not panic (eval
                 // names the file around its error)
@@ -215,6 +217,7 @@ fn unmutated_inputs_load() {
     for (i, bytes) in checkpoints().iter().enumerate() {
         let path = case_dir("plain-checkpoints").join(format!("{i}.safetensors"));
         std::fs::write(&path, bytes).unwrap();
-        crate::load_checkpoint(&path, crate::CheckpointFlags::default()).unwrap();
+        crate::model_build::load_checkpoint(&path, crate::model_build::CheckpointFlags::default())
+            .unwrap();
     }
 }

@@ -12,7 +12,7 @@ use std::ffi::OsString;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, FromArgMatches};
 
-use crate::{Cli, Command, TrainArgs};
+use crate::args::{Cli, Command, TrainArgs};
 
 /// The recorded configuration: flag (long name) → its values, `None`
 /// where it was not given and has no default.

@@ -22,12 +22,11 @@ use ramus_nn::resume::{self, Best, RunState};
 use ramus_nn::train::{shuffled_order, Pauses, Span, SpanEnd};
 use ramus_nn::{checkpoint, DataKind, EvalResult, ModelConfig, ModelOptions, Trainer};
 
+use crate::args::TrainArgs;
 use crate::data::Splits;
+use crate::model_build::{build, loss_rows, AnyResult};
 use crate::output::logln;
-use crate::{
-    build, data, device, labels, limits, loss_rows, run_config, sequence, vision, AnyResult,
-    TrainArgs,
-};
+use crate::{data, device, labels, limits, run_config, sequence, vision};
 
 /// Where a run's resumable checkpoints go.
 struct CheckpointPaths {
@@ -204,23 +203,7 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
     oc.validate()?;
     ModelOptions { dropout: a.dropout }.validate()?;
     let engine_choice = device::engine_for_nonfinite(a.engine, a.on_nonfinite)?;
-    let mut data = match &vision_cfg {
-        Some(v) => data::load_image_splits(
-            a.data.as_deref(),
-            v.image,
-            a.vision.images.unwrap_or(vision::DEFAULT_TRAIN_IMAGES),
-        )?,
-        None => load_text(a, kind, hidden)?,
-    };
-    labels::settle(&mut data, kind, a.classes)?;
-    logln!(
-        "data: {} ({} train / {} dev / {} test, {})",
-        data.source,
-        data.train.len(),
-        data.dev.len(),
-        data.test.len(),
-        data.describe()
-    );
+    let mut data = load_data(a, kind, hidden, vision_cfg.as_ref())?;
     let model = model_for(a, kind, &data, hidden)?;
     a.structure.fit_splits(&model, kind, &mut data)?;
     let fingerprint = resume::fingerprint(&[&data.train, &data.dev, &data.test], &data.vocab);
@@ -266,17 +249,7 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
         }
     };
     let swap = device::swap_mode(a.device, &a.model, a.device_memory_budget, a.swap)?;
-    let budget = a.device_memory_budget;
-    let engine = match device::training_engine(engine_choice, &need, &params, oc, budget)? {
-        // checked before it allocated
-        Some(persistent) => persistent,
-        None => {
-            let engine = device::engine(a.device, &model, (params, oc), budget, swap)?;
-            let swapping = swap != ramus_cuda::SwapMode::Off;
-            need.check_device(engine.as_ref(), budget, swapping)?;
-            engine
-        }
-    };
+    let engine = training_engine(a, engine_choice, &need, (params, oc), swap)?;
     let mut trainer = Trainer::with_engine(engine);
     trainer.policy = policy;
     trainer.on_nonfinite = a.on_nonfinite;
@@ -303,6 +276,59 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
         run,
         best,
     })
+}
+
+/// The splits of `a.data` (images for `vision`, else text or trees), their
+/// labels settled; prints the `data:` line.
+fn load_data(
+    a: &TrainArgs,
+    kind: DataKind,
+    hidden: usize,
+    vision: Option<&ramus_nn::VisionConfig>,
+) -> AnyResult<Splits> {
+    let mut data = match vision {
+        Some(v) => data::load_image_splits(
+            a.data.as_deref(),
+            v.image,
+            a.vision.images.unwrap_or(vision::DEFAULT_TRAIN_IMAGES),
+        )?,
+        None => load_text(a, kind, hidden)?,
+    };
+    labels::settle(&mut data, kind, a.classes)?;
+    logln!(
+        "data: {} ({} train / {} dev / {} test, {})",
+        data.source,
+        data.train.len(),
+        data.dev.len(),
+        data.test.len(),
+        data.describe()
+    );
+    Ok(data)
+}
+
+/// The training engine `choice` asks for (the persistent one, checked
+/// before it allocates), else the batched engine of `a.device`, checked
+/// against the device memory once built.
+fn training_engine(
+    a: &TrainArgs,
+    choice: device::TrainEngineChoice,
+    need: &limits::Training<'_>,
+    (params, oc): (Params<f32>, OptimizerConfig),
+    swap: ramus_cuda::SwapMode,
+) -> AnyResult<Box<dyn ramus_exec::TrainEngine<f32>>> {
+    let budget = a.device_memory_budget;
+    Ok(
+        match device::training_engine(choice, need, &params, oc, budget)? {
+            // checked before it allocated
+            Some(persistent) => persistent,
+            None => {
+                let engine = device::engine(a.device, need.model, (params, oc), budget, swap)?;
+                let swapping = swap != ramus_cuda::SwapMode::Off;
+                need.check_device(engine.as_ref(), budget, swapping)?;
+                engine
+            }
+        },
+    )
 }
 
 /// Starts `trainer`'s dropout stream from `seed`, or, resumed, makes the

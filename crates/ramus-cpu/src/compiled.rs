@@ -20,19 +20,19 @@ use ramus_core::recursion::{lower_scheduled, Backend, RecursionSchedule, Resolve
 use ramus_core::{Model, Params, VertexRules};
 use ramus_graph::{InputGraph, LinearBatch, Linearizer, UnrolledPlan, NO_CHILD};
 
-use ramus_exec::{ExecError, Result};
+use ramus_exec::Result;
 
 mod cell;
-use cell::{tabulate, Cell, LevelInputs, Nodes};
-
-fn err(message: impl Into<String>) -> ExecError {
-    ExecError::Input(message.into())
-}
+use cell::{err, tabulate, Cell, LevelInputs, Nodes, TABLE_CHUNK};
 
 /// Child state rows an unrolled step keeps together in one tile (children
 /// pass, then their parents): about a core's L2 share, so the parents read
 /// their children's fresh rows from cache.
 pub const UNROLL_TILE_BYTES: usize = 256 << 10;
+
+/// Tokens [`CpuCompiledEngine::estimate_setup_seconds`] tabulates: three
+/// chunks.
+pub const SETUP_SAMPLE_TOKENS: usize = 3 * TABLE_CHUNK;
 
 /// The CPU compiled engine's schedule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,17 +53,22 @@ impl Default for CpuCompiledSchedule {
     }
 }
 
+/// What a node-list pass reads besides its nodes: the parameters, the
+/// batch, the leaf table and the state and push widths.
+struct ListInputs<'a> {
+    params: &'a [Vec<f32>],
+    batch: &'a LinearBatch,
+    table: Option<&'a (Vec<f32>, Vec<f32>)>,
+    widths: (usize, usize),
+}
+
 /// Runs `cell` on the nodes `nodes` (any order; their children computed
 /// already) and writes their state and pushed rows into `state` / `push`
 /// (through `out`, since the cell reads `state` meanwhile).
-#[allow(clippy::too_many_arguments)]
 fn run_node_list(
     cell: &mut Cell,
-    params: &[Vec<f32>],
-    batch: &LinearBatch,
+    inputs: &ListInputs<'_>,
     nodes: &[u32],
-    table: Option<&(Vec<f32>, Vec<f32>)>,
-    (s, p): (usize, usize),
     state: &mut [f32],
     push: &mut [f32],
     out: &mut (Vec<f32>, Vec<f32>),
@@ -72,6 +77,12 @@ fn run_node_list(
     if rows == 0 {
         return Ok(());
     }
+    let ListInputs {
+        params,
+        batch,
+        table,
+        widths: (s, p),
+    } = *inputs;
     let ni = batch.num_internal();
     out.0.resize(rows * s, 0.0);
     out.1.resize(rows * p, 0.0);
@@ -132,6 +143,9 @@ pub struct CpuCompiledEngine {
     state: Vec<f32>,
     push: Vec<f32>,
     table_seconds: f64,
+    /// The tables' seconds for the whole vocabulary at their median
+    /// chunk's rate (an estimate's sample tabulates a few chunks only).
+    full_table_seconds: f64,
     /// Refactoring and unrolling in effect.
     recursion: ResolvedRecursion,
     /// The unrolled groups of the current batch.
@@ -169,6 +183,34 @@ impl CpuCompiledEngine {
         params: &Params<f32>,
         schedule: &CpuCompiledSchedule,
     ) -> Result<Self> {
+        Self::build(model, params, schedule, None)
+    }
+
+    /// Seconds [`CpuCompiledEngine::with_schedule`] is expected to take:
+    /// the engine built with tables of only the first
+    /// [`SETUP_SAMPLE_TOKENS`] tokens, each table's time taken as its
+    /// median chunk of tokens times the chunks of the whole vocabulary
+    /// (tabulating is linear in the tokens; the median leaves out the
+    /// first chunk's warm-up and a preempted one).
+    pub fn estimate_setup_seconds(
+        model: &Model,
+        params: &Params<f32>,
+        schedule: &CpuCompiledSchedule,
+    ) -> Result<f64> {
+        let started = std::time::Instant::now();
+        let sample = Self::build(model, params, schedule, Some(SETUP_SAMPLE_TOKENS))?;
+        let whole = started.elapsed().as_secs_f64();
+        Ok(whole - sample.table_seconds + sample.full_table_seconds)
+    }
+
+    /// The engine under `schedule`; with `sample`, its tables over only
+    /// that many tokens (an estimate's sample).
+    fn build(
+        model: &Model,
+        params: &Params<f32>,
+        schedule: &CpuCompiledSchedule,
+        sample: Option<usize>,
+    ) -> Result<Self> {
         let leaf_table = schedule.leaf_table;
         let recursion = schedule
             .recursion
@@ -193,6 +235,7 @@ impl CpuCompiledEngine {
             state: Vec::new(),
             push: Vec::new(),
             table_seconds: 0.0,
+            full_table_seconds: 0.0,
             recursion,
             plan: UnrolledPlan::new(),
             list_rows: (Vec::new(), Vec::new()),
@@ -203,16 +246,21 @@ impl CpuCompiledEngine {
                 None
             },
         };
-        if let (true, Some(v)) = (leaf_table, vocab) {
+        if let (true, Some(full)) = (leaf_table, vocab) {
+            let v = sample.map_or(full, |n| n.min(full));
+            // a table's median chunk, for every chunk of the vocabulary
+            let whole = |chunk: f64| full.div_ceil(TABLE_CHUNK) as f64 * chunk;
             let started = std::time::Instant::now();
-            let mut tables = tabulate(&mut engine.leaf, &engine.params, v)?.into_iter();
+            let (tables, chunk) = tabulate(&mut engine.leaf, &engine.params, v)?;
+            engine.full_table_seconds = whole(chunk);
+            let mut tables = tables.into_iter();
             engine.table = tables.next().zip(tables.next());
             // hoisting: the internal cell's token-only values from a table
             if let Some(h) = engine.internal.program.hoist_token_values() {
                 let mut builder = Cell::new(h.table, params)?;
-                let table = tabulate(&mut builder, &engine.params, v)?
-                    .pop()
-                    .unwrap_or_default();
+                let (mut tables, chunk) = tabulate(&mut builder, &engine.params, v)?;
+                engine.full_table_seconds += whole(chunk);
+                let table = tables.pop().unwrap_or_default();
                 let mut hoisted = Cell::new(h.program, params)?;
                 hoisted.token_table = table;
                 hoisted.token_width = h.width;
@@ -254,10 +302,19 @@ impl CpuCompiledEngine {
     }
 
     fn infer_levels(&mut self, graphs: &[&InputGraph]) -> Result<CpuCompiledOutput> {
-        let batch = self
-            .linearizer
-            .linearize(graphs)
-            .map_err(|e| err(format!("the batch cannot be linearized: {e}")))?;
+        // the batch lives in the linearizer, taken out while the levels run
+        let mut linearizer = std::mem::take(&mut self.linearizer);
+        let out = match linearizer.linearize(graphs) {
+            Ok(batch) => self.run_batch(batch),
+            Err(e) => Err(err(format!("the batch cannot be linearized: {e}"))),
+        };
+        self.linearizer = linearizer;
+        out
+    }
+
+    /// Runs a linearized batch: leaves, then the internal levels (unrolled
+    /// or one at a time), then the head over the roots.
+    fn run_batch(&mut self, batch: &LinearBatch) -> Result<CpuCompiledOutput> {
         if let Some(v) = self.vocab {
             if let Some(n) = batch.tokens().iter().position(|&t| t as usize >= v) {
                 let (g, vertex) = batch.origin(n as u32);
@@ -268,73 +325,96 @@ impl CpuCompiledEngine {
             }
         }
         let (s, p) = (self.state_width, self.push_width);
-        let (nodes, ni) = (batch.num_nodes(), batch.num_internal());
+        let nodes = batch.num_nodes();
         // every row is written before it is read (levels run children
         // first; leaves with a table are read from the table): no clearing
         self.state.resize(nodes * s, 0.0);
         self.push.resize(nodes * p, 0.0);
-        let params = &self.params;
-        // leaves: from the table, or the leaf cell once over all of them
-        if self.table.is_none() && ni < nodes {
-            let no_rows = |_: u32| -> &[f32] { &[] };
-            let level = LevelInputs {
-                nodes: Nodes::Range(ni, nodes),
-                batch,
-                child_row: &no_rows,
-                head_input: None,
-                token_of: None,
-            };
-            let (state, push) = (&mut self.state, &mut self.push);
-            self.leaf.run(params, &level, &mut |o, r, row| {
-                let n = ni + r;
-                match o {
-                    0 => state[n * s..(n + 1) * s].copy_from_slice(row),
-                    _ => push[n * p..(n + 1) * p].copy_from_slice(row),
-                }
-            })?;
-        }
+        self.run_leaves(batch)?;
         if self.recursion.unroll {
-            self.plan
-                .plan(batch)
-                .map_err(|e| err(format!("the batch cannot be unrolled: {e}")))?;
-            let plan = &self.plan;
-            let begin = plan.group_child_begin();
-            for step in 0..plan.num_steps() {
-                let groups = plan.step(step);
-                let mut g0 = groups.start;
-                while g0 < groups.end {
-                    // a tile: groups whose children's rows fit the budget
-                    let mut g1 = g0 + 1;
-                    while g1 < groups.end
-                        && (begin[g1 + 1] - begin[g0]) as usize * s * 4 <= UNROLL_TILE_BYTES
-                    {
-                        g1 += 1;
-                    }
-                    let children = &plan.group_children()[begin[g0] as usize..begin[g1] as usize];
-                    // groups with a parent come first in a step
-                    let parents = &plan.group_parent()[g0..g1];
-                    let with_parent = parents.iter().take_while(|&&p| p != NO_CHILD).count();
-                    for nodes in [children, &parents[..with_parent]] {
-                        run_node_list(
-                            &mut self.internal,
-                            params,
-                            batch,
-                            nodes,
-                            self.table.as_ref(),
-                            (s, p),
-                            &mut self.state,
-                            &mut self.push,
-                            &mut self.list_rows,
-                        )?;
-                    }
-                    g0 = g1;
+            self.run_unrolled(batch)?;
+        } else {
+            self.run_levels(batch)?;
+        }
+        self.run_head(batch)
+    }
+
+    /// Leaves without a table: the leaf cell once over all of them.
+    fn run_leaves(&mut self, batch: &LinearBatch) -> Result<()> {
+        let (s, p) = (self.state_width, self.push_width);
+        let (nodes, ni) = (batch.num_nodes(), batch.num_internal());
+        if self.table.is_some() || ni >= nodes {
+            return Ok(());
+        }
+        let no_rows = |_: u32| -> &[f32] { &[] };
+        let level = LevelInputs {
+            nodes: Nodes::Range(ni, nodes),
+            batch,
+            child_row: &no_rows,
+            head_input: None,
+            token_of: None,
+        };
+        let (state, push) = (&mut self.state, &mut self.push);
+        self.leaf.run(&self.params, &level, &mut |o, r, row| {
+            let n = ni + r;
+            match o {
+                0 => state[n * s..(n + 1) * s].copy_from_slice(row),
+                _ => push[n * p..(n + 1) * p].copy_from_slice(row),
+            }
+        })
+    }
+
+    /// The internal nodes as the unrolled plan's steps: per tile of
+    /// groups, the children, then their parents.
+    fn run_unrolled(&mut self, batch: &LinearBatch) -> Result<()> {
+        let s = self.state_width;
+        self.plan
+            .plan(batch)
+            .map_err(|e| err(format!("the batch cannot be unrolled: {e}")))?;
+        let plan = &self.plan;
+        let inputs = ListInputs {
+            params: &self.params,
+            batch,
+            table: self.table.as_ref(),
+            widths: (s, self.push_width),
+        };
+        let begin = plan.group_child_begin();
+        for step in 0..plan.num_steps() {
+            let groups = plan.step(step);
+            let mut g0 = groups.start;
+            while g0 < groups.end {
+                // a tile: groups whose children's rows fit the budget
+                let mut g1 = g0 + 1;
+                while g1 < groups.end
+                    && (begin[g1 + 1] - begin[g0]) as usize * s * 4 <= UNROLL_TILE_BYTES
+                {
+                    g1 += 1;
                 }
+                let children = &plan.group_children()[begin[g0] as usize..begin[g1] as usize];
+                // groups with a parent come first in a step
+                let parents = &plan.group_parent()[g0..g1];
+                let with_parent = parents.iter().take_while(|&&p| p != NO_CHILD).count();
+                for nodes in [children, &parents[..with_parent]] {
+                    run_node_list(
+                        &mut self.internal,
+                        &inputs,
+                        nodes,
+                        &mut self.state,
+                        &mut self.push,
+                        &mut self.list_rows,
+                    )?;
+                }
+                g0 = g1;
             }
         }
+        Ok(())
+    }
+
+    /// The internal nodes level by level, every node of a level at once.
+    fn run_levels(&mut self, batch: &LinearBatch) -> Result<()> {
+        let (s, p) = (self.state_width, self.push_width);
+        let ni = batch.num_internal();
         for b in 0..batch.num_batches() {
-            if self.recursion.unroll {
-                break;
-            }
             let range = batch.batch(b);
             let (lo, hi) = (range.start as usize, range.end as usize);
             // the level writes rows lo..hi and reads its children's, which
@@ -361,40 +441,43 @@ impl CpuCompiledEngine {
                 token_of: None,
             };
             self.internal
-                .run(params, &level, &mut |o, r, row| match o {
+                .run(&self.params, &level, &mut |o, r, row| match o {
                     0 => level_state[r * s..(r + 1) * s].copy_from_slice(row),
                     _ => level_push[r * p..(r + 1) * p].copy_from_slice(row),
                 })?;
         }
+        Ok(())
+    }
+
+    /// The head over the roots' pushed rows: the batch's scores.
+    fn run_head(&mut self, batch: &LinearBatch) -> Result<CpuCompiledOutput> {
+        let p = self.push_width;
+        let ni = batch.num_internal();
         let roots = batch.root_nodes();
         let classes = self.classes;
         let mut scores = vec![0.0; roots.len() * classes];
-        {
-            let push = &self.push;
-            let table = self.table.as_ref();
-            let tokens = batch.tokens();
-            let head_input = |r: usize| -> &[f32] {
-                let n = roots[r] as usize;
-                match table {
-                    Some((_, t)) if n >= ni => {
-                        &t[tokens[n] as usize * p..(tokens[n] as usize + 1) * p]
-                    }
-                    _ => &push[n * p..(n + 1) * p],
-                }
-            };
-            let no_rows = |_: u32| -> &[f32] { &[] };
-            let no_tok = |_: usize| 0u32;
-            let level = LevelInputs {
-                nodes: Nodes::Range(0, roots.len()),
-                batch,
-                child_row: &no_rows,
-                head_input: Some(&head_input),
-                token_of: Some(&no_tok),
-            };
-            self.head.run(params, &level, &mut |_, r, row| {
-                scores[r * classes..(r + 1) * classes].copy_from_slice(row);
-            })?;
-        }
+        let push = &self.push;
+        let table = self.table.as_ref();
+        let tokens = batch.tokens();
+        let head_input = |r: usize| -> &[f32] {
+            let n = roots[r] as usize;
+            match table {
+                Some((_, t)) if n >= ni => &t[tokens[n] as usize * p..(tokens[n] as usize + 1) * p],
+                _ => &push[n * p..(n + 1) * p],
+            }
+        };
+        let no_rows = |_: u32| -> &[f32] { &[] };
+        let no_tok = |_: usize| 0u32;
+        let level = LevelInputs {
+            nodes: Nodes::Range(0, roots.len()),
+            batch,
+            child_row: &no_rows,
+            head_input: Some(&head_input),
+            token_of: Some(&no_tok),
+        };
+        self.head.run(&self.params, &level, &mut |_, r, row| {
+            scores[r * classes..(r + 1) * classes].copy_from_slice(row);
+        })?;
         Ok(CpuCompiledOutput {
             scores,
             classes,

@@ -19,8 +19,7 @@
 
 use std::collections::HashMap;
 
-use ramus_core::graph::{DType, Graph, NodeId, NodeKind, ParamId, Role, Source, Space};
-use ramus_core::ops::Op;
+use ramus_core::graph::{NodeId, NodeKind, ParamId, Role, Source};
 use ramus_core::parallel::SpinHelper;
 use ramus_core::plan::{token_hoist, TokenHoist};
 use ramus_core::{Grads, HeadRows, Model, Params, Real};
@@ -31,52 +30,18 @@ use rand_chacha::ChaCha8Rng;
 
 use ramus_exec::{Batch, ExecError, ForwardOutput, Mode, Range, Result};
 
-use crate::kernels::PackedB;
 
+mod arena;
 mod inputs;
 mod nodes;
+use arena::{Arena, Packs, Span};
 use inputs::{copy_vertex_rows, fill_dropout_masks};
 use nodes::{
     accumulate_param_grads, ancestors, local_edges, resolve_floats, run_all_rows, run_node,
     run_nodes, running_stat_updates,
 };
+use ramus_exec::memory::embedding_rows;
 use ramus_exec::pulled_values;
-
-/// Values of one graph's nodes for a batch: floats or indices per node.
-#[derive(Default)]
-struct Arena<T> {
-    vals: Vec<Vec<T>>,
-    idx: Vec<Vec<u32>>,
-    /// Set for evaluation and inference passes: nodes whose op has an
-    /// inference form ([`ramus_core::OpDef::inference_op`]) run that instead.
-    inference: bool,
-}
-
-impl<T: Real> Arena<T> {
-    fn prepare(&mut self, graph: &Graph, rows: usize, edges: usize) {
-        self.vals.resize_with(graph.nodes.len(), Vec::new);
-        self.idx.resize_with(graph.nodes.len(), Vec::new);
-        for (n, node) in graph.nodes.iter().enumerate() {
-            let count = match node.ty.space {
-                Space::Vertex => rows,
-                Space::Edge => edges,
-                Space::Static => 1,
-            };
-            let len = count * node.ty.width();
-            if matches!(node.kind, NodeKind::Param(_))
-                || matches!(node.kind, NodeKind::Input(Source::Forward(_)))
-            {
-                self.vals[n].clear();
-                self.idx[n].clear();
-                continue;
-            }
-            match node.ty.dtype {
-                DType::Float => self.vals[n].resize(len, T::ZERO),
-                DType::Index => self.idx[n].resize(len, 0),
-            }
-        }
-    }
-}
 
 /// The CPU batched engine. Holds its buffers between batches so steady-state
 /// training does not reallocate.
@@ -125,23 +90,6 @@ struct FunctionTables<T> {
     kept: Vec<NodeId>,
     rows: usize,
 }
-
-/// The fewest rows among the embedding tables `graph` looks tokens up in.
-fn embedding_rows(model: &Model, graph: &Graph) -> Option<usize> {
-    graph
-        .nodes
-        .iter()
-        .filter(|n| matches!(n.op(), Some(Op::Embedding(_))))
-        .filter_map(|n| match graph.nodes.get(*n.inputs.first()?)?.kind {
-            NodeKind::Param(p) => model.params.get(p)?.shape.first().copied(),
-            _ => None,
-        })
-        .min()
-}
-
-/// Weights packed for small-row products, by (parameter, transposed), valid
-/// for one pass (parameters do not change within a pass).
-type Packs<T> = HashMap<(ParamId, bool), PackedB<T>>;
 
 impl<T: Real> Default for CpuEngine<T> {
     fn default() -> Self {
@@ -227,8 +175,7 @@ impl<T: Real> CpuEngine<T> {
                         &mut arena,
                         None,
                         params,
-                        all,
-                        &[],
+                        Span::rows_only(all),
                         &mut packs,
                     )?;
                     for (table, &n) in tables.iter_mut().zip(&hoist.tabulated) {
@@ -364,75 +311,122 @@ impl<T: Real> CpuEngine<T> {
         let w = model.state_width;
         self.state.clear();
         self.state.resize(s.num_vertices() * w, T::ZERO);
+        for f in 0..n_fn {
+            self.forward_eager(model, params, s, f, mode, use_tables)?;
+        }
+        self.forward_tasks(model, params, s)?;
         for (f, func) in model.functions.iter().enumerate() {
             let rows = &s.functions[f];
-            let arena = &mut self.fwd[f];
-            arena.prepare(&func.forward, rows.rows(), rows.edges());
-            arena.inference = mode != Mode::Train;
-            fill_dropout_masks(&func.forward, arena, mode == Mode::Train, &mut self.rng);
-            if let Some(tok) = func.forward.input_node(Source::Token) {
-                for (dst, &v) in arena.idx[tok].iter_mut().zip(&rows.vertex) {
-                    *dst = s.tokens[v as usize];
-                }
-            }
-            if let Some(pull) = func.forward.input_node(Source::Pull) {
-                let pw = func.forward.nodes[pull].ty.width();
-                let dst = &mut arena.vals[pull];
-                // explicit pull values, else the graphs' own (f32) features,
-                // converted for this function's rows only
-                match &self.pull_values {
-                    Some(v) => {
-                        let values = pulled_values(v, s, pw, &func.name, true)?;
-                        copy_vertex_rows(dst, values, &rows.vertex, pw, |x| x);
-                    }
-                    None => {
-                        let values = pulled_values(&s.features, s, pw, &func.name, false)?;
-                        copy_vertex_rows(dst, values, &rows.vertex, pw, |x| {
-                            T::from_f64(f64::from(x))
-                        });
-                    }
-                }
-            }
-            let eager: &[NodeId] = match self
-                .tables
-                .as_ref()
-                .filter(|_| use_tables)
-                .map(|t| &t.functions[f])
-            {
-                Some(FunctionTables {
-                    hoist,
-                    tables,
-                    kept,
-                    rows: vocab,
-                }) => {
-                    let vocab = *vocab;
-                    for (table, &n) in tables.iter().zip(&hoist.tabulated) {
-                        let w = func.forward.nodes[n].ty.width();
-                        for (r, &v) in rows.vertex.iter().enumerate() {
-                            let t = s.tokens[v as usize] as usize;
-                            if t >= vocab {
-                                return Err(ExecError::Input(format!(
-                                    "token id {t} is outside the {vocab} tabulated tokens"
-                                )));
-                            }
-                            arena.vals[n][r * w..(r + 1) * w]
-                                .copy_from_slice(&table[t * w..(t + 1) * w]);
-                        }
-                    }
-                    kept
-                }
-                None => &func.forward_plan.eager,
-            };
             run_all_rows(
                 &func.forward,
-                eager,
-                arena,
+                &func.forward_plan.lazy,
+                &mut self.fwd[f],
                 None,
                 params,
                 rows,
                 &mut self.packs,
             )?;
         }
+        let out = self.run_head(model, params, s, mode, rows)?;
+        if mode == Mode::Train {
+            let mut updates = Vec::new();
+            for (f, func) in model.functions.iter().enumerate() {
+                let rows = s.functions[f].rows();
+                running_stat_updates(&func.forward, &self.fwd[f], params, rows, &mut updates)?;
+            }
+            let h = self.head_vertices.len();
+            running_stat_updates(&model.head.forward, &self.head_fwd, params, h, &mut updates)?;
+            self.running_stats = updates;
+        }
+        self.forward_done = mode == Mode::Train;
+        Ok(out)
+    }
+
+    /// Function `f`'s rows before the tasks: its arena sized, dropout
+    /// masks drawn, tokens and pulled values read, and its eager ops run
+    /// (those read from the per-token tables when `use_tables`).
+    fn forward_eager(
+        &mut self,
+        model: &Model,
+        params: &Params<T>,
+        s: &Schedule,
+        f: usize,
+        mode: Mode,
+        use_tables: bool,
+    ) -> Result<()> {
+        let func = &model.functions[f];
+        let rows = &s.functions[f];
+        let arena = &mut self.fwd[f];
+        arena.prepare(&func.forward, rows.rows(), rows.edges());
+        arena.inference = mode != Mode::Train;
+        fill_dropout_masks(&func.forward, arena, mode == Mode::Train, &mut self.rng);
+        if let Some(tok) = func.forward.input_node(Source::Token) {
+            for (dst, &v) in arena.idx[tok].iter_mut().zip(&rows.vertex) {
+                *dst = s.tokens[v as usize];
+            }
+        }
+        if let Some(pull) = func.forward.input_node(Source::Pull) {
+            let pw = func.forward.nodes[pull].ty.width();
+            let dst = &mut arena.vals[pull];
+            // explicit pull values, else the graphs' own (f32) features,
+            // converted for this function's rows only
+            match &self.pull_values {
+                Some(v) => {
+                    let values = pulled_values(v, s, pw, &func.name, true)?;
+                    copy_vertex_rows(dst, values, &rows.vertex, pw, |x| x);
+                }
+                None => {
+                    let values = pulled_values(&s.features, s, pw, &func.name, false)?;
+                    copy_vertex_rows(dst, values, &rows.vertex, pw, |x| T::from_f64(f64::from(x)));
+                }
+            }
+        }
+        let eager: &[NodeId] = match self
+            .tables
+            .as_ref()
+            .filter(|_| use_tables)
+            .map(|t| &t.functions[f])
+        {
+            Some(FunctionTables {
+                hoist,
+                tables,
+                kept,
+                rows: vocab,
+            }) => {
+                let vocab = *vocab;
+                for (table, &n) in tables.iter().zip(&hoist.tabulated) {
+                    let w = func.forward.nodes[n].ty.width();
+                    for (r, &v) in rows.vertex.iter().enumerate() {
+                        let t = s.tokens[v as usize] as usize;
+                        if t >= vocab {
+                            return Err(ExecError::Input(format!(
+                                "token id {t} is outside the {vocab} tabulated tokens"
+                            )));
+                        }
+                        arena.vals[n][r * w..(r + 1) * w]
+                            .copy_from_slice(&table[t * w..(t + 1) * w]);
+                    }
+                }
+                kept
+            }
+            None => &func.forward_plan.eager,
+        };
+        run_all_rows(
+            &func.forward,
+            eager,
+            arena,
+            None,
+            params,
+            rows,
+            &mut self.packs,
+        )?;
+        Ok(())
+    }
+
+    /// The tasks in schedule order: each one's gather, its per-task ops
+    /// and its scatter into the state buffer.
+    fn forward_tasks(&mut self, model: &Model, params: &Params<T>, s: &Schedule) -> Result<()> {
+        let w = model.state_width;
         for task in &s.tasks {
             let f = task.function;
             let func = &model.functions[f];
@@ -474,8 +468,10 @@ impl<T: Real> CpuEngine<T> {
                 arena,
                 None,
                 params,
-                range,
-                &self.edge_local,
+                Span {
+                    range,
+                    edge_parent: &self.edge_local,
+                },
                 &mut self.packs,
             )?;
             // scatter: the task's rows are contiguous in both the dynamic
@@ -486,31 +482,7 @@ impl<T: Real> CpuEngine<T> {
                     .copy_from_slice(src);
             }
         }
-        for (f, func) in model.functions.iter().enumerate() {
-            let rows = &s.functions[f];
-            run_all_rows(
-                &func.forward,
-                &func.forward_plan.lazy,
-                &mut self.fwd[f],
-                None,
-                params,
-                rows,
-                &mut self.packs,
-            )?;
-        }
-        let out = self.run_head(model, params, s, mode, rows)?;
-        if mode == Mode::Train {
-            let mut updates = Vec::new();
-            for (f, func) in model.functions.iter().enumerate() {
-                let rows = s.functions[f].rows();
-                running_stat_updates(&func.forward, &self.fwd[f], params, rows, &mut updates)?;
-            }
-            let h = self.head_vertices.len();
-            running_stat_updates(&model.head.forward, &self.head_fwd, params, h, &mut updates)?;
-            self.running_stats = updates;
-        }
-        self.forward_done = mode == Mode::Train;
-        Ok(out)
+        Ok(())
     }
 
     /// Writes the running statistics of the last train-mode forward pass
@@ -611,8 +583,7 @@ impl<T: Real> CpuEngine<T> {
                     &mut self.head_fwd,
                     None,
                     params,
-                    all,
-                    &[],
+                    Span::rows_only(all),
                     &mut self.packs,
                 )?;
             }
@@ -657,7 +628,59 @@ impl<T: Real> CpuEngine<T> {
         let s = &batch.schedule;
         self.invalidate_packs(params);
         let w = model.state_width;
-        // head backward
+        self.backward_head(model, params, s, grads)?;
+        self.state_grad.clear();
+        self.state_grad.resize(s.num_vertices() * w, T::ZERO);
+        for (f, func) in model.functions.iter().enumerate() {
+            let rows = &s.functions[f];
+            run_all_rows(
+                &func.backward,
+                &func.backward_plan.eager,
+                &mut self.bwd[f],
+                Some(&self.fwd[f]),
+                params,
+                rows,
+                &mut self.packs,
+            )?;
+        }
+        self.backward_tasks(model, params, s)?;
+        self.pull_grads.resize_with(model.functions.len(), Vec::new);
+        for (f, func) in model.functions.iter().enumerate() {
+            let rows = &s.functions[f];
+            run_all_rows(
+                &func.backward,
+                &func.backward_plan.lazy,
+                &mut self.bwd[f],
+                Some(&self.fwd[f]),
+                params,
+                rows,
+                &mut self.packs,
+            )?;
+            accumulate_param_grads(&func.backward, &self.bwd[f], Some(&self.fwd[f]), grads)?;
+            self.pull_grads[f].clear();
+            if let Some(o) = func.backward.output(Role::PullGrad) {
+                self.pull_grads[f].extend_from_slice(resolve_floats(
+                    &func.backward,
+                    o.node,
+                    &self.bwd[f],
+                    Some(&self.fwd[f]),
+                )?);
+            }
+        }
+        grads.finish_rows();
+        Ok(())
+    }
+
+    /// The head's backward pass (seeded at the loss), its parameter
+    /// gradients, and its input gradients added into each function's
+    /// push gradient (the functions' backward arenas zeroed first).
+    fn backward_head(
+        &mut self,
+        model: &Model,
+        params: &Params<T>,
+        s: &Schedule,
+        grads: &mut Grads<T>,
+    ) -> Result<()> {
         let head = &model.head;
         let hb = &head.backward;
         let h = self.head_vertices.len();
@@ -679,8 +702,7 @@ impl<T: Real> CpuEngine<T> {
                     &mut self.head_bwd,
                     Some(&self.head_fwd),
                     params,
-                    all,
-                    &[],
+                    Span::rows_only(all),
                     &mut self.packs,
                 )?;
             }
@@ -714,20 +736,14 @@ impl<T: Real> CpuEngine<T> {
                 }
             }
         }
-        self.state_grad.clear();
-        self.state_grad.resize(s.num_vertices() * w, T::ZERO);
-        for (f, func) in model.functions.iter().enumerate() {
-            let rows = &s.functions[f];
-            run_all_rows(
-                &func.backward,
-                &func.backward_plan.eager,
-                &mut self.bwd[f],
-                Some(&self.fwd[f]),
-                params,
-                rows,
-                &mut self.packs,
-            )?;
-        }
+        Ok(())
+    }
+
+    /// The tasks in reverse schedule order: each one's state gradient in,
+    /// its per-task ops, and its child gradients added into the state
+    /// gradients of its children.
+    fn backward_tasks(&mut self, model: &Model, params: &Params<T>, s: &Schedule) -> Result<()> {
+        let w = model.state_width;
         for task in s.tasks.iter().rev() {
             let f = task.function;
             let func = &model.functions[f];
@@ -749,8 +765,10 @@ impl<T: Real> CpuEngine<T> {
                 &mut self.bwd[f],
                 Some(&self.fwd[f]),
                 params,
-                range,
-                &self.edge_local,
+                Span {
+                    range,
+                    edge_parent: &self.edge_local,
+                },
                 &mut self.packs,
             )?;
             for o in &func.backward.outputs {
@@ -793,30 +811,6 @@ impl<T: Real> CpuEngine<T> {
                 }
             }
         }
-        self.pull_grads.resize_with(model.functions.len(), Vec::new);
-        for (f, func) in model.functions.iter().enumerate() {
-            let rows = &s.functions[f];
-            run_all_rows(
-                &func.backward,
-                &func.backward_plan.lazy,
-                &mut self.bwd[f],
-                Some(&self.fwd[f]),
-                params,
-                rows,
-                &mut self.packs,
-            )?;
-            accumulate_param_grads(&func.backward, &self.bwd[f], Some(&self.fwd[f]), grads)?;
-            self.pull_grads[f].clear();
-            if let Some(o) = func.backward.output(Role::PullGrad) {
-                self.pull_grads[f].extend_from_slice(resolve_floats(
-                    &func.backward,
-                    o.node,
-                    &self.bwd[f],
-                    Some(&self.fwd[f]),
-                )?);
-            }
-        }
-        grads.finish_rows();
         Ok(())
     }
 }

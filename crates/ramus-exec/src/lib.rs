@@ -51,7 +51,7 @@ pub mod memory;
 pub mod nonfinite;
 pub mod optim;
 
-pub use auto::{AutoInfer, BatchShape, Clock, Offer, WallClock};
+pub use auto::{AutoInfer, BatchShape, Build, Clock, LazyOffer, Offer, WallClock};
 pub use batch::{fill_dropout_mask, pulled_values, Batch, ForwardOutput, Mode, Range};
 pub use engine::{step_outcome, steps_in_flight, HostState, StepOutcome, TrainEngine, TrainState};
 pub use error::{ExecError, Result, Setting};

@@ -143,20 +143,25 @@ pub fn packed_weight_bytes(model: &Model) -> u64 {
 pub fn token_table_bytes(model: &Model, vocab: usize) -> u64 {
     model.functions.iter().fold(0u64, |s, f| {
         let g = &f.forward;
-        let rows = g
-            .nodes
-            .iter()
-            .filter(|n| matches!(n.op(), Some(Op::Embedding(_))))
-            .filter_map(|n| match g.nodes.get(*n.inputs.first()?)?.kind {
-                NodeKind::Param(p) => model.params.get(p)?.shape.first().copied(),
-                _ => None,
-            })
-            .min()
-            .map_or(vocab, |r| r.min(vocab)) as u64;
+        let rows = embedding_rows(model, g).map_or(vocab, |r| r.min(vocab)) as u64;
         token_hoist(g).tabulated.iter().fold(s, |s, &n| {
             s.saturating_add(bytes(rows, g.nodes[n].ty.width() as u64))
         })
     })
+}
+
+/// The fewest rows among the embedding tables `graph` looks tokens up in
+/// (`None` when it looks up none): the tokens a per-token table spans.
+pub fn embedding_rows(model: &Model, graph: &Graph) -> Option<usize> {
+    graph
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.op(), Some(Op::Embedding(_))))
+        .filter_map(|n| match graph.nodes.get(*n.inputs.first()?)?.kind {
+            NodeKind::Param(p) => model.params.get(p)?.shape.first().copied(),
+            _ => None,
+        })
+        .min()
 }
 
 /// Which passes a command runs over a batch.

@@ -28,6 +28,16 @@ use safetensors::SafeTensorError;
 
 use ramus_exec::{ExecError, Result};
 
+/// The prefix of the tensors a resumable checkpoint adds
+/// (its run state: names no model uses, so checks for unused tensors
+/// skip them).
+pub const TENSOR_PREFIX: &str = "ramus.resume/";
+
+/// Whether `name` is one of the tensors a resumable checkpoint adds.
+pub fn is_resume_tensor(name: &str) -> bool {
+    name.starts_with(TENSOR_PREFIX)
+}
+
 /// Metadata keys.
 const KEY_MODEL: &str = "ramus.model";
 const KEY_SETTINGS: &str = "ramus.settings";
@@ -206,7 +216,7 @@ pub fn load_params_with(
         let mut unused: Vec<&str> = st
             .names()
             .into_iter()
-            .filter(|name| !crate::resume::is_resume_tensor(name))
+            .filter(|name| !is_resume_tensor(name))
             .filter(|name| model.params.iter().all(|spec| spec.name != *name))
             .collect();
         if !unused.is_empty() {

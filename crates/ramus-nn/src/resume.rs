@@ -28,20 +28,14 @@ use serde::{Deserialize, Serialize};
 use ramus_exec::{ExecError, Optimizer, OptimizerConfig, Result};
 
 use crate::checkpoint::{self, Extra};
+// reserved by the checkpoint format, which skips them when checking names
+pub use crate::checkpoint::{is_resume_tensor, TENSOR_PREFIX};
 use crate::train::EpochProgress;
 
 /// The metadata key of the run state.
 pub const KEY_RESUME: &str = "ramus.resume";
-/// The prefix of the tensors a resumable checkpoint adds (names no model
-/// uses: checks for unused tensors skip them).
-pub const TENSOR_PREFIX: &str = "ramus.resume/";
 /// The format of [`RunState`] this build reads and writes.
 const VERSION: u32 = 1;
-
-/// Whether `name` is one of the tensors a resumable checkpoint adds.
-pub fn is_resume_tensor(name: &str) -> bool {
-    name.starts_with(TENSOR_PREFIX)
-}
 
 /// The best dev score so far and the epoch it came from.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -8,7 +8,7 @@ use ramus_cpu::compiled::{CpuCompiledEngine, CpuCompiledSchedule};
 use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
 use ramus_graph::InputGraph;
 
-use super::{run_anchor, samples, AnyResult, BenchArgs};
+use super::common::{bench_engine, bench_optimizer, run_anchor, samples, AnyResult, BenchArgs};
 use crate::device::Device;
 use crate::limits::Inference;
 use crate::output::outln;
@@ -155,8 +155,8 @@ fn compare_with_batched(
         .get("vocab")
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
-    let trained = (params.clone(), super::bench_optimizer());
-    let (mut engine, _) = super::bench_engine(a, model, trained, vocab)?;
+    let trained = (params.clone(), bench_optimizer());
+    let (mut engine, _) = bench_engine(a, model, trained, vocab)?;
     let engine = engine.engine();
     for line in compiled {
         let bs = line["batch"].as_u64().unwrap_or(1) as usize;
@@ -295,6 +295,43 @@ fn run_cpu(
 const KERNEL_TIMINGS: usize = 9;
 
 /// The CUDA engine: default schedule or the three ablation steps.
+/// The CUDA compiled engine under `options` (schedule `name`), checked
+/// against the device memory for the largest size's batch (the first
+/// inputs); with `--verbose` its set-up is printed.
+fn cuda_engine(
+    a: &BenchArgs,
+    (model, params): (&Model, &Params<f32>),
+    (trees, sizes): (&[InputGraph], &[usize]),
+    name: &str,
+    options: &CompiledOptions,
+) -> AnyResult<CompiledEngine> {
+    let largest = sizes.iter().copied().max().unwrap_or(1).min(trees.len());
+    let batches = &trees[..largest];
+    let need = Inference::bench(
+        model,
+        batches,
+        largest,
+        Pass::Infer,
+        0,
+        a.hidden,
+        Device::Cuda,
+    );
+    let check = |n: &DeviceNeed, room| need.fit_device(n, room);
+    let engine = CompiledEngine::with_check(model, params, options, &check)?;
+    if a.verbose {
+        outln!(
+            "{}",
+            serde_json::json!({
+                "setup": "compiled", "schedule": name, "device": engine.device().name(),
+                "arch": engine.device().arch(), "setup_s": engine.setup_seconds(),
+                "leaf_table_build_ms": (engine.leaf_table_seconds() * 1e6).round() / 1e3,
+                "kernel_cache": engine.cache_stats().to_string(),
+            })
+        )?;
+    }
+    Ok(engine)
+}
+
 fn run_cuda(
     a: &BenchArgs,
     model: &Model,
@@ -323,31 +360,7 @@ fn run_cuda(
             memory_budget: a.device_memory_budget,
             ..CompiledOptions::default()
         };
-        // the largest size's batch, the first inputs, is checked
-        let largest = sizes.iter().copied().max().unwrap_or(1).min(trees.len());
-        let batches = &trees[..largest];
-        let need = Inference::bench(
-            model,
-            batches,
-            largest,
-            Pass::Infer,
-            0,
-            a.hidden,
-            Device::Cuda,
-        );
-        let check = |n: &DeviceNeed, room| need.fit_device(n, room);
-        let engine = CompiledEngine::with_check(model, params, &options, &check)?;
-        if a.verbose {
-            outln!(
-                "{}",
-                serde_json::json!({
-                    "setup": "compiled", "schedule": name, "device": engine.device().name(),
-                    "arch": engine.device().arch(), "setup_s": engine.setup_seconds(),
-                    "leaf_table_build_ms": (engine.leaf_table_seconds() * 1e6).round() / 1e3,
-                    "kernel_cache": engine.cache_stats().to_string(),
-                })
-            )?;
-        }
+        let engine = cuda_engine(a, (model, params), (trees, sizes), &name, &options)?;
         let device = engine.device().name().to_string();
         let engine = std::cell::RefCell::new(engine);
         last = time_batches(

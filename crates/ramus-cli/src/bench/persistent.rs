@@ -6,11 +6,10 @@
 use ramus_core::{Model, Params};
 use ramus_cuda::persistent::{prepared_ahead, PersistentEngine, PersistentOptions, PersistentStep};
 use ramus_cuda::CudaTrainer;
-use ramus_exec::Batch;
-use ramus_exec::{ExecError, OptimizerConfig, OptimizerKind, TrainEngine};
+use ramus_exec::{OptimizerConfig, OptimizerKind};
 use ramus_graph::{BatchingPolicy, InputGraph};
 
-use super::{median_time, run_anchor, AnyResult, BenchArgs};
+use super::common::{median_time, run_anchor, train_time, AnyResult, BenchArgs};
 
 use crate::device::{cuda_engine, Device};
 use crate::limits::Inference;
@@ -80,18 +79,12 @@ pub fn run(
             persistent.submit_many(model, &batches)?;
         }
         persistent.finish()?;
-        let windows = a.reps.div_ceil(window).max(10);
-        let started = std::time::Instant::now();
-        let mut returned = Vec::with_capacity(windows);
-        let mut steps = Vec::with_capacity(windows * window);
-        for _ in 0..windows {
-            steps.extend(persistent.submit_many(model, &batches)?);
-            returned.push(started.elapsed().as_secs_f64());
-        }
-        steps.extend(persistent.finish()?);
-        let wall = started.elapsed().as_secs_f64();
-        let steady = (returned[windows - 1] - returned[1]) / ((windows - 2) * window) as f64;
-        let stream = wall / (windows * window) as f64;
+        let Stream {
+            steps,
+            wall,
+            steady,
+            stream,
+        } = stream(&mut persistent, model, &batches, a.reps)?;
         // the host's preparation of a batch (scheduling, lowering and
         // encoding on one core) and the kernels' device time, medians over
         // the overlapped stream; the share of the stream's wall time the
@@ -112,14 +105,7 @@ pub fn run(
         let kernel_ms = persistent
             .last_kernel_seconds()
             .map(|s| (s * 1e6).round() / 1e3);
-        let batched_train = median_time(a.reps, || {
-            let b = Batch::new(model, batch.clone(), BatchingPolicy::Cavs)?;
-            let mut earlier = batched.submit(std::slice::from_ref(&b))?.into_iter();
-            Ok(earlier.try_for_each(|o| o.map(drop).map_err(ExecError::from))?)
-        })?;
-        for outcome in batched.finish()? {
-            outcome.map_err(ramus_exec::ExecError::from)?;
-        }
+        let batched_train = train_time(batched, model, &batch, BatchingPolicy::Cavs, a.reps)?;
         let step = last.ok_or("no step ran")?;
         let per_s = |t: f64| ((bs as f64 / t) * 10.0).round() / 10.0;
         let line = serde_json::json!({
@@ -141,6 +127,45 @@ pub fn run(
         run_anchor(a, anchor, &results)?;
     }
     Ok(())
+}
+
+/// The overlapped stream of windows of batches, timed.
+struct Stream {
+    steps: Vec<PersistentStep>,
+    /// Seconds of the whole stream.
+    wall: f64,
+    /// Seconds per batch between the second window's return and the
+    /// last one's (the steady state).
+    steady: f64,
+    /// Seconds per batch of the whole stream (fill and drain included).
+    stream: f64,
+}
+
+/// Submits windows of `batches` (`reps` batches, at least 10 windows) to
+/// `persistent` and times the stream.
+fn stream(
+    persistent: &mut PersistentEngine,
+    model: &Model,
+    batches: &[Vec<&InputGraph>],
+    reps: usize,
+) -> AnyResult<Stream> {
+    let window = batches.len();
+    let windows = reps.div_ceil(window).max(10);
+    let started = std::time::Instant::now();
+    let mut returned = Vec::with_capacity(windows);
+    let mut steps = Vec::with_capacity(windows * window);
+    for _ in 0..windows {
+        steps.extend(persistent.submit_many(model, batches)?);
+        returned.push(started.elapsed().as_secs_f64());
+    }
+    steps.extend(persistent.finish()?);
+    let wall = started.elapsed().as_secs_f64();
+    Ok(Stream {
+        steps,
+        wall,
+        steady: (returned[windows - 1] - returned[1]) / ((windows - 2) * window) as f64,
+        stream: wall / (windows * window) as f64,
+    })
 }
 
 /// The persistent engine with its `rpw` chosen for batches like `warm`:

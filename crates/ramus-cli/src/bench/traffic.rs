@@ -13,7 +13,8 @@ use ramus_exec::Batch;
 use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine};
 use ramus_graph::{BatchingPolicy, InputGraph};
 
-use super::{persistent::tuned_engine, AnyResult, BenchArgs};
+use super::common::{AnyResult, BenchArgs};
+use super::persistent::tuned_engine;
 use crate::device::{cuda_engine, Device};
 use crate::output::outln;
 

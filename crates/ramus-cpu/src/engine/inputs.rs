@@ -9,7 +9,7 @@ use rand_chacha::ChaCha8Rng;
 
 use ramus_exec::fill_dropout_mask;
 
-use super::Arena;
+use super::arena::Arena;
 
 /// Fills every dropout mask of `g` (see [`fill_dropout_mask`]).
 pub(super) fn fill_dropout_masks<T: Real>(

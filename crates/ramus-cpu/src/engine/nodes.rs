@@ -11,9 +11,11 @@ use ramus_graph::FunctionRows;
 
 use ramus_exec::{ExecError, Result};
 
+use ramus_exec::Range;
+
 use crate::kernels::{self, update_running_stats, Arg, ArgData, KernelCtx, PackedB};
 
-use super::{Arena, Packs, Range};
+use super::arena::{Arena, Packs, Span};
 
 /// Edge parents relative to the first row of the run.
 pub(super) fn local_edges(buf: &mut Vec<u32>, parents: &[u32], r0: usize) {
@@ -94,26 +96,26 @@ pub(super) fn run_all_rows<T: Real>(
         own,
         fwd,
         params,
-        Range::all(rows),
-        &rows.edge_parent,
+        Span {
+            range: Range::all(rows),
+            edge_parent: &rows.edge_parent,
+        },
         packs,
     )
 }
 
-/// Runs the op nodes `nodes` of `g` over `range`, in order.
-#[allow(clippy::too_many_arguments)] // threads the pass state (parameters, rows, packed weights) through
+/// Runs the op nodes `nodes` of `g` over `span`, in order.
 pub(super) fn run_nodes<T: Real>(
     g: &Graph,
     nodes: &[NodeId],
     own: &mut Arena<T>,
     fwd: Option<&Arena<T>>,
     params: &Params<T>,
-    range: Range,
-    edge_parent: &[u32],
+    span: Span<'_>,
     packs: &mut Packs<T>,
 ) -> Result<()> {
     for &n in nodes {
-        run_node(g, n, own, fwd, params, range, edge_parent, packs)?;
+        run_node(g, n, own, fwd, params, span, packs)?;
     }
     Ok(())
 }
@@ -155,18 +157,17 @@ pub(super) fn packed_weight<T: Real>(
     Some(key)
 }
 
-/// Runs op node `n` of `g` over `range`.
-#[allow(clippy::too_many_arguments)] // threads the pass state (parameters, rows, packed weights) through
+/// Runs op node `n` of `g` over `span`.
 pub(super) fn run_node<T: Real>(
     g: &Graph,
     n: NodeId,
     own: &mut Arena<T>,
     fwd: Option<&Arena<T>>,
     params: &Params<T>,
-    range: Range,
-    edge_parent: &[u32],
+    span: Span<'_>,
     packs: &mut Packs<T>,
 ) -> Result<()> {
+    let Span { range, edge_parent } = span;
     let node = &g.nodes[n];
     let NodeKind::Op(op) = &node.kind else {
         return Ok(());
