@@ -37,7 +37,7 @@ use ramus_core::ops::{
 use ramus_core::OpDef;
 use ramus_exec::Range;
 
-use super::{model_err, Buf, CudaEngine, Lane};
+use super::{model_err, Buf, CudaEngine, GraphBufs, Lane};
 use crate::blas::{Gemm, StridedBatch};
 use crate::error::Result;
 use crate::launch::ColumnLayout;
@@ -160,17 +160,15 @@ impl CudaEngine {
 
     /// Runs node `n`, an image op (`ramus_core::image_op!()`); any other
     /// op is refused with the node named.
-    #[allow(clippy::too_many_arguments)] // as run_op: graph, node, buffers, rows, lane
     pub(super) fn run_cnn_op(
         &self,
         op: &Op,
-        g: &Graph,
+        bufs: GraphBufs<'_>,
         n: NodeId,
-        own: &[Buf],
-        fwd: Option<&[Buf]>,
         range: Range,
         lane: &Lane,
     ) -> Result<()> {
+        let GraphBufs { g, own, fwd } = bufs;
         let a = &CnnArgs {
             g,
             n,
