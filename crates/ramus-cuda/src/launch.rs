@@ -12,7 +12,9 @@ use crate::error::{CudaError, InCall, Result};
 use crate::pool::DeviceView;
 
 mod cnn;
-pub use cnn::ColumnLayout;
+mod norm;
+pub use cnn::{ChannelShape, ColumnLayout};
+pub use norm::{BatchNormOperands, NormGradOperands, NormStats};
 
 /// Source of the built-in kernels.
 pub const BUILTIN_SOURCE: &str = include_str!("builtin.cu");
