@@ -10,7 +10,7 @@ use ramus_core::Model;
 use ramus_exec::memory::{ActivationCost, BatchExtra, CostTerms, DeviceNeed, Pass, ELEMENT_BYTES};
 use ramus_graph::{InputGraph, LinearBatch};
 
-use super::{CompiledOptions, CompiledSchedule, COUNTERS_MAX_UNITS};
+use super::options::{CompiledOptions, CompiledSchedule, COUNTERS_MAX_UNITS};
 use std::sync::Arc;
 
 use crate::error::{CudaError, Result};
