@@ -5,7 +5,7 @@
 
 use cudarc::driver::DeviceRepr;
 
-use super::{GradLayout, ParamSlot, BLOCK, MAX_NORM_BLOCKS, MAX_SEGMENTS};
+use super::layout::{GradLayout, ParamSlot, BLOCK, MAX_NORM_BLOCKS, MAX_SEGMENTS};
 use crate::error::{CudaError, Result};
 use crate::pool::DeviceView;
 
