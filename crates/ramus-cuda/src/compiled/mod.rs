@@ -58,6 +58,15 @@ struct InlineIndices {
 unsafe impl DeviceRepr for InlineIndices {}
 
 impl InlineIndices {
+    /// No arrays packed (the pointers are used).
+    fn empty() -> Self {
+        InlineIndices {
+            count: 0,
+            at: [0; 6],
+            words: [0; INLINE_INDEX_WORDS],
+        }
+    }
+
     /// Packs `arrays` if they fit (else sets `count` to 0).
     fn pack(&mut self, arrays: [&[u32]; 6]) -> bool {
         let total: usize = arrays.iter().map(|a| a.len()).sum();
@@ -300,17 +309,8 @@ impl CompiledEngine {
             rules: VertexRules::of(model),
             linearizer: Linearizer::new(),
             child_rows: Vec::new(),
-            inline: Box::new(InlineIndices {
-                count: 0,
-                at: [0; 6],
-                words: [0; INLINE_INDEX_WORDS],
-            }),
-            counters: CounterPair {
-                pool: Arc::clone(&pool),
-                buffers: None,
-                capacity: 0,
-                next: 0,
-            },
+            inline: Box::new(InlineIndices::empty()),
+            counters: CounterPair::new(Arc::clone(&pool)),
             scores_out: MappedBuffer::new(&device),
             stages: internal.stages,
             max_blocks,
@@ -427,7 +427,6 @@ impl CompiledEngine {
             .map_err(|e| model_err(format!("the batch cannot be linearized: {e}")))?;
         check_tokens(batch, self.vocab)?;
         let nodes = batch.num_nodes();
-        let num_batches = batch.num_batches();
         let roots = batch.root_nodes().len();
         let widest = batch.batch_length().iter().copied().max().unwrap_or(0) as usize;
         let ni = batch.num_internal();
@@ -465,12 +464,7 @@ impl CompiledEngine {
             .iter()
             .map(|&r| batch.origin(r).0 as u32)
             .collect();
-        let (num_internal, num_nodes) = (
-            u32_of(batch.num_internal(), "internal nodes")?,
-            u32_of(nodes, "nodes")?,
-        );
-        let (nb, nr) = (u32_of(num_batches, "levels")?, u32_of(roots, "roots")?);
-        let steps = u32_of(self.plan.num_steps(), "unrolled steps")?;
+        let counts = LevelCounts::of(batch, &self.plan)?;
         self.arena.reset()?;
         let views = upload_parts(&mut self.staging, &mut self.arena, &parts, &stream)?;
         // the node counters of every internal node and stage (level
@@ -488,29 +482,15 @@ impl CompiledEngine {
         let score_len = roots * self.classes;
         let scores = self.scores_out.device_ptr_for::<f32>(score_len, &stream)?;
         let scratch = self.arena.alloc::<f32>(scratch_len)?;
-        // enough warps for every unit of the widest level (unrolled: a
-        // block per group of the widest step), as far as fit
-        let wanted = if unroll {
-            u32_of(self.plan.widest_step(), "groups")?
-        } else {
-            let warps = self.units * widest.max(1);
-            u32_of(warps.div_ceil((self.block / 32) as usize), "blocks")?
-        };
         let args = LevelArgs {
             rows: [state, push, scratch],
             views: &views,
             unroll,
-            counts: LevelCounts {
-                steps,
-                levels: nb,
-                internal: num_internal,
-                nodes: num_nodes,
-                roots: nr,
-            },
+            counts,
             scores,
             counters,
             done_clear,
-            blocks: wanted.clamp(self.min_blocks, self.max_blocks),
+            blocks: self.level_blocks(unroll, widest)?,
         };
         self.launch_levels(&args, try_other, &stream)?;
         if counters.is_some() {
@@ -522,6 +502,19 @@ impl CompiledEngine {
             classes: self.classes,
             root_graph,
         })
+    }
+
+    /// Blocks of a launch: enough warps for every unit of the widest level
+    /// (`widest` nodes; unrolled: a block per group of the widest step), as
+    /// far as fit.
+    fn level_blocks(&self, unroll: bool, widest: usize) -> Result<u32> {
+        let wanted = if unroll {
+            u32_of(self.plan.widest_step(), "groups")?
+        } else {
+            let warps = self.units * widest.max(1);
+            u32_of(warps.div_ceil((self.block / 32) as usize), "blocks")?
+        };
+        Ok(wanted.clamp(self.min_blocks, self.max_blocks))
     }
 
     /// Launches the level kernel (the other ordering's with `try_other`
@@ -733,6 +726,20 @@ struct LevelCounts {
     roots: u32,
 }
 
+impl LevelCounts {
+    /// The counts of `batch` (and of its unrolled `plan`), checked to fit
+    /// 32 bits.
+    fn of(batch: &LinearBatch, plan: &UnrolledPlan) -> Result<Self> {
+        Ok(LevelCounts {
+            internal: u32_of(batch.num_internal(), "internal nodes")?,
+            nodes: u32_of(batch.num_nodes(), "nodes")?,
+            levels: u32_of(batch.num_batches(), "levels")?,
+            roots: u32_of(batch.root_nodes().len(), "roots")?,
+            steps: u32_of(plan.num_steps(), "unrolled steps")?,
+        })
+    }
+}
+
 /// One batch's arguments of the level kernel (see
 /// [`CompiledEngine::launch_levels`]).
 struct LevelArgs<'a> {
@@ -762,11 +769,7 @@ mod tests {
             std::mem::size_of::<InlineIndices>(),
             4 * (7 + INLINE_INDEX_WORDS)
         );
-        let mut inline = InlineIndices {
-            count: 0,
-            at: [0; 6],
-            words: [0; INLINE_INDEX_WORDS],
-        };
+        let mut inline = InlineIndices::empty();
         let (offsets, rows, tokens) = ([0, 2, 2], [5, 6], [1, 2, 3, 4, 5, 6, 7]);
         assert!(inline.pack([&offsets, &rows, &tokens, &[0], &[1], &[6]]));
         assert_eq!(inline.count, 15);

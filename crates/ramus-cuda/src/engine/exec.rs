@@ -505,11 +505,7 @@ impl CudaEngine {
             }
             Op::Reshape(_) => {
                 let len = node.ty.width();
-                let (dst, src) = (
-                    ColumnWindow::whole(out()?, len),
-                    ColumnWindow::whole(fv(0)?, len),
-                );
-                self.launcher.copy_columns(&stream, dst, src, len, 1)
+                self.launcher.copy_rows(&stream, out()?, fv(0)?, len, 1)
             }
             _ => Err(model_err(format!(
                 "op `{}` (node %{n}) is not a column copy",
