@@ -7,15 +7,14 @@ use std::collections::HashMap;
 use cudarc::driver::CudaFunction;
 
 use ramus_core::fusion::{FusedGroup, InputKind, SliceView};
-use ramus_core::graph::{Graph, NodeId, NodeKind, Source, Space};
+use ramus_core::graph::{Graph, Node, NodeId, NodeKind, Source, Space, ValueType};
 use ramus_core::op::OpDef;
 use ramus_core::ops::Op;
 use ramus_exec::Range;
 use ramus_graph::Schedule;
 
 use crate::blas::Gemm;
-use crate::error::InCall;
-use crate::error::Result;
+use crate::error::{CudaError, InCall, Result};
 use crate::launch::{
     AbtOperands, ColumnWindow, EmbeddingShape, FusedArgs, IndexRows, RowMove, RowOperand,
     XentOperands, SMALL_GEMM_ROWS,
@@ -396,57 +395,50 @@ impl CudaEngine {
     /// Runs node `n`, a built-in op, over the rows of `ctx` (elementwise
     /// ops run inside fused groups, never alone).
     fn run_op(&self, ctx: &StepCtx<'_>, n: NodeId) -> Result<()> {
-        let StepCtx {
-            bufs: GraphBufs { g, own, fwd },
-            range,
-            lane,
-            ..
-        } = *ctx;
-        let stream = lane.stream.clone();
-        let node = &g.nodes[n];
+        let node = &ctx.bufs.g.nodes[n];
         let NodeKind::Op(op) = &node.kind else {
             return Ok(());
         };
-        let arg = |i: usize| node.inputs[i];
-        let fv = |i: usize| self.float_view(g, arg(i), own, fwd, range);
-        let out = || self.float_view(g, n, own, fwd, range);
-        let in_ty = |i: usize| &g.nodes[arg(i)].ty;
+        let site = &NodeSite { ctx, n, node };
+        let stream = &ctx.lane.stream;
+        let fv = |i: usize| self.input(site, i);
+        let out = || self.output(site);
         match op {
             Op::MatMul(_) => self.run_matmul(ctx, n, None, out()?),
             Op::Concat(_) | Op::Slice(_) | Op::Pad(_) | Op::Reshape(_) => {
-                self.run_column_op(ctx, n, op)
+                self.run_column_op(site, op)
             }
-            Op::SumChildren(_) | Op::ExpandChildren(_) => self.run_topology_op(ctx, n, op),
+            Op::SumChildren(_) | Op::ExpandChildren(_) => self.run_topology_op(site, op),
             Op::SumRows(sr) => {
-                let rows = ctx.rows_of(in_ty(0).space);
+                let rows = ctx.rows_of(site.in_ty(0).space);
                 let scale = mean_scale(sr.mean, rows);
-                self.launcher
-                    .sum_rows(&stream, out()?, fv(0)?, rows, in_ty(0).width(), scale)
+                let width = site.in_ty(0).width();
+                (self.launcher).sum_rows(stream, out()?, fv(0)?, rows, width, scale)
             }
             Op::BroadcastRows(br) => {
-                let rows = ctx.rows_of(in_ty(1).space);
+                let rows = ctx.rows_of(site.in_ty(1).space);
                 let scale = mean_scale(br.mean, rows);
-                self.launcher
-                    .broadcast_rows(&stream, out()?, fv(0)?, rows, node.ty.width(), scale)
+                let width = node.ty.width();
+                (self.launcher).broadcast_rows(stream, out()?, fv(0)?, rows, width, scale)
             }
-            Op::Embedding(_) => self.run_embedding(ctx, n),
+            Op::Embedding(_) => self.run_embedding(site),
             Op::RowMatMul(product) => self.launcher.row_matmul(
-                &stream,
+                stream,
                 out()?,
                 RowOperand {
                     data: fv(0)?,
-                    per_row: in_ty(0).is_rows(),
+                    per_row: site.in_ty(0).is_rows(),
                 },
                 RowOperand {
                     data: fv(1)?,
-                    per_row: in_ty(1).is_rows(),
+                    per_row: site.in_ty(1).is_rows(),
                 },
-                ctx.rows_of(node.ty.space),
+                site.out_rows(),
                 product,
             ),
-            Op::EmbeddingUnk(_) | Op::EmbeddingUnkBackward(_) => self.run_embedding_unk(ctx, n, op),
-            Op::SoftmaxXent(_) | Op::SoftmaxXentBackward(_) => self.run_softmax_xent(ctx, n, op),
-            ramus_core::image_op!() => self.run_cnn_op(op, ctx.bufs, n, range, lane),
+            Op::EmbeddingUnk(_) | Op::EmbeddingUnkBackward(_) => self.run_embedding_unk(site, op),
+            Op::SoftmaxXent(_) | Op::SoftmaxXentBackward(_) => self.run_softmax_xent(site, op),
+            ramus_core::image_op!() => self.run_cnn_op(op, ctx.bufs, n, ctx.range, ctx.lane),
             // elementwise ops run inside fused groups (`Program`), never alone
             ramus_core::elementwise_op!() => Err(model_err(format!(
                 "op `{}` (node %{n}) has no CUDA implementation",
@@ -455,81 +447,80 @@ impl CudaEngine {
         }
     }
 
-    /// Node `n`'s column copies: concat, slice, pad and reshape.
-    fn run_column_op(&self, ctx: &StepCtx<'_>, n: NodeId, op: &Op) -> Result<()> {
-        let StepCtx {
-            bufs: GraphBufs { g, own, fwd },
-            range,
-            lane,
-            ..
-        } = *ctx;
-        let stream = lane.stream.clone();
-        let node = &g.nodes[n];
-        let out_rows = ctx.rows_of(node.ty.space);
-        let arg = |i: usize| node.inputs[i];
-        let fv = |i: usize| self.float_view(g, arg(i), own, fwd, range);
-        let out = || self.float_view(g, n, own, fwd, range);
-        let in_ty = |i: usize| &g.nodes[arg(i)].ty;
+    /// Node `n`'s floats over the rows of `ctx`.
+    fn step_view(&self, ctx: &StepCtx<'_>, n: NodeId) -> Result<DeviceView<f32>> {
+        let GraphBufs { g, own, fwd } = ctx.bufs;
+        self.float_view(g, n, own, fwd, ctx.range)
+    }
+
+    /// Input `i` of the node at `site`, as floats of this run's rows.
+    fn input(&self, site: &NodeSite<'_>, i: usize) -> Result<DeviceView<f32>> {
+        self.step_view(site.ctx, site.arg(i))
+    }
+
+    /// Input `i` of the node at `site`, as indices of this run's rows.
+    fn input_indices(&self, site: &NodeSite<'_>, i: usize) -> Result<DeviceView<u32>> {
+        let GraphBufs { g, own, fwd } = site.ctx.bufs;
+        self.index_view(g, site.arg(i), own, fwd, site.ctx.range)
+    }
+
+    /// The output of the node at `site`, as floats of this run's rows.
+    fn output(&self, site: &NodeSite<'_>) -> Result<DeviceView<f32>> {
+        self.step_view(site.ctx, site.n)
+    }
+
+    /// Column copies: concat, slice, pad and reshape.
+    fn run_column_op(&self, site: &NodeSite<'_>, op: &Op) -> Result<()> {
+        let stream = &site.ctx.lane.stream;
+        let (node, out_rows) = (site.node, site.out_rows());
+        let fv = |i: usize| self.input(site, i);
+        let out = || self.output(site);
         match op {
             Op::Concat(_) => {
                 let (o, ow) = (out()?, node.ty.width());
                 let mut start = 0;
                 for i in 0..node.inputs.len() {
-                    let w = in_ty(i).width();
+                    let w = site.in_ty(i).width();
                     let (dst, src) = (
                         ColumnWindow::new(o, ow, start),
                         ColumnWindow::whole(fv(i)?, w),
                     );
-                    self.launcher.copy_columns(&stream, dst, src, w, out_rows)?;
+                    self.launcher.copy_columns(stream, dst, src, w, out_rows)?;
                     start += w;
                 }
                 Ok(())
             }
             Op::Slice(sl) => {
-                let w = in_ty(0).width();
+                let w = site.in_ty(0).width();
                 let (dst, src) = (
                     ColumnWindow::whole(out()?, sl.len),
                     ColumnWindow::new(fv(0)?, w, sl.start),
                 );
-                self.launcher
-                    .copy_columns(&stream, dst, src, sl.len, out_rows)
+                (self.launcher).copy_columns(stream, dst, src, sl.len, out_rows)
             }
             Op::Pad(pad) => {
-                let (o, w) = (out()?, in_ty(0).width());
-                self.launcher.fill(&stream, o, 0.0)?;
+                let (o, w) = (out()?, site.in_ty(0).width());
+                self.launcher.fill(stream, o, 0.0)?;
                 let (dst, src) = (
                     ColumnWindow::new(o, pad.total, pad.start),
                     ColumnWindow::whole(fv(0)?, w),
                 );
-                self.launcher.copy_columns(&stream, dst, src, w, out_rows)
+                self.launcher.copy_columns(stream, dst, src, w, out_rows)
             }
             Op::Reshape(_) => {
                 let len = node.ty.width();
-                self.launcher.copy_rows(&stream, out()?, fv(0)?, len, 1)
+                self.launcher.copy_rows(stream, out()?, fv(0)?, len, 1)
             }
-            _ => Err(model_err(format!(
-                "op `{}` (node %{n}) is not a column copy",
-                op.signature()
-            ))),
+            _ => Err(site.not_a(op, "column copy")),
         }
     }
 
-    /// Node `n`'s topology op: a child sum over the CSR edges, or each edge
-    /// reading its parent's row.
-    fn run_topology_op(&self, ctx: &StepCtx<'_>, n: NodeId, op: &Op) -> Result<()> {
-        let StepCtx {
-            bufs: GraphBufs { g, own, fwd },
-            range,
-            lane,
-            views,
-            ..
-        } = *ctx;
-        let stream = lane.stream.clone();
-        let node = &g.nodes[n];
-        let out_rows = ctx.rows_of(node.ty.space);
-        let arg = |i: usize| node.inputs[i];
-        let fv = |i: usize| self.float_view(g, arg(i), own, fwd, range);
-        let out = || self.float_view(g, n, own, fwd, range);
+    /// Topology ops: a child sum over the CSR edges, or each edge reading
+    /// its parent's row.
+    fn run_topology_op(&self, site: &NodeSite<'_>, op: &Op) -> Result<()> {
+        let ctx = site.ctx;
+        let (stream, range) = (&ctx.lane.stream, ctx.range);
+        let (width, out_rows) = (site.node.ty.width(), site.out_rows());
         let t = ctx.need_topo(op.name())?;
         match op {
             Op::SumChildren(_) => {
@@ -537,48 +528,34 @@ impl CudaEngine {
                     index: t.edge_offsets.slice(range.r0..range.r1 + 1)?,
                     base: range.e0,
                 };
-                let width = node.ty.width();
                 // a viewed slice: the rows of its source, read with a stride
-                let src = match views.get(&arg(0)) {
-                    Some(v) => ColumnWindow::new(
-                        self.float_view(g, v.source, own, fwd, range)?,
-                        v.stride,
-                        v.offset,
-                    ),
-                    None => ColumnWindow::whole(fv(0)?, width),
+                let src = match ctx.views.get(&site.arg(0)) {
+                    Some(v) => {
+                        ColumnWindow::new(self.step_view(ctx, v.source)?, v.stride, v.offset)
+                    }
+                    None => ColumnWindow::whole(self.input(site, 0)?, width),
                 };
-                self.launcher
-                    .sum_children(&stream, out()?, src, offsets, out_rows, width)
+                let out = self.output(site)?;
+                (self.launcher).sum_children(stream, out, src, offsets, out_rows, width)
             }
             Op::ExpandChildren(_) => {
                 let parent = IndexRows {
                     index: t.edge_parent.slice(range.e0..range.e1)?,
                     base: range.r0,
                 };
-                let width = node.ty.width();
-                (self.launcher).expand_children(&stream, out()?, fv(0)?, parent, out_rows, width)
+                let (out, src) = (self.output(site)?, self.input(site, 0)?);
+                (self.launcher).expand_children(stream, out, src, parent, out_rows, width)
             }
-            _ => Err(model_err(format!(
-                "op `{}` (node %{n}) is not a topology op",
-                op.signature()
-            ))),
+            _ => Err(site.not_a(op, "topology op")),
         }
     }
 
-    /// Embedding node `n`: rows of its table by the vertex tokens.
-    fn run_embedding(&self, ctx: &StepCtx<'_>, n: NodeId) -> Result<()> {
-        let StepCtx {
-            bufs: GraphBufs { g, own, fwd },
-            range,
-            topo,
-            lane,
-            ..
-        } = *ctx;
-        let node = &g.nodes[n];
-        let arg = |i: usize| node.inputs[i];
-        let table = &g.nodes[arg(0)].ty;
+    /// An embedding: rows of its table by the vertex tokens.
+    fn run_embedding(&self, site: &NodeSite<'_>) -> Result<()> {
+        let (range, topo) = (site.ctx.range, site.ctx.topo);
+        let table = site.in_ty(0);
         let (vocab, h) = (table.shape[0], table.shape[1]);
-        let idx = self.index_view(g, arg(1), own, fwd, range)?;
+        let idx = self.input_indices(site, 1)?;
         match topo {
             Some(t) if is_tokens(idx, t, range) => {
                 if t.max_token as usize >= vocab {
@@ -595,67 +572,50 @@ impl CudaEngine {
             }
         }
         self.launcher.move_rows(
-            &lane.stream,
+            &site.ctx.lane.stream,
             &[RowMove {
-                dst: self.float_view(g, n, own, fwd, range)?,
-                src: self.float_view(g, arg(0), own, fwd, range)?,
+                dst: self.output(site)?,
+                src: self.input(site, 0)?,
                 dst_rows: None,
                 src_rows: Some(idx),
-                rows: ctx.rows_of(node.ty.space),
+                rows: site.out_rows(),
                 width: h,
                 accumulate: false,
             }],
         )
     }
 
-    /// `embedding_unk` node `n` (`op`), or its table gradient.
-    fn run_embedding_unk(&self, ctx: &StepCtx<'_>, n: NodeId, op: &Op) -> Result<()> {
-        let StepCtx {
-            bufs: GraphBufs { g, own, fwd },
-            range,
-            lane,
-            ..
-        } = *ctx;
-        let node = &g.nodes[n];
-        let arg = |i: usize| node.inputs[i];
-        let in_ty = |i: usize| &g.nodes[arg(i)].ty;
+    /// `embedding_unk` (`op`), or its table gradient.
+    fn run_embedding_unk(&self, site: &NodeSite<'_>, op: &Op) -> Result<()> {
         let unk_backward = match op {
             Op::EmbeddingUnkBackward(b) => Some(b),
             _ => None,
         };
-        let tokens = self.index_view(g, arg(1), own, fwd, range)?;
+        let tokens = self.input_indices(site, 1)?;
+        let table = site.in_ty(0);
         let (table_rows, width) = match unk_backward {
-            Some(b) => (b.rows, in_ty(0).width()),
-            None => (in_ty(0).shape[0], in_ty(0).shape[1]),
+            Some(b) => (b.rows, table.width()),
+            None => (table.shape[0], table.shape[1]),
         };
         let shape = EmbeddingShape {
-            rows: ctx.rows_of(in_ty(1).space),
+            rows: site.ctx.rows_of(site.in_ty(1).space),
             table_rows,
             width,
         };
         self.launcher.embedding_unk(
-            &lane.stream,
-            self.float_view(g, n, own, fwd, range)?,
-            self.float_view(g, arg(0), own, fwd, range)?,
+            &site.ctx.lane.stream,
+            self.output(site)?,
+            self.input(site, 0)?,
             tokens,
             shape,
             unk_backward.is_some(),
         )
     }
 
-    /// Softmax cross-entropy node `n` (`op`), or its gradient.
-    fn run_softmax_xent(&self, ctx: &StepCtx<'_>, n: NodeId, op: &Op) -> Result<()> {
-        let StepCtx {
-            bufs: GraphBufs { g, own, fwd },
-            range,
-            lane,
-            ..
-        } = *ctx;
-        let node = &g.nodes[n];
-        let arg = |i: usize| node.inputs[i];
-        let fv = |i: usize| self.float_view(g, arg(i), own, fwd, range);
+    /// Softmax cross-entropy (`op`), or its gradient.
+    fn run_softmax_xent(&self, site: &NodeSite<'_>, op: &Op) -> Result<()> {
         let xent = matches!(op, Op::SoftmaxXent(_));
-        let classes = g.nodes[arg(0)].ty.width();
+        let classes = site.in_ty(0).width();
         if self.state.max_label as usize >= classes {
             return Err(model_err(format!(
                 "softmax_xent: label {} out of range for {classes} classes",
@@ -663,16 +623,49 @@ impl CudaEngine {
             )));
         }
         let operands = XentOperands {
-            scores: fv(0)?,
-            labels: self.index_view(g, arg(1), own, fwd, range)?,
-            upstream: if xent { None } else { Some(fv(2)?) },
+            scores: self.input(site, 0)?,
+            labels: self.input_indices(site, 1)?,
+            upstream: if xent {
+                None
+            } else {
+                Some(self.input(site, 2)?)
+            },
         };
-        let (out, rows) = (
-            self.float_view(g, n, own, fwd, range)?,
-            ctx.rows_of(node.ty.space),
-        );
-        self.launcher
-            .softmax_xent(&lane.stream, out, operands, rows, classes)
+        let (out, rows) = (self.output(site)?, site.out_rows());
+        (self.launcher).softmax_xent(&site.ctx.lane.stream, out, operands, rows, classes)
+    }
+}
+
+/// Node `n` of a step (`node`), for the op helpers: its inputs and rows.
+struct NodeSite<'a> {
+    ctx: &'a StepCtx<'a>,
+    n: NodeId,
+    node: &'a Node,
+}
+
+impl<'a> NodeSite<'a> {
+    /// The node's input `i`.
+    fn arg(&self, i: usize) -> NodeId {
+        self.node.inputs[i]
+    }
+
+    /// The value type of input `i`.
+    fn in_ty(&self, i: usize) -> &'a ValueType {
+        &self.ctx.bufs.g.nodes[self.node.inputs[i]].ty
+    }
+
+    /// Rows of the node's output in this run.
+    fn out_rows(&self) -> usize {
+        self.ctx.rows_of(self.node.ty.space)
+    }
+
+    /// The error of a helper handed an op (`op`) of another family.
+    fn not_a(&self, op: &Op, family: &str) -> CudaError {
+        model_err(format!(
+            "op `{}` (node %{}) is not a {family}",
+            op.signature(),
+            self.n
+        ))
     }
 }
 
