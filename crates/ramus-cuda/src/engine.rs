@@ -87,6 +87,21 @@ enum Buf {
     Indices(DeviceView<u32>),
 }
 
+/// A graph with its nodes' buffers for the current batch (a backward
+/// graph's `Forward(m)` inputs are in `fwd`, the forward graph's buffers).
+#[derive(Clone, Copy)]
+struct GraphBufs<'a> {
+    g: &'a Graph,
+    own: &'a [Buf],
+    fwd: Option<&'a [Buf]>,
+}
+
+impl<'a> GraphBufs<'a> {
+    fn new(g: &'a Graph, own: &'a [Buf], fwd: Option<&'a [Buf]>) -> Self {
+        GraphBufs { g, own, fwd }
+    }
+}
+
 /// Segments of the per-batch index upload for one vertex function.
 #[derive(Clone, Copy, Debug, Default)]
 struct Seg {
@@ -791,11 +806,9 @@ impl CudaEngine {
                 None => None,
             };
             let ran = self.run_steps(
-                &func.forward,
+                GraphBufs::new(&func.forward, &fwd[f], None),
                 programs[f],
                 PER_TASK,
-                &fwd[f],
-                None,
                 range,
                 Some(f),
                 &self.main,
@@ -807,19 +820,16 @@ impl CudaEngine {
             if let (Some(sc), None) = (func.scatter, in_place) {
                 let src = self.float_view(&func.forward, sc, &fwd[f], None, range)?;
                 let dst = state.slice(begin * w..(begin + len) * w)?;
-                self.launcher
-                    .copy_columns(&stream, dst, w, 0, src, w, 0, w, len)?;
+                self.launcher.copy_rows(&stream, dst, src, w, len)?;
             }
         }
         for (f, func) in model.functions.iter().enumerate() {
             self.join_eager(f, &mut joined)?;
             let range = Range::all(&s.functions[f]);
             self.run_steps(
-                &func.forward,
+                GraphBufs::new(&func.forward, &fwd[f], None),
                 programs[f],
                 LAZY,
-                &fwd[f],
-                None,
                 range,
                 Some(f),
                 &self.main,
@@ -911,11 +921,9 @@ impl CudaEngine {
             HEAD_ALL
         };
         self.run_steps(
-            g,
+            GraphBufs::new(g, &bufs, None),
             head_program,
             phase,
-            &bufs,
-            None,
             Range::rows_only(h),
             None,
             &self.main,

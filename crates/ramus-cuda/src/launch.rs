@@ -12,7 +12,9 @@ use crate::error::{CudaError, InCall, Result};
 use crate::pool::DeviceView;
 
 mod cnn;
-pub use cnn::ColumnLayout;
+mod norm;
+pub use cnn::{ChannelShape, ColumnLayout};
+pub use norm::{BatchNormOperands, NormGradOperands, NormStats};
 
 /// Source of the built-in kernels.
 pub const BUILTIN_SOURCE: &str = include_str!("builtin.cu");
@@ -223,17 +225,14 @@ impl Launcher {
     /// `c[r, j] = Σ_t a[r * lda + t] · b[j * k + t] (+ bias[j])` for `r < m`,
     /// `j < n` (`c` packed, `n` wide): `A·Bᵀ` with a row-major weight `B`
     /// (`n × k`), for few rows (see [`SMALL_GEMM_ROWS`]).
-    #[allow(clippy::too_many_arguments)] // a product with its extents and an optional bias
     pub fn gemm_abt_small(
         &self,
         stream: &CudaStream,
         c: DeviceView<f32>,
-        a: DeviceView<f32>,
-        lda: usize,
-        b: DeviceView<f32>,
-        bias: Option<DeviceView<f32>>,
+        operands: AbtOperands,
         (m, n, k): (usize, usize, usize),
     ) -> Result<()> {
+        let AbtOperands { a, lda, b, bias } = operands;
         if m * n == 0 {
             return Ok(());
         }
@@ -278,20 +277,26 @@ impl Launcher {
         Ok(())
     }
 
-    /// `dst[r, dst_col..dst_col + cols] = src[r, src_col..src_col + cols]`.
-    #[allow(clippy::too_many_arguments)] // two strided matrices and a column window
+    /// `dst[r, dst.col..dst.col + cols] = src[r, src.col..src.col + cols]`
+    /// for `r < rows`.
     pub fn copy_columns(
         &self,
         stream: &CudaStream,
-        dst: DeviceView<f32>,
-        dst_width: usize,
-        dst_col: usize,
-        src: DeviceView<f32>,
-        src_width: usize,
-        src_col: usize,
+        dst: ColumnWindow,
+        src: ColumnWindow,
         cols: usize,
         rows: usize,
     ) -> Result<()> {
+        let ColumnWindow {
+            data: dst,
+            width: dst_width,
+            col: dst_col,
+        } = dst;
+        let ColumnWindow {
+            data: src,
+            width: src_width,
+            col: src_col,
+        } = src;
         if rows * cols == 0 {
             return Ok(());
         }
@@ -329,6 +334,23 @@ impl Launcher {
             .in_call("cuLaunchKernel(ramus_copy_columns)")?;
         self.count();
         Ok(())
+    }
+
+    /// `rows` whole rows of `width` floats from `src` into `dst`
+    /// ([`Launcher::copy_columns`] over every column).
+    pub fn copy_rows(
+        &self,
+        stream: &CudaStream,
+        dst: DeviceView<f32>,
+        src: DeviceView<f32>,
+        width: usize,
+        rows: usize,
+    ) -> Result<()> {
+        let (dst, src) = (
+            ColumnWindow::whole(dst, width),
+            ColumnWindow::whole(src, width),
+        );
+        self.copy_columns(stream, dst, src, width, rows)
     }
 
     /// Sets every element of `dst` to `value`.
@@ -373,21 +395,25 @@ impl Launcher {
         Ok(())
     }
 
-    /// Child sum over CSR edge offsets (absolute; `edge_base` is
-    /// subtracted); edge rows are read `src_window = (stride, offset)` into
-    /// a wider source (`(width, 0)` for a plain value).
-    #[allow(clippy::too_many_arguments)] // a CSR reduction: data, offsets and extents
+    /// Child sum over CSR edge offsets (`offsets.index`, absolute;
+    /// `offsets.base` is subtracted); edge rows are read from column
+    /// `src.col` of source rows `src.width` wide (`width` wide from column
+    /// 0 for a plain value).
     pub fn sum_children(
         &self,
         stream: &CudaStream,
         dst: DeviceView<f32>,
-        src: DeviceView<f32>,
-        src_window: (usize, usize),
-        offsets: DeviceView<u32>,
-        edge_base: usize,
+        src: ColumnWindow,
+        offsets: IndexRows,
         rows: usize,
         width: usize,
     ) -> Result<()> {
+        let IndexRows {
+            index: offsets,
+            base: edge_base,
+        } = offsets;
+        let src_window = (src.width, src.col);
+        let src = src.data;
         if rows * width == 0 {
             return Ok(());
         }
@@ -431,18 +457,21 @@ impl Launcher {
         Ok(())
     }
 
-    /// Each edge row copies its parent's row (`parent[e] - row_base`).
-    #[allow(clippy::too_many_arguments)] // data, parents and extents
+    /// Each edge row copies its parent's row (`parent.index[e] -
+    /// parent.base`).
     pub fn expand_children(
         &self,
         stream: &CudaStream,
         dst: DeviceView<f32>,
         src: DeviceView<f32>,
-        parent: DeviceView<u32>,
-        row_base: usize,
+        parent: IndexRows,
         edges: usize,
         width: usize,
     ) -> Result<()> {
+        let IndexRows {
+            index: parent,
+            base: row_base,
+        } = parent;
         if edges * width == 0 {
             return Ok(());
         }
@@ -473,18 +502,23 @@ impl Launcher {
 
     /// `out[r] = op(A_r) · op(B_r)` for `rows` rows (see `ramus_row_matmul`
     /// in `builtin.cu`); a static operand is passed with `per_row` false.
-    #[allow(clippy::too_many_arguments)] // output, two operands with their kind, rows, product
     pub fn row_matmul(
         &self,
         stream: &CudaStream,
         out: DeviceView<f32>,
-        a: DeviceView<f32>,
-        a_per_row: bool,
-        b: DeviceView<f32>,
-        b_per_row: bool,
+        a: RowOperand,
+        b: RowOperand,
         rows: usize,
         product: &ramus_core::ops::RowMatMul,
     ) -> Result<()> {
+        let RowOperand {
+            data: a,
+            per_row: a_per_row,
+        } = a;
+        let RowOperand {
+            data: b,
+            per_row: b_per_row,
+        } = b;
         let (m, k, n) = (product.m, product.k, product.n);
         if rows * m * n == 0 {
             return Ok(());
@@ -524,21 +558,24 @@ impl Launcher {
         Ok(())
     }
 
-    /// Rows of a `[table_rows, width]` table by token, a token beyond the
-    /// table reading row 0 (`embedding_unk`); with `backward`, the gradient
-    /// rows `src` are added into a zeroed table gradient `dst` instead.
-    #[allow(clippy::too_many_arguments)] // output, table, tokens, extents, direction
+    /// `shape.rows` rows of a `[shape.table_rows, shape.width]` table by
+    /// token, a token beyond the table reading row 0 (`embedding_unk`); with
+    /// `backward`, the gradient rows `src` are added into a zeroed table
+    /// gradient `dst` instead.
     pub fn embedding_unk(
         &self,
         stream: &CudaStream,
         dst: DeviceView<f32>,
         src: DeviceView<f32>,
         tokens: DeviceView<u32>,
-        rows: usize,
-        table_rows: usize,
-        width: usize,
+        shape: EmbeddingShape,
         backward: bool,
     ) -> Result<()> {
+        let EmbeddingShape {
+            rows,
+            table_rows,
+            width,
+        } = shape;
         let (table, per_row) = if backward { (dst, src) } else { (src, dst) };
         if table_rows == 0
             || table.len() < table_rows * width
@@ -654,17 +691,19 @@ impl Launcher {
 
     /// Per-row softmax cross-entropy, or (with `upstream`) its gradient.
     /// Labels must be below `classes` (the engine checks them on the host).
-    #[allow(clippy::too_many_arguments)] // scores, labels, optional upstream, extents
     pub fn softmax_xent(
         &self,
         stream: &CudaStream,
         out: DeviceView<f32>,
-        scores: DeviceView<f32>,
-        labels: DeviceView<u32>,
-        upstream: Option<DeviceView<f32>>,
+        operands: XentOperands,
         rows: usize,
         classes: usize,
     ) -> Result<()> {
+        let XentOperands {
+            scores,
+            labels,
+            upstream,
+        } = operands;
         if rows == 0 {
             return Ok(());
         }
@@ -738,6 +777,73 @@ impl Launcher {
         self.count();
         Ok(())
     }
+}
+
+/// The operands of [`Launcher::gemm_abt_small`]: `A` (rows `lda` floats
+/// apart), the row-major weight `B` and an optional bias row.
+#[derive(Clone, Copy, Debug)]
+pub struct AbtOperands {
+    pub a: DeviceView<f32>,
+    pub lda: usize,
+    pub b: DeviceView<f32>,
+    pub bias: Option<DeviceView<f32>>,
+}
+
+/// A matrix of rows `width` floats wide, read or written from column `col`
+/// on ([`Launcher::copy_columns`], the source of
+/// [`Launcher::sum_children`]).
+#[derive(Clone, Copy, Debug)]
+pub struct ColumnWindow {
+    pub data: DeviceView<f32>,
+    pub width: usize,
+    pub col: usize,
+}
+
+impl ColumnWindow {
+    /// `data` in rows of `width`, from column `col`.
+    pub fn new(data: DeviceView<f32>, width: usize, col: usize) -> Self {
+        ColumnWindow { data, width, col }
+    }
+
+    /// `data` in rows of `width`, whole rows from column 0.
+    pub fn whole(data: DeviceView<f32>, width: usize) -> Self {
+        Self::new(data, width, 0)
+    }
+}
+
+/// Row numbers read by a topology kernel (CSR edge offsets of
+/// [`Launcher::sum_children`], parent rows of
+/// [`Launcher::expand_children`]), each naming row `index[i] - base`.
+#[derive(Clone, Copy, Debug)]
+pub struct IndexRows {
+    pub index: DeviceView<u32>,
+    pub base: usize,
+}
+
+/// One operand of [`Launcher::row_matmul`]: a matrix per row
+/// (`per_row`) or one static matrix shared by every row.
+#[derive(Clone, Copy, Debug)]
+pub struct RowOperand {
+    pub data: DeviceView<f32>,
+    pub per_row: bool,
+}
+
+/// The extents of [`Launcher::embedding_unk`]: `rows` looked-up rows of a
+/// `[table_rows, width]` table.
+#[derive(Clone, Copy, Debug)]
+pub struct EmbeddingShape {
+    pub rows: usize,
+    pub table_rows: usize,
+    pub width: usize,
+}
+
+/// The inputs of [`Launcher::softmax_xent`]: per-row scores, their labels
+/// and, for the gradient, the upstream gradient of each row's loss.
+#[derive(Clone, Copy, Debug)]
+pub struct XentOperands {
+    pub scores: DeviceView<f32>,
+    pub labels: DeviceView<u32>,
+    pub upstream: Option<DeviceView<f32>>,
 }
 
 /// The arguments of one fused-kernel launch (see [`Launcher::fused`]).

@@ -70,50 +70,20 @@ use crate::pinned::PinnedBuffer;
 use crate::pool::{DevicePool, DeviceView, PoolBuffer};
 use crate::rtc::LoadedModule;
 
+mod layout;
 mod plan;
 mod status;
+pub use layout::{GradLayout, ParamSlot, MAX_SEGMENTS};
+use layout::{BLOCK, MAX_NORM_BLOCKS, STATUS_WORDS};
 use plan::{addr, launch_chunks, Plan, RawSegment};
 pub use status::StepStatus;
 
-/// Segments (dense runs and tables) one launch covers (`RAMUS_MAX_SEGMENTS`
-/// in the generated source).
-pub const MAX_SEGMENTS: usize = 16;
-/// Threads per block of both kernels (`RAMUS_BLOCK`).
-const BLOCK: u32 = 256;
 /// Blocks per segment of an update launch at most (grid-stride beyond).
 const MAX_UPDATE_BLOCKS: u32 = 1024;
-/// Blocks per segment of a norm launch at most: bounds the partial sums.
-const MAX_NORM_BLOCKS: u32 = 128;
 /// The norm kernel's name (the same in every module).
 const NORM_KERNEL: &str = "ramus_grad_norm";
 /// The kernel that keeps and restores buffers (the same in every module).
 const KEEP_KERNEL: &str = "ramus_keep_buffers";
-/// Words of the optimizer's status block (see `State::words`).
-const STATUS_WORDS: usize = 8;
-
-/// How a parameter's gradient arrives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GradLayout {
-    /// A gradient for every element: the whole parameter is updated.
-    Dense,
-    /// Row gradients of an embedding table with rows of `width` floats:
-    /// only the rows named in each step's touched list are updated.
-    Rows { width: usize },
-    /// No gradient: a non-trained buffer (batch normalisation's running
-    /// statistics, [`ramus_core::ParamKind::Buffer`]) that the optimizer
-    /// leaves alone — no step, no weight decay, not in the clipping norm.
-    Frozen,
-}
-
-/// One parameter as the optimizer sees it on the device.
-#[derive(Clone, Copy, Debug)]
-pub struct ParamSlot {
-    /// The parameter's values (updated in place).
-    pub value: DeviceView<f32>,
-    /// Its gradient, as long as `value` (for tables, only touched rows are read).
-    pub grad: DeviceView<f32>,
-    pub layout: GradLayout,
-}
 
 /// What the generated source depends on: the update rule and whether it
 /// reads a clip factor. Everything else is an argument.

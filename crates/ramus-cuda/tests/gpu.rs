@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use ramus_cuda::cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
-use ramus_cuda::launch::{Launcher, SMALL_GEMM_ROWS};
+use ramus_cuda::launch::{AbtOperands, Launcher, SMALL_GEMM_ROWS};
 use ramus_cuda::{
     Blas, CudaDevice, CudaError, DevicePool, DeviceView, Gemm, InCall, KernelCache, LoadedModule,
     PinnedBuffer, PoolConfig, Result, StridedBatch,
@@ -359,15 +359,13 @@ fn the_small_product_kernel_matches_a_cpu_loop_with_and_without_bias() -> Result
             staging.upload_slice(&b, b_dev.view(), stream)?;
             staging.upload_slice(&bias, bias_dev.view(), stream)?;
             let bias_view = with_bias.then(|| bias_dev.view());
-            launcher.gemm_abt_small(
-                stream,
-                c_dev.view(),
-                a_dev.view(),
+            let operands = AbtOperands {
+                a: a_dev.view(),
                 lda,
-                b_dev.view(),
-                bias_view,
-                (m, n, k),
-            )?;
+                b: b_dev.view(),
+                bias: bias_view,
+            };
+            launcher.gemm_abt_small(stream, c_dev.view(), operands, (m, n, k))?;
             let got = staging.download_to_vec(c_dev.view(), stream)?;
             let gemm = Gemm {
                 trans_b: true,
@@ -396,7 +394,17 @@ fn the_small_product_kernel_matches_a_cpu_loop_with_and_without_bias() -> Result
     let b = pool.alloc::<f32>(4 * 8)?;
     let c = pool.alloc::<f32>(2 * 4)?;
     let err = launcher
-        .gemm_abt_small(stream, c.view(), short.view(), 8, b.view(), None, (2, 4, 8))
+        .gemm_abt_small(
+            stream,
+            c.view(),
+            AbtOperands {
+                a: short.view(),
+                lda: 8,
+                b: b.view(),
+                bias: None,
+            },
+            (2, 4, 8),
+        )
         .expect_err("A holds 3 of 16 floats");
     assert!(err.to_string().contains("out of bounds"), "{err}");
     Ok(())

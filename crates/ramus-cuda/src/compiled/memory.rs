@@ -10,7 +10,7 @@ use ramus_core::Model;
 use ramus_exec::memory::{ActivationCost, BatchExtra, CostTerms, DeviceNeed, Pass, ELEMENT_BYTES};
 use ramus_graph::{InputGraph, LinearBatch};
 
-use super::{CompiledOptions, CompiledSchedule, COUNTERS_MAX_UNITS};
+use super::options::{CompiledOptions, CompiledSchedule, COUNTERS_MAX_UNITS};
 use std::sync::Arc;
 
 use crate::error::{CudaError, Result};
@@ -172,6 +172,16 @@ pub(super) struct CounterPair {
 }
 
 impl CounterPair {
+    /// No arrays yet (the first launch allocates them from `pool`).
+    pub fn new(pool: Arc<DevicePool>) -> Self {
+        CounterPair {
+            pool,
+            buffers: None,
+            capacity: 0,
+            next: 0,
+        }
+    }
+
     /// The arrays for a launch needing `words` counters: (this launch's,
     /// the next's), growing both (zeroed on `stream`) when too small.
     pub fn for_launch(

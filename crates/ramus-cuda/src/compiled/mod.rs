@@ -15,82 +15,32 @@
 //! host memory, read after one stream synchronization. Each launch clears
 //! the node counters the next one uses (two arrays in turn).
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
 
-use ramus_codegen::compiled::{
-    token_stage_kernel, used_stages, LoweredCell, TreeKernelSpec, CELL_BLOCK, INLINE_INDEX_WORDS,
-};
-use ramus_core::recursion::RecursionSchedule;
+use ramus_codegen::compiled::{used_stages, INLINE_INDEX_WORDS};
 use ramus_core::{Model, Params, VertexRules};
-use ramus_graph::{InputGraph, Linearizer, UnrolledPlan};
+use ramus_graph::{InputGraph, LinearBatch, Linearizer, UnrolledPlan};
 
 use crate::cache::KernelCache;
 use crate::device::CudaDevice;
-use crate::error::{CudaError, InCall, Result};
+use crate::error::{InCall, Result};
 use crate::memory::{device_room, local_memory_bytes, model_fits, run_check, DeviceCheck};
 use crate::pinned::{MappedBuffer, PinnedBuffer};
 use memory::{Cells, CounterPair};
-use ramus_exec::memory::DeviceRoom;
+use setup::{
+    engine_pool, kernel_spec, model_err, open_device, param_offsets, resident_blocks,
+    spilled_bytes, u32_of, upload_params, KernelNames, LeafTables, LevelOrderTuning, TableRun,
+};
 
 mod memory;
-use crate::pool::{Arena, DevicePool, DeviceView, PoolBuffer, PoolConfig};
-
-/// The Cortex schedule knobs of the compiled engine (the ablation of
-/// Cortex Fig. 11(a)–(c)): fusion is always on; leaf specialization and
-/// model persistence can be switched off, recursive refactoring and
-/// unrolling on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CompiledSchedule {
-    /// Leaf specialization with computation hoisting: leaves read a
-    /// per-token table built at load instead of running the leaf cell, and
-    /// the internal cell's token-only values (input projections) another.
-    pub leaf_table: bool,
-    /// The internal cell's weight rows stay in registers across levels
-    /// (even where they spill, still faster than reading them from L2:
-    /// `docs/benchmarks.md#compiled-engine-persistent-weights`).
-    pub persistent_weights: bool,
-    /// Levels ordered by per-node completion counters instead of grid
-    /// barriers ([`TreeKernelSpec::node_counters`]): a block waits only for
-    /// the children of the nodes it computes. `None` measures: the engine
-    /// compiles both orderings, times the first [`LEVEL_ORDER_SAMPLES`]
-    /// batches of each (alternating) and keeps the faster; until then it
-    /// starts from counters up to [`COUNTERS_MAX_UNITS`] units, barriers
-    /// above.
-    pub node_counters: Option<bool>,
-    /// Recursive refactoring and unrolling (`None`: the best known default
-    /// for the model on CUDA, [`RecursionSchedule::resolve`]: both off).
-    /// Unrolling runs each group (a node and its children of the level
-    /// below) in one thread block with a block barrier between them, and
-    /// reads the weights from memory (a block computes every unit: their
-    /// rows do not fit its registers; Cortex appendix D).
-    pub recursion: RecursionSchedule,
-}
-
-/// The widest internal cell (in units) that orders its levels by node
-/// counters by default: counters were faster for every tree model at 256
-/// units and slower at 512
-/// (`docs/benchmarks.md#compiled-engine-node-counters`).
-pub const COUNTERS_MAX_UNITS: usize = 256;
-
-/// Batches each level ordering is timed on before the engine keeps the
-/// faster (schedule `node_counters: None`).
-pub const LEVEL_ORDER_SAMPLES: usize = 3;
-
-/// The choice between the two level orderings while it is being measured.
-struct LevelOrderTuning {
-    /// The level kernel of the other ordering.
-    other: CudaFunction,
-    /// Whether the other ordering uses node counters.
-    other_counters: bool,
-    /// Kernel milliseconds per timed batch: the current ordering's, the
-    /// other's.
-    samples: [Vec<f32>; 2],
-}
+mod options;
+mod setup;
+use crate::pool::{Arena, DeviceView, PoolBuffer};
+pub use options::{CompiledOptions, CompiledSchedule, COUNTERS_MAX_UNITS, LEVEL_ORDER_SAMPLES};
 
 /// A small batch's index arrays passed by value with the level kernel's
 /// launch (the generated `InlineIndices`, same layout): `count` words,
@@ -108,6 +58,15 @@ struct InlineIndices {
 unsafe impl DeviceRepr for InlineIndices {}
 
 impl InlineIndices {
+    /// No arrays packed (the pointers are used).
+    fn empty() -> Self {
+        InlineIndices {
+            count: 0,
+            at: [0; 6],
+            words: [0; INLINE_INDEX_WORDS],
+        }
+    }
+
     /// Packs `arrays` if they fit (else sets `count` to 0).
     fn pack(&mut self, arrays: [&[u32]; 6]) -> bool {
         let total: usize = arrays.iter().map(|a| a.len()).sum();
@@ -144,65 +103,10 @@ fn median(samples: &[f32]) -> f32 {
     sorted[sorted.len() / 2]
 }
 
-impl Default for CompiledSchedule {
-    fn default() -> Self {
-        CompiledSchedule {
-            leaf_table: true,
-            persistent_weights: true,
-            node_counters: None,
-            recursion: RecursionSchedule::default(),
-        }
-    }
-}
-
 /// Whether `model`'s cells lower for the compiled engine under `options`
 /// (no device needed): the check [`CompiledEngine::new`] starts with.
 pub(crate) fn lowers(model: &Model, options: &CompiledOptions) -> Result<()> {
     memory::Cells::lower(model, options).map(|_| ())
-}
-
-/// Options of [`CompiledEngine::new`].
-#[derive(Clone, Debug)]
-pub struct CompiledOptions {
-    /// Device ordinal.
-    pub device: usize,
-    pub schedule: CompiledSchedule,
-    /// Kernel cache directory (`None`: [`crate::default_cache_dir`]).
-    pub cache_dir: Option<PathBuf>,
-    /// Threads per block (a multiple of 32, at most 1024); `None`: by the
-    /// weight registers ([`TreeKernelSpec::default_block_threads`]).
-    pub block_threads: Option<u32>,
-    /// Blocks per multiprocessor at most (fewer blocks: a cheaper grid
-    /// barrier; more: more warps per level), within what fits. Default 2:
-    /// no slower than 1 on narrow levels, faster on wide ones
-    /// (`docs/benchmarks.md#compiled-engine-blocks-per-sm`).
-    pub blocks_per_sm: u32,
-    /// Blocks in all at most (`None`: as many as fit and the widest level
-    /// can use).
-    pub max_blocks: Option<u32>,
-    /// Time each launch with device events
-    /// ([`CompiledEngine::last_kernel_seconds`]); off by default: two event
-    /// records per batch.
-    pub time_kernel: bool,
-    /// Device memory the engine may take at most (its pool's budget, and
-    /// what [`CompiledEngine::with_check`] checks against besides the free
-    /// memory); `None`: as much as the device has free.
-    pub memory_budget: Option<u64>,
-}
-
-impl Default for CompiledOptions {
-    fn default() -> Self {
-        CompiledOptions {
-            device: 0,
-            schedule: CompiledSchedule::default(),
-            cache_dir: None,
-            block_threads: None,
-            blocks_per_sm: 2,
-            max_blocks: None,
-            time_kernel: false,
-            memory_budget: None,
-        }
-    }
 }
 
 /// Root scores of one batch: `scores[r * classes..(r + 1) * classes]` for
@@ -296,47 +200,6 @@ pub struct CompiledEngine {
     last_kernel_seconds: Option<f64>,
 }
 
-fn model_err(message: impl Into<String>) -> CudaError {
-    CudaError::Model(message.into())
-}
-
-fn u32_of(value: usize, what: &str) -> Result<u32> {
-    u32::try_from(value)
-        .map_err(|_| CudaError::BadArgument(format!("{what} = {value} does not fit 32 bits")))
-}
-
-/// Launches a table kernel (`cortex_leaf_table`, `cortex_token_table`):
-/// `kernel(params, tables..., vocab)` with a warp per unit of the cell and
-/// up to 64 tokens at a time per unit.
-fn launch_table_kernel(
-    stream: &cudarc::driver::CudaStream,
-    kernel: &CudaFunction,
-    params: DeviceView<f32>,
-    tables: &[DeviceView<f32>],
-    units: usize,
-    vocab: u32,
-    block: u32,
-) -> Result<()> {
-    let warps = (units * (vocab as usize).min(64)).max(1);
-    let blocks = u32_of(warps.div_ceil((block / 32) as usize), "table blocks")?;
-    let mut launch = stream.launch_builder(kernel);
-    launch.arg(params.kernel_arg());
-    for t in tables {
-        launch.arg(t.kernel_arg());
-    }
-    launch.arg(&vocab);
-    let cfg = LaunchConfig {
-        grid_dim: (blocks.min(65_535), 1, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: a table kernel takes the parameter buffer (every parameter at
-    // its compiled-in offset), one table pointer per output (each `vocab`
-    // rows of that output's width) and the vocabulary size, in this order.
-    unsafe { launch.launch(cfg) }.in_call("cuLaunchKernel(table kernel)")?;
-    Ok(())
-}
-
 impl CompiledEngine {
     /// Lowers, generates and compiles `model`'s cells, uploads `params` and
     /// (with leaf specialization) tabulates the leaf cell over the
@@ -362,227 +225,56 @@ impl CompiledEngine {
         let started = Instant::now();
         let cells = Cells::lower(model, options)?;
         let mut need = memory::need(model, &cells)?;
-        if let Some(budget) = options.memory_budget {
-            // a run over the budget is refused before anything compiles
-            let room = DeviceRoom {
-                free: u64::MAX,
-                budget: Some(budget),
-            };
-            run_check(check, &need, room)?;
-        }
-        let device = CudaDevice::open(options.device)?;
-        let dir = options
-            .cache_dir
-            .clone()
-            .or_else(crate::cache::default_cache_dir);
-        let cache = KernelCache::for_device(&device, dir)?;
+        let (device, cache) = open_device(options, check, &need)?;
         let leaf_stages = used_stages(&cells.leaf.program);
         let table_lens = cells.table_lens()?;
         let [state_width, push_width, scratch_width] = cells.row_widths();
-        let Cells {
-            leaf,
-            internal,
-            head,
-            vocab,
-            schedule,
-            unroll,
-            token_table: token_table_program,
-        } = cells;
-        let (leaf_graph, leaf) = (leaf.graph, leaf.program);
-        let (internal_graph, internal) = (internal.graph, internal.program);
-        let mut offsets = Vec::with_capacity(model.params.len());
-        let mut total = 0usize;
-        for p in &params.values {
-            offsets.push(total);
-            total += p.data().len();
-        }
-        let mut spec = TreeKernelSpec {
-            name: "cortex",
-            leaf: LoweredCell {
-                graph: &leaf_graph,
-                program: &leaf,
-            },
-            internal: LoweredCell {
-                graph: &internal_graph,
-                program: &internal,
-            },
-            head: LoweredCell {
-                graph: &model.head.forward,
-                program: &head,
-            },
-            param_offsets: &offsets,
-            persistent_weights: schedule.persistent_weights,
-            leaf_table: schedule.leaf_table,
-            block_threads: CELL_BLOCK,
-            node_counters: schedule.node_counters == Some(true),
-            token_table: token_table_program.as_ref().map(|(table, _)| LoweredCell {
-                graph: &internal_graph,
-                program: table,
-            }),
-        };
-        spec.block_threads = options
-            .block_threads
-            .unwrap_or_else(|| spec.default_block_threads());
+        let (offsets, total) = param_offsets(model, params);
+        let spec = kernel_spec(model, &cells, &offsets, options.block_threads);
+        let (leaf, internal, head) = (&cells.leaf.program, &cells.internal.program, &cells.head);
+        let (vocab, schedule, unroll) = (cells.vocab, cells.schedule, cells.unroll);
+        let token_table_program = &cells.token_table;
         let block = spec.block_threads;
-        let source = if unroll {
-            spec.unrolled_source()?
-        } else {
-            spec.source()?
-        };
-        // a refactored leaf has a stage per moved product: a table kernel each
-        let leaf_table_kernels: Vec<String> = (0..leaf_stages)
-            .map(|stage| token_stage_kernel("cortex_leaf_table", stage))
-            .collect();
-        let level_kernel = if unroll {
-            "cortex_unrolled"
-        } else {
-            "cortex_levels"
-        };
-        let mut kernels = vec!["cortex_levels"];
-        if unroll {
-            kernels.push("cortex_unrolled");
-        }
-        kernels.extend(leaf_table_kernels.iter().map(String::as_str));
-        if token_table_program.is_some() {
-            kernels.push("cortex_token_table");
-        }
-        let module = cache.get_or_compile(&source, &kernels)?;
-        let levels = module.function(level_kernel)?.clone();
-        // no ordering asked for: the other one too, to be timed
-        let tuning = if options.schedule.node_counters.is_none() && !unroll {
-            let other_counters = !spec.node_counters;
-            let other_source = TreeKernelSpec {
-                node_counters: other_counters,
-                ..spec
-            }
-            .source()?;
-            let other_module = cache.get_or_compile(&other_source, &["cortex_levels"])?;
-            Some(LevelOrderTuning {
-                other: other_module.function("cortex_levels")?.clone(),
-                other_counters,
-                samples: [Vec::new(), Vec::new()],
-            })
-        } else {
-            None
-        };
-
+        let kernels = KernelNames::new(unroll, leaf_stages, token_table_program.is_some());
+        let measure = options.schedule.node_counters.is_none();
+        let (module, levels, tuning) = kernels.compile(&cache, &spec, measure)?;
         let pooled = need.parts_bytes();
         // the level kernels' spilled registers take local memory at launch
-        let mut spilled = 0;
-        for f in std::iter::once(&levels).chain(tuning.as_ref().map(|t| &t.other)) {
-            let bytes = f
-                .local_size_bytes()
-                .in_call("cuFuncGetAttribute(LOCAL_SIZE_BYTES)")?;
-            spilled = spilled.max(u64::try_from(bytes).unwrap_or(0));
-        }
+        let spilled = spilled_bytes(&levels, tuning.as_ref())?;
         need.parts.push((
             "local memory of spilled registers",
             local_memory_bytes(&device, spilled)?,
         ));
         let fitted = run_check(check, &need, device_room(&device, options.memory_budget)?)?;
-        // what the check found fits, in one chunk
-        let pool = DevicePool::new(
-            &device,
-            PoolConfig {
-                initial_bytes: PoolConfig::default()
-                    .initial_bytes
-                    .max(pooled + fitted.eval_batch + fitted.eval_extra),
-                max_bytes: options.memory_budget,
-            },
-        );
+        let pool = engine_pool(&device, options, pooled, &fitted);
         let stream = device.stream().clone();
         let mut staging = PinnedBuffer::new(&device)?;
         let param_buf = pool.alloc::<f32>(total.max(1))?;
-        {
-            let host = staging.host_mut::<f32>(total)?;
-            for (p, &off) in params.values.iter().zip(&offsets) {
-                host[off..off + p.data().len()].copy_from_slice(p.data());
-            }
-        }
         let param_view = param_buf.view().slice(0..total)?;
-        staging.upload(param_view, &stream)?;
+        upload_params(&mut staging, params, &offsets, param_view, &stream)?;
         let barrier = pool.alloc::<u32>(2)?;
         barrier.view().fill_zero(&stream)?;
 
-        let sm = device.sm_count();
-        let mut per_sm = levels
-            .occupancy_max_active_blocks_per_multiprocessor(block, 0, None)
-            .in_call("cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
-        if let Some(t) = &tuning {
-            per_sm = per_sm.min(
-                t.other
-                    .occupancy_max_active_blocks_per_multiprocessor(block, 0, None)
-                    .in_call("cuOccupancyMaxActiveBlocksPerMultiprocessor")?,
-            );
-        }
-        let max_blocks = per_sm
-            .min(options.blocks_per_sm.max(1))
-            .saturating_mul(sm)
-            .min(options.max_blocks.unwrap_or(u32::MAX));
-        // every unit of every cell needs a warp of its own
-        let widest_cell = leaf.units.max(internal.units).max(head.units);
-        let min_blocks = u32_of(widest_cell.div_ceil((block / 32) as usize), "blocks")?;
-        if max_blocks < min_blocks {
-            return Err(model_err(format!(
-                "the compiled kernel needs {min_blocks} resident blocks of {block} threads \
-                 (a warp per unit of a {widest_cell}-unit cell) but only {max_blocks} fit \
-                 ({} weight registers per thread); switch persistence off or allow more blocks",
-                spec.weight_registers()
-            )));
-        }
-
-        let mut tables = None;
-        let (mut table_state, mut table_push, mut token_table) = (0, 0, 0);
-        let mut token_buffer = None;
+        let (max_blocks, min_blocks) = {
+            let widest_cell = leaf.units.max(internal.units).max(head.units);
+            let levels = (&levels, tuning.as_ref().map(|t| &t.other));
+            resident_blocks(&device, levels, options, &spec, widest_cell)?
+        };
         let table_started = Instant::now();
-        if schedule.leaf_table {
-            let v = vocab.ok_or_else(|| model_err("leaf table without a vocabulary"))?;
-            let ts = pool.alloc::<f32>(table_lens.state.max(1))?;
-            let tp = pool.alloc::<f32>(table_lens.push.max(1))?;
-            let vocab_arg = u32_of(v, "vocabulary")?;
-            // stage by stage (stream order separates them), a scratch row per token
-            let leaf_scratch = table_lens
-                .scratch
-                .map(|n| pool.alloc::<f32>(n.max(1)))
-                .transpose()?;
-            let mut outputs = vec![ts.view(), tp.view()];
-            if let Some(scratch) = &leaf_scratch {
-                outputs.push(scratch.view());
-            }
-            for name in &leaf_table_kernels {
-                launch_table_kernel(
-                    &stream,
-                    module.function(name)?,
-                    param_view,
-                    &outputs,
-                    leaf.units,
-                    vocab_arg,
-                    block,
-                )?;
-            }
-            // the scratch may go once the kernels ran (synchronized below)
-            device.synchronize()?;
-            drop(leaf_scratch);
-            table_state = ts.view().device_ptr();
-            table_push = tp.view().device_ptr();
-            tables = Some((ts, tp));
-            if let (Some((table, _)), Some(n)) = (&token_table_program, table_lens.token) {
-                let tt = pool.alloc::<f32>(n.max(1))?;
-                let token_fn = module.function("cortex_token_table")?;
-                let tt_view = tt.view();
-                launch_table_kernel(
-                    &stream,
-                    token_fn,
-                    param_view,
-                    &[tt_view],
-                    table.units,
-                    vocab_arg,
-                    block,
-                )?;
-                token_table = tt_view.device_ptr();
-                token_buffer = Some(tt);
-            }
-        }
+        let built = if schedule.leaf_table {
+            let token = token_table_program.as_ref().map(|(t, _)| t.units);
+            let run = TableRun {
+                module: &module,
+                names: &kernels.leaf_tables,
+                params: param_view,
+                units: (leaf.units, token),
+                vocab: vocab.ok_or_else(|| model_err("leaf table without a vocabulary"))?,
+                block,
+            };
+            run.build(&device, &pool, &table_lens)?
+        } else {
+            LeafTables::default()
+        };
         device.synchronize()?;
         let leaf_table_seconds = if schedule.leaf_table {
             table_started.elapsed().as_secs_f64()
@@ -607,27 +299,18 @@ impl CompiledEngine {
             arena,
             params: param_view,
             _params: param_buf,
-            _tables: tables,
-            _token_table: token_buffer,
-            table_state,
-            table_push,
-            token_table,
+            table_state: built.state,
+            table_push: built.push,
+            token_table: built.token,
+            _tables: built.tables,
+            _token_table: built.token_buffer,
             barrier: barrier.view(),
             _barrier: barrier,
             rules: VertexRules::of(model),
             linearizer: Linearizer::new(),
             child_rows: Vec::new(),
-            inline: Box::new(InlineIndices {
-                count: 0,
-                at: [0; 6],
-                words: [0; INLINE_INDEX_WORDS],
-            }),
-            counters: CounterPair {
-                pool: Arc::clone(&pool),
-                buffers: None,
-                capacity: 0,
-                next: 0,
-            },
+            inline: Box::new(InlineIndices::empty()),
+            counters: CounterPair::new(Arc::clone(&pool)),
             scores_out: MappedBuffer::new(&device),
             stages: internal.stages,
             max_blocks,
@@ -742,30 +425,12 @@ impl CompiledEngine {
             .linearizer
             .linearize(graphs)
             .map_err(|e| model_err(format!("the batch cannot be linearized: {e}")))?;
-        if let Some(v) = self.vocab {
-            if let Some(n) = batch.tokens().iter().position(|&t| t as usize >= v) {
-                let (g, vertex) = batch.origin(n as u32);
-                return Err(model_err(format!(
-                    "graph {g} vertex {vertex}: token {} is beyond the model's {v} embedding rows",
-                    batch.tokens()[n]
-                )));
-            }
-        }
+        check_tokens(batch, self.vocab)?;
         let nodes = batch.num_nodes();
-        let num_batches = batch.num_batches();
         let roots = batch.root_nodes().len();
         let widest = batch.batch_length().iter().copied().max().unwrap_or(0) as usize;
-        // child row codes: a leaf's is `num_internal + token` with a table
-        // (the kernel then reads the table without loading the token)
         let ni = batch.num_internal();
-        self.child_rows.clear();
-        self.child_rows.extend(batch.child_nodes().iter().map(|&c| {
-            if self.schedule.leaf_table && c as usize >= ni {
-                (ni as u32).saturating_add(batch.tokens()[c as usize])
-            } else {
-                c
-            }
-        }));
+        child_row_codes(&mut self.child_rows, batch, self.schedule.leaf_table);
         let unroll = self.schedule.recursion.unroll == Some(true);
         if unroll {
             self.plan
@@ -779,9 +444,7 @@ impl CompiledEngine {
             .is_some_and(|t| t.samples[1].len() < t.samples[0].len());
         let stream = self.device.stream().clone();
         // the index arrays: carried by the launch when they fit (level
-        // kernel), else one upload: offsets, child rows, tokens, the level
-        // ranges (batch begin / length, or the unrolled steps and groups),
-        // roots
+        // kernel), else one upload
         let inline = !unroll
             && self.inline.pack([
                 batch.child_offsets(),
@@ -791,52 +454,19 @@ impl CompiledEngine {
                 batch.batch_length(),
                 batch.root_nodes(),
             ]);
-        let mut parts: Vec<&[u32]> = Vec::new();
-        if !inline {
-            parts.extend([batch.child_offsets(), &self.child_rows, batch.tokens()]);
-            if unroll {
-                parts.extend([
-                    self.plan.step_begin(),
-                    self.plan.group_parent(),
-                    self.plan.group_child_begin(),
-                    self.plan.group_children(),
-                ]);
-            } else {
-                parts.extend([batch.batch_begin(), batch.batch_length()]);
-            }
-            parts.push(batch.root_nodes());
-        }
-        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let parts = if inline {
+            Vec::new()
+        } else {
+            index_parts(batch, &self.child_rows, &self.plan, unroll)
+        };
         let root_graph: Vec<u32> = batch
             .root_nodes()
             .iter()
             .map(|&r| batch.origin(r).0 as u32)
             .collect();
-        let (num_internal, num_nodes) = (
-            u32_of(batch.num_internal(), "internal nodes")?,
-            u32_of(nodes, "nodes")?,
-        );
-        let (nb, nr) = (u32_of(num_batches, "levels")?, u32_of(roots, "roots")?);
-        let steps = u32_of(self.plan.num_steps(), "unrolled steps")?;
+        let counts = LevelCounts::of(batch, &self.plan)?;
         self.arena.reset()?;
-        let mut views = Vec::with_capacity(parts.len());
-        if !inline {
-            {
-                let host = self.staging.host_mut::<u32>(total)?;
-                let mut at = 0;
-                for p in &parts {
-                    host[at..at + p.len()].copy_from_slice(p);
-                    at += p.len();
-                }
-            }
-            let indices = self.arena.alloc::<u32>(total.max(1))?;
-            self.staging.upload(indices.slice(0..total)?, &stream)?;
-            let mut at = 0;
-            for p in &parts {
-                views.push(indices.slice(at..at + p.len())?);
-                at += p.len();
-            }
-        }
+        let views = upload_parts(&mut self.staging, &mut self.arena, &parts, &stream)?;
         // the node counters of every internal node and stage (level
         // kernels; zero, and the next launch's cleared by this one)
         let counters = if unroll {
@@ -852,23 +482,59 @@ impl CompiledEngine {
         let score_len = roots * self.classes;
         let scores = self.scores_out.device_ptr_for::<f32>(score_len, &stream)?;
         let scratch = self.arena.alloc::<f32>(scratch_len)?;
-        // enough warps for every unit of the widest level (unrolled: a
-        // block per group of the widest step), as far as fit
+        let args = LevelArgs {
+            rows: [state, push, scratch],
+            views: &views,
+            unroll,
+            counts,
+            scores,
+            counters,
+            done_clear,
+            blocks: self.level_blocks(unroll, widest)?,
+        };
+        self.launch_levels(&args, try_other, &stream)?;
+        if counters.is_some() {
+            self.counters.launched();
+        }
+        let out = self.finish_launch(score_len, try_other, started, &stream)?;
+        Ok(CompiledOutput {
+            scores: out,
+            classes: self.classes,
+            root_graph,
+        })
+    }
+
+    /// Blocks of a launch: enough warps for every unit of the widest level
+    /// (`widest` nodes; unrolled: a block per group of the widest step), as
+    /// far as fit.
+    fn level_blocks(&self, unroll: bool, widest: usize) -> Result<u32> {
         let wanted = if unroll {
             u32_of(self.plan.widest_step(), "groups")?
         } else {
             let warps = self.units * widest.max(1);
             u32_of(warps.div_ceil((self.block / 32) as usize), "blocks")?
         };
-        let blocks = wanted.clamp(self.min_blocks, self.max_blocks);
+        Ok(wanted.clamp(self.min_blocks, self.max_blocks))
+    }
+
+    /// Launches the level kernel (the other ordering's with `try_other`
+    /// while they are measured) with `args`, between the timing events.
+    fn launch_levels(
+        &self,
+        args: &LevelArgs<'_>,
+        try_other: bool,
+        stream: &Arc<cudarc::driver::CudaStream>,
+    ) -> Result<()> {
         let kernel = match (&self.tuning, try_other) {
             (Some(t), true) => &t.other,
             _ => &self.levels,
         };
+        let [state, push, scratch] = &args.rows;
+        let c = &args.counts;
         // the index pointers (unused, null, when the launch carries them)
         let null = 0u64;
         let index = |slot: usize| {
-            views
+            args.views
                 .get(slot)
                 .map_or(&null, |v: &DeviceView<u32>| v.kernel_arg())
         };
@@ -884,40 +550,43 @@ impl CompiledEngine {
             .arg(index(0))
             .arg(index(1))
             .arg(index(2));
-        if unroll {
+        if args.unroll {
             launch
                 .arg(index(3))
-                .arg(&steps)
+                .arg(&c.steps)
                 .arg(index(4))
                 .arg(index(5))
                 .arg(index(6))
-                .arg(&num_internal)
-                .arg(&num_nodes)
+                .arg(&c.internal)
+                .arg(&c.nodes)
                 .arg(index(7));
         } else {
             launch
                 .arg(index(3))
                 .arg(index(4))
-                .arg(&nb)
-                .arg(&num_internal)
-                .arg(&num_nodes)
+                .arg(&c.levels)
+                .arg(&c.internal)
+                .arg(&c.nodes)
                 .arg(index(5));
         }
-        launch.arg(&nr).arg(&scores).arg(self.barrier.kernel_arg());
-        if let Some((done, done_next)) = &counters {
+        launch
+            .arg(&c.roots)
+            .arg(&args.scores)
+            .arg(self.barrier.kernel_arg());
+        if let Some((done, done_next)) = &args.counters {
             launch
                 .arg(done.kernel_arg())
                 .arg(&*self.inline)
                 .arg(done_next.kernel_arg())
-                .arg(&done_clear);
+                .arg(&args.done_clear);
         }
         let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
+            grid_dim: (args.blocks, 1, 1),
             block_dim: (self.block, 1, 1),
             shared_mem_bytes: 0,
         };
         if let Some((start, _)) = &self.kernel_events {
-            start.record(&stream).in_call("cuEventRecord")?;
+            start.record(stream).in_call("cuEventRecord")?;
         }
         // SAFETY: the arguments match `cortex_levels`' (or, unrolled,
         // `cortex_unrolled`'s) parameters in order; state, pushed and
@@ -930,15 +599,25 @@ impl CompiledEngine {
         // most the resident block count, so neither the grid barrier nor a
         // counter wait can deadlock.
         unsafe { launch.launch_cooperative(cfg) }
-            .in_call("cuLaunchCooperativeKernel(cortex_levels)")?;
-        if counters.is_some() {
-            self.counters.launched();
-        }
+            .in_call("cuLaunchCooperativeKernel(cortex_levels)")
+            .map(|_| ())
+    }
+
+    /// After the launch: records the end event and the enqueue time, reads
+    /// the `score_len` root scores and, when timed, the kernel's time (a
+    /// sample of the ordering tried while they are measured).
+    fn finish_launch(
+        &mut self,
+        score_len: usize,
+        try_other: bool,
+        started: Instant,
+        stream: &Arc<cudarc::driver::CudaStream>,
+    ) -> Result<Vec<f32>> {
         if let Some((_, end)) = &self.kernel_events {
-            end.record(&stream).in_call("cuEventRecord")?;
+            end.record(stream).in_call("cuEventRecord")?;
         }
         self.last_enqueue_seconds = started.elapsed().as_secs_f64();
-        let out = self.scores_out.read::<f32>(score_len, &stream)?.to_vec();
+        let out = self.scores_out.read::<f32>(score_len, stream)?.to_vec();
         if let Some((start, end)) = &self.kernel_events {
             let ms = start.elapsed_ms(end).in_call("cuEventElapsedTime")?;
             self.last_kernel_seconds = Some(f64::from(ms) / 1e3);
@@ -947,12 +626,136 @@ impl CompiledEngine {
             }
         }
         self.settle_level_order();
-        Ok(CompiledOutput {
-            scores: out,
-            classes: self.classes,
-            root_graph,
+        Ok(out)
+    }
+}
+
+/// Refuses a token at or beyond the model's `vocab` embedding rows, naming
+/// its graph and vertex.
+fn check_tokens(batch: &LinearBatch, vocab: Option<usize>) -> Result<()> {
+    if let Some(v) = vocab {
+        if let Some(n) = batch.tokens().iter().position(|&t| t as usize >= v) {
+            let (g, vertex) = batch.origin(n as u32);
+            return Err(model_err(format!(
+                "graph {g} vertex {vertex}: token {} is beyond the model's {v} embedding rows",
+                batch.tokens()[n]
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The child row codes of `batch` into `rows`: a leaf's is
+/// `num_internal + token` with a leaf table (the kernel then reads the
+/// table without loading the token).
+fn child_row_codes(rows: &mut Vec<u32>, batch: &LinearBatch, leaf_table: bool) {
+    let ni = batch.num_internal();
+    rows.clear();
+    rows.extend(batch.child_nodes().iter().map(|&c| {
+        if leaf_table && c as usize >= ni {
+            (ni as u32).saturating_add(batch.tokens()[c as usize])
+        } else {
+            c
+        }
+    }));
+}
+
+/// The index arrays a batch uploads, in the kernel's order: offsets, child
+/// rows, tokens, the level ranges (batch begin / length, or the unrolled
+/// steps and groups), roots.
+fn index_parts<'a>(
+    batch: &'a LinearBatch,
+    child_rows: &'a [u32],
+    plan: &'a UnrolledPlan,
+    unroll: bool,
+) -> Vec<&'a [u32]> {
+    let mut parts: Vec<&[u32]> = Vec::new();
+    parts.extend([batch.child_offsets(), child_rows, batch.tokens()]);
+    if unroll {
+        parts.extend([
+            plan.step_begin(),
+            plan.group_parent(),
+            plan.group_child_begin(),
+            plan.group_children(),
+        ]);
+    } else {
+        parts.extend([batch.batch_begin(), batch.batch_length()]);
+    }
+    parts.push(batch.root_nodes());
+    parts
+}
+
+/// Uploads `parts` in one copy into the arena: a view of each (none for
+/// no parts, when the launch carries the indices).
+fn upload_parts(
+    staging: &mut PinnedBuffer,
+    arena: &mut Arena,
+    parts: &[&[u32]],
+    stream: &Arc<cudarc::driver::CudaStream>,
+) -> Result<Vec<DeviceView<u32>>> {
+    let mut views = Vec::with_capacity(parts.len());
+    if parts.is_empty() {
+        return Ok(views);
+    }
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    {
+        let host = staging.host_mut::<u32>(total)?;
+        let mut at = 0;
+        for p in parts {
+            host[at..at + p.len()].copy_from_slice(p);
+            at += p.len();
+        }
+    }
+    let indices = arena.alloc::<u32>(total.max(1))?;
+    staging.upload(indices.slice(0..total)?, stream)?;
+    let mut at = 0;
+    for p in parts {
+        views.push(indices.slice(at..at + p.len())?);
+        at += p.len();
+    }
+    Ok(views)
+}
+
+/// The counts the level kernel reads: unrolled steps, levels, internal
+/// nodes, nodes and roots.
+struct LevelCounts {
+    steps: u32,
+    levels: u32,
+    internal: u32,
+    nodes: u32,
+    roots: u32,
+}
+
+impl LevelCounts {
+    /// The counts of `batch` (and of its unrolled `plan`), checked to fit
+    /// 32 bits.
+    fn of(batch: &LinearBatch, plan: &UnrolledPlan) -> Result<Self> {
+        Ok(LevelCounts {
+            internal: u32_of(batch.num_internal(), "internal nodes")?,
+            nodes: u32_of(batch.num_nodes(), "nodes")?,
+            levels: u32_of(batch.num_batches(), "levels")?,
+            roots: u32_of(batch.root_nodes().len(), "roots")?,
+            steps: u32_of(plan.num_steps(), "unrolled steps")?,
         })
     }
+}
+
+/// One batch's arguments of the level kernel (see
+/// [`CompiledEngine::launch_levels`]).
+struct LevelArgs<'a> {
+    /// State, pushed and scratch rows, one per node.
+    rows: [DeviceView<f32>; 3],
+    /// The uploaded index arrays (empty when the launch carries them).
+    views: &'a [DeviceView<u32>],
+    unroll: bool,
+    counts: LevelCounts,
+    /// Device address of the mapped root scores.
+    scores: u64,
+    /// This launch's node counters and the next's (level kernels).
+    counters: Option<(DeviceView<u32>, DeviceView<u32>)>,
+    /// Words of the next launch's counters to clear.
+    done_clear: u32,
+    blocks: u32,
 }
 
 #[cfg(test)]
@@ -966,11 +769,7 @@ mod tests {
             std::mem::size_of::<InlineIndices>(),
             4 * (7 + INLINE_INDEX_WORDS)
         );
-        let mut inline = InlineIndices {
-            count: 0,
-            at: [0; 6],
-            words: [0; INLINE_INDEX_WORDS],
-        };
+        let mut inline = InlineIndices::empty();
         let (offsets, rows, tokens) = ([0, 2, 2], [5, 6], [1, 2, 3, 4, 5, 6, 7]);
         assert!(inline.pack([&offsets, &rows, &tokens, &[0], &[1], &[6]]));
         assert_eq!(inline.count, 15);

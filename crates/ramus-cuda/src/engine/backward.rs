@@ -12,7 +12,7 @@ use crate::error::Result;
 use crate::launch::RowMove;
 use crate::program::{GraphProgram, LAZY, PER_TASK};
 
-use super::{is_tokens, model_err, Buf, CudaEngine, Topology};
+use super::{is_tokens, model_err, Buf, CudaEngine, GraphBufs, Topology};
 
 impl CudaEngine {
     pub(super) fn backward_pass(
@@ -58,11 +58,9 @@ impl CudaEngine {
         self.seed_output_grads(hb, &head_bwd, &head.forward)?;
         let head_fwd = std::mem::take(&mut self.state.head_fwd);
         self.run_steps(
-            hb,
+            GraphBufs::new(hb, &head_bwd, Some(&head_fwd)),
             &program.head_backward,
             0,
-            &head_bwd,
-            Some(&head_fwd),
             Range::rows_only(h),
             None,
             &self.main,
@@ -116,16 +114,13 @@ impl CudaEngine {
                     let src = state_grad
                         .slice(task.begin as usize * w..(task.begin as usize + len) * w)?;
                     let dst = dst.slice(range.r0 * w..range.r1 * w)?;
-                    self.launcher
-                        .copy_columns(&stream, dst, w, 0, src, w, 0, w, len)?;
+                    self.launcher.copy_rows(&stream, dst, src, w, len)?;
                 }
             }
             self.run_steps(
-                &func.backward,
+                GraphBufs::new(&func.backward, &bwd[f], Some(&fwd[f])),
                 &program.functions[f].1,
                 PER_TASK,
-                &bwd[f],
-                Some(&fwd[f]),
                 range,
                 Some(f),
                 &self.main,
@@ -161,11 +156,9 @@ impl CudaEngine {
             self.join_eager(f, &mut joined)?;
             let range = Range::all(&s.functions[f]);
             self.run_steps(
-                &func.backward,
+                GraphBufs::new(&func.backward, &bwd[f], Some(&fwd[f])),
                 &program.functions[f].1,
                 LAZY,
-                &bwd[f],
-                Some(&fwd[f]),
                 range,
                 Some(f),
                 &self.main,

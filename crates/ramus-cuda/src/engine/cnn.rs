@@ -37,10 +37,10 @@ use ramus_core::ops::{
 use ramus_core::OpDef;
 use ramus_exec::Range;
 
-use super::{model_err, Buf, CudaEngine, Lane};
+use super::{model_err, Buf, CudaEngine, GraphBufs, Lane};
 use crate::blas::{Gemm, StridedBatch};
 use crate::error::Result;
-use crate::launch::ColumnLayout;
+use crate::launch::{BatchNormOperands, ChannelShape, ColumnLayout, NormGradOperands, NormStats};
 use crate::pool::DeviceView;
 
 /// Whether im2col is the identity (1x1 kernel, stride 1, no padding).
@@ -132,6 +132,16 @@ impl CnnArgs<'_> {
         let (lo, hi) = self.range.span(space);
         hi - lo
     }
+
+    /// The rows of input `i` as images of `channels` channels of `spatial`
+    /// positions.
+    fn channel_shape(&self, i: usize, channels: usize, spatial: usize) -> ChannelShape {
+        ChannelShape {
+            rows: self.rows(i),
+            channels,
+            spatial,
+        }
+    }
 }
 
 impl CudaEngine {
@@ -155,22 +165,25 @@ impl CudaEngine {
         norm: &NormGeom,
     ) -> Result<()> {
         let stream = &*a.lane.stream;
-        (self.launcher).channel_affine(stream, y, x, coef, r, norm.channels, norm.spatial)
+        let shape = ChannelShape {
+            rows: r,
+            channels: norm.channels,
+            spatial: norm.spatial,
+        };
+        (self.launcher).channel_affine(stream, y, x, coef, shape)
     }
 
     /// Runs node `n`, an image op (`ramus_core::image_op!()`); any other
     /// op is refused with the node named.
-    #[allow(clippy::too_many_arguments)] // as run_op: graph, node, buffers, rows, lane
     pub(super) fn run_cnn_op(
         &self,
         op: &Op,
-        g: &Graph,
+        bufs: GraphBufs<'_>,
         n: NodeId,
-        own: &[Buf],
-        fwd: Option<&[Buf]>,
         range: Range,
         lane: &Lane,
     ) -> Result<()> {
+        let GraphBufs { g, own, fwd } = bufs;
         let a = &CnnArgs {
             g,
             n,
@@ -184,6 +197,8 @@ impl CudaEngine {
         let fv = |i: usize| self.cnn_in(a, i);
         let out = || self.cnn_out(a);
         let rows = |i: usize| a.rows(i);
+        let shape =
+            |i: usize, channels: usize, spatial: usize| a.channel_shape(i, channels, spatial);
         match op {
             Op::Conv2d(Conv2d(geom)) => {
                 let bias = if a.arity() > 2 { Some(fv(2)?) } else { None };
@@ -203,30 +218,27 @@ impl CudaEngine {
             }
             Op::GlobalAvgPool(p) => {
                 let spatial = p.height * p.width;
-                launcher.global_avg_pool(stream, out()?, fv(0)?, rows(0), p.channels, spatial)
+                launcher.global_avg_pool(stream, out()?, fv(0)?, shape(0, p.channels, spatial))
             }
             Op::GlobalAvgPoolBackward(b) => {
                 let p = &b.pool;
                 let (x, spatial) = (fv(0)?, p.height * p.width);
-                launcher.global_avg_pool_backward(stream, out()?, x, rows(0), p.channels, spatial)
+                let shape = shape(0, p.channels, spatial);
+                launcher.global_avg_pool_backward(stream, out()?, x, shape)
             }
             Op::ChannelSum(cs) => {
-                launcher.channel_sum(stream, out()?, fv(0)?, rows(0), cs.channels, cs.spatial)
+                let shape = shape(0, cs.channels, cs.spatial);
+                launcher.channel_sum(stream, out()?, fv(0)?, shape)
             }
             // rows of the reference operand
             Op::ChannelBroadcast(cb) => {
                 let x = fv(0)?;
-                launcher.channel_broadcast(stream, out()?, x, rows(1), cb.channels, cb.spatial)
+                let shape = shape(1, cb.channels, cb.spatial);
+                launcher.channel_broadcast(stream, out()?, x, shape)
             }
             Op::BatchNorm(BatchNorm(norm)) => self.batch_norm(a, norm),
             Op::BatchNormBackwardInput(BatchNormBackwardInput(norm)) => {
-                let r = rows(0);
-                if r == 0 {
-                    return Ok(());
-                }
-                let coef = self.workspace(lane, 3 * norm.channels)?;
-                let (dy, x, gamma) = (fv(0)?, fv(1)?, fv(2)?);
-                launcher.batch_norm_backward_input(stream, out()?, dy, x, gamma, coef, r, norm)
+                self.batch_norm_backward_input(a, norm)
             }
             Op::BatchNormBackwardGamma(BatchNormBackwardGamma(norm)) => {
                 launcher.batch_norm_backward_gamma(stream, out()?, fv(0)?, fv(1)?, rows(0), norm)
@@ -277,24 +289,45 @@ impl CudaEngine {
         let (gamma, beta) = (self.cnn_in(a, 1)?, self.cnn_in(a, 2)?);
         if tracked && self.inference_pass {
             let (mean, var) = (self.cnn_in(a, 3)?, self.cnn_in(a, 4)?);
-            launcher.batch_norm_inference_coef(
-                stream,
-                coef,
+            let stats = NormStats {
                 gamma,
-                Some(beta),
-                Some(mean),
+                beta: Some(beta),
+                mean: Some(mean),
                 var,
-                norm,
-            )?;
+            };
+            launcher.batch_norm_inference_coef(stream, coef, stats, norm)?;
         } else {
             let running = if tracked && self.track_running_stats {
                 Some((self.cnn_in(a, 3)?, self.cnn_in(a, 4)?))
             } else {
                 None
             };
-            launcher.batch_norm_coef(stream, coef, x, gamma, beta, running, r, norm)?;
+            let operands = BatchNormOperands {
+                x,
+                gamma,
+                beta,
+                running,
+            };
+            launcher.batch_norm_coef(stream, coef, operands, r, norm)?;
         }
         self.norm_affine(a, [self.cnn_out(a)?, x, coef], r, norm)
+    }
+
+    /// The input gradient of training batch normalisation (inputs: x,
+    /// gamma, dy).
+    fn batch_norm_backward_input(&self, a: &CnnArgs<'_>, norm: &NormGeom) -> Result<()> {
+        let r = a.rows(0);
+        if r == 0 {
+            return Ok(());
+        }
+        let coef = self.workspace(a.lane, 3 * norm.channels)?;
+        let operands = NormGradOperands {
+            x: self.cnn_in(a, 0)?,
+            gamma: self.cnn_in(a, 1)?,
+            dy: self.cnn_in(a, 2)?,
+        };
+        let dx = self.cnn_out(a)?;
+        (self.launcher).batch_norm_backward_input(&a.lane.stream, dx, operands, coef, r, norm)
     }
 
     /// Batch normalisation with given statistics (inputs: x, gamma, beta,
@@ -306,15 +339,13 @@ impl CudaEngine {
         }
         let coef = self.workspace(a.lane, 2 * norm.channels)?;
         let [gamma, beta, mean, var] = [1, 2, 3, 4].map(|i| self.cnn_in(a, i));
-        (self.launcher).batch_norm_inference_coef(
-            &a.lane.stream,
-            coef,
-            gamma?,
-            Some(beta?),
-            Some(mean?),
-            var?,
-            norm,
-        )?;
+        let stats = NormStats {
+            gamma: gamma?,
+            beta: Some(beta?),
+            mean: Some(mean?),
+            var: var?,
+        };
+        (self.launcher).batch_norm_inference_coef(&a.lane.stream, coef, stats, norm)?;
         self.norm_affine(a, [self.cnn_out(a)?, x, coef], r, norm)
     }
 
@@ -327,15 +358,13 @@ impl CudaEngine {
         }
         let coef = self.workspace(a.lane, 2 * norm.channels)?;
         let (gamma, var) = (self.cnn_in(a, 0)?, self.cnn_in(a, 1)?);
-        (self.launcher).batch_norm_inference_coef(
-            &a.lane.stream,
-            coef,
+        let stats = NormStats {
             gamma,
-            None,
-            None,
+            beta: None,
+            mean: None,
             var,
-            norm,
-        )?;
+        };
+        (self.launcher).batch_norm_inference_coef(&a.lane.stream, coef, stats, norm)?;
         self.norm_affine(a, [self.cnn_out(a)?, self.cnn_in(a, 2)?, coef], r, norm)
     }
 
@@ -393,7 +422,12 @@ impl CudaEngine {
         let (in_len, out_len) = (geom.in_len(), geom.out_len());
         let beta = match bias {
             Some(b) => {
-                self.launcher.channel_broadcast(stream, y, b, rows, o, p)?;
+                let shape = ChannelShape {
+                    rows,
+                    channels: o,
+                    spatial: p,
+                };
+                self.launcher.channel_broadcast(stream, y, b, shape)?;
                 1.0
             }
             None => 0.0,

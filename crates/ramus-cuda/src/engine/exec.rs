@@ -7,41 +7,68 @@ use std::collections::HashMap;
 use cudarc::driver::CudaFunction;
 
 use ramus_core::fusion::{FusedGroup, InputKind, SliceView};
-use ramus_core::graph::{Graph, NodeId, NodeKind, Source, Space};
+use ramus_core::graph::{Graph, Node, NodeId, NodeKind, Source, Space, ValueType};
 use ramus_core::op::OpDef;
 use ramus_core::ops::Op;
 use ramus_exec::Range;
 use ramus_graph::Schedule;
 
 use crate::blas::Gemm;
-use crate::error::InCall;
-use crate::error::Result;
-use crate::launch::{FusedArgs, RowMove, SMALL_GEMM_ROWS};
+use crate::error::{CudaError, InCall, Result};
+use crate::launch::{
+    AbtOperands, ColumnWindow, EmbeddingShape, FusedArgs, IndexRows, RowMove, RowOperand,
+    XentOperands, SMALL_GEMM_ROWS,
+};
 use crate::pool::DeviceView;
 use crate::program::{ExecStep, GraphProgram, PlannedStep, EAGER};
 
 use super::{
-    is_tokens, model_err, no_buffer, rows_of_view, u32_of, Buf, CudaEngine, Lane, Topology,
+    is_tokens, model_err, no_buffer, rows_of_view, u32_of, Buf, CudaEngine, GraphBufs, Lane,
+    Topology,
 };
 
+/// What one step runs on: the graph and its buffers, the rows of this run,
+/// the vertex function's topology (`None` in the head), the lane and the
+/// program's viewed slices (read in place from their sources).
+#[derive(Clone, Copy)]
+struct StepCtx<'a> {
+    bufs: GraphBufs<'a>,
+    range: Range,
+    topo: Option<&'a Topology>,
+    lane: &'a Lane,
+    views: &'a HashMap<NodeId, SliceView>,
+}
+
+impl StepCtx<'_> {
+    /// Rows of `space` in this run.
+    fn rows_of(&self, space: Space) -> usize {
+        let (lo, hi) = self.range.span(space);
+        hi - lo
+    }
+
+    /// The topology, or an error naming `what` when the step runs outside
+    /// a vertex function.
+    fn need_topo(&self, what: &str) -> Result<&Topology> {
+        self.topo
+            .ok_or_else(|| model_err(format!("{what} outside a vertex function")))
+    }
+}
+
 impl CudaEngine {
-    /// Runs phase `phase` of graph `g`'s program over `range`; `f` names the vertex
+    /// Runs phase `phase` of graph `bufs.g`'s program over `range`; `f` names the vertex
     /// function whose topology (edges, children) the steps may use.
-    #[allow(clippy::too_many_arguments)] // graph, steps, buffers, rows, function, lane
     pub(super) fn run_steps(
         &self,
-        g: &Graph,
+        bufs: GraphBufs<'_>,
         prog: &GraphProgram,
         phase: usize,
-        bufs: &[Buf],
-        fwd: Option<&[Buf]>,
         range: Range,
         f: Option<usize>,
         lane: &Lane,
     ) -> Result<()> {
         let topo = f.map(|f| self.topology(f)).transpose()?;
         for step in &prog.phases[phase] {
-            self.run_step(g, step, bufs, fwd, range, topo, lane, &prog.views)?;
+            self.run_step(bufs, step, range, topo, lane, &prog.views)?;
         }
         Ok(())
     }
@@ -66,16 +93,12 @@ impl CudaEngine {
         for (f, g) in graphs.iter().enumerate() {
             let range = Range::all(&s.functions[f]);
             let fwd_f = fwd.map(|b| b[f].as_slice());
-            self.run_steps(
+            let graph_bufs = GraphBufs {
                 g,
-                programs[f],
-                EAGER,
-                &bufs[f],
-                fwd_f,
-                range,
-                Some(f),
-                &self.eager,
-            )?;
+                own: &bufs[f],
+                fwd: fwd_f,
+            };
+            self.run_steps(graph_bufs, programs[f], EAGER, range, Some(f), &self.eager)?;
             self.eager_done[f]
                 .record(&self.eager.stream)
                 .in_call("cuEventRecord")?;
@@ -163,22 +186,27 @@ impl CudaEngine {
         }
     }
 
-    #[allow(clippy::too_many_arguments)] // graph, step, buffers, rows, topology, lane, views
+    /// Runs `step` of graph `bufs.g` over `range` on `lane` (`views`: the
+    /// program's viewed slices).
     pub(super) fn run_step(
         &self,
-        g: &Graph,
+        bufs: GraphBufs<'_>,
         step: &ExecStep,
-        own: &[Buf],
-        fwd: Option<&[Buf]>,
         range: Range,
         topo: Option<&Topology>,
         lane: &Lane,
         views: &HashMap<NodeId, SliceView>,
     ) -> Result<()> {
+        let ctx = &StepCtx {
+            bufs,
+            range,
+            topo,
+            lane,
+            views,
+        };
+        let GraphBufs { g, own, fwd } = bufs;
         match &step.step {
-            PlannedStep::Fused(group) => {
-                self.run_fused(g, group, step.kernel()?, own, fwd, range, topo, lane)
-            }
+            PlannedStep::Fused(group) => self.run_fused(ctx, group, step.kernel()?),
             PlannedStep::GemmBias {
                 matmul,
                 bias,
@@ -187,37 +215,33 @@ impl CudaEngine {
                 let a_space = g.nodes[g.nodes[*matmul].inputs[0]].ty.space;
                 let (lo, hi) = range.span(a_space);
                 if hi - lo > SMALL_GEMM_ROWS {
-                    self.run_op(g, *matmul, own, fwd, range, topo, lane, views)?;
-                    return self.run_fused(g, group, step.kernel()?, own, fwd, range, topo, lane);
+                    self.run_op(ctx, *matmul)?;
+                    return self.run_fused(ctx, group, step.kernel()?);
                 }
                 let bias = self.float_view(g, *bias, own, fwd, range)?;
                 let out = self.float_view(g, group.nodes[0], own, fwd, range)?;
-                self.run_matmul(g, *matmul, own, fwd, range, lane, views, Some(bias), out)
+                self.run_matmul(ctx, *matmul, Some(bias), out)
             }
-            PlannedStep::Op(n) => self.run_op(g, *n, own, fwd, range, topo, lane, views),
+            PlannedStep::Op(n) => self.run_op(ctx, *n),
         }
     }
 
-    /// Launches fused group `group` (compiled as `kernel`) over `range`
-    /// (child-sum and parent-row inputs read `topo`).
-    #[allow(clippy::too_many_arguments)] // graph, group, kernel, buffers, rows, topology, lane
-    pub(super) fn run_fused(
+    /// Launches fused group `group` (compiled as `kernel`) over the rows of
+    /// `ctx` (child-sum and parent-row inputs read its topology).
+    fn run_fused(
         &self,
-        g: &Graph,
+        ctx: &StepCtx<'_>,
         group: &FusedGroup,
         kernel: &CudaFunction,
-        own: &[Buf],
-        fwd: Option<&[Buf]>,
-        range: Range,
-        topo: Option<&Topology>,
-        lane: &Lane,
     ) -> Result<()> {
+        let StepCtx {
+            bufs: GraphBufs { g, own, fwd },
+            range,
+            lane,
+            ..
+        } = *ctx;
         let stream = &lane.stream;
-        let need_topo = || {
-            topo.ok_or_else(|| {
-                model_err("a child-sum or parent-row read outside a vertex function")
-            })
-        };
+        let need_topo = || ctx.need_topo("a child-sum or parent-row read");
         let (lo, hi) = range.span(group.space);
         let n = (hi - lo) * group.width;
         if n == 0 {
@@ -283,19 +307,20 @@ impl CudaEngine {
     /// over few rows a product `A·Bᵀ` with a static `B` runs on the
     /// small-product kernel (which also adds the bias), anything else on
     /// cuBLAS (a bias needs the small kernel: callers fall back before).
-    #[allow(clippy::too_many_arguments)] // graph, node, buffers, rows, lane, views, bias, output
-    pub(super) fn run_matmul(
+    fn run_matmul(
         &self,
-        g: &Graph,
+        ctx: &StepCtx<'_>,
         n: NodeId,
-        own: &[Buf],
-        fwd: Option<&[Buf]>,
-        range: Range,
-        lane: &Lane,
-        views: &HashMap<NodeId, SliceView>,
         bias: Option<DeviceView<f32>>,
         c: DeviceView<f32>,
     ) -> Result<()> {
+        let StepCtx {
+            bufs: GraphBufs { g, own, fwd },
+            range,
+            lane,
+            views,
+            ..
+        } = *ctx;
         let node = &g.nodes[n];
         let Some(Op::MatMul(mm)) = node.op() else {
             return Err(model_err(format!("%{n} is not a matmul")));
@@ -339,10 +364,13 @@ impl CudaEngine {
         let stream = &lane.stream;
         let small = !mm.trans_a && mm.trans_b && !b.is_rows() && ldb.is_none();
         if small && m <= SMALL_GEMM_ROWS && k > 0 {
-            let lda = lda.unwrap_or(k);
-            return self
-                .launcher
-                .gemm_abt_small(stream, c, a_view, lda, b_view, bias, (m, nn, k));
+            let operands = AbtOperands {
+                a: a_view,
+                lda: lda.unwrap_or(k),
+                b: b_view,
+                bias,
+            };
+            return (self.launcher).gemm_abt_small(stream, c, operands, (m, nn, k));
         }
         if bias.is_some() {
             return Err(model_err(format!(
@@ -364,214 +392,280 @@ impl CudaEngine {
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)] // graph, node, buffers, rows, topology, lane, views
-    pub(super) fn run_op(
-        &self,
-        g: &Graph,
-        n: NodeId,
-        own: &[Buf],
-        fwd: Option<&[Buf]>,
-        range: Range,
-        topo: Option<&Topology>,
-        lane: &Lane,
-        views: &HashMap<NodeId, SliceView>,
-    ) -> Result<()> {
-        let stream = lane.stream.clone();
-        let node = &g.nodes[n];
+    /// Runs node `n`, a built-in op, over the rows of `ctx` (elementwise
+    /// ops run inside fused groups, never alone).
+    fn run_op(&self, ctx: &StepCtx<'_>, n: NodeId) -> Result<()> {
+        let node = &ctx.bufs.g.nodes[n];
         let NodeKind::Op(op) = &node.kind else {
             return Ok(());
         };
-        let rows_of = |space: Space| {
-            let (lo, hi) = range.span(space);
-            hi - lo
-        };
-        let out_rows = rows_of(node.ty.space);
-        let arg = |i: usize| node.inputs[i];
-        let fv = |i: usize| self.float_view(g, arg(i), own, fwd, range);
-        let out = || self.float_view(g, n, own, fwd, range);
-        let in_ty = |i: usize| &g.nodes[arg(i)].ty;
-        let need_topo =
-            || topo.ok_or_else(|| model_err(format!("{} outside a vertex function", op.name())));
+        let site = &NodeSite { ctx, n, node };
+        let stream = &ctx.lane.stream;
+        let fv = |i: usize| self.input(site, i);
+        let out = || self.output(site);
         match op {
-            Op::MatMul(_) => self.run_matmul(g, n, own, fwd, range, lane, views, None, out()?),
-            Op::Concat(_) => {
-                let (o, ow) = (out()?, node.ty.width());
-                let mut start = 0;
-                for i in 0..node.inputs.len() {
-                    let w = in_ty(i).width();
-                    self.launcher
-                        .copy_columns(&stream, o, ow, start, fv(i)?, w, 0, w, out_rows)?;
-                    start += w;
-                }
-                Ok(())
+            Op::MatMul(_) => self.run_matmul(ctx, n, None, out()?),
+            Op::Concat(_) | Op::Slice(_) | Op::Pad(_) | Op::Reshape(_) => {
+                self.run_column_op(site, op)
             }
-            Op::Slice(sl) => {
-                let w = in_ty(0).width();
-                self.launcher.copy_columns(
-                    &stream,
-                    out()?,
-                    sl.len,
-                    0,
-                    fv(0)?,
-                    w,
-                    sl.start,
-                    sl.len,
-                    out_rows,
-                )
-            }
-            Op::Pad(pad) => {
-                let (o, w) = (out()?, in_ty(0).width());
-                self.launcher.fill(&stream, o, 0.0)?;
-                self.launcher.copy_columns(
-                    &stream,
-                    o,
-                    pad.total,
-                    pad.start,
-                    fv(0)?,
-                    w,
-                    0,
-                    w,
-                    out_rows,
-                )
-            }
-            Op::SumChildren(_) => {
-                let t = need_topo()?;
-                let offsets = t.edge_offsets.slice(range.r0..range.r1 + 1)?;
-                let width = node.ty.width();
-                // a viewed slice: the rows of its source, read with a stride
-                let (src, window) = match views.get(&arg(0)) {
-                    Some(v) => (
-                        self.float_view(g, v.source, own, fwd, range)?,
-                        (v.stride, v.offset),
-                    ),
-                    None => (fv(0)?, (width, 0)),
-                };
-                self.launcher.sum_children(
-                    &stream,
-                    out()?,
-                    src,
-                    window,
-                    offsets,
-                    range.e0,
-                    out_rows,
-                    width,
-                )
-            }
-            Op::ExpandChildren(_) => {
-                let t = need_topo()?;
-                let parent = t.edge_parent.slice(range.e0..range.e1)?;
-                self.launcher.expand_children(
-                    &stream,
-                    out()?,
-                    fv(0)?,
-                    parent,
-                    range.r0,
-                    out_rows,
-                    node.ty.width(),
-                )
-            }
+            Op::SumChildren(_) | Op::ExpandChildren(_) => self.run_topology_op(site, op),
             Op::SumRows(sr) => {
-                let rows = rows_of(in_ty(0).space);
+                let rows = ctx.rows_of(site.in_ty(0).space);
                 let scale = mean_scale(sr.mean, rows);
-                self.launcher
-                    .sum_rows(&stream, out()?, fv(0)?, rows, in_ty(0).width(), scale)
+                let width = site.in_ty(0).width();
+                (self.launcher).sum_rows(stream, out()?, fv(0)?, rows, width, scale)
             }
             Op::BroadcastRows(br) => {
-                let rows = rows_of(in_ty(1).space);
+                let rows = ctx.rows_of(site.in_ty(1).space);
                 let scale = mean_scale(br.mean, rows);
-                self.launcher
-                    .broadcast_rows(&stream, out()?, fv(0)?, rows, node.ty.width(), scale)
+                let width = node.ty.width();
+                (self.launcher).broadcast_rows(stream, out()?, fv(0)?, rows, width, scale)
             }
-            Op::Reshape(_) => {
-                let len = node.ty.width();
-                self.launcher
-                    .copy_columns(&stream, out()?, len, 0, fv(0)?, len, 0, len, 1)
-            }
-            Op::Embedding(_) => {
-                let table = in_ty(0);
-                let (vocab, h) = (table.shape[0], table.shape[1]);
-                let idx = self.index_view(g, arg(1), own, fwd, range)?;
-                match topo {
-                    Some(t) if is_tokens(idx, t, range) => {
-                        if t.max_token as usize >= vocab {
-                            return Err(model_err(format!(
-                                "embedding: token id {} out of range for a table of {vocab} rows",
-                                t.max_token
-                            )));
-                        }
-                    }
-                    _ => {
-                        return Err(model_err(
-                            "embedding: the CUDA engine looks up rows by the vertex tokens only",
-                        ))
-                    }
-                }
-                self.launcher.move_rows(
-                    &stream,
-                    &[RowMove {
-                        dst: out()?,
-                        src: fv(0)?,
-                        dst_rows: None,
-                        src_rows: Some(idx),
-                        rows: out_rows,
-                        width: h,
-                        accumulate: false,
-                    }],
-                )
-            }
+            Op::Embedding(_) => self.run_embedding(site),
             Op::RowMatMul(product) => self.launcher.row_matmul(
-                &stream,
+                stream,
                 out()?,
-                fv(0)?,
-                in_ty(0).is_rows(),
-                fv(1)?,
-                in_ty(1).is_rows(),
-                out_rows,
+                RowOperand {
+                    data: fv(0)?,
+                    per_row: site.in_ty(0).is_rows(),
+                },
+                RowOperand {
+                    data: fv(1)?,
+                    per_row: site.in_ty(1).is_rows(),
+                },
+                site.out_rows(),
                 product,
             ),
-            Op::EmbeddingUnk(_) | Op::EmbeddingUnkBackward(_) => {
-                let unk_backward = match op {
-                    Op::EmbeddingUnkBackward(b) => Some(b),
-                    _ => None,
-                };
-                let tokens = self.index_view(g, arg(1), own, fwd, range)?;
-                let (table_rows, width) = match unk_backward {
-                    Some(b) => (b.rows, in_ty(0).width()),
-                    None => (in_ty(0).shape[0], in_ty(0).shape[1]),
-                };
-                let rows = rows_of(in_ty(1).space);
-                self.launcher.embedding_unk(
-                    &stream,
-                    out()?,
-                    fv(0)?,
-                    tokens,
-                    rows,
-                    table_rows,
-                    width,
-                    unk_backward.is_some(),
-                )
-            }
-            Op::SoftmaxXent(_) | Op::SoftmaxXentBackward(_) => {
-                let xent = matches!(op, Op::SoftmaxXent(_));
-                let classes = in_ty(0).width();
-                if self.state.max_label as usize >= classes {
-                    return Err(model_err(format!(
-                        "softmax_xent: label {} out of range for {classes} classes",
-                        self.state.max_label
-                    )));
-                }
-                let labels = self.index_view(g, arg(1), own, fwd, range)?;
-                let up = if xent { None } else { Some(fv(2)?) };
-                self.launcher
-                    .softmax_xent(&stream, out()?, fv(0)?, labels, up, out_rows, classes)
-            }
-            ramus_core::image_op!() => self.run_cnn_op(op, g, n, own, fwd, range, lane),
+            Op::EmbeddingUnk(_) | Op::EmbeddingUnkBackward(_) => self.run_embedding_unk(site, op),
+            Op::SoftmaxXent(_) | Op::SoftmaxXentBackward(_) => self.run_softmax_xent(site, op),
+            ramus_core::image_op!() => self.run_cnn_op(op, ctx.bufs, n, ctx.range, ctx.lane),
             // elementwise ops run inside fused groups (`Program`), never alone
             ramus_core::elementwise_op!() => Err(model_err(format!(
                 "op `{}` (node %{n}) has no CUDA implementation",
                 op.signature()
             ))),
         }
+    }
+
+    /// Node `n`'s floats over the rows of `ctx`.
+    fn step_view(&self, ctx: &StepCtx<'_>, n: NodeId) -> Result<DeviceView<f32>> {
+        let GraphBufs { g, own, fwd } = ctx.bufs;
+        self.float_view(g, n, own, fwd, ctx.range)
+    }
+
+    /// Input `i` of the node at `site`, as floats of this run's rows.
+    fn input(&self, site: &NodeSite<'_>, i: usize) -> Result<DeviceView<f32>> {
+        self.step_view(site.ctx, site.arg(i))
+    }
+
+    /// Input `i` of the node at `site`, as indices of this run's rows.
+    fn input_indices(&self, site: &NodeSite<'_>, i: usize) -> Result<DeviceView<u32>> {
+        let GraphBufs { g, own, fwd } = site.ctx.bufs;
+        self.index_view(g, site.arg(i), own, fwd, site.ctx.range)
+    }
+
+    /// The output of the node at `site`, as floats of this run's rows.
+    fn output(&self, site: &NodeSite<'_>) -> Result<DeviceView<f32>> {
+        self.step_view(site.ctx, site.n)
+    }
+
+    /// Column copies: concat, slice, pad and reshape.
+    fn run_column_op(&self, site: &NodeSite<'_>, op: &Op) -> Result<()> {
+        let stream = &site.ctx.lane.stream;
+        let (node, out_rows) = (site.node, site.out_rows());
+        let fv = |i: usize| self.input(site, i);
+        let out = || self.output(site);
+        match op {
+            Op::Concat(_) => {
+                let (o, ow) = (out()?, node.ty.width());
+                let mut start = 0;
+                for i in 0..node.inputs.len() {
+                    let w = site.in_ty(i).width();
+                    let (dst, src) = (
+                        ColumnWindow::new(o, ow, start),
+                        ColumnWindow::whole(fv(i)?, w),
+                    );
+                    self.launcher.copy_columns(stream, dst, src, w, out_rows)?;
+                    start += w;
+                }
+                Ok(())
+            }
+            Op::Slice(sl) => {
+                let w = site.in_ty(0).width();
+                let (dst, src) = (
+                    ColumnWindow::whole(out()?, sl.len),
+                    ColumnWindow::new(fv(0)?, w, sl.start),
+                );
+                (self.launcher).copy_columns(stream, dst, src, sl.len, out_rows)
+            }
+            Op::Pad(pad) => {
+                let (o, w) = (out()?, site.in_ty(0).width());
+                self.launcher.fill(stream, o, 0.0)?;
+                let (dst, src) = (
+                    ColumnWindow::new(o, pad.total, pad.start),
+                    ColumnWindow::whole(fv(0)?, w),
+                );
+                self.launcher.copy_columns(stream, dst, src, w, out_rows)
+            }
+            Op::Reshape(_) => {
+                let len = node.ty.width();
+                self.launcher.copy_rows(stream, out()?, fv(0)?, len, 1)
+            }
+            _ => Err(site.not_a(op, "column copy")),
+        }
+    }
+
+    /// Topology ops: a child sum over the CSR edges, or each edge reading
+    /// its parent's row.
+    fn run_topology_op(&self, site: &NodeSite<'_>, op: &Op) -> Result<()> {
+        let ctx = site.ctx;
+        let (stream, range) = (&ctx.lane.stream, ctx.range);
+        let (width, out_rows) = (site.node.ty.width(), site.out_rows());
+        let t = ctx.need_topo(op.name())?;
+        match op {
+            Op::SumChildren(_) => {
+                let offsets = IndexRows {
+                    index: t.edge_offsets.slice(range.r0..range.r1 + 1)?,
+                    base: range.e0,
+                };
+                // a viewed slice: the rows of its source, read with a stride
+                let src = match ctx.views.get(&site.arg(0)) {
+                    Some(v) => {
+                        ColumnWindow::new(self.step_view(ctx, v.source)?, v.stride, v.offset)
+                    }
+                    None => ColumnWindow::whole(self.input(site, 0)?, width),
+                };
+                let out = self.output(site)?;
+                (self.launcher).sum_children(stream, out, src, offsets, out_rows, width)
+            }
+            Op::ExpandChildren(_) => {
+                let parent = IndexRows {
+                    index: t.edge_parent.slice(range.e0..range.e1)?,
+                    base: range.r0,
+                };
+                let (out, src) = (self.output(site)?, self.input(site, 0)?);
+                (self.launcher).expand_children(stream, out, src, parent, out_rows, width)
+            }
+            _ => Err(site.not_a(op, "topology op")),
+        }
+    }
+
+    /// An embedding: rows of its table by the vertex tokens.
+    fn run_embedding(&self, site: &NodeSite<'_>) -> Result<()> {
+        let (range, topo) = (site.ctx.range, site.ctx.topo);
+        let table = site.in_ty(0);
+        let (vocab, h) = (table.shape[0], table.shape[1]);
+        let idx = self.input_indices(site, 1)?;
+        match topo {
+            Some(t) if is_tokens(idx, t, range) => {
+                if t.max_token as usize >= vocab {
+                    return Err(model_err(format!(
+                        "embedding: token id {} out of range for a table of {vocab} rows",
+                        t.max_token
+                    )));
+                }
+            }
+            _ => {
+                return Err(model_err(
+                    "embedding: the CUDA engine looks up rows by the vertex tokens only",
+                ))
+            }
+        }
+        self.launcher.move_rows(
+            &site.ctx.lane.stream,
+            &[RowMove {
+                dst: self.output(site)?,
+                src: self.input(site, 0)?,
+                dst_rows: None,
+                src_rows: Some(idx),
+                rows: site.out_rows(),
+                width: h,
+                accumulate: false,
+            }],
+        )
+    }
+
+    /// `embedding_unk` (`op`), or its table gradient.
+    fn run_embedding_unk(&self, site: &NodeSite<'_>, op: &Op) -> Result<()> {
+        let unk_backward = match op {
+            Op::EmbeddingUnkBackward(b) => Some(b),
+            _ => None,
+        };
+        let tokens = self.input_indices(site, 1)?;
+        let table = site.in_ty(0);
+        let (table_rows, width) = match unk_backward {
+            Some(b) => (b.rows, table.width()),
+            None => (table.shape[0], table.shape[1]),
+        };
+        let shape = EmbeddingShape {
+            rows: site.ctx.rows_of(site.in_ty(1).space),
+            table_rows,
+            width,
+        };
+        self.launcher.embedding_unk(
+            &site.ctx.lane.stream,
+            self.output(site)?,
+            self.input(site, 0)?,
+            tokens,
+            shape,
+            unk_backward.is_some(),
+        )
+    }
+
+    /// Softmax cross-entropy (`op`), or its gradient.
+    fn run_softmax_xent(&self, site: &NodeSite<'_>, op: &Op) -> Result<()> {
+        let xent = matches!(op, Op::SoftmaxXent(_));
+        let classes = site.in_ty(0).width();
+        if self.state.max_label as usize >= classes {
+            return Err(model_err(format!(
+                "softmax_xent: label {} out of range for {classes} classes",
+                self.state.max_label
+            )));
+        }
+        let operands = XentOperands {
+            scores: self.input(site, 0)?,
+            labels: self.input_indices(site, 1)?,
+            upstream: if xent {
+                None
+            } else {
+                Some(self.input(site, 2)?)
+            },
+        };
+        let (out, rows) = (self.output(site)?, site.out_rows());
+        (self.launcher).softmax_xent(&site.ctx.lane.stream, out, operands, rows, classes)
+    }
+}
+
+/// Node `n` of a step (`node`), for the op helpers: its inputs and rows.
+struct NodeSite<'a> {
+    ctx: &'a StepCtx<'a>,
+    n: NodeId,
+    node: &'a Node,
+}
+
+impl<'a> NodeSite<'a> {
+    /// The node's input `i`.
+    fn arg(&self, i: usize) -> NodeId {
+        self.node.inputs[i]
+    }
+
+    /// The value type of input `i`.
+    fn in_ty(&self, i: usize) -> &'a ValueType {
+        &self.ctx.bufs.g.nodes[self.node.inputs[i]].ty
+    }
+
+    /// Rows of the node's output in this run.
+    fn out_rows(&self) -> usize {
+        self.ctx.rows_of(self.node.ty.space)
+    }
+
+    /// The error of a helper handed an op (`op`) of another family.
+    fn not_a(&self, op: &Op, family: &str) -> CudaError {
+        model_err(format!(
+            "op `{}` (node %{}) is not a {family}",
+            op.signature(),
+            self.n
+        ))
     }
 }
 

@@ -1,13 +1,13 @@
 //! Launchers of the CNN kernels of `builtin.cu` (convolution lowering,
 //! pooling, per-channel reductions and batch normalisation). Images are rows
 //! of `C*H*W` floats in CHW order, as in `ramus_core::ops::cnn`, whose CPU
-//! kernels these match. Every launcher checks its geometry (so no kernel
-//! divides by a zero stride or scans an empty window) and that each view
-//! holds what the kernel touches.
+//! kernels these match (batch normalisation: `norm.rs`). Every launcher
+//! checks its geometry (so no kernel divides by a zero stride or scans an
+//! empty window) and that each view holds what the kernel touches.
 
 use cudarc::driver::{CudaStream, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg};
 
-use ramus_core::ops::{Conv2dGeom, NormGeom, NormParam, Pool2dGeom, RUNNING_STATS_MOMENTUM};
+use ramus_core::ops::{Conv2dGeom, NormGeom, Pool2dGeom};
 
 use super::{elementwise_cfg, u32_arg, Builtin, Launcher};
 use crate::error::{CudaError, InCall, Result};
@@ -16,6 +16,15 @@ use crate::pool::DeviceView;
 /// Threads per block of the per-channel reductions (`NORM_THREADS` in
 /// `builtin.cu`).
 const NORM_THREADS: u32 = 512;
+
+/// The extents of a per-channel op: `rows` images of `channels` channels
+/// of `spatial` positions each (rows of `C*S` floats, channel-major).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChannelShape {
+    pub rows: usize,
+    pub channels: usize,
+    pub spatial: usize,
+}
 
 /// Where [`Launcher::im2col`] puts column entry `(image i, patch row k,
 /// position p)` and where [`Launcher::col2im`] reads it:
@@ -58,6 +67,14 @@ impl ColumnLayout {
     }
 }
 
+/// im2col or col2im with its name in errors, over `total` threads.
+#[derive(Clone, Copy)]
+struct ColumnKernel {
+    kernel: Builtin,
+    call: &'static str,
+    total: usize,
+}
+
 /// `struct ConvGeom` of `builtin.cu`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -96,12 +113,12 @@ struct RawPoolGeom {
 // in `builtin.cu`, passed by value.
 unsafe impl DeviceRepr for RawPoolGeom {}
 
-fn bad(message: String) -> CudaError {
+pub(super) fn bad(message: String) -> CudaError {
     CudaError::BadArgument(message)
 }
 
 /// Checks that `view` (named `what`) holds at least `len` elements.
-fn holds<T: crate::pool::DeviceScalar>(
+pub(super) fn holds<T: crate::pool::DeviceScalar>(
     view: &DeviceView<T>,
     len: usize,
     what: &str,
@@ -118,7 +135,7 @@ fn holds<T: crate::pool::DeviceScalar>(
 
 /// Checks that the input `x` and the output gradient `dy` each hold
 /// `total` elements.
-fn holds_input_and_gradient(
+pub(super) fn holds_input_and_gradient(
     x: &DeviceView<f32>,
     dy: &DeviceView<f32>,
     total: usize,
@@ -129,7 +146,7 @@ fn holds_input_and_gradient(
 }
 
 /// `a * b`, an error instead of an overflow.
-fn mul(a: usize, b: usize, op: &str) -> Result<usize> {
+pub(super) fn mul(a: usize, b: usize, op: &str) -> Result<usize> {
     a.checked_mul(b)
         .ok_or_else(|| bad(format!("{op}: size {a} x {b} overflows")))
 }
@@ -201,14 +218,14 @@ fn channel_dims(channels: usize, spatial: usize, op: &str) -> Result<(u32, u32)>
     ))
 }
 
-fn norm_dims(n: &NormGeom, op: &str) -> Result<(u32, u32)> {
+pub(super) fn norm_dims(n: &NormGeom, op: &str) -> Result<(u32, u32)> {
     n.validate().map_err(|e| bad(format!("{op}: {e}")))?;
     channel_dims(n.channels, n.spatial, op)
 }
 
 /// `rows` as a kernel argument of a per-channel reduction, whose 32-bit
 /// element counter runs to `rows * spatial` (plus a block's stride).
-fn reduction_rows(rows: usize, spatial: usize, op: &str) -> Result<u32> {
+pub(super) fn reduction_rows(rows: usize, spatial: usize, op: &str) -> Result<u32> {
     let count = mul(rows, spatial, op)?;
     if count > (u32::MAX - NORM_THREADS) as usize {
         return Err(bad(format!(
@@ -219,7 +236,7 @@ fn reduction_rows(rows: usize, spatial: usize, op: &str) -> Result<u32> {
 }
 
 /// One block of [`NORM_THREADS`] threads per channel.
-fn per_channel_cfg(channels: u32) -> LaunchConfig {
+pub(super) fn per_channel_cfg(channels: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (channels, 1, 1),
         block_dim: (NORM_THREADS, 1, 1),
@@ -236,7 +253,7 @@ impl Launcher {
     /// As for [`LaunchArgs::launch`]: the arguments pushed onto `launch`
     /// match its kernel, and every view among them holds what the kernel
     /// touches under `cfg`.
-    unsafe fn launch_counted(
+    pub(super) unsafe fn launch_counted(
         &self,
         launch: &mut LaunchArgs<'_>,
         cfg: LaunchConfig,
@@ -251,7 +268,7 @@ impl Launcher {
     /// Checks that the per-channel output `out` holds `channels` elements
     /// and, when there are no rows, fills them with zeros: `Ok(true)` then
     /// (nothing left to launch).
-    fn zeros_without_rows(
+    pub(super) fn zeros_without_rows(
         &self,
         stream: &CudaStream,
         out: DeviceView<f32>,
@@ -290,15 +307,12 @@ impl Launcher {
         }
         holds(&x, mul(images, geom.in_len(), OP)?, "the input", OP)?;
         check_columns(&cols, layout, images, geom.patch_len(), positions, OP)?;
-        self.column_kernel(
-            stream,
-            (Builtin::Im2col, "cuLaunchKernel(ramus_im2col)"),
-            (cols, x),
-            g,
-            images,
-            layout,
+        let kernel = ColumnKernel {
+            kernel: Builtin::Im2col,
+            call: "cuLaunchKernel(ramus_im2col)",
             total,
-        )
+        };
+        self.column_kernel(stream, kernel, (cols, x), g, images, layout)
     }
 
     /// The adjoint of [`Launcher::im2col`]: every pixel of the `images` rows
@@ -322,31 +336,31 @@ impl Launcher {
         holds(&x, total, "the output", OP)?;
         let positions = geom.out_h() * geom.out_w();
         check_columns(&cols, layout, images, geom.patch_len(), positions, OP)?;
-        self.column_kernel(
-            stream,
-            (Builtin::Col2im, "cuLaunchKernel(ramus_col2im)"),
-            (x, cols),
-            g,
-            images,
-            layout,
+        let kernel = ColumnKernel {
+            kernel: Builtin::Col2im,
+            call: "cuLaunchKernel(ramus_col2im)",
             total,
-        )
+        };
+        self.column_kernel(stream, kernel, (x, cols), g, images, layout)
     }
 
-    /// Launches im2col or col2im (`kernel`, named `call` in errors) over
-    /// `total` threads with arguments `(dst, src, g, images, image_stride,
-    /// ld)`; the callers check that the views hold what the layout spans.
-    #[allow(clippy::too_many_arguments)]
+    /// Launches im2col or col2im (`kernel`) with arguments `(dst, src, g,
+    /// images, image_stride, ld)`; the callers check that the views hold
+    /// what the layout spans.
     fn column_kernel(
         &self,
         stream: &CudaStream,
-        (kernel, call): (Builtin, &'static str),
+        kernel: ColumnKernel,
         (dst, src): (DeviceView<f32>, DeviceView<f32>),
         g: RawConvGeom,
         images: usize,
         layout: ColumnLayout,
-        total: usize,
     ) -> Result<()> {
+        let ColumnKernel {
+            kernel,
+            call,
+            total,
+        } = kernel;
         let (n, stride, ld) = (
             u32_arg(images, "images")?,
             layout.image_stride as u64,
@@ -403,7 +417,6 @@ impl Launcher {
     /// The gradient of max pooling: `dx` (rows of `C*H*W`) from the forward
     /// input `x` and the output gradient `dy`, each window's argmax
     /// recomputed (first maximum wins ties).
-    #[allow(clippy::too_many_arguments)] // two inputs, an output and the geometry
     pub fn max_pool2d_backward(
         &self,
         stream: &CudaStream,
@@ -451,10 +464,13 @@ impl Launcher {
         stream: &CudaStream,
         y: DeviceView<f32>,
         x: DeviceView<f32>,
-        rows: usize,
-        channels: usize,
-        spatial: usize,
+        shape: ChannelShape,
     ) -> Result<()> {
+        let ChannelShape {
+            rows,
+            channels,
+            spatial,
+        } = shape;
         const OP: &str = "global_avg_pool";
         let (c, s) = channel_dims(channels, spatial, OP)?;
         let total = mul(rows, channels, OP)?;
@@ -487,21 +503,16 @@ impl Launcher {
         stream: &CudaStream,
         dx: DeviceView<f32>,
         dy: DeviceView<f32>,
-        rows: usize,
-        channels: usize,
-        spatial: usize,
+        shape: ChannelShape,
     ) -> Result<()> {
+        let op = "global_avg_pool_backward";
         self.per_element(
             stream,
             Builtin::GlobalAvgPoolBackward,
-            (
-                "global_avg_pool_backward",
-                "cuLaunchKernel(ramus_global_avg_pool_backward)",
-            ),
+            (op, "cuLaunchKernel(ramus_global_avg_pool_backward)"),
             dx,
-            (dy, mul(rows, channels, "global_avg_pool_backward")?),
-            rows,
-            (channels, spatial),
+            (dy, mul(shape.rows, shape.channels, op)?),
+            shape,
         )
     }
 
@@ -511,9 +522,7 @@ impl Launcher {
         stream: &CudaStream,
         y: DeviceView<f32>,
         b: DeviceView<f32>,
-        rows: usize,
-        channels: usize,
-        spatial: usize,
+        shape: ChannelShape,
     ) -> Result<()> {
         self.per_element(
             stream,
@@ -523,16 +532,14 @@ impl Launcher {
                 "cuLaunchKernel(ramus_channel_broadcast)",
             ),
             y,
-            (b, channels),
-            rows,
-            (channels, spatial),
+            (b, shape.channels),
+            shape,
         )
     }
 
     /// A kernel `(out, in, rows, channels, spatial)` with one thread per
     /// output element of `rows` rows of `C*S`; `input` must hold its given
     /// number of elements. `names`: the op (for messages) and the call.
-    #[allow(clippy::too_many_arguments)] // kernel, names, operands and extents
     fn per_element(
         &self,
         stream: &CudaStream,
@@ -540,9 +547,13 @@ impl Launcher {
         (op, call): (&str, &'static str),
         out: DeviceView<f32>,
         input: (DeviceView<f32>, usize),
-        rows: usize,
-        (channels, spatial): (usize, usize),
+        shape: ChannelShape,
     ) -> Result<()> {
+        let ChannelShape {
+            rows,
+            channels,
+            spatial,
+        } = shape;
         let (c, s) = channel_dims(channels, spatial, op)?;
         let total = mul(rows, mul(channels, spatial, op)?, op)?;
         if total == 0 {
@@ -566,17 +577,19 @@ impl Launcher {
 
     /// `y = x * coef[2c] + coef[2c + 1]` per channel (batch normalisation
     /// once its coefficients are known).
-    #[allow(clippy::too_many_arguments)] // two inputs, an output and extents
     pub fn channel_affine(
         &self,
         stream: &CudaStream,
         y: DeviceView<f32>,
         x: DeviceView<f32>,
         coef: DeviceView<f32>,
-        rows: usize,
-        channels: usize,
-        spatial: usize,
+        shape: ChannelShape,
     ) -> Result<()> {
+        let ChannelShape {
+            rows,
+            channels,
+            spatial,
+        } = shape;
         const OP: &str = "channel_affine";
         let (c, s) = channel_dims(channels, spatial, OP)?;
         let total = mul(rows, mul(channels, spatial, OP)?, OP)?;
@@ -612,10 +625,13 @@ impl Launcher {
         stream: &CudaStream,
         out: DeviceView<f32>,
         x: DeviceView<f32>,
-        rows: usize,
-        channels: usize,
-        spatial: usize,
+        shape: ChannelShape,
     ) -> Result<()> {
+        let ChannelShape {
+            rows,
+            channels,
+            spatial,
+        } = shape;
         const OP: &str = "channel_sum";
         let (c, s) = channel_dims(channels, spatial, OP)?;
         if self.zeros_without_rows(stream, out, channels, rows, OP)? {
@@ -642,275 +658,6 @@ impl Launcher {
                 &mut launch,
                 per_channel_cfg(c),
                 "cuLaunchKernel(ramus_channel_sum)",
-            )
-        }
-    }
-
-    /// Training batch normalisation's per-channel `(a, b)` (`y = x·a + b`)
-    /// into `coef` (`2C` floats), from the statistics of all `rows` rows;
-    /// with `running = Some((mean, var))`, also blends the batch's
-    /// statistics into those running statistics in place (momentum
-    /// [`RUNNING_STATS_MOMENTUM`], unbiased variance, as
-    /// `ramus_cpu::kernels::update_running_stats`).
-    #[allow(clippy::too_many_arguments)] // three inputs, an output, the running statistics and extents
-    pub fn batch_norm_coef(
-        &self,
-        stream: &CudaStream,
-        coef: DeviceView<f32>,
-        x: DeviceView<f32>,
-        gamma: DeviceView<f32>,
-        beta: DeviceView<f32>,
-        running: Option<(DeviceView<f32>, DeviceView<f32>)>,
-        rows: usize,
-        norm: &NormGeom,
-    ) -> Result<()> {
-        const OP: &str = "batch_norm";
-        let (c, s) = norm_dims(norm, OP)?;
-        if rows == 0 {
-            return Ok(());
-        }
-        holds(&coef, 2 * norm.channels, "the coefficients", OP)?;
-        holds(
-            &x,
-            mul(rows, norm.channels * norm.spatial, OP)?,
-            "the input",
-            OP,
-        )?;
-        holds(&gamma, norm.channels, "gamma", OP)?;
-        holds(&beta, norm.channels, "beta", OP)?;
-        if let Some((mean, var)) = &running {
-            holds(mean, norm.channels, "the running mean", OP)?;
-            holds(var, norm.channels, "the running variance", OP)?;
-        }
-        let r = reduction_rows(rows, norm.spatial, OP)?;
-        let null = 0u64;
-        let momentum = RUNNING_STATS_MOMENTUM;
-        let mut launch = stream.launch_builder(self.function(Builtin::BatchNormCoef));
-        launch
-            .arg(coef.kernel_arg())
-            .arg(x.kernel_arg())
-            .arg(gamma.kernel_arg())
-            .arg(beta.kernel_arg())
-            .arg(&r)
-            .arg(&c)
-            .arg(&s)
-            .arg(&norm.eps);
-        match &running {
-            Some((mean, var)) => launch.arg(mean.kernel_arg()).arg(var.kernel_arg()),
-            None => launch.arg(&null).arg(&null),
-        };
-        launch.arg(&momentum);
-        // SAFETY: arguments match the kernel (one block per channel; null
-        // running statistics, which it checks, when there are none); sizes
-        // checked above.
-        unsafe {
-            self.launch_counted(
-                &mut launch,
-                per_channel_cfg(c),
-                "cuLaunchKernel(ramus_batch_norm_coef)",
-            )
-        }
-    }
-
-    /// Training batch normalisation's input gradient: per-channel
-    /// coefficients `(k, q, p)` into `coef` (`3C` floats), then
-    /// `dx = k·dy + x·q + p`.
-    #[allow(clippy::too_many_arguments)] // three inputs, the output, a workspace and extents
-    pub fn batch_norm_backward_input(
-        &self,
-        stream: &CudaStream,
-        dx: DeviceView<f32>,
-        x: DeviceView<f32>,
-        gamma: DeviceView<f32>,
-        dy: DeviceView<f32>,
-        coef: DeviceView<f32>,
-        rows: usize,
-        norm: &NormGeom,
-    ) -> Result<()> {
-        const OP: &str = "batch_norm_backward_input";
-        let (c, s) = norm_dims(norm, OP)?;
-        let total = mul(rows, norm.channels * norm.spatial, OP)?;
-        if total == 0 {
-            return Ok(());
-        }
-        holds(&coef, 3 * norm.channels, "the coefficients", OP)?;
-        holds_input_and_gradient(&x, &dy, total, OP)?;
-        holds(&dx, total, "the output", OP)?;
-        holds(&gamma, norm.channels, "gamma", OP)?;
-        let r = reduction_rows(rows, norm.spatial, OP)?;
-        let mut launch = stream.launch_builder(self.function(Builtin::BatchNormBackwardCoef));
-        launch
-            .arg(coef.kernel_arg())
-            .arg(x.kernel_arg())
-            .arg(dy.kernel_arg())
-            .arg(gamma.kernel_arg())
-            .arg(&r)
-            .arg(&c)
-            .arg(&s)
-            .arg(&norm.eps);
-        // SAFETY: arguments match the kernel (one block per channel);
-        // sizes checked above.
-        unsafe {
-            self.launch_counted(
-                &mut launch,
-                per_channel_cfg(c),
-                "cuLaunchKernel(ramus_batch_norm_backward_coef)",
-            )
-        }?;
-        let mut launch = stream.launch_builder(self.function(Builtin::BatchNormBackwardApply));
-        launch
-            .arg(dx.kernel_arg())
-            .arg(x.kernel_arg())
-            .arg(dy.kernel_arg())
-            .arg(coef.kernel_arg())
-            .arg(&r)
-            .arg(&c)
-            .arg(&s);
-        // SAFETY: arguments match the kernel; sizes checked above.
-        unsafe {
-            self.launch_counted(
-                &mut launch,
-                elementwise_cfg(total),
-                "cuLaunchKernel(ramus_batch_norm_backward_apply)",
-            )
-        }
-    }
-
-    /// Training batch normalisation's gamma gradient `Σ dy·x̂` per channel
-    /// (zeros when there are no rows).
-    #[allow(clippy::too_many_arguments)] // two inputs, an output and extents
-    pub fn batch_norm_backward_gamma(
-        &self,
-        stream: &CudaStream,
-        out: DeviceView<f32>,
-        x: DeviceView<f32>,
-        dy: DeviceView<f32>,
-        rows: usize,
-        norm: &NormGeom,
-    ) -> Result<()> {
-        const OP: &str = "batch_norm_backward_gamma";
-        let (c, s) = norm_dims(norm, OP)?;
-        if self.zeros_without_rows(stream, out, norm.channels, rows, OP)? {
-            return Ok(());
-        }
-        let total = mul(rows, norm.channels * norm.spatial, OP)?;
-        holds_input_and_gradient(&x, &dy, total, OP)?;
-        let r = reduction_rows(rows, norm.spatial, OP)?;
-        let mut launch = stream.launch_builder(self.function(Builtin::BatchNormBackwardGamma));
-        launch
-            .arg(out.kernel_arg())
-            .arg(x.kernel_arg())
-            .arg(dy.kernel_arg())
-            .arg(&r)
-            .arg(&c)
-            .arg(&s)
-            .arg(&norm.eps);
-        // SAFETY: arguments match the kernel (one block per channel);
-        // sizes checked above.
-        unsafe {
-            self.launch_counted(
-                &mut launch,
-                per_channel_cfg(c),
-                "cuLaunchKernel(ramus_batch_norm_backward_gamma)",
-            )
-        }
-    }
-
-    /// Inference batch normalisation's per-channel `(a, b)` into `coef`
-    /// (`2C` floats): `a = gamma / sqrt(var + eps)`, `b = beta - mean·a`
-    /// (`beta` and `mean` count as 0 when absent: the input gradient's
-    /// coefficients). A variance below `-eps` gives NaN here, where the CPU
-    /// engine stops with an error: the device cannot stop a queued pass.
-    #[allow(clippy::too_many_arguments)] // four inputs, the output and extents
-    pub fn batch_norm_inference_coef(
-        &self,
-        stream: &CudaStream,
-        coef: DeviceView<f32>,
-        gamma: DeviceView<f32>,
-        beta: Option<DeviceView<f32>>,
-        mean: Option<DeviceView<f32>>,
-        var: DeviceView<f32>,
-        norm: &NormGeom,
-    ) -> Result<()> {
-        const OP: &str = "batch_norm_inference";
-        let (c, _) = norm_dims(norm, OP)?;
-        holds(&coef, 2 * norm.channels, "the coefficients", OP)?;
-        holds(&gamma, norm.channels, "gamma", OP)?;
-        holds(&var, norm.channels, "var", OP)?;
-        for v in beta.iter().chain(&mean) {
-            holds(v, norm.channels, "beta or mean", OP)?;
-        }
-        let null = 0u64;
-        let mut launch = stream.launch_builder(self.function(Builtin::BatchNormInferenceCoef));
-        launch.arg(coef.kernel_arg()).arg(gamma.kernel_arg());
-        match &beta {
-            Some(v) => launch.arg(v.kernel_arg()),
-            None => launch.arg(&null),
-        };
-        match &mean {
-            Some(v) => launch.arg(v.kernel_arg()),
-            None => launch.arg(&null),
-        };
-        launch.arg(var.kernel_arg()).arg(&c).arg(&norm.eps);
-        // SAFETY: arguments match the kernel (null pointers for absent
-        // beta / mean, which it checks); sizes checked above.
-        unsafe {
-            self.launch_counted(
-                &mut launch,
-                elementwise_cfg(norm.channels),
-                "cuLaunchKernel(ramus_batch_norm_inference_coef)",
-            )
-        }
-    }
-
-    /// The gradient of inference batch normalisation for gamma, mean or var
-    /// (a static `[C]`; zeros when there are no rows).
-    #[allow(clippy::too_many_arguments)] // five inputs, the output and extents
-    pub fn batch_norm_inference_param(
-        &self,
-        stream: &CudaStream,
-        out: DeviceView<f32>,
-        [x, gamma, mean, var, dy]: [DeviceView<f32>; 5],
-        rows: usize,
-        norm: &NormGeom,
-        param: NormParam,
-    ) -> Result<()> {
-        const OP: &str = "batch_norm_inference_backward";
-        let (c, s) = norm_dims(norm, OP)?;
-        if self.zeros_without_rows(stream, out, norm.channels, rows, OP)? {
-            return Ok(());
-        }
-        let total = mul(rows, norm.channels * norm.spatial, OP)?;
-        holds_input_and_gradient(&x, &dy, total, OP)?;
-        for v in [&gamma, &mean, &var] {
-            holds(v, norm.channels, "gamma, mean or var", OP)?;
-        }
-        let which: u32 = match param {
-            NormParam::Gamma => 0,
-            NormParam::Mean => 1,
-            NormParam::Var => 2,
-        };
-        let r = reduction_rows(rows, norm.spatial, OP)?;
-        let mut launch = stream.launch_builder(self.function(Builtin::BatchNormInferenceParam));
-        launch
-            .arg(out.kernel_arg())
-            .arg(x.kernel_arg())
-            .arg(gamma.kernel_arg())
-            .arg(mean.kernel_arg())
-            .arg(var.kernel_arg())
-            .arg(dy.kernel_arg())
-            .arg(&r)
-            .arg(&c)
-            .arg(&s)
-            .arg(&norm.eps)
-            .arg(&which);
-        // SAFETY: arguments match the kernel (one block per channel);
-        // sizes checked above.
-        unsafe {
-            self.launch_counted(
-                &mut launch,
-                per_channel_cfg(c),
-                "cuLaunchKernel(ramus_batch_norm_inference_param)",
             )
         }
     }

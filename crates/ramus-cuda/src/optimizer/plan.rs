@@ -5,7 +5,7 @@
 
 use cudarc::driver::DeviceRepr;
 
-use super::{GradLayout, ParamSlot, BLOCK, MAX_NORM_BLOCKS, MAX_SEGMENTS};
+use super::layout::{GradLayout, ParamSlot, BLOCK, MAX_NORM_BLOCKS, MAX_SEGMENTS};
 use crate::error::{CudaError, Result};
 use crate::pool::DeviceView;
 
@@ -129,6 +129,66 @@ fn end(view: &DeviceView<f32>) -> u64 {
     view.device_ptr() + view.byte_len() as u64
 }
 
+/// Checks `slots` (each gradient as long as its values, tables of whole
+/// rows with 32-bit row ids, no values overlapping another slot's values or
+/// gradient) and that `first` and `second` hold the total of all slots'
+/// lengths.
+fn check_slots(
+    slots: &[ParamSlot],
+    first: Option<DeviceView<f32>>,
+    second: Option<DeviceView<f32>>,
+) -> Result<()> {
+    let bad = |p: usize, what: String| CudaError::BadArgument(format!("parameter {p}: {what}"));
+    for (p, slot) in slots.iter().enumerate() {
+        if slot.value.len() != slot.grad.len() {
+            return Err(bad(
+                p,
+                format!(
+                    "{} values but a gradient of {}",
+                    slot.value.len(),
+                    slot.grad.len()
+                ),
+            ));
+        }
+        if let GradLayout::Rows { width } = slot.layout {
+            if width == 0 || slot.value.len() % width != 0 {
+                return Err(bad(
+                    p,
+                    format!("{} values are not rows of {width}", slot.value.len()),
+                ));
+            }
+            if u32::try_from(width).is_err() || u32::try_from(slot.value.len() / width).is_err() {
+                return Err(bad(p, "table too large for 32-bit row ids".into()));
+            }
+        }
+        for (q, other) in slots.iter().enumerate() {
+            let values_clash = q > p && overlap(&slot.value, &other.value);
+            if values_clash || overlap(&slot.value, &other.grad) {
+                return Err(bad(
+                    p,
+                    format!("its values overlap parameter {q}'s values or gradient"),
+                ));
+            }
+        }
+    }
+    let total: usize = slots.iter().map(|s| s.value.len()).sum();
+    for state in [first, second].into_iter().flatten() {
+        if state.len() != total {
+            return Err(CudaError::BadArgument(format!(
+                "optimizer state of {} floats for {total} parameters",
+                state.len()
+            )));
+        }
+    }
+    if u32::try_from(slots.len()).is_err() {
+        return Err(CudaError::BadArgument(format!(
+            "{} parameters",
+            slots.len()
+        )));
+    }
+    Ok(())
+}
+
 fn overlap(a: &DeviceView<f32>, b: &DeviceView<f32>) -> bool {
     !a.is_empty() && !b.is_empty() && a.device_ptr() < end(b) && b.device_ptr() < end(a)
 }
@@ -141,63 +201,15 @@ impl Plan {
         first: Option<DeviceView<f32>>,
         second: Option<DeviceView<f32>>,
     ) -> Result<Self> {
-        let bad = |p: usize, what: String| CudaError::BadArgument(format!("parameter {p}: {what}"));
-        for (p, slot) in slots.iter().enumerate() {
-            if slot.value.len() != slot.grad.len() {
-                return Err(bad(
-                    p,
-                    format!(
-                        "{} values but a gradient of {}",
-                        slot.value.len(),
-                        slot.grad.len()
-                    ),
-                ));
-            }
-            if let GradLayout::Rows { width } = slot.layout {
-                if width == 0 || slot.value.len() % width != 0 {
-                    return Err(bad(
-                        p,
-                        format!("{} values are not rows of {width}", slot.value.len()),
-                    ));
-                }
-                if u32::try_from(width).is_err() || u32::try_from(slot.value.len() / width).is_err()
-                {
-                    return Err(bad(p, "table too large for 32-bit row ids".into()));
-                }
-            }
-            for (q, other) in slots.iter().enumerate() {
-                let values_clash = q > p && overlap(&slot.value, &other.value);
-                if values_clash || overlap(&slot.value, &other.grad) {
-                    return Err(bad(
-                        p,
-                        format!("its values overlap parameter {q}'s values or gradient"),
-                    ));
-                }
-            }
-        }
-        let total: usize = slots.iter().map(|s| s.value.len()).sum();
-        for state in [first, second].into_iter().flatten() {
-            if state.len() != total {
-                return Err(CudaError::BadArgument(format!(
-                    "optimizer state of {} floats for {total} parameters",
-                    state.len()
-                )));
-            }
-        }
+        check_slots(slots, first, second)?;
         let mut plan = Plan {
             runs: Vec::new(),
             tables: Vec::new(),
         };
-        if u32::try_from(slots.len()).is_err() {
-            return Err(CudaError::BadArgument(format!(
-                "{} parameters",
-                slots.len()
-            )));
-        }
         let mut at = 0;
         let mut previous: Option<(&ParamSlot, usize)> = None; // last dense slot, its run
         for (index, slot) in slots.iter().enumerate() {
-            let index = index as u32; // checked above
+            let index = index as u32; // checked by check_slots
             let len = slot.value.len();
             let state = |v: Option<DeviceView<f32>>| -> Result<u64> {
                 v.map(|v| v.slice(at..at + len)).transpose().map(addr)
@@ -212,8 +224,8 @@ impl Plan {
                         grad: slot.grad.device_ptr(),
                         first: first_at,
                         second: second_at,
-                        width: width as u32,        // checked above
-                        rows: (len / width) as u32, // checked above
+                        width: width as u32,        // checked by check_slots
+                        rows: (len / width) as u32, // checked by check_slots
                         slot: index,
                     });
                 }

@@ -3,7 +3,8 @@
 
 use std::sync::Arc;
 
-use super::{GradLayout, ParamSlot, RawSegment, STATUS_WORDS};
+use super::layout::{GradLayout, ParamSlot, STATUS_WORDS};
+use super::plan::RawSegment;
 use crate::error::Result;
 use crate::pool::{DevicePool, PoolBuffer};
 

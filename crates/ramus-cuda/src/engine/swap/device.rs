@@ -16,7 +16,7 @@ use ramus_exec::{Batch, Range};
 use ramus_swap::{SwapDevice, TensorId};
 
 use super::{swap_err, Mem, Profile, Slot, SwapRuntime};
-use crate::engine::{model_err, Buf, CudaEngine};
+use crate::engine::{model_err, Buf, CudaEngine, GraphBufs};
 use crate::error::{CudaError, InCall, Result};
 use crate::pool::DeviceView;
 use crate::swap::steps::{self, GraphRef, Rows, SwapOp, SwapProgram};
@@ -315,11 +315,10 @@ impl CudaSwapDevice<'_> {
             .get(index)
             .ok_or_else(|| swap_err(format!("swap path: no step {index} in phase {phase}")))?;
         let topo = graph.function().map(|f| engine.topology(f)).transpose()?;
+        let bufs = GraphBufs::new(graph.graph(self.model), self.own(graph), self.fwd_of(graph));
         engine.run_step(
-            graph.graph(self.model),
+            bufs,
             step,
-            self.own(graph),
-            self.fwd_of(graph),
             self.range_of(graph, rows)?,
             topo,
             &engine.main,
