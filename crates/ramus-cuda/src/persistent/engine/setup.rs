@@ -1,0 +1,298 @@
+//! Setting a [`PersistentEngine`] up: the program and register plan, the
+//! first kernel (or a bridge while it compiles), the device opened on
+//! another thread meanwhile, the memory check, and the parameters uploaded.
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use ramus_codegen::persistent::KERNEL_NAME;
+use ramus_core::vpps::{DeviceLimits, WIDE_PRODUCT_ITEMS};
+use ramus_core::{Model, Params};
+use ramus_exec::memory::DeviceRoom;
+use ramus_exec::OptimizerConfig;
+
+use super::compile::{check_opened, prefetch_candidates, start_compiles, EarlyCompiles};
+use super::options::{
+    choice_key, items_option, model_err, rule_of, PersistentOptions, EPILOGUE_ENV, HOST_ENV,
+    HOST_PRODUCT_ITEMS, TRACE_ENV, WIDE_ENV,
+};
+use super::sizes;
+use super::variant::{
+    build_variant, variant_scheduler, Tuning, Variant, VariantBuild, VariantChoice,
+};
+use super::{AwaitedKernel, PersistentEngine};
+use crate::cache::KernelCache;
+use crate::device::CudaDevice;
+use crate::error::{InCall, Result};
+use crate::memory::{model_fits, run_check, DeviceCheck};
+use crate::persistent::program::PersistentProgram;
+use crate::persistent::PersistentKernel;
+use crate::pinned::PinnedBuffer;
+use crate::pool::{DevicePool, PoolConfig};
+use crate::rtc::{supported_archs, CompileTarget, NvrtcCompiler};
+
+impl PersistentEngine {
+    /// Sets the engine up for `model` with initial `params` and `optimizer`
+    /// (refusing a model whose parameters cannot fit the device; see
+    /// [`with_check`](Self::with_check)).
+    pub fn new(
+        model: &Model,
+        params: &Params<f32>,
+        optimizer: OptimizerConfig,
+        options: &PersistentOptions,
+    ) -> Result<Self> {
+        Self::with_check(model, params, optimizer, options, &model_fits)
+    }
+
+    /// [`new`](Self::new), asking `check` whether what the run will
+    /// allocate fits the device ([`sizes::need`]; within
+    /// [`PersistentOptions::memory_budget`] before the kernels compile,
+    /// within the free memory once the device is open), before the pool
+    /// holds anything: a refusal is [`CudaError::DoesNotFit`]. The pool
+    /// then reserves what the check found fits, its buffer sized for the
+    /// largest batch.
+    pub fn with_check(
+        model: &Model,
+        params: &Params<f32>,
+        optimizer: OptimizerConfig,
+        options: &PersistentOptions,
+        check: DeviceCheck<'_>,
+    ) -> Result<Self> {
+        let started = Instant::now();
+        if optimizer.clip_norm.is_some() {
+            return Err(model_err(
+                "the persistent engine does not clip gradients yet; train without --clip-norm",
+            ));
+        }
+        // the CUDA context is created on a thread of its own while this one
+        // plans the kernel and, where it must be compiled, compiles a bridge
+        let ordinal = options.device;
+        let opening = std::thread::Builder::new()
+            .name("ramus-cuda-open".into())
+            .spawn(move || {
+                let opened = Instant::now();
+                CudaDevice::open(ordinal).map(|d| (d, opened.elapsed().as_secs_f64()))
+            });
+        let mut phases = Vec::new();
+        let mut mark = |phase: &'static str| phases.push((phase, started.elapsed().as_secs_f64()));
+        let facts = CudaDevice::probe(ordinal)?;
+        mark("probe");
+        let (major, minor) = facts.compute_capability;
+        let compiler = NvrtcCompiler::for_target(CompileTarget::choose(
+            major * 10 + minor,
+            &supported_archs()?,
+        )?);
+        let cache_dir = options
+            .cache_dir
+            .clone()
+            .or_else(crate::cache::default_cache_dir);
+        mark("nvrtc");
+        let prog = Arc::new(PersistentProgram::build(model)?);
+        let limits = DeviceLimits::hopper(facts.sm_count as usize);
+        let slots = sizes::matrix_slots(&prog)?;
+        let rule = rule_of(optimizer.kind);
+        let wide_items = items_option(options.wide_items, WIDE_ENV, WIDE_PRODUCT_ITEMS)?;
+        let host_items = items_option(options.host_items, HOST_ENV, HOST_PRODUCT_ITEMS)?;
+        // the choice of an earlier search for this model, kernel and device
+        let choice_file = cache_dir.as_ref().map(|d| {
+            let key = choice_key(
+                format!(
+                    "{}|{:?}|{:?}|{}|{:?}|{:?}|{wide_items}|{host_items}",
+                    prog.fused_source,
+                    prog.matrices,
+                    rule,
+                    facts.name,
+                    options.ctas_per_sm,
+                    options.grads_in_registers
+                ),
+                options.batch_size,
+            );
+            d.join(format!(
+                "vpps-rpw-{:016x}",
+                crate::cache::fnv1a64(key.as_bytes())
+            ))
+        });
+        let remembered = choice_file
+            .as_ref()
+            .and_then(|f| std::fs::read_to_string(f).ok());
+        let build = VariantBuild {
+            limits,
+            ctas_per_sm: options.ctas_per_sm,
+            grads_in_registers: options.grads_in_registers,
+            rule,
+            slots,
+            choice_file,
+            trace: std::env::var_os(TRACE_ENV).map(PathBuf::from),
+            wide_items,
+            vector_epilogue: std::env::var(EPILOGUE_ENV).map_or(true, |v| v.trim() != "scalar"),
+        };
+        let remembered = remembered.and_then(|text| VariantChoice::parse(&text, &build));
+        let (first_choice, tuning) = match (options.rpw, remembered) {
+            (Some(rpw), _) => (VariantChoice::of(&build, rpw), None),
+            (None, Some(choice)) => (choice, None),
+            (None, None) => {
+                let candidates = VariantChoice::candidates(&prog, &build);
+                let first = candidates
+                    .first()
+                    .copied()
+                    .unwrap_or(VariantChoice::of(&build, 1));
+                let tuning = (candidates.len() > 1).then_some(Tuning {
+                    candidates,
+                    at: 0,
+                    samples: Vec::new(),
+                    best: None,
+                });
+                (first, tuning)
+            }
+        };
+        mark("program");
+        let choices = tuning
+            .as_ref()
+            .map_or_else(|| vec![first_choice], |t| t.candidates.clone());
+        let mut need = sizes::need(model, &prog, &build, &choices, host_items)?;
+        if let Some(budget) = options.memory_budget {
+            // a run over the budget is refused before anything compiles
+            // (once the thread opening the device is done with the driver)
+            let room = DeviceRoom {
+                free: u64::MAX,
+                budget: Some(budget),
+            };
+            if let Err(e) = run_check(check, &need, room) {
+                if let Ok(thread) = opening {
+                    let _ = thread.join();
+                }
+                return Err(e);
+            }
+        }
+        let mut early = start_compiles(
+            &prog,
+            &build,
+            first_choice,
+            &compiler,
+            cache_dir.as_deref(),
+            options.bridge != Some(false) && build.trace.is_none(),
+        );
+        mark("bridge compile");
+        let (device, context_seconds) = match opening {
+            Ok(thread) => thread
+                .join()
+                .map_err(|_| model_err("the thread opening the device panicked"))??,
+            Err(_) => {
+                let opened = Instant::now();
+                (CudaDevice::open(ordinal)?, opened.elapsed().as_secs_f64())
+            }
+        };
+        // the context was made current on the thread that created it
+        device
+            .context()
+            .bind_to_thread()
+            .in_call("cuCtxSetCurrent")?;
+        mark("device");
+        let pooled = need.parts_bytes();
+        let budget = options.memory_budget;
+        let (fitted, bridge) = check_opened(&device, &mut need, &mut early, check, budget)?;
+        let cache = KernelCache::with_compiler(&device, compiler, cache_dir);
+        // what the check found fits, in one chunk
+        let checked = pooled + fitted.train_batch + fitted.train_extra;
+        let pool = DevicePool::new(
+            &device,
+            PoolConfig {
+                initial_bytes: PoolConfig::default().initial_bytes.max(checked),
+                max_bytes: options.memory_budget,
+            },
+        );
+        if let Some(e) = early.as_mut() {
+            // where no thread could compile it early, the lookup compiles it
+            for (source, compiling) in e.kernel_proper.drain(..) {
+                cache.adopt(&source, &[KERNEL_NAME], compiling)?;
+            }
+        }
+        if let Some(t) = &tuning {
+            prefetch_candidates(&cache, &prog, &build, &t.candidates);
+        }
+        mark("prefetch");
+        let (first, awaited) = match (early, bridge) {
+            (Some(EarlyCompiles { plan, source, .. }), Some((module, compile_started))) => {
+                let kernel = PersistentKernel::bridge(
+                    &device,
+                    &pool,
+                    plan,
+                    &module,
+                    &build.slots,
+                    compile_started,
+                )?;
+                let scheduler = Arc::new(variant_scheduler(kernel.plan(), &build));
+                let awaited = AwaitedKernel {
+                    choice: first_choice,
+                    source,
+                };
+                (Variant { kernel, scheduler }, Some(awaited))
+            }
+            _ => (
+                build_variant(&device, &cache, &pool, &prog, &build, first_choice)?,
+                None,
+            ),
+        };
+        if params.values.len() != model.params.len() {
+            return Err(model_err(format!(
+                "{} parameter tensors for a model of {}",
+                params.values.len(),
+                model.params.len()
+            )));
+        }
+        // parameters, zero gradients and moments, then room for batches
+        mark("kernel");
+        let capacity = sizes::buffer_floats(prog.params.total, fitted.train_batch);
+        let buffer = pool.alloc::<f32>(capacity)?;
+        let mut transfer = PinnedBuffer::new(&device)?;
+        {
+            let host = transfer.host_mut::<f32>(prog.params.total)?;
+            host.iter_mut().for_each(|x| *x = 0.0);
+            for (p, t) in params.values.iter().enumerate() {
+                let at = prog.params.value[p];
+                host[at..at + t.data().len()].copy_from_slice(t.data());
+            }
+        }
+        transfer.upload(buffer.view().slice(0..prog.params.total)?, device.stream())?;
+        let barriers = pool.alloc::<u32>(1024)?;
+        let copy_stream = device.new_stream()?;
+        transfer.wait()?;
+        mark("upload");
+        Ok(PersistentEngine {
+            device,
+            cache,
+            pool,
+            prog,
+            variants: vec![first],
+            active: 0,
+            tuning,
+            build,
+            last_kernel_seconds: None,
+            blas: None,
+            optimizer,
+            steps: 0,
+            buffer,
+            barriers,
+            copy_stream,
+            slots: Vec::new(),
+            transfer,
+            pending: VecDeque::new(),
+            host_items,
+            traced_launches: 0,
+            rng: ChaCha8Rng::seed_from_u64(0),
+            fingerprint: crate::program::fingerprint(model),
+            setup_seconds: started.elapsed().as_secs_f64(),
+            context_seconds,
+            kernel_ready_seconds: awaited.is_none().then(|| started.elapsed().as_secs_f64()),
+            created: started,
+            awaited,
+            bridge_batches: (0, 0.0),
+            setup_phases: phases,
+        })
+    }
+}
