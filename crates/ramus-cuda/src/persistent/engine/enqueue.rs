@@ -13,9 +13,9 @@ use super::{Pending, PersistentEngine};
 use crate::blas::{Blas, Gemm};
 use crate::error::{InCall, Result};
 use crate::persistent::program::PersistentProgram;
-use crate::persistent::unroll::{GradientGemm, HostWork};
+use crate::persistent::unroll::{BatchProgram, GradientGemm, HostWork};
 use crate::persistent::UpdateScalars;
-use crate::pool::DeviceView;
+use crate::pool::{DeviceView, PoolBuffer};
 
 impl PersistentEngine {
     /// Uploads a prepared batch (its scripts to its slot's buffer on the
@@ -41,26 +41,7 @@ impl PersistentEngine {
         let update_at: usize = launched().map(|s| s.packed.words.len()).sum();
         let levels = launched().map(|s| s.levels).sum();
         let script_words = sizes::script_words(&launches, updates.as_ref());
-        // the slot's batch before this one is done (its loss was read); a
-        // new buffer may be memory the pool took back from work still
-        // queued on the stream (it reuses freed blocks at once), so the
-        // copy stream first waits for that work
-        let script_buffer = match self.slots[slot].scripts.take() {
-            Some(b) if b.len() >= script_words => b,
-            _ => {
-                let b = self
-                    .pool
-                    .alloc::<u32>(sizes::script_buffer_words(script_words))?;
-                let queued = self.device.new_event()?;
-                queued
-                    .record(self.device.stream())
-                    .in_call("cuEventRecord")?;
-                self.copy_stream
-                    .wait(&queued)
-                    .in_call("cuStreamWaitEvent")?;
-                b
-            }
-        };
+        let script_buffer = self.script_buffer(slot, script_words)?;
         let script_view = script_buffer.view().slice(0..script_words)?;
         self.slots[slot].scripts = Some(script_buffer);
         let traced = self.build.trace.is_some();
@@ -84,21 +65,7 @@ impl PersistentEngine {
         let words: DeviceView<u32> = view.slice(batch.upload_at..batch.end)?.reinterpret();
         self.staging(slot)?.upload(words, &stream)?;
         view.slice(batch.zeroed.clone())?.fill_zero(&stream)?;
-        self.steps += 1;
-        let c = &self.optimizer;
-        let t = self.steps as f64;
-        let scalars = UpdateScalars {
-            lr: c.lr as f32,
-            weight_decay: c.weight_decay as f32,
-            beta1: c.beta1 as f32,
-            beta2: c.beta2 as f32,
-            eps: c.eps as f32,
-            inv_bias_correction1: (1.0 / (1.0 - c.beta1.powf(t))) as f32,
-            inv_bias_correction2: (1.0 / (1.0 - c.beta2.powf(t))) as f32,
-            clip: 1.0,
-            fault_at: u32::try_from(batch.fault_at)
-                .map_err(|_| model_err("the batch's fault word is past 2^32 floats"))?,
-        };
+        let scalars = self.step_scalars(batch.fault_at)?;
         self.slots[slot]
             .events
             .0
@@ -135,18 +102,7 @@ impl PersistentEngine {
                 false,
             )?;
         }
-        self.slots[slot]
-            .events
-            .1
-            .record(&stream)
-            .in_call("cuEventRecord")?;
-        self.slots[slot]
-            .loss
-            .download(view.slice(batch.loss_at..batch.loss_at + 1)?, &stream)?;
-        let fault: DeviceView<u32> = view
-            .slice(batch.fault_at..batch.fault_at + 1)?
-            .reinterpret();
-        self.slots[slot].fault.download(fault, &stream)?;
+        self.read_back(slot, &batch, view)?;
         let step = PersistentStep {
             loss: f64::NAN,
             host_seconds,
@@ -160,6 +116,75 @@ impl PersistentEngine {
             step,
             variant,
         });
+        Ok(())
+    }
+
+    /// Slot `slot`'s script buffer, at least `script_words` long: its own
+    /// (the slot's batch before this one is done: its loss was read), else a
+    /// new one.
+    fn script_buffer(&mut self, slot: usize, script_words: usize) -> Result<PoolBuffer<u32>> {
+        // a new buffer may be memory the pool took back from work still
+        // queued on the stream (it reuses freed blocks at once), so the
+        // copy stream first waits for that work
+        Ok(match self.slots[slot].scripts.take() {
+            Some(b) if b.len() >= script_words => b,
+            _ => {
+                let b = self
+                    .pool
+                    .alloc::<u32>(sizes::script_buffer_words(script_words))?;
+                let queued = self.device.new_event()?;
+                queued
+                    .record(self.device.stream())
+                    .in_call("cuEventRecord")?;
+                self.copy_stream
+                    .wait(&queued)
+                    .in_call("cuStreamWaitEvent")?;
+                b
+            }
+        })
+    }
+
+    /// The optimizer's scalars for the next step (counted here), with the
+    /// batch's fault word at `fault_at`.
+    fn step_scalars(&mut self, fault_at: usize) -> Result<UpdateScalars> {
+        self.steps += 1;
+        let c = &self.optimizer;
+        let t = self.steps as f64;
+        Ok(UpdateScalars {
+            lr: c.lr as f32,
+            weight_decay: c.weight_decay as f32,
+            beta1: c.beta1 as f32,
+            beta2: c.beta2 as f32,
+            eps: c.eps as f32,
+            inv_bias_correction1: (1.0 / (1.0 - c.beta1.powf(t))) as f32,
+            inv_bias_correction2: (1.0 / (1.0 - c.beta2.powf(t))) as f32,
+            clip: 1.0,
+            fault_at: u32::try_from(fault_at)
+                .map_err(|_| model_err("the batch's fault word is past 2^32 floats"))?,
+        })
+    }
+
+    /// After a batch's last launch on the stream: its end event, and its
+    /// loss and fault word copied back to slot `slot`.
+    fn read_back(
+        &mut self,
+        slot: usize,
+        batch: &BatchProgram,
+        view: DeviceView<f32>,
+    ) -> Result<()> {
+        let stream = self.device.stream().clone();
+        self.slots[slot]
+            .events
+            .1
+            .record(&stream)
+            .in_call("cuEventRecord")?;
+        self.slots[slot]
+            .loss
+            .download(view.slice(batch.loss_at..batch.loss_at + 1)?, &stream)?;
+        let fault: DeviceView<u32> = view
+            .slice(batch.fault_at..batch.fault_at + 1)?
+            .reinterpret();
+        self.slots[slot].fault.download(fault, &stream)?;
         Ok(())
     }
 

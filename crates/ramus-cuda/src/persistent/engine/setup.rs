@@ -33,8 +33,8 @@ use crate::memory::{model_fits, run_check, DeviceCheck};
 use crate::persistent::program::PersistentProgram;
 use crate::persistent::PersistentKernel;
 use crate::pinned::PinnedBuffer;
-use crate::pool::{DevicePool, PoolConfig};
-use crate::rtc::{supported_archs, CompileTarget, NvrtcCompiler};
+use crate::pool::{DevicePool, PoolBuffer, PoolConfig};
+use crate::rtc::{supported_archs, CompileTarget, LoadedModule, NvrtcCompiler};
 
 impl PersistentEngine {
     /// Sets the engine up for `model` with initial `params` and `optimizer`
@@ -72,12 +72,7 @@ impl PersistentEngine {
         // the CUDA context is created on a thread of its own while this one
         // plans the kernel and, where it must be compiled, compiles a bridge
         let ordinal = options.device;
-        let opening = std::thread::Builder::new()
-            .name("ramus-cuda-open".into())
-            .spawn(move || {
-                let opened = Instant::now();
-                CudaDevice::open(ordinal).map(|d| (d, opened.elapsed().as_secs_f64()))
-            });
+        let opening = open_on_thread(ordinal);
         let mut phases = Vec::new();
         let mut mark = |phase: &'static str| phases.push((phase, started.elapsed().as_secs_f64()));
         let facts = CudaDevice::probe(ordinal)?;
@@ -94,62 +89,19 @@ impl PersistentEngine {
         mark("nvrtc");
         let prog = Arc::new(PersistentProgram::build(model)?);
         let limits = DeviceLimits::hopper(facts.sm_count as usize);
-        let slots = sizes::matrix_slots(&prog)?;
-        let rule = rule_of(optimizer.kind);
-        let wide_items = items_option(options.wide_items, WIDE_ENV, WIDE_PRODUCT_ITEMS)?;
-        let host_items = items_option(options.host_items, HOST_ENV, HOST_PRODUCT_ITEMS)?;
-        // the choice of an earlier search for this model, kernel and device
-        let choice_file = cache_dir.as_ref().map(|d| {
-            let key = choice_key(
-                format!(
-                    "{}|{:?}|{:?}|{}|{:?}|{:?}|{wide_items}|{host_items}",
-                    prog.fused_source,
-                    prog.matrices,
-                    rule,
-                    facts.name,
-                    options.ctas_per_sm,
-                    options.grads_in_registers
-                ),
-                options.batch_size,
-            );
-            d.join(format!(
-                "vpps-rpw-{:016x}",
-                crate::cache::fnv1a64(key.as_bytes())
-            ))
-        });
-        let remembered = choice_file
-            .as_ref()
-            .and_then(|f| std::fs::read_to_string(f).ok());
-        let build = VariantBuild {
+        let Planned {
+            build,
+            first_choice,
+            tuning,
+            host_items,
+        } = plan_variants(
+            &prog,
             limits,
-            ctas_per_sm: options.ctas_per_sm,
-            grads_in_registers: options.grads_in_registers,
-            rule,
-            slots,
-            choice_file,
-            trace: std::env::var_os(TRACE_ENV).map(PathBuf::from),
-            wide_items,
-            vector_epilogue: std::env::var(EPILOGUE_ENV).map_or(true, |v| v.trim() != "scalar"),
-        };
-        let remembered = remembered.and_then(|text| VariantChoice::parse(&text, &build));
-        let (first_choice, tuning) = match (options.rpw, remembered) {
-            (Some(rpw), _) => (VariantChoice::of(&build, rpw), None),
-            (None, Some(choice)) => (choice, None),
-            (None, None) => {
-                let candidates = VariantChoice::candidates(&prog, &build);
-                let first = candidates
-                    .first()
-                    .copied()
-                    .unwrap_or(VariantChoice::of(&build, 1));
-                let tuning = (candidates.len() > 1).then_some(Tuning {
-                    candidates,
-                    at: 0,
-                    samples: Vec::new(),
-                    best: None,
-                });
-                (first, tuning)
-            }
-        };
+            &facts.name,
+            &optimizer,
+            options,
+            cache_dir.as_ref(),
+        )?;
         mark("program");
         let choices = tuning
             .as_ref()
@@ -178,20 +130,7 @@ impl PersistentEngine {
             options.bridge != Some(false) && build.trace.is_none(),
         );
         mark("bridge compile");
-        let (device, context_seconds) = match opening {
-            Ok(thread) => thread
-                .join()
-                .map_err(|_| model_err("the thread opening the device panicked"))??,
-            Err(_) => {
-                let opened = Instant::now();
-                (CudaDevice::open(ordinal)?, opened.elapsed().as_secs_f64())
-            }
-        };
-        // the context was made current on the thread that created it
-        device
-            .context()
-            .bind_to_thread()
-            .in_call("cuCtxSetCurrent")?;
+        let (device, context_seconds) = join_device(opening, ordinal)?;
         mark("device");
         let pooled = need.parts_bytes();
         let budget = options.memory_budget;
@@ -216,28 +155,14 @@ impl PersistentEngine {
             prefetch_candidates(&cache, &prog, &build, &t.candidates);
         }
         mark("prefetch");
-        let (first, awaited) = match (early, bridge) {
-            (Some(EarlyCompiles { plan, source, .. }), Some((module, compile_started))) => {
-                let kernel = PersistentKernel::bridge(
-                    &device,
-                    &pool,
-                    plan,
-                    &module,
-                    &build.slots,
-                    compile_started,
-                )?;
-                let scheduler = Arc::new(variant_scheduler(kernel.plan(), &build));
-                let awaited = AwaitedKernel {
-                    choice: first_choice,
-                    source,
-                };
-                (Variant { kernel, scheduler }, Some(awaited))
-            }
-            _ => (
-                build_variant(&device, &cache, &pool, &prog, &build, first_choice)?,
-                None,
-            ),
-        };
+        let (first, awaited) = first_variant(
+            &device,
+            &cache,
+            &pool,
+            (prog.as_ref(), &build),
+            first_choice,
+            (early, bridge),
+        )?;
         if params.values.len() != model.params.len() {
             return Err(model_err(format!(
                 "{} parameter tensors for a model of {}",
@@ -247,18 +172,7 @@ impl PersistentEngine {
         }
         // parameters, zero gradients and moments, then room for batches
         mark("kernel");
-        let capacity = sizes::buffer_floats(prog.params.total, fitted.train_batch);
-        let buffer = pool.alloc::<f32>(capacity)?;
-        let mut transfer = PinnedBuffer::new(&device)?;
-        {
-            let host = transfer.host_mut::<f32>(prog.params.total)?;
-            host.iter_mut().for_each(|x| *x = 0.0);
-            for (p, t) in params.values.iter().enumerate() {
-                let at = prog.params.value[p];
-                host[at..at + t.data().len()].copy_from_slice(t.data());
-            }
-        }
-        transfer.upload(buffer.view().slice(0..prog.params.total)?, device.stream())?;
+        let (buffer, transfer) = upload_params(&device, &pool, &prog, params, fitted.train_batch)?;
         let barriers = pool.alloc::<u32>(1024)?;
         let copy_stream = device.new_stream()?;
         transfer.wait()?;
@@ -295,4 +209,186 @@ impl PersistentEngine {
             setup_phases: phases,
         })
     }
+}
+
+/// Opens device `ordinal` on a thread of its own (its CUDA context, with
+/// the seconds that took), while set-up plans and compiles on this one.
+fn open_on_thread(
+    ordinal: usize,
+) -> std::io::Result<std::thread::JoinHandle<Result<(Arc<CudaDevice>, f64)>>> {
+    std::thread::Builder::new()
+        .name("ramus-cuda-open".into())
+        .spawn(move || {
+            let opened = Instant::now();
+            CudaDevice::open(ordinal).map(|d| (d, opened.elapsed().as_secs_f64()))
+        })
+}
+
+/// The device [`open_on_thread`] opened (or, where no thread could be
+/// started, opened here), bound to this thread, and the seconds opening took.
+fn join_device(
+    opening: std::io::Result<std::thread::JoinHandle<Result<(Arc<CudaDevice>, f64)>>>,
+    ordinal: usize,
+) -> Result<(Arc<CudaDevice>, f64)> {
+    let (device, context_seconds) = match opening {
+        Ok(thread) => thread
+            .join()
+            .map_err(|_| model_err("the thread opening the device panicked"))??,
+        Err(_) => {
+            let opened = Instant::now();
+            (CudaDevice::open(ordinal)?, opened.elapsed().as_secs_f64())
+        }
+    };
+    // the context was made current on the thread that created it
+    device
+        .context()
+        .bind_to_thread()
+        .in_call("cuCtxSetCurrent")?;
+    Ok((device, context_seconds))
+}
+
+/// What [`plan_variants`] settles: the inputs of every variant, the first
+/// choice, the `rpw` search (where one runs) and the host-product
+/// threshold.
+struct Planned {
+    build: VariantBuild,
+    first_choice: VariantChoice,
+    tuning: Option<Tuning>,
+    host_items: usize,
+}
+
+/// The variants' inputs for `prog` on a device named `device_name` with
+/// `limits`, and the first choice: the options' `rpw`, else the one an
+/// earlier search remembered in the kernel cache `cache_dir`, else the
+/// search's first candidate (the search then runs).
+fn plan_variants(
+    prog: &PersistentProgram,
+    limits: DeviceLimits,
+    device_name: &str,
+    optimizer: &OptimizerConfig,
+    options: &PersistentOptions,
+    cache_dir: Option<&PathBuf>,
+) -> Result<Planned> {
+    let slots = sizes::matrix_slots(prog)?;
+    let rule = rule_of(optimizer.kind);
+    let wide_items = items_option(options.wide_items, WIDE_ENV, WIDE_PRODUCT_ITEMS)?;
+    let host_items = items_option(options.host_items, HOST_ENV, HOST_PRODUCT_ITEMS)?;
+    // the choice of an earlier search for this model, kernel and device
+    let choice_file = cache_dir.map(|d| {
+        let key = choice_key(
+            format!(
+                "{}|{:?}|{:?}|{}|{:?}|{:?}|{wide_items}|{host_items}",
+                prog.fused_source,
+                prog.matrices,
+                rule,
+                device_name,
+                options.ctas_per_sm,
+                options.grads_in_registers
+            ),
+            options.batch_size,
+        );
+        d.join(format!(
+            "vpps-rpw-{:016x}",
+            crate::cache::fnv1a64(key.as_bytes())
+        ))
+    });
+    let remembered = choice_file
+        .as_ref()
+        .and_then(|f| std::fs::read_to_string(f).ok());
+    let build = VariantBuild {
+        limits,
+        ctas_per_sm: options.ctas_per_sm,
+        grads_in_registers: options.grads_in_registers,
+        rule,
+        slots,
+        choice_file,
+        trace: std::env::var_os(TRACE_ENV).map(PathBuf::from),
+        wide_items,
+        vector_epilogue: std::env::var(EPILOGUE_ENV).map_or(true, |v| v.trim() != "scalar"),
+    };
+    let remembered = remembered.and_then(|text| VariantChoice::parse(&text, &build));
+    let (first_choice, tuning) = match (options.rpw, remembered) {
+        (Some(rpw), _) => (VariantChoice::of(&build, rpw), None),
+        (None, Some(choice)) => (choice, None),
+        (None, None) => {
+            let candidates = VariantChoice::candidates(prog, &build);
+            let first = candidates
+                .first()
+                .copied()
+                .unwrap_or(VariantChoice::of(&build, 1));
+            let tuning = (candidates.len() > 1).then_some(Tuning {
+                candidates,
+                at: 0,
+                samples: Vec::new(),
+                best: None,
+            });
+            (first, tuning)
+        }
+    };
+    Ok(Planned {
+        build,
+        first_choice,
+        tuning,
+        host_items,
+    })
+}
+
+/// The first variant: where a bridge was compiled early, the bridge kernel
+/// (and the kernel proper it stands in for, compiling), else the first
+/// choice's kernel built (or loaded) now.
+fn first_variant(
+    device: &Arc<CudaDevice>,
+    cache: &KernelCache,
+    pool: &Arc<DevicePool>,
+    (prog, build): (&PersistentProgram, &VariantBuild),
+    first_choice: VariantChoice,
+    early_bridge: (Option<EarlyCompiles>, Option<(LoadedModule, Instant)>),
+) -> Result<(Variant, Option<AwaitedKernel>)> {
+    Ok(match early_bridge {
+        (Some(EarlyCompiles { plan, source, .. }), Some((module, compile_started))) => {
+            let kernel = PersistentKernel::bridge(
+                device,
+                pool,
+                plan,
+                &module,
+                &build.slots,
+                compile_started,
+            )?;
+            let scheduler = Arc::new(variant_scheduler(kernel.plan(), build));
+            let awaited = AwaitedKernel {
+                choice: first_choice,
+                source,
+            };
+            (Variant { kernel, scheduler }, Some(awaited))
+        }
+        _ => (
+            build_variant(device, cache, pool, prog, build, first_choice)?,
+            None,
+        ),
+    })
+}
+
+/// The pool buffer (the parameter region, then room for a batch of
+/// `batch_bytes`; see [`sizes::buffer_floats`]) with `params` uploaded and
+/// their gradients and moments zeroed, and the staging buffer that did it.
+fn upload_params(
+    device: &Arc<CudaDevice>,
+    pool: &Arc<DevicePool>,
+    prog: &PersistentProgram,
+    params: &Params<f32>,
+    batch_bytes: u64,
+) -> Result<(PoolBuffer<f32>, PinnedBuffer)> {
+    let capacity = sizes::buffer_floats(prog.params.total, batch_bytes);
+    let buffer = pool.alloc::<f32>(capacity)?;
+    let mut transfer = PinnedBuffer::new(device)?;
+    {
+        let host = transfer.host_mut::<f32>(prog.params.total)?;
+        host.iter_mut().for_each(|x| *x = 0.0);
+        for (p, t) in params.values.iter().enumerate() {
+            let at = prog.params.value[p];
+            host[at..at + t.data().len()].copy_from_slice(t.data());
+        }
+    }
+    transfer.upload(buffer.view().slice(0..prog.params.total)?, device.stream())?;
+    Ok((buffer, transfer))
 }

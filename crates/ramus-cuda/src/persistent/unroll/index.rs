@@ -15,99 +15,115 @@ use crate::persistent::program::GraphKey;
 impl Unroller<'_> {
     /// Fills the index arrays (needs the regions' bases).
     pub(super) fn index_arrays(&mut self) -> Result<()> {
-        let model = self.model;
-        let s = self.s;
-        for (f, func) in model.functions.iter().enumerate() {
-            let rows = &s.functions[f];
-            let mut fi = FunctionIndex::default();
-            let fwd = &func.forward;
-            if fwd.input_node(Source::Token).is_some() {
-                let toks: Vec<u32> = rows.vertex.iter().map(|&v| s.tokens[v as usize]).collect();
-                if let Some(bad) = toks.iter().find(|&&t| {
-                    fwd.nodes.iter().any(|n| {
-                        matches!(n.op(), Some(Op::Embedding(_)))
-                            && fwd.nodes[n.inputs[0]].ty.shape[0] <= t as usize
-                    })
-                }) {
-                    return Err(err(format!(
-                        "token id {bad} is outside the embedding table of function `{}`",
-                        func.name
-                    )));
-                }
-                fi.tokens = Some(self.alloc_upload(&toks));
-            }
-            fi.edge_offsets = self.alloc_upload(&rows.edge_offsets);
-            fi.edge_parent = self.alloc_upload(&rows.edge_parent);
-            // absolute offsets of children's scattered rows (gathers) and
-            // of their state-gradient rows (child-gradient scatters)
-            let state_row = |u: &Self, v: u32, backward: bool| -> Result<u32> {
-                let (cf, cr) = (
-                    s.vertex_function[v as usize] as usize,
-                    s.vertex_row[v as usize] as usize,
-                );
-                let cfunc = &model.functions[cf];
-                let Some(scattered) = cfunc.scatter else {
-                    return Err(err(format!("function `{}` scatters no state", cfunc.name)));
-                };
-                if backward {
-                    match cfunc.output_grad_node(Role::Scatter) {
-                        Some(n) => u.row_at(GraphKey::Backward(cf), n, cr),
-                        None => Ok(NO_INDEX),
-                    }
-                } else {
-                    u.row_at(GraphKey::Forward(cf), scattered, cr)
-                }
-            };
-            let mut gather_ks = Vec::new();
-            for node in &fwd.nodes {
-                match node.kind {
-                    NodeKind::Input(Source::GatherAll) => {
-                        let v: Vec<u32> = rows
-                            .edge_child
-                            .iter()
-                            .map(|&c| state_row(self, c, false))
-                            .collect::<Result<_>>()?;
-                        fi.gather_all_src = Some(self.alloc_upload(&v));
-                    }
-                    NodeKind::Input(Source::Gather(k)) => gather_ks.push(k),
-                    _ => {}
-                }
-            }
-            for k in gather_ks {
-                let v: Vec<u32> = (0..rows.rows())
-                    .map(|r| match rows.child(r, k) {
-                        Some(c) => state_row(self, c, false),
-                        None => Ok(NO_INDEX),
-                    })
-                    .collect::<Result<_>>()?;
-                fi.gather_src.insert(k, self.alloc_upload(&v));
-            }
-            for o in &func.backward.outputs {
-                match o.role {
-                    Role::ChildGradAll => {
-                        let v: Vec<u32> = rows
-                            .edge_child
-                            .iter()
-                            .map(|&c| state_row(self, c, true))
-                            .collect::<Result<_>>()?;
-                        fi.child_grad_all_dst = Some(self.alloc_upload(&v));
-                    }
-                    Role::ChildGrad(k) => {
-                        let v: Vec<u32> = (0..rows.rows())
-                            .map(|r| match rows.child(r, k) {
-                                Some(c) => state_row(self, c, true),
-                                None => Ok(NO_INDEX),
-                            })
-                            .collect::<Result<_>>()?;
-                        fi.child_grad_dst.insert(k, self.alloc_upload(&v));
-                    }
-                    Role::PullGrad => return Err(err("pulled inputs are not supported yet")),
-                    _ => {}
-                }
-            }
+        for f in 0..self.model.functions.len() {
+            let fi = self.function_index(f)?;
             self.functions.push(fi);
         }
-        // head: labels, the pushed rows it reads and where their gradients go
+        self.head_index()?;
+        self.touched_rows();
+        Ok(())
+    }
+
+    /// Vertex function `f`'s index arrays.
+    fn function_index(&mut self, f: usize) -> Result<FunctionIndex> {
+        let model = self.model;
+        let s = self.s;
+        let func = &model.functions[f];
+        let rows = &s.functions[f];
+        let mut fi = FunctionIndex::default();
+        let fwd = &func.forward;
+        if fwd.input_node(Source::Token).is_some() {
+            let toks: Vec<u32> = rows.vertex.iter().map(|&v| s.tokens[v as usize]).collect();
+            if let Some(bad) = toks.iter().find(|&&t| {
+                fwd.nodes.iter().any(|n| {
+                    matches!(n.op(), Some(Op::Embedding(_)))
+                        && fwd.nodes[n.inputs[0]].ty.shape[0] <= t as usize
+                })
+            }) {
+                return Err(err(format!(
+                    "token id {bad} is outside the embedding table of function `{}`",
+                    func.name
+                )));
+            }
+            fi.tokens = Some(self.alloc_upload(&toks));
+        }
+        fi.edge_offsets = self.alloc_upload(&rows.edge_offsets);
+        fi.edge_parent = self.alloc_upload(&rows.edge_parent);
+        // absolute offsets of children's scattered rows (gathers) and
+        // of their state-gradient rows (child-gradient scatters)
+        let state_row = |u: &Self, v: u32, backward: bool| -> Result<u32> {
+            let (cf, cr) = (
+                s.vertex_function[v as usize] as usize,
+                s.vertex_row[v as usize] as usize,
+            );
+            let cfunc = &model.functions[cf];
+            let Some(scattered) = cfunc.scatter else {
+                return Err(err(format!("function `{}` scatters no state", cfunc.name)));
+            };
+            if backward {
+                match cfunc.output_grad_node(Role::Scatter) {
+                    Some(n) => u.row_at(GraphKey::Backward(cf), n, cr),
+                    None => Ok(NO_INDEX),
+                }
+            } else {
+                u.row_at(GraphKey::Forward(cf), scattered, cr)
+            }
+        };
+        let mut gather_ks = Vec::new();
+        for node in &fwd.nodes {
+            match node.kind {
+                NodeKind::Input(Source::GatherAll) => {
+                    let v: Vec<u32> = rows
+                        .edge_child
+                        .iter()
+                        .map(|&c| state_row(self, c, false))
+                        .collect::<Result<_>>()?;
+                    fi.gather_all_src = Some(self.alloc_upload(&v));
+                }
+                NodeKind::Input(Source::Gather(k)) => gather_ks.push(k),
+                _ => {}
+            }
+        }
+        for k in gather_ks {
+            let v: Vec<u32> = (0..rows.rows())
+                .map(|r| match rows.child(r, k) {
+                    Some(c) => state_row(self, c, false),
+                    None => Ok(NO_INDEX),
+                })
+                .collect::<Result<_>>()?;
+            fi.gather_src.insert(k, self.alloc_upload(&v));
+        }
+        for o in &func.backward.outputs {
+            match o.role {
+                Role::ChildGradAll => {
+                    let v: Vec<u32> = rows
+                        .edge_child
+                        .iter()
+                        .map(|&c| state_row(self, c, true))
+                        .collect::<Result<_>>()?;
+                    fi.child_grad_all_dst = Some(self.alloc_upload(&v));
+                }
+                Role::ChildGrad(k) => {
+                    let v: Vec<u32> = (0..rows.rows())
+                        .map(|r| match rows.child(r, k) {
+                            Some(c) => state_row(self, c, true),
+                            None => Ok(NO_INDEX),
+                        })
+                        .collect::<Result<_>>()?;
+                    fi.child_grad_dst.insert(k, self.alloc_upload(&v));
+                }
+                Role::PullGrad => return Err(err("pulled inputs are not supported yet")),
+                _ => {}
+            }
+        }
+        Ok(fi)
+    }
+
+    /// The head's labels, the pushed rows it reads and where their
+    /// gradients go.
+    fn head_index(&mut self) -> Result<()> {
+        let model = self.model;
+        let s = self.s;
         let head = &model.head;
         if head.forward.input_node(Source::Label).is_some() {
             let mut labels = Vec::with_capacity(self.head_vertices.len());
@@ -145,7 +161,13 @@ impl Unroller<'_> {
         }
         self.push_src_at = self.alloc_upload(&push_src);
         self.head_grad_dst_at = self.alloc_upload(&grad_dst);
-        // touched rows of row-gradient parameters
+        Ok(())
+    }
+
+    /// The touched rows of row-gradient parameters.
+    fn touched_rows(&mut self) {
+        let model = self.model;
+        let s = self.s;
         for &p in &self.prog.row_grad_params {
             let mut touched: Vec<u32> = Vec::new();
             for (f, func) in model.functions.iter().enumerate() {
@@ -164,7 +186,6 @@ impl Unroller<'_> {
             let at = self.alloc_upload(&touched);
             self.update_rows.insert(p, (at, touched.len()));
         }
-        Ok(())
     }
 
     /// Pool offset of an upload-region word.

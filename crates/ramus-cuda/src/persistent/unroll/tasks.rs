@@ -10,10 +10,27 @@ use ramus_core::vpps::isa::{
     ROWS_SRC_ABSOLUTE,
 };
 use ramus_core::vpps::{Placement, OP_HOST};
+use ramus_graph::Task;
 
 use super::{err, u32_of, ChildLink, HostWork, RowCopy, Unroller};
 use crate::error::Result;
 use crate::persistent::program::GraphKey;
+
+/// The phases of a vertex function's plan: before the batching tasks (on
+/// every row at once), per batching task, after them.
+const EAGER: usize = 0;
+const PER_TASK: usize = 1;
+const LAZY: usize = 2;
+
+/// The rows and edges `[r0, r1, e0, e1]` of batching task `task`.
+fn task_rows(task: &Task) -> [usize; 4] {
+    [
+        task.row_offset as usize,
+        (task.row_offset + task.len) as usize,
+        task.edge_offset as usize,
+        (task.edge_offset + task.edge_len) as usize,
+    ]
+}
 
 impl Unroller<'_> {
     /// A host task for `work` after `deps` (see [`HostWork`]).
@@ -229,29 +246,43 @@ impl Unroller<'_> {
 
     /// Pass 3: every task of the batch.
     pub(super) fn tasks(&mut self) -> Result<()> {
-        let model = self.model;
         let s = self.s;
-        let n_fn = model.functions.len();
-        const EAGER: usize = 0;
-        const PER_TASK: usize = 1;
-        const LAZY: usize = 2;
+        let n_fn = self.model.functions.len();
         for f in 0..n_fn {
             self.phase(GraphKey::Forward(f), EAGER, self.all_rows(f))?;
         }
         for task in &s.tasks {
-            let r = [
-                task.row_offset as usize,
-                (task.row_offset + task.len) as usize,
-                task.edge_offset as usize,
-                (task.edge_offset + task.edge_len) as usize,
-            ];
+            let r = task_rows(task);
             self.gathers(task.function, r)?;
             self.phase(GraphKey::Forward(task.function), PER_TASK, r)?;
         }
         for f in 0..n_fn {
             self.phase(GraphKey::Forward(f), LAZY, self.all_rows(f))?;
         }
-        // head input: the pushed rows of the head vertices
+        self.head_input()?;
+        let head_rows = [0, self.head_vertices.len(), 0, 0];
+        self.phase(GraphKey::HeadForward, 0, head_rows)?;
+        self.phase(GraphKey::HeadBackward, 0, head_rows)?;
+        self.head_input_grads()?;
+        for f in 0..n_fn {
+            self.phase(GraphKey::Backward(f), EAGER, self.all_rows(f))?;
+        }
+        for task in s.tasks.iter().rev() {
+            let r = task_rows(task);
+            self.phase(GraphKey::Backward(task.function), PER_TASK, r)?;
+            self.child_grads(task.function, r)?;
+        }
+        for f in 0..n_fn {
+            self.phase(GraphKey::Backward(f), LAZY, self.all_rows(f))?;
+        }
+        self.param_grads()?;
+        self.updates()
+    }
+
+    /// The head's input: the pushed rows of the head vertices.
+    fn head_input(&mut self) -> Result<()> {
+        let model = self.model;
+        let s = self.s;
         let hf = GraphKey::HeadForward;
         let h = self.head_vertices.len();
         if let Some(inp) = model.head.forward.input_node(Source::HeadInput) {
@@ -279,10 +310,15 @@ impl Unroller<'_> {
                 self.record(hf, inp, a, b, t);
             }
         }
-        let head_rows = [0, h, 0, 0];
-        self.phase(hf, 0, head_rows)?;
+        Ok(())
+    }
+
+    /// The head input's gradients added into the pushing functions' rows.
+    fn head_input_grads(&mut self) -> Result<()> {
+        let model = self.model;
+        let s = self.s;
         let hb = GraphKey::HeadBackward;
-        self.phase(hb, 0, head_rows)?;
+        let h = self.head_vertices.len();
         if let Some(out) = model.head.backward.output(Role::HeadInputGrad) {
             let pw = model.head.backward.nodes[out.node].ty.width();
             for (a, b) in self.chunks(0, h, pw) {
@@ -309,23 +345,14 @@ impl Unroller<'_> {
                 }
             }
         }
-        for f in 0..n_fn {
-            self.phase(GraphKey::Backward(f), EAGER, self.all_rows(f))?;
-        }
-        for task in s.tasks.iter().rev() {
-            let r = [
-                task.row_offset as usize,
-                (task.row_offset + task.len) as usize,
-                task.edge_offset as usize,
-                (task.edge_offset + task.edge_len) as usize,
-            ];
-            self.phase(GraphKey::Backward(task.function), PER_TASK, r)?;
-            self.child_grads(task.function, r)?;
-        }
-        for f in 0..n_fn {
-            self.phase(GraphKey::Backward(f), LAZY, self.all_rows(f))?;
-        }
-        // parameter gradients not written in place
+        Ok(())
+    }
+
+    /// The parameter gradients not written in place, added into their
+    /// slots.
+    fn param_grads(&mut self) -> Result<()> {
+        let n_fn = self.model.functions.len();
+        let hb = GraphKey::HeadBackward;
         for key in (0..n_fn).map(GraphKey::Backward).chain([hb]) {
             let g = self.graph(key);
             for o in &g.outputs {
@@ -384,7 +411,12 @@ impl Unroller<'_> {
                 }
             }
         }
-        // the update, after everything
+        Ok(())
+    }
+
+    /// The update, after everything.
+    fn updates(&mut self) -> Result<()> {
+        let model = self.model;
         let all: Vec<u32> = (0..self.g.len() as u32).collect();
         let sink = self.push_any(OP_NOP, 0, Vec::new(), all, 1)?;
         if !self.prog.matrices.is_empty() && self.grads_in_registers {
