@@ -13,7 +13,7 @@ use rand_chacha::ChaCha8Rng;
 use ramus_codegen::persistent::KERNEL_NAME;
 use ramus_core::vpps::{DeviceLimits, WIDE_PRODUCT_ITEMS};
 use ramus_core::{Model, Params};
-use ramus_exec::memory::DeviceRoom;
+use ramus_exec::memory::{DeviceNeed, DeviceRoom};
 use ramus_exec::OptimizerConfig;
 
 use super::compile::{check_opened, prefetch_candidates, start_compiles, EarlyCompiles};
@@ -27,7 +27,7 @@ use super::variant::{
 };
 use super::{AwaitedKernel, PersistentEngine};
 use crate::cache::KernelCache;
-use crate::device::CudaDevice;
+use crate::device::{CudaDevice, DeviceFacts};
 use crate::error::{InCall, Result};
 use crate::memory::{model_fits, run_check, DeviceCheck};
 use crate::persistent::program::PersistentProgram;
@@ -77,11 +77,7 @@ impl PersistentEngine {
         let mut mark = |phase: &'static str| phases.push((phase, started.elapsed().as_secs_f64()));
         let facts = CudaDevice::probe(ordinal)?;
         mark("probe");
-        let (major, minor) = facts.compute_capability;
-        let compiler = NvrtcCompiler::for_target(CompileTarget::choose(
-            major * 10 + minor,
-            &supported_archs()?,
-        )?);
+        let compiler = compiler_for(&facts)?;
         let cache_dir = options
             .cache_dir
             .clone()
@@ -107,19 +103,13 @@ impl PersistentEngine {
             .as_ref()
             .map_or_else(|| vec![first_choice], |t| t.candidates.clone());
         let mut need = sizes::need(model, &prog, &build, &choices, host_items)?;
-        if let Some(budget) = options.memory_budget {
-            // a run over the budget is refused before anything compiles
-            // (once the thread opening the device is done with the driver)
-            let room = DeviceRoom {
-                free: u64::MAX,
-                budget: Some(budget),
-            };
-            if let Err(e) = run_check(check, &need, room) {
-                if let Ok(thread) = opening {
-                    let _ = thread.join();
-                }
-                return Err(e);
+        // a run over the budget is refused before anything compiles (once
+        // the thread opening the device is done with the driver)
+        if let Err(e) = check_budget(check, &need, options.memory_budget) {
+            if let Ok(thread) = opening {
+                let _ = thread.join();
             }
+            return Err(e);
         }
         let mut early = start_compiles(
             &prog,
@@ -138,19 +128,8 @@ impl PersistentEngine {
         let cache = KernelCache::with_compiler(&device, compiler, cache_dir);
         // what the check found fits, in one chunk
         let checked = pooled + fitted.train_batch + fitted.train_extra;
-        let pool = DevicePool::new(
-            &device,
-            PoolConfig {
-                initial_bytes: PoolConfig::default().initial_bytes.max(checked),
-                max_bytes: options.memory_budget,
-            },
-        );
-        if let Some(e) = early.as_mut() {
-            // where no thread could compile it early, the lookup compiles it
-            for (source, compiling) in e.kernel_proper.drain(..) {
-                cache.adopt(&source, &[KERNEL_NAME], compiling)?;
-            }
-        }
+        let pool = reserve_pool(&device, checked, options.memory_budget);
+        adopt_early(&cache, &mut early)?;
         if let Some(t) = &tuning {
             prefetch_candidates(&cache, &prog, &build, &t.candidates);
         }
@@ -163,13 +142,7 @@ impl PersistentEngine {
             first_choice,
             (early, bridge),
         )?;
-        if params.values.len() != model.params.len() {
-            return Err(model_err(format!(
-                "{} parameter tensors for a model of {}",
-                params.values.len(),
-                model.params.len()
-            )));
-        }
+        check_params(model, params)?;
         // parameters, zero gradients and moments, then room for batches
         mark("kernel");
         let (buffer, transfer) = upload_params(&device, &pool, &prog, params, fitted.train_batch)?;
@@ -391,4 +364,62 @@ fn upload_params(
     }
     transfer.upload(buffer.view().slice(0..prog.params.total)?, device.stream())?;
     Ok((buffer, transfer))
+}
+
+/// The NVRTC compiler for the device of `facts` (its architecture, or the
+/// closest one NVRTC supports).
+fn compiler_for(facts: &DeviceFacts) -> Result<NvrtcCompiler> {
+    let (major, minor) = facts.compute_capability;
+    Ok(NvrtcCompiler::for_target(CompileTarget::choose(
+        major * 10 + minor,
+        &supported_archs()?,
+    )?))
+}
+
+/// Asks `check` whether `need` fits the memory `budget` (whatever the
+/// device has free), where one is set.
+fn check_budget(check: DeviceCheck<'_>, need: &DeviceNeed, budget: Option<u64>) -> Result<()> {
+    if let Some(budget) = budget {
+        let room = DeviceRoom {
+            free: u64::MAX,
+            budget: Some(budget),
+        };
+        run_check(check, need, room)?;
+    }
+    Ok(())
+}
+
+/// The engine's pool, reserving `checked` bytes (at least the default) in
+/// one chunk and taking at most `max_bytes`.
+fn reserve_pool(device: &Arc<CudaDevice>, checked: u64, max_bytes: Option<u64>) -> Arc<DevicePool> {
+    DevicePool::new(
+        device,
+        PoolConfig {
+            initial_bytes: PoolConfig::default().initial_bytes.max(checked),
+            max_bytes,
+        },
+    )
+}
+
+/// Hands the kernels proper compiling since before the device was open to
+/// `cache` (where no thread could compile one early, the lookup compiles it).
+fn adopt_early(cache: &KernelCache, early: &mut Option<EarlyCompiles>) -> Result<()> {
+    if let Some(e) = early.as_mut() {
+        for (source, compiling) in e.kernel_proper.drain(..) {
+            cache.adopt(&source, &[KERNEL_NAME], compiling)?;
+        }
+    }
+    Ok(())
+}
+
+/// Errors unless `params` has a tensor for each of `model`'s parameters.
+fn check_params(model: &Model, params: &Params<f32>) -> Result<()> {
+    if params.values.len() != model.params.len() {
+        return Err(model_err(format!(
+            "{} parameter tensors for a model of {}",
+            params.values.len(),
+            model.params.len()
+        )));
+    }
+    Ok(())
 }
