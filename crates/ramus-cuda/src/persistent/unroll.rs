@@ -782,7 +782,10 @@ pub(super) fn instruction_support(op: &Op) -> std::result::Result<(), &'static s
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ramus_core::vpps::isa::{OP_MATVEC, OP_MATVEC_T, PRODUCT_ITEM_WORDS};
+    use ramus_core::vpps::isa::{
+        OP_MATVEC, OP_MATVEC_T, OP_NOP, OP_ROWS, OP_UPDATE, PRODUCT_ITEM_WORDS, ROWS_ACCUMULATE,
+        ROWS_DST_ABSOLUTE,
+    };
     use ramus_core::vpps::{plan, simulate, DeviceLimits, PlanRequest, Scheduler};
     use ramus_graph::binarize::{binarize, Side};
     use ramus_graph::random::{random_chain, random_path, random_tree};

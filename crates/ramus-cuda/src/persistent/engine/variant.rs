@@ -269,6 +269,7 @@ pub(super) fn build_variant(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ramus_core::vpps::WIDE_PRODUCT_ITEMS;
     use ramus_nn::{build_model_with, ModelConfig, ModelOptions};
 
     /// Follows `choice`'s fallbacks from its first request (`chosen`: each
