@@ -195,6 +195,10 @@ fn plan_graphs(model: &Model) -> Result<Vec<PlannedGraph>> {
     Ok(plans)
 }
 
+/// Per graph, phase and step: the fused group's case (`None`: not a fused
+/// group).
+type FusedCases = Vec<Vec<Vec<Option<u16>>>>;
+
 /// Each fused group's case number in the persistent kernel (one case per
 /// distinct group body: `cases[graph][phase][step]`) and the cases' source.
 /// `scattered_child_grads`: per graph, the child gradients its groups add into the
@@ -203,7 +207,7 @@ fn fused_cases(
     model: &Model,
     plans: &[PlannedGraph],
     scattered_child_grads: &[Option<NodeId>],
-) -> Result<(Vec<Vec<Vec<Option<u16>>>>, String)> {
+) -> Result<(FusedCases, String)> {
     let n = model.functions.len();
     let mut cases: Vec<Vec<Vec<Option<u16>>>> = plans
         .iter()

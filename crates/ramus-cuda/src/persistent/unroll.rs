@@ -488,6 +488,39 @@ impl<'a> Unroller<'a> {
         Ok(())
     }
 
+    /// The floats the host fills in the upload region: the loss seed, then
+    /// the dropout masks (drawn from `rng`) in the CPU engine's order
+    /// (functions' forward graphs, then the head).
+    fn host_floats(&mut self, rng: &mut ChaCha8Rng) -> Result<()> {
+        let model = self.model;
+        let seed_key = GraphKey::HeadBackward;
+        if let Some(i) = model
+            .head
+            .forward
+            .outputs
+            .iter()
+            .position(|o| o.role == Role::Loss)
+        {
+            if let Some(n) = model.head.backward.input_node(Source::OutputGrad(i)) {
+                let (_, at) = self.bufs[seed_key.index(self.prog.functions)][n]
+                    .ok_or_else(|| err("no loss seed buffer"))?;
+                self.upload[at] = 1f32.to_bits();
+            }
+        }
+        for (key, n, rate) in dropout_masks(model) {
+            let ty = &key.graph(model).nodes[n].ty;
+            let len = self.rows(key, ty.space) * ty.width();
+            let (_, at) = self.bufs[key.index(self.prog.functions)][n]
+                .ok_or_else(|| err("no mask buffer"))?;
+            let mut mask = vec![0f32; len];
+            fill_dropout_mask(&mut mask, rate, true, rng);
+            for (d, m) in self.upload[at..at + len].iter_mut().zip(mask) {
+                *d = m.to_bits();
+            }
+        }
+        Ok(())
+    }
+
     /// `Some(matrix)` if `n` is a cached matrix's gradient product `dyᵀ x`.
     fn outer_product(&self, key: GraphKey, n: NodeId) -> Result<Option<u16>> {
         outer_product(self.model, self.prog, key, n)
@@ -689,32 +722,7 @@ pub(crate) fn unroll_batch(
     ];
     u.fill_locs();
     u.index_arrays()?;
-    // host-filled floats: the loss seed, then the dropout masks in the CPU
-    // engine's order (functions' forward graphs, then the head)
-    let seed_key = GraphKey::HeadBackward;
-    if let Some(i) = model
-        .head
-        .forward
-        .outputs
-        .iter()
-        .position(|o| o.role == Role::Loss)
-    {
-        if let Some(n) = model.head.backward.input_node(Source::OutputGrad(i)) {
-            let (_, at) = u.bufs[seed_key.index(prog.functions)][n]
-                .ok_or_else(|| err("no loss seed buffer"))?;
-            u.upload[at] = 1f32.to_bits();
-        }
-    }
-    for (key, n, rate) in dropout_masks(model) {
-        let ty = &key.graph(model).nodes[n].ty;
-        let len = u.rows(key, ty.space) * ty.width();
-        let (_, at) = u.bufs[key.index(prog.functions)][n].ok_or_else(|| err("no mask buffer"))?;
-        let mut mask = vec![0f32; len];
-        fill_dropout_mask(&mut mask, rate, true, rng);
-        for (d, m) in u.upload[at..at + len].iter_mut().zip(mask) {
-            *d = m.to_bits();
-        }
-    }
+    u.host_floats(rng)?;
     u.tasks()?;
     let loss_at = match model
         .head

@@ -184,11 +184,13 @@ impl PersistentEngine {
     }
 }
 
+/// The thread opening the device (`Err`: none could be started): the device
+/// and the seconds opening it took.
+type Opening = std::io::Result<std::thread::JoinHandle<Result<(Arc<CudaDevice>, f64)>>>;
+
 /// Opens device `ordinal` on a thread of its own (its CUDA context, with
 /// the seconds that took), while set-up plans and compiles on this one.
-fn open_on_thread(
-    ordinal: usize,
-) -> std::io::Result<std::thread::JoinHandle<Result<(Arc<CudaDevice>, f64)>>> {
+fn open_on_thread(ordinal: usize) -> Opening {
     std::thread::Builder::new()
         .name("ramus-cuda-open".into())
         .spawn(move || {
@@ -199,10 +201,7 @@ fn open_on_thread(
 
 /// The device [`open_on_thread`] opened (or, where no thread could be
 /// started, opened here), bound to this thread, and the seconds opening took.
-fn join_device(
-    opening: std::io::Result<std::thread::JoinHandle<Result<(Arc<CudaDevice>, f64)>>>,
-    ordinal: usize,
-) -> Result<(Arc<CudaDevice>, f64)> {
+fn join_device(opening: Opening, ordinal: usize) -> Result<(Arc<CudaDevice>, f64)> {
     let (device, context_seconds) = match opening {
         Ok(thread) => thread
             .join()

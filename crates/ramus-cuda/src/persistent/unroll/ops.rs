@@ -36,6 +36,14 @@ impl OpSite<'_> {
     fn arg(&self, i: usize) -> NodeId {
         self.node.inputs[i]
     }
+
+    /// The vertex function the node's graph belongs to (an error naming
+    /// `op` in the head's graphs).
+    fn function(&self, op: &str) -> Result<usize> {
+        self.key
+            .function()
+            .ok_or_else(|| err(format!("{op} outside a vertex function")))
+    }
 }
 
 impl<'a> Unroller<'a> {
@@ -304,9 +312,7 @@ impl<'a> Unroller<'a> {
             // the children add into it as they gather (see `gathers`)
             return Ok(());
         }
-        let f = key
-            .function()
-            .ok_or_else(|| err("sum_children outside a vertex function"))?;
+        let f = site.function("sum_children")?;
         let (sbase, sstride) = self.loc(key, site.arg(0))?;
         for (a, b) in self.chunks(lo, hi, width) {
             let mut deps = Vec::new();
@@ -336,9 +342,7 @@ impl<'a> Unroller<'a> {
             hi,
             ..
         } = site;
-        let f = key
-            .function()
-            .ok_or_else(|| err("expand_children outside a vertex function"))?;
+        let f = site.function("expand_children")?;
         let (sbase, sstride) = self.loc(key, site.arg(0))?;
         for (a, b) in self.chunks(lo, hi, width) {
             let mut deps = Vec::new();
@@ -452,9 +456,7 @@ impl<'a> Unroller<'a> {
             hi,
             ..
         } = site;
-        let f = key
-            .function()
-            .ok_or_else(|| err("embedding outside a vertex function"))?;
+        let f = site.function("embedding")?;
         let tokens = self.functions[f]
             .tokens
             .ok_or_else(|| err("embedding without tokens"))?;
