@@ -9,7 +9,7 @@ use std::time::Instant;
 use ramus_codegen::persistent::{kernel_source, KERNEL_NAME};
 use ramus_core::vpps::{plan, PlanRequest, RegisterPlan};
 
-use super::variant::{VariantBuild, VariantChoice};
+use super::variant::{Tuning, VariantBuild, VariantChoice};
 use crate::cache::{compile_in_background, KernelCache, Prefetched};
 use crate::device::CudaDevice;
 use crate::error::{InCall, Result};
@@ -17,18 +17,21 @@ use crate::memory::{device_room, local_memory_bytes, run_check, DeviceCheck};
 use crate::persistent::program::PersistentProgram;
 use crate::rtc::{LoadedModule, NvrtcCompiler};
 
-/// Starts compiling the kernels the `rpw` search's `candidates` may build
-/// on threads of their own, so that the search finds each compiled when it
+/// Where the `rpw` search runs (`tuning`), starts compiling the kernels its
+/// candidates may build on threads of their own, so that the search finds each compiled when it
 /// gets to it: every candidate's first plan, then each one's first plan
 /// with the scalar epilogue, then each one's first fallback (a plan that
-/// spills falls back, see [`build_variant`]),
+/// spills falls back, see [`build_variant`](super::variant::build_variant)),
 /// as many as the host has cores beside the one preparing batches.
 pub(super) fn prefetch_candidates(
     cache: &KernelCache,
     prog: &PersistentProgram,
     build: &VariantBuild,
-    candidates: &[VariantChoice],
+    tuning: Option<&Tuning>,
 ) {
+    let Some(Tuning { candidates, .. }) = tuning else {
+        return;
+    };
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let source_of = |request: &PlanRequest, vector_epilogue: bool| {
         plan(&prog.matrices, &build.limits, request).ok().map(|p| {

@@ -13,7 +13,7 @@ use rand_chacha::ChaCha8Rng;
 use ramus_codegen::persistent::KERNEL_NAME;
 use ramus_core::vpps::{DeviceLimits, WIDE_PRODUCT_ITEMS};
 use ramus_core::{Model, Params};
-use ramus_exec::memory::{DeviceNeed, DeviceRoom};
+use ramus_exec::memory::{DeviceNeed, DeviceRoom, Fitted};
 use ramus_exec::OptimizerConfig;
 
 use super::compile::{check_opened, prefetch_candidates, start_compiles, EarlyCompiles};
@@ -64,53 +64,27 @@ impl PersistentEngine {
         check: DeviceCheck<'_>,
     ) -> Result<Self> {
         let started = Instant::now();
-        if optimizer.clip_norm.is_some() {
-            return Err(model_err(
-                "the persistent engine does not clip gradients yet; train without --clip-norm",
-            ));
-        }
+        check_optimizer(&optimizer)?;
         // the CUDA context is created on a thread of its own while this one
         // plans the kernel and, where it must be compiled, compiles a bridge
-        let ordinal = options.device;
-        let opening = open_on_thread(ordinal);
+        let opening = open_on_thread(options.device);
         let mut phases = Vec::new();
         let mut mark = |phase: &'static str| phases.push((phase, started.elapsed().as_secs_f64()));
-        let facts = CudaDevice::probe(ordinal)?;
-        mark("probe");
-        let compiler = compiler_for(&facts)?;
-        let cache_dir = options
-            .cache_dir
-            .clone()
-            .or_else(crate::cache::default_cache_dir);
-        mark("nvrtc");
-        let prog = Arc::new(PersistentProgram::build(model)?);
-        let limits = DeviceLimits::hopper(facts.sm_count as usize);
-        let Planned {
-            build,
-            first_choice,
-            tuning,
-            host_items,
-        } = plan_variants(
-            &prog,
-            limits,
-            &facts.name,
-            &optimizer,
-            options,
-            cache_dir.as_ref(),
-        )?;
-        mark("program");
-        let choices = tuning
-            .as_ref()
-            .map_or_else(|| vec![first_choice], |t| t.candidates.clone());
-        let mut need = sizes::need(model, &prog, &build, &choices, host_items)?;
-        // a run over the budget is refused before anything compiles (once
-        // the thread opening the device is done with the driver)
-        if let Err(e) = check_budget(check, &need, options.memory_budget) {
-            if let Ok(thread) = opening {
-                let _ = thread.join();
-            }
-            return Err(e);
-        }
+        let SetupPlan {
+            compiler,
+            cache_dir,
+            prog,
+            planned:
+                Planned {
+                    build,
+                    first_choice,
+                    tuning,
+                    host_items,
+                },
+            mut need,
+        } = plan_setup(model, &optimizer, options, &mut mark)?;
+        // a run over the budget is refused before anything compiles
+        let opening = check_budget(check, &need, options.memory_budget, opening)?;
         let mut early = start_compiles(
             &prog,
             &build,
@@ -120,19 +94,15 @@ impl PersistentEngine {
             options.bridge != Some(false) && build.trace.is_none(),
         );
         mark("bridge compile");
-        let (device, context_seconds) = join_device(opening, ordinal)?;
+        let (device, context_seconds) = join_device(opening, options.device)?;
         mark("device");
         let pooled = need.parts_bytes();
         let budget = options.memory_budget;
         let (fitted, bridge) = check_opened(&device, &mut need, &mut early, check, budget)?;
         let cache = KernelCache::with_compiler(&device, compiler, cache_dir);
-        // what the check found fits, in one chunk
-        let checked = pooled + fitted.train_batch + fitted.train_extra;
-        let pool = reserve_pool(&device, checked, options.memory_budget);
+        let pool = reserve_pool(&device, pooled, &fitted, budget);
         adopt_early(&cache, &mut early)?;
-        if let Some(t) = &tuning {
-            prefetch_candidates(&cache, &prog, &build, &t.candidates);
-        }
+        prefetch_candidates(&cache, &prog, &build, tuning.as_ref());
         mark("prefetch");
         let (first, awaited) = first_variant(
             &device,
@@ -375,22 +345,40 @@ fn compiler_for(facts: &DeviceFacts) -> Result<NvrtcCompiler> {
     )?))
 }
 
-/// Asks `check` whether `need` fits the memory `budget` (whatever the
-/// device has free), where one is set.
-fn check_budget(check: DeviceCheck<'_>, need: &DeviceNeed, budget: Option<u64>) -> Result<()> {
+/// `opening`, once `check` found that `need` fits the memory `budget`
+/// (whatever the device has free), where one is set; a refusal first waits
+/// for the thread opening the device to be done with the driver.
+fn check_budget(
+    check: DeviceCheck<'_>,
+    need: &DeviceNeed,
+    budget: Option<u64>,
+    opening: Opening,
+) -> Result<Opening> {
     if let Some(budget) = budget {
         let room = DeviceRoom {
             free: u64::MAX,
             budget: Some(budget),
         };
-        run_check(check, need, room)?;
+        if let Err(e) = run_check(check, need, room) {
+            if let Ok(thread) = opening {
+                let _ = thread.join();
+            }
+            return Err(e);
+        }
     }
-    Ok(())
+    Ok(opening)
 }
 
-/// The engine's pool, reserving `checked` bytes (at least the default) in
-/// one chunk and taking at most `max_bytes`.
-fn reserve_pool(device: &Arc<CudaDevice>, checked: u64, max_bytes: Option<u64>) -> Arc<DevicePool> {
+/// The engine's pool, reserving what the check found fits (`pooled` bytes
+/// and the `fitted` batch's; at least the default) in one chunk and taking
+/// at most `max_bytes`.
+fn reserve_pool(
+    device: &Arc<CudaDevice>,
+    pooled: u64,
+    fitted: &Fitted,
+    max_bytes: Option<u64>,
+) -> Arc<DevicePool> {
+    let checked = pooled + fitted.train_batch + fitted.train_extra;
     DevicePool::new(
         device,
         PoolConfig {
@@ -419,6 +407,68 @@ fn check_params(model: &Model, params: &Params<f32>) -> Result<()> {
             params.values.len(),
             model.params.len()
         )));
+    }
+    Ok(())
+}
+
+/// What set-up plans before the device is open (while it opens on another
+/// thread): the compiler, the kernel cache's directory, the program, the
+/// variants' plan and what the run will allocate.
+struct SetupPlan {
+    compiler: NvrtcCompiler,
+    cache_dir: Option<PathBuf>,
+    prog: Arc<PersistentProgram>,
+    planned: Planned,
+    need: DeviceNeed,
+}
+
+/// Plans set-up for `model` from the device's properties alone (see
+/// [`SetupPlan`]), `mark`ing each phase's end.
+fn plan_setup(
+    model: &Model,
+    optimizer: &OptimizerConfig,
+    options: &PersistentOptions,
+    mark: &mut dyn FnMut(&'static str),
+) -> Result<SetupPlan> {
+    let facts = CudaDevice::probe(options.device)?;
+    mark("probe");
+    let compiler = compiler_for(&facts)?;
+    let cache_dir = options
+        .cache_dir
+        .clone()
+        .or_else(crate::cache::default_cache_dir);
+    mark("nvrtc");
+    let prog = Arc::new(PersistentProgram::build(model)?);
+    let limits = DeviceLimits::hopper(facts.sm_count as usize);
+    let planned = plan_variants(
+        &prog,
+        limits,
+        &facts.name,
+        optimizer,
+        options,
+        cache_dir.as_ref(),
+    )?;
+    mark("program");
+    let choices = planned
+        .tuning
+        .as_ref()
+        .map_or_else(|| vec![planned.first_choice], |t| t.candidates.clone());
+    let need = sizes::need(model, &prog, &planned.build, &choices, planned.host_items)?;
+    Ok(SetupPlan {
+        compiler,
+        cache_dir,
+        prog,
+        planned,
+        need,
+    })
+}
+
+/// Errors for what the persistent engine's update cannot do yet.
+fn check_optimizer(optimizer: &OptimizerConfig) -> Result<()> {
+    if optimizer.clip_norm.is_some() {
+        return Err(model_err(
+            "the persistent engine does not clip gradients yet; train without --clip-norm",
+        ));
     }
     Ok(())
 }
