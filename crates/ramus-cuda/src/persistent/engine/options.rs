@@ -9,7 +9,7 @@ use ramus_exec::OptimizerKind;
 
 use crate::error::{CudaError, Result};
 
-/// How to set up a [`PersistentEngine`].
+/// How to set up a [`PersistentEngine`](super::PersistentEngine).
 #[derive(Clone, Debug, Default)]
 pub struct PersistentOptions {
     /// Device ordinal.
@@ -27,7 +27,7 @@ pub struct PersistentOptions {
     pub grads_in_registers: Option<bool>,
     /// Items from which a product instruction runs as a tiled GEMM over
     /// its matrix's holders instead of on the held rows (default:
-    /// [`WIDE_PRODUCT_ITEMS`], or the `RAMUS_VPPS_WIDE` environment
+    /// [`WIDE_PRODUCT_ITEMS`](ramus_core::vpps::WIDE_PRODUCT_ITEMS), or the `RAMUS_VPPS_WIDE` environment
     /// variable for tuning; `Some(u32::MAX)`: never).
     pub wide_items: Option<u32>,
     /// Items from which a level's product (or, with register gradients, a
@@ -45,12 +45,12 @@ pub struct PersistentOptions {
     pub batch_size: Option<usize>,
     /// Where the kernel must be compiled (no cached image), train the first
     /// batches on a bridge kernel, the same source compiled in a fraction
-    /// of the time ([`PersistentKernel::bridge`]), while the kernel proper
+    /// of the time ([`PersistentKernel::bridge`](crate::persistent::PersistentKernel::bridge)), while the kernel proper
     /// compiles on other threads (default: yes, unless tracing; NVRTC
     /// older than 12.8 cannot, and then set-up waits for the kernel).
     pub bridge: Option<bool>,
     /// Device memory the engine may take at most (its pool's budget, and
-    /// what [`PersistentEngine::with_check`] checks against besides the
+    /// what [`PersistentEngine::with_check`](super::PersistentEngine::with_check) checks against besides the
     /// free memory); `None`: as much as the device has free.
     pub memory_budget: Option<u64>,
 }

@@ -53,7 +53,7 @@ impl PersistentEngine {
     /// allocate fits the device ([`sizes::need`]; within
     /// [`PersistentOptions::memory_budget`] before the kernels compile,
     /// within the free memory once the device is open), before the pool
-    /// holds anything: a refusal is [`CudaError::DoesNotFit`]. The pool
+    /// holds anything: a refusal is [`CudaError::DoesNotFit`](crate::error::CudaError::DoesNotFit). The pool
     /// then reserves what the check found fits, its buffer sized for the
     /// largest batch.
     pub fn with_check(

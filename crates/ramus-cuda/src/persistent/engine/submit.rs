@@ -92,7 +92,7 @@ impl PersistentEngine {
 
     /// [`submit_many`](Self::submit_many) for batches already scheduled;
     /// `started` is when the host began preparing them. While a bridge
-    /// kernel trains (see [`PersistentOptions::bridge`]), the batches go
+    /// kernel trains (see [`PersistentOptions::bridge`](super::PersistentOptions::bridge)), the batches go
     /// one at a time, as [`submit`](Self::submit)s, and the steps returned
     /// are those of every batch but the last one submitted.
     pub fn submit_many_scheduled(

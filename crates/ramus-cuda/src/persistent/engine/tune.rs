@@ -128,7 +128,7 @@ impl PersistentEngine {
     }
 
     /// Waits until the kernel proper is in use, where set-up left a bridge
-    /// kernel training while it compiled (see [`PersistentOptions::bridge`]).
+    /// kernel training while it compiled (see [`PersistentOptions::bridge`](super::PersistentOptions::bridge)).
     pub fn wait_for_kernel(&mut self) -> Result<()> {
         self.take_up_kernel(true)
     }
