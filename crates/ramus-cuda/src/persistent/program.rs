@@ -145,92 +145,139 @@ pub(crate) fn graph_keys(model: &Model) -> Vec<GraphKey> {
     keys
 }
 
+/// Every graph's plan (its phases' steps and fused groups), indexed by
+/// [`GraphKey::index`].
+fn plan_graphs(model: &Model) -> Result<Vec<PlannedGraph>> {
+    let mut plans = HashMap::new();
+    let mut kernels = std::collections::BTreeMap::new();
+    let none = BTreeSet::new();
+    for (f, func) in model.functions.iter().enumerate() {
+        let keep = persistent_keep(&func.forward, &func.backward);
+        let fp = &func.forward_plan;
+        let phases = [fp.eager.clone(), fp.per_task.clone(), fp.lazy.clone()];
+        plans.insert(
+            GraphKey::Forward(f),
+            plan_graph(&func.forward, &phases, &keep, &mut kernels)?,
+        );
+        let bp = &func.backward_plan;
+        let phases = [bp.eager.clone(), bp.per_task.clone(), bp.lazy.clone()];
+        let mut backward = plan_graph(&func.backward, &phases, &none, &mut kernels)?;
+        let forward_views = &plans[&GraphKey::Forward(f)].views;
+        read_forward_views_as_windows(&func.backward, &mut backward, forward_views)?;
+        plans.insert(GraphKey::Backward(f), backward);
+    }
+    let head = &model.head;
+    let keep = fusion::forward_reads(&head.backward);
+    plans.insert(
+        GraphKey::HeadForward,
+        plan_graph(
+            &head.forward,
+            &[op_nodes(&head.forward, |_| true)],
+            &keep,
+            &mut kernels,
+        )?,
+    );
+    plans.insert(
+        GraphKey::HeadBackward,
+        plan_graph(
+            &head.backward,
+            &[op_nodes(&head.backward, |_| true)],
+            &none,
+            &mut kernels,
+        )?,
+    );
+
+    let n = model.functions.len();
+    let mut keyed: Vec<(usize, PlannedGraph)> =
+        plans.into_iter().map(|(k, p)| (k.index(n), p)).collect();
+    keyed.sort_by_key(|(i, _)| *i);
+    let plans: Vec<PlannedGraph> = keyed.into_iter().map(|(_, p)| p).collect();
+    Ok(plans)
+}
+
+/// Per graph, phase and step: the fused group's case (`None`: not a fused
+/// group).
+type FusedCases = Vec<Vec<Vec<Option<u16>>>>;
+
+/// Each fused group's case number in the persistent kernel (one case per
+/// distinct group body: `cases[graph][phase][step]`) and the cases' source.
+/// `scattered_child_grads`: per graph, the child gradients its groups add into the
+/// children's rows themselves.
+fn fused_cases(
+    model: &Model,
+    plans: &[PlannedGraph],
+    scattered_child_grads: &[Option<NodeId>],
+) -> Result<(FusedCases, String)> {
+    let n = model.functions.len();
+    let mut cases: Vec<Vec<Vec<Option<u16>>>> = plans
+        .iter()
+        .map(|p| {
+            p.phases
+                .iter()
+                .map(|ph| vec![None; ph.steps.len()])
+                .collect()
+        })
+        .collect();
+    let mut bodies: HashMap<String, u16> = HashMap::new();
+    let mut fused_source = String::new();
+    for key in graph_keys(model) {
+        let g = key.graph(model);
+        for (phase, plan) in plans[key.index(n)].phases.iter().enumerate() {
+            for (i, step) in plan.steps.iter().enumerate() {
+                let Step::Fused(group) = step else { continue };
+                let scattered = scattered_child_grads[key.index(n)];
+                let scatter_added = |concat: NodeId| Some(concat) == scattered;
+                let body = group.persistent_case(g, 0, &scatter_added)?;
+                let next = u16::try_from(bodies.len())
+                    .map_err(|_| unsupported("more than 65536 fused groups"))?;
+                let case = *bodies.entry(body).or_insert_with(|| {
+                    // the body was generated for case 0; renumber
+                    next
+                });
+                if case == next {
+                    fused_source += &group.persistent_case(g, usize::from(case), &scatter_added)?;
+                }
+                cases[key.index(n)][phase][i] = Some(case);
+            }
+        }
+    }
+    Ok((cases, fused_source))
+}
+
+/// Where each parameter, its gradient and its optimizer moments lie in the
+/// pool's parameter region.
+fn param_layout(model: &Model) -> ParamLayout {
+    let mut params = ParamLayout::default();
+    let mut at = 0;
+    for spec in &model.params {
+        let len: usize = spec.shape.iter().product();
+        params.len.push(len);
+        params.value.push(at);
+        at += len;
+        // cached matrices too: their gradients land here when they do
+        // not fit in registers (VPPS §III-C2)
+        params.grad.push(Some(at));
+        at += len;
+        params.first.push(at);
+        at += len;
+        params.second.push(at);
+        at += len;
+    }
+    params.total = at;
+    params
+}
+
 impl PersistentProgram {
     pub fn build(model: &Model) -> Result<Self> {
-        let mut plans = HashMap::new();
-        let mut kernels = std::collections::BTreeMap::new();
-        let none = BTreeSet::new();
-        for (f, func) in model.functions.iter().enumerate() {
-            let keep = persistent_keep(&func.forward, &func.backward);
-            let fp = &func.forward_plan;
-            let phases = [fp.eager.clone(), fp.per_task.clone(), fp.lazy.clone()];
-            plans.insert(
-                GraphKey::Forward(f),
-                plan_graph(&func.forward, &phases, &keep, &mut kernels)?,
-            );
-            let bp = &func.backward_plan;
-            let phases = [bp.eager.clone(), bp.per_task.clone(), bp.lazy.clone()];
-            let mut backward = plan_graph(&func.backward, &phases, &none, &mut kernels)?;
-            let forward_views = &plans[&GraphKey::Forward(f)].views;
-            read_forward_views_as_windows(&func.backward, &mut backward, forward_views)?;
-            plans.insert(GraphKey::Backward(f), backward);
-        }
-        let head = &model.head;
-        let keep = fusion::forward_reads(&head.backward);
-        plans.insert(
-            GraphKey::HeadForward,
-            plan_graph(
-                &head.forward,
-                &[op_nodes(&head.forward, |_| true)],
-                &keep,
-                &mut kernels,
-            )?,
-        );
-        plans.insert(
-            GraphKey::HeadBackward,
-            plan_graph(
-                &head.backward,
-                &[op_nodes(&head.backward, |_| true)],
-                &none,
-                &mut kernels,
-            )?,
-        );
-
+        let plans = plan_graphs(model)?;
         let n = model.functions.len();
-        let mut keyed: Vec<(usize, PlannedGraph)> =
-            plans.into_iter().map(|(k, p)| (k.index(n), p)).collect();
-        keyed.sort_by_key(|(i, _)| *i);
-        let plans: Vec<PlannedGraph> = keyed.into_iter().map(|(_, p)| p).collect();
         let mut scattered_child_grads = vec![None; plans.len()];
         for f in 0..n {
             let key = GraphKey::Backward(f);
             scattered_child_grads[key.index(n)] =
                 child_grads_written_in_place(key.graph(model), &plans[key.index(n)]);
         }
-        // one case per distinct group body
-        let mut cases: Vec<Vec<Vec<Option<u16>>>> = plans
-            .iter()
-            .map(|p| {
-                p.phases
-                    .iter()
-                    .map(|ph| vec![None; ph.steps.len()])
-                    .collect()
-            })
-            .collect();
-        let mut bodies: HashMap<String, u16> = HashMap::new();
-        let mut fused_source = String::new();
-        for key in graph_keys(model) {
-            let g = key.graph(model);
-            for (phase, plan) in plans[key.index(n)].phases.iter().enumerate() {
-                for (i, step) in plan.steps.iter().enumerate() {
-                    let Step::Fused(group) = step else { continue };
-                    let scattered = scattered_child_grads[key.index(n)];
-                    let scatter_added = |concat: NodeId| Some(concat) == scattered;
-                    let body = group.persistent_case(g, 0, &scatter_added)?;
-                    let next = u16::try_from(bodies.len())
-                        .map_err(|_| unsupported("more than 65536 fused groups"))?;
-                    let case = *bodies.entry(body).or_insert_with(|| {
-                        // the body was generated for case 0; renumber
-                        next
-                    });
-                    if case == next {
-                        fused_source +=
-                            &group.persistent_case(g, usize::from(case), &scatter_added)?;
-                    }
-                    cases[key.index(n)][phase][i] = Some(case);
-                }
-            }
-        }
+        let (cases, fused_source) = fused_cases(model, &plans, &scattered_child_grads)?;
 
         // plans are indexed by graph; so are their views, by node
         let mut views = vec![Vec::new(); plans.len()];
@@ -264,23 +311,7 @@ impl PersistentProgram {
             }
         }
         let row_grad_params = row_grad_params(model);
-        let mut params = ParamLayout::default();
-        let mut at = 0;
-        for spec in &model.params {
-            let len: usize = spec.shape.iter().product();
-            params.len.push(len);
-            params.value.push(at);
-            at += len;
-            // cached matrices too: their gradients land here when they do
-            // not fit in registers (VPPS §III-C2)
-            params.grad.push(Some(at));
-            at += len;
-            params.first.push(at);
-            at += len;
-            params.second.push(at);
-            at += len;
-        }
-        params.total = at;
+        let params = param_layout(model);
         let mut prog = PersistentProgram {
             stored: Vec::new(),
             functions: n,

@@ -33,22 +33,20 @@ use std::collections::HashMap;
 
 use rand_chacha::ChaCha8Rng;
 
-use ramus_core::fusion::{InputKind, Step};
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, Role, Source, Space};
 use ramus_core::ops::Op;
-use ramus_core::vpps::isa::{
-    NO_INDEX, OP_FUSED, OP_NOP, OP_ROWS, OP_UPDATE, OP_UPDATE_DENSE, ROWS_ACCUMULATE,
-    ROWS_DST_ABSOLUTE, ROWS_SRC_ABSOLUTE,
-};
-use ramus_core::vpps::{Placement, VppTask, VppTaskGraph, OP_HOST};
+use ramus_core::vpps::{Placement, VppTask, VppTaskGraph};
 use ramus_core::Model;
 use ramus_exec::fill_dropout_mask;
-use ramus_graph::{Schedule, NO_LABEL};
+use ramus_graph::Schedule;
 
 use super::program::{graph_keys, GraphKey, ParamLayout, PersistentProgram};
 use crate::error::{CudaError, Result};
 
+mod fused;
+mod index;
 mod ops;
+mod tasks;
 
 /// Elements an instruction over rows covers at least, where it has the
 /// rows (one per thread of a CTA).
@@ -143,6 +141,18 @@ fn u32_of(v: usize, what: &str) -> Result<u32> {
             "{what} = {v} does not fit 32 bits (pool too large)"
         ))
     })
+}
+
+/// A row copy ([`OP_ROWS`](ramus_core::vpps::isa::OP_ROWS)): `rows` rows of `width` floats from `src` to
+/// `dst` (`flags`: accumulate, absolute rows; see the instruction), each
+/// side as (pool offset of its row 0, row stride, upload offset of its row
+/// index or [`NO_INDEX`](ramus_core::vpps::isa::NO_INDEX)).
+struct RowCopy {
+    flags: u16,
+    rows: usize,
+    width: usize,
+    dst: (u32, usize, u32),
+    src: (u32, usize, u32),
 }
 
 /// Index arrays of one vertex function (offsets into the upload region).
@@ -444,6 +454,18 @@ impl<'a> Unroller<'a> {
             .map_err(CudaError::from)
     }
 
+    /// [`Self::push`] for any processor ([`Placement::Any`]).
+    fn push_any(
+        &mut self,
+        op: u8,
+        arg: u16,
+        operands: Vec<u32>,
+        deps: Vec<u32>,
+        load: usize,
+    ) -> Result<u32> {
+        self.push(op, arg, operands, deps, load, Placement::Any)
+    }
+
     // ------------------------------------------------------------ pass 1
 
     /// Allocates every node buffer and index array.
@@ -466,740 +488,42 @@ impl<'a> Unroller<'a> {
         Ok(())
     }
 
+    /// The floats the host fills in the upload region: the loss seed, then
+    /// the dropout masks (drawn from `rng`) in the CPU engine's order
+    /// (functions' forward graphs, then the head).
+    fn host_floats(&mut self, rng: &mut ChaCha8Rng) -> Result<()> {
+        let model = self.model;
+        let seed_key = GraphKey::HeadBackward;
+        if let Some(i) = model
+            .head
+            .forward
+            .outputs
+            .iter()
+            .position(|o| o.role == Role::Loss)
+        {
+            if let Some(n) = model.head.backward.input_node(Source::OutputGrad(i)) {
+                let (_, at) = self.bufs[seed_key.index(self.prog.functions)][n]
+                    .ok_or_else(|| err("no loss seed buffer"))?;
+                self.upload[at] = 1f32.to_bits();
+            }
+        }
+        for (key, n, rate) in dropout_masks(model) {
+            let ty = &key.graph(model).nodes[n].ty;
+            let len = self.rows(key, ty.space) * ty.width();
+            let (_, at) = self.bufs[key.index(self.prog.functions)][n]
+                .ok_or_else(|| err("no mask buffer"))?;
+            let mut mask = vec![0f32; len];
+            fill_dropout_mask(&mut mask, rate, true, rng);
+            for (d, m) in self.upload[at..at + len].iter_mut().zip(mask) {
+                *d = m.to_bits();
+            }
+        }
+        Ok(())
+    }
+
     /// `Some(matrix)` if `n` is a cached matrix's gradient product `dyᵀ x`.
     fn outer_product(&self, key: GraphKey, n: NodeId) -> Result<Option<u16>> {
         outer_product(self.model, self.prog, key, n)
-    }
-
-    /// Fills the index arrays (needs the regions' bases).
-    fn index_arrays(&mut self) -> Result<()> {
-        let model = self.model;
-        let s = self.s;
-        for (f, func) in model.functions.iter().enumerate() {
-            let rows = &s.functions[f];
-            let mut fi = FunctionIndex::default();
-            let fwd = &func.forward;
-            if fwd.input_node(Source::Token).is_some() {
-                let toks: Vec<u32> = rows.vertex.iter().map(|&v| s.tokens[v as usize]).collect();
-                if let Some(bad) = toks.iter().find(|&&t| {
-                    fwd.nodes.iter().any(|n| {
-                        matches!(n.op(), Some(Op::Embedding(_)))
-                            && fwd.nodes[n.inputs[0]].ty.shape[0] <= t as usize
-                    })
-                }) {
-                    return Err(err(format!(
-                        "token id {bad} is outside the embedding table of function `{}`",
-                        func.name
-                    )));
-                }
-                fi.tokens = Some(self.alloc_upload(&toks));
-            }
-            fi.edge_offsets = self.alloc_upload(&rows.edge_offsets);
-            fi.edge_parent = self.alloc_upload(&rows.edge_parent);
-            // absolute offsets of children's scattered rows (gathers) and
-            // of their state-gradient rows (child-gradient scatters)
-            let state_row = |u: &Self, v: u32, backward: bool| -> Result<u32> {
-                let (cf, cr) = (
-                    s.vertex_function[v as usize] as usize,
-                    s.vertex_row[v as usize] as usize,
-                );
-                let cfunc = &model.functions[cf];
-                let Some(scattered) = cfunc.scatter else {
-                    return Err(err(format!("function `{}` scatters no state", cfunc.name)));
-                };
-                if backward {
-                    match cfunc.output_grad_node(Role::Scatter) {
-                        Some(n) => u.row_at(GraphKey::Backward(cf), n, cr),
-                        None => Ok(NO_INDEX),
-                    }
-                } else {
-                    u.row_at(GraphKey::Forward(cf), scattered, cr)
-                }
-            };
-            let mut gather_ks = Vec::new();
-            for node in &fwd.nodes {
-                match node.kind {
-                    NodeKind::Input(Source::GatherAll) => {
-                        let v: Vec<u32> = rows
-                            .edge_child
-                            .iter()
-                            .map(|&c| state_row(self, c, false))
-                            .collect::<Result<_>>()?;
-                        fi.gather_all_src = Some(self.alloc_upload(&v));
-                    }
-                    NodeKind::Input(Source::Gather(k)) => gather_ks.push(k),
-                    _ => {}
-                }
-            }
-            for k in gather_ks {
-                let v: Vec<u32> = (0..rows.rows())
-                    .map(|r| match rows.child(r, k) {
-                        Some(c) => state_row(self, c, false),
-                        None => Ok(NO_INDEX),
-                    })
-                    .collect::<Result<_>>()?;
-                fi.gather_src.insert(k, self.alloc_upload(&v));
-            }
-            for o in &func.backward.outputs {
-                match o.role {
-                    Role::ChildGradAll => {
-                        let v: Vec<u32> = rows
-                            .edge_child
-                            .iter()
-                            .map(|&c| state_row(self, c, true))
-                            .collect::<Result<_>>()?;
-                        fi.child_grad_all_dst = Some(self.alloc_upload(&v));
-                    }
-                    Role::ChildGrad(k) => {
-                        let v: Vec<u32> = (0..rows.rows())
-                            .map(|r| match rows.child(r, k) {
-                                Some(c) => state_row(self, c, true),
-                                None => Ok(NO_INDEX),
-                            })
-                            .collect::<Result<_>>()?;
-                        fi.child_grad_dst.insert(k, self.alloc_upload(&v));
-                    }
-                    Role::PullGrad => return Err(err("pulled inputs are not supported yet")),
-                    _ => {}
-                }
-            }
-            self.functions.push(fi);
-        }
-        // head: labels, the pushed rows it reads and where their gradients go
-        let head = &model.head;
-        if head.forward.input_node(Source::Label).is_some() {
-            let mut labels = Vec::with_capacity(self.head_vertices.len());
-            for &v in &self.head_vertices {
-                let l = s.labels[v as usize];
-                if l == NO_LABEL || l < 0 {
-                    return Err(err(format!(
-                        "graph {} of the batch has a head vertex without a label",
-                        s.graph[v as usize]
-                    )));
-                }
-                labels.push(l as u32);
-            }
-            self.labels_at = Some(self.alloc_upload(&labels));
-        }
-        let mut push_src = Vec::with_capacity(self.head_vertices.len());
-        let mut grad_dst = Vec::with_capacity(self.head_vertices.len());
-        for &v in &self.head_vertices {
-            let (f, r) = (
-                s.vertex_function[v as usize] as usize,
-                s.vertex_row[v as usize] as usize,
-            );
-            let func = &model.functions[f];
-            let Some(pushed) = func.push else {
-                return Err(err(format!(
-                    "function `{}` pushes nothing to the head",
-                    func.name
-                )));
-            };
-            push_src.push(self.row_at(GraphKey::Forward(f), pushed, r)?);
-            grad_dst.push(match func.output_grad_node(Role::Push) {
-                Some(n) => self.row_at(GraphKey::Backward(f), n, r)?,
-                None => NO_INDEX,
-            });
-        }
-        self.push_src_at = self.alloc_upload(&push_src);
-        self.head_grad_dst_at = self.alloc_upload(&grad_dst);
-        // touched rows of row-gradient parameters
-        for &p in &self.prog.row_grad_params {
-            let mut touched: Vec<u32> = Vec::new();
-            for (f, func) in model.functions.iter().enumerate() {
-                if func
-                    .backward
-                    .outputs
-                    .iter()
-                    .any(|o| o.role == Role::ParamRowGrad(p))
-                {
-                    let rows = &s.functions[f];
-                    touched.extend(rows.vertex.iter().map(|&v| s.tokens[v as usize]));
-                }
-            }
-            touched.sort_unstable();
-            touched.dedup();
-            let at = self.alloc_upload(&touched);
-            self.update_rows.insert(p, (at, touched.len()));
-        }
-        Ok(())
-    }
-
-    /// Pool offset of an upload-region word.
-    fn up(&self, at: usize) -> Result<u32> {
-        u32_of(self.bases[2] + at, "upload offset")
-    }
-
-    // ------------------------------------------------------------ pass 3
-
-    /// Rows `lo..hi` of `width` floats each cut into instructions: into
-    /// `spread` pieces (the processors) or fewer, each at least
-    /// [`MIN_CHUNK_ELEMENTS`] wide where it has the rows. Every op over the
-    /// same rows is cut the same way (whatever its width), so row `i`'s
-    /// chain of instructions waits only for row `i`'s producers, and a
-    /// level's elementwise work spreads over the processors instead of
-    /// queueing on a few: one row per instruction on narrow levels
-    /// (`docs/benchmarks.md#persistent-lowering-row-chunks`).
-    fn chunks(&self, lo: usize, hi: usize, width: usize) -> Vec<(usize, usize)> {
-        let rows = hi.saturating_sub(lo);
-        let step = rows
-            .div_ceil(self.spread.max(1))
-            .max(MIN_CHUNK_ELEMENTS.div_ceil(width.max(1)))
-            .max(1);
-        (lo..hi)
-            .step_by(step)
-            .map(|a| (a, (a + step).min(hi)))
-            .collect()
-    }
-
-    /// Rows `r` of a fused group of edge space cut at the vertex cuts
-    /// ([`Self::chunks`] of the vertices), so a chunk holds every child edge
-    /// of its vertices: a vertex's edge work that reads the vertex (its
-    /// children's gate gradients) or that the vertex sums (a Tree-LSTM's
-    /// forget gates) then depends on, or is, one instruction, and runs in
-    /// the vertex's chain on one processor instead of a barrier apart. `None`
-    /// where the edges are not the vertices' (rows of another task).
-    fn vertex_cut_edges(
-        &self,
-        key: GraphKey,
-        r: [usize; 4],
-        width: usize,
-    ) -> Option<Vec<(usize, usize)>> {
-        key.function()?;
-        if self.span(key, Space::Vertex, Space::Edge, r[0], r[1]) != (r[2], r[3]) {
-            return None;
-        }
-        let cuts = self.chunks(r[0], r[1], width).into_iter();
-        Some(
-            cuts.map(|(a, b)| self.span(key, Space::Vertex, Space::Edge, a, b))
-                .filter(|(a, b)| b > a)
-                .collect(),
-        )
-    }
-
-    /// Runs phase `phase` of graph `key` over rows `r0..r1` / edges `e0..e1`.
-    fn phase(&mut self, key: GraphKey, phase: usize, r: [usize; 4]) -> Result<()> {
-        let plan = self.prog.plan(key);
-        for (i, step) in plan.phases[phase].steps.iter().enumerate() {
-            match step {
-                Step::Fused(group) if self.prog.is_epilogue(key, group) => {}
-                Step::Fused(group) => {
-                    let case = self.prog.case(key, phase, i)?;
-                    self.fused(key, group, case, r)?;
-                }
-                Step::Op(n) => self.op(key, *n, r)?,
-            }
-        }
-        Ok(())
-    }
-
-    fn space_range(space: Space, r: [usize; 4]) -> (usize, usize) {
-        match space {
-            Space::Vertex => (r[0], r[1]),
-            Space::Edge => (r[2], r[3]),
-            Space::Static => (0, 1),
-        }
-    }
-
-    fn fused(
-        &mut self,
-        key: GraphKey,
-        group: &ramus_core::fusion::FusedGroup,
-        case: u16,
-        r: [usize; 4],
-    ) -> Result<()> {
-        let g = self.graph(key);
-        let (lo, hi) = Self::space_range(group.space, r);
-        let f = key.function();
-        let cuts = match group.space {
-            Space::Edge if self.prog.vertex_bound(key, group) => {
-                self.vertex_cut_edges(key, r, group.width)
-            }
-            _ => None,
-        };
-        let cuts = cuts.unwrap_or_else(|| self.chunks(lo, hi, group.width));
-        // child gradients the group adds into the children's rows itself:
-        // their concat, the function and the upload offset of the rows'
-        // index (see `PersistentProgram::scattered_child_grads`)
-        let scattered = match (self.prog.scattered_child_grads(key), f) {
-            (Some(concat), Some(fi)) if group.concat_writes.iter().any(|w| w.concat == concat) => {
-                let dst = self.functions[fi]
-                    .child_grad_all_dst
-                    .ok_or_else(|| err("no child-gradient index"))?;
-                Some((concat, fi, dst))
-            }
-            _ => None,
-        };
-        for (a, b) in cuts {
-            let mut ops = vec![u32_of((b - a) * group.width, "elements")?];
-            let mut deps = Vec::new();
-            let mut csr = Vec::new();
-            for input in &group.inputs {
-                let x_space = g.nodes[input.node].ty.space;
-                match input.kind {
-                    InputKind::PerElement => {
-                        ops.push(self.row_at(
-                            key,
-                            input.node,
-                            if x_space == Space::Static { 0 } else { a },
-                        )?);
-                        let (xa, xb) = self.span(key, group.space, x_space, a, b);
-                        self.deps_of(key, input.node, xa, xb, &mut deps);
-                    }
-                    InputKind::Broadcast => {
-                        ops.push(self.row_at(key, input.node, 0)?);
-                        self.deps_of(key, input.node, 0, 1, &mut deps);
-                    }
-                    InputKind::Window { source, stride, .. } => {
-                        let (base, _) = self.loc(key, source)?;
-                        ops.push(u32_of(base + a * stride, "offset")?);
-                        self.deps_of(key, source, a, b, &mut deps);
-                    }
-                    InputKind::ChildSum { source } | InputKind::ParentRow { source } => {
-                        let fi = f.ok_or_else(|| err("a child read outside a vertex function"))?;
-                        ops.push(self.row_at(key, source, 0)?);
-                        let src_space = g.nodes[source].ty.space;
-                        let (xa, xb) = self.span(key, group.space, src_space, a, b);
-                        self.deps_of(key, source, xa, xb, &mut deps);
-                        let index = if matches!(input.kind, InputKind::ChildSum { .. }) {
-                            self.functions[fi].edge_offsets
-                        } else {
-                            self.functions[fi].edge_parent
-                        };
-                        csr.push(self.up(index + a)?);
-                    }
-                }
-            }
-            for &o in &group.outputs {
-                ops.push(self.row_at(key, o, a)?);
-            }
-            for w in &group.concat_writes {
-                match scattered {
-                    // the children's state-gradient rows of edges a..b
-                    Some((concat, _, dst)) if concat == w.concat => ops.push(self.up(dst + a)?),
-                    _ => ops.push(self.row_at(key, w.concat, a)?),
-                }
-            }
-            ops.extend(csr);
-            let t = self.push(
-                OP_FUSED,
-                case,
-                ops,
-                deps,
-                (b - a) * group.width,
-                Placement::Any,
-            )?;
-            for &o in &group.outputs {
-                self.record(key, o, a, b, t);
-            }
-            for w in &group.concat_writes {
-                match scattered {
-                    Some((concat, fi, _)) if concat == w.concat => {
-                        self.record_child_grads(fi, ChildLink::Edges, a, b, t)
-                    }
-                    _ => self.record(key, w.concat, a, b, t),
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// A host task for `work` after `deps` (see [`HostWork`]).
-    fn host_task(&mut self, work: HostWork, deps: Vec<u32>) -> Result<u32> {
-        let index = u32_of(self.host_work.len(), "host work index")?;
-        self.host_work.push(work);
-        self.push(OP_HOST, 0, vec![index], deps, 1, Placement::Any)
-    }
-
-    /// A row copy task `dst rows (+)= src rows` with its dependencies.
-    #[allow(clippy::too_many_arguments)] // the instruction's own operands
-    fn rows_task(
-        &mut self,
-        flags: u16,
-        rows: usize,
-        width: usize,
-        dst: (u32, usize, u32),
-        src: (u32, usize, u32),
-        deps: Vec<u32>,
-    ) -> Result<u32> {
-        // OP_ROWS: rows, width, dst, dst_stride, src, src_stride, dst_index, src_index
-        let ops = vec![
-            u32_of(rows, "rows")?,
-            u32_of(width, "width")?,
-            dst.0,
-            u32_of(dst.1, "stride")?,
-            src.0,
-            u32_of(src.1, "stride")?,
-            dst.2,
-            src.2,
-        ];
-        self.push(OP_ROWS, flags, ops, deps, rows * width, Placement::Any)
-    }
-
-    /// The non-cached parameter whose gradient `n` (a sum over rows) is,
-    /// when that is all `n` is for: it then accumulates straight into the
-    /// parameter's gradient.
-    fn direct_grad(&self, key: GraphKey, n: NodeId) -> Option<usize> {
-        let g = self.graph(key);
-        let mut roles = g.outputs.iter().filter(|o| o.node == n || o.aux == Some(n));
-        let first = roles.next()?;
-        let Role::ParamGrad(p) = first.role else {
-            return None;
-        };
-        let read = g.nodes.iter().any(|x| x.inputs.contains(&n));
-        (roles.next().is_none() && !read && self.prog.cached[p].is_none()).then_some(p)
-    }
-
-    /// Gathers of task rows `r`: children's scattered rows into the
-    /// function's gather inputs, and the children's pushes into the sums
-    /// of their gathered states (see [`PersistentProgram::pushed_sum`]):
-    /// an atomic row add per edge from the child's scattered row into its
-    /// parent's row of the sum, with the gather's dependencies, so that it
-    /// chains where the gather does.
-    fn gathers(&mut self, f: usize, r: [usize; 4]) -> Result<()> {
-        let key = GraphKey::Forward(f);
-        let g = self.graph(key);
-        let w = self.model.state_width;
-        let s = self.s;
-        // each pushed sum: its node, the column it starts at in the states,
-        // its width and where its rows are
-        let pushed = self
-            .prog
-            .pushed_sums(key)
-            .map(|(sum, column)| Ok((sum, column, g.nodes[sum].ty.width(), self.loc(key, sum)?.0)))
-            .collect::<Result<Vec<_>>>()?;
-        for (n, node) in g.nodes.iter().enumerate() {
-            let (link, index) = match node.kind {
-                NodeKind::Input(Source::GatherAll) => (
-                    ChildLink::Edges,
-                    self.functions[f]
-                        .gather_all_src
-                        .ok_or_else(|| err("no gather index"))?,
-                ),
-                NodeKind::Input(Source::Gather(k)) => (
-                    ChildLink::Child(k),
-                    *self.functions[f]
-                        .gather_src
-                        .get(&k)
-                        .ok_or_else(|| err("no gather index"))?,
-                ),
-                _ => continue,
-            };
-            let (lo, hi) = link.range(r);
-            for (a, b) in self.chunks(lo, hi, w) {
-                let mut deps = Vec::new();
-                for i in a..b {
-                    if let Some((cf, cr)) = self.child_of(f, link, i) {
-                        if let Some(sc) = self.model.functions[cf].scatter {
-                            self.deps_of(GraphKey::Forward(cf), sc, cr, cr + 1, &mut deps);
-                        }
-                    }
-                }
-                if link == ChildLink::Edges {
-                    for &(sum, column, width, sum_base) in &pushed {
-                        let t = self.rows_task(
-                            ROWS_ACCUMULATE | ROWS_SRC_ABSOLUTE,
-                            b - a,
-                            width,
-                            (
-                                u32_of(sum_base, "offset")?,
-                                width,
-                                self.up(self.functions[f].edge_parent + a)?,
-                            ),
-                            (u32_of(column, "column")?, 0, self.up(index + a)?),
-                            deps.clone(),
-                        )?;
-                        for &parent in &s.functions[f].edge_parent[a..b] {
-                            let parent = parent as usize;
-                            self.record(key, sum, parent, parent + 1, t);
-                        }
-                    }
-                }
-                let (dbase, _) = self.loc(key, n)?;
-                let t = self.rows_task(
-                    ROWS_SRC_ABSOLUTE,
-                    b - a,
-                    w,
-                    (u32_of(dbase + a * w, "offset")?, w, NO_INDEX),
-                    (0, 0, self.up(index + a)?),
-                    deps,
-                )?;
-                self.record(key, n, a, b, t);
-            }
-        }
-        Ok(())
-    }
-
-    /// Child-gradient scatter-adds of task rows `r` into the children's
-    /// state-gradient rows (unless the fused groups computing them add
-    /// them there themselves: [`PersistentProgram::scattered_child_grads`]).
-    fn child_grads(&mut self, f: usize, r: [usize; 4]) -> Result<()> {
-        let key = GraphKey::Backward(f);
-        let g = self.graph(key);
-        let w = self.model.state_width;
-        for o in &g.outputs {
-            let (link, index) = match o.role {
-                Role::ChildGradAll => (
-                    ChildLink::Edges,
-                    self.functions[f]
-                        .child_grad_all_dst
-                        .ok_or_else(|| err("no child-gradient index"))?,
-                ),
-                Role::ChildGrad(k) => (
-                    ChildLink::Child(k),
-                    *self.functions[f]
-                        .child_grad_dst
-                        .get(&k)
-                        .ok_or_else(|| err("no child-gradient index"))?,
-                ),
-                _ => continue,
-            };
-            if Some(o.node) == self.prog.scattered_child_grads(key) {
-                // added by the fused groups that compute them
-                continue;
-            }
-            let (lo, hi) = link.range(r);
-            for (a, b) in self.chunks(lo, hi, w) {
-                let mut deps = Vec::new();
-                self.deps_of(key, o.node, a, b, &mut deps);
-                let (sbase, sstride) = self.loc(key, o.node)?;
-                let t = self.rows_task(
-                    ROWS_ACCUMULATE | ROWS_DST_ABSOLUTE,
-                    b - a,
-                    w,
-                    (0, 0, self.up(index + a)?),
-                    (u32_of(sbase + a * sstride, "offset")?, sstride, NO_INDEX),
-                    deps,
-                )?;
-                self.record_child_grads(f, link, a, b, t);
-            }
-        }
-        Ok(())
-    }
-
-    /// Records task `t` as a writer of the state-gradient rows of the
-    /// children that rows `a..b` of function `f`'s child gradients (`link`)
-    /// go to.
-    fn record_child_grads(&mut self, f: usize, link: ChildLink, a: usize, b: usize, t: u32) {
-        for i in a..b {
-            if let Some((cf, cr)) = self.child_of(f, link, i) {
-                let cfunc = &self.model.functions[cf];
-                if let Some(sg) = cfunc.output_grad_node(Role::Scatter) {
-                    self.record(GraphKey::Backward(cf), sg, cr, cr + 1, t);
-                }
-            }
-        }
-    }
-
-    /// The vertex function and row of the child that row `i` of function
-    /// `f`'s gathers (`link`) reads, if there is one.
-    fn child_of(&self, f: usize, link: ChildLink, i: usize) -> Option<(usize, usize)> {
-        let s = self.s;
-        let c = link.child(&s.functions[f], i)? as usize;
-        Some((s.vertex_function[c] as usize, s.vertex_row[c] as usize))
-    }
-
-    fn all_rows(&self, f: usize) -> [usize; 4] {
-        let rows = &self.s.functions[f];
-        [0, rows.rows(), 0, rows.edges()]
-    }
-
-    /// Pass 3: every task of the batch.
-    fn tasks(&mut self) -> Result<()> {
-        let model = self.model;
-        let s = self.s;
-        let n_fn = model.functions.len();
-        const EAGER: usize = 0;
-        const PER_TASK: usize = 1;
-        const LAZY: usize = 2;
-        for f in 0..n_fn {
-            self.phase(GraphKey::Forward(f), EAGER, self.all_rows(f))?;
-        }
-        for task in &s.tasks {
-            let r = [
-                task.row_offset as usize,
-                (task.row_offset + task.len) as usize,
-                task.edge_offset as usize,
-                (task.edge_offset + task.edge_len) as usize,
-            ];
-            self.gathers(task.function, r)?;
-            self.phase(GraphKey::Forward(task.function), PER_TASK, r)?;
-        }
-        for f in 0..n_fn {
-            self.phase(GraphKey::Forward(f), LAZY, self.all_rows(f))?;
-        }
-        // head input: the pushed rows of the head vertices
-        let hf = GraphKey::HeadForward;
-        let h = self.head_vertices.len();
-        if let Some(inp) = model.head.forward.input_node(Source::HeadInput) {
-            let pw = model.head.forward.nodes[inp].ty.width();
-            for (a, b) in self.chunks(0, h, pw) {
-                let mut deps = Vec::new();
-                for i in a..b {
-                    let v = self.head_vertices[i] as usize;
-                    let (f, row) = (s.vertex_function[v] as usize, s.vertex_row[v] as usize);
-                    if let Some(pn) = model.functions[f].push {
-                        self.deps_of(GraphKey::Forward(f), pn, row, row + 1, &mut deps);
-                    }
-                }
-                let (dbase, _) = self.loc(hf, inp)?;
-                let t = self.rows_task(
-                    ROWS_SRC_ABSOLUTE,
-                    b - a,
-                    pw,
-                    (u32_of(dbase + a * pw, "offset")?, pw, NO_INDEX),
-                    (0, 0, self.up(self.push_src_at + a)?),
-                    deps,
-                )?;
-                self.record(hf, inp, a, b, t);
-            }
-        }
-        let head_rows = [0, h, 0, 0];
-        self.phase(hf, 0, head_rows)?;
-        let hb = GraphKey::HeadBackward;
-        self.phase(hb, 0, head_rows)?;
-        if let Some(out) = model.head.backward.output(Role::HeadInputGrad) {
-            let pw = model.head.backward.nodes[out.node].ty.width();
-            for (a, b) in self.chunks(0, h, pw) {
-                let mut deps = Vec::new();
-                self.deps_of(hb, out.node, a, b, &mut deps);
-                let (sbase, sstride) = self.loc(hb, out.node)?;
-                let t = self.rows_task(
-                    ROWS_ACCUMULATE | ROWS_DST_ABSOLUTE,
-                    b - a,
-                    pw,
-                    (0, 0, self.up(self.head_grad_dst_at + a)?),
-                    (u32_of(sbase + a * sstride, "offset")?, sstride, NO_INDEX),
-                    deps,
-                )?;
-                for i in a..b {
-                    let v = self.head_vertices[i] as usize;
-                    let (f, row) = (s.vertex_function[v] as usize, s.vertex_row[v] as usize);
-                    let func = &model.functions[f];
-                    if let Some(pg) = func.output_grad_node(Role::Push) {
-                        self.record(GraphKey::Backward(f), pg, row, row + 1, t);
-                    }
-                }
-            }
-        }
-        for f in 0..n_fn {
-            self.phase(GraphKey::Backward(f), EAGER, self.all_rows(f))?;
-        }
-        for task in s.tasks.iter().rev() {
-            let r = [
-                task.row_offset as usize,
-                (task.row_offset + task.len) as usize,
-                task.edge_offset as usize,
-                (task.edge_offset + task.edge_len) as usize,
-            ];
-            self.phase(GraphKey::Backward(task.function), PER_TASK, r)?;
-            self.child_grads(task.function, r)?;
-        }
-        for f in 0..n_fn {
-            self.phase(GraphKey::Backward(f), LAZY, self.all_rows(f))?;
-        }
-        // parameter gradients not written in place
-        for key in (0..n_fn).map(GraphKey::Backward).chain([hb]) {
-            let g = self.graph(key);
-            for o in &g.outputs {
-                match o.role {
-                    Role::ParamRowGrad(p) => {
-                        let f = key
-                            .function()
-                            .ok_or_else(|| err("row gradient in the head"))?;
-                        let tokens = self.functions[f].tokens.ok_or_else(|| err("no tokens"))?;
-                        let w = g.nodes[o.node].ty.width();
-                        let grad =
-                            self.prog.params.grad[p].ok_or_else(|| err("no gradient slot"))?;
-                        let rows = self.rows(key, g.nodes[o.node].ty.space);
-                        for (a, b) in self.chunks(0, rows, w) {
-                            let mut deps = Vec::new();
-                            self.deps_of(key, o.node, a, b, &mut deps);
-                            let (sbase, sstride) = self.loc(key, o.node)?;
-                            self.rows_task(
-                                ROWS_ACCUMULATE,
-                                b - a,
-                                w,
-                                (u32_of(grad, "offset")?, w, self.up(tokens + a)?),
-                                (u32_of(sbase + a * sstride, "offset")?, sstride, NO_INDEX),
-                                deps,
-                            )?;
-                        }
-                    }
-                    Role::ParamGrad(p)
-                        if self.prog.cached[p].is_none()
-                            && self.direct_grad(key, o.node).is_none() =>
-                    {
-                        let len = self.prog.params.len[p];
-                        let grad =
-                            self.prog.params.grad[p].ok_or_else(|| err("no gradient slot"))?;
-                        let mut deps = Vec::new();
-                        self.deps_of(key, o.node, 0, 1, &mut deps);
-                        let src = self.row_at(key, o.node, 0)?;
-                        self.rows_task(
-                            ROWS_ACCUMULATE,
-                            1,
-                            len,
-                            (u32_of(grad, "offset")?, len, NO_INDEX),
-                            (src, len, NO_INDEX),
-                            deps,
-                        )?;
-                    }
-                    _ => {}
-                }
-            }
-        }
-        // the update, after everything
-        let all: Vec<u32> = (0..self.g.len() as u32).collect();
-        let sink = self.push(OP_NOP, 0, Vec::new(), all, 1, Placement::Any)?;
-        if !self.prog.matrices.is_empty() && self.grads_in_registers {
-            self.push(OP_UPDATE, 0, Vec::new(), vec![sink], 1, Placement::Every)?;
-        }
-        for (p, spec) in model.params.iter().enumerate() {
-            if self.prog.cached[p].is_some() {
-                continue;
-            }
-            self.dense_update(p, &spec.shape, vec![sink])?;
-        }
-        Ok(())
-    }
-
-    /// Update tasks (chunks of rows) for parameter `p` in the pool: its
-    /// touched rows for a row-gradient parameter, else all.
-    fn dense_update(&mut self, p: usize, shape: &[usize], deps: Vec<u32>) -> Result<()> {
-        let params = &self.prog.params;
-        let grad = params.grad[p].ok_or_else(|| err("no gradient slot"))?;
-        let width = *shape.last().unwrap_or(&1);
-        let (rows, index) = match self.update_rows.get(&p) {
-            Some(&(at, n)) => (n, Some(at)),
-            None => (params.len[p] / width.max(1), None),
-        };
-        // a row list indexes from the parameter's start; dense chunks start
-        // at their own first row
-        let first = |a: usize| if index.is_some() { 0 } else { a * width };
-        for (a, b) in self.chunks(0, rows, width) {
-            let ops = vec![
-                u32_of(b - a, "rows")?,
-                u32_of(width, "width")?,
-                u32_of(params.value[p] + first(a), "offset")?,
-                u32_of(grad + first(a), "offset")?,
-                u32_of(params.first[p] + first(a), "offset")?,
-                u32_of(params.second[p] + first(a), "offset")?,
-                match index {
-                    Some(at) => self.up(at + a)?,
-                    None => NO_INDEX,
-                },
-            ];
-            self.push(
-                OP_UPDATE_DENSE,
-                0,
-                ops,
-                deps.clone(),
-                (b - a) * width,
-                Placement::Any,
-            )?;
-        }
-        Ok(())
     }
 }
 
@@ -1398,32 +722,7 @@ pub(crate) fn unroll_batch(
     ];
     u.fill_locs();
     u.index_arrays()?;
-    // host-filled floats: the loss seed, then the dropout masks in the CPU
-    // engine's order (functions' forward graphs, then the head)
-    let seed_key = GraphKey::HeadBackward;
-    if let Some(i) = model
-        .head
-        .forward
-        .outputs
-        .iter()
-        .position(|o| o.role == Role::Loss)
-    {
-        if let Some(n) = model.head.backward.input_node(Source::OutputGrad(i)) {
-            let (_, at) = u.bufs[seed_key.index(prog.functions)][n]
-                .ok_or_else(|| err("no loss seed buffer"))?;
-            u.upload[at] = 1f32.to_bits();
-        }
-    }
-    for (key, n, rate) in dropout_masks(model) {
-        let ty = &key.graph(model).nodes[n].ty;
-        let len = u.rows(key, ty.space) * ty.width();
-        let (_, at) = u.bufs[key.index(prog.functions)][n].ok_or_else(|| err("no mask buffer"))?;
-        let mut mask = vec![0f32; len];
-        fill_dropout_mask(&mut mask, rate, true, rng);
-        for (d, m) in u.upload[at..at + len].iter_mut().zip(mask) {
-            *d = m.to_bits();
-        }
-    }
+    u.host_floats(rng)?;
     u.tasks()?;
     let loss_at = match model
         .head
@@ -1491,7 +790,10 @@ pub(super) fn instruction_support(op: &Op) -> std::result::Result<(), &'static s
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ramus_core::vpps::isa::{OP_MATVEC, OP_MATVEC_T, PRODUCT_ITEM_WORDS};
+    use ramus_core::vpps::isa::{
+        OP_MATVEC, OP_MATVEC_T, OP_NOP, OP_ROWS, OP_UPDATE, PRODUCT_ITEM_WORDS, ROWS_ACCUMULATE,
+        ROWS_DST_ABSOLUTE,
+    };
     use ramus_core::vpps::{plan, simulate, DeviceLimits, PlanRequest, Scheduler};
     use ramus_graph::binarize::{binarize, Side};
     use ramus_graph::random::{random_chain, random_path, random_tree};

@@ -7,7 +7,8 @@ use ramus_core::{Params, Tensor};
 use ramus_exec::Optimizer;
 use rand_chacha::ChaCha8Rng;
 
-use super::{model_err, PersistentEngine};
+use super::options::model_err;
+use super::PersistentEngine;
 use crate::error::Result;
 
 impl PersistentEngine {

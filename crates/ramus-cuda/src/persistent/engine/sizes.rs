@@ -23,16 +23,16 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
+use ramus_codegen::persistent::{TRACE_AT, TRACE_WORDS_PER_CTA};
 use ramus_core::graph::{NodeKind, Role, Source, Space};
 use ramus_core::vpps::{plan, split_launches, BatchScripts, RegisterPlan, Scheduler};
 use ramus_core::Model;
 use ramus_exec::memory::{ActivationCost, BatchExtra, CostTerms, DeviceNeed, Pass, ELEMENT_BYTES};
 use ramus_graph::InputGraph;
 
-use super::{
-    schedule_graphs, variant_scheduler, LaunchScripts, VariantBuild, VariantChoice, TRACE_AT,
-    TRACE_WORDS_PER_CTA,
-};
+use super::batch::{schedule_graphs, LaunchScripts};
+use super::options::model_err;
+use super::variant::{variant_scheduler, VariantBuild, VariantChoice};
 use crate::error::Result;
 use crate::memory::block_bytes;
 use crate::persistent::program::{graph_keys, PersistentProgram};
@@ -210,7 +210,7 @@ pub(super) fn matrix_slots(prog: &PersistentProgram) -> Result<Vec<MatrixSlots>>
                 first_moment: prog.params.first[m.param],
                 second_moment: prog.params.second[m.param],
                 gradient: prog.params.grad[m.param].ok_or_else(|| {
-                    super::model_err(format!("cached parameter {} has no gradient slot", m.param))
+                    model_err(format!("cached parameter {} has no gradient slot", m.param))
                 })?,
             })
         })
@@ -442,7 +442,7 @@ mod tests {
             vector_epilogue: true,
         };
         let choices = VariantChoice::candidates(&prog, &build);
-        let host_items = super::super::HOST_PRODUCT_ITEMS;
+        let host_items = super::super::options::HOST_PRODUCT_ITEMS;
         let need = need(&model, &prog, &build, &choices, host_items).unwrap();
         assert_eq!(need.parts[0].1, block_bytes(prog.params.total));
         let mut rng = ChaCha8Rng::seed_from_u64(3);

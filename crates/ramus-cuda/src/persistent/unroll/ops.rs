@@ -11,7 +11,7 @@ use ramus_core::vpps::isa::{
 };
 use ramus_core::vpps::Placement;
 
-use super::{err, instruction_support, u32_of, GradientGemm, HostWork, Unroller};
+use super::{err, instruction_support, u32_of, GradientGemm, HostWork, RowCopy, Unroller};
 use crate::error::Result;
 use crate::persistent::program::GraphKey;
 
@@ -35,6 +35,14 @@ impl OpSite<'_> {
     /// The node's input `i`.
     fn arg(&self, i: usize) -> NodeId {
         self.node.inputs[i]
+    }
+
+    /// The vertex function the node's graph belongs to (an error naming
+    /// `op` in the head's graphs).
+    fn function(&self, op: &str) -> Result<usize> {
+        self.key
+            .function()
+            .ok_or_else(|| err(format!("{op} outside a vertex function")))
     }
 }
 
@@ -145,7 +153,16 @@ impl<'a> Unroller<'a> {
                 let width = out_width;
                 for (a, b) in self.chunks(lo, hi, width) {
                     let dst = (ys.row(a)?, ys.stride, NO_INDEX);
-                    let t = self.rows_task(0, b - a, width, dst, (bias, 0, NO_INDEX), vec![])?;
+                    let t = self.rows_task(
+                        RowCopy {
+                            flags: 0,
+                            rows: b - a,
+                            width,
+                            dst,
+                            src: (bias, 0, NO_INDEX),
+                        },
+                        vec![],
+                    )?;
                     deps.push(t);
                 }
             }
@@ -258,19 +275,21 @@ impl<'a> Unroller<'a> {
                     0
                 };
                 let t = self.rows_task(
-                    flags,
-                    b - a,
-                    w,
-                    (
-                        u32_of(dbase + a * dstride + dst_col, "offset")?,
-                        dstride,
-                        NO_INDEX,
-                    ),
-                    (
-                        u32_of(sbase + a * sstride + src_col, "offset")?,
-                        sstride,
-                        NO_INDEX,
-                    ),
+                    RowCopy {
+                        flags,
+                        rows: b - a,
+                        width: w,
+                        dst: (
+                            u32_of(dbase + a * dstride + dst_col, "offset")?,
+                            dstride,
+                            NO_INDEX,
+                        ),
+                        src: (
+                            u32_of(sbase + a * sstride + src_col, "offset")?,
+                            sstride,
+                            NO_INDEX,
+                        ),
+                    },
                     deps,
                 )?;
                 self.record(key, n, a, b, t);
@@ -293,9 +312,7 @@ impl<'a> Unroller<'a> {
             // the children add into it as they gather (see `gathers`)
             return Ok(());
         }
-        let f = key
-            .function()
-            .ok_or_else(|| err("sum_children outside a vertex function"))?;
+        let f = site.function("sum_children")?;
         let (sbase, sstride) = self.loc(key, site.arg(0))?;
         for (a, b) in self.chunks(lo, hi, width) {
             let mut deps = Vec::new();
@@ -309,14 +326,7 @@ impl<'a> Unroller<'a> {
                 u32_of(sstride, "stride")?,
                 self.up(self.functions[f].edge_offsets + a)?,
             ];
-            let t = self.push(
-                OP_SUM_CHILDREN,
-                0,
-                ops,
-                deps,
-                (eb - ea) * width,
-                Placement::Any,
-            )?;
+            let t = self.push_any(OP_SUM_CHILDREN, 0, ops, deps, (eb - ea) * width)?;
             self.record(key, n, a, b, t);
         }
         Ok(())
@@ -332,9 +342,7 @@ impl<'a> Unroller<'a> {
             hi,
             ..
         } = site;
-        let f = key
-            .function()
-            .ok_or_else(|| err("expand_children outside a vertex function"))?;
+        let f = site.function("expand_children")?;
         let (sbase, sstride) = self.loc(key, site.arg(0))?;
         for (a, b) in self.chunks(lo, hi, width) {
             let mut deps = Vec::new();
@@ -342,15 +350,17 @@ impl<'a> Unroller<'a> {
             self.deps_of(key, site.arg(0), va, vb, &mut deps);
             let (dbase, _) = self.loc(key, n)?;
             let t = self.rows_task(
-                0,
-                b - a,
-                width,
-                (u32_of(dbase + a * width, "offset")?, width, NO_INDEX),
-                (
-                    u32_of(sbase, "offset")?,
-                    sstride,
-                    self.up(self.functions[f].edge_parent + a)?,
-                ),
+                RowCopy {
+                    flags: 0,
+                    rows: b - a,
+                    width,
+                    dst: (u32_of(dbase + a * width, "offset")?, width, NO_INDEX),
+                    src: (
+                        u32_of(sbase, "offset")?,
+                        sstride,
+                        self.up(self.functions[f].edge_parent + a)?,
+                    ),
+                },
                 deps,
             )?;
             self.record(key, n, a, b, t);
@@ -394,14 +404,7 @@ impl<'a> Unroller<'a> {
                 u32_of(sstride, "stride")?,
                 scale.to_bits(),
             ];
-            let t = self.push(
-                OP_SUM_ROWS,
-                ROWS_ACCUMULATE,
-                ops,
-                deps,
-                (b - a) * width,
-                Placement::Any,
-            )?;
+            let t = self.push_any(OP_SUM_ROWS, ROWS_ACCUMULATE, ops, deps, (b - a) * width)?;
             if direct.is_none() {
                 self.record(key, n, 0, 1, t);
             }
@@ -437,14 +440,7 @@ impl<'a> Unroller<'a> {
                 self.row_at(key, arg(0), 0)?,
                 scale.to_bits(),
             ];
-            let t = self.push(
-                OP_BROADCAST_ROWS,
-                0,
-                ops,
-                deps,
-                (b - a) * width,
-                Placement::Any,
-            )?;
+            let t = self.push_any(OP_BROADCAST_ROWS, 0, ops, deps, (b - a) * width)?;
             self.record(key, n, a, b, t);
         }
         Ok(())
@@ -460,9 +456,7 @@ impl<'a> Unroller<'a> {
             hi,
             ..
         } = site;
-        let f = key
-            .function()
-            .ok_or_else(|| err("embedding outside a vertex function"))?;
+        let f = site.function("embedding")?;
         let tokens = self.functions[f]
             .tokens
             .ok_or_else(|| err("embedding without tokens"))?;
@@ -470,11 +464,13 @@ impl<'a> Unroller<'a> {
         for (a, b) in self.chunks(lo, hi, width) {
             let (dbase, _) = self.loc(key, n)?;
             let t = self.rows_task(
-                0,
-                b - a,
-                width,
-                (u32_of(dbase + a * width, "offset")?, width, NO_INDEX),
-                (table, width, self.up(tokens + a)?),
+                RowCopy {
+                    flags: 0,
+                    rows: b - a,
+                    width,
+                    dst: (u32_of(dbase + a * width, "offset")?, width, NO_INDEX),
+                    src: (table, width, self.up(tokens + a)?),
+                },
                 Vec::new(),
             )?;
             self.record(key, n, a, b, t);
@@ -506,14 +502,7 @@ impl<'a> Unroller<'a> {
                 self.deps_of(key, arg(2), a, b, &mut deps);
                 ops.push(self.row_at(key, arg(2), a)?);
             }
-            let t = self.push(
-                OP_XENT,
-                u16::from(!xent),
-                ops,
-                deps,
-                (b - a) * classes,
-                Placement::Any,
-            )?;
+            let t = self.push_any(OP_XENT, u16::from(!xent), ops, deps, (b - a) * classes)?;
             self.record(key, n, a, b, t);
         }
         Ok(())
