@@ -122,7 +122,7 @@ impl CudaEngine {
     }
 
     /// Node `n`'s floats restricted to `range` (whole for static values).
-    pub(super) fn float_view(
+    pub(crate) fn float_view(
         &self,
         g: &Graph,
         n: NodeId,
@@ -135,7 +135,7 @@ impl CudaEngine {
     }
 
     /// Node `n`'s whole float buffer.
-    pub(super) fn whole_view(
+    pub(crate) fn whole_view(
         &self,
         g: &Graph,
         n: NodeId,
@@ -164,7 +164,7 @@ impl CudaEngine {
     }
 
     #[allow(clippy::too_many_arguments)] // graph, step, buffers, rows, topology, lane, views
-    pub(super) fn run_step(
+    pub(crate) fn run_step(
         &self,
         g: &Graph,
         step: &ExecStep,
