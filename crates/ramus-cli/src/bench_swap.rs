@@ -16,7 +16,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use ramus_core::{Model, Params};
-use ramus_cuda::{CudaTrainer, SwapConfig, SwapMode, SwapStepReport};
+use ramus_cuda::{SwapConfig, SwapMode, SwapStepReport};
 use ramus_exec::Batch;
 use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine};
 use ramus_graph::{images, BatchingPolicy, InputGraph};
@@ -137,8 +137,8 @@ fn run(
     budget: Option<u64>,
 ) -> AnyResult<RunResult> {
     let (data, warmup) = (&b.data, b.warmup);
-    let engine = device::cuda_engine_with(model, budget, SwapConfig::with_mode(mode))?;
-    let mut engine = CudaTrainer::new(engine, model.clone(), params.clone(), b.config)?;
+    let swap = SwapConfig::with_mode(mode);
+    let mut engine = device::swap_trainer(model, (params.clone(), b.config), budget, swap)?;
     engine.set_seed(b.seed);
     let mut losses = Vec::with_capacity(data.len());
     let mut started = None;
@@ -169,7 +169,7 @@ fn run(
     Ok(RunResult {
         step_s,
         losses,
-        report: engine.engine().last_swap_report().cloned(),
+        report: engine.last_report().cloned(),
     })
 }
 

@@ -10,7 +10,7 @@ use crate::output::logln;
 use ramus_core::{Model, Params};
 use ramus_cpu::CpuTrainer;
 use ramus_cuda::persistent::PersistentTrainer;
-use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer, SwapConfig, SwapMode};
+use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer, SwapConfig, SwapMode, SwapTrainer};
 use ramus_exec::memory::DeviceNeed;
 use ramus_exec::{OptimizerConfig, TrainEngine};
 
@@ -107,19 +107,27 @@ pub fn training_engine(
 /// device memory if given, with an error that says what is missing when
 /// CUDA cannot be used here.
 pub fn cuda_engine(model: &Model, budget: Option<u64>) -> Result<CudaEngine, String> {
-    cuda_engine_with(model, budget, SwapConfig::default())
+    CudaEngine::new(model, &cuda_options(budget)).map_err(|e| format!("--device cuda: {e}"))
 }
 
-/// [`cuda_engine`] with the swap path set up as `swap` says.
-pub fn cuda_engine_with(
-    model: &Model,
-    budget: Option<u64>,
-    swap: SwapConfig,
-) -> Result<CudaEngine, String> {
+/// The CUDA engine's options under a device memory `budget`.
+fn cuda_options(budget: Option<u64>) -> CudaEngineOptions {
     let mut options = CudaEngineOptions::default();
     options.pool.max_bytes = budget;
-    options.swap = swap;
-    CudaEngine::new(model, &options).map_err(|e| format!("--device cuda: {e}"))
+    options
+}
+
+/// The CUDA batched engine for `model` wrapped for swapping as `swap`
+/// says (with [`SwapMode::Off`], the plain engine underneath), training
+/// from `params` with a fresh optimizer of `config`.
+pub fn swap_trainer(
+    model: &Model,
+    (params, config): (Params<f32>, OptimizerConfig),
+    budget: Option<u64>,
+    swap: SwapConfig,
+) -> Result<SwapTrainer, String> {
+    SwapTrainer::new(model.clone(), &cuda_options(budget), swap, params, config)
+        .map_err(|e| format!("--device cuda: {e}"))
 }
 
 /// The swap mode of a command: the one given (CUDA only), else `auto` for a
@@ -157,13 +165,19 @@ pub fn engine(
             return Err("--device-memory-budget applies to --device cuda".into())
         }
         Device::Cpu => Box::new(CpuTrainer::new(model.clone(), params, config)),
-        Device::Cuda => {
-            let engine = cuda_engine_with(model, budget, SwapConfig::with_mode(swap))?;
+        Device::Cuda if swap == SwapMode::Off => {
+            let engine = cuda_engine(model, budget)?;
             Box::new(
                 CudaTrainer::new(engine, model.clone(), params, config)
                     .map_err(|e| format!("--device cuda: {e}"))?,
             )
         }
+        Device::Cuda => Box::new(swap_trainer(
+            model,
+            (params, config),
+            budget,
+            SwapConfig::with_mode(swap),
+        )?),
     })
 }
 

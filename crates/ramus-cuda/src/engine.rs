@@ -33,25 +33,25 @@ use rand_chacha::ChaCha8Rng;
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, Role, Source, Space};
 use ramus_core::{HeadRows, Model, Params};
 use ramus_exec::{fill_dropout_mask, Batch, ForwardOutput, Mode, Range};
-use ramus_graph::{FunctionRows, Schedule, NO_LABEL};
+use ramus_graph::{FunctionRows, Schedule};
 
+pub(crate) use crate::batch::head_vertices;
+use crate::batch::{Buf, GraphBufs};
 use crate::blas::Blas;
 use crate::cache::KernelCache;
 use crate::device::CudaDevice;
-use crate::error::{CudaError, Result};
+use crate::error::{model_err, CudaError, Result};
 use crate::launch::{Launcher, RowMove, NONE};
 use crate::optimizer::DeviceOptimizer;
 use crate::pinned::PinnedBuffer;
 use crate::pool::{Arena, DevicePool, DeviceScalar, DeviceView, PoolBuffer, PoolConfig};
 use crate::program::{GraphProgram, Program, HEAD_ALL, HEAD_SCORES, LAZY, PER_TASK};
-use crate::swap::{SwapConfig, SwapMode};
 
 mod backward;
 mod cnn;
 mod exec;
 mod nonfinite;
 mod resume;
-mod swap;
 mod train;
 
 pub use train::CudaTrainer;
@@ -70,37 +70,10 @@ pub struct CudaEngineOptions {
     /// its images in chunks (`None`: [`CONV_WORKSPACE_FLOATS`]; at least one
     /// image per chunk whatever the limit).
     pub conv_workspace: Option<usize>,
-    /// Training past the memory budget (`pool.max_bytes`): the swap path
-    /// for static-graph and dynamic models (see [`crate::swap`]); off by
-    /// default.
-    pub swap: SwapConfig,
 }
 
 /// Default cap of a convolution's scratch columns: 16 Mi floats (64 MiB).
 pub const CONV_WORKSPACE_FLOATS: usize = 1 << 24;
-
-/// Where one node's value lives for the current batch.
-#[derive(Clone, Copy, Debug)]
-enum Buf {
-    Absent,
-    Floats(DeviceView<f32>),
-    Indices(DeviceView<u32>),
-}
-
-/// A graph with its nodes' buffers for the current batch (a backward
-/// graph's `Forward(m)` inputs are in `fwd`, the forward graph's buffers).
-#[derive(Clone, Copy)]
-struct GraphBufs<'a> {
-    g: &'a Graph,
-    own: &'a [Buf],
-    fwd: Option<&'a [Buf]>,
-}
-
-impl<'a> GraphBufs<'a> {
-    fn new(g: &'a Graph, own: &'a [Buf], fwd: Option<&'a [Buf]>) -> Self {
-        GraphBufs { g, own, fwd }
-    }
-}
 
 /// Segments of the per-batch index upload for one vertex function.
 #[derive(Clone, Copy, Debug, Default)]
@@ -125,27 +98,27 @@ struct FunctionSegs {
 
 /// Device views of one function's index arrays.
 #[derive(Clone, Debug)]
-struct Topology {
-    tokens: DeviceView<u32>,
+pub(crate) struct Topology {
+    pub(crate) tokens: DeviceView<u32>,
     children: Vec<DeviceView<u32>>,
     edge_child: DeviceView<u32>,
     edge_offsets: DeviceView<u32>,
     edge_parent: DeviceView<u32>,
-    head_rows: DeviceView<u32>,
-    head_sources: DeviceView<u32>,
+    pub(crate) head_rows: DeviceView<u32>,
+    pub(crate) head_sources: DeviceView<u32>,
     max_token: u32,
 }
 
 /// Parameters (and their gradients) on the device: one buffer each, dense
 /// gradients first so they come back in one copy.
-struct DeviceParams {
+pub(crate) struct DeviceParams {
     _values: PoolBuffer<f32>,
     _grads: PoolBuffer<f32>,
     values: Vec<DeviceView<f32>>,
     grads: Vec<DeviceView<f32>>,
     /// Floats of dense gradients at the start of the gradient buffer.
     dense_len: usize,
-    grad_all: DeviceView<f32>,
+    pub(crate) grad_all: DeviceView<f32>,
     version: (u64, u64),
     /// Bumped whenever the buffers are (re)allocated.
     generation: u64,
@@ -167,13 +140,13 @@ struct BatchState {
 
 /// A stream with its own cuBLAS handle: the main lane runs the
 /// gather–scatter path, the eager lane runs eager steps ahead of it.
-struct Lane {
-    stream: Arc<CudaStream>,
+pub(crate) struct Lane {
+    pub(crate) stream: Arc<CudaStream>,
     blas: Blas,
     /// Scratch memory of the ops run on this lane (convolution columns,
     /// per-channel coefficients), from the batch arena. Ops on one stream run
     /// in order, so each reuses it; the two lanes have their own.
-    workspace: Cell<Option<DeviceView<f32>>>,
+    pub(crate) workspace: Cell<Option<DeviceView<f32>>>,
 }
 
 impl Lane {
@@ -189,30 +162,30 @@ impl Lane {
 /// The CUDA batched engine. Compiles the model's kernels at set-up, then
 /// runs batches with no device allocation beyond the pool's growth.
 pub struct CudaEngine {
-    device: Arc<CudaDevice>,
-    pool: Arc<DevicePool>,
+    pub(crate) device: Arc<CudaDevice>,
+    pub(crate) pool: Arc<DevicePool>,
     cache: KernelCache,
-    launcher: Launcher,
-    main: Lane,
+    pub(crate) launcher: Launcher,
+    pub(crate) main: Lane,
     eager: Lane,
     /// Recorded on the main lane once a pass's inputs are on the device.
     inputs_ready: CudaEvent,
     /// Per vertex function: recorded on the eager lane after its eager steps.
     eager_done: Vec<CudaEvent>,
-    staging: PinnedBuffer,
+    pub(crate) staging: PinnedBuffer,
     /// The batch arena; in a cell so that ops (run through `&self`) can take
     /// scratch memory from it.
     arena: RefCell<Arena>,
     /// Floats of convolution columns before images are chunked.
-    conv_workspace: usize,
-    program: Arc<Program>,
+    pub(crate) conv_workspace: usize,
+    pub(crate) program: Arc<Program>,
     params: Option<DeviceParams>,
     state: BatchState,
-    rng: ChaCha8Rng,
-    pull_values: Option<Vec<f32>>,
+    pub(crate) rng: ChaCha8Rng,
+    pub(crate) pull_values: Option<Vec<f32>>,
     setup_seconds: f64,
     /// The fused optimizer, with the parameter-buffer generation it serves.
-    optimizer: Option<(u64, DeviceOptimizer)>,
+    pub(crate) optimizer: Option<(u64, DeviceOptimizer)>,
     /// Optimizer state to load into the fused optimizer when it is built
     /// (a resumed run, see [`CudaEngine::load_optimizer_state`]).
     pending_optimizer: Option<ramus_exec::Optimizer<f32>>,
@@ -220,15 +193,13 @@ pub struct CudaEngine {
     /// True while an evaluation or inference pass runs: ops with an
     /// inference form (batch normalisation with running statistics) run
     /// that instead.
-    inference_pass: bool,
+    pub(crate) inference_pass: bool,
     /// True while a device training step ([`ramus_exec::TrainEngine::submit`],
-    /// plain or swap path) runs: its forward pass blends the batch
+    /// plain or through a wrapper such as the swap path) runs: its forward pass blends the batch
     /// statistics into the running statistics of the device parameters. A
     /// bare train-mode forward pass leaves them alone, as on the CPU.
-    track_running_stats: bool,
+    pub(crate) track_running_stats: bool,
     enqueue_seconds: f64,
-    /// The swap path's state, when it is on.
-    swap: Option<swap::SwapRuntime>,
     /// The loss of the last device training step whose status (applied or
     /// skipped as non-finite) the host has not taken yet.
     pending_loss: Option<f64>,
@@ -262,23 +233,23 @@ fn u32_of(value: usize, what: &str) -> Result<u32> {
         .map_err(|_| CudaError::BadArgument(format!("{what} {value} does not fit 32 bits")))
 }
 
-fn model_err(message: impl Into<String>) -> CudaError {
-    CudaError::Model(message.into())
-}
-
 impl CudaEngine {
     /// Opens the device, compiles (or loads from the kernel cache) the
     /// built-in kernels and every fused kernel of `model`.
     pub fn new(model: &Model, options: &CudaEngineOptions) -> Result<Self> {
+        Self::with_arena(model, options, 64 << 20)
+    }
+
+    /// [`CudaEngine::new`] with a batch arena of `arena_bytes` to start
+    /// with (a wrapper that allocates its tensors elsewhere asks for less).
+    pub(crate) fn with_arena(
+        model: &Model,
+        options: &CudaEngineOptions,
+        arena_bytes: u64,
+    ) -> Result<Self> {
         let started = std::time::Instant::now();
         let device = CudaDevice::open(options.device)?;
-        let swapping = options.swap.mode != SwapMode::Off;
-        let mut pool_config = options.pool;
-        if let (true, Some(budget)) = (swapping, pool_config.max_bytes) {
-            // one chunk of exactly the budget: tensors come and go inside it
-            pool_config.initial_bytes = budget;
-        }
-        let pool = DevicePool::new(&device, pool_config);
+        let pool = DevicePool::new(&device, options.pool);
         let dir = options
             .cache_dir
             .clone()
@@ -293,13 +264,7 @@ impl CudaEngine {
             .map(|_| device.new_event())
             .collect::<Result<_>>()?;
         let staging = PinnedBuffer::new(&device)?;
-        // on the swap path the arena holds only index arrays
-        let arena = pool.arena(if swapping { 1 << 20 } else { 64 << 20 });
-        let swap = if swapping {
-            Some(swap::SwapRuntime::new(&device, options.swap.clone())?)
-        } else {
-            None
-        };
+        let arena = pool.arena(arena_bytes);
         Ok(CudaEngine {
             device,
             pool,
@@ -324,7 +289,6 @@ impl CudaEngine {
             inference_pass: false,
             track_running_stats: false,
             enqueue_seconds: 0.0,
-            swap,
             pending_loss: None,
             param_names: model.params.iter().map(|p| p.name.clone()).collect(),
         })
@@ -394,7 +358,7 @@ impl CudaEngine {
         self.pull_values = values;
     }
 
-    fn check_model(&self, model: &Model) -> Result<()> {
+    pub(crate) fn check_model(&self, model: &Model) -> Result<()> {
         if crate::program::fingerprint(model) != self.program.fingerprint {
             return Err(model_err(format!(
                 "the CUDA engine was set up for another model than `{}`; create one per model",
@@ -404,8 +368,36 @@ impl CudaEngine {
         Ok(())
     }
 
+    /// Starts a batch: the last one's arena memory, and the lanes' scratch
+    /// memory in it, are free again; `trim` also gives the pool back what
+    /// the arena grew beyond its first chunk (earlier work is ordered on
+    /// the main stream).
+    pub(crate) fn reset_batch(&mut self, trim: bool) -> Result<()> {
+        self.state.forward_done = false;
+        {
+            let mut arena = self.arena.borrow_mut();
+            arena.reset()?;
+            if trim {
+                arena.trim();
+            }
+        }
+        self.main.workspace.set(None);
+        self.eager.workspace.set(None);
+        Ok(())
+    }
+
+    /// The vertices the head runs on in the current batch.
+    pub(crate) fn batch_head_vertices(&self) -> &[u32] {
+        &self.state.head_vertices
+    }
+
+    /// The current batch's labels on the device (not uploaded to infer).
+    pub(crate) fn batch_labels(&self) -> Option<DeviceView<u32>> {
+        self.state.labels
+    }
+
     /// Uploads the parameters when their version changed.
-    fn sync_params(&mut self, model: &Model, params: &Params<f32>) -> Result<()> {
+    pub(crate) fn sync_params(&mut self, model: &Model, params: &Params<f32>) -> Result<()> {
         if self
             .params
             .as_ref()
@@ -477,14 +469,14 @@ impl CudaEngine {
         Ok(())
     }
 
-    fn param_views(&self) -> Result<&DeviceParams> {
+    pub(crate) fn param_views(&self) -> Result<&DeviceParams> {
         self.params
             .as_ref()
             .ok_or_else(|| model_err("parameters were not uploaded"))
     }
 
     /// Stages every index array of the batch and uploads them in one copy.
-    fn upload_indices(
+    pub(crate) fn upload_indices(
         &mut self,
         model: &Model,
         s: &Schedule,
@@ -651,10 +643,24 @@ impl CudaEngine {
         })
     }
 
+    /// `words` uploaded into the batch arena (`what` names them should
+    /// they not fit).
+    pub(crate) fn upload_indices_of(
+        &mut self,
+        words: &[u32],
+        what: &dyn Fn() -> String,
+    ) -> Result<DeviceView<u32>> {
+        let view = self.arena_alloc::<u32>(words.len(), what)?;
+        let stream = self.device.stream().clone();
+        self.staging.upload_slice(words, view, &stream)?;
+        self.launcher.count();
+        Ok(view)
+    }
+
     /// Row moves adding the head's input gradients (`src`: `pw` floats per
     /// head row) into each function's pushed-value gradient, whose buffer
     /// `buf(f, node)` gives.
-    fn push_grad_moves(
+    pub(crate) fn push_grad_moves(
         &self,
         model: &Model,
         src: DeviceView<f32>,
@@ -713,24 +719,11 @@ impl CudaEngine {
         rows: HeadRows,
     ) -> Result<ForwardOutput<f32>> {
         self.check_model(model)?;
-        // on the swap path, forward-only passes go op by op too (tensors
-        // freed after their last use)
-        if mode != Mode::Train
-            && self.swap.is_some()
-            && (crate::swap::steps::check_static(model, &self.program).is_ok()
-                || crate::swap::steps::check_dynamic(model, &self.program).is_ok())
-        {
-            return self.swap_forward(model, params, batch, mode, rows);
-        }
         self.pass_started = Some(std::time::Instant::now());
         self.inference_pass = mode != Mode::Train;
         let program = self.program.clone();
         let s = &batch.schedule;
-        self.state.forward_done = false;
-        self.arena.borrow_mut().reset()?;
-        // the lanes' scratch memory was part of the last batch
-        self.main.workspace.set(None);
-        self.eager.workspace.set(None);
+        self.reset_batch(false)?;
         self.sync_params(model, params)?;
         self.upload_indices(model, s, mode, rows)?;
         let stream = self.device.stream().clone();
@@ -867,7 +860,7 @@ impl CudaEngine {
         Ok(())
     }
 
-    fn topology(&self, f: usize) -> Result<&Topology> {
+    pub(crate) fn topology(&self, f: usize) -> Result<&Topology> {
         self.state
             .topo
             .get(f)
@@ -955,19 +948,6 @@ impl CudaEngine {
             logits,
             classes,
         })
-    }
-}
-
-/// The vertices the head runs on, in head-row order.
-pub(crate) fn head_vertices(rows: HeadRows, s: &Schedule) -> Vec<u32> {
-    match rows {
-        HeadRows::Roots => s.roots.clone(),
-        HeadRows::Labelled => s
-            .number
-            .iter()
-            .copied()
-            .filter(|&v| s.labels[v as usize] != NO_LABEL)
-            .collect(),
     }
 }
 

@@ -120,6 +120,12 @@ impl<T> InCall<T> for std::result::Result<T, CublasError> {
     }
 }
 
+/// A model- or batch-level failure (a missing buffer, a tensor over the
+/// budget, a step the engine cannot run): [`CudaError::Model`].
+pub(crate) fn model_err(message: impl Into<String>) -> CudaError {
+    CudaError::Model(message.into())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

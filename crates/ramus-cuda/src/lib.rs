@@ -10,7 +10,7 @@
 //! | persistent | [`persistent`] | the VPPS persistent training kernel: build (spill and residency checks) and cooperative launch on packed scripts |
 //! | optimizer | [`optimizer`] | the fused SGD / Adagrad / Adam(W) step with global-norm clipping, generated per kind |
 //! | GEMM | [`blas`] | row-major cuBLAS SGEMM and strided-batched SGEMM on a stream |
-//! | swapping | [`swap`] | training past device memory: per-tensor pool memory, pinned host slots, copy streams and events executing a swap plan |
+//! | swapping | [`swap`] | training past device memory: [`SwapTrainer`], a wrapper around the batched engine with per-tensor pool memory, pinned host slots, copy streams and events executing a swap plan |
 //! | errors | [`error`] | [`CudaError`]: every failure, naming the call, the library or the kernel |
 //!
 //! `cudarc` loads libcuda, libnvrtc and libcublas at run time, so this crate
@@ -39,6 +39,7 @@
 //! # }
 //! ```
 
+mod batch;
 pub mod blas;
 pub mod cache;
 pub mod compiled;
@@ -74,7 +75,7 @@ pub use rtc::{CompileTarget, ImageKind, LoadedModule, NvrtcCompiler};
 pub use swap::{
     plan_budget, plan_training, resident_plan, segment_rows, training_iteration,
     training_iteration_with, training_trace, OpSpeed, SwapConfig, SwapIteration, SwapMode,
-    SwapStepReport,
+    SwapStepReport, SwapTrainer,
 };
 
 /// The cudarc version this crate is built on, for engines that launch

@@ -12,7 +12,7 @@ use rand::seq::SliceRandom;
 
 use ramus_core::{Model, Params};
 use ramus_cuda::persistent::{PersistentOptions, PersistentTrainer};
-use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer, SwapConfig, SwapMode};
+use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer, SwapConfig, SwapMode, SwapTrainer};
 use ramus_exec::{ExecError, OnNonFinite, OptimizerConfig, OptimizerKind, TensorPart, TrainEngine};
 use ramus_graph::random::random_tree;
 use ramus_graph::testing::{images_with_nan_pixel, SMALL_IMAGES};
@@ -25,13 +25,12 @@ use rand_chacha::ChaCha8Rng;
 
 const BATCH: usize = 8;
 
-fn options(name: &str, swap: SwapMode) -> CudaEngineOptions {
+fn options(name: &str) -> CudaEngineOptions {
     CudaEngineOptions {
         cache_dir: Some(std::env::temp_dir().join(format!(
             "ramus-cuda-nonfinite-{name}-{}",
             std::process::id()
         ))),
-        swap: SwapConfig::with_mode(swap),
         ..CudaEngineOptions::default()
     }
 }
@@ -96,9 +95,10 @@ fn skipped_steps_change_nothing(swap: SwapMode) {
     let bad = all.iter().find(|b| is_bad(b)).unwrap();
     let config = OptimizerConfig::new(OptimizerKind::Adam, 0.01);
     let trainer = |name: &str| {
-        let engine = CudaEngine::new(&model, &options(name, swap)).expect("engine");
         let params = Params::init(&model, 1);
-        let engine = CudaTrainer::new(engine, model.clone(), params, config).expect("trainer");
+        let swap = SwapConfig::with_mode(swap);
+        let engine =
+            SwapTrainer::new(model.clone(), &options(name), swap, params, config).expect("trainer");
         Trainer::with_engine(Box::new(engine))
     };
     let params = |t: &mut Trainer<f32>| t.state().expect("state").params;
@@ -218,7 +218,7 @@ fn batched_engine_stops_naming_the_batch_and_parameter() {
         return;
     }
     let batched = |model: &Model, params: &Params<f32>| -> Box<dyn TrainEngine<f32>> {
-        let engine = CudaEngine::new(model, &options("stop", SwapMode::Off)).expect("engine");
+        let engine = CudaEngine::new(model, &options("stop")).expect("engine");
         let config = OptimizerConfig::new(OptimizerKind::Sgd, 0.1);
         let params = params.clone();
         Box::new(CudaTrainer::new(engine, model.clone(), params, config).expect("trainer"))
@@ -236,7 +236,7 @@ fn persistent_engine_stops_naming_the_parameter_and_refuses_to_skip() {
     let persistent = |model: &Model, params: &Params<f32>| -> Box<dyn TrainEngine<f32>> {
         let options = PersistentOptions {
             batch_size: Some(BATCH),
-            cache_dir: options("persistent", SwapMode::Off).cache_dir,
+            cache_dir: options("persistent").cache_dir,
             ..PersistentOptions::default()
         };
         Box::new(

@@ -11,6 +11,7 @@ use ramus_core::{Model, Params};
 use ramus_cuda::persistent::{PersistentOptions, PersistentTrainer};
 use ramus_cuda::{
     CudaEngine, CudaEngineOptions, CudaTrainer, PoolConfig, SwapConfig, SwapMode, SwapStepReport,
+    SwapTrainer,
 };
 use ramus_exec::Batch;
 use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine, TrainState};
@@ -215,9 +216,15 @@ fn the_persistent_engine_resumes_to_rounding() {
     );
 }
 
-/// The swap path's engine for the resume test, under `budget` (`None`:
+/// The swap path's trainer for the resume test, under `budget` (`None`:
 /// resident, to measure the step).
-fn swap_engine(model: &Model, mode: SwapMode, budget: Option<u64>) -> CudaEngine {
+fn swap_engine(
+    model: &Model,
+    mode: SwapMode,
+    budget: Option<u64>,
+    params: Params<f32>,
+    config: OptimizerConfig,
+) -> SwapTrainer {
     let mut swap = SwapConfig::with_mode(mode);
     swap.size_threshold_bytes = 0;
     let options = CudaEngineOptions {
@@ -226,17 +233,21 @@ fn swap_engine(model: &Model, mode: SwapMode, budget: Option<u64>) -> CudaEngine
             max_bytes: budget,
             ..PoolConfig::default()
         },
-        swap,
         ..CudaEngineOptions::default()
     };
-    CudaEngine::new(model, &options).expect("engine")
+    SwapTrainer::new(model.clone(), &options, swap, params, config).expect("trainer")
 }
 
-/// One training step of `engine` on the first batch; its swap report.
-fn swap_step(engine: CudaEngine, model: &Model, data: &[InputGraph]) -> SwapStepReport {
+/// One training step in `mode` under `budget` on the first batch; its swap report.
+fn swap_step(
+    mode: SwapMode,
+    budget: Option<u64>,
+    model: &Model,
+    data: &[InputGraph],
+) -> SwapStepReport {
     let params = Params::<f32>::init(model, 5);
     let config = OptimizerConfig::new(OptimizerKind::Adam, 0.001);
-    let mut engine = CudaTrainer::new(engine, model.clone(), params, config).expect("trainer");
+    let mut engine = swap_engine(model, mode, budget, params, config);
     let batch = Batch::new(
         model,
         data[..BATCH].iter().collect(),
@@ -244,11 +255,7 @@ fn swap_step(engine: CudaEngine, model: &Model, data: &[InputGraph]) -> SwapStep
     )
     .expect("batch");
     engine.train_step(&batch).expect("step");
-    engine
-        .engine()
-        .last_swap_report()
-        .cloned()
-        .expect("a swap report")
+    engine.last_report().cloned().expect("a swap report")
 }
 
 #[test]
@@ -285,14 +292,10 @@ fn the_swap_path_resumes_to_rounding() {
         build_vision_model("resnet", &cfg, &vision, &ModelOptions { dropout: 0.0 }).expect("model");
     // a budget the step's tensors exceed by a third (as the swap tests
     // give the engine), checked to make the planner swap
-    let measured = swap_step(swap_engine(&model, SwapMode::Resident, None), &model, &data);
+    let measured = swap_step(SwapMode::Resident, None, &model, &data);
     let tensors = measured.trace_peak_bytes * 2 / 3;
     let budget = ((measured.overhead_bytes + tensors) as f64 / 0.98) as u64;
-    let swapped = swap_step(
-        swap_engine(&model, SwapMode::Planner, Some(budget)),
-        &model,
-        &data,
-    );
+    let swapped = swap_step(SwapMode::Planner, Some(budget), &model, &data);
     assert!(
         swapped.exec.bytes_to_host > 0 && swapped.pool_peak_bytes <= budget,
         "budget {budget}: {}",
@@ -303,8 +306,13 @@ fn the_swap_path_resumes_to_rounding() {
         swapped.exec.bytes_to_host
     );
     let make: MakeEngine = &|model, params, config| {
-        let engine = swap_engine(model, SwapMode::Planner, Some(budget));
-        Box::new(CudaTrainer::new(engine, model.clone(), params.clone(), config).expect("trainer"))
+        Box::new(swap_engine(
+            model,
+            SwapMode::Planner,
+            Some(budget),
+            params.clone(),
+            config,
+        ))
     };
     let config = OptimizerConfig::new(OptimizerKind::Adam, 0.001);
     resumed_matches("swap", &model, &data, config, make, 1e-3);

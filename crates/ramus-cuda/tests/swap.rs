@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use ramus_core::Model;
 use ramus_cuda::{
     plan_budget, plan_training, resident_plan, training_iteration, training_iteration_with,
-    training_trace, CudaEngine, CudaEngineOptions, CudaTrainer, PoolConfig, SwapConfig, SwapMode,
+    training_trace, CudaEngineOptions, PoolConfig, SwapConfig, SwapMode, SwapTrainer,
 };
 use ramus_exec::{Batch, Mode};
 use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine};
@@ -614,7 +614,7 @@ struct Trained {
     report: Option<ramus_cuda::SwapStepReport>,
 }
 
-fn engine(model: &Model, mode: SwapMode, budget: Option<u64>) -> CudaEngine {
+fn engine(model: &Model, mode: SwapMode, budget: Option<u64>) -> SwapTrainer {
     let mut swap = SwapConfig::with_mode(mode);
     swap.size_threshold_bytes = 0;
     let options = CudaEngineOptions {
@@ -625,10 +625,12 @@ fn engine(model: &Model, mode: SwapMode, budget: Option<u64>) -> CudaEngine {
             max_bytes: budget,
             ..PoolConfig::default()
         },
-        swap,
         ..CudaEngineOptions::default()
     };
-    let mut engine = CudaEngine::new(model, &options).expect("engine");
+    let params = ramus_core::Params::<f32>::init(model, 5);
+    let config = OptimizerConfig::new(OptimizerKind::Adam, 1e-3);
+    let mut engine =
+        SwapTrainer::new(model.clone(), &options, swap, params, config).expect("trainer");
     engine.set_seed(11);
     engine
 }
@@ -636,10 +638,7 @@ fn engine(model: &Model, mode: SwapMode, budget: Option<u64>) -> CudaEngine {
 /// K steps of `net` with `mode` under `budget`, then an evaluation pass.
 fn train(net: &Net, mode: SwapMode, budget: Option<u64>, steps: usize) -> Trained {
     let model = net.model();
-    let params = ramus_core::Params::<f32>::init(&model, 5);
-    let config = OptimizerConfig::new(OptimizerKind::Adam, 1e-3);
-    let engine = engine(&model, mode, budget);
-    let mut engine = CudaTrainer::new(engine, model.clone(), params, config).expect("trainer");
+    let mut engine = engine(&model, mode, budget);
     let data = net.images(steps * net.batch, 21);
     let mut losses = Vec::new();
     for chunk in data.chunks(net.batch) {
@@ -649,7 +648,7 @@ fn train(net: &Net, mode: SwapMode, budget: Option<u64>, steps: usize) -> Traine
             .unwrap_or_else(|e| panic!("{} {mode} step: {e}", net.name));
         losses.push(loss);
     }
-    let report = engine.engine().last_swap_report().cloned();
+    let report = engine.last_report().cloned();
     let params = engine.state().expect("parameters").params;
     let running_stats: Vec<ramus_core::Tensor<f32>> = (0..model.params.len())
         .filter(|&p| model.is_buffer(p))
@@ -753,10 +752,7 @@ fn identical_losses(net: &Net) {
     // and the budget; a failed step leaves nothing behind, so the next one
     // fails the same way
     let model = net.model();
-    let params = ramus_core::Params::<f32>::init(&model, 5);
-    let engine = engine(&model, SwapMode::Resident, Some(budget));
-    let config = OptimizerConfig::new(OptimizerKind::Adam, 1e-3);
-    let mut engine = CudaTrainer::new(engine, model.clone(), params, config).expect("trainer");
+    let mut engine = engine(&model, SwapMode::Resident, Some(budget));
     let data = net.images(net.batch, 21);
     let batch = Batch::new(&model, data.iter().collect(), BatchingPolicy::Cavs).unwrap();
     let mut step = || {
@@ -1040,12 +1036,11 @@ fn dynamic_identical_losses(case: &Dynamic) {
                 max_bytes: budget,
                 ..PoolConfig::default()
             },
-            swap,
             ..CudaEngineOptions::default()
         };
-        let engine = CudaEngine::new(&model, &options).expect("engine");
         let config = OptimizerConfig::new(OptimizerKind::Adam, 1e-2);
-        let mut engine = CudaTrainer::new(engine, model.clone(), params, config).expect("trainer");
+        let mut engine =
+            SwapTrainer::new(model.clone(), &options, swap, params, config).expect("trainer");
         engine.set_seed(11);
         let data = case.graphs(case.graphs, 4);
         let batch = Batch::new(&model, data.iter().collect(), BatchingPolicy::Cavs).unwrap();
@@ -1056,7 +1051,7 @@ fn dynamic_identical_losses(case: &Dynamic) {
                 .unwrap_or_else(|e| panic!("{} {mode} step: {e}", case.name));
             losses.push(loss);
         }
-        let report = engine.engine().last_swap_report().cloned();
+        let report = engine.last_report().cloned();
         let out = engine
             .forward(&batch, Mode::Evaluate)
             .unwrap_or_else(|e| panic!("{} {mode} evaluation: {e}", case.name));

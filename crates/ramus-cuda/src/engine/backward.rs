@@ -211,7 +211,7 @@ impl CudaEngine {
     /// Adds output `o` of backward graph `g` over `range` into its
     /// parameter's device gradient if it is one (dense, or an embedding
     /// table's rows indexed by the vertex tokens).
-    pub(super) fn accumulate_output(
+    pub(crate) fn accumulate_output(
         &self,
         g: &Graph,
         o: &ramus_core::graph::Output,

@@ -145,7 +145,7 @@ impl CudaEngine {
     }
 
     /// Node `n`'s floats restricted to `range` (whole for static values).
-    pub(super) fn float_view(
+    pub(crate) fn float_view(
         &self,
         g: &Graph,
         n: NodeId,
@@ -158,7 +158,7 @@ impl CudaEngine {
     }
 
     /// Node `n`'s whole float buffer.
-    pub(super) fn whole_view(
+    pub(crate) fn whole_view(
         &self,
         g: &Graph,
         n: NodeId,
@@ -188,7 +188,7 @@ impl CudaEngine {
 
     /// Runs `step` of graph `bufs.g` over `range` on `lane` (`views`: the
     /// program's viewed slices).
-    pub(super) fn run_step(
+    pub(crate) fn run_step(
         &self,
         bufs: GraphBufs<'_>,
         step: &ExecStep,

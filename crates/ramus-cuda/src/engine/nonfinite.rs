@@ -23,7 +23,7 @@ impl CudaEngine {
     /// the step; the loss of a later step already did) and, for a skipped
     /// step, names the first non-finite parameter (reading the parameters
     /// back: the slow path).
-    pub(super) fn settle_step(&mut self) -> Result<Option<StepOutcome>> {
+    pub(crate) fn settle_step(&mut self) -> Result<Option<StepOutcome>> {
         let Some(loss) = self.pending_loss.take() else {
             return Ok(None);
         };

@@ -20,12 +20,11 @@ impl CudaEngine {
     /// touches (the distinct tokens of the rows of every function whose
     /// backward graph adds rows into the table, as the CPU engine marks
     /// them), uploaded as one sorted device list per table.
-    pub(super) fn touched_rows(
+    pub(crate) fn touched_rows(
         &mut self,
         model: &Model,
         s: &Schedule,
     ) -> Result<Vec<(usize, DeviceView<u32>)>> {
-        let stream = self.device.stream().clone();
         let mut lists = Vec::new();
         for &p in &self.program.row_grad_params {
             let mut rows: Vec<u32> = Vec::new();
@@ -45,10 +44,10 @@ impl CudaEngine {
         }
         let mut out = Vec::with_capacity(lists.len());
         for (p, rows) in lists {
-            let view = self.arena_alloc::<u32>(rows.len(), &|| "touched row ids".into())?;
-            self.staging.upload_slice(&rows, view, &stream)?;
-            self.launcher.count();
-            out.push((p, view));
+            out.push((
+                p,
+                self.upload_indices_of(&rows, &|| "touched row ids".into())?,
+            ));
         }
         Ok(out)
     }
@@ -56,7 +55,7 @@ impl CudaEngine {
     /// The optimizer on the device for the current parameter buffers,
     /// (re)built when missing, when the buffers moved, or when the
     /// optimizer kind or clipping changed.
-    pub(super) fn device_optimizer(
+    pub(crate) fn device_optimizer(
         &mut self,
         model: &Model,
         config: &OptimizerConfig,
@@ -108,9 +107,6 @@ impl CudaEngine {
         config: &OptimizerConfig,
         batch: &Batch<'_>,
     ) -> Result<Option<StepOutcome>> {
-        if self.swap.is_some() {
-            return self.swap_train_step(model, params, config, batch);
-        }
         self.check_model(model)?;
         self.sync_params(model, params)?;
         let stream = self.device.stream().clone();
@@ -143,7 +139,7 @@ impl CudaEngine {
     /// Before a training step's forward pass: keeps a copy of the buffers
     /// (batch normalisation's running statistics, which the pass blends)
     /// for the optimizer to put back if the step is skipped.
-    pub(super) fn keep_buffers(&mut self, model: &Model, config: &OptimizerConfig) -> Result<()> {
+    pub(crate) fn keep_buffers(&mut self, model: &Model, config: &OptimizerConfig) -> Result<()> {
         let stream = self.device.stream().clone();
         let kept = self
             .device_optimizer(model, config)?
@@ -155,7 +151,7 @@ impl CudaEngine {
     /// After a training step is enqueued: its loss waits for its status
     /// ([`CudaEngine::settle_step`]), and the device parameters are ahead
     /// of `params` until [`CudaEngine::download_params`].
-    pub(super) fn step_submitted(&mut self, params: &mut Params<f32>, loss: f64) {
+    pub(crate) fn step_submitted(&mut self, params: &mut Params<f32>, loss: f64) {
         self.pending_loss = Some(loss);
         params.touch();
         if let Some(dp) = self.params.as_mut() {
@@ -242,15 +238,15 @@ impl CudaEngine {
 /// parameters and the optimizer's moments and step count live on the
 /// device and are updated there; [`TrainEngine::state`] reads them back.
 pub struct CudaTrainer {
-    engine: CudaEngine,
-    model: Model,
+    pub(crate) engine: CudaEngine,
+    pub(crate) model: Model,
     /// The parameters the device copy was made from. The engine uploads
     /// them when their version changes; a training step leaves the device
     /// copy ahead and gives these values the device copy's version, so
     /// they are never uploaded over it (their values lag until
     /// [`TrainEngine::state`] brings them back).
-    uploaded: Params<f32>,
-    config: OptimizerConfig,
+    pub(crate) uploaded: Params<f32>,
+    pub(crate) config: OptimizerConfig,
 }
 
 impl CudaTrainer {
@@ -276,7 +272,7 @@ impl CudaTrainer {
         &self.engine
     }
 
-    fn check_idle(&self, call: &str) -> ramus_exec::Result<()> {
+    pub(crate) fn check_idle(&self, call: &str) -> ramus_exec::Result<()> {
         match self.engine.pending_loss {
             Some(_) => Err(steps_in_flight("cuda-batched", call)),
             None => Ok(()),
@@ -345,9 +341,6 @@ impl TrainEngine<f32> for CudaTrainer {
         self.uploaded = state.params;
         self.engine.set_dropout_rng(state.dropout);
         Ok(())
-    }
-    fn memory_report(&self) -> Option<String> {
-        self.engine.last_swap_report().map(|r| r.to_string())
     }
     fn device_memory_room(&self) -> Option<u64> {
         self.engine.memory_room().ok()

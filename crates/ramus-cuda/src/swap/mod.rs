@@ -67,10 +67,15 @@
 //! an op touches it. Results are bit-identical in every mode: the same
 //! kernels run on the same values in the same order.
 
+mod device;
 mod host;
+mod runtime;
+mod step;
 pub(crate) mod steps;
+mod trainer;
 
 pub(crate) use host::HostSlot;
+pub use trainer::SwapTrainer;
 
 use std::fmt;
 use std::str::FromStr;

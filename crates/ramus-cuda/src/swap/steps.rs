@@ -39,7 +39,9 @@ pub(crate) use dynamic::{build as build_dynamic, check_dynamic};
 mod builder;
 mod types;
 
-pub(crate) use types::{GraphRef, Kind, Piece, Rows, Segment, Shape, SwapOp, SwapProgram, Words};
+pub(crate) use types::{
+    GraphRef, Home, Kind, Piece, Rows, Segment, Shape, SwapOp, SwapProgram, Words,
+};
 
 use ramus_core::graph::{NodeId, NodeKind, Role, Source};
 use ramus_core::{HeadRows, Model};
@@ -343,7 +345,7 @@ impl Builder<'_> {
 impl Shape {
     /// The shape of batch `s` with the head on `rows`.
     pub(crate) fn of(model: &Model, s: &Schedule, rows: HeadRows) -> Shape {
-        let head: Vec<u32> = crate::engine::head_vertices(rows, s);
+        let head: Vec<u32> = crate::batch::head_vertices(rows, s);
         let mut head_rows_of = vec![0; model.functions.len()];
         for &v in &head {
             if let Some(n) = head_rows_of.get_mut(s.vertex_function[v as usize] as usize) {

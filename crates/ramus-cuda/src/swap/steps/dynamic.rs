@@ -254,7 +254,7 @@ pub(crate) fn build(
             rows.fill(i);
         }
     }
-    let head_vertices = crate::engine::head_vertices(head_rows, s);
+    let head_vertices = crate::batch::head_vertices(head_rows, s);
     let training = kind.training();
     let mut b = Builder::new(model, program, &shape, kind, conv_workspace);
     b.segments = segments.clone();

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::CudaEvent;
+use cudarc::driver::{CudaEvent, CudaStream};
 
 use ramus_core::graph::{DType, NodeId, NodeKind, Role, Source};
 use ramus_core::Model;
@@ -15,11 +15,12 @@ use ramus_exec::OptimizerConfig;
 use ramus_exec::{Batch, Range};
 use ramus_swap::{SwapDevice, TensorId};
 
-use super::{swap_err, Mem, Profile, Slot, SwapRuntime};
-use crate::engine::{model_err, Buf, CudaEngine, GraphBufs};
-use crate::error::{CudaError, InCall, Result};
+use super::runtime::{Mem, Profile, Slot, SwapRuntime};
+use super::steps::{self, GraphRef, Home, Rows, SwapOp, SwapProgram};
+use crate::batch::{Buf, GraphBufs};
+use crate::engine::CudaEngine;
+use crate::error::{model_err, CudaError, InCall, Result};
 use crate::pool::DeviceView;
-use crate::swap::steps::{self, GraphRef, Rows, SwapOp, SwapProgram};
 
 /// The CUDA side of [`ramus_swap::SwapDevice`]: the engine, the swap
 /// runtime and the buffers of the step in progress.
@@ -73,7 +74,7 @@ impl CudaSwapDevice<'_> {
                         None => Buf::Absent,
                     },
                     NodeKind::Input(Source::Label) => {
-                        self.engine.state.labels.map_or(Buf::Absent, Buf::Indices)
+                        self.engine.batch_labels().map_or(Buf::Absent, Buf::Indices)
                     }
                     _ => Buf::Absent,
                 };
@@ -94,7 +95,14 @@ impl CudaSwapDevice<'_> {
         self.rt
             .slots
             .get(t.index())
-            .ok_or_else(|| swap_err(format!("swap path: no tensor {t}")))
+            .ok_or_else(|| model_err(format!("swap path: no tensor {t}")))
+    }
+
+    fn tensor_mut(&mut self, t: TensorId) -> Result<&mut Slot> {
+        self.rt
+            .slots
+            .get_mut(t.index())
+            .ok_or_else(|| model_err(format!("swap path: no tensor {t}")))
     }
 
     /// The event of tensor `t`'s offload (an error if it never had one).
@@ -102,7 +110,7 @@ impl CudaSwapDevice<'_> {
         self.tensor(t)?
             .offloaded
             .as_ref()
-            .ok_or_else(|| swap_err(format!("swap path: tensor {t} was never offloaded")))
+            .ok_or_else(|| model_err(format!("swap path: tensor {t} was never offloaded")))
     }
 
     /// The event of tensor `t`'s prefetch (an error if it never had one).
@@ -110,12 +118,72 @@ impl CudaSwapDevice<'_> {
         self.tensor(t)?
             .prefetched
             .as_ref()
-            .ok_or_else(|| swap_err(format!("swap path: tensor {t} was never prefetched")))
+            .ok_or_else(|| model_err(format!("swap path: tensor {t} was never prefetched")))
+    }
+
+    /// The node tensor `t` holds.
+    fn home(&self, t: TensorId) -> Result<Home> {
+        self.program
+            .homes
+            .get(t.index())
+            .copied()
+            .flatten()
+            .ok_or_else(|| model_err(format!("swap path: tensor {t} has no node")))
+    }
+
+    /// Gives tensor `t` its memory (an error if it has some already).
+    fn place(&mut self, t: TensorId, mem: Mem) -> Result<&mut Slot> {
+        let slot = self.tensor_mut(t)?;
+        if slot.mem.is_some() {
+            return Err(model_err(format!("swap path: tensor {t} allocated twice")));
+        }
+        slot.mem = Some(mem);
+        Ok(slot)
+    }
+
+    /// Makes `stream` wait for the offloads of `tensors` that were issued
+    /// (they may still read the memory `stream` is about to write).
+    fn wait_offloads(&self, stream: &CudaStream, tensors: Vec<TensorId>) -> Result<()> {
+        for u in tensors {
+            let offloaded = self
+                .rt
+                .slots
+                .get(u.index())
+                .and_then(|s| s.offloaded.as_ref());
+            if let Some(e) = offloaded {
+                stream.wait(e).in_call("cuStreamWaitEvent")?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A start and an end event when the step is profiled.
+    fn timing(&self) -> Result<Option<(CudaEvent, CudaEvent)>> {
+        match self.profile.is_some() {
+            true => Ok(Some((self.timing_event()?, self.timing_event()?))),
+            false => Ok(None),
+        }
+    }
+
+    /// Records the end of a timed copy of `bytes` on `stream` (started at
+    /// `timing`'s start) into the profile.
+    fn end_copy(
+        &mut self,
+        timing: Option<(CudaEvent, CudaEvent)>,
+        stream: &CudaStream,
+        to_host: bool,
+        bytes: usize,
+    ) -> Result<()> {
+        if let (Some((start, end)), Some(p)) = (timing, self.profile.as_deref_mut()) {
+            end.record(stream).in_call("cuEventRecord")?;
+            p.copies.push((to_host, bytes, start, end));
+        }
+        Ok(())
     }
 
     fn mem(&self, t: TensorId) -> Result<&Mem> {
         self.tensor(t)?.mem.as_ref().ok_or_else(|| {
-            swap_err(format!(
+            model_err(format!(
                 "swap path: tensor {t} `{}` has no device memory",
                 self.program.trace.tensor(t).name
             ))
@@ -174,27 +242,27 @@ impl CudaSwapDevice<'_> {
             *slot = Some(device.new_event()?);
         }
         slot.as_ref()
-            .ok_or_else(|| swap_err("swap path: event missing"))
+            .ok_or_else(|| model_err("swap path: event missing"))
     }
 
     /// The rows `rows` of `graph` (the head: every head row).
     fn range_of(&self, graph: GraphRef, rows: Rows) -> Result<Range> {
         let s = &self.batch.schedule;
         match (graph.function(), rows) {
-            (None, _) => Ok(Range::rows_only(self.engine.state.head_vertices.len())),
+            (None, _) => Ok(Range::rows_only(self.engine.batch_head_vertices().len())),
             (Some(f), Rows::All) => Ok(Range::all(&s.functions[f])),
             (Some(_), Rows::Segment(i)) => self
                 .program
                 .segments
                 .get(i)
                 .map(steps::Segment::range)
-                .ok_or_else(|| swap_err(format!("swap path: no segment {i}"))),
+                .ok_or_else(|| model_err(format!("swap path: no segment {i}"))),
             (Some(_), Rows::Piece(p)) => self
                 .program
                 .pieces
                 .get(p)
                 .map(steps::Piece::range)
-                .ok_or_else(|| swap_err(format!("swap path: no piece {p}"))),
+                .ok_or_else(|| model_err(format!("swap path: no piece {p}"))),
         }
     }
 
@@ -225,10 +293,10 @@ impl CudaSwapDevice<'_> {
             .writes
             .first()
             .copied()
-            .ok_or_else(|| swap_err(format!("swap path: op {op} writes nothing")))?;
+            .ok_or_else(|| model_err(format!("swap path: op {op} writes nothing")))?;
         match self.mem(t)?.buf() {
             Buf::Floats(v) => Ok(v),
-            _ => Err(swap_err(format!("swap path: tensor {t} is not floats"))),
+            _ => Err(model_err(format!("swap path: tensor {t} is not floats"))),
         }
     }
 
@@ -293,9 +361,9 @@ impl CudaSwapDevice<'_> {
                 rows,
             } => self.accumulate_grad(graph, output, rows)?,
             SwapOp::Optimizer => {
-                let config = self
-                    .config
-                    .ok_or_else(|| swap_err("swap path: an optimizer step without an optimizer"))?;
+                let config = self.config.ok_or_else(|| {
+                    model_err("swap path: an optimizer step without an optimizer")
+                })?;
                 let opt = self.engine.device_optimizer(self.model, config)?;
                 let loss = opt.loss_slot()?;
                 let report = opt.step(&stream, &self.touched, Some(loss), false)?;
@@ -313,7 +381,7 @@ impl CudaSwapDevice<'_> {
         let prog = graph.program(&engine.program, self.program.kind);
         let step = prog.phases[phase]
             .get(index)
-            .ok_or_else(|| swap_err(format!("swap path: no step {index} in phase {phase}")))?;
+            .ok_or_else(|| model_err(format!("swap path: no step {index} in phase {phase}")))?;
         let topo = graph.function().map(|f| engine.topology(f)).transpose()?;
         let bufs = GraphBufs::new(graph.graph(self.model), self.own(graph), self.fwd_of(graph));
         engine.run_step(
@@ -357,7 +425,7 @@ impl CudaSwapDevice<'_> {
             .program
             .masks
             .get(mask)
-            .ok_or_else(|| swap_err(format!("swap path: no mask {mask}")))?;
+            .ok_or_else(|| model_err(format!("swap path: no mask {mask}")))?;
         let ty = &graph.graph(self.model).nodes[node].ty;
         let (lo, hi) = match (graph.function(), rows) {
             (Some(_), Rows::Segment(_) | Rows::Piece(_)) => {
@@ -367,7 +435,7 @@ impl CudaSwapDevice<'_> {
         };
         let values = self.masks[mask]
             .get(lo * ty.width()..hi * ty.width())
-            .ok_or_else(|| swap_err(format!("swap path: mask {mask} rows {lo}..{hi}")))?;
+            .ok_or_else(|| model_err(format!("swap path: mask {mask} rows {lo}..{hi}")))?;
         let dst = self.written(op)?;
         let stream = self.engine.main.stream.clone();
         self.rt.upload.upload_slice(values, dst, &stream)?;
@@ -443,14 +511,14 @@ impl CudaSwapDevice<'_> {
             .program
             .move_sets
             .get(set)
-            .ok_or_else(|| swap_err(format!("swap path: no move set {set}")))?;
+            .ok_or_else(|| model_err(format!("swap path: no move set {set}")))?;
         let words = self
             .move_indices
-            .ok_or_else(|| swap_err("swap path: the moves' index words are missing"))?;
+            .ok_or_else(|| model_err("swap path: the moves' index words are missing"))?;
         let floats = |t: TensorId| -> Result<DeviceView<f32>> {
             match self.mem(t)?.buf() {
                 Buf::Floats(v) => Ok(v),
-                _ => Err(swap_err(format!("swap path: tensor {t} is not floats"))),
+                _ => Err(model_err(format!("swap path: tensor {t} is not floats"))),
             }
         };
         let index = |w: Option<steps::Words>| {
@@ -489,9 +557,9 @@ impl CudaSwapDevice<'_> {
         let o = g
             .outputs
             .get(output)
-            .ok_or_else(|| swap_err(format!("swap path: no output {output}")))?;
+            .ok_or_else(|| model_err(format!("swap path: no output {output}")))?;
         if !matches!(o.role, Role::ParamGrad(_) | Role::ParamRowGrad(_)) {
-            return Err(swap_err("swap path: accumulating a non-gradient output"));
+            return Err(model_err("swap path: accumulating a non-gradient output"));
         }
         let topo = graph.function().map(|f| engine.topology(f)).transpose()?;
         engine.accumulate_output(
@@ -513,30 +581,14 @@ impl SwapDevice for CudaSwapDevice<'_> {
     }
 
     fn allocate(&mut self, tensor: TensorId, _bytes: u64) -> Result<bool> {
-        let home = self
-            .program
-            .homes
-            .get(tensor.index())
-            .copied()
-            .flatten()
-            .ok_or_else(|| swap_err(format!("swap path: tensor {tensor} has no node")))?;
+        let home = self.home(tensor)?;
         let allocated = match home.dtype {
             DType::Float => self.engine.pool.alloc::<f32>(home.len).map(Mem::Floats),
             DType::Index => self.engine.pool.alloc::<u32>(home.len).map(Mem::Indices),
         };
         match allocated {
             Ok(mem) => {
-                let slot = self
-                    .rt
-                    .slots
-                    .get_mut(tensor.index())
-                    .ok_or_else(|| swap_err(format!("swap path: no tensor {tensor}")))?;
-                if slot.mem.is_some() {
-                    return Err(swap_err(format!(
-                        "swap path: tensor {tensor} allocated twice"
-                    )));
-                }
-                slot.mem = Some(mem);
+                self.place(tensor, mem)?;
                 Ok(true)
             }
             Err(CudaError::OutOfPoolMemory { .. }) => Ok(false),
@@ -545,11 +597,7 @@ impl SwapDevice for CudaSwapDevice<'_> {
     }
 
     fn release(&mut self, tensor: TensorId) -> Result<()> {
-        let slot = self
-            .rt
-            .slots
-            .get_mut(tensor.index())
-            .ok_or_else(|| swap_err(format!("swap path: no tensor {tensor}")))?;
+        let slot = self.tensor_mut(tensor)?;
         // later compute is ordered after the tensor's last op on the compute
         // stream; copies into recycled memory wait for the compute stream
         slot.mem = None;
@@ -559,10 +607,7 @@ impl SwapDevice for CudaSwapDevice<'_> {
     fn offload(&mut self, tensor: TensorId) -> Result<()> {
         self.mark_compute()?;
         let device = Arc::clone(&self.engine.device);
-        let timing = match self.profile.is_some() {
-            true => Some((self.timing_event()?, self.timing_event()?)),
-            false => None,
-        };
+        let timing = self.timing()?;
         let (ptr, bytes) = self.mem(tensor)?.raw();
         let d2h = Arc::clone(&self.rt.d2h);
         d2h.wait(&self.rt.mark).in_call("cuStreamWaitEvent")?;
@@ -574,7 +619,7 @@ impl SwapDevice for CudaSwapDevice<'_> {
         let host = slot
             .host
             .as_ref()
-            .ok_or_else(|| swap_err("swap path: host slot missing"))?;
+            .ok_or_else(|| model_err("swap path: host slot missing"))?;
         // SAFETY: `ptr` is the tensor's live device memory: a pool block the
         // executor releases only after this copy's event (recorded next)
         // completed, or a range of the step's arena, which outlives every
@@ -588,11 +633,7 @@ impl SwapDevice for CudaSwapDevice<'_> {
         unsafe { host.copy_from_device(ptr, bytes, &d2h)? };
         let event = Self::event(&mut slot.offloaded, &device)?;
         event.record(&d2h).in_call("cuEventRecord")?;
-        if let (Some((start, end)), Some(p)) = (timing, self.profile.as_deref_mut()) {
-            end.record(&d2h).in_call("cuEventRecord")?;
-            p.copies.push((true, bytes, start, end));
-        }
-        Ok(())
+        self.end_copy(timing, &d2h, true, bytes)
     }
 
     fn offload_complete(&mut self, tensor: TensorId) -> Result<bool> {
@@ -610,27 +651,15 @@ impl SwapDevice for CudaSwapDevice<'_> {
     fn prefetch(&mut self, tensor: TensorId) -> Result<()> {
         self.mark_compute()?;
         let device = Arc::clone(&self.engine.device);
-        let timing = match self.profile.is_some() {
-            true => Some((self.timing_event()?, self.timing_event()?)),
-            false => None,
-        };
+        let timing = self.timing()?;
         let (ptr, bytes) = self.mem(tensor)?.raw();
         let h2d = Arc::clone(&self.rt.h2d);
         h2d.wait(&self.rt.mark).in_call("cuStreamWaitEvent")?;
         h2d.wait(self.offload_event(tensor)?)
             .in_call("cuStreamWaitEvent")?;
-        let slot = &mut self.rt.slots[tensor.index()];
         // memory that other tensors' offloads may still read
-        for u in std::mem::take(&mut slot.write_after) {
-            if let Some(e) = self
-                .rt
-                .slots
-                .get(u.index())
-                .and_then(|s| s.offloaded.as_ref())
-            {
-                h2d.wait(e).in_call("cuStreamWaitEvent")?;
-            }
-        }
+        let waits = std::mem::take(&mut self.tensor_mut(tensor)?.write_after);
+        self.wait_offloads(&h2d, waits)?;
         let slot = &mut self.rt.slots[tensor.index()];
         if let Some((start, _)) = &timing {
             start.record(&h2d).in_call("cuEventRecord")?;
@@ -638,7 +667,7 @@ impl SwapDevice for CudaSwapDevice<'_> {
         let host = slot
             .host
             .as_ref()
-            .ok_or_else(|| swap_err(format!("swap path: tensor {tensor} has no host copy")))?;
+            .ok_or_else(|| model_err(format!("swap path: tensor {tensor} has no host copy")))?;
         // SAFETY: `ptr` is the tensor's freshly allocated device memory; the
         // copy waits for the compute stream's work so far (memory it
         // recycles was last used there), for the offloads that may still
@@ -651,11 +680,7 @@ impl SwapDevice for CudaSwapDevice<'_> {
         unsafe { host.copy_to_device(ptr, bytes, &h2d)? };
         let event = Self::event(&mut slot.prefetched, &device)?;
         event.record(&h2d).in_call("cuEventRecord")?;
-        if let (Some((start, end)), Some(p)) = (timing, self.profile.as_deref_mut()) {
-            end.record(&h2d).in_call("cuEventRecord")?;
-            p.copies.push((false, bytes, start, end));
-        }
-        Ok(())
+        self.end_copy(timing, &h2d, false, bytes)
     }
 
     fn await_prefetch(&mut self, tensor: TensorId) -> Result<()> {
@@ -677,30 +702,15 @@ impl SwapDevice for CudaSwapDevice<'_> {
         self.bind(op, true)?;
         // layout mode: memory that offloads may still read is written only
         // after them
+        let compute = Arc::clone(&self.engine.main.stream);
         for &t in self.program.trace.uses(op) {
             let waits = match self.rt.slots.get_mut(t.index()) {
                 Some(slot) => std::mem::take(&mut slot.write_after),
                 None => continue,
             };
-            for u in waits {
-                if let Some(e) = self
-                    .rt
-                    .slots
-                    .get(u.index())
-                    .and_then(|s| s.offloaded.as_ref())
-                {
-                    self.engine
-                        .main
-                        .stream
-                        .wait(e)
-                        .in_call("cuStreamWaitEvent")?;
-                }
-            }
+            self.wait_offloads(&compute, waits)?;
         }
-        let timing = match self.profile.is_some() {
-            true => Some((self.timing_event()?, self.timing_event()?)),
-            false => None,
-        };
+        let timing = self.timing()?;
         if let Some((start, _)) = &timing {
             start
                 .record(&self.engine.main.stream)
@@ -728,7 +738,7 @@ impl SwapDevice for CudaSwapDevice<'_> {
 
     fn reserve_arena(&mut self, bytes: u64) -> Result<()> {
         let floats = usize::try_from(bytes.div_ceil(4))
-            .map_err(|_| swap_err(format!("swap path: an arena of {bytes} bytes")))?;
+            .map_err(|_| model_err(format!("swap path: an arena of {bytes} bytes")))?;
         self.rt.arena = None;
         match self.engine.pool.alloc::<f32>(floats.max(1)) {
             Ok(arena) => {
@@ -737,7 +747,7 @@ impl SwapDevice for CudaSwapDevice<'_> {
             }
             Err(CudaError::OutOfPoolMemory {
                 free, pool_size, ..
-            }) => Err(swap_err(format!(
+            }) => Err(model_err(format!(
                 "the swap plan's arena of {bytes} bytes ({}) does not fit the pool: {free} of \
                  its {pool_size} bytes are free (device memory budget {})",
                 ramus_swap::human_bytes(bytes),
@@ -751,24 +761,18 @@ impl SwapDevice for CudaSwapDevice<'_> {
     }
 
     fn allocate_at(&mut self, tensor: TensorId, offset: u64, bytes: u64) -> Result<()> {
-        let home = self
-            .program
-            .homes
-            .get(tensor.index())
-            .copied()
-            .flatten()
-            .ok_or_else(|| swap_err(format!("swap path: tensor {tensor} has no node")))?;
+        let home = self.home(tensor)?;
         let arena = self
             .rt
             .arena
             .as_ref()
-            .ok_or_else(|| swap_err(format!("swap path: tensor {tensor} placed with no arena")))?
+            .ok_or_else(|| model_err(format!("swap path: tensor {tensor} placed with no arena")))?
             .view();
         let at = usize::try_from(offset / 4)
             .ok()
             .filter(|_| offset.is_multiple_of(4) && (home.len as u64) * 4 <= bytes)
             .ok_or_else(|| {
-                swap_err(format!(
+                model_err(format!(
                     "swap path: tensor {tensor} placed at byte {offset} with {bytes} bytes for \
                      {} elements",
                     home.len
@@ -780,18 +784,7 @@ impl SwapDevice for CudaSwapDevice<'_> {
             DType::Float => Buf::Floats(floats),
             DType::Index => Buf::Indices(floats.reinterpret::<u32>()),
         };
-        let slot = self
-            .rt
-            .slots
-            .get_mut(tensor.index())
-            .ok_or_else(|| swap_err(format!("swap path: no tensor {tensor}")))?;
-        if slot.mem.is_some() {
-            return Err(swap_err(format!(
-                "swap path: tensor {tensor} allocated twice"
-            )));
-        }
-        slot.mem = Some(Mem::Placed(buf));
-        slot.write_after.clear();
+        self.place(tensor, Mem::Placed(buf))?.write_after.clear();
         Ok(())
     }
 
@@ -803,12 +796,7 @@ impl SwapDevice for CudaSwapDevice<'_> {
     }
 
     fn order_after_offload(&mut self, tensor: TensorId, previous: TensorId) -> Result<()> {
-        let slot = self
-            .rt
-            .slots
-            .get_mut(tensor.index())
-            .ok_or_else(|| swap_err(format!("swap path: no tensor {tensor}")))?;
-        slot.write_after.push(previous);
+        self.tensor_mut(tensor)?.write_after.push(previous);
         Ok(())
     }
 

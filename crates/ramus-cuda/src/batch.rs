@@ -1,0 +1,46 @@
+//! What the CUDA batched engine and the swap path wrapped around it both
+//! know about a batch: where a node's value lives ([`Buf`], [`GraphBufs`]) and the
+//! vertices the head runs on ([`head_vertices`]). A leaf module, so that
+//! neither imports the other for them.
+
+use ramus_core::graph::Graph;
+use ramus_core::HeadRows;
+use ramus_graph::{Schedule, NO_LABEL};
+
+use crate::pool::DeviceView;
+
+/// Where one node's value lives for the current batch.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Buf {
+    Absent,
+    Floats(DeviceView<f32>),
+    Indices(DeviceView<u32>),
+}
+
+/// A graph with its nodes' buffers for the current batch (a backward
+/// graph's `Forward(m)` inputs are in `fwd`, the forward graph's buffers).
+#[derive(Clone, Copy)]
+pub(crate) struct GraphBufs<'a> {
+    pub(crate) g: &'a Graph,
+    pub(crate) own: &'a [Buf],
+    pub(crate) fwd: Option<&'a [Buf]>,
+}
+
+impl<'a> GraphBufs<'a> {
+    pub(crate) fn new(g: &'a Graph, own: &'a [Buf], fwd: Option<&'a [Buf]>) -> Self {
+        GraphBufs { g, own, fwd }
+    }
+}
+
+/// The vertices the head runs on, in head-row order.
+pub(crate) fn head_vertices(rows: HeadRows, s: &Schedule) -> Vec<u32> {
+    match rows {
+        HeadRows::Roots => s.roots.clone(),
+        HeadRows::Labelled => s
+            .number
+            .iter()
+            .copied()
+            .filter(|&v| s.labels[v as usize] != NO_LABEL)
+            .collect(),
+    }
+}
