@@ -11,7 +11,7 @@ use ramus_cpu::compiled::CpuCompiledEngine;
 use ramus_cpu::CpuTrainer;
 use ramus_cuda::compiled::{CompiledEngine, CompiledOptions};
 use ramus_cuda::persistent::{PersistentOptions, PersistentTrainer};
-use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer, SwapConfig, SwapMode};
+use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer, SwapConfig, SwapMode, SwapTrainer};
 use ramus_exec::{BatchedInfer, InferEngine, OptimizerConfig, TrainEngine};
 
 /// Where an engine runs.
@@ -99,18 +99,27 @@ impl TrainKind {
                 let engine = PersistentTrainer::new(model, params, config, &options);
                 Ok(Box::new(engine.map_err(|e| e.to_string())?))
             }
-            TrainKind::Swap => on_cuda(swap_engine(model).map_err(|e| e.to_string())?),
+            TrainKind::Swap => Ok(Box::new(
+                swap_trainer(model, params, config).map_err(|e| e.to_string())?,
+            )),
         }
     }
 }
 
-/// The CUDA engine on the swap path: the one place the suite reaches it.
-fn swap_engine(model: &Model) -> ramus_cuda::Result<CudaEngine> {
-    let options = CudaEngineOptions {
-        swap: SwapConfig::with_mode(SwapMode::Resident),
-        ..CudaEngineOptions::default()
-    };
-    CudaEngine::new(model, &options)
+/// The swap path (a `SwapTrainer` around the CUDA trainer): the one place
+/// the suite reaches it.
+fn swap_trainer(
+    model: &Model,
+    params: &Params<f32>,
+    config: OptimizerConfig,
+) -> ramus_cuda::Result<SwapTrainer> {
+    SwapTrainer::new(
+        model.clone(),
+        &CudaEngineOptions::default(),
+        SwapConfig::with_mode(SwapMode::Resident),
+        params.clone(),
+        config,
+    )
 }
 
 /// An inference engine ([`InferEngine`]) of the suite.

@@ -30,7 +30,6 @@ use rand_chacha::ChaCha8Rng;
 
 use ramus_exec::{Batch, ExecError, ForwardOutput, Mode, Range, Result};
 
-
 mod arena;
 mod inputs;
 mod nodes;

@@ -4,8 +4,8 @@
 
 use std::collections::HashMap;
 
-use ramus_core::graph::{DType, Graph, NodeKind, ParamId, Source, Space};
 use crate::kernels::PackedB;
+use ramus_core::graph::{DType, Graph, NodeKind, ParamId, Source, Space};
 use ramus_core::Real;
 
 use ramus_exec::Range;
