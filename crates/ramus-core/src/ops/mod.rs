@@ -46,8 +46,25 @@ fn prim(op: impl Into<Op>) -> Result<Op, String> {
     Ok(op.into())
 }
 
-/// `(name, doc, constructor from numeric attributes)` for every primitive.
-pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> {
+/// `(name, doc, constructor from numeric attributes)` of one primitive.
+type Primitive = (&'static str, &'static str, PrimitiveMaker);
+
+/// `(name, doc, constructor from numeric attributes)` for every primitive,
+/// family by family.
+pub(crate) fn primitives() -> Vec<Primitive> {
+    [
+        elementwise(),
+        matmul(),
+        structure(),
+        rows_and_loss(),
+        conv_pool(),
+        norm(),
+    ]
+    .concat()
+}
+
+/// The primitives of element-wise maps, scalar and binary arithmetic, their backward steps.
+fn elementwise() -> Vec<Primitive> {
     vec![
         ("neg", "-x", |_| prim(Neg)),
         ("exp", "exp(x)", |_| prim(Exp)),
@@ -73,24 +90,34 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
         }),
         ("tanh_backward", "g * (1 - y^2)", |_| prim(TanhBackward)),
         ("relu_backward", "x > 0 ? g : 0", |_| prim(ReluBackward)),
-        (
-            "matmul",
-            "op(A)·op(B); attrs [trans_a, trans_b] as 0/1 (missing ones are 0)",
-            |a| {
-                if a.len() > 2 {
-                    return Err(format!("takes at most 2 attributes, got {}", a.len()));
-                }
-                let flag = |i: usize, name: &str| match a.get(i).copied() {
-                    None => Ok(false),
-                    Some(v) if v == 0.0 || v == 1.0 => Ok(v == 1.0),
-                    Some(v) => Err(format!("attribute {name} must be 0 or 1, got {v}")),
-                };
-                prim(MatMul {
-                    trans_a: flag(0, "trans_a")?,
-                    trans_b: flag(1, "trans_b")?,
-                })
-            },
-        ),
+    ]
+}
+
+/// The primitives of the matrix product.
+fn matmul() -> Vec<Primitive> {
+    vec![(
+        "matmul",
+        "op(A)·op(B); attrs [trans_a, trans_b] as 0/1 (missing ones are 0)",
+        |a| {
+            if a.len() > 2 {
+                return Err(format!("takes at most 2 attributes, got {}", a.len()));
+            }
+            let flag = |i: usize, name: &str| match a.get(i).copied() {
+                None => Ok(false),
+                Some(v) if v == 0.0 || v == 1.0 => Ok(v == 1.0),
+                Some(v) => Err(format!("attribute {name} must be 0 or 1, got {v}")),
+            };
+            prim(MatMul {
+                trans_a: flag(0, "trans_a")?,
+                trans_b: flag(1, "trans_b")?,
+            })
+        },
+    )]
+}
+
+/// The primitives of row and child structure: concatenation, slices, reductions, broadcasts, embeddings.
+fn structure() -> Vec<Primitive> {
+    vec![
         ("concat", "concatenate rows along features", |_| prim(Concat)),
         (
             "slice",
@@ -168,6 +195,12 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
                 })
             },
         ),
+    ]
+}
+
+/// The primitives of per-row matrices and the softmax cross-entropy loss.
+fn rows_and_loss() -> Vec<Primitive> {
+    vec![
         (
             "row_matmul",
             "per-row op(A)·op(B) of [m,k]·[k,n] matrices held in rows (or one static operand); attrs [m, k, n, trans_a, trans_b]",
@@ -196,6 +229,12 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
             "gradient of softmax_xent from (scores, labels, upstream [1]-wide rows)",
             |_| prim(SoftmaxXentBackward),
         ),
+    ]
+}
+
+/// The primitives of convolution and pooling.
+fn conv_pool() -> Vec<Primitive> {
+    vec![
         (
             "conv2d",
             "2-D convolution of image rows [C*H*W] (CHW) by weight [O, C*kh*kw] (+ bias [O]) -> rows [O*Ho*Wo]; attrs [C, H, W, O, kh, kw, stride=1, padding=0]",
@@ -235,6 +274,12 @@ pub(crate) fn primitives() -> Vec<(&'static str, &'static str, PrimitiveMaker)> 
                 })
             },
         ),
+    ]
+}
+
+/// The primitives of channel reductions and batch normalization.
+fn norm() -> Vec<Primitive> {
+    vec![
         (
             "channel_sum",
             "rows [C*S] summed over rows and positions -> static [C]; attrs [C, S]",
