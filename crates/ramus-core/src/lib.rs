@@ -55,6 +55,7 @@ pub mod real;
 pub mod recursion;
 pub mod simplify;
 pub mod tensor;
+pub mod types;
 pub mod vpps;
 
 pub use arity::{Arity, VertexRules};

@@ -10,7 +10,8 @@ use std::fmt::Debug;
 use std::sync::Arc;
 
 use crate::error::{CoreError, Result};
-use crate::graph::{DType, GraphBuilder, Space, Sym, ValueType};
+use crate::graph::{GraphBuilder, Sym};
+use crate::types::{DType, Space, ValueType};
 use crate::ops::Op;
 
 /// Estimated work of one op application.
@@ -62,15 +63,6 @@ pub trait OpDef: Send + Sync + Debug {
     /// some rows.
     fn couples_rows(&self) -> bool {
         false
-    }
-    /// The op engines run at this op's node outside training (evaluation
-    /// and inference passes), given the node's input count, with the node's
-    /// inputs unchanged; `None` (the default) runs the op itself in every
-    /// mode. Batch normalisation with running statistics (5 inputs) answers
-    /// the inference op that normalises with them.
-    fn inference_op(&self, arity: usize) -> Option<Op> {
-        let _ = arity;
-        None
     }
     /// Estimated cost for `rows` rows.
     fn cost(&self, inputs: &[&ValueType], out: &ValueType, rows: usize) -> Cost {

@@ -46,7 +46,7 @@
 //!   updates them after every training pass (`ramus_cpu::kernels::update_running_stats`:
 //!   momentum [`RUNNING_STATS_MOMENTUM`], unbiased batch variance), and
 //!   evaluation and inference passes run [`BatchNormInference`] on them
-//!   instead ([`OpDef::inference_op`]).
+//!   instead ([`Op::inference_op`](crate::ops::Op::inference_op)).
 //! * [`BatchNormInference`] — `gamma * (x - mean) / sqrt(var + eps) + beta`
 //!   with given per-channel statistics (static inputs, e.g. running averages
 //!   computed outside the graph); rows stay independent. Its gradients
@@ -64,7 +64,8 @@
 //! ReLU, linear layers, dropout, residual adds (`add`) and softmax
 //! cross-entropy are the existing ops.
 
-use crate::graph::{GraphBuilder, Sym, ValueType};
+use crate::graph::{GraphBuilder, Sym};
+use crate::types::ValueType;
 use crate::op::{want_arity, want_float, Cost, GradCtx, OpDef};
 
 mod geom;
@@ -540,11 +541,6 @@ impl OpDef for BatchNorm {
             want_channels(t, n.channels, what)?;
         }
         Ok(inputs[0].clone())
-    }
-    fn inference_op(&self, arity: usize) -> Option<crate::ops::Op> {
-        (arity == 5).then_some(crate::ops::Op::BatchNormInference(BatchNormInference(
-            self.0,
-        )))
     }
     fn gradient(&self, g: &mut GradCtx<'_>) {
         let n = self.0;

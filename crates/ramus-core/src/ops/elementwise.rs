@@ -3,7 +3,7 @@
 //! by fusion code generation; its CPU kernel, applied row by row, is in the
 //! CPU engine (`ramus_cpu::kernels`).
 
-use crate::graph::ValueType;
+use crate::types::ValueType;
 use crate::op::{want_float, GradCtx, OpDef};
 
 /// Type inference shared by all elementwise ops: float operands; row

@@ -1,7 +1,7 @@
 //! Softmax cross-entropy: per-row loss against index labels, and its
 //! gradient with respect to the scores.
 
-use crate::graph::{DType, ValueType};
+use crate::types::{DType, ValueType};
 use crate::op::{want_arity, want_float, GradCtx, OpDef};
 
 fn check_labels(inputs: &[&ValueType]) -> std::result::Result<(), String> {

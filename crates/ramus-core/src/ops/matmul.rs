@@ -7,7 +7,7 @@
 //!   rows (the weight-gradient GEMM that lazy batching runs once per batch);
 //! * static · static → static.
 
-use crate::graph::ValueType;
+use crate::types::ValueType;
 use crate::op::{want_arity, want_float, Cost, GradCtx, OpDef, PackedOperand};
 
 /// `op(A) · op(B)`, see the module docs.

@@ -8,7 +8,8 @@ pub mod row_matrix;
 mod set;
 pub mod structure;
 
-use crate::graph::{GraphBuilder, Sym, ValueType};
+use crate::graph::{GraphBuilder, Sym};
+use crate::types::ValueType;
 use crate::op::PrimitiveMaker;
 
 pub use cnn::{

@@ -12,7 +12,7 @@
 //! The gradients are again per-row products (a static operand's gradient is
 //! the per-row product summed over rows), so the family is closed.
 
-use crate::graph::ValueType;
+use crate::types::ValueType;
 use crate::op::{want_arity, want_float, Cost, GradCtx, OpDef};
 
 /// `C = op(A) · op(B)` per row, with `op(A): [m, k]`, `op(B): [k, n]` and

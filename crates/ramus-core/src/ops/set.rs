@@ -12,7 +12,7 @@ use super::loss::{SoftmaxXent, SoftmaxXentBackward};
 use super::matmul::MatMul;
 use super::row_matrix::RowMatMul;
 use super::structure::*;
-use crate::graph::ValueType;
+use crate::types::ValueType;
 use crate::op::{Cost, GradCtx, OpDef, PackedOperand};
 
 macro_rules! op_set {
@@ -188,6 +188,22 @@ macro_rules! image_op {
 }
 
 impl Op {
+    /// The op engines run at this op's node outside training (evaluation
+    /// and inference passes), given the node's input count, with the node's
+    /// inputs unchanged; `None` runs the op itself in every mode. Batch
+    /// normalisation with running statistics (5 inputs) answers the
+    /// inference op that normalises with them.
+    pub fn inference_op(&self, arity: usize) -> Option<Op> {
+        match self {
+            Op::BatchNorm(BatchNorm(n)) if arity == 5 => {
+                Some(Op::BatchNormInference(BatchNormInference(*n)))
+            }
+            _ => None,
+        }
+    }
+}
+
+impl Op {
     /// True for [`SumChildren`]: the child-sum reduction from edge rows to
     /// vertex rows, which every engine and lowering treats as structure.
     pub fn is_child_sum(&self) -> bool {
@@ -267,9 +283,6 @@ impl OpDef for Op {
     }
     fn couples_rows(&self) -> bool {
         self.def().couples_rows()
-    }
-    fn inference_op(&self, arity: usize) -> Option<Op> {
-        self.def().inference_op(arity)
     }
     fn cost(&self, inputs: &[&ValueType], out: &ValueType, rows: usize) -> Cost {
         self.def().cost(inputs, out, rows)

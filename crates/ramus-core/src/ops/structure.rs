@@ -2,7 +2,7 @@
 //! feature-axis concat / slice / pad, child-set sum and expansion, row
 //! reductions and broadcasts, reshape and embedding lookup.
 
-use crate::graph::{DType, Space, ValueType};
+use crate::types::{DType, Space, ValueType};
 use crate::op::{want_arity, want_float, Cost, GradCtx, OpDef};
 
 /// Concatenation of row values along the feature axis.

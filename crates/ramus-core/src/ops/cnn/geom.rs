@@ -1,7 +1,7 @@
 //! Image geometry of the convolutional ops: [`Conv2dGeom`],
 //! [`Pool2dGeom`] and [`NormGeom`], their checks and derived sizes.
 
-use crate::graph::{Space, ValueType};
+use crate::types::{Space, ValueType};
 use crate::op::{want_float, Cost};
 
 /// Window positions along one axis: `(size + 2·padding - kernel) / stride + 1`.
