@@ -41,6 +41,7 @@
 
 pub mod arity;
 pub mod autodiff;
+pub mod builder_ops;
 pub mod error;
 pub mod fusion;
 pub mod graph;
@@ -53,6 +54,7 @@ pub mod params;
 pub mod plan;
 pub mod real;
 pub mod recursion;
+pub mod registry;
 pub mod simplify;
 pub mod tensor;
 pub mod types;
@@ -65,7 +67,8 @@ pub use graph::{
     ValueType,
 };
 pub use model::{FunctionSelector, HeadRows, Init, Model, ModelBuilder, ParamKind, ParamSpec};
-pub use op::{OpDef, OpRegistry};
+pub use op::OpDef;
 pub use params::{Grads, Params};
 pub use real::Real;
+pub use registry::OpRegistry;
 pub use tensor::Tensor;

@@ -5,14 +5,11 @@
 //! kernels live in the CPU engine, `ramus_cpu::kernels`). [`OpRegistry`] finds ops by name and holds user-defined
 //! composite ops built from registered ones.
 
-use std::collections::BTreeMap;
 use std::fmt::Debug;
-use std::sync::Arc;
 
-use crate::error::{CoreError, Result};
 use crate::graph::{GraphBuilder, Sym};
+pub use crate::registry::{CompositeBuilder, OpRegistry, PrimitiveMaker};
 use crate::types::{DType, Space, ValueType};
-use crate::ops::Op;
 
 /// Estimated work of one op application.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -174,103 +171,6 @@ impl<'a> GradCtx<'a> {
     }
 }
 
-/// A user-defined op composed from registered ones.
-pub type CompositeBuilder = Arc<dyn Fn(&mut GraphBuilder, &[Sym]) -> Sym + Send + Sync>;
-
-/// Makes a primitive op from numeric attributes.
-pub type PrimitiveMaker = fn(&[f64]) -> std::result::Result<Op, String>;
-
-enum Entry {
-    Primitive {
-        doc: &'static str,
-        make: PrimitiveMaker,
-    },
-    Composite {
-        doc: String,
-        arity: usize,
-        build: CompositeBuilder,
-    },
-}
-
-/// Ops by name: the built-in primitives plus user composites.
-pub struct OpRegistry {
-    entries: BTreeMap<String, Entry>,
-}
-
-impl OpRegistry {
-    /// A registry with every built-in primitive op.
-    pub fn standard() -> Self {
-        let mut r = OpRegistry {
-            entries: BTreeMap::new(),
-        };
-        for (name, doc, make) in crate::ops::primitives() {
-            r.entries
-                .insert(name.to_string(), Entry::Primitive { doc, make });
-        }
-        r
-    }
-
-    /// Registers `name` as a composition of registered ops taking `arity`
-    /// inputs. Its gradient, fusion and kernels come from the ops it uses.
-    pub fn register_composite(
-        &mut self,
-        name: &str,
-        arity: usize,
-        doc: &str,
-        build: impl Fn(&mut GraphBuilder, &[Sym]) -> Sym + Send + Sync + 'static,
-    ) -> Result<()> {
-        if self.entries.contains_key(name) {
-            return Err(CoreError::Model {
-                model: "op registry".into(),
-                message: format!("op `{name}` already exists"),
-            });
-        }
-        self.entries.insert(
-            name.to_string(),
-            Entry::Composite {
-                doc: doc.to_string(),
-                arity,
-                build: Arc::new(build),
-            },
-        );
-        Ok(())
-    }
-
-    /// Applies op `name` with numeric attributes `attrs` to `inputs`.
-    pub fn call(&self, b: &mut GraphBuilder, name: &str, inputs: &[Sym], attrs: &[f64]) -> Sym {
-        match self.entries.get(name) {
-            None => b.fail(
-                name,
-                format!("no such op (known: {})", self.names().join(", ")),
-            ),
-            Some(Entry::Primitive { make, .. }) => match make(attrs) {
-                Ok(op) => b.apply(op, inputs),
-                Err(e) => b.fail(name, e),
-            },
-            Some(Entry::Composite { arity, build, .. }) => {
-                if inputs.len() != *arity {
-                    b.fail(name, format!("takes {arity} inputs, got {}", inputs.len()))
-                } else {
-                    build(b, inputs)
-                }
-            }
-        }
-    }
-
-    /// Registered names in order.
-    pub fn names(&self) -> Vec<&str> {
-        self.entries.keys().map(String::as_str).collect()
-    }
-
-    /// One-line documentation of `name`.
-    pub fn doc(&self, name: &str) -> Option<String> {
-        self.entries.get(name).map(|e| match e {
-            Entry::Primitive { doc, .. } => doc.to_string(),
-            Entry::Composite { doc, .. } => format!("(composite) {doc}"),
-        })
-    }
-}
-
 /// Checks that `t` is a float value.
 pub(crate) fn want_float(t: &ValueType, what: &str) -> std::result::Result<(), String> {
     if t.dtype == DType::Float {
@@ -287,4 +187,23 @@ pub(crate) fn want_arity(inputs: &[&ValueType], n: usize) -> std::result::Result
     } else {
         Err(format!("takes {n} inputs, got {}", inputs.len()))
     }
+}
+
+/// Numeric attribute `i` (`name` in messages).
+pub(crate) fn attr(attrs: &[f64], i: usize, name: &str) -> Result<f64, String> {
+    attrs
+        .get(i)
+        .copied()
+        .ok_or_else(|| format!("missing attribute {i} ({name})"))
+}
+
+/// Numeric attribute `i` as a count or size.
+pub(crate) fn usize_attr(attrs: &[f64], i: usize, name: &str) -> Result<usize, String> {
+    let v = attr(attrs, i, name)?;
+    if v < 0.0 || v.fract() != 0.0 {
+        return Err(format!(
+            "attribute {name} must be a non-negative integer, got {v}"
+        ));
+    }
+    Ok(v as usize)
 }

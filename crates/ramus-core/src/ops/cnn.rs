@@ -64,9 +64,9 @@
 //! ReLU, linear layers, dropout, residual adds (`add`) and softmax
 //! cross-entropy are the existing ops.
 
-use crate::graph::{GraphBuilder, Sym};
-use crate::types::ValueType;
+use crate::graph::Sym;
 use crate::op::{want_arity, want_float, Cost, GradCtx, OpDef};
+use crate::types::ValueType;
 
 mod geom;
 pub use geom::{Conv2dGeom, NormGeom, Pool2dGeom};
@@ -731,93 +731,13 @@ impl OpDef for BatchNormInferenceBackwardParam {
     }
 }
 
-// ---------------------------------------------------------------- builder methods
-
-/// Builder methods for the CNN ops.
-impl GraphBuilder {
-    /// 2-D convolution of image rows `[C*H*W]` with a weight `[O, C*kh*kw]`
-    /// (or `[O, C, kh, kw]`) and an optional per-channel bias `[O]`.
-    pub fn conv2d(&mut self, x: Sym, w: Sym, bias: Option<Sym>, geom: Conv2dGeom) -> Sym {
-        let op = Conv2d(geom);
-        match bias {
-            Some(b) => self.apply(op, &[x, w, b]),
-            None => self.apply(op, &[x, w]),
-        }
-    }
-    /// `d(input)` of [`Conv2d`] from the output gradient rows and the weight.
-    pub fn conv2d_backward_input(&mut self, dy: Sym, w: Sym, geom: Conv2dGeom) -> Sym {
-        self.apply(Conv2dBackwardInput(geom), &[dy, w])
-    }
-    /// `d(weight)` of [`Conv2d`] (a static `[O, C*kh*kw]`, summed over rows).
-    pub fn conv2d_backward_weight(&mut self, x: Sym, dy: Sym, geom: Conv2dGeom) -> Sym {
-        self.apply(Conv2dBackwardWeight(geom), &[x, dy])
-    }
-    /// Max pooling of image rows.
-    pub fn max_pool2d(&mut self, x: Sym, geom: Pool2dGeom) -> Sym {
-        self.apply(MaxPool2d(geom), &[x])
-    }
-    /// Gradient of [`MaxPool2d`] from the forward input and the output gradient.
-    pub fn max_pool2d_backward(&mut self, x: Sym, dy: Sym, geom: Pool2dGeom) -> Sym {
-        self.apply(MaxPool2dBackward(geom), &[x, dy])
-    }
-    /// Per-channel mean over positions: rows `[C*H*W]` → rows `[C]`.
-    pub fn global_avg_pool(&mut self, x: Sym, channels: usize, height: usize, width: usize) -> Sym {
-        let op = GlobalAvgPool {
-            channels,
-            height,
-            width,
-        };
-        self.apply(op, &[x])
-    }
-    /// Sum over rows and positions per channel: rows `[C*S]` → static `[C]`.
-    pub fn channel_sum(&mut self, x: Sym, channels: usize, spatial: usize) -> Sym {
-        self.apply(ChannelSum { channels, spatial }, &[x])
-    }
-    /// A static `[C]` spread over positions and over the rows of `like`.
-    pub fn channel_broadcast(&mut self, s: Sym, like: Sym, channels: usize, spatial: usize) -> Sym {
-        self.apply(ChannelBroadcast { channels, spatial }, &[s, like])
-    }
-    /// Training-mode batch normalisation over all rows of the run (see the
-    /// module docs for where it may be used).
-    pub fn batch_norm(&mut self, x: Sym, gamma: Sym, beta: Sym, geom: NormGeom) -> Sym {
-        self.apply(BatchNorm(geom), &[x, gamma, beta])
-    }
-    /// Training-mode batch normalisation that keeps running statistics
-    /// `running = (mean, var)` (buffers the engines update after each
-    /// training pass; evaluation normalises with them). See [`BatchNorm`].
-    pub fn batch_norm_tracked(
-        &mut self,
-        x: Sym,
-        gamma: Sym,
-        beta: Sym,
-        running: (Sym, Sym),
-        geom: NormGeom,
-    ) -> Sym {
-        self.apply(BatchNorm(geom), &[x, gamma, beta, running.0, running.1])
-    }
-    /// Batch normalisation with given per-channel statistics `stats = (mean, var)`.
-    pub fn batch_norm_inference(
-        &mut self,
-        x: Sym,
-        gamma: Sym,
-        beta: Sym,
-        stats: (Sym, Sym),
-        geom: NormGeom,
-    ) -> Sym {
-        self.apply(
-            BatchNormInference(geom),
-            &[x, gamma, beta, stats.0, stats.1],
-        )
-    }
-}
-
 // ---------------------------------------------------------------- registry
 
 fn attrs_usize(attrs: &[f64], names: &[&str]) -> std::result::Result<Vec<usize>, String> {
     names
         .iter()
         .enumerate()
-        .map(|(i, n)| super::usize_attr(attrs, i, n))
+        .map(|(i, n)| crate::op::usize_attr(attrs, i, n))
         .collect()
 }
 
@@ -829,7 +749,7 @@ fn opt_usize(
     default: usize,
 ) -> std::result::Result<usize, String> {
     if a.len() > i {
-        super::usize_attr(a, i, name)
+        crate::op::usize_attr(a, i, name)
     } else {
         Ok(default)
     }

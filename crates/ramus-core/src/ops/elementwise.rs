@@ -3,8 +3,8 @@
 //! by fusion code generation; its CPU kernel, applied row by row, is in the
 //! CPU engine (`ramus_cpu::kernels`).
 
-use crate::types::ValueType;
 use crate::op::{want_float, GradCtx, OpDef};
+use crate::types::ValueType;
 
 /// Type inference shared by all elementwise ops: float operands; row
 /// operands agree in space and width; static operands broadcast as rows of

@@ -1,8 +1,8 @@
 //! Softmax cross-entropy: per-row loss against index labels, and its
 //! gradient with respect to the scores.
 
-use crate::types::{DType, ValueType};
 use crate::op::{want_arity, want_float, GradCtx, OpDef};
+use crate::types::{DType, ValueType};
 
 fn check_labels(inputs: &[&ValueType]) -> std::result::Result<(), String> {
     let (logits, labels) = (inputs[0], inputs[1]);

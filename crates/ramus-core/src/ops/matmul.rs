@@ -7,8 +7,8 @@
 //!   rows (the weight-gradient GEMM that lazy batching runs once per batch);
 //! * static · static → static.
 
-use crate::types::ValueType;
 use crate::op::{want_arity, want_float, Cost, GradCtx, OpDef, PackedOperand};
+use crate::types::ValueType;
 
 /// `op(A) · op(B)`, see the module docs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

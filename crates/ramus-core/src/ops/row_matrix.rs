@@ -12,8 +12,8 @@
 //! The gradients are again per-row products (a static operand's gradient is
 //! the per-row product summed over rows), so the family is closed.
 
-use crate::types::ValueType;
 use crate::op::{want_arity, want_float, Cost, GradCtx, OpDef};
+use crate::types::ValueType;
 
 /// `C = op(A) · op(B)` per row, with `op(A): [m, k]`, `op(B): [k, n]` and
 /// `C: [m, n]`, every matrix row-major. An operand is either rows (each

@@ -12,8 +12,8 @@ use super::loss::{SoftmaxXent, SoftmaxXentBackward};
 use super::matmul::MatMul;
 use super::row_matrix::RowMatMul;
 use super::structure::*;
-use crate::types::ValueType;
 use crate::op::{Cost, GradCtx, OpDef, PackedOperand};
+use crate::types::ValueType;
 
 macro_rules! op_set {
     ($($(#[$doc:meta])* $v:ident),* $(,)?) => {

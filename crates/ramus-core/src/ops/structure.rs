@@ -2,8 +2,8 @@
 //! feature-axis concat / slice / pad, child-set sum and expansion, row
 //! reductions and broadcasts, reshape and embedding lookup.
 
-use crate::types::{DType, Space, ValueType};
 use crate::op::{want_arity, want_float, Cost, GradCtx, OpDef};
+use crate::types::{DType, Space, ValueType};
 
 /// Concatenation of row values along the feature axis.
 #[derive(Clone, Copy, Debug)]
