@@ -44,6 +44,7 @@ pub mod autodiff;
 pub mod builder_ops;
 pub mod error;
 pub mod fusion;
+pub mod gradient;
 pub mod graph;
 pub mod lower;
 pub mod model;

@@ -7,9 +7,9 @@
 
 use std::fmt::Debug;
 
-use crate::graph::{GraphBuilder, Sym};
+pub use crate::gradient::{GradCtx, GradTerm};
 pub use crate::registry::{CompositeBuilder, OpRegistry, PrimitiveMaker};
-use crate::types::{DType, Space, ValueType};
+use crate::types::{DType, ValueType};
 
 /// Estimated work of one op application.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -39,8 +39,6 @@ pub trait OpDef: Send + Sync + Debug {
     }
     /// Result type for the given input types, or a message saying what is wrong.
     fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String>;
-    /// Emits the gradient of each input into `g` (`FGradient`).
-    fn gradient(&self, g: &mut GradCtx<'_>);
     /// The elementwise code template if the op is elementwise: a C
     /// expression over `{0}`, `{1}`, ... (float operands), e.g. `({0} + {1})`.
     fn elementwise_template(&self) -> Option<String> {
@@ -82,93 +80,6 @@ pub trait OpDef: Send + Sync + Debug {
 pub struct PackedOperand {
     pub trans_b: bool,
     pub rows_limit: usize,
-}
-
-/// One gradient contribution for an op input.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum GradTerm {
-    /// A value of the input's own type.
-    Dense(Sym),
-    /// Rows to add into a static input at the positions given by an index
-    /// value (embedding tables: only looked-up rows get gradient).
-    Rows { values: Sym, index: Sym },
-}
-
-/// The view a gradient builder gets: the backward graph under construction,
-/// the forward values of the op's inputs and output (as backward-graph
-/// values) and the gradient flowing into the output.
-pub struct GradCtx<'a> {
-    pub b: &'a mut GraphBuilder,
-    inputs: Vec<Sym>,
-    output: Sym,
-    out_grad: Sym,
-    pub(crate) grads: Vec<Option<GradTerm>>,
-}
-
-impl<'a> GradCtx<'a> {
-    pub(crate) fn new(
-        b: &'a mut GraphBuilder,
-        inputs: Vec<Sym>,
-        output: Sym,
-        out_grad: Sym,
-    ) -> Self {
-        let n = inputs.len();
-        GradCtx {
-            b,
-            inputs,
-            output,
-            out_grad,
-            grads: vec![None; n],
-        }
-    }
-    /// Number of op inputs.
-    pub fn inputs_len(&self) -> usize {
-        self.inputs.len()
-    }
-    /// Forward value of input `i`.
-    pub fn input(&self, i: usize) -> Sym {
-        self.inputs[i]
-    }
-    /// Forward value of the op's output.
-    pub fn output(&self) -> Sym {
-        self.output
-    }
-    /// Gradient flowing into the output.
-    pub fn grad(&self) -> Sym {
-        self.out_grad
-    }
-    /// Type of input `i`.
-    pub fn input_type(&self, i: usize) -> Option<ValueType> {
-        self.b.ty(self.inputs[i]).cloned()
-    }
-    /// Sets the gradient of input `i`, reducing over rows when the input is
-    /// a broadcast row and the gradient has rows.
-    pub fn set(&mut self, i: usize, grad: Sym) {
-        let (Some(in_ty), Some(g_ty)) = (self.input_type(i), self.b.ty(grad).cloned()) else {
-            return;
-        };
-        let grad = if in_ty.space == Space::Static && g_ty.is_rows() {
-            let summed = self.b.sum_rows(grad);
-            if in_ty.shape
-                != self
-                    .b
-                    .ty(summed)
-                    .map(|t| t.shape.clone())
-                    .unwrap_or_default()
-            {
-                self.b.reshape(summed, &in_ty.shape)
-            } else {
-                summed
-            }
-        } else {
-            grad
-        };
-        self.grads[i] = Some(GradTerm::Dense(grad));
-    }
-    /// Sets a sparse row gradient for static input `i`.
-    pub fn set_rows(&mut self, i: usize, values: Sym, index: Sym) {
-        self.grads[i] = Some(GradTerm::Rows { values, index });
-    }
 }
 
 /// Checks that `t` is a float value.

@@ -64,8 +64,7 @@
 //! ReLU, linear layers, dropout, residual adds (`add`) and softmax
 //! cross-entropy are the existing ops.
 
-use crate::graph::Sym;
-use crate::op::{want_arity, want_float, Cost, GradCtx, OpDef};
+use crate::op::{want_arity, want_float, Cost, OpDef};
 use crate::types::ValueType;
 
 mod geom;
@@ -128,23 +127,6 @@ fn want_norm_grad(
     want_grad_rows(inputs[0], inputs[params.len() + 1], n.row_len())
 }
 
-/// Gradient of a gradient op `op` that has none: records "second
-/// derivatives of `of` are not supported" on the builder.
-fn no_second_derivative(g: &mut GradCtx<'_>, op: &str, of: &str) {
-    g.b.fail(op, format!("second derivatives of {of} are not supported"));
-}
-
-/// Sets input `i`'s gradient to the static value `s`, reshaped to the
-/// input's shape when they differ (a `[1, C]` bias, a 4-D weight).
-fn set_static(g: &mut GradCtx<'_>, i: usize, s: Sym) {
-    let want = g.input_type(i).map(|t| t.shape).unwrap_or_default();
-    let s = match g.b.ty(s) {
-        Some(t) if t.shape != want => g.b.reshape(s, &want),
-        _ => s,
-    };
-    g.set(i, s);
-}
-
 // ---------------------------------------------------------------- conv2d
 
 /// 2-D convolution of image rows; see the module docs.
@@ -173,19 +155,6 @@ impl OpDef for Conv2d {
             want_channels(b, g.out_channels, "bias")?;
         }
         Ok(ValueType::rows(inputs[0].space, g.out_len()))
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let geom = self.0;
-        let (x, w, dy) = (g.input(0), g.input(1), g.grad());
-        let dx = g.b.conv2d_backward_input(dy, w, geom);
-        g.set(0, dx);
-        let dw = g.b.conv2d_backward_weight(x, dy, geom);
-        set_static(g, 1, dw);
-        if g.inputs_len() == 3 {
-            let db =
-                g.b.channel_sum(dy, geom.out_channels, geom.out_h() * geom.out_w());
-            set_static(g, 2, db);
-        }
     }
     fn cost(&self, inputs: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
         conv_cost(&self.0, inputs.len() == 3, rows)
@@ -228,15 +197,6 @@ impl OpDef for Conv2dBackwardInput {
         g.check_weight(inputs[1])?;
         Ok(ValueType::rows(inputs[0].space, g.in_len()))
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        // adjoint pair: <G, col2im(Wᵀ dY)> = <conv(G, W), dY> = <dY·im2col(G)ᵀ, W>
-        let geom = self.0;
-        let (dy, w, gr) = (g.input(0), g.input(1), g.grad());
-        let d_dy = g.b.conv2d(gr, w, None, geom);
-        g.set(0, d_dy);
-        let d_w = g.b.conv2d_backward_weight(gr, dy, geom);
-        set_static(g, 1, d_w);
-    }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
         conv_cost(&self.0, false, rows)
     }
@@ -262,14 +222,6 @@ impl OpDef for Conv2dBackwardWeight {
         want_grad_rows(inputs[0], inputs[1], g.out_len())?;
         Ok(ValueType::fixed(&[g.out_channels, g.patch_len()]))
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let geom = self.0;
-        let (x, dy, gr) = (g.input(0), g.input(1), g.grad());
-        let d_x = g.b.conv2d_backward_input(dy, gr, geom);
-        g.set(0, d_x);
-        let d_dy = g.b.conv2d(x, gr, None, geom);
-        g.set(1, d_dy);
-    }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
         conv_cost(&self.0, false, rows)
     }
@@ -294,11 +246,6 @@ impl OpDef for MaxPool2d {
         want_arity(inputs, 1)?;
         want_rows(inputs[0], g.in_len(), &g.input_what())?;
         Ok(ValueType::rows(inputs[0].space, g.out_len()))
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let (x, dy) = (g.input(0), g.grad());
-        let dx = g.b.max_pool2d_backward(x, dy, self.0);
-        g.set(0, dx);
     }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
         pool_cost(&self.0, rows)
@@ -332,9 +279,6 @@ impl OpDef for MaxPool2dBackward {
         want_rows(inputs[0], g.in_len(), &g.input_what())?;
         want_grad_rows(inputs[0], inputs[1], g.out_len())?;
         Ok(inputs[0].clone())
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        no_second_derivative(g, "max_pool2d_backward", "max pooling");
     }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
         pool_cost(&self.0, rows)
@@ -388,12 +332,6 @@ impl OpDef for GlobalAvgPool {
         )?;
         Ok(ValueType::rows(inputs[0].space, self.channels))
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let dy = g.grad();
-        let op = GlobalAvgPoolBackward { pool: *self };
-        let dx = g.b.apply(op, &[dy]);
-        g.set(0, dx);
-    }
 }
 
 /// Gradient of [`GlobalAvgPool`]: rows `[C]` → rows `[C*H*W]`, each
@@ -418,11 +356,6 @@ impl OpDef for GlobalAvgPoolBackward {
             inputs[0].space,
             self.pool.channels * self.pool.spatial(),
         ))
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let gr = g.grad();
-        let d = g.b.apply(self.pool, &[gr]);
-        g.set(0, d);
     }
 }
 
@@ -463,11 +396,6 @@ impl OpDef for ChannelSum {
         )?;
         Ok(ValueType::fixed(&[self.channels]))
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let (x, gr) = (g.input(0), g.grad());
-        let d = g.b.channel_broadcast(gr, x, self.channels, self.spatial);
-        g.set(0, d);
-    }
 }
 
 /// A static `[C]` spread over the `S` positions of each channel, for every
@@ -499,11 +427,6 @@ impl OpDef for ChannelBroadcast {
             inputs[1].space,
             self.channels * self.spatial,
         ))
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let gr = g.grad();
-        let s = g.b.channel_sum(gr, self.channels, self.spatial);
-        set_static(g, 0, s);
     }
 }
 
@@ -542,16 +465,6 @@ impl OpDef for BatchNorm {
         }
         Ok(inputs[0].clone())
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let n = self.0;
-        let (x, gamma, dy) = (g.input(0), g.input(1), g.grad());
-        let dx = g.b.apply(BatchNormBackwardInput(n), &[x, gamma, dy]);
-        g.set(0, dx);
-        let dgamma = g.b.apply(BatchNormBackwardGamma(n), &[x, dy]);
-        set_static(g, 1, dgamma);
-        let dbeta = g.b.channel_sum(dy, n.channels, n.spatial);
-        set_static(g, 2, dbeta);
-    }
     fn couples_rows(&self) -> bool {
         true
     }
@@ -577,9 +490,6 @@ impl OpDef for BatchNormBackwardInput {
         want_norm_grad(&self.0, inputs, &["gamma"])?;
         Ok(inputs[0].clone())
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        no_second_derivative(g, "batch_norm_backward_input", "batch normalisation");
-    }
     fn couples_rows(&self) -> bool {
         true
     }
@@ -603,9 +513,6 @@ impl OpDef for BatchNormBackwardGamma {
     fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
         want_norm_grad(&self.0, inputs, &[])?;
         Ok(ValueType::fixed(&[self.0.channels]))
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        no_second_derivative(g, "batch_norm_backward_gamma", "batch normalisation");
     }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
         self.0.cost(rows, 8, 2)
@@ -635,24 +542,6 @@ impl OpDef for BatchNormInference {
         }
         Ok(inputs[0].clone())
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let n = self.0;
-        let (x, gamma, mean, var, dy) = (g.input(0), g.input(1), g.input(3), g.input(4), g.grad());
-        let dx =
-            g.b.apply(BatchNormInferenceBackwardInput(n), &[gamma, var, dy]);
-        g.set(0, dx);
-        let dbeta = g.b.channel_sum(dy, n.channels, n.spatial);
-        set_static(g, 2, dbeta);
-        for (i, param) in [
-            (1, NormParam::Gamma),
-            (3, NormParam::Mean),
-            (4, NormParam::Var),
-        ] {
-            let op = BatchNormInferenceBackwardParam { geom: n, param };
-            let d = g.b.apply(op, &[x, gamma, mean, var, dy]);
-            set_static(g, i, d);
-        }
-    }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
         self.0.cost(rows, 2, 2)
     }
@@ -678,13 +567,6 @@ impl OpDef for BatchNormInferenceBackwardInput {
         want_channels(inputs[1], n.channels, "var")?;
         want_rows(inputs[2], n.row_len(), "output gradient")?;
         Ok(inputs[2].clone())
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        no_second_derivative(
-            g,
-            "batch_norm_inference_backward_input",
-            "batch normalisation",
-        );
     }
 }
 
@@ -722,9 +604,6 @@ impl OpDef for BatchNormInferenceBackwardParam {
     fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
         want_norm_grad(&self.geom, inputs, &["gamma", "mean", "var"])?;
         Ok(ValueType::fixed(&[self.geom.channels]))
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        no_second_derivative(g, self.name(), "batch normalisation");
     }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
         self.geom.cost(rows, 4, 2)

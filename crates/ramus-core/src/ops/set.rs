@@ -12,7 +12,7 @@ use super::loss::{SoftmaxXent, SoftmaxXentBackward};
 use super::matmul::MatMul;
 use super::row_matrix::RowMatMul;
 use super::structure::*;
-use crate::op::{Cost, GradCtx, OpDef, PackedOperand};
+use crate::op::{Cost, OpDef, PackedOperand};
 use crate::types::ValueType;
 
 macro_rules! op_set {
@@ -271,9 +271,6 @@ impl OpDef for Op {
     }
     fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
         self.def().infer(inputs)
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        self.def().gradient(g)
     }
     fn elementwise_template(&self) -> Option<String> {
         self.def().elementwise_template()
