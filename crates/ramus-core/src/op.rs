@@ -1,9 +1,11 @@
-//! The op registry (NNVM style): every op is declared once, as a type
-//! implementing [`OpDef`], with its attributes — shape inference, gradient
-//! builder (`FGradient`: emits backward ops into a graph), an elementwise
-//! code template for fusion code generation and a cost estimate (the CPU
-//! kernels live in the CPU engine, `ramus_cpu::kernels`). [`OpRegistry`] finds ops by name and holds user-defined
-//! composite ops built from registered ones.
+//! Op definitions (NNVM style): every op is declared once, as a type
+//! implementing [`OpDef`], with its attributes — shape inference, an
+//! elementwise code template for fusion code generation and a cost
+//! estimate — and the checks op definitions share. A leaf module: it knows
+//! value types, not graphs. The gradient builders (`FGradient`) are in
+//! [`crate::gradient`], the CPU kernels in the CPU engine
+//! (`ramus_cpu::kernels`); [`OpRegistry`] (in [`crate::registry`]) finds ops
+//! by name and holds user-defined composite ops built from registered ones.
 
 use std::fmt::Debug;
 

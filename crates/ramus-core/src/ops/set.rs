@@ -2,9 +2,10 @@
 //! nodes hold an `Op`; engines and lowerings `match` on it, exhaustively
 //! where they run ops, so adding a variant makes the compiler list every
 //! place that must handle it. The per-op metadata (shape inference,
-//! gradient, fusion template, cost) stays in each type's [`OpDef`] impl,
-//! reached through [`Op::def`]; the CPU kernels are in the CPU engine
-//! (`ramus_cpu::kernels::run`, one match over `Op`).
+//! fusion template, cost) stays in each type's [`OpDef`] impl, reached
+//! through [`Op::def`]; the gradients are in [`crate::gradient`]
+//! (`gradient::emit`, one match over `Op`), the CPU kernels in the CPU
+//! engine (`ramus_cpu::kernels::run`, one match over `Op`).
 
 use super::cnn::*;
 use super::elementwise::*;
@@ -25,8 +26,8 @@ macro_rules! op_set {
         }
 
         impl Op {
-            /// The op's definition: name, attributes, inference, gradient,
-            /// fusion template, cost. The one match from `Op` to the per-type
+            /// The op's definition: name, attributes, inference, fusion
+            /// template, cost. The one match from `Op` to the per-type
             /// impls.
             pub fn def(&self) -> &dyn OpDef {
                 match self {
