@@ -7,7 +7,50 @@
 use std::fmt;
 
 use crate::graph::{Graph, NodeKind, Source};
-use crate::model::{FunctionSelector, Model};
+
+/// Which vertex function runs at a vertex.
+///
+/// A vertex is described to the selector by its *kind* (a small integer the
+/// input graph carries per vertex, `InputGraph::kind`; 0 unless the reader
+/// that built the graph set one) and its number of children. `Single` and
+/// `LeafInternal` look only at the children; `ByKind` only at the kind, so
+/// one graph can mix several roles — the forward and backward steps and the
+/// output vertices of a BiLSTM tagger, the character steps of its
+/// character model — that have the same shape of children.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FunctionSelector {
+    /// One function everywhere.
+    Single(usize),
+    /// One function for vertices without children, another for the rest.
+    LeafInternal { leaf: usize, internal: usize },
+    /// Entry `k` is the function of vertices of kind `k`; a vertex whose
+    /// kind has no entry cannot be scheduled (an error naming the vertex).
+    ByKind(Vec<usize>),
+}
+
+impl FunctionSelector {
+    /// The function for a vertex of `kind` with `children` children, or
+    /// `None` for a kind a `ByKind` table does not list.
+    #[inline]
+    pub fn select(&self, kind: u16, children: usize) -> Option<usize> {
+        match self {
+            FunctionSelector::Single(f) => Some(*f),
+            FunctionSelector::LeafInternal { leaf, internal } => {
+                Some(if children == 0 { *leaf } else { *internal })
+            }
+            FunctionSelector::ByKind(table) => table.get(usize::from(kind)).copied(),
+        }
+    }
+
+    /// Every function the selector can name (with repeats, in table order).
+    pub fn functions(&self) -> Vec<usize> {
+        match self {
+            FunctionSelector::Single(f) => vec![*f],
+            FunctionSelector::LeafInternal { leaf, internal } => vec![*leaf, *internal],
+            FunctionSelector::ByKind(table) => table.clone(),
+        }
+    }
+}
 
 /// The number of children a vertex function reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,7 +117,7 @@ impl fmt::Display for Arity {
 }
 
 /// What an input graph must fit: which function a model runs at a vertex
-/// and what that function reads. [`Model::function_for`] answers from the
+/// and what that function reads. [`Model::function_for`](crate::Model::function_for) answers from the
 /// model; a check of whole graphs ([`VertexRules::check`]: the compiled
 /// engines per batch, the command line per file) uses this snapshot,
 /// taken once with [`VertexRules::of`].
@@ -92,19 +135,20 @@ pub struct VertexRules {
 }
 
 impl VertexRules {
-    /// The rules of `model`.
-    pub fn of(model: &Model) -> VertexRules {
+    /// The rules of a model named `model` whose `selector` picks among
+    /// `functions` (name and arity of each).
+    pub(crate) fn new(
+        model: String,
+        selector: FunctionSelector,
+        functions: Vec<(String, Arity)>,
+    ) -> VertexRules {
         let mut rules = VertexRules {
-            model: model.name.clone(),
-            selector: model.selector.clone(),
-            functions: model
-                .functions
-                .iter()
-                .map(|f| (f.name.clone(), f.arity))
-                .collect(),
+            model,
+            selector,
+            functions,
             fits: Vec::new(),
         };
-        let kinds = match &model.selector {
+        let kinds = match &rules.selector {
             FunctionSelector::ByKind(table) => table.len(),
             _ => 1,
         };
@@ -120,7 +164,7 @@ impl VertexRules {
     }
 
     /// Whether a vertex of `kind` with `children` children fits (else
-    /// why not: [`Model::function_for`]'s message).
+    /// why not: [`Model::function_for`](crate::Model::function_for)'s message).
     #[inline]
     pub fn check(&self, kind: u16, children: usize) -> Result<(), String> {
         let row = match self.selector {
@@ -134,7 +178,7 @@ impl VertexRules {
         self.function_for(kind, children).map(drop)
     }
 
-    /// See [`Model::function_for`].
+    /// See [`Model::function_for`](crate::Model::function_for).
     fn function_for(&self, kind: u16, children: usize) -> Result<usize, String> {
         function_for(&self.model, &self.selector, kind, children, |f| {
             self.functions.get(f).map(|(n, a)| (n.as_str(), *a))

@@ -9,8 +9,9 @@
 use std::collections::HashMap;
 
 use crate::error::{CoreError, Result};
+use crate::gradient::{emit, GradCtx, GradTerm};
 use crate::graph::{DType, Graph, GraphBuilder, NodeId, NodeKind, Role, Source, Sym};
-use crate::op::{GradCtx, GradTerm, OpDef};
+use crate::op::OpDef;
 
 /// Roles whose gradient seeds the backward pass.
 fn seeded(role: Role) -> bool {
@@ -56,7 +57,7 @@ pub fn differentiate(graph: &Graph, param_shapes: &[Vec<usize>], context: &str) 
                 let inputs: Vec<Sym> = node.inputs.iter().map(|&i| fwd(&mut b, i)).collect();
                 let out = fwd(&mut b, n);
                 let mut ctx = GradCtx::new(&mut b, inputs, out, g);
-                op.gradient(&mut ctx);
+                emit(op, &mut ctx);
                 let grads = std::mem::take(&mut ctx.grads);
                 for (&input, term) in node.inputs.iter().zip(grads) {
                     let in_node = &graph.nodes[input];

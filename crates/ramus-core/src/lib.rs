@@ -41,8 +41,10 @@
 
 pub mod arity;
 pub mod autodiff;
+pub mod builder_ops;
 pub mod error;
 pub mod fusion;
+pub mod gradient;
 pub mod graph;
 pub mod lower;
 pub mod model;
@@ -53,8 +55,10 @@ pub mod params;
 pub mod plan;
 pub mod real;
 pub mod recursion;
+pub mod registry;
 pub mod simplify;
 pub mod tensor;
+pub mod types;
 pub mod vpps;
 
 pub use arity::{Arity, VertexRules};
@@ -64,7 +68,8 @@ pub use graph::{
     ValueType,
 };
 pub use model::{FunctionSelector, HeadRows, Init, Model, ModelBuilder, ParamKind, ParamSpec};
-pub use op::{OpDef, OpRegistry};
+pub use op::OpDef;
 pub use params::{Grads, Params};
 pub use real::Real;
+pub use registry::OpRegistry;
 pub use tensor::Tensor;

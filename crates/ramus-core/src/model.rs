@@ -7,7 +7,8 @@
 use std::collections::BTreeMap;
 use std::ops::{Deref, DerefMut};
 
-use crate::arity::{self, Arity};
+pub use crate::arity::FunctionSelector;
+use crate::arity::{self, Arity, VertexRules};
 use crate::autodiff::differentiate;
 use crate::error::{CoreError, Result};
 use crate::graph::{Graph, GraphBuilder, NodeId, Role, Source, Space, Sym, ValueType};
@@ -73,47 +74,15 @@ pub struct ParamSpec {
     pub kind: ParamKind,
 }
 
-/// Which vertex function runs at a vertex.
-///
-/// A vertex is described to the selector by its *kind* (a small integer the
-/// input graph carries per vertex, `InputGraph::kind`; 0 unless the reader
-/// that built the graph set one) and its number of children. `Single` and
-/// `LeafInternal` look only at the children; `ByKind` only at the kind, so
-/// one graph can mix several roles — the forward and backward steps and the
-/// output vertices of a BiLSTM tagger, the character steps of its
-/// character model — that have the same shape of children.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum FunctionSelector {
-    /// One function everywhere.
-    Single(usize),
-    /// One function for vertices without children, another for the rest.
-    LeafInternal { leaf: usize, internal: usize },
-    /// Entry `k` is the function of vertices of kind `k`; a vertex whose
-    /// kind has no entry cannot be scheduled (an error naming the vertex).
-    ByKind(Vec<usize>),
-}
-
-impl FunctionSelector {
-    /// The function for a vertex of `kind` with `children` children, or
-    /// `None` for a kind a `ByKind` table does not list.
-    #[inline]
-    pub fn select(&self, kind: u16, children: usize) -> Option<usize> {
-        match self {
-            FunctionSelector::Single(f) => Some(*f),
-            FunctionSelector::LeafInternal { leaf, internal } => {
-                Some(if children == 0 { *leaf } else { *internal })
-            }
-            FunctionSelector::ByKind(table) => table.get(usize::from(kind)).copied(),
-        }
-    }
-
-    /// Every function the selector can name (with repeats, in table order).
-    pub fn functions(&self) -> Vec<usize> {
-        match self {
-            FunctionSelector::Single(f) => vec![*f],
-            FunctionSelector::LeafInternal { leaf, internal } => vec![*leaf, *internal],
-            FunctionSelector::ByKind(table) => table.clone(),
-        }
+impl VertexRules {
+    /// The rules of `model`.
+    pub fn of(model: &Model) -> VertexRules {
+        let functions = model
+            .functions
+            .iter()
+            .map(|f| (f.name.clone(), f.arity))
+            .collect();
+        VertexRules::new(model.name.clone(), model.selector.clone(), functions)
     }
 }
 

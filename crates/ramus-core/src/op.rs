@@ -1,17 +1,17 @@
-//! The op registry (NNVM style): every op is declared once, as a type
-//! implementing [`OpDef`], with its attributes — shape inference, gradient
-//! builder (`FGradient`: emits backward ops into a graph), an elementwise
-//! code template for fusion code generation and a cost estimate (the CPU
-//! kernels live in the CPU engine, `ramus_cpu::kernels`). [`OpRegistry`] finds ops by name and holds user-defined
-//! composite ops built from registered ones.
+//! Op definitions (NNVM style): every op is declared once, as a type
+//! implementing [`OpDef`], with its attributes — shape inference, an
+//! elementwise code template for fusion code generation and a cost
+//! estimate — and the checks op definitions share. A leaf module: it knows
+//! value types, not graphs. The gradient builders (`FGradient`) are in
+//! [`crate::gradient`], the CPU kernels in the CPU engine
+//! (`ramus_cpu::kernels`); [`OpRegistry`] (in [`crate::registry`]) finds ops
+//! by name and holds user-defined composite ops built from registered ones.
 
-use std::collections::BTreeMap;
 use std::fmt::Debug;
-use std::sync::Arc;
 
-use crate::error::{CoreError, Result};
-use crate::graph::{DType, GraphBuilder, Space, Sym, ValueType};
-use crate::ops::Op;
+pub use crate::gradient::{GradCtx, GradTerm};
+pub use crate::registry::{CompositeBuilder, OpRegistry, PrimitiveMaker};
+use crate::types::{DType, ValueType};
 
 /// Estimated work of one op application.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -41,8 +41,6 @@ pub trait OpDef: Send + Sync + Debug {
     }
     /// Result type for the given input types, or a message saying what is wrong.
     fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String>;
-    /// Emits the gradient of each input into `g` (`FGradient`).
-    fn gradient(&self, g: &mut GradCtx<'_>);
     /// The elementwise code template if the op is elementwise: a C
     /// expression over `{0}`, `{1}`, ... (float operands), e.g. `({0} + {1})`.
     fn elementwise_template(&self) -> Option<String> {
@@ -62,15 +60,6 @@ pub trait OpDef: Send + Sync + Debug {
     /// some rows.
     fn couples_rows(&self) -> bool {
         false
-    }
-    /// The op engines run at this op's node outside training (evaluation
-    /// and inference passes), given the node's input count, with the node's
-    /// inputs unchanged; `None` (the default) runs the op itself in every
-    /// mode. Batch normalisation with running statistics (5 inputs) answers
-    /// the inference op that normalises with them.
-    fn inference_op(&self, arity: usize) -> Option<Op> {
-        let _ = arity;
-        None
     }
     /// Estimated cost for `rows` rows.
     fn cost(&self, inputs: &[&ValueType], out: &ValueType, rows: usize) -> Cost {
@@ -95,190 +84,6 @@ pub struct PackedOperand {
     pub rows_limit: usize,
 }
 
-/// One gradient contribution for an op input.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum GradTerm {
-    /// A value of the input's own type.
-    Dense(Sym),
-    /// Rows to add into a static input at the positions given by an index
-    /// value (embedding tables: only looked-up rows get gradient).
-    Rows { values: Sym, index: Sym },
-}
-
-/// The view a gradient builder gets: the backward graph under construction,
-/// the forward values of the op's inputs and output (as backward-graph
-/// values) and the gradient flowing into the output.
-pub struct GradCtx<'a> {
-    pub b: &'a mut GraphBuilder,
-    inputs: Vec<Sym>,
-    output: Sym,
-    out_grad: Sym,
-    pub(crate) grads: Vec<Option<GradTerm>>,
-}
-
-impl<'a> GradCtx<'a> {
-    pub(crate) fn new(
-        b: &'a mut GraphBuilder,
-        inputs: Vec<Sym>,
-        output: Sym,
-        out_grad: Sym,
-    ) -> Self {
-        let n = inputs.len();
-        GradCtx {
-            b,
-            inputs,
-            output,
-            out_grad,
-            grads: vec![None; n],
-        }
-    }
-    /// Number of op inputs.
-    pub fn inputs_len(&self) -> usize {
-        self.inputs.len()
-    }
-    /// Forward value of input `i`.
-    pub fn input(&self, i: usize) -> Sym {
-        self.inputs[i]
-    }
-    /// Forward value of the op's output.
-    pub fn output(&self) -> Sym {
-        self.output
-    }
-    /// Gradient flowing into the output.
-    pub fn grad(&self) -> Sym {
-        self.out_grad
-    }
-    /// Type of input `i`.
-    pub fn input_type(&self, i: usize) -> Option<ValueType> {
-        self.b.ty(self.inputs[i]).cloned()
-    }
-    /// Sets the gradient of input `i`, reducing over rows when the input is
-    /// a broadcast row and the gradient has rows.
-    pub fn set(&mut self, i: usize, grad: Sym) {
-        let (Some(in_ty), Some(g_ty)) = (self.input_type(i), self.b.ty(grad).cloned()) else {
-            return;
-        };
-        let grad = if in_ty.space == Space::Static && g_ty.is_rows() {
-            let summed = self.b.sum_rows(grad);
-            if in_ty.shape
-                != self
-                    .b
-                    .ty(summed)
-                    .map(|t| t.shape.clone())
-                    .unwrap_or_default()
-            {
-                self.b.reshape(summed, &in_ty.shape)
-            } else {
-                summed
-            }
-        } else {
-            grad
-        };
-        self.grads[i] = Some(GradTerm::Dense(grad));
-    }
-    /// Sets a sparse row gradient for static input `i`.
-    pub fn set_rows(&mut self, i: usize, values: Sym, index: Sym) {
-        self.grads[i] = Some(GradTerm::Rows { values, index });
-    }
-}
-
-/// A user-defined op composed from registered ones.
-pub type CompositeBuilder = Arc<dyn Fn(&mut GraphBuilder, &[Sym]) -> Sym + Send + Sync>;
-
-/// Makes a primitive op from numeric attributes.
-pub type PrimitiveMaker = fn(&[f64]) -> std::result::Result<Op, String>;
-
-enum Entry {
-    Primitive {
-        doc: &'static str,
-        make: PrimitiveMaker,
-    },
-    Composite {
-        doc: String,
-        arity: usize,
-        build: CompositeBuilder,
-    },
-}
-
-/// Ops by name: the built-in primitives plus user composites.
-pub struct OpRegistry {
-    entries: BTreeMap<String, Entry>,
-}
-
-impl OpRegistry {
-    /// A registry with every built-in primitive op.
-    pub fn standard() -> Self {
-        let mut r = OpRegistry {
-            entries: BTreeMap::new(),
-        };
-        for (name, doc, make) in crate::ops::primitives() {
-            r.entries
-                .insert(name.to_string(), Entry::Primitive { doc, make });
-        }
-        r
-    }
-
-    /// Registers `name` as a composition of registered ops taking `arity`
-    /// inputs. Its gradient, fusion and kernels come from the ops it uses.
-    pub fn register_composite(
-        &mut self,
-        name: &str,
-        arity: usize,
-        doc: &str,
-        build: impl Fn(&mut GraphBuilder, &[Sym]) -> Sym + Send + Sync + 'static,
-    ) -> Result<()> {
-        if self.entries.contains_key(name) {
-            return Err(CoreError::Model {
-                model: "op registry".into(),
-                message: format!("op `{name}` already exists"),
-            });
-        }
-        self.entries.insert(
-            name.to_string(),
-            Entry::Composite {
-                doc: doc.to_string(),
-                arity,
-                build: Arc::new(build),
-            },
-        );
-        Ok(())
-    }
-
-    /// Applies op `name` with numeric attributes `attrs` to `inputs`.
-    pub fn call(&self, b: &mut GraphBuilder, name: &str, inputs: &[Sym], attrs: &[f64]) -> Sym {
-        match self.entries.get(name) {
-            None => b.fail(
-                name,
-                format!("no such op (known: {})", self.names().join(", ")),
-            ),
-            Some(Entry::Primitive { make, .. }) => match make(attrs) {
-                Ok(op) => b.apply(op, inputs),
-                Err(e) => b.fail(name, e),
-            },
-            Some(Entry::Composite { arity, build, .. }) => {
-                if inputs.len() != *arity {
-                    b.fail(name, format!("takes {arity} inputs, got {}", inputs.len()))
-                } else {
-                    build(b, inputs)
-                }
-            }
-        }
-    }
-
-    /// Registered names in order.
-    pub fn names(&self) -> Vec<&str> {
-        self.entries.keys().map(String::as_str).collect()
-    }
-
-    /// One-line documentation of `name`.
-    pub fn doc(&self, name: &str) -> Option<String> {
-        self.entries.get(name).map(|e| match e {
-            Entry::Primitive { doc, .. } => doc.to_string(),
-            Entry::Composite { doc, .. } => format!("(composite) {doc}"),
-        })
-    }
-}
-
 /// Checks that `t` is a float value.
 pub(crate) fn want_float(t: &ValueType, what: &str) -> std::result::Result<(), String> {
     if t.dtype == DType::Float {
@@ -295,4 +100,23 @@ pub(crate) fn want_arity(inputs: &[&ValueType], n: usize) -> std::result::Result
     } else {
         Err(format!("takes {n} inputs, got {}", inputs.len()))
     }
+}
+
+/// Numeric attribute `i` (`name` in messages).
+pub(crate) fn attr(attrs: &[f64], i: usize, name: &str) -> Result<f64, String> {
+    attrs
+        .get(i)
+        .copied()
+        .ok_or_else(|| format!("missing attribute {i} ({name})"))
+}
+
+/// Numeric attribute `i` as a count or size.
+pub(crate) fn usize_attr(attrs: &[f64], i: usize, name: &str) -> Result<usize, String> {
+    let v = attr(attrs, i, name)?;
+    if v < 0.0 || v.fract() != 0.0 {
+        return Err(format!(
+            "attribute {name} must be a non-negative integer, got {v}"
+        ));
+    }
+    Ok(v as usize)
 }

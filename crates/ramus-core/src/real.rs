@@ -46,20 +46,24 @@ pub trait Real:
     /// `tanh` built on [`Real::exp_fast`] (f32 absolute error below 1e-7).
     fn tanh_fast(self) -> Self;
     /// `c = alpha * a * b + beta * c` on strided matrices (row stride, column stride).
-    #[allow(clippy::too_many_arguments)]
-    fn gemm(
-        m: usize,
-        k: usize,
-        n: usize,
-        alpha: Self,
-        a: &[Self],
-        a_strides: (isize, isize),
-        b: &[Self],
-        b_strides: (isize, isize),
-        beta: Self,
-        c: &mut [Self],
-        c_row_stride: isize,
-    );
+    fn gemm(args: GemmArgs<'_, Self>);
+}
+
+/// The operands of one [`Real::gemm`]: `c = alpha * a * b + beta * c`,
+/// `a` is `m × k`, `b` is `k × n`, `c` is `m × n`; each input with its
+/// (row, column) strides, `c` with its row stride (columns contiguous).
+pub struct GemmArgs<'a, T> {
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    pub alpha: T,
+    pub a: &'a [T],
+    pub a_strides: (isize, isize),
+    pub b: &'a [T],
+    pub b_strides: (isize, isize),
+    pub beta: T,
+    pub c: &'a mut [T],
+    pub c_row_stride: isize,
 }
 
 macro_rules! impl_real {
@@ -112,19 +116,20 @@ macro_rules! impl_real {
             fn tanh_fast(self) -> Self {
                 $tanh(self)
             }
-            fn gemm(
-                m: usize,
-                k: usize,
-                n: usize,
-                alpha: Self,
-                a: &[Self],
-                (rsa, csa): (isize, isize),
-                b: &[Self],
-                (rsb, csb): (isize, isize),
-                beta: Self,
-                c: &mut [Self],
-                rsc: isize,
-            ) {
+            fn gemm(args: GemmArgs<'_, Self>) {
+                let GemmArgs {
+                    m,
+                    k,
+                    n,
+                    alpha,
+                    a,
+                    a_strides: (rsa, csa),
+                    b,
+                    b_strides: (rsb, csb),
+                    beta,
+                    c,
+                    c_row_stride: rsc,
+                } = args;
                 if m == 0 || n == 0 {
                     return;
                 }
@@ -242,19 +247,19 @@ mod tests {
             }
         }
         let mut c = vec![1.0; m * n];
-        f64::gemm(
+        f64::gemm(GemmArgs {
             m,
             k,
             n,
-            1.0,
-            &a,
-            (k as isize, 1),
-            &b_t,
-            (1, k as isize),
-            1.0,
-            &mut c,
-            n as isize,
-        );
+            alpha: 1.0,
+            a: &a,
+            a_strides: (k as isize, 1),
+            b: &b_t,
+            b_strides: (1, k as isize),
+            beta: 1.0,
+            c: &mut c,
+            c_row_stride: n as isize,
+        });
         for i in 0..m {
             for j in 0..n {
                 let want: f64 = 1.0 + (0..k).map(|p| a[i * k + p] * b[p * n + j]).sum::<f64>();

@@ -46,7 +46,7 @@
 //!   updates them after every training pass (`ramus_cpu::kernels::update_running_stats`:
 //!   momentum [`RUNNING_STATS_MOMENTUM`], unbiased batch variance), and
 //!   evaluation and inference passes run [`BatchNormInference`] on them
-//!   instead ([`OpDef::inference_op`]).
+//!   instead ([`Op::inference_op`](crate::ops::Op::inference_op)).
 //! * [`BatchNormInference`] — `gamma * (x - mean) / sqrt(var + eps) + beta`
 //!   with given per-channel statistics (static inputs, e.g. running averages
 //!   computed outside the graph); rows stay independent. Its gradients
@@ -64,8 +64,8 @@
 //! ReLU, linear layers, dropout, residual adds (`add`) and softmax
 //! cross-entropy are the existing ops.
 
-use crate::graph::{GraphBuilder, Sym, ValueType};
-use crate::op::{want_arity, want_float, Cost, GradCtx, OpDef};
+use crate::op::{want_arity, want_float, Cost, OpDef};
+use crate::types::ValueType;
 
 mod geom;
 pub use geom::{Conv2dGeom, NormGeom, Pool2dGeom};
@@ -127,23 +127,6 @@ fn want_norm_grad(
     want_grad_rows(inputs[0], inputs[params.len() + 1], n.row_len())
 }
 
-/// Gradient of a gradient op `op` that has none: records "second
-/// derivatives of `of` are not supported" on the builder.
-fn no_second_derivative(g: &mut GradCtx<'_>, op: &str, of: &str) {
-    g.b.fail(op, format!("second derivatives of {of} are not supported"));
-}
-
-/// Sets input `i`'s gradient to the static value `s`, reshaped to the
-/// input's shape when they differ (a `[1, C]` bias, a 4-D weight).
-fn set_static(g: &mut GradCtx<'_>, i: usize, s: Sym) {
-    let want = g.input_type(i).map(|t| t.shape).unwrap_or_default();
-    let s = match g.b.ty(s) {
-        Some(t) if t.shape != want => g.b.reshape(s, &want),
-        _ => s,
-    };
-    g.set(i, s);
-}
-
 // ---------------------------------------------------------------- conv2d
 
 /// 2-D convolution of image rows; see the module docs.
@@ -172,19 +155,6 @@ impl OpDef for Conv2d {
             want_channels(b, g.out_channels, "bias")?;
         }
         Ok(ValueType::rows(inputs[0].space, g.out_len()))
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let geom = self.0;
-        let (x, w, dy) = (g.input(0), g.input(1), g.grad());
-        let dx = g.b.conv2d_backward_input(dy, w, geom);
-        g.set(0, dx);
-        let dw = g.b.conv2d_backward_weight(x, dy, geom);
-        set_static(g, 1, dw);
-        if g.inputs_len() == 3 {
-            let db =
-                g.b.channel_sum(dy, geom.out_channels, geom.out_h() * geom.out_w());
-            set_static(g, 2, db);
-        }
     }
     fn cost(&self, inputs: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
         conv_cost(&self.0, inputs.len() == 3, rows)
@@ -227,15 +197,6 @@ impl OpDef for Conv2dBackwardInput {
         g.check_weight(inputs[1])?;
         Ok(ValueType::rows(inputs[0].space, g.in_len()))
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        // adjoint pair: <G, col2im(Wᵀ dY)> = <conv(G, W), dY> = <dY·im2col(G)ᵀ, W>
-        let geom = self.0;
-        let (dy, w, gr) = (g.input(0), g.input(1), g.grad());
-        let d_dy = g.b.conv2d(gr, w, None, geom);
-        g.set(0, d_dy);
-        let d_w = g.b.conv2d_backward_weight(gr, dy, geom);
-        set_static(g, 1, d_w);
-    }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
         conv_cost(&self.0, false, rows)
     }
@@ -261,14 +222,6 @@ impl OpDef for Conv2dBackwardWeight {
         want_grad_rows(inputs[0], inputs[1], g.out_len())?;
         Ok(ValueType::fixed(&[g.out_channels, g.patch_len()]))
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let geom = self.0;
-        let (x, dy, gr) = (g.input(0), g.input(1), g.grad());
-        let d_x = g.b.conv2d_backward_input(dy, gr, geom);
-        g.set(0, d_x);
-        let d_dy = g.b.conv2d(x, gr, None, geom);
-        g.set(1, d_dy);
-    }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
         conv_cost(&self.0, false, rows)
     }
@@ -293,11 +246,6 @@ impl OpDef for MaxPool2d {
         want_arity(inputs, 1)?;
         want_rows(inputs[0], g.in_len(), &g.input_what())?;
         Ok(ValueType::rows(inputs[0].space, g.out_len()))
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let (x, dy) = (g.input(0), g.grad());
-        let dx = g.b.max_pool2d_backward(x, dy, self.0);
-        g.set(0, dx);
     }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
         pool_cost(&self.0, rows)
@@ -331,9 +279,6 @@ impl OpDef for MaxPool2dBackward {
         want_rows(inputs[0], g.in_len(), &g.input_what())?;
         want_grad_rows(inputs[0], inputs[1], g.out_len())?;
         Ok(inputs[0].clone())
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        no_second_derivative(g, "max_pool2d_backward", "max pooling");
     }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
         pool_cost(&self.0, rows)
@@ -387,12 +332,6 @@ impl OpDef for GlobalAvgPool {
         )?;
         Ok(ValueType::rows(inputs[0].space, self.channels))
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let dy = g.grad();
-        let op = GlobalAvgPoolBackward { pool: *self };
-        let dx = g.b.apply(op, &[dy]);
-        g.set(0, dx);
-    }
 }
 
 /// Gradient of [`GlobalAvgPool`]: rows `[C]` → rows `[C*H*W]`, each
@@ -417,11 +356,6 @@ impl OpDef for GlobalAvgPoolBackward {
             inputs[0].space,
             self.pool.channels * self.pool.spatial(),
         ))
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let gr = g.grad();
-        let d = g.b.apply(self.pool, &[gr]);
-        g.set(0, d);
     }
 }
 
@@ -462,11 +396,6 @@ impl OpDef for ChannelSum {
         )?;
         Ok(ValueType::fixed(&[self.channels]))
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let (x, gr) = (g.input(0), g.grad());
-        let d = g.b.channel_broadcast(gr, x, self.channels, self.spatial);
-        g.set(0, d);
-    }
 }
 
 /// A static `[C]` spread over the `S` positions of each channel, for every
@@ -498,11 +427,6 @@ impl OpDef for ChannelBroadcast {
             inputs[1].space,
             self.channels * self.spatial,
         ))
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let gr = g.grad();
-        let s = g.b.channel_sum(gr, self.channels, self.spatial);
-        set_static(g, 0, s);
     }
 }
 
@@ -541,21 +465,6 @@ impl OpDef for BatchNorm {
         }
         Ok(inputs[0].clone())
     }
-    fn inference_op(&self, arity: usize) -> Option<crate::ops::Op> {
-        (arity == 5).then_some(crate::ops::Op::BatchNormInference(BatchNormInference(
-            self.0,
-        )))
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let n = self.0;
-        let (x, gamma, dy) = (g.input(0), g.input(1), g.grad());
-        let dx = g.b.apply(BatchNormBackwardInput(n), &[x, gamma, dy]);
-        g.set(0, dx);
-        let dgamma = g.b.apply(BatchNormBackwardGamma(n), &[x, dy]);
-        set_static(g, 1, dgamma);
-        let dbeta = g.b.channel_sum(dy, n.channels, n.spatial);
-        set_static(g, 2, dbeta);
-    }
     fn couples_rows(&self) -> bool {
         true
     }
@@ -581,9 +490,6 @@ impl OpDef for BatchNormBackwardInput {
         want_norm_grad(&self.0, inputs, &["gamma"])?;
         Ok(inputs[0].clone())
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        no_second_derivative(g, "batch_norm_backward_input", "batch normalisation");
-    }
     fn couples_rows(&self) -> bool {
         true
     }
@@ -607,9 +513,6 @@ impl OpDef for BatchNormBackwardGamma {
     fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
         want_norm_grad(&self.0, inputs, &[])?;
         Ok(ValueType::fixed(&[self.0.channels]))
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        no_second_derivative(g, "batch_norm_backward_gamma", "batch normalisation");
     }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
         self.0.cost(rows, 8, 2)
@@ -639,24 +542,6 @@ impl OpDef for BatchNormInference {
         }
         Ok(inputs[0].clone())
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let n = self.0;
-        let (x, gamma, mean, var, dy) = (g.input(0), g.input(1), g.input(3), g.input(4), g.grad());
-        let dx =
-            g.b.apply(BatchNormInferenceBackwardInput(n), &[gamma, var, dy]);
-        g.set(0, dx);
-        let dbeta = g.b.channel_sum(dy, n.channels, n.spatial);
-        set_static(g, 2, dbeta);
-        for (i, param) in [
-            (1, NormParam::Gamma),
-            (3, NormParam::Mean),
-            (4, NormParam::Var),
-        ] {
-            let op = BatchNormInferenceBackwardParam { geom: n, param };
-            let d = g.b.apply(op, &[x, gamma, mean, var, dy]);
-            set_static(g, i, d);
-        }
-    }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
         self.0.cost(rows, 2, 2)
     }
@@ -682,13 +567,6 @@ impl OpDef for BatchNormInferenceBackwardInput {
         want_channels(inputs[1], n.channels, "var")?;
         want_rows(inputs[2], n.row_len(), "output gradient")?;
         Ok(inputs[2].clone())
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        no_second_derivative(
-            g,
-            "batch_norm_inference_backward_input",
-            "batch normalisation",
-        );
     }
 }
 
@@ -727,91 +605,8 @@ impl OpDef for BatchNormInferenceBackwardParam {
         want_norm_grad(&self.geom, inputs, &["gamma", "mean", "var"])?;
         Ok(ValueType::fixed(&[self.geom.channels]))
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        no_second_derivative(g, self.name(), "batch normalisation");
-    }
     fn cost(&self, _: &[&ValueType], _: &ValueType, rows: usize) -> Cost {
         self.geom.cost(rows, 4, 2)
-    }
-}
-
-// ---------------------------------------------------------------- builder methods
-
-/// Builder methods for the CNN ops.
-impl GraphBuilder {
-    /// 2-D convolution of image rows `[C*H*W]` with a weight `[O, C*kh*kw]`
-    /// (or `[O, C, kh, kw]`) and an optional per-channel bias `[O]`.
-    pub fn conv2d(&mut self, x: Sym, w: Sym, bias: Option<Sym>, geom: Conv2dGeom) -> Sym {
-        let op = Conv2d(geom);
-        match bias {
-            Some(b) => self.apply(op, &[x, w, b]),
-            None => self.apply(op, &[x, w]),
-        }
-    }
-    /// `d(input)` of [`Conv2d`] from the output gradient rows and the weight.
-    pub fn conv2d_backward_input(&mut self, dy: Sym, w: Sym, geom: Conv2dGeom) -> Sym {
-        self.apply(Conv2dBackwardInput(geom), &[dy, w])
-    }
-    /// `d(weight)` of [`Conv2d`] (a static `[O, C*kh*kw]`, summed over rows).
-    pub fn conv2d_backward_weight(&mut self, x: Sym, dy: Sym, geom: Conv2dGeom) -> Sym {
-        self.apply(Conv2dBackwardWeight(geom), &[x, dy])
-    }
-    /// Max pooling of image rows.
-    pub fn max_pool2d(&mut self, x: Sym, geom: Pool2dGeom) -> Sym {
-        self.apply(MaxPool2d(geom), &[x])
-    }
-    /// Gradient of [`MaxPool2d`] from the forward input and the output gradient.
-    pub fn max_pool2d_backward(&mut self, x: Sym, dy: Sym, geom: Pool2dGeom) -> Sym {
-        self.apply(MaxPool2dBackward(geom), &[x, dy])
-    }
-    /// Per-channel mean over positions: rows `[C*H*W]` → rows `[C]`.
-    pub fn global_avg_pool(&mut self, x: Sym, channels: usize, height: usize, width: usize) -> Sym {
-        let op = GlobalAvgPool {
-            channels,
-            height,
-            width,
-        };
-        self.apply(op, &[x])
-    }
-    /// Sum over rows and positions per channel: rows `[C*S]` → static `[C]`.
-    pub fn channel_sum(&mut self, x: Sym, channels: usize, spatial: usize) -> Sym {
-        self.apply(ChannelSum { channels, spatial }, &[x])
-    }
-    /// A static `[C]` spread over positions and over the rows of `like`.
-    pub fn channel_broadcast(&mut self, s: Sym, like: Sym, channels: usize, spatial: usize) -> Sym {
-        self.apply(ChannelBroadcast { channels, spatial }, &[s, like])
-    }
-    /// Training-mode batch normalisation over all rows of the run (see the
-    /// module docs for where it may be used).
-    pub fn batch_norm(&mut self, x: Sym, gamma: Sym, beta: Sym, geom: NormGeom) -> Sym {
-        self.apply(BatchNorm(geom), &[x, gamma, beta])
-    }
-    /// Training-mode batch normalisation that keeps running statistics
-    /// `running = (mean, var)` (buffers the engines update after each
-    /// training pass; evaluation normalises with them). See [`BatchNorm`].
-    pub fn batch_norm_tracked(
-        &mut self,
-        x: Sym,
-        gamma: Sym,
-        beta: Sym,
-        running: (Sym, Sym),
-        geom: NormGeom,
-    ) -> Sym {
-        self.apply(BatchNorm(geom), &[x, gamma, beta, running.0, running.1])
-    }
-    /// Batch normalisation with given per-channel statistics `stats = (mean, var)`.
-    pub fn batch_norm_inference(
-        &mut self,
-        x: Sym,
-        gamma: Sym,
-        beta: Sym,
-        stats: (Sym, Sym),
-        geom: NormGeom,
-    ) -> Sym {
-        self.apply(
-            BatchNormInference(geom),
-            &[x, gamma, beta, stats.0, stats.1],
-        )
     }
 }
 
@@ -821,7 +616,7 @@ fn attrs_usize(attrs: &[f64], names: &[&str]) -> std::result::Result<Vec<usize>,
     names
         .iter()
         .enumerate()
-        .map(|(i, n)| super::usize_attr(attrs, i, n))
+        .map(|(i, n)| crate::op::usize_attr(attrs, i, n))
         .collect()
 }
 
@@ -833,7 +628,7 @@ fn opt_usize(
     default: usize,
 ) -> std::result::Result<usize, String> {
     if a.len() > i {
-        super::usize_attr(a, i, name)
+        crate::op::usize_attr(a, i, name)
     } else {
         Ok(default)
     }

@@ -1,8 +1,8 @@
 //! Softmax cross-entropy: per-row loss against index labels, and its
 //! gradient with respect to the scores.
 
-use crate::graph::{DType, ValueType};
-use crate::op::{want_arity, want_float, GradCtx, OpDef};
+use crate::op::{want_arity, want_float, OpDef};
+use crate::types::{DType, ValueType};
 
 fn check_labels(inputs: &[&ValueType]) -> std::result::Result<(), String> {
     let (logits, labels) = (inputs[0], inputs[1]);
@@ -31,11 +31,6 @@ impl OpDef for SoftmaxXent {
         check_labels(inputs)?;
         Ok(ValueType::rows(inputs[0].space, 1))
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let (x, l, gr) = (g.input(0), g.input(1), g.grad());
-        let d = g.b.apply(SoftmaxXentBackward, &[x, l, gr]);
-        g.set(0, d);
-    }
 }
 
 /// `(softmax(scores) - onehot(label)) * g` per row: the gradient of
@@ -56,11 +51,5 @@ impl OpDef for SoftmaxXentBackward {
             return Err(format!("upstream gradient must be [1]-wide rows, got {g}"));
         }
         Ok(inputs[0].clone())
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        g.b.fail(
-            "softmax_xent_backward",
-            "second derivatives of the loss are not supported",
-        );
     }
 }

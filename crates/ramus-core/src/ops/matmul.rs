@@ -7,8 +7,8 @@
 //!   rows (the weight-gradient GEMM that lazy batching runs once per batch);
 //! * static · static → static.
 
-use crate::graph::ValueType;
-use crate::op::{want_arity, want_float, Cost, GradCtx, OpDef, PackedOperand};
+use crate::op::{want_arity, want_float, Cost, OpDef, PackedOperand};
+use crate::types::ValueType;
 
 /// `op(A) · op(B)`, see the module docs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,26 +106,6 @@ impl OpDef for MatMul {
             }
             (false, true) => Err("a static A times row operand B is not supported".into()),
         }
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let (a, b, dc) = (g.input(0), g.input(1), g.grad());
-        let (da, db) = match (self.trans_a, self.trans_b) {
-            (false, false) => (
-                g.b.matmul(dc, b, false, true),
-                g.b.matmul(a, dc, true, false),
-            ),
-            (false, true) => (
-                g.b.matmul(dc, b, false, false),
-                g.b.matmul(dc, a, true, false),
-            ),
-            (true, false) => (
-                g.b.matmul(b, dc, false, true),
-                g.b.matmul(a, dc, false, false),
-            ),
-            (true, true) => (g.b.matmul(b, dc, true, true), g.b.matmul(dc, a, true, true)),
-        };
-        g.set(0, da);
-        g.set(1, db);
     }
     fn packed_operand(&self) -> Option<PackedOperand> {
         (!self.trans_a).then_some(PackedOperand {

@@ -2,9 +2,10 @@
 //! nodes hold an `Op`; engines and lowerings `match` on it, exhaustively
 //! where they run ops, so adding a variant makes the compiler list every
 //! place that must handle it. The per-op metadata (shape inference,
-//! gradient, fusion template, cost) stays in each type's [`OpDef`] impl,
-//! reached through [`Op::def`]; the CPU kernels are in the CPU engine
-//! (`ramus_cpu::kernels::run`, one match over `Op`).
+//! fusion template, cost) stays in each type's [`OpDef`] impl, reached
+//! through [`Op::def`]; the gradients are in [`crate::gradient`]
+//! (`gradient::emit`, one match over `Op`), the CPU kernels in the CPU
+//! engine (`ramus_cpu::kernels::run`, one match over `Op`).
 
 use super::cnn::*;
 use super::elementwise::*;
@@ -12,8 +13,8 @@ use super::loss::{SoftmaxXent, SoftmaxXentBackward};
 use super::matmul::MatMul;
 use super::row_matrix::RowMatMul;
 use super::structure::*;
-use crate::graph::ValueType;
-use crate::op::{Cost, GradCtx, OpDef, PackedOperand};
+use crate::op::{Cost, OpDef, PackedOperand};
+use crate::types::ValueType;
 
 macro_rules! op_set {
     ($($(#[$doc:meta])* $v:ident),* $(,)?) => {
@@ -25,8 +26,8 @@ macro_rules! op_set {
         }
 
         impl Op {
-            /// The op's definition: name, attributes, inference, gradient,
-            /// fusion template, cost. The one match from `Op` to the per-type
+            /// The op's definition: name, attributes, inference, fusion
+            /// template, cost. The one match from `Op` to the per-type
             /// impls.
             pub fn def(&self) -> &dyn OpDef {
                 match self {
@@ -188,6 +189,22 @@ macro_rules! image_op {
 }
 
 impl Op {
+    /// The op engines run at this op's node outside training (evaluation
+    /// and inference passes), given the node's input count, with the node's
+    /// inputs unchanged; `None` runs the op itself in every mode. Batch
+    /// normalisation with running statistics (5 inputs) answers the
+    /// inference op that normalises with them.
+    pub fn inference_op(&self, arity: usize) -> Option<Op> {
+        match self {
+            Op::BatchNorm(BatchNorm(n)) if arity == 5 => {
+                Some(Op::BatchNormInference(BatchNormInference(*n)))
+            }
+            _ => None,
+        }
+    }
+}
+
+impl Op {
     /// True for [`SumChildren`]: the child-sum reduction from edge rows to
     /// vertex rows, which every engine and lowering treats as structure.
     pub fn is_child_sum(&self) -> bool {
@@ -256,9 +273,6 @@ impl OpDef for Op {
     fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
         self.def().infer(inputs)
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        self.def().gradient(g)
-    }
     fn elementwise_template(&self) -> Option<String> {
         self.def().elementwise_template()
     }
@@ -267,9 +281,6 @@ impl OpDef for Op {
     }
     fn couples_rows(&self) -> bool {
         self.def().couples_rows()
-    }
-    fn inference_op(&self, arity: usize) -> Option<Op> {
-        self.def().inference_op(arity)
     }
     fn cost(&self, inputs: &[&ValueType], out: &ValueType, rows: usize) -> Cost {
         self.def().cost(inputs, out, rows)

@@ -2,8 +2,8 @@
 //! feature-axis concat / slice / pad, child-set sum and expansion, row
 //! reductions and broadcasts, reshape and embedding lookup.
 
-use crate::graph::{DType, Space, ValueType};
-use crate::op::{want_arity, want_float, Cost, GradCtx, OpDef};
+use crate::op::{want_arity, want_float, Cost, OpDef};
+use crate::types::{DType, Space, ValueType};
 
 /// Concatenation of row values along the feature axis.
 #[derive(Clone, Copy, Debug)]
@@ -28,16 +28,6 @@ impl OpDef for Concat {
             first.space,
             inputs.iter().map(|t| t.width()).sum(),
         ))
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let gr = g.grad();
-        let mut start = 0;
-        for i in 0..g.inputs_len() {
-            let w = g.input_type(i).map(|t| t.width()).unwrap_or(0);
-            let s = g.b.slice(gr, start, w);
-            g.set(i, s);
-            start += w;
-        }
     }
 }
 
@@ -72,12 +62,6 @@ impl OpDef for Slice {
         }
         Ok(ValueType::rows(t.space, self.len))
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let total = g.input_type(0).map(|t| t.width()).unwrap_or(0);
-        let gr = g.grad();
-        let p = g.b.pad(gr, self.start, total);
-        g.set(0, p);
-    }
     fn elementwise_template(&self) -> Option<String> {
         None
     }
@@ -110,12 +94,6 @@ impl OpDef for Pad {
         }
         Ok(ValueType::rows(t.space, self.total))
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let w = g.input_type(0).map(|t| t.width()).unwrap_or(0);
-        let gr = g.grad();
-        let s = g.b.slice(gr, self.start, w);
-        g.set(0, s);
-    }
 }
 
 /// Sum of edge rows into their parent vertex rows (child-sum).
@@ -137,11 +115,6 @@ impl OpDef for SumChildren {
         }
         Ok(ValueType::rows(Space::Vertex, t.width()))
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let gr = g.grad();
-        let e = g.b.expand_children(gr);
-        g.set(0, e);
-    }
 }
 
 /// Copies each vertex row to every child edge of that vertex (the gradient
@@ -161,11 +134,6 @@ impl OpDef for ExpandChildren {
             return Err(format!("operand must be a vertex value, got {t}"));
         }
         Ok(ValueType::rows(Space::Edge, t.width()))
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let gr = g.grad();
-        let s = g.b.sum_children(gr);
-        g.set(0, s);
     }
 }
 
@@ -191,11 +159,6 @@ impl OpDef for SumRows {
             return Err(format!("operand must be a row value, got {t}"));
         }
         Ok(ValueType::fixed(&[t.width()]))
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let (gr, x) = (g.grad(), g.input(0));
-        let b = g.b.broadcast_rows(gr, x, self.mean);
-        g.set(0, b);
     }
 }
 
@@ -225,17 +188,6 @@ impl OpDef for BroadcastRows {
         }
         Ok(ValueType::rows(r.space, s.width()))
     }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let gr = g.grad();
-        let s = g.b.apply(SumRows { mean: self.mean }, &[gr]);
-        let shape = g.input_type(0).map(|t| t.shape).unwrap_or_default();
-        let s = if g.b.ty(s).map(|t| t.shape != shape).unwrap_or(false) {
-            g.b.reshape(s, &shape)
-        } else {
-            s
-        };
-        g.set(0, s);
-    }
 }
 
 /// A static value viewed with another shape of the same element count.
@@ -259,12 +211,6 @@ impl OpDef for Reshape {
             return Err(format!("cannot view {t} as {:?}", self.shape));
         }
         Ok(ValueType::fixed(&self.shape))
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let shape = g.input_type(0).map(|t| t.shape).unwrap_or_default();
-        let gr = g.grad();
-        let r = g.b.reshape(gr, &shape);
-        g.set(0, r);
     }
     fn cost(&self, _: &[&ValueType], out: &ValueType, _: usize) -> Cost {
         Cost {
@@ -295,10 +241,6 @@ impl OpDef for Embedding {
             ));
         }
         Ok(ValueType::rows(idx.space, table.shape[1]))
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let (gr, idx) = (g.grad(), g.input(1));
-        g.set_rows(0, gr, idx);
     }
     fn cost(&self, _: &[&ValueType], out: &ValueType, rows: usize) -> Cost {
         Cost {
@@ -332,15 +274,6 @@ impl OpDef for EmbeddingUnk {
     }
     fn infer(&self, inputs: &[&ValueType]) -> std::result::Result<ValueType, String> {
         Embedding.infer(inputs)
-    }
-    fn gradient(&self, g: &mut GradCtx<'_>) {
-        let Some(table) = g.input_type(0) else {
-            return;
-        };
-        let (gr, idx) = (g.grad(), g.input(1));
-        let rows = table.shape.first().copied().unwrap_or(0);
-        let dt = g.b.apply(EmbeddingUnkBackward { rows }, &[gr, idx]);
-        g.set(0, dt);
     }
     fn cost(&self, _: &[&ValueType], out: &ValueType, rows: usize) -> Cost {
         Cost {
@@ -381,9 +314,6 @@ impl OpDef for EmbeddingUnkBackward {
             return Err("the table must have rows".into());
         }
         Ok(ValueType::fixed(&[self.rows, gr.width()]))
-    }
-    fn gradient(&self, _g: &mut GradCtx<'_>) {
-        // second-order gradients of embeddings are not needed
     }
     fn cost(&self, inputs: &[&ValueType], out: &ValueType, rows: usize) -> Cost {
         let w = inputs.first().map_or(0, |t| t.width());

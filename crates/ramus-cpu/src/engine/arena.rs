@@ -16,7 +16,7 @@ pub(super) struct Arena<T> {
     pub(super) vals: Vec<Vec<T>>,
     pub(super) idx: Vec<Vec<u32>>,
     /// Set for evaluation and inference passes: nodes whose op has an
-    /// inference form ([`ramus_core::OpDef::inference_op`]) run that instead.
+    /// inference form ([`ramus_core::ops::Op::inference_op`]) run that instead.
     pub(super) inference: bool,
 }
 

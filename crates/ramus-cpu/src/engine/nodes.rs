@@ -6,7 +6,7 @@
 
 use ramus_core::graph::{DType, Graph, NodeId, NodeKind, ParamId, Role, Source, Space};
 use ramus_core::ops::{BatchNorm, Op};
-use ramus_core::{CoreError, Grads, OpDef, Params, Real};
+use ramus_core::{CoreError, Grads, Params, Real};
 use ramus_graph::FunctionRows;
 
 use ramus_exec::{ExecError, Result};

@@ -6,7 +6,7 @@
 
 use ramus_core::ops::cnn::check_cs;
 use ramus_core::ops::*;
-use ramus_core::real::Real;
+use ramus_core::real::{GemmArgs, Real};
 use ramus_core::{CoreError, OpDef, Result};
 
 use super::ctx::{Kernel, KernelCtx};
@@ -214,19 +214,19 @@ impl Kernel for Conv2d {
             |cols, r, out| {
                 let b = g.lowered(&x[r * in_len..(r + 1) * in_len], cols);
                 // out [O, P] = W [O, K] · cols [K, P]
-                T::gemm(
-                    o,
+                T::gemm(GemmArgs {
+                    m: o,
                     k,
-                    np,
-                    T::ONE,
-                    w,
-                    (k as isize, 1),
+                    n: np,
+                    alpha: T::ONE,
+                    a: w,
+                    a_strides: (k as isize, 1),
                     b,
-                    (np as isize, 1),
-                    T::ZERO,
-                    out,
-                    np as isize,
-                );
+                    b_strides: (np as isize, 1),
+                    beta: T::ZERO,
+                    c: out,
+                    c_row_stride: np as isize,
+                });
                 if let Some(bias) = bias {
                     for (c, &bv) in out.chunks_mut(np).zip(bias) {
                         c.iter_mut().for_each(|v| *v += bv);
@@ -260,19 +260,19 @@ impl Kernel for Conv2dBackwardInput {
                 let dyr = &dy[r * o * np..(r + 1) * o * np];
                 // cols [K, P] = Wᵀ [K, O] · dY [O, P]
                 let dst: &mut [T] = if g.pointwise() { dx } else { cols };
-                T::gemm(
-                    k,
-                    o,
-                    np,
-                    T::ONE,
-                    w,
-                    (1, k as isize),
-                    dyr,
-                    (np as isize, 1),
-                    T::ZERO,
-                    dst,
-                    np as isize,
-                );
+                T::gemm(GemmArgs {
+                    m: k,
+                    k: o,
+                    n: np,
+                    alpha: T::ONE,
+                    a: w,
+                    a_strides: (1, k as isize),
+                    b: dyr,
+                    b_strides: (np as isize, 1),
+                    beta: T::ZERO,
+                    c: dst,
+                    c_row_stride: np as isize,
+                });
                 if !g.pointwise() {
                     col2im(&g, cols, dx);
                 }
@@ -304,19 +304,19 @@ impl Kernel for Conv2dBackwardWeight {
             let mut cols = g.cols_buffer();
             for r in r0..r1 {
                 let b = g.lowered(&x[r * in_len..(r + 1) * in_len], &mut cols);
-                T::gemm(
-                    o,
-                    np,
-                    k,
-                    T::ONE,
-                    &dy[r * out_len..(r + 1) * out_len],
-                    (np as isize, 1),
+                T::gemm(GemmArgs {
+                    m: o,
+                    k: np,
+                    n: k,
+                    alpha: T::ONE,
+                    a: &dy[r * out_len..(r + 1) * out_len],
+                    a_strides: (np as isize, 1),
                     b,
-                    (1, np as isize),
-                    T::ONE,
-                    dw,
-                    k as isize,
-                );
+                    b_strides: (1, np as isize),
+                    beta: T::ONE,
+                    c: dw,
+                    c_row_stride: k as isize,
+                });
             }
         };
         let parts = if rows.saturating_mul(g.macs()) >= 1 << 18 {

@@ -5,7 +5,7 @@
 
 use ramus_core::ops::matmul::{dims, PACKED_MAX_M};
 use ramus_core::ops::MatMul;
-use ramus_core::real::Real;
+use ramus_core::real::{GemmArgs, Real};
 use ramus_core::{CoreError, Result};
 
 use super::ctx::{Kernel, KernelCtx};
@@ -74,34 +74,34 @@ impl Kernel for MatMul {
                 let r0 = i * block;
                 let rows = c.len() / n;
                 let a_off = r0 * sa.0 as usize;
-                T::gemm(
-                    rows,
+                T::gemm(GemmArgs {
+                    m: rows,
                     k,
                     n,
-                    T::ONE,
-                    &ad[a_off..],
-                    sa,
-                    bd,
-                    sb,
-                    T::ZERO,
+                    alpha: T::ONE,
+                    a: &ad[a_off..],
+                    a_strides: sa,
+                    b: bd,
+                    b_strides: sb,
+                    beta: T::ZERO,
                     c,
-                    n as isize,
-                );
+                    c_row_stride: n as isize,
+                });
             });
         } else {
-            T::gemm(
+            T::gemm(GemmArgs {
                 m,
                 k,
                 n,
-                T::ONE,
-                ad,
-                sa,
-                bd,
-                sb,
-                T::ZERO,
-                ctx.out,
-                n as isize,
-            );
+                alpha: T::ONE,
+                a: ad,
+                a_strides: sa,
+                b: bd,
+                b_strides: sb,
+                beta: T::ZERO,
+                c: ctx.out,
+                c_row_stride: n as isize,
+            });
         }
         Ok(())
     }

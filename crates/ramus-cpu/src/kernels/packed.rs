@@ -179,34 +179,33 @@ mod fma {
                 // SAFETY: the halves write columns [0, half*NR) and
                 // [half*NR, n) of rows 0..m: disjoint, and inside `out`
                 // (checked above).
-                || unsafe { columns(isa, a, m, k, 0, half * NR, p0, dst) },
+                || unsafe { columns(isa, a, m, k, 0..half * NR, p0, dst) },
                 // SAFETY: as above.
-                || unsafe { columns(isa, a, m, k, half * NR, n, p1, dst) },
+                || unsafe { columns(isa, a, m, k, half * NR..n, p1, dst) },
             );
         } else {
             // SAFETY: all columns of rows 0..m, inside `out` (checked above).
-            unsafe { columns(isa, a, m, k, 0, n, packed, dst) }
+            unsafe { columns(isa, a, m, k, 0..n, packed, dst) }
         }
         true
     }
 
-    /// Columns `c0..c1` of `a · op(B)` from their packed panels.
+    /// Columns `cols` (`c0..c1` below) of `a · op(B)` from their packed panels.
     ///
     /// # Safety
     /// `a` holds `m * k` floats, `panels` holds the `(c1 - c0) / NR`
     /// (rounded up) panels of `k * NR` floats, and `out` addresses `m` rows
     /// of `row_stride >= c1` floats that nothing else touches in `c0..c1`.
-    #[allow(clippy::too_many_arguments)] // one column range of one product
     unsafe fn columns(
         isa: Isa,
         a: &[f32],
         m: usize,
         k: usize,
-        c0: usize,
-        c1: usize,
+        cols: std::ops::Range<usize>,
         panels: &[f32],
         out: OutPtr,
     ) {
+        let (c0, c1) = (cols.start, cols.end);
         match isa {
             // SAFETY: `Avx512` is only chosen when the processor has it;
             // the rest is the caller's contract.

@@ -1,8 +1,8 @@
 //! Image geometry of the convolutional ops: [`Conv2dGeom`],
 //! [`Pool2dGeom`] and [`NormGeom`], their checks and derived sizes.
 
-use crate::graph::{Space, ValueType};
 use crate::op::{want_float, Cost};
+use crate::types::{Space, ValueType};
 
 /// Window positions along one axis: `(size + 2·padding - kernel) / stride + 1`.
 pub(crate) fn windows(size: usize, padding: usize, kernel: usize, stride: usize) -> usize {
