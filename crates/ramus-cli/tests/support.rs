@@ -86,3 +86,30 @@ fn support_table_matches_the_engines() {
         .to_string();
     assert!(table.contains(&err), "engine said `{err}`, table:\n{table}");
 }
+
+/// The time-delay models' head multiplies a product (two stages), which the
+/// compiled kernel's code generation refuses: the table says `no` for the
+/// CUDA compiled engine with that reason, and the engine, which checks the
+/// code generation's preconditions before it opens a device, refuses with
+/// the same message with or without a GPU.
+#[test]
+fn cuda_compiled_refuses_a_two_stage_head_as_the_table_says() {
+    let o = ramus_ok(&["inspect", "--support"]);
+    let table = stdout(&o);
+    let options = ramus_cuda::compiled::CompiledOptions::default();
+    for name in ["td-rnn", "td-lstm"] {
+        assert_eq!(cell(&table, name, "cuda compiled").get(..4), Some("no ("));
+        // the CPU compiled engine runs them (only CUDA code generation refuses)
+        assert_eq!(cell(&table, name, "cpu compiled"), "yes", "{table}");
+        let model = tree_model(name);
+        let params = Params::init(&model, 0);
+        let err = ramus_cuda::compiled::CompiledEngine::new(&model, &params, &options)
+            .err()
+            .unwrap_or_else(|| panic!("the CUDA compiled engine refuses {name}"))
+            .to_string();
+        assert!(err.contains("(a product of a product)"), "{name}: {err}");
+        assert!(err.contains(&format!("model `{name}`")), "{name}: {err}");
+        let why = format!("{name} on cuda compiled: {err}");
+        assert!(table.contains(&why), "engine said `{err}`, table:\n{table}");
+    }
+}

@@ -18,7 +18,8 @@ pub fn batched(model: &Model) -> Result<()> {
 }
 
 /// The compiled inference engine ([`crate::compiled::CompiledEngine`]):
-/// its cells lower under the default options.
+/// its cells lower under the default options and its kernels' code
+/// generation accepts them.
 pub fn compiled(model: &Model) -> Result<()> {
     crate::compiled::lowers(model, &CompiledOptions::default())
 }

@@ -90,7 +90,11 @@ impl TreeKernelSpec<'_> {
         self.internal.program.output_width(1)
     }
 
-    pub(crate) fn check(&self) -> Result<()> {
+    /// What code generation needs of the cells and the launch (each
+    /// cell's outputs, the block size, a one-stage head), without
+    /// generating anything: [`Self::source`] starts with it, and engines
+    /// run it before they need a device.
+    pub fn check(&self) -> Result<()> {
         let (s, p) = (self.state_width(), self.push_width());
         for (what, cell) in [("leaf", self.leaf), ("internal", self.internal)] {
             let prog = cell.program;

@@ -103,10 +103,25 @@ fn median(samples: &[f32]) -> f32 {
     sorted[sorted.len() / 2]
 }
 
-/// Whether `model`'s cells lower for the compiled engine under `options`
-/// (no device needed): the check [`CompiledEngine::new`] starts with.
+/// `model`'s cells lowered for the compiled engine under `options`, and
+/// the generated kernels' preconditions checked
+/// ([`TreeKernelSpec::check`](ramus_codegen::compiled::TreeKernelSpec::check):
+/// a one-stage head, the block size), no device needed: the check
+/// [`CompiledEngine::new`] starts with, and [`lowers`]'s.
+fn lowered(model: &Model, options: &CompiledOptions) -> Result<Cells> {
+    let cells = Cells::lower(model, options)?;
+    // the check reads no parameter offset: placeholders stand in
+    let offsets = vec![0; model.params.len()];
+    kernel_spec(model, &cells, &offsets, options.block_threads)
+        .check()
+        .map_err(|e| model_err(format!("model `{}`: {e}", model.name)))?;
+    Ok(cells)
+}
+
+/// Whether the compiled engine takes `model` under `options`, no device
+/// needed ([`lowered`], the engine's first check): the support table's.
 pub(crate) fn lowers(model: &Model, options: &CompiledOptions) -> Result<()> {
-    memory::Cells::lower(model, options).map(|_| ())
+    lowered(model, options).map(|_| ())
 }
 
 /// Root scores of one batch: `scores[r * classes..(r + 1) * classes]` for
@@ -223,7 +238,7 @@ impl CompiledEngine {
         check: DeviceCheck<'_>,
     ) -> Result<Self> {
         let started = Instant::now();
-        let cells = Cells::lower(model, options)?;
+        let cells = lowered(model, options)?;
         let mut need = memory::need(model, &cells)?;
         let (device, cache) = open_device(options, check, &need)?;
         let leaf_stages = used_stages(&cells.leaf.program);

@@ -19,13 +19,20 @@ mod unroll;
 pub use engine::{PersistentEngine, PersistentOptions, PersistentStep, HOST_PRODUCT_ITEMS};
 pub use train::{prepared_ahead, PersistentTrainer};
 
-/// Whether the persistent engine runs `model`, without a device: its
-/// program builds and every op it runs alone has an instruction
-/// ([`unroll::instruction_support`]). `Err` names the model, the graph,
-/// the node and the op.
+/// Whether the persistent engine runs `model`, without a device
+/// ([`checked_program`], the engine's first check on `model`).
 pub fn support(model: &ramus_core::Model) -> Result<()> {
+    checked_program(model).map(|_| ())
+}
+
+/// `model`'s persistent program, once every op it runs alone has an
+/// instruction ([`unroll::instruction_support`]) and no graph pulls
+/// inputs: what the engine builds first, so its first refusal is the
+/// support table's. `Err` names the model, the graph, the node and the op.
+pub(crate) fn checked_program(model: &ramus_core::Model) -> Result<program::PersistentProgram> {
+    use ramus_core::graph::{NodeKind, Source};
     use ramus_core::OpDef;
-    program::PersistentProgram::build(model)?;
+    let prog = program::PersistentProgram::build(model)?;
     let head = [
         ("head", &model.head.forward),
         ("head backward", &model.head.backward),
@@ -47,8 +54,20 @@ pub fn support(model: &ramus_core::Model) -> Result<()> {
                 )));
             }
         }
+        // the batch layout has no region for them (`unroll::node_region`)
+        if let Some(n) = g
+            .nodes
+            .iter()
+            .position(|node| matches!(node.kind, NodeKind::Input(Source::Pull)))
+        {
+            return Err(CudaError::Model(format!(
+                "model `{}`: input %{n} of {label} is pulled (features), which the \
+                 persistent engine does not support yet",
+                model.name
+            )));
+        }
     }
-    Ok(())
+    Ok(prog)
 }
 
 use std::sync::Arc;

@@ -438,7 +438,8 @@ fn plan_setup(
         .clone()
         .or_else(crate::cache::default_cache_dir);
     mark("nvrtc");
-    let prog = Arc::new(PersistentProgram::build(model)?);
+    // the support table's check (`crate::persistent::support`), first
+    let prog = Arc::new(crate::persistent::checked_program(model)?);
     let limits = DeviceLimits::hopper(facts.sm_count as usize);
     let planned = plan_variants(
         &prog,
