@@ -19,7 +19,7 @@
 
 use std::collections::HashMap;
 
-use ramus_core::graph::{NodeId, NodeKind, ParamId, Role, Source};
+use ramus_core::graph::{Graph, NodeId, NodeKind, ParamId, Role, Source};
 use ramus_core::parallel::SpinHelper;
 use ramus_core::plan::{token_hoist, TokenHoist};
 use ramus_core::{Grads, HeadRows, Model, Params, Real};
@@ -631,30 +631,12 @@ impl<T: Real> CpuEngine<T> {
         self.state_grad.clear();
         self.state_grad.resize(s.num_vertices() * w, T::ZERO);
         for (f, func) in model.functions.iter().enumerate() {
-            let rows = &s.functions[f];
-            run_all_rows(
-                &func.backward,
-                &func.backward_plan.eager,
-                &mut self.bwd[f],
-                Some(&self.fwd[f]),
-                params,
-                rows,
-                &mut self.packs,
-            )?;
+            self.backward_all_rows(f, &func.backward, &func.backward_plan.eager, params, s)?;
         }
         self.backward_tasks(model, params, s)?;
         self.pull_grads.resize_with(model.functions.len(), Vec::new);
         for (f, func) in model.functions.iter().enumerate() {
-            let rows = &s.functions[f];
-            run_all_rows(
-                &func.backward,
-                &func.backward_plan.lazy,
-                &mut self.bwd[f],
-                Some(&self.fwd[f]),
-                params,
-                rows,
-                &mut self.packs,
-            )?;
+            self.backward_all_rows(f, &func.backward, &func.backward_plan.lazy, params, s)?;
             accumulate_param_grads(&func.backward, &self.bwd[f], Some(&self.fwd[f]), grads)?;
             self.pull_grads[f].clear();
             if let Some(o) = func.backward.output(Role::PullGrad) {
@@ -668,6 +650,27 @@ impl<T: Real> CpuEngine<T> {
         }
         grads.finish_rows();
         Ok(())
+    }
+
+    /// Runs `nodes` of function `f`'s backward graph `g` (its eager or its
+    /// lazy phase) once over all of the function's rows.
+    fn backward_all_rows(
+        &mut self,
+        f: usize,
+        g: &Graph,
+        nodes: &[NodeId],
+        params: &Params<T>,
+        s: &Schedule,
+    ) -> Result<()> {
+        run_all_rows(
+            g,
+            nodes,
+            &mut self.bwd[f],
+            Some(&self.fwd[f]),
+            params,
+            &s.functions[f],
+            &mut self.packs,
+        )
     }
 
     /// The head's backward pass (seeded at the loss), its parameter
