@@ -3,6 +3,7 @@
 //! for the tree models the batches the PyTorch anchor uses — optionally
 //! with the anchor run in the same process tree for side-by-side ratios.
 
+use crate::result::AnyResult;
 use ramus_core::{Model, Params};
 use ramus_exec::memory::Pass;
 use ramus_exec::{Batch, Mode};
@@ -18,9 +19,7 @@ mod compiled;
 mod persistent;
 mod traffic;
 
-use common::{
-    bench_engine, bench_optimizer, median_time, run_anchor, train_time, AnyResult, BenchEngine,
-};
+use common::{bench_engine, bench_optimizer, median_time, run_anchor, train_time, BenchEngine};
 pub use common::{BenchArgs, RecursionFlags};
 
 /// What a bench times: its inputs (the first ones of the file, or the

@@ -10,6 +10,7 @@
 //! in-memory run, and its step time at each Nm is printed next to Ramus'
 //! (the `torch` and `planner/torch` columns).
 
+use crate::result::AnyResult;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::Command;
@@ -76,8 +77,6 @@ pub struct BenchSwapArgs {
     #[arg(long)]
     json: Option<PathBuf>,
 }
-
-type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 /// What one run of K steps gave.
 struct RunResult {

@@ -5,6 +5,7 @@
 //! the time-delay networks, SST trees read as pyramids — both from the
 //! shared data folder when no `--data` is given ([`default_data`]).
 
+use crate::result::AnyResult;
 use std::path::{Path, PathBuf};
 
 use ramus_graph::images::{self, ImageSpec};
@@ -40,8 +41,6 @@ pub fn default_data(sub: &str) -> AnyResult<PathBuf> {
         .into())
     }
 }
-
-type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// The data model `name` reads, or an error listing the known models.
 pub fn data_kind_of(name: &str) -> AnyResult<DataKind> {

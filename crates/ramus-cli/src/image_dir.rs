@@ -15,14 +15,13 @@
 //! and scaled from `0..=255` to `[-1, 1]`, then becomes a single-vertex graph
 //! like the built-in synthetic images.
 
+use crate::result::AnyResult;
 use std::path::{Path, PathBuf};
 
 use image::imageops::FilterType;
 use ramus_graph::images::image_graph;
 use ramus_graph::InputGraph;
 use ramus_nn::ImageShape;
-
-type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// Extensions that are decoded (lower case).
 const EXTENSIONS: [&str; 3] = ["png", "jpg", "jpeg"];

@@ -16,8 +16,9 @@ use ramus_nn::DataKind;
 use crate::device::Device;
 use crate::infer_engine::{build_infer_engine, InferKind, InferSetup};
 use crate::labels;
-use crate::model_build::{load_checkpoint, AnyResult};
+use crate::model_build::load_checkpoint;
 use crate::output::outln;
+use crate::result::AnyResult;
 
 #[derive(clap::Args)]
 pub struct InferArgs {

@@ -16,6 +16,7 @@ mod output;
 mod plan_memory;
 #[cfg(test)]
 mod reader_props;
+mod result;
 mod run_config;
 mod sequence;
 mod splits;
@@ -29,12 +30,13 @@ use std::process::ExitCode;
 use clap::Parser;
 
 use args::{Cli, Command, EvalArgs};
-use model_build::{build, load_checkpoint, AnyResult, Loaded};
+use model_build::{build, load_checkpoint, Loaded};
 use output::{noteln, outln};
 use ramus_core::Model;
 use ramus_exec::memory::Pass;
 use ramus_graph::BatchingPolicy;
 use ramus_nn::{data_kind, DataKind, ModelConfig, ModelOptions};
+use result::AnyResult;
 
 /// mimalloc instead of the system allocator: the persistent engine lowers
 /// and encodes a window of batches on every core at once, tens of thousands

@@ -1,7 +1,7 @@
 //! Models by name ([`build`], with the head rows of `--loss-at`) and from
-//! checkpoints ([`load_checkpoint`], as `eval` and `infer` read them), and
-//! the result type of the commands ([`AnyResult`]).
+//! checkpoints ([`load_checkpoint`], as `eval` and `infer` read them).
 
+use crate::result::AnyResult;
 use ramus_core::{HeadRows, Model, Params};
 use ramus_nn::checkpoint;
 use ramus_nn::{
@@ -32,8 +32,6 @@ impl CheckpointFlags {
         }
     }
 }
-
-pub(crate) type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 /// Builds `name`: a CNN for `vision`, a sequence model for `seq`, else a
 /// zoo model.

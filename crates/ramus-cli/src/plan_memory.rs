@@ -4,6 +4,7 @@
 //! comes from the batch's own schedule (`ramus_cpu::training_trace`), so
 //! dynamic models (trees, long sequences) are planned per batch.
 
+use crate::result::AnyResult;
 use ramus_core::Model;
 use ramus_cpu::training_trace;
 use ramus_exec::Batch;
@@ -66,8 +67,6 @@ pub struct PlanMemoryArgs {
     #[arg(long, default_value = "cpu")]
     engine: String,
 }
-
-type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 /// The planner `--policy` names, for a device of `budget` bytes (on CUDA
 /// as the CUDA swap path plans).

@@ -4,14 +4,13 @@
 //! refused before any work, naming its file:line and vertex, instead of
 //! when its batch comes up (or, before, silently misread).
 
+use crate::result::AnyResult;
 use ramus_core::{Model, VertexRules};
 use ramus_graph::binarize::{binarize, Side};
 use ramus_graph::{check_structure, InputGraph};
 use ramus_nn::DataKind;
 
 use crate::data::Splits;
-
-type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 /// The structure options of the commands that read trees.
 #[derive(clap::Args, Clone, Copy, Debug, Default)]

@@ -24,8 +24,9 @@ use ramus_nn::{checkpoint, DataKind, EvalResult, ModelConfig, ModelOptions, Trai
 
 use crate::args::TrainArgs;
 use crate::data::Splits;
-use crate::model_build::{build, loss_rows, AnyResult};
+use crate::model_build::{build, loss_rows};
 use crate::output::logln;
+use crate::result::AnyResult;
 use crate::{data, device, labels, limits, run_config, sequence, vision};
 
 /// Where a run's resumable checkpoints go.

@@ -50,7 +50,6 @@ pub mod lower;
 pub mod model;
 pub mod op;
 pub mod ops;
-pub mod parallel;
 pub mod params;
 pub mod plan;
 pub mod real;

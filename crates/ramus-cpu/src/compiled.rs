@@ -15,7 +15,7 @@
 //! allocates nothing once they have grown. Large products and elementwise
 //! passes split over a spinning helper thread.
 
-use ramus_core::parallel::SpinHelper;
+use crate::parallel::SpinHelper;
 use ramus_core::recursion::{lower_scheduled, Backend, RecursionSchedule, ResolvedRecursion};
 use ramus_core::{Model, Params, VertexRules};
 use ramus_graph::{InputGraph, LinearBatch, Linearizer, UnrolledPlan, NO_CHILD};

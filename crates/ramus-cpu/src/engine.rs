@@ -19,8 +19,8 @@
 
 use std::collections::HashMap;
 
+use crate::parallel::SpinHelper;
 use ramus_core::graph::{Graph, NodeId, NodeKind, ParamId, Role, Source};
-use ramus_core::parallel::SpinHelper;
 use ramus_core::plan::{token_hoist, TokenHoist};
 use ramus_core::{Grads, HeadRows, Model, Params, Real};
 use ramus_graph::{Schedule, NO_LABEL};

@@ -8,6 +8,7 @@ pub mod engine;
 pub mod fused;
 mod infer;
 pub mod kernels;
+pub mod parallel;
 pub mod trace;
 
 pub use contract::CpuTrainer;

@@ -1,6 +1,7 @@
 //! What `ramus bench` and its parts (compiled, persistent, traffic) share:
 //! the arguments, the engine under test, timing, and the PyTorch anchor.
 
+use crate::result::AnyResult;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
@@ -224,8 +225,6 @@ pub(super) fn bench_engine(
         }
     })
 }
-
-pub(crate) type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 /// Sorted times (seconds) of `reps` calls after 3 warm-up calls.
 pub(crate) fn samples(reps: usize, mut f: impl FnMut() -> AnyResult) -> AnyResult<Vec<f64>> {

@@ -8,10 +8,11 @@ use ramus_cpu::compiled::{CpuCompiledEngine, CpuCompiledSchedule};
 use ramus_cuda::compiled::{CompiledEngine, CompiledOptions, CompiledSchedule};
 use ramus_graph::InputGraph;
 
-use super::common::{bench_engine, bench_optimizer, run_anchor, samples, AnyResult, BenchArgs};
+use super::common::{bench_engine, bench_optimizer, run_anchor, samples, BenchArgs};
 use crate::device::Device;
 use crate::limits::Inference;
 use crate::output::outln;
+use crate::result::AnyResult;
 use ramus_exec::memory::{DeviceNeed, Pass};
 
 /// The recursion steps of the ablation on top of the best schedule

@@ -9,7 +9,8 @@ use ramus_cuda::CudaTrainer;
 use ramus_exec::{OptimizerConfig, OptimizerKind};
 use ramus_graph::{BatchingPolicy, InputGraph};
 
-use super::common::{median_time, run_anchor, train_time, AnyResult, BenchArgs};
+use super::common::{median_time, run_anchor, train_time, BenchArgs};
+use crate::result::AnyResult;
 
 use crate::device::{cuda_engine, Device};
 use crate::limits::Inference;

@@ -13,10 +13,11 @@ use ramus_exec::Batch;
 use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine};
 use ramus_graph::{BatchingPolicy, InputGraph};
 
-use super::common::{AnyResult, BenchArgs};
+use super::common::BenchArgs;
 use super::persistent::tuned_engine;
 use crate::device::{cuda_engine, Device};
 use crate::output::outln;
+use crate::result::AnyResult;
 
 pub fn run(
     a: &BenchArgs,

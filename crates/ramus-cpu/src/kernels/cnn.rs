@@ -82,12 +82,10 @@ fn split_rows<T: Real, S>(
             f(&mut sc, r0 + i, o);
         }
     };
-    let threads = ramus_core::parallel::threads();
+    let threads = crate::parallel::threads();
     if threads > 1 && rows > 1 && rows.saturating_mul(work_per_row) >= 1 << 16 {
         let block = rows.div_ceil(threads);
-        ramus_core::parallel::for_each_chunk_mut(out, block * row_len, |i, c| {
-            run_block(i * block, c)
-        });
+        crate::parallel::for_each_chunk_mut(out, block * row_len, |i, c| run_block(i * block, c));
     } else {
         run_block(0, out);
     }
@@ -330,7 +328,7 @@ impl Kernel for Conv2dBackwardWeight {
         }
         let block = rows.div_ceil(parts);
         let mut partial = vec![T::ZERO; parts * o * k];
-        ramus_core::parallel::for_each_chunk_mut(&mut partial, o * k, |i, dw| {
+        crate::parallel::for_each_chunk_mut(&mut partial, o * k, |i, dw| {
             accumulate((i * block).min(rows), ((i + 1) * block).min(rows), dw)
         });
         ctx.out.copy_from_slice(&partial[..o * k]);
@@ -536,10 +534,10 @@ fn channel_moments<T: Real>(n: &NormGeom, x: &[T], rows: usize) -> Vec<(f64, f64
             / count;
         (mean, var)
     };
-    let threads = ramus_core::parallel::threads();
-    if threads > 1 && c > 1 && rows * c * s >= ramus_core::parallel::min_split_elements() {
+    let threads = crate::parallel::threads();
+    if threads > 1 && c > 1 && rows * c * s >= crate::parallel::min_split_elements() {
         let block = c.div_ceil(threads);
-        ramus_core::parallel::for_each_chunk_mut(&mut stats, block, |i, st| {
+        crate::parallel::for_each_chunk_mut(&mut stats, block, |i, st| {
             for (j, v) in st.iter_mut().enumerate() {
                 *v = stat(i * block + j);
             }

@@ -44,11 +44,11 @@ fn run_rows<T: Real>(
         }
         f(&row_ins[..ins.len()], out_row);
     };
-    if rows * width >= ramus_core::parallel::min_split_elements()
+    if rows * width >= crate::parallel::min_split_elements()
         && rows > 1
-        && ramus_core::parallel::threads() > 1
+        && crate::parallel::threads() > 1
     {
-        ramus_core::parallel::for_each_chunk_mut(ctx.out, width, body);
+        crate::parallel::for_each_chunk_mut(ctx.out, width, body);
     } else {
         for (r, o) in ctx.out.chunks_mut(width).enumerate() {
             body(r, o);

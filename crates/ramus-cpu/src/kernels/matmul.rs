@@ -67,10 +67,10 @@ impl Kernel for MatMul {
         };
         // Large products split their output rows over the thread pool, each
         // block a single-threaded GEMM on a slice of A.
-        let threads = ramus_core::parallel::threads();
+        let threads = crate::parallel::threads();
         if threads > 1 && m >= 64 && m * k * n >= 1 << 21 {
             let block = m.div_ceil(threads);
-            ramus_core::parallel::for_each_chunk_mut(ctx.out, block * n, |i, c| {
+            crate::parallel::for_each_chunk_mut(ctx.out, block * n, |i, c| {
                 let r0 = i * block;
                 let rows = c.len() / n;
                 let a_off = r0 * sa.0 as usize;
@@ -115,7 +115,7 @@ fn small_m<T: Real>(a: &[T], b: &[T], out: &mut [T], m: usize, k: usize, n: usiz
     // Columns are split into one contiguous block per thread when B is big
     // enough for the split to beat the cost of waking a second thread.
     let threads = if m * k * n >= 1 << 21 {
-        ramus_core::parallel::threads().clamp(1, 8)
+        crate::parallel::threads().clamp(1, 8)
     } else {
         1
     };
@@ -167,7 +167,7 @@ fn small_m<T: Real>(a: &[T], b: &[T], out: &mut [T], m: usize, k: usize, n: usiz
     let mut parts: Vec<Vec<T>> = (0..threads)
         .map(|t| vec![T::ZERO; m * (n.min((t + 1) * block) - (t * block).min(n))])
         .collect();
-    ramus_core::parallel::for_each_chunk_mut(&mut parts, 1, |t, cols| {
+    crate::parallel::for_each_chunk_mut(&mut parts, 1, |t, cols| {
         let cols = &mut cols[0];
         let (j0, j1) = ((t * block).min(n), n.min((t + 1) * block));
         if j1 > j0 {

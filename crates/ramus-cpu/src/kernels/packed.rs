@@ -167,15 +167,15 @@ mod fma {
             ptr: out.as_mut_ptr(),
             row_stride: n,
         };
-        let worth = if ramus_core::parallel::min_split_elements() < 1 << 17 {
+        let worth = if crate::parallel::min_split_elements() < 1 << 17 {
             1 << 19
         } else {
             1 << 22
         };
-        if m * k * n >= worth && panels >= 2 && ramus_core::parallel::threads() > 1 {
+        if m * k * n >= worth && panels >= 2 && crate::parallel::threads() > 1 {
             let half = panels / 2;
             let (p0, p1) = packed.split_at(half * k * NR);
-            ramus_core::parallel::join(
+            crate::parallel::join(
                 // SAFETY: the halves write columns [0, half*NR) and
                 // [half*NR, n) of rows 0..m: disjoint, and inside `out`
                 // (checked above).
@@ -490,7 +490,7 @@ mod tests {
                 let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
                 let packed = PackedB::pack(&b, n, k, n, false);
                 let mut out = vec![f32::NAN; m * n];
-                let ok = ramus_core::parallel::join(
+                let ok = crate::parallel::join(
                     || fma::gemm_packed_f32_with(isa, &a, m, k, n, &packed.data, &mut out),
                     || (),
                 )
