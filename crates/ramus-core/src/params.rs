@@ -255,6 +255,8 @@ impl<T: Real> Grads<T> {
         for p in 0..self.values.len() {
             if self.dense[p] {
                 self.values[p].fill_zero();
+                // rows marked before the gradient turned dense
+                self.row_marks[p].fill(false);
             } else if let Some(rows) = &self.touched_rows[p] {
                 let w = self.row_width(p);
                 let data = self.values[p].data_mut();

@@ -6,6 +6,7 @@
 //! against.
 
 use ramus_core::{HeadRows, Model, Params, Real};
+use ramus_exec::data_parallel::{reduce_host_grads, Collective, LocalStep, SplitStep};
 use ramus_exec::nonfinite::first_nonfinite;
 use ramus_exec::{
     step_outcome, Batch, ExecError, ForwardOutput, HostState, Mode, NonFiniteStep, OptimizerConfig,
@@ -60,23 +61,45 @@ impl<T: Real> CpuTrainer<T> {
     /// were) and is [`ExecError::NonFinite`], naming the first non-finite
     /// parameter.
     fn step(&mut self, batch: &Batch<'_>) -> Result<f64> {
+        let local = self.local_gradients(Some(batch))?;
+        self.apply_update(local.loss)
+    }
+}
+
+impl<T: Real> SplitStep<T> for CpuTrainer<T> {
+    fn local_gradients(&mut self, batch: Option<&Batch<'_>>) -> Result<LocalStep> {
+        let HostState { params, grads, .. } = &mut self.state;
+        grads.clear();
+        let Some(batch) = batch else {
+            return Ok(LocalStep { loss: 0.0, rows: 0 });
+        };
+        let model = &self.model;
+        let out = self.engine.forward(model, params, batch, Mode::Train)?;
+        self.engine.backward(model, params, batch, grads)?;
+        let loss = out
+            .loss
+            .ok_or_else(|| ExecError::Config("forward pass returned no loss".into()))?;
+        Ok(LocalStep {
+            loss,
+            rows: out.head_vertices.len(),
+        })
+    }
+
+    fn reduce_gradients(&mut self, collective: &mut dyn Collective<T>, scale: f64) -> Result<()> {
+        reduce_host_grads(&mut self.state.grads, collective, scale)
+    }
+
+    fn apply_update(&mut self, loss: f64) -> Result<f64> {
         let HostState {
             params,
             grads,
             optimizer,
         } = &mut self.state;
-        let model = &self.model;
-        let out = self.engine.forward(model, params, batch, Mode::Train)?;
-        grads.clear();
-        self.engine.backward(model, params, batch, grads)?;
-        let loss = out
-            .loss
-            .ok_or_else(|| ExecError::Config("forward pass returned no loss".into()))?;
         // the running statistics this pass computed are dropped with its update
         if !loss.is_finite() || !optimizer.step_if_finite(params, grads) {
             return Err(NonFiniteStep {
                 loss,
-                param: first_nonfinite(model, params, Some(grads)),
+                param: first_nonfinite(&self.model, params, Some(grads)),
             }
             .into());
         }

@@ -10,6 +10,7 @@
 //! | the training contract engines implement ([`TrainEngine`]), the state it reads back and restores ([`TrainState`], [`HostState`]) and a step's outcome | [`engine`] |
 //! | the inference contract ([`InferEngine`]), a batched engine as one ([`BatchedInfer`]) | [`infer`] |
 //! | the measuring chooser among inference engines ([`AutoInfer`]) | [`auto`] |
+//! | data-parallel training: the split step, collectives, the wrapper ([`data_parallel::DataParallel`]) | [`data_parallel`] |
 //! | optimizer settings and host state (SGD, Adagrad, Adam) | [`optim`] |
 //! | the one error type of engines and training ([`ExecError`]) | [`error`] |
 //! | non-finite losses and gradients: detection and reports | [`nonfinite`] |
@@ -44,6 +45,7 @@
 pub mod atomic;
 pub mod auto;
 pub mod batch;
+pub mod data_parallel;
 pub mod engine;
 pub mod error;
 pub mod infer;

@@ -1,0 +1,163 @@
+//! N ranks with batches of B graphs take the steps of one run with batches
+//! of N·B: the CPU engine trained data-parallel over a local group (one
+//! thread a rank), against the CPU engine alone, in f64 so that only the
+//! order of sums differs. Every rank must end with the same parameters,
+//! and those must be the single run's.
+
+use std::time::Duration;
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use ramus_conformance::close::{assert_close, assert_close_value, Tolerance};
+use ramus_conformance::zoo::{batch, Case};
+use ramus_cpu::CpuTrainer;
+use ramus_dist::{local_group, Shard};
+use ramus_exec::data_parallel::DataParallel;
+use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine, TrainState};
+use ramus_graph::InputGraph;
+
+/// f64 sums of a few hundred terms in another order.
+const REORDERED_F64: Tolerance = Tolerance::element(1e-11);
+
+struct Run {
+    losses: Vec<f64>,
+    state: TrainState<f64>,
+}
+
+fn config(kind: OptimizerKind) -> OptimizerConfig {
+    OptimizerConfig {
+        eps: 1e-4,
+        weight_decay: 0.1,
+        ..OptimizerConfig::new(kind, 1e-3)
+    }
+}
+
+fn single(case: &Case, order: &[usize], batch_size: usize, config: OptimizerConfig) -> Run {
+    let mut engine = CpuTrainer::new(case.model.clone(), case.params(5).cast::<f64>(), config);
+    let losses = order
+        .chunks(batch_size)
+        .map(|chunk| {
+            let graphs: Vec<&InputGraph> = chunk.iter().map(|&i| &case.graphs[i]).collect();
+            engine.train_step(&batch(&case.model, &graphs)).unwrap()
+        })
+        .collect();
+    Run {
+        losses,
+        state: engine.state().unwrap(),
+    }
+}
+
+fn data_parallel(
+    case: &Case,
+    order: &[usize],
+    world: usize,
+    per_rank: usize,
+    config: OptimizerConfig,
+) -> Vec<Run> {
+    let ranks = local_group::<f64>(world, Duration::from_secs(60));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .enumerate()
+            .map(|(r, rank)| {
+                s.spawn(move || {
+                    let model = &case.model;
+                    let engine = CpuTrainer::new(model.clone(), case.params(5).cast(), config);
+                    let mut dp = DataParallel::new(engine, Box::new(rank));
+                    let shard = Shard::new(r, world).unwrap();
+                    let losses = shard
+                        .batches(order, per_rank)
+                        .unwrap()
+                        .iter()
+                        .map(|part| {
+                            let graphs: Vec<&InputGraph> =
+                                part.iter().map(|&i| &case.graphs[i]).collect();
+                            let b = (!graphs.is_empty()).then(|| batch(model, &graphs));
+                            dp.step_shard(b.as_ref()).unwrap()
+                        })
+                        .collect();
+                    Run {
+                        losses,
+                        state: dp.state().unwrap(),
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// `graphs` graphs of model `name` in a shuffled order, trained by
+/// `world` ranks of `per_rank` graphs and by one engine of
+/// `world × per_rank`.
+fn check(name: &'static str, graphs: usize, world: usize, per_rank: usize) {
+    let case = Case::new(name, graphs, 1, 17).unwrap();
+    let mut order: Vec<usize> = (0..graphs).collect();
+    order.shuffle(&mut ChaCha8Rng::seed_from_u64(3));
+    for kind in [OptimizerKind::Sgd, OptimizerKind::Adam] {
+        let what = format!("{name}, {world} ranks × {per_rank}, {kind:?}");
+        let want = single(&case, &order, world * per_rank, config(kind));
+        let ranks = data_parallel(&case, &order, world, per_rank, config(kind));
+        for (r, got) in ranks.iter().enumerate() {
+            assert_eq!(got.losses.len(), want.losses.len(), "{what}: steps");
+            for (step, (w, g)) in want.losses.iter().zip(&got.losses).enumerate() {
+                assert_close_value(
+                    &format!("{what}: rank {r} loss {step}"),
+                    *w,
+                    *g,
+                    REORDERED_F64,
+                );
+            }
+            assert_eq!(
+                got.state.optimizer.steps(),
+                want.state.optimizer.steps(),
+                "{what}: rank {r} optimizer steps"
+            );
+            for (p, spec) in case.model.params.iter().enumerate() {
+                let g = got.state.params.values[p].data();
+                let w = want.state.params.values[p].data();
+                let label = format!("{what}: rank {r} {}", spec.name);
+                if case.model.is_buffer(p) {
+                    continue;
+                }
+                assert_close(&label, w, g, REORDERED_F64);
+                // every rank holds the same sums: the replicas are identical
+                assert_eq!(
+                    g,
+                    ranks[0].state.params.values[p].data(),
+                    "{label} vs rank 0"
+                );
+            }
+        }
+        let moved = (0..case.model.params.len()).any(|p| {
+            want.state.params.values[p].data() != case.params(5).cast::<f64>().values[p].data()
+        });
+        assert!(moved, "{what}: training moved no parameter");
+    }
+}
+
+#[test]
+fn tree_lstm_on_two_and_four_ranks() {
+    // 19 graphs: full global steps, then a short one where some ranks get none
+    check("treelstm", 19, 2, 4);
+    check("treelstm", 19, 4, 2);
+}
+
+#[test]
+fn tagger_with_embedding_rows_on_three_ranks() {
+    // each rank touches other rows of the embedding tables
+    check("bilstm-char-tagger", 14, 3, 2);
+}
+
+#[test]
+fn language_model_whose_ranks_have_different_row_counts() {
+    // sentences of different lengths: a rank's loss averages other counts
+    check("lstm-lm", 12, 2, 3);
+}
+
+#[test]
+fn cnn_without_batch_norm() {
+    check("alexnet", 9, 2, 2);
+}

@@ -1,0 +1,134 @@
+//! Sharding, bucketing and the local group's failures, over many inputs.
+
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+use ramus_dist::bucket::plan;
+use ramus_dist::{local_group, Shard};
+use ramus_exec::data_parallel::{Collective, GradBuffer, RowSet};
+
+proptest! {
+    /// Every graph exactly once per epoch across the ranks; each global
+    /// step is the ranks' parts in rank order, which is the one-rank run's
+    /// batch of `world × per_rank`; every rank takes the same steps.
+    #[test]
+    fn shards_cover_the_epoch_once_in_the_single_run_s_batches(
+        len in 0usize..200, world in 1usize..9, per_rank in 1usize..17, seed in any::<u64>()
+    ) {
+        let mut order: Vec<usize> = (0..len).collect();
+        // any permutation: the ranks only cut it
+        let n = order.len().max(1);
+        order.rotate_left((seed as usize) % n);
+        let parts: Vec<Vec<&[usize]>> = (0..world)
+            .map(|r| Shard::new(r, world).unwrap().batches(&order, per_rank).unwrap())
+            .collect();
+        let single: Vec<&[usize]> = order.chunks(world * per_rank).collect();
+        for p in &parts {
+            prop_assert_eq!(p.len(), single.len());
+        }
+        for (step, want) in single.iter().enumerate() {
+            let joined: Vec<usize> = parts.iter().flat_map(|p| p[step].iter().copied()).collect();
+            prop_assert_eq!(&joined[..], *want);
+            let sizes: Vec<usize> = parts.iter().map(|p| p[step].len()).collect();
+            let (lo, hi) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
+            prop_assert!(hi - lo <= 1 && *hi <= per_rank, "{:?}", sizes);
+        }
+    }
+
+    /// Buckets hold every reduced parameter once, in reverse declaration
+    /// order, within the budget unless a parameter alone exceeds it.
+    #[test]
+    fn buckets_respect_order_and_budget(
+        sizes in prop::collection::vec(prop::option::weighted(0.8, 1usize..5000), 0..40),
+        cap in 1usize..8000
+    ) {
+        let buckets = plan(&sizes, cap).unwrap();
+        let flat: Vec<usize> = buckets.iter().flat_map(|b| b.params.iter().copied()).collect();
+        let want: Vec<usize> = (0..sizes.len()).rev().filter(|&p| sizes[p].is_some()).collect();
+        prop_assert_eq!(flat, want);
+        for b in &buckets {
+            let bytes: usize = b.params.iter().map(|&p| sizes[p].unwrap()).sum();
+            prop_assert_eq!(bytes, b.bytes);
+            prop_assert!(b.bytes <= cap || b.params.len() == 1, "{:?} over {}", b, cap);
+        }
+        // greedy: a bucket closes only when the next parameter would overflow it
+        for pair in buckets.windows(2) {
+            let next = sizes[pair[1].params[0]].unwrap();
+            prop_assert!(pair[0].bytes + next > cap);
+        }
+    }
+}
+
+#[test]
+fn a_zero_bucket_budget_is_refused() {
+    assert!(plan(&[Some(4)], 0).is_err());
+}
+
+#[test]
+fn a_group_sums_identically_on_every_rank_and_unites_rows() {
+    let ranks = local_group::<f32>(3, Duration::from_secs(10));
+    let results: Vec<(Vec<f32>, Vec<f64>, Vec<RowSet>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|mut rank| {
+                s.spawn(move || {
+                    let r = rank.rank() as f32;
+                    let mut a = vec![r, 1.0];
+                    let mut b = vec![10.0 * r];
+                    rank.sum_buffers(vec![GradBuffer::Host(&mut a), GradBuffer::Host(&mut b)])
+                        .unwrap();
+                    a.extend(b);
+                    let mut scalars = [r as f64 + 0.5];
+                    rank.sum_scalars(&mut scalars).unwrap();
+                    let sets = match rank.rank() {
+                        0 => vec![RowSet::Rows(vec![4, 1]), RowSet::Rows(vec![])],
+                        1 => vec![RowSet::Rows(vec![1, 7]), RowSet::Rows(vec![2])],
+                        _ => vec![RowSet::Rows(vec![]), RowSet::Dense],
+                    };
+                    (a, scalars.to_vec(), rank.unite_rows(sets).unwrap())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (sums, scalars, rows) in &results {
+        assert_eq!(sums, &vec![3.0, 3.0, 30.0]);
+        assert_eq!(scalars, &vec![4.5]);
+        assert_eq!(rows, &vec![RowSet::Rows(vec![1, 4, 7]), RowSet::Dense]);
+    }
+}
+
+#[test]
+fn a_rank_that_never_arrives_is_named_after_the_timeout() {
+    let mut ranks = local_group::<f32>(3, Duration::from_millis(300));
+    let late = ranks.pop().unwrap();
+    let start = Instant::now();
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|mut rank| s.spawn(move || rank.sum_scalars(&mut [1.0]).unwrap_err().to_string()))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in &errors {
+        assert!(e.contains("rank(s) 2 of 3 did not reach"), "{e}");
+    }
+    assert!(start.elapsed() < Duration::from_secs(5));
+    drop(late);
+}
+
+#[test]
+fn a_rank_that_leaves_makes_the_others_stop() {
+    let mut ranks = local_group::<f32>(2, Duration::from_secs(30));
+    let gone = ranks.pop().unwrap();
+    let mut stays = ranks.pop().unwrap();
+    let start = Instant::now();
+    let err = std::thread::scope(|s| {
+        let waiting = s.spawn(move || stays.sum_scalars(&mut [1.0]).unwrap_err().to_string());
+        std::thread::sleep(Duration::from_millis(100));
+        drop(gone);
+        waiting.join().unwrap()
+    });
+    assert!(err.contains("rank 1 left the group"), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(5));
+}
