@@ -52,6 +52,7 @@ mod cnn;
 mod exec;
 mod nonfinite;
 mod resume;
+mod split;
 mod train;
 
 pub use train::CudaTrainer;

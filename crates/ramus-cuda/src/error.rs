@@ -69,6 +69,10 @@ pub enum CudaError {
     /// message names what to change).
     #[error("{0}")]
     DoesNotFit(String),
+    /// NCCL is missing, or an NCCL call failed (the message names the
+    /// library paths, or the call and the rank).
+    #[error("NCCL: {0}")]
+    Nccl(String),
     /// An argument is out of range or inconsistent (the message says which).
     #[error("bad argument: {0}")]
     BadArgument(String),

@@ -49,6 +49,7 @@ pub mod error;
 mod infer;
 pub mod launch;
 pub mod memory;
+pub mod nccl;
 pub mod offset_allocator;
 pub mod optimizer;
 pub mod persistent;

@@ -182,11 +182,11 @@ impl<T: Real> Collective<T> for LocalRank<T> {
         Ok(())
     }
 
-    fn sum_buffers(&mut self, mut buffers: Vec<GradBuffer<'_, T>>) -> Result<()> {
+    fn sum_buffers(&mut self, mut buffers: Vec<GradBuffer<'_, T>>, scale: f64) -> Result<()> {
         let mut flat = Vec::new();
         for b in &buffers {
             match b {
-                GradBuffer::Host(v) => flat.extend(v.iter().map(|x| x.to_f64())),
+                GradBuffer::Host(v) => flat.extend(v.iter().map(|x| x.to_f64() * scale)),
                 GradBuffer::Device(_) => {
                     return Err(self.failure(
                         "the local group sums host buffers only, not device memory".into(),

@@ -75,8 +75,11 @@ fn a_group_sums_identically_on_every_rank_and_unites_rows() {
                     let r = rank.rank() as f32;
                     let mut a = vec![r, 1.0];
                     let mut b = vec![10.0 * r];
-                    rank.sum_buffers(vec![GradBuffer::Host(&mut a), GradBuffer::Host(&mut b)])
-                        .unwrap();
+                    rank.sum_buffers(
+                        vec![GradBuffer::Host(&mut a), GradBuffer::Host(&mut b)],
+                        1.0,
+                    )
+                    .unwrap();
                     a.extend(b);
                     let mut scalars = [r as f64 + 0.5];
                     rank.sum_scalars(&mut scalars).unwrap();

@@ -78,8 +78,9 @@ pub trait Collective<T>: Send {
     /// Replaces every rank's `values` with their sum over the ranks.
     fn sum_scalars(&mut self, values: &mut [f64]) -> Result<()>;
     /// Replaces every rank's buffers with their element-wise sums over the
-    /// ranks (`buffers` in the same order and sizes on every rank).
-    fn sum_buffers(&mut self, buffers: Vec<GradBuffer<'_, T>>) -> Result<()>;
+    /// ranks, each rank's multiplied by its own `scale` first (`buffers`
+    /// in the same order and sizes on every rank).
+    fn sum_buffers(&mut self, buffers: Vec<GradBuffer<'_, T>>, scale: f64) -> Result<()>;
     /// The union over the ranks of each parameter's set rows (dense where
     /// any rank's gradient is dense).
     fn unite_rows(&mut self, sets: Vec<RowSet>) -> Result<Vec<RowSet>>;
@@ -93,8 +94,8 @@ pub trait SplitStep<T: Real>: TrainEngine<T> {
     /// are zero).
     fn local_gradients(&mut self, batch: Option<&Batch<'_>>) -> Result<LocalStep>;
 
-    /// Scales the gradients by `scale` and replaces them with their sums
-    /// over `collective`'s ranks.
+    /// Replaces the gradients with their sums over `collective`'s ranks,
+    /// this rank's scaled by `scale`.
     fn reduce_gradients(&mut self, collective: &mut dyn Collective<T>, scale: f64) -> Result<()>;
 
     /// The optimizer step with the reduced gradients, reporting `loss`.
@@ -198,10 +199,10 @@ impl<T: Real, E: SplitStep<T>> TrainEngine<T> for DataParallel<T, E> {
 
 /// [`SplitStep::reduce_gradients`] for gradients held on the host: every
 /// rank's set rows are united (so that each rank's optimizer visits the
-/// same rows), then the trained parameters' gradients, scaled by `scale`,
-/// are summed over the ranks in reverse declaration order (the order a
-/// backward pass finishes them in); an embedding table's rows travel
-/// packed, not the whole table.
+/// same rows), then the trained parameters' gradients, this rank's
+/// scaled by `scale`, are summed over the ranks in reverse declaration
+/// order (the order a backward pass finishes them in); an embedding
+/// table's rows travel packed, not the whole table.
 pub fn reduce_host_grads<T: Real>(
     grads: &mut Grads<T>,
     collective: &mut dyn Collective<T>,
@@ -226,7 +227,6 @@ pub fn reduce_host_grads<T: Real>(
         }
     }
     grads.finish_rows();
-    let scale = T::from_f64(scale);
     // rows of embedding tables, packed in `trained` order
     let mut packed: Vec<Vec<T>> = Vec::new();
     for (&p, set) in trained.iter().zip(&united) {
@@ -236,14 +236,9 @@ pub fn reduce_host_grads<T: Real>(
             packed.push(
                 rows.iter()
                     .flat_map(|&r| &data[r as usize * w..(r as usize + 1) * w])
-                    .map(|&x| x * scale)
+                    .copied()
                     .collect(),
             );
-        } else {
-            grads.values[p]
-                .data_mut()
-                .iter_mut()
-                .for_each(|x| *x *= scale);
         }
     }
     {
@@ -263,7 +258,7 @@ pub fn reduce_host_grads<T: Real>(
                 .ok_or_else(|| ExecError::Config(format!("gradient buffer {p} listed twice")))?;
             buffers.push(GradBuffer::Host(buffer));
         }
-        collective.sum_buffers(buffers)?;
+        collective.sum_buffers(buffers, scale)?;
     }
     let mut rows = packed.into_iter();
     for (&p, set) in trained.iter().zip(&united) {

@@ -25,6 +25,12 @@ impl CudaEngine {
         model: &Model,
         s: &Schedule,
     ) -> Result<Vec<(usize, DeviceView<u32>)>> {
+        let lists = self.touched_row_lists(model, s);
+        self.upload_row_lists(&lists)
+    }
+
+    /// [`touched_rows`](Self::touched_rows) on the host: sorted, unique.
+    pub(crate) fn touched_row_lists(&self, model: &Model, s: &Schedule) -> Vec<(usize, Vec<u32>)> {
         let mut lists = Vec::new();
         for &p in &self.program.row_grad_params {
             let mut rows: Vec<u32> = Vec::new();
@@ -42,11 +48,19 @@ impl CudaEngine {
             rows.dedup();
             lists.push((p, rows));
         }
+        lists
+    }
+
+    /// Row lists uploaded, one device list per table.
+    pub(crate) fn upload_row_lists(
+        &mut self,
+        lists: &[(usize, Vec<u32>)],
+    ) -> Result<Vec<(usize, DeviceView<u32>)>> {
         let mut out = Vec::with_capacity(lists.len());
         for (p, rows) in lists {
             out.push((
-                p,
-                self.upload_indices_of(&rows, &|| "touched row ids".into())?,
+                *p,
+                self.upload_indices_of(rows, &|| "touched row ids".into())?,
             ));
         }
         Ok(out)
@@ -247,6 +261,8 @@ pub struct CudaTrainer {
     /// [`TrainEngine::state`] brings them back).
     pub(crate) uploaded: Params<f32>,
     pub(crate) config: OptimizerConfig,
+    /// A data-parallel step between its calls ([`ramus_exec::data_parallel::SplitStep`]).
+    pub(crate) split: Option<super::split::SplitPending>,
 }
 
 impl CudaTrainer {
@@ -264,12 +280,19 @@ impl CudaTrainer {
             model,
             uploaded: params,
             config,
+            split: None,
         })
     }
 
     /// The engine underneath (its counters and reports).
     pub fn engine(&self) -> &CudaEngine {
         &self.engine
+    }
+
+    /// The device the engine runs on (an NCCL communicator joins on its
+    /// stream).
+    pub fn device(&self) -> &std::sync::Arc<crate::CudaDevice> {
+        &self.engine.device
     }
 
     pub(crate) fn check_idle(&self, call: &str) -> ramus_exec::Result<()> {

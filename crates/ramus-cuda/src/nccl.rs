@@ -1,0 +1,340 @@
+//! NCCL for data-parallel training: a communicator over one GPU per rank,
+//! joined through the id rank 0 hands out at the rendezvous
+//! (`ramus_dist::rendezvous`), as a [`Collective`] that sums gradient
+//! buffers in device memory on the engine's own stream.
+//!
+//! The library is loaded at run time through `cudarc` like the rest of
+//! CUDA, so Ramus builds and runs without it; [`check_library`] turns a
+//! missing `libnccl` into one line naming the names looked for and the
+//! places a pip-installed NCCL lives.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+use cudarc::nccl::result as nccl;
+use cudarc::nccl::sys;
+use ramus_exec::data_parallel::{Collective, GradBuffer, RowSet};
+use ramus_exec::{ExecError, Result as ExecResult};
+
+use crate::device::CudaDevice;
+use crate::error::{CudaError, InCall, Result};
+use crate::pinned::PinnedBuffer;
+use crate::pool::{DevicePool, DeviceView, PoolBuffer, PoolConfig};
+
+/// Bytes of an NCCL unique id.
+pub const ID_BYTES: usize = 128;
+
+/// Fails with one line when `libnccl` cannot be loaded: the names tried
+/// (on `LD_LIBRARY_PATH` and the system's library paths) and, where a
+/// pip wheel (`nvidia-nccl-cu13`) holds the library, how to use it.
+pub fn check_library() -> Result<()> {
+    // SAFETY: loads the library by name to see whether it exists; no
+    // symbol is called.
+    if unsafe { sys::is_culib_present() } {
+        return Ok(());
+    }
+    let wheels = wheel_libraries();
+    let hint = match wheels.first() {
+        Some(found) => format!(
+            "; a pip-installed NCCL is at {found}: add its directory to LD_LIBRARY_PATH with a \
+             libnccl.so link to it (`ln -s {found} DIR/libnccl.so`)"
+        ),
+        None => "; install NCCL (a system package, or `pip install nvidia-nccl-cu13` and its \
+                 lib directory on LD_LIBRARY_PATH)"
+            .into(),
+    };
+    Err(CudaError::Nccl(format!(
+        "libnccl not found: looked for {} on LD_LIBRARY_PATH ({}) and the system library \
+         paths{hint}",
+        cudarc::get_lib_name_candidates("nccl")
+            .iter()
+            .take(2)
+            .chain(std::iter::once(&"libnccl.so.13".to_string()))
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", "),
+        std::env::var("LD_LIBRARY_PATH").unwrap_or_else(|_| "unset".into())
+    )))
+}
+
+/// `libnccl.so.2` files of pip's `nvidia-nccl-*` wheels under the usual
+/// Python package directories.
+fn wheel_libraries() -> Vec<String> {
+    let mut roots: Vec<std::path::PathBuf> = Vec::new();
+    for base in ["/usr/local/lib", "/usr/lib", "/opt/conda/lib"] {
+        if let Ok(entries) = std::fs::read_dir(base) {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().to_string();
+                if name.starts_with("python3") {
+                    roots.push(e.path().join("dist-packages"));
+                    roots.push(e.path().join("site-packages"));
+                }
+            }
+        }
+    }
+    if let Ok(venv) = std::env::var("VIRTUAL_ENV") {
+        roots.push(std::path::Path::new(&venv).join("lib"));
+    }
+    roots
+        .into_iter()
+        .map(|r| r.join("nvidia/nccl/lib/libnccl.so.2"))
+        .filter(|p| p.exists())
+        .map(|p| p.display().to_string())
+        .collect()
+}
+
+/// A new NCCL unique id (rank 0 makes it and hands it out).
+pub fn new_id() -> Result<Vec<u8>> {
+    check_library()?;
+    let id = nccl::get_uniqueid().map_err(|e| nccl_err("ncclGetUniqueId", e))?;
+    Ok(id.internal.iter().map(|&c| c as u8).collect())
+}
+
+fn nccl_err(call: &str, e: nccl::NcclError) -> CudaError {
+    CudaError::Nccl(format!("{call}: {e:?}"))
+}
+
+/// One rank's NCCL communicator, on the stream of the engine whose
+/// gradients it sums (so that the sums follow the backward pass and come
+/// before the update without any host wait).
+pub struct NcclGroup {
+    comm: sys::ncclComm_t,
+    stream: Arc<CudaStream>,
+    rank: usize,
+    world: usize,
+    staging: PinnedBuffer,
+    pool: Arc<DevicePool>,
+    scratch: Option<PoolBuffer<u32>>,
+}
+
+// SAFETY: the communicator is used by one thread at a time (the rank's
+// training loop owns the group); NCCL communicators may move between
+// threads.
+unsafe impl Send for NcclGroup {}
+
+impl NcclGroup {
+    /// Joins the communicator of `world` ranks as `rank`, with the `id`
+    /// rank 0 made, on `device`'s main stream.
+    pub fn join(device: &Arc<CudaDevice>, rank: usize, world: usize, id: &[u8]) -> Result<Self> {
+        check_library()?;
+        if id.len() != ID_BYTES {
+            return Err(CudaError::Nccl(format!(
+                "an NCCL id has {ID_BYTES} bytes, got {}",
+                id.len()
+            )));
+        }
+        let mut internal = [0 as std::ffi::c_char; ID_BYTES];
+        internal
+            .iter_mut()
+            .zip(id)
+            .for_each(|(c, &b)| *c = b as std::ffi::c_char);
+        let unique = sys::ncclUniqueId { internal };
+        let mut comm = std::mem::MaybeUninit::uninit();
+        let (nranks, me) = (to_int(world)?, to_int(rank)?);
+        device
+            .context()
+            .bind_to_thread()
+            .in_call("cuCtxSetCurrent")?;
+        // SAFETY: `comm` is written by NCCL before it is read; the id is
+        // the 128 bytes rank 0's ncclGetUniqueId returned.
+        let comm = unsafe {
+            nccl::comm_init_rank(comm.as_mut_ptr(), nranks, unique, me)
+                .map_err(|e| nccl_err("ncclCommInitRank", e))?;
+            comm.assume_init()
+        };
+        Ok(NcclGroup {
+            comm,
+            stream: device.stream().clone(),
+            rank,
+            world,
+            staging: PinnedBuffer::new(device)?,
+            pool: DevicePool::new(device, PoolConfig::default()),
+            scratch: None,
+        })
+    }
+
+    fn failure(&self, e: CudaError) -> ExecError {
+        ExecError::Device(format!("NCCL rank {} of {}: {e}", self.rank, self.world))
+    }
+
+    /// `words` u32 words of scratch device memory.
+    fn scratch(&mut self, words: usize) -> Result<DeviceView<u32>> {
+        if self.scratch.as_ref().is_none_or(|s| s.len() < words) {
+            self.scratch = Some(self.pool.alloc::<u32>(words.max(64))?);
+        }
+        match &self.scratch {
+            Some(s) => s.view().slice(0..words),
+            None => Err(CudaError::Nccl("scratch missing".into())),
+        }
+    }
+
+    /// In-place all-reduce of `count` elements of `dtype` at `ptr`.
+    fn all_reduce(&self, ptr: u64, count: usize, dtype: sys::ncclDataType_t) -> Result<()> {
+        let op = sys::ncclRedOp_t::ncclSum;
+        // SAFETY: `ptr` holds `count` elements of `dtype` on this rank's
+        // device, written on `self.stream`, which the reduction follows.
+        unsafe {
+            nccl::all_reduce(
+                ptr as *const _,
+                ptr as *mut _,
+                count,
+                dtype,
+                op,
+                self.comm,
+                self.stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| nccl_err("ncclAllReduce", e))?;
+        Ok(())
+    }
+
+    /// Sums `ptr[..count]` (f32) pre-multiplied by `scale` on this rank.
+    fn scaled_sum(&self, ptr: u64, count: usize, scale: f32) -> Result<()> {
+        let mut op = std::mem::MaybeUninit::uninit();
+        let mut scalar = scale;
+        // SAFETY: the scalar is read at the call (host-immediate); the op
+        // is destroyed after the reduction is enqueued.
+        unsafe {
+            nccl::reduce_op_create_pre_mul_sum(
+                op.as_mut_ptr(),
+                &mut scalar as *mut f32 as *mut _,
+                sys::ncclDataType_t::ncclFloat32,
+                sys::ncclScalarResidence_t::ncclScalarHostImmediate,
+                self.comm,
+            )
+            .map_err(|e| nccl_err("ncclRedOpCreatePreMulSum", e))?;
+            let op = op.assume_init();
+            let reduced = nccl::all_reduce(
+                ptr as *const _,
+                ptr as *mut _,
+                count,
+                sys::ncclDataType_t::ncclFloat32,
+                op,
+                self.comm,
+                self.stream.cu_stream() as sys::cudaStream_t,
+            )
+            .map_err(|e| nccl_err("ncclAllReduce", e));
+            nccl::reduce_op_destroy(op, self.comm).map_err(|e| nccl_err("ncclRedOpDestroy", e))?;
+            reduced?;
+        }
+        Ok(())
+    }
+
+    /// Every rank's `words`, concatenated in rank order.
+    fn all_gather(&mut self, words: &[u32]) -> Result<Vec<u32>> {
+        let n = words.len();
+        let buf = self.scratch(n * (self.world + 1))?;
+        let (mine, all) = (buf.slice(0..n)?, buf.slice(n..n * (self.world + 1))?);
+        let stream = self.stream.clone();
+        self.staging.upload_slice(words, mine, &stream)?;
+        // SAFETY: `mine` and `all` are this rank's scratch on its device,
+        // sized n and n × world, ordered on the group's stream.
+        unsafe {
+            nccl::all_gather(
+                mine.device_ptr() as *const _,
+                all.device_ptr() as *mut _,
+                n,
+                sys::ncclDataType_t::ncclUint32,
+                self.comm,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| nccl_err("ncclAllGather", e))?;
+        self.staging.download_to_vec(all, &stream)
+    }
+}
+
+fn to_int(n: usize) -> Result<std::ffi::c_int> {
+    std::ffi::c_int::try_from(n).map_err(|_| CudaError::Nccl(format!("{n} ranks")))
+}
+
+impl Drop for NcclGroup {
+    fn drop(&mut self) {
+        // SAFETY: the communicator was initialised in `join` and is not
+        // used after this; abort also ends collectives a failed rank left.
+        unsafe {
+            let _ = nccl::comm_abort(self.comm);
+        }
+    }
+}
+
+impl Collective<f32> for NcclGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn sum_scalars(&mut self, values: &mut [f64]) -> ExecResult<()> {
+        let words: Vec<u32> = values
+            .iter()
+            .flat_map(|v| {
+                let b = v.to_bits();
+                [b as u32, (b >> 32) as u32]
+            })
+            .collect();
+        let run = |g: &mut Self| -> Result<Vec<u32>> {
+            let buf = g.scratch(words.len())?;
+            let stream = g.stream.clone();
+            g.staging.upload_slice(&words, buf, &stream)?;
+            g.all_reduce(
+                buf.device_ptr(),
+                values.len(),
+                sys::ncclDataType_t::ncclFloat64,
+            )?;
+            g.staging.download_to_vec(buf, &stream)
+        };
+        let summed = run(self).map_err(|e| self.failure(e))?;
+        for (v, pair) in values.iter_mut().zip(summed.chunks(2)) {
+            *v = f64::from_bits(pair[0] as u64 | (pair[1] as u64) << 32);
+        }
+        Ok(())
+    }
+
+    fn sum_buffers(&mut self, buffers: Vec<GradBuffer<'_, f32>>, scale: f64) -> ExecResult<()> {
+        for b in buffers {
+            let GradBuffer::Device(d) = b else {
+                return Err(self.failure(CudaError::Nccl(
+                    "NCCL sums device buffers; a host buffer was given".into(),
+                )));
+            };
+            if d.stream != self.stream.cu_stream() as u64 {
+                return Err(self.failure(CudaError::Nccl(
+                    "a gradient buffer on another stream than the communicator's".into(),
+                )));
+            }
+            self.scaled_sum(d.ptr, d.len, scale as f32)
+                .map_err(|e| self.failure(e))?;
+        }
+        Ok(())
+    }
+
+    fn unite_rows(&mut self, sets: Vec<RowSet>) -> ExecResult<Vec<RowSet>> {
+        let mut united = Vec::with_capacity(sets.len());
+        for set in sets {
+            let RowSet::Rows(rows) = set else {
+                united.push(RowSet::Dense);
+                continue;
+            };
+            let run = |g: &mut Self| -> Result<Vec<u32>> {
+                let lens = g.all_gather(&[rows.len() as u32])?;
+                let longest = lens.iter().copied().max().unwrap_or(0) as usize;
+                if longest == 0 {
+                    return Ok(Vec::new());
+                }
+                let mut padded = rows.clone();
+                padded.resize(longest, u32::MAX);
+                let all = g.all_gather(&padded)?;
+                let mut union: Vec<u32> = all.into_iter().filter(|&r| r != u32::MAX).collect();
+                union.sort_unstable();
+                union.dedup();
+                Ok(union)
+            };
+            let union = run(self).map_err(|e| self.failure(e))?;
+            united.push(RowSet::Rows(union));
+        }
+        Ok(united)
+    }
+}

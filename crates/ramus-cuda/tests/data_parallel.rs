@@ -1,0 +1,226 @@
+//! Data-parallel training over NCCL, one process per GPU (this test binary
+//! started again in a child role): after K steps every rank holds the same
+//! parameters, and they are those of one GPU trained with batches of
+//! N·B. Skips with a notice without two GPUs or without `libnccl`.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use ramus_conformance::close::{assert_close, assert_close_value, Tolerance};
+use ramus_conformance::zoo::{batch, Case};
+use ramus_cuda::nccl::{check_library, new_id, NcclGroup};
+use ramus_cuda::{CudaDevice, CudaEngine, CudaEngineOptions, CudaTrainer};
+use ramus_dist::rendezvous::exchange_id;
+use ramus_dist::{Shard, World};
+use ramus_exec::data_parallel::DataParallel;
+use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine};
+use ramus_graph::InputGraph;
+
+const ROLE: &str = "RAMUS_TEST_DATA_PARALLEL_ROLE";
+const GRAPHS: usize = 37;
+const PER_RANK: usize = 4;
+
+/// f32 sums in another order (NCCL's ring against one GPU's kernels).
+const REORDERED: Tolerance = Tolerance::tensor(2e-4);
+
+fn config(kind: &str) -> OptimizerConfig {
+    let kind = match kind {
+        "sgd" => OptimizerKind::Sgd,
+        _ => OptimizerKind::Adam,
+    };
+    OptimizerConfig {
+        eps: 1e-4,
+        weight_decay: 0.1,
+        ..OptimizerConfig::new(kind, 1e-2)
+    }
+}
+
+fn case() -> (Case, Vec<usize>) {
+    let case = Case::new("treelstm", GRAPHS, 1, 17).unwrap();
+    let mut order: Vec<usize> = (0..GRAPHS).collect();
+    order.shuffle(&mut ChaCha8Rng::seed_from_u64(3));
+    (case, order)
+}
+
+fn trainer(case: &Case, ordinal: usize, kind: &str) -> CudaTrainer {
+    let options = CudaEngineOptions {
+        device: ordinal,
+        ..CudaEngineOptions::default()
+    };
+    let engine = CudaEngine::new(&case.model, &options).unwrap();
+    CudaTrainer::new(engine, case.model.clone(), case.params(5), config(kind)).unwrap()
+}
+
+/// Parameters, flattened, then the losses: what a rank writes.
+fn save(path: &Path, params: &[f32], losses: &[f64]) {
+    let mut bytes: Vec<u8> = (params.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(params.iter().flat_map(|x| x.to_le_bytes()));
+    bytes.extend(losses.iter().flat_map(|x| x.to_le_bytes()));
+    std::fs::write(path, bytes).unwrap();
+}
+
+fn load(path: &Path) -> (Vec<f32>, Vec<f64>) {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let params = bytes[8..8 + 4 * n]
+        .chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let losses = bytes[8 + 4 * n..]
+        .chunks(8)
+        .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    (params, losses)
+}
+
+fn flat(state: &ramus_exec::TrainState<f32>) -> Vec<f32> {
+    state
+        .params
+        .values
+        .iter()
+        .flat_map(|t| t.data().iter().copied())
+        .collect()
+}
+
+/// Child role: rank `RANK` of `WORLD` on GPU `RANK`, trains its shards and
+/// writes its parameters and losses.
+#[test]
+fn child_role() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let v: Vec<&str> = role.split(' ').collect();
+    let (rank, world, port): (usize, usize, u16) = (
+        v[0].parse().unwrap(),
+        v[1].parse().unwrap(),
+        v[2].parse().unwrap(),
+    );
+    let (kind, out) = (v[3], PathBuf::from(v[4]));
+    let w = World {
+        rank,
+        size: world,
+        local_rank: rank,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+    };
+    let id = exchange_id(&w, || new_id().unwrap(), Duration::from_secs(60)).unwrap();
+    let (case, order) = case();
+    let trainer = trainer(&case, rank, kind);
+    let group = NcclGroup::join(trainer.device(), rank, world, &id).unwrap();
+    let mut dp = DataParallel::new(trainer, Box::new(group));
+    let shard = Shard::new(rank, world).unwrap();
+    let losses: Vec<f64> = shard
+        .batches(&order, PER_RANK)
+        .unwrap()
+        .iter()
+        .map(|part| {
+            let graphs: Vec<&InputGraph> = part.iter().map(|&i| &case.graphs[i]).collect();
+            let b = (!graphs.is_empty()).then(|| batch(&case.model, &graphs));
+            dp.step_shard(b.as_ref()).unwrap()
+        })
+        .collect();
+    save(&out, &flat(&dp.state().unwrap()), &losses);
+}
+
+fn ready(world: usize) -> bool {
+    if !common::cuda_ready("skipping data-parallel tests") {
+        return false;
+    }
+    if let Err(e) = CudaDevice::probe(world - 1) {
+        eprintln!("skipping data-parallel test on {world} GPUs: {e}");
+        return false;
+    }
+    if let Err(e) = check_library() {
+        eprintln!("skipping data-parallel tests: {e}");
+        return false;
+    }
+    true
+}
+
+fn check(world: usize, kind: &str) {
+    if !ready(world) {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ramus-dp-{}-{world}-{kind}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let children: Vec<_> = (0..world)
+        .map(|r| {
+            Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "child_role", "--nocapture", "--test-threads=1"])
+                .env(
+                    ROLE,
+                    format!(
+                        "{r} {world} {port} {kind} {}",
+                        dir.join(format!("{r}")).display()
+                    ),
+                )
+                .env("NCCL_NVLS_ENABLE", "0")
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (r, mut c) in children.into_iter().enumerate() {
+        let status = c.wait().unwrap();
+        assert!(status.success(), "rank {r} of {world} failed: {status}");
+    }
+    // one GPU with batches of N·B over the same order
+    let (case, order) = case();
+    let mut single = trainer(&case, 0, kind);
+    let want_losses: Vec<f64> = order
+        .chunks(world * PER_RANK)
+        .map(|chunk| {
+            let graphs: Vec<&InputGraph> = chunk.iter().map(|&i| &case.graphs[i]).collect();
+            single.train_step(&batch(&case.model, &graphs)).unwrap()
+        })
+        .collect();
+    let want = single.state().unwrap();
+    let (first, _) = load(&dir.join("0"));
+    for r in 0..world {
+        let (params, losses) = load(&dir.join(format!("{r}")));
+        let what = format!("{world} GPUs, {kind}, rank {r}");
+        assert_eq!(params, first, "{what}: parameters differ from rank 0's");
+        for (step, (w, g)) in want_losses.iter().zip(&losses).enumerate() {
+            assert_close_value(
+                &format!("{what}: loss {step}"),
+                *w,
+                *g,
+                Tolerance::element(1e-3),
+            );
+        }
+        let mut at = 0;
+        for (p, spec) in case.model.params.iter().enumerate() {
+            let w = want.params.values[p].data();
+            assert_close(
+                &format!("{what}: {}", spec.name),
+                w,
+                &params[at..at + w.len()],
+                REORDERED,
+            );
+            at += w.len();
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn two_gpus_train_as_one_with_twice_the_batch() {
+    check(2, "sgd");
+    check(2, "adam");
+}
+
+#[test]
+fn four_gpus_train_as_one_with_four_times_the_batch() {
+    check(4, "adam");
+}
