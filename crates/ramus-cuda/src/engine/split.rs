@@ -10,16 +10,9 @@ use ramus_exec::data_parallel::{
 };
 use ramus_exec::{Batch, ExecError, Mode, Result};
 
+use super::train::SplitPending;
 use super::{model_err, CudaTrainer};
 use crate::pool::DeviceView;
-
-/// What a split step keeps between its calls: the rows of each
-/// row-gradient table this rank touched (then every rank's), and whether
-/// the gradients have been reduced.
-pub(crate) struct SplitPending {
-    rows: Vec<(usize, Vec<u32>)>,
-    reduced: bool,
-}
 
 impl SplitStep<f32> for CudaTrainer {
     fn local_gradients(&mut self, batch: Option<&Batch<'_>>) -> Result<LocalStep> {

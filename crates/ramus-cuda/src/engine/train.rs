@@ -262,7 +262,7 @@ pub struct CudaTrainer {
     pub(crate) uploaded: Params<f32>,
     pub(crate) config: OptimizerConfig,
     /// A data-parallel step between its calls ([`ramus_exec::data_parallel::SplitStep`]).
-    pub(crate) split: Option<super::split::SplitPending>,
+    pub(crate) split: Option<SplitPending>,
 }
 
 impl CudaTrainer {
@@ -374,4 +374,12 @@ impl From<CudaError> for ramus_exec::ExecError {
     fn from(e: CudaError) -> Self {
         ramus_exec::ExecError::Device(e.to_string())
     }
+}
+
+/// What a data-parallel step keeps between its calls (`engine/split.rs`):
+/// the rows of each row-gradient table this rank touched (then every
+/// rank's), and whether the gradients have been reduced.
+pub(crate) struct SplitPending {
+    pub(crate) rows: Vec<(usize, Vec<u32>)>,
+    pub(crate) reduced: bool,
 }
