@@ -161,3 +161,53 @@ fn language_model_whose_ranks_have_different_row_counts() {
 fn cnn_without_batch_norm() {
     check("alexnet", 9, 2, 2);
 }
+
+/// The training loop's epochs on N ranks (each its shard, the last global
+/// batch short) take the single run's steps, and evaluation sharded over
+/// the ranks gives the single run's accuracies.
+#[test]
+fn trainer_epochs_and_sharded_evaluation_match_one_rank() {
+    use ramus_nn::train::{rng, Trainer};
+    let case = Case::new("treelstm", 23, 1, 17).unwrap();
+    let (world, per_rank, epochs) = (3, 2, 2);
+    let cfg = config(OptimizerKind::Adam);
+    let train = |engine: Box<dyn TrainEngine<f64>>, batch_size: usize| {
+        let mut trainer = Trainer::with_engine(engine);
+        let mut shuffle = rng(11);
+        for _ in 0..epochs {
+            trainer
+                .train_epoch(&case.graphs, batch_size, &mut shuffle, |_, _, _| {})
+                .unwrap();
+        }
+        let eval = trainer.evaluate(&case.graphs, 5).unwrap();
+        (trainer.state().unwrap(), eval)
+    };
+    let single = CpuTrainer::new(case.model.clone(), case.params(5).cast(), cfg);
+    let (want, want_eval) = train(Box::new(single), world * per_rank);
+    let ranks = local_group::<f64>(world, Duration::from_secs(60));
+    let runs: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|rank| {
+                let train = &train;
+                let case = &case;
+                s.spawn(move || {
+                    let engine = CpuTrainer::new(case.model.clone(), case.params(5).cast(), cfg);
+                    train(Box::new(DataParallel::new(engine, Box::new(rank))), per_rank)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, (state, eval)) in runs.iter().enumerate() {
+        for (p, spec) in case.model.params.iter().enumerate() {
+            let label = format!("rank {r} of {world}, {} after {epochs} epochs", spec.name);
+            let (w, g) = (want.params.values[p].data(), state.params.values[p].data());
+            assert_close(&label, w, g, REORDERED_F64);
+        }
+        assert_eq!(eval.root_accuracy, want_eval.root_accuracy, "rank {r}");
+        assert_eq!(eval.node_accuracy, want_eval.node_accuracy, "rank {r}");
+        assert_eq!(eval.graphs, want_eval.graphs);
+        assert_close_value("dev loss", want_eval.loss, eval.loss, REORDERED_F64);
+    }
+}

@@ -195,6 +195,15 @@ impl<T: Real, E: SplitStep<T>> TrainEngine<T> for DataParallel<T, E> {
     fn device_memory_room(&self) -> Option<u64> {
         self.engine.device_memory_room()
     }
+    fn ranks(&self) -> (usize, usize) {
+        self.rank()
+    }
+    fn sum_over_ranks(&mut self, values: &mut [f64]) -> Result<()> {
+        self.collective.sum_scalars(values)
+    }
+    fn submit_idle(&mut self) -> Result<Vec<StepOutcome>> {
+        Ok(vec![step_outcome(self.step_shard(None))?])
+    }
 }
 
 /// [`SplitStep::reduce_gradients`] for gradients held on the host: every

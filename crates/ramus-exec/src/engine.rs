@@ -198,6 +198,29 @@ pub trait TrainEngine<T: Real> {
         None
     }
 
+    /// This engine's rank and the number of ranks training together
+    /// (data parallelism, see [`crate::data_parallel`]); `(0, 1)` alone.
+    fn ranks(&self) -> (usize, usize) {
+        (0, 1)
+    }
+
+    /// Replaces `values` with their sums over the ranks training together
+    /// (evaluation counts, losses); nothing to do alone.
+    fn sum_over_ranks(&mut self, values: &mut [f64]) -> Result<()> {
+        let _ = values;
+        Ok(())
+    }
+
+    /// A training step of a data-parallel run in which this rank has no
+    /// graphs (a short last global batch): it still takes part in the
+    /// step's sums. Refused by an engine that trains alone.
+    fn submit_idle(&mut self) -> Result<Vec<StepOutcome>> {
+        Err(ExecError::Config(format!(
+            "the {} engine trains alone: a step without graphs means nothing to it",
+            self.name()
+        )))
+    }
+
     /// Device memory this engine can still take, in bytes (what the
     /// device has free plus what its pool holds unused, within its
     /// budget), so that a command can check ahead that a run fits; `None`

@@ -16,6 +16,7 @@ use ramus_exec::{
     TrainEngine, TrainState,
 };
 
+use ramus_dist::Shard;
 use ramus_graph::{BatchingPolicy, InputGraph, NO_LABEL};
 
 /// Accuracy and loss over a data set.
@@ -143,13 +144,25 @@ impl<T: Real> Trainer<T> {
             return Err(ExecError::Config("batch size must be at least 1".into()));
         }
         self.check_nonfinite_policy()?;
-        let chunks: Vec<&[usize]> = span.order.chunks(span.batch_size).collect();
+        // trained with other ranks: this rank's part of each global batch
+        // (possibly empty in a short last one), one step at a time
+        let (rank, world) = self.engine.ranks();
+        let chunks: Vec<&[usize]> = match world {
+            1 => span.order.chunks(span.batch_size).collect(),
+            _ => Shard::new(rank, world)
+                .and_then(|s| s.batches(span.order, span.batch_size))
+                .map_err(|e| ExecError::Config(e.to_string()))?,
+        };
         // size and first graph of the batches whose outcomes have not come
         // back (an overlapping engine returns each a batch or more later)
         let mut in_flight = VecDeque::new();
         // an engine that prepares batches ahead gets them a window at a
         // time (scheduled in parallel), a window never crossing a pause
-        let window = self.engine.lookahead().max(1);
+        let window = if world > 1 {
+            1
+        } else {
+            self.engine.lookahead().max(1)
+        };
         let every = pauses.every.filter(|&n| n > 0);
         let mut next = at.batches;
         let end = loop {
@@ -161,6 +174,16 @@ impl<T: Real> Trainer<T> {
                 stop = stop.min((next / n + 1) * n);
             }
             let group = &chunks[next..stop];
+            if group.iter().all(|c| c.is_empty()) {
+                in_flight.extend(group.iter().map(|_| (0, 0)));
+                for _ in group {
+                    for outcome in self.engine.submit_idle()? {
+                        self.count(at, outcome, &mut in_flight, span, &mut progress)?;
+                    }
+                }
+                next = stop;
+                continue;
+            }
             let (model, policy) = (self.engine.model(), self.policy);
             let build = |chunk: &&[usize]| {
                 let graphs: Vec<&InputGraph> = chunk.iter().map(|&i| &span.data[i]).collect();
@@ -226,7 +249,10 @@ impl<T: Real> Trainer<T> {
             Err(step) => {
                 let place = BatchPlace {
                     batch: at.batches,
-                    batches: span.order.len().div_ceil(span.batch_size),
+                    batches: span
+                        .order
+                        .len()
+                        .div_ceil(span.batch_size * self.engine.ranks().1),
                     first_graph: span
                         .data
                         .get(first)
@@ -259,7 +285,10 @@ pub fn evaluate<T: Real>(
     let head_rows = engine.model().head.rows;
     let (mut loss, mut root_ok, mut node_ok, mut nodes) = (0.0, 0usize, 0usize, 0usize);
     let mut roots = 0usize;
-    for chunk in data.chunks(batch_size.max(1)) {
+    // with other ranks: every rank its share of the batches, then the sums
+    let (rank, world) = engine.ranks();
+    let chunks = data.chunks(batch_size.max(1)).enumerate();
+    for (_, chunk) in chunks.filter(|(i, _)| i % world == rank) {
         let graphs: Vec<&InputGraph> = chunk.iter().collect();
         let batch = Batch::new(engine.model(), graphs, policy)?;
         let s = &batch.schedule;
@@ -290,11 +319,14 @@ pub fn evaluate<T: Real>(
             }
         }
     }
+    let mut sums = [loss, root_ok as f64, roots as f64, node_ok as f64, nodes as f64];
+    engine.sum_over_ranks(&mut sums)?;
+    let [loss, root_ok, roots, node_ok, nodes] = sums;
     let n = data.len().max(1) as f64;
     Ok(EvalResult {
         loss: loss / n,
-        root_accuracy: root_ok as f64 / roots.max(1) as f64,
-        node_accuracy: node_ok as f64 / nodes.max(1) as f64,
+        root_accuracy: root_ok / roots.max(1.0),
+        node_accuracy: node_ok / nodes.max(1.0),
         graphs: data.len(),
     })
 }
