@@ -90,8 +90,16 @@ pub(crate) struct TrainArgs {
     pub(crate) structure: structure::StructureArgs,
     #[arg(long, default_value_t = 5)]
     pub(crate) epochs: usize,
+    /// Graphs a batch (on several GPUs: a batch per GPU, so a step sees
+    /// `--gpus` times as many).
     #[arg(long, default_value_t = 25)]
     pub(crate) batch_size: usize,
+    /// Train data-parallel on this many GPUs of this machine (with
+    /// `--device cuda`): one worker process per GPU, each with its share of
+    /// every step. Under torchrun, srun or mpirun leave it out: each process
+    /// reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) gpus: usize,
     /// sgd, adagrad or adam [default: adagrad; adam for the CNNs].
     #[arg(long)]
     pub(crate) optimizer: Option<String>,

@@ -6,6 +6,7 @@ mod bench_swap;
 mod data;
 mod device;
 mod device_name;
+mod distributed;
 mod image_dir;
 mod infer;
 mod infer_engine;

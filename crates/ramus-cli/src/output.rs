@@ -38,6 +38,15 @@ impl std::error::Error for OutputClosed {}
 /// Set once a log line could not be written: later ones are dropped.
 static LOG_FAILED: AtomicBool = AtomicBool::new(false);
 
+/// Set in the workers of a run on several GPUs other than rank 0, which
+/// alone logs.
+static LOG_QUIET: AtomicBool = AtomicBool::new(false);
+
+/// Drops every later log line (errors still reach standard error).
+pub fn quiet_log() {
+    LOG_QUIET.store(true, Ordering::Relaxed);
+}
+
 /// Writes `args` to standard output: [`OutputClosed`] on a broken pipe, an
 /// error naming standard output on any other failure.
 pub fn write(args: fmt::Arguments<'_>) -> Result<(), Box<dyn std::error::Error>> {
@@ -53,7 +62,7 @@ pub fn write(args: fmt::Arguments<'_>) -> Result<(), Box<dyn std::error::Error>>
 /// later log line is dropped; a failure other than a closed pipe is noted
 /// once on standard error.
 pub fn log(args: fmt::Arguments<'_>) {
-    if LOG_FAILED.load(Ordering::Relaxed) {
+    if LOG_FAILED.load(Ordering::Relaxed) || LOG_QUIET.load(Ordering::Relaxed) {
         return;
     }
     if let Err(e) = write(args) {

@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use ramus_core::{Model, Params};
+use ramus_dist::{Shard, World};
 use ramus_exec::nonfinite::first_nonfinite;
 use ramus_exec::{OnNonFinite, Optimizer, OptimizerConfig, OptimizerKind, TrainState};
 use ramus_graph::BatchingPolicy;
@@ -27,7 +28,7 @@ use crate::data::Splits;
 use crate::model_build::{build, loss_rows};
 use crate::output::logln;
 use crate::result::AnyResult;
-use crate::{data, device, labels, limits, run_config, sequence, vision};
+use crate::{data, device, distributed, labels, limits, run_config, sequence, vision};
 
 /// Where a run's resumable checkpoints go.
 struct CheckpointPaths {
@@ -184,7 +185,7 @@ fn load_text(a: &TrainArgs, kind: DataKind, hidden: usize) -> AnyResult<Splits> 
 
 /// Reads the data, builds the model, its parameters (fresh or resumed)
 /// and the engine; prints the `data:` and `model:` lines.
-fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
+fn setup(a: &TrainArgs, from: Option<&ResumeFrom>, world: Option<&World>) -> AnyResult<Setup> {
     let kind = data::data_kind_of(&a.model)?;
     let policy: BatchingPolicy = a.policy.parse()?;
     let vision_cfg = a.vision.config(&a.model, kind)?;
@@ -250,20 +251,24 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>) -> AnyResult<Setup> {
         }
     };
     let swap = device::swap_mode(a.device, &a.model, a.device_memory_budget, a.swap)?;
-    let engine = training_engine(a, engine_choice, &need, (params, oc), swap)?;
+    let engine = training_engine(a, (engine_choice, world), &need, (params, oc), swap)?;
     let mut trainer = Trainer::with_engine(engine);
     trainer.policy = policy;
     trainer.on_nonfinite = a.on_nonfinite;
     trainer.check_nonfinite_policy()?;
     start(&mut trainer, a.seed, restored.map(|o| (o, &run)))?;
     logln!(
-        "model: {} hidden {} | optimizer {} lr {} | batch {} | engine {} ({} host threads){}",
+        "model: {} hidden {} | optimizer {} lr {} | batch {} | engine {}{} ({} host threads){}",
         a.model,
         hidden,
         optimizer,
         lr,
         a.batch_size,
         trainer.engine.name(),
+        match world {
+            Some(w) => format!(" on {} GPUs (NCCL)", w.size),
+            None => String::new(),
+        },
         rayon::current_num_threads(),
         match swap {
             ramus_cuda::SwapMode::Off => String::new(),
@@ -309,15 +314,26 @@ fn load_data(
 
 /// The training engine `choice` asks for (the persistent one, checked
 /// before it allocates), else the batched engine of `a.device`, checked
-/// against the device memory once built.
+/// against the device memory once built; in a run on several GPUs, this
+/// rank's engine joined to the others.
 fn training_engine(
     a: &TrainArgs,
-    choice: device::TrainEngineChoice,
+    (choice, world): (device::TrainEngineChoice, Option<&World>),
     need: &limits::Training<'_>,
     (params, oc): (Params<f32>, OptimizerConfig),
     swap: ramus_cuda::SwapMode,
 ) -> AnyResult<Box<dyn ramus_exec::TrainEngine<f32>>> {
     let budget = a.device_memory_budget;
+    if let Some(world) = world {
+        let w = distributed::WorkerEngine {
+            world,
+            model: need.model,
+            choice,
+            swapping: swap != ramus_cuda::SwapMode::Off,
+            budget,
+        };
+        return distributed::engine(w, (params, oc));
+    }
     Ok(
         match device::training_engine(choice, need, &params, oc, budget)? {
             // checked before it allocated
@@ -412,17 +428,27 @@ impl Run<'_> {
     /// if a signal stopped it (its state saved).
     fn epoch(&mut self, epoch: usize, style: &ProgressStyle) -> AnyResult<bool> {
         let data = &self.s.data;
-        let bar = if self.a.quiet {
+        let t0 = Instant::now();
+        let mut shuffle = self.s.run.shuffle.clone();
+        let order = shuffled_order(data.train.len(), &mut shuffle);
+        // on several GPUs: this rank's share of the epoch
+        let (rank, world) = self.s.trainer.engine.ranks();
+        let mine = match world {
+            1 => order.len(),
+            _ => Shard::new(rank, world)?
+                .batches(&order, self.a.batch_size)?
+                .iter()
+                .map(|part| part.len())
+                .sum(),
+        };
+        let bar = if self.a.quiet || rank > 0 {
             ProgressBar::hidden()
         } else {
-            ProgressBar::new(data.train.len() as u64)
+            ProgressBar::new(mine as u64)
         };
         bar.set_style(style.clone());
         bar.set_prefix(epoch.to_string());
         bar.set_position(self.s.run.progress.graphs as u64);
-        let t0 = Instant::now();
-        let mut shuffle = self.s.run.shuffle.clone();
-        let order = shuffled_order(data.train.len(), &mut shuffle);
         let stop = self.stop.clone();
         let requested = move || stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
         let pauses = Pauses {
@@ -459,11 +485,10 @@ impl Run<'_> {
         bar.finish_and_clear();
         let secs = t0.elapsed().as_secs_f64();
         let loss = self.s.run.progress.mean_loss();
-        self.end_epoch(
-            epoch,
-            loss,
-            (self.s.data.train.len() - seen_before) as f64 / secs,
-        )?;
+        // every rank's graphs
+        let mut seen = [(mine - seen_before) as f64];
+        self.s.trainer.engine.sum_over_ranks(&mut seen)?;
+        self.end_epoch(epoch, loss, seen[0] / secs)?;
         self.s.run.shuffle = shuffle;
         Ok(true)
     }
@@ -511,6 +536,13 @@ impl Run<'_> {
 
 /// `ramus train`.
 pub fn run(a: TrainArgs) -> AnyResult {
+    if distributed::launch(a.gpus, a.device)? {
+        return Ok(());
+    }
+    let world = distributed::world(a.gpus)?;
+    if world.as_ref().is_some_and(|w| w.rank > 0) {
+        crate::output::quiet_log();
+    }
     let (a, from) = resolve(a)?;
     if let Some(path) = &a.save {
         ramus_exec::atomic::check_writable(path, "--save")?;
@@ -518,8 +550,12 @@ pub fn run(a: TrainArgs) -> AnyResult {
     if a.checkpoint_every == Some(0) {
         return Err("--checkpoint-every must be at least 1".into());
     }
-    let paths = CheckpointPaths::of(&a)?;
-    let setup = setup(&a, from.as_ref())?;
+    // only rank 0 writes checkpoints
+    let paths = match &world {
+        Some(w) if w.rank > 0 => None,
+        _ => CheckpointPaths::of(&a)?,
+    };
+    let setup = setup(&a, from.as_ref(), world.as_ref())?;
     if let Some(from) = &from {
         logln!(
             "resuming {}: epoch {}, batch {}",
@@ -552,12 +588,13 @@ pub fn run(a: TrainArgs) -> AnyResult {
             return run.stopped();
         }
     }
-    finish(&a, run.s, started)
+    let saves = world.is_none_or(|w| w.rank == 0);
+    finish(&a, run.s, started, saves)
 }
 
 /// Puts the best dev epoch's parameters in place, evaluates on test and
 /// saves.
-fn finish(a: &TrainArgs, s: Setup, started: Instant) -> AnyResult {
+fn finish(a: &TrainArgs, s: Setup, started: Instant, saves: bool) -> AnyResult {
     let Setup {
         kind,
         data,
@@ -590,7 +627,7 @@ fn finish(a: &TrainArgs, s: Setup, started: Instant) -> AnyResult {
         vision::unit(kind).1,
         started.elapsed().as_secs_f64()
     );
-    if let Some(path) = &a.save {
+    if let Some(path) = a.save.as_ref().filter(|_| saves) {
         let params = trainer.state()?.params;
         if let Some(why) = nonfinite_model(trainer.model(), &params, test.loss) {
             return Err(format!(

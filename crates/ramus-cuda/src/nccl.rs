@@ -43,25 +43,34 @@ pub fn check_library() -> Result<()> {
                  lib directory on LD_LIBRARY_PATH)"
             .into(),
     };
+    let names = cudarc::get_lib_name_candidates("nccl");
     Err(CudaError::Nccl(format!(
-        "libnccl not found: looked for {} on LD_LIBRARY_PATH ({}) and the system library \
-         paths{hint}",
-        cudarc::get_lib_name_candidates("nccl")
-            .iter()
-            .take(2)
-            .chain(std::iter::once(&"libnccl.so.13".to_string()))
-            .cloned()
-            .collect::<Vec<_>>()
-            .join(", "),
+        "libnccl not found: looked for {} … {} ({} names) on LD_LIBRARY_PATH ({}) and the \
+         system library paths{hint}",
+        names.first().map_or("", String::as_str),
+        names.last().map_or("", String::as_str),
+        names.len(),
         std::env::var("LD_LIBRARY_PATH").unwrap_or_else(|_| "unset".into())
     )))
 }
 
 /// `libnccl.so.2` files of pip's `nvidia-nccl-*` wheels under the usual
-/// Python package directories.
-fn wheel_libraries() -> Vec<String> {
+/// Python package directories: the system's, conda's, and the `lib` beside
+/// every `bin` directory on `PATH` (a virtual environment's).
+pub fn wheel_libraries() -> Vec<String> {
     let mut roots: Vec<std::path::PathBuf> = Vec::new();
-    for base in ["/usr/local/lib", "/usr/lib", "/opt/conda/lib"] {
+    let mut bases: Vec<std::path::PathBuf> = ["/usr/local/lib", "/usr/lib", "/opt/conda/lib"]
+        .iter()
+        .map(std::path::PathBuf::from)
+        .collect();
+    if let Some(path) = std::env::var_os("PATH") {
+        bases.extend(
+            std::env::split_paths(&path)
+                .filter(|p| p.ends_with("bin"))
+                .filter_map(|p| p.parent().map(|venv| venv.join("lib"))),
+        );
+    }
+    for base in &bases {
         if let Ok(entries) = std::fs::read_dir(base) {
             for e in entries.flatten() {
                 let name = e.file_name().to_string_lossy().to_string();
@@ -72,9 +81,8 @@ fn wheel_libraries() -> Vec<String> {
             }
         }
     }
-    if let Ok(venv) = std::env::var("VIRTUAL_ENV") {
-        roots.push(std::path::Path::new(&venv).join("lib"));
-    }
+    roots.sort();
+    roots.dedup();
     roots
         .into_iter()
         .map(|r| r.join("nvidia/nccl/lib/libnccl.so.2"))

@@ -193,7 +193,10 @@ fn trainer_epochs_and_sharded_evaluation_match_one_rank() {
                 let case = &case;
                 s.spawn(move || {
                     let engine = CpuTrainer::new(case.model.clone(), case.params(5).cast(), cfg);
-                    train(Box::new(DataParallel::new(engine, Box::new(rank))), per_rank)
+                    train(
+                        Box::new(DataParallel::new(engine, Box::new(rank))),
+                        per_rank,
+                    )
                 })
             })
             .collect();

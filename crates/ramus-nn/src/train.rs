@@ -319,7 +319,13 @@ pub fn evaluate<T: Real>(
             }
         }
     }
-    let mut sums = [loss, root_ok as f64, roots as f64, node_ok as f64, nodes as f64];
+    let mut sums = [
+        loss,
+        root_ok as f64,
+        roots as f64,
+        node_ok as f64,
+        nodes as f64,
+    ];
     engine.sum_over_ranks(&mut sums)?;
     let [loss, root_ok, roots, node_ok, nodes] = sums;
     let n = data.len().max(1) as f64;

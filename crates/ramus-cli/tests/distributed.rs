@@ -1,0 +1,66 @@
+//! `ramus train` on several GPUs, what can be checked without one: the
+//! launcher's and the launch variables' errors, each one line naming the
+//! flag or variable.
+
+mod common;
+
+use std::process::Command;
+
+use common::{error_line, stderr};
+
+fn train_with_env(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ramus"));
+    cmd.arg("train").args(args);
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ] {
+        cmd.env_remove(var);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("run ramus")
+}
+
+#[test]
+fn gpus_need_the_cuda_device() {
+    let o = train_with_env(&["--gpus", "2", "--epochs", "1"], &[]);
+    error_line(&o, &["--gpus 2", "--device cuda"]);
+}
+
+/// Launch variables, and what the error must name.
+type Case<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str]);
+
+#[test]
+fn launch_variables_are_checked_by_name() {
+    let cases: &[Case] = &[
+        (&[("RANK", "1"), ("WORLD_SIZE", "2")], &["LOCAL_RANK"]),
+        (&[("RANK", "two"), ("WORLD_SIZE", "2")], &["RANK=two"]),
+        (
+            &[("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")],
+            &["MASTER_ADDR is not set"],
+        ),
+    ];
+    for (env, needles) in cases {
+        let o = train_with_env(&["--epochs", "1"], env);
+        error_line(&o, needles);
+    }
+}
+
+#[test]
+fn gpus_that_contradict_the_launcher_are_refused() {
+    let env = [
+        ("RANK", "0"),
+        ("WORLD_SIZE", "4"),
+        ("LOCAL_RANK", "0"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+    ];
+    let o = train_with_env(&["--gpus", "2", "--epochs", "1"], &env);
+    let line = error_line(&o, &["--gpus 2", "4 ranks"]);
+    assert!(!stderr(&o).contains("panicked"), "{line}");
+}
