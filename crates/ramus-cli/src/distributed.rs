@@ -60,6 +60,11 @@ pub(crate) fn launch(gpus: usize, device: Device) -> AnyResult<bool> {
         .map_err(|e| format!("--gpus: no free local port for the rendezvous: {e}"))?
         .port();
     let library_path = nccl_library_path()?;
+    // the workers share this machine's cores (as torchrun limits OpenMP)
+    let threads = std::env::var_os("RAYON_NUM_THREADS").is_none().then(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        (cores / gpus).max(1).to_string()
+    });
     let exe = std::env::current_exe().map_err(|e| format!("--gpus: this program's path: {e}"))?;
     let mut workers: Vec<Child> = Vec::with_capacity(gpus);
     for rank in 0..gpus {
@@ -72,6 +77,9 @@ pub(crate) fn launch(gpus: usize, device: Device) -> AnyResult<bool> {
             .env("MASTER_PORT", port.to_string());
         if let Some(path) = &library_path {
             cmd.env("LD_LIBRARY_PATH", path);
+        }
+        if let Some(threads) = &threads {
+            cmd.env("RAYON_NUM_THREADS", threads);
         }
         match cmd.spawn() {
             Ok(child) => workers.push(child),

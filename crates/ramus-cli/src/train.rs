@@ -501,6 +501,9 @@ impl Run<'_> {
         if let Some(report) = trainer.engine.memory_report() {
             logln!("  {report}");
         }
+        if let Some(report) = trainer.engine.timing_report() {
+            logln!("  {report}");
+        }
         let dev = trainer.evaluate(&self.s.data.dev, 64)?;
         logln!(
             "epoch {epoch}: train loss {loss:.4} | dev loss {:.4} {} | {:.0} {}/s{}",

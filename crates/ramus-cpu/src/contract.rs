@@ -6,7 +6,9 @@
 //! against.
 
 use ramus_core::{HeadRows, Model, Params, Real};
-use ramus_exec::data_parallel::{reduce_host_grads, Collective, LocalStep, SplitStep};
+use ramus_exec::data_parallel::{
+    host_row_sets, reduce_host_grads, Collective, GlobalStep, LocalStep, SplitStep,
+};
 use ramus_exec::nonfinite::first_nonfinite;
 use ramus_exec::{
     step_outcome, Batch, ExecError, ForwardOutput, HostState, Mode, NonFiniteStep, OptimizerConfig,
@@ -61,17 +63,21 @@ impl<T: Real> CpuTrainer<T> {
     /// were) and is [`ExecError::NonFinite`], naming the first non-finite
     /// parameter.
     fn step(&mut self, batch: &Batch<'_>) -> Result<f64> {
-        let local = self.local_gradients(Some(batch))?;
-        self.apply_update(local.loss)
+        let loss = self.gradients(Some(batch))?;
+        self.update(loss)
     }
-}
 
-impl<T: Real> SplitStep<T> for CpuTrainer<T> {
-    fn local_gradients(&mut self, batch: Option<&Batch<'_>>) -> Result<LocalStep> {
+    /// Forward and backward on `batch` into the gradient buffer (cleared
+    /// first; `None`: zero gradients); returns the loss and head rows.
+    fn gradients(&mut self, batch: Option<&Batch<'_>>) -> Result<f64> {
+        self.gradients_and_rows(batch).map(|(loss, _)| loss)
+    }
+
+    fn gradients_and_rows(&mut self, batch: Option<&Batch<'_>>) -> Result<(f64, usize)> {
         let HostState { params, grads, .. } = &mut self.state;
         grads.clear();
         let Some(batch) = batch else {
-            return Ok(LocalStep { loss: 0.0, rows: 0 });
+            return Ok((0.0, 0));
         };
         let model = &self.model;
         let out = self.engine.forward(model, params, batch, Mode::Train)?;
@@ -79,17 +85,12 @@ impl<T: Real> SplitStep<T> for CpuTrainer<T> {
         let loss = out
             .loss
             .ok_or_else(|| ExecError::Config("forward pass returned no loss".into()))?;
-        Ok(LocalStep {
-            loss,
-            rows: out.head_vertices.len(),
-        })
+        Ok((loss, out.head_vertices.len()))
     }
 
-    fn reduce_gradients(&mut self, collective: &mut dyn Collective<T>, scale: f64) -> Result<()> {
-        reduce_host_grads(&mut self.state.grads, collective, scale)
-    }
-
-    fn apply_update(&mut self, loss: f64) -> Result<f64> {
+    /// The optimizer step with the gradients in the buffer, reporting
+    /// `loss`; not applied when `loss` or a gradient is not finite.
+    fn update(&mut self, loss: f64) -> Result<f64> {
         let HostState {
             params,
             grads,
@@ -105,6 +106,30 @@ impl<T: Real> SplitStep<T> for CpuTrainer<T> {
         }
         self.engine.apply_running_stats(params)?;
         Ok(loss)
+    }
+}
+
+/// The CPU engine learns which embedding rows it sets only in the backward
+/// pass, so its local step runs both passes.
+impl<T: Real> SplitStep<T> for CpuTrainer<T> {
+    fn local_step(&mut self, batch: Option<&Batch<'_>>) -> Result<LocalStep> {
+        let (loss, rows) = self.gradients_and_rows(batch)?;
+        Ok(LocalStep {
+            loss,
+            rows,
+            row_sets: host_row_sets(&self.state.grads),
+        })
+    }
+
+    fn global_step(
+        &mut self,
+        collective: &mut dyn Collective<T>,
+        _batch: Option<&Batch<'_>>,
+        step: GlobalStep,
+    ) -> Result<Vec<StepOutcome>> {
+        let grads = &mut self.state.grads;
+        reduce_host_grads(grads, collective, step.scale, &step.row_sets)?;
+        Ok(vec![step_outcome(self.update(step.loss))?])
     }
 }
 

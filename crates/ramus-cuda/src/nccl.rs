@@ -13,7 +13,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use cudarc::nccl::result as nccl;
 use cudarc::nccl::sys;
-use ramus_exec::data_parallel::{Collective, GradBuffer, RowSet};
+use ramus_exec::data_parallel::{Collective, GradBuffer};
 use ramus_exec::{ExecError, Result as ExecResult};
 
 use crate::device::CudaDevice;
@@ -319,30 +319,10 @@ impl Collective<f32> for NcclGroup {
         Ok(())
     }
 
-    fn unite_rows(&mut self, sets: Vec<RowSet>) -> ExecResult<Vec<RowSet>> {
-        let mut united = Vec::with_capacity(sets.len());
-        for set in sets {
-            let RowSet::Rows(rows) = set else {
-                united.push(RowSet::Dense);
-                continue;
-            };
-            let run = |g: &mut Self| -> Result<Vec<u32>> {
-                let lens = g.all_gather(&[rows.len() as u32])?;
-                let longest = lens.iter().copied().max().unwrap_or(0) as usize;
-                if longest == 0 {
-                    return Ok(Vec::new());
-                }
-                let mut padded = rows.clone();
-                padded.resize(longest, u32::MAX);
-                let all = g.all_gather(&padded)?;
-                let mut union: Vec<u32> = all.into_iter().filter(|&r| r != u32::MAX).collect();
-                union.sort_unstable();
-                union.dedup();
-                Ok(union)
-            };
-            let union = run(self).map_err(|e| self.failure(e))?;
-            united.push(RowSet::Rows(union));
+    fn gather_words(&mut self, words: &[u32]) -> ExecResult<Vec<u32>> {
+        if words.is_empty() {
+            return Ok(Vec::new());
         }
-        Ok(united)
+        self.all_gather(words).map_err(|e| self.failure(e))
     }
 }

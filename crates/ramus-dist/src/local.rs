@@ -12,14 +12,14 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use ramus_core::Real;
-use ramus_exec::data_parallel::{Collective, GradBuffer, RowSet};
+use ramus_exec::data_parallel::{Collective, GradBuffer};
 use ramus_exec::{ExecError, Result};
 
 /// One rank's contribution to a collective.
 #[derive(Clone, Debug)]
 enum Payload {
     Values(Vec<f64>),
-    Rows(Vec<RowSet>),
+    Words(Vec<u32>),
 }
 
 struct State {
@@ -207,34 +207,20 @@ impl<T: Real> Collective<T> for LocalRank<T> {
         Ok(())
     }
 
-    fn unite_rows(&mut self, sets: Vec<RowSet>) -> Result<Vec<RowSet>> {
-        let n = sets.len();
-        let all = self.gather(Payload::Rows(sets))?;
-        let mut united: Vec<RowSet> = vec![RowSet::Rows(Vec::new()); n];
+    fn gather_words(&mut self, words: &[u32]) -> Result<Vec<u32>> {
+        let n = words.len();
+        let all = self.gather(Payload::Words(words.to_vec()))?;
+        let mut out = Vec::with_capacity(n * all.len());
         for (rank, part) in all.iter().enumerate() {
-            let Payload::Rows(theirs) = part else {
-                return Err(self.failure(format!("rank {rank} called another collective")));
-            };
-            if theirs.len() != n {
-                return Err(self.failure(format!(
-                    "rank {rank} has {} gradient row sets, this rank {n}",
-                    theirs.len()
-                )));
-            }
-            for (u, t) in united.iter_mut().zip(theirs) {
-                match (&mut *u, t) {
-                    (RowSet::Dense, _) => {}
-                    (_, RowSet::Dense) => *u = RowSet::Dense,
-                    (RowSet::Rows(mine), RowSet::Rows(rows)) => mine.extend(rows),
+            match part {
+                Payload::Words(w) if w.len() == n => out.extend(w),
+                _ => {
+                    return Err(self.failure(format!(
+                        "rank {rank} called another collective or gave another number of words"
+                    )))
                 }
             }
         }
-        for u in &mut united {
-            if let RowSet::Rows(rows) = u {
-                rows.sort_unstable();
-                rows.dedup();
-            }
-        }
-        Ok(united)
+        Ok(out)
     }
 }

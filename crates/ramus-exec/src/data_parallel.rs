@@ -6,11 +6,13 @@
 //!
 //! The pieces, each behind a trait so that the wrapper is backend-neutral:
 //!
-//! * [`SplitStep`]: an engine whose training step splits where the
-//!   gradients must meet the other ranks' (forward and backward, then the
-//!   reduction of its gradient buffers, then the update);
-//! * [`Collective`]: what sums buffers and scalars over the ranks (NCCL on
-//!   GPUs, threads of one process in `ramus-dist`'s local group);
+//! * [`SplitStep`]: an engine whose training step splits where it must
+//!   meet the other ranks (the forward pass, then with what every rank's
+//!   said, [`combine`]d, the backward pass, the gradients' sum and the
+//!   update);
+//! * [`Collective`]: what exchanges words and sums buffers and scalars over
+//!   the ranks (NCCL on GPUs, threads of one process in `ramus-dist`'s
+//!   local group);
 //! * [`DataParallel`]: the wrapper, a [`TrainEngine`] around a
 //!   [`SplitStep`] engine, as the swap path wraps the CUDA engine.
 //!
@@ -26,20 +28,34 @@
 //! `DistributedDataParallel`), so models with batch norm see per-rank
 //! statistics in training.
 
+use std::time::{Duration, Instant};
+
 use ramus_core::{Grads, Real};
 
 use crate::batch::{Batch, ForwardOutput, Mode};
-use crate::engine::{step_outcome, StepOutcome, TrainEngine, TrainState};
+use crate::engine::{StepOutcome, TrainEngine, TrainState};
 use crate::error::{ExecError, Result};
 use ramus_core::{HeadRows, Model};
 
-/// A rank's part of one step, before the gradients are reduced: its mean
-/// loss over its head rows, and how many rows that is (0 for a rank with
-/// no graphs in this step).
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// A rank's part of one step after its forward pass: its mean loss over
+/// its head rows, how many rows that is (0 for a rank with no graphs in
+/// this step), and which rows of each gradient its backward pass sets (in
+/// an order of the engine's own, the same on every rank).
+#[derive(Clone, Debug, PartialEq)]
 pub struct LocalStep {
     pub loss: f64,
     pub rows: usize,
+    pub row_sets: Vec<RowSet>,
+}
+
+/// What every rank's [`LocalStep`] makes of a step: the mean loss over all
+/// ranks' head rows, this rank's share of those rows (its gradients'
+/// scale), and each gradient's rows set on any rank.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GlobalStep {
+    pub loss: f64,
+    pub scale: f64,
+    pub row_sets: Vec<RowSet>,
 }
 
 /// A gradient buffer as an engine hands it to a [`Collective`]: in host
@@ -67,9 +83,9 @@ pub enum RowSet {
     Rows(Vec<u32>),
 }
 
-/// Sums over the ranks of a group. Every rank calls the same methods in the
-/// same order (a collective call that one rank skips hangs the others, or,
-/// with a timeout, fails naming the rank).
+/// What the ranks of a group exchange. Every rank calls the same methods in
+/// the same order (a collective call that one rank skips hangs the others,
+/// or, with a timeout, fails naming the rank).
 pub trait Collective<T>: Send {
     /// This rank, `0..world()`.
     fn rank(&self) -> usize;
@@ -77,32 +93,128 @@ pub trait Collective<T>: Send {
     fn world(&self) -> usize;
     /// Replaces every rank's `values` with their sum over the ranks.
     fn sum_scalars(&mut self, values: &mut [f64]) -> Result<()>;
+    /// Every rank's `words` (the same number on every rank), concatenated
+    /// in rank order.
+    fn gather_words(&mut self, words: &[u32]) -> Result<Vec<u32>>;
     /// Replaces every rank's buffers with their element-wise sums over the
     /// ranks, each rank's multiplied by its own `scale` first (`buffers`
     /// in the same order and sizes on every rank).
     fn sum_buffers(&mut self, buffers: Vec<GradBuffer<'_, T>>, scale: f64) -> Result<()>;
-    /// The union over the ranks of each parameter's set rows (dense where
-    /// any rank's gradient is dense).
-    fn unite_rows(&mut self, sets: Vec<RowSet>) -> Result<Vec<RowSet>>;
 }
 
 /// An engine whose training step splits where data parallelism needs it
-/// (see the [module](self) docs). The three calls make one step, in order.
+/// (see the [module](self) docs): a forward pass that says what the step
+/// needs from the other ranks, then the rest of the step with what they
+/// said.
 pub trait SplitStep<T: Real>: TrainEngine<T> {
-    /// Forward and backward on `batch` into the engine's gradient buffers
-    /// (`None`: this rank has no graphs in this step, and its gradients
-    /// are zero).
-    fn local_gradients(&mut self, batch: Option<&Batch<'_>>) -> Result<LocalStep>;
+    /// The forward pass on `batch` (`None`: this rank has no graphs in this
+    /// step), and the backward pass too where the engine learns only then
+    /// which rows its gradients set.
+    fn local_step(&mut self, batch: Option<&Batch<'_>>) -> Result<LocalStep>;
 
-    /// Replaces the gradients with their sums over `collective`'s ranks,
-    /// this rank's scaled by `scale`.
-    fn reduce_gradients(&mut self, collective: &mut dyn Collective<T>, scale: f64) -> Result<()>;
+    /// The rest of the step begun by [`local_step`](Self::local_step) on
+    /// the same `batch`: the gradients, their sums over `collective`'s
+    /// ranks (this rank's scaled by `step.scale`), and the update over
+    /// `step.row_sets`, checking `step.loss`. A step whose loss or a summed
+    /// gradient is not finite is not applied, on every rank alike. Returns
+    /// the outcomes that came back meanwhile (an engine that overlaps steps
+    /// returns each a step later, as [`TrainEngine::submit`] does).
+    fn global_step(
+        &mut self,
+        collective: &mut dyn Collective<T>,
+        batch: Option<&Batch<'_>>,
+        step: GlobalStep,
+    ) -> Result<Vec<StepOutcome>>;
+}
 
-    /// The optimizer step with the reduced gradients, reporting `loss`.
-    /// Not applied (the state stays as it was) when `loss` or a gradient is
-    /// not finite: [`ExecError::NonFinite`], the same on every rank, since
-    /// every rank holds the same sums.
-    fn apply_update(&mut self, loss: f64) -> Result<f64>;
+/// Every rank's [`LocalStep`] combined in (at most) two exchanges of words:
+/// each rank's loss, rows and row-set sizes, then the rows of the sets.
+/// Returns the sum of the ranks' loss × rows, the rows of all ranks, and
+/// each set united over the ranks (dense where any rank's is).
+pub fn combine<T>(
+    collective: &mut dyn Collective<T>,
+    local: &LocalStep,
+) -> Result<(f64, usize, Vec<RowSet>)> {
+    const DENSE: u32 = u32::MAX;
+    let loss_sum = match local.rows {
+        0 => 0.0,
+        rows => local.loss * rows as f64,
+    };
+    let bits = loss_sum.to_bits();
+    let mut header = vec![bits as u32, (bits >> 32) as u32, word(local.rows)?];
+    for set in &local.row_sets {
+        header.push(match set {
+            RowSet::Dense => DENSE,
+            RowSet::Rows(rows) => word(rows.len())?,
+        });
+    }
+    let width = header.len();
+    let all = collective.gather_words(&header)?;
+    if all.len() != width * collective.world() {
+        return Err(ExecError::Config(format!(
+            "data-parallel step: the ranks' steps have other numbers of gradient row sets \
+             ({} words from {} ranks, {width} here)",
+            all.len(),
+            collective.world()
+        )));
+    }
+    let ranks: Vec<&[u32]> = all.chunks(width).collect();
+    let (mut loss, mut rows) = (0.0, 0usize);
+    for r in &ranks {
+        loss += f64::from_bits(r[0] as u64 | (r[1] as u64) << 32);
+        rows += r[2] as usize;
+    }
+    // per set: dense anywhere, or the longest list (the width it is sent at)
+    let sets = local.row_sets.len();
+    let longest: Vec<Option<usize>> = (0..sets)
+        .map(|s| {
+            let lens = ranks.iter().map(|r| r[3 + s]);
+            match lens.clone().any(|l| l == DENSE) {
+                true => None,
+                false => lens.max().map(|l| l as usize),
+            }
+        })
+        .collect();
+    let mut padded = Vec::new();
+    for (set, width) in local.row_sets.iter().zip(&longest) {
+        if let (RowSet::Rows(rows), Some(width)) = (set, width) {
+            padded.extend(rows.iter().copied());
+            padded.resize(padded.len() + width - rows.len(), DENSE);
+        }
+    }
+    let gathered = match padded.is_empty() {
+        true => Vec::new(),
+        false => collective.gather_words(&padded)?,
+    };
+    let stride = padded.len();
+    let mut united = Vec::with_capacity(sets);
+    let mut at = 0;
+    for width in longest {
+        let Some(width) = width else {
+            united.push(RowSet::Dense);
+            continue;
+        };
+        let mut rows: Vec<u32> = (0..collective.world())
+            .flat_map(|r| {
+                gathered[r * stride + at..r * stride + at + width]
+                    .iter()
+                    .copied()
+            })
+            .filter(|&row| row != DENSE)
+            .collect();
+        rows.sort_unstable();
+        rows.dedup();
+        united.push(RowSet::Rows(rows));
+        at += width;
+    }
+    Ok((loss, rows, united))
+}
+
+fn word(n: usize) -> Result<u32> {
+    u32::try_from(n)
+        .ok()
+        .filter(|&w| w != u32::MAX)
+        .ok_or_else(|| ExecError::Config(format!("data-parallel step: {n} rows is too many")))
 }
 
 /// A [`SplitStep`] engine trained data-parallel over a [`Collective`]'s
@@ -111,13 +223,30 @@ pub trait SplitStep<T: Real>: TrainEngine<T> {
 pub struct DataParallel<T, E> {
     engine: E,
     collective: Box<dyn Collective<T>>,
+    timing: PhaseTimes,
+}
+
+/// Where the steps' time went, summed over steps (host wall clock).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PhaseTimes {
+    pub steps: usize,
+    /// The forward passes ([`SplitStep::local_step`]).
+    pub local: Duration,
+    /// The exchanges of losses, rows and row sets ([`combine`]).
+    pub exchange: Duration,
+    /// The rest of the steps ([`SplitStep::global_step`]).
+    pub global: Duration,
 }
 
 impl<T: Real, E: SplitStep<T>> DataParallel<T, E> {
     /// `engine` (a replica holding the same parameters as every other
     /// rank's) trained over `collective`'s ranks.
     pub fn new(engine: E, collective: Box<dyn Collective<T>>) -> Self {
-        DataParallel { engine, collective }
+        DataParallel {
+            engine,
+            collective,
+            timing: PhaseTimes::default(),
+        }
     }
 
     /// This rank and the number of ranks.
@@ -132,24 +261,47 @@ impl<T: Real, E: SplitStep<T>> DataParallel<T, E> {
 
     /// One global step with this rank's shard of it (`None`: no graphs of
     /// this step fell to this rank, as in a short last batch); returns the
-    /// mean loss over the global batch.
-    pub fn step_shard(&mut self, shard: Option<&Batch<'_>>) -> Result<f64> {
-        let local = self.engine.local_gradients(shard)?;
-        let mut sums = [local.loss * local.rows as f64, local.rows as f64];
-        if local.rows == 0 {
-            sums[0] = 0.0;
-        }
-        self.collective.sum_scalars(&mut sums)?;
-        let [loss_sum, rows] = sums;
-        if rows < 1.0 {
+    /// outcomes that came back meanwhile.
+    pub fn step(&mut self, shard: Option<&Batch<'_>>) -> Result<Vec<StepOutcome>> {
+        let started = Instant::now();
+        let local = self.engine.local_step(shard)?;
+        let forward = Instant::now();
+        let (loss_sum, rows, row_sets) = combine(self.collective.as_mut(), &local)?;
+        let exchanged = Instant::now();
+        if rows == 0 {
             return Err(ExecError::Config(
                 "data-parallel step: no rank had a head row in this step".into(),
             ));
         }
-        let scale = local.rows as f64 / rows;
-        self.engine
-            .reduce_gradients(self.collective.as_mut(), scale)?;
-        self.engine.apply_update(loss_sum / rows)
+        let step = GlobalStep {
+            loss: loss_sum / rows as f64,
+            scale: local.rows as f64 / rows as f64,
+            row_sets,
+        };
+        let outcomes = self
+            .engine
+            .global_step(self.collective.as_mut(), shard, step)?;
+        self.timing.steps += 1;
+        self.timing.local += forward - started;
+        self.timing.exchange += exchanged - forward;
+        self.timing.global += exchanged.elapsed();
+        Ok(outcomes)
+    }
+
+    /// [`step`](Self::step), waiting for its outcome: the mean loss over
+    /// the global batch, or [`ExecError::NonFinite`].
+    pub fn step_shard(&mut self, shard: Option<&Batch<'_>>) -> Result<f64> {
+        let mut outcomes = self.step(shard)?;
+        outcomes.extend(self.engine.finish()?);
+        match outcomes.pop() {
+            Some(outcome) => outcome.map_err(Into::into),
+            None => Err(ExecError::Config("the step left no outcome".into())),
+        }
+    }
+
+    /// The phases' times since the last call, and the count starts again.
+    pub fn take_times(&mut self) -> PhaseTimes {
+        std::mem::take(&mut self.timing)
     }
 }
 
@@ -169,10 +321,11 @@ impl<T: Real, E: SplitStep<T>> TrainEngine<T> for DataParallel<T, E> {
         self.engine.forward_rows(batch, mode, rows)
     }
     fn submit(&mut self, batches: &[Batch<'_>]) -> Result<Vec<StepOutcome>> {
-        batches
-            .iter()
-            .map(|b| step_outcome(self.step_shard(Some(b))))
-            .collect()
+        let mut outcomes = Vec::new();
+        for b in batches {
+            outcomes.extend(self.step(Some(b))?);
+        }
+        Ok(outcomes)
     }
     fn finish(&mut self) -> Result<Vec<StepOutcome>> {
         self.engine.finish()
@@ -198,38 +351,51 @@ impl<T: Real, E: SplitStep<T>> TrainEngine<T> for DataParallel<T, E> {
     fn ranks(&self) -> (usize, usize) {
         self.rank()
     }
+    fn timing_report(&mut self) -> Option<String> {
+        let t = self.take_times();
+        let per = |d: Duration| 1e3 * d.as_secs_f64() / t.steps.max(1) as f64;
+        (t.steps > 0).then(|| {
+            format!(
+                "{} ranks, per step: forward {:.2} ms, exchange of losses and rows {:.2} ms, \
+                 backward, gradient sum and update {:.2} ms ({} steps)",
+                self.collective.world(),
+                per(t.local),
+                per(t.exchange),
+                per(t.global),
+                t.steps
+            )
+        })
+    }
     fn sum_over_ranks(&mut self, values: &mut [f64]) -> Result<()> {
         self.collective.sum_scalars(values)
     }
     fn submit_idle(&mut self) -> Result<Vec<StepOutcome>> {
-        Ok(vec![step_outcome(self.step_shard(None))?])
+        self.step(None)
     }
 }
 
-/// [`SplitStep::reduce_gradients`] for gradients held on the host: every
-/// rank's set rows are united (so that each rank's optimizer visits the
-/// same rows), then the trained parameters' gradients, this rank's
-/// scaled by `scale`, are summed over the ranks in reverse declaration
-/// order (the order a backward pass finishes them in); an embedding
-/// table's rows travel packed, not the whole table.
+/// The gradients held on the host summed over the ranks: each set's rows
+/// (`row_sets`, every rank's united by [`combine`], for the trained
+/// parameters in reverse declaration order, as [`host_row_sets`] lists
+/// them) marked, so that every rank's optimizer visits the same rows, then
+/// the gradients, this rank's scaled by `scale`, summed in that order (the
+/// order a backward pass finishes them in); an embedding table's rows
+/// travel packed, not the whole table.
 pub fn reduce_host_grads<T: Real>(
     grads: &mut Grads<T>,
     collective: &mut dyn Collective<T>,
     scale: f64,
+    united: &[RowSet],
 ) -> Result<()> {
-    let trained: Vec<usize> = (0..grads.values.len())
-        .rev()
-        .filter(|&p| !grads.is_buffer(p))
-        .collect();
-    let sets = trained
-        .iter()
-        .map(|&p| match &grads.touched_rows[p] {
-            None => RowSet::Dense,
-            Some(rows) => RowSet::Rows(rows.clone()),
-        })
-        .collect();
-    let united = collective.unite_rows(sets)?;
-    for (&p, set) in trained.iter().zip(&united) {
+    let trained = trained_params(grads);
+    if united.len() != trained.len() {
+        return Err(ExecError::Config(format!(
+            "{} gradient row sets for {} trained parameters",
+            united.len(),
+            trained.len()
+        )));
+    }
+    for (&p, set) in trained.iter().zip(united) {
         match set {
             RowSet::Dense => grads.mark_dense(p),
             RowSet::Rows(rows) => rows.iter().for_each(|&r| grads.mark_row(p, r)),
@@ -238,7 +404,7 @@ pub fn reduce_host_grads<T: Real>(
     grads.finish_rows();
     // rows of embedding tables, packed in `trained` order
     let mut packed: Vec<Vec<T>> = Vec::new();
-    for (&p, set) in trained.iter().zip(&united) {
+    for (&p, set) in trained.iter().zip(united) {
         if let RowSet::Rows(rows) = set {
             let w = grads.row_width(p);
             let data = grads.values[p].data();
@@ -258,7 +424,7 @@ pub fn reduce_host_grads<T: Real>(
             .collect();
         let mut rows = packed.iter_mut();
         let mut buffers = Vec::with_capacity(trained.len());
-        for (&p, set) in trained.iter().zip(&united) {
+        for (&p, set) in trained.iter().zip(united) {
             let buffer = match set {
                 RowSet::Dense => dense[p].take(),
                 RowSet::Rows(_) => rows.next().map(|v| v.as_mut_slice()),
@@ -270,7 +436,7 @@ pub fn reduce_host_grads<T: Real>(
         collective.sum_buffers(buffers, scale)?;
     }
     let mut rows = packed.into_iter();
-    for (&p, set) in trained.iter().zip(&united) {
+    for (&p, set) in trained.iter().zip(united) {
         if let RowSet::Rows(set_rows) = set {
             let w = grads.row_width(p);
             let summed = rows.next().unwrap_or_default();
@@ -282,4 +448,24 @@ pub fn reduce_host_grads<T: Real>(
         }
     }
     Ok(())
+}
+
+/// The trained parameters, in reverse declaration order.
+fn trained_params<T: Real>(grads: &Grads<T>) -> Vec<usize> {
+    (0..grads.values.len())
+        .rev()
+        .filter(|&p| !grads.is_buffer(p))
+        .collect()
+}
+
+/// The rows each trained parameter's gradient sets, in the order
+/// [`reduce_host_grads`] takes them.
+pub fn host_row_sets<T: Real>(grads: &Grads<T>) -> Vec<RowSet> {
+    trained_params(grads)
+        .into_iter()
+        .map(|p| match &grads.touched_rows[p] {
+            None => RowSet::Dense,
+            Some(rows) => RowSet::Rows(rows.clone()),
+        })
+        .collect()
 }

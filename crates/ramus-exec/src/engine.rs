@@ -198,6 +198,13 @@ pub trait TrainEngine<T: Real> {
         None
     }
 
+    /// One line on where the training steps' time went since the last
+    /// call, for logs (and the count starts again); `None` when the engine
+    /// does not measure it.
+    fn timing_report(&mut self) -> Option<String> {
+        None
+    }
+
     /// This engine's rank and the number of ranks training together
     /// (data parallelism, see [`crate::data_parallel`]); `(0, 1)` alone.
     fn ranks(&self) -> (usize, usize) {

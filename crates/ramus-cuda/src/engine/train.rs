@@ -377,9 +377,9 @@ impl From<CudaError> for ramus_exec::ExecError {
 }
 
 /// What a data-parallel step keeps between its calls (`engine/split.rs`):
-/// the rows of each row-gradient table this rank touched (then every
-/// rank's), and whether the gradients have been reduced.
+/// the rows of each row-gradient table this rank touches, and the outcome
+/// of the step before, which came back with this step's loss.
 pub(crate) struct SplitPending {
     pub(crate) rows: Vec<(usize, Vec<u32>)>,
-    pub(crate) reduced: bool,
+    pub(crate) previous: Option<ramus_exec::StepOutcome>,
 }
