@@ -100,6 +100,11 @@ pub(crate) struct TrainArgs {
     /// reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
     #[arg(long, default_value_t = 1)]
     pub(crate) gpus: usize,
+    /// On several GPUs: seconds a worker waits for the others at a step
+    /// before it gives up with an error (a worker that died or hangs), and
+    /// the rendezvous's wait for every worker to start.
+    #[arg(long, default_value_t = 600.0)]
+    pub(crate) dist_timeout: f64,
     /// sgd, adagrad or adam [default: adagrad; adam for the CNNs].
     #[arg(long)]
     pub(crate) optimizer: Option<String>,

@@ -23,8 +23,6 @@ use crate::device::{Device, TrainEngineChoice};
 use crate::output::noteln;
 use crate::result::AnyResult;
 
-/// How long the rendezvous waits for every rank.
-const RENDEZVOUS: Duration = Duration::from_secs(300);
 /// How long the other workers get to stop after one failed.
 const GRACE: Duration = Duration::from_secs(5);
 
@@ -157,6 +155,14 @@ fn nccl_library_path() -> AnyResult<Option<String>> {
     Ok(Some(format!("{}:{rest}", dir.display())))
 }
 
+/// `--dist-timeout` as a duration; refuses one no one can mean.
+pub(crate) fn timeout(seconds: f64) -> AnyResult<Duration> {
+    if !(seconds.is_finite() && seconds >= 1.0) {
+        return Err(format!("--dist-timeout must be at least 1 second, got {seconds}").into());
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
 /// What a worker trains with.
 pub(crate) struct WorkerEngine<'a> {
     pub world: &'a World,
@@ -164,6 +170,8 @@ pub(crate) struct WorkerEngine<'a> {
     pub choice: TrainEngineChoice,
     pub swapping: bool,
     pub budget: Option<u64>,
+    /// `--dist-timeout`.
+    pub timeout: Duration,
 }
 
 /// The batched CUDA engine on GPU `LOCAL_RANK`, joined to the other ranks
@@ -200,13 +208,14 @@ pub(crate) fn engine(
                 Vec::new()
             }
         },
-        RENDEZVOUS,
+        w.timeout,
     )
     .map_err(|e| rank(e.to_string()))?;
     if let Some(e) = made {
         return Err(rank(e).into());
     }
-    let group = NcclGroup::join(trainer.device(), world.rank, world.size, &id)
+    let mut group = NcclGroup::join(trainer.device(), world.rank, world.size, &id)
         .map_err(|e| rank(e.to_string()))?;
+    group.watch(w.timeout);
     Ok(Box::new(DataParallel::new(trainer, Box::new(group))))
 }

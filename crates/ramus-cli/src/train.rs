@@ -331,6 +331,7 @@ fn training_engine(
             choice,
             swapping: swap != ramus_cuda::SwapMode::Off,
             budget,
+            timeout: distributed::timeout(a.dist_timeout)?,
         };
         return distributed::engine(w, (params, oc));
     }
@@ -539,6 +540,7 @@ impl Run<'_> {
 
 /// `ramus train`.
 pub fn run(a: TrainArgs) -> AnyResult {
+    distributed::timeout(a.dist_timeout)?;
     if distributed::launch(a.gpus, a.device)? {
         return Ok(());
     }

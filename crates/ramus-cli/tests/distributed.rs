@@ -64,3 +64,12 @@ fn gpus_that_contradict_the_launcher_are_refused() {
     let line = error_line(&o, &["--gpus 2", "4 ranks"]);
     assert!(!stderr(&o).contains("panicked"), "{line}");
 }
+
+#[test]
+fn a_timeout_no_one_can_mean_is_refused() {
+    let o = train_with_env(
+        &["--gpus", "2", "--dist-timeout", "0", "--epochs", "1"],
+        &[],
+    );
+    error_line(&o, &["--dist-timeout", "at least 1 second"]);
+}

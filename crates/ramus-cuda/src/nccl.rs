@@ -8,7 +8,9 @@
 //! missing `libnccl` into one line naming the names looked for and the
 //! places a pip-installed NCCL lives.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaStream;
 use cudarc::nccl::result as nccl;
@@ -113,7 +115,43 @@ pub struct NcclGroup {
     staging: PinnedBuffer,
     pool: Arc<DevicePool>,
     scratch: Option<PoolBuffer<u32>>,
+    watch: Arc<Watch>,
+    watchdog: Option<std::thread::JoinHandle<()>>,
 }
+
+/// What the group and its watchdog share: when a collective last
+/// finished, and why the watchdog aborted the communicator.
+struct Watch {
+    started: Instant,
+    /// Milliseconds from `started` to the last collective that finished.
+    beat_ms: AtomicU64,
+    /// Set (with the reason) once the communicator is aborted.
+    aborted: Mutex<Option<String>>,
+    stop: AtomicBool,
+}
+
+impl Watch {
+    fn beat(&self) {
+        let ms = self.started.elapsed().as_millis() as u64;
+        self.beat_ms.store(ms, Ordering::Relaxed);
+    }
+
+    fn idle(&self) -> Duration {
+        let now = self.started.elapsed().as_millis() as u64;
+        Duration::from_millis(now.saturating_sub(self.beat_ms.load(Ordering::Relaxed)))
+    }
+
+    fn reason(&self) -> Option<String> {
+        self.aborted.lock().ok().and_then(|r| r.clone())
+    }
+}
+
+/// The communicator handle, moved into the watchdog's thread.
+struct CommHandle(sys::ncclComm_t);
+
+// SAFETY: the watchdog only polls the communicator's asynchronous error and
+// aborts it, which NCCL allows from another thread while collectives run.
+unsafe impl Send for CommHandle {}
 
 // SAFETY: the communicator is used by one thread at a time (the rank's
 // training loop owns the group); NCCL communicators may move between
@@ -158,11 +196,78 @@ impl NcclGroup {
             staging: PinnedBuffer::new(device)?,
             pool: DevicePool::new(device, PoolConfig::default()),
             scratch: None,
+            watch: Arc::new(Watch {
+                started: Instant::now(),
+                beat_ms: AtomicU64::new(0),
+                aborted: Mutex::new(None),
+                stop: AtomicBool::new(false),
+            }),
+            watchdog: None,
         })
     }
 
+    /// Watches the communicator from a thread of its own: when NCCL reports
+    /// an asynchronous error (a rank died, the network broke) or no
+    /// collective has finished for `timeout` (a rank hangs), it aborts the
+    /// communicator, which ends the kernels waiting on it, says why on
+    /// standard error, and every later call of this group fails with the
+    /// reason. So no rank waits for ever.
+    pub fn watch(&mut self, timeout: Duration) {
+        let watch = self.watch.clone();
+        watch.beat();
+        let comm = CommHandle(self.comm);
+        let (rank, world) = (self.rank, self.world);
+        let poll = (timeout / 20).clamp(Duration::from_millis(50), Duration::from_secs(1));
+        self.watchdog = Some(std::thread::spawn(move || {
+            let comm = comm;
+            while !watch.stop.load(Ordering::Relaxed) {
+                std::thread::sleep(poll);
+                let mut error = sys::ncclResult_t::ncclSuccess;
+                // SAFETY: reads the communicator's asynchronous error; the
+                // communicator lives until the group's drop joins this thread.
+                unsafe { sys::ncclCommGetAsyncError(comm.0, &mut error) };
+                let why = if error != sys::ncclResult_t::ncclSuccess {
+                    format!("NCCL reports {error:?} (a rank failed or the network broke)")
+                } else if watch.idle() > timeout {
+                    format!(
+                        "no collective finished for {:.0} s (--dist-timeout): another rank \
+                         failed or hangs",
+                        timeout.as_secs_f64()
+                    )
+                } else {
+                    continue;
+                };
+                let why = format!("NCCL rank {rank} of {world}: {why}; communicator aborted");
+                eprintln!("{why}");
+                if let Ok(mut aborted) = watch.aborted.lock() {
+                    *aborted = Some(why);
+                }
+                // SAFETY: aborting ends this rank's NCCL kernels; the group
+                // no longer uses the communicator (its calls check
+                // `aborted` first, its drop does not abort it again).
+                unsafe {
+                    let _ = nccl::comm_abort(comm.0);
+                }
+                return;
+            }
+        }));
+    }
+
+    /// Fails with the watchdog's reason once it aborted the communicator.
+    fn check(&self) -> ExecResult<()> {
+        match self.watch.reason() {
+            Some(why) => Err(ExecError::Device(why)),
+            None => Ok(()),
+        }
+    }
+
+    /// The error of a failed call: the watchdog's reason when it aborted
+    /// the communicator (the call failed because of it), else `e`.
     fn failure(&self, e: CudaError) -> ExecError {
-        ExecError::Device(format!("NCCL rank {} of {}: {e}", self.rank, self.world))
+        match self.watch.reason() {
+            Some(why) => ExecError::Device(why),
+            None => ExecError::Device(format!("NCCL rank {} of {}: {e}", self.rank, self.world)),
+        }
     }
 
     /// `words` u32 words of scratch device memory.
@@ -258,6 +363,13 @@ fn to_int(n: usize) -> Result<std::ffi::c_int> {
 
 impl Drop for NcclGroup {
     fn drop(&mut self) {
+        self.watch.stop.store(true, Ordering::Relaxed);
+        if let Some(watchdog) = self.watchdog.take() {
+            let _ = watchdog.join();
+        }
+        if self.watch.reason().is_some() {
+            return; // the watchdog aborted it
+        }
         // SAFETY: the communicator was initialised in `join` and is not
         // used after this; abort also ends collectives a failed rank left.
         unsafe {
@@ -276,6 +388,7 @@ impl Collective<f32> for NcclGroup {
     }
 
     fn sum_scalars(&mut self, values: &mut [f64]) -> ExecResult<()> {
+        self.check()?;
         let words: Vec<u32> = values
             .iter()
             .flat_map(|v| {
@@ -298,10 +411,13 @@ impl Collective<f32> for NcclGroup {
         for (v, pair) in values.iter_mut().zip(summed.chunks(2)) {
             *v = f64::from_bits(pair[0] as u64 | (pair[1] as u64) << 32);
         }
+        self.check()?;
+        self.watch.beat();
         Ok(())
     }
 
     fn sum_buffers(&mut self, buffers: Vec<GradBuffer<'_, f32>>, scale: f64) -> ExecResult<()> {
+        self.check()?;
         for b in buffers {
             let GradBuffer::Device(d) = b else {
                 return Err(self.failure(CudaError::Nccl(
@@ -320,9 +436,13 @@ impl Collective<f32> for NcclGroup {
     }
 
     fn gather_words(&mut self, words: &[u32]) -> ExecResult<Vec<u32>> {
+        self.check()?;
         if words.is_empty() {
             return Ok(Vec::new());
         }
-        self.all_gather(words).map_err(|e| self.failure(e))
+        let all = self.all_gather(words).map_err(|e| self.failure(e))?;
+        self.check()?;
+        self.watch.beat();
+        Ok(all)
     }
 }

@@ -19,7 +19,7 @@ use ramus_cuda::nccl::{check_library, new_id, NcclGroup};
 use ramus_cuda::{CudaDevice, CudaEngine, CudaEngineOptions, CudaTrainer};
 use ramus_dist::rendezvous::exchange_id;
 use ramus_dist::{Shard, World};
-use ramus_exec::data_parallel::DataParallel;
+use ramus_exec::data_parallel::{Collective, DataParallel};
 use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine};
 use ramus_graph::InputGraph;
 
@@ -90,7 +90,8 @@ fn flat(state: &ramus_exec::TrainState<f32>) -> Vec<f32> {
 }
 
 /// Child role: rank `RANK` of `WORLD` on GPU `RANK`, trains its shards and
-/// writes its parameters and losses.
+/// writes its parameters and losses; with kind `hang`, rank 0 waits on a
+/// collective that rank 1 never joins and writes the error it gets.
 #[test]
 fn child_role() {
     let Ok(role) = std::env::var(ROLE) else {
@@ -111,6 +112,20 @@ fn child_role() {
         master_port: port,
     };
     let id = exchange_id(&w, || new_id().unwrap(), Duration::from_secs(60)).unwrap();
+    if kind == "hang" {
+        let device = CudaDevice::open(rank).unwrap();
+        let mut group = NcclGroup::join(&device, rank, world, &id).unwrap();
+        group.watch(Duration::from_secs(3));
+        if rank > 0 {
+            std::thread::sleep(Duration::from_secs(120));
+            return;
+        }
+        let started = std::time::Instant::now();
+        let err = group.sum_scalars(&mut [1.0]).unwrap_err();
+        let took = started.elapsed().as_secs_f64();
+        std::fs::write(&out, format!("{took:.1} {err}")).unwrap();
+        return;
+    }
     let (case, order) = case();
     let trainer = trainer(&case, rank, kind);
     let group = NcclGroup::join(trainer.device(), rank, world, &id).unwrap();
@@ -211,6 +226,50 @@ fn check(world: usize, kind: &str) {
             at += w.len();
         }
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A rank that never reaches a collective: the other's watchdog aborts the
+/// communicator after its timeout and the waiting call fails, saying why.
+#[test]
+fn a_hung_rank_is_given_up_on_after_the_timeout() {
+    if !ready(2) {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ramus-dp-hang-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut children: Vec<_> = (0..2)
+        .map(|r| {
+            Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "child_role", "--nocapture", "--test-threads=1"])
+                .env(
+                    ROLE,
+                    format!("{r} 2 {port} hang {}", dir.join(format!("{r}")).display()),
+                )
+                .env("NCCL_NVLS_ENABLE", "0")
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let zero = children[0].wait().unwrap();
+    let _ = children[1].kill();
+    let _ = children[1].wait();
+    assert!(zero.success(), "rank 0: {zero}");
+    let report = std::fs::read_to_string(dir.join("0")).unwrap();
+    let took: f64 = report.split(' ').next().unwrap().parse().unwrap();
+    assert!(
+        report.contains("no collective finished for 3 s"),
+        "rank 0 reported: {report}"
+    );
+    assert!(
+        (2.5..20.0).contains(&took),
+        "gave up after {took} s: {report}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
