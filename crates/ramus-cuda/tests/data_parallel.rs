@@ -160,10 +160,19 @@ fn ready(world: usize) -> bool {
 }
 
 fn check(world: usize, kind: &str) {
+    check_with(world, kind, &[]);
+}
+
+/// [`check`] with `env` set in every rank's process.
+fn check_with(world: usize, kind: &str, env: &[(&str, &str)]) {
     if !ready(world) {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ramus-dp-{}-{world}-{kind}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "ramus-dp-{}-{world}-{kind}-{}",
+        std::process::id(),
+        env.len()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -182,6 +191,7 @@ fn check(world: usize, kind: &str) {
                     ),
                 )
                 .env("NCCL_NVLS_ENABLE", "0")
+                .envs(env.iter().copied())
                 .spawn()
                 .unwrap()
         })
@@ -277,6 +287,14 @@ fn a_hung_rank_is_given_up_on_after_the_timeout() {
 fn two_gpus_train_as_one_with_twice_the_batch() {
     check(2, "sgd");
     check(2, "adam");
+}
+
+/// Two machines simulated on one: NCCL kept off NVLink and shared memory,
+/// so the ranks talk over its socket transport as across a network.
+#[test]
+fn two_gpus_over_sockets_train_as_one() {
+    let sockets = [("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")];
+    check_with(2, "adam", &sockets);
 }
 
 #[test]
