@@ -6,7 +6,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, Command};
 use std::time::Duration;
 
 use rand::seq::SliceRandom;
@@ -144,6 +144,28 @@ fn child_role() {
     save(&out, &flat(&dp.state().unwrap()), &losses);
 }
 
+/// `world` ranks of this test binary in the child role, writing to
+/// `dir/RANK`, with `env` set in each.
+fn spawn_ranks(world: usize, kind: &str, dir: &Path, env: &[(&str, &str)]) -> Vec<Child> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    (0..world)
+        .map(|r| {
+            let out = dir.join(r.to_string());
+            Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "child_role", "--nocapture", "--test-threads=1"])
+                .env(ROLE, format!("{r} {world} {port} {kind} {}", out.display()))
+                .env("NCCL_NVLS_ENABLE", "0")
+                .envs(env.iter().copied())
+                .spawn()
+                .unwrap()
+        })
+        .collect()
+}
+
 fn ready(world: usize) -> bool {
     if !common::cuda_ready("skipping data-parallel tests") {
         return false;
@@ -174,28 +196,7 @@ fn check_with(world: usize, kind: &str, env: &[(&str, &str)]) {
         env.len()
     ));
     std::fs::create_dir_all(&dir).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let children: Vec<_> = (0..world)
-        .map(|r| {
-            Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", "child_role", "--nocapture", "--test-threads=1"])
-                .env(
-                    ROLE,
-                    format!(
-                        "{r} {world} {port} {kind} {}",
-                        dir.join(format!("{r}")).display()
-                    ),
-                )
-                .env("NCCL_NVLS_ENABLE", "0")
-                .envs(env.iter().copied())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
+    let children = spawn_ranks(world, kind, &dir, env);
     for (r, mut c) in children.into_iter().enumerate() {
         let status = c.wait().unwrap();
         assert!(status.success(), "rank {r} of {world} failed: {status}");
@@ -248,24 +249,7 @@ fn a_hung_rank_is_given_up_on_after_the_timeout() {
     }
     let dir = std::env::temp_dir().join(format!("ramus-dp-hang-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let mut children: Vec<_> = (0..2)
-        .map(|r| {
-            Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", "child_role", "--nocapture", "--test-threads=1"])
-                .env(
-                    ROLE,
-                    format!("{r} 2 {port} hang {}", dir.join(format!("{r}")).display()),
-                )
-                .env("NCCL_NVLS_ENABLE", "0")
-                .spawn()
-                .unwrap()
-        })
-        .collect();
+    let mut children = spawn_ranks(2, "hang", &dir, &[]);
     let zero = children[0].wait().unwrap();
     let _ = children[1].kill();
     let _ = children[1].wait();

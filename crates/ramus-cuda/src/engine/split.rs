@@ -10,10 +10,10 @@
 use ramus_exec::data_parallel::{
     Collective, DeviceBuffer, GlobalStep, GradBuffer, LocalStep, RowSet, SplitStep,
 };
-use ramus_exec::{Batch, ExecError, Mode, Result, StepOutcome};
+use ramus_exec::{Batch, ExecError, Result, StepOutcome};
 
 use super::train::SplitPending;
-use super::{model_err, CudaTrainer};
+use super::CudaTrainer;
 use crate::pool::DeviceView;
 
 impl SplitStep<f32> for CudaTrainer {
@@ -25,15 +25,8 @@ impl SplitStep<f32> for CudaTrainer {
         e.keep_buffers(model, config)?;
         let (loss, rows, lists) = match batch {
             Some(batch) => {
-                e.track_running_stats = true;
-                let out = e.forward_pass(model, params, batch, Mode::Train, model.head.rows);
-                e.track_running_stats = false;
-                let out = out?;
-                let loss = out
-                    .loss
-                    .ok_or_else(|| model_err("forward pass returned no loss"))?;
-                let lists = e.touched_row_lists(model, &batch.schedule);
-                (loss, out.head_vertices.len(), lists)
+                let (loss, rows) = e.train_forward(model, params, batch)?;
+                (loss, rows, e.touched_row_lists(model, &batch.schedule))
             }
             None => {
                 // nothing ran: wait for the last step, whose status is read next

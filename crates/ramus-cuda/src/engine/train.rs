@@ -125,13 +125,7 @@ impl CudaEngine {
         self.sync_params(model, params)?;
         let stream = self.device.stream().clone();
         self.keep_buffers(model, config)?;
-        self.track_running_stats = true;
-        let out = self.forward_pass(model, params, batch, Mode::Train, model.head.rows);
-        self.track_running_stats = false;
-        let out = out?;
-        let loss = out
-            .loss
-            .ok_or_else(|| model_err("forward pass returned no loss"))?;
+        let (loss, _) = self.train_forward(model, params, batch)?;
         let previous = self.settle_step()?;
         let loss_view = self.loss_view(model)?;
         self.backward_on_device(model, params, batch)?;
@@ -148,6 +142,24 @@ impl CudaEngine {
         }
         self.step_submitted(params, loss);
         Ok(previous)
+    }
+
+    /// A training step's forward pass (its running statistics kept for the
+    /// update): the loss and the head rows.
+    pub(crate) fn train_forward(
+        &mut self,
+        model: &Model,
+        params: &Params<f32>,
+        batch: &Batch<'_>,
+    ) -> Result<(f64, usize)> {
+        self.track_running_stats = true;
+        let out = self.forward_pass(model, params, batch, Mode::Train, model.head.rows);
+        self.track_running_stats = false;
+        let out = out?;
+        let loss = out
+            .loss
+            .ok_or_else(|| model_err("forward pass returned no loss"))?;
+        Ok((loss, out.head_vertices.len()))
     }
 
     /// Before a training step's forward pass: keeps a copy of the buffers
