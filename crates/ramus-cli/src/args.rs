@@ -155,6 +155,14 @@ pub(crate) struct TrainArgs {
     /// No progress bars (log lines only).
     #[arg(long)]
     pub(crate) quiet: bool,
+    /// Write the run's configuration (DIR/config.json) and its metrics, one
+    /// JSON object a line (DIR/metrics.jsonl: every epoch, the test
+    /// evaluation, and every --log-every batches); a resumed run appends.
+    #[arg(long)]
+    pub(crate) log_dir: Option<PathBuf>,
+    /// With --log-dir: also log the loss every N batches.
+    #[arg(long)]
+    pub(crate) log_every: Option<usize>,
     /// Where to run: cpu or cuda.
     #[arg(long, default_value = "cpu")]
     pub(crate) device: device::Device,

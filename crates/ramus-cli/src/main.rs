@@ -12,6 +12,7 @@ mod infer;
 mod infer_engine;
 mod labels;
 mod limits;
+mod metrics;
 mod model_build;
 mod output;
 mod plan_memory;

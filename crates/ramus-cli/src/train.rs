@@ -22,9 +22,11 @@ use ramus_graph::BatchingPolicy;
 use ramus_nn::resume::{self, Best, RunState};
 use ramus_nn::train::{shuffled_order, Pauses, Span, SpanEnd};
 use ramus_nn::{checkpoint, DataKind, EvalResult, ModelConfig, ModelOptions, Trainer};
+use serde_json::json;
 
 use crate::args::TrainArgs;
 use crate::data::Splits;
+use crate::metrics::{finite, RunLog};
 use crate::model_build::{build, loss_rows};
 use crate::output::logln;
 use crate::result::AnyResult;
@@ -123,6 +125,8 @@ struct Setup {
     kind: DataKind,
     data: Splits,
     trainer: Trainer<f32>,
+    /// The learning rate (the flag's or the model kind's default).
+    lr: f64,
     /// The state the run starts from (fresh, or the checkpoint's).
     run: RunState,
     best: Option<Params<f32>>,
@@ -279,6 +283,7 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>, world: Option<&World>) -> Any
         kind,
         data,
         trainer,
+        lr,
         run,
         best,
     })
@@ -388,6 +393,7 @@ struct Run<'a> {
     s: Setup,
     paths: Option<CheckpointPaths>,
     stop: Option<Arc<AtomicBool>>,
+    log: Option<RunLog>,
 }
 
 impl Run<'_> {
@@ -457,6 +463,8 @@ impl Run<'_> {
             requested: &requested,
         };
         let seen_before = self.s.run.progress.graphs;
+        let lr = self.s.lr;
+        let mut log_failed: Option<String> = None;
         loop {
             let span = Span {
                 data: &self.s.data.train,
@@ -467,11 +475,21 @@ impl Run<'_> {
                 &span,
                 &mut self.s.run.progress,
                 &pauses,
-                |_, seen, loss| {
+                |batch, seen, loss| {
                     bar.set_position(seen as u64);
                     bar.set_message(format!("{loss:.4}"));
+                    if let Some(log) = self.log.as_mut().filter(|l| l.logs_step(batch)) {
+                        let step = json!({"epoch": epoch, "batch": batch, "graphs": seen,
+                            "loss": finite(loss), "lr": lr});
+                        if let Err(e) = log.record("step", step) {
+                            log_failed.get_or_insert(e.to_string());
+                        }
+                    }
                 },
             );
+            if let Some(e) = log_failed.take() {
+                return Err(e.into());
+            }
             let end = end.map_err(|e| format!("epoch {epoch}: {e}"))?;
             match end {
                 SpanEnd::EpochDone => break,
@@ -499,13 +517,24 @@ impl Run<'_> {
     fn end_epoch(&mut self, epoch: usize, loss: f64, per_sec: f64) -> AnyResult {
         let kind = self.s.kind;
         let trainer = &mut self.s.trainer;
-        if let Some(report) = trainer.engine.memory_report() {
-            logln!("  {report}");
-        }
-        if let Some(report) = trainer.engine.timing_report() {
+        let reports = [
+            trainer.engine.memory_report(),
+            trainer.engine.timing_report(),
+        ];
+        for report in reports.iter().flatten() {
             logln!("  {report}");
         }
         let dev = trainer.evaluate(&self.s.data.dev, 64)?;
+        if let Some(log) = &mut self.log {
+            let [memory, timing] = reports;
+            let record = json!({"epoch": epoch, "train_loss": finite(loss),
+                "dev_loss": finite(dev.loss), "dev_root_accuracy": dev.root_accuracy,
+                "dev_node_accuracy": dev.node_accuracy, "graphs_per_s": finite(per_sec),
+                "lr": self.s.lr, "skipped": self.s.run.progress.skipped,
+                "device_memory_room": trainer.engine.device_memory_room(),
+                "memory": memory, "timing": timing});
+            log.record("epoch", record)?;
+        }
         logln!(
             "epoch {epoch}: train loss {loss:.4} | dev loss {:.4} {} | {:.0} {}/s{}",
             dev.loss,
@@ -555,6 +584,15 @@ pub fn run(a: TrainArgs) -> AnyResult {
     if a.checkpoint_every == Some(0) {
         return Err("--checkpoint-every must be at least 1".into());
     }
+    match (&a.log_dir, a.log_every) {
+        (_, Some(0)) => return Err("--log-every must be at least 1".into()),
+        (None, Some(_)) => return Err("--log-every logs into --log-dir: give --log-dir DIR".into()),
+        // a directory that cannot be made fails before any work
+        (Some(dir), _) => {
+            std::fs::create_dir_all(dir).map_err(|e| format!("--log-dir {}: {e}", dir.display()))?
+        }
+        (None, None) => {}
+    }
     // only rank 0 writes checkpoints
     let paths = match &world {
         Some(w) if w.rank > 0 => None,
@@ -578,11 +616,17 @@ pub fn run(a: TrainArgs) -> AnyResult {
         ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {per_sec} loss {msg}")
             .map_err(|e| e.to_string())?
             .progress_chars("=> ");
+    let log = match (&a.log_dir, &world) {
+        (Some(_), Some(w)) if w.rank > 0 => None,
+        (Some(dir), _) => Some(RunLog::open(dir, &log_config(&setup)?, a.log_every)?),
+        (None, _) => None,
+    };
     let mut run = Run {
         a: &a,
         s: setup,
         paths,
         stop,
+        log,
     };
     for epoch in run.s.run.epochs_done + 1..=a.epochs {
         if !run.epoch(epoch, &style)? {
@@ -594,16 +638,40 @@ pub fn run(a: TrainArgs) -> AnyResult {
         }
     }
     let saves = world.is_none_or(|w| w.rank == 0);
-    finish(&a, run.s, started, saves)
+    finish(&a, run.s, (started, saves), run.log)
+}
+
+/// What `config.json` of `--log-dir` records: the command's flags (as
+/// typed or defaulted) and what they came to.
+fn log_config(s: &Setup) -> AnyResult<serde_json::Value> {
+    let (rank, ranks) = s.trainer.engine.ranks();
+    Ok(json!({
+        "flags": run_config::current()?,
+        "model": s.trainer.model().name,
+        "parameters": s.trainer.model().params.iter().map(|p| p.shape.iter().product::<usize>()).sum::<usize>(),
+        "engine": s.trainer.engine.name(),
+        "ranks": ranks,
+        "rank": rank,
+        "data": s.data.source,
+        "graphs": {"train": s.data.train.len(), "dev": s.data.dev.len(), "test": s.data.test.len()},
+        "lr": s.lr,
+        "ramus": env!("CARGO_PKG_VERSION"),
+    }))
 }
 
 /// Puts the best dev epoch's parameters in place, evaluates on test and
 /// saves.
-fn finish(a: &TrainArgs, s: Setup, started: Instant, saves: bool) -> AnyResult {
+fn finish(
+    a: &TrainArgs,
+    s: Setup,
+    (started, saves): (Instant, bool),
+    mut log: Option<RunLog>,
+) -> AnyResult {
     let Setup {
         kind,
         data,
         mut trainer,
+        lr: _,
         run,
         best,
     } = s;
@@ -624,6 +692,12 @@ fn finish(a: &TrainArgs, s: Setup, started: Instant, saves: bool) -> AnyResult {
         trainer.engine.restore(TrainState { params, ..state })?;
     }
     let test = trainer.evaluate(&data.test, 64)?;
+    if let Some(log) = &mut log {
+        let record = json!({"test_loss": finite(test.loss),
+            "test_root_accuracy": test.root_accuracy, "test_node_accuracy": test.node_accuracy,
+            "graphs": test.graphs, "seconds": started.elapsed().as_secs_f64()});
+        log.record("test", record)?;
+    }
     logln!(
         "test: loss {:.4} {} ({} {}) | trained in {:.1} s",
         test.loss,
