@@ -90,6 +90,11 @@ pub(crate) struct TrainArgs {
     pub(crate) structure: structure::StructureArgs,
     #[arg(long, default_value_t = 5)]
     pub(crate) epochs: usize,
+    /// Stop early once this many epochs have passed without a better dev
+    /// accuracy (the test and the saved model then use the best epoch's
+    /// parameters, as always).
+    #[arg(long)]
+    pub(crate) patience: Option<usize>,
     /// Graphs a batch (on several GPUs: a batch per GPU, so a step sees
     /// `--gpus` times as many).
     #[arg(long, default_value_t = 25)]

@@ -415,6 +415,28 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// With `--patience P`: whether `P` epochs have passed since the best
+    /// dev epoch (which the run state keeps, so a resumed run counts on),
+    /// said in the log and the metrics.
+    fn patience_ran_out(&mut self, epoch: usize) -> AnyResult<bool> {
+        let (Some(patience), Some(best)) = (self.a.patience, self.s.run.best) else {
+            return Ok(false);
+        };
+        if epoch < best.epoch + patience || epoch == self.a.epochs {
+            return Ok(false);
+        }
+        logln!(
+            "early stop after epoch {epoch}: no better dev accuracy for {patience} epoch(s) \
+             (best: epoch {})",
+            best.epoch
+        );
+        if let Some(log) = &mut self.log {
+            let record = json!({"epoch": epoch, "best_epoch": best.epoch, "patience": patience});
+            log.record("early_stop", record)?;
+        }
+        Ok(true)
+    }
+
     fn stopping(&self) -> bool {
         self.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst))
     }
@@ -584,6 +606,9 @@ pub fn run(a: TrainArgs) -> AnyResult {
     if a.checkpoint_every == Some(0) {
         return Err("--checkpoint-every must be at least 1".into());
     }
+    if a.patience == Some(0) {
+        return Err("--patience must be at least 1 epoch".into());
+    }
     match (&a.log_dir, a.log_every) {
         (_, Some(0)) => return Err("--log-every must be at least 1".into()),
         (None, Some(_)) => return Err("--log-every logs into --log-dir: give --log-dir DIR".into()),
@@ -635,6 +660,9 @@ pub fn run(a: TrainArgs) -> AnyResult {
         run.save_last()?;
         if run.stopping() {
             return run.stopped();
+        }
+        if run.patience_ran_out(epoch)? {
+            break;
         }
     }
     let saves = world.is_none_or(|w| w.rank == 0);

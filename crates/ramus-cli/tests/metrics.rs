@@ -117,3 +117,54 @@ fn log_flags_no_one_can_mean_are_refused() {
         error_line(&ramus(&args), needles);
     }
 }
+
+#[test]
+fn patience_stops_a_run_that_no_longer_improves() {
+    let dir = fresh_dir("patience");
+    let log = dir.join("log");
+    let log_arg = log.to_str().unwrap();
+    let args = [
+        "train",
+        "--epochs",
+        "30",
+        "--quiet",
+        "--patience",
+        "2",
+        "--log-dir",
+        log_arg,
+    ];
+    let o = ramus_ok(&args);
+    let out = common::stdout(&o);
+    let records = lines(&log);
+    let epochs = of_kind(&records, "epoch");
+    let stop = of_kind(&records, "early_stop");
+    assert_eq!(stop.len(), 1, "no early stop in 30 epochs: {out}");
+    let (at, best) = (
+        stop[0]["epoch"].as_u64().unwrap(),
+        stop[0]["best_epoch"].as_u64().unwrap(),
+    );
+    assert_eq!(at, best + 2, "{out}");
+    assert_eq!(epochs.len() as u64, at, "{out}");
+    assert!(at < 30, "{out}");
+    // no epoch after the best one improved on it
+    let score = |e: &Value| e["dev_root_accuracy"].as_f64().unwrap();
+    let best_score = score(epochs[best as usize - 1]);
+    assert!(
+        epochs[best as usize..]
+            .iter()
+            .all(|e| score(e) <= best_score),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!("early stop after epoch {at}")),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_patience_of_zero_is_refused() {
+    error_line(
+        &ramus(&["train", "--epochs", "1", "--patience", "0"]),
+        &["--patience"],
+    );
+}
