@@ -25,7 +25,7 @@ pub(crate) enum Command {
     /// Train a model (with no --data: the built-in synthetic treebank,
     /// synthetic images for the CNN models, WikiNER for the taggers and
     /// SST for td-rnn / td-lstm from $RAMUS_DATA or ../shared/data).
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Evaluate a checkpoint on a data file.
     Eval(EvalArgs),
     /// Time inference and training of the reference Tree-LSTM on the first trees of a file.
@@ -126,6 +126,12 @@ pub(crate) struct TrainArgs {
     /// Batching policy: cavs or agenda.
     #[arg(long, default_value = "cavs")]
     pub(crate) policy: String,
+    /// Initialise the word embedding table from pretrained vectors: a
+    /// GloVe or word2vec text file (one word a line, then its values),
+    /// with as many values as --hidden; words it lacks keep their random
+    /// start.
+    #[arg(long)]
+    pub(crate) embeddings: Option<PathBuf>,
     /// Dropout rate on word embeddings and the classifier input.
     #[arg(long, default_value_t = 0.0)]
     pub(crate) dropout: f64,

@@ -7,6 +7,7 @@ mod data;
 mod device;
 mod device_name;
 mod distributed;
+mod embeddings;
 mod image_dir;
 mod infer;
 mod infer_engine;
@@ -51,7 +52,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Train(a) => train::run(a),
+        Command::Train(a) => train::run(*a),
         Command::Eval(a) => eval(a),
         Command::Bench(a) => bench::run(a),
         Command::Infer(a) => infer::run(a),

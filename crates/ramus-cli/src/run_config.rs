@@ -49,7 +49,7 @@ fn parse(argv: &[OsString]) -> Result<(TrainArgs, ArgMatches), clap::Error> {
         .cloned()
         .ok_or_else(|| clap::Error::new(clap::error::ErrorKind::MissingSubcommand))?;
     match cli.command {
-        Command::Train(a) => Ok((a, train)),
+        Command::Train(a) => Ok((*a, train)),
         _ => Err(clap::Error::new(clap::error::ErrorKind::MissingSubcommand)),
     }
 }

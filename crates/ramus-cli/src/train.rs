@@ -30,7 +30,7 @@ use crate::metrics::{finite, RunLog};
 use crate::model_build::{build, loss_rows};
 use crate::output::logln;
 use crate::result::AnyResult;
-use crate::{data, device, distributed, labels, limits, run_config, sequence, vision};
+use crate::{data, device, distributed, embeddings, labels, limits, run_config, sequence, vision};
 
 /// Where a run's resumable checkpoints go.
 struct CheckpointPaths {
@@ -212,7 +212,6 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>, world: Option<&World>) -> Any
     let mut data = load_data(a, kind, hidden, vision_cfg.as_ref())?;
     let model = model_for(a, kind, &data, hidden)?;
     a.structure.fit_splits(&model, kind, &mut data)?;
-    let fingerprint = resume::fingerprint(&[&data.train, &data.dev, &data.test], &data.vocab);
     let need = limits::Training {
         model: &model,
         optimizer: opt,
@@ -223,37 +222,7 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>, world: Option<&World>) -> Any
         device: a.device,
     };
     need.check_host(a.host)?;
-    let (run, params, restored, best) = match from {
-        None => {
-            let run = RunState {
-                epochs_done: 0,
-                progress: Default::default(),
-                shuffle: ramus_nn::train::rng(a.seed),
-                dropout: ramus_nn::train::rng(a.seed),
-                best: None,
-                config: run_config::current()?,
-                data: fingerprint,
-            };
-            (run, Params::<f32>::init(&model, a.seed), None, None)
-        }
-        Some(from) => {
-            if from.state.data != fingerprint {
-                return Err(format!(
-                    "--resume {}: the data differs from the run's ({}): resume on the same \
-                     data",
-                    from.path.display(),
-                    data.source
-                )
-                .into());
-            }
-            let r = resume::load(&from.path, &from.bytes, &model, oc, &from.state, from.steps)?;
-            let run = RunState {
-                config: from.config.clone(),
-                ..from.state.clone()
-            };
-            (run, r.params, Some(r.optimizer), r.best)
-        }
-    };
+    let (run, params, restored, best) = starting_point(a, &model, &data, from, oc)?;
     let swap = device::swap_mode(a.device, &a.model, a.device_memory_budget, a.swap)?;
     let engine = training_engine(a, (engine_choice, world), &need, (params, oc), swap)?;
     let mut trainer = Trainer::with_engine(engine);
@@ -288,6 +257,62 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>, world: Option<&World>) -> Any
         best,
     })
 }
+
+/// Where a run starts: a fresh run state and parameters from the seed
+/// (the embedding table from `--embeddings`), or the checkpoint's, with
+/// its optimizer state and best epoch's parameters.
+fn starting_point(
+    a: &TrainArgs,
+    model: &Model,
+    data: &Splits,
+    from: Option<&ResumeFrom>,
+    oc: OptimizerConfig,
+) -> AnyResult<StartingPoint> {
+    let fingerprint = resume::fingerprint(&[&data.train, &data.dev, &data.test], &data.vocab);
+    Ok(match from {
+        None => {
+            let run = RunState {
+                epochs_done: 0,
+                progress: Default::default(),
+                shuffle: ramus_nn::train::rng(a.seed),
+                dropout: ramus_nn::train::rng(a.seed),
+                best: None,
+                config: run_config::current()?,
+                data: fingerprint,
+            };
+            let mut params = Params::<f32>::init(model, a.seed);
+            if let Some(path) = &a.embeddings {
+                embeddings::load(path, model, &data.vocab, &mut params, a.quiet)?;
+            }
+            (run, params, None, None)
+        }
+        Some(from) => {
+            if from.state.data != fingerprint {
+                return Err(format!(
+                    "--resume {}: the data differs from the run's ({}): resume on the same \
+                     data",
+                    from.path.display(),
+                    data.source
+                )
+                .into());
+            }
+            let r = resume::load(&from.path, &from.bytes, model, oc, &from.state, from.steps)?;
+            let run = RunState {
+                config: from.config.clone(),
+                ..from.state.clone()
+            };
+            (run, r.params, Some(r.optimizer), r.best)
+        }
+    })
+}
+
+/// A run's state, parameters, restored optimizer and best parameters.
+type StartingPoint = (
+    RunState,
+    Params<f32>,
+    Option<Optimizer<f32>>,
+    Option<Params<f32>>,
+);
 
 /// The splits of `a.data` (images for `vision`, else text or trees), their
 /// labels settled; prints the `data:` line.

@@ -22,6 +22,7 @@ pub mod tagged;
 pub mod testing;
 pub mod text;
 pub mod unroll;
+pub mod vectors;
 pub mod vocab;
 
 pub use input::{GraphShape, InputGraph, Origin, NO_LABEL};
