@@ -12,9 +12,6 @@ pub enum DistError {
     /// reached or went away, or a greeting did not fit.
     #[error("rendezvous on {addr}: {message}")]
     Rendezvous { addr: String, message: String },
-    /// A rank of a group failed or left, so the others stop.
-    #[error("rank {rank}: {message}")]
-    Rank { rank: usize, message: String },
     /// Sizes that cannot be sharded or bucketed.
     #[error("{0}")]
     Config(String),

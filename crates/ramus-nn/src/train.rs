@@ -149,9 +149,7 @@ impl<T: Real> Trainer<T> {
         let (rank, world) = self.engine.ranks();
         let chunks: Vec<&[usize]> = match world {
             1 => span.order.chunks(span.batch_size).collect(),
-            _ => Shard::new(rank, world)
-                .and_then(|s| s.batches(span.order, span.batch_size))
-                .map_err(|e| ExecError::Config(e.to_string()))?,
+            _ => Shard::new(rank, world).and_then(|s| s.batches(span.order, span.batch_size))?,
         };
         // size and first graph of the batches whose outcomes have not come
         // back (an overlapping engine returns each a batch or more later)
