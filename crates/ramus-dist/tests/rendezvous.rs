@@ -81,7 +81,7 @@ fn child_role() {
         std::process::exit(3);
     }
     let w = world(v[0], v[1], v[2] as u16);
-    match exchange_id(&w, id, Duration::from_secs(2)) {
+    match exchange_id(&w, id, Duration::from_secs(5)) {
         Ok(got) => println!("RESULT ok {}", got == id()),
         Err(e) => println!("RESULT error {e}"),
     }
@@ -118,7 +118,7 @@ fn a_rank_that_dies_makes_the_others_fail_in_bounded_time() {
     };
     let zero = result(0);
     assert!(
-        zero.contains("rank(s) 2 of 3 did not join within 2.0 s"),
+        zero.contains("rank(s) 2 of 3 did not join within 5.0 s"),
         "rank 0: {zero}"
     );
     let one = result(1);
@@ -127,7 +127,7 @@ fn a_rank_that_dies_makes_the_others_fail_in_bounded_time() {
         "rank 1: {one}"
     );
     assert_eq!(result(2), "no result");
-    assert!(elapsed < Duration::from_secs(15), "took {elapsed:?}");
+    assert!(elapsed < Duration::from_secs(25), "took {elapsed:?}");
 }
 
 #[test]
