@@ -43,7 +43,7 @@
 
 use crate::error::{CoreError, Result};
 use crate::graph::{DType, Graph, Node, NodeId, NodeKind, Output, Role, Source, Space, ValueType};
-use crate::lower::{lower, CellProgram, VecExpr};
+use crate::lower::{embedding_rows, lower, CellProgram};
 use crate::op::OpDef;
 use crate::ops::{Concat, Op, Slice};
 use crate::Model;
@@ -640,16 +640,7 @@ pub fn lower_scheduled(model: &Model, refactor: bool) -> Result<ScheduledCells> 
         message: "the head computes no scores".into(),
     })?;
     let head = lower(&model.head.forward, &[logits])?;
-    let embedding_rows = |program: &CellProgram| {
-        program.vectors.iter().find_map(|v| match v.expr {
-            VecExpr::Embedding { table } => model
-                .params
-                .get(table)
-                .and_then(|p| p.shape.first().copied()),
-            _ => None,
-        })
-    };
-    let vocab = embedding_rows(&leaf.program).or_else(|| embedding_rows(&internal.program));
+    let vocab = embedding_rows(model, &[&leaf.program, &internal.program]);
     Ok(ScheduledCells {
         leaf,
         internal,

@@ -79,7 +79,7 @@ mod pass;
 mod types;
 
 pub use compact::Hoisted;
-pub use pass::{lower, lower_model, ModelCells};
+pub use pass::{embedding_rows, lower, lower_model, ModelCells};
 pub use types::{
     scalar_deps, scalar_vectors, unsupported, vec_deps, CellProgram, ChildRef, ScalarExpr,
     ScalarId, ScalarNode, Scope, VecExpr, VecId, VecNode,

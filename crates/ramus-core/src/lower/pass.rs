@@ -96,7 +96,19 @@ pub fn lower_model(model: &crate::Model) -> Result<ModelCells> {
         .logits
         .ok_or_else(|| err("the head computes no scores".into()))?;
     let head = lower(&model.head.forward, &[logits])?;
-    let embedding_rows = |program: &CellProgram| {
+    let vocab = embedding_rows(model, &[&leaf.1, &internal.1]);
+    Ok(ModelCells {
+        leaf,
+        internal,
+        head,
+        vocab,
+    })
+}
+
+/// Rows of the first embedding table `programs` look up (in order): the
+/// vocabulary size a compiled engine's tables cover.
+pub fn embedding_rows(model: &crate::Model, programs: &[&CellProgram]) -> Option<usize> {
+    programs.iter().find_map(|program| {
         program.vectors.iter().find_map(|v| match v.expr {
             VecExpr::Embedding { table } => model
                 .params
@@ -104,13 +116,6 @@ pub fn lower_model(model: &crate::Model) -> Result<ModelCells> {
                 .and_then(|p| p.shape.first().copied()),
             _ => None,
         })
-    };
-    let vocab = embedding_rows(&leaf.1).or_else(|| embedding_rows(&internal.1));
-    Ok(ModelCells {
-        leaf,
-        internal,
-        head,
-        vocab,
     })
 }
 
