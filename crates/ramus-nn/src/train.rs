@@ -2,6 +2,7 @@
 //! engine by default).
 
 use std::collections::VecDeque;
+use std::sync::mpsc::SyncSender;
 
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -132,7 +133,9 @@ impl<T: Real> Trainer<T> {
     /// called after each batch. When it returns, every step submitted has
     /// finished, so [`Trainer::state`] reads the state to save (the dropout
     /// stream included: an engine that prepares batches ahead is never
-    /// ahead of `at`).
+    /// ahead of `at`). The batches are built on another thread one window
+    /// ahead of the engine, so the host schedules window `k + 1` while the
+    /// engine trains window `k`.
     pub fn train_span(
         &mut self,
         span: &Span<'_>,
@@ -151,69 +154,88 @@ impl<T: Real> Trainer<T> {
             1 => span.order.chunks(span.batch_size).collect(),
             _ => Shard::new(rank, world).and_then(|s| s.batches(span.order, span.batch_size))?,
         };
-        // size and first graph of the batches whose outcomes have not come
-        // back (an overlapping engine returns each a batch or more later)
-        let mut in_flight = VecDeque::new();
-        // an engine that prepares batches ahead gets them a window at a
-        // time (scheduled in parallel), a window never crossing a pause
         let window = if world > 1 {
             1
         } else {
             self.engine.lookahead().max(1)
         };
-        let every = pauses.every.filter(|&n| n > 0);
-        let mut next = at.batches;
-        let end = loop {
-            if next >= chunks.len() {
-                break SpanEnd::EpochDone;
-            }
-            let mut stop = (next + window).min(chunks.len());
-            if let Some(n) = every {
-                stop = stop.min((next / n + 1) * n);
-            }
-            let group = &chunks[next..stop];
-            if group.iter().all(|c| c.is_empty()) {
-                in_flight.extend(group.iter().map(|_| (0, 0)));
-                for _ in group {
-                    for outcome in self.engine.submit_idle()? {
-                        self.count(at, outcome, &mut in_flight, span, &mut progress)?;
-                    }
+        let windows = windows(at.batches, chunks.len(), window, pauses.every);
+        let model = self.engine.model().clone();
+        let (sender, built) = std::sync::mpsc::sync_channel(1);
+        let producer = Producer {
+            model: &model,
+            policy: self.policy,
+            data: span.data,
+            chunks: &chunks,
+        };
+        std::thread::scope(|scope| {
+            scope.spawn(|| producer.run(&windows, sender));
+            let end = self.consume(span, at, (&windows, built), pauses, &mut progress);
+            // the producer stops at its next window once `built` is gone
+            end
+        })
+    }
+
+    /// The engine's side of [`train_span`](Self::train_span): submits each
+    /// window `built` hands over (its batches, `None` for a rank's empty
+    /// share) and counts the outcomes.
+    fn consume(
+        &mut self,
+        span: &Span<'_>,
+        at: &mut EpochProgress,
+        (windows, built): (&[std::ops::Range<usize>], Receiver<'_>),
+        pauses: &Pauses<'_>,
+        progress: &mut impl FnMut(usize, usize, f64),
+    ) -> Result<SpanEnd> {
+        // size and first graph of the batches whose outcomes have not come
+        // back (an overlapping engine returns each a batch or more later)
+        let mut in_flight = VecDeque::new();
+        let mut end = SpanEnd::EpochDone;
+        for (i, group) in windows.iter().enumerate() {
+            let batches = built
+                .recv()
+                .map_err(|_| ExecError::Config("the batch builder stopped".into()))??;
+            in_flight.extend(batches.iter().map(|b| match b {
+                Some(b) => (b.batch.graphs.len(), b.first),
+                None => (0, 0),
+            }));
+            let outcomes = match batches.iter().all(Option::is_some) {
+                true => {
+                    let batches: Vec<Batch> =
+                        batches.into_iter().flatten().map(|b| b.batch).collect();
+                    self.engine.submit(&batches)?
                 }
-                next = stop;
-                continue;
-            }
-            let (model, policy) = (self.engine.model(), self.policy);
-            let build = |chunk: &&[usize]| {
-                let graphs: Vec<&InputGraph> = chunk.iter().map(|&i| &span.data[i]).collect();
-                Batch::new(model, graphs, policy)
+                false => {
+                    let mut outcomes = Vec::new();
+                    for b in batches {
+                        outcomes.extend(match b {
+                            Some(b) => self.engine.submit(std::slice::from_ref(&b.batch))?,
+                            None => self.engine.submit_idle()?,
+                        });
+                    }
+                    outcomes
+                }
             };
-            let batches = group
-                .par_iter()
-                .with_max_len(1)
-                .map(build)
-                .collect::<Result<Vec<Batch>>>()?;
-            in_flight.extend(
-                group
-                    .iter()
-                    .map(|c| (c.len(), c.first().copied().unwrap_or(0))),
-            );
-            let outcomes = self.engine.submit(&batches)?;
             for outcome in outcomes {
-                self.count(at, outcome, &mut in_flight, span, &mut progress)?;
+                self.count(at, outcome, &mut in_flight, span, progress)?;
             }
-            next = stop;
-            if next >= chunks.len() {
-                break SpanEnd::EpochDone;
+            if i + 1 == windows.len() {
+                break;
             }
-            if every.is_some_and(|n| next.is_multiple_of(n)) {
-                break SpanEnd::Checkpoint;
+            if pauses
+                .every
+                .is_some_and(|n| n > 0 && group.end.is_multiple_of(n))
+            {
+                end = SpanEnd::Checkpoint;
+                break;
             }
             if (pauses.requested)() {
-                break SpanEnd::Requested;
+                end = SpanEnd::Requested;
+                break;
             }
-        };
+        }
         for outcome in self.engine.finish()? {
-            self.count(at, outcome, &mut in_flight, span, &mut progress)?;
+            self.count(at, outcome, &mut in_flight, span, progress)?;
         }
         Ok(end)
     }
@@ -366,6 +388,78 @@ impl EpochProgress {
     }
 }
 
+/// The windows (ranges of batch indices) from batch `first` to `count`:
+/// `window` batches each, none crossing a multiple of `every`.
+fn windows(
+    first: usize,
+    count: usize,
+    window: usize,
+    every: Option<usize>,
+) -> Vec<std::ops::Range<usize>> {
+    let every = every.filter(|&n| n > 0);
+    let mut out = Vec::new();
+    let mut next = first;
+    while next < count {
+        let mut stop = (next + window).min(count);
+        if let Some(n) = every {
+            stop = stop.min((next / n + 1) * n);
+        }
+        out.push(next..stop);
+        next = stop;
+    }
+    out
+}
+
+/// A batch built ahead, with its first graph's index (for a located error).
+struct Built<'a> {
+    batch: Batch<'a>,
+    first: usize,
+}
+
+/// A window of built batches (`None`: a rank's empty share of a global
+/// batch), or the error that stopped the builder.
+type Window<'a> = Result<Vec<Option<Built<'a>>>>;
+
+/// Where the engine's side receives windows from the builder.
+type Receiver<'a> = std::sync::mpsc::Receiver<Window<'a>>;
+
+/// The builder's side of [`Trainer::train_span`]: schedules each window's
+/// batches (in parallel) and hands them over in order.
+struct Producer<'s, 'a> {
+    model: &'s Model,
+    policy: BatchingPolicy,
+    data: &'a [InputGraph],
+    chunks: &'s [&'s [usize]],
+}
+
+impl<'a> Producer<'_, 'a> {
+    fn run(&self, windows: &[std::ops::Range<usize>], sender: SyncSender<Window<'a>>) {
+        for group in windows {
+            let built = self.chunks[group.clone()]
+                .par_iter()
+                .with_max_len(1)
+                .map(|chunk| self.build(chunk))
+                .collect::<Result<Vec<_>>>();
+            let failed = built.is_err();
+            // a send fails once the engine's side stopped: nothing to do
+            if sender.send(built).is_err() || failed {
+                return;
+            }
+        }
+    }
+
+    fn build(&self, chunk: &[usize]) -> Result<Option<Built<'a>>> {
+        let Some(&first) = chunk.first() else {
+            return Ok(None);
+        };
+        let graphs: Vec<&InputGraph> = chunk.iter().map(|&i| &self.data[i]).collect();
+        Ok(Some(Built {
+            batch: Batch::new(self.model, graphs, self.policy)?,
+            first,
+        }))
+    }
+}
+
 /// An epoch's batches: `order` (indices into `data`) cut into batches of
 /// `batch_size`.
 pub struct Span<'a> {
@@ -401,4 +495,19 @@ pub enum SpanEnd {
     Checkpoint,
     /// [`Pauses::requested`] said to pause.
     Requested,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::windows;
+
+    #[test]
+    fn windows_cover_the_rest_of_the_epoch_and_never_cross_a_checkpoint() {
+        assert_eq!(windows(0, 7, 3, None), vec![0..3, 3..6, 6..7]);
+        assert_eq!(windows(2, 7, 3, None), vec![2..5, 5..7]);
+        assert_eq!(windows(0, 7, 3, Some(4)), vec![0..3, 3..4, 4..7]);
+        assert_eq!(windows(5, 9, 2, Some(3)), vec![5..6, 6..8, 8..9]);
+        assert_eq!(windows(0, 3, 1, Some(0)), vec![0..1, 1..2, 2..3]);
+        assert!(windows(7, 7, 3, None).is_empty());
+    }
 }
