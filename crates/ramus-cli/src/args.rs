@@ -105,6 +105,19 @@ pub(crate) struct TrainArgs {
     /// reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
     #[arg(long, default_value_t = 1)]
     pub(crate) gpus: usize,
+    /// Train on this many machines of `--gpus` GPUs each: run the same
+    /// command on every machine, each with its `--node-rank` and the same
+    /// `--master`.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) nodes: usize,
+    /// This machine's place among `--nodes` (0 on the machine `--master`
+    /// names).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) node_rank: usize,
+    /// ADDRESS:PORT of node 0, where the workers meet (with `--nodes` > 1;
+    /// the port must be free there and open to the other machines).
+    #[arg(long)]
+    pub(crate) master: Option<String>,
     /// On several GPUs: seconds a worker waits for the others at a step
     /// before it gives up with an error (a worker that died or hangs), and
     /// the rendezvous's wait for every worker to start.

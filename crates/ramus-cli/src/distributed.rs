@@ -26,15 +26,80 @@ use crate::result::AnyResult;
 /// How long the other workers get to stop after one failed.
 const GRACE: Duration = Duration::from_secs(5);
 
+/// Where and how a `ramus train` command line runs: `--gpus`, `--nodes`,
+/// `--node-rank`, `--master`, `--device`.
+pub(crate) struct Launch<'a> {
+    pub gpus: usize,
+    pub nodes: usize,
+    pub node_rank: usize,
+    pub master: Option<&'a str>,
+    pub device: Device,
+}
+
+impl Launch<'_> {
+    /// The ranks of the whole run.
+    fn ranks(&self) -> usize {
+        self.gpus * self.nodes
+    }
+
+    /// Node 0's address and port: `--master`, or on one machine a free
+    /// local port.
+    fn master(&self) -> AnyResult<(String, u16)> {
+        let Some(master) = self.master else {
+            if self.nodes > 1 {
+                return Err(format!(
+                    "--nodes {}: give --master ADDRESS:PORT, node 0's address where the \
+                     workers meet",
+                    self.nodes
+                )
+                .into());
+            }
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map_err(|e| format!("--gpus: no free local port for the rendezvous: {e}"))?
+                .port();
+            return Ok(("127.0.0.1".into(), port));
+        };
+        let bad = || format!("--master {master}: expected ADDRESS:PORT, e.g. 10.0.0.1:29500");
+        let (addr, port) = master.rsplit_once(':').ok_or_else(bad)?;
+        let port: u16 = port.parse().map_err(|_| bad())?;
+        if addr.is_empty() || port == 0 {
+            return Err(bad().into());
+        }
+        Ok((addr.to_string(), port))
+    }
+
+    /// Refuses flags that contradict each other.
+    fn check(&self) -> AnyResult {
+        if self.gpus == 0 || self.nodes == 0 {
+            return Err("--gpus and --nodes must be at least 1".into());
+        }
+        if self.node_rank >= self.nodes {
+            return Err(format!(
+                "--node-rank {} must be below --nodes {}",
+                self.node_rank, self.nodes
+            )
+            .into());
+        }
+        if self.nodes == 1 && self.master.is_some() {
+            return Err("--master names node 0 of a run on several machines: give --nodes".into());
+        }
+        Ok(())
+    }
+}
+
 /// This process's place in a run of several ranks, if a launcher started
-/// it as one; refuses `--gpus` that contradicts it.
-pub(crate) fn world(gpus: usize) -> AnyResult<Option<World>> {
+/// it as one; refuses `--gpus` and `--nodes` that contradict it.
+pub(crate) fn world(l: &Launch<'_>) -> AnyResult<Option<World>> {
     let world = World::from_env().map_err(|e| e.to_string())?;
     if let Some(w) = &world {
-        if gpus > 1 && gpus != w.size {
+        if l.ranks() > 1 && l.ranks() != w.size {
             return Err(format!(
-                "--gpus {gpus}, but the launcher started {} ranks (WORLD_SIZE): leave --gpus out \
-                 under torchrun, srun or mpirun",
+                "--gpus {} --nodes {} make {} ranks, but the launcher started {} (WORLD_SIZE): \
+                 leave --gpus and --nodes out under torchrun, srun or mpirun",
+                l.gpus,
+                l.nodes,
+                l.ranks(),
                 w.size
             )
             .into());
@@ -43,35 +108,34 @@ pub(crate) fn world(gpus: usize) -> AnyResult<Option<World>> {
     Ok(world)
 }
 
-/// With `--gpus N` (N > 1) outside a launcher: runs this command as N
-/// workers and waits for them; `Ok(true)` when they all succeeded.
-/// `Ok(false)`: train in this process.
-pub(crate) fn launch(gpus: usize, device: Device) -> AnyResult<bool> {
-    if gpus <= 1 || World::from_env().map_err(|e| e.to_string())?.is_some() {
+/// With `--gpus N` (N > 1) or `--nodes M` (M > 1) outside a launcher: runs
+/// this command as this machine's N workers and waits for them; `Ok(true)`
+/// when they all succeeded. `Ok(false)`: train in this process.
+pub(crate) fn launch(l: &Launch<'_>) -> AnyResult<bool> {
+    l.check()?;
+    if l.ranks() <= 1 || World::from_env().map_err(|e| e.to_string())?.is_some() {
         return Ok(false);
     }
-    if device != Device::Cuda {
-        return Err(format!("--gpus {gpus} trains on GPUs: add --device cuda").into());
+    let (addr, port) = l.master()?;
+    if l.device != Device::Cuda {
+        return Err(format!("--gpus {} trains on GPUs: add --device cuda", l.gpus).into());
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| format!("--gpus: no free local port for the rendezvous: {e}"))?
-        .port();
     let library_path = nccl_library_path()?;
     // the workers share this machine's cores (as torchrun limits OpenMP)
     let threads = std::env::var_os("RAYON_NUM_THREADS").is_none().then(|| {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        (cores / gpus).max(1).to_string()
+        (cores / l.gpus).max(1).to_string()
     });
     let exe = std::env::current_exe().map_err(|e| format!("--gpus: this program's path: {e}"))?;
-    let mut workers: Vec<Child> = Vec::with_capacity(gpus);
-    for rank in 0..gpus {
+    let mut workers: Vec<Child> = Vec::with_capacity(l.gpus);
+    for local in 0..l.gpus {
+        let rank = l.node_rank * l.gpus + local;
         let mut cmd = Command::new(&exe);
         cmd.args(std::env::args_os().skip(1))
             .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", gpus.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
+            .env("WORLD_SIZE", l.ranks().to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("MASTER_ADDR", &addr)
             .env("MASTER_PORT", port.to_string());
         if let Some(path) = &library_path {
             cmd.env("LD_LIBRARY_PATH", path);
@@ -87,25 +151,27 @@ pub(crate) fn launch(gpus: usize, device: Device) -> AnyResult<bool> {
             }
         }
     }
-    wait(workers)?;
+    wait(workers, l.node_rank * l.gpus, l.ranks())?;
     Ok(true)
 }
 
-/// Waits for every worker; the first that fails stops the others.
-fn wait(mut workers: Vec<Child>) -> AnyResult {
+/// Waits for this machine's workers (ranks `first`, `first + 1`, ... of
+/// `ranks`); the first that fails stops the others.
+fn wait(mut workers: Vec<Child>, first: usize, ranks: usize) -> AnyResult {
     let mut done = vec![false; workers.len()];
     while done.iter().any(|d| !d) {
-        for (rank, child) in workers.iter_mut().enumerate() {
-            if done[rank] {
+        for (local, child) in workers.iter_mut().enumerate() {
+            if done[local] {
                 continue;
             }
+            let rank = first + local;
             match child.try_wait() {
-                Ok(Some(status)) if status.success() => done[rank] = true,
+                Ok(Some(status)) if status.success() => done[local] = true,
                 Ok(Some(status)) => {
                     stop(&mut workers);
                     return Err(format!(
-                        "--gpus: rank {rank} of {} failed ({status}); the other ranks were stopped",
-                        done.len()
+                        "--gpus: rank {rank} of {ranks} failed ({status}); this machine's other \
+                         ranks were stopped"
                     )
                     .into());
                 }

@@ -617,10 +617,17 @@ impl Run<'_> {
 /// `ramus train`.
 pub fn run(a: TrainArgs) -> AnyResult {
     distributed::timeout(a.dist_timeout)?;
-    if distributed::launch(a.gpus, a.device)? {
+    let launch = distributed::Launch {
+        gpus: a.gpus,
+        nodes: a.nodes,
+        node_rank: a.node_rank,
+        master: a.master.as_deref(),
+        device: a.device,
+    };
+    if distributed::launch(&launch)? {
         return Ok(());
     }
-    let world = distributed::world(a.gpus)?;
+    let world = distributed::world(&launch)?;
     if world.as_ref().is_some_and(|w| w.rank > 0) {
         crate::output::quiet_log();
     }

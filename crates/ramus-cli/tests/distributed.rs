@@ -61,7 +61,7 @@ fn gpus_that_contradict_the_launcher_are_refused() {
         ("MASTER_PORT", "29500"),
     ];
     let o = train_with_env(&["--gpus", "2", "--epochs", "1"], &env);
-    let line = error_line(&o, &["--gpus 2", "4 ranks"]);
+    let line = error_line(&o, &["--gpus 2", "2 ranks", "started 4"]);
     assert!(!stderr(&o).contains("panicked"), "{line}");
 }
 
@@ -72,4 +72,35 @@ fn a_timeout_no_one_can_mean_is_refused() {
         &[],
     );
     error_line(&o, &["--dist-timeout", "at least 1 second"]);
+}
+
+#[test]
+fn several_machines_need_consistent_flags() {
+    let cases: &[(&[&str], &[&str])] = &[
+        (&["--nodes", "2"], &["--nodes 2", "--master ADDRESS:PORT"]),
+        (
+            &["--nodes", "2", "--node-rank", "2", "--master", "h:1"],
+            &["--node-rank 2", "below --nodes 2"],
+        ),
+        (
+            &["--nodes", "2", "--master", "10.0.0.1"],
+            &["--master 10.0.0.1", "ADDRESS:PORT"],
+        ),
+        (
+            &["--nodes", "2", "--master", "10.0.0.1:http"],
+            &["--master 10.0.0.1:http"],
+        ),
+        (&["--master", "10.0.0.1:29500"], &["--master", "--nodes"]),
+        (&["--gpus", "0"], &["--gpus and --nodes", "at least 1"]),
+        (
+            &["--nodes", "2", "--master", "127.0.0.1:29500"],
+            &["--gpus 1", "--device cuda"],
+        ),
+    ];
+    for (args, needles) in cases {
+        let mut args = args.to_vec();
+        args.extend(["--epochs", "1"]);
+        let o = train_with_env(&args, &[]);
+        error_line(&o, needles);
+    }
 }

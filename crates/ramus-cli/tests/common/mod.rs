@@ -98,3 +98,25 @@ pub fn error_line(o: &Output, needles: &[&str]) -> String {
 pub fn assert_one_line_error(o: &Output, needle: &str) {
     error_line(o, &[needle]);
 }
+
+/// Every f32 tensor of a saved safetensors model, by name.
+pub fn saved_tensors(path: &Path) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let data = &bytes[8 + n..];
+    header
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(_, v)| v["dtype"] == "F32")
+        .map(|(name, v)| {
+            let at = |i: usize| v["data_offsets"][i].as_u64().unwrap() as usize;
+            let values = data[at(0)..at(1)]
+                .chunks(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            (name.clone(), values)
+        })
+        .collect()
+}

@@ -1,0 +1,118 @@
+//! `ramus train` on several GPUs, end to end (skipped without two GPUs and
+//! NCCL): `--gpus 2` on one machine, the same run as two machines
+//! (two launchers, `--nodes 2`, NCCL on its socket transport) and one GPU
+//! at twice the batch train to the same parameters.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::{fresh_dir, saved_tensors, stderr};
+
+/// A short SGD run on the built-in trees, saved to `save`, with `extra`
+/// flags and `env`.
+fn train(save: &Path, extra: &[&str], env: &[(&str, &str)]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ramus"));
+    cmd.args(["train", "--device", "cuda", "--quiet", "--epochs", "2"])
+        .args(["--hidden", "16", "--optimizer", "sgd", "--seed", "5"])
+        .arg("--save")
+        .arg(save)
+        .args(extra)
+        .env("NCCL_NVLS_ENABLE", "0");
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.envs(env.iter().copied());
+    cmd
+}
+
+fn succeeds(mut cmd: Command) {
+    let o = cmd.output().expect("run ramus");
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+fn two_gpus() -> bool {
+    if let Err(e) = ramus_cuda::CudaDevice::probe(1) {
+        eprintln!("skipping: two GPUs are needed ({e})");
+        return false;
+    }
+    if let Err(e) = ramus_cuda::nccl::check_library() {
+        eprintln!("skipping: {e}");
+        return false;
+    }
+    true
+}
+
+/// The largest difference between two saved models' parameters, relative
+/// to each tensor's largest value.
+fn largest_difference(a: &Path, b: &Path) -> f32 {
+    let (a, b) = (saved_tensors(a), saved_tensors(b));
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    a.iter()
+        .map(|(name, x)| {
+            let y = &b[name];
+            let scale = x.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+            let d = x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+            d / scale
+        })
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn two_gpus_two_machines_and_one_gpu_at_twice_the_batch_agree() {
+    if !two_gpus() {
+        return;
+    }
+    let dir = fresh_dir("gpus-agree");
+    let (one, two, nodes) = (
+        dir.join("one.safetensors"),
+        dir.join("two.safetensors"),
+        dir.join("nodes.safetensors"),
+    );
+    succeeds(train(&one, &["--batch-size", "16"], &[]));
+    succeeds(train(&two, &["--batch-size", "8", "--gpus", "2"], &[]));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port()
+        .to_string();
+    let master = format!("127.0.0.1:{port}");
+    let sockets = [("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")];
+    let machines: Vec<_> = (0..2)
+        .map(|node| {
+            let rank = node.to_string();
+            let flags = [
+                "--batch-size",
+                "8",
+                "--nodes",
+                "2",
+                "--node-rank",
+                &rank,
+                "--master",
+                &master,
+            ];
+            // the second machine's one GPU is this host's second
+            let gpu = [("CUDA_VISIBLE_DEVICES", if node == 0 { "0" } else { "1" })];
+            train(&nodes, &flags, &[&sockets[..], &gpu[..]].concat())
+                .spawn()
+                .expect("start a launcher")
+        })
+        .collect();
+    for m in machines {
+        let o = m.wait_with_output().expect("wait for a launcher");
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    // the two-GPU runs sum the same two gradients: the same parameters
+    let between_launches = largest_difference(&two, &nodes);
+    assert!(between_launches < 1e-6, "{between_launches}");
+    // one GPU sums the batch's gradients in another order: float rounding
+    let against_one = largest_difference(&one, &two);
+    assert!(against_one < 2e-4, "{against_one}");
+}
