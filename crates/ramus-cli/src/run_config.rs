@@ -21,8 +21,10 @@ pub type RunConfig = BTreeMap<String, Option<Vec<String>>>;
 /// Flags a resumed run may give with another value: where and how long it
 /// runs and where it writes, not what it computes; and the data, which may
 /// move (its fingerprint tells whether it is the same).
-const MAY_DIFFER: [&str; 18] = [
+const MAY_DIFFER: [&str; 20] = [
     "epochs",
+    "gpus",
+    "nodes",
     "node-rank",
     "master",
     "patience",

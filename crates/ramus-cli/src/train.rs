@@ -222,7 +222,12 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>, world: Option<&World>) -> Any
         device: a.device,
     };
     need.check_host(a.host)?;
-    let (run, params, restored, best) = starting_point(a, &model, &data, from, oc)?;
+    let (mut run, params, restored, best) = starting_point(a, &model, &data, from, oc)?;
+    let ranks = world.map_or(1, |w| w.size);
+    match from {
+        Some(_) => rebase(&mut run, ranks, a.batch_size, data.train.len()),
+        None => run.ranks = ranks,
+    }
     let swap = device::swap_mode(a.device, &a.model, a.device_memory_budget, a.swap)?;
     let engine = training_engine(a, (engine_choice, world), &need, (params, oc), swap)?;
     let mut trainer = Trainer::with_engine(engine);
@@ -279,6 +284,7 @@ fn starting_point(
                 best: None,
                 config: run_config::current()?,
                 data: fingerprint,
+                ranks: 1,
             };
             let mut params = Params::<f32>::init(model, a.seed);
             if let Some(path) = &a.embeddings {
@@ -304,6 +310,20 @@ fn starting_point(
             (run, r.params, Some(r.optimizer), r.best)
         }
     })
+}
+
+/// A run resumed on `ranks` ranks that was saved on another number: the
+/// rest of its epoch in steps of the new size, said.
+fn rebase(run: &mut RunState, ranks: usize, batch_size: usize, len: usize) {
+    let saved_on = run.ranks;
+    if let Some(skip) = run.rebase(ranks, batch_size, len) {
+        logln!(
+            "resuming on {ranks} GPU(s) a run saved on {saved_on}: {} graphs a step instead of \
+             {}; the epoch goes on from graph {skip} of its {len}",
+            ranks * batch_size,
+            saved_on * batch_size
+        );
+    }
 }
 
 /// A run's state, parameters, restored optimizer and best parameters.
@@ -485,12 +505,14 @@ impl Run<'_> {
         let t0 = Instant::now();
         let mut shuffle = self.s.run.shuffle.clone();
         let order = shuffled_order(data.train.len(), &mut shuffle);
+        // after a resume on another number of GPUs: what they left
+        let order = &order[self.s.run.progress.skip.min(order.len())..];
         // on several GPUs: this rank's share of the epoch
         let (rank, world) = self.s.trainer.engine.ranks();
         let mine = match world {
             1 => order.len(),
             _ => Shard::new(rank, world)?
-                .batches(&order, self.a.batch_size)?
+                .batches(order, self.a.batch_size)?
                 .iter()
                 .map(|part| part.len())
                 .sum(),
@@ -515,7 +537,7 @@ impl Run<'_> {
         loop {
             let span = Span {
                 data: &self.s.data.train,
-                order: &order,
+                order,
                 batch_size: self.a.batch_size,
             };
             let end = self.s.trainer.train_span(

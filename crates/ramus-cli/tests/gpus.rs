@@ -116,3 +116,31 @@ fn two_gpus_two_machines_and_one_gpu_at_twice_the_batch_agree() {
     let against_one = largest_difference(&one, &two);
     assert!(against_one < 2e-4, "{against_one}");
 }
+
+#[test]
+fn a_run_on_two_gpus_resumes_on_one() {
+    if !two_gpus() {
+        return;
+    }
+    let dir = fresh_dir("gpus-resume");
+    let (save, last) = (dir.join("m.safetensors"), dir.join("ckpt"));
+    let ckpt = last.to_str().unwrap();
+    let mut first = train(&save, &["--batch-size", "8", "--gpus", "2"], &[]);
+    first.args(["--checkpoint-dir", ckpt, "--epochs", "1"]);
+    succeeds(first);
+    let resume = last.join("last.safetensors");
+    let o = Command::new(env!("CARGO_BIN_EXE_ramus"))
+        .args(["train", "--epochs", "2", "--resume"])
+        .arg(&resume)
+        .args(["--gpus", "1"])
+        .env("NCCL_NVLS_ENABLE", "0")
+        .output()
+        .expect("run ramus");
+    let text = format!("{}{}", common::stdout(&o), stderr(&o));
+    assert!(o.status.success(), "{text}");
+    assert!(
+        text.contains("resuming on 1 GPU(s) a run saved on 2: 8 graphs a step instead of 16"),
+        "{text}"
+    );
+    assert!(text.contains("test:"), "{text}");
+}

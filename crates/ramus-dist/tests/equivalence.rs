@@ -214,3 +214,87 @@ fn trainer_epochs_and_sharded_evaluation_match_one_rank() {
         assert_close_value("dev loss", want_eval.loss, eval.loss, REORDERED_F64);
     }
 }
+
+/// A run paused on two ranks mid-epoch and resumed on one (its run state
+/// rebased): the epoch's first steps took two ranks' batches, the rest one
+/// rank's, and the parameters are those of one rank taking exactly those
+/// batches.
+#[test]
+fn a_run_paused_on_two_ranks_goes_on_on_one() {
+    use ramus_nn::resume::RunState;
+    use ramus_nn::train::{rng, shuffled_order, EpochProgress, Pauses, Span, SpanEnd, Trainer};
+    let case = Case::new("treelstm", 23, 1, 17).unwrap();
+    let (world, per_rank, pause) = (2, 3, 2);
+    let cfg = config(OptimizerKind::Adam);
+    let order = shuffled_order(case.graphs.len(), &mut rng(11));
+    let engine = || CpuTrainer::new(case.model.clone(), case.params(5).cast(), cfg);
+    // one rank taking `pause` batches of world·per_rank, then per_rank
+    let split = pause * world * per_rank;
+    let mut single = engine();
+    let first = order[..split].chunks(world * per_rank);
+    for chunk in first.chain(order[split..].chunks(per_rank)) {
+        let graphs: Vec<&InputGraph> = chunk.iter().map(|&i| &case.graphs[i]).collect();
+        single.train_step(&batch(&case.model, &graphs)).unwrap();
+    }
+    let want = single.state().unwrap();
+    let ranks = local_group::<f64>(world, Duration::from_secs(60));
+    let mut paused: Vec<(TrainState<f64>, EpochProgress)> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|rank| {
+                let (engine, order, graphs) = (&engine, &order, &case.graphs);
+                s.spawn(move || {
+                    let dp = DataParallel::new(engine(), Box::new(rank));
+                    let mut trainer = Trainer::with_engine(Box::new(dp));
+                    let span = Span {
+                        data: graphs,
+                        order,
+                        batch_size: per_rank,
+                    };
+                    let pauses = Pauses {
+                        every: Some(pause),
+                        requested: &|| false,
+                    };
+                    let mut at = EpochProgress::default();
+                    let end = trainer.train_span(&span, &mut at, &pauses, |_, _, _| {});
+                    assert_eq!(end.unwrap(), SpanEnd::Checkpoint);
+                    (trainer.state().unwrap(), at)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let (state, progress) = paused.swap_remove(0);
+    assert_eq!(progress.batches, pause);
+    let mut run = RunState {
+        epochs_done: 0,
+        progress,
+        shuffle: rng(11),
+        dropout: rng(11),
+        best: None,
+        config: Default::default(),
+        data: String::new(),
+        ranks: world,
+    };
+    assert_eq!(run.rebase(1, per_rank, order.len()), Some(split));
+    assert_eq!(run.rebase(1, per_rank, order.len()), None);
+    let mut resumed = engine();
+    resumed.restore(state).unwrap();
+    let mut trainer = Trainer::with_engine(Box::new(resumed));
+    let span = Span {
+        data: &case.graphs,
+        order: &order[run.progress.skip..],
+        batch_size: per_rank,
+    };
+    let end = trainer.train_span(&span, &mut run.progress, &Pauses::default(), |_, _, _| {});
+    assert_eq!(end.unwrap(), SpanEnd::EpochDone);
+    assert_eq!(
+        run.progress.batches,
+        (order.len() - split).div_ceil(per_rank)
+    );
+    let got = trainer.state().unwrap();
+    for (p, spec) in case.model.params.iter().enumerate() {
+        let (w, g) = (want.params.values[p].data(), got.params.values[p].data());
+        assert_close(spec.name.as_str(), w, g, REORDERED_F64);
+    }
+}

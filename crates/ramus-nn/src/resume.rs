@@ -58,6 +58,8 @@ pub struct RunState {
     pub best: Option<Best>,
     /// The run's configuration: each flag's values (`None`: not given).
     pub config: BTreeMap<String, Option<Vec<String>>>,
+    /// The ranks (GPUs) the run trains on: a step takes a batch from each.
+    pub ranks: usize,
     /// [`fingerprint`] of the run's data.
     pub data: String,
 }
@@ -99,6 +101,26 @@ impl RngRecord {
     }
 }
 
+impl RunState {
+    /// Continues on `ranks` ranks a run saved on another number of them
+    /// (each rank takes `batch_size` graphs a step, of an epoch of `len`):
+    /// the graphs of the epoch's order trained so far are skipped and the
+    /// rest is cut into batches of the new size (the epoch's batches and
+    /// graphs count from there; its loss keeps its sum). Returns the graphs
+    /// skipped when the number changed.
+    pub fn rebase(&mut self, ranks: usize, batch_size: usize, len: usize) -> Option<usize> {
+        if ranks == self.ranks {
+            return None;
+        }
+        let p = &mut self.progress;
+        p.skip = (p.skip + p.batches * self.ranks * batch_size).min(len);
+        p.batches = 0;
+        p.graphs = 0;
+        self.ranks = ranks;
+        Some(p.skip)
+    }
+}
+
 /// [`RunState`] as stored (floats by their bits).
 #[derive(Serialize, Deserialize)]
 struct Record {
@@ -116,6 +138,16 @@ struct Record {
     best_epoch: Option<usize>,
     config: BTreeMap<String, Option<Vec<String>>>,
     data: String,
+    /// Absent in checkpoints of runs before data parallelism: one rank.
+    #[serde(default = "one")]
+    ranks: usize,
+    /// Absent in those checkpoints: nothing skipped.
+    #[serde(default)]
+    skip: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// The tensor name of `kind` (`first`, `second`, `best`) for parameter `name`.
@@ -165,6 +197,8 @@ pub fn save(
         best_epoch: state.best.map(|b| b.epoch),
         config: state.config.clone(),
         data: state.data.clone(),
+        ranks: state.ranks,
+        skip: state.progress.skip,
     };
     let json = serde_json::to_string(&record).map_err(|e| ExecError::Checkpoint(e.to_string()))?;
     extra.metadata.insert(KEY_RESUME.into(), json);
@@ -211,12 +245,14 @@ pub fn read_state(path: &Path, data: &[u8]) -> Result<(RunState, u64)> {
             applied: r.applied,
             loss_sum: f64::from_bits(r.loss_sum_bits),
             skipped: r.skipped,
+            skip: r.skip,
         },
         shuffle: r.shuffle.rng().map_err(|e| bad(format!("shuffle {e}")))?,
         dropout: r.dropout.rng().map_err(|e| bad(format!("dropout {e}")))?,
         best,
         config: r.config,
         data: r.data,
+        ranks: r.ranks.max(1),
     };
     Ok((state, r.optimizer_steps))
 }

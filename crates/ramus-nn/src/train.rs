@@ -379,6 +379,10 @@ pub struct EpochProgress {
     pub applied: usize,
     pub loss_sum: f64,
     pub skipped: usize,
+    /// Graphs at the start of the epoch's order that a run on another
+    /// number of ranks trained before it was resumed: `batches` counts
+    /// from there ([`RunState::rebase`](crate::resume::RunState::rebase)).
+    pub skip: usize,
 }
 
 impl EpochProgress {

@@ -78,6 +78,7 @@ fn a_run_paused_saved_and_loaded_continues_bit_for_bit() {
         }),
         config: [("hidden".to_string(), Some(vec!["6".to_string()]))].into(),
         data: resume::fingerprint(&[&data], &vocab),
+        ranks: 3,
     };
     let dir = std::env::temp_dir().join(format!("ramus-nn-resume-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
