@@ -110,6 +110,23 @@ pub fn cuda_engine(model: &Model, budget: Option<u64>) -> Result<CudaEngine, Str
     CudaEngine::new(model, &cuda_options(budget)).map_err(|e| format!("--device cuda: {e}"))
 }
 
+/// The CUDA batched engine on GPU `gpu` evaluating `params` of `model`.
+pub fn cuda_evaluator(
+    model: &Model,
+    params: Params<f32>,
+    gpu: usize,
+) -> Result<Box<dyn TrainEngine<f32>>, String> {
+    let options = CudaEngineOptions {
+        device: gpu,
+        ..CudaEngineOptions::default()
+    };
+    let err = |e: String| format!("--device cuda, GPU {gpu}: {e}");
+    let engine = CudaEngine::new(model, &options).map_err(|e| err(e.to_string()))?;
+    let config = OptimizerConfig::forward_only();
+    let trainer = CudaTrainer::new(engine, model.clone(), params, config);
+    Ok(Box::new(trainer.map_err(|e| err(e.to_string()))?))
+}
+
 /// The CUDA engine's options under a device memory `budget`.
 fn cuda_options(budget: Option<u64>) -> CudaEngineOptions {
     let mut options = CudaEngineOptions::default();

@@ -7,6 +7,7 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
+use ramus_core::{Model, Params};
 use ramus_cuda::compiled::CompiledSchedule;
 use ramus_exec::Scores;
 use ramus_graph::text::decode_utf8;
@@ -39,6 +40,11 @@ pub struct InferArgs {
     /// Trees per batch.
     #[arg(long, default_value_t = 10)]
     batch_size: usize,
+    /// Split the batches over this many GPUs of this machine (with
+    /// `--device cuda`): a replica of the model on each, the output in
+    /// input order.
+    #[arg(long, default_value_t = 1)]
+    gpus: usize,
     /// Compiled engine schedule: run the leaf cell and the token-only values
     /// per node instead of reading per-token tables (leaf specialization
     /// and hoisting off).
@@ -112,24 +118,21 @@ pub fn run(a: InferArgs) -> AnyResult {
         batch_size: a.batch_size,
         vocab: loaded.info.vocab.len(),
         host: a.host,
+        gpu: 0,
     };
-    let mut engine = build_infer_engine(kind, model, params, &setup)?;
+    let batches: Vec<&[InputGraph]> = trees.chunks(a.batch_size).collect();
+    let scored = score_on_gpus(kind, (model, params), &setup, &batches, a.gpus)?;
     let mut index = 0usize;
-    for chunk in trees.chunks(a.batch_size) {
-        let refs: Vec<&InputGraph> = chunk.iter().collect();
-        let Scores {
-            values: scores,
-            classes,
-        } = engine.infer(&refs)?;
-        if scores.len() != refs.len() * classes {
+    for (chunk, Scores { values, classes }) in batches.iter().zip(scored) {
+        if values.len() != chunk.len() * classes {
             return Err(format!(
                 "{} scores for {} trees of {classes} classes: every tree must have one root",
-                scores.len(),
-                refs.len()
+                values.len(),
+                chunk.len()
             )
             .into());
         }
-        for row in scores.chunks(classes.max(1)) {
+        for row in values.chunks(classes.max(1)) {
             let prediction = row
                 .iter()
                 .enumerate()
@@ -149,4 +152,59 @@ pub fn run(a: InferArgs) -> AnyResult {
         }
     }
     Ok(())
+}
+
+/// The scores of every batch, in order: on one engine, or with `gpus` > 1
+/// on a replica per GPU, GPU `r` taking batches `r`, `r + gpus`, ...
+fn score_on_gpus(
+    kind: InferKind,
+    (model, params): (&Model, &Params<f32>),
+    setup: &InferSetup<'_>,
+    batches: &[&[InputGraph]],
+    gpus: usize,
+) -> AnyResult<Vec<Scores<f32>>> {
+    if gpus == 0 {
+        return Err("--gpus must be at least 1".into());
+    }
+    if gpus > 1 && setup.device != Device::Cuda {
+        return Err(format!("--gpus {gpus} runs on GPUs: add --device cuda").into());
+    }
+    if gpus > 1 {
+        ramus_cuda::CudaDevice::probe(gpus - 1)
+            .map_err(|e| format!("--gpus {gpus}: GPU {} is not there ({e})", gpus - 1))?;
+    }
+    let replica = |gpu: usize| -> Result<Vec<Scores<f32>>, String> {
+        let setup = InferSetup { gpu, ..*setup };
+        let mut engine = build_infer_engine(kind, model, params, &setup)?;
+        batches
+            .iter()
+            .skip(gpu)
+            .step_by(gpus)
+            .map(|chunk| {
+                let refs: Vec<&InputGraph> = chunk.iter().collect();
+                engine.infer(&refs).map_err(|e| format!("GPU {gpu}: {e}"))
+            })
+            .collect()
+    };
+    if gpus == 1 {
+        return Ok(replica(0)?);
+    }
+    let parts = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..gpus).map(|gpu| s.spawn(move || replica(gpu))).collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a replica's thread panicked".into()))
+            })
+            .collect::<Result<Vec<_>, String>>()
+    })?;
+    // batch i is replica i % gpus's (i / gpus)-th
+    let mut parts: Vec<_> = parts.into_iter().map(Vec::into_iter).collect();
+    let mut scores = Vec::with_capacity(batches.len());
+    for i in 0..batches.len() {
+        let next = parts[i % gpus].next();
+        scores.push(next.ok_or("a replica returned fewer batches than it took")?);
+    }
+    Ok(scores)
 }

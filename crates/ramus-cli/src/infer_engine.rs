@@ -59,6 +59,8 @@ pub struct InferSetup<'a> {
     pub batch_size: usize,
     pub vocab: usize,
     pub host: HostBudgetArgs,
+    /// The GPU (with `Device::Cuda`).
+    pub gpu: usize,
 }
 
 impl InferSetup<'_> {
@@ -166,6 +168,7 @@ fn compiled<'a>(
         Device::Cuda => {
             let options = CompiledOptions {
                 schedule: s,
+                device: setup.gpu,
                 ..CompiledOptions::default()
             };
             let check = |n: &DeviceNeed, room| need.fit_device(n, room);
@@ -184,7 +187,10 @@ fn batched<'a>(
 ) -> Result<Box<dyn InferEngine<f32> + 'a>, String> {
     let need = setup.need(model, false);
     need.check_host(setup.host)?;
-    let engine = device::evaluator(setup.device, model, params.clone(), None)?;
+    let engine = match setup.device {
+        Device::Cuda => device::cuda_evaluator(model, params.clone(), setup.gpu)?,
+        Device::Cpu => device::evaluator(setup.device, model, params.clone(), None)?,
+    };
     need.check_device(engine.as_ref(), None)?;
     Ok(Box::new(BatchedInfer::new(engine)))
 }

@@ -104,3 +104,44 @@ fn several_machines_need_consistent_flags() {
         error_line(&o, needles);
     }
 }
+
+#[test]
+fn inference_on_several_gpus_needs_the_cuda_device() {
+    let o = common::ramus(&[
+        "infer",
+        "--gpus",
+        "2",
+        "--checkpoint",
+        "nowhere.safetensors",
+    ]);
+    // the checkpoint is read first: make one that exists
+    assert!(!o.status.success());
+    let dir = common::fresh_dir("infer-gpus");
+    let save = dir.join("m.safetensors");
+    common::ramus_ok(&[
+        "train",
+        "--epochs",
+        "1",
+        "--quiet",
+        "--save",
+        save.to_str().unwrap(),
+    ]);
+    let input = dir.join("in.txt");
+    std::fs::write(&input, "(2 (2 a) (2 b))\n").unwrap();
+    let (save, input) = (save.to_str().unwrap(), input.to_str().unwrap());
+    for (gpus, needles) in [
+        ("2", &["--gpus 2", "--device cuda"][..]),
+        ("0", &["--gpus", "at least 1"][..]),
+    ] {
+        let o = common::ramus(&[
+            "infer",
+            "--gpus",
+            gpus,
+            "--checkpoint",
+            save,
+            "--input",
+            input,
+        ]);
+        error_line(&o, needles);
+    }
+}

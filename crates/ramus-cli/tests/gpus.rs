@@ -144,3 +144,67 @@ fn a_run_on_two_gpus_resumes_on_one() {
     );
     assert!(text.contains("test:"), "{text}");
 }
+
+#[test]
+fn inference_split_over_two_gpus_prints_what_one_gpu_prints() {
+    if !two_gpus() {
+        return;
+    }
+    let dir = fresh_dir("gpus-infer");
+    let trees = "(3 (2 the) (3 cat))\n(1 (2 a) (1 dog))\n(2 (2 the) (2 (2 big) (2 dog)))\n";
+    let many = trees.repeat(9);
+    common::write_files(
+        &dir,
+        &[
+            ("train.txt", trees),
+            ("dev.txt", trees),
+            ("test.txt", trees),
+            ("input.txt", many.as_str()),
+        ],
+    );
+    let save = dir.join("m.safetensors");
+    let mut cmd = train(&save, &["--batch-size", "2"], &[]);
+    cmd.arg("--data").arg(&dir);
+    succeeds(cmd);
+    let infer = |engine: &str, gpus: &str| {
+        let o = common::ramus_ok(&[
+            "infer",
+            "--device",
+            "cuda",
+            "--engine",
+            engine,
+            "--batch-size",
+            "4",
+            "--gpus",
+            gpus,
+            "--checkpoint",
+            save.to_str().unwrap(),
+            "--input",
+            dir.join("input.txt").to_str().unwrap(),
+        ]);
+        common::json_lines(&o)
+    };
+    for engine in ["compiled", "batched"] {
+        let (one, two) = (infer(engine, "1"), infer(engine, "2"));
+        assert_eq!(one.len(), 27, "{engine}");
+        assert_eq!(two.len(), one.len(), "{engine}");
+        for (a, b) in one.iter().zip(&two) {
+            assert_eq!(a["tree"], b["tree"], "{engine}");
+            assert_eq!(a["prediction"], b["prediction"], "{engine}: {a} {b}");
+            let scores = |v: &serde_json::Value| -> Vec<f64> {
+                v["scores"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap())
+                    .collect()
+            };
+            for (x, y) in scores(a).iter().zip(scores(b)) {
+                assert!(
+                    (x - y).abs() <= 1e-5 * x.abs().max(1.0),
+                    "{engine}: {a} {b}"
+                );
+            }
+        }
+    }
+}
