@@ -94,6 +94,7 @@ fn resumed_matches(
         best: None,
         config: Default::default(),
         data: String::new(),
+        ranks: 1,
     };
     let path = std::env::temp_dir().join(format!(
         "ramus-cuda-resume-{what}-{}.safetensors",
