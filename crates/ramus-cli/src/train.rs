@@ -562,7 +562,11 @@ impl Run<'_> {
             let end = end.map_err(|e| format!("epoch {epoch}: {e}"))?;
             match end {
                 SpanEnd::EpochDone => break,
-                SpanEnd::Checkpoint => self.save_last()?,
+                SpanEnd::Checkpoint => {
+                    // every rank pauses here: the saved statistics are all ranks'
+                    self.s.trainer.engine.sync_buffers()?;
+                    self.save_last()?
+                }
                 SpanEnd::Requested => {
                     bar.finish_and_clear();
                     self.save_last()?;

@@ -126,11 +126,11 @@ fn a_run_on_two_gpus_resumes_on_one() {
     let (save, last) = (dir.join("m.safetensors"), dir.join("ckpt"));
     let ckpt = last.to_str().unwrap();
     let mut first = train(&save, &["--batch-size", "8", "--gpus", "2"], &[]);
-    first.args(["--checkpoint-dir", ckpt, "--epochs", "1"]);
+    first.args(["--checkpoint-dir", ckpt]);
     succeeds(first);
     let resume = last.join("last.safetensors");
     let o = Command::new(env!("CARGO_BIN_EXE_ramus"))
-        .args(["train", "--epochs", "2", "--resume"])
+        .args(["train", "--epochs", "3", "--resume"])
         .arg(&resume)
         .args(["--gpus", "1"])
         .env("NCCL_NVLS_ENABLE", "0")

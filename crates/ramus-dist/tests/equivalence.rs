@@ -298,3 +298,80 @@ fn a_run_paused_on_two_ranks_goes_on_on_one() {
         assert_close(spec.name.as_str(), w, g, REORDERED_F64);
     }
 }
+
+/// Batch norm on two ranks: each rank's running statistics follow its own
+/// batches; an evaluation first makes them their mean over the ranks, so
+/// that every rank holds the same model, and the sharded evaluation equals
+/// one engine's evaluation of that model.
+#[test]
+fn batch_norm_statistics_are_averaged_before_an_evaluation() {
+    use ramus_nn::train::{evaluate, EpochProgress, Pauses, Span, Trainer};
+    let case = Case::new("resnet", 4, 2, 17).unwrap();
+    let (world, per_rank) = (2, 2);
+    let cfg = config(OptimizerKind::Adam);
+    let order: Vec<usize> = (0..case.graphs.len()).rev().collect();
+    let engine = || CpuTrainer::new(case.model.clone(), case.params(5).cast(), cfg);
+    let ranks = local_group::<f64>(world, Duration::from_secs(60));
+    type Rank = (
+        TrainState<f64>,
+        TrainState<f64>,
+        ramus_nn::train::EvalResult,
+    );
+    let runs: Vec<Rank> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|rank| {
+                let (engine, order, graphs) = (&engine, &order, &case.graphs);
+                s.spawn(move || {
+                    let dp = DataParallel::new(engine(), Box::new(rank));
+                    let mut trainer = Trainer::with_engine(Box::new(dp));
+                    let span = Span {
+                        data: graphs,
+                        order,
+                        batch_size: per_rank,
+                    };
+                    let mut at = EpochProgress::default();
+                    let pauses = Pauses::default();
+                    trainer
+                        .train_span(&span, &mut at, &pauses, |_, _, _| {})
+                        .unwrap();
+                    let before = trainer.state().unwrap();
+                    let eval = trainer.evaluate(graphs, 3).unwrap();
+                    (before, trainer.state().unwrap(), eval)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let buffers: Vec<usize> = (0..case.model.params.len())
+        .filter(|&p| case.model.is_buffer(p))
+        .collect();
+    assert!(!buffers.is_empty(), "the ResNet has running statistics");
+    let values = |s: &TrainState<f64>, p: usize| s.params.values[p].data().to_vec();
+    let (b0, b1) = (&runs[0].0, &runs[1].0);
+    assert!(
+        buffers.iter().any(|&p| values(b0, p) != values(b1, p)),
+        "the ranks' statistics differ before they are averaged"
+    );
+    for &p in &buffers {
+        let mean: Vec<f64> = values(b0, p)
+            .iter()
+            .zip(values(b1, p))
+            .map(|(a, b)| (a + b) / 2.0)
+            .collect();
+        for (r, run) in runs.iter().enumerate() {
+            let name = format!("rank {r}: {}", case.model.params[p].name);
+            assert_close(&name, &mean, run.1.params.values[p].data(), REORDERED_F64);
+        }
+    }
+    for p in 0..case.model.params.len() {
+        assert_eq!(values(&runs[0].1, p), values(&runs[1].1, p), "param {p}");
+    }
+    let mut alone = engine();
+    alone.restore(runs[0].1.clone()).unwrap();
+    let want = evaluate::<f64>(&mut alone, Default::default(), &case.graphs, 3).unwrap();
+    for (_, _, eval) in &runs {
+        assert_eq!(eval.root_accuracy, want.root_accuracy);
+        assert_close_value("eval loss", want.loss, eval.loss, REORDERED_F64);
+    }
+}

@@ -26,7 +26,9 @@
 //! order of float sums), whatever the rows per rank. The loss reported is
 //! that global mean. Batch-norm statistics stay per rank (as in PyTorch's
 //! `DistributedDataParallel`), so models with batch norm see per-rank
-//! statistics in training.
+//! statistics in training; their running statistics are averaged over the
+//! ranks before an evaluation or a checkpoint
+//! ([`TrainEngine::sync_buffers`]).
 
 use std::time::{Duration, Instant};
 
@@ -371,6 +373,30 @@ impl<T: Real, E: SplitStep<T>> TrainEngine<T> for DataParallel<T, E> {
     }
     fn submit_idle(&mut self) -> Result<Vec<StepOutcome>> {
         self.step(None)
+    }
+    /// A running statistic is a moving average, linear in the batches'
+    /// statistics: the mean of the ranks' averages is the average of the
+    /// ranks' mean statistics, so (for batch means over shards of equal
+    /// size) what one engine would hold at N·B.
+    fn sync_buffers(&mut self) -> Result<()> {
+        let model = self.engine.model();
+        let buffers: Vec<usize> = (0..model.params.len())
+            .filter(|&p| model.is_buffer(p))
+            .collect();
+        if buffers.is_empty() || self.collective.world() == 1 {
+            return Ok(());
+        }
+        let mut state = self.engine.state()?;
+        let scale = 1.0 / self.collective.world() as f64;
+        let values = &mut state.params.values;
+        let host: Vec<GradBuffer<'_, T>> = values
+            .iter_mut()
+            .enumerate()
+            .filter(|(p, _)| buffers.contains(p))
+            .map(|(_, t)| GradBuffer::Host(t.data_mut()))
+            .collect();
+        self.collective.sum_buffers(host, scale)?;
+        self.engine.restore(state)
     }
 }
 

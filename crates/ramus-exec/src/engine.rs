@@ -218,6 +218,14 @@ pub trait TrainEngine<T: Real> {
         Ok(())
     }
 
+    /// Makes every rank's buffers (batch normalisation's running
+    /// statistics, which each rank blends from its own batches) their mean
+    /// over the ranks, so that every rank evaluates and saves the same
+    /// model; called by every rank at the same point. Nothing to do alone.
+    fn sync_buffers(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// A training step of a data-parallel run in which this rank has no
     /// graphs (a short last global batch): it still takes part in the
     /// step's sums. Refused by an engine that trains alone.

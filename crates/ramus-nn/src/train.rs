@@ -302,6 +302,8 @@ pub fn evaluate<T: Real>(
     data: &[InputGraph],
     batch_size: usize,
 ) -> Result<EvalResult> {
+    // the ranks' running statistics, the same on every rank
+    engine.sync_buffers()?;
     let head_rows = engine.model().head.rows;
     let (mut loss, mut root_ok, mut node_ok, mut nodes) = (0.0, 0usize, 0usize, 0usize);
     let mut roots = 0usize;
