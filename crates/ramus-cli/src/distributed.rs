@@ -9,11 +9,13 @@
 
 use std::path::PathBuf;
 use std::process::{Child, Command};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ramus_core::{Model, Params};
 use ramus_cuda::nccl::{self, NcclGroup};
-use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer};
+use ramus_cuda::persistent::{PersistentOptions, PersistentTrainer};
+use ramus_cuda::{CudaDevice, CudaEngine, CudaEngineOptions, CudaTrainer};
 use ramus_dist::rendezvous::exchange_id;
 use ramus_dist::World;
 use ramus_exec::data_parallel::DataParallel;
@@ -238,32 +240,53 @@ pub(crate) struct WorkerEngine<'a> {
     pub budget: Option<u64>,
     /// `--dist-timeout`.
     pub timeout: Duration,
+    /// `--batch-size` (a rank's): the persistent engine tunes for it.
+    pub batch_size: usize,
 }
 
-/// The batched CUDA engine on GPU `LOCAL_RANK`, joined to the other ranks
-/// through NCCL, as one rank of a data-parallel run.
+/// The batched or persistent CUDA engine on GPU `LOCAL_RANK`, joined to
+/// the other ranks through NCCL, as one rank of a data-parallel run.
 pub(crate) fn engine(
     w: WorkerEngine<'_>,
     (params, config): (Params<f32>, OptimizerConfig),
 ) -> AnyResult<Box<dyn TrainEngine<f32>>> {
     let world = w.world;
-    if w.choice == TrainEngineChoice::Persistent || w.swapping {
+    if w.swapping {
         return Err(
-            "training on several GPUs runs the batched engine: --engine persistent and the swap \
-             path train on one GPU"
-                .into(),
+            "training on several GPUs does not swap yet: the swap path trains on one GPU".into(),
         );
     }
     let rank = |e: String| format!("rank {} of {}: {e}", world.rank, world.size);
+    let gpu = |e: String| rank(format!("GPU {}: {e}", world.local_rank));
+    if w.choice == TrainEngineChoice::Persistent {
+        let options = PersistentOptions {
+            device: world.local_rank,
+            batch_size: Some(w.batch_size),
+            memory_budget: w.budget,
+            ..PersistentOptions::default()
+        };
+        let mut trainer = PersistentTrainer::new(w.model, &params, config, &options)
+            .map_err(|e| gpu(format!("--engine persistent: {e}")))?;
+        trainer.split_updates().map_err(|e| rank(e.to_string()))?;
+        let group = join(world, trainer.persistent().device(), w.timeout)?;
+        return Ok(Box::new(DataParallel::new(trainer, Box::new(group))));
+    }
     let mut options = CudaEngineOptions {
         device: world.local_rank,
         ..CudaEngineOptions::default()
     };
     options.pool.max_bytes = w.budget;
-    let engine = CudaEngine::new(w.model, &options)
-        .map_err(|e| rank(format!("GPU {}: {e}", world.local_rank)))?;
+    let engine = CudaEngine::new(w.model, &options).map_err(|e| gpu(e.to_string()))?;
     let trainer = CudaTrainer::new(engine, w.model.clone(), params, config)
         .map_err(|e| rank(e.to_string()))?;
+    let group = join(world, trainer.device(), w.timeout)?;
+    Ok(Box::new(DataParallel::new(trainer, Box::new(group))))
+}
+
+/// This rank's NCCL communicator on `device`: the id from rank 0 at the
+/// rendezvous, the watchdog armed with `timeout`.
+fn join(world: &World, device: &Arc<CudaDevice>, timeout: Duration) -> AnyResult<NcclGroup> {
+    let rank = |e: String| format!("rank {} of {}: {e}", world.rank, world.size);
     let mut made = None;
     let id = exchange_id(
         world,
@@ -274,14 +297,14 @@ pub(crate) fn engine(
                 Vec::new()
             }
         },
-        w.timeout,
+        timeout,
     )
     .map_err(|e| rank(e.to_string()))?;
     if let Some(e) = made {
         return Err(rank(e).into());
     }
-    let mut group = NcclGroup::join(trainer.device(), world.rank, world.size, &id)
-        .map_err(|e| rank(e.to_string()))?;
-    group.watch(w.timeout);
-    Ok(Box::new(DataParallel::new(trainer, Box::new(group))))
+    let mut group =
+        NcclGroup::join(device, world.rank, world.size, &id).map_err(|e| rank(e.to_string()))?;
+    group.watch(timeout);
+    Ok(group)
 }

@@ -382,6 +382,7 @@ fn training_engine(
             swapping: swap != ramus_cuda::SwapMode::Off,
             budget,
             timeout: distributed::timeout(a.dist_timeout)?,
+            batch_size: a.batch_size,
         };
         return distributed::engine(w, (params, oc));
     }

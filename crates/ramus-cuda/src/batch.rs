@@ -3,8 +3,8 @@
 //! vertices the head runs on ([`head_vertices`]). A leaf module, so that
 //! neither imports the other for them.
 
-use ramus_core::graph::Graph;
-use ramus_core::HeadRows;
+use ramus_core::graph::{Graph, Role};
+use ramus_core::{HeadRows, Model};
 use ramus_graph::{Schedule, NO_LABEL};
 
 use crate::pool::DeviceView;
@@ -43,4 +43,28 @@ pub(crate) fn head_vertices(rows: HeadRows, s: &Schedule) -> Vec<u32> {
             .filter(|&v| s.labels[v as usize] != NO_LABEL)
             .collect(),
     }
+}
+
+/// The rows of each of `params` (row-gradient tables) that a backward pass
+/// of the batch `s` sets: the tokens of the vertices whose function's
+/// backward pass writes that table's row gradient (sorted, unique).
+pub(crate) fn touched_rows<'p>(
+    model: &Model,
+    s: &Schedule,
+    params: impl IntoIterator<Item = &'p usize>,
+) -> Vec<(usize, Vec<u32>)> {
+    let mut lists = Vec::new();
+    for &p in params {
+        let mut rows: Vec<u32> = Vec::new();
+        for (f, func) in model.functions.iter().enumerate() {
+            let sets = |o: &ramus_core::graph::Output| o.role == Role::ParamRowGrad(p);
+            if func.backward.outputs.iter().any(sets) {
+                rows.extend(s.functions[f].vertex.iter().map(|&v| s.tokens[v as usize]));
+            }
+        }
+        rows.sort_unstable();
+        rows.dedup();
+        lists.push((p, rows));
+    }
+    lists
 }

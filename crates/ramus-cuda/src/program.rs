@@ -309,6 +309,28 @@ fn bias_of_product(
     Some((at, product, bias))
 }
 
+/// The parameters whose gradient every backward pass sets row by row
+/// (embedding tables read by row lookups, and nothing else).
+pub(crate) fn row_grad_params(model: &Model) -> BTreeSet<usize> {
+    let mut dense = BTreeSet::new();
+    let mut rows = BTreeSet::new();
+    let graphs = model.functions.iter().map(|f| &f.backward);
+    for g in graphs.chain([&model.head.backward]) {
+        for o in &g.outputs {
+            match o.role {
+                Role::ParamGrad(p) => {
+                    dense.insert(p);
+                }
+                Role::ParamRowGrad(p) => {
+                    rows.insert(p);
+                }
+                _ => {}
+            }
+        }
+    }
+    rows.difference(&dense).copied().collect()
+}
+
 impl Program {
     /// Plans every phase of `model` (fusion, views, steps) without a
     /// device: the program the engine runs, with no kernels attached, and
@@ -352,33 +374,13 @@ impl Program {
             &none,
             &mut kernels,
         )?;
-        let mut dense = BTreeSet::new();
-        let mut rows = BTreeSet::new();
-        for g in model
-            .functions
-            .iter()
-            .map(|f| &f.backward)
-            .chain([&head.backward])
-        {
-            for o in &g.outputs {
-                match o.role {
-                    Role::ParamGrad(p) => {
-                        dense.insert(p);
-                    }
-                    Role::ParamRowGrad(p) => {
-                        rows.insert(p);
-                    }
-                    _ => {}
-                }
-            }
-        }
         let program = Program {
             functions,
             infer_functions,
             head_forward_infer: lower(head_fwd_infer, &head.forward),
             head_forward: lower(head_fwd, &head.forward),
             head_backward: lower(head_bwd, &head.backward),
-            row_grad_params: rows.difference(&dense).copied().collect(),
+            row_grad_params: row_grad_params(model),
             fingerprint: fingerprint(model),
             fused_kernels: kernels.len(),
             listing: fusion_listing(model)?,

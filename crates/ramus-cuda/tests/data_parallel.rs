@@ -16,10 +16,11 @@ use rand_chacha::ChaCha8Rng;
 use ramus_conformance::close::{assert_close, assert_close_value, Tolerance};
 use ramus_conformance::zoo::{batch, Case};
 use ramus_cuda::nccl::{check_library, new_id, NcclGroup};
+use ramus_cuda::persistent::{PersistentOptions, PersistentTrainer};
 use ramus_cuda::{CudaDevice, CudaEngine, CudaEngineOptions, CudaTrainer};
 use ramus_dist::rendezvous::exchange_id;
 use ramus_dist::{Shard, World};
-use ramus_exec::data_parallel::{Collective, DataParallel};
+use ramus_exec::data_parallel::{Collective, DataParallel, SplitStep};
 use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine};
 use ramus_graph::InputGraph;
 
@@ -127,21 +128,54 @@ fn child_role() {
         return;
     }
     let (case, order) = case();
-    let trainer = trainer(&case, rank, kind);
-    let group = NcclGroup::join(trainer.device(), rank, world, &id).unwrap();
-    let mut dp = DataParallel::new(trainer, Box::new(group));
-    let shard = Shard::new(rank, world).unwrap();
-    let losses: Vec<f64> = shard
-        .batches(&order, PER_RANK)
-        .unwrap()
-        .iter()
-        .map(|part| {
-            let graphs: Vec<&InputGraph> = part.iter().map(|&i| &case.graphs[i]).collect();
-            let b = (!graphs.is_empty()).then(|| batch(&case.model, &graphs));
-            dp.step_shard(b.as_ref()).unwrap()
-        })
-        .collect();
-    save(&out, &flat(&dp.state().unwrap()), &losses);
+    let shards = Shards {
+        case: &case,
+        order: &order,
+        rank,
+        world,
+    };
+    let (params, losses) = if kind == "persistent" {
+        let options = PersistentOptions {
+            device: rank,
+            ..PersistentOptions::default()
+        };
+        let mut trainer =
+            PersistentTrainer::new(&case.model, &case.params(5), config(kind), &options).unwrap();
+        trainer.split_updates().unwrap();
+        let group = NcclGroup::join(trainer.persistent().device(), rank, world, &id).unwrap();
+        shards.train(DataParallel::new(trainer, Box::new(group)))
+    } else {
+        let trainer = trainer(&case, rank, kind);
+        let group = NcclGroup::join(trainer.device(), rank, world, &id).unwrap();
+        shards.train(DataParallel::new(trainer, Box::new(group)))
+    };
+    save(&out, &params, &losses);
+}
+
+/// A rank's shards of the case's batches.
+struct Shards<'a> {
+    case: &'a Case,
+    order: &'a [usize],
+    rank: usize,
+    world: usize,
+}
+
+impl Shards<'_> {
+    /// Trains `dp` on this rank's shards: its parameters and step losses.
+    fn train<E: SplitStep<f32>>(&self, mut dp: DataParallel<f32, E>) -> (Vec<f32>, Vec<f64>) {
+        let shard = Shard::new(self.rank, self.world).unwrap();
+        let losses: Vec<f64> = shard
+            .batches(self.order, PER_RANK)
+            .unwrap()
+            .iter()
+            .map(|part| {
+                let graphs: Vec<&InputGraph> = part.iter().map(|&i| &self.case.graphs[i]).collect();
+                let b = (!graphs.is_empty()).then(|| batch(&self.case.model, &graphs));
+                dp.step_shard(b.as_ref()).unwrap()
+            })
+            .collect();
+        (flat(&dp.state().unwrap()), losses)
+    }
 }
 
 /// `world` ranks of this test binary in the child role, writing to
@@ -281,7 +315,16 @@ fn two_gpus_over_sockets_train_as_one() {
     check_with(2, "adam", &sockets);
 }
 
+/// The persistent engine's kernel leaves the gradients in its pool; their
+/// sum is updated outside it: the same steps as the batched engine on one
+/// GPU at twice the batch.
+#[test]
+fn the_persistent_engine_on_two_gpus_trains_as_one() {
+    check(2, "persistent");
+}
+
 #[test]
 fn four_gpus_train_as_one_with_four_times_the_batch() {
     check(4, "adam");
+    check(4, "persistent");
 }

@@ -3,7 +3,6 @@
 //! host, the parameters brought back on demand; and the engine as a
 //! training engine, [`CudaTrainer`] ([`ramus_exec::TrainEngine`]).
 
-use ramus_core::graph::Role;
 use ramus_core::{Grads, HeadRows, Model, Params};
 use ramus_exec::{steps_in_flight, Batch, ForwardOutput, Mode, TrainEngine, TrainState};
 use ramus_exec::{Optimizer, OptimizerConfig, StepOutcome};
@@ -31,24 +30,7 @@ impl CudaEngine {
 
     /// [`touched_rows`](Self::touched_rows) on the host: sorted, unique.
     pub(crate) fn touched_row_lists(&self, model: &Model, s: &Schedule) -> Vec<(usize, Vec<u32>)> {
-        let mut lists = Vec::new();
-        for &p in &self.program.row_grad_params {
-            let mut rows: Vec<u32> = Vec::new();
-            for (f, func) in model.functions.iter().enumerate() {
-                if func
-                    .backward
-                    .outputs
-                    .iter()
-                    .any(|o| o.role == Role::ParamRowGrad(p))
-                {
-                    rows.extend(s.functions[f].vertex.iter().map(|&v| s.tokens[v as usize]));
-                }
-            }
-            rows.sort_unstable();
-            rows.dedup();
-            lists.push((p, rows));
-        }
-        lists
+        crate::batch::touched_rows(model, s, &self.program.row_grad_params)
     }
 
     /// Row lists uploaded, one device list per table.

@@ -46,6 +46,7 @@ mod prepare;
 mod resume;
 mod setup;
 mod sizes;
+mod split;
 mod submit;
 mod tune;
 mod variant;
@@ -97,6 +98,9 @@ pub struct PersistentEngine {
     pending: VecDeque<Pending>,
     /// See [`PersistentOptions::host_items`].
     host_items: usize,
+    /// Batches end with their gradients in the pool, not updated (see
+    /// [`PersistentEngine::defer_updates`]).
+    defer_updates: bool,
     /// Traced launches so far (the trace's launch numbers).
     traced_launches: u64,
     rng: ChaCha8Rng,

@@ -13,6 +13,7 @@
 
 mod engine;
 mod program;
+mod split;
 mod train;
 mod unroll;
 

@@ -37,13 +37,15 @@ pub fn prepared_ahead() -> usize {
 /// Training on the persistent engine, evaluation on the batched one.
 pub struct PersistentTrainer {
     /// Holds the parameters and the optimizer state (in its pool).
-    engine: PersistentEngine,
+    pub(super) engine: PersistentEngine,
     eval: CudaEngine,
     /// The model the engines were set up for.
-    model: Model,
-    config: OptimizerConfig,
+    pub(super) model: Model,
+    pub(super) config: OptimizerConfig,
     /// The parameters last read back for evaluation, until the next step.
-    evaluated: Option<Params<f32>>,
+    pub(super) evaluated: Option<Params<f32>>,
+    /// One rank of a data-parallel run (see [`PersistentTrainer::split_updates`]).
+    pub(super) split: Option<super::split::Split>,
 }
 
 /// What the evaluating (batched) engine allocates for the model: the
@@ -112,6 +114,7 @@ impl PersistentTrainer {
             model: model.clone(),
             config: optimizer,
             evaluated: None,
+            split: None,
         })
     }
 
@@ -134,7 +137,7 @@ impl PersistentTrainer {
         }))
     }
 
-    fn check_idle(&self, call: &str) -> ramus_exec::Result<()> {
+    pub(super) fn check_idle(&self, call: &str) -> ramus_exec::Result<()> {
         match self.engine.in_flight() {
             0 => Ok(()),
             _ => Err(steps_in_flight("cuda-persistent", call)),
@@ -203,15 +206,22 @@ impl TrainEngine<f32> for PersistentTrainer {
 
     fn finish(&mut self) -> ramus_exec::Result<Vec<StepOutcome>> {
         let steps = self.engine.finish().map_err(exec_err)?;
-        self.outcomes(steps)
+        let mut outcomes = self.outcomes(steps)?;
+        if self.split.is_some() {
+            self.engine.synchronize().map_err(exec_err)?;
+            outcomes.extend(self.settle_split()?);
+        }
+        Ok(outcomes)
     }
 
     fn lookahead(&self) -> usize {
         prepared_ahead()
     }
 
+    /// Split for data parallelism, the update runs outside the kernel and
+    /// a non-finite step is skipped.
     fn skips_nonfinite(&self) -> bool {
-        false
+        self.split.is_some()
     }
 
     fn set_seed(&mut self, seed: u64) {
@@ -223,9 +233,11 @@ impl TrainEngine<f32> for PersistentTrainer {
         self.check_idle("state()")?;
         let params = self.engine.params(&self.model).map_err(exec_err)?;
         let mut optimizer = Optimizer::new(self.config, &params);
-        self.engine
-            .download_optimizer(&mut optimizer)
-            .map_err(exec_err)?;
+        if !self.split_moments(&mut optimizer)? {
+            self.engine
+                .download_optimizer(&mut optimizer)
+                .map_err(exec_err)?;
+        }
         Ok(TrainState {
             params,
             optimizer,
@@ -237,9 +249,11 @@ impl TrainEngine<f32> for PersistentTrainer {
         self.check_idle("restore()")?;
         state.check_fits(&self.model, &self.config)?;
         self.engine.upload_params(&state.params).map_err(exec_err)?;
-        self.engine
-            .upload_optimizer(&state.optimizer)
-            .map_err(exec_err)?;
+        if !self.restore_split_moments(&state.optimizer) {
+            self.engine
+                .upload_optimizer(&state.optimizer)
+                .map_err(exec_err)?;
+        }
         self.engine.set_dropout_rng(state.dropout.clone());
         self.eval.set_dropout_rng(state.dropout);
         self.evaluated = Some(state.params);

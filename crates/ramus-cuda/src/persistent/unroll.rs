@@ -258,6 +258,8 @@ impl RowProducers {
 struct Unroller<'a> {
     /// Weight gradients accumulate in registers (else: cuBLAS afterwards).
     grads_in_registers: bool,
+    /// No update tasks: see [`Lowering::defer_updates`].
+    defer_updates: bool,
     /// Instructions one op's rows are cut into at most (see
     /// [`Unroller::chunks`]).
     spread: usize,
@@ -681,6 +683,36 @@ pub(crate) fn unroll_batch(
     host_items: usize,
     rng: &mut ChaCha8Rng,
 ) -> Result<BatchProgram> {
+    let lowering = Lowering {
+        grads_in_registers,
+        defer_updates: false,
+    };
+    unroll(model, prog, s, lowering, spread, host_items, rng)
+}
+
+/// Where a batch's weight gradients build up and whether its program
+/// applies them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Lowering {
+    /// The cached matrices' gradients in the kernel's registers.
+    pub grads_in_registers: bool,
+    /// The program ends with every gradient in its pool slot and applies no
+    /// update (data parallelism: the gradients are summed over the ranks
+    /// first, then updated outside the kernel).
+    pub defer_updates: bool,
+}
+
+/// [`unroll_batch`] with the updates deferred or not.
+pub(crate) fn unroll(
+    model: &Model,
+    prog: &PersistentProgram,
+    s: &Schedule,
+    lowering: Lowering,
+    spread: usize,
+    host_items: usize,
+    rng: &mut ChaCha8Rng,
+) -> Result<BatchProgram> {
+    let grads_in_registers = lowering.grads_in_registers;
     let head_vertices = crate::engine::head_vertices(model.head.rows, s);
     if head_vertices.is_empty() {
         return Err(err(
@@ -689,6 +721,7 @@ pub(crate) fn unroll_batch(
     }
     let mut u = Unroller {
         grads_in_registers,
+        defer_updates: lowering.defer_updates,
         spread,
         gemms: Vec::new(),
         host_items,
@@ -737,7 +770,7 @@ pub(crate) fn unroll_batch(
     // without register gradients: the cached matrices' updates, after the
     // cuBLAS products (a second launch of the kernel)
     let mut batch_graph = std::mem::take(&mut u.g);
-    if !grads_in_registers {
+    if !grads_in_registers && !lowering.defer_updates {
         for m in &prog.matrices {
             u.dense_update(m.param, &model.params[m.param].shape, Vec::new())?;
         }

@@ -73,8 +73,12 @@ impl PersistentEngine {
             .in_call("cuEventRecord")?;
         // register gradients outlive no launch: every launch before the
         // last one with kernel work hands them to the pool's accumulator
+        // (the last one too when the update is deferred)
         let in_registers = self.variants[variant].kernel.plan().grads_in_registers;
-        let last_kernel = launches.iter().rposition(|l| l.scripts.is_some());
+        let last_kernel = launches
+            .iter()
+            .rposition(|l| l.scripts.is_some())
+            .filter(|_| !self.defer_updates);
         for (i, launch) in launches.iter().enumerate() {
             if let Some(scripts) = &launch.scripts {
                 let words = scripts.packed.words.len();
@@ -90,8 +94,10 @@ impl PersistentEngine {
             }
             self.host_work(&batch.host_work, &launch.host_after, view)?;
         }
-        if let Some(updates) = &updates {
+        if !in_registers {
             self.gradient_products(&batch.gemms, view)?;
+        }
+        if let Some(updates) = &updates {
             let script = script_view.slice(update_at..script_words)?;
             self.variants[variant].kernel.launch(
                 view,

@@ -15,7 +15,7 @@ use super::sizes;
 use super::PersistentEngine;
 use crate::error::Result;
 use crate::persistent::program::PersistentProgram;
-use crate::persistent::unroll::unroll_batch;
+use crate::persistent::unroll::{unroll, Lowering};
 use crate::pinned::PinnedBuffer;
 
 /// What preparing a batch reads: the model, its program and the variant
@@ -27,7 +27,7 @@ pub(super) struct PrepareFor<'a> {
     pub(super) prog: Arc<PersistentProgram>,
     pub(super) variant: usize,
     pub(super) scheduler: Arc<Scheduler>,
-    pub(super) in_registers: bool,
+    pub(super) lowering: Lowering,
     pub(super) host_items: usize,
 }
 
@@ -40,7 +40,10 @@ impl<'a> PrepareFor<'a> {
             prog: Arc::clone(&engine.prog),
             variant,
             scheduler: Arc::clone(&engine.variants[variant].scheduler),
-            in_registers: engine.variants[variant].kernel.plan().grads_in_registers,
+            lowering: Lowering {
+                grads_in_registers: engine.variants[variant].kernel.plan().grads_in_registers,
+                defer_updates: engine.defer_updates,
+            },
             host_items: engine.host_items,
         }
     }
@@ -58,18 +61,17 @@ impl<'a> PrepareFor<'a> {
         started: Instant,
     ) -> Result<PreparedBatch> {
         let scheduler = &self.scheduler;
-        let in_registers = self.in_registers;
-        let mut batch = unroll_batch(
+        let mut batch = unroll(
             self.model,
             &self.prog,
             schedule,
-            in_registers,
+            self.lowering,
             scheduler.vpps,
             self.host_items,
             rng,
         )?;
         let tasks = batch.graph.len();
-        let (launches, updates) = sizes::schedule_batch(scheduler, &mut batch, in_registers)?;
+        let (launches, updates) = sizes::schedule_batch(scheduler, &mut batch, self.lowering)?;
         let update_words = updates.as_ref().map_or(&[][..], |u| &u.packed.words[..]);
         let mut parts = vec![&batch.upload[..]];
         parts.extend(

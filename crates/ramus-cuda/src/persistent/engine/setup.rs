@@ -140,6 +140,7 @@ impl PersistentEngine {
             transfer,
             pending: VecDeque::new(),
             host_items,
+            defer_updates: false,
             traced_launches: 0,
             rng: ChaCha8Rng::seed_from_u64(0),
             fingerprint: crate::program::fingerprint(model),

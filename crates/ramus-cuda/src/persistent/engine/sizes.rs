@@ -36,7 +36,7 @@ use super::variant::{variant_scheduler, VariantBuild, VariantChoice};
 use crate::error::Result;
 use crate::memory::block_bytes;
 use crate::persistent::program::{graph_keys, PersistentProgram};
-use crate::persistent::unroll::{node_region, unroll_batch, BatchProgram};
+use crate::persistent::unroll::{node_region, unroll_batch, BatchProgram, Lowering};
 use crate::persistent::{kernel_tables, MatrixSlots};
 
 /// Floats of batch values the pool buffer starts with when no check sized
@@ -83,7 +83,7 @@ pub(super) fn slots_in_flight() -> usize {
 pub(super) fn schedule_batch(
     scheduler: &Scheduler,
     batch: &mut BatchProgram,
-    in_registers: bool,
+    lowering: Lowering,
 ) -> Result<(Vec<LaunchScripts>, Option<BatchScripts>)> {
     let graph = std::mem::take(&mut batch.graph);
     let mut launches = Vec::new();
@@ -100,7 +100,9 @@ pub(super) fn schedule_batch(
         });
         at += words;
     }
-    let updates = (!in_registers)
+    // the cached matrices' updates, a launch of their own (none when the
+    // updates are deferred)
+    let updates = (!lowering.grads_in_registers && !lowering.defer_updates)
         .then(|| scheduler.schedule(&batch.matrix_updates))
         .transpose()?;
     Ok((launches, updates))
@@ -299,7 +301,11 @@ pub(super) fn need(
                     host_items,
                     &mut rng,
                 )?;
-                let (launches, updates) = schedule_batch(scheduler, &mut batch, in_registers)?;
+                let lowering = Lowering {
+                    grads_in_registers: in_registers,
+                    defer_updates: false,
+                };
+                let (launches, updates) = schedule_batch(scheduler, &mut batch, lowering)?;
                 let traced_ctas = traced.then_some(vpps);
                 Ok((
                     script_words(&launches, updates.as_ref()),

@@ -276,7 +276,10 @@ impl Unroller<'_> {
             self.phase(GraphKey::Backward(f), LAZY, self.all_rows(f))?;
         }
         self.param_grads()?;
-        self.updates()
+        match self.defer_updates {
+            true => Ok(()),
+            false => self.updates(),
+        }
     }
 
     /// The head's input: the pushed rows of the head vertices.

@@ -1,0 +1,160 @@
+//! What a data-parallel step needs of a [`PersistentEngine`]: batches that
+//! end with every gradient in its pool slot (no update in the kernel), the
+//! slots as the device optimizer and a collective see them, and their
+//! zeroing once the update has read them.
+
+use ramus_core::Model;
+use ramus_exec::data_parallel::DeviceBuffer;
+use ramus_exec::OptimizerConfig;
+
+use super::options::model_err;
+use super::PersistentEngine;
+use crate::error::Result;
+use crate::optimizer::{DeviceOptimizer, GradLayout, ParamSlot};
+use crate::pool::{DeviceView, PoolBuffer};
+
+impl PersistentEngine {
+    /// From the next batch on, a batch's kernel leaves every gradient in
+    /// its pool slot and applies no update (the register gradients are
+    /// flushed at the end of its last launch too): the caller sums them
+    /// over the ranks and updates them with a [`DeviceOptimizer`] over
+    /// [`param_slots`](Self::param_slots), then zeroes them.
+    pub fn defer_updates(&mut self) -> Result<()> {
+        if !self.pending.is_empty() {
+            return Err(model_err(
+                "updates can be deferred only with no batch in flight",
+            ));
+        }
+        self.defer_updates = true;
+        Ok(())
+    }
+
+    /// The pool buffer's address: the views of
+    /// [`param_slots`](Self::param_slots) hold until it changes (the pool
+    /// grows for a larger batch).
+    pub(crate) fn buffer_address(&self) -> u64 {
+        self.buffer.view().device_ptr()
+    }
+
+    /// Every parameter's value and gradient slot in the pool, as the device
+    /// optimizer updates them (`row_params`: the row-gradient tables).
+    pub(crate) fn param_slots(
+        &self,
+        model: &Model,
+        row_params: &[usize],
+    ) -> Result<Vec<ParamSlot>> {
+        let view = self.buffer.view();
+        let layout = &self.prog.params;
+        (0..model.params.len())
+            .map(|p| {
+                let len = layout.len[p];
+                let grad = layout.grad[p]
+                    .ok_or_else(|| model_err("a parameter without a gradient slot"))?;
+                let value = layout.value[p];
+                let kind = if model.is_buffer(p) {
+                    GradLayout::Frozen
+                } else if row_params.contains(&p) {
+                    GradLayout::Rows {
+                        width: model.params[p].shape.get(1).copied().unwrap_or(1),
+                    }
+                } else {
+                    GradLayout::Dense
+                };
+                Ok(ParamSlot {
+                    value: view.slice(value..value + len)?,
+                    grad: view.slice(grad..grad + len)?,
+                    layout: kind,
+                })
+            })
+            .collect()
+    }
+
+    /// A device optimizer over [`param_slots`](Self::param_slots), its
+    /// kernels from the engine's cache.
+    pub(crate) fn device_optimizer(
+        &self,
+        model: &Model,
+        config: &OptimizerConfig,
+        row_params: &[usize],
+    ) -> Result<DeviceOptimizer> {
+        let slots = self.param_slots(model, row_params)?;
+        DeviceOptimizer::new(&self.device, &self.pool, &self.cache, config, &slots)
+    }
+
+    /// The trained parameters' gradient slots, for a collective on the
+    /// engine's stream.
+    pub(crate) fn grad_buffers(&self, model: &Model) -> Result<Vec<DeviceBuffer>> {
+        let stream = self.device.stream().cu_stream() as u64;
+        self.trained_grads(model)?
+            .into_iter()
+            .map(|g| {
+                Ok(DeviceBuffer {
+                    ptr: g.device_ptr(),
+                    len: g.len(),
+                    stream,
+                })
+            })
+            .collect()
+    }
+
+    /// Zeroes the trained parameters' gradient slots on the stream, after
+    /// the update that read them.
+    pub(crate) fn zero_grads(&self, model: &Model) -> Result<()> {
+        let stream = self.device.stream();
+        for g in self.trained_grads(model)? {
+            g.fill_zero(stream)?;
+        }
+        Ok(())
+    }
+
+    fn trained_grads(&self, model: &Model) -> Result<Vec<DeviceView<f32>>> {
+        let view = self.buffer.view();
+        let layout = &self.prog.params;
+        (0..model.params.len())
+            .filter(|&p| !model.is_buffer(p))
+            .map(|p| {
+                let at = layout.grad[p]
+                    .ok_or_else(|| model_err("a parameter without a gradient slot"))?;
+                view.slice(at..at + layout.len[p])
+            })
+            .collect()
+    }
+
+    /// `words` in a new pool buffer of their own (at least one word), copied
+    /// on the stream.
+    pub(crate) fn upload_words(&mut self, words: &[u32]) -> Result<PoolBuffer<u32>> {
+        let buffer = self.pool.alloc::<u32>(words.len().max(1))?;
+        if !words.is_empty() {
+            let stream = self.device.stream().clone();
+            let view = buffer.view().slice(0..words.len())?;
+            self.transfer.upload_slice(words, view, &stream)?;
+        }
+        Ok(buffer)
+    }
+
+    /// `value` into the first float of `dst`, on the stream.
+    pub(crate) fn upload_scalar(&mut self, value: f32, dst: DeviceView<f32>) -> Result<()> {
+        let stream = self.device.stream().clone();
+        self.transfer
+            .upload_slice(&[value], dst.slice(0..1)?, &stream)
+    }
+
+    /// The device the engine runs on.
+    pub fn device(&self) -> &std::sync::Arc<crate::CudaDevice> {
+        &self.device
+    }
+
+    /// The stream the engine's work is ordered on.
+    pub(crate) fn stream(&self) -> &std::sync::Arc<cudarc::driver::CudaStream> {
+        self.device.stream()
+    }
+
+    /// Waits for everything queued on the stream.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        use crate::error::InCall;
+        self.device
+            .stream()
+            .synchronize()
+            .in_call("cuStreamSynchronize")
+    }
+}
