@@ -109,6 +109,15 @@ pub trait Collective<T>: Send {
 /// needs from the other ranks, then the rest of the step with what they
 /// said.
 pub trait SplitStep<T: Real>: TrainEngine<T> {
+    /// Before the steps of `batches` (this rank's, in order, one a step):
+    /// host work an engine can do for all of them at once, ahead of their
+    /// steps (the persistent engine lowers them in parallel). Nothing by
+    /// default.
+    fn prepare(&mut self, batches: &[Batch<'_>]) -> Result<()> {
+        let _ = batches;
+        Ok(())
+    }
+
     /// The forward pass on `batch` (`None`: this rank has no graphs in this
     /// step), and the backward pass too where the engine learns only then
     /// which rows its gradients set.
@@ -323,6 +332,9 @@ impl<T: Real, E: SplitStep<T>> TrainEngine<T> for DataParallel<T, E> {
         self.engine.forward_rows(batch, mode, rows)
     }
     fn submit(&mut self, batches: &[Batch<'_>]) -> Result<Vec<StepOutcome>> {
+        if batches.len() > 1 {
+            self.engine.prepare(batches)?;
+        }
         let mut outcomes = Vec::new();
         for b in batches {
             outcomes.extend(self.step(Some(b))?);
@@ -331,6 +343,11 @@ impl<T: Real, E: SplitStep<T>> TrainEngine<T> for DataParallel<T, E> {
     }
     fn finish(&mut self) -> Result<Vec<StepOutcome>> {
         self.engine.finish()
+    }
+    /// The engine's: a window of batches is prepared at once
+    /// ([`SplitStep::prepare`]), then stepped one at a time.
+    fn lookahead(&self) -> usize {
+        self.engine.lookahead()
     }
     fn skips_nonfinite(&self) -> bool {
         self.engine.skips_nonfinite()

@@ -148,17 +148,13 @@ impl<T: Real> Trainer<T> {
         }
         self.check_nonfinite_policy()?;
         // trained with other ranks: this rank's part of each global batch
-        // (possibly empty in a short last one), one step at a time
+        // (possibly empty in a short last one)
         let (rank, world) = self.engine.ranks();
         let chunks: Vec<&[usize]> = match world {
             1 => span.order.chunks(span.batch_size).collect(),
             _ => Shard::new(rank, world).and_then(|s| s.batches(span.order, span.batch_size))?,
         };
-        let window = if world > 1 {
-            1
-        } else {
-            self.engine.lookahead().max(1)
-        };
+        let window = self.engine.lookahead().max(1);
         let windows = windows(at.batches, chunks.len(), window, pauses.every);
         let model = self.engine.model().clone();
         let (sender, built) = std::sync::mpsc::sync_channel(1);

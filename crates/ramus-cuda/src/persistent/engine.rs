@@ -101,6 +101,9 @@ pub struct PersistentEngine {
     /// Batches end with their gradients in the pool, not updated (see
     /// [`PersistentEngine::defer_updates`]).
     defer_updates: bool,
+    /// Batches prepared ahead of their launch, with their vertex counts
+    /// (see [`PersistentEngine::prepare_window`]).
+    prepared: VecDeque<(usize, batch::PreparedBatch)>,
     /// Traced launches so far (the trace's launch numbers).
     traced_launches: u64,
     rng: ChaCha8Rng,

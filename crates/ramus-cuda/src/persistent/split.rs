@@ -159,15 +159,30 @@ impl PersistentTrainer {
 }
 
 impl SplitStep<f32> for PersistentTrainer {
+    /// Lowers the window's batches in parallel, as the engine does alone.
+    fn prepare(&mut self, batches: &[Batch<'_>]) -> Result<()> {
+        let schedules: Vec<&ramus_graph::Schedule> = batches.iter().map(|b| &b.schedule).collect();
+        self.engine
+            .prepare_window(&self.model, &schedules)
+            .map_err(device_err)
+    }
+
     fn local_step(&mut self, batch: Option<&Batch<'_>>) -> Result<LocalStep> {
         self.evaluated = None;
         let (loss, rows, lists) = match batch {
             Some(batch) => {
                 let model = &self.model;
-                let earlier = self
+                let launched = self
                     .engine
-                    .submit_scheduled(model, &batch.schedule, Instant::now())
+                    .launch_prepared(&batch.schedule)
                     .map_err(device_err)?;
+                let earlier = match launched {
+                    true => None,
+                    false => self
+                        .engine
+                        .submit_scheduled(model, &batch.schedule, Instant::now())
+                        .map_err(device_err)?,
+                };
                 if earlier.is_some() {
                     return Err(ExecError::Device(
                         "a data-parallel step found an earlier batch in flight".into(),

@@ -141,6 +141,7 @@ impl PersistentEngine {
             pending: VecDeque::new(),
             host_items,
             defer_updates: false,
+            prepared: VecDeque::new(),
             traced_launches: 0,
             rng: ChaCha8Rng::seed_from_u64(0),
             fingerprint: crate::program::fingerprint(model),

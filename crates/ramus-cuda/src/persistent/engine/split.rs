@@ -3,14 +3,21 @@
 //! slots as the device optimizer and a collective see them, and their
 //! zeroing once the update has read them.
 
+use std::time::Instant;
+
+use rayon::prelude::*;
+
 use ramus_core::Model;
 use ramus_exec::data_parallel::DeviceBuffer;
 use ramus_exec::OptimizerConfig;
+use ramus_graph::Schedule;
 
 use super::options::model_err;
+use super::prepare::PrepareFor;
 use super::PersistentEngine;
 use crate::error::Result;
 use crate::optimizer::{DeviceOptimizer, GradLayout, ParamSlot};
+use crate::persistent::unroll::dropout_draws;
 use crate::pool::{DeviceView, PoolBuffer};
 
 impl PersistentEngine {
@@ -27,6 +34,76 @@ impl PersistentEngine {
         }
         self.defer_updates = true;
         Ok(())
+    }
+
+    /// Prepares a window of batches (in order, each a schedule) in
+    /// parallel on the host's cores without launching them: each
+    /// [`launch_prepared`](Self::launch_prepared) launches the next, so a
+    /// data-parallel rank, which launches one batch a step, prepares as the
+    /// engine does alone. Dropout masks are drawn as by one submit per
+    /// batch. While a bridge kernel trains, nothing is prepared ahead.
+    pub(crate) fn prepare_window(&mut self, model: &Model, schedules: &[&Schedule]) -> Result<()> {
+        self.check_model(model)?;
+        self.take_up_kernel(false)?;
+        if self.awaited.is_some() || !self.prepared.is_empty() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let mut jobs = Vec::with_capacity(schedules.len());
+        for (&slot, s) in self.free_slots(schedules.len())?.iter().zip(schedules) {
+            let rng = self.rng.clone();
+            let words = 2 * dropout_draws(model, s);
+            self.rng.set_word_pos(self.rng.get_word_pos() + words);
+            jobs.push((slot, rng, s.num_vertices()));
+        }
+        let mut lent = Vec::with_capacity(jobs.len());
+        for (slot, rng, vertices) in jobs {
+            lent.push((slot, rng, vertices, self.take_staging(slot)?));
+        }
+        let prepare = PrepareFor::new(model, self);
+        let done: Vec<_> = lent
+            .into_par_iter()
+            .zip(schedules.par_iter())
+            .with_max_len(1)
+            .map(|((slot, mut rng, vertices, mut staging), s)| {
+                let prepared = prepare.prepare(s, &mut rng, slot, &mut staging, started);
+                (slot, vertices, staging, prepared)
+            })
+            .collect();
+        let mut failed = None;
+        for (slot, vertices, staging, prepared) in done {
+            self.slots[slot].staging = Some(staging);
+            match prepared {
+                Ok(p) if failed.is_none() => self.prepared.push_back((vertices, p)),
+                Ok(_) => {}
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        match failed {
+            Some(e) => {
+                self.prepared.clear();
+                Err(e)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Launches the next batch [`prepare_window`](Self::prepare_window)
+    /// prepared, which must be `schedule`'s; `false` when none is waiting.
+    pub(crate) fn launch_prepared(&mut self, schedule: &Schedule) -> Result<bool> {
+        let Some((vertices, prepared)) = self.prepared.pop_front() else {
+            return Ok(false);
+        };
+        if vertices != schedule.num_vertices() {
+            self.prepared.clear();
+            return Err(model_err(
+                "a data-parallel step's batch is not the one prepared for it",
+            ));
+        }
+        self.enqueue(prepared)?;
+        Ok(true)
     }
 
     /// The pool buffer's address: the views of

@@ -230,11 +230,12 @@ impl PersistentEngine {
         Ok(())
     }
 
-    /// `n` slots no pending batch uses, ascending (new ones where too few
+    /// `n` slots no pending or prepared batch uses, ascending (new ones where too few
     /// are free).
     pub(super) fn free_slots(&mut self, n: usize) -> Result<Vec<usize>> {
         let mut free: Vec<usize> = (0..self.slots.len())
             .filter(|&i| !self.pending.iter().any(|p| p.slot == i))
+            .filter(|&i| !self.prepared.iter().any(|(_, p)| p.slot == i))
             .take(n)
             .collect();
         while free.len() < n {
