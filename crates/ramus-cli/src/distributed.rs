@@ -145,6 +145,11 @@ pub(crate) fn launch(l: &Launch<'_>) -> AnyResult<bool> {
         if let Some(threads) = &threads {
             cmd.env("RAYON_NUM_THREADS", threads);
         }
+        // NVLink multicast (NVLS) stays off unless asked for: on hosts
+        // whose GPUs are shared it can take them out of service
+        if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+            cmd.env("NCCL_NVLS_ENABLE", "0");
+        }
         match cmd.spawn() {
             Ok(child) => workers.push(child),
             Err(e) => {

@@ -440,6 +440,8 @@ struct Run<'a> {
     paths: Option<CheckpointPaths>,
     stop: Option<Arc<AtomicBool>>,
     log: Option<RunLog>,
+    /// When the command started, until its first step is done and said.
+    started: Option<Instant>,
 }
 
 impl Run<'_> {
@@ -533,6 +535,7 @@ impl Run<'_> {
             requested: &requested,
         };
         let seen_before = self.s.run.progress.graphs;
+        let mut started = self.started.take();
         let lr = self.s.lr;
         let mut log_failed: Option<String> = None;
         loop {
@@ -546,6 +549,16 @@ impl Run<'_> {
                 &mut self.s.run.progress,
                 &pauses,
                 |batch, seen, loss| {
+                    if let Some(t) = started.take() {
+                        // set-up, data, engine, and on several GPUs the
+                        // rendezvous and the communicator
+                        bar.suspend(|| {
+                            logln!(
+                                "first step done {:.2} s after start",
+                                t.elapsed().as_secs_f64()
+                            )
+                        });
+                    }
                     bar.set_position(seen as u64);
                     bar.set_message(format!("{loss:.4}"));
                     if let Some(log) = self.log.as_mut().filter(|l| l.logs_step(batch)) {
@@ -643,6 +656,7 @@ impl Run<'_> {
 
 /// `ramus train`.
 pub fn run(a: TrainArgs) -> AnyResult {
+    let launched = Instant::now();
     distributed::timeout(a.dist_timeout)?;
     let launch = distributed::Launch {
         gpus: a.gpus,
@@ -711,6 +725,7 @@ pub fn run(a: TrainArgs) -> AnyResult {
         paths,
         stop,
         log,
+        started: Some(launched),
     };
     for epoch in run.s.run.epochs_done + 1..=a.epochs {
         if !run.epoch(epoch, &style)? {
