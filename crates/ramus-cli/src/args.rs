@@ -7,7 +7,9 @@ use clap::{Parser, Subcommand};
 use ramus_exec::OnNonFinite;
 
 use crate::model_build::CheckpointFlags;
-use crate::{bench, bench_swap, device, infer, limits, plan_memory, sequence, structure, vision};
+use crate::{
+    bench, bench_swap, device, infer, limits, plan_memory, plot, sequence, structure, vision,
+};
 
 #[derive(Parser)]
 #[command(
@@ -33,6 +35,9 @@ pub(crate) enum Command {
     /// Predict with a checkpoint: trees from a file or standard input, one
     /// JSON line of scores per tree.
     Infer(infer::InferArgs),
+    /// Draw the loss and accuracy curves of runs (`train --log-dir`
+    /// directories) to a PNG, one colour per run.
+    Plot(plot::PlotArgs),
     /// Plan one training iteration under a device memory budget (swap plan).
     PlanMemory(plan_memory::PlanMemoryArgs),
     /// Time CNN training past device memory: no swapping, naive swapping and

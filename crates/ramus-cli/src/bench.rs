@@ -174,6 +174,50 @@ fn batch_sizes(list: &str) -> AnyResult<Vec<usize>> {
 }
 
 pub fn run(a: BenchArgs) -> AnyResult {
+    let Some(path) = a.plot.clone() else {
+        return measure(&a).map(|_| ());
+    };
+    check_plot(&a, &path)?;
+    let lines = measure(&a)?;
+    let device = match a.device {
+        crate::device::Device::Cpu => "cpu",
+        crate::device::Device::Cuda => "cuda",
+    };
+    let title = format!(
+        "ramus bench: {} engine, {}, hidden {}, {device}",
+        a.engine, a.model, a.hidden
+    );
+    crate::plot::bench_chart::write(&path, &lines, &title)
+}
+
+/// Checks, before any timing, that `--plot` has speed-ups to draw and can
+/// write `path`.
+fn check_plot(a: &BenchArgs, path: &std::path::Path) -> AnyResult {
+    if a.profile_inputs.is_some() {
+        return Err("--plot draws timings; --profile-inputs times nothing".into());
+    }
+    let compares = match a.engine.as_str() {
+        "persistent" => true,
+        "compiled" => a.compare_batched || a.anchor.is_some(),
+        _ => a.anchor.is_some(),
+    };
+    if !compares {
+        return Err(format!(
+            "--plot draws speed-ups and `--engine {}` compares with nothing: add --anchor{}",
+            a.engine,
+            if a.engine == "compiled" {
+                " or --compare-batched"
+            } else {
+                ""
+            }
+        )
+        .into());
+    }
+    Ok(ramus_exec::atomic::check_writable(path, "--plot")?)
+}
+
+/// Runs the bench `a` asks for; returns the lines it printed.
+fn measure(a: &BenchArgs) -> AnyResult<Vec<serde_json::Value>> {
     let policy: BatchingPolicy = a.policy.parse()?;
     let sizes = batch_sizes(&a.batch_sizes)?;
     if a.anchor.is_some() && a.model != "treelstm" {
@@ -183,7 +227,7 @@ pub fn run(a: BenchArgs) -> AnyResult {
         graphs: inputs,
         model,
         vocab,
-    } = read_inputs(&a, sizes.iter().copied().max().unwrap_or(1))?;
+    } = read_inputs(a, sizes.iter().copied().max().unwrap_or(1))?;
     if let Some(big) = sizes.iter().find(|&&bs| bs > inputs.len()) {
         return Err(format!(
             "batch size {big} exceeds the {} inputs in {}",
@@ -192,15 +236,16 @@ pub fn run(a: BenchArgs) -> AnyResult {
         )
         .into());
     }
-    let need = bench_need(&a, &model, &inputs, &sizes, vocab)?;
+    let need = bench_need(a, &model, &inputs, &sizes, vocab)?;
     let params = Params::<f32>::init(&model, 0);
     if let Some(profiled) = a.profile_inputs {
-        return traffic::run(&a, profiled, &model, &params, &inputs, &sizes);
+        traffic::run(a, profiled, &model, &params, &inputs, &sizes)?;
+        return Ok(Vec::new());
     }
     match a.engine.as_str() {
         "batched" => {}
-        "compiled" => return compiled::run(&a, &model, &params, &inputs, &sizes),
-        "persistent" => return persistent::run(&a, &model, &params, &inputs, &sizes),
+        "compiled" => return compiled::run(a, &model, &params, &inputs, &sizes),
+        "persistent" => return persistent::run(a, &model, &params, &inputs, &sizes),
         other => {
             return Err(format!(
                 "unknown engine `{other}` (expected batched, compiled or persistent)"
@@ -208,7 +253,7 @@ pub fn run(a: BenchArgs) -> AnyResult {
             .into())
         }
     }
-    let (mut engine, table_ms) = bench_engine(&a, &model, (params, bench_optimizer()), vocab)?;
+    let (mut engine, table_ms) = bench_engine(a, &model, (params, bench_optimizer()), vocab)?;
     if let BenchEngine::Cuda(e) = &engine {
         need.check_device(e.as_ref(), a.device_memory_budget)?;
     }
@@ -259,7 +304,8 @@ pub fn run(a: BenchArgs) -> AnyResult {
         }
     }
     if let Some(anchor) = &a.anchor {
-        run_anchor(&a, anchor, &results)?;
+        let ratios = run_anchor(a, anchor, &results)?;
+        results.extend(ratios);
     }
-    Ok(())
+    Ok(results)
 }

@@ -17,6 +17,7 @@ mod metrics;
 mod model_build;
 mod output;
 mod plan_memory;
+mod plot;
 #[cfg(test)]
 mod reader_props;
 mod result;
@@ -57,6 +58,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::Infer(a) => infer::run(a),
         Command::PlanMemory(a) => plan_memory::run(a),
+        Command::Plot(a) => plot::run(a),
         Command::BenchSwap(a) => bench_swap::run_bench(a),
         Command::Inspect {
             model,

@@ -117,6 +117,11 @@ pub struct BenchArgs {
     pub(super) profile_inputs: Option<usize>,
     #[command(flatten)]
     pub(super) host: crate::limits::HostBudgetArgs,
+    /// Also draw the speed-ups the bench prints (--compare-batched,
+    /// --engine persistent's over the batched engine, --anchor's) as bars
+    /// per batch size to this PNG (written atomically).
+    #[arg(long)]
+    pub(super) plot: Option<PathBuf>,
 }
 
 /// The compiled engines' recursion primitives on the command line: each
@@ -271,12 +276,13 @@ pub(super) fn train_time(
 }
 
 /// Runs the PyTorch anchor on the same trees and device and prints its
-/// lines and the Ramus / PyTorch ratios of `results` (matched by batch).
+/// lines and the Ramus / PyTorch ratios of `results` (matched by batch),
+/// which it returns.
 pub(crate) fn run_anchor(
     a: &BenchArgs,
     anchor: &std::path::Path,
     results: &[serde_json::Value],
-) -> AnyResult {
+) -> AnyResult<Vec<serde_json::Value>> {
     let out = Command::new(&a.python)
         .arg(anchor)
         .arg(&a.trees)
@@ -297,6 +303,7 @@ pub(crate) fn run_anchor(
     if !out.status.success() {
         return Err(format!("anchor failed: {}", String::from_utf8_lossy(&out.stderr)).into());
     }
+    let mut ratios = Vec::new();
     for line in String::from_utf8_lossy(&out.stdout).lines() {
         outln!("{line}")?;
         let Ok(t) = serde_json::from_str::<serde_json::Value>(line) else {
@@ -307,14 +314,13 @@ pub(crate) fn run_anchor(
                 let (x, y) = (r[k].as_f64()?, t[k].as_f64()?);
                 Some(((if inverse { y / x } else { x / y }) * 100.0).round() / 100.0)
             };
-            outln!(
-                "{}",
-                serde_json::json!({
-                    "ratio": "ramus_vs_pytorch_levelbatch", "batch": t["batch"], "hidden": a.hidden,
-                    "infer_speedup": ratio("infer_ms", true), "train_speedup": ratio("train_sent_per_s", false),
-                })
-            )?;
+            let line = serde_json::json!({
+                "ratio": "ramus_vs_pytorch_levelbatch", "batch": t["batch"], "hidden": a.hidden,
+                "infer_speedup": ratio("infer_ms", true), "train_speedup": ratio("train_sent_per_s", false),
+            });
+            outln!("{line}")?;
+            ratios.push(line);
         }
     }
-    Ok(())
+    Ok(ratios)
 }

@@ -124,32 +124,34 @@ pub(super) fn run(
     params: &Params<f32>,
     trees: &[InputGraph],
     sizes: &[usize],
-) -> AnyResult {
+) -> AnyResult<Vec<serde_json::Value>> {
     let last = match a.device {
         Device::Cpu => run_cpu(a, model, params, trees, sizes)?,
         Device::Cuda => run_cuda(a, model, params, trees, sizes)?,
     };
+    let mut lines = last.clone();
     if a.compare_batched {
-        compare_with_batched(a, model, params, trees, &last)?;
+        lines.extend(compare_with_batched(a, model, params, trees, &last)?);
     }
     if let Some(anchor) = &a.anchor {
         if a.model != "treelstm" {
             return Err("the PyTorch anchor runs the reference treelstm only".into());
         }
-        run_anchor(a, anchor, &last)?;
+        lines.extend(run_anchor(a, anchor, &last)?);
     }
-    Ok(())
+    Ok(lines)
 }
 
 /// Times the batched engine's inference on the same batches and device and
-/// prints its median and the compiled engine's speed-up over it.
+/// prints (and returns) its median and the compiled engine's speed-up over
+/// it.
 fn compare_with_batched(
     a: &BenchArgs,
     model: &Model,
     params: &Params<f32>,
     trees: &[InputGraph],
     compiled: &[serde_json::Value],
-) -> AnyResult {
+) -> AnyResult<Vec<serde_json::Value>> {
     // the batched engine as `ramus bench` runs it (per-token tables on the CPU)
     let vocab = model
         .settings
@@ -159,6 +161,7 @@ fn compare_with_batched(
     let trained = (params.clone(), bench_optimizer());
     let (mut engine, _) = bench_engine(a, model, trained, vocab)?;
     let engine = engine.engine();
+    let mut ratios = Vec::with_capacity(compiled.len());
     for line in compiled {
         let bs = line["batch"].as_u64().unwrap_or(1) as usize;
         let batch: Vec<&InputGraph> = trees[..bs].iter().collect();
@@ -170,16 +173,15 @@ fn compare_with_batched(
         })?;
         let batched_ms = percentile_ms(&times, 50.0);
         let compiled_ms = line["infer_ms"].as_f64().unwrap_or(f64::NAN);
-        outln!(
-            "{}",
-            serde_json::json!({
-                "ratio": "compiled_vs_batched", "model": a.model, "hidden": a.hidden, "batch": bs,
-                "engine": engine.name(), "batched_infer_ms": batched_ms,
-                "speedup": ((batched_ms / compiled_ms) * 100.0).round() / 100.0,
-            })
-        )?;
+        let line = serde_json::json!({
+            "ratio": "compiled_vs_batched", "model": a.model, "hidden": a.hidden, "batch": bs,
+            "engine": engine.name(), "batched_infer_ms": batched_ms,
+            "speedup": ((batched_ms / compiled_ms) * 100.0).round() / 100.0,
+        });
+        outln!("{line}")?;
+        ratios.push(line);
     }
-    Ok(())
+    Ok(ratios)
 }
 
 /// The latency line of one batch size.

@@ -40,7 +40,7 @@ pub fn run(
     params: &Params<f32>,
     trees: &[InputGraph],
     sizes: &[usize],
-) -> AnyResult {
+) -> AnyResult<Vec<serde_json::Value>> {
     if a.device != Device::Cuda {
         return Err("--engine persistent runs on --device cuda".into());
     }
@@ -125,9 +125,10 @@ pub fn run(
         results.push(line);
     }
     if let Some(anchor) = &a.anchor {
-        run_anchor(a, anchor, &results)?;
+        let ratios = run_anchor(a, anchor, &results)?;
+        results.extend(ratios);
     }
-    Ok(())
+    Ok(results)
 }
 
 /// The overlapped stream of windows of batches, timed.
