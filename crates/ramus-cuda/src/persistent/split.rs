@@ -16,29 +16,10 @@ use std::time::Instant;
 use ramus_exec::data_parallel::{Collective, GlobalStep, GradBuffer, LocalStep, RowSet, SplitStep};
 use ramus_exec::{Batch, ExecError, NonFiniteStep, Optimizer, Result, StepOutcome};
 
+use super::train::Split;
 use super::PersistentTrainer;
 use crate::batch::{head_vertices, touched_rows};
 use crate::optimizer::{DeviceOptimizer, StepStatus};
-use crate::pool::PoolBuffer;
-
-/// A persistent trainer's data-parallel state.
-pub(super) struct Split {
-    /// The row-gradient tables, in declaration order.
-    row_params: Vec<usize>,
-    /// The optimizer, with the pool address its slots were made for.
-    optimizer: Option<(u64, DeviceOptimizer)>,
-    /// Optimizer state for the next optimizer built (the engine's at the
-    /// start, or restored).
-    moments: Option<Optimizer<f32>>,
-    /// The rows this rank's step sets, per table, between the two halves.
-    rows: Vec<(usize, Vec<u32>)>,
-    /// The last update's loss, until its status is read.
-    loss: Option<f64>,
-    /// The outcome read by the local step, returned by the global one.
-    previous: Option<StepOutcome>,
-    /// The last update's row lists, alive until the stream has passed it.
-    lists: Vec<PoolBuffer<u32>>,
-}
 
 fn device_err(e: crate::error::CudaError) -> ExecError {
     ExecError::Device(e.to_string())

@@ -21,6 +21,8 @@ use super::{PersistentEngine, PersistentOptions};
 use crate::engine::{CudaEngine, CudaEngineOptions};
 use crate::error::Result;
 use crate::memory::{block_bytes, model_fits, DeviceCheck};
+use crate::optimizer::DeviceOptimizer;
+use crate::pool::PoolBuffer;
 use ramus_exec::memory::{ActivationCost, DeviceNeed, Pass};
 
 /// Batches the trainer hands the persistent engine at once: prepared in
@@ -34,6 +36,25 @@ pub fn prepared_ahead() -> usize {
         .unwrap_or_else(|| rayon::current_num_threads().clamp(2, 16))
 }
 
+/// A persistent trainer's data-parallel state.
+pub(super) struct Split {
+    /// The row-gradient tables, in declaration order.
+    pub(super) row_params: Vec<usize>,
+    /// The optimizer, with the pool address its slots were made for.
+    pub(super) optimizer: Option<(u64, DeviceOptimizer)>,
+    /// Optimizer state for the next optimizer built (the engine's at the
+    /// start, or restored).
+    pub(super) moments: Option<Optimizer<f32>>,
+    /// The rows this rank's step sets, per table, between the two halves.
+    pub(super) rows: Vec<(usize, Vec<u32>)>,
+    /// The last update's loss, until its status is read.
+    pub(super) loss: Option<f64>,
+    /// The outcome read by the local step, returned by the global one.
+    pub(super) previous: Option<StepOutcome>,
+    /// The last update's row lists, alive until the stream has passed it.
+    pub(super) lists: Vec<PoolBuffer<u32>>,
+}
+
 /// Training on the persistent engine, evaluation on the batched one.
 pub struct PersistentTrainer {
     /// Holds the parameters and the optimizer state (in its pool).
@@ -45,7 +66,7 @@ pub struct PersistentTrainer {
     /// The parameters last read back for evaluation, until the next step.
     pub(super) evaluated: Option<Params<f32>>,
     /// One rank of a data-parallel run (see [`PersistentTrainer::split_updates`]).
-    pub(super) split: Option<super::split::Split>,
+    pub(super) split: Option<Split>,
 }
 
 /// What the evaluating (batched) engine allocates for the model: the

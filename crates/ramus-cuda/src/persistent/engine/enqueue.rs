@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use ramus_codegen::persistent::{TRACE_AT, TRACE_RECORD_WORDS, TRACE_WORDS_PER_CTA};
 
-use super::batch::PreparedBatch;
+use super::batch::{LaunchScripts, PreparedBatch};
 use super::options::{model_err, PersistentStep};
 use super::sizes;
 use super::{Pending, PersistentEngine};
@@ -71,14 +71,8 @@ impl PersistentEngine {
             .0
             .record(&stream)
             .in_call("cuEventRecord")?;
-        // register gradients outlive no launch: every launch before the
-        // last one with kernel work hands them to the pool's accumulator
-        // (the last one too when the update is deferred)
         let in_registers = self.variants[variant].kernel.plan().grads_in_registers;
-        let last_kernel = launches
-            .iter()
-            .rposition(|l| l.scripts.is_some())
-            .filter(|_| !self.defer_updates);
+        let last_kernel = self.updating_launch(&launches);
         for (i, launch) in launches.iter().enumerate() {
             if let Some(scripts) = &launch.scripts {
                 let words = scripts.packed.words.len();
@@ -123,6 +117,17 @@ impl PersistentEngine {
             variant,
         });
         Ok(())
+    }
+
+    /// The launch whose kernel updates from the register gradients: the
+    /// last one with kernel work (`None` when the update is deferred).
+    /// Register gradients outlive no launch: every other hands them to the
+    /// pool's accumulator.
+    fn updating_launch(&self, launches: &[LaunchScripts]) -> Option<usize> {
+        launches
+            .iter()
+            .rposition(|l| l.scripts.is_some())
+            .filter(|_| !self.defer_updates)
     }
 
     /// Slot `slot`'s script buffer, at least `script_words` long: its own
