@@ -531,7 +531,9 @@ impl Run<'_> {
         let stop = self.stop.clone();
         let requested = move || stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
         let pauses = Pauses {
-            every: self.a.checkpoint_every.filter(|_| self.paths.is_some()),
+            // every rank pauses there (rank 0 writes): the ranks meet at
+            // each checkpoint to average their running statistics
+            every: self.a.checkpoint_every,
             requested: &requested,
         };
         let seen_before = self.s.run.progress.graphs;

@@ -208,3 +208,33 @@ fn inference_split_over_two_gpus_prints_what_one_gpu_prints() {
         }
     }
 }
+
+/// A ResNet (batch norm) on two GPUs, with checkpoints within the epochs:
+/// every rank averages its running statistics at each checkpoint and each
+/// evaluation (a rank missing one would leave the others waiting until the
+/// timeout), and the run trains.
+#[test]
+fn a_resnet_trains_on_two_gpus_with_checkpoints() {
+    if !two_gpus() {
+        return;
+    }
+    let dir = fresh_dir("gpus-resnet");
+    let ckpt = dir.join("ckpt");
+    let o = Command::new(env!("CARGO_BIN_EXE_ramus"))
+        .args([
+            "train", "--device", "cuda", "--model", "resnet", "--epochs", "2",
+        ])
+        .args(["--batch-size", "16", "--gpus", "2", "--dist-timeout", "60"])
+        .args(["--checkpoint-every", "5", "--checkpoint-dir"])
+        .arg(&ckpt)
+        .env("NCCL_NVLS_ENABLE", "0")
+        .output()
+        .expect("run ramus");
+    let text = format!("{}{}", common::stdout(&o), stderr(&o));
+    assert!(o.status.success(), "{text}");
+    assert!(
+        text.contains("epoch 2:") && text.contains("test:"),
+        "{text}"
+    );
+    assert!(ckpt.join("last.safetensors").exists(), "{text}");
+}

@@ -281,6 +281,17 @@ impl NcclGroup {
         }
     }
 
+    /// `host` replaced by its sum over the ranks, each rank's scaled by its
+    /// `scale` first: uploaded to the scratch buffer, summed, copied back.
+    fn sum_host(&mut self, host: &mut [f32], scale: f64) -> Result<()> {
+        let buf: DeviceView<f32> = self.scratch(host.len())?.reinterpret();
+        let stream = self.stream.clone();
+        self.staging.upload_slice(host, buf, &stream)?;
+        self.scaled_sum(buf.device_ptr(), host.len(), scale as f32)?;
+        host.copy_from_slice(&self.staging.download_to_vec(buf, &stream)?);
+        Ok(())
+    }
+
     /// In-place all-reduce of `count` elements of `dtype` at `ptr`.
     fn all_reduce(&self, ptr: u64, count: usize, dtype: sys::ncclDataType_t) -> Result<()> {
         let op = sys::ncclRedOp_t::ncclSum;
@@ -419,10 +430,15 @@ impl Collective<f32> for NcclGroup {
     fn sum_buffers(&mut self, buffers: Vec<GradBuffer<'_, f32>>, scale: f64) -> ExecResult<()> {
         self.check()?;
         for b in buffers {
-            let GradBuffer::Device(d) = b else {
-                return Err(self.failure(CudaError::Nccl(
-                    "NCCL sums device buffers; a host buffer was given".into(),
-                )));
+            let d = match b {
+                GradBuffer::Device(d) => d,
+                GradBuffer::Host(host) => {
+                    // through the scratch buffer (batch norm's statistics
+                    // before an evaluation: small, and rare)
+                    self.sum_host(host, scale).map_err(|e| self.failure(e))?;
+                    self.watch.beat();
+                    continue;
+                }
             };
             if d.stream != self.stream.cu_stream() as u64 {
                 return Err(self.failure(CudaError::Nccl(
