@@ -11,15 +11,7 @@ use common::{error_line, stderr};
 fn train_with_env(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ramus"));
     cmd.arg("train").args(args);
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    ] {
-        cmd.env_remove(var);
-    }
+    common::outside_a_launcher(&mut cmd);
     for (k, v) in env {
         cmd.env(k, v);
     }

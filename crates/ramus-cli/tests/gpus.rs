@@ -20,15 +20,7 @@ fn train(save: &Path, extra: &[&str], env: &[(&str, &str)]) -> Command {
         .arg(save)
         .args(extra)
         .env("NCCL_NVLS_ENABLE", "0");
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    ] {
-        cmd.env_remove(var);
-    }
+    common::outside_a_launcher(&mut cmd);
     cmd.envs(env.iter().copied());
     cmd
 }

@@ -85,6 +85,32 @@ pub enum RowSet {
     Rows(Vec<u32>),
 }
 
+/// A device engine's row lists (per row-gradient table: its id and rows)
+/// as the row sets of its [`LocalStep`].
+pub fn row_sets_of(lists: &[(usize, Vec<u32>)]) -> Vec<RowSet> {
+    lists
+        .iter()
+        .map(|(_, rows)| RowSet::Rows(rows.clone()))
+        .collect()
+}
+
+/// Replaces each row list of `lists` with the rows every rank's step sets
+/// (`united`, from the [`GlobalStep`], in the same order); a table that
+/// came back dense is an error (an engine with row lists never reports one).
+pub fn take_united_rows(lists: &mut [(usize, Vec<u32>)], united: Vec<RowSet>) -> Result<()> {
+    for ((_, rows), set) in lists.iter_mut().zip(united) {
+        match set {
+            RowSet::Rows(all) => *rows = all,
+            RowSet::Dense => {
+                return Err(ExecError::Device(
+                    "a row-gradient table came back dense from the other ranks".into(),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
 /// What the ranks of a group exchange. Every rank calls the same methods in
 /// the same order (a collective call that one rank skips hangs the others,
 /// or, with a timeout, fails naming the rank).

@@ -120,3 +120,17 @@ pub fn saved_tensors(path: &Path) -> std::collections::BTreeMap<String, Vec<f32>
         })
         .collect()
 }
+
+/// `cmd` without the variables a launcher (torchrun, the `--gpus` launcher)
+/// sets, as if started by hand.
+pub fn outside_a_launcher(cmd: &mut Command) {
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ] {
+        cmd.env_remove(var);
+    }
+}

@@ -8,7 +8,8 @@
 //! next step's loss, or from [`finish`](ramus_exec::TrainEngine::finish).
 
 use ramus_exec::data_parallel::{
-    Collective, DeviceBuffer, GlobalStep, GradBuffer, LocalStep, RowSet, SplitStep,
+    row_sets_of, take_united_rows, Collective, DeviceBuffer, GlobalStep, GradBuffer, LocalStep,
+    SplitStep,
 };
 use ramus_exec::{Batch, ExecError, Result, StepOutcome};
 
@@ -45,10 +46,7 @@ impl SplitStep<f32> for CudaTrainer {
         };
         // the last step's status came back with this loss
         let previous = e.settle_step()?;
-        let row_sets = lists
-            .iter()
-            .map(|(_, rows)| RowSet::Rows(rows.clone()))
-            .collect();
+        let row_sets = row_sets_of(&lists);
         self.split = Some(SplitPending {
             rows: lists,
             previous,
@@ -69,16 +67,7 @@ impl SplitStep<f32> for CudaTrainer {
         let mut pending = self.split.take().ok_or_else(|| {
             ExecError::Config("data-parallel step: global_step needs local_step first".into())
         })?;
-        for ((_, rows), set) in pending.rows.iter_mut().zip(step.row_sets) {
-            match set {
-                RowSet::Rows(all) => *rows = all,
-                RowSet::Dense => {
-                    return Err(ExecError::Device(
-                        "a row-gradient table came back dense from the other ranks".into(),
-                    ))
-                }
-            }
-        }
+        take_united_rows(&mut pending.rows, step.row_sets)?;
         let (model, params, config) = (&self.model, &mut self.uploaded, &self.config);
         let e = &mut self.engine;
         let stream = e.device.stream().clone();

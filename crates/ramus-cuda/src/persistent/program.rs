@@ -310,7 +310,7 @@ impl PersistentProgram {
                 pushed_sums[i] = sums_of_gathered_states(key.graph(model), &plans[i]);
             }
         }
-        let row_grad_params = row_grad_params(model);
+        let row_grad_params = crate::program::row_grad_params(model);
         let params = param_layout(model);
         let mut prog = PersistentProgram {
             stored: Vec::new(),
@@ -627,31 +627,6 @@ fn forward_product_writes(
         }
     }
     writes
-}
-
-/// Parameters whose only gradient is rows at indices (embedding tables).
-fn row_grad_params(model: &Model) -> BTreeSet<usize> {
-    let mut dense = BTreeSet::new();
-    let mut rows = BTreeSet::new();
-    let graphs = model
-        .functions
-        .iter()
-        .map(|f| &f.backward)
-        .chain([&model.head.backward]);
-    for g in graphs {
-        for o in &g.outputs {
-            match o.role {
-                Role::ParamGrad(p) => {
-                    dense.insert(p);
-                }
-                Role::ParamRowGrad(p) => {
-                    rows.insert(p);
-                }
-                _ => {}
-            }
-        }
-    }
-    rows.difference(&dense).copied().collect()
 }
 
 /// The parameters to keep in registers: every 2-D parameter whose every

@@ -13,7 +13,9 @@
 
 use std::time::Instant;
 
-use ramus_exec::data_parallel::{Collective, GlobalStep, GradBuffer, LocalStep, RowSet, SplitStep};
+use ramus_exec::data_parallel::{
+    row_sets_of, take_united_rows, Collective, GlobalStep, GradBuffer, LocalStep, SplitStep,
+};
 use ramus_exec::{Batch, ExecError, NonFiniteStep, Optimizer, Result, StepOutcome};
 
 use super::train::Split;
@@ -192,10 +194,7 @@ impl SplitStep<f32> for PersistentTrainer {
         let previous = self.settle_split()?;
         let split = self.split()?;
         split.previous = previous;
-        let row_sets = lists
-            .iter()
-            .map(|(_, rows)| RowSet::Rows(rows.clone()))
-            .collect();
+        let row_sets = row_sets_of(&lists);
         split.rows = lists;
         Ok(LocalStep {
             loss,
@@ -211,16 +210,7 @@ impl SplitStep<f32> for PersistentTrainer {
         step: GlobalStep,
     ) -> Result<Vec<StepOutcome>> {
         let mut rows = std::mem::take(&mut self.split()?.rows);
-        for ((_, rows), set) in rows.iter_mut().zip(step.row_sets) {
-            match set {
-                RowSet::Rows(all) => *rows = all,
-                RowSet::Dense => {
-                    return Err(ExecError::Device(
-                        "a row-gradient table came back dense from the other ranks".into(),
-                    ))
-                }
-            }
-        }
+        take_united_rows(&mut rows, step.row_sets)?;
         let buffers = self.engine.grad_buffers(&self.model).map_err(device_err)?;
         let buffers = buffers.into_iter().map(GradBuffer::Device).collect();
         collective.sum_buffers(buffers, step.scale)?;
