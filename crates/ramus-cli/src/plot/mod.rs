@@ -195,7 +195,11 @@ fn draw_panel(root: &Area, area: &Area, panel: &Panel<'_>) -> AnyResult {
             .y_label_area_size(widest + 2 * th)
             .build_cartesian_2d(x0..x1, y0..y1),
     )?;
-    let x_fmt = |v: &f64| tick(*v, 2);
+    // epochs are whole: a tick between two (1.5 on a short run) goes unlabelled
+    let x_fmt = |v: &f64| match (v - v.round()).abs() < 1e-9 {
+        true => tick(*v, 0),
+        false => String::new(),
+    };
     let y_fmt = |v: &f64| tick(*v, decimals);
     drawn(
         chart
