@@ -129,6 +129,13 @@ pub(crate) fn launch(l: &Launch<'_>) -> AnyResult<bool> {
         (cores / l.gpus).max(1).to_string()
     });
     let exe = std::env::current_exe().map_err(|e| format!("--gpus: this program's path: {e}"))?;
+    // Ctrl-C reaches the workers too: they pause together and rank 0
+    // saves; the launcher waits for them instead of dying first
+    let interrupted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(signal, Arc::clone(&interrupted))
+            .map_err(|e| format!("--gpus: signal handler: {e}"))?;
+    }
     let mut workers: Vec<Child> = Vec::with_capacity(l.gpus);
     for local in 0..l.gpus {
         let rank = l.node_rank * l.gpus + local;
@@ -158,13 +165,21 @@ pub(crate) fn launch(l: &Launch<'_>) -> AnyResult<bool> {
             }
         }
     }
-    wait(workers, l.node_rank * l.gpus, l.ranks())?;
+    wait(workers, l.node_rank * l.gpus, l.ranks(), &interrupted)?;
     Ok(true)
 }
 
 /// Waits for this machine's workers (ranks `first`, `first + 1`, ... of
-/// `ranks`); the first that fails stops the others.
-fn wait(mut workers: Vec<Child>, first: usize, ranks: usize) -> AnyResult {
+/// `ranks`); the first that fails stops the others, unless the run was
+/// `interrupted` (the workers then end on their own, rank 0 after saving).
+fn wait(
+    mut workers: Vec<Child>,
+    first: usize,
+    ranks: usize,
+    interrupted: &std::sync::atomic::AtomicBool,
+) -> AnyResult {
+    use std::sync::atomic::Ordering;
+    let mut failed = None;
     let mut done = vec![false; workers.len()];
     while done.iter().any(|d| !d) {
         for (local, child) in workers.iter_mut().enumerate() {
@@ -174,6 +189,10 @@ fn wait(mut workers: Vec<Child>, first: usize, ranks: usize) -> AnyResult {
             let rank = first + local;
             match child.try_wait() {
                 Ok(Some(status)) if status.success() => done[local] = true,
+                Ok(Some(status)) if interrupted.load(Ordering::SeqCst) => {
+                    done[local] = true;
+                    failed.get_or_insert(status);
+                }
                 Ok(Some(status)) => {
                     stop(&mut workers);
                     return Err(format!(
@@ -188,7 +207,10 @@ fn wait(mut workers: Vec<Child>, first: usize, ranks: usize) -> AnyResult {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    Ok(())
+    match failed {
+        Some(status) => Err(format!("--gpus: interrupted; the workers ended ({status})").into()),
+        None => Ok(()),
+    }
 }
 
 /// Gives running workers `GRACE` to end, then kills them.

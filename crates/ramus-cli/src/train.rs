@@ -489,12 +489,22 @@ impl Run<'_> {
         self.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst))
     }
 
+    /// Whether to stop between two epochs: on several GPUs, if any rank
+    /// was asked to (all ranks ask together, so all stop or none).
+    fn stop_agreed(&mut self) -> AnyResult<bool> {
+        let mut any = [f64::from(u8::from(self.stopping()))];
+        self.s.trainer.engine.sum_over_ranks(&mut any)?;
+        Ok(any[0] > 0.0)
+    }
+
     /// The message a stopped run exits with.
     fn stopped(&self) -> AnyResult {
-        let last = self.paths.as_ref().map(|p| p.last.display().to_string());
+        let Some(last) = self.paths.as_ref().map(|p| p.last.display().to_string()) else {
+            return Err("interrupted (rank 0 saved the checkpoint)".into());
+        };
         Err(format!(
             "interrupted: saved {0} (epoch {1}, batch {2}); continue with `ramus train --resume {0}`",
-            last.unwrap_or_default(),
+            last,
             self.s.run.epochs_done + 1,
             self.s.run.progress.batches
         )
@@ -585,7 +595,10 @@ impl Run<'_> {
                 }
                 SpanEnd::Requested => {
                     bar.finish_and_clear();
+                    self.s.trainer.engine.sync_buffers()?;
                     self.save_last()?;
+                    // the other ranks wait for rank 0's checkpoint
+                    self.s.trainer.engine.sum_over_ranks(&mut [0.0])?;
                     return Ok(false);
                 }
             }
@@ -707,9 +720,11 @@ pub fn run(a: TrainArgs) -> AnyResult {
             setup.run.progress.batches
         );
     }
-    let stop = match paths {
-        Some(_) => Some(stop_flag()?),
-        None => None,
+    // on several GPUs every rank pauses on a signal (they agree when),
+    // rank 0 saves
+    let stop = match (&paths, &world) {
+        (Some(_), _) | (None, Some(_)) => Some(stop_flag()?),
+        (None, None) => None,
     };
     let started = Instant::now();
     let style =
@@ -734,7 +749,7 @@ pub fn run(a: TrainArgs) -> AnyResult {
             return run.stopped();
         }
         run.save_last()?;
-        if run.stopping() {
+        if run.stop_agreed()? {
             return run.stopped();
         }
         if run.patience_ran_out(epoch)? {

@@ -375,3 +375,48 @@ fn batch_norm_statistics_are_averaged_before_an_evaluation() {
         assert_close_value("eval loss", want.loss, eval.loss, REORDERED_F64);
     }
 }
+
+/// A stop asked of one rank only (a signal that reached rank 0): the ranks
+/// agree on it every `AGREE_EVERY` windows and all pause at the same batch,
+/// instead of one pausing while the others wait for it at their next step.
+#[test]
+fn a_stop_asked_of_one_rank_pauses_every_rank_at_the_same_batch() {
+    use ramus_nn::train::{EpochProgress, Pauses, Span, SpanEnd, Trainer, AGREE_EVERY};
+    let case = Case::new("treelstm", 40, 1, 17).unwrap();
+    let (world, per_rank) = (2, 2);
+    let cfg = config(OptimizerKind::Sgd);
+    let order: Vec<usize> = (0..case.graphs.len()).collect();
+    let engine = || CpuTrainer::new(case.model.clone(), case.params(5).cast(), cfg);
+    let ranks = local_group::<f64>(world, Duration::from_secs(60));
+    let runs: Vec<(SpanEnd, usize)> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .enumerate()
+            .map(|(r, rank)| {
+                let (engine, order, graphs) = (&engine, &order, &case.graphs);
+                s.spawn(move || {
+                    let dp = DataParallel::new(engine(), Box::new(rank));
+                    let mut trainer = Trainer::with_engine(Box::new(dp));
+                    let span = Span {
+                        data: graphs,
+                        order,
+                        batch_size: per_rank,
+                    };
+                    let asked = move || r == 0;
+                    let pauses = Pauses {
+                        every: None,
+                        requested: &asked,
+                    };
+                    let mut at = EpochProgress::default();
+                    let end = trainer.train_span(&span, &mut at, &pauses, |_, _, _| {});
+                    (end.unwrap(), at.batches)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, &(end, batches)) in runs.iter().enumerate() {
+        assert_eq!(end, SpanEnd::Requested, "rank {r}");
+        assert_eq!(batches, AGREE_EVERY, "rank {r}");
+    }
+}

@@ -225,7 +225,7 @@ impl<T: Real> Trainer<T> {
                 end = SpanEnd::Checkpoint;
                 break;
             }
-            if (pauses.requested)() {
+            if self.stop_requested(pauses, i)? {
                 end = SpanEnd::Requested;
                 break;
             }
@@ -234,6 +234,24 @@ impl<T: Real> Trainer<T> {
             self.count(at, outcome, &mut in_flight, span, progress)?;
         }
         Ok(end)
+    }
+
+    /// Whether to pause for a stop request after window `i` of a span:
+    /// alone, as the request says; with other ranks, their requests summed
+    /// every [`AGREE_EVERY`] windows, so that every rank pauses at the same
+    /// batch (one that paused alone would leave the others waiting at
+    /// their next step).
+    fn stop_requested(&mut self, pauses: &Pauses<'_>, i: usize) -> Result<bool> {
+        let asked = (pauses.requested)();
+        if self.engine.ranks().1 == 1 {
+            return Ok(asked);
+        }
+        if !(i + 1).is_multiple_of(AGREE_EVERY) {
+            return Ok(false);
+        }
+        let mut any = [f64::from(u8::from(asked))];
+        self.engine.sum_over_ranks(&mut any)?;
+        Ok(any[0] > 0.0)
     }
 
     /// Adds one step's outcome (of the oldest batch in `in_flight`: its
@@ -389,6 +407,11 @@ impl EpochProgress {
         self.loss_sum / self.applied.max(1) as f64
     }
 }
+
+/// Windows between two agreements of the ranks on a stop request (see
+/// [`Trainer::train_span`]): a sum over the ranks waits for the device, so
+/// not after every step.
+pub const AGREE_EVERY: usize = 8;
 
 /// The windows (ranges of batch indices) from batch `first` to `count`:
 /// `window` batches each, none crossing a multiple of `every`.
