@@ -121,6 +121,7 @@ impl<T: Real> Trainer<T> {
             data,
             order: &order,
             batch_size,
+            rates: None,
         };
         self.train_span(&span, &mut at, &Pauses::default(), progress)?;
         Ok(at)
@@ -174,7 +175,10 @@ impl<T: Real> Trainer<T> {
             let group = &chunks[next..stop];
             if group.iter().all(|c| c.is_empty()) {
                 in_flight.extend(group.iter().map(|_| (0, 0)));
-                for _ in group {
+                for i in next..stop {
+                    if let Some(rate) = span.rates {
+                        self.engine.set_step_lrs(&[rate(i)])?;
+                    }
                     for outcome in self.engine.submit_idle()? {
                         self.count(at, outcome, &mut in_flight, span, &mut progress)?;
                     }
@@ -197,6 +201,10 @@ impl<T: Real> Trainer<T> {
                     .iter()
                     .map(|c| (c.len(), c.first().copied().unwrap_or(0))),
             );
+            if let Some(rate) = span.rates {
+                let lrs: Vec<f64> = (next..stop).map(rate).collect();
+                self.engine.set_step_lrs(&lrs)?;
+            }
             let outcomes = self.engine.submit(&batches)?;
             for outcome in outcomes {
                 self.count(at, outcome, &mut in_flight, span, &mut progress)?;
@@ -367,11 +375,15 @@ impl EpochProgress {
 }
 
 /// An epoch's batches: `order` (indices into `data`) cut into batches of
-/// `batch_size`.
+/// `batch_size`, and the learning rate of each.
 pub struct Span<'a> {
     pub data: &'a [InputGraph],
     pub order: &'a [usize],
     pub batch_size: usize,
+    /// The learning rate of the epoch's batch `i` (from 0; a schedule,
+    /// see [`crate::schedule`]), set before its step; `None`: the engine's
+    /// rate stays.
+    pub rates: Option<&'a dyn Fn(usize) -> f64>,
 }
 
 /// Where [`Trainer::train_span`] pauses.

@@ -219,6 +219,38 @@ impl TrainEngine<f32> for PersistentTrainer {
         self.eval.set_seed(seed);
     }
 
+    /// Each launch's update takes its rate as a kernel argument, read when
+    /// the batch is enqueued.
+    fn set_lr(&mut self, lr: f64) -> ramus_exec::Result<()> {
+        self.config.set_lr(lr)?;
+        self.engine.set_lr(lr).map_err(exec_err)
+    }
+
+    /// A window's batches are enqueued one after another, each taking the
+    /// next rate.
+    fn set_step_lrs(&mut self, lrs: &[f64]) -> ramus_exec::Result<()> {
+        self.engine.set_step_lrs(lrs).map_err(exec_err)?;
+        if let Some(&last) = lrs.last() {
+            self.config.set_lr(last)?;
+        }
+        Ok(())
+    }
+
+    /// The training kernel updates every parameter with the launch's one
+    /// rate: multipliers other than 1 are refused, naming the parameter.
+    fn set_lr_scales(&mut self, scales: &[f64]) -> ramus_exec::Result<()> {
+        ramus_exec::optim::check_lr_scales(scales, self.model.params.len())?;
+        match scales.iter().position(|&s| s != 1.0) {
+            None => Ok(()),
+            Some(p) => Err(ExecError::Config(format!(
+                "the cuda-persistent engine updates every parameter with one learning rate \
+                 inside its training kernel: parameter `{}` cannot take a multiplier of {} \
+                 (frozen or separately-paced embeddings need --engine batched)",
+                self.model.params[p].name, scales[p]
+            ))),
+        }
+    }
+
     fn state(&mut self) -> ramus_exec::Result<TrainState<f32>> {
         self.check_idle("state()")?;
         let params = self.engine.params(&self.model).map_err(exec_err)?;
