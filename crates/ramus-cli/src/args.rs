@@ -134,6 +134,8 @@ pub(crate) struct TrainArgs {
     /// Learning rate [default: 0.05; 0.001 for the CNNs].
     #[arg(long)]
     pub(crate) lr: Option<f64>,
+    #[command(flatten)]
+    pub(crate) rates: crate::lr::LrArgs,
     #[arg(long, default_value_t = 0.0)]
     pub(crate) weight_decay: f64,
     /// Clip the global gradient norm to this value.

@@ -13,6 +13,7 @@ mod infer;
 mod infer_engine;
 mod labels;
 mod limits;
+mod lr;
 mod metrics;
 mod model_build;
 mod output;

@@ -20,6 +20,7 @@ use ramus_exec::nonfinite::first_nonfinite;
 use ramus_exec::{OnNonFinite, Optimizer, OptimizerConfig, OptimizerKind, TrainState};
 use ramus_graph::BatchingPolicy;
 use ramus_nn::resume::{self, Best, RunState};
+use ramus_nn::schedule::{LrSchedule, ScheduleKind, StepAt};
 use ramus_nn::train::{shuffled_order, Pauses, Span, SpanEnd};
 use ramus_nn::{checkpoint, DataKind, EvalResult, ModelConfig, ModelOptions, Trainer};
 use serde_json::json;
@@ -127,6 +128,10 @@ struct Setup {
     trainer: Trainer<f32>,
     /// The learning rate (the flag's or the model kind's default).
     lr: f64,
+    /// Its schedule over the run.
+    schedule: LrSchedule,
+    /// Optimizer steps an epoch (global steps, on several GPUs).
+    steps_per_epoch: usize,
     /// The state the run starts from (fresh, or the checkpoint's).
     run: RunState,
     best: Option<Params<f32>>,
@@ -235,12 +240,19 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>, world: Option<&World>) -> Any
     trainer.on_nonfinite = a.on_nonfinite;
     trainer.check_nonfinite_policy()?;
     start(&mut trainer, a.seed, restored.map(|o| (o, &run)))?;
+    if let Some(scales) = a.rates.lr_scales(trainer.model(), lr)? {
+        trainer.engine.set_lr_scales(&scales)?;
+    }
+    let ranks = world.map_or(1, |w| w.size);
+    let steps_per_epoch = data.train.len().div_ceil(a.batch_size * ranks).max(1);
+    let schedule = a.rates.schedule(lr, a.epochs * steps_per_epoch)?;
     logln!(
-        "model: {} hidden {} | optimizer {} lr {} | batch {} | engine {}{} ({} host threads){}",
+        "model: {} hidden {} | optimizer {} lr {}{} | batch {} | engine {}{} ({} host threads){}",
         a.model,
         hidden,
         optimizer,
         lr,
+        describe_rates(a, &schedule),
         a.batch_size,
         trainer.engine.name(),
         match world {
@@ -258,9 +270,30 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>, world: Option<&World>) -> Any
         data,
         trainer,
         lr,
+        schedule,
+        steps_per_epoch,
         run,
         best,
     })
+}
+
+/// The schedule and the embedding tables' rates for the `model:` line
+/// (nothing for a constant rate without them).
+fn describe_rates(a: &TrainArgs, schedule: &LrSchedule) -> String {
+    let mut s = String::new();
+    if schedule.kind != ScheduleKind::Constant {
+        s += &format!(" ({})", schedule.kind.name());
+    }
+    if schedule.warmup > 0 {
+        s += &format!(" warm-up {} steps", schedule.warmup);
+    }
+    if a.rates.freeze_embeddings {
+        s += " | word embeddings frozen";
+    }
+    if let Some(lr) = a.rates.embedding_lr {
+        s += &format!(" | embedding lr {lr}");
+    }
+    s
 }
 
 /// Where a run starts: a fresh run state and parameters from the seed
@@ -282,6 +315,7 @@ fn starting_point(
                 shuffle: ramus_nn::train::rng(a.seed),
                 dropout: ramus_nn::train::rng(a.seed),
                 best: None,
+                plateau: Default::default(),
                 config: run_config::current()?,
                 data: fingerprint,
                 ranks: 1,
@@ -433,6 +467,15 @@ fn stop_flag() -> AnyResult<Arc<AtomicBool>> {
     Ok(flag)
 }
 
+/// Says when the first step is done, counted from `start`: set-up, data,
+/// engine, and on several GPUs the rendezvous and the communicator.
+fn first_step_done(start: Instant) {
+    logln!(
+        "first step done {:.2} s after start",
+        start.elapsed().as_secs_f64()
+    );
+}
+
 /// A run under way: its setup, checkpoint paths and stop flag.
 struct Run<'a> {
     a: &'a TrainArgs,
@@ -485,6 +528,28 @@ impl Run<'_> {
         Ok(true)
     }
 
+    /// The plateau schedule takes epoch `epoch`'s dev accuracy `acc` (its
+    /// state is the run's, saved with it); a decay is said in the log and
+    /// the metrics.
+    fn plateau(&mut self, epoch: usize, acc: f64) -> AnyResult {
+        let ScheduleKind::Plateau { patience, .. } = self.s.schedule.kind else {
+            return Ok(());
+        };
+        if !self.s.run.plateau.observe(acc, patience) {
+            return Ok(());
+        }
+        let next = StepAt {
+            step: epoch * self.s.steps_per_epoch,
+            epoch: epoch + 1,
+        };
+        let lr = self.s.schedule.rate(next, &self.s.run.plateau);
+        logln!("  no better dev accuracy for {patience} epoch(s): learning rate now {lr:.4e}");
+        if let Some(log) = &mut self.log {
+            log.record("lr_decay", json!({"epoch": epoch, "lr": lr}))?;
+        }
+        Ok(())
+    }
+
     fn stopping(&self) -> bool {
         self.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst))
     }
@@ -509,6 +574,18 @@ impl Run<'_> {
             self.s.run.progress.batches
         )
         .into())
+    }
+
+    /// A pause within an epoch, on every rank: the ranks' running
+    /// statistics averaged, rank 0's checkpoint written; `stopping`: the
+    /// other ranks wait for that checkpoint before they end.
+    fn pause(&mut self, stopping: bool) -> AnyResult {
+        self.s.trainer.engine.sync_buffers()?;
+        self.save_last()?;
+        if stopping {
+            self.s.trainer.engine.sum_over_ranks(&mut [0.0])?;
+        }
+        Ok(())
     }
 
     /// Trains epoch `epoch` from where the run state says it is; `Ok(false)`
@@ -548,13 +625,22 @@ impl Run<'_> {
         };
         let seen_before = self.s.run.progress.graphs;
         let mut started = self.started.take();
-        let lr = self.s.lr;
+        let (schedule, plateau) = (self.s.schedule, self.s.run.plateau);
+        let first_step = (epoch - 1) * self.s.steps_per_epoch;
+        let rate = move |i: usize| {
+            let at = StepAt {
+                step: first_step + i,
+                epoch,
+            };
+            schedule.rate(at, &plateau)
+        };
         let mut log_failed: Option<String> = None;
         loop {
             let span = Span {
                 data: &self.s.data.train,
                 order,
                 batch_size: self.a.batch_size,
+                rates: Some(&rate),
             };
             let end = self.s.trainer.train_span(
                 &span,
@@ -562,17 +648,12 @@ impl Run<'_> {
                 &pauses,
                 |batch, seen, loss| {
                     if let Some(t) = started.take() {
-                        // set-up, data, engine, and on several GPUs the
-                        // rendezvous and the communicator
-                        bar.suspend(|| {
-                            logln!(
-                                "first step done {:.2} s after start",
-                                t.elapsed().as_secs_f64()
-                            )
-                        });
+                        bar.suspend(|| first_step_done(t));
                     }
+                    // the batch's step took this rate (batches count from 1)
+                    let lr = rate(batch - 1);
                     bar.set_position(seen as u64);
-                    bar.set_message(format!("{loss:.4}"));
+                    bar.set_message(format!("{loss:.4} lr {lr:.3e}"));
                     if let Some(log) = self.log.as_mut().filter(|l| l.logs_step(batch)) {
                         let step = json!({"epoch": epoch, "batch": batch, "graphs": seen,
                             "loss": finite(loss), "lr": lr});
@@ -588,17 +669,10 @@ impl Run<'_> {
             let end = end.map_err(|e| format!("epoch {epoch}: {e}"))?;
             match end {
                 SpanEnd::EpochDone => break,
-                SpanEnd::Checkpoint => {
-                    // every rank pauses here: the saved statistics are all ranks'
-                    self.s.trainer.engine.sync_buffers()?;
-                    self.save_last()?
-                }
+                SpanEnd::Checkpoint => self.pause(false)?,
                 SpanEnd::Requested => {
                     bar.finish_and_clear();
-                    self.s.trainer.engine.sync_buffers()?;
-                    self.save_last()?;
-                    // the other ranks wait for rank 0's checkpoint
-                    self.s.trainer.engine.sum_over_ranks(&mut [0.0])?;
+                    self.pause(true)?;
                     return Ok(false);
                 }
             }
@@ -609,14 +683,16 @@ impl Run<'_> {
         // every rank's graphs
         let mut seen = [(mine - seen_before) as f64];
         self.s.trainer.engine.sum_over_ranks(&mut seen)?;
-        self.end_epoch(epoch, loss, seen[0] / secs)?;
+        // the rate of the epoch's last step
+        let lr = rate(self.s.run.progress.batches.max(1) - 1);
+        self.end_epoch(epoch, loss, seen[0] / secs, lr)?;
         self.s.run.shuffle = shuffle;
         Ok(true)
     }
 
     /// An epoch's report, dev evaluation and best model; then the epoch is
     /// done in the run state and its end saved.
-    fn end_epoch(&mut self, epoch: usize, loss: f64, per_sec: f64) -> AnyResult {
+    fn end_epoch(&mut self, epoch: usize, loss: f64, per_sec: f64, lr: f64) -> AnyResult {
         let kind = self.s.kind;
         let trainer = &mut self.s.trainer;
         let reports = [
@@ -632,13 +708,13 @@ impl Run<'_> {
             let record = json!({"epoch": epoch, "train_loss": finite(loss),
                 "dev_loss": finite(dev.loss), "dev_root_accuracy": dev.root_accuracy,
                 "dev_node_accuracy": dev.node_accuracy, "graphs_per_s": finite(per_sec),
-                "lr": self.s.lr, "skipped": self.s.run.progress.skipped,
+                "lr": lr, "skipped": self.s.run.progress.skipped,
                 "device_memory_room": trainer.engine.device_memory_room(),
                 "memory": memory, "timing": timing});
             log.record("epoch", record)?;
         }
         logln!(
-            "epoch {epoch}: train loss {loss:.4} | dev loss {:.4} {} | {:.0} {}/s{}",
+            "epoch {epoch}: train loss {loss:.4} | dev loss {:.4} {} | lr {lr:.4e} | {:.0} {}/s{}",
             dev.loss,
             vision::accuracy(kind, &dev),
             per_sec,
@@ -654,6 +730,8 @@ impl Run<'_> {
         // keep the parameters of the epoch with the best dev accuracy, if finite
         let acc = selection_accuracy(kind, &dev);
         let params = trainer.state()?.params;
+        self.plateau(epoch, acc)?;
+        let trainer = &mut self.s.trainer;
         if let Some(why) = nonfinite_model(trainer.model(), &params, dev.loss) {
             logln!("  epoch {epoch}'s model is not kept: {why}");
         } else if self.s.run.best.is_none_or(|b| acc > b.score) {
@@ -774,6 +852,7 @@ fn log_config(s: &Setup) -> AnyResult<serde_json::Value> {
         "data": s.data.source,
         "graphs": {"train": s.data.train.len(), "dev": s.data.dev.len(), "test": s.data.test.len()},
         "lr": s.lr,
+        "lr_schedule": s.schedule.kind.name(),
         "ramus": env!("CARGO_PKG_VERSION"),
     }))
 }
@@ -790,9 +869,9 @@ fn finish(
         kind,
         data,
         mut trainer,
-        lr: _,
         run,
         best,
+        ..
     } = s;
     if let (Some(b), Some(params)) = (run.best, best) {
         if b.epoch != a.epochs {

@@ -165,6 +165,13 @@ impl<T: Real> TrainEngine<T> for CpuTrainer<T> {
     fn set_seed(&mut self, seed: u64) {
         self.engine.set_seed(seed);
     }
+    /// The host optimizer reads its rate at every step.
+    fn set_lr(&mut self, lr: f64) -> Result<()> {
+        self.state.optimizer.config.set_lr(lr)
+    }
+    fn set_lr_scales(&mut self, scales: &[f64]) -> Result<()> {
+        self.state.optimizer.set_lr_scales(scales)
+    }
     fn state(&mut self) -> Result<TrainState<T>> {
         Ok(TrainState {
             params: self.state.params.clone(),
@@ -179,8 +186,11 @@ impl<T: Real> TrainEngine<T> for CpuTrainer<T> {
             optimizer,
             dropout,
         } = state;
+        // the multipliers are the run's setting, not its state
+        let scales = self.state.optimizer.lr_scales().to_vec();
         self.state.params = params;
         self.state.optimizer = optimizer;
+        self.state.optimizer.set_lr_scales(&scales)?;
         self.engine.set_dropout_rng(dropout);
         Ok(())
     }

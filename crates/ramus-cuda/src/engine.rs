@@ -190,6 +190,9 @@ pub struct CudaEngine {
     /// Optimizer state to load into the fused optimizer when it is built
     /// (a resumed run, see [`CudaEngine::load_optimizer_state`]).
     pending_optimizer: Option<ramus_exec::Optimizer<f32>>,
+    /// Each parameter's learning-rate multiplier (empty: 1 for every one),
+    /// given to the fused optimizer (see [`CudaEngine::set_lr_scales`]).
+    lr_scales: Vec<f64>,
     pass_started: Option<std::time::Instant>,
     /// True while an evaluation or inference pass runs: ops with an
     /// inference form (batch normalisation with running statistics) run
@@ -286,6 +289,7 @@ impl CudaEngine {
             setup_seconds: started.elapsed().as_secs_f64(),
             optimizer: None,
             pending_optimizer: None,
+            lr_scales: Vec::new(),
             pass_started: None,
             inference_pass: false,
             track_running_stats: false,

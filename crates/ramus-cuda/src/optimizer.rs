@@ -139,13 +139,13 @@ impl UpdateKernelSpec {
         let lines: Vec<String> = match self.kind {
             OptimizerKind::Sgd => vec![
                 format!("const float g = add_rn({g}, mul_rn(a.weight_decay, w));"),
-                "w = sub_rn(w, mul_rn(a.lr, g));".into(),
+                "w = sub_rn(w, mul_rn(lr, g));".into(),
             ],
             OptimizerKind::Adagrad => vec![
                 format!("const float g = add_rn({g}, mul_rn(a.weight_decay, w));"),
                 "const float acc = add_rn(s.second[i], mul_rn(g, g));".into(),
                 "s.second[i] = acc;".into(),
-                "w = sub_rn(w, div_rn(mul_rn(a.lr, g), add_rn(sqrt_rn(acc), a.eps)));".into(),
+                "w = sub_rn(w, div_rn(mul_rn(lr, g), add_rn(sqrt_rn(acc), a.eps)));".into(),
             ],
             OptimizerKind::Adam => vec![
                 format!("const float g = {g};"),
@@ -155,8 +155,8 @@ impl UpdateKernelSpec {
                 "s.first[i] = m;".into(),
                 "s.second[i] = v;".into(),
                 "// decoupled weight decay (AdamW), then the bias-corrected step".into(),
-                "w = sub_rn(w, mul_rn(mul_rn(a.lr, a.weight_decay), w));".into(),
-                "w = sub_rn(w, div_rn(mul_rn(a.lr, mul_rn(m, a.inv_bias_correction1)), \
+                "w = sub_rn(w, mul_rn(mul_rn(lr, a.weight_decay), w));".into(),
+                "w = sub_rn(w, div_rn(mul_rn(lr, mul_rn(m, a.inv_bias_correction1)), \
                  add_rn(sqrt_rn(mul_rn(v, a.inv_bias_correction2)), a.eps)));"
                     .into(),
             ],
@@ -190,6 +190,8 @@ impl UpdateKernelSpec {
         s += "    if (status[RAMUS_SKIP] != 0u) return;\n";
         s += "    const Segment s = segments.s[blockIdx.y];\n";
         s += "    const u64 n = segment_elements(s);\n";
+        // the segment's own rate (times 1: exact, as on the host)
+        s += "    const float lr = mul_rn(a.lr, s.lr_scale);\n";
         if self.clip {
             s += "    const float scale = *clip_scale;\n";
         }
@@ -237,7 +239,7 @@ struct Segment {
     u32 width;
     u32 table_rows;
     u32 slot;
-    u32 reserved;
+    float lr_scale;  // the segment's learning-rate multiplier
 };
 
 struct Segments {
@@ -476,7 +478,7 @@ impl State {
         }
         let (buffers, kept) = status::buffer_segments(pool, slots)?;
         Ok(Self {
-            partials: pool.alloc::<u32>(2 * plan.norm_slots())?,
+            partials: pool.alloc::<u32>(2 * Plan::max_norm_slots(slots).max(plan.norm_slots()))?,
             words: pool.alloc::<u32>(STATUS_WORDS)?,
             scale: pool.alloc::<f32>(1)?,
             loss: pool.alloc::<f32>(1)?,
@@ -585,6 +587,22 @@ impl DeviceOptimizer {
             )));
         }
         self.config = *config;
+        Ok(())
+    }
+
+    /// Makes slot `p`'s step take the learning rate times `scales[p]` (0:
+    /// the parameter stays; empty: 1 for every slot), from the next step
+    /// on. The state stays where it is.
+    pub fn set_lr_scales(&mut self, scales: &[f64]) -> Result<()> {
+        ramus_exec::optim::check_lr_scales(scales, self.state.slots.len())
+            .map_err(|e| CudaError::BadArgument(e.to_string()))?;
+        let scales: Vec<f32> = scales.iter().map(|&s| s as f32).collect();
+        let total: usize = self.state.slots.iter().map(|s| s.value.len()).sum();
+        let view = |b: &Option<PoolBuffer<f32>>| -> Result<Option<DeviceView<f32>>> {
+            b.as_ref().map(|b| b.view().slice(0..total)).transpose()
+        };
+        let (first, second) = (view(&self.state.first)?, view(&self.state.second)?);
+        self.state.plan = Plan::with_scales(&self.state.slots, &scales, first, second)?;
         Ok(())
     }
 

@@ -75,6 +75,7 @@ fn resumed_matches(
         data,
         order: &order,
         batch_size: BATCH,
+        rates: None,
     };
     let mut at = EpochProgress::default();
     let pauses = Pauses {
@@ -92,6 +93,7 @@ fn resumed_matches(
         shuffle: epoch2,
         dropout: saved.dropout.clone(),
         best: None,
+        plateau: Default::default(),
         config: Default::default(),
         data: String::new(),
         ranks: 1,

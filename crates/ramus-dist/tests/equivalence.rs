@@ -250,6 +250,7 @@ fn a_run_paused_on_two_ranks_goes_on_on_one() {
                         data: graphs,
                         order,
                         batch_size: per_rank,
+                        rates: None,
                     };
                     let pauses = Pauses {
                         every: Some(pause),
@@ -275,6 +276,7 @@ fn a_run_paused_on_two_ranks_goes_on_on_one() {
         config: Default::default(),
         data: String::new(),
         ranks: world,
+        plateau: Default::default(),
     };
     assert_eq!(run.rebase(1, per_rank, order.len()), Some(split));
     assert_eq!(run.rebase(1, per_rank, order.len()), None);
@@ -285,6 +287,7 @@ fn a_run_paused_on_two_ranks_goes_on_on_one() {
         data: &case.graphs,
         order: &order[run.progress.skip..],
         batch_size: per_rank,
+        rates: None,
     };
     let end = trainer.train_span(&span, &mut run.progress, &Pauses::default(), |_, _, _| {});
     assert_eq!(end.unwrap(), SpanEnd::EpochDone);
@@ -329,6 +332,7 @@ fn batch_norm_statistics_are_averaged_before_an_evaluation() {
                         data: graphs,
                         order,
                         batch_size: per_rank,
+                        rates: None,
                     };
                     let mut at = EpochProgress::default();
                     let pauses = Pauses::default();
@@ -401,6 +405,7 @@ fn a_stop_asked_of_one_rank_pauses_every_rank_at_the_same_batch() {
                         data: graphs,
                         order,
                         batch_size: per_rank,
+                        rates: None,
                     };
                     let asked = move || r == 0;
                     let pauses = Pauses {

@@ -381,6 +381,15 @@ impl<T: Real, E: SplitStep<T>> TrainEngine<T> for DataParallel<T, E> {
     fn set_seed(&mut self, seed: u64) {
         self.engine.set_seed(seed);
     }
+    fn set_lr(&mut self, lr: f64) -> Result<()> {
+        self.engine.set_lr(lr)
+    }
+    fn set_step_lrs(&mut self, lrs: &[f64]) -> Result<()> {
+        self.engine.set_step_lrs(lrs)
+    }
+    fn set_lr_scales(&mut self, scales: &[f64]) -> Result<()> {
+        self.engine.set_lr_scales(scales)
+    }
     fn state(&mut self) -> Result<TrainState<T>> {
         self.engine.state()
     }

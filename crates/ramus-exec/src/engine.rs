@@ -180,6 +180,38 @@ pub trait TrainEngine<T: Real> {
     /// Starts the dropout stream from `seed`.
     fn set_seed(&mut self, seed: u64);
 
+    /// Sets the learning rate of every step submitted from now on (a
+    /// schedule; the other optimizer settings stay). Refuses a rate that
+    /// is negative or not finite.
+    fn set_lr(&mut self, lr: f64) -> Result<()>;
+
+    /// The learning rates of the next `lrs.len()` steps submitted, one
+    /// each in submission order (a schedule that changes the rate every
+    /// step, for an engine that takes several batches a
+    /// [`submit`](Self::submit): see [`lookahead`](Self::lookahead)); the
+    /// steps after them keep the last. An engine that takes its steps one
+    /// at a time ([`lookahead`](Self::lookahead) 1, the default) is given
+    /// one rate at a time, and refuses different rates at once.
+    fn set_step_lrs(&mut self, lrs: &[f64]) -> Result<()> {
+        match lrs {
+            [] => Ok(()),
+            [first, rest @ ..] if rest.iter().all(|lr| lr == first) => self.set_lr(*first),
+            _ => Err(ExecError::Config(format!(
+                "the {} engine takes one learning rate for the steps of a submit, given {}",
+                self.name(),
+                lrs.len()
+            ))),
+        }
+    }
+
+    /// Makes parameter `p`'s step take the learning rate times `scales[p]`
+    /// (0: the parameter is not updated; empty: 1 for every parameter),
+    /// e.g. frozen or slower embedding tables. A setting of the run, not
+    /// of its state: [`restore`](Self::restore) keeps it. An engine whose
+    /// update cannot take a multiplier somewhere refuses it, naming the
+    /// parameter.
+    fn set_lr_scales(&mut self, scales: &[f64]) -> Result<()>;
+
     /// The training state after every step submitted so far: the
     /// parameters, the optimizer and the dropout stream, read back from
     /// wherever the engine keeps them. Refused while steps are in flight

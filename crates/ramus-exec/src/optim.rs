@@ -2,8 +2,14 @@
 //! global gradient-norm clipping. Parameters whose gradient only touched
 //! some rows (embedding tables) are updated on those rows alone, so a step
 //! costs in proportion to the words in the batch, not the vocabulary.
+//!
+//! Each parameter's step may take the learning rate times a multiplier of
+//! its own ([`Optimizer::set_lr_scales`]: 0 freezes it, e.g. pretrained
+//! word vectors); the rate itself may change between steps (a schedule,
+//! [`OptimizerConfig::set_lr`]).
 
-use ramus_core::{Grads, Params, Real, Tensor};
+use ramus_core::graph::Role;
+use ramus_core::{Grads, Model, Params, Real, Tensor};
 
 use crate::error::{ExecError, Result, Setting};
 use crate::nonfinite::gradients_finite;
@@ -69,6 +75,20 @@ impl OptimizerConfig {
         }
     }
 
+    /// Sets the learning rate of the steps from now on (a schedule),
+    /// refusing one that is negative or not finite.
+    pub fn set_lr(&mut self, lr: f64) -> Result<()> {
+        if !(lr.is_finite() && lr >= 0.0) {
+            return Err(ExecError::InvalidSetting {
+                setting: Setting::LearningRate,
+                value: lr,
+                expected: "a finite number >= 0",
+            });
+        }
+        self.lr = lr;
+        Ok(())
+    }
+
     /// Refuses settings no one can mean, naming the first: a learning rate
     /// or weight decay that is negative or not finite, a clip norm that is
     /// not a positive finite number, betas outside [0, 1), a negative or
@@ -125,6 +145,46 @@ pub struct Optimizer<T> {
     first: Vec<Tensor<T>>,
     second: Vec<Tensor<T>>,
     steps: u64,
+    /// Each parameter's learning-rate multiplier; empty: 1 for every one.
+    scales: Vec<f64>,
+}
+
+/// The embedding tables of `model`: the parameters a vertex looks rows of
+/// up by its token (their gradients come as rows), in declaration order.
+pub fn embedding_tables(model: &Model) -> Vec<usize> {
+    let mut tables: Vec<usize> = model
+        .functions
+        .iter()
+        .map(|f| &f.backward)
+        .chain([&model.head.backward])
+        .flat_map(|g| &g.outputs)
+        .filter_map(|o| match o.role {
+            Role::ParamRowGrad(p) => Some(p),
+            _ => None,
+        })
+        .collect();
+    tables.sort_unstable();
+    tables.dedup();
+    tables
+}
+
+/// Refuses per-parameter learning-rate multipliers that are not one per
+/// parameter of `params` (`count`), or not finite numbers >= 0; names the
+/// first bad one.
+pub fn check_lr_scales(scales: &[f64], count: usize) -> Result<()> {
+    if !scales.is_empty() && scales.len() != count {
+        return Err(ExecError::Config(format!(
+            "{} learning-rate multipliers for {count} parameters",
+            scales.len()
+        )));
+    }
+    if let Some(p) = scales.iter().position(|s| !(s.is_finite() && *s >= 0.0)) {
+        return Err(ExecError::Config(format!(
+            "learning-rate multiplier {} of parameter {p}: expected a finite number >= 0",
+            scales[p]
+        )));
+    }
+    Ok(())
 }
 
 impl<T: Real> Optimizer<T> {
@@ -148,7 +208,26 @@ impl<T: Real> Optimizer<T> {
             second: zeros(config.kind != OptimizerKind::Sgd),
             config,
             steps: 0,
+            scales: Vec::new(),
         }
+    }
+
+    /// Each parameter's learning-rate multiplier (empty: 1 for every one).
+    pub fn lr_scales(&self) -> &[f64] {
+        &self.scales
+    }
+
+    /// Makes parameter `p`'s step take the learning rate times
+    /// `scales[p]` (0: the parameter stays as it is; empty: 1 for every
+    /// one). A setting of the run, not state: [`restore`](Self::restore)
+    /// keeps it.
+    pub fn set_lr_scales(&mut self, scales: &[f64]) -> Result<()> {
+        check_lr_scales(scales, self.first.len())?;
+        self.scales = match scales.iter().all(|&s| s == 1.0) {
+            true => Vec::new(),
+            false => scales.to_vec(),
+        };
+        Ok(())
     }
 
     /// Number of steps taken.
@@ -261,6 +340,11 @@ impl<T: Real> Optimizer<T> {
                     .iter()
                     .map(|&r| (r as usize * width, (r as usize + 1) * width))
                     .collect(),
+            };
+            // the parameter's own rate: the same f32 product the device takes
+            let lr = match self.scales.get(p) {
+                Some(&scale) => lr * T::from_f64(scale),
+                None => lr,
             };
             let (pv, gv) = (params.values[p].data_mut(), grads.values[p].data());
             for (a, b) in ranges {

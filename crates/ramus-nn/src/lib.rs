@@ -6,6 +6,7 @@ mod blocks;
 pub mod checkpoint;
 pub mod models;
 pub mod resume;
+pub mod schedule;
 pub mod sequence_models;
 pub mod train;
 pub mod vision;

@@ -7,8 +7,8 @@
 //!   the next one got (batches, graphs, loss so far), the shuffle stream as
 //!   that epoch began (its order is drawn again) and the dropout stream
 //!   where it stands, the optimizer's step count, the best dev score and
-//!   its epoch, the run's configuration (flags) and a fingerprint of its
-//!   data;
+//!   its epoch, the learning-rate schedule's plateau state, the run's
+//!   configuration (flags) and a fingerprint of its data;
 //! * tensors `ramus.resume/first/NAME`, `ramus.resume/second/NAME`: the
 //!   optimizer's moments of parameter `NAME` (those its rule keeps);
 //!   `ramus.resume/best/NAME`: the parameters of the best dev epoch.
@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use ramus_exec::{ExecError, Optimizer, OptimizerConfig, Result};
 
 use crate::checkpoint::{self, Extra};
+use crate::schedule::Plateau;
 // reserved by the checkpoint format, which skips them when checking names
 pub use crate::checkpoint::{is_resume_tensor, TENSOR_PREFIX};
 use crate::train::EpochProgress;
@@ -56,6 +57,9 @@ pub struct RunState {
     /// The dropout stream where it stands.
     pub dropout: ChaCha8Rng,
     pub best: Option<Best>,
+    /// What the plateau schedule keeps of the dev metric (see
+    /// [`crate::schedule`]); the default for the other schedules.
+    pub plateau: Plateau,
     /// The run's configuration: each flag's values (`None`: not given).
     pub config: BTreeMap<String, Option<Vec<String>>>,
     /// The ranks (GPUs) the run trains on: a step takes a batch from each.
@@ -121,6 +125,14 @@ impl RunState {
     }
 }
 
+/// [`Plateau`] as stored (floats by their bits).
+#[derive(Serialize, Deserialize, Default)]
+struct PlateauRecord {
+    best_bits: Option<u64>,
+    stale_epochs: usize,
+    decays: u32,
+}
+
 /// [`RunState`] as stored (floats by their bits).
 #[derive(Serialize, Deserialize)]
 struct Record {
@@ -136,6 +148,9 @@ struct Record {
     optimizer_steps: u64,
     best_score_bits: Option<u64>,
     best_epoch: Option<usize>,
+    /// Absent in checkpoints of runs before schedules: a fresh state.
+    #[serde(default)]
+    plateau: PlateauRecord,
     config: BTreeMap<String, Option<Vec<String>>>,
     data: String,
     /// Absent in checkpoints of runs before data parallelism: one rank.
@@ -195,6 +210,11 @@ pub fn save(
         optimizer_steps: optimizer.steps(),
         best_score_bits: state.best.map(|b| b.score.to_bits()),
         best_epoch: state.best.map(|b| b.epoch),
+        plateau: PlateauRecord {
+            best_bits: state.plateau.best.map(f64::to_bits),
+            stale_epochs: state.plateau.stale_epochs,
+            decays: state.plateau.decays,
+        },
         config: state.config.clone(),
         data: state.data.clone(),
         ranks: state.ranks,
@@ -250,6 +270,11 @@ pub fn read_state(path: &Path, data: &[u8]) -> Result<(RunState, u64)> {
         shuffle: r.shuffle.rng().map_err(|e| bad(format!("shuffle {e}")))?,
         dropout: r.dropout.rng().map_err(|e| bad(format!("dropout {e}")))?,
         best,
+        plateau: Plateau {
+            best: r.plateau.best_bits.map(f64::from_bits),
+            stale_epochs: r.plateau.stale_epochs,
+            decays: r.plateau.decays,
+        },
         config: r.config,
         data: r.data,
         ranks: r.ranks.max(1),

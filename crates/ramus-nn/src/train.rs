@@ -122,6 +122,7 @@ impl<T: Real> Trainer<T> {
             data,
             order: &order,
             batch_size,
+            rates: None,
         };
         self.train_span(&span, &mut at, &Pauses::default(), progress)?;
         Ok(at)
@@ -197,13 +198,20 @@ impl<T: Real> Trainer<T> {
             }));
             let outcomes = match batches.iter().all(Option::is_some) {
                 true => {
+                    if let Some(rate) = span.rates {
+                        let lrs: Vec<f64> = group.clone().map(rate).collect();
+                        self.engine.set_step_lrs(&lrs)?;
+                    }
                     let batches: Vec<Batch> =
                         batches.into_iter().flatten().map(|b| b.batch).collect();
                     self.engine.submit(&batches)?
                 }
                 false => {
                     let mut outcomes = Vec::new();
-                    for b in batches {
+                    for (b, step) in batches.into_iter().zip(group.clone()) {
+                        if let Some(rate) = span.rates {
+                            self.engine.set_step_lrs(&[rate(step)])?;
+                        }
                         outcomes.extend(match b {
                             Some(b) => self.engine.submit(std::slice::from_ref(&b.batch))?,
                             None => self.engine.submit_idle()?,
@@ -486,11 +494,15 @@ impl<'a> Producer<'_, 'a> {
 }
 
 /// An epoch's batches: `order` (indices into `data`) cut into batches of
-/// `batch_size`.
+/// `batch_size`, and the learning rate of each.
 pub struct Span<'a> {
     pub data: &'a [InputGraph],
     pub order: &'a [usize],
     pub batch_size: usize,
+    /// The learning rate of the epoch's batch `i` (from 0; a schedule,
+    /// see [`crate::schedule`]), set before its step; `None`: the engine's
+    /// rate stays.
+    pub rates: Option<&'a dyn Fn(usize) -> f64>,
 }
 
 /// Where [`Trainer::train_span`] pauses.

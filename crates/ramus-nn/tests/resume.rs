@@ -53,6 +53,7 @@ fn a_run_paused_saved_and_loaded_continues_bit_for_bit() {
         data: &data,
         order: &order,
         batch_size: 4,
+        rates: None,
     };
     let mut at = EpochProgress::default();
     let pauses = Pauses {
@@ -76,6 +77,11 @@ fn a_run_paused_saved_and_loaded_continues_bit_for_bit() {
             score: 0.1 + 0.2,
             epoch: 1,
         }),
+        plateau: ramus_nn::schedule::Plateau {
+            best: Some(0.1 + 0.2),
+            stale_epochs: 2,
+            decays: 3,
+        },
         config: [("hidden".to_string(), Some(vec!["6".to_string()]))].into(),
         data: resume::fingerprint(&[&data], &vocab),
         ranks: 3,

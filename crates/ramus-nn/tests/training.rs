@@ -147,6 +147,9 @@ fn lstm_language_model_loss_falls() {
 struct WindowedCpu {
     inner: ramus_cpu::CpuTrainer<f32>,
     held: Vec<ramus_exec::StepOutcome>,
+    /// The rates of the next steps, one each (as the persistent engine
+    /// takes them).
+    lrs: std::collections::VecDeque<f64>,
 }
 
 impl TrainEngine<f32> for WindowedCpu {
@@ -176,12 +179,29 @@ impl TrainEngine<f32> for WindowedCpu {
     fn lookahead(&self) -> usize {
         3
     }
+    fn set_lr(&mut self, lr: f64) -> ramus_exec::Result<()> {
+        self.lrs.clear();
+        self.inner.set_lr(lr)
+    }
+    fn set_step_lrs(&mut self, lrs: &[f64]) -> ramus_exec::Result<()> {
+        self.lrs = lrs.iter().copied().collect();
+        Ok(())
+    }
+    fn set_lr_scales(&mut self, scales: &[f64]) -> ramus_exec::Result<()> {
+        self.inner.set_lr_scales(scales)
+    }
     fn submit(
         &mut self,
         batches: &[ramus_exec::Batch<'_>],
     ) -> ramus_exec::Result<Vec<ramus_exec::StepOutcome>> {
         assert!(batches.len() <= 3, "a window of {} batches", batches.len());
-        let now = self.inner.submit(batches)?;
+        let mut now = Vec::new();
+        for batch in batches {
+            if let Some(lr) = self.lrs.pop_front() {
+                self.inner.set_lr(lr)?;
+            }
+            now.extend(self.inner.submit(std::slice::from_ref(batch))?);
+        }
         Ok(std::mem::replace(&mut self.held, now))
     }
     fn finish(&mut self) -> ramus_exec::Result<Vec<ramus_exec::StepOutcome>> {
@@ -203,6 +223,7 @@ fn windowed_engines_train_as_one_batch_at_a_time() {
     let mut windowed = Trainer::with_engine(Box::new(WindowedCpu {
         inner,
         held: Vec::new(),
+        lrs: Default::default(),
     }));
     for epoch in 0..2 {
         let (mut r1, mut r2) = (ramus_nn::train::rng(epoch), ramus_nn::train::rng(epoch));
@@ -253,4 +274,124 @@ fn restored_state_trains_on_exactly_and_misfits_are_refused() {
     let mut sgd = trainer("treelstm", vocab.len(), 8, 5, OptimizerKind::Sgd, 0.05);
     let err = sgd.engine.restore(sa).unwrap_err().to_string();
     assert!(err.contains("Adam") && err.contains("Sgd"), "{err}");
+}
+
+/// A span's per-batch rates reach every step: an engine taking windows of
+/// batches (each step its own rate) trains exactly as one taking a batch
+/// at a time, and both differ from a run at the constant rate.
+#[test]
+fn scheduled_rates_reach_each_step_of_a_window() {
+    use ramus_nn::train::{shuffled_order, EpochProgress, Pauses, Span};
+    let (train, _, vocab) = treebank(40, 1);
+    let mut plain = trainer("treelstm", vocab.len(), 8, 5, OptimizerKind::Sgd, 0.1);
+    let mut constant = trainer("treelstm", vocab.len(), 8, 5, OptimizerKind::Sgd, 0.1);
+    let start = plain.state().unwrap();
+    let inner =
+        ramus_cpu::CpuTrainer::new(plain.model().clone(), start.params, start.optimizer.config);
+    let mut windowed = Trainer::with_engine(Box::new(WindowedCpu {
+        inner,
+        held: Vec::new(),
+        lrs: Default::default(),
+    }));
+    let order = shuffled_order(train.len(), &mut ramus_nn::train::rng(2));
+    let rate = |i: usize| 0.3 / (i + 1) as f64;
+    for (t, rates) in [
+        (&mut plain, Some(&rate as &dyn Fn(usize) -> f64)),
+        (&mut windowed, Some(&rate as &dyn Fn(usize) -> f64)),
+        (&mut constant, None),
+    ] {
+        let span = Span {
+            data: &train,
+            order: &order,
+            batch_size: 4,
+            rates,
+        };
+        let mut at = EpochProgress::default();
+        t.train_span(&span, &mut at, &Pauses::default(), |_, _, _| {})
+            .unwrap();
+        assert_eq!(at.batches, 10);
+    }
+    let (p, w, c) = (
+        plain.state().unwrap(),
+        windowed.state().unwrap(),
+        constant.state().unwrap(),
+    );
+    assert_eq!(p.params.values, w.params.values);
+    assert_ne!(p.params.values, c.params.values);
+    // the last step's rate stays the engine's
+    assert_eq!(p.optimizer.config.lr, rate(9));
+}
+
+/// A rate of 0 leaves every parameter as it was; a multiplier of 0 leaves
+/// its parameter alone while the others train; multipliers survive a
+/// restore; bad rates and multipliers are refused.
+#[test]
+fn rates_and_multipliers_rule_the_cpu_update() {
+    let (train, _, vocab) = treebank(16, 1);
+    let graphs: Vec<&InputGraph> = train.iter().collect();
+    for kind in [
+        OptimizerKind::Sgd,
+        OptimizerKind::Adagrad,
+        OptimizerKind::Adam,
+    ] {
+        let mut t = trainer("treelstm", vocab.len(), 8, 5, kind, 0.1);
+        let before = t.state().unwrap().params;
+        t.engine.set_lr(0.0).unwrap();
+        t.train_batch(&graphs[..8]).unwrap();
+        assert_eq!(t.state().unwrap().params.values, before.values, "{kind:?}");
+
+        t.engine.set_lr(0.1).unwrap();
+        let emb = t.model().param_id("emb").unwrap();
+        let mut scales = vec![1.0; t.model().params.len()];
+        scales[emb] = 0.0;
+        t.engine.set_lr_scales(&scales).unwrap();
+        let state = t.state().unwrap();
+        t.engine.restore(state).unwrap();
+        t.train_batch(&graphs[8..]).unwrap();
+        let after = t.state().unwrap().params;
+        assert_eq!(
+            after.values[emb], before.values[emb],
+            "{kind:?}: frozen table"
+        );
+        let moved = (0..before.values.len()).filter(|&p| after.values[p] != before.values[p]);
+        assert!(moved.count() >= 2, "{kind:?}: the other parameters train");
+
+        assert!(t.engine.set_lr(-1.0).is_err());
+        assert!(t.engine.set_lr(f64::NAN).is_err());
+        assert!(t.engine.set_lr_scales(&[1.0]).is_err());
+        scales[emb] = -0.5;
+        let err = t.engine.set_lr_scales(&scales).unwrap_err().to_string();
+        assert!(err.contains(&format!("parameter {emb}")), "{err}");
+    }
+}
+
+/// A half-rate multiplier on SGD takes exactly half the step of the
+/// table's rows (the same `f32` product the device takes).
+#[test]
+fn a_multiplier_scales_the_tables_sgd_step() {
+    let (train, _, vocab) = treebank(8, 1);
+    let graphs: Vec<&InputGraph> = train.iter().collect();
+    let mut full = trainer("treelstm", vocab.len(), 8, 5, OptimizerKind::Sgd, 0.5);
+    let mut half = trainer("treelstm", vocab.len(), 8, 5, OptimizerKind::Sgd, 0.25);
+    let emb = full.model().param_id("emb").unwrap();
+    let tables = ramus_exec::optim::embedding_tables(full.model());
+    assert_eq!(tables, [emb]);
+    let mut scales = vec![2.0; full.model().params.len()];
+    scales[emb] = 1.0;
+    // full: everything at 0.5 but the table at 0.5 · 0.5; half: 0.25 · 2
+    // everywhere but the table at 0.25
+    full.engine
+        .set_lr_scales(
+            &(0..scales.len())
+                .map(|p| if p == emb { 0.5 } else { 1.0 })
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+    half.engine.set_lr_scales(&scales).unwrap();
+    full.train_batch(&graphs).unwrap();
+    half.train_batch(&graphs).unwrap();
+    assert_eq!(
+        full.state().unwrap().params.values,
+        half.state().unwrap().params.values
+    );
 }

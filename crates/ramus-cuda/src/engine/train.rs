@@ -80,6 +80,7 @@ impl CudaEngine {
                 .collect();
             let mut opt =
                 DeviceOptimizer::new(&self.device, &self.pool, &self.cache, config, &slots)?;
+            opt.set_lr_scales(&self.lr_scales)?;
             if let Some(host) = self.pending_optimizer.take() {
                 opt.upload_from(self.device.stream(), &host)?;
             }
@@ -89,6 +90,17 @@ impl CudaEngine {
             Some((_, opt)) => Ok(opt),
             None => Err(model_err("device optimizer missing")),
         }
+    }
+
+    /// Makes parameter `p`'s update take the learning rate times
+    /// `scales[p]` (0: frozen; empty: 1 for every one), from the next step
+    /// on; the fused optimizer keeps its state.
+    pub fn set_lr_scales(&mut self, scales: &[f64]) -> Result<()> {
+        if let Some((_, opt)) = &mut self.optimizer {
+            opt.set_lr_scales(scales)?;
+        }
+        self.lr_scales = scales.to_vec();
+        Ok(())
     }
 
     /// Forward, backward and the fused optimizer update (held back if the
@@ -333,6 +345,15 @@ impl TrainEngine<f32> for CudaTrainer {
     }
     fn set_seed(&mut self, seed: u64) {
         self.engine.set_seed(seed)
+    }
+    /// The fused optimizer takes the configuration at every step (its
+    /// rate is a kernel argument, so no recompiling).
+    fn set_lr(&mut self, lr: f64) -> ramus_exec::Result<()> {
+        self.config.set_lr(lr)
+    }
+    fn set_lr_scales(&mut self, scales: &[f64]) -> ramus_exec::Result<()> {
+        ramus_exec::optim::check_lr_scales(scales, self.model.params.len())?;
+        Ok(self.engine.set_lr_scales(scales)?)
     }
     fn state(&mut self) -> ramus_exec::Result<TrainState<f32>> {
         self.check_idle("state()")?;

@@ -255,8 +255,17 @@ pub(super) fn segments_cpp(ns: &str, chunk: &Chunk) -> String {
             s,
             "        segs.s[{k}] = {ns}::Segment{{(float*)at({}ull), (const float*)at({}ull), \
              (float*)at({}ull), (float*)at({}ull), (const unsigned*)at({}ull), {}ull, {}u, {}u, \
-             {}u, 0u}};",
-            g.value, g.grad, g.first, g.second, g.rows, g.len, g.width, g.table_rows, g.slot
+             {}u, F({}u)}};",
+            g.value,
+            g.grad,
+            g.first,
+            g.second,
+            g.rows,
+            g.len,
+            g.width,
+            g.table_rows,
+            g.slot,
+            g.lr_scale
         );
     }
     s

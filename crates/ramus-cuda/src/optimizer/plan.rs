@@ -23,7 +23,9 @@ pub(super) struct RawSegment {
     pub(super) table_rows: u32,
     /// The segment's first parameter (for the non-finite key).
     pub(super) slot: u32,
-    pub(super) reserved: u32,
+    /// The segment's learning-rate multiplier (`f32` bits; `float
+    /// lr_scale` in the source).
+    pub(super) lr_scale: u32,
 }
 
 impl RawSegment {
@@ -98,6 +100,8 @@ pub(super) struct Run {
     pub(super) len: usize,
     /// Its first parameter.
     pub(super) slot: u32,
+    /// The learning-rate multiplier of its parameters (`f32` bits).
+    pub(super) lr_scale: u32,
 }
 
 /// A row-gradient table.
@@ -111,6 +115,8 @@ pub(super) struct Table {
     pub(super) rows: u32,
     /// Its parameter.
     pub(super) slot: u32,
+    /// Its learning-rate multiplier (`f32` bits).
+    pub(super) lr_scale: u32,
 }
 
 /// Where everything is: dense runs and tables, with their state. Pure data
@@ -201,7 +207,26 @@ impl Plan {
         first: Option<DeviceView<f32>>,
         second: Option<DeviceView<f32>>,
     ) -> Result<Self> {
+        Self::with_scales(slots, &[], first, second)
+    }
+
+    /// [`Plan::new`] with slot `p`'s learning rate multiplied by
+    /// `scales[p]` (empty: 1 for every slot); a dense run holds parameters
+    /// of one multiplier.
+    pub(super) fn with_scales(
+        slots: &[ParamSlot],
+        scales: &[f32],
+        first: Option<DeviceView<f32>>,
+        second: Option<DeviceView<f32>>,
+    ) -> Result<Self> {
         check_slots(slots, first, second)?;
+        if !scales.is_empty() && scales.len() != slots.len() {
+            return Err(CudaError::BadArgument(format!(
+                "{} learning-rate multipliers for {} parameters",
+                scales.len(),
+                slots.len()
+            )));
+        }
         let mut plan = Plan {
             runs: Vec::new(),
             tables: Vec::new(),
@@ -209,6 +234,7 @@ impl Plan {
         let mut at = 0;
         let mut previous: Option<(&ParamSlot, usize)> = None; // last dense slot, its run
         for (index, slot) in slots.iter().enumerate() {
+            let lr_scale = scales.get(index).copied().unwrap_or(1.0).to_bits();
             let index = index as u32; // checked by check_slots
             let len = slot.value.len();
             let state = |v: Option<DeviceView<f32>>| -> Result<u64> {
@@ -227,14 +253,16 @@ impl Plan {
                         width: width as u32,        // checked by check_slots
                         rows: (len / width) as u32, // checked by check_slots
                         slot: index,
+                        lr_scale,
                     });
                 }
                 GradLayout::Frozen => previous = None,
                 GradLayout::Dense if len == 0 => {}
                 GradLayout::Dense => {
-                    let extends = previous.filter(|(last, _)| {
+                    let extends = previous.filter(|&(last, run)| {
                         end(&last.value) == slot.value.device_ptr()
                             && end(&last.grad) == slot.grad.device_ptr()
+                            && plan.runs[run].lr_scale == lr_scale
                     });
                     match extends {
                         Some((_, run)) => plan.runs[run].len += len,
@@ -245,6 +273,7 @@ impl Plan {
                             second: second_at,
                             len,
                             slot: index,
+                            lr_scale,
                         }),
                     }
                     previous = Some((slot, plan.runs.len() - 1));
@@ -275,7 +304,7 @@ impl Plan {
             width: 0,
             table_rows: 0,
             slot: r.slot,
-            reserved: 0,
+            lr_scale: r.lr_scale,
         }));
         for (t, (table, rows)) in self.tables.iter().zip(touched).enumerate() {
             if rows.is_empty() {
@@ -298,7 +327,7 @@ impl Plan {
                 width: table.width,
                 table_rows: table.rows,
                 slot: table.slot,
-                reserved: 0,
+                lr_scale: table.lr_scale,
             });
         }
         Ok(out)
@@ -307,5 +336,11 @@ impl Plan {
     /// Partial-sum slots the norm kernel may need in one step.
     pub(super) fn norm_slots(&self) -> usize {
         (self.runs.len() + self.tables.len()).max(1) * MAX_NORM_BLOCKS as usize
+    }
+
+    /// Partial-sum slots the norm kernel may need in one step of any plan
+    /// for `slots` (whatever the multipliers: a segment per slot at most).
+    pub(super) fn max_norm_slots(slots: &[ParamSlot]) -> usize {
+        slots.len().max(1) * MAX_NORM_BLOCKS as usize
     }
 }

@@ -336,8 +336,9 @@ fn test_shapes(model: &Model) -> Vec<(usize, Option<usize>)> {
 
 /// Runs `configs` for [`STEPS`] steps through the generated kernels on
 /// the host and through `ramus_exec::Optimizer`, and compares every
-/// parameter after every step, bit for bit.
-fn compare_with_host(configs: &[OptimizerConfig]) {
+/// parameter after every step, bit for bit; parameter `p`'s rate is
+/// multiplied by `scales[p]` (empty: 1 for every one) on both.
+fn compare_with_host(configs: &[OptimizerConfig], scales: &[f64]) {
     let model = test_model();
     let shapes = test_shapes(&model);
     let total: usize = shapes.iter().map(|s| s.0).sum();
@@ -354,12 +355,20 @@ fn compare_with_host(configs: &[OptimizerConfig]) {
         // The device: the engine's layout and the optimizer's own state.
         let pool = fake_pool();
         let layout = engine_layout(&pool, &shapes);
-        let state = State::new(&pool, config.kind, &layout.slots).unwrap();
+        let mut state = State::new(&pool, config.kind, &layout.slots).unwrap();
+        if !scales.is_empty() {
+            let view =
+                |b: &Option<PoolBuffer<f32>>| b.as_ref().map(|b| b.view().slice(0..total).unwrap());
+            let scales: Vec<f32> = scales.iter().map(|&s| s as f32).collect();
+            let (first, second) = (view(&state.first), view(&state.second));
+            state.plan = Plan::with_scales(&layout.slots, &scales, first, second).unwrap();
+        }
         let values_at = layout.values.view().device_ptr();
         src += "    std::memset(mem, 0, 1 << 20);\n";
         src += &put_cpp(values_at, &bits(&flat(&initial)));
         let mut params = initial.clone();
         let mut host = Optimizer::new(*config, &params);
+        host.set_lr_scales(scales).unwrap();
         let mut steps = Vec::new();
         for step in 1..=STEPS {
             let (grads, touched) = step_data(&model, step);
@@ -460,7 +469,39 @@ fn generated_kernels_match_the_host_reference_bit_for_bit() {
         configs.push(config(OptimizerKind::Adam, 0.01, 0.0, clip));
         configs.push(config(OptimizerKind::Adam, 0.01, 0.1, clip)); // AdamW
     }
-    compare_with_host(&configs);
+    compare_with_host(&configs, &[]);
+}
+
+/// Per-parameter multipliers of the rate (a frozen table, a slower one, a
+/// dense parameter of its own rate, which splits its run): the kernels
+/// still match the host reference bit for bit.
+#[test]
+fn rate_multipliers_match_the_host_reference_bit_for_bit() {
+    let model = test_model();
+    let mut scales = vec![1.0; model.params.len()];
+    scales[TABLES[0]] = 0.0;
+    scales[*TABLES.last().unwrap()] = 0.5;
+    // a dense parameter whose run goes on into the next one
+    let dense = (0..scales.len() - 1)
+        .find(|p| !TABLES.contains(p) && !TABLES.contains(&(p + 1)))
+        .unwrap();
+    scales[dense] = 0.25;
+    let mut configs = Vec::new();
+    for clip in [None, Some(1.0)] {
+        configs.push(config(OptimizerKind::Sgd, 0.1, 0.01, clip));
+        configs.push(config(OptimizerKind::Adagrad, 0.1, 0.001, clip));
+        configs.push(config(OptimizerKind::Adam, 0.01, 0.1, clip));
+    }
+    compare_with_host(&configs, &scales);
+    // the split: the scaled dense parameter runs on its own
+    let pool = fake_pool();
+    let layout = engine_layout(&pool, &test_shapes(&model));
+    let plain = Plan::new(&layout.slots, None, None).unwrap();
+    let scales: Vec<f32> = scales.iter().map(|&s| s as f32).collect();
+    let scaled = Plan::with_scales(&layout.slots, &scales, None, None).unwrap();
+    assert!(scaled.runs.len() > plain.runs.len());
+    assert_eq!(scaled.tables.len(), plain.tables.len());
+    assert_eq!(scaled.tables[0].lr_scale, 0.0f32.to_bits());
 }
 
 /// More segments than one launch takes: the norm's last block is in

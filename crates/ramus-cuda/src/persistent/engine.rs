@@ -83,6 +83,9 @@ pub struct PersistentEngine {
     /// gradients (made at first use).
     blas: Option<Blas>,
     optimizer: OptimizerConfig,
+    /// The learning rates of the next steps enqueued, one each (see
+    /// [`PersistentEngine::set_step_lrs`]); after them, `optimizer.lr`.
+    step_lrs: VecDeque<f64>,
     steps: u64,
     buffer: PoolBuffer<f32>,
     barriers: PoolBuffer<u32>,

@@ -49,6 +49,7 @@ impl PersistentTrainer {
             loss: None,
             previous: None,
             lists: Vec::new(),
+            rates: Default::default(),
         });
         Ok(())
     }
@@ -229,8 +230,13 @@ impl SplitStep<f32> for PersistentTrainer {
             .upload_scalar(step.loss as f32, slot)
             .map_err(device_err)?;
         let stream = self.engine.stream().clone();
-        self.optimizer()?
-            .step(&stream, &touched, Some(slot), false)
+        if let Some(lr) = self.split()?.rates.pop_front() {
+            self.config.set_lr(lr)?;
+        }
+        let config = self.config;
+        let opt = self.optimizer()?;
+        opt.set_config(&config).map_err(device_err)?;
+        opt.step(&stream, &touched, Some(slot), false)
             .map_err(device_err)?;
         self.engine.zero_grads(&self.model).map_err(device_err)?;
         let split = self.split()?;

@@ -53,6 +53,9 @@ pub(super) struct Split {
     pub(super) previous: Option<StepOutcome>,
     /// The last update's row lists, alive until the stream has passed it.
     pub(super) lists: Vec<PoolBuffer<u32>>,
+    /// The rates of the steps to come (a learning-rate schedule's), oldest
+    /// first; none: the configured rate.
+    pub(super) rates: std::collections::VecDeque<f64>,
 }
 
 /// Training on the persistent engine, evaluation on the batched one.
@@ -248,6 +251,42 @@ impl TrainEngine<f32> for PersistentTrainer {
     fn set_seed(&mut self, seed: u64) {
         self.engine.seed(seed);
         self.eval.set_seed(seed);
+    }
+
+    /// Each launch's update takes its rate as a kernel argument, read when
+    /// the batch is enqueued.
+    fn set_lr(&mut self, lr: f64) -> ramus_exec::Result<()> {
+        self.config.set_lr(lr)?;
+        self.engine.set_lr(lr).map_err(exec_err)
+    }
+
+    /// A window's batches are enqueued one after another, each taking the
+    /// next rate.
+    fn set_step_lrs(&mut self, lrs: &[f64]) -> ramus_exec::Result<()> {
+        if let Some(split) = self.split.as_mut() {
+            // split: the device optimizer takes each step's rate
+            split.rates.extend(lrs.iter().copied());
+        }
+        self.engine.set_step_lrs(lrs).map_err(exec_err)?;
+        if let Some(&last) = lrs.last() {
+            self.config.set_lr(last)?;
+        }
+        Ok(())
+    }
+
+    /// The training kernel updates every parameter with the launch's one
+    /// rate: multipliers other than 1 are refused, naming the parameter.
+    fn set_lr_scales(&mut self, scales: &[f64]) -> ramus_exec::Result<()> {
+        ramus_exec::optim::check_lr_scales(scales, self.model.params.len())?;
+        match scales.iter().position(|&s| s != 1.0) {
+            None => Ok(()),
+            Some(p) => Err(ExecError::Config(format!(
+                "the cuda-persistent engine updates every parameter with one learning rate \
+                 inside its training kernel: parameter `{}` cannot take a multiplier of {} \
+                 (frozen or separately-paced embeddings need --engine batched)",
+                self.model.params[p].name, scales[p]
+            ))),
+        }
     }
 
     fn state(&mut self) -> ramus_exec::Result<TrainState<f32>> {

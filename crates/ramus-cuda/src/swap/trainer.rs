@@ -135,6 +135,13 @@ impl TrainEngine<f32> for SwapTrainer {
     fn set_seed(&mut self, seed: u64) {
         self.inner.set_seed(seed)
     }
+    /// The swap path's steps read the inner engine's configuration.
+    fn set_lr(&mut self, lr: f64) -> ramus_exec::Result<()> {
+        self.inner.set_lr(lr)
+    }
+    fn set_lr_scales(&mut self, scales: &[f64]) -> ramus_exec::Result<()> {
+        self.inner.set_lr_scales(scales)
+    }
     fn state(&mut self) -> ramus_exec::Result<TrainState<f32>> {
         self.inner.state()
     }

@@ -155,10 +155,37 @@ impl PersistentEngine {
         })
     }
 
+    /// Sets the learning rate of every batch submitted from now on (a
+    /// kernel argument: nothing recompiles).
+    pub fn set_lr(&mut self, lr: f64) -> Result<()> {
+        self.optimizer
+            .set_lr(lr)
+            .map_err(|e| model_err(e.to_string()))?;
+        self.step_lrs.clear();
+        Ok(())
+    }
+
+    /// The learning rates of the next `lrs.len()` batches submitted, one
+    /// each in order (a window prepared in parallel is still launched in
+    /// order, each launch taking the next); the batches after them keep
+    /// the last.
+    pub fn set_step_lrs(&mut self, lrs: &[f64]) -> Result<()> {
+        let mut check = self.optimizer;
+        for &lr in lrs {
+            check.set_lr(lr).map_err(|e| model_err(e.to_string()))?;
+        }
+        self.step_lrs = lrs.iter().copied().collect();
+        Ok(())
+    }
+
     /// The optimizer's scalars for the next step (counted here), with the
     /// batch's fault word at `fault_at`.
     fn step_scalars(&mut self, fault_at: usize) -> Result<UpdateScalars> {
         self.steps += 1;
+        // a schedule's rate for this step, kept for the steps after it
+        if let Some(lr) = self.step_lrs.pop_front() {
+            self.optimizer.lr = lr;
+        }
         let c = &self.optimizer;
         let t = self.steps as f64;
         Ok(UpdateScalars {

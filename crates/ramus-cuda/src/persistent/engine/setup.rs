@@ -132,6 +132,7 @@ impl PersistentEngine {
             last_kernel_seconds: None,
             blas: None,
             optimizer,
+            step_lrs: VecDeque::new(),
             steps: 0,
             buffer,
             barriers,
