@@ -242,18 +242,9 @@ fn a_resumed_plateau_run_continues_the_schedule() {
 
 /// The safetensors tensor `name` of the checkpoint at `path`.
 fn tensor(path: &Path, name: &str) -> Vec<f32> {
-    let bytes = std::fs::read(path).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let offsets = &header[name]["data_offsets"];
-    let (a, b) = (
-        offsets[0].as_u64().unwrap() as usize,
-        offsets[1].as_u64().unwrap() as usize,
-    );
-    bytes[8 + n + a..8 + n + b]
-        .chunks(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
+    common::saved_tensors(path)
+        .remove(name)
+        .unwrap_or_else(|| panic!("no tensor `{name}` in {}", path.display()))
 }
 
 /// Frozen, the word table saved after training is the one it started as

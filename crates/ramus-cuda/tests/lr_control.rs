@@ -12,12 +12,9 @@ use ramus_core::{Model, Params};
 use ramus_cuda::persistent::{PersistentOptions, PersistentTrainer};
 use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer, SwapConfig, SwapMode, SwapTrainer};
 use ramus_exec::{Batch, OptimizerConfig, OptimizerKind, TrainEngine};
-use ramus_graph::images::{self, ImageSpec};
 use ramus_graph::random::random_tree;
 use ramus_graph::{BatchingPolicy, InputGraph};
-use ramus_nn::{
-    build_model, build_vision_model, ImageShape, ModelConfig, ModelOptions, VisionConfig,
-};
+use ramus_nn::{build_model, ModelConfig};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -105,33 +102,7 @@ fn the_swap_path_takes_the_new_rate() {
     if !common::cuda_ready("skipping") {
         return;
     }
-    let image = ImageShape {
-        channels: 3,
-        height: 16,
-        width: 16,
-    };
-    let spec = ImageSpec {
-        channels: 3,
-        height: 16,
-        width: 16,
-        classes: 3,
-        noise: 0.5,
-    };
-    let data = images::generate(&spec, 2, (12, 0, 0))
-        .expect("images")
-        .train;
-    let cfg = ModelConfig {
-        vocab: 0,
-        hidden: 4,
-        classes: 3,
-    };
-    let vision = VisionConfig {
-        image,
-        vgg_depth: 11,
-        resnet_blocks: vec![1],
-    };
-    let model =
-        build_vision_model("resnet", &cfg, &vision, &ModelOptions { dropout: 0.0 }).expect("model");
+    let (model, data) = common::tiny_resnet(12);
     let b = batches(&model, &data);
     let params = Params::<f32>::init(&model, 5);
     let config = OptimizerConfig::new(OptimizerKind::Adam, 0.001);

@@ -15,15 +15,11 @@ use ramus_cuda::{
 };
 use ramus_exec::Batch;
 use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine, TrainState};
-use ramus_graph::images::{self, ImageSpec};
 use ramus_graph::random::random_tree;
 use ramus_graph::{InputGraph, Vocab};
 use ramus_nn::resume::{self, RunState};
 use ramus_nn::train::{shuffled_order, EpochProgress, Pauses, Span, SpanEnd};
-use ramus_nn::{
-    build_model_with, build_vision_model, ImageShape, ModelConfig, ModelOptions, Trainer,
-    VisionConfig,
-};
+use ramus_nn::{build_model_with, ModelConfig, ModelOptions, Trainer};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -266,33 +262,7 @@ fn the_swap_path_resumes_to_rounding() {
     if !common::cuda_ready("skipping") {
         return;
     }
-    let image = ImageShape {
-        channels: 3,
-        height: 16,
-        width: 16,
-    };
-    let spec = ImageSpec {
-        channels: 3,
-        height: 16,
-        width: 16,
-        classes: 3,
-        noise: 0.5,
-    };
-    let data = images::generate(&spec, 2, (36, 0, 0))
-        .expect("images")
-        .train;
-    let cfg = ModelConfig {
-        vocab: 0,
-        hidden: 4,
-        classes: 3,
-    };
-    let vision = VisionConfig {
-        image,
-        vgg_depth: 11,
-        resnet_blocks: vec![1],
-    };
-    let model =
-        build_vision_model("resnet", &cfg, &vision, &ModelOptions { dropout: 0.0 }).expect("model");
+    let (model, data) = common::tiny_resnet(36);
     // a budget the step's tensors exceed by a third (as the swap tests
     // give the engine), checked to make the planner swap
     let measured = swap_step(SwapMode::Resident, None, &model, &data);

@@ -89,3 +89,35 @@ pub fn sst_dev_trees(n: usize, vocab: u32) -> Vec<InputGraph> {
     }
     trees
 }
+
+/// A one-block ResNet of width 4 over 3 classes of 16×16 images, and
+/// `images` training images for it (seed 2).
+pub fn tiny_resnet(images: usize) -> (Model, Vec<InputGraph>) {
+    use ramus_graph::images::{generate, ImageSpec};
+    use ramus_nn::{build_vision_model, ImageShape, ModelConfig, ModelOptions, VisionConfig};
+    let spec = ImageSpec {
+        channels: 3,
+        height: 16,
+        width: 16,
+        classes: 3,
+        noise: 0.5,
+    };
+    let data = generate(&spec, 2, (images, 0, 0)).expect("images").train;
+    let cfg = ModelConfig {
+        vocab: 0,
+        hidden: 4,
+        classes: 3,
+    };
+    let vision = VisionConfig {
+        image: ImageShape {
+            channels: 3,
+            height: 16,
+            width: 16,
+        },
+        vgg_depth: 11,
+        resnet_blocks: vec![1],
+    };
+    let model =
+        build_vision_model("resnet", &cfg, &vision, &ModelOptions { dropout: 0.0 }).expect("model");
+    (model, data)
+}
