@@ -4,7 +4,7 @@
 //! static head attached to chosen vertices. A [`Model`] is built once —
 //! differentiated and classified for execution — and reused for every batch.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::{Deref, DerefMut};
 
 pub use crate::arity::FunctionSelector;
@@ -159,6 +159,27 @@ impl Model {
         arity::function_for(&self.name, &self.selector, kind, children, |f| {
             self.functions.get(f).map(|f| (f.name.as_str(), f.arity))
         })
+    }
+    /// The parameters whose gradient every backward pass sets row by row
+    /// (embedding tables read by row lookups, and nothing else).
+    pub fn row_grad_params(&self) -> BTreeSet<usize> {
+        let mut dense = BTreeSet::new();
+        let mut rows = BTreeSet::new();
+        let graphs = self.functions.iter().map(|f| &f.backward);
+        for g in graphs.chain([&self.head.backward]) {
+            for o in &g.outputs {
+                match o.role {
+                    Role::ParamGrad(p) => {
+                        dense.insert(p);
+                    }
+                    Role::ParamRowGrad(p) => {
+                        rows.insert(p);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        rows.difference(&dense).copied().collect()
     }
     /// Parameter names in declaration order.
     pub fn param_names(&self) -> Vec<String> {

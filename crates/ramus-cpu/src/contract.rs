@@ -7,7 +7,7 @@
 
 use ramus_core::{HeadRows, Model, Params, Real};
 use ramus_exec::data_parallel::{
-    host_row_sets, reduce_host_grads, Collective, GlobalStep, LocalStep, SplitStep,
+    reduce_host_grads, trained_params, Collective, SplitStep, StepPlan,
 };
 use ramus_exec::nonfinite::first_nonfinite;
 use ramus_exec::{
@@ -109,27 +109,26 @@ impl<T: Real> CpuTrainer<T> {
     }
 }
 
-/// The CPU engine learns which embedding rows it sets only in the backward
-/// pass, so its local step runs both passes.
+/// The CPU engine sums its gradients and loss on the host, through the
+/// collective.
 impl<T: Real> SplitStep<T> for CpuTrainer<T> {
-    fn local_step(&mut self, batch: Option<&Batch<'_>>) -> Result<LocalStep> {
-        let (loss, rows) = self.gradients_and_rows(batch)?;
-        Ok(LocalStep {
-            loss,
-            rows,
-            row_sets: host_row_sets(&self.state.grads),
-        })
-    }
-
-    fn global_step(
+    fn split_step(
         &mut self,
         collective: &mut dyn Collective<T>,
-        _batch: Option<&Batch<'_>>,
-        step: GlobalStep,
+        batch: Option<&Batch<'_>>,
+        plan: &StepPlan,
     ) -> Result<Vec<StepOutcome>> {
+        let (loss, rows) = self.gradients_and_rows(batch)?;
+        let scale = plan.scale(rows)?;
         let grads = &mut self.state.grads;
-        reduce_host_grads(grads, collective, step.scale, &step.row_sets)?;
-        Ok(vec![step_outcome(self.update(step.loss))?])
+        let united = plan.host_row_sets(&trained_params(grads));
+        reduce_host_grads(grads, collective, scale, &united)?;
+        let mut loss = [match rows {
+            0 => 0.0,
+            _ => loss * scale,
+        }];
+        collective.sum_scalars(&mut loss)?;
+        Ok(vec![step_outcome(self.update(loss[0]))?])
     }
 }
 

@@ -46,6 +46,7 @@ use crate::optimizer::DeviceOptimizer;
 use crate::pinned::PinnedBuffer;
 use crate::pool::{Arena, DevicePool, DeviceScalar, DeviceView, PoolBuffer, PoolConfig};
 use crate::program::{GraphProgram, Program, HEAD_ALL, HEAD_SCORES, LAZY, PER_TASK};
+pub(crate) use nonfinite::StepLoss;
 
 mod backward;
 mod cnn;
@@ -206,7 +207,7 @@ pub struct CudaEngine {
     enqueue_seconds: f64,
     /// The loss of the last device training step whose status (applied or
     /// skipped as non-finite) the host has not taken yet.
-    pending_loss: Option<f64>,
+    pending_loss: Option<StepLoss>,
     /// The model's parameter names, to name a non-finite one.
     param_names: Vec<String>,
 }

@@ -287,7 +287,7 @@ impl NcclGroup {
         let buf: DeviceView<f32> = self.scratch(host.len())?.reinterpret();
         let stream = self.stream.clone();
         self.staging.upload_slice(host, buf, &stream)?;
-        self.scaled_sum(buf.device_ptr(), host.len(), scale as f32)?;
+        self.scaled_sum(&[(buf.device_ptr(), host.len())], scale as f32)?;
         host.copy_from_slice(&self.staging.download_to_vec(buf, &stream)?);
         Ok(())
     }
@@ -312,12 +312,15 @@ impl NcclGroup {
         Ok(())
     }
 
-    /// Sums `ptr[..count]` (f32) pre-multiplied by `scale` on this rank.
-    fn scaled_sum(&self, ptr: u64, count: usize, scale: f32) -> Result<()> {
+    /// Sums each `(ptr, count)` buffer (f32) pre-multiplied by `scale` on
+    /// this rank: one NCCL group, so the reductions launch together.
+    fn scaled_sum(&self, buffers: &[(u64, usize)], scale: f32) -> Result<()> {
         let mut op = std::mem::MaybeUninit::uninit();
         let mut scalar = scale;
         // SAFETY: the scalar is read at the call (host-immediate); the op
-        // is destroyed after the reduction is enqueued.
+        // is destroyed after the group that uses it is enqueued; each
+        // buffer holds `count` floats on this rank's device, written on
+        // `self.stream`, which the reductions follow.
         unsafe {
             nccl::reduce_op_create_pre_mul_sum(
                 op.as_mut_ptr(),
@@ -328,43 +331,28 @@ impl NcclGroup {
             )
             .map_err(|e| nccl_err("ncclRedOpCreatePreMulSum", e))?;
             let op = op.assume_init();
-            let reduced = nccl::all_reduce(
-                ptr as *const _,
-                ptr as *mut _,
-                count,
-                sys::ncclDataType_t::ncclFloat32,
-                op,
-                self.comm,
-                self.stream.cu_stream() as sys::cudaStream_t,
-            )
-            .map_err(|e| nccl_err("ncclAllReduce", e));
+            let reduced = (|| {
+                nccl::group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
+                let enqueued = buffers.iter().try_for_each(|&(ptr, count)| {
+                    nccl::all_reduce(
+                        ptr as *const _,
+                        ptr as *mut _,
+                        count,
+                        sys::ncclDataType_t::ncclFloat32,
+                        op,
+                        self.comm,
+                        self.stream.cu_stream() as sys::cudaStream_t,
+                    )
+                    .map(|_| ())
+                    .map_err(|e| nccl_err("ncclAllReduce", e))
+                });
+                let ended = nccl::group_end().map_err(|e| nccl_err("ncclGroupEnd", e));
+                enqueued.and(ended.map(|_| ()))
+            })();
             nccl::reduce_op_destroy(op, self.comm).map_err(|e| nccl_err("ncclRedOpDestroy", e))?;
             reduced?;
         }
         Ok(())
-    }
-
-    /// Every rank's `words`, concatenated in rank order.
-    fn all_gather(&mut self, words: &[u32]) -> Result<Vec<u32>> {
-        let n = words.len();
-        let buf = self.scratch(n * (self.world + 1))?;
-        let (mine, all) = (buf.slice(0..n)?, buf.slice(n..n * (self.world + 1))?);
-        let stream = self.stream.clone();
-        self.staging.upload_slice(words, mine, &stream)?;
-        // SAFETY: `mine` and `all` are this rank's scratch on its device,
-        // sized n and n × world, ordered on the group's stream.
-        unsafe {
-            nccl::all_gather(
-                mine.device_ptr() as *const _,
-                all.device_ptr() as *mut _,
-                n,
-                sys::ncclDataType_t::ncclUint32,
-                self.comm,
-                stream.cu_stream() as sys::cudaStream_t,
-            )
-        }
-        .map_err(|e| nccl_err("ncclAllGather", e))?;
-        self.staging.download_to_vec(all, &stream)
     }
 }
 
@@ -429,36 +417,27 @@ impl Collective<f32> for NcclGroup {
 
     fn sum_buffers(&mut self, buffers: Vec<GradBuffer<'_, f32>>, scale: f64) -> ExecResult<()> {
         self.check()?;
+        let mut device = Vec::with_capacity(buffers.len());
         for b in buffers {
-            let d = match b {
-                GradBuffer::Device(d) => d,
+            match b {
+                GradBuffer::Device(d) if d.stream != self.stream.cu_stream() as u64 => {
+                    return Err(self.failure(CudaError::Nccl(
+                        "a gradient buffer on another stream than the communicator's".into(),
+                    )));
+                }
+                GradBuffer::Device(d) => device.push((d.ptr, d.len)),
                 GradBuffer::Host(host) => {
                     // through the scratch buffer (batch norm's statistics
                     // before an evaluation: small, and rare)
                     self.sum_host(host, scale).map_err(|e| self.failure(e))?;
                     self.watch.beat();
-                    continue;
                 }
-            };
-            if d.stream != self.stream.cu_stream() as u64 {
-                return Err(self.failure(CudaError::Nccl(
-                    "a gradient buffer on another stream than the communicator's".into(),
-                )));
             }
-            self.scaled_sum(d.ptr, d.len, scale as f32)
+        }
+        if !device.is_empty() {
+            self.scaled_sum(&device, scale as f32)
                 .map_err(|e| self.failure(e))?;
         }
         Ok(())
-    }
-
-    fn gather_words(&mut self, words: &[u32]) -> ExecResult<Vec<u32>> {
-        self.check()?;
-        if words.is_empty() {
-            return Ok(Vec::new());
-        }
-        let all = self.all_gather(words).map_err(|e| self.failure(e))?;
-        self.check()?;
-        self.watch.beat();
-        Ok(all)
     }
 }

@@ -219,10 +219,12 @@ typedef unsigned long long u64;
 
 // The status block (u32 words after the norm's double and the counter):
 // the step's skip flag, the lowest key of a non-finite gradient seen so
-// far (stored complemented, so 0 means none), the step's reported key.
+// far (stored complemented, so 0 means none), the step's reported key,
+// the loss the step checked (its bits; 0 without one).
 #define RAMUS_SKIP 0
 #define RAMUS_KEY_SEEN 1
 #define RAMUS_KEY_REPORT 3
+#define RAMUS_LOSS 5
 
 // What one grid row (blockIdx.y) works on: a dense run (width == 0: `len`
 // consecutive elements) or a table (`len` touched rows of `width` floats,
@@ -345,6 +347,7 @@ extern "C" __global__ void ramus_grad_norm(Segments segments, double* partials, 
         *clip_scale = (float)factor;
         *norm_out = norm;
         status[RAMUS_SKIP] = finite ? 0u : 1u;
+        status[RAMUS_LOSS] = loss == 0 ? 0u : __float_as_uint(*loss);
         volatile u64* seen = (volatile u64*)(status + RAMUS_KEY_SEEN);
         *(u64*)(status + RAMUS_KEY_REPORT) = *seen;
         *seen = 0;

@@ -11,7 +11,7 @@ use cudarc::driver::CudaFunction;
 
 use ramus_codegen::fused::FusedSource;
 use ramus_core::fusion::{self, FusedGroup, InputKind, SliceView, Step};
-use ramus_core::graph::{Graph, NodeId, NodeKind, Role};
+use ramus_core::graph::{Graph, NodeId, NodeKind};
 use ramus_core::ops::Op;
 use ramus_core::Model;
 
@@ -309,28 +309,6 @@ fn bias_of_product(
     Some((at, product, bias))
 }
 
-/// The parameters whose gradient every backward pass sets row by row
-/// (embedding tables read by row lookups, and nothing else).
-pub(crate) fn row_grad_params(model: &Model) -> BTreeSet<usize> {
-    let mut dense = BTreeSet::new();
-    let mut rows = BTreeSet::new();
-    let graphs = model.functions.iter().map(|f| &f.backward);
-    for g in graphs.chain([&model.head.backward]) {
-        for o in &g.outputs {
-            match o.role {
-                Role::ParamGrad(p) => {
-                    dense.insert(p);
-                }
-                Role::ParamRowGrad(p) => {
-                    rows.insert(p);
-                }
-                _ => {}
-            }
-        }
-    }
-    rows.difference(&dense).copied().collect()
-}
-
 impl Program {
     /// Plans every phase of `model` (fusion, views, steps) without a
     /// device: the program the engine runs, with no kernels attached, and
@@ -380,7 +358,7 @@ impl Program {
             head_forward_infer: lower(head_fwd_infer, &head.forward),
             head_forward: lower(head_fwd, &head.forward),
             head_backward: lower(head_bwd, &head.backward),
-            row_grad_params: row_grad_params(model),
+            row_grad_params: model.row_grad_params(),
             fingerprint: fingerprint(model),
             fused_kernels: kernels.len(),
             listing: fusion_listing(model)?,

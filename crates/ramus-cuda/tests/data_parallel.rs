@@ -20,13 +20,15 @@ use ramus_cuda::persistent::{PersistentOptions, PersistentTrainer};
 use ramus_cuda::{CudaDevice, CudaEngine, CudaEngineOptions, CudaTrainer};
 use ramus_dist::rendezvous::exchange_id;
 use ramus_dist::{Shard, World};
-use ramus_exec::data_parallel::{Collective, DataParallel, SplitStep};
-use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine};
+use ramus_exec::data_parallel::{Collective, DataParallel, SplitStep, StepPlan};
+use ramus_exec::{Batch, OptimizerConfig, OptimizerKind, TrainEngine};
 use ramus_graph::InputGraph;
 
 const ROLE: &str = "RAMUS_TEST_DATA_PARALLEL_ROLE";
 const GRAPHS: usize = 37;
 const PER_RANK: usize = 4;
+/// Steps submitted together, as the trainer's windows.
+const WINDOW: usize = 3;
 
 /// f32 sums in another order (NCCL's ring against one GPU's kernels).
 const REORDERED: Tolerance = Tolerance::tensor(2e-4);
@@ -161,19 +163,39 @@ struct Shards<'a> {
 }
 
 impl Shards<'_> {
-    /// Trains `dp` on this rank's shards: its parameters and step losses.
+    /// Trains `dp` on this rank's shards, submitted a window of steps at a
+    /// time as the trainer does (the steps overlap, the persistent engine
+    /// prepares each window at once): its parameters and step losses.
     fn train<E: SplitStep<f32>>(&self, mut dp: DataParallel<f32, E>) -> (Vec<f32>, Vec<f64>) {
         let shard = Shard::new(self.rank, self.world).unwrap();
-        let losses: Vec<f64> = shard
-            .batches(self.order, PER_RANK)
-            .unwrap()
-            .iter()
-            .map(|part| {
-                let graphs: Vec<&InputGraph> = part.iter().map(|&i| &self.case.graphs[i]).collect();
-                let b = (!graphs.is_empty()).then(|| batch(&self.case.model, &graphs));
-                dp.step_shard(b.as_ref()).unwrap()
-            })
-            .collect();
+        let global: Vec<&[usize]> = self.order.chunks(PER_RANK * self.world).collect();
+        let parts = shard.batches(self.order, PER_RANK).unwrap();
+        let of = |ids: &[usize]| -> Vec<&InputGraph> {
+            ids.iter().map(|&i| &self.case.graphs[i]).collect()
+        };
+        let mut outcomes = Vec::new();
+        for (steps, window) in global.chunks(WINDOW).zip(parts.chunks(WINDOW)) {
+            let plans = steps.iter().map(|s| StepPlan::of(&self.case.model, &of(s)));
+            dp.set_step_plans(plans.collect::<Result<_, _>>().unwrap())
+                .unwrap();
+            let batches: Vec<Option<Batch>> = window
+                .iter()
+                .map(|part| (!part.is_empty()).then(|| batch(&self.case.model, &of(part))))
+                .collect();
+            if batches.iter().all(Option::is_some) {
+                let all: Vec<Batch> = batches.into_iter().flatten().collect();
+                outcomes.extend(dp.submit(&all).unwrap());
+                continue;
+            }
+            for b in &batches {
+                outcomes.extend(match b {
+                    Some(b) => dp.submit(std::slice::from_ref(b)).unwrap(),
+                    None => dp.submit_idle().unwrap(),
+                });
+            }
+        }
+        outcomes.extend(dp.finish().unwrap());
+        let losses = outcomes.into_iter().map(|o| o.unwrap()).collect();
         (flat(&dp.state().unwrap()), losses)
     }
 }
@@ -299,6 +321,14 @@ fn a_hung_rank_is_given_up_on_after_the_timeout() {
         "gave up after {took} s: {report}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// One GPU as a group of one: the split steps (sums through NCCL, the
+/// loss summed on the device, steps overlapping) train as the engine alone.
+#[test]
+fn a_group_of_one_trains_as_the_engine_alone() {
+    check(1, "adam");
+    check(1, "persistent");
 }
 
 #[test]

@@ -19,7 +19,6 @@ use ramus_exec::{ExecError, Result};
 #[derive(Clone, Debug)]
 enum Payload {
     Values(Vec<f64>),
-    Words(Vec<u32>),
 }
 
 struct State {
@@ -205,22 +204,5 @@ impl<T: Real> Collective<T> for LocalRank<T> {
             }
         }
         Ok(())
-    }
-
-    fn gather_words(&mut self, words: &[u32]) -> Result<Vec<u32>> {
-        let n = words.len();
-        let all = self.gather(Payload::Words(words.to_vec()))?;
-        let mut out = Vec::with_capacity(n * all.len());
-        for (rank, part) in all.iter().enumerate() {
-            match part {
-                Payload::Words(w) if w.len() == n => out.extend(w),
-                _ => {
-                    return Err(self.failure(format!(
-                        "rank {rank} called another collective or gave another number of words"
-                    )))
-                }
-            }
-        }
-        Ok(out)
     }
 }

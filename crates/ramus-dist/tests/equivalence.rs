@@ -14,7 +14,7 @@ use ramus_conformance::close::{assert_close, assert_close_value, Tolerance};
 use ramus_conformance::zoo::{batch, Case};
 use ramus_cpu::CpuTrainer;
 use ramus_dist::{local_group, Shard};
-use ramus_exec::data_parallel::DataParallel;
+use ramus_exec::data_parallel::{DataParallel, StepPlan};
 use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine, TrainState};
 use ramus_graph::InputGraph;
 
@@ -67,15 +67,20 @@ fn data_parallel(
                     let engine = CpuTrainer::new(model.clone(), case.params(5).cast(), config);
                     let mut dp = DataParallel::new(engine, Box::new(rank));
                     let shard = Shard::new(r, world).unwrap();
+                    let global = order.chunks(world * per_rank);
                     let losses = shard
                         .batches(order, per_rank)
                         .unwrap()
                         .iter()
-                        .map(|part| {
-                            let graphs: Vec<&InputGraph> =
-                                part.iter().map(|&i| &case.graphs[i]).collect();
+                        .zip(global)
+                        .map(|(part, step)| {
+                            let of = |ids: &[usize]| -> Vec<&InputGraph> {
+                                ids.iter().map(|&i| &case.graphs[i]).collect()
+                            };
+                            let plan = StepPlan::of(model, &of(step)).unwrap();
+                            let graphs = of(part);
                             let b = (!graphs.is_empty()).then(|| batch(model, &graphs));
-                            dp.step_shard(b.as_ref()).unwrap()
+                            dp.step_shard(b.as_ref(), &plan).unwrap()
                         })
                         .collect();
                     Run {

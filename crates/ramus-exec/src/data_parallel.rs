@@ -6,13 +6,14 @@
 //!
 //! The pieces, each behind a trait so that the wrapper is backend-neutral:
 //!
-//! * [`SplitStep`]: an engine whose training step splits where it must
-//!   meet the other ranks (the forward pass, then with what every rank's
-//!   said, [`combine`]d, the backward pass, the gradients' sum and the
-//!   update);
-//! * [`Collective`]: what exchanges words and sums buffers and scalars over
-//!   the ranks (NCCL on GPUs, threads of one process in `ramus-dist`'s
-//!   local group);
+//! * [`StepPlan`]: what every rank knows of a global step before it runs,
+//!   worked out on the host from all ranks' graphs (each rank reads the
+//!   same global order, so it holds them all): the head rows of the whole
+//!   step and the embedding rows any rank's backward pass sets;
+//! * [`SplitStep`]: an engine whose training step takes such a plan and
+//!   sums its gradients and loss over the ranks before its update;
+//! * [`Collective`]: what sums buffers and scalars over the ranks (NCCL on
+//!   GPUs, threads of one process in `ramus-dist`'s local group);
 //! * [`DataParallel`]: the wrapper, a [`TrainEngine`] around a
 //!   [`SplitStep`] engine, as the swap path wraps the CUDA engine.
 //!
@@ -24,40 +25,112 @@
 //! gradients of the mean over the global batch: N ranks with batches of B
 //! graphs take the steps of one engine with batches of N·B (up to the
 //! order of float sums), whatever the rows per rank. The loss reported is
-//! that global mean. Batch-norm statistics stay per rank (as in PyTorch's
+//! that global mean, summed with the gradients (on the device, for a GPU
+//! engine): no rank waits for another's loss or rows before its update,
+//! and a step's outcome comes back a step later, as on one GPU. Batch-norm statistics stay per rank (as in PyTorch's
 //! `DistributedDataParallel`), so models with batch norm see per-rank
 //! statistics in training; their running statistics are averaged over the
 //! ranks before an evaluation or a checkpoint
 //! ([`TrainEngine::sync_buffers`]).
 
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use ramus_core::{Grads, Real};
+use ramus_core::graph::Role;
+use ramus_core::{Grads, HeadRows, Model, Real};
+use ramus_graph::{GraphError, InputGraph, NO_LABEL};
 
 use crate::batch::{Batch, ForwardOutput, Mode};
 use crate::engine::{StepOutcome, TrainEngine, TrainState};
 use crate::error::{ExecError, Result};
-use ramus_core::{HeadRows, Model};
 
-/// A rank's part of one step after its forward pass: its mean loss over
-/// its head rows, how many rows that is (0 for a rank with no graphs in
-/// this step), and which rows of each gradient its backward pass sets (in
-/// an order of the engine's own, the same on every rank).
-#[derive(Clone, Debug, PartialEq)]
-pub struct LocalStep {
-    pub loss: f64,
+/// What every rank knows of a global step before it runs (see the
+/// [module](self) docs): the head rows of all ranks' graphs, and for each
+/// row-gradient table ([`Model::row_grad_params`], ascending) the rows
+/// that any rank's backward pass sets (sorted, unique): the rows one
+/// engine would update for the whole global batch.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepPlan {
     pub rows: usize,
-    pub row_sets: Vec<RowSet>,
+    pub row_sets: Vec<(usize, Vec<u32>)>,
 }
 
-/// What every rank's [`LocalStep`] makes of a step: the mean loss over all
-/// ranks' head rows, this rank's share of those rows (its gradients'
-/// scale), and each gradient's rows set on any rank.
-#[derive(Clone, Debug, PartialEq)]
-pub struct GlobalStep {
-    pub loss: f64,
-    pub scale: f64,
-    pub row_sets: Vec<RowSet>,
+impl StepPlan {
+    /// The plan of a global step of `graphs` (every rank's, in any order):
+    /// their head rows ([`Model::head`]'s rows: each graph's roots, or its
+    /// labelled vertices), and the tokens of the vertices whose function's
+    /// backward pass sets each table's rows. A vertex the model cannot run
+    /// is an error naming it, as in [`Batch::new`].
+    pub fn of(model: &Model, graphs: &[&InputGraph]) -> Result<StepPlan> {
+        let tables: Vec<usize> = model.row_grad_params().into_iter().collect();
+        // per function: the tables (indices into `tables`) its backward sets
+        let sets: Vec<Vec<usize>> = model
+            .functions
+            .iter()
+            .map(|f| {
+                (0..tables.len())
+                    .filter(|&t| {
+                        let role = Role::ParamRowGrad(tables[t]);
+                        f.backward.outputs.iter().any(|o| o.role == role)
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut row_sets: Vec<(usize, Vec<u32>)> =
+            tables.iter().map(|&p| (p, Vec::new())).collect();
+        let mut rows = 0;
+        for (gi, g) in graphs.iter().enumerate() {
+            rows += match model.head.rows {
+                HeadRows::Roots => g.roots().len(),
+                HeadRows::Labelled => g.labels.iter().filter(|&&l| l != NO_LABEL).count(),
+            };
+            if tables.is_empty() {
+                continue;
+            }
+            for v in 0..g.len() {
+                let f = model
+                    .function_for(g.kind(v), g.children(v).len())
+                    .map_err(|message| GraphError::Unfit {
+                        place: g.describe(gi),
+                        vertex: v,
+                        message,
+                    })?;
+                for &t in &sets[f] {
+                    row_sets[t].1.push(g.tokens[v]);
+                }
+            }
+        }
+        for (_, rows) in &mut row_sets {
+            rows.sort_unstable();
+            rows.dedup();
+        }
+        Ok(StepPlan { rows, row_sets })
+    }
+
+    /// A rank's share of the step's head rows: its gradients' and loss's
+    /// scale before the sum over the ranks. A step without head rows on
+    /// any rank is an error.
+    pub fn scale(&self, own_rows: usize) -> Result<f64> {
+        match self.rows {
+            0 => Err(ExecError::Config(
+                "data-parallel step: no rank had a head row in this step".into(),
+            )),
+            rows => Ok(own_rows as f64 / rows as f64),
+        }
+    }
+
+    /// The plan's rows as a host engine's row sets: for each trained
+    /// parameter in `trained` order, its rows if it is a row-gradient
+    /// table, else [`RowSet::Dense`].
+    pub fn host_row_sets(&self, trained: &[usize]) -> Vec<RowSet> {
+        trained
+            .iter()
+            .map(|p| match self.row_sets.iter().find(|(q, _)| q == p) {
+                Some((_, rows)) => RowSet::Rows(rows.clone()),
+                None => RowSet::Dense,
+            })
+            .collect()
+    }
 }
 
 /// A gradient buffer as an engine hands it to a [`Collective`]: in host
@@ -85,32 +158,6 @@ pub enum RowSet {
     Rows(Vec<u32>),
 }
 
-/// A device engine's row lists (per row-gradient table: its id and rows)
-/// as the row sets of its [`LocalStep`].
-pub fn row_sets_of(lists: &[(usize, Vec<u32>)]) -> Vec<RowSet> {
-    lists
-        .iter()
-        .map(|(_, rows)| RowSet::Rows(rows.clone()))
-        .collect()
-}
-
-/// Replaces each row list of `lists` with the rows every rank's step sets
-/// (`united`, from the [`GlobalStep`], in the same order); a table that
-/// came back dense is an error (an engine with row lists never reports one).
-pub fn take_united_rows(lists: &mut [(usize, Vec<u32>)], united: Vec<RowSet>) -> Result<()> {
-    for ((_, rows), set) in lists.iter_mut().zip(united) {
-        match set {
-            RowSet::Rows(all) => *rows = all,
-            RowSet::Dense => {
-                return Err(ExecError::Device(
-                    "a row-gradient table came back dense from the other ranks".into(),
-                ))
-            }
-        }
-    }
-    Ok(())
-}
-
 /// What the ranks of a group exchange. Every rank calls the same methods in
 /// the same order (a collective call that one rank skips hangs the others,
 /// or, with a timeout, fails naming the rank).
@@ -121,19 +168,15 @@ pub trait Collective<T>: Send {
     fn world(&self) -> usize;
     /// Replaces every rank's `values` with their sum over the ranks.
     fn sum_scalars(&mut self, values: &mut [f64]) -> Result<()>;
-    /// Every rank's `words` (the same number on every rank), concatenated
-    /// in rank order.
-    fn gather_words(&mut self, words: &[u32]) -> Result<Vec<u32>>;
     /// Replaces every rank's buffers with their element-wise sums over the
     /// ranks, each rank's multiplied by its own `scale` first (`buffers`
     /// in the same order and sizes on every rank).
     fn sum_buffers(&mut self, buffers: Vec<GradBuffer<'_, T>>, scale: f64) -> Result<()>;
 }
 
-/// An engine whose training step splits where data parallelism needs it
-/// (see the [module](self) docs): a forward pass that says what the step
-/// needs from the other ranks, then the rest of the step with what they
-/// said.
+/// An engine whose training step meets the other ranks where data
+/// parallelism needs it (see the [module](self) docs): before its update,
+/// its gradients and loss are summed over the ranks.
 pub trait SplitStep<T: Real>: TrainEngine<T> {
     /// Before the steps of `batches` (this rank's, in order, one a step):
     /// host work an engine can do for all of them at once, ahead of their
@@ -144,135 +187,41 @@ pub trait SplitStep<T: Real>: TrainEngine<T> {
         Ok(())
     }
 
-    /// The forward pass on `batch` (`None`: this rank has no graphs in this
-    /// step), and the backward pass too where the engine learns only then
-    /// which rows its gradients set.
-    fn local_step(&mut self, batch: Option<&Batch<'_>>) -> Result<LocalStep>;
-
-    /// The rest of the step begun by [`local_step`](Self::local_step) on
-    /// the same `batch`: the gradients, their sums over `collective`'s
-    /// ranks (this rank's scaled by `step.scale`), and the update over
-    /// `step.row_sets`, checking `step.loss`. A step whose loss or a summed
-    /// gradient is not finite is not applied, on every rank alike. Returns
-    /// the outcomes that came back meanwhile (an engine that overlaps steps
-    /// returns each a step later, as [`TrainEngine::submit`] does).
-    fn global_step(
+    /// One step of this rank on `batch` (`None`: this rank has no graphs
+    /// in this step) within the global step `plan`: the forward and
+    /// backward passes, the gradients and the loss summed over
+    /// `collective`'s ranks (this rank's scaled by its share of
+    /// `plan.rows`, [`StepPlan::scale`]), and the update over
+    /// `plan.row_sets`. A step whose summed loss or a summed gradient is
+    /// not finite is not applied, on every rank alike. Returns the
+    /// outcomes that came back meanwhile, each the mean loss over its
+    /// global batch (an engine that overlaps steps returns each a step
+    /// later, as [`TrainEngine::submit`] does).
+    fn split_step(
         &mut self,
         collective: &mut dyn Collective<T>,
         batch: Option<&Batch<'_>>,
-        step: GlobalStep,
+        plan: &StepPlan,
     ) -> Result<Vec<StepOutcome>>;
-}
-
-/// Every rank's [`LocalStep`] combined in (at most) two exchanges of words:
-/// each rank's loss, rows and row-set sizes, then the rows of the sets.
-/// Returns the sum of the ranks' loss × rows, the rows of all ranks, and
-/// each set united over the ranks (dense where any rank's is).
-pub fn combine<T>(
-    collective: &mut dyn Collective<T>,
-    local: &LocalStep,
-) -> Result<(f64, usize, Vec<RowSet>)> {
-    const DENSE: u32 = u32::MAX;
-    let loss_sum = match local.rows {
-        0 => 0.0,
-        rows => local.loss * rows as f64,
-    };
-    let bits = loss_sum.to_bits();
-    let mut header = vec![bits as u32, (bits >> 32) as u32, word(local.rows)?];
-    for set in &local.row_sets {
-        header.push(match set {
-            RowSet::Dense => DENSE,
-            RowSet::Rows(rows) => word(rows.len())?,
-        });
-    }
-    let width = header.len();
-    let all = collective.gather_words(&header)?;
-    if all.len() != width * collective.world() {
-        return Err(ExecError::Config(format!(
-            "data-parallel step: the ranks' steps have other numbers of gradient row sets \
-             ({} words from {} ranks, {width} here)",
-            all.len(),
-            collective.world()
-        )));
-    }
-    let ranks: Vec<&[u32]> = all.chunks(width).collect();
-    let (mut loss, mut rows) = (0.0, 0usize);
-    for r in &ranks {
-        loss += f64::from_bits(r[0] as u64 | (r[1] as u64) << 32);
-        rows += r[2] as usize;
-    }
-    // per set: dense anywhere, or the longest list (the width it is sent at)
-    let sets = local.row_sets.len();
-    let longest: Vec<Option<usize>> = (0..sets)
-        .map(|s| {
-            let lens = ranks.iter().map(|r| r[3 + s]);
-            match lens.clone().any(|l| l == DENSE) {
-                true => None,
-                false => lens.max().map(|l| l as usize),
-            }
-        })
-        .collect();
-    let mut padded = Vec::new();
-    for (set, width) in local.row_sets.iter().zip(&longest) {
-        if let (RowSet::Rows(rows), Some(width)) = (set, width) {
-            padded.extend(rows.iter().copied());
-            padded.resize(padded.len() + width - rows.len(), DENSE);
-        }
-    }
-    let gathered = match padded.is_empty() {
-        true => Vec::new(),
-        false => collective.gather_words(&padded)?,
-    };
-    let stride = padded.len();
-    let mut united = Vec::with_capacity(sets);
-    let mut at = 0;
-    for width in longest {
-        let Some(width) = width else {
-            united.push(RowSet::Dense);
-            continue;
-        };
-        let mut rows: Vec<u32> = (0..collective.world())
-            .flat_map(|r| {
-                gathered[r * stride + at..r * stride + at + width]
-                    .iter()
-                    .copied()
-            })
-            .filter(|&row| row != DENSE)
-            .collect();
-        rows.sort_unstable();
-        rows.dedup();
-        united.push(RowSet::Rows(rows));
-        at += width;
-    }
-    Ok((loss, rows, united))
-}
-
-fn word(n: usize) -> Result<u32> {
-    u32::try_from(n)
-        .ok()
-        .filter(|&w| w != u32::MAX)
-        .ok_or_else(|| ExecError::Config(format!("data-parallel step: {n} rows is too many")))
 }
 
 /// A [`SplitStep`] engine trained data-parallel over a [`Collective`]'s
 /// ranks: a [`TrainEngine`] whose [`submit`](TrainEngine::submit) takes
-/// this rank's shard of each global batch.
+/// this rank's shard of each global batch, and whose steps' plans come
+/// first, from [`TrainEngine::set_step_plans`].
 pub struct DataParallel<T, E> {
     engine: E,
     collective: Box<dyn Collective<T>>,
-    timing: PhaseTimes,
+    plans: VecDeque<StepPlan>,
+    timing: StepTimes,
 }
 
-/// Where the steps' time went, summed over steps (host wall clock).
+/// Host time the steps took (the host waits in them where an engine reads
+/// a loss back), summed over steps.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct PhaseTimes {
+pub struct StepTimes {
     pub steps: usize,
-    /// The forward passes ([`SplitStep::local_step`]).
-    pub local: Duration,
-    /// The exchanges of losses, rows and row sets ([`combine`]).
-    pub exchange: Duration,
-    /// The rest of the steps ([`SplitStep::global_step`]).
-    pub global: Duration,
+    pub host: Duration,
 }
 
 impl<T: Real, E: SplitStep<T>> DataParallel<T, E> {
@@ -282,7 +231,8 @@ impl<T: Real, E: SplitStep<T>> DataParallel<T, E> {
         DataParallel {
             engine,
             collective,
-            timing: PhaseTimes::default(),
+            plans: VecDeque::new(),
+            timing: StepTimes::default(),
         }
     }
 
@@ -296,39 +246,24 @@ impl<T: Real, E: SplitStep<T>> DataParallel<T, E> {
         &mut self.engine
     }
 
-    /// One global step with this rank's shard of it (`None`: no graphs of
-    /// this step fell to this rank, as in a short last batch); returns the
-    /// outcomes that came back meanwhile.
-    pub fn step(&mut self, shard: Option<&Batch<'_>>) -> Result<Vec<StepOutcome>> {
+    /// One global step `plan` with this rank's shard of it (`None`: no
+    /// graphs of this step fell to this rank, as in a short last batch);
+    /// returns the outcomes that came back meanwhile.
+    pub fn step(&mut self, shard: Option<&Batch<'_>>, plan: &StepPlan) -> Result<Vec<StepOutcome>> {
         let started = Instant::now();
-        let local = self.engine.local_step(shard)?;
-        let forward = Instant::now();
-        let (loss_sum, rows, row_sets) = combine(self.collective.as_mut(), &local)?;
-        let exchanged = Instant::now();
-        if rows == 0 {
-            return Err(ExecError::Config(
-                "data-parallel step: no rank had a head row in this step".into(),
-            ));
-        }
-        let step = GlobalStep {
-            loss: loss_sum / rows as f64,
-            scale: local.rows as f64 / rows as f64,
-            row_sets,
-        };
+        plan.scale(0)?;
         let outcomes = self
             .engine
-            .global_step(self.collective.as_mut(), shard, step)?;
+            .split_step(self.collective.as_mut(), shard, plan)?;
         self.timing.steps += 1;
-        self.timing.local += forward - started;
-        self.timing.exchange += exchanged - forward;
-        self.timing.global += exchanged.elapsed();
+        self.timing.host += started.elapsed();
         Ok(outcomes)
     }
 
     /// [`step`](Self::step), waiting for its outcome: the mean loss over
     /// the global batch, or [`ExecError::NonFinite`].
-    pub fn step_shard(&mut self, shard: Option<&Batch<'_>>) -> Result<f64> {
-        let mut outcomes = self.step(shard)?;
+    pub fn step_shard(&mut self, shard: Option<&Batch<'_>>, plan: &StepPlan) -> Result<f64> {
+        let mut outcomes = self.step(shard, plan)?;
         outcomes.extend(self.engine.finish()?);
         match outcomes.pop() {
             Some(outcome) => outcome.map_err(Into::into),
@@ -336,9 +271,16 @@ impl<T: Real, E: SplitStep<T>> DataParallel<T, E> {
         }
     }
 
-    /// The phases' times since the last call, and the count starts again.
-    pub fn take_times(&mut self) -> PhaseTimes {
+    /// The steps' host time since the last call, and the count starts again.
+    pub fn take_times(&mut self) -> StepTimes {
         std::mem::take(&mut self.timing)
+    }
+
+    /// The plan of the next step, queued by [`TrainEngine::set_step_plans`].
+    fn next_plan(&mut self) -> Result<StepPlan> {
+        self.plans.pop_front().ok_or_else(|| {
+            ExecError::Config("data-parallel step: no step plan was set for this step".into())
+        })
     }
 }
 
@@ -363,7 +305,8 @@ impl<T: Real, E: SplitStep<T>> TrainEngine<T> for DataParallel<T, E> {
         }
         let mut outcomes = Vec::new();
         for b in batches {
-            outcomes.extend(self.step(Some(b))?);
+            let plan = self.next_plan()?;
+            outcomes.extend(self.step(Some(b), &plan)?);
         }
         Ok(outcomes)
     }
@@ -407,15 +350,11 @@ impl<T: Real, E: SplitStep<T>> TrainEngine<T> for DataParallel<T, E> {
     }
     fn timing_report(&mut self) -> Option<String> {
         let t = self.take_times();
-        let per = |d: Duration| 1e3 * d.as_secs_f64() / t.steps.max(1) as f64;
         (t.steps > 0).then(|| {
             format!(
-                "{} ranks, per step: forward {:.2} ms, exchange of losses and rows {:.2} ms, \
-                 backward, gradient sum and update {:.2} ms ({} steps)",
+                "{} ranks, per step: {:.2} ms on the host ({} steps)",
                 self.collective.world(),
-                per(t.local),
-                per(t.exchange),
-                per(t.global),
+                1e3 * t.host.as_secs_f64() / t.steps as f64,
                 t.steps
             )
         })
@@ -424,7 +363,12 @@ impl<T: Real, E: SplitStep<T>> TrainEngine<T> for DataParallel<T, E> {
         self.collective.sum_scalars(values)
     }
     fn submit_idle(&mut self) -> Result<Vec<StepOutcome>> {
-        self.step(None)
+        let plan = self.next_plan()?;
+        self.step(None, &plan)
+    }
+    fn set_step_plans(&mut self, plans: Vec<StepPlan>) -> Result<()> {
+        self.plans.extend(plans);
+        Ok(())
     }
     /// A running statistic is a moving average, linear in the batches'
     /// statistics: the mean of the ranks' averages is the average of the
@@ -453,9 +397,8 @@ impl<T: Real, E: SplitStep<T>> TrainEngine<T> for DataParallel<T, E> {
 }
 
 /// The gradients held on the host summed over the ranks: each set's rows
-/// (`row_sets`, every rank's united by [`combine`], for the trained
-/// parameters in reverse declaration order, as [`host_row_sets`] lists
-/// them) marked, so that every rank's optimizer visits the same rows, then
+/// (`united`, every rank's, for the trained parameters in reverse
+/// declaration order, as [`trained_params`] lists them) marked, so that every rank's optimizer visits the same rows, then
 /// the gradients, this rank's scaled by `scale`, summed in that order (the
 /// order a backward pass finishes them in); an embedding table's rows
 /// travel packed, not the whole table.
@@ -529,21 +472,9 @@ pub fn reduce_host_grads<T: Real>(
 }
 
 /// The trained parameters, in reverse declaration order.
-fn trained_params<T: Real>(grads: &Grads<T>) -> Vec<usize> {
+pub fn trained_params<T: Real>(grads: &Grads<T>) -> Vec<usize> {
     (0..grads.values.len())
         .rev()
         .filter(|&p| !grads.is_buffer(p))
-        .collect()
-}
-
-/// The rows each trained parameter's gradient sets, in the order
-/// [`reduce_host_grads`] takes them.
-pub fn host_row_sets<T: Real>(grads: &Grads<T>) -> Vec<RowSet> {
-    trained_params(grads)
-        .into_iter()
-        .map(|p| match &grads.touched_rows[p] {
-            None => RowSet::Dense,
-            Some(rows) => RowSet::Rows(rows.clone()),
-        })
         .collect()
 }

@@ -268,6 +268,17 @@ pub trait TrainEngine<T: Real> {
         )))
     }
 
+    /// The plans of the next steps of a data-parallel run, one a step in
+    /// order (see [`crate::data_parallel::StepPlan`]), set before their
+    /// batches are submitted. Refused by an engine that trains alone.
+    fn set_step_plans(&mut self, plans: Vec<crate::data_parallel::StepPlan>) -> Result<()> {
+        let _ = plans;
+        Err(ExecError::Config(format!(
+            "the {} engine trains alone: it takes no data-parallel step plans",
+            self.name()
+        )))
+    }
+
     /// Device memory this engine can still take, in bytes (what the
     /// device has free plus what its pool holds unused, within its
     /// budget), so that a command can check ahead that a run fits; `None`

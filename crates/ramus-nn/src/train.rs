@@ -11,6 +11,7 @@ use rayon::prelude::*;
 
 use ramus_core::{HeadRows, Model, Params, Real};
 use ramus_cpu::CpuTrainer;
+use ramus_exec::data_parallel::StepPlan;
 use ramus_exec::nonfinite::BatchPlace;
 use ramus_exec::{
     Batch, ExecError, Mode, NonFiniteFault, OnNonFinite, OptimizerConfig, Result, StepOutcome,
@@ -155,6 +156,11 @@ impl<T: Real> Trainer<T> {
             1 => span.order.chunks(span.batch_size).collect(),
             _ => Shard::new(rank, world).and_then(|s| s.batches(span.order, span.batch_size))?,
         };
+        // and every rank's graphs of each step, for its plan
+        let steps: Vec<&[usize]> = match world {
+            1 => Vec::new(),
+            _ => span.order.chunks(span.batch_size * world).collect(),
+        };
         let window = self.engine.lookahead().max(1);
         let windows = windows(at.batches, chunks.len(), window, pauses.every);
         let model = self.engine.model().clone();
@@ -164,6 +170,7 @@ impl<T: Real> Trainer<T> {
             policy: self.policy,
             data: span.data,
             chunks: &chunks,
+            steps: &steps,
         };
         std::thread::scope(|scope| {
             scope.spawn(|| producer.run(&windows, sender));
@@ -189,9 +196,12 @@ impl<T: Real> Trainer<T> {
         let mut in_flight = VecDeque::new();
         let mut end = SpanEnd::EpochDone;
         for (i, group) in windows.iter().enumerate() {
-            let batches = built
+            let (batches, plans) = built
                 .recv()
                 .map_err(|_| ExecError::Config("the batch builder stopped".into()))??;
+            if !plans.is_empty() {
+                self.engine.set_step_plans(plans)?;
+            }
             in_flight.extend(batches.iter().map(|b| match b {
                 Some(b) => (b.batch.graphs.len(), b.first),
                 None => (0, 0),
@@ -450,19 +460,24 @@ struct Built<'a> {
 }
 
 /// A window of built batches (`None`: a rank's empty share of a global
-/// batch), or the error that stopped the builder.
-type Window<'a> = Result<Vec<Option<Built<'a>>>>;
+/// batch) with, on several ranks, the plan of each of their global steps;
+/// or the error that stopped the builder.
+type Window<'a> = Result<(Vec<Option<Built<'a>>>, Vec<StepPlan>)>;
 
 /// Where the engine's side receives windows from the builder.
 type Receiver<'a> = std::sync::mpsc::Receiver<Window<'a>>;
 
 /// The builder's side of [`Trainer::train_span`]: schedules each window's
-/// batches (in parallel) and hands them over in order.
+/// batches (in parallel) and hands them over in order, with their steps'
+/// plans when other ranks train too.
 struct Producer<'s, 'a> {
     model: &'s Model,
     policy: BatchingPolicy,
     data: &'a [InputGraph],
+    /// This rank's batches.
     chunks: &'s [&'s [usize]],
+    /// Every rank's graphs of each step (empty when training alone).
+    steps: &'s [&'s [usize]],
 }
 
 impl<'a> Producer<'_, 'a> {
@@ -472,13 +487,28 @@ impl<'a> Producer<'_, 'a> {
                 .par_iter()
                 .with_max_len(1)
                 .map(|chunk| self.build(chunk))
-                .collect::<Result<Vec<_>>>();
+                .collect::<Result<Vec<_>>>()
+                .and_then(|built| Ok((built, self.plans(group.clone())?)));
             let failed = built.is_err();
             // a send fails once the engine's side stopped: nothing to do
             if sender.send(built).is_err() || failed {
                 return;
             }
         }
+    }
+
+    /// The plans of global steps `group` (none when training alone).
+    fn plans(&self, group: std::ops::Range<usize>) -> Result<Vec<StepPlan>> {
+        let Some(steps) = self.steps.get(group) else {
+            return Ok(Vec::new());
+        };
+        steps
+            .par_iter()
+            .map(|step| {
+                let graphs: Vec<&InputGraph> = step.iter().map(|&i| &self.data[i]).collect();
+                StepPlan::of(self.model, &graphs)
+            })
+            .collect()
     }
 
     fn build(&self, chunk: &[usize]) -> Result<Option<Built<'a>>> {

@@ -12,6 +12,15 @@ use ramus_exec::Range;
 use ramus_exec::{NonFiniteStep, StepOutcome};
 
 use super::CudaEngine;
+
+/// The loss a submitted step reports once its status is back: known on
+/// the host, or the one its update checked on the device (a data-parallel
+/// step's, summed over the ranks with the gradients).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum StepLoss {
+    Host(f64),
+    Device,
+}
 use crate::error::Result;
 use crate::optimizer::StepStatus;
 use crate::pool::DeviceView;
@@ -24,12 +33,17 @@ impl CudaEngine {
     /// step, names the first non-finite parameter (reading the parameters
     /// back: the slow path).
     pub(crate) fn settle_step(&mut self) -> Result<Option<StepOutcome>> {
-        let Some(loss) = self.pending_loss.take() else {
+        let Some(pending) = self.pending_loss.take() else {
             return Ok(None);
         };
         let status = match self.optimizer.as_mut() {
             Some((_, opt)) => opt.take_status()?,
             None => None,
+        };
+        let loss = match (pending, status) {
+            (StepLoss::Host(loss), _) => loss,
+            (StepLoss::Device, Some(status)) => f64::from(status.loss),
+            (StepLoss::Device, None) => f64::NAN,
         };
         match status {
             Some(StepStatus { applied: true, .. }) => Ok(Some(Ok(loss))),

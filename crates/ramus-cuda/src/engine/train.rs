@@ -12,7 +12,7 @@ use crate::error::{CudaError, Result};
 use crate::optimizer::{DeviceOptimizer, GradLayout, ParamSlot};
 use crate::pool::DeviceView;
 
-use super::{model_err, CudaEngine};
+use super::{model_err, CudaEngine, StepLoss};
 
 impl CudaEngine {
     /// Per row-gradient table, in parameter order: the rows this batch
@@ -134,7 +134,7 @@ impl CudaEngine {
         for _ in 0..report.launches {
             self.launcher.count();
         }
-        self.step_submitted(params, loss);
+        self.step_submitted(params, StepLoss::Host(loss));
         Ok(previous)
     }
 
@@ -171,7 +171,7 @@ impl CudaEngine {
     /// After a training step is enqueued: its loss waits for its status
     /// ([`CudaEngine::settle_step`]), and the device parameters are ahead
     /// of `params` until [`CudaEngine::download_params`].
-    pub(crate) fn step_submitted(&mut self, params: &mut Params<f32>, loss: f64) {
+    pub(crate) fn step_submitted(&mut self, params: &mut Params<f32>, loss: StepLoss) {
         self.pending_loss = Some(loss);
         params.touch();
         if let Some(dp) = self.params.as_mut() {
@@ -267,8 +267,6 @@ pub struct CudaTrainer {
     /// [`TrainEngine::state`] brings them back).
     pub(crate) uploaded: Params<f32>,
     pub(crate) config: OptimizerConfig,
-    /// A data-parallel step between its calls ([`ramus_exec::data_parallel::SplitStep`]).
-    pub(crate) split: Option<SplitPending>,
 }
 
 impl CudaTrainer {
@@ -286,7 +284,6 @@ impl CudaTrainer {
             model,
             uploaded: params,
             config,
-            split: None,
         })
     }
 
@@ -389,12 +386,4 @@ impl From<CudaError> for ramus_exec::ExecError {
     fn from(e: CudaError) -> Self {
         ramus_exec::ExecError::Device(e.to_string())
     }
-}
-
-/// What a data-parallel step keeps between its calls (`engine/split.rs`):
-/// the rows of each row-gradient table this rank touches, and the outcome
-/// of the step before, which came back with this step's loss.
-pub(crate) struct SplitPending {
-    pub(crate) rows: Vec<(usize, Vec<u32>)>,
-    pub(crate) previous: Option<ramus_exec::StepOutcome>,
 }

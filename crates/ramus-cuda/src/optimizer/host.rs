@@ -162,6 +162,7 @@ static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fdiv_rn(float a, float b) { return a / b; }
 static inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+static inline unsigned __float_as_uint(float a) { return std::bit_cast<unsigned>(a); }
 
 static unsigned char* mem;
 static const unsigned long long BASE = 0x100000000ull;

@@ -13,7 +13,7 @@ pub(super) const BLOCK: u32 = 256;
 pub(super) const MAX_NORM_BLOCKS: u32 = 128;
 /// Words of the optimizer's status block (see `State::words` in
 /// `optimizer.rs`).
-pub(super) const STATUS_WORDS: usize = 8;
+pub(super) const STATUS_WORDS: usize = 9;
 
 /// How a parameter's gradient arrives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

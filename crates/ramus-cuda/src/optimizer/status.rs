@@ -23,12 +23,14 @@ pub struct StepStatus {
     /// The global gradient norm before clipping (not finite when skipped
     /// for a gradient).
     pub norm: f64,
+    /// The loss the step checked (0 for a step given none).
+    pub loss: f32,
 }
 
 /// Decodes the status words a step copied back: the norm (words 0-1), the
 /// skip flag (word 3) and the reported key of its first non-finite
 /// gradient (words 6-7, complemented; 0: none), named as the slot whose
-/// gradient holds that element.
+/// gradient holds that element, and the loss checked (word 8).
 pub(super) fn decode(words: &[u32], slots: &[ParamSlot]) -> StepStatus {
     let word = |i: usize| words.get(i).copied().map_or(0, u64::from);
     let norm = f64::from_bits(word(0) | (word(1) << 32));
@@ -48,6 +50,7 @@ pub(super) fn decode(words: &[u32], slots: &[ParamSlot]) -> StepStatus {
         applied: word(3) == 0,
         nonfinite_gradient,
         norm,
+        loss: f32::from_bits(word(8) as u32),
     }
 }
 

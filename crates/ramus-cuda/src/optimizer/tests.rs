@@ -704,13 +704,17 @@ fn a_nonfinite_step_changes_nothing() {
             let named = first_nonfinite(&model, &params, Some(&g)).map(|n| n.index);
             let args = UpdateArgs::for_step(config, host.steps() + 1);
             let applied = !nan_loss && host.step_if_finite(&mut params, &g);
-            steps.push((flat(&params), applied, named));
+            let loss_value = if nan_loss {
+                f32::NAN
+            } else {
+                0.25 * step as f32
+            };
+            steps.push((flat(&params), applied, named, loss_value));
 
             for (p, data) in grads.iter().enumerate() {
                 let addr = layout.grads.view().device_ptr() + 4 * layout.grad_at[p] as u64;
                 src += &put_cpp(addr, &bits(data));
             }
-            let loss_value = if nan_loss { f32::NAN } else { 0.5 };
             src += &put_cpp(loss.view().device_ptr(), &bits(&[loss_value]));
             let mut views = Vec::new();
             let mut keep = Vec::new();
@@ -753,13 +757,18 @@ fn a_nonfinite_step_changes_nothing() {
     for (c, config) in configs.iter().enumerate() {
         let mut before: Option<(Vec<u32>, Vec<u32>)> = None;
         let mut skipped = 0;
-        for (step, (want, applied, named)) in expected[c].iter().enumerate() {
+        for (step, (want, applied, named, loss)) in expected[c].iter().enumerate() {
             let what = format!("{config:?}, step {}", step + 1);
             let values = lines.next().unwrap();
             let moments = (lines.next().unwrap(), lines.next().unwrap());
             let status = status::decode(&lines.next().unwrap(), &layouts[c].1.slots);
             assert_eq!(values, bits(want), "{what}: values");
             assert_eq!(status.applied, *applied, "{what}: skip flag");
+            assert_eq!(
+                status.loss.to_bits(),
+                loss.to_bits(),
+                "{what}: the loss checked"
+            );
             if !applied {
                 skipped += 1;
                 assert_eq!(Some(&moments), before.as_ref(), "{what}: moments moved");

@@ -153,11 +153,13 @@ struct Slot {
 }
 
 /// A submitted batch whose loss has not been read: its slot, its step (loss
-/// still NaN) and the variant it ran on.
+/// still NaN), the variant it ran on and where in the pool its kernel
+/// leaves its loss.
 struct Pending {
     slot: usize,
     step: PersistentStep,
     variant: usize,
+    loss_at: usize,
 }
 
 impl PersistentEngine {

@@ -310,7 +310,7 @@ impl PersistentProgram {
                 pushed_sums[i] = sums_of_gathered_states(key.graph(model), &plans[i]);
             }
         }
-        let row_grad_params = crate::program::row_grad_params(model);
+        let row_grad_params = model.row_grad_params();
         let params = param_layout(model);
         let mut prog = PersistentProgram {
             stored: Vec::new(),

@@ -4,23 +4,22 @@
 //! sum would hold every multiprocessor the sum's own kernel needs (the
 //! persistent kernel runs one resident block per processor), so it would
 //! never come. The kernel therefore ends with every gradient in its pool
-//! slot ([`PersistentEngine::defer_updates`]); the local step launches it
-//! and reads the loss back, the global step sums the slots over the ranks
-//! (NCCL on the engine's stream) and updates them with the batched
-//! engine's device optimizer, whose moments then hold the optimizer state.
-//! A step whose summed loss or gradient is not finite is skipped, as on
-//! the batched engine.
+//! slot ([`PersistentEngine::defer_updates`]); a step launches it, sums the
+//! slots and the kernel's loss over the ranks (NCCL on the engine's
+//! stream) and updates them with the batched engine's device optimizer,
+//! whose moments then hold the optimizer state, without waiting for the
+//! kernel: the host waits only for the update before, whose status brings
+//! its summed loss back. A step whose summed loss or gradient is not
+//! finite is skipped, as on the batched engine.
 
 use std::time::Instant;
 
-use ramus_exec::data_parallel::{
-    row_sets_of, take_united_rows, Collective, GlobalStep, GradBuffer, LocalStep, SplitStep,
-};
+use ramus_exec::data_parallel::{Collective, DeviceBuffer, GradBuffer, SplitStep, StepPlan};
 use ramus_exec::{Batch, ExecError, NonFiniteStep, Optimizer, Result, StepOutcome};
 
 use super::train::Split;
 use super::PersistentTrainer;
-use crate::batch::{head_vertices, touched_rows};
+use crate::batch::head_vertices;
 use crate::optimizer::{DeviceOptimizer, StepStatus};
 
 fn device_err(e: crate::error::CudaError) -> ExecError {
@@ -40,14 +39,10 @@ impl PersistentTrainer {
             .map_err(device_err)?;
         self.engine.defer_updates().map_err(device_err)?;
         self.split = Some(Split {
-            row_params: crate::program::row_grad_params(&self.model)
-                .into_iter()
-                .collect(),
+            row_params: self.model.row_grad_params().into_iter().collect(),
             optimizer: None,
             moments: Some(moments),
-            rows: Vec::new(),
-            loss: None,
-            previous: None,
+            updated: false,
             lists: Vec::new(),
             rates: Default::default(),
         });
@@ -94,24 +89,32 @@ impl PersistentTrainer {
         }
     }
 
-    /// The last update's outcome (the stream has passed it).
+    /// The last update's outcome: the loss summed over the ranks, or the
+    /// step skipped as not finite (waits for the update).
     pub(super) fn settle_split(&mut self) -> Result<Option<StepOutcome>> {
         let Some(split) = self.split.as_mut() else {
             return Ok(None);
         };
-        let Some(loss) = split.loss.take() else {
+        if !std::mem::take(&mut split.updated) {
             return Ok(None);
-        };
-        split.lists.clear();
+        }
         let status = match split.optimizer.as_mut() {
             Some((_, opt)) => opt.take_status().map_err(device_err)?,
             None => None,
         };
-        Ok(Some(match status {
-            Some(StepStatus { applied: true, .. }) => Ok(loss),
-            None if loss.is_finite() => Ok(loss),
-            _ => Err(NonFiniteStep { loss, param: None }),
-        }))
+        split.lists.clear();
+        match status {
+            Some(StepStatus { applied, loss, .. }) => {
+                let loss = f64::from(loss);
+                Ok(Some(match applied {
+                    true => Ok(loss),
+                    false => Err(NonFiniteStep { loss, param: None }),
+                }))
+            }
+            None => Err(ExecError::Device(
+                "a data-parallel update's status was not read back".into(),
+            )),
+        }
     }
 
     /// The optimizer state of a split trainer (its device optimizer's, or
@@ -151,83 +154,69 @@ impl SplitStep<f32> for PersistentTrainer {
             .map_err(device_err)
     }
 
-    fn local_step(&mut self, batch: Option<&Batch<'_>>) -> Result<LocalStep> {
+    /// Launches the batch's kernel, then (once the last update is done:
+    /// its outcome) enqueues the sum of the gradient slots and the loss
+    /// over the ranks, the update and the slots' zeroing, without waiting
+    /// for this step.
+    fn split_step(
+        &mut self,
+        collective: &mut dyn Collective<f32>,
+        batch: Option<&Batch<'_>>,
+        plan: &StepPlan,
+    ) -> Result<Vec<StepOutcome>> {
         self.evaluated = None;
-        let (loss, rows, lists) = match batch {
+        self.split()?;
+        let rows = match batch {
             Some(batch) => {
-                let model = &self.model;
                 let launched = self
                     .engine
                     .launch_prepared(&batch.schedule)
                     .map_err(device_err)?;
-                let earlier = match launched {
-                    true => None,
-                    false => self
-                        .engine
-                        .submit_scheduled(model, &batch.schedule, Instant::now())
-                        .map_err(device_err)?,
-                };
-                if earlier.is_some() {
-                    return Err(ExecError::Device(
-                        "a data-parallel step found an earlier batch in flight".into(),
-                    ));
+                if !launched {
+                    // a batch not prepared ahead; earlier kernels' losses
+                    // are this rank's alone, not outcomes
+                    self.engine
+                        .submit_scheduled(&self.model, &batch.schedule, Instant::now())
+                        .map_err(device_err)?;
                 }
-                let step = self
-                    .engine
-                    .latest()
-                    .map_err(device_err)?
-                    .ok_or_else(|| ExecError::Device("the batch has no loss".into()))?;
-                let rows = head_vertices(model.head.rows, &batch.schedule).len();
-                let params = match &self.split {
-                    Some(split) => &split.row_params,
-                    None => return Err(ExecError::Config("not split".into())),
-                };
-                let lists = touched_rows(model, &batch.schedule, params.iter());
-                (step.loss, rows, lists)
+                self.engine.retire_older().map_err(device_err)?;
+                head_vertices(self.model.head.rows, &batch.schedule).len()
             }
             None => {
-                // nothing ran: wait for the last update, whose status is read next
+                // nothing runs: wait for the last update
                 self.engine.synchronize().map_err(device_err)?;
-                let params = &self.split()?.row_params;
-                (0.0, 0, params.iter().map(|&p| (p, Vec::new())).collect())
+                self.engine.finish().map_err(device_err)?;
+                0
             }
         };
         let previous = self.settle_split()?;
-        let split = self.split()?;
-        split.previous = previous;
-        let row_sets = row_sets_of(&lists);
-        split.rows = lists;
-        Ok(LocalStep {
-            loss,
-            rows,
-            row_sets,
-        })
-    }
-
-    fn global_step(
-        &mut self,
-        collective: &mut dyn Collective<f32>,
-        _batch: Option<&Batch<'_>>,
-        step: GlobalStep,
-    ) -> Result<Vec<StepOutcome>> {
-        let mut rows = std::mem::take(&mut self.split()?.rows);
-        take_united_rows(&mut rows, step.row_sets)?;
-        let buffers = self.engine.grad_buffers(&self.model).map_err(device_err)?;
-        let buffers = buffers.into_iter().map(GradBuffer::Device).collect();
-        collective.sum_buffers(buffers, step.scale)?;
-        let mut lists = Vec::with_capacity(rows.len());
-        for (_, list) in &rows {
+        let scale = plan.scale(rows)?;
+        let loss = match batch {
+            Some(_) => self.engine.newest_loss().map_err(device_err)?,
+            None => {
+                let slot = self.optimizer()?.loss_slot().map_err(device_err)?;
+                self.engine.upload_scalar(0.0, slot).map_err(device_err)?;
+                slot
+            }
+        };
+        let stream = self.engine.stream().cu_stream() as u64;
+        let mut buffers = self.engine.grad_buffers(&self.model).map_err(device_err)?;
+        buffers.push(DeviceBuffer {
+            ptr: loss.device_ptr(),
+            len: 1,
+            stream,
+        });
+        collective.sum_buffers(buffers.into_iter().map(GradBuffer::Device).collect(), scale)?;
+        let mut lists = Vec::with_capacity(plan.row_sets.len());
+        for (_, list) in &plan.row_sets {
             lists.push(self.engine.upload_words(list).map_err(device_err)?);
         }
-        let touched = rows
+        let touched = plan
+            .row_sets
             .iter()
             .zip(&lists)
             .map(|((_, list), buffer)| buffer.view().slice(0..list.len()))
             .collect::<crate::error::Result<Vec<_>>>()
-            .map_err(device_err)?;
-        let slot = self.optimizer()?.loss_slot().map_err(device_err)?;
-        self.engine
-            .upload_scalar(step.loss as f32, slot)
             .map_err(device_err)?;
         let stream = self.engine.stream().clone();
         if let Some(lr) = self.split()?.rates.pop_front() {
@@ -236,12 +225,12 @@ impl SplitStep<f32> for PersistentTrainer {
         let config = self.config;
         let opt = self.optimizer()?;
         opt.set_config(&config).map_err(device_err)?;
-        opt.step(&stream, &touched, Some(slot), false)
+        opt.step(&stream, &touched, Some(loss), false)
             .map_err(device_err)?;
         self.engine.zero_grads(&self.model).map_err(device_err)?;
         let split = self.split()?;
         split.lists = lists;
-        split.loss = Some(step.loss);
-        Ok(split.previous.take().into_iter().collect())
+        split.updated = true;
+        Ok(previous.into_iter().collect())
     }
 }

@@ -45,12 +45,8 @@ pub(super) struct Split {
     /// Optimizer state for the next optimizer built (the engine's at the
     /// start, or restored).
     pub(super) moments: Option<Optimizer<f32>>,
-    /// The rows this rank's step sets, per table, between the two halves.
-    pub(super) rows: Vec<(usize, Vec<u32>)>,
-    /// The last update's loss, until its status is read.
-    pub(super) loss: Option<f64>,
-    /// The outcome read by the local step, returned by the global one.
-    pub(super) previous: Option<StepOutcome>,
+    /// Whether the last update's status (and summed loss) is unread.
+    pub(super) updated: bool,
     /// The last update's row lists, alive until the stream has passed it.
     pub(super) lists: Vec<PoolBuffer<u32>>,
     /// The rates of the steps to come (a learning-rate schedule's), oldest
@@ -230,12 +226,13 @@ impl TrainEngine<f32> for PersistentTrainer {
 
     fn finish(&mut self) -> ramus_exec::Result<Vec<StepOutcome>> {
         let steps = self.engine.finish().map_err(exec_err)?;
-        let mut outcomes = self.outcomes(steps)?;
         if self.split.is_some() {
+            // split: the outcomes are the updates', the kernels' losses this
+            // rank's alone
             self.engine.synchronize().map_err(exec_err)?;
-            outcomes.extend(self.settle_split()?);
+            return Ok(self.settle_split()?.into_iter().collect());
         }
-        Ok(outcomes)
+        self.outcomes(steps)
     }
 
     fn lookahead(&self) -> usize {

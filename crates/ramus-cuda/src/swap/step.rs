@@ -131,7 +131,7 @@ impl SwapRuntime {
         let (loss, _) = result?;
         // the step before's status came back before this step's loss
         let previous = engine.settle_step()?;
-        engine.step_submitted(params, loss);
+        engine.step_submitted(params, crate::engine::StepLoss::Host(loss));
         Ok(previous)
     }
 

@@ -115,6 +115,7 @@ impl PersistentEngine {
             slot,
             step,
             variant,
+            loss_at: batch.loss_at,
         });
         Ok(())
     }

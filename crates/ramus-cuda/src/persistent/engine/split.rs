@@ -106,6 +106,28 @@ impl PersistentEngine {
         Ok(true)
     }
 
+    /// Where the last batch launched leaves its loss in the pool (a data-
+    /// parallel step sums it over the ranks there, and its update checks
+    /// it), until the next batch's kernel writes over it.
+    pub(crate) fn newest_loss(&self) -> Result<DeviceView<f32>> {
+        let at = self
+            .pending
+            .back()
+            .ok_or_else(|| model_err("no batch is in flight"))?
+            .loss_at;
+        self.buffer.view().slice(at..at + 1)
+    }
+
+    /// Reads back every batch in flight but the newest (waiting for each):
+    /// a data-parallel rank, whose steps' outcomes come from its updates,
+    /// frees their slots and times their kernels.
+    pub(crate) fn retire_older(&mut self) -> Result<()> {
+        while self.pending.len() > 1 {
+            self.pop_oldest()?;
+        }
+        Ok(())
+    }
+
     /// The pool buffer's address: the views of
     /// [`param_slots`](Self::param_slots) hold until it changes (the pool
     /// grows for a larger batch).

@@ -278,6 +278,7 @@ impl PersistentEngine {
             slot,
             step,
             variant,
+            ..
         } = self
             .pending
             .pop_front()
