@@ -147,9 +147,11 @@ pub(crate) struct TrainArgs {
     #[arg(long, default_value = "cavs")]
     pub(crate) policy: String,
     /// Initialise the word embedding table from pretrained vectors: a
-    /// GloVe or word2vec text file (one word a line, then its values),
-    /// with as many values as --hidden; words it lacks keep their random
-    /// start.
+    /// GloVe or word2vec text file (one word a line, then its values) or a
+    /// .safetensors file (an F32 tensor `embeddings` [words, dim], the
+    /// words in the metadata `words`, one a line), with as many values as
+    /// --hidden. Trees and sentences: dev and test words the file has join
+    /// the vocabulary. Words it lacks keep their random start.
     #[arg(long)]
     pub(crate) embeddings: Option<PathBuf>,
     /// Dropout rate on word embeddings and the classifier input.

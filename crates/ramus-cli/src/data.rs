@@ -53,14 +53,37 @@ pub fn data_kind_of(name: &str) -> AnyResult<DataKind> {
     })
 }
 
+/// Whose words the vocabulary of text and trees holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SplitWords {
+    /// The training split's: dev and test words it lacks are unknown.
+    Train,
+    /// Every split's (pretrained vectors may know dev and test words the
+    /// training split lacks: [`crate::embeddings::read`] keeps those).
+    All,
+}
+
+impl SplitWords {
+    /// How dev and test are read into `vocab`.
+    fn mode<'v>(self, vocab: &'v mut Vocab) -> VocabMode<'v> {
+        match self {
+            SplitWords::Train => VocabMode::Frozen(vocab),
+            SplitWords::All => VocabMode::Grow(vocab),
+        }
+    }
+}
+
 /// Reads `dir/{train,dev,test}.txt` (`valid.txt` also accepted for dev) or,
 /// without a directory, generates the built-in treebank (images: the
 /// built-in synthetic images of the default shape and size). Pyramids are
-/// admitted by `guard` before they are built.
+/// admitted by `guard` before they are built. The vocabulary is the
+/// training split's words, with `words` [`SplitWords::All`] the dev and
+/// test splits' too (trees and sentences), after them.
 pub fn load_splits(
     dir: Option<&Path>,
     kind: DataKind,
     guard: &mut BuildGuard<'_>,
+    words: SplitWords,
 ) -> AnyResult<Splits> {
     match kind {
         DataKind::Images => {
@@ -72,7 +95,7 @@ pub fn load_splits(
                 Some(d) => d.to_path_buf(),
                 None => default_data("sst")?,
             };
-            let mut s = load_splits(Some(&dir), DataKind::Trees, guard)?;
+            let mut s = load_splits(Some(&dir), DataKind::Trees, guard, words)?;
             for part in [&mut s.train, &mut s.dev, &mut s.test] {
                 *part = pyramids(part, guard)?;
             }
@@ -93,8 +116,8 @@ pub fn load_splits(
                     })
                 };
             let train = parse(&tb.train, "<built-in train>", VocabMode::Grow(&mut vocab))?;
-            let dev = parse(&tb.dev, "<built-in dev>", VocabMode::Frozen(&vocab))?;
-            let test = parse(&tb.test, "<built-in test>", VocabMode::Frozen(&vocab))?;
+            let dev = parse(&tb.dev, "<built-in dev>", words.mode(&mut vocab))?;
+            let test = parse(&tb.test, "<built-in test>", words.mode(&mut vocab))?;
             (
                 "built-in synthetic treebank (seed 7)".to_string(),
                 train,
@@ -118,8 +141,8 @@ pub fn load_splits(
                 file(&["test.txt"])?,
             );
             let train = read_graphs(&tr, kind, VocabMode::Grow(&mut vocab), guard)?;
-            let dev = read_graphs(&dv, kind, VocabMode::Frozen(&vocab), guard)?;
-            let test = read_graphs(&te, kind, VocabMode::Frozen(&vocab), guard)?;
+            let dev = read_graphs(&dv, kind, words.mode(&mut vocab), guard)?;
+            let test = read_graphs(&te, kind, words.mode(&mut vocab), guard)?;
             (dir.display().to_string(), train, dev, test)
         }
     };

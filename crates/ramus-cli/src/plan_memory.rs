@@ -136,7 +136,8 @@ pub fn run(a: PlanMemoryArgs) -> AnyResult {
     let mut guard = a
         .host
         .build_guard(reader.as_ref().map(|m| (m, Device::Cuda)));
-    let mut splits = data::load_splits(a.data.as_deref(), kind, &mut guard)?;
+    let mut splits =
+        data::load_splits(a.data.as_deref(), kind, &mut guard, data::SplitWords::Train)?;
     let model = build(splits.vocab.len(), splits.classes, splits.chars())?;
     a.structure.fit(&model, kind, &mut splits.train)?;
     let graphs: Vec<&InputGraph> = splits.train.iter().take(a.batch_size).collect();

@@ -189,7 +189,21 @@ fn load_text(a: &TrainArgs, kind: DataKind, hidden: usize) -> AnyResult<Splits> 
         _ => None,
     };
     let mut guard = a.host.build_guard(reader.as_ref().map(|m| (m, a.device)));
-    data::load_splits(a.data.as_deref(), kind, &mut guard)
+    data::load_splits(a.data.as_deref(), kind, &mut guard, split_words(a, kind))
+}
+
+/// Every split's words for pretrained vectors of trees and sentences
+/// ([`embeddings::read`] keeps those the file has), else the training
+/// split's.
+fn split_words(a: &TrainArgs, kind: DataKind) -> data::SplitWords {
+    let text = matches!(
+        kind,
+        DataKind::Trees | DataKind::Sentences | DataKind::SentencePyramid
+    );
+    match a.embeddings.is_some() && text {
+        true => data::SplitWords::All,
+        false => data::SplitWords::Train,
+    }
 }
 
 /// Reads the data, builds the model, its parameters (fresh or resumed)
@@ -215,6 +229,15 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>, world: Option<&World>) -> Any
     ModelOptions { dropout: a.dropout }.validate()?;
     let engine_choice = device::engine_for_nonfinite(a.engine, a.on_nonfinite)?;
     let mut data = load_data(a, kind, hidden, vision_cfg.as_ref())?;
+    let vectors = match &a.embeddings {
+        Some(path) => Some(embeddings::read(
+            path,
+            &mut data,
+            split_words(a, kind),
+            a.quiet,
+        )?),
+        None => None,
+    };
     let model = model_for(a, kind, &data, hidden)?;
     a.structure.fit_splits(&model, kind, &mut data)?;
     let need = limits::Training {
@@ -227,7 +250,13 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>, world: Option<&World>) -> Any
         device: a.device,
     };
     need.check_host(a.host)?;
-    let (mut run, params, restored, best) = starting_point(a, &model, &data, from, oc)?;
+    let at = Start {
+        model: &model,
+        data: &data,
+        vectors: vectors.as_ref(),
+        from,
+    };
+    let (mut run, params, restored, best) = starting_point(a, &at, oc)?;
     let ranks = world.map_or(1, |w| w.size);
     match from {
         Some(_) => rebase(&mut run, ranks, a.batch_size, data.train.len()),
@@ -296,16 +325,29 @@ fn describe_rates(a: &TrainArgs, schedule: &LrSchedule) -> String {
     s
 }
 
+/// What [`starting_point`] starts from: the model, the data, the vectors
+/// of `--embeddings` and the checkpoint of `--resume`.
+struct Start<'a> {
+    model: &'a Model,
+    data: &'a Splits,
+    vectors: Option<&'a ramus_graph::vectors::WordVectors>,
+    from: Option<&'a ResumeFrom>,
+}
+
 /// Where a run starts: a fresh run state and parameters from the seed
 /// (the embedding table from `--embeddings`), or the checkpoint's, with
 /// its optimizer state and best epoch's parameters.
 fn starting_point(
     a: &TrainArgs,
-    model: &Model,
-    data: &Splits,
-    from: Option<&ResumeFrom>,
+    start: &Start<'_>,
     oc: OptimizerConfig,
 ) -> AnyResult<StartingPoint> {
+    let Start {
+        model,
+        data,
+        vectors,
+        from,
+    } = *start;
     let fingerprint = resume::fingerprint(&[&data.train, &data.dev, &data.test], &data.vocab);
     Ok(match from {
         None => {
@@ -321,8 +363,8 @@ fn starting_point(
                 ranks: 1,
             };
             let mut params = Params::<f32>::init(model, a.seed);
-            if let Some(path) = &a.embeddings {
-                embeddings::load(path, model, &data.vocab, &mut params, a.quiet)?;
+            if let (Some(path), Some(vectors)) = (&a.embeddings, vectors) {
+                embeddings::apply(path, vectors, model, &mut params)?;
             }
             (run, params, None, None)
         }

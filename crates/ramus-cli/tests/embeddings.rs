@@ -121,3 +121,85 @@ fn a_file_that_does_not_fit_is_refused_naming_it() {
         &["--embeddings", "none.txt"],
     );
 }
+
+/// `words` and their 4-value `rows` as a `.safetensors` vector file.
+fn safetensors_vectors(path: &Path, words: &[&str], rows: &[[f32; 4]]) {
+    let data: Vec<u8> = rows
+        .iter()
+        .flatten()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    let header = serde_json::json!({
+        "__metadata__": { "words": words.join("\n") },
+        "embeddings": { "dtype": "F32", "shape": [rows.len(), 4], "data_offsets": [0, data.len()] },
+    })
+    .to_string();
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(header.as_bytes());
+    bytes.extend(data);
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// Dev and test words the training split lacks are known when the file
+/// has their vectors (and unknown otherwise), from text and safetensors
+/// files alike.
+#[test]
+fn dev_and_test_words_with_vectors_join_the_vocabulary() {
+    let dir = fresh_dir("embeddings-widen");
+    let dev = "(3 (2 the) (3 zebra))\n(1 (2 a) (1 unicorn))\n";
+    write_files(
+        &dir,
+        &[("train.txt", TREES), ("dev.txt", dev), ("test.txt", TREES)],
+    );
+    let rows = [[0.5, -0.25, 1.0, 2.0], [7.0, 8.0, 9.0, 10.0]];
+    write_files(
+        &dir,
+        &[(
+            "v.txt",
+            "the 0.5 -0.25 1 2\nzebra 7 8 9 10\nokapi 1 1 1 1\n",
+        )],
+    );
+    safetensors_vectors(&dir.join("v.safetensors"), &["the", "zebra"], &rows);
+    let mut tables = Vec::new();
+    for file in ["v.txt", "v.safetensors"] {
+        let save = dir.join(format!("{file}.ckpt.safetensors"));
+        let o = ramus_ok(&[
+            "train",
+            "--data",
+            dir.to_str().unwrap(),
+            "--model",
+            "treelstm",
+            "--hidden",
+            "4",
+            "--epochs",
+            "1",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "0",
+            "--quiet",
+            "--embeddings",
+            dir.join(file).to_str().unwrap(),
+            "--save",
+            save.to_str().unwrap(),
+        ]);
+        let out = stdout(&o);
+        assert!(
+            out.contains("embeddings: 2 of 6 words from")
+                && out.contains("1 dev/test words without a vector are unknown"),
+            "{file}: {out}"
+        );
+        let (emb, vocab) = tensor_and_vocab(&save, "emb");
+        assert_eq!(
+            vocab,
+            ["<unk>", "the", "cat", "a", "dog", "zebra"],
+            "{file}"
+        );
+        assert_eq!(emb[20..24], rows[1], "{file}: zebra's row");
+        tables.push(emb);
+    }
+    assert_eq!(
+        tables[0], tables[1],
+        "text and safetensors files start alike"
+    );
+}

@@ -49,6 +49,9 @@ pub enum GraphError {
     /// only blank lines. `what` names what it should hold ("trees").
     #[error("{file}: no {what} to read: it is empty or holds only blank lines")]
     Empty { file: String, what: &'static str },
+    /// A malformed binary file (no lines to name), and what is wrong.
+    #[error("{file}: {message}")]
+    Format { file: String, message: String },
     /// A structural problem (bad child id, mismatched lengths).
     #[error("invalid graph: {0}")]
     Structure(String),
