@@ -11,6 +11,7 @@ use std::path::Path;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use ramus_core::{Model, Params};
+use ramus_graph::safetensors_vectors;
 use ramus_graph::vectors::{self, WordVectors};
 use ramus_graph::Vocab;
 
@@ -48,7 +49,11 @@ pub(crate) fn read(
             .map_err(|e| e.to_string())?
             .progress_chars("=> "),
     );
-    let read = vectors::read(path, &data.vocab, |bytes| bar.set_position(bytes));
+    let progress = |bytes| bar.set_position(bytes);
+    let read = match path.extension().and_then(|e| e.to_str()) {
+        Some("safetensors") => safetensors_vectors::read(path, &data.vocab, progress),
+        _ => vectors::read_text(path, &data.vocab, progress),
+    };
     bar.finish_and_clear();
     let mut read = read?;
     let before = data.vocab.len();

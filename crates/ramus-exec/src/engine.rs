@@ -269,9 +269,9 @@ pub trait TrainEngine<T: Real> {
     }
 
     /// The plans of the next steps of a data-parallel run, one a step in
-    /// order (see [`crate::data_parallel::StepPlan`]), set before their
+    /// order (see [`crate::step_plan::StepPlan`]), set before their
     /// batches are submitted. Refused by an engine that trains alone.
-    fn set_step_plans(&mut self, plans: Vec<crate::data_parallel::StepPlan>) -> Result<()> {
+    fn set_step_plans(&mut self, plans: Vec<crate::step_plan::StepPlan>) -> Result<()> {
         let _ = plans;
         Err(ExecError::Config(format!(
             "the {} engine trains alone: it takes no data-parallel step plans",

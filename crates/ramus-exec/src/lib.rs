@@ -52,6 +52,7 @@ pub mod infer;
 pub mod memory;
 pub mod nonfinite;
 pub mod optim;
+pub mod step_plan;
 
 pub use auto::{AutoInfer, BatchShape, Build, Clock, LazyOffer, Offer, WallClock};
 pub use batch::{fill_dropout_mask, pulled_values, Batch, ForwardOutput, Mode, Range};

@@ -13,6 +13,7 @@ pub mod ptb;
 pub mod random;
 #[cfg(test)]
 mod reader_props;
+pub mod safetensors_vectors;
 pub mod schedule;
 pub mod sequence;
 pub mod structure;

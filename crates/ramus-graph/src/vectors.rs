@@ -1,5 +1,5 @@
 //! Pretrained word vectors in the text formats GloVe and word2vec write
-//! (and in `.safetensors` files: [`safetensors_file`]):
+//! (`.safetensors` files: [`crate::safetensors_vectors`]):
 //! one word a line followed by its values, separated by spaces (word2vec's
 //! first line, `COUNT DIM`, is recognised and skipped). The file is read
 //! as a stream and only the vectors of words in the vocabulary are kept,
@@ -13,8 +13,6 @@ use std::path::Path;
 use crate::vocab::Vocab;
 use crate::GraphError;
 
-pub mod safetensors_file;
-
 /// The vectors of the vocabulary's words that the file holds.
 #[derive(Clone, Debug, PartialEq)]
 pub struct WordVectors {
@@ -25,20 +23,6 @@ pub struct WordVectors {
     pub found: Vec<(u32, Vec<f32>)>,
     /// Words in the file (vectors read, whether kept or not).
     pub file_words: usize,
-}
-
-/// Reads the vectors of `vocab`'s words from `path`: a `.safetensors` file
-/// ([`safetensors_file`]), else text; `progress(bytes)` is called as the
-/// file is read.
-pub fn read(
-    path: &Path,
-    vocab: &Vocab,
-    progress: impl FnMut(u64),
-) -> Result<WordVectors, GraphError> {
-    match path.extension().and_then(|e| e.to_str()) {
-        Some("safetensors") => safetensors_file::read(path, vocab, progress),
-        _ => read_text(path, vocab, progress),
-    }
 }
 
 /// Reads the vectors of `vocab`'s words from the text file `path`;

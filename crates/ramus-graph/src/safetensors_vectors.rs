@@ -12,7 +12,7 @@ use std::path::Path;
 use safetensors::tensor::Metadata;
 use safetensors::Dtype;
 
-use super::WordVectors;
+use crate::vectors::WordVectors;
 use crate::vocab::Vocab;
 use crate::GraphError;
 
@@ -30,91 +30,26 @@ pub fn read(
     vocab: &Vocab,
     mut progress: impl FnMut(u64),
 ) -> Result<WordVectors, GraphError> {
-    let name = path.display().to_string();
-    let bad = |message: String| GraphError::Format {
-        file: name.clone(),
-        message,
-    };
     let io = |source| GraphError::Io {
         path: path.to_path_buf(),
         source,
     };
     let mut file = File::open(path).map_err(io)?;
-    let mut size = [0u8; 8];
-    file.read_exact(&mut size).map_err(io)?;
-    let n = u64::from_le_bytes(size);
-    if n > MAX_HEADER {
-        return Err(bad(format!(
-            "a header of {n} bytes: not a safetensors file?"
-        )));
-    }
-    let mut header = vec![0u8; n as usize];
-    file.read_exact(&mut header).map_err(io)?;
-    let text = std::str::from_utf8(&header).map_err(|e| bad(format!("header: {e}")))?;
-    let meta: Metadata = serde_json::from_str(text).map_err(|e| bad(format!("header: {e}")))?;
-    let (tensor, info) = match meta.info(TENSOR) {
-        Some(info) => (TENSOR.to_string(), info),
-        None => {
-            let all = meta.tensors();
-            let mut only = all.into_iter();
-            match (only.next(), only.next()) {
-                (Some((t, info)), None) => (t, info),
-                (None, _) => return Err(bad("it holds no tensor".into())),
-                _ => {
-                    return Err(bad(format!(
-                        "it holds several tensors and none named `{TENSOR}`"
-                    )))
-                }
-            }
-        }
-    };
-    let &[rows, dim] = info.shape.as_slice() else {
-        return Err(bad(format!(
-            "tensor `{tensor}` has shape {:?}; word vectors are [words, dimension]",
-            info.shape
-        )));
-    };
-    if info.dtype != Dtype::F32 {
-        return Err(bad(format!(
-            "tensor `{tensor}` holds {:?}; word vectors are read as F32",
-            info.dtype
-        )));
-    }
-    if dim == 0 {
-        return Err(bad(format!("tensor `{tensor}` has vectors of no values")));
-    }
-    let (from, to) = info.data_offsets;
-    if to.checked_sub(from) != rows.checked_mul(4 * dim) {
-        return Err(bad(format!(
-            "tensor `{tensor}` spans bytes {from}..{to}, not {rows} × {dim} floats"
-        )));
-    }
-    let words = meta
-        .metadata()
-        .as_ref()
-        .and_then(|m| m.get(WORDS))
-        .ok_or_else(|| bad(format!("its metadata has no `{WORDS}` (one word a line)")))?;
-    let words: Vec<&str> = words.split('\n').collect();
-    if words.len() != rows {
-        return Err(bad(format!(
-            "`{WORDS}` lists {} words, tensor `{tensor}` has {rows} rows",
-            words.len()
-        )));
-    }
+    let table = Table::read(&mut file, path)?;
     // the vocabulary's words, by row (the first row of a word given twice)
     let mut seen = vec![false; vocab.len()];
     let mut wanted: Vec<(usize, u32)> = Vec::new();
-    for (row, word) in words.iter().enumerate() {
+    for (row, word) in table.words.iter().enumerate() {
         if let Some(id) = vocab.get(word).filter(|&id| !seen[id as usize]) {
             seen[id as usize] = true;
             wanted.push((row, id));
         }
     }
-    let start = 8 + n + info.data_offsets.0 as u64;
+    let dim = table.dim;
     let mut found = Vec::with_capacity(wanted.len());
     let mut bytes = vec![0u8; 4 * dim];
     for (k, (row, id)) in wanted.into_iter().enumerate() {
-        let at = start + (row * 4 * dim) as u64;
+        let at = table.start + (row * 4 * dim) as u64;
         file.seek(SeekFrom::Start(at)).map_err(io)?;
         file.read_exact(&mut bytes).map_err(io)?;
         let vector: Vec<f32> = bytes
@@ -122,22 +57,104 @@ pub fn read(
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect();
         if let Some(i) = vector.iter().position(|x| !x.is_finite()) {
-            return Err(bad(format!(
-                "the vector of `{}` (row {row}) has a non-finite value at {i}",
-                words[row]
-            )));
+            return Err(GraphError::Format {
+                file: path.display().to_string(),
+                message: format!(
+                    "the vector of `{}` (row {row}) has a non-finite value at {i}",
+                    table.words[row]
+                ),
+            });
         }
         found.push((id, vector));
         if k % 4096 == 0 {
             progress(at);
         }
     }
-    progress(start + (rows * 4 * dim) as u64);
+    progress(table.start + (table.words.len() * 4 * dim) as u64);
     Ok(WordVectors {
         dim,
         found,
-        file_words: rows,
+        file_words: table.words.len(),
     })
+}
+
+/// What a vector file's header says: its words in row order, the
+/// vectors' width and where the first row starts in the file.
+struct Table {
+    words: Vec<String>,
+    dim: usize,
+    start: u64,
+}
+
+impl Table {
+    /// The header of `file` (at its start), checked; errors name `path`.
+    fn read(file: &mut File, path: &Path) -> Result<Table, GraphError> {
+        let bad = |message: String| GraphError::Format {
+            file: path.display().to_string(),
+            message,
+        };
+        let io = |source| GraphError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let mut size = [0u8; 8];
+        file.read_exact(&mut size).map_err(io)?;
+        let n = u64::from_le_bytes(size);
+        if n > MAX_HEADER {
+            return Err(bad(format!(
+                "a header of {n} bytes: not a safetensors file?"
+            )));
+        }
+        let mut header = vec![0u8; n as usize];
+        file.read_exact(&mut header).map_err(io)?;
+        let text = std::str::from_utf8(&header).map_err(|e| bad(format!("header: {e}")))?;
+        let meta: Metadata = serde_json::from_str(text).map_err(|e| bad(format!("header: {e}")))?;
+        let (tensor, info) = match meta.info(TENSOR) {
+            Some(info) => (TENSOR.to_string(), info),
+            None => {
+                let mut all = meta.tensors().into_iter();
+                match (all.next(), all.next()) {
+                    (Some((t, info)), None) => (t, info),
+                    (None, _) => return Err(bad("it holds no tensor".into())),
+                    _ => {
+                        return Err(bad(format!(
+                            "it holds several tensors and none named `{TENSOR}`"
+                        )))
+                    }
+                }
+            }
+        };
+        let (&[rows, dim], Dtype::F32) = (info.shape.as_slice(), info.dtype) else {
+            return Err(bad(format!(
+                "tensor `{tensor}` holds {:?} of shape {:?}; word vectors are F32 of \
+                 [words, dimension]",
+                info.dtype, info.shape
+            )));
+        };
+        let (from, to) = info.data_offsets;
+        if dim == 0 || to.checked_sub(from) != rows.checked_mul(4 * dim) {
+            return Err(bad(format!(
+                "tensor `{tensor}` spans bytes {from}..{to}, not {rows} vectors of {dim} floats"
+            )));
+        }
+        let words = meta
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get(WORDS))
+            .ok_or_else(|| bad(format!("its metadata has no `{WORDS}` (one word a line)")))?;
+        let words: Vec<String> = words.split('\n').map(String::from).collect();
+        if words.len() != rows {
+            return Err(bad(format!(
+                "`{WORDS}` lists {} words, tensor `{tensor}` has {rows} rows",
+                words.len()
+            )));
+        }
+        Ok(Table {
+            words,
+            dim,
+            start: 8 + n + from as u64,
+        })
+    }
 }
 
 #[cfg(test)]
@@ -211,8 +228,6 @@ mod tests {
         assert_eq!(got.file_words, 3);
         // `the` is id 1, `cat` id 2, found in row order
         assert_eq!(got.found, vec![(2, vec![0.5, 1.0]), (1, vec![4.0, 0.25])]);
-        // and through `vectors::read`, by the extension
-        assert_eq!(super::super::read(&dir.file(), &v, |_| {}).unwrap(), got);
     }
 
     #[test]
