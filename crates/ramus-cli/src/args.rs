@@ -104,6 +104,11 @@ pub(crate) struct TrainArgs {
     /// `--gpus` times as many).
     #[arg(long, default_value_t = 25)]
     pub(crate) batch_size: usize,
+    /// Batches per optimizer step (gradient accumulation): a step sums the
+    /// gradients of K consecutive batches, as one batch of them all would
+    /// (K × --batch-size graphs, times --gpus), in the memory of one.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) accumulate: usize,
     /// Train data-parallel on this many GPUs of this machine (with
     /// `--device cuda`): one worker process per GPU, each with its share of
     /// every step. Under torchrun, srun or mpirun leave it out: each process

@@ -11,6 +11,7 @@ use ramus_core::{Model, Params};
 use ramus_cpu::CpuTrainer;
 use ramus_cuda::persistent::PersistentTrainer;
 use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer, SwapConfig, SwapMode, SwapTrainer};
+use ramus_exec::data_parallel::{Alone, DataParallel};
 use ramus_exec::memory::DeviceNeed;
 use ramus_exec::{OptimizerConfig, TrainEngine};
 
@@ -68,13 +69,13 @@ pub fn engine_for_nonfinite(
 /// if `persistent` was forced and cannot run. Its `rpw` search tunes for
 /// the run's batch size; what it will allocate is checked against the
 /// device (within `budget`) before it allocates ([`Training::fit_device`]).
-pub fn training_engine(
+pub fn persistent_trainer(
     choice: TrainEngineChoice,
     run: &Training<'_>,
     params: &Params<f32>,
     optimizer: OptimizerConfig,
     budget: Option<u64>,
-) -> Result<Option<Box<dyn TrainEngine<f32>>>, String> {
+) -> Result<Option<PersistentTrainer>, String> {
     if choice == TrainEngineChoice::Batched {
         return Ok(None);
     }
@@ -94,13 +95,46 @@ pub fn training_engine(
     let check = |need: &DeviceNeed, room| run.fit_device(need, room);
     let made = PersistentTrainer::with_check(run.model, params, optimizer, &options, &check);
     match made {
-        Ok(engine) => Ok(Some(Box::new(engine))),
+        Ok(engine) => Ok(Some(engine)),
         Err(e) if choice == TrainEngineChoice::Auto => {
             logln!("persistent engine unavailable ({e}); training with the batched engine");
             Ok(None)
         }
         Err(e) => Err(format!("--engine persistent: {e}")),
     }
+}
+
+/// The training engine of gradient accumulation on one device: the
+/// `persistent` trainer if given (its updates split out of its kernel),
+/// else the batched engine of `device`, trained data-parallel over a group
+/// of one ([`Alone`]), whose steps take several batches.
+pub fn accumulating(
+    device: Device,
+    model: &Model,
+    (params, config): (Params<f32>, OptimizerConfig),
+    budget: Option<u64>,
+    persistent: Option<PersistentTrainer>,
+) -> Result<Box<dyn TrainEngine<f32>>, String> {
+    let alone = || Box::new(Alone);
+    if let Some(mut trainer) = persistent {
+        trainer.split_updates().map_err(|e| e.to_string())?;
+        return Ok(Box::new(DataParallel::new(trainer, alone())));
+    }
+    Ok(match device {
+        Device::Cpu if budget.is_some() => {
+            return Err("--device-memory-budget applies to --device cuda".into())
+        }
+        Device::Cpu => {
+            let trainer = CpuTrainer::new(model.clone(), params, config);
+            Box::new(DataParallel::new(trainer, alone()))
+        }
+        Device::Cuda => {
+            let engine = cuda_engine(model, budget)?;
+            let trainer = CudaTrainer::new(engine, model.clone(), params, config)
+                .map_err(|e| format!("--device cuda: {e}"))?;
+            Box::new(DataParallel::new(trainer, alone()))
+        }
+    })
 }
 
 /// Sets up the CUDA engine for `model`, using at most `budget` bytes of

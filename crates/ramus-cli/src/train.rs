@@ -267,13 +267,15 @@ fn setup(a: &TrainArgs, from: Option<&ResumeFrom>, world: Option<&World>) -> Any
     let mut trainer = Trainer::with_engine(engine);
     trainer.policy = policy;
     trainer.on_nonfinite = a.on_nonfinite;
+    trainer.accumulate = a.accumulate;
     trainer.check_nonfinite_policy()?;
     start(&mut trainer, a.seed, restored.map(|o| (o, &run)))?;
     if let Some(scales) = a.rates.lr_scales(trainer.model(), lr)? {
         trainer.engine.set_lr_scales(&scales)?;
     }
     let ranks = world.map_or(1, |w| w.size);
-    let steps_per_epoch = data.train.len().div_ceil(a.batch_size * ranks).max(1);
+    let batches = data.train.len().div_ceil(a.batch_size * ranks);
+    let steps_per_epoch = batches.div_ceil(a.accumulate.max(1)).max(1);
     let schedule = a.rates.schedule(lr, a.epochs * steps_per_epoch)?;
     logln!(
         "model: {} hidden {} | optimizer {} lr {}{} | batch {} | engine {}{} ({} host threads){}",
@@ -450,6 +452,19 @@ fn training_engine(
     swap: ramus_cuda::SwapMode,
 ) -> AnyResult<Box<dyn ramus_exec::TrainEngine<f32>>> {
     let budget = a.device_memory_budget;
+    if a.accumulate > 1 && world.is_none() {
+        if swap != ramus_cuda::SwapMode::Off {
+            return Err("--accumulate: the swap path takes one batch a step".into());
+        }
+        let persistent = device::persistent_trainer(choice, need, &params, oc, budget)?;
+        return Ok(device::accumulating(
+            a.device,
+            need.model,
+            (params, oc),
+            budget,
+            persistent,
+        )?);
+    }
     if let Some(world) = world {
         let w = distributed::WorkerEngine {
             world,
@@ -463,9 +478,9 @@ fn training_engine(
         return distributed::engine(w, (params, oc));
     }
     Ok(
-        match device::training_engine(choice, need, &params, oc, budget)? {
+        match device::persistent_trainer(choice, need, &params, oc, budget)? {
             // checked before it allocated
-            Some(persistent) => persistent,
+            Some(persistent) => Box::new(persistent),
             None => {
                 let engine = device::engine(a.device, need.model, (params, oc), budget, swap)?;
                 let swapping = swap != ramus_cuda::SwapMode::Off;
@@ -669,9 +684,11 @@ impl Run<'_> {
         let mut started = self.started.take();
         let (schedule, plateau) = (self.s.schedule, self.s.run.plateau);
         let first_step = (epoch - 1) * self.s.steps_per_epoch;
+        let k = self.a.accumulate.max(1);
+        // batch i's step's rate
         let rate = move |i: usize| {
             let at = StepAt {
-                step: first_step + i,
+                step: first_step + i / k,
                 epoch,
             };
             schedule.rate(at, &plateau)
@@ -813,6 +830,17 @@ pub fn run(a: TrainArgs) -> AnyResult {
     }
     if a.checkpoint_every == Some(0) {
         return Err("--checkpoint-every must be at least 1".into());
+    }
+    match (a.accumulate, a.checkpoint_every) {
+        (0, _) => return Err("--accumulate must be at least 1 batch a step".into()),
+        (k, Some(n)) if !n.is_multiple_of(k) => {
+            return Err(format!(
+                "--checkpoint-every {n} falls inside a step of --accumulate {k} batches: \
+                 give a multiple of {k}"
+            )
+            .into())
+        }
+        _ => {}
     }
     if a.patience == Some(0) {
         return Err("--patience must be at least 1 epoch".into());

@@ -8,7 +8,7 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use common::{fresh_dir, saved_tensors, stderr};
+use common::{fresh_dir, largest_difference, stderr};
 
 /// A short SGD run on the built-in trees, saved to `save`, with `extra`
 /// flags and `env`.
@@ -40,21 +40,6 @@ fn two_gpus() -> bool {
         return false;
     }
     true
-}
-
-/// The largest difference between two saved models' parameters, relative
-/// to each tensor's largest value.
-fn largest_difference(a: &Path, b: &Path) -> f32 {
-    let (a, b) = (saved_tensors(a), saved_tensors(b));
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    a.iter()
-        .map(|(name, x)| {
-            let y = &b[name];
-            let scale = x.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-            let d = x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
-            d / scale
-        })
-        .fold(0.0, f32::max)
 }
 
 #[test]

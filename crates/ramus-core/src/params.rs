@@ -244,6 +244,33 @@ impl<T: Real> Grads<T> {
         }
     }
 
+    /// Adds `other` times `scale` (same shapes): its dense gradients whole,
+    /// its row gradients row by row, their rows marked here too.
+    pub fn add_scaled(&mut self, other: &Grads<T>, scale: T) {
+        for p in 0..self.values.len() {
+            let w = self.row_width(p);
+            let src = other.values[p].data();
+            match &other.touched_rows[p] {
+                None => {
+                    self.mark_dense(p);
+                    let dst = self.values[p].data_mut();
+                    dst.iter_mut().zip(src).for_each(|(d, s)| *d += scale * *s);
+                }
+                Some(rows) => {
+                    for &r in rows {
+                        self.mark_row(p, r);
+                        let at = r as usize * w..(r as usize + 1) * w;
+                        let dst = &mut self.values[p].data_mut()[at.clone()];
+                        dst.iter_mut()
+                            .zip(&src[at])
+                            .for_each(|(d, s)| *d += scale * *s);
+                    }
+                }
+            }
+        }
+        self.finish_rows();
+    }
+
     /// Width of one row of parameter `p` (for row-wise updates).
     pub fn row_width(&self, p: usize) -> usize {
         let s = self.values[p].shape();

@@ -5,7 +5,7 @@
 //! each call) stay the reference evaluator the other engines are checked
 //! against.
 
-use ramus_core::{HeadRows, Model, Params, Real};
+use ramus_core::{Grads, HeadRows, Model, Params, Real};
 use ramus_exec::data_parallel::{
     reduce_host_grads, trained_params, Collective, SplitStep, StepPlan,
 };
@@ -23,6 +23,9 @@ pub struct CpuTrainer<T> {
     engine: CpuEngine<T>,
     model: Model,
     state: HostState<T>,
+    /// The gradients and loss of a step's batches so far, each scaled by
+    /// its share of the step's head rows (gradient accumulation).
+    accumulated: Option<(Grads<T>, f64)>,
 }
 
 impl<T: Real> CpuTrainer<T> {
@@ -44,6 +47,7 @@ impl<T: Real> CpuTrainer<T> {
             engine,
             model,
             state,
+            accumulated: None,
         }
     }
 
@@ -110,7 +114,8 @@ impl<T: Real> CpuTrainer<T> {
 }
 
 /// The CPU engine sums its gradients and loss on the host, through the
-/// collective.
+/// collective; a step's batches before its last add theirs to
+/// `accumulated`.
 impl<T: Real> SplitStep<T> for CpuTrainer<T> {
     fn split_step(
         &mut self,
@@ -119,14 +124,29 @@ impl<T: Real> SplitStep<T> for CpuTrainer<T> {
         plan: &StepPlan,
     ) -> Result<Vec<StepOutcome>> {
         let (loss, rows) = self.gradients_and_rows(batch)?;
-        let scale = plan.scale(rows)?;
-        let grads = &mut self.state.grads;
-        let united = plan.host_row_sets(&trained_params(grads));
-        reduce_host_grads(grads, collective, scale, &united)?;
-        let mut loss = [match rows {
+        let mut scale = plan.scale(rows)?;
+        let mut loss = match rows {
             0 => 0.0,
             _ => loss * scale,
-        }];
+        };
+        let grads = &mut self.state.grads;
+        if !plan.last {
+            let (sum, sum_loss) = self
+                .accumulated
+                .get_or_insert_with(|| (Grads::zeros(&self.model), 0.0));
+            sum.add_scaled(grads, T::from_f64(scale));
+            *sum_loss += loss;
+            return Ok(Vec::new());
+        }
+        if let Some((mut sum, sum_loss)) = self.accumulated.take() {
+            // this batch's scaled share joins the sum: the step's gradients
+            sum.add_scaled(grads, T::from_f64(scale));
+            std::mem::swap(grads, &mut sum);
+            (scale, loss) = (1.0, loss + sum_loss);
+        }
+        let united = plan.host_row_sets(&trained_params(grads));
+        reduce_host_grads(grads, collective, scale, &united)?;
+        let mut loss = [loss];
         collective.sum_scalars(&mut loss)?;
         Ok(vec![step_outcome(self.update(loss[0]))?])
     }

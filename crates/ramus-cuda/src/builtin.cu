@@ -74,6 +74,16 @@ extern "C" __global__ void ramus_add_into(float* dst, const float* __restrict__ 
     FOR_EACH(i, n) { dst[i] += src[i]; }
 }
 
+// dst[i] = a * dst[i] + b * src[i] (the gradients of batches accumulated
+// into a step, each scaled); with a == 0 dst is not read, with b == 0 src
+// is not (it may then be dst itself: a scaling in place).
+extern "C" __global__ void ramus_scale_add(float* dst, const float* src, u64 n, float a,
+                                           float b) {
+    FOR_EACH(i, n) {
+        dst[i] = (a == 0.0f ? 0.0f : a * dst[i]) + (b == 0.0f ? 0.0f : b * src[i]);
+    }
+}
+
 // Child sum: vertex row r of the run sums its edge rows
 // offsets[r] - edge_base .. offsets[r + 1] - edge_base (CSR, absolute
 // offsets of the function's rows; deterministic order). Edge row e is read

@@ -22,12 +22,13 @@ pub const BUILTIN_SOURCE: &str = include_str!("builtin.cu");
 /// Marks "no row" in row-index arrays (see `builtin.cu`).
 pub const NONE: u32 = u32::MAX;
 
-const BUILTIN_KERNELS: [&str; 29] = [
+const BUILTIN_KERNELS: [&str; 30] = [
     "ramus_move_rows",
     "ramus_gemm_abt_small",
     "ramus_copy_columns",
     "ramus_fill",
     "ramus_add_into",
+    "ramus_scale_add",
     "ramus_sum_children",
     "ramus_expand_children",
     "ramus_sum_rows",
@@ -64,6 +65,7 @@ enum Builtin {
     CopyColumns,
     Fill,
     AddInto,
+    ScaleAdd,
     SumChildren,
     ExpandChildren,
     SumRows,
@@ -391,6 +393,39 @@ impl Launcher {
         // SAFETY: both views hold `n` floats.
         unsafe { launch.launch(elementwise_cfg(dst.len())) }
             .in_call("cuLaunchKernel(ramus_add_into)")?;
+        self.count();
+        Ok(())
+    }
+
+    /// `dst = a · dst + b · src` elementwise (`a` = 0: `dst` is not read;
+    /// `b` = 0: `src` is not, and may be `dst`).
+    pub fn scale_add(
+        &self,
+        stream: &CudaStream,
+        (dst, a): (DeviceView<f32>, f32),
+        (src, b): (DeviceView<f32>, f32),
+    ) -> Result<()> {
+        if dst.len() != src.len() {
+            return Err(CudaError::BadArgument(format!(
+                "adding {} floats into {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let n = dst.len() as u64;
+        let mut launch = stream.launch_builder(self.function(Builtin::ScaleAdd));
+        launch
+            .arg(dst.kernel_arg())
+            .arg(src.kernel_arg())
+            .arg(&n)
+            .arg(&a)
+            .arg(&b);
+        // SAFETY: both views hold `n` floats.
+        unsafe { launch.launch(elementwise_cfg(dst.len())) }
+            .in_call("cuLaunchKernel(ramus_scale_add)")?;
         self.count();
         Ok(())
     }

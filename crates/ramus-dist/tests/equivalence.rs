@@ -430,3 +430,85 @@ fn a_stop_asked_of_one_rank_pauses_every_rank_at_the_same_batch() {
         assert_eq!(batches, AGREE_EVERY, "rank {r}");
     }
 }
+
+/// Gradient accumulation: K batches of B graphs a step take the steps of
+/// one engine with batches of K·B, alone (a group of one) and on two
+/// ranks (K·2·B), with each batch's rows weighing as in the big batch
+/// (the language model's batches have other numbers of rows), the last
+/// step of each epoch short.
+#[test]
+fn accumulated_batches_take_the_steps_of_one_big_batch() {
+    use ramus_exec::data_parallel::Alone;
+    use ramus_nn::train::{rng, Trainer};
+    for name in ["treelstm", "lstm-lm", "bilstm-char-tagger"] {
+        let case = Case::new(name, 23, 1, 17).unwrap();
+        let (k, per_batch, epochs) = (3, 2, 2);
+        let cfg = config(OptimizerKind::Adam);
+        let train = |engine: Box<dyn TrainEngine<f64>>, batch_size: usize, accumulate: usize| {
+            let mut trainer = Trainer::with_engine(engine);
+            trainer.accumulate = accumulate;
+            let mut shuffle = rng(11);
+            let losses: Vec<f64> = (0..epochs)
+                .map(|_| {
+                    trainer
+                        .train_epoch(&case.graphs, batch_size, &mut shuffle, |_, _, _| {})
+                        .unwrap()
+                })
+                .collect();
+            (trainer.state().unwrap(), losses)
+        };
+        let engine = || CpuTrainer::new(case.model.clone(), case.params(5).cast(), cfg);
+        let check =
+            |what: &str, want: &(TrainState<f64>, Vec<f64>), got: &(TrainState<f64>, Vec<f64>)| {
+                assert_eq!(
+                    got.0.optimizer.steps(),
+                    want.0.optimizer.steps(),
+                    "{name}, {what}: steps"
+                );
+                for (p, spec) in case.model.params.iter().enumerate() {
+                    let label = format!("{name}, {what}: {}", spec.name);
+                    let (w, g) = (
+                        want.0.params.values[p].data(),
+                        got.0.params.values[p].data(),
+                    );
+                    assert_close(&label, w, g, REORDERED_F64);
+                }
+                for (e, (w, g)) in want.1.iter().zip(&got.1).enumerate() {
+                    assert_close_value(
+                        &format!("{name}, {what}: epoch {e} loss"),
+                        *w,
+                        *g,
+                        REORDERED_F64,
+                    );
+                }
+            };
+        let want = train(Box::new(engine()), k * per_batch, 1);
+        let alone = train(
+            Box::new(DataParallel::new(engine(), Box::new(Alone))),
+            per_batch,
+            k,
+        );
+        check("alone", &want, &alone);
+        let want = train(Box::new(engine()), 2 * k * per_batch, 1);
+        let ranks = local_group::<f64>(2, Duration::from_secs(60));
+        let runs: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = ranks
+                .into_iter()
+                .map(|rank| {
+                    let (train, engine) = (&train, &engine);
+                    s.spawn(move || {
+                        train(
+                            Box::new(DataParallel::new(engine(), Box::new(rank))),
+                            per_batch,
+                            k,
+                        )
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (r, run) in runs.iter().enumerate() {
+            check(&format!("rank {r} of 2"), &want, run);
+        }
+    }
+}

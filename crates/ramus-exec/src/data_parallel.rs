@@ -89,15 +89,15 @@ pub trait SplitStep<T: Real>: TrainEngine<T> {
         Ok(())
     }
 
-    /// One step of this rank on `batch` (`None`: this rank has no graphs
-    /// in this step) within the global step `plan`: the forward and
-    /// backward passes, the gradients and the loss summed over
-    /// `collective`'s ranks (this rank's scaled by its share of
-    /// `plan.rows`, [`StepPlan::scale`]), and the update over
+    /// This rank's part of `plan`'s step on `batch` (`None`: this rank
+    /// has no graphs in it): the forward and backward passes, the
+    /// gradients and the loss scaled by the rank's share of `plan.rows`
+    /// ([`StepPlan::scale`]) and added to the step's sum; at its `last`
+    /// batch that sum summed over `collective`'s ranks and the update over
     /// `plan.row_sets`. A step whose summed loss or a summed gradient is
     /// not finite is not applied, on every rank alike. Returns the
-    /// outcomes that came back meanwhile, each the mean loss over its
-    /// global batch (an engine that overlaps steps returns each a step
+    /// outcomes that came back meanwhile, one per step: the mean loss over
+    /// its global batch (an engine that overlaps steps returns each a step
     /// later, as [`TrainEngine::submit`] does).
     fn split_step(
         &mut self,
@@ -105,6 +105,44 @@ pub trait SplitStep<T: Real>: TrainEngine<T> {
         batch: Option<&Batch<'_>>,
         plan: &StepPlan,
     ) -> Result<Vec<StepOutcome>>;
+}
+
+/// The group of one rank: gradient accumulation on one device runs
+/// through [`DataParallel`] with it. Sums over one rank change nothing but
+/// the scale, which it applies to host buffers; device buffers must come
+/// with a scale of 1 (the engines scale their gradients before a step
+/// they accumulated).
+pub struct Alone;
+
+impl<T: Real> Collective<T> for Alone {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world(&self) -> usize {
+        1
+    }
+    fn sum_scalars(&mut self, _values: &mut [f64]) -> Result<()> {
+        Ok(())
+    }
+    fn sum_buffers(&mut self, buffers: Vec<GradBuffer<'_, T>>, scale: f64) -> Result<()> {
+        for b in buffers {
+            match b {
+                GradBuffer::Host(v) if scale != 1.0 => {
+                    let s = T::from_f64(scale);
+                    v.iter_mut().for_each(|x| *x *= s);
+                }
+                GradBuffer::Host(_) => {}
+                GradBuffer::Device(_) if scale != 1.0 => {
+                    return Err(ExecError::Config(format!(
+                        "a device buffer summed over one rank with scale {scale}: scale it \
+                         on the device first"
+                    )))
+                }
+                GradBuffer::Device(_) => {}
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A [`SplitStep`] engine trained data-parallel over a [`Collective`]'s

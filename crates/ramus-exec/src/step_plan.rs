@@ -8,15 +8,20 @@ use ramus_graph::{GraphError, InputGraph, NO_LABEL};
 
 use crate::error::{ExecError, Result};
 
-/// What every rank knows of a global step before it runs (see the
-/// [`crate::data_parallel`] docs): the head rows of all ranks' graphs, and for each
-/// row-gradient table ([`Model::row_grad_params`], ascending) the rows
-/// that any rank's backward pass sets (sorted, unique): the rows one
-/// engine would update for the whole global batch.
-#[derive(Clone, Debug, Default, PartialEq)]
+/// What every rank knows of an optimizer step before it runs (see the
+/// [`crate::data_parallel`] docs): the head rows of all ranks' graphs, and
+/// for each row-gradient table ([`Model::row_grad_params`], ascending) the
+/// rows that any rank's backward pass sets (sorted, unique): the rows one
+/// engine would update for the whole global batch. With gradient
+/// accumulation a step takes several batches, each with this plan (the
+/// whole step's): all but the `last` only add their gradients to the sum.
+#[derive(Clone, Debug, PartialEq)]
 pub struct StepPlan {
     pub rows: usize,
     pub row_sets: Vec<(usize, Vec<u32>)>,
+    /// Whether the batch is its step's last: the gradients summed so far
+    /// (its own included) are summed over the ranks and applied.
+    pub last: bool,
 }
 
 impl StepPlan {
@@ -68,7 +73,11 @@ impl StepPlan {
             rows.sort_unstable();
             rows.dedup();
         }
-        Ok(StepPlan { rows, row_sets })
+        Ok(StepPlan {
+            rows,
+            row_sets,
+            last: true,
+        })
     }
 
     /// A rank's share of the step's head rows: its gradients' and loss's

@@ -43,6 +43,11 @@ pub struct Trainer<T> {
     pub policy: BatchingPolicy,
     /// What a batch whose loss or a gradient is not finite does.
     pub on_nonfinite: OnNonFinite,
+    /// Batches per optimizer step (gradient accumulation): a step sums
+    /// the gradients of this many consecutive batches, as one batch of
+    /// them all would (the engine must take step plans: a
+    /// [`ramus_exec::data_parallel::DataParallel`] one).
+    pub accumulate: usize,
 }
 
 impl<T: Real> Trainer<T> {
@@ -57,6 +62,7 @@ impl<T: Real> Trainer<T> {
             engine,
             policy: BatchingPolicy::Cavs,
             on_nonfinite: OnNonFinite::Stop,
+            accumulate: 1,
         }
     }
 
@@ -156,12 +162,21 @@ impl<T: Real> Trainer<T> {
             1 => span.order.chunks(span.batch_size).collect(),
             _ => Shard::new(rank, world).and_then(|s| s.batches(span.order, span.batch_size))?,
         };
-        // and every rank's graphs of each step, for its plan
-        let steps: Vec<&[usize]> = match world {
-            1 => Vec::new(),
+        // and every rank's graphs of each batch, for its step's plan
+        let k = self.accumulate.max(1);
+        let steps: Vec<&[usize]> = match (world, k) {
+            (1, 1) => Vec::new(),
             _ => span.order.chunks(span.batch_size * world).collect(),
         };
-        let window = self.engine.lookahead().max(1);
+        // windows of whole steps
+        if !at.batches.is_multiple_of(k) || pauses.every.is_some_and(|n| !n.is_multiple_of(k)) {
+            return Err(ExecError::Config(format!(
+                "with {k} batches a step, a run pauses and resumes only between steps \
+                 (at batch {} of the epoch, pauses every {:?} batches)",
+                at.batches, pauses.every
+            )));
+        }
+        let window = self.engine.lookahead().max(1).div_ceil(k) * k;
         let windows = windows(at.batches, chunks.len(), window, pauses.every);
         let model = self.engine.model().clone();
         let (sender, built) = std::sync::mpsc::sync_channel(1);
@@ -171,6 +186,7 @@ impl<T: Real> Trainer<T> {
             data: span.data,
             chunks: &chunks,
             steps: &steps,
+            accumulate: k,
         };
         std::thread::scope(|scope| {
             scope.spawn(|| producer.run(&windows, sender));
@@ -196,16 +212,29 @@ impl<T: Real> Trainer<T> {
         let mut in_flight = VecDeque::new();
         let mut end = SpanEnd::EpochDone;
         for (i, group) in windows.iter().enumerate() {
-            let (batches, plans) = built
+            let (batches, plans, sizes) = built
                 .recv()
                 .map_err(|_| ExecError::Config("the batch builder stopped".into()))??;
             if !plans.is_empty() {
                 self.engine.set_step_plans(plans)?;
             }
-            in_flight.extend(batches.iter().map(|b| match b {
-                Some(b) => (b.batch.graphs.len(), b.first),
-                None => (0, 0),
-            }));
+            // one outcome a step: its batches' graphs (this rank's, every
+            // rank's), first graph and count
+            let k = self.accumulate.max(1);
+            for (j, step) in batches.chunks(k).enumerate() {
+                let graphs = step.iter().flatten().map(|b| b.batch.graphs.len()).sum();
+                let all = match sizes.is_empty() {
+                    true => graphs,
+                    false => sizes.iter().skip(j * k).take(step.len()).sum(),
+                };
+                let first = step.iter().flatten().next().map_or(0, |b| b.first);
+                in_flight.push_back(InFlight {
+                    graphs,
+                    all,
+                    first,
+                    batches: step.len(),
+                });
+            }
             let outcomes = match batches.iter().all(Option::is_some) {
                 true => {
                     if let Some(rate) = span.rates {
@@ -272,24 +301,29 @@ impl<T: Real> Trainer<T> {
         Ok(any[0] > 0.0)
     }
 
-    /// Adds one step's outcome (of the oldest batch in `in_flight`: its
-    /// size and first graph) to the epoch's progress, or stops on a
-    /// non-finite one.
+    /// Adds one step's outcome (of the oldest step in `in_flight`: its
+    /// graphs, first graph and batches) to the epoch's progress, or stops
+    /// on a non-finite one.
     fn count(
         &mut self,
         at: &mut EpochProgress,
         outcome: StepOutcome,
-        in_flight: &mut VecDeque<(usize, usize)>,
+        in_flight: &mut VecDeque<InFlight>,
         span: &Span<'_>,
         progress: &mut impl FnMut(usize, usize, f64),
     ) -> Result<()> {
-        let (size, first) = in_flight.pop_front().unwrap_or((0, 0));
-        at.batches += 1;
-        at.graphs += size;
+        let InFlight {
+            graphs,
+            all,
+            first,
+            batches,
+        } = in_flight.pop_front().unwrap_or_default();
+        at.batches += batches.max(1);
+        at.graphs += graphs;
         let loss = match outcome {
             Ok(loss) => {
-                at.loss_sum += loss * size as f64;
-                at.applied += size;
+                at.loss_sum += loss * all as f64;
+                at.applied += all;
                 loss
             }
             Err(step)
@@ -403,9 +437,10 @@ pub fn shuffled_order(len: usize, rng: &mut ChaCha8Rng) -> Vec<usize> {
     order
 }
 
-/// How far an epoch has got: batches trained (applied or skipped), graphs
-/// in them, the graphs of the batches applied and the sum of their losses
-/// weighted by graphs, and the batches skipped for a non-finite step.
+/// How far an epoch has got: batches trained (applied or skipped), this
+/// rank's graphs in them, the graphs of the steps applied (every rank's)
+/// and the sum of their losses weighted by those graphs, and the steps
+/// skipped for a non-finite loss or gradient.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct EpochProgress {
     pub batches: usize,
@@ -453,6 +488,16 @@ fn windows(
     out
 }
 
+/// A step whose outcome has not come back: this rank's graphs in it,
+/// every rank's, its first graph (for a located error) and its batches.
+#[derive(Clone, Copy, Debug, Default)]
+struct InFlight {
+    graphs: usize,
+    all: usize,
+    first: usize,
+    batches: usize,
+}
+
 /// A batch built ahead, with its first graph's index (for a located error).
 struct Built<'a> {
     batch: Batch<'a>,
@@ -460,9 +505,9 @@ struct Built<'a> {
 }
 
 /// A window of built batches (`None`: a rank's empty share of a global
-/// batch) with, on several ranks, the plan of each of their global steps;
-/// or the error that stopped the builder.
-type Window<'a> = Result<(Vec<Option<Built<'a>>>, Vec<StepPlan>)>;
+/// batch) with, on several ranks or accumulating, each one's step plan and
+/// every rank's graphs in it; or the error that stopped the builder.
+type Window<'a> = Result<(Vec<Option<Built<'a>>>, Vec<StepPlan>, Vec<usize>)>;
 
 /// Where the engine's side receives windows from the builder.
 type Receiver<'a> = std::sync::mpsc::Receiver<Window<'a>>;
@@ -476,8 +521,11 @@ struct Producer<'s, 'a> {
     data: &'a [InputGraph],
     /// This rank's batches.
     chunks: &'s [&'s [usize]],
-    /// Every rank's graphs of each step (empty when training alone).
+    /// Every rank's graphs of each batch (empty when training alone
+    /// without accumulation).
     steps: &'s [&'s [usize]],
+    /// Batches a step.
+    accumulate: usize,
 }
 
 impl<'a> Producer<'_, 'a> {
@@ -488,7 +536,9 @@ impl<'a> Producer<'_, 'a> {
                 .with_max_len(1)
                 .map(|chunk| self.build(chunk))
                 .collect::<Result<Vec<_>>>()
-                .and_then(|built| Ok((built, self.plans(group.clone())?)));
+                .and_then(|built| {
+                    Ok((built, self.plans(group.clone())?, self.sizes(group.clone())))
+                });
             let failed = built.is_err();
             // a send fails once the engine's side stopped: nothing to do
             if sender.send(built).is_err() || failed {
@@ -497,18 +547,40 @@ impl<'a> Producer<'_, 'a> {
         }
     }
 
-    /// The plans of global steps `group` (none when training alone).
+    /// The graphs of every rank in batches `group` (none when training
+    /// alone without accumulation).
+    fn sizes(&self, group: std::ops::Range<usize>) -> Vec<usize> {
+        self.steps
+            .get(group)
+            .map_or_else(Vec::new, |b| b.iter().map(|s| s.len()).collect())
+    }
+
+    /// The plans of batches `group` (whole steps; none when training
+    /// alone without accumulation): each its step's.
     fn plans(&self, group: std::ops::Range<usize>) -> Result<Vec<StepPlan>> {
-        let Some(steps) = self.steps.get(group) else {
+        let Some(batches) = self.steps.get(group) else {
             return Ok(Vec::new());
         };
-        steps
-            .par_iter()
+        let plans: Vec<StepPlan> = batches
+            .par_chunks(self.accumulate)
             .map(|step| {
-                let graphs: Vec<&InputGraph> = step.iter().map(|&i| &self.data[i]).collect();
+                let graphs: Vec<&InputGraph> = step
+                    .iter()
+                    .flat_map(|b| b.iter().map(|&i| &self.data[i]))
+                    .collect();
                 StepPlan::of(self.model, &graphs)
             })
-            .collect()
+            .collect::<Result<_>>()?;
+        let mut out = Vec::with_capacity(batches.len());
+        for (plan, step) in plans.iter().zip(batches.chunks(self.accumulate)) {
+            for b in 0..step.len() {
+                out.push(StepPlan {
+                    last: b + 1 == step.len(),
+                    ..plan.clone()
+                });
+            }
+        }
+        Ok(out)
     }
 
     fn build(&self, chunk: &[usize]) -> Result<Option<Built<'a>>> {

@@ -134,3 +134,18 @@ pub fn outside_a_launcher(cmd: &mut Command) {
         cmd.env_remove(var);
     }
 }
+
+/// The largest difference between two saved models' parameters, relative
+/// to each tensor's largest value.
+pub fn largest_difference(a: &Path, b: &Path) -> f32 {
+    let (a, b) = (saved_tensors(a), saved_tensors(b));
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    a.iter()
+        .map(|(name, x)| {
+            let y = &b[name];
+            let scale = x.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+            let d = x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+            d / scale
+        })
+        .fold(0.0, f32::max)
+}

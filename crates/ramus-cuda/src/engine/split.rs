@@ -44,7 +44,27 @@ impl SplitStep<f32> for CudaTrainer {
             Some(batch) => e.backward_on_device(model, params, batch)?,
             None => e.launcher.fill(&stream, grad_all, 0.0)?,
         }
-        // the loss summed with the gradients, scaled alike
+        // a step's batches before its last: their scaled gradients summed
+        if !plan.last {
+            let (sum, summed, kept) = match self.accumulated.take() {
+                Some((sum, summed)) => (sum, summed, 1.0),
+                None => (e.pool.alloc::<f32>(grad_all.len())?, 0.0, 0.0),
+            };
+            let grads = (grad_all, scale as f32);
+            e.launcher.scale_add(&stream, (sum.view(), kept), grads)?;
+            self.accumulated = Some((sum, summed + scale * loss));
+            return Ok(previous.into_iter().collect());
+        }
+        // the loss, summed with the gradients: this batch's and the step's
+        // scale, or (accumulated) the step's share already scaled
+        let (scale, loss) = match self.accumulated.take() {
+            Some((sum, summed)) => {
+                let grads = (grad_all, scale as f32);
+                e.launcher.scale_add(&stream, grads, (sum.view(), 1.0))?;
+                (1.0, summed + scale * loss)
+            }
+            None => (scale, loss),
+        };
         let slot = e.device_optimizer(model, config)?.loss_slot()?;
         e.staging.upload_slice(&[loss as f32], slot, &stream)?;
         let on_stream = |v: DeviceView<f32>| {

@@ -267,6 +267,9 @@ pub struct CudaTrainer {
     /// [`TrainEngine::state`] brings them back).
     pub(crate) uploaded: Params<f32>,
     pub(crate) config: OptimizerConfig,
+    /// The scaled gradients and loss of a step's batches so far (gradient
+    /// accumulation, `engine/split.rs`).
+    pub(crate) accumulated: Option<(crate::pool::PoolBuffer<f32>, f64)>,
 }
 
 impl CudaTrainer {
@@ -284,6 +287,7 @@ impl CudaTrainer {
             model,
             uploaded: params,
             config,
+            accumulated: None,
         })
     }
 

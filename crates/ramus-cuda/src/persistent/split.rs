@@ -21,6 +21,7 @@ use super::train::Split;
 use super::PersistentTrainer;
 use crate::batch::head_vertices;
 use crate::optimizer::{DeviceOptimizer, StepStatus};
+use crate::pool::DeviceView;
 
 fn device_err(e: crate::error::CudaError) -> ExecError {
     ExecError::Device(e.to_string())
@@ -43,6 +44,8 @@ impl PersistentTrainer {
             optimizer: None,
             moments: Some(moments),
             updated: false,
+            weight: None,
+            loss_sum: None,
             lists: Vec::new(),
             rates: Default::default(),
         });
@@ -157,7 +160,11 @@ impl SplitStep<f32> for PersistentTrainer {
     /// Launches the batch's kernel, then (once the last update is done:
     /// its outcome) enqueues the sum of the gradient slots and the loss
     /// over the ranks, the update and the slots' zeroing, without waiting
-    /// for this step.
+    /// for this step. The kernels of a step's batches (gradient
+    /// accumulation) add into the same slots: before each, the slots are
+    /// rescaled so that they hold the step's sum over the batch's weight
+    /// (its share of the step's rows), which the sum over the ranks
+    /// multiplies back.
     fn split_step(
         &mut self,
         collective: &mut dyn Collective<f32>,
@@ -165,48 +172,116 @@ impl SplitStep<f32> for PersistentTrainer {
         plan: &StepPlan,
     ) -> Result<Vec<StepOutcome>> {
         self.evaluated = None;
-        self.split()?;
-        let rows = match batch {
-            Some(batch) => {
-                let launched = self
-                    .engine
-                    .launch_prepared(&batch.schedule)
-                    .map_err(device_err)?;
-                if !launched {
-                    // a batch not prepared ahead; earlier kernels' losses
-                    // are this rank's alone, not outcomes
-                    self.engine
-                        .submit_scheduled(&self.model, &batch.schedule, Instant::now())
-                        .map_err(device_err)?;
-                }
-                self.engine.retire_older().map_err(device_err)?;
-                head_vertices(self.model.head.rows, &batch.schedule).len()
+        let rows = batch.map_or(0, |b| {
+            head_vertices(self.model.head.rows, &b.schedule).len()
+        });
+        let weight = plan.scale(rows)?;
+        let ran = match batch {
+            Some(batch) if weight > 0.0 => {
+                self.rescale_slots(weight)?;
+                self.launch(batch)?;
+                true
             }
-            None => {
+            _ => {
                 // nothing runs: wait for the last update
                 self.engine.synchronize().map_err(device_err)?;
                 self.engine.finish().map_err(device_err)?;
-                0
+                false
             }
         };
         let previous = self.settle_split()?;
-        let scale = plan.scale(rows)?;
-        let loss = match batch {
-            Some(_) => self.engine.newest_loss().map_err(device_err)?,
+        let loss = self.loss_sum()?;
+        let stream = self.engine.stream().clone();
+        if ran {
+            // the step's loss over this batch's weight, as the slots
+            let kept = self.split()?.weight.map_or(0.0, |w| w / weight);
+            let newest = self.engine.newest_loss().map_err(device_err)?;
+            let launcher = &self.eval.launcher;
+            launcher
+                .scale_add(&stream, (loss, kept as f32), (newest, 1.0))
+                .map_err(device_err)?;
+            self.split()?.weight = Some(weight);
+        }
+        if !plan.last {
+            return Ok(previous.into_iter().collect());
+        }
+        let weight = match self.split()?.weight.take() {
+            Some(w) => w,
             None => {
-                let slot = self.optimizer()?.loss_slot().map_err(device_err)?;
-                self.engine.upload_scalar(0.0, slot).map_err(device_err)?;
-                slot
+                // no kernel of this step ran here: nothing to add
+                self.engine.upload_scalar(0.0, loss).map_err(device_err)?;
+                0.0
             }
         };
-        let stream = self.engine.stream().cu_stream() as u64;
         let mut buffers = self.engine.grad_buffers(&self.model).map_err(device_err)?;
         buffers.push(DeviceBuffer {
             ptr: loss.device_ptr(),
             len: 1,
-            stream,
+            stream: stream.cu_stream() as u64,
         });
-        collective.sum_buffers(buffers.into_iter().map(GradBuffer::Device).collect(), scale)?;
+        collective.sum_buffers(
+            buffers.into_iter().map(GradBuffer::Device).collect(),
+            weight,
+        )?;
+        self.update(plan, loss)?;
+        Ok(previous.into_iter().collect())
+    }
+}
+
+impl PersistentTrainer {
+    /// Launches `batch`'s kernel (prepared ahead, or prepared now) and
+    /// reads back the kernels before it (their losses are this rank's
+    /// alone, not outcomes).
+    fn launch(&mut self, batch: &Batch<'_>) -> Result<()> {
+        let launched = self
+            .engine
+            .launch_prepared(&batch.schedule)
+            .map_err(device_err)?;
+        if !launched {
+            self.engine
+                .submit_scheduled(&self.model, &batch.schedule, Instant::now())
+                .map_err(device_err)?;
+        }
+        self.engine.retire_older().map_err(device_err)
+    }
+
+    /// Before a kernel of `weight` adds to slots holding a step's sum
+    /// over the last kernel's weight: the slots scaled to hold it over
+    /// `weight` (nothing to do for a step's first kernel).
+    fn rescale_slots(&mut self, weight: f64) -> Result<()> {
+        let Some(last) = self.split()?.weight else {
+            return Ok(());
+        };
+        let factor = (last / weight) as f32;
+        if factor == 1.0 {
+            return Ok(());
+        }
+        let stream = self.engine.stream().clone();
+        for g in self.engine.grad_views(&self.model).map_err(device_err)? {
+            self.eval
+                .launcher
+                .scale_add(&stream, (g, factor), (g, 0.0))
+                .map_err(device_err)?;
+        }
+        Ok(())
+    }
+
+    /// The device float a step's loss is summed in (allocated once).
+    fn loss_sum(&mut self) -> Result<DeviceView<f32>> {
+        if self.split()?.loss_sum.is_none() {
+            let buffer = self.engine.alloc_floats(1).map_err(device_err)?;
+            self.split()?.loss_sum = Some(buffer);
+        }
+        match &self.split()?.loss_sum {
+            Some(b) => Ok(b.view()),
+            None => Err(ExecError::Device("the loss sum is missing".into())),
+        }
+    }
+
+    /// The update of a step whose gradient slots and `loss` hold the sums
+    /// over the ranks: over `plan.row_sets`, checking `loss`; then the
+    /// slots are zeroed.
+    fn update(&mut self, plan: &StepPlan, loss: DeviceView<f32>) -> Result<()> {
         let mut lists = Vec::with_capacity(plan.row_sets.len());
         for (_, list) in &plan.row_sets {
             lists.push(self.engine.upload_words(list).map_err(device_err)?);
@@ -231,6 +306,6 @@ impl SplitStep<f32> for PersistentTrainer {
         let split = self.split()?;
         split.lists = lists;
         split.updated = true;
-        Ok(previous.into_iter().collect())
+        Ok(())
     }
 }

@@ -47,6 +47,11 @@ pub(super) struct Split {
     pub(super) moments: Option<Optimizer<f32>>,
     /// Whether the last update's status (and summed loss) is unread.
     pub(super) updated: bool,
+    /// Within a step (gradient accumulation): the weight of its last
+    /// kernel, over which the slots and the loss sum hold the step's sums.
+    pub(super) weight: Option<f64>,
+    /// Where a step's loss is summed.
+    pub(super) loss_sum: Option<PoolBuffer<f32>>,
     /// The last update's row lists, alive until the stream has passed it.
     pub(super) lists: Vec<PoolBuffer<u32>>,
     /// The rates of the steps to come (a learning-rate schedule's), oldest
@@ -58,7 +63,7 @@ pub(super) struct Split {
 pub struct PersistentTrainer {
     /// Holds the parameters and the optimizer state (in its pool).
     pub(super) engine: PersistentEngine,
-    eval: CudaEngine,
+    pub(super) eval: CudaEngine,
     /// The model the engines were set up for.
     pub(super) model: Model,
     pub(super) config: OptimizerConfig,

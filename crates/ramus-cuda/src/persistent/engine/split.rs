@@ -184,7 +184,7 @@ impl PersistentEngine {
     /// engine's stream.
     pub(crate) fn grad_buffers(&self, model: &Model) -> Result<Vec<DeviceBuffer>> {
         let stream = self.device.stream().cu_stream() as u64;
-        self.trained_grads(model)?
+        self.grad_views(model)?
             .into_iter()
             .map(|g| {
                 Ok(DeviceBuffer {
@@ -200,13 +200,20 @@ impl PersistentEngine {
     /// the update that read them.
     pub(crate) fn zero_grads(&self, model: &Model) -> Result<()> {
         let stream = self.device.stream();
-        for g in self.trained_grads(model)? {
+        for g in self.grad_views(model)? {
             g.fill_zero(stream)?;
         }
         Ok(())
     }
 
-    fn trained_grads(&self, model: &Model) -> Result<Vec<DeviceView<f32>>> {
+    /// A new pool buffer of `n` floats (uninitialised).
+    pub(crate) fn alloc_floats(&self, n: usize) -> Result<PoolBuffer<f32>> {
+        self.pool.alloc::<f32>(n)
+    }
+
+    /// The trained parameters' gradient slots, while the pool does not
+    /// move (see [`buffer_address`](Self::buffer_address)).
+    pub(crate) fn grad_views(&self, model: &Model) -> Result<Vec<DeviceView<f32>>> {
         let view = self.buffer.view();
         let layout = &self.prog.params;
         (0..model.params.len())

@@ -1,0 +1,96 @@
+//! `ramus train --accumulate K`: K batches a step train as one batch of
+//! them all, on the CPU engine and (with a GPU) the CUDA batched and
+//! persistent engines; flags it cannot honour are refused by name.
+
+mod common;
+
+use std::path::Path;
+
+use common::{error_line, fresh_dir, largest_difference, ramus, ramus_ok, stdout};
+
+/// An epoch of Adam on the built-in trees, saved to `save`, with `extra`
+/// (a small rate: at the default one, float rounding grows over the
+/// epoch's 250 steps into visible differences between any two orders of
+/// summing).
+fn train(save: &Path, extra: &[&str]) -> String {
+    let mut args = vec![
+        "train",
+        "--epochs",
+        "1",
+        "--hidden",
+        "16",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.001",
+        "--seed",
+        "5",
+    ];
+    let save = save.to_str().expect("a UTF-8 path");
+    args.extend(["--save", save]);
+    args.extend_from_slice(extra);
+    stdout(&ramus_ok(&args))
+}
+
+/// One batch of 12 against 3 batches of 4 a step, with `device` flags.
+fn check(name: &str, device: &[&str], engine: &[&str]) {
+    let dir = fresh_dir(name);
+    let (big, small) = (dir.join("big.safetensors"), dir.join("small.safetensors"));
+    train(&big, &[device, &["--batch-size", "12"]].concat());
+    let log = train(
+        &small,
+        &[device, engine, &["--batch-size", "4", "--accumulate", "3"]].concat(),
+    );
+    let d = largest_difference(&big, &small);
+    // the same steps, their sums in another order
+    assert!(
+        d < 2e-4,
+        "{name}: parameters differ by {d} (relative)\n{log}"
+    );
+}
+
+#[test]
+fn three_batches_a_step_train_as_one_batch_of_them_all() {
+    check("accumulate-cpu", &[], &[]);
+}
+
+#[test]
+fn on_a_gpu_batched_and_persistent() {
+    if let Err(e) = ramus_cuda::CudaDevice::probe(0) {
+        eprintln!("skipping: no GPU ({e})");
+        return;
+    }
+    check(
+        "accumulate-cuda",
+        &["--device", "cuda"],
+        &["--engine", "batched"],
+    );
+    check(
+        "accumulate-persistent",
+        &["--device", "cuda"],
+        &["--engine", "persistent"],
+    );
+}
+
+#[test]
+fn flags_it_cannot_honour_are_refused() {
+    error_line(
+        &ramus(&["train", "--accumulate", "0"]),
+        &["--accumulate", "at least 1"],
+    );
+    let dir = fresh_dir("accumulate-flags");
+    let save = dir.join("m.safetensors");
+    let save = save.to_str().expect("a UTF-8 path");
+    error_line(
+        &ramus(&[
+            "train",
+            "--accumulate",
+            "3",
+            "--checkpoint-every",
+            "4",
+            "--save",
+            save,
+        ]),
+        &["--checkpoint-every 4", "--accumulate 3", "multiple of 3"],
+    );
+}
