@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 use ramus_exec::OnNonFinite;
 
 use crate::model_build::CheckpointFlags;
+use crate::result::AnyResult;
 use crate::{
     bench, bench_swap, device, infer, limits, plan_memory, plot, sequence, structure, vision,
 };
@@ -246,4 +247,39 @@ pub(crate) struct EvalArgs {
     pub(crate) structure: structure::StructureArgs,
     #[command(flatten)]
     pub(crate) checkpoint_flags: CheckpointFlags,
+}
+
+impl TrainArgs {
+    /// The counts no one can mean refused, naming the flag, and
+    /// `--log-dir` made, before any work.
+    pub(crate) fn check_counts(&self) -> AnyResult {
+        if self.checkpoint_every == Some(0) {
+            return Err("--checkpoint-every must be at least 1".into());
+        }
+        match (self.accumulate, self.checkpoint_every) {
+            (0, _) => return Err("--accumulate must be at least 1 batch a step".into()),
+            (k, Some(n)) if !n.is_multiple_of(k) => {
+                return Err(format!(
+                    "--checkpoint-every {n} falls inside a step of --accumulate {k} batches: \
+                     give a multiple of {k}"
+                )
+                .into())
+            }
+            _ => {}
+        }
+        if self.patience == Some(0) {
+            return Err("--patience must be at least 1 epoch".into());
+        }
+        match (&self.log_dir, self.log_every) {
+            (_, Some(0)) => return Err("--log-every must be at least 1".into()),
+            (None, Some(_)) => {
+                return Err("--log-every logs into --log-dir: give --log-dir DIR".into())
+            }
+            // a directory that cannot be made fails before any work
+            (Some(dir), _) => std::fs::create_dir_all(dir)
+                .map_err(|e| format!("--log-dir {}: {e}", dir.display()))?,
+            (None, None) => {}
+        }
+        Ok(())
+    }
 }

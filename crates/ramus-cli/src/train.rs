@@ -647,6 +647,20 @@ impl Run<'_> {
 
     /// Trains epoch `epoch` from where the run state says it is; `Ok(false)`
     /// if a signal stopped it (its state saved).
+    /// The learning rate of the epoch's batch `i` (from 0): its step's.
+    fn rates(&self, epoch: usize) -> impl Fn(usize) -> f64 + use<> {
+        let (schedule, plateau) = (self.s.schedule, self.s.run.plateau);
+        let first_step = (epoch - 1) * self.s.steps_per_epoch;
+        let k = self.a.accumulate.max(1);
+        move |i: usize| {
+            let at = StepAt {
+                step: first_step + i / k,
+                epoch,
+            };
+            schedule.rate(at, &plateau)
+        }
+    }
+
     fn epoch(&mut self, epoch: usize, style: &ProgressStyle) -> AnyResult<bool> {
         let data = &self.s.data;
         let t0 = Instant::now();
@@ -682,17 +696,7 @@ impl Run<'_> {
         };
         let seen_before = self.s.run.progress.graphs;
         let mut started = self.started.take();
-        let (schedule, plateau) = (self.s.schedule, self.s.run.plateau);
-        let first_step = (epoch - 1) * self.s.steps_per_epoch;
-        let k = self.a.accumulate.max(1);
-        // batch i's step's rate
-        let rate = move |i: usize| {
-            let at = StepAt {
-                step: first_step + i / k,
-                epoch,
-            };
-            schedule.rate(at, &plateau)
-        };
+        let rate = self.rates(epoch);
         let mut log_failed: Option<String> = None;
         loop {
             let span = Span {
@@ -828,32 +832,7 @@ pub fn run(a: TrainArgs) -> AnyResult {
     if let Some(path) = &a.save {
         ramus_exec::atomic::check_writable(path, "--save")?;
     }
-    if a.checkpoint_every == Some(0) {
-        return Err("--checkpoint-every must be at least 1".into());
-    }
-    match (a.accumulate, a.checkpoint_every) {
-        (0, _) => return Err("--accumulate must be at least 1 batch a step".into()),
-        (k, Some(n)) if !n.is_multiple_of(k) => {
-            return Err(format!(
-                "--checkpoint-every {n} falls inside a step of --accumulate {k} batches: \
-                 give a multiple of {k}"
-            )
-            .into())
-        }
-        _ => {}
-    }
-    if a.patience == Some(0) {
-        return Err("--patience must be at least 1 epoch".into());
-    }
-    match (&a.log_dir, a.log_every) {
-        (_, Some(0)) => return Err("--log-every must be at least 1".into()),
-        (None, Some(_)) => return Err("--log-every logs into --log-dir: give --log-dir DIR".into()),
-        // a directory that cannot be made fails before any work
-        (Some(dir), _) => {
-            std::fs::create_dir_all(dir).map_err(|e| format!("--log-dir {}: {e}", dir.display()))?
-        }
-        (None, None) => {}
-    }
+    a.check_counts()?;
     // only rank 0 writes checkpoints
     let paths = match &world {
         Some(w) if w.rank > 0 => None,
