@@ -3,7 +3,7 @@
 //! of each epoch, and on SIGINT / SIGTERM before exiting), keep the best
 //! dev epoch, evaluate on test and save.
 //!
-//! Checkpoint files (see README, "Checkpoints"): with `--checkpoint-dir
+//! Checkpoint files (see docs/cli.md, "Checkpoints"): with `--checkpoint-dir
 //! DIR`, `DIR/last.safetensors` and `DIR/best.safetensors`; else, with
 //! `--save NAME.EXT`, `NAME.last.EXT` and `NAME.best.EXT` beside it; with
 //! neither, none.

@@ -20,3 +20,10 @@ pub use sequence_models::{
 };
 pub use train::{evaluate, EvalResult, Trainer};
 pub use vision::{build_vision_model, ImageShape, VisionConfig};
+
+/// The README's library example, compiled and run as a doc test
+/// (`cargo test --release -p ramus-nn --doc`); its other code blocks are
+/// marked `sh`, `text` or `toml`, which rustdoc leaves alone.
+#[doc = include_str!("../../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

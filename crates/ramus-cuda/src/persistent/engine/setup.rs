@@ -471,7 +471,7 @@ fn plan_setup(
 fn check_optimizer(optimizer: &OptimizerConfig) -> Result<()> {
     if optimizer.clip_norm.is_some() {
         return Err(model_err(
-            "the persistent engine does not clip gradients yet; train without --clip-norm",
+            "the persistent engine does not clip gradients yet; train without --clip",
         ));
     }
     Ok(())
