@@ -205,7 +205,7 @@ impl SplitStep<f32> for PersistentTrainer {
         if !plan.last {
             return Ok(previous.into_iter().collect());
         }
-        let weight = match self.split()?.weight.take() {
+        let mut weight = match self.split()?.weight.take() {
             Some(w) => w,
             None => {
                 // no kernel of this step ran here: nothing to add
@@ -213,6 +213,15 @@ impl SplitStep<f32> for PersistentTrainer {
                 0.0
             }
         };
+        if collective.world() == 1 && weight != 1.0 {
+            // a group of one sums device buffers as they are: weigh them here
+            self.scale_slots(weight as f32)?;
+            self.eval
+                .launcher
+                .scale_add(&stream, (loss, weight as f32), (loss, 0.0))
+                .map_err(device_err)?;
+            weight = 1.0;
+        }
         let mut buffers = self.engine.grad_buffers(&self.model).map_err(device_err)?;
         buffers.push(DeviceBuffer {
             ptr: loss.device_ptr(),
@@ -252,7 +261,11 @@ impl PersistentTrainer {
         let Some(last) = self.split()?.weight else {
             return Ok(());
         };
-        let factor = (last / weight) as f32;
+        self.scale_slots((last / weight) as f32)
+    }
+
+    /// The trained parameters' gradient slots multiplied by `factor`.
+    fn scale_slots(&mut self, factor: f32) -> Result<()> {
         if factor == 1.0 {
             return Ok(());
         }
