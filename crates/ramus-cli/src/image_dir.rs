@@ -191,6 +191,9 @@ pub fn read_inputs(
 ) -> AnyResult<Vec<InputGraph>> {
     let mut graphs = Vec::new();
     for path in paths {
+        if !path.exists() {
+            return Err(format!("{}: no such file or folder", path.display()).into());
+        }
         if !path.is_dir() {
             if !is_image(path) {
                 return Err(format!(
