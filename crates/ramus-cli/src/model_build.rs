@@ -59,8 +59,8 @@ pub(crate) fn loss_rows(at: &str) -> Result<HeadRows, String> {
 }
 
 /// The class names a checkpoint's settings record (`class_names`, JSON),
-/// or `None` where it records none (tree models saved before they were
-/// recorded).
+/// or `None` where it records none (tree models, whose labels are
+/// numbers).
 pub(crate) fn class_names(
     settings: &std::collections::BTreeMap<String, String>,
 ) -> Result<Option<Vec<String>>, String> {

@@ -26,8 +26,9 @@ pub struct Classes {
 }
 
 impl Classes {
-    /// The names the checkpoint at `path` records (`class_names`); for a
-    /// tree model saved before they were recorded, the label numbers.
+    /// The names the checkpoint at `path` records (`class_names`: a
+    /// tagger's tags, a CNN's class folders); a tree model's labels are
+    /// numbers, which are its classes' names.
     /// `top_k`: how many a line lists (all without).
     pub fn of(loaded: &Loaded, path: &Path, top_k: Option<usize>) -> AnyResult<Classes> {
         let count = crate::labels::model_classes(&loaded.model).unwrap_or(0);

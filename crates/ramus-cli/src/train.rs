@@ -145,16 +145,11 @@ fn model_for(a: &TrainArgs, kind: DataKind, data: &Splits, hidden: usize) -> Any
         classes: data.classes,
     };
     let mut model = build_for(a, kind, &cfg, data.chars())?;
-    // a tree's labels are numbers: they are its classes' names
-    let numbered: Vec<String> = (0..data.classes).map(|c| c.to_string()).collect();
-    let names = match kind {
-        DataKind::Trees | DataKind::SentencePyramid => &numbered,
-        _ => &data.class_names,
-    };
-    if !names.is_empty() {
-        model
-            .settings
-            .insert("class_names".into(), serde_json::to_string(names)?);
+    if !data.class_names.is_empty() {
+        model.settings.insert(
+            "class_names".into(),
+            serde_json::to_string(&data.class_names)?,
+        );
     }
     if let (DataKind::Tagged { chars: true }, Some(t)) = (kind, &data.tagged) {
         model

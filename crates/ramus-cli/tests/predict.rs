@@ -85,24 +85,6 @@ fn test_line(log: &str) -> String {
     line.split(" | trained").next().unwrap().to_string()
 }
 
-/// `ckpt` with `key` removed from its recorded settings, as a checkpoint
-/// saved before that setting existed.
-fn without_setting(ckpt: &Path, key: &str, out: &Path) {
-    let bytes = std::fs::read(ckpt).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let mut header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let meta = &mut header["__metadata__"]["ramus.settings"];
-    let mut settings: serde_json::Map<String, Value> =
-        serde_json::from_str(meta.as_str().unwrap()).unwrap();
-    assert!(settings.remove(key).is_some(), "no {key} recorded");
-    *meta = Value::String(serde_json::to_string(&settings).unwrap());
-    let head = serde_json::to_vec(&header).unwrap();
-    let mut new = (head.len() as u64).to_le_bytes().to_vec();
-    new.extend(head);
-    new.extend(&bytes[8 + n..]);
-    std::fs::write(out, new).unwrap();
-}
-
 #[test]
 fn exported_treebank_trains_the_built_in_model_and_infer_reports_its_accuracy() {
     let dir = fresh_dir("predict-trees");
@@ -147,11 +129,6 @@ fn exported_treebank_trains_the_built_in_model_and_infer_reports_its_accuracy() 
     for (full, top) in json_lines(&o).iter().zip(json_lines(&k)) {
         assert_eq!(listed(&top), listed(full)[..2].to_vec());
     }
-    // a checkpoint from before class names were recorded: the label numbers
-    let old = dir.join("old.safetensors");
-    without_setting(&built_in, "class_names", &old);
-    let o = ramus_ok(&["infer", "--checkpoint", s(&old), "--input", s(&test)]);
-    assert_eq!(json_lines(&o), lines);
 }
 
 #[test]
