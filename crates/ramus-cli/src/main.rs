@@ -99,7 +99,7 @@ fn eval(a: EvalArgs) -> AnyResult {
     } = load_checkpoint(&a.checkpoint, a.checkpoint_flags)?;
     let mut graphs = match &vision_cfg {
         Some(v) => {
-            let names = model_build::class_names(&info.settings)
+            let names = labels::class_names(&info.settings)
                 .map_err(|e| format!("{}: {e}", a.checkpoint.display()))?
                 .ok_or_else(|| {
                     format!(

@@ -58,20 +58,6 @@ pub(crate) fn loss_rows(at: &str) -> Result<HeadRows, String> {
     }
 }
 
-/// The class names a checkpoint's settings record (`class_names`, JSON),
-/// or `None` where it records none (tree models, whose labels are
-/// numbers).
-pub(crate) fn class_names(
-    settings: &std::collections::BTreeMap<String, String>,
-) -> Result<Option<Vec<String>>, String> {
-    settings
-        .get("class_names")
-        .map(|json| {
-            serde_json::from_str(json).map_err(|e| format!("checkpoint setting `class_names`: {e}"))
-        })
-        .transpose()
-}
-
 /// A model and its trained parameters, read from a checkpoint.
 pub(crate) struct Loaded {
     pub info: checkpoint::CheckpointInfo,

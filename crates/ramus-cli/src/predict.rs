@@ -14,7 +14,8 @@ use ramus_graph::{text, BatchingPolicy, InputGraph, VocabMode, NO_LABEL};
 use ramus_nn::DataKind;
 use serde_json::{json, Value};
 
-use crate::model_build::{class_names, Loaded};
+use crate::labels::class_names;
+use crate::model_build::Loaded;
 use crate::output::{noteln, outln};
 use crate::result::AnyResult;
 

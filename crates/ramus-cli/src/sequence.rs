@@ -77,7 +77,7 @@ pub fn tagged_vocab(
     words: &Vocab,
     settings: &BTreeMap<String, String>,
 ) -> Result<TaggedVocab, Box<dyn std::error::Error>> {
-    let tags = crate::model_build::class_names(settings)?
+    let tags = crate::labels::class_names(settings)?
         .ok_or("checkpoint settings lack `class_names` (the tags)")?;
     let chars = match settings.get(CHAR_VOCAB_SETTING) {
         Some(json) => Vocab::from_json(json, &format!("setting `{CHAR_VOCAB_SETTING}`"))?,
