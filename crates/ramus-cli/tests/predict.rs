@@ -79,6 +79,33 @@ fn train(args: &[&str], ckpt: &Path) -> String {
     stdout(&o)
 }
 
+/// The flags of a one-epoch run of `model` at hidden size 4 on `data`.
+fn one_epoch<'a>(model: &'a str, data: &'a Path) -> [&'a str; 8] {
+    let data = s(data);
+    [
+        "--model", model, "--hidden", "4", "--epochs", "1", "--data", data,
+    ]
+}
+
+/// A fresh folder `name` and a one-epoch `model` of hidden size 4 trained
+/// on the built-in treebank, saved there.
+fn tiny_tree_model(name: &str, model: &str) -> (PathBuf, PathBuf) {
+    let dir = fresh_dir(name);
+    let ckpt = dir.join("t.safetensors");
+    train(&["--model", model, "--hidden", "4", "--epochs", "1"], &ckpt);
+    (dir, ckpt)
+}
+
+/// `ramus infer --checkpoint CKPT ARGS...`.
+fn infer(ckpt: &Path, args: &[&str]) -> std::process::Output {
+    ramus(&[&["infer", "--checkpoint", s(ckpt)], args].concat())
+}
+
+/// [`infer`], failing unless it succeeds.
+fn infer_ok(ckpt: &Path, args: &[&str]) -> std::process::Output {
+    ramus_ok(&[&["infer", "--checkpoint", s(ckpt)], args].concat())
+}
+
 /// The `test:` line of a training log, without its timing.
 fn test_line(log: &str) -> String {
     let line = log.lines().find(|l| l.starts_with("test:")).unwrap();
@@ -102,7 +129,7 @@ fn exported_treebank_trains_the_built_in_model_and_infer_reports_its_accuracy() 
     let trained = percent_after(&test_line(&a), "root acc");
     let e = ramus_ok(&["eval", "--data", s(&test), "--checkpoint", s(&built_in)]);
     assert_eq!(percent_after(&stdout(&e), "root acc"), trained);
-    let o = ramus_ok(&["infer", "--checkpoint", s(&built_in), "--input", s(&test)]);
+    let o = infer_ok(&built_in, &["--input", s(&test)]);
     assert!(
         (noted_accuracy(&o) - trained).abs() < 0.005,
         "{}",
@@ -116,16 +143,8 @@ fn exported_treebank_trains_the_built_in_model_and_infer_reports_its_accuracy() 
         assert_eq!(v["scores"].as_array().unwrap().len(), 5);
     }
     // --top-k: the K best of the full listing, in its order
-    let o = ramus_ok(&["infer", "--checkpoint", s(&built_in), "--input", s(&test)]);
-    let k = ramus_ok(&[
-        "infer",
-        "--checkpoint",
-        s(&built_in),
-        "--input",
-        s(&test),
-        "--top-k",
-        "2",
-    ]);
+    let o = infer_ok(&built_in, &["--input", s(&test)]);
+    let k = infer_ok(&built_in, &["--input", s(&test), "--top-k", "2"]);
     for (full, top) in json_lines(&o).iter().zip(json_lines(&k)) {
         assert_eq!(listed(&top), listed(full)[..2].to_vec());
     }
@@ -133,12 +152,7 @@ fn exported_treebank_trains_the_built_in_model_and_infer_reports_its_accuracy() 
 
 #[test]
 fn plain_sentences_become_right_branching_trees() {
-    let dir = fresh_dir("predict-text");
-    let ckpt = dir.join("t.safetensors");
-    train(
-        &["--model", "treelstm-nary", "--hidden", "4", "--epochs", "1"],
-        &ckpt,
-    );
+    let (dir, ckpt) = tiny_tree_model("predict-text", "treelstm-nary");
     let text = dir.join("s.txt");
     // the second sentence's tree: (charming (, (clever film)))
     std::fs::write(&text, "not lovely\n\ncharming, clever film\nzzz-unknown\n").unwrap();
@@ -155,7 +169,7 @@ fn plain_sentences_become_right_branching_trees() {
     let bracketed = "(2 (2 not) (2 lovely))\n(2 (2 charming) (2 (2 ,) (2 (2 clever) (2 film))))\n\
                      (2 (2 zzz) (2 (2 -) (2 unknown)))\n";
     std::fs::write(&trees, bracketed).unwrap();
-    let o = ramus_ok(&["infer", "--checkpoint", s(&ckpt), "--input", s(&trees)]);
+    let o = infer_ok(&ckpt, &["--input", s(&trees)]);
     let same: Vec<_> = json_lines(&o).iter().map(|v| v["scores"].clone()).collect();
     let o = ramus_ok(&[&args[..], &["--text"]].concat());
     let from_text: Vec<_> = json_lines(&o).iter().map(|v| v["scores"].clone()).collect();
@@ -199,7 +213,7 @@ fn taggers_predict_a_tag_per_word_with_or_without_tags_in_the_input() {
     train(&[&args[..], &["--data", s(&dir)]].concat(), &ckpt);
     let test = dir.join("test.txt");
     let e = ramus_ok(&["eval", "--data", s(&test), "--checkpoint", s(&ckpt)]);
-    let o = ramus_ok(&["infer", "--checkpoint", s(&ckpt), "--input", s(&test)]);
+    let o = infer_ok(&ckpt, &["--input", s(&test)]);
     let noted = noted_accuracy(&o);
     assert!((noted - percent_after(&stdout(&e), "tag acc")).abs() < 0.005);
     let first_words = std::fs::read_to_string(&test).unwrap();
@@ -229,16 +243,9 @@ fn taggers_predict_a_tag_per_word_with_or_without_tags_in_the_input() {
     // a line mixing tagged and plain words is located
     let bad = dir.join("bad.txt");
     std::fs::write(&bad, "Anna|B-PER went|O\nAnna went|O\n").unwrap();
-    let o = ramus(&["infer", "--checkpoint", s(&ckpt), "--input", s(&bad)]);
+    let o = infer(&ckpt, &["--input", s(&bad)]);
     error_line(&o, &["bad.txt:2:6:", "went|O"]);
-    let o = ramus(&[
-        "infer",
-        "--checkpoint",
-        s(&ckpt),
-        "--input",
-        s(&bad),
-        "--text",
-    ]);
+    let o = infer(&ckpt, &["--input", s(&bad), "--text"]);
     error_line(&o, &["--text", "bilstm-tagger"]);
 }
 
@@ -248,21 +255,9 @@ fn the_language_model_scores_each_sentence() {
     let data = dir.join("data");
     ramus_ok(&["data", "export", "--model", "lstm-lm", "--output", s(&data)]);
     let ckpt = dir.join("lm.safetensors");
-    let log = train(
-        &[
-            "--model",
-            "lstm-lm",
-            "--hidden",
-            "4",
-            "--epochs",
-            "1",
-            "--data",
-            s(&data),
-        ],
-        &ckpt,
-    );
+    let log = train(&one_epoch("lstm-lm", &data), &ckpt);
     let test = data.join("test.txt");
-    let o = ramus_ok(&["infer", "--checkpoint", s(&ckpt), "--input", s(&test)]);
+    let o = infer_ok(&ckpt, &["--input", s(&test)]);
     let lines = json_lines(&o);
     assert_eq!(lines.len(), 500);
     let (mut ll, mut tokens) = (0.0, 0);
@@ -295,25 +290,9 @@ fn the_language_model_scores_each_sentence() {
         "{}",
         stderr(&o)
     );
-    let o = ramus(&[
-        "infer",
-        "--checkpoint",
-        s(&ckpt),
-        "--input",
-        s(&test),
-        "--top-k",
-        "2",
-    ]);
+    let o = infer(&ckpt, &["--input", s(&test), "--top-k", "2"]);
     error_line(&o, &["--top-k", "lstm-lm"]);
-    let o = ramus(&[
-        "infer",
-        "--checkpoint",
-        s(&ckpt),
-        "--input",
-        s(&test),
-        "--engine",
-        "compiled",
-    ]);
+    let o = infer(&ckpt, &["--input", s(&test), "--engine", "compiled"]);
     error_line(&o, &["--engine compiled", "batched"]);
 }
 
@@ -337,21 +316,14 @@ fn cnns_predict_image_files_and_folders() {
     let o = ramus(&[&export[..], &shape[..]].concat());
     error_line(&o, &["--output", "not empty"]);
     let ckpt = dir.join("cnn.safetensors");
-    let args = [
-        "--model",
-        "alexnet",
-        "--hidden",
-        "4",
-        "--epochs",
-        "1",
-        "--data",
-        s(&data),
-    ];
-    train(&[&args[..], &shape[..]].concat(), &ckpt);
+    train(
+        &[&one_epoch("alexnet", &data)[..], &shape[..]].concat(),
+        &ckpt,
+    );
     // a folder of class folders: labelled, the accuracy eval gives
     let test = data.join("test");
     let e = ramus_ok(&["eval", "--data", s(&test), "--checkpoint", s(&ckpt)]);
-    let o = ramus_ok(&["infer", "--checkpoint", s(&ckpt), "--input", s(&test)]);
+    let o = infer_ok(&ckpt, &["--input", s(&test)]);
     assert!((noted_accuracy(&o) - percent_after(&stdout(&e), "acc")).abs() < 0.005);
     let lines = json_lines(&o);
     assert_eq!(lines.len(), 10);
@@ -367,40 +339,20 @@ fn cnns_predict_image_files_and_folders() {
         .unwrap()
         .unwrap()
         .path();
-    let o = ramus_ok(&[
-        "infer",
-        "--checkpoint",
-        s(&ckpt),
-        "--top-k",
-        "1",
-        "--input",
-        s(&disk),
-        s(&file),
-    ]);
+    let o = infer_ok(&ckpt, &["--top-k", "1", "--input", s(&disk), s(&file)]);
     assert!(!stderr(&o).contains("accuracy"));
     for v in json_lines(&o) {
         assert_eq!(listed(&v).len(), 1);
         let same = lines.iter().find(|l| l["file"] == v["file"]).unwrap();
         assert_eq!(same["scores"], v["scores"]);
     }
-    let o = ramus(&[
-        "infer",
-        "--checkpoint",
-        s(&ckpt),
-        "--input",
-        s(&dir.join("none.png")),
-    ]);
+    let o = infer(&ckpt, &["--input", s(&dir.join("none.png"))]);
     error_line(&o, &["none.png: no such file"]);
 }
 
 #[test]
 fn malformed_input_and_wrong_flags_are_named() {
-    let dir = fresh_dir("predict-errors");
-    let ckpt = dir.join("t.safetensors");
-    train(
-        &["--model", "treelstm", "--hidden", "4", "--epochs", "1"],
-        &ckpt,
-    );
+    let (dir, ckpt) = tiny_tree_model("predict-errors", "treelstm");
     let trees = dir.join("trees.txt");
     std::fs::write(&trees, "(3 (2 a) (2 b))\n\n(3 (2 a) (2 b)\n").unwrap();
     let infer = ["infer", "--checkpoint", s(&ckpt), "--input"];
@@ -419,22 +371,11 @@ fn malformed_input_and_wrong_flags_are_named() {
         &ramus(&[&infer[..], &[s(&tagged)]].concat()),
         &["tagged.txt:1:1:"],
     );
-    let o = ramus(&[
-        "data",
-        "export",
-        "--model",
-        "bilstm-tagger",
-        "--output",
-        s(&dir.join("x")),
-    ]);
+    let export = |args: &[&str], out: &str| {
+        ramus(&[&["data", "export", "--output", s(&dir.join(out))], args].concat())
+    };
+    let o = export(&["--model", "bilstm-tagger"], "x");
     error_line(&o, &["`bilstm-tagger` has no built-in data"]);
-    let o = ramus(&[
-        "data",
-        "export",
-        "--images",
-        "8",
-        "--output",
-        s(&dir.join("y")),
-    ]);
+    let o = export(&["--images", "8"], "y");
     error_line(&o, &["--images applies to the CNN models"]);
 }
