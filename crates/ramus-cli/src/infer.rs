@@ -149,6 +149,11 @@ fn check_flags(a: &InferArgs, loaded: &Loaded) -> AnyResult {
         )
         .into());
     }
+    if a.structure.binarize.is_some()
+        && matches!(kind, DataKind::Tagged { .. } | DataKind::Sentences)
+    {
+        return Err(format!("--binarize rewrites trees; `{model}` reads sentences").into());
+    }
     if a.top_k == Some(0) {
         return Err("--top-k must be at least 1".into());
     }
@@ -196,11 +201,17 @@ pub fn run(a: InferArgs) -> AnyResult {
     };
     let kind: InferKind = a.engine.as_deref().unwrap_or(default).parse()?;
     let classes = Classes::of(&loaded, &a.checkpoint, a.top_k)?;
-    let mut graphs = read_roots(&a, &loaded, &classes)?;
+    let mut graphs = read_roots(&a, &loaded, &classes).map_err(|e| {
+        let reads = match loaded.kind {
+            DataKind::Images => "image files",
+            _ if a.text => "sentences (--text)",
+            _ => "bracketed trees (sentences with --text)",
+        };
+        let (path, model) = (a.checkpoint.display(), &loaded.info.model);
+        format!("{e} ({path} holds `{model}`, which reads {reads})")
+    })?;
     let (model, params) = (&loaded.model, &loaded.params);
-    if loaded.kind != DataKind::Images {
-        a.structure.fit(model, loaded.kind, &mut graphs)?;
-    }
+    a.structure.fit(model, loaded.kind, &mut graphs)?;
     labels::check_checkpoint(&graphs, model, &a.checkpoint)?;
     let setup = InferSetup {
         device: a.device,

@@ -369,7 +369,10 @@ fn malformed_input_and_wrong_flags_are_named() {
     std::fs::write(&tagged, "Anna|B-PER went|O\n").unwrap();
     error_line(
         &ramus(&[&infer[..], &[s(&tagged)]].concat()),
-        &["tagged.txt:1:1:"],
+        &[
+            "tagged.txt:1:1:",
+            "holds `treelstm`, which reads bracketed trees",
+        ],
     );
     let export = |args: &[&str], out: &str| {
         ramus(&[&["data", "export", "--output", s(&dir.join(out))], args].concat())
