@@ -9,7 +9,8 @@ use ramus_exec::OnNonFinite;
 use crate::model_build::CheckpointFlags;
 use crate::result::AnyResult;
 use crate::{
-    bench, bench_swap, device, infer, limits, plan_memory, plot, sequence, structure, vision,
+    bench, bench_swap, device, export, infer, limits, plan_memory, plot, sequence, structure,
+    vision,
 };
 
 #[derive(Parser)]
@@ -33,9 +34,16 @@ pub(crate) enum Command {
     Eval(EvalArgs),
     /// Time inference and training of the reference Tree-LSTM on the first trees of a file.
     Bench(bench::BenchArgs),
-    /// Predict with a checkpoint: trees from a file or standard input, one
-    /// JSON line of scores per tree.
+    /// Predict with a checkpoint, one JSON line per input: the classes and
+    /// their probabilities of trees or sentences (tree models), of each
+    /// word (taggers) or of images (CNNs); the log-likelihood and
+    /// perplexity of each sentence (lstm-lm).
     Infer(infer::InferArgs),
+    /// Built-in data: `ramus data export --output DIR` writes it as files.
+    Data {
+        #[command(subcommand)]
+        command: export::DataCommand,
+    },
     /// Draw the loss and accuracy curves of runs (`train --log-dir`
     /// directories) to a PNG, one colour per run.
     Plot(plot::PlotArgs),

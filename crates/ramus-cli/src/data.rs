@@ -350,7 +350,10 @@ pub(crate) fn read_graphs(
 
 /// The time-delay pyramids over `trees`' leaves, each admitted by `guard`
 /// before it is built (a pyramid grows with the square of its sentence).
-fn pyramids(trees: &[InputGraph], guard: &mut BuildGuard<'_>) -> AnyResult<Vec<InputGraph>> {
+pub(crate) fn pyramids(
+    trees: &[InputGraph],
+    guard: &mut BuildGuard<'_>,
+) -> AnyResult<Vec<InputGraph>> {
     let mut out = Vec::with_capacity(trees.len());
     for (i, tree) in trees.iter().enumerate() {
         guard.admit_pyramid(tree, i)?;
@@ -360,7 +363,7 @@ fn pyramids(trees: &[InputGraph], guard: &mut BuildGuard<'_>) -> AnyResult<Vec<I
 }
 
 /// The leaf words of bracketed trees, one sentence per line.
-fn sentences_of(lines: &[String]) -> AnyResult<String> {
+pub(crate) fn sentences_of(lines: &[String]) -> AnyResult<String> {
     let mut vocab = Vocab::new();
     let trees = ptb::parse_trees(&lines.join("\n"), "<built-in>", VocabMode::Grow(&mut vocab))?;
     let mut out = String::new();

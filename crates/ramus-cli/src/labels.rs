@@ -84,6 +84,20 @@ pub fn check_checkpoint(
     )
 }
 
+/// The class names a checkpoint's settings record (`class_names`, JSON),
+/// or `None` where it records none (tree models, whose labels are
+/// numbers).
+pub(crate) fn class_names(
+    settings: &std::collections::BTreeMap<String, String>,
+) -> Result<Option<Vec<String>>, String> {
+    settings
+        .get("class_names")
+        .map(|json| {
+            serde_json::from_str(json).map_err(|e| format!("checkpoint setting `class_names`: {e}"))
+        })
+        .transpose()
+}
+
 /// `ramus train`'s class count: `--classes` when given, every label of
 /// every split checked against it; else the count [`count`] took from all
 /// splits. Refused for the models whose classes come from elsewhere.

@@ -8,6 +8,7 @@ mod device;
 mod device_name;
 mod distributed;
 mod embeddings;
+mod export;
 mod image_dir;
 mod infer;
 mod infer_engine;
@@ -19,6 +20,8 @@ mod model_build;
 mod output;
 mod plan_memory;
 mod plot;
+mod predict;
+mod raw_text;
 #[cfg(test)]
 mod reader_props;
 mod result;
@@ -58,6 +61,7 @@ fn main() -> ExitCode {
         Command::Eval(a) => eval(a),
         Command::Bench(a) => bench::run(a),
         Command::Infer(a) => infer::run(a),
+        Command::Data { command } => export::run(command),
         Command::PlanMemory(a) => plan_memory::run(a),
         Command::Plot(a) => plot::run(a),
         Command::BenchSwap(a) => bench_swap::run_bench(a),
@@ -95,18 +99,14 @@ fn eval(a: EvalArgs) -> AnyResult {
     } = load_checkpoint(&a.checkpoint, a.checkpoint_flags)?;
     let mut graphs = match &vision_cfg {
         Some(v) => {
-            let names = info.settings.get("class_names").ok_or_else(|| {
-                format!(
-                    "{}: checkpoint settings lack `class_names`",
-                    a.checkpoint.display()
-                )
-            })?;
-            let names: Vec<String> = serde_json::from_str(names).map_err(|e| {
-                format!(
-                    "{}: checkpoint setting `class_names`: {e}",
-                    a.checkpoint.display()
-                )
-            })?;
+            let names = labels::class_names(&info.settings)
+                .map_err(|e| format!("{}: {e}", a.checkpoint.display()))?
+                .ok_or_else(|| {
+                    format!(
+                        "{}: checkpoint settings lack `class_names`",
+                        a.checkpoint.display()
+                    )
+                })?;
             data::read_image_split(&a.data, &names, v.image)?
         }
         None => match kind {

@@ -77,11 +77,8 @@ pub fn tagged_vocab(
     words: &Vocab,
     settings: &BTreeMap<String, String>,
 ) -> Result<TaggedVocab, Box<dyn std::error::Error>> {
-    let names = settings
-        .get("class_names")
+    let tags = crate::labels::class_names(settings)?
         .ok_or("checkpoint settings lack `class_names` (the tags)")?;
-    let tags: Vec<String> = serde_json::from_str(names)
-        .map_err(|e| format!("checkpoint setting `class_names`: {e}"))?;
     let chars = match settings.get(CHAR_VOCAB_SETTING) {
         Some(json) => Vocab::from_json(json, &format!("setting `{CHAR_VOCAB_SETTING}`"))?,
         None => Vocab::new(),

@@ -24,7 +24,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::input::InputGraph;
+use crate::input::{InputGraph, NO_LABEL};
 use crate::sequence::{tagger_graph, WordInput};
 use crate::text::read_utf8;
 use crate::vocab::Vocab;
@@ -46,6 +46,8 @@ pub struct TaggedSentence {
     /// 1-based character column of each token.
     pub columns: Vec<usize>,
     pub words: Vec<String>,
+    /// One tag per word; none for a line read without tags
+    /// ([`Tags::Optional`]).
     pub tags: Vec<String>,
 }
 
@@ -60,42 +62,40 @@ impl TaggedSentence {
     }
 }
 
+/// Whether every token must carry its tag (`word|TAG`: training and
+/// evaluation), or a line may give its words alone (prediction).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tags {
+    /// Every token is `word|TAG`.
+    Required,
+    /// A line is either all `word|TAG` or all plain words (split at
+    /// whitespace, read without tags: [`TaggedSentence::tags`] empty); a
+    /// line mixing both is an error naming the first token that differs.
+    /// A plain word holding `|` reads as tagged.
+    Optional,
+}
+
 /// Parses every non-blank line of `text` as a tagged sentence; `file_name`
 /// labels errors (a token without `|`, with an empty word or an empty tag;
 /// text without a sentence, [`GraphError::Empty`]).
 pub fn parse_tagged(text: &str, file_name: &str) -> Result<Vec<TaggedSentence>, GraphError> {
+    parse_tagged_with(text, file_name, Tags::Required)
+}
+
+/// [`parse_tagged`], with the tags `tags` says.
+pub fn parse_tagged_with(
+    text: &str,
+    file_name: &str,
+    tags: Tags,
+) -> Result<Vec<TaggedSentence>, GraphError> {
     let mut out = Vec::new();
     for (k, line) in text.lines().enumerate() {
-        let mut s = TaggedSentence {
+        let s = parse_line(line, k + 1, tags).map_err(|(column, message)| GraphError::Parse {
+            file: file_name.to_string(),
             line: k + 1,
-            columns: Vec::new(),
-            words: Vec::new(),
-            tags: Vec::new(),
-        };
-        let mut token = String::new();
-        let mut token_column = 0;
-        // walk characters so that columns count characters, not bytes
-        for (column, c) in (1..).zip(line.chars().chain(std::iter::once(' '))) {
-            if c.is_whitespace() {
-                if !token.is_empty() {
-                    let (word, tag) = split_token(&token).map_err(|message| GraphError::Parse {
-                        file: file_name.to_string(),
-                        line: k + 1,
-                        column: token_column,
-                        message,
-                    })?;
-                    s.words.push(word.to_string());
-                    s.tags.push(tag.to_string());
-                    s.columns.push(token_column);
-                    token.clear();
-                }
-            } else {
-                if token.is_empty() {
-                    token_column = column;
-                }
-                token.push(c);
-            }
-        }
+            column,
+            message,
+        })?;
         if !s.words.is_empty() {
             out.push(s);
         }
@@ -107,6 +107,58 @@ pub fn parse_tagged(text: &str, file_name: &str) -> Result<Vec<TaggedSentence>, 
         });
     }
     Ok(out)
+}
+
+/// Line `line` of a tagged file, or the column of its first bad token and
+/// what is wrong with it.
+fn parse_line(text: &str, line: usize, tags: Tags) -> Result<TaggedSentence, (usize, String)> {
+    let mut s = TaggedSentence {
+        line,
+        columns: Vec::new(),
+        words: Vec::new(),
+        tags: Vec::new(),
+    };
+    // with optional tags, whether the line's first token had one
+    let mut tagged: Option<bool> = None;
+    let mut token = String::new();
+    let mut token_column = 0;
+    // walk characters so that columns count characters, not bytes
+    for (column, c) in (1..).zip(text.chars().chain(std::iter::once(' '))) {
+        if !c.is_whitespace() {
+            if token.is_empty() {
+                token_column = column;
+            }
+            token.push(c);
+            continue;
+        }
+        if token.is_empty() {
+            continue;
+        }
+        let has_tag = tags == Tags::Required || token.contains('|');
+        match (*tagged.get_or_insert(has_tag), has_tag) {
+            (true, true) => {
+                let (word, tag) = split_token(&token).map_err(|m| (token_column, m))?;
+                s.words.push(word.to_string());
+                s.tags.push(tag.to_string());
+            }
+            (false, false) => s.words.push(token.clone()),
+            (true, false) => {
+                return Err((
+                    token_column,
+                    format!("token {token:?} has no `|TAG` but the line's first token has one (tag every word of a line or none)"),
+                ))
+            }
+            (false, true) => {
+                return Err((
+                    token_column,
+                    format!("token {token:?} has a `|TAG` but the line's first token has none (tag every word of a line or none)"),
+                ))
+            }
+        }
+        s.columns.push(token_column);
+        token.clear();
+    }
+    Ok(s)
 }
 
 /// `word|TAG` split at the last `|`, or why it cannot be.
@@ -122,8 +174,13 @@ fn split_token(token: &str) -> Result<(&str, &str), String> {
 /// Reads a tagged-text file (one sentence a line, blank lines skipped; at
 /// least one sentence).
 pub fn read_tagged(path: &Path) -> Result<Vec<TaggedSentence>, GraphError> {
+    read_tagged_with(path, Tags::Required)
+}
+
+/// [`read_tagged`], with the tags `tags` says.
+pub fn read_tagged_with(path: &Path, tags: Tags) -> Result<Vec<TaggedSentence>, GraphError> {
     let text = read_utf8(path)?;
-    parse_tagged(&text, &path.display().to_string())
+    parse_tagged_with(&text, &path.display().to_string(), tags)
 }
 
 /// Train, dev and test sentences.
@@ -245,7 +302,7 @@ impl TaggedVocab {
 
     /// Sentence `s` (read from `file`) as a tagger graph: with `chars`,
     /// rare words are spelled out for the character LSTMs, else they are
-    /// `<unk>`. A tag outside [`TaggedVocab::tags`] is an error naming the
+    /// `<unk>`; a sentence without tags has unlabelled outputs. A tag outside [`TaggedVocab::tags`] is an error naming the
     /// token.
     pub fn graph(
         &self,
@@ -253,7 +310,12 @@ impl TaggedVocab {
         file: &str,
         chars: bool,
     ) -> Result<InputGraph, GraphError> {
-        let mut labels = Vec::with_capacity(s.len());
+        // an untagged sentence: its outputs unlabelled
+        let mut labels = if s.tags.is_empty() {
+            vec![NO_LABEL; s.len()]
+        } else {
+            Vec::with_capacity(s.len())
+        };
         for (k, (w, t)) in s.words.iter().zip(&s.tags).enumerate() {
             let label = self.tag_id(t).ok_or_else(|| GraphError::Parse {
                 file: file.to_string(),
@@ -350,6 +412,22 @@ mod tests {
             assert!(e.starts_with(&format!("f.txt:{line}:{col}:")), "{e}");
             assert!(e.contains(needle), "{e}");
         }
+    }
+
+    #[test]
+    fn optional_tags_read_plain_lines_and_refuse_mixed_ones() {
+        let s = parse_tagged_with("a b|c\nx|O y|I", "p", Tags::Optional).unwrap_err();
+        assert!(s.to_string().starts_with("p:1:3:"), "{s}");
+        let s = parse_tagged_with("x|O y\n", "p", Tags::Optional).unwrap_err();
+        assert!(s.to_string().contains("has no `|TAG`"), "{s}");
+        let s = parse_tagged_with("Mad Capsule\nx|O y|X", "p", Tags::Optional).unwrap();
+        assert_eq!(s[0].words, ["Mad", "Capsule"]);
+        assert!(s[0].tags.is_empty());
+        assert_eq!(s[1].tags, ["O", "X"]);
+        let v = TaggedVocab::build(&s[1..], 1);
+        let g = v.graph(&s[0], "p", false).unwrap();
+        assert!(g.labels.iter().all(|&l| l == NO_LABEL));
+        assert!(parse_tagged("Mad Capsule", "p").is_err());
     }
 
     #[test]
