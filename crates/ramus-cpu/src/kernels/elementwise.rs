@@ -1,6 +1,7 @@
 //! CPU kernels of the elementwise ops (`ramus_core::ops::elementwise`):
 //! each applies its scalar function row by row, broadcasting a static row
-//! (bias), through [`run_rows`].
+//! (bias), through [`run_rows`]; each row's loop is compiled for the
+//! run-time kernel level ([`ramus_core::simd!`]).
 
 use ramus_core::ops::*;
 use ramus_core::real::{sigmoid, Real};
@@ -62,9 +63,9 @@ macro_rules! unary_kernel {
         impl Kernel for $ty {
             fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
                 run_rows(ctx, $name, |i, o| {
-                    for (o, &$x) in o.iter_mut().zip(i[0]) {
+                    ramus_core::simd!(for (o, &$x) in o.iter_mut().zip(i[0]) {
                         *o = $f;
-                    }
+                    })
                 })
             }
         }
@@ -77,9 +78,9 @@ macro_rules! scalar_kernel {
             fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
                 let $a = T::from_f64(self.0);
                 run_rows(ctx, $name, |i, o| {
-                    for (o, &$x) in o.iter_mut().zip(i[0]) {
+                    ramus_core::simd!(for (o, &$x) in o.iter_mut().zip(i[0]) {
                         *o = $f;
-                    }
+                    })
                 })
             }
         }
@@ -91,9 +92,9 @@ macro_rules! binary_kernel {
         impl Kernel for $ty {
             fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
                 run_rows(ctx, $name, |i, o| {
-                    for ((o, &$a), &$b) in o.iter_mut().zip(i[0]).zip(i[1]) {
+                    ramus_core::simd!(for ((o, &$a), &$b) in o.iter_mut().zip(i[0]).zip(i[1]) {
                         *o = $f;
-                    }
+                    })
                 })
             }
         }
