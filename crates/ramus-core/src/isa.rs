@@ -141,9 +141,11 @@ pub unsafe fn run_avx2<R>(f: impl FnOnce() -> R) -> R {
 macro_rules! simd {
     ($body:expr) => {
         if $crate::isa::isa() >= $crate::isa::Isa::Avx2 {
+            // built outside the `unsafe` block: the caller's code stays checked
+            let body = || $body;
             // SAFETY: `isa()` reports Avx2 or wider only on x86-64 when
             // `is_x86_feature_detected!` found AVX2 and FMA.
-            unsafe { $crate::isa::run_avx2(|| $body) }
+            unsafe { $crate::isa::run_avx2(body) }
         } else {
             $body
         }
