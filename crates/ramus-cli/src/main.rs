@@ -56,6 +56,11 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // an unknown RAMUS_CPU_ISA is refused here rather than ignored by the kernels
+    if let Err(e) = ramus_core::isa::Isa::from_env() {
+        noteln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
     let result = match cli.command {
         Command::Train(a) => train::run(*a),
         Command::Eval(a) => eval(a),

@@ -46,6 +46,7 @@ pub mod error;
 pub mod fusion;
 pub mod gradient;
 pub mod graph;
+pub mod isa;
 pub mod lower;
 pub mod model;
 pub mod op;

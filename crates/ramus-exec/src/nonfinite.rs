@@ -134,6 +134,12 @@ impl fmt::Display for NonFiniteFault {
 /// True when every element is finite. Branch-free over lanes of eight, so
 /// it vectorizes: `x * 0` is 0 for a finite `x` and NaN otherwise.
 pub fn all_finite<T: Real>(xs: &[T]) -> bool {
+    ramus_core::simd!(all_finite_body(xs))
+}
+
+/// [`all_finite`]'s loop, inlined into each kernel level's copy.
+#[inline(always)]
+fn all_finite_body<T: Real>(xs: &[T]) -> bool {
     let mut acc = [T::ZERO; 8];
     let mut chunks = xs.chunks_exact(8);
     for c in &mut chunks {

@@ -347,7 +347,8 @@ impl<T: Real> Optimizer<T> {
                 None => lr,
             };
             let (pv, gv) = (params.values[p].data_mut(), grads.values[p].data());
-            for (a, b) in ranges {
+            // the update loops compiled for the run-time kernel level
+            ramus_core::simd!(for (a, b) in ranges {
                 match c.kind {
                     OptimizerKind::Sgd => {
                         for (w, &g) in pv[a..b].iter_mut().zip(&gv[a..b]) {
@@ -379,7 +380,7 @@ impl<T: Real> Optimizer<T> {
                         }
                     }
                 }
-            }
+            });
         }
     }
 }

@@ -731,7 +731,8 @@ fn column_dot(
         return Err(err("a column product beyond its operands"));
     }
     out.reset_zeroed(scope_rows, u);
-    for r in 0..scope_rows {
+    // compiled for the run-time kernel level (AVX2/FMA or portable)
+    ramus_core::simd!(for r in 0..scope_rows {
         let xr = x.row(r);
         let acc = &mut out.data[r * u..(r + 1) * u];
         for t in 0..k {
@@ -741,7 +742,7 @@ fn column_dot(
                 *a += wt * c;
             }
         }
-    }
+    });
     Ok(())
 }
 

@@ -295,9 +295,10 @@ pub(super) fn accumulate_param_grads<T: Real>(
             Role::ParamGrad(p) => {
                 let src = resolve_floats(g, o.node, own, fwd)?;
                 grads.mark_dense(p);
-                for (d, &x) in grads.values[p].data_mut().iter_mut().zip(src) {
+                let dst = grads.values[p].data_mut();
+                ramus_core::simd!(for (d, &x) in dst.iter_mut().zip(src) {
                     *d += x;
-                }
+                });
             }
             Role::ParamRowGrad(p) => {
                 let values = resolve_floats(g, o.node, own, fwd)?;

@@ -63,7 +63,9 @@ fn check_out<T>(ctx: &KernelCtx<'_, T>, op: &str, len: usize) -> Result<()> {
 /// Runs `f(scratch, row, out_row)` for each of the `rows` rows of `out`
 /// (each `row_len` long), split over threads in contiguous row blocks when
 /// `work_per_row * rows` is large enough to pay for it. Each block makes
-/// its own `scratch()` once and reuses it for its rows.
+/// its own `scratch()` once and reuses it for its rows. Rows run under
+/// [`ramus_core::simd!`]: mark `f` `#[inline(always)]` so its loops are
+/// compiled for the run-time kernel level.
 fn split_rows<T: Real, S>(
     out: &mut [T],
     row_len: usize,
@@ -78,9 +80,10 @@ fn split_rows<T: Real, S>(
     }
     let run_block = |r0: usize, chunk: &mut [T]| {
         let mut sc = scratch();
-        for (i, o) in chunk.chunks_mut(row_len).enumerate() {
+        // `f` (an `#[inline(always)]` closure) compiled into each level's copy
+        ramus_core::simd!(for (i, o) in chunk.chunks_mut(row_len).enumerate() {
             f(&mut sc, r0 + i, o);
-        }
+        })
     };
     let threads = crate::parallel::threads();
     if threads > 1 && rows > 1 && rows.saturating_mul(work_per_row) >= 1 << 16 {
@@ -110,6 +113,7 @@ impl ConvScratch for Conv2dGeom {
     }
     /// One image `x` as the `[C*kh*kw, Ho*Wo]` GEMM operand: `x` itself when
     /// im2col is the identity, otherwise lowered into `cols` (a [`Self::cols_buffer`]).
+    #[inline(always)]
     fn lowered<'a, T: Real>(&self, x: &'a [T], cols: &'a mut [T]) -> &'a [T] {
         if self.pointwise() {
             x
@@ -123,6 +127,7 @@ impl ConvScratch for Conv2dGeom {
 /// Lowers one image `x` (`[C, H, W]`) to `cols` (`[C*kh*kw, Ho*Wo]`):
 /// row `(c*kh + i)*kw + j` holds input pixel `(c, oy*s + i - p, ox*s + j - p)`
 /// for every output position, 0 outside the image.
+#[inline(always)]
 fn im2col<T: Real>(g: &Conv2dGeom, x: &[T], cols: &mut [T]) {
     let (ho, wo) = (g.out_h(), g.out_w());
     let (h, w, s, p) = (g.height, g.width, g.stride, g.padding);
@@ -157,6 +162,7 @@ fn im2col<T: Real>(g: &Conv2dGeom, x: &[T], cols: &mut [T]) {
 
 /// The adjoint of [`im2col`]: adds every column entry back into its pixel
 /// of `x` (`x` is overwritten).
+#[inline(always)]
 fn col2im<T: Real>(g: &Conv2dGeom, cols: &[T], x: &mut [T]) {
     let (ho, wo) = (g.out_h(), g.out_w());
     let (h, w, s, p) = (g.height, g.width, g.stride, g.padding);
@@ -209,6 +215,7 @@ impl Kernel for Conv2d {
             rows,
             g.macs(),
             || g.cols_buffer(),
+            #[inline(always)]
             |cols, r, out| {
                 let b = g.lowered(&x[r * in_len..(r + 1) * in_len], cols);
                 // out [O, P] = W [O, K] · cols [K, P]
@@ -254,6 +261,7 @@ impl Kernel for Conv2dBackwardInput {
             rows,
             g.macs(),
             || g.cols_buffer(),
+            #[inline(always)]
             |cols, r, dx| {
                 let dyr = &dy[r * o * np..(r + 1) * o * np];
                 // cols [K, P] = Wᵀ [K, O] · dY [O, P]
@@ -300,7 +308,7 @@ impl Kernel for Conv2dBackwardWeight {
         let accumulate = |r0: usize, r1: usize, dw: &mut [T]| {
             dw.iter_mut().for_each(|v| *v = T::ZERO);
             let mut cols = g.cols_buffer();
-            for r in r0..r1 {
+            ramus_core::simd!(for r in r0..r1 {
                 let b = g.lowered(&x[r * in_len..(r + 1) * in_len], &mut cols);
                 T::gemm(GemmArgs {
                     m: o,
@@ -315,7 +323,7 @@ impl Kernel for Conv2dBackwardWeight {
                     c: dw,
                     c_row_stride: k as isize,
                 });
-            }
+            })
         };
         let parts = if rows.saturating_mul(g.macs()) >= 1 << 18 {
             rows.min(WEIGHT_GRAD_PARTS)
@@ -391,6 +399,7 @@ impl Kernel for MaxPool2d {
             rows,
             work,
             || (),
+            #[inline(always)]
             |_, r, out| {
                 let xr = &x[r * in_len..(r + 1) * in_len];
                 pool_argmax(&g, xr, |o, a| out[o] = xr[a]);
@@ -419,6 +428,7 @@ impl Kernel for MaxPool2dBackward {
             rows,
             work,
             || (),
+            #[inline(always)]
             |_, r, dx| {
                 let (xr, dyr) = (
                     &x[r * in_len..(r + 1) * in_len],
@@ -698,6 +708,7 @@ impl Kernel for BatchNormBackwardInput {
             rows,
             c * s,
             || (),
+            #[inline(always)]
             |_, r, out| {
                 let o0 = r * c * s;
                 let (xr, dyr) = (&x[o0..o0 + c * s], &dy[o0..o0 + c * s]);
@@ -774,6 +785,7 @@ fn channel_affine<T: Real>(out: &mut [T], x: &[T], s: usize, ab: &[(T, T)], rows
         rows,
         len,
         || (),
+        #[inline(always)]
         |_, r, o| {
             let xr = &x[r * len..(r + 1) * len];
             for ((o, xs), &(a, b)) in o.chunks_mut(s).zip(xr.chunks(s)).zip(ab) {

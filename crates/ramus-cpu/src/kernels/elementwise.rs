@@ -1,6 +1,7 @@
 //! CPU kernels of the elementwise ops (`ramus_core::ops::elementwise`):
 //! each applies its scalar function row by row, broadcasting a static row
-//! (bias), through [`run_rows`].
+//! (bias), through [`run_rows`]; each row's loop is compiled for the
+//! run-time kernel level ([`ramus_core::simd!`]).
 
 use ramus_core::ops::*;
 use ramus_core::real::{sigmoid, Real};
@@ -9,7 +10,7 @@ use ramus_core::{CoreError, Result};
 use super::ctx::{Kernel, KernelCtx};
 
 /// Runs `f(inputs_row, out_row)` for every output row, broadcasting static
-/// operands; splits large outputs over threads.
+/// operands; splits large outputs over threads (one block of rows each).
 fn run_rows<T: Real>(
     ctx: &mut KernelCtx<'_, T>,
     name: &str,
@@ -33,26 +34,28 @@ fn run_rows<T: Real>(
         }
         ins.push((d, per_row));
     }
-    let body = |r: usize, out_row: &mut [T]| {
-        let mut row_ins: [&[T]; 4] = [&[]; 4];
-        for (k, (d, per_row)) in ins.iter().enumerate() {
-            row_ins[k] = if *per_row {
-                &d[r * width..(r + 1) * width]
-            } else {
-                &d[..width]
-            };
-        }
-        f(&row_ins[..ins.len()], out_row);
+    // Rows run under `simd!`, with `f` (an `#[inline(always)]` closure)
+    // compiled into each level's copy of the loop.
+    let span = |r0: usize, out: &mut [T]| {
+        ramus_core::simd!(for (i, out_row) in out.chunks_mut(width).enumerate() {
+            let r = r0 + i;
+            let mut row_ins: [&[T]; 4] = [&[]; 4];
+            for (k, (d, per_row)) in ins.iter().enumerate() {
+                row_ins[k] = if *per_row {
+                    &d[r * width..(r + 1) * width]
+                } else {
+                    &d[..width]
+                };
+            }
+            f(&row_ins[..ins.len()], out_row);
+        })
     };
-    if rows * width >= crate::parallel::min_split_elements()
-        && rows > 1
-        && crate::parallel::threads() > 1
-    {
-        crate::parallel::for_each_chunk_mut(ctx.out, width, body);
+    let threads = crate::parallel::threads();
+    if rows * width >= crate::parallel::min_split_elements() && rows > 1 && threads > 1 {
+        let block = rows.div_ceil(threads);
+        crate::parallel::for_each_chunk_mut(ctx.out, block * width, |i, c| span(i * block, c));
     } else {
-        for (r, o) in ctx.out.chunks_mut(width).enumerate() {
-            body(r, o);
-        }
+        span(0, ctx.out);
     }
     Ok(())
 }
@@ -61,11 +64,16 @@ macro_rules! unary_kernel {
     ($ty:ident, $name:literal, |$x:ident| $f:expr) => {
         impl Kernel for $ty {
             fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
-                run_rows(ctx, $name, |i, o| {
-                    for (o, &$x) in o.iter_mut().zip(i[0]) {
-                        *o = $f;
-                    }
-                })
+                run_rows(
+                    ctx,
+                    $name,
+                    #[inline(always)]
+                    |i, o| {
+                        for (o, &$x) in o.iter_mut().zip(i[0]) {
+                            *o = $f;
+                        }
+                    },
+                )
             }
         }
     };
@@ -76,11 +84,16 @@ macro_rules! scalar_kernel {
         impl Kernel for $ty {
             fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
                 let $a = T::from_f64(self.0);
-                run_rows(ctx, $name, |i, o| {
-                    for (o, &$x) in o.iter_mut().zip(i[0]) {
-                        *o = $f;
-                    }
-                })
+                run_rows(
+                    ctx,
+                    $name,
+                    #[inline(always)]
+                    |i, o| {
+                        for (o, &$x) in o.iter_mut().zip(i[0]) {
+                            *o = $f;
+                        }
+                    },
+                )
             }
         }
     };
@@ -90,11 +103,16 @@ macro_rules! binary_kernel {
     ($ty:ident, $name:literal, |$a:ident, $b:ident| $f:expr) => {
         impl Kernel for $ty {
             fn run<T: Real>(&self, ctx: &mut KernelCtx<'_, T>) -> Result<()> {
-                run_rows(ctx, $name, |i, o| {
-                    for ((o, &$a), &$b) in o.iter_mut().zip(i[0]).zip(i[1]) {
-                        *o = $f;
-                    }
-                })
+                run_rows(
+                    ctx,
+                    $name,
+                    #[inline(always)]
+                    |i, o| {
+                        for ((o, &$a), &$b) in o.iter_mut().zip(i[0]).zip(i[1]) {
+                            *o = $f;
+                        }
+                    },
+                )
             }
         }
     };

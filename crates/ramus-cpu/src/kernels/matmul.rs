@@ -124,41 +124,44 @@ fn small_m<T: Real>(a: &[T], b: &[T], out: &mut [T], m: usize, k: usize, n: usiz
     let fill = |j0: usize, j1: usize, cols: &mut [T]| {
         // cols is [m, j1 - j0] row-major
         let w = j1 - j0;
-        if trans_b {
-            // B's rows are the outer loop, so each is read from memory once
-            // and meets every row of A (which stays in L1), four at a time
-            for j in j0..j1 {
-                let bj = &b[j * k..(j + 1) * k];
-                let mut r = 0;
-                while r + 4 <= m {
-                    let rows = [
-                        &a[r * k..(r + 1) * k],
-                        &a[(r + 1) * k..(r + 2) * k],
-                        &a[(r + 2) * k..(r + 3) * k],
-                        &a[(r + 3) * k..(r + 4) * k],
-                    ];
-                    for (q, v) in dot4(rows, bj).into_iter().enumerate() {
-                        cols[(r + q) * w + j - j0] = v;
+        // the loops compiled for the run-time kernel level (AVX2 or plain)
+        ramus_core::simd!({
+            if trans_b {
+                // B's rows are the outer loop, so each is read from memory once
+                // and meets every row of A (which stays in L1), four at a time
+                for j in j0..j1 {
+                    let bj = &b[j * k..(j + 1) * k];
+                    let mut r = 0;
+                    while r + 4 <= m {
+                        let rows = [
+                            &a[r * k..(r + 1) * k],
+                            &a[(r + 1) * k..(r + 2) * k],
+                            &a[(r + 2) * k..(r + 3) * k],
+                            &a[(r + 3) * k..(r + 4) * k],
+                        ];
+                        for (q, v) in dot4(rows, bj).into_iter().enumerate() {
+                            cols[(r + q) * w + j - j0] = v;
+                        }
+                        r += 4;
                     }
-                    r += 4;
-                }
-                for r in r..m {
-                    cols[r * w + j - j0] = dot(&a[r * k..(r + 1) * k], bj);
-                }
-            }
-        } else {
-            cols.iter_mut().for_each(|x| *x = T::ZERO);
-            // each row of B is read once and added into every output row
-            for p in 0..k {
-                let brow = &b[p * n + j0..p * n + j1];
-                for r in 0..m {
-                    let av = a[r * k + p];
-                    for (o, &bv) in cols[r * w..(r + 1) * w].iter_mut().zip(brow) {
-                        *o += av * bv;
+                    for r in r..m {
+                        cols[r * w + j - j0] = dot(&a[r * k..(r + 1) * k], bj);
                     }
                 }
+            } else {
+                cols.iter_mut().for_each(|x| *x = T::ZERO);
+                // each row of B is read once and added into every output row
+                for p in 0..k {
+                    let brow = &b[p * n + j0..p * n + j1];
+                    for r in 0..m {
+                        let av = a[r * k + p];
+                        for (o, &bv) in cols[r * w..(r + 1) * w].iter_mut().zip(brow) {
+                            *o += av * bv;
+                        }
+                    }
+                }
             }
-        }
+        })
     };
     if threads == 1 {
         fill(0, n, out);
@@ -186,7 +189,7 @@ fn small_m<T: Real>(a: &[T], b: &[T], out: &mut [T], m: usize, k: usize, n: usiz
 /// Four dot products against one shared vector `y` (y is loaded once for
 /// all four rows; fixed-size chunks keep the loop free of bounds checks, so
 /// it vectorizes).
-#[inline]
+#[inline(always)]
 fn dot4<T: Real>(x: [&[T]; 4], y: &[T]) -> [T; 4] {
     let mut acc = [[T::ZERO; 8]; 4];
     let (yc, _) = y.as_chunks::<8>();
@@ -223,7 +226,7 @@ fn dot4<T: Real>(x: [&[T]; 4], y: &[T]) -> [T; 4] {
 }
 
 /// Dot product with eight independent accumulators (vectorizes).
-#[inline]
+#[inline(always)]
 pub(crate) fn dot<T: Real>(x: &[T], y: &[T]) -> T {
     let mut acc = [T::ZERO; 8];
     let (xc, xr) = x.as_chunks::<8>();

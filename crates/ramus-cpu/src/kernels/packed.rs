@@ -1,7 +1,9 @@
 //! A static matrix operand (weights) packed once per pass into column
 //! panels ([`PackedB`]) and the register-blocked product against it
-//! ([`gemm_packed`]), with explicit FMA kernels for f32 on x86-64.
+//! ([`gemm_packed`]), with explicit FMA kernels for f32 on x86-64 chosen
+//! at run time ([`ramus_core::isa`]).
 
+use ramus_core::isa::{isa, Isa};
 use ramus_core::real::Real;
 
 /// Columns per panel of a [`PackedB`].
@@ -45,18 +47,22 @@ impl<T: Real> PackedB<T> {
 /// `out = a · op(B)` for row-major `a` (`m x k`) against a packed `op(B)`:
 /// register blocks of up to `MR` (4) rows x `NR` (16) columns.
 pub fn gemm_packed<T: Real>(a: &[T], m: usize, packed: &PackedB<T>, out: &mut [T]) {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ))]
+    gemm_packed_with(isa(), a, m, packed, out)
+}
+
+/// [`gemm_packed`] with the kernels of `isa` (which the processor must
+/// have: [`isa()`] or a level capped by it).
+fn gemm_packed_with<T: Real>(isa: Isa, a: &[T], m: usize, packed: &PackedB<T>, out: &mut [T]) {
+    #[cfg(target_arch = "x86_64")]
     if let (Some(a), Some(b), Some(out)) =
         (T::as_f32(a), T::as_f32(&packed.data), T::as_f32_mut(out))
     {
-        if fma::gemm_packed_f32(a, m, packed.k, packed.n, b, out) {
+        if fma::gemm_packed_f32_with(isa, a, m, packed.k, packed.n, b, out) {
             return;
         }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
     let mut r = 0;
     while r < m {
         match m - r {
@@ -93,19 +99,16 @@ fn block<T: Real, const R: usize>(a: &[T], r: usize, packed: &PackedB<T>, out: &
     }
 }
 
-/// The f32 packed kernels with explicit fused multiply-adds: AVX-512 when
-/// the processor has it (checked at run time), else AVX2. Products big
-/// enough to be worth a second thread split their panels (column blocks)
-/// over two threads, each writing its own columns of the output.
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-))]
+/// The f32 packed kernels with explicit fused multiply-adds: AVX-512 or
+/// AVX2/FMA, as [`Isa`] says (decided from the processor's features).
+/// Products big enough to be worth a second thread split their panels
+/// (column blocks) over two threads, each writing its own columns of the
+/// output.
+#[cfg(target_arch = "x86_64")]
 mod fma {
     use std::arch::x86_64::*;
 
-    use super::NR;
+    use super::{Isa, NR};
 
     /// The output matrix as a raw pointer with its row stride, so the two
     /// halves of a split product can write disjoint column ranges of the
@@ -122,34 +125,9 @@ mod fma {
     // SAFETY: as above; nothing reads through the pointer concurrently.
     unsafe impl Sync for OutPtr {}
 
-    /// Which kernel runs: the widest the processor supports.
-    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-    pub(super) enum Isa {
-        Avx2,
-        Avx512,
-    }
-
-    pub(super) fn best_isa() -> Isa {
-        if is_x86_feature_detected!("avx512f") {
-            Isa::Avx512
-        } else {
-            Isa::Avx2
-        }
-    }
-
-    /// `out = a · op(B)`; false (nothing written) when the operands are
-    /// too short for the shapes.
-    pub(super) fn gemm_packed_f32(
-        a: &[f32],
-        m: usize,
-        k: usize,
-        n: usize,
-        packed: &[f32],
-        out: &mut [f32],
-    ) -> bool {
-        gemm_packed_f32_with(best_isa(), a, m, k, n, packed, out)
-    }
-
+    /// `out = a · op(B)` with the kernels of `isa`; false (nothing
+    /// written) for `Isa::Portable` or when the operands are too short for
+    /// the shapes. `isa` must be one the processor has (see [`Isa`]).
     pub(super) fn gemm_packed_f32_with(
         isa: Isa,
         a: &[f32],
@@ -160,7 +138,11 @@ mod fma {
         out: &mut [f32],
     ) -> bool {
         let panels = n.div_ceil(NR);
-        if a.len() < m * k || out.len() < m * n || packed.len() < panels * k * NR {
+        if isa == Isa::Portable
+            || a.len() < m * k
+            || out.len() < m * n
+            || packed.len() < panels * k * NR
+        {
             return false;
         }
         let dst = OutPtr {
@@ -207,11 +189,15 @@ mod fma {
     ) {
         let (c0, c1) = (cols.start, cols.end);
         match isa {
-            // SAFETY: `Avx512` is only chosen when the processor has it;
+            // SAFETY: `Isa::Avx512` is only decided (or allowed by
+            // `set_isa`) when `is_x86_feature_detected!` found AVX-512F;
             // the rest is the caller's contract.
             Isa::Avx512 => unsafe { avx512::columns(a, m, k, c0, c1, panels, out) },
-            // SAFETY: the caller's contract.
+            // SAFETY: `Isa::Avx2` likewise means AVX2 and FMA were
+            // detected; the rest is the caller's contract.
             Isa::Avx2 => unsafe { avx2_columns(a, m, k, c0, c1, panels, out) },
+            // `gemm_packed_f32_with` refuses the portable level first.
+            Isa::Portable => {}
         }
     }
 
@@ -219,7 +205,8 @@ mod fma {
     /// accumulators.
     ///
     /// # Safety
-    /// As [`columns`].
+    /// The processor has AVX2 and FMA; otherwise as [`columns`].
+    #[target_feature(enable = "avx2,fma")]
     unsafe fn avx2_columns(
         a: &[f32],
         m: usize,
@@ -248,8 +235,9 @@ mod fma {
     }
 
     /// # Safety
-    /// As [`columns`], for rows `r..r + R`.
-    #[inline(always)]
+    /// As [`avx2_columns`], for rows `r..r + R`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
     unsafe fn avx2_block<const R: usize>(
         a: &[f32],
         r: usize,
@@ -264,8 +252,8 @@ mod fma {
             let j0 = c0 + p * NR;
             let w = NR.min(c1 - j0);
             let mut tile = [[0f32; NR]; R];
-            // SAFETY: this module is compiled only when AVX2 and FMA are
-            // enabled for the target. Loads read 8 floats at kk*16 and
+            // SAFETY: the caller checked AVX2 and FMA (`Isa::Avx2` or
+            // wider). Loads read 8 floats at kk*16 and
             // kk*16+8 of a panel of k*16 floats (kk < k) and single floats
             // of rows r..r+R of `a` (m*k floats, r+R <= m); stores write
             // 8 floats into `tile` rows of 16, then `w` floats of row r+q
@@ -460,20 +448,28 @@ mod tests {
         }
     }
 
-    /// Both explicit-FMA kernels (AVX2 and, where the processor has it,
-    /// AVX-512) against an f64 loop, over shapes that hit partial panels,
-    /// odd panel counts, every row-block size and the two-thread split.
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ))]
+    /// The levels this processor can run, narrowest first.
+    fn levels() -> Vec<Isa> {
+        let best = Isa::detected();
+        [Isa::Portable, Isa::Avx2, Isa::Avx512]
+            .into_iter()
+            .filter(|&i| i <= best)
+            .collect()
+    }
+
+    /// Every kernel level (portable, AVX2/FMA and, where the processor has
+    /// it, AVX-512) against an f64 loop and against each other, over shapes
+    /// that hit partial panels, odd panel counts, every row-block size and
+    /// the two-thread split.
+    ///
+    /// Each level sums `a[i][p]·b[p][j]` over `p` in the same order from 0;
+    /// the portable one rounds each product and each sum, the FMA ones only
+    /// each fused step, so either is within `γ_k·Σ|a·b|` of the exact sum
+    /// (`γ_k = k·u/(1 - k·u)`, `u = 2^-24`; Higham, Accuracy and Stability
+    /// of Numerical Algorithms, §3.1) and the two within twice that. The
+    /// AVX2 and AVX-512 kernels do the same fused steps: equal bit for bit.
     #[test]
-    fn every_fma_kernel_matches_f64_loops() {
-        let mut isas = vec![fma::Isa::Avx2];
-        if fma::best_isa() == fma::Isa::Avx512 {
-            isas.push(fma::Isa::Avx512);
-        }
+    fn every_kernel_level_matches_f64_loops_and_the_others() {
         let shapes = [
             (1, 1, 1),
             (3, 7, 15),
@@ -484,30 +480,49 @@ mod tests {
             (11, 256, 50),
             (128, 256, 768),
         ];
-        for isa in isas {
-            for &(m, k, n) in &shapes {
-                let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
-                let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
-                let packed = PackedB::pack(&b, n, k, n, false);
-                let mut out = vec![f32::NAN; m * n];
-                let ok = crate::parallel::join(
-                    || fma::gemm_packed_f32_with(isa, &a, m, k, n, &packed.data, &mut out),
-                    || (),
-                )
-                .0;
-                assert!(ok, "{isa:?} m={m} k={k} n={n}: refused");
-                for i in 0..m {
-                    for j in 0..n {
-                        let want: f64 = (0..k)
-                            .map(|p| a[i * k + p] as f64 * b[p * n + j] as f64)
-                            .sum();
+        for &(m, k, n) in &shapes {
+            let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
+            let packed = PackedB::pack(&b, n, k, n, false);
+            let outs: Vec<(Isa, Vec<f32>)> = levels()
+                .into_iter()
+                .map(|isa| {
+                    let mut out = vec![f32::NAN; m * n];
+                    crate::parallel::join(
+                        || gemm_packed_with(isa, &a, m, &packed, &mut out),
+                        || (),
+                    );
+                    (isa, out)
+                })
+                .collect();
+            let u = f64::from(f32::EPSILON) / 2.0;
+            let gamma = k as f64 * u / (1.0 - k as f64 * u);
+            for i in 0..m {
+                for j in 0..n {
+                    let terms = (0..k).map(|p| a[i * k + p] as f64 * b[p * n + j] as f64);
+                    let want: f64 = terms.clone().sum();
+                    let abs: f64 = terms.map(f64::abs).sum();
+                    let portable = outs[0].1[i * n + j] as f64;
+                    for (isa, out) in &outs {
                         let got = out[i * n + j] as f64;
                         assert!(
-                            (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                            (got - want).abs() <= gamma * abs,
                             "{isa:?} m={m} k={k} n={n} ({i},{j}): {got} vs {want}"
+                        );
+                        assert!(
+                            (got - portable).abs() <= 2.0 * gamma * abs,
+                            "{isa:?} vs portable m={m} k={k} n={n} ({i},{j}): {got} vs {portable}"
                         );
                     }
                 }
+            }
+            if let [_, (_, avx2), (_, avx512)] = &outs[..] {
+                assert!(
+                    avx2.iter()
+                        .zip(avx512)
+                        .all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "AVX2 and AVX-512 differ for m={m} k={k} n={n}"
+                );
             }
         }
     }

@@ -108,11 +108,13 @@ impl Kernel for SumRows {
         let a = &ctx.args[0];
         let w = a.ty.width();
         ctx.out.iter_mut().for_each(|x| *x = T::ZERO);
-        for src in row_chunks(a.floats(self.name())?, w, a.rows) {
-            for (o, &x) in ctx.out.iter_mut().zip(src) {
+        let data = a.floats(self.name())?;
+        let out = &mut *ctx.out;
+        ramus_core::simd!(for src in row_chunks(data, w, a.rows) {
+            for (o, &x) in out.iter_mut().zip(src) {
                 *o += x;
             }
-        }
+        });
         if self.mean && a.rows > 0 {
             let inv = T::ONE / T::from_f64(a.rows as f64);
             ctx.out.iter_mut().for_each(|x| *x *= inv);
