@@ -1,7 +1,7 @@
 //! Training and inference on an NVIDIA GPU.
 //!
-//! Trains the zoo's child-sum Tree-LSTM (`treelstm`) on the built-in
-//! synthetic treebank with the CUDA batched engine ([`CudaEngine`] under a
+//! Trains the zoo's binary Tree-LSTM (`treelstm-nary`, a loss at every
+//! labelled node) on the built-in synthetic treebank with the CUDA batched engine ([`CudaEngine`] under a
 //! [`CudaTrainer`], driven by the same [`Trainer`] as on the CPU), then
 //! scores the dev trees with the CUDA compiled inference engine
 //! ([`CompiledEngine`]: the model's cells lowered and generated as one
@@ -57,7 +57,7 @@ fn run() -> Result<(), Box<dyn Error>> {
         hidden: 64,
         classes: 5,
     };
-    let model = build_model("treelstm", &cfg)?;
+    let model = build_model("treelstm-nary", &cfg)?;
     let params = Params::<f32>::init(&model, 1);
     let optimizer = OptimizerConfig::new(OptimizerKind::Adagrad, 0.05);
 
