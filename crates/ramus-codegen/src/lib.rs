@@ -9,6 +9,34 @@
 //! * [`persistent`]: the persistent training engine's kernel (VPPS), for a
 //!   register plan and the model's fused groups, interpreting the scripts
 //!   `ramus_core::vpps` schedules.
+//!
+//! Generating needs no GPU (compiling the source does: `ramus-cuda`).
+//!
+//! ```
+//! use ramus_codegen::fused::FusedSource;
+//! use ramus_core::fusion::{fuse, Step};
+//! # use ramus_nn::{build_model, ModelConfig};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let model = build_model("treelstm", &ModelConfig { vocab: 10, hidden: 8, classes: 5 })?;
+//! // Every fused elementwise group of a model's forward vertex functions,
+//! // phase by phase, as a CUDA kernel named by a hash of its source.
+//! let mut kernels = Vec::new();
+//! for f in &model.functions {
+//!     let p = &f.forward_plan;
+//!     for nodes in [&p.eager, &p.per_task, &p.lazy] {
+//!         for step in fuse(&f.forward, nodes, &|_| false)?.steps {
+//!             if let Step::Fused(group) = step {
+//!                 kernels.push(group.kernel(&f.forward)?);
+//!             }
+//!         }
+//!     }
+//! }
+//! assert!(!kernels.is_empty());
+//! assert!(kernels[0].source.contains(&format!("__global__ void {}", kernels[0].name)));
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod compiled;
 pub mod fused;

@@ -4,6 +4,35 @@
 //! graph shapes (BiLSTM taggers, time-delay pyramids), the vocabulary, the built-in synthetic treebank and images, and the batch
 //! schedules (Cavs batching policy, DyNet agenda) that execution engines run,
 //! and the linearizer of the compiled (Cortex) engine.
+//!
+//! ```
+//! use ramus_graph::{ptb, synthetic, BatchingPolicy, Schedule, Vocab, VocabMode};
+//!
+//! # fn main() -> Result<(), ramus_graph::GraphError> {
+//! // Labelled trees in PTB brackets (the Stanford Sentiment Treebank's
+//! // format), one a line; the vocabulary grows with the words it meets.
+//! let mut vocab = Vocab::new();
+//! let text = "(1 (2 not) (3 good))\n(0 (2 very) (1 (2 not) (3 good)))";
+//! let trees = ptb::parse_trees(text, "<example>", VocabMode::Grow(&mut vocab))?;
+//! // vertices in post-order: children before parents, the root last
+//! assert_eq!(trees[0].len(), 3);
+//! assert_eq!(trees[0].roots(), vec![2]);
+//! assert_eq!(trees[1].root_label(), Some(0));
+//! assert_eq!(vocab.get("good"), Some(trees[0].tokens[1]));
+//!
+//! // The built-in synthetic treebank is in the same format; read with the
+//! // vocabulary frozen, unknown words are `<unk>`.
+//! let tb = synthetic::generate(synthetic::DEFAULT_SEED, (20, 5, 5));
+//! let dev = ptb::parse_trees(&tb.dev.join("\n"), "dev", VocabMode::Frozen(&vocab))?;
+//! assert_eq!(dev.len(), 5);
+//!
+//! // A batch's schedule: tasks of vertices that can run together (here one
+//! // vertex function for every vertex), children before their parents.
+//! let schedule = Schedule::build(&[&trees[0], &trees[1]], BatchingPolicy::Cavs, 1, |_, _| Ok(0))?;
+//! assert_eq!(schedule.tasks.len(), 3); // the leaves, then two levels of parents
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod binarize;
 pub mod images;
