@@ -452,19 +452,6 @@ fn training_engine(
     swap: ramus_cuda::SwapMode,
 ) -> AnyResult<Box<dyn ramus_exec::TrainEngine<f32>>> {
     let budget = a.device_memory_budget;
-    if a.accumulate > 1 && world.is_none() {
-        if swap != ramus_cuda::SwapMode::Off {
-            return Err("--accumulate: the swap path takes one batch a step".into());
-        }
-        let persistent = device::persistent_trainer(choice, need, &params, oc, budget)?;
-        return Ok(device::accumulating(
-            a.device,
-            need.model,
-            (params, oc),
-            budget,
-            persistent,
-        )?);
-    }
     if let Some(world) = world {
         let w = distributed::WorkerEngine {
             world,
@@ -477,18 +464,33 @@ fn training_engine(
         };
         return distributed::engine(w, (params, oc));
     }
-    Ok(
-        match device::persistent_trainer(choice, need, &params, oc, budget)? {
-            // checked before it allocated
-            Some(persistent) => Box::new(persistent),
-            None => {
-                let engine = device::engine(a.device, need.model, (params, oc), budget, swap)?;
-                let swapping = swap != ramus_cuda::SwapMode::Off;
-                need.check_device(engine.as_ref(), budget, swapping)?;
-                engine
-            }
-        },
-    )
+    // checked before it allocated
+    let persistent = device::persistent_trainer(choice, need, &params, oc, budget)?;
+    // steps of several batches, or per-parameter rates on the persistent
+    // engine: its updates split out of its kernel
+    let multipliers = a.rates.freeze_embeddings || a.rates.embedding_lr.is_some();
+    if a.accumulate > 1 || (multipliers && persistent.is_some()) {
+        if swap != ramus_cuda::SwapMode::Off {
+            return Err("--accumulate: the swap path takes one batch a step".into());
+        }
+        let (model, device) = (need.model, a.device);
+        return Ok(device::accumulating(
+            device,
+            model,
+            (params, oc),
+            budget,
+            persistent,
+        )?);
+    }
+    Ok(match persistent {
+        Some(persistent) => Box::new(persistent),
+        None => {
+            let engine = device::engine(a.device, need.model, (params, oc), budget, swap)?;
+            let swapping = swap != ramus_cuda::SwapMode::Off;
+            need.check_device(engine.as_ref(), budget, swapping)?;
+            engine
+        }
+    })
 }
 
 /// Starts `trainer`'s dropout stream from `seed`, or, resumed, makes the

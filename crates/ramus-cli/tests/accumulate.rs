@@ -94,3 +94,36 @@ fn flags_it_cannot_honour_are_refused() {
         &["--checkpoint-every 4", "--accumulate 3", "multiple of 3"],
     );
 }
+
+/// Per-parameter rates on the persistent engine: its updates leave the
+/// kernel (as for accumulation), so a frozen word table stays as it
+/// started while the other parameters train.
+#[test]
+fn the_persistent_engine_freezes_embeddings_with_split_updates() {
+    if let Err(e) = ramus_cuda::CudaDevice::probe(0) {
+        eprintln!("skipping: no GPU ({e})");
+        return;
+    }
+    let dir = fresh_dir("accumulate-freeze");
+    let gpu = [
+        "--device",
+        "cuda",
+        "--engine",
+        "persistent",
+        "--batch-size",
+        "8",
+    ];
+    let (start, frozen) = (
+        dir.join("start.safetensors"),
+        dir.join("frozen.safetensors"),
+    );
+    train(&start, &[&gpu[..], &["--lr", "0"]].concat());
+    let log = train(&frozen, &[&gpu[..], &["--freeze-embeddings"]].concat());
+    assert!(log.contains("cuda-persistent"), "{log}");
+    let (a, b) = (
+        common::saved_tensors(&start),
+        common::saved_tensors(&frozen),
+    );
+    assert_eq!(a["emb"], b["emb"], "the frozen table moved");
+    assert_ne!(a["W_out"], b["W_out"], "the classifier did not train");
+}

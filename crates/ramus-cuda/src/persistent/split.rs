@@ -46,6 +46,7 @@ impl PersistentTrainer {
             updated: false,
             weight: None,
             loss_sum: None,
+            lr_scales: Vec::new(),
             lists: Vec::new(),
             rates: Default::default(),
         });
@@ -83,6 +84,9 @@ impl PersistentTrainer {
             if let Some(host) = split.moments.take() {
                 opt.upload_from(self.engine.stream(), &host)
                     .map_err(device_err)?;
+            }
+            if !split.lr_scales.is_empty() {
+                opt.set_lr_scales(&split.lr_scales).map_err(device_err)?;
             }
             split.optimizer = Some((address, opt));
         }

@@ -52,6 +52,8 @@ pub(super) struct Split {
     pub(super) weight: Option<f64>,
     /// Where a step's loss is summed.
     pub(super) loss_sum: Option<PoolBuffer<f32>>,
+    /// Per-parameter rate multipliers (empty: none).
+    pub(super) lr_scales: Vec<f64>,
     /// The last update's row lists, alive until the stream has passed it.
     pub(super) lists: Vec<PoolBuffer<u32>>,
     /// The rates of the steps to come (a learning-rate schedule's), oldest
@@ -280,12 +282,20 @@ impl TrainEngine<f32> for PersistentTrainer {
     /// rate: multipliers other than 1 are refused, naming the parameter.
     fn set_lr_scales(&mut self, scales: &[f64]) -> ramus_exec::Result<()> {
         ramus_exec::optim::check_lr_scales(scales, self.model.params.len())?;
+        if let Some(split) = self.split.as_mut() {
+            // split: the device optimizer updates, each parameter at its rate
+            split.lr_scales = scales.to_vec();
+            if let Some((_, opt)) = split.optimizer.as_mut() {
+                opt.set_lr_scales(scales).map_err(exec_err)?;
+            }
+            return Ok(());
+        }
         match scales.iter().position(|&s| s != 1.0) {
             None => Ok(()),
             Some(p) => Err(ExecError::Config(format!(
                 "the cuda-persistent engine updates every parameter with one learning rate \
                  inside its training kernel: parameter `{}` cannot take a multiplier of {} \
-                 (frozen or separately-paced embeddings need --engine batched)",
+                 unless its updates are split out of the kernel (split_updates)",
                 self.model.params[p].name, scales[p]
             ))),
         }
