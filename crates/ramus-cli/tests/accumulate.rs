@@ -13,19 +13,13 @@ use common::{error_line, fresh_dir, largest_difference, ramus, ramus_ok, stdout}
 /// epoch's 250 steps into visible differences between any two orders of
 /// summing).
 fn train(save: &Path, extra: &[&str]) -> String {
-    let mut args = vec![
-        "train",
-        "--epochs",
-        "1",
-        "--hidden",
-        "16",
-        "--optimizer",
-        "adam",
-        "--lr",
-        "0.001",
-        "--seed",
-        "5",
-    ];
+    train_at("0.001", save, extra)
+}
+
+/// [`train`] at the rate `lr`.
+fn train_at(lr: &str, save: &Path, extra: &[&str]) -> String {
+    let mut args = vec!["train", "--epochs", "1", "--hidden", "16", "--seed", "5"];
+    args.extend(["--optimizer", "adam", "--lr", lr]);
     let save = save.to_str().expect("a UTF-8 path");
     args.extend(["--save", save]);
     args.extend_from_slice(extra);
@@ -117,7 +111,7 @@ fn the_persistent_engine_freezes_embeddings_with_split_updates() {
         dir.join("start.safetensors"),
         dir.join("frozen.safetensors"),
     );
-    train(&start, &[&gpu[..], &["--lr", "0"]].concat());
+    train_at("0", &start, &gpu);
     let log = train(&frozen, &[&gpu[..], &["--freeze-embeddings"]].concat());
     assert!(log.contains("cuda-persistent"), "{log}");
     let (a, b) = (

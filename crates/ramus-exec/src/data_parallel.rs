@@ -306,6 +306,9 @@ impl<T: Real, E: SplitStep<T>> TrainEngine<T> for DataParallel<T, E> {
         let plan = self.next_plan()?;
         self.step(None, &plan)
     }
+    fn takes_step_plans(&self) -> bool {
+        true
+    }
     fn set_step_plans(&mut self, plans: Vec<StepPlan>) -> Result<()> {
         self.plans.extend(plans);
         Ok(())

@@ -268,6 +268,14 @@ pub trait TrainEngine<T: Real> {
         )))
     }
 
+    /// Whether each step needs its plan first
+    /// ([`set_step_plans`](Self::set_step_plans)): a data-parallel engine's
+    /// (several ranks, gradient accumulation, or a split update on one
+    /// device).
+    fn takes_step_plans(&self) -> bool {
+        false
+    }
+
     /// The plans of the next steps of a data-parallel run, one a step in
     /// order (see [`crate::step_plan::StepPlan`]), set before their
     /// batches are submitted. Refused by an engine that trains alone.

@@ -164,9 +164,16 @@ impl<T: Real> Trainer<T> {
         };
         // and every rank's graphs of each batch, for its step's plan
         let k = self.accumulate.max(1);
-        let steps: Vec<&[usize]> = match (world, k) {
-            (1, 1) => Vec::new(),
-            _ => span.order.chunks(span.batch_size * world).collect(),
+        if k > 1 && !self.engine.takes_step_plans() {
+            return Err(ExecError::Config(format!(
+                "the {} engine takes one batch a step: accumulating {k} needs a \
+                 data-parallel one",
+                self.engine.name()
+            )));
+        }
+        let steps: Vec<&[usize]> = match self.engine.takes_step_plans() {
+            false => Vec::new(),
+            true => span.order.chunks(span.batch_size * world).collect(),
         };
         // windows of whole steps
         if !at.batches.is_multiple_of(k) || pauses.every.is_some_and(|n| !n.is_multiple_of(k)) {
