@@ -16,6 +16,19 @@ mod norm;
 pub use cnn::{ChannelShape, ColumnLayout};
 pub use norm::{BatchNormOperands, NormGradOperands, NormStats};
 
+/// Whether an elementwise `dst ∘ src` has work: an error when their
+/// lengths differ, `false` when they are empty.
+fn same_len(dst: DeviceView<f32>, src: DeviceView<f32>) -> Result<bool> {
+    if dst.len() != src.len() {
+        return Err(CudaError::BadArgument(format!(
+            "adding {} floats into {}",
+            src.len(),
+            dst.len()
+        )));
+    }
+    Ok(!dst.is_empty())
+}
+
 /// Source of the built-in kernels.
 pub const BUILTIN_SOURCE: &str = include_str!("builtin.cu");
 
@@ -377,14 +390,7 @@ impl Launcher {
         dst: DeviceView<f32>,
         src: DeviceView<f32>,
     ) -> Result<()> {
-        if dst.len() != src.len() {
-            return Err(CudaError::BadArgument(format!(
-                "adding {} floats into {}",
-                src.len(),
-                dst.len()
-            )));
-        }
-        if dst.is_empty() {
+        if !same_len(dst, src)? {
             return Ok(());
         }
         let n = dst.len() as u64;
@@ -405,14 +411,7 @@ impl Launcher {
         (dst, a): (DeviceView<f32>, f32),
         (src, b): (DeviceView<f32>, f32),
     ) -> Result<()> {
-        if dst.len() != src.len() {
-            return Err(CudaError::BadArgument(format!(
-                "adding {} floats into {}",
-                src.len(),
-                dst.len()
-            )));
-        }
-        if dst.is_empty() {
+        if !same_len(dst, src)? {
             return Ok(());
         }
         let n = dst.len() as u64;
