@@ -579,13 +579,16 @@ impl<'a> Producer<'_, 'a> {
             })
             .collect::<Result<_>>()?;
         let mut out = Vec::with_capacity(batches.len());
-        for (plan, step) in plans.iter().zip(batches.chunks(self.accumulate)) {
-            for b in 0..step.len() {
-                out.push(StepPlan {
-                    last: b + 1 == step.len(),
+        for (plan, step) in plans.into_iter().zip(batches.chunks(self.accumulate)) {
+            // the step's earlier batches take copies, its last the plan
+            if step.len() > 1 {
+                let earlier = StepPlan {
+                    last: false,
                     ..plan.clone()
-                });
+                };
+                out.extend(std::iter::repeat_n(earlier, step.len() - 1));
             }
+            out.push(plan);
         }
         Ok(out)
     }
