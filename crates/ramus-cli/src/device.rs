@@ -106,14 +106,15 @@ pub fn persistent_trainer(
 
 /// The training engine of gradient accumulation on one device: the
 /// `persistent` trainer if given (its updates split out of its kernel),
-/// else the batched engine of `device`, trained data-parallel over a group
-/// of one ([`Alone`]), whose steps take several batches.
+/// else the batched engine of `device` (on the swap path if `swap` says),
+/// trained data-parallel over a group of one ([`Alone`]), whose steps take
+/// several batches.
 pub fn accumulating(
     device: Device,
     model: &Model,
     (params, config): (Params<f32>, OptimizerConfig),
     budget: Option<u64>,
-    persistent: Option<PersistentTrainer>,
+    (persistent, swap): (Option<PersistentTrainer>, SwapMode),
 ) -> Result<Box<dyn TrainEngine<f32>>, String> {
     let alone = || Box::new(Alone);
     if let Some(mut trainer) = persistent {
@@ -128,10 +129,15 @@ pub fn accumulating(
             let trainer = CpuTrainer::new(model.clone(), params, config);
             Box::new(DataParallel::new(trainer, alone()))
         }
-        Device::Cuda => {
+        Device::Cuda if swap == SwapMode::Off => {
             let engine = cuda_engine(model, budget)?;
             let trainer = CudaTrainer::new(engine, model.clone(), params, config)
                 .map_err(|e| format!("--device cuda: {e}"))?;
+            Box::new(DataParallel::new(trainer, alone()))
+        }
+        Device::Cuda => {
+            let swap = SwapConfig::with_mode(swap);
+            let trainer = swap_trainer(model, (params, config), budget, swap)?;
             Box::new(DataParallel::new(trainer, alone()))
         }
     })

@@ -16,6 +16,7 @@ use ramus_core::{Model, Params};
 use ramus_cuda::nccl::{self, NcclGroup};
 use ramus_cuda::persistent::{PersistentOptions, PersistentTrainer};
 use ramus_cuda::{CudaDevice, CudaEngine, CudaEngineOptions, CudaTrainer};
+use ramus_cuda::{SwapConfig, SwapMode, SwapTrainer};
 use ramus_dist::rendezvous::exchange_id;
 use ramus_dist::World;
 use ramus_exec::data_parallel::DataParallel;
@@ -263,7 +264,8 @@ pub(crate) struct WorkerEngine<'a> {
     pub world: &'a World,
     pub model: &'a Model,
     pub choice: TrainEngineChoice,
-    pub swapping: bool,
+    /// The swap path's mode (`Off`: the plain batched engine).
+    pub swap: SwapMode,
     pub budget: Option<u64>,
     /// `--dist-timeout`.
     pub timeout: Duration,
@@ -278,11 +280,6 @@ pub(crate) fn engine(
     (params, config): (Params<f32>, OptimizerConfig),
 ) -> AnyResult<Box<dyn TrainEngine<f32>>> {
     let world = w.world;
-    if w.swapping {
-        return Err(
-            "training on several GPUs does not swap yet: the swap path trains on one GPU".into(),
-        );
-    }
     let rank = |e: String| format!("rank {} of {}: {e}", world.rank, world.size);
     let gpu = |e: String| rank(format!("GPU {}: {e}", world.local_rank));
     if w.choice == TrainEngineChoice::Persistent {
@@ -303,6 +300,13 @@ pub(crate) fn engine(
         ..CudaEngineOptions::default()
     };
     options.pool.max_bytes = w.budget;
+    if w.swap != SwapMode::Off {
+        let swap = SwapConfig::with_mode(w.swap);
+        let trainer = SwapTrainer::new(w.model.clone(), &options, swap, params, config)
+            .map_err(|e| gpu(format!("--swap {}: {e}", w.swap.name())))?;
+        let group = join(world, trainer.engine().device(), w.timeout)?;
+        return Ok(Box::new(DataParallel::new(trainer, Box::new(group))));
+    }
     let engine = CudaEngine::new(w.model, &options).map_err(|e| gpu(e.to_string()))?;
     let trainer = CudaTrainer::new(engine, w.model.clone(), params, config)
         .map_err(|e| rank(e.to_string()))?;

@@ -452,12 +452,20 @@ fn training_engine(
     swap: ramus_cuda::SwapMode,
 ) -> AnyResult<Box<dyn ramus_exec::TrainEngine<f32>>> {
     let budget = a.device_memory_budget;
+    let swapping = swap != ramus_cuda::SwapMode::Off;
+    let no_swap = |persistent: bool| match a.swap.filter(|_| persistent && swapping) {
+        Some(asked) => Err(format!(
+            "--swap {asked}: the swap path runs on the batched engine, not on --engine persistent"
+        )),
+        None => Ok(()),
+    };
+    no_swap(choice == device::TrainEngineChoice::Persistent)?;
     if let Some(world) = world {
         let w = distributed::WorkerEngine {
             world,
             model: need.model,
             choice,
-            swapping: swap != ramus_cuda::SwapMode::Off,
+            swap,
             budget,
             timeout: distributed::timeout(a.dist_timeout)?,
             batch_size: a.batch_size,
@@ -466,27 +474,20 @@ fn training_engine(
     }
     // checked before it allocated
     let persistent = device::persistent_trainer(choice, need, &params, oc, budget)?;
+    no_swap(persistent.is_some())?;
     // steps of several batches, or per-parameter rates on the persistent
     // engine: its updates split out of its kernel
     let multipliers = a.rates.freeze_embeddings || a.rates.embedding_lr.is_some();
     if a.accumulate > 1 || (multipliers && persistent.is_some()) {
-        if swap != ramus_cuda::SwapMode::Off {
-            return Err("--accumulate: the swap path takes one batch a step".into());
-        }
         let (model, device) = (need.model, a.device);
-        return Ok(device::accumulating(
-            device,
-            model,
-            (params, oc),
-            budget,
-            persistent,
-        )?);
+        let engine = device::accumulating(device, model, (params, oc), budget, (persistent, swap))?;
+        need.check_device(engine.as_ref(), budget, swapping)?;
+        return Ok(engine);
     }
     Ok(match persistent {
         Some(persistent) => Box::new(persistent),
         None => {
             let engine = device::engine(a.device, need.model, (params, oc), budget, swap)?;
-            let swapping = swap != ramus_cuda::SwapMode::Off;
             need.check_device(engine.as_ref(), budget, swapping)?;
             engine
         }

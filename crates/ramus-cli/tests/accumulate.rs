@@ -1,6 +1,7 @@
 //! `ramus train --accumulate K`: K batches a step train as one batch of
 //! them all, on the CPU engine and (with a GPU) the CUDA batched and
-//! persistent engines; flags it cannot honour are refused by name.
+//! persistent engines and the swap path; flags it cannot honour are
+//! refused by name.
 
 mod common;
 
@@ -49,7 +50,7 @@ fn three_batches_a_step_train_as_one_batch_of_them_all() {
 }
 
 #[test]
-fn on_a_gpu_batched_and_persistent() {
+fn on_a_gpu_batched_persistent_and_swapping() {
     if let Err(e) = ramus_cuda::CudaDevice::probe(0) {
         eprintln!("skipping: no GPU ({e})");
         return;
@@ -63,6 +64,11 @@ fn on_a_gpu_batched_and_persistent() {
         "accumulate-persistent",
         &["--device", "cuda"],
         &["--engine", "persistent"],
+    );
+    check(
+        "accumulate-swap",
+        &["--device", "cuda"],
+        &["--swap", "naive"],
     );
 }
 

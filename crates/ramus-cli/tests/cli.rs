@@ -469,6 +469,17 @@ fn cuda_without_a_driver_is_a_one_line_error() {
         "1",
     ]);
     assert_one_line_error(&o, "applies to --device cuda");
+    // refused before any engine is made, so with or without a GPU
+    let o = ramus(&[
+        "train",
+        "--device",
+        "cuda",
+        "--engine",
+        "persistent",
+        "--swap",
+        "naive",
+    ]);
+    assert_one_line_error(&o, "--swap naive: the swap path runs on the batched engine");
     let o = ramus(&["train", "--device", "tpu"]);
     assert!(!o.status.success());
     assert!(

@@ -215,3 +215,19 @@ fn a_resnet_trains_on_two_gpus_with_checkpoints() {
     );
     assert!(ckpt.join("last.safetensors").exists(), "{text}");
 }
+
+/// The swap path on two GPUs: its op-by-op steps, summed over the ranks,
+/// train as the plain engine on one GPU at twice the batch.
+#[test]
+fn the_swap_path_on_two_gpus_trains_as_one_gpu() {
+    if !two_gpus() {
+        return;
+    }
+    let dir = fresh_dir("gpus-swap");
+    let (one, two) = (dir.join("one.safetensors"), dir.join("two.safetensors"));
+    succeeds(train(&one, &["--batch-size", "16"], &[]));
+    let swapping = ["--batch-size", "8", "--gpus", "2", "--swap", "naive"];
+    succeeds(train(&two, &swapping, &[]));
+    let d = largest_difference(&one, &two);
+    assert!(d < 2e-4, "{d}");
+}

@@ -26,6 +26,9 @@ pub struct CpuTrainer<T> {
     /// The gradients and loss of a step's batches so far, each scaled by
     /// its share of the step's head rows (gradient accumulation).
     accumulated: Option<(Grads<T>, f64)>,
+    /// A gradient buffer kept from the last accumulated step, so that
+    /// the next one allocates none.
+    spare: Option<Grads<T>>,
 }
 
 impl<T: Real> CpuTrainer<T> {
@@ -48,6 +51,7 @@ impl<T: Real> CpuTrainer<T> {
             model,
             state,
             accumulated: None,
+            spare: None,
         }
     }
 
@@ -131,9 +135,14 @@ impl<T: Real> SplitStep<T> for CpuTrainer<T> {
         };
         let grads = &mut self.state.grads;
         if !plan.last {
-            let (sum, sum_loss) = self
-                .accumulated
-                .get_or_insert_with(|| (Grads::zeros(&self.model), 0.0));
+            let (sum, sum_loss) = self.accumulated.get_or_insert_with(|| {
+                let mut sum = self
+                    .spare
+                    .take()
+                    .unwrap_or_else(|| Grads::zeros(&self.model));
+                sum.clear();
+                (sum, 0.0)
+            });
             sum.add_scaled(grads, T::from_f64(scale));
             *sum_loss += loss;
             return Ok(Vec::new());
@@ -142,6 +151,7 @@ impl<T: Real> SplitStep<T> for CpuTrainer<T> {
             // this batch's scaled share joins the sum: the step's gradients
             sum.add_scaled(grads, T::from_f64(scale));
             std::mem::swap(grads, &mut sum);
+            self.spare = Some(sum);
             (scale, loss) = (1.0, loss + sum_loss);
         }
         let united = plan.host_row_sets(&trained_params(grads));

@@ -69,13 +69,8 @@ extern "C" __global__ void ramus_fill(float* dst, u64 n, float value) {
     FOR_EACH(i, n) { dst[i] = value; }
 }
 
-// dst[i] += src[i] (parameter-gradient accumulation).
-extern "C" __global__ void ramus_add_into(float* dst, const float* __restrict__ src, u64 n) {
-    FOR_EACH(i, n) { dst[i] += src[i]; }
-}
-
-// dst[i] = a * dst[i] + b * src[i] (the gradients of batches accumulated
-// into a step, each scaled); with a == 0 dst is not read, with b == 0 src
+// dst[i] = a * dst[i] + b * src[i] (parameter-gradient accumulation, and
+// the gradients of batches accumulated into a step, each scaled); with a == 0 dst is not read, with b == 0 src
 // is not (it may then be dst itself: a scaling in place).
 extern "C" __global__ void ramus_scale_add(float* dst, const float* src, u64 n, float a,
                                            float b) {

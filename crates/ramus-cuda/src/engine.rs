@@ -56,6 +56,7 @@ mod resume;
 mod split;
 mod train;
 
+pub(crate) use split::SplitUpdate;
 pub use train::CudaTrainer;
 
 pub(crate) use cnn::cnn_workspace_floats;

@@ -35,12 +35,11 @@ pub const BUILTIN_SOURCE: &str = include_str!("builtin.cu");
 /// Marks "no row" in row-index arrays (see `builtin.cu`).
 pub const NONE: u32 = u32::MAX;
 
-const BUILTIN_KERNELS: [&str; 30] = [
+const BUILTIN_KERNELS: [&str; 29] = [
     "ramus_move_rows",
     "ramus_gemm_abt_small",
     "ramus_copy_columns",
     "ramus_fill",
-    "ramus_add_into",
     "ramus_scale_add",
     "ramus_sum_children",
     "ramus_expand_children",
@@ -77,7 +76,6 @@ enum Builtin {
     GemmAbtSmall,
     CopyColumns,
     Fill,
-    AddInto,
     ScaleAdd,
     SumChildren,
     ExpandChildren,
@@ -379,26 +377,6 @@ impl Launcher {
         // SAFETY: `dst` holds `n` floats.
         unsafe { launch.launch(elementwise_cfg(dst.len())) }
             .in_call("cuLaunchKernel(ramus_fill)")?;
-        self.count();
-        Ok(())
-    }
-
-    /// `dst += src` elementwise.
-    pub fn add_into(
-        &self,
-        stream: &CudaStream,
-        dst: DeviceView<f32>,
-        src: DeviceView<f32>,
-    ) -> Result<()> {
-        if !same_len(dst, src)? {
-            return Ok(());
-        }
-        let n = dst.len() as u64;
-        let mut launch = stream.launch_builder(self.function(Builtin::AddInto));
-        launch.arg(dst.kernel_arg()).arg(src.kernel_arg()).arg(&n);
-        // SAFETY: both views hold `n` floats.
-        unsafe { launch.launch(elementwise_cfg(dst.len())) }
-            .in_call("cuLaunchKernel(ramus_add_into)")?;
         self.count();
         Ok(())
     }

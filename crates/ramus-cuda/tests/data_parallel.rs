@@ -18,6 +18,7 @@ use ramus_conformance::zoo::{batch, Case};
 use ramus_cuda::nccl::{check_library, new_id, NcclGroup};
 use ramus_cuda::persistent::{PersistentOptions, PersistentTrainer};
 use ramus_cuda::{CudaDevice, CudaEngine, CudaEngineOptions, CudaTrainer};
+use ramus_cuda::{SwapConfig, SwapMode, SwapTrainer};
 use ramus_dist::rendezvous::exchange_id;
 use ramus_dist::{Shard, World};
 use ramus_exec::data_parallel::{Collective, DataParallel, SplitStep, StepPlan};
@@ -145,6 +146,17 @@ fn child_role() {
             PersistentTrainer::new(&case.model, &case.params(5), config(kind), &options).unwrap();
         trainer.split_updates().unwrap();
         let group = NcclGroup::join(trainer.persistent().device(), rank, world, &id).unwrap();
+        shards.train(DataParallel::new(trainer, Box::new(group)))
+    } else if kind == "swap" {
+        // op by op, every tensor freed after its last use
+        let options = CudaEngineOptions {
+            device: rank,
+            ..CudaEngineOptions::default()
+        };
+        let swap = SwapConfig::with_mode(SwapMode::Naive);
+        let (model, params) = (case.model.clone(), case.params(5));
+        let trainer = SwapTrainer::new(model, &options, swap, params, config(kind)).unwrap();
+        let group = NcclGroup::join(trainer.engine().device(), rank, world, &id).unwrap();
         shards.train(DataParallel::new(trainer, Box::new(group)))
     } else {
         let trainer = trainer(&case, rank, kind);
@@ -329,6 +341,7 @@ fn a_hung_rank_is_given_up_on_after_the_timeout() {
 fn a_group_of_one_trains_as_the_engine_alone() {
     check(1, "adam");
     check(1, "persistent");
+    check(1, "swap");
 }
 
 #[test]
@@ -353,8 +366,16 @@ fn the_persistent_engine_on_two_gpus_trains_as_one() {
     check(2, "persistent");
 }
 
+/// The swap path's op-by-op steps end in the batched engine's summed
+/// update: the same steps as the plain engine on one GPU.
+#[test]
+fn the_swap_path_on_two_gpus_trains_as_one() {
+    check(2, "swap");
+}
+
 #[test]
 fn four_gpus_train_as_one_with_four_times_the_batch() {
     check(4, "adam");
     check(4, "persistent");
+    check(4, "swap");
 }

@@ -191,7 +191,7 @@ impl<T: Real, E: SplitStep<T>> DataParallel<T, E> {
     /// returns the outcomes that came back meanwhile.
     pub fn step(&mut self, shard: Option<&Batch<'_>>, plan: &StepPlan) -> Result<Vec<StepOutcome>> {
         let started = Instant::now();
-        plan.scale(0)?;
+        plan.check()?;
         let outcomes = self
             .engine
             .split_step(self.collective.as_mut(), shard, plan)?;

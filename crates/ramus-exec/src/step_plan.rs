@@ -80,16 +80,23 @@ impl StepPlan {
         })
     }
 
-    /// A rank's share of the step's head rows: its gradients' and loss's
-    /// scale before the sum over the ranks. A step without head rows on
-    /// any rank is an error.
-    pub fn scale(&self, own_rows: usize) -> Result<f64> {
+    /// Refuses a step without head rows on any rank (nothing to average
+    /// its loss over).
+    pub fn check(&self) -> Result<()> {
         match self.rows {
             0 => Err(ExecError::Config(
                 "data-parallel step: no rank had a head row in this step".into(),
             )),
-            rows => Ok(own_rows as f64 / rows as f64),
+            _ => Ok(()),
         }
+    }
+
+    /// A rank's share of the step's head rows: its gradients' and loss's
+    /// scale before the sum over the ranks. A step without head rows on
+    /// any rank is an error ([`check`](Self::check)).
+    pub fn scale(&self, own_rows: usize) -> Result<f64> {
+        self.check()?;
+        Ok(own_rows as f64 / self.rows as f64)
     }
 
     /// The plan's rows as a host engine's row sets: for each trained

@@ -225,7 +225,7 @@ impl CudaEngine {
             Role::ParamGrad(p) => {
                 let src = self.float_view(g, o.node, own, fwd, range)?;
                 let dst = self.param_views()?.grads[p];
-                self.launcher.add_into(&stream, dst, src)?;
+                self.launcher.scale_add(&stream, (dst, 1.0), (src, 1.0))?;
             }
             Role::ParamRowGrad(p) => {
                 let values = self.float_view(g, o.node, own, fwd, range)?;

@@ -6,12 +6,122 @@
 //! loss on the device and copies it back with its status, so a step's
 //! outcome comes back with the next step's loss, or from
 //! [`finish`](ramus_exec::TrainEngine::finish), as on one GPU.
+//!
+//! The update half ([`CudaEngine::split_update`]) is shared with the swap
+//! path, whose op-by-op step ends in it.
 
+use ramus_core::Model;
 use ramus_exec::data_parallel::{Collective, DeviceBuffer, GradBuffer, SplitStep, StepPlan};
-use ramus_exec::{Batch, ExecError, Result, StepOutcome};
+use ramus_exec::{Batch, ExecError, OptimizerConfig, Result, StepOutcome};
 
-use super::{CudaTrainer, StepLoss};
-use crate::pool::DeviceView;
+use super::{CudaEngine, CudaTrainer, StepLoss};
+use crate::pool::{DeviceView, PoolBuffer};
+
+/// Gradient accumulation's buffer, kept across steps: the scaled
+/// gradients of a step's batches so far, then their scaled loss (one
+/// float past the gradients).
+pub(crate) struct Accumulator {
+    buf: PoolBuffer<f32>,
+    /// Whether the buffer holds a sum (a step's earlier batch added to it).
+    holding: bool,
+}
+
+/// What the update half of a split step works with; the batch's
+/// gradients are in the engine's gradient buffer and its mean loss in
+/// the optimizer's loss slot.
+pub(crate) struct SplitUpdate<'a> {
+    pub model: &'a Model,
+    pub config: &'a OptimizerConfig,
+    pub collective: &'a mut dyn Collective<f32>,
+    pub plan: &'a StepPlan,
+    /// This rank's head rows in the batch.
+    pub rows: usize,
+    pub accumulator: &'a mut Option<Accumulator>,
+    /// The plan's row lists, uploaded (`None`: uploaded here).
+    pub touched: Option<Vec<DeviceView<u32>>>,
+}
+
+impl CudaEngine {
+    /// An accumulator sized for the gradient buffer, made (empty) if
+    /// missing or of another size.
+    pub(crate) fn ensure_accumulator(&mut self, acc: &mut Option<Accumulator>) -> Result<()> {
+        let len = self.param_views()?.grad_all.len() + 1;
+        if acc.as_ref().is_none_or(|a| a.buf.len() != len) {
+            *acc = None;
+            let buf = self.pool.alloc::<f32>(len)?;
+            *acc = Some(Accumulator {
+                buf,
+                holding: false,
+            });
+        }
+        Ok(())
+    }
+
+    /// The update half of a data-parallel step: a batch before the step's
+    /// last adds its gradients and loss, scaled by its share of the step's
+    /// head rows, to the accumulator; the last adds the accumulator to its
+    /// own, sums both over the ranks and queues the fused update over the
+    /// plan's rows. Returns whether the update was queued (its loss then
+    /// comes back with its status).
+    pub(crate) fn split_update(&mut self, u: SplitUpdate<'_>) -> Result<bool> {
+        let stream = self.device.stream().clone();
+        let scale = u.plan.scale(u.rows)? as f32;
+        let grad_all = self.param_views()?.grad_all;
+        let slot = self.device_optimizer(u.model, u.config)?.loss_slot()?;
+        let n = grad_all.len();
+        if !u.plan.last {
+            self.ensure_accumulator(u.accumulator)?;
+            let acc = u
+                .accumulator
+                .as_mut()
+                .ok_or_else(|| ExecError::Device("gradient accumulation: no accumulator".into()))?;
+            let kept = if acc.holding { 1.0 } else { 0.0 };
+            let view = acc.buf.view();
+            let launcher = &self.launcher;
+            launcher.scale_add(&stream, (view.slice(0..n)?, kept), (grad_all, scale))?;
+            launcher.scale_add(&stream, (view.slice(n..n + 1)?, kept), (slot, scale))?;
+            acc.holding = true;
+            return Ok(false);
+        }
+        // the step's earlier batches, already scaled: this one's scale
+        // applied here and the sum's is one
+        let scale = match u.accumulator.as_mut().filter(|a| a.holding) {
+            Some(acc) => {
+                let view = acc.buf.view();
+                let launcher = &self.launcher;
+                launcher.scale_add(&stream, (grad_all, scale), (view.slice(0..n)?, 1.0))?;
+                launcher.scale_add(&stream, (slot, scale), (view.slice(n..n + 1)?, 1.0))?;
+                acc.holding = false;
+                1.0
+            }
+            None => scale,
+        };
+        let on_stream = |v: DeviceView<f32>| {
+            GradBuffer::Device(DeviceBuffer {
+                ptr: v.device_ptr(),
+                len: v.len(),
+                stream: stream.cu_stream() as u64,
+            })
+        };
+        let buffers = vec![on_stream(grad_all), on_stream(slot)];
+        u.collective.sum_buffers(buffers, f64::from(scale))?;
+        let touched = match u.touched {
+            Some(touched) => touched,
+            None => self
+                .upload_row_lists(&u.plan.row_sets)?
+                .into_iter()
+                .map(|(_, v)| v)
+                .collect(),
+        };
+        let report =
+            self.device_optimizer(u.model, u.config)?
+                .step(&stream, &touched, Some(slot), false)?;
+        for _ in 0..report.launches {
+            self.launcher.count();
+        }
+        Ok(true)
+    }
+}
 
 impl SplitStep<f32> for CudaTrainer {
     fn split_step(
@@ -38,55 +148,27 @@ impl SplitStep<f32> for CudaTrainer {
         };
         // the last step's status came back with this loss
         let previous = e.settle_step()?;
-        let scale = plan.scale(rows)?;
-        let grad_all = e.param_views()?.grad_all;
         match batch {
             Some(batch) => e.backward_on_device(model, params, batch)?,
-            None => e.launcher.fill(&stream, grad_all, 0.0)?,
-        }
-        // a step's batches before its last: their scaled gradients summed
-        if !plan.last {
-            let (sum, summed, kept) = match self.accumulated.take() {
-                Some((sum, summed)) => (sum, summed, 1.0),
-                None => (e.pool.alloc::<f32>(grad_all.len())?, 0.0, 0.0),
-            };
-            let grads = (grad_all, scale as f32);
-            e.launcher.scale_add(&stream, (sum.view(), kept), grads)?;
-            self.accumulated = Some((sum, summed + scale * loss));
-            return Ok(previous.into_iter().collect());
-        }
-        // the loss, summed with the gradients: this batch's and the step's
-        // scale, or (accumulated) the step's share already scaled
-        let (scale, loss) = match self.accumulated.take() {
-            Some((sum, summed)) => {
-                let grads = (grad_all, scale as f32);
-                e.launcher.scale_add(&stream, grads, (sum.view(), 1.0))?;
-                (1.0, summed + scale * loss)
+            None => {
+                let grad_all = e.param_views()?.grad_all;
+                e.launcher.fill(&stream, grad_all, 0.0)?
             }
-            None => (scale, loss),
-        };
+        }
         let slot = e.device_optimizer(model, config)?.loss_slot()?;
         e.staging.upload_slice(&[loss as f32], slot, &stream)?;
-        let on_stream = |v: DeviceView<f32>| {
-            GradBuffer::Device(DeviceBuffer {
-                ptr: v.device_ptr(),
-                len: v.len(),
-                stream: stream.cu_stream() as u64,
-            })
+        let update = SplitUpdate {
+            model,
+            config,
+            collective,
+            plan,
+            rows,
+            accumulator: &mut self.accumulated,
+            touched: None,
         };
-        collective.sum_buffers(vec![on_stream(grad_all), on_stream(slot)], scale)?;
-        let touched: Vec<DeviceView<u32>> = e
-            .upload_row_lists(&plan.row_sets)?
-            .into_iter()
-            .map(|(_, v)| v)
-            .collect();
-        let report =
-            e.device_optimizer(model, config)?
-                .step(&stream, &touched, Some(slot), false)?;
-        for _ in 0..report.launches {
-            e.launcher.count();
+        if e.split_update(update)? {
+            e.step_submitted(params, StepLoss::Device);
         }
-        e.step_submitted(params, StepLoss::Device);
         Ok(previous.into_iter().collect())
     }
 }

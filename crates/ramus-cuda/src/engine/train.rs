@@ -269,7 +269,7 @@ pub struct CudaTrainer {
     pub(crate) config: OptimizerConfig,
     /// The scaled gradients and loss of a step's batches so far (gradient
     /// accumulation, `engine/split.rs`).
-    pub(crate) accumulated: Option<(crate::pool::PoolBuffer<f32>, f64)>,
+    pub(crate) accumulated: Option<super::split::Accumulator>,
 }
 
 impl CudaTrainer {

@@ -34,6 +34,9 @@ pub(super) struct CudaSwapDevice<'a> {
     pub(super) touched: Vec<DeviceView<u32>>,
     pub(super) model: &'a Model,
     pub(super) config: Option<&'a OptimizerConfig>,
+    /// Whether the step ends in the fused update (else its caller updates
+    /// after the gradients are summed over the ranks: a split step).
+    pub(super) fused_update: bool,
     pub(super) batch: &'a Batch<'a>,
     /// Buffers of every graph's nodes, by [`GraphRef::index`]: index inputs
     /// and empty buffers fixed, every tensor present only while an op that
@@ -360,6 +363,7 @@ impl CudaSwapDevice<'_> {
                 output,
                 rows,
             } => self.accumulate_grad(graph, output, rows)?,
+            SwapOp::Optimizer if !self.fused_update => {}
             SwapOp::Optimizer => {
                 let config = self.config.ok_or_else(|| {
                     model_err("swap path: an optimizer step without an optimizer")

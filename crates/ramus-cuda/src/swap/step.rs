@@ -17,6 +17,23 @@ use crate::engine::CudaEngine;
 use crate::error::{model_err, InCall, Result};
 use crate::pool::DeviceView;
 
+/// How a training step on the swap path updates the parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Update {
+    /// The fused optimizer update, the step's last op.
+    Fused,
+    /// None: the caller sums the gradients over the ranks, then updates
+    /// (a data-parallel or accumulated step, `SplitStep`).
+    Split,
+}
+
+/// A training step's optimizer and update.
+#[derive(Clone, Copy)]
+struct Training<'a> {
+    config: &'a OptimizerConfig,
+    update: Update,
+}
+
 /// The no-swap mode's laid-out plan ([`crate::swap::resident_plan`]) for a
 /// static-graph step (a dynamic batch would pay the packing every batch),
 /// where its arena fits `room` (the largest free block plus the persistent
@@ -84,19 +101,21 @@ impl SwapRuntime {
         Ok((PrepKey::Dynamic(program.fingerprint(), kind), Some(program)))
     }
 
-    /// One training step on the swap path: forward, backward and the fused
-    /// optimizer update, op by op under the executor.
+    /// One training step on the swap path: forward, backward and (with
+    /// `update` [`Update::Fused`]) the fused optimizer update, op by op
+    /// under the executor. A split step leaves the update to its caller
+    /// and returns the batch's head rows with the step before's outcome.
     pub(super) fn train_step(
         &mut self,
         engine: &mut CudaEngine,
-        model: &Model,
-        params: &mut Params<f32>,
+        (model, params): (&Model, &mut Params<f32>),
         config: &OptimizerConfig,
         batch: &Batch<'_>,
-    ) -> Result<Option<StepOutcome>> {
+        update: Update,
+    ) -> Result<(Option<StepOutcome>, usize)> {
         engine.check_model(model)?;
         engine.track_running_stats = true;
-        let result = self.swap_step(engine, model, params, config, batch);
+        let result = self.swap_step(engine, (model, params), config, batch, update);
         engine.track_running_stats = false;
         if result.is_err() {
             self.abandon(engine);
@@ -107,11 +126,11 @@ impl SwapRuntime {
     fn swap_step(
         &mut self,
         engine: &mut CudaEngine,
-        model: &Model,
-        params: &mut Params<f32>,
+        (model, params): (&Model, &mut Params<f32>),
         config: &OptimizerConfig,
         batch: &Batch<'_>,
-    ) -> Result<Option<StepOutcome>> {
+        update: Update,
+    ) -> Result<(Option<StepOutcome>, usize)> {
         let s = &batch.schedule;
         // an evaluation pass may have grown the arena: the tensors need that room
         engine.reset_batch(true)?;
@@ -126,13 +145,16 @@ impl SwapRuntime {
         };
         let (key, fresh) = self.program_for(engine, model, s, model.head.rows, kind)?;
         let mut prep = self.prepared(engine, model, &key, fresh)?;
-        let result = self.swap_run(engine, &mut prep, model, Some(config), batch);
+        let training = Training { config, update };
+        let result = self.swap_run(engine, &mut prep, model, Some(training), batch);
         self.keep(key, prep);
         let (loss, _) = result?;
         // the step before's status came back before this step's loss
         let previous = engine.settle_step()?;
-        engine.step_submitted(params, crate::engine::StepLoss::Host(loss));
-        Ok(previous)
+        if update == Update::Fused {
+            engine.step_submitted(params, crate::engine::StepLoss::Host(loss));
+        }
+        Ok((previous, engine.batch_head_vertices().len()))
     }
 
     /// The prepared iteration for `key`, taken out of the runtime's cache
@@ -261,9 +283,11 @@ impl SwapRuntime {
         engine: &mut CudaEngine,
         prep: &mut Prepared,
         model: &Model,
-        config: Option<&OptimizerConfig>,
+        training: Option<Training<'_>>,
         batch: &Batch<'_>,
     ) -> Result<(f64, Vec<f32>)> {
+        let config = training.map(|t| t.config);
+        let fused_update = training.is_some_and(|t| t.update == Update::Fused);
         let nt = prep.program.trace.num_tensors();
         if self.slots.len() < nt {
             self.slots.resize_with(nt, Slot::default);
@@ -300,7 +324,7 @@ impl SwapRuntime {
         };
         // the embedding rows the batch touches (the optimizer updates only
         // those), uploaded with the index words before any op runs
-        let touched: Vec<DeviceView<u32>> = if config.is_some() {
+        let touched: Vec<DeviceView<u32>> = if fused_update {
             engine
                 .touched_rows(model, &batch.schedule)?
                 .into_iter()
@@ -339,6 +363,7 @@ impl SwapRuntime {
                 touched,
                 model,
                 config,
+                fused_update,
                 batch,
                 bufs: Vec::new(),
                 masks,

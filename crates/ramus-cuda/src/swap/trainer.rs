@@ -4,14 +4,16 @@
 //! op by op on the engine's kernels, under the [`ramus_swap::Executor`].
 
 use ramus_core::{HeadRows, Model, Params};
+use ramus_exec::data_parallel::{Collective, SplitStep, StepPlan};
 use ramus_exec::{Batch, ForwardOutput, Mode, TrainEngine, TrainState};
 use ramus_exec::{OptimizerConfig, StepOutcome};
 use ramus_swap::{SwapPlan, Trace};
 
 use super::runtime::SwapRuntime;
+use super::step::Update::{Fused, Split};
 use super::steps::{check_dynamic, check_static};
 use super::{SwapConfig, SwapMode, SwapStepReport};
-use crate::engine::{CudaEngine, CudaEngineOptions, CudaTrainer};
+use crate::engine::{CudaEngine, CudaEngineOptions, CudaTrainer, SplitUpdate, StepLoss};
 use crate::error::Result;
 
 /// The swap path as a training engine: a [`CudaTrainer`] whose steps (and
@@ -125,7 +127,9 @@ impl TrainEngine<f32> for SwapTrainer {
         let mut outcomes = Vec::new();
         for batch in batches {
             let (model, params, config) = (&inner.model, &mut inner.uploaded, &inner.config);
-            outcomes.extend(rt.train_step(&mut inner.engine, model, params, config, batch)?);
+            let trained = (model, &mut *params);
+            let (previous, _) = rt.train_step(&mut inner.engine, trained, config, batch, Fused)?;
+            outcomes.extend(previous);
         }
         Ok(outcomes)
     }
@@ -153,5 +157,46 @@ impl TrainEngine<f32> for SwapTrainer {
     }
     fn device_memory_room(&self) -> Option<u64> {
         self.inner.device_memory_room()
+    }
+}
+
+/// Data-parallel and accumulated steps on the swap path: the forward and
+/// backward passes op by op, then the batched engine's update half (the
+/// gradients summed over the ranks, the update over the step plan's rows).
+/// A rank without a batch in a step, and [`SwapMode::Off`], take the
+/// batched engine's split step.
+impl SplitStep<f32> for SwapTrainer {
+    fn split_step(
+        &mut self,
+        collective: &mut dyn Collective<f32>,
+        batch: Option<&Batch<'_>>,
+        plan: &StepPlan,
+    ) -> ramus_exec::Result<Vec<StepOutcome>> {
+        let inner = &mut self.inner;
+        let (Some(rt), Some(batch)) = (self.rt.as_mut(), batch) else {
+            return inner.split_step(collective, batch, plan);
+        };
+        let engine = &mut inner.engine;
+        let (model, params, config) = (&inner.model, &mut inner.uploaded, &inner.config);
+        if !plan.last {
+            // fixed memory like the optimizer's state: before the step's tensors
+            engine.sync_params(model, params)?;
+            engine.ensure_accumulator(&mut inner.accumulated)?;
+        }
+        let (previous, rows) =
+            rt.train_step(engine, (model, &mut *params), config, batch, Split)?;
+        let update = SplitUpdate {
+            model,
+            config,
+            collective,
+            plan,
+            rows,
+            accumulator: &mut inner.accumulated,
+            touched: None,
+        };
+        if engine.split_update(update)? {
+            engine.step_submitted(params, StepLoss::Device);
+        }
+        Ok(previous.into_iter().collect())
     }
 }
