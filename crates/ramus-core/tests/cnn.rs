@@ -1345,6 +1345,7 @@ fn kernels_reject_inconsistent_arguments() {
             vertex_rows: out_rows,
             edge_parent: &[],
             packed_b: None,
+            norm_sum: None,
         };
         kernels::run::<f64>(&op.clone().into(), &mut ctx)
             .expect_err("kernel should fail")

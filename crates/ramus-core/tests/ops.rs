@@ -2236,6 +2236,7 @@ fn kernels_reject_inconsistent_arguments() {
         vertex_rows: 2,
         edge_parent: &[0, 0, 1],
         packed_b: None,
+        norm_sum: None,
     };
     let err = kernels::run::<f64>(&SumChildren.into(), &mut ctx)
         .unwrap_err()
@@ -2257,6 +2258,7 @@ fn kernels_reject_inconsistent_arguments() {
         vertex_rows: 2,
         edge_parent: &[],
         packed_b: None,
+        norm_sum: None,
     };
     let err = kernels::run::<f64>(&Exp.into(), &mut ctx)
         .unwrap_err()
@@ -2278,6 +2280,7 @@ fn kernels_reject_inconsistent_arguments() {
         vertex_rows: 2,
         edge_parent: &[],
         packed_b: None,
+        norm_sum: None,
     };
     let err = kernels::run::<f64>(&Neg.into(), &mut ctx)
         .unwrap_err()

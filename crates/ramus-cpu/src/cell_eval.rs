@@ -99,6 +99,7 @@ pub fn map_rows<T: Real>(
         vertex_rows: rows,
         edge_parent: &[],
         packed_b: None,
+        norm_sum: None,
     };
     kernels::run(op, &mut ctx)
 }

@@ -127,6 +127,7 @@ impl<T: Real> SplitStep<T> for CpuTrainer<T> {
         batch: Option<&Batch<'_>>,
         plan: &StepPlan,
     ) -> Result<Vec<StepOutcome>> {
+        (self.engine).start_norm_step(batch.is_some(), &self.state.params)?;
         let (loss, rows) = self.gradients_and_rows(batch)?;
         let mut scale = plan.scale(rows)?;
         let mut loss = match rows {

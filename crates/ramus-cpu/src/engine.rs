@@ -28,17 +28,20 @@ use ramus_graph::{Schedule, NO_LABEL};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+use ramus_exec::data_parallel::Collective;
 use ramus_exec::{Batch, ExecError, ForwardOutput, Mode, Range, Result};
 
 mod arena;
 mod inputs;
 mod nodes;
+mod norm_sync;
 use arena::{Arena, Packs, Span};
 use inputs::{copy_vertex_rows, fill_dropout_masks};
 use nodes::{
     accumulate_param_grads, ancestors, local_edges, resolve_floats, run_all_rows, run_node,
     run_nodes, running_stat_updates,
 };
+use norm_sync::{NormShare, NormSync};
 use ramus_exec::memory::embedding_rows;
 use ramus_exec::pulled_values;
 
@@ -67,6 +70,9 @@ pub struct CpuEngine<T> {
     /// New values of the running-statistics buffers from the last
     /// train-mode forward pass, not yet applied ([`CpuEngine::apply_running_stats`]).
     running_stats: Vec<(ParamId, Vec<T>)>,
+    /// Synchronized batch normalisation's group handle (a data-parallel
+    /// rank with `--sync-bn`).
+    norm_sync: Option<NormShare<T>>,
 }
 
 /// Per-token tables of each vertex function's token-only values (see
@@ -118,7 +124,36 @@ impl<T: Real> CpuEngine<T> {
             spin: rayon::current_num_threads() > 1,
             helper: None,
             running_stats: Vec::new(),
+            norm_sync: None,
         }
+    }
+
+    /// Makes training passes normalise batches with the statistics of
+    /// every rank's rows, summed through `collective` (another handle on
+    /// the rank's data-parallel group, [`Collective::handle`]).
+    pub fn sync_batch_norm(&mut self, collective: Box<dyn Collective<T>>) {
+        self.norm_sync = Some(NormSync::share(collective));
+    }
+
+    /// Synchronized batch normalisation: before a step's passes on this
+    /// rank's rows, or (`rows` false) in their stead, summing zeros where
+    /// they would have summed statistics.
+    pub(crate) fn start_norm_step(&mut self, rows: bool, params: &Params<T>) -> Result<()> {
+        let Some(share) = &self.norm_sync else {
+            return Ok(());
+        };
+        let mut sync = norm_sync::lock(share)?;
+        if rows {
+            sync.start_step();
+        } else {
+            self.running_stats = sync.stand_in(params)?;
+        }
+        Ok(())
+    }
+
+    /// The group handle for an arena of a pass in `mode`.
+    fn norm_share(&self, mode: Mode) -> Option<NormShare<T>> {
+        self.norm_sync.clone().filter(|_| mode == Mode::Train)
     }
 
     /// Leaf specialisation for evaluation and inference: with `Some(vocab)`,
@@ -355,9 +390,11 @@ impl<T: Real> CpuEngine<T> {
     ) -> Result<()> {
         let func = &model.functions[f];
         let rows = &s.functions[f];
+        let share = self.norm_share(mode);
         let arena = &mut self.fwd[f];
         arena.prepare(&func.forward, rows.rows(), rows.edges());
         arena.inference = mode != Mode::Train;
+        arena.norm_sync = share;
         fill_dropout_masks(&func.forward, arena, mode == Mode::Train, &mut self.rng);
         if let Some(tok) = func.forward.input_node(Source::Token) {
             for (dst, &v) in arena.idx[tok].iter_mut().zip(&rows.vertex) {
@@ -539,6 +576,7 @@ impl<T: Real> CpuEngine<T> {
         let g = &head.forward;
         self.head_fwd.prepare(g, h, 0);
         self.head_fwd.inference = mode != Mode::Train;
+        self.head_fwd.norm_sync = self.norm_share(mode);
         fill_dropout_masks(g, &mut self.head_fwd, mode == Mode::Train, &mut self.rng);
         if let Some(inp) = g.input_node(Source::HeadInput) {
             let pw = g.nodes[inp].ty.width();
@@ -687,6 +725,7 @@ impl<T: Real> CpuEngine<T> {
         let hb = &head.backward;
         let h = self.head_vertices.len();
         self.head_bwd.prepare(hb, h, 0);
+        self.head_bwd.norm_sync = self.norm_share(Mode::Train);
         let loss_output = head
             .forward
             .outputs
@@ -715,6 +754,7 @@ impl<T: Real> CpuEngine<T> {
         for (f, func) in model.functions.iter().enumerate() {
             let rows = &s.functions[f];
             self.bwd[f].prepare(&func.backward, rows.rows(), rows.edges());
+            self.bwd[f].norm_sync = self.norm_share(Mode::Train);
             for v in self.bwd[f].vals.iter_mut() {
                 v.iter_mut().for_each(|x| *x = T::ZERO);
             }

@@ -319,6 +319,7 @@ fn run_members<T: Real>(
                 vertex_rows: rows,
                 edge_parent: &[],
                 packed_b: None,
+                norm_sum: None,
             };
             kernels::run(op, &mut ctx)
                 .map_err(|e| node_error(graph, m, format!("in {}: {e}", group.describe())))?;

@@ -37,6 +37,7 @@ fn run(
         vertex_rows: ROWS,
         edge_parent: &[],
         packed_b: packed,
+        norm_sum: None,
     };
     kernels::run(op, &mut ctx).unwrap_or_else(|e| panic!("{op:?} at {isa:?}: {e}"));
     out

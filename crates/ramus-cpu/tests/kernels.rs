@@ -24,6 +24,7 @@ fn on_zeros(op: &Op, arity: usize) -> Vec<f32> {
         vertex_rows: 2,
         edge_parent: &[],
         packed_b: None,
+        norm_sum: None,
     };
     kernels::run(op, &mut ctx).unwrap_or_else(|e| panic!("{op:?}: {e}"));
     out

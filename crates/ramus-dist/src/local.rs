@@ -45,6 +45,9 @@ struct Shared {
 pub struct LocalRank<T> {
     rank: usize,
     shared: Arc<Shared>,
+    /// The rank's own handle (dropping it leaves the group), not one made
+    /// by [`Collective::handle`].
+    primary: bool,
     _values: PhantomData<fn(T) -> T>,
 }
 
@@ -67,6 +70,7 @@ pub fn local_group<T: Real>(world: usize, timeout: Duration) -> Vec<LocalRank<T>
         .map(|rank| LocalRank {
             rank,
             shared: shared.clone(),
+            primary: true,
             _values: PhantomData,
         })
         .collect()
@@ -159,6 +163,9 @@ impl<T> LocalRank<T> {
 
 impl<T> Drop for LocalRank<T> {
     fn drop(&mut self) {
+        if !self.primary {
+            return;
+        }
         if let Ok(mut st) = self.shared.state.lock() {
             st.left[self.rank] = true;
             self.shared.wake.notify_all();
@@ -169,6 +176,15 @@ impl<T> Drop for LocalRank<T> {
 impl<T: Real> Collective<T> for LocalRank<T> {
     fn rank(&self) -> usize {
         self.rank
+    }
+
+    fn handle(&self) -> Option<Box<dyn Collective<T>>> {
+        Some(Box::new(LocalRank::<T> {
+            rank: self.rank,
+            shared: self.shared.clone(),
+            primary: false,
+            _values: PhantomData,
+        }))
     }
 
     fn world(&self) -> usize {

@@ -14,7 +14,7 @@ use ramus_conformance::close::{assert_close, assert_close_value, Tolerance};
 use ramus_conformance::zoo::{batch, Case};
 use ramus_cpu::CpuTrainer;
 use ramus_dist::{local_group, Shard};
-use ramus_exec::data_parallel::{DataParallel, StepPlan};
+use ramus_exec::data_parallel::{Collective, DataParallel, StepPlan};
 use ramus_exec::{OptimizerConfig, OptimizerKind, TrainEngine, TrainState};
 use ramus_graph::InputGraph;
 
@@ -49,22 +49,32 @@ fn single(case: &Case, order: &[usize], batch_size: usize, config: OptimizerConf
     }
 }
 
-fn data_parallel(
-    case: &Case,
-    order: &[usize],
+/// How the ranks of a test run train.
+#[derive(Clone, Copy)]
+struct Ranks {
     world: usize,
     per_rank: usize,
-    config: OptimizerConfig,
-) -> Vec<Run> {
-    let ranks = local_group::<f64>(world, Duration::from_secs(60));
+    /// Synchronized batch normalisation.
+    sync_bn: bool,
+}
+
+fn data_parallel(case: &Case, order: &[usize], ranks: Ranks, config: OptimizerConfig) -> Vec<Run> {
+    let Ranks {
+        world, per_rank, ..
+    } = ranks;
+    let group = local_group::<f64>(world, Duration::from_secs(60));
     std::thread::scope(|s| {
-        let handles: Vec<_> = ranks
+        let handles: Vec<_> = group
             .into_iter()
             .enumerate()
             .map(|(r, rank)| {
                 s.spawn(move || {
                     let model = &case.model;
-                    let engine = CpuTrainer::new(model.clone(), case.params(5).cast(), config);
+                    let mut engine = CpuTrainer::new(model.clone(), case.params(5).cast(), config);
+                    if ranks.sync_bn {
+                        let handle = rank.handle().unwrap();
+                        engine.engine_mut().sync_batch_norm(handle);
+                    }
                     let mut dp = DataParallel::new(engine, Box::new(rank));
                     let shard = Shard::new(r, world).unwrap();
                     let global = order.chunks(world * per_rank);
@@ -98,14 +108,28 @@ fn data_parallel(
 /// `world` ranks of `per_rank` graphs and by one engine of
 /// `world × per_rank`.
 fn check(name: &'static str, graphs: usize, world: usize, per_rank: usize) {
+    let ranks = Ranks {
+        world,
+        per_rank,
+        sync_bn: false,
+    };
+    check_ranks(name, graphs, ranks);
+}
+
+/// [`check`] with `ranks`; with synchronized batch norm the running
+/// statistics too must be the single run's.
+fn check_ranks(name: &'static str, graphs: usize, ranks: Ranks) {
+    let Ranks {
+        world, per_rank, ..
+    } = ranks;
     let case = Case::new(name, graphs, 1, 17).unwrap();
     let mut order: Vec<usize> = (0..graphs).collect();
     order.shuffle(&mut ChaCha8Rng::seed_from_u64(3));
     for kind in [OptimizerKind::Sgd, OptimizerKind::Adam] {
         let what = format!("{name}, {world} ranks × {per_rank}, {kind:?}");
         let want = single(&case, &order, world * per_rank, config(kind));
-        let ranks = data_parallel(&case, &order, world, per_rank, config(kind));
-        for (r, got) in ranks.iter().enumerate() {
+        let runs = data_parallel(&case, &order, ranks, config(kind));
+        for (r, got) in runs.iter().enumerate() {
             assert_eq!(got.losses.len(), want.losses.len(), "{what}: steps");
             for (step, (w, g)) in want.losses.iter().zip(&got.losses).enumerate() {
                 assert_close_value(
@@ -124,14 +148,14 @@ fn check(name: &'static str, graphs: usize, world: usize, per_rank: usize) {
                 let g = got.state.params.values[p].data();
                 let w = want.state.params.values[p].data();
                 let label = format!("{what}: rank {r} {}", spec.name);
-                if case.model.is_buffer(p) {
+                if case.model.is_buffer(p) && !ranks.sync_bn {
                     continue;
                 }
                 assert_close(&label, w, g, REORDERED_F64);
                 // every rank holds the same sums: the replicas are identical
                 assert_eq!(
                     g,
-                    ranks[0].state.params.values[p].data(),
+                    runs[0].state.params.values[p].data(),
                     "{label} vs rank 0"
                 );
             }
@@ -165,6 +189,21 @@ fn language_model_whose_ranks_have_different_row_counts() {
 #[test]
 fn cnn_without_batch_norm() {
     check("alexnet", 9, 2, 2);
+}
+
+/// Synchronized batch norm: ranks normalise with the statistics of every
+/// rank's images, so N ranks of B take the steps of one run of N·B, its
+/// running statistics included. 9 images, 2 ranks of 2: the last step's
+/// one image leaves rank 1 without rows, which sums zeros in its stead.
+#[test]
+fn resnet_with_synchronized_batch_norm() {
+    let ranks = Ranks {
+        world: 2,
+        per_rank: 2,
+        sync_bn: true,
+    };
+    check_ranks("resnet", 9, ranks);
+    check_ranks("resnet", 7, Ranks { world: 3, ..ranks });
 }
 
 /// The training loop's epochs on N ranks (each its shard, the last global

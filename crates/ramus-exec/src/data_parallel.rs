@@ -74,6 +74,13 @@ pub trait Collective<T>: Send {
     /// ranks, each rank's multiplied by its own `scale` first (`buffers`
     /// in the same order and sizes on every rank).
     fn sum_buffers(&mut self, buffers: Vec<GradBuffer<'_, T>>, scale: f64) -> Result<()>;
+    /// Another handle on this rank's place in the group, for the
+    /// collectives an engine makes inside its passes (synchronized batch
+    /// normalisation): calls through either handle take their turns in one
+    /// sequence. `None` where the group cannot make one.
+    fn handle(&self) -> Option<Box<dyn Collective<T>>> {
+        None
+    }
 }
 
 /// An engine whose training step meets the other ranks where data
@@ -142,6 +149,9 @@ impl<T: Real> Collective<T> for Alone {
             }
         }
         Ok(())
+    }
+    fn handle(&self) -> Option<Box<dyn Collective<T>>> {
+        Some(Box::new(Alone))
     }
 }
 

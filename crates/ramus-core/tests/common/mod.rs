@@ -180,6 +180,7 @@ pub fn run_op(
         vertex_rows: topo.vertex_rows,
         edge_parent: &topo.edge_parent,
         packed_b: None,
+        norm_sum: None,
     };
     kernels::run::<f64>(&op.clone().into(), &mut ctx).map_err(|e| e.to_string())?;
     Ok((out_ty, out))
@@ -220,6 +221,7 @@ pub fn run_op_f32(
         vertex_rows: topo.vertex_rows,
         edge_parent: &topo.edge_parent,
         packed_b: None,
+        norm_sum: None,
     };
     kernels::run::<f32>(&op.clone().into(), &mut ctx).map_err(|e| e.to_string())?;
     Ok(out.into_iter().map(f64::from).collect())
@@ -290,6 +292,7 @@ pub fn eval(
                     vertex_rows: topo.vertex_rows,
                     edge_parent: &topo.edge_parent,
                     packed_b: None,
+                    norm_sum: None,
                 };
                 kernels::run::<f64>(op, &mut ctx)
                     .map_err(|e| format!("node %{n} ({}): {e}", op.signature()))?;

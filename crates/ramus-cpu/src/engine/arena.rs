@@ -18,6 +18,9 @@ pub(super) struct Arena<T> {
     /// Set for evaluation and inference passes: nodes whose op has an
     /// inference form ([`ramus_core::ops::Op::inference_op`]) run that instead.
     pub(super) inference: bool,
+    /// Set in the training passes of a data-parallel rank with
+    /// synchronized batch normalisation.
+    pub(super) norm_sync: Option<super::norm_sync::NormShare<T>>,
 }
 
 impl<T: Real> Arena<T> {

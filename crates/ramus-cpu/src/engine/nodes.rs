@@ -13,7 +13,8 @@ use ramus_exec::{ExecError, Result};
 
 use ramus_exec::Range;
 
-use crate::kernels::{self, update_running_stats, Arg, ArgData, KernelCtx, PackedB};
+use super::norm_sync;
+use crate::kernels::{self, update_running_stats, Arg, ArgData, KernelCtx, NormSum, PackedB};
 
 use super::arena::{Arena, Packs, Span};
 
@@ -179,6 +180,14 @@ pub(super) fn run_node<T: Real>(
     };
     let op = substitute.as_ref().unwrap_or(op);
     let packed_key = packed_weight(g, node, op, range, params, packs);
+    // synchronized batch norm: the training pass's batch statistics over the ranks
+    let share = match op {
+        Op::BatchNorm(_) | Op::BatchNormBackwardInput(_) | Op::BatchNormBackwardGamma(_) => {
+            own.norm_sync.clone()
+        }
+        _ => None,
+    };
+    let mut sync = share.as_ref().map(norm_sync::lock).transpose()?;
     let packs = &*packs;
     let mut out = std::mem::take(&mut own.vals[n]);
     let result = (|| {
@@ -219,6 +228,7 @@ pub(super) fn run_node<T: Real>(
             vertex_rows: range.r1 - range.r0,
             edge_parent,
             packed_b: packed_key.and_then(|key| packs.get(&key)),
+            norm_sum: sync.as_deref_mut().map(|s| s as &mut dyn NormSum),
         };
         kernels::run(op, &mut ctx).map_err(ExecError::from)
     })();
@@ -276,7 +286,12 @@ pub(super) fn running_stat_updates<T: Real>(
                 values.len()
             ))
         })?;
-        update_running_stats(norm, values, rows, &mut m, &mut v)?;
+        let mut sync = arena.norm_sync.as_ref().map(norm_sync::lock).transpose()?;
+        if let Some(sync) = sync.as_mut() {
+            sync.running(*norm, *pm, *pv);
+        }
+        let sync = sync.as_deref_mut().map(|s| s as &mut dyn NormSum);
+        update_running_stats(norm, (values, rows), &mut m, &mut v, sync)?;
         updates.push((*pm, m));
         updates.push((*pv, v));
     }

@@ -9,7 +9,7 @@ use ramus_core::ops::*;
 use ramus_core::real::{GemmArgs, Real};
 use ramus_core::{CoreError, OpDef, Result};
 
-use super::ctx::{Kernel, KernelCtx};
+use super::ctx::{Kernel, KernelCtx, NormSum};
 
 /// The float data of argument `i`, checked to hold at least `len` elements.
 fn floats<'a, T>(ctx: &KernelCtx<'a, T>, op: &str, i: usize, len: usize) -> Result<&'a [T]> {
@@ -561,16 +561,61 @@ fn channel_moments<T: Real>(n: &NormGeom, x: &[T], rows: usize) -> Vec<(f64, f64
     stats
 }
 
-/// Per-channel `(mean, 1/sqrt(var + eps))` over all rows and positions of
-/// `x` (biased variance; see [`channel_moments`]).
-fn channel_stats<T: Real>(n: &NormGeom, x: &[T], rows: usize) -> Vec<(f64, f64)> {
-    let mut stats = channel_moments(n, x, rows);
-    if rows > 0 {
+/// Per-channel `(mean, biased variance)` of a training batch and the
+/// values per channel they are over: this rank's rows
+/// ([`channel_moments`]), or with `sync` every rank's (the channel sums
+/// and rows summed over the ranks, then the squared deviations from that
+/// mean; one rank alone gets [`channel_moments`]'s numbers exactly).
+fn batch_moments<T: Real>(
+    n: &NormGeom,
+    x: &[T],
+    rows: usize,
+    sync: Option<&mut (dyn NormSum + '_)>,
+) -> Result<(Vec<(f64, f64)>, f64)> {
+    let (c, s) = (n.channels, n.spatial);
+    let Some(sync) = sync else {
+        return Ok((channel_moments(n, x, rows), (rows * s) as f64));
+    };
+    let chan = |r: usize, ch: usize| &x[r * c * s + ch * s..r * c * s + (ch + 1) * s];
+    let over_rows = |f: &dyn Fn(usize, usize) -> f64| -> Vec<f64> {
+        (0..c)
+            .map(|ch| (0..rows).map(|r| f(r, ch)).sum::<f64>())
+            .collect()
+    };
+    let mut sums = over_rows(&|r, ch| chan(r, ch).iter().map(|v| v.to_f64()).sum::<f64>());
+    sums.push(rows as f64);
+    sync.sum(&mut sums)?;
+    let count = sums[c] * s as f64;
+    if count == 0.0 {
+        return Ok((vec![(0.0, 0.0); c], 0.0));
+    }
+    let mean: Vec<f64> = sums[..c].iter().map(|t| t / count).collect();
+    let mut dev = over_rows(&|r, ch| {
+        let m = mean[ch];
+        chan(r, ch)
+            .iter()
+            .map(|v| (v.to_f64() - m).powi(2))
+            .sum::<f64>()
+    });
+    sync.sum(&mut dev)?;
+    let moments = mean.iter().zip(dev).map(|(&m, d)| (m, d / count));
+    Ok((moments.collect(), count))
+}
+
+/// [`batch_moments`] as `(mean, 1/sqrt(var + eps))` per channel.
+fn batch_stats<T: Real>(
+    n: &NormGeom,
+    x: &[T],
+    rows: usize,
+    sync: Option<&mut (dyn NormSum + '_)>,
+) -> Result<(Vec<(f64, f64)>, f64)> {
+    let (mut stats, count) = batch_moments(n, x, rows, sync)?;
+    if count > 0.0 {
         for st in &mut stats {
             st.1 = 1.0 / (st.1 + n.eps).sqrt();
         }
     }
-    stats
+    Ok((stats, count))
 }
 
 /// Per-channel `(Σ dy, Σ dy·x̂)` over rows and positions, with
@@ -606,10 +651,10 @@ fn channel_grad_sums<T: Real>(
 /// changes for an empty batch. The CUDA kernel computes the same.
 pub fn update_running_stats<T: Real>(
     n: &NormGeom,
-    x: &[T],
-    rows: usize,
+    (x, rows): (&[T], usize),
     mean: &mut [T],
     var: &mut [T],
+    sync: Option<&mut (dyn NormSum + '_)>,
 ) -> Result<()> {
     const OP: &str = "batch_norm running statistics";
     valid(OP, n.validate())?;
@@ -625,21 +670,20 @@ pub fn update_running_stats<T: Real>(
             ),
         ));
     }
-    if rows == 0 {
+    if rows == 0 && sync.is_none() {
         return Ok(());
     }
-    let count = rows * s;
-    let unbias = if count > 1 {
-        count as f64 / (count - 1) as f64
+    let (moments, count) = batch_moments(n, x, rows, sync)?;
+    if count == 0.0 {
+        return Ok(());
+    }
+    let unbias = if count > 1.0 {
+        count / (count - 1.0)
     } else {
         1.0
     };
     let m = RUNNING_STATS_MOMENTUM;
-    for ((rm, rv), (batch_mean, batch_var)) in mean
-        .iter_mut()
-        .zip(var.iter_mut())
-        .zip(channel_moments(n, x, rows))
-    {
+    for ((rm, rv), (batch_mean, batch_var)) in mean.iter_mut().zip(var.iter_mut()).zip(moments) {
         *rm = T::from_f64((1.0 - m) * rm.to_f64() + m * batch_mean);
         *rv = T::from_f64((1.0 - m) * rv.to_f64() + m * batch_var * unbias);
     }
@@ -658,7 +702,8 @@ impl Kernel for BatchNorm {
         let gamma = floats(ctx, OP, 1, c)?;
         let beta = floats(ctx, OP, 2, c)?;
         check_out(ctx, OP, rows * c * s)?;
-        let stats = channel_stats(&n, x, rows);
+        let sync = ctx.norm_sum.as_deref_mut();
+        let (stats, _) = batch_stats(&n, x, rows, sync)?;
         // y = x * a + b per channel, a = gamma * inv, b = beta - mean * a
         let ab: Vec<(T, T)> = stats
             .iter()
@@ -686,9 +731,14 @@ impl Kernel for BatchNormBackwardInput {
         let gamma = floats(ctx, OP, 1, c)?;
         let dy = floats(ctx, OP, 2, rows * c * s)?;
         check_out(ctx, OP, rows * c * s)?;
-        let stats = channel_stats(&n, x, rows);
-        let sums = channel_grad_sums(&n, x, dy, rows, &stats);
-        let m = (rows * s) as f64;
+        let mut sync = ctx.norm_sum.as_deref_mut();
+        let (stats, m) = batch_stats(&n, x, rows, sync.as_deref_mut())?;
+        let mut sums = channel_grad_sums(&n, x, dy, rows, &stats);
+        if let Some(sync) = sync {
+            let mut flat: Vec<f64> = sums.iter().flat_map(|&(sd, sdx)| [sd, sdx]).collect();
+            sync.sum(&mut flat)?;
+            sums = flat.chunks(2).map(|p| (p[0], p[1])).collect();
+        }
         // dx = k * (dy - sd/M - (x - mean)*inv * sdx/M), k = gamma * inv
         //    = k*dy + (x*q + p) with q = -k*inv*sdx/M, p = -k*sd/M - mean*q
         let coef: Vec<(T, T, T)> = stats
@@ -738,7 +788,9 @@ impl Kernel for BatchNormBackwardGamma {
         let x = floats(ctx, OP, 0, rows * n.row_len())?;
         let dy = floats(ctx, OP, 1, rows * n.row_len())?;
         check_out(ctx, OP, n.channels)?;
-        let stats = channel_stats(&n, x, rows);
+        // this rank's sums: the parameter gradients are summed over the ranks
+        let sync = ctx.norm_sum.as_deref_mut();
+        let (stats, _) = batch_stats(&n, x, rows, sync)?;
         let sums = channel_grad_sums(&n, x, dy, rows, &stats);
         for (o, &(_, sdx)) in ctx.out.iter_mut().zip(&sums) {
             *o = T::from_f64(sdx);

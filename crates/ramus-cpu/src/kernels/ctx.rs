@@ -61,6 +61,17 @@ pub struct KernelCtx<'a, T> {
     /// The static second operand pre-packed by the engine, for ops that ask
     /// for it through [`OpDef::packed_operand`](ramus_core::OpDef::packed_operand).
     pub packed_b: Option<&'a PackedB<T>>,
+    /// Set in the training passes of a data-parallel run with synchronized
+    /// batch normalisation: batch statistics are over every rank's rows.
+    pub norm_sum: Option<&'a mut dyn NormSum>,
+}
+
+/// Sums per-channel statistics over the ranks of a data-parallel training
+/// pass (synchronized batch normalisation). Every rank's kernels call it in
+/// the same order with the same lengths.
+pub trait NormSum {
+    /// Replaces `values` with their sums over the ranks.
+    fn sum(&mut self, values: &mut [f64]) -> Result<()>;
 }
 
 /// A CPU kernel written once for every [`Real`] type; one impl per op

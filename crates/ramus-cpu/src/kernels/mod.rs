@@ -14,7 +14,7 @@ mod row_matrix;
 mod structure;
 
 pub use cnn::update_running_stats;
-pub use ctx::{Arg, ArgData, KernelCtx};
+pub use ctx::{Arg, ArgData, KernelCtx, NormSum};
 pub use packed::{gemm_packed, PackedB};
 
 use ramus_core::ops::Op;
