@@ -142,6 +142,10 @@ pub(crate) struct TrainArgs {
     /// the rendezvous's wait for every worker to start.
     #[arg(long, default_value_t = 600.0)]
     pub(crate) dist_timeout: f64,
+    /// On several GPUs: batch normalisation's training statistics over
+    /// every GPU's images (synchronized batch norm), not each GPU's own.
+    #[arg(long)]
+    pub(crate) sync_bn: bool,
     /// sgd, adagrad or adam [default: adagrad; adam for the CNNs].
     #[arg(long)]
     pub(crate) optimizer: Option<String>,

@@ -19,7 +19,7 @@ use ramus_cuda::{CudaDevice, CudaEngine, CudaEngineOptions, CudaTrainer};
 use ramus_cuda::{SwapConfig, SwapMode, SwapTrainer};
 use ramus_dist::rendezvous::exchange_id;
 use ramus_dist::World;
-use ramus_exec::data_parallel::DataParallel;
+use ramus_exec::data_parallel::{Collective, DataParallel};
 use ramus_exec::{OptimizerConfig, TrainEngine};
 
 use crate::device::{Device, TrainEngineChoice};
@@ -271,6 +271,8 @@ pub(crate) struct WorkerEngine<'a> {
     pub timeout: Duration,
     /// `--batch-size` (a rank's): the persistent engine tunes for it.
     pub batch_size: usize,
+    /// `--sync-bn`.
+    pub sync_bn: bool,
 }
 
 /// The batched or persistent CUDA engine on GPU `LOCAL_RANK`, joined to
@@ -282,6 +284,9 @@ pub(crate) fn engine(
     let world = w.world;
     let rank = |e: String| format!("rank {} of {}: {e}", world.rank, world.size);
     let gpu = |e: String| rank(format!("GPU {}: {e}", world.local_rank));
+    if w.sync_bn && w.choice == TrainEngineChoice::Persistent {
+        return Err("--sync-bn: the persistent engine runs no batch norm".into());
+    }
     if w.choice == TrainEngineChoice::Persistent {
         let options = PersistentOptions {
             device: world.local_rank,
@@ -302,16 +307,39 @@ pub(crate) fn engine(
     options.pool.max_bytes = w.budget;
     if w.swap != SwapMode::Off {
         let swap = SwapConfig::with_mode(w.swap);
-        let trainer = SwapTrainer::new(w.model.clone(), &options, swap, params, config)
+        let mut trainer = SwapTrainer::new(w.model.clone(), &options, swap, params, config)
             .map_err(|e| gpu(format!("--swap {}: {e}", w.swap.name())))?;
         let group = join(world, trainer.engine().device(), w.timeout)?;
+        if w.sync_bn {
+            let handle = sync_handle(&group, world)?;
+            trainer
+                .sync_batch_norm(handle)
+                .map_err(|e| rank(format!("--sync-bn: {e}")))?;
+        }
         return Ok(Box::new(DataParallel::new(trainer, Box::new(group))));
     }
     let engine = CudaEngine::new(w.model, &options).map_err(|e| gpu(e.to_string()))?;
-    let trainer = CudaTrainer::new(engine, w.model.clone(), params, config)
+    let mut trainer = CudaTrainer::new(engine, w.model.clone(), params, config)
         .map_err(|e| rank(e.to_string()))?;
     let group = join(world, trainer.device(), w.timeout)?;
+    if w.sync_bn {
+        let handle = sync_handle(&group, world)?;
+        trainer
+            .sync_batch_norm(handle)
+            .map_err(|e| rank(format!("--sync-bn: {e}")))?;
+    }
     Ok(Box::new(DataParallel::new(trainer, Box::new(group))))
+}
+
+/// A second handle on `group` for synchronized batch norm.
+fn sync_handle(group: &NcclGroup, world: &World) -> AnyResult<Box<dyn Collective<f32>>> {
+    group.handle().ok_or_else(|| {
+        format!(
+            "rank {} of {}: --sync-bn: no second handle on the NCCL communicator",
+            world.rank, world.size
+        )
+        .into()
+    })
 }
 
 /// This rank's NCCL communicator on `device`: the id from rank 0 at the

@@ -452,6 +452,10 @@ fn training_engine(
     swap: ramus_cuda::SwapMode,
 ) -> AnyResult<Box<dyn ramus_exec::TrainEngine<f32>>> {
     let budget = a.device_memory_budget;
+    if a.sync_bn && !has_batch_norm(need.model) {
+        let name = &need.model.name;
+        return Err(format!("--sync-bn: model `{name}` has no batch norm").into());
+    }
     let swapping = swap != ramus_cuda::SwapMode::Off;
     let no_swap = |persistent: bool| match a.swap.filter(|_| persistent && swapping) {
         Some(asked) => Err(format!(
@@ -469,8 +473,16 @@ fn training_engine(
             budget,
             timeout: distributed::timeout(a.dist_timeout)?,
             batch_size: a.batch_size,
+            sync_bn: a.sync_bn,
         };
         return distributed::engine(w, (params, oc));
+    }
+    if a.sync_bn {
+        return Err(
+            "--sync-bn applies to training on several GPUs (--gpus N, --nodes, or a \
+                    launcher's WORLD_SIZE)"
+                .into(),
+        );
     }
     // checked before it allocated
     let persistent = device::persistent_trainer(choice, need, &params, oc, budget)?;
@@ -491,6 +503,16 @@ fn training_engine(
             need.check_device(engine.as_ref(), budget, swapping)?;
             engine
         }
+    })
+}
+
+/// Whether any graph of `model` normalises batches.
+fn has_batch_norm(model: &ramus_core::Model) -> bool {
+    let graphs = model.functions.iter().map(|f| &f.forward);
+    graphs.chain([&model.head.forward]).any(|g| {
+        g.nodes
+            .iter()
+            .any(|n| matches!(n.op(), Some(ramus_core::ops::Op::BatchNorm(_))))
     })
 }
 

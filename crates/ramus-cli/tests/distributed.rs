@@ -57,6 +57,16 @@ fn gpus_that_contradict_the_launcher_are_refused() {
     assert!(!stderr(&o).contains("panicked"), "{line}");
 }
 
+/// `--sync-bn` needs several ranks and a model with batch norm.
+#[test]
+fn synchronized_batch_norm_is_refused_where_it_cannot_apply() {
+    let o = train_with_env(&["--sync-bn", "--epochs", "1"], &[]);
+    error_line(&o, &["--sync-bn", "has no batch norm"]);
+    let resnet = ["--model", "resnet", "--sync-bn", "--epochs", "1"];
+    let o = train_with_env(&resnet, &[]);
+    error_line(&o, &["--sync-bn", "several GPUs"]);
+}
+
 #[test]
 fn a_timeout_no_one_can_mean_is_refused() {
     let o = train_with_env(

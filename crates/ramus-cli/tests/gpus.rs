@@ -231,3 +231,33 @@ fn the_swap_path_on_two_gpus_trains_as_one_gpu() {
     let d = largest_difference(&one, &two);
     assert!(d < 2e-4, "{d}");
 }
+
+/// `--sync-bn`: two GPUs at B images normalise with the statistics of all
+/// 2·B, so they train as one GPU at 2·B (running statistics included),
+/// with the swap path too.
+#[test]
+fn synchronized_batch_norm_on_two_gpus_trains_as_one_gpu() {
+    if !two_gpus() {
+        return;
+    }
+    let dir = fresh_dir("gpus-sync-bn");
+    let resnet = ["--model", "resnet", "--images", "200"];
+    let run = |save: &Path, extra: &[&str]| {
+        let mut cmd = train(save, &resnet, &[]);
+        cmd.args(extra);
+        succeeds(cmd);
+    };
+    let one = dir.join("one.safetensors");
+    run(&one, &["--batch-size", "16"]);
+    for (name, extra) in [("two", &[][..]), ("swap", &["--swap", "naive"][..])] {
+        let two = dir.join(format!("{name}.safetensors"));
+        let flags = [
+            &["--batch-size", "8", "--gpus", "2", "--sync-bn"][..],
+            extra,
+        ]
+        .concat();
+        run(&two, &flags);
+        let d = largest_difference(&one, &two);
+        assert!(d < 2e-4, "{name}: {d}");
+    }
+}

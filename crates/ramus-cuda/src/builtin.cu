@@ -572,6 +572,100 @@ extern "C" __global__ void ramus_batch_norm_backward_gamma(float* out, const flo
     if (threadIdx.x == 0) out[c] = (float)sdx;
 }
 
+// ---- synchronized batch norm: the statistics of every rank's rows, summed
+// over the ranks between these kernels. sums[0..C] = sum of x, sums[C] =
+// rows, sums[C + 1 .. 2C + 1] = sum of (x - mean)^2; stats[0..C] = mean,
+// stats[C..2C] = 1 / sqrt(var + eps), stats[2C] = rows (of every rank).
+
+// sum of (x - mean)^2 of channel blockIdx.x, the mean from every rank's
+// sums[0..C + 1], into sums[C + 1 + c].
+extern "C" __global__ void ramus_norm_sq_dev(float* sums, const float* __restrict__ x, u32 rows,
+                                             u32 channels, u32 spatial) {
+    __shared__ double sh[NORM_THREADS];
+    const u32 c = blockIdx.x;
+    const double count = (double)sums[channels] * (double)spatial;
+    const double m = count > 0.0 ? (double)sums[c] / count : 0.0;
+    const u32 local = rows * spatial;  // checked on the host: no overflow
+    double q = 0.0;
+    for (u32 j = threadIdx.x; j < local; j += NORM_THREADS) {
+        const double d = (double)x[channel_at(j, c, channels, spatial)] - m;
+        q += d * d;
+    }
+    q = block_sum_f64(q, sh);
+    if (threadIdx.x == 0) sums[channels + 1 + c] = (float)q;
+}
+
+// From every rank's sums: the coefficients as ramus_batch_norm_coef's
+// (none when coef is null: a rank without rows), the statistics for the
+// backward pass, and the running statistics (when given).
+extern "C" __global__ void ramus_batch_norm_coef_synced(float* coef, float* stats,
+                                                        const float* __restrict__ sums,
+                                                        const float* __restrict__ gamma,
+                                                        const float* __restrict__ beta,
+                                                        u32 channels, u32 spatial, double eps,
+                                                        float* running_mean, float* running_var,
+                                                        double momentum) {
+    FOR_EACH(c, channels) {
+        const double count = (double)sums[channels] * (double)spatial;
+        const double mean = (double)sums[c] / count;
+        const double var = (double)sums[channels + 1 + c] / count;
+        const double inv = 1.0 / sqrt(var + eps);
+        if (coef) {
+            const double a = (double)gamma[c] * inv;
+            coef[2 * c] = (float)a;
+            coef[2 * c + 1] = (float)((double)beta[c] - mean * a);
+        }
+        stats[c] = (float)mean;
+        stats[channels + c] = (float)inv;
+        if (c == 0) stats[2 * channels] = sums[channels];
+        if (running_mean && running_var) {
+            const double unbias = count > 1.0 ? count / (count - 1.0) : 1.0;
+            const double keep = 1.0 - momentum;
+            running_mean[c] =
+                (float)__dadd_rn(__dmul_rn(keep, (double)running_mean[c]), __dmul_rn(momentum, mean));
+            running_var[c] = (float)__dadd_rn(__dmul_rn(keep, (double)running_var[c]),
+                                              __dmul_rn(__dmul_rn(momentum, var), unbias));
+        }
+    }
+}
+
+// (sum dy, sum dy * x_hat) of channel blockIdx.x, x_hat from stats, into
+// sd[c] (when sd is given) and sdx[c].
+extern "C" __global__ void ramus_norm_grad_sums(float* sd, float* sdx, const float* __restrict__ x,
+                                                const float* __restrict__ dy,
+                                                const float* __restrict__ stats, u32 rows,
+                                                u32 channels, u32 spatial) {
+    __shared__ double sh[NORM_THREADS];
+    const u32 c = blockIdx.x;
+    double a, b;
+    channel_grad_sums(x, dy, rows, channels, spatial, (double)stats[c],
+                      (double)stats[channels + c], sh, &a, &b);
+    if (threadIdx.x == 0) {
+        if (sd) sd[c] = (float)a;
+        sdx[c] = (float)b;
+    }
+}
+
+// The input gradient's coefficients, as ramus_batch_norm_backward_coef's,
+// from every rank's (sum dy, sum dy * x_hat) in sums[0..C], sums[C..2C].
+extern "C" __global__ void ramus_batch_norm_backward_coef_synced(float* coef,
+                                                                 const float* __restrict__ sums,
+                                                                 const float* __restrict__ stats,
+                                                                 const float* __restrict__ gamma,
+                                                                 u32 channels, u32 spatial) {
+    FOR_EACH(c, channels) {
+        const double m = (double)stats[2 * channels] * (double)spatial;
+        const double mean = (double)stats[c];
+        const double inv = (double)stats[channels + c];
+        const double k = (double)gamma[c] * inv;
+        const double q = -k * inv * (double)sums[channels + c] / m;
+        const double p = -k * (double)sums[c] / m - mean * q;
+        coef[3 * c] = (float)k;
+        coef[3 * c + 1] = (float)q;
+        coef[3 * c + 2] = (float)p;
+    }
+}
+
 // Inference batch norm with given statistics, one thread per channel:
 // a = gamma / sqrt(var + eps), b = beta - mean * a (beta, mean: 0 when null),
 // into coef[2c], coef[2c + 1]. A variance below -eps gives NaN (the CPU

@@ -52,6 +52,7 @@ mod backward;
 mod cnn;
 mod exec;
 mod nonfinite;
+mod norm_sync;
 mod resume;
 mod split;
 mod train;
@@ -211,6 +212,10 @@ pub struct CudaEngine {
     pending_loss: Option<StepLoss>,
     /// The model's parameter names, to name a non-finite one.
     param_names: Vec<String>,
+    /// Synchronized batch normalisation's group handle and buffers (a
+    /// data-parallel rank with `--sync-bn`); in a cell: ops run through
+    /// `&self`.
+    norm_sync: Option<RefCell<norm_sync::NormSync>>,
 }
 
 /// The rows of `range` (in the value's space) of a buffer of type `ty`.
@@ -298,6 +303,7 @@ impl CudaEngine {
             enqueue_seconds: 0.0,
             pending_loss: None,
             param_names: model.params.iter().map(|p| p.name.clone()).collect(),
+            norm_sync: None,
         })
     }
 

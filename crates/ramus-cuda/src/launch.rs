@@ -13,8 +13,10 @@ use crate::pool::DeviceView;
 
 mod cnn;
 mod norm;
+mod norm_sync;
 pub use cnn::{ChannelShape, ColumnLayout};
 pub use norm::{BatchNormOperands, NormGradOperands, NormStats};
+pub use norm_sync::synced_len;
 
 /// Whether an elementwise `dst ∘ src` has work: an error when their
 /// lengths differ, `false` when they are empty.
@@ -35,7 +37,7 @@ pub const BUILTIN_SOURCE: &str = include_str!("builtin.cu");
 /// Marks "no row" in row-index arrays (see `builtin.cu`).
 pub const NONE: u32 = u32::MAX;
 
-const BUILTIN_KERNELS: [&str; 29] = [
+const BUILTIN_KERNELS: [&str; 33] = [
     "ramus_move_rows",
     "ramus_gemm_abt_small",
     "ramus_copy_columns",
@@ -63,6 +65,11 @@ const BUILTIN_KERNELS: [&str; 29] = [
     "ramus_batch_norm_backward_gamma",
     "ramus_batch_norm_inference_coef",
     "ramus_batch_norm_inference_param",
+    // synchronized batch norm (`norm_sync` submodule)
+    "ramus_norm_sq_dev",
+    "ramus_batch_norm_coef_synced",
+    "ramus_norm_grad_sums",
+    "ramus_batch_norm_backward_coef_synced",
     // per-row matrices and the shared-row embedding
     "ramus_row_matmul",
     "ramus_embedding_unk",
@@ -98,6 +105,10 @@ enum Builtin {
     BatchNormBackwardGamma,
     BatchNormInferenceCoef,
     BatchNormInferenceParam,
+    NormSqDev,
+    BatchNormCoefSynced,
+    NormGradSums,
+    BatchNormBackwardCoefSynced,
     RowMatMul,
     EmbeddingUnk,
     EmbeddingUnkBackward,

@@ -108,7 +108,8 @@ fn nccl_err(call: &str, e: nccl::NcclError) -> CudaError {
 /// gradients it sums (so that the sums follow the backward pass and come
 /// before the update without any host wait).
 pub struct NcclGroup {
-    comm: sys::ncclComm_t,
+    comm: Arc<Comm>,
+    device: Arc<CudaDevice>,
     stream: Arc<CudaStream>,
     rank: usize,
     world: usize,
@@ -143,6 +144,36 @@ impl Watch {
 
     fn reason(&self) -> Option<String> {
         self.aborted.lock().ok().and_then(|r| r.clone())
+    }
+}
+
+/// The communicator, shared by a rank's group and the handles made from
+/// it ([`Collective::handle`]); aborted when the last of them goes (unless
+/// the watchdog aborted it).
+struct Comm {
+    raw: sys::ncclComm_t,
+    watch: Arc<Watch>,
+}
+
+// SAFETY: the communicator is used by one thread at a time (a rank's
+// training loop, through its group or a handle, in turn); NCCL
+// communicators may move between threads.
+unsafe impl Send for Comm {}
+// SAFETY: as above: shared references only reach the raw handle, which
+// the owning thread uses in turn.
+unsafe impl Sync for Comm {}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        if self.watch.reason().is_some() {
+            return; // the watchdog aborted it
+        }
+        // SAFETY: the communicator was initialised in `join` and no group
+        // or handle uses it after this; abort also ends collectives a
+        // failed rank left.
+        unsafe {
+            let _ = nccl::comm_abort(self.raw);
+        }
     }
 }
 
@@ -188,20 +219,42 @@ impl NcclGroup {
                 .map_err(|e| nccl_err("ncclCommInitRank", e))?;
             comm.assume_init()
         };
+        let watch = Arc::new(Watch {
+            started: Instant::now(),
+            beat_ms: AtomicU64::new(0),
+            aborted: Mutex::new(None),
+            stop: AtomicBool::new(false),
+        });
         Ok(NcclGroup {
-            comm,
+            comm: Arc::new(Comm {
+                raw: comm,
+                watch: watch.clone(),
+            }),
+            device: device.clone(),
             stream: device.stream().clone(),
             rank,
             world,
             staging: PinnedBuffer::new(device)?,
             pool: DevicePool::new(device, PoolConfig::default()),
             scratch: None,
-            watch: Arc::new(Watch {
-                started: Instant::now(),
-                beat_ms: AtomicU64::new(0),
-                aborted: Mutex::new(None),
-                stop: AtomicBool::new(false),
-            }),
+            watch,
+            watchdog: None,
+        })
+    }
+
+    /// Another handle on this rank's communicator, on the same stream,
+    /// with scratch memory of its own (see [`Collective::handle`]).
+    fn another(&self) -> Result<NcclGroup> {
+        Ok(NcclGroup {
+            comm: self.comm.clone(),
+            device: self.device.clone(),
+            stream: self.stream.clone(),
+            rank: self.rank,
+            world: self.world,
+            staging: PinnedBuffer::new(&self.device)?,
+            pool: DevicePool::new(&self.device, PoolConfig::default()),
+            scratch: None,
+            watch: self.watch.clone(),
             watchdog: None,
         })
     }
@@ -215,7 +268,7 @@ impl NcclGroup {
     pub fn watch(&mut self, timeout: Duration) {
         let watch = self.watch.clone();
         watch.beat();
-        let comm = CommHandle(self.comm);
+        let comm = CommHandle(self.comm.raw);
         let (rank, world) = (self.rank, self.world);
         let poll = (timeout / 20).clamp(Duration::from_millis(50), Duration::from_secs(1));
         self.watchdog = Some(std::thread::spawn(move || {
@@ -304,7 +357,7 @@ impl NcclGroup {
                 count,
                 dtype,
                 op,
-                self.comm,
+                self.comm.raw,
                 self.stream.cu_stream() as sys::cudaStream_t,
             )
         }
@@ -327,7 +380,7 @@ impl NcclGroup {
                 &mut scalar as *mut f32 as *mut _,
                 sys::ncclDataType_t::ncclFloat32,
                 sys::ncclScalarResidence_t::ncclScalarHostImmediate,
-                self.comm,
+                self.comm.raw,
             )
             .map_err(|e| nccl_err("ncclRedOpCreatePreMulSum", e))?;
             let op = op.assume_init();
@@ -340,7 +393,7 @@ impl NcclGroup {
                         count,
                         sys::ncclDataType_t::ncclFloat32,
                         op,
-                        self.comm,
+                        self.comm.raw,
                         self.stream.cu_stream() as sys::cudaStream_t,
                     )
                     .map(|_| ())
@@ -349,7 +402,8 @@ impl NcclGroup {
                 let ended = nccl::group_end().map_err(|e| nccl_err("ncclGroupEnd", e));
                 enqueued.and(ended.map(|_| ()))
             })();
-            nccl::reduce_op_destroy(op, self.comm).map_err(|e| nccl_err("ncclRedOpDestroy", e))?;
+            nccl::reduce_op_destroy(op, self.comm.raw)
+                .map_err(|e| nccl_err("ncclRedOpDestroy", e))?;
             reduced?;
         }
         Ok(())
@@ -361,18 +415,12 @@ fn to_int(n: usize) -> Result<std::ffi::c_int> {
 }
 
 impl Drop for NcclGroup {
+    /// Stops the watchdog (a handle has none); the communicator goes with
+    /// the last group or handle on it.
     fn drop(&mut self) {
-        self.watch.stop.store(true, Ordering::Relaxed);
         if let Some(watchdog) = self.watchdog.take() {
+            self.watch.stop.store(true, Ordering::Relaxed);
             let _ = watchdog.join();
-        }
-        if self.watch.reason().is_some() {
-            return; // the watchdog aborted it
-        }
-        // SAFETY: the communicator was initialised in `join` and is not
-        // used after this; abort also ends collectives a failed rank left.
-        unsafe {
-            let _ = nccl::comm_abort(self.comm);
         }
     }
 }
@@ -380,6 +428,16 @@ impl Drop for NcclGroup {
 impl Collective<f32> for NcclGroup {
     fn rank(&self) -> usize {
         self.rank
+    }
+
+    fn handle(&self) -> Option<Box<dyn Collective<f32>>> {
+        match self.another() {
+            Ok(group) => Some(Box::new(group)),
+            Err(e) => {
+                eprintln!("NCCL rank {}: no second handle: {e}", self.rank);
+                None
+            }
+        }
     }
 
     fn world(&self) -> usize {

@@ -46,9 +46,16 @@ fn config(kind: &str) -> OptimizerConfig {
     }
 }
 
-fn case() -> (Case, Vec<usize>) {
-    let case = Case::new("treelstm", GRAPHS, 1, 17).unwrap();
-    let mut order: Vec<usize> = (0..GRAPHS).collect();
+/// The model `kind` trains and its epoch's order: a Tree-LSTM, or (kind
+/// `resnet-sync`) a ResNet on 33 images, whose last global step of one
+/// image leaves every rank but the first without rows.
+fn case(kind: &str) -> (Case, Vec<usize>) {
+    let (name, graphs) = match kind {
+        "resnet-sync" => ("resnet", 33),
+        _ => ("treelstm", GRAPHS),
+    };
+    let case = Case::new(name, graphs, 1, 17).unwrap();
+    let mut order: Vec<usize> = (0..graphs).collect();
     order.shuffle(&mut ChaCha8Rng::seed_from_u64(3));
     (case, order)
 }
@@ -130,7 +137,7 @@ fn child_role() {
         std::fs::write(&out, format!("{took:.1} {err}")).unwrap();
         return;
     }
-    let (case, order) = case();
+    let (case, order) = case(kind);
     let shards = Shards {
         case: &case,
         order: &order,
@@ -159,8 +166,11 @@ fn child_role() {
         let group = NcclGroup::join(trainer.engine().device(), rank, world, &id).unwrap();
         shards.train(DataParallel::new(trainer, Box::new(group)))
     } else {
-        let trainer = trainer(&case, rank, kind);
+        let mut trainer = trainer(&case, rank, kind);
         let group = NcclGroup::join(trainer.device(), rank, world, &id).unwrap();
+        if kind == "resnet-sync" {
+            trainer.sync_batch_norm(group.handle().unwrap()).unwrap();
+        }
         shards.train(DataParallel::new(trainer, Box::new(group)))
     };
     save(&out, &params, &losses);
@@ -270,7 +280,7 @@ fn check_with(world: usize, kind: &str, env: &[(&str, &str)]) {
         assert!(status.success(), "rank {r} of {world} failed: {status}");
     }
     // one GPU with batches of N·B over the same order
-    let (case, order) = case();
+    let (case, order) = case(kind);
     let mut single = trainer(&case, 0, kind);
     let want_losses: Vec<f64> = order
         .chunks(world * PER_RANK)
@@ -342,6 +352,16 @@ fn a_group_of_one_trains_as_the_engine_alone() {
     check(1, "adam");
     check(1, "persistent");
     check(1, "swap");
+    check(1, "resnet-sync");
+}
+
+/// Synchronized batch norm: the ranks' statistics (and so their steps
+/// and running statistics) are those of one GPU at N·B images, also in the
+/// last step, where ranks without an image sum zeros in their stead.
+#[test]
+fn synchronized_batch_norm_on_two_and_four_gpus_trains_as_one() {
+    check(2, "resnet-sync");
+    check(4, "resnet-sync");
 }
 
 #[test]

@@ -106,18 +106,18 @@ pub(crate) fn cnn_workspace_floats(op: &Op, rows: usize, cap: usize) -> usize {
 }
 
 /// What an image op reads: its node, its buffers and the rows of this run.
-struct CnnArgs<'a> {
-    g: &'a Graph,
-    n: NodeId,
+pub(super) struct CnnArgs<'a> {
+    pub(super) g: &'a Graph,
+    pub(super) n: NodeId,
     own: &'a [Buf],
     fwd: Option<&'a [Buf]>,
     range: Range,
-    lane: &'a Lane,
+    pub(super) lane: &'a Lane,
 }
 
 impl CnnArgs<'_> {
     /// The node's input `i`.
-    fn arg(&self, i: usize) -> NodeId {
+    pub(super) fn arg(&self, i: usize) -> NodeId {
         self.g.nodes[self.n].inputs[i]
     }
 
@@ -240,6 +240,10 @@ impl CudaEngine {
             Op::BatchNormBackwardInput(BatchNormBackwardInput(norm)) => {
                 self.batch_norm_backward_input(a, norm)
             }
+            Op::BatchNormBackwardGamma(BatchNormBackwardGamma(norm)) if self.norm_synced() => {
+                let views = (out()?, fv(0)?, fv(1)?);
+                self.batch_norm_backward_gamma_synced(a, norm, views, rows(0))
+            }
             Op::BatchNormBackwardGamma(BatchNormBackwardGamma(norm)) => {
                 launcher.batch_norm_backward_gamma(stream, out()?, fv(0)?, fv(1)?, rows(0), norm)
             }
@@ -308,7 +312,11 @@ impl CudaEngine {
                 beta,
                 running,
             };
-            launcher.batch_norm_coef(stream, coef, operands, r, norm)?;
+            if self.norm_synced() {
+                self.batch_norm_synced(a, norm, operands, (coef, r))?;
+            } else {
+                launcher.batch_norm_coef(stream, coef, operands, r, norm)?;
+            }
         }
         self.norm_affine(a, [self.cnn_out(a)?, x, coef], r, norm)
     }
@@ -327,6 +335,9 @@ impl CudaEngine {
             dy: self.cnn_in(a, 2)?,
         };
         let dx = self.cnn_out(a)?;
+        if self.norm_synced() {
+            return self.batch_norm_backward_input_synced(a, norm, operands, (dx, coef, r));
+        }
         (self.launcher).batch_norm_backward_input(&a.lane.stream, dx, operands, coef, r, norm)
     }
 

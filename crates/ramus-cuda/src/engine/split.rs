@@ -135,6 +135,7 @@ impl SplitStep<f32> for CudaTrainer {
         e.check_model(model)?;
         e.sync_params(model, params)?;
         e.keep_buffers(model, config)?;
+        e.start_norm_step(batch.is_some())?;
         let stream = e.device.stream().clone();
         let (loss, rows) = match batch {
             Some(batch) => e.train_forward(model, params, batch)?,

@@ -296,6 +296,17 @@ impl CudaTrainer {
         &self.engine
     }
 
+    /// Makes the training passes of this data-parallel rank normalise
+    /// batches with the statistics of every rank's rows, summed through
+    /// `collective`, another handle on the rank's group
+    /// ([`Collective::handle`](ramus_exec::data_parallel::Collective::handle)).
+    pub fn sync_batch_norm(
+        &mut self,
+        collective: Box<dyn ramus_exec::data_parallel::Collective<f32>>,
+    ) -> Result<()> {
+        self.engine.sync_batch_norm(&self.model, collective)
+    }
+
     /// The device the engine runs on (an NCCL communicator joins on its
     /// stream).
     pub fn device(&self) -> &std::sync::Arc<crate::CudaDevice> {

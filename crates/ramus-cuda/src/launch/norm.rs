@@ -156,6 +156,30 @@ impl Launcher {
                 "cuLaunchKernel(ramus_batch_norm_backward_coef)",
             )
         }?;
+        self.batch_norm_backward_apply(stream, dx, operands, coef, rows, norm)
+    }
+
+    /// `dx = k·dy + x·q + p` per channel with `(k, q, p)` in `coef`.
+    pub(super) fn batch_norm_backward_apply(
+        &self,
+        stream: &CudaStream,
+        dx: DeviceView<f32>,
+        operands: NormGradOperands,
+        coef: DeviceView<f32>,
+        rows: usize,
+        norm: &NormGeom,
+    ) -> Result<()> {
+        let NormGradOperands { x, dy, .. } = operands;
+        const OP: &str = "batch_norm_backward_input";
+        let (c, s) = norm_dims(norm, OP)?;
+        let total = mul(rows, norm.channels * norm.spatial, OP)?;
+        if total == 0 {
+            return Ok(());
+        }
+        holds(&coef, 3 * norm.channels, "the coefficients", OP)?;
+        holds_input_and_gradient(&x, &dy, total, OP)?;
+        holds(&dx, total, "the output", OP)?;
+        let r = reduction_rows(rows, norm.spatial, OP)?;
         let mut launch = stream.launch_builder(self.function(Builtin::BatchNormBackwardApply));
         launch
             .arg(dx.kernel_arg())

@@ -66,6 +66,12 @@ impl SwapTrainer {
         self.inner.engine()
     }
 
+    /// Synchronized batch normalisation, as
+    /// [`CudaTrainer::sync_batch_norm`].
+    pub fn sync_batch_norm(&mut self, collective: Box<dyn Collective<f32>>) -> Result<()> {
+        self.inner.sync_batch_norm(collective)
+    }
+
     /// What the last training step did (`None` with [`SwapMode::Off`] or
     /// before the first step).
     pub fn last_report(&self) -> Option<&SwapStepReport> {
@@ -178,6 +184,7 @@ impl SplitStep<f32> for SwapTrainer {
         };
         let engine = &mut inner.engine;
         let (model, params, config) = (&inner.model, &mut inner.uploaded, &inner.config);
+        engine.start_norm_step(true)?;
         if !plan.last {
             // fixed memory like the optimizer's state: before the step's tensors
             engine.sync_params(model, params)?;
