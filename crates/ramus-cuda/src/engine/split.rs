@@ -137,7 +137,7 @@ impl SplitStep<f32> for CudaTrainer {
         e.keep_buffers(model, config)?;
         e.start_norm_step(batch.is_some())?;
         let stream = e.device.stream().clone();
-        let (loss, rows) = match batch {
+        let (_, rows) = match batch {
             Some(batch) => e.train_forward(model, params, batch)?,
             None => {
                 // nothing runs: wait for the last step, whose status is read next
@@ -149,6 +149,20 @@ impl SplitStep<f32> for CudaTrainer {
         };
         // the last step's status came back with this loss
         let previous = e.settle_step()?;
+        // the batch's loss into the optimizer's slot, on the device (staged
+        // from the host, the copy would make the next step's first upload
+        // wait for this step's backward pass and update)
+        let slot = e.device_optimizer(model, config)?.loss_slot()?;
+        match batch.map(|_| e.loss_view(model)).transpose()?.flatten() {
+            Some(loss) => e.launcher.scale_add(&stream, (slot, 0.0), (loss, 1.0))?,
+            None => e.launcher.fill(&stream, slot, 0.0)?,
+        }
+        // the update's rows, staged now: behind the backward pass the copy
+        // would hold up the next step's uploads in the same way
+        let touched = match plan.last {
+            true => Some(e.upload_row_lists(&plan.row_sets)?),
+            false => None,
+        };
         match batch {
             Some(batch) => e.backward_on_device(model, params, batch)?,
             None => {
@@ -156,8 +170,6 @@ impl SplitStep<f32> for CudaTrainer {
                 e.launcher.fill(&stream, grad_all, 0.0)?
             }
         }
-        let slot = e.device_optimizer(model, config)?.loss_slot()?;
-        e.staging.upload_slice(&[loss as f32], slot, &stream)?;
         let update = SplitUpdate {
             model,
             config,
@@ -165,7 +177,7 @@ impl SplitStep<f32> for CudaTrainer {
             plan,
             rows,
             accumulator: &mut self.accumulated,
-            touched: None,
+            touched: touched.map(|t| t.into_iter().map(|(_, v)| v).collect()),
         };
         if e.split_update(update)? {
             e.step_submitted(params, StepLoss::Device);

@@ -122,12 +122,14 @@ impl CudaEngine {
         let (loss, _) = self.train_forward(model, params, batch)?;
         let previous = self.settle_step()?;
         let loss_view = self.loss_view(model)?;
-        self.backward_on_device(model, params, batch)?;
+        // staged before the backward pass: behind it, the copy would hold
+        // up the next step's first upload until this step is done
         let touched: Vec<DeviceView<u32>> = self
             .touched_rows(model, &batch.schedule)?
             .into_iter()
             .map(|(_, v)| v)
             .collect();
+        self.backward_on_device(model, params, batch)?;
         let report = self
             .device_optimizer(model, config)?
             .step(&stream, &touched, loss_view, false)?;

@@ -109,7 +109,6 @@ impl PersistentTrainer {
             Some((_, opt)) => opt.take_status().map_err(device_err)?,
             None => None,
         };
-        split.lists.clear();
         match status {
             Some(StepStatus { applied, loss, .. }) => {
                 let loss = f64::from(loss);
@@ -176,6 +175,11 @@ impl SplitStep<f32> for PersistentTrainer {
         plan: &StepPlan,
     ) -> Result<Vec<StepOutcome>> {
         self.evaluated = None;
+        // the update's rows, staged before the kernel: behind it, the copy
+        // would make the next step's uploads wait for this step
+        if plan.last {
+            self.upload_rows(plan)?;
+        }
         let rows = batch.map_or(0, |b| {
             head_vertices(self.model.head.rows, &b.schedule).len()
         });
@@ -295,18 +299,37 @@ impl PersistentTrainer {
         }
     }
 
-    /// The update of a step whose gradient slots and `loss` hold the sums
-    /// over the ranks: over `plan.row_sets`, checking `loss`; then the
-    /// slots are zeroed.
-    fn update(&mut self, plan: &StepPlan, loss: DeviceView<f32>) -> Result<()> {
-        let mut lists = Vec::with_capacity(plan.row_sets.len());
-        for (_, list) in &plan.row_sets {
-            lists.push(self.engine.upload_words(list).map_err(device_err)?);
+    /// `plan`'s row lists in the split state's buffers, one per table,
+    /// each as long as its table (allocated once; a list's copy follows
+    /// the last update that read the buffer, on the same stream).
+    fn upload_rows(&mut self, plan: &StepPlan) -> Result<()> {
+        for (i, (p, list)) in plan.row_sets.iter().enumerate() {
+            if self.split()?.lists.len() <= i {
+                let rows = self.model.params[*p].shape.first().copied().unwrap_or(0);
+                let buffer = self
+                    .engine
+                    .alloc_words(rows.max(list.len()))
+                    .map_err(device_err)?;
+                self.split()?.lists.push(buffer);
+            }
+            let view = self.split()?.lists[i]
+                .view()
+                .slice(0..list.len())
+                .map_err(device_err)?;
+            self.engine.upload_words(list, view).map_err(device_err)?;
         }
+        Ok(())
+    }
+
+    /// The update of a step whose gradient slots and `loss` hold the sums
+    /// over the ranks: over `plan.row_sets` (uploaded by
+    /// [`upload_rows`](Self::upload_rows)), checking `loss`; then the slots
+    /// are zeroed.
+    fn update(&mut self, plan: &StepPlan, loss: DeviceView<f32>) -> Result<()> {
         let touched = plan
             .row_sets
             .iter()
-            .zip(&lists)
+            .zip(&self.split()?.lists)
             .map(|((_, list), buffer)| buffer.view().slice(0..list.len()))
             .collect::<crate::error::Result<Vec<_>>>()
             .map_err(device_err)?;
@@ -320,9 +343,7 @@ impl PersistentTrainer {
         opt.step(&stream, &touched, Some(loss), false)
             .map_err(device_err)?;
         self.engine.zero_grads(&self.model).map_err(device_err)?;
-        let split = self.split()?;
-        split.lists = lists;
-        split.updated = true;
+        self.split()?.updated = true;
         Ok(())
     }
 }

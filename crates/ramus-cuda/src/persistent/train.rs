@@ -54,7 +54,8 @@ pub(super) struct Split {
     pub(super) loss_sum: Option<PoolBuffer<f32>>,
     /// Per-parameter rate multipliers (empty: none).
     pub(super) lr_scales: Vec<f64>,
-    /// The last update's row lists, alive until the stream has passed it.
+    /// Per row-gradient table, a buffer as long as the table holding the
+    /// next (or last) update's rows, reused step after step.
     pub(super) lists: Vec<PoolBuffer<u32>>,
     /// The rates of the steps to come (a learning-rate schedule's), oldest
     /// first; none: the configured rate.

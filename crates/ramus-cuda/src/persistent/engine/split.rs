@@ -226,16 +226,18 @@ impl PersistentEngine {
             .collect()
     }
 
-    /// `words` in a new pool buffer of their own (at least one word), copied
-    /// on the stream.
-    pub(crate) fn upload_words(&mut self, words: &[u32]) -> Result<PoolBuffer<u32>> {
-        let buffer = self.pool.alloc::<u32>(words.len().max(1))?;
-        if !words.is_empty() {
-            let stream = self.device.stream().clone();
-            let view = buffer.view().slice(0..words.len())?;
-            self.transfer.upload_slice(words, view, &stream)?;
+    /// A pool buffer of `len` words (at least one).
+    pub(crate) fn alloc_words(&mut self, len: usize) -> Result<PoolBuffer<u32>> {
+        self.pool.alloc::<u32>(len.max(1))
+    }
+
+    /// `words` into `dst` (as long), on the stream.
+    pub(crate) fn upload_words(&mut self, words: &[u32], dst: DeviceView<u32>) -> Result<()> {
+        if words.is_empty() {
+            return Ok(());
         }
-        Ok(buffer)
+        let stream = self.device.stream().clone();
+        self.transfer.upload_slice(words, dst, &stream)
     }
 
     /// `value` into the first float of `dst`, on the stream.
