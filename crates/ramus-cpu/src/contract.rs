@@ -29,6 +29,9 @@ pub struct CpuTrainer<T> {
     /// A gradient buffer kept from the last accumulated step, so that
     /// the next one allocates none.
     spare: Option<Grads<T>>,
+    /// The buffers (running statistics) before an accumulated step's
+    /// first batch, put back if the step is skipped as not finite.
+    kept: Option<Vec<(usize, Vec<T>)>>,
 }
 
 impl<T: Real> CpuTrainer<T> {
@@ -52,6 +55,7 @@ impl<T: Real> CpuTrainer<T> {
             state,
             accumulated: None,
             spare: None,
+            kept: None,
         }
     }
 
@@ -134,6 +138,14 @@ impl<T: Real> SplitStep<T> for CpuTrainer<T> {
             0 => 0.0,
             _ => loss * scale,
         };
+        if !plan.last {
+            if self.accumulated.is_none() {
+                self.kept = Some(self.buffers());
+            }
+            // each batch's statistics blended into the running ones, as the
+            // CUDA engine (and PyTorch) does
+            self.engine.apply_running_stats(&mut self.state.params)?;
+        }
         let grads = &mut self.state.grads;
         if !plan.last {
             let (sum, sum_loss) = self.accumulated.get_or_insert_with(|| {
@@ -159,7 +171,29 @@ impl<T: Real> SplitStep<T> for CpuTrainer<T> {
         reduce_host_grads(grads, collective, scale, &united)?;
         let mut loss = [loss];
         collective.sum_scalars(&mut loss)?;
-        Ok(vec![step_outcome(self.update(loss[0]))?])
+        let updated = self.update(loss[0]);
+        if let (Err(_), Some(kept)) = (&updated, self.kept.take()) {
+            // a skipped step leaves no batch's statistics behind
+            for (p, values) in kept {
+                self.state.params.values[p]
+                    .data_mut()
+                    .copy_from_slice(&values);
+            }
+            self.state.params.touch();
+        }
+        self.kept = None;
+        Ok(vec![step_outcome(updated)?])
+    }
+}
+
+impl<T: Real> CpuTrainer<T> {
+    /// Copies of the model's buffers (running statistics).
+    fn buffers(&self) -> Vec<(usize, Vec<T>)> {
+        let values = &self.state.params.values;
+        (0..values.len())
+            .filter(|&p| self.model.is_buffer(p))
+            .map(|p| (p, values[p].data().to_vec()))
+            .collect()
     }
 }
 

@@ -57,7 +57,7 @@ mod resume;
 mod split;
 mod train;
 
-pub(crate) use split::SplitUpdate;
+pub(crate) use split::{mid_step, SplitUpdate};
 pub use train::CudaTrainer;
 
 pub(crate) use cnn::cnn_workspace_floats;

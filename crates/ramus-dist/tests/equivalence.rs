@@ -551,3 +551,63 @@ fn accumulated_batches_take_the_steps_of_one_big_batch() {
         }
     }
 }
+
+/// Under gradient accumulation each batch's forward pass blends its
+/// statistics into the running ones, as the CUDA engines (and PyTorch)
+/// do: at a learning rate of 0, one step of two batches leaves the running
+/// statistics of two steps of one batch each.
+#[test]
+fn accumulated_batches_each_blend_their_running_statistics() {
+    use ramus_exec::data_parallel::Alone;
+    let case = Case::new("resnet", 8, 1, 17).unwrap();
+    let of = |ids: std::ops::Range<usize>| -> Vec<&InputGraph> {
+        ids.map(|i| &case.graphs[i]).collect()
+    };
+    let (first, second) = (batch(&case.model, &of(0..4)), batch(&case.model, &of(4..8)));
+    let cfg = OptimizerConfig::new(OptimizerKind::Sgd, 0.0);
+    let engine = || CpuTrainer::new(case.model.clone(), case.params(5).cast::<f64>(), cfg);
+    let mut steps = engine();
+    steps.train_step(&first).unwrap();
+    steps.train_step(&second).unwrap();
+    let mut dp = DataParallel::new(engine(), Box::new(Alone));
+    let plan = StepPlan::of(&case.model, &of(0..8)).unwrap();
+    let earlier = StepPlan {
+        last: false,
+        ..plan.clone()
+    };
+    dp.step(Some(&first), &earlier).unwrap();
+    dp.step_shard(Some(&second), &plan).unwrap();
+    let (want, got) = (steps.state().unwrap(), dp.state().unwrap());
+    let start = case.params(5).cast::<f64>();
+    let buffers: Vec<usize> = (0..case.model.params.len())
+        .filter(|&p| case.model.is_buffer(p))
+        .collect();
+    for &p in &buffers {
+        let name = &case.model.params[p].name;
+        let w = want.params.values[p].data();
+        assert_ne!(w, start.values[p].data(), "{name} did not move");
+        assert_eq!(w, got.params.values[p].data(), "{name}");
+    }
+    // a step skipped as not finite (a NaN pixel in its second batch) puts
+    // back the statistics of before its first
+    let mut broken = case.graphs[4].clone();
+    let width = broken.features(0).len();
+    let mut pixels = broken.features(0).to_vec();
+    pixels[0] = f32::NAN;
+    broken.set_features(width, pixels).unwrap();
+    let mut nan = of(5..8);
+    nan.insert(0, &broken);
+    let before = dp.state().unwrap();
+    dp.step(Some(&first), &earlier).unwrap();
+    let skipped = dp.step_shard(Some(&batch(&case.model, &nan)), &plan);
+    assert!(skipped.is_err(), "a NaN pixel gave {skipped:?}");
+    let after = dp.state().unwrap();
+    for &p in &buffers {
+        let name = &case.model.params[p].name;
+        let (b, a) = (
+            before.params.values[p].data(),
+            after.params.values[p].data(),
+        );
+        assert_eq!(b, a, "{name} after a skipped step");
+    }
+}

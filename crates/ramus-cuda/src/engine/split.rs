@@ -26,6 +26,12 @@ pub(crate) struct Accumulator {
     holding: bool,
 }
 
+/// Whether a step's earlier batch has added to `acc` (a batch now is not
+/// its step's first).
+pub(crate) fn mid_step(acc: &Option<Accumulator>) -> bool {
+    acc.as_ref().is_some_and(|a| a.holding)
+}
+
 /// What the update half of a split step works with; the batch's
 /// gradients are in the engine's gradient buffer and its mean loss in
 /// the optimizer's loss slot.
@@ -134,7 +140,11 @@ impl SplitStep<f32> for CudaTrainer {
         let e = &mut self.engine;
         e.check_model(model)?;
         e.sync_params(model, params)?;
-        e.keep_buffers(model, config)?;
+        // the running statistics before the step's first batch: a skipped
+        // step puts them back (each batch blends its own into them)
+        if !mid_step(&self.accumulated) {
+            e.keep_buffers(model, config)?;
+        }
         e.start_norm_step(batch.is_some())?;
         let stream = e.device.stream().clone();
         let (_, rows) = match batch {

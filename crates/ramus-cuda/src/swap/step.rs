@@ -23,8 +23,9 @@ pub(super) enum Update {
     /// The fused optimizer update, the step's last op.
     Fused,
     /// None: the caller sums the gradients over the ranks, then updates
-    /// (a data-parallel or accumulated step, `SplitStep`).
-    Split,
+    /// (a data-parallel or accumulated step, `SplitStep`); `first`: the
+    /// step's first batch, before which the running statistics are kept.
+    Split { first: bool },
 }
 
 /// A training step's optimizer and update.
@@ -138,8 +139,11 @@ impl SwapRuntime {
         engine.inference_pass = false;
         engine.upload_indices(model, s, Mode::Train, model.head.rows)?;
         // the optimizer's state is part of the fixed memory: allocate it
-        // first; a skipped step puts back the running statistics
-        engine.keep_buffers(model, config)?;
+        // first; a skipped step puts back the running statistics of before
+        // its first batch
+        if update != (Update::Split { first: false }) {
+            engine.keep_buffers(model, config)?;
+        }
         let kind = Kind::Train {
             states: steps::optimizer_states(config.kind),
         };

@@ -13,7 +13,7 @@ use super::runtime::SwapRuntime;
 use super::step::Update::{Fused, Split};
 use super::steps::{check_dynamic, check_static};
 use super::{SwapConfig, SwapMode, SwapStepReport};
-use crate::engine::{CudaEngine, CudaEngineOptions, CudaTrainer, SplitUpdate, StepLoss};
+use crate::engine::{mid_step, CudaEngine, CudaEngineOptions, CudaTrainer, SplitUpdate, StepLoss};
 use crate::error::Result;
 
 /// The swap path as a training engine: a [`CudaTrainer`] whose steps (and
@@ -190,8 +190,11 @@ impl SplitStep<f32> for SwapTrainer {
             engine.sync_params(model, params)?;
             engine.ensure_accumulator(&mut inner.accumulated)?;
         }
+        let split = Split {
+            first: !mid_step(&inner.accumulated),
+        };
         let (previous, rows) =
-            rt.train_step(engine, (model, &mut *params), config, batch, Split)?;
+            rt.train_step(engine, (model, &mut *params), config, batch, split)?;
         let update = SplitUpdate {
             model,
             config,
