@@ -249,3 +249,42 @@ pub fn evaluator(
     let config = OptimizerConfig::forward_only();
     engine(device, model, (params, config), budget, SwapMode::Off)
 }
+
+/// `--swap` given (`asked`, not off) with the persistent engine (or auto
+/// choosing it): refused, the swap path runs on the batched engine.
+pub fn refuse_persistent_swap(asked: Option<SwapMode>, persistent: bool) -> Result<(), String> {
+    match asked.filter(|_| persistent) {
+        Some(mode) => Err(format!(
+            "--swap {mode}: the swap path runs on the batched engine, not on --engine persistent"
+        )),
+        None => Ok(()),
+    }
+}
+
+/// `--sync-bn` where it cannot apply: a model without batch norm, or a
+/// run that is not data-parallel (`ranks` false).
+pub fn check_sync_bn(sync_bn: bool, model: &Model, ranks: bool) -> Result<(), String> {
+    if !sync_bn {
+        return Ok(());
+    }
+    let graphs = model.functions.iter().map(|f| &f.forward);
+    let normalises = graphs.chain([&model.head.forward]).any(|g| {
+        g.nodes
+            .iter()
+            .any(|n| matches!(n.op(), Some(ramus_core::ops::Op::BatchNorm(_))))
+    });
+    if !normalises {
+        return Err(format!(
+            "--sync-bn: model `{}` has no batch norm",
+            model.name
+        ));
+    }
+    if !ranks {
+        return Err(
+            "--sync-bn applies to training on several GPUs (--gpus N, --nodes, or a \
+                    launcher's WORLD_SIZE)"
+                .into(),
+        );
+    }
+    Ok(())
+}

@@ -452,18 +452,9 @@ fn training_engine(
     swap: ramus_cuda::SwapMode,
 ) -> AnyResult<Box<dyn ramus_exec::TrainEngine<f32>>> {
     let budget = a.device_memory_budget;
-    if a.sync_bn && !has_batch_norm(need.model) {
-        let name = &need.model.name;
-        return Err(format!("--sync-bn: model `{name}` has no batch norm").into());
-    }
-    let swapping = swap != ramus_cuda::SwapMode::Off;
-    let no_swap = |persistent: bool| match a.swap.filter(|_| persistent && swapping) {
-        Some(asked) => Err(format!(
-            "--swap {asked}: the swap path runs on the batched engine, not on --engine persistent"
-        )),
-        None => Ok(()),
-    };
-    no_swap(choice == device::TrainEngineChoice::Persistent)?;
+    device::check_sync_bn(a.sync_bn, need.model, world.is_some())?;
+    let asked = a.swap.filter(|&m| m != ramus_cuda::SwapMode::Off);
+    device::refuse_persistent_swap(asked, choice == device::TrainEngineChoice::Persistent)?;
     if let Some(world) = world {
         let w = distributed::WorkerEngine {
             world,
@@ -477,42 +468,25 @@ fn training_engine(
         };
         return distributed::engine(w, (params, oc));
     }
-    if a.sync_bn {
-        return Err(
-            "--sync-bn applies to training on several GPUs (--gpus N, --nodes, or a \
-                    launcher's WORLD_SIZE)"
-                .into(),
-        );
-    }
     // checked before it allocated
     let persistent = device::persistent_trainer(choice, need, &params, oc, budget)?;
-    no_swap(persistent.is_some())?;
+    device::refuse_persistent_swap(asked, persistent.is_some())?;
     // steps of several batches, or per-parameter rates on the persistent
     // engine: its updates split out of its kernel
     let multipliers = a.rates.freeze_embeddings || a.rates.embedding_lr.is_some();
     if a.accumulate > 1 || (multipliers && persistent.is_some()) {
         let (model, device) = (need.model, a.device);
         let engine = device::accumulating(device, model, (params, oc), budget, (persistent, swap))?;
-        need.check_device(engine.as_ref(), budget, swapping)?;
+        need.check_device(engine.as_ref(), budget, swap != ramus_cuda::SwapMode::Off)?;
         return Ok(engine);
     }
     Ok(match persistent {
         Some(persistent) => Box::new(persistent),
         None => {
             let engine = device::engine(a.device, need.model, (params, oc), budget, swap)?;
-            need.check_device(engine.as_ref(), budget, swapping)?;
+            need.check_device(engine.as_ref(), budget, swap != ramus_cuda::SwapMode::Off)?;
             engine
         }
-    })
-}
-
-/// Whether any graph of `model` normalises batches.
-fn has_batch_norm(model: &ramus_core::Model) -> bool {
-    let graphs = model.functions.iter().map(|f| &f.forward);
-    graphs.chain([&model.head.forward]).any(|g| {
-        g.nodes
-            .iter()
-            .any(|n| matches!(n.op(), Some(ramus_core::ops::Op::BatchNorm(_))))
     })
 }
 

@@ -192,3 +192,17 @@ pub fn batch<'a>(model: &Model, graphs: &[&'a InputGraph]) -> ramus_exec::Batch<
     ramus_exec::Batch::new(model, graphs.to_vec(), BatchingPolicy::Cavs)
         .unwrap_or_else(|e| panic!("model `{}`: the batch does not schedule: {e}", model.name))
 }
+
+/// A copy of image `graph` (one vertex) whose first pixel is NaN: a batch
+/// with it makes a training step that is not finite.
+pub fn with_nan_pixel(graph: &InputGraph) -> InputGraph {
+    let mut broken = graph.clone();
+    let mut pixels = graph.features(0).to_vec();
+    if let Some(first) = pixels.first_mut() {
+        *first = f32::NAN;
+    }
+    broken
+        .set_features(pixels.len(), pixels)
+        .unwrap_or_else(|e| panic!("an image's pixels: {e}"));
+    broken
+}

@@ -492,6 +492,21 @@ extern "C" __global__ void ramus_channel_sum(float* out, const float* __restrict
     if (threadIdx.x == 0) out[c] = (float)s;
 }
 
+// Channel c's batch mean and (biased) variance over count values blended
+// into the running statistics (when given), as the CPU's
+// update_running_stats: unbiased batch variance, each product and sum
+// rounded on its own.
+__device__ void blend_running(float* running_mean, float* running_var, u32 c, double mean,
+                              double var, double count, double momentum) {
+    if (!running_mean || !running_var) return;
+    const double unbias = count > 1.0 ? count / (count - 1.0) : 1.0;
+    const double keep = 1.0 - momentum;
+    running_mean[c] =
+        (float)__dadd_rn(__dmul_rn(keep, (double)running_mean[c]), __dmul_rn(momentum, mean));
+    running_var[c] = (float)__dadd_rn(__dmul_rn(keep, (double)running_var[c]),
+                                      __dmul_rn(__dmul_rn(momentum, var), unbias));
+}
+
 // Training batch norm: coef[2c], coef[2c + 1] = a, b with y = x * a + b,
 // a = gamma * inv, b = beta - mean * a (computed in double, then rounded).
 extern "C" __global__ void ramus_batch_norm_coef(float* coef, const float* __restrict__ x,
@@ -509,17 +524,8 @@ extern "C" __global__ void ramus_batch_norm_coef(float* coef, const float* __res
         const double a = (double)gamma[c] * inv;
         coef[2 * c] = (float)a;
         coef[2 * c + 1] = (float)((double)beta[c] - mean * a);
-        // running statistics (when given), as the CPU's update_running_stats:
-        // unbiased batch variance, each product and sum rounded on its own
-        if (running_mean && running_var) {
-            const double count = (double)rows * (double)spatial;
-            const double unbias = count > 1.0 ? count / (count - 1.0) : 1.0;
-            const double keep = 1.0 - momentum;
-            running_mean[c] =
-                (float)__dadd_rn(__dmul_rn(keep, (double)running_mean[c]), __dmul_rn(momentum, mean));
-            running_var[c] = (float)__dadd_rn(__dmul_rn(keep, (double)running_var[c]),
-                                              __dmul_rn(__dmul_rn(momentum, var), unbias));
-        }
+        const double count = (double)rows * (double)spatial;
+        blend_running(running_mean, running_var, c, mean, var, count, momentum);
     }
 }
 
@@ -618,14 +624,7 @@ extern "C" __global__ void ramus_batch_norm_coef_synced(float* coef, float* stat
         stats[c] = (float)mean;
         stats[channels + c] = (float)inv;
         if (c == 0) stats[2 * channels] = sums[channels];
-        if (running_mean && running_var) {
-            const double unbias = count > 1.0 ? count / (count - 1.0) : 1.0;
-            const double keep = 1.0 - momentum;
-            running_mean[c] =
-                (float)__dadd_rn(__dmul_rn(keep, (double)running_mean[c]), __dmul_rn(momentum, mean));
-            running_var[c] = (float)__dadd_rn(__dmul_rn(keep, (double)running_var[c]),
-                                              __dmul_rn(__dmul_rn(momentum, var), unbias));
-        }
+        blend_running(running_mean, running_var, c, mean, var, count, momentum);
     }
 }
 

@@ -57,7 +57,8 @@ mod resume;
 mod split;
 mod train;
 
-pub(crate) use split::{mid_step, SplitUpdate};
+pub(crate) use split::SplitUpdate;
+pub(crate) use train::mid_step;
 pub use train::CudaTrainer;
 
 pub(crate) use cnn::cnn_workspace_floats;

@@ -6,7 +6,7 @@
 mod common;
 
 use ramus_conformance::close::{assert_close, Tolerance};
-use ramus_conformance::zoo::{batch, Case};
+use ramus_conformance::zoo::{batch, with_nan_pixel, Case};
 use ramus_cpu::CpuTrainer;
 use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer};
 use ramus_cuda::{SwapConfig, SwapMode, SwapTrainer};
@@ -23,11 +23,7 @@ fn buffers_after_steps<E: SplitStep<f32>>(engine: E, case: &Case) -> [Vec<Vec<f3
     let of = |ids: std::ops::Range<usize>| -> Vec<&InputGraph> {
         ids.map(|i| &case.graphs[i]).collect()
     };
-    let mut broken = case.graphs[4].clone();
-    let width = broken.features(0).len();
-    let mut pixels = broken.features(0).to_vec();
-    pixels[0] = f32::NAN;
-    broken.set_features(width, pixels).unwrap();
+    let broken = with_nan_pixel(&case.graphs[4]);
     let mut nan = of(5..8);
     nan.insert(0, &broken);
     let batches: [Batch; 3] = [

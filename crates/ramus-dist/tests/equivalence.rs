@@ -11,7 +11,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use ramus_conformance::close::{assert_close, assert_close_value, Tolerance};
-use ramus_conformance::zoo::{batch, Case};
+use ramus_conformance::zoo::{batch, with_nan_pixel, Case};
 use ramus_cpu::CpuTrainer;
 use ramus_dist::{local_group, Shard};
 use ramus_exec::data_parallel::{Collective, DataParallel, StepPlan};
@@ -590,11 +590,7 @@ fn accumulated_batches_each_blend_their_running_statistics() {
     }
     // a step skipped as not finite (a NaN pixel in its second batch) puts
     // back the statistics of before its first
-    let mut broken = case.graphs[4].clone();
-    let width = broken.features(0).len();
-    let mut pixels = broken.features(0).to_vec();
-    pixels[0] = f32::NAN;
-    broken.set_features(width, pixels).unwrap();
+    let broken = with_nan_pixel(&case.graphs[4]);
     let mut nan = of(5..8);
     nan.insert(0, &broken);
     let before = dp.state().unwrap();

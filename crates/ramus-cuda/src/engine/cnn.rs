@@ -240,12 +240,9 @@ impl CudaEngine {
             Op::BatchNormBackwardInput(BatchNormBackwardInput(norm)) => {
                 self.batch_norm_backward_input(a, norm)
             }
-            Op::BatchNormBackwardGamma(BatchNormBackwardGamma(norm)) if self.norm_synced() => {
-                let views = (out()?, fv(0)?, fv(1)?);
-                self.batch_norm_backward_gamma_synced(a, norm, views, rows(0))
-            }
             Op::BatchNormBackwardGamma(BatchNormBackwardGamma(norm)) => {
-                launcher.batch_norm_backward_gamma(stream, out()?, fv(0)?, fv(1)?, rows(0), norm)
+                let views = (out()?, fv(0)?, fv(1)?);
+                self.batch_norm_backward_gamma(a, norm, views, rows(0))
             }
             Op::BatchNormInference(BatchNormInference(norm)) => self.batch_norm_inference(a, norm),
             Op::BatchNormInferenceBackwardInput(BatchNormInferenceBackwardInput(norm)) => {
@@ -339,6 +336,20 @@ impl CudaEngine {
             return self.batch_norm_backward_input_synced(a, norm, operands, (dx, coef, r));
         }
         (self.launcher).batch_norm_backward_input(&a.lane.stream, dx, operands, coef, r, norm)
+    }
+
+    /// Gamma's gradient of training batch normalisation (inputs: x, dy).
+    fn batch_norm_backward_gamma(
+        &self,
+        a: &CnnArgs<'_>,
+        norm: &NormGeom,
+        (out, x, dy): (DeviceView<f32>, DeviceView<f32>, DeviceView<f32>),
+        r: usize,
+    ) -> Result<()> {
+        if self.norm_synced() {
+            return self.batch_norm_backward_gamma_synced(a, norm, (out, x, dy), r);
+        }
+        (self.launcher).batch_norm_backward_gamma(&a.lane.stream, out, x, dy, r, norm)
     }
 
     /// Batch normalisation with given statistics (inputs: x, gamma, beta,

@@ -10,59 +10,20 @@
 
 use std::collections::HashMap;
 
-use cudarc::driver::CudaEvent;
-
 use ramus_core::graph::{Graph, NodeId, NodeKind, ParamId, Source};
 use ramus_core::ops::{BatchNorm, NormGeom, Op};
 use ramus_core::Model;
 use ramus_exec::data_parallel::{Collective, DeviceBuffer, GradBuffer};
 
+mod state;
+
 use super::cnn::CnnArgs;
 use super::{model_err, CudaEngine, Lane};
 use crate::error::{CudaError, InCall, Result};
 use crate::launch::{synced_len, BatchNormOperands, NormGradOperands};
-use crate::pool::{DeviceView, PoolBuffer};
-
-/// The group handle, each layer's device buffers, and the sums of the
-/// last step with rows.
-pub(crate) struct NormSync {
-    collective: Box<dyn Collective<f32>>,
-    /// Per layer, by its input's node in the forward graph: the forward
-    /// sums (`2C + 1`), the statistics (`2C + 1`) and the gradient sums
-    /// (`2C`), allocated when synchronization is set up.
-    layers: HashMap<NodeId, (NormGeom, PoolBuffer<f32>)>,
-    /// The sums of this step so far (of the last step with rows, once done).
-    calls: Vec<Call>,
-    /// Recorded on a lane before a sum on the main stream, and on the main
-    /// stream after it.
-    before_sum: CudaEvent,
-    after_sum: CudaEvent,
-}
-
-/// A layer's sums in a step, as a rank without rows repeats them.
-#[derive(Clone, Copy, Debug)]
-enum Call {
-    /// The forward pass's two sums, then its statistics (and running ones,
-    /// with the parameters `[gamma, beta]` and `(mean, var)` if blended).
-    Forward {
-        layer: NodeId,
-        params: [ParamId; 2],
-        running: Option<(ParamId, ParamId)>,
-    },
-    /// The backward pass's gradient sums.
-    Backward { layer: NodeId },
-}
-
-/// A layer's buffer: its forward sums, statistics and gradient sums.
-fn parts(norm: &NormGeom, buf: &PoolBuffer<f32>) -> Result<[DeviceView<f32>; 3]> {
-    let (l, c) = (synced_len(norm), norm.channels);
-    let v = buf.view();
-    Ok([
-        v.slice(0..l)?,
-        v.slice(l..2 * l)?,
-        v.slice(2 * l..2 * l + 2 * c)?,
-    ])
-}
+use crate::pool::DeviceView;
+pub(crate) use state::NormSync;
+use state::{parts, Call};
 
 /// The parameter of node `n`'s input `i`, if it is one.
 fn param_input(g: &Graph, n: NodeId, i: usize) -> Option<ParamId> {

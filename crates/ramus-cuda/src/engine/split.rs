@@ -10,33 +10,21 @@
 //! The update half ([`CudaEngine::split_update`]) is shared with the swap
 //! path, whose op-by-op step ends in it.
 
-use ramus_core::Model;
+use ramus_core::{Model, Params};
 use ramus_exec::data_parallel::{Collective, DeviceBuffer, GradBuffer, SplitStep, StepPlan};
 use ramus_exec::{Batch, ExecError, OptimizerConfig, Result, StepOutcome};
 
+use super::train::{mid_step, Accumulator};
 use super::{CudaEngine, CudaTrainer, StepLoss};
-use crate::pool::{DeviceView, PoolBuffer};
-
-/// Gradient accumulation's buffer, kept across steps: the scaled
-/// gradients of a step's batches so far, then their scaled loss (one
-/// float past the gradients).
-pub(crate) struct Accumulator {
-    buf: PoolBuffer<f32>,
-    /// Whether the buffer holds a sum (a step's earlier batch added to it).
-    holding: bool,
-}
-
-/// Whether a step's earlier batch has added to `acc` (a batch now is not
-/// its step's first).
-pub(crate) fn mid_step(acc: &Option<Accumulator>) -> bool {
-    acc.as_ref().is_some_and(|a| a.holding)
-}
+use crate::pool::DeviceView;
 
 /// What the update half of a split step works with; the batch's
 /// gradients are in the engine's gradient buffer and its mean loss in
 /// the optimizer's loss slot.
 pub(crate) struct SplitUpdate<'a> {
     pub model: &'a Model,
+    /// The host parameters, whose device copy the update moves ahead.
+    pub params: &'a mut Params<f32>,
     pub config: &'a OptimizerConfig,
     pub collective: &'a mut dyn Collective<f32>,
     pub plan: &'a StepPlan,
@@ -67,9 +55,8 @@ impl CudaEngine {
     /// last adds its gradients and loss, scaled by its share of the step's
     /// head rows, to the accumulator; the last adds the accumulator to its
     /// own, sums both over the ranks and queues the fused update over the
-    /// plan's rows. Returns whether the update was queued (its loss then
-    /// comes back with its status).
-    pub(crate) fn split_update(&mut self, u: SplitUpdate<'_>) -> Result<bool> {
+    /// plan's rows, whose loss comes back with its status.
+    pub(crate) fn split_update(&mut self, u: SplitUpdate<'_>) -> Result<()> {
         let stream = self.device.stream().clone();
         let scale = u.plan.scale(u.rows)? as f32;
         let grad_all = self.param_views()?.grad_all;
@@ -87,7 +74,7 @@ impl CudaEngine {
             launcher.scale_add(&stream, (view.slice(0..n)?, kept), (grad_all, scale))?;
             launcher.scale_add(&stream, (view.slice(n..n + 1)?, kept), (slot, scale))?;
             acc.holding = true;
-            return Ok(false);
+            return Ok(());
         }
         // the step's earlier batches, already scaled: this one's scale
         // applied here and the sum's is one
@@ -125,7 +112,8 @@ impl CudaEngine {
         for _ in 0..report.launches {
             self.launcher.count();
         }
-        Ok(true)
+        self.step_submitted(u.params, StepLoss::Device);
+        Ok(())
     }
 }
 
@@ -180,18 +168,16 @@ impl SplitStep<f32> for CudaTrainer {
                 e.launcher.fill(&stream, grad_all, 0.0)?
             }
         }
-        let update = SplitUpdate {
+        e.split_update(SplitUpdate {
             model,
+            params,
             config,
             collective,
             plan,
             rows,
             accumulator: &mut self.accumulated,
             touched: touched.map(|t| t.into_iter().map(|(_, v)| v).collect()),
-        };
-        if e.split_update(update)? {
-            e.step_submitted(params, StepLoss::Device);
-        }
+        })?;
         Ok(previous.into_iter().collect())
     }
 }

@@ -256,6 +256,21 @@ impl CudaEngine {
     }
 }
 
+/// Gradient accumulation's buffer, kept across steps: the scaled
+/// gradients of a step's batches so far, then their scaled loss (one
+/// float past the gradients).
+pub(crate) struct Accumulator {
+    pub(super) buf: crate::pool::PoolBuffer<f32>,
+    /// Whether the buffer holds a sum (a step's earlier batch added to it).
+    pub(super) holding: bool,
+}
+
+/// Whether a step's earlier batch has added to `acc` (a batch now is not
+/// its step's first).
+pub(crate) fn mid_step(acc: &Option<Accumulator>) -> bool {
+    acc.as_ref().is_some_and(|a| a.holding)
+}
+
 /// The CUDA batched engine as a training engine for one model: the
 /// parameters and the optimizer's moments and step count live on the
 /// device and are updated there; [`TrainEngine::state`] reads them back.
@@ -271,7 +286,7 @@ pub struct CudaTrainer {
     pub(crate) config: OptimizerConfig,
     /// The scaled gradients and loss of a step's batches so far (gradient
     /// accumulation, `engine/split.rs`).
-    pub(crate) accumulated: Option<super::split::Accumulator>,
+    pub(crate) accumulated: Option<Accumulator>,
 }
 
 impl CudaTrainer {

@@ -11,11 +11,10 @@ use cudarc::driver::{CudaEvent, CudaStream};
 
 use ramus_core::graph::{DType, NodeId, NodeKind, Role, Source};
 use ramus_core::Model;
-use ramus_exec::OptimizerConfig;
 use ramus_exec::{Batch, Range};
 use ramus_swap::{SwapDevice, TensorId};
 
-use super::runtime::{Mem, Profile, Slot, SwapRuntime};
+use super::runtime::{Mem, Profile, Slot, SwapRuntime, Training};
 use super::steps::{self, GraphRef, Home, Rows, SwapOp, SwapProgram};
 use crate::batch::{Buf, GraphBufs};
 use crate::engine::CudaEngine;
@@ -33,10 +32,10 @@ pub(super) struct CudaSwapDevice<'a> {
     /// The touched row ids of every row-gradient table (training only).
     pub(super) touched: Vec<DeviceView<u32>>,
     pub(super) model: &'a Model,
-    pub(super) config: Option<&'a OptimizerConfig>,
-    /// Whether the step ends in the fused update (else its caller updates
-    /// after the gradients are summed over the ranks: a split step).
-    pub(super) fused_update: bool,
+    /// A training step's optimizer, and whether it ends in the fused
+    /// update (else its caller updates after the gradients are summed over
+    /// the ranks: a split step).
+    pub(super) training: Option<Training<'a>>,
     pub(super) batch: &'a Batch<'a>,
     /// Buffers of every graph's nodes, by [`GraphRef::index`]: index inputs
     /// and empty buffers fixed, every tensor present only while an op that
@@ -363,9 +362,9 @@ impl CudaSwapDevice<'_> {
                 output,
                 rows,
             } => self.accumulate_grad(graph, output, rows)?,
-            SwapOp::Optimizer if !self.fused_update => {}
+            SwapOp::Optimizer if !Training::fused(self.training) => {}
             SwapOp::Optimizer => {
-                let config = self.config.ok_or_else(|| {
+                let config = self.training.map(|t| t.config).ok_or_else(|| {
                     model_err("swap path: an optimizer step without an optimizer")
                 })?;
                 let opt = self.engine.device_optimizer(self.model, config)?;
@@ -491,7 +490,7 @@ impl CudaSwapDevice<'_> {
         let stream = self.engine.main.stream.clone();
         self.rt.loss.download(loss, &stream)?;
         let engine: &CudaEngine = self.engine;
-        if let (Some(_), Some((_, opt))) = (self.config, engine.optimizer.as_ref()) {
+        if let (Some(_), Some((_, opt))) = (self.training, engine.optimizer.as_ref()) {
             let slot = opt.loss_slot()?;
             engine.launcher.move_rows(
                 &stream,

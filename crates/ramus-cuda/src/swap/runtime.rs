@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaEvent, CudaStream};
 
+use ramus_exec::OptimizerConfig;
 use ramus_swap::{ExecOptions, Policy, SwapPlan, TensorId};
 
 use super::steps::{Kind, Shape, SwapProgram};
@@ -15,6 +16,31 @@ use crate::batch::Buf;
 use crate::error::{InCall, Result};
 use crate::pinned::PinnedBuffer;
 use crate::pool::PoolBuffer;
+
+/// How a training step on the swap path updates the parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Update {
+    /// The fused optimizer update, the step's last op.
+    Fused,
+    /// None: the caller sums the gradients over the ranks, then updates
+    /// (a data-parallel or accumulated step, `SplitStep`); `first`: the
+    /// step's first batch, before which the running statistics are kept.
+    Split { first: bool },
+}
+
+/// A training step's optimizer and update.
+#[derive(Clone, Copy)]
+pub(super) struct Training<'a> {
+    pub(super) config: &'a OptimizerConfig,
+    pub(super) update: Update,
+}
+
+impl Training<'_> {
+    /// Whether the step ends in the fused update.
+    pub(super) fn fused(training: Option<Self>) -> bool {
+        training.is_some_and(|t| t.update == Update::Fused)
+    }
+}
 
 /// A tensor's device memory.
 pub(super) enum Mem {

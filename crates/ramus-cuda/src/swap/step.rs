@@ -10,30 +10,12 @@ use ramus_exec::{OptimizerConfig, StepOutcome};
 use ramus_swap::{analyze, CostModel, ExecOptions, Executor, Policy, PrefetchTiming, SwapPlan};
 
 use super::device::CudaSwapDevice;
-use super::runtime::{PrepKey, Prepared, Profile, Slot, Stage, SwapRuntime};
+use super::runtime::{PrepKey, Prepared, Profile, Slot, Stage, SwapRuntime, Training, Update};
 use super::steps::{self, Kind, Shape, SwapOp, SwapProgram};
 use super::{SwapMode, SwapStepReport};
 use crate::engine::CudaEngine;
 use crate::error::{model_err, InCall, Result};
 use crate::pool::DeviceView;
-
-/// How a training step on the swap path updates the parameters.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Update {
-    /// The fused optimizer update, the step's last op.
-    Fused,
-    /// None: the caller sums the gradients over the ranks, then updates
-    /// (a data-parallel or accumulated step, `SplitStep`); `first`: the
-    /// step's first batch, before which the running statistics are kept.
-    Split { first: bool },
-}
-
-/// A training step's optimizer and update.
-#[derive(Clone, Copy)]
-struct Training<'a> {
-    config: &'a OptimizerConfig,
-    update: Update,
-}
 
 /// The no-swap mode's laid-out plan ([`crate::swap::resident_plan`]) for a
 /// static-graph step (a dynamic batch would pay the packing every batch),
@@ -290,8 +272,6 @@ impl SwapRuntime {
         training: Option<Training<'_>>,
         batch: &Batch<'_>,
     ) -> Result<(f64, Vec<f32>)> {
-        let config = training.map(|t| t.config);
-        let fused_update = training.is_some_and(|t| t.update == Update::Fused);
         let nt = prep.program.trace.num_tensors();
         if self.slots.len() < nt {
             self.slots.resize_with(nt, Slot::default);
@@ -328,7 +308,7 @@ impl SwapRuntime {
         };
         // the embedding rows the batch touches (the optimizer updates only
         // those), uploaded with the index words before any op runs
-        let touched: Vec<DeviceView<u32>> = if fused_update {
+        let touched: Vec<DeviceView<u32>> = if Training::fused(training) {
             engine
                 .touched_rows(model, &batch.schedule)?
                 .into_iter()
@@ -366,8 +346,7 @@ impl SwapRuntime {
                 move_indices,
                 touched,
                 model,
-                config,
-                fused_update,
+                training,
                 batch,
                 bufs: Vec::new(),
                 masks,

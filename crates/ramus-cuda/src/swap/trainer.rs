@@ -10,10 +10,10 @@ use ramus_exec::{OptimizerConfig, StepOutcome};
 use ramus_swap::{SwapPlan, Trace};
 
 use super::runtime::SwapRuntime;
-use super::step::Update::{Fused, Split};
+use super::runtime::Update::{Fused, Split};
 use super::steps::{check_dynamic, check_static};
 use super::{SwapConfig, SwapMode, SwapStepReport};
-use crate::engine::{mid_step, CudaEngine, CudaEngineOptions, CudaTrainer, SplitUpdate, StepLoss};
+use crate::engine::{mid_step, CudaEngine, CudaEngineOptions, CudaTrainer, SplitUpdate};
 use crate::error::Result;
 
 /// The swap path as a training engine: a [`CudaTrainer`] whose steps (and
@@ -195,18 +195,16 @@ impl SplitStep<f32> for SwapTrainer {
         };
         let (previous, rows) =
             rt.train_step(engine, (model, &mut *params), config, batch, split)?;
-        let update = SplitUpdate {
+        engine.split_update(SplitUpdate {
             model,
+            params,
             config,
             collective,
             plan,
             rows,
             accumulator: &mut inner.accumulated,
             touched: None,
-        };
-        if engine.split_update(update)? {
-            engine.step_submitted(params, StepLoss::Device);
-        }
+        })?;
         Ok(previous.into_iter().collect())
     }
 }
