@@ -56,7 +56,17 @@ impl CudaEngine {
             for node in &g.nodes {
                 if let Some(Op::BatchNorm(BatchNorm(norm))) = node.op() {
                     let len = 2 * synced_len(norm) + 2 * norm.channels;
-                    layers.insert(node.inputs[0], (*norm, self.pool.alloc::<f32>(len)?));
+                    let x = node.inputs.first().copied().unwrap_or_default();
+                    if layers
+                        .insert(x, (*norm, self.pool.alloc::<f32>(len)?))
+                        .is_some()
+                    {
+                        return Err(model_err(format!(
+                            "synchronized batch norm: two batch norms of model `{}` read node \
+                             %{x} (a layer is known by its input)",
+                            model.name
+                        )));
+                    }
                 }
             }
             holding += usize::from(layers.len() > before);
