@@ -184,10 +184,6 @@ struct CommHandle(sys::ncclComm_t);
 // aborts it, which NCCL allows from another thread while collectives run.
 unsafe impl Send for CommHandle {}
 
-// SAFETY: the communicator is used by one thread at a time (the rank's
-// training loop owns the group); NCCL communicators may move between
-// threads.
-unsafe impl Send for NcclGroup {}
 
 impl NcclGroup {
     /// Joins the communicator of `world` ranks as `rank`, with the `id`
