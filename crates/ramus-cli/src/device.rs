@@ -261,8 +261,9 @@ pub fn refuse_persistent_swap(asked: Option<SwapMode>, persistent: bool) -> Resu
     }
 }
 
-/// `--sync-bn` where it cannot apply: a model without batch norm, or a
-/// run that is not data-parallel (`ranks` false).
+/// `--sync-bn` where it cannot apply: a model without batch norm is
+/// refused; a run on one GPU (`ranks` false, e.g. a run of several resumed
+/// on one) says that its statistics are already every GPU's.
 pub fn check_sync_bn(sync_bn: bool, model: &Model, ranks: bool) -> Result<(), String> {
     if !sync_bn {
         return Ok(());
@@ -280,10 +281,9 @@ pub fn check_sync_bn(sync_bn: bool, model: &Model, ranks: bool) -> Result<(), St
         ));
     }
     if !ranks {
-        return Err(
-            "--sync-bn applies to training on several GPUs (--gpus N, --nodes, or a \
-                    launcher's WORLD_SIZE)"
-                .into(),
+        crate::output::noteln!(
+            "--sync-bn: one rank, whose batch statistics are already every rank's: nothing to \
+             synchronize"
         );
     }
     Ok(())

@@ -21,7 +21,7 @@ pub type RunConfig = BTreeMap<String, Option<Vec<String>>>;
 /// Flags a resumed run may give with another value: where and how long it
 /// runs and where it writes, not what it computes; and the data, which may
 /// move (its fingerprint tells whether it is the same).
-const MAY_DIFFER: [&str; 20] = [
+const MAY_DIFFER: [&str; 21] = [
     "epochs",
     "gpus",
     "nodes",
@@ -37,6 +37,7 @@ const MAY_DIFFER: [&str; 20] = [
     "device-memory-budget",
     "engine",
     "swap",
+    "sync-bn",
     "checkpoint-every",
     "checkpoint-dir",
     "data",

@@ -184,7 +184,6 @@ struct CommHandle(sys::ncclComm_t);
 // aborts it, which NCCL allows from another thread while collectives run.
 unsafe impl Send for CommHandle {}
 
-
 impl NcclGroup {
     /// Joins the communicator of `world` ranks as `rank`, with the `id`
     /// rank 0 made, on `device`'s main stream.
