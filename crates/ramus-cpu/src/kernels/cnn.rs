@@ -517,6 +517,24 @@ impl Kernel for ChannelBroadcast {
 
 // ---------------------------------------------------------------- batch norm
 
+/// `Σ f(x)` over the rows and positions of channel `ch` of `x`, in f64:
+/// each row's positions summed, then the rows.
+fn channel_sum_of<T: Real>(
+    n: &NormGeom,
+    x: &[T],
+    rows: usize,
+    ch: usize,
+    f: impl Fn(f64) -> f64,
+) -> f64 {
+    let (c, s) = (n.channels, n.spatial);
+    (0..rows)
+        .map(|r| {
+            let at = r * c * s + ch * s;
+            x[at..at + s].iter().map(|v| f(v.to_f64())).sum::<f64>()
+        })
+        .sum()
+}
+
 /// Per-channel `(mean, biased variance)` over all rows and positions of
 /// `x` (two passes in f64). Channels are split over threads for large
 /// inputs.
@@ -528,20 +546,8 @@ fn channel_moments<T: Real>(n: &NormGeom, x: &[T], rows: usize) -> Vec<(f64, f64
         return stats;
     }
     let stat = |ch: usize| {
-        let chan = |r: usize| &x[r * c * s + ch * s..r * c * s + (ch + 1) * s];
-        let mean = (0..rows)
-            .map(|r| chan(r).iter().map(|v| v.to_f64()).sum::<f64>())
-            .sum::<f64>()
-            / count;
-        let var = (0..rows)
-            .map(|r| {
-                chan(r)
-                    .iter()
-                    .map(|v| (v.to_f64() - mean).powi(2))
-                    .sum::<f64>()
-            })
-            .sum::<f64>()
-            / count;
+        let mean = channel_sum_of(n, x, rows, ch, |v| v) / count;
+        let var = channel_sum_of(n, x, rows, ch, |v| (v - mean).powi(2)) / count;
         (mean, var)
     };
     let threads = crate::parallel::threads();
@@ -576,13 +582,9 @@ fn batch_moments<T: Real>(
     let Some(sync) = sync else {
         return Ok((channel_moments(n, x, rows), (rows * s) as f64));
     };
-    let chan = |r: usize, ch: usize| &x[r * c * s + ch * s..r * c * s + (ch + 1) * s];
-    let over_rows = |f: &dyn Fn(usize, usize) -> f64| -> Vec<f64> {
-        (0..c)
-            .map(|ch| (0..rows).map(|r| f(r, ch)).sum::<f64>())
-            .collect()
-    };
-    let mut sums = over_rows(&|r, ch| chan(r, ch).iter().map(|v| v.to_f64()).sum::<f64>());
+    let mut sums: Vec<f64> = (0..c)
+        .map(|ch| channel_sum_of(n, x, rows, ch, |v| v))
+        .collect();
     sums.push(rows as f64);
     sync.sum(&mut sums)?;
     let count = sums[c] * s as f64;
@@ -590,13 +592,9 @@ fn batch_moments<T: Real>(
         return Ok((vec![(0.0, 0.0); c], 0.0));
     }
     let mean: Vec<f64> = sums[..c].iter().map(|t| t / count).collect();
-    let mut dev = over_rows(&|r, ch| {
-        let m = mean[ch];
-        chan(r, ch)
-            .iter()
-            .map(|v| (v.to_f64() - m).powi(2))
-            .sum::<f64>()
-    });
+    let mut dev: Vec<f64> = (0..c)
+        .map(|ch| channel_sum_of(n, x, rows, ch, |v| (v - mean[ch]).powi(2)))
+        .collect();
     sync.sum(&mut dev)?;
     let moments = mean.iter().zip(dev).map(|(&m, d)| (m, d / count));
     Ok((moments.collect(), count))
