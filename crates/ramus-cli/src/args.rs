@@ -146,6 +146,11 @@ pub(crate) struct TrainArgs {
     /// every GPU's images (synchronized batch norm), not each GPU's own.
     #[arg(long)]
     pub(crate) sync_bn: bool,
+    /// On several GPUs: MiB of gradients summed over the GPUs together,
+    /// each bucket as soon as the backward pass has finished it (smaller:
+    /// the sums start sooner, in more calls).
+    #[arg(long, default_value_t = 25.0)]
+    pub(crate) bucket_mb: f64,
     /// sgd, adagrad or adam [default: adagrad; adam for the CNNs].
     #[arg(long)]
     pub(crate) optimizer: Option<String>,

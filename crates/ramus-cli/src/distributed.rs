@@ -259,6 +259,15 @@ pub(crate) fn timeout(seconds: f64) -> AnyResult<Duration> {
     Ok(Duration::from_secs_f64(seconds))
 }
 
+/// `--bucket-mb` in bytes: at least one.
+pub(crate) fn bucket_bytes(mib: f64) -> AnyResult<usize> {
+    let bytes = mib * (1u64 << 20) as f64;
+    if !(bytes.is_finite() && bytes >= 1.0) {
+        return Err(format!("--bucket-mb must be more than 0, got {mib}").into());
+    }
+    Ok(bytes as usize)
+}
+
 /// What a worker trains with.
 pub(crate) struct WorkerEngine<'a> {
     pub world: &'a World,
@@ -273,6 +282,8 @@ pub(crate) struct WorkerEngine<'a> {
     pub batch_size: usize,
     /// `--sync-bn`.
     pub sync_bn: bool,
+    /// `--bucket-mb` in bytes.
+    pub bucket_bytes: usize,
 }
 
 /// The batched or persistent CUDA engine on GPU `LOCAL_RANK`, joined to
@@ -302,6 +313,7 @@ pub(crate) fn engine(
     }
     let mut options = CudaEngineOptions {
         device: world.local_rank,
+        bucket_bytes: Some(w.bucket_bytes),
         ..CudaEngineOptions::default()
     };
     options.pool.max_bytes = w.budget;

@@ -21,7 +21,7 @@ pub type RunConfig = BTreeMap<String, Option<Vec<String>>>;
 /// Flags a resumed run may give with another value: where and how long it
 /// runs and where it writes, not what it computes; and the data, which may
 /// move (its fingerprint tells whether it is the same).
-const MAY_DIFFER: [&str; 21] = [
+const MAY_DIFFER: [&str; 22] = [
     "epochs",
     "gpus",
     "nodes",
@@ -38,6 +38,7 @@ const MAY_DIFFER: [&str; 21] = [
     "engine",
     "swap",
     "sync-bn",
+    "bucket-mb",
     "checkpoint-every",
     "checkpoint-dir",
     "data",

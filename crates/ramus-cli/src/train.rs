@@ -465,6 +465,7 @@ fn training_engine(
             timeout: distributed::timeout(a.dist_timeout)?,
             batch_size: a.batch_size,
             sync_bn: a.sync_bn,
+            bucket_bytes: distributed::bucket_bytes(a.bucket_mb)?,
         };
         return distributed::engine(w, (params, oc));
     }
@@ -813,6 +814,7 @@ impl Run<'_> {
 pub fn run(a: TrainArgs) -> AnyResult {
     let launched = Instant::now();
     distributed::timeout(a.dist_timeout)?;
+    distributed::bucket_bytes(a.bucket_mb)?;
     let launch = distributed::Launch {
         gpus: a.gpus,
         nodes: a.nodes,

@@ -91,6 +91,15 @@ fn a_timeout_no_one_can_mean_is_refused() {
 }
 
 #[test]
+fn a_bucket_no_one_can_mean_is_refused() {
+    for mib in ["0", "-1", "NaN"] {
+        let flag = format!("--bucket-mb={mib}");
+        let o = train_with_env(&["--gpus", "2", &flag, "--epochs", "1"], &[]);
+        error_line(&o, &["--bucket-mb", "more than 0", mib]);
+    }
+}
+
+#[test]
 fn several_machines_need_consistent_flags() {
     let cases: &[(&[&str], &[&str])] = &[
         (&["--nodes", "2"], &["--nodes 2", "--master ADDRESS:PORT"]),

@@ -53,6 +53,7 @@ mod cnn;
 mod exec;
 mod nonfinite;
 mod norm_sync;
+mod overlap;
 mod resume;
 mod split;
 mod train;
@@ -75,6 +76,9 @@ pub struct CudaEngineOptions {
     /// its images in chunks (`None`: [`CONV_WORKSPACE_FLOATS`]; at least one
     /// image per chunk whatever the limit).
     pub conv_workspace: Option<usize>,
+    /// Bytes of gradients summed together over the ranks of a
+    /// data-parallel run (`None`: [`ramus_exec::bucket::DEFAULT_BUCKET_BYTES`]).
+    pub bucket_bytes: Option<usize>,
 }
 
 /// Default cap of a convolution's scratch columns: 16 Mi floats (64 MiB).
@@ -217,6 +221,8 @@ pub struct CudaEngine {
     /// data-parallel rank with `--sync-bn`); in a cell: ops run through
     /// `&self`.
     norm_sync: Option<RefCell<norm_sync::NormSync>>,
+    /// Data-parallel gradient sums: their bucket size and side lane.
+    sums: overlap::SumsSetup,
 }
 
 /// The rows of `range` (in the value's space) of a buffer of type `ty`.
@@ -305,6 +311,7 @@ impl CudaEngine {
             pending_loss: None,
             param_names: model.params.iter().map(|p| p.name.clone()).collect(),
             norm_sync: None,
+            sums: overlap::SumsSetup::new(options.bucket_bytes),
         })
     }
 
@@ -763,8 +770,10 @@ impl CudaEngine {
             }
             fwd.push(bufs);
         }
-        let graphs: Vec<&Graph> = model.functions.iter().map(|f| &f.forward).collect();
-        self.run_eager(&graphs, &programs, &fwd, None, s)?;
+        let graphs: Vec<GraphBufs> = (model.functions.iter().zip(&fwd))
+            .map(|(func, own)| GraphBufs::new(&func.forward, own, None))
+            .collect();
+        self.run_eager(&graphs, &programs, s, None)?;
         let mut joined = vec![false; model.functions.len()];
         for task in &s.tasks {
             let f = task.function;

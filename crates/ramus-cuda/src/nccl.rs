@@ -1,7 +1,8 @@
 //! NCCL for data-parallel training: a communicator over one GPU per rank,
 //! joined through the id rank 0 hands out at the rendezvous
 //! (`ramus_dist::rendezvous`), as a [`Collective`] that sums gradient
-//! buffers in device memory on the engine's own stream.
+//! buffers in device memory on the stream that wrote them (the engine's
+//! main stream, or the side stream its overlapped sums run on).
 //!
 //! The library is loaded at run time through `cudarc` like the rest of
 //! CUDA, so Ramus builds and runs without it; [`check_library`] turns a
@@ -12,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::CudaStream;
+use cudarc::driver::{result as driver, sys as cu, CudaEvent, CudaStream};
 use cudarc::nccl::result as nccl;
 use cudarc::nccl::sys;
 use ramus_exec::data_parallel::{Collective, GradBuffer};
@@ -104,9 +105,10 @@ fn nccl_err(call: &str, e: nccl::NcclError) -> CudaError {
     CudaError::Nccl(format!("{call}: {e:?}"))
 }
 
-/// One rank's NCCL communicator, on the stream of the engine whose
-/// gradients it sums (so that the sums follow the backward pass and come
-/// before the update without any host wait).
+/// One rank's NCCL communicator. Device buffers are summed on the stream
+/// that wrote them (so that the sums follow the backward pass and come
+/// before the update without any host wait), host values through the
+/// engine's main stream.
 pub struct NcclGroup {
     comm: Arc<Comm>,
     device: Arc<CudaDevice>,
@@ -153,6 +155,10 @@ impl Watch {
 struct Comm {
     raw: sys::ncclComm_t,
     watch: Arc<Watch>,
+    /// The stream of the last collective enqueued, and the event a
+    /// collective on another stream waits for (see [`NcclGroup::follow`]).
+    last_stream: Mutex<Option<u64>>,
+    handover: CudaEvent,
 }
 
 // SAFETY: the communicator is used by one thread at a time (a rank's
@@ -224,6 +230,8 @@ impl NcclGroup {
             comm: Arc::new(Comm {
                 raw: comm,
                 watch: watch.clone(),
+                last_stream: Mutex::new(None),
+                handover: device.new_event()?,
             }),
             device: device.clone(),
             stream: device.stream().clone(),
@@ -335,14 +343,47 @@ impl NcclGroup {
         let buf: DeviceView<f32> = self.scratch(host.len())?.reinterpret();
         let stream = self.stream.clone();
         self.staging.upload_slice(host, buf, &stream)?;
-        self.scaled_sum(&[(buf.device_ptr(), host.len())], scale as f32)?;
+        let on = stream.cu_stream() as u64;
+        self.scaled_sum(on, &[(buf.device_ptr(), host.len())], scale as f32)?;
         host.copy_from_slice(&self.staging.download_to_vec(buf, &stream)?);
         Ok(())
     }
 
-    /// In-place all-reduce of `count` elements of `dtype` at `ptr`.
+    /// Makes a collective about to be enqueued on `stream` follow the
+    /// communicator's previous one when that went on another stream: the
+    /// ranks pair collectives by the order they run in, which two streams
+    /// could otherwise change (a bucket's sum on the side stream, a
+    /// synchronized batch norm's on the main one).
+    fn follow(&self, stream: u64) -> Result<()> {
+        let mut last =
+            self.comm.last_stream.lock().map_err(|_| {
+                CudaError::Nccl("the communicator's stream order was poisoned".into())
+            })?;
+        if let Some(previous) = last.filter(|&p| p != stream) {
+            let event = self.comm.handover.cu_event();
+            // SAFETY: both streams belong to this rank's context and live
+            // as long as the engine that hands them to the group; the
+            // event lives with the communicator.
+            unsafe {
+                driver::event::record(event, previous as cu::CUstream).in_call("cuEventRecord")?;
+                driver::stream::wait_event(
+                    stream as cu::CUstream,
+                    event,
+                    cu::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+                .in_call("cuStreamWaitEvent")?;
+            }
+        }
+        *last = Some(stream);
+        Ok(())
+    }
+
+    /// In-place all-reduce of `count` elements of `dtype` at `ptr`, on
+    /// the group's stream.
     fn all_reduce(&self, ptr: u64, count: usize, dtype: sys::ncclDataType_t) -> Result<()> {
         let op = sys::ncclRedOp_t::ncclSum;
+        let stream = self.stream.cu_stream() as u64;
+        self.follow(stream)?;
         // SAFETY: `ptr` holds `count` elements of `dtype` on this rank's
         // device, written on `self.stream`, which the reduction follows.
         unsafe {
@@ -361,14 +402,16 @@ impl NcclGroup {
     }
 
     /// Sums each `(ptr, count)` buffer (f32) pre-multiplied by `scale` on
-    /// this rank: one NCCL group, so the reductions launch together.
-    fn scaled_sum(&self, buffers: &[(u64, usize)], scale: f32) -> Result<()> {
+    /// this rank, on `stream`: one NCCL group, so the reductions launch
+    /// together.
+    fn scaled_sum(&self, stream: u64, buffers: &[(u64, usize)], scale: f32) -> Result<()> {
+        self.follow(stream)?;
         let mut op = std::mem::MaybeUninit::uninit();
         let mut scalar = scale;
         // SAFETY: the scalar is read at the call (host-immediate); the op
         // is destroyed after the group that uses it is enqueued; each
         // buffer holds `count` floats on this rank's device, written on
-        // `self.stream`, which the reductions follow.
+        // `stream`, which the reductions follow.
         unsafe {
             nccl::reduce_op_create_pre_mul_sum(
                 op.as_mut_ptr(),
@@ -389,7 +432,7 @@ impl NcclGroup {
                         sys::ncclDataType_t::ncclFloat32,
                         op,
                         self.comm.raw,
-                        self.stream.cu_stream() as sys::cudaStream_t,
+                        stream as sys::cudaStream_t,
                     )
                     .map(|_| ())
                     .map_err(|e| nccl_err("ncclAllReduce", e))
@@ -471,14 +514,18 @@ impl Collective<f32> for NcclGroup {
     fn sum_buffers(&mut self, buffers: Vec<GradBuffer<'_, f32>>, scale: f64) -> ExecResult<()> {
         self.check()?;
         let mut device = Vec::with_capacity(buffers.len());
+        let mut on = None;
         for b in buffers {
             match b {
-                GradBuffer::Device(d) if d.stream != self.stream.cu_stream() as u64 => {
+                GradBuffer::Device(d) if on.is_some_and(|s| s != d.stream) => {
                     return Err(self.failure(CudaError::Nccl(
-                        "a gradient buffer on another stream than the communicator's".into(),
+                        "gradient buffers of one sum on different streams".into(),
                     )));
                 }
-                GradBuffer::Device(d) => device.push((d.ptr, d.len)),
+                GradBuffer::Device(d) => {
+                    on = Some(d.stream);
+                    device.push((d.ptr, d.len));
+                }
                 GradBuffer::Host(host) => {
                     // through the scratch buffer (batch norm's statistics
                     // before an evaluation: small, and rare)
@@ -487,8 +534,8 @@ impl Collective<f32> for NcclGroup {
                 }
             }
         }
-        if !device.is_empty() {
-            self.scaled_sum(&device, scale as f32)
+        if let Some(stream) = on {
+            self.scaled_sum(stream, &device, scale as f32)
                 .map_err(|e| self.failure(e))?;
         }
         Ok(())

@@ -12,7 +12,7 @@ pub enum DistError {
     /// reached or went away, or a greeting did not fit.
     #[error("rendezvous on {addr}: {message}")]
     Rendezvous { addr: String, message: String },
-    /// Sizes that cannot be sharded or bucketed.
+    /// Sizes that cannot be sharded.
     #[error("{0}")]
     Config(String),
 }

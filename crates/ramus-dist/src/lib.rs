@@ -6,12 +6,12 @@
 //! | this process's rank, the world size and rank 0's address, from the launcher's variables (`torchrun`, `srun`, `mpirun`) | [`world`] |
 //! | each rank's part of an epoch's global batches | [`shard`] |
 //! | the TCP rendezvous handing out a communicator id (NCCL's unique id) | [`rendezvous`] |
-//! | gradient buckets for overlapped all-reduces | [`bucket`] |
 //! | ranks as threads of one process, summing host buffers | [`local`] |
 //!
 //! The training side (the split step an engine implements, the collective
 //! contract, the [`DataParallel`](ramus_exec::data_parallel::DataParallel)
-//! wrapper) is in `ramus_exec::data_parallel`; the NCCL collective is in
+//! wrapper) is in `ramus_exec::data_parallel`, gradient buckets in
+//! `ramus_exec::bucket`; the NCCL collective is in
 //! `ramus-cuda`.
 //!
 //! ```
@@ -24,7 +24,6 @@
 //! assert_eq!(rank1, vec![&[0, 4, 1][..], &[6, 5][..]]);
 //! ```
 
-pub mod bucket;
 pub mod error;
 pub mod local;
 pub mod rendezvous;

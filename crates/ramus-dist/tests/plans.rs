@@ -1,9 +1,8 @@
-//! Sharding, bucketing and the local group's failures, over many inputs.
+//! Sharding and the local group's failures, over many inputs.
 
 use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
-use ramus_dist::bucket::plan;
 use ramus_dist::{local_group, Shard};
 use ramus_exec::data_parallel::{Collective, GradBuffer};
 
@@ -34,34 +33,6 @@ proptest! {
             prop_assert!(hi - lo <= 1 && *hi <= per_rank, "{:?}", sizes);
         }
     }
-
-    /// Buckets hold every reduced parameter once, in reverse declaration
-    /// order, within the budget unless a parameter alone exceeds it.
-    #[test]
-    fn buckets_respect_order_and_budget(
-        sizes in prop::collection::vec(prop::option::weighted(0.8, 1usize..5000), 0..40),
-        cap in 1usize..8000
-    ) {
-        let buckets = plan(&sizes, cap).unwrap();
-        let flat: Vec<usize> = buckets.iter().flat_map(|b| b.params.iter().copied()).collect();
-        let want: Vec<usize> = (0..sizes.len()).rev().filter(|&p| sizes[p].is_some()).collect();
-        prop_assert_eq!(flat, want);
-        for b in &buckets {
-            let bytes: usize = b.params.iter().map(|&p| sizes[p].unwrap()).sum();
-            prop_assert_eq!(bytes, b.bytes);
-            prop_assert!(b.bytes <= cap || b.params.len() == 1, "{:?} over {}", b, cap);
-        }
-        // greedy: a bucket closes only when the next parameter would overflow it
-        for pair in buckets.windows(2) {
-            let next = sizes[pair[1].params[0]].unwrap();
-            prop_assert!(pair[0].bytes + next > cap);
-        }
-    }
-}
-
-#[test]
-fn a_zero_bucket_budget_is_refused() {
-    assert!(plan(&[Some(4)], 0).is_err());
 }
 
 #[test]

@@ -45,6 +45,7 @@
 pub mod atomic;
 pub mod auto;
 pub mod batch;
+pub mod bucket;
 pub mod data_parallel;
 pub mod engine;
 pub mod error;

@@ -3,6 +3,7 @@
 //! gradients accumulated on the device and brought back to the host (dense
 //! ones in one copy, embedding rows only where touched).
 
+use cudarc::driver::CudaStream;
 use ramus_core::graph::{Graph, NodeKind, Role, Source};
 use ramus_core::{Grads, Model, Params};
 use ramus_exec::{Batch, Range};
@@ -12,6 +13,7 @@ use crate::error::Result;
 use crate::launch::RowMove;
 use crate::program::{GraphProgram, LAZY, PER_TASK};
 
+use super::overlap::{grad_param, Overlap, PhaseRun};
 use super::{is_tokens, model_err, Buf, CudaEngine, GraphBufs, Topology};
 
 impl CudaEngine {
@@ -22,16 +24,18 @@ impl CudaEngine {
         batch: &Batch<'_>,
         grads: &mut Grads<f32>,
     ) -> Result<()> {
-        self.backward_on_device(model, params, batch)?;
+        self.backward_on_device(model, params, batch, None)?;
         self.download_grads(model, &batch.schedule, grads)
     }
 
-    /// The backward pass up to the parameter gradients in device memory.
+    /// The backward pass up to the parameter gradients in device memory;
+    /// with `overlap`, each summed over the ranks as soon as it is done.
     pub(super) fn backward_on_device(
         &mut self,
         model: &Model,
         params: &Params<f32>,
         batch: &Batch<'_>,
+        mut overlap: Option<&mut Overlap<'_>>,
     ) -> Result<()> {
         if !std::mem::take(&mut self.state.forward_done) {
             return Err(model_err(
@@ -57,15 +61,25 @@ impl CudaEngine {
         let head_bwd = self.alloc_bufs(hb, &program.head_backward, h, 0, None)?;
         self.seed_output_grads(hb, &head_bwd, &head.forward)?;
         let head_fwd = std::mem::take(&mut self.state.head_fwd);
-        self.run_steps(
-            GraphBufs::new(hb, &head_bwd, Some(&head_fwd)),
-            &program.head_backward,
-            0,
-            Range::rows_only(h),
-            None,
-            &self.main,
-        )?;
-        self.accumulate_param_grads(hb, &head_bwd, Some(&head_fwd), Range::rows_only(h), None)?;
+        let head_bufs = GraphBufs::new(hb, &head_bwd, Some(&head_fwd));
+        let run = PhaseRun {
+            bufs: head_bufs,
+            prog: &program.head_backward,
+            phase: 0,
+            range: Range::rows_only(h),
+            f: None,
+            lane: &self.main,
+        };
+        match overlap.as_deref_mut() {
+            Some(overlap) => {
+                let order = overlap.sums.order();
+                self.run_reporting(run, order.head_after(), overlap)?
+            }
+            None => {
+                self.run_steps(run.bufs, run.prog, 0, run.range, None, run.lane)?;
+                self.accumulate_param_grads(head_bufs, run.range, None)?;
+            }
+        }
         // per function backward buffers; push gradients from the head
         let fwd = std::mem::take(&mut self.state.fwd);
         let mut bwd = Vec::with_capacity(model.functions.len());
@@ -98,9 +112,11 @@ impl CudaEngine {
             "the vertex-state gradients".into()
         })?;
         self.launcher.fill(&stream, state_grad, 0.0)?;
-        let graphs: Vec<&Graph> = model.functions.iter().map(|f| &f.backward).collect();
+        let graphs: Vec<GraphBufs> = (model.functions.iter().zip(&bwd).zip(&fwd))
+            .map(|((func, own), fwd)| GraphBufs::new(&func.backward, own, Some(fwd)))
+            .collect();
         let programs: Vec<&GraphProgram> = program.functions.iter().map(|p| &p.1).collect();
-        self.run_eager(&graphs, &programs, &bwd, Some(&fwd), s)?;
+        self.run_eager(&graphs, &programs, s, overlap.as_deref_mut())?;
         let mut joined = vec![false; model.functions.len()];
         for task in s.tasks.iter().rev() {
             let f = task.function;
@@ -164,7 +180,19 @@ impl CudaEngine {
                 &self.main,
             )?;
             let topo = self.topology(f)?;
-            self.accumulate_param_grads(&func.backward, &bwd[f], Some(&fwd[f]), range, Some(topo))?;
+            let bufs = GraphBufs::new(&func.backward, &bwd[f], Some(&fwd[f]));
+            let Some(overlap) = overlap.as_deref_mut() else {
+                self.accumulate_param_grads(bufs, range, Some(topo))?;
+                continue;
+            };
+            // the gradients its eager steps finished are in already
+            for &o in overlap.sums.order().lazy(f) {
+                let out = &func.backward.outputs[o];
+                self.accumulate_output(bufs, out, range, Some(topo), &self.main.stream)?;
+                if let Some(p) = grad_param(out) {
+                    overlap.arrived(self, p, &self.main)?;
+                }
+            }
         }
         Ok(())
     }
@@ -193,39 +221,36 @@ impl CudaEngine {
     }
 
     /// Adds a backward graph's parameter-gradient outputs into the device
-    /// gradient buffer.
+    /// gradient buffer, on the main lane.
     pub(super) fn accumulate_param_grads(
         &self,
-        g: &Graph,
-        own: &[Buf],
-        fwd: Option<&[Buf]>,
+        bufs: GraphBufs<'_>,
         range: Range,
         topo: Option<&Topology>,
     ) -> Result<()> {
-        for o in &g.outputs {
-            self.accumulate_output(g, o, own, fwd, range, topo)?;
+        for o in &bufs.g.outputs {
+            self.accumulate_output(bufs, o, range, topo, &self.main.stream)?;
         }
         Ok(())
     }
 
-    /// Adds output `o` of backward graph `g` over `range` into its
+    /// Adds output `o` of backward graph `bufs.g` over `range` into its
     /// parameter's device gradient if it is one (dense, or an embedding
-    /// table's rows indexed by the vertex tokens).
+    /// table's rows indexed by the vertex tokens), on `stream`.
     pub(crate) fn accumulate_output(
         &self,
-        g: &Graph,
+        bufs: GraphBufs<'_>,
         o: &ramus_core::graph::Output,
-        own: &[Buf],
-        fwd: Option<&[Buf]>,
         range: Range,
         topo: Option<&Topology>,
+        stream: &CudaStream,
     ) -> Result<()> {
-        let stream = self.device.stream().clone();
+        let GraphBufs { g, own, fwd } = bufs;
         match o.role {
             Role::ParamGrad(p) => {
                 let src = self.float_view(g, o.node, own, fwd, range)?;
                 let dst = self.param_views()?.grads[p];
-                self.launcher.scale_add(&stream, (dst, 1.0), (src, 1.0))?;
+                self.launcher.scale_add(stream, (dst, 1.0), (src, 1.0))?;
             }
             Role::ParamRowGrad(p) => {
                 let values = self.float_view(g, o.node, own, fwd, range)?;
@@ -252,7 +277,7 @@ impl CudaEngine {
                     }
                 }
                 self.launcher.move_rows(
-                    &stream,
+                    stream,
                     &[RowMove {
                         dst,
                         src: values,

@@ -22,6 +22,7 @@ use crate::launch::{
 use crate::pool::DeviceView;
 use crate::program::{ExecStep, GraphProgram, PlannedStep, EAGER};
 
+use super::overlap::{Overlap, PhaseRun};
 use super::{
     is_tokens, model_err, no_buffer, rows_of_view, u32_of, Buf, CudaEngine, GraphBufs, Lane,
     Topology,
@@ -74,14 +75,15 @@ impl CudaEngine {
     }
 
     /// Runs every function's eager steps on the eager lane once the pass's
-    /// inputs are on the device, recording one event per function.
+    /// inputs are on the device, recording one event per function; with
+    /// `overlap` (a backward pass), adds the gradients they finish as they
+    /// do.
     pub(super) fn run_eager(
         &self,
-        graphs: &[&Graph],
+        graphs: &[GraphBufs<'_>],
         programs: &[&GraphProgram],
-        bufs: &[Vec<Buf>],
-        fwd: Option<&[Vec<Buf>]>,
         s: &Schedule,
+        mut overlap: Option<&mut Overlap<'_>>,
     ) -> Result<()> {
         self.inputs_ready
             .record(&self.main.stream)
@@ -90,15 +92,22 @@ impl CudaEngine {
             .stream
             .wait(&self.inputs_ready)
             .in_call("cuStreamWaitEvent")?;
-        for (f, g) in graphs.iter().enumerate() {
-            let range = Range::all(&s.functions[f]);
-            let fwd_f = fwd.map(|b| b[f].as_slice());
-            let graph_bufs = GraphBufs {
-                g,
-                own: &bufs[f],
-                fwd: fwd_f,
+        for (f, &bufs) in graphs.iter().enumerate() {
+            let run = PhaseRun {
+                bufs,
+                prog: programs[f],
+                phase: EAGER,
+                range: Range::all(&s.functions[f]),
+                f: Some(f),
+                lane: &self.eager,
             };
-            self.run_steps(graph_bufs, programs[f], EAGER, range, Some(f), &self.eager)?;
+            match overlap.as_deref_mut() {
+                Some(overlap) => {
+                    let order = overlap.sums.order();
+                    self.run_reporting(run, order.eager_after(f), overlap)?
+                }
+                None => self.run_steps(bufs, run.prog, EAGER, run.range, run.f, run.lane)?,
+            }
             self.eager_done[f]
                 .record(&self.eager.stream)
                 .in_call("cuEventRecord")?;

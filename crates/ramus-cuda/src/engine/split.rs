@@ -1,19 +1,21 @@
 //! The CUDA batched engine's training step split for data parallelism
 //! ([`SplitStep`]): the forward pass (its loss comes back to the host, as
-//! on one GPU), the backward pass, then the gradients and the loss summed
-//! over the ranks (NCCL on the engine's stream) and the fused update over
-//! the step plan's rows, without waiting: the update checks the summed
-//! loss on the device and copies it back with its status, so a step's
-//! outcome comes back with the next step's loss, or from
+//! on one GPU), the backward pass, whose gradients are summed over the
+//! ranks in buckets as it finishes them (NCCL on a side stream, see
+//! [`overlap`](super::overlap)), then the fused update over the step
+//! plan's rows, without waiting: the update checks the summed loss on the
+//! device and copies it back with its status, so a step's outcome comes
+//! back with the next step's loss, or from
 //! [`finish`](ramus_exec::TrainEngine::finish), as on one GPU.
 //!
 //! The update half ([`CudaEngine::split_update`]) is shared with the swap
 //! path, whose op-by-op step ends in it.
 
 use ramus_core::{Model, Params};
-use ramus_exec::data_parallel::{Collective, DeviceBuffer, GradBuffer, SplitStep, StepPlan};
+use ramus_exec::data_parallel::{Collective, SplitStep, StepPlan};
 use ramus_exec::{Batch, ExecError, OptimizerConfig, Result, StepOutcome};
 
+use super::overlap::{GradSums, Overlap};
 use super::train::{mid_step, Accumulator};
 use super::{CudaEngine, CudaTrainer, StepLoss};
 use crate::pool::DeviceView;
@@ -33,6 +35,14 @@ pub(crate) struct SplitUpdate<'a> {
     pub accumulator: &'a mut Option<Accumulator>,
     /// The plan's row lists, uploaded (`None`: uploaded here).
     pub touched: Option<Vec<DeviceView<u32>>>,
+    /// The last batch's sums, started during its backward pass (`None`:
+    /// all made here).
+    pub sums: Option<GradSums>,
+}
+
+/// The step's earlier batches, when the accumulator holds any.
+fn held(acc: &Option<Accumulator>) -> Option<DeviceView<f32>> {
+    acc.as_ref().filter(|a| a.holding).map(|a| a.buf.view())
 }
 
 impl CudaEngine {
@@ -54,8 +64,9 @@ impl CudaEngine {
     /// The update half of a data-parallel step: a batch before the step's
     /// last adds its gradients and loss, scaled by its share of the step's
     /// head rows, to the accumulator; the last adds the accumulator to its
-    /// own, sums both over the ranks and queues the fused update over the
-    /// plan's rows, whose loss comes back with its status.
+    /// own, sums both over the ranks (the buckets its backward pass did not
+    /// sum yet) and queues the fused update over the plan's rows, whose
+    /// loss comes back with its status.
     pub(crate) fn split_update(&mut self, u: SplitUpdate<'_>) -> Result<()> {
         let stream = self.device.stream().clone();
         let scale = u.plan.scale(u.rows)? as f32;
@@ -76,28 +87,14 @@ impl CudaEngine {
             acc.holding = true;
             return Ok(());
         }
-        // the step's earlier batches, already scaled: this one's scale
-        // applied here and the sum's is one
-        let scale = match u.accumulator.as_mut().filter(|a| a.holding) {
-            Some(acc) => {
-                let view = acc.buf.view();
-                let launcher = &self.launcher;
-                launcher.scale_add(&stream, (grad_all, scale), (view.slice(0..n)?, 1.0))?;
-                launcher.scale_add(&stream, (slot, scale), (view.slice(n..n + 1)?, 1.0))?;
-                acc.holding = false;
-                1.0
-            }
-            None => scale,
+        let sums = match u.sums {
+            Some(sums) => sums,
+            None => self.grad_sums(u.model, scale, held(u.accumulator))?,
         };
-        let on_stream = |v: DeviceView<f32>| {
-            GradBuffer::Device(DeviceBuffer {
-                ptr: v.device_ptr(),
-                len: v.len(),
-                stream: stream.cu_stream() as u64,
-            })
-        };
-        let buffers = vec![on_stream(grad_all), on_stream(slot)];
-        u.collective.sum_buffers(buffers, f64::from(scale))?;
+        self.finish_sums(sums, slot, u.collective)?;
+        if let Some(acc) = u.accumulator.as_mut() {
+            acc.holding = false;
+        }
         let touched = match u.touched {
             Some(touched) => touched,
             None => self
@@ -161,8 +158,21 @@ impl SplitStep<f32> for CudaTrainer {
             true => Some(e.upload_row_lists(&plan.row_sets)?),
             false => None,
         };
+        let mut sums = match plan.last {
+            true => {
+                let scale = plan.scale(rows)? as f32;
+                Some(e.grad_sums(model, scale, held(&self.accumulated))?)
+            }
+            false => None,
+        };
         match batch {
-            Some(batch) => e.backward_on_device(model, params, batch)?,
+            Some(batch) => {
+                let mut overlap = sums.as_mut().map(|sums| Overlap {
+                    sums,
+                    collective: &mut *collective,
+                });
+                e.backward_on_device(model, params, batch, overlap.as_mut())?
+            }
             None => {
                 let grad_all = e.param_views()?.grad_all;
                 e.launcher.fill(&stream, grad_all, 0.0)?
@@ -177,6 +187,7 @@ impl SplitStep<f32> for CudaTrainer {
             rows,
             accumulator: &mut self.accumulated,
             touched: touched.map(|t| t.into_iter().map(|(_, v)| v).collect()),
+            sums,
         })?;
         Ok(previous.into_iter().collect())
     }

@@ -129,7 +129,7 @@ impl CudaEngine {
             .into_iter()
             .map(|(_, v)| v)
             .collect();
-        self.backward_on_device(model, params, batch)?;
+        self.backward_on_device(model, params, batch, None)?;
         let report = self
             .device_optimizer(model, config)?
             .step(&stream, &touched, loss_view, false)?;

@@ -565,14 +565,9 @@ impl CudaSwapDevice<'_> {
             return Err(model_err("swap path: accumulating a non-gradient output"));
         }
         let topo = graph.function().map(|f| engine.topology(f)).transpose()?;
-        engine.accumulate_output(
-            g,
-            o,
-            self.own(graph),
-            self.fwd_of(graph),
-            self.range_of(graph, rows)?,
-            topo,
-        )
+        let bufs = GraphBufs::new(g, self.own(graph), self.fwd_of(graph));
+        let range = self.range_of(graph, rows)?;
+        engine.accumulate_output(bufs, o, range, topo, &engine.main.stream)
     }
 }
 

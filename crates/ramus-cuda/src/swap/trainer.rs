@@ -204,6 +204,7 @@ impl SplitStep<f32> for SwapTrainer {
             rows,
             accumulator: &mut inner.accumulated,
             touched: None,
+            sums: None,
         })?;
         Ok(previous.into_iter().collect())
     }

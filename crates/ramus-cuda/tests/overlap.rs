@@ -1,0 +1,138 @@
+//! Gradient sums overlapped with the batched engine's backward pass. With
+//! buckets small enough that a model has many, every bucket a data-parallel
+//! step hands to its group holds that bucket's final gradients (a bucket
+//! summed before its last gradient is in would hold a part of them), and
+//! the step's update is that of the engine alone. The group here is a
+//! stand-in for two ranks whose second adds nothing: it reads each buffer
+//! when asked to sum it. Skips with a notice without a GPU.
+
+mod common;
+
+use cudarc::driver::{result as driver, sys as cu};
+use ramus_conformance::close::{assert_close, Tolerance};
+use ramus_conformance::zoo::{batch, Case};
+use ramus_core::Grads;
+use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer};
+use ramus_exec::data_parallel::{Collective, GradBuffer, SplitStep, StepPlan};
+use ramus_exec::{Mode, OptimizerConfig, OptimizerKind, TrainEngine};
+use ramus_graph::InputGraph;
+
+/// The same kernels in the same order: only atomics may reorder sums.
+const SAME: Tolerance = Tolerance::tensor(1e-5);
+
+/// Rank 0 of two, the other contributing zeros: records what each sum is
+/// asked to sum at the moment it is asked, once the stream it is ordered
+/// on has written it.
+#[derive(Default)]
+struct Recorder {
+    sums: Vec<Vec<f32>>,
+}
+
+impl Collective<f32> for Recorder {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world(&self) -> usize {
+        2
+    }
+    fn sum_scalars(&mut self, _values: &mut [f64]) -> ramus_exec::Result<()> {
+        Ok(())
+    }
+    fn sum_buffers(
+        &mut self,
+        buffers: Vec<GradBuffer<'_, f32>>,
+        scale: f64,
+    ) -> ramus_exec::Result<()> {
+        assert_eq!(scale, 1.0, "a batch that is the whole step sums at scale 1");
+        for b in buffers {
+            let GradBuffer::Device(d) = b else { continue };
+            let mut host = vec![0f32; d.len];
+            // SAFETY: the engine hands over a live buffer of `len` floats
+            // ordered on a live stream of the current context.
+            unsafe {
+                driver::stream::synchronize(d.stream as cu::CUstream).unwrap();
+                driver::memcpy_dtoh_sync(&mut host, d.ptr).unwrap();
+            }
+            self.sums.push(host);
+        }
+        Ok(())
+    }
+}
+
+fn sorted(mut v: Vec<f32>) -> Vec<f32> {
+    v.sort_by(f32::total_cmp);
+    v
+}
+
+/// One step of `name` on 6 graphs through the split step with 64-byte
+/// buckets: each bucket's recorded sum against the engine's gradients
+/// (as sorted values: the test does not know the buffer's layout), and
+/// the parameters after it against the engine alone's step.
+fn check(name: &'static str) {
+    let case = Case::new(name, 6, 1, 17).unwrap();
+    let model = &case.model;
+    let graphs: Vec<&InputGraph> = case.graphs.iter().collect();
+    let b = batch(model, &graphs);
+    let config = OptimizerConfig::new(OptimizerKind::Adam, 1e-2);
+    let params = case.params(5);
+
+    let mut engine = CudaEngine::new(model, &CudaEngineOptions::default()).unwrap();
+    let loss = engine
+        .forward(model, &params, &b, Mode::Train)
+        .unwrap()
+        .loss;
+    let mut grads = Grads::zeros(model);
+    engine.backward(model, &params, &b, &mut grads).unwrap();
+    let want: Vec<f32> = (0..model.params.len())
+        .filter(|&p| !model.is_buffer(p))
+        .flat_map(|p| grads.values[p].data().to_vec())
+        .collect();
+
+    let options = CudaEngineOptions {
+        bucket_bytes: Some(64),
+        ..CudaEngineOptions::default()
+    };
+    let engine = CudaEngine::new(model, &options).unwrap();
+    let mut split = CudaTrainer::new(engine, model.clone(), params.clone(), config).unwrap();
+    let mut recorder = Recorder::default();
+    let plan = StepPlan::of(model, &graphs).unwrap();
+    split.split_step(&mut recorder, Some(&b), &plan).unwrap();
+    split.finish().unwrap();
+    let summed = std::mem::take(&mut recorder.sums);
+    assert!(
+        summed.len() > 3,
+        "{name}: {} sums: buckets of 64 bytes",
+        summed.len()
+    );
+    let (last, buckets) = summed.split_last().unwrap();
+    assert_eq!(last.len(), 1, "{name}: the loss is summed last");
+    let want_loss = loss.unwrap() as f32;
+    assert_close(&format!("{name}: summed loss"), &[want_loss], last, SAME);
+    let got: Vec<f32> = buckets.iter().flatten().copied().collect();
+    assert_close(
+        &format!("{name}: buckets"),
+        &sorted(want),
+        &sorted(got),
+        SAME,
+    );
+
+    let engine = CudaEngine::new(model, &CudaEngineOptions::default()).unwrap();
+    let mut alone = CudaTrainer::new(engine, model.clone(), params, config).unwrap();
+    alone.submit(std::slice::from_ref(&b)).unwrap();
+    alone.finish().unwrap();
+    let (a, s) = (alone.state().unwrap(), split.state().unwrap());
+    for (p, (x, y)) in a.params.values.iter().zip(&s.params.values).enumerate() {
+        let what = format!("{name}: parameter {}", model.params[p].name);
+        assert_close(&what, x.data(), y.data(), SAME);
+    }
+}
+
+#[test]
+fn every_bucket_is_summed_once_its_gradients_are_final() {
+    if !common::cuda_ready("skipping overlapped gradient sums") {
+        return;
+    }
+    for name in ["resnet", "treelstm"] {
+        check(name);
+    }
+}
