@@ -30,6 +30,18 @@ impl<'a> GraphBufs<'a> {
     pub(crate) fn new(g: &'a Graph, own: &'a [Buf], fwd: Option<&'a [Buf]>) -> Self {
         GraphBufs { g, own, fwd }
     }
+
+    /// Each graph `f` of `graphs` with `own[f]` (and `fwd[f]`).
+    pub(crate) fn each(
+        graphs: impl IntoIterator<Item = &'a Graph>,
+        own: &'a [Vec<Buf>],
+        fwd: Option<&'a [Vec<Buf>]>,
+    ) -> Vec<Self> {
+        let fwd_of = |f: usize| fwd.and_then(|b| b.get(f)).map(|b| &b[..]);
+        (graphs.into_iter().zip(own).enumerate())
+            .map(|(f, (g, own))| GraphBufs::new(g, own, fwd_of(f)))
+            .collect()
+    }
 }
 
 /// The vertices the head runs on, in head-row order.

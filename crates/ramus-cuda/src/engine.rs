@@ -770,9 +770,7 @@ impl CudaEngine {
             }
             fwd.push(bufs);
         }
-        let graphs: Vec<GraphBufs> = (model.functions.iter().zip(&fwd))
-            .map(|(func, own)| GraphBufs::new(&func.forward, own, None))
-            .collect();
+        let graphs = GraphBufs::each(model.functions.iter().map(|f| &f.forward), &fwd, None);
         self.run_eager(&graphs, &programs, s, None)?;
         let mut joined = vec![false; model.functions.len()];
         for task in &s.tasks {

@@ -112,9 +112,8 @@ impl CudaEngine {
             "the vertex-state gradients".into()
         })?;
         self.launcher.fill(&stream, state_grad, 0.0)?;
-        let graphs: Vec<GraphBufs> = (model.functions.iter().zip(&bwd).zip(&fwd))
-            .map(|((func, own), fwd)| GraphBufs::new(&func.backward, own, Some(fwd)))
-            .collect();
+        let backward = model.functions.iter().map(|f| &f.backward);
+        let graphs = GraphBufs::each(backward, &bwd, Some(&fwd));
         let programs: Vec<&GraphProgram> = program.functions.iter().map(|p| &p.1).collect();
         self.run_eager(&graphs, &programs, s, overlap.as_deref_mut())?;
         let mut joined = vec![false; model.functions.len()];
@@ -133,14 +132,7 @@ impl CudaEngine {
                     self.launcher.copy_rows(&stream, dst, src, w, len)?;
                 }
             }
-            self.run_steps(
-                GraphBufs::new(&func.backward, &bwd[f], Some(&fwd[f])),
-                &program.functions[f].1,
-                PER_TASK,
-                range,
-                Some(f),
-                &self.main,
-            )?;
+            self.run_steps(graphs[f], programs[f], PER_TASK, range, Some(f), &self.main)?;
             let mut moves = Vec::new();
             for o in &func.backward.outputs {
                 let (dst_rows, lo, hi) = match o.role {
@@ -155,7 +147,8 @@ impl CudaEngine {
                     Role::ChildGradAll => (topo.edge_child, range.e0, range.e1),
                     _ => continue,
                 };
-                let src = self.float_view(&func.backward, o.node, &bwd[f], Some(&fwd[f]), range)?;
+                let (g, own, fwd) = (graphs[f].g, graphs[f].own, graphs[f].fwd);
+                let src = self.float_view(g, o.node, own, fwd, range)?;
                 moves.push(RowMove {
                     dst: state_grad,
                     src,
@@ -168,26 +161,30 @@ impl CudaEngine {
             }
             self.launcher.move_rows(&stream, &moves)?;
         }
-        for (f, func) in model.functions.iter().enumerate() {
-            self.join_eager(f, &mut joined)?;
+        self.lazy_phases(&graphs, &programs, s, &mut joined, overlap)
+    }
+
+    /// Every vertex function's lazy steps, then its parameter gradients
+    /// added (with `overlap`: those its eager steps did not add already).
+    fn lazy_phases(
+        &self,
+        graphs: &[GraphBufs<'_>],
+        programs: &[&GraphProgram],
+        s: &Schedule,
+        joined: &mut [bool],
+        mut overlap: Option<&mut Overlap<'_>>,
+    ) -> Result<()> {
+        for (f, &bufs) in graphs.iter().enumerate() {
+            self.join_eager(f, joined)?;
             let range = Range::all(&s.functions[f]);
-            self.run_steps(
-                GraphBufs::new(&func.backward, &bwd[f], Some(&fwd[f])),
-                &program.functions[f].1,
-                LAZY,
-                range,
-                Some(f),
-                &self.main,
-            )?;
+            self.run_steps(bufs, programs[f], LAZY, range, Some(f), &self.main)?;
             let topo = self.topology(f)?;
-            let bufs = GraphBufs::new(&func.backward, &bwd[f], Some(&fwd[f]));
             let Some(overlap) = overlap.as_deref_mut() else {
                 self.accumulate_param_grads(bufs, range, Some(topo))?;
                 continue;
             };
-            // the gradients its eager steps finished are in already
             for &o in overlap.sums.order().lazy(f) {
-                let out = &func.backward.outputs[o];
+                let out = &bufs.g.outputs[o];
                 self.accumulate_output(bufs, out, range, Some(topo), &self.main.stream)?;
                 if let Some(p) = grad_param(out) {
                     overlap.arrived(self, p, &self.main)?;
