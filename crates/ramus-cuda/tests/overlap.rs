@@ -2,7 +2,8 @@
 //! buckets small enough that a model has many, every bucket a data-parallel
 //! step hands to its group holds that bucket's final gradients (a bucket
 //! summed before its last gradient is in would hold a part of them), and
-//! the step's update is that of the engine alone. The group here is a
+//! the step's update is that of the engine alone; the first bucket is
+//! summed before the backward pass ends. The group here is a
 //! stand-in for two ranks whose second adds nothing: it reads each buffer
 //! when asked to sum it. Skips with a notice without a GPU.
 
@@ -59,6 +60,17 @@ impl Collective<f32> for Recorder {
     }
 }
 
+/// The two figures of a trainer's report on its sums (milliseconds a
+/// step): from the first bucket to the loss, and after the backward pass.
+fn sum_times(report: &str) -> (f64, f64) {
+    let ms: Vec<f64> = report
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    assert_eq!(ms.len(), 2, "{report}");
+    (ms[0], ms[1])
+}
+
 fn sorted(mut v: Vec<f32>) -> Vec<f32> {
     v.sort_by(f32::total_cmp);
     v
@@ -98,6 +110,12 @@ fn check(name: &'static str) {
     let plan = StepPlan::of(model, &graphs).unwrap();
     split.split_step(&mut recorder, Some(&b), &plan).unwrap();
     split.finish().unwrap();
+    let (span, exposed) = sum_times(&split.timing_report().expect("a report of the sums"));
+    // the first bucket was summed before the backward pass ended
+    assert!(
+        span > exposed && exposed >= 0.0,
+        "{name}: {span} ms, {exposed} after the pass"
+    );
     let summed = std::mem::take(&mut recorder.sums);
     assert!(
         summed.len() > 3,

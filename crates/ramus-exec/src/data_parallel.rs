@@ -298,14 +298,17 @@ impl<T: Real, E: SplitStep<T>> TrainEngine<T> for DataParallel<T, E> {
     fn ranks(&self) -> (usize, usize) {
         self.rank()
     }
+    /// The steps' host time, and the engine's own report after it.
     fn timing_report(&mut self) -> Option<String> {
         let t = self.take_times();
+        let engine = self.engine.timing_report();
         (t.steps > 0).then(|| {
             format!(
-                "{} ranks, per step: {:.2} ms on the host ({} steps)",
+                "{} ranks, per step: {:.2} ms on the host ({} steps){}",
                 self.collective.world(),
                 1e3 * t.host.as_secs_f64() / t.steps as f64,
-                t.steps
+                t.steps,
+                engine.map(|e| format!("; {e}")).unwrap_or_default()
             )
         })
     }

@@ -14,7 +14,8 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::CudaStream;
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaStream};
 use ramus_core::Model;
 use ramus_exec::data_parallel::{Collective, DeviceBuffer, GradBuffer};
 
@@ -30,6 +31,7 @@ use super::{CudaEngine, Lane};
 mod order;
 
 use order::SideLane;
+pub use order::SumTimes;
 pub(crate) use order::{grad_param, GradOrder, SumsSetup};
 
 /// One batch's gradients being summed over the ranks (the last batch of a
@@ -79,14 +81,24 @@ impl CudaEngine {
             let cap = self.sums.bucket_bytes;
             let grads = (&views.grads[..], views.grad_all);
             let order = GradOrder::new(model, &self.program, grads, cap)?;
+            let timed = || {
+                let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+                self.device
+                    .context()
+                    .new_event(flags)
+                    .in_call("cuEventCreate")
+            };
             self.sums.lane = Some(SideLane {
                 order: Arc::new(order),
                 stream: self.device.new_stream()?,
                 ready: self.device.new_event()?,
                 eager_tail: self.device.new_event()?,
-                summed: self.device.new_event()?,
+                first_sum: timed()?,
+                backward_done: timed()?,
+                summed: timed()?,
             });
         }
+        self.read_sum_times()?;
         let order = self.side_lane()?.order.clone();
         Ok(GradSums {
             left: order.outputs_of.clone(),
@@ -131,6 +143,11 @@ impl CudaEngine {
         self.add_accumulated(sums, &spans, &lane.stream)?;
         side.ready.record(&lane.stream).in_call("cuEventRecord")?;
         side.stream.wait(&side.ready).in_call("cuStreamWaitEvent")?;
+        if k == 0 {
+            side.first_sum
+                .record(&side.stream)
+                .in_call("cuEventRecord")?;
+        }
         let buffers = spans
             .iter()
             .map(|&(_, v)| on_stream(v, &side.stream))
@@ -164,27 +181,52 @@ impl CudaEngine {
         slot: DeviceView<f32>,
         c: &mut dyn Collective<f32>,
     ) -> Result<()> {
+        let side = self.side_lane()?;
+        let main = &self.main.stream;
+        side.backward_done.record(main).in_call("cuEventRecord")?;
         while sums.fired < sums.order.buckets.len() {
             self.sum_bucket(&sums, sums.fired, c, &self.main)?;
             sums.fired += 1;
         }
         let n = self.param_views()?.grad_all.len();
-        self.add_accumulated(&sums, &[(n, slot)], &self.main.stream)?;
-        let side = self.side_lane()?;
-        side.ready
-            .record(&self.main.stream)
-            .in_call("cuEventRecord")?;
+        self.add_accumulated(&sums, &[(n, slot)], main)?;
+        side.ready.record(main).in_call("cuEventRecord")?;
         side.stream.wait(&side.ready).in_call("cuStreamWaitEvent")?;
-        c.sum_buffers(
-            vec![on_stream(slot, &side.stream)],
-            f64::from(sums.sum_scale()),
-        )
-        .map_err(|e| CudaError::Nccl(e.to_string()))?;
+        if sums.order.buckets.is_empty() {
+            side.first_sum
+                .record(&side.stream)
+                .in_call("cuEventRecord")?;
+        }
+        let scale = f64::from(sums.sum_scale());
+        c.sum_buffers(vec![on_stream(slot, &side.stream)], scale)
+            .map_err(|e| CudaError::Nccl(e.to_string()))?;
         side.summed.record(&side.stream).in_call("cuEventRecord")?;
-        self.main
-            .stream
-            .wait(&side.summed)
-            .in_call("cuStreamWaitEvent")
+        self.sums.unread.set(true);
+        main.wait(&side.summed).in_call("cuStreamWaitEvent")
+    }
+
+    /// Adds the last step's sum times, if not read yet, to the totals
+    /// (waiting for its sums: called once a later step's forward pass has
+    /// waited for them, or for a report).
+    fn read_sum_times(&mut self) -> Result<()> {
+        let Some(side) = self.sums.lane.as_ref().filter(|_| self.sums.unread.get()) else {
+            return Ok(());
+        };
+        let ms = |a: &CudaEvent, b: &CudaEvent| a.elapsed_ms(b).in_call("cuEventElapsedTime");
+        let span = ms(&side.first_sum, &side.summed)?;
+        let exposed = ms(&side.backward_done, &side.summed)?.max(0.0);
+        let times = &mut self.sums.times;
+        times.steps += 1;
+        times.span_ms += f64::from(span);
+        times.exposed_ms += f64::from(exposed);
+        self.sums.unread.set(false);
+        Ok(())
+    }
+
+    /// The gradient sums' times since the last call (the count starts again).
+    pub(crate) fn take_sum_times(&mut self) -> Result<SumTimes> {
+        self.read_sum_times()?;
+        Ok(std::mem::take(&mut self.sums.times))
     }
 }
 

@@ -412,6 +412,24 @@ impl TrainEngine<f32> for CudaTrainer {
     fn device_memory_room(&self) -> Option<u64> {
         self.engine.memory_room().ok()
     }
+    /// A data-parallel rank's gradient sums, per step: from the first
+    /// bucket's sum to the loss's, and what the update waited for after
+    /// the backward pass (the sums it did not hide).
+    fn timing_report(&mut self) -> Option<String> {
+        let t = match self.engine.take_sum_times() {
+            Ok(t) => t,
+            Err(e) => return Some(format!("gradient sums not timed: {e}")),
+        };
+        let per_step = |ms: f64| ms / t.steps as f64;
+        (t.steps > 0).then(|| {
+            format!(
+                "gradient sums {:.2} ms a step from the first bucket to the loss, {:.2} ms after \
+                 the backward pass",
+                per_step(t.span_ms),
+                per_step(t.exposed_ms)
+            )
+        })
+    }
 }
 
 impl From<CudaError> for ramus_exec::ExecError {

@@ -164,6 +164,9 @@ impl TrainEngine<f32> for SwapTrainer {
     fn device_memory_room(&self) -> Option<u64> {
         self.inner.device_memory_room()
     }
+    fn timing_report(&mut self) -> Option<String> {
+        self.inner.timing_report()
+    }
 }
 
 /// Data-parallel and accumulated steps on the swap path: the forward and

@@ -2,6 +2,7 @@
 //! gradient, worked out once from its programs, and the buckets in that
 //! order (see the parent module).
 
+use std::cell::Cell;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaEvent, CudaStream};
@@ -39,6 +40,10 @@ pub(crate) struct GradOrder {
 pub(crate) struct SumsSetup {
     pub(super) bucket_bytes: usize,
     pub(super) lane: Option<SideLane>,
+    /// The steps' sum times read so far.
+    pub(super) times: SumTimes,
+    /// A step's timing events were recorded and not read yet.
+    pub(super) unread: Cell<bool>,
 }
 
 impl SumsSetup {
@@ -46,8 +51,21 @@ impl SumsSetup {
         SumsSetup {
             bucket_bytes: bucket_bytes.unwrap_or(DEFAULT_BUCKET_BYTES),
             lane: None,
+            times: SumTimes::default(),
+            unread: Cell::new(false),
         }
     }
+}
+
+/// Where the gradient sums' time went, summed over steps: from the first
+/// bucket's sum to the loss's (the sums and the backward pass they
+/// overlap), and from the end of the backward pass to the loss's sum (what
+/// the update waited for: the sums not hidden).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SumTimes {
+    pub steps: usize,
+    pub span_ms: f64,
+    pub exposed_ms: f64,
 }
 
 /// The side stream the sums run on, and the events that hand over to it
@@ -58,6 +76,10 @@ pub(super) struct SideLane {
     pub(super) ready: CudaEvent,
     /// Where the main lane joins the eager lane before a bucket it sums.
     pub(super) eager_tail: CudaEvent,
+    /// Timed: the side lane at the first sum of a step, the main lane at
+    /// the end of its backward pass, the side lane after its last sum.
+    pub(super) first_sum: CudaEvent,
+    pub(super) backward_done: CudaEvent,
     pub(super) summed: CudaEvent,
 }
 
