@@ -18,7 +18,6 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaStream};
 use ramus_core::Model;
 use ramus_exec::data_parallel::{Collective, DeviceBuffer, GradBuffer};
-
 use ramus_exec::Range;
 
 use crate::batch::GraphBufs;
@@ -31,8 +30,7 @@ use super::{CudaEngine, Lane};
 mod order;
 
 use order::SideLane;
-pub use order::SumTimes;
-pub(crate) use order::{grad_param, GradOrder, SumsSetup};
+pub(crate) use order::{grad_param, GradOrder, SumTimes, SumsSetup};
 
 /// One batch's gradients being summed over the ranks (the last batch of a
 /// step): which buckets are done.

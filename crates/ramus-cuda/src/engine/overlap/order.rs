@@ -1,6 +1,7 @@
 //! Where the batched engine's backward pass finishes each parameter's
 //! gradient, worked out once from its programs, and the buckets in that
-//! order (see the parent module).
+//! order; and what the engine keeps for its sums (the side lane, the
+//! times). See the parent module.
 
 use std::cell::Cell;
 use std::sync::Arc;
@@ -62,7 +63,7 @@ impl SumsSetup {
 /// overlap), and from the end of the backward pass to the loss's sum (what
 /// the update waited for: the sums not hidden).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct SumTimes {
+pub(crate) struct SumTimes {
     pub steps: usize,
     pub span_ms: f64,
     pub exposed_ms: f64,
