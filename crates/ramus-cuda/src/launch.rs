@@ -139,6 +139,40 @@ pub struct RowMove {
     pub accumulate: bool,
 }
 
+impl RowMove {
+    /// Rows `rows` of `src` (`width` floats each) into `dst`, in order.
+    pub fn gather(
+        dst: DeviceView<f32>,
+        src: DeviceView<f32>,
+        rows: DeviceView<u32>,
+        width: usize,
+    ) -> Self {
+        RowMove {
+            dst,
+            src,
+            dst_rows: None,
+            src_rows: Some(rows),
+            rows: rows.len(),
+            width,
+            accumulate: false,
+        }
+    }
+
+    /// The rows of `src`, in order, over rows `rows` of `dst`.
+    pub fn scatter(
+        dst: DeviceView<f32>,
+        src: DeviceView<f32>,
+        rows: DeviceView<u32>,
+        width: usize,
+    ) -> Self {
+        RowMove {
+            dst_rows: Some(rows),
+            src_rows: None,
+            ..RowMove::gather(dst, src, rows, width)
+        }
+    }
+}
+
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
 struct RawRowMove {

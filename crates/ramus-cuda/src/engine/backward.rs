@@ -328,18 +328,8 @@ impl CudaEngine {
             let gathered = self.arena_alloc::<f32>(touched.len() * width, &|| {
                 format!("touched rows of parameter {p}")
             })?;
-            self.launcher.move_rows(
-                &stream,
-                &[RowMove {
-                    dst: gathered,
-                    src: grad_views[p],
-                    dst_rows: None,
-                    src_rows: Some(touched),
-                    rows: touched.len(),
-                    width,
-                    accumulate: false,
-                }],
-            )?;
+            let gather = RowMove::gather(gathered, grad_views[p], touched, width);
+            self.launcher.move_rows(&stream, &[gather])?;
             let host = self.staging.download_to_vec(gathered, &stream)?;
             let rows = self.staging.download_to_vec(touched, &stream)?;
             for (i, &row) in rows.iter().enumerate() {

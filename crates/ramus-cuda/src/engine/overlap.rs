@@ -22,6 +22,7 @@ use ramus_exec::Range;
 
 use crate::batch::GraphBufs;
 use crate::error::{model_err, CudaError, InCall, Result};
+use crate::launch::RowMove;
 use crate::pool::DeviceView;
 use crate::program::GraphProgram;
 
@@ -41,6 +42,9 @@ pub(crate) struct GradSums {
     /// The step's earlier batches, already scaled (gradients, then the
     /// loss): added to each bucket before its sum, which then scales by 1.
     accumulated: Option<DeviceView<f32>>,
+    /// The rows of each embedding table the step's update touches (on
+    /// the device): all a table's sum needs.
+    rows: Vec<(usize, DeviceView<u32>)>,
     /// Gradient outputs still to come, per parameter.
     left: Vec<usize>,
     fired: usize,
@@ -66,13 +70,14 @@ pub(crate) struct PhaseRun<'a> {
 
 impl CudaEngine {
     /// The sums of a batch whose rows are `scale` of the step's, with the
-    /// step's earlier batches in `accumulated` (gradients, then the loss);
-    /// the side lane and the gradient order made on first use.
+    /// step's earlier batches in `accumulated` (gradients, then the loss)
+    /// and the rows of each table the step touches; the side lane and the
+    /// gradient order made on first use.
     pub(crate) fn grad_sums(
         &mut self,
         model: &Model,
-        scale: f32,
-        accumulated: Option<DeviceView<f32>>,
+        (scale, accumulated): (f32, Option<DeviceView<f32>>),
+        rows: &[(usize, DeviceView<u32>)],
     ) -> Result<GradSums> {
         if self.sums.lane.is_none() {
             let views = self.param_views()?;
@@ -103,6 +108,7 @@ impl CudaEngine {
             order,
             scale,
             accumulated,
+            rows: rows.to_vec(),
             fired: 0,
         })
     }
@@ -134,11 +140,31 @@ impl CudaEngine {
                 .in_call("cuStreamWaitEvent")?;
         }
         let grad_all = self.param_views()?.grad_all;
-        let spans = sums.order.spans[k]
-            .iter()
-            .map(|&(at, len)| grad_all.slice(at..at + len).map(|v| (at, v)))
+        let span = |at: usize, len: usize| grad_all.slice(at..at + len).map(|v| (at, v));
+        let mut spans = (sums.order.spans[k].iter())
+            .map(|&(at, len)| span(at, len))
             .collect::<Result<Vec<_>>>()?;
-        self.add_accumulated(sums, &spans, &lane.stream)?;
+        let tables = (sums.order.tables[k].iter())
+            .map(|t| Ok((*t, span(t.at, t.len)?.1)))
+            .collect::<Result<Vec<_>>>()?;
+        let whole: Vec<_> = tables.iter().map(|&(t, v)| (t.at, v)).collect();
+        self.add_accumulated(sums, &whole, &lane.stream)?;
+        // each table's touched rows, gathered (a table the plan has no rows
+        // for is summed whole)
+        let mut gathered = Vec::new();
+        for (t, table) in tables {
+            match sums.rows.iter().find(|(p, _)| *p == t.param) {
+                Some(&(_, rows)) if rows.is_empty() => {}
+                Some(&(_, rows)) => {
+                    let what = || format!("the touched rows of parameter {}", t.param);
+                    let compact = self.arena_alloc::<f32>(rows.len() * t.width, &what)?;
+                    let gather = RowMove::gather(compact, table, rows, t.width);
+                    self.launcher.move_rows(&lane.stream, &[gather])?;
+                    gathered.push((t, table, rows, compact));
+                }
+                None => spans.push((t.at, table)),
+            }
+        }
         side.ready.record(&lane.stream).in_call("cuEventRecord")?;
         side.stream.wait(&side.ready).in_call("cuStreamWaitEvent")?;
         if k == 0 {
@@ -146,12 +172,16 @@ impl CudaEngine {
                 .record(&side.stream)
                 .in_call("cuEventRecord")?;
         }
-        let buffers = spans
-            .iter()
-            .map(|&(_, v)| on_stream(v, &side.stream))
+        let compacts = gathered.iter().map(|g| g.3);
+        let buffers = (spans.iter().map(|&(_, v)| v).chain(compacts))
+            .map(|v| on_stream(v, &side.stream))
             .collect();
         c.sum_buffers(buffers, f64::from(sums.sum_scale()))
-            .map_err(|e| CudaError::Nccl(e.to_string()))
+            .map_err(|e| CudaError::Nccl(e.to_string()))?;
+        let scatter: Vec<RowMove> = (gathered.into_iter())
+            .map(|(t, table, rows, compact)| RowMove::scatter(table, compact, rows, t.width))
+            .collect();
+        self.launcher.move_rows(&side.stream, &scatter)
     }
 
     /// Adds the step's earlier batches to `spans` (offsets in the

@@ -33,8 +33,8 @@ pub(crate) struct SplitUpdate<'a> {
     /// This rank's head rows in the batch.
     pub rows: usize,
     pub accumulator: &'a mut Option<Accumulator>,
-    /// The plan's row lists, uploaded (`None`: uploaded here).
-    pub touched: Option<Vec<DeviceView<u32>>>,
+    /// The plan's row lists by table, uploaded (`None`: uploaded here).
+    pub touched: Option<Vec<(usize, DeviceView<u32>)>>,
     /// The last batch's sums, started during its backward pass (`None`:
     /// all made here).
     pub sums: Option<GradSums>,
@@ -87,22 +87,19 @@ impl CudaEngine {
             acc.holding = true;
             return Ok(());
         }
+        let touched = match u.touched {
+            Some(touched) => touched,
+            None => self.upload_row_lists(&u.plan.row_sets)?,
+        };
         let sums = match u.sums {
             Some(sums) => sums,
-            None => self.grad_sums(u.model, scale, held(u.accumulator))?,
+            None => self.grad_sums(u.model, (scale, held(u.accumulator)), &touched)?,
         };
         self.finish_sums(sums, slot, u.collective)?;
         if let Some(acc) = u.accumulator.as_mut() {
             acc.holding = false;
         }
-        let touched = match u.touched {
-            Some(touched) => touched,
-            None => self
-                .upload_row_lists(&u.plan.row_sets)?
-                .into_iter()
-                .map(|(_, v)| v)
-                .collect(),
-        };
+        let touched: Vec<DeviceView<u32>> = touched.into_iter().map(|(_, v)| v).collect();
         let report =
             self.device_optimizer(u.model, u.config)?
                 .step(&stream, &touched, Some(slot), false)?;
@@ -158,12 +155,12 @@ impl SplitStep<f32> for CudaTrainer {
             true => Some(e.upload_row_lists(&plan.row_sets)?),
             false => None,
         };
-        let mut sums = match plan.last {
-            true => {
+        let mut sums = match &touched {
+            Some(touched) => {
                 let scale = plan.scale(rows)? as f32;
-                Some(e.grad_sums(model, scale, held(&self.accumulated))?)
+                Some(e.grad_sums(model, (scale, held(&self.accumulated)), touched)?)
             }
-            false => None,
+            None => None,
         };
         match batch {
             Some(batch) => {
@@ -186,7 +183,7 @@ impl SplitStep<f32> for CudaTrainer {
             plan,
             rows,
             accumulator: &mut self.accumulated,
-            touched: touched.map(|t| t.into_iter().map(|(_, v)| v).collect()),
+            touched,
             sums,
         })?;
         Ok(previous.into_iter().collect())

@@ -31,9 +31,23 @@ pub(crate) struct GradOrder {
     pub(super) outputs_of: Vec<usize>,
     /// Parameters per bucket, in the order the buckets fill.
     pub(super) buckets: Vec<Vec<usize>>,
-    /// Each bucket's spans of the gradient buffer (offset, floats), its
-    /// parameters' gradients merged where adjacent.
+    /// Each bucket's spans of the gradient buffer (offset, floats): its
+    /// dense parameters' gradients, merged where adjacent.
     pub(super) spans: Vec<Vec<(usize, usize)>>,
+    /// Each bucket's embedding tables (gradients that arrive as rows):
+    /// only the rows a step touches are summed.
+    pub(super) tables: Vec<Vec<Table>>,
+}
+
+/// An embedding table's gradient in the gradient buffer.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Table {
+    pub(super) param: usize,
+    /// Offset and floats in the gradient buffer.
+    pub(super) at: usize,
+    pub(super) len: usize,
+    /// Floats a row.
+    pub(super) width: usize,
 }
 
 /// How an engine sums its gradients over the ranks: the bucket size, and
@@ -190,6 +204,7 @@ impl GradOrder {
             outputs_of,
             buckets: Vec::new(),
             spans: Vec::new(),
+            tables: Vec::new(),
         };
         Ok((order, finished))
     }
@@ -212,14 +227,28 @@ impl GradOrder {
             .map(|b| b.params)
             .collect();
         let base = grad_all.device_ptr();
+        let at = |p: usize| (grads[p].device_ptr() - base) as usize / 4;
+        let is_table = |p: &usize| program.row_grad_params.contains(p);
+        order.tables = (order.buckets.iter())
+            .map(|params| {
+                let tables = params.iter().copied().filter(is_table);
+                tables
+                    .map(|param| Table {
+                        param,
+                        at: at(param),
+                        len: grads[param].len(),
+                        width: model.params[param].shape.iter().skip(1).product(),
+                    })
+                    .collect()
+            })
+            .collect();
         order.spans = order
             .buckets
             .iter()
             .map(|params| {
-                let mut spans: Vec<(usize, usize)> = params
-                    .iter()
-                    .map(|&p| ((grads[p].device_ptr() - base) as usize / 4, grads[p].len()))
-                    .collect();
+                let dense = params.iter().filter(|p| !is_table(p));
+                let mut spans: Vec<(usize, usize)> =
+                    dense.map(|&p| (at(p), grads[p].len())).collect();
                 spans.sort_unstable();
                 let mut merged: Vec<(usize, usize)> = Vec::with_capacity(spans.len());
                 for (at, len) in spans {
