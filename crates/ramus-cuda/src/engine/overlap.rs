@@ -147,8 +147,9 @@ impl CudaEngine {
         let tables = (sums.order.tables[k].iter())
             .map(|t| Ok((*t, span(t.at, t.len)?.1)))
             .collect::<Result<Vec<_>>>()?;
-        let whole: Vec<_> = tables.iter().map(|&(t, v)| (t.at, v)).collect();
-        self.add_accumulated(sums, &whole, &lane.stream)?;
+        let whole = tables.iter().map(|&(t, v)| (t.at, v));
+        let written: Vec<_> = spans.iter().copied().chain(whole).collect();
+        self.add_accumulated(sums, &written, &lane.stream)?;
         // each table's touched rows, gathered (a table the plan has no rows
         // for is summed whole)
         let mut gathered = Vec::new();
