@@ -165,3 +165,56 @@ fn every_bucket_is_summed_once_its_gradients_are_final() {
         check(name);
     }
 }
+
+/// Two batches as one accumulated step through the split step (the
+/// earlier one's gradients are added to each bucket before its sum): the
+/// parameters after it against the engine alone on one batch of both.
+fn check_accumulated(name: &'static str) {
+    let case = Case::new(name, 6, 1, 17).unwrap();
+    let model = &case.model;
+    let graphs: Vec<&InputGraph> = case.graphs.iter().collect();
+    let config = OptimizerConfig::new(OptimizerKind::Sgd, 0.1);
+    let params = case.params(5);
+    let options = CudaEngineOptions {
+        bucket_bytes: Some(64),
+        ..CudaEngineOptions::default()
+    };
+    let engine = CudaEngine::new(model, &options).unwrap();
+    let mut split = CudaTrainer::new(engine, model.clone(), params.clone(), config).unwrap();
+    let plan = StepPlan::of(model, &graphs).unwrap();
+    let earlier = StepPlan {
+        last: false,
+        ..plan.clone()
+    };
+    let mut recorder = Recorder::default();
+    let (first, second) = (batch(model, &graphs[..2]), batch(model, &graphs[2..]));
+    split
+        .split_step(&mut recorder, Some(&first), &earlier)
+        .unwrap();
+    split
+        .split_step(&mut recorder, Some(&second), &plan)
+        .unwrap();
+    split.finish().unwrap();
+
+    let engine = CudaEngine::new(model, &CudaEngineOptions::default()).unwrap();
+    let mut alone = CudaTrainer::new(engine, model.clone(), params, config).unwrap();
+    alone.submit(&[batch(model, &graphs)]).unwrap();
+    alone.finish().unwrap();
+    let (a, s) = (alone.state().unwrap(), split.state().unwrap());
+    for (p, (x, y)) in a.params.values.iter().zip(&s.params.values).enumerate() {
+        let what = format!("{name}, accumulated: parameter {}", model.params[p].name);
+        assert_close(&what, x.data(), y.data(), SAME);
+    }
+}
+
+#[test]
+fn an_accumulated_step_sums_its_earlier_batches_with_the_last() {
+    if !common::cuda_ready("skipping overlapped gradient sums") {
+        return;
+    }
+    // AlexNet: a CNN without batch norm, whose batches' gradients add up
+    // to those of one batch of them all
+    for name in ["alexnet", "treelstm"] {
+        check_accumulated(name);
+    }
+}
