@@ -13,10 +13,10 @@ mod common;
 use cudarc::driver::{result as driver, sys as cu};
 use ramus_conformance::close::{assert_close, Tolerance};
 use ramus_conformance::zoo::{batch, Case};
-use ramus_core::Grads;
+use ramus_core::{Grads, Params};
 use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer};
 use ramus_exec::data_parallel::{Collective, GradBuffer, SplitStep, StepPlan};
-use ramus_exec::{Mode, OptimizerConfig, OptimizerKind, TrainEngine};
+use ramus_exec::{Batch, Mode, OptimizerConfig, OptimizerKind, TrainEngine};
 use ramus_graph::InputGraph;
 
 /// The same kernels in the same order: only atomics may reorder sums.
@@ -145,13 +145,25 @@ fn check(name: &'static str) {
         SAME,
     );
 
-    let engine = CudaEngine::new(model, &CudaEngineOptions::default()).unwrap();
+    assert_trains_as_alone(name, &mut split, (params, config), &b);
+}
+
+/// `split`'s parameters against those of the engine alone after one step
+/// on `b` from `params`.
+fn assert_trains_as_alone(
+    what: &str,
+    split: &mut CudaTrainer,
+    (params, config): (Params<f32>, OptimizerConfig),
+    b: &Batch<'_>,
+) {
+    let model = split.model().clone();
+    let engine = CudaEngine::new(&model, &CudaEngineOptions::default()).unwrap();
     let mut alone = CudaTrainer::new(engine, model.clone(), params, config).unwrap();
-    alone.submit(std::slice::from_ref(&b)).unwrap();
+    alone.submit(std::slice::from_ref(b)).unwrap();
     alone.finish().unwrap();
     let (a, s) = (alone.state().unwrap(), split.state().unwrap());
     for (p, (x, y)) in a.params.values.iter().zip(&s.params.values).enumerate() {
-        let what = format!("{name}: parameter {}", model.params[p].name);
+        let what = format!("{what}: parameter {}", model.params[p].name);
         assert_close(&what, x.data(), y.data(), SAME);
     }
 }
@@ -195,16 +207,8 @@ fn check_accumulated(name: &'static str) {
         .split_step(&mut recorder, Some(&second), &plan)
         .unwrap();
     split.finish().unwrap();
-
-    let engine = CudaEngine::new(model, &CudaEngineOptions::default()).unwrap();
-    let mut alone = CudaTrainer::new(engine, model.clone(), params, config).unwrap();
-    alone.submit(&[batch(model, &graphs)]).unwrap();
-    alone.finish().unwrap();
-    let (a, s) = (alone.state().unwrap(), split.state().unwrap());
-    for (p, (x, y)) in a.params.values.iter().zip(&s.params.values).enumerate() {
-        let what = format!("{name}, accumulated: parameter {}", model.params[p].name);
-        assert_close(&what, x.data(), y.data(), SAME);
-    }
+    let what = format!("{name}, accumulated");
+    assert_trains_as_alone(&what, &mut split, (params, config), &batch(model, &graphs));
 }
 
 #[test]
