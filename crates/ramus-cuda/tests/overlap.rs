@@ -14,6 +14,7 @@ use cudarc::driver::{result as driver, sys as cu};
 use ramus_conformance::close::{assert_close, Tolerance};
 use ramus_conformance::zoo::{batch, Case};
 use ramus_core::{Grads, Params};
+use ramus_cuda::persistent::{PersistentOptions, PersistentTrainer};
 use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer};
 use ramus_exec::data_parallel::{Collective, GradBuffer, SplitStep, StepPlan};
 use ramus_exec::{Batch, Mode, OptimizerConfig, OptimizerKind, TrainEngine};
@@ -145,16 +146,17 @@ fn check(name: &'static str) {
         SAME,
     );
 
-    assert_trains_as_alone(name, &mut split, (params, config), &b);
+    assert_trains_as_alone(name, &mut split, (params, config), &b, SAME);
 }
 
-/// `split`'s parameters against those of the engine alone after one step
-/// on `b` from `params`.
+/// `split`'s parameters against those of the batched engine alone after
+/// one step on `b` from `params`, within `tol`.
 fn assert_trains_as_alone(
     what: &str,
-    split: &mut CudaTrainer,
+    split: &mut dyn TrainEngine<f32>,
     (params, config): (Params<f32>, OptimizerConfig),
     b: &Batch<'_>,
+    tol: Tolerance,
 ) {
     let model = split.model().clone();
     let engine = CudaEngine::new(&model, &CudaEngineOptions::default()).unwrap();
@@ -164,7 +166,7 @@ fn assert_trains_as_alone(
     let (a, s) = (alone.state().unwrap(), split.state().unwrap());
     for (p, (x, y)) in a.params.values.iter().zip(&s.params.values).enumerate() {
         let what = format!("{what}: parameter {}", model.params[p].name);
-        assert_close(&what, x.data(), y.data(), SAME);
+        assert_close(&what, x.data(), y.data(), tol);
     }
 }
 
@@ -208,7 +210,13 @@ fn check_accumulated(name: &'static str) {
         .unwrap();
     split.finish().unwrap();
     let what = format!("{name}, accumulated");
-    assert_trains_as_alone(&what, &mut split, (params, config), &batch(model, &graphs));
+    assert_trains_as_alone(
+        &what,
+        &mut split,
+        (params, config),
+        &batch(model, &graphs),
+        SAME,
+    );
 }
 
 #[test]
@@ -221,4 +229,54 @@ fn an_accumulated_step_sums_its_earlier_batches_with_the_last() {
     for name in ["alexnet", "treelstm"] {
         check_accumulated(name);
     }
+}
+
+/// The persistent engine's split step sums its gradient slots after its
+/// kernel, an embedding table as the rows the step touched: what it hands
+/// over holds every non-zero gradient of the batched engine's backward
+/// pass (float tolerance: another kernel), in fewer floats than the
+/// gradients; the parameters after the step are the batched engine's.
+#[test]
+fn the_persistent_engine_sums_a_tables_touched_rows() {
+    if !common::cuda_ready("skipping the persistent engine's sums") {
+        return;
+    }
+    let case = Case::new("treelstm", 6, 1, 17).unwrap();
+    let model = &case.model;
+    let graphs: Vec<&InputGraph> = case.graphs.iter().collect();
+    let b = batch(model, &graphs);
+    let config = OptimizerConfig::new(OptimizerKind::Sgd, 0.1);
+    let params = case.params(5);
+    let mut engine = CudaEngine::new(model, &CudaEngineOptions::default()).unwrap();
+    engine.forward(model, &params, &b, Mode::Train).unwrap();
+    let mut grads = Grads::zeros(model);
+    engine.backward(model, &params, &b, &mut grads).unwrap();
+    let want: Vec<f32> = (0..model.params.len())
+        .filter(|&p| !model.is_buffer(p))
+        .flat_map(|p| grads.values[p].data().to_vec())
+        .collect();
+
+    let options = PersistentOptions::default();
+    let mut persistent = PersistentTrainer::new(model, &params, config, &options).unwrap();
+    persistent.split_updates().unwrap();
+    let mut recorder = Recorder::default();
+    let plan = StepPlan::of(model, &graphs).unwrap();
+    persistent
+        .split_step(&mut recorder, Some(&b), &plan)
+        .unwrap();
+    persistent.finish().unwrap();
+    let (last, slots) = recorder.sums.split_last().unwrap();
+    assert_eq!(last.len(), 1, "the loss is summed last");
+    let got: Vec<f32> = slots.iter().flatten().copied().collect();
+    assert!(
+        got.len() < want.len(),
+        "{} floats summed of {}",
+        got.len(),
+        want.len()
+    );
+    let nonzero = |v: Vec<f32>| sorted(v.into_iter().filter(|&x| x != 0.0).collect());
+    let kernels = Tolerance::tensor(1e-4);
+    assert_close("persistent sums", &nonzero(want), &nonzero(got), kernels);
+    let start = (params, config);
+    assert_trains_as_alone("persistent", &mut persistent, start, &b, kernels);
 }

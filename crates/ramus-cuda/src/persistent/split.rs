@@ -20,11 +20,21 @@ use ramus_exec::{Batch, ExecError, NonFiniteStep, Optimizer, Result, StepOutcome
 use super::train::Split;
 use super::PersistentTrainer;
 use crate::batch::head_vertices;
+use crate::launch::RowMove;
 use crate::optimizer::{DeviceOptimizer, StepStatus};
-use crate::pool::DeviceView;
+use crate::pool::{DeviceView, PoolBuffer};
 
 fn device_err(e: crate::error::CudaError) -> ExecError {
     ExecError::Device(e.to_string())
+}
+
+/// `v` as a buffer ordered on `stream`.
+fn on_stream(v: DeviceView<f32>, stream: &cudarc::driver::CudaStream) -> DeviceBuffer {
+    DeviceBuffer {
+        ptr: v.device_ptr(),
+        len: v.len(),
+        stream: stream.cu_stream() as u64,
+    }
 }
 
 impl PersistentTrainer {
@@ -48,6 +58,7 @@ impl PersistentTrainer {
             loss_sum: None,
             lr_scales: Vec::new(),
             lists: Vec::new(),
+            compact: None,
             rates: Default::default(),
         });
         Ok(())
@@ -230,16 +241,14 @@ impl SplitStep<f32> for PersistentTrainer {
                 .map_err(device_err)?;
             weight = 1.0;
         }
-        let mut buffers = self.engine.grad_buffers(&self.model).map_err(device_err)?;
-        buffers.push(DeviceBuffer {
-            ptr: loss.device_ptr(),
-            len: 1,
-            stream: stream.cu_stream() as u64,
-        });
+        let (mut buffers, scatter) = self.summed_buffers(plan)?;
+        buffers.push(on_stream(loss, &stream));
         collective.sum_buffers(
             buffers.into_iter().map(GradBuffer::Device).collect(),
             weight,
         )?;
+        let launcher = &self.eval.launcher;
+        launcher.move_rows(&stream, &scatter).map_err(device_err)?;
         self.update(plan, loss)?;
         Ok(previous.into_iter().collect())
     }
@@ -297,6 +306,52 @@ impl PersistentTrainer {
             Some(b) => Ok(b.view()),
             None => Err(ExecError::Device("the loss sum is missing".into())),
         }
+    }
+
+    /// What a step sums over the ranks: each trained parameter's gradient
+    /// slot, but of an embedding table only the rows `plan` touches (the
+    /// same rows on every rank), gathered into a compact buffer; with the
+    /// moves that put them back after the sum.
+    fn summed_buffers(&mut self, plan: &StepPlan) -> Result<(Vec<DeviceBuffer>, Vec<RowMove>)> {
+        let params = &self.model.params;
+        let width = |p: usize| -> usize { params[p].shape.iter().skip(1).product() };
+        // per table: its rows and their width
+        let tables: Vec<(usize, usize)> = (plan.row_sets.iter())
+            .map(|(p, rows)| (rows.len(), width(*p)))
+            .collect();
+        let need: usize = tables.iter().map(|(n, w)| n * w).sum();
+        let fits = |b: &Option<PoolBuffer<f32>>| b.as_ref().is_some_and(|b| b.len() >= need);
+        if !fits(&self.split()?.compact) {
+            let buffer = self.engine.alloc_floats(need.max(1)).map_err(device_err)?;
+            self.split()?.compact = Some(buffer);
+        }
+        let split = self.split()?;
+        let compact = (split.compact.as_ref().map(|b| b.view()))
+            .ok_or_else(|| ExecError::Device("the gathered rows' buffer is missing".into()))?;
+        let lists = (tables.iter().zip(&split.lists))
+            .map(|(&(n, _), b)| b.view().slice(0..n))
+            .collect::<crate::error::Result<Vec<_>>>()
+            .map_err(device_err)?;
+        let model = &self.model;
+        let views = self.engine.grad_views(model).map_err(device_err)?;
+        let stream = self.engine.stream().clone();
+        let trained = (0..model.params.len()).filter(|&p| !model.is_buffer(p));
+        let (mut buffers, mut gather, mut scatter, mut at) = (Vec::new(), vec![], vec![], 0);
+        for (p, view) in trained.zip(views) {
+            let Some(i) = plan.row_sets.iter().position(|(q, _)| *q == p) else {
+                buffers.push(on_stream(view, &stream));
+                continue;
+            };
+            let (rows, w) = (lists[i], tables[i].1);
+            let part = compact.slice(at..at + rows.len() * w).map_err(device_err)?;
+            at += part.len();
+            gather.push(RowMove::gather(part, view, rows, w));
+            scatter.push(RowMove::scatter(view, part, rows, w));
+            buffers.push(on_stream(part, &stream));
+        }
+        let launcher = &self.eval.launcher;
+        launcher.move_rows(&stream, &gather).map_err(device_err)?;
+        Ok((buffers, scatter))
     }
 
     /// `plan`'s row lists in the split state's buffers, one per table,

@@ -57,6 +57,8 @@ pub(super) struct Split {
     /// Per row-gradient table, a buffer as long as the table holding the
     /// next (or last) update's rows, reused step after step.
     pub(super) lists: Vec<PoolBuffer<u32>>,
+    /// The tables' touched rows, gathered for their sum over the ranks.
+    pub(super) compact: Option<PoolBuffer<f32>>,
     /// The rates of the steps to come (a learning-rate schedule's), oldest
     /// first; none: the configured rate.
     pub(super) rates: std::collections::VecDeque<f64>,

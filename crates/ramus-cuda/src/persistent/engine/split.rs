@@ -8,7 +8,6 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use ramus_core::Model;
-use ramus_exec::data_parallel::DeviceBuffer;
 use ramus_exec::OptimizerConfig;
 use ramus_graph::Schedule;
 
@@ -178,22 +177,6 @@ impl PersistentEngine {
     ) -> Result<DeviceOptimizer> {
         let slots = self.param_slots(model, row_params)?;
         DeviceOptimizer::new(&self.device, &self.pool, &self.cache, config, &slots)
-    }
-
-    /// The trained parameters' gradient slots, for a collective on the
-    /// engine's stream.
-    pub(crate) fn grad_buffers(&self, model: &Model) -> Result<Vec<DeviceBuffer>> {
-        let stream = self.device.stream().cu_stream() as u64;
-        self.grad_views(model)?
-            .into_iter()
-            .map(|g| {
-                Ok(DeviceBuffer {
-                    ptr: g.device_ptr(),
-                    len: g.len(),
-                    stream,
-                })
-            })
-            .collect()
     }
 
     /// Zeroes the trained parameters' gradient slots on the stream, after
