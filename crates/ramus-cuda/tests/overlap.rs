@@ -13,7 +13,7 @@ mod common;
 use cudarc::driver::{result as driver, sys as cu};
 use ramus_conformance::close::{assert_close, Tolerance};
 use ramus_conformance::zoo::{batch, Case};
-use ramus_core::{Grads, Params};
+use ramus_core::{Grads, Model, Params};
 use ramus_cuda::persistent::{PersistentOptions, PersistentTrainer};
 use ramus_cuda::{CudaEngine, CudaEngineOptions, CudaTrainer};
 use ramus_exec::data_parallel::{Collective, GradBuffer, SplitStep, StepPlan};
@@ -73,6 +73,20 @@ fn sum_times(report: &str) -> (f64, f64) {
     (ms[0], ms[1])
 }
 
+/// The batched engine's loss and gradients (trained parameters in order,
+/// flattened) of `b` at `params`.
+fn batched_grads(model: &Model, params: &Params<f32>, b: &Batch<'_>) -> (Option<f64>, Vec<f32>) {
+    let mut engine = CudaEngine::new(model, &CudaEngineOptions::default()).unwrap();
+    let loss = engine.forward(model, params, b, Mode::Train).unwrap().loss;
+    let mut grads = Grads::zeros(model);
+    engine.backward(model, params, b, &mut grads).unwrap();
+    let trained = (0..model.params.len()).filter(|&p| !model.is_buffer(p));
+    let flat = trained
+        .flat_map(|p| grads.values[p].data().to_vec())
+        .collect();
+    (loss, flat)
+}
+
 fn sorted(mut v: Vec<f32>) -> Vec<f32> {
     v.sort_by(f32::total_cmp);
     v
@@ -90,17 +104,7 @@ fn check(name: &'static str) {
     let config = OptimizerConfig::new(OptimizerKind::Adam, 1e-2);
     let params = case.params(5);
 
-    let mut engine = CudaEngine::new(model, &CudaEngineOptions::default()).unwrap();
-    let loss = engine
-        .forward(model, &params, &b, Mode::Train)
-        .unwrap()
-        .loss;
-    let mut grads = Grads::zeros(model);
-    engine.backward(model, &params, &b, &mut grads).unwrap();
-    let want: Vec<f32> = (0..model.params.len())
-        .filter(|&p| !model.is_buffer(p))
-        .flat_map(|p| grads.values[p].data().to_vec())
-        .collect();
+    let (loss, want) = batched_grads(model, &params, &b);
 
     let options = CudaEngineOptions {
         bucket_bytes: Some(64),
@@ -247,14 +251,7 @@ fn the_persistent_engine_sums_a_tables_touched_rows() {
     let b = batch(model, &graphs);
     let config = OptimizerConfig::new(OptimizerKind::Sgd, 0.1);
     let params = case.params(5);
-    let mut engine = CudaEngine::new(model, &CudaEngineOptions::default()).unwrap();
-    engine.forward(model, &params, &b, Mode::Train).unwrap();
-    let mut grads = Grads::zeros(model);
-    engine.backward(model, &params, &b, &mut grads).unwrap();
-    let want: Vec<f32> = (0..model.params.len())
-        .filter(|&p| !model.is_buffer(p))
-        .flat_map(|p| grads.values[p].data().to_vec())
-        .collect();
+    let (_, want) = batched_grads(model, &params, &b);
 
     let options = PersistentOptions::default();
     let mut persistent = PersistentTrainer::new(model, &params, config, &options).unwrap();
